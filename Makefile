@@ -1,0 +1,32 @@
+# Two entry points that work on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv gpu-check clean
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .[test]
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m ultraep.bench plan --demo
+
+# pytest's exit code 5 (no test collected) must fail, never pass.
+test: $(STAMP)
+	$(PY) -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
+	exit $$rc
+
+# On the lent GPU machine: uses the machine's own Python packages (nothing can be
+# installed there), runs every GPU test and benchmark, writes results to $$OUT.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
