@@ -1,0 +1,77 @@
+// Symmetric-heap kernels: the cross-rank barrier and the peer copy.
+//
+// Flags live in each rank's signal pad at the start of its heap; peer_bases[r] is rank
+// r's heap base mapped into this process. Stores that publish a flag are system-scope
+// releases, loads that wait on one are system-scope acquires, so data written into a
+// peer's heap before a flag is visible to the peer once it has seen the flag.
+//
+//! kernels: symmetric_barrier, copy_bytes
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ void store_release_sys(u64* addr, u64 value) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(addr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ u64 load_acquire_sys(const u64* addr) {
+    u64 value;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// One block. Thread t publishes `epoch` into slot `rank` of peer t's pad, then waits until
+// slot t of this rank's own pad reaches `epoch`. A wait that outlasts timeout_ns records
+// (1, waited rank, expected, seen) in status[0..3] and gives up instead of hanging.
+extern "C" __global__ void symmetric_barrier(const u64* peer_bases, int rank, int world, u64 pad_offset,
+                                             u64 epoch, u64 timeout_ns, u64* status) {
+    __threadfence_system();  // earlier kernels' peer stores complete before any flag is published
+    __syncthreads();
+    for (int peer = threadIdx.x; peer < world; peer += blockDim.x) {
+        u64* slot = reinterpret_cast<u64*>(peer_bases[peer] + pad_offset) + rank;
+        store_release_sys(slot, epoch);
+    }
+    const u64* own = reinterpret_cast<const u64*>(peer_bases[rank] + pad_offset);
+    for (int peer = threadIdx.x; peer < world; peer += blockDim.x) {
+        const u64 start = global_timer_ns();
+        u64 seen;
+        while ((seen = load_acquire_sys(own + peer)) < epoch) {
+            if (global_timer_ns() - start > timeout_ns) {
+                if (atomicCAS(status, 0ull, 1ull) == 0ull) {
+                    status[1] = static_cast<u64>(peer);
+                    status[2] = epoch;
+                    status[3] = seen;
+                }
+                break;
+            }
+            __nanosleep(256);
+        }
+    }
+    __syncthreads();
+}
+
+// dst[0..n) = src[0..n): 16-byte accesses, four loads in flight per thread, grid-stride.
+// src and dst are 16-byte aligned (heap and CuPy allocations are 256-byte aligned); dst may
+// be in a peer's heap.
+extern "C" __global__ void copy_bytes(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, u64 n) {
+    const u64 vectors = n / 16;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
+    u64 i = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < vectors; i += 4 * stride) {
+        uint4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
+        d[i] = a;
+        d[i + stride] = b;
+        d[i + 2 * stride] = c;
+        d[i + 3 * stride] = e;
+    }
+    for (; i < vectors; i += stride) d[i] = s[i];
+    const u64 tail = vectors * 16 + static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (tail < n) dst[tail] = src[tail];
+}

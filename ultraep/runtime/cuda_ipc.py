@@ -1,0 +1,107 @@
+"""GPU transport of the symmetric heap: one raw ``cudaMalloc`` per rank, peers mapped
+through CUDA IPC.
+
+The allocation bypasses CuPy's memory pool (``cupy.cuda.Memory`` calls ``cudaMalloc``)
+because an IPC handle always maps the whole underlying allocation. Handles travel over
+the group's ``allgather``; every rank opens every peer's handle but never its own (it
+uses its local pointer), and keeps a device ``uint64`` table of peer base pointers for
+kernels. Several ranks may share one GPU (Default compute mode).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ultraep.runtime.group import EPGroup, check_distinct_processes
+from ultraep.runtime.heap import BarrierTimeout, SymmetricHeap
+from ultraep.runtime.kernels import get_function
+
+_STATUS_FIELDS = 4  # failed flag, waited rank, expected epoch, value seen
+
+
+class CudaIpcHeap(SymmetricHeap):
+    backend = "cuda"
+
+    def __init__(self, group: EPGroup, nbytes: int):
+        super().__init__(group, nbytes)
+        import cupy
+        from cupy.cuda import runtime
+
+        error = None
+        if not group.has_gpu:
+            error = f"rank {group.rank} has no GPU"
+        elif not group.all_on_one_host:
+            error = "CUDA IPC heap needs every rank of the group on one host"
+        group.raise_if_any(error, "CUDA IPC symmetric heap")
+        check_distinct_processes(group)
+        self.device = group.device
+        with cupy.cuda.Device(self.device):
+            mode = runtime.getDeviceProperties(self.device)["computeMode"]
+            if mode != runtime.cudaComputeModeDefault and group.local_size > 1:
+                raise RuntimeError(f"GPU {self.device} is not in Default compute mode ({mode}); ranks cannot share it")
+            self._memory = cupy.cuda.Memory(self.total_bytes)  # raw cudaMalloc, never the pool
+            runtime.memset(self._memory.ptr, 0, self.total_bytes)  # signal pads start at zero
+            runtime.deviceSynchronize()
+            handle = runtime.ipcGetMemHandle(self._memory.ptr)
+            infos = group.allgather((self.total_bytes, handle))
+            self._bases: list[int] = []
+            self._opened: list[int] = []
+            try:
+                for peer, (peer_bytes, peer_handle) in enumerate(infos):
+                    if peer_bytes != self.total_bytes:
+                        raise RuntimeError(f"rank {peer} heap is {peer_bytes} bytes, rank {self.rank} expects {self.total_bytes}")
+                    if peer == self.rank:
+                        self._bases.append(self._memory.ptr)  # never open one's own handle
+                    else:
+                        ptr = runtime.ipcOpenMemHandle(peer_handle)
+                        self._opened.append(ptr)
+                        self._bases.append(ptr)
+            except Exception:
+                self._close_peers()
+                raise
+            # Device table of peer base pointers: what every heap kernel indexes.
+            self.peer_bases = cupy.asarray(np.array(self._bases, dtype=np.uint64))
+            self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
+            self._barrier_kernel = get_function("heap.cu", "symmetric_barrier", group=group)
+
+    def base_pointer(self, rank: int) -> int:
+        return self._bases[rank]
+
+    def view(self, rank: int, offset: int, shape: tuple, dtype: np.dtype):
+        import cupy
+
+        if not 0 <= rank < self.size:
+            raise IndexError(f"rank {rank} outside the group of {self.size}")
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        memory = cupy.cuda.UnownedMemory(self._bases[rank] + offset, nbytes, self, device_id=self.device)
+        return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+    def _device_barrier(self, epoch: int, timeout_s: float) -> None:
+        import cupy
+
+        self._status.fill(0)
+        threads = min(1024, max(32, -(-self.size // 32) * 32))
+        self._barrier_kernel((1,), (threads,), (self.peer_bases, np.int32(self.rank), np.int32(self.size),
+                                                np.uint64(0), np.uint64(epoch), np.uint64(int(timeout_s * 1e9)),
+                                                self._status))
+        cupy.cuda.get_current_stream().synchronize()
+        failed, waited, expected, seen = (int(v) for v in self._status.get())
+        if failed:
+            raise BarrierTimeout(self._timeout_message(waited, expected, seen, timeout_s))
+
+    def _close_peers(self) -> None:
+        from cupy.cuda import runtime
+
+        for ptr in self._opened:
+            runtime.ipcCloseMemHandle(ptr)
+        self._opened = []
+
+    def _release(self) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            cupy.cuda.runtime.deviceSynchronize()
+            self._close_peers()
+            self.group.barrier()  # every peer has unmapped this rank's heap before it is freed
+            self.peer_bases = None
+            self._memory = None  # cudaFree

@@ -1,0 +1,135 @@
+"""The EP group: which processes balance experts together, and which GPU each one uses.
+
+Wraps an mpi4py communicator, or any object offering ``allgather`` of Python objects and
+``rank``/``size`` (attributes or ``Get_rank()``/``Get_size()``), so a framework can pass
+its own process group. Every collective check here gathers the local verdicts first and
+then decides identically on every rank, so bad input raises on all ranks instead of
+leaving the healthy ones waiting in the next collective.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Sequence
+
+
+class GroupMismatchError(ValueError):
+    """Ranks of one group passed values that must agree but do not."""
+
+
+def _rank_and_size(comm: Any) -> tuple[int, int]:
+    for rank_name, size_name in (("Get_rank", "Get_size"), ("rank", "size")):
+        rank, size = getattr(comm, rank_name, None), getattr(comm, size_name, None)
+        if rank is None or size is None:
+            continue
+        rank = rank() if callable(rank) else rank
+        size = size() if callable(size) else size
+        return int(rank), int(size)
+    raise TypeError(
+        "an EP group needs an mpi4py communicator or an object with allgather(obj) and "
+        f"rank/size (attributes or Get_rank()/Get_size()); got {type(comm).__name__}"
+    )
+
+
+def _gpu_count() -> int:
+    """Number of visible CUDA devices; 0 where CuPy or a driver is missing."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no CuPy, no driver or no device: the CPU backend serves
+        return 0
+
+
+class EPGroup:
+    """Ranks of one expert-parallel group.
+
+    ``comm`` defaults to ``MPI.COMM_WORLD``. ``device`` overrides the GPU choice
+    (``local_rank % device_count``); ``use_gpu=False`` keeps the group on the CPU even
+    where a GPU exists.
+    """
+
+    def __init__(self, comm: Any = None, *, device: int | None = None, use_gpu: bool = True):
+        if comm is None:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        if not callable(getattr(comm, "allgather", None)):
+            raise TypeError(f"an EP group needs allgather(obj); {type(comm).__name__} has none")
+        self.comm = comm
+        self.rank, self.size = _rank_and_size(comm)
+        self.hostname = socket.gethostname()
+        hosts = self.allgather(self.hostname)
+        self.local_rank = sum(1 for h in hosts[: self.rank] if h == self.hostname)
+        self.local_size = sum(1 for h in hosts if h == self.hostname)
+        self.all_on_one_host = len(set(hosts)) == 1
+        self.device: int | None = None
+        if use_gpu:
+            count = _gpu_count()
+            if device is not None:
+                if not 0 <= device < max(count, 1) or count == 0:
+                    raise ValueError(f"rank {self.rank}: device {device} requested but {count} GPU(s) visible")
+                self.device = device
+            elif count:
+                self.device = self.local_rank % count
+            if self.device is not None:
+                import cupy
+                cupy.cuda.Device(self.device).use()
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.device is not None
+
+    def allgather(self, obj: Any) -> list:
+        return list(self.comm.allgather(obj))
+
+    def barrier(self) -> None:
+        """Host barrier: the communicator's own where it has one."""
+        if callable(getattr(self.comm, "Barrier", None)):
+            self.comm.Barrier()
+        else:
+            self.allgather(None)
+
+    def split(self, color: int, key: int | None = None) -> "EPGroup":
+        """Sub-group of the ranks that pass the same ``color`` (EP groups inside a larger job)."""
+        if not callable(getattr(self.comm, "Split", None)):
+            raise TypeError(f"{type(self.comm).__name__} has no Split; pass the sub-group's communicator directly")
+        sub = self.comm.Split(color, self.rank if key is None else key)
+        return EPGroup(sub, device=self.device, use_gpu=self.device is not None)
+
+    def agree(self, value: Any, what: str) -> Any:
+        """Return ``value`` if every rank passed an equal one, else raise on every rank."""
+        values = self.allgather(value)
+        if any(v != values[0] for v in values[1:]):
+            groups: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(repr(v), []).append(r)
+            detail = "; ".join(f"ranks {ranks}: {v}" for v, ranks in groups.items())
+            raise GroupMismatchError(f"ranks disagree on {what}: {detail}")
+        return values[0]
+
+    def raise_if_any(self, local_error: BaseException | str | None, what: str) -> None:
+        """Collective error check: if any rank failed, raise on every rank, naming who and why."""
+        message = None if local_error is None else str(local_error)
+        errors = self.allgather(message)
+        failed = [(r, m) for r, m in enumerate(errors) if m is not None]
+        if not failed:
+            return
+        if isinstance(local_error, BaseException) and len(failed) == 1 and failed[0][0] == self.rank:
+            raise local_error
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        raise ValueError(f"{what} failed on {len(failed)} of {self.size} rank(s): {detail}")
+
+    def __repr__(self) -> str:
+        gpu = f"cuda:{self.device}" if self.device is not None else "cpu"
+        return f"EPGroup(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, device={gpu})"
+
+
+def pid_tag() -> tuple[str, int]:
+    """(hostname, pid): unique per process, used to refuse two ranks in one process."""
+    return socket.gethostname(), os.getpid()
+
+
+def check_distinct_processes(group: EPGroup) -> None:
+    tags: Sequence[tuple[str, int]] = group.allgather(pid_tag())
+    if len(set(tags)) != len(tags):
+        raise ValueError(f"two ranks of one group live in one process {tags}: CUDA IPC cannot open its own handle")

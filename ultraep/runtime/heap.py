@@ -1,0 +1,232 @@
+"""The symmetric heap: the same buffer, at the same offsets, on every rank of a group.
+
+Each rank owns one allocation (a raw ``cudaMalloc`` on the GPU, an MPI shared-memory
+window on the CPU) whose size is rounded to 2 MiB. It starts with a signal pad of
+``uint64`` flags (the first ``size`` slots serve :meth:`SymmetricHeap.barrier`), then the
+data region. Sub-allocation is collective and deterministic: every rank asks for the same
+named tensors in the same order, gets the same offsets, and the requests are compared
+across ranks, so a rank that asks for something else gets an error on every rank.
+
+:func:`open_heap` picks the transport: ``cuda_ipc`` (peers mapped with CUDA IPC) or
+``mpi_shm`` (the CPU backend). Use it as a context manager or call :meth:`close`; teardown
+is collective (synchronise, unmap peers, barrier, free).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+import numpy as np
+
+from ultraep.runtime.dtypes import resolve_dtype
+from ultraep.runtime.group import EPGroup
+
+HEAP_GRANULE = 2 << 20          # CUDA IPC maps whole allocations; keep them 2 MiB-granular
+ALLOC_ALIGN = 256               # every sub-allocation starts 256-byte aligned (16-byte vector access and more)
+SIGNAL_PAD_BYTES = 64 << 10     # 8192 uint64 flags
+SIGNAL_SLOTS = SIGNAL_PAD_BYTES // 8
+DEFAULT_BARRIER_TIMEOUT_S = 30.0
+
+
+class HeapError(RuntimeError):
+    """The heap cannot serve the request (closed, out of space, broken by a timeout)."""
+
+
+class BarrierTimeout(TimeoutError):
+    """A device-side (or shared-memory) wait did not see the flag value it waited for."""
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class SymmetricTensor:
+    """One named sub-allocation: the same offset in every rank's heap."""
+
+    heap: "SymmetricHeap"
+    name: str
+    offset: int
+    shape: tuple
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(math.prod(self.shape)) * self.dtype.itemsize
+
+    @property
+    def local(self):
+        """This rank's copy (CuPy array on the GPU backend, NumPy on the CPU backend)."""
+        return self.heap.view(self.heap.rank, self.offset, self.shape, self.dtype)
+
+    def peer(self, rank: int):
+        """The copy in ``rank``'s heap, writable from here."""
+        return self.heap.view(rank, self.offset, self.shape, self.dtype)
+
+    def __dlpack__(self, **kwargs):
+        return self.local.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.local.__dlpack_device__()
+
+
+@dataclass(frozen=True)
+class SignalBlock:
+    """A run of ``count`` uint64 flags in the signal pad, the same slots on every rank."""
+
+    heap: "SymmetricHeap"
+    name: str
+    first_slot: int
+    count: int
+
+    @property
+    def offset(self) -> int:
+        return self.first_slot * 8
+
+    @property
+    def local(self):
+        return self.heap.view(self.heap.rank, self.offset, (self.count,), np.dtype(np.uint64))
+
+    def peer(self, rank: int):
+        return self.heap.view(rank, self.offset, (self.count,), np.dtype(np.uint64))
+
+
+class SymmetricHeap:
+    """Transport-neutral part of the heap; subclasses map memory and run the barrier."""
+
+    backend = "abstract"
+
+    def __init__(self, group: EPGroup, nbytes: int):
+        self.group = group
+        self.rank, self.size = group.rank, group.size
+        error = None
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+            error = f"heap size must be an int, got {type(nbytes).__name__}"
+        elif nbytes <= 0:
+            error = f"heap size must be positive, got {nbytes}"
+        group.raise_if_any(error, "symmetric heap creation")
+        group.agree(int(nbytes), "symmetric heap size")
+        self.data_bytes = int(nbytes)
+        self.total_bytes = round_up(SIGNAL_PAD_BYTES + self.data_bytes, HEAP_GRANULE)
+        self._next_offset = SIGNAL_PAD_BYTES
+        self._next_signal = self.size  # slots [0, size) belong to the barrier
+        self._epoch = 0
+        self._broken: str | None = None
+        self._closed = False
+        self.allocations: dict[str, SymmetricTensor | SignalBlock] = {}
+
+    # -- transport hooks ---------------------------------------------------------------
+    def view(self, rank: int, offset: int, shape: tuple, dtype: np.dtype):
+        raise NotImplementedError
+
+    def _device_barrier(self, epoch: int, timeout_s: float) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    # -- collective sub-allocation -----------------------------------------------------
+    def alloc(self, name: str, shape, dtype) -> SymmetricTensor:
+        """Collective: reserve ``shape``/``dtype`` at the same offset on every rank."""
+        self._check_usable()
+        error, request = None, None
+        try:
+            shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+            if not shape or any(d <= 0 for d in shape):
+                raise ValueError(f"tensor {name!r}: every dimension must be positive, got shape {shape}")
+            dtype = resolve_dtype(dtype, what=f"tensor {name!r} dtype")
+            if name in self.allocations:
+                raise ValueError(f"tensor {name!r} is already allocated in this heap")
+            request = (name, shape, dtype.str if dtype.kind != "V" else dtype.name)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        self.group.raise_if_any(error, f"heap allocation {name!r}")
+        self.group.agree(request, "heap allocation request (name, shape, dtype)")
+        nbytes = int(math.prod(shape)) * dtype.itemsize
+        offset = round_up(self._next_offset, ALLOC_ALIGN)
+        end = SIGNAL_PAD_BYTES + self.data_bytes
+        if offset + nbytes > end:
+            raise HeapError(f"heap out of space: {name!r} needs {nbytes} bytes at offset {offset}, "
+                            f"data region ends at {end} (heap created with {self.data_bytes} bytes)")
+        self._next_offset = offset + nbytes
+        tensor = SymmetricTensor(self, name, offset, shape, dtype)
+        self.allocations[name] = tensor
+        return tensor
+
+    def alloc_signals(self, name: str, count: int) -> SignalBlock:
+        """Collective: ``count`` zeroed uint64 flags at the same slots on every rank."""
+        self._check_usable()
+        error = None if isinstance(count, (int, np.integer)) and count > 0 else f"signal count must be a positive int, got {count!r}"
+        self.group.raise_if_any(error, f"signal allocation {name!r}")
+        self.group.agree((name, int(count)), "signal allocation request (name, count)")
+        if name in self.allocations:
+            raise ValueError(f"signal block {name!r} is already allocated in this heap")
+        if self._next_signal + count > SIGNAL_SLOTS:
+            raise HeapError(f"signal pad full: {name!r} needs {count} flags, {SIGNAL_SLOTS - self._next_signal} left")
+        block = SignalBlock(self, name, self._next_signal, int(count))
+        self._next_signal += int(count)
+        self.allocations[name] = block
+        return block
+
+    # -- synchronisation ----------------------------------------------------------------
+    def barrier(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+        """Every rank signals every peer, then waits for all peers' signals of this epoch.
+
+        Orders this rank's earlier writes into peers' heaps before peers' later reads.
+        Raises :class:`BarrierTimeout` naming the rank, flag and expected value if a peer
+        does not arrive in ``timeout_s``; the heap is unusable afterwards (close it).
+        """
+        self._check_usable()
+        self._epoch += 1
+        try:
+            self._device_barrier(self._epoch, float(timeout_s))
+        except BarrierTimeout as exc:
+            self._broken = str(exc)
+            raise
+
+    def _timeout_message(self, waited_rank: int, expected: int, seen: int, timeout_s: float) -> str:
+        return (f"rank {self.rank}: {self.backend} heap barrier timed out after {timeout_s:g} s waiting for "
+                f"rank {waited_rank}: signal flag {waited_rank} (pad slot {waited_rank}) expected >= {expected}, saw {seen}")
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise HeapError("symmetric heap is closed")
+        if self._broken is not None:
+            raise HeapError(f"symmetric heap is unusable after an earlier barrier timeout ({self._broken}); close it")
+
+    # -- teardown -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective: unmap peers, wait for every rank, then free the local allocation."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rank={self.rank}, size={self.size}, total_bytes={self.total_bytes}, "
+                f"used={self._next_offset - SIGNAL_PAD_BYTES}/{self.data_bytes})")
+
+
+def open_heap(group: EPGroup, nbytes: int, *, backend: str = "auto") -> SymmetricHeap:
+    """Collective: a symmetric heap of ``nbytes`` data bytes per rank.
+
+    ``backend``: ``"cuda"`` (CUDA IPC), ``"cpu"`` (MPI shared memory) or ``"auto"``
+    (CUDA where the group has a GPU). All ranks must pick the same.
+    """
+    if backend == "auto":
+        backend = "cuda" if group.has_gpu else "cpu"
+    if backend not in ("cuda", "cpu"):
+        raise ValueError(f"heap backend must be 'auto', 'cuda' or 'cpu', got {backend!r}")
+    group.agree(backend, "symmetric heap backend")
+    if backend == "cuda":
+        from ultraep.runtime.cuda_ipc import CudaIpcHeap
+        return CudaIpcHeap(group, nbytes)
+    from ultraep.runtime.mpi_shm import SharedMemoryHeap
+    return SharedMemoryHeap(group, nbytes)
+

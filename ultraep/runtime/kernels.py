@@ -1,0 +1,97 @@
+"""Kernel loading: ``raw_kernels/*.cu`` compiled by NVRTC through ``cupy.RawModule``.
+
+Each ``.cu`` file lists the kernels the Python side fetches on lines of the form
+``//! kernels: name_a, name_b<float>`` -- ``extern "C"`` names or template instances
+(compiled as ``name_expressions``). That list is the single source of truth: the
+loader compiles exactly those, and the CI compile check instantiates the same ones
+with ``nvcc``.
+
+A module is compiled once per process and cached on disk by CuPy (``CUPY_CACHE_DIR``).
+With a group, local rank 0 compiles first and the others load from the cache after a
+barrier, so ranks never race to write the same cache entry.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ultraep.runtime.group import EPGroup
+
+COMPILE_OPTIONS = ("--std=c++17",)
+_KERNEL_LINE = re.compile(r"^//!\s*kernels:\s*(.+)$", re.MULTILINE)
+_modules: dict[str, object] = {}
+
+
+def kernel_dir() -> Path:
+    """``$ULTRAEP_KERNEL_DIR``, else ``raw_kernels/`` beside the package."""
+    override = os.environ.get("ULTRAEP_KERNEL_DIR")
+    return Path(override) if override else Path(__file__).resolve().parents[2] / "raw_kernels"
+
+
+def kernel_source(filename: str) -> Path:
+    path = kernel_dir() / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"kernel source {path} not found (set ULTRAEP_KERNEL_DIR for a non-editable install)")
+    return path
+
+
+def declared_kernels(path: Path) -> list[str]:
+    """Name expressions declared on the file's ``//! kernels:`` lines."""
+    names: list[str] = []
+    for line in _KERNEL_LINE.findall(path.read_text()):
+        names += [n.strip() for n in _split_top_level(line) if n.strip()]
+    if not names:
+        raise ValueError(f"{path.name} declares no kernels (a '//! kernels: ...' line is required)")
+    return names
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside template brackets: ``f<int, 4>, g`` -> ``['f<int, 4>', 'g']``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def load_module(filename: str, *, group: "EPGroup | None" = None):
+    """The compiled ``cupy.RawModule`` of ``raw_kernels/<filename>`` (all declared kernels built)."""
+    module = _modules.get(filename)
+    if module is not None:
+        return module
+    if group is not None and group.local_rank != 0:
+        group.barrier()  # local rank 0 fills the disk cache first
+        module = _compile(filename)
+    else:
+        module = _compile(filename)
+        if group is not None:
+            group.barrier()
+    _modules[filename] = module
+    return module
+
+
+def _compile(filename: str):
+    import cupy
+
+    path = kernel_source(filename)
+    names = declared_kernels(path)
+    module = cupy.RawModule(code=path.read_text(), options=COMPILE_OPTIONS, name_expressions=names)
+    module.compile()  # compile now, not at the first launch inside a timed or captured region
+    return module
+
+
+def get_function(filename: str, name: str, *, group: "EPGroup | None" = None):
+    """A ``cupy.RawKernel`` for ``name`` (as declared on the file's ``//! kernels:`` line)."""
+    module = load_module(filename, group=group)
+    declared = declared_kernels(kernel_source(filename))
+    if name not in declared:
+        raise KeyError(f"{name!r} is not declared in {filename} (declared: {', '.join(declared)})")
+    return module.get_function(name)

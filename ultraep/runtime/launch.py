@@ -1,0 +1,105 @@
+"""Launching ranks: the right ``mpiexec`` command for MPICH and Open MPI, run under a timeout.
+
+Tests and examples start ``mpiexec -n N python -m mpi4py script.py``: ``-m mpi4py``
+turns an unhandled exception on one rank into ``MPI_Abort`` for the whole job, and the
+timeout here kills the whole process group if a rank hangs anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+
+class MPILaunchError(RuntimeError):
+    """The job failed, timed out, or no ``mpiexec`` could be found."""
+
+
+def find_mpiexec() -> str:
+    """``$ULTRAEP_MPIEXEC``, else the one beside this Python (the venv's MPICH wheel), else PATH."""
+    explicit = os.environ.get("ULTRAEP_MPIEXEC")
+    if explicit:
+        return explicit
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    for name in ("mpiexec", "mpirun"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise MPILaunchError("no mpiexec found: install the project (pip install -e .[test] brings MPICH) or set ULTRAEP_MPIEXEC")
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_flavor(mpiexec: str) -> str:
+    """'openmpi' or 'mpich', read from ``mpiexec --version``."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise MPILaunchError(f"cannot run {mpiexec} --version: {exc}") from exc
+    text = out.stdout + out.stderr
+    if "Open MPI" in text or "OpenRTE" in text or "Open RTE" in text:
+        return "openmpi"
+    if "HYDRA" in text or "MPICH" in text or "Intel" in text:
+        return "mpich"
+    raise MPILaunchError(f"unknown MPI flavor from {mpiexec} --version: {text[:200]!r}")
+
+
+def mpiexec_command(nprocs: int, argv: Sequence[str], *, mpiexec: str | None = None,
+                    flavor: str | None = None) -> list[str]:
+    """``mpiexec -n N [flags] python -m mpi4py argv...`` for this machine's MPI."""
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    mpiexec = mpiexec or find_mpiexec()
+    flavor = flavor or mpi_flavor(mpiexec)
+    flags: list[str] = []
+    if flavor == "openmpi":
+        # One GPU or a 2-core CI machine hosts more ranks than slots; the GPU machine runs as root.
+        flags.append("--oversubscribe")
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            flags.append("--allow-run-as-root")
+    return [mpiexec, "-n", str(nprocs), *flags, sys.executable, "-m", "mpi4py", *argv]
+
+
+def mpi_environment(flavor: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    if flavor == "mpich":
+        env.setdefault("HYDRA_LAUNCHER", "fork")  # never pick up a batch system on a laptop or CI
+        env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
+        env.setdefault("MPIR_CVAR_POLLS_BEFORE_YIELD", "1")  # oversubscribed ranks must yield the cores
+        env.setdefault("FI_PROVIDER", "tcp")
+    else:
+        env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+        env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
+            cwd: str | os.PathLike | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python -m mpi4py argv`` on ``nprocs`` ranks; kill the whole job after ``timeout`` s.
+
+    Returns the completed process (stdout and stderr merged into ``stdout``). With
+    ``check`` a non-zero exit raises :class:`MPILaunchError` carrying the output.
+    """
+    mpiexec = find_mpiexec()
+    flavor = mpi_flavor(mpiexec)
+    cmd = mpiexec_command(nprocs, argv, mpiexec=mpiexec, flavor=flavor)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=mpi_environment(flavor, env), cwd=cwd, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise MPILaunchError(f"{' '.join(cmd)} timed out after {timeout:.0f} s; output:\n{out}") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    if check and proc.returncode != 0:
+        raise MPILaunchError(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{out}")
+    return result

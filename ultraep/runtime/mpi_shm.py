@@ -1,0 +1,74 @@
+"""CPU transport of the symmetric heap: NumPy arrays over an MPI shared-memory window.
+
+Every rank allocates its segment with ``MPI.Win.Allocate_shared`` and maps every peer's
+segment with ``Shared_query``, so a peer write is a plain NumPy store. The barrier is the
+same flag protocol the GPU runs (each rank stores its epoch into every peer's pad, then
+polls its own pad) with ``Win.Sync`` as the memory fence, and the same timeout report.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ultraep.runtime.group import EPGroup
+from ultraep.runtime.heap import BarrierTimeout, SymmetricHeap
+
+
+class SharedMemoryHeap(SymmetricHeap):
+    backend = "cpu"
+
+    def __init__(self, group: EPGroup, nbytes: int):
+        super().__init__(group, nbytes)
+        from mpi4py import MPI
+
+        comm = group.comm
+        if not isinstance(comm, MPI.Comm):
+            raise TypeError("the CPU heap backend needs an mpi4py communicator (MPI shared memory)")
+        self._shm_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=group.rank)
+        local_error = None
+        if self._shm_comm.Get_size() != group.size:
+            local_error = (f"CPU heap needs every rank on one node; only {self._shm_comm.Get_size()} of "
+                           f"{group.size} share memory with rank {group.rank}")
+        try:
+            group.raise_if_any(local_error, "CPU symmetric heap")
+        except ValueError:
+            self._shm_comm.Free()
+            raise
+        self._win = MPI.Win.Allocate_shared(self.total_bytes, 1, comm=self._shm_comm)
+        self._win.Lock_all(MPI.MODE_NOCHECK)  # passive epoch for Win.Sync fences; never unlocked until close
+        self._segments = []
+        for r in range(self.size):
+            buf, _ = self._win.Shared_query(r)  # shm ranks follow group ranks (key above)
+            self._segments.append(np.frombuffer(buf, dtype=np.uint8, count=self.total_bytes))
+        self._segments[self.rank][:] = 0
+        self._win.Sync()
+        self._shm_comm.Barrier()
+
+    def view(self, rank: int, offset: int, shape: tuple, dtype: np.dtype):
+        if not 0 <= rank < self.size:
+            raise IndexError(f"rank {rank} outside the group of {self.size}")
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        return self._segments[rank][offset:offset + nbytes].view(dtype).reshape(shape)
+
+    def _device_barrier(self, epoch: int, timeout_s: float) -> None:
+        self._win.Sync()  # this rank's earlier stores land before its flags
+        for peer in range(self.size):
+            self.view(peer, 0, (self.size,), np.dtype(np.uint64))[self.rank] = epoch
+        mine = self.view(self.rank, 0, (self.size,), np.dtype(np.uint64))
+        deadline = time.monotonic() + timeout_s
+        for peer in range(self.size):
+            while mine[peer] < epoch:
+                if time.monotonic() > deadline:
+                    raise BarrierTimeout(self._timeout_message(peer, epoch, int(mine[peer]), timeout_s))
+                time.sleep(20e-6)
+                self._win.Sync()
+        self._win.Sync()  # peers' stores before their flags are visible to this rank's reads
+
+    def _release(self) -> None:
+        self._segments = []
+        self._win.Unlock_all()
+        self._shm_comm.Barrier()  # nobody frees while a peer may still touch its segment
+        self._win.Free()
+        self._shm_comm.Free()
