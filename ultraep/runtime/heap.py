@@ -186,7 +186,7 @@ class SymmetricHeap:
 
     def _timeout_message(self, waited_rank: int, expected: int, seen: int, timeout_s: float) -> str:
         return (f"rank {self.rank}: {self.backend} heap barrier timed out after {timeout_s:g} s waiting for "
-                f"rank {waited_rank}: signal flag {waited_rank} (pad slot {waited_rank}) expected >= {expected}, saw {seen}")
+                f"rank {waited_rank}: barrier flag in signal-pad slot {waited_rank} expected >= {expected}, saw {seen}")
 
     def _check_usable(self) -> None:
         if self._closed:

@@ -1,0 +1,38 @@
+"""Shared test helpers: GPU detection and launching multi-rank scripts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ultraep.runtime.launch import run_mpi
+
+MPI_SCRIPTS = Path(__file__).parent
+
+
+def gpu_available() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU / CuPy here: GPU test not run")
+
+
+def run_ranks(nprocs: int, script: str, *args: str, timeout: float = 120.0, env: dict | None = None):
+    """Run ``tests/<script>`` on ``nprocs`` ranks; returns the merged output (raises on failure)."""
+    path = MPI_SCRIPTS / script
+    merged = dict(os.environ)
+    merged.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if env:
+        merged.update(env)
+    return run_mpi(nprocs, [str(path), *args], timeout=timeout, env=merged).stdout
+
+
+def assert_all_ranks_ok(output: str, nprocs: int, tag: str) -> None:
+    for rank in range(nprocs):
+        assert f"[{tag}] rank {rank} OK" in output, f"rank {rank} did not report {tag} OK:\n{output}"

@@ -1,0 +1,127 @@
+"""Multi-rank heap check, run under mpiexec by tests/runtime/test_heap*.py.
+
+Usage: python -m mpi4py heap_check.py {cpu|cuda} {exchange|timeout|bad-input}
+Prints "[<check>] rank N OK" on every rank that passed; raises (MPI_Abort) otherwise.
+"""
+
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from ultraep.runtime.group import EPGroup, GroupMismatchError
+from ultraep.runtime.heap import BarrierTimeout, HeapError, open_heap
+
+backend, check = sys.argv[1], sys.argv[2]
+group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "cuda"))
+R, me = group.size, group.rank
+if backend == "cuda":
+    import cupy as xp
+    from ultraep.runtime.kernels import get_function
+else:
+    xp = np
+WORDS = 65_537  # uint32 words per (source, destination) pair: odd, so the byte tail path runs too
+
+
+def pattern(src: int, dst: int) -> np.ndarray:
+    """Distinct, non-zero words for every (source, destination, index)."""
+    i = np.arange(WORDS, dtype=np.uint64)
+    return ((i * 2654435761 + src * 40503 + dst * 977 + 1) % (1 << 32)).astype(np.uint32)
+
+
+def exchange() -> None:
+    with open_heap(group, 4 * WORDS * R * 2 + 4096, backend=backend) as heap:
+        recv = heap.alloc("recv", (R, WORDS), np.uint32)
+        send = heap.alloc("send", (R, WORDS), np.uint32)
+        assert heap.group.agree(recv.offset, "recv offset") == recv.offset
+        recv.local[...] = xp.uint32(0xDEADBEEF)  # poison: a row nobody wrote fails the check
+        for dst in range(R):
+            send.local[dst] = xp.asarray(pattern(me, dst))
+        if backend == "cuda":
+            bases = heap.peer_bases.get()
+            gathered = group.allgather(int(heap.base_pointer(me)))
+            assert bases[me] == gathered[me], "own entry of the peer table is not the local base"
+            assert len(set(int(b) for b in bases)) == R, f"peer table entries not distinct: {bases}"
+            xp.cuda.get_current_stream().synchronize()
+        heap.barrier()  # poison lands before any peer writes
+        copy = get_function("heap.cu", "copy_bytes") if backend == "cuda" else None
+        for dst in range(R):
+            target = recv.peer(dst)[me]
+            if copy is None:
+                target[...] = send.local[dst]
+            else:
+                copy((264,), (256,), (send.local[dst], target, np.uint64(target.nbytes)))
+        heap.barrier()
+        got = recv.local.get() if backend == "cuda" else recv.local.copy()
+        for src in range(R):
+            expected = pattern(src, me)
+            bad = int(np.count_nonzero(got[src] != expected))
+            assert bad == 0, f"rank {me}: {bad} of {WORDS} words from rank {src} differ"
+        # An odd byte count through the kernel's tail path, into the next rank.
+        if backend == "cuda":
+            nxt = (me + 1) % R
+            src_bytes = send.local.view(np.uint8)[0]
+            dst_bytes = recv.peer(nxt).view(np.uint8)[0]
+            odd = src_bytes.size - 13
+            recv.local[...] = xp.uint32(0xDEADBEEF)
+            heap.barrier()
+            copy((3,), (128,), (src_bytes, dst_bytes, np.uint64(odd)))
+            heap.barrier()
+            mine = recv.local.view(np.uint8)[0].get()
+            sent = (group.allgather(send.local.view(np.uint8)[0].get()))[(me - 1) % R]
+            assert np.array_equal(mine[:odd], sent[:odd]), "odd-length peer copy differs"
+            assert np.all(mine[odd:] == np.frombuffer(np.uint32(0xDEADBEEF).tobytes() * 4, np.uint8)[:13]), \
+                "peer copy wrote past its end"
+    print(f"[exchange] rank {me} OK", flush=True)
+
+
+def timeout() -> None:
+    heap = open_heap(group, 1 << 20, backend=backend)
+    late = R - 1
+    if me != late:
+        try:
+            heap.barrier(timeout_s=0.5)
+        except BarrierTimeout as exc:
+            message = str(exc)
+            assert f"waiting for rank {late}" in message and f"rank {me}" in message and "expected >= 1" in message, message
+            print(f"rank {me} saw: {message}", flush=True)
+        else:
+            raise AssertionError(f"rank {me}: barrier returned although rank {late} never arrived")
+        try:
+            heap.alloc("after", (4,), np.float32)
+        except HeapError as exc:
+            assert "unusable" in str(exc)
+        else:
+            raise AssertionError("heap stayed usable after a barrier timeout")
+    group.barrier()
+    heap.close()
+    print(f"[timeout] rank {me} OK", flush=True)
+
+
+def expect_error(fn, exc_type, needle: str) -> None:
+    try:
+        fn()
+    except exc_type as exc:
+        assert needle in str(exc), f"rank {me}: error lacks {needle!r}: {exc}"
+    else:
+        raise AssertionError(f"rank {me}: expected {exc_type.__name__} containing {needle!r}")
+
+
+def bad_input() -> None:
+    expect_error(lambda: open_heap(group, 0, backend=backend), ValueError, "must be positive")
+    expect_error(lambda: open_heap(group, -5, backend=backend), ValueError, "must be positive")
+    expect_error(lambda: open_heap(group, 1 << 20 if me else 2 << 20, backend=backend), GroupMismatchError, "heap size")
+    with open_heap(group, 1 << 20, backend=backend) as heap:
+        # Only rank 0 asks for something else: every rank must raise, none may hang.
+        expect_error(lambda: heap.alloc("t", (8, 4 if me else 5), np.float32), GroupMismatchError, "allocation request")
+        expect_error(lambda: heap.alloc("t", (8, 4), np.complex64 if me == 1 else np.float32), ValueError, "not supported")
+        expect_error(lambda: heap.alloc("t", (0, 4), np.float32), ValueError, "must be positive")
+        expect_error(lambda: heap.alloc("t", (-1,), np.float32), ValueError, "must be positive")
+        expect_error(lambda: heap.alloc("big", (1 << 20,), np.float32), HeapError, "out of space")
+        ok = heap.alloc("t", (8, 4), "bfloat16")
+        assert ok.offset % 256 == 0 and ok.local.shape == (8, 4)
+        heap.barrier()
+    print(f"[bad-input] rank {me} OK", flush=True)
+
+
+{"exchange": exchange, "timeout": timeout, "bad-input": bad_input}[check]()

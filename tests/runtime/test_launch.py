@@ -1,0 +1,51 @@
+"""The launcher: flags for each MPI flavor, and a hung job killed at its timeout."""
+
+import sys
+import time
+
+import pytest
+
+from ultraep.runtime import launch
+
+
+def test_openmpi_command_oversubscribes_and_allows_root(monkeypatch):
+    monkeypatch.setattr(launch.os, "geteuid", lambda: 0)
+    cmd = launch.mpiexec_command(4, ["x.py"], mpiexec="/usr/bin/mpirun", flavor="openmpi")
+    assert cmd[:3] == ["/usr/bin/mpirun", "-n", "4"]
+    assert "--oversubscribe" in cmd and "--allow-run-as-root" in cmd
+    assert cmd[-4:] == [sys.executable, "-m", "mpi4py", "x.py"]
+
+
+def test_mpich_command_has_no_openmpi_flags():
+    cmd = launch.mpiexec_command(2, ["x.py", "a"], mpiexec="mpiexec", flavor="mpich")
+    assert cmd == ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", "x.py", "a"]
+    assert launch.mpi_environment("mpich", {})["HYDRA_LAUNCHER"] == "fork"
+
+
+def test_rejects_zero_ranks():
+    with pytest.raises(ValueError, match="nprocs"):
+        launch.mpiexec_command(0, ["x.py"], mpiexec="m", flavor="mpich")
+
+
+def test_this_machine_mpi_is_detected():
+    assert launch.mpi_flavor(launch.find_mpiexec()) in ("mpich", "openmpi")
+
+
+@pytest.mark.mpi
+def test_hung_rank_is_killed_at_timeout(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("from mpi4py import MPI\nimport time\n"
+                      "if MPI.COMM_WORLD.rank == 1:\n    time.sleep(600)\nMPI.COMM_WORLD.Barrier()\n")
+    start = time.monotonic()
+    with pytest.raises(launch.MPILaunchError, match="timed out"):
+        launch.run_mpi(2, [str(script)], timeout=5)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.mpi
+def test_failing_rank_aborts_the_job(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("from mpi4py import MPI\nif MPI.COMM_WORLD.rank == 1:\n    raise SystemExit('rank 1 gives up')\n"
+                      "MPI.COMM_WORLD.Barrier()\n")
+    with pytest.raises(launch.MPILaunchError, match="exited with"):
+        launch.run_mpi(2, [str(script)], timeout=60)
