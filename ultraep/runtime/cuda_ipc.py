@@ -37,7 +37,7 @@ class CudaIpcHeap(SymmetricHeap):
         self.device = group.device
         with cupy.cuda.Device(self.device):
             mode = runtime.getDeviceProperties(self.device)["computeMode"]
-            if mode != runtime.cudaComputeModeDefault and group.local_size > 1:
+            if mode != 0 and group.local_size > 1:  # 0: cudaComputeModeDefault
                 raise RuntimeError(f"GPU {self.device} is not in Default compute mode ({mode}); ranks cannot share it")
             self._memory = cupy.cuda.Memory(self.total_bytes)  # raw cudaMalloc, never the pool
             runtime.memset(self._memory.ptr, 0, self.total_bytes)  # signal pads start at zero

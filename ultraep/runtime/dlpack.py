@@ -34,10 +34,18 @@ def caller_stream(x):
         import cupy
         import torch
         stream = torch.cuda.current_stream(x.device)
-        with cupy.cuda.Device(x.device.index), cupy.cuda.ExternalStream(stream.cuda_stream, x.device.index):
+        with cupy.cuda.Device(x.device.index), _external_stream(cupy, stream, x.device.index):
             yield
     else:
         yield
+
+
+def _external_stream(cupy, stream, device: int):
+    """CuPy view of a foreign stream (``Stream.from_external`` from CuPy 14, ``ExternalStream`` before)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, device)
 
 
 def import_tensor(x, *, name: str, device: int | None, writable: bool = False, dtype=None, ndim: int | None = None):
