@@ -1,0 +1,196 @@
+"""The quota planner: NumPy reference and the ``plan_placement`` entry point.
+
+Each NVLink domain is solved on its own (replicas never leave it):
+
+1. **Threshold search.** Find the smallest rank-load threshold ``tau`` that the greedy
+   oracle can reach. The search runs in rounds of ``PROBES_PER_ROUND`` probes spaced
+   evenly inside the open interval ``(lo, hi)`` (``lo`` = ceil(mean)-1 is infeasible,
+   ``hi`` = the initial max is feasible with no moves); the lowest feasible probe
+   becomes ``hi`` and the probe below it ``lo``. Rounds stop at ``hi - lo <=
+   tau_tolerance + 1``, so the default (0) ends at the oracle's exact threshold, not at
+   a relative accuracy. The GPU evaluates one probe per warp; this reference evaluates
+   the same probes in the same order, so both pick the same ``tau`` even where the
+   oracle is not monotone.
+2. **Greedy oracle** for one ``tau``: overloaded ranks in descending load, their
+   masters in descending load; while the rank is above ``tau``, move
+   ``min(max(excess, q_min), expert's remaining master quota, target slack)`` of the
+   expert to the eligible rank with the most slack (free redundant slot, not hosting the
+   expert, slack >= ``q_min``, the expert below ``K`` instances), creating a replica.
+   Moving at least ``q_min`` even when the excess is smaller lets a slightly overloaded
+   rank shed load at all. Ties go to the lowest index; all arithmetic is integer.
+3. **Locality-first split** (``locality_split``).
+
+Requires the total load below 2**31 (checked), so every sum fits in int32 on the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ultraep.planner.layout import ExpertLayout
+from ultraep.planner.plan import Plan, check_loads
+
+PROBES_PER_ROUND = 32  # one warp per probe in a 1024-thread block (raw_kernels/planner.cu)
+
+
+def plan_placement(loads, layout: ExpertLayout, *, min_replica_tokens: int = 1024, backend: str = "numpy",
+                   tau_tolerance: int = 0) -> Plan:
+    """Plan replicas, quotas and the per-source split for load matrix ``loads[R, E]``.
+
+    ``backend="cupy"`` runs ``raw_kernels/planner.cu`` without host synchronisation and
+    returns a plan of CuPy arrays, bitwise equal to the NumPy reference.
+    ``tau_tolerance`` (tokens) lets the threshold search stop early.
+    """
+    min_replica_tokens = _non_negative_int("min_replica_tokens", min_replica_tokens)
+    tau_tolerance = _non_negative_int("tau_tolerance", tau_tolerance)
+    if backend == "cupy":
+        from ultraep.planner.cuda import plan_placement_cupy
+
+        return plan_placement_cupy(loads, layout, min_replica_tokens=min_replica_tokens,
+                                   tau_tolerance=tau_tolerance)
+    if backend != "numpy":
+        raise ValueError(f"backend must be 'numpy' or 'cupy', got {backend!r}")
+    loads = check_loads(loads, layout)
+    log_to_phys, quota = place_replicas(loads, layout, min_replica_tokens, tau_tolerance)
+    return Plan.from_split(layout, loads, log_to_phys, locality_split(loads, layout, log_to_phys, quota))
+
+
+def _non_negative_int(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def probe_points(lo: int, hi: int) -> list[int]:
+    """Thresholds probed in one round, ascending, strictly inside ``(lo, hi)``."""
+    gap = hi - lo
+    if gap - 1 <= PROBES_PER_ROUND:
+        return list(range(lo + 1, hi))
+    return [lo + (i + 1) * gap // (PROBES_PER_ROUND + 1) for i in range(PROBES_PER_ROUND)]
+
+
+class DomainOracle:
+    """The greedy feasibility oracle of one domain (local rank ids ``0..D-1``)."""
+
+    def __init__(self, expert_load, layout: ExpertLayout, min_replica_tokens: int):
+        D, M = layout.domain_size, layout.experts_per_rank
+        self.expert_load = [int(v) for v in expert_load]  # D*M experts of the domain
+        self.rank_load = [sum(self.expert_load[r * M:(r + 1) * M]) for r in range(D)]
+        self.rank_order = sorted(range(D), key=lambda r: (-self.rank_load[r], r))
+        self.expert_order = [sorted(range(r * M, (r + 1) * M), key=lambda e: (-self.expert_load[e], e))
+                             for r in range(D)]
+        self.slots = layout.redundant_slots
+        self.max_replicas = layout.max_instances - 1
+        self.step = max(min_replica_tokens, 1)  # a replica must serve at least this much
+
+    def run(self, tau: int):
+        """``(feasible, moves)``; ``moves`` lists ``(local expert, local rank, tokens)``
+        in creation order."""
+        load = list(self.rank_load)
+        free = [self.slots] * len(load)
+        moves = []
+        for r in self.rank_order:
+            if load[r] <= tau:
+                break  # ranks come in descending initial load; overloaded ranks never receive
+            for e in self.expert_order[r]:
+                if load[r] <= tau:
+                    break
+                remaining = self.expert_load[e]
+                hosts = [r]
+                while load[r] > tau and len(hosts) <= self.max_replicas and remaining >= self.step:
+                    target, slack = -1, self.step - 1
+                    for t, t_load in enumerate(load):
+                        if free[t] and tau - t_load > slack and t not in hosts:
+                            target, slack = t, tau - t_load
+                    if target < 0:
+                        break
+                    amount = min(max(load[r] - tau, self.step), remaining, slack)
+                    load[r] -= amount
+                    load[target] += amount
+                    free[target] -= 1
+                    remaining -= amount
+                    hosts.append(target)
+                    moves.append((e, target, amount))
+            if load[r] > tau:
+                return False, moves
+        return True, moves
+
+    def search(self, tau_tolerance: int) -> int:
+        """The threshold the search settles on (see the module docstring)."""
+        lo = -(-sum(self.rank_load) // len(self.rank_load)) - 1
+        hi = max(self.rank_load)
+        while hi - lo > tau_tolerance + 1:
+            probes = probe_points(lo, hi)
+            below = lo
+            for tau in probes:
+                if self.run(tau)[0]:
+                    hi = tau
+                    break
+                below = tau
+            lo = below
+        return hi
+
+
+def place_replicas(loads, layout: ExpertLayout, min_replica_tokens: int, tau_tolerance: int = 0):
+    """``(log_to_phys int32[E, K], quota int32[E, K])`` from the per-domain greedy plan."""
+    E, K, D, M = layout.num_experts, layout.max_instances, layout.domain_size, layout.experts_per_rank
+    expert_load = loads.sum(axis=0, dtype=np.int64)
+    log_to_phys = np.full((E, K), -1, dtype=np.int32)
+    quota = np.zeros((E, K), dtype=np.int32)
+    for e in range(E):
+        log_to_phys[e, 0] = layout.master_slot(e)
+    quota[:, 0] = expert_load
+    count = np.ones(E, dtype=np.int64)
+    for domain in range(layout.num_domains):
+        first_rank, first_expert = domain * D, domain * D * M
+        oracle = DomainOracle(expert_load[first_expert:first_expert + D * M], layout, min_replica_tokens)
+        _, moves = oracle.run(oracle.search(tau_tolerance))
+        used = [0] * D
+        for local_expert, local_rank, amount in moves:
+            e = first_expert + local_expert
+            log_to_phys[e, count[e]] = layout.physical_slot(first_rank + local_rank, M + used[local_rank])
+            quota[e, count[e]] = amount
+            quota[e, 0] -= amount
+            used[local_rank] += 1
+            count[e] += 1
+    return log_to_phys, quota
+
+
+def locality_split(loads, layout: ExpertLayout, log_to_phys, quota):
+    """``split[R, E, K]``: the tokens each source sends to each instance.
+
+    Per expert: an instance first serves its own host rank's tokens (up to its quota).
+    The remaining demand ``d[s]`` goes over the remaining quota ``c[i]`` proportionally,
+    ``floor(d[s] * c[i] / T)``; the few tokens this rounds away (under one per instance
+    per source) are matched in source order against the instances' shortfalls in
+    instance order (north-west corner), which keeps every row and column sum exact.
+    """
+    R, E, K = layout.num_ranks, layout.num_experts, layout.max_instances
+    split = np.zeros((R, E, K), dtype=np.int64)
+    split[:, :, 0] = loads
+    count = (log_to_phys >= 0).sum(axis=1)
+    for e in np.flatnonzero(count > 1):
+        n = int(count[e])
+        hosts = log_to_phys[e, :n] // layout.slots_per_rank
+        q = quota[e, :n].astype(np.int64)
+        demand = loads[:, e].astype(np.int64)
+        local = np.minimum(demand[hosts], q)
+        demand[hosts] -= local
+        capacity = q - local
+        total = int(capacity.sum())
+        share = np.zeros((R, n), dtype=np.int64)
+        if total:
+            share = demand[:, None] * capacity[None, :] // total
+        share += _north_west(demand - share.sum(axis=1), capacity - share.sum(axis=0))
+        share[hosts, np.arange(n)] += local
+        split[:, e, :n] = share
+    return split
+
+
+def _north_west(rows, cols):
+    """Transport plan of integer row sums ``rows`` and column sums ``cols`` (equal totals)
+    laid out in index order: entry = overlap of the row's and the column's intervals."""
+    row_end, col_end = np.cumsum(rows), np.cumsum(cols)
+    row_start, col_start = row_end - rows, col_end - cols
+    overlap = np.minimum(row_end[:, None], col_end[None, :]) - np.maximum(row_start[:, None], col_start[None, :])
+    return np.maximum(overlap, 0)
