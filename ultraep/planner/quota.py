@@ -13,11 +13,15 @@ Each NVLink domain is solved on its own (replicas never leave it):
    oracle is not monotone.
 2. **Greedy oracle** for one ``tau``: overloaded ranks in descending load, their
    masters in descending load; while the rank is above ``tau``, move
-   ``min(max(excess, q_min), expert's remaining master quota, target slack)`` of the
-   expert to the eligible rank with the most slack (free redundant slot, not hosting the
-   expert, slack >= ``q_min``, the expert below ``K`` instances), creating a replica.
-   Moving at least ``q_min`` even when the excess is smaller lets a slightly overloaded
-   rank shed load at all. Ties go to the lowest index; all arithmetic is integer.
+   ``need = min(max(excess, q_min), expert's remaining master quota)`` of the expert to
+   an eligible rank (free redundant slot, not hosting the expert, slack >= ``q_min``,
+   the expert below ``K`` instances), creating a replica. Two changes to the paper's
+   oracle (most slack, move as much as fits) reach lower thresholds with no more
+   replicas on the anchor cases: the target is the *best fit* (least slack that still
+   takes ``need``, else most slack), and a target whose leftover slack would fall below
+   ``q_min`` is filled completely, which moves that otherwise useless slack onto the
+   source rank. Moving at least ``q_min`` even when the excess is smaller lets a slightly
+   overloaded rank shed load at all. Ties go to the lowest index; integer arithmetic.
 3. **Locality-first split** (``locality_split``).
 
 Requires the total load below 2**31 (checked), so every sum fits in int32 on the GPU.
@@ -98,13 +102,14 @@ class DomainOracle:
                 remaining = self.expert_load[e]
                 hosts = [r]
                 while load[r] > tau and len(hosts) <= self.max_replicas and remaining >= self.step:
-                    target, slack = -1, self.step - 1
-                    for t, t_load in enumerate(load):
-                        if free[t] and tau - t_load > slack and t not in hosts:
-                            target, slack = t, tau - t_load
+                    need = min(max(load[r] - tau, self.step), remaining)
+                    target = self.pick_target(tau, need, load, free, hosts)
                     if target < 0:
                         break
-                    amount = min(max(load[r] - tau, self.step), remaining, slack)
+                    slack = tau - load[target]
+                    # A leftover below q_min could never take a replica: fill the target
+                    # instead, so the slack gathers on the source rank where it stays usable.
+                    amount = need if slack - need >= self.step else min(slack, remaining)
                     load[r] -= amount
                     load[target] += amount
                     free[target] -= 1
@@ -114,6 +119,20 @@ class DomainOracle:
             if load[r] > tau:
                 return False, moves
         return True, moves
+
+    def pick_target(self, tau, need, load, free, hosts) -> int:
+        """Best fit: the eligible rank with the least slack that still takes ``need``,
+        else the one with the most slack; ties to the lowest index; ``-1`` if none."""
+        fit, fit_slack, most, most_slack = -1, None, -1, self.step - 1
+        for t, t_load in enumerate(load):
+            slack = tau - t_load
+            if not free[t] or slack < self.step or t in hosts:
+                continue
+            if slack >= need and (fit < 0 or slack < fit_slack):
+                fit, fit_slack = t, slack
+            if slack > most_slack:
+                most, most_slack = t, slack
+        return fit if fit >= 0 else most
 
     def search(self, tau_tolerance: int) -> int:
         """The threshold the search settles on (see the module docstring)."""

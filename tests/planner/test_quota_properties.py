@@ -1,0 +1,108 @@
+"""Quota planner (NumPy reference): every invariant of a plan, on random layouts and loads."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ultraep.planner import ExpertLayout, Plan, plan_placement
+from ultraep.planner.plan import master_rank_load
+
+
+@st.composite
+def planning_cases(draw):
+    """A layout, a skewed load matrix and a min replica size."""
+    ranks = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12]))
+    domain = draw(st.sampled_from([d for d in range(1, ranks + 1) if ranks % d == 0] + [ranks] * 2))
+    layout = ExpertLayout(ranks, ranks * draw(st.integers(1, 4)), draw(st.sampled_from([0, 1, 2, 2, 3])), domain,
+                          draw(st.sampled_from([1, domain, domain, min(domain, 3)])))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    skew = np.minimum(rng.pareto(draw(st.sampled_from([0.7, 1.5, 3.0])), layout.num_experts), 1000) + 0.01
+    scale = draw(st.sampled_from([0, 5, 200, 200, 5000, 5000]))
+    loads = rng.poisson(scale * skew[None, :], (ranks, layout.num_experts)).astype(np.int32)
+    min_tokens = draw(st.sampled_from([0, 1, 16, 16, 256, 1024]))
+    return layout, loads, min_tokens
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(planning_cases())
+def test_plan_invariants(case):
+    layout, loads, min_tokens = case
+    plan = plan_placement(loads, layout, min_replica_tokens=min_tokens)
+    # quotas/splits/masters/slots/anti-affinity/domains/min size/rank loads:
+    plan.validate(min_replica_tokens=max(min_tokens, 1))
+    assert (plan.loads == loads).all()
+    assert plan.rank_load.max() <= master_rank_load(layout, loads).max(), "worse than no balancing"
+    assert plan.imbalance_after <= plan.imbalance_before
+    by_rank = plan.phys_to_log.reshape(layout.num_ranks, layout.slots_per_rank)
+    assert ((by_rank[:, layout.experts_per_rank:] >= 0).sum(axis=1) <= layout.redundant_slots).all()
+    again = plan_placement(loads.copy(), layout, min_replica_tokens=min_tokens)
+    for name in Plan.ARRAYS:
+        assert np.array_equal(getattr(plan, name), getattr(again, name)), f"{name} differs on repeat"
+
+
+def test_balances_a_hot_rank():
+    layout = ExpertLayout(4, 8, 2)
+    loads = np.zeros((4, 8), np.int32)
+    loads[:, 0] = 3000  # 12000 tokens on rank 0, nothing elsewhere
+    plan = plan_placement(loads, layout, min_replica_tokens=100)
+    assert plan.imbalance_before == 4.0
+    assert plan.rank_load.tolist() == [3000, 3000, 3000, 3000]
+    assert plan.replica_count[0] == 4 and plan.max_fanout == 3 and plan.slots_used == 3
+    assert plan.remote_fraction() == 0.0  # every source is served by its own instance
+
+
+def test_min_replica_tokens_blocks_small_replicas():
+    layout = ExpertLayout(2, 2, 1)
+    loads = np.array([[300, 0], [300, 0]], np.int32)
+    assert plan_placement(loads, layout, min_replica_tokens=601).replica_count.tolist() == [1, 1]
+    assert plan_placement(loads, layout, min_replica_tokens=300).rank_load.tolist() == [300, 300]
+
+
+def test_exact_threshold_and_tolerance():
+    layout = ExpertLayout(8, 16, 2)
+    loads = np.random.default_rng(1).zipf(1.6, (8, 16)).clip(max=5000).astype(np.int32) * 40
+    exact = plan_placement(loads, layout, min_replica_tokens=64)
+    coarse = plan_placement(loads, layout, min_replica_tokens=64, tau_tolerance=10**6)
+    assert exact.rank_load.max() <= coarse.rank_load.max()
+    assert coarse.rank_load.max() == master_rank_load(layout, loads).max()  # no search round ran
+
+
+def test_validate_catches_a_broken_plan():
+    layout = ExpertLayout(4, 8, 2)
+    loads = np.full((4, 8), 10, np.int32)
+    loads[:, 0] = 900
+    plan = plan_placement(loads, layout, min_replica_tokens=10)
+    assert plan.replica_count[0] > 1
+    plan.quota[0, 1] += 1
+    with pytest.raises(AssertionError, match="quota"):
+        plan.validate()
+    with pytest.raises(AssertionError, match="min_replica_tokens"):
+        plan_placement(loads, layout, min_replica_tokens=10).validate(min_replica_tokens=10**6)
+
+
+@pytest.mark.parametrize("loads, message", [
+    (-np.ones((2, 4), np.int32), "non-negative"),
+    (np.ones((2, 3), np.int32), "shape"),
+    (np.full((2, 4), np.nan), "NaN"),
+    (np.ones((2, 4), np.float32), "integer dtype"),
+    (np.full((2, 4), 2**29, np.int64), "2\\*\\*31"),
+])
+def test_bad_loads(loads, message):
+    with pytest.raises(ValueError, match=message):
+        plan_placement(loads, ExpertLayout(2, 4, 1))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"min_replica_tokens": -1}, "min_replica_tokens"),
+    ({"tau_tolerance": 1.5}, "tau_tolerance"),
+    ({"backend": "torch"}, "backend"),
+])
+def test_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_placement(np.ones((2, 4), np.int32), ExpertLayout(2, 4, 1), **kwargs)
+
+
+def test_bad_layout_argument():
+    with pytest.raises(ValueError, match="ExpertLayout"):
+        plan_placement(np.ones((2, 4), np.int32), (2, 4, 1))
