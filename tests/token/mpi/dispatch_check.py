@@ -1,0 +1,218 @@
+"""Multi-rank Dispatcher check, run under mpiexec by tests/token/test_dispatch.py.
+
+Usage: python -m mpi4py dispatch_check.py {cpu|cuda} {exact|bad-input} [dtype] [repeats]
+
+``exact``: for every routing scenario, dispatch / combine / both backward functions
+against the sequential single-process reference (every rank builds every rank's input
+from one seed), bit for bit, with outputs poisoned first; the combined output of every
+global token compared with a rank-count-free formula; ``repeats`` runs must give the same
+bits. Prints the count of non-bitwise-equal elements and a digest of the combined
+outputs (equal across rank counts), then "[exact] rank N OK".
+``bad-input``: each bad input raises on every rank, and the dispatcher still works after.
+"""
+
+import hashlib
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from ultraep.runtime.dtypes import resolve_dtype
+from ultraep.runtime.group import EPGroup
+from ultraep.token import DispatchError, Dispatcher
+from ultraep.token import reference as ref
+
+backend, check = sys.argv[1], sys.argv[2]
+DTYPE = resolve_dtype(sys.argv[3] if len(sys.argv) > 3 else "float32")
+REPEATS = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "cuda"))
+R, me = group.size, group.rank
+E, K, H, GLOBAL_TOKENS = 8, 4, 64, 96
+MAX_TOKENS = GLOBAL_TOKENS
+if backend == "cuda":
+    import cupy as xp
+else:
+    xp = np
+
+
+def host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def device(a):
+    return xp.asarray(a)
+
+
+def bits(a) -> np.ndarray:
+    a = np.ascontiguousarray(host(a))
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def mismatches(got, want) -> int:
+    got, want = bits(got), bits(want)
+    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
+    return int(np.count_nonzero(got != want))
+
+
+def split_tokens(scenario: str, rng) -> list[int]:
+    """Global tokens over ranks: the same global list, cut differently for each rank count."""
+    if scenario == "empty-ranks" and R > 1:
+        sizes = [0] * R
+        sizes[R - 1] = GLOBAL_TOKENS // 2
+        sizes[0] = GLOBAL_TOKENS - sizes[R - 1]
+        return sizes
+    cuts = np.sort(rng.integers(0, GLOBAL_TOKENS + 1, size=R - 1))
+    return list(np.diff(np.concatenate([[0], cuts, [GLOBAL_TOKENS]])).astype(int))
+
+
+def global_routing(scenario: str, rng) -> np.ndarray:
+    """expert_ids[GLOBAL_TOKENS, K] for one scenario (a function of the seed only)."""
+    if scenario == "one-expert":
+        return np.full((GLOBAL_TOKENS, K), 5, dtype=np.int64)
+    if scenario == "zero-token-experts":  # experts 1, 2, 6 never chosen
+        pool = np.array([0, 3, 4, 5, 7])
+        return np.stack([rng.permutation(pool)[:K] for _ in range(GLOBAL_TOKENS)])
+    if scenario == "one-rank-topk":       # all K experts of a token on one rank of a 4-rank layout
+        per = E // 4
+        first = rng.integers(0, 4, size=(GLOBAL_TOKENS, 1)) * per
+        return first + rng.integers(0, per, size=(GLOBAL_TOKENS, K))
+    if scenario == "repeated-expert":     # the same expert twice in one token's top-k
+        ids = rng.integers(0, E, size=(GLOBAL_TOKENS, K))
+        ids[:, 2] = ids[:, 0]
+        return ids
+    return np.stack([rng.permutation(E)[:K] for _ in range(GLOBAL_TOKENS)])
+
+
+SCENARIOS = ["uniform", "empty-ranks", "zero-token-experts", "one-expert", "one-rank-topk", "repeated-expert"]
+
+
+def expert_fn(rows, experts) -> np.ndarray:
+    """A row-wise expert stand-in: depends only on (row, expert), never on rank count."""
+    scale = (1.0 + 0.125 * experts.astype(np.float32))[:, None]
+    return (np.multiply(ref.as_float32(rows), scale, dtype=np.float32) - 0.5).astype(DTYPE)
+
+
+def row_experts(counts) -> np.ndarray:
+    return me * (E // R) + np.repeat(np.arange(len(counts)), counts)
+
+
+def exact() -> None:
+    total_bad = 0
+    digests = []
+    for seed, scenario in enumerate(SCENARIOS):
+        rng = np.random.default_rng(seed)
+        sizes = split_tokens(scenario, np.random.default_rng(7 + R))
+        gx = rng.standard_normal((GLOBAL_TOKENS, H)).astype(np.float32).astype(DTYPE)
+        gids = global_routing(scenario, rng)
+        gw = rng.random((GLOBAL_TOKENS, K)).astype(np.float32)
+        cut = np.concatenate([[0], np.cumsum(sizes)])
+        xs = [gx[cut[r]:cut[r + 1]] for r in range(R)]
+        ids = [gids[cut[r]:cut[r + 1]] for r in range(R)]
+        ws = [gw[cut[r]:cut[r + 1]] for r in range(R)]
+        epr = E // R
+        ref_recv = ref.sequential_dispatch(xs, ids, ws, epr)
+        ref_rows = [len(rw) for _, rw, _ in ref_recv]
+        ref_ys = [expert_fn(rx, r * epr + np.repeat(np.arange(epr), c)) for r, (rx, _, c) in enumerate(ref_recv)]
+        grad_recv = [np.random.default_rng(100 + r).standard_normal((n, H)).astype(np.float32).astype(DTYPE)
+                     for r, n in enumerate(ref_rows)]
+        grad_outs = [np.random.default_rng(200 + r).standard_normal((len(x), H)).astype(np.float32).astype(DTYPE)
+                     for r, x in enumerate(xs)]
+        ref_out = ref.sequential_combine(ref_ys, ids, ws, epr)
+        ref_gx = ref.sequential_combine(grad_recv, ids, ws, epr, weighted=False)
+        ref_gy, ref_gw = ref.sequential_combine_backward(grad_outs, ref_ys, ids, ws, epr)
+        # Rank-count-free formula for the combined output of every global token.
+        slots = expert_fn(np.repeat(gx, K, axis=0), gids.ravel()).reshape(GLOBAL_TOKENS, K, H)
+        formula = ref.slot_sum(slots, gw, DTYPE)[cut[me]:cut[me + 1]]
+
+        n = ref_rows[me]
+        rows_bound = R * MAX_TOKENS * K
+        pad = lambda a: np.concatenate([a, np.zeros((rows_bound - len(a), H), DTYPE)])  # noqa: E731
+        previous = None
+        with Dispatcher(group, hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=MAX_TOKENS,
+                        backend=backend) as disp:
+            for run in range(REPEATS):
+                res = disp.dispatch(device(xs[me]), device(ids[me]), device(ws[me]))
+                got_x, got_w = host(res.x), host(res.weights)
+                bad = mismatches(got_x[:n], ref_recv[me][0]) + mismatches(got_w[:n], ref_recv[me][1])
+                assert np.array_equal(host(res.counts), ref_recv[me][2]), (host(res.counts), ref_recv[me][2])
+                assert res.num_rows == n and host(res.offsets)[-1] == n
+                y = expert_fn(got_x[:n], row_experts(host(res.counts)))
+                out = disp.combine(device(pad(y)), res.handle)
+                gx_got = disp.dispatch_backward(device(pad(grad_recv[me])), res.handle)
+                gy, gwt = disp.combine_backward(device(grad_outs[me]), device(pad(y)), res.handle)
+                bad += (mismatches(out, ref_out[me]) + mismatches(out, formula) + mismatches(gx_got, ref_gx[me])
+                        + mismatches(host(gy)[:n], ref_gy[me]) + mismatches(gwt, ref_gw[me]))
+                outputs = [bits(o).tobytes() for o in (out, gx_got, host(gy)[:n], gwt, got_x[:n])]
+                if previous is not None:
+                    assert outputs == previous, f"rank {me}: run {run} of {scenario} differs from run 0"
+                previous = outputs
+                total_bad += bad
+        everything = group.allgather(bits(out).tobytes())
+        digests.append(f"{scenario}={hashlib.sha256(b''.join(everything)).hexdigest()[:16]}")
+    bad_all = sum(group.allgather(total_bad))
+    print(f"rank {me}: non-bitwise-equal elements {total_bad} (all ranks {bad_all})", flush=True)
+    if me == 0:
+        print("digests " + " ".join(digests), flush=True)
+    assert bad_all == 0, f"{bad_all} elements differ from the sequential reference"
+    print(f"[exact] rank {me} OK", flush=True)
+
+
+def expect_error(fn, needle: str) -> None:
+    try:
+        fn()
+    except (DispatchError, ValueError) as exc:
+        assert needle in str(exc), f"rank {me}: error lacks {needle!r}: {exc}"
+    else:
+        raise AssertionError(f"rank {me}: expected an error containing {needle!r}")
+
+
+def bad_input() -> None:
+    T = 6
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((T, H)).astype(DTYPE)
+    ids = rng.integers(0, E, size=(T, K))
+    w = rng.random((T, K)).astype(np.float32)
+    culprit = R - 1
+    with Dispatcher(group, hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=T,
+                    max_recv_rows=T * K, backend=backend) as disp:
+        bad_ids = ids.copy()
+        if me == culprit:
+            bad_ids[4, 1] = E + 3
+        expect_error(lambda: disp.dispatch(device(x), device(bad_ids), device(w)),
+                     f"rank {culprit}: expert id {E + 3} at token 4, slot 1 is outside [0, {E})")
+        negative = ids.copy()
+        if me == culprit:
+            negative[0, 0] = -1
+        expect_error(lambda: disp.dispatch(device(x), device(negative), device(w)), "expert id -1 at token 0, slot 0")
+        nan_w = w.copy()
+        if me == 0:
+            nan_w[2, 3] = np.nan
+        expect_error(lambda: disp.dispatch(device(x), device(ids), device(nan_w)),
+                     "rank 0: gate weight at token 2, slot 3 is NaN")
+        big = np.concatenate([x, x]) if me == culprit else x
+        big_ids = np.concatenate([ids, ids]) if me == culprit else ids
+        big_w = np.concatenate([w, w]) if me == culprit else w
+        expect_error(lambda: disp.dispatch(device(big), device(big_ids), device(big_w)),
+                     f"{2 * T} tokens exceed the set-up bound max_tokens={T}")
+        narrow = x[:, : H // 2].copy() if me == culprit else x
+        expect_error(lambda: disp.dispatch(device(narrow), device(ids), device(w)), f"expected shape [tokens, {H}]")
+        other = x.astype(np.float64) if me == culprit else x
+        expect_error(lambda: disp.dispatch(device(other), device(ids), device(w)), "expected dtype")
+        if R > 1:  # every rank sends every pair to rank 0: R*T*K rows > bound T*K
+            expect_error(lambda: disp.dispatch(device(x), device(ids % (E // R)), device(w)),
+                         f"rank 0 would receive {R * T * K} rows, more than the set-up bound max_recv_rows={T * K}")
+        # Still usable, and nothing was written where it should not be.
+        own = me * (E // R) + ids % (E // R)
+        res = disp.dispatch(device(x), device(own), device(w))
+        want = ref.sequential_dispatch([x] * R, [r * (E // R) + ids % (E // R) for r in range(R)], [w] * R, E // R)[me]
+        n = res.num_rows
+        assert n == T * K and mismatches(host(res.x)[:n], want[0]) == 0
+        out = disp.combine(res.x, res.handle)
+        short = res.x[: T * K - 1]
+        expect_error(lambda: disp.combine(short if me == culprit else res.x, res.handle), "y: expected shape")
+        assert out.shape == (T, H)
+        disp.check()
+    print(f"[bad-input] rank {me} OK", flush=True)
+
+
+{"exact": exact, "bad-input": bad_input}[check]()

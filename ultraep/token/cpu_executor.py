@@ -1,0 +1,145 @@
+"""CPU backend of the ``Dispatcher``: the GPU's protocol run with NumPy over MPI shared memory.
+
+The same steps as the CUDA kernels, in the same heap tensors, so the CPU backend tests the
+protocol itself (count exchange, one send per destination rank into landing rows, rows
+expanded by the receiver, slot rows sent back for a fixed-order sum), not a shortcut:
+
+1. token map: stable key positions of the (token, slot) pairs by expert and of each
+   token's first slot per destination rank (:func:`~ultraep.token.reference.route_keys`);
+2. publish this source's counts into row ``rank`` of every peer's count table, barrier;
+3. row bases by prefix sums over the table (:func:`~ultraep.token.reference.plan_rows`);
+4. each token written once into each destination rank's landing rows, each pair's gate,
+   landing row and origin into its receive row there, barrier;
+5. the receiver copies landing rows into the expert-major receive buffer.
+
+Bad input is checked on the host and raised on every rank before anything is written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ultraep.token import reference as ref
+from ultraep.token.dispatcher import (DispatchError, DispatchHandle, DispatchResult, bad_input_message,
+                                      first_bad_item)
+
+
+class CpuExecutor:
+    def __init__(self, dispatcher):
+        self.d = dispatcher
+        self.buffers = dispatcher.open_buffers("cpu")
+        self.heap = self.buffers.heap
+
+    def _barrier(self) -> None:
+        self.heap.barrier(self.d.timeout_s)
+
+    def _import(self, array, name: str, dtype=None):
+        from ultraep.runtime.dlpack import import_tensor
+        return import_tensor(array, name=name, device=None, dtype=dtype)
+
+    def dispatch(self, x, expert_ids, weights) -> DispatchResult:
+        d, b, me = self.d, self.buffers, self.d.rank
+        x = self._import(x, "x")
+        expert_ids = self._import(expert_ids, "expert_ids")
+        weights = self._import(weights, "weights")
+        d.check_tokens(x, expert_ids, weights)
+        bad = first_bad_item(expert_ids, weights, d.num_experts)
+        d.group.raise_if_any(None if bad is None else DispatchError(bad_input_message(me, *bad, d.num_experts)),
+                             "dispatch input check")
+        ids = np.asarray(expert_ids, dtype=np.int64)
+        gates = np.asarray(weights).astype(np.float32)
+        tokens, top_k = ids.shape
+        E, R, T_max = d.num_experts, d.size, d.max_tokens
+
+        keys = ref.route_keys(ids, d.experts_per_rank, E)
+        positions, totals = ref.stable_key_positions(keys, E + R)
+        pair_pos, send_pos = positions[:tokens * top_k], positions[tokens * top_k:]
+        for peer in range(R):
+            row = b.count_table.peer(peer)[me]
+            row[:E + R] = totals
+            row[E + R:] = 0
+        self._barrier()
+        table = b.count_table.local[:, :E].copy()
+        base, counts, offsets, rank_totals = ref.plan_rows(table, d.experts_per_rank, me)
+        too_many = np.flatnonzero(rank_totals > d.max_recv_rows)
+        if too_many.size:  # every rank sees the same table, so every rank raises here
+            r = int(too_many[0])
+            raise DispatchError(f"rank {r} would receive {int(rank_totals[r])} rows, more than the set-up bound "
+                                f"max_recv_rows={d.max_recv_rows}")
+
+        dest = (ids // d.experts_per_rank).ravel()
+        rows = base[ids.ravel()] + pair_pos
+        first_slot = ref.first_slot_of_rank(ids, d.experts_per_rank)
+        landing_row = me * T_max + send_pos.reshape(tokens, top_k)[np.arange(tokens)[:, None], first_slot].ravel()
+        origin = me * T_max * top_k + np.arange(tokens * top_k)
+        sends = keys[1] >= 0
+        for r in range(R):
+            once = np.flatnonzero(sends & (dest == r))
+            b.landing.peer(r)[me * T_max + send_pos[once]] = x[once // top_k]
+            pairs = dest == r
+            b.row_weight.peer(r)[rows[pairs]] = gates.ravel()[pairs]
+            b.row_landing.peer(r)[rows[pairs]] = landing_row[pairs]
+            b.row_origin.peer(r)[rows[pairs]] = origin[pairs]
+        self._barrier()
+
+        total = int(offsets[-1])
+        state = {"row_landing": b.row_landing.local[:total].copy(), "row_origin": b.row_origin.local[:total].copy(),
+                 "row_weight": b.row_weight.local[:total].copy(), "num_rows": total,
+                 "send_rows": [(r, np.flatnonzero(sends & (dest == r))) for r in range(R)], "send_pos": send_pos}
+        recv_x = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
+        recv_x[:total] = b.landing.local[state["row_landing"]]
+        recv_w = np.zeros(d.max_recv_rows, dtype=np.float32)
+        recv_w[:total] = state["row_weight"]
+        handle = DispatchHandle(d.id, tokens, gates, ids, state)
+        return DispatchResult(recv_x, recv_w, counts.astype(np.int32), offsets.astype(np.int32), handle)
+
+    def _send_back(self, rows, handle: DispatchHandle):
+        """Barrier (sources ready), then each received row into its origin slot at the source, barrier."""
+        d, b, s = self.d, self.buffers, handle.state
+        self._barrier()
+        origin = s["row_origin"]
+        slots_per_rank = d.max_tokens * d.top_k
+        for r in range(d.size):
+            mine = np.flatnonzero(origin // slots_per_rank == r)
+            b.slot_rows.peer(r)[origin[mine] % slots_per_rank] = rows[mine]
+        self._barrier()
+
+    def combine(self, y, handle: DispatchHandle, *, weighted: bool):
+        d = self.d
+        name = "y" if weighted else "grad_recv"
+        y = self._import(y, name)
+        d.check_rows(name, y, handle, per_token=False)
+        self._send_back(y[:handle.state["num_rows"]], handle)
+        T, K = handle.tokens, d.top_k
+        slots = self.buffers.slot_rows.local[:T * K].reshape(T, K, d.hidden)
+        return ref.slot_sum(slots, handle.weights if weighted else None, d.dtype)
+
+    def combine_backward(self, grad_out, y, handle: DispatchHandle):
+        d, b, s, me = self.d, self.buffers, handle.state, self.d.rank
+        grad_out = self._import(grad_out, "grad_out")
+        y = self._import(y, "y")
+        d.check_rows("grad_out", grad_out, handle, per_token=True)
+        d.check_rows("y", y, handle, per_token=False)
+        T_max, K = d.max_tokens, d.top_k
+        self._barrier()  # landing rows are free on every rank
+        for r, once in s["send_rows"]:
+            b.landing.peer(r)[me * T_max + s["send_pos"][once]] = grad_out[once // K]
+        self._barrier()
+        total = s["num_rows"]
+        arrived = b.landing.local[s["row_landing"]]
+        grad_y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
+        grad_y[:total] = np.multiply(s["row_weight"][:, None], ref.as_float32(arrived), dtype=np.float32).astype(d.dtype)
+        gate_grads = ref.lane_dot(arrived, y[:total])
+        origin, slots_per_rank = s["row_origin"], T_max * K
+        for r in range(d.size):
+            mine = np.flatnonzero(origin // slots_per_rank == r)
+            b.slot_grad_w.peer(r)[origin[mine] % slots_per_rank] = gate_grads[mine]
+        self._barrier()
+        grad_w = b.slot_grad_w.local[:handle.tokens * K].reshape(handle.tokens, K).copy()
+        return grad_y, grad_w
+
+    def check(self) -> None:
+        """The CPU backend raises at once; nothing is deferred."""
+
+    def close(self) -> None:
+        self.heap.close()
