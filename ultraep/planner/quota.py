@@ -38,12 +38,13 @@ PROBES_PER_ROUND = 32  # one warp per probe in a 1024-thread block (raw_kernels/
 
 
 def plan_placement(loads, layout: ExpertLayout, *, min_replica_tokens: int = 1024, backend: str = "numpy",
-                   tau_tolerance: int = 0) -> Plan:
+                   tau_tolerance: int = 0, out: Plan | None = None) -> Plan:
     """Plan replicas, quotas and the per-source split for load matrix ``loads[R, E]``.
 
     ``backend="cupy"`` runs ``raw_kernels/planner.cu`` without host synchronisation and
     returns a plan of CuPy arrays, bitwise equal to the NumPy reference.
-    ``tau_tolerance`` (tokens) lets the threshold search stop early.
+    ``tau_tolerance`` (tokens) lets the threshold search stop early. ``out`` (CuPy only,
+    from ``cuda.empty_plan``) receives the plan in place, e.g. for CUDA graph capture.
     """
     min_replica_tokens = _non_negative_int("min_replica_tokens", min_replica_tokens)
     tau_tolerance = _non_negative_int("tau_tolerance", tau_tolerance)
@@ -51,9 +52,11 @@ def plan_placement(loads, layout: ExpertLayout, *, min_replica_tokens: int = 102
         from ultraep.planner.cuda import plan_placement_cupy
 
         return plan_placement_cupy(loads, layout, min_replica_tokens=min_replica_tokens,
-                                   tau_tolerance=tau_tolerance)
+                                   tau_tolerance=tau_tolerance, out=out)
     if backend != "numpy":
         raise ValueError(f"backend must be 'numpy' or 'cupy', got {backend!r}")
+    if out is not None:
+        raise ValueError("out= is only supported by the cupy backend")
     loads = check_loads(loads, layout)
     log_to_phys, quota = place_replicas(loads, layout, min_replica_tokens, tau_tolerance)
     return Plan.from_split(layout, loads, log_to_phys, locality_split(loads, layout, log_to_phys, quota))

@@ -1,0 +1,133 @@
+"""``python -m ultraep.bench plan-kernel``: the GPU planner and reroute kernels on the
+anchor cases (EP64, NVLink domain 64, top-8, 8192 tokens per rank, S=2, min 1024 tokens
+per replica, Zipf loads tuned to a target rank imbalance), side by side with the public
+UltraEP numbers measured on the same kind of GPU (``shared/anchors.md``).
+
+Kernel times are CUDA-event medians over ``--repeats`` runs after a warm-up, for the
+plain launches and for one replay of a captured CUDA graph; the NumPy planner time is
+the wall-clock median of a few runs. Without a GPU only the NumPy columns are filled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from ultraep.bench.report import print_table, write_json
+from ultraep.planner import ExpertLayout, plan_placement, reroute
+from ultraep.planner.traces import zipf_loads, zipf_topk
+
+RANKS, TOP_K, TOKENS_PER_RANK, SLOTS, MIN_REPLICA_TOKENS = 64, 8, 8192, 2, 1024
+
+# Public UltraEP v1.0.0 on one H200 (shared/anchors.md): after, planning ms, reroute ms,
+# slots used of 128, max replicas of one expert.
+ANCHOR = {
+    (128, 1.5): (1.010, 0.053, 0.021, 41, 4),
+    (128, 2.0): (1.010, 0.056, 0.021, 45, 5),
+    (128, 3.0): (1.010, 0.058, 0.021, 48, 6),
+    (256, 1.5): (1.010, 0.054, 0.037, 39, 4),
+    (256, 2.0): (1.010, 0.059, 0.037, 45, 5),
+    (256, 3.0): (1.010, 0.063, 0.037, 51, 6),
+}
+
+COLUMNS = ["experts", "target", "seed", "before", "after", "plan_ms", "plan_graph_ms", "reroute_ms", "slots",
+           "max_replicas", "remote_pct", "numpy_ms", "anchor_after", "anchor_plan_ms", "anchor_reroute_ms",
+           "anchor_slots", "anchor_max_replicas"]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench plan-kernel",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experts", type=int, nargs="+", default=[128, 256])
+    parser.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0], help="initial max/mean")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one row per seed")
+    parser.add_argument("--repeats", type=int, default=200, help="timed kernel runs (median reported)")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    return parser.parse_args(argv)
+
+
+def gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def median_event_ms(launch, repeats: int, warmup: int = 10) -> float:
+    """Median CUDA-event time of ``launch()`` on the current stream."""
+    import cupy
+
+    for _ in range(warmup):
+        launch()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        launch()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def gpu_times(loads, topk, layout, repeats):
+    """(plan ms, plan graph ms, reroute ms) for rank 0's tokens."""
+    import cupy
+    from ultraep.planner.cuda import empty_plan
+
+    plan = empty_plan(layout)
+    plan.loads[...] = cupy.asarray(loads)
+
+    def plan_once():
+        plan_placement(plan.loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, backend="cupy", out=plan)
+
+    plan_ms = median_event_ms(plan_once, repeats)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        plan_once()
+        graph = stream.end_capture()
+        graph_ms = median_event_ms(graph.launch, repeats)
+    ids = cupy.asarray(topk[0])
+    slots = cupy.empty(ids.shape, np.int32)
+    reroute_ms = median_event_ms(lambda: reroute(ids, plan, 0, out=slots), repeats)
+    return plan_ms, graph_ms, reroute_ms
+
+
+def run_case(experts, target, seed, repeats, use_gpu):
+    layout = ExpertLayout(RANKS, experts, SLOTS)
+    loads = zipf_loads(RANKS, experts, TOP_K, TOKENS_PER_RANK, target, seed)
+    numpy_times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        plan = plan_placement(loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS)
+        numpy_times.append((time.perf_counter() - started) * 1e3)
+    row = dict(experts=experts, target=target, seed=seed, before=plan.imbalance_before, after=plan.imbalance_after,
+               slots=plan.slots_used, max_replicas=plan.max_fanout, remote_pct=100.0 * plan.remote_fraction(),
+               numpy_ms=statistics.median(numpy_times))
+    if use_gpu:
+        topk = zipf_topk(RANKS, experts, TOP_K, TOKENS_PER_RANK, target, seed)
+        row["plan_ms"], row["plan_graph_ms"], row["reroute_ms"] = gpu_times(loads, topk, layout, repeats)
+    anchor = ANCHOR.get((experts, target))
+    if anchor:
+        keys = ("anchor_after", "anchor_plan_ms", "anchor_reroute_ms", "anchor_slots", "anchor_max_replicas")
+        row.update(zip(keys, anchor))
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    use_gpu = gpu_available()
+    rows = [run_case(e, t, s, args.repeats, use_gpu) for e in args.experts for t in args.targets for s in args.seeds]
+    title = (f"Planner kernels: EP{RANKS}, top-{TOP_K}, {TOKENS_PER_RANK} tokens/rank, S={SLOTS}, "
+             f"min {MIN_REPLICA_TOKENS} tokens/replica" + ("" if use_gpu else " (no GPU: NumPy only)"))
+    print_table(rows, COLUMNS, title)
+    if args.json:
+        write_json(args.json, {"benchmark": "plan-kernel", "rows": rows})
+    return 0

@@ -1,0 +1,106 @@
+"""CuPy backend of the planner and reroute: launches ``raw_kernels/planner.cu`` and
+``raw_kernels/reroute.cu``.
+
+No host synchronisation on these paths: output sizes follow from the layout and the
+ids' shape, loads are not inspected on the host, and the imbalances stay 0-d device
+arrays. Passing preallocated outputs (``out=``) makes a call capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ultraep.planner.layout import ExpertLayout
+from ultraep.planner.plan import Plan, array_module, check_loads
+from ultraep.runtime.kernels import get_function
+
+PLAN_THREADS = 1024   # 32 warps = 32 threshold probes per round
+SPLIT_THREADS = 256
+REROUTE_CHUNK = 1024  # ids per block, = blockDim of both reroute kernels
+MAX_DOMAIN = 128      # ranks per domain a warp can hold (MAX_RANK_CHUNKS * 32 in planner.cu)
+_INT = 4
+
+
+def empty_plan(layout: ExpertLayout) -> Plan:
+    """Device buffers for a plan of ``layout`` (outputs of ``plan_placement_cupy``)."""
+    import cupy
+
+    R, E, K = layout.num_ranks, layout.num_experts, layout.max_instances
+    return Plan(layout=layout, loads=cupy.empty((R, E), np.int32),
+                phys_to_log=cupy.empty(layout.num_physical, np.int32), log_to_phys=cupy.empty((E, K), np.int32),
+                replica_count=cupy.empty(E, np.int32), quota=cupy.empty((E, K), np.int32),
+                split_prefix=cupy.empty((R, E, K), np.int32), rank_load=cupy.empty(R, np.int64),
+                imbalance_before=cupy.empty((), np.float64), imbalance_after=cupy.empty((), np.float64))
+
+
+def _kernel(filename, name, shared_bytes):
+    function = get_function(filename, name)
+    if shared_bytes > 48 * 1024 and function.max_dynamic_shared_size_bytes < shared_bytes:
+        function.max_dynamic_shared_size_bytes = shared_bytes
+    return function
+
+
+def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int, tau_tolerance: int,
+                        out: Plan | None = None) -> Plan:
+    """``quota.plan_placement`` on the GPU. NumPy loads are value-checked on the host and
+    uploaded; CuPy loads are checked for shape and dtype only (values would need a sync)."""
+    import cupy
+
+    if array_module(loads) is np:
+        loads = cupy.asarray(check_loads(loads, layout))
+    else:
+        loads = check_loads(loads, layout, check_values=False)
+    R, E, S, D, K = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.domain_size,
+                     layout.max_instances)
+    if D > MAX_DOMAIN:
+        raise ValueError(f"the CuPy planner handles domains of up to {MAX_DOMAIN} ranks, got {D}")
+    if out is None:
+        out = empty_plan(layout)
+    elif out.layout != layout:
+        raise ValueError("out was allocated for another layout")
+    if loads.data.ptr != out.loads.data.ptr:  # callers may gather straight into out.loads
+        out.loads[...] = loads
+    M = layout.experts_per_rank
+    domain_ints = 4 * D * M + 3 * D + 96 * D + 3 * S * D + 68  # the carve-up in plan_domains
+    plan_domains = _kernel("planner.cu", "plan_domains", domain_ints * _INT)
+    plan_domains((layout.num_domains,), (PLAN_THREADS,),
+                 (out.loads, np.int32(R), np.int32(E), np.int32(S), np.int32(D), np.int32(K),
+                  np.int32(max(min_replica_tokens, 1)), np.int32(min(tau_tolerance, 2**31 - 1)),
+                  out.phys_to_log, out.log_to_phys, out.replica_count, out.quota, out.rank_load),
+                 shared_mem=domain_ints * _INT)
+    split_bytes = (2 * R + 4 * K) * 8
+    plan_split = _kernel("planner.cu", "plan_split", split_bytes)
+    plan_split((E + 1,), (SPLIT_THREADS,),
+               (out.loads, out.log_to_phys, out.replica_count, out.quota, out.rank_load, np.int32(R), np.int32(E),
+                np.int32(S), np.int32(K), out.split_prefix, out.imbalance_before, out.imbalance_after),
+               shared_mem=split_bytes)
+    return out
+
+
+def reroute_cupy(topk_ids, plan: Plan, rank: int, *, out=None):
+    """``reroute.reroute`` on the GPU; ``-1`` for invalid ids or surplus occurrences."""
+    import cupy
+
+    layout = plan.layout
+    if topk_ids.dtype.kind not in "iu":
+        raise ValueError(f"topk_ids must have an integer dtype, got {topk_ids.dtype}")
+    ids = cupy.ascontiguousarray(cupy.asarray(topk_ids), dtype=np.int32)
+    if array_module(plan.split_prefix) is np:
+        plan = Plan(layout=layout, imbalance_before=plan.imbalance_before, imbalance_after=plan.imbalance_after,
+                    **{name: cupy.asarray(getattr(plan, name)) for name in Plan.ARRAYS})
+    if out is None:
+        out = cupy.empty(ids.shape, np.int32)
+    elif out.shape != ids.shape or out.dtype != np.int32:
+        raise ValueError(f"out must be int32 of shape {ids.shape}")
+    n, E, K = ids.size, layout.num_experts, layout.max_instances
+    if n == 0:
+        return out
+    chunks = -(-n // REROUTE_CHUNK)
+    counts = cupy.empty((chunks, E), np.int32)
+    count = _kernel("reroute.cu", "reroute_count", E * _INT)
+    count((chunks,), (REROUTE_CHUNK,), (ids, np.int64(n), np.int32(E), counts), shared_mem=E * _INT)
+    assign = _kernel("reroute.cu", "reroute_assign", 33 * E * _INT)
+    assign((chunks,), (REROUTE_CHUNK,),
+           (ids, np.int64(n), np.int32(E), np.int32(K), counts, plan.split_prefix[rank], plan.log_to_phys,
+            plan.replica_count, out), shared_mem=33 * E * _INT)
+    return out
