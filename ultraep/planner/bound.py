@@ -24,6 +24,9 @@ layouts), and always the trivial bounds: ``ceil(total / R)``, each domain's
 ``ceil(domain total / D)``, each rank's unmovable master load (experts below
 ``min_replica_tokens`` cannot be replicated), and each expert's
 ``ceil(L_e / max instances)``.
+
+SciPy (>= 1.9, for ``milp``) is imported only when a solver runs; without it
+``method="auto"`` falls back to the trivial bounds.
 """
 
 from __future__ import annotations
@@ -32,8 +35,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import check_loads, master_rank_load
@@ -95,6 +96,8 @@ def trivial_bound(loads, layout: ExpertLayout, min_replica_tokens: int) -> int:
 
 def _assemble(blocks, num_cols):
     """Stack ``(rows, cols, vals, row_lower, row_upper)`` blocks into one CSR constraint."""
+    from scipy import sparse
+
     rows, cols, vals, lower, upper, offset = [], [], [], [], [], 0
     for r, c, v, lo, up in blocks:
         rows.append(np.asarray(r) + offset)
@@ -168,6 +171,8 @@ class _Model:
 
     def solve(self, *, integral: bool, t_floor: int, time_limit: float):
         """The MILP (``integral``) or the projected LP relaxation; ``t >= t_floor`` is valid."""
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
         (matrix, row_lower, row_upper), col_upper = \
             (self.milp, self.milp_col_upper) if integral else (self.lp, self.lp_col_upper)
         cols = matrix.shape[1]
@@ -185,6 +190,9 @@ class _Model:
 
     def certified_max(self, y_values: np.ndarray, time_limit: float) -> int | None:
         """Max rank load of an integral plan with the replicas ``y``, checked exactly; None if none found."""
+        from scipy import sparse
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
         chosen = y_values > 0.5
         R, S = self.layout.num_ranks, self.layout.redundant_slots
         n = len(self.experts)
@@ -260,6 +268,12 @@ def lower_bound(loads, layout: ExpertLayout, *, min_replica_tokens: int = 1024, 
 
     if trivial >= upper or method == "trivial":
         return result(trivial, "trivial")
+    try:
+        import scipy.optimize  # noqa: F401  (checked here so a missing SciPy is reported once, clearly)
+    except ImportError:
+        if method == "auto":
+            return result(trivial, "trivial")
+        raise ValueError(f"lower_bound(method={method!r}) needs SciPy (pip install scipy)") from None
     model = _Model(loads, layout, min_replica_tokens)
     value = trivial
     if method == "milp" or (method == "auto" and model.num_binaries <= max_binaries):

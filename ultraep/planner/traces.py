@@ -511,8 +511,8 @@ def demo_trace(*, steps: int = 24, layers: int = 4, num_ranks: int = 16, num_exp
     switching every quarter of the trace."""
     return synthetic_trace(steps=steps, layers=layers, num_ranks=num_ranks, num_experts=num_experts,
                            top_k=top_k, tokens_per_rank=tokens_per_rank, seed=seed,
-                           sigma=np.linspace(0.5, 1.3, num=layers), domains=2,
-                           switch_every=max(1, steps // 4), hotspot_gain=6.0,
+                           sigma=np.linspace(0.4, 1.0, num=layers), domains=2,
+                           switch_every=max(1, steps // 4), hotspot_gain=2.0,
                            hotspot_speed=num_experts / steps, name="demo")
 
 

@@ -1,0 +1,7 @@
+"""Entry point of ``python -m ultraep.bench``."""
+
+import sys
+
+from ultraep.bench import main
+
+sys.exit(main())

@@ -1,0 +1,333 @@
+"""``python -m ultraep.bench plan``: replay a load trace through every balancing policy.
+
+Policies, each on every (step, layer) of the trace:
+
+* ``none``    -- no balancing (every token to its master);
+* ``ultraep`` -- the quota planner (``plan_placement``, NumPy or CuPy backend);
+* ``eplb``    -- EPLB from a window of past loads of the same layer, even split;
+* ``ideal``   -- the force-balanced ideal (a router that spreads tokens evenly).
+
+For each cell the proven lower bound of the optimal max rank load (``planner.bound``)
+is computed once and every policy's max rank load is reported as a gap to it. The
+summary table gives, per policy, the max/mean rank imbalance after balancing (mean and
+max over cells), redundant slots used, largest replica fan-out, the share of tokens
+served off their source rank, the gap to the bound and the solve time (wall clock of
+the policy's call, plan construction and checks included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from ultraep.bench.report import print_table, write_json
+from ultraep.planner import ExpertLayout, plan_placement
+from ultraep.planner.baselines import EPLB, ideal_rank_load, ideal_remote_fraction, no_balancing, replicas_below
+from ultraep.planner.bound import DEFAULT_MAX_BINARIES, lower_bound
+from ultraep.planner.plan import imbalance
+from ultraep.planner.traces import GENERATORS, load_trace
+
+POLICIES = ("none", "ultraep", "eplb", "ideal")
+BOUNDED = ("none", "ultraep", "eplb")  # policies that obey the planner's constraints
+TIMED = ("ultraep", "eplb")
+# One NVLink domain of 16 ranks, as in the paper's solver test (EP64 in one domain), scaled
+# down so the MILP bound (time-limited) keeps the whole demo to seconds on two cores.
+DEMO = dict(generate="demo", ranks=16, experts=64, slots=2, domain=16, top_k=8, tokens_per_rank=2048,
+            steps=16, layers=3, seed=0, min_replica_tokens=512, bound_time_limit=0.4)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ultraep.bench plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--trace", help="replay this .npz trace (see ultraep.planner.traces)")
+    source.add_argument("--generate", choices=sorted(GENERATORS), help="generate a synthetic trace")
+    source.add_argument("--demo", action="store_true",
+                        help="built-in non-stationary trace on the CPU, sized to run in seconds")
+    p.add_argument("--ranks", type=int, default=16, help="EP ranks R (generated traces)")
+    p.add_argument("--experts", type=int, default=64, help="logical experts E (generated traces)")
+    p.add_argument("--slots", type=int, default=2, help="redundant slots per rank S")
+    p.add_argument("--domain", type=int, default=None, help="NVLink domain size D (default: all ranks)")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--tokens-per-rank", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target-imbalance", type=float, default=2.0, help="--generate zipf: initial rank max/mean")
+    p.add_argument("--min-replica-tokens", type=int, default=1024)
+    p.add_argument("--backend", choices=("numpy", "cupy"), default="numpy", help="backend of the ultraep policy")
+    p.add_argument("--eplb-window", type=int, default=10, help="past micro-batches EPLB places from")
+    p.add_argument("--eplb-interval", type=int, default=1, help="micro-batches between EPLB re-placements")
+    p.add_argument("--bound", choices=("auto", "milp", "lp", "trivial"), default="auto",
+                   help="lower-bound method (auto: MILP on small layouts, LP on large)")
+    p.add_argument("--bound-time-limit", type=float, default=2.0, help="seconds per lower-bound solve")
+    p.add_argument("--bound-max-binaries", type=int, default=DEFAULT_MAX_BINARIES,
+                   help="largest MILP (replica variables) that --bound auto still solves exactly")
+    p.add_argument("--json", help="write the results to this JSON file")
+    p.add_argument("--plot", help="draw per-rank loads before/after and imbalance over steps to this PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    return p
+
+
+def make_trace(args):
+    if args.trace:
+        return load_trace(args.trace)
+    kwargs = dict(steps=args.steps, layers=args.layers, num_ranks=args.ranks, num_experts=args.experts,
+                  top_k=args.top_k, tokens_per_rank=args.tokens_per_rank, seed=args.seed)
+    if args.generate == "zipf":
+        kwargs["target_imbalance"] = args.target_imbalance
+    return GENERATORS[args.generate or "demo"](**kwargs)
+
+
+def _synchronize(backend: str) -> None:
+    if backend == "cupy":
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+
+
+class _Progress:
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.quiet = total, quiet
+        self.start = self.last = time.perf_counter()
+
+    def update(self, done: int, step: int, layer: int) -> None:
+        now = time.perf_counter()
+        if self.quiet or (now - self.last < 2.0 and done < self.total):
+            return
+        self.last = now
+        print(f"[bench plan] {done}/{self.total} cells (step {step}, layer {layer}), {now - self.start:.1f} s",
+              file=sys.stderr, flush=True)
+
+
+def replay(loads: np.ndarray, layout: ExpertLayout, *, min_replica_tokens: int, backend: str = "numpy",
+           eplb_window: int = 10, eplb_interval: int = 1, bound_method: str = "auto",
+           bound_time_limit: float = 2.0, bound_max_binaries: int = DEFAULT_MAX_BINARIES,
+           quiet: bool = True) -> dict:
+    """Run every policy on ``loads[steps, layers, R, E]``; per-cell arrays keyed by metric and policy."""
+    steps, layers = loads.shape[:2]
+    shape = (steps, layers)
+    cell = {metric: {p: np.zeros(shape) for p in POLICIES}
+            for metric in ("imbalance", "max_load", "slots", "fanout", "remote", "time_s", "gap")}
+    rank_load = {p: np.zeros((steps, layers, layout.num_ranks), dtype=np.int64) for p in POLICIES}
+    before = np.zeros(shape)
+    bound_value = np.zeros(shape, dtype=np.int64)
+    bound_methods = np.empty(shape, dtype=object)
+    bound_exact = np.zeros(shape, dtype=bool)
+    bound_time = np.zeros(shape)
+    eplb_below_min = np.zeros(shape, dtype=np.int64)
+    invalid_ultraep = []
+    eplb = [EPLB(layout, window=eplb_window, rebalance_every=eplb_interval) for _ in range(layers)]
+    if backend == "cupy":  # compile and load the kernel outside the timed region
+        plan_placement(loads[0, 0], layout, min_replica_tokens=min_replica_tokens, backend=backend)
+        _synchronize(backend)
+    progress = _Progress(steps * layers, quiet)
+    for s in range(steps):
+        for l in range(layers):
+            current = loads[s, l]
+            plans, times = {"none": no_balancing(current, layout)}, {"none": np.nan}
+            t0 = time.perf_counter()
+            plan = plan_placement(current, layout, min_replica_tokens=min_replica_tokens, backend=backend)
+            _synchronize(backend)
+            times["ultraep"] = time.perf_counter() - t0
+            plans["ultraep"] = plan.to_numpy()
+            t0 = time.perf_counter()
+            plans["eplb"] = eplb[l].plan(current, observe=False)
+            times["eplb"] = time.perf_counter() - t0
+            eplb[l].observe(current)
+            eplb_below_min[s, l] = replicas_below(plans["eplb"], min_replica_tokens)
+            try:
+                plans["ultraep"].validate(min_replica_tokens)
+                feasible = int(plans["ultraep"].rank_load.max())
+            except AssertionError as exc:  # reported, never trusted for the bound's exactness
+                invalid_ultraep.append({"step": s, "layer": l, "error": str(exc)})
+                feasible = None
+            bound = lower_bound(current, layout, min_replica_tokens=min_replica_tokens, method=bound_method,
+                                time_limit=bound_time_limit, max_binaries=bound_max_binaries,
+                                feasible_max=feasible)
+            bound_value[s, l], bound_methods[s, l] = bound.value, bound.method
+            bound_exact[s, l], bound_time[s, l] = bound.exact, bound.solve_time_s
+            before[s, l] = plans["none"].imbalance_after
+            for name, plan in plans.items():
+                rank_load[name][s, l] = plan.rank_load
+                cell["imbalance"][name][s, l] = plan.imbalance_after
+                cell["max_load"][name][s, l] = int(plan.rank_load.max())
+                cell["slots"][name][s, l] = plan.slots_used
+                cell["fanout"][name][s, l] = plan.max_fanout
+                cell["remote"][name][s, l] = plan.remote_fraction()
+                cell["time_s"][name][s, l] = times[name]
+                cell["gap"][name][s, l] = bound.gap(int(plan.rank_load.max()))
+            ideal = ideal_rank_load(current, layout)
+            rank_load["ideal"][s, l] = ideal
+            cell["imbalance"]["ideal"][s, l] = imbalance(ideal)
+            cell["max_load"]["ideal"][s, l] = int(ideal.max())
+            cell["remote"]["ideal"][s, l] = ideal_remote_fraction(layout)
+            cell["time_s"]["ideal"][s, l] = np.nan
+            cell["gap"]["ideal"][s, l] = np.nan
+            progress.update(s * layers + l + 1, s, l)
+    return dict(cell=cell, rank_load=rank_load, before=before, bound_value=bound_value,
+                bound_method=bound_methods, bound_exact=bound_exact, bound_time=bound_time,
+                eplb_below_min=eplb_below_min, invalid_ultraep=invalid_ultraep)
+
+
+def summarize(result: dict) -> list[dict]:
+    cell = result["cell"]
+    rows = []
+    for name in POLICIES:
+        bounded = name in BOUNDED
+        row = {
+            "policy": name,
+            "imb mean": float(cell["imbalance"][name].mean()),
+            "imb max": float(cell["imbalance"][name].max()),
+            "slots mean": float(cell["slots"][name].mean()) if bounded else None,
+            "slots max": int(cell["slots"][name].max()) if bounded else None,
+            "fanout max": int(cell["fanout"][name].max()) if bounded else None,
+            "remote": float(cell["remote"][name].mean()),
+            "gap mean": float(cell["gap"][name].mean()) if bounded else None,
+            "gap max": float(cell["gap"][name].max()) if bounded else None,
+            "ms mean": float(cell["time_s"][name].mean() * 1e3) if name in TIMED else None,
+            "ms max": float(cell["time_s"][name].max() * 1e3) if name in TIMED else None,
+        }
+        rows.append(row)
+    return rows
+
+
+SUMMARY_COLUMNS = ["policy", "imb mean", "imb max", "slots mean", "slots max", "fanout max", "remote",
+                   "gap mean", "gap max", "ms mean", "ms max"]
+
+
+def per_layer_rows(result: dict) -> list[dict]:
+    cell, layers = result["cell"], result["before"].shape[1]
+    rows = []
+    for l in range(layers):
+        row = {"layer": l, "before mean": float(result["before"][:, l].mean()),
+               "before max": float(result["before"][:, l].max())}
+        for name in ("ultraep", "eplb"):
+            row[f"{name} mean"] = float(cell["imbalance"][name][:, l].mean())
+            row[f"{name} max"] = float(cell["imbalance"][name][:, l].max())
+        rows.append(row)
+    return rows
+
+
+def bound_summary(result: dict) -> dict:
+    methods = result["bound_method"].ravel().tolist()
+    exact = result["bound_exact"]
+    return {
+        "cells": len(methods),
+        "exact": int(exact.sum()),
+        "methods": {m: methods.count(m) for m in ("milp", "lp", "trivial")},
+        "exact_by_method": {m: int(sum(e for e, mm in zip(exact.ravel(), methods) if mm == m))
+                            for m in ("milp", "lp", "trivial")},
+        "time_s_mean": float(result["bound_time"].mean()),
+        "time_s_max": float(result["bound_time"].max()),
+    }
+
+
+def plot(result: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    before = result["before"]
+    s, l = np.unravel_index(np.argmax(before), before.shape)  # the worst cell without balancing
+    ranks = result["rank_load"]["none"].shape[-1]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, ranks * 0.45), 8))
+    width = 0.8 / 3
+    x = np.arange(ranks)
+    for i, name in enumerate(("none", "ultraep", "eplb")):
+        top.bar(x + (i - 1) * width, result["rank_load"][name][s, l], width, label=name)
+    top.axhline(result["rank_load"]["ideal"][s, l].mean(), color="k", ls="--", lw=1, label="ideal (mean)")
+    top.axhline(result["bound_value"][s, l], color="r", ls=":", lw=1, label="lower bound of max")
+    top.set(xlabel="rank", ylabel="tokens", title=f"per-rank load, step {s} layer {l} (worst before balancing)")
+    top.legend(fontsize=8)
+    steps = np.arange(before.shape[0])
+    bottom.plot(steps, before.max(axis=1), label="before (none)", color="C0")
+    for i, name in enumerate(("ultraep", "eplb"), start=1):
+        bottom.plot(steps, result["cell"]["imbalance"][name].max(axis=1), label=name, color=f"C{i}")
+    bottom.set(xlabel="step", ylabel="rank max/mean (worst layer)", title="imbalance over steps", yscale="log")
+    bottom.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.demo:
+        for key, value in DEMO.items():
+            setattr(args, key, value)
+    try:
+        trace = make_trace(args)
+        ranks, experts = trace.num_ranks, trace.num_experts
+        layout = ExpertLayout(ranks, experts, args.slots, args.domain)
+    except ValueError as exc:
+        print(f"bench plan: {exc}", file=sys.stderr)
+        return 2
+    source = args.trace or f"generated '{args.generate or 'demo'}' (seed {args.seed})"
+    print(f"trace: {source}: {trace.num_steps} steps x {trace.num_layers} layers, R={ranks} E={experts}; "
+          f"layout S={layout.redundant_slots} D={layout.domain_size} K={layout.max_instances}, "
+          f"min_replica_tokens={args.min_replica_tokens}, ultraep backend={args.backend}, "
+          f"EPLB window={args.eplb_window} interval={args.eplb_interval}")
+    start = time.perf_counter()
+    result = replay(trace.loads, layout, min_replica_tokens=args.min_replica_tokens, backend=args.backend,
+                    eplb_window=args.eplb_window, eplb_interval=args.eplb_interval, bound_method=args.bound,
+                    bound_time_limit=args.bound_time_limit, bound_max_binaries=args.bound_max_binaries,
+                    quiet=args.quiet)
+    elapsed = time.perf_counter() - start
+    rows = summarize(result)
+    print()
+    print_table(rows, SUMMARY_COLUMNS, "policies (imb: rank max/mean after balancing over all cells; "
+                "remote: token share served off its source rank; gap: max load over the lower bound - 1)")
+    if trace.num_layers > 1:
+        print()
+        print_table(per_layer_rows(result), ["layer", "before mean", "before max", "ultraep mean", "ultraep max",
+                                             "eplb mean", "eplb max"], "imbalance per layer (over steps)")
+    bounds = bound_summary(result)
+    print()
+    print(f"lower bound: exact on {bounds['exact']}/{bounds['cells']} cells "
+          f"(milp {bounds['methods']['milp']} cells, {bounds['exact_by_method']['milp']} exact; "
+          f"lp {bounds['methods']['lp']}, {bounds['exact_by_method']['lp']} exact; "
+          f"trivial {bounds['methods']['trivial']}, {bounds['exact_by_method']['trivial']} exact), "
+          f"{bounds['time_s_mean'] * 1e3:.1f} ms mean per cell. Where not exact, the gaps are upper "
+          f"estimates of the true distance to optimal.")
+    below = int(result["eplb_below_min"].sum())
+    if below:
+        print(f"EPLB left {below} replicas below min_replica_tokens={args.min_replica_tokens} "
+              f"(it does not know that constraint; its gaps may then undercut the bound's model).")
+    if result["invalid_ultraep"]:
+        first = result["invalid_ultraep"][0]
+        print(f"WARNING: {len(result['invalid_ultraep'])} ultraep plans broke an invariant, first at step "
+              f"{first['step']} layer {first['layer']}: {first['error']}", file=sys.stderr)
+    print(f"replayed {trace.num_steps * trace.num_layers} cells in {elapsed:.1f} s")
+    if args.json:
+        config = {k: getattr(args, k) for k in ("trace", "generate", "demo", "slots", "domain", "min_replica_tokens",
+                                                "backend", "eplb_window", "eplb_interval", "bound",
+                                                "bound_time_limit", "seed")}
+        config.update(num_ranks=ranks, num_experts=experts, max_instances=layout.max_instances,
+                      steps=trace.num_steps, layers=trace.num_layers)
+        per_cell = {metric: {name: values[name] for name in POLICIES} for metric, values in result["cell"].items()}
+        write_json(args.json, {
+            "benchmark": "plan",
+            "config": config,
+            "trace_metadata": trace.metadata,
+            "policies": rows,
+            "per_layer": per_layer_rows(result),
+            "lower_bound": dict(bounds, value=result["bound_value"], method=result["bound_method"].tolist(),
+                                exact=result["bound_exact"]),
+            "imbalance_before": result["before"],
+            "per_cell": per_cell,
+            "eplb_replicas_below_min": result["eplb_below_min"],
+            "invalid_ultraep_plans": result["invalid_ultraep"],
+            "elapsed_s": elapsed,
+        })
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(result, args.plot, f"ultraep bench plan: {source}, R={ranks} E={experts} S={layout.redundant_slots} "
+                                f"D={layout.domain_size}")
+        print(f"wrote {args.plot}")
+    return 1 if result["invalid_ultraep"] else 0

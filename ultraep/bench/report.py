@@ -1,0 +1,127 @@
+"""Benchmark output shared by every benchmark: fixed-width tables and JSON with run metadata."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def format_value(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        if math.isnan(value):
+            return "nan"
+        if abs(value) >= 1000:
+            return f"{value:.0f}"
+        if abs(value) >= 100:
+            return f"{value:.1f}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+def print_table(rows: list[dict], columns: list[str], title: str, file=None) -> None:
+    """Print ``rows`` as a fixed-width table of ``columns`` (missing cells print ``-``)."""
+    file = file or sys.stdout
+    cells = [[format_value(row.get(column)) for column in columns] for row in rows]
+    widths = [max([len(column)] + [len(line[i]) for line in cells]) for i, column in enumerate(columns)]
+    # Text columns (the first one, typically a name) align left, numbers right.
+    left = [all(not _numeric(row.get(column)) for row in rows) for column in columns]
+
+    def line(values):
+        return "  ".join(v.ljust(w) if l else v.rjust(w) for v, w, l in zip(values, widths, left)).rstrip()
+
+    rule = "-" * len(line(columns))
+    print(title, file=file)
+    print(rule, file=file)
+    print(line(columns), file=file)
+    print(rule, file=file)
+    for values in cells:
+        print(line(values), file=file)
+    print(rule, file=file)
+
+
+def _numeric(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def device_name() -> str:
+    """The GPU's name when CuPy sees one, else ``"cpu"``."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "cpu"
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        return "cpu"
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(_REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def run_metadata() -> dict:
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "device": device_name(),
+        "git_commit": git_commit(),
+        "command": " ".join([Path(sys.executable).name, "-m", "ultraep.bench"] + sys.argv[1:])
+        if sys.argv and sys.argv[0].endswith("__main__.py") else " ".join(sys.argv),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+
+
+def _jsonable(value):
+    """Plain JSON values: NumPy scalars/arrays converted, NaN and infinities as null."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to JSON")
+
+
+def write_json(path, payload: dict) -> Path:
+    """Write ``{"meta": run_metadata(), **payload}`` to ``path`` as strict JSON (NaN -> null)."""
+    if "meta" in payload:
+        raise ValueError("payload must not have a 'meta' key: write_json adds it")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(_jsonable({"meta": run_metadata(), **payload}), fh, indent=1, allow_nan=False)
+        fh.write("\n")
+    return path
