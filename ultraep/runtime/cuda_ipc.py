@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ultraep.runtime.group import EPGroup, check_distinct_processes
-from ultraep.runtime.heap import BarrierTimeout, SymmetricHeap
+from ultraep.runtime.heap import BarrierTimeout, HeapError, SymmetricHeap, _abandoned
 from ultraep.runtime.kernels import get_function
 
 _STATUS_FIELDS = 4  # failed flag, waited rank, expected epoch, value seen
@@ -62,6 +62,7 @@ class CudaIpcHeap(SymmetricHeap):
             # Device table of peer base pointers: what every heap kernel indexes.
             self.peer_bases = cupy.asarray(np.array(self._bases, dtype=np.uint64))
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
+            self._last_timeout_s = 0.0
             self._barrier_kernel = get_function("heap.cu", "symmetric_barrier", group=group)
 
     def base_pointer(self, rank: int) -> int:
@@ -76,18 +77,25 @@ class CudaIpcHeap(SymmetricHeap):
         memory = cupy.cuda.UnownedMemory(self._bases[rank] + offset, nbytes, self, device_id=self.device)
         return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
-    def _device_barrier(self, epoch: int, timeout_s: float) -> None:
-        import cupy
-
-        self._status.fill(0)
+    def _device_barrier(self, epoch: int, timeout_s: float, wait: bool) -> None:
         threads = min(1024, max(32, -(-self.size // 32) * 32))
+        # The status word is only cleared once reported, so a timeout of an unchecked
+        # (wait=False) barrier survives until check_barriers() reads it.
         self._barrier_kernel((1,), (threads,), (self.peer_bases, np.int32(self.rank), np.int32(self.size),
                                                 np.uint64(0), np.uint64(epoch), np.uint64(int(timeout_s * 1e9)),
                                                 self._status))
+        self._last_timeout_s = timeout_s
+        if wait:
+            self.check_barriers()
+
+    def check_barriers(self) -> None:
+        import cupy
+
         cupy.cuda.get_current_stream().synchronize()
         failed, waited, expected, seen = (int(v) for v in self._status.get())
         if failed:
-            raise BarrierTimeout(self._timeout_message(waited, expected, seen, timeout_s))
+            self._status.fill(0)
+            raise BarrierTimeout(self._timeout_message(waited, expected, seen, self._last_timeout_s))
 
     def _close_peers(self) -> None:
         from cupy.cuda import runtime
@@ -96,12 +104,16 @@ class CudaIpcHeap(SymmetricHeap):
             runtime.ipcCloseMemHandle(ptr)
         self._opened = []
 
-    def _release(self) -> None:
+    def _release(self, timeout_s: float) -> None:
         import cupy
 
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
             self._close_peers()
-            self.group.barrier()  # every peer has unmapped this rank's heap before it is freed
             self.peer_bases = None
+            try:
+                self.group.barrier(timeout_s)  # every peer has unmapped this rank's heap before it is freed
+            except TimeoutError as exc:
+                _abandoned.append(self._memory)  # a peer may still map it: never free
+                raise HeapError(f"heap close: {exc}; device allocation left in place") from None
             self._memory = None  # cudaFree

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, Sequence
 
 
@@ -82,9 +83,20 @@ class EPGroup:
     def allgather(self, obj: Any) -> list:
         return list(self.comm.allgather(obj))
 
-    def barrier(self) -> None:
-        """Host barrier: the communicator's own where it has one."""
-        if callable(getattr(self.comm, "Barrier", None)):
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Host barrier: the communicator's own where it has one.
+
+        With ``timeout_s`` (mpi4py communicators) raises :class:`TimeoutError` when not
+        every rank arrives in time -- e.g. a teardown while one rank is failing alone.
+        """
+        if timeout_s is not None and callable(getattr(self.comm, "Ibarrier", None)):
+            request = self.comm.Ibarrier()
+            deadline = time.monotonic() + timeout_s
+            while not request.Test():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {self.rank}: not every rank reached the barrier within {timeout_s:g} s")
+                time.sleep(1e-3)
+        elif callable(getattr(self.comm, "Barrier", None)):
             self.comm.Barrier()
         else:
             self.allgather(None)
@@ -108,16 +120,16 @@ class EPGroup:
         return values[0]
 
     def raise_if_any(self, local_error: BaseException | str | None, what: str) -> None:
-        """Collective error check: if any rank failed, raise on every rank, naming who and why."""
+        """Collective error check: if any rank failed, raise the same ValueError on every
+        rank, naming each failed rank and its reason (the local exception is the cause)."""
         message = None if local_error is None else str(local_error)
         errors = self.allgather(message)
         failed = [(r, m) for r, m in enumerate(errors) if m is not None]
         if not failed:
             return
-        if isinstance(local_error, BaseException) and len(failed) == 1 and failed[0][0] == self.rank:
-            raise local_error
         detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
-        raise ValueError(f"{what} failed on {len(failed)} of {self.size} rank(s): {detail}")
+        error = ValueError(f"{what} failed on {len(failed)} of {self.size} rank(s): {detail}")
+        raise error from (local_error if isinstance(local_error, BaseException) else None)
 
     def __repr__(self) -> str:
         gpu = f"cuda:{self.device}" if self.device is not None else "cpu"

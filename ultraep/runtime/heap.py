@@ -15,6 +15,7 @@ is collective (synchronise, unmap peers, barrier, free).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 import numpy as np
 
@@ -26,10 +27,15 @@ ALLOC_ALIGN = 256               # every sub-allocation starts 256-byte aligned (
 SIGNAL_PAD_BYTES = 64 << 10     # 8192 uint64 flags
 SIGNAL_SLOTS = SIGNAL_PAD_BYTES // 8
 DEFAULT_BARRIER_TIMEOUT_S = 30.0
+DEFAULT_CLOSE_TIMEOUT_S = 300.0
+FAILING_CLOSE_TIMEOUT_S = 5.0
 
 
 class HeapError(RuntimeError):
     """The heap cannot serve the request (closed, out of space, broken by a timeout)."""
+
+
+_abandoned: list = []  # allocations left unfreed by a close that peers never joined
 
 
 class BarrierTimeout(TimeoutError):
@@ -119,10 +125,15 @@ class SymmetricHeap:
     def view(self, rank: int, offset: int, shape: tuple, dtype: np.dtype):
         raise NotImplementedError
 
-    def _device_barrier(self, epoch: int, timeout_s: float) -> None:
+    def _device_barrier(self, epoch: int, timeout_s: float, wait: bool) -> None:
         raise NotImplementedError
 
-    def _release(self) -> None:
+    def check_barriers(self) -> None:
+        """Raise :class:`BarrierTimeout` if a barrier launched with ``wait=False`` timed out."""
+
+    def _release(self, timeout_s: float) -> None:
+        """Unmap peers, wait (at most ``timeout_s``) for every rank, then free; on a timeout
+        leave the local allocation in place (peers may still map it) and raise HeapError."""
         raise NotImplementedError
 
     # -- collective sub-allocation -----------------------------------------------------
@@ -169,17 +180,19 @@ class SymmetricHeap:
         return block
 
     # -- synchronisation ----------------------------------------------------------------
-    def barrier(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> None:
+    def barrier(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, *, wait: bool = True) -> None:
         """Every rank signals every peer, then waits for all peers' signals of this epoch.
 
         Orders this rank's earlier writes into peers' heaps before peers' later reads.
         Raises :class:`BarrierTimeout` naming the rank, flag and expected value if a peer
         does not arrive in ``timeout_s``; the heap is unusable afterwards (close it).
+        On the GPU, ``wait=False`` only enqueues the barrier on the current stream (no
+        host synchronisation); :meth:`check_barriers` reports its outcome later.
         """
         self._check_usable()
         self._epoch += 1
         try:
-            self._device_barrier(self._epoch, float(timeout_s))
+            self._device_barrier(self._epoch, float(timeout_s), wait)
         except BarrierTimeout as exc:
             self._broken = str(exc)
             raise
@@ -195,18 +208,27 @@ class SymmetricHeap:
             raise HeapError(f"symmetric heap is unusable after an earlier barrier timeout ({self._broken}); close it")
 
     # -- teardown -----------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Collective: unmap peers, wait for every rank, then free the local allocation."""
         if self._closed:
             return
         self._closed = True
-        self._release()
+        self._release(timeout_s)
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc_info):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return
+        # Failing: if every rank fails together they all close; if this rank fails alone,
+        # a collective close would hang, so give up after a while and let the original
+        # exception propagate (under ``python -m mpi4py`` it aborts the job).
+        try:
+            self.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
+        except HeapError as close_error:
+            print(f"ultraep: {close_error}", file=sys.stderr, flush=True)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank={self.rank}, size={self.size}, total_bytes={self.total_bytes}, "

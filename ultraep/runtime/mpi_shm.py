@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from ultraep.runtime.group import EPGroup
-from ultraep.runtime.heap import BarrierTimeout, SymmetricHeap
+from ultraep.runtime.heap import BarrierTimeout, HeapError, SymmetricHeap, _abandoned
 
 
 class SharedMemoryHeap(SymmetricHeap):
@@ -52,7 +52,11 @@ class SharedMemoryHeap(SymmetricHeap):
         nbytes = int(np.prod(shape)) * dtype.itemsize
         return self._segments[rank][offset:offset + nbytes].view(dtype).reshape(shape)
 
-    def _device_barrier(self, epoch: int, timeout_s: float) -> None:
+    def fence(self) -> None:
+        """Memory fence for host stores into (and loads from) peers' segments."""
+        self._win.Sync()
+
+    def _device_barrier(self, epoch: int, timeout_s: float, wait: bool) -> None:
         self._win.Sync()  # this rank's earlier stores land before its flags
         for peer in range(self.size):
             self.view(peer, 0, (self.size,), np.dtype(np.uint64))[self.rank] = epoch
@@ -66,9 +70,13 @@ class SharedMemoryHeap(SymmetricHeap):
                 self._win.Sync()
         self._win.Sync()  # peers' stores before their flags are visible to this rank's reads
 
-    def _release(self) -> None:
+    def _release(self, timeout_s: float) -> None:
         self._segments = []
         self._win.Unlock_all()
-        self._shm_comm.Barrier()  # nobody frees while a peer may still touch its segment
+        try:
+            self.group.barrier(timeout_s)  # nobody frees while a peer may still touch its segment
+        except TimeoutError as exc:
+            _abandoned.append((self._win, self._shm_comm))  # Win.Free is collective: it would hang
+            raise HeapError(f"heap close: {exc}; shared segment left allocated") from None
         self._win.Free()
         self._shm_comm.Free()
