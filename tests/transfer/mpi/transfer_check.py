@@ -1,0 +1,273 @@
+"""Multi-rank data-plane check, run under mpiexec by tests/transfer/test_transfer.py.
+
+Usage: python -m mpi4py transfer_check.py {cpu|cuda} {sync|relay|grads|empty|repeat|bad-input} [grad dtype]
+Every master's weights and every instance's gradients are a seeded function of (layer,
+expert, instance), so each rank checks what it holds without asking anyone.
+"""
+
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from ultraep.planner import ExpertLayout, Plan
+from ultraep.runtime.dtypes import BFLOAT16
+from ultraep.runtime.group import EPGroup
+from ultraep.runtime.heap import open_heap
+from ultraep.transfer import ExpertSpec, WeightTransfer
+from ultraep.transfer.executor import reference_reduce
+
+backend, check = sys.argv[1], sys.argv[2]
+grad_dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
+group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "cuda"))
+R, me = group.size, group.rank
+if backend == "cuda":
+    import cupy as xp
+    to_host = xp.asnumpy
+else:
+    xp = np
+    to_host = np.asarray
+
+HIDDEN, FFN, LAYERS = 64, 96, 2
+SPEC = ExpertSpec([("fc1", (2 * FFN, HIDDEN), "bfloat16"), ("fc2", (HIDDEN, FFN), "bfloat16"),
+                   ("bias", (37,), "bfloat16")], grad_dtype=grad_dtype)
+LAYOUT = ExpertLayout(R, 3 * R, 2)
+M = LAYOUT.experts_per_rank
+
+
+def values(seed, shape, dtype):
+    data = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return data.astype(BFLOAT16 if dtype.name == "bfloat16" else dtype)
+
+
+def master_weights(layer, e):
+    return [values((layer, e, t), w.shape, w.dtype) for t, w in enumerate(SPEC.weights)]
+
+
+def instance_grads(layer, e, instance):
+    return [values((layer, e, instance, t, 7), g.shape, g.dtype) for t, g in enumerate(SPEC.grads)]
+
+
+def random_plan(seed, max_fanout):
+    """Random placement that obeys the layout (<= S replicas per rank, one instance per rank)."""
+    rng = np.random.default_rng(seed)
+    K, P = LAYOUT.max_instances, LAYOUT.slots_per_rank
+    log_to_phys = np.full((LAYOUT.num_experts, K), -1, np.int32)
+    free = {r: list(range(M, P)) for r in range(R)}
+    for e in range(LAYOUT.num_experts):
+        log_to_phys[e, 0] = LAYOUT.master_slot(e)
+    for e in rng.permutation(LAYOUT.num_experts):
+        master = LAYOUT.master_rank(int(e))
+        candidates = [r for r in rng.permutation(R) if r != master and free[int(r)]]
+        for i, r in enumerate(candidates[: rng.integers(0, max_fanout + 1)]):
+            log_to_phys[e, i + 1] = int(r) * P + free[int(r)].pop(0)
+    loads = rng.integers(10, 100, size=(R, LAYOUT.num_experts)).astype(np.int32)
+    split = np.zeros((R, LAYOUT.num_experts, K), np.int64)
+    n = (log_to_phys >= 0).sum(axis=1)
+    for e in range(LAYOUT.num_experts):
+        split[:, e, : n[e]] = loads[:, e, None] // n[e]
+        split[:, e, 0] += loads[:, e] - split[:, e, : n[e]].sum(axis=1)
+    return Plan.from_split(LAYOUT, loads, log_to_phys, split)
+
+
+def register(engine, with_grads_of=None):
+    """Both layers; masters' gradients start as instance-0 gradients."""
+    grads_by_layer = {}
+    for layer in range(LAYERS):
+        weights = [[xp.asarray(w) for w in master_weights(layer, me * M + m)] for m in range(M)]
+        grads = [[xp.asarray(g) for g in instance_grads(layer, me * M + m, 0)] for m in range(M)]
+        engine.register_layer(layer, weights, grads)
+        grads_by_layer[layer] = grads
+    return grads_by_layer
+
+
+def poison_slots(engine):
+    for j in range(LAYOUT.redundant_slots):
+        for view in engine.replica_weights(j) + engine.replica_grads(j):
+            view.view(np.uint8)[...] = 0xA5
+
+
+def check_replicas(engine, plan, layer):
+    """Every redundant slot of this rank holds its expert's master weights, bit for bit."""
+    p2l = np.asarray(plan.phys_to_log).reshape(R, LAYOUT.slots_per_rank)[me, M:]
+    bad = 0
+    for j, e in enumerate(p2l.tolist()):
+        if e < 0:
+            continue
+        for got, want in zip(engine.replica_weights(j), master_weights(layer, e)):
+            bad += int(np.count_nonzero(to_host(got).view(np.uint16) != want.view(np.uint16)))
+    assert bad == 0, f"rank {me}: {bad} replica weight elements differ from their masters"
+    return int((p2l >= 0).sum())
+
+
+def run_sync(engine, trials, max_fanout):
+    filled = 0
+    for trial in range(trials):
+        plan, layer = random_plan(trial, max_fanout), trial % LAYERS
+        poison_slots(engine)
+        engine.heap.barrier()
+        engine.weight_sync(layer, plan)
+        engine.synchronize()
+        filled += check_replicas(engine, plan, layer)
+    return filled
+
+
+def sync(heap):
+    with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2, relay_threshold=R) as engine:
+        register(engine)
+        filled = run_sync(engine, 12, R - 1)
+        assert group.allgather(filled) and sum(group.allgather(filled)) > 0, "no replica was ever placed"
+        # Restore in backward = the same sync again, after the slots were used by another layer.
+        plan = random_plan(99, R - 1)
+        engine.weight_sync(1, plan)
+        poison_slots(engine)
+        heap.barrier()
+        engine.restore(0, plan)
+        engine.synchronize()
+        check_replicas(engine, plan, 0)
+
+
+def relay(heap):
+    with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2, relay_threshold=1, relay_count=1) as engine:
+        register(engine)
+        forwarded = 0
+        for trial in range(8):
+            plan, layer = random_plan(100 + trial, R - 1), trial % LAYERS
+            poison_slots(engine)
+            heap.barrier()
+            engine.weight_sync(layer, plan)
+            engine.synchronize()
+            check_replicas(engine, plan, layer)
+            # Chunk flags name their writer: a leaf's chunks must come from its relay.
+            sched = engine.schedule(plan)
+            ltp = np.asarray(plan.log_to_phys)
+            flags = to_host(heap.view(me, engine.placement.flag_base_slot * 8,
+                                      (LAYOUT.redundant_slots, engine.geometry.num_chunks), np.dtype(np.uint64)))
+            for e, tree in sched.relays.items():
+                for relay_instance, leaves in tree:
+                    relay_rank = int(ltp[e, relay_instance]) // LAYOUT.slots_per_rank
+                    for leaf in leaves:
+                        phys = int(ltp[e, leaf])
+                        if phys // LAYOUT.slots_per_rank != me:
+                            continue
+                        writers = flags[phys % LAYOUT.slots_per_rank - M] & 0xFFFF
+                        assert np.all(writers == relay_rank), f"rank {me}: leaf chunks of expert {e} written by {writers}, relay is {relay_rank}"
+                        forwarded += 1
+        total = sum(group.allgather(forwarded))
+        assert total > 0, "no leaf was served by a relay: the test proved nothing"
+        if me == 0:
+            print(f"relay: {total} leaf replicas received every chunk from their relay", flush=True)
+
+
+def grads(heap):
+    with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2) as engine:
+        masters = register(engine)
+        for trial in range(6):
+            plan, layer = random_plan(200 + trial, R - 1), trial % LAYERS
+            reset_master_grads(masters, layer)
+            write_replica_grads(engine, plan, layer)
+            engine.reduce_grads(layer, plan)
+            engine.synchronize()
+            check_master_grads(masters, plan, layer)
+
+
+def reset_master_grads(masters, layer):
+    for m in range(M):
+        for t, g in enumerate(instance_grads(layer, me * M + m, 0)):
+            masters[layer][m][t][...] = xp.asarray(g)
+
+
+def write_replica_grads(engine, plan, layer):
+    ltp = np.asarray(plan.log_to_phys)
+    for j, e in enumerate(np.asarray(plan.phys_to_log).reshape(R, -1)[me, M:].tolist()):
+        if e >= 0:
+            instance = int(np.flatnonzero(ltp[e] == me * LAYOUT.slots_per_rank + M + j)[0])
+            for view, g in zip(engine.replica_grads(j), instance_grads(layer, e, instance)):
+                view[...] = xp.asarray(g)
+
+
+def check_master_grads(masters, plan, layer):
+    counts = np.asarray(plan.replica_count)
+    bad = 0
+    for m in range(M):
+        e = me * M + m
+        per_instance = [instance_grads(layer, e, i) for i in range(int(counts[e]))]
+        for t in range(len(SPEC.grads)):
+            want = reference_reduce(per_instance[0][t], [p[t] for p in per_instance[1:]])
+            got = to_host(masters[layer][m][t])
+            bad += int(np.count_nonzero(got.view(np.uint8) != want.view(np.uint8)))
+    assert bad == 0, f"rank {me}: {bad} gradient bytes differ from the replica-order fp32 reference"
+
+
+def empty(heap):
+    with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2) as engine:
+        masters = register(engine)
+        plan = random_plan(300, 0)
+        assert int(np.asarray(plan.replica_count).max()) == 1
+        poison_slots(engine)
+        heap.barrier()
+        engine.weight_sync(0, plan)
+        engine.reduce_grads(0, plan)
+        engine.synchronize()
+        for j in range(LAYOUT.redundant_slots):
+            assert all(bool((to_host(v).view(np.uint8) == 0xA5).all()) for v in engine.replica_weights(j)), \
+                "an empty plan wrote into a replica slot"
+        check_master_grads(masters, plan, 0)
+
+
+def repeat(heap):
+    with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2, relay_threshold=1, relay_count=1) as engine:
+        masters = register(engine)
+        plan = random_plan(400, R - 1)
+        digests = set()
+        for _ in range(10):
+            reset_master_grads(masters, 1)
+            poison_slots(engine)
+            heap.barrier()
+            engine.weight_sync(1, plan)
+            write_replica_grads(engine, plan, 1)
+            engine.reduce_grads(1, plan)
+            engine.synchronize()
+            check_master_grads(masters, plan, 1)
+            blobs = [to_host(t).tobytes() for per in masters[1] for t in per]
+            blobs += [to_host(v).tobytes() for j in range(LAYOUT.redundant_slots) for v in engine.replica_weights(j)]
+            digests.add(hash(b"".join(blobs)))
+        assert len(digests) == 1, f"rank {me}: results differ across 10 runs"
+
+
+def expect_error(fn, needle):
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        assert needle in str(exc), f"rank {me}: error lacks {needle!r}: {exc}"
+    else:
+        raise AssertionError(f"rank {me}: expected an error containing {needle!r}")
+
+
+def bad_input(heap):
+    with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2) as engine:
+        plan = random_plan(500, 2)
+        expect_error(lambda: engine.weight_sync(0, plan), "no registered master")
+        good = [[xp.asarray(w) for w in master_weights(0, me * M + m)] for m in range(M)]
+        grads0 = [[xp.asarray(g) for g in instance_grads(0, me * M + m, 0)] for m in range(M)]
+        wrong = [[xp.zeros((3, 3), xp.float32) if (me == 1 and t == 0) else w for t, w in enumerate(per)] for per in good]
+        expect_error(lambda: engine.register_layer(0, wrong, grads0), "register_layer(0) failed")
+        short = good[:-1] if me == 2 else good
+        expect_error(lambda: engine.register_layer(0, short, grads0), "masters x")
+        engine.register_layer(0, good, grads0)
+        other = ExpertLayout(R, 2 * R, 2)
+        other_plan = Plan.from_split(other, np.ones((R, 2 * R), np.int32),
+                                     np.array([[other.master_slot(e)] + [-1] * (other.max_instances - 1)
+                                               for e in range(2 * R)], np.int32),
+                                     np.pad(np.ones((R, 2 * R, 1), np.int64), ((0, 0), (0, 0), (0, other.max_instances - 1))))
+        poison_slots(engine)
+        heap.barrier()
+        expect_error(lambda: engine.weight_sync(0, other_plan), "plan is for")
+        for j in range(LAYOUT.redundant_slots):  # nothing was written by the refused calls
+            assert all(bool((to_host(v).view(np.uint8) == 0xA5).all()) for v in engine.replica_weights(j))
+    expect_error(lambda: WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=1000), "tile_bytes")
+
+
+with open_heap(group, 8 << 20, backend=backend) as heap:
+    {"sync": sync, "relay": relay, "grads": grads, "empty": empty, "repeat": repeat, "bad-input": bad_input}[check](heap)
+print(f"[{check}] rank {me} OK", flush=True)

@@ -1,0 +1,22 @@
+"""Data plane across 4 ranks: weight sync (with and without relay), gradient reduction,
+empty plans, repeatability and bad input -- CPU backend in CI, CUDA IPC on a GPU."""
+
+import pytest
+
+from tests.conftest import assert_all_ranks_ok, requires_gpu, run_ranks
+
+RANKS = 4
+BACKENDS = [pytest.param("cpu", id="cpu"),
+            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, requires_gpu])]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("check, grad_dtype", [("sync", "float32"), ("relay", "float32"), ("grads", "float32"),
+                                               ("grads", "bfloat16"), ("empty", "float32"), ("repeat", "float32"),
+                                               ("bad-input", "float32")])
+def test_transfer_across_ranks(backend, check, grad_dtype):
+    out = run_ranks(RANKS, "transfer/mpi/transfer_check.py", backend, check, grad_dtype, timeout=240)
+    assert_all_ranks_ok(out, RANKS, check)
+    if check == "relay":
+        assert "every chunk from their relay" in out

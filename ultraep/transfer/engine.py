@@ -1,0 +1,223 @@
+"""``WeightTransfer``: the data plane of one EP group, a thin object over the kernels.
+
+Set up once per EP group with the layout and the expert's tensor spec: ``S`` weight slots
+and ``S`` gradient slots per rank in the symmetric heap (shared by all layers; no
+optimizer state) plus the chunk flags. Per layer the framework registers its master
+weights and gradients (they stay in the framework's memory). Per micro-batch and layer:
+
+* :meth:`weight_sync` copies each replicated master into its replica slots (relay trees
+  for hot experts) and, by default, ends with a heap barrier so every replica is complete
+  before token dispatch; :meth:`restore` re-runs it for a saved plan in backward;
+* :meth:`reduce_grads` adds every replica's gradient into its master's gradient in
+  replica order, fp32 accumulation, deterministic, after a barrier that says all replica
+  gradients are written, and before one that frees the slots for the next layer.
+
+On the GPU everything is enqueued on CuPy's current stream (the caller's; see
+``runtime.dlpack.caller_stream``); :meth:`synchronize` waits and reports device-side
+timeouts. On the CPU backend the NumPy executor runs the same schedule.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ultraep.runtime.dlpack import import_tensor
+from ultraep.runtime.heap import SymmetricHeap
+from ultraep.transfer.executor import TransferTimeout, chunk_timeout_message, run_grad_tasks, run_weight_tasks
+from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule
+from ultraep.transfer.spec import ExpertSpec
+
+DEFAULT_TILE_BYTES = 32 << 10
+MAX_TILE_BYTES = 64 << 10  # the kernel keeps a tile in registers: 512 threads x 8 x 16 B
+_STATUS_FIELDS = 4
+
+
+class WeightTransfer:
+    def __init__(self, heap: SymmetricHeap, layout, spec: ExpertSpec, *, tile_bytes: int = DEFAULT_TILE_BYTES,
+                 chunk_tiles: int = 8, relay_threshold: int = 3, relay_count: int = 2, blocks: int | None = None,
+                 timeout_s: float = 30.0):
+        group = heap.group
+        error = None
+        if layout.num_ranks != heap.size:
+            error = f"layout has {layout.num_ranks} ranks but the heap's group has {heap.size}"
+        elif not 0 < tile_bytes <= MAX_TILE_BYTES or tile_bytes % 256:
+            error = f"tile_bytes must be a multiple of 256 in (0, {MAX_TILE_BYTES}], got {tile_bytes}"
+        elif relay_threshold < 1 or relay_count < 1:
+            error = f"relay_threshold and relay_count must be >= 1, got {relay_threshold}, {relay_count}"
+        group.raise_if_any(error, "WeightTransfer set-up")
+        group.agree((repr(layout), spec.key(), tile_bytes, chunk_tiles, relay_threshold, relay_count),
+                    "WeightTransfer set-up (layout, expert spec, tiling, relay options)")
+        self.heap, self.group, self.layout, self.spec = heap, group, layout, spec
+        self.rank = heap.rank
+        self.geometry = TileGeometry(spec, tile_bytes, chunk_tiles)
+        self.relay_threshold, self.relay_count = relay_threshold, relay_count
+        self.timeout_s = timeout_s
+        slots = max(layout.redundant_slots, 1)  # S = 0 keeps one idle slot so offsets stay defined
+        self._weights = heap.alloc("transfer.replica_weights", (slots, spec.weight_slot_bytes), np.uint8)
+        self._grads = heap.alloc("transfer.replica_grads", (slots, spec.grad_slot_bytes), np.uint8)
+        self._flags = heap.alloc_signals("transfer.chunk_flags", slots * self.geometry.num_chunks)
+        self.placement = HeapPlacement(self._weights.offset, self._grads.offset, self._flags.first_slot)
+        self._layers: dict = {}
+        self._schedules: dict = {}
+        self._epoch = 0
+        self.gpu = heap.backend == "cuda"
+        if self.gpu:
+            import cupy
+            from ultraep.runtime.kernels import get_function
+            self._sync_kernel = get_function("transfer.cu", "weight_sync", group=group)
+            name = "reduce_grads<__nv_bfloat16>" if spec.grad_dtype.name == "bfloat16" else "reduce_grads<float>"
+            if spec.grad_dtype.name not in ("bfloat16", "float32"):
+                raise ValueError(f"the GPU gradient reduction supports float32 and bfloat16 gradients, not {spec.grad_dtype}")
+            self._reduce_kernel = get_function("transfer.cu", name, group=group)
+            self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
+            self._next_task = cupy.zeros(1, dtype=np.int32)
+            sms = cupy.cuda.runtime.getDeviceProperties(heap.device)["multiProcessorCount"]
+            self.blocks = blocks or 2 * sms
+            # Replica-slot tensor pointers follow the masters in every layer's source table.
+            self._slot_ptrs = [int(self._weights.local[s].data.ptr) + off
+                               for s in range(layout.redundant_slots) for off in spec.weight_offsets]
+        else:
+            self.blocks = blocks or 1
+
+    # -- buffers the framework computes with ------------------------------------------
+    def replica_weights(self, slot: int) -> list:
+        """Typed views (DLPack-exportable) of redundant slot ``slot``'s weight tensors."""
+        return self._slot_views(self._weights, slot, self.spec.weights, self.spec.weight_offsets)
+
+    def replica_grads(self, slot: int) -> list:
+        return self._slot_views(self._grads, slot, self.spec.grads, self.spec.grad_offsets)
+
+    def _slot_views(self, buffer, slot: int, tensors, offsets) -> list:
+        if not 0 <= slot < self.layout.redundant_slots:
+            raise IndexError(f"redundant slot {slot} outside [0, {self.layout.redundant_slots})")
+        base = buffer.offset + slot * buffer.shape[1]
+        return [self.heap.view(self.rank, base + off, t.shape, t.dtype) for t, off in zip(tensors, offsets)]
+
+    # -- per-layer registration ----------------------------------------------------------
+    def register_layer(self, layer: int, weights, grads) -> None:
+        """Collective. ``weights[m][t]`` / ``grads[m][t]``: tensor ``t`` of this rank's ``m``-th master."""
+        error, entry = None, None
+        try:
+            entry = self._import_layer(layer, weights, grads)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        self.group.raise_if_any(error, f"register_layer({layer})")
+        self.group.agree(layer, "registered layer id")
+        self._layers[layer] = entry
+
+    def _import_layer(self, layer, weights, grads):
+        M, device = self.layout.experts_per_rank, self.heap.device if self.gpu else None
+        for what, tensors in (("weights", weights), ("grads", grads)):
+            if len(tensors) != M or any(len(per_expert) != len(self.spec.weights) for per_expert in tensors):
+                raise ValueError(f"layer {layer} {what}: expected {M} masters x {len(self.spec.weights)} tensors")
+        sources, grad_views = [], []
+        for m in range(M):
+            for t, (w_spec, g_spec) in enumerate(zip(self.spec.weights, self.spec.grads)):
+                w = import_tensor(weights[m][t], name=f"layer {layer} master {m} weight {w_spec.name!r}", device=device,
+                                  dtype=w_spec.dtype)
+                g = import_tensor(grads[m][t], name=f"layer {layer} master {m} grad {g_spec.name!r}", device=device,
+                                  dtype=g_spec.dtype, writable=True)
+                for tensor, spec, what in ((w, w_spec, "weight"), (g, g_spec, "grad")):
+                    if tuple(tensor.shape) != spec.shape:
+                        raise ValueError(f"layer {layer} master {m} {what} {spec.name!r}: shape {tuple(tensor.shape)}, "
+                                         f"expected {spec.shape}")
+                sources.append(w)
+                grad_views.append(g)
+        if self.gpu:
+            import cupy
+            src_table = cupy.asarray(np.array([int(w.data.ptr) for w in sources] + self._slot_ptrs, dtype=np.uint64))
+            dst_table = cupy.asarray(np.array([int(g.data.ptr) for g in grad_views], dtype=np.uint64))
+            return {"sources": src_table, "grads": dst_table, "keep": (sources, grad_views)}
+        slot_views = [v.reshape(-1).view(np.uint8) for s in range(self.layout.redundant_slots)
+                      for v in self.replica_weights(s)]
+        return {"sources": [w.reshape(-1).view(np.uint8) for w in sources] + slot_views,
+                "grads": [g.reshape(-1) for g in grad_views]}
+
+    # -- schedules -----------------------------------------------------------------------
+    def schedule(self, plan) -> Schedule:
+        """This rank's compiled tasks for ``plan`` (cached while the plan object lives)."""
+        if plan.layout != self.layout:
+            raise ValueError(f"plan is for {plan.layout}, this WeightTransfer was set up for {self.layout}")
+        key = id(plan)
+        cached = self._schedules.get(key)
+        if cached is not None and cached[0] is plan:
+            return cached[1]
+        sched = compile_schedule(plan.to_numpy() if hasattr(plan, "to_numpy") else plan, self.spec, self.geometry,
+                                 self.placement, self.rank, relay_threshold=self.relay_threshold,
+                                 relay_count=self.relay_count)
+        if self.gpu:
+            import cupy
+            sched.device = {name: cupy.asarray(getattr(sched, name) if len(getattr(sched, name)) else
+                                               np.zeros((1, getattr(sched, name).shape[1]), np.int64))
+                            for name in ("weight_tasks", "dests", "grad_tasks", "grad_srcs")}
+            sched.device["counters"] = cupy.zeros(max(sched.num_counters, 1), dtype=np.int32)
+        if len(self._schedules) > 64:
+            self._schedules.clear()
+        self._schedules[key] = (plan, sched)
+        return sched
+
+    def _layer(self, layer):
+        entry = self._layers.get(layer)
+        if entry is None:
+            raise ValueError(f"layer {layer} has no registered master weights/gradients (call register_layer first)")
+        return entry
+
+    # -- transfers -----------------------------------------------------------------------
+    def weight_sync(self, layer: int, plan, *, blocks: int | None = None, barrier: bool = True) -> None:
+        """Fill every replica slot of ``plan`` with its master's weights (collective)."""
+        entry, sched = self._layer(layer), self.schedule(plan)
+        self._epoch += 1
+        if self.gpu:
+            self._launch_sync(entry, sched, blocks or self.blocks)
+        else:
+            run_weight_tasks(sched, self.heap, entry["sources"], self._epoch, self.timeout_s)
+        if barrier:
+            self.heap.barrier(self.timeout_s, wait=not self.gpu)
+
+    restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
+
+    def _launch_sync(self, entry, sched: Schedule, blocks: int) -> None:
+        if len(sched.weight_tasks) == 0:
+            return
+        dev = sched.device
+        dev["counters"].fill(0)
+        self._next_task.fill(0)
+        self._sync_kernel((blocks,), (512,), (
+            dev["weight_tasks"], np.int32(len(sched.weight_tasks)), dev["dests"], entry["sources"],
+            self.heap.peer_bases, np.int32(self.rank), np.uint64(self._epoch), dev["counters"], self._next_task,
+            np.uint64(int(self.timeout_s * 1e9)), self._status))
+
+    def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
+        """Masters += replica gradients in replica order (collective; barriers on both sides)."""
+        entry, sched = self._layer(layer), self.schedule(plan)
+        self.heap.barrier(self.timeout_s, wait=not self.gpu)  # every replica gradient is written
+        if self.gpu:
+            if len(sched.grad_tasks):
+                dev = sched.device
+                self._reduce_kernel((blocks or self.blocks,), (256,), (
+                    dev["grad_tasks"], np.int32(len(sched.grad_tasks)), dev["grad_srcs"], entry["grads"],
+                    self.heap.peer_bases))
+        else:
+            run_grad_tasks(sched, self.heap, entry["grads"], self.spec.grad_dtype)
+        self.heap.barrier(self.timeout_s, wait=not self.gpu)  # replica gradient slots are free again
+
+    def synchronize(self) -> None:
+        """Wait for the enqueued transfers; raise if a device-side wait timed out."""
+        if not self.gpu:
+            return
+        self.heap.check_barriers()
+        failed, slot, expected, seen = (int(v) for v in self._status.get())
+        if failed:
+            self._status.fill(0)
+            raise TransferTimeout(chunk_timeout_message(self.rank, slot, expected, seen, self.timeout_s))
+
+    def close(self) -> None:
+        """Drop registrations and schedules; the heap (owned by the caller) stays open."""
+        self._layers.clear()
+        self._schedules.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
