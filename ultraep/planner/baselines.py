@@ -59,7 +59,7 @@ def ideal_rank_load(loads, layout: ExpertLayout) -> np.ndarray:
     """Force-balanced ideal ``int64[R]``: the total spread as evenly as integers allow.
 
     Models a router that sends tokens uniformly over experts; such a router also makes
-    a ``(R - 1) / R`` share of the tokens remote (see ``IDEAL_REMOTE_FRACTION``).
+    a ``(R - 1) / R`` share of the tokens remote (``ideal_remote_fraction``).
     """
     loads = check_loads(loads, layout)
     total, ranks = int(loads.sum(dtype=np.int64)), layout.num_ranks

@@ -109,8 +109,7 @@ def _validate_topk(topk, loads: np.ndarray) -> None:
 
 def save_trace(path, loads, topk=None, metadata: dict | None = None) -> Path:
     """Validate and write a trace to ``path`` (``.npz``, compressed); returns the path."""
-    trace = Trace(np.asarray(loads) if not isinstance(loads, np.ndarray) else loads,
-                  topk, dict(metadata or {}))
+    trace = Trace(np.asarray(loads), None if topk is None else np.asarray(topk), dict(metadata or {}))
     meta = dict(trace.metadata, trace_format_version=TRACE_FORMAT_VERSION)
     try:
         meta_json = json.dumps(meta, sort_keys=True)
@@ -275,7 +274,7 @@ def _enforce_token_cap(counts: np.ndarray, shares: np.ndarray, tokens_per_rank: 
 
 
 def sample_loads(weights, tokens_per_rank: int, top_k: int, rng: np.random.Generator) -> np.ndarray:
-    """Draw ``int32[R, E]`` loads from per-source expert popularity ``weights`` (``[E]`` or ``[R, E]``)."""
+    """Draw ``int32[R, E]`` loads from per-source expert popularity ``weights[R, E]`` (any positive scale)."""
     weights = np.asarray(weights, dtype=np.float64)
     if weights.ndim != 2:
         raise ValueError(f"weights must have shape [ranks, experts], got {weights.shape}")
