@@ -1,30 +1,34 @@
-//! kernels: plan_domains, plan_split
+//! kernels: plan_domains<1>, plan_domains<2>, plan_domains<4>, plan_split
 // Quota planner on the GPU, bitwise equal to ultraep/planner/quota.py (read its module
 // docstring first: the same threshold search, greedy oracle and split, step by step).
 //
-// plan_domains: one 1024-thread block per NVLink domain. Expert loads (column sums of the
-//   load matrix) and the visiting orders live in shared memory; each of the 32 warps
-//   evaluates one threshold probe per round, its lanes owning ranks lane, lane+32, ...
-// plan_split:   one block per expert builds the locality-first split prefix; one extra
+// plan_domains<CHUNKS>: one 1024-thread block per NVLink domain of up to 32*CHUNKS ranks.
+//   Expert loads (column sums of the load matrix) and the visiting orders live in shared
+//   memory; each of the 32 warps evaluates one threshold probe per round with the probe's
+//   rank state in registers (lane l owns ranks l, l+32, ...) and records its moves, so
+//   the winning probe's moves become the plan without a re-run.
+// plan_split: one block per expert builds the locality-first split prefix; one extra
 //   block computes the imbalance before/after once every rank load is known.
 // All decisions use integer arithmetic (the total load is below 2**31) and break ties by
 // the lowest index, exactly as the NumPy reference does.
 
 #define FULL_MASK 0xffffffffu
-#define PROBES 32            // warps per block = probes per round (quota.PROBES_PER_ROUND)
-#define MAX_RANK_CHUNKS 4    // ranks per lane: domains of up to 128 ranks
+#define PROBES 32       // warps per block = probes per round (quota.PROBES_PER_ROUND)
+#define NEAR_SCALE 64   // quota.NEAR_SCALE: half the probes cover the first 1/64 of the gap
 
 struct DomainShared {
     int* expert_load;   // [D*M]  load of each expert of the domain
     int* rank_load0;    // [D]    load of each rank without balancing
     int* rank_order;    // [D]    ranks by descending load, ties lowest index
     int* expert_order;  // [D*M]  each rank's experts by descending load, ties lowest index
-    int* warp_state;    // [PROBES][3*D]  per probe: load, free slots, host mark
-    int* moves;         // [3*S*D] (expert, rank, tokens) of the final plan
+    int* warp_moves;    // [PROBES][2*S*D]  per probe: (expert << 8 | rank, tokens) per move
+    int* best_moves;    // [2*S*D]  moves of the lowest feasible threshold so far
     int* probe_tau;     // [PROBES]
-    int* probe_ok;      // [PROBES]
-    int* misc;          // [4]    lo, hi, number of moves
+    int* probe_ok;      // [PROBES]  1 feasible, 0 not, -1 not probed
+    int* probe_moves;   // [PROBES]
+    int* misc;          // [4]    lo, hi, number of best moves, winning warp
     int* used;          // [D]    replicas placed per rank
+    int* incoming;      // [D]    tokens of the replicas placed per rank
     int* replicas;      // [D*M]  instances per expert
     int* master_quota;  // [D*M]
 };
@@ -33,43 +37,43 @@ __device__ __forceinline__ bool better_rank(const int* load, int a, int b) {
     return load[a] > load[b] || (load[a] == load[b] && a < b);
 }
 
-// The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp.
-// When `moves` is non-null (lane 0 of the recording warp) the moves are stored there.
-__device__ bool run_oracle(const DomainShared& sh, int* state, int tau, int D, int M, int S,
-                           int max_replicas, int step, int* moves, int* num_moves) {
+// The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp; lane 0
+// stores the moves in `moves` and their number in `*num_moves` (when feasible).
+template <int CHUNKS>
+__device__ bool run_oracle(const DomainShared& sh, int tau, int D, int M, int S, int max_replicas, int step,
+                           int* moves, int* num_moves) {
     const int lane = threadIdx.x & 31;
-    int* load = state;
-    int* free_slots = state + D;
-    int* mark = state + 2 * D;
-    for (int t = lane; t < D; t += 32) {
-        load[t] = sh.rank_load0[t];
-        free_slots[t] = S;
-        mark[t] = -1;
+    int load[CHUNKS], free_slots[CHUNKS];
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+        const int t = lane + 32 * j;
+        load[j] = t < D ? sh.rank_load0[t] : 0;
+        free_slots[j] = t < D ? S : 0;  // ranks beyond the domain never have a free slot
     }
-    __syncwarp();
     int count = 0;
     for (int pos = 0; pos < D; ++pos) {
         const int r = sh.rank_order[pos];
-        int source_load = load[r];
+        int owned = 0;
+#pragma unroll
+        for (int j = 0; j < CHUNKS; ++j) if (j == (r >> 5)) owned = load[j];
+        int source_load = __shfl_sync(FULL_MASK, owned, r & 31);
         if (source_load <= tau) break;
         for (int k = 0; k < M && source_load > tau; ++k) {
             const int e = sh.expert_order[r * M + k];
             int remaining = sh.expert_load[e];
             int hosts = 1;
+            unsigned host_bits[CHUNKS];  // ranks hosting e, the same in every lane
+#pragma unroll
+            for (int j = 0; j < CHUNKS; ++j) host_bits[j] = j == (r >> 5) ? 1u << (r & 31) : 0u;
             while (source_load > tau && hosts <= max_replicas && remaining >= step) {
                 const int need = min(max(source_load - tau, step), remaining);
-                int slack[MAX_RANK_CHUNKS];
-                bool eligible[MAX_RANK_CHUNKS];
+                int slack[CHUNKS];
+                bool eligible[CHUNKS];
                 unsigned fit = 0xffffffffu, most = 0u;
 #pragma unroll
-                for (int j = 0; j < MAX_RANK_CHUNKS; ++j) {
-                    const int t = lane + 32 * j;
-                    eligible[j] = false;
-                    slack[j] = 0;
-                    if (t < D) {
-                        slack[j] = tau - load[t];
-                        eligible[j] = free_slots[t] > 0 && slack[j] >= step && mark[t] != e && t != r;
-                    }
+                for (int j = 0; j < CHUNKS; ++j) {
+                    slack[j] = tau - load[j];
+                    eligible[j] = free_slots[j] > 0 && slack[j] >= step && !((host_bits[j] >> lane) & 1u);
                     if (eligible[j]) {
                         if (slack[j] >= need) fit = min(fit, (unsigned)slack[j]);
                         most = max(most, (unsigned)slack[j]);
@@ -81,24 +85,20 @@ __device__ bool run_oracle(const DomainShared& sh, int* state, int tau, int D, i
                 const int chosen = (int)(fit != 0xffffffffu ? fit : most);
                 int target = -1;
 #pragma unroll
-                for (int j = 0; j < MAX_RANK_CHUNKS; ++j) {
+                for (int j = 0; j < CHUNKS; ++j) {
                     const unsigned hit = __ballot_sync(FULL_MASK, eligible[j] && slack[j] == chosen);
                     if (target < 0 && hit) target = 32 * j + __ffs(hit) - 1;
                 }
                 const int amount = (chosen - need >= step) ? need : min(chosen, remaining);
-                __syncwarp();  // every lane has read the state before lane 0 changes it
-                if (lane == 0) {
-                    load[r] = source_load - amount;
-                    load[target] += amount;
-                    free_slots[target] -= 1;
-                    mark[target] = e;
-                    if (moves) {
-                        moves[3 * count] = e;
-                        moves[3 * count + 1] = target;
-                        moves[3 * count + 2] = amount;
+#pragma unroll
+                for (int j = 0; j < CHUNKS; ++j) {
+                    if (j == (target >> 5)) {
+                        host_bits[j] |= 1u << (target & 31);
+                        if (lane == (target & 31)) { load[j] += amount; free_slots[j] -= 1; }
                     }
+                    if (j == (r >> 5) && lane == (r & 31)) load[j] -= amount;
                 }
-                __syncwarp();
+                if (lane == 0) { moves[2 * count] = (e << 8) | target; moves[2 * count + 1] = amount; }
                 ++count;
                 source_load -= amount;
                 remaining -= amount;
@@ -107,16 +107,29 @@ __device__ bool run_oracle(const DomainShared& sh, int* state, int tau, int D, i
         }
         if (source_load > tau) return false;
     }
-    if (num_moves && lane == 0) *num_moves = count;
+    if (lane == 0) *num_moves = count;
     return true;
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
+// The probes of one round, ascending (quota.probe_points).
+__device__ __forceinline__ int probe_point(int lo, long long gap, int w, bool* active) {
+    *active = true;
+    if (gap - 1 <= PROBES) { *active = w < gap - 1; return lo + 1 + w; }
+    const int half = PROBES / 2;
+    if (gap >= (long long)NEAR_SCALE * (half + 1)) {
+        if (w < half) return (int)(lo + (w + 1) * gap / ((long long)NEAR_SCALE * (half + 1)));
+        return (int)(lo + (w - half + 1) * gap / (half + 1));
+    }
+    return (int)(lo + (w + 1) * gap / (PROBES + 1));
+}
+
+template <int CHUNKS>
+__global__ void __launch_bounds__(1024)
 plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, int step, int tau_tolerance,
              int* __restrict__ phys_to_log, int* __restrict__ log_to_phys, int* __restrict__ replica_count,
              int* __restrict__ quota, long long* __restrict__ rank_load) {
     extern __shared__ int smem[];
-    const int M = E / R, DM = D * M, slots_per_rank = M + S;
+    const int M = E / R, DM = D * M, slots_per_rank = M + S, move_ints = 2 * S * D;
     const int first_rank = blockIdx.x * D, first_expert = first_rank * M;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     DomainShared sh;
@@ -125,28 +138,35 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     sh.rank_load0 = cursor;   cursor += D;
     sh.rank_order = cursor;   cursor += D;
     sh.expert_order = cursor; cursor += DM;
-    sh.warp_state = cursor;   cursor += PROBES * 3 * D;
-    sh.moves = cursor;        cursor += 3 * S * D;
+    sh.warp_moves = cursor;   cursor += PROBES * move_ints;
+    sh.best_moves = cursor;   cursor += move_ints;
     sh.probe_tau = cursor;    cursor += PROBES;
     sh.probe_ok = cursor;     cursor += PROBES;
+    sh.probe_moves = cursor;  cursor += PROBES;
     sh.misc = cursor;         cursor += 4;
     sh.used = cursor;         cursor += D;
+    sh.incoming = cursor;     cursor += D;
     sh.replicas = cursor;     cursor += DM;
     sh.master_quota = cursor; cursor += DM;
 
-    // Column sums: one warp per expert, lanes over source ranks (fixed order -> exact).
-    for (int e = warp; e < DM; e += PROBES) {
+    for (int e = tid; e < DM; e += blockDim.x) { sh.expert_load[e] = 0; sh.replicas[e] = 1; }
+    for (int r = tid; r < D; r += blockDim.x) { sh.used[r] = 0; sh.incoming[r] = 0; }
+    __syncthreads();
+    // Column sums: consecutive threads read consecutive experts (coalesced); sources are
+    // split over thread groups and combined with integer atomics (order-independent).
+    const int groups = max(1, (int)blockDim.x / DM);
+    for (int idx = tid; idx < DM * groups; idx += blockDim.x) {
+        const int e = idx % DM, group = idx / DM;
         int sum = 0;
-        for (int src = lane; src < R; src += 32) sum += loads[(long long)src * E + first_expert + e];
-        sum = __reduce_add_sync(FULL_MASK, sum);
-        if (lane == 0) { sh.expert_load[e] = sum; sh.master_quota[e] = sum; sh.replicas[e] = 1; }
+        for (int src = group; src < R; src += groups) sum += loads[(long long)src * E + first_expert + e];
+        atomicAdd(&sh.expert_load[e], sum);
     }
     __syncthreads();
+    for (int e = tid; e < DM; e += blockDim.x) sh.master_quota[e] = sh.expert_load[e];
     for (int r = tid; r < D; r += blockDim.x) {
         int sum = 0;
         for (int k = 0; k < M; ++k) sum += sh.expert_load[r * M + k];
         sh.rank_load0[r] = sum;
-        sh.used[r] = 0;
     }
     __syncthreads();
     // Orders by counting how many items precede each one.
@@ -171,44 +191,45 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     }
     __syncthreads();
 
-    const int max_replicas = K - 1;
-    int* state = sh.warp_state + warp * 3 * D;
+    int* my_moves = sh.warp_moves + warp * move_ints;
     while ((long long)sh.misc[1] - sh.misc[0] > (long long)tau_tolerance + 1) {
-        const int lo = sh.misc[0], hi = sh.misc[1];
-        const long long gap = (long long)hi - lo;
-        int tau;
+        const int lo = sh.misc[0];
         bool active;
-        if (gap - 1 <= PROBES) { tau = lo + 1 + warp; active = warp < gap - 1; }
-        else { tau = (int)(lo + (warp + 1) * gap / (PROBES + 1)); active = true; }
-        const bool ok = active && run_oracle(sh, state, tau, D, M, S, max_replicas, step, nullptr, nullptr);
+        const int tau = probe_point(lo, (long long)sh.misc[1] - lo, warp, &active);
+        const bool ok = active && run_oracle<CHUNKS>(sh, tau, D, M, S, K - 1, step, my_moves, &sh.probe_moves[warp]);
         if (lane == 0) { sh.probe_tau[warp] = tau; sh.probe_ok[warp] = active ? (ok ? 1 : 0) : -1; }
         __syncthreads();
         if (tid == 0) {
             int below = lo, w = 0;
             for (; w < PROBES && sh.probe_ok[w] == 0; ++w) below = sh.probe_tau[w];
-            if (w < PROBES && sh.probe_ok[w] == 1) sh.misc[1] = sh.probe_tau[w];
+            const bool found = w < PROBES && sh.probe_ok[w] == 1;
+            if (found) { sh.misc[1] = sh.probe_tau[w]; sh.misc[2] = sh.probe_moves[w]; }
             sh.misc[0] = below;
+            sh.misc[3] = found ? w : -1;
         }
         __syncthreads();
+        const int winner = sh.misc[3];
+        if (winner >= 0)
+            for (int i = tid; i < 2 * sh.misc[2]; i += blockDim.x) sh.best_moves[i] = sh.warp_moves[winner * move_ints + i];
+        __syncthreads();
     }
-    // Record the plan of the chosen threshold (warp 0), then write the domain's outputs.
-    if (warp == 0) run_oracle(sh, state, sh.misc[1], D, M, S, max_replicas, step, sh.moves, &sh.misc[2]);
-    __syncthreads();
+    // Write the domain's outputs from the best moves (creation order fixes columns and slots).
     const int num_moves = sh.misc[2];
     for (int m = tid; m < num_moves; m += blockDim.x) {
-        const int e = sh.moves[3 * m], t = sh.moves[3 * m + 1], amount = sh.moves[3 * m + 2];
+        const int e = sh.best_moves[2 * m] >> 8, t = sh.best_moves[2 * m] & 255, amount = sh.best_moves[2 * m + 1];
         int column = 1, slot = M;
         for (int prev = 0; prev < m; ++prev) {
-            column += sh.moves[3 * prev] == e;
-            slot += sh.moves[3 * prev + 1] == t;
+            column += (sh.best_moves[2 * prev] >> 8) == e;
+            slot += (sh.best_moves[2 * prev] & 255) == t;
         }
         const long long row = (long long)(first_expert + e) * K;
         log_to_phys[row + column] = (first_rank + t) * slots_per_rank + slot;
         quota[row + column] = amount;
         phys_to_log[(first_rank + t) * slots_per_rank + slot] = first_expert + e;
-        atomicSub(&sh.master_quota[e], amount);  // integer: order-independent
+        atomicSub(&sh.master_quota[e], amount);  // integer atomics: order-independent
         atomicAdd(&sh.replicas[e], 1);
         atomicAdd(&sh.used[t], 1);
+        atomicAdd(&sh.incoming[t], amount);
     }
     __syncthreads();
     for (int e = tid; e < DM; e += blockDim.x) {
@@ -224,7 +245,11 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         if (j < M) phys_to_log[(first_rank + r) * slots_per_rank + j] = first_expert + r * M + j;
         else if (j >= M + sh.used[r]) phys_to_log[(first_rank + r) * slots_per_rank + j] = -1;
     }
-    for (int r = tid; r < D; r += blockDim.x) rank_load[first_rank + r] = sh.warp_state[r];  // warp 0's final loads
+    for (int r = tid; r < D; r += blockDim.x) {
+        long long sum = sh.incoming[r];
+        for (int k = 0; k < M; ++k) sum += sh.master_quota[r * M + k];
+        rank_load[first_rank + r] = sum;
+    }
 }
 
 // Imbalance max/mean with the formula of plan.imbalance: double(max) * R / double(total).
@@ -233,16 +258,19 @@ __device__ double imbalance_of(long long max_load, long long total, int R) {
 }
 
 __device__ void write_imbalance(const int* quota, const long long* rank_load, int R, int E, int K,
-                                double* imbalance_before, double* imbalance_after) {
+                                long long* before, double* imbalance_before, double* imbalance_after) {
     __shared__ long long partial[4][32];
     const int M = E / R, tid = threadIdx.x;
+    for (int r = tid; r < R; r += blockDim.x) before[r] = 0;
+    __syncthreads();
+    // Load without balancing = the quotas of each rank's masters; coalesced over [E, K].
+    for (int idx = tid; idx < E * K; idx += blockDim.x)
+        atomicAdd((unsigned long long*)&before[idx / K / M], (unsigned long long)quota[idx]);  // exact integer sum
+    __syncthreads();
     long long before_max = 0, before_total = 0, after_max = 0, after_total = 0;
     for (int r = tid; r < R; r += blockDim.x) {
-        long long before = 0;
-        for (int e = r * M; e < (r + 1) * M; ++e)
-            for (int i = 0; i < K; ++i) before += quota[(long long)e * K + i];
-        before_max = max(before_max, before);
-        before_total += before;
+        before_max = max(before_max, before[r]);
+        before_total += before[r];
         after_max = max(after_max, rank_load[r]);
         after_total += rank_load[r];
     }
@@ -277,7 +305,7 @@ plan_split(const int* __restrict__ loads, const int* __restrict__ log_to_phys, c
            double* __restrict__ imbalance_after) {
     extern __shared__ long long split_smem[];
     const int e = blockIdx.x, tid = threadIdx.x, M = E / R;
-    if (e == E) { write_imbalance(quota, rank_load, R, E, K, imbalance_before, imbalance_after); return; }
+    if (e == E) { write_imbalance(quota, rank_load, R, E, K, split_smem, imbalance_before, imbalance_after); return; }
     const int n = replica_count[e];
     if (n == 1) {
         for (int idx = tid; idx < R * K; idx += blockDim.x) {

@@ -3,9 +3,11 @@ anchor cases (EP64, NVLink domain 64, top-8, 8192 tokens per rank, S=2, min 1024
 per replica, Zipf loads tuned to a target rank imbalance), side by side with the public
 UltraEP numbers measured on the same kind of GPU (``shared/anchors.md``).
 
-Kernel times are CUDA-event medians over ``--repeats`` runs after a warm-up, for the
-plain launches and for one replay of a captured CUDA graph; the NumPy planner time is
-the wall-clock median of a few runs. Without a GPU only the NumPy columns are filled.
+Kernel times (``plan_ms``, ``reroute_ms``) are CUDA-event medians over ``--repeats``
+replays of a captured CUDA graph after a warm-up; ``*_launch_ms`` time the same calls
+launched from Python (host launch gaps included); ``place_ms`` and ``split_ms`` are
+the planner's two kernels alone (``plan_domains``, ``plan_split``). The NumPy planner time is the
+wall-clock median of a few runs. Without a GPU only the NumPy columns are filled.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ ANCHOR = {
     (256, 3.0): (1.010, 0.063, 0.037, 51, 6),
 }
 
-COLUMNS = ["experts", "target", "seed", "before", "after", "plan_ms", "plan_graph_ms", "reroute_ms", "slots",
+COLUMNS = ["experts", "target", "seed", "before", "after", "plan_ms", "reroute_ms", "plan_launch_ms",
+           "reroute_launch_ms", "place_ms", "split_ms", "slots",
            "max_replicas", "remote_pct", "numpy_ms", "anchor_after", "anchor_plan_ms", "anchor_reroute_ms",
            "anchor_slots", "anchor_max_replicas"]
 
@@ -76,10 +79,27 @@ def median_event_ms(launch, repeats: int, warmup: int = 10) -> float:
     return statistics.median(times)
 
 
-def gpu_times(loads, topk, layout, repeats):
-    """(plan ms, plan graph ms, reroute ms) for rank 0's tokens."""
+def graph_ms(launch, repeats: int):
+    """Median time of one replay of ``launch`` captured in a CUDA graph (None if it cannot be captured)."""
     import cupy
-    from ultraep.planner.cuda import empty_plan
+
+    launch()  # compile and fill the memory pool outside the capture
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        try:
+            stream.begin_capture()
+            launch()
+            graph = stream.end_capture()
+        except Exception as error:  # report, do not fake a number
+            print(f"graph capture failed: {error}", file=sys.stderr)
+            return None
+        return median_event_ms(graph.launch, repeats)
+
+
+def gpu_times(loads, topk, layout, repeats):
+    """Plan and reroute (rank 0's tokens) times: graph replay and plain launches, ms."""
+    import cupy
+    from ultraep.planner.cuda import empty_plan, launch_place, launch_split
 
     plan = empty_plan(layout)
     plan.loads[...] = cupy.asarray(loads)
@@ -87,17 +107,16 @@ def gpu_times(loads, topk, layout, repeats):
     def plan_once():
         plan_placement(plan.loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, backend="cupy", out=plan)
 
-    plan_ms = median_event_ms(plan_once, repeats)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        plan_once()
-        graph = stream.end_capture()
-        graph_ms = median_event_ms(graph.launch, repeats)
     ids = cupy.asarray(topk[0])
     slots = cupy.empty(ids.shape, np.int32)
-    reroute_ms = median_event_ms(lambda: reroute(ids, plan, 0, out=slots), repeats)
-    return plan_ms, graph_ms, reroute_ms
+
+    def reroute_once():
+        reroute(ids, plan, 0, out=slots)
+
+    return dict(plan_ms=graph_ms(plan_once, repeats), plan_launch_ms=median_event_ms(plan_once, repeats),
+                place_ms=graph_ms(lambda: launch_place(plan, MIN_REPLICA_TOKENS, 0), repeats),
+                split_ms=graph_ms(lambda: launch_split(plan), repeats),
+                reroute_ms=graph_ms(reroute_once, repeats), reroute_launch_ms=median_event_ms(reroute_once, repeats))
 
 
 def run_case(experts, target, seed, repeats, use_gpu):
@@ -113,7 +132,7 @@ def run_case(experts, target, seed, repeats, use_gpu):
                numpy_ms=statistics.median(numpy_times))
     if use_gpu:
         topk = zipf_topk(RANKS, experts, TOP_K, TOKENS_PER_RANK, target, seed)
-        row["plan_ms"], row["plan_graph_ms"], row["reroute_ms"] = gpu_times(loads, topk, layout, repeats)
+        row.update(gpu_times(loads, topk, layout, repeats))
     anchor = ANCHOR.get((experts, target))
     if anchor:
         keys = ("anchor_after", "anchor_plan_ms", "anchor_reroute_ms", "anchor_slots", "anchor_max_replicas")

@@ -15,9 +15,11 @@ from ultraep.planner.plan import Plan, array_module, check_loads
 from ultraep.runtime.kernels import get_function
 
 PLAN_THREADS = 1024   # 32 warps = 32 threshold probes per round
+PROBES = PLAN_THREADS // 32
+MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
 SPLIT_THREADS = 256
 REROUTE_CHUNK = 1024  # ids per block, = blockDim of both reroute kernels
-MAX_DOMAIN = 128      # ranks per domain a warp can hold (MAX_RANK_CHUNKS * 32 in planner.cu)
+MAX_DOMAIN = 128      # ranks per domain a warp holds in registers (plan_domains<4>)
 _INT = 4
 
 
@@ -60,21 +62,39 @@ def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int,
         raise ValueError("out was allocated for another layout")
     if loads.data.ptr != out.loads.data.ptr:  # callers may gather straight into out.loads
         out.loads[...] = loads
-    M = layout.experts_per_rank
-    domain_ints = 4 * D * M + 3 * D + 96 * D + 3 * S * D + 68  # the carve-up in plan_domains
-    plan_domains = _kernel("planner.cu", "plan_domains", domain_ints * _INT)
+    launch_place(out, min_replica_tokens, tau_tolerance)
+    launch_split(out)
+    return out
+
+
+def launch_place(out: Plan, min_replica_tokens: int, tau_tolerance: int) -> None:
+    """``plan_domains``: placement, quotas and rank loads of ``out`` from ``out.loads``."""
+    layout = out.layout
+    R, E, S, D, K, M = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.domain_size,
+                        layout.max_instances, layout.experts_per_rank)
+    domain_ints = 4 * D * M + 4 * D + 2 * S * D * (PROBES + 1) + 3 * PROBES + 4  # the carve-up in plan_domains
+    if domain_ints * _INT > MAX_SHARED_BYTES:
+        raise ValueError(f"{layout} needs {domain_ints * _INT} bytes of shared memory in the CuPy planner "
+                         f"(at most {MAX_SHARED_BYTES}); use the numpy backend")
+    chunks = next(c for c in (1, 2, 4) if 32 * c >= D)
+    plan_domains = _kernel("planner.cu", f"plan_domains<{chunks}>", domain_ints * _INT)
     plan_domains((layout.num_domains,), (PLAN_THREADS,),
                  (out.loads, np.int32(R), np.int32(E), np.int32(S), np.int32(D), np.int32(K),
                   np.int32(max(min_replica_tokens, 1)), np.int32(min(tau_tolerance, 2**31 - 1)),
                   out.phys_to_log, out.log_to_phys, out.replica_count, out.quota, out.rank_load),
                  shared_mem=domain_ints * _INT)
+
+
+def launch_split(out: Plan) -> None:
+    """``plan_split``: the split prefix and the imbalances of ``out`` from its placement."""
+    layout = out.layout
+    R, E, S, K = layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.max_instances
     split_bytes = (2 * R + 4 * K) * 8
     plan_split = _kernel("planner.cu", "plan_split", split_bytes)
     plan_split((E + 1,), (SPLIT_THREADS,),
                (out.loads, out.log_to_phys, out.replica_count, out.quota, out.rank_load, np.int32(R), np.int32(E),
                 np.int32(S), np.int32(K), out.split_prefix, out.imbalance_before, out.imbalance_after),
                shared_mem=split_bytes)
-    return out
 
 
 def reroute_cupy(topk_ids, plan: Plan, rank: int, *, out=None):
