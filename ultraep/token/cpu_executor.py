@@ -33,18 +33,20 @@ class CpuExecutor:
     def _barrier(self) -> None:
         self.heap.barrier(self.d.timeout_s)
 
-    def _import(self, array, name: str, dtype=None):
+    def _import(self, array, name: str, writable: bool = False):
         from ultraep.runtime.dlpack import import_tensor
-        return import_tensor(array, name=name, device=None, dtype=dtype)
+        return None if array is None else import_tensor(array, name=name, device=None, writable=writable)
 
-    def dispatch(self, x, expert_ids, weights) -> DispatchResult:
+    def dispatch(self, x, expert_ids, weights, out) -> DispatchResult:
         d, b, me = self.d, self.buffers, self.d.rank
         x = self._import(x, "x")
         expert_ids = self._import(expert_ids, "expert_ids")
         weights = self._import(weights, "weights")
+        out = self._import(out, "out", writable=True)
         d.check_tokens(x, expert_ids, weights)
+        d.check_rows({"out": (out, d.max_recv_rows)}, None)
         bad = first_bad_item(expert_ids, weights, d.num_experts)
-        d.group.raise_if_any(None if bad is None else DispatchError(bad_input_message(me, *bad, d.num_experts)),
+        d.raise_if_any(None if bad is None else DispatchError(bad_input_message(me, *bad, d.num_experts)),
                              "dispatch input check")
         ids = np.asarray(expert_ids, dtype=np.int64)
         gates = np.asarray(weights).astype(np.float32)
@@ -86,7 +88,7 @@ class CpuExecutor:
         state = {"row_landing": b.row_landing.local[:total].copy(), "row_origin": b.row_origin.local[:total].copy(),
                  "row_weight": b.row_weight.local[:total].copy(), "num_rows": total,
                  "send_rows": [(r, np.flatnonzero(sends & (dest == r))) for r in range(R)], "send_pos": send_pos}
-        recv_x = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
+        recv_x = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
         recv_x[:total] = b.landing.local[state["row_landing"]]
         recv_w = np.zeros(d.max_recv_rows, dtype=np.float32)
         recv_w[:total] = state["row_weight"]
@@ -104,22 +106,28 @@ class CpuExecutor:
             b.slot_rows.peer(r)[origin[mine] % slots_per_rank] = rows[mine]
         self._barrier()
 
-    def combine(self, y, handle: DispatchHandle, *, weighted: bool):
+    def combine(self, y, handle: DispatchHandle, weighted: bool, out):
         d = self.d
         name = "y" if weighted else "grad_recv"
         y = self._import(y, name)
-        d.check_rows(name, y, handle, per_token=False)
+        out = self._import(out, "out", writable=True)
+        d.check_rows({name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle)
         self._send_back(y[:handle.state["num_rows"]], handle)
         T, K = handle.tokens, d.top_k
         slots = self.buffers.slot_rows.local[:T * K].reshape(T, K, d.hidden)
-        return ref.slot_sum(slots, handle.weights if weighted else None, d.dtype)
+        result = ref.slot_sum(slots, handle.weights if weighted else None, d.dtype)
+        if out is None:
+            return result
+        out[...] = result
+        return out
 
-    def combine_backward(self, grad_out, y, handle: DispatchHandle):
+    def combine_backward(self, grad_out, y, handle: DispatchHandle, out):
         d, b, s, me = self.d, self.buffers, handle.state, self.d.rank
         grad_out = self._import(grad_out, "grad_out")
         y = self._import(y, "y")
-        d.check_rows("grad_out", grad_out, handle, per_token=True)
-        d.check_rows("y", y, handle, per_token=False)
+        out = self._import(out, "out", writable=True)
+        d.check_rows({"grad_out": (grad_out, handle.tokens), "y": (y, d.max_recv_rows),
+                      "out": (out, d.max_recv_rows)}, handle)
         T_max, K = d.max_tokens, d.top_k
         self._barrier()  # landing rows are free on every rank
         for r, once in s["send_rows"]:
@@ -127,7 +135,7 @@ class CpuExecutor:
         self._barrier()
         total = s["num_rows"]
         arrived = b.landing.local[s["row_landing"]]
-        grad_y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
+        grad_y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
         grad_y[:total] = np.multiply(s["row_weight"][:, None], ref.as_float32(arrived), dtype=np.float32).astype(d.dtype)
         gate_grads = ref.lane_dot(arrived, y[:total])
         origin, slots_per_rank = s["row_origin"], T_max * K

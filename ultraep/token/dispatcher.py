@@ -119,13 +119,19 @@ class Dispatcher:
     Collective: every rank constructs it with the same arguments. ``backend`` is
     ``"cuda"``, ``"cpu"`` or ``"auto"`` (CUDA where the group has a GPU). Use as a context
     manager or call :meth:`close` (collective).
+
+    ``sync_checks=True``: every call checks its input shapes collectively and, on the GPU,
+    waits for the device's verdict (bad expert ids, NaN gates, receive-bound overflow, a
+    timed-out wait), raising the same error on every rank. ``False``: shapes are checked
+    on this rank only and device errors surface at :meth:`check` -- nothing waits for the
+    host, for pipelines and benchmarks. Either way a refused routing writes nothing.
     """
 
     _next_id = 0
 
     def __init__(self, group: EPGroup, *, hidden: int, dtype, top_k: int, num_experts: int, max_tokens: int,
                  experts_per_rank: int | None = None, max_recv_rows: int | None = None, backend: str = "auto",
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, sync_checks: bool = True):
         self.group = group
         self.rank, self.size = group.rank, group.size
         error = None
@@ -144,6 +150,8 @@ class Dispatcher:
                 experts_per_rank = num_experts // self.size
             if experts_per_rank * self.size != num_experts:
                 raise ValueError(f"experts_per_rank ({experts_per_rank}) x ranks ({self.size}) != num_experts ({num_experts})")
+            if top_k > 32:
+                raise ValueError(f"top_k must be <= 32 (a warp's lanes hold a token's slots), got {top_k}")
             if hidden * self.dtype.itemsize % 16:
                 raise ValueError(f"a row of hidden={hidden} {self.dtype} is {hidden * self.dtype.itemsize} bytes; "
                                  "rows must be a multiple of 16 bytes (16-byte vector copies)")
@@ -160,6 +168,7 @@ class Dispatcher:
         self.max_tokens, self.experts_per_rank = int(max_tokens), int(experts_per_rank)
         self.max_recv_rows = int(min(max_recv_rows, self.size * max_tokens * top_k))
         self.timeout_s = float(timeout_s)
+        self.sync_checks = bool(sync_checks)
         group.agree((self.hidden, self.dtype.str, self.top_k, self.num_experts, self.max_tokens,
                      self.experts_per_rank, self.max_recv_rows), "Dispatcher set-up (hidden, dtype, top_k, "
                     "num_experts, max_tokens, experts_per_rank, max_recv_rows)")
@@ -217,8 +226,15 @@ class Dispatcher:
         return TokenBuffers(heap=heap, **tensors)
 
     # -- checks ---------------------------------------------------------------------------
+    def raise_if_any(self, error: Exception | None, what: str) -> None:
+        """Collective raise (every rank, when ``sync_checks``), else a local one."""
+        if self.sync_checks:
+            self.group.raise_if_any(error, what)
+        elif error is not None:
+            raise error
+
     def check_tokens(self, x, expert_ids, weights) -> None:
-        """Collective shape/dtype checks of dispatch input (values are checked by the executor)."""
+        """Shape/dtype checks of dispatch input (values are checked by the executor)."""
         error = None
         try:
             if x.ndim != 2 or x.shape[1] != self.hidden:
@@ -235,43 +251,52 @@ class Dispatcher:
                 raise DispatchError(f"weights: expected float shape {list(want)}, got {weights.dtype} {list(weights.shape)}")
         except DispatchError as exc:
             error = exc
-        self.group.raise_if_any(error, "dispatch input check")
+        self.raise_if_any(error, "dispatch input check")
 
-    def check_rows(self, name: str, rows, handle: DispatchHandle, *, per_token: bool) -> None:
-        """Collective check of a combine-side input: ``[max_recv_rows | tokens, H]`` of the set-up dtype."""
+    def check_rows(self, arrays: dict, handle: DispatchHandle | None) -> None:
+        """Checks of row arrays ``{name: (array or None, rows)}``: shape ``[rows, H]``, the set-up dtype."""
         error = None
         try:
-            if handle.dispatcher_id != self.id:
-                raise DispatchError(f"{name}: the handle comes from another Dispatcher")
-            first = handle.tokens if per_token else self.max_recv_rows
-            if rows.ndim != 2 or rows.shape[1] != self.hidden or rows.shape[0] != first:
-                raise DispatchError(f"{name}: expected shape [{first}, {self.hidden}], got {tuple(rows.shape)}")
-            if not self._same_dtype(rows):
-                raise DispatchError(f"{name}: expected dtype {self.dtype}, got {rows.dtype}")
+            if handle is not None and handle.dispatcher_id != self.id:
+                raise DispatchError("the handle comes from another Dispatcher")
+            for name, (rows, first) in arrays.items():
+                if rows is None:
+                    continue
+                if rows.ndim != 2 or rows.shape[1] != self.hidden or rows.shape[0] != first:
+                    raise DispatchError(f"{name}: expected shape [{first}, {self.hidden}], got {tuple(rows.shape)}")
+                if not self._same_dtype(rows):
+                    raise DispatchError(f"{name}: expected dtype {self.dtype}, got {rows.dtype}")
         except DispatchError as exc:
             error = exc
-        self.group.raise_if_any(error, f"{name} check")
+        self.raise_if_any(error, "token path input check")
 
     def _same_dtype(self, array) -> bool:
         got = np.dtype(array.dtype)
         return got == self.dtype or (self.dtype.kind == "V" and got == np.int16)  # bf16 may arrive as its bits
 
     # -- the token path -------------------------------------------------------------------
-    def dispatch(self, x, expert_ids, weights) -> DispatchResult:
+    # ``out`` (optional, every call): a preallocated, writable result buffer of the
+    # documented shape; only its valid rows are written.
+    def dispatch(self, x, expert_ids, weights, *, out=None) -> DispatchResult:
         """Send every (token, slot) to its expert; see the module docstring."""
-        return self._executor.dispatch(x, expert_ids, weights)
+        return self._executor.dispatch(x, expert_ids, weights, out)
 
-    def combine(self, y, handle: DispatchHandle):
-        """Per source token: gate-weighted sum of its expert outputs ``y[max_recv_rows, H]``, slot order, fp32."""
-        return self._executor.combine(y, handle, weighted=True)
+    def combine(self, y, handle: DispatchHandle, *, out=None):
+        """Per source token ``[T, H]``: gate-weighted sum of its expert outputs ``y[max_recv_rows, H]``,
+        slot order, fp32 accumulation, cast to the set-up dtype."""
+        return self._executor.combine(y, handle, True, out)
 
-    def dispatch_backward(self, grad_recv, handle: DispatchHandle):
+    def dispatch_backward(self, grad_recv, handle: DispatchHandle, *, out=None):
         """Gradient of dispatch w.r.t. ``x``: per token, the unweighted slot-order sum of its rows' gradients."""
-        return self._executor.combine(grad_recv, handle, weighted=False)
+        return self._executor.combine(grad_recv, handle, False, out)
 
-    def combine_backward(self, grad_out, y, handle: DispatchHandle):
-        """Gradients of combine: ``(grad_y[max_recv_rows, H], grad_weights[T, K] float32)``."""
-        return self._executor.combine_backward(grad_out, y, handle)
+    def combine_backward(self, grad_out, y, handle: DispatchHandle, *, out=None):
+        """Gradients of combine: ``(grad_y[max_recv_rows, H], grad_weights[T, K] float32)``.
+
+        ``grad_y[row] = gate * grad_out[token]`` (fp32 product, cast); ``grad_weights[t, k]``
+        is the fp32 dot product of ``grad_out[t]`` and slot k's expert output in a fixed
+        order (:func:`ultraep.token.reference.lane_dot`)."""
+        return self._executor.combine_backward(grad_out, y, handle, out)
 
     def check(self) -> None:
         """Wait for queued work and raise any deferred device-side error (GPU backend)."""

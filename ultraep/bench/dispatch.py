@@ -1,0 +1,144 @@
+"""``python -m ultraep.bench dispatch``: algorithm bandwidth of the Dispatcher's dispatch and
+combine, side by side with a plain device-to-device copy of the same bytes, in one run.
+
+Every rank routes ``tokens`` bf16 tokens top-k over uniformly random distinct experts
+(``experts`` in all, ``experts / R`` per rank). Algorithm bandwidth counts the logical
+payload once: ``tokens * top_k * hidden * 2`` bytes per rank (what every (token, expert)
+pair carries), summed over ranks and divided by the slowest rank's time per call. The
+baseline copies the same bytes per rank with ``cudaMemcpyAsync`` at the same time on
+every rank. "sent" counts what one-send-per-rank actually moves (a token crosses to a
+rank once however many of its experts live there); "saved" is the share of pair bytes
+it avoids, over all destinations and over remote ones only. Started with one process,
+it relaunches itself on ``--ranks`` ranks under ``mpiexec`` (all on one GPU by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+LAUNCHED_BY_MPI = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
+           "dispatch/copy", "combine/copy", "sent_GB", "saved_pct", "saved_remote_pct"]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench dispatch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="tokens per rank")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256, help="experts in all (divisible by the rank count)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (mean reported)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if not any(v in os.environ for v in LAUNCHED_BY_MPI):
+        from ultraep.runtime.launch import run_mpi
+        result = run_mpi(args.ranks, ["-m", "ultraep.bench.dispatch", *argv], timeout=580, check=False)
+        print(result.stdout, end="")
+        return result.returncode
+    return run(args)
+
+
+def timed_ms(group, fn, repeats: int) -> float:
+    """Mean ms per call on the slowest rank, all ranks starting together."""
+    import cupy
+
+    fn()  # warm-up
+    cupy.cuda.get_current_stream().synchronize()
+    group.barrier()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return max(group.allgather(cupy.cuda.get_elapsed_time(start, stop) / repeats))
+
+
+def random_routing(cupy, tokens: int, experts: int, top_k: int):
+    """Distinct uniformly random experts per token, and gates."""
+    ids = cupy.argsort(cupy.random.random((tokens, experts), dtype=np.float32), axis=1)[:, :top_k]
+    return cupy.ascontiguousarray(ids.astype(np.int32)), cupy.random.random((tokens, top_k), dtype=np.float32)
+
+
+def send_counts(cupy, ids, experts_per_rank: int, me: int) -> tuple[int, int, int, int]:
+    """(pairs, pairs to other ranks, single sends to all ranks, single sends to other ranks) of this rank's routing."""
+    ranks = cupy.sort(ids // experts_per_rank, axis=1)
+    distinct = 1 + cupy.count_nonzero(ranks[:, 1:] != ranks[:, :-1], axis=1)
+    sends = int(distinct.sum())
+    to_self = int(cupy.any(ranks == me, axis=1).sum())
+    return ids.size, ids.size - int(cupy.count_nonzero(ranks == me)), sends, sends - to_self
+
+
+def measure(group, tokens: int, hidden: int, args) -> dict:
+    import cupy
+
+    from ultraep.runtime.dtypes import BFLOAT16
+    from ultraep.token import Dispatcher
+
+    R, me, K = group.size, group.rank, args.top_k
+    cupy.random.seed(args.seed * 1000 + me)
+    ids, gates = random_routing(cupy, tokens, args.experts, K)
+    # bf16 values in [0.5, 2): random bits below the exponent of 2.0
+    x = cupy.random.randint(0x3F00, 0x4000, size=(tokens, hidden), dtype=np.int32).astype(np.uint16).view(BFLOAT16)
+    max_rows = int(tokens * K * 1.15) + 1024  # uniform routing: about tokens * K rows per rank
+    row_bytes = hidden * 2
+    pairs, remote_pairs, sends, remote_sends = (sum(v) for v in zip(*group.allgather(send_counts(cupy, ids, args.experts // R, me))))
+    payload = tokens * K * row_bytes
+    with Dispatcher(group, hidden=hidden, dtype="bfloat16", top_k=K, num_experts=args.experts, max_tokens=tokens,
+                    max_recv_rows=max_rows, backend="cuda", sync_checks=False) as disp:
+        recv = cupy.empty((max_rows, hidden), dtype=BFLOAT16)
+        combined = cupy.empty((tokens, hidden), dtype=BFLOAT16)
+        result = disp.dispatch(x, ids, gates, out=recv)
+        disp.check()
+        dispatch_ms = timed_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv), args.repeats)
+        combine_ms = timed_ms(group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats)
+        disp.check()
+    src = cupy.empty(payload, dtype=np.uint8)
+    dst = cupy.empty_like(src)
+    copy_ms = timed_ms(group, lambda: dst.__setitem__(Ellipsis, src), args.repeats)
+    del src, dst, recv, combined, result, x, ids, gates
+    cupy.get_default_memory_pool().free_all_blocks()
+    total_payload = payload * R
+    return {
+        "tokens": tokens, "hidden": hidden, "dispatch_ms": dispatch_ms, "combine_ms": combine_ms, "copy_ms": copy_ms,
+        "dispatch_GBps": total_payload / dispatch_ms / 1e6, "combine_GBps": total_payload / combine_ms / 1e6,
+        "copy_GBps": total_payload / copy_ms / 1e6,
+        "dispatch/copy": copy_ms / dispatch_ms, "combine/copy": copy_ms / combine_ms,
+        "sent_GB": sends * row_bytes / 1e9, "saved_pct": 100.0 * (1 - sends / pairs),
+        "saved_remote_pct": 100.0 * (1 - remote_sends / max(remote_pairs, 1)),
+    }
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    from ultraep.bench.report import print_table, write_json
+    from ultraep.runtime.group import EPGroup
+
+    group = EPGroup(MPI.COMM_WORLD)
+    if not group.has_gpu:
+        raise SystemExit("the dispatch benchmark needs a GPU")
+    rows = [measure(group, tokens, hidden, args) for tokens in args.tokens for hidden in args.hidden]
+    if group.rank == 0:
+        title = (f"dispatch/combine algorithm bandwidth: {group.size} ranks, top-{args.top_k}, {args.experts} experts, "
+                 f"bf16, aggregate over ranks (GB/s = 1e9 B/s); copy = cudaMemcpyAsync of the same bytes")
+        print_table(rows, COLUMNS, title)
+        if args.json:
+            write_json(args.json, {"benchmark": "dispatch", "ranks": group.size, "top_k": args.top_k,
+                                   "experts": args.experts, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""GPU backend of the ``Dispatcher``: the token path as ``raw_kernels/dispatch.cu`` kernels.
+
+Everything runs on the caller's stream with no host round trip: the token map (stable
+key positions by warp-sequential segments and prefix sums), the count exchange through
+every peer's count table plus a device barrier (``heap.cu``'s ``symmetric_barrier`` on this
+dispatcher's own signal slots), the row plan, one send per (token, destination rank),
+and the receiver's expansion. Output sizes are bounded at set-up (``max_recv_rows``);
+the rows in use are ``offsets[-1]`` on the device.
+
+Errors the device finds (bad expert ids, NaN gates, a routing over the receive bound)
+travel with the count table, so every rank reaches the same verdict and skips the data
+movement; a device wait that times out records (site, rank, expected, seen). With
+``sync_checks`` each call then synchronises and raises on every rank; otherwise
+:meth:`GpuExecutor.check` does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ultraep.runtime.dlpack import caller_stream, import_tensor
+from ultraep.runtime.dtypes import BFLOAT16
+from ultraep.runtime.kernels import get_function
+from ultraep.token.dispatcher import DispatchError, DispatchHandle, DispatchResult, bad_input_message
+
+KERNELS = "dispatch.cu"
+THREADS = 256
+SEGMENT_ITEMS = 256          # items per warp segment of the token map
+NO_BAD_ITEM = 0x7FFFFFFF
+OUTCOME_BAD_INPUT, OUTCOME_TOO_MANY_ROWS = 1, 2
+BARRIER_SITES = ("counts", "tokens", "combine-ready", "combine-rows", "grad-ready", "grad-tokens", "grad-rows")
+
+
+def _template_type(dtype: np.dtype) -> str:
+    names = {np.dtype(np.float32): "float", np.dtype(np.float16): "__half"}
+    if BFLOAT16 is not None:
+        names[BFLOAT16] = "__nv_bfloat16"
+    if dtype not in names:
+        raise ValueError(f"the CUDA token path supports bfloat16, float16 and float32, not {dtype}")
+    return names[dtype]
+
+
+def _blocks(threads_needed: int) -> int:
+    return max(1, -(-threads_needed // THREADS))
+
+
+class GpuExecutor:
+    def __init__(self, dispatcher):
+        import cupy
+
+        self.cp, self.d = cupy, dispatcher
+        d, group = dispatcher, dispatcher.group
+        element = _template_type(d.dtype)
+        self.k = {name: get_function(KERNELS, name, group=group)
+                  for name in ("route_keys", "count_segments", "scan_segments", "rank_segments", "publish_counts",
+                               "plan_rows", "send_tokens", "expand_rows", "send_rows")}
+        self.k["reduce_slots"] = get_function(KERNELS, f"reduce_slots<{element}>", group=group)
+        self.k["grad_rows"] = get_function(KERNELS, f"grad_rows<{element}>", group=group)
+        self.barrier_kernel = get_function("heap.cu", "symmetric_barrier", group=group)
+        self.buffers = d.open_buffers("cuda")
+        self.heap = self.buffers.heap
+        self.sync = self.heap.alloc_signals("token.sync", d.size)
+        self.epoch = 0
+        self.barrier_status = cupy.zeros((len(BARRIER_SITES), 4), dtype=np.uint64)
+        self.num_keys = d.num_experts + d.size
+        max_items = 2 * d.max_tokens * d.top_k
+        self.keys = cupy.empty(max_items, dtype=np.int32)
+        self.positions = cupy.empty(max_items, dtype=np.int32)
+        self.seg_counts = cupy.empty(-(-max_items // SEGMENT_ITEMS) * self.num_keys, dtype=np.int32)
+        self.totals = cupy.empty(self.num_keys, dtype=np.int32)
+        self.first_bad = cupy.empty(1, dtype=np.int32)
+        self.base = cupy.empty(d.num_experts, dtype=np.int32)
+        self.counts = cupy.empty(d.experts_per_rank, dtype=np.int32)
+        self.offsets = cupy.empty(d.experts_per_rank + 1, dtype=np.int32)
+        self.outcome = cupy.zeros(4, dtype=np.int32)
+        self.unreported_dispatch = False
+        b = self.buffers
+        self.local = {name: getattr(b, name).local for name in
+                      ("count_table", "landing", "row_weight", "row_landing", "row_origin", "slot_rows", "slot_grad_w")}
+        sms = cupy.cuda.runtime.getDeviceProperties(group.device)["multiProcessorCount"]
+        self.grid = 2 * sms    # persistent copy kernels: two resident blocks per SM
+        self.row_vecs = d.row_bytes // 16
+        self.slots_per_rank = d.max_tokens * d.top_k
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _import(self, array, name: str, writable: bool = False):
+        if array is None:
+            return None
+        return import_tensor(array, name=name, device=self.d.group.device, writable=writable)
+
+    def _output(self, out, shape):
+        return self.cp.empty(shape, dtype=self.d.dtype) if out is None else out
+
+    def _barrier(self, site: str) -> None:
+        """All ranks' earlier stores into peers' heaps are visible once this returns on the device."""
+        self.epoch += 1
+        d = self.d
+        self.barrier_kernel((1,), (max(32, -(-d.size // 32) * 32),),
+                            (self.heap.peer_bases, np.int32(d.rank), np.int32(d.size), np.uint64(self.sync.offset),
+                             np.uint64(self.epoch), np.uint64(int(d.timeout_s * 1e9)),
+                             self.barrier_status[BARRIER_SITES.index(site)]))
+
+    def _send_tokens(self, x, state: dict, with_meta: bool) -> None:
+        d, b = self.d, self.buffers
+        self.k["send_tokens"]((self.grid,), (THREADS,), (
+            x, np.int32(state["tokens"]), np.int32(d.top_k), np.int32(self.row_vecs), state["ids"], state["gates"],
+            state["positions"], state["base"], self.heap.peer_bases, np.uint64(b.landing.offset),
+            np.uint64(b.row_weight.offset), np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset),
+            np.int32(d.rank), np.int32(d.experts_per_rank), np.int32(d.max_tokens), np.int32(with_meta),
+            state["outcome"]))
+
+    def _finish(self) -> None:
+        if self.d.sync_checks:
+            self.check()
+
+    # -- the token path -------------------------------------------------------------------
+    def dispatch(self, x, expert_ids, weights, out) -> DispatchResult:
+        cp, d = self.cp, self.d
+        with caller_stream(x):
+            x = self._import(x, "x")
+            ids = self._import(expert_ids, "expert_ids")
+            gates = self._import(weights, "weights")
+            out = self._import(out, "out", writable=True)
+            d.check_tokens(x, ids, gates)
+            d.check_rows({"out": (out, d.max_recv_rows)}, None)
+            recv = self._output(out, (d.max_recv_rows, d.hidden))
+            tokens, top_k = ids.shape
+            n = tokens * top_k
+            ids = cp.ascontiguousarray(ids.astype(np.int64, copy=False))
+            gates = cp.ascontiguousarray(gates.astype(np.float32, copy=False))
+            x = cp.ascontiguousarray(x)
+
+            # Token map: stable positions of the items by expert and by single send per rank.
+            self.first_bad.fill(NO_BAD_ITEM)
+            self.k["route_keys"]((_blocks(n),), (THREADS,), (
+                ids, gates, np.int32(n), np.int32(top_k), np.int32(d.num_experts), np.int32(d.experts_per_rank),
+                self.keys, self.first_bad))
+            items = 2 * n
+            segments = -(-items // SEGMENT_ITEMS)
+            segment_args = (self.keys, np.int32(items), np.int32(SEGMENT_ITEMS), np.int32(self.num_keys), self.seg_counts)
+            self.k["count_segments"]((_blocks(segments * 32),), (THREADS,), segment_args)
+            self.k["scan_segments"]((self.num_keys,), (THREADS,), (
+                self.seg_counts, np.int32(segments), np.int32(self.num_keys), self.totals))
+            self.k["rank_segments"]((_blocks(segments * 32),), (THREADS,), segment_args + (self.positions,))
+
+            # Count table on every rank, then the row plan every rank agrees on.
+            b = self.buffers
+            self.k["publish_counts"]((1,), (THREADS,), (
+                self.heap.peer_bases, np.uint64(b.count_table.offset), np.int32(d.rank), np.int32(d.size),
+                np.int32(d.num_experts), self.totals, self.first_bad, ids, gates, np.int32(top_k)))
+            self._barrier("counts")
+            self.k["plan_rows"]((1,), (max(32, min(1024, -(-d.size // 32) * 32)),), (
+                self.local["count_table"], np.int32(d.size), np.int32(d.num_experts), np.int32(d.experts_per_rank),
+                np.int32(d.rank), np.int32(d.max_recv_rows), self.base, self.counts, self.offsets, self.outcome))
+
+            state = {"tokens": tokens, "ids": ids, "gates": gates, "positions": self.positions[:items].copy(),
+                     "base": self.base.copy(), "outcome": self.outcome.copy(), "offsets": self.offsets.copy()}
+            self._send_tokens(x, state, with_meta=True)
+            self._barrier("tokens")
+            self.k["expand_rows"]((self.grid,), (THREADS,), (
+                self.local["landing"], self.local["row_landing"], state["offsets"][-1:], np.int32(self.row_vecs), recv,
+                state["outcome"]))
+            for name in ("row_landing", "row_origin", "row_weight"):
+                state[name] = self.local[name].copy()
+            self.unreported_dispatch = True
+            self._finish()
+        handle = DispatchHandle(d.id, tokens, gates, ids, state)
+        return DispatchResult(recv, state["row_weight"].copy(), self.counts.copy(), state["offsets"], handle)
+
+    def combine(self, y, handle: DispatchHandle, weighted: bool, out):
+        d, s = self.d, handle.state
+        name = "y" if weighted else "grad_recv"
+        with caller_stream(y):
+            y = self._import(y, name)
+            out = self._import(out, "out", writable=True)
+            d.check_rows({name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle)
+            result = self._output(out, (handle.tokens, d.hidden))
+            self._barrier("combine-ready")  # every source's slot rows are free again
+            self.k["send_rows"]((self.grid,), (THREADS,), (
+                self.cp.ascontiguousarray(y), s["row_origin"], s["offsets"][-1:], np.int32(self.row_vecs),
+                self.heap.peer_bases, np.uint64(self.buffers.slot_rows.offset), np.int32(self.slots_per_rank),
+                s["outcome"]))
+            self._barrier("combine-rows")
+            gates = s["gates"] if weighted else np.uint64(0)
+            self.k["reduce_slots"]((self.grid,), (THREADS,), (
+                self.local["slot_rows"], gates, np.int32(handle.tokens), np.int32(d.top_k), np.int32(self.row_vecs),
+                result))
+            self._finish()
+        return result
+
+    def combine_backward(self, grad_out, y, handle: DispatchHandle, out):
+        cp, d, s = self.cp, self.d, handle.state
+        with caller_stream(grad_out):
+            grad_out = self._import(grad_out, "grad_out")
+            y = self._import(y, "y")
+            out = self._import(out, "out", writable=True)
+            d.check_rows({"grad_out": (grad_out, handle.tokens), "y": (y, d.max_recv_rows),
+                          "out": (out, d.max_recv_rows)}, handle)
+            grad_y = self._output(out, (d.max_recv_rows, d.hidden))
+            self._barrier("grad-ready")     # every rank's landing rows are free again
+            self._send_tokens(cp.ascontiguousarray(grad_out), s, with_meta=False)
+            self._barrier("grad-tokens")
+            self.k["grad_rows"]((self.grid,), (THREADS,), (
+                self.local["landing"], s["row_landing"], s["row_weight"], cp.ascontiguousarray(y), s["row_origin"],
+                s["offsets"][-1:], np.int32(self.row_vecs), grad_y, self.heap.peer_bases,
+                np.uint64(self.buffers.slot_grad_w.offset), np.int32(self.slots_per_rank), s["outcome"]))
+            self._barrier("grad-rows")
+            grad_w = self.local["slot_grad_w"][:handle.tokens * d.top_k].reshape(handle.tokens, d.top_k).copy()
+            self._finish()
+        return grad_y, grad_w
+
+    # -- errors -----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Synchronise; raise a timed-out wait, or the latest dispatch's refusal (the same on every rank)."""
+        d = self.d
+        self.cp.cuda.get_current_stream().synchronize()
+        status = self.barrier_status.get()
+        for site, (failed, waited, expected, seen) in zip(BARRIER_SITES, status):
+            if failed:
+                self.barrier_status.fill(0)
+                raise DispatchError(f"rank {d.rank}: token path wait '{site}' timed out after {d.timeout_s:g} s "
+                                    f"waiting for rank {int(waited)} (flag expected >= {int(expected)}, saw {int(seen)})")
+        if not self.unreported_dispatch:
+            return
+        self.unreported_dispatch = False
+        code, who, rows = (int(v) for v in self.outcome.get()[:3])
+        if code == OUTCOME_BAD_INPUT:
+            table = self.local["count_table"].get()
+            records = table[:, d.num_experts + d.size:]
+            failed = [bad_input_message(s, *map(int, rec), d.num_experts) for s, rec in enumerate(records) if rec[0]]
+            raise DispatchError(f"dispatch input check failed on {len(failed)} of {d.size} rank(s): " + "; ".join(failed))
+        if code == OUTCOME_TOO_MANY_ROWS:
+            raise DispatchError(f"rank {who} would receive {rows} rows, more than the set-up bound "
+                                f"max_recv_rows={d.max_recv_rows}")
+
+    def close(self) -> None:
+        self.cp.cuda.get_current_stream().synchronize()
+        self.heap.close()
