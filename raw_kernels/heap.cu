@@ -55,23 +55,37 @@ extern "C" __global__ void symmetric_barrier(const u64* peer_bases, int rank, in
     __syncthreads();
 }
 
-// dst[0..n) = src[0..n): 16-byte accesses, four loads in flight per thread, grid-stride.
-// src and dst are 16-byte aligned (heap and CuPy allocations are 256-byte aligned); dst may
-// be in a peer's heap.
-extern "C" __global__ void copy_bytes(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, u64 n) {
-    const u64 vectors = n / 16;
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    uint4* d = reinterpret_cast<uint4*>(dst);
+// Grid-stride copy of whole V-sized vectors, four loads in flight per thread, then the
+// remaining (< sizeof(V)) bytes.
+template <typename V>
+__device__ __forceinline__ void copy_vectors(const unsigned char* src, unsigned char* dst, u64 n) {
+    const u64 vectors = n / sizeof(V);
+    const V* s = reinterpret_cast<const V*>(src);
+    V* d = reinterpret_cast<V*>(dst);
     const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
-    u64 i = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const u64 thread = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    u64 i = thread;
     for (; i + 3 * stride < vectors; i += 4 * stride) {
-        uint4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
+        V a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
         d[i] = a;
         d[i + stride] = b;
         d[i + 2 * stride] = c;
         d[i + 3 * stride] = e;
     }
     for (; i < vectors; i += stride) d[i] = s[i];
-    const u64 tail = vectors * 16 + static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const u64 tail = vectors * sizeof(V) + thread;
     if (tail < n) dst[tail] = src[tail];
+}
+
+// dst[0..n) = src[0..n); dst may be in a peer's heap. 16-byte accesses when both ends are
+// 16-byte aligned (heap and CuPy allocations are 256-byte aligned), else 4-byte, else bytes.
+extern "C" __global__ void copy_bytes(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, u64 n) {
+    const u64 alignment = reinterpret_cast<u64>(src) | reinterpret_cast<u64>(dst);
+    if ((alignment & 15) == 0) {
+        copy_vectors<uint4>(src, dst, n);
+    } else if ((alignment & 3) == 0) {
+        copy_vectors<unsigned int>(src, dst, n);
+    } else {
+        copy_vectors<unsigned char>(src, dst, n);
+    }
 }

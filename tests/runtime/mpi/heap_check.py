@@ -57,21 +57,23 @@ def exchange() -> None:
             expected = pattern(src, me)
             bad = int(np.count_nonzero(got[src] != expected))
             assert bad == 0, f"rank {me}: {bad} of {WORDS} words from rank {src} differ"
-        # An odd byte count through the kernel's tail path, into the next rank.
+        # Odd byte counts and offsets: the 16-byte path's tail, and the byte path (offset 1).
         if backend == "cuda":
-            nxt = (me + 1) % R
-            src_bytes = send.local.view(np.uint8)[0]
-            dst_bytes = recv.peer(nxt).view(np.uint8)[0]
-            odd = src_bytes.size - 13
-            recv.local[...] = xp.uint32(0xDEADBEEF)
-            heap.barrier()
-            copy((3,), (128,), (src_bytes, dst_bytes, np.uint64(odd)))
-            heap.barrier()
-            mine = recv.local.view(np.uint8)[0].get()
-            sent = (group.allgather(send.local.view(np.uint8)[0].get()))[(me - 1) % R]
-            assert np.array_equal(mine[:odd], sent[:odd]), "odd-length peer copy differs"
-            assert np.all(mine[odd:] == np.frombuffer(np.uint32(0xDEADBEEF).tobytes() * 4, np.uint8)[:13]), \
-                "peer copy wrote past its end"
+            nxt, prev = (me + 1) % R, (me - 1) % R
+            sent = group.allgather(send.local.view(np.uint8)[0].get())[prev]
+            for shift in (0, 1):
+                src_bytes = send.local.view(np.uint8)[0][shift:]
+                dst_bytes = recv.peer(nxt).view(np.uint8)[0][shift:]
+                odd = src_bytes.size - 13
+                recv.local[...] = xp.uint32(0xDEADBEEF)
+                heap.barrier()
+                copy((3,), (128,), (src_bytes, dst_bytes, np.uint64(odd)))
+                heap.barrier()
+                mine = recv.local.view(np.uint8)[0].get()
+                poison = np.frombuffer(np.uint32(0xDEADBEEF).tobytes() * 8, np.uint8)
+                assert np.array_equal(mine[shift:shift + odd], sent[shift:shift + odd]), f"peer copy (shift {shift}) differs"
+                assert np.array_equal(mine[:shift], poison[:shift]), "peer copy wrote before its start"
+                assert np.array_equal(mine[shift + odd:], poison[:13]), "peer copy wrote past its end"
     print(f"[exchange] rank {me} OK", flush=True)
 
 
