@@ -14,6 +14,7 @@ BENCHMARKS = {
     "plan": "ultraep.bench.plan",
     "plan-kernel": "ultraep.bench.plan_kernel",
     "peer-copy": "ultraep.bench.peer_copy",
+    "weight-sync": "ultraep.bench.weight_sync",
     "dispatch": "ultraep.bench.dispatch",
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -73,6 +74,9 @@ def device_name() -> str:
 
 
 def git_commit() -> str | None:
+    """HEAD of the checkout, or ``$ULTRAEP_GIT_COMMIT`` where the tree travelled without .git (GPU machine)."""
+    if os.environ.get("ULTRAEP_GIT_COMMIT"):
+        return os.environ["ULTRAEP_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(_REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=5)

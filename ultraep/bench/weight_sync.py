@@ -1,0 +1,144 @@
+"""``python -m ultraep.bench weight-sync``: tile-streaming weight sync against (a) one
+``cudaMemcpyAsync`` per replica tensor and (b) one device-to-device copy of the same
+bytes, measured in the same run.
+
+One master expert (default hidden 4096, ffn 1536, bf16: fc1 ``[2*ffn, hidden]`` and fc2
+``[hidden, ffn]``, 37.7 MB) is synced to ``fan-out`` replicas on other ranks (9 ranks
+share the GPU, so fan-out 1-8). Bandwidth is bytes delivered to replicas per second
+(fan-out x expert bytes). On one GPU every peer is the same HBM, so the bar is the
+device-to-device copy; NVLink figures need several GPUs. Started with one process, it
+relaunches itself on 9 ranks under ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from ultraep.bench.peer_copy import LAUNCHED_BY_MPI, median_ms
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench weight-sync", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=1536)
+    parser.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[66, 132, 264], help="weight-sync grid sizes to try")
+    parser.add_argument("--tile-kib", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", metavar="FILE")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if not any(v in os.environ for v in LAUNCHED_BY_MPI):
+        from ultraep.runtime.launch import run_mpi
+        result = run_mpi(max(args.fanouts) + 1, ["-m", "ultraep.bench", "weight-sync", *argv], timeout=540, check=False)
+        print(result.stdout, end="")
+        return result.returncode
+    return run(args)
+
+
+def single_expert_plan(layout, fanout: int):
+    """Expert 0 (rank 0's master) replicated on ranks 1..fanout; every other expert alone."""
+    from ultraep.planner import Plan
+
+    R, E, K = layout.num_ranks, layout.num_experts, layout.max_instances
+    log_to_phys = np.full((E, K), -1, np.int32)
+    for e in range(E):
+        log_to_phys[e, 0] = layout.master_slot(e)
+    for i in range(1, fanout + 1):
+        log_to_phys[0, i] = layout.physical_slot(i, layout.experts_per_rank)
+    loads = np.full((R, E), 64, np.int32)
+    split = np.zeros((R, E, K), np.int64)
+    split[:, :, 0] = loads
+    split[:, 0, : fanout + 1] = loads[:, :1] // (fanout + 1)
+    split[:, 0, 0] += loads[:, 0] - split[:, 0, : fanout + 1].sum(axis=1)
+    return Plan.from_split(layout, loads, log_to_phys, split)
+
+
+def run(args) -> int:
+    import cupy
+    from mpi4py import MPI
+
+    from ultraep.bench.report import print_table, write_json
+    from ultraep.planner import ExpertLayout
+    from ultraep.runtime.group import EPGroup
+    from ultraep.runtime.heap import open_heap
+    from ultraep.transfer import ExpertSpec, WeightTransfer
+
+    group = EPGroup(MPI.COMM_WORLD)
+    R = group.size
+    spec = ExpertSpec([("fc1", (2 * args.ffn, args.hidden), "bfloat16"), ("fc2", (args.hidden, args.ffn), "bfloat16")],
+                      grad_dtype="bfloat16")
+    layout = ExpertLayout(R, R, 1, max_instances=min(R, 16))
+    expert_bytes = sum(t.nbytes for t in spec.weights)
+    rows = []
+    heap_bytes = 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes) + (max(args.fanouts) + 1) * expert_bytes
+    with open_heap(group, heap_bytes, backend="cuda") as heap:
+        engine = WeightTransfer(heap, layout, spec, tile_bytes=args.tile_kib << 10, relay_threshold=R)
+        rng = cupy.random.default_rng(group.rank)
+        weights = [[rng.standard_normal(t.shape, dtype=np.float32).astype(t.dtype) for t in spec.weights]]
+        grads = [[cupy.zeros(t.shape, t.dtype) for t in spec.grads]]
+        engine.register_layer(0, weights, grads)
+        scratch = heap.alloc("bench.scratch", ((max(args.fanouts) + 1) * expert_bytes,), np.uint8)
+        for fanout in args.fanouts:
+            plan = single_expert_plan(layout, fanout)
+            engine.weight_sync(0, plan)  # compile, warm up, and check once, collectively
+            engine.synchronize()
+            if 1 <= group.rank <= fanout:
+                got = engine.replica_weights(0)
+                want = group.comm.bcast(None, root=0)
+                assert all(bool(cupy.array_equal(g.view(np.uint16), cupy.asarray(w).view(np.uint16)))
+                           for g, w in zip(got, want)), f"rank {group.rank}: replica differs from master"
+            elif group.rank == 0:
+                group.comm.bcast([w.get() for w in weights[0]], root=0)
+            else:
+                group.comm.bcast(None, root=0)
+            if group.rank == 0:
+                rows.append(measure(engine, plan, weights[0], heap, scratch, fanout, expert_bytes, args))
+            heap.barrier()
+        engine.close()
+    if group.rank == 0:
+        columns = ["fanout", "mb_delivered", "tile_gb_s", "memcpy_per_replica_gb_s", "d2d_gb_s",
+                   "tile_vs_memcpy", "tile_vs_d2d", "blocks"]
+        print_table(rows, columns, title=f"weight sync of one expert ({expert_bytes / 1e6:.1f} MB, bf16) "
+                                         "to fan-out replicas on one GPU: bytes delivered per second")
+        if args.json:
+            write_json(args.json, {"benchmark": "weight-sync", "ranks": R, "hidden": args.hidden, "ffn": args.ffn,
+                                   "expert_bytes": expert_bytes, "rows": rows})
+    return 0
+
+
+def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, args) -> dict:
+    """Rank 0 alone: in a single-expert plan below the relay threshold only rank 0 has
+    tasks and none of them waits on a flag, so it can repeat the sync by itself."""
+    import cupy
+    from cupy.cuda import runtime
+
+    timings = [(median_ms(lambda: engine.weight_sync(0, plan, blocks=blocks, barrier=False), args.repeats), blocks)
+               for blocks in args.blocks]
+    tile_ms, blocks = min(timings)
+    # (a) one cudaMemcpyAsync per replica tensor, into the same replica slots on the peers
+    stream = cupy.cuda.get_current_stream().ptr
+    copies = []
+    for r in range(1, fanout + 1):
+        base = heap.base_pointer(r) + engine.placement.weight_base
+        for t, tensor in enumerate(master_tensors):
+            copies.append((base + engine.spec.weight_offsets[t], tensor.data.ptr, tensor.nbytes))
+    memcpy_ms = median_ms(lambda: [runtime.memcpyAsync(d, s, n, runtime.memcpyDeviceToDevice, stream)
+                                   for d, s, n in copies], args.repeats)
+    # (b) one device-to-device copy of the same delivered bytes, inside this rank's memory
+    src = scratch.local[: fanout * expert_bytes]
+    dst = cupy.empty_like(src)
+    d2d_ms = median_ms(lambda: dst.__setitem__(Ellipsis, src), args.repeats)
+    delivered = fanout * expert_bytes
+    return {"fanout": fanout, "mb_delivered": delivered / 1e6, "tile_gb_s": delivered / tile_ms / 1e6,
+            "memcpy_per_replica_gb_s": delivered / memcpy_ms / 1e6, "d2d_gb_s": delivered / d2d_ms / 1e6,
+            "tile_vs_memcpy": memcpy_ms / tile_ms, "tile_vs_d2d": d2d_ms / tile_ms, "blocks": blocks,
+            "tile_ms": tile_ms, "memcpy_ms": memcpy_ms, "d2d_ms": d2d_ms}
