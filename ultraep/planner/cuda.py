@@ -113,6 +113,9 @@ def reroute_cupy(topk_ids, plan: Plan, rank: int, *, out=None):
     elif out.shape != ids.shape or out.dtype != np.int32:
         raise ValueError(f"out must be int32 of shape {ids.shape}")
     n, E, K = ids.size, layout.num_experts, layout.max_instances
+    if 33 * E * _INT > MAX_SHARED_BYTES:
+        raise ValueError(f"the CuPy reroute keeps 33 counters per expert in shared memory: {E} experts "
+                         f"need {33 * E * _INT} bytes (at most {MAX_SHARED_BYTES}); use the numpy backend")
     if n == 0:
         return out
     chunks = -(-n // REROUTE_CHUNK)
