@@ -70,10 +70,10 @@ def exchange() -> None:
                 copy((3,), (128,), (src_bytes, dst_bytes, np.uint64(odd)))
                 heap.barrier()
                 mine = recv.local.view(np.uint8)[0].get()
-                poison = np.frombuffer(np.uint32(0xDEADBEEF).tobytes() * 8, np.uint8)
+                poison = np.full(WORDS, 0xDEADBEEF, np.uint32).view(np.uint8)
                 assert np.array_equal(mine[shift:shift + odd], sent[shift:shift + odd]), f"peer copy (shift {shift}) differs"
                 assert np.array_equal(mine[:shift], poison[:shift]), "peer copy wrote before its start"
-                assert np.array_equal(mine[shift + odd:], poison[:13]), "peer copy wrote past its end"
+                assert np.array_equal(mine[shift + odd:], poison[shift + odd:]), "peer copy wrote past its end"
     print(f"[exchange] rank {me} OK", flush=True)
 
 
