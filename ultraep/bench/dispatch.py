@@ -6,7 +6,9 @@ Every rank routes ``tokens`` bf16 tokens top-k over uniformly random distinct ex
 payload once: ``tokens * top_k * hidden * 2`` bytes per rank (what every (token, expert)
 pair carries), summed over ranks and divided by the slowest rank's time per call. The
 baseline copies the same bytes per rank with ``cudaMemcpyAsync`` at the same time on
-every rank. "sent" counts what one-send-per-rank actually moves (a token crosses to a
+every rank. Times are the whole group's window per call (first start to last end).
+Several ranks on one GPU run time-sliced (no MPS), so every device-side wait costs
+about a time slice per other rank: compare with ``--ranks 1`` for the data path alone. "sent" counts what one-send-per-rank actually moves (a token crosses to a
 rank once however many of its experts live there); "saved" is the share of pair bytes
 it avoids, over all destinations and over remote ones only. Started with one process,
 it relaunches itself on ``--ranks`` ranks under ``mpiexec`` (all on one GPU by default).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -50,19 +53,24 @@ def main(argv=None) -> int:
 
 
 def timed_ms(group, fn, repeats: int) -> float:
-    """Mean ms per call on the slowest rank, all ranks starting together."""
+    """ms per call of the whole group: from the first rank's start to the last rank's end.
+
+    Ranks sharing one GPU run time-sliced, so per-rank times would overlap unevenly; the
+    group's window (``time.monotonic`` is one clock for all processes of a host) is what
+    the aggregate bandwidth divides by.
+    """
     import cupy
 
+    stream = cupy.cuda.get_current_stream()
     fn()  # warm-up
-    cupy.cuda.get_current_stream().synchronize()
+    stream.synchronize()
     group.barrier()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
+    start = time.monotonic()
     for _ in range(repeats):
         fn()
-    stop.record()
-    stop.synchronize()
-    return max(group.allgather(cupy.cuda.get_elapsed_time(start, stop) / repeats))
+    stream.synchronize()
+    spans = group.allgather((start, time.monotonic()))
+    return (max(end for _, end in spans) - min(begin for begin, _ in spans)) / repeats * 1e3
 
 
 def random_routing(cupy, tokens: int, experts: int, top_k: int):
@@ -97,7 +105,7 @@ def measure(group, tokens: int, hidden: int, args) -> dict:
     payload = tokens * K * row_bytes
     with Dispatcher(group, hidden=hidden, dtype="bfloat16", top_k=K, num_experts=args.experts, max_tokens=tokens,
                     max_recv_rows=max_rows, backend="cuda", sync_checks=False) as disp:
-        recv = cupy.empty((max_rows, hidden), dtype=BFLOAT16)
+        recv = cupy.empty((disp.max_recv_rows, hidden), dtype=BFLOAT16)
         combined = cupy.empty((tokens, hidden), dtype=BFLOAT16)
         result = disp.dispatch(x, ids, gates, out=recv)
         disp.check()
@@ -116,7 +124,7 @@ def measure(group, tokens: int, hidden: int, args) -> dict:
         "copy_GBps": total_payload / copy_ms / 1e6,
         "dispatch/copy": copy_ms / dispatch_ms, "combine/copy": copy_ms / combine_ms,
         "sent_GB": sends * row_bytes / 1e9, "saved_pct": 100.0 * (1 - sends / pairs),
-        "saved_remote_pct": 100.0 * (1 - remote_sends / max(remote_pairs, 1)),
+        "saved_remote_pct": 100.0 * (1 - remote_sends / remote_pairs) if remote_pairs else None,
     }
 
 
