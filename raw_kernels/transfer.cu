@@ -10,7 +10,7 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 #define SYNC_THREADS 512
-#define VECTORS_PER_THREAD 8   // 512 threads x 8 x 16 B = 64 KiB: the largest tile
+#define VECTORS_PER_THREAD 4   // 512 threads x 4 x 16 B = 32 KiB: the largest tile
 #define FLAG_WRITER_BITS 16
 
 __device__ __forceinline__ void store_release_sys(u64* addr, u64 value) {
@@ -29,28 +29,87 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
-// Persistent weight sync. Blocks pull tasks in list order from *next_task. A task's tile
-// is loaded once (each thread keeps its share in registers: every thread stores exactly
-// the bytes it loaded, so no exchange through shared memory is needed) and stored to every
-// destination. The last tile of a (chunk, destination) publishes the destination's chunk
-// flag; a relay task first waits (with a timeout) for its own chunk flag. On a timeout the
-// kernel records (1, flag slot, expected epoch, seen) in status and stops.
+// One tile held in registers: each thread its 16-byte vectors plus at most one tail byte.
+struct TileRegs {
+    uint4 v[VECTORS_PER_THREAD];
+    unsigned char tail;
+};
+
+__device__ __forceinline__ void load_tile(TileRegs& r, const unsigned char* src, i64 nbytes) {
+    const i64 vectors = nbytes / 16;
+#pragma unroll
+    for (int k = 0; k < VECTORS_PER_THREAD; ++k) {
+        const i64 v = threadIdx.x + static_cast<i64>(k) * SYNC_THREADS;
+        if (v < vectors) r.v[k] = __ldcg(reinterpret_cast<const uint4*>(src) + v);  // L2: relays read fresh data
+    }
+    const i64 tail = vectors * 16 + threadIdx.x;
+    if (tail < nbytes) r.tail = __ldcg(src + tail);
+}
+
+__device__ __forceinline__ void store_tile(const TileRegs& r, unsigned char* dst, i64 nbytes) {
+    const i64 vectors = nbytes / 16;
+#pragma unroll
+    for (int k = 0; k < VECTORS_PER_THREAD; ++k) {
+        const i64 v = threadIdx.x + static_cast<i64>(k) * SYNC_THREADS;
+        if (v < vectors) reinterpret_cast<uint4*>(dst)[v] = r.v[k];
+    }
+    const i64 tail = vectors * 16 + threadIdx.x;
+    if (tail < nbytes) dst[tail] = r.tail;
+}
+
+struct SyncArgs {
+    const i64* tiles;        // [T, 3]: tensor, byte offset, nbytes
+    const i64* dests;        // [D, 3]: rank, slot heap offset, flag slot of chunk 0
+    const u64* src_ptrs;     // source table: master tensors, then local replica-slot tensors
+    const u64* slot_offsets; // [tensors]: offset of each tensor inside a replica slot
+    const u64* peer_bases;
+};
+
+// Loads tile k of the source and stores the previous one to every destination, so the
+// loads of one tile are in flight while the stores of the last one drain.
+__device__ __forceinline__ void stream_tile(const SyncArgs& a, const i64* task, i64 k, TileRegs& store_regs,
+                                            TileRegs& load_regs, i64 prev_k) {
+    if (k < task[3]) {
+        const i64* tile = a.tiles + 3 * k;
+        load_tile(load_regs, reinterpret_cast<const unsigned char*>(a.src_ptrs[task[0] + tile[0]] + tile[1]), tile[2]);
+    }
+    if (prev_k >= task[2]) {
+        const i64* tile = a.tiles + 3 * prev_k;
+        for (i64 d = task[4]; d < task[5]; ++d) {
+            const i64* dest = a.dests + 3 * d;
+            unsigned char* dst = reinterpret_cast<unsigned char*>(a.peer_bases[dest[0]] + dest[1] + a.slot_offsets[tile[0]] + tile[1]);
+            store_tile(store_regs, dst, tile[2]);
+        }
+    }
+}
+
+// Persistent weight sync. Blocks pull tasks (one chunk of one source each) in list order
+// from *next_task, streaming the chunk's tiles through two register buffers (every thread
+// stores exactly the bytes it loaded, so no exchange through shared memory is needed) to
+// every destination; then one system fence and the chunk flag at each destination. A
+// relay task first waits (with a timeout) for its own chunk flag. On a timeout the kernel
+// records (1, flag slot, expected epoch, seen) in status and stops.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS)
-weight_sync(const i64* tasks, int num_tasks, const i64* dests, const u64* src_ptrs, const u64* peer_bases,
-            int rank, u64 epoch, int* counters, int* next_task, u64 timeout_ns, u64* status) {
-    __shared__ int task_id;
+weight_sync(const i64* tasks, int num_tasks, const i64* tiles, const i64* dests, const u64* src_ptrs,
+            const u64* slot_offsets, const u64* peer_bases, int rank, u64 epoch, int* next_task, u64 timeout_ns,
+            u64* status) {
+    __shared__ int task_ids[2];  // current and prefetched task index
     __shared__ int abort_flag;
+    const SyncArgs a{tiles, dests, src_ptrs, slot_offsets, peer_bases};
     const int tid = threadIdx.x;
+    if (tid == 0) task_ids[1] = atomicAdd(next_task, 1);
     for (;;) {
+        __syncthreads();  // everyone is done with the previous task's shared state
         if (tid == 0) {
-            task_id = atomicAdd(next_task, 1);
+            task_ids[0] = task_ids[1];
             abort_flag = 0;
+            if (task_ids[0] < num_tasks) task_ids[1] = atomicAdd(next_task, 1);  // fetched while we copy
         }
         __syncthreads();
-        const int t = task_id;
+        const int t = task_ids[0];
         if (t >= num_tasks) return;
-        const i64* task = tasks + 6 * static_cast<i64>(t);
-        const i64 wait_slot = task[5];
+        const i64* task = tasks + 7 * static_cast<i64>(t);
+        const i64 wait_slot = task[6];
         if (wait_slot >= 0) {
             if (tid == 0) {
                 const u64* flag = reinterpret_cast<const u64*>(peer_bases[rank]) + wait_slot;
@@ -73,37 +132,19 @@ weight_sync(const i64* tasks, int num_tasks, const i64* dests, const u64* src_pt
             __syncthreads();
             if (abort_flag) return;
         }
-        const unsigned char* src = reinterpret_cast<const unsigned char*>(src_ptrs[task[0]] + task[1]);
-        const i64 nbytes = task[2];
-        const i64 vectors = nbytes / 16;
-        uint4 tile[VECTORS_PER_THREAD];
-#pragma unroll
-        for (int k = 0; k < VECTORS_PER_THREAD; ++k) {
-            const i64 v = tid + static_cast<i64>(k) * SYNC_THREADS;
-            if (v < vectors) tile[k] = __ldcg(reinterpret_cast<const uint4*>(src) + v);  // L2: relays read fresh data
+        TileRegs even, odd;
+        const i64 first = task[2], last = task[3];
+        for (i64 k = first; k <= last; k += 2) {  // unrolled by two: the buffers swap roles
+            stream_tile(a, task, k, odd, even, k - 1);
+            if (k + 1 <= last) stream_tile(a, task, k + 1, even, odd, k);
         }
-        const i64 tail = vectors * 16 + tid;
-        const unsigned char tail_byte = tail < nbytes ? __ldcg(src + tail) : 0;
-        for (i64 d = task[3]; d < task[4]; ++d) {
-            const i64* dest = dests + 5 * d;
-            unsigned char* dst = reinterpret_cast<unsigned char*>(peer_bases[dest[0]] + dest[1]);
-#pragma unroll
-            for (int k = 0; k < VECTORS_PER_THREAD; ++k) {
-                const i64 v = tid + static_cast<i64>(k) * SYNC_THREADS;
-                if (v < vectors) reinterpret_cast<uint4*>(dst)[v] = tile[k];
-            }
-            if (tail < nbytes) dst[tail] = tail_byte;
-        }
-        __threadfence_system();  // this block's stores are visible system-wide before any flag
+        __threadfence_system();  // this chunk's stores are visible system-wide before its flags
         __syncthreads();
         if (tid == 0) {
-            for (i64 d = task[3]; d < task[4]; ++d) {
-                const i64* dest = dests + 5 * d;
-                if (atomicAdd(counters + dest[2], 1) + 1 == static_cast<int>(dest[4])) {
-                    __threadfence_system();  // other blocks' tiles of this chunk, counted before us, are visible
-                    u64* flag = reinterpret_cast<u64*>(peer_bases[dest[0]]) + dest[3];
-                    store_release_sys(flag, (epoch << FLAG_WRITER_BITS) | static_cast<u64>(rank));
-                }
+            for (i64 d = task[4]; d < task[5]; ++d) {
+                const i64* dest = dests + 3 * d;
+                u64* flag = reinterpret_cast<u64*>(peer_bases[dest[0]]) + dest[2] + task[1];
+                store_release_sys(flag, (epoch << FLAG_WRITER_BITS) | static_cast<u64>(rank));
             }
         }
     }

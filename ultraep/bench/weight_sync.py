@@ -28,6 +28,7 @@ def parse_args(argv):
     parser.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--blocks", type=int, nargs="+", default=[66, 132, 264], help="weight-sync grid sizes to try")
     parser.add_argument("--tile-kib", type=int, default=32)
+    parser.add_argument("--chunk-tiles", type=int, default=4, help="tiles per chunk (one task, one flag)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", metavar="FILE")
     return parser.parse_args(argv)
@@ -81,7 +82,8 @@ def run(args) -> int:
     rows = []
     heap_bytes = 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes) + (max(args.fanouts) + 1) * expert_bytes
     with open_heap(group, heap_bytes, backend="cuda") as heap:
-        engine = WeightTransfer(heap, layout, spec, tile_bytes=args.tile_kib << 10, relay_threshold=R)
+        engine = WeightTransfer(heap, layout, spec, tile_bytes=args.tile_kib << 10, chunk_tiles=args.chunk_tiles,
+                                relay_threshold=R)
         rng = cupy.random.default_rng(group.rank)
         weights = [[rng.standard_normal(t.shape, dtype=np.float32).astype(t.dtype) for t in spec.weights]]
         grads = [[cupy.zeros(t.shape, t.dtype) for t in spec.grads]]
@@ -107,8 +109,9 @@ def run(args) -> int:
     if group.rank == 0:
         columns = ["fanout", "mb_delivered", "tile_gb_s", "memcpy_per_replica_gb_s", "d2d_gb_s",
                    "tile_vs_memcpy", "tile_vs_d2d", "blocks"]
-        print_table(rows, columns, title=f"weight sync of one expert ({expert_bytes / 1e6:.1f} MB, bf16) "
-                                         "to fan-out replicas on one GPU: bytes delivered per second")
+        print_table(rows, columns, title=f"weight sync of one expert ({expert_bytes / 1e6:.1f} MB, bf16; tiles "
+                                         f"{args.tile_kib} KiB x {args.chunk_tiles} per chunk) to fan-out replicas "
+                                         "on one GPU: bytes delivered per second")
         if args.json:
             write_json(args.json, {"benchmark": "weight-sync", "ranks": R, "hidden": args.hidden, "ffn": args.ffn,
                                    "expert_bytes": expert_bytes, "rows": rows})

@@ -28,13 +28,13 @@ from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, com
 from ultraep.transfer.spec import ExpertSpec
 
 DEFAULT_TILE_BYTES = 32 << 10
-MAX_TILE_BYTES = 64 << 10  # the kernel keeps a tile in registers: 512 threads x 8 x 16 B
+MAX_TILE_BYTES = 32 << 10  # the kernel keeps two tiles in registers: 512 threads x 4 x 16 B each
 _STATUS_FIELDS = 4
 
 
 class WeightTransfer:
     def __init__(self, heap: SymmetricHeap, layout, spec: ExpertSpec, *, tile_bytes: int = DEFAULT_TILE_BYTES,
-                 chunk_tiles: int = 8, relay_threshold: int = 3, relay_count: int = 2, blocks: int | None = None,
+                 chunk_tiles: int = 4, relay_threshold: int = 3, relay_count: int = 2, blocks: int | None = None,
                  timeout_s: float = 30.0):
         group = heap.group
         error = None
@@ -71,6 +71,7 @@ class WeightTransfer:
             self._reduce_kernel = get_function("transfer.cu", name, group=group)
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
             self._next_task = cupy.zeros(1, dtype=np.int32)
+            self._slot_offsets = cupy.asarray(np.array(spec.weight_offsets, dtype=np.uint64))
             sms = cupy.cuda.runtime.getDeviceProperties(heap.device)["multiProcessorCount"]
             self.blocks = blocks or 2 * sms
             # Replica-slot tensor pointers follow the masters in every layer's source table.
@@ -149,8 +150,7 @@ class WeightTransfer:
             import cupy
             sched.device = {name: cupy.asarray(getattr(sched, name) if len(getattr(sched, name)) else
                                                np.zeros((1, getattr(sched, name).shape[1]), np.int64))
-                            for name in ("weight_tasks", "dests", "grad_tasks", "grad_srcs")}
-            sched.device["counters"] = cupy.zeros(max(sched.num_counters, 1), dtype=np.int32)
+                            for name in ("weight_tasks", "dests", "tiles", "grad_tasks", "grad_srcs")}
         if len(self._schedules) > 64:
             self._schedules.clear()
         self._schedules[key] = (plan, sched)
@@ -170,7 +170,7 @@ class WeightTransfer:
         if self.gpu:
             self._launch_sync(entry, sched, blocks or self.blocks)
         else:
-            run_weight_tasks(sched, self.heap, entry["sources"], self._epoch, self.timeout_s)
+            run_weight_tasks(sched, self.heap, entry["sources"], self.spec.weight_offsets, self._epoch, self.timeout_s)
         if barrier:
             self.heap.barrier(self.timeout_s, wait=not self.gpu)
 
@@ -180,11 +180,10 @@ class WeightTransfer:
         if len(sched.weight_tasks) == 0:
             return
         dev = sched.device
-        dev["counters"].fill(0)
         self._next_task.fill(0)
         self._sync_kernel((blocks,), (512,), (
-            dev["weight_tasks"], np.int32(len(sched.weight_tasks)), dev["dests"], entry["sources"],
-            self.heap.peer_bases, np.int32(self.rank), np.uint64(self._epoch), dev["counters"], self._next_task,
+            dev["weight_tasks"], np.int32(len(sched.weight_tasks)), dev["tiles"], dev["dests"], entry["sources"],
+            self._slot_offsets, self.heap.peer_bases, np.int32(self.rank), np.uint64(self._epoch), self._next_task,
             np.uint64(int(self.timeout_s * 1e9)), self._status))
 
     def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:

@@ -1,9 +1,9 @@
 """NumPy executor of a transfer schedule: the CPU backend and the reference for the GPU.
 
-It follows the kernels' protocol step for step -- tiles copied in task order, per-chunk
-tile counters, chunk flags ``(epoch << 16) | writer`` published after a memory fence,
-relays waiting (with a timeout) on their chunk flags -- only with NumPy stores into the
-MPI shared-memory heap instead of CUDA stores into IPC-mapped peers.
+It follows the kernels' protocol step for step -- chunks copied in task order, each
+chunk's flag ``(epoch << 16) | writer`` published after a memory fence, relays waiting
+(with a timeout) on their chunk flags -- only with NumPy stores into the MPI
+shared-memory heap instead of CUDA stores into IPC-mapped peers.
 """
 
 from __future__ import annotations
@@ -19,20 +19,22 @@ class TransferTimeout(TimeoutError):
     """A relay waited too long for a chunk of an expert's weights."""
 
 
-def run_weight_tasks(schedule: Schedule, heap, sources: list, epoch: int, timeout_s: float) -> None:
-    """``sources[src_ref]``: flat uint8 view of a master tensor or of a local replica-slot tensor."""
-    counters = np.zeros(schedule.num_counters, dtype=np.int64)
-    for src_ref, src_offset, nbytes, begin, end, wait_slot in schedule.weight_tasks.tolist():
+def run_weight_tasks(schedule: Schedule, heap, sources: list, slot_offsets, epoch: int, timeout_s: float) -> None:
+    """``sources[src_ref + tensor]``: flat uint8 view of a master tensor or a local replica-slot
+    tensor; ``slot_offsets[tensor]``: where that tensor starts inside a replica slot."""
+    tiles = schedule.tiles.tolist()
+    for src_ref, chunk, tile_begin, tile_end, begin, end, wait_slot in schedule.weight_tasks.tolist():
         if wait_slot >= 0:
             wait_for_chunk(heap, wait_slot, epoch, timeout_s)
-        tile = sources[src_ref][src_offset:src_offset + nbytes]
-        for dst_rank, heap_offset, counter, flag_slot, chunk_tiles in schedule.dests[begin:end].tolist():
-            heap.view(dst_rank, heap_offset, (nbytes,), np.dtype(np.uint8))[...] = tile
-            counters[counter] += 1
-            if counters[counter] == chunk_tiles:
-                heap.fence()
-                flag = heap.view(dst_rank, flag_slot * 8, (1,), np.dtype(np.uint64))
-                flag[0] = (epoch << FLAG_WRITER_BITS) | schedule.rank
+        targets = schedule.dests[begin:end].tolist()
+        for tensor, offset, nbytes in tiles[tile_begin:tile_end]:
+            tile = sources[src_ref + tensor][offset:offset + nbytes]
+            for dst_rank, slot_offset, _ in targets:
+                heap.view(dst_rank, slot_offset + slot_offsets[tensor] + offset, (nbytes,), np.dtype(np.uint8))[...] = tile
+        heap.fence()
+        for dst_rank, _, flag_slot in targets:
+            flag = heap.view(dst_rank, (flag_slot + chunk) * 8, (1,), np.dtype(np.uint64))
+            flag[0] = (epoch << FLAG_WRITER_BITS) | schedule.rank
 
 
 def wait_for_chunk(heap, slot: int, epoch: int, timeout_s: float) -> None:

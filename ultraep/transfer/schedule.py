@@ -3,16 +3,18 @@
 Every rank compiles the same global decisions from the same plan (relay trees, chunking)
 and keeps its own tasks, so no message is needed. Three task lists per rank:
 
-* **weight tasks** (``int64[N, 6]``: ``src_ref, src_offset, nbytes, dest_begin,
-  dest_end, wait_slot``): copy one tile of a source tensor (``src_ref`` indexes the
-  layer's source table: master tensors, then this rank's replica slots for relays) to
+* **weight tasks** (``int64[N, 7]``: ``src_ref, chunk, tile_begin, tile_end, dest_begin,
+  dest_end, wait_slot``): one chunk -- tiles ``[tile_begin, tile_end)`` of the expert's
+  tile table -- of one source (``src_ref`` is the source table index of the expert's
+  first tensor: master tensors, then this rank's replica slots for relays), copied to
   every destination in ``dests[dest_begin:dest_end]``. A relay's tasks carry the
   signal-pad slot of the chunk flag they wait on (``-1``: none). Master tasks come first.
-* **destinations** (``int64[D, 5]``: ``rank, heap_offset, counter, flag_slot,
-  chunk_tiles``): where a tile lands; the writer counts the tiles of each (chunk,
-  destination) in ``counter`` and, on the last one, publishes the chunk flag
-  ``(epoch << 16) | writer_rank`` in the destination's signal pad. Flags say who wrote a
-  chunk, which is how tests prove that leaves got their data from a relay.
+* **destinations** (``int64[D, 3]``: ``rank, slot_heap_offset, flag_slot``): the replica
+  slot a source lands in and the flag of its chunk 0; after the whole chunk is stored
+  the writer publishes ``(epoch << 16) | writer_rank`` at ``flag_slot + chunk``, so a
+  flag also says who wrote the chunk (how tests prove leaves were served by relays).
+* **tile table** (``int64[T, 3]``: ``tensor, byte_offset, nbytes``): the same for every
+  expert; a tile lands at the slot offset of its tensor plus ``byte_offset``.
 * **gradient tasks** (``int64[G, 5]``: ``dst_ref, byte_offset, nbytes, src_begin,
   src_end``) with sources (``int64[., 2]``: ``rank, heap_offset``) in replica order:
   master gradient tile += each replica's gradient tile, fp32 accumulation.
@@ -76,15 +78,11 @@ class Schedule:
     rank: int
     weight_tasks: np.ndarray
     dests: np.ndarray
-    num_counters: int
+    tiles: np.ndarray
     grad_tasks: np.ndarray
     grad_srcs: np.ndarray
     relays: dict            # expert -> [(relay instance, [leaf instances])]
     bytes_sent: np.ndarray  # int64[R]: weight bytes each rank sends (after relay balancing)
-
-    @property
-    def empty(self) -> bool:
-        return len(self.weight_tasks) == 0 and len(self.grad_tasks) == 0
 
 
 def instances(layout, log_to_phys, replica_count, expert: int) -> list[tuple[int, int]]:
@@ -129,46 +127,32 @@ def compile_schedule(plan, spec: ExpertSpec, geometry: TileGeometry, placement: 
     M, T = layout.experts_per_rank, len(spec.weights)
     trees, sent = relay_trees(layout, log_to_phys, replica_count, spec.weight_slot_bytes,
                               relay_threshold, max(1, relay_count))
-
-    def flag_slot(slot: int, chunk: int) -> int:
-        return placement.flag_base_slot + slot * geometry.num_chunks + chunk
-
     tasks: list[tuple] = []
     dests: list[tuple] = []
-    counters = 0
 
-    def add_source(src_ref_base: int, targets: list[tuple[int, int]], wait_slot_of) -> None:
-        """Tasks copying every tile of one source to ``targets`` [(rank, redundant slot)]."""
-        nonlocal counters
-        chunk_counter = {}
-        for k, (t, offset, nbytes) in enumerate(geometry.tiles):
-            chunk = k // geometry.chunk_tiles
-            begin = len(dests)
-            for d, (dst_rank, dst_slot) in enumerate(targets):
-                key = (chunk, d)
-                if key not in chunk_counter:
-                    chunk_counter[key] = counters
-                    counters += 1
-                heap_offset = placement.weight_base + dst_slot * spec.weight_slot_bytes + spec.weight_offsets[t] + offset
-                dests.append((dst_rank, heap_offset, chunk_counter[key], flag_slot(dst_slot, chunk),
-                              geometry.chunk_size(chunk)))
-            tasks.append((src_ref_base + t, offset, nbytes, begin, len(dests), wait_slot_of(chunk)))
+    def add_source(src_ref: int, targets: list[tuple[int, int]], wait_slot=None) -> None:
+        """One task per chunk of one source, each copied to every target (rank, redundant slot)."""
+        begin = len(dests)
+        for dst_rank, dst_slot in targets:
+            dests.append((dst_rank, placement.weight_base + dst_slot * spec.weight_slot_bytes,
+                          placement.flag_base_slot + dst_slot * geometry.num_chunks))
+        for chunk in range(geometry.num_chunks):
+            first = chunk * geometry.chunk_tiles
+            wait = -1 if wait_slot is None else wait_slot + chunk
+            tasks.append((src_ref, chunk, first, first + geometry.chunk_size(chunk), begin, len(dests), wait))
 
-    relay_jobs = []
     for e in range(rank * M, (rank + 1) * M):  # this rank's masters, in expert order
         replicas = instances(layout, log_to_phys, replica_count, e)
-        if not replicas:
-            continue
-        direct = [replicas[i - 1] for i, _ in trees[e]] if e in trees else replicas
-        add_source((e - rank * M) * T, direct, lambda chunk: -1)
+        if replicas:
+            direct = [replicas[i - 1] for i, _ in trees[e]] if e in trees else replicas
+            add_source((e - rank * M) * T, direct)
     for e, tree in sorted(trees.items()):  # relays forward after every master task of this rank
         replicas = instances(layout, log_to_phys, replica_count, e)
         for relay, leaf_ids in tree:
             relay_rank, relay_slot = replicas[relay - 1]
             if relay_rank == rank and leaf_ids:
-                relay_jobs.append((relay_slot, [replicas[i - 1] for i in leaf_ids]))
-    for relay_slot, targets in relay_jobs:
-        add_source((M + relay_slot) * T, targets, lambda chunk, s=relay_slot: flag_slot(s, chunk))
+                add_source((M + relay_slot) * T, [replicas[i - 1] for i in leaf_ids],
+                           wait_slot=placement.flag_base_slot + relay_slot * geometry.num_chunks)
 
     grad_tasks, grad_srcs = [], []
     for e in range(rank * M, (rank + 1) * M):
@@ -183,10 +167,11 @@ def compile_schedule(plan, spec: ExpertSpec, geometry: TileGeometry, placement: 
                                       + spec.grad_offsets[t] + offset))
                 grad_tasks.append(((e - rank * M) * T + t, offset, min(geometry.tile_bytes, tensor.nbytes - offset),
                                    begin, len(grad_srcs)))
+    tile_table = [(t, offset, nbytes) for t, offset, nbytes in geometry.tiles]
     return Schedule(rank=rank,
-                    weight_tasks=np.array(tasks, dtype=np.int64).reshape(-1, 6),
-                    dests=np.array(dests, dtype=np.int64).reshape(-1, 5),
-                    num_counters=counters,
+                    weight_tasks=np.array(tasks, dtype=np.int64).reshape(-1, 7),
+                    dests=np.array(dests, dtype=np.int64).reshape(-1, 3),
+                    tiles=np.array(tile_table, dtype=np.int64).reshape(-1, 3),
                     grad_tasks=np.array(grad_tasks, dtype=np.int64).reshape(-1, 5),
                     grad_srcs=np.array(grad_srcs, dtype=np.int64).reshape(-1, 2),
                     relays=trees, bytes_sent=sent)
