@@ -39,26 +39,12 @@ def main(argv=None) -> int:
     return run(args)
 
 
-def median_ms(fn, repeats: int) -> float:
-    import cupy
-
-    fn()  # warm-up: module load, first touch
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
-
-
 def run(args) -> int:
     import cupy
     from mpi4py import MPI
 
     from ultraep.bench.report import print_table, write_json
+    from ultraep.bench.timing import graph_ms
     from ultraep.runtime.group import EPGroup
     from ultraep.runtime.heap import open_heap
     from ultraep.runtime.kernels import get_function
@@ -82,11 +68,11 @@ def run(args) -> int:
             heap.barrier()
             if group.rank == 0:
                 peer = dst.peer(1)
-                d2d_ms = median_ms(lambda: local_dst.local.__setitem__(Ellipsis, src.local), args.repeats)
+                d2d_ms = graph_ms(lambda: local_dst.local.__setitem__(Ellipsis, src.local), args.repeats)
                 best = None
                 for per_sm in args.blocks_per_sm:
                     grid = sms * per_sm
-                    ms = median_ms(lambda: copy((grid,), (512,), (src.local, peer, np.uint64(nbytes))), args.repeats)
+                    ms = graph_ms(lambda: copy((grid,), (512,), (src.local, peer, np.uint64(nbytes))), args.repeats)
                     if best is None or ms < best[0]:
                         best = (ms, grid)
                 cupy.cuda.get_current_stream().synchronize()

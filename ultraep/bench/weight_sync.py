@@ -7,7 +7,8 @@ One master expert (default hidden 4096, ffn 1536, bf16: fc1 ``[2*ffn, hidden]`` 
 share the GPU, so fan-out 1-8). Bandwidth is bytes delivered to replicas per second
 (fan-out x expert bytes). On one GPU every peer is the same HBM, so the bar is the
 device-to-device copy; NVLink figures need several GPUs. Started with one process, it
-relaunches itself on 9 ranks under ``mpiexec``.
+relaunches itself on 9 ranks under ``mpiexec``. All three are timed as CUDA-graph replays,
+so Python's launch overhead is not counted.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 
 import numpy as np
 
-from ultraep.bench.peer_copy import LAUNCHED_BY_MPI, median_ms
+from ultraep.bench.peer_copy import LAUNCHED_BY_MPI
+from ultraep.bench.timing import graph_ms
 
 
 def parse_args(argv):
@@ -124,22 +126,22 @@ def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, a
     import cupy
     from cupy.cuda import runtime
 
-    timings = [(median_ms(lambda: engine.weight_sync(0, plan, blocks=blocks, barrier=False), args.repeats), blocks)
+    timings = [(graph_ms(lambda: engine.weight_sync(0, plan, blocks=blocks, barrier=False), args.repeats), blocks)
                for blocks in args.blocks]
     tile_ms, blocks = min(timings)
     # (a) one cudaMemcpyAsync per replica tensor, into the same replica slots on the peers
-    stream = cupy.cuda.get_current_stream().ptr
     copies = []
     for r in range(1, fanout + 1):
         base = heap.base_pointer(r) + engine.placement.weight_base
         for t, tensor in enumerate(master_tensors):
             copies.append((base + engine.spec.weight_offsets[t], tensor.data.ptr, tensor.nbytes))
-    memcpy_ms = median_ms(lambda: [runtime.memcpyAsync(d, s, n, runtime.memcpyDeviceToDevice, stream)
-                                   for d, s, n in copies], args.repeats)
+    memcpy_ms = graph_ms(lambda: [runtime.memcpyAsync(d, s, n, runtime.memcpyDeviceToDevice,
+                                                      cupy.cuda.get_current_stream().ptr)
+                                  for d, s, n in copies], args.repeats)
     # (b) one device-to-device copy of the same delivered bytes, inside this rank's memory
     src = scratch.local[: fanout * expert_bytes]
     dst = cupy.empty_like(src)
-    d2d_ms = median_ms(lambda: dst.__setitem__(Ellipsis, src), args.repeats)
+    d2d_ms = graph_ms(lambda: dst.__setitem__(Ellipsis, src), args.repeats)
     delivered = fanout * expert_bytes
     return {"fanout": fanout, "mb_delivered": delivered / 1e6, "tile_gb_s": delivered / tile_ms / 1e6,
             "memcpy_per_replica_gb_s": delivered / memcpy_ms / 1e6, "d2d_gb_s": delivered / d2d_ms / 1e6,

@@ -29,6 +29,8 @@ from ultraep.transfer.spec import ExpertSpec
 
 DEFAULT_TILE_BYTES = 32 << 10
 MAX_TILE_BYTES = 32 << 10  # the kernel keeps two tiles in registers: 512 threads x 4 x 16 B each
+MAX_TENSORS_PER_EXPERT = 8     # MAX_TENSORS in transfer.cu
+MAX_REPLICAS_PER_EXPERT = 128  # MAX_DESTS in transfer.cu
 _STATUS_FIELDS = 4
 
 
@@ -42,6 +44,10 @@ class WeightTransfer:
             error = f"layout has {layout.num_ranks} ranks but the heap's group has {heap.size}"
         elif not 0 < tile_bytes <= MAX_TILE_BYTES or tile_bytes % 256:
             error = f"tile_bytes must be a multiple of 256 in (0, {MAX_TILE_BYTES}], got {tile_bytes}"
+        elif len(spec.weights) > MAX_TENSORS_PER_EXPERT:
+            error = f"an expert may have at most {MAX_TENSORS_PER_EXPERT} tensors, the spec has {len(spec.weights)}"
+        elif layout.max_instances - 1 > MAX_REPLICAS_PER_EXPERT:
+            error = f"layout allows {layout.max_instances - 1} replicas per expert; the kernel handles {MAX_REPLICAS_PER_EXPERT}"
         elif relay_threshold < 1 or relay_count < 1:
             error = f"relay_threshold and relay_count must be >= 1, got {relay_threshold}, {relay_count}"
         group.raise_if_any(error, "WeightTransfer set-up")
@@ -71,7 +77,10 @@ class WeightTransfer:
             self._reduce_kernel = get_function("transfer.cu", name, group=group)
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
             self._next_task = cupy.zeros(1, dtype=np.int32)
-            self._slot_offsets = cupy.asarray(np.array(spec.weight_offsets, dtype=np.uint64))
+            first_tiles = np.searchsorted([t for t, _, _ in self.geometry.tiles], np.arange(len(spec.weights)))
+            self._tensor_table = cupy.asarray(np.array(
+                [(first, w.nbytes, off) for first, w, off in zip(first_tiles, spec.weights, spec.weight_offsets)],
+                dtype=np.int64))
             sms = cupy.cuda.runtime.getDeviceProperties(heap.device)["multiProcessorCount"]
             self.blocks = blocks or 2 * sms
             # Replica-slot tensor pointers follow the masters in every layer's source table.
@@ -150,7 +159,7 @@ class WeightTransfer:
             import cupy
             sched.device = {name: cupy.asarray(getattr(sched, name) if len(getattr(sched, name)) else
                                                np.zeros((1, getattr(sched, name).shape[1]), np.int64))
-                            for name in ("weight_tasks", "dests", "tiles", "grad_tasks", "grad_srcs")}
+                            for name in ("weight_tasks", "dests", "grad_tasks", "grad_srcs")}
         if len(self._schedules) > 64:
             self._schedules.clear()
         self._schedules[key] = (plan, sched)
@@ -182,9 +191,10 @@ class WeightTransfer:
         dev = sched.device
         self._next_task.fill(0)
         self._sync_kernel((blocks,), (512,), (
-            dev["weight_tasks"], np.int32(len(sched.weight_tasks)), dev["tiles"], dev["dests"], entry["sources"],
-            self._slot_offsets, self.heap.peer_bases, np.int32(self.rank), np.uint64(self._epoch), self._next_task,
-            np.uint64(int(self.timeout_s * 1e9)), self._status))
+            dev["weight_tasks"], np.int32(len(sched.weight_tasks)), self._tensor_table, np.int32(len(self.spec.weights)),
+            np.int64(self.geometry.tile_bytes), dev["dests"], entry["sources"], self.heap.peer_bases,
+            np.int32(self.rank), np.uint64(self._epoch), self._next_task, np.uint64(int(self.timeout_s * 1e9)),
+            self._status))
 
     def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
