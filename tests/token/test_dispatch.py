@@ -40,3 +40,11 @@ def test_float32_data(backend):
 def test_bad_input_raises_on_every_rank(backend):
     out = run_ranks(4, "token/mpi/dispatch_check.py", backend, "bad-input", "float32", timeout=300)
     assert_all_ranks_ok(out, 4, "bad-input")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_missing_rank_times_out_instead_of_hanging(backend):
+    out = run_ranks(4, "token/mpi/dispatch_check.py", backend, "timeout", "float32", timeout=120)
+    assert_all_ranks_ok(out, 4, "timeout")
+    assert out.count("waiting for rank 3") == 3, out

@@ -125,6 +125,9 @@ class Dispatcher:
     timed-out wait), raising the same error on every rank. ``False``: shapes are checked
     on this rank only and device errors surface at :meth:`check` -- nothing waits for the
     host, for pipelines and benchmarks. Either way a refused routing writes nothing.
+    A rank that never makes a call: with ``sync_checks`` the others wait in the host
+    collective (MPI has no timeout); without, their device/heap waits give up after
+    ``timeout_s`` and the error names the missing rank.
     """
 
     _next_id = 0

@@ -1,6 +1,6 @@
 """Multi-rank Dispatcher check, run under mpiexec by tests/token/test_dispatch.py.
 
-Usage: python -m mpi4py dispatch_check.py {cpu|cuda} {exact|bad-input} [dtype] [repeats]
+Usage: python -m mpi4py dispatch_check.py {cpu|cuda} {exact|bad-input|timeout} [dtype] [repeats]
 
 ``exact``: for every routing scenario, dispatch / combine / both backward functions
 against the sequential single-process reference (every rank builds every rank's input
@@ -9,6 +9,7 @@ global token compared with a rank-count-free formula; ``repeats`` runs must give
 bits. Prints the count of non-bitwise-equal elements and a digest of the combined
 outputs (equal across rank counts), then "[exact] rank N OK".
 ``bad-input``: each bad input raises on every rank, and the dispatcher still works after.
+``timeout``: one rank never dispatches; the others' device waits time out naming it.
 """
 
 import hashlib
@@ -230,4 +231,27 @@ def bad_input() -> None:
     print(f"[bad-input] rank {me} OK", flush=True)
 
 
-{"exact": exact, "bad-input": bad_input}[check]()
+def timeout() -> None:
+    """The last rank never dispatches: every other rank's wait times out naming it, none hangs."""
+    late = R - 1
+    x = np.ones((4, H), DTYPE)
+    ids = np.zeros((4, K), np.int64)
+    w = np.ones((4, K), np.float32)
+    # sync_checks=False: the collective host checks would wait in MPI, which has no timeout.
+    disp = Dispatcher(group, hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=4, backend=backend,
+                      timeout_s=1.0, sync_checks=False)
+    if me != late:
+        try:
+            disp.dispatch(device(x), device(ids), device(w))
+            disp.check()
+        except (DispatchError, TimeoutError) as exc:
+            assert f"waiting for rank {late}" in str(exc), str(exc)
+            print(f"rank {me} saw: {exc}", flush=True)
+        else:
+            raise AssertionError(f"rank {me}: dispatch returned although rank {late} never arrived")
+    group.barrier()
+    disp.close()
+    print(f"[timeout] rank {me} OK", flush=True)
+
+
+{"exact": exact, "bad-input": bad_input, "timeout": timeout}[check]()
