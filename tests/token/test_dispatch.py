@@ -48,3 +48,13 @@ def test_missing_rank_times_out_instead_of_hanging(backend):
     out = run_ranks(4, "token/mpi/dispatch_check.py", backend, "timeout", "float32", timeout=120)
     assert_all_ranks_ok(out, 4, "timeout")
     assert out.count("waiting for rank 3") == 3, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_balanced_layer_is_bitwise_the_plain_one(backend):
+    """The planner's physical slot ids through Dispatcher.for_layout: even receive load, and
+    a combined output bitwise equal to the unbalanced dispatcher's."""
+    out = run_ranks(4, "token/mpi/dispatch_check.py", backend, "balanced", "bfloat16", timeout=300)
+    assert_all_ranks_ok(out, 4, "balanced")
+    assert "balanced [96, 96, 96, 96]" in out, out

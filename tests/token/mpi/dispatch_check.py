@@ -1,6 +1,6 @@
 """Multi-rank Dispatcher check, run under mpiexec by tests/token/test_dispatch.py.
 
-Usage: python -m mpi4py dispatch_check.py {cpu|cuda} {exact|bad-input|timeout} [dtype] [repeats]
+Usage: python -m mpi4py dispatch_check.py {cpu|cuda} {exact|bad-input|balanced|timeout} [dtype] [repeats]
 
 ``exact``: for every routing scenario, dispatch / combine / both backward functions
 against the sequential single-process reference (every rank builds every rank's input
@@ -9,6 +9,7 @@ global token compared with a rank-count-free formula; ``repeats`` runs must give
 bits. Prints the count of non-bitwise-equal elements and a digest of the combined
 outputs (equal across rank counts), then "[exact] rank N OK".
 ``bad-input``: each bad input raises on every rank, and the dispatcher still works after.
+``balanced``: planner reroute into ``Dispatcher.for_layout``, bitwise equal to the plain path.
 ``timeout``: one rank never dispatches; the others' device waits time out naming it.
 """
 
@@ -231,6 +232,55 @@ def bad_input() -> None:
     print(f"[bad-input] rank {me} OK", flush=True)
 
 
+def balanced() -> None:
+    """Planner reroute -> Dispatcher.for_layout: rows follow the plan's physical slots, the
+    receive load evens out, and the combined output is bitwise the unbalanced path's
+    (replicas compute their logical expert's function; the slot sum order is fixed)."""
+    from ultraep.planner import ExpertLayout, plan_placement, reroute
+
+    layout = ExpertLayout(R, E, 2)
+    rng = np.random.default_rng(11)
+    hot = 1.0 / (1 + np.arange(E)) ** 2
+    gids = np.stack([rng.choice(E, size=K, replace=False, p=hot / hot.sum()) for _ in range(GLOBAL_TOKENS)])
+    gx = rng.standard_normal((GLOBAL_TOKENS, H)).astype(np.float32).astype(DTYPE)
+    gw = rng.random((GLOBAL_TOKENS, K)).astype(np.float32)
+    cut = np.linspace(0, GLOBAL_TOKENS, R + 1).astype(int)
+    ids = [gids[cut[r]:cut[r + 1]] for r in range(R)]
+    loads = np.stack([np.bincount(i.ravel(), minlength=E) for i in ids]).astype(np.int32)
+    plan = plan_placement(loads, layout, min_replica_tokens=1)
+    phys = [reroute(i, plan, r) for r, i in enumerate(ids)]
+    xs = [gx[cut[r]:cut[r + 1]] for r in range(R)]
+    ws = [gw[cut[r]:cut[r + 1]] for r in range(R)]
+    spr = layout.slots_per_rank
+    ref_recv = ref.sequential_dispatch(xs, phys, ws, spr)[me]
+    n = len(ref_recv[1])
+    common = dict(hidden=H, dtype=DTYPE, top_k=K, max_tokens=MAX_TOKENS, backend=backend)
+    outs, rows = {}, {}
+    with Dispatcher.for_layout(group, layout, **common) as disp_balanced, \
+            Dispatcher(group, num_experts=E, **common) as disp_plain:
+        for name, disp, my_ids, to_logical in (("balanced", disp_balanced, phys[me], plan.phys_to_log),
+                                              ("plain", disp_plain, ids[me], np.arange(E))):
+            res = disp.dispatch(device(xs[me]), device(my_ids), device(ws[me]))
+            counts = host(res.counts)
+            rows[name] = res.num_rows
+            got = host(res.x)[:rows[name]]
+            slots = me * disp.experts_per_rank + np.repeat(np.arange(disp.experts_per_rank), counts)
+            if name == "balanced":
+                assert rows[name] == n and np.array_equal(counts, ref_recv[2])
+                assert mismatches(got, ref_recv[0]) == 0
+            y = np.zeros((disp.max_recv_rows, H), DTYPE)
+            y[:rows[name]] = expert_fn(got, to_logical[slots])
+            outs[name] = host(disp.combine(device(y), res.handle))
+    bad = mismatches(outs["balanced"], outs["plain"])
+    before, after = group.allgather(rows["plain"]), group.allgather(rows["balanced"])
+    if me == 0:
+        print(f"received rows per rank: plain {before}, balanced {after} "
+              f"(plan imbalance {plan.imbalance_before:.3f} -> {plan.imbalance_after:.3f})", flush=True)
+    assert bad == 0, f"rank {me}: {bad} elements of the balanced combine differ from the plain one"
+    assert max(after) <= max(before), (before, after)
+    print(f"[balanced] rank {me} OK", flush=True)
+
+
 def timeout() -> None:
     """The last rank never dispatches: every other rank's wait times out naming it, none hangs."""
     late = R - 1
@@ -254,4 +304,4 @@ def timeout() -> None:
     print(f"[timeout] rank {me} OK", flush=True)
 
 
-{"exact": exact, "bad-input": bad_input, "timeout": timeout}[check]()
+{"exact": exact, "bad-input": bad_input, "balanced": balanced, "timeout": timeout}[check]()
