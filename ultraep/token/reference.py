@@ -139,9 +139,9 @@ def lane_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def sequential_rows(expert_ids_per_rank, experts_per_rank: int):
     """Receive-buffer layout from the definition, for every rank at once.
 
-    Returns ``(rows, sources)``: ``rows[s]`` int[T_s, K] is the receive row of each
+    Returns ``(rows, sources, counts)``: ``rows[s]`` int[T_s, K] is the receive row of each
     (token, slot) of source ``s`` on its destination rank; ``sources[r]`` is the list of
-    ``(s, t, k)`` in rank ``r``'s receive order, plus per-rank expert counts.
+    ``(s, t, k)`` in rank ``r``'s receive order; ``counts[r]`` its rows per local expert.
     """
     ranks = len(expert_ids_per_rank)
     rows = [np.full(np.shape(ids), -1, dtype=np.int64) for ids in expert_ids_per_rank]
