@@ -2,46 +2,67 @@
 // Quota planner on the GPU, bitwise equal to ultraep/planner/quota.py (read its module
 // docstring first: the same threshold search, greedy oracle and split, step by step).
 //
-// plan_domains<CHUNKS>: one 1024-thread block per NVLink domain of up to 32*CHUNKS ranks.
-//   Expert loads (column sums of the load matrix) and the visiting orders live in shared
-//   memory; each of the 32 warps evaluates one threshold probe per round with the probe's
-//   rank state in registers (lane l owns ranks l, l+32, ...) and records its moves, so
-//   the winning probe's moves become the plan without a re-run.
+// plan_domains<CHUNKS>: one cluster of CLUSTER blocks (WARPS warps each) per NVLink domain
+//   of up to 32*CHUNKS ranks. The 32 threshold probes of a round are spread over the
+//   cluster, one warp per probe: a probe's greedy oracle is a long serial chain of warp
+//   reductions, and 32 of them on one SM were limited by instruction issue, while four
+//   per SM run at the chain's latency. Each block holds its own copy of the expert loads
+//   and visiting orders in shared memory; the column sums are split over the cluster and
+//   exchanged through distributed shared memory. Each probe's rank state lives in
+//   registers (lane l owns ranks l, l+32, ...); its result is broadcast to every block,
+//   so all blocks take the same decision after one cluster barrier per round. The
+//   winning warp keeps its moves, and its block writes the domain's plan at the end.
 // plan_split: one block per expert builds the locality-first split prefix; one extra
 //   block computes the imbalance before/after once every rank load is known.
 // All decisions use integer arithmetic (the total load is below 2**31) and break ties by
 // the lowest index, exactly as the NumPy reference does.
 
 #define FULL_MASK 0xffffffffu
-#define PROBES 32       // warps per block = probes per round (quota.PROBES_PER_ROUND)
-#define NEAR_SCALE 64   // quota.NEAR_SCALE: half the probes cover the first 1/64 of the gap
+#define CLUSTER 8                 // blocks per domain (the portable cluster size)
+#define WARPS 4                   // probes per block: one per SM sub-partition
+#define PROBES (CLUSTER * WARPS)  // probes per round (quota.PROBES_PER_ROUND)
+#define NEAR_SCALE 64             // quota.NEAR_SCALE: half the probes cover the first 1/64 of the gap
+
+static_assert(PROBES == 32, "the round decision reads one probe per lane");
 
 struct DomainShared {
     int* expert_load;   // [D*M]  load of each expert of the domain
     int* rank_load0;    // [D]    load of each rank without balancing
     int* rank_order;    // [D]    ranks by descending load, ties lowest index
     int* expert_order;  // [D*M]  each rank's experts by descending load, ties lowest index
-    int* warp_moves;    // [PROBES][2*S*D]  per probe: (expert << 8 | rank, tokens) per move
-    int* best_moves;    // [2*S*D]  moves of the lowest feasible threshold so far
-    int* probe_tau;     // [PROBES]
-    int* probe_ok;      // [PROBES]  1 feasible, 0 not, -1 not probed
-    int* probe_moves;   // [PROBES]
-    int* misc;          // [4]    lo, hi, number of best moves, winning warp
-    int* used;          // [D]    replicas placed per rank
-    int* incoming;      // [D]    tokens of the replicas placed per rank
-    int* replicas;      // [D*M]  instances per expert
-    int* master_quota;  // [D*M]
 };
+
+__device__ __forceinline__ unsigned cluster_block_rank() {
+    unsigned rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+
+// Barrier over every thread of the cluster; orders shared-memory accesses cluster-wide.
+__device__ __forceinline__ void cluster_sync() {
+    __syncwarp();
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Store `value` at the address of `local` in the shared memory of cluster block `block`.
+__device__ __forceinline__ void store_to_block(int* local, unsigned block, int value) {
+    unsigned long long address;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(address) : "l"(reinterpret_cast<unsigned long long>(local)));
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)address), "r"(block));
+    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"(value) : "memory");
+}
 
 __device__ __forceinline__ bool better_rank(const int* load, int a, int b) {
     return load[a] > load[b] || (load[a] == load[b] && a < b);
 }
 
-// The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp; lane 0
-// stores the moves in `moves` and their number in `*num_moves` (when feasible).
+// The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp: the
+// number of moves (the same in every lane) if feasible, else -1. Lane 0 stores the moves
+// in `moves` as (expert << 8 | rank, tokens).
 template <int CHUNKS>
-__device__ bool run_oracle(const DomainShared& sh, int tau, int D, int M, int S, int max_replicas, int step,
-                           int* moves, int* num_moves) {
+__device__ int run_oracle(const DomainShared& sh, int tau, int D, int M, int S, int max_replicas, int step,
+                          int* moves) {
     const int lane = threadIdx.x & 31;
     int load[CHUNKS], free_slots[CHUNKS];
 #pragma unroll
@@ -105,10 +126,9 @@ __device__ bool run_oracle(const DomainShared& sh, int tau, int D, int M, int S,
                 ++hosts;
             }
         }
-        if (source_load > tau) return false;
+        if (source_load > tau) return -1;
     }
-    if (lane == 0) *num_moves = count;
-    return true;
+    return count;
 }
 
 // The probes of one round, ascending (quota.probe_points).
@@ -124,45 +144,63 @@ __device__ __forceinline__ int probe_point(int lo, long long gap, int w, bool* a
 }
 
 template <int CHUNKS>
-__global__ void __launch_bounds__(1024)
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(WARPS * 32)
 plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, int step, int tau_tolerance,
              int* __restrict__ phys_to_log, int* __restrict__ log_to_phys, int* __restrict__ replica_count,
              int* __restrict__ quota, long long* __restrict__ rank_load) {
     extern __shared__ int smem[];
     const int M = E / R, DM = D * M, slots_per_rank = M + S, move_ints = 2 * S * D;
-    const int first_rank = blockIdx.x * D, first_expert = first_rank * M;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int first_rank = (blockIdx.x / CLUSTER) * D, first_expert = first_rank * M;
+    const int block = (int)cluster_block_rank(), tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int share = (DM + CLUSTER - 1) / CLUSTER;  // experts whose column sums this block computes
+    const int first_column = min(DM, block * share), columns = min(DM, first_column + share) - first_column;
     DomainShared sh;
     int* cursor = smem;
     sh.expert_load = cursor;  cursor += DM;
     sh.rank_load0 = cursor;   cursor += D;
     sh.rank_order = cursor;   cursor += D;
     sh.expert_order = cursor; cursor += DM;
-    sh.warp_moves = cursor;   cursor += PROBES * move_ints;
-    sh.best_moves = cursor;   cursor += move_ints;
-    sh.probe_tau = cursor;    cursor += PROBES;
-    sh.probe_ok = cursor;     cursor += PROBES;
-    sh.probe_moves = cursor;  cursor += PROBES;
-    sh.misc = cursor;         cursor += 4;
-    sh.used = cursor;         cursor += D;
-    sh.incoming = cursor;     cursor += D;
-    sh.replicas = cursor;     cursor += DM;
-    sh.master_quota = cursor; cursor += DM;
+    int* warp_moves = cursor;   cursor += WARPS * move_ints;  // per warp: the moves of its probe
+    int* best_moves = cursor;   cursor += move_ints;          // the moves of the lowest feasible probe so far
+    int* results = cursor;      cursor += 2 * 3 * PROBES;     // per round parity: tau, state, moves per probe
+    int* bounds = cursor;       cursor += 2;                  // initial lo, hi
+    int* partial = cursor;      cursor += share;              // this block's column sums
+    int* used = cursor;         cursor += D;                  // replicas placed per rank
+    int* incoming = cursor;     cursor += D;                  // tokens of the replicas placed per rank
+    int* replicas = cursor;     cursor += DM;                 // instances per expert
+    int* master_quota = cursor; cursor += DM;
 
-    for (int e = tid; e < DM; e += blockDim.x) { sh.expert_load[e] = 0; sh.replicas[e] = 1; }
-    for (int r = tid; r < D; r += blockDim.x) { sh.used[r] = 0; sh.incoming[r] = 0; }
+    for (int i = tid; i < columns; i += blockDim.x) partial[i] = 0;
+    for (int e = tid; e < DM; e += blockDim.x) replicas[e] = 1;
+    for (int r = tid; r < D; r += blockDim.x) { used[r] = 0; incoming[r] = 0; }
     __syncthreads();
-    // Column sums: consecutive threads read consecutive experts (coalesced); sources are
-    // split over thread groups and combined with integer atomics (order-independent).
-    const int groups = max(1, (int)blockDim.x / DM);
-    for (int idx = tid; idx < DM * groups; idx += blockDim.x) {
-        const int e = idx % DM, group = idx / DM;
-        int sum = 0;
-        for (int src = group; src < R; src += groups) sum += loads[(long long)src * E + first_expert + e];
-        atomicAdd(&sh.expert_load[e], sum);
+    // Column sums of this block's experts: consecutive threads read consecutive experts
+    // (coalesced), sources are split over thread groups, eight loads in flight per thread,
+    // combined with integer atomics (order-independent).
+    if (columns > 0) {
+        const int groups = max(1, (int)blockDim.x / columns);
+        for (int idx = tid; idx < columns * groups; idx += blockDim.x) {
+            const int column = idx % columns, group = idx / columns;
+            const int* source = loads + first_expert + first_column + column;
+            int sum = 0, src = group;
+            for (; src + 7 * groups < R; src += 8 * groups) {
+                int value[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) value[u] = source[(long long)(src + u * groups) * E];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) sum += value[u];
+            }
+            for (; src < R; src += groups) sum += source[(long long)src * E];
+            atomicAdd(&partial[column], sum);
+        }
     }
-    __syncthreads();
-    for (int e = tid; e < DM; e += blockDim.x) sh.master_quota[e] = sh.expert_load[e];
+    cluster_sync();  // every block of the cluster is running and has its partial sums
+    for (int i = tid; i < columns * CLUSTER; i += blockDim.x) {
+        const int to = i / columns, column = i - to * columns;
+        store_to_block(&sh.expert_load[first_column + column], to, partial[column]);
+    }
+    cluster_sync();  // every block holds all the domain's expert loads
+    for (int e = tid; e < DM; e += blockDim.x) master_quota[e] = sh.expert_load[e];
     for (int r = tid; r < D; r += blockDim.x) {
         int sum = 0;
         for (int k = 0; k < M; ++k) sum += sh.expert_load[r * M + k];
@@ -185,69 +223,78 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         long long total = 0;
         int hi = 0;
         for (int r = 0; r < D; ++r) { total += sh.rank_load0[r]; hi = max(hi, sh.rank_load0[r]); }
-        sh.misc[0] = (int)((total + D - 1) / D) - 1;  // lo: below the mean, infeasible
-        sh.misc[1] = hi;                              // hi: feasible without any move
-        sh.misc[2] = 0;
+        bounds[0] = (int)((total + D - 1) / D) - 1;  // lo: below the mean, infeasible
+        bounds[1] = hi;                              // hi: feasible without any move
     }
     __syncthreads();
 
-    int* my_moves = sh.warp_moves + warp * move_ints;
-    while ((long long)sh.misc[1] - sh.misc[0] > (long long)tau_tolerance + 1) {
-        const int lo = sh.misc[0];
+    // Every thread of the cluster tracks the same lo, hi and best probe.
+    int lo = bounds[0], hi = bounds[1], best_block = 0, best_count = 0, parity = 0;
+    const int probe = block * WARPS + warp;
+    int* my_moves = warp_moves + warp * move_ints;
+    while ((long long)hi - lo > (long long)tau_tolerance + 1) {
         bool active;
-        const int tau = probe_point(lo, (long long)sh.misc[1] - lo, warp, &active);
-        const bool ok = active && run_oracle<CHUNKS>(sh, tau, D, M, S, K - 1, step, my_moves, &sh.probe_moves[warp]);
-        if (lane == 0) { sh.probe_tau[warp] = tau; sh.probe_ok[warp] = active ? (ok ? 1 : 0) : -1; }
-        __syncthreads();
-        if (tid == 0) {
-            int below = lo, w = 0;
-            for (; w < PROBES && sh.probe_ok[w] == 0; ++w) below = sh.probe_tau[w];
-            const bool found = w < PROBES && sh.probe_ok[w] == 1;
-            if (found) { sh.misc[1] = sh.probe_tau[w]; sh.misc[2] = sh.probe_moves[w]; }
-            sh.misc[0] = below;
-            sh.misc[3] = found ? w : -1;
+        const int tau = probe_point(lo, (long long)hi - lo, probe, &active);
+        const int count = active ? run_oracle<CHUNKS>(sh, tau, D, M, S, K - 1, step, my_moves) : 0;
+        int* round = results + parity * 3 * PROBES;
+        if (lane < CLUSTER) {  // lane b publishes the result to block b
+            store_to_block(&round[probe], lane, tau);
+            store_to_block(&round[PROBES + probe], lane, active ? (count >= 0 ? 1 : 0) : -1);
+            store_to_block(&round[2 * PROBES + probe], lane, count);
         }
-        __syncthreads();
-        const int winner = sh.misc[3];
-        if (winner >= 0)
-            for (int i = tid; i < 2 * sh.misc[2]; i += blockDim.x) sh.best_moves[i] = sh.warp_moves[winner * move_ints + i];
-        __syncthreads();
+        cluster_sync();
+        // Lowest feasible probe: the first one not infeasible, if it is feasible (inactive
+        // probes, state -1, come last); lo moves to the probe just below it.
+        const unsigned decided = __ballot_sync(FULL_MASK, round[PROBES + lane] != 0);
+        const int first = decided ? __ffs(decided) - 1 : PROBES;
+        if (first < PROBES && round[PROBES + first] == 1) {
+            hi = round[first];
+            best_count = round[2 * PROBES + first];
+            best_block = first / WARPS;
+            if (probe == first) {  // keep the winner's moves before the next round overwrites them
+                for (int i = lane; i < 2 * best_count; i += 32) best_moves[i] = my_moves[i];
+                __syncwarp();
+            }
+        }
+        lo = first > 0 ? round[first - 1] : lo;
+        parity ^= 1;
     }
+    if (block != best_block) return;  // no block reads another's shared memory after the last barrier
+    __syncthreads();
     // Write the domain's outputs from the best moves (creation order fixes columns and slots).
-    const int num_moves = sh.misc[2];
-    for (int m = tid; m < num_moves; m += blockDim.x) {
-        const int e = sh.best_moves[2 * m] >> 8, t = sh.best_moves[2 * m] & 255, amount = sh.best_moves[2 * m + 1];
+    for (int m = tid; m < best_count; m += blockDim.x) {
+        const int e = best_moves[2 * m] >> 8, t = best_moves[2 * m] & 255, amount = best_moves[2 * m + 1];
         int column = 1, slot = M;
         for (int prev = 0; prev < m; ++prev) {
-            column += (sh.best_moves[2 * prev] >> 8) == e;
-            slot += (sh.best_moves[2 * prev] & 255) == t;
+            column += (best_moves[2 * prev] >> 8) == e;
+            slot += (best_moves[2 * prev] & 255) == t;
         }
         const long long row = (long long)(first_expert + e) * K;
         log_to_phys[row + column] = (first_rank + t) * slots_per_rank + slot;
         quota[row + column] = amount;
         phys_to_log[(first_rank + t) * slots_per_rank + slot] = first_expert + e;
-        atomicSub(&sh.master_quota[e], amount);  // integer atomics: order-independent
-        atomicAdd(&sh.replicas[e], 1);
-        atomicAdd(&sh.used[t], 1);
-        atomicAdd(&sh.incoming[t], amount);
+        atomicSub(&master_quota[e], amount);  // integer atomics: order-independent
+        atomicAdd(&replicas[e], 1);
+        atomicAdd(&used[t], 1);
+        atomicAdd(&incoming[t], amount);
     }
     __syncthreads();
     for (int e = tid; e < DM; e += blockDim.x) {
         const long long row = (long long)(first_expert + e) * K;
         const int r = e / M;
         log_to_phys[row] = (first_rank + r) * slots_per_rank + (e - r * M);
-        quota[row] = sh.master_quota[e];
-        for (int column = sh.replicas[e]; column < K; ++column) { log_to_phys[row + column] = -1; quota[row + column] = 0; }
-        replica_count[first_expert + e] = sh.replicas[e];
+        quota[row] = master_quota[e];
+        for (int column = replicas[e]; column < K; ++column) { log_to_phys[row + column] = -1; quota[row + column] = 0; }
+        replica_count[first_expert + e] = replicas[e];
     }
     for (int i = tid; i < D * slots_per_rank; i += blockDim.x) {
         const int r = i / slots_per_rank, j = i - r * slots_per_rank;
         if (j < M) phys_to_log[(first_rank + r) * slots_per_rank + j] = first_expert + r * M + j;
-        else if (j >= M + sh.used[r]) phys_to_log[(first_rank + r) * slots_per_rank + j] = -1;
+        else if (j >= M + used[r]) phys_to_log[(first_rank + r) * slots_per_rank + j] = -1;
     }
     for (int r = tid; r < D; r += blockDim.x) {
-        long long sum = sh.incoming[r];
-        for (int k = 0; k < M; ++k) sum += sh.master_quota[r * M + k];
+        long long sum = incoming[r];
+        for (int k = 0; k < M; ++k) sum += master_quota[r * M + k];
         rank_load[first_rank + r] = sum;
     }
 }
@@ -257,29 +304,45 @@ __device__ double imbalance_of(long long max_load, long long total, int R) {
     return total == 0 ? 1.0 : __ddiv_rn(__dmul_rn((double)max_load, (double)R), (double)total);
 }
 
-__device__ void write_imbalance(const int* quota, const long long* rank_load, int R, int E, int K,
-                                long long* before, double* imbalance_before, double* imbalance_after) {
+__device__ __forceinline__ long long warp_sum(long long value) {
+    for (int offset = 16; offset; offset >>= 1) value += __shfl_xor_sync(FULL_MASK, value, offset);
+    return value;
+}
+
+__device__ __forceinline__ long long warp_max(long long value) {
+    for (int offset = 16; offset; offset >>= 1) value = max(value, __shfl_xor_sync(FULL_MASK, value, offset));
+    return value;
+}
+
+__device__ void write_imbalance(const int* quota, const long long* rank_load, int R, int E, int K, int* before,
+                                double* imbalance_before, double* imbalance_after) {
     __shared__ long long partial[4][32];
-    const int M = E / R, tid = threadIdx.x;
+    const int M = E / R, tid = threadIdx.x, per_rank = M * K;
     for (int r = tid; r < R; r += blockDim.x) before[r] = 0;
     __syncthreads();
-    // Load without balancing = the quotas of each rank's masters; coalesced over [E, K].
-    for (int idx = tid; idx < E * K; idx += blockDim.x)
-        atomicAdd((unsigned long long*)&before[idx / K / M], (unsigned long long)quota[idx]);  // exact integer sum
+    // Load without balancing = all quotas of the rank's experts (contiguous rows of
+    // [E, K]). Each thread sums a contiguous chunk, one atomic per rank it touches; every
+    // sum is below the total load, so int32 is exact.
+    const int chunk = (E * K + blockDim.x - 1) / blockDim.x;
+    const int start = min(E * K, tid * chunk), stop = min(E * K, start + chunk);
+    for (int r = start / per_rank; r * per_rank < stop; ++r) {
+        int sum = 0;
+#pragma unroll 8
+        for (int idx = max(start, r * per_rank); idx < min(stop, (r + 1) * per_rank); ++idx) sum += quota[idx];
+        atomicAdd(&before[r], sum);
+    }
     __syncthreads();
     long long before_max = 0, before_total = 0, after_max = 0, after_total = 0;
     for (int r = tid; r < R; r += blockDim.x) {
-        before_max = max(before_max, before[r]);
+        before_max = max(before_max, (long long)before[r]);
         before_total += before[r];
         after_max = max(after_max, rank_load[r]);
         after_total += rank_load[r];
     }
-    for (int offset = 16; offset; offset >>= 1) {
-        before_max = max(before_max, __shfl_xor_sync(FULL_MASK, before_max, offset));
-        before_total += __shfl_xor_sync(FULL_MASK, before_total, offset);
-        after_max = max(after_max, __shfl_xor_sync(FULL_MASK, after_max, offset));
-        after_total += __shfl_xor_sync(FULL_MASK, after_total, offset);
-    }
+    before_max = warp_max(before_max);
+    before_total = warp_sum(before_total);
+    after_max = warp_max(after_max);
+    after_total = warp_sum(after_total);
     if ((tid & 31) == 0) {
         partial[0][tid >> 5] = before_max; partial[1][tid >> 5] = before_total;
         partial[2][tid >> 5] = after_max;  partial[3][tid >> 5] = after_total;
@@ -295,8 +358,34 @@ __device__ void write_imbalance(const int* quota, const long long* rank_load, in
     }
 }
 
+// In-place inclusive prefix sum of values[0..n) by the whole block (warp scans, then
+// the warp totals of each chunk of blockDim.x values).
+__device__ void block_inclusive_scan(long long* values, int n) {
+    __shared__ long long warp_total[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = (blockDim.x + 31) / 32;
+    long long carry = 0;
+    for (int base = 0; base < n; base += blockDim.x) {
+        const int i = base + tid;
+        long long value = i < n ? values[i] : 0;
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const long long up = __shfl_up_sync(FULL_MASK, value, offset);
+            if (lane >= offset) value += up;
+        }
+        if (lane == 31) warp_total[warp] = value;
+        __syncthreads();
+        long long before = carry, chunk = 0;
+        for (int w = 0; w < warps; ++w) {
+            before += w < warp ? warp_total[w] : 0;
+            chunk += warp_total[w];
+        }
+        if (i < n) values[i] = value + before;
+        carry += chunk;
+        __syncthreads();
+    }
+}
+
 // quota.locality_split for one expert per block (block E: the imbalance).
-// Shared memory: demand[R], row_deficit[R] (ints) then per instance: host, local,
+// Shared memory (int64): demand[R], row_deficit[R], then per instance: host, local,
 // capacity, column sum of the proportional shares.
 extern "C" __global__ void __launch_bounds__(256)
 plan_split(const int* __restrict__ loads, const int* __restrict__ log_to_phys, const int* __restrict__ replica_count,
@@ -305,7 +394,10 @@ plan_split(const int* __restrict__ loads, const int* __restrict__ log_to_phys, c
            double* __restrict__ imbalance_after) {
     extern __shared__ long long split_smem[];
     const int e = blockIdx.x, tid = threadIdx.x, M = E / R;
-    if (e == E) { write_imbalance(quota, rank_load, R, E, K, split_smem, imbalance_before, imbalance_after); return; }
+    if (e == E) {
+        write_imbalance(quota, rank_load, R, E, K, (int*)split_smem, imbalance_before, imbalance_after);
+        return;
+    }
     const int n = replica_count[e];
     if (n == 1) {
         for (int idx = tid; idx < R * K; idx += blockDim.x) {
@@ -331,23 +423,22 @@ plan_split(const int* __restrict__ loads, const int* __restrict__ log_to_phys, c
     __syncthreads();
     long long total = 0;
     for (int i = 0; i < n; ++i) total += capacity[i];
-    for (int src = tid; src < R; src += blockDim.x) {
-        long long d = loads[(long long)src * E + e];
+    // Every thread of a warp takes part in the shuffles; sources past R add nothing.
+    for (int base = 0; base < R; base += blockDim.x) {
+        const int src = base + tid;
+        long long d = src < R ? loads[(long long)src * E + e] : 0;
         for (int i = 0; i < n; ++i) if (host[i] == src) d -= local[i];
         long long row = 0;
-        if (total)
-            for (int i = 0; i < n; ++i) {
-                const long long share = d * capacity[i] / total;
-                row += share;
-                atomicAdd((unsigned long long*)&column_sum[i], (unsigned long long)share);  // exact integer sum
-            }
-        demand[src] = d;
-        row_end[src] = d - row;
+        for (int i = 0; i < n; ++i) {
+            const long long share = total ? d * capacity[i] / total : 0;
+            row += share;
+            const long long column = warp_sum(share);
+            if ((tid & 31) == 0 && column) atomicAdd((unsigned long long*)&column_sum[i], (unsigned long long)column);
+        }
+        if (src < R) { demand[src] = d; row_end[src] = d - row; }
     }
     __syncthreads();
-    if (tid == 0)  // inclusive prefix of the row deficits (R is small; one pass)
-        for (int src = 1; src < R; ++src) row_end[src] += row_end[src - 1];
-    __syncthreads();
+    block_inclusive_scan(row_end, R);
     for (int src = tid; src < R; src += blockDim.x) {
         const long long d = demand[src];
         const long long row_stop = row_end[src], row_start = src ? row_end[src - 1] : 0;

@@ -14,8 +14,9 @@ from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan, array_module, check_loads
 from ultraep.runtime.kernels import get_function
 
-PLAN_THREADS = 1024   # 32 warps = 32 threshold probes per round
-PROBES = PLAN_THREADS // 32
+PLAN_CLUSTER = 8      # blocks per domain, a thread-block cluster (raw_kernels/planner.cu)
+PLAN_WARPS = 4        # warps per block, one threshold probe each
+PROBES = PLAN_CLUSTER * PLAN_WARPS
 MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
 SPLIT_THREADS = 256
 REROUTE_CHUNK = 1024  # ids per block, = blockDim of both reroute kernels
@@ -72,13 +73,14 @@ def launch_place(out: Plan, min_replica_tokens: int, tau_tolerance: int) -> None
     layout = out.layout
     R, E, S, D, K, M = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.domain_size,
                         layout.max_instances, layout.experts_per_rank)
-    domain_ints = 4 * D * M + 4 * D + 2 * S * D * (PROBES + 1) + 3 * PROBES + 4  # the carve-up in plan_domains
+    # the carve-up of shared memory in plan_domains (per block)
+    domain_ints = 4 * D * M + 4 * D + 2 * S * D * (PLAN_WARPS + 1) + 6 * PROBES + 2 + -(-D * M // PLAN_CLUSTER)
     if domain_ints * _INT > MAX_SHARED_BYTES:
         raise ValueError(f"{layout} needs {domain_ints * _INT} bytes of shared memory in the CuPy planner "
                          f"(at most {MAX_SHARED_BYTES}); use the numpy backend")
     chunks = next(c for c in (1, 2, 4) if 32 * c >= D)
     plan_domains = _kernel("planner.cu", f"plan_domains<{chunks}>", domain_ints * _INT)
-    plan_domains((layout.num_domains,), (PLAN_THREADS,),
+    plan_domains((layout.num_domains * PLAN_CLUSTER,), (PLAN_WARPS * 32,),
                  (out.loads, np.int32(R), np.int32(E), np.int32(S), np.int32(D), np.int32(K),
                   np.int32(max(min_replica_tokens, 1)), np.int32(min(tau_tolerance, 2**31 - 1)),
                   out.phys_to_log, out.log_to_phys, out.replica_count, out.quota, out.rank_load),

@@ -34,7 +34,7 @@ import numpy as np
 from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan, check_loads
 
-PROBES_PER_ROUND = 32  # one warp per probe in a 1024-thread block (raw_kernels/planner.cu)
+PROBES_PER_ROUND = 32  # one warp per probe, spread over a cluster of blocks (raw_kernels/planner.cu)
 NEAR_SCALE = 64
 
 
