@@ -79,15 +79,6 @@ def random_routing(cupy, tokens: int, experts: int, top_k: int):
     return cupy.ascontiguousarray(ids.astype(np.int32)), cupy.random.random((tokens, top_k), dtype=np.float32)
 
 
-def send_counts(cupy, ids, experts_per_rank: int, me: int) -> tuple[int, int, int, int]:
-    """(pairs, pairs to other ranks, single sends to all ranks, single sends to other ranks) of this rank's routing."""
-    ranks = cupy.sort(ids // experts_per_rank, axis=1)
-    distinct = 1 + cupy.count_nonzero(ranks[:, 1:] != ranks[:, :-1], axis=1)
-    sends = int(distinct.sum())
-    to_self = int(cupy.any(ranks == me, axis=1).sum())
-    return ids.size, ids.size - int(cupy.count_nonzero(ranks == me)), sends, sends - to_self
-
-
 def measure(group, tokens: int, hidden: int, args) -> dict:
     import cupy
 
@@ -101,7 +92,6 @@ def measure(group, tokens: int, hidden: int, args) -> dict:
     x = cupy.random.randint(0x3F00, 0x4000, size=(tokens, hidden), dtype=np.int32).astype(np.uint16).view(BFLOAT16)
     max_rows = int(tokens * K * 1.15) + 1024  # uniform routing: about tokens * K rows per rank
     row_bytes = hidden * 2
-    pairs, remote_pairs, sends, remote_sends = (sum(v) for v in zip(*group.allgather(send_counts(cupy, ids, args.experts // R, me))))
     payload = tokens * K * row_bytes
     with Dispatcher(group, hidden=hidden, dtype="bfloat16", top_k=K, num_experts=args.experts, max_tokens=tokens,
                     max_recv_rows=max_rows, backend="cuda", sync_checks=False) as disp:
@@ -109,6 +99,9 @@ def measure(group, tokens: int, hidden: int, args) -> dict:
         combined = cupy.empty((tokens, hidden), dtype=BFLOAT16)
         result = disp.dispatch(x, ids, gates, out=recv)
         disp.check()
+        sent = disp.traffic(result.handle)
+        pairs, remote_pairs, sends, remote_sends = (sum(v) for v in zip(*group.allgather(
+            (sent.pairs, sent.pairs_remote, sent.sends, sent.sends_remote))))
         dispatch_ms = timed_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv), args.repeats)
         combine_ms = timed_ms(group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats)
         disp.check()

@@ -11,6 +11,6 @@
 * ``torch_autograd`` -- optional ``torch.autograd.Function`` wrappers (imports torch lazily).
 """
 
-from ultraep.token.dispatcher import DispatchError, DispatchHandle, DispatchResult, Dispatcher
+from ultraep.token.dispatcher import DispatchError, DispatchHandle, DispatchResult, Dispatcher, Traffic
 
-__all__ = ["DispatchError", "DispatchHandle", "DispatchResult", "Dispatcher"]
+__all__ = ["DispatchError", "DispatchHandle", "DispatchResult", "Dispatcher", "Traffic"]

@@ -87,7 +87,8 @@ class CpuExecutor:
         total = int(offsets[-1])
         state = {"row_landing": b.row_landing.local[:total].copy(), "row_origin": b.row_origin.local[:total].copy(),
                  "row_weight": b.row_weight.local[:total].copy(), "num_rows": total,
-                 "send_rows": [(r, np.flatnonzero(sends & (dest == r))) for r in range(R)], "send_pos": send_pos}
+                 "send_rows": [(r, np.flatnonzero(sends & (dest == r))) for r in range(R)], "send_pos": send_pos,
+                 "totals": totals}
         recv_x = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
         recv_x[:total] = b.landing.local[state["row_landing"]]
         recv_w = np.zeros(d.max_recv_rows, dtype=np.float32)

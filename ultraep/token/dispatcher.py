@@ -84,6 +84,27 @@ class TokenBuffers:
     slot_grad_w: Any
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """Rows one dispatch sent from this rank: a row per (token, slot) pair would be
+    ``pairs``; one send per (token, destination rank) moves ``sends``. ``*_remote``
+    leaves out this rank itself."""
+
+    pairs: int
+    pairs_remote: int
+    sends: int
+    sends_remote: int
+    row_bytes: int
+
+    @property
+    def bytes_saved(self) -> int:
+        return (self.pairs - self.sends) * self.row_bytes
+
+    @property
+    def bytes_saved_remote(self) -> int:
+        return (self.pairs_remote - self.sends_remote) * self.row_bytes
+
+
 @dataclass
 class DispatchHandle:
     """What combine and the backward pair need from one dispatch (backend arrays inside)."""
@@ -300,6 +321,16 @@ class Dispatcher:
         is the fp32 dot product of ``grad_out[t]`` and slot k's expert output in a fixed
         order (:func:`ultraep.token.reference.lane_dot`)."""
         return self._executor.combine_backward(grad_out, y, handle, out)
+
+    def traffic(self, handle: DispatchHandle) -> Traffic:
+        """What the dispatch of ``handle`` sent from this rank (reads E + R integers from the device)."""
+        totals = handle.state["totals"]
+        totals = np.asarray(totals.get() if hasattr(totals, "get") else totals, dtype=np.int64)
+        pairs_per_rank = totals[:self.num_experts].reshape(self.size, self.experts_per_rank).sum(axis=1)
+        sends_per_rank = totals[self.num_experts:]
+        return Traffic(pairs=int(pairs_per_rank.sum()), pairs_remote=int(pairs_per_rank.sum() - pairs_per_rank[self.rank]),
+                       sends=int(sends_per_rank.sum()), sends_remote=int(sends_per_rank.sum() - sends_per_rank[self.rank]),
+                       row_bytes=self.row_bytes)
 
     def check(self) -> None:
         """Wait for queued work and raise any deferred device-side error (GPU backend)."""

@@ -154,7 +154,8 @@ class GpuExecutor:
                 np.int32(d.rank), np.int32(d.max_recv_rows), self.base, self.counts, self.offsets, self.outcome))
 
             state = {"tokens": tokens, "ids": ids, "gates": gates, "positions": self.positions[:items].copy(),
-                     "base": self.base.copy(), "outcome": self.outcome.copy(), "offsets": self.offsets.copy()}
+                     "base": self.base.copy(), "outcome": self.outcome.copy(), "offsets": self.offsets.copy(),
+                     "totals": self.totals.copy()}
             self._send_tokens(x, state, with_meta=True)
             self._barrier("tokens")
             self.k["expand_rows"]((self.grid,), (THREADS,), (

@@ -109,6 +109,17 @@ def row_experts(counts) -> np.ndarray:
     return me * (E // R) + np.repeat(np.arange(len(counts)), counts)
 
 
+def check_traffic(traffic, my_ids, experts_per_rank) -> None:
+    """One send per (token, destination rank), counted by hand."""
+    ranks = [set(int(e) // experts_per_rank for e in row) for row in my_ids]
+    sends = sum(len(r) for r in ranks)
+    sends_remote = sum(len(r - {me}) for r in ranks)
+    pairs_remote = int(np.count_nonzero(np.asarray(my_ids) // experts_per_rank != me))
+    want = (my_ids.size, pairs_remote, sends, sends_remote)
+    assert (traffic.pairs, traffic.pairs_remote, traffic.sends, traffic.sends_remote) == want, (traffic, want)
+    assert traffic.bytes_saved == (my_ids.size - sends) * H * DTYPE.itemsize
+
+
 def exact() -> None:
     total_bad = 0
     digests = []
@@ -151,6 +162,8 @@ def exact() -> None:
                 bad += mismatches(got_x[n:], poison((rows_bound - n, H)))  # nothing written past the rows in use
                 assert np.array_equal(host(res.counts), ref_recv[me][2]), (host(res.counts), ref_recv[me][2])
                 assert res.num_rows == n and host(res.offsets)[-1] == n
+                if run == 0:
+                    check_traffic(disp.traffic(res.handle), ids[me], E // R)
                 y = expert_fn(got_x[:n], row_experts(host(res.counts)))
                 out = disp.combine(device(pad(y)), res.handle, out=device(poison((len(xs[me]), H))))
                 gx_got = disp.dispatch_backward(device(pad(grad_recv[me])), res.handle,
