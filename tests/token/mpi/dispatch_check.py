@@ -203,6 +203,13 @@ def bad_input() -> None:
     ids = rng.integers(0, E, size=(T, K))
     w = rng.random((T, K)).astype(np.float32)
     culprit = R - 1
+    make = lambda **kw: Dispatcher(group, **{**dict(hidden=H, dtype=DTYPE, top_k=K, num_experts=E,  # noqa: E731
+                                                   max_tokens=T, backend=backend), **kw})
+    expect_error(lambda: make(hidden=3), "rows must be a multiple of 16 bytes")
+    expect_error(lambda: make(top_k=33), "top_k must be <= 32")
+    if R > 1:
+        expect_error(lambda: make(num_experts=E + 1), "not divisible by the group size")
+        expect_error(lambda: make(hidden=H * 2 if me == culprit else H), "ranks disagree on Dispatcher set-up")
     with Dispatcher(group, hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=T,
                     max_recv_rows=T * K, backend=backend) as disp:
         bad_ids = ids.copy()
