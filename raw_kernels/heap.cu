@@ -7,23 +7,7 @@
 //
 //! kernels: symmetric_barrier, copy_bytes
 
-typedef unsigned long long u64;
-
-__device__ __forceinline__ void store_release_sys(u64* addr, u64 value) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(addr), "l"(value) : "memory");
-}
-
-__device__ __forceinline__ u64 load_acquire_sys(const u64* addr) {
-    u64 value;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
-    return value;
-}
-
-__device__ __forceinline__ u64 global_timer_ns() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
+#include "sync.cuh"
 
 // One block. Thread t publishes `epoch` into slot `rank` of peer t's pad, then waits until
 // slot t of this rank's own pad reaches `epoch`. A wait that outlasts timeout_ns records

@@ -6,28 +6,13 @@
 
 #include <cuda_bf16.h>
 
-typedef unsigned long long u64;
+#include "sync.cuh"
+
 typedef long long i64;
 
 #define SYNC_THREADS 512
 #define VECTORS_PER_THREAD 4   // 512 threads x 4 x 16 B = 32 KiB: the largest tile
 #define FLAG_WRITER_BITS 16
-
-__device__ __forceinline__ void store_release_sys(u64* addr, u64 value) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(addr), "l"(value) : "memory");
-}
-
-__device__ __forceinline__ u64 load_acquire_sys(const u64* addr) {
-    u64 value;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(addr) : "memory");
-    return value;
-}
-
-__device__ __forceinline__ u64 global_timer_ns() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 
 // One tile held in registers: each thread its 16-byte vectors plus at most one tail byte.
 struct TileRegs {

@@ -58,3 +58,12 @@ def summarize_ptxas(report: str) -> str:
             lines.append(f"  {current}: {line.split(':', 1)[1].strip()}; {frame}")
             current = None
     return "\n".join(lines)
+
+
+def test_local_headers_are_inlined_for_nvrtc():
+    """CuPy keys its cache on the code string: headers must be part of it."""
+    from ultraep.runtime.kernels import inline_local_includes
+    for source in SOURCES:
+        code = inline_local_includes(source)
+        assert '#include "' not in code, f"{source.name} still includes a local header"
+    assert "ld.acquire.sys" in inline_local_includes(kernel_dir() / "heap.cu")

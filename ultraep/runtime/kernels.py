@@ -78,12 +78,28 @@ def load_module(filename: str, *, group: "EPGroup | None" = None):
     return module
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+
+
+def inline_local_includes(path: Path, seen: set | None = None) -> str:
+    """The source with ``#include "x.cuh"`` replaced by the header's text, so CuPy's cache
+    key (a hash of the code string) changes whenever a header does."""
+    seen = set() if seen is None else seen
+    def expand(match):
+        header = path.parent / match.group(1)
+        if header in seen:
+            return ""
+        seen.add(header)
+        return inline_local_includes(header, seen)
+    return _LOCAL_INCLUDE.sub(expand, path.read_text())
+
+
 def _compile(filename: str):
     import cupy
 
     path = kernel_source(filename)
     names = declared_kernels(path)
-    module = cupy.RawModule(code=path.read_text(), options=COMPILE_OPTIONS, name_expressions=names)
+    module = cupy.RawModule(code=inline_local_includes(path), options=COMPILE_OPTIONS, name_expressions=names)
     module.compile()  # compile now, not at the first launch inside a timed or captured region
     return module
 
