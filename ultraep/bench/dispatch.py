@@ -17,13 +17,13 @@ it relaunches itself on ``--ranks`` ranks under ``mpiexec`` (all on one GPU by d
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import numpy as np
 
-LAUNCHED_BY_MPI = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
+
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
            "dispatch/copy", "combine/copy", "sent_GB", "saved_pct", "saved_remote_pct"]
 
@@ -44,11 +44,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if not any(v in os.environ for v in LAUNCHED_BY_MPI):
-        from ultraep.runtime.launch import run_mpi
-        result = run_mpi(args.ranks, ["-m", "ultraep.bench.dispatch", *argv], timeout=580, check=False)
-        print(result.stdout, end="")
-        return result.returncode
+    if not launched_by_mpiexec():
+        return relaunch_on_ranks(args.ranks, ["-m", "ultraep.bench", "dispatch", *argv], timeout=580)
     return run(args)
 
 

@@ -11,12 +11,12 @@ itself on two ranks under ``mpiexec``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
 
-LAUNCHED_BY_MPI = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
+
 
 
 def parse_args(argv):
@@ -31,11 +31,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if not any(v in os.environ for v in LAUNCHED_BY_MPI):
-        from ultraep.runtime.launch import run_mpi
-        result = run_mpi(2, ["-m", "ultraep.bench", "peer-copy", *argv], timeout=540, check=False)
-        print(result.stdout, end="")
-        return result.returncode
+    if not launched_by_mpiexec():
+        return relaunch_on_ranks(2, ["-m", "ultraep.bench", "peer-copy", *argv], timeout=540)
     return run(args)
 
 

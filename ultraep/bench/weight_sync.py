@@ -14,12 +14,12 @@ so Python's launch overhead is not counted.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
 
-from ultraep.bench.peer_copy import LAUNCHED_BY_MPI
+from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
+
 from ultraep.bench.timing import graph_ms
 
 
@@ -39,11 +39,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if not any(v in os.environ for v in LAUNCHED_BY_MPI):
-        from ultraep.runtime.launch import run_mpi
-        result = run_mpi(max(args.fanouts) + 1, ["-m", "ultraep.bench", "weight-sync", *argv], timeout=540, check=False)
-        print(result.stdout, end="")
-        return result.returncode
+    if not launched_by_mpiexec():
+        return relaunch_on_ranks(max(args.fanouts) + 1, ["-m", "ultraep.bench", "weight-sync", *argv], timeout=540)
     return run(args)
 
 

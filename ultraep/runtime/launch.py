@@ -17,6 +17,14 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 
+# Set by mpiexec in every rank's environment (Open MPI, PMIx, MPICH/Hydra).
+MPI_LAUNCH_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def launched_by_mpiexec() -> bool:
+    return any(v in os.environ for v in MPI_LAUNCH_VARIABLES)
+
+
 class MPILaunchError(RuntimeError):
     """The job failed, timed out, or no ``mpiexec`` could be found."""
 
@@ -103,3 +111,11 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
     if check and proc.returncode != 0:
         raise MPILaunchError(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{out}")
     return result
+
+
+def relaunch_on_ranks(nprocs: int, argv: Sequence[str], *, timeout: float) -> int:
+    """Run ``python -m mpi4py argv`` on ``nprocs`` ranks, print its output, return its exit code
+    (for command-line tools that start as one process and need several ranks)."""
+    result = run_mpi(nprocs, argv, timeout=timeout, check=False)
+    print(result.stdout, end="")
+    return result.returncode
