@@ -7,6 +7,9 @@ Layers, bottom up (each its own package):
   backend on MPI shared memory), DLPack interop, the ``mpiexec`` launcher.
 * ``ultraep.planner`` -- the control plane: expert layout, exact-load quota planner,
   reroute, baselines, lower bounds and load traces.
+* ``ultraep.transfer`` -- the data plane: replica buffers, weight sync by tile streaming
+  with relay trees, deterministic gradient reduction.
+* ``ultraep.token`` -- the token path: deterministic dispatch and combine (UniEP).
 * ``ultraep.bench`` -- ``python -m ultraep.bench ...`` benchmarks.
 
 Top-level names are imported on first use, so ``import ultraep`` stays cheap and needs
@@ -20,10 +23,18 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "EPGroup": "ultraep.runtime.group",
     "SymmetricHeap": "ultraep.runtime.heap",
+    "open_heap": "ultraep.runtime.heap",
     "ExpertLayout": "ultraep.planner",
     "Plan": "ultraep.planner",
     "plan_placement": "ultraep.planner",
     "reroute": "ultraep.planner",
+    "lower_bound": "ultraep.planner.bound",
+    "load_trace": "ultraep.planner.traces",
+    "save_trace": "ultraep.planner.traces",
+    "TraceRecorder": "ultraep.planner.traces",
+    "ExpertSpec": "ultraep.transfer",
+    "WeightTransfer": "ultraep.transfer",
+    "Dispatcher": "ultraep.token",
 }
 __all__ = sorted(_EXPORTS)
 
