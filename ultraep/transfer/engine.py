@@ -50,6 +50,8 @@ class WeightTransfer:
             error = f"layout allows {layout.max_instances - 1} replicas per expert; the kernel handles {MAX_REPLICAS_PER_EXPERT}"
         elif relay_threshold < 1 or relay_count < 1:
             error = f"relay_threshold and relay_count must be >= 1, got {relay_threshold}, {relay_count}"
+        elif heap.backend == "cuda" and spec.grad_dtype.name not in ("bfloat16", "float32"):
+            error = f"the GPU gradient reduction supports float32 and bfloat16 gradients, not {spec.grad_dtype}"
         group.raise_if_any(error, "WeightTransfer set-up")
         group.agree((repr(layout), spec.key(), tile_bytes, chunk_tiles, relay_threshold, relay_count),
                     "WeightTransfer set-up (layout, expert spec, tiling, relay options)")
@@ -72,8 +74,6 @@ class WeightTransfer:
             from ultraep.runtime.kernels import get_function
             self._sync_kernel = get_function("transfer.cu", "weight_sync", group=group)
             name = "reduce_grads<__nv_bfloat16>" if spec.grad_dtype.name == "bfloat16" else "reduce_grads<float>"
-            if spec.grad_dtype.name not in ("bfloat16", "float32"):
-                raise ValueError(f"the GPU gradient reduction supports float32 and bfloat16 gradients, not {spec.grad_dtype}")
             self._reduce_kernel = get_function("transfer.cu", name, group=group)
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
             self._next_task = cupy.zeros(1, dtype=np.int32)
