@@ -1,0 +1,268 @@
+"""Multi-rank Balancer check, run under mpiexec by tests/integration/test_balancer.py.
+
+Usage: python -m mpi4py balancer_check.py {cpu|cuda} {flow|pipeline|bad-input} [out dir]
+
+Every rank's top-k ids, master weights and replica gradients are seeded functions of
+(layer, micro-batch, rank, expert), so each rank computes the gathered loads, the plan,
+the replica contents and the reduced gradients it must see without asking anyone.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from ultraep.integration import Balancer, BalancerError, StaleHandleError, plot_rank_loads
+from ultraep.planner import ExpertLayout, plan_placement, reroute
+from ultraep.planner.traces import load_trace
+from ultraep.runtime.group import EPGroup, GroupMismatchError
+from ultraep.transfer import ExpertSpec
+from ultraep.transfer.executor import reference_reduce
+
+backend, check = sys.argv[1], sys.argv[2]
+out_dir = Path(sys.argv[3]) if len(sys.argv) > 3 else None
+group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "cuda"))
+R, me = group.size, group.rank
+if backend == "cuda":
+    import cupy as xp
+    host = xp.asnumpy
+else:
+    xp = np
+    host = np.asarray
+
+E, S, TOKENS, TOP_K, MIN_REPLICA = 2 * R, 2, 96, 2, 4
+LAYOUT = ExpertLayout(R, E, S)
+M = LAYOUT.experts_per_rank
+SPEC = ExpertSpec([("w_in", (8, 16), "float32"), ("w_out", (16, 8), "float32")], grad_dtype="float32")
+
+
+def routing(layer, step, rank):
+    """Skewed top-k ids: a hot expert that moves with (layer, step), distinct per token."""
+    rng = np.random.default_rng((layer, step, rank))
+    hot = (layer + 3 * step) % E
+    weights = 1.0 / (1 + (np.arange(E) - hot) % E) ** 1.5
+    p = weights / weights.sum()
+    return np.stack([rng.choice(E, size=TOP_K, replace=False, p=p) for _ in range(TOKENS)]).astype(np.int64)
+
+
+def gathered_loads(layer, step):
+    return np.stack([np.bincount(routing(layer, step, r).ravel(), minlength=E) for r in range(R)]).astype(np.int32)
+
+
+def expected_plan(layer, step):
+    return plan_placement(gathered_loads(layer, step), LAYOUT, min_replica_tokens=MIN_REPLICA)
+
+
+def master_weights(layer, expert):
+    return [np.random.default_rng((layer, expert, t)).standard_normal(w.shape).astype(np.float32)
+            for t, w in enumerate(SPEC.weights)]
+
+
+def grads_of(layer, step, expert, rank):
+    """The gradient instance `rank` computes for `expert` (rank = master: its own part)."""
+    return [np.random.default_rng((layer, step, expert, rank, t, 9)).standard_normal(g.shape).astype(np.float32)
+            for t, g in enumerate(SPEC.grads)]
+
+
+def expect(fn, error_type, *fragments):
+    try:
+        fn()
+    except error_type as exc:
+        message = str(exc)
+        assert all(f in message for f in fragments), f"rank {me}: unexpected message {message!r}, wanted {fragments}"
+        return message
+    raise AssertionError(f"rank {me}: expected {error_type.__name__} with {fragments}")
+
+
+class Model:
+    """Masters of every layer on this rank, registered with the Balancer."""
+
+    def __init__(self, balancer, layers):
+        self.bal = balancer
+        self.weights, self.grads = {}, {}
+        for layer in layers:
+            self.weights[layer] = [[xp.asarray(w) for w in master_weights(layer, me * M + m)] for m in range(M)]
+            self.grads[layer] = [[xp.zeros(g.shape, np.float32) for g in SPEC.grads] for _ in range(M)]
+            balancer.register_layer(layer, self.weights[layer], self.grads[layer])
+
+    def forward(self, layer, step):
+        """update + weight_sync + reroute, each checked against the NumPy planner."""
+        ids = routing(layer, step, me)
+        handle = self.bal.update(layer, xp.asarray(ids))
+        want = expected_plan(layer, step)
+        got = self.bal.plan(handle).to_numpy()
+        for name in ("loads", "phys_to_log", "log_to_phys", "replica_count", "quota", "split_prefix", "rank_load"):
+            assert np.array_equal(getattr(got, name), getattr(want, name)), f"rank {me}: plan {name} differs"
+        self.bal.weight_sync(handle)
+        self.check_replicas(handle, layer, want)
+        slots = host(self.bal.reroute(handle, xp.asarray(ids)))
+        assert np.array_equal(slots, reroute(ids, want, me)), f"rank {me}: reroute differs"
+        return handle, want
+
+    def check_replicas(self, handle, layer, want):
+        local = host(self.bal.local_experts(handle))
+        assert np.array_equal(local, want.phys_to_log[me * (M + S):(me + 1) * (M + S)])
+        for s, tensors in enumerate(self.bal.replica_weights(handle)):
+            expert = int(local[M + s])
+            if expert >= 0:
+                for got, ref in zip(tensors, master_weights(layer, expert)):
+                    assert np.array_equal(host(got), ref), f"rank {me}: replica slot {s} is not expert {expert}"
+
+    def backward(self, handle, layer, step, want):
+        """restore + replica gradients + reduce_grads, against reference_reduce."""
+        self.bal.restore(handle)
+        self.check_replicas(handle, layer, want)
+        local = want.phys_to_log[me * (M + S):(me + 1) * (M + S)]
+        for s, tensors in enumerate(self.bal.replica_grads(handle)):
+            if local[M + s] >= 0:
+                for dst, value in zip(tensors, grads_of(layer, step, int(local[M + s]), me)):
+                    dst[...] = xp.asarray(value)
+        for m in range(M):
+            for t, value in enumerate(grads_of(layer, step, me * M + m, me)):
+                self.grads[layer][m][t][...] = xp.asarray(value)
+        self.bal.reduce_grads(handle)
+        for m in range(M):
+            e = me * M + m
+            hosts = [int(p) // (M + S) for p in want.log_to_phys[e, 1:want.replica_count[e]]]
+            for t in range(len(SPEC.grads)):
+                ref = reference_reduce(grads_of(layer, step, e, me)[t], [grads_of(layer, step, e, r)[t] for r in hosts])
+                assert np.array_equal(host(self.grads[layer][m][t]), ref), f"rank {me}: layer {layer} expert {e} grad"
+
+
+def flow():
+    """Two layers, three micro-batches, forward then backward; stats, trace and plot."""
+    steps, layers = 3, 2
+    with Balancer(group, LAYOUT, SPEC, num_layers=layers, min_replica_tokens=MIN_REPLICA, backend=backend,
+                  record_trace=True) as bal:
+        model = Model(bal, range(layers))
+        replicas = []
+        for step in range(steps):
+            done = [model.forward(layer, step) for layer in range(layers)]
+            for layer in reversed(range(layers)):
+                handle, want = done[layer]
+                model.backward(handle, layer, step, want)
+                replicas.append(want.slots_used)
+        stats = bal.stats()
+        records = sorted(stats.records, key=lambda r: (r.step, -r.layer))
+        assert len(records) == steps * layers and stats.updates == stats.liveness == steps * layers, stats.summary()
+        assert sum(replicas) > 0, "the skewed routing never replicated anything: the check would prove nothing"
+        for record, used in zip(records, replicas):
+            want = expected_plan(record.layer, record.step)
+            assert record.replicas == used
+            assert record.imbalance_before == want.imbalance_before and record.imbalance_after == want.imbalance_after
+            assert record.imbalance_after <= record.imbalance_before
+            assert record.weight_bytes == 2 * used * SPEC.weight_slot_bytes  # weight_sync + restore
+            assert record.grad_bytes == used * SPEC.grad_slot_bytes
+            assert set(record.times_ms) == {"update", "weight_sync", "reroute", "restore", "reduce_grads"}
+            assert all(t is not None and t >= 0 for t in record.times_ms.values()), record.times_ms
+        summary = stats.summary()
+        assert summary["imbalance_after_mean"] < summary["imbalance_before_mean"], summary
+        if me == 0:
+            trace = load_trace(bal.save_trace(out_dir / "balancer_trace.npz"))
+            for step in range(steps):
+                for layer in range(layers):
+                    assert np.array_equal(trace.loads[step, layer], gathered_loads(layer, step))
+            plot_rank_loads(stats.records, out_dir / "rank_loads.png")
+            print(f"imbalance {summary['imbalance_before_mean']:.3f} -> {summary['imbalance_after_mean']:.3f}, "
+                  f"{summary['bytes_moved']} bytes moved", flush=True)
+    print(f"[flow] rank {me} OK", flush=True)
+
+
+def one_f_one_b(stages, micro_batches):
+    """The ops of a 1F1B pipeline in the order they run: [(tick, stage, 'F'|'B', micro-batch)]."""
+    programs = []
+    for stage in range(stages):
+        warmup = min(stages - stage, micro_batches)
+        ops = [("F", i) for i in range(warmup)]
+        for i in range(micro_batches - warmup):
+            ops += [("B", i), ("F", warmup + i)]
+        ops += [("B", i) for i in range(micro_batches - warmup, micro_batches)]
+        programs.append(ops)
+    done, cursor, order, tick = set(), [0] * stages, [], 0
+    while any(c < len(p) for c, p in zip(cursor, programs)):
+        ready = []
+        for stage, program in enumerate(programs):
+            if cursor[stage] == len(program):
+                continue
+            kind, mb = program[cursor[stage]]
+            needs = (stage - 1, "F", mb) if kind == "F" else (stage + 1, "B", mb) if stage + 1 < stages else (stage, "F", mb)
+            if kind == "F" and stage == 0 or needs in done:
+                ready.append((stage, kind, mb))
+        for stage, kind, mb in ready:
+            order.append((tick, stage, kind, mb))
+            done.add((stage, kind, mb))
+            cursor[stage] += 1
+        tick += 1
+    return order
+
+
+def pipeline():
+    """2-stage 1F1B with 4 micro-batches: stage 0 has 2 micro-batches in flight. Each
+    stage has its own Balancer (2 layers each); backward restores and reduces with the
+    plan of its own forward although later forwards replanned the same layers."""
+    stages, micro_batches, layers_per_stage = 2, 4, 2
+    order = one_f_one_b(stages, micro_batches)
+    balancers = [Balancer(group, LAYOUT, SPEC, num_layers=layers_per_stage, min_replica_tokens=MIN_REPLICA,
+                          max_in_flight=stages - s, backend=backend) for s in range(stages)]
+    models = [Model(balancers[s], range(layers_per_stage)) for s in range(stages)]
+    saved, in_flight = {}, [0] * stages
+    plans_differ = False
+    for _, stage, kind, mb in order:
+        for local in (range(layers_per_stage) if kind == "F" else reversed(range(layers_per_stage))):
+            if kind == "F":
+                handle, want = models[stage].forward(local, mb)
+                saved[(stage, local, mb)] = (handle, want)
+                previous = saved.get((stage, local, mb - 1))
+                plans_differ |= previous is not None and not np.array_equal(previous[1].log_to_phys, want.log_to_phys)
+            else:
+                handle, want = saved.pop((stage, local, mb))
+                models[stage].backward(handle, local, mb, want)
+        in_flight[stage] = max(in_flight[stage], sum(1 for s, _, _ in saved if s == stage) // layers_per_stage)
+    assert in_flight == [2, 1], in_flight
+    assert plans_differ, "every micro-batch had the same plan: the ring would not be tested"
+    for bal in balancers:
+        assert bal.stats().updates == micro_batches * layers_per_stage
+        bal.close()
+    if me == 0:
+        print(f"1F1B order: {' '.join(f'{k}{mb}@s{s}' for _, s, k, mb in order)}", flush=True)
+    print(f"[pipeline] rank {me} OK", flush=True)
+
+
+def bad_input():
+    ids = routing(0, 0, me)
+    with Balancer(group, LAYOUT, SPEC, num_layers=2, min_replica_tokens=MIN_REPLICA, backend=backend) as bal:
+        Model(bal, range(2))
+        bad = ids.copy()
+        if me == 1:
+            bad[5, 1] = E + 3
+        expect(lambda: bal.update(0, xp.asarray(bad)), BalancerError, "rank 1", f"outside [0, {E})", "(5, 1)")
+        floats = ids.astype(np.float32) if me == 2 else ids
+        expect(lambda: bal.update(0, xp.asarray(floats)), BalancerError, "rank 2", "integer dtype")
+        expect(lambda: bal.update(0, [[0, 1]] if me == 0 else xp.asarray(ids)), BalancerError, "rank 0", "not a tensor")
+        expect(lambda: bal.update(1 if me == 3 else 0, xp.asarray(ids)), GroupMismatchError, "ranks disagree")
+        expect(lambda: bal.update(2, xp.asarray(ids)), BalancerError, "layer must be an int in [0, 2)")
+        expect(lambda: bal.update(0, xp.asarray(ids), local_loads=xp.zeros(E, np.int32)), BalancerError, "exactly one")
+        # the failed calls changed nothing: the next update is micro-batch 0 and plans as expected
+        h0 = bal.update(0, xp.asarray(ids))
+        assert h0.step == 0
+        same = bal.update(1, local_loads=xp.asarray(np.bincount(ids.ravel(), minlength=E).astype(np.int32)))
+        assert np.array_equal(host(bal.plan(same).phys_to_log), expected_plan(0, 0).phys_to_log)
+        expect(lambda: bal.replica_weights(h0), BalancerError, "hold nothing")
+        expect(lambda: bal.reduce_grads(h0), ValueError, "call weight_sync/restore with this handle first")
+        too_many = np.concatenate([ids, ids[:1]]) if me == 2 else ids
+        if backend == "cpu":  # the CuPy reroute cannot look at values; it writes -1 instead
+            expect(lambda: bal.reroute(h0, xp.asarray(too_many)), BalancerError, "rank 2", "more tokens")
+        h1 = bal.update(0, xp.asarray(routing(0, 1, me)))  # max_in_flight=1: reuses h0's slot
+        expect(lambda: bal.weight_sync(h0), StaleHandleError, "stale", "micro-batch 0", "now holds micro-batch 1")
+        # one rank alone passes a stale handle: every rank raises, nobody waits in the barrier
+        expect(lambda: bal.weight_sync(h0 if me == 1 else h1), ValueError, "rank 1", "stale")
+        bal.weight_sync(h1)
+        assert len(bal.replica_weights(h1)) == S
+        expect(lambda: bal.replica_grads(h0), StaleHandleError, "stale")
+        bal.check()
+    expect(lambda: bal.update(0, xp.asarray(ids)), BalancerError, "closed")
+    print(f"[bad-input] rank {me} OK", flush=True)
+
+
+{"flow": flow, "pipeline": pipeline, "bad-input": bad_input}[check]()

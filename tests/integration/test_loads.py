@@ -1,0 +1,65 @@
+"""The load row: NumPy semantics against naive loops, and the CUDA counter bitwise
+against it (int32 and int64 ids, ids out of range, publication into the heap)."""
+
+import numpy as np
+import pytest
+
+from tests.conftest import requires_gpu
+from ultraep.integration.loads import count_loads
+
+
+def naive_counts(ids, num_experts):
+    counts, bad = [0] * num_experts, []
+    for i, e in enumerate(np.asarray(ids).reshape(-1).tolist()):
+        if 0 <= e < num_experts:
+            counts[e] += 1
+        else:
+            bad.append((i, e))
+    return counts, bad
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_count_loads_matches_loops(seed):
+    rng = np.random.default_rng(seed)
+    E = int(rng.integers(1, 40))
+    ids = rng.integers(-2, E + 2, size=(int(rng.integers(0, 50)), int(rng.integers(1, 5))))
+    counts, bad = count_loads(ids, E)
+    want, want_bad = naive_counts(ids, E)
+    assert counts.dtype == np.int32 and counts.tolist() == want
+    if not want_bad:
+        assert bad is None
+    else:
+        assert (bad.count, bad.first_index, bad.first_value) == (len(want_bad), *want_bad[0])
+        message = bad.message(3, E, ids.shape)
+        assert "rank 3" in message and str(tuple(int(i) for i in np.unravel_index(want_bad[0][0], ids.shape))) in message
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_device_counter_is_bitwise_the_reference(dtype):
+    import cupy
+    from mpi4py import MPI
+
+    from ultraep.integration.loads import DeviceLoadCounter
+    from ultraep.runtime.group import EPGroup
+    from ultraep.runtime.heap import open_heap
+
+    group = EPGroup(MPI.COMM_SELF)
+    rng = np.random.default_rng(5)
+    with open_heap(group, 1 << 20, backend="cuda") as heap:
+        for E, n, with_bad in ((64, 300_000, False), (257, 4099, True), (8, 0, False)):
+            matrix = heap.alloc(f"matrix{E}", (1, E), np.int32)
+            counter = DeviceLoadCounter(heap, E)
+            ids = rng.integers(0, E, size=(n, 1)).astype(dtype)
+            if with_bad:
+                ids[[17, 900, 4000], 0] = [E, -1, E + 5]
+            device_ids = cupy.asarray(ids)
+            counter.count(device_ids)
+            want, bad = count_loads(ids, E)
+            assert np.array_equal(counter.counts.get(), want)
+            got_bad = counter.read_bad(device_ids)
+            assert got_bad == bad
+            counter.publish(matrix.offset)
+            heap.barrier()
+            assert np.array_equal(matrix.local.get()[0], want)

@@ -1,0 +1,15 @@
+"""Integration: the objects a framework calls.
+
+* ``balancer`` -- :class:`Balancer`: per-layer, per-micro-batch load gathering, planning,
+  weight sync, reroute, restore and gradient reduction, with a ring of plans for pipelines.
+* ``loads``    -- this rank's expert-load row (NumPy semantics and the CUDA counter) and
+  its publication into every peer's gathered load matrix.
+* ``stats``    -- per (layer, micro-batch) records, stage clocks, summaries and the
+  per-rank load plot.
+"""
+
+from ultraep.integration.balancer import BalanceHandle, Balancer, BalancerError, StaleHandleError
+from ultraep.integration.stats import BalancerStats, LayerRecord, plot_rank_loads
+
+__all__ = ["BalanceHandle", "Balancer", "BalancerError", "BalancerStats", "LayerRecord", "StaleHandleError",
+           "plot_rank_loads"]

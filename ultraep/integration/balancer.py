@@ -1,0 +1,538 @@
+"""``Balancer``: the planner and the data plane behind one object a framework drives,
+layer by layer and micro-batch by micro-batch.
+
+Set up once per EP group (layout, number of virtual layers, the expert tensor spec,
+``min_replica_tokens``, ``max_in_flight`` micro-batches). Per layer the framework
+registers its master weights and gradients. Per micro-batch and layer:
+
+* :meth:`Balancer.update` counts this rank's load row, writes it into row ``rank`` of
+  every peer's gathered load matrix in the symmetric heap, runs a heap barrier, and plans
+  from the gathered matrix -- on the GPU with no host round trip, into the preallocated
+  buffers of a ring slot. It returns a :class:`BalanceHandle`.
+* :meth:`weight_sync` fills the replica slots; :meth:`reroute` maps logical top-k ids to
+  physical slots for any dispatcher; :meth:`replica_weights` / :meth:`replica_grads`
+  expose the shared replica buffers (DLPack-exportable) for the expert compute.
+* Backward: :meth:`restore` refills the replicas from the handle's own plan and
+  :meth:`reduce_grads` adds replica gradients into the masters.
+
+Pipelines: every virtual layer has a ring of ``max_in_flight`` plan slots; a handle names
+its layer, its micro-batch number (the layer's update counter) and its slot, so the
+backward of micro-batch ``i`` finds the plan of its own forward while later forwards
+are in flight. A handle whose slot was reused raises :class:`StaleHandleError`.
+
+Order: replica buffers are shared by all layers, so the handle passed to
+:meth:`replica_weights` / :meth:`replica_grads` must be the last one synced or
+restored; the gathered-load buffer is double-buffered because a peer may already write
+the next update's row while this rank still plans the previous one.
+
+GPU: everything runs on the caller's stream (CuPy's current stream, the stream of a
+torch ``topk_ids``, or ``stream=``). ``sync_checks=True`` (default) checks every call
+collectively -- the same error on every rank -- which costs one host allgather per call
+and, for top-k ids on the GPU, one device read; ``False`` skips both and :meth:`check`
+reports deferred device errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ultraep.integration.loads import DeviceLoadCounter, count_loads
+from ultraep.integration.stats import BalancerStats, DeviceClock, HostClock, plan_record
+from ultraep.planner import ExpertLayout, Plan, plan_placement, reroute
+from ultraep.planner.traces import TraceRecorder
+from ultraep.runtime.dlpack import caller_stream, import_tensor
+from ultraep.runtime.heap import ALLOC_ALIGN, FAILING_CLOSE_TIMEOUT_S, HeapError, open_heap, round_up
+from ultraep.transfer import ExpertSpec, WeightTransfer
+
+DEFAULT_HISTORY = 4096
+GATHER_BUFFERS = 2  # see "Order" in the module docstring
+
+
+class BalancerError(ValueError):
+    """Bad input to the Balancer (raised on every rank when ``sync_checks``)."""
+
+
+class StaleHandleError(BalancerError):
+    """A handle whose ring slot has been reused by a later micro-batch of its layer."""
+
+
+@dataclass(frozen=True)
+class BalanceHandle:
+    """One (virtual layer, micro-batch) plan: ``step`` counts the layer's updates."""
+
+    balancer_id: int
+    layer: int
+    step: int
+    slot: int
+
+
+class _RingSlot:
+    """The plan of one in-flight micro-batch of one layer, and what it has done."""
+
+    def __init__(self, gpu: bool, layout: ExpertLayout):
+        self.step = -1
+        self.harvested = True  # its record is in the history (or it never held a plan)
+        self.plan: Plan | None = None
+        self.syncs = self.reductions = 0
+        self.liveness = 0  # CPU: plans completed when this one was (the GPU reads it from the mirror)
+        self.clock = DeviceClock() if gpu else HostClock()
+        self.buffers = self.mirror = None
+        if gpu:
+            import cupyx
+
+            from ultraep.planner.cuda import empty_plan
+            R, E = layout.num_ranks, layout.num_experts
+            self.buffers = empty_plan(layout)
+            # Pinned host copies of what a record needs, filled asynchronously after planning.
+            self.mirror = {"loads": cupyx.empty_pinned((R, E), np.int32),
+                           "phys_to_log": cupyx.empty_pinned(layout.num_physical, np.int32),
+                           "rank_load": cupyx.empty_pinned(R, np.int64),
+                           "liveness": cupyx.empty_pinned(1, np.int64)}
+
+
+class Balancer:
+    """See the module docstring. Collective: every rank constructs it with the same arguments."""
+
+    _next_id = 0
+
+    def __init__(self, group, layout: ExpertLayout, spec: ExpertSpec, *, num_layers: int,
+                 min_replica_tokens: int = 1024, max_in_flight: int = 1, backend: str = "auto",
+                 sync_checks: bool = True, record_trace: bool = False, timeout_s: float = 30.0,
+                 history: int = DEFAULT_HISTORY, transfer_options: dict | None = None):
+        error = None
+        try:
+            if not isinstance(layout, ExpertLayout):
+                raise BalancerError(f"layout must be an ExpertLayout, got {type(layout).__name__}")
+            if layout.num_ranks != group.size:
+                raise BalancerError(f"layout has {layout.num_ranks} ranks, the group {group.size}")
+            if not isinstance(spec, ExpertSpec):
+                raise BalancerError(f"spec must be an ExpertSpec, got {type(spec).__name__}")
+            for name, value, low in (("num_layers", num_layers, 1), ("max_in_flight", max_in_flight, 1),
+                                     ("min_replica_tokens", min_replica_tokens, 0), ("history", history, 0)):
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                    raise BalancerError(f"{name} must be an int >= {low}, got {value!r}")
+            if backend not in ("auto", "cuda", "cpu"):
+                raise BalancerError(f"backend must be 'auto', 'cuda' or 'cpu', got {backend!r}")
+        except BalancerError as exc:
+            error = exc
+        group.raise_if_any(error, "Balancer set-up")
+        group.agree((repr(layout), spec.key(), int(num_layers), int(min_replica_tokens), int(max_in_flight),
+                     bool(sync_checks)), "Balancer set-up (layout, expert spec, num_layers, min_replica_tokens, "
+                    "max_in_flight, sync_checks)")
+        self.group, self.layout, self.spec = group, layout, spec
+        self.rank = group.rank
+        self.num_layers, self.max_in_flight = int(num_layers), int(max_in_flight)
+        self.min_replica_tokens = int(min_replica_tokens)
+        self.sync_checks, self.timeout_s = bool(sync_checks), float(timeout_s)
+        R, E, S = layout.num_ranks, layout.num_experts, max(layout.redundant_slots, 1)
+        gather_bytes = GATHER_BUFFERS * R * E * 4
+        heap_bytes = sum(round_up(n, ALLOC_ALIGN) for n in
+                         (gather_bytes, S * spec.weight_slot_bytes, S * spec.grad_slot_bytes)) + ALLOC_ALIGN
+        self.heap = open_heap(group, heap_bytes, backend=backend)
+        self.gpu = self.heap.backend == "cuda"
+        self.device = self.heap.device if self.gpu else None
+        try:
+            self._gathered = self.heap.alloc("balancer.gathered_loads", (GATHER_BUFFERS, R, E), np.int32)
+            self.transfer = WeightTransfer(self.heap, layout, spec, timeout_s=timeout_s, **(transfer_options or {}))
+            self._counter = DeviceLoadCounter(self.heap, E) if self.gpu else None
+            self._rings = [[_RingSlot(self.gpu, layout) for _ in range(self.max_in_flight)]
+                           for _ in range(self.num_layers)]
+            if self.gpu:
+                import cupy
+                self._liveness_device = cupy.zeros(1, dtype=np.int64)
+        except BaseException:
+            self.heap.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
+            raise
+        self.id = Balancer._next_id
+        Balancer._next_id += 1
+        self._steps = [0] * self.num_layers
+        self._updates = 0
+        self._liveness = 0  # CPU: plans completed; GPU: the last device count read back
+        self._weights_owner: BalanceHandle | None = None
+        self._history: deque = deque(maxlen=int(history))
+        self.recorder = TraceRecorder(R, E, {"source": "ultraep.Balancer"}) if record_trace else None
+        self._closed = False
+
+    # -- checks ---------------------------------------------------------------------------
+    def _collective(self, error, what: str, agreed=None) -> None:
+        """Raise the same error on every rank (``sync_checks``), else this rank's own."""
+        if self.sync_checks:
+            try:
+                self.group.raise_if_any(error, what)
+            except ValueError as collective:  # keep the local kind (e.g. StaleHandleError) where there is one
+                kind = type(error) if isinstance(error, BalancerError) else BalancerError
+                raise kind(str(collective)) from error
+            if agreed is not None:
+                self.group.agree(agreed, what)
+        elif error is not None:
+            raise error
+
+    def _check_layer(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+            raise BalancerError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        return int(layer)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BalancerError("the Balancer is closed")
+
+    def _entry(self, handle) -> _RingSlot:
+        """The ring slot of a live ``handle`` (raises BalancerError/StaleHandleError)."""
+        if not isinstance(handle, BalanceHandle) or handle.balancer_id != self.id:
+            raise BalancerError(f"expected a BalanceHandle from this Balancer, got {handle!r}")
+        entry = self._rings[handle.layer][handle.slot]
+        if entry.step != handle.step:
+            raise StaleHandleError(
+                f"handle of layer {handle.layer}, micro-batch {handle.step} is stale: its ring slot {handle.slot} "
+                f"now holds micro-batch {entry.step} (max_in_flight={self.max_in_flight}; finish a micro-batch's "
+                "backward before its layer's ring wraps, or raise max_in_flight)")
+        return entry
+
+    def _stream(self, stream, tensor=None):
+        """Context making the caller's stream CuPy's current one (GPU; a no-op on the CPU)."""
+        if not self.gpu:
+            return contextlib.nullcontext()
+        if stream is None:
+            return caller_stream(tensor) if tensor is not None else contextlib.nullcontext()
+        import cupy
+        if type(stream).__module__.startswith("cupy"):
+            return stream
+        return cupy.cuda.ExternalStream(int(getattr(stream, "cuda_stream", stream)), self.device)
+
+    # -- set-up per layer -------------------------------------------------------------------
+    def register_layer(self, layer: int, weights, grads) -> None:
+        """Collective. ``weights[m][t]`` / ``grads[m][t]``: tensor ``t`` of this rank's ``m``-th master."""
+        self._check_open()
+        error = None
+        try:
+            layer = self._check_layer(layer)
+        except BalancerError as exc:
+            error = exc
+        self.group.raise_if_any(error, "register_layer")
+        self.transfer.register_layer(layer, weights, grads)
+
+    # -- per micro-batch ----------------------------------------------------------------------
+    def update(self, layer: int, topk_ids=None, *, local_loads=None, stream=None) -> BalanceHandle:
+        """Collective: gather the exact load of ``layer`` for this micro-batch and plan it.
+
+        Pass this rank's ``topk_ids`` (integer, any shape; ids in ``[0, E)``) or its
+        ``local_loads`` (``int32[E]``, tokens per logical expert). Ranks may pass
+        different token counts but must pass the same layer in the same order.
+        """
+        self._check_open()
+        error, agreed, source = None, None, None
+        try:
+            layer = self._check_layer(layer)
+            if (topk_ids is None) == (local_loads is None):
+                raise BalancerError("update needs exactly one of topk_ids and local_loads")
+            source = self._import_ids(topk_ids) if local_loads is None else self._import_loads(local_loads)
+            agreed = (layer, self._steps[layer], "topk_ids" if local_loads is None else "local_loads")
+        except BalancerError as exc:
+            error = exc
+        self._collective(error, f"update(layer={layer!r})", agreed=agreed)
+        with self._stream(stream, topk_ids if topk_ids is not None else local_loads):
+            entry = self._rings[layer][self._steps[layer] % self.max_in_flight]
+            self._harvest(entry, layer)
+            entry.clock.reset()
+            entry.clock.start("update")
+            error, counts = None, None
+            try:
+                counts = self._count(source, from_ids=local_loads is None)
+            except BalancerError as exc:
+                error = exc
+            self._collective(error, "update: top-k ids")  # the old plan stays live if this raises
+            return self._update(layer, entry, counts)
+
+    def _import_ids(self, topk_ids):
+        try:
+            ids = import_tensor(topk_ids, name="topk_ids", device=self.device)
+        except ValueError as exc:
+            raise BalancerError(str(exc)) from None
+        if np.dtype(ids.dtype).kind not in "iu":
+            raise BalancerError(f"topk_ids: expected an integer dtype, got {ids.dtype}")
+        if self.gpu and not self._counter.supports(ids.dtype):
+            raise BalancerError(f"topk_ids: the GPU load counter takes int32 or int64 ids, got {ids.dtype}")
+        return ids
+
+    def _import_loads(self, local_loads):
+        try:
+            loads = import_tensor(local_loads, name="local_loads", device=self.device)
+        except ValueError as exc:
+            raise BalancerError(str(exc)) from None
+        E = self.layout.num_experts
+        if tuple(loads.shape) != (E,) or np.dtype(loads.dtype).kind not in "iu":
+            raise BalancerError(f"local_loads: expected integer shape ({E},), got {loads.dtype} {tuple(loads.shape)}")
+        if not self.gpu and loads.size and int(loads.min()) < 0:  # the GPU cannot look without a sync
+            raise BalancerError(f"local_loads: counts must be non-negative, found {int(loads.min())}")
+        return loads
+
+    def _count(self, source, from_ids: bool):
+        """This rank's load row: a NumPy array (CPU), or left in the device counter (GPU)."""
+        E = self.layout.num_experts
+        if not self.gpu:
+            if not from_ids:
+                return source.astype(np.int32)
+            counts, bad = count_loads(source, E)
+            if bad is not None:
+                raise BalancerError(bad.message(self.rank, E, source.shape))
+            return counts
+        if not from_ids:
+            self._counter.counts[...] = source
+            return None
+        self._counter.count(source)
+        if self.sync_checks:
+            bad = self._counter.read_bad(source)
+            if bad is not None:
+                raise BalancerError(bad.message(self.rank, E, source.shape))
+        return None
+
+    def _update(self, layer: int, entry: _RingSlot, counts) -> BalanceHandle:
+        step = self._steps[layer]
+        buffer = self._updates % GATHER_BUFFERS
+        if self.gpu:
+            self._plan_on_device(entry, buffer)
+        else:
+            self._plan_on_host(entry, buffer, counts)
+        entry.step, entry.syncs, entry.reductions, entry.harvested = step, 0, 0, False
+        self._steps[layer] += 1
+        self._updates += 1
+        return BalanceHandle(self.id, layer, step, step % self.max_in_flight)
+
+    def _plan_on_host(self, entry: _RingSlot, buffer: int, counts) -> None:
+        for peer in range(self.heap.size):
+            self._gathered.peer(peer)[buffer, self.rank] = counts
+        self.heap.barrier(self.timeout_s)
+        loads = np.array(self._gathered.local[buffer])  # peers overwrite this buffer two updates on
+        entry.plan = plan_placement(loads, self.layout, min_replica_tokens=self.min_replica_tokens)
+        entry.clock.stop("update")
+        self._liveness += 1
+        entry.liveness = self._liveness
+
+    def _plan_on_device(self, entry: _RingSlot, buffer: int) -> None:
+        import cupy
+
+        matrix = self._gathered.offset + buffer * self.layout.num_ranks * self.layout.num_experts * 4
+        self._counter.publish(matrix)
+        self.heap.barrier(self.timeout_s, wait=False)
+        out = entry.buffers
+        plan_placement(self._gathered.local[buffer], self.layout, min_replica_tokens=self.min_replica_tokens,
+                       backend="cupy", out=out)
+        # A new Plan object over the same buffers: WeightTransfer caches schedules per plan object.
+        entry.plan = Plan(layout=self.layout, imbalance_before=out.imbalance_before,
+                          imbalance_after=out.imbalance_after, **{n: getattr(out, n) for n in Plan.ARRAYS})
+        self._liveness_device += 1
+        stream = cupy.cuda.get_current_stream().ptr
+        for name, device_array in (("loads", out.loads), ("phys_to_log", out.phys_to_log),
+                                   ("rank_load", out.rank_load), ("liveness", self._liveness_device)):
+            host = entry.mirror[name]
+            cupy.cuda.runtime.memcpyAsync(host.ctypes.data, device_array.data.ptr, host.nbytes,
+                                          cupy.cuda.runtime.memcpyDeviceToHost, stream)
+        entry.clock.stop("update")
+
+    def _collective_entry(self, handle, what: str) -> _RingSlot:
+        error, entry = None, None
+        try:
+            self._check_open()
+            entry = self._entry(handle)
+        except BalancerError as exc:
+            error = exc
+        key = (handle.layer, handle.step) if isinstance(handle, BalanceHandle) else None
+        self._collective(error, what, agreed=key)
+        return entry
+
+    def weight_sync(self, handle: BalanceHandle, *, stream=None):
+        """Collective: fill the replica slots from the handle's plan; ends with a heap barrier.
+
+        Returns a CUDA event that completes when every replica is written (``None`` on the
+        CPU backend, where the call returns after the transfer)."""
+        return self._sync(handle, "weight_sync", stream)
+
+    def restore(self, handle: BalanceHandle, *, stream=None):
+        """Backward: the same transfer for the micro-batch's own plan (other layers have
+        since overwritten the shared replica slots)."""
+        return self._sync(handle, "restore", stream)
+
+    def _sync(self, handle, stage: str, stream):
+        entry = self._collective_entry(handle, stage)
+        with self._stream(stream):
+            entry.clock.start(stage)
+            self.transfer.weight_sync(handle.layer, entry.plan, barrier=True)
+            done = entry.clock.stop(stage)
+        entry.syncs += 1
+        self._weights_owner = handle
+        return done
+
+    def reroute(self, handle: BalanceHandle, topk_ids, *, out=None, stream=None):
+        """Physical slot ids (int32, shaped like ``topk_ids``) for this rank's tokens:
+        feed them to any dispatcher over ``layout.num_physical`` experts. ``topk_ids`` must
+        be the ids (or ids with the same per-expert counts) passed to :meth:`update`."""
+        error, entry, ids = None, None, None
+        try:
+            self._check_open()
+            entry = self._entry(handle)
+            ids = self._import_ids(topk_ids)
+        except BalancerError as exc:
+            error = exc
+        self._collective(error, "reroute")
+        with self._stream(stream, topk_ids):
+            entry.clock.start("reroute")
+            try:
+                slots = reroute(ids, entry.plan, self.rank, out=out)
+                error = None
+            except ValueError as exc:  # the NumPy path names ids the plan has no room for
+                slots, error = None, BalancerError(f"rank {self.rank}: reroute: {exc}")
+            entry.clock.stop("reroute")
+        if not self.gpu:
+            self._collective(error, "reroute")
+        return slots
+
+    def reduce_grads(self, handle: BalanceHandle, *, stream=None):
+        """Collective: masters' gradients += their replicas' (replica order, fp32 accumulation).
+        The replica gradient slots must hold this handle's gradients. Returns a completion
+        event (``None`` on the CPU backend)."""
+        entry = self._collective_entry(handle, "reduce_grads")
+        error = self._owner_error(handle, "reduce_grads")
+        self._collective(error, "reduce_grads")
+        with self._stream(stream):
+            entry.clock.start("reduce_grads")
+            self.transfer.reduce_grads(handle.layer, entry.plan)
+            done = entry.clock.stop("reduce_grads")
+        entry.reductions += 1
+        return done
+
+    # -- buffers for the expert compute ----------------------------------------------------
+    def _owner_error(self, handle, what: str):
+        if handle == self._weights_owner:
+            return None
+        owner = self._weights_owner
+        held = "nothing" if owner is None else f"layer {owner.layer}, micro-batch {owner.step}"
+        return BalancerError(f"rank {self.rank}: {what}: the shared replica buffers hold {held}, not layer "
+                             f"{handle.layer}, micro-batch {handle.step}; call weight_sync/restore with this handle first")
+
+    def replica_weights(self, handle: BalanceHandle) -> list:
+        """``[slot][tensor]`` views of this rank's replica weight slots (DLPack-exportable;
+        read only). Which expert a slot holds: :meth:`local_experts`."""
+        self._check_live_owner(handle, "replica_weights")
+        return [self.transfer.replica_weights(s) for s in range(self.layout.redundant_slots)]
+
+    def replica_grads(self, handle: BalanceHandle) -> list:
+        """``[slot][tensor]`` views of this rank's replica gradient slots: write each
+        replica's full gradient here before :meth:`reduce_grads`."""
+        self._check_live_owner(handle, "replica_grads")
+        return [self.transfer.replica_grads(s) for s in range(self.layout.redundant_slots)]
+
+    def _check_live_owner(self, handle, what: str) -> None:
+        self._entry(handle)
+        error = self._owner_error(handle, what)
+        if error is not None:
+            raise error
+
+    def local_experts(self, handle: BalanceHandle):
+        """``int32[M + S]``: the logical expert in each of this rank's physical slots (masters,
+        then replica slots; ``-1`` empty) -- a view of the plan's ``phys_to_log``."""
+        plan = self._entry(handle).plan
+        P = self.layout.slots_per_rank
+        return plan.phys_to_log[self.rank * P:(self.rank + 1) * P]
+
+    def plan(self, handle: BalanceHandle) -> Plan:
+        """The handle's plan (``phys_to_log``, ``log_to_phys``, ``replica_count``, ...)."""
+        return self._entry(handle).plan
+
+    # -- metrics -------------------------------------------------------------------------------
+    def _host_arrays(self, entry: _RingSlot) -> dict:
+        """Host copies of what a record needs (on the GPU: the pinned mirrors, once landed)."""
+        if self.gpu:
+            entry.clock.events["update"][1].synchronize()  # blocks only when the device is a ring behind
+            mirror = entry.mirror
+            return {"loads": mirror["loads"], "phys_to_log": mirror["phys_to_log"], "rank_load": mirror["rank_load"],
+                    "liveness": int(mirror["liveness"][0])}
+        plan = entry.plan
+        return {"loads": plan.loads, "phys_to_log": plan.phys_to_log, "rank_load": plan.rank_load,
+                "liveness": entry.liveness}
+
+    def _harvest(self, entry: _RingSlot, layer: int) -> None:
+        """Move a ring slot's record into the history (and the trace) before it is reused."""
+        if entry.harvested:
+            return
+        entry.harvested = True
+        arrays = self._host_arrays(entry)
+        self._history.append(self._record(entry, layer, arrays))
+        if self.recorder is not None:
+            self.recorder.record(entry.step, layer, arrays["loads"])
+
+    def _record(self, entry: _RingSlot, layer: int, arrays: dict):
+        record = plan_record(self.layout, layer, entry.step, arrays["loads"], arrays["phys_to_log"],
+                             arrays["rank_load"])
+        record.weight_bytes = entry.syncs * record.replicas * self.spec.weight_slot_bytes
+        record.grad_bytes = entry.reductions * record.replicas * self.spec.grad_slot_bytes
+        record.times_ms = entry.clock.times()
+        record.liveness = arrays["liveness"]
+        return record
+
+    def _live_entries(self):
+        """(layer, ring slot) of every live plan, each layer's oldest first."""
+        for layer, ring in enumerate(self._rings):
+            for entry in sorted(ring, key=lambda e: e.step):
+                if not entry.harvested:
+                    yield layer, entry
+
+    def _synchronize(self) -> None:
+        if self.gpu:
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
+            self._liveness = int(self._liveness_device.get()[0])
+
+    def stats(self) -> BalancerStats:
+        """Records of the finished micro-batches (the last ``history``) and of the ring's
+        live ones; synchronises the current stream on the GPU."""
+        self._check_open()
+        self._synchronize()
+        live = [self._record(entry, layer, self._host_arrays(entry)) for layer, entry in self._live_entries()]
+        return BalancerStats(records=list(self._history) + live, updates=self._updates, liveness=self._liveness)
+
+    def save_trace(self, path):
+        """Write every micro-batch so far (finished and live) as a planner trace (``.npz``)."""
+        self._check_open()
+        if self.recorder is None:
+            raise BalancerError("the Balancer was created without record_trace=True")
+        self._synchronize()
+        for layer, entry in self._live_entries():  # live slots reach the recorder only when reused
+            self.recorder.record(entry.step, layer, self._host_arrays(entry)["loads"])
+        return self.recorder.save(path)
+
+    def check(self) -> None:
+        """Wait for queued work; raise deferred device errors (bad ids, timed-out waits)."""
+        self._check_open()
+        if not self.gpu:
+            return
+        bad = self._counter.read_bad(None)
+        if bad is not None:
+            raise BalancerError(f"rank {self.rank}: {bad.count} top-k id(s) outside [0, {self.layout.num_experts}) "
+                                f"since the last check (first at flat index {bad.first_index}); they were not "
+                                "counted and reroute gave them slot -1")
+        self.heap.check_barriers()
+        self.transfer.synchronize()
+
+    # -- teardown ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective: release the replica buffers and the symmetric heap."""
+        if self._closed:
+            return
+        self._closed = True
+        self.transfer.close()
+        self.heap.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+            return
+        self._closed = True  # failing: the heap's own failing-close path cannot hang
+        self.transfer.close()
+        self.heap.__exit__(exc_type, exc, tb)

@@ -1,0 +1,172 @@
+"""Balancer metrics: stage clocks, one record per (layer, micro-batch), summaries and the
+per-rank load plot.
+
+A record is built from three host arrays of a plan -- the gathered loads, ``phys_to_log``
+and ``rank_load`` -- by :func:`plan_record`, the same code on both backends (the GPU path
+copies those arrays into pinned host memory asynchronously and builds the record once
+the copies have landed). Stage times come from CUDA events on the GPU and
+``time.perf_counter`` on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ultraep.planner.plan import imbalance, master_rank_load
+
+STAGES = ("update", "weight_sync", "reroute", "restore", "reduce_grads")
+
+
+@dataclass
+class LayerRecord:
+    """What one micro-batch of one layer did. Byte counts are group-wide totals."""
+
+    layer: int
+    step: int
+    imbalance_before: float
+    imbalance_after: float
+    replicas: int
+    rank_load_before: np.ndarray
+    rank_load_after: np.ndarray
+    weight_bytes: int = 0
+    grad_bytes: int = 0
+    times_ms: dict = field(default_factory=dict)  # stage -> ms, None when it had not finished when read
+    liveness: int = 0  # plans the device had completed when this one was done
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.weight_bytes + self.grad_bytes
+
+    def as_dict(self) -> dict:
+        return {"layer": self.layer, "step": self.step, "imbalance_before": self.imbalance_before,
+                "imbalance_after": self.imbalance_after, "replicas": self.replicas,
+                "rank_load_before": self.rank_load_before.tolist(), "rank_load_after": self.rank_load_after.tolist(),
+                "weight_bytes": self.weight_bytes, "grad_bytes": self.grad_bytes, "times_ms": dict(self.times_ms),
+                "liveness": self.liveness}
+
+
+def plan_record(layout, layer: int, step: int, loads, phys_to_log, rank_load) -> LayerRecord:
+    """The record of one plan from its host arrays (transfers and times are added later)."""
+    loads, rank_load = np.asarray(loads), np.asarray(rank_load)
+    M = layout.experts_per_rank
+    redundant = np.asarray(phys_to_log).reshape(layout.num_ranks, layout.slots_per_rank)[:, M:]
+    before = master_rank_load(layout, loads)
+    return LayerRecord(layer=int(layer), step=int(step), imbalance_before=imbalance(before),
+                       imbalance_after=imbalance(rank_load), replicas=int((redundant >= 0).sum()),
+                       rank_load_before=before.astype(np.int64), rank_load_after=rank_load.astype(np.int64))
+
+
+class HostClock:
+    """Stage times by ``perf_counter`` (the CPU backend runs each stage synchronously)."""
+
+    def __init__(self):
+        import time
+        self._now = time.perf_counter
+        self._start: dict = {}
+        self.ms: dict = {}
+
+    def reset(self) -> None:
+        self._start.clear()
+        self.ms.clear()
+
+    def start(self, stage: str) -> None:
+        self._start[stage] = self._now()
+
+    def stop(self, stage: str):
+        self.ms[stage] = (self._now() - self._start[stage]) * 1e3
+        return None  # nothing to wait on: the stage has finished
+
+    def times(self) -> dict:
+        return dict(self.ms)
+
+
+class DeviceClock:
+    """Stage times by CUDA events recorded on the current stream; the events are created
+    once, and a stage's stop event is what a caller waits on for that stage."""
+
+    def __init__(self):
+        import cupy
+        self._cupy = cupy
+        self.events = {stage: (cupy.cuda.Event(), cupy.cuda.Event()) for stage in STAGES}
+        self._recorded: set = set()
+
+    def reset(self) -> None:
+        self._recorded.clear()
+
+    def start(self, stage: str) -> None:
+        self.events[stage][0].record()
+
+    def stop(self, stage: str):
+        stop = self.events[stage][1]
+        stop.record()
+        self._recorded.add(stage)
+        return stop
+
+    def times(self) -> dict:
+        """Milliseconds of the recorded stages that have finished (no waiting)."""
+        out = {}
+        for stage in sorted(self._recorded):
+            start, stop = self.events[stage]
+            out[stage] = self._cupy.cuda.get_elapsed_time(start, stop) if stop.done else None
+        return out
+
+
+@dataclass
+class BalancerStats:
+    """``records`` in completion order (oldest first, the ring's live ones last);
+    ``updates``: plans requested on this rank; ``liveness``: plans the device completed."""
+
+    records: list
+    updates: int
+    liveness: int
+
+    @property
+    def stalled(self) -> bool:
+        """The device has not completed every requested plan (read after a synchronise)."""
+        return self.liveness < self.updates
+
+    def summary(self) -> dict:
+        records = self.records
+        out = {"updates": self.updates, "liveness": self.liveness, "records": len(records)}
+        if not records:
+            return out
+        out.update(
+            imbalance_before_mean=float(np.mean([r.imbalance_before for r in records])),
+            imbalance_after_mean=float(np.mean([r.imbalance_after for r in records])),
+            imbalance_after_max=float(max(r.imbalance_after for r in records)),
+            replicas_mean=float(np.mean([r.replicas for r in records])),
+            bytes_moved=int(sum(r.bytes_moved for r in records)),
+            worse_than_unbalanced=int(sum(r.imbalance_after > r.imbalance_before for r in records)),
+        )
+        for stage in STAGES:
+            times = [r.times_ms[stage] for r in records if r.times_ms.get(stage) is not None]
+            if times:
+                out[f"{stage}_ms_median"] = float(np.median(times))
+        return out
+
+
+def plot_rank_loads(records, path, *, title: str = "per-rank load") -> None:
+    """Bar chart of each rank's load without and with balancing, summed over ``records``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not records:
+        raise ValueError("plot_rank_loads: no records to plot")
+    before = np.sum([r.rank_load_before for r in records], axis=0)
+    after = np.sum([r.rank_load_after for r in records], axis=0)
+    ranks = np.arange(before.size)
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * ranks.size + 2), 3.2))
+    ax.bar(ranks - 0.2, before, width=0.4, label=f"unbalanced (max/mean {imbalance(before):.3f})")
+    ax.bar(ranks + 0.2, after, width=0.4, label=f"balanced (max/mean {imbalance(after):.3f})")
+    ax.axhline(before.mean(), color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("tokens (token, expert pairs)")
+    ax.set_title(f"{title}, {len(records)} layer micro-batches")
+    ax.set_xticks(ranks)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
