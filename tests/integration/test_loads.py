@@ -63,3 +63,4 @@ def test_device_counter_is_bitwise_the_reference(dtype):
             counter.publish(matrix.offset)
             heap.barrier()
             assert np.array_equal(matrix.local.get()[0], want)
+

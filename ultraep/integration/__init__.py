@@ -6,6 +6,8 @@
   its publication into every peer's gathered load matrix.
 * ``stats``    -- per (layer, micro-batch) records, stage clocks, summaries and the
   per-rank load plot.
+* ``pipeline`` -- the 1F1B order of a pipeline's forwards and backwards, for driving
+  several micro-batches in flight from one process.
 """
 
 from ultraep.integration.balancer import BalanceHandle, Balancer, BalancerError, StaleHandleError

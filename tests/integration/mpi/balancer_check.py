@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ultraep.integration import Balancer, BalancerError, StaleHandleError, plot_rank_loads
+from ultraep.integration.pipeline import max_in_flight, one_f_one_b
 from ultraep.planner import ExpertLayout, plan_placement, reroute
 from ultraep.planner.traces import load_trace
 from ultraep.runtime.group import EPGroup, GroupMismatchError
@@ -169,46 +170,18 @@ def flow():
     print(f"[flow] rank {me} OK", flush=True)
 
 
-def one_f_one_b(stages, micro_batches):
-    """The ops of a 1F1B pipeline in the order they run: [(tick, stage, 'F'|'B', micro-batch)]."""
-    programs = []
-    for stage in range(stages):
-        warmup = min(stages - stage, micro_batches)
-        ops = [("F", i) for i in range(warmup)]
-        for i in range(micro_batches - warmup):
-            ops += [("B", i), ("F", warmup + i)]
-        ops += [("B", i) for i in range(micro_batches - warmup, micro_batches)]
-        programs.append(ops)
-    done, cursor, order, tick = set(), [0] * stages, [], 0
-    while any(c < len(p) for c, p in zip(cursor, programs)):
-        ready = []
-        for stage, program in enumerate(programs):
-            if cursor[stage] == len(program):
-                continue
-            kind, mb = program[cursor[stage]]
-            needs = (stage - 1, "F", mb) if kind == "F" else (stage + 1, "B", mb) if stage + 1 < stages else (stage, "F", mb)
-            if kind == "F" and stage == 0 or needs in done:
-                ready.append((stage, kind, mb))
-        for stage, kind, mb in ready:
-            order.append((tick, stage, kind, mb))
-            done.add((stage, kind, mb))
-            cursor[stage] += 1
-        tick += 1
-    return order
-
-
 def pipeline():
     """2-stage 1F1B with 4 micro-batches: stage 0 has 2 micro-batches in flight. Each
     stage has its own Balancer (2 layers each); backward restores and reduces with the
     plan of its own forward although later forwards replanned the same layers."""
     stages, micro_batches, layers_per_stage = 2, 4, 2
     order = one_f_one_b(stages, micro_batches)
+    assert [max_in_flight(order, s) for s in range(stages)] == [2, 1]
     balancers = [Balancer(group, LAYOUT, SPEC, num_layers=layers_per_stage, min_replica_tokens=MIN_REPLICA,
-                          max_in_flight=stages - s, backend=backend) for s in range(stages)]
+                          max_in_flight=max_in_flight(order, s), backend=backend) for s in range(stages)]
     models = [Model(balancers[s], range(layers_per_stage)) for s in range(stages)]
-    saved, in_flight = {}, [0] * stages
-    plans_differ = False
-    for _, stage, kind, mb in order:
+    saved, plans_differ = {}, False
+    for stage, kind, mb in order:
         for local in (range(layers_per_stage) if kind == "F" else reversed(range(layers_per_stage))):
             if kind == "F":
                 handle, want = models[stage].forward(local, mb)
@@ -218,14 +191,12 @@ def pipeline():
             else:
                 handle, want = saved.pop((stage, local, mb))
                 models[stage].backward(handle, local, mb, want)
-        in_flight[stage] = max(in_flight[stage], sum(1 for s, _, _ in saved if s == stage) // layers_per_stage)
-    assert in_flight == [2, 1], in_flight
-    assert plans_differ, "every micro-batch had the same plan: the ring would not be tested"
+    assert plans_differ, "no two micro-batches in flight had different plans: the ring would not be tested"
     for bal in balancers:
         assert bal.stats().updates == micro_batches * layers_per_stage
         bal.close()
     if me == 0:
-        print(f"1F1B order: {' '.join(f'{k}{mb}@s{s}' for _, s, k, mb in order)}", flush=True)
+        print(f"1F1B order: {' '.join(f'{k}{mb}@s{s}' for s, k, mb in order)}", flush=True)
     print(f"[pipeline] rank {me} OK", flush=True)
 
 
