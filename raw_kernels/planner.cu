@@ -2,16 +2,16 @@
 // Quota planner on the GPU, bitwise equal to ultraep/planner/quota.py (read its module
 // docstring first: the same threshold search, greedy oracle and split, step by step).
 //
-// plan_domains<CHUNKS>: one cluster of CLUSTER blocks (WARPS warps each) per NVLink domain
-//   of up to 32*CHUNKS ranks. The 32 threshold probes of a round are spread over the
-//   cluster, one warp per probe: a probe's greedy oracle is a long serial chain of warp
-//   reductions, and 32 of them on one SM were limited by instruction issue, while four
-//   per SM run at the chain's latency. Each block holds its own copy of the expert loads
-//   and visiting orders in shared memory; the column sums are split over the cluster and
-//   exchanged through distributed shared memory. Each probe's rank state lives in
-//   registers (lane l owns ranks l, l+32, ...); its result is broadcast to every block,
-//   so all blocks take the same decision after one cluster barrier per round. The
-//   winning warp keeps its moves, and its block writes the domain's plan at the end.
+// plan_domains<CHUNKS>: one cluster of CLUSTER blocks of WARPS warps per NVLink domain of
+//   up to 32*CHUNKS ranks; one warp per threshold probe, PROBES probes per round. A
+//   probe's greedy oracle is a long serial chain of warp reductions (~18 us per round at
+//   the anchor shapes on the H200 with 4 warps per SM; 32 warps per SM took ~35 us), so
+//   the probes are spread thin over the cluster's SMs. Each block holds its own copy of
+//   the expert loads and visiting orders in shared memory; the column sums are split
+//   over the cluster and exchanged through distributed shared memory. Each probe's rank
+//   state lives in registers (lane l owns ranks l, l+32, ...); its result is broadcast
+//   to every block, so all blocks take the same decision after one cluster barrier per
+//   round. The winning warp keeps its moves, and its block writes the domain's plan.
 // plan_split: one block per expert builds the locality-first split prefix; one extra
 //   block computes the imbalance before/after once every rank load is known.
 // All decisions use integer arithmetic (the total load is below 2**31) and break ties by
@@ -21,7 +21,8 @@
 #define CLUSTER 8                 // blocks per domain (the portable cluster size)
 #define WARPS 4                   // probes per block: one per SM sub-partition
 #define PROBES (CLUSTER * WARPS)  // probes per round (quota.PROBES_PER_ROUND)
-#define NEAR_SCALE 64             // quota.NEAR_SCALE: half the probes cover the first 1/64 of the gap
+#define NEAR_PROBES 24            // quota.NEAR_PROBES
+#define NEAR_SHIFT 11             // quota.NEAR_SHIFT
 
 static_assert(PROBES == 32, "the round decision reads one probe per lane");
 
@@ -29,7 +30,9 @@ struct DomainShared {
     int* expert_load;   // [D*M]  load of each expert of the domain
     int* rank_load0;    // [D]    load of each rank without balancing
     int* rank_order;    // [D]    ranks by descending load, ties lowest index
+    int* order_rank_load;  // [D]  rank_load0 in that order
     int* expert_order;  // [D*M]  each rank's experts by descending load, ties lowest index
+    int* order_load;    // [D*M]  expert_load in that order
 };
 
 __device__ __forceinline__ unsigned cluster_block_rank() {
@@ -53,6 +56,16 @@ __device__ __forceinline__ void store_to_block(int* local, unsigned block, int v
     asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ long long warp_sum(long long value) {
+    for (int offset = 16; offset; offset >>= 1) value += __shfl_xor_sync(FULL_MASK, value, offset);
+    return value;
+}
+
+__device__ __forceinline__ long long warp_max(long long value) {
+    for (int offset = 16; offset; offset >>= 1) value = max(value, __shfl_xor_sync(FULL_MASK, value, offset));
+    return value;
+}
+
 __device__ __forceinline__ bool better_rank(const int* load, int a, int b) {
     return load[a] > load[b] || (load[a] == load[b] && a < b);
 }
@@ -73,15 +86,15 @@ __device__ int run_oracle(const DomainShared& sh, int tau, int D, int M, int S, 
     }
     int count = 0;
     for (int pos = 0; pos < D; ++pos) {
+        // A rank's load when visited is its initial load if that is above tau: a target
+        // starts at or below tau - step and never ends above tau. Reading it from shared
+        // memory, in parallel with the rank, spares a shuffle on the serial chain.
         const int r = sh.rank_order[pos];
-        int owned = 0;
-#pragma unroll
-        for (int j = 0; j < CHUNKS; ++j) if (j == (r >> 5)) owned = load[j];
-        int source_load = __shfl_sync(FULL_MASK, owned, r & 31);
+        int source_load = sh.order_rank_load[pos];
         if (source_load <= tau) break;
         for (int k = 0; k < M && source_load > tau; ++k) {
             const int e = sh.expert_order[r * M + k];
-            int remaining = sh.expert_load[e];
+            int remaining = sh.order_load[r * M + k];
             int hosts = 1;
             unsigned host_bits[CHUNKS];  // ranks hosting e, the same in every lane
 #pragma unroll
@@ -131,16 +144,15 @@ __device__ int run_oracle(const DomainShared& sh, int tau, int D, int M, int S, 
     return count;
 }
 
-// The probes of one round, ascending (quota.probe_points).
-__device__ __forceinline__ int probe_point(int lo, long long gap, int w, bool* active) {
+// Probe w of one round, ascending in w (quota.probe_points).
+__device__ __forceinline__ int probe_point(int lo, int hi, int w, bool* active) {
+    const long long gap = (long long)hi - lo;
     *active = true;
     if (gap - 1 <= PROBES) { *active = w < gap - 1; return lo + 1 + w; }
-    const int half = PROBES / 2;
-    if (gap >= (long long)NEAR_SCALE * (half + 1)) {
-        if (w < half) return (int)(lo + (w + 1) * gap / ((long long)NEAR_SCALE * (half + 1)));
-        return (int)(lo + (w - half + 1) * gap / (half + 1));
-    }
-    return (int)(lo + (w + 1) * gap / (PROBES + 1));
+    const long long step = max(1LL, min((long long)(lo >> NEAR_SHIFT), gap >> 6));
+    if (w < NEAR_PROBES) return (int)(lo + (w + 1) * step);
+    const long long start = lo + NEAR_PROBES * step;
+    return (int)(start + (w - NEAR_PROBES + 1) * (hi - start) / (PROBES - NEAR_PROBES + 1));
 }
 
 template <int CHUNKS>
@@ -159,7 +171,9 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     sh.expert_load = cursor;  cursor += DM;
     sh.rank_load0 = cursor;   cursor += D;
     sh.rank_order = cursor;   cursor += D;
+    sh.order_rank_load = cursor; cursor += D;
     sh.expert_order = cursor; cursor += DM;
+    sh.order_load = cursor;   cursor += DM;
     int* warp_moves = cursor;   cursor += WARPS * move_ints;  // per warp: the moves of its probe
     int* best_moves = cursor;   cursor += move_ints;          // the moves of the lowest feasible probe so far
     int* results = cursor;      cursor += 2 * 3 * PROBES;     // per round parity: tau, state, moves per probe
@@ -212,19 +226,24 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         int pos = 0;
         for (int other = 0; other < D; ++other) pos += better_rank(sh.rank_load0, other, r);
         sh.rank_order[pos] = r;
+        sh.order_rank_load[pos] = sh.rank_load0[r];
     }
     for (int e = tid; e < DM; e += blockDim.x) {
         const int base = (e / M) * M;
         int pos = 0;
         for (int other = base; other < base + M; ++other) pos += better_rank(sh.expert_load, other, e);
         sh.expert_order[base + pos] = e;
+        sh.order_load[base + pos] = sh.expert_load[e];
     }
-    if (tid == 0) {
-        long long total = 0;
-        int hi = 0;
-        for (int r = 0; r < D; ++r) { total += sh.rank_load0[r]; hi = max(hi, sh.rank_load0[r]); }
-        bounds[0] = (int)((total + D - 1) / D) - 1;  // lo: below the mean, infeasible
-        bounds[1] = hi;                              // hi: feasible without any move
+    if (warp == 0) {
+        long long total = 0, hi = 0;
+        for (int r = lane; r < D; r += 32) { total += sh.rank_load0[r]; hi = max(hi, (long long)sh.rank_load0[r]); }
+        total = warp_sum(total);
+        hi = warp_max(hi);
+        if (lane == 0) {
+            bounds[0] = (int)((total + D - 1) / D) - 1;  // lo: below the mean, infeasible
+            bounds[1] = (int)hi;                         // hi: feasible without any move
+        }
     }
     __syncthreads();
 
@@ -234,7 +253,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     int* my_moves = warp_moves + warp * move_ints;
     while ((long long)hi - lo > (long long)tau_tolerance + 1) {
         bool active;
-        const int tau = probe_point(lo, (long long)hi - lo, probe, &active);
+        const int tau = probe_point(lo, hi, probe, &active);
         const int count = active ? run_oracle<CHUNKS>(sh, tau, D, M, S, K - 1, step, my_moves) : 0;
         int* round = results + parity * 3 * PROBES;
         if (lane < CLUSTER) {  // lane b publishes the result to block b
@@ -279,14 +298,20 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         atomicAdd(&incoming[t], amount);
     }
     __syncthreads();
-    for (int e = tid; e < DM; e += blockDim.x) {
-        const long long row = (long long)(first_expert + e) * K;
-        const int r = e / M;
-        log_to_phys[row] = (first_rank + r) * slots_per_rank + (e - r * M);
-        quota[row] = master_quota[e];
-        for (int column = replicas[e]; column < K; ++column) { log_to_phys[row + column] = -1; quota[row + column] = 0; }
-        replica_count[first_expert + e] = replicas[e];
+    // Masters and unused columns (the replicas' columns are written above), coalesced.
+    for (int idx = tid; idx < DM * K; idx += blockDim.x) {
+        const int e = idx / K, column = idx - e * K;
+        const long long at = (long long)first_expert * K + idx;
+        if (column == 0) {
+            const int r = e / M;
+            log_to_phys[at] = (first_rank + r) * slots_per_rank + (e - r * M);
+            quota[at] = master_quota[e];
+        } else if (column >= replicas[e]) {
+            log_to_phys[at] = -1;
+            quota[at] = 0;
+        }
     }
+    for (int e = tid; e < DM; e += blockDim.x) replica_count[first_expert + e] = replicas[e];
     for (int i = tid; i < D * slots_per_rank; i += blockDim.x) {
         const int r = i / slots_per_rank, j = i - r * slots_per_rank;
         if (j < M) phys_to_log[(first_rank + r) * slots_per_rank + j] = first_expert + r * M + j;
@@ -302,16 +327,6 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
 // Imbalance max/mean with the formula of plan.imbalance: double(max) * R / double(total).
 __device__ double imbalance_of(long long max_load, long long total, int R) {
     return total == 0 ? 1.0 : __ddiv_rn(__dmul_rn((double)max_load, (double)R), (double)total);
-}
-
-__device__ __forceinline__ long long warp_sum(long long value) {
-    for (int offset = 16; offset; offset >>= 1) value += __shfl_xor_sync(FULL_MASK, value, offset);
-    return value;
-}
-
-__device__ __forceinline__ long long warp_max(long long value) {
-    for (int offset = 16; offset; offset >>= 1) value = max(value, __shfl_xor_sync(FULL_MASK, value, offset));
-    return value;
 }
 
 __device__ void write_imbalance(const int* quota, const long long* rank_load, int R, int E, int K, int* before,
@@ -398,7 +413,13 @@ plan_split(const int* __restrict__ loads, const int* __restrict__ log_to_phys, c
         write_imbalance(quota, rank_load, R, E, K, (int*)split_smem, imbalance_before, imbalance_after);
         return;
     }
+    // Everything read from global memory up front, in one round trip: the instance
+    // count, this thread's source load and instance (a host's own load comes from shared
+    // memory below, not from a second, dependent global read).
     const int n = replica_count[e];
+    const int own_load = tid < R ? loads[(long long)tid * E + e] : 0;
+    const int own_slot = tid < K ? log_to_phys[(long long)e * K + tid] : 0;
+    const int own_quota = tid < K ? quota[(long long)e * K + tid] : 0;
     if (n == 1) {
         for (int idx = tid; idx < R * K; idx += blockDim.x) {
             const int src = idx / K;
@@ -412,13 +433,13 @@ plan_split(const int* __restrict__ loads, const int* __restrict__ log_to_phys, c
     long long* local = host + K;               // [K]
     long long* capacity = local + K;           // [K]
     long long* column_sum = capacity + K;      // [K]
-    for (int i = tid; i < n; i += blockDim.x) {
-        const int h = log_to_phys[(long long)e * K + i] / (M + S);
-        const long long q = quota[(long long)e * K + i];
-        host[i] = h;
-        local[i] = min((long long)loads[(long long)h * E + e], q);
-        capacity[i] = q - local[i];
-        column_sum[i] = 0;
+    for (int src = tid; src < R; src += blockDim.x) demand[src] = src == tid ? own_load : loads[(long long)src * E + e];
+    if (tid < n) host[tid] = own_slot / (M + S);  // n <= K <= D <= blockDim.x (cuda.MAX_DOMAIN)
+    __syncthreads();
+    if (tid < n) {
+        local[tid] = min(demand[host[tid]], (long long)own_quota);
+        capacity[tid] = own_quota - local[tid];
+        column_sum[tid] = 0;
     }
     __syncthreads();
     long long total = 0;
@@ -426,7 +447,7 @@ plan_split(const int* __restrict__ loads, const int* __restrict__ log_to_phys, c
     // Every thread of a warp takes part in the shuffles; sources past R add nothing.
     for (int base = 0; base < R; base += blockDim.x) {
         const int src = base + tid;
-        long long d = src < R ? loads[(long long)src * E + e] : 0;
+        long long d = src < R ? demand[src] : 0;
         for (int i = 0; i < n; ++i) if (host[i] == src) d -= local[i];
         long long row = 0;
         for (int i = 0; i < n; ++i) {

@@ -74,7 +74,7 @@ def launch_place(out: Plan, min_replica_tokens: int, tau_tolerance: int) -> None
     R, E, S, D, K, M = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.domain_size,
                         layout.max_instances, layout.experts_per_rank)
     # the carve-up of shared memory in plan_domains (per block)
-    domain_ints = 4 * D * M + 4 * D + 2 * S * D * (PLAN_WARPS + 1) + 6 * PROBES + 2 + -(-D * M // PLAN_CLUSTER)
+    domain_ints = 5 * D * M + 5 * D + 2 * S * D * (PLAN_WARPS + 1) + 6 * PROBES + 2 + -(-D * M // PLAN_CLUSTER)
     if domain_ints * _INT > MAX_SHARED_BYTES:
         raise ValueError(f"{layout} needs {domain_ints * _INT} bytes of shared memory in the CuPy planner "
                          f"(at most {MAX_SHARED_BYTES}); use the numpy backend")

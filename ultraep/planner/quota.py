@@ -35,7 +35,8 @@ from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan, check_loads
 
 PROBES_PER_ROUND = 32  # one warp per probe, spread over a cluster of blocks (raw_kernels/planner.cu)
-NEAR_SCALE = 64
+NEAR_PROBES = 24  # probes spaced from lo by the near step (probe_points)
+NEAR_SHIFT = 11   # near step = lo / 2**11, about 0.05% of the mean
 
 
 def plan_placement(loads, layout: ExpertLayout, *, min_replica_tokens: int = 1024, backend: str = "numpy",
@@ -72,18 +73,20 @@ def _non_negative_int(name, value) -> int:
 def probe_points(lo: int, hi: int) -> list[int]:
     """Thresholds probed in one round, ascending, strictly inside ``(lo, hi)``.
 
-    On a wide interval half the probes go evenly over its first ``1/NEAR_SCALE`` and
-    half evenly over all of it: the oracle's threshold usually sits within a fraction
-    of a percent of the mean, so this saves a round or two over even spacing.
+    The oracle's threshold usually sits within about 1% of the mean (``lo`` + 1 in the
+    first round), so ``NEAR_PROBES`` probes step by ``lo / 2**NEAR_SHIFT`` (at most
+    ``gap / 64``) from ``lo`` and the rest go evenly over the remainder of the gap. On
+    the anchor cases the first round then brackets the threshold within about 32
+    tokens and the second round ends the search (even spacing, or near probes scaled
+    to the gap, needed three rounds on most of them).
     """
     gap = hi - lo
     if gap - 1 <= PROBES_PER_ROUND:
         return list(range(lo + 1, hi))
-    half = PROBES_PER_ROUND // 2
-    if gap >= NEAR_SCALE * (half + 1):
-        return ([lo + (i + 1) * gap // (NEAR_SCALE * (half + 1)) for i in range(half)]
-                + [lo + (i + 1) * gap // (half + 1) for i in range(half)])
-    return [lo + (i + 1) * gap // (PROBES_PER_ROUND + 1) for i in range(PROBES_PER_ROUND)]
+    step = max(1, min(lo >> NEAR_SHIFT, gap >> 6))
+    start, far = lo + NEAR_PROBES * step, PROBES_PER_ROUND - NEAR_PROBES
+    return ([lo + (i + 1) * step for i in range(NEAR_PROBES)]
+            + [start + (i + 1) * (hi - start) // (far + 1) for i in range(far)])
 
 
 class DomainOracle:
