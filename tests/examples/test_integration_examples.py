@@ -1,0 +1,36 @@
+"""The integration examples run as written: the NumPy/CuPy framework on the CPU backend in
+CI (and on the GPU), the PyTorch and JAX examples on the GPU."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import requires_gpu
+from ultraep.runtime.launch import run_mpi
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+RANKS = 4
+
+
+def requires(module):
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=f"{module} is not installed here")
+
+
+def run_example(name, *args, timeout=300):
+    return run_mpi(RANKS, [str(EXAMPLES / name), *args], timeout=timeout).stdout
+
+
+def assert_ranks_ok(out, what):
+    for rank in range(RANKS):
+        assert f"rank {rank}/{RANKS}" in out and f"{what} OK" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gpu])])
+def test_cupy_framework_example(backend, tmp_path):
+    out = run_example("cupy_framework.py", "--backend", backend, "--out", str(tmp_path))
+    assert_ranks_ok(out, "cupy_framework")
+    assert "outputs bitwise equal on every rank: True" in out, out
+    assert (tmp_path / "cupy_framework_rank_loads.png").is_file()
+    assert (tmp_path / "cupy_framework_stage0_trace.npz").is_file()
