@@ -7,20 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from ultraep.runtime.group import gpu_count
 from ultraep.runtime.launch import run_mpi
 
 MPI_SCRIPTS = Path(__file__).parent
 
 
-def gpu_available() -> bool:
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU / CuPy here: GPU test not run")
+requires_gpu = pytest.mark.skipif(gpu_count() == 0, reason="no CUDA GPU / CuPy here: GPU test not run")
 
 
 def run_ranks(nprocs: int, script: str, *args: str, timeout: float = 120.0, env: dict | None = None):

@@ -20,6 +20,8 @@ import time
 import numpy as np
 
 from ultraep.bench.report import print_table, write_json
+from ultraep.bench.timing import graph_ms, median_event_ms
+from ultraep.runtime.group import gpu_count
 from ultraep.planner import ExpertLayout, plan_placement, reroute
 from ultraep.planner.traces import zipf_loads, zipf_topk
 
@@ -51,49 +53,6 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=200, help="timed kernel runs (median reported)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     return parser.parse_args(argv)
-
-
-def gpu_available() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-def median_event_ms(launch, repeats: int, warmup: int = 10) -> float:
-    """Median CUDA-event time of ``launch()`` on the current stream."""
-    import cupy
-
-    for _ in range(warmup):
-        launch()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        launch()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
-
-
-def graph_ms(launch, repeats: int):
-    """Median time of one replay of ``launch`` captured in a CUDA graph (None if it cannot be captured)."""
-    import cupy
-
-    launch()  # compile and fill the memory pool outside the capture
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        try:
-            stream.begin_capture()
-            launch()
-            graph = stream.end_capture()
-        except Exception as error:  # report, do not fake a number
-            print(f"graph capture failed: {error}", file=sys.stderr)
-            return None
-        return median_event_ms(graph.launch, repeats)
 
 
 def gpu_times(loads, topk, layout, repeats):
@@ -142,7 +101,7 @@ def run_case(experts, target, seed, repeats, use_gpu):
 
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    use_gpu = gpu_available()
+    use_gpu = gpu_count() > 0
     rows = [run_case(e, t, s, args.repeats, use_gpu) for e in args.experts for t in args.targets for s in args.seeds]
     title = (f"Planner kernels: EP{RANKS}, top-{TOP_K}, {TOKENS_PER_RANK} tokens/rank, S={SLOTS}, "
              f"min {MIN_REPLICA_TOKENS} tokens/replica" + ("" if use_gpu else " (no GPU: NumPy only)"))

@@ -33,7 +33,7 @@ def _rank_and_size(comm: Any) -> tuple[int, int]:
     )
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
     """Number of visible CUDA devices; 0 where CuPy or a driver is missing."""
     try:
         import cupy
@@ -65,7 +65,7 @@ class EPGroup:
         self.all_on_one_host = len(set(hosts)) == 1
         self.device: int | None = None
         if use_gpu:
-            count = _gpu_count()
+            count = gpu_count()
             if device is not None:
                 if not 0 <= device < max(count, 1) or count == 0:
                     raise ValueError(f"rank {self.rank}: device {device} requested but {count} GPU(s) visible")
