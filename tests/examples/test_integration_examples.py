@@ -34,3 +34,22 @@ def test_cupy_framework_example(backend, tmp_path):
     assert "outputs bitwise equal on every rank: True" in out, out
     assert (tmp_path / "cupy_framework_rank_loads.png").is_file()
     assert (tmp_path / "cupy_framework_stage0_trace.npz").is_file()
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@requires_gpu
+@requires("torch")
+def test_torch_moe_train_example():
+    out = run_example("torch_moe_train.py", "--steps", "4")
+    assert_ranks_ok(out, "torch_moe_train")
+    assert "balanced busiest rank / mean" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@requires_gpu
+@requires("jax")
+def test_jax_moe_forward_example():
+    out = run_example("jax_moe_forward.py", "--steps", "3")  # it sets XLA_PYTHON_CLIENT_PREALLOCATE=false
+    assert_ranks_ok(out, "jax_moe_forward")

@@ -45,7 +45,7 @@ from ultraep.integration.stats import BalancerStats, DeviceClock, HostClock, pla
 from ultraep.planner import ExpertLayout, Plan, plan_placement, reroute
 from ultraep.planner.traces import TraceRecorder
 from ultraep.runtime.dlpack import caller_stream, import_tensor
-from ultraep.runtime.heap import ALLOC_ALIGN, FAILING_CLOSE_TIMEOUT_S, HeapError, open_heap, round_up
+from ultraep.runtime.heap import ALLOC_ALIGN, FAILING_CLOSE_TIMEOUT_S, open_heap, round_up
 from ultraep.transfer import ExpertSpec, WeightTransfer
 
 DEFAULT_HISTORY = 4096
