@@ -1,0 +1,153 @@
+"""``python -m ultraep.bench balancer``: the exposed cost of balancing one MoE layer --
+``Balancer.update`` + ``weight_sync`` + ``reroute`` -- beside the balanced MoE layer
+itself (dispatch, one matmul pair per local expert slot, combine), in one run.
+
+Every rank routes ``tokens`` fp16 tokens top-k with Zipf-skewed experts tuned to each
+target rank imbalance (``ultraep.planner.traces.zipf_topk``). Experts are two fp16
+matrices ``[hidden, ffn]`` and ``[ffn, hidden]``; gradients fp32. ``exposed_ms`` and
+``moe_layer_ms`` are the whole group's window per call (first rank's start to the last
+rank's end, host and device); every exposed call plans anew, so it includes compiling
+the transfer schedule. The ``*_dev_ms`` columns are the Balancer's own CUDA-event (CPU:
+wall) stage times, medians over the calls. ``share`` = exposed / (exposed + layer).
+Several ranks on one GPU run time-sliced, so both times include the other ranks' work.
+Started with one process, it relaunches itself on ``--ranks`` ranks under ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
+
+COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "moe_layer_ms", "share_pct", "update_dev_ms",
+           "weight_sync_dev_ms", "reroute_dev_ms"]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench balancer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
+    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--experts", type=int, default=64, help="logical experts in all (divisible by the ranks)")
+    parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--imbalance", type=float, nargs="+", default=[1.5, 2.0, 3.0],
+                        help="target initial rank max/mean of the routing")
+    parser.add_argument("--min-replica-tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if not launched_by_mpiexec():
+        return relaunch_on_ranks(args.ranks, ["-m", "ultraep.bench.balancer", *argv], timeout=580)
+    return run(args)
+
+
+def group_window_ms(group, fn, repeats: int, synchronize) -> float:
+    """ms per call of the whole group: first rank's start to last rank's end (one host clock)."""
+    fn()  # warm-up
+    synchronize()
+    group.barrier()
+    start = time.monotonic()
+    for _ in range(repeats):
+        fn()
+    synchronize()
+    spans = group.allgather((start, time.monotonic()))
+    return (max(end for _, end in spans) - min(begin for begin, _ in spans)) / repeats * 1e3
+
+
+def measure(group, target: float, args) -> dict:
+    from ultraep.integration import Balancer
+    from ultraep.planner import ExpertLayout
+    from ultraep.planner.traces import zipf_topk
+    from ultraep.token import Dispatcher
+    from ultraep.transfer import ExpertSpec
+
+    R, me, K, T, H = group.size, group.rank, args.top_k, args.tokens, args.hidden
+    gpu = args.backend == "cuda" or (args.backend == "auto" and group.has_gpu)
+    backend = "cuda" if gpu else "cpu"
+    if gpu:
+        import cupy as xp
+        synchronize = xp.cuda.get_current_stream().synchronize
+    else:
+        xp, synchronize = np, (lambda: None)
+    layout = ExpertLayout(R, args.experts, args.slots)
+    M = layout.experts_per_rank
+    spec = ExpertSpec([("w_in", (H, args.ffn), "float16"), ("w_out", (args.ffn, H), "float16")], grad_dtype="float32")
+    rng = np.random.default_rng((args.seed, me))
+    ids = xp.asarray(zipf_topk(R, args.experts, K, T, target, args.seed)[me])
+    x = xp.asarray(rng.standard_normal((T, H)).astype(np.float16))
+    gates = xp.asarray(rng.random((T, K)).astype(np.float32))
+    masters = [[xp.asarray((rng.standard_normal(t.shape) / np.sqrt(t.shape[0])).astype(np.float16))
+                for t in spec.weights] for _ in range(M)]
+    grads = [[xp.zeros(t.shape, np.float32) for t in spec.grads] for _ in range(M)]
+    with Balancer(group, layout, spec, num_layers=1, min_replica_tokens=args.min_replica_tokens, backend=backend,
+                  sync_checks=False) as balancer, \
+            Dispatcher.for_layout(group, layout, hidden=H, dtype="float16", top_k=K, max_tokens=T, backend=backend,
+                                  sync_checks=False) as dispatcher:
+        balancer.register_layer(0, masters, grads)
+        state = {}
+
+        def exposed():
+            state["handle"] = handle = balancer.update(0, ids)
+            balancer.weight_sync(handle)
+            state["slots"] = balancer.reroute(handle, ids)
+
+        exposed()
+        offsets = [int(v) for v in (dispatcher.dispatch(x, state["slots"], gates).offsets.tolist())]
+
+        def moe_layer():
+            received = dispatcher.dispatch(x, state["slots"], gates)
+            y = xp.zeros_like(received.x)
+            weights = masters + balancer.replica_weights(state["handle"])
+            for slot in range(M + args.slots):
+                begin, end = offsets[slot], offsets[slot + 1]
+                if end > begin:
+                    w_in, w_out = weights[slot]
+                    y[begin:end] = xp.maximum(received.x[begin:end] @ w_in, 0) @ w_out
+            dispatcher.combine(y, received.handle)
+
+        exposed_ms = group_window_ms(group, exposed, args.repeats, synchronize)
+        layer_ms = group_window_ms(group, moe_layer, args.repeats, synchronize)
+        dispatcher.check()
+        balancer.check()
+        stats = balancer.stats()
+        summary = stats.summary()
+    return {"imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
+            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "moe_layer_ms": layer_ms,
+            "share_pct": 100.0 * exposed_ms / (exposed_ms + layer_ms),
+            **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")}}
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    from ultraep.bench.report import print_table, write_json
+    from ultraep.runtime.group import EPGroup
+
+    group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "cpu")
+    rows = [measure(group, target, args) for target in args.imbalance]
+    if group.rank == 0:
+        where = "cuda" if group.has_gpu and args.backend != "cpu" else "cpu backend"
+        title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({where}), {args.experts} experts, "
+                 f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
+                 f"ffn {args.ffn}, fp16 experts; exposed = update + weight_sync + reroute")
+        print_table(rows, COLUMNS, title)
+        if args.json:
+            write_json(args.json, {"benchmark": "balancer", "ranks": group.size, "args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
