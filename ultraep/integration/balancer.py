@@ -44,7 +44,7 @@ from ultraep.integration.loads import DeviceLoadCounter, count_loads
 from ultraep.integration.stats import BalancerStats, DeviceClock, HostClock, plan_record
 from ultraep.planner import ExpertLayout, Plan, plan_placement, reroute
 from ultraep.planner.traces import TraceRecorder
-from ultraep.runtime.dlpack import caller_stream, import_tensor
+from ultraep.runtime.dlpack import _external_stream, caller_stream, import_tensor
 from ultraep.runtime.heap import ALLOC_ALIGN, FAILING_CLOSE_TIMEOUT_S, open_heap, round_up
 from ultraep.transfer import ExpertSpec, WeightTransfer
 
@@ -201,7 +201,9 @@ class Balancer:
         import cupy
         if type(stream).__module__.startswith("cupy"):
             return stream
-        return cupy.cuda.ExternalStream(int(getattr(stream, "cuda_stream", stream)), self.device)
+        if isinstance(stream, int):  # a raw cudaStream_t
+            return cupy.cuda.ExternalStream(stream, self.device)
+        return _external_stream(cupy, stream, self.device)  # e.g. torch.cuda.current_stream()
 
     # -- set-up per layer -------------------------------------------------------------------
     def register_layer(self, layer: int, weights, grads) -> None:
