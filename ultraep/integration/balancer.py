@@ -25,11 +25,23 @@ Order: replica buffers are shared by all layers, so the handle passed to
 restored; the gathered-load buffer is double-buffered because a peer may already write
 the next update's row while this rank still plans the previous one.
 
+Checks: ``sync_checks=True`` (default) checks every call collectively -- the same error
+on every rank: bad ids, dtypes, devices, ranks passing different layers or top-k widths,
+stale handles -- at the cost of host allgathers per call and, for top-k ids on the GPU,
+one device read. ``False`` checks locally only; :meth:`check` reports deferred device
+errors (ids out of range are then not counted, and reroute gives them slot ``-1``).
+
+Metrics: :meth:`stats` (imbalance before/after, replicas, bytes moved, stage times, a
+liveness counter of plans the device completed), :meth:`save_trace` (the planner's
+trace format) and :func:`~ultraep.integration.stats.plot_rank_loads`.
+
 GPU: everything runs on the caller's stream (CuPy's current stream, the stream of a
-torch ``topk_ids``, or ``stream=``). ``sync_checks=True`` (default) checks every call
-collectively -- the same error on every rank -- which costs one host allgather per call
-and, for top-k ids on the GPU, one device read; ``False`` skips both and :meth:`check`
-reports deferred device errors.
+torch ``topk_ids``, or ``stream=``). After set-up, ``update`` allocates no device memory
+and, with ``sync_checks=False``, never waits for the device (unless the device is a
+whole ring behind); its records reach the host through pinned buffers. Not yet allocation- and sync-free: the first ``weight_sync`` of
+each plan compiles the transfer schedule on the host (``WeightTransfer.schedule`` reads
+the plan back and uploads task tables), and the CuPy ``reroute`` allocates its per-call
+count table (and an int32 copy of int64 ids).
 """
 
 from __future__ import annotations
@@ -232,10 +244,12 @@ class Balancer:
             if (topk_ids is None) == (local_loads is None):
                 raise BalancerError("update needs exactly one of topk_ids and local_loads")
             source = self._import_ids(topk_ids) if local_loads is None else self._import_loads(local_loads)
-            agreed = (layer, self._steps[layer], "topk_ids" if local_loads is None else "local_loads")
+            # the last dimension (top-k) is a model constant; the token count may differ per rank
+            agreed = (layer, self._steps[layer], "topk_ids" if local_loads is None else "local_loads",
+                      tuple(source.shape[-1:]))
         except BalancerError as exc:
             error = exc
-        self._collective(error, f"update(layer={layer!r})", agreed=agreed)
+        self._collective(error, "update (layer, micro-batch, input kind, top-k width)", agreed=agreed)
         with self._stream(stream, topk_ids if topk_ids is not None else local_loads):
             entry = self._rings[layer][self._steps[layer] % self.max_in_flight]
             self._harvest(entry, layer)

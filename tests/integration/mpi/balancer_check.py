@@ -212,6 +212,8 @@ def bad_input():
         expect(lambda: bal.update(0, xp.asarray(floats)), BalancerError, "rank 2", "integer dtype")
         expect(lambda: bal.update(0, [[0, 1]] if me == 0 else xp.asarray(ids)), BalancerError, "rank 0", "not a tensor")
         expect(lambda: bal.update(1 if me == 3 else 0, xp.asarray(ids)), GroupMismatchError, "ranks disagree")
+        wide = xp.asarray(np.concatenate([ids, ids[:, :1]], axis=1) if me == 0 else ids)
+        expect(lambda: bal.update(0, wide), GroupMismatchError, "ranks disagree", "top-k width")
         expect(lambda: bal.update(2, xp.asarray(ids)), BalancerError, "layer must be an int in [0, 2)")
         expect(lambda: bal.update(0, xp.asarray(ids), local_loads=xp.zeros(E, np.int32)), BalancerError, "exactly one")
         # the failed calls changed nothing: the next update is micro-batch 0 and plans as expected
