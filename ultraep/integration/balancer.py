@@ -399,11 +399,10 @@ class Balancer:
             try:
                 slots = reroute(ids, entry.plan, self.rank, out=out)
                 error = None
-            except ValueError as exc:  # the NumPy path names ids the plan has no room for
+            except ValueError as exc:  # e.g. the NumPy path names ids the plan has no room for
                 slots, error = None, BalancerError(f"rank {self.rank}: reroute: {exc}")
             entry.clock.stop("reroute")
-        if not self.gpu:
-            self._collective(error, "reroute")
+        self._collective(error, "reroute")
         return slots
 
     def reduce_grads(self, handle: BalanceHandle, *, stream=None):
@@ -499,7 +498,7 @@ class Balancer:
     def _synchronize(self) -> None:
         if self.gpu:
             import cupy
-            cupy.cuda.get_current_stream().synchronize()
+            cupy.cuda.runtime.deviceSynchronize()  # whichever streams the caller used
             self._liveness = int(self._liveness_device.get()[0])
 
     def stats(self) -> BalancerStats:
