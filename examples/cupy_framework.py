@@ -14,12 +14,13 @@ unbalanced (tokens go to masters) and balanced (``update`` -> ``weight_sync`` ->
 ``reroute`` -> replicas compute with the synced weights; backward ``restore`` ->
 replica gradients -> ``reduce_grads``). Token movement: the library's ``Dispatcher``.
 
-What it prints and checks: received rows per rank without and with balancing; outputs
-of the balanced path bitwise equal to the unbalanced one (every row goes through the
-same expert function; combine sums in a fixed slot order); master gradients within
-1e-5 relative -- not bitwise, because an expert's weight gradient is a sum over its
-token rows, and replication splits those rows into per-instance fp32 partial sums that
-``reduce_grads`` then adds in replica order: the same terms, associated differently.
+What it prints and checks: received rows per rank per micro-batch without and with
+balancing; outputs of the balanced run bitwise equal to the unbalanced one (every row goes
+through the same row-wise expert function; combine sums in a fixed slot order); master
+gradients bitwise equal to an unbalanced run that sums each expert's rows in the same
+per-instance partial sums (the same matmul over the same rows, added in replica order,
+as ``reduce_grads`` does), and within 1e-5 relative of plain per-expert sums -- not
+bitwise, since splitting a sum over rows into partial sums reassociates fp32 additions.
 """
 
 import argparse
@@ -73,9 +74,29 @@ def expert_forward(x, w_in, w_out):
 
 
 def expert_backward(grad_y, cache, w_in, w_out):
+    """``(grad_x, factors)``; :func:`weight_grads` of the factors (or of a subset of their rows)."""
     x, pre, act = cache
     grad_pre = rows_times(grad_y, w_out.T) * (pre > 0)
-    return rows_times(grad_pre, w_in.T), x.T @ grad_pre, act.T @ grad_y  # grad_x, grad_w_in, grad_w_out
+    return rows_times(grad_pre, w_in.T), (x, grad_pre, act, grad_y)
+
+
+def weight_grads(x, grad_pre, act, grad_y):
+    """``(grad_w_in, grad_w_out)``: sums over the rows, so the same rows in the same order
+    through the same matmul give the same bits."""
+    return x.T @ grad_pre, act.T @ grad_y
+
+
+def instance_rows(plan, expert):
+    """For each instance of ``expert`` under ``plan``, the rows it serves, as positions in
+    the expert's unbalanced receive rows (sources in rank order, each source's tokens in
+    order): reroute sends a source's k-th token for the expert to the instance whose
+    split prefix first exceeds k."""
+    loads = plan.loads[:, expert].astype(np.int64)
+    starts = np.cumsum(loads) - loads
+    count = int(plan.replica_count[expert])
+    prefix = np.concatenate([np.zeros((R, 1), np.int64), plan.split_prefix[:, expert, :count]], axis=1)
+    return [np.concatenate([np.arange(starts[s] + prefix[s, i], starts[s] + prefix[s, i + 1]) for s in range(R)])
+            for i in range(count)]
 
 
 def route(stage, mb):
@@ -97,8 +118,11 @@ def masters(stage):
 class MoEStage:
     """One MoE layer held by one pipeline stage; ``balancer`` None is the unbalanced model."""
 
-    def __init__(self, stage, balancer):
-        self.stage, self.bal = stage, balancer
+    def __init__(self, stage, balancer, instance_plans=None):
+        # instance_plans (unbalanced model only): sum each master's weight gradient as the
+        # balanced run did -- per instance of that run's plan, added in replica order.
+        self.stage, self.bal, self.instance_plans = stage, balancer, instance_plans
+        self.plans = {}  # balanced: micro-batch -> plan (host copy), for the comparison
         self.weights = masters(stage)
         self.grads = [[xp.zeros(s.shape, np.float32) for s in spec.grads] for _ in range(M)]
         common = dict(hidden=H, dtype=np.float32, top_k=TOP_K, max_tokens=T, backend=args.backend)
@@ -120,6 +144,7 @@ class MoEStage:
         handle = None
         if self.bal is not None:
             handle = self.bal.update(0, xp.asarray(ids))
+            self.plans[mb] = self.bal.plan(handle).to_numpy()
             self.bal.weight_sync(handle)
             ids = self.bal.reroute(handle, xp.asarray(ids))
         received = self.dispatcher.dispatch(x, xp.asarray(ids), xp.asarray(gates))
@@ -141,39 +166,53 @@ class MoEStage:
         grad_recv = xp.zeros_like(grad_y)
         for slot, weights in enumerate(self.slot_weights(handle)):
             if slot not in caches:
+                if slot >= M:  # reduce_grads adds every replica slot of the plan: never leave stale data
+                    for dst in replica_grads[slot - M]:
+                        dst[...] = 0
                 continue
             rows = slice(int(offsets[slot]), int(offsets[slot + 1]))
-            grad_recv[rows], *grads = expert_backward(grad_y[rows], caches[slot], *weights)
-            for t, grad in enumerate(grads):
-                if slot < M:
+            grad_recv[rows], factors = expert_backward(grad_y[rows], caches[slot], *weights)
+            if slot >= M:
+                for dst, grad in zip(replica_grads[slot - M], weight_grads(*factors)):
+                    dst[...] = grad  # reduce_grads adds it into the master
+                continue
+            if self.instance_plans is None:
+                parts = [weight_grads(*factors)]
+            else:
+                plan = self.instance_plans[(self.stage, mb)]
+                parts = [weight_grads(*(f[xp.asarray(rows)] for f in factors))
+                         for rows in instance_rows(plan, me * M + slot)]
+            for part in parts:
+                for t, grad in enumerate(part):
                     self.grads[slot][t] += grad
-                else:
-                    replica_grads[slot - M][t][...] = grad  # reduce_grads adds it into the master
         if self.bal is not None:
             self.bal.reduce_grads(handle)
         return self.dispatcher.dispatch_backward(grad_recv, received.handle)
 
 
-def run(balanced):
-    """The 1F1B pipeline over all micro-batches; returns outputs, master gradients, rows per rank."""
+def run(balanced, instance_plans=None):
+    """The 1F1B pipeline over all micro-batches; returns outputs, master gradients, rows per
+    rank, the balancers' summaries and (balanced) the plans."""
     order = one_f_one_b(STAGES, args.micro_batches)
     balancers = [Balancer(group, layout, spec, num_layers=1, min_replica_tokens=8, backend=args.backend,
                           max_in_flight=max_in_flight(order, s), record_trace=True) if balanced else None
                  for s in range(STAGES)]
-    stages = [MoEStage(s, balancers[s]) for s in range(STAGES)]
+    stages = [MoEStage(s, balancers[s], instance_plans) for s in range(STAGES)]
     inputs = {mb: xp.asarray(np.random.default_rng((99, mb, me)).standard_normal((T, H)).astype(np.float32))
               for mb in range(args.micro_batches)}
-    activations, grads, outputs, rows = dict(inputs), {}, {}, np.zeros((STAGES, R), np.int64)
+    activations, grads, outputs, rows = dict(inputs), {}, {}, {}
     for stage, kind, mb in order:
         if kind == "F":
             activations[mb], received_rows = stages[stage].forward(mb, activations[mb])
-            rows[stage] += np.array(group.allgather(received_rows))
+            rows[(stage, mb)] = np.array(group.allgather(received_rows))
             if stage == STAGES - 1:
                 outputs[mb] = to_host(activations[mb])
                 grads[mb] = activations[mb] / np.float32(T)  # loss = sum(out^2) / (2T)
         else:
             grads[mb] = stages[stage].backward(mb, grads[mb])
     master_grads = [to_host(g) for st in stages for per_expert in st.grads for g in per_expert]
+    plans = {(st.stage, mb): plan for st in stages for mb, plan in st.plans.items()}
+    summary = None
     if balanced:
         records = [r for b in balancers for r in b.stats().records]
         if me == 0 and args.out is not None:
@@ -185,24 +224,38 @@ def run(balanced):
             b.close()
     for st in stages:
         st.dispatcher.close()
-    return outputs, master_grads, rows, (summary if balanced else None)
+    return outputs, master_grads, rows, summary, plans
 
 
-plain_out, plain_grads, plain_rows, _ = run(balanced=False)
-out, grads, rows, summary = run(balanced=True)
-same_outputs = all(np.array_equal(out[mb], plain_out[mb]) for mb in out)
-grad_error = max(float(np.max(np.abs(g - p)) / max(float(np.max(np.abs(p))), 1e-30)) for g, p in zip(grads, plain_grads))
-all_same = group.allgather((same_outputs, grad_error))
+def worst_ratio(rows):
+    """Largest max/mean of received rows over ranks, over every (stage, micro-batch)."""
+    return max(float(r.max()) * R / float(r.sum()) for r in rows.values())
+
+
+def relative_difference(a, b):
+    return max(float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(y))), 1e-30) for x, y in zip(a, b))
+
+
+out, grads, rows, summary, plans = run(balanced=True)
+plain_out, plain_grads, plain_rows, _, _ = run(balanced=False)
+_, partitioned_grads, _, _, _ = run(balanced=False, instance_plans=plans)
+checks = group.allgather((all(np.array_equal(out[mb], plain_out[mb]) for mb in out),
+                          all(np.array_equal(g, p) for g, p in zip(grads, partitioned_grads)),
+                          relative_difference(grads, plain_grads)))
+outputs_equal, grads_equal = all(c[0] for c in checks), all(c[1] for c in checks)
+grad_error = max(c[2] for c in checks)
 if me == 0:
-    for stage in range(STAGES):
-        print(f"stage {stage} received rows per rank: unbalanced {plain_rows[stage].tolist()} "
-              f"(max/mean {plain_rows[stage].max() * R / plain_rows[stage].sum():.3f}), balanced {rows[stage].tolist()} "
-              f"(max/mean {rows[stage].max() * R / rows[stage].sum():.3f}); planner imbalance "
-              f"{summary[stage]['imbalance_before_mean']:.3f} -> {summary[stage]['imbalance_after_mean']:.3f}, "
-              f"{summary[stage]['replicas_mean']:.1f} replicas, {summary[stage]['bytes_moved']} bytes moved")
-    print(f"outputs bitwise equal on every rank: {all(s for s, _ in all_same)}; "
-          f"largest master-gradient relative difference {max(e for _, e in all_same):.2e}")
-assert all(s for s, _ in all_same), "balanced outputs differ from the unbalanced ones"
-assert max(e for _, e in all_same) < 1e-5, "balanced master gradients differ beyond fp32 reassociation"
-assert rows.max() < plain_rows.max(), "balancing did not lower the busiest rank's rows"
+    for (stage, mb), plain in sorted(plain_rows.items()):
+        print(f"stage {stage} micro-batch {mb}: received rows per rank {plain.tolist()} -> {rows[(stage, mb)].tolist()}")
+    print(f"busiest rank / mean over micro-batches: unbalanced {worst_ratio(plain_rows):.3f}, balanced "
+          f"{worst_ratio(rows):.3f}; " + "; ".join(
+              f"stage {s}: planner {m['imbalance_before_mean']:.3f} -> {m['imbalance_after_mean']:.3f}, "
+              f"{m['replicas_mean']:.1f} replicas, {m['bytes_moved']} bytes moved" for s, m in enumerate(summary)))
+    print(f"outputs bitwise equal to the unbalanced run: {outputs_equal}")
+    print(f"master gradients bitwise equal to the unbalanced run summing each expert's rows per instance of the "
+          f"plan, in replica order: {grads_equal}; against plain per-expert sums: {grad_error:.2e} relative")
+assert outputs_equal, "balanced outputs differ from the unbalanced ones"
+assert grads_equal, "balanced master gradients differ from the same partial sums without replication"
+assert grad_error < 1e-5, "balanced master gradients differ beyond fp32 reassociation"
+assert worst_ratio(rows) < worst_ratio(plain_rows), "balancing did not lower the busiest rank's rows"
 print(f"rank {me}/{R} ({args.backend}): cupy_framework OK", flush=True)
