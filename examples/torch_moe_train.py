@@ -90,7 +90,10 @@ class Experts(torch.autograd.Function):
                 block.balancer.restore(handle, stream=stream())
             grad_x = torch.zeros_like(recv_x)
             grads = [torch.zeros_like(w_in), torch.zeros_like(w_out)]
-            replica_grads = block.balancer.replica_grads(handle) if handle is not None else None
+            replica_grads = block.balancer.replica_grads(handle) if handle is not None else []
+            for slot_grads in replica_grads:  # reduce_grads adds every replica slot of the plan: no stale data
+                for dst in slot_grads:
+                    torch.from_dlpack(dst).zero_()
             for slot, begin, end in slot_rows(ctx.offsets):
                 a, b = block.slot_weights(slot, handle, w_in, w_out)
                 x, gy = recv_x[begin:end], grad_y[begin:end]

@@ -436,7 +436,8 @@ class Balancer:
 
     def replica_grads(self, handle: BalanceHandle) -> list:
         """``[slot][tensor]`` views of this rank's replica gradient slots: write each
-        replica's full gradient here before :meth:`reduce_grads`."""
+        replica's full gradient here before :meth:`reduce_grads`, which adds every slot
+        the plan fills (write zeros for a replica that served no rows)."""
         self._check_live_owner(handle, "replica_grads")
         return [self.transfer.replica_grads(s) for s in range(self.layout.redundant_slots)]
 
