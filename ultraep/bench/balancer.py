@@ -24,6 +24,7 @@ import numpy as np
 
 from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
 
+LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "moe_layer_ms", "share_pct", "update_dev_ms",
            "weight_sync_dev_ms", "reroute_dev_ms"]
 
@@ -93,15 +94,18 @@ def measure(group, target: float, args) -> dict:
     masters = [[xp.asarray((rng.standard_normal(t.shape) / np.sqrt(t.shape[0])).astype(np.float16))
                 for t in spec.weights] for _ in range(M)]
     grads = [[xp.zeros(t.shape, np.float32) for t in spec.grads] for _ in range(M)]
-    with Balancer(group, layout, spec, num_layers=1, min_replica_tokens=args.min_replica_tokens, backend=backend,
-                  sync_checks=False) as balancer, \
+    with Balancer(group, layout, spec, num_layers=LAYERS, min_replica_tokens=args.min_replica_tokens,
+                  backend=backend, sync_checks=False) as balancer, \
             Dispatcher.for_layout(group, layout, hidden=H, dtype="float16", top_k=K, max_tokens=T, backend=backend,
                                   max_recv_rows=int(1.25 * T * K) + 1024, sync_checks=False) as dispatcher:
-        balancer.register_layer(0, masters, grads)
-        state = {}
+        for layer in range(LAYERS):
+            balancer.register_layer(layer, masters, grads)
+        state = {"calls": 0}
 
         def exposed():
-            state["handle"] = handle = balancer.update(0, ids)
+            layer = state["calls"] % LAYERS
+            state["calls"] += 1
+            state["handle"] = handle = balancer.update(layer, ids)
             balancer.weight_sync(handle)
             state["slots"] = balancer.reroute(handle, ids)
 
