@@ -62,6 +62,7 @@ from ultraep.transfer import ExpertSpec, WeightTransfer
 
 DEFAULT_HISTORY = 4096
 GATHER_BUFFERS = 2  # see "Order" in the module docstring
+CUDA_MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyKind
 
 
 class BalancerError(ValueError):
@@ -346,7 +347,7 @@ class Balancer:
                                    ("rank_load", out.rank_load), ("liveness", self._liveness_device)):
             host = entry.mirror[name]
             cupy.cuda.runtime.memcpyAsync(host.ctypes.data, device_array.data.ptr, host.nbytes,
-                                          cupy.cuda.runtime.memcpyDeviceToHost, stream)
+                                          CUDA_MEMCPY_DEVICE_TO_HOST, stream)
         entry.clock.stop("update")
 
     def _collective_entry(self, handle, what: str) -> _RingSlot:
