@@ -18,7 +18,7 @@ What it prints and checks: received rows per rank per micro-batch without and wi
 balancing; outputs of the balanced run bitwise equal to the unbalanced one (every row goes
 through the same row-wise expert function; combine sums in a fixed slot order); master
 gradients bitwise equal to an unbalanced run that sums each expert's rows in the same
-per-instance partial sums (the same matmul over the same rows, added in replica order,
+per-instance partial sums (the same reduction over the same rows, added in replica order,
 as ``reduce_grads`` does), and within 1e-5 relative of plain per-expert sums -- not
 bitwise, since splitting a sum over rows into partial sums reassociates fp32 additions.
 """
@@ -81,9 +81,10 @@ def expert_backward(grad_y, cache, w_in, w_out):
 
 
 def weight_grads(x, grad_pre, act, grad_y):
-    """``(grad_w_in, grad_w_out)``: sums over the rows, so the same rows in the same order
-    through the same matmul give the same bits."""
-    return x.T @ grad_pre, act.T @ grad_y
+    """``(grad_w_in, grad_w_out)``: sums over the rows of outer products, as one reduction
+    whose order depends only on the rows (a GEMM's kernel choice may also depend on
+    pointer alignment), so the same rows in the same order give the same bits."""
+    return (x[:, :, None] * grad_pre[:, None, :]).sum(axis=0), (act[:, :, None] * grad_y[:, None, :]).sum(axis=0)
 
 
 def instance_rows(plan, expert):
