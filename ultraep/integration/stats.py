@@ -129,7 +129,7 @@ class BalancerStats:
 
     def summary(self) -> dict:
         records = self.records
-        out = {"updates": self.updates, "liveness": self.liveness, "records": len(records)}
+        out = {"updates": self.updates, "liveness": self.liveness, "stalled": self.stalled, "records": len(records)}
         if not records:
             return out
         out.update(
