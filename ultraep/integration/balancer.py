@@ -22,8 +22,10 @@ are in flight. A handle whose slot was reused raises :class:`StaleHandleError`.
 
 Order: replica buffers are shared by all layers, so the handle passed to
 :meth:`replica_weights` / :meth:`replica_grads` must be the last one synced or
-restored; the gathered-load buffer is double-buffered because a peer may already write
-the next update's row while this rank still plans the previous one.
+restored, and every sync starts with a heap barrier: no peer overwrites a replica slot
+that a rank still reads for the previous layer or micro-batch (in stream order). The
+gathered-load buffer is double-buffered because a peer may already write the next
+update's row while this rank still plans the previous one.
 
 Checks: ``sync_checks=True`` (default) checks every call collectively -- the same error
 on every rank: bad ids, dtypes, devices, ranks passing different layers or top-k widths,
@@ -377,6 +379,9 @@ class Balancer:
         entry = self._collective_entry(handle, stage)
         with self._stream(stream):
             entry.clock.start(stage)
+            # Peers are about to write this rank's replica slots: every rank must be done
+            # reading them (the compute of the layer or micro-batch that used them before).
+            self.heap.barrier(self.timeout_s, wait=not self.gpu)
             self.transfer.weight_sync(handle.layer, entry.plan, barrier=True)
             done = entry.clock.stop(stage)
         entry.syncs += 1
