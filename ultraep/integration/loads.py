@@ -15,6 +15,7 @@ import numpy as np
 COUNT_THREADS = 256
 MAX_COUNT_BLOCKS = 1024
 NO_BAD_INDEX = np.iinfo(np.uint64).max
+MAX_HISTOGRAM_BYTES = 48 * 1024  # dynamic shared memory without opting in
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class DeviceLoadCounter:
         from ultraep.runtime.kernels import get_function
 
         self.heap, self.num_experts = heap, int(num_experts)
+        if 4 * self.num_experts > MAX_HISTOGRAM_BYTES:
+            raise ValueError(f"the GPU load counter keeps one int per expert in shared memory: {num_experts} experts "
+                             f"need {4 * self.num_experts} bytes (at most {MAX_HISTOGRAM_BYTES})")
         self.counts = cupy.zeros(self.num_experts, dtype=np.int32)
         self.bad = cupy.zeros(2, dtype=np.uint64)
         self._reset_bad = np.array([0, NO_BAD_INDEX], dtype=np.uint64)
