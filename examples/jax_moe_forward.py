@@ -77,8 +77,7 @@ def route(x):
     return gates / gates.sum(axis=-1, keepdims=True), ids
 
 
-@jax.jit
-def expert(x, w_in, w_out):
+def expert(x, w_in, w_out):  # eager: row counts change every step, a jit would recompile each time
     return jax.nn.relu(x @ w_in) @ w_out
 
 
