@@ -510,7 +510,7 @@ class Balancer:
 
     def stats(self) -> BalancerStats:
         """Records of the finished micro-batches (the last ``history``) and of the ring's
-        live ones; synchronises the current stream on the GPU."""
+        live ones; synchronises the device on the GPU."""
         self._check_open()
         self._synchronize()
         live = [self._record(entry, layer, self._host_arrays(entry)) for layer, entry in self._live_entries()]
