@@ -13,7 +13,7 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || export PYTHONPATH=$PWD
 status=0
 $PY -m pytest -m gpu -v -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40 || status=1
-for bench in ${GPU_BENCHES-peer-copy plan-kernel weight-sync dispatch}; do
+for bench in ${GPU_BENCHES-peer-copy plan-kernel weight-sync dispatch balancer}; do
   echo "== bench $bench" | tee -a "$OUT/bench.log"
   $PY -m ultraep.bench "$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
 done

@@ -10,6 +10,8 @@ Layers, bottom up (each its own package):
 * ``ultraep.transfer`` -- the data plane: replica buffers, weight sync by tile streaming
   with relay trees, deterministic gradient reduction.
 * ``ultraep.token`` -- the token path: deterministic dispatch and combine (UniEP).
+* ``ultraep.integration`` -- the :class:`Balancer` a framework drives per layer and
+  micro-batch, with its metrics, traces and plots.
 * ``ultraep.bench`` -- ``python -m ultraep.bench ...`` benchmarks.
 
 Top-level names are imported on first use, so ``import ultraep`` stays cheap and needs
@@ -35,6 +37,10 @@ _EXPORTS = {
     "ExpertSpec": "ultraep.transfer",
     "WeightTransfer": "ultraep.transfer",
     "Dispatcher": "ultraep.token",
+    "Balancer": "ultraep.integration",
+    "BalanceHandle": "ultraep.integration",
+    "BalancerError": "ultraep.integration",
+    "StaleHandleError": "ultraep.integration",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "plan-kernel": "ultraep.bench.plan_kernel",
     "peer-copy": "ultraep.bench.peer_copy",
     "weight-sync": "ultraep.bench.weight_sync",
+    "balancer": "ultraep.bench.balancer",
     "dispatch": "ultraep.bench.dispatch",
 }
 

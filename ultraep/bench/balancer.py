@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
@@ -54,19 +55,6 @@ def main(argv=None) -> int:
     if not launched_by_mpiexec():
         return relaunch_on_ranks(args.ranks, ["-m", "ultraep.bench.balancer", *argv], timeout=580)
     return run(args)
-
-
-def group_window_ms(group, fn, repeats: int, synchronize) -> float:
-    """ms per call of the whole group: first rank's start to last rank's end (one host clock)."""
-    fn()  # warm-up
-    synchronize()
-    group.barrier()
-    start = time.monotonic()
-    for _ in range(repeats):
-        fn()
-    synchronize()
-    spans = group.allgather((start, time.monotonic()))
-    return (max(end for _, end in spans) - min(begin for begin, _ in spans)) / repeats * 1e3
 
 
 def measure(group, target: float, args) -> dict:

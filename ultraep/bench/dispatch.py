@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
 
+from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
 
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
@@ -49,27 +49,6 @@ def main(argv=None) -> int:
     return run(args)
 
 
-def timed_ms(group, fn, repeats: int) -> float:
-    """ms per call of the whole group: from the first rank's start to the last rank's end.
-
-    Ranks sharing one GPU run time-sliced, so per-rank times would overlap unevenly; the
-    group's window (``time.monotonic`` is one clock for all processes of a host) is what
-    the aggregate bandwidth divides by.
-    """
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    fn()  # warm-up
-    stream.synchronize()
-    group.barrier()
-    start = time.monotonic()
-    for _ in range(repeats):
-        fn()
-    stream.synchronize()
-    spans = group.allgather((start, time.monotonic()))
-    return (max(end for _, end in spans) - min(begin for begin, _ in spans)) / repeats * 1e3
-
-
 def random_routing(cupy, tokens: int, experts: int, top_k: int):
     """Distinct uniformly random experts per token, and gates."""
     ids = cupy.argsort(cupy.random.random((tokens, experts), dtype=np.float32), axis=1)[:, :top_k]
@@ -83,6 +62,7 @@ def measure(group, tokens: int, hidden: int, args) -> dict:
     from ultraep.token import Dispatcher
 
     R, me, K = group.size, group.rank, args.top_k
+    sync = cupy.cuda.get_current_stream().synchronize
     cupy.random.seed(args.seed * 1000 + me)
     ids, gates = random_routing(cupy, tokens, args.experts, K)
     # bf16 values in [0.5, 2): random bits below the exponent of 2.0
@@ -99,12 +79,12 @@ def measure(group, tokens: int, hidden: int, args) -> dict:
         sent = disp.traffic(result.handle)
         pairs, remote_pairs, sends, remote_sends = (sum(v) for v in zip(*group.allgather(
             (sent.pairs, sent.pairs_remote, sent.sends, sent.sends_remote))))
-        dispatch_ms = timed_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv), args.repeats)
-        combine_ms = timed_ms(group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats)
+        dispatch_ms = group_window_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv), args.repeats, sync)
+        combine_ms = group_window_ms(group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats, sync)
         disp.check()
     src = cupy.empty(payload, dtype=np.uint8)
     dst = cupy.empty_like(src)
-    copy_ms = timed_ms(group, lambda: dst.__setitem__(Ellipsis, src), args.repeats)
+    copy_ms = group_window_ms(group, lambda: dst.__setitem__(Ellipsis, src), args.repeats, sync)
     del src, dst, recv, combined, result, x, ids, gates
     cupy.get_default_memory_pool().free_all_blocks()
     total_payload = payload * R

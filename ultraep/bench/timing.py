@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 
 
 def median_event_ms(launch, repeats: int, warmup: int = 10) -> float:
@@ -39,3 +40,21 @@ def graph_ms(launch, repeats: int):
             print(f"graph capture failed: {error}", file=sys.stderr)
             return None
         return median_event_ms(graph.launch, repeats)
+
+
+def group_window_ms(group, fn, repeats: int, synchronize) -> float:
+    """ms per call of the whole group: from the first rank's start to the last rank's end.
+
+    Ranks sharing one GPU run time-sliced, so per-rank times would overlap unevenly; the
+    group's window (``time.monotonic`` is one clock for all processes of a host) is what
+    an aggregate bandwidth divides by. ``synchronize`` waits for this rank's device work.
+    """
+    fn()  # warm-up
+    synchronize()
+    group.barrier()
+    start = time.monotonic()
+    for _ in range(repeats):
+        fn()
+    synchronize()
+    spans = group.allgather((start, time.monotonic()))
+    return (max(end for _, end in spans) - min(begin for begin, _ in spans)) / repeats * 1e3

@@ -58,7 +58,7 @@ from ultraep.integration.loads import DeviceLoadCounter, count_loads
 from ultraep.integration.stats import BalancerStats, DeviceClock, HostClock, plan_record
 from ultraep.planner import ExpertLayout, Plan, plan_placement, reroute
 from ultraep.planner.traces import TraceRecorder
-from ultraep.runtime.dlpack import _external_stream, caller_stream, import_tensor
+from ultraep.runtime.dlpack import external_stream, caller_stream, import_tensor
 from ultraep.runtime.heap import ALLOC_ALIGN, FAILING_CLOSE_TIMEOUT_S, open_heap, round_up
 from ultraep.transfer import ExpertSpec, WeightTransfer
 
@@ -218,7 +218,7 @@ class Balancer:
             return stream
         if isinstance(stream, int):  # a raw cudaStream_t
             return cupy.cuda.ExternalStream(stream, self.device)
-        return _external_stream(cupy, stream, self.device)  # e.g. torch.cuda.current_stream()
+        return external_stream(cupy, stream, self.device)  # e.g. torch.cuda.current_stream()
 
     # -- set-up per layer -------------------------------------------------------------------
     def register_layer(self, layer: int, weights, grads) -> None:

@@ -34,13 +34,13 @@ def caller_stream(x):
         import cupy
         import torch
         stream = torch.cuda.current_stream(x.device)
-        with cupy.cuda.Device(x.device.index), _external_stream(cupy, stream, x.device.index):
+        with cupy.cuda.Device(x.device.index), external_stream(cupy, stream, x.device.index):
             yield
     else:
         yield
 
 
-def _external_stream(cupy, stream, device: int):
+def external_stream(cupy, stream, device: int):
     """CuPy view of a foreign stream (``Stream.from_external`` from CuPy 14, ``ExternalStream`` before)."""
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None and hasattr(stream, "__cuda_stream__"):
