@@ -40,8 +40,9 @@ def parse_args(argv):
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--imbalance", type=float, nargs="+", default=[1.5, 2.0, 3.0],
-                        help="target initial rank max/mean of the routing")
+    parser.add_argument("--imbalance", type=float, nargs="+", default=[1.25, 1.5],
+                        help="target initial rank max/mean of the routing (with 4 ranks and top-8 over "
+                             "64 experts at most 1.5 is reachable)")
     parser.add_argument("--min-replica-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
