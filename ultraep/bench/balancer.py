@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
+from ultraep.runtime.launch import multi_rank_main
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "moe_layer_ms", "share_pct", "update_dev_ms",
@@ -51,11 +50,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if not launched_by_mpiexec():
-        return relaunch_on_ranks(args.ranks, ["-m", "ultraep.bench.balancer", *argv], timeout=580)
-    return run(args)
+    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: args.ranks, command=["-m", "ultraep.bench", "balancer"])
 
 
 def measure(group, target: float, args) -> dict:

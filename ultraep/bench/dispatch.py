@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
+from ultraep.runtime.launch import multi_rank_main
 
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
            "dispatch/copy", "combine/copy", "sent_GB", "saved_pct", "saved_remote_pct"]
@@ -42,11 +42,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if not launched_by_mpiexec():
-        return relaunch_on_ranks(args.ranks, ["-m", "ultraep.bench", "dispatch", *argv], timeout=580)
-    return run(args)
+    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: args.ranks, command=["-m", "ultraep.bench", "dispatch"])
 
 
 def random_routing(cupy, tokens: int, experts: int, top_k: int):

@@ -11,11 +11,10 @@ itself on two ranks under ``mpiexec``.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
-from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
+from ultraep.runtime.launch import multi_rank_main
 
 
 
@@ -29,11 +28,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if not launched_by_mpiexec():
-        return relaunch_on_ranks(2, ["-m", "ultraep.bench", "peer-copy", *argv], timeout=540)
-    return run(args)
+    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: 2, command=["-m", "ultraep.bench", "peer-copy"])
 
 
 def run(args) -> int:

@@ -14,11 +14,10 @@ so Python's launch overhead is not counted.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
-from ultraep.runtime.launch import launched_by_mpiexec, relaunch_on_ranks
+from ultraep.runtime.launch import multi_rank_main
 
 from ultraep.bench.timing import graph_ms
 
@@ -37,11 +36,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if not launched_by_mpiexec():
-        return relaunch_on_ranks(max(args.fanouts) + 1, ["-m", "ultraep.bench", "weight-sync", *argv], timeout=540)
-    return run(args)
+    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: max(args.fanouts) + 1, command=["-m", "ultraep.bench", "weight-sync"])
 
 
 def single_expert_plan(layout, fanout: int):

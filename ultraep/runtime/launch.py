@@ -119,3 +119,13 @@ def relaunch_on_ranks(nprocs: int, argv: Sequence[str], *, timeout: float) -> in
     result = run_mpi(nprocs, argv, timeout=timeout, check=False)
     print(result.stdout, end="")
     return result.returncode
+
+
+def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], timeout: float = 580) -> int:
+    """Entry point of a tool that needs several ranks: parse ``argv``; under ``mpiexec``
+    ``run(args)``, else relaunch ``python -m mpi4py command argv`` on ``nprocs(args)`` ranks."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if launched_by_mpiexec():
+        return run(args)
+    return relaunch_on_ranks(nprocs(args), [*command, *argv], timeout=timeout)
