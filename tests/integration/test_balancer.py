@@ -4,11 +4,9 @@ raised on every rank -- CPU backend in CI, CUDA IPC on a GPU."""
 
 import pytest
 
-from tests.conftest import assert_all_ranks_ok, requires_gpu, run_ranks
+from tests.conftest import BACKENDS, assert_all_ranks_ok, run_ranks
 
 RANKS = 4
-BACKENDS = [pytest.param("cpu", id="cpu"),
-            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, requires_gpu])]
 
 
 @pytest.mark.mpi

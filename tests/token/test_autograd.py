@@ -2,11 +2,9 @@
 
 import pytest
 
-from tests.conftest import assert_all_ranks_ok, requires_gpu, run_ranks
+from tests.conftest import BACKENDS, assert_all_ranks_ok, run_ranks
 
 pytest.importorskip("torch", reason="torch not installed: autograd wrapper not tested")
-BACKENDS = [pytest.param("cpu", id="cpu"),
-            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, requires_gpu])]
 
 
 @pytest.mark.mpi

@@ -6,10 +6,8 @@ import re
 
 import pytest
 
-from tests.conftest import assert_all_ranks_ok, requires_gpu, run_ranks
+from tests.conftest import BACKENDS, assert_all_ranks_ok, run_ranks
 
-BACKENDS = [pytest.param("cpu", id="cpu"),
-            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, requires_gpu])]
 
 
 def run_exact(backend: str, ranks: int, dtype: str, repeats: int) -> str:
