@@ -1,4 +1,4 @@
-//! kernels: reroute_count, reroute_assign
+//! kernels: reroute_count<int>, reroute_count<long long>, reroute_assign<int>, reroute_assign<long long>
 // Reroute on the GPU, bitwise equal to ultraep/planner/reroute.py: the k-th occurrence of
 // logical expert e among one rank's top-k ids (row-major order) goes to the first
 // instance i with split_prefix[rank, e, i] > k.
@@ -8,27 +8,30 @@
 // reroute_assign: an entry's ordinal = occurrences in earlier chunks + in earlier warps of
 //   its chunk + in earlier lanes of its warp (__match_any_sync), then an upper-bound scan
 //   over the expert's few instances. Integer counts only: no order-dependent result.
-// Ids outside [0, E) and occurrences beyond the plan's load get slot -1.
+// Ids outside [0, E) and occurrences beyond the plan's load get slot -1. Both kernels read
+// int32 or int64 ids as they are (no converted copy on the hot path).
 
 #define FULL_MASK 0xffffffffu
 #define CHUNK 1024  // = blockDim.x of both kernels
 
-extern "C" __global__ void __launch_bounds__(CHUNK)
-reroute_count(const int* __restrict__ ids, long long n, int E, int* __restrict__ counts) {
+template <typename Id>
+__global__ void __launch_bounds__(CHUNK)
+reroute_count(const Id* __restrict__ ids, long long n, int E, int* __restrict__ counts) {
     extern __shared__ int histogram[];  // [E]
     for (int e = threadIdx.x; e < E; e += blockDim.x) histogram[e] = 0;
     __syncthreads();
     const long long i = (long long)blockIdx.x * CHUNK + threadIdx.x;
     if (i < n) {
-        const int e = ids[i];
-        if (e >= 0 && e < E) atomicAdd(&histogram[e], 1);
+        const Id e = ids[i];
+        if (e >= 0 && e < E) atomicAdd(&histogram[(int)e], 1);
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) counts[(long long)blockIdx.x * E + e] = histogram[e];
 }
 
-extern "C" __global__ void __launch_bounds__(CHUNK)
-reroute_assign(const int* __restrict__ ids, long long n, int E, int K, const int* __restrict__ counts,
+template <typename Id>
+__global__ void __launch_bounds__(CHUNK)
+reroute_assign(const Id* __restrict__ ids, long long n, int E, int K, const int* __restrict__ counts,
                const int* __restrict__ prefix, const int* __restrict__ log_to_phys,
                const int* __restrict__ replica_count, int* __restrict__ out) {
     extern __shared__ int shared[];
@@ -43,8 +46,9 @@ reroute_assign(const int* __restrict__ ids, long long n, int E, int K, const int
     for (int j = tid; j < 32 * E; j += blockDim.x) warp_counts[j] = 0;
     __syncthreads();
     const long long i = (long long)blockIdx.x * CHUNK + tid;
-    const int e = i < n ? ids[i] : -1;
-    const bool valid = e >= 0 && e < E;
+    const Id id = i < n ? ids[i] : -1;
+    const bool valid = id >= 0 && id < E;
+    const int e = valid ? (int)id : -1;
     const unsigned peers = __match_any_sync(FULL_MASK, valid ? e : -1);
     if (valid && lane == __ffs(peers) - 1) warp_counts[warp * E + e] = __popc(peers);
     __syncthreads();

@@ -92,6 +92,7 @@ def test_captured_in_a_cuda_graph():
 
 def test_reroute_bitwise_equal():
     import cupy
+    from ultraep.planner.cuda import reroute_workspace_size
     from ultraep.planner.traces import zipf_topk
 
     rng = np.random.default_rng(7)
@@ -101,10 +102,14 @@ def test_reroute_bitwise_equal():
         loads = np.stack([np.bincount(t.ravel(), minlength=experts) for t in topk]).astype(np.int32)
         plan = plan_placement(loads, layout)
         device_plan = plan_placement(cupy.asarray(loads), layout, backend="cupy")
-        for rank in rng.choice(ranks, 6, replace=False):
+        for i, rank in enumerate(rng.choice(ranks, 6, replace=False)):
+            ids = cupy.asarray(topk[rank], dtype=np.int64 if i % 2 else np.int32)  # both read in place
             out = cupy.full(topk[rank].shape, POISON, np.int32)
-            got = reroute(cupy.asarray(topk[rank]), device_plan, int(rank), out=out)
+            workspace = cupy.full(reroute_workspace_size(layout, ids.size), POISON, np.int32)
+            got = reroute(ids, device_plan, int(rank), out=out, workspace=workspace)
             assert np.array_equal(got.get(), reroute(topk[rank], plan, int(rank)))
+        with pytest.raises(ValueError, match="workspace must be int32 with at least"):
+            reroute(ids, device_plan, 0, workspace=cupy.empty(1, np.int32))
     # random small cases, including ids no plan expects (-> -1 on the GPU)
     for _ in range(500):
         layout, _, min_tokens = random_case(rng)

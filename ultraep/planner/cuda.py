@@ -99,14 +99,25 @@ def launch_split(out: Plan) -> None:
                shared_mem=split_bytes)
 
 
-def reroute_cupy(topk_ids, plan: Plan, rank: int, *, out=None):
-    """``reroute.reroute`` on the GPU; ``-1`` for invalid ids or surplus occurrences."""
+def reroute_workspace_size(layout: ExpertLayout, num_ids: int) -> int:
+    """int32 entries of the per-chunk count table ``reroute_cupy`` needs for ``num_ids`` ids."""
+    return max(1, -(-num_ids // REROUTE_CHUNK)) * layout.num_experts
+
+
+def reroute_cupy(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None):
+    """``reroute.reroute`` on the GPU; ``-1`` for invalid ids or surplus occurrences.
+
+    int32 and int64 ids are read in place. ``out`` and ``workspace`` (int32, at least
+    ``reroute_workspace_size`` entries) make the call allocation-free."""
     import cupy
 
     layout = plan.layout
     if topk_ids.dtype.kind not in "iu":
         raise ValueError(f"topk_ids must have an integer dtype, got {topk_ids.dtype}")
-    ids = cupy.ascontiguousarray(cupy.asarray(topk_ids), dtype=np.int32)
+    ids = cupy.asarray(topk_ids)
+    if ids.dtype not in (np.int32, np.int64) or not ids.flags.c_contiguous:
+        ids = cupy.ascontiguousarray(ids, dtype=np.int64)
+    id_type = "int" if ids.dtype == np.int32 else "long long"
     if array_module(plan.split_prefix) is np:
         plan = Plan(layout=layout, imbalance_before=plan.imbalance_before, imbalance_after=plan.imbalance_after,
                     **{name: cupy.asarray(getattr(plan, name)) for name in Plan.ARRAYS})
@@ -121,11 +132,15 @@ def reroute_cupy(topk_ids, plan: Plan, rank: int, *, out=None):
     if n == 0:
         return out
     chunks = -(-n // REROUTE_CHUNK)
-    counts = cupy.empty((chunks, E), np.int32)
-    count = _kernel("reroute.cu", "reroute_count", E * _INT)
-    count((chunks,), (REROUTE_CHUNK,), (ids, np.int64(n), np.int32(E), counts), shared_mem=E * _INT)
-    assign = _kernel("reroute.cu", "reroute_assign", 33 * E * _INT)
+    if workspace is None:
+        workspace = cupy.empty(chunks * E, np.int32)
+    elif workspace.dtype != np.int32 or workspace.size < chunks * E:
+        raise ValueError(f"workspace must be int32 with at least {chunks * E} entries "
+                         f"(reroute_workspace_size), got {workspace.dtype} of {workspace.size}")
+    count = _kernel("reroute.cu", f"reroute_count<{id_type}>", E * _INT)
+    count((chunks,), (REROUTE_CHUNK,), (ids, np.int64(n), np.int32(E), workspace), shared_mem=E * _INT)
+    assign = _kernel("reroute.cu", f"reroute_assign<{id_type}>", 33 * E * _INT)
     assign((chunks,), (REROUTE_CHUNK,),
-           (ids, np.int64(n), np.int32(E), np.int32(K), counts, plan.split_prefix[rank], plan.log_to_phys,
+           (ids, np.int64(n), np.int32(E), np.int32(K), workspace, plan.split_prefix[rank], plan.log_to_phys,
             plan.replica_count, out), shared_mem=33 * E * _INT)
     return out

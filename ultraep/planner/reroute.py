@@ -12,14 +12,14 @@ import numpy as np
 from ultraep.planner.plan import Plan, array_module
 
 
-def reroute(topk_ids, plan: Plan, rank: int, *, backend: str | None = None, out=None):
+def reroute(topk_ids, plan: Plan, rank: int, *, backend: str | None = None, out=None, workspace=None):
     """Physical slot ids, int32, shaped like ``topk_ids``.
 
     ``backend`` defaults to the array type of ``topk_ids`` ("cupy" for CuPy arrays).
     The NumPy path raises ``ValueError`` for ids out of range or more tokens of an expert
     than the plan's ``loads[rank, e]``; the CuPy path cannot check values without
-    synchronising and writes ``-1`` for such entries instead; it can write into a
-    preallocated int32 ``out``.
+    synchronising and writes ``-1`` for such entries instead; with a preallocated int32
+    ``out`` and ``workspace`` (``cuda.reroute_workspace_size``) it allocates nothing.
     """
     if backend is None:
         backend = "cupy" if array_module(topk_ids) is not np else "numpy"
@@ -29,11 +29,11 @@ def reroute(topk_ids, plan: Plan, rank: int, *, backend: str | None = None, out=
     if backend == "cupy":
         from ultraep.planner.cuda import reroute_cupy
 
-        return reroute_cupy(topk_ids, plan, int(rank), out=out)
+        return reroute_cupy(topk_ids, plan, int(rank), out=out, workspace=workspace)
     if backend != "numpy":
         raise ValueError(f"backend must be 'numpy' or 'cupy', got {backend!r}")
-    if out is not None:
-        raise ValueError("out= is only supported by the cupy backend")
+    if out is not None or workspace is not None:
+        raise ValueError("out= and workspace= are only supported by the cupy backend")
     plan = plan.to_numpy()
     topk_ids = np.asarray(topk_ids)
     if topk_ids.dtype.kind not in "iu":
