@@ -1,6 +1,7 @@
 // Data-plane kernels: weight sync by persistent tile streaming (with relay forwarding)
-// and deterministic gradient reduction. The task lists are compiled on the host by
-// ultraep/transfer/schedule.py, whose docstring defines every field.
+// and deterministic gradient reduction. The task lists and their lengths are compiled on
+// the device by schedule.cu; ultraep/transfer/schedule.py (its NumPy reference) defines
+// every field.
 //
 //! kernels: weight_sync, reduce_grads<float>, reduce_grads<__nv_bfloat16>
 
@@ -92,11 +93,12 @@ __device__ __forceinline__ void stream_tile(const TaskState& s, int num_tensors,
 // relay task first waits (with a timeout) for its own chunk flag. On a timeout the kernel
 // records (1, flag slot, expected epoch, seen) in status and stops.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS)
-weight_sync(const i64* tasks, int num_tasks, const i64* tensor_table, int num_tensors, i64 tile_bytes,
+weight_sync(const i64* tasks, const int* task_count, const i64* tensor_table, int num_tensors, i64 tile_bytes,
             const i64* dests, const u64* src_ptrs, const u64* peer_bases, int rank, u64 epoch, int* next_task,
             u64 timeout_ns, u64* status) {
     __shared__ TaskState s;
     __shared__ int task_ids[2];  // current and prefetched task index
+    const int num_tasks = *task_count;  // written on the device by the schedule compiler
     const int tid = threadIdx.x;
     if (tid < num_tensors) {
         s.first_tile[tid] = tensor_table[3 * tid];
@@ -171,8 +173,9 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // order per element is fixed by the task, not by scheduling): master tile in fp32, plus
 // each replica's tile in replica order, rounded once. Plain adds: no FMA can contract them.
 template <typename T>
-__global__ void reduce_grads(const i64* tasks, int num_tasks, const i64* srcs, const u64* dst_ptrs,
+__global__ void reduce_grads(const i64* tasks, const int* task_count, const i64* srcs, const u64* dst_ptrs,
                              const u64* peer_bases) {
+    const int num_tasks = *task_count;  // written on the device by the schedule compiler
     for (int t = blockIdx.x; t < num_tasks; t += gridDim.x) {
         const i64* task = tasks + 5 * static_cast<i64>(t);
         T* dst = reinterpret_cast<T*>(dst_ptrs[task[0]] + task[1]);

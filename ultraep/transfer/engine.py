@@ -160,6 +160,8 @@ class WeightTransfer:
             sched.device = {name: cupy.asarray(getattr(sched, name) if len(getattr(sched, name)) else
                                                np.zeros((1, getattr(sched, name).shape[1]), np.int64))
                             for name in ("weight_tasks", "dests", "grad_tasks", "grad_srcs")}
+            sched.device["counts"] = cupy.asarray(np.array(
+                [len(sched.weight_tasks), len(sched.dests), len(sched.grad_tasks), len(sched.grad_srcs)], np.int32))
         if len(self._schedules) > 64:
             self._schedules.clear()
         self._schedules[key] = (plan, sched)
@@ -191,7 +193,7 @@ class WeightTransfer:
         dev = sched.device
         self._next_task.fill(0)
         self._sync_kernel((blocks,), (512,), (
-            dev["weight_tasks"], np.int32(len(sched.weight_tasks)), self._tensor_table, np.int32(len(self.spec.weights)),
+            dev["weight_tasks"], dev["counts"], self._tensor_table, np.int32(len(self.spec.weights)),
             np.int64(self.geometry.tile_bytes), dev["dests"], entry["sources"], self.heap.peer_bases,
             np.int32(self.rank), np.uint64(self._epoch), self._next_task, np.uint64(int(self.timeout_s * 1e9)),
             self._status))
@@ -204,7 +206,7 @@ class WeightTransfer:
             if len(sched.grad_tasks):
                 dev = sched.device
                 self._reduce_kernel((blocks or self.blocks,), (256,), (
-                    dev["grad_tasks"], np.int32(len(sched.grad_tasks)), dev["grad_srcs"], entry["grads"],
+                    dev["grad_tasks"], dev["counts"][2:], dev["grad_srcs"], entry["grads"],
                     self.heap.peer_bases))
         else:
             run_grad_tasks(sched, self.heap, entry["grads"], self.spec.grad_dtype)
