@@ -1,5 +1,6 @@
 """``python -m ultraep.bench dispatch``: algorithm bandwidth of the Dispatcher's dispatch and
-combine, side by side with a plain device-to-device copy of the same bytes, in one run.
+combine, side by side with a plain device-to-device copy of the same bytes and with NCCL's
+``all_to_all_single`` for the same routing, in one run.
 
 Every rank routes ``tokens`` bf16 tokens top-k over uniformly random distinct experts
 (``experts`` in all, ``experts / R`` per rank). Algorithm bandwidth counts the logical
@@ -12,6 +13,12 @@ about a time slice per other rank: compare with ``--ranks 1`` for the data path 
 rank once however many of its experts live there); "saved" is the share of pair bytes
 it avoids, over all destinations and over remote ones only. Started with one process,
 it relaunches itself on ``--ranks`` ranks under ``mpiexec`` (all on one GPU by default).
+
+``all_to_all_single`` (``torch.distributed`` over NCCL, :mod:`ultraep.bench.nccl`) moves,
+between every pair of ranks, the bytes the dispatch sends (one row per token and
+destination rank; the combine column times the transposed matrix); it only moves bytes
+(no expert-major layout, no gates). NCCL refuses ranks that share a GPU: the columns then
+say "not run (N ranks share one GPU)".
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import multi_rank_main
 
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
-           "dispatch/copy", "combine/copy", "sent_GB", "saved_pct", "saved_remote_pct"]
+           "dispatch/copy", "combine/copy", "a2a_ms", "a2a_back_ms", "a2a_GBps", "dispatch/a2a", "combine/a2a",
+           "sent_GB", "saved_pct", "saved_remote_pct"]
 
 
 def parse_args(argv):
@@ -51,7 +59,15 @@ def random_routing(cupy, tokens: int, experts: int, top_k: int):
     return cupy.ascontiguousarray(ids.astype(np.int32)), cupy.random.random((tokens, top_k), dtype=np.float32)
 
 
-def measure(group, tokens: int, hidden: int, args) -> dict:
+def sends_per_rank(xp, ids, experts_per_rank: int, ranks: int) -> list[int]:
+    """Rows this rank sends to each rank when a token crosses to a rank once, however many
+    of its experts live there."""
+    hit = xp.zeros((ids.shape[0], ranks), dtype=bool)
+    hit[xp.arange(ids.shape[0])[:, None], ids // experts_per_rank] = True
+    return [int(v) for v in hit.sum(axis=0).tolist()]
+
+
+def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
     import cupy
 
     from ultraep.runtime.dtypes import BFLOAT16
@@ -75,12 +91,17 @@ def measure(group, tokens: int, hidden: int, args) -> dict:
         sent = disp.traffic(result.handle)
         pairs, remote_pairs, sends, remote_sends = (sum(v) for v in zip(*group.allgather(
             (sent.pairs, sent.pairs_remote, sent.sends, sent.sends_remote))))
+        my_sends = sends_per_rank(cupy, ids, args.experts // R, R)
+        assert sum(my_sends) == sent.sends, f"rank {me}: {sum(my_sends)} rows to send, the dispatcher sent {sent.sends}"
+        send_bytes = group.allgather([n * row_bytes for n in my_sends])
         dispatch_ms = group_window_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv), args.repeats, sync)
         combine_ms = group_window_ms(group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats, sync)
         disp.check()
     src = cupy.empty(payload, dtype=np.uint8)
     dst = cupy.empty_like(src)
     copy_ms = group_window_ms(group, lambda: dst.__setitem__(Ellipsis, src), args.repeats, sync)
+    a2a_ms = nccl.all_to_all_single_ms(send_bytes, args.repeats)
+    a2a_back_ms = nccl.all_to_all_single_ms([list(col) for col in zip(*send_bytes)], args.repeats)
     del src, dst, recv, combined, result, x, ids, gates
     cupy.get_default_memory_pool().free_all_blocks()
     total_payload = payload * R
@@ -89,6 +110,10 @@ def measure(group, tokens: int, hidden: int, args) -> dict:
         "dispatch_GBps": total_payload / dispatch_ms / 1e6, "combine_GBps": total_payload / combine_ms / 1e6,
         "copy_GBps": total_payload / copy_ms / 1e6,
         "dispatch/copy": copy_ms / dispatch_ms, "combine/copy": copy_ms / combine_ms,
+        "a2a_ms": a2a_ms, "a2a_back_ms": a2a_back_ms,
+        "a2a_GBps": nccl.reason if a2a_ms is None else total_payload / a2a_ms / 1e6,
+        "dispatch/a2a": None if a2a_ms is None else a2a_ms / dispatch_ms,
+        "combine/a2a": None if a2a_back_ms is None else a2a_back_ms / combine_ms,
         "sent_GB": sends * row_bytes / 1e9, "saved_pct": 100.0 * (1 - sends / pairs),
         "saved_remote_pct": 100.0 * (1 - remote_sends / remote_pairs) if remote_pairs else None,
     }
@@ -97,20 +122,23 @@ def measure(group, tokens: int, hidden: int, args) -> dict:
 def run(args) -> int:
     from mpi4py import MPI
 
+    from ultraep.bench.nccl import NcclBaseline
     from ultraep.bench.report import print_table, write_json
     from ultraep.runtime.group import EPGroup
 
     group = EPGroup(MPI.COMM_WORLD)
     if not group.has_gpu:
         raise SystemExit("the dispatch benchmark needs a GPU")
-    rows = [measure(group, tokens, hidden, args) for tokens in args.tokens for hidden in args.hidden]
+    with NcclBaseline(group) as nccl:
+        rows = [measure(group, nccl, tokens, hidden, args) for tokens in args.tokens for hidden in args.hidden]
     if group.rank == 0:
         title = (f"dispatch/combine algorithm bandwidth: {group.size} ranks, top-{args.top_k}, {args.experts} experts, "
-                 f"bf16, aggregate over ranks (GB/s = 1e9 B/s); copy = cudaMemcpyAsync of the same bytes")
+                 f"bf16, aggregate over ranks (GB/s = 1e9 B/s); copy = cudaMemcpyAsync of the same bytes; "
+                 f"a2a = NCCL all_to_all_single of the bytes sent (dispatch/a2a > 1: the dispatcher is faster)")
         print_table(rows, COLUMNS, title)
         if args.json:
             write_json(args.json, {"benchmark": "dispatch", "ranks": group.size, "top_k": args.top_k,
-                                   "experts": args.experts, "rows": rows})
+                                   "experts": args.experts, "nccl": nccl.reason or "run", "rows": rows})
     return 0
 
 

@@ -9,17 +9,25 @@ share the GPU, so fan-out 1-8). Bandwidth is bytes delivered to replicas per sec
 device-to-device copy; NVLink figures need several GPUs. Started with one process, it
 relaunches itself on 9 ranks under ``mpiexec``. All three are timed as CUDA-graph replays,
 so Python's launch overhead is not counted.
+
+Group columns (every rank takes part; group windows, :func:`~ultraep.bench.timing.group_window_ms`):
+``nccl_gb_s`` sends the master's bytes to each replica holder with one ``batch_isend_irecv``
+over NCCL (:mod:`ultraep.bench.nccl`; "not run" where ranks share a GPU), ``tile_vs_nccl``
+its time over the tile sync's. With ``--relay-threshold`` a second engine syncs through
+relay trees, and the direct and relay syncs (each ending with its heap barrier) are timed
+the same way: ``relay_vs_direct``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import numpy as np
 
 from ultraep.runtime.launch import multi_rank_main
 
-from ultraep.bench.timing import graph_ms
+from ultraep.bench.timing import graph_ms, group_window_ms
 
 
 def parse_args(argv):
@@ -31,6 +39,9 @@ def parse_args(argv):
     parser.add_argument("--tile-kib", type=int, default=32)
     parser.add_argument("--chunk-tiles", type=int, default=4, help="tiles per chunk (one task, one flag)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--relay-threshold", type=int, default=None,
+                        help="also sync through relay trees for more replicas than this (default: no relay run)")
+    parser.add_argument("--relay-count", type=int, default=2, help="relays per tree")
     parser.add_argument("--json", metavar="FILE")
     return parser.parse_args(argv)
 
@@ -57,10 +68,38 @@ def single_expert_plan(layout, fanout: int):
     return Plan.from_split(layout, loads, log_to_phys, split)
 
 
+def check_replicas(group, engine, master_tensors, fanout: int) -> None:
+    """Collective: ranks 1..fanout hold rank 0's master bit for bit in replica slot 0."""
+    import cupy
+
+    want = group.comm.bcast([w.get() for w in master_tensors] if group.rank == 0 else None, root=0)
+    if 1 <= group.rank <= fanout:
+        assert all(bool(cupy.array_equal(g.view(np.uint16), cupy.asarray(w).view(np.uint16)))
+                   for g, w in zip(engine.replica_weights(0), want)), f"rank {group.rank}: replica differs from master"
+
+
+def group_columns(group, nccl, engine, relay_engine, plan, fanout: int, expert_bytes: int, row, args) -> None:
+    """All ranks: the NCCL and relay columns (see the module docstring), added to rank 0's ``row``."""
+    import cupy
+
+    delivered = fanout * expert_bytes
+    nccl_ms = nccl.batch_isend_irecv_ms([(0, r, expert_bytes) for r in range(1, fanout + 1)], args.repeats)
+    columns = {"nccl_ms": nccl_ms, "nccl_gb_s": nccl.reason if nccl_ms is None else delivered / nccl_ms / 1e6}
+    if relay_engine is not None:
+        sync = cupy.cuda.get_current_stream().synchronize
+        direct_ms = group_window_ms(group, lambda: engine.weight_sync(0, plan), args.repeats, sync)
+        relay_ms = group_window_ms(group, lambda: relay_engine.weight_sync(0, plan), args.repeats, sync)
+        columns.update(relays=len(relay_engine.schedule(plan).relays.get(0, [])), direct_window_ms=direct_ms,
+                       relay_window_ms=relay_ms, relay_gb_s=delivered / relay_ms / 1e6, relay_vs_direct=direct_ms / relay_ms)
+    if row is not None:
+        row.update(columns, tile_vs_nccl=None if nccl_ms is None else nccl_ms / row["tile_ms"])
+
+
 def run(args) -> int:
     import cupy
     from mpi4py import MPI
 
+    from ultraep.bench.nccl import NcclBaseline
     from ultraep.bench.report import print_table, write_json
     from ultraep.planner import ExpertLayout
     from ultraep.runtime.group import EPGroup
@@ -75,42 +114,49 @@ def run(args) -> int:
     expert_bytes = sum(t.nbytes for t in spec.weights)
     rows = []
     heap_bytes = 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes) + (max(args.fanouts) + 1) * expert_bytes
-    with open_heap(group, heap_bytes, backend="cuda") as heap:
-        engine = WeightTransfer(heap, layout, spec, tile_bytes=args.tile_kib << 10, chunk_tiles=args.chunk_tiles,
-                                relay_threshold=R)
+    tiling = dict(tile_bytes=args.tile_kib << 10, chunk_tiles=args.chunk_tiles)
+    with NcclBaseline(group) as nccl, open_heap(group, heap_bytes, backend="cuda") as heap, \
+            contextlib.ExitStack() as relay_stack:
+        engine = WeightTransfer(heap, layout, spec, relay_threshold=R, **tiling)
         rng = cupy.random.default_rng(group.rank)
         weights = [[rng.standard_normal(t.shape, dtype=np.float32).astype(t.dtype) for t in spec.weights]]
         grads = [[cupy.zeros(t.shape, t.dtype) for t in spec.grads]]
         engine.register_layer(0, weights, grads)
+        engines = [engine]
+        if args.relay_threshold is not None:
+            relay_heap = relay_stack.enter_context(open_heap(group, 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes),
+                                                             backend="cuda"))
+            engines.append(relay_stack.enter_context(WeightTransfer(
+                relay_heap, layout, spec, relay_threshold=args.relay_threshold, relay_count=args.relay_count, **tiling)))
+            engines[1].register_layer(0, weights, grads)
         scratch = heap.alloc("bench.scratch", ((max(args.fanouts) + 1) * expert_bytes,), np.uint8)
         for fanout in args.fanouts:
             plan = single_expert_plan(layout, fanout)
-            engine.weight_sync(0, plan)  # compile, warm up, and check once, collectively
-            engine.synchronize()
-            if 1 <= group.rank <= fanout:
-                got = engine.replica_weights(0)
-                want = group.comm.bcast(None, root=0)
-                assert all(bool(cupy.array_equal(g.view(np.uint16), cupy.asarray(w).view(np.uint16)))
-                           for g, w in zip(got, want)), f"rank {group.rank}: replica differs from master"
-            elif group.rank == 0:
-                group.comm.bcast([w.get() for w in weights[0]], root=0)
-            else:
-                group.comm.bcast(None, root=0)
+            for each in engines:
+                each.weight_sync(0, plan)  # compile, warm up, and check once, collectively
+                each.synchronize()
+                check_replicas(group, each, weights[0], fanout)
             if group.rank == 0:
                 rows.append(measure(engine, plan, weights[0], heap, scratch, fanout, expert_bytes, args))
             # Host barrier: a device-side one would keep 8 idle contexts spinning on the
             # shared GPU, time-sliced against the kernels being measured.
             group.barrier()
+            group_columns(group, nccl, engine, engines[1] if len(engines) > 1 else None, plan, fanout, expert_bytes,
+                          rows[-1] if group.rank == 0 else None, args)
         engine.close()
     if group.rank == 0:
         columns = ["fanout", "mb_delivered", "tile_gb_s", "memcpy_per_replica_gb_s", "d2d_gb_s",
-                   "tile_vs_memcpy", "tile_vs_d2d", "blocks"]
+                   "tile_vs_memcpy", "tile_vs_d2d", "blocks", "nccl_gb_s", "tile_vs_nccl"]
+        if args.relay_threshold is not None:
+            columns += ["relays", "relay_gb_s", "relay_vs_direct"]
         print_table(rows, columns, title=f"weight sync of one expert ({expert_bytes / 1e6:.1f} MB, bf16; tiles "
-                                         f"{args.tile_kib} KiB x {args.chunk_tiles} per chunk) to fan-out replicas "
-                                         "on one GPU: bytes delivered per second")
+                                         f"{args.tile_kib} KiB x {args.chunk_tiles} per chunk) to fan-out replicas, "
+                                         f"{R} ranks (NCCL: {nccl.reason or 'one rank per GPU'}): bytes delivered "
+                                         "per second")
         if args.json:
             write_json(args.json, {"benchmark": "weight-sync", "ranks": R, "hidden": args.hidden, "ffn": args.ffn,
-                                   "expert_bytes": expert_bytes, "rows": rows})
+                                   "expert_bytes": expert_bytes, "relay_threshold": args.relay_threshold,
+                                   "relay_count": args.relay_count, "nccl": nccl.reason or "run", "rows": rows})
     return 0
 
 
