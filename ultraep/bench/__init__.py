@@ -17,6 +17,7 @@ BENCHMARKS = {
     "weight-sync": "ultraep.bench.weight_sync",
     "balancer": "ultraep.bench.balancer",
     "dispatch": "ultraep.bench.dispatch",
+    "moe-layer": "ultraep.bench.moe_layer",
 }
 
 

@@ -29,6 +29,20 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 INIT_TIMEOUT_S = 120
 
 
+def gpu_identity(group):
+    """This rank's GPU as ``(host, PCI bus id)``, ``None`` without one: equal for ranks sharing a GPU."""
+    if not group.has_gpu:
+        return None
+    import cupy
+
+    return group.hostname, cupy.cuda.Device(group.device).pci_bus_id
+
+
+def most_ranks_on_one_gpu(identities: list) -> int:
+    """The largest number of ranks whose ``identities`` (see :func:`gpu_identity`) are one GPU."""
+    return max(Counter(i for i in identities if i is not None).values(), default=0)
+
+
 def skip_reason(identities: list, local_errors: list) -> str | None:
     """Why the NCCL baseline cannot run, or ``None``: the same answer on every rank.
 
@@ -38,7 +52,7 @@ def skip_reason(identities: list, local_errors: list) -> str | None:
     without_gpu = [r for r, identity in enumerate(identities) if identity is None]
     if without_gpu:
         return f"not run (rank {without_gpu[0]} has no GPU)"
-    most = max(Counter(identities).values(), default=0)
+    most = most_ranks_on_one_gpu(identities)
     if most > 1:
         return f"not run ({most} ranks share one GPU)"
     failed = [(r, error) for r, error in enumerate(local_errors) if error is not None]
@@ -49,11 +63,9 @@ def skip_reason(identities: list, local_errors: list) -> str | None:
 
 def _local_state(group):
     """This rank's ``(GPU identity, error)``; imports torch only where a GPU exists."""
-    if not group.has_gpu:
+    identity = gpu_identity(group)
+    if identity is None:
         return None, None
-    import cupy
-
-    identity = (group.hostname, cupy.cuda.Device(group.device).pci_bus_id)
     try:
         import torch
         import torch.distributed as dist

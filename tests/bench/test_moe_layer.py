@@ -1,0 +1,61 @@
+"""``ultraep.bench.moe_layer``: the routings it compares and a tiny run end to end on the CPU
+backend (4 ranks); the GPU runs are scripts/multi_gpu_check.sh's."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ultraep.bench import moe_layer as bench
+from ultraep.planner.traces import rank_imbalance
+
+TINY = ["--layers", "2", "--experts-per-rank", "2", "--slots", "1", "--tokens", "256", "--top-k", "2", "--hidden", "32",
+        "--ffn", "16", "--dtype", "float32", "--imbalance", "1.5", "--min-replica-tokens", "16", "--repeats", "2"]
+
+
+def loads(ids, experts):
+    return np.stack([np.bincount(ids[r].ravel(), minlength=experts) for r in range(ids.shape[0])])
+
+
+def test_ideal_routing_sends_every_expert_the_same_pairs_from_every_source():
+    args = bench.parse_args(TINY)
+    ids = bench.routing("ideal", 4, 8, layer=1, args=args)
+    assert ids.shape == (4, 256, 2)
+    assert (loads(ids, 8) == 256 * 2 // 8).all()
+    assert all(len(set(token)) == 2 for token in ids.reshape(-1, 2).tolist())  # distinct experts per token
+    assert (bench.received_rows(ids, 2) == 256 * 2).all()
+
+
+def test_skewed_routing_meets_the_target_and_differs_per_layer():
+    args = bench.parse_args(TINY)
+    first, second = (bench.routing("none", 4, 8, layer, args) for layer in (0, 1))
+    for ids in (first, second):
+        assert rank_imbalance(loads(ids, 8)) == pytest.approx(1.5, rel=0.01)
+        rows = bench.received_rows(ids, 2)
+        assert rows.sum() == 4 * 256 * 2 and rows.max() / rows.mean() == pytest.approx(1.5, rel=0.01)
+    assert not np.array_equal(first, second)
+
+
+def test_ideal_routing_refuses_pairs_not_divisible_by_the_experts():
+    with pytest.raises(ValueError, match="divisible by the experts"):
+        bench.routing("ideal", 4, 12, layer=0, args=bench.parse_args(TINY))
+
+
+@pytest.mark.mpi
+def test_moe_layer_bench_cpu(tmp_path, capfd):
+    out = tmp_path / "moe.json"
+    code = bench.main(["--backend", "cpu", "--ranks", "4", *TINY, "--json", str(out)])
+    printed = capfd.readouterr().out
+    assert code == 0, printed
+    assert "CPU backend: not a figure of merit" in printed
+    data = json.loads(out.read_text())
+    rows = {row["policy"]: row for row in data["rows"]}
+    assert list(rows) == list(bench.POLICIES) and data["ranks"] == 4
+    assert data["initial_imbalance"] == pytest.approx(1.5, rel=0.01)
+    assert rows["none"]["rows_max_mean"] == pytest.approx(data["initial_imbalance"])
+    assert rows["ideal"]["rows_max_mean"] == 1.0 and rows["ideal"]["vs_ideal"] == 1.0
+    assert rows["ultraep"]["rows_max_mean"] < 1.1 and rows["ultraep"]["replicas"] > 0
+    assert rows["ultraep"]["out_diff"] <= 1e-4 and rows["ultraep"]["grad_diff"] <= 1e-4
+    for row in rows.values():
+        assert row["step_ms"] > 0 and row["tokens_per_s"] == pytest.approx(4 * 256 / row["step_ms"] * 1e3)
+        assert row["vs_ideal"] == pytest.approx(rows["ideal"]["step_ms"] / row["step_ms"])
