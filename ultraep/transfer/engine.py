@@ -13,8 +13,11 @@ weights and gradients (they stay in the framework's memory). Per micro-batch and
   gradients are written, and before one that frees the slots for the next layer.
 
 On the GPU everything is enqueued on CuPy's current stream (the caller's; see
-``runtime.dlpack.caller_stream``); :meth:`synchronize` waits and reports device-side
-timeouts. On the CPU backend the NumPy executor runs the same schedule.
+``runtime.dlpack.caller_stream``): each transfer first compiles its plan's task tables on
+the device (``device_schedule``) into tables allocated here once, so with a plan already
+on the device (the planner's CuPy backend) no call allocates or waits for the device.
+:meth:`synchronize` waits and reports device-side timeouts and refused plans. On the
+CPU backend the NumPy executor runs the schedule ``compile_schedule`` makes per call.
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ import numpy as np
 
 from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.heap import SymmetricHeap
+from ultraep.transfer.device_schedule import DeviceSchedule
 from ultraep.transfer.executor import TransferTimeout, chunk_timeout_message, run_grad_tasks, run_weight_tasks
 from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule
 from ultraep.transfer.spec import ExpertSpec
 
 DEFAULT_TILE_BYTES = 32 << 10
-MAX_TILE_BYTES = 32 << 10  # the kernel keeps two tiles in registers: 512 threads x 4 x 16 B each
+MAX_TILE_BYTES = 32 << 10  # SYNC_STAGES tiles per block in shared memory, two blocks per SM
+SYNC_STAGES = 3            # shared-memory tiles per weight-sync block (transfer.cu: 2..MAX_STAGES)
+SYNC_THREADS = 64          # transfer.cu SYNC_THREADS: a loading warp and a storing warp
 MAX_TENSORS_PER_EXPERT = 8     # MAX_TENSORS in transfer.cu
 MAX_REPLICAS_PER_EXPERT = 128  # MAX_DESTS in transfer.cu
 _STATUS_FIELDS = 4
@@ -66,7 +72,6 @@ class WeightTransfer:
         self._flags = heap.alloc_signals("transfer.chunk_flags", slots * self.geometry.num_chunks)
         self.placement = HeapPlacement(self._weights.offset, self._grads.offset, self._flags.first_slot)
         self._layers: dict = {}
-        self._schedules: dict = {}
         self._epoch = 0
         self.gpu = heap.backend == "cuda"
         if self.gpu:
@@ -76,7 +81,9 @@ class WeightTransfer:
             name = "reduce_grads<__nv_bfloat16>" if spec.grad_dtype.name == "bfloat16" else "reduce_grads<float>"
             self._reduce_kernel = get_function("transfer.cu", name, group=group)
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
-            self._next_task = cupy.zeros(1, dtype=np.int32)
+            # [next tile item, blocks done, tiles done per task]: zero between launches (the kernel resets them)
+            self._sync_counters = cupy.zeros(2, dtype=np.int32)
+            self._sync_kernel.max_dynamic_shared_size_bytes = SYNC_STAGES * MAX_TILE_BYTES  # any engine's tiles
             first_tiles = np.searchsorted([t for t, _, _ in self.geometry.tiles], np.arange(len(spec.weights)))
             self._tensor_table = cupy.asarray(np.array(
                 [(first, w.nbytes, off) for first, w, off in zip(first_tiles, spec.weights, spec.weight_offsets)],
@@ -88,6 +95,9 @@ class WeightTransfer:
                                for s in range(layout.redundant_slots) for off in spec.weight_offsets]
         else:
             self.blocks = blocks or 1
+        self.device_schedule = DeviceSchedule(layout, spec, self.geometry, self.placement, self.rank,
+                                              relay_threshold=relay_threshold, relay_count=relay_count,
+                                              group=group) if self.gpu else None
 
     # -- buffers the framework computes with ------------------------------------------
     def replica_weights(self, slot: int) -> list:
@@ -145,27 +155,17 @@ class WeightTransfer:
 
     # -- schedules -----------------------------------------------------------------------
     def schedule(self, plan) -> Schedule:
-        """This rank's compiled tasks for ``plan`` (cached while the plan object lives)."""
+        """This rank's tasks for ``plan``, compiled on the host by the NumPy reference (what
+        the CPU backend runs; on the GPU it reads a device plan back, so it is for
+        inspection only: the transfers compile on the device)."""
+        self._check_plan(plan)
+        return compile_schedule(plan.to_numpy() if hasattr(plan, "to_numpy") else plan, self.spec, self.geometry,
+                                self.placement, self.rank, relay_threshold=self.relay_threshold,
+                                relay_count=self.relay_count)
+
+    def _check_plan(self, plan) -> None:
         if plan.layout != self.layout:
             raise ValueError(f"plan is for {plan.layout}, this WeightTransfer was set up for {self.layout}")
-        key = id(plan)
-        cached = self._schedules.get(key)
-        if cached is not None and cached[0] is plan:
-            return cached[1]
-        sched = compile_schedule(plan.to_numpy() if hasattr(plan, "to_numpy") else plan, self.spec, self.geometry,
-                                 self.placement, self.rank, relay_threshold=self.relay_threshold,
-                                 relay_count=self.relay_count)
-        if self.gpu:
-            import cupy
-            sched.device = {name: cupy.asarray(getattr(sched, name) if len(getattr(sched, name)) else
-                                               np.zeros((1, getattr(sched, name).shape[1]), np.int64))
-                            for name in ("weight_tasks", "dests", "grad_tasks", "grad_srcs")}
-            sched.device["counts"] = cupy.asarray(np.array(
-                [len(sched.weight_tasks), len(sched.dests), len(sched.grad_tasks), len(sched.grad_srcs)], np.int32))
-        if len(self._schedules) > 64:
-            self._schedules.clear()
-        self._schedules[key] = (plan, sched)
-        return sched
 
     def _layer(self, layer):
         entry = self._layers.get(layer)
@@ -176,44 +176,47 @@ class WeightTransfer:
     # -- transfers -----------------------------------------------------------------------
     def weight_sync(self, layer: int, plan, *, blocks: int | None = None, barrier: bool = True) -> None:
         """Fill every replica slot of ``plan`` with its master's weights (collective)."""
-        entry, sched = self._layer(layer), self.schedule(plan)
+        entry = self._layer(layer)
+        self._check_plan(plan)
         self._epoch += 1
         if self.gpu:
-            self._launch_sync(entry, sched, blocks or self.blocks)
+            self.device_schedule.compile_weights(plan)
+            self._launch_sync(entry, self.device_schedule, blocks or self.blocks)
         else:
-            run_weight_tasks(sched, self.heap, entry["sources"], self.spec.weight_offsets, self._epoch, self.timeout_s)
+            run_weight_tasks(self.schedule(plan), self.heap, entry["sources"], self.spec.weight_offsets, self._epoch,
+                             self.timeout_s)
         if barrier:
             self.heap.barrier(self.timeout_s, wait=not self.gpu)
 
     restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
 
-    def _launch_sync(self, entry, sched: Schedule, blocks: int) -> None:
-        if len(sched.weight_tasks) == 0:
-            return
-        dev = sched.device
-        self._next_task.fill(0)
-        self._sync_kernel((blocks,), (512,), (
-            dev["weight_tasks"], dev["counts"], self._tensor_table, np.int32(len(self.spec.weights)),
-            np.int64(self.geometry.tile_bytes), dev["dests"], entry["sources"], self.heap.peer_bases,
-            np.int32(self.rank), np.uint64(self._epoch), self._next_task, np.uint64(int(self.timeout_s * 1e9)),
-            self._status))
+    def _launch_sync(self, entry, tables: DeviceSchedule, blocks: int) -> None:
+        if len(self._sync_counters) < 2 + len(tables.weight_tasks):  # once: the tables have a fixed capacity
+            import cupy
+            self._sync_counters = cupy.zeros(2 + len(tables.weight_tasks), dtype=np.int32)
+        self._sync_kernel((blocks,), (SYNC_THREADS,), (
+            tables.weight_tasks, tables.weight_task_count, np.int32(self.geometry.chunk_tiles), self._tensor_table,
+            np.int32(len(self.spec.weights)), np.int64(self.geometry.tile_bytes), np.int32(SYNC_STAGES), tables.dests,
+            entry["sources"], self.heap.peer_bases, np.int32(self.rank), np.uint64(self._epoch), self._sync_counters,
+            np.uint64(int(self.timeout_s * 1e9)), self._status), shared_mem=SYNC_STAGES * self.geometry.tile_bytes)
 
     def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
-        entry, sched = self._layer(layer), self.schedule(plan)
+        entry = self._layer(layer)
+        self._check_plan(plan)
         self.heap.barrier(self.timeout_s, wait=not self.gpu)  # every replica gradient is written
         if self.gpu:
-            if len(sched.grad_tasks):
-                dev = sched.device
-                self._reduce_kernel((blocks or self.blocks,), (256,), (
-                    dev["grad_tasks"], dev["counts"][2:], dev["grad_srcs"], entry["grads"],
-                    self.heap.peer_bases))
+            tables = self.device_schedule
+            tables.compile_grads(plan)
+            self._reduce_kernel((blocks or self.blocks,), (256,), (
+                tables.grad_tasks, tables.grad_task_count, tables.grad_srcs, entry["grads"], self.heap.peer_bases))
         else:
-            run_grad_tasks(sched, self.heap, entry["grads"], self.spec.grad_dtype)
+            run_grad_tasks(self.schedule(plan), self.heap, entry["grads"], self.spec.grad_dtype)
         self.heap.barrier(self.timeout_s, wait=not self.gpu)  # replica gradient slots are free again
 
     def synchronize(self) -> None:
-        """Wait for the enqueued transfers; raise if a device-side wait timed out."""
+        """Wait for the enqueued transfers; raise if a device-side wait timed out or a plan
+        was refused (its transfers were skipped)."""
         if not self.gpu:
             return
         self.heap.check_barriers()
@@ -221,11 +224,13 @@ class WeightTransfer:
         if failed:
             self._status.fill(0)
             raise TransferTimeout(chunk_timeout_message(self.rank, slot, expected, seen, self.timeout_s))
+        refused = self.device_schedule.take_error()
+        if refused is not None:
+            raise ValueError(refused)
 
     def close(self) -> None:
-        """Drop registrations and schedules; the heap (owned by the caller) stays open."""
+        """Drop the layer registrations; the heap (owned by the caller) stays open."""
         self._layers.clear()
-        self._schedules.clear()
 
     def __enter__(self):
         return self

@@ -23,6 +23,9 @@ Relay trees: an expert with more replicas than ``relay_threshold`` sends to
 ``relay_count`` relays; each forwards every chunk to its leaves as soon as the chunk's
 flag is set. Relays and leaves are chosen greedily to even out the bytes each rank sends,
 hottest experts first, ties to the lowest index.
+
+This NumPy compiler is the CPU backend and the reference: on the GPU,
+``device_schedule`` writes the same tables, row for row, with ``raw_kernels/schedule.cu``.
 """
 
 from __future__ import annotations
@@ -44,17 +47,19 @@ class TileGeometry:
     tile_bytes: int
     chunk_tiles: int
     tiles: tuple = field(init=False)  # (tensor index, byte offset, nbytes) in expert order
+    grad_tiles: tuple = field(init=False)  # the same over the gradient tensors (their dtype may differ)
 
     def __post_init__(self):
         if self.tile_bytes <= 0 or self.tile_bytes % 256:
             raise ValueError(f"tile_bytes must be a positive multiple of 256, got {self.tile_bytes}")
         if self.chunk_tiles <= 0:
             raise ValueError(f"chunk_tiles must be positive, got {self.chunk_tiles}")
-        tiles = []
-        for t, tensor in enumerate(self.spec.weights):
-            for offset in range(0, tensor.nbytes, self.tile_bytes):
-                tiles.append((t, offset, min(self.tile_bytes, tensor.nbytes - offset)))
-        object.__setattr__(self, "tiles", tuple(tiles))
+        object.__setattr__(self, "tiles", self._cut(self.spec.weights))
+        object.__setattr__(self, "grad_tiles", self._cut(self.spec.grads))
+
+    def _cut(self, tensors) -> tuple:
+        return tuple((t, offset, min(self.tile_bytes, tensor.nbytes - offset))
+                     for t, tensor in enumerate(tensors) for offset in range(0, tensor.nbytes, self.tile_bytes))
 
     @property
     def num_chunks(self) -> int:
@@ -159,14 +164,12 @@ def compile_schedule(plan, spec: ExpertSpec, geometry: TileGeometry, placement: 
         replicas = instances(layout, log_to_phys, replica_count, e)
         if not replicas:
             continue
-        for t, tensor in enumerate(spec.grads):
-            for offset in range(0, tensor.nbytes, geometry.tile_bytes):
-                begin = len(grad_srcs)
-                for src_rank, src_slot in replicas:
-                    grad_srcs.append((src_rank, placement.grad_base + src_slot * spec.grad_slot_bytes
-                                      + spec.grad_offsets[t] + offset))
-                grad_tasks.append(((e - rank * M) * T + t, offset, min(geometry.tile_bytes, tensor.nbytes - offset),
-                                   begin, len(grad_srcs)))
+        for t, offset, nbytes in geometry.grad_tiles:
+            begin = len(grad_srcs)
+            for src_rank, src_slot in replicas:
+                grad_srcs.append((src_rank, placement.grad_base + src_slot * spec.grad_slot_bytes
+                                  + spec.grad_offsets[t] + offset))
+            grad_tasks.append(((e - rank * M) * T + t, offset, nbytes, begin, len(grad_srcs)))
     tile_table = [(t, offset, nbytes) for t, offset, nbytes in geometry.tiles]
     return Schedule(rank=rank,
                     weight_tasks=np.array(tasks, dtype=np.int64).reshape(-1, 7),

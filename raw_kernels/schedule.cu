@@ -1,0 +1,283 @@
+//! kernels: compile_weight_tasks, compile_grad_tasks
+// The transfer schedule compiled on the device: this rank's weight-sync and gradient
+// tasks for a plan, row for row what ultraep/transfer/schedule.py (compile_schedule, the
+// NumPy reference, whose docstring defines every field) produces -- relay trees
+// included -- written into tables preallocated at the largest size the layout allows.
+// The lengths go to counts[], where the transfer kernels read them: nothing returns to
+// the host.
+//
+// counts: [0] weight tasks, [1] destinations, [2] gradient tasks, [3] gradient sources;
+// [4] / [5] sticky error codes of the weight / gradient compile: e + 1 when expert e's
+// instances break the layout (count outside [1, K], a replica outside the redundant
+// slots), -1 when the tables would outgrow their capacity (a plan with two instances in
+// one slot or rank). A failed compile writes zero lengths, so its transfers do nothing.
+
+typedef long long i64;
+
+#define NO_BAD_EXPERT 0x7fffffff
+#define TABLES_OVERFLOW (-1)
+
+// 0 when expert e's instances fit the layout, else e + 1.
+__device__ __forceinline__ int check_expert(const int* log_to_phys, const int* replica_count, int e, int K,
+                                            int P, int M, int num_physical) {
+    const int count = replica_count[e];
+    if (count < 1 || count > K) return e + 1;
+    for (int i = 1; i < count; ++i) {
+        const int phys = log_to_phys[static_cast<i64>(e) * K + i];
+        if (phys < 0 || phys >= num_physical || phys % P < M) return e + 1;
+    }
+    return 0;
+}
+
+// Weight tasks and destinations, one block. In the reference's order: the global relay
+// decisions (every rank takes the same ones from the same plan), then this rank's
+// sources -- its replicated masters in expert order, then the relays it hosts in expert
+// order -- each with one task per chunk and its run of destination rows.
+//
+// tree (int32 [2][E][K], global scratch; rows of hot experts only): chosen[c] = the
+// replica index (0-based, instance - 1) of relay c; owner[i] = the relay position
+// serving replica i (a relay serves itself: chosen[owner[i]] == i).
+extern "C" __global__ void compile_weight_tasks(
+        const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int rank, int num_tensors,
+        i64 slot_bytes, int relay_threshold, int relay_count, int num_chunks, int chunk_tiles, int num_tiles,
+        i64 weight_base, i64 flag_base_slot, int max_tasks, int max_dests, int* tree, i64* tasks, i64* dests,
+        int* counts) {
+    const int M = E / R, P = M + S, tid = threadIdx.x;
+    extern __shared__ i64 shared[];
+    i64* sent = shared;                          // [R] weight bytes each rank sends
+    int* found = reinterpret_cast<int*>(sent + R);  // [E] hot experts as found
+    int* hot = found + E;                        // [E] hot experts, most replicas first, then by index
+    int* src_expert = hot + E;                   // [M + S] this rank's sources: the expert,
+    int* src_relay = src_expert + M + S;         // [M + S]   the relay position (-1: the master),
+    int* src_dest = src_relay + M + S;           // [M + S + 1] its first destination row
+    int* relay_expert = src_dest + M + S + 1;    // [S] relays hosted here with leaves, by expert
+    int* relay_position = relay_expert + S;      // [S]
+    int* relay_leaves = relay_position + S;      // [S]
+    __shared__ int hot_count, first_bad, num_sources;
+    int* chosen_rows = tree;
+    int* owner_rows = tree + static_cast<i64>(E) * K;
+
+    if (tid == 0) {
+        hot_count = 0;
+        first_bad = NO_BAD_EXPERT;
+    }
+    __syncthreads();
+    for (int r = tid; r < R; r += blockDim.x) {  // direct sends of experts below the relay threshold
+        i64 bytes = 0;
+        for (int m = 0; m < M; ++m) {
+            const int fanout = replica_count[r * M + m] - 1;
+            if (fanout >= 1 && fanout <= relay_threshold) bytes += fanout * slot_bytes;
+        }
+        sent[r] = bytes;
+    }
+    for (int e = tid; e < E; e += blockDim.x) {
+        if (check_expert(log_to_phys, replica_count, e, K, P, M, R * P)) atomicMin(&first_bad, e);
+        else if (replica_count[e] - 1 > relay_threshold) found[atomicAdd(&hot_count, 1)] = e;
+    }
+    __syncthreads();
+    if (first_bad != NO_BAD_EXPERT) {
+        if (tid == 0) {
+            counts[0] = counts[1] = 0;
+            counts[4] = first_bad + 1;
+        }
+        return;
+    }
+    const int H = hot_count;
+    for (int i = tid; i < H; i += blockDim.x) {  // rank in the order (-fanout, expert): found order is racy
+        const int e = found[i];
+        const i64 key = static_cast<i64>(K - replica_count[e]) * E + e;
+        int position = 0;
+        for (int j = 0; j < H; ++j)
+            position += static_cast<i64>(K - replica_count[found[j]]) * E + found[j] < key;
+        hot[position] = e;
+    }
+    __syncthreads();
+
+    if (tid == 0) {
+        // Relay trees, hottest first: each choice depends on the bytes sent so far.
+        int relays = 0;
+        bool overflow = false;
+        for (int h = 0; h < H; ++h) {
+            const int e = hot[h], n = replica_count[e] - 1, k = min(relay_count, n);
+            const int* replica = log_to_phys + static_cast<i64>(e) * K + 1;
+            int* chosen = chosen_rows + static_cast<i64>(e) * K;
+            int* owner = owner_rows + static_cast<i64>(e) * K;
+            for (int i = 0; i < n; ++i) owner[i] = -1;
+            for (int c = 0; c < k; ++c) {  // the k replicas whose ranks sent least, ties to the lower index
+                int best = -1;
+                i64 best_sent = 0;
+                for (int i = 0; i < n; ++i) {
+                    const i64 bytes = sent[replica[i] / P];
+                    if (owner[i] < 0 && (best < 0 || bytes < best_sent)) {
+                        best = i;
+                        best_sent = bytes;
+                    }
+                }
+                chosen[c] = best;
+                owner[best] = c;
+            }
+            sent[e / M] += k * slot_bytes;
+            for (int i = 0; i < n; ++i) {  // each leaf to the relay that sent least, ties to the earlier relay
+                if (owner[i] >= 0) continue;
+                int best = 0;
+                i64 best_sent = sent[replica[chosen[0]] / P];
+                for (int c = 1; c < k; ++c) {
+                    const i64 bytes = sent[replica[chosen[c]] / P];
+                    if (bytes < best_sent) {
+                        best = c;
+                        best_sent = bytes;
+                    }
+                }
+                owner[i] = best;
+                sent[replica[chosen[best]] / P] += slot_bytes;
+            }
+            for (int c = 0; c < k; ++c) {
+                if (replica[chosen[c]] / P != rank) continue;
+                int leaves = 0;
+                for (int i = 0; i < n; ++i) leaves += owner[i] == c && chosen[c] != i;
+                if (leaves == 0) continue;
+                if (relays == S) {
+                    overflow = true;
+                    break;
+                }
+                int at = relays++;  // insertion by expert: trees are visited hottest first
+                for (; at > 0 && relay_expert[at - 1] > e; --at) {
+                    relay_expert[at] = relay_expert[at - 1];
+                    relay_position[at] = relay_position[at - 1];
+                    relay_leaves[at] = relay_leaves[at - 1];
+                }
+                relay_expert[at] = e;
+                relay_position[at] = c;
+                relay_leaves[at] = leaves;
+            }
+        }
+        // This rank's sources and where each one's destination rows start.
+        int sources = 0, rows = 0;
+        for (int m = 0; m < M; ++m) {
+            const int e = rank * M + m, n = replica_count[e] - 1;
+            if (n < 1) continue;
+            src_expert[sources] = e;
+            src_relay[sources] = -1;
+            src_dest[sources++] = rows;
+            rows += n > relay_threshold ? min(relay_count, n) : n;
+        }
+        for (int j = 0; j < relays; ++j) {
+            src_expert[sources] = relay_expert[j];
+            src_relay[sources] = relay_position[j];
+            src_dest[sources++] = rows;
+            rows += relay_leaves[j];
+        }
+        src_dest[sources] = rows;
+        overflow |= static_cast<i64>(sources) * num_chunks > max_tasks || rows > max_dests;
+        num_sources = overflow ? 0 : sources;
+        counts[0] = overflow ? 0 : sources * num_chunks;
+        counts[1] = overflow ? 0 : rows;
+        if (overflow) counts[4] = TABLES_OVERFLOW;
+    }
+    __syncthreads();
+
+    const int num_tasks = num_sources * num_chunks;
+    for (int t = tid; t < num_tasks; t += blockDim.x) {
+        const int s = t / num_chunks, chunk = t % num_chunks, e = src_expert[s], c = src_relay[s];
+        i64 src_ref = static_cast<i64>(e - rank * M) * num_tensors, wait = -1;
+        if (c >= 0) {  // a relay forwards from its own replica slot once the chunk's flag is set
+            const int slot = log_to_phys[static_cast<i64>(e) * K + 1 + chosen_rows[static_cast<i64>(e) * K + c]] % P - M;
+            src_ref = static_cast<i64>(M + slot) * num_tensors;
+            wait = flag_base_slot + static_cast<i64>(slot) * num_chunks + chunk;
+        }
+        const int first = chunk * chunk_tiles;
+        i64* row = tasks + 7 * static_cast<i64>(t);
+        row[0] = src_ref;
+        row[1] = chunk;
+        row[2] = first;
+        row[3] = min(first + chunk_tiles, num_tiles);
+        row[4] = src_dest[s];
+        row[5] = src_dest[s + 1];
+        row[6] = wait;
+    }
+    for (int s = tid; s < num_sources; s += blockDim.x) {
+        const int e = src_expert[s], c = src_relay[s], n = replica_count[e] - 1;
+        const int* replica = log_to_phys + static_cast<i64>(e) * K + 1;
+        const int* chosen = chosen_rows + static_cast<i64>(e) * K;
+        const int* owner = owner_rows + static_cast<i64>(e) * K;
+        i64* row = dests + 3 * static_cast<i64>(src_dest[s]);
+        auto put = [&](int i) {
+            const int slot = replica[i] % P - M;
+            row[0] = replica[i] / P;
+            row[1] = weight_base + slot * slot_bytes;
+            row[2] = flag_base_slot + static_cast<i64>(slot) * num_chunks;
+            row += 3;
+        };
+        if (c >= 0) {  // a relay's leaves, in replica order
+            for (int i = 0; i < n; ++i)
+                if (owner[i] == c && chosen[c] != i) put(i);
+        } else if (n > relay_threshold) {  // a hot master sends to its relays only, in relay order
+            for (int r = 0; r < min(relay_count, n); ++r) put(chosen[r]);
+        } else {
+            for (int i = 0; i < n; ++i) put(i);
+        }
+    }
+}
+
+// Gradient tasks and their sources, grid-stride: one task per tile of each gradient
+// tensor of each replicated master (masters in expert order, then tensors, then tiles),
+// its sources the replicas' gradient tiles in replica order. Every block derives the
+// same small per-master prefix; block 0 publishes the lengths.
+//
+// grad_tensors (int64 [T][3]): first tile of the tensor within an expert's tile list,
+// offset in a gradient slot, bytes.
+extern "C" __global__ void compile_grad_tasks(
+        const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int rank, int num_tensors,
+        const i64* grad_tensors, int tiles_per_expert, i64 tile_bytes, i64 grad_base, i64 grad_slot_bytes,
+        int max_tasks, int max_srcs, i64* tasks, i64* srcs, int* counts) {
+    const int M = E / R, P = M + S;
+    extern __shared__ int master_table[];
+    int* replicated = master_table;     // [M] this rank's masters with replicas (local index), in order
+    int* src_first = replicated + M;    // [M + 1] replicas before each, summed over its predecessors
+    __shared__ int num_replicated;
+    if (threadIdx.x == 0) {
+        int count = 0, replicas = 0, code = 0;
+        for (int m = 0; m < M && code == 0; ++m) {
+            const int e = rank * M + m;
+            code = check_expert(log_to_phys, replica_count, e, K, P, M, R * P);
+            if (code == 0 && replica_count[e] > 1) {
+                replicated[count] = m;
+                src_first[count++] = replicas;
+                replicas += replica_count[e] - 1;
+            }
+        }
+        src_first[count] = replicas;
+        if (code == 0 && (static_cast<i64>(count) * tiles_per_expert > max_tasks ||
+                          static_cast<i64>(replicas) * tiles_per_expert > max_srcs))
+            code = TABLES_OVERFLOW;
+        num_replicated = code ? 0 : count;
+        if (blockIdx.x == 0) {
+            counts[2] = code ? 0 : count * tiles_per_expert;
+            counts[3] = code ? 0 : replicas * tiles_per_expert;
+            if (code) counts[5] = code;
+        }
+    }
+    __syncthreads();
+    const int num_tasks = num_replicated * tiles_per_expert;
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tasks; t += gridDim.x * blockDim.x) {
+        const int j = t / tiles_per_expert, tile = t % tiles_per_expert, m = replicated[j];
+        const int n = src_first[j + 1] - src_first[j];
+        int tensor = 0;
+        while (tensor + 1 < num_tensors && tile >= grad_tensors[3 * (tensor + 1)]) ++tensor;
+        const i64* shape = grad_tensors + 3 * tensor;
+        const i64 offset = (tile - shape[0]) * tile_bytes;
+        const i64 first = static_cast<i64>(src_first[j]) * tiles_per_expert + static_cast<i64>(tile) * n;
+        i64* row = tasks + 5 * static_cast<i64>(t);
+        row[0] = static_cast<i64>(m) * num_tensors + tensor;
+        row[1] = offset;
+        row[2] = min(tile_bytes, shape[2] - offset);
+        row[3] = first;
+        row[4] = first + n;
+        const int* replica = log_to_phys + static_cast<i64>(rank * M + m) * K + 1;
+        for (int i = 0; i < n; ++i) {
+            const int slot = replica[i] % P - M;
+            srcs[2 * (first + i)] = replica[i] / P;
+            srcs[2 * (first + i) + 1] = grad_base + slot * grad_slot_bytes + shape[1] + offset;
+        }
+    }
+}

@@ -1,0 +1,97 @@
+"""The NumPy task compiler (the CPU backend and the device compiler's reference): every
+replica is written exactly once, relay trees forward to every leaf, gradient tasks cover
+every replicated master in replica order, and no schedule outgrows the capacity the
+device tables are allocated with."""
+
+import numpy as np
+import pytest
+
+from tests.transfer.random_plans import random_plan
+from ultraep.planner import ExpertLayout
+from ultraep.transfer.device_schedule import COUNT_FIELDS, ScheduleCapacity
+from ultraep.transfer.schedule import HeapPlacement, TileGeometry, compile_schedule
+from ultraep.transfer.spec import ExpertSpec
+
+LAYOUTS = [ExpertLayout(4, 12, 2), ExpertLayout(8, 16, 3, 8, 8), ExpertLayout(8, 32, 2, 4), ExpertLayout(16, 64, 4),
+           ExpertLayout(1, 4, 2), ExpertLayout(2, 2, 0), ExpertLayout(32, 64, 2, 32, 32), ExpertLayout(16, 16, 1)]
+SPEC = ExpertSpec([("w_in", (24, 40), "bfloat16"), ("w_out", (40, 24), "bfloat16"), ("bias", (37,), "float32")],
+                  grad_dtype="float32")
+PLACEMENT = HeapPlacement(weight_base=4096, grad_base=1 << 20, flag_base_slot=17)
+
+
+def replica_slots(layout, plan, e):
+    P, M = layout.slots_per_rank, layout.experts_per_rank
+    return [(int(p) // P, int(p) % P - M) for p in plan.log_to_phys[e, 1:plan.replica_count[e]]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=repr)
+@pytest.mark.parametrize("threshold, relay_count", [(1, 1), (2, 2), (3, 2), (1, 3)])
+def test_every_replica_written_once_and_relays_serve_their_leaves(layout, threshold, relay_count):
+    rng = np.random.default_rng((layout.num_ranks, layout.num_experts, threshold, relay_count))
+    geometry = TileGeometry(SPEC, 512, 3)
+    P, M, T = layout.slots_per_rank, layout.experts_per_rank, len(SPEC.weights)
+    capacity = ScheduleCapacity.of(layout, geometry)
+    relayed = 0
+    for fill in (0.3, 0.7, 1.0, 1.0):
+        plan = random_plan(layout, rng, fill)
+        schedules = [compile_schedule(plan, SPEC, geometry, PLACEMENT, r, relay_threshold=threshold,
+                                      relay_count=relay_count) for r in range(layout.num_ranks)]
+        writes = {}  # (rank, slot) -> (writer rank, expert, waits for a chunk flag)
+        for sched in schedules:
+            for name in COUNT_FIELDS:
+                assert len(getattr(sched, name)) <= getattr(capacity, name), (name, capacity)
+            assert sched.relays == schedules[0].relays, "ranks disagree on the relay trees"
+            for src_ref, chunk, first, end, begin, stop, wait in sched.weight_tasks.tolist():
+                assert first == chunk * geometry.chunk_tiles and end == first + geometry.chunk_size(chunk)
+                relay = src_ref >= M * T
+                expert = (int(plan.phys_to_log[sched.rank * P + src_ref // T]) if relay
+                          else sched.rank * M + src_ref // T)
+                assert (wait >= 0) == relay
+                if chunk:
+                    continue
+                for dst_rank, offset, flag in sched.dests[begin:stop].tolist():
+                    slot = (offset - PLACEMENT.weight_base) // SPEC.weight_slot_bytes
+                    assert flag == PLACEMENT.flag_base_slot + slot * geometry.num_chunks
+                    assert (dst_rank, slot) not in writes, f"replica slot {(dst_rank, slot)} written twice"
+                    writes[(dst_rank, slot)] = (sched.rank, expert, relay)
+        expected = {slot: e for e in range(layout.num_experts) for slot in replica_slots(layout, plan, e)}
+        assert set(writes) == set(expected), "some replica is never written"
+        for slot, (writer, expert, relay) in writes.items():
+            assert expert == expected[slot]
+            replicas, master = replica_slots(layout, plan, expert), layout.master_rank(expert)
+            tree = schedules[0].relays.get(expert)
+            assert (tree is not None) == (len(replicas) > threshold)
+            if tree is None:
+                assert writer == master and not relay
+                continue
+            assert len(tree) == min(relay_count, len(replicas))
+            served_by = {replicas[leaf - 1]: replicas[r - 1][0] for r, leaves in tree for leaf in leaves}
+            if slot in served_by:
+                assert relay and writer == served_by[slot]
+                relayed += 1
+            else:
+                assert not relay and writer == master and slot in [replicas[r - 1] for r, _ in tree]
+        for sched in schedules:
+            check_grad_tasks(layout, plan, geometry, sched)
+    if layout.redundant_slots and layout.max_instances > 2 and threshold == 1 and relay_count == 1:
+        assert relayed, "no leaf was served by a relay: the relay checks proved nothing"
+
+
+def check_grad_tasks(layout, plan, geometry, sched):
+    M, T = layout.experts_per_rank, len(SPEC.grads)
+    want_tasks, want_srcs = [], []
+    for m in range(M):
+        replicas = replica_slots(layout, plan, sched.rank * M + m)
+        for t, offset, nbytes in (geometry.grad_tiles if replicas else ()):
+            want_tasks.append((m * T + t, offset, nbytes, len(want_srcs), len(want_srcs) + len(replicas)))
+            want_srcs += [(r, PLACEMENT.grad_base + s * SPEC.grad_slot_bytes + SPEC.grad_offsets[t] + offset)
+                          for r, s in replicas]
+    assert sched.grad_tasks.tolist() == [list(t) for t in want_tasks]
+    assert sched.grad_srcs.tolist() == [list(s) for s in want_srcs]
+
+
+def test_grad_tiles_cover_each_gradient_tensor():
+    geometry = TileGeometry(SPEC, 512, 2)
+    for t, grad in enumerate(SPEC.grads):
+        tiles = [(offset, nbytes) for tensor, offset, nbytes in geometry.grad_tiles if tensor == t]
+        assert sum(n for _, n in tiles) == grad.nbytes and [o for o, _ in tiles] == list(range(0, grad.nbytes, 512))

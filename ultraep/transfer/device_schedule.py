@@ -1,0 +1,157 @@
+"""The transfer schedule compiled on the device, by ``raw_kernels/schedule.cu``.
+
+For a plan whose arrays are on the device, the kernels write this rank's weight and
+gradient task tables -- row for row what :func:`~ultraep.transfer.schedule.compile_schedule`
+(the NumPy reference) produces, relay trees included -- into tables allocated once at
+the largest size the layout allows (:class:`ScheduleCapacity`), and the tables' lengths
+into device memory, where the transfer kernels read them. A weight sync or a gradient
+reduction therefore compiles its plan with one small kernel on the caller's stream: no
+host round trip, no allocation, and no cache that could go stale when a plan's buffers
+are rewritten in place (every call compiles what the plan holds at that point of the
+stream).
+
+A plan whose instances break the layout is refused on the device (its transfers do
+nothing) and reported by :meth:`DeviceSchedule.take_error`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ultraep.planner.plan import array_module
+from ultraep.transfer.schedule import HeapPlacement, TileGeometry
+from ultraep.transfer.spec import ExpertSpec
+
+COMPILE_THREADS = 256
+DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory without opting in
+MAX_SHARED_BYTES = 227 * 1024     # per block on sm_90
+COUNT_FIELDS = ("weight_tasks", "dests", "grad_tasks", "grad_srcs")  # counts[0:4]; [4], [5]: error codes
+TABLES_OVERFLOW = -1              # error code: a plan would outgrow the tables
+_INT32_ROWS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ScheduleCapacity:
+    """The most rows any rank's schedule can have, for plans that keep the layout's
+    invariants (at most one instance of an expert per rank, replicas in its domain)."""
+
+    weight_tasks: int
+    dests: int
+    grad_tasks: int
+    grad_srcs: int
+
+    @classmethod
+    def of(cls, layout, geometry: TileGeometry) -> "ScheduleCapacity":
+        M, S, K, D = layout.experts_per_rank, layout.redundant_slots, layout.max_instances, layout.domain_size
+        direct = min(M * (K - 1), (D - 1) * S)  # replicas of this rank's masters: on the domain's other ranks
+        replicated = min(M, direct)             # masters with at least one replica
+        leaves = S * max(K - 2, 0)              # a relay hosted here forwards to at most K - 2 leaves
+        tiles = len(geometry.grad_tiles)
+        return cls(weight_tasks=(replicated + S) * geometry.num_chunks, dests=direct + leaves,
+                   grad_tasks=replicated * tiles, grad_srcs=direct * tiles)
+
+
+class DeviceSchedule:
+    """This rank's task tables on the device; see the module docstring.
+
+    ``weight_tasks``, ``dests``, ``grad_tasks``, ``grad_srcs``: the tables (valid rows
+    first); ``counts``: ``int32[6]``, their lengths then the two error codes;
+    ``weight_task_count`` / ``grad_task_count``: one-element views the transfer kernels read.
+    """
+
+    def __init__(self, layout, spec: ExpertSpec, geometry: TileGeometry, placement: HeapPlacement, rank: int, *,
+                 relay_threshold: int, relay_count: int, group=None):
+        import cupy
+
+        from ultraep.runtime.kernels import get_function
+
+        R, E, S, K, M = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.max_instances,
+                         layout.experts_per_rank)
+        self.layout, self.rank = layout, int(rank)
+        self.capacity = capacity = ScheduleCapacity.of(layout, geometry)
+        if max(capacity.weight_tasks, capacity.dests, capacity.grad_tasks, capacity.grad_srcs) > _INT32_ROWS:
+            raise ValueError(f"schedule tables of {capacity} rows do not fit int32 counts; use larger tiles")
+        self.weight_tasks = cupy.empty((max(capacity.weight_tasks, 1), 7), np.int64)
+        self.dests = cupy.empty((max(capacity.dests, 1), 3), np.int64)
+        self.grad_tasks = cupy.empty((max(capacity.grad_tasks, 1), 5), np.int64)
+        self.grad_srcs = cupy.empty((max(capacity.grad_srcs, 1), 2), np.int64)
+        self.counts = cupy.zeros(len(COUNT_FIELDS) + 2, np.int32)
+        self.weight_task_count, self.grad_task_count = self.counts[0:1], self.counts[2:3]
+        self._staged = (cupy.empty((E, K), np.int32), cupy.empty(E, np.int32))  # a NumPy plan's arrays
+        self._weight_kernel = get_function("schedule.cu", "compile_weight_tasks", group=group)
+        self._grad_kernel = get_function("schedule.cu", "compile_grad_tasks", group=group)
+        # the carve-ups of dynamic shared memory in schedule.cu
+        self._weight_shared = 8 * R + 4 * (2 * E + 3 * (M + S) + 1 + 3 * S)
+        self._grad_shared = 4 * (2 * M + 1)
+        for kernel, nbytes in ((self._weight_kernel, self._weight_shared), (self._grad_kernel, self._grad_shared)):
+            if nbytes > MAX_SHARED_BYTES:
+                raise ValueError(f"the device schedule compiler needs {nbytes} bytes of shared memory for {layout} "
+                                 f"(at most {MAX_SHARED_BYTES})")
+            if nbytes > DEFAULT_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < nbytes:
+                kernel.max_dynamic_shared_size_bytes = nbytes
+        first_grad_tile = np.searchsorted([t for t, _, _ in geometry.grad_tiles], np.arange(len(spec.grads)))
+        self._grad_tensors = cupy.asarray(np.array(
+            [(first, offset, g.nbytes) for first, offset, g in zip(first_grad_tile, spec.grad_offsets, spec.grads)],
+            dtype=np.int64))
+        sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
+        self._grad_blocks = max(1, min(2 * sms, -(-capacity.grad_tasks // COMPILE_THREADS)))
+        layout_args = (np.int32(R), np.int32(E), np.int32(S), np.int32(K), np.int32(rank), np.int32(len(spec.weights)))
+        self._weight_args = layout_args + (
+            np.int64(spec.weight_slot_bytes), np.int32(relay_threshold), np.int32(max(1, relay_count)),
+            np.int32(geometry.num_chunks), np.int32(geometry.chunk_tiles), np.int32(len(geometry.tiles)),
+            np.int64(placement.weight_base), np.int64(placement.flag_base_slot), np.int32(capacity.weight_tasks),
+            np.int32(capacity.dests), cupy.empty(2 * E * K, np.int32), self.weight_tasks, self.dests, self.counts)
+        self._grad_args = layout_args + (
+            self._grad_tensors, np.int32(len(geometry.grad_tiles)), np.int64(geometry.tile_bytes),
+            np.int64(placement.grad_base), np.int64(spec.grad_slot_bytes), np.int32(capacity.grad_tasks),
+            np.int32(capacity.grad_srcs), self.grad_tasks, self.grad_srcs, self.counts)
+
+    def compile_weights(self, plan) -> None:
+        """Weight tasks and destinations of ``plan``, on the current stream."""
+        self._weight_kernel((1,), (COMPILE_THREADS,), self._plan_arrays(plan) + self._weight_args,
+                            shared_mem=self._weight_shared)
+
+    def compile_grads(self, plan) -> None:
+        """Gradient tasks and sources of ``plan``, on the current stream."""
+        self._grad_kernel((self._grad_blocks,), (COMPILE_THREADS,), self._plan_arrays(plan) + self._grad_args,
+                          shared_mem=self._grad_shared)
+
+    def _plan_arrays(self, plan) -> tuple:
+        """``(log_to_phys, replica_count)`` on the device. A NumPy plan is copied into
+        buffers kept for it, in stream order (a copy from pageable memory may wait for
+        the stream: device plans are the hot path)."""
+        import cupy
+
+        E, K = self.layout.num_experts, self.layout.max_instances
+        log_to_phys, replica_count = plan.log_to_phys, plan.replica_count
+        if array_module(replica_count) is np:
+            stream = cupy.cuda.get_current_stream()
+            for staged, host in zip(self._staged, (log_to_phys, replica_count)):
+                staged.set(np.ascontiguousarray(host, dtype=np.int32), stream=stream)
+            return self._staged
+        for name, array, shape in (("log_to_phys", log_to_phys, (E, K)), ("replica_count", replica_count, (E,))):
+            if array.dtype != np.int32 or array.shape != shape or not array.flags.c_contiguous:
+                raise ValueError(f"plan.{name}: expected a contiguous int32 array of shape {shape}, "
+                                 f"got {array.dtype} {array.shape}")
+        return log_to_phys, replica_count
+
+    def to_host(self) -> dict:
+        """The tables trimmed to their lengths, as NumPy arrays (synchronises)."""
+        counts = self.counts.get()
+        return {name: getattr(self, name)[:int(n)].get() for name, n in zip(COUNT_FIELDS, counts)}
+
+    def take_error(self) -> str | None:
+        """What the compiles since the last call refused, if anything (synchronises); clears it."""
+        codes = [int(code) for code in self.counts[len(COUNT_FIELDS):].get()]
+        if not any(codes):
+            return None
+        self.counts[len(COUNT_FIELDS):].fill(0)
+        code = next(c for c in codes if c)
+        if code == TABLES_OVERFLOW:
+            return (f"rank {self.rank}: a plan would outgrow this rank's transfer tables {self.capacity}: it puts two "
+                    "instances in one slot or on one rank; its transfers were skipped")
+        return (f"rank {self.rank}: the plan's instances of expert {code - 1} break {self.layout} (replica count "
+                f"outside [1, {self.layout.max_instances}] or a replica outside the redundant slots); its transfers "
+                "were skipped")
