@@ -91,7 +91,7 @@ def rows(name):
 
 
 def fmt(value, digits=2):
-    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else str(value)
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-" if value is None else str(value)
 
 
 for row in rows("weight-sync") or []:

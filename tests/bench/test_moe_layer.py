@@ -36,6 +36,15 @@ def test_skewed_routing_meets_the_target_and_differs_per_layer():
     assert not np.array_equal(first, second)
 
 
+def test_skewed_routing_tries_other_rankings_when_the_first_cannot_reach_the_target():
+    from ultraep.planner.traces import zipf_topk
+
+    args = bench.parse_args(["--tokens", "1024", "--top-k", "8", "--imbalance", "1.5"])
+    with pytest.raises(ValueError, match="unreachable"):
+        zipf_topk(4, 32, 8, 1024, 1.5, seed=0)  # the first ranking of layer 0
+    assert rank_imbalance(loads(bench.routing("none", 4, 32, layer=0, args=args), 32)) == pytest.approx(1.5, rel=0.01)
+
+
 def test_ideal_routing_refuses_pairs_not_divisible_by_the_experts():
     with pytest.raises(ValueError, match="divisible by the experts"):
         bench.routing("ideal", 4, 12, layer=0, args=bench.parse_args(TINY))
