@@ -6,9 +6,10 @@ Every rank routes ``tokens`` fp16 tokens top-k with Zipf-skewed experts tuned to
 target rank imbalance (``ultraep.planner.traces.zipf_topk``). Experts are two fp16
 matrices ``[hidden, ffn]`` and ``[ffn, hidden]``; gradients fp32. ``exposed_ms`` and
 ``moe_layer_ms`` are the whole group's window per call (first rank's start to the last
-rank's end, host and device); every exposed call plans anew, so it includes compiling
-the transfer schedule. The ``*_dev_ms`` columns are the Balancer's own CUDA-event (CPU:
-wall) stage times, medians over the calls. ``share`` = exposed / (exposed + layer).
+rank's end, host and device); every exposed call plans anew, and its weight sync
+compiles the plan's transfer tasks (on the device on the GPU). The ``*_dev_ms``
+columns are the Balancer's own CUDA-event (CPU: wall) stage times, medians over the
+calls. ``share`` = exposed / (exposed + layer).
 Several ranks on one GPU run time-sliced, so both times include the other ranks' work.
 The receive buffer holds 1.25x the mean rows (balanced routing stays near the mean).
 Started with one process, it relaunches itself on ``--ranks`` ranks under ``mpiexec``.

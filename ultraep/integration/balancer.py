@@ -37,13 +37,26 @@ Metrics: :meth:`stats` (imbalance before/after, replicas, bytes moved, stage tim
 liveness counter of plans the device completed), :meth:`save_trace` (the planner's
 trace format) and :func:`~ultraep.integration.stats.plot_rank_loads`.
 
-GPU: everything runs on the caller's stream (CuPy's current stream, the stream of a
-torch ``topk_ids``, or ``stream=``). After set-up, ``update`` allocates no device memory
-and, with ``sync_checks=False``, never waits for the device (unless the device is a
-whole ring behind); its records reach the host through pinned buffers. Not yet allocation- and sync-free: the first ``weight_sync`` of
-each plan compiles the transfer schedule on the host (``WeightTransfer.schedule`` reads
-the plan back and uploads task tables), and the CuPy ``reroute`` allocates its per-call
-count table (and an int32 copy of int64 ids).
+GPU hot path: everything runs on the caller's stream (CuPy's current stream, the stream
+of a torch ``topk_ids``, or ``stream=``), and once every ring slot has seen the largest
+top-k batch, ``update``, ``weight_sync``, ``reroute``, ``restore`` and ``reduce_grads``
+allocate no device memory and, with ``sync_checks=False``, never wait for the device:
+
+* ``update`` counts the ids (int32 or int64, read in place) into a preallocated row,
+  publishes it to every peer, enqueues a device-side heap barrier and plans into the
+  ring slot's own plan buffers; the arrays a record needs are copied to pinned host
+  memory asynchronously;
+* ``weight_sync`` / ``restore`` / ``reduce_grads`` compile the plan's transfer tasks on
+  the device (``transfer.device_schedule``) into tables allocated once, and launch the
+  transfer between device-side heap barriers;
+* ``reroute`` writes into the ring slot's output and count workspace, which are
+  reallocated only when a batch larger than any the slot has seen arrives.
+
+The host waits for the device only where it must read device results: an ``update``
+whose ring slot still holds a micro-batch the device has not finished planning (the
+device is a whole ring behind) waits for that plan before reading its record, and
+``stats``, ``save_trace`` and ``check`` synchronise. ``sync_checks=True`` adds host
+allgathers per call and, for top-k ids, one device read per ``update``.
 """
 
 from __future__ import annotations
@@ -96,6 +109,7 @@ class _RingSlot:
         self.liveness = 0  # CPU: plans completed when this one was (the GPU reads it from the mirror)
         self.clock = DeviceClock() if gpu else HostClock()
         self.buffers = self.mirror = None
+        self.reroute_out = self.reroute_workspace = None  # GPU: grown to the largest batch seen
         if gpu:
             import cupyx
 
@@ -340,9 +354,7 @@ class Balancer:
         out = entry.buffers
         plan_placement(self._gathered.local[buffer], self.layout, min_replica_tokens=self.min_replica_tokens,
                        backend="cupy", out=out)
-        # A new Plan object over the same buffers: WeightTransfer caches schedules per plan object.
-        entry.plan = Plan(layout=self.layout, imbalance_before=out.imbalance_before,
-                          imbalance_after=out.imbalance_after, **{n: getattr(out, n) for n in Plan.ARRAYS})
+        entry.plan = out  # the transfers compile from the buffers' contents in stream order: no staleness
         self._liveness_device += 1
         stream = cupy.cuda.get_current_stream().ptr
         for name, device_array in (("loads", out.loads), ("phys_to_log", out.phys_to_log),
@@ -391,7 +403,10 @@ class Balancer:
     def reroute(self, handle: BalanceHandle, topk_ids, *, out=None, stream=None):
         """Physical slot ids (int32, shaped like ``topk_ids``) for this rank's tokens:
         feed them to any dispatcher over ``layout.num_physical`` experts. ``topk_ids`` must
-        be the ids (or ids with the same per-expert counts) passed to :meth:`update`."""
+        be the ids (or ids with the same per-expert counts) passed to :meth:`update`.
+
+        On the GPU the result is, unless ``out`` is given, a view of the handle's ring-slot
+        buffer: valid until the next ``reroute`` of a handle in the same slot."""
         error, entry, ids = None, None, None
         try:
             self._check_open()
@@ -403,13 +418,29 @@ class Balancer:
         with self._stream(stream, topk_ids):
             entry.clock.start("reroute")
             try:
-                slots = reroute(ids, entry.plan, self.rank, out=out)
+                if self.gpu:
+                    out, workspace = self._reroute_buffers(entry, ids, out)
+                    slots = reroute(ids, entry.plan, self.rank, out=out, workspace=workspace)
+                else:
+                    slots = reroute(ids, entry.plan, self.rank, out=out)
                 error = None
             except ValueError as exc:  # e.g. the NumPy path names ids the plan has no room for
                 slots, error = None, BalancerError(f"rank {self.rank}: reroute: {exc}")
             entry.clock.stop("reroute")
         self._collective(error, "reroute")
         return slots
+
+    def _reroute_buffers(self, entry: _RingSlot, ids, out):
+        """``(out, workspace)`` for rerouting ``ids`` from the ring slot's buffers, reallocated
+        only when ``ids`` holds more entries than any batch before it in this slot."""
+        import cupy
+
+        from ultraep.planner.cuda import reroute_workspace_size
+        n = int(ids.size)
+        if entry.reroute_out is None or entry.reroute_out.size < n:
+            entry.reroute_out = cupy.empty(max(n, 1), np.int32)
+            entry.reroute_workspace = cupy.empty(reroute_workspace_size(self.layout, n), np.int32)
+        return (entry.reroute_out[:n].reshape(ids.shape) if out is None else out), entry.reroute_workspace
 
     def reduce_grads(self, handle: BalanceHandle, *, stream=None):
         """Collective: masters' gradients += their replicas' (replica order, fp32 accumulation).

@@ -1,6 +1,6 @@
 """Multi-rank Balancer check, run under mpiexec by tests/integration/test_balancer.py.
 
-Usage: python -m mpi4py balancer_check.py {cpu|cuda} {flow|pipeline|bad-input} [out dir]
+Usage: python -m mpi4py balancer_check.py {cpu|cuda} {flow|pipeline|bad-input|hot-path} [out dir]
 
 Every rank's top-k ids, master weights and replica gradients are seeded functions of
 (layer, micro-batch, rank, expert), so each rank computes the gathered loads, the plan,
@@ -8,6 +8,8 @@ the replica contents and the reduced gradients it must see without asking anyone
 """
 
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -238,4 +240,138 @@ def bad_input():
     print(f"[bad-input] rank {me} OK", flush=True)
 
 
-{"flow": flow, "pipeline": pipeline, "bad-input": bad_input}[check]()
+GATE_TIMEOUT_S = 60.0
+GATE_SOURCE = r"""
+extern "C" __global__ void gate(const volatile int* open, unsigned long long timeout_ns, int* timed_out) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    while (!*open) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > timeout_ns) { *timed_out = 1; return; }
+        __nanosleep(1000);
+    }
+}
+"""
+
+
+def hot_path():
+    """GPU, sync_checks=False. A warm-up uses every ring slot once (two layers, two
+    micro-batches in flight). Then, while a gate kernel holds this rank's stream closed,
+    two more micro-batches run update -> weight_sync -> reroute -> restore -> reduce_grads
+    (1F1B-like: both forwards, then both backwards; each ring slot reused once). The host
+    must finish enqueuing all of it with the gate still closed -- a call that waited for
+    the device (a stream, event or device synchronisation, a .get()) would have waited
+    for the gate -- and without one CuPy memory-pool allocation. The gate then opens and
+    every result is checked against the NumPy references."""
+    import cupy
+    import cupyx
+    from cupy.cuda import memory_hook
+
+    class PoolAllocations(memory_hook.MemoryHook):
+        name = "PoolAllocations"
+
+        def __init__(self):
+            self.stacks = []
+
+        def malloc_preprocess(self, **kwargs):
+            self.stacks.append("".join(traceback.format_stack(limit=12)))
+
+    layers, in_flight, warm, gated = 2, 2, (0, 1), (2, 3)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    gate = cupy.RawKernel(GATE_SOURCE, "gate")
+    with stream, Balancer(group, LAYOUT, SPEC, num_layers=layers, min_replica_tokens=MIN_REPLICA,
+                          max_in_flight=in_flight, backend="cuda", sync_checks=False) as bal:
+        model = Model(bal, range(layers))
+        warm_handles = {(layer, step): model.forward(layer, step) for step in warm for layer in range(layers)}
+        for step in warm:
+            for layer in reversed(range(layers)):
+                handle, plan = warm_handles[(layer, step)]
+                model.backward(handle, layer, step, plan)
+        # Everything the gated part reads is staged on the device first, so the "framework"
+        # side allocates nothing either.
+        want = {(layer, step): expected_plan(layer, step) for step in gated for layer in range(layers)}
+        ids = {key: xp.asarray(routing(*key, me)) for key in want}
+        master_grads = {key: [[xp.asarray(g) for g in grads_of(*key, me * M + m, me)] for m in range(M)] for key in want}
+        replica_grads, results = {}, {}
+        for (layer, step), plan in want.items():
+            local = plan.phys_to_log[me * (M + S) + M:(me + 1) * (M + S)]
+            replica_grads[(layer, step)] = {s: [xp.asarray(g) for g in grads_of(layer, step, int(e), me)]
+                                            for s, e in enumerate(local) if e >= 0}
+            results[(layer, step)] = [[xp.empty(g.shape, np.float32) for g in SPEC.grads] for _ in range(M)]
+        opened, timed_out = cupyx.empty_pinned(1, np.int32), xp.zeros(1, np.int32)
+        opened[0] = 1
+        gate((1,), (32,), (np.uint64(opened.ctypes.data), np.uint64(GATE_TIMEOUT_S * 1e9), timed_out))  # compile
+        after_gate = cupy.cuda.Event()
+        stream.synchronize()
+        bal.check()
+
+        opened[0] = 0
+        gate((1,), (32,), (np.uint64(opened.ctypes.data), np.uint64(GATE_TIMEOUT_S * 1e9), timed_out))
+        after_gate.record(stream)
+        hook, call_times, handles, slots = PoolAllocations(), [], {}, {}
+
+        def timed(what, fn, *args):
+            start = time.perf_counter()
+            result = fn(*args)
+            call_times.append((time.perf_counter() - start, what))
+            return result
+
+        enqueue_start = time.perf_counter()
+        with hook:
+            for step in gated:
+                for layer in range(layers):
+                    handle = handles[(layer, step)] = timed(f"update({layer}, {step})", bal.update, layer,
+                                                            ids[(layer, step)])
+                    timed(f"weight_sync({layer}, {step})", bal.weight_sync, handle)
+                    slots[(layer, step)] = timed(f"reroute({layer}, {step})", bal.reroute, handle, ids[(layer, step)])
+            for step in gated:
+                for layer in reversed(range(layers)):
+                    key, handle = (layer, step), handles[(layer, step)]
+                    timed(f"restore({layer}, {step})", bal.restore, handle)
+                    views = timed(f"replica_grads({layer}, {step})", bal.replica_grads, handle)
+                    for s, values in replica_grads[key].items():
+                        for dst, value in zip(views[s], values):
+                            dst[...] = value
+                    for m in range(M):
+                        for t in range(len(SPEC.grads)):
+                            model.grads[layer][m][t][...] = master_grads[key][m][t]
+                    timed(f"reduce_grads({layer}, {step})", bal.reduce_grads, handle)
+                    for m in range(M):
+                        for t in range(len(SPEC.grads)):
+                            results[key][m][t][...] = model.grads[layer][m][t]
+        enqueue_s = time.perf_counter() - enqueue_start
+        gate_closed = not after_gate.done
+        opened[0] = 1
+        stream.synchronize()
+        bal.check()
+        slowest = max(call_times)
+        assert gate_closed and not int(timed_out[0]), (
+            f"rank {me}: the device ran past the gate before the host had enqueued the hot path "
+            f"({enqueue_s:.3f} s; slowest call {slowest[1]}: {slowest[0]:.3f} s): a call waited for the device")
+        assert not hook.stacks, (f"rank {me}: {len(hook.stacks)} CuPy pool allocation(s) on the hot path; "
+                                 f"the first:\n{hook.stacks[0]}")
+
+        for (layer, step), plan in want.items():
+            got = host(slots[(layer, step)])
+            assert np.array_equal(got, reroute(routing(layer, step, me), plan, me)), f"rank {me}: reroute {layer, step}"
+            for m in range(M):
+                e = me * M + m
+                hosts = [int(p) // (M + S) for p in plan.log_to_phys[e, 1:plan.replica_count[e]]]
+                for t in range(len(SPEC.grads)):
+                    ref = reference_reduce(grads_of(layer, step, e, me)[t],
+                                           [grads_of(layer, step, e, r)[t] for r in hosts])
+                    assert np.array_equal(host(results[(layer, step)][m][t]), ref), f"rank {me}: grad {layer, step, e}"
+        last = (0, gated[-1])
+        model.check_replicas(handles[last], last[0], want[last])
+        stats = bal.stats()
+        assert stats.updates == stats.liveness == layers * (len(warm) + len(gated)), stats.summary()
+        replicated = sum(plan.slots_used for plan in want.values())
+        assert replicated > 0, "the gated micro-batches replicated nothing: the transfers were not exercised"
+        calls = len(call_times)
+    if me == 0:
+        print(f"hot path: {calls} Balancer calls enqueued in {enqueue_s * 1e3:.1f} ms behind a closed gate "
+              f"(slowest {slowest[1]} {slowest[0] * 1e3:.2f} ms), 0 pool allocations, {replicated} replicas", flush=True)
+    print(f"[hot-path] rank {me} OK", flush=True)
+
+
+{"flow": flow, "pipeline": pipeline, "bad-input": bad_input, "hot-path": hot_path}[check]()
