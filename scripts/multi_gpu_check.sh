@@ -9,6 +9,7 @@
 #   ULTRAEP_GIT_COMMIT=<sha> bash scripts/multi_gpu_check.sh
 #   CHECK_SIZE=small          small benchmark sizes (the one-GPU dry run fits in about 2 minutes)
 #   GPU_TESTS="tests ..."     pytest arguments for the GPU tests (default: tests)
+#   TESTS_TIMEOUT_S=300 BENCH_TIMEOUT_S=90   caps, so the whole run fits one 600 s device call
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/out}
@@ -48,7 +49,7 @@ status=0
 # Install and the GPU tests: scripts/gpu_check.sh without its benchmarks (machine.txt,
 # install.log, gpu-tests.log). Test scripts start their own rank counts (2 or 4); ranks
 # map to GPUs local_rank % count, so with 4+ GPUs every test rank has its own GPU.
-timeout "${TESTS_TIMEOUT_S:-360}" env GPU_BENCHES= GPU_TESTS="${GPU_TESTS:-tests}" bash scripts/gpu_check.sh || status=1
+timeout "${TESTS_TIMEOUT_S:-300}" env GPU_BENCHES= GPU_TESTS="${GPU_TESTS:-tests}" bash scripts/gpu_check.sh || status=1
 { echo "mode: $MODE"; nvidia-smi topo -m; env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)='; } \
   >> "$OUT/machine.txt" 2>&1
 
@@ -56,7 +57,7 @@ bench() {  # name, args...: one benchmark, its table into bench.log, JSON into $
   local name=$1
   shift
   echo "== bench $name $*" | tee -a "$OUT/bench.log"
-  timeout "${BENCH_TIMEOUT_S:-240}" $PY -m ultraep.bench "$name" "$@" --json "$OUT/bench-$name.json" 2>&1 \
+  timeout "${BENCH_TIMEOUT_S:-90}" $PY -m ultraep.bench "$name" "$@" --json "$OUT/bench-$name.json" 2>&1 \
     | tee -a "$OUT/bench.log" || status=1
 }
 # shellcheck disable=SC2086  # the argument strings split into words on purpose
@@ -94,14 +95,19 @@ def fmt(value, digits=2):
     return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-" if value is None else str(value)
 
 
+def versus(ratio, rate, what):
+    """'x1.23 <what> (456 GB/s)', or what was not run and why."""
+    return f"{what} {rate}" if isinstance(rate, str) else f"x{fmt(ratio)} {what} ({fmt(rate, 0)} GB/s)"
+
+
 for row in rows("weight-sync") or []:
     print(f"  fan-out {row['fanout']}: tile {fmt(row['tile_gb_s'], 0)} GB/s, x{fmt(row['tile_vs_memcpy'])} memcpy/replica, "
-          f"x{fmt(row['tile_vs_nccl'])} NCCL batch_isend_irecv ({fmt(row['nccl_gb_s'], 0)} GB/s), "
+          f"{versus(row['tile_vs_nccl'], row['nccl_gb_s'], 'NCCL batch_isend_irecv')}, "
           f"relay ({row.get('relays')} relays) x{fmt(row.get('relay_vs_direct'))} direct")
 for row in rows("dispatch") or []:
     print(f"  {row['tokens']} tokens x {row['hidden']}: dispatch {fmt(row['dispatch_GBps'], 0)} GB/s, "
-          f"combine {fmt(row['combine_GBps'], 0)} GB/s; vs all_to_all_single: dispatch x{fmt(row['dispatch/a2a'])}, "
-          f"combine x{fmt(row['combine/a2a'])} (a2a {fmt(row['a2a_GBps'], 0)} GB/s)")
+          f"combine {fmt(row['combine_GBps'], 0)} GB/s; dispatch "
+          f"{versus(row['dispatch/a2a'], row['a2a_GBps'], 'all_to_all_single')}, combine x{fmt(row['combine/a2a'])}")
 for row in rows("moe-layer") or []:
     print(f"  {row['policy']:8s} {fmt(row['tokens_per_s'], 0)} tokens/s, {fmt(100 * row['vs_ideal'], 1)} % of ideal, "
           f"busiest rank {fmt(row['rows_max_mean'], 3)} x mean rows")
