@@ -309,6 +309,10 @@ def hot_path():
         gate((1,), (32,), (np.uint64(opened.ctypes.data), np.uint64(GATE_TIMEOUT_S * 1e9), timed_out))
         after_gate.record(stream)
         hook, call_times, handles, slots = PoolAllocations(), [], {}, {}
+        with hook:  # the hook must see an allocation, or its silence below would prove nothing
+            xp.empty(1, np.int8)
+        assert len(hook.stacks) == 1, f"rank {me}: the pool hook missed a control allocation"
+        hook.stacks.clear()
 
         def timed(what, fn, *args):
             start = time.perf_counter()
