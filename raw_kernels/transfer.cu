@@ -11,93 +11,250 @@
 
 typedef long long i64;
 
-#define SYNC_THREADS 512
-#define VECTORS_PER_THREAD 4   // 512 threads x 4 x 16 B = 32 KiB: the largest tile
+#define SYNC_THREADS 96       // warp 0 loads tiles into shared memory, warp 1 stores them out, warp 2 counts them
+#define MAX_STAGES 8          // shared-memory tiles per block; the launch picks how many (>= 2)
+#define MAX_TENSORS 8         // tensors per expert (host-checked)
+#define MAX_DESTS 128         // destinations of one source: replicas of an expert within a domain (host-checked)
 #define FLAG_WRITER_BITS 16
+#define SYNC_READ_LAG 1       // tiles whose stores may still be reading their stage (< stages)
+#define SYNC_WRITE_LAG 2      // tiles whose stores may still be landing before they are handed to the counting warp
+#define HANDOFF 8             // storing -> counting warp ring (> SYNC_WRITE_LAG)
 
-// One tile held in registers: each thread its 16-byte vectors plus at most one tail byte.
-struct TileRegs {
-    uint4 v[VECTORS_PER_THREAD];
-    unsigned char tail;
+// -- Hopper bulk copy engine and shared-memory barriers (PTX ISA 8.0, sm_90) -------------
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void barrier_init(u64* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+// Waits for the phase of parity `use & 1`, i.e. the barrier's use-th completion (0-based).
+// Intra-block only: every arrive it waits for comes from this block, never from a peer.
+__device__ __forceinline__ void barrier_wait(u64* bar, int use) {
+    unsigned done;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(smem_addr(bar)), "r"(use & 1) : "memory");
+    } while (!done);
+}
+// Arrive once and expect `bytes` from the bulk engine: the phase completes when both happened.
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, unsigned bytes, u64* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(smem_dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, unsigned bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 :: "l"(dst), "r"(smem_addr(smem_src)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void bulk_wait_read() {  // all but N groups have read shared memory
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void bulk_wait_done() {  // all but N groups have written global memory
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+// Orders the bulk engine's global accesses (async proxy) with ordinary loads/stores and flags.
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+__device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void store_relaxed_sys(u64* addr, u64 value) {  // after a fence: a release pattern
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(addr), "l"(value) : "memory");
+}
+
+// One tile, handed from the loading warp to the storing warp (and on to the counting warp).
+struct TileJob {
+    u64 src;                // the tile in its source tensor
+    i64 within_slot;        // where it lands inside a replica slot
+    int task, chunk, chunk_tiles;  // task < 0: no more tiles
+    int block_tiles;        // tiles of this chunk in this block's share: counted at once
+    int dest_begin, dest_end;
+    int bulk_bytes;         // [0, bulk_bytes) goes through shared memory by the bulk engine
+    int nbytes;             // [bulk_bytes, nbytes): a tail under 16 B or an unaligned source, copied by lanes
 };
 
-__device__ __forceinline__ void load_tile(TileRegs& r, const unsigned char* src, i64 nbytes) {
-    const i64 vectors = nbytes / 16;
-#pragma unroll
-    for (int k = 0; k < VECTORS_PER_THREAD; ++k) {
-        const i64 v = threadIdx.x + static_cast<i64>(k) * SYNC_THREADS;
-        if (v < vectors) r.v[k] = __ldcg(reinterpret_cast<const uint4*>(src) + v);  // L2: relays read fresh data
-    }
-    const i64 tail = vectors * 16 + threadIdx.x;
-    if (tail < nbytes) r.tail = __ldcg(src + tail);
-}
-
-__device__ __forceinline__ void store_tile(const TileRegs& r, unsigned char* dst, i64 nbytes) {
-    const i64 vectors = nbytes / 16;
-#pragma unroll
-    for (int k = 0; k < VECTORS_PER_THREAD; ++k) {
-        const i64 v = threadIdx.x + static_cast<i64>(k) * SYNC_THREADS;
-        if (v < vectors) reinterpret_cast<uint4*>(dst)[v] = r.v[k];
-    }
-    const i64 tail = vectors * 16 + threadIdx.x;
-    if (tail < nbytes) dst[tail] = r.tail;
-}
-
-#define MAX_TENSORS 8   // tensors per expert (host-checked)
-#define MAX_DESTS 128    // destinations of one source: replicas of an expert within a domain (host-checked)
-
-// Everything a block needs about its current task, staged in shared memory so the tile
-// loop issues no dependent global loads besides the data itself.
-struct TaskState {
-    i64 task[7];
-    u64 src[MAX_TENSORS];                 // this source's tensor base pointers
-    unsigned char* dst[MAX_DESTS];        // destination replica-slot bases (peer pointers)
-    i64 flag[MAX_DESTS];                  // signal-pad slot of each destination's chunk 0
-    i64 first_tile[MAX_TENSORS + 1];      // expert tile index where each tensor starts
+struct SyncShared {
+    u64 posted[MAX_STAGES];   // the stage's job is written (its tile may still be landing)
+    u64 full[MAX_STAGES];     // the stage's tile has landed
+    u64 empty[MAX_STAGES];    // the stage's stores have read it
+    u64 landed[HANDOFF];      // the entry's stores are complete
+    u64 taken[HANDOFF];       // the counting warp has read the entry
+    TileJob job[MAX_STAGES];
+    TileJob handoff[HANDOFF];
+    unsigned char* dst[MAX_DESTS];     // replica-slot bases of the storing warp's current task
+    i64 first_tile[MAX_TENSORS];       // expert tile index where each tensor starts
     i64 tensor_bytes[MAX_TENSORS];
-    i64 slot_offset[MAX_TENSORS];         // where each tensor starts inside a replica slot
-    int abort;
+    i64 slot_offset[MAX_TENSORS];      // where each tensor starts inside a replica slot
 };
 
-// Tile k of the expert: its tensor, byte offset and size, from the per-tensor table.
-__device__ __forceinline__ void locate_tile(const TaskState& s, int num_tensors, i64 tile_bytes, i64 k,
-                                            int& tensor, i64& offset, i64& nbytes) {
-    tensor = 0;
-    for (int t = 1; t < num_tensors; ++t) tensor += k >= s.first_tile[t];
-    offset = (k - s.first_tile[tensor]) * tile_bytes;
-    nbytes = min(tile_bytes, s.tensor_bytes[tensor] - offset);
+// A relay's chunk flag (in its own signal pad) reached this epoch; false after the timeout,
+// recorded as (1, flag slot, expected epoch, seen) in status.
+__device__ bool wait_chunk_flag(const u64* pad, i64 slot, u64 epoch, u64 timeout_ns, u64* status) {
+    const u64 start = global_timer_ns();
+    u64 seen;
+    while (((seen = load_acquire_sys(pad + slot)) >> FLAG_WRITER_BITS) < epoch) {
+        if (global_timer_ns() - start > timeout_ns) {
+            if (atomicCAS(reinterpret_cast<u64*>(status), 0ull, 1ull) == 0ull) {
+                status[1] = static_cast<u64>(slot);
+                status[2] = epoch;
+                status[3] = seen;
+            }
+            return false;
+        }
+        __nanosleep(200);
+    }
+    fence_async_global();  // the bulk engine reads the chunk only after its flag
+    return true;
 }
 
-// Loads tile k and stores tile prev_k (loaded one step earlier) to every destination, so
-// one tile's loads are in flight while the previous tile's stores drain.
-__device__ __forceinline__ void stream_tile(const TaskState& s, int num_tensors, i64 tile_bytes, i64 k,
-                                            TileRegs& store_regs, TileRegs& load_regs, i64 prev_k) {
-    int tensor;
-    i64 offset, nbytes;
-    if (k < s.task[3]) {
-        locate_tile(s, num_tensors, tile_bytes, k, tensor, offset, nbytes);
-        load_tile(load_regs, reinterpret_cast<const unsigned char*>(s.src[tensor] + offset), nbytes);
+// Loading warp, one thread: this block's contiguous share of the tile items (item = task *
+// chunk_tiles + tile within the chunk; equal shares, so no atomics and no waiting for the
+// next index), each tile's bulk load started into the next free stage; then an end marker.
+__device__ void load_tiles(SyncShared& s, unsigned char* tiles, int stages, const i64* tasks, int num_items,
+                           int chunk_tiles, int num_tensors, i64 tile_bytes, const u64* src_ptrs, const u64* peer_bases,
+                           int rank, u64 epoch, u64 timeout_ns, u64* status) {
+    const int share = num_items / gridDim.x, extra = num_items % gridDim.x;
+    const int first = blockIdx.x * share + min(static_cast<int>(blockIdx.x), extra);
+    const int last = first + share + (static_cast<int>(blockIdx.x) < extra);
+    int filled = 0, task_id = -1, block_tiles = 0;
+    bool ready = false;  // the current task's chunk is there to be read (a relay waits for its flag)
+    i64 task[7];
+    for (int item = first; item < last; ++item) {
+        if (item / chunk_tiles != task_id) {
+            task_id = item / chunk_tiles;
+            for (int f = 0; f < 7; ++f) task[f] = __ldg(tasks + 7 * static_cast<i64>(task_id) + f);
+            ready = task[6] < 0;
+            const int chunk_item = task_id * chunk_tiles;
+            block_tiles = min(last, chunk_item + static_cast<int>(task[3] - task[2])) - max(first, chunk_item);
+        }
+        const i64 k = task[2] + item % chunk_tiles;
+        if (k >= task[3]) continue;  // the chunk has fewer tiles (an expert's last chunk)
+        if (!ready && !(ready = wait_chunk_flag(reinterpret_cast<const u64*>(peer_bases[rank]), task[6], epoch,
+                                                timeout_ns, status)))
+            break;
+        int tensor = 0;
+        for (int t = 1; t < num_tensors; ++t) tensor += k >= s.first_tile[t];
+        const i64 offset = (k - s.first_tile[tensor]) * tile_bytes;
+        const int nbytes = static_cast<int>(min(tile_bytes, s.tensor_bytes[tensor] - offset));
+        const u64 src = __ldg(src_ptrs + task[0] + tensor) + offset;
+        const int stage = filled % stages;
+        if (filled >= stages) barrier_wait(&s.empty[stage], filled / stages - 1);
+        const int bulk_bytes = src % 16 ? 0 : nbytes & ~15;
+        s.job[stage] = TileJob{src, s.slot_offset[tensor] + offset, task_id, static_cast<int>(task[1]),
+                               static_cast<int>(task[3] - task[2]), block_tiles, static_cast<int>(task[4]),
+                               static_cast<int>(task[5]), bulk_bytes, nbytes};
+        barrier_arrive(&s.posted[stage]);
+        if (bulk_bytes) bulk_load(tiles + stage * tile_bytes, reinterpret_cast<const void*>(src), bulk_bytes, &s.full[stage]);
+        else barrier_arrive(&s.full[stage]);
+        ++filled;
     }
-    if (prev_k >= s.task[2]) {
-        locate_tile(s, num_tensors, tile_bytes, prev_k, tensor, offset, nbytes);
-        const i64 within_slot = s.slot_offset[tensor] + offset;
-        const int num_dests = static_cast<int>(s.task[5] - s.task[4]);
-        for (int d = 0; d < num_dests; ++d) store_tile(store_regs, s.dst[d] + within_slot, nbytes);
+    const int stage = filled % stages;
+    if (filled >= stages) barrier_wait(&s.empty[stage], filled / stages - 1);
+    s.job[stage].task = -1;
+    barrier_arrive(&s.posted[stage]);
+    barrier_arrive(&s.full[stage]);
+}
+
+// Storing warp -> counting warp: entry n of the ring (its slot is free once entry n - HANDOFF was taken).
+__device__ __forceinline__ void hand_over(SyncShared& s, int n, const TileJob& job) {
+    if (n >= HANDOFF) barrier_wait(&s.taken[n % HANDOFF], n / HANDOFF - 1);
+    s.handoff[n % HANDOFF] = job;
+}
+
+// Storing warp: each tile goes from its stage to every destination by bulk stores (lane 0),
+// tails by all lanes. A stage is handed back once SYNC_READ_LAG newer tiles were issued and
+// its stores have read it; a tile goes to the counting warp once its writes are complete,
+// so no fence ever waits here for the bulk engine's stores in flight.
+__device__ void store_tiles(SyncShared& s, const unsigned char* tiles, int stages, i64 tile_bytes, const i64* dests,
+                            const u64* peer_bases) {
+    const int lane = threadIdx.x % 32;
+    int dst_task = -1, issued = 0, released = 0, landed = 0;
+    for (;; ++issued) {
+        const int stage = issued % stages;
+        barrier_wait(&s.posted[stage], issued / stages);  // destinations are looked up while the tile lands
+        const TileJob job = s.job[stage];
+        if (job.task < 0) break;
+        const int num_dests = job.dest_end - job.dest_begin;
+        if (job.task != dst_task) {
+            for (int d = lane; d < num_dests; d += 32) {
+                const i64* dest = dests + 3 * static_cast<i64>(job.dest_begin + d);
+                s.dst[d] = reinterpret_cast<unsigned char*>(__ldg(peer_bases + __ldg(dest)) + __ldg(dest + 1));
+            }
+            dst_task = job.task;
+            __syncwarp();
+        }
+        barrier_wait(&s.full[stage], issued / stages);
+        if (lane == 0) {
+            for (int d = 0; d < num_dests && job.bulk_bytes; ++d)
+                bulk_store(s.dst[d] + job.within_slot, tiles + stage * tile_bytes, job.bulk_bytes);
+            bulk_commit();
+            hand_over(s, issued, job);
+        }
+        if (job.bulk_bytes < job.nbytes) {
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(job.src);
+            for (int d = 0; d < num_dests; ++d)
+                for (int b = job.bulk_bytes + lane; b < job.nbytes; b += 32) s.dst[d][job.within_slot + b] = __ldcg(src + b);
+        }
+        __syncwarp();
+        if (lane == 0) {
+            bulk_wait_read<SYNC_READ_LAG>();
+            for (; released <= issued - SYNC_READ_LAG; ++released) barrier_arrive(&s.empty[released % stages]);
+            if (issued - landed >= SYNC_WRITE_LAG) {
+                bulk_wait_done<SYNC_WRITE_LAG>();
+                fence_async_global();
+                for (; landed <= issued - SYNC_WRITE_LAG; ++landed) barrier_arrive(&s.landed[landed % HANDOFF]);
+            }
+        }
+    }
+    if (lane == 0) {
+        bulk_wait_done<0>();
+        fence_async_global();
+        for (; landed < issued; ++landed) barrier_arrive(&s.landed[landed % HANDOFF]);
+        hand_over(s, issued, TileJob{0, 0, -1});
+        barrier_arrive(&s.landed[issued % HANDOFF]);
     }
 }
 
-// Persistent weight sync. Blocks pull tasks (one chunk of one source each) in list order
-// from *next_task, streaming the chunk's tiles through two register buffers (every thread
-// stores exactly the bytes it loaded, so no exchange through shared memory is needed) to
-// every destination; then one system fence and the chunk flag at each destination. A
-// relay task first waits (with a timeout) for its own chunk flag. On a timeout the kernel
-// records (1, flag slot, expected epoch, seen) in status and stops.
+// Counting warp, one thread: each stored tile (its writes complete; lanes' tail stores are
+// ordered by the warp barrier before the hand-over) counts toward its chunk in
+// done[task]; the block that counts a chunk's last tile resets the counter and publishes
+// the chunk flag at every destination.
+__device__ void count_tiles(SyncShared& s, const i64* dests, const u64* peer_bases, int* done, u64 flag_value) {
+    int run = 0;
+    for (int n = 0;; ++n) {
+        barrier_wait(&s.landed[n % HANDOFF], n / HANDOFF);
+        const TileJob job = s.handoff[n % HANDOFF];
+        barrier_arrive(&s.taken[n % HANDOFF]);
+        if (job.task < 0) return;
+        if (++run < job.block_tiles) continue;  // this block's tiles of a chunk are consecutive: count them at once
+        const int add = run;
+        run = 0;
+        fence_gpu();
+        if (atomicAdd(done + job.task, add) + add != job.chunk_tiles) continue;
+        done[job.task] = 0;
+        fence_sys();  // every block's tiles of this chunk before its flags
+        for (int d = job.dest_begin; d < job.dest_end; ++d) {
+            const i64* dest = dests + 3 * static_cast<i64>(d);
+            store_relaxed_sys(reinterpret_cast<u64*>(peer_bases[dest[0]]) + dest[2] + job.chunk, flag_value);
+        }
+    }
+}
+
+// Persistent weight sync through the bulk copy engine. Each block takes an equal contiguous
+// share of the tile items; a tile is read once into a shared-memory stage and stored from
+// there to every destination; per-chunk tile counts (counters[1 + task]) tell the block that
+// finishes a chunk to publish its flags (epoch << 16 | rank) at the destinations. A relay
+// task waits (with a timeout) for its own chunk flag before loading. The last block to leave
+// (counters[0]) resets the counters after a timeout left some half counted, so a launch
+// needs no memset before it.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS)
-weight_sync(const i64* tasks, const int* task_count, const i64* tensor_table, int num_tensors, i64 tile_bytes,
-            const i64* dests, const u64* src_ptrs, const u64* peer_bases, int rank, u64 epoch, int* next_task,
-            u64 timeout_ns, u64* status) {
-    __shared__ TaskState s;
-    __shared__ int task_ids[2];  // current and prefetched task index
+weight_sync(const i64* tasks, const int* task_count, int chunk_tiles, const i64* tensor_table, int num_tensors,
+            i64 tile_bytes, int stages, const i64* dests, const u64* src_ptrs, const u64* peer_bases, int rank,
+            u64 epoch, int* counters, u64 timeout_ns, u64* status) {
+    extern __shared__ __align__(128) unsigned char tiles[];  // stages x tile_bytes
+    __shared__ SyncShared s;
     const int num_tasks = *task_count;  // written on the device by the schedule compiler
     const int tid = threadIdx.x;
     if (tid < num_tensors) {
@@ -105,60 +262,35 @@ weight_sync(const i64* tasks, const int* task_count, const i64* tensor_table, in
         s.tensor_bytes[tid] = tensor_table[3 * tid + 1];
         s.slot_offset[tid] = tensor_table[3 * tid + 2];
     }
-    if (tid == 0) task_ids[1] = atomicAdd(next_task, 1);
-    for (;;) {
-        __syncthreads();  // everyone is done with the previous task's shared state
-        if (tid == 0) {
-            task_ids[0] = task_ids[1];
-            s.abort = 0;
-            if (task_ids[0] < num_tasks) task_ids[1] = atomicAdd(next_task, 1);  // fetched while we copy
+    if (tid == 0) {
+        for (int q = 0; q < stages; ++q) {
+            barrier_init(&s.posted[q]);
+            barrier_init(&s.full[q]);
+            barrier_init(&s.empty[q]);
         }
-        __syncthreads();
-        const int t = task_ids[0];
-        if (t >= num_tasks) return;
-        if (tid < 7) s.task[tid] = tasks[7 * static_cast<i64>(t) + tid];
-        __syncthreads();
-        if (tid < num_tensors) s.src[tid] = src_ptrs[s.task[0] + tid];
-        for (i64 d = s.task[4] + tid; d < s.task[5]; d += SYNC_THREADS) {
-            const i64* dest = dests + 3 * d;
-            s.dst[d - s.task[4]] = reinterpret_cast<unsigned char*>(peer_bases[dest[0]] + dest[1]);
-            s.flag[d - s.task[4]] = dest[2];
+        for (int q = 0; q < HANDOFF; ++q) {
+            barrier_init(&s.landed[q]);
+            barrier_init(&s.taken[q]);
         }
-        const i64 wait_slot = s.task[6];
-        if (wait_slot >= 0 && tid == 0) {
-            const u64* flag = reinterpret_cast<const u64*>(peer_bases[rank]) + wait_slot;
-            const u64 start = global_timer_ns();
-            u64 seen;
-            while (((seen = load_acquire_sys(flag)) >> FLAG_WRITER_BITS) < epoch) {
-                if (global_timer_ns() - start > timeout_ns) {
-                    if (atomicCAS(reinterpret_cast<u64*>(status), 0ull, 1ull) == 0ull) {
-                        status[1] = static_cast<u64>(wait_slot);
-                        status[2] = epoch;
-                        status[3] = seen;
-                    }
-                    s.abort = 1;
-                    break;
-                }
-                __nanosleep(200);
-            }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the bulk engine
+    }
+    __syncthreads();
+    int* done = counters + 1;
+    if (tid == 0)
+        load_tiles(s, tiles, stages, tasks, num_tasks * chunk_tiles, chunk_tiles, num_tensors, tile_bytes, src_ptrs,
+                   peer_bases, rank, epoch, timeout_ns, status);
+    else if (tid / 32 == 1)
+        store_tiles(s, tiles, stages, tile_bytes, dests, peer_bases);
+    else if (tid == 64)
+        count_tiles(s, dests, peer_bases, done, (epoch << FLAG_WRITER_BITS) | static_cast<u64>(rank));
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        if (atomicAdd(counters, 1) == static_cast<int>(gridDim.x) - 1) {
             __threadfence();
-        }
-        __syncthreads();
-        if (s.abort) return;
-        TileRegs even, odd;
-        const i64 first = s.task[2], last = s.task[3];
-        for (i64 k = first; k <= last; k += 2) {  // unrolled by two: the buffers swap roles
-            stream_tile(s, num_tensors, tile_bytes, k, odd, even, k - 1);
-            if (k + 1 <= last) stream_tile(s, num_tensors, tile_bytes, k + 1, even, odd, k);
-        }
-        __threadfence_system();  // this chunk's stores are visible system-wide before its flags
-        __syncthreads();
-        if (tid == 0) {
-            const int num_dests = static_cast<int>(s.task[5] - s.task[4]);
-            for (int d = 0; d < num_dests; ++d) {
-                u64* flag = reinterpret_cast<u64*>(peer_bases[dests[3 * (s.task[4] + d)]]) + s.flag[d] + s.task[1];
-                store_release_sys(flag, (epoch << FLAG_WRITER_BITS) | static_cast<u64>(rank));
-            }
+            counters[0] = 0;
+            if (*reinterpret_cast<volatile u64*>(status))  // a timeout left chunks half counted
+                for (int t = 0; t < num_tasks; ++t) done[t] = 0;
         }
     }
 }

@@ -32,7 +32,11 @@ from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, com
 from ultraep.transfer.spec import ExpertSpec
 
 DEFAULT_TILE_BYTES = 32 << 10
-MAX_TILE_BYTES = 32 << 10  # the kernel keeps two tiles in registers: 512 threads x 4 x 16 B each
+MAX_TILE_BYTES = 32 << 10  # two weight-sync stages of the largest tile fit SYNC_STAGE_BYTES
+SYNC_STAGE_BYTES = 64 << 10  # shared-memory tiles per weight-sync block: 3 blocks per SM (sweep on the H200)
+SYNC_MAX_STAGES = 8          # transfer.cu MAX_STAGES
+SYNC_BLOCKS_PER_SM = 3
+SYNC_THREADS = 96            # transfer.cu SYNC_THREADS: a loading, a storing and a counting warp
 MAX_TENSORS_PER_EXPERT = 8     # MAX_TENSORS in transfer.cu
 MAX_REPLICAS_PER_EXPERT = 128  # MAX_DESTS in transfer.cu
 _STATUS_FIELDS = 4
@@ -79,13 +83,16 @@ class WeightTransfer:
             name = "reduce_grads<__nv_bfloat16>" if spec.grad_dtype.name == "bfloat16" else "reduce_grads<float>"
             self._reduce_kernel = get_function("transfer.cu", name, group=group)
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
-            self._next_task = cupy.zeros(1, dtype=np.int32)
+            # [blocks done, tiles done per task]: zero between launches (the kernel resets them)
+            self._sync_counters = cupy.zeros(1, dtype=np.int32)
+            self._sync_stages = min(max(SYNC_STAGE_BYTES // tile_bytes, 2), SYNC_MAX_STAGES)
+            self._sync_kernel.max_dynamic_shared_size_bytes = SYNC_STAGE_BYTES  # any engine's stages
             first_tiles = np.searchsorted([t for t, _, _ in self.geometry.tiles], np.arange(len(spec.weights)))
             self._tensor_table = cupy.asarray(np.array(
                 [(first, w.nbytes, off) for first, w, off in zip(first_tiles, spec.weights, spec.weight_offsets)],
                 dtype=np.int64))
             sms = cupy.cuda.runtime.getDeviceProperties(heap.device)["multiProcessorCount"]
-            self.blocks = blocks or 2 * sms
+            self.blocks = blocks or SYNC_BLOCKS_PER_SM * sms
             # Replica-slot tensor pointers follow the masters in every layer's source table.
             self._slot_ptrs = [int(self._weights.local[s].data.ptr) + off
                                for s in range(layout.redundant_slots) for off in spec.weight_offsets]
@@ -187,12 +194,15 @@ class WeightTransfer:
     restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
 
     def _launch_sync(self, entry, tables: DeviceSchedule, blocks: int) -> None:
-        self._next_task.fill(0)
-        self._sync_kernel((blocks,), (512,), (
-            tables.weight_tasks, tables.weight_task_count, self._tensor_table, np.int32(len(self.spec.weights)),
-            np.int64(self.geometry.tile_bytes), tables.dests, entry["sources"], self.heap.peer_bases,
-            np.int32(self.rank), np.uint64(self._epoch), self._next_task, np.uint64(int(self.timeout_s * 1e9)),
-            self._status))
+        if len(self._sync_counters) < 1 + len(tables.weight_tasks):  # once: the tables have a fixed capacity
+            import cupy
+            self._sync_counters = cupy.zeros(1 + len(tables.weight_tasks), dtype=np.int32)
+        self._sync_kernel((blocks,), (SYNC_THREADS,), (
+            tables.weight_tasks, tables.weight_task_count, np.int32(self.geometry.chunk_tiles), self._tensor_table,
+            np.int32(len(self.spec.weights)), np.int64(self.geometry.tile_bytes), np.int32(self._sync_stages),
+            tables.dests, entry["sources"], self.heap.peer_bases, np.int32(self.rank), np.uint64(self._epoch),
+            self._sync_counters, np.uint64(int(self.timeout_s * 1e9)), self._status),
+            shared_mem=self._sync_stages * self.geometry.tile_bytes)
 
     def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
