@@ -1,39 +1,44 @@
-//! kernels: plan_domains<1>, plan_domains<2>, plan_domains<4>, plan_split
+//! kernels: plan_domains<1>, plan_domains<2>, plan_domains<4>
 // Quota planner on the GPU, bitwise equal to ultraep/planner/quota.py (read its module
 // docstring first: the same threshold search, greedy oracle and split, step by step).
 //
-// plan_domains<CHUNKS>: one cluster of CLUSTER blocks of WARPS warps per NVLink domain of
-//   up to 32*CHUNKS ranks; one warp per threshold probe, PROBES probes per round. A
-//   probe's greedy oracle is a long serial chain of warp reductions (~18 us per round at
-//   the anchor shapes on the H200 with 4 warps per SM; 32 warps per SM took ~35 us), so
-//   the probes are spread thin over the cluster's SMs. Each block holds its own copy of
-//   the expert loads and visiting orders in shared memory; the column sums are split
-//   over the cluster and exchanged through distributed shared memory. Each probe's rank
-//   state lives in registers (lane l owns ranks l, l+32, ...); its result is broadcast
-//   to every block, so all blocks take the same decision after one cluster barrier per
-//   round. The winning warp keeps its moves, and its block writes the domain's plan.
-// plan_split: one block per expert builds the locality-first split prefix; one extra
-//   block computes the imbalance before/after once every rank load is known.
+// plan_domains<CHUNKS>: the whole plan in one launch. One cluster of CLUSTER blocks of
+// WARPS warps per NVLink domain of up to 32*CHUNKS ranks. Only PROBE_WARPS warps of a
+// block run probes (one per SM sub-partition: a probe is a latency-bound chain that
+// would only slow down if it shared a scheduler); the other warps join the phases that
+// are wide: staging, ordering, outputs and the split.
+//  1. Each block stages the load columns of its share of the domain's experts (all
+//     source ranks) in shared memory and sums them; the column sums are exchanged
+//     through distributed shared memory, so every block holds the domain's expert loads
+//     and derives the visiting orders itself.
+//  2. Threshold search: one probe warp per probe, PROBES probes per round. A probe's greedy
+//     oracle is a serial chain of warp-wide steps, so it is kept short: each lane owns
+//     ranks lane, lane+32, ... in registers, and one move costs one min-reduction over
+//     32-bit keys that order best fit before most slack, one ballot per chunk for the
+//     lowest index, and predicated updates of the target's and the source's registers.
+//     A probe's result is broadcast to every block, so all blocks take the same
+//     decision after one cluster barrier per round.
+//  3. Every block copies the winning probe's moves from the winner's shared memory,
+//     rebuilds the domain's placement, and writes the outputs and the locality-first
+//     split of its share of the experts (one warp per replicated expert).
+//  4. Imbalance before/after: directly when there is one domain, else the last cluster
+//     to finish (a ticket in the plan's workspace) combines the domains' figures.
 // All decisions use integer arithmetic (the total load is below 2**31) and break ties by
 // the lowest index, exactly as the NumPy reference does.
 
 #define FULL_MASK 0xffffffffu
 #define CLUSTER 8                 // blocks per domain (the portable cluster size)
-#define WARPS 4                   // probes per block: one per SM sub-partition
-#define PROBES (CLUSTER * WARPS)  // probes per round (quota.PROBES_PER_ROUND)
+#define PROBE_WARPS 4             // probes per block: one per SM sub-partition
+#define WARPS 16                  // all warps share the set-up, the outputs and the split
+#define ROW_WARPS 4               // warps that write the master-only split rows during the search
+#define THREADS (WARPS * 32)
+#define PROBES (CLUSTER * PROBE_WARPS)  // probes per round (quota.PROBES_PER_ROUND)
 #define NEAR_PROBES 24            // quota.NEAR_PROBES
 #define NEAR_SHIFT 11             // quota.NEAR_SHIFT
+#define NO_TARGET 0xffffffffu     // oracle key of a rank that cannot take the replica
+#define MOVE_INTS 3               // per move: expert << 8 | target, tokens, column << 16 | slot
 
 static_assert(PROBES == 32, "the round decision reads one probe per lane");
-
-struct DomainShared {
-    int* expert_load;   // [D*M]  load of each expert of the domain
-    int* rank_load0;    // [D]    load of each rank without balancing
-    int* rank_order;    // [D]    ranks by descending load, ties lowest index
-    int* order_rank_load;  // [D]  rank_load0 in that order
-    int* expert_order;  // [D*M]  each rank's experts by descending load, ties lowest index
-    int* order_load;    // [D*M]  expert_load in that order
-};
 
 __device__ __forceinline__ unsigned cluster_block_rank() {
     unsigned rank;
@@ -47,13 +52,17 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// Store `value` at the address of `local` in the shared memory of cluster block `block`.
-__device__ __forceinline__ void store_to_block(int* local, unsigned block, int value) {
+// Address of `local` in the shared memory of cluster block `block`.
+__device__ __forceinline__ unsigned remote_address(const int* local, unsigned block) {
     unsigned long long address;
     asm("cvta.to.shared.u64 %0, %1;" : "=l"(address) : "l"(reinterpret_cast<unsigned long long>(local)));
     unsigned remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((unsigned)address), "r"(block));
-    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"(value) : "memory");
+    return remote;
+}
+
+__device__ __forceinline__ void store_to_block(int* local, unsigned block, int value) {
+    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(remote_address(local, block)), "r"(value) : "memory");
 }
 
 __device__ __forceinline__ long long warp_sum(long long value) {
@@ -61,78 +70,112 @@ __device__ __forceinline__ long long warp_sum(long long value) {
     return value;
 }
 
-__device__ __forceinline__ long long warp_max(long long value) {
-    for (int offset = 16; offset; offset >>= 1) value = max(value, __shfl_xor_sync(FULL_MASK, value, offset));
-    return value;
-}
-
 __device__ __forceinline__ bool better_rank(const int* load, int a, int b) {
     return load[a] > load[b] || (load[a] == load[b] && a < b);
 }
 
+// floor(a / b) for 0 <= a < 2**62 and 0 < b < 2**31, given inverse = __drcp_rn(b): the
+// double estimate is within one of the quotient (below 2**31) and is corrected exactly;
+// 64-bit integer division is far slower.
+__device__ __forceinline__ long long floor_div(long long a, long long b, double inverse) {
+    long long q = (long long)__dmul_rz((double)a, inverse);
+    const long long r = a - q * b;
+    q += (r >= b) - (r < 0);
+    return q;
+}
+
+struct DomainShared {
+    int* expert_load;      // [D*M] load of each expert of the domain
+    int* rank_load0;       // [D]   load of each rank without balancing
+    int* rank_order;       // [D]   ranks by descending load, ties lowest index
+    int* order_rank_load;  // [D]   rank_load0 in that order
+    int* expert_order;     // [D*M] each rank's experts by descending load, ties lowest index
+    int* order_load;       // [D*M] expert_load in that order
+};
+
 // The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp: the
-// number of moves (the same in every lane) if feasible, else -1. Lane 0 stores the moves
-// in `moves` as (expert << 8 | rank, tokens).
-template <int CHUNKS>
-__device__ int run_oracle(const DomainShared& sh, int tau, int D, int M, int S, int max_replicas, int step,
+// number of moves (the same in every lane) if feasible, else -1. The target's lane stores
+// each move in `moves` (MOVE_INTS ints, creation order).
+// Target choice: one min-reduction over 32-bit keys that order fits (slack >= need) by
+// ascending slack before other eligible ranks by descending slack. PACKED (every slack
+// below 2**24) puts the rank index in the low 7 bits, so the minimum names the target
+// with the lowest index; otherwise one ballot per chunk finds that index. Not inlined: the
+// chain keeps its own register allocation whatever the rest of the kernel needs.
+template <int CHUNKS, bool PACKED>
+__device__ __noinline__ int run_oracle(const DomainShared& sh, int tau, int D, int M, int S, int max_replicas, int step,
                           int* moves) {
     const int lane = threadIdx.x & 31;
-    int load[CHUNKS], free_slots[CHUNKS];
+    int slack[CHUNKS], free_slots[CHUNKS];
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
         const int t = lane + 32 * j;
-        load[j] = t < D ? sh.rank_load0[t] : 0;
+        slack[j] = t < D ? tau - sh.rank_load0[t] : 0;
         free_slots[j] = t < D ? S : 0;  // ranks beyond the domain never have a free slot
     }
     int count = 0;
+    int next_rank = sh.rank_order[0], next_rank_load = sh.order_rank_load[0];
     for (int pos = 0; pos < D; ++pos) {
         // A rank's load when visited is its initial load if that is above tau: a target
-        // starts at or below tau - step and never ends above tau. Reading it from shared
-        // memory, in parallel with the rank, spares a shuffle on the serial chain.
-        const int r = sh.rank_order[pos];
-        int source_load = sh.order_rank_load[pos];
+        // starts at or below tau - step and never ends above tau.
+        const int r = next_rank;
+        int source_load = next_rank_load;
         if (source_load <= tau) break;
+        if (pos + 1 < D) { next_rank = sh.rank_order[pos + 1]; next_rank_load = sh.order_rank_load[pos + 1]; }
+        const int* experts = sh.expert_order + r * M;
+        const int* expert_loads = sh.order_load + r * M;
+        int next_expert = experts[0], next_remaining = expert_loads[0];
         for (int k = 0; k < M && source_load > tau; ++k) {
-            const int e = sh.expert_order[r * M + k];
-            int remaining = sh.order_load[r * M + k];
-            int hosts = 1;
-            unsigned host_bits[CHUNKS];  // ranks hosting e, the same in every lane
+            const int e = next_expert;
+            int remaining = next_remaining;
+            if (k + 1 < M) { next_expert = experts[k + 1]; next_remaining = expert_loads[k + 1]; }
+            // Slack of each rank that may host a replica of e (free slot, slack >= step),
+            // -1 otherwise; a target is struck off once it hosts e. The source's own slack
+            // is negative while it is visited.
+            int avail[CHUNKS];
 #pragma unroll
-            for (int j = 0; j < CHUNKS; ++j) host_bits[j] = j == (r >> 5) ? 1u << (r & 31) : 0u;
+            for (int j = 0; j < CHUNKS; ++j) avail[j] = free_slots[j] > 0 && slack[j] >= step ? slack[j] : -1;
+            int hosts = 1;
             while (source_load > tau && hosts <= max_replicas && remaining >= step) {
                 const int need = min(max(source_load - tau, step), remaining);
-                int slack[CHUNKS];
-                bool eligible[CHUNKS];
-                unsigned fit = 0xffffffffu, most = 0u;
+                unsigned key[CHUNKS], best = NO_TARGET;
 #pragma unroll
                 for (int j = 0; j < CHUNKS; ++j) {
-                    slack[j] = tau - load[j];
-                    eligible[j] = free_slots[j] > 0 && slack[j] >= step && !((host_bits[j] >> lane) & 1u);
-                    if (eligible[j]) {
-                        if (slack[j] >= need) fit = min(fit, (unsigned)slack[j]);
-                        most = max(most, (unsigned)slack[j]);
+                    const unsigned rank = lane + 32 * j, room = (unsigned)avail[j];
+                    if (PACKED) key[j] = avail[j] < 0 ? NO_TARGET : avail[j] >= need ? room << 7 | rank
+                                                                  : 0x80000000u | (0xffffffu - room) << 7 | rank;
+                    else key[j] = avail[j] < 0 ? NO_TARGET : avail[j] >= need ? room : ~room;
+                    best = min(best, key[j]);
+                }
+                best = __reduce_min_sync(FULL_MASK, best);
+                if (best == NO_TARGET) break;
+                int chosen, target = 0;
+                if (PACKED) {
+                    chosen = (int)(best < 0x80000000u ? best >> 7 : 0xffffffu - ((best >> 7) & 0xffffffu));
+                    target = best & 127;
+                } else {
+                    chosen = (int)(best < 0x80000000u ? best : ~best);
+#pragma unroll
+                    for (int j = CHUNKS - 1; j >= 0; --j) {  // the lowest chunk holding the key wins
+                        const unsigned hit = __ballot_sync(FULL_MASK, key[j] == best);
+                        if (hit) target = 32 * j + __ffs(hit) - 1;
                     }
                 }
-                fit = __reduce_min_sync(FULL_MASK, fit);
-                most = __reduce_max_sync(FULL_MASK, most);
-                if (most == 0u) break;  // nobody eligible (an eligible slack is >= step >= 1)
-                const int chosen = (int)(fit != 0xffffffffu ? fit : most);
-                int target = -1;
+                // A leftover below q_min could never take a replica: fill the target
+                // instead, so the slack gathers on the source rank where it stays usable.
+                const int amount = chosen - need >= step ? need : min(chosen, remaining);
 #pragma unroll
-                for (int j = 0; j < CHUNKS; ++j) {
-                    const unsigned hit = __ballot_sync(FULL_MASK, eligible[j] && slack[j] == chosen);
-                    if (target < 0 && hit) target = 32 * j + __ffs(hit) - 1;
-                }
-                const int amount = (chosen - need >= step) ? need : min(chosen, remaining);
-#pragma unroll
-                for (int j = 0; j < CHUNKS; ++j) {
-                    if (j == (target >> 5)) {
-                        host_bits[j] |= 1u << (target & 31);
-                        if (lane == (target & 31)) { load[j] += amount; free_slots[j] -= 1; }
+                for (int j = 0; j < CHUNKS; ++j) {  // branch-free: only the stores are predicated
+                    const int t = lane + 32 * j;
+                    const bool is_target = t == target;
+                    if (is_target) {
+                        moves[MOVE_INTS * count] = (e << 8) | target;
+                        moves[MOVE_INTS * count + 1] = amount;
+                        moves[MOVE_INTS * count + 2] = (hosts << 16) | (S - free_slots[j]);
                     }
-                    if (j == (r >> 5) && lane == (r & 31)) load[j] -= amount;
+                    slack[j] += (t == r ? amount : 0) - (is_target ? amount : 0);
+                    free_slots[j] -= is_target;
+                    avail[j] = is_target ? -1 : avail[j];
                 }
-                if (lane == 0) { moves[2 * count] = (e << 8) | target; moves[2 * count + 1] = amount; }
                 ++count;
                 source_load -= amount;
                 remaining -= amount;
@@ -155,111 +198,229 @@ __device__ __forceinline__ int probe_point(int lo, int hi, int w, bool* active) 
     return (int)(start + (w - NEAR_PROBES + 1) * (hi - start) / (PROBES - NEAR_PROBES + 1));
 }
 
+// Imbalance max/mean with the formula of plan.imbalance: double(max) * R / double(total).
+__device__ double imbalance_of(long long max_load, long long total, int R) {
+    return total == 0 ? 1.0 : __ddiv_rn(__dmul_rn((double)max_load, (double)R), (double)total);
+}
+
+// In-place inclusive prefix sum of values[0..n) by one warp.
+__device__ void warp_inclusive_scan(int* values, int n) {
+    const int lane = threadIdx.x & 31;
+    int carry = 0;
+    for (int base = 0; base < n; base += 32) {
+        int value = base + lane < n ? values[base + lane] : 0;
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int up = __shfl_up_sync(FULL_MASK, value, offset);
+            if (lane >= offset) value += up;
+        }
+        if (base + lane < n) values[base + lane] = value + carry;
+        carry += __shfl_sync(FULL_MASK, value, 31);
+    }
+}
+
+// Imbalance before/after (the total load is the same before and after), by one warp of
+// the domain: directly with one domain, else the last domain to finish combines the
+// domains' figures through a ticket in the plan's workspace (which it resets).
+__device__ void write_imbalance(const int* rank_load0, const int* incoming, const int* master_quota, long long total,
+                                int D, int M, int R, int domain, int domains, long long* workspace,
+                                double* imbalance_before, double* imbalance_after) {
+    const int lane = threadIdx.x & 31;
+    long long before_max = 0, after_max = 0;
+    for (int r = lane; r < D; r += 32) {
+        long long after = incoming[r];
+        for (int k = 0; k < M; ++k) after += master_quota[r * M + k];
+        before_max = max(before_max, (long long)rank_load0[r]);
+        after_max = max(after_max, after);
+    }
+    for (int offset = 16; offset; offset >>= 1) {
+        before_max = max(before_max, __shfl_xor_sync(FULL_MASK, before_max, offset));
+        after_max = max(after_max, __shfl_xor_sync(FULL_MASK, after_max, offset));
+    }
+    if (lane != 0) return;
+    if (domains > 1) {
+        // workspace: [3 * domain + 0..2] = before max, after max, total; [3 * domains] = ticket.
+        workspace[3 * domain] = before_max;
+        workspace[3 * domain + 1] = after_max;
+        workspace[3 * domain + 2] = total;
+        __threadfence();
+        const unsigned long long ticket = atomicAdd((unsigned long long*)&workspace[3 * domains], 1ULL);
+        if (ticket != (unsigned long long)(domains - 1)) return;  // not the last domain to finish
+        __threadfence();
+        total = 0;
+        for (int d = 0; d < domains; ++d) {
+            const volatile long long* figures = workspace + 3 * d;
+            before_max = max(before_max, figures[0]);
+            after_max = max(after_max, figures[1]);
+            total += figures[2];
+        }
+        workspace[3 * domains] = 0;  // ready for the next launch
+    }
+    *imbalance_before = imbalance_of(before_max, total, R);
+    *imbalance_after = imbalance_of(after_max, total, R);
+}
+
+// Split rows of an expert without replicas: every source sends all its tokens to the
+// master, so all K prefixes of row (src, e) are the load. Written for all `columns`
+// experts of a block from `first_thread` on with stride `threads`; consecutive threads
+// cover consecutive 16-byte words of the consecutive rows of one source (coalesced).
+__device__ void write_master_rows(int* __restrict__ split_prefix, const int* staged, int R, int E, int K,
+                                  int first_expert, int columns, int share, int first_thread, int threads) {
+    const int width = (K & 3) == 0 ? 4 : 1;  // ints per store: 16-byte aligned rows when K % 4 == 0
+    const int per_source = columns * K / width;
+    for (int idx = first_thread; idx < R * per_source; idx += threads) {
+        const int src = idx / per_source, word = idx - src * per_source;
+        const int tokens = staged[src * share + word * width / K];
+        int* out = split_prefix + ((long long)src * E + first_expert) * K + word * width;
+        if (width == 4) *reinterpret_cast<int4*>(out) = make_int4(tokens, tokens, tokens, tokens);
+        else *out = tokens;
+    }
+}
+
+// Store values[0..4) at out[i0..i0+4) clipped to K (one 16-byte store when K % 4 == 0).
+__device__ __forceinline__ void store_quad(int* out, int i0, int K, const int (&values)[4]) {
+    if ((K & 3) == 0) {
+        *reinterpret_cast<int4*>(out + i0) = make_int4(values[0], values[1], values[2], values[3]);
+    } else {
+        for (int u = 0; u < 4 && i0 + u < K; ++u) out[i0 + u] = values[u];
+    }
+}
+
 template <int CHUNKS>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(WARPS * 32)
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
 plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, int step, int tau_tolerance,
              int* __restrict__ phys_to_log, int* __restrict__ log_to_phys, int* __restrict__ replica_count,
-             int* __restrict__ quota, long long* __restrict__ rank_load) {
+             int* __restrict__ quota, long long* __restrict__ rank_load, int* __restrict__ split_prefix,
+             double* __restrict__ imbalance_before, double* __restrict__ imbalance_after,
+             long long* __restrict__ workspace) {
     extern __shared__ int smem[];
-    const int M = E / R, DM = D * M, slots_per_rank = M + S, move_ints = 2 * S * D;
-    const int first_rank = (blockIdx.x / CLUSTER) * D, first_expert = first_rank * M;
+    const int M = E / R, DM = D * M, slots_per_rank = M + S, move_ints = MOVE_INTS * S * D;
+    const int domain = blockIdx.x / CLUSTER, domains = gridDim.x / CLUSTER;
+    const int first_rank = domain * D, first_expert = first_rank * M;
     const int block = (int)cluster_block_rank(), tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int share = (DM + CLUSTER - 1) / CLUSTER;  // experts whose column sums this block computes
+    const int share = (DM + CLUSTER - 1) / CLUSTER;  // experts whose columns and split this block owns
     const int first_column = min(DM, block * share), columns = min(DM, first_column + share) - first_column;
     DomainShared sh;
     int* cursor = smem;
-    sh.expert_load = cursor;  cursor += DM;
-    sh.rank_load0 = cursor;   cursor += D;
-    sh.rank_order = cursor;   cursor += D;
+    sh.expert_load = cursor;     cursor += DM;
+    sh.rank_load0 = cursor;      cursor += D;
+    sh.rank_order = cursor;      cursor += D;
     sh.order_rank_load = cursor; cursor += D;
-    sh.expert_order = cursor; cursor += DM;
-    sh.order_load = cursor;   cursor += DM;
-    int* warp_moves = cursor;   cursor += WARPS * move_ints;  // per warp: the moves of its probe
-    int* best_moves = cursor;   cursor += move_ints;          // the moves of the lowest feasible probe so far
-    int* results = cursor;      cursor += 2 * 3 * PROBES;     // per round parity: tau, state, moves per probe
-    int* bounds = cursor;       cursor += 2;                  // initial lo, hi
-    int* partial = cursor;      cursor += share;              // this block's column sums
-    int* used = cursor;         cursor += D;                  // replicas placed per rank
-    int* incoming = cursor;     cursor += D;                  // tokens of the replicas placed per rank
-    int* replicas = cursor;     cursor += DM;                 // instances per expert
-    int* master_quota = cursor; cursor += DM;
+    sh.expert_order = cursor;    cursor += DM;
+    sh.order_load = cursor;      cursor += DM;
+    int* warp_moves = cursor;    cursor += 2 * PROBE_WARPS * move_ints;  // per round parity and probe warp: its moves
+    int* best_moves = cursor;    cursor += move_ints;          // the moves of the chosen probe
+    int* results = cursor;       cursor += 2 * 3 * PROBES;     // per round parity: tau, state, moves per probe
+    int* staged = cursor;        cursor += R * share;          // loads[src][this block's experts]
+    int* partial = cursor;       cursor += share;              // this block's column sums
+    int* replicas = cursor;      cursor += DM;                 // instances per expert
+    int* master_quota = cursor;  cursor += DM;
+    int* first_move = cursor;    cursor += DM;                 // index of the expert's first move
+    int* incoming = cursor;      cursor += D;                  // tokens of the replicas placed per rank
+    int* slot_expert = cursor;   cursor += D * S;              // expert of each redundant slot, -1 if idle
+    int* replicated = cursor;    cursor += share + 1;          // this block's replicated experts, then their count
+    // The split of the block's replicated experts ("items"): per item, per instance [K]
+    // and per source [R].
+    int* inst_host = cursor;     cursor += share * K;          // host rank (global) of each instance
+    int* inst_local = cursor;    cursor += share * K;          // tokens it takes from its own host rank
+    int* inst_capacity = cursor; cursor += share * K;          // quota left after them
+    int* inst_column = cursor;   cursor += share * K;          // column sums of the shares, then deficit prefixes
+    int* row_prefix = cursor;    cursor += share * R;          // row deficits, then their inclusive prefix
+    int* item_total = cursor;    cursor += share;              // total capacity of each item
 
-    for (int i = tid; i < columns; i += blockDim.x) partial[i] = 0;
-    for (int e = tid; e < DM; e += blockDim.x) replicas[e] = 1;
-    for (int r = tid; r < D; r += blockDim.x) { used[r] = 0; incoming[r] = 0; }
+    // 1. Stage this block's load columns and sum them: thread (group, c) reads column c of
+    // every groups-th source (consecutive threads, consecutive columns: coalesced).
+    for (int i = tid; i < columns; i += THREADS) partial[i] = 0;
     __syncthreads();
-    // Column sums of this block's experts: consecutive threads read consecutive experts
-    // (coalesced), sources are split over thread groups, eight loads in flight per thread,
-    // combined with integer atomics (order-independent).
     if (columns > 0) {
-        const int groups = max(1, (int)blockDim.x / columns);
-        for (int idx = tid; idx < columns * groups; idx += blockDim.x) {
-            const int column = idx % columns, group = idx / columns;
-            const int* source = loads + first_expert + first_column + column;
-            int sum = 0, src = group;
-            for (; src + 7 * groups < R; src += 8 * groups) {
-                int value[8];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) value[u] = source[(long long)(src + u * groups) * E];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) sum += value[u];
+        const int groups = max(1, THREADS / columns);
+        const int* block_loads = loads + first_expert + first_column;
+        for (int idx = tid; idx < columns * groups; idx += THREADS) {
+            const int c = idx % columns, group = idx / columns;
+            int sum = 0;
+            for (int src = group; src < R; src += groups) {
+                const int tokens = block_loads[(long long)src * E + c];
+                staged[src * share + c] = tokens;
+                sum += tokens;
             }
-            for (; src < R; src += groups) sum += source[(long long)src * E];
-            atomicAdd(&partial[column], sum);
+            atomicAdd(&partial[c], sum);  // integer atomics: order-independent
         }
     }
     cluster_sync();  // every block of the cluster is running and has its partial sums
-    for (int i = tid; i < columns * CLUSTER; i += blockDim.x) {
-        const int to = i / columns, column = i - to * columns;
-        store_to_block(&sh.expert_load[first_column + column], to, partial[column]);
+    for (int i = tid; i < columns * CLUSTER; i += THREADS) {
+        const int to = i / columns, c = i - to * columns;
+        store_to_block(&sh.expert_load[first_column + c], to, partial[c]);
     }
+    for (int e = tid; e < DM; e += THREADS) { replicas[e] = 1; first_move[e] = 0; }
+    for (int i = tid; i < D * S; i += THREADS) slot_expert[i] = -1;
+    for (int r = tid; r < D; r += THREADS) incoming[r] = 0;
+    if (tid == 0) replicated[share] = 0;
+    for (int x = tid; x < share; x += THREADS) item_total[x] = 0;
     cluster_sync();  // every block holds all the domain's expert loads
-    for (int e = tid; e < DM; e += blockDim.x) master_quota[e] = sh.expert_load[e];
-    for (int r = tid; r < D; r += blockDim.x) {
+    for (int e = tid; e < DM; e += THREADS) master_quota[e] = sh.expert_load[e];
+    for (int r = tid; r < D; r += THREADS) {
         int sum = 0;
         for (int k = 0; k < M; ++k) sum += sh.expert_load[r * M + k];
         sh.rank_load0[r] = sum;
     }
     __syncthreads();
-    // Orders by counting how many items precede each one.
-    for (int r = tid; r < D; r += blockDim.x) {
+    // Orders by counting how many items precede each one; a rank's count is split over
+    // `parts` consecutive lanes (a power of two) and summed with shuffles.
+    const int parts = min(32, 1 << (31 - __clz(THREADS / D)));
+    for (int idx = tid; idx < ((D * parts + 31) & ~31); idx += THREADS) {
+        const int r = idx / parts, part = idx % parts;
         int pos = 0;
-        for (int other = 0; other < D; ++other) pos += better_rank(sh.rank_load0, other, r);
-        sh.rank_order[pos] = r;
-        sh.order_rank_load[pos] = sh.rank_load0[r];
+        if (r < D)
+            for (int other = part; other < D; other += parts) pos += better_rank(sh.rank_load0, other, r);
+        for (int offset = parts >> 1; offset; offset >>= 1) pos += __shfl_xor_sync(FULL_MASK, pos, offset);
+        if (r < D && part == 0) {
+            sh.rank_order[pos] = r;
+            sh.order_rank_load[pos] = sh.rank_load0[r];
+        }
     }
-    for (int e = tid; e < DM; e += blockDim.x) {
+    for (int e = tid; e < DM; e += THREADS) {
         const int base = (e / M) * M;
         int pos = 0;
         for (int other = base; other < base + M; ++other) pos += better_rank(sh.expert_load, other, e);
         sh.expert_order[base + pos] = e;
         sh.order_load[base + pos] = sh.expert_load[e];
     }
-    if (warp == 0) {
-        long long total = 0, hi = 0;
-        for (int r = lane; r < D; r += 32) { total += sh.rank_load0[r]; hi = max(hi, (long long)sh.rank_load0[r]); }
-        total = warp_sum(total);
-        hi = warp_max(hi);
-        if (lane == 0) {
-            bounds[0] = (int)((total + D - 1) / D) - 1;  // lo: below the mean, infeasible
-            bounds[1] = (int)hi;                         // hi: feasible without any move
-        }
-    }
+    // Search bounds (every warp computes them): lo = ceil(mean) - 1 is infeasible, hi =
+    // the initial max is feasible without any move.
+    long long total = 0;
+    int hi = 0;
+    for (int r = lane; r < D; r += 32) { total += sh.rank_load0[r]; hi = max(hi, sh.rank_load0[r]); }
+    total = warp_sum(total);
+    hi = __reduce_max_sync(FULL_MASK, hi);
+    int lo = (int)((total + D - 1) / D) - 1;
+    const int tolerance = tau_tolerance >= 0 ? tau_tolerance : max(0, lo >> NEAR_SHIFT);  // -1: quota.auto_tolerance
     __syncthreads();
 
-    // Every thread of the cluster tracks the same lo, hi and best probe.
-    int lo = bounds[0], hi = bounds[1], best_block = 0, best_count = 0, parity = 0;
-    const int probe = block * WARPS + warp;
-    int* my_moves = warp_moves + warp * move_ints;
-    while ((long long)hi - lo > (long long)tau_tolerance + 1) {
-        bool active;
-        const int tau = probe_point(lo, hi, probe, &active);
-        const int count = active ? run_oracle<CHUNKS>(sh, tau, D, M, S, K - 1, step, my_moves) : 0;
+    // 2. Threshold search. Every thread of the cluster tracks the same lo, hi and best probe.
+    int best_count = 0, parity = 0;
+    const bool packed = hi < (1 << 24);  // every slack fits the packed oracle keys
+    const bool prober = warp < PROBE_WARPS;
+    const int probe = block * PROBE_WARPS + warp;
+    // Meanwhile the other warps write every split row as if no expert had replicas; the
+    // rows of replicated experts are overwritten after the search (cluster barriers
+    // order the two writes).
+    // (Few warps: more would slow the probes down through the shared memory pipeline.)
+    if (!prober && warp < PROBE_WARPS + ROW_WARPS)
+        write_master_rows(split_prefix, staged, R, E, K, first_expert + first_column, columns, share,
+                          tid - PROBE_WARPS * 32, ROW_WARPS * 32);
+    while ((long long)hi - lo > (long long)tolerance + 1) {
         int* round = results + parity * 3 * PROBES;
-        if (lane < CLUSTER) {  // lane b publishes the result to block b
-            store_to_block(&round[probe], lane, tau);
-            store_to_block(&round[PROBES + probe], lane, active ? (count >= 0 ? 1 : 0) : -1);
-            store_to_block(&round[2 * PROBES + probe], lane, count);
+        int* round_moves = warp_moves + parity * PROBE_WARPS * move_ints;
+        if (prober) {
+            bool active;
+            const int tau = probe_point(lo, hi, probe, &active);
+            const int count = !active ? 0
+                              : packed ? run_oracle<CHUNKS, true>(sh, tau, D, M, S, K - 1, step, round_moves + warp * move_ints)
+                                       : run_oracle<CHUNKS, false>(sh, tau, D, M, S, K - 1, step, round_moves + warp * move_ints);
+            if (lane < CLUSTER) {  // lane b publishes the result to block b
+                store_to_block(&round[probe], lane, tau);
+                store_to_block(&round[PROBES + probe], lane, active ? (count >= 0 ? 1 : 0) : -1);
+                store_to_block(&round[2 * PROBES + probe], lane, count);
+            }
         }
         cluster_sync();
         // Lowest feasible probe: the first one not infeasible, if it is feasible (inactive
@@ -269,212 +430,149 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         if (first < PROBES && round[PROBES + first] == 1) {
             hi = round[first];
             best_count = round[2 * PROBES + first];
-            best_block = first / WARPS;
-            if (probe == first) {  // keep the winner's moves before the next round overwrites them
-                for (int i = lane; i < 2 * best_count; i += 32) best_moves[i] = my_moves[i];
-                __syncwarp();
+            // The idle warps of the winner's block push its moves to every block (the probe
+            // warps go on; the next round writes the other parity's buffers).
+            if (!prober && block == first / PROBE_WARPS) {
+                const int* winner = round_moves + (first % PROBE_WARPS) * move_ints;
+                const int ints = MOVE_INTS * best_count;
+                for (int i = tid - PROBE_WARPS * 32; i < ints * CLUSTER; i += THREADS - PROBE_WARPS * 32) {
+                    const int to = i / ints, at = i - to * ints;
+                    store_to_block(&best_moves[at], to, winner[at]);
+                }
             }
         }
         lo = first > 0 ? round[first - 1] : lo;
         parity ^= 1;
     }
-    if (block != best_block) return;  // no block reads another's shared memory after the last barrier
-    __syncthreads();
-    // Write the domain's outputs from the best moves (creation order fixes columns and slots).
-    for (int m = tid; m < best_count; m += blockDim.x) {
-        const int e = best_moves[2 * m] >> 8, t = best_moves[2 * m] & 255, amount = best_moves[2 * m + 1];
-        int column = 1, slot = M;
-        for (int prev = 0; prev < m; ++prev) {
-            column += (best_moves[2 * prev] >> 8) == e;
-            slot += (best_moves[2 * prev] & 255) == t;
-        }
-        const long long row = (long long)(first_expert + e) * K;
-        log_to_phys[row + column] = (first_rank + t) * slots_per_rank + slot;
-        quota[row + column] = amount;
-        phys_to_log[(first_rank + t) * slots_per_rank + slot] = first_expert + e;
+
+    // 3. Every block holds the winner's moves (none if no probe ran or none was feasible).
+    cluster_sync();  // the last pushes are complete; from here on no block touches another's shared memory
+    for (int m = tid; m < best_count; m += THREADS) {
+        const int e = best_moves[MOVE_INTS * m] >> 8, t = best_moves[MOVE_INTS * m] & 255;
+        const int amount = best_moves[MOVE_INTS * m + 1], placed = best_moves[MOVE_INTS * m + 2];
+        if ((placed >> 16) == 1) first_move[e] = m;  // an expert's moves are consecutive
+        slot_expert[t * S + (placed & 0xffff)] = e;
         atomicSub(&master_quota[e], amount);  // integer atomics: order-independent
         atomicAdd(&replicas[e], 1);
-        atomicAdd(&used[t], 1);
         atomicAdd(&incoming[t], amount);
     }
     __syncthreads();
-    // Masters and unused columns (the replicas' columns are written above), coalesced.
-    for (int idx = tid; idx < DM * K; idx += blockDim.x) {
-        const int e = idx / K, column = idx - e * K;
-        const long long at = (long long)first_expert * K + idx;
+    if (block == 0 && warp == WARPS - 1)  // off the critical path: the other warps go on
+        write_imbalance(sh.rank_load0, incoming, master_quota, total, D, M, R, domain, domains, workspace,
+                        imbalance_before, imbalance_after);
+    // This block's experts: placement rows [K] and replica counts, coalesced.
+    for (int idx = tid; idx < columns * K; idx += THREADS) {
+        const int e = first_column + idx / K, column = idx % K, r = e / M;
+        const long long at = (long long)(first_expert + first_column) * K + idx;
+        int slot = -1, tokens = 0;
         if (column == 0) {
-            const int r = e / M;
-            log_to_phys[at] = (first_rank + r) * slots_per_rank + (e - r * M);
-            quota[at] = master_quota[e];
-        } else if (column >= replicas[e]) {
-            log_to_phys[at] = -1;
-            quota[at] = 0;
+            slot = (first_rank + r) * slots_per_rank + (e - r * M);
+            tokens = master_quota[e];
+        } else if (column < replicas[e]) {
+            const int* move = best_moves + MOVE_INTS * (first_move[e] + column - 1);
+            slot = (first_rank + (move[0] & 255)) * slots_per_rank + M + (move[2] & 0xffff);
+            tokens = move[1];
         }
+        log_to_phys[at] = slot;
+        quota[at] = tokens;
     }
-    for (int e = tid; e < DM; e += blockDim.x) replica_count[first_expert + e] = replicas[e];
-    for (int i = tid; i < D * slots_per_rank; i += blockDim.x) {
-        const int r = i / slots_per_rank, j = i - r * slots_per_rank;
-        if (j < M) phys_to_log[(first_rank + r) * slots_per_rank + j] = first_expert + r * M + j;
-        else if (j >= M + used[r]) phys_to_log[(first_rank + r) * slots_per_rank + j] = -1;
+    for (int c = tid; c < columns; c += THREADS) {
+        const int e = first_column + c;
+        replica_count[first_expert + e] = replicas[e];
+        if (replicas[e] > 1) replicated[atomicAdd(&replicated[share], 1)] = c;
     }
-    for (int r = tid; r < D; r += blockDim.x) {
+    // This block's ranks: slot contents and loads after balancing.
+    const int rank_share = (D + CLUSTER - 1) / CLUSTER;
+    const int my_first_rank = min(D, block * rank_share), my_ranks = min(D, my_first_rank + rank_share) - my_first_rank;
+    for (int i = tid; i < my_ranks * slots_per_rank; i += THREADS) {
+        const int r = my_first_rank + i / slots_per_rank, j = i % slots_per_rank;
+        const int e = j < M ? r * M + j : slot_expert[r * S + j - M];
+        phys_to_log[(first_rank + r) * slots_per_rank + j] = e < 0 ? -1 : first_expert + e;
+    }
+    for (int r = my_first_rank + tid; r < my_first_rank + my_ranks; r += THREADS) {
         long long sum = incoming[r];
         for (int k = 0; k < M; ++k) sum += master_quota[r * M + k];
         rank_load[first_rank + r] = sum;
     }
-}
+    __syncthreads();
 
-// Imbalance max/mean with the formula of plan.imbalance: double(max) * R / double(total).
-__device__ double imbalance_of(long long max_load, long long total, int R) {
-    return total == 0 ? 1.0 : __ddiv_rn(__dmul_rn((double)max_load, (double)R), (double)total);
-}
-
-__device__ void write_imbalance(const int* quota, const long long* rank_load, int R, int E, int K, int* before,
-                                double* imbalance_before, double* imbalance_after) {
-    __shared__ long long partial[4][32];
-    const int M = E / R, tid = threadIdx.x, per_rank = M * K;
-    for (int r = tid; r < R; r += blockDim.x) before[r] = 0;
-    __syncthreads();
-    // Load without balancing = all quotas of the rank's experts (contiguous rows of
-    // [E, K]). Each thread sums a contiguous chunk, one atomic per rank it touches; every
-    // sum is below the total load, so int32 is exact.
-    const int chunk = (E * K + blockDim.x - 1) / blockDim.x;
-    const int start = min(E * K, tid * chunk), stop = min(E * K, start + chunk);
-    for (int r = start / per_rank; r * per_rank < stop; ++r) {
-        int sum = 0;
-#pragma unroll 8
-        for (int idx = max(start, r * per_rank); idx < min(stop, (r + 1) * per_rank); ++idx) sum += quota[idx];
-        atomicAdd(&before[r], sum);
-    }
-    __syncthreads();
-    long long before_max = 0, before_total = 0, after_max = 0, after_total = 0;
-    for (int r = tid; r < R; r += blockDim.x) {
-        before_max = max(before_max, (long long)before[r]);
-        before_total += before[r];
-        after_max = max(after_max, rank_load[r]);
-        after_total += rank_load[r];
-    }
-    before_max = warp_max(before_max);
-    before_total = warp_sum(before_total);
-    after_max = warp_max(after_max);
-    after_total = warp_sum(after_total);
-    if ((tid & 31) == 0) {
-        partial[0][tid >> 5] = before_max; partial[1][tid >> 5] = before_total;
-        partial[2][tid >> 5] = after_max;  partial[3][tid >> 5] = after_total;
-    }
-    __syncthreads();
-    if (tid == 0) {
-        for (int w = 1; w < (int)(blockDim.x + 31) / 32; ++w) {
-            partial[0][0] = max(partial[0][0], partial[0][w]); partial[1][0] += partial[1][w];
-            partial[2][0] = max(partial[2][0], partial[2][w]); partial[3][0] += partial[3][w];
+    // Split (quota.locality_split) of this block's replicated experts, spread over the
+    // block as (item, instance) and (item, source) pairs (the other rows were written
+    // during the search).
+    const int items = replicated[share];
+    for (int idx = tid; idx < items * K; idx += THREADS) {
+        const int x = idx / K, i = idx - x * K, c = replicated[x], e = first_column + c;
+        if (i >= replicas[e]) continue;
+        int host = first_rank + e / M, tokens = master_quota[e];
+        if (i > 0) {
+            const int* move = best_moves + MOVE_INTS * (first_move[e] + i - 1);
+            host = first_rank + (move[0] & 255);
+            tokens = move[1];
         }
-        *imbalance_before = imbalance_of(partial[0][0], partial[1][0], R);
-        *imbalance_after = imbalance_of(partial[2][0], partial[3][0], R);
-    }
-}
-
-// In-place inclusive prefix sum of values[0..n) by the whole block (warp scans, then
-// the warp totals of each chunk of blockDim.x values).
-__device__ void block_inclusive_scan(long long* values, int n) {
-    __shared__ long long warp_total[32];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = (blockDim.x + 31) / 32;
-    long long carry = 0;
-    for (int base = 0; base < n; base += blockDim.x) {
-        const int i = base + tid;
-        long long value = i < n ? values[i] : 0;
-        for (int offset = 1; offset < 32; offset <<= 1) {
-            const long long up = __shfl_up_sync(FULL_MASK, value, offset);
-            if (lane >= offset) value += up;
-        }
-        if (lane == 31) warp_total[warp] = value;
-        __syncthreads();
-        long long before = carry, chunk = 0;
-        for (int w = 0; w < warps; ++w) {
-            before += w < warp ? warp_total[w] : 0;
-            chunk += warp_total[w];
-        }
-        if (i < n) values[i] = value + before;
-        carry += chunk;
-        __syncthreads();
-    }
-}
-
-// quota.locality_split for one expert per block (block E: the imbalance).
-// Shared memory (int64): demand[R], row_deficit[R], then per instance: host, local,
-// capacity, column sum of the proportional shares.
-extern "C" __global__ void __launch_bounds__(256)
-plan_split(const int* __restrict__ loads, const int* __restrict__ log_to_phys, const int* __restrict__ replica_count,
-           const int* __restrict__ quota, const long long* __restrict__ rank_load, int R, int E, int S, int K,
-           int* __restrict__ split_prefix, double* __restrict__ imbalance_before,
-           double* __restrict__ imbalance_after) {
-    extern __shared__ long long split_smem[];
-    const int e = blockIdx.x, tid = threadIdx.x, M = E / R;
-    if (e == E) {
-        write_imbalance(quota, rank_load, R, E, K, (int*)split_smem, imbalance_before, imbalance_after);
-        return;
-    }
-    // Everything read from global memory up front, in one round trip: the instance
-    // count, this thread's source load and instance (a host's own load comes from shared
-    // memory below, not from a second, dependent global read).
-    const int n = replica_count[e];
-    const int own_load = tid < R ? loads[(long long)tid * E + e] : 0;
-    const int own_slot = tid < K ? log_to_phys[(long long)e * K + tid] : 0;
-    const int own_quota = tid < K ? quota[(long long)e * K + tid] : 0;
-    if (n == 1) {
-        for (int idx = tid; idx < R * K; idx += blockDim.x) {
-            const int src = idx / K;
-            split_prefix[((long long)src * E + e) * K + (idx - src * K)] = loads[(long long)src * E + e];
-        }
-        return;
-    }
-    long long* demand = split_smem;            // [R]
-    long long* row_end = demand + R;           // [R] inclusive prefix of row deficits
-    long long* host = row_end + R;             // [K]
-    long long* local = host + K;               // [K]
-    long long* capacity = local + K;           // [K]
-    long long* column_sum = capacity + K;      // [K]
-    for (int src = tid; src < R; src += blockDim.x) demand[src] = src == tid ? own_load : loads[(long long)src * E + e];
-    if (tid < n) host[tid] = own_slot / (M + S);  // n <= K <= D <= blockDim.x (cuda.MAX_DOMAIN)
-    __syncthreads();
-    if (tid < n) {
-        local[tid] = min(demand[host[tid]], (long long)own_quota);
-        capacity[tid] = own_quota - local[tid];
-        column_sum[tid] = 0;
+        const int local = min(staged[host * share + c], tokens);
+        inst_host[idx] = host;
+        inst_local[idx] = local;
+        inst_capacity[idx] = tokens - local;
+        inst_column[idx] = 0;
+        atomicAdd(&item_total[x], tokens - local);  // zeroed at set-up
     }
     __syncthreads();
-    long long total = 0;
-    for (int i = 0; i < n; ++i) total += capacity[i];
-    // Every thread of a warp takes part in the shuffles; sources past R add nothing.
-    for (int base = 0; base < R; base += blockDim.x) {
-        const int src = base + tid;
-        long long d = src < R ? demand[src] : 0;
-        for (int i = 0; i < n; ++i) if (host[i] == src) d -= local[i];
-        long long row = 0;
+    // Demand of source src for item x once the hosts' local tokens are taken.
+    auto remote_demand = [&](int x, int src) {
+        const int c = replicated[x], n = replicas[first_column + c];
+        int d = staged[src * share + c];
+        for (int i = 0; i < n; ++i) d -= inst_host[x * K + i] == src ? inst_local[x * K + i] : 0;
+        return (long long)d;
+    };
+    // Proportional shares floor(d * capacity / total): row deficits, and column sums (a
+    // warp covers 32 sources of one item, so it adds each column once).
+    const int padded_sources = (R + 31) & ~31;
+    for (int idx = tid; idx < items * padded_sources; idx += THREADS) {
+        const int x = idx / padded_sources, src = idx - x * padded_sources;
+        const int n = replicas[first_column + replicated[x]], total = item_total[x];
+        const double inverse = total ? __drcp_rn((double)total) : 0.0;
+        const long long d = src < R ? remote_demand(x, src) : 0;
+        int row = 0;
         for (int i = 0; i < n; ++i) {
-            const long long share = total ? d * capacity[i] / total : 0;
-            row += share;
-            const long long column = warp_sum(share);
-            if ((tid & 31) == 0 && column) atomicAdd((unsigned long long*)&column_sum[i], (unsigned long long)column);
+            const int share_i = total ? (int)floor_div(d * inst_capacity[x * K + i], total, inverse) : 0;
+            row += share_i;
+            const int column = __reduce_add_sync(FULL_MASK, share_i);
+            if (lane == 0 && column) atomicAdd(&inst_column[x * K + i], column);
         }
-        if (src < R) { demand[src] = d; row_end[src] = d - row; }
+        if (src < R) row_prefix[x * R + src] = (int)d - row;
     }
     __syncthreads();
-    block_inclusive_scan(row_end, R);
-    for (int src = tid; src < R; src += blockDim.x) {
-        const long long d = demand[src];
-        const long long row_stop = row_end[src], row_start = src ? row_end[src - 1] : 0;
-        long long col_start = 0, prefix = 0;
-        int* out = split_prefix + ((long long)src * E + e) * K;
-        for (int i = 0; i < K; ++i) {
-            if (i < n) {
-                const long long col_stop = col_start + capacity[i] - column_sum[i];
-                long long value = total ? d * capacity[i] / total : 0;
-                value += max(0LL, min(row_stop, col_stop) - max(row_start, col_start));  // north-west corner
-                if (host[i] == src) value += local[i];
-                prefix += value;
-                col_start = col_stop;
+    for (int x = warp; x < items; x += WARPS) {  // north-west corner bounds: deficit prefixes
+        const int n = replicas[first_column + replicated[x]];
+        for (int i = lane; i < n; i += 32) inst_column[x * K + i] = inst_capacity[x * K + i] - inst_column[x * K + i];
+        __syncwarp();
+        warp_inclusive_scan(inst_column + x * K, n);
+        warp_inclusive_scan(row_prefix + x * R, R);
+    }
+    __syncthreads();
+    // Each source's row of K prefixes: share + north-west overlap + local tokens.
+    for (int idx = tid; idx < items * R; idx += THREADS) {
+        const int x = idx / R, src = idx - x * R, c = replicated[x];
+        const int n = replicas[first_column + c], total = item_total[x];
+        const double inverse = total ? __drcp_rn((double)total) : 0.0;
+        const long long d = remote_demand(x, src);
+        const int row_stop = row_prefix[x * R + src], row_start = src ? row_prefix[x * R + src - 1] : 0;
+        int* out = split_prefix + ((long long)src * E + first_expert + first_column + c) * K;
+        int prefix = 0;
+        for (int i0 = 0; i0 < K; i0 += 4) {
+            int values[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int i = i0 + u;
+                if (i < n) {
+                    const int col_start = i ? inst_column[x * K + i - 1] : 0, col_stop = inst_column[x * K + i];
+                    prefix += total ? (int)floor_div(d * inst_capacity[x * K + i], total, inverse) : 0;
+                    prefix += max(0, min(row_stop, col_stop) - max(row_start, col_start));
+                    prefix += inst_host[x * K + i] == src ? inst_local[x * K + i] : 0;
+                }
+                values[u] = prefix;
             }
-            out[i] = (int)prefix;
+            store_quad(out, i0, K, values);
         }
     }
 }

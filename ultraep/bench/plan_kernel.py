@@ -5,9 +5,11 @@ UltraEP numbers measured on the same kind of GPU (``shared/anchors.md``).
 
 Kernel times (``plan_ms``, ``reroute_ms``) are CUDA-event medians over ``--repeats``
 replays of a captured CUDA graph after a warm-up; ``*_launch_ms`` time the same calls
-launched from Python (host launch gaps included); ``place_ms`` and ``split_ms`` are
-the planner's two kernels alone (``plan_domains``, ``plan_split``). The NumPy planner time is the
-wall-clock median of a few runs. Without a GPU only the NumPy columns are filled.
+launched from Python (host launch gaps included). The planner is one kernel
+(``plan_domains``: placement, quotas and split); ``exact_plan_ms`` times it searching to
+the oracle's exact threshold (``tau_tolerance=0``) instead of the default tolerance.
+The NumPy planner time is the wall-clock median of a few runs. Without a GPU only the
+NumPy columns are filled.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ ANCHOR = {
 }
 
 COLUMNS = ["experts", "target", "seed", "before", "after", "plan_ms", "reroute_ms", "plan_launch_ms",
-           "reroute_launch_ms", "place_ms", "split_ms", "slots",
+           "reroute_launch_ms", "exact_plan_ms", "slots",
            "max_replicas", "remote_pct", "numpy_ms", "anchor_after", "anchor_plan_ms", "anchor_reroute_ms",
            "anchor_slots", "anchor_max_replicas"]
 
@@ -58,13 +60,14 @@ def parse_args(argv):
 def gpu_times(loads, topk, layout, repeats):
     """Plan and reroute (rank 0's tokens) times: graph replay and plain launches, ms."""
     import cupy
-    from ultraep.planner.cuda import empty_plan, launch_place, launch_split
+    from ultraep.planner.cuda import empty_plan
 
     plan = empty_plan(layout)
     plan.loads[...] = cupy.asarray(loads)
 
-    def plan_once():
-        plan_placement(plan.loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, backend="cupy", out=plan)
+    def plan_once(tau_tolerance=None):
+        plan_placement(plan.loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, backend="cupy", out=plan,
+                       tau_tolerance=tau_tolerance)
 
     ids = cupy.asarray(topk[0])
     slots = cupy.empty(ids.shape, np.int32)
@@ -73,8 +76,7 @@ def gpu_times(loads, topk, layout, repeats):
         reroute(ids, plan, 0, out=slots)
 
     return dict(plan_ms=graph_ms(plan_once, repeats), plan_launch_ms=median_event_ms(plan_once, repeats),
-                place_ms=graph_ms(lambda: launch_place(plan, MIN_REPLICA_TOKENS, 0), repeats),
-                split_ms=graph_ms(lambda: launch_split(plan), repeats),
+                exact_plan_ms=graph_ms(lambda: plan_once(0), repeats),
                 reroute_ms=graph_ms(reroute_once, repeats), reroute_launch_ms=median_event_ms(reroute_once, repeats))
 
 

@@ -15,25 +15,29 @@ from ultraep.planner.plan import Plan, array_module, check_loads
 from ultraep.runtime.kernels import get_function
 
 PLAN_CLUSTER = 8      # blocks per domain, a thread-block cluster (raw_kernels/planner.cu)
-PLAN_WARPS = 4        # warps per block, one threshold probe each
-PROBES = PLAN_CLUSTER * PLAN_WARPS
+PLAN_PROBE_WARPS = 4  # warps per block that run a threshold probe each
+PLAN_WARPS = 16       # warps per block
+PROBES = PLAN_CLUSTER * PLAN_PROBE_WARPS
+MOVE_INTS = 3         # ints per recorded move
 MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
-SPLIT_THREADS = 256
 REROUTE_CHUNK = 1024  # ids per block, = blockDim of both reroute kernels
 MAX_DOMAIN = 128      # ranks per domain a warp holds in registers (plan_domains<4>)
 _INT = 4
 
 
 def empty_plan(layout: ExpertLayout) -> Plan:
-    """Device buffers for a plan of ``layout`` (outputs of ``plan_placement_cupy``)."""
+    """Device buffers for a plan of ``layout`` (outputs of ``plan_placement_cupy``), with
+    the planner's small workspace (zeroed once; the kernel leaves it zeroed)."""
     import cupy
 
     R, E, K = layout.num_ranks, layout.num_experts, layout.max_instances
-    return Plan(layout=layout, loads=cupy.empty((R, E), np.int32),
+    plan = Plan(layout=layout, loads=cupy.empty((R, E), np.int32),
                 phys_to_log=cupy.empty(layout.num_physical, np.int32), log_to_phys=cupy.empty((E, K), np.int32),
                 replica_count=cupy.empty(E, np.int32), quota=cupy.empty((E, K), np.int32),
                 split_prefix=cupy.empty((R, E, K), np.int32), rank_load=cupy.empty(R, np.int64),
                 imbalance_before=cupy.empty((), np.float64), imbalance_after=cupy.empty((), np.float64))
+    plan.planner_workspace = cupy.zeros(3 * layout.num_domains + 1, np.int64)
+    return plan
 
 
 def _kernel(filename, name, shared_bytes):
@@ -43,7 +47,7 @@ def _kernel(filename, name, shared_bytes):
     return function
 
 
-def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int, tau_tolerance: int,
+def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int, tau_tolerance: int | None,
                         out: Plan | None = None) -> Plan:
     """``quota.plan_placement`` on the GPU. NumPy loads are value-checked on the host and
     uploaded; CuPy loads are checked for shape and dtype only (values would need a sync)."""
@@ -53,50 +57,48 @@ def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int,
         loads = cupy.asarray(check_loads(loads, layout))
     else:
         loads = check_loads(loads, layout, check_values=False)
-    R, E, S, D, K = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.domain_size,
-                     layout.max_instances)
-    if D > MAX_DOMAIN:
-        raise ValueError(f"the CuPy planner handles domains of up to {MAX_DOMAIN} ranks, got {D}")
+    if layout.domain_size > MAX_DOMAIN:
+        raise ValueError(f"the CuPy planner handles domains of up to {MAX_DOMAIN} ranks, got {layout.domain_size}")
+    shared_bytes = plan_shared_bytes(layout)
+    if shared_bytes > MAX_SHARED_BYTES:
+        raise ValueError(f"{layout} needs {shared_bytes} bytes of shared memory in the CuPy planner "
+                         f"(at most {MAX_SHARED_BYTES}); use the numpy backend")
     if out is None:
         out = empty_plan(layout)
     elif out.layout != layout:
         raise ValueError("out was allocated for another layout")
+    elif getattr(out, "planner_workspace", None) is None:
+        raise ValueError("out must come from ultraep.planner.cuda.empty_plan (it carries the planner's workspace)")
     if loads.data.ptr != out.loads.data.ptr:  # callers may gather straight into out.loads
         out.loads[...] = loads
-    launch_place(out, min_replica_tokens, tau_tolerance)
-    launch_split(out)
+    tolerance = -1 if tau_tolerance is None else min(tau_tolerance, 2**31 - 1)  # -1: quota.auto_tolerance
+    R, E, S, D, K, M = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.domain_size,
+                        layout.max_instances, layout.experts_per_rank)
+    chunks = next(c for c in (1, 2, 4) if 32 * c >= D)
+    plan_domains = _kernel("planner.cu", f"plan_domains<{chunks}>", shared_bytes)
+    plan_domains((layout.num_domains * PLAN_CLUSTER,), (PLAN_WARPS * 32,),
+                 (out.loads, np.int32(R), np.int32(E), np.int32(S), np.int32(D), np.int32(K),
+                  np.int32(max(min_replica_tokens, 1)), np.int32(tolerance), out.phys_to_log, out.log_to_phys,
+                  out.replica_count, out.quota, out.rank_load, out.split_prefix, out.imbalance_before,
+                  out.imbalance_after, out.planner_workspace),
+                 shared_mem=shared_bytes)
     return out
 
 
-def launch_place(out: Plan, min_replica_tokens: int, tau_tolerance: int) -> None:
-    """``plan_domains``: placement, quotas and rank loads of ``out`` from ``out.loads``."""
-    layout = out.layout
-    R, E, S, D, K, M = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.domain_size,
-                        layout.max_instances, layout.experts_per_rank)
-    # the carve-up of shared memory in plan_domains (per block)
-    domain_ints = 5 * D * M + 5 * D + 2 * S * D * (PLAN_WARPS + 1) + 6 * PROBES + 2 + -(-D * M // PLAN_CLUSTER)
-    if domain_ints * _INT > MAX_SHARED_BYTES:
-        raise ValueError(f"{layout} needs {domain_ints * _INT} bytes of shared memory in the CuPy planner "
-                         f"(at most {MAX_SHARED_BYTES}); use the numpy backend")
-    chunks = next(c for c in (1, 2, 4) if 32 * c >= D)
-    plan_domains = _kernel("planner.cu", f"plan_domains<{chunks}>", domain_ints * _INT)
-    plan_domains((layout.num_domains * PLAN_CLUSTER,), (PLAN_WARPS * 32,),
-                 (out.loads, np.int32(R), np.int32(E), np.int32(S), np.int32(D), np.int32(K),
-                  np.int32(max(min_replica_tokens, 1)), np.int32(min(tau_tolerance, 2**31 - 1)),
-                  out.phys_to_log, out.log_to_phys, out.replica_count, out.quota, out.rank_load),
-                 shared_mem=domain_ints * _INT)
-
-
-def launch_split(out: Plan) -> None:
-    """``plan_split``: the split prefix and the imbalances of ``out`` from its placement."""
-    layout = out.layout
-    R, E, S, K = layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.max_instances
-    split_bytes = (2 * R + 4 * K) * 8
-    plan_split = _kernel("planner.cu", "plan_split", split_bytes)
-    plan_split((E + 1,), (SPLIT_THREADS,),
-               (out.loads, out.log_to_phys, out.replica_count, out.quota, out.rank_load, np.int32(R), np.int32(E),
-                np.int32(S), np.int32(K), out.split_prefix, out.imbalance_before, out.imbalance_after),
-               shared_mem=split_bytes)
+def plan_shared_bytes(layout: ExpertLayout) -> int:
+    """Dynamic shared memory of one ``plan_domains`` block (its carve-up, in ints)."""
+    R, S, D, K, M = (layout.num_ranks, layout.redundant_slots, layout.domain_size, layout.max_instances,
+                     layout.experts_per_rank)
+    DM, moves = D * M, MOVE_INTS * S * D
+    share = -(-DM // PLAN_CLUSTER)
+    ints = (3 * DM + 3 * D                 # expert loads, orders, rank loads
+            + (2 * PLAN_PROBE_WARPS + 1) * moves  # each probe's moves per round parity, the chosen ones
+            + 6 * PROBES                   # round results
+            + R * share + share            # staged load columns, their sums
+            + 3 * DM + D + D * S           # replicas, master quotas, first moves, incoming, slot experts
+            + share + 1                    # replicated experts of the block
+            + share * (4 * K + R + 1))     # split of the replicated experts
+    return ints * _INT
 
 
 def reroute_workspace_size(layout: ExpertLayout, num_ids: int) -> int:

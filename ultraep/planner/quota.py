@@ -7,10 +7,12 @@ Each NVLink domain is solved on its own (replicas never leave it):
    the open interval ``(lo, hi)`` (``probe_points``; ``lo`` = ceil(mean)-1 is infeasible,
    ``hi`` = the initial max is feasible with no moves); the lowest feasible probe
    becomes ``hi`` and the probe below it ``lo``. Rounds stop at ``hi - lo <=
-   tau_tolerance + 1``, so the default (0) ends at the oracle's exact threshold, not at
-   a relative accuracy. The GPU evaluates one probe per warp; this reference evaluates
-   the same probes in the same order, so both pick the same ``tau`` even where the
-   oracle is not monotone.
+   tau_tolerance + 1``. The default tolerance is ``lo >> NEAR_SHIFT`` tokens (about
+   0.05% of the domain's mean rank load, the spacing of the near probes): typical
+   loads then need one round, and ``tau`` is within that spacing of the oracle's
+   exact threshold, which ``tau_tolerance=0`` finds. The GPU evaluates one probe per
+   warp; this reference evaluates the same probes in the same order, so both pick the
+   same ``tau`` even where the oracle is not monotone.
 2. **Greedy oracle** for one ``tau``: overloaded ranks in descending load, their
    masters in descending load; while the rank is above ``tau``, move
    ``need = min(max(excess, q_min), expert's remaining master quota)`` of the expert to
@@ -40,16 +42,18 @@ NEAR_SHIFT = 11   # near step = lo / 2**11, about 0.05% of the mean
 
 
 def plan_placement(loads, layout: ExpertLayout, *, min_replica_tokens: int = 1024, backend: str = "numpy",
-                   tau_tolerance: int = 0, out: Plan | None = None) -> Plan:
+                   tau_tolerance: int | None = None, out: Plan | None = None) -> Plan:
     """Plan replicas, quotas and the per-source split for load matrix ``loads[R, E]``.
 
     ``backend="cupy"`` runs ``raw_kernels/planner.cu`` without host synchronisation and
     returns a plan of CuPy arrays, bitwise equal to the NumPy reference.
-    ``tau_tolerance`` (tokens) lets the threshold search stop early. ``out`` (CuPy only,
+    ``tau_tolerance`` (tokens): how close the threshold search gets to the oracle's
+    exact threshold; ``None`` = ``auto_tolerance`` of each domain. ``out`` (CuPy only,
     from ``cuda.empty_plan``) receives the plan in place, e.g. for CUDA graph capture.
     """
     min_replica_tokens = _non_negative_int("min_replica_tokens", min_replica_tokens)
-    tau_tolerance = _non_negative_int("tau_tolerance", tau_tolerance)
+    if tau_tolerance is not None:
+        tau_tolerance = _non_negative_int("tau_tolerance", tau_tolerance)
     if backend == "cupy":
         from ultraep.planner.cuda import plan_placement_cupy
 
@@ -87,6 +91,12 @@ def probe_points(lo: int, hi: int) -> list[int]:
     start, far = lo + NEAR_PROBES * step, PROBES_PER_ROUND - NEAR_PROBES
     return ([lo + (i + 1) * step for i in range(NEAR_PROBES)]
             + [start + (i + 1) * (hi - start) // (far + 1) for i in range(far)])
+
+
+def auto_tolerance(lo: int) -> int:
+    """Default search tolerance of a domain whose lower bound is ``lo``: the near-probe
+    spacing ``lo >> NEAR_SHIFT``."""
+    return max(0, lo >> NEAR_SHIFT)
 
 
 class DomainOracle:
@@ -150,11 +160,12 @@ class DomainOracle:
                 most, most_slack = t, slack
         return fit if fit >= 0 else most
 
-    def search(self, tau_tolerance: int) -> int:
+    def search(self, tau_tolerance: int | None) -> int:
         """The threshold the search settles on (see the module docstring)."""
         lo = -(-sum(self.rank_load) // len(self.rank_load)) - 1
         hi = max(self.rank_load)
-        while hi - lo > tau_tolerance + 1:
+        tolerance = auto_tolerance(lo) if tau_tolerance is None else tau_tolerance
+        while hi - lo > tolerance + 1:
             probes = probe_points(lo, hi)
             below = lo
             for tau in probes:
@@ -166,7 +177,7 @@ class DomainOracle:
         return hi
 
 
-def place_replicas(loads, layout: ExpertLayout, min_replica_tokens: int, tau_tolerance: int = 0):
+def place_replicas(loads, layout: ExpertLayout, min_replica_tokens: int, tau_tolerance: int | None = None):
     """``(log_to_phys int32[E, K], quota int32[E, K])`` from the per-domain greedy plan."""
     E, K, D, M = layout.num_experts, layout.max_instances, layout.domain_size, layout.experts_per_rank
     expert_load = loads.sum(axis=0, dtype=np.int64)
