@@ -40,10 +40,14 @@ def empty_plan(layout: ExpertLayout) -> Plan:
     return plan
 
 
+_shared_limits: dict[tuple[str, str], int] = {}  # dynamic shared memory each kernel was opened up to
+
+
 def _kernel(filename, name, shared_bytes):
     function = get_function(filename, name)
-    if shared_bytes > 48 * 1024 and function.max_dynamic_shared_size_bytes < shared_bytes:
+    if shared_bytes > max(48 * 1024, _shared_limits.get((filename, name), 0)):  # no driver query per launch
         function.max_dynamic_shared_size_bytes = shared_bytes
+        _shared_limits[(filename, name)] = shared_bytes
     return function
 
 

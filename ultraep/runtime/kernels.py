@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 COMPILE_OPTIONS = ("--std=c++17",)
 _KERNEL_LINE = re.compile(r"^//!\s*kernels:\s*(.+)$", re.MULTILINE)
 _modules: dict[str, object] = {}
+_functions: dict[tuple[str, str], object] = {}
 
 
 def kernel_dir() -> Path:
@@ -105,9 +106,16 @@ def _compile(filename: str):
 
 
 def get_function(filename: str, name: str, *, group: "EPGroup | None" = None):
-    """A ``cupy.RawKernel`` for ``name`` (as declared on the file's ``//! kernels:`` line)."""
+    """A ``cupy.RawKernel`` for ``name`` (as declared on the file's ``//! kernels:`` line).
+
+    Cached: hot paths look their kernels up on every launch, and reading the source to
+    check the declaration cost tens of microseconds of host time per call."""
+    function = _functions.get((filename, name))
+    if function is not None:
+        return function
     module = load_module(filename, group=group)
     declared = declared_kernels(kernel_source(filename))
     if name not in declared:
         raise KeyError(f"{name!r} is not declared in {filename} (declared: {', '.join(declared)})")
-    return module.get_function(name)
+    function = _functions[(filename, name)] = module.get_function(name)
+    return function
