@@ -218,7 +218,7 @@ __device__ void store_tiles(SyncShared& s, const unsigned char* tiles, int stage
 }
 
 // Counting warp, one thread: each stored tile (its writes complete; lanes' tail stores are
-// ordered by the warp barrier before the hand-over) counts toward its chunk in
+// ordered by the storing warp's __syncwarp before its `landed` arrive) counts toward its chunk in
 // done[task]; the block that counts a chunk's last tile resets the counter and publishes
 // the chunk flag at every destination.
 __device__ void count_tiles(SyncShared& s, const i64* dests, const u64* peer_bases, int* done, u64 flag_value) {

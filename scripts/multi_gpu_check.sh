@@ -14,6 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+rm -f "$OUT"/bench-*.json "$OUT"/summary.txt  # a reused $OUT must not report an earlier run
 # NVLink multicast stays off (device README): a program using it can put a shared host's
 # GPUs out of service. Exported here so every rank and every test inherits it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

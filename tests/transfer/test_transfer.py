@@ -10,7 +10,8 @@ RANKS = 4
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("check, grad_dtype", [("sync", "float32"), ("relay", "float32"), ("grads", "float32"),
+@pytest.mark.parametrize("check, grad_dtype", [("sync", "float32"), ("relay", "float32"), ("pipeline", "float32"),
+                                               ("grads", "float32"),
                                                ("grads", "bfloat16"), ("empty", "float32"), ("repeat", "float32"),
                                                ("bad-input", "float32")])
 def test_transfer_across_ranks(backend, check, grad_dtype):

@@ -39,8 +39,10 @@ from ultraep.runtime.launch import multi_rank_main
 POLICIES = ("none", "ultraep", "ideal")
 ROUTING_DRAWS = 32  # Zipf rankings tried per layer: whether a target is reachable depends on which experts share a rank
 COLUMNS = ["policy", "step_ms", "tokens_per_s", "vs_ideal", "rows_max_mean", "replicas", "out_diff", "grad_diff"]
-# Largest relative difference of ultraep's outputs and master gradients from none's.
-TOLERANCE = {"float16": 5e-2, "float32": 1e-4}
+# Largest relative difference of ultraep's outputs and master gradients from none's: another
+# summation order moves fp16 by about 1e-3; a replica gradient dropped or added twice, by
+# several percent.
+TOLERANCE = {"float16": 1e-2, "float32": 1e-4}
 
 
 def parse_args(argv):

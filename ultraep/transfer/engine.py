@@ -16,7 +16,10 @@ On the GPU everything is enqueued on CuPy's current stream (the caller's; see
 ``runtime.dlpack.caller_stream``): each transfer first compiles its plan's task tables on
 the device (``device_schedule``) into tables allocated here once, so with a plan already
 on the device (the planner's CuPy backend) no call allocates or waits for the device.
-:meth:`synchronize` waits and reports device-side timeouts and refused plans. On the
+Those tables and the kernels' counters are shared by every call of one engine, as the
+replica slots are: its transfers must be ordered on one stream (or by events), never run
+concurrently on two. :meth:`synchronize` waits and reports device-side timeouts and
+refused plans (on the ranks that refused the plan). On the
 CPU backend the NumPy executor runs the schedule ``compile_schedule`` makes per call.
 """
 
@@ -83,8 +86,6 @@ class WeightTransfer:
             name = "reduce_grads<__nv_bfloat16>" if spec.grad_dtype.name == "bfloat16" else "reduce_grads<float>"
             self._reduce_kernel = get_function("transfer.cu", name, group=group)
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
-            # [blocks done, tiles done per task]: zero between launches (the kernel resets them)
-            self._sync_counters = cupy.zeros(1, dtype=np.int32)
             self._sync_stages = min(max(SYNC_STAGE_BYTES // tile_bytes, 2), SYNC_MAX_STAGES)
             self._sync_kernel.max_dynamic_shared_size_bytes = SYNC_STAGE_BYTES  # any engine's stages
             first_tiles = np.searchsorted([t for t, _, _ in self.geometry.tiles], np.arange(len(spec.weights)))
@@ -101,6 +102,13 @@ class WeightTransfer:
         self.device_schedule = DeviceSchedule(layout, spec, self.geometry, self.placement, self.rank,
                                               relay_threshold=relay_threshold, relay_count=relay_count,
                                               group=group) if self.gpu else None
+        if self.gpu:
+            tasks = len(self.device_schedule.weight_tasks)
+            group.raise_if_any(None if tasks * self.geometry.chunk_tiles < 2**31 else
+                               f"{tasks} weight tasks x {self.geometry.chunk_tiles} tiles per chunk overflow the "
+                               "kernel's int32 tile index; use larger tiles", "WeightTransfer set-up")
+            # [blocks done, tiles done per task]: zero between launches (the kernel resets them)
+            self._sync_counters = cupy.zeros(1 + tasks, dtype=np.int32)
 
     # -- buffers the framework computes with ------------------------------------------
     def replica_weights(self, slot: int) -> list:
@@ -194,9 +202,6 @@ class WeightTransfer:
     restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
 
     def _launch_sync(self, entry, tables: DeviceSchedule, blocks: int) -> None:
-        if len(self._sync_counters) < 1 + len(tables.weight_tasks):  # once: the tables have a fixed capacity
-            import cupy
-            self._sync_counters = cupy.zeros(1 + len(tables.weight_tasks), dtype=np.int32)
         self._sync_kernel((blocks,), (SYNC_THREADS,), (
             tables.weight_tasks, tables.weight_task_count, np.int32(self.geometry.chunk_tiles), self._tensor_table,
             np.int32(len(self.spec.weights)), np.int64(self.geometry.tile_bytes), np.int32(self._sync_stages),

@@ -1,6 +1,6 @@
 """Multi-rank data-plane check, run under mpiexec by tests/transfer/test_transfer.py.
 
-Usage: python -m mpi4py transfer_check.py {cpu|cuda} {sync|relay|grads|empty|repeat|bad-input} [grad dtype]
+Usage: python -m mpi4py transfer_check.py {cpu|cuda} {sync|relay|pipeline|grads|empty|repeat|bad-input} [grad dtype]
 Every master's weights and every instance's gradients are a seeded function of (layer,
 expert, instance), so each rank checks what it holds without asking anyone.
 """
@@ -70,11 +70,22 @@ def random_plan(seed, max_fanout):
     return Plan.from_split(LAYOUT, loads, log_to_phys, split)
 
 
-def register(engine, with_grads_of=None):
-    """Both layers; masters' gradients start as instance-0 gradients."""
+def misaligned_copy(array, offset=2):
+    """``array``'s values in memory that starts ``offset`` bytes past a 16-byte boundary."""
+    raw = xp.zeros(array.nbytes + 16, xp.uint8)
+    view = raw[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape)
+    view[...] = array
+    return view
+
+
+def register(engine, misaligned=False):
+    """Both layers; masters' gradients start as instance-0 gradients. ``misaligned``: each
+    rank's first master tensor lies 2 bytes past an aligned address."""
     grads_by_layer = {}
     for layer in range(LAYERS):
         weights = [[xp.asarray(w) for w in master_weights(layer, me * M + m)] for m in range(M)]
+        if misaligned:
+            weights[0][0] = misaligned_copy(weights[0][0])
         grads = [[xp.asarray(g) for g in instance_grads(layer, me * M + m, 0)] for m in range(M)]
         engine.register_layer(layer, weights, grads)
         grads_by_layer[layer] = grads
@@ -157,6 +168,20 @@ def relay(heap):
         assert total > 0, "no leaf was served by a relay: the test proved nothing"
         if me == 0:
             print(f"relay: {total} leaf replicas received every chunk from their relay", flush=True)
+
+
+def pipeline(_):
+    """One or two blocks stream every tile through 256-byte stages (stage reuse, the
+    hand-over rings wrapping, several tiles counted at once), direct and through relays,
+    from masters that are not 16-byte aligned. A heap holds one engine: each
+    configuration gets its own."""
+    for blocks in (1, 2):
+        for relay_threshold in (R, 1):
+            with open_heap(group, 8 << 20, backend=backend) as heap, \
+                    WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=256, chunk_tiles=3, relay_threshold=relay_threshold,
+                                   relay_count=1, blocks=blocks) as engine:
+                register(engine, misaligned=True)
+                assert sum(group.allgather(run_sync(engine, 3, R - 1))) > 0, "no replica was ever placed"
 
 
 def grads(heap):
@@ -269,5 +294,6 @@ def bad_input(heap):
 
 
 with open_heap(group, 8 << 20, backend=backend) as heap:
-    {"sync": sync, "relay": relay, "grads": grads, "empty": empty, "repeat": repeat, "bad-input": bad_input}[check](heap)
+    {"sync": sync, "relay": relay, "pipeline": pipeline, "grads": grads, "empty": empty, "repeat": repeat,
+     "bad-input": bad_input}[check](heap)
 print(f"[{check}] rank {me} OK", flush=True)
