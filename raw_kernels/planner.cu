@@ -14,15 +14,18 @@
 //  2. Threshold search: one probe warp per probe, PROBES probes per round. A probe's greedy
 //     oracle is a serial chain of warp-wide steps, so it is kept short: each lane owns
 //     ranks lane, lane+32, ... in registers, and one move costs one min-reduction over
-//     32-bit keys that order best fit before most slack, one ballot per chunk for the
-//     lowest index, and predicated updates of the target's and the source's registers.
-//     A probe's result is broadcast to every block, so all blocks take the same
-//     decision after one cluster barrier per round.
-//  3. Every block copies the winning probe's moves from the winner's shared memory,
-//     rebuilds the domain's placement, and writes the outputs and the locality-first
-//     split of its share of the experts (one warp per replicated expert).
-//  4. Imbalance before/after: directly when there is one domain, else the last cluster
-//     to finish (a ticket in the plan's workspace) combines the domains' figures.
+//     32-bit keys that order best fit before most slack (the rank index packed in the
+//     key when loads allow, else one ballot per chunk) and predicated updates of the
+//     target's and the source's registers. A probe's result is broadcast to every block,
+//     so all blocks take the same decision after one cluster barrier per round.
+//     Meanwhile ROW_WARPS idle warps write the split rows of unreplicated experts, and
+//     the idle warps of the winner's block push its moves to every block.
+//  3. Every block rebuilds the domain's placement from the winner's moves and writes the
+//     outputs of its share of the experts and ranks, and the locality-first split of its
+//     replicated experts (block-wide over (expert, source) pairs).
+//  4. Imbalance before/after, by one warp alongside step 3: directly when there is one
+//     domain, else the last cluster to finish (a ticket in the plan's workspace)
+//     combines the domains' figures.
 // All decisions use integer arithmetic (the total load is below 2**31) and break ties by
 // the lowest index, exactly as the NumPy reference does.
 
