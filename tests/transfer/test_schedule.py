@@ -9,7 +9,7 @@ import pytest
 from tests.transfer.random_plans import random_plan
 from ultraep.planner import ExpertLayout
 from ultraep.transfer.device_schedule import COUNT_FIELDS, ScheduleCapacity
-from ultraep.transfer.schedule import HeapPlacement, TileGeometry, compile_schedule
+from ultraep.transfer.schedule import HeapPlacement, TileGeometry, compile_schedule, placement_error
 from ultraep.transfer.spec import ExpertSpec
 
 LAYOUTS = [ExpertLayout(4, 12, 2), ExpertLayout(8, 16, 3, 8, 8), ExpertLayout(8, 32, 2, 4), ExpertLayout(16, 64, 4),
@@ -95,3 +95,37 @@ def test_grad_tiles_cover_each_gradient_tensor():
     for t, grad in enumerate(SPEC.grads):
         tiles = [(offset, nbytes) for tensor, offset, nbytes in geometry.grad_tiles if tensor == t]
         assert sum(n for _, n in tiles) == grad.nbytes and [o for o, _ in tiles] == list(range(0, grad.nbytes, 512))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=repr)
+def test_placement_error_accepts_planner_placements(layout):
+    rng = np.random.default_rng(layout.num_experts)
+    for _ in range(20):
+        plan = random_plan(layout, rng)
+        assert placement_error(layout, plan.log_to_phys, plan.replica_count) is None
+
+
+def test_placement_error_names_each_broken_rule():
+    layout = ExpertLayout(8, 16, 2, 4)  # 2 masters + 2 redundant slots per rank, domains of 4 ranks, K = 4
+    P, M = layout.slots_per_rank, layout.experts_per_rank
+
+    def error(**replicas):  # expert -> list of replica slots
+        ltp = np.full((16, layout.max_instances), -1, np.int32)
+        ltp[:, 0] = [layout.master_slot(e) for e in range(16)]
+        count = np.ones(16, np.int32)
+        for name, slots in replicas.items():
+            e = int(name[1:])
+            ltp[e, 1:1 + len(slots)] = slots
+            count[e] += len(slots)
+        return placement_error(layout, ltp, count)
+
+    assert error(e0=[1 * P + M]) is None
+    assert "outside the redundant slots" in error(e0=[1 * P + 0])            # a master slot of rank 1
+    assert "outside the redundant slots" in error(e0=[8 * P])                 # beyond the layout
+    assert "outside its domain" in error(e0=[4 * P + M])                      # rank 4: the other domain
+    assert "master's rank" in error(e0=[0 * P + M])                           # its own rank
+    assert "share one slot" in error(e0=[1 * P + M], e1=[1 * P + M])
+    assert "two instances on one rank" in error(e0=[1 * P + M, 1 * P + M + 1])
+    bad_count = np.ones(16, np.int32)
+    bad_count[3] = layout.max_instances + 1
+    assert "outside [1," in placement_error(layout, np.zeros((16, layout.max_instances), np.int32), bad_count)

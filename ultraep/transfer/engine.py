@@ -31,7 +31,7 @@ from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.heap import SymmetricHeap
 from ultraep.transfer.device_schedule import DeviceSchedule
 from ultraep.transfer.executor import TransferTimeout, chunk_timeout_message, run_grad_tasks, run_weight_tasks
-from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule
+from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, placement_error
 from ultraep.transfer.spec import ExpertSpec
 
 DEFAULT_TILE_BYTES = 32 << 10
@@ -174,6 +174,13 @@ class WeightTransfer:
                                 self.placement, self.rank, relay_threshold=self.relay_threshold,
                                 relay_count=self.relay_count)
 
+    def _host_schedule(self, plan, what: str) -> Schedule:
+        """The CPU backend's schedule, once every rank found the plan's placement sound
+        (the same error on every rank otherwise; nothing is written)."""
+        host_plan = plan.to_numpy() if hasattr(plan, "to_numpy") else plan
+        self.group.raise_if_any(placement_error(self.layout, host_plan.log_to_phys, host_plan.replica_count), what)
+        return self.schedule(host_plan)
+
     def _check_plan(self, plan) -> None:
         if plan.layout != self.layout:
             raise ValueError(f"plan is for {plan.layout}, this WeightTransfer was set up for {self.layout}")
@@ -194,8 +201,8 @@ class WeightTransfer:
             self.device_schedule.compile_weights(plan)
             self._launch_sync(entry, self.device_schedule, blocks or self.blocks)
         else:
-            run_weight_tasks(self.schedule(plan), self.heap, entry["sources"], self.spec.weight_offsets, self._epoch,
-                             self.timeout_s)
+            run_weight_tasks(self._host_schedule(plan, "weight_sync"), self.heap, entry["sources"],
+                             self.spec.weight_offsets, self._epoch, self.timeout_s)
         if barrier:
             self.heap.barrier(self.timeout_s, wait=not self.gpu)
 
@@ -220,7 +227,7 @@ class WeightTransfer:
             self._reduce_kernel((blocks or self.blocks,), (256,), (
                 tables.grad_tasks, tables.grad_task_count, tables.grad_srcs, entry["grads"], self.heap.peer_bases))
         else:
-            run_grad_tasks(self.schedule(plan), self.heap, entry["grads"], self.spec.grad_dtype)
+            run_grad_tasks(self._host_schedule(plan, "reduce_grads"), self.heap, entry["grads"], self.spec.grad_dtype)
         self.heap.barrier(self.timeout_s, wait=not self.gpu)  # replica gradient slots are free again
 
     def synchronize(self) -> None:

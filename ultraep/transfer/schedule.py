@@ -90,6 +90,35 @@ class Schedule:
     bytes_sent: np.ndarray  # int64[R]: weight bytes each rank sends (after relay balancing)
 
 
+def placement_error(layout, log_to_phys, replica_count) -> str | None:
+    """Why a plan's placement cannot drive transfers, or ``None``: an instance count outside
+    [1, K], a replica outside the redundant slots, off its master's domain or on its
+    master's rank, two instances of an expert on one rank, or two replicas in one slot.
+    (The device compiler refuses the first two on the GPU.)"""
+    log_to_phys, replica_count = np.asarray(log_to_phys), np.asarray(replica_count)
+    K, P, M, D = layout.max_instances, layout.slots_per_rank, layout.experts_per_rank, layout.domain_size
+    bad = np.flatnonzero((replica_count < 1) | (replica_count > K))
+    if bad.size:
+        return f"expert {int(bad[0])} has {int(replica_count[bad[0]])} instances, outside [1, {K}]"
+    present = np.arange(K)[None, :] < replica_count[:, None]
+    present[:, 0] = False  # replicas only; masters are fixed by the layout
+    experts, columns = np.nonzero(present)
+    phys = log_to_phys[experts, columns].astype(np.int64)
+    outside = (phys < 0) | (phys >= layout.num_physical) | (phys % P < M)
+    if outside.any():
+        return f"expert {int(experts[outside][0])} has a replica outside the redundant slots (slot {int(phys[outside][0])})"
+    hosts, masters = phys // P, experts // M
+    stray = (hosts // D != masters // D) | (hosts == masters)
+    if stray.any():
+        e = int(experts[stray][0])
+        return f"expert {e} has a replica on rank {int(hosts[stray][0])}: on its master's rank or outside its domain"
+    if np.unique(phys).size != phys.size:
+        return "two replicas share one slot"
+    if np.unique(experts * layout.num_ranks + hosts).size != phys.size:
+        return "an expert has two instances on one rank"
+    return None
+
+
 def instances(layout, log_to_phys, replica_count, expert: int) -> list[tuple[int, int]]:
     """``[(rank, redundant slot index), ...]`` of the replicas of ``expert`` (instance 1..n-1)."""
     slots_per_rank, masters = layout.slots_per_rank, layout.experts_per_rank
