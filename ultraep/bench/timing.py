@@ -1,5 +1,7 @@
-"""GPU timing for the benchmarks: CUDA events around launches, and CUDA-graph replays so
-that Python's launch overhead stays out of kernels that run for only tens of microseconds."""
+"""GPU timing for the benchmarks: CUDA events around launches (Python's launch cost
+included), and CUDA-graph replays timed on the device alone, so that neither Python's
+launch overhead nor the host's submission latency is counted in kernels that run for only
+tens of microseconds."""
 
 from __future__ import annotations
 
@@ -25,8 +27,41 @@ def median_event_ms(launch, repeats: int, warmup: int = 10) -> float:
     return statistics.median(times)
 
 
+def held_event_ms(launch, repeats: int, warmup: int = 10, hold_us: float = 200.0) -> float:
+    """Median device time of ``launch()``: each timed launch is enqueued, between two
+    events, while a kernel holds the stream (``raw_kernels/timing.cu``), so the events
+    bracket the device's work and not the host's submission latency (the work a
+    framework enqueues behind running kernels sees the same). A hold that ended before
+    the host had enqueued the stop event is doubled and the launch timed again."""
+    import cupy
+
+    from ultraep.runtime.kernels import get_function
+
+    hold = get_function("timing.cu", "hold_stream")
+    for _ in range(warmup):
+        launch()
+    held, start, stop = cupy.cuda.Event(), cupy.cuda.Event(), cupy.cuda.Event()
+    times, hold_ns = [], int(hold_us * 1e3)
+    while len(times) < repeats:
+        hold((1,), (1,), (cupy.uint64(hold_ns),))
+        held.record()
+        start.record()
+        launch()
+        stop.record()
+        if held.done:  # the device waited for the host: the interval would include it
+            hold_ns *= 2
+            stop.synchronize()
+            if hold_ns > 10**9:
+                raise RuntimeError("held_event_ms: the host took over 1 s to enqueue one launch")
+            continue
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
 def graph_ms(launch, repeats: int):
-    """Median time of one replay of ``launch`` captured in a CUDA graph (None if it cannot be captured)."""
+    """Median device time (:func:`held_event_ms`) of one replay of ``launch`` captured in
+    a CUDA graph (None if it cannot be captured)."""
     import cupy
 
     launch()  # compile and fill the memory pool outside the capture
@@ -39,7 +74,7 @@ def graph_ms(launch, repeats: int):
         except Exception as error:  # report, do not fake a number
             print(f"graph capture failed: {error}", file=sys.stderr)
             return None
-        return median_event_ms(graph.launch, repeats)
+        return held_event_ms(graph.launch, repeats)
 
 
 def group_window_ms(group, fn, repeats: int, synchronize) -> float:
