@@ -163,9 +163,14 @@ __device__ __noinline__ int run_oracle(const DomainShared& sh, int tau, int D, i
                         if (hit) target = 32 * j + __ffs(hit) - 1;
                     }
                 }
-                // A leftover below q_min could never take a replica: fill the target
-                // instead, so the slack gathers on the source rank where it stays usable.
-                const int amount = chosen - need >= step ? need : min(chosen, remaining);
+                // A target that could take no further replica (leftover below q_min, or
+                // its last slot) is filled instead: the slack gathers on the source rank,
+                // where it stays usable. Its free slots come from its lane.
+                int target_free = free_slots[0];
+#pragma unroll
+                for (int j = 1; j < CHUNKS; ++j) target_free = target >> 5 == j ? free_slots[j] : target_free;
+                target_free = __shfl_sync(FULL_MASK, target_free, target & 31);
+                const int amount = chosen - need >= step && target_free > 1 ? need : min(chosen, remaining);
 #pragma unroll
                 for (int j = 0; j < CHUNKS; ++j) {  // branch-free: only the stores are predicated
                     const int t = lane + 32 * j;
@@ -196,7 +201,7 @@ __device__ __forceinline__ int probe_point(int lo, int hi, int w, bool* active) 
     *active = true;
     if (gap - 1 <= PROBES) { *active = w < gap - 1; return lo + 1 + w; }
     const long long step = max(1LL, min((long long)(lo >> NEAR_SHIFT), gap >> 6));
-    if (w < NEAR_PROBES) return (int)(lo + (w + 1) * step);
+    if (w < NEAR_PROBES) return (int)(lo + 1 + w * step);
     const long long start = lo + NEAR_PROBES * step;
     return (int)(start + (w - NEAR_PROBES + 1) * (hi - start) / (PROBES - NEAR_PROBES + 1));
 }
@@ -291,7 +296,7 @@ __device__ __forceinline__ void store_quad(int* out, int i0, int K, const int (&
 template <int CHUNKS>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
 plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, int step, int tau_tolerance,
-             int* __restrict__ phys_to_log, int* __restrict__ log_to_phys, int* __restrict__ replica_count,
+             long long cap_ppm, int* __restrict__ phys_to_log, int* __restrict__ log_to_phys, int* __restrict__ replica_count,
              int* __restrict__ quota, long long* __restrict__ rank_load, int* __restrict__ split_prefix,
              double* __restrict__ imbalance_before, double* __restrict__ imbalance_after,
              long long* __restrict__ workspace) {
@@ -387,14 +392,15 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         sh.expert_order[base + pos] = e;
         sh.order_load[base + pos] = sh.expert_load[e];
     }
-    // Search bounds (every warp computes them): lo = ceil(mean) - 1 is infeasible, hi =
-    // the initial max is feasible without any move.
+    // Search bounds (every warp computes them): lo = ceil(mean) - 1 is infeasible (or
+    // cap - 1: quota.search_floor), hi = the initial max is feasible without any move.
     long long total = 0;
     int hi = 0;
     for (int r = lane; r < D; r += 32) { total += sh.rank_load0[r]; hi = max(hi, sh.rank_load0[r]); }
     total = warp_sum(total);
     hi = __reduce_max_sync(FULL_MASK, hi);
     int lo = (int)((total + D - 1) / D) - 1;
+    if (cap_ppm) lo = (int)max((long long)lo, min((long long)hi, total * cap_ppm / (D * 1000000LL)) - 1);  // no search from hi - 1 on
     const int tolerance = tau_tolerance >= 0 ? tau_tolerance : max(0, lo >> NEAR_SHIFT);  // -1: quota.auto_tolerance
     __syncthreads();
 

@@ -32,18 +32,17 @@ def random_case(rng):
     return layout, loads.astype(np.int32), int(rng.choice([0, 1, 16, 256, 1024]))
 
 
-def assert_same_plan(layout, loads, min_tokens, tau_tolerance=None):
+def assert_same_plan(layout, loads, min_tokens, **options):
     import cupy
 
-    expected = plan_placement(loads, layout, min_replica_tokens=min_tokens, tau_tolerance=tau_tolerance)
+    expected = plan_placement(loads, layout, min_replica_tokens=min_tokens, **options)
     out = poisoned_plan(layout)
-    got = plan_placement(cupy.asarray(loads), layout, min_replica_tokens=min_tokens, backend="cupy",
-                         tau_tolerance=tau_tolerance, out=out)
+    got = plan_placement(cupy.asarray(loads), layout, min_replica_tokens=min_tokens, backend="cupy", out=out, **options)
     assert got is out
     got = got.to_numpy()
     for name in Plan.ARRAYS:
         a, b = getattr(expected, name), getattr(got, name)
-        assert a.dtype == b.dtype and np.array_equal(a, b), f"{name} differs for {layout}, min {min_tokens}"
+        assert a.dtype == b.dtype and np.array_equal(a, b), f"{name} differs for {layout}, min {min_tokens}, {options}"
     assert got.imbalance_before == expected.imbalance_before
     assert got.imbalance_after == expected.imbalance_after
     return expected
@@ -52,8 +51,10 @@ def assert_same_plan(layout, loads, min_tokens, tau_tolerance=None):
 def test_random_small_cases_bitwise_equal():
     rng = np.random.default_rng(2026)
     replicated = 0
-    for case in range(2000):  # every third case searches to the oracle's exact threshold
-        replicated += assert_same_plan(*random_case(rng), tau_tolerance=0 if case % 3 == 0 else None).slots_used > 0
+    for case in range(2000):  # every third case searches to the oracle's exact threshold, every fifth from a cap
+        options = dict(tau_tolerance=0 if case % 3 == 0 else None,
+                       target_imbalance=float(rng.choice([1.0, 1.003, 1.05, 1.5])) if case % 5 == 0 else None)
+        replicated += assert_same_plan(*random_case(rng), **options).slots_used > 0
     assert replicated > 300  # the cases exercise replication, not just the trivial plan
 
 
@@ -67,6 +68,7 @@ def test_large_layouts_bitwise_equal(ranks, experts, domain):
         plan = assert_same_plan(layout, loads, 1024)
         assert plan.slots_used > 0
         assert_same_plan(layout, loads, 1024, tau_tolerance=0)
+        assert_same_plan(layout, loads, 1024, target_imbalance=1.005)
     assert_same_plan(layout, zipf_loads(ranks, experts, 8, 8192, 2.0, 9), 1024, tau_tolerance=500)
 
 

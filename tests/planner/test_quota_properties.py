@@ -21,14 +21,15 @@ def planning_cases(draw):
     scale = draw(st.sampled_from([0, 5, 200, 200, 5000, 5000]))
     loads = rng.poisson(scale * skew[None, :], (ranks, layout.num_experts)).astype(np.int32)
     min_tokens = draw(st.sampled_from([0, 1, 16, 16, 256, 1024]))
-    return layout, loads, min_tokens
+    target = draw(st.sampled_from([None, None, None, 1.0, 1.01, 1.2]))
+    return layout, loads, min_tokens, target
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(planning_cases())
 def test_plan_invariants(case):
-    layout, loads, min_tokens = case
-    plan = plan_placement(loads, layout, min_replica_tokens=min_tokens)
+    layout, loads, min_tokens, target = case
+    plan = plan_placement(loads, layout, min_replica_tokens=min_tokens, target_imbalance=target)
     # quotas/splits/masters/slots/anti-affinity/domains/min size/rank loads:
     plan.validate(min_replica_tokens=max(min_tokens, 1))
     assert (plan.loads == loads).all()
@@ -36,7 +37,7 @@ def test_plan_invariants(case):
     assert plan.imbalance_after <= plan.imbalance_before
     by_rank = plan.phys_to_log.reshape(layout.num_ranks, layout.slots_per_rank)
     assert ((by_rank[:, layout.experts_per_rank:] >= 0).sum(axis=1) <= layout.redundant_slots).all()
-    again = plan_placement(loads.copy(), layout, min_replica_tokens=min_tokens)
+    again = plan_placement(loads.copy(), layout, min_replica_tokens=min_tokens, target_imbalance=target)
     for name in Plan.ARRAYS:
         assert np.array_equal(getattr(plan, name), getattr(again, name)), f"{name} differs on repeat"
 
@@ -68,6 +69,22 @@ def test_exact_threshold_and_tolerance():
     assert coarse.rank_load.max() == master_rank_load(layout, loads).max()  # no search round ran
 
 
+def test_target_imbalance_trades_balance_for_fewer_replicas():
+    from ultraep.planner.traces import zipf_loads
+
+    layout = ExpertLayout(64, 128, 2)
+    loads = zipf_loads(64, 128, 8, 8192, 2.0, 0)
+    tightest = plan_placement(loads, layout)
+    capped = plan_placement(loads, layout, target_imbalance=1.005)
+    mean = loads.sum() / 64
+    assert capped.rank_load.max() == int(mean * 1.005)  # the cap itself was probed first and reached
+    assert tightest.imbalance_after < capped.imbalance_after <= 1.005
+    assert capped.slots_used < tightest.slots_used
+    assert plan_placement(loads, layout, target_imbalance=1.0).slots_used == tightest.slots_used
+    loose = plan_placement(loads, layout, target_imbalance=50.0)  # above the initial max: nothing to do
+    assert loose.slots_used == 0 and loose.imbalance_after == loose.imbalance_before
+
+
 def test_validate_catches_a_broken_plan():
     layout = ExpertLayout(4, 8, 2)
     loads = np.full((4, 8), 10, np.int32)
@@ -96,6 +113,9 @@ def test_bad_loads(loads, message):
 @pytest.mark.parametrize("kwargs, message", [
     ({"min_replica_tokens": -1}, "min_replica_tokens"),
     ({"tau_tolerance": 1.5}, "tau_tolerance"),
+    ({"target_imbalance": 0.99}, "target_imbalance"),
+    ({"target_imbalance": float("nan")}, "target_imbalance"),
+    ({"target_imbalance": "1.01"}, "target_imbalance"),
     ({"backend": "torch"}, "backend"),
 ])
 def test_bad_options(kwargs, message):

@@ -3,11 +3,15 @@ anchor cases (EP64, NVLink domain 64, top-8, 8192 tokens per rank, S=2, min 1024
 per replica, Zipf loads tuned to a target rank imbalance), side by side with the public
 UltraEP numbers measured on the same kind of GPU (``shared/anchors.md``).
 
-Kernel times (``plan_ms``, ``reroute_ms``) are CUDA-event medians over ``--repeats``
-replays of a captured CUDA graph after a warm-up; ``*_launch_ms`` time the same calls
+Kernel times (``plan_ms``, ``reroute_ms``) are medians over ``--repeats`` replays of a
+captured CUDA graph after a warm-up, timed on the device alone
+(:func:`~ultraep.bench.timing.held_event_ms`); ``*_launch_ms`` time the same calls
 launched from Python (host launch gaps included). The planner is one kernel
 (``plan_domains``: placement, quotas and split); ``exact_plan_ms`` times it searching to
 the oracle's exact threshold (``tau_tolerance=0``) instead of the default tolerance.
+``cap_*`` columns plan with ``target_imbalance=--cap`` (default 1.005): the search starts
+at that max/mean and settles there when the oracle reaches it, with fewer replicas than
+the tightest plan (UltraEP's plans sit at 1.010).
 The NumPy planner time is the wall-clock median of a few runs. Without a GPU only the
 NumPy columns are filled.
 """
@@ -41,8 +45,8 @@ ANCHOR = {
 }
 
 COLUMNS = ["experts", "target", "seed", "before", "after", "plan_ms", "reroute_ms", "plan_launch_ms",
-           "reroute_launch_ms", "exact_plan_ms", "slots",
-           "max_replicas", "remote_pct", "numpy_ms", "anchor_after", "anchor_plan_ms", "anchor_reroute_ms",
+           "reroute_launch_ms", "exact_plan_ms", "slots", "max_replicas", "cap_after", "cap_plan_ms", "cap_slots",
+           "cap_max_replicas", "remote_pct", "numpy_ms", "anchor_after", "anchor_plan_ms", "anchor_reroute_ms",
            "anchor_slots", "anchor_max_replicas"]
 
 
@@ -53,11 +57,12 @@ def parse_args(argv):
     parser.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0], help="initial max/mean")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one row per seed")
     parser.add_argument("--repeats", type=int, default=200, help="timed kernel runs (median reported)")
+    parser.add_argument("--cap", type=float, default=1.005, help="target_imbalance of the cap_* columns")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     return parser.parse_args(argv)
 
 
-def gpu_times(loads, topk, layout, repeats):
+def gpu_times(loads, topk, layout, repeats, cap):
     """Plan and reroute (rank 0's tokens) times: graph replay and plain launches, ms."""
     import cupy
     from ultraep.planner.cuda import empty_plan
@@ -65,9 +70,8 @@ def gpu_times(loads, topk, layout, repeats):
     plan = empty_plan(layout)
     plan.loads[...] = cupy.asarray(loads)
 
-    def plan_once(tau_tolerance=None):
-        plan_placement(plan.loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, backend="cupy", out=plan,
-                       tau_tolerance=tau_tolerance)
+    def plan_once(**options):
+        plan_placement(plan.loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, backend="cupy", out=plan, **options)
 
     ids = cupy.asarray(topk[0])
     slots = cupy.empty(ids.shape, np.int32)
@@ -76,11 +80,12 @@ def gpu_times(loads, topk, layout, repeats):
         reroute(ids, plan, 0, out=slots)
 
     return dict(plan_ms=graph_ms(plan_once, repeats), plan_launch_ms=median_event_ms(plan_once, repeats),
-                exact_plan_ms=graph_ms(lambda: plan_once(0), repeats),
+                exact_plan_ms=graph_ms(lambda: plan_once(tau_tolerance=0), repeats),
+                cap_plan_ms=graph_ms(lambda: plan_once(target_imbalance=cap), repeats),
                 reroute_ms=graph_ms(reroute_once, repeats), reroute_launch_ms=median_event_ms(reroute_once, repeats))
 
 
-def run_case(experts, target, seed, repeats, use_gpu):
+def run_case(experts, target, seed, repeats, use_gpu, cap):
     layout = ExpertLayout(RANKS, experts, SLOTS)
     loads = zipf_loads(RANKS, experts, TOP_K, TOKENS_PER_RANK, target, seed)
     numpy_times = []
@@ -91,9 +96,11 @@ def run_case(experts, target, seed, repeats, use_gpu):
     row = dict(experts=experts, target=target, seed=seed, before=plan.imbalance_before, after=plan.imbalance_after,
                slots=plan.slots_used, max_replicas=plan.max_fanout, remote_pct=100.0 * plan.remote_fraction(),
                numpy_ms=statistics.median(numpy_times))
+    capped = plan_placement(loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, target_imbalance=cap)
+    row.update(cap_after=capped.imbalance_after, cap_slots=capped.slots_used, cap_max_replicas=capped.max_fanout)
     if use_gpu:
         topk = zipf_topk(RANKS, experts, TOP_K, TOKENS_PER_RANK, target, seed)
-        row.update(gpu_times(loads, topk, layout, repeats))
+        row.update(gpu_times(loads, topk, layout, repeats, cap))
     anchor = ANCHOR.get((experts, target))
     if anchor:
         keys = ("anchor_after", "anchor_plan_ms", "anchor_reroute_ms", "anchor_slots", "anchor_max_replicas")
@@ -104,7 +111,7 @@ def run_case(experts, target, seed, repeats, use_gpu):
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     use_gpu = gpu_count() > 0
-    rows = [run_case(e, t, s, args.repeats, use_gpu) for e in args.experts for t in args.targets for s in args.seeds]
+    rows = [run_case(e, t, s, args.repeats, use_gpu, args.cap) for e in args.experts for t in args.targets for s in args.seeds]
     title = (f"Planner kernels: EP{RANKS}, top-{TOP_K}, {TOKENS_PER_RANK} tokens/rank, S={SLOTS}, "
              f"min {MIN_REPLICA_TOKENS} tokens/replica" + ("" if use_gpu else " (no GPU: NumPy only)"))
     print_table(rows, COLUMNS, title)

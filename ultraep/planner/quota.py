@@ -5,7 +5,10 @@ Each NVLink domain is solved on its own (replicas never leave it):
 1. **Threshold search.** Find the smallest rank-load threshold ``tau`` that the greedy
    oracle can reach. The search runs in rounds of ``PROBES_PER_ROUND`` probes inside
    the open interval ``(lo, hi)`` (``probe_points``; ``lo`` = ceil(mean)-1 is infeasible,
-   ``hi`` = the initial max is feasible with no moves); the lowest feasible probe
+   ``hi`` = the initial max is feasible with no moves). With ``target_imbalance`` the
+   search starts at ``cap`` = floor(target x mean) instead (``lo`` = cap - 1): a plan
+   that only has to reach the cap needs fewer replicas (less weight traffic) than the
+   tightest one, and the first probe is the cap itself. The lowest feasible probe
    becomes ``hi`` and the probe below it ``lo``. Rounds stop at ``hi - lo <=
    tau_tolerance + 1``. The default tolerance is ``lo >> NEAR_SHIFT`` tokens (about
    0.05% of the domain's mean rank load, the spacing of the near probes): typical
@@ -20,10 +23,12 @@ Each NVLink domain is solved on its own (replicas never leave it):
    the expert below ``K`` instances), creating a replica. Two changes to the paper's
    oracle (most slack, move as much as fits) reach lower thresholds with no more
    replicas on the anchor cases: the target is the *best fit* (least slack that still
-   takes ``need``, else most slack), and a target whose leftover slack would fall below
-   ``q_min`` is filled completely, which moves that otherwise useless slack onto the
-   source rank. Moving at least ``q_min`` even when the excess is smaller lets a slightly
-   overloaded rank shed load at all. Ties go to the lowest index; integer arithmetic.
+   takes ``need``, else most slack), and a target that could take no further replica
+   afterwards -- its leftover slack would fall below ``q_min``, or this is its last free
+   slot -- is filled completely, which moves that otherwise stranded slack onto the
+   source rank (whose slots are free). Moving at least ``q_min`` even when the excess is
+   smaller lets a slightly overloaded rank shed load at all. Ties go to the lowest
+   index; integer arithmetic.
 3. **Locality-first split** (``locality_split``).
 
 Requires the total load below 2**31 (checked), so every sum fits in int32 on the GPU.
@@ -42,29 +47,34 @@ NEAR_SHIFT = 11   # near step = lo / 2**11, about 0.05% of the mean
 
 
 def plan_placement(loads, layout: ExpertLayout, *, min_replica_tokens: int = 1024, backend: str = "numpy",
-                   tau_tolerance: int | None = None, out: Plan | None = None) -> Plan:
+                   tau_tolerance: int | None = None, target_imbalance: float | None = None,
+                   out: Plan | None = None) -> Plan:
     """Plan replicas, quotas and the per-source split for load matrix ``loads[R, E]``.
 
     ``backend="cupy"`` runs ``raw_kernels/planner.cu`` without host synchronisation and
     returns a plan of CuPy arrays, bitwise equal to the NumPy reference.
     ``tau_tolerance`` (tokens): how close the threshold search gets to the oracle's
-    exact threshold; ``None`` = ``auto_tolerance`` of each domain. ``out`` (CuPy only,
+    exact threshold; ``None`` = ``auto_tolerance`` of each domain. ``target_imbalance``
+    (>= 1, e.g. 1.005): settle for a max rank load up to that multiple of the domain's
+    mean where the oracle reaches it, with fewer replicas than the tightest plan
+    (``None``: the tightest). ``out`` (CuPy only,
     from ``cuda.empty_plan``) receives the plan in place, e.g. for CUDA graph capture.
     """
     min_replica_tokens = _non_negative_int("min_replica_tokens", min_replica_tokens)
     if tau_tolerance is not None:
         tau_tolerance = _non_negative_int("tau_tolerance", tau_tolerance)
+    cap_ppm = target_ppm(target_imbalance)
     if backend == "cupy":
         from ultraep.planner.cuda import plan_placement_cupy
 
         return plan_placement_cupy(loads, layout, min_replica_tokens=min_replica_tokens,
-                                   tau_tolerance=tau_tolerance, out=out)
+                                   tau_tolerance=tau_tolerance, cap_ppm=cap_ppm, out=out)
     if backend != "numpy":
         raise ValueError(f"backend must be 'numpy' or 'cupy', got {backend!r}")
     if out is not None:
         raise ValueError("out= is only supported by the cupy backend")
     loads = check_loads(loads, layout)
-    log_to_phys, quota = place_replicas(loads, layout, min_replica_tokens, tau_tolerance)
+    log_to_phys, quota = place_replicas(loads, layout, min_replica_tokens, tau_tolerance, cap_ppm)
     return Plan.from_split(layout, loads, log_to_phys, locality_split(loads, layout, log_to_phys, quota))
 
 
@@ -74,12 +84,31 @@ def _non_negative_int(name, value) -> int:
     return int(value)
 
 
+def target_ppm(target_imbalance: float | None) -> int:
+    """``target_imbalance`` in parts per million (0 for None): the integer both backends
+    derive the cap from, floor(total * ppm / (domain ranks * 10**6))."""
+    if target_imbalance is None:
+        return 0
+    if (isinstance(target_imbalance, bool) or not isinstance(target_imbalance, (int, float, np.integer, np.floating))
+            or not 1.0 <= float(target_imbalance) <= 100.0):
+        raise ValueError(f"target_imbalance must be a number in [1, 100] (max/mean rank load), got {target_imbalance!r}")
+    return round(float(target_imbalance) * 10**6)
+
+
+def search_floor(total: int, ranks: int, cap_ppm: int) -> int:
+    """The search's infeasible lower end ``lo``: ceil(mean) - 1, or cap - 1 when the cap
+    of ``cap_ppm`` is higher."""
+    lo = -(-total // ranks) - 1
+    return max(lo, total * cap_ppm // (ranks * 10**6) - 1) if cap_ppm else lo
+
+
 def probe_points(lo: int, hi: int) -> list[int]:
     """Thresholds probed in one round, ascending, strictly inside ``(lo, hi)``.
 
     The oracle's threshold usually sits within about 1% of the mean (``lo`` + 1 in the
     first round), so ``NEAR_PROBES`` probes step by ``lo / 2**NEAR_SHIFT`` (at most
-    ``gap / 64``) from ``lo`` and the rest go evenly over the remainder of the gap. On
+    ``gap / 64``) from ``lo + 1`` (a cap is probed first) and the rest go evenly over the
+    remainder of the gap. On
     the anchor cases the first round then brackets the threshold within about 32
     tokens and the second round ends the search (even spacing, or near probes scaled
     to the gap, needed three rounds on most of them).
@@ -89,7 +118,7 @@ def probe_points(lo: int, hi: int) -> list[int]:
         return list(range(lo + 1, hi))
     step = max(1, min(lo >> NEAR_SHIFT, gap >> 6))
     start, far = lo + NEAR_PROBES * step, PROBES_PER_ROUND - NEAR_PROBES
-    return ([lo + (i + 1) * step for i in range(NEAR_PROBES)]
+    return ([lo + 1 + i * step for i in range(NEAR_PROBES)]
             + [start + (i + 1) * (hi - start) // (far + 1) for i in range(far)])
 
 
@@ -133,9 +162,10 @@ class DomainOracle:
                     if target < 0:
                         break
                     slack = tau - load[target]
-                    # A leftover below q_min could never take a replica: fill the target
-                    # instead, so the slack gathers on the source rank where it stays usable.
-                    amount = need if slack - need >= self.step else min(slack, remaining)
+                    # A target that could take no further replica (leftover below q_min, or
+                    # its last slot) is filled instead: the slack gathers on the source
+                    # rank, where it stays usable.
+                    amount = need if slack - need >= self.step and free[target] > 1 else min(slack, remaining)
                     load[r] -= amount
                     load[target] += amount
                     free[target] -= 1
@@ -160,9 +190,9 @@ class DomainOracle:
                 most, most_slack = t, slack
         return fit if fit >= 0 else most
 
-    def search(self, tau_tolerance: int | None) -> int:
+    def search(self, tau_tolerance: int | None, cap_ppm: int = 0) -> int:
         """The threshold the search settles on (see the module docstring)."""
-        lo = -(-sum(self.rank_load) // len(self.rank_load)) - 1
+        lo = search_floor(sum(self.rank_load), len(self.rank_load), cap_ppm)
         hi = max(self.rank_load)
         tolerance = auto_tolerance(lo) if tau_tolerance is None else tau_tolerance
         while hi - lo > tolerance + 1:
@@ -177,7 +207,8 @@ class DomainOracle:
         return hi
 
 
-def place_replicas(loads, layout: ExpertLayout, min_replica_tokens: int, tau_tolerance: int | None = None):
+def place_replicas(loads, layout: ExpertLayout, min_replica_tokens: int, tau_tolerance: int | None = None,
+                   cap_ppm: int = 0):
     """``(log_to_phys int32[E, K], quota int32[E, K])`` from the per-domain greedy plan."""
     E, K, D, M = layout.num_experts, layout.max_instances, layout.domain_size, layout.experts_per_rank
     expert_load = loads.sum(axis=0, dtype=np.int64)
@@ -190,7 +221,7 @@ def place_replicas(loads, layout: ExpertLayout, min_replica_tokens: int, tau_tol
     for domain in range(layout.num_domains):
         first_rank, first_expert = domain * D, domain * D * M
         oracle = DomainOracle(expert_load[first_expert:first_expert + D * M], layout, min_replica_tokens)
-        _, moves = oracle.run(oracle.search(tau_tolerance))
+        _, moves = oracle.run(oracle.search(tau_tolerance, cap_ppm))
         used = [0] * D
         for local_expert, local_rank, amount in moves:
             e = first_expert + local_expert
