@@ -11,14 +11,15 @@
 
 typedef long long i64;
 
-#define SYNC_THREADS 96       // warp 0 loads tiles into shared memory, warp 1 stores them out, warp 2 counts them
-#define MAX_STAGES 8          // shared-memory tiles per block; the launch picks how many (>= 2)
+#define SYNC_THREADS 96       // warp 0 loads pieces into shared memory, warp 1 stores them out, warp 2 counts them
+#define MAX_STAGES 16         // shared-memory stages per block; the launch picks how many (>= 2)
 #define MAX_TENSORS 8         // tensors per expert (host-checked)
 #define MAX_DESTS 128         // destinations of one source: replicas of an expert within a domain (host-checked)
 #define FLAG_WRITER_BITS 16
-#define SYNC_READ_LAG 1       // tiles whose stores may still be reading their stage (< stages)
-#define SYNC_WRITE_LAG 2      // tiles whose stores may still be landing before they are handed to the counting warp
-#define HANDOFF 8             // storing -> counting warp ring (> SYNC_WRITE_LAG)
+#define UNIT_BYTES 256        // blocks split the work in units of this size (tiles are multiples of it)
+#define SYNC_READ_LAG 1       // pieces whose stores may still be reading their stage (< stages)
+#define SYNC_WRITE_LAG 2      // pieces whose stores may still be landing before they are handed to the counting warp
+#define HANDOFF 16            // storing -> counting warp ring (> SYNC_WRITE_LAG)
 
 // -- Hopper bulk copy engine and shared-memory barriers (PTX ISA 8.0, sm_90) -------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -56,6 +57,8 @@ template <int N> __device__ __forceinline__ void bulk_wait_read() {  // all but 
 template <int N> __device__ __forceinline__ void bulk_wait_done() {  // all but N groups have written global memory
     asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
 }
+// Starts pulling a line of a small read-only table into L1, so a dependent look-up later hits it.
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
 // Orders the bulk engine's global accesses (async proxy) with ordinary loads/stores and flags.
 __device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 __device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
@@ -64,29 +67,32 @@ __device__ __forceinline__ void store_relaxed_sys(u64* addr, u64 value) {  // af
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(addr), "l"(value) : "memory");
 }
 
-// One tile, handed from the loading warp to the storing warp (and on to the counting warp).
-struct TileJob {
-    u64 src;                // the tile in its source tensor
+// One piece (a tile, or the part of it in this block's share, at most one stage), handed
+// from the loading warp to the storing warp (and on to the counting warp).
+struct PieceJob {
+    u64 src;                // the piece in its source tensor
     i64 within_slot;        // where it lands inside a replica slot
-    int task, chunk, chunk_tiles;  // task < 0: no more tiles
-    int block_tiles;        // tiles of this chunk in this block's share: counted at once
+    int task, chunk;        // task < 0: no more pieces
+    int chunk_bytes;        // bytes of the whole chunk (all blocks)
+    int last_in_chunk;      // this block's last piece of the chunk: its bytes are counted at once
     int dest_begin, dest_end;
     int bulk_bytes;         // [0, bulk_bytes) goes through shared memory by the bulk engine
     int nbytes;             // [bulk_bytes, nbytes): a tail under 16 B or an unaligned source, copied by lanes
 };
 
 struct SyncShared {
-    u64 posted[MAX_STAGES];   // the stage's job is written (its tile may still be landing)
-    u64 full[MAX_STAGES];     // the stage's tile has landed
+    u64 posted[MAX_STAGES];   // the stage's job is written (its piece may still be landing)
+    u64 full[MAX_STAGES];     // the stage's piece has landed
     u64 empty[MAX_STAGES];    // the stage's stores have read it
     u64 landed[HANDOFF];      // the entry's stores are complete
     u64 taken[HANDOFF];       // the counting warp has read the entry
-    TileJob job[MAX_STAGES];
-    TileJob handoff[HANDOFF];
+    PieceJob job[MAX_STAGES];
+    PieceJob handoff[HANDOFF];
     unsigned char* dst[MAX_DESTS];     // replica-slot bases of the storing warp's current task
-    i64 first_tile[MAX_TENSORS];       // expert tile index where each tensor starts
+    i64 first_tile[MAX_TENSORS + 1];   // expert tile index where each tensor starts; [num_tensors]: tiles in all
     i64 tensor_bytes[MAX_TENSORS];
     i64 slot_offset[MAX_TENSORS];      // where each tensor starts inside a replica slot
+    int skip;                          // an earlier timeout is not yet reported: do nothing
 };
 
 // A relay's chunk flag (in its own signal pad) reached this epoch; false after the timeout,
@@ -109,46 +115,77 @@ __device__ bool wait_chunk_flag(const u64* pad, i64 slot, u64 epoch, u64 timeout
     return true;
 }
 
-// Loading warp, one thread: this block's contiguous share of the tile items (item = task *
-// chunk_tiles + tile within the chunk; equal shares, so no atomics and no waiting for the
-// next index), each tile's bulk load started into the next free stage; then an end marker.
-__device__ void load_tiles(SyncShared& s, unsigned char* tiles, int stages, const i64* tasks, int num_items,
-                           int chunk_tiles, int num_tensors, i64 tile_bytes, const u64* src_ptrs, const u64* peer_bases,
-                           int rank, u64 epoch, u64 timeout_ns, u64* status) {
-    const int share = num_items / gridDim.x, extra = num_items % gridDim.x;
-    const int first = blockIdx.x * share + min(static_cast<int>(blockIdx.x), extra);
-    const int last = first + share + (static_cast<int>(blockIdx.x) < extra);
-    int filled = 0, task_id = -1, block_tiles = 0;
-    bool ready = false;  // the current task's chunk is there to be read (a relay waits for its flag)
-    i64 task[7];
-    for (int item = first; item < last; ++item) {
-        if (item / chunk_tiles != task_id) {
-            task_id = item / chunk_tiles;
+// Bytes of expert tiles [begin, end) (a tile is tile_bytes, except the last of a tensor).
+__device__ i64 tile_range_bytes(const SyncShared& s, int num_tensors, i64 tile_bytes, i64 begin, i64 end) {
+    i64 bytes = 0;
+    for (int t = 0; t < num_tensors; ++t) {
+        const i64 first = s.first_tile[t], lo = max(begin, first), hi = min(end, s.first_tile[t + 1]);
+        if (lo < hi) bytes += min((hi - first) * tile_bytes, s.tensor_bytes[t]) - (lo - first) * tile_bytes;
+    }
+    return bytes;
+}
+
+// Loading warp, one thread. Work is measured in units of UNIT_BYTES: task t owns units
+// [t * task_units, (t + 1) * task_units), chunk_tiles tiles of tile_units each (units past a
+// short tile's end or past a short chunk's last tile are empty). Each block takes an equal
+// contiguous share of the units, so every block moves the same bytes up to one unit, with
+// no atomics and no waiting for the next index. The share is cut into pieces (at most a
+// stage, never across a tile), each piece's bulk load started into the next free stage;
+// then an end marker.
+__device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages, int stage_bytes, const i64* tasks,
+                            int num_tasks, int chunk_tiles, int num_tensors, i64 tile_bytes, const u64* src_ptrs,
+                            const u64* peer_bases, int rank, u64 epoch, u64 timeout_ns, u64* status) {
+    const i64 tile_units = tile_bytes / UNIT_BYTES, task_units = chunk_tiles * tile_units;
+    const i64 num_units = num_tasks * task_units;
+    const i64 share = num_units / gridDim.x, extra = num_units % gridDim.x;
+    const i64 first = blockIdx.x * share + min(static_cast<i64>(blockIdx.x), extra);
+    const i64 last = first + share + (static_cast<i64>(blockIdx.x) < extra);
+    int filled = 0, task_id = -1, chunk_bytes = 0;
+    i64 task[7], task_stop = 0;  // task_stop: past the current task's last non-empty unit
+    bool ready = false;          // the current task's chunk is there to be read (a relay waits for its flag)
+    for (i64 u = first; u < last;) {
+        if (u / task_units != task_id) {
+            task_id = static_cast<int>(u / task_units);
             for (int f = 0; f < 7; ++f) task[f] = __ldg(tasks + 7 * static_cast<i64>(task_id) + f);
+            if (task_id + 1 < num_tasks) prefetch_l1(tasks + 7 * static_cast<i64>(task_id + 1));
             ready = task[6] < 0;
-            const int chunk_item = task_id * chunk_tiles;
-            block_tiles = min(last, chunk_item + static_cast<int>(task[3] - task[2])) - max(first, chunk_item);
+            chunk_bytes = static_cast<int>(tile_range_bytes(s, num_tensors, tile_bytes, task[2], task[3]));
+            const i64 last_tile_bytes = tile_range_bytes(s, num_tensors, tile_bytes, task[3] - 1, task[3]);
+            task_stop = task_id * task_units + (task[3] - 1 - task[2]) * tile_units +
+                        (last_tile_bytes + UNIT_BYTES - 1) / UNIT_BYTES;
         }
-        const i64 k = task[2] + item % chunk_tiles;
-        if (k >= task[3]) continue;  // the chunk has fewer tiles (an expert's last chunk)
-        if (!ready && !(ready = wait_chunk_flag(reinterpret_cast<const u64*>(peer_bases[rank]), task[6], epoch,
-                                                timeout_ns, status)))
-            break;
+        const i64 unit_in_tile = (u - task_id * task_units) % tile_units;
+        const i64 k = task[2] + (u - task_id * task_units) / tile_units;
+        if (k >= task[3]) {  // the chunk has fewer tiles (an expert's last chunk)
+            u = (task_id + 1) * task_units;
+            continue;
+        }
         int tensor = 0;
         for (int t = 1; t < num_tensors; ++t) tensor += k >= s.first_tile[t];
-        const i64 offset = (k - s.first_tile[tensor]) * tile_bytes;
-        const int nbytes = static_cast<int>(min(tile_bytes, s.tensor_bytes[tensor] - offset));
-        const u64 src = __ldg(src_ptrs + task[0] + tensor) + offset;
+        const i64 tile_offset = (k - s.first_tile[tensor]) * tile_bytes;
+        const i64 tile_nbytes = min(tile_bytes, s.tensor_bytes[tensor] - tile_offset);
+        const i64 begin = unit_in_tile * UNIT_BYTES;
+        const i64 piece_end = min(last, min(u - unit_in_tile + tile_units, u + stage_bytes / UNIT_BYTES));
+        if (begin >= tile_nbytes) {  // past a short tile's end
+            u += tile_units - unit_in_tile;
+            continue;
+        }
+        if (!ready && !(ready = wait_chunk_flag(reinterpret_cast<const u64*>(peer_bases[rank]), task[6], epoch, timeout_ns, status))) break;
+        const int nbytes = static_cast<int>(min((piece_end - u) * UNIT_BYTES, tile_nbytes - begin));
+        // where this task's next non-empty unit could start: a piece that ends a tile skips its empty tail
+        const i64 next = begin + nbytes < tile_nbytes ? piece_end : u - unit_in_tile + tile_units;
+        const u64 src = __ldg(src_ptrs + task[0] + tensor) + tile_offset + begin;
         const int stage = filled % stages;
         if (filled >= stages) barrier_wait(&s.empty[stage], filled / stages - 1);
         const int bulk_bytes = src % 16 ? 0 : nbytes & ~15;
-        s.job[stage] = TileJob{src, s.slot_offset[tensor] + offset, task_id, static_cast<int>(task[1]),
-                               static_cast<int>(task[3] - task[2]), block_tiles, static_cast<int>(task[4]),
-                               static_cast<int>(task[5]), bulk_bytes, nbytes};
+        s.job[stage] = PieceJob{src, s.slot_offset[tensor] + tile_offset + begin, task_id, static_cast<int>(task[1]),
+                                chunk_bytes, next >= min(last, task_stop), static_cast<int>(task[4]),
+                                static_cast<int>(task[5]), bulk_bytes, nbytes};
         barrier_arrive(&s.posted[stage]);
-        if (bulk_bytes) bulk_load(tiles + stage * tile_bytes, reinterpret_cast<const void*>(src), bulk_bytes, &s.full[stage]);
+        if (bulk_bytes) bulk_load(stage_mem + stage * stage_bytes, reinterpret_cast<const void*>(src), bulk_bytes, &s.full[stage]);
         else barrier_arrive(&s.full[stage]);
         ++filled;
+        u = piece_end;
     }
     const int stage = filled % stages;
     if (filled >= stages) barrier_wait(&s.empty[stage], filled / stages - 1);
@@ -158,23 +195,23 @@ __device__ void load_tiles(SyncShared& s, unsigned char* tiles, int stages, cons
 }
 
 // Storing warp -> counting warp: entry n of the ring (its slot is free once entry n - HANDOFF was taken).
-__device__ __forceinline__ void hand_over(SyncShared& s, int n, const TileJob& job) {
+__device__ __forceinline__ void hand_over(SyncShared& s, int n, const PieceJob& job) {
     if (n >= HANDOFF) barrier_wait(&s.taken[n % HANDOFF], n / HANDOFF - 1);
     s.handoff[n % HANDOFF] = job;
 }
 
-// Storing warp: each tile goes from its stage to every destination by bulk stores (lane 0),
-// tails by all lanes. A stage is handed back once SYNC_READ_LAG newer tiles were issued and
-// its stores have read it; a tile goes to the counting warp once its writes are complete,
+// Storing warp: each piece goes from its stage to every destination by bulk stores (lane 0),
+// tails by all lanes. A stage is handed back once SYNC_READ_LAG newer pieces were issued and
+// its stores have read it; a piece goes to the counting warp once its writes are complete,
 // so no fence ever waits here for the bulk engine's stores in flight.
-__device__ void store_tiles(SyncShared& s, const unsigned char* tiles, int stages, i64 tile_bytes, const i64* dests,
-                            const u64* peer_bases) {
+__device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int stages, int stage_bytes,
+                             const i64* dests, const u64* peer_bases) {
     const int lane = threadIdx.x % 32;
     int dst_task = -1, issued = 0, released = 0, landed = 0;
     for (;; ++issued) {
         const int stage = issued % stages;
-        barrier_wait(&s.posted[stage], issued / stages);  // destinations are looked up while the tile lands
-        const TileJob job = s.job[stage];
+        barrier_wait(&s.posted[stage], issued / stages);  // destinations are looked up while the piece lands
+        const PieceJob job = s.job[stage];
         if (job.task < 0) break;
         const int num_dests = job.dest_end - job.dest_begin;
         if (job.task != dst_task) {
@@ -188,7 +225,7 @@ __device__ void store_tiles(SyncShared& s, const unsigned char* tiles, int stage
         barrier_wait(&s.full[stage], issued / stages);
         if (lane == 0) {
             for (int d = 0; d < num_dests && job.bulk_bytes; ++d)
-                bulk_store(s.dst[d] + job.within_slot, tiles + stage * tile_bytes, job.bulk_bytes);
+                bulk_store(s.dst[d] + job.within_slot, stage_mem + stage * stage_bytes, job.bulk_bytes);
             bulk_commit();
             hand_over(s, issued, job);
         }
@@ -212,29 +249,31 @@ __device__ void store_tiles(SyncShared& s, const unsigned char* tiles, int stage
         bulk_wait_done<0>();
         fence_async_global();
         for (; landed < issued; ++landed) barrier_arrive(&s.landed[landed % HANDOFF]);
-        hand_over(s, issued, TileJob{0, 0, -1});
+        hand_over(s, issued, PieceJob{0, 0, -1});
         barrier_arrive(&s.landed[issued % HANDOFF]);
     }
 }
 
-// Counting warp, one thread: each stored tile (its writes complete; lanes' tail stores are
-// ordered by the storing warp's __syncwarp before its `landed` arrive) counts toward its chunk in
-// done[task]; the block that counts a chunk's last tile resets the counter and publishes
-// the chunk flag at every destination.
-__device__ void count_tiles(SyncShared& s, const i64* dests, const u64* peer_bases, int* done, u64 flag_value) {
+// Counting warp, one thread: the bytes of each stored piece (its writes complete; lanes'
+// tail stores are ordered by the storing warp's __syncwarp before its `landed` arrive) count
+// toward its chunk in done[task], all of this block's pieces of a chunk at once; the block
+// whose bytes complete the chunk resets the counter and publishes the chunk flag at every
+// destination.
+__device__ void count_pieces(SyncShared& s, const i64* dests, const u64* peer_bases, int* done, u64 flag_value) {
     int run = 0;
     for (int n = 0;; ++n) {
         barrier_wait(&s.landed[n % HANDOFF], n / HANDOFF);
-        const TileJob job = s.handoff[n % HANDOFF];
+        const PieceJob job = s.handoff[n % HANDOFF];
         barrier_arrive(&s.taken[n % HANDOFF]);
         if (job.task < 0) return;
-        if (++run < job.block_tiles) continue;  // this block's tiles of a chunk are consecutive: count them at once
+        run += job.nbytes;
+        if (!job.last_in_chunk) continue;
         const int add = run;
         run = 0;
         fence_gpu();
-        if (atomicAdd(done + job.task, add) + add != job.chunk_tiles) continue;
+        if (atomicAdd(done + job.task, add) + add != job.chunk_bytes) continue;
         done[job.task] = 0;
-        fence_sys();  // every block's tiles of this chunk before its flags
+        fence_sys();  // every block's pieces of this chunk before its flags
         for (int d = job.dest_begin; d < job.dest_end; ++d) {
             const i64* dest = dests + 3 * static_cast<i64>(d);
             store_relaxed_sys(reinterpret_cast<u64*>(peer_bases[dest[0]]) + dest[2] + job.chunk, flag_value);
@@ -243,17 +282,21 @@ __device__ void count_tiles(SyncShared& s, const i64* dests, const u64* peer_bas
 }
 
 // Persistent weight sync through the bulk copy engine. Each block takes an equal contiguous
-// share of the tile items; a tile is read once into a shared-memory stage and stored from
-// there to every destination; per-chunk tile counts (counters[1 + task]) tell the block that
-// finishes a chunk to publish its flags (epoch << 16 | rank) at the destinations. A relay
-// task waits (with a timeout) for its own chunk flag before loading. The last block to leave
-// (counters[0]) resets the counters after a timeout left some half counted, so a launch
-// needs no memset before it.
+// share of the work (in UNIT_BYTES units); a piece is read once into a shared-memory stage
+// and stored from there to every destination; per-chunk byte counts (done[task]) tell the
+// block that finishes a chunk to publish its flags (epoch << 16 | rank) at the
+// destinations. A relay task waits (with a timeout) for its own chunk flag before loading.
+// A timeout leaves chunks half counted: until the host has reported it (status) and zeroed
+// done[], later launches do nothing, so a half count can never publish a flag early.
+//
+// Start-up: the task count, the tensor table and the status are read at once, and the
+// source and peer tables are prefetched into L1 meanwhile, so a block's first bulk load
+// waits for two dependent reads (the count, then its first task row).
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS)
 weight_sync(const i64* tasks, const int* task_count, int chunk_tiles, const i64* tensor_table, int num_tensors,
-            i64 tile_bytes, int stages, const i64* dests, const u64* src_ptrs, const u64* peer_bases, int rank,
-            u64 epoch, int* counters, u64 timeout_ns, u64* status) {
-    extern __shared__ __align__(128) unsigned char tiles[];  // stages x tile_bytes
+            i64 tile_bytes, int stages, int stage_bytes, const i64* dests, const u64* src_ptrs, int num_src_ptrs,
+            const u64* peer_bases, int num_ranks, int rank, u64 epoch, int* done, u64 timeout_ns, u64* status) {
+    extern __shared__ __align__(128) unsigned char stage_mem[];  // stages x stage_bytes
     __shared__ SyncShared s;
     const int num_tasks = *task_count;  // written on the device by the schedule compiler
     const int tid = threadIdx.x;
@@ -261,8 +304,15 @@ weight_sync(const i64* tasks, const int* task_count, int chunk_tiles, const i64*
         s.first_tile[tid] = tensor_table[3 * tid];
         s.tensor_bytes[tid] = tensor_table[3 * tid + 1];
         s.slot_offset[tid] = tensor_table[3 * tid + 2];
+        if (tid == num_tensors - 1)
+            s.first_tile[num_tensors] = s.first_tile[tid] + (s.tensor_bytes[tid] + tile_bytes - 1) / tile_bytes;
+    }
+    if (tid >= 32) {  // the storing and counting warps prefetch the tables the loader and they look up
+        for (int i = 16 * (tid - 32); i < num_src_ptrs; i += 16 * 64) prefetch_l1(src_ptrs + i);
+        for (int i = 16 * (tid - 32); i < num_ranks; i += 16 * 64) prefetch_l1(peer_bases + i);
     }
     if (tid == 0) {
+        s.skip = *reinterpret_cast<volatile u64*>(status) != 0;
         for (int q = 0; q < stages; ++q) {
             barrier_init(&s.posted[q]);
             barrier_init(&s.full[q]);
@@ -275,24 +325,14 @@ weight_sync(const i64* tasks, const int* task_count, int chunk_tiles, const i64*
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the bulk engine
     }
     __syncthreads();
-    int* done = counters + 1;
+    if (s.skip) return;
     if (tid == 0)
-        load_tiles(s, tiles, stages, tasks, num_tasks * chunk_tiles, chunk_tiles, num_tensors, tile_bytes, src_ptrs,
-                   peer_bases, rank, epoch, timeout_ns, status);
+        load_pieces(s, stage_mem, stages, stage_bytes, tasks, num_tasks, chunk_tiles, num_tensors, tile_bytes, src_ptrs,
+                    peer_bases, rank, epoch, timeout_ns, status);
     else if (tid / 32 == 1)
-        store_tiles(s, tiles, stages, tile_bytes, dests, peer_bases);
+        store_pieces(s, stage_mem, stages, stage_bytes, dests, peer_bases);
     else if (tid == 64)
-        count_tiles(s, dests, peer_bases, done, (epoch << FLAG_WRITER_BITS) | static_cast<u64>(rank));
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        if (atomicAdd(counters, 1) == static_cast<int>(gridDim.x) - 1) {
-            __threadfence();
-            counters[0] = 0;
-            if (*reinterpret_cast<volatile u64*>(status))  // a timeout left chunks half counted
-                for (int t = 0; t < num_tasks; ++t) done[t] = 0;
-        }
-    }
+        count_pieces(s, dests, peer_bases, done, (epoch << FLAG_WRITER_BITS) | static_cast<u64>(rank));
 }
 
 __device__ __forceinline__ float to_float(float x) { return x; }

@@ -35,11 +35,13 @@ from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, com
 from ultraep.transfer.spec import ExpertSpec
 
 DEFAULT_TILE_BYTES = 32 << 10
-MAX_TILE_BYTES = 32 << 10  # two weight-sync stages of the largest tile fit SYNC_STAGE_BYTES
-SYNC_STAGE_BYTES = 64 << 10  # shared-memory tiles per weight-sync block: 3 blocks per SM (sweep on the H200)
-SYNC_MAX_STAGES = 8          # transfer.cu MAX_STAGES
+MAX_TILE_BYTES = 32 << 10
+SYNC_PIECE_BYTES = 32 << 10  # most bytes one bulk load / store moves (a tile or part of one)
+SYNC_STAGE_BYTES = 64 << 10  # shared-memory stages per weight-sync block (sweep on the H200)
+SYNC_MAX_STAGES = 16         # transfer.cu MAX_STAGES
 SYNC_BLOCKS_PER_SM = 3
 SYNC_THREADS = 96            # transfer.cu SYNC_THREADS: a loading, a storing and a counting warp
+SYNC_UNIT_BYTES = 256        # transfer.cu UNIT_BYTES: blocks share the work in these units
 MAX_TENSORS_PER_EXPERT = 8     # MAX_TENSORS in transfer.cu
 MAX_REPLICAS_PER_EXPERT = 128  # MAX_DESTS in transfer.cu
 _STATUS_FIELDS = 4
@@ -86,7 +88,8 @@ class WeightTransfer:
             name = "reduce_grads<__nv_bfloat16>" if spec.grad_dtype.name == "bfloat16" else "reduce_grads<float>"
             self._reduce_kernel = get_function("transfer.cu", name, group=group)
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
-            self._sync_stages = min(max(SYNC_STAGE_BYTES // tile_bytes, 2), SYNC_MAX_STAGES)
+            self._piece_bytes = min(tile_bytes, SYNC_PIECE_BYTES)
+            self._sync_stages = min(max(SYNC_STAGE_BYTES // self._piece_bytes, 2), SYNC_MAX_STAGES)
             self._sync_kernel.max_dynamic_shared_size_bytes = SYNC_STAGE_BYTES  # any engine's stages
             first_tiles = np.searchsorted([t for t, _, _ in self.geometry.tiles], np.arange(len(spec.weights)))
             self._tensor_table = cupy.asarray(np.array(
@@ -104,11 +107,14 @@ class WeightTransfer:
                                               group=group) if self.gpu else None
         if self.gpu:
             tasks = len(self.device_schedule.weight_tasks)
-            group.raise_if_any(None if tasks * self.geometry.chunk_tiles < 2**31 else
-                               f"{tasks} weight tasks x {self.geometry.chunk_tiles} tiles per chunk overflow the "
-                               "kernel's int32 tile index; use larger tiles", "WeightTransfer set-up")
-            # [blocks done, tiles done per task]: zero between launches (the kernel resets them)
-            self._sync_counters = cupy.zeros(1 + tasks, dtype=np.int32)
+            chunk_bytes = self.geometry.chunk_tiles * tile_bytes
+            group.raise_if_any(None if chunk_bytes < 2**31 and tasks * chunk_bytes // SYNC_UNIT_BYTES < 2**31 else
+                               f"{tasks} weight tasks x {self.geometry.chunk_tiles} tiles of {tile_bytes} bytes per "
+                               "chunk overflow the kernel's int32 chunk byte count or task index; use fewer tiles "
+                               "per chunk", "WeightTransfer set-up")
+            # bytes of each task's chunk stored so far: zero between launches (the chunk's
+            # finishing block resets it; after a timeout, synchronize() does)
+            self._sync_done = cupy.zeros(tasks, dtype=np.int32)
 
     # -- buffers the framework computes with ------------------------------------------
     def replica_weights(self, slot: int) -> list:
@@ -212,9 +218,10 @@ class WeightTransfer:
         self._sync_kernel((blocks,), (SYNC_THREADS,), (
             tables.weight_tasks, tables.weight_task_count, np.int32(self.geometry.chunk_tiles), self._tensor_table,
             np.int32(len(self.spec.weights)), np.int64(self.geometry.tile_bytes), np.int32(self._sync_stages),
-            tables.dests, entry["sources"], self.heap.peer_bases, np.int32(self.rank), np.uint64(self._epoch),
-            self._sync_counters, np.uint64(int(self.timeout_s * 1e9)), self._status),
-            shared_mem=self._sync_stages * self.geometry.tile_bytes)
+            np.int32(self._piece_bytes), tables.dests, entry["sources"], np.int32(len(entry["sources"])),
+            self.heap.peer_bases, np.int32(self.heap.size), np.int32(self.rank), np.uint64(self._epoch),
+            self._sync_done, np.uint64(int(self.timeout_s * 1e9)), self._status),
+            shared_mem=self._sync_stages * self._piece_bytes)
 
     def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
@@ -232,12 +239,14 @@ class WeightTransfer:
 
     def synchronize(self) -> None:
         """Wait for the enqueued transfers; raise if a device-side wait timed out or a plan
-        was refused (its transfers were skipped)."""
+        was refused (its transfers were skipped). After a timeout, weight syncs do nothing on
+        this rank until this call has reported it."""
         if not self.gpu:
             return
         self.heap.check_barriers()
         failed, slot, expected, seen = (int(v) for v in self._status.get())
-        if failed:
+        if failed:  # weight syncs since the timeout did nothing (transfer.cu): start again from zero counts
+            self._sync_done.fill(0)
             self._status.fill(0)
             raise TransferTimeout(chunk_timeout_message(self.rank, slot, expected, seen, self.timeout_s))
         refused = self.device_schedule.take_error()
