@@ -1,4 +1,5 @@
-"""The lower bound: exact against brute force on tiny cases, never above any feasible plan."""
+"""The lower bounds (max rank load, replicas for a cap): exact against brute force on tiny
+cases, never above any feasible plan."""
 
 import itertools
 
@@ -7,18 +8,17 @@ import pytest
 
 from ultraep.planner import ExpertLayout, plan_placement
 from ultraep.planner.baselines import EPLB, no_balancing, replicas_below
-from ultraep.planner.bound import lower_bound, trivial_bound
+from ultraep.planner.bound import lower_bound, min_replicas_bound, trivial_bound
 from ultraep.planner.plan import check_loads
 from ultraep.planner.traces import zipf_loads
 
 
-def brute_force_optimum(loads, layout, min_replica_tokens):
-    """Smallest max rank load over every placement and integer split (dynamic programme over experts)."""
+def _expert_options(loads, layout, min_replica_tokens):
+    """Per expert, every (master share, replica ranks and shares) as a delta of
+    (rank loads..., slots used...)."""
     R, M, D, S, K = (layout.num_ranks, layout.experts_per_rank, layout.domain_size, layout.redundant_slots,
                      layout.max_instances)
     expert_load = loads.sum(axis=0)
-    upper = int(no_balancing(loads, layout).rank_load.max())
-    states = {(0,) * (2 * R)}  # rank loads, then slots used
     for e in range(layout.num_experts):
         master = e // M
         first = master // D * D
@@ -36,14 +36,36 @@ def brute_force_optimum(loads, layout, min_replica_tokens):
                         delta[r] += x
                         delta[R + r] += 1
                     options.add(tuple(delta))
-        new = set()
-        for state in states:
+        yield options
+
+
+def _reachable(loads, layout, min_replica_tokens, max_load):
+    """Every (rank loads..., slots used...) of a valid plan with max load <= max_load,
+    with the fewest replicas that reach it."""
+    R, S = layout.num_ranks, layout.redundant_slots
+    states = {(0,) * (2 * R): 0}
+    for options in _expert_options(loads, layout, min_replica_tokens):
+        new = {}
+        for state, replicas in states.items():
             for delta in options:
                 nxt = tuple(a + b for a, b in zip(state, delta))
-                if max(nxt[R:], default=0) <= S and max(nxt[:R]) <= upper:
-                    new.add(nxt)
+                if max(nxt[R:], default=0) <= S and max(nxt[:R]) <= max_load:
+                    count = replicas + sum(delta[R:])
+                    new[nxt] = min(new.get(nxt, count), count)
         states = new
-    return min(max(s[:R]) for s in states)
+    return states
+
+
+def brute_force_optimum(loads, layout, min_replica_tokens):
+    """Smallest max rank load over every placement and integer split (dynamic programme over experts)."""
+    upper = int(no_balancing(loads, layout).rank_load.max())
+    return min(max(s[: layout.num_ranks]) for s in _reachable(loads, layout, min_replica_tokens, upper))
+
+
+def brute_force_min_replicas(loads, layout, min_replica_tokens, max_load):
+    """Fewest replicas of any valid plan with max rank load <= max_load; None if there is none."""
+    states = _reachable(loads, layout, min_replica_tokens, max_load)
+    return min(states.values()) if states else None
 
 
 def _distribute(total, replicas, minimum):
@@ -159,3 +181,92 @@ def test_bound_rejects_bad_arguments():
         lower_bound(np.zeros((2, 2), dtype=np.int32), layout, min_replica_tokens=-1)
     with pytest.raises(ValueError, match="shape"):
         lower_bound(np.zeros((2, 3), dtype=np.int32), layout)
+
+
+# --- min_replicas_bound ---------------------------------------------------------------
+
+
+def _tiny_loads(layout, rng):
+    """Two hot experts plus sparse ones: enough skew that replicas matter."""
+    high = 9 if layout.num_experts <= 3 or layout.domain_size <= 2 else 5
+    loads = np.zeros((layout.num_ranks, layout.num_experts), dtype=np.int32)
+    hot = rng.integers(0, layout.num_experts, size=2)
+    loads[:, hot] = rng.integers(0, high, size=(layout.num_ranks, 2))
+    return loads + (rng.random(loads.shape) < 0.3).astype(np.int32)
+
+
+@pytest.mark.parametrize("layout,min_tokens", TINY, ids=lambda v: repr(v))
+def test_min_replicas_is_exact_on_tiny_cases(layout, min_tokens):
+    rng = np.random.default_rng(7 + layout.num_ranks * 100 + layout.num_experts * 10 + layout.redundant_slots)
+    seen = {"infeasible": 0, "replicas": 0}
+    for case in range(8):
+        loads = _tiny_loads(layout, rng)
+        mean = -(-int(loads.sum()) // layout.num_ranks)
+        for cap in range(mean - 1, int(no_balancing(loads, layout).rank_load.max()) + 1):
+            optimum = brute_force_min_replicas(loads, layout, min_tokens, cap)
+            found = min_replicas_bound(loads, layout, cap, min_replica_tokens=min_tokens, time_limit=10)
+            if optimum is None:
+                assert (found.status, found.value, found.replicas) == ("infeasible", None, None), (cap, loads.tolist())
+                seen["infeasible"] += 1
+            else:
+                assert (found.status, found.value, found.replicas) == ("optimal", optimum, optimum), \
+                    (cap, optimum, loads.tolist())
+                seen["replicas"] = max(seen["replicas"], optimum)
+    assert seen["infeasible"] and seen["replicas"]  # both outcomes exercised
+
+
+def test_min_replicas_follows_chains_and_proves_infeasibility_past_the_component_bound():
+    # Three ranks 2 over a cap of 6, one empty rank, one slot each and one replica per
+    # expert: only the chain 2 -> 1 -> 0 -> 3 (2, 4 and 6 tokens) balances. Groups
+    # balance, so with pieces of at least 3 only the expert-level MILP sees that no plan works.
+    layout = ExpertLayout(4, 4, 1, max_instances=2)
+    loads = np.diag([8, 8, 8, 0]).astype(np.int32)
+    assert brute_force_min_replicas(loads, layout, 2, 6) == 3
+    found = min_replicas_bound(loads, layout, 6, min_replica_tokens=2)
+    assert (found.status, found.value, found.replicas) == ("optimal", 3, 3)
+    assert brute_force_min_replicas(loads, layout, 3, 6) is None
+    assert min_replicas_bound(loads, layout, 6, min_replica_tokens=3).status == "infeasible"
+
+
+def test_min_replicas_sums_domains_and_needs_none_when_already_below():
+    layout = ExpertLayout(4, 4, 1, 2)
+    loads = np.diag([10, 0, 10, 0]).astype(np.int32)
+    assert min_replicas_bound(loads, layout, 10).value == 0
+    both = min_replicas_bound(loads, layout, 5, min_replica_tokens=1)
+    assert (both.status, both.value, both.replicas) == ("optimal", 2, 2)
+    loads[2, 2] = 12  # the second domain cannot get below 6
+    assert min_replicas_bound(loads, layout, 5, min_replica_tokens=1).status == "infeasible"
+
+
+@pytest.mark.parametrize("layout", RANDOM_LAYOUTS, ids=repr)
+def test_greedy_never_uses_fewer_replicas_than_the_bound(layout):
+    rng = np.random.default_rng(hash(repr(layout)) % 2**32)
+    min_tokens = 64
+    for case in range(3):
+        loads = zipf_loads(layout.num_ranks, layout.num_experts, 2, 256, 1.3 + case * 0.5,
+                           seed=int(rng.integers(1 << 30)), tolerance=0.05)
+        plan = plan_placement(loads, layout, min_replica_tokens=min_tokens)
+        achieved = int(plan.rank_load.max())
+        found = min_replicas_bound(loads, layout, achieved, min_replica_tokens=min_tokens, time_limit=2)
+        assert found.status in ("optimal", "time limit")
+        assert found.value <= plan.slots_used
+        if found.replicas is not None:
+            assert found.value <= found.replicas
+        below = min_replicas_bound(loads, layout, -(-int(loads.sum()) // layout.num_ranks) - 1,
+                                   min_replica_tokens=min_tokens, time_limit=2)
+        assert below.status == "infeasible" and below.value is None
+
+
+def test_min_replicas_rejects_bad_arguments():
+    layout = ExpertLayout(2, 2, 1)
+    loads = np.zeros((2, 2), dtype=np.int32)
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match="max_rank_load"):
+            min_replicas_bound(loads, layout, bad)
+    with pytest.raises(ValueError, match="min_replica_tokens"):
+        min_replicas_bound(loads, layout, 1, min_replica_tokens=-1)
+    for bad in (0, -1.0, "1", float("nan")):
+        with pytest.raises(ValueError, match="time_limit"):
+            min_replicas_bound(loads, layout, 1, time_limit=bad)
+    with pytest.raises(ValueError, match="shape"):
+        min_replicas_bound(np.zeros((2, 3), dtype=np.int32), layout, 1)
