@@ -87,6 +87,9 @@ __device__ __forceinline__ long long floor_div(long long a, long long b, double 
     return q;
 }
 
+// The front of the dynamic shared memory: what the oracle reads. Built from the base
+// wherever it is used, so that the compiler sees shared-memory pointers (LDS, not
+// generic loads) also inside the non-inlined oracle.
 struct DomainShared {
     int* expert_load;      // [D*M] load of each expert of the domain
     int* rank_load0;       // [D]   load of each rank without balancing
@@ -94,19 +97,24 @@ struct DomainShared {
     int* order_rank_load;  // [D]   rank_load0 in that order
     int* expert_order;     // [D*M] each rank's experts by descending load, ties lowest index
     int* order_load;       // [D*M] expert_load in that order
+    int* end;              // the rest of the shared memory
+    __device__ DomainShared(int* base, int D, int M)
+        : expert_load(base), rank_load0(base + D * M), rank_order(rank_load0 + D), order_rank_load(rank_order + D),
+          expert_order(order_rank_load + D), order_load(expert_order + D * M), end(order_load + D * M) {}
 };
 
 // The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp: the
-// number of moves (the same in every lane) if feasible, else -1. The target's lane stores
-// each move in `moves` (MOVE_INTS ints, creation order).
+// number of moves (the same in every lane) if feasible, else -1. Lane 0 stores each move
+// in `moves` (MOVE_INTS ints, creation order).
 // Target choice: one min-reduction over 32-bit keys that order fits (slack >= need) by
 // ascending slack before other eligible ranks by descending slack. PACKED (every slack
 // below 2**24) puts the rank index in the low 7 bits, so the minimum names the target
 // with the lowest index; otherwise one ballot per chunk finds that index. Not inlined: the
 // chain keeps its own register allocation whatever the rest of the kernel needs.
 template <int CHUNKS, bool PACKED>
-__device__ __noinline__ int run_oracle(const DomainShared& sh, int tau, int D, int M, int S, int max_replicas, int step,
-                          int* moves) {
+__device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_replicas, int step, int* moves) {
+    extern __shared__ int smem[];
+    const DomainShared sh(smem, D, M);
     const int lane = threadIdx.x & 31;
     int slack[CHUNKS], free_slots[CHUNKS];
 #pragma unroll
@@ -133,20 +141,25 @@ __device__ __noinline__ int run_oracle(const DomainShared& sh, int tau, int D, i
             if (k + 1 < M) { next_expert = experts[k + 1]; next_remaining = expert_loads[k + 1]; }
             // Slack of each rank that may host a replica of e (free slot, slack >= step),
             // -1 otherwise; a target is struck off once it hosts e. The source's own slack
-            // is negative while it is visited.
+            // is negative while it is visited. Its two possible keys are built here and
+            // when it changes, so a move only selects between them.
             int avail[CHUNKS];
+            unsigned fit_key[CHUNKS], spill_key[CHUNKS];
 #pragma unroll
-            for (int j = 0; j < CHUNKS; ++j) avail[j] = free_slots[j] > 0 && slack[j] >= step ? slack[j] : -1;
+            for (int j = 0; j < CHUNKS; ++j) {
+                const unsigned rank = lane + 32 * j;
+                avail[j] = free_slots[j] > 0 && slack[j] >= step ? slack[j] : -1;
+                const unsigned room = (unsigned)avail[j];
+                fit_key[j] = avail[j] < 0 ? NO_TARGET : PACKED ? room << 7 | rank : room;
+                spill_key[j] = avail[j] < 0 ? NO_TARGET : PACKED ? 0x80000000u | (0xffffffu - room) << 7 | rank : ~room;
+            }
             int hosts = 1;
             while (source_load > tau && hosts <= max_replicas && remaining >= step) {
                 const int need = min(max(source_load - tau, step), remaining);
                 unsigned key[CHUNKS], best = NO_TARGET;
 #pragma unroll
                 for (int j = 0; j < CHUNKS; ++j) {
-                    const unsigned rank = lane + 32 * j, room = (unsigned)avail[j];
-                    if (PACKED) key[j] = avail[j] < 0 ? NO_TARGET : avail[j] >= need ? room << 7 | rank
-                                                                  : 0x80000000u | (0xffffffu - room) << 7 | rank;
-                    else key[j] = avail[j] < 0 ? NO_TARGET : avail[j] >= need ? room : ~room;
+                    key[j] = avail[j] >= need ? fit_key[j] : spill_key[j];  // ineligible: -1 < need, NO_TARGET
                     best = min(best, key[j]);
                 }
                 best = __reduce_min_sync(FULL_MASK, best);
@@ -165,24 +178,26 @@ __device__ __noinline__ int run_oracle(const DomainShared& sh, int tau, int D, i
                 }
                 // A target that could take no further replica (leftover below q_min, or
                 // its last slot) is filled instead: the slack gathers on the source rank,
-                // where it stays usable. Its free slots come from its lane.
-                int target_free = free_slots[0];
+                // where it stays usable. Its free slots come from its lane (selected, not
+                // indexed: an indexed register array would live in local memory).
+                int mine = 0;
 #pragma unroll
-                for (int j = 1; j < CHUNKS; ++j) target_free = target >> 5 == j ? free_slots[j] : target_free;
-                target_free = __shfl_sync(FULL_MASK, target_free, target & 31);
+                for (int j = 0; j < CHUNKS; ++j) mine = lane + 32 * j == target ? free_slots[j] : mine;
+                const int target_free = __shfl_sync(FULL_MASK, mine, target & 31);
                 const int amount = chosen - need >= step && target_free > 1 ? need : min(chosen, remaining);
 #pragma unroll
-                for (int j = 0; j < CHUNKS; ++j) {  // branch-free: only the stores are predicated
-                    const int t = lane + 32 * j;
-                    const bool is_target = t == target;
-                    if (is_target) {
-                        moves[MOVE_INTS * count] = (e << 8) | target;
-                        moves[MOVE_INTS * count + 1] = amount;
-                        moves[MOVE_INTS * count + 2] = (hosts << 16) | (S - free_slots[j]);
-                    }
-                    slack[j] += (t == r ? amount : 0) - (is_target ? amount : 0);
+                for (int j = 0; j < CHUNKS; ++j) {  // branch-free updates of the target's registers
+                    const bool is_target = lane + 32 * j == target;
+                    slack[j] -= is_target ? amount : 0;
                     free_slots[j] -= is_target;
                     avail[j] = is_target ? -1 : avail[j];
+                    fit_key[j] = is_target ? NO_TARGET : fit_key[j];
+                    spill_key[j] = is_target ? NO_TARGET : spill_key[j];
+                }
+                if (lane == 0) {
+                    moves[MOVE_INTS * count] = (e << 8) | target;
+                    moves[MOVE_INTS * count + 1] = amount;
+                    moves[MOVE_INTS * count + 2] = (hosts << 16) | (S - target_free);
                 }
                 ++count;
                 source_load -= amount;
@@ -191,6 +206,8 @@ __device__ __noinline__ int run_oracle(const DomainShared& sh, int tau, int D, i
             }
         }
         if (source_load > tau) return -1;
+#pragma unroll
+        for (int j = 0; j < CHUNKS; ++j) slack[j] = lane + 32 * j == r ? tau - source_load : slack[j];  // it may receive now
     }
     return count;
 }
@@ -267,21 +284,39 @@ __device__ void write_imbalance(const int* rank_load0, const int* incoming, cons
     *imbalance_after = imbalance_of(after_max, total, R);
 }
 
-// Split rows of an expert without replicas: every source sends all its tokens to the
-// master, so all K prefixes of row (src, e) are the load. Written for all `columns`
-// experts of a block from `first_thread` on with stride `threads`; consecutive threads
-// cover consecutive 16-byte words of the consecutive rows of one source (coalesced).
+// Split rows of experts without replicas: every source sends all its tokens to the
+// master, so all K prefixes of row (src, e) are the load. Warps warp_index, +warps, ...
+// take the sources in turn; a warp's lanes store consecutive 16-byte words of the source's
+// row segment (coalesced: scattered stores would hold up the probes' shared-memory
+// loads in the same pipeline), and step through the (expert, word) pairs without a
+// division per store, since these warps share their schedulers with the probes.
 __device__ void write_master_rows(int* __restrict__ split_prefix, const int* staged, int R, int E, int K,
-                                  int first_expert, int columns, int share, int first_thread, int threads) {
+                                  int first_expert, int columns, int share, int warp_index, int warps) {
+    const int lane = threadIdx.x & 31;
     const int width = (K & 3) == 0 ? 4 : 1;  // ints per store: 16-byte aligned rows when K % 4 == 0
-    const int per_source = columns * K / width;
-    for (int idx = first_thread; idx < R * per_source; idx += threads) {
-        const int src = idx / per_source, word = idx - src * per_source;
-        const int tokens = staged[src * share + word * width / K];
-        int* out = split_prefix + ((long long)src * E + first_expert) * K + word * width;
-        if (width == 4) *reinterpret_cast<int4*>(out) = make_int4(tokens, tokens, tokens, tokens);
-        else *out = tokens;
+    const int per = K / width;                // stores per (source, expert)
+    const int step_column = 32 / per, step_word = 32 % per;
+    for (int src = warp_index; src < R; src += warps) {
+        int* out = split_prefix + ((long long)src * E + first_expert) * K;
+        for (int c = lane / per, word = lane % per; c < columns;) {
+            const int tokens = staged[src * share + c];
+            if (width == 4) reinterpret_cast<int4*>(out)[c * per + word] = make_int4(tokens, tokens, tokens, tokens);
+            else out[c * per + word] = tokens;
+            c += step_column;
+            word += step_word;
+            if (word >= per) { word -= per; ++c; }
+        }
     }
+}
+
+// Demand of source src for a replicated expert once its hosts' local tokens are taken
+// (`column_loads` = the expert's staged load column, stride `share`).
+__device__ __forceinline__ long long remote_demand(const int* column_loads, int share, const int* host, const int* local,
+                                                   int n, int src) {
+    long long d = column_loads[src * share];
+#pragma unroll 1
+    for (int i = 0; i < n; ++i) d -= host[i] == src ? local[i] : 0;
+    return d;
 }
 
 // Store values[0..4) at out[i0..i0+4) clipped to K (one 16-byte store when K % 4 == 0).
@@ -307,14 +342,8 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     const int block = (int)cluster_block_rank(), tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int share = (DM + CLUSTER - 1) / CLUSTER;  // experts whose columns and split this block owns
     const int first_column = min(DM, block * share), columns = min(DM, first_column + share) - first_column;
-    DomainShared sh;
-    int* cursor = smem;
-    sh.expert_load = cursor;     cursor += DM;
-    sh.rank_load0 = cursor;      cursor += D;
-    sh.rank_order = cursor;      cursor += D;
-    sh.order_rank_load = cursor; cursor += D;
-    sh.expert_order = cursor;    cursor += DM;
-    sh.order_load = cursor;      cursor += DM;
+    const DomainShared sh(smem, D, M);
+    int* cursor = sh.end;
     int* warp_moves = cursor;    cursor += 2 * PROBE_WARPS * move_ints;  // per round parity and probe warp: its moves
     int* best_moves = cursor;    cursor += move_ints;          // the moves of the chosen probe
     int* results = cursor;       cursor += 2 * 3 * PROBES;     // per round parity: tau, state, moves per probe
@@ -331,7 +360,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     int* inst_host = cursor;     cursor += share * K;          // host rank (global) of each instance
     int* inst_local = cursor;    cursor += share * K;          // tokens it takes from its own host rank
     int* inst_capacity = cursor; cursor += share * K;          // quota left after them
-    int* inst_column = cursor;   cursor += share * K;          // column sums of the shares, then deficit prefixes
+    int* inst_column = cursor;   cursor += share * K;          // column deficits, then their prefixes
     int* row_prefix = cursor;    cursor += share * R;          // row deficits, then their inclusive prefix
     int* item_total = cursor;    cursor += share;              // total capacity of each item
 
@@ -354,28 +383,26 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         }
     }
     cluster_sync();  // every block of the cluster is running and has its partial sums
-    for (int i = tid; i < columns * CLUSTER; i += THREADS) {
-        const int to = i / columns, c = i - to * columns;
-        store_to_block(&sh.expert_load[first_column + c], to, partial[c]);
-    }
+    for (int to = warp; to < CLUSTER; to += WARPS)
+        for (int c = lane; c < columns; c += 32) store_to_block(&sh.expert_load[first_column + c], to, partial[c]);
     for (int e = tid; e < DM; e += THREADS) { replicas[e] = 1; first_move[e] = 0; }
     for (int i = tid; i < D * S; i += THREADS) slot_expert[i] = -1;
     for (int r = tid; r < D; r += THREADS) incoming[r] = 0;
     if (tid == 0) replicated[share] = 0;
-    for (int x = tid; x < share; x += THREADS) item_total[x] = 0;
     cluster_sync();  // every block holds all the domain's expert loads
     for (int e = tid; e < DM; e += THREADS) master_quota[e] = sh.expert_load[e];
     for (int r = tid; r < D; r += THREADS) {
         int sum = 0;
+#pragma unroll 1
         for (int k = 0; k < M; ++k) sum += sh.expert_load[r * M + k];
         sh.rank_load0[r] = sum;
     }
     __syncthreads();
     // Orders by counting how many items precede each one; a rank's count is split over
     // `parts` consecutive lanes (a power of two) and summed with shuffles.
-    const int parts = min(32, 1 << (31 - __clz(THREADS / D)));
+    const int part_bits = min(5, 31 - __clz(THREADS / D)), parts = 1 << part_bits;
     for (int idx = tid; idx < ((D * parts + 31) & ~31); idx += THREADS) {
-        const int r = idx / parts, part = idx % parts;
+        const int r = idx >> part_bits, part = idx & (parts - 1);
         int pos = 0;
         if (r < D)
             for (int other = part; other < D; other += parts) pos += better_rank(sh.rank_load0, other, r);
@@ -399,8 +426,11 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     for (int r = lane; r < D; r += 32) { total += sh.rank_load0[r]; hi = max(hi, sh.rank_load0[r]); }
     total = warp_sum(total);
     hi = __reduce_max_sync(FULL_MASK, hi);
-    int lo = (int)((total + D - 1) / D) - 1;
-    if (cap_ppm) lo = (int)max((long long)lo, min((long long)hi, total * cap_ppm / (D * 1000000LL)) - 1);  // no search from hi - 1 on
+    int lo = (int)floor_div(total + D - 1, D, __drcp_rn((double)D)) - 1;  // 64-bit division is a long call
+    if (cap_ppm) {  // no search from hi - 1 on
+        const long long cap = floor_div(total * cap_ppm, D * 1000000LL, __drcp_rn(D * 1e6));
+        lo = (int)max((long long)lo, min((long long)hi, cap) - 1);
+    }
     const int tolerance = tau_tolerance >= 0 ? tau_tolerance : max(0, lo >> NEAR_SHIFT);  // -1: quota.auto_tolerance
     __syncthreads();
 
@@ -415,7 +445,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // (Few warps: more would slow the probes down through the shared memory pipeline.)
     if (!prober && warp < PROBE_WARPS + ROW_WARPS)
         write_master_rows(split_prefix, staged, R, E, K, first_expert + first_column, columns, share,
-                          tid - PROBE_WARPS * 32, ROW_WARPS * 32);
+                          warp - PROBE_WARPS, ROW_WARPS);
     while ((long long)hi - lo > (long long)tolerance + 1) {
         int* round = results + parity * 3 * PROBES;
         int* round_moves = warp_moves + parity * PROBE_WARPS * move_ints;
@@ -423,8 +453,8 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             bool active;
             const int tau = probe_point(lo, hi, probe, &active);
             const int count = !active ? 0
-                              : packed ? run_oracle<CHUNKS, true>(sh, tau, D, M, S, K - 1, step, round_moves + warp * move_ints)
-                                       : run_oracle<CHUNKS, false>(sh, tau, D, M, S, K - 1, step, round_moves + warp * move_ints);
+                              : packed ? run_oracle<CHUNKS, true>(tau, D, M, S, K - 1, step, round_moves + warp * move_ints)
+                                       : run_oracle<CHUNKS, false>(tau, D, M, S, K - 1, step, round_moves + warp * move_ints);
             if (lane < CLUSTER) {  // lane b publishes the result to block b
                 store_to_block(&round[probe], lane, tau);
                 store_to_block(&round[PROBES + probe], lane, active ? (count >= 0 ? 1 : 0) : -1);
@@ -469,22 +499,23 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     if (block == 0 && warp == WARPS - 1)  // off the critical path: the other warps go on
         write_imbalance(sh.rank_load0, incoming, master_quota, total, D, M, R, domain, domains, workspace,
                         imbalance_before, imbalance_after);
-    // This block's experts: placement rows [K] and replica counts, coalesced.
-    for (int idx = tid; idx < columns * K; idx += THREADS) {
-        const int e = first_column + idx / K, column = idx % K, r = e / M;
-        const long long at = (long long)(first_expert + first_column) * K + idx;
-        int slot = -1, tokens = 0;
-        if (column == 0) {
-            slot = (first_rank + r) * slots_per_rank + (e - r * M);
-            tokens = master_quota[e];
-        } else if (column < replicas[e]) {
-            const int* move = best_moves + MOVE_INTS * (first_move[e] + column - 1);
-            slot = (first_rank + (move[0] & 255)) * slots_per_rank + M + (move[2] & 0xffff);
-            tokens = move[1];
+    // This block's experts: placement rows [K] (a warp per row) and replica counts.
+    for (int c = warp; c < columns; c += WARPS)
+        for (int column = lane; column < K; column += 32) {
+            const int e = first_column + c, r = e / M;
+            const long long at = (long long)(first_expert + e) * K + column;
+            int slot = -1, tokens = 0;
+            if (column == 0) {
+                slot = (first_rank + r) * slots_per_rank + (e - r * M);
+                tokens = master_quota[e];
+            } else if (column < replicas[e]) {
+                const int* move = best_moves + MOVE_INTS * (first_move[e] + column - 1);
+                slot = (first_rank + (move[0] & 255)) * slots_per_rank + M + (move[2] & 0xffff);
+                tokens = move[1];
+            }
+            log_to_phys[at] = slot;
+            quota[at] = tokens;
         }
-        log_to_phys[at] = slot;
-        quota[at] = tokens;
-    }
     for (int c = tid; c < columns; c += THREADS) {
         const int e = first_column + c;
         replica_count[first_expert + e] = replicas[e];
@@ -493,91 +524,93 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // This block's ranks: slot contents and loads after balancing.
     const int rank_share = (D + CLUSTER - 1) / CLUSTER;
     const int my_first_rank = min(D, block * rank_share), my_ranks = min(D, my_first_rank + rank_share) - my_first_rank;
-    for (int i = tid; i < my_ranks * slots_per_rank; i += THREADS) {
-        const int r = my_first_rank + i / slots_per_rank, j = i % slots_per_rank;
-        const int e = j < M ? r * M + j : slot_expert[r * S + j - M];
-        phys_to_log[(first_rank + r) * slots_per_rank + j] = e < 0 ? -1 : first_expert + e;
-    }
+    for (int r = my_first_rank + warp; r < my_first_rank + my_ranks; r += WARPS)
+        for (int j = lane; j < slots_per_rank; j += 32) {
+            const int e = j < M ? r * M + j : slot_expert[r * S + j - M];
+            phys_to_log[(first_rank + r) * slots_per_rank + j] = e < 0 ? -1 : first_expert + e;
+        }
     for (int r = my_first_rank + tid; r < my_first_rank + my_ranks; r += THREADS) {
         long long sum = incoming[r];
+#pragma unroll 1
         for (int k = 0; k < M; ++k) sum += master_quota[r * M + k];
         rank_load[first_rank + r] = sum;
     }
     __syncthreads();
 
-    // Split (quota.locality_split) of this block's replicated experts, spread over the
-    // block as (item, instance) and (item, source) pairs (the other rows were written
-    // during the search).
+    // Split (quota.locality_split) of this block's replicated experts ("items"): one warp
+    // per item finds the shares' row and column deficits and their prefixes (no block
+    // barrier between these steps), then the whole block writes the rows, a source each.
+    // (The rows of the other experts were written during the search.)
     const int items = replicated[share];
-    for (int idx = tid; idx < items * K; idx += THREADS) {
-        const int x = idx / K, i = idx - x * K, c = replicated[x], e = first_column + c;
-        if (i >= replicas[e]) continue;
-        int host = first_rank + e / M, tokens = master_quota[e];
-        if (i > 0) {
-            const int* move = best_moves + MOVE_INTS * (first_move[e] + i - 1);
-            host = first_rank + (move[0] & 255);
-            tokens = move[1];
+    for (int x = warp; x < items; x += WARPS) {
+        const int c = replicated[x], e = first_column + c, n = replicas[e];
+        int* host = inst_host + x * K;
+        int* local = inst_local + x * K;
+        int* capacity = inst_capacity + x * K;
+        int* column = inst_column + x * K;
+        int* row = row_prefix + x * R;
+        int spare = 0;
+        for (int i = lane; i < n; i += 32) {
+            int h = first_rank + e / M, tokens = master_quota[e];
+            if (i > 0) {
+                const int* move = best_moves + MOVE_INTS * (first_move[e] + i - 1);
+                h = first_rank + (move[0] & 255);
+                tokens = move[1];
+            }
+            local[i] = min(staged[h * share + c], tokens);
+            host[i] = h;
+            capacity[i] = tokens - local[i];
+            column[i] = capacity[i];  // less the column sums of the shares: the column deficits
+            spare += capacity[i];
         }
-        const int local = min(staged[host * share + c], tokens);
-        inst_host[idx] = host;
-        inst_local[idx] = local;
-        inst_capacity[idx] = tokens - local;
-        inst_column[idx] = 0;
-        atomicAdd(&item_total[x], tokens - local);  // zeroed at set-up
-    }
-    __syncthreads();
-    // Demand of source src for item x once the hosts' local tokens are taken.
-    auto remote_demand = [&](int x, int src) {
-        const int c = replicated[x], n = replicas[first_column + c];
-        int d = staged[src * share + c];
-        for (int i = 0; i < n; ++i) d -= inst_host[x * K + i] == src ? inst_local[x * K + i] : 0;
-        return (long long)d;
-    };
-    // Proportional shares floor(d * capacity / total): row deficits, and column sums (a
-    // warp covers 32 sources of one item, so it adds each column once).
-    const int padded_sources = (R + 31) & ~31;
-    for (int idx = tid; idx < items * padded_sources; idx += THREADS) {
-        const int x = idx / padded_sources, src = idx - x * padded_sources;
-        const int n = replicas[first_column + replicated[x]], total = item_total[x];
+        const int total = __reduce_add_sync(FULL_MASK, spare);
+        if (lane == 0) item_total[x] = total;
         const double inverse = total ? __drcp_rn((double)total) : 0.0;
-        const long long d = src < R ? remote_demand(x, src) : 0;
-        int row = 0;
-        for (int i = 0; i < n; ++i) {
-            const int share_i = total ? (int)floor_div(d * inst_capacity[x * K + i], total, inverse) : 0;
-            row += share_i;
-            const int column = __reduce_add_sync(FULL_MASK, share_i);
-            if (lane == 0 && column) atomicAdd(&inst_column[x * K + i], column);
-        }
-        if (src < R) row_prefix[x * R + src] = (int)d - row;
-    }
-    __syncthreads();
-    for (int x = warp; x < items; x += WARPS) {  // north-west corner bounds: deficit prefixes
-        const int n = replicas[first_column + replicated[x]];
-        for (int i = lane; i < n; i += 32) inst_column[x * K + i] = inst_capacity[x * K + i] - inst_column[x * K + i];
         __syncwarp();
-        warp_inclusive_scan(inst_column + x * K, n);
-        warp_inclusive_scan(row_prefix + x * R, R);
+        // Proportional shares floor(d * capacity / total): row and column deficits.
+        for (int base = 0; base < R; base += 32) {
+            const int src = base + lane;
+            const long long d = src < R ? remote_demand(staged + c, share, host, local, n, src) : 0;
+            int taken = 0;
+#pragma unroll 1
+            for (int i = 0; i < n; ++i) {
+                const int share_i = total ? (int)floor_div(d * capacity[i], total, inverse) : 0;
+                taken += share_i;
+                const int column_sum = __reduce_add_sync(FULL_MASK, share_i);
+                if (lane == 0) column[i] -= column_sum;
+            }
+            if (src < R) row[src] = (int)d - taken;
+        }
+        __syncwarp();
+        warp_inclusive_scan(column, n);  // north-west corner bounds: deficit prefixes
+        warp_inclusive_scan(row, R);
     }
     __syncthreads();
     // Each source's row of K prefixes: share + north-west overlap + local tokens.
     for (int idx = tid; idx < items * R; idx += THREADS) {
-        const int x = idx / R, src = idx - x * R, c = replicated[x];
-        const int n = replicas[first_column + c], total = item_total[x];
+        const int x = idx / R, src = idx - x * R, c = replicated[x], e = first_column + c, n = replicas[e];
+        const int* host = inst_host + x * K;
+        const int* local = inst_local + x * K;
+        const int* capacity = inst_capacity + x * K;
+        const int* column = inst_column + x * K;
+        const int* row = row_prefix + x * R;
+        const int total = item_total[x];
         const double inverse = total ? __drcp_rn((double)total) : 0.0;
-        const long long d = remote_demand(x, src);
-        const int row_stop = row_prefix[x * R + src], row_start = src ? row_prefix[x * R + src - 1] : 0;
-        int* out = split_prefix + ((long long)src * E + first_expert + first_column + c) * K;
+        const long long d = remote_demand(staged + c, share, host, local, n, src);
+        const int row_stop = row[src], row_start = src ? row[src - 1] : 0;
+        int* out = split_prefix + ((long long)src * E + first_expert + e) * K;
         int prefix = 0;
+#pragma unroll 1
         for (int i0 = 0; i0 < K; i0 += 4) {
             int values[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 const int i = i0 + u;
                 if (i < n) {
-                    const int col_start = i ? inst_column[x * K + i - 1] : 0, col_stop = inst_column[x * K + i];
-                    prefix += total ? (int)floor_div(d * inst_capacity[x * K + i], total, inverse) : 0;
+                    const int col_start = i ? column[i - 1] : 0, col_stop = column[i];
+                    prefix += total ? (int)floor_div(d * capacity[i], total, inverse) : 0;
                     prefix += max(0, min(row_stop, col_stop) - max(row_start, col_start));
-                    prefix += inst_host[x * K + i] == src ? inst_local[x * K + i] : 0;
+                    prefix += host[i] == src ? local[i] : 0;
                 }
                 values[u] = prefix;
             }
