@@ -8,7 +8,7 @@ import pytest
 
 from ultraep.planner import ExpertLayout, plan_placement
 from ultraep.planner.baselines import EPLB, no_balancing, replicas_below
-from ultraep.planner.bound import lower_bound, min_replicas_bound, trivial_bound
+from ultraep.planner.bound import _component_bound, lower_bound, min_replicas_bound, trivial_bound
 from ultraep.planner.plan import check_loads
 from ultraep.planner.traces import zipf_loads
 
@@ -270,3 +270,15 @@ def test_min_replicas_rejects_bad_arguments():
             min_replicas_bound(loads, layout, 1, time_limit=bad)
     with pytest.raises(ValueError, match="shape"):
         min_replicas_bound(np.zeros((2, 3), dtype=np.int32), layout, 1)
+
+
+def test_component_bound_counts_a_swap_when_no_rank_can_only_receive():
+    # Rank 0 is 1 over the cap, rank 1 has 1 of slack, replicas need 4 tokens: one
+    # replica would overload its host, so the ranks must swap (two replicas).
+    layout = ExpertLayout(2, 4, 1)
+    loads = np.array([[6, 5, 0, 0], [0, 0, 4, 5]], dtype=np.int32)
+    assert brute_force_min_replicas(loads, layout, 4, 10) == 2
+    assert _component_bound(np.array([1, -1]), 4, 10.0)[0] == 2
+    assert _component_bound(np.array([1, -1]), 1, 10.0)[0] == 1
+    found = min_replicas_bound(loads, layout, 10, min_replica_tokens=4)
+    assert (found.status, found.value, found.replicas) == ("optimal", 2, 2)

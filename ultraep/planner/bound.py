@@ -45,6 +45,8 @@ from ultraep.planner.plan import check_loads, master_rank_load
 
 DEFAULT_TIME_LIMIT_S = 2.0
 DEFAULT_MAX_BINARIES = 2000  # replica variables above which "auto" uses the LP relaxation
+# min_replicas_bound is an analysis tool: the 64-rank anchor cases take 1-10 s to prove optimal.
+DEFAULT_REPLICA_TIME_LIMIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -382,7 +384,7 @@ class ReplicaBound:
 
 
 def min_replicas_bound(loads, layout: ExpertLayout, max_rank_load: int, *, min_replica_tokens: int = 1024,
-                       time_limit: float = DEFAULT_TIME_LIMIT_S) -> ReplicaBound:
+                       time_limit: float = DEFAULT_REPLICA_TIME_LIMIT_S) -> ReplicaBound:
     """Fewest replicas (filled redundant slots) of any valid plan whose rank loads are all
     ``<= max_rank_load``, under the planner's constraints (module docstring).
 
@@ -393,13 +395,16 @@ def min_replicas_bound(loads, layout: ExpertLayout, max_rank_load: int, *, min_r
       ranks into groups that balance on their own; a small MILP over such partitions;
     * the **expert-level MILP** (``_expert_min_replicas``): the model of the module
       docstring with ``t`` fixed to the cap, minimising ``sum y``. It is exact, but its
-      LP relaxation is weak (29 against an optimum of 38 on a 64-rank anchor, and one
-      LP solve there takes about 10-40 s), so on large domains it runs only when the
-      component bound is not already matched by a plan.
+      LP relaxation is weak (7 against an optimum of 38 on a 64-rank anchor, where one
+      LP solve takes about 10 s), so it runs only when the component bound is not
+      already matched by a plan.
 
-    Plans come from solving the expert-level MILP inside each group of the component
-    bound's partition (small, fast), or from the full MILP. Every plan is rebuilt and
-    checked in exact integer arithmetic. ``value`` rounds a HiGHS dual bound up
+    Token counts are relaxed to reals: that only adds plans, so the minimum can only
+    drop and stays a lower bound; it even loses nothing, since for fixed ``y`` the
+    tokens form a transportation problem with integer data (loads, cap, ``m``) that has
+    an integral solution whenever it has one. Plans come from solving the expert-level
+    MILP inside each group of the component bound's partition (small, fast), or from
+    the full MILP; every plan is rebuilt and checked in exact integer arithmetic. ``value`` rounds a HiGHS dual bound up
     (``ceil(bound - 1e-6 * max(1, bound))``). ``time_limit`` (seconds) covers all domains.
     """
     max_rank_load = _check_count("max_rank_load", max_rank_load)
@@ -442,7 +447,7 @@ def _domain_min_replicas(expert_load, layout: ExpertLayout, cap: int, min_replic
         return "optimal", 0, 0
     if _trivial_bound_of(expert_load, layout, min_replica_tokens) > cap:
         return "infeasible", None, None
-    bound, groups = _component_bound(rank_load - cap, _left(deadline, 0.5))
+    bound, groups = _component_bound(rank_load - cap, min_replica_tokens, _left(deadline, 0.5))
     if bound is None:
         return "infeasible", None, None
     best = _group_plan(expert_load, layout, cap, min_replica_tokens, groups, deadline)
@@ -457,19 +462,25 @@ def _domain_min_replicas(expert_load, layout: ExpertLayout, cap: int, min_replic
     return ("optimal" if best == bound else "time limit"), bound, best
 
 
-def _component_bound(excess, time_limit: float):
+def _component_bound(excess, min_replica_tokens: int, time_limit: float):
     """The component bound of one domain: ``(bound, groups)``; ``(None, None)`` when proven infeasible.
 
-    Take any valid plan and the graph on ranks with one edge per replica (master's rank
-    to host). A connected part ``C`` with an edge keeps its tokens (every instance of an
-    expert sits in its master's part), so ``sum over C of (W_r - cap) <= 0``, and it has
-    at least ``|C| - 1`` edges; a rank above the cap lies in such a part. So the
-    replicas are at least ``min sum (|C| - 1)`` over families of disjoint rank sets that
-    each hold an overloaded rank and balance. MILP: ``a[v, g] = 1`` puts rank ``v`` in
-    the group led by overloaded rank ``g`` (leaders in descending excess; a group's
-    leader is its first overloaded member); cost ``sum a - number of groups``. Ranks at
-    exactly the cap are left out: one adds a rank and no slack.
-    ``groups`` (lists of ranks) is the best partition found, or None.
+    Take any valid plan and the graph on ranks with one edge per replica, directed from
+    the master's rank to the host. A connected part ``C`` with an edge keeps its tokens
+    (every instance of an expert sits in its master's part), so ``sum over C of
+    (W_r - cap) <= 0``; a rank above the cap lies in such a part. ``C`` has at least
+    ``|C| - 1`` edges, and at least ``|C|`` unless some rank of ``C`` has slack
+    ``cap - W_r >= m``: without a directed cycle (which needs ``|C|`` edges) some rank
+    of ``C`` only receives, at least ``m`` tokens, and must stay below the cap. So the
+    replicas are at least the least ``sum (|C| - 1 + [no rank of C with slack >= m])``
+    over families of disjoint rank sets that each hold an overloaded rank and balance.
+
+    MILP: ``a[v, g] = 1`` puts rank ``v`` in the group led by overloaded rank ``g``
+    (leaders in descending excess; a group's leader is its first overloaded member),
+    ``short[g] >= a[g, g] - sum of a[v, g] over ranks with slack >= m``; cost ``sum a -
+    number of groups + sum short``. Ranks at exactly the cap are left out: one adds a
+    rank and no slack (for ``m = 0`` it may be the receiver, which saves no more than its
+    own cost). ``groups`` (arrays of ranks) is the best partition found, or None.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -503,10 +514,16 @@ def _component_bound(excess, time_limit: float):
     blocks.append((np.r_[np.repeat(rows, V - G), rows], np.r_[var[hosts][:, into].T.ravel(), var[over, into]],
                    np.r_[np.ones(len(over) * (V - G)), -need[over].astype(np.float64)],
                    np.zeros(len(over)), np.full(len(over), np.inf)))
-    matrix, row_lower, row_upper = _assemble(blocks, V * G)
-    cost = np.ones((V, G))
+    # short[g] (column V * G + g) >= a[g, g] - sum over receivers v of a[v, g]
+    receivers = np.nonzero(-excess[ranks] >= min_replica_tokens)[0]
+    blocks.append((np.r_[np.arange(G), np.arange(G), np.repeat(np.arange(G), len(receivers))],
+                   np.r_[V * G + np.arange(G), var[np.arange(G), np.arange(G)], var[receivers].T.ravel()],
+                   np.r_[np.ones(G), -np.ones(G), np.ones(G * len(receivers))], np.zeros(G), np.full(G, np.inf)))
+    matrix, row_lower, row_upper = _assemble(blocks, V * G + G)
+    cost = np.ones((V + 1, G))
     cost[np.arange(G), np.arange(G)] = 0.0
-    res = milp(cost.ravel(), integrality=np.ones(V * G), bounds=Bounds(0, upper.ravel()),
+    res = milp(cost.ravel(), integrality=np.r_[np.ones(V * G), np.zeros(G)],
+               bounds=Bounds(0, np.r_[upper.ravel(), np.ones(G)]),
                constraints=LinearConstraint(matrix, row_lower, row_upper),
                options={"time_limit": time_limit, "mip_rel_gap": 1e-9})
     if res.status == 2:
@@ -515,7 +532,7 @@ def _component_bound(excess, time_limit: float):
     bound = _ceil(dual) if dual is not None and np.isfinite(dual) else G  # each overloaded rank ships a replica
     groups = None
     if res.x is not None:
-        chosen = res.x.reshape(V, G) > 0.5
+        chosen = res.x[: V * G].reshape(V, G) > 0.5
         groups = [ranks[chosen[:, g]] for g in range(G) if chosen[g, g]]
     return max(bound, G), groups
 
