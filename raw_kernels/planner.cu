@@ -567,19 +567,24 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         if (lane == 0) item_total[x] = total;
         const double inverse = total ? __drcp_rn((double)total) : 0.0;
         __syncwarp();
-        // Proportional shares floor(d * capacity / total): row and column deficits.
-        for (int base = 0; base < R; base += 32) {
-            const int src = base + lane;
-            const long long d = src < R ? remote_demand(staged + c, share, host, local, n, src) : 0;
-            int taken = 0;
+        // Proportional shares floor(d * capacity / total): row and column deficits, two
+        // sources per lane at a time (independent divisions overlap).
+        for (int base = 0; base < R; base += 64) {
+            const int src0 = base + lane, src1 = src0 + 32;
+            const long long d0 = src0 < R ? remote_demand(staged + c, share, host, local, n, src0) : 0;
+            const long long d1 = src1 < R ? remote_demand(staged + c, share, host, local, n, src1) : 0;
+            int taken0 = 0, taken1 = 0;
 #pragma unroll 1
             for (int i = 0; i < n; ++i) {
-                const int share_i = total ? (int)floor_div(d * capacity[i], total, inverse) : 0;
-                taken += share_i;
-                const int column_sum = __reduce_add_sync(FULL_MASK, share_i);
+                const int share0 = total ? (int)floor_div(d0 * capacity[i], total, inverse) : 0;
+                const int share1 = total ? (int)floor_div(d1 * capacity[i], total, inverse) : 0;
+                taken0 += share0;
+                taken1 += share1;
+                const int column_sum = __reduce_add_sync(FULL_MASK, share0 + share1);
                 if (lane == 0) column[i] -= column_sum;
             }
-            if (src < R) row[src] = (int)d - taken;
+            if (src0 < R) row[src0] = (int)d0 - taken0;
+            if (src1 < R) row[src1] = (int)d1 - taken1;
         }
         __syncwarp();
         warp_inclusive_scan(column, n);  // north-west corner bounds: deficit prefixes
