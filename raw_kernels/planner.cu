@@ -309,16 +309,6 @@ __device__ void write_master_rows(int* __restrict__ split_prefix, const int* sta
     }
 }
 
-// Demand of source src for a replicated expert once its hosts' local tokens are taken
-// (`column_loads` = the expert's staged load column, stride `share`).
-__device__ __forceinline__ long long remote_demand(const int* column_loads, int share, const int* host, const int* local,
-                                                   int n, int src) {
-    long long d = column_loads[src * share];
-#pragma unroll 1
-    for (int i = 0; i < n; ++i) d -= host[i] == src ? local[i] : 0;
-    return d;
-}
-
 // Store values[0..4) at out[i0..i0+4) clipped to K (one 16-byte store when K % 4 == 0).
 __device__ __forceinline__ void store_quad(int* out, int i0, int K, const int (&values)[4]) {
     if ((K & 3) == 0) {
@@ -362,6 +352,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     int* inst_capacity = cursor; cursor += share * K;          // quota left after them
     int* inst_column = cursor;   cursor += share * K;          // column deficits, then their prefixes
     int* row_prefix = cursor;    cursor += share * R;          // row deficits, then their inclusive prefix
+    int* remote = cursor;        cursor += share * R;          // each source's demand once hosts took theirs
     int* item_total = cursor;    cursor += share;              // total capacity of each item
 
     // 1. Stage this block's load columns and sum them: thread (group, c) reads column c of
@@ -566,13 +557,16 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         const int total = __reduce_add_sync(FULL_MASK, spare);
         if (lane == 0) item_total[x] = total;
         const double inverse = total ? __drcp_rn((double)total) : 0.0;
+        int* demand = remote + x * R;
+        for (int src = lane; src < R; src += 32) demand[src] = staged[src * share + c];
+        __syncwarp();
+        for (int i = lane; i < n; i += 32) demand[host[i]] -= local[i];  // the hosts are distinct ranks
         __syncwarp();
         // Proportional shares floor(d * capacity / total): row and column deficits, two
         // sources per lane at a time (independent divisions overlap).
         for (int base = 0; base < R; base += 64) {
             const int src0 = base + lane, src1 = src0 + 32;
-            const long long d0 = src0 < R ? remote_demand(staged + c, share, host, local, n, src0) : 0;
-            const long long d1 = src1 < R ? remote_demand(staged + c, share, host, local, n, src1) : 0;
+            const long long d0 = src0 < R ? demand[src0] : 0, d1 = src1 < R ? demand[src1] : 0;
             int taken0 = 0, taken1 = 0;
 #pragma unroll 1
             for (int i = 0; i < n; ++i) {
@@ -601,7 +595,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         const int* row = row_prefix + x * R;
         const int total = item_total[x];
         const double inverse = total ? __drcp_rn((double)total) : 0.0;
-        const long long d = remote_demand(staged + c, share, host, local, n, src);
+        const long long d = remote[x * R + src];
         const int row_stop = row[src], row_start = src ? row[src - 1] : 0;
         int* out = split_prefix + ((long long)src * E + first_expert + e) * K;
         int prefix = 0;
