@@ -1,0 +1,115 @@
+"""Where the planner kernel's time goes, phase by phase (GPU, a profiling aid).
+
+Builds a copy of ``raw_kernels/planner.cu`` with ``%globaltimer`` stamps (thread 0 of
+block 0 at each phase boundary, and each probe warp around its oracle run), runs it on
+the anchor cases (EP64, top-8, 8192 tokens per rank, S=2, as ``bench plan-kernel``) and
+prints the median phase times in microseconds, next to the device time of a plain graph
+replay of the stamped build. The stamps cost about 0.5 us in all. The stamps are placed
+by the kernel's comment lines; when the kernel changes, an anchor that moved stops the
+script with an AssertionError naming it.
+
+    python scripts/planner_phases.py [--repeats 30]   # with the package installed (or PYTHONPATH=.)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+PHASES = ["stage", "exchange", "orders+bounds", "search", "push-sync", "outputs", "split"]
+SPLIT_STEPS = ["deficit set-up", "shares", "scans", "rows"]
+TIMER = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));'
+
+
+def stamped_source(source: str) -> str:
+    """planner.cu with stamps: g_stamps[0..7] phases, [8..10] split steps, g_probe per probe."""
+    def stamp(index):
+        return (f"{{ __syncwarp(); if (blockIdx.x == 0 && threadIdx.x == 0) {{ unsigned long long t; {TIMER} "
+                f"g_stamps[{index}] = t; }} }}\n")
+
+    def insert(text, anchor, addition, after=True, occurrence=1):
+        position = -1
+        for _ in range(occurrence):
+            position = text.find(anchor, position + 1)
+            assert position >= 0, f"anchor not found in planner.cu: {anchor!r}"
+        if after:
+            position = text.index("\n", position) + 1
+        return text[:position] + addition + text[position:]
+
+    for index, anchor, after, occurrence in [
+            (0, "    extern __shared__ int smem[];\n", True, 2),  # the kernel's, not the oracle's
+            (1, "cluster_sync();  // every block of the cluster is running", True, 1),
+            (2, "cluster_sync();  // every block holds all the domain's expert loads", True, 1),
+            (3, "    // 2. Threshold search.", False, 1),
+            (4, "    // 3. Every block holds the winner", False, 1),
+            (5, "    cluster_sync();  // the last pushes are complete", True, 1),
+            (6, "    // Split (quota.locality_split)", False, 1),
+            (8, "        // Proportional shares floor(d * capacity / total)", False, 1),
+            (9, "        warp_inclusive_scan(column, n);", False, 1),
+            (10, "    // Each source's row of K prefixes", False, 1)]:
+        source = insert(source, anchor, stamp(index), after, occurrence)
+    source = insert(source, "            const int tau = probe_point(lo, hi, probe, &active);", "            unsigned long long "
+                    "probe_start; { unsigned long long t; " + TIMER + " probe_start = t; }\n")
+    source = insert(source, "            if (lane < CLUSTER) {  // lane b publishes the result to block b",
+                    "            { unsigned long long t; " + TIMER + " if (lane == 0 && blockIdx.x < CLUSTER) { "
+                    "g_probe[2 * probe] = probe_start; g_probe[2 * probe + 1] = t; g_probe_moves[probe] = count; } }\n",
+                    after=False)
+    end = source.rstrip().rfind("}")  # the kernel is the file's last function
+    source = source[:end] + "    __syncthreads();\n" + stamp(7) + source[end:]
+    return ("__device__ unsigned long long g_stamps[16];\n__device__ unsigned long long g_probe[64];\n"
+            "__device__ int g_probe_moves[32];\n" + source)
+
+
+def main() -> None:
+    import cupy
+
+    import ultraep.planner.cuda as planner_cuda
+    from ultraep.bench.timing import graph_ms
+    from ultraep.planner import ExpertLayout, plan_placement
+    from ultraep.planner.traces import zipf_loads
+    from ultraep.runtime.kernels import COMPILE_OPTIONS, declared_kernels, kernel_source
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    path = kernel_source("planner.cu")
+    module = cupy.RawModule(code=stamped_source(path.read_text()), options=COMPILE_OPTIONS,
+                            name_expressions=declared_kernels(path))
+
+    def kernel(filename, name, shared_bytes):  # planner_cuda._kernel, on the stamped module
+        function = module.get_function(name)
+        if shared_bytes > 48 * 1024:
+            function.max_dynamic_shared_size_bytes = shared_bytes
+        return function
+
+    planner_cuda._kernel = kernel
+    stamps, probes, moves = (module.get_global(name) for name in ("g_stamps", "g_probe", "g_probe_moves"))
+    for experts in (128, 256):
+        for target in (1.5, 2.0, 3.0):
+            layout = ExpertLayout(64, experts, 2)
+            loads = cupy.asarray(zipf_loads(64, experts, 8, 8192, target, 0))
+            out = planner_cuda.empty_plan(layout)
+            for cap in (None, 1.005):
+                phases, steps, slowest, most_moves = [], [], [], 0
+                for _ in range(args.repeats):
+                    plan_placement(loads, layout, backend="cupy", out=out, target_imbalance=cap)
+                    cupy.cuda.Device().synchronize()
+                    t = cupy.ndarray((16,), np.uint64, stamps).get().astype(np.int64)
+                    spans = cupy.ndarray((64,), np.uint64, probes).get().astype(np.int64).reshape(32, 2)
+                    phases.append(np.diff(t[:8]))
+                    steps.append(np.diff(t[[6, 8, 9, 10, 7]]))
+                    slowest.append((spans[:, 1] - spans[:, 0]).max())
+                    most_moves = max(most_moves, int(cupy.ndarray((32,), np.int32, moves).get().max()))
+                held = graph_ms(lambda: plan_placement(loads, layout, backend="cupy", out=out, target_imbalance=cap),
+                                100)
+                phase_us = np.median(phases, axis=0) / 1e3
+                step_us = np.median(steps, axis=0) / 1e3
+                print(f"E={experts} target={target} cap={cap}: replay {held * 1e3:.2f} us, stamped "
+                      f"{phase_us.sum():.2f} us | " + ", ".join(f"{n} {v:.2f}" for n, v in zip(PHASES, phase_us))
+                      + " | split: " + ", ".join(f"{n} {v:.2f}" for n, v in zip(SPLIT_STEPS, step_us))
+                      + f" | slowest probe {np.median(slowest) / 1e3:.2f} us ({most_moves} moves)")
+
+
+if __name__ == "__main__":
+    main()
