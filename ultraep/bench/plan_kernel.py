@@ -11,7 +11,9 @@ launched from Python (host launch gaps included). The planner is one kernel
 the oracle's exact threshold (``tau_tolerance=0``) instead of the default tolerance.
 ``cap_*`` columns plan with ``target_imbalance=--cap`` (default 1.005): the search starts
 at that max/mean and settles there when the oracle reaches it, with fewer replicas than
-the tightest plan (UltraEP's plans sit at 1.010).
+the tightest plan (UltraEP's plans sit at 1.010). With ``--replica-bound`` the CPU also
+proves the fewest replicas any plan needs to reach the capped plan's max rank load
+(``min_replicas_bound``, a MILP per domain: seconds per row): ``cap_slots_bound``.
 The NumPy planner time is the wall-clock median of a few runs. Without a GPU only the
 NumPy columns are filled.
 """
@@ -29,6 +31,7 @@ from ultraep.bench.report import print_table, write_json
 from ultraep.bench.timing import graph_ms, median_event_ms
 from ultraep.runtime.group import gpu_count
 from ultraep.planner import ExpertLayout, plan_placement, reroute
+from ultraep.planner.bound import min_replicas_bound
 from ultraep.planner.traces import zipf_loads, zipf_topk
 
 RANKS, TOP_K, TOKENS_PER_RANK, SLOTS, MIN_REPLICA_TOKENS = 64, 8, 8192, 2, 1024
@@ -46,7 +49,7 @@ ANCHOR = {
 
 COLUMNS = ["experts", "target", "seed", "before", "after", "plan_ms", "reroute_ms", "plan_launch_ms",
            "reroute_launch_ms", "exact_plan_ms", "slots", "max_replicas", "cap_after", "cap_plan_ms", "cap_slots",
-           "cap_max_replicas", "remote_pct", "numpy_ms", "anchor_after", "anchor_plan_ms", "anchor_reroute_ms",
+           "cap_max_replicas", "cap_slots_bound", "remote_pct", "numpy_ms", "anchor_after", "anchor_plan_ms", "anchor_reroute_ms",
            "anchor_slots", "anchor_max_replicas"]
 
 
@@ -58,6 +61,8 @@ def parse_args(argv):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one row per seed")
     parser.add_argument("--repeats", type=int, default=200, help="timed kernel runs (median reported)")
     parser.add_argument("--cap", type=float, default=1.005, help="target_imbalance of the cap_* columns")
+    parser.add_argument("--replica-bound", action="store_true",
+                        help="prove the fewest replicas that reach the capped plan's max rank load (CPU MILP)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     return parser.parse_args(argv)
 
@@ -85,7 +90,7 @@ def gpu_times(loads, topk, layout, repeats, cap):
                 reroute_ms=graph_ms(reroute_once, repeats), reroute_launch_ms=median_event_ms(reroute_once, repeats))
 
 
-def run_case(experts, target, seed, repeats, use_gpu, cap):
+def run_case(experts, target, seed, repeats, use_gpu, cap, replica_bound):
     layout = ExpertLayout(RANKS, experts, SLOTS)
     loads = zipf_loads(RANKS, experts, TOP_K, TOKENS_PER_RANK, target, seed)
     numpy_times = []
@@ -98,6 +103,9 @@ def run_case(experts, target, seed, repeats, use_gpu, cap):
                numpy_ms=statistics.median(numpy_times))
     capped = plan_placement(loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, target_imbalance=cap)
     row.update(cap_after=capped.imbalance_after, cap_slots=capped.slots_used, cap_max_replicas=capped.max_fanout)
+    if replica_bound:
+        bound = min_replicas_bound(loads, layout, int(capped.rank_load.max()), min_replica_tokens=MIN_REPLICA_TOKENS)
+        row["cap_slots_bound"] = bound.value if bound.status == "optimal" else f"{bound.value} ({bound.status})"
     if use_gpu:
         topk = zipf_topk(RANKS, experts, TOP_K, TOKENS_PER_RANK, target, seed)
         row.update(gpu_times(loads, topk, layout, repeats, cap))
@@ -111,7 +119,7 @@ def run_case(experts, target, seed, repeats, use_gpu, cap):
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     use_gpu = gpu_count() > 0
-    rows = [run_case(e, t, s, args.repeats, use_gpu, args.cap) for e in args.experts for t in args.targets for s in args.seeds]
+    rows = [run_case(e, t, s, args.repeats, use_gpu, args.cap, args.replica_bound) for e in args.experts for t in args.targets for s in args.seeds]
     title = (f"Planner kernels: EP{RANKS}, top-{TOP_K}, {TOKENS_PER_RANK} tokens/rank, S={SLOTS}, "
              f"min {MIN_REPLICA_TOKENS} tokens/replica" + ("" if use_gpu else " (no GPU: NumPy only)"))
     print_table(rows, COLUMNS, title)
