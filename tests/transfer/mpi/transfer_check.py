@@ -1,6 +1,7 @@
 """Multi-rank data-plane check, run under mpiexec by tests/transfer/test_transfer.py.
 
-Usage: python -m mpi4py transfer_check.py {cpu|cuda} {sync|relay|pipeline|grads|empty|repeat|bad-input} [grad dtype]
+Usage: python -m mpi4py transfer_check.py {cpu|cuda} {sync|relay|pipeline|grads|empty|repeat|bad-input|relay-timeout}
+       [grad dtype]
 Every master's weights and every instance's gradients are a seeded function of (layer,
 expert, instance), so each rank checks what it holds without asking anyone.
 """
@@ -260,6 +261,64 @@ def repeat(heap):
         assert len(digests) == 1, f"rank {me}: results differ across 10 runs"
 
 
+def fanout_plan(expert, hosts):
+    """``expert`` (a master of rank 0) replicated on ``hosts`` in their first redundant slot."""
+    K = LAYOUT.max_instances
+    log_to_phys = np.full((LAYOUT.num_experts, K), -1, np.int32)
+    for e in range(LAYOUT.num_experts):
+        log_to_phys[e, 0] = LAYOUT.master_slot(e)
+    for i, host in enumerate(hosts, start=1):
+        log_to_phys[expert, i] = LAYOUT.physical_slot(host, M)
+    loads = np.full((R, LAYOUT.num_experts), 4 * R, np.int32)
+    split = np.zeros((R, LAYOUT.num_experts, K), np.int64)
+    split[:, :, 0] = loads
+    split[:, expert, 0], split[:, expert, 1:len(hosts) + 1] = 4, (4 * R - 4) // len(hosts)
+    split[:, expert, 0] += 4 * R - split[:, expert, :len(hosts) + 1].sum(axis=1)
+    return Plan.from_split(LAYOUT, loads, log_to_phys, split)
+
+
+def relay_timeout(heap):
+    """The master's sends are lost (it takes part in the call, but its transfer never
+    runs): its relay's wait for the first chunk times out naming the flag it waited for,
+    no rank hangs, no slot is written, and the same engines then sync the same plan."""
+    import ultraep.transfer.engine as engine_module
+    from ultraep.transfer.executor import TransferTimeout
+
+    with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2, relay_threshold=1, relay_count=1,
+                        timeout_s=2.0) as engine:
+        register(engine)
+        poison_slots(engine)
+        heap.barrier()
+        plan = fanout_plan(0, list(range(1, R)))
+        (relay_instance, _), = engine.schedule(plan).relays[0]
+        relay_rank = int(np.asarray(plan.log_to_phys)[0, relay_instance]) // LAYOUT.slots_per_rank
+        lost = {"_launch_sync": lambda *args: None} if engine.gpu else {"run_weight_tasks": lambda *args: None}
+        owner = engine if engine.gpu else engine_module
+        saved = {name: getattr(owner, name) for name in lost}
+        if me == 0:
+            for name, stub in lost.items():
+                setattr(owner, name, stub)
+        error = None
+        try:
+            engine.weight_sync(0, plan, barrier=False)
+            engine.synchronize()
+        except TransferTimeout as exc:
+            error = str(exc)
+        finally:
+            for name, original in saved.items():
+                setattr(owner, name, original)
+        if me == relay_rank:
+            assert error is not None and f"rank {me}: relay waited 2 s for a weight chunk" in error, error
+        else:
+            assert error is None, error
+        assert all(bool((to_host(v).view(np.uint8) == 0xA5).all()) for v in engine.replica_weights(0)), \
+            f"rank {me}: a slot was written although its chunks never came"
+        group.barrier()
+        engine.weight_sync(0, plan)
+        engine.synchronize()
+        assert check_replicas(engine, plan, 0) == (me != 0)
+
+
 def expect_error(fn, needle):
     try:
         fn()
@@ -301,5 +360,5 @@ def bad_input(heap):
 
 with open_heap(group, 8 << 20, backend=backend) as heap:
     {"sync": sync, "relay": relay, "pipeline": pipeline, "grads": grads, "empty": empty, "repeat": repeat,
-     "bad-input": bad_input}[check](heap)
+     "bad-input": bad_input, "relay-timeout": relay_timeout}[check](heap)
 print(f"[{check}] rank {me} OK", flush=True)
