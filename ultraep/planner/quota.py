@@ -57,8 +57,8 @@ def plan_placement(loads, layout: ExpertLayout, *, min_replica_tokens: int = 102
     exact threshold; ``None`` = ``auto_tolerance`` of each domain. ``target_imbalance``
     (>= 1, e.g. 1.005): settle for a max rank load up to that multiple of the domain's
     mean where the oracle reaches it, with fewer replicas than the tightest plan
-    (``None``: the tightest). ``out`` (CuPy only,
-    from ``cuda.empty_plan``) receives the plan in place, e.g. for CUDA graph capture.
+    (``None``: the tightest). ``out`` (CuPy only, from ``cuda.empty_plan``) receives
+    the plan in place, e.g. for CUDA graph capture.
     """
     min_replica_tokens = _non_negative_int("min_replica_tokens", min_replica_tokens)
     if tau_tolerance is not None:
@@ -108,10 +108,9 @@ def probe_points(lo: int, hi: int) -> list[int]:
     The oracle's threshold usually sits within about 1% of the mean (``lo`` + 1 in the
     first round), so ``NEAR_PROBES`` probes step by ``lo / 2**NEAR_SHIFT`` (at most
     ``gap / 64``) from ``lo + 1`` (a cap is probed first) and the rest go evenly over the
-    remainder of the gap. On
-    the anchor cases the first round then brackets the threshold within about 32
-    tokens and the second round ends the search (even spacing, or near probes scaled
-    to the gap, needed three rounds on most of them).
+    remainder of the gap. On the anchor cases the first round then brackets the
+    threshold within about 32 tokens and the second round ends the search (even
+    spacing, or near probes scaled to the gap, needed three rounds on most of them).
     """
     gap = hi - lo
     if gap - 1 <= PROBES_PER_ROUND:
