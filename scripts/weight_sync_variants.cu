@@ -1,0 +1,153 @@
+// Prototype kernels for issue 4 (scripts/weight_sync_variants.py): fan-out copies of one
+// buffer to f destinations, without tasks or signalling, to find which access pattern
+// moves HBM bytes fastest.
+typedef unsigned long long u64;
+typedef long long i64;
+
+template <int LD> __device__ __forceinline__ uint4 load16(const uint4* p) {
+    if (LD == 0) return __ldg(p);
+    if (LD == 1) return __ldcg(p);
+    return __ldcs(p);
+}
+
+// Warp pieces of 32 x U uint4. ORDER 0: grid-interleaved pieces; 1: each block a contiguous range.
+// Every piece is loaded once and stored to every destination.
+template <int U, int ORDER>
+__global__ void reg_fanout(const uint4* src, const u64* dsts, i64 n16, int f) {
+    const int lane = threadIdx.x % 32, wpb = blockDim.x / 32;
+    const i64 pieces = (n16 + 32 * U - 1) / (32 * U);
+    i64 first, last, step;
+    if (ORDER == 0) { first = blockIdx.x * wpb + threadIdx.x / 32; last = pieces; step = (i64)gridDim.x * wpb; }
+    else {
+        const i64 share = pieces / gridDim.x, extra = pieces % gridDim.x;
+        const i64 b0 = blockIdx.x * share + min((i64)blockIdx.x, extra);
+        first = b0 + threadIdx.x / 32; last = b0 + share + ((i64)blockIdx.x < extra); step = wpb;
+    }
+    for (i64 p = first; p < last; p += step) {
+        uint4 v[U];
+        const i64 base = p * 32 * U + lane;
+#pragma unroll
+        for (int i = 0; i < U; ++i) if (base + 32 * i < n16) v[i] = __ldcg(src + base + 32 * i);
+        for (int d = 0; d < f; ++d) {
+            uint4* dst = reinterpret_cast<uint4*>(__ldg(dsts + d));
+#pragma unroll
+            for (int i = 0; i < U; ++i) if (base + 32 * i < n16) dst[base + 32 * i] = v[i];
+        }
+    }
+}
+
+// One job = one warp piece to one destination. WINDOW == 0: jobs piece-major (the f jobs of a
+// piece run side by side, the source re-read from L1/L2); WINDOW > 0: windows of WINDOW pieces,
+// destination-major inside (all warps write one destination's window at a time, reading the
+// source window from L2 after the first destination). COUNT > 0: every COUNT jobs a warp fences
+// once and adds its pending bytes to per-128-KiB chunk counters (the signalling's cost).
+template <int U, int LD, int COUNT>
+__global__ void split_fanout(const uint4* src, const u64* dsts, i64 n16, int f, i64 window, int* done) {
+    const int lane = threadIdx.x % 32, wpb = blockDim.x / 32;
+    const i64 pieces = (n16 + 32 * U - 1) / (32 * U), jobs = pieces * f;
+    const i64 step = (i64)gridDim.x * wpb;
+    int pending_chunk = -1, pending_bytes = 0, npending = 0;
+    for (i64 j = blockIdx.x * wpb + threadIdx.x / 32; j < jobs; j += step) {
+        i64 p; int d;
+        if (window == 0) { p = j / f; d = static_cast<int>(j % f); }
+        else {
+            const i64 w = j / (window * f), r = j - w * window * f, wp = min(window, pieces - w * window);
+            d = static_cast<int>(r / wp); p = w * window + r % wp;
+        }
+        uint4 v[U];
+        const i64 base = p * 32 * U + lane;
+#pragma unroll
+        for (int i = 0; i < U; ++i) if (base + 32 * i < n16) v[i] = load16<LD>(src + base + 32 * i);
+        uint4* dst = reinterpret_cast<uint4*>(__ldg(dsts + d));
+#pragma unroll
+        for (int i = 0; i < U; ++i) if (base + 32 * i < n16) dst[base + 32 * i] = v[i];
+        if (COUNT) {
+            if (lane == npending) { pending_chunk = static_cast<int>(p * 512 * U / (128 << 10)); pending_bytes = 512 * U; }
+            if (++npending == COUNT) {
+                __syncwarp();
+                if (lane == 0) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+                __syncwarp();
+                if (lane < COUNT) atomicAdd(done + pending_chunk, pending_bytes);
+                npending = 0;
+            }
+        }
+    }
+    if (COUNT && npending) {
+        __syncwarp();
+        if (lane == 0) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        __syncwarp();
+        if (lane < npending) atomicAdd(done + pending_chunk, pending_bytes);
+    }
+}
+
+// -- bulk copy engine variant ---------------------------------------------------------------
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void bar_init(u64* b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(b)) : "memory"); }
+__device__ __forceinline__ void bar_arrive(u64* b) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(b)) : "memory"); }
+__device__ __forceinline__ void bar_wait(u64* b, int use) {
+    unsigned done;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(smem_addr(b)), "r"(use & 1) : "memory");
+    } while (!done);
+}
+
+// Warp 0 lane 0 loads pieces into stages; warp 1 stores them: SPREAD 0 lane 0 issues every
+// destination's store, SPREAD 1 lane d issues destination d's (own bulk groups).
+// ORDER 0: pieces interleaved over blocks; 1: contiguous block ranges.
+template <int SPREAD, int ORDER>
+__global__ void bulk_fanout(const char* src, const u64* dsts, i64 nbytes, int f, int piece, int stages) {
+    extern __shared__ __align__(128) unsigned char stage_mem[];
+    __shared__ u64 full[16], empty[16];
+    if (threadIdx.x == 0) {
+        for (int q = 0; q < stages; ++q) { bar_init(&full[q]); bar_init(&empty[q]); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const i64 pieces = (nbytes + piece - 1) / piece;
+    i64 first, last, step;
+    if (ORDER == 0) { first = blockIdx.x; last = pieces; step = gridDim.x; }
+    else {
+        const i64 share = pieces / gridDim.x, extra = pieces % gridDim.x;
+        first = blockIdx.x * share + min((i64)blockIdx.x, extra); last = first + share + ((i64)blockIdx.x < extra); step = 1;
+    }
+    const int lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        int n = 0;
+        for (i64 p = first; p < last; p += step, ++n) {
+            const int s = n % stages;
+            if (n >= stages) bar_wait(&empty[s], n / stages - 1);
+            const unsigned bytes = static_cast<unsigned>(min((i64)piece, nbytes - p * piece));
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(&full[s])), "r"(bytes) : "memory");
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         :: "r"(smem_addr(stage_mem + s * piece)), "l"(src + p * piece), "r"(bytes), "r"(smem_addr(&full[s])) : "memory");
+        }
+    } else if (threadIdx.x / 32 == 1) {
+        int n = 0;
+        for (i64 p = first; p < last; p += step, ++n) {
+            const int s = n % stages;
+            bar_wait(&full[s], n / stages);
+            const unsigned bytes = static_cast<unsigned>(min((i64)piece, nbytes - p * piece));
+            for (int d = SPREAD ? lane : 0; d < f && (SPREAD || lane == 0); d += SPREAD ? 32 : 1)
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                             :: "l"(__ldg(dsts + d) + p * piece), "r"(smem_addr(stage_mem + s * piece)), "r"(bytes) : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            __syncwarp();
+            if (lane == 0 && n >= 1) bar_arrive(&empty[(n - 1) % stages]);
+        }
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    }
+}
+
+template __global__ void reg_fanout<8, 0>(const uint4*, const u64*, i64, int);
+template __global__ void reg_fanout<8, 1>(const uint4*, const u64*, i64, int);
+template __global__ void reg_fanout<4, 0>(const uint4*, const u64*, i64, int);
+template __global__ void split_fanout<8, 0, 0>(const uint4*, const u64*, i64, int, i64, int*);
+template __global__ void split_fanout<8, 1, 0>(const uint4*, const u64*, i64, int, i64, int*);
+template __global__ void split_fanout<8, 1, 8>(const uint4*, const u64*, i64, int, i64, int*);
+template __global__ void split_fanout<8, 1, 4>(const uint4*, const u64*, i64, int, i64, int*);
+template __global__ void split_fanout<16, 1, 0>(const uint4*, const u64*, i64, int, i64, int*);
+template __global__ void bulk_fanout<0, 0>(const char*, const u64*, i64, int, int, int);
+template __global__ void bulk_fanout<0, 1>(const char*, const u64*, i64, int, int, int);
+template __global__ void bulk_fanout<1, 0>(const char*, const u64*, i64, int, int, int);

@@ -1,0 +1,190 @@
+"""Prototype sweep for issue 4 (weight-sync bandwidth), one process on one GPU: fan-out
+copies of one 37.7 MB expert to f destination buffers by several kernels
+(scripts/weight_sync_variants.cu) and by the current ``weight_sync``, each timed like the
+bench (one CUDA-graph replay, ``graph_ms``) against a d2d copy of the same HBM traffic.
+Destinations are plain allocations of this process (the bench's are CUDA IPC mappings of
+the same HBM). Writes $OUT/variants.json; prints a table per fan-out.
+
+First run (H200, before the kernel rewrite; vs d2d at fan-out 1/2/4/8, best config): the
+old weight_sync 0.74/0.76/0.80/0.82 (0.82/0.82/0.86/0.86 with its flags switched off);
+a bare bulk kernel (one loader lane, one storing lane, no signalling) with pieces taken
+in turn by the blocks 0.95/0.91/0.92/0.92, with contiguous block shares 0.93/0.88/0.89/
+0.91; register copies (a warp loads a piece, stores it to every destination)
+0.98/0.91/0.86/0.86; one warp job per (piece, destination) 0.96/0.89/0.88/0.87, and
+0.95/0.89/0.81/0.78 when all warps copy one window to one destination at a time (the
+source re-read from L2); a bulk store per destination lane 0.93/0.91/0.92/0.92."""
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import cupy
+from cupy.cuda import runtime
+
+sys.path.insert(0, os.getcwd())
+from ultraep.bench.timing import graph_ms  # noqa: E402
+from ultraep.runtime.kernels import inline_local_includes  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+T0 = time.time()
+HID, FFN, TILE, CT = 4096, 1536, 32 << 10, 4
+E = 2 * FFN * HID * 2 + HID * FFN * 2
+FAN = [int(x) for x in os.environ.get("FANOUTS", "1 2 4 8").split()]
+REPEATS = 20
+rng = cupy.random.default_rng(0)
+src = rng.integers(0, 255, size=E, dtype=cupy.uint8)
+WB = 4096  # flag area before the expert in each destination (for weight_sync)
+bufs = [cupy.zeros(WB + E, cupy.uint8) for _ in range(9)]
+scratch = cupy.zeros(9 * E + 64, cupy.uint8)
+done = cupy.zeros(1 << 16, np.int32)
+stream = lambda: cupy.cuda.get_current_stream().ptr  # noqa: E731
+
+names = ["reg_fanout<8, 0>", "reg_fanout<8, 1>", "reg_fanout<4, 0>", "split_fanout<8, 0, 0>", "split_fanout<8, 1, 0>",
+         "split_fanout<8, 1, 8>", "split_fanout<8, 1, 4>", "split_fanout<16, 1, 0>", "bulk_fanout<0, 0>",
+         "bulk_fanout<0, 1>", "bulk_fanout<1, 0>"]
+mod = cupy.RawModule(code=Path("scripts/weight_sync_variants.cu").read_text(), options=("--std=c++17",),
+                     name_expressions=names)
+mod.compile()
+fn = {n: mod.get_function(n) for n in names}
+for n in names:
+    if n.startswith("bulk"):
+        fn[n].max_dynamic_shared_size_bytes = 200 << 10
+ws_src = inline_local_includes(Path("raw_kernels/transfer.cu"))
+ws = {f"weight_sync_lag{lag}": ws_src.replace("#define SYNC_WRITE_LAG 1", f"#define SYNC_WRITE_LAG {lag}") for lag in (0, 1, 2)}
+assert len(set(ws.values())) == 3
+ws_fn = {}
+for k, code in ws.items():
+    m = cupy.RawModule(code=code, options=("--std=c++17",))
+    ws_fn[k] = m.get_function("weight_sync")
+    ws_fn[k].max_dynamic_shared_size_bytes = 200 << 10
+print(f"compiled in {time.time() - T0:.1f}s", flush=True)
+
+
+def guard(what, limit=5.0):
+    ev = cupy.cuda.Event()
+    ev.record()
+    t0 = time.time()
+    while not ev.done:
+        if time.time() - t0 > limit:
+            print(f"HANG during {what}", flush=True)
+            os._exit(3)
+        time.sleep(0.0005)
+
+
+def ws_tables(f):
+    ntiles = [-(-(2 * FFN * HID * 2) // TILE), -(-(HID * FFN * 2) // TILE)]
+    NT = sum(ntiles)
+    NCH = -(-NT // CT)
+    tasks = np.array([(0, c, c * CT, min(c * CT + CT, NT), 0, f, -1) for c in range(NCH)], np.int64)
+    dests = np.array([(r, WB, 0) for r in range(1, f + 1)], np.int64)
+    sizes = [2 * FFN * HID * 2, HID * FFN * 2]
+    ttab = np.array([(0, sizes[0], 0), (ntiles[0], sizes[1], sizes[0])], np.int64)
+    srcs = np.array([src.data.ptr, src.data.ptr + sizes[0]], np.uint64)
+    peer = np.array([b.data.ptr for b in bufs], np.uint64)
+    return [cupy.asarray(a) for a in (tasks, np.array([NCH], np.int32), ttab, dests, srcs, peer)], NCH
+
+
+def make(kind, f, cfg):
+    """A launch closure for variant ``kind`` at fan-out f; cfg = (threads, blocks, extra)."""
+    dsts = cupy.asarray(np.array([b.data.ptr + WB for b in bufs[1:f + 1]], np.uint64))
+    threads, blocks, extra = cfg
+    if kind in ws_fn:
+        (tasks, cnt, ttab, dests, srcs, peer), nch = ws_tables(f)
+        wdone = cupy.zeros(nch, np.int32)
+        status = cupy.zeros(4, np.uint64)
+        stages, piece = extra
+        args = (tasks, cnt, np.int32(CT), ttab, np.int32(2), np.int64(TILE), np.int32(stages), np.int32(piece), dests,
+                srcs, np.int32(2), peer, np.int32(9), np.int32(0), np.uint64(1), wdone, np.uint64(10**10), status)
+        k = ws_fn[kind]
+        SIGNALS[0] = (nch, wdone, status)
+        return lambda: k((blocks,), (threads,), args, shared_mem=stages * piece), dsts
+    k = fn[kind]
+    if kind.startswith("reg"):
+        return lambda: k((blocks,), (threads,), (src, dsts, np.int64(E // 16), np.int32(f))), dsts
+    if kind.startswith("split"):
+        return lambda: k((blocks,), (threads,), (src, dsts, np.int64(E // 16), np.int32(f), np.int64(extra), done)), dsts
+    stages, piece = extra
+    return lambda: k((blocks,), (64,), (src, dsts, np.int64(E), np.int32(f), np.int32(piece), np.int32(stages)),
+                     shared_mem=stages * piece), dsts
+
+
+SIGNALS = [None]  # (chunks, done counters, status) of the last weight_sync launch made
+
+
+def check(launch, f, kind):
+    """Every destination equals the source; for weight_sync also every chunk flag is set
+    (epoch 1, rank 0), the counters are back at zero and no timeout was recorded."""
+    for b in bufs[1:f + 1]:
+        b.fill(0xA5)
+    launch()
+    guard("check")
+    ok = all(bool(cupy.array_equal(b[WB:], src)) for b in bufs[1:f + 1])
+    if kind in ws_fn:
+        nch, wdone, status = SIGNALS[0]
+        ok &= all(bool((b[:nch * 8].view(np.uint64) == np.uint64(1 << 16)).all()) for b in bufs[1:f + 1])
+        ok &= not bool(wdone.any()) and not bool(status.any())
+    return ok
+
+
+K16, K32 = 16 << 10, 32 << 10
+VARIANTS = [  # (label, kernel, [(threads, blocks, extra)]); first run (20 Nov 29, H200) in the module docstring
+    ("reg_interleaved_u8", "reg_fanout<8, 0>", [(256, 528, 0)]),
+    ("bulk_interleaved", "bulk_fanout<0, 0>", [(64, 132, (6, K32)), (64, 396, (4, K16))]),
+    ("bulk_spread", "bulk_fanout<1, 0>", [(64, 132, (6, K32))]),
+    ("weight_sync_lag1", "weight_sync_lag1", [(96, 132, (6, K32)), (96, 132, (12, K16)), (96, 264, (6, K16)),
+                                              (96, 396, (4, K16)), (96, 396, (2, K32)), (64, 132, (6, K32)),
+                                              (64, 396, (4, K16)), (128, 132, (6, K32)), (160, 132, (4, K32)),
+                                              (160, 132, (12, K16))]),
+    ("weight_sync_lag0", "weight_sync_lag0", [(96, 132, (6, K32)), (96, 396, (4, K16)), (128, 132, (6, K32))]),
+    ("weight_sync_lag2", "weight_sync_lag2", [(96, 132, (6, K32)), (96, 396, (4, K16)), (128, 132, (6, K32))]),
+]
+
+if os.environ.get("NCU_MODE"):  # one launch of each variant's first config, for ncu's counters
+    for f in FAN:
+        for label, kind, cfgs in VARIANTS:
+            launch, _ = make(kind, f, cfgs[0])
+            launch()
+            guard(label)
+        half = (1 + f) * E // 2
+        runtime.memcpyAsync(scratch.data.ptr + half, scratch.data.ptr, half, runtime.memcpyDeviceToDevice, stream())
+        guard("d2d")
+    sys.exit(0)
+
+results = {"base": {}, "rows": []}
+for f in FAN:
+    traffic = (1 + f) * E
+    half = traffic // 2
+    d2d = graph_ms(lambda: runtime.memcpyAsync(scratch.data.ptr + half, scratch.data.ptr, half,
+                                               runtime.memcpyDeviceToDevice, stream()), REPEATS)
+    d2d2 = graph_ms(lambda: runtime.memcpyAsync(scratch.data.ptr + half, scratch.data.ptr, half,
+                                                runtime.memcpyDeviceToDevice, stream()), REPEATS)
+    copies = [(b.data.ptr + WB, src.data.ptr, E) for b in bufs[1:f + 1]]
+    memcpy = graph_ms(lambda: [runtime.memcpyAsync(d, s, n, runtime.memcpyDeviceToDevice, stream()) for d, s, n in copies], REPEATS)
+    memset = graph_ms(lambda: runtime.memsetAsync(scratch.data.ptr, 7, f * E, stream()), REPEATS)
+    one = cupy.asarray(np.array([scratch.data.ptr + half], np.uint64))
+    regcopy = graph_ms(lambda: fn["reg_fanout<8, 0>"]((264,), (512,), (scratch, one, np.int64(half // 16), np.int32(1))), REPEATS)
+    base = dict(d2d=d2d, d2d_again=d2d2, memcpy_per_replica=memcpy, memset=memset, regcopy_same_traffic=regcopy)
+    results["base"][f] = base
+    print(f"\n== f={f}: d2d {d2d*1e3:.1f}/{d2d2*1e3:.1f} us ({traffic/d2d/1e6:.0f} GB/s), memcpy/replica {memcpy*1e3:.1f} us, "
+          f"memset {memset*1e3:.1f} us ({f*E/memset/1e6:.0f} GB/s), register copy same traffic {regcopy*1e3:.1f} us "
+          f"(vs d2d {d2d/regcopy:.3f})", flush=True)
+    for label, kind, cfgs in VARIANTS:
+        best = None
+        for i, cfg in enumerate(cfgs):
+            launch, _ = make(kind, f, cfg)
+            ok = check(launch, f, kind) if i == 0 or kind in ws_fn else None
+            t = graph_ms(launch, REPEATS)
+            row = dict(f=f, variant=label, cfg=str(cfg), ms=t, vs_d2d=d2d / t, vs_memcpy=memcpy / t, ok=ok)
+            results["rows"].append(row)
+            if best is None or t < best["ms"]:
+                best = row
+            if ok is False:
+                print(f"   CHECK FAILED {label} {cfg}", flush=True)
+        print(f"  {label:26s} best {best['cfg']:22s} {best['ms']*1e3:7.1f} us  vs_d2d {best['vs_d2d']:.3f}  "
+              f"vs_memcpy {best['vs_memcpy']:.2f}", flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    json.dump(results, open(OUT / "variants.json", "w"), indent=1)
+print(f"done in {time.time() - T0:.0f}s")
