@@ -11,12 +11,12 @@
 
 typedef long long i64;
 
-#define MAX_STAGES 16         // shared-memory stages per block; the launch picks how many (a multiple of the storing warps)
+#define MAX_STAGES 16         // shared-memory stages per block; the launch picks how many (a multiple of the storing warps, >= 2 of them)
 #define MAX_STORERS 4         // storing warps per block (the launch picks how many: 32 x (1 + storers) threads)
 #define MAX_TENSORS 8         // tensors per expert (host-checked)
 #define MAX_DESTS 128         // destinations of one source: replicas of an expert within a domain (host-checked)
 #define FLAG_WRITER_BITS 16
-#define SYNC_WRITE_LAG 1      // a storing warp's pieces whose writes may still be landing while it issues the next
+#define SYNC_COUNT_BATCH 8    // a storing warp's pieces issued but not yet counted, at most (<= 32: a lane each)
 
 // -- Hopper bulk copy engine and shared-memory barriers (PTX ISA 8.0, sm_90) -------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -83,10 +83,11 @@ struct PieceJob {
 };
 
 struct SyncShared {
-    u64 full[MAX_STAGES];     // the stage's job is written and its piece has landed
+    u64 posted[MAX_STAGES];   // the stage's job is written (its piece may still be landing)
+    u64 full[MAX_STAGES];     // the stage's piece has landed
     u64 empty[MAX_STAGES];    // the stage's stores have read it
     PieceJob job[MAX_STAGES];
-    PieceJob landing[MAX_STORERS][SYNC_WRITE_LAG + 1];  // a storing warp's issued pieces not yet counted
+    PieceJob landing[MAX_STORERS][SYNC_COUNT_BATCH];  // a storing warp's issued pieces not yet counted
     unsigned char* dst[MAX_STORERS][MAX_DESTS];          // replica-slot bases of each storing warp's destinations
     i64 first_tile[MAX_TENSORS + 1];   // expert tile index where each tensor starts; [num_tensors]: tiles in all
     i64 tensor_bytes[MAX_TENSORS];
@@ -164,6 +165,7 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
         const int bulk_bytes = src % 16 ? 0 : nbytes & ~15;
         s.job[stage] = PieceJob{src, s.slot_offset[tensor] + tile_offset + begin, task_id, static_cast<int>(task[1]),
                                 chunk_bytes, static_cast<int>(task[4]), static_cast<int>(task[5]), bulk_bytes, nbytes};
+        barrier_arrive(&s.posted[stage]);
         if (bulk_bytes) bulk_load(stage_mem + stage * stage_bytes, reinterpret_cast<const void*>(src), bulk_bytes, &s.full[stage]);
         else barrier_arrive(&s.full[stage]);
         ++filled;
@@ -172,33 +174,44 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
         const int stage = end % stages;
         if (end >= stages) barrier_wait(&s.empty[stage], end / stages - 1);
         s.job[stage].task = -1;
-        barrier_arrive(&s.full[stage]);
+        barrier_arrive(&s.posted[stage]);
     }
 }
 
-// A stored piece's writes are complete (its bulk group, and the lanes' tail stores before
-// the storing warp's __syncwarp): its bytes count toward its chunk in done[task]; the piece
-// that completes the chunk resets the counter and publishes the chunk flag at every
+// Lanes count a storing warp's pieces [from, to) of its ring, a piece each, once lane 0
+// waited for their writes (bulk groups) and the lanes' tail stores were made before the
+// caller's last __syncwarp: each piece's bytes count toward its chunk in done[task]; the
+// piece that completes the chunk resets the counter and publishes the chunk flag at every
 // destination.
-__device__ void count_piece(const PieceJob& job, const i64* dests, const u64* peer_bases, int* done, u64 flag_value) {
-    fence_async_global();
-    fence_gpu();
-    if (atomicAdd(done + job.task, job.nbytes) + job.nbytes != job.chunk_bytes) return;
-    done[job.task] = 0;
-    fence_sys();  // every block's pieces of this chunk before its flags
-    for (int d = job.dest_begin; d < job.dest_end; ++d) {
-        const i64* dest = dests + 3 * static_cast<i64>(d);
-        store_relaxed_sys(reinterpret_cast<u64*>(peer_bases[dest[0]]) + dest[2] + job.chunk, flag_value);
+__device__ void count_pieces(const PieceJob* landing, int from, int to, const i64* dests, const u64* peer_bases,
+                             int* done, u64 flag_value) {
+    const int lane = threadIdx.x % 32;
+    if (lane == 0) fence_async_global();  // the bulk engine's completed writes before the counts
+    __syncwarp();
+    if (lane < to - from) {
+        const PieceJob& job = landing[(from + lane) % SYNC_COUNT_BATCH];
+        fence_gpu();
+        if (atomicAdd(done + job.task, job.nbytes) + job.nbytes == job.chunk_bytes) {
+            done[job.task] = 0;
+            fence_sys();  // every block's pieces of this chunk before its flags
+            for (int d = job.dest_begin; d < job.dest_end; ++d) {
+                const i64* dest = dests + 3 * static_cast<i64>(d);
+                store_relaxed_sys(reinterpret_cast<u64*>(peer_bases[dest[0]]) + dest[2] + job.chunk, flag_value);
+            }
+        }
     }
+    __syncwarp();  // the ring entries are read before lane 0 reuses them
 }
 
 // Storing warp w of `storers`: the block's pieces w, w + storers, ... (a stage always
-// serves the same warp: stages is a multiple of storers). Lane 0 sends each piece from its
-// stage to every destination by bulk stores, all lanes copy a tail; the stage goes back as
-// soon as the stores have read it. A piece is counted once its writes are complete: after
-// the warp has issued SYNC_WRITE_LAG more, or at once when its next piece is not there yet,
-// so a warp never sits on a count while it waits (a relay elsewhere may wait for that
-// chunk). Several storing warps keep the bulk engine busy while one waits for its writes.
+// serves the same warp: stages is a multiple of storers, at least twice). Its destinations
+// are looked up while a piece lands; lane 0 sends the piece from its stage to every
+// destination by bulk stores, all lanes copy a tail, and the previous piece's stage goes
+// back once its stores have read it. Waiting for writes is kept off the store path: issued
+// pieces are counted in batches, when SYNC_COUNT_BATCH are pending (all but the newest,
+// whose writes are still going) or whenever the next piece is not posted or has not landed
+// yet (all of them: a warp never sits on a count while it waits, since a relay elsewhere
+// may wait for that chunk).
 __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int stages, int stage_bytes, int storers,
                              const i64* dests, const u64* peer_bases, int* done, u64 flag_value) {
     const int warp = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
@@ -207,11 +220,15 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
     int dst_begin = -1, dst_end = -1, issued = 0, counted = 0;
     for (int n = warp;; n += storers, ++issued) {
         const int stage = n % stages;
-        if (lane == 0 && counted < issued && !barrier_done(&s.full[stage], n / stages)) {
-            bulk_wait_done<0>();
-            for (; counted < issued; ++counted) count_piece(landing[counted % (SYNC_WRITE_LAG + 1)], dests, peer_bases, done, flag_value);
-        }
-        barrier_wait(&s.full[stage], n / stages);
+        const auto count_all_unless_done = [&](u64* bar) {  // what comes next is not there yet: count first
+            if (counted < issued && __shfl_sync(0xffffffffu, lane == 0 && !barrier_done(bar, n / stages), 0)) {
+                if (lane == 0) bulk_wait_done<0>();
+                count_pieces(landing, counted, issued, dests, peer_bases, done, flag_value);
+                counted = issued;
+            }
+        };
+        count_all_unless_done(&s.posted[stage]);
+        barrier_wait(&s.posted[stage], n / stages);
         const PieceJob job = s.job[stage];
         if (job.task < 0) break;
         const int num_dests = job.dest_end - job.dest_begin;
@@ -222,8 +239,15 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
             }
             dst_begin = job.dest_begin;
             dst_end = job.dest_end;
-            __syncwarp();
         }
+        if (issued - counted == SYNC_COUNT_BATCH) {
+            if (lane == 0) bulk_wait_done<1>();
+            count_pieces(landing, counted, issued - 1, dests, peer_bases, done, flag_value);
+            counted = issued - 1;
+        }
+        count_all_unless_done(&s.full[stage]);
+        barrier_wait(&s.full[stage], n / stages);
+        __syncwarp();  // every lane's destination look-up before lane 0's stores
         if (lane == 0) {
             for (int d = 0; d < num_dests && job.bulk_bytes; ++d)
                 bulk_store(dst[d] + job.within_slot, stage_mem + stage * stage_bytes, job.bulk_bytes);
@@ -236,19 +260,13 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
         }
         __syncwarp();
         if (lane == 0) {
-            landing[issued % (SYNC_WRITE_LAG + 1)] = job;
-            bulk_wait_read<0>();
-            barrier_arrive(&s.empty[stage]);
-            if (issued + 1 - counted > SYNC_WRITE_LAG) {
-                bulk_wait_done<SYNC_WRITE_LAG>();
-                count_piece(landing[counted++ % (SYNC_WRITE_LAG + 1)], dests, peer_bases, done, flag_value);
-            }
+            landing[issued % SYNC_COUNT_BATCH] = job;
+            bulk_wait_read<1>();  // the previous piece's stores have read its stage
+            if (issued > 0) barrier_arrive(&s.empty[(n - storers) % stages]);
         }
     }
-    if (lane == 0) {
-        bulk_wait_done<0>();
-        for (; counted < issued; ++counted) count_piece(landing[counted % (SYNC_WRITE_LAG + 1)], dests, peer_bases, done, flag_value);
-    }
+    if (lane == 0) bulk_wait_done<0>();
+    count_pieces(landing, counted, issued, dests, peer_bases, done, flag_value);
 }
 
 // Persistent weight sync through the bulk copy engine: a loading warp and 1..MAX_STORERS
@@ -282,6 +300,7 @@ weight_sync(const i64* tasks, const int* task_count, int chunk_tiles, const i64*
     if (tid == 0) {
         s.skip = *reinterpret_cast<volatile u64*>(status) != 0;
         for (int q = 0; q < stages; ++q) {
+            barrier_init(&s.posted[q]);
             barrier_init(&s.full[q]);
             barrier_init(&s.empty[q]);
         }

@@ -39,7 +39,7 @@ MAX_TILE_BYTES = 32 << 10
 SYNC_PIECE_BYTES = 32 << 10  # most bytes one bulk load / store moves (a tile or part of one)
 SYNC_MAX_STAGES = 16         # transfer.cu MAX_STAGES
 SYNC_BLOCKS_PER_SM = 1
-SYNC_STORERS = 2             # storing warps per block (transfer.cu MAX_STORERS at most), beside the loading warp
+SYNC_STORERS = 1             # storing warps per block (transfer.cu MAX_STORERS at most), beside the loading warp
 MAX_TENSORS_PER_EXPERT = 8     # MAX_TENSORS in transfer.cu
 MAX_REPLICAS_PER_EXPERT = 128  # MAX_DESTS in transfer.cu
 _STATUS_FIELDS = 4
@@ -217,11 +217,11 @@ class WeightTransfer:
     def _sync_stages(self, blocks: int) -> int:
         """Stages of one piece each that fill a block's part of its SM's shared memory, the
         blocks spread evenly over the SMs, a multiple of the storing warps (each stage
-        serves one of them)."""
+        serves one of them) and at least two per storing warp."""
         blocks_per_sm = -(-blocks // self._sms)
         dynamic = min(self._sm_shared // blocks_per_sm - self._block_reserved - self._sync_static_shared,
                       self._block_dynamic)
-        stages = min(max(dynamic // self._piece_bytes, SYNC_STORERS), SYNC_MAX_STAGES)
+        stages = min(max(dynamic // self._piece_bytes, 2 * SYNC_STORERS), SYNC_MAX_STAGES)
         return stages - stages % SYNC_STORERS
 
     def _launch_sync(self, entry, tables: DeviceSchedule, blocks: int) -> None:
