@@ -44,6 +44,7 @@
 #define NEAR_SHIFT 11             // quota.NEAR_SHIFT
 #define NO_TARGET 0xffffffffu     // oracle key of a rank that cannot take the replica
 #define MOVE_INTS 3               // per move: expert << 8 | target, tokens, column << 16 | slot
+#define STAGE_BATCH 4             // load values a staging thread has in flight at once
 
 static_assert(PROBES == 32, "the round decision reads one probe per lane");
 
@@ -53,10 +54,14 @@ __device__ __forceinline__ unsigned cluster_block_rank() {
     return rank;
 }
 
-// Barrier over every thread of the cluster; orders shared-memory accesses cluster-wide.
-__device__ __forceinline__ void cluster_sync() {
+// Barrier over every thread of the cluster. A warp that wrote another block's shared
+// memory since the last barrier passes release (warp-uniform): a cluster-scope release
+// is a GPU-scope fence here (MEMBAR.ALL.GPU), which also waits for the warp's global
+// stores in flight, so the other warps arrive relaxed. Waiting acquires in every warp.
+__device__ __forceinline__ void cluster_sync(bool release) {
     __syncwarp();
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    if (release) asm volatile("fence.acq_rel.cluster;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // Address of `local` in the shared memory of cluster block `block`.
@@ -120,6 +125,7 @@ __device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_rep
     extern __shared__ int smem[];
     const DomainShared sh(smem, D, M);
     const int lane = threadIdx.x & 31;
+    step = __shfl_sync(FULL_MASK, step, 0);  // held in a register, not reloaded from the constant bank per move
     int slack[CHUNKS], free_slots[CHUNKS];
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
@@ -360,7 +366,9 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     int* item_total = cursor;    cursor += share;              // total capacity of each item
 
     // 1. Stage this block's load columns and sum them: thread (group, c) reads column c of
-    // every groups-th source (consecutive threads, consecutive columns: coalesced).
+    // every groups-th source (consecutive threads, consecutive columns: coalesced), with
+    // STAGE_BATCH loads in flight before the first is used (one memory round trip, not
+    // one per source).
     for (int i = tid; i < columns; i += THREADS) partial[i] = 0;
     __syncthreads();
     if (columns > 0) {
@@ -369,22 +377,32 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         for (int idx = tid; idx < columns * groups; idx += THREADS) {
             const int c = idx % columns, group = idx / columns;
             int sum = 0;
-            for (int src = group; src < R; src += groups) {
-                const int tokens = block_loads[(long long)src * E + c];
-                staged[src * share + c] = tokens;
-                sum += tokens;
+            for (int first_src = group; first_src < R; first_src += STAGE_BATCH * groups) {
+                int tokens[STAGE_BATCH];
+#pragma unroll
+                for (int b = 0; b < STAGE_BATCH; ++b) {
+                    const int src = first_src + b * groups;
+                    tokens[b] = src < R ? block_loads[(long long)src * E + c] : 0;
+                }
+#pragma unroll
+                for (int b = 0; b < STAGE_BATCH; ++b) {
+                    const int src = first_src + b * groups;
+                    if (src < R) staged[src * share + c] = tokens[b];
+                    sum += tokens[b];
+                }
             }
             atomicAdd(&partial[c], sum);  // integer atomics: order-independent
         }
     }
-    cluster_sync();  // every block of the cluster is running and has its partial sums
+    __syncthreads();      // the block's partial sums are complete
+    cluster_sync(false);  // every block of the cluster is running
     for (int to = warp; to < CLUSTER; to += WARPS)
         for (int c = lane; c < columns; c += 32) store_to_block(&sh.expert_load[first_column + c], to, partial[c]);
     for (int e = tid; e < DM; e += THREADS) { replicas[e] = 1; first_move[e] = 0; }
     for (int i = tid; i < D * S; i += THREADS) slot_expert[i] = -1;
     for (int r = tid; r < D; r += THREADS) incoming[r] = 0;
     if (tid == 0) replicated[share] = 0;
-    cluster_sync();  // every block holds all the domain's expert loads
+    cluster_sync(warp < CLUSTER);  // every block holds all the domain's expert loads
     for (int e = tid; e < DM; e += THREADS) master_quota[e] = sh.expert_load[e];
     for (int r = tid; r < D; r += THREADS) {
         int sum = 0;
@@ -441,6 +459,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     if (!prober && warp < PROBE_WARPS + ROW_WARPS)
         write_master_rows(split_prefix, staged, R, E, K, first_expert + first_column, columns, share,
                           warp - PROBE_WARPS, ROW_WARPS);
+    bool pushed = false;  // this warp wrote other blocks' shared memory since the last barrier
     while ((long long)hi - lo > (long long)tolerance + 1) {
         int* round = results + parity * 3 * PROBES;
         int* round_moves = warp_moves + parity * PROBE_WARPS * move_ints;
@@ -456,7 +475,8 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
                 store_to_block(&round[2 * PROBES + probe], lane, count);
             }
         }
-        cluster_sync();
+        cluster_sync(prober || pushed);
+        pushed = false;
         // Lowest feasible probe: the first one not infeasible, if it is feasible (inactive
         // probes, state -1, come last); lo moves to the probe just below it.
         const unsigned decided = __ballot_sync(FULL_MASK, round[PROBES + lane] != 0);
@@ -473,6 +493,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
                     const int to = i / ints, at = i - to * ints;
                     store_to_block(&best_moves[at], to, winner[at]);
                 }
+                pushed = true;
             }
         }
         lo = first > 0 ? round[first - 1] : lo;
@@ -480,7 +501,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     }
 
     // 3. Every block holds the winner's moves (none if no probe ran or none was feasible).
-    cluster_sync();  // the last pushes are complete; from here on no block touches another's shared memory
+    cluster_sync(pushed);  // the last pushes are complete; from here on no block touches another's shared memory
     for (int m = tid; m < best_count; m += THREADS) {
         const int e = best_moves[MOVE_INTS * m] >> 8, t = best_moves[MOVE_INTS * m] & 255;
         const int amount = best_moves[MOVE_INTS * m + 1], placed = best_moves[MOVE_INTS * m + 2];
