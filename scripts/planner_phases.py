@@ -6,9 +6,11 @@ the anchor cases (EP64, top-8, 8192 tokens per rank, S=2, as ``bench plan-kernel
 prints the median phase times in microseconds, next to the device time of a plain graph
 replay of the stamped build. The stamps cost about 0.5 us in all. The stamps are placed
 by the kernel's comment lines; when the kernel changes, an anchor that moved stops the
-script with an AssertionError naming it.
+script with an AssertionError naming it. ``--source`` compares variants of the kernel
+in one run (each plan is also checked bit for bit against the NumPy planner).
 
-    python scripts/planner_phases.py [--repeats 30]   # with the package installed (or PYTHONPATH=.)
+    python scripts/planner_phases.py [--repeats 30] [--source A.cu --source B.cu]
+    # with the package installed (or PYTHONPATH=.)
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ def stamped_source(source: str) -> str:
 
     for index, anchor, after, occurrence in [
             (0, "    extern __shared__ int smem[];\n", True, 2),  # the kernel's, not the oracle's
-            (1, "cluster_sync();  // every block of the cluster is running", True, 1),
-            (2, "cluster_sync();  // every block holds all the domain's expert loads", True, 1),
+            (1, "// every block of the cluster is running", True, 1),
+            (2, "// every block holds all the domain's expert loads", True, 1),
             (3, "    // 2. Threshold search.", False, 1),
             (4, "    // 3. Every block holds the winner", False, 1),
-            (5, "    cluster_sync();  // the last pushes are complete", True, 1),
+            (5, "// the last pushes are complete", True, 1),
             (6, "    // Split (quota.locality_split)", False, 1),
             (8, "        // Proportional shares floor(d * capacity / total)", False, 1),
             (9, "        warp_inclusive_scan(column, n);", False, 1),
@@ -62,18 +64,29 @@ def stamped_source(source: str) -> str:
 
 
 def main() -> None:
+    from ultraep.runtime.kernels import kernel_source
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--source", action="append", help="a variant of planner.cu (default: the package's)")
+    args = parser.parse_args()
+    for source in args.source or [str(kernel_source("planner.cu"))]:
+        print(f"== {source}")
+        time_phases(source, args.repeats)
+
+
+def time_phases(source: str, repeats: int) -> None:
+    import pathlib
+
     import cupy
 
     import ultraep.planner.cuda as planner_cuda
     from ultraep.bench.timing import graph_ms
     from ultraep.planner import ExpertLayout, plan_placement
     from ultraep.planner.traces import zipf_loads
-    from ultraep.runtime.kernels import COMPILE_OPTIONS, declared_kernels, kernel_source
+    from ultraep.runtime.kernels import COMPILE_OPTIONS, declared_kernels
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=30)
-    args = parser.parse_args()
-    path = kernel_source("planner.cu")
+    path = pathlib.Path(source)
     module = cupy.RawModule(code=stamped_source(path.read_text()), options=COMPILE_OPTIONS,
                             name_expressions=declared_kernels(path))
 
@@ -92,7 +105,7 @@ def main() -> None:
             out = planner_cuda.empty_plan(layout)
             for cap in (None, 1.005):
                 phases, steps, slowest, most_moves = [], [], [], 0
-                for _ in range(args.repeats):
+                for _ in range(repeats):
                     plan_placement(loads, layout, backend="cupy", out=out, target_imbalance=cap)
                     cupy.cuda.Device().synchronize()
                     t = cupy.ndarray((16,), np.uint64, stamps).get().astype(np.int64)
@@ -101,6 +114,9 @@ def main() -> None:
                     steps.append(np.diff(t[[6, 8, 9, 10, 7]]))
                     slowest.append((spans[:, 1] - spans[:, 0]).max())
                     most_moves = max(most_moves, int(cupy.ndarray((32,), np.int32, moves).get().max()))
+                expected = plan_placement(loads.get(), layout, target_imbalance=cap)
+                equal = all(np.array_equal(cupy.asnumpy(getattr(out, name)), getattr(expected, name))
+                            for name in expected.ARRAYS)
                 held = graph_ms(lambda: plan_placement(loads, layout, backend="cupy", out=out, target_imbalance=cap),
                                 100)
                 phase_us = np.median(phases, axis=0) / 1e3
@@ -108,7 +124,8 @@ def main() -> None:
                 print(f"E={experts} target={target} cap={cap}: replay {held * 1e3:.2f} us, stamped "
                       f"{phase_us.sum():.2f} us | " + ", ".join(f"{n} {v:.2f}" for n, v in zip(PHASES, phase_us))
                       + " | split: " + ", ".join(f"{n} {v:.2f}" for n, v in zip(SPLIT_STEPS, step_us))
-                      + f" | slowest probe {np.median(slowest) / 1e3:.2f} us ({most_moves} moves)")
+                      + f" | slowest probe {np.median(slowest) / 1e3:.2f} us ({most_moves} moves)"
+                      + ("" if equal else " | NOT EQUAL TO NUMPY"))
 
 
 if __name__ == "__main__":
