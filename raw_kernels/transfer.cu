@@ -17,6 +17,7 @@ typedef long long i64;
 #define MAX_DESTS 128         // destinations of one source: replicas of an expert within a domain (host-checked)
 #define FLAG_WRITER_BITS 16
 #define SYNC_COUNT_BATCH 8    // a storing warp's pieces issued but not yet counted, at most (<= 32: a lane each)
+#define SYNC_PATIENCE 4096    // cycles (about 2 us) a storing warp waits for its next piece before it counts what it holds
 
 // -- Hopper bulk copy engine and shared-memory barriers (PTX ISA 8.0, sm_90) -------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -139,10 +140,19 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
                             u64* status) {
     const i64 tile_pieces = (tile_bytes + stage_bytes - 1) / stage_bytes, task_slots = chunk_tiles * tile_pieces;
     const i64 num_slots = num_tasks * task_slots;
+    const auto prefetch_row = [&](i64 slot) {  // the slot's task row (56 bytes, at most two lines) into L1
+        if (slot < num_slots) {
+            prefetch_l1(tasks + 7 * (slot / task_slots));
+            prefetch_l1(tasks + 7 * (slot / task_slots) + 6);
+        }
+    };
+    for (int i = 0; i < stages; ++i) prefetch_row(blockIdx.x + static_cast<i64>(i) * gridDim.x);
     int filled = 0, task_id = -1, chunk_bytes = 0;
-    i64 task[7];
+    i64 task[7], src_index = -1;  // src_index: the source table entry src_base was read from
+    u64 src_base = 0;
     bool ready = false;  // the current task's chunk is there to be read (a relay waits for its flag)
     for (i64 q = blockIdx.x; q < num_slots; q += gridDim.x) {
+        prefetch_row(q + static_cast<i64>(stages) * gridDim.x);  // consecutive pieces are of other tasks
         if (q / task_slots != task_id) {
             task_id = static_cast<int>(q / task_slots);
             for (int f = 0; f < 7; ++f) task[f] = __ldg(tasks + 7 * static_cast<i64>(task_id) + f);
@@ -159,7 +169,8 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
         if (begin >= tile_nbytes) continue;  // past a short tile's end
         if (!ready && !(ready = wait_chunk_flag(reinterpret_cast<const u64*>(peer_bases[rank]), task[6], epoch, timeout_ns, status))) break;
         const int nbytes = static_cast<int>(min(static_cast<i64>(stage_bytes), tile_nbytes - begin));
-        const u64 src = __ldg(src_ptrs + task[0] + tensor) + tile_offset + begin;
+        if (task[0] + tensor != src_index) src_base = __ldg(src_ptrs + (src_index = task[0] + tensor));
+        const u64 src = src_base + tile_offset + begin;
         const int stage = filled % stages;
         if (filled >= stages) barrier_wait(&s.empty[stage], filled / stages - 1);
         const int bulk_bytes = src % 16 ? 0 : nbytes & ~15;
@@ -209,9 +220,10 @@ __device__ void count_pieces(const PieceJob* landing, int from, int to, const i6
 // destination by bulk stores, all lanes copy a tail, and the previous piece's stage goes
 // back once its stores have read it. Waiting for writes is kept off the store path: issued
 // pieces are counted in batches, when SYNC_COUNT_BATCH are pending (all but the newest,
-// whose writes are still going) or whenever the next piece is not posted or has not landed
-// yet (all of them: a warp never sits on a count while it waits, since a relay elsewhere
-// may wait for that chunk).
+// whose writes are still going) or when the next piece is late, not posted or not landed
+// after SYNC_PATIENCE (all of them: a warp never sits on a count for long while it waits,
+// since a relay elsewhere may wait for that chunk; counting at every short wait put each
+// piece's writes back on the store path and timed no faster).
 __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int stages, int stage_bytes, int storers,
                              const i64* dests, const u64* peer_bases, int* done, u64 flag_value) {
     const int warp = threadIdx.x / 32 - 1, lane = threadIdx.x % 32;
@@ -220,14 +232,18 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
     int dst_begin = -1, dst_end = -1, issued = 0, counted = 0;
     for (int n = warp;; n += storers, ++issued) {
         const int stage = n % stages;
-        const auto count_all_unless_done = [&](u64* bar) {  // what comes next is not there yet: count first
-            if (counted < issued && __shfl_sync(0xffffffffu, lane == 0 && !barrier_done(bar, n / stages), 0)) {
+        const auto count_all_unless_soon = [&](u64* bar) {  // what comes next is late: count first
+            int late = 0;
+            if (lane == 0 && counted < issued)
+                for (const long long start = clock64(); !late && !barrier_done(bar, n / stages);)
+                    late = clock64() - start > SYNC_PATIENCE;
+            if (__shfl_sync(0xffffffffu, late, 0)) {
                 if (lane == 0) bulk_wait_done<0>();
                 count_pieces(landing, counted, issued, dests, peer_bases, done, flag_value);
                 counted = issued;
             }
         };
-        count_all_unless_done(&s.posted[stage]);
+        count_all_unless_soon(&s.posted[stage]);
         barrier_wait(&s.posted[stage], n / stages);
         const PieceJob job = s.job[stage];
         if (job.task < 0) break;
@@ -245,7 +261,7 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
             count_pieces(landing, counted, issued - 1, dests, peer_bases, done, flag_value);
             counted = issued - 1;
         }
-        count_all_unless_done(&s.full[stage]);
+        count_all_unless_soon(&s.full[stage]);
         barrier_wait(&s.full[stage], n / stages);
         __syncwarp();  // every lane's destination look-up before lane 0's stores
         if (lane == 0) {
