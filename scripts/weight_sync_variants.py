@@ -5,20 +5,30 @@ bench (one CUDA-graph replay, ``graph_ms``) against a d2d copy of the same HBM t
 Destinations are plain allocations of this process (the bench's are CUDA IPC mappings of
 the same HBM). Writes $OUT/variants.json; prints a table per fan-out.
 
-First run (H200, before the kernel rewrite; vs d2d at fan-out 1/2/4/8, best config): the
-old weight_sync 0.74/0.76/0.80/0.82 (0.82/0.82/0.86/0.86 with its flags switched off);
-a bare bulk kernel (one loader lane, one storing lane, no signalling) with pieces taken
-in turn by the blocks 0.95/0.91/0.92/0.92, with contiguous block shares 0.93/0.88/0.89/
-0.91; register copies (a warp loads a piece, stores it to every destination)
-0.98/0.91/0.86/0.86; one warp job per (piece, destination) 0.96/0.89/0.88/0.87, and
-0.95/0.89/0.81/0.78 when all warps copy one window to one destination at a time (the
-source re-read from L2); a bulk store per destination lane 0.93/0.91/0.92/0.92. Second run (commit 16cd50c: pieces
-in turn, storing warps that waited for each piece's reads and, one piece later, its
-writes, then counted it): 0.74/0.76/0.82/0.85, faster with more storing warps per block
-(132 blocks at fan-out 1: 39.7/32.0/30.1/29.2 us with 1/2/3/4), i.e. the waits and the
-counting on the store path set the pace. Third run (88261bb: one storing warp, pieces
-counted in lane-parallel batches, and at once whenever the next piece was not there yet):
-0.73/0.76/0.81/0.83, no faster, whatever the batch (4/8/16)."""
+Findings (H200, 29 Nov 2026; vs d2d at fan-out 1/2/4/8, best grid of each):
+- weight_sync as in 9ad259a (loader, storer, counting warp; contiguous block shares):
+  0.74/0.76/0.80/0.82; with its counting off 0.82/0.82/0.86/0.86.
+- A bare bulk kernel (one loader lane, one storing lane, read lag 1, no tasks, no
+  signalling), pieces taken in turn by the blocks: 0.93-0.95/0.91-0.92/0.92/0.90-0.92;
+  with contiguous block shares 0.93/0.88/0.89/0.89-0.91; a bulk store per destination
+  lane 0.93/0.89-0.91/0.92-0.95/0.92-0.93. So the copy engine can reach ~0.92, and the
+  task structure and signalling cost the rest.
+- Register copies (a warp loads 4 KiB, stores it to every destination): 0.98/0.90-0.92/
+  0.86-0.87/0.85-0.86; one warp job per (piece, destination) 0.96/0.89/0.88/0.87; all
+  warps copying one window to one destination at a time (source re-read from L2)
+  0.95/0.89/0.81/0.78 (ncu: the L2 re-reads reach HBM again as the window grows).
+- Three rewrites of weight_sync on the bare kernel's pattern (pieces in turn; storing
+  warps that count their own landed pieces: 16cd50c, 88261bb, a02bb9c; all GPU tests
+  passed) timed the same as 9ad259a within the run-to-run spread: 0.73-0.76/0.75-0.77/
+  0.77-0.81/0.79-0.84 in the bench. Measured inside them: more storing warps per block
+  helped while each waited for its own piece's writes (1 -> 4 warps: 39.7 -> 29.2 us at
+  fan-out 1); without atomics, fences and flags 25.7/35.6/54.2/94.3 us (0.83/0.84/0.88/
+  0.87) against 29.2/39.6/58.8/99.2 with them; dropping fence.acq_rel.sys alone saved
+  ~2 us at fan-out 1 (single GPU only: peers on other GPUs need it); holding counts until
+  8 pieces were pending saved ~2 us at fan-out 1-2 but delays relays' chunk flags; the
+  gap left to the bare kernel (~2.5 us at fan-out 1) is the task look-ups and start-up.
+  9ad259a's kernel was kept: no rewrite was faster, and it publishes chunks promptly.
+"""
 import json
 import os
 import statistics
@@ -61,11 +71,7 @@ for n in names:
 ws_src = inline_local_includes(Path("raw_kernels/transfer.cu"))
 EDITS = {  # variant: (text in transfer.cu, replacement)
     "weight_sync": ("", ""),
-    "weight_sync_batch16": ("#define SYNC_COUNT_BATCH 8 ", "#define SYNC_COUNT_BATCH 16"),
-    "weight_sync_patience0": ("#define SYNC_PATIENCE 4096", "#define SYNC_PATIENCE 0"),
-    "weight_sync_patience_inf": ("#define SYNC_PATIENCE 4096", "#define SYNC_PATIENCE (1ll << 40)"),
-    "weight_sync_no_fence_sys": ("            fence_sys();  // every block's", "            // every block's"),
-    "weight_sync_no_counts": ("    if (lane < to - from) {\n        const PieceJob& job", "    if (false) {\n        const PieceJob& job"),
+    "weight_sync_no_counts": ("        fence_gpu();\n        if (atomicAdd", "        continue;\n        fence_gpu();\n        if (atomicAdd"),
 }
 NO_FLAGS = {"weight_sync_no_counts"}  # measures only: publishes no flags
 ws = {}
@@ -147,16 +153,12 @@ def check(launch, f, kind):
 
 
 K16, K32 = 16 << 10, 32 << 10
-VARIANTS = [  # (label, kernel, [(threads, blocks, extra)]); first run (20 Nov 29, H200) in the module docstring
+VARIANTS = [  # (label, kernel, [(threads, blocks, extra)]); earlier runs in the module docstring
     ("reg_interleaved_u8", "reg_fanout<8, 0>", [(256, 528, 0)]),
-    ("bulk_interleaved", "bulk_fanout<0, 0>", [(64, 132, (6, K32))]),
-    ("weight_sync", "weight_sync", [(64, 132, (6, K32)), (64, 264, (3, K32)), (64, 396, (2, K32)), (64, 396, (4, K16)),
-                                    (96, 132, (6, K32)), (96, 396, (4, K16))]),
-    ("weight_sync_batch16", "weight_sync_batch16", [(64, 132, (6, K32)), (64, 264, (3, K32)), (64, 396, (2, K32))]),
-    ("weight_sync_patience0", "weight_sync_patience0", [(64, 132, (6, K32)), (64, 264, (3, K32)), (64, 396, (2, K32))]),
-    ("weight_sync_patience_inf", "weight_sync_patience_inf", [(64, 132, (6, K32)), (64, 264, (3, K32)), (64, 396, (2, K32))]),
-    ("weight_sync_no_fence_sys", "weight_sync_no_fence_sys", [(64, 132, (6, K32)), (64, 264, (3, K32)), (64, 396, (2, K32))]),
-    ("weight_sync_no_counts", "weight_sync_no_counts", [(64, 132, (6, K32)), (64, 264, (3, K32)), (64, 396, (2, K32))]),
+    ("bulk_interleaved", "bulk_fanout<0, 0>", [(64, 132, (6, K32)), (64, 396, (4, K16))]),
+    ("bulk_contig", "bulk_fanout<0, 1>", [(64, 132, (6, K32))]),
+    ("weight_sync", "weight_sync", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
+    ("weight_sync_no_counts", "weight_sync_no_counts", [(96, 132, (6, K32)), (96, 396, (2, K32))]),
 ]
 
 if os.environ.get("NCU_MODE"):  # one launch of each variant's first config, for ncu's counters

@@ -172,9 +172,9 @@ def relay(heap):
 
 
 def pipeline(_):
-    """One or two blocks stream every tile through 256-byte stages (stage reuse, both
-    storing warps' counts held back and flushed, pieces of one chunk counted by several
-    warps), direct and through relays, from masters that are not 16-byte aligned. A heap holds one engine: each
+    """One or two blocks stream every tile through 256-byte stages (stage reuse, the
+    hand-over rings wrapping, several tiles counted at once), direct and through relays,
+    from masters that are not 16-byte aligned. A heap holds one engine: each
     configuration gets its own."""
     for blocks in (1, 2):
         for relay_threshold in (R, 1):
