@@ -588,19 +588,25 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         for (int i = lane; i < n; i += 32) demand[host[i]] -= local[i];  // the hosts are distinct ranks
         __syncwarp();
         // Proportional shares floor(d * capacity / total): row and column deficits, two
-        // sources per lane at a time (independent divisions overlap).
+        // sources per lane at a time. Lane j keeps the column sum of instance first + j in
+        // a register, so no shared-memory store orders the instances: their divisions and
+        // reductions overlap (the hottest experts, with the most instances, set the pace).
         for (int base = 0; base < R; base += 64) {
             const int src0 = base + lane, src1 = src0 + 32;
             const long long d0 = src0 < R ? demand[src0] : 0, d1 = src1 < R ? demand[src1] : 0;
             int taken0 = 0, taken1 = 0;
-#pragma unroll 1
-            for (int i = 0; i < n; ++i) {
-                const int share0 = total ? (int)floor_div(d0 * capacity[i], total, inverse) : 0;
-                const int share1 = total ? (int)floor_div(d1 * capacity[i], total, inverse) : 0;
-                taken0 += share0;
-                taken1 += share1;
-                const int column_sum = __reduce_add_sync(FULL_MASK, share0 + share1);
-                if (lane == 0) column[i] -= column_sum;
+            for (int first = 0; first < n; first += 32) {
+                int column_sum = 0;
+#pragma unroll 4
+                for (int i = first; i < min(n, first + 32); ++i) {
+                    const int share0 = total ? (int)floor_div(d0 * capacity[i], total, inverse) : 0;
+                    const int share1 = total ? (int)floor_div(d1 * capacity[i], total, inverse) : 0;
+                    taken0 += share0;
+                    taken1 += share1;
+                    const int sum = __reduce_add_sync(FULL_MASK, share0 + share1);
+                    column_sum = lane == i - first ? sum : column_sum;
+                }
+                if (first + lane < n) column[first + lane] -= column_sum;
             }
             if (src0 < R) row[src0] = (int)d0 - taken0;
             if (src1 < R) row[src1] = (int)d1 - taken1;
