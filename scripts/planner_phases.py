@@ -25,10 +25,10 @@ TIMER = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));'
 
 
 def stamped_source(source: str) -> str:
-    """planner.cu with stamps: g_stamps[0..7] phases, [8..10] split steps, g_probe per probe."""
+    """planner.cu with stamps: g_stamps[16 * block + 0..7] phases, [+ 8..10] split steps, g_probe per probe."""
     def stamp(index):
-        return (f"{{ __syncwarp(); if (blockIdx.x == 0 && threadIdx.x == 0) {{ unsigned long long t; {TIMER} "
-                f"g_stamps[{index}] = t; }} }}\n")
+        return (f"{{ __syncwarp(); if (blockIdx.x < CLUSTER && threadIdx.x == 0) {{ unsigned long long t; {TIMER} "
+                f"g_stamps[16 * blockIdx.x + {index}] = t; }} }}\n")
 
     def insert(text, anchor, addition, after=True, occurrence=1):
         position = -1
@@ -40,7 +40,7 @@ def stamped_source(source: str) -> str:
         return text[:position] + addition + text[position:]
 
     for index, anchor, after, occurrence in [
-            (0, "    extern __shared__ int smem[];\n", True, 2),  # the kernel's, not the oracle's
+            (0, " int smem[];\n", True, 2),  # the kernel's, not the oracle's
             (1, "// every block of the cluster is running", True, 1),
             (2, "// every block holds all the domain's expert loads", True, 1),
             (3, "    // 2. Threshold search.", False, 1),
@@ -59,8 +59,15 @@ def stamped_source(source: str) -> str:
                     after=False)
     end = source.rstrip().rfind("}")  # the kernel is the file's last function
     source = source[:end] + "    __syncthreads();\n" + stamp(7) + source[end:]
-    return ("__device__ unsigned long long g_stamps[16];\n__device__ unsigned long long g_probe[64];\n"
+    return ("__device__ unsigned long long g_stamps[16 * 8];\n__device__ unsigned long long g_probe[64];\n"
             "__device__ int g_probe_moves[32];\n" + source)
+
+
+def replicated_per_block(plan, layout) -> list[int]:
+    """The split's work items of each cluster block (its share of the domain's experts)."""
+    counts = plan.replica_count.get() > 1
+    share = -(-layout.num_experts // 8)
+    return [int(counts[b * share:(b + 1) * share].sum()) for b in range(8)]
 
 
 def main() -> None:
@@ -105,13 +112,20 @@ def time_phases(source: str, repeats: int) -> None:
             out = planner_cuda.empty_plan(layout)
             for cap in (None, 1.005):
                 phases, steps, slowest, most_moves = [], [], [], 0
+                last_phases, last_steps, last_start, last_end = [], [], [], []
                 for _ in range(repeats):
                     plan_placement(loads, layout, backend="cupy", out=out, target_imbalance=cap)
                     cupy.cuda.Device().synchronize()
-                    t = cupy.ndarray((16,), np.uint64, stamps).get().astype(np.int64)
+                    t = cupy.ndarray((8, 16), np.uint64, stamps).get().astype(np.int64)
+                    t -= t[0, 0]
+                    last = int(np.argmax(t[:, 7]))  # the block that finished last ends the kernel
                     spans = cupy.ndarray((64,), np.uint64, probes).get().astype(np.int64).reshape(32, 2)
-                    phases.append(np.diff(t[:8]))
-                    steps.append(np.diff(t[[6, 8, 9, 10, 7]]))
+                    phases.append(np.diff(t[0, :8]))
+                    steps.append(np.diff(t[0, [6, 8, 9, 10, 7]]))
+                    last_phases.append(np.diff(t[last, :8]))
+                    last_start.append(t[last, 0])
+                    last_end.append(t[last, 7] - t[0, 7])
+                    last_steps.append(np.diff(t[last, [6, 8, 9, 10, 7]]))
                     slowest.append((spans[:, 1] - spans[:, 0]).max())
                     most_moves = max(most_moves, int(cupy.ndarray((32,), np.int32, moves).get().max()))
                 expected = plan_placement(loads.get(), layout, target_imbalance=cap)
@@ -119,13 +133,19 @@ def time_phases(source: str, repeats: int) -> None:
                             for name in expected.ARRAYS)
                 held = graph_ms(lambda: plan_placement(loads, layout, backend="cupy", out=out, target_imbalance=cap),
                                 100)
-                phase_us = np.median(phases, axis=0) / 1e3
-                step_us = np.median(steps, axis=0) / 1e3
-                print(f"E={experts} target={target} cap={cap}: replay {held * 1e3:.2f} us, stamped "
-                      f"{phase_us.sum():.2f} us | " + ", ".join(f"{n} {v:.2f}" for n, v in zip(PHASES, phase_us))
-                      + " | split: " + ", ".join(f"{n} {v:.2f}" for n, v in zip(SPLIT_STEPS, step_us))
-                      + f" | slowest probe {np.median(slowest) / 1e3:.2f} us ({most_moves} moves)"
+                print(f"E={experts} target={target} cap={cap}: replay {held * 1e3:.2f} us, "
+                      f"slowest probe {np.median(slowest) / 1e3:.2f} us ({most_moves} moves), "
+                      f"replicated experts per block {replicated_per_block(out, layout)}"
                       + ("" if equal else " | NOT EQUAL TO NUMPY"))
+                for name, block_phases, block_steps in (("block 0", phases, steps),
+                                                        ("last block", last_phases, last_steps)):
+                    phase_us = np.median(block_phases, axis=0) / 1e3
+                    step_us = np.median(block_steps, axis=0) / 1e3
+                    print(f"    {name}: stamped {phase_us.sum():.2f} us | "
+                          + ", ".join(f"{n} {v:.2f}" for n, v in zip(PHASES, phase_us))
+                          + " | split: " + ", ".join(f"{n} {v:.2f}" for n, v in zip(SPLIT_STEPS, step_us)))
+                print(f"    the last block starts {np.median(last_start) / 1e3:.2f} us and ends "
+                      f"{np.median(last_end) / 1e3:.2f} us after block 0")
 
 
 if __name__ == "__main__":
