@@ -114,14 +114,17 @@ struct DomainShared {
 
 // The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp: the
 // number of moves (the same in every lane) if feasible, else -1. Lane 0 stores each move
-// in `moves` (MOVE_INTS ints, creation order).
+// in `moves` (MOVE_INTS ints, creation order). Two passes over the overloaded ranks, as
+// there: pass 1 only places one best-fit replica of a rank's hottest expert where that
+// relieves the rank (a warp-uniform mask marks the ranks it relieved), pass 2 the rest.
 // Target choice: one min-reduction over 32-bit keys that order fits (slack >= need) by
 // ascending slack before other eligible ranks by descending slack. PACKED (every slack
 // below 2**24) puts the rank index in the low 7 bits, so the minimum names the target
 // with the lowest index; otherwise one ballot per chunk finds that index. Not inlined: the
 // chain keeps its own register allocation whatever the rest of the kernel needs.
 template <int CHUNKS, bool PACKED>
-__device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_replicas, int step, int* moves) {
+__device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_replicas, int step, int first_pass,
+                                      int* moves) {
     extern __shared__ int smem[];
     const DomainShared sh(smem, D, M);
     const int lane = threadIdx.x & 31;
@@ -134,90 +137,106 @@ __device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_rep
         free_slots[j] = t < D ? S : 0;  // ranks beyond the domain never have a free slot
     }
     int count = 0;
-    int next_rank = sh.rank_order[0], next_rank_load = sh.order_rank_load[0];
-    for (int pos = 0; pos < D; ++pos) {
-        // A rank's load when visited is its initial load if that is above tau: a target
-        // starts at or below tau - step and never ends above tau.
-        const int r = next_rank;
-        int source_load = next_rank_load;
-        if (source_load <= tau) break;
-        if (pos + 1 < D) { next_rank = sh.rank_order[pos + 1]; next_rank_load = sh.order_rank_load[pos + 1]; }
-        const int* experts = sh.expert_order + r * M;
-        const int* expert_loads = sh.order_load + r * M;
-        int next_expert = experts[0], next_remaining = expert_loads[0];
-        for (int k = 0; k < M && source_load > tau; ++k) {
-            const int e = next_expert;
-            int remaining = next_remaining;
-            if (k + 1 < M) { next_expert = experts[k + 1]; next_remaining = expert_loads[k + 1]; }
-            // Slack of each rank that may host a replica of e (free slot, slack >= step),
-            // -1 otherwise; a target is struck off once it hosts e. The source's own slack
-            // is negative while it is visited. Its two possible keys are built here and
-            // when it changes, so a move only selects between them.
-            int avail[CHUNKS];
-            unsigned fit_key[CHUNKS], spill_key[CHUNKS];
-#pragma unroll
-            for (int j = 0; j < CHUNKS; ++j) {
-                const unsigned rank = lane + 32 * j;
-                avail[j] = free_slots[j] > 0 && slack[j] >= step ? slack[j] : -1;
-                const unsigned room = (unsigned)avail[j];
-                fit_key[j] = avail[j] < 0 ? NO_TARGET : PACKED ? room << 7 | rank : room;
-                spill_key[j] = avail[j] < 0 ? NO_TARGET : PACKED ? 0x80000000u | (0xffffffu - room) << 7 | rank : ~room;
-            }
-            int hosts = 1;
-            while (source_load > tau && hosts <= max_replicas && remaining >= step) {
-                const int need = min(max(source_load - tau, step), remaining);
-                unsigned key[CHUNKS], best = NO_TARGET;
+    // Warp-uniform: bit r of the pair (ranks 0-63, 64-127) is set once rank r is at or below
+    // tau. Two named words, not an array: the compiler turns selects over an array into an
+    // indexed access, i.e. local memory.
+    unsigned long long relieved_low = 0, relieved_high = 0;
+#pragma unroll 1
+    for (int pass = first_pass; pass <= 2; ++pass) {
+        const bool single = pass == 1;  // one best-fit replica of the rank's hottest expert, or none
+        int next_rank = sh.rank_order[0], next_rank_load = sh.order_rank_load[0];
+        for (int pos = 0; pos < D; ++pos) {
+            // A rank's load when visited is its initial load if that is above tau: a target
+            // starts at or below tau - step and never ends above tau.
+            const int r = next_rank;
+            int source_load = next_rank_load;
+            if (source_load <= tau) break;
+            if (pos + 1 < D) { next_rank = sh.rank_order[pos + 1]; next_rank_load = sh.order_rank_load[pos + 1]; }
+            if (((r < 64 ? relieved_low : relieved_high) >> (r & 63)) & 1ull) continue;
+            const int* experts = sh.expert_order + r * M;
+            const int* expert_loads = sh.order_load + r * M;
+            int next_expert = experts[0], next_remaining = expert_loads[0];
+            for (int k = 0; k < (single ? 1 : M) && source_load > tau; ++k) {
+                const int e = next_expert;
+                int remaining = next_remaining;
+                if (k + 1 < M) { next_expert = experts[k + 1]; next_remaining = expert_loads[k + 1]; }
+                if (single && min(max(source_load - tau, step), remaining) < source_load - tau) break;
+                // Slack of each rank that may host a replica of e (free slot, slack >= step),
+                // -1 otherwise; a target is struck off once it hosts e. The source's own slack
+                // is negative while it is visited. Its two possible keys are built here and
+                // when it changes, so a move only selects between them.
+                int avail[CHUNKS];
+                unsigned fit_key[CHUNKS], spill_key[CHUNKS];
 #pragma unroll
                 for (int j = 0; j < CHUNKS; ++j) {
-                    key[j] = avail[j] >= need ? fit_key[j] : spill_key[j];  // ineligible: -1 < need, NO_TARGET
-                    best = min(best, key[j]);
+                    const unsigned rank = lane + 32 * j;
+                    avail[j] = free_slots[j] > 0 && slack[j] >= step ? slack[j] : -1;
+                    const unsigned room = (unsigned)avail[j];
+                    fit_key[j] = avail[j] < 0 ? NO_TARGET : PACKED ? room << 7 | rank : room;
+                    spill_key[j] = avail[j] < 0 || single ? NO_TARGET  // pass 1 never spills
+                                 : PACKED ? 0x80000000u | (0xffffffu - room) << 7 | rank : ~room;
                 }
-                best = __reduce_min_sync(FULL_MASK, best);
-                if (best == NO_TARGET) break;
-                int chosen, target = 0;
-                if (PACKED) {
-                    chosen = (int)(best < 0x80000000u ? best >> 7 : 0xffffffu - ((best >> 7) & 0xffffffu));
-                    target = best & 127;
-                } else {
-                    chosen = (int)(best < 0x80000000u ? best : ~best);
+                int hosts = 1;
+                while (source_load > tau && hosts <= max_replicas && remaining >= step) {
+                    const int need = min(max(source_load - tau, step), remaining);
+                    unsigned key[CHUNKS], best = NO_TARGET;
 #pragma unroll
-                    for (int j = CHUNKS - 1; j >= 0; --j) {  // the lowest chunk holding the key wins
-                        const unsigned hit = __ballot_sync(FULL_MASK, key[j] == best);
-                        if (hit) target = 32 * j + __ffs(hit) - 1;
+                    for (int j = 0; j < CHUNKS; ++j) {
+                        key[j] = avail[j] >= need ? fit_key[j] : spill_key[j];  // ineligible: -1 < need, NO_TARGET
+                        best = min(best, key[j]);
                     }
-                }
-                // A target that could take no further replica (leftover below q_min, or
-                // its last slot) is filled instead: the slack gathers on the source rank,
-                // where it stays usable. Its free slots come from its lane (selected, not
-                // indexed: an indexed register array would live in local memory).
-                int mine = 0;
+                    best = __reduce_min_sync(FULL_MASK, best);
+                    if (best == NO_TARGET) break;
+                    int chosen, target = 0;
+                    if (PACKED) {
+                        chosen = (int)(best < 0x80000000u ? best >> 7 : 0xffffffu - ((best >> 7) & 0xffffffu));
+                        target = best & 127;
+                    } else {
+                        chosen = (int)(best < 0x80000000u ? best : ~best);
 #pragma unroll
-                for (int j = 0; j < CHUNKS; ++j) mine = lane + 32 * j == target ? free_slots[j] : mine;
-                const int target_free = __shfl_sync(FULL_MASK, mine, target & 31);
-                const int amount = chosen - need >= step && target_free > 1 ? need : min(chosen, remaining);
+                        for (int j = CHUNKS - 1; j >= 0; --j) {  // the lowest chunk holding the key wins
+                            const unsigned hit = __ballot_sync(FULL_MASK, key[j] == best);
+                            if (hit) target = 32 * j + __ffs(hit) - 1;
+                        }
+                    }
+                    // A target that could take no further replica (leftover below q_min, or
+                    // its last slot) is filled instead: the slack gathers on the source rank,
+                    // where it stays usable. Its free slots come from its lane (selected, not
+                    // indexed: an indexed register array would live in local memory).
+                    int mine = 0;
 #pragma unroll
-                for (int j = 0; j < CHUNKS; ++j) {  // branch-free updates of the target's registers
-                    const bool is_target = lane + 32 * j == target;
-                    slack[j] -= is_target ? amount : 0;
-                    free_slots[j] -= is_target;
-                    avail[j] = is_target ? -1 : avail[j];
-                    fit_key[j] = is_target ? NO_TARGET : fit_key[j];
-                    spill_key[j] = is_target ? NO_TARGET : spill_key[j];
+                    for (int j = 0; j < CHUNKS; ++j) mine = lane + 32 * j == target ? free_slots[j] : mine;
+                    const int target_free = __shfl_sync(FULL_MASK, mine, target & 31);
+                    const int amount = chosen - need >= step && target_free > 1 ? need : min(chosen, remaining);
+#pragma unroll
+                    for (int j = 0; j < CHUNKS; ++j) {  // branch-free updates of the target's registers
+                        const bool is_target = lane + 32 * j == target;
+                        slack[j] -= is_target ? amount : 0;
+                        free_slots[j] -= is_target;
+                        avail[j] = is_target ? -1 : avail[j];
+                        fit_key[j] = is_target ? NO_TARGET : fit_key[j];
+                        spill_key[j] = is_target ? NO_TARGET : spill_key[j];
+                    }
+                    if (lane == 0) {
+                        moves[MOVE_INTS * count] = (e << 8) | target;
+                        moves[MOVE_INTS * count + 1] = amount;
+                        moves[MOVE_INTS * count + 2] = (hosts << 16) | (S - target_free);
+                    }
+                    ++count;
+                    source_load -= amount;
+                    remaining -= amount;
+                    ++hosts;
                 }
-                if (lane == 0) {
-                    moves[MOVE_INTS * count] = (e << 8) | target;
-                    moves[MOVE_INTS * count + 1] = amount;
-                    moves[MOVE_INTS * count + 2] = (hosts << 16) | (S - target_free);
-                }
-                ++count;
-                source_load -= amount;
-                remaining -= amount;
-                ++hosts;
             }
-        }
-        if (source_load > tau) return -1;
+            if (source_load > tau) {
+                if (single) continue;  // pass 2 takes it
+                return -1;
+            }
 #pragma unroll
-        for (int j = 0; j < CHUNKS; ++j) slack[j] = lane + 32 * j == r ? tau - source_load : slack[j];  // it may receive now
+            for (int j = 0; j < CHUNKS; ++j) slack[j] = lane + 32 * j == r ? tau - source_load : slack[j];  // it may receive now
+            relieved_low |= r < 64 ? 1ull << r : 0ull;
+            relieved_high |= r < 64 ? 0ull : 1ull << (r - 64);
+        }
     }
     return count;
 }
@@ -331,8 +350,8 @@ __device__ __forceinline__ void store_quad(int* out, int i0, int K, const int (&
 template <int CHUNKS>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
 plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, int step, int tau_tolerance,
-             long long cap_ppm, int* __restrict__ phys_to_log, int* __restrict__ log_to_phys, int* __restrict__ replica_count,
-             int* __restrict__ quota, long long* __restrict__ rank_load, int* __restrict__ split_prefix,
+             long long cap_ppm, int fit_first, int* __restrict__ phys_to_log, int* __restrict__ log_to_phys,
+             int* __restrict__ replica_count, int* __restrict__ quota, long long* __restrict__ rank_load, int* __restrict__ split_prefix,
              double* __restrict__ imbalance_before, double* __restrict__ imbalance_after,
              long long* __restrict__ workspace) {
     extern __shared__ int smem[];
@@ -450,6 +469,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // 2. Threshold search. Every thread of the cluster tracks the same lo, hi and best probe.
     int best_count = 0, parity = 0;
     const bool packed = hi < (1 << 24);  // every slack fits the packed oracle keys
+    const int first_pass = fit_first ? 1 : 2;  // the oracle's pass 1 is optional (quota.plan_placement)
     const bool prober = warp < PROBE_WARPS;
     const int probe = block * PROBE_WARPS + warp;
     // Meanwhile the other warps write every split row as if no expert had replicas; the
@@ -467,8 +487,8 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             bool active;
             const int tau = probe_point(lo, hi, probe, &active);
             const int count = !active ? 0
-                              : packed ? run_oracle<CHUNKS, true>(tau, D, M, S, K - 1, step, round_moves + warp * move_ints)
-                                       : run_oracle<CHUNKS, false>(tau, D, M, S, K - 1, step, round_moves + warp * move_ints);
+                              : packed ? run_oracle<CHUNKS, true>(tau, D, M, S, K - 1, step, first_pass, round_moves + warp * move_ints)
+                                       : run_oracle<CHUNKS, false>(tau, D, M, S, K - 1, step, first_pass, round_moves + warp * move_ints);
             if (lane < CLUSTER) {  // lane b publishes the result to block b
                 store_to_block(&round[probe], lane, tau);
                 store_to_block(&round[PROBES + probe], lane, active ? (count >= 0 ? 1 : 0) : -1);

@@ -22,14 +22,14 @@ def planning_cases(draw):
     loads = rng.poisson(scale * skew[None, :], (ranks, layout.num_experts)).astype(np.int32)
     min_tokens = draw(st.sampled_from([0, 1, 16, 16, 256, 1024]))
     target = draw(st.sampled_from([None, None, None, 1.0, 1.01, 1.2]))
-    return layout, loads, min_tokens, target
+    return layout, loads, min_tokens, target, draw(st.booleans())
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(planning_cases())
 def test_plan_invariants(case):
-    layout, loads, min_tokens, target = case
-    plan = plan_placement(loads, layout, min_replica_tokens=min_tokens, target_imbalance=target)
+    layout, loads, min_tokens, target, fit_first = case
+    plan = plan_placement(loads, layout, min_replica_tokens=min_tokens, target_imbalance=target, fit_first=fit_first)
     # quotas/splits/masters/slots/anti-affinity/domains/min size/rank loads:
     plan.validate(min_replica_tokens=max(min_tokens, 1))
     assert (plan.loads == loads).all()
@@ -37,7 +37,8 @@ def test_plan_invariants(case):
     assert plan.imbalance_after <= plan.imbalance_before
     by_rank = plan.phys_to_log.reshape(layout.num_ranks, layout.slots_per_rank)
     assert ((by_rank[:, layout.experts_per_rank:] >= 0).sum(axis=1) <= layout.redundant_slots).all()
-    again = plan_placement(loads.copy(), layout, min_replica_tokens=min_tokens, target_imbalance=target)
+    again = plan_placement(loads.copy(), layout, min_replica_tokens=min_tokens, target_imbalance=target,
+                           fit_first=fit_first)
     for name in Plan.ARRAYS:
         assert np.array_equal(getattr(plan, name), getattr(again, name)), f"{name} differs on repeat"
 
@@ -85,6 +86,21 @@ def test_target_imbalance_trades_balance_for_fewer_replicas():
     assert loose.slots_used == 0 and loose.imbalance_after == loose.imbalance_before
 
 
+def test_fit_first_pass_saves_replicas_at_the_cap():
+    """The anchor case where pass 1 matters: EP64, E=256, initial imbalance 1.5, cap 1.005.
+    Without it the greedy spills the hottest rank into the largest rooms and needs 42
+    replicas; with it 38, the fewest any plan can have there (bench plan-kernel
+    --replica-bound), at the same max rank load."""
+    from ultraep.planner.traces import zipf_loads
+
+    layout = ExpertLayout(64, 256, 2)
+    loads = zipf_loads(64, 256, 8, 8192, 1.5, 0)
+    with_pass = plan_placement(loads, layout, target_imbalance=1.005)
+    without = plan_placement(loads, layout, target_imbalance=1.005, fit_first=False)
+    assert (with_pass.slots_used, without.slots_used) == (38, 42)
+    assert with_pass.rank_load.max() == without.rank_load.max()
+
+
 def test_validate_catches_a_broken_plan():
     layout = ExpertLayout(4, 8, 2)
     loads = np.full((4, 8), 10, np.int32)
@@ -117,6 +133,7 @@ def test_bad_loads(loads, message):
     ({"target_imbalance": float("nan")}, "target_imbalance"),
     ({"target_imbalance": "1.01"}, "target_imbalance"),
     ({"backend": "torch"}, "backend"),
+    ({"fit_first": 1}, "fit_first"),
 ])
 def test_bad_options(kwargs, message):
     with pytest.raises(ValueError, match=message):

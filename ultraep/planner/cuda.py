@@ -52,7 +52,7 @@ def _kernel(filename, name, shared_bytes):
 
 
 def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int, tau_tolerance: int | None,
-                        cap_ppm: int = 0, out: Plan | None = None) -> Plan:
+                        cap_ppm: int = 0, fit_first: bool = True, out: Plan | None = None) -> Plan:
     """``quota.plan_placement`` on the GPU. NumPy loads are value-checked on the host and
     uploaded; CuPy loads are checked for shape and dtype only (values would need a sync)."""
     import cupy
@@ -82,7 +82,8 @@ def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int,
     plan_domains = _kernel("planner.cu", f"plan_domains<{chunks}>", shared_bytes)
     plan_domains((layout.num_domains * PLAN_CLUSTER,), (PLAN_WARPS * 32,),
                  (out.loads, np.int32(R), np.int32(E), np.int32(S), np.int32(D), np.int32(K),
-                  np.int32(max(min_replica_tokens, 1)), np.int32(tolerance), np.int64(cap_ppm), out.phys_to_log, out.log_to_phys,
+                  np.int32(max(min_replica_tokens, 1)), np.int32(tolerance), np.int64(cap_ppm), np.int32(fit_first),
+                  out.phys_to_log, out.log_to_phys,
                   out.replica_count, out.quota, out.rank_load, out.split_prefix, out.imbalance_before,
                   out.imbalance_after, out.planner_workspace),
                  shared_mem=shared_bytes)
