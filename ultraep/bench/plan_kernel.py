@@ -14,8 +14,9 @@ at that max/mean and settles there when the oracle reaches it, with fewer replic
 the tightest plan (UltraEP's plans sit at 1.010). With ``--replica-bound`` the CPU also
 proves the fewest replicas any plan needs to reach the capped plan's max rank load
 (``min_replicas_bound``, a MILP per domain: seconds per row): ``cap_slots_bound``.
-``one_pass_*`` columns plan without the oracle's pass 1 (``fit_first=False``): a shorter
-kernel, more replicas.
+The oracle's pass 1 (``fit_first``, fewer replicas for a longer kernel) is on by default
+with a cap only: ``fit_first_*`` plan the tightest search with it, ``cap_one_pass_*``
+plan at the cap without it.
 The NumPy planner time is the wall-clock median of a few runs. Without a GPU only the
 NumPy columns are filled.
 """
@@ -51,7 +52,7 @@ ANCHOR = {
 
 COLUMNS = ["experts", "target", "seed", "before", "after", "plan_ms", "reroute_ms", "plan_launch_ms",
            "reroute_launch_ms", "exact_plan_ms", "slots", "max_replicas", "cap_after", "cap_plan_ms", "cap_slots",
-           "cap_max_replicas", "cap_slots_bound", "one_pass_plan_ms", "one_pass_slots", "cap_one_pass_plan_ms",
+           "cap_max_replicas", "cap_slots_bound", "fit_first_plan_ms", "fit_first_slots", "cap_one_pass_plan_ms",
            "cap_one_pass_slots", "remote_pct", "numpy_ms", "anchor_after", "anchor_plan_ms", "anchor_reroute_ms",
            "anchor_slots", "anchor_max_replicas"]
 
@@ -90,7 +91,7 @@ def gpu_times(loads, topk, layout, repeats, cap):
     return dict(plan_ms=graph_ms(plan_once, repeats), plan_launch_ms=median_event_ms(plan_once, repeats),
                 exact_plan_ms=graph_ms(lambda: plan_once(tau_tolerance=0), repeats),
                 cap_plan_ms=graph_ms(lambda: plan_once(target_imbalance=cap), repeats),
-                one_pass_plan_ms=graph_ms(lambda: plan_once(fit_first=False), repeats),
+                fit_first_plan_ms=graph_ms(lambda: plan_once(fit_first=True), repeats),
                 cap_one_pass_plan_ms=graph_ms(lambda: plan_once(target_imbalance=cap, fit_first=False), repeats),
                 reroute_ms=graph_ms(reroute_once, repeats), reroute_launch_ms=median_event_ms(reroute_once, repeats))
 
@@ -108,9 +109,9 @@ def run_case(experts, target, seed, repeats, use_gpu, cap, replica_bound):
                numpy_ms=statistics.median(numpy_times))
     capped = plan_placement(loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, target_imbalance=cap)
     row.update(cap_after=capped.imbalance_after, cap_slots=capped.slots_used, cap_max_replicas=capped.max_fanout)
-    for prefix, options in (("one_pass_", {}), ("cap_one_pass_", {"target_imbalance": cap})):
-        one_pass = plan_placement(loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, fit_first=False, **options)
-        row[prefix + "slots"] = one_pass.slots_used
+    for prefix, options in (("fit_first_", {"fit_first": True}), ("cap_one_pass_", {"target_imbalance": cap,
+                                                                                     "fit_first": False})):
+        row[prefix + "slots"] = plan_placement(loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, **options).slots_used
     if replica_bound:
         bound = min_replicas_bound(loads, layout, int(capped.rank_load.max()), min_replica_tokens=MIN_REPLICA_TOKENS)
         row["cap_slots_bound"] = bound.value if bound.status == "optimal" else f"{bound.value} ({bound.status})"

@@ -52,7 +52,7 @@ def _kernel(filename, name, shared_bytes):
 
 
 def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int, tau_tolerance: int | None,
-                        cap_ppm: int = 0, fit_first: bool = True, out: Plan | None = None) -> Plan:
+                        cap_ppm: int = 0, fit_first: bool = False, out: Plan | None = None) -> Plan:
     """``quota.plan_placement`` on the GPU. NumPy loads are value-checked on the host and
     uploaded; CuPy loads are checked for shape and dtype only (values would need a sync)."""
     import cupy

@@ -32,7 +32,9 @@ Each NVLink domain is solved on its own (replicas never leave it):
    greedy on the ranks still overloaded. Otherwise the ranks that need several replicas
    come first and spill into the largest rooms, which a rank with one replica's worth
    of excess would have filled exactly (-4.5 % replicas over 36 Zipf cases at a 1.005
-   cap, all still reaching it; E=256 at 1.5: 42 -> 38, the proven minimum). Moving at
+   cap, all still reaching it; E=256 at 1.5: 42 -> 38, the proven minimum). Pass 1 is
+   on by default only with a cap: in the tightest search it saves replicas too but
+   sometimes stops at a higher threshold (``plan_placement``'s ``fit_first``). Moving at
    least ``q_min`` even when the excess is smaller lets a slightly overloaded rank shed
    load at all. Ties go to the lowest index; integer arithmetic.
 3. **Locality-first split** (``locality_split``).
@@ -54,7 +56,7 @@ NEAR_SHIFT = 11   # near step = lo / 2**11, about 0.05% of the mean
 
 def plan_placement(loads, layout: ExpertLayout, *, min_replica_tokens: int = 1024, backend: str = "numpy",
                    tau_tolerance: int | None = None, target_imbalance: float | None = None,
-                   fit_first: bool = True, out: Plan | None = None) -> Plan:
+                   fit_first: bool | None = None, out: Plan | None = None) -> Plan:
     """Plan replicas, quotas and the per-source split for load matrix ``loads[R, E]``.
 
     ``backend="cupy"`` runs ``raw_kernels/planner.cu`` without host synchronisation and
@@ -63,17 +65,20 @@ def plan_placement(loads, layout: ExpertLayout, *, min_replica_tokens: int = 102
     exact threshold; ``None`` = ``auto_tolerance`` of each domain. ``target_imbalance``
     (>= 1, e.g. 1.005): settle for a max rank load up to that multiple of the domain's
     mean where the oracle reaches it, with fewer replicas than the tightest plan
-    (``None``: the tightest). ``fit_first``: the oracle's pass 1 (module docstring),
-    fewer replicas (less weight traffic) for a longer planning kernel; ``False`` runs
-    pass 2 alone. ``out`` (CuPy only, from ``cuda.empty_plan``) receives the plan in
-    place, e.g. for CUDA graph capture.
+    (``None``: the tightest). ``fit_first``: run the oracle's pass 1 (module
+    docstring): fewer replicas (less weight traffic) at the same threshold, for a
+    longer planning kernel; ``None`` = only with ``target_imbalance`` (in the tightest
+    search it sometimes ends a little higher). ``out`` (CuPy only, from
+    ``cuda.empty_plan``) receives the plan in place, e.g. for CUDA graph capture.
     """
     min_replica_tokens = _non_negative_int("min_replica_tokens", min_replica_tokens)
     if tau_tolerance is not None:
         tau_tolerance = _non_negative_int("tau_tolerance", tau_tolerance)
     cap_ppm = target_ppm(target_imbalance)
-    if not isinstance(fit_first, (bool, np.bool_)):
-        raise ValueError(f"fit_first must be True or False, got {fit_first!r}")
+    if fit_first is None:
+        fit_first = target_imbalance is not None
+    elif not isinstance(fit_first, (bool, np.bool_)):
+        raise ValueError(f"fit_first must be True, False or None, got {fit_first!r}")
     if backend == "cupy":
         from ultraep.planner.cuda import plan_placement_cupy
 
