@@ -112,19 +112,116 @@ struct DomainShared {
           expert_order(order_rank_load + D), order_load(expert_order + D * M), end(order_load + D * M) {}
 };
 
-// The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp: the
-// number of moves (the same in every lane) if feasible, else -1. Lane 0 stores each move
-// in `moves` (MOVE_INTS ints, creation order). Two passes over the overloaded ranks, as
-// there: pass 1 only places one best-fit replica of a rank's hottest expert where that
-// relieves the rank (a warp-uniform mask marks the ranks it relieved), pass 2 the rest.
+// One visit of overloaded rank r by the greedy oracle: replicas of its experts, hottest
+// first, until r is at or below tau. SINGLE (pass 1) places at most one replica, of the
+// hottest expert, and only where that alone relieves r. True if r ends at or below tau;
+// then its slack (lane r's register) is what it has left, so it may receive replicas.
 // Target choice: one min-reduction over 32-bit keys that order fits (slack >= need) by
 // ascending slack before other eligible ranks by descending slack. PACKED (every slack
-// below 2**24) puts the rank index in the low 7 bits, so the minimum names the target
-// with the lowest index; otherwise one ballot per chunk finds that index. Not inlined: the
-// chain keeps its own register allocation whatever the rest of the kernel needs.
-template <int CHUNKS, bool PACKED>
-__device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_replicas, int step, int first_pass,
-                                      int* moves) {
+// below 2**23) puts the rank index and a "last free slot" bit in the low 8 bits, so the
+// minimum names the target with the lowest index and says whether the target is full
+// afterwards, with no shuffle on the move's dependent chain; otherwise one ballot per
+// chunk finds the index and a shuffle its free slots.
+template <int CHUNKS, bool PACKED, bool SINGLE>
+__device__ __forceinline__ bool relieve_rank(const DomainShared& sh, int r, int source_load, int tau, int M, int S,
+                                             int max_replicas, int step, int (&slack)[CHUNKS],
+                                             int (&free_slots)[CHUNKS], int& count, int* moves) {
+    const int lane = threadIdx.x & 31;
+    const int* experts = sh.expert_order + r * M;
+    const int* expert_loads = sh.order_load + r * M;
+    int next_expert = experts[0], next_remaining = expert_loads[0];
+    for (int k = 0; k < (SINGLE ? 1 : M) && source_load > tau; ++k) {
+        const int e = next_expert;
+        int remaining = next_remaining;
+        if (k + 1 < M) { next_expert = experts[k + 1]; next_remaining = expert_loads[k + 1]; }
+        if (SINGLE && min(max(source_load - tau, step), remaining) < source_load - tau) break;
+        // Slack of each rank that may host a replica of e (free slot, slack >= step), -1
+        // otherwise; a target is struck off once it hosts e. The source's own slack is
+        // negative while it is visited. Its two possible keys are built here and when it
+        // changes, so a move only selects between them.
+        int avail[CHUNKS];
+        unsigned fit_key[CHUNKS], spill_key[CHUNKS];
+#pragma unroll
+        for (int j = 0; j < CHUNKS; ++j) {
+            const unsigned rank = lane + 32 * j, low = rank << 1 | (free_slots[j] == 1);
+            avail[j] = free_slots[j] > 0 && slack[j] >= step ? slack[j] : -1;
+            const unsigned room = (unsigned)avail[j];
+            fit_key[j] = avail[j] < 0 ? NO_TARGET : PACKED ? room << 8 | low : room;
+            spill_key[j] = avail[j] < 0 || SINGLE ? NO_TARGET  // pass 1 never spills
+                         : PACKED ? 0x80000000u | (0x7fffffu - room) << 8 | low : ~room;
+        }
+        int hosts = 1;
+        while (source_load > tau && hosts <= max_replicas && remaining >= step) {
+            const int need = min(max(source_load - tau, step), remaining);
+            unsigned key[CHUNKS], best = NO_TARGET;
+#pragma unroll
+            for (int j = 0; j < CHUNKS; ++j) {
+                key[j] = avail[j] >= need ? fit_key[j] : spill_key[j];  // ineligible: -1 < need, NO_TARGET
+                best = min(best, key[j]);
+            }
+            best = __reduce_min_sync(FULL_MASK, best);
+            if (best == NO_TARGET) break;
+            int chosen, target = 0;
+            if (PACKED) {
+                chosen = (int)(best < 0x80000000u ? best >> 8 : 0x7fffffu - ((best >> 8) & 0x7fffffu));
+                target = (best >> 1) & 127;
+            } else {
+                chosen = (int)(best < 0x80000000u ? best : ~best);
+#pragma unroll
+                for (int j = CHUNKS - 1; j >= 0; --j) {  // the lowest chunk holding the key wins
+                    const unsigned hit = __ballot_sync(FULL_MASK, key[j] == best);
+                    if (hit) target = 32 * j + __ffs(hit) - 1;
+                }
+            }
+            // The target's free slots come from its lane (selected, not indexed: an
+            // indexed register array would live in local memory). Packed keys carry
+            // whether it has one left, so only the move's slot number waits for them.
+            int mine = 0;
+#pragma unroll
+            for (int j = 0; j < CHUNKS; ++j) mine = lane + 32 * j == target ? free_slots[j] : mine;
+            const bool last_slot = PACKED ? (best & 1) : __shfl_sync(FULL_MASK, mine, target & 31) == 1;
+            // A target that could take no further replica (leftover below q_min, or its
+            // last slot) is filled instead: the slack gathers on the source rank, where it
+            // stays usable.
+            const int amount = chosen - need >= step && !last_slot ? need : min(chosen, remaining);
+#pragma unroll
+            for (int j = 0; j < CHUNKS; ++j) {  // branch-free updates of the target's registers
+                const bool is_target = lane + 32 * j == target;
+                slack[j] -= is_target ? amount : 0;
+                free_slots[j] -= is_target;
+                avail[j] = is_target ? -1 : avail[j];
+                fit_key[j] = is_target ? NO_TARGET : fit_key[j];
+                spill_key[j] = is_target ? NO_TARGET : spill_key[j];
+            }
+            if (lane == 0) {
+                moves[MOVE_INTS * count] = (e << 8) | target;
+                moves[MOVE_INTS * count + 1] = amount;
+            }
+            if (lane == (target & 31)) moves[MOVE_INTS * count + 2] = (hosts << 16) | (S - mine);  // its slot
+            ++count;
+            source_load -= amount;
+            remaining -= amount;
+            ++hosts;
+        }
+    }
+    if (source_load > tau) return false;
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) slack[j] = lane + 32 * j == r ? tau - source_load : slack[j];
+    return true;
+}
+
+// The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp: the
+// number of moves (the same in every lane) if feasible, else -1. Lane 0 stores each move
+// in `moves` (MOVE_INTS ints, creation order). The overloaded ranks are visited by
+// descending load; with FIT_FIRST twice, as there: pass 1 places one best-fit replica
+// of a rank's hottest expert where that relieves the rank (a warp-uniform mask marks the
+// ranks it relieved), pass 2 the rest. A compile-time choice: the loop over passes costs
+// the one-pass oracle about 2 us. A rank's load when visited is its initial load if that
+// is above tau: a target starts at or below tau - step and never ends above tau. Not
+// inlined: the chain keeps its own register allocation whatever the rest of the kernel
+// needs.
+template <int CHUNKS, bool PACKED, bool FIT_FIRST>
+__device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_replicas, int step, int* moves) {
     extern __shared__ int smem[];
     const DomainShared sh(smem, D, M);
     const int lane = threadIdx.x & 31;
@@ -137,106 +234,29 @@ __device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_rep
         free_slots[j] = t < D ? S : 0;  // ranks beyond the domain never have a free slot
     }
     int count = 0;
-    // Warp-uniform: bit r of the pair (ranks 0-63, 64-127) is set once rank r is at or below
-    // tau. Two named words, not an array: the compiler turns selects over an array into an
-    // indexed access, i.e. local memory.
+    // Bit r of the pair (ranks 0-63, 64-127): pass 1 relieved rank r. Two named words, not
+    // an array: the compiler turns selects over an array into an indexed access, i.e.
+    // local memory.
     unsigned long long relieved_low = 0, relieved_high = 0;
-#pragma unroll 1
-    for (int pass = first_pass; pass <= 2; ++pass) {
-        const bool single = pass == 1;  // one best-fit replica of the rank's hottest expert, or none
-        int next_rank = sh.rank_order[0], next_rank_load = sh.order_rank_load[0];
-        for (int pos = 0; pos < D; ++pos) {
-            // A rank's load when visited is its initial load if that is above tau: a target
-            // starts at or below tau - step and never ends above tau.
-            const int r = next_rank;
-            int source_load = next_rank_load;
-            if (source_load <= tau) break;
-            if (pos + 1 < D) { next_rank = sh.rank_order[pos + 1]; next_rank_load = sh.order_rank_load[pos + 1]; }
-            if (((r < 64 ? relieved_low : relieved_high) >> (r & 63)) & 1ull) continue;
-            const int* experts = sh.expert_order + r * M;
-            const int* expert_loads = sh.order_load + r * M;
-            int next_expert = experts[0], next_remaining = expert_loads[0];
-            for (int k = 0; k < (single ? 1 : M) && source_load > tau; ++k) {
-                const int e = next_expert;
-                int remaining = next_remaining;
-                if (k + 1 < M) { next_expert = experts[k + 1]; next_remaining = expert_loads[k + 1]; }
-                if (single && min(max(source_load - tau, step), remaining) < source_load - tau) break;
-                // Slack of each rank that may host a replica of e (free slot, slack >= step),
-                // -1 otherwise; a target is struck off once it hosts e. The source's own slack
-                // is negative while it is visited. Its two possible keys are built here and
-                // when it changes, so a move only selects between them.
-                int avail[CHUNKS];
-                unsigned fit_key[CHUNKS], spill_key[CHUNKS];
-#pragma unroll
-                for (int j = 0; j < CHUNKS; ++j) {
-                    const unsigned rank = lane + 32 * j;
-                    avail[j] = free_slots[j] > 0 && slack[j] >= step ? slack[j] : -1;
-                    const unsigned room = (unsigned)avail[j];
-                    fit_key[j] = avail[j] < 0 ? NO_TARGET : PACKED ? room << 7 | rank : room;
-                    spill_key[j] = avail[j] < 0 || single ? NO_TARGET  // pass 1 never spills
-                                 : PACKED ? 0x80000000u | (0xffffffu - room) << 7 | rank : ~room;
-                }
-                int hosts = 1;
-                while (source_load > tau && hosts <= max_replicas && remaining >= step) {
-                    const int need = min(max(source_load - tau, step), remaining);
-                    unsigned key[CHUNKS], best = NO_TARGET;
-#pragma unroll
-                    for (int j = 0; j < CHUNKS; ++j) {
-                        key[j] = avail[j] >= need ? fit_key[j] : spill_key[j];  // ineligible: -1 < need, NO_TARGET
-                        best = min(best, key[j]);
-                    }
-                    best = __reduce_min_sync(FULL_MASK, best);
-                    if (best == NO_TARGET) break;
-                    int chosen, target = 0;
-                    if (PACKED) {
-                        chosen = (int)(best < 0x80000000u ? best >> 7 : 0xffffffu - ((best >> 7) & 0xffffffu));
-                        target = best & 127;
-                    } else {
-                        chosen = (int)(best < 0x80000000u ? best : ~best);
-#pragma unroll
-                        for (int j = CHUNKS - 1; j >= 0; --j) {  // the lowest chunk holding the key wins
-                            const unsigned hit = __ballot_sync(FULL_MASK, key[j] == best);
-                            if (hit) target = 32 * j + __ffs(hit) - 1;
-                        }
-                    }
-                    // A target that could take no further replica (leftover below q_min, or
-                    // its last slot) is filled instead: the slack gathers on the source rank,
-                    // where it stays usable. Its free slots come from its lane (selected, not
-                    // indexed: an indexed register array would live in local memory).
-                    int mine = 0;
-#pragma unroll
-                    for (int j = 0; j < CHUNKS; ++j) mine = lane + 32 * j == target ? free_slots[j] : mine;
-                    const int target_free = __shfl_sync(FULL_MASK, mine, target & 31);
-                    const int amount = chosen - need >= step && target_free > 1 ? need : min(chosen, remaining);
-#pragma unroll
-                    for (int j = 0; j < CHUNKS; ++j) {  // branch-free updates of the target's registers
-                        const bool is_target = lane + 32 * j == target;
-                        slack[j] -= is_target ? amount : 0;
-                        free_slots[j] -= is_target;
-                        avail[j] = is_target ? -1 : avail[j];
-                        fit_key[j] = is_target ? NO_TARGET : fit_key[j];
-                        spill_key[j] = is_target ? NO_TARGET : spill_key[j];
-                    }
-                    if (lane == 0) {
-                        moves[MOVE_INTS * count] = (e << 8) | target;
-                        moves[MOVE_INTS * count + 1] = amount;
-                        moves[MOVE_INTS * count + 2] = (hosts << 16) | (S - target_free);
-                    }
-                    ++count;
-                    source_load -= amount;
-                    remaining -= amount;
-                    ++hosts;
-                }
+    if (FIT_FIRST) {
+        for (int pos = 0; pos < D && sh.order_rank_load[pos] > tau; ++pos) {
+            const int r = sh.rank_order[pos];
+            if (relieve_rank<CHUNKS, PACKED, true>(sh, r, sh.order_rank_load[pos], tau, M, S, max_replicas, step,
+                                                   slack, free_slots, count, moves)) {
+                relieved_low |= r < 64 ? 1ull << r : 0ull;
+                relieved_high |= r < 64 ? 0ull : 1ull << (r - 64);
             }
-            if (source_load > tau) {
-                if (single) continue;  // pass 2 takes it
-                return -1;
-            }
-#pragma unroll
-            for (int j = 0; j < CHUNKS; ++j) slack[j] = lane + 32 * j == r ? tau - source_load : slack[j];  // it may receive now
-            relieved_low |= r < 64 ? 1ull << r : 0ull;
-            relieved_high |= r < 64 ? 0ull : 1ull << (r - 64);
         }
+    }
+    int next_rank = sh.rank_order[0], next_rank_load = sh.order_rank_load[0];
+    for (int pos = 0; pos < D; ++pos) {
+        const int r = next_rank, source_load = next_rank_load;
+        if (source_load <= tau) break;
+        if (pos + 1 < D) { next_rank = sh.rank_order[pos + 1]; next_rank_load = sh.order_rank_load[pos + 1]; }
+        if (FIT_FIRST && ((r < 64 ? relieved_low : relieved_high) >> (r & 63)) & 1ull) continue;
+        if (!relieve_rank<CHUNKS, PACKED, false>(sh, r, source_load, tau, M, S, max_replicas, step, slack,
+                                                 free_slots, count, moves))
+            return -1;
     }
     return count;
 }
@@ -261,6 +281,7 @@ __device__ double imbalance_of(long long max_load, long long total, int R) {
 __device__ void warp_inclusive_scan(int* values, int n) {
     const int lane = threadIdx.x & 31;
     int carry = 0;
+#pragma unroll 1
     for (int base = 0; base < n; base += 32) {
         int value = base + lane < n ? values[base + lane] : 0;
         for (int offset = 1; offset < 32; offset <<= 1) {
@@ -274,12 +295,15 @@ __device__ void warp_inclusive_scan(int* values, int n) {
 
 // Imbalance before/after (the total load is the same before and after), by one warp of
 // the domain: directly with one domain, else the last domain to finish combines the
-// domains' figures through a ticket in the plan's workspace (which it resets).
-__device__ void write_imbalance(const int* rank_load0, const int* incoming, const int* master_quota, long long total,
-                                int D, int M, int R, int domain, int domains, long long* workspace,
-                                double* imbalance_before, double* imbalance_after) {
+// domains' figures through a ticket in the plan's workspace (which it resets). Not
+// inlined: code that runs once is paid for in instruction fetch, so the other warps'
+// path after the search stays short.
+__device__ __noinline__ void write_imbalance(const int* rank_load0, const int* incoming, const int* master_quota, long long total,
+                                             int D, int M, int R, int domain, int domains, long long* workspace,
+                                             double* imbalance_before, double* imbalance_after) {
     const int lane = threadIdx.x & 31;
     long long before_max = 0, after_max = 0;
+#pragma unroll 1
     for (int r = lane; r < D; r += 32) {
         long long after = incoming[r];
         for (int k = 0; k < M; ++k) after += master_quota[r * M + k];
@@ -301,6 +325,7 @@ __device__ void write_imbalance(const int* rank_load0, const int* incoming, cons
         if (ticket != (unsigned long long)(domains - 1)) return;  // not the last domain to finish
         __threadfence();
         total = 0;
+#pragma unroll 1
         for (int d = 0; d < domains; ++d) {
             const volatile long long* figures = workspace + 3 * d;
             before_max = max(before_max, figures[0]);
@@ -388,6 +413,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // every groups-th source (consecutive threads, consecutive columns: coalesced), with
     // STAGE_BATCH loads in flight before the first is used (one memory round trip, not
     // one per source).
+#pragma unroll 1
     for (int i = tid; i < columns; i += THREADS) partial[i] = 0;
     __syncthreads();
     if (columns > 0) {
@@ -415,14 +441,20 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     }
     __syncthreads();      // the block's partial sums are complete
     cluster_sync(false);  // every block of the cluster is running
+#pragma unroll 1
     for (int to = warp; to < CLUSTER; to += WARPS)
         for (int c = lane; c < columns; c += 32) store_to_block(&sh.expert_load[first_column + c], to, partial[c]);
+#pragma unroll 1
     for (int e = tid; e < DM; e += THREADS) { replicas[e] = 1; first_move[e] = 0; }
+#pragma unroll 1
     for (int i = tid; i < D * S; i += THREADS) slot_expert[i] = -1;
+#pragma unroll 1
     for (int r = tid; r < D; r += THREADS) incoming[r] = 0;
     if (tid == 0) replicated[share] = 0;
     cluster_sync(warp < CLUSTER);  // every block holds all the domain's expert loads
+#pragma unroll 1
     for (int e = tid; e < DM; e += THREADS) master_quota[e] = sh.expert_load[e];
+#pragma unroll 1
     for (int r = tid; r < D; r += THREADS) {
         int sum = 0;
 #pragma unroll 1
@@ -433,6 +465,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // Orders by counting how many items precede each one; a rank's count is split over
     // `parts` consecutive lanes (a power of two) and summed with shuffles.
     const int part_bits = min(5, 31 - __clz(THREADS / D)), parts = 1 << part_bits;
+#pragma unroll 1
     for (int idx = tid; idx < ((D * parts + 31) & ~31); idx += THREADS) {
         const int r = idx >> part_bits, part = idx & (parts - 1);
         int pos = 0;
@@ -444,6 +477,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             sh.order_rank_load[pos] = sh.rank_load0[r];
         }
     }
+#pragma unroll 1
     for (int e = tid; e < DM; e += THREADS) {
         const int base = (e / M) * M;
         int pos = 0;
@@ -455,6 +489,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // cap - 1: quota.search_floor), hi = the initial max is feasible without any move.
     long long total = 0;
     int hi = 0;
+#pragma unroll 1
     for (int r = lane; r < D; r += 32) { total += sh.rank_load0[r]; hi = max(hi, sh.rank_load0[r]); }
     total = warp_sum(total);
     hi = __reduce_max_sync(FULL_MASK, hi);
@@ -468,8 +503,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
 
     // 2. Threshold search. Every thread of the cluster tracks the same lo, hi and best probe.
     int best_count = 0, parity = 0;
-    const bool packed = hi < (1 << 24);  // every slack fits the packed oracle keys
-    const int first_pass = fit_first ? 1 : 2;  // the oracle's pass 1 is optional (quota.plan_placement)
+    const bool packed = hi < (1 << 23);  // every slack fits the packed oracle keys
     const bool prober = warp < PROBE_WARPS;
     const int probe = block * PROBE_WARPS + warp;
     // Meanwhile the other warps write every split row as if no expert had replicas; the
@@ -486,9 +520,13 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         if (prober) {
             bool active;
             const int tau = probe_point(lo, hi, probe, &active);
+            int* moves = round_moves + warp * move_ints;
+            // The oracle's pass 1 is optional (quota.plan_placement: fit_first).
             const int count = !active ? 0
-                              : packed ? run_oracle<CHUNKS, true>(tau, D, M, S, K - 1, step, first_pass, round_moves + warp * move_ints)
-                                       : run_oracle<CHUNKS, false>(tau, D, M, S, K - 1, step, first_pass, round_moves + warp * move_ints);
+                              : packed ? (fit_first ? run_oracle<CHUNKS, true, true>(tau, D, M, S, K - 1, step, moves)
+                                                    : run_oracle<CHUNKS, true, false>(tau, D, M, S, K - 1, step, moves))
+                                       : (fit_first ? run_oracle<CHUNKS, false, true>(tau, D, M, S, K - 1, step, moves)
+                                                    : run_oracle<CHUNKS, false, false>(tau, D, M, S, K - 1, step, moves));
             if (lane < CLUSTER) {  // lane b publishes the result to block b
                 store_to_block(&round[probe], lane, tau);
                 store_to_block(&round[PROBES + probe], lane, active ? (count >= 0 ? 1 : 0) : -1);
@@ -522,6 +560,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
 
     // 3. Every block holds the winner's moves (none if no probe ran or none was feasible).
     cluster_sync(pushed);  // the last pushes are complete; from here on no block touches another's shared memory
+#pragma unroll 1
     for (int m = tid; m < best_count; m += THREADS) {
         const int e = best_moves[MOVE_INTS * m] >> 8, t = best_moves[MOVE_INTS * m] & 255;
         const int amount = best_moves[MOVE_INTS * m + 1], placed = best_moves[MOVE_INTS * m + 2];
@@ -536,6 +575,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         write_imbalance(sh.rank_load0, incoming, master_quota, total, D, M, R, domain, domains, workspace,
                         imbalance_before, imbalance_after);
     // This block's experts: placement rows [K] (a warp per row) and replica counts.
+#pragma unroll 1
     for (int c = warp; c < columns; c += WARPS)
         for (int column = lane; column < K; column += 32) {
             const int e = first_column + c, r = e / M;
@@ -552,6 +592,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             log_to_phys[at] = slot;
             quota[at] = tokens;
         }
+#pragma unroll 1
     for (int c = tid; c < columns; c += THREADS) {
         const int e = first_column + c;
         replica_count[first_expert + e] = replicas[e];
@@ -560,11 +601,13 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // This block's ranks: slot contents and loads after balancing.
     const int rank_share = (D + CLUSTER - 1) / CLUSTER;
     const int my_first_rank = min(D, block * rank_share), my_ranks = min(D, my_first_rank + rank_share) - my_first_rank;
+#pragma unroll 1
     for (int r = my_first_rank + warp; r < my_first_rank + my_ranks; r += WARPS)
         for (int j = lane; j < slots_per_rank; j += 32) {
             const int e = j < M ? r * M + j : slot_expert[r * S + j - M];
             phys_to_log[(first_rank + r) * slots_per_rank + j] = e < 0 ? -1 : first_expert + e;
         }
+#pragma unroll 1
     for (int r = my_first_rank + tid; r < my_first_rank + my_ranks; r += THREADS) {
         long long sum = incoming[r];
 #pragma unroll 1
@@ -578,6 +621,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // barrier between these steps), then the whole block writes the rows, a source each.
     // (The rows of the other experts were written during the search.)
     const int items = replicated[share];
+#pragma unroll 1
     for (int x = warp; x < items; x += WARPS) {
         const int c = replicated[x], e = first_column + c, n = replicas[e];
         int* host = inst_host + x * K;
@@ -586,6 +630,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         int* column = inst_column + x * K;
         int* row = row_prefix + x * R;
         int spare = 0;
+#pragma unroll 1
         for (int i = lane; i < n; i += 32) {
             int h = first_rank + e / M, tokens = master_quota[e];
             if (i > 0) {
@@ -603,14 +648,17 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         if (lane == 0) item_total[x] = total;
         const double inverse = total ? __drcp_rn((double)total) : 0.0;
         int* demand = remote + x * R;
+#pragma unroll 1
         for (int src = lane; src < R; src += 32) demand[src] = staged[src * share + c];
         __syncwarp();
+#pragma unroll 1
         for (int i = lane; i < n; i += 32) demand[host[i]] -= local[i];  // the hosts are distinct ranks
         __syncwarp();
         // Proportional shares floor(d * capacity / total): row and column deficits, two
         // sources per lane at a time. Lane j keeps the column sum of instance first + j in
         // a register, so no shared-memory store orders the instances: their divisions and
         // reductions overlap (the hottest experts, with the most instances, set the pace).
+#pragma unroll 1
         for (int base = 0; base < R; base += 64) {
             const int src0 = base + lane, src1 = src0 + 32;
             const long long d0 = src0 < R ? demand[src0] : 0, d1 = src1 < R ? demand[src1] : 0;
@@ -637,6 +685,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     }
     __syncthreads();
     // Each source's row of K prefixes: share + north-west overlap + local tokens.
+#pragma unroll 1
     for (int idx = tid; idx < items * R; idx += THREADS) {
         const int x = idx / R, src = idx - x * R, c = replicated[x], e = first_column + c, n = replicas[e];
         const int* host = inst_host + x * K;
