@@ -14,6 +14,7 @@
 
 typedef long long i64;
 
+#define TASK_FIELDS 8  // columns of a weight task row (schedule.py WEIGHT_TASK_FIELDS)
 #define NO_BAD_EXPERT 0x7fffffff
 #define TABLES_OVERFLOW (-1)
 
@@ -179,6 +180,7 @@ extern "C" __global__ void compile_weight_tasks(
     const int num_tasks = num_sources * num_chunks;
     for (int t = tid; t < num_tasks; t += blockDim.x) {
         const int s = t / num_chunks, chunk = t % num_chunks, e = src_expert[s], c = src_relay[s];
+        const int n = replica_count[e] - 1;
         i64 src_ref = static_cast<i64>(e - rank * M) * num_tensors, wait = -1;
         if (c >= 0) {  // a relay forwards from its own replica slot once the chunk's flag is set
             const int slot = log_to_phys[static_cast<i64>(e) * K + 1 + chosen_rows[static_cast<i64>(e) * K + c]] % P - M;
@@ -186,7 +188,7 @@ extern "C" __global__ void compile_weight_tasks(
             wait = flag_base_slot + static_cast<i64>(slot) * num_chunks + chunk;
         }
         const int first = chunk * chunk_tiles;
-        i64* row = tasks + 7 * static_cast<i64>(t);
+        i64* row = tasks + TASK_FIELDS * static_cast<i64>(t);
         row[0] = src_ref;
         row[1] = chunk;
         row[2] = first;
@@ -194,6 +196,7 @@ extern "C" __global__ void compile_weight_tasks(
         row[4] = src_dest[s];
         row[5] = src_dest[s + 1];
         row[6] = wait;
+        row[7] = c < 0 && n > relay_threshold && n > relay_count;  // a hot master's relays have leaves to serve
     }
     for (int s = tid; s < num_sources; s += blockDim.x) {
         const int e = src_expert[s], c = src_relay[s], n = replica_count[e] - 1;

@@ -20,6 +20,7 @@ typedef long long i64;
 #define SYNC_READ_LAG 1       // pieces whose stores may still be reading their stage (< stages)
 #define SYNC_WRITE_LAG 2      // pieces whose stores may still be landing before they are handed to the counting warp
 #define HANDOFF 16            // storing -> counting warp ring (> SYNC_WRITE_LAG)
+#define TASK_FIELDS 8         // columns of a weight task row (schedule.py)
 
 // -- Hopper bulk copy engine and shared-memory barriers (PTX ISA 8.0, sm_90) -------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -74,6 +75,7 @@ struct PieceJob {
     i64 within_slot;        // where it lands inside a replica slot
     int task, chunk;        // task < 0: no more pieces
     int chunk_bytes;        // bytes of the whole chunk (all blocks)
+    int publish;            // a destination forwards the chunk: count the piece, flag the chunk once complete
     int last_in_chunk;      // this block's last piece of the chunk: its bytes are counted at once
     int dest_begin, dest_end;
     int bulk_bytes;         // [0, bulk_bytes) goes through shared memory by the bulk engine
@@ -141,13 +143,13 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
     const i64 first = blockIdx.x * share + min(static_cast<i64>(blockIdx.x), extra);
     const i64 last = first + share + (static_cast<i64>(blockIdx.x) < extra);
     int filled = 0, task_id = -1, chunk_bytes = 0;
-    i64 task[7], task_stop = 0;  // task_stop: past the current task's last non-empty unit
+    i64 task[TASK_FIELDS], task_stop = 0;  // task_stop: past the current task's last non-empty unit
     bool ready = false;          // the current task's chunk is there to be read (a relay waits for its flag)
     for (i64 u = first; u < last;) {
         if (u / task_units != task_id) {
             task_id = static_cast<int>(u / task_units);
-            for (int f = 0; f < 7; ++f) task[f] = __ldg(tasks + 7 * static_cast<i64>(task_id) + f);
-            if (task_id + 1 < num_tasks) prefetch_l1(tasks + 7 * static_cast<i64>(task_id + 1));
+            for (int f = 0; f < TASK_FIELDS; ++f) task[f] = __ldg(tasks + TASK_FIELDS * static_cast<i64>(task_id) + f);
+            if (task_id + 1 < num_tasks) prefetch_l1(tasks + TASK_FIELDS * static_cast<i64>(task_id + 1));
             ready = task[6] < 0;
             chunk_bytes = static_cast<int>(tile_range_bytes(s, num_tensors, tile_bytes, task[2], task[3]));
             const i64 last_tile_bytes = tile_range_bytes(s, num_tensors, tile_bytes, task[3] - 1, task[3]);
@@ -179,7 +181,7 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
         if (filled >= stages) barrier_wait(&s.empty[stage], filled / stages - 1);
         const int bulk_bytes = src % 16 ? 0 : nbytes & ~15;
         s.job[stage] = PieceJob{src, s.slot_offset[tensor] + tile_offset + begin, task_id, static_cast<int>(task[1]),
-                                chunk_bytes, next >= min(last, task_stop), static_cast<int>(task[4]),
+                                chunk_bytes, task[7] != 0, next >= min(last, task_stop), static_cast<int>(task[4]),
                                 static_cast<int>(task[5]), bulk_bytes, nbytes};
         barrier_arrive(&s.posted[stage]);
         if (bulk_bytes) bulk_load(stage_mem + stage * stage_bytes, reinterpret_cast<const void*>(src), bulk_bytes, &s.full[stage]);
@@ -202,12 +204,14 @@ __device__ __forceinline__ void hand_over(SyncShared& s, int n, const PieceJob& 
 
 // Storing warp: each piece goes from its stage to every destination by bulk stores (lane 0),
 // tails by all lanes. A stage is handed back once SYNC_READ_LAG newer pieces were issued and
-// its stores have read it; a piece goes to the counting warp once its writes are complete,
-// so no fence ever waits here for the bulk engine's stores in flight.
+// its stores have read it. A piece of a publishing task goes to the counting warp once its
+// writes are complete (SYNC_WRITE_LAG pieces later), so no fence ever waits here for the bulk
+// engine's stores in flight; other pieces are never waited for before the kernel's end.
 __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int stages, int stage_bytes,
                              const i64* dests, const u64* peer_bases) {
     const int lane = threadIdx.x % 32;
-    int dst_task = -1, issued = 0, released = 0, landed = 0;
+    int dst_task = -1, issued = 0, released = 0, handed = 0, landed = 0;
+    unsigned pending = 0;  // bit i: the piece issued i pieces ago was handed over and has not landed yet
     for (;; ++issued) {
         const int stage = issued % stages;
         barrier_wait(&s.posted[stage], issued / stages);  // destinations are looked up while the piece lands
@@ -227,7 +231,7 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
             for (int d = 0; d < num_dests && job.bulk_bytes; ++d)
                 bulk_store(s.dst[d] + job.within_slot, stage_mem + stage * stage_bytes, job.bulk_bytes);
             bulk_commit();
-            hand_over(s, issued, job);
+            if (job.publish) hand_over(s, handed++, job);
         }
         if (job.bulk_bytes < job.nbytes) {
             const unsigned char* src = reinterpret_cast<const unsigned char*>(job.src);
@@ -238,27 +242,30 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
         if (lane == 0) {
             bulk_wait_read<SYNC_READ_LAG>();
             for (; released <= issued - SYNC_READ_LAG; ++released) barrier_arrive(&s.empty[released % stages]);
-            if (issued - landed >= SYNC_WRITE_LAG) {
+            pending = pending << 1 | static_cast<unsigned>(job.publish);
+            if (pending >> SYNC_WRITE_LAG) {  // handed pieces issued SYNC_WRITE_LAG or more pieces ago
                 bulk_wait_done<SYNC_WRITE_LAG>();
                 fence_async_global();
-                for (; landed <= issued - SYNC_WRITE_LAG; ++landed) barrier_arrive(&s.landed[landed % HANDOFF]);
+                for (int n = __popc(pending >> SYNC_WRITE_LAG); n > 0; --n, ++landed)
+                    barrier_arrive(&s.landed[landed % HANDOFF]);
+                pending &= (1u << SYNC_WRITE_LAG) - 1;
             }
         }
     }
     if (lane == 0) {
         bulk_wait_done<0>();
-        fence_async_global();
-        for (; landed < issued; ++landed) barrier_arrive(&s.landed[landed % HANDOFF]);
-        hand_over(s, issued, PieceJob{0, 0, -1});
-        barrier_arrive(&s.landed[issued % HANDOFF]);
+        if (pending) fence_async_global();
+        for (; landed < handed; ++landed) barrier_arrive(&s.landed[landed % HANDOFF]);
+        hand_over(s, handed, PieceJob{0, 0, -1});
+        barrier_arrive(&s.landed[handed % HANDOFF]);
     }
 }
 
-// Counting warp, one thread: the bytes of each stored piece (its writes complete; lanes'
-// tail stores are ordered by the storing warp's __syncwarp before its `landed` arrive) count
-// toward its chunk in done[task], all of this block's pieces of a chunk at once; the block
-// whose bytes complete the chunk resets the counter and publishes the chunk flag at every
-// destination.
+// Counting warp, one thread: the bytes of each stored piece of a publishing task (its writes
+// complete; lanes' tail stores are ordered by the storing warp's __syncwarp before its
+// `landed` arrive) count toward its chunk in done[task], all of this block's pieces of a
+// chunk at once; the block whose bytes complete the chunk resets the counter and publishes
+// the chunk flag at every destination.
 __device__ void count_pieces(SyncShared& s, const i64* dests, const u64* peer_bases, int* done, u64 flag_value) {
     int run = 0;
     for (int n = 0;; ++n) {
@@ -283,9 +290,11 @@ __device__ void count_pieces(SyncShared& s, const i64* dests, const u64* peer_ba
 
 // Persistent weight sync through the bulk copy engine. Each block takes an equal contiguous
 // share of the work (in UNIT_BYTES units); a piece is read once into a shared-memory stage
-// and stored from there to every destination; per-chunk byte counts (done[task]) tell the
-// block that finishes a chunk to publish its flags (epoch << 16 | rank) at the
-// destinations. A relay task waits (with a timeout) for its own chunk flag before loading.
+// and stored from there to every destination. For a publishing task (a relay among its
+// destinations), per-chunk byte counts (done[task]) tell the block that finishes a chunk to
+// publish its flags (epoch << 16 | rank) at the destinations; other tasks are neither counted
+// nor flagged (the heap barrier after the sync orders them). A relay task waits (with a
+// timeout) for its own chunk flag before loading.
 // A timeout leaves chunks half counted: until the host has reported it (status) and zeroed
 // done[], later launches do nothing, so a half count can never publish a flag early.
 //

@@ -69,15 +69,35 @@ for n in names:
     if n.startswith("bulk"):
         fn[n].max_dynamic_shared_size_bytes = 200 << 10
 ws_src = inline_local_includes(Path("raw_kernels/transfer.cu"))
-EDITS = {  # variant: (text in transfer.cu, replacement)
-    "weight_sync": ("", ""),
-    "weight_sync_no_counts": ("        fence_gpu();\n        if (atomicAdd", "        continue;\n        fence_gpu();\n        if (atomicAdd"),
-}
-NO_FLAGS = {"weight_sync_no_counts"}  # measures only: publishes no flags
+# weight_sync_interleaved: the loader takes whole tiles in turn (tile r * blocks + block in
+# round r) and only the last, partial round in equal contiguous unit shares.
+INTERLEAVE = [("""    const i64 num_units = num_tasks * task_units;
+    const i64 share = num_units / gridDim.x, extra = num_units % gridDim.x;
+    const i64 first = blockIdx.x * share + min(static_cast<i64>(blockIdx.x), extra);
+    const i64 last = first + share + (static_cast<i64>(blockIdx.x) < extra);
+    int filled = 0, task_id = -1, chunk_bytes = 0;
+    i64 task[TASK_FIELDS], task_stop = 0;  // task_stop: past the current task's last non-empty unit
+    bool ready = false;          // the current task's chunk is there to be read (a relay waits for its flag)
+""", """    const i64 num_units = num_tasks * task_units, block = blockIdx.x;
+    const i64 rounds = num_units / tile_units / gridDim.x, tail = num_units - rounds * gridDim.x * tile_units;
+    const i64 share = tail / gridDim.x, extra = tail % gridDim.x;
+    const i64 tail_first = rounds * gridDim.x * tile_units + block * share + min(block, extra);
+    const i64 tail_last = tail_first + share + (block < extra);
+    int filled = 0, task_id = -1, chunk_bytes = 0;
+    i64 task[TASK_FIELDS], task_stop = 0;
+    bool ready = false, failed = false;
+    for (i64 r = 0; r <= rounds && !failed; ++r) {
+    const i64 first = r < rounds ? (r * gridDim.x + block) * tile_units : tail_first;
+    const i64 last = r < rounds ? first + tile_units : tail_last;
+"""), ("timeout_ns, status))) break;", "timeout_ns, status))) { failed = true; break; }"),
+    ("        u = piece_end;\n    }\n", "        u = piece_end;\n    }\n    }\n")]
+EDITS = {"weight_sync": [], "weight_sync_interleaved": INTERLEAVE}  # variant: [(text in transfer.cu, replacement)]
 ws = {}
-for name, (old, new) in EDITS.items():
-    assert old in ws_src, name
-    ws[name] = ws_src.replace(old, new)
+for name, edits in EDITS.items():
+    ws[name] = ws_src
+    for old, new in edits:
+        assert ws[name].count(old) == 1, (name, old)
+        ws[name] = ws[name].replace(old, new)
 ws_fn = {}
 for k, code in ws.items():
     m = cupy.RawModule(code=code, options=("--std=c++17",))
@@ -97,11 +117,11 @@ def guard(what, limit=5.0):
         time.sleep(0.0005)
 
 
-def ws_tables(f):
+def ws_tables(f, publish):
     ntiles = [-(-(2 * FFN * HID * 2) // TILE), -(-(HID * FFN * 2) // TILE)]
     NT = sum(ntiles)
     NCH = -(-NT // CT)
-    tasks = np.array([(0, c, c * CT, min(c * CT + CT, NT), 0, f, -1) for c in range(NCH)], np.int64)
+    tasks = np.array([(0, c, c * CT, min(c * CT + CT, NT), 0, f, -1, publish) for c in range(NCH)], np.int64)
     dests = np.array([(r, WB, 0) for r in range(1, f + 1)], np.int64)
     sizes = [2 * FFN * HID * 2, HID * FFN * 2]
     ttab = np.array([(0, sizes[0], 0), (ntiles[0], sizes[1], sizes[0])], np.int64)
@@ -111,18 +131,22 @@ def ws_tables(f):
 
 
 def make(kind, f, cfg):
-    """A launch closure for variant ``kind`` at fan-out f; cfg = (threads, blocks, extra)."""
+    """A launch closure for variant ``kind`` at fan-out f; cfg = (threads, blocks, extra).
+    A weight_sync kind ending in ``+publish`` counts and flags every chunk (as if every
+    destination relayed it)."""
     dsts = cupy.asarray(np.array([b.data.ptr + WB for b in bufs[1:f + 1]], np.uint64))
     threads, blocks, extra = cfg
+    publish = kind.endswith("+publish")
+    kind = kind.removesuffix("+publish")
     if kind in ws_fn:
-        (tasks, cnt, ttab, dests, srcs, peer), nch = ws_tables(f)
+        (tasks, cnt, ttab, dests, srcs, peer), nch = ws_tables(f, int(publish))
         wdone = cupy.zeros(nch, np.int32)
         status = cupy.zeros(4, np.uint64)
         stages, piece = extra
         args = (tasks, cnt, np.int32(CT), ttab, np.int32(2), np.int64(TILE), np.int32(stages), np.int32(piece), dests,
                 srcs, np.int32(2), peer, np.int32(9), np.int32(0), np.uint64(1), wdone, np.uint64(10**10), status)
         k = ws_fn[kind]
-        SIGNALS[0] = (nch, wdone, status)
+        SIGNALS[0] = (nch, wdone, status, publish)
         return lambda: k((blocks,), (threads,), args, shared_mem=stages * piece), dsts
     k = fn[kind]
     if kind.startswith("reg"):
@@ -139,15 +163,17 @@ SIGNALS = [None]  # (chunks, done counters, status) of the last weight_sync laun
 
 def check(launch, f, kind):
     """Every destination equals the source; for weight_sync also every chunk flag is set
-    (epoch 1, rank 0), the counters are back at zero and no timeout was recorded."""
+    (epoch 1, rank 0) where its task publishes and untouched where not, the counters are
+    back at zero and no timeout was recorded."""
     for b in bufs[1:f + 1]:
         b.fill(0xA5)
     launch()
     guard("check")
     ok = all(bool(cupy.array_equal(b[WB:], src)) for b in bufs[1:f + 1])
-    if kind in ws_fn and kind not in NO_FLAGS:
-        nch, wdone, status = SIGNALS[0]
-        ok &= all(bool((b[:nch * 8].view(np.uint64) == np.uint64(1 << 16)).all()) for b in bufs[1:f + 1])
+    if kind.removesuffix("+publish") in ws_fn:
+        nch, wdone, status, publish = SIGNALS[0]
+        flag = np.uint64(1 << 16) if publish else np.uint64(0xA5A5A5A5A5A5A5A5)
+        ok &= all(bool((b[:nch * 8].view(np.uint64) == flag).all()) for b in bufs[1:f + 1])
         ok &= not bool(wdone.any()) and not bool(status.any())
     return ok
 
@@ -158,8 +184,12 @@ VARIANTS = [  # (label, kernel, [(threads, blocks, extra)]); earlier runs in the
     ("bulk_interleaved", "bulk_fanout<0, 0>", [(64, 132, (6, K32)), (64, 396, (4, K16))]),
     ("bulk_contig", "bulk_fanout<0, 1>", [(64, 132, (6, K32))]),
     ("weight_sync", "weight_sync", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
-    ("weight_sync_no_counts", "weight_sync_no_counts", [(96, 132, (6, K32)), (96, 396, (2, K32))]),
+    ("weight_sync_publish_all", "weight_sync+publish", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
+    ("weight_sync_interleaved", "weight_sync_interleaved",
+     [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
 ]
+if os.environ.get("VARIANTS"):  # a comma-separated subset of the labels
+    VARIANTS = [v for v in VARIANTS if v[0] in os.environ["VARIANTS"].split(",")]
 
 if os.environ.get("NCU_MODE"):  # one launch of each variant's first config, for ncu's counters
     for f in FAN:
@@ -194,7 +224,7 @@ for f in FAN:
         best = None
         for i, cfg in enumerate(cfgs):
             launch, _ = make(kind, f, cfg)
-            ok = check(launch, f, kind) if i == 0 or kind in ws_fn else None
+            ok = check(launch, f, kind) if i == 0 or kind.removesuffix("+publish") in ws_fn else None
             t = graph_ms(launch, REPEATS)
             row = dict(f=f, variant=label, cfg=str(cfg), ms=t, vs_d2d=d2d / t, vs_memcpy=memcpy / t, ok=ok)
             results["rows"].append(row)

@@ -1,7 +1,8 @@
 """The NumPy task compiler (the CPU backend and the device compiler's reference): every
-replica is written exactly once, relay trees forward to every leaf, gradient tasks cover
-every replicated master in replica order, and no schedule outgrows the capacity the
-device tables are allocated with."""
+replica is written exactly once, relay trees forward to every leaf, chunk flags are
+published exactly where a relay waits for them, gradient tasks cover every replicated
+master in replica order, and no schedule outgrows the capacity the device tables are
+allocated with."""
 
 import numpy as np
 import pytest
@@ -37,16 +38,23 @@ def test_every_replica_written_once_and_relays_serve_their_leaves(layout, thresh
         schedules = [compile_schedule(plan, SPEC, geometry, PLACEMENT, r, relay_threshold=threshold,
                                       relay_count=relay_count) for r in range(layout.num_ranks)]
         writes = {}  # (rank, slot) -> (writer rank, expert, waits for a chunk flag)
+        published, waited = set(), set()  # (rank, signal-pad slot) of chunk flags
+        relays_at = set()  # (rank, flag slot of chunk 0) of every replica slot a relay forwards from
         for sched in schedules:
             for name in COUNT_FIELDS:
                 assert len(getattr(sched, name)) <= getattr(capacity, name), (name, capacity)
             assert sched.relays == schedules[0].relays, "ranks disagree on the relay trees"
-            for src_ref, chunk, first, end, begin, stop, wait in sched.weight_tasks.tolist():
+            for src_ref, chunk, first, end, begin, stop, wait, publish in sched.weight_tasks.tolist():
                 assert first == chunk * geometry.chunk_tiles and end == first + geometry.chunk_size(chunk)
                 relay = src_ref >= M * T
                 expert = (int(plan.phys_to_log[sched.rank * P + src_ref // T]) if relay
                           else sched.rank * M + src_ref // T)
-                assert (wait >= 0) == relay
+                assert (wait >= 0) == relay and publish in (0, 1)
+                if relay:
+                    waited.add((sched.rank, wait))
+                    relays_at.add((sched.rank, wait - chunk))
+                if publish:
+                    published |= {(dst_rank, flag + chunk) for dst_rank, _, flag in sched.dests[begin:stop].tolist()}
                 if chunk:
                     continue
                 for dst_rank, offset, flag in sched.dests[begin:stop].tolist():
@@ -54,6 +62,12 @@ def test_every_replica_written_once_and_relays_serve_their_leaves(layout, thresh
                     assert flag == PLACEMENT.flag_base_slot + slot * geometry.num_chunks
                     assert (dst_rank, slot) not in writes, f"replica slot {(dst_rank, slot)} written twice"
                     writes[(dst_rank, slot)] = (sched.rank, expert, relay)
+        # every flag a relay waits for is published; a publishing task serves at least one relay
+        assert waited <= published, f"relays wait for unpublished chunk flags {sorted(waited - published)[:4]}"
+        for sched in schedules:
+            for *_, begin, stop, _, publish in sched.weight_tasks.tolist():
+                flags = {(dst_rank, flag) for dst_rank, _, flag in sched.dests[begin:stop].tolist()}
+                assert publish == bool(flags & relays_at), "a task publishes flags no relay reads"
         expected = {slot: e for e in range(layout.num_experts) for slot in replica_slots(layout, plan, e)}
         assert set(writes) == set(expected), "some replica is never written"
         for slot, (writer, expert, relay) in writes.items():

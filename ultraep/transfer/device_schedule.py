@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ultraep.planner.plan import array_module
-from ultraep.transfer.schedule import HeapPlacement, TileGeometry
+from ultraep.transfer.schedule import WEIGHT_TASK_FIELDS, HeapPlacement, TileGeometry
 from ultraep.transfer.spec import ExpertSpec
 
 COMPILE_THREADS = 256
@@ -73,7 +73,7 @@ class DeviceSchedule:
         self.capacity = capacity = ScheduleCapacity.of(layout, geometry)
         if max(capacity.weight_tasks, capacity.dests, capacity.grad_tasks, capacity.grad_srcs) > _INT32_ROWS:
             raise ValueError(f"schedule tables of {capacity} rows do not fit int32 counts; use larger tiles")
-        self.weight_tasks = cupy.empty((max(capacity.weight_tasks, 1), 7), np.int64)
+        self.weight_tasks = cupy.empty((max(capacity.weight_tasks, 1), WEIGHT_TASK_FIELDS), np.int64)
         self.dests = cupy.empty((max(capacity.dests, 1), 3), np.int64)
         self.grad_tasks = cupy.empty((max(capacity.grad_tasks, 1), 5), np.int64)
         self.grad_srcs = cupy.empty((max(capacity.grad_srcs, 1), 2), np.int64)

@@ -201,7 +201,9 @@ class WeightTransfer:
 
     # -- transfers -----------------------------------------------------------------------
     def weight_sync(self, layer: int, plan, *, blocks: int | None = None, barrier: bool = True) -> None:
-        """Fill every replica slot of ``plan`` with its master's weights (collective)."""
+        """Fill every replica slot of ``plan`` with its master's weights (collective). With
+        ``barrier=False`` no rank may read a replica before a later heap barrier: only the
+        chunks relays forward are flagged (schedule.py, ``publish``)."""
         entry = self._layer(layer)
         self._check_plan(plan)
         self._epoch += 1

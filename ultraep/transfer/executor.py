@@ -1,7 +1,7 @@
 """NumPy executor of a transfer schedule: the CPU backend and the reference for the GPU.
 
 It follows the kernels' protocol step for step -- chunks copied in task order, each
-chunk's flag ``(epoch << 16) | writer`` published after a memory fence, relays waiting
+chunk a relay forwards flagged ``(epoch << 16) | writer`` after a memory fence, relays waiting
 (with a timeout) on their chunk flags -- only with NumPy stores into the MPI
 shared-memory heap instead of CUDA stores into IPC-mapped peers.
 """
@@ -23,7 +23,7 @@ def run_weight_tasks(schedule: Schedule, heap, sources: list, slot_offsets, epoc
     """``sources[src_ref + tensor]``: flat uint8 view of a master tensor or a local replica-slot
     tensor; ``slot_offsets[tensor]``: where that tensor starts inside a replica slot."""
     tiles = schedule.tiles.tolist()
-    for src_ref, chunk, tile_begin, tile_end, begin, end, wait_slot in schedule.weight_tasks.tolist():
+    for src_ref, chunk, tile_begin, tile_end, begin, end, wait_slot, publish in schedule.weight_tasks.tolist():
         if wait_slot >= 0:
             wait_for_chunk(heap, wait_slot, epoch, timeout_s)
         targets = schedule.dests[begin:end].tolist()
@@ -31,6 +31,8 @@ def run_weight_tasks(schedule: Schedule, heap, sources: list, slot_offsets, epoc
             tile = sources[src_ref + tensor][offset:offset + nbytes]
             for dst_rank, slot_offset, _ in targets:
                 heap.view(dst_rank, slot_offset + slot_offsets[tensor] + offset, (nbytes,), np.dtype(np.uint8))[...] = tile
+        if not publish:  # no destination forwards this chunk: the caller's heap barrier orders it
+            continue
         heap.fence()
         for dst_rank, _, flag_slot in targets:
             flag = heap.view(dst_rank, (flag_slot + chunk) * 8, (1,), np.dtype(np.uint64))

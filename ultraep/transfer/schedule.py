@@ -3,16 +3,21 @@
 Every rank compiles the same global decisions from the same plan (relay trees, chunking)
 and keeps its own tasks, so no message is needed. Three task lists per rank:
 
-* **weight tasks** (``int64[N, 7]``: ``src_ref, chunk, tile_begin, tile_end, dest_begin,
-  dest_end, wait_slot``): one chunk -- tiles ``[tile_begin, tile_end)`` of the expert's
-  tile table -- of one source (``src_ref`` is the source table index of the expert's
-  first tensor: master tensors, then this rank's replica slots for relays), copied to
-  every destination in ``dests[dest_begin:dest_end]``. A relay's tasks carry the
-  signal-pad slot of the chunk flag they wait on (``-1``: none). Master tasks come first.
+* **weight tasks** (``int64[N, 8]``: ``src_ref, chunk, tile_begin, tile_end, dest_begin,
+  dest_end, wait_slot, publish``): one chunk -- tiles ``[tile_begin, tile_end)`` of the
+  expert's tile table -- of one source (``src_ref`` is the source table index of the
+  expert's first tensor: master tensors, then this rank's replica slots for relays),
+  copied to every destination in ``dests[dest_begin:dest_end]``. A relay's tasks carry
+  the signal-pad slot of the chunk flag they wait on (``-1``: none). ``publish`` is 1
+  where a destination forwards the chunk (a hot master's task whose relays have leaves)
+  and 0 elsewhere: only relays read chunk flags; every other replica is ordered before
+  its readers by the heap barrier that ends a weight sync, so its chunks are not counted
+  and no flag is written. Master tasks come first.
 * **destinations** (``int64[D, 3]``: ``rank, slot_heap_offset, flag_slot``): the replica
-  slot a source lands in and the flag of its chunk 0; after the whole chunk is stored
-  the writer publishes ``(epoch << 16) | writer_rank`` at ``flag_slot + chunk``, so a
-  flag also says who wrote the chunk (how tests prove leaves were served by relays).
+  slot a source lands in and the flag of its chunk 0; after the whole chunk of a
+  publishing task is stored the writer publishes ``(epoch << 16) | writer_rank`` at
+  ``flag_slot + chunk``, so a flag also says who wrote the chunk (a relay's timeout
+  report names it).
 * **tile table** (``int64[T, 3]``: ``tensor, byte_offset, nbytes``): the same for every
   expert; a tile lands at the slot offset of its tensor plus ``byte_offset``.
 * **gradient tasks** (``int64[G, 5]``: ``dst_ref, byte_offset, nbytes, src_begin,
@@ -37,6 +42,7 @@ import numpy as np
 from ultraep.transfer.spec import ExpertSpec
 
 FLAG_WRITER_BITS = 16
+WEIGHT_TASK_FIELDS = 8  # columns of a weight task row (see above); transfer.cu TASK_FIELDS
 
 
 @dataclass(frozen=True)
@@ -164,8 +170,9 @@ def compile_schedule(plan, spec: ExpertSpec, geometry: TileGeometry, placement: 
     tasks: list[tuple] = []
     dests: list[tuple] = []
 
-    def add_source(src_ref: int, targets: list[tuple[int, int]], wait_slot=None) -> None:
-        """One task per chunk of one source, each copied to every target (rank, redundant slot)."""
+    def add_source(src_ref: int, targets: list[tuple[int, int]], wait_slot=None, publish=False) -> None:
+        """One task per chunk of one source, each copied to every target (rank, redundant slot);
+        ``publish``: some target forwards the chunks, so each chunk's flag is published."""
         begin = len(dests)
         for dst_rank, dst_slot in targets:
             dests.append((dst_rank, placement.weight_base + dst_slot * spec.weight_slot_bytes,
@@ -173,13 +180,16 @@ def compile_schedule(plan, spec: ExpertSpec, geometry: TileGeometry, placement: 
         for chunk in range(geometry.num_chunks):
             first = chunk * geometry.chunk_tiles
             wait = -1 if wait_slot is None else wait_slot + chunk
-            tasks.append((src_ref, chunk, first, first + geometry.chunk_size(chunk), begin, len(dests), wait))
+            tasks.append((src_ref, chunk, first, first + geometry.chunk_size(chunk), begin, len(dests), wait,
+                          int(publish)))
 
     for e in range(rank * M, (rank + 1) * M):  # this rank's masters, in expert order
         replicas = instances(layout, log_to_phys, replica_count, e)
-        if replicas:
-            direct = [replicas[i - 1] for i, _ in trees[e]] if e in trees else replicas
-            add_source((e - rank * M) * T, direct)
+        if e in trees:  # a hot master sends to its relays; a relay with leaves waits for the chunk flags
+            add_source((e - rank * M) * T, [replicas[i - 1] for i, _ in trees[e]],
+                       publish=any(leaves for _, leaves in trees[e]))
+        elif replicas:
+            add_source((e - rank * M) * T, replicas)
     for e, tree in sorted(trees.items()):  # relays forward after every master task of this rank
         replicas = instances(layout, log_to_phys, replica_count, e)
         for relay, leaf_ids in tree:
@@ -201,7 +211,7 @@ def compile_schedule(plan, spec: ExpertSpec, geometry: TileGeometry, placement: 
             grad_tasks.append(((e - rank * M) * T + t, offset, nbytes, begin, len(grad_srcs)))
     tile_table = [(t, offset, nbytes) for t, offset, nbytes in geometry.tiles]
     return Schedule(rank=rank,
-                    weight_tasks=np.array(tasks, dtype=np.int64).reshape(-1, 7),
+                    weight_tasks=np.array(tasks, dtype=np.int64).reshape(-1, WEIGHT_TASK_FIELDS),
                     dests=np.array(dests, dtype=np.int64).reshape(-1, 3),
                     tiles=np.array(tile_table, dtype=np.int64).reshape(-1, 3),
                     grad_tasks=np.array(grad_tasks, dtype=np.int64).reshape(-1, 5),

@@ -142,7 +142,7 @@ def sync(heap):
 def relay(heap):
     with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2, relay_threshold=1, relay_count=1) as engine:
         register(engine)
-        forwarded = 0
+        relayed = 0
         for trial in range(8):
             plan, layer = random_plan(100 + trial, R - 1), trial % LAYERS
             poison_slots(engine)
@@ -150,25 +150,57 @@ def relay(heap):
             engine.weight_sync(layer, plan)
             engine.synchronize()
             check_replicas(engine, plan, layer)
-            # Chunk flags name their writer: a leaf's chunks must come from its relay.
-            sched = engine.schedule(plan)
-            ltp = np.asarray(plan.log_to_phys)
-            flags = to_host(heap.view(me, engine.placement.flag_base_slot * 8,
-                                      (LAYOUT.redundant_slots, engine.geometry.num_chunks), np.dtype(np.uint64)))
-            for e, tree in sched.relays.items():
-                for relay_instance, leaves in tree:
-                    relay_rank = int(ltp[e, relay_instance]) // LAYOUT.slots_per_rank
-                    for leaf in leaves:
-                        phys = int(ltp[e, leaf])
-                        if phys // LAYOUT.slots_per_rank != me:
-                            continue
-                        writers = flags[phys % LAYOUT.slots_per_rank - M] & 0xFFFF
-                        assert np.all(writers == relay_rank), f"rank {me}: leaf chunks of expert {e} written by {writers}, relay is {relay_rank}"
-                        forwarded += 1
-        total = sum(group.allgather(forwarded))
-        assert total > 0, "no leaf was served by a relay: the test proved nothing"
-        if me == 0:
-            print(f"relay: {total} leaf replicas received every chunk from their relay", flush=True)
+            relayed += sum(len(leaves) for tree in engine.schedule(plan).relays.values() for _, leaves in tree)
+        assert relayed > 0, "no plan had a leaf served by a relay: the relay path was not checked"
+        held_relay(engine)
+
+
+def held_relay(engine):
+    """Leaves are filled by their relay, not by the master: with the relay's transfer held
+    back (it takes part in the call; its launch is replayed later), the master's sync
+    completes and every leaf slot is still poisoned (the relay's is filled); once the
+    relay's transfer runs, every leaf holds the master's weights."""
+    heap = engine.heap
+    plan = fanout_plan(0, list(range(1, R)))
+    (relay_instance, leaves), = engine.schedule(plan).relays[0]
+    ltp = np.asarray(plan.log_to_phys)
+    relay_rank = int(ltp[0, relay_instance]) // LAYOUT.slots_per_rank
+    leaf_ranks = {int(ltp[0, leaf]) // LAYOUT.slots_per_rank for leaf in leaves}
+    assert leaf_ranks and relay_rank not in leaf_ranks
+    owner, name = hold_transfer(engine)
+    original, held = getattr(owner, name), []
+    poison_slots(engine)
+    heap.barrier()
+    if me == relay_rank:
+        setattr(owner, name, lambda *args: held.append(args))
+    try:
+        engine.weight_sync(0, plan, barrier=False)
+        engine.synchronize()
+    finally:
+        setattr(owner, name, original)
+    heap.barrier()  # the master's writes before these reads
+    if me in leaf_ranks:
+        assert all(bool((to_host(v).view(np.uint8) == 0xA5).all()) for v in engine.replica_weights(0)), \
+            f"rank {me}: a leaf slot was written before its relay forwarded a chunk"
+    if me == relay_rank:
+        assert check_replicas(engine, plan, 0) == 1 and len(held) == 1
+    group.barrier()  # the leaves' reads before the relay forwards
+    if me == relay_rank:
+        original(*held[0])
+        engine.synchronize()
+    heap.barrier()
+    assert check_replicas(engine, plan, 0) == (me != 0)
+    if me == 0:
+        print(f"relay: {len(leaf_ranks)} leaf replicas stayed unwritten until their relay (rank {relay_rank}) "
+              "forwarded every chunk", flush=True)
+
+
+def hold_transfer(engine):
+    """``(owner, name)`` of the function that runs this rank's weight tasks (the kernel
+    launch on the GPU, the NumPy executor on the CPU): replacing it loses or holds them."""
+    import ultraep.transfer.engine as engine_module
+
+    return (engine, "_launch_sync") if engine.gpu else (engine_module, "run_weight_tasks")
 
 
 def pipeline(_):
@@ -281,7 +313,6 @@ def relay_timeout(heap):
     """The master's sends are lost (it takes part in the call, but its transfer never
     runs): its relay's wait for the first chunk times out naming the flag it waited for,
     no rank hangs, no slot is written, and the same engines then sync the same plan."""
-    import ultraep.transfer.engine as engine_module
     from ultraep.transfer.executor import TransferTimeout
 
     with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2, relay_threshold=1, relay_count=1,
@@ -292,12 +323,10 @@ def relay_timeout(heap):
         plan = fanout_plan(0, list(range(1, R)))
         (relay_instance, _), = engine.schedule(plan).relays[0]
         relay_rank = int(np.asarray(plan.log_to_phys)[0, relay_instance]) // LAYOUT.slots_per_rank
-        lost = {"_launch_sync": lambda *args: None} if engine.gpu else {"run_weight_tasks": lambda *args: None}
-        owner = engine if engine.gpu else engine_module
-        saved = {name: getattr(owner, name) for name in lost}
+        owner, name = hold_transfer(engine)
+        original = getattr(owner, name)
         if me == 0:
-            for name, stub in lost.items():
-                setattr(owner, name, stub)
+            setattr(owner, name, lambda *args: None)
         error = None
         try:
             engine.weight_sync(0, plan, barrier=False)
@@ -305,8 +334,7 @@ def relay_timeout(heap):
         except TransferTimeout as exc:
             error = str(exc)
         finally:
-            for name, original in saved.items():
-                setattr(owner, name, original)
+            setattr(owner, name, original)
         if me == relay_rank:
             assert error is not None and f"rank {me}: relay waited 2 s for a weight chunk" in error, error
         else:
