@@ -91,7 +91,12 @@ INTERLEAVE = [("""    const i64 num_units = num_tasks * task_units;
     const i64 last = r < rounds ? first + tile_units : tail_last;
 """), ("timeout_ns, status))) break;", "timeout_ns, status))) { failed = true; break; }"),
     ("        u = piece_end;\n    }\n", "        u = piece_end;\n    }\n    }\n")]
-EDITS = {"weight_sync": [], "weight_sync_interleaved": INTERLEAVE}  # variant: [(text in transfer.cu, replacement)]
+# weight_sync_lookup_per_task: the storing warp looks its destinations up again at every task
+# (chunk), as up to commit c17c1bd, not only when the source changes.
+LOOKUP_PER_TASK = [("if (job.dest_begin != dst_begin) {", "if (job.task != dst_begin) {"),
+                   ("dst_begin = job.dest_begin;", "dst_begin = job.task;")]
+EDITS = {"weight_sync": [], "weight_sync_interleaved": INTERLEAVE,  # variant: [(text in transfer.cu, replacement)]
+         "weight_sync_lookup_per_task": LOOKUP_PER_TASK}
 ws = {}
 for name, edits in EDITS.items():
     ws[name] = ws_src
@@ -186,6 +191,8 @@ VARIANTS = [  # (label, kernel, [(threads, blocks, extra)]); earlier runs in the
     ("weight_sync", "weight_sync", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
     ("weight_sync_publish_all", "weight_sync+publish", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
     ("weight_sync_interleaved", "weight_sync_interleaved",
+     [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
+    ("weight_sync_lookup_per_task", "weight_sync_lookup_per_task",
      [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
 ]
 if os.environ.get("VARIANTS"):  # a comma-separated subset of the labels
