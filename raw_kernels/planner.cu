@@ -20,8 +20,9 @@
 //     predicated updates of the target's registers (about 60 instructions). A probe's
 //     result is broadcast to every block, so all blocks take the same decision after one
 //     cluster barrier per round. Meanwhile ROW_WARPS idle warps write the split rows of
-//     unreplicated experts (lean loops: they share schedulers with the probes), and the
-//     idle warps of the winner's block push its moves to every block.
+//     unreplicated experts (lean loops: they share schedulers with the probes), the others
+//     set up the tables step 3 rebuilds the placement in, and the idle warps of the
+//     winner's block push its moves to every block.
 //  3. Every block rebuilds the domain's placement from the winner's moves and writes the
 //     outputs of its share of the experts and ranks, and the locality-first split of its
 //     replicated experts (deficits a warp per expert, then rows a source per thread).
@@ -82,8 +83,10 @@ __device__ __forceinline__ long long warp_sum(long long value) {
     return value;
 }
 
-__device__ __forceinline__ bool better_rank(const int* load, int a, int b) {
-    return load[a] > load[b] || (load[a] == load[b] && a < b);
+// Whether item `other` comes before item `index` in descending load order, ties by
+// ascending index.
+__device__ __forceinline__ bool precedes(int other_load, int other, int load, int index) {
+    return other_load > load || (other_load == load && other < index);
 }
 
 // floor(a / b) for 0 <= a < 2**62 and 0 < b < 2**31, given inverse = __drcp_rn(b): the
@@ -444,16 +447,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
 #pragma unroll 1
     for (int to = warp; to < CLUSTER; to += WARPS)
         for (int c = lane; c < columns; c += 32) store_to_block(&sh.expert_load[first_column + c], to, partial[c]);
-#pragma unroll 1
-    for (int e = tid; e < DM; e += THREADS) { replicas[e] = 1; first_move[e] = 0; }
-#pragma unroll 1
-    for (int i = tid; i < D * S; i += THREADS) slot_expert[i] = -1;
-#pragma unroll 1
-    for (int r = tid; r < D; r += THREADS) incoming[r] = 0;
-    if (tid == 0) replicated[share] = 0;
     cluster_sync(warp < CLUSTER);  // every block holds all the domain's expert loads
-#pragma unroll 1
-    for (int e = tid; e < DM; e += THREADS) master_quota[e] = sh.expert_load[e];
 #pragma unroll 1
     for (int r = tid; r < D; r += THREADS) {
         int sum = 0;
@@ -462,28 +456,39 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         sh.rank_load0[r] = sum;
     }
     __syncthreads();
-    // Orders by counting how many items precede each one; a rank's count is split over
-    // `parts` consecutive lanes (a power of two) and summed with shuffles.
-    const int part_bits = min(5, 31 - __clz(THREADS / D)), parts = 1 << part_bits;
+    // Orders by counting how many items precede each one: ranks in the first half of the
+    // block, experts in the second, at once (the counting is short; issuing it is what
+    // costs). A rank's count is split over `parts` consecutive lanes (a power of two) and
+    // summed with shuffles. Each thread holds the load it compares against, so the loads
+    // of the others are independent.
+    const int half = THREADS / 2;
+    if (tid < half) {
+        const int part_bits = min(5, 31 - __clz(half / D)), parts = 1 << part_bits;
 #pragma unroll 1
-    for (int idx = tid; idx < ((D * parts + 31) & ~31); idx += THREADS) {
-        const int r = idx >> part_bits, part = idx & (parts - 1);
-        int pos = 0;
-        if (r < D)
-            for (int other = part; other < D; other += parts) pos += better_rank(sh.rank_load0, other, r);
-        for (int offset = parts >> 1; offset; offset >>= 1) pos += __shfl_xor_sync(FULL_MASK, pos, offset);
-        if (r < D && part == 0) {
-            sh.rank_order[pos] = r;
-            sh.order_rank_load[pos] = sh.rank_load0[r];
+        for (int idx = tid; idx < ((D * parts + 31) & ~31); idx += half) {
+            const int r = idx >> part_bits, part = idx & (parts - 1);
+            int pos = 0;
+            if (r < D) {
+                const int load = sh.rank_load0[r];
+#pragma unroll 4
+                for (int other = part; other < D; other += parts) pos += precedes(sh.rank_load0[other], other, load, r);
+            }
+            for (int offset = parts >> 1; offset; offset >>= 1) pos += __shfl_xor_sync(FULL_MASK, pos, offset);
+            if (r < D && part == 0) {
+                sh.rank_order[pos] = r;
+                sh.order_rank_load[pos] = sh.rank_load0[r];
+            }
         }
-    }
+    } else {
 #pragma unroll 1
-    for (int e = tid; e < DM; e += THREADS) {
-        const int base = (e / M) * M;
-        int pos = 0;
-        for (int other = base; other < base + M; ++other) pos += better_rank(sh.expert_load, other, e);
-        sh.expert_order[base + pos] = e;
-        sh.order_load[base + pos] = sh.expert_load[e];
+        for (int e = tid - half; e < DM; e += half) {
+            const int base = (e / M) * M, load = sh.expert_load[e];
+            int pos = 0;
+#pragma unroll 4
+            for (int other = base; other < base + M; ++other) pos += precedes(sh.expert_load[other], other, load, e);
+            sh.expert_order[base + pos] = e;
+            sh.order_load[base + pos] = sh.expert_load[e];
+        }
     }
     // Search bounds (every warp computes them): lo = ceil(mean) - 1 is infeasible (or
     // cap - 1: quota.search_floor), hi = the initial max is feasible without any move.
@@ -513,7 +518,23 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     if (!prober && warp < PROBE_WARPS + ROW_WARPS)
         write_master_rows(split_prefix, staged, R, E, K, first_expert + first_column, columns, share,
                           warp - PROBE_WARPS, ROW_WARPS);
-    bool pushed = false;  // this warp wrote other blocks' shared memory since the last barrier
+    // This warp wrote memory that other warps read after the next cluster barrier (another
+    // block's shared memory, or the tables below), so it arrives there with release.
+    bool pushed = false;
+    if (warp >= PROBE_WARPS + ROW_WARPS) {  // the rest set up the tables the placement is rebuilt in
+        const int helper = tid - (PROBE_WARPS + ROW_WARPS) * 32, helpers = THREADS - (PROBE_WARPS + ROW_WARPS) * 32;
+#pragma unroll 1
+        for (int e = helper; e < DM; e += helpers) {
+            replicas[e] = 1;
+            first_move[e] = 0;
+            master_quota[e] = sh.expert_load[e];
+        }
+#pragma unroll 1
+        for (int i = helper; i < D * S; i += helpers) slot_expert[i] = -1;
+#pragma unroll 1
+        for (int r = helper; r < D; r += helpers) incoming[r] = 0;
+        pushed = true;
+    }
     while ((long long)hi - lo > (long long)tolerance + 1) {
         int* round = results + parity * 3 * PROBES;
         int* round_moves = warp_moves + parity * PROBE_WARPS * move_ints;
@@ -571,9 +592,6 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         atomicAdd(&incoming[t], amount);
     }
     __syncthreads();
-    if (block == 0 && warp == WARPS - 1)  // off the critical path: the other warps go on
-        write_imbalance(sh.rank_load0, incoming, master_quota, total, D, M, R, domain, domains, workspace,
-                        imbalance_before, imbalance_after);
     // This block's experts: placement rows [K] (a warp per row) and replica counts.
 #pragma unroll 1
     for (int c = warp; c < columns; c += WARPS)
@@ -592,11 +610,17 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             log_to_phys[at] = slot;
             quota[at] = tokens;
         }
+    if (warp == WARPS - 1) {  // replica counts, and the replicated experts in column order (a ballot per 32)
+        int count = 0;
 #pragma unroll 1
-    for (int c = tid; c < columns; c += THREADS) {
-        const int e = first_column + c;
-        replica_count[first_expert + e] = replicas[e];
-        if (replicas[e] > 1) replicated[atomicAdd(&replicated[share], 1)] = c;
+        for (int first = 0; first < columns; first += 32) {
+            const int c = first + lane, instances = c < columns ? replicas[first_column + c] : 0;
+            if (c < columns) replica_count[first_expert + first_column + c] = instances;
+            const unsigned found = __ballot_sync(FULL_MASK, instances > 1);
+            if (instances > 1) replicated[count + __popc(found & ((1u << lane) - 1))] = c;
+            count += __popc(found);
+        }
+        if (lane == 0) replicated[share] = count;
     }
     // This block's ranks: slot contents and loads after balancing.
     const int rank_share = (D + CLUSTER - 1) / CLUSTER;
@@ -621,6 +645,9 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // barrier between these steps), then the whole block writes the rows, a source each.
     // (The rows of the other experts were written during the search.)
     const int items = replicated[share];
+    if (block == 0 && warp == WARPS - 1)  // alongside the items (it takes one only when there are WARPS)
+        write_imbalance(sh.rank_load0, incoming, master_quota, total, D, M, R, domain, domains, workspace,
+                        imbalance_before, imbalance_after);
 #pragma unroll 1
     for (int x = warp; x < items; x += WARPS) {
         const int c = replicated[x], e = first_column + c, n = replicas[e];
