@@ -210,7 +210,7 @@ __device__ __forceinline__ void hand_over(SyncShared& s, int n, const PieceJob& 
 __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int stages, int stage_bytes,
                              const i64* dests, const u64* peer_bases) {
     const int lane = threadIdx.x % 32;
-    int dst_begin = -1, issued = 0, released = 0, handed = 0, landed = 0;  // dst_begin: the run in s.dst[]
+    int dst_task = -1, issued = 0, released = 0, handed = 0, landed = 0;
     unsigned pending = 0;  // bit i: the piece issued i pieces ago was handed over and has not landed yet
     for (;; ++issued) {
         const int stage = issued % stages;
@@ -218,12 +218,12 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
         const PieceJob job = s.job[stage];
         if (job.task < 0) break;
         const int num_dests = job.dest_end - job.dest_begin;
-        if (job.dest_begin != dst_begin) {  // a new source (its chunks share one non-empty run of destinations)
+        if (job.task != dst_task) {
             for (int d = lane; d < num_dests; d += 32) {
                 const i64* dest = dests + 3 * static_cast<i64>(job.dest_begin + d);
                 s.dst[d] = reinterpret_cast<unsigned char*>(__ldg(peer_bases + __ldg(dest)) + __ldg(dest + 1));
             }
-            dst_begin = job.dest_begin;
+            dst_task = job.task;
             __syncwarp();
         }
         barrier_wait(&s.full[stage], issued / stages);

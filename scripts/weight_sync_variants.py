@@ -28,10 +28,22 @@ Findings (H200, 29 Nov 2026; vs d2d at fan-out 1/2/4/8, best grid of each):
   8 pieces were pending saved ~2 us at fan-out 1-2 but delays relays' chunk flags; the
   gap left to the bare kernel (~2.5 us at fan-out 1) is the task look-ups and start-up.
   9ad259a's kernel was kept: no rewrite was faster, and it publishes chunks promptly.
+- c17c1bd counts and flags only the chunks a relay forwards (task column ``publish``):
+  weight_sync 25.7-26.0/35.6-35.9/54.9-55.6/94.5-95.0 us (0.82-0.84/0.83-0.84/0.85-0.87/
+  0.87) against 29.2-29.5/39.1-39.2/59.1-59.4/99.6-100.2 us with every chunk published
+  (``weight_sync+publish``, the kernel as before) in the same runs: 3.3-3.5/3.3-3.4/
+  3.8-4.2/4.6-5.7 us saved. Left to the bare bulk kernel (pieces in turn): 3.1-3.4/
+  2.5-3.1/3.9-4.4/4.4-6.4 us; to the bare kernel with contiguous shares: 2.6-2.7/
+  2.0-2.4/1.7-2.6/1.0-2.0 us (three runs).
+- Tried on top of it, both within noise or worse, so not kept (``WS_BASELINE`` compares
+  a working-tree kernel with another transfer.cu in one run): destinations looked up once
+  per source instead of once per chunk (26.1 -> 25.7, 35.6 -> 35.7, 55.0 -> 54.9,
+  94.4 -> 95.0 us); the bare kernel's order in weight_sync (whole tiles in turn, the
+  leftover slots in contiguous unit shares): 26.4/36.9/56.0/95.3 us against 26.0/35.6/
+  55.1/95.0 (bench 0.81/0.80/0.83/0.85 against 0.84/0.84/0.84/0.86).
 """
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,40 +81,9 @@ for n in names:
     if n.startswith("bulk"):
         fn[n].max_dynamic_shared_size_bytes = 200 << 10
 ws_src = inline_local_includes(Path("raw_kernels/transfer.cu"))
-# weight_sync_interleaved: the loader takes whole tiles in turn (tile r * blocks + block in
-# round r) and only the last, partial round in equal contiguous unit shares.
-INTERLEAVE = [("""    const i64 num_units = num_tasks * task_units;
-    const i64 share = num_units / gridDim.x, extra = num_units % gridDim.x;
-    const i64 first = blockIdx.x * share + min(static_cast<i64>(blockIdx.x), extra);
-    const i64 last = first + share + (static_cast<i64>(blockIdx.x) < extra);
-    int filled = 0, task_id = -1, chunk_bytes = 0;
-    i64 task[TASK_FIELDS], task_stop = 0;  // task_stop: past the current task's last non-empty unit
-    bool ready = false;          // the current task's chunk is there to be read (a relay waits for its flag)
-""", """    const i64 num_units = num_tasks * task_units, block = blockIdx.x;
-    const i64 rounds = num_units / tile_units / gridDim.x, tail = num_units - rounds * gridDim.x * tile_units;
-    const i64 share = tail / gridDim.x, extra = tail % gridDim.x;
-    const i64 tail_first = rounds * gridDim.x * tile_units + block * share + min(block, extra);
-    const i64 tail_last = tail_first + share + (block < extra);
-    int filled = 0, task_id = -1, chunk_bytes = 0;
-    i64 task[TASK_FIELDS], task_stop = 0;
-    bool ready = false, failed = false;
-    for (i64 r = 0; r <= rounds && !failed; ++r) {
-    const i64 first = r < rounds ? (r * gridDim.x + block) * tile_units : tail_first;
-    const i64 last = r < rounds ? first + tile_units : tail_last;
-"""), ("timeout_ns, status))) break;", "timeout_ns, status))) { failed = true; break; }"),
-    ("        u = piece_end;\n    }\n", "        u = piece_end;\n    }\n    }\n")]
-# weight_sync_lookup_per_task: the storing warp looks its destinations up again at every task
-# (chunk), as up to commit c17c1bd, not only when the source changes.
-LOOKUP_PER_TASK = [("if (job.dest_begin != dst_begin) {", "if (job.task != dst_begin) {"),
-                   ("dst_begin = job.dest_begin;", "dst_begin = job.task;")]
-EDITS = {"weight_sync": [], "weight_sync_interleaved": INTERLEAVE,  # variant: [(text in transfer.cu, replacement)]
-         "weight_sync_lookup_per_task": LOOKUP_PER_TASK}
-ws = {}
-for name, edits in EDITS.items():
-    ws[name] = ws_src
-    for old, new in edits:
-        assert ws[name].count(old) == 1, (name, old)
-        ws[name] = ws[name].replace(old, new)
+ws = {"weight_sync": ws_src}
+if os.environ.get("WS_BASELINE"):  # another transfer.cu (e.g. an earlier commit's, with its sync.cuh beside it)
+    ws["weight_sync_baseline"] = inline_local_includes(Path(os.environ["WS_BASELINE"]))
 ws_fn = {}
 for k, code in ws.items():
     m = cupy.RawModule(code=code, options=("--std=c++17",))
@@ -190,11 +171,9 @@ VARIANTS = [  # (label, kernel, [(threads, blocks, extra)]); earlier runs in the
     ("bulk_contig", "bulk_fanout<0, 1>", [(64, 132, (6, K32))]),
     ("weight_sync", "weight_sync", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
     ("weight_sync_publish_all", "weight_sync+publish", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
-    ("weight_sync_interleaved", "weight_sync_interleaved",
-     [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
-    ("weight_sync_lookup_per_task", "weight_sync_lookup_per_task",
-     [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
+    ("weight_sync_baseline", "weight_sync_baseline", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
 ]
+VARIANTS = [v for v in VARIANTS if v[1].removesuffix("+publish") in ws or not v[1].startswith("weight_sync")]
 if os.environ.get("VARIANTS"):  # a comma-separated subset of the labels
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["VARIANTS"].split(",")]
 
