@@ -21,11 +21,16 @@ import numpy as np
 
 PHASES = ["stage", "exchange", "orders+bounds", "search", "push-sync", "outputs", "split"]
 SPLIT_STEPS = ["deficit set-up", "shares", "scans", "rows"]
+# Finer steps of block 0 (stamp pairs): the set-up before the search and the outputs after it.
+DETAIL = [(0, 11, "stage loads"), (11, 1, "cluster start"), (1, 2, "exchange"), (2, 12, "rank sums"),
+          (12, 13, "orders"), (13, 3, "bounds"), (4, 5, "push"), (5, 14, "rebuild"), (14, 15, "expert outputs"),
+          (15, 6, "rank outputs")]
 TIMER = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));'
 
 
 def stamped_source(source: str) -> str:
-    """planner.cu with stamps: g_stamps[16 * block + 0..7] phases, [+ 8..10] split steps, g_probe per probe."""
+    """planner.cu with stamps: g_stamps[16 * block + 0..7] phases, [+ 8..10] split steps, [+ 11..15]
+    finer steps (DETAIL), g_probe per probe."""
     def stamp(index):
         return (f"{{ __syncwarp(); if (blockIdx.x < CLUSTER && threadIdx.x == 0) {{ unsigned long long t; {TIMER} "
                 f"g_stamps[16 * blockIdx.x + {index}] = t; }} }}\n")
@@ -49,7 +54,12 @@ def stamped_source(source: str) -> str:
             (6, "    // Split (quota.locality_split)", False, 1),
             (8, "        // Proportional shares floor(d * capacity / total)", False, 1),
             (9, "        warp_inclusive_scan(column, n);", False, 1),
-            (10, "    // Each source's row of K prefixes", False, 1)]:
+            (10, "    // Each source's row of K prefixes", False, 1),
+            (11, "    __syncthreads();      // the block's partial sums are complete", True, 1),
+            (12, "    // Orders by counting how many items precede each one", False, 1),
+            (13, "    // Search bounds (every warp computes them)", False, 1),
+            (14, "    // This block's experts: placement rows [K]", False, 1),
+            (15, "    // This block's ranks: slot contents and loads after balancing.", False, 1)]:
         source = insert(source, anchor, stamp(index), after, occurrence)
     source = insert(source, "            const int tau = probe_point(lo, hi, probe, &active);", "            unsigned long long "
                     "probe_start; { unsigned long long t; " + TIMER + " probe_start = t; }\n")
@@ -111,7 +121,7 @@ def time_phases(source: str, repeats: int) -> None:
             loads = cupy.asarray(zipf_loads(64, experts, 8, 8192, target, 0))
             out = planner_cuda.empty_plan(layout)
             for cap in (None, 1.005):
-                phases, steps, slowest, most_moves = [], [], [], 0
+                phases, steps, details, slowest, most_moves = [], [], [], [], 0
                 last_phases, last_steps, last_start, last_end = [], [], [], []
                 for _ in range(repeats):
                     plan_placement(loads, layout, backend="cupy", out=out, target_imbalance=cap)
@@ -122,6 +132,7 @@ def time_phases(source: str, repeats: int) -> None:
                     spans = cupy.ndarray((64,), np.uint64, probes).get().astype(np.int64).reshape(32, 2)
                     phases.append(np.diff(t[0, :8]))
                     steps.append(np.diff(t[0, [6, 8, 9, 10, 7]]))
+                    details.append([t[0, stop] - t[0, start] for start, stop, _ in DETAIL])
                     last_phases.append(np.diff(t[last, :8]))
                     last_start.append(t[last, 0])
                     last_end.append(t[last, 7] - t[0, 7])
@@ -144,6 +155,8 @@ def time_phases(source: str, repeats: int) -> None:
                     print(f"    {name}: stamped {phase_us.sum():.2f} us | "
                           + ", ".join(f"{n} {v:.2f}" for n, v in zip(PHASES, phase_us))
                           + " | split: " + ", ".join(f"{n} {v:.2f}" for n, v in zip(SPLIT_STEPS, step_us)))
+                detail_us = np.median(details, axis=0) / 1e3
+                print("    block 0 in detail: " + ", ".join(f"{name} {v:.2f}" for (_, _, name), v in zip(DETAIL, detail_us)))
                 print(f"    the last block starts {np.median(last_start) / 1e3:.2f} us and ends "
                       f"{np.median(last_end) / 1e3:.2f} us after block 0")
 
