@@ -15,9 +15,10 @@
 //     oracle is a serial chain of warp-wide steps, so it is kept short: each lane owns
 //     ranks lane, lane+32, ... in registers (selected, never indexed: an indexed register
 //     array lives in local memory), and one move costs one min-reduction over 32-bit keys
-//     that order best fit before most slack (the rank index packed in the key when loads
-//     allow, else one ballot per chunk), one shuffle for the target's free slots, and
-//     predicated updates of the target's registers (about 60 instructions). A probe's
+//     that order best fit before most slack (the rank index and whether the rank has one
+//     free slot left packed in the key when loads allow, else one ballot per chunk and a
+//     shuffle), and predicated updates of the target's registers (about 60 instructions,
+//     a chain of about 20 dependent ones). The oracle is compiled per pass count. A probe's
 //     result is broadcast to every block, so all blocks take the same decision after one
 //     cluster barrier per round. Meanwhile ROW_WARPS idle warps write the split rows of
 //     unreplicated experts (lean loops: they share schedulers with the probes), the others
@@ -26,11 +27,11 @@
 //  3. Every block rebuilds the domain's placement from the winner's moves and writes the
 //     outputs of its share of the experts and ranks, and the locality-first split of its
 //     replicated experts (deficits a warp per expert, then rows a source per thread).
-// Phase times: scripts/planner_phases.py. Code that runs once per launch is paid for in
-// instruction fetch (ncu: "no_inst" stalls after the search), so keep it small.
 //  4. Imbalance before/after, by one warp alongside step 3: directly when there is one
 //     domain, else the last cluster to finish (a ticket in the plan's workspace)
 //     combines the domains' figures.
+// Phase times: scripts/planner_phases.py. Code that runs once per launch is paid for in
+// instruction fetch and issue, so keep it small: loops that run once are not unrolled.
 // All decisions use integer arithmetic (the total load is below 2**31) and break ties by
 // the lowest index, exactly as the NumPy reference does.
 
