@@ -1,10 +1,11 @@
 """Where the planner kernel's time goes, phase by phase (GPU, a profiling aid).
 
 Builds a copy of ``raw_kernels/planner.cu`` with ``%globaltimer`` stamps (thread 0 of
-block 0 at each phase boundary, and each probe warp around its oracle run), runs it on
-the anchor cases (EP64, top-8, 8192 tokens per rank, S=2, as ``bench plan-kernel``) and
-prints the median phase times in microseconds, next to the device time of a plain graph
-replay of the stamped build. The stamps cost about 0.5 us in all. The stamps are placed
+every cluster block at each phase boundary, and each probe warp around its oracle run),
+runs it on the anchor cases (EP64, top-8, 8192 tokens per rank, S=2, as ``bench
+plan-kernel``) and prints the median phase times in microseconds for block 0 and for the
+block that finishes last, block 0's set-up and output steps in detail, next to the
+device time of a plain graph replay of the stamped build. The stamps cost about 0.5 us in all. The stamps are placed
 by the kernel's comment lines; when the kernel changes, an anchor that moved stops the
 script with an AssertionError naming it. ``--source`` compares variants of the kernel
 in one run (each plan is also checked bit for bit against the NumPy planner).
