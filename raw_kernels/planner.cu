@@ -12,13 +12,15 @@
 //     through distributed shared memory, so every block holds the domain's expert loads
 //     and derives the visiting orders itself.
 //  2. Threshold search: one probe warp per probe, PROBES probes per round. A probe's greedy
-//     oracle is a serial chain of warp-wide steps, so it is kept short: each lane owns
-//     ranks lane, lane+32, ... in registers (selected, never indexed: an indexed register
-//     array lives in local memory), and one move costs one min-reduction over 32-bit keys
-//     that order best fit before most slack (the rank index and whether the rank has one
-//     free slot left packed in the key when loads allow, else one ballot per chunk and a
-//     shuffle), and predicated updates of the target's registers (about 60 instructions,
-//     a chain of about 20 dependent ones). The oracle is compiled per pass count. A probe's
+//     oracle is a serial loop of warp-wide moves, and a warp issues an integer
+//     instruction every other cycle at best, so a move is kept to few instructions: each
+//     lane owns the keys of ranks lane, lane+32, ... in registers (selected, never
+//     indexed: an indexed register array lives in local memory), one min-reduction over
+//     them names the target (best fit before most slack; the rank index and whether it
+//     has one free slot left packed in the key when loads allow, else one ballot per
+//     chunk and a shuffle), and the target's new keys follow from the winning key (about
+//     60 instructions). The ranks' visits are one loop over their experts, with the next
+//     rank's visit loaded a move ahead. The oracle is compiled per pass count. A probe's
 //     result is broadcast to every block, so all blocks take the same decision after one
 //     cluster barrier per round. Meanwhile ROW_WARPS idle warps write the split rows of
 //     unreplicated experts (lean loops: they share schedulers with the probes), the others
@@ -45,7 +47,8 @@
 #define NEAR_PROBES 24            // quota.NEAR_PROBES
 #define NEAR_SHIFT 11             // quota.NEAR_SHIFT
 #define NO_TARGET 0xffffffffu     // oracle key of a rank that cannot take the replica
-#define MOVE_INTS 3               // per move: expert << 8 | target, tokens, column << 16 | slot
+#define MOVE_INTS 2               // per move: expert << 16 | slot << 8 | target, tokens
+#define SPILL_FLIP 0xffffff00u    // packed spill key = fit key ^ SPILL_FLIP
 #define STAGE_BATCH 4             // load values a staging thread has in flight at once
 
 static_assert(PROBES == 32, "the round decision reads one probe per lane");
@@ -104,165 +107,205 @@ __device__ __forceinline__ long long floor_div(long long a, long long b, double 
 // wherever it is used, so that the compiler sees shared-memory pointers (LDS, not
 // generic loads) also inside the non-inlined oracle.
 struct DomainShared {
-    int* expert_load;      // [D*M] load of each expert of the domain
-    int* rank_load0;       // [D]   load of each rank without balancing
-    int* rank_order;       // [D]   ranks by descending load, ties lowest index
-    int* order_rank_load;  // [D]   rank_load0 in that order
-    int* expert_order;     // [D*M] each rank's experts by descending load, ties lowest index
-    int* order_load;       // [D*M] expert_load in that order
-    int* end;              // the rest of the shared memory
-    __device__ DomainShared(int* base, int D, int M)
-        : expert_load(base), rank_load0(base + D * M), rank_order(rank_load0 + D), order_rank_load(rank_order + D),
-          expert_order(order_rank_load + D), order_load(expert_order + D * M), end(order_load + D * M) {}
+    int4* visits;        // [D]   ranks by descending load (ties lowest index): rank, its load, its hottest expert, its load
+    int2* expert_order;  // [D*M] each rank's experts by descending load (ties lowest index): expert, load
+    int* expert_load;    // [D*M] load of each expert of the domain
+    int* rank_load0;     // [D]   load of each rank without balancing
+    int* end;            // the rest of the shared memory
+    __device__ DomainShared(int4* base, int D, int M)
+        : visits(base), expert_order(reinterpret_cast<int2*>(base + D)), expert_load(reinterpret_cast<int*>(expert_order + D * M)),
+          rank_load0(expert_load + D * M), end(rank_load0 + D) {}
 };
 
-// One visit of overloaded rank r by the greedy oracle: replicas of its experts, hottest
-// first, until r is at or below tau. SINGLE (pass 1) places at most one replica, of the
-// hottest expert, and only where that alone relieves r. True if r ends at or below tau;
-// then its slack (lane r's register) is what it has left, so it may receive replicas.
-// Target choice: one min-reduction over 32-bit keys that order fits (slack >= need) by
-// ascending slack before other eligible ranks by descending slack. PACKED (every slack
-// below 2**23) puts the rank index and a "last free slot" bit in the low 8 bits, so the
-// minimum names the target with the lowest index and says whether the target is full
-// afterwards, with no shuffle on the move's dependent chain; otherwise one ballot per
-// chunk finds the index and a shuffle its free slots.
-template <int CHUNKS, bool PACKED, bool SINGLE>
-__device__ __forceinline__ bool relieve_rank(const DomainShared& sh, int r, int source_load, int tau, int M, int S,
-                                             int max_replicas, int step, int (&slack)[CHUNKS],
-                                             int (&free_slots)[CHUNKS], int& count, int* moves) {
+// Oracle keys of a rank with `room` tokens of slack and `free_slots` free slots: it may
+// host a replica if it has a free slot and room >= step; the fit key orders by ascending
+// room, the spill key (the fit key with the room's bits flipped and the top bit set) by
+// descending room, both NO_TARGET when it may not host. PACKED keys (every room below
+// 2**23) carry the rank and a "last free slot" bit in the low 8 bits, so the minimum
+// names the target with the lowest index and says whether it is full afterwards;
+// unpacked keys need a ballot and a shuffle for that.
+template <bool PACKED>
+__device__ __forceinline__ void rank_keys(int rank, int room, int free_slots, int step, unsigned& fit_key,
+                                          unsigned& spill_key) {
+    const bool may_host = free_slots > 0 && room >= step;
+    fit_key = !may_host ? NO_TARGET : PACKED ? (unsigned)room << 8 | (unsigned)rank << 1 | (free_slots == 1) : (unsigned)room;
+    spill_key = !may_host ? NO_TARGET : fit_key ^ (PACKED ? SPILL_FLIP : ~0u);
+}
+
+// One move of the greedy oracle: `need` tokens of expert e to the best-fit rank, or with
+// `spill` the roomiest when none fits. Returns the tokens moved, 0 when no rank may host
+// (found false); the target's lane stores the move with the slot it fills. Only an
+// exact fit (need, leaving the target q_min or more and a free slot) lets the target
+// host again: anything else fills its room or its last slot. So a target needs no
+// striking off for the rest of its expert, and its new keys follow from the winning key.
+template <int CHUNKS, bool PACKED>
+__device__ __forceinline__ int place_replica(int need, int remaining, int step, int S, int e, int count, bool spill,
+                                             unsigned (&fit_key)[CHUNKS], unsigned (&spill_key)[CHUNKS],
+                                             int (&free_slots)[CHUNKS], int* moves, bool& found) {
     const int lane = threadIdx.x & 31;
-    const int* experts = sh.expert_order + r * M;
-    const int* expert_loads = sh.order_load + r * M;
-    int next_expert = experts[0], next_remaining = expert_loads[0];
-    for (int k = 0; k < (SINGLE ? 1 : M) && source_load > tau; ++k) {
-        const int e = next_expert;
-        int remaining = next_remaining;
-        if (k + 1 < M) { next_expert = experts[k + 1]; next_remaining = expert_loads[k + 1]; }
-        if (SINGLE && min(max(source_load - tau, step), remaining) < source_load - tau) break;
-        // Slack of each rank that may host a replica of e (free slot, slack >= step), -1
-        // otherwise; a target is struck off once it hosts e. The source's own slack is
-        // negative while it is visited. Its two possible keys are built here and when it
-        // changes, so a move only selects between them.
-        int avail[CHUNKS];
-        unsigned fit_key[CHUNKS], spill_key[CHUNKS];
+    const unsigned fit_from = PACKED ? (unsigned)need << 8 : (unsigned)need;  // fit keys hold the room above the low bits
+    unsigned key[CHUNKS], best = NO_TARGET;
 #pragma unroll
-        for (int j = 0; j < CHUNKS; ++j) {
-            const unsigned rank = lane + 32 * j, low = rank << 1 | (free_slots[j] == 1);
-            avail[j] = free_slots[j] > 0 && slack[j] >= step ? slack[j] : -1;
-            const unsigned room = (unsigned)avail[j];
-            fit_key[j] = avail[j] < 0 ? NO_TARGET : PACKED ? room << 8 | low : room;
-            spill_key[j] = avail[j] < 0 || SINGLE ? NO_TARGET  // pass 1 never spills
-                         : PACKED ? 0x80000000u | (0x7fffffu - room) << 8 | low : ~room;
-        }
-        int hosts = 1;
-        while (source_load > tau && hosts <= max_replicas && remaining >= step) {
-            const int need = min(max(source_load - tau, step), remaining);
-            unsigned key[CHUNKS], best = NO_TARGET;
+    for (int j = 0; j < CHUNKS; ++j) {
+        key[j] = fit_key[j] >= fit_from ? fit_key[j] : spill ? spill_key[j] : NO_TARGET;
+        best = min(best, key[j]);
+    }
+    best = __reduce_min_sync(FULL_MASK, best);
+    found = best != NO_TARGET;
+    const unsigned room_bits = best ^ (unsigned)((int)best >> 31);  // a spill key flipped back; NO_TARGET: 0
+    const int chosen = (int)(PACKED ? room_bits >> 8 : room_bits);
+    int target = 0;
+    if (PACKED) {
+        target = (best >> 1) & 127;
+    } else {
 #pragma unroll
-            for (int j = 0; j < CHUNKS; ++j) {
-                key[j] = avail[j] >= need ? fit_key[j] : spill_key[j];  // ineligible: -1 < need, NO_TARGET
-                best = min(best, key[j]);
-            }
-            best = __reduce_min_sync(FULL_MASK, best);
-            if (best == NO_TARGET) break;
-            int chosen, target = 0;
-            if (PACKED) {
-                chosen = (int)(best < 0x80000000u ? best >> 8 : 0x7fffffu - ((best >> 8) & 0x7fffffu));
-                target = (best >> 1) & 127;
-            } else {
-                chosen = (int)(best < 0x80000000u ? best : ~best);
-#pragma unroll
-                for (int j = CHUNKS - 1; j >= 0; --j) {  // the lowest chunk holding the key wins
-                    const unsigned hit = __ballot_sync(FULL_MASK, key[j] == best);
-                    if (hit) target = 32 * j + __ffs(hit) - 1;
-                }
-            }
-            // The target's free slots come from its lane (selected, not indexed: an
-            // indexed register array would live in local memory). Packed keys carry
-            // whether it has one left, so only the move's slot number waits for them.
-            int mine = 0;
-#pragma unroll
-            for (int j = 0; j < CHUNKS; ++j) mine = lane + 32 * j == target ? free_slots[j] : mine;
-            const bool last_slot = PACKED ? (best & 1) : __shfl_sync(FULL_MASK, mine, target & 31) == 1;
-            // A target that could take no further replica (leftover below q_min, or its
-            // last slot) is filled instead: the slack gathers on the source rank, where it
-            // stays usable.
-            const int amount = chosen - need >= step && !last_slot ? need : min(chosen, remaining);
-#pragma unroll
-            for (int j = 0; j < CHUNKS; ++j) {  // branch-free updates of the target's registers
-                const bool is_target = lane + 32 * j == target;
-                slack[j] -= is_target ? amount : 0;
-                free_slots[j] -= is_target;
-                avail[j] = is_target ? -1 : avail[j];
-                fit_key[j] = is_target ? NO_TARGET : fit_key[j];
-                spill_key[j] = is_target ? NO_TARGET : spill_key[j];
-            }
-            if (lane == 0) {
-                moves[MOVE_INTS * count] = (e << 8) | target;
-                moves[MOVE_INTS * count + 1] = amount;
-            }
-            if (lane == (target & 31)) moves[MOVE_INTS * count + 2] = (hosts << 16) | (S - mine);  // its slot
-            ++count;
-            source_load -= amount;
-            remaining -= amount;
-            ++hosts;
+        for (int j = CHUNKS - 1; j >= 0; --j) {  // the lowest chunk holding the key wins
+            const unsigned hit = __ballot_sync(FULL_MASK, key[j] == best);
+            if (hit) target = 32 * j + __ffs(hit) - 1;
         }
     }
-    if (source_load > tau) return false;
+    // The target's free slots, in its lane (selected, not indexed: an indexed register
+    // array would live in local memory).
+    int mine = 0;
 #pragma unroll
-    for (int j = 0; j < CHUNKS; ++j) slack[j] = lane + 32 * j == r ? tau - source_load : slack[j];
-    return true;
+    for (int j = 0; j < CHUNKS; ++j) mine = lane + 32 * j == target ? free_slots[j] : mine;
+    const bool last_slot = PACKED ? (best & 1) : __shfl_sync(FULL_MASK, mine, target & 31) == 1;
+    // A target that could take no further replica (leftover below q_min, or its last
+    // slot) is filled instead: the slack gathers on the source rank, where it stays
+    // usable. (A spill's room is below need, so it never counts as exact.)
+    const bool exact = chosen - need >= step && !last_slot;
+    const int amount = exact ? need : min(chosen, remaining);
+    if (found && lane == (target & 31)) {  // the target's lane knows the slot it fills
+        moves[MOVE_INTS * count] = e << 16 | (S - mine) << 8 | target;
+        moves[MOVE_INTS * count + 1] = amount;
+    }
+    const unsigned target_fit = !exact ? NO_TARGET : (best - fit_from) | (PACKED && mine == 2);
+    const unsigned target_spill = !exact ? NO_TARGET : target_fit ^ (PACKED ? SPILL_FLIP : ~0u);
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+        const bool is_target = found && lane + 32 * j == target;
+        fit_key[j] = is_target ? target_fit : fit_key[j];
+        spill_key[j] = is_target ? target_spill : spill_key[j];
+        free_slots[j] -= is_target;
+    }
+    return amount;
+}
+
+// Rank r ends its visit at or below tau with `room` tokens of slack: from now on it may
+// receive replicas (its slots are all free: an overloaded rank never receives one).
+template <int CHUNKS, bool PACKED>
+__device__ __forceinline__ void open_rank(int r, int room, int S, int step, unsigned (&fit_key)[CHUNKS],
+                                          unsigned (&spill_key)[CHUNKS]) {
+    const int lane = threadIdx.x & 31;
+    unsigned fit, spill;
+    rank_keys<PACKED>(r, room, S, step, fit, spill);
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+        fit_key[j] = lane + 32 * j == r ? fit : fit_key[j];
+        spill_key[j] = lane + 32 * j == r ? spill : spill_key[j];
+    }
 }
 
 // The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp: the
-// number of moves (the same in every lane) if feasible, else -1. Lane 0 stores each move
-// in `moves` (MOVE_INTS ints, creation order). The overloaded ranks are visited by
-// descending load; with FIT_FIRST twice, as there: pass 1 places one best-fit replica
-// of a rank's hottest expert where that relieves the rank (a warp-uniform mask marks the
-// ranks it relieved), pass 2 the rest. A compile-time choice: the loop over passes costs
-// the one-pass oracle about 2 us. A rank's load when visited is its initial load if that
-// is above tau: a target starts at or below tau - step and never ends above tau. Not
-// inlined: the chain keeps its own register allocation whatever the rest of the kernel
-// needs.
+// number of moves (the same in every lane) if feasible, else -1. Each move is stored in
+// `moves` (MOVE_INTS ints, creation order). The overloaded ranks are visited by
+// descending load; with FIT_FIRST twice, as there: pass 1 places one best-fit replica of
+// a rank's hottest expert where that relieves the rank, pass 2 the rest. Each lane holds
+// the keys and free slots of ranks lane, lane+32, ... in registers, and not their rooms:
+// a rank that may not host never may again (rooms only shrink, slots only fill), except
+// an overloaded one after its visit, whose room is set then. One move is one
+// min-reduction and about 60 instructions: a warp issues an integer instruction every
+// other cycle at best, so the instruction count, not the chain, sets the pace. Pass 2
+// visits the ranks in one loop over their experts, and the next rank's visit and the
+// rank's next expert are loaded while the expert's moves run. A compile-time choice: the
+// loop over passes costs the one-pass oracle about 2 us. Not inlined: the loop keeps its
+// own register allocation whatever the rest of the kernel needs.
 template <int CHUNKS, bool PACKED, bool FIT_FIRST>
 __device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_replicas, int step, int* moves) {
-    extern __shared__ int smem[];
+    extern __shared__ int4 smem[];
     const DomainShared sh(smem, D, M);
     const int lane = threadIdx.x & 31;
-    step = __shfl_sync(FULL_MASK, step, 0);  // held in a register, not reloaded from the constant bank per move
-    int slack[CHUNKS], free_slots[CHUNKS];
+    step = __shfl_sync(FULL_MASK, step, 0);  // held in registers, not reloaded from the constant bank per move
+    S = __shfl_sync(FULL_MASK, S, 0);
+    unsigned fit_key[CHUNKS], spill_key[CHUNKS];
+    int free_slots[CHUNKS];
+    int overloaded = 0;  // ranks above tau: positions 0..overloaded-1 of the visiting order
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
         const int t = lane + 32 * j;
-        slack[j] = t < D ? tau - sh.rank_load0[t] : 0;
         free_slots[j] = t < D ? S : 0;  // ranks beyond the domain never have a free slot
+        rank_keys<PACKED>(t, t < D ? tau - sh.rank_load0[t] : 0, free_slots[j], step, fit_key[j], spill_key[j]);
+        overloaded += __popc(__ballot_sync(FULL_MASK, t < D && sh.visits[t].y > tau));
     }
+    if (max_replicas < 1) return overloaded ? -1 : 0;
     int count = 0;
-    // Bit r of the pair (ranks 0-63, 64-127): pass 1 relieved rank r. Two named words, not
-    // an array: the compiler turns selects over an array into an indexed access, i.e.
-    // local memory.
+    bool found;
+    // Pass 1 marks the positions it relieved (bit p of the pair: positions 0-63, 64-127;
+    // two named words, not an array, which the compiler would index in local memory).
     unsigned long long relieved_low = 0, relieved_high = 0;
     if (FIT_FIRST) {
-        for (int pos = 0; pos < D && sh.order_rank_load[pos] > tau; ++pos) {
-            const int r = sh.rank_order[pos];
-            if (relieve_rank<CHUNKS, PACKED, true>(sh, r, sh.order_rank_load[pos], tau, M, S, max_replicas, step,
-                                                   slack, free_slots, count, moves)) {
-                relieved_low |= r < 64 ? 1ull << r : 0ull;
-                relieved_high |= r < 64 ? 0ull : 1ull << (r - 64);
-            }
+#pragma unroll 1
+        for (int pos = 0; pos < overloaded; ++pos) {
+            const int4 visit = sh.visits[pos];  // rank, load, hottest expert, its load
+            const int excess = visit.y - tau, need = min(max(excess, step), visit.w);
+            if (need < excess || visit.w < step) continue;  // one replica cannot relieve the rank
+            const int amount = place_replica<CHUNKS, PACKED>(need, visit.w, step, S, visit.z, count, false, fit_key, spill_key,
+                                                             free_slots, moves, found);
+            if (!found) continue;
+            ++count;
+            open_rank<CHUNKS, PACKED>(visit.x, amount - excess, S, step, fit_key, spill_key);  // amount >= excess
+            relieved_low |= pos < 64 ? 1ull << pos : 0ull;
+            relieved_high |= pos < 64 ? 0ull : 1ull << (pos - 64);
         }
     }
-    int next_rank = sh.rank_order[0], next_rank_load = sh.order_rank_load[0];
-    for (int pos = 0; pos < D; ++pos) {
-        const int r = next_rank, source_load = next_rank_load;
-        if (source_load <= tau) break;
-        if (pos + 1 < D) { next_rank = sh.rank_order[pos + 1]; next_rank_load = sh.order_rank_load[pos + 1]; }
-        if (FIT_FIRST && ((r < 64 ? relieved_low : relieved_high) >> (r & 63)) & 1ull) continue;
-        if (!relieve_rank<CHUNKS, PACKED, false>(sh, r, source_load, tau, M, S, max_replicas, step, slack,
-                                                 free_slots, count, moves))
-            return -1;
+    // The position pass 2 visits after `pos`: the next one, or with FIT_FIRST the next
+    // one pass 1 did not relieve; `overloaded` when none is left.
+    auto next_position = [&](int pos) {
+        int next = pos + 1;
+        if (FIT_FIRST && next < 128) {
+            const unsigned long long low = next < 64 ? ~relieved_low & (~0ull << next) : 0ull;
+            const unsigned long long high = ~relieved_high & (next < 64 ? ~0ull : ~0ull << (next - 64));
+            next = low ? __ffsll(low) - 1 : high ? 63 + __ffsll(high) : 128;
+        }
+        return min(next, overloaded);
+    };
+    // Pass 2: rank r (load L) is at expert k of its visiting order (e), `remaining` of
+    // whose tokens are not placed yet.
+    int pos = next_position(-1);
+    if (pos >= overloaded) return count;
+    int r = sh.visits[pos].x, L = sh.visits[pos].y, e = sh.visits[pos].z, remaining = sh.visits[pos].w, k = 0;
+    pos = next_position(pos);  // from here on: the next rank's position
+    if (remaining < step) return -1;  // experts come by descending load: none could place a replica
+    while (true) {
+        // Loaded while the moves run: the next rank's visit and this rank's next expert.
+        const int4 next_visit = sh.visits[min(pos, D - 1)];
+        const int2 following = sh.expert_order[r * M + min(k + 1, M - 1)];
+        int hosts = 1;
+        do {
+            const int need = min(max(L - tau, step), remaining);
+            const int amount = place_replica<CHUNKS, PACKED>(need, remaining, step, S, e, count, true, fit_key, spill_key,
+                                                             free_slots, moves, found);
+            count += found;
+            L -= amount;
+            remaining -= amount;
+            ++hosts;
+        } while (found && L > tau && hosts <= max_replicas && remaining >= step);
+        if (L <= tau) {
+            open_rank<CHUNKS, PACKED>(r, tau - L, S, step, fit_key, spill_key);
+            if (pos >= overloaded) return count;  // every overloaded rank relieved
+            r = next_visit.x;
+            L = next_visit.y;
+            e = next_visit.z;
+            remaining = next_visit.w;
+            k = 0;
+            pos = next_position(pos);
+        } else {
+            if (++k == M) return -1;  // r cannot be relieved
+            e = following.x;
+            remaining = following.y;
+        }
+        if (remaining < step) return -1;  // nor can it when the expert, and every later one, is below q_min
     }
-    return count;
 }
 
 // Probe w of one round, ascending in w (quota.probe_points).
@@ -383,7 +426,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
              int* __restrict__ replica_count, int* __restrict__ quota, long long* __restrict__ rank_load, int* __restrict__ split_prefix,
              double* __restrict__ imbalance_before, double* __restrict__ imbalance_after,
              long long* __restrict__ workspace) {
-    extern __shared__ int smem[];
+    extern __shared__ int4 smem[];
     const int M = E / R, DM = D * M, slots_per_rank = M + S, move_ints = MOVE_INTS * S * D;
     const int domain = blockIdx.x / CLUSTER, domains = gridDim.x / CLUSTER;
     const int first_rank = domain * D, first_expert = first_rank * M;
@@ -476,8 +519,11 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             }
             for (int offset = parts >> 1; offset; offset >>= 1) pos += __shfl_xor_sync(FULL_MASK, pos, offset);
             if (r < D && part == 0) {
-                sh.rank_order[pos] = r;
-                sh.order_rank_load[pos] = sh.rank_load0[r];
+                int hottest = r * M;  // ties to the lowest index
+#pragma unroll 1
+                for (int other = r * M + 1; other < (r + 1) * M; ++other)
+                    hottest = sh.expert_load[other] > sh.expert_load[hottest] ? other : hottest;
+                sh.visits[pos] = make_int4(r, sh.rank_load0[r], hottest, sh.expert_load[hottest]);
             }
         }
     } else {
@@ -487,8 +533,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             int pos = 0;
 #pragma unroll 4
             for (int other = base; other < base + M; ++other) pos += precedes(sh.expert_load[other], other, load, e);
-            sh.expert_order[base + pos] = e;
-            sh.order_load[base + pos] = sh.expert_load[e];
+            sh.expert_order[base + pos] = make_int2(e, sh.expert_load[e]);
         }
     }
     // Search bounds (every warp computes them): lo = ceil(mean) - 1 is infeasible (or
@@ -584,10 +629,10 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     cluster_sync(pushed);  // the last pushes are complete; from here on no block touches another's shared memory
 #pragma unroll 1
     for (int m = tid; m < best_count; m += THREADS) {
-        const int e = best_moves[MOVE_INTS * m] >> 8, t = best_moves[MOVE_INTS * m] & 255;
-        const int amount = best_moves[MOVE_INTS * m + 1], placed = best_moves[MOVE_INTS * m + 2];
-        if ((placed >> 16) == 1) first_move[e] = m;  // an expert's moves are consecutive
-        slot_expert[t * S + (placed & 0xffff)] = e;
+        const int e = best_moves[MOVE_INTS * m] >> 16, t = best_moves[MOVE_INTS * m] & 255;
+        const int amount = best_moves[MOVE_INTS * m + 1];
+        if (m == 0 || best_moves[MOVE_INTS * (m - 1)] >> 16 != e) first_move[e] = m;  // an expert's moves are consecutive
+        slot_expert[t * S + (best_moves[MOVE_INTS * m] >> 8 & 255)] = e;
         atomicSub(&master_quota[e], amount);  // integer atomics: order-independent
         atomicAdd(&replicas[e], 1);
         atomicAdd(&incoming[t], amount);
@@ -604,9 +649,9 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
                 slot = (first_rank + r) * slots_per_rank + (e - r * M);
                 tokens = master_quota[e];
             } else if (column < replicas[e]) {
-                const int* move = best_moves + MOVE_INTS * (first_move[e] + column - 1);
-                slot = (first_rank + (move[0] & 255)) * slots_per_rank + M + (move[2] & 0xffff);
-                tokens = move[1];
+                const int m = first_move[e] + column - 1;
+                slot = (first_rank + (best_moves[MOVE_INTS * m] & 255)) * slots_per_rank + M + (best_moves[MOVE_INTS * m] >> 8 & 255);
+                tokens = best_moves[MOVE_INTS * m + 1];
             }
             log_to_phys[at] = slot;
             quota[at] = tokens;

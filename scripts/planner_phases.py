@@ -46,7 +46,7 @@ def stamped_source(source: str) -> str:
         return text[:position] + addition + text[position:]
 
     for index, anchor, after, occurrence in [
-            (0, " int smem[];\n", True, 2),  # the kernel's, not the oracle's
+            (0, " smem[];\n", True, 2),  # the kernel's, not the oracle's
             (1, "// every block of the cluster is running", True, 1),
             (2, "// every block holds all the domain's expert loads", True, 1),
             (3, "    // 2. Threshold search.", False, 1),

@@ -18,10 +18,11 @@ PLAN_CLUSTER = 8      # blocks per domain, a thread-block cluster (raw_kernels/p
 PLAN_PROBE_WARPS = 4  # warps per block that run a threshold probe each
 PLAN_WARPS = 16       # warps per block
 PROBES = PLAN_CLUSTER * PLAN_PROBE_WARPS
-MOVE_INTS = 3         # ints per recorded move
+MOVE_INTS = 2         # ints per recorded move
 MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
 REROUTE_CHUNK = 1024  # ids per block, = blockDim of both reroute kernels
 MAX_DOMAIN = 128      # ranks per domain a warp holds in registers (plan_domains<4>)
+MAX_DOMAIN_EXPERTS = 2**15  # a recorded move holds the domain's expert index in 15 bits
 _INT = 4
 
 
@@ -63,6 +64,9 @@ def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int,
         loads = check_loads(loads, layout, check_values=False)
     if layout.domain_size > MAX_DOMAIN:
         raise ValueError(f"the CuPy planner handles domains of up to {MAX_DOMAIN} ranks, got {layout.domain_size}")
+    if layout.domain_size * layout.experts_per_rank > MAX_DOMAIN_EXPERTS:
+        raise ValueError(f"the CuPy planner handles domains of up to {MAX_DOMAIN_EXPERTS} experts, got "
+                         f"{layout.domain_size * layout.experts_per_rank}")
     shared_bytes = plan_shared_bytes(layout)
     if shared_bytes > MAX_SHARED_BYTES:
         raise ValueError(f"{layout} needs {shared_bytes} bytes of shared memory in the CuPy planner "
@@ -96,7 +100,7 @@ def plan_shared_bytes(layout: ExpertLayout) -> int:
                      layout.experts_per_rank)
     DM, moves = D * M, MOVE_INTS * S * D
     share = -(-DM // PLAN_CLUSTER)
-    ints = (3 * DM + 3 * D                 # expert loads, orders, rank loads
+    ints = (3 * DM + 5 * D                 # visiting order (4 ints per rank), expert order (2 per expert), loads
             + (2 * PLAN_PROBE_WARPS + 1) * moves  # each probe's moves per round parity, the chosen ones
             + 6 * PROBES                   # round results
             + R * share + share            # staged load columns, their sums
