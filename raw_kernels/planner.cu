@@ -103,6 +103,19 @@ __device__ __forceinline__ long long floor_div(long long a, long long b, double 
     return q;
 }
 
+// floor(d * capacity / total) for 0 <= d, capacity < 2**31 and 0 <= total < 2**31 (0 when
+// total is 0, and so is every capacity), given demand = (double)d and ratio = capacity *
+// __drcp_rn(total): the double estimate is within one of the quotient and is corrected
+// exactly (the remainder from unsigned 32x32-bit products: all factors are non-negative).
+// The conversions and the reciprocal are paid once per source and per instance, not per
+// share.
+__device__ __forceinline__ int proportional_share(int d, double demand, int capacity, double ratio, int total) {
+    const unsigned share = (unsigned)__double2int_rz(demand * ratio);
+    const long long rest = (long long)((unsigned long long)(unsigned)d * (unsigned)capacity -
+                                       (unsigned long long)share * (unsigned)total);
+    return (int)share + (rest >= total && total > 0) - (rest < 0);
+}
+
 // The front of the dynamic shared memory: what the oracle reads. Built from the base
 // wherever it is used, so that the compiler sees shared-memory pointers (LDS, not
 // generic loads) also inside the non-inlined oracle.
@@ -434,7 +447,8 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     const int share = (DM + CLUSTER - 1) / CLUSTER;  // experts whose columns and split this block owns
     const int first_column = min(DM, block * share), columns = min(DM, first_column + share) - first_column;
     const DomainShared sh(smem, D, M);
-    int* cursor = sh.end;
+    int* cursor = sh.end + ((sh.end - reinterpret_cast<int*>(smem)) & 1);  // 8-byte aligned for the doubles
+    double* inst_ratio = reinterpret_cast<double*>(cursor);  cursor += 2 * share * K;  // the split's capacity / total
     int* warp_moves = cursor;    cursor += 2 * PROBE_WARPS * move_ints;  // per round parity and probe warp: its moves
     int* best_moves = cursor;    cursor += move_ints;          // the moves of the chosen probe
     int* results = cursor;       cursor += 2 * 3 * PROBES;     // per round parity: tau, state, moves per probe
@@ -720,6 +734,9 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         const int total = __reduce_add_sync(FULL_MASK, spare);
         if (lane == 0) item_total[x] = total;
         const double inverse = total ? __drcp_rn((double)total) : 0.0;
+        double* ratio = inst_ratio + x * K;
+#pragma unroll 1
+        for (int i = lane; i < n; i += 32) ratio[i] = capacity[i] * inverse;
         int* demand = remote + x * R;
 #pragma unroll 1
         for (int src = lane; src < R; src += 32) demand[src] = staged[src * share + c];
@@ -734,14 +751,15 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
 #pragma unroll 1
         for (int base = 0; base < R; base += 64) {
             const int src0 = base + lane, src1 = src0 + 32;
-            const long long d0 = src0 < R ? demand[src0] : 0, d1 = src1 < R ? demand[src1] : 0;
+            const int d0 = src0 < R ? demand[src0] : 0, d1 = src1 < R ? demand[src1] : 0;
+            const double demand0 = d0, demand1 = d1;
             int taken0 = 0, taken1 = 0;
             for (int first = 0; first < n; first += 32) {
                 int column_sum = 0;
 #pragma unroll 4
                 for (int i = first; i < min(n, first + 32); ++i) {
-                    const int share0 = total ? (int)floor_div(d0 * capacity[i], total, inverse) : 0;
-                    const int share1 = total ? (int)floor_div(d1 * capacity[i], total, inverse) : 0;
+                    const int share0 = proportional_share(d0, demand0, capacity[i], ratio[i], total);
+                    const int share1 = proportional_share(d1, demand1, capacity[i], ratio[i], total);
                     taken0 += share0;
                     taken1 += share1;
                     const int sum = __reduce_add_sync(FULL_MASK, share0 + share1);
@@ -749,8 +767,8 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
                 }
                 if (first + lane < n) column[first + lane] -= column_sum;
             }
-            if (src0 < R) row[src0] = (int)d0 - taken0;
-            if (src1 < R) row[src1] = (int)d1 - taken1;
+            if (src0 < R) row[src0] = d0 - taken0;
+            if (src1 < R) row[src1] = d1 - taken1;
         }
         __syncwarp();
         warp_inclusive_scan(column, n);  // north-west corner bounds: deficit prefixes
@@ -766,9 +784,9 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         const int* capacity = inst_capacity + x * K;
         const int* column = inst_column + x * K;
         const int* row = row_prefix + x * R;
-        const int total = item_total[x];
-        const double inverse = total ? __drcp_rn((double)total) : 0.0;
-        const long long d = remote[x * R + src];
+        const double* ratio = inst_ratio + x * K;
+        const int total = item_total[x], d = remote[x * R + src];
+        const double demand = d;
         const int row_stop = row[src], row_start = src ? row[src - 1] : 0;
         int* out = split_prefix + ((long long)src * E + first_expert + e) * K;
         int prefix = 0;
@@ -780,7 +798,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
                 const int i = i0 + u;
                 if (i < n) {
                     const int col_start = i ? column[i - 1] : 0, col_stop = column[i];
-                    prefix += total ? (int)floor_div(d * capacity[i], total, inverse) : 0;
+                    prefix += proportional_share(d, demand, capacity[i], ratio[i], total);
                     prefix += max(0, min(row_stop, col_stop) - max(row_start, col_start));
                     prefix += host[i] == src ? local[i] : 0;
                 }

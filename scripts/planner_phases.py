@@ -54,7 +54,7 @@ def stamped_source(source: str) -> str:
             (5, "// the last pushes are complete", True, 1),
             (6, "    // Split (quota.locality_split)", False, 1),
             (8, "        // Proportional shares floor(d * capacity / total)", False, 1),
-            (9, "        warp_inclusive_scan(column, n);", False, 1),
+            (9, "        warp_inclusive_scan(column, ", False, 1),
             (10, "    // Each source's row of K prefixes", False, 1),
             (11, "    __syncthreads();      // the block's partial sums are complete", True, 1),
             (12, "    // Orders by counting how many items precede each one", False, 1),

@@ -106,7 +106,7 @@ def plan_shared_bytes(layout: ExpertLayout) -> int:
             + R * share + share            # staged load columns, their sums
             + 3 * DM + D + D * S           # replicas, master quotas, first moves, incoming, slot experts
             + share + 1                    # replicated experts of the block
-            + share * (4 * K + 2 * R + 1)) # split of the replicated experts
+            + share * (6 * K + 2 * R + 1) + 1)  # split of the replicated experts (a double per instance, aligned)
     return ints * _INT
 
 
