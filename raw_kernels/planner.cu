@@ -652,24 +652,24 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         atomicAdd(&incoming[t], amount);
     }
     __syncthreads();
-    // This block's experts: placement rows [K] (a warp per row) and replica counts.
+    // This block's experts: placement rows [K] (consecutive threads, consecutive entries of
+    // the block's rows: one pass of the block for up to THREADS entries) and replica counts.
 #pragma unroll 1
-    for (int c = warp; c < columns; c += WARPS)
-        for (int column = lane; column < K; column += 32) {
-            const int e = first_column + c, r = e / M;
-            const long long at = (long long)(first_expert + e) * K + column;
-            int slot = -1, tokens = 0;
-            if (column == 0) {
-                slot = (first_rank + r) * slots_per_rank + (e - r * M);
-                tokens = master_quota[e];
-            } else if (column < replicas[e]) {
-                const int m = first_move[e] + column - 1;
-                slot = (first_rank + (best_moves[MOVE_INTS * m] & 255)) * slots_per_rank + M + (best_moves[MOVE_INTS * m] >> 8 & 255);
-                tokens = best_moves[MOVE_INTS * m + 1];
-            }
-            log_to_phys[at] = slot;
-            quota[at] = tokens;
+    for (int idx = tid; idx < columns * K; idx += THREADS) {
+        const int c = idx / K, column = idx - c * K, e = first_column + c, r = e / M;
+        const long long at = (long long)(first_expert + e) * K + column;
+        int slot = -1, tokens = 0;
+        if (column == 0) {
+            slot = (first_rank + r) * slots_per_rank + (e - r * M);
+            tokens = master_quota[e];
+        } else if (column < replicas[e]) {
+            const int m = first_move[e] + column - 1;
+            slot = (first_rank + (best_moves[MOVE_INTS * m] & 255)) * slots_per_rank + M + (best_moves[MOVE_INTS * m] >> 8 & 255);
+            tokens = best_moves[MOVE_INTS * m + 1];
         }
+        log_to_phys[at] = slot;
+        quota[at] = tokens;
+    }
     if (warp == WARPS - 1) {  // replica counts, and the replicated experts in column order (a ballot per 32)
         int count = 0;
 #pragma unroll 1
