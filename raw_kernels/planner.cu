@@ -145,6 +145,13 @@ __device__ __forceinline__ void rank_keys(int rank, int room, int free_slots, in
     spill_key = !may_host ? NO_TARGET : fit_key ^ (PACKED ? SPILL_FLIP : ~0u);
 }
 
+// The least fit key of a rank with room for `need` tokens (fit keys hold the room above
+// the low bits).
+template <bool PACKED>
+__device__ __forceinline__ unsigned fit_floor(int need) {
+    return PACKED ? (unsigned)need << 8 : (unsigned)need;
+}
+
 // One move of the greedy oracle: `need` tokens of expert e to the best-fit rank, or with
 // `spill` the roomiest when none fits. Returns the tokens moved, 0 when no rank may host
 // (found false); the target's lane stores the move with the slot it fills. Only an
@@ -156,7 +163,7 @@ __device__ __forceinline__ int place_replica(int need, int remaining, int step, 
                                              unsigned (&fit_key)[CHUNKS], unsigned (&spill_key)[CHUNKS],
                                              int (&free_slots)[CHUNKS], int* moves, bool& found) {
     const int lane = threadIdx.x & 31;
-    const unsigned fit_from = PACKED ? (unsigned)need << 8 : (unsigned)need;  // fit keys hold the room above the low bits
+    const unsigned fit_from = fit_floor<PACKED>(need);
     unsigned key[CHUNKS], best = NO_TARGET;
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
@@ -206,9 +213,10 @@ __device__ __forceinline__ int place_replica(int need, int remaining, int step, 
 
 // Rank r ends its visit at or below tau with `room` tokens of slack: from now on it may
 // receive replicas (its slots are all free: an overloaded rank never receives one).
+// Returns its fit key.
 template <int CHUNKS, bool PACKED>
-__device__ __forceinline__ void open_rank(int r, int room, int S, int step, unsigned (&fit_key)[CHUNKS],
-                                          unsigned (&spill_key)[CHUNKS]) {
+__device__ __forceinline__ unsigned open_rank(int r, int room, int S, int step, unsigned (&fit_key)[CHUNKS],
+                                              unsigned (&spill_key)[CHUNKS]) {
     const int lane = threadIdx.x & 31;
     unsigned fit, spill;
     rank_keys<PACKED>(r, room, S, step, fit, spill);
@@ -217,6 +225,7 @@ __device__ __forceinline__ void open_rank(int r, int room, int S, int step, unsi
         fit_key[j] = lane + 32 * j == r ? fit : fit_key[j];
         spill_key[j] = lane + 32 * j == r ? spill : spill_key[j];
     }
+    return fit;
 }
 
 // The greedy oracle of quota.DomainOracle.run for one threshold, run by one warp: the
@@ -257,16 +266,25 @@ __device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_rep
     // two named words, not an array, which the compiler would index in local memory).
     unsigned long long relieved_low = 0, relieved_high = 0;
     if (FIT_FIRST) {
+        // Above every fit key (rooms only shrink; a relieved rank's opens): a rank whose need
+        // is above it finds no fit, and skips the reduction.
+        unsigned fit_bound = 0;
+#pragma unroll
+        for (int j = 0; j < CHUNKS; ++j) fit_bound = max(fit_bound, fit_key[j] == NO_TARGET ? 0u : fit_key[j]);
+        fit_bound = __reduce_max_sync(FULL_MASK, fit_bound);
 #pragma unroll 1
         for (int pos = 0; pos < overloaded; ++pos) {
             const int4 visit = sh.visits[pos];  // rank, load, hottest expert, its load
             const int excess = visit.y - tau, need = min(max(excess, step), visit.w);
             if (need < excess || visit.w < step) continue;  // one replica cannot relieve the rank
+            if (fit_floor<PACKED>(need) > fit_bound) continue;  // nor can any rank take it
             const int amount = place_replica<CHUNKS, PACKED>(need, visit.w, step, S, visit.z, count, false, fit_key, spill_key,
                                                              free_slots, moves, found);
             if (!found) continue;
             ++count;
-            open_rank<CHUNKS, PACKED>(visit.x, amount - excess, S, step, fit_key, spill_key);  // amount >= excess
+            const unsigned opened = open_rank<CHUNKS, PACKED>(visit.x, amount - excess, S, step, fit_key,
+                                                              spill_key);  // amount >= excess
+            fit_bound = max(fit_bound, opened == NO_TARGET ? 0u : opened);
             relieved_low |= pos < 64 ? 1ull << pos : 0ull;
             relieved_high |= pos < 64 ? 0ull : 1ull << (pos - 64);
         }
