@@ -156,8 +156,10 @@ __device__ __forceinline__ unsigned fit_floor(int need) {
 // `spill` the roomiest when none fits. Returns the tokens moved, 0 when no rank may host
 // (found false); the target's lane stores the move with the slot it fills. Only an
 // exact fit (need, leaving the target q_min or more and a free slot) lets the target
-// host again: anything else fills its room or its last slot. So a target needs no
-// striking off for the rest of its expert, and its new keys follow from the winning key.
+// host again: anything else leaves it no room (filled, or below q_min) or no slot. And
+// after an exact fit the expert's moves end (its rank is relieved or it is placed), so a
+// target needs no striking off for the rest of its expert; its new keys follow from the
+// winning key.
 template <int CHUNKS, bool PACKED>
 __device__ __forceinline__ int place_replica(int need, int remaining, int step, int S, int e, int count, bool spill,
                                              unsigned (&fit_key)[CHUNKS], unsigned (&spill_key)[CHUNKS],
@@ -764,7 +766,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         __syncwarp();
         // Proportional shares floor(d * capacity / total): row and column deficits, two
         // sources per lane at a time. Lane j keeps the column sum of instance first + j in
-        // a register, so no shared-memory store orders the instances: their divisions and
+        // a register, so no shared-memory store orders the instances: their shares and
         // reductions overlap (the hottest experts, with the most instances, set the pace).
 #pragma unroll 1
         for (int base = 0; base < R; base += 64) {

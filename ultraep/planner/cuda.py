@@ -22,7 +22,7 @@ MOVE_INTS = 2         # ints per recorded move
 MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
 REROUTE_CHUNK = 1024  # ids per block, = blockDim of both reroute kernels
 MAX_DOMAIN = 128      # ranks per domain a warp holds in registers (plan_domains<4>)
-MAX_DOMAIN_EXPERTS = 2**15  # a recorded move holds the domain's expert index in 15 bits
+MAX_SLOTS = 256       # redundant slots per rank a recorded move can name (its slot field has 8 bits)
 _INT = 4
 
 
@@ -62,15 +62,7 @@ def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int,
         loads = cupy.asarray(check_loads(loads, layout))
     else:
         loads = check_loads(loads, layout, check_values=False)
-    if layout.domain_size > MAX_DOMAIN:
-        raise ValueError(f"the CuPy planner handles domains of up to {MAX_DOMAIN} ranks, got {layout.domain_size}")
-    if layout.domain_size * layout.experts_per_rank > MAX_DOMAIN_EXPERTS:
-        raise ValueError(f"the CuPy planner handles domains of up to {MAX_DOMAIN_EXPERTS} experts, got "
-                         f"{layout.domain_size * layout.experts_per_rank}")
-    shared_bytes = plan_shared_bytes(layout)
-    if shared_bytes > MAX_SHARED_BYTES:
-        raise ValueError(f"{layout} needs {shared_bytes} bytes of shared memory in the CuPy planner "
-                         f"(at most {MAX_SHARED_BYTES}); use the numpy backend")
+    shared_bytes = launch_shared_bytes(layout)
     if out is None:
         out = empty_plan(layout)
     elif out.layout != layout:
@@ -92,6 +84,24 @@ def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int,
                   out.imbalance_after, out.planner_workspace),
                  shared_mem=shared_bytes)
     return out
+
+
+def launch_shared_bytes(layout: ExpertLayout) -> int:
+    """Dynamic shared memory of one ``plan_domains`` block for ``layout``; ValueError, naming
+    the limit, for a layout the CuPy planner cannot take (the numpy backend can)."""
+    if layout.domain_size > MAX_DOMAIN:
+        raise ValueError(f"the CuPy planner handles domains of up to {MAX_DOMAIN} ranks, got {layout.domain_size}; "
+                         "use the numpy backend")
+    if layout.redundant_slots > MAX_SLOTS:
+        raise ValueError(f"the CuPy planner handles up to {MAX_SLOTS} redundant slots per rank, got "
+                         f"{layout.redundant_slots}; use the numpy backend")
+    # (This limit also keeps a domain below 2**15 experts, the width of a recorded move's
+    # expert field: 6 ints per expert alone would need 768 KiB there.)
+    shared_bytes = plan_shared_bytes(layout)
+    if shared_bytes > MAX_SHARED_BYTES:
+        raise ValueError(f"{layout} needs {shared_bytes} bytes of shared memory in the CuPy planner "
+                         f"(at most {MAX_SHARED_BYTES}); use the numpy backend")
+    return shared_bytes
 
 
 def plan_shared_bytes(layout: ExpertLayout) -> int:
