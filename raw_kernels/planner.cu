@@ -22,8 +22,10 @@
 //     60 instructions). The ranks' visits are one loop over their experts, with the next
 //     rank's visit loaded a move ahead. The oracle is compiled per pass count. A probe's
 //     result is broadcast to every block, so all blocks take the same decision after one
-//     cluster barrier per round. Meanwhile ROW_WARPS idle warps write the split rows of
-//     unreplicated experts (lean loops: they share schedulers with the probes), the others
+//     cluster barrier per round; with a cap, the first round's probe 0 (the cap) sends its
+//     outcome and moves to every block itself, and when it is feasible that ends the
+//     search without a cluster barrier. Meanwhile ROW_WARPS idle warps write the split
+//     rows as if no expert had replicas (lean loops: they share schedulers with the probes), the others
 //     set up the tables step 3 rebuilds the placement in, and the idle warps of the
 //     winner's block push its moves to every block.
 //  3. Every block rebuilds the domain's placement from the winner's moves and writes the
@@ -36,6 +38,10 @@
 // instruction fetch and issue, so keep it small: loops that run once are not unrolled.
 // All decisions use integer arithmetic (the total load is below 2**31) and break ties by
 // the lowest index, exactly as the NumPy reference does.
+
+#ifndef __CUDACC_RTC__
+#include <cstdio>  // device printf (NVRTC has it built in)
+#endif
 
 #define FULL_MASK 0xffffffffu
 #define CLUSTER 8                 // blocks per domain (the portable cluster size)
@@ -70,7 +76,7 @@ __device__ __forceinline__ void cluster_sync(bool release) {
 }
 
 // Address of `local` in the shared memory of cluster block `block`.
-__device__ __forceinline__ unsigned remote_address(const int* local, unsigned block) {
+__device__ __forceinline__ unsigned remote_address(const void* local, unsigned block) {
     unsigned long long address;
     asm("cvta.to.shared.u64 %0, %1;" : "=l"(address) : "l"(reinterpret_cast<unsigned long long>(local)));
     unsigned remote;
@@ -80,6 +86,57 @@ __device__ __forceinline__ unsigned remote_address(const int* local, unsigned bl
 
 __device__ __forceinline__ void store_to_block(int* local, unsigned block, int value) {
     asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(remote_address(local, block)), "r"(value) : "memory");
+}
+
+// The cap probe's outcome (quota.search: with a cap, the first probe is the cap, and
+// when it is feasible the search ends there) reaches every block through an mbarrier in
+// the block's shared memory: remote stores that count their bytes on the receiver's
+// barrier (st.async), announced by one remote arrival that expects them. The sender needs
+// no fence and the receivers no cluster barrier (together about 1 us of the round).
+// Block b receives its count (-1: infeasible) and, when feasible, the moves.
+__device__ __forceinline__ void send_cap_outcome(int count, const int* moves, int* best_moves, int* cap_count,
+                                                 unsigned long long* signal) {
+    static_assert(MOVE_INTS == 2, "a move is sent as one 8-byte store");
+    const int lane = threadIdx.x & 31;
+    const int sent = max(count, 0);
+    __syncwarp();  // the moves were stored by the lanes of their targets
+    if (lane < CLUSTER)
+        asm volatile("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cluster.b64 _, [%0], %1;"
+                     :: "r"(remote_address(signal, lane)), "r"(4 + 4 * MOVE_INTS * sent) : "memory");
+#pragma unroll 1
+    for (int i = lane; i < sent * CLUSTER; i += 32) {
+        const int to = i % CLUSTER, m = i / CLUSTER;
+        const int2 move = reinterpret_cast<const int2*>(moves)[m];
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+                     :: "r"(remote_address(best_moves + MOVE_INTS * m, to)), "r"(move.x), "r"(move.y),
+                        "r"(remote_address(signal, to)) : "memory");
+    }
+    if (lane < CLUSTER)
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                     :: "r"(remote_address(cap_count, lane)), "r"(count), "r"(remote_address(signal, lane)) : "memory");
+}
+
+// Out of line: code that never runs should not take instruction fetch from what does.
+__device__ __noinline__ void cap_outcome_timed_out() {
+    printf("ultraep planner.cu: block %d of cluster %d waited over 1 s for the cap probe's outcome "
+           "(sent by warp 0 of cluster block 0)\n", (int)cluster_block_rank(), (int)(blockIdx.x / CLUSTER));
+    __trap();
+}
+
+// Wait until this block has received the cap probe's outcome (send_cap_outcome).
+__device__ __forceinline__ void wait_cap_outcome(unsigned long long* signal) {
+    unsigned long long start;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    const unsigned address = (unsigned)__cvta_generic_to_shared(signal);
+    while (true) {
+        unsigned done;
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n"
+                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(address) : "memory");
+        if (done) return;
+        unsigned long long now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > 1000000000ull) cap_outcome_timed_out();
+    }
 }
 
 __device__ __forceinline__ long long warp_sum(long long value) {
@@ -467,7 +524,9 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     const int share = (DM + CLUSTER - 1) / CLUSTER;  // experts whose columns and split this block owns
     const int first_column = min(DM, block * share), columns = min(DM, first_column + share) - first_column;
     const DomainShared sh(smem, D, M);
-    int* cursor = sh.end + ((sh.end - reinterpret_cast<int*>(smem)) & 1);  // 8-byte aligned for the doubles
+    int* cursor = sh.end + ((sh.end - reinterpret_cast<int*>(smem)) & 1);  // 8-byte aligned: the mbarrier, doubles, moves
+    auto* cap_signal = reinterpret_cast<unsigned long long*>(cursor);  cursor += 2;  // the cap probe's outcome arrived
+    int* cap_count = cursor;     cursor += 2;                  // its move count, -1 if infeasible
     double* inst_ratio = reinterpret_cast<double*>(cursor);  cursor += 2 * share * K;  // the split's capacity / total
     int* warp_moves = cursor;    cursor += 2 * PROBE_WARPS * move_ints;  // per round parity and probe warp: its moves
     int* best_moves = cursor;    cursor += move_ints;          // the moves of the chosen probe
@@ -496,6 +555,10 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // one per source).
 #pragma unroll 1
     for (int i = tid; i < columns; i += THREADS) partial[i] = 0;
+    if (tid == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"((unsigned)__cvta_generic_to_shared(cap_signal)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // before the cluster barrier below
+    }
     __syncthreads();
     if (columns > 0) {
         const int groups = max(1, THREADS / columns);
@@ -592,8 +655,8 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     const bool prober = warp < PROBE_WARPS;
     const int probe = block * PROBE_WARPS + warp;
     // Meanwhile the other warps write every split row as if no expert had replicas; the
-    // rows of replicated experts are overwritten after the search (cluster barriers
-    // order the two writes).
+    // rows of replicated experts are overwritten after the search (a block barrier orders
+    // the two writes: the same block writes both).
     // (Few warps: more would slow the probes down through the shared memory pipeline.)
     if (!prober && warp < PROBE_WARPS + ROW_WARPS)
         write_master_rows(split_prefix, staged, R, E, K, first_expert + first_column, columns, share,
@@ -615,24 +678,39 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         for (int r = helper; r < D; r += helpers) incoming[r] = 0;
         pushed = true;
     }
+    // With a cap, the first round's probe 0 is the cap: when it is feasible it ends the
+    // search, and its outcome alone decides (wait_cap_outcome), without a cluster barrier.
+    bool cap_round = cap_ppm != 0, cap_reached = false;
     while ((long long)hi - lo > (long long)tolerance + 1) {
         int* round = results + parity * 3 * PROBES;
         int* round_moves = warp_moves + parity * PROBE_WARPS * move_ints;
+        int tau = 0, count = 0;
+        bool active = false;
         if (prober) {
-            bool active;
-            const int tau = probe_point(lo, hi, probe, &active);
+            tau = probe_point(lo, hi, probe, &active);
             int* moves = round_moves + warp * move_ints;
             // The oracle's pass 1 is optional (quota.plan_placement: fit_first).
-            const int count = !active ? 0
-                              : packed ? (fit_first ? run_oracle<CHUNKS, true, true>(tau, D, M, S, K - 1, step, moves)
-                                                    : run_oracle<CHUNKS, true, false>(tau, D, M, S, K - 1, step, moves))
-                                       : (fit_first ? run_oracle<CHUNKS, false, true>(tau, D, M, S, K - 1, step, moves)
-                                                    : run_oracle<CHUNKS, false, false>(tau, D, M, S, K - 1, step, moves));
-            if (lane < CLUSTER) {  // lane b publishes the result to block b
-                store_to_block(&round[probe], lane, tau);
-                store_to_block(&round[PROBES + probe], lane, active ? (count >= 0 ? 1 : 0) : -1);
-                store_to_block(&round[2 * PROBES + probe], lane, count);
+            count = !active ? 0
+                    : packed ? (fit_first ? run_oracle<CHUNKS, true, true>(tau, D, M, S, K - 1, step, moves)
+                                          : run_oracle<CHUNKS, true, false>(tau, D, M, S, K - 1, step, moves))
+                             : (fit_first ? run_oracle<CHUNKS, false, true>(tau, D, M, S, K - 1, step, moves)
+                                          : run_oracle<CHUNKS, false, false>(tau, D, M, S, K - 1, step, moves));
+            if (cap_round && probe == 0) send_cap_outcome(count, moves, best_moves, cap_count, cap_signal);
+        }
+        if (cap_round) {
+            wait_cap_outcome(cap_signal);
+            cap_round = false;
+            if (*cap_count >= 0) {  // the other probes' results are not needed (nor published)
+                hi = lo + 1;
+                best_count = *cap_count;
+                cap_reached = true;
+                break;
             }
+        }
+        if (prober && lane < CLUSTER) {  // lane b publishes the result to block b
+            store_to_block(&round[probe], lane, tau);
+            store_to_block(&round[PROBES + probe], lane, active ? (count >= 0 ? 1 : 0) : -1);
+            store_to_block(&round[2 * PROBES + probe], lane, count);
         }
         cluster_sync(prober || pushed);
         pushed = false;
@@ -660,7 +738,10 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     }
 
     // 3. Every block holds the winner's moves (none if no probe ran or none was feasible).
-    cluster_sync(pushed);  // the last pushes are complete; from here on no block touches another's shared memory
+    // Received with the cap's outcome, or pushed: then a cluster barrier completes the
+    // last pushes. From here on no block touches another's shared memory.
+    if (cap_reached) __syncthreads();  // the tables set up during the search are complete
+    else cluster_sync(pushed);  // the last pushes are complete
 #pragma unroll 1
     for (int m = tid; m < best_count; m += THREADS) {
         const int e = best_moves[MOVE_INTS * m] >> 16, t = best_moves[MOVE_INTS * m] & 255;

@@ -62,9 +62,9 @@ def stamped_source(source: str) -> str:
             (14, "    // This block's experts: placement rows [K]", False, 1),
             (15, "    // This block's ranks: slot contents and loads after balancing.", False, 1)]:
         source = insert(source, anchor, stamp(index), after, occurrence)
-    source = insert(source, "            const int tau = probe_point(lo, hi, probe, &active);", "            unsigned long long "
+    source = insert(source, "            tau = probe_point(lo, hi, probe, &active);", "            unsigned long long "
                     "probe_start; { unsigned long long t; " + TIMER + " probe_start = t; }\n")
-    source = insert(source, "            if (lane < CLUSTER) {  // lane b publishes the result to block b",
+    source = insert(source, "            if (cap_round && probe == 0) send_cap_outcome(",
                     "            { unsigned long long t; " + TIMER + " if (lane == 0 && blockIdx.x < CLUSTER) { "
                     "g_probe[2 * probe] = probe_start; g_probe[2 * probe + 1] = t; g_probe_moves[probe] = count; } }\n",
                     after=False)

@@ -111,6 +111,7 @@ def plan_shared_bytes(layout: ExpertLayout) -> int:
     DM, moves = D * M, MOVE_INTS * S * D
     share = -(-DM // PLAN_CLUSTER)
     ints = (3 * DM + 5 * D                 # visiting order (4 ints per rank), expert order (2 per expert), loads
+            + 4                            # the cap probe's outcome: an mbarrier and the move count
             + (2 * PLAN_PROBE_WARPS + 1) * moves  # each probe's moves per round parity, the chosen ones
             + 6 * PROBES                   # round results
             + R * share + share            # staged load columns, their sums
