@@ -30,7 +30,8 @@
 //     winner's block push its moves to every block.
 //  3. Every block rebuilds the domain's placement from the winner's moves and writes the
 //     outputs of its share of the experts and ranks, and the locality-first split of its
-//     replicated experts (deficits a warp per expert, then rows a source per thread).
+//     replicated experts (deficits a warp per expert, then rows a source per thread,
+//     storing only the prefixes that differ from the rows written during the search).
 //  4. Imbalance before/after, by one warp alongside step 3: directly when there is one
 //     domain, else the last cluster to finish (a ticket in the plan's workspace)
 //     combines the domains' figures.
@@ -654,9 +655,9 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     const bool packed = hi < (1 << 23);  // every slack fits the packed oracle keys
     const bool prober = warp < PROBE_WARPS;
     const int probe = block * PROBE_WARPS + warp;
-    // Meanwhile the other warps write every split row as if no expert had replicas; the
-    // rows of replicated experts are overwritten after the search (a block barrier orders
-    // the two writes: the same block writes both).
+    // Meanwhile the other warps write every split row of the block's experts as if no
+    // expert had replicas; the block overwrites the first prefixes of its replicated
+    // experts' rows after the search (a block barrier orders the two writes).
     // (Few warps: more would slow the probes down through the shared memory pipeline.)
     if (!prober && warp < PROBE_WARPS + ROW_WARPS)
         write_master_rows(split_prefix, staged, R, E, K, first_expert + first_column, columns, share,
@@ -876,7 +877,10 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         warp_inclusive_scan(row, R);
     }
     __syncthreads();
-    // Each source's row of K prefixes: share + north-west overlap + local tokens.
+    // Each source's row of K prefixes: share + north-west overlap + local tokens. Only the
+    // quads before instance n - 1 are written: from there on the prefix is the source's
+    // load, which the master-only rows written during the search already hold (the stores,
+    // not the arithmetic, set the pace here).
 #pragma unroll 1
     for (int idx = tid; idx < items * R; idx += THREADS) {
         const int x = idx / R, src = idx - x * R, c = replicated[x], e = first_column + c, n = replicas[e];
@@ -892,7 +896,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         int* out = split_prefix + ((long long)src * E + first_expert + e) * K;
         int prefix = 0;
 #pragma unroll 1
-        for (int i0 = 0; i0 < K; i0 += 4) {
+        for (int i0 = 0; i0 < n - 1; i0 += 4) {
             int values[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
