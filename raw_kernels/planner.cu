@@ -97,24 +97,24 @@ __device__ __forceinline__ void store_to_block(int* local, unsigned block, int v
 // Block b receives its count (-1: infeasible) and, when feasible, the moves.
 __device__ __forceinline__ void send_cap_outcome(int count, const int* moves, int* best_moves, int* cap_count,
                                                  unsigned long long* signal) {
-    static_assert(MOVE_INTS == 2, "a move is sent as one 8-byte store");
-    const int lane = threadIdx.x & 31;
-    const int sent = max(count, 0);
+    static_assert(MOVE_INTS == 2 && 32 % CLUSTER == 0, "lane l sends two moves at a time to block l % CLUSTER");
+    const int lane = threadIdx.x & 31, to = lane % CLUSTER;
+    const int words = (max(count, 0) + 1) / 2;  // 16-byte words of moves (the move buffers are whole words)
+    const unsigned remote_signal = remote_address(signal, to), remote_moves = remote_address(best_moves, to);
     __syncwarp();  // the moves were stored by the lanes of their targets
     if (lane < CLUSTER)
         asm volatile("mbarrier.arrive.expect_tx.relaxed.cluster.shared::cluster.b64 _, [%0], %1;"
-                     :: "r"(remote_address(signal, lane)), "r"(4 + 4 * MOVE_INTS * sent) : "memory");
+                     :: "r"(remote_signal), "r"(4 + 16 * words) : "memory");
 #pragma unroll 1
-    for (int i = lane; i < sent * CLUSTER; i += 32) {
-        const int to = i % CLUSTER, m = i / CLUSTER;
-        const int2 move = reinterpret_cast<const int2*>(moves)[m];
-        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
-                     :: "r"(remote_address(best_moves + MOVE_INTS * m, to)), "r"(move.x), "r"(move.y),
-                        "r"(remote_address(signal, to)) : "memory");
+    for (int w = lane / CLUSTER; w < words; w += 32 / CLUSTER) {
+        const int4 word = reinterpret_cast<const int4*>(moves)[w];
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+                     :: "r"(remote_moves + 16 * w), "r"(word.x), "r"(word.y), "r"(word.z), "r"(word.w),
+                        "r"(remote_signal) : "memory");
     }
     if (lane < CLUSTER)
         asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
-                     :: "r"(remote_address(cap_count, lane)), "r"(count), "r"(remote_address(signal, lane)) : "memory");
+                     :: "r"(remote_address(cap_count, to)), "r"(count), "r"(remote_signal) : "memory");
 }
 
 // Out of line: code that never runs should not take instruction fetch from what does.
@@ -518,19 +518,20 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
              double* __restrict__ imbalance_before, double* __restrict__ imbalance_after,
              long long* __restrict__ workspace) {
     extern __shared__ int4 smem[];
-    const int M = E / R, DM = D * M, slots_per_rank = M + S, move_ints = MOVE_INTS * S * D;
+    const int M = E / R, DM = D * M, slots_per_rank = M + S;
+    const int move_ints = (MOVE_INTS * S * D + 3) & ~3;  // whole 16-byte words: the cap probe sends them so
     const int domain = blockIdx.x / CLUSTER, domains = gridDim.x / CLUSTER;
     const int first_rank = domain * D, first_expert = first_rank * M;
     const int block = (int)cluster_block_rank(), tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int share = (DM + CLUSTER - 1) / CLUSTER;  // experts whose columns and split this block owns
     const int first_column = min(DM, block * share), columns = min(DM, first_column + share) - first_column;
     const DomainShared sh(smem, D, M);
-    int* cursor = sh.end + ((sh.end - reinterpret_cast<int*>(smem)) & 1);  // 8-byte aligned: the mbarrier, doubles, moves
+    int* cursor = sh.end + (-(sh.end - reinterpret_cast<int*>(smem)) & 3);  // 16-byte aligned: moves, mbarrier, doubles
+    int* warp_moves = cursor;    cursor += 2 * PROBE_WARPS * move_ints;  // per round parity and probe warp: its moves
+    int* best_moves = cursor;    cursor += move_ints;          // the moves of the chosen probe
     auto* cap_signal = reinterpret_cast<unsigned long long*>(cursor);  cursor += 2;  // the cap probe's outcome arrived
     int* cap_count = cursor;     cursor += 2;                  // its move count, -1 if infeasible
     double* inst_ratio = reinterpret_cast<double*>(cursor);  cursor += 2 * share * K;  // the split's capacity / total
-    int* warp_moves = cursor;    cursor += 2 * PROBE_WARPS * move_ints;  // per round parity and probe warp: its moves
-    int* best_moves = cursor;    cursor += move_ints;          // the moves of the chosen probe
     int* results = cursor;       cursor += 2 * 3 * PROBES;     // per round parity: tau, state, moves per probe
     int* staged = cursor;        cursor += R * share;          // loads[src][this block's experts]
     int* partial = cursor;       cursor += share;              // this block's column sums

@@ -108,16 +108,16 @@ def plan_shared_bytes(layout: ExpertLayout) -> int:
     """Dynamic shared memory of one ``plan_domains`` block (its carve-up, in ints)."""
     R, S, D, K, M = (layout.num_ranks, layout.redundant_slots, layout.domain_size, layout.max_instances,
                      layout.experts_per_rank)
-    DM, moves = D * M, MOVE_INTS * S * D
+    DM, moves = D * M, -(-MOVE_INTS * S * D // 4) * 4  # moves in whole 16-byte words
     share = -(-DM // PLAN_CLUSTER)
-    ints = (3 * DM + 5 * D                 # visiting order (4 ints per rank), expert order (2 per expert), loads
+    ints = (3 * DM + 5 * D + 3             # visiting order (4 ints per rank), expert order (2 per expert), loads; alignment
             + 4                            # the cap probe's outcome: an mbarrier and the move count
             + (2 * PLAN_PROBE_WARPS + 1) * moves  # each probe's moves per round parity, the chosen ones
             + 6 * PROBES                   # round results
             + R * share + share            # staged load columns, their sums
             + 3 * DM + D + D * S           # replicas, master quotas, first moves, incoming, slot experts
             + share + 1                    # replicated experts of the block
-            + share * (6 * K + 2 * R + 1) + 1)  # split of the replicated experts (a double per instance, aligned)
+            + share * (6 * K + 2 * R + 1))  # split of the replicated experts (a double per instance)
     return ints * _INT
 
 
