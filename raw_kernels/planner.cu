@@ -40,9 +40,7 @@
 // All decisions use integer arithmetic (the total load is below 2**31) and break ties by
 // the lowest index, exactly as the NumPy reference does.
 
-#ifndef __CUDACC_RTC__
-#include <cstdio>  // device printf (NVRTC has it built in)
-#endif
+#include "sync.cuh"
 
 #define FULL_MASK 0xffffffffu
 #define CLUSTER 8                 // blocks per domain (the portable cluster size)
@@ -115,29 +113,6 @@ __device__ __forceinline__ void send_cap_outcome(int count, const int* moves, in
     if (lane < CLUSTER)
         asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
                      :: "r"(remote_address(cap_count, to)), "r"(count), "r"(remote_signal) : "memory");
-}
-
-// Out of line: code that never runs should not take instruction fetch from what does.
-__device__ __noinline__ void cap_outcome_timed_out() {
-    printf("ultraep planner.cu: block %d of cluster %d waited over 1 s for the cap probe's outcome "
-           "(sent by warp 0 of cluster block 0)\n", (int)cluster_block_rank(), (int)(blockIdx.x / CLUSTER));
-    __trap();
-}
-
-// Wait until this block has received the cap probe's outcome (send_cap_outcome).
-__device__ __forceinline__ void wait_cap_outcome(unsigned long long* signal) {
-    unsigned long long start;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    const unsigned address = (unsigned)__cvta_generic_to_shared(signal);
-    while (true) {
-        unsigned done;
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n"
-                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(address) : "memory");
-        if (done) return;
-        unsigned long long now;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - start > 1000000000ull) cap_outcome_timed_out();
-    }
 }
 
 __device__ __forceinline__ long long warp_sum(long long value) {
@@ -681,7 +656,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         pushed = true;
     }
     // With a cap, the first round's probe 0 is the cap: when it is feasible it ends the
-    // search, and its outcome alone decides (wait_cap_outcome), without a cluster barrier.
+    // search, and its outcome alone decides, without a cluster barrier.
     bool cap_round = cap_ppm != 0, cap_reached = false;
     while ((long long)hi - lo > (long long)tolerance + 1) {
         int* round = results + parity * 3 * PROBES;
@@ -700,7 +675,8 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             if (cap_round && probe == 0) send_cap_outcome(count, moves, best_moves, cap_count, cap_signal);
         }
         if (cap_round) {
-            wait_cap_outcome(cap_signal);
+            mbarrier_wait<true>((unsigned)__cvta_generic_to_shared(cap_signal), 0,
+                                "the cap probe's outcome (sent by warp 0 of cluster block 0)");
             cap_round = false;
             if (*cap_count >= 0) {  // the other probes' results are not needed (nor published)
                 hi = lo + 1;

@@ -1,7 +1,13 @@
-// Cross-rank signalling primitives shared by the heap and data-plane kernels. A flag that
-// publishes data is stored with system-scope release semantics; a wait loads it with
-// system-scope acquire semantics and gives up after a timeout read from %globaltimer.
+// Signalling primitives shared by the kernels. Cross-rank: a flag that publishes data is
+// stored with system-scope release semantics; a wait loads it with system-scope acquire
+// semantics and gives up after a timeout read from %globaltimer (the caller records it for
+// the host). Within a kernel: shared-memory barriers (mbarrier), whose waits trap with a
+// message naming what they waited for when a phase does not complete in time.
 #pragma once
+
+#ifndef __CUDACC_RTC__
+#include <cstdio>  // device printf (NVRTC has it built in)
+#endif
 
 typedef unsigned long long u64;
 
@@ -19,4 +25,42 @@ __device__ __forceinline__ u64 global_timer_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
+}
+
+// A phase of a block's own mbarrier that does not complete within this time is a bug: the
+// wait reports it and traps rather than hang (a time-sliced context is descheduled for
+// milliseconds, not seconds).
+#ifndef MBARRIER_TIMEOUT_NS  // a test compiles a shorter one
+#define MBARRIER_TIMEOUT_NS 2000000000ull
+#endif
+
+// Out of line: code that never runs should not take instruction fetch from what does.
+__device__ __noinline__ void mbarrier_timed_out(const char* what, unsigned parity) {
+    printf("ultraep: block %d thread %d waited over %llu ms for %s (mbarrier phase parity %u)\n", (int)blockIdx.x,
+           (int)threadIdx.x, MBARRIER_TIMEOUT_NS / 1000000ull, what, parity);
+    __trap();
+}
+
+// Whether the phase of parity `parity` of the mbarrier at shared address `bar` completed
+// (the thread may be suspended a while first). CLUSTER_ACQUIRE: what other blocks of the
+// cluster delivered through it (st.async, bulk copies) is visible afterwards.
+template <bool CLUSTER_ACQUIRE>
+__device__ __forceinline__ bool mbarrier_try_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    if (CLUSTER_ACQUIRE)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    else
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done;
+}
+
+// Waits for that phase; `what` names it in the timeout's message.
+template <bool CLUSTER_ACQUIRE = false>
+__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity, const char* what) {
+    if (mbarrier_try_wait<CLUSTER_ACQUIRE>(bar, parity)) return;
+    const u64 start = global_timer_ns();
+    while (!mbarrier_try_wait<CLUSTER_ACQUIRE>(bar, parity))
+        if (global_timer_ns() - start > MBARRIER_TIMEOUT_NS) mbarrier_timed_out(what, parity);
 }

@@ -34,12 +34,8 @@ __device__ __forceinline__ void barrier_arrive(u64* bar) {
 }
 // Waits for the phase of parity `use & 1`, i.e. the barrier's use-th completion (0-based).
 // Intra-block only: every arrive it waits for comes from this block, never from a peer.
-__device__ __forceinline__ void barrier_wait(u64* bar, int use) {
-    unsigned done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(smem_addr(bar)), "r"(use & 1) : "memory");
-    } while (!done);
+__device__ __forceinline__ void barrier_wait(u64* bar, int use, const char* what) {
+    mbarrier_wait(smem_addr(bar), use & 1, what);
 }
 // Arrive once and expect `bytes` from the bulk engine: the phase completes when both happened.
 __device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, unsigned bytes, u64* bar) {
@@ -178,7 +174,8 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
         const i64 next = begin + nbytes < tile_nbytes ? piece_end : u - unit_in_tile + tile_units;
         const u64 src = __ldg(src_ptrs + task[0] + tensor) + tile_offset + begin;
         const int stage = filled % stages;
-        if (filled >= stages) barrier_wait(&s.empty[stage], filled / stages - 1);
+        if (filled >= stages)
+            barrier_wait(&s.empty[stage], filled / stages - 1, "weight_sync: a stage its stores have read");
         const int bulk_bytes = src % 16 ? 0 : nbytes & ~15;
         s.job[stage] = PieceJob{src, s.slot_offset[tensor] + tile_offset + begin, task_id, static_cast<int>(task[1]),
                                 chunk_bytes, task[7] != 0, next >= min(last, task_stop), static_cast<int>(task[4]),
@@ -190,7 +187,8 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
         u = piece_end;
     }
     const int stage = filled % stages;
-    if (filled >= stages) barrier_wait(&s.empty[stage], filled / stages - 1);
+    if (filled >= stages)
+        barrier_wait(&s.empty[stage], filled / stages - 1, "weight_sync: a stage its stores have read");
     s.job[stage].task = -1;
     barrier_arrive(&s.posted[stage]);
     barrier_arrive(&s.full[stage]);
@@ -198,7 +196,8 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
 
 // Storing warp -> counting warp: entry n of the ring (its slot is free once entry n - HANDOFF was taken).
 __device__ __forceinline__ void hand_over(SyncShared& s, int n, const PieceJob& job) {
-    if (n >= HANDOFF) barrier_wait(&s.taken[n % HANDOFF], n / HANDOFF - 1);
+    if (n >= HANDOFF)
+        barrier_wait(&s.taken[n % HANDOFF], n / HANDOFF - 1, "weight_sync: a hand-over slot the counting warp has read");
     s.handoff[n % HANDOFF] = job;
 }
 
@@ -214,7 +213,8 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
     unsigned pending = 0;  // bit i: the piece issued i pieces ago was handed over and has not landed yet
     for (;; ++issued) {
         const int stage = issued % stages;
-        barrier_wait(&s.posted[stage], issued / stages);  // destinations are looked up while the piece lands
+        // destinations are looked up while the piece lands
+        barrier_wait(&s.posted[stage], issued / stages, "weight_sync: the loading warp's next piece");
         const PieceJob job = s.job[stage];
         if (job.task < 0) break;
         const int num_dests = job.dest_end - job.dest_begin;
@@ -226,7 +226,7 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
             dst_task = job.task;
             __syncwarp();
         }
-        barrier_wait(&s.full[stage], issued / stages);
+        barrier_wait(&s.full[stage], issued / stages, "weight_sync: a piece's bulk load");
         if (lane == 0) {
             for (int d = 0; d < num_dests && job.bulk_bytes; ++d)
                 bulk_store(s.dst[d] + job.within_slot, stage_mem + stage * stage_bytes, job.bulk_bytes);
@@ -269,7 +269,7 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
 __device__ void count_pieces(SyncShared& s, const i64* dests, const u64* peer_bases, int* done, u64 flag_value) {
     int run = 0;
     for (int n = 0;; ++n) {
-        barrier_wait(&s.landed[n % HANDOFF], n / HANDOFF);
+        barrier_wait(&s.landed[n % HANDOFF], n / HANDOFF, "weight_sync: a stored piece to count");
         const PieceJob job = s.handoff[n % HANDOFF];
         barrier_arrive(&s.taken[n % HANDOFF]);
         if (job.task < 0) return;

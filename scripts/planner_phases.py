@@ -102,10 +102,10 @@ def time_phases(source: str, repeats: int) -> None:
     from ultraep.bench.timing import graph_ms
     from ultraep.planner import ExpertLayout, plan_placement
     from ultraep.planner.traces import zipf_loads
-    from ultraep.runtime.kernels import COMPILE_OPTIONS, declared_kernels
+    from ultraep.runtime.kernels import COMPILE_OPTIONS, declared_kernels, inline_local_includes
 
     path = pathlib.Path(source)
-    module = cupy.RawModule(code=stamped_source(path.read_text()), options=COMPILE_OPTIONS,
+    module = cupy.RawModule(code=stamped_source(inline_local_includes(path)), options=COMPILE_OPTIONS,
                             name_expressions=declared_kernels(path))
 
     def kernel(filename, name, shared_bytes):  # planner_cuda._kernel, on the stamped module
