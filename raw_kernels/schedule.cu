@@ -7,27 +7,64 @@
 // the host.
 //
 // counts: [0] weight tasks, [1] destinations, [2] gradient tasks, [3] gradient sources;
-// [4] / [5] sticky error codes of the weight / gradient compile: e + 1 when expert e's
-// instances break the layout (count outside [1, K], a replica outside the redundant
-// slots), -1 when the tables would outgrow their capacity (a plan with two instances in
-// one slot or rank). A failed compile writes zero lengths, so its transfers do nothing.
+// [4] / [5] sticky error codes of the weight / gradient compile: placement_code's when
+// the plan's placement breaks the layout (every rank derives the same one from the whole
+// plan, so every rank refuses it), -1 when the tables would outgrow their capacity (which
+// a sound placement never does). A failed compile writes zero lengths, so its transfers
+// do nothing.
 
 typedef long long i64;
 
 #define TASK_FIELDS 8  // columns of a weight task row (schedule.py WEIGHT_TASK_FIELDS)
-#define NO_BAD_EXPERT 0x7fffffff
 #define TABLES_OVERFLOW (-1)
+#define NO_FAULT 0x7fffffff
+// What placement_code finds wrong with an expert's instances (device_schedule.py names them).
+#define FAULT_COUNT 0        // an instance count outside [1, K]
+#define FAULT_SLOT 1         // a replica outside the redundant slots
+#define FAULT_HOST 2         // a replica on its master's rank or outside its domain
+#define FAULT_SHARED_RANK 3  // two instances of the expert on one rank
+#define FAULT_SHARED_SLOT 4  // a replica in a slot that a lower expert's replica holds
+#define FAULT_KINDS 8
 
-// 0 when expert e's instances fit the layout, else e + 1.
-__device__ __forceinline__ int check_expert(const int* log_to_phys, const int* replica_count, int e, int K,
-                                            int P, int M, int num_physical) {
-    const int count = replica_count[e];
-    if (count < 1 || count > K) return e + 1;
-    for (int i = 1; i < count; ++i) {
-        const int phys = log_to_phys[static_cast<i64>(e) * K + i];
-        if (phys < 0 || phys >= num_physical || phys % P < M) return e + 1;
+// Whether the plan's placement can drive transfers (schedule.py placement_error, the same
+// checks): 0, else 1 + kind + FAULT_KINDS * e for the lowest expert e at fault (and its
+// lowest kind). The whole block calls it; slot_owner: [R * S] ints of shared memory.
+__device__ int placement_code(const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int D,
+                              int* slot_owner) {
+    const int M = E / R, P = M + S;
+    __shared__ int fault;
+    if (threadIdx.x == 0) fault = NO_FAULT;
+    for (int i = threadIdx.x; i < R * S; i += blockDim.x) slot_owner[i] = NO_FAULT;
+    __syncthreads();
+    // Each replica in a redundant slot claims it for the lowest expert; faults of one expert.
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const int n = replica_count[e], master = e / M;
+        const int* phys = log_to_phys + static_cast<i64>(e) * K;
+        int kind = n < 1 || n > K ? FAULT_COUNT : NO_FAULT;
+        for (int i = 1; i < n && kind != FAULT_COUNT; ++i) {
+            const int host = phys[i] / P;
+            if (phys[i] < 0 || phys[i] >= R * P || phys[i] % P < M) {
+                kind = min(kind, FAULT_SLOT);
+                continue;
+            }
+            if (host == master || host / D != master / D) kind = min(kind, FAULT_HOST);
+            for (int j = 1; j < i; ++j) kind = phys[j] / P == host ? min(kind, FAULT_SHARED_RANK) : kind;
+            atomicMin(&slot_owner[host * S + phys[i] % P - M], e);
+        }
+        if (kind != NO_FAULT) atomicMin(&fault, 1 + kind + FAULT_KINDS * e);
     }
-    return 0;
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {  // a slot claimed by a lower expert
+        const int n = replica_count[e];
+        const int* phys = log_to_phys + static_cast<i64>(e) * K;
+        for (int i = 1; i < n && n <= K; ++i)
+            if (phys[i] >= 0 && phys[i] < R * P && phys[i] % P >= M && slot_owner[phys[i] / P * S + phys[i] % P - M] != e)
+                atomicMin(&fault, 1 + FAULT_SHARED_SLOT + FAULT_KINDS * e);
+    }
+    __syncthreads();
+    const int code = fault == NO_FAULT ? 0 : fault;
+    __syncthreads();  // every thread read it before a later call resets it
+    return code;
 }
 
 // Weight tasks and destinations, one block. In the reference's order: the global relay
@@ -39,7 +76,7 @@ __device__ __forceinline__ int check_expert(const int* log_to_phys, const int* r
 // replica index (0-based, instance - 1) of relay c; owner[i] = the relay position
 // serving replica i (a relay serves itself: chosen[owner[i]] == i).
 extern "C" __global__ void compile_weight_tasks(
-        const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int rank, int num_tensors,
+        const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int D, int rank, int num_tensors,
         i64 slot_bytes, int relay_threshold, int relay_count, int num_chunks, int chunk_tiles, int num_tiles,
         i64 weight_base, i64 flag_base_slot, int max_tasks, int max_dests, int* tree, i64* tasks, i64* dests,
         int* counts) {
@@ -54,14 +91,20 @@ extern "C" __global__ void compile_weight_tasks(
     int* relay_expert = src_dest + M + S + 1;    // [S] relays hosted here with leaves, by expert
     int* relay_position = relay_expert + S;      // [S]
     int* relay_leaves = relay_position + S;      // [S]
-    __shared__ int hot_count, first_bad, num_sources;
+    int* slot_owner = relay_leaves + S;          // [R * S] placement_code's
+    __shared__ int hot_count, num_sources;
     int* chosen_rows = tree;
     int* owner_rows = tree + static_cast<i64>(E) * K;
 
-    if (tid == 0) {
-        hot_count = 0;
-        first_bad = NO_BAD_EXPERT;
+    const int fault = placement_code(log_to_phys, replica_count, R, E, S, K, D, slot_owner);
+    if (fault) {
+        if (tid == 0) {
+            counts[0] = counts[1] = 0;
+            counts[4] = fault;
+        }
+        return;
     }
+    if (tid == 0) hot_count = 0;
     __syncthreads();
     for (int r = tid; r < R; r += blockDim.x) {  // direct sends of experts below the relay threshold
         i64 bytes = 0;
@@ -71,18 +114,9 @@ extern "C" __global__ void compile_weight_tasks(
         }
         sent[r] = bytes;
     }
-    for (int e = tid; e < E; e += blockDim.x) {
-        if (check_expert(log_to_phys, replica_count, e, K, P, M, R * P)) atomicMin(&first_bad, e);
-        else if (replica_count[e] - 1 > relay_threshold) found[atomicAdd(&hot_count, 1)] = e;
-    }
+    for (int e = tid; e < E; e += blockDim.x)
+        if (replica_count[e] - 1 > relay_threshold) found[atomicAdd(&hot_count, 1)] = e;
     __syncthreads();
-    if (first_bad != NO_BAD_EXPERT) {
-        if (tid == 0) {
-            counts[0] = counts[1] = 0;
-            counts[4] = first_bad + 1;
-        }
-        return;
-    }
     const int H = hot_count;
     for (int i = tid; i < H; i += blockDim.x) {  // rank in the order (-fanout, expert): found order is racy
         const int e = found[i];
@@ -230,20 +264,21 @@ extern "C" __global__ void compile_weight_tasks(
 // grad_tensors (int64 [T][3]): first tile of the tensor within an expert's tile list,
 // offset in a gradient slot, bytes.
 extern "C" __global__ void compile_grad_tasks(
-        const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int rank, int num_tensors,
+        const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int D, int rank, int num_tensors,
         const i64* grad_tensors, int tiles_per_expert, i64 tile_bytes, i64 grad_base, i64 grad_slot_bytes,
         int max_tasks, int max_srcs, i64* tasks, i64* srcs, int* counts) {
     const int M = E / R, P = M + S;
     extern __shared__ int master_table[];
     int* replicated = master_table;     // [M] this rank's masters with replicas (local index), in order
     int* src_first = replicated + M;    // [M + 1] replicas before each, summed over its predecessors
+    int* slot_owner = src_first + M + 1;  // [R * S] placement_code's
     __shared__ int num_replicated;
+    const int fault = placement_code(log_to_phys, replica_count, R, E, S, K, D, slot_owner);
     if (threadIdx.x == 0) {
-        int count = 0, replicas = 0, code = 0;
+        int count = 0, replicas = 0, code = fault;
         for (int m = 0; m < M && code == 0; ++m) {
             const int e = rank * M + m;
-            code = check_expert(log_to_phys, replica_count, e, K, P, M, R * P);
-            if (code == 0 && replica_count[e] > 1) {
+            if (replica_count[e] > 1) {
                 replicated[count] = m;
                 src_first[count++] = replicas;
                 replicas += replica_count[e] - 1;

@@ -90,31 +90,49 @@ def broken_plan(layout, log_to_phys, replica_count):
                 rank_load=cupy.zeros(R, np.int64), imbalance_before=1.0, imbalance_after=1.0)
 
 
-def test_plans_breaking_the_layout_are_refused():
-    layout = ExpertLayout(4, 16, 1)  # M = 4, S = 1, K = 4
+def test_plans_breaking_the_layout_are_refused_by_every_rank():
+    """Each way a placement can break the layout (schedule.placement_error's checks) is
+    refused by every rank's compiler alike, naming the same expert, and no tasks are left."""
+    from ultraep.transfer.schedule import placement_error
+
+    layout = ExpertLayout(8, 32, 2, 4)  # M = 4, S = 2, P = 6, domains of 4 ranks, K = 4
     spec, geometry, placement, _, _ = random_setup(np.random.default_rng(1), layout)
-    tables = DeviceSchedule(layout, spec, geometry, placement, 0, relay_threshold=8, relay_count=1)
+    compilers = [DeviceSchedule(layout, spec, geometry, placement, r, relay_threshold=8, relay_count=1)
+                 for r in range(layout.num_ranks)]
     P, M, K = layout.slots_per_rank, layout.experts_per_rank, layout.max_instances
-    masters = np.array([layout.master_slot(e) for e in range(layout.num_experts)], np.int32)
     base = np.full((layout.num_experts, K), -1, np.int32)
-    base[:, 0] = masters
-    # expert 2 has a replica in a master slot; expert 1 claims more instances than K
-    bad_slot, bad_count = base.copy(), np.ones(layout.num_experts, np.int32)
-    bad_slot[2, 1] = 1 * P + 0
-    bad_count[2] = 2
-    too_many = np.ones(layout.num_experts, np.int32)
-    too_many[1] = K + 1
-    # every master of rank 0 replicated to the same slot of ranks 1-3: more rows than any valid plan
-    crowded, crowded_count = base.copy(), np.ones(layout.num_experts, np.int32)
-    crowded[:M, 1:] = [r * P + M for r in (1, 2, 3)]
-    crowded_count[:M] = K
-    for ltp, count, needle in ((bad_slot, bad_count, "expert 2"), (base, too_many, "expert 1"),
-                               (crowded, crowded_count, "outgrow")):
-        poison(tables)
+    base[:, 0] = [layout.master_slot(e) for e in range(layout.num_experts)]
+
+    def broken(expert_replicas, counts=None):
+        ltp, count = base.copy(), np.ones(layout.num_experts, np.int32)
+        for e, slots in expert_replicas.items():
+            ltp[e, 1:1 + len(slots)] = slots
+            count[e] = 1 + len(slots)
+        for e, n in (counts or {}).items():
+            count[e] = n
+        return ltp, count
+
+    cases = [(broken({}, {1: K + 1}), "expert 1 has an instance count outside [1, 4]"),
+             (broken({2: [1 * P + 0]}), "expert 2 has a replica outside the redundant slots"),
+             (broken({0: [4 * P + M]}), "expert 0 has a replica on its master's rank or outside its domain"),
+             (broken({3: [0 * P + M]}), "expert 3 has a replica on its master's rank or outside its domain"),
+             (broken({3: [1 * P + M, 1 * P + M + 1]}), "expert 3 has two instances on one rank"),
+             (broken({1: [2 * P + M], 5: [2 * P + M]}), "expert 5 has a replica in a slot that a lower expert's"),
+             (broken({6: [0 * P + M, 5 * P + M], 2: [1 * P + 0]}), "expert 2 has a replica outside")]
+    for (ltp, count), needle in cases:
+        assert placement_error(layout, ltp, count) is not None, f"{needle}: the NumPy check accepts it"
         plan = broken_plan(layout, ltp, count)
-        tables.compile_weights(plan)
-        tables.compile_grads(plan)
-        assert not tables.counts[:len(COUNT_FIELDS)].get().any(), f"{needle}: a refused plan left tasks"
-        message = tables.take_error()
-        assert message is not None and needle in message, message
-        assert tables.take_error() is None, "the error was not cleared once reported"
+        for tables in compilers:
+            poison(tables)
+            tables.compile_weights(plan)
+            tables.compile_grads(plan)
+            assert not tables.counts[:len(COUNT_FIELDS)].get().any(), f"{needle}: a refused plan left tasks"
+            message = tables.take_error()
+            assert message is not None and needle in message, f"rank {tables.rank}: {message}"
+            assert tables.take_error() is None, "the error was not cleared once reported"
+    sound = broken({0: [1 * P + M, 2 * P + M], 5: [2 * P + M + 1]})
+    assert placement_error(layout, *sound) is None
+    for tables in compilers:
+        poison(tables)
+        tables.compile_weights(broken_plan(layout, *sound))
+        assert tables.take_error() is None, f"rank {tables.rank}: a sound placement was refused"

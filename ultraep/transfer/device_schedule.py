@@ -10,8 +10,10 @@ host round trip, no allocation, and no cache that could go stale when a plan's b
 are rewritten in place (every call compiles what the plan holds at that point of the
 stream).
 
-A plan whose instances break the layout is refused on the device (its transfers do
-nothing) and reported by :meth:`DeviceSchedule.take_error`.
+A plan whose placement breaks the layout (the checks of
+:func:`~ultraep.transfer.schedule.placement_error`) is refused on the device by every
+rank alike, since each checks the whole plan: its transfers do nothing, and
+:meth:`DeviceSchedule.take_error` reports it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory without opting in
 MAX_SHARED_BYTES = 227 * 1024     # per block on sm_90
 COUNT_FIELDS = ("weight_tasks", "dests", "grad_tasks", "grad_srcs")  # counts[0:4]; [4], [5]: error codes
 TABLES_OVERFLOW = -1              # error code: a plan would outgrow the tables
+FAULT_KINDS = 8                   # other codes: 1 + kind + FAULT_KINDS * expert (schedule.cu placement_code)
+FAULTS = ("has an instance count outside [1, {K}]", "has a replica outside the redundant slots",
+          "has a replica on its master's rank or outside its domain", "has two instances on one rank",
+          "has a replica in a slot that a lower expert's replica holds")
 _INT32_ROWS = 2**31 - 1
 
 
@@ -67,8 +73,8 @@ class DeviceSchedule:
 
         from ultraep.runtime.kernels import get_function
 
-        R, E, S, K, M = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.max_instances,
-                         layout.experts_per_rank)
+        R, E, S, K, M, D = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.max_instances,
+                            layout.experts_per_rank, layout.domain_size)
         self.layout, self.rank = layout, int(rank)
         self.capacity = capacity = ScheduleCapacity.of(layout, geometry)
         if max(capacity.weight_tasks, capacity.dests, capacity.grad_tasks, capacity.grad_srcs) > _INT32_ROWS:
@@ -83,8 +89,8 @@ class DeviceSchedule:
         self._weight_kernel = get_function("schedule.cu", "compile_weight_tasks", group=group)
         self._grad_kernel = get_function("schedule.cu", "compile_grad_tasks", group=group)
         # the carve-ups of dynamic shared memory in schedule.cu
-        self._weight_shared = 8 * R + 4 * (2 * E + 3 * (M + S) + 1 + 3 * S)
-        self._grad_shared = 4 * (2 * M + 1)
+        self._weight_shared = 8 * R + 4 * (2 * E + 3 * (M + S) + 1 + 3 * S + R * S)
+        self._grad_shared = 4 * (2 * M + 1 + R * S)
         for kernel, nbytes in ((self._weight_kernel, self._weight_shared), (self._grad_kernel, self._grad_shared)):
             if nbytes > MAX_SHARED_BYTES:
                 raise ValueError(f"the device schedule compiler needs {nbytes} bytes of shared memory for {layout} "
@@ -97,7 +103,8 @@ class DeviceSchedule:
             dtype=np.int64))
         sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
         self._grad_blocks = max(1, min(2 * sms, -(-capacity.grad_tasks // COMPILE_THREADS)))
-        layout_args = (np.int32(R), np.int32(E), np.int32(S), np.int32(K), np.int32(rank), np.int32(len(spec.weights)))
+        layout_args = (np.int32(R), np.int32(E), np.int32(S), np.int32(K), np.int32(D), np.int32(rank),
+                       np.int32(len(spec.weights)))
         self._weight_args = layout_args + (
             np.int64(spec.weight_slot_bytes), np.int32(relay_threshold), np.int32(max(1, relay_count)),
             np.int32(geometry.num_chunks), np.int32(geometry.chunk_tiles), np.int32(len(geometry.tiles)),
@@ -150,8 +157,8 @@ class DeviceSchedule:
         self.counts[len(COUNT_FIELDS):].fill(0)
         code = next(c for c in codes if c)
         if code == TABLES_OVERFLOW:
-            return (f"rank {self.rank}: a plan would outgrow this rank's transfer tables {self.capacity}: it puts two "
-                    "instances in one slot or on one rank; its transfers were skipped")
-        return (f"rank {self.rank}: the plan's instances of expert {code - 1} break {self.layout} (replica count "
-                f"outside [1, {self.layout.max_instances}] or a replica outside the redundant slots); its transfers "
-                "were skipped")
+            return (f"rank {self.rank}: a plan would outgrow this rank's transfer tables {self.capacity}; its transfers "
+                    "were skipped")
+        expert, kind = divmod(code - 1, FAULT_KINDS)
+        return (f"rank {self.rank}: the plan's placement breaks {self.layout}: expert {expert} "
+                f"{FAULTS[kind].format(K=self.layout.max_instances)}; its transfers were skipped")

@@ -19,7 +19,7 @@ on the device (the planner's CuPy backend) no call allocates or waits for the de
 Those tables and the kernels' counters are shared by every call of one engine, as the
 replica slots are: its transfers must be ordered on one stream (or by events), never run
 concurrently on two. :meth:`synchronize` waits and reports device-side timeouts and
-refused plans (on the ranks that refused the plan). On the
+refused plans (a plan whose placement breaks the layout is refused by every rank). On the
 CPU backend the NumPy executor runs the schedule ``compile_schedule`` makes per call.
 """
 

@@ -100,7 +100,7 @@ def placement_error(layout, log_to_phys, replica_count) -> str | None:
     """Why a plan's placement cannot drive transfers, or ``None``: an instance count outside
     [1, K], a replica outside the redundant slots, off its master's domain or on its
     master's rank, two instances of an expert on one rank, or two replicas in one slot.
-    (The device compiler refuses the first two on the GPU.)"""
+    (On the GPU the device compiler makes the same checks: schedule.cu placement_code.)"""
     log_to_phys, replica_count = np.asarray(log_to_phys), np.asarray(replica_count)
     K, P, M, D = layout.max_instances, layout.slots_per_rank, layout.experts_per_rank, layout.domain_size
     bad = np.flatnonzero((replica_count < 1) | (replica_count > K))

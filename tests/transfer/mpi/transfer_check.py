@@ -375,12 +375,16 @@ def bad_input(heap):
         poison_slots(engine)
         heap.barrier()
         expect_error(lambda: engine.weight_sync(0, other_plan), "plan is for")
-        if backend == "cpu":  # on the GPU the device compiler refuses plans (see test_schedule_gpu)
-            clash = random_plan(600, 0)  # Plan.from_split refuses such a plan: break a valid one
-            clash.log_to_phys[[0, M], 1] = 2 * LAYOUT.slots_per_rank + M  # experts of ranks 0 and 1 share a slot on rank 2
-            clash.replica_count[[0, M]] = 2
+        clash = random_plan(600, 0)  # Plan.from_split refuses such a plan: break a valid one
+        clash.log_to_phys[[0, M], 1] = 2 * LAYOUT.slots_per_rank + M  # experts of ranks 0 and 1 share a slot on rank 2
+        clash.replica_count[[0, M]] = 2
+        if backend == "cpu":
             expect_error(lambda: engine.weight_sync(0, clash), "weight_sync failed on 4 of 4")
             expect_error(lambda: engine.reduce_grads(0, clash), "two replicas share one slot")
+        else:  # every rank's device compiler refuses the plan, and every rank's synchronize says so
+            for transfer in (engine.weight_sync, engine.reduce_grads):
+                transfer(0, clash)
+                expect_error(engine.synchronize, f"expert {M} has a replica in a slot that a lower expert's")
         for j in range(LAYOUT.redundant_slots):  # nothing was written by the refused calls
             assert all(bool((to_host(v).view(np.uint8) == 0xA5).all()) for v in engine.replica_weights(j))
     expect_error(lambda: WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=1000), "tile_bytes")
