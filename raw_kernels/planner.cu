@@ -25,9 +25,9 @@
 //     cluster barrier per round; with a cap, the first round's probe 0 (the cap) sends its
 //     outcome and moves to every block itself, and when it is feasible that ends the
 //     search without a cluster barrier. Meanwhile ROW_WARPS idle warps write the split
-//     rows as if no expert had replicas (lean loops: they share schedulers with the probes), the others
-//     set up the tables step 3 rebuilds the placement in, and the idle warps of the
-//     winner's block push its moves to every block.
+//     rows as if no expert had replicas (lean loops: they share schedulers with the
+//     probes), the others set up the tables step 3 rebuilds the placement in, and the idle
+//     warps of the winner's block push its moves to every block.
 //  3. Every block rebuilds the domain's placement from the winner's moves and writes the
 //     outputs of its share of the experts and ranks, and the locality-first split of its
 //     replicated experts (deficits a warp per expert, then rows a source per thread,
@@ -451,8 +451,10 @@ __device__ __noinline__ void write_imbalance(const int* rank_load0, const int* i
     *imbalance_after = imbalance_of(after_max, total, R);
 }
 
-// Split rows of experts without replicas: every source sends all its tokens to the
-// master, so all K prefixes of row (src, e) are the load. Warps warp_index, +warps, ...
+// Split rows as if no expert had replicas, for every expert of the block: every source
+// sends all its tokens to the master, so all K prefixes of row (src, e) are the load. The
+// split of a replicated expert later overwrites only the prefixes that differ, so these
+// rows must cover all K entries of every expert. Warps warp_index, +warps, ...
 // take the sources in turn; a warp's lanes store consecutive 16-byte words of the source's
 // row segment (coalesced: scattered stores would hold up the probes' shared-memory
 // loads in the same pipeline), and step through the (expert, word) pairs without a
@@ -639,7 +641,8 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         write_master_rows(split_prefix, staged, R, E, K, first_expert + first_column, columns, share,
                           warp - PROBE_WARPS, ROW_WARPS);
     // This warp wrote memory that other warps read after the next cluster barrier (another
-    // block's shared memory, or the tables below), so it arrives there with release.
+    // block's shared memory, or the tables below), so it arrives there with release (when a
+    // feasible cap ends the search, a block barrier orders the tables instead).
     bool pushed = false;
     if (warp >= PROBE_WARPS + ROW_WARPS) {  // the rest set up the tables the placement is rebuilt in
         const int helper = tid - (PROBE_WARPS + ROW_WARPS) * 32, helpers = THREADS - (PROBE_WARPS + ROW_WARPS) * 32;
@@ -782,7 +785,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     // Split (quota.locality_split) of this block's replicated experts ("items"): one warp
     // per item finds the shares' row and column deficits and their prefixes (no block
     // barrier between these steps), then the whole block writes the rows, a source each.
-    // (The rows of the other experts were written during the search.)
+    // (Every expert's rows were written during the search as if it had no replicas.)
     const int items = replicated[share];
     if (block == 0 && warp == WARPS - 1)  // alongside the items (it takes one only when there are WARPS)
         write_imbalance(sh.rank_load0, incoming, master_quota, total, D, M, R, domain, domains, workspace,

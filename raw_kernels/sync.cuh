@@ -27,17 +27,20 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
-// A phase of a block's own mbarrier that does not complete within this time is a bug: the
-// wait reports it and traps rather than hang (a time-sliced context is descheduled for
+// Unless the caller knows a longer legitimate wait (a wait behind a peer's flag), a phase
+// of a block's own mbarrier that does not complete within this time is a bug: the wait
+// reports it and traps rather than hang (a time-sliced context is descheduled for
 // milliseconds, not seconds).
 #ifndef MBARRIER_TIMEOUT_NS  // a test compiles a shorter one
 #define MBARRIER_TIMEOUT_NS 2000000000ull
 #endif
 
-// Out of line: code that never runs should not take instruction fetch from what does.
-__device__ __noinline__ void mbarrier_timed_out(const char* what, unsigned parity) {
-    printf("ultraep: block %d thread %d waited over %llu ms for %s (mbarrier phase parity %u)\n", (int)blockIdx.x,
-           (int)threadIdx.x, MBARRIER_TIMEOUT_NS / 1000000ull, what, parity);
+// Out of line: code that never runs should not take instruction fetch from what does. One
+// line per warp (its lowest waiting lane), not one per thread.
+__device__ __noinline__ void mbarrier_timed_out(const char* what, unsigned parity, u64 timeout_ns) {
+    if ((threadIdx.x & 31) == __ffs(__activemask()) - 1)
+        printf("ultraep: block %d warp %d waited over %llu ms for %s (mbarrier phase parity %u)\n", (int)blockIdx.x,
+               (int)(threadIdx.x / 32), timeout_ns / 1000000ull, what, parity);
     __trap();
 }
 
@@ -58,9 +61,10 @@ __device__ __forceinline__ bool mbarrier_try_wait(unsigned bar, unsigned parity)
 
 // Waits for that phase; `what` names it in the timeout's message.
 template <bool CLUSTER_ACQUIRE = false>
-__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity, const char* what) {
+__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity, const char* what,
+                                              u64 timeout_ns = MBARRIER_TIMEOUT_NS) {
     if (mbarrier_try_wait<CLUSTER_ACQUIRE>(bar, parity)) return;
     const u64 start = global_timer_ns();
     while (!mbarrier_try_wait<CLUSTER_ACQUIRE>(bar, parity))
-        if (global_timer_ns() - start > MBARRIER_TIMEOUT_NS) mbarrier_timed_out(what, parity);
+        if (global_timer_ns() - start > timeout_ns) mbarrier_timed_out(what, parity, timeout_ns);
 }

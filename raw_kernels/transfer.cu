@@ -33,9 +33,11 @@ __device__ __forceinline__ void barrier_arrive(u64* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
 }
 // Waits for the phase of parity `use & 1`, i.e. the barrier's use-th completion (0-based).
-// Intra-block only: every arrive it waits for comes from this block, never from a peer.
-__device__ __forceinline__ void barrier_wait(u64* bar, int use, const char* what) {
-    mbarrier_wait(smem_addr(bar), use & 1, what);
+// Every arrive it waits for comes from this block, but the block may itself be waiting for
+// a peer's chunk flag (a relay), for up to the sync's timeout: `limit_ns` allows that and
+// more (SyncShared::wait_limit_ns).
+__device__ __forceinline__ void barrier_wait(u64* bar, int use, const char* what, u64 limit_ns) {
+    mbarrier_wait(smem_addr(bar), use & 1, what, limit_ns);
 }
 // Arrive once and expect `bytes` from the bulk engine: the phase completes when both happened.
 __device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, unsigned bytes, u64* bar) {
@@ -91,6 +93,7 @@ struct SyncShared {
     i64 tensor_bytes[MAX_TENSORS];
     i64 slot_offset[MAX_TENSORS];      // where each tensor starts inside a replica slot
     int skip;                          // an earlier timeout is not yet reported: do nothing
+    u64 wait_limit_ns;                 // barrier_wait's: the chunk-flag timeout and a margin
 };
 
 // A relay's chunk flag (in its own signal pad) reached this epoch; false after the timeout,
@@ -175,7 +178,7 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
         const u64 src = __ldg(src_ptrs + task[0] + tensor) + tile_offset + begin;
         const int stage = filled % stages;
         if (filled >= stages)
-            barrier_wait(&s.empty[stage], filled / stages - 1, "weight_sync: a stage its stores have read");
+            barrier_wait(&s.empty[stage], filled / stages - 1, "weight_sync: a free stage", s.wait_limit_ns);
         const int bulk_bytes = src % 16 ? 0 : nbytes & ~15;
         s.job[stage] = PieceJob{src, s.slot_offset[tensor] + tile_offset + begin, task_id, static_cast<int>(task[1]),
                                 chunk_bytes, task[7] != 0, next >= min(last, task_stop), static_cast<int>(task[4]),
@@ -188,7 +191,7 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
     }
     const int stage = filled % stages;
     if (filled >= stages)
-        barrier_wait(&s.empty[stage], filled / stages - 1, "weight_sync: a stage its stores have read");
+        barrier_wait(&s.empty[stage], filled / stages - 1, "weight_sync: a free stage", s.wait_limit_ns);
     s.job[stage].task = -1;
     barrier_arrive(&s.posted[stage]);
     barrier_arrive(&s.full[stage]);
@@ -197,7 +200,7 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
 // Storing warp -> counting warp: entry n of the ring (its slot is free once entry n - HANDOFF was taken).
 __device__ __forceinline__ void hand_over(SyncShared& s, int n, const PieceJob& job) {
     if (n >= HANDOFF)
-        barrier_wait(&s.taken[n % HANDOFF], n / HANDOFF - 1, "weight_sync: a hand-over slot the counting warp has read");
+        barrier_wait(&s.taken[n % HANDOFF], n / HANDOFF - 1, "weight_sync: a free hand-over slot", s.wait_limit_ns);
     s.handoff[n % HANDOFF] = job;
 }
 
@@ -214,7 +217,7 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
     for (;; ++issued) {
         const int stage = issued % stages;
         // destinations are looked up while the piece lands
-        barrier_wait(&s.posted[stage], issued / stages, "weight_sync: the loading warp's next piece");
+        barrier_wait(&s.posted[stage], issued / stages, "weight_sync: the next piece", s.wait_limit_ns);
         const PieceJob job = s.job[stage];
         if (job.task < 0) break;
         const int num_dests = job.dest_end - job.dest_begin;
@@ -226,7 +229,7 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
             dst_task = job.task;
             __syncwarp();
         }
-        barrier_wait(&s.full[stage], issued / stages, "weight_sync: a piece's bulk load");
+        barrier_wait(&s.full[stage], issued / stages, "weight_sync: a piece's load", s.wait_limit_ns);
         if (lane == 0) {
             for (int d = 0; d < num_dests && job.bulk_bytes; ++d)
                 bulk_store(s.dst[d] + job.within_slot, stage_mem + stage * stage_bytes, job.bulk_bytes);
@@ -269,7 +272,7 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
 __device__ void count_pieces(SyncShared& s, const i64* dests, const u64* peer_bases, int* done, u64 flag_value) {
     int run = 0;
     for (int n = 0;; ++n) {
-        barrier_wait(&s.landed[n % HANDOFF], n / HANDOFF, "weight_sync: a stored piece to count");
+        barrier_wait(&s.landed[n % HANDOFF], n / HANDOFF, "weight_sync: a piece to count", s.wait_limit_ns);
         const PieceJob job = s.handoff[n % HANDOFF];
         barrier_arrive(&s.taken[n % HANDOFF]);
         if (job.task < 0) return;
@@ -322,6 +325,7 @@ weight_sync(const i64* tasks, const int* task_count, int chunk_tiles, const i64*
     }
     if (tid == 0) {
         s.skip = *reinterpret_cast<volatile u64*>(status) != 0;
+        s.wait_limit_ns = timeout_ns + MBARRIER_TIMEOUT_NS;
         for (int q = 0; q < stages; ++q) {
             barrier_init(&s.posted[q]);
             barrier_init(&s.full[q]);

@@ -25,7 +25,8 @@ PROGRAM = textwrap.dedent('''
         mbarrier_wait(address, 0, "the test's second arrival");
     }
     """
-    kernel = cupy.RawModule(code=source, options=("--std=c++17", "-DMBARRIER_TIMEOUT_NS=20000000ull")).get_function("wait_forever")
+    options = ("--std=c++17", "-DMBARRIER_TIMEOUT_NS=20000000ull")
+    kernel = cupy.RawModule(code=source, options=options).get_function("wait_forever")
     kernel((1,), (32,), (cupy.int32(2),))  # both arrivals: completes
     cupy.cuda.Device().synchronize()
     print("completed phase: OK", flush=True)
@@ -38,4 +39,6 @@ def test_a_phase_that_never_completes_is_reported_and_traps():
     result = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=120)
     assert "completed phase: OK" in result.stdout, result.stdout + result.stderr
     assert result.returncode != 0, "the kernel waiting for an arrival that never comes did not fail"
-    assert "waited over 20 ms for the test's second arrival (mbarrier phase parity 0)" in result.stdout, result.stdout
+    lines = [line for line in result.stdout.splitlines() if "waited over" in line]
+    want = "ultraep: block 0 warp 0 waited over 20 ms for the test's second arrival (mbarrier phase parity 0)"
+    assert lines == [want], result.stdout
