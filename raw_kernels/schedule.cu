@@ -13,9 +13,10 @@
 // a sound placement never does). A failed compile writes zero lengths, so its transfers
 // do nothing.
 
+#include "task_tables.cuh"
+
 typedef long long i64;
 
-#define TASK_FIELDS 8  // columns of a weight task row (schedule.py WEIGHT_TASK_FIELDS)
 #define TABLES_OVERFLOW (-1)
 #define NO_FAULT 0x7fffffff
 // What placement_code finds wrong with an expert's instances (device_schedule.py names them).
@@ -222,7 +223,7 @@ extern "C" __global__ void compile_weight_tasks(
             wait = flag_base_slot + static_cast<i64>(slot) * num_chunks + chunk;
         }
         const int first = chunk * chunk_tiles;
-        i64* row = tasks + TASK_FIELDS * static_cast<i64>(t);
+        i64* row = tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(t);
         row[0] = src_ref;
         row[1] = chunk;
         row[2] = first;
@@ -237,7 +238,7 @@ extern "C" __global__ void compile_weight_tasks(
         const int* replica = log_to_phys + static_cast<i64>(e) * K + 1;
         const int* chosen = chosen_rows + static_cast<i64>(e) * K;
         const int* owner = owner_rows + static_cast<i64>(e) * K;
-        i64* row = dests + 3 * static_cast<i64>(src_dest[s]);
+        i64* row = dests + DEST_FIELDS * static_cast<i64>(src_dest[s]);
         auto put = [&](int i) {
             const int slot = replica[i] % P - M;
             row[0] = replica[i] / P;
@@ -305,7 +306,7 @@ extern "C" __global__ void compile_grad_tasks(
         const i64* shape = grad_tensors + 3 * tensor;
         const i64 offset = (tile - shape[0]) * tile_bytes;
         const i64 first = static_cast<i64>(src_first[j]) * tiles_per_expert + static_cast<i64>(tile) * n;
-        i64* row = tasks + 5 * static_cast<i64>(t);
+        i64* row = tasks + GRAD_TASK_FIELDS * static_cast<i64>(t);
         row[0] = static_cast<i64>(m) * num_tensors + tensor;
         row[1] = offset;
         row[2] = min(tile_bytes, shape[2] - offset);
@@ -314,8 +315,8 @@ extern "C" __global__ void compile_grad_tasks(
         const int* replica = log_to_phys + static_cast<i64>(rank * M + m) * K + 1;
         for (int i = 0; i < n; ++i) {
             const int slot = replica[i] % P - M;
-            srcs[2 * (first + i)] = replica[i] / P;
-            srcs[2 * (first + i) + 1] = grad_base + slot * grad_slot_bytes + shape[1] + offset;
+            srcs[GRAD_SRC_FIELDS * (first + i)] = replica[i] / P;
+            srcs[GRAD_SRC_FIELDS * (first + i) + 1] = grad_base + slot * grad_slot_bytes + shape[1] + offset;
         }
     }
 }

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 
 #include "sync.cuh"
+#include "task_tables.cuh"
 
 typedef long long i64;
 
@@ -20,7 +21,6 @@ typedef long long i64;
 #define SYNC_READ_LAG 1       // pieces whose stores may still be reading their stage (< stages)
 #define SYNC_WRITE_LAG 2      // pieces whose stores may still be landing before they are handed to the counting warp
 #define HANDOFF 16            // storing -> counting warp ring (> SYNC_WRITE_LAG)
-#define TASK_FIELDS 8         // columns of a weight task row (schedule.py)
 
 // -- Hopper bulk copy engine and shared-memory barriers (PTX ISA 8.0, sm_90) -------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -142,13 +142,14 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
     const i64 first = blockIdx.x * share + min(static_cast<i64>(blockIdx.x), extra);
     const i64 last = first + share + (static_cast<i64>(blockIdx.x) < extra);
     int filled = 0, task_id = -1, chunk_bytes = 0;
-    i64 task[TASK_FIELDS], task_stop = 0;  // task_stop: past the current task's last non-empty unit
+    i64 task[WEIGHT_TASK_FIELDS], task_stop = 0;  // task_stop: past the current task's last non-empty unit
     bool ready = false;          // the current task's chunk is there to be read (a relay waits for its flag)
     for (i64 u = first; u < last;) {
         if (u / task_units != task_id) {
             task_id = static_cast<int>(u / task_units);
-            for (int f = 0; f < TASK_FIELDS; ++f) task[f] = __ldg(tasks + TASK_FIELDS * static_cast<i64>(task_id) + f);
-            if (task_id + 1 < num_tasks) prefetch_l1(tasks + TASK_FIELDS * static_cast<i64>(task_id + 1));
+            const i64* row = tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(task_id);
+            for (int f = 0; f < WEIGHT_TASK_FIELDS; ++f) task[f] = __ldg(row + f);
+            if (task_id + 1 < num_tasks) prefetch_l1(tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(task_id + 1));
             ready = task[6] < 0;
             chunk_bytes = static_cast<int>(tile_range_bytes(s, num_tensors, tile_bytes, task[2], task[3]));
             const i64 last_tile_bytes = tile_range_bytes(s, num_tensors, tile_bytes, task[3] - 1, task[3]);
@@ -223,7 +224,7 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
         const int num_dests = job.dest_end - job.dest_begin;
         if (job.task != dst_task) {
             for (int d = lane; d < num_dests; d += 32) {
-                const i64* dest = dests + 3 * static_cast<i64>(job.dest_begin + d);
+                const i64* dest = dests + DEST_FIELDS * static_cast<i64>(job.dest_begin + d);
                 s.dst[d] = reinterpret_cast<unsigned char*>(__ldg(peer_bases + __ldg(dest)) + __ldg(dest + 1));
             }
             dst_task = job.task;
@@ -285,7 +286,7 @@ __device__ void count_pieces(SyncShared& s, const i64* dests, const u64* peer_ba
         done[job.task] = 0;
         fence_sys();  // every block's pieces of this chunk before its flags
         for (int d = job.dest_begin; d < job.dest_end; ++d) {
-            const i64* dest = dests + 3 * static_cast<i64>(d);
+            const i64* dest = dests + DEST_FIELDS * static_cast<i64>(d);
             store_relaxed_sys(reinterpret_cast<u64*>(peer_bases[dest[0]]) + dest[2] + job.chunk, flag_value);
         }
     }
@@ -362,13 +363,14 @@ __global__ void reduce_grads(const i64* tasks, const int* task_count, const i64*
                              const u64* peer_bases) {
     const int num_tasks = *task_count;  // written on the device by the schedule compiler
     for (int t = blockIdx.x; t < num_tasks; t += gridDim.x) {
-        const i64* task = tasks + 5 * static_cast<i64>(t);
+        const i64* task = tasks + GRAD_TASK_FIELDS * static_cast<i64>(t);
         T* dst = reinterpret_cast<T*>(dst_ptrs[task[0]] + task[1]);
         const i64 count = task[2] / static_cast<i64>(sizeof(T));
         for (i64 i = threadIdx.x; i < count; i += blockDim.x) {
             float acc = to_float(dst[i]);
             for (i64 s = task[3]; s < task[4]; ++s) {
-                const T* src = reinterpret_cast<const T*>(peer_bases[srcs[2 * s]] + srcs[2 * s + 1]);
+                const i64* source = srcs + GRAD_SRC_FIELDS * s;  // rank, heap offset
+                const T* src = reinterpret_cast<const T*>(peer_bases[source[0]] + source[1]);
                 acc = __fadd_rn(acc, to_float(__ldcg(src + i)));
             }
             dst[i] = from_float<T>(acc);

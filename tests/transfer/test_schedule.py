@@ -1,8 +1,10 @@
 """The NumPy task compiler (the CPU backend and the device compiler's reference): every
 replica is written exactly once, relay trees forward to every leaf, chunk flags are
 published exactly where a relay waits for them, gradient tasks cover every replicated
-master in replica order, and no schedule outgrows the capacity the device tables are
-allocated with."""
+master in replica order, no schedule outgrows the capacity the device tables are
+allocated with, and the kernels use the tables' row widths defined here."""
+
+import re
 
 import numpy as np
 import pytest
@@ -10,7 +12,8 @@ import pytest
 from tests.transfer.random_plans import random_plan
 from ultraep.planner import ExpertLayout
 from ultraep.transfer.device_schedule import COUNT_FIELDS, ScheduleCapacity
-from ultraep.transfer.schedule import HeapPlacement, TileGeometry, compile_schedule, placement_error
+from ultraep.runtime.kernels import kernel_source
+from ultraep.transfer.schedule import TABLE_WIDTHS, HeapPlacement, TileGeometry, compile_schedule, placement_error
 from ultraep.transfer.spec import ExpertSpec
 
 LAYOUTS = [ExpertLayout(4, 12, 2), ExpertLayout(8, 16, 3, 8, 8), ExpertLayout(8, 32, 2, 4), ExpertLayout(16, 64, 4),
@@ -143,3 +146,16 @@ def test_placement_error_names_each_broken_rule():
     bad_count = np.ones(16, np.int32)
     bad_count[3] = layout.max_instances + 1
     assert "outside [1," in placement_error(layout, np.zeros((16, layout.max_instances), np.int32), bad_count)
+
+
+def test_kernels_use_the_table_widths_of_the_reference():
+    header = kernel_source("task_tables.cuh").read_text()
+    defined = {name: int(value) for name, value in re.findall(r"^#define (\w+) (\d+)", header, re.MULTILINE)}
+    assert defined == TABLE_WIDTHS
+    widths = {"weight_tasks": "WEIGHT_TASK_FIELDS", "dests": "DEST_FIELDS", "grad_tasks": "GRAD_TASK_FIELDS",
+              "grad_srcs": "GRAD_SRC_FIELDS"}
+    layout = LAYOUTS[0]
+    schedule = compile_schedule(random_plan(layout, np.random.default_rng(0), 1.0), SPEC, TileGeometry(SPEC, 256, 2),
+                                PLACEMENT, 0, relay_threshold=1, relay_count=1)
+    for table, name in widths.items():
+        assert getattr(schedule, table).shape[1] == TABLE_WIDTHS[name], table

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ultraep.planner.plan import array_module
-from ultraep.transfer.schedule import WEIGHT_TASK_FIELDS, HeapPlacement, TileGeometry
+from ultraep.transfer.schedule import (DEST_FIELDS, GRAD_SRC_FIELDS, GRAD_TASK_FIELDS, WEIGHT_TASK_FIELDS, HeapPlacement,
+                                       TileGeometry)
 from ultraep.transfer.spec import ExpertSpec
 
 COMPILE_THREADS = 256
@@ -80,9 +81,9 @@ class DeviceSchedule:
         if max(capacity.weight_tasks, capacity.dests, capacity.grad_tasks, capacity.grad_srcs) > _INT32_ROWS:
             raise ValueError(f"schedule tables of {capacity} rows do not fit int32 counts; use larger tiles")
         self.weight_tasks = cupy.empty((max(capacity.weight_tasks, 1), WEIGHT_TASK_FIELDS), np.int64)
-        self.dests = cupy.empty((max(capacity.dests, 1), 3), np.int64)
-        self.grad_tasks = cupy.empty((max(capacity.grad_tasks, 1), 5), np.int64)
-        self.grad_srcs = cupy.empty((max(capacity.grad_srcs, 1), 2), np.int64)
+        self.dests = cupy.empty((max(capacity.dests, 1), DEST_FIELDS), np.int64)
+        self.grad_tasks = cupy.empty((max(capacity.grad_tasks, 1), GRAD_TASK_FIELDS), np.int64)
+        self.grad_srcs = cupy.empty((max(capacity.grad_srcs, 1), GRAD_SRC_FIELDS), np.int64)
         self.counts = cupy.zeros(len(COUNT_FIELDS) + 2, np.int32)
         self.weight_task_count, self.grad_task_count = self.counts[0:1], self.counts[2:3]
         self._staged = (cupy.empty((E, K), np.int32), cupy.empty(E, np.int32))  # a NumPy plan's arrays

@@ -42,7 +42,10 @@ import numpy as np
 from ultraep.transfer.spec import ExpertSpec
 
 FLAG_WRITER_BITS = 16
-WEIGHT_TASK_FIELDS = 8  # columns of a weight task row (see above); transfer.cu TASK_FIELDS
+# Row widths of the tables above (raw_kernels/task_tables.cuh holds the same for the kernels).
+WEIGHT_TASK_FIELDS, DEST_FIELDS, GRAD_TASK_FIELDS, GRAD_SRC_FIELDS = 8, 3, 5, 2
+TABLE_WIDTHS = {"WEIGHT_TASK_FIELDS": WEIGHT_TASK_FIELDS, "DEST_FIELDS": DEST_FIELDS,
+                "GRAD_TASK_FIELDS": GRAD_TASK_FIELDS, "GRAD_SRC_FIELDS": GRAD_SRC_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -212,8 +215,8 @@ def compile_schedule(plan, spec: ExpertSpec, geometry: TileGeometry, placement: 
     tile_table = [(t, offset, nbytes) for t, offset, nbytes in geometry.tiles]
     return Schedule(rank=rank,
                     weight_tasks=np.array(tasks, dtype=np.int64).reshape(-1, WEIGHT_TASK_FIELDS),
-                    dests=np.array(dests, dtype=np.int64).reshape(-1, 3),
+                    dests=np.array(dests, dtype=np.int64).reshape(-1, DEST_FIELDS),
                     tiles=np.array(tile_table, dtype=np.int64).reshape(-1, 3),
-                    grad_tasks=np.array(grad_tasks, dtype=np.int64).reshape(-1, 5),
-                    grad_srcs=np.array(grad_srcs, dtype=np.int64).reshape(-1, 2),
+                    grad_tasks=np.array(grad_tasks, dtype=np.int64).reshape(-1, GRAD_TASK_FIELDS),
+                    grad_srcs=np.array(grad_srcs, dtype=np.int64).reshape(-1, GRAD_SRC_FIELDS),
                     relays=trees, bytes_sent=sent)

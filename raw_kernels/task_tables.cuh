@@ -1,0 +1,9 @@
+// Row widths of the transfer task tables, shared by the schedule compiler (schedule.cu)
+// and the transfer kernels (transfer.cu). ultraep/transfer/schedule.py defines every
+// field and holds the same widths (TABLE_WIDTHS); a CPU test compares the two.
+#pragma once
+
+#define WEIGHT_TASK_FIELDS 8  // src_ref, chunk, tile_begin, tile_end, dest_begin, dest_end, wait_slot, publish
+#define DEST_FIELDS 3         // rank, slot_heap_offset, flag_slot
+#define GRAD_TASK_FIELDS 5    // dst_ref, byte_offset, nbytes, src_begin, src_end
+#define GRAD_SRC_FIELDS 2     // rank, heap_offset
