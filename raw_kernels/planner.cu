@@ -535,7 +535,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
 #pragma unroll 1
     for (int i = tid; i < columns; i += THREADS) partial[i] = 0;
     if (tid == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"((unsigned)__cvta_generic_to_shared(cap_signal)) : "memory");
+        mbarrier_init(cap_signal, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // before the cluster barrier below
     }
     __syncthreads();
@@ -678,8 +678,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             if (cap_round && probe == 0) send_cap_outcome(count, moves, best_moves, cap_count, cap_signal);
         }
         if (cap_round) {
-            mbarrier_wait<true>((unsigned)__cvta_generic_to_shared(cap_signal), 0,
-                                "the cap probe's outcome (sent by warp 0 of cluster block 0)");
+            mbarrier_wait<true>(cap_signal, 0, "the cap probe's outcome (sent by warp 0 of cluster block 0)");
             cap_round = false;
             if (*cap_count >= 0) {  // the other probes' results are not needed (nor published)
                 hi = lo + 1;

@@ -27,6 +27,19 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
+// -- Shared-memory barriers (mbarrier, sm_90) ----------------------------------------------
+// The 32-bit shared-window address that mbarrier and bulk-copy instructions take.
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// A barrier whose phases complete after `arrivals` arrivals (and the bytes announced).
+__device__ __forceinline__ void mbarrier_init(u64* bar, unsigned arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(shared_address(bar)), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(shared_address(bar)) : "memory");
+}
+
 // Unless the caller knows a longer legitimate wait (a wait behind a peer's flag), a phase
 // of a block's own mbarrier that does not complete within this time is a bug: the wait
 // reports it and traps rather than hang (a time-sliced context is descheduled for
@@ -44,7 +57,7 @@ __device__ __noinline__ void mbarrier_timed_out(const char* what, unsigned parit
     __trap();
 }
 
-// Whether the phase of parity `parity` of the mbarrier at shared address `bar` completed
+// Whether the phase of parity `parity` of the mbarrier at shared-window address `bar` completed
 // (the thread may be suspended a while first). CLUSTER_ACQUIRE: what other blocks of the
 // cluster delivered through it (st.async, bulk copies) is visible afterwards.
 template <bool CLUSTER_ACQUIRE>
@@ -59,12 +72,14 @@ __device__ __forceinline__ bool mbarrier_try_wait(unsigned bar, unsigned parity)
     return done;
 }
 
-// Waits for that phase; `what` names it in the timeout's message.
+// Waits for the phase of parity `parity` of barrier `bar`; `what` names it in the timeout's
+// message.
 template <bool CLUSTER_ACQUIRE = false>
-__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity, const char* what,
+__device__ __forceinline__ void mbarrier_wait(u64* bar, unsigned parity, const char* what,
                                               u64 timeout_ns = MBARRIER_TIMEOUT_NS) {
-    if (mbarrier_try_wait<CLUSTER_ACQUIRE>(bar, parity)) return;
+    const unsigned address = shared_address(bar);
+    if (mbarrier_try_wait<CLUSTER_ACQUIRE>(address, parity)) return;
     const u64 start = global_timer_ns();
-    while (!mbarrier_try_wait<CLUSTER_ACQUIRE>(bar, parity))
+    while (!mbarrier_try_wait<CLUSTER_ACQUIRE>(address, parity))
         if (global_timer_ns() - start > timeout_ns) mbarrier_timed_out(what, parity, timeout_ns);
 }

@@ -7,7 +7,7 @@
 
 #include <cuda_bf16.h>
 
-#include "sync.cuh"
+#include "bulk_copy.cuh"
 #include "task_tables.cuh"
 
 typedef long long i64;
@@ -22,39 +22,12 @@ typedef long long i64;
 #define SYNC_WRITE_LAG 2      // pieces whose stores may still be landing before they are handed to the counting warp
 #define HANDOFF 16            // storing -> counting warp ring (> SYNC_WRITE_LAG)
 
-// -- Hopper bulk copy engine and shared-memory barriers (PTX ISA 8.0, sm_90) -------------
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void barrier_init(u64* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void barrier_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
-}
 // Waits for the phase of parity `use & 1`, i.e. the barrier's use-th completion (0-based).
 // Every arrive it waits for comes from this block, but the block may itself be waiting for
 // a peer's chunk flag (a relay), for up to the sync's timeout: `limit_ns` allows that and
 // more (SyncShared::wait_limit_ns).
 __device__ __forceinline__ void barrier_wait(u64* bar, int use, const char* what, u64 limit_ns) {
-    mbarrier_wait(smem_addr(bar), use & 1, what, limit_ns);
-}
-// Arrive once and expect `bytes` from the bulk engine: the phase completes when both happened.
-__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, unsigned bytes, u64* bar) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(smem_addr(smem_dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, unsigned bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 :: "l"(dst), "r"(smem_addr(smem_src)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void bulk_wait_read() {  // all but N groups have read shared memory
-    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
-}
-template <int N> __device__ __forceinline__ void bulk_wait_done() {  // all but N groups have written global memory
-    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+    mbarrier_wait(bar, use & 1, what, limit_ns);
 }
 // Starts pulling a line of a small read-only table into L1, so a dependent look-up later hits it.
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
@@ -184,9 +157,9 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
         s.job[stage] = PieceJob{src, s.slot_offset[tensor] + tile_offset + begin, task_id, static_cast<int>(task[1]),
                                 chunk_bytes, task[7] != 0, next >= min(last, task_stop), static_cast<int>(task[4]),
                                 static_cast<int>(task[5]), bulk_bytes, nbytes};
-        barrier_arrive(&s.posted[stage]);
+        mbarrier_arrive(&s.posted[stage]);
         if (bulk_bytes) bulk_load(stage_mem + stage * stage_bytes, reinterpret_cast<const void*>(src), bulk_bytes, &s.full[stage]);
-        else barrier_arrive(&s.full[stage]);
+        else mbarrier_arrive(&s.full[stage]);
         ++filled;
         u = piece_end;
     }
@@ -194,8 +167,8 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
     if (filled >= stages)
         barrier_wait(&s.empty[stage], filled / stages - 1, "weight_sync: a free stage", s.wait_limit_ns);
     s.job[stage].task = -1;
-    barrier_arrive(&s.posted[stage]);
-    barrier_arrive(&s.full[stage]);
+    mbarrier_arrive(&s.posted[stage]);
+    mbarrier_arrive(&s.full[stage]);
 }
 
 // Storing warp -> counting warp: entry n of the ring (its slot is free once entry n - HANDOFF was taken).
@@ -245,13 +218,13 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
         __syncwarp();
         if (lane == 0) {
             bulk_wait_read<SYNC_READ_LAG>();
-            for (; released <= issued - SYNC_READ_LAG; ++released) barrier_arrive(&s.empty[released % stages]);
+            for (; released <= issued - SYNC_READ_LAG; ++released) mbarrier_arrive(&s.empty[released % stages]);
             pending = pending << 1 | static_cast<unsigned>(job.publish);
             if (pending >> SYNC_WRITE_LAG) {  // handed pieces issued SYNC_WRITE_LAG or more pieces ago
                 bulk_wait_done<SYNC_WRITE_LAG>();
                 fence_async_global();
                 for (int n = __popc(pending >> SYNC_WRITE_LAG); n > 0; --n, ++landed)
-                    barrier_arrive(&s.landed[landed % HANDOFF]);
+                    mbarrier_arrive(&s.landed[landed % HANDOFF]);
                 pending &= (1u << SYNC_WRITE_LAG) - 1;
             }
         }
@@ -259,9 +232,9 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
     if (lane == 0) {
         bulk_wait_done<0>();
         if (pending) fence_async_global();
-        for (; landed < handed; ++landed) barrier_arrive(&s.landed[landed % HANDOFF]);
+        for (; landed < handed; ++landed) mbarrier_arrive(&s.landed[landed % HANDOFF]);
         hand_over(s, handed, PieceJob{0, 0, -1});
-        barrier_arrive(&s.landed[handed % HANDOFF]);
+        mbarrier_arrive(&s.landed[handed % HANDOFF]);
     }
 }
 
@@ -275,7 +248,7 @@ __device__ void count_pieces(SyncShared& s, const i64* dests, const u64* peer_ba
     for (int n = 0;; ++n) {
         barrier_wait(&s.landed[n % HANDOFF], n / HANDOFF, "weight_sync: a piece to count", s.wait_limit_ns);
         const PieceJob job = s.handoff[n % HANDOFF];
-        barrier_arrive(&s.taken[n % HANDOFF]);
+        mbarrier_arrive(&s.taken[n % HANDOFF]);
         if (job.task < 0) return;
         run += job.nbytes;
         if (!job.last_in_chunk) continue;
@@ -328,13 +301,13 @@ weight_sync(const i64* tasks, const int* task_count, int chunk_tiles, const i64*
         s.skip = *reinterpret_cast<volatile u64*>(status) != 0;
         s.wait_limit_ns = timeout_ns + MBARRIER_TIMEOUT_NS;
         for (int q = 0; q < stages; ++q) {
-            barrier_init(&s.posted[q]);
-            barrier_init(&s.full[q]);
-            barrier_init(&s.empty[q]);
+            mbarrier_init(&s.posted[q], 1);
+            mbarrier_init(&s.full[q], 1);
+            mbarrier_init(&s.empty[q], 1);
         }
         for (int q = 0; q < HANDOFF; ++q) {
-            barrier_init(&s.landed[q]);
-            barrier_init(&s.taken[q]);
+            mbarrier_init(&s.landed[q], 1);
+            mbarrier_init(&s.taken[q], 1);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the bulk engine
     }

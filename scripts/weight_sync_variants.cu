@@ -1,7 +1,9 @@
 // Prototype kernels for issue 4 (scripts/weight_sync_variants.py): fan-out copies of one
 // buffer to f destinations, without tasks or signalling, to find which access pattern
 // moves HBM bytes fastest.
-typedef unsigned long long u64;
+// raw_kernels/bulk_copy.cuh, inlined by runtime.kernels.inline_local_includes:
+#include "bulk_copy.cuh"
+
 typedef long long i64;
 
 template <int LD> __device__ __forceinline__ uint4 load16(const uint4* p) {
@@ -81,17 +83,6 @@ __global__ void split_fanout(const uint4* src, const u64* dsts, i64 n16, int f, 
 }
 
 // -- bulk copy engine variant ---------------------------------------------------------------
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void bar_init(u64* b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(b)) : "memory"); }
-__device__ __forceinline__ void bar_arrive(u64* b) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(b)) : "memory"); }
-__device__ __forceinline__ void bar_wait(u64* b, int use) {
-    unsigned done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(smem_addr(b)), "r"(use & 1) : "memory");
-    } while (!done);
-}
-
 // Warp 0 lane 0 loads pieces into stages; warp 1 stores them: SPREAD 0 lane 0 issues every
 // destination's store, SPREAD 1 lane d issues destination d's (own bulk groups).
 // ORDER 0: pieces interleaved over blocks; 1: contiguous block ranges.
@@ -100,7 +91,7 @@ __global__ void bulk_fanout(const char* src, const u64* dsts, i64 nbytes, int f,
     extern __shared__ __align__(128) unsigned char stage_mem[];
     __shared__ u64 full[16], empty[16];
     if (threadIdx.x == 0) {
-        for (int q = 0; q < stages; ++q) { bar_init(&full[q]); bar_init(&empty[q]); }
+        for (int q = 0; q < stages; ++q) { mbarrier_init(&full[q], 1); mbarrier_init(&empty[q], 1); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -116,27 +107,24 @@ __global__ void bulk_fanout(const char* src, const u64* dsts, i64 nbytes, int f,
         int n = 0;
         for (i64 p = first; p < last; p += step, ++n) {
             const int s = n % stages;
-            if (n >= stages) bar_wait(&empty[s], n / stages - 1);
+            if (n >= stages) mbarrier_wait(&empty[s], (n / stages - 1) & 1, "a free stage");
             const unsigned bytes = static_cast<unsigned>(min((i64)piece, nbytes - p * piece));
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(&full[s])), "r"(bytes) : "memory");
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                         :: "r"(smem_addr(stage_mem + s * piece)), "l"(src + p * piece), "r"(bytes), "r"(smem_addr(&full[s])) : "memory");
+            bulk_load(stage_mem + s * piece, src + p * piece, bytes, &full[s]);
         }
     } else if (threadIdx.x / 32 == 1) {
         int n = 0;
         for (i64 p = first; p < last; p += step, ++n) {
             const int s = n % stages;
-            bar_wait(&full[s], n / stages);
+            mbarrier_wait(&full[s], (n / stages) & 1, "a loaded stage");
             const unsigned bytes = static_cast<unsigned>(min((i64)piece, nbytes - p * piece));
             for (int d = SPREAD ? lane : 0; d < f && (SPREAD || lane == 0); d += SPREAD ? 32 : 1)
-                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                             :: "l"(__ldg(dsts + d) + p * piece), "r"(smem_addr(stage_mem + s * piece)), "r"(bytes) : "memory");
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+                bulk_store(reinterpret_cast<char*>(__ldg(dsts + d)) + p * piece, stage_mem + s * piece, bytes);
+            bulk_commit();
+            bulk_wait_read<1>();
             __syncwarp();
-            if (lane == 0 && n >= 1) bar_arrive(&empty[(n - 1) % stages]);
+            if (lane == 0 && n >= 1) mbarrier_arrive(&empty[(n - 1) % stages]);
         }
-        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        bulk_wait_done<0>();
     }
 }
 

@@ -73,7 +73,7 @@ stream = lambda: cupy.cuda.get_current_stream().ptr  # noqa: E731
 names = ["reg_fanout<8, 0>", "reg_fanout<8, 1>", "reg_fanout<4, 0>", "split_fanout<8, 0, 0>", "split_fanout<8, 1, 0>",
          "split_fanout<8, 1, 8>", "split_fanout<8, 1, 4>", "split_fanout<16, 1, 0>", "bulk_fanout<0, 0>",
          "bulk_fanout<0, 1>", "bulk_fanout<1, 0>"]
-mod = cupy.RawModule(code=Path("scripts/weight_sync_variants.cu").read_text(), options=("--std=c++17",),
+mod = cupy.RawModule(code=inline_local_includes(Path("scripts/weight_sync_variants.cu")), options=("--std=c++17",),
                      name_expressions=names)
 mod.compile()
 fn = {n: mod.get_function(n) for n in names}

@@ -17,12 +17,11 @@ PROGRAM = textwrap.dedent('''
 
     source = inline_local_includes(kernel_source("sync.cuh")) + r"""
     extern "C" __global__ void wait_forever(int arrivals) {
-        __shared__ unsigned long long bar;
-        const unsigned address = (unsigned)__cvta_generic_to_shared(&bar);
-        if (threadIdx.x == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;" :: "r"(address) : "memory");
+        __shared__ u64 bar;
+        if (threadIdx.x == 0) mbarrier_init(&bar, 2);
         __syncthreads();
-        if (threadIdx.x < arrivals) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(address) : "memory");
-        mbarrier_wait(address, 0, "the test's second arrival");
+        if (threadIdx.x < arrivals) mbarrier_arrive(&bar);
+        mbarrier_wait(&bar, 0, "the test's second arrival");
     }
     """
     options = ("--std=c++17", "-DMBARRIER_TIMEOUT_NS=20000000ull")
