@@ -16,8 +16,8 @@ typedef long long i64;
 #define MAX_STAGES 16         // shared-memory stages per block; the launch picks how many (>= 2)
 #define MAX_TENSORS 8         // tensors per expert (host-checked)
 #define MAX_DESTS 128         // destinations of one source: replicas of an expert within a domain (host-checked)
+#define SRC_CACHED 128        // source-table entries copied into shared memory at start-up (the rest are read from global)
 #define FLAG_WRITER_BITS 16
-#define UNIT_BYTES 256        // blocks split the work in units of this size (tiles are multiples of it)
 #define SYNC_READ_LAG 1       // pieces whose stores may still be reading their stage (< stages)
 #define SYNC_WRITE_LAG 2      // pieces whose stores may still be landing before they are handed to the counting warp
 #define HANDOFF 16            // storing -> counting warp ring (> SYNC_WRITE_LAG)
@@ -39,8 +39,8 @@ __device__ __forceinline__ void store_relaxed_sys(u64* addr, u64 value) {  // af
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(addr), "l"(value) : "memory");
 }
 
-// One piece (a tile, or the part of it in this block's share, at most one stage), handed
-// from the loading warp to the storing warp (and on to the counting warp).
+// One piece (a tile: one stage), handed from the loading warp to the storing warp (and on
+// to the counting warp).
 struct PieceJob {
     u64 src;                // the piece in its source tensor
     i64 within_slot;        // where it lands inside a replica slot
@@ -62,6 +62,8 @@ struct SyncShared {
     PieceJob job[MAX_STAGES];
     PieceJob handoff[HANDOFF];
     unsigned char* dst[MAX_DESTS];     // replica-slot bases of the storing warp's current task
+    u64 src_ptr[SRC_CACHED];           // the source table's first entries
+    i64 first_row[WEIGHT_TASK_FIELDS]; // the loader's first task row
     i64 first_tile[MAX_TENSORS + 1];   // expert tile index where each tensor starts; [num_tensors]: tiles in all
     i64 tensor_bytes[MAX_TENSORS];
     i64 slot_offset[MAX_TENSORS];      // where each tensor starts inside a replica slot
@@ -99,69 +101,56 @@ __device__ i64 tile_range_bytes(const SyncShared& s, int num_tensors, i64 tile_b
     return bytes;
 }
 
-// Loading warp, one thread. Work is measured in units of UNIT_BYTES: task t owns units
-// [t * task_units, (t + 1) * task_units), chunk_tiles tiles of tile_units each (units past a
-// short tile's end or past a short chunk's last tile are empty). Each block takes an equal
-// contiguous share of the units, so every block moves the same bytes up to one unit, with
-// no atomics and no waiting for the next index. The share is cut into pieces (at most a
-// stage, never across a tile), each piece's bulk load started into the next free stage;
-// then an end marker.
+// Loading warp, one thread. The work is a grid of tile slots, chunk_tiles per task (slot
+// task * chunk_tiles + i is the chunk's tile i; slots past a short chunk's last tile are
+// empty), and block b takes slots b, b + G, b + 2G, ... (G blocks): at any time the blocks
+// stream neighbouring tiles, which the memory system serves faster than one contiguous
+// share per block. A tile is one piece (tile_bytes <= stage_bytes), its bulk load started
+// into the next free stage; then an end marker. s.first_row is the row of task
+// blockIdx.x / chunk_tiles, read by the kernel's start-up.
 __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages, int stage_bytes, const i64* tasks,
-                            int num_tasks, int chunk_tiles, int num_tensors, i64 tile_bytes, const u64* src_ptrs,
-                            const u64* peer_bases, int rank, u64 epoch, u64 timeout_ns, u64* status) {
-    const i64 tile_units = tile_bytes / UNIT_BYTES, task_units = chunk_tiles * tile_units;
-    const i64 num_units = num_tasks * task_units;
-    const i64 share = num_units / gridDim.x, extra = num_units % gridDim.x;
-    const i64 first = blockIdx.x * share + min(static_cast<i64>(blockIdx.x), extra);
-    const i64 last = first + share + (static_cast<i64>(blockIdx.x) < extra);
-    int filled = 0, task_id = -1, chunk_bytes = 0;
-    i64 task[WEIGHT_TASK_FIELDS], task_stop = 0;  // task_stop: past the current task's last non-empty unit
-    bool ready = false;          // the current task's chunk is there to be read (a relay waits for its flag)
-    for (i64 u = first; u < last;) {
-        if (u / task_units != task_id) {
-            task_id = static_cast<int>(u / task_units);
+                            int num_tasks, int chunk_tiles,
+                            int num_tensors, i64 tile_bytes, const u64* src_ptrs, const u64* peer_bases, int rank,
+                            u64 epoch, u64 timeout_ns, u64* status) {
+    const int num_slots = num_tasks * chunk_tiles;  // < 2**31 (host-checked)
+    int filled = 0, task_id = static_cast<int>(blockIdx.x) / chunk_tiles, chunk_bytes = 0;
+    i64 task[WEIGHT_TASK_FIELDS];
+    for (int f = 0; f < WEIGHT_TASK_FIELDS; ++f) task[f] = s.first_row[f];
+    bool ready = task[6] < 0;  // the current task's chunk is there to be read (a relay waits for its flag)
+    if (task[7]) chunk_bytes = static_cast<int>(tile_range_bytes(s, num_tensors, tile_bytes, task[2], task[3]));
+    for (int g = blockIdx.x; g < num_slots; g += gridDim.x) {
+        const int next = g + static_cast<int>(gridDim.x);
+        if (g / chunk_tiles != task_id) {
+            task_id = g / chunk_tiles;
             const i64* row = tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(task_id);
             for (int f = 0; f < WEIGHT_TASK_FIELDS; ++f) task[f] = __ldg(row + f);
-            if (task_id + 1 < num_tasks) prefetch_l1(tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(task_id + 1));
             ready = task[6] < 0;
-            chunk_bytes = static_cast<int>(tile_range_bytes(s, num_tensors, tile_bytes, task[2], task[3]));
-            const i64 last_tile_bytes = tile_range_bytes(s, num_tensors, tile_bytes, task[3] - 1, task[3]);
-            task_stop = task_id * task_units + (task[3] - 1 - task[2]) * tile_units +
-                        (last_tile_bytes + UNIT_BYTES - 1) / UNIT_BYTES;
+            if (task[7]) chunk_bytes = static_cast<int>(tile_range_bytes(s, num_tensors, tile_bytes, task[2], task[3]));
         }
-        const i64 unit_in_tile = (u - task_id * task_units) % tile_units;
-        const i64 k = task[2] + (u - task_id * task_units) / tile_units;
-        if (k >= task[3]) {  // the chunk has fewer tiles (an expert's last chunk)
-            u = (task_id + 1) * task_units;
-            continue;
-        }
+        if (next < num_slots && next / chunk_tiles != task_id)
+            prefetch_l1(tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(next / chunk_tiles));
+        const i64 k = task[2] + g % chunk_tiles;
+        if (k >= task[3]) continue;  // the chunk has fewer tiles (an expert's last chunk)
         int tensor = 0;
         for (int t = 1; t < num_tensors; ++t) tensor += k >= s.first_tile[t];
         const i64 tile_offset = (k - s.first_tile[tensor]) * tile_bytes;
-        const i64 tile_nbytes = min(tile_bytes, s.tensor_bytes[tensor] - tile_offset);
-        const i64 begin = unit_in_tile * UNIT_BYTES;
-        const i64 piece_end = min(last, min(u - unit_in_tile + tile_units, u + stage_bytes / UNIT_BYTES));
-        if (begin >= tile_nbytes) {  // past a short tile's end
-            u += tile_units - unit_in_tile;
-            continue;
-        }
+        const int nbytes = static_cast<int>(min(tile_bytes, s.tensor_bytes[tensor] - tile_offset));
         if (!ready && !(ready = wait_chunk_flag(reinterpret_cast<const u64*>(peer_bases[rank]), task[6], epoch, timeout_ns, status))) break;
-        const int nbytes = static_cast<int>(min((piece_end - u) * UNIT_BYTES, tile_nbytes - begin));
-        // where this task's next non-empty unit could start: a piece that ends a tile skips its empty tail
-        const i64 next = begin + nbytes < tile_nbytes ? piece_end : u - unit_in_tile + tile_units;
-        const u64 src = __ldg(src_ptrs + task[0] + tensor) + tile_offset + begin;
+        const i64 src_ref = task[0] + tensor;
+        const u64 src = (src_ref < SRC_CACHED ? s.src_ptr[src_ref] : __ldg(src_ptrs + src_ref)) + tile_offset;
         const int stage = filled % stages;
         if (filled >= stages)
             barrier_wait(&s.empty[stage], filled / stages - 1, "weight_sync: a free stage", s.wait_limit_ns);
         const int bulk_bytes = src % 16 ? 0 : nbytes & ~15;
-        s.job[stage] = PieceJob{src, s.slot_offset[tensor] + tile_offset + begin, task_id, static_cast<int>(task[1]),
-                                chunk_bytes, task[7] != 0, next >= min(last, task_stop), static_cast<int>(task[4]),
+        // the block's next slot is another chunk's, or an empty slot of this chunk (all later ones are too)
+        const bool last_in_chunk = next >= num_slots || next / chunk_tiles != task_id || task[2] + next % chunk_tiles >= task[3];
+        s.job[stage] = PieceJob{src, s.slot_offset[tensor] + tile_offset, task_id, static_cast<int>(task[1]),
+                                chunk_bytes, task[7] != 0, last_in_chunk, static_cast<int>(task[4]),
                                 static_cast<int>(task[5]), bulk_bytes, nbytes};
         mbarrier_arrive(&s.posted[stage]);
         if (bulk_bytes) bulk_load(stage_mem + stage * stage_bytes, reinterpret_cast<const void*>(src), bulk_bytes, &s.full[stage]);
         else mbarrier_arrive(&s.full[stage]);
         ++filled;
-        u = piece_end;
     }
     const int stage = filled % stages;
     if (filled >= stages)
@@ -186,7 +175,7 @@ __device__ __forceinline__ void hand_over(SyncShared& s, int n, const PieceJob& 
 __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int stages, int stage_bytes,
                              const i64* dests, const u64* peer_bases) {
     const int lane = threadIdx.x % 32;
-    int dst_task = -1, issued = 0, released = 0, handed = 0, landed = 0;
+    int dst_begin = -1, dst_end = -1, issued = 0, released = 0, handed = 0, landed = 0;  // [dst_begin, dst_end): in s.dst
     unsigned pending = 0;  // bit i: the piece issued i pieces ago was handed over and has not landed yet
     for (;; ++issued) {
         const int stage = issued % stages;
@@ -195,12 +184,13 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
         const PieceJob job = s.job[stage];
         if (job.task < 0) break;
         const int num_dests = job.dest_end - job.dest_begin;
-        if (job.task != dst_task) {
+        if (job.dest_begin != dst_begin || job.dest_end != dst_end) {  // tasks of one source share their destinations
             for (int d = lane; d < num_dests; d += 32) {
                 const i64* dest = dests + DEST_FIELDS * static_cast<i64>(job.dest_begin + d);
                 s.dst[d] = reinterpret_cast<unsigned char*>(__ldg(peer_bases + __ldg(dest)) + __ldg(dest + 1));
             }
-            dst_task = job.task;
+            dst_begin = job.dest_begin;
+            dst_end = job.dest_end;
             __syncwarp();
         }
         barrier_wait(&s.full[stage], issued / stages, "weight_sync: a piece's load", s.wait_limit_ns);
@@ -265,40 +255,62 @@ __device__ void count_pieces(SyncShared& s, const i64* dests, const u64* peer_ba
     }
 }
 
-// Persistent weight sync through the bulk copy engine. Each block takes an equal contiguous
-// share of the work (in UNIT_BYTES units); a piece is read once into a shared-memory stage
-// and stored from there to every destination. For a publishing task (a relay among its
-// destinations), per-chunk byte counts (done[task]) tell the block that finishes a chunk to
-// publish its flags (epoch << 16 | rank) at the destinations; other tasks are neither counted
-// nor flagged (the heap barrier after the sync orders them). A relay task waits (with a
-// timeout) for its own chunk flag before loading.
+// Persistent weight sync through the bulk copy engine. Blocks take tiles in turn; a tile is
+// read once into a shared-memory stage and stored from there to every destination. For a
+// publishing task (a relay among its destinations), per-chunk byte counts (done[task]) tell
+// the block that finishes a chunk to publish its flags (epoch << 16 | rank) at the
+// destinations; other tasks are neither counted nor flagged (the heap barrier after the sync
+// orders them). A relay task waits (with a timeout) for its own chunk flag before loading.
 // A timeout leaves chunks half counted: until the host has reported it (status) and zeroed
 // done[], later launches do nothing, so a half count can never publish a flag early.
 //
-// Start-up: the task count, the tensor table and the status are read at once, and the
-// source and peer tables are prefetched into L1 meanwhile, so a block's first bulk load
-// waits for two dependent reads (the count, then its first task row).
+// Start-up: one round trip of global reads before a block's first bulk load. The loading
+// thread reads the task count, the status and its first task row (block b's first slot is
+// task b / chunk_tiles, so no read waits for the count; `task_rows` is what the table
+// holds) while the other threads read the tensor table and the source table's first
+// SRC_CACHED entries into shared memory and prefetch the rest and the peer table into L1.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS)
-weight_sync(const i64* tasks, const int* task_count, int chunk_tiles, const i64* tensor_table, int num_tensors,
-            i64 tile_bytes, int stages, int stage_bytes, const i64* dests, const u64* src_ptrs, int num_src_ptrs,
-            const u64* peer_bases, int num_ranks, int rank, u64 epoch, int* done, u64 timeout_ns, u64* status) {
+weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_tiles, const i64* tensor_table,
+            int num_tensors, i64 tile_bytes, int stages, int stage_bytes, const i64* dests, const u64* src_ptrs,
+            int num_src_ptrs, const u64* peer_bases, int num_ranks, int rank, u64 epoch, int* done, u64 timeout_ns,
+            u64* status) {
     extern __shared__ __align__(128) unsigned char stage_mem[];  // stages x stage_bytes
     __shared__ SyncShared s;
-    const int num_tasks = *task_count;  // written on the device by the schedule compiler
     const int tid = threadIdx.x;
-    if (tid < num_tensors) {
-        s.first_tile[tid] = tensor_table[3 * tid];
-        s.tensor_bytes[tid] = tensor_table[3 * tid + 1];
-        s.slot_offset[tid] = tensor_table[3 * tid + 2];
-        if (tid == num_tensors - 1)
-            s.first_tile[num_tensors] = s.first_tile[tid] + (s.tensor_bytes[tid] + tile_bytes - 1) / tile_bytes;
+    // Every table read is issued before any is stored to shared memory (a store there may not
+    // be moved above a later load through a generic pointer), so they all take one round trip.
+    int num_tasks = 0;
+    u64 earlier_timeout = 0;
+    i64 row[WEIGHT_TASK_FIELDS], tensor[3];
+    u64 cached[SRC_CACHED / 64];
+    if (tid == 0) {
+        earlier_timeout = *reinterpret_cast<volatile u64*>(status);
+        num_tasks = *task_count;  // written on the device by the schedule compiler
+        const int first_task = min(static_cast<int>(blockIdx.x) / chunk_tiles, task_rows - 1);
+        for (int f = 0; f < WEIGHT_TASK_FIELDS; ++f) row[f] = __ldg(tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(first_task) + f);
     }
-    if (tid >= 32) {  // the storing and counting warps prefetch the tables the loader and they look up
-        for (int i = 16 * (tid - 32); i < num_src_ptrs; i += 16 * 64) prefetch_l1(src_ptrs + i);
+    if (tid < num_tensors)
+        for (int f = 0; f < 3; ++f) tensor[f] = __ldg(tensor_table + 3 * tid + f);
+    if (tid >= 32) {  // the storing and counting warps fetch the tables the loader and they look up
+#pragma unroll
+        for (int j = 0; j < SRC_CACHED / 64; ++j)
+            if (tid - 32 + 64 * j < num_src_ptrs) cached[j] = __ldg(src_ptrs + tid - 32 + 64 * j);
+        for (int i = SRC_CACHED + 16 * (tid - 32); i < num_src_ptrs; i += 16 * 64) prefetch_l1(src_ptrs + i);
         for (int i = 16 * (tid - 32); i < num_ranks; i += 16 * 64) prefetch_l1(peer_bases + i);
+#pragma unroll
+        for (int j = 0; j < SRC_CACHED / 64; ++j)
+            if (tid - 32 + 64 * j < num_src_ptrs) s.src_ptr[tid - 32 + 64 * j] = cached[j];
+    }
+    if (tid == 0)
+        for (int f = 0; f < WEIGHT_TASK_FIELDS; ++f) s.first_row[f] = row[f];
+    if (tid < num_tensors) {
+        s.first_tile[tid] = tensor[0];
+        s.tensor_bytes[tid] = tensor[1];
+        s.slot_offset[tid] = tensor[2];
+        if (tid == num_tensors - 1) s.first_tile[num_tensors] = tensor[0] + (tensor[1] + tile_bytes - 1) / tile_bytes;
     }
     if (tid == 0) {
-        s.skip = *reinterpret_cast<volatile u64*>(status) != 0;
+        s.skip = earlier_timeout != 0;
         s.wait_limit_ns = timeout_ns + MBARRIER_TIMEOUT_NS;
         for (int q = 0; q < stages; ++q) {
             mbarrier_init(&s.posted[q], 1);
@@ -314,8 +326,8 @@ weight_sync(const i64* tasks, const int* task_count, int chunk_tiles, const i64*
     __syncthreads();
     if (s.skip) return;
     if (tid == 0)
-        load_pieces(s, stage_mem, stages, stage_bytes, tasks, num_tasks, chunk_tiles, num_tensors, tile_bytes, src_ptrs,
-                    peer_bases, rank, epoch, timeout_ns, status);
+        load_pieces(s, stage_mem, stages, stage_bytes, tasks, num_tasks, chunk_tiles, num_tensors,
+                    tile_bytes, src_ptrs, peer_bases, rank, epoch, timeout_ns, status);
     else if (tid / 32 == 1)
         store_pieces(s, stage_mem, stages, stage_bytes, dests, peer_bases);
     else if (tid == 64)

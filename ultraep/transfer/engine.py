@@ -35,12 +35,10 @@ from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, com
 from ultraep.transfer.spec import ExpertSpec
 
 DEFAULT_TILE_BYTES = 32 << 10
-MAX_TILE_BYTES = 32 << 10
-SYNC_PIECE_BYTES = 32 << 10  # most bytes one bulk load / store moves (a tile or part of one)
+MAX_TILE_BYTES = 32 << 10   # the weight-sync kernel loads a tile into one shared-memory stage
 SYNC_MAX_STAGES = 16         # transfer.cu MAX_STAGES
 SYNC_BLOCKS_PER_SM = 3
 SYNC_THREADS = 96            # transfer.cu SYNC_THREADS: a loading, a storing and a counting warp
-SYNC_UNIT_BYTES = 256        # transfer.cu UNIT_BYTES: blocks share the work in these units
 MAX_TENSORS_PER_EXPERT = 8     # MAX_TENSORS in transfer.cu
 MAX_REPLICAS_PER_EXPERT = 128  # MAX_DESTS in transfer.cu
 _STATUS_FIELDS = 4
@@ -87,7 +85,6 @@ class WeightTransfer:
             name = "reduce_grads<__nv_bfloat16>" if spec.grad_dtype.name == "bfloat16" else "reduce_grads<float>"
             self._reduce_kernel = get_function("transfer.cu", name, group=group)
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
-            self._piece_bytes = min(tile_bytes, SYNC_PIECE_BYTES)
             props = cupy.cuda.runtime.getDeviceProperties(heap.device)
             self._sm_shared, self._block_reserved = props["sharedMemPerMultiprocessor"], props["reservedSharedMemPerBlock"]
             self._sync_static_shared = self._sync_kernel.attributes["shared_size_bytes"]  # a driver query: once
@@ -110,10 +107,10 @@ class WeightTransfer:
         if self.gpu:
             tasks = len(self.device_schedule.weight_tasks)
             chunk_bytes = self.geometry.chunk_tiles * tile_bytes
-            group.raise_if_any(None if chunk_bytes < 2**31 and tasks * chunk_bytes // SYNC_UNIT_BYTES < 2**31 else
+            group.raise_if_any(None if chunk_bytes < 2**31 and tasks * self.geometry.chunk_tiles < 2**31 else
                                f"{tasks} weight tasks x {self.geometry.chunk_tiles} tiles of {tile_bytes} bytes per "
-                               "chunk overflow the kernel's int32 chunk byte count or task index; use fewer tiles "
-                               "per chunk", "WeightTransfer set-up")
+                               "chunk overflow the kernel's int32 chunk byte count or tile slot index; use fewer "
+                               "tiles per chunk", "WeightTransfer set-up")
             # bytes of each task's chunk stored so far: zero between launches (the chunk's
             # finishing block resets it; after a timeout, synchronize() does)
             self._sync_done = cupy.zeros(tasks, dtype=np.int32)
@@ -219,23 +216,24 @@ class WeightTransfer:
     restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
 
     def _sync_stages(self, blocks: int) -> int:
-        """Stages of one piece each that fill a block's part of its SM's shared memory, the
+        """Stages of one tile each that fill a block's part of its SM's shared memory, the
         blocks spread evenly over the SMs (on the H200, one block per SM with six 32 KiB
         stages synced 2-4% faster at fan-out 2-8 than three blocks with two)."""
         blocks_per_sm = -(-blocks // self._sms)
         dynamic = min(self._sm_shared // blocks_per_sm - self._block_reserved - self._sync_static_shared,
                       self._block_dynamic)
-        return min(max(dynamic // self._piece_bytes, 2), SYNC_MAX_STAGES)
+        return min(max(dynamic // self.geometry.tile_bytes, 2), SYNC_MAX_STAGES)
 
     def _launch_sync(self, entry, tables: DeviceSchedule, blocks: int) -> None:
         stages = self._sync_stages(blocks)
         self._sync_kernel((blocks,), (SYNC_THREADS,), (
-            tables.weight_tasks, tables.weight_task_count, np.int32(self.geometry.chunk_tiles), self._tensor_table,
+            tables.weight_tasks, tables.weight_task_count, np.int32(len(tables.weight_tasks)),
+            np.int32(self.geometry.chunk_tiles), self._tensor_table,
             np.int32(len(self.spec.weights)), np.int64(self.geometry.tile_bytes), np.int32(stages),
-            np.int32(self._piece_bytes), tables.dests, entry["sources"], np.int32(len(entry["sources"])),
+            np.int32(self.geometry.tile_bytes), tables.dests, entry["sources"], np.int32(len(entry["sources"])),
             self.heap.peer_bases, np.int32(self.heap.size), np.int32(self.rank), np.uint64(self._epoch),
             self._sync_done, np.uint64(int(self.timeout_s * 1e9)), self._status),
-            shared_mem=stages * self._piece_bytes)
+            shared_mem=stages * self.geometry.tile_bytes)
 
     def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
