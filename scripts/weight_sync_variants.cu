@@ -128,6 +128,82 @@ __global__ void bulk_fanout(const char* src, const u64* dsts, i64 nbytes, int f,
     }
 }
 
+// -- bulk loads, stores split between the bulk engine and the lanes ------------------------
+// Warp 0 lane 0 loads pieces into stages (bulk engine); warp 1 lane 0 bulk-stores the first
+// tma_share/256 of the piece's f x bytes (destination-major); warps 2.. store the rest from
+// shared memory through registers (ld.shared/st.global, 4 x 16 B in flight per lane). HINT 1:
+// bulk stores with an L2 evict_first policy. Pieces interleaved over blocks.
+__device__ __forceinline__ void bulk_store_evict_first(void* dst, const void* smem_src, unsigned bytes, u64 policy) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;"
+                 :: "l"(dst), "r"(shared_address(smem_src)), "r"(bytes), "l"(policy) : "memory");
+}
+// Bytes of a piece's f x bytes (destination-major) that the bulk engine stores.
+__device__ __forceinline__ i64 bulk_part(int f, i64 bytes, int tma_share) { return (f * bytes * tma_share / 256) & ~15ll; }
+template <int HINT>
+__global__ void hybrid_fanout(const char* src, const u64* dsts, i64 nbytes, int f, int piece, int stages, int tma_share) {
+    extern __shared__ __align__(128) unsigned char stage_mem[];
+    __shared__ u64 full[16], empty[16];
+    const int lsu_warps = blockDim.x / 32 - 2;
+    if (threadIdx.x == 0) {
+        for (int q = 0; q < stages; ++q) { mbarrier_init(&full[q], 1); mbarrier_init(&empty[q], 1 + lsu_warps); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const i64 pieces = (nbytes + piece - 1) / piece;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) {
+        int n = 0;
+        for (i64 p = blockIdx.x; p < pieces; p += gridDim.x, ++n) {
+            const int s = n % stages;
+            if (n >= stages) mbarrier_wait(&empty[s], (n / stages - 1) & 1, "a free stage");
+            const unsigned bytes = static_cast<unsigned>(min((i64)piece, nbytes - p * piece));
+            bulk_load(stage_mem + s * piece, src + p * piece, bytes, &full[s]);
+        }
+    } else if (warp == 1) {
+        u64 policy = 0;
+        if (HINT) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+        int n = 0;
+        for (i64 p = blockIdx.x; p < pieces; p += gridDim.x, ++n) {
+            const int s = n % stages;
+            mbarrier_wait(&full[s], (n / stages) & 1, "a loaded stage");
+            const i64 bytes = min((i64)piece, nbytes - p * piece), tma = bulk_part(f, bytes, tma_share);
+            if (lane == 0) {
+                for (int d = 0; d < f && d * bytes < tma; ++d) {
+                    char* dst = reinterpret_cast<char*>(__ldg(dsts + d)) + p * piece;
+                    const unsigned b = static_cast<unsigned>(min(bytes, tma - d * bytes));
+                    if (HINT) bulk_store_evict_first(dst, stage_mem + s * piece, b, policy);
+                    else bulk_store(dst, stage_mem + s * piece, b);
+                }
+                bulk_commit();
+                bulk_wait_read<1>();
+                if (n >= 1) mbarrier_arrive(&empty[(n - 1) % stages]);
+            }
+        }
+        if (lane == 0) bulk_wait_done<0>();
+    } else if (warp >= 2) {
+        const int w = warp - 2;
+        int n = 0;
+        for (i64 p = blockIdx.x; p < pieces; p += gridDim.x, ++n) {
+            const int s = n % stages;
+            mbarrier_wait(&full[s], (n / stages) & 1, "a loaded stage");
+            const i64 bytes = min((i64)piece, nbytes - p * piece), tma = bulk_part(f, bytes, tma_share);
+            const uint4* stage = reinterpret_cast<const uint4*>(stage_mem + s * piece);
+            for (int d = static_cast<int>(tma / bytes); d < f; ++d) {
+                uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(__ldg(dsts + d)) + p * piece);
+                const i64 lo = max((i64)0, tma - d * bytes) / 16, hi = bytes / 16;
+                i64 i = lo + w * 128 + lane;
+                for (; i + 96 < hi; i += lsu_warps * 128) {
+                    const uint4 a = stage[i], b = stage[i + 32], c = stage[i + 64], e = stage[i + 96];
+                    dst[i] = a; dst[i + 32] = b; dst[i + 64] = c; dst[i + 96] = e;
+                }
+                for (; i < hi; i += 32) dst[i] = stage[i];
+            }
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&empty[s]);
+        }
+    }
+}
+
 template __global__ void reg_fanout<8, 0>(const uint4*, const u64*, i64, int);
 template __global__ void reg_fanout<8, 1>(const uint4*, const u64*, i64, int);
 template __global__ void reg_fanout<4, 0>(const uint4*, const u64*, i64, int);
@@ -139,3 +215,5 @@ template __global__ void split_fanout<16, 1, 0>(const uint4*, const u64*, i64, i
 template __global__ void bulk_fanout<0, 0>(const char*, const u64*, i64, int, int, int);
 template __global__ void bulk_fanout<0, 1>(const char*, const u64*, i64, int, int, int);
 template __global__ void bulk_fanout<1, 0>(const char*, const u64*, i64, int, int, int);
+template __global__ void hybrid_fanout<0>(const char*, const u64*, i64, int, int, int, int);
+template __global__ void hybrid_fanout<1>(const char*, const u64*, i64, int, int, int, int);

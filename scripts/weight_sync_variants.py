@@ -35,12 +35,21 @@ Findings (H200, 29 Nov 2026; vs d2d at fan-out 1/2/4/8, best grid of each):
   3.8-4.2/4.6-5.7 us saved. Left to the bare bulk kernel (pieces in turn): 3.1-3.4/
   2.5-3.1/3.9-4.4/4.4-6.4 us; to the bare kernel with contiguous shares: 2.6-2.7/
   2.0-2.4/1.7-2.6/1.0-2.0 us (three runs).
-- Tried on top of it, both within noise or worse, so not kept (``WS_BASELINE`` compares
+- Tried on top of it, both within noise or worse, so not kept (``WS_VARIANTS`` compares
   a working-tree kernel with another transfer.cu in one run): destinations looked up once
   per source instead of once per chunk (26.1 -> 25.7, 35.6 -> 35.7, 55.0 -> 54.9,
   94.4 -> 95.0 us); the bare kernel's order in weight_sync (whole tiles in turn, the
   leftover slots in contiguous unit shares): 26.4/36.9/56.0/95.3 us against 26.0/35.6/
   55.1/95.0 (bench 0.81/0.80/0.83/0.85 against 0.84/0.84/0.84/0.86).
+- 2026-12-01 (``hybrid_fanout``: bulk loads, each piece's f x bytes split between bulk
+  stores and lanes storing from shared memory through registers, 2-8 storing warps): no
+  split beat the bulk engine alone (f=1: 0.93 for every split, 0.91-0.93 with lanes only;
+  f=8: 0.90-0.93 for all), so the engine is not the limit. An L2 evict_first policy on the
+  bulk stores: +1-2 % at f=4/8 and -1-3 % at f=2 in the bare kernel, within noise in
+  weight_sync; a read lag of 2: 1-2 % slower. weight_sync now takes whole tiles in turn
+  with one round trip of table reads at start-up: 24.9/35.2/53.4/94.0 us (0.86/0.85/0.89/
+  0.89 of d2d) against 26.8/36.6-36.8/57.1/95.8-96.6 before; the bare kernel 22.7-23.6/
+  32.9-34.0/51.3-53.1/89.1-91.2 (scripts/weight_sync_timeline.py shows where the rest goes).
 """
 import json
 import os
@@ -72,18 +81,21 @@ stream = lambda: cupy.cuda.get_current_stream().ptr  # noqa: E731
 
 names = ["reg_fanout<8, 0>", "reg_fanout<8, 1>", "reg_fanout<4, 0>", "split_fanout<8, 0, 0>", "split_fanout<8, 1, 0>",
          "split_fanout<8, 1, 8>", "split_fanout<8, 1, 4>", "split_fanout<16, 1, 0>", "bulk_fanout<0, 0>",
-         "bulk_fanout<0, 1>", "bulk_fanout<1, 0>"]
+         "bulk_fanout<0, 1>", "bulk_fanout<1, 0>", "hybrid_fanout<0>", "hybrid_fanout<1>"]
 mod = cupy.RawModule(code=inline_local_includes(Path("scripts/weight_sync_variants.cu")), options=("--std=c++17",),
                      name_expressions=names)
 mod.compile()
 fn = {n: mod.get_function(n) for n in names}
 for n in names:
-    if n.startswith("bulk"):
+    if n.startswith(("bulk", "hybrid")):
         fn[n].max_dynamic_shared_size_bytes = 200 << 10
 ws_src = inline_local_includes(Path("raw_kernels/transfer.cu"))
 ws = {"weight_sync": ws_src}
-if os.environ.get("WS_BASELINE"):  # another transfer.cu (e.g. an earlier commit's, with its sync.cuh beside it)
-    ws["weight_sync_baseline"] = inline_local_includes(Path(os.environ["WS_BASELINE"]))
+# other transfer.cu files with the same kernel signature, "label=path,label=path" (their
+# includes are looked up beside them, then in raw_kernels/)
+for entry in filter(None, os.environ.get("WS_VARIANTS", "").split(",")):
+    label, path = entry.split("=")
+    ws[label] = inline_local_includes(Path(path))
 ws_fn = {}
 for k, code in ws.items():
     m = cupy.RawModule(code=code, options=("--std=c++17",))
@@ -129,7 +141,7 @@ def make(kind, f, cfg):
         wdone = cupy.zeros(nch, np.int32)
         status = cupy.zeros(4, np.uint64)
         stages, piece = extra
-        args = (tasks, cnt, np.int32(CT), ttab, np.int32(2), np.int64(TILE), np.int32(stages), np.int32(piece), dests,
+        args = (tasks, cnt, np.int32(nch), np.int32(CT), ttab, np.int32(2), np.int64(TILE), np.int32(stages), np.int32(piece), dests,
                 srcs, np.int32(2), peer, np.int32(9), np.int32(0), np.uint64(1), wdone, np.uint64(10**10), status)
         k = ws_fn[kind]
         SIGNALS[0] = (nch, wdone, status, publish)
@@ -139,6 +151,10 @@ def make(kind, f, cfg):
         return lambda: k((blocks,), (threads,), (src, dsts, np.int64(E // 16), np.int32(f))), dsts
     if kind.startswith("split"):
         return lambda: k((blocks,), (threads,), (src, dsts, np.int64(E // 16), np.int32(f), np.int64(extra), done)), dsts
+    if kind.startswith("hybrid"):
+        stages, piece, tma_share = extra
+        return lambda: k((blocks,), (threads,), (src, dsts, np.int64(E), np.int32(f), np.int32(piece), np.int32(stages),
+                                                 np.int32(tma_share)), shared_mem=stages * piece), dsts
     stages, piece = extra
     return lambda: k((blocks,), (64,), (src, dsts, np.int64(E), np.int32(f), np.int32(piece), np.int32(stages)),
                      shared_mem=stages * piece), dsts
@@ -169,10 +185,17 @@ VARIANTS = [  # (label, kernel, [(threads, blocks, extra)]); earlier runs in the
     ("reg_interleaved_u8", "reg_fanout<8, 0>", [(256, 528, 0)]),
     ("bulk_interleaved", "bulk_fanout<0, 0>", [(64, 132, (6, K32)), (64, 396, (4, K16))]),
     ("bulk_contig", "bulk_fanout<0, 1>", [(64, 132, (6, K32))]),
+    ("hybrid_all_bulk", "hybrid_fanout<0>", [(128, 132, (6, K32, 256))]),
+    ("hybrid_bulk_evict_first", "hybrid_fanout<1>", [(128, 132, (6, K32, 256))]),
+    ("hybrid_3/4_bulk_w2", "hybrid_fanout<0>", [(128, 132, (6, K32, 192))]),
+    ("hybrid_1/2_bulk_w2", "hybrid_fanout<0>", [(128, 132, (6, K32, 128))]),
+    ("hybrid_1/2_bulk_w4", "hybrid_fanout<0>", [(192, 132, (6, K32, 128))]),
+    ("hybrid_1/4_bulk_w4", "hybrid_fanout<0>", [(192, 132, (6, K32, 64))]),
+    ("hybrid_no_bulk_w4", "hybrid_fanout<0>", [(192, 132, (6, K32, 0))]),
+    ("hybrid_no_bulk_w8", "hybrid_fanout<0>", [(320, 132, (6, K32, 0))]),
     ("weight_sync", "weight_sync", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
     ("weight_sync_publish_all", "weight_sync+publish", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
-    ("weight_sync_baseline", "weight_sync_baseline", [(96, 132, (6, K32)), (96, 264, (3, K32)), (96, 396, (2, K32))]),
-]
+] + [(label, label, [(96, 132, (6, K32)), (96, 264, (3, K32))]) for label in ws if label != "weight_sync"]
 VARIANTS = [v for v in VARIANTS if v[1].removesuffix("+publish") in ws or not v[1].startswith("weight_sync")]
 if os.environ.get("VARIANTS"):  # a comma-separated subset of the labels
     VARIANTS = [v for v in VARIANTS if v[0] in os.environ["VARIANTS"].split(",")]
