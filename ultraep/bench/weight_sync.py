@@ -143,10 +143,12 @@ def run(args) -> int:
                 each.weight_sync(0, plan)  # compile, warm up, and check once, collectively
                 each.synchronize()
                 check_replicas(group, each, weights[0], fanout)
+            # Host barriers (a device-side one would keep 8 idle contexts spinning on the
+            # shared GPU, time-sliced against the kernels being measured): rank 0 measures
+            # alone, after every peer's check (copies and compares on the GPU) has ended.
+            group.barrier()
             if group.rank == 0:
                 rows.append(measure(engine, plan, weights[0], heap, scratch, fanout, expert_bytes, args))
-            # Host barrier: a device-side one would keep 8 idle contexts spinning on the
-            # shared GPU, time-sliced against the kernels being measured.
             group.barrier()
             group_columns(group, nccl, engine, engines[1] if len(engines) > 1 else None, plan, fanout, expert_bytes,
                           rows[-1] if group.rank == 0 else None, args)
