@@ -112,7 +112,7 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
                             int num_tasks, int chunk_tiles,
                             int num_tensors, i64 tile_bytes, const u64* src_ptrs, const u64* peer_bases, int rank,
                             u64 epoch, u64 timeout_ns, u64* status) {
-    const int num_slots = num_tasks * chunk_tiles;  // < 2**31 (host-checked)
+    const int num_slots = num_tasks * chunk_tiles;  // < 2**30 (host-checked), so g + gridDim.x cannot overflow
     int filled = 0, task_id = static_cast<int>(blockIdx.x) / chunk_tiles, chunk_bytes = 0;
     i64 task[WEIGHT_TASK_FIELDS];
     for (int f = 0; f < WEIGHT_TASK_FIELDS; ++f) task[f] = s.first_row[f];

@@ -107,7 +107,8 @@ class WeightTransfer:
         if self.gpu:
             tasks = len(self.device_schedule.weight_tasks)
             chunk_bytes = self.geometry.chunk_tiles * tile_bytes
-            group.raise_if_any(None if chunk_bytes < 2**31 and tasks * self.geometry.chunk_tiles < 2**31 else
+            # the kernel's int32 tile slots, with room for a slot plus the grid stride
+            group.raise_if_any(None if chunk_bytes < 2**31 and tasks * self.geometry.chunk_tiles < 2**30 else
                                f"{tasks} weight tasks x {self.geometry.chunk_tiles} tiles of {tile_bytes} bytes per "
                                "chunk overflow the kernel's int32 chunk byte count or tile slot index; use fewer "
                                "tiles per chunk", "WeightTransfer set-up")
