@@ -61,7 +61,7 @@ struct SyncShared {
     u64 taken[HANDOFF];       // the counting warp has read the entry
     PieceJob job[MAX_STAGES];
     PieceJob handoff[HANDOFF];
-    unsigned char* dst[MAX_DESTS];     // replica-slot bases of the storing warp's current task
+    unsigned char* dst[MAX_DESTS];     // replica-slot bases of the storing warp's current destination range
     u64 src_ptr[SRC_CACHED];           // the source table's first entries
     i64 first_row[WEIGHT_TASK_FIELDS]; // the loader's first task row
     i64 first_tile[MAX_TENSORS + 1];   // expert tile index where each tensor starts; [num_tensors]: tiles in all
@@ -167,11 +167,21 @@ __device__ __forceinline__ void hand_over(SyncShared& s, int n, const PieceJob& 
     s.handoff[n % HANDOFF] = job;
 }
 
+// Storing warp, lane 0: every piece handed to the counting warp has landed (all bulk stores
+// complete, made visible to the counting warp's fence and flags); `pending` is cleared.
+__device__ __forceinline__ void land_handed(SyncShared& s, unsigned& pending, int handed, int& landed) {
+    bulk_wait_done<0>();
+    if (pending) fence_async_global();
+    for (; landed < handed; ++landed) mbarrier_arrive(&s.landed[landed % HANDOFF]);
+    pending = 0;
+}
+
 // Storing warp: each piece goes from its stage to every destination by bulk stores (lane 0),
 // tails by all lanes. A stage is handed back once SYNC_READ_LAG newer pieces were issued and
 // its stores have read it. A piece of a publishing task goes to the counting warp once its
-// writes are complete (SYNC_WRITE_LAG pieces later), so no fence ever waits here for the bulk
-// engine's stores in flight; other pieces are never waited for before the kernel's end.
+// writes are complete: SYNC_WRITE_LAG pieces later, so no fence waits here for the bulk
+// engine's stores in flight while there is a next piece to issue, or as soon as the next
+// piece is not there yet. Other pieces are never waited for before the kernel's end.
 __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int stages, int stage_bytes,
                              const i64* dests, const u64* peer_bases) {
     const int lane = threadIdx.x % 32;
@@ -179,6 +189,11 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
     unsigned pending = 0;  // bit i: the piece issued i pieces ago was handed over and has not landed yet
     for (;; ++issued) {
         const int stage = issued % stages;
+        // The loader may be waiting for a peer's chunk flag (a relay task), and that peer for a
+        // chunk whose last pieces are pending here: before waiting for the next piece, those
+        // are counted. Otherwise two ranks could each wait for a chunk the other holds back.
+        if (lane == 0 && pending && !mbarrier_try_wait<false>(shared_address(&s.posted[stage]), (issued / stages) & 1))
+            land_handed(s, pending, handed, landed);
         // destinations are looked up while the piece lands
         barrier_wait(&s.posted[stage], issued / stages, "weight_sync: the next piece", s.wait_limit_ns);
         const PieceJob job = s.job[stage];
@@ -220,9 +235,7 @@ __device__ void store_pieces(SyncShared& s, const unsigned char* stage_mem, int 
         }
     }
     if (lane == 0) {
-        bulk_wait_done<0>();
-        if (pending) fence_async_global();
-        for (; landed < handed; ++landed) mbarrier_arrive(&s.landed[landed % HANDOFF]);
+        land_handed(s, pending, handed, landed);
         hand_over(s, handed, PieceJob{0, 0, -1});
         mbarrier_arrive(&s.landed[handed % HANDOFF]);
     }

@@ -11,7 +11,8 @@ RANKS = 4
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("check, grad_dtype", [("sync", "float32"), ("relay", "float32"), ("pipeline", "float32"),
+@pytest.mark.parametrize("check, grad_dtype", [("sync", "float32"), ("relay", "float32"), ("relay-grids", "float32"),
+                                               ("pipeline", "float32"),
                                                ("grads", "float32"),
                                                ("grads", "bfloat16"), ("empty", "float32"), ("repeat", "float32"),
                                                ("bad-input", "float32"), ("relay-timeout", "float32")])

@@ -1,6 +1,7 @@
 """Multi-rank data-plane check, run under mpiexec by tests/transfer/test_transfer.py.
 
-Usage: python -m mpi4py transfer_check.py {cpu|cuda} {sync|relay|pipeline|grads|empty|repeat|bad-input|relay-timeout}
+Usage: python -m mpi4py transfer_check.py {cpu|cuda} {sync|relay|relay-grids|pipeline|grads|empty|repeat|bad-input|
+       relay-timeout}
        [grad dtype]
 Every master's weights and every instance's gradients are a seeded function of (layer,
 expert, instance), so each rank checks what it holds without asking anyone.
@@ -217,6 +218,31 @@ def pipeline(_):
                 assert sum(group.allgather(run_sync(engine, 3, R - 1))) > 0, "no replica was ever placed"
 
 
+
+def relay_grids(_):
+    """Relays on every rank, synced by a few blocks: each block's tile slots run from its
+    rank's master chunks into relay chunks, which wait for peers' chunk flags. A block must
+    count the master chunks it has stored before it waits, or two ranks can each wait for a
+    chunk the other holds back (until the timeout). With 5 and 8 blocks, plans 12, 14 and 18
+    formed such cycles in a simulation of the kernel's piece order before the storing warp
+    handed its pending pieces over whenever the next piece was not there yet."""
+    for blocks in (5, 8):
+        with open_heap(group, 8 << 20, backend=backend) as heap, \
+                WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2, relay_threshold=1, relay_count=1,
+                               blocks=blocks, timeout_s=5.0) as engine:
+            register(engine)
+            relayed = 0
+            for seed in (12, 14, 18):
+                plan = random_plan(seed, R - 1)
+                poison_slots(engine)
+                heap.barrier()
+                engine.weight_sync(0, plan)
+                engine.synchronize()
+                check_replicas(engine, plan, 0)
+                relayed += sum(len(leaves) for tree in engine.schedule(plan).relays.values() for _, leaves in tree)
+            assert relayed > 0, "no plan had a leaf served by a relay: the relay path was not checked"
+
+
 def grads(heap):
     with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2) as engine:
         masters = register(engine)
@@ -391,6 +417,6 @@ def bad_input(heap):
 
 
 with open_heap(group, 8 << 20, backend=backend) as heap:
-    {"sync": sync, "relay": relay, "pipeline": pipeline, "grads": grads, "empty": empty, "repeat": repeat,
+    {"sync": sync, "relay": relay, "relay-grids": relay_grids, "pipeline": pipeline, "grads": grads, "empty": empty, "repeat": repeat,
      "bad-input": bad_input, "relay-timeout": relay_timeout}[check](heap)
 print(f"[{check}] rank {me} OK", flush=True)
