@@ -112,7 +112,7 @@ __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages,
                             int num_tasks, int chunk_tiles,
                             int num_tensors, i64 tile_bytes, const u64* src_ptrs, const u64* peer_bases, int rank,
                             u64 epoch, u64 timeout_ns, u64* status) {
-    const int num_slots = num_tasks * chunk_tiles;  // < 2**30 (host-checked), so g + gridDim.x cannot overflow
+    const int num_slots = num_tasks * chunk_tiles;  // < 2**30, and G <= 2**20 (host-checked): g + G fits
     int filled = 0, task_id = static_cast<int>(blockIdx.x) / chunk_tiles, chunk_bytes = 0;
     i64 task[WEIGHT_TASK_FIELDS];
     for (int f = 0; f < WEIGHT_TASK_FIELDS; ++f) task[f] = s.first_row[f];
@@ -280,8 +280,9 @@ __device__ void count_pieces(SyncShared& s, const i64* dests, const u64* peer_ba
 // Start-up: one round trip of global reads before a block's first bulk load. The loading
 // thread reads the task count, the status and its first task row (block b's first slot is
 // task b / chunk_tiles, so no read waits for the count; `task_rows` is what the table
-// holds) while the other threads read the tensor table and the source table's first
-// SRC_CACHED entries into shared memory and prefetch the rest and the peer table into L1.
+// holds) while the first num_tensors threads read the tensor table and the storing and
+// counting warps read the source table's first SRC_CACHED entries into shared memory and
+// prefetch the rest and the peer table into L1.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS)
 weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_tiles, const i64* tensor_table,
             int num_tensors, i64 tile_bytes, int stages, int stage_bytes, const i64* dests, const u64* src_ptrs,

@@ -393,6 +393,7 @@ def bad_input(heap):
         short = good[:-1] if me == 2 else good
         expect_error(lambda: engine.register_layer(0, short, grads0), "masters x")
         engine.register_layer(0, good, grads0)
+        expect_error(lambda: engine.weight_sync(0, random_plan(501, 2), blocks=-1), "blocks must be in")
         other = ExpertLayout(R, 2 * R, 2)
         other_plan = Plan.from_split(other, np.ones((R, 2 * R), np.int32),
                                      np.array([[other.master_slot(e)] + [-1] * (other.max_instances - 1)
@@ -414,6 +415,7 @@ def bad_input(heap):
         for j in range(LAYOUT.redundant_slots):  # nothing was written by the refused calls
             assert all(bool((to_host(v).view(np.uint8) == 0xA5).all()) for v in engine.replica_weights(j))
     expect_error(lambda: WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=1000), "tile_bytes")
+    expect_error(lambda: WeightTransfer(heap, LAYOUT, SPEC, blocks=1 << 30), "blocks must be in")
 
 
 with open_heap(group, 8 << 20, backend=backend) as heap:
