@@ -38,11 +38,16 @@ DEFAULT_TILE_BYTES = 32 << 10
 MAX_TILE_BYTES = 32 << 10   # the weight-sync kernel loads a tile into one shared-memory stage
 SYNC_MAX_STAGES = 16         # transfer.cu MAX_STAGES
 SYNC_BLOCKS_PER_SM = 3
-MAX_SYNC_BLOCKS = 1 << 20    # the kernel's int32 tile slot plus the grid stride must not overflow
+MAX_BLOCKS = 1 << 20         # the kernels' int32 task or tile slot plus the grid stride must not overflow
 SYNC_THREADS = 96            # transfer.cu SYNC_THREADS: a loading, a storing and a counting warp
 MAX_TENSORS_PER_EXPERT = 8     # MAX_TENSORS in transfer.cu
 MAX_REPLICAS_PER_EXPERT = 128  # MAX_DESTS in transfer.cu
 _STATUS_FIELDS = 4
+
+
+def grid_error(blocks: int | None) -> str | None:
+    """Why a requested grid (``blocks``; None: the engine's) cannot be launched, or None."""
+    return None if blocks is None or 0 < blocks <= MAX_BLOCKS else f"blocks must be in [1, {MAX_BLOCKS}], got {blocks}"
 
 
 class WeightTransfer:
@@ -61,8 +66,8 @@ class WeightTransfer:
             error = f"layout allows {layout.max_instances - 1} replicas per expert; the kernel handles {MAX_REPLICAS_PER_EXPERT}"
         elif relay_threshold < 1 or relay_count < 1:
             error = f"relay_threshold and relay_count must be >= 1, got {relay_threshold}, {relay_count}"
-        elif blocks is not None and not 0 < blocks <= MAX_SYNC_BLOCKS:
-            error = f"blocks must be in [1, {MAX_SYNC_BLOCKS}], got {blocks}"
+        elif grid_error(blocks):
+            error = grid_error(blocks)
         elif heap.backend == "cuda" and spec.grad_dtype.name not in ("bfloat16", "float32"):
             error = f"the GPU gradient reduction supports float32 and bfloat16 gradients, not {spec.grad_dtype}"
         group.raise_if_any(error, "WeightTransfer set-up")
@@ -207,8 +212,8 @@ class WeightTransfer:
         chunks relays forward are flagged (schedule.py, ``publish``)."""
         entry = self._layer(layer)
         self._check_plan(plan)
-        if blocks is not None and not 0 < blocks <= MAX_SYNC_BLOCKS:
-            raise ValueError(f"blocks must be in [1, {MAX_SYNC_BLOCKS}], got {blocks}")
+        if grid_error(blocks):
+            raise ValueError(grid_error(blocks))
         self._epoch += 1
         if self.gpu:
             self.device_schedule.compile_weights(plan)
@@ -245,6 +250,8 @@ class WeightTransfer:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
         entry = self._layer(layer)
         self._check_plan(plan)
+        if grid_error(blocks):
+            raise ValueError(grid_error(blocks))
         self.heap.barrier(self.timeout_s, wait=not self.gpu)  # every replica gradient is written
         if self.gpu:
             tables = self.device_schedule

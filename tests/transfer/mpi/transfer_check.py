@@ -218,7 +218,6 @@ def pipeline(_):
                 assert sum(group.allgather(run_sync(engine, 3, R - 1))) > 0, "no replica was ever placed"
 
 
-
 def relay_grids(_):
     """Relays on every rank, synced by a few blocks: each block's tile slots run from its
     rank's master chunks into relay chunks, which wait for peers' chunk flags. A block must
@@ -393,7 +392,8 @@ def bad_input(heap):
         short = good[:-1] if me == 2 else good
         expect_error(lambda: engine.register_layer(0, short, grads0), "masters x")
         engine.register_layer(0, good, grads0)
-        expect_error(lambda: engine.weight_sync(0, random_plan(501, 2), blocks=-1), "blocks must be in")
+        for transfer in (engine.weight_sync, engine.reduce_grads):
+            expect_error(lambda: transfer(0, random_plan(501, 2), blocks=-1), "blocks must be in")
         other = ExpertLayout(R, 2 * R, 2)
         other_plan = Plan.from_split(other, np.ones((R, 2 * R), np.int32),
                                      np.array([[other.master_slot(e)] + [-1] * (other.max_instances - 1)
@@ -419,6 +419,6 @@ def bad_input(heap):
 
 
 with open_heap(group, 8 << 20, backend=backend) as heap:
-    {"sync": sync, "relay": relay, "relay-grids": relay_grids, "pipeline": pipeline, "grads": grads, "empty": empty, "repeat": repeat,
-     "bad-input": bad_input, "relay-timeout": relay_timeout}[check](heap)
+    {"sync": sync, "relay": relay, "relay-grids": relay_grids, "pipeline": pipeline, "grads": grads, "empty": empty,
+     "repeat": repeat, "bad-input": bad_input, "relay-timeout": relay_timeout}[check](heap)
 print(f"[{check}] rank {me} OK", flush=True)
