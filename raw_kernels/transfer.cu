@@ -109,9 +109,8 @@ __device__ i64 tile_range_bytes(const SyncShared& s, int num_tensors, i64 tile_b
 // into the next free stage; then an end marker. s.first_row is the row of task
 // blockIdx.x / chunk_tiles, read by the kernel's start-up.
 __device__ void load_pieces(SyncShared& s, unsigned char* stage_mem, int stages, int stage_bytes, const i64* tasks,
-                            int num_tasks, int chunk_tiles,
-                            int num_tensors, i64 tile_bytes, const u64* src_ptrs, const u64* peer_bases, int rank,
-                            u64 epoch, u64 timeout_ns, u64* status) {
+                            int num_tasks, int chunk_tiles, int num_tensors, i64 tile_bytes, const u64* src_ptrs,
+                            const u64* peer_bases, int rank, u64 epoch, u64 timeout_ns, u64* status) {
     const int num_slots = num_tasks * chunk_tiles;  // < 2**30, and G <= 2**20 (host-checked): g + G fits
     int filled = 0, task_id = static_cast<int>(blockIdx.x) / chunk_tiles, chunk_bytes = 0;
     i64 task[WEIGHT_TASK_FIELDS];

@@ -66,8 +66,8 @@ class WeightTransfer:
             error = f"layout allows {layout.max_instances - 1} replicas per expert; the kernel handles {MAX_REPLICAS_PER_EXPERT}"
         elif relay_threshold < 1 or relay_count < 1:
             error = f"relay_threshold and relay_count must be >= 1, got {relay_threshold}, {relay_count}"
-        elif grid_error(blocks):
-            error = grid_error(blocks)
+        elif (bad_grid := grid_error(blocks)) is not None:
+            error = bad_grid
         elif heap.backend == "cuda" and spec.grad_dtype.name not in ("bfloat16", "float32"):
             error = f"the GPU gradient reduction supports float32 and bfloat16 gradients, not {spec.grad_dtype}"
         group.raise_if_any(error, "WeightTransfer set-up")
@@ -212,8 +212,8 @@ class WeightTransfer:
         chunks relays forward are flagged (schedule.py, ``publish``)."""
         entry = self._layer(layer)
         self._check_plan(plan)
-        if grid_error(blocks):
-            raise ValueError(grid_error(blocks))
+        if (bad_grid := grid_error(blocks)) is not None:
+            raise ValueError(bad_grid)
         self._epoch += 1
         if self.gpu:
             self.device_schedule.compile_weights(plan)
@@ -250,8 +250,8 @@ class WeightTransfer:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
         entry = self._layer(layer)
         self._check_plan(plan)
-        if grid_error(blocks):
-            raise ValueError(grid_error(blocks))
+        if (bad_grid := grid_error(blocks)) is not None:
+            raise ValueError(bad_grid)
         self.heap.barrier(self.timeout_s, wait=not self.gpu)  # every replica gradient is written
         if self.gpu:
             tables = self.device_schedule
