@@ -1,6 +1,7 @@
 // Hopper bulk copy engine (cp.async.bulk, PTX ISA 8.0, sm_90) between global and shared
-// memory, completed through mbarriers (sync.cuh) or bulk groups. Used by transfer.cu and
-// by the prototypes in scripts/weight_sync_variants.cu.
+// memory, completed through mbarriers (sync.cuh) or bulk groups. Used by the weight-sync
+// prototypes in scripts/weight_sync_variants.cu (transfer.cu's kernel before the register
+// copies of 2026-12-01 was built on it).
 #pragma once
 
 #include "sync.cuh"

@@ -42,7 +42,8 @@ def parse_args(argv):
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--ffn", type=int, default=1536)
     parser.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[132, 264, 396], help="weight-sync grid sizes to try")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[264, 396, 528],
+                        help="weight-sync grid sizes to try (256 threads each; at most 4 per SM)")
     parser.add_argument("--tile-kib", type=int, default=32)
     parser.add_argument("--chunk-tiles", type=int, default=4, help="tiles per chunk (one task, one flag)")
     parser.add_argument("--repeats", type=int, default=20)

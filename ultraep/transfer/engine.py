@@ -35,11 +35,10 @@ from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, com
 from ultraep.transfer.spec import ExpertSpec
 
 DEFAULT_TILE_BYTES = 32 << 10
-MAX_TILE_BYTES = 32 << 10   # the weight-sync kernel loads a tile into one shared-memory stage
-SYNC_MAX_STAGES = 16         # transfer.cu MAX_STAGES
-SYNC_BLOCKS_PER_SM = 3
-MAX_BLOCKS = 1 << 20         # the kernels' int32 task or tile slot plus the grid stride must not overflow
-SYNC_THREADS = 96            # transfer.cu SYNC_THREADS: a loading, a storing and a counting warp
+MAX_BLOCKS = 1 << 20         # the kernels' int32 task or piece slot plus the grid stride must not overflow
+SYNC_THREADS = 256           # transfer.cu SYNC_THREADS: eight copying warps
+SYNC_BLOCKS_PER_SM = 4       # transfer.cu SYNC_MIN_BLOCKS: its registers let this many blocks share an SM
+PIECE_BYTES = 4096           # transfer.cu PIECE_BYTES: what one warp copies at a time
 MAX_TENSORS_PER_EXPERT = 8     # MAX_TENSORS in transfer.cu
 MAX_REPLICAS_PER_EXPERT = 128  # MAX_DESTS in transfer.cu
 _STATUS_FIELDS = 4
@@ -58,8 +57,8 @@ class WeightTransfer:
         error = None
         if layout.num_ranks != heap.size:
             error = f"layout has {layout.num_ranks} ranks but the heap's group has {heap.size}"
-        elif not 0 < tile_bytes <= MAX_TILE_BYTES or tile_bytes % 256:
-            error = f"tile_bytes must be a multiple of 256 in (0, {MAX_TILE_BYTES}], got {tile_bytes}"
+        elif tile_bytes <= 0 or tile_bytes % 256:
+            error = f"tile_bytes must be a positive multiple of 256, got {tile_bytes}"
         elif len(spec.weights) > MAX_TENSORS_PER_EXPERT:
             error = f"an expert may have at most {MAX_TENSORS_PER_EXPERT} tensors, the spec has {len(spec.weights)}"
         elif layout.max_instances - 1 > MAX_REPLICAS_PER_EXPERT:
@@ -94,16 +93,13 @@ class WeightTransfer:
             self._reduce_kernel = get_function("transfer.cu", name, group=group)
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
             props = cupy.cuda.runtime.getDeviceProperties(heap.device)
-            self._sm_shared, self._block_reserved = props["sharedMemPerMultiprocessor"], props["reservedSharedMemPerBlock"]
-            self._sync_static_shared = self._sync_kernel.attributes["shared_size_bytes"]  # a driver query: once
-            self._block_dynamic = props["sharedMemPerBlockOptin"] - self._sync_static_shared
-            self._sync_kernel.max_dynamic_shared_size_bytes = self._block_dynamic  # any engine's stages
             first_tiles = np.searchsorted([t for t, _, _ in self.geometry.tiles], np.arange(len(spec.weights)))
             self._tensor_table = cupy.asarray(np.array(
                 [(first, w.nbytes, off) for first, w, off in zip(first_tiles, spec.weights, spec.weight_offsets)],
                 dtype=np.int64))
-            self._sms = props["multiProcessorCount"]
-            self.blocks = blocks or SYNC_BLOCKS_PER_SM * self._sms
+            self.max_sync_blocks = SYNC_BLOCKS_PER_SM * props["multiProcessorCount"]
+            group.raise_if_any(self._sync_grid_error(blocks), "WeightTransfer set-up")
+            self.blocks = blocks or self.max_sync_blocks
             # Replica-slot tensor pointers follow the masters in every layer's source table.
             self._slot_ptrs = [int(self._weights.local[s].data.ptr) + off
                                for s in range(layout.redundant_slots) for off in spec.weight_offsets]
@@ -115,13 +111,14 @@ class WeightTransfer:
         if self.gpu:
             tasks = len(self.device_schedule.weight_tasks)
             chunk_bytes = self.geometry.chunk_tiles * tile_bytes
-            # the kernel's int32 tile slots, with room for a slot plus the grid stride
-            group.raise_if_any(None if chunk_bytes < 2**31 and tasks * self.geometry.chunk_tiles < 2**30 else
+            pieces = tasks * self.geometry.chunk_tiles * -(-tile_bytes // PIECE_BYTES)
+            # the kernel's int32 piece slots, with room for a slot plus the grid stride
+            group.raise_if_any(None if chunk_bytes < 2**31 and pieces < 2**30 else
                                f"{tasks} weight tasks x {self.geometry.chunk_tiles} tiles of {tile_bytes} bytes per "
-                               "chunk overflow the kernel's int32 chunk byte count or tile slot index; use fewer "
-                               "tiles per chunk", "WeightTransfer set-up")
+                               "chunk overflow the kernel's int32 chunk byte count or piece slot index; use fewer "
+                               "or smaller tiles per chunk", "WeightTransfer set-up")
             # bytes of each task's chunk stored so far: zero between launches (the chunk's
-            # finishing block resets it; after a timeout, synchronize() does)
+            # finishing warp resets it; after a timeout, synchronize() does)
             self._sync_done = cupy.zeros(tasks, dtype=np.int32)
 
     # -- buffers the framework computes with ------------------------------------------
@@ -212,7 +209,7 @@ class WeightTransfer:
         chunks relays forward are flagged (schedule.py, ``publish``)."""
         entry = self._layer(layer)
         self._check_plan(plan)
-        if (bad_grid := grid_error(blocks)) is not None:
+        if (bad_grid := self._sync_grid_error(blocks)) is not None:
             raise ValueError(bad_grid)
         self._epoch += 1
         if self.gpu:
@@ -224,27 +221,24 @@ class WeightTransfer:
         if barrier:
             self.heap.barrier(self.timeout_s, wait=not self.gpu)
 
+    def _sync_grid_error(self, blocks: int | None) -> str | None:
+        """grid_error, and on the GPU no more blocks than are resident at once: a relay's
+        warps wait for chunks that its peers' blocks copy, so every block must be running
+        (other work on the GPU that takes SMs the whole time can still starve them)."""
+        if (error := grid_error(blocks)) is not None or not self.gpu or blocks is None or blocks <= self.max_sync_blocks:
+            return error
+        return (f"blocks must be at most {self.max_sync_blocks} for weight_sync on this GPU ({SYNC_BLOCKS_PER_SM} "
+                f"resident per SM), got {blocks}")
+
     restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
 
-    def _sync_stages(self, blocks: int) -> int:
-        """Stages of one tile each that fill a block's part of its SM's shared memory, the
-        blocks spread evenly over the SMs (on the H200, one block per SM with six 32 KiB
-        stages synced 2-4% faster at fan-out 2-8 than three blocks with two)."""
-        blocks_per_sm = -(-blocks // self._sms)
-        dynamic = min(self._sm_shared // blocks_per_sm - self._block_reserved - self._sync_static_shared,
-                      self._block_dynamic)
-        return min(max(dynamic // self.geometry.tile_bytes, 2), SYNC_MAX_STAGES)
-
     def _launch_sync(self, entry, tables: DeviceSchedule, blocks: int) -> None:
-        stages = self._sync_stages(blocks)
         self._sync_kernel((blocks,), (SYNC_THREADS,), (
             tables.weight_tasks, tables.weight_task_count, np.int32(len(tables.weight_tasks)),
-            np.int32(self.geometry.chunk_tiles), self._tensor_table,
-            np.int32(len(self.spec.weights)), np.int64(self.geometry.tile_bytes), np.int32(stages),
-            np.int32(self.geometry.tile_bytes), tables.dests, entry["sources"], np.int32(len(entry["sources"])),
-            self.heap.peer_bases, np.int32(self.heap.size), np.int32(self.rank), np.uint64(self._epoch),
-            self._sync_done, np.uint64(int(self.timeout_s * 1e9)), self._status),
-            shared_mem=stages * self.geometry.tile_bytes)
+            np.int32(self.geometry.chunk_tiles), self._tensor_table, np.int32(len(self.spec.weights)),
+            np.int64(self.geometry.tile_bytes), tables.dests, np.int32(len(tables.dests)), entry["sources"],
+            np.int32(len(entry["sources"])), self.heap.peer_bases, np.int32(self.heap.size), np.int32(self.rank), np.uint64(self._epoch), self._sync_done,
+            np.uint64(int(self.timeout_s * 1e9)), self._status))
 
     def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""

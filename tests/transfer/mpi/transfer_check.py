@@ -205,10 +205,10 @@ def hold_transfer(engine):
 
 
 def pipeline(_):
-    """One or two blocks stream every tile through 256-byte stages (stage reuse, the
-    hand-over rings wrapping, several tiles counted at once), direct and through relays,
-    from masters that are not 16-byte aligned. A heap holds one engine: each
-    configuration gets its own."""
+    """One or two blocks (8 or 16 warps, each taking many pieces) copy 256-byte tiles
+    (pieces shorter than a whole one: the vector-by-vector path), direct and through
+    relays, from masters that are not 16-byte aligned (the byte path). A heap holds one
+    engine: each configuration gets its own."""
     for blocks in (1, 2):
         for relay_threshold in (R, 1):
             with open_heap(group, 8 << 20, backend=backend) as heap, \
@@ -219,12 +219,12 @@ def pipeline(_):
 
 
 def relay_grids(_):
-    """Relays on every rank, synced by a few blocks: each block's tile slots run from its
-    rank's master chunks into relay chunks, which wait for peers' chunk flags. A block must
-    count the master chunks it has stored before it waits, or two ranks can each wait for a
+    """Relays on every rank, synced by a few blocks: each warp's piece slots run from its
+    rank's master chunks into relay chunks, which wait for peers' chunk flags. A warp must
+    count the master pieces it has stored before it waits, or two ranks can each wait for a
     chunk the other holds back (until the timeout). With 5 and 8 blocks, plans 12, 14 and 18
-    formed such cycles in a simulation of the kernel's piece order before the storing warp
-    handed its pending pieces over whenever the next piece was not there yet."""
+    formed such cycles in a simulation of the piece order of an earlier kernel (a652404
+    fixed it there), whose storing warp handed pieces to a counting warp two pieces late."""
     for blocks in (5, 8):
         with open_heap(group, 8 << 20, backend=backend) as heap, \
                 WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2, relay_threshold=1, relay_count=1,
@@ -394,6 +394,9 @@ def bad_input(heap):
         engine.register_layer(0, good, grads0)
         for transfer in (engine.weight_sync, engine.reduce_grads):
             expect_error(lambda: transfer(0, random_plan(501, 2), blocks=-1), "blocks must be in")
+        if backend == "cuda":  # more blocks than are resident could wait for blocks that never start
+            expect_error(lambda: engine.weight_sync(0, random_plan(501, 2), blocks=engine.max_sync_blocks + 1),
+                         "blocks must be at most")
         other = ExpertLayout(R, 2 * R, 2)
         other_plan = Plan.from_split(other, np.ones((R, 2 * R), np.int32),
                                      np.array([[other.master_slot(e)] + [-1] * (other.max_instances - 1)
