@@ -49,7 +49,14 @@ Findings (H200, 29 Nov 2026; vs d2d at fan-out 1/2/4/8, best grid of each):
   weight_sync; a read lag of 2: 1-2 % slower. weight_sync now takes whole tiles in turn
   with one round trip of table reads at start-up: 24.9/35.2/53.4/94.0 us (0.86/0.85/0.89/
   0.89 of d2d) against 26.8/36.6-36.8/57.1/95.8-96.6 before; the bare kernel 22.7-23.6/
-  32.9-34.0/51.3-53.1/89.1-91.2 (scripts/weight_sync_timeline.py shows where the rest goes).
+  32.9-34.0/51.3-53.1/89.1-91.2 (a per-block %globaltimer stamp script, removed with the
+  bulk kernel in b2ccae8, put most of the gap in start-up).
+- 2026-12-01, ninth session: bare register copies (4 KiB warp pieces, streaming stores,
+  fan-out unrolled at compile time) reached 1.00-1.02 of d2d at fan-out 1 and 0.90-0.94
+  at 2-8, against 0.95 / 0.90-0.93 for the bare bulk kernel; weight_sync was rewritten on
+  that pattern (b2ccae8): 23.4-23.7/34.4-34.5/54.1-54.3/93.8-95.2 us (0.91-0.92/0.87-0.88/
+  0.88/0.88 of d2d). Its block shape (WS_VARIANTS copies with SYNC_WARPS 4/16/32): 4 warps
+  level with 8, 16 warps 3-6 % and 32 warps 10-12 % slower.
 """
 import json
 import os
@@ -129,7 +136,7 @@ def ws_tables(f, publish):
 def make(kind, f, cfg):
     """A launch closure for variant ``kind`` at fan-out f; cfg = (threads, blocks, extra).
     A weight_sync kind ending in ``+publish`` counts and flags every chunk (as if every
-    destination relayed it)."""
+    destination relayed it); cfg's extra is unused for weight_sync (256-thread blocks)."""
     dsts = cupy.asarray(np.array([b.data.ptr + WB for b in bufs[1:f + 1]], np.uint64))
     threads, blocks, extra = cfg
     publish = kind.endswith("+publish")
