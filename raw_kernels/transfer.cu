@@ -216,7 +216,7 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
         int t = 0;
         for (int j = 1; j < num_tensors; ++j) t += k >= s.first_tile[j];
         const i64 offset = (k - s.first_tile[t]) * tile_bytes + static_cast<i64>(g % pieces_per_tile) * PIECE_BYTES;
-        if (offset >= s.tensor_bytes[t] || offset >= (k - s.first_tile[t] + 1) * tile_bytes) continue;  // past the tile's end
+        if (offset >= s.tensor_bytes[t]) continue;  // past a tensor's short last tile
         const int nbytes = static_cast<int>(min(min(static_cast<i64>(PIECE_BYTES), s.tensor_bytes[t] - offset),
                                                 (k - s.first_tile[t] + 1) * tile_bytes - offset));
         if (!ready && !(ready = wait_chunk_flag(reinterpret_cast<const u64*>(peer_bases[rank]), wait_slot, epoch,
@@ -245,8 +245,8 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
             copy_partial_piece(src, dst, dst_end - dst_begin, within, nbytes, lane);
         }
         if (chunk_bytes) {  // count the piece; the warp that completes the chunk flags it at every destination
-            fence_gpu();  // each lane: its stores before the count
-            __syncwarp();
+            __syncwarp();  // every lane's stores before lane 0's release
+            if (lane == 0) fence_gpu();
             if (lane == 0 && atomicAdd(done + task_id, nbytes) + nbytes == chunk_bytes) {
                 done[task_id] = 0;
                 fence_sys();  // every warp's pieces of this chunk before its flags

@@ -34,7 +34,7 @@ from ultraep.transfer.executor import TransferTimeout, chunk_timeout_message, ru
 from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, placement_error
 from ultraep.transfer.spec import ExpertSpec
 
-DEFAULT_TILE_BYTES = 32 << 10
+DEFAULT_TILE_BYTES = 32 << 10  # best a multiple of PIECE_BYTES: a shorter piece takes a whole warp turn
 MAX_BLOCKS = 1 << 20         # the kernels' int32 task or piece slot plus the grid stride must not overflow
 SYNC_THREADS = 256           # transfer.cu SYNC_THREADS: eight copying warps
 SYNC_BLOCKS_PER_SM = 4       # transfer.cu SYNC_MIN_BLOCKS: its registers let this many blocks share an SM
@@ -97,7 +97,8 @@ class WeightTransfer:
             self._tensor_table = cupy.asarray(np.array(
                 [(first, w.nbytes, off) for first, w, off in zip(first_tiles, spec.weights, spec.weight_offsets)],
                 dtype=np.int64))
-            self.max_sync_blocks = SYNC_BLOCKS_PER_SM * props["multiProcessorCount"]
+            # the same bound on every rank (the smallest GPU's), so a grid is refused by all or none
+            self.max_sync_blocks = min(group.allgather(SYNC_BLOCKS_PER_SM * props["multiProcessorCount"]))
             group.raise_if_any(self._sync_grid_error(blocks), "WeightTransfer set-up")
             self.blocks = blocks or self.max_sync_blocks
             # Replica-slot tensor pointers follow the masters in every layer's source table.
