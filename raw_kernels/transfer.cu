@@ -128,6 +128,12 @@ __device__ void copy_partial_piece(const unsigned char* src, unsigned char* cons
     }
 }
 
+// Lane f < WEIGHT_TASK_FIELDS reads field f of a task row (one coalesced read per warp;
+// __shfl_sync hands the fields out).
+__device__ __forceinline__ i64 task_row_field(const i64* tasks, int task, int lane) {
+    return lane < WEIGHT_TASK_FIELDS ? __ldg(tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(task) + lane) : 0;
+}
+
 // Persistent weight sync through registers. The work is a grid of pieces: chunk_tiles tile
 // slots per task (slot task * chunk_tiles + i is the chunk's tile i; slots past a short
 // chunk's last tile are empty), each tile cut into PIECE_BYTES pieces. Warp w of the grid
@@ -164,7 +170,7 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
     const u64 earlier_timeout = *reinterpret_cast<volatile u64*>(status);
     const int num_tasks = *task_count;  // written on the device by the schedule compiler
     int row_task = min(first / per_task, task_rows - 1);
-    i64 row = lane < WEIGHT_TASK_FIELDS ? __ldg(tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(row_task) + lane) : 0;
+    i64 row = task_row_field(tasks, row_task, lane);
     i64 tensor[3];
     u64 cached = 0;
     if (tid < num_tensors)
@@ -195,7 +201,7 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
         const int tile_slot = g / pieces_per_tile;
         if (tile_slot / chunk_tiles != task_id) {
             task_id = tile_slot / chunk_tiles;
-            if (task_id != row_task) row = lane < WEIGHT_TASK_FIELDS ? __ldg(tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(task_id) + lane) : 0;
+            if (task_id != row_task) row = task_row_field(tasks, task_id, lane);
             src_ref = static_cast<int>(__shfl_sync(FULL_WARP, row, 0));
             chunk = static_cast<int>(__shfl_sync(FULL_WARP, row, 1));
             tile_begin = static_cast<int>(__shfl_sync(FULL_WARP, row, 2));
@@ -206,8 +212,7 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
             const bool publish = __shfl_sync(FULL_WARP, row, 7) != 0;
             // the next piece's row, read while this one is copied
             row_task = (g + step) / per_task;
-            if (row_task != task_id && row_task < num_tasks)
-                row = lane < WEIGHT_TASK_FIELDS ? __ldg(tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(row_task) + lane) : 0;
+            if (row_task != task_id && row_task < num_tasks) row = task_row_field(tasks, row_task, lane);
             ready = wait_slot < 0;
             chunk_bytes = publish ? static_cast<int>(tile_range_bytes(s, num_tensors, tile_bytes, tile_begin, tile_end)) : 0;
         }

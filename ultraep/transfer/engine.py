@@ -237,9 +237,10 @@ class WeightTransfer:
         self._sync_kernel((blocks,), (SYNC_THREADS,), (
             tables.weight_tasks, tables.weight_task_count, np.int32(len(tables.weight_tasks)),
             np.int32(self.geometry.chunk_tiles), self._tensor_table, np.int32(len(self.spec.weights)),
-            np.int64(self.geometry.tile_bytes), tables.dests, np.int32(len(tables.dests)), entry["sources"],
-            np.int32(len(entry["sources"])), self.heap.peer_bases, np.int32(self.heap.size), np.int32(self.rank), np.uint64(self._epoch), self._sync_done,
-            np.uint64(int(self.timeout_s * 1e9)), self._status))
+            np.int64(self.geometry.tile_bytes), tables.dests, np.int32(len(tables.dests)),
+            entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases, np.int32(self.heap.size),
+            np.int32(self.rank), np.uint64(self._epoch), self._sync_done, np.uint64(int(self.timeout_s * 1e9)),
+            self._status))
 
     def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
