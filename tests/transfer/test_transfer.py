@@ -1,10 +1,14 @@
 """Data plane across 4 ranks: weight sync (with and without relay), gradient reduction,
 empty plans, repeatability, bad input and a relay whose master never sends -- CPU backend
-in CI, CUDA IPC on a GPU."""
+in CI, CUDA IPC on a GPU; and the engine's launch constants against the kernel's."""
+
+import re
 
 import pytest
 
 from tests.conftest import BACKENDS, assert_all_ranks_ok, run_ranks
+from ultraep.runtime.kernels import kernel_source
+from ultraep.transfer import engine
 
 RANKS = 4
 
@@ -21,3 +25,17 @@ def test_transfer_across_ranks(backend, check, grad_dtype):
     assert_all_ranks_ok(out, RANKS, check)
     if check == "relay":
         assert "until their relay" in out
+
+
+def test_engine_constants_match_the_kernel():
+    """The host sizes grids, slot counts and limits by these: a kernel edit that changes
+    one (a block's warps, its register budget, the piece size) must change the engine."""
+    source = kernel_source("transfer.cu").read_text()
+    defined = {name: value.strip() for name, value in re.findall(r"^#define (\w+) ([^/\n]+)", source, re.MULTILINE)}
+    assert defined["SYNC_THREADS"] == "(32 * SYNC_WARPS)"
+    assert engine.SYNC_THREADS == 32 * int(defined["SYNC_WARPS"])
+    assert engine.SYNC_BLOCKS_PER_SM == int(defined["SYNC_MIN_BLOCKS"])
+    assert defined["PIECE_BYTES"] == "(32 * 16 * PIECE_VECS)"
+    assert engine.PIECE_BYTES == 32 * 16 * int(defined["PIECE_VECS"])
+    assert engine.MAX_TENSORS_PER_EXPERT == int(defined["MAX_TENSORS"])
+    assert engine.MAX_REPLICAS_PER_EXPERT == int(defined["MAX_DESTS"])

@@ -42,8 +42,9 @@ def parse_args(argv):
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--ffn", type=int, default=1536)
     parser.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[264, 396, 528],
-                        help="weight-sync grid sizes to try (256 threads each; at most 4 per SM)")
+    parser.add_argument("--blocks", type=int, nargs="+", default=None,
+                        help="weight-sync grid sizes to try (256 threads each; default: 1/2, 3/4 and all of the "
+                             "resident maximum, 4 per SM: 264, 396 and 528 on an H200)")
     parser.add_argument("--tile-kib", type=int, default=32)
     parser.add_argument("--chunk-tiles", type=int, default=4, help="tiles per chunk (one task, one flag)")
     parser.add_argument("--repeats", type=int, default=20)
@@ -181,8 +182,8 @@ def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, a
     # The streaming kernel alone (the plan's tables were compiled on the device by the
     # checked sync before), then the whole call with its schedule compilation.
     entry, tables = engine._layer(0), engine.device_schedule
-    timings = [(graph_ms(lambda: engine._launch_sync(entry, tables, blocks), args.repeats), blocks)
-               for blocks in args.blocks]
+    grids = args.blocks or [engine.max_sync_blocks * quarters // 4 for quarters in (2, 3, 4)]
+    timings = [(graph_ms(lambda: engine._launch_sync(entry, tables, blocks), args.repeats), blocks) for blocks in grids]
     tile_ms, blocks = min(timings)
     device_plan = Plan(layout=plan.layout, imbalance_before=plan.imbalance_before, imbalance_after=plan.imbalance_after,
                        **{name: cupy.asarray(getattr(plan, name)) for name in Plan.ARRAYS})  # capturable compile
