@@ -2,9 +2,10 @@
 task tables: two sources (experts A and B) with their own destination ranges, replica
 slots and flag slots, so warps switch between destination ranges; every fan-out from 1
 to 10 (each unrolled store path up to 8 and the run-time loop) and 33 (more destinations
-than lanes); 32 KiB tiles and 6 KiB ones (pieces shorter than 4 KiB); a tensor's short last
-piece with a byte tail; a source that is not 16-byte aligned (the byte path); a task table
-with more rows than the device-written count; with and without published chunk flags. The
+than lanes); 32 KiB tiles and 5 KiB ones (each ends in a piece shorter than 2 KiB); grids
+whose warps step within a task and across several; a tensor's short last piece with a
+byte tail; a source that is not 16-byte aligned (the byte path); a task table with more
+rows than the device-written count; with and without published chunk flags. The
 destinations are poisoned; afterwards each replica equals its source byte for byte, the
 gaps stay poisoned, and the flags and counters are as the schedule says (needs a GPU)."""
 
@@ -47,7 +48,7 @@ def tables(tile_bytes, fanout, publish):
 
 @pytest.mark.parametrize("publish", [0, 1])
 @pytest.mark.parametrize("source_offset", [0, 4])
-@pytest.mark.parametrize("tile_bytes", [32 << 10, 6 << 10])
+@pytest.mark.parametrize("tile_bytes", [32 << 10, 5 << 10])
 def test_weight_sync_fanouts(tile_bytes, source_offset, publish):
     import cupy
 
@@ -70,7 +71,7 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish):
     poison_flag = np.uint64(int.from_bytes(bytes([POISON]) * 8, "little"))
     epoch, rank = 7, 3
     flag = np.uint64(epoch << FLAG_WRITER_BITS | rank) if publish else poison_flag
-    for fanout, blocks in [(f, 1 + f % 3) for f in range(1, 11)] + [(33, 2)]:
+    for fanout, blocks in [(f, 1 + f % 3) for f in range(1, 11)] + [(33, 2), (4, 37)]:
         tasks, count, tensor_table, dests, fanout_b = tables(tile_bytes, fanout, publish)
         chunks = count // 2
         buffers = [cupy.full(FLAG_BYTES + 2 * SLOT_BYTES, POISON, np.uint8) for _ in range(fanout)]
