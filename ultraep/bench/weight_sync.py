@@ -11,10 +11,7 @@ once and writes it fan-out times, ``(1 + fan-out) x expert`` bytes of memory tra
 d2d copy is sized to read and write exactly that much (``(1 + fan-out) / 2`` experts), so
 ``tile_vs_d2d`` compares memory bandwidth like for like (a copy of all the delivered bytes
 would move ``2 x fan-out`` experts and flatter the tile sync from fan-out 2 on);
-``*_hbm_gb_s`` are bytes read plus written per second. ``tile_vs_d2d_into_peer`` is a
-diagnostic beside the bar: the same d2d copy, writing through a peer's CUDA IPC mapping as
-the tile sync's stores do (on one H200 a bare copy kernel ran 1.5-3 % slower into peer
-mappings than into its own allocations). ``tile_*`` time the streaming
+``*_hbm_gb_s`` are bytes read plus written per second. ``tile_*`` time the streaming
 kernel; ``compile_us`` is what the whole ``weight_sync`` call adds (the plan's device
 schedule compilation). Started with one process, it relaunches itself on 9 ranks under
 ``mpiexec``. Rank 0's columns are timed as CUDA-graph replays, so Python's launch
@@ -160,8 +157,7 @@ def run(args) -> int:
         engine.close()
     if group.rank == 0:
         columns = ["fanout", "mb_delivered", "tile_gb_s", "memcpy_per_replica_gb_s", "tile_hbm_gb_s", "d2d_hbm_gb_s",
-                   "tile_vs_memcpy", "tile_vs_d2d", "tile_vs_d2d_into_peer", "blocks", "compile_us", "nccl_gb_s",
-                   "tile_vs_nccl"]
+                   "tile_vs_memcpy", "tile_vs_d2d", "blocks", "compile_us", "nccl_gb_s", "tile_vs_nccl"]
         if args.relay_threshold is not None:
             columns += ["relays", "relay_gb_s", "relay_vs_direct"]
         print_table(rows, columns, title=f"weight sync of one expert ({expert_bytes / 1e6:.1f} MB, bf16; tiles "
@@ -204,20 +200,13 @@ def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, a
     # (b) one device-to-device copy inside this rank's memory with the tile sync's traffic:
     # it reads and writes (1 + fanout) / 2 experts, the tile sync reads 1 and writes fanout
     traffic = (1 + fanout) * expert_bytes
-
-    def d2d(dst: int) -> float:
-        return graph_ms(lambda: runtime.memcpyAsync(dst, scratch.local.data.ptr, traffic // 2,
-                                                    runtime.memcpyDeviceToDevice, cupy.cuda.get_current_stream().ptr),
-                        args.repeats)
-
-    d2d_ms = d2d(scratch.local.data.ptr + traffic // 2)
-    # (c) the same copy, written through rank 1's CUDA IPC mapping as the tile sync's stores
-    # are (a diagnostic of what the mapping costs; the bar is (b))
-    d2d_peer_ms = d2d(scratch.peer(1).data.ptr + traffic // 2)
+    half = scratch.local.data.ptr + traffic // 2
+    d2d_ms = graph_ms(lambda: runtime.memcpyAsync(half, scratch.local.data.ptr, traffic // 2,
+                                                  runtime.memcpyDeviceToDevice, cupy.cuda.get_current_stream().ptr),
+                      args.repeats)
     delivered = fanout * expert_bytes
     return {"fanout": fanout, "mb_delivered": delivered / 1e6, "tile_gb_s": delivered / tile_ms / 1e6,
             "memcpy_per_replica_gb_s": delivered / memcpy_ms / 1e6, "tile_hbm_gb_s": traffic / tile_ms / 1e6,
             "d2d_hbm_gb_s": traffic / d2d_ms / 1e6, "tile_vs_memcpy": memcpy_ms / tile_ms,
-            "tile_vs_d2d": d2d_ms / tile_ms, "tile_vs_d2d_into_peer": d2d_peer_ms / tile_ms, "blocks": blocks,
-            "compile_us": (sync_ms - tile_ms) * 1e3, "tile_ms": tile_ms, "sync_ms": sync_ms, "memcpy_ms": memcpy_ms,
-            "d2d_ms": d2d_ms, "d2d_into_peer_ms": d2d_peer_ms}
+            "tile_vs_d2d": d2d_ms / tile_ms, "blocks": blocks, "compile_us": (sync_ms - tile_ms) * 1e3,
+            "tile_ms": tile_ms, "sync_ms": sync_ms, "memcpy_ms": memcpy_ms, "d2d_ms": d2d_ms}
