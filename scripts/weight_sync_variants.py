@@ -57,6 +57,13 @@ Findings (H200, 29 Nov 2026; vs d2d at fan-out 1/2/4/8, best grid of each):
   that pattern (b2ccae8): 23.4-23.7/34.4-34.5/54.1-54.3/93.8-95.2 us (0.91-0.92/0.87-0.88/
   0.88/0.88 of d2d). Its block shape (WS_VARIANTS copies with SYNC_WARPS 4/16/32): 4 warps
   level with 8, 16 warps 3-6 % and 32 warps 10-12 % slower.
+- 2026-12-01, tenth session (scratch kernels, not kept; docs/benchmarks.md has the tables):
+  pure writes (memset, a write-only kernel into 8 buffers) and pure reads ran at 1.01-1.08
+  of d2d, so mixing one read among f writes is what costs; a bulk L2 prefetch of each warp's
+  next piece made a bare 2 KiB copy 1.04/0.96-0.98/0.91-0.95/0.87-0.91; run-time divisions
+  (8 per piece) cost it 5 % at fan-out 1. weight_sync with both (47014d6, WS_VARIANTS
+  against dfa1a82's kernel): 0.94-0.95/0.92-0.93/0.90-0.93/0.87-0.88 against 0.90-0.92/
+  0.87-0.88/0.87-0.89/0.88-0.89; its 4 KiB variant with the prefetch was 3-15 % slower.
 """
 import json
 import os
