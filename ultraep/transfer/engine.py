@@ -113,7 +113,7 @@ class WeightTransfer:
             tasks = len(self.device_schedule.weight_tasks)
             chunk_bytes = self.geometry.chunk_tiles * tile_bytes
             pieces = tasks * self.geometry.chunk_tiles * -(-tile_bytes // PIECE_BYTES)
-            # the kernel's int32 piece slots, with room for a slot plus the grid stride
+            # the kernel's int32 chunk byte counts and piece grid (tasks x tiles x pieces) indices
             group.raise_if_any(None if chunk_bytes < 2**31 and pieces < 2**30 else
                                f"{tasks} weight tasks x {self.geometry.chunk_tiles} tiles of {tile_bytes} bytes per "
                                "chunk overflow the kernel's int32 chunk byte count or piece slot index; use fewer "
