@@ -15,7 +15,7 @@ typedef long long i64;
 #define SYNC_WARPS 8           // a block: eight warps, each copying its own pieces
 #define SYNC_THREADS (32 * SYNC_WARPS)
 #define SYNC_MIN_BLOCKS 4       // blocks per SM the registers must allow: the host caps a grid at that (residency)
-#define PIECE_VECS 4            // 16-byte vectors per lane in one piece (with the L2 prefetch, 4 KiB pieces were slower)
+#define PIECE_VECS 4            // 16-byte vectors per lane in one piece (4 KiB pieces were slower with the prefetch)
 #define PIECE_BYTES (32 * 16 * PIECE_VECS)  // 2 KiB: what a warp holds in registers and stores to every destination
 #define MAX_TENSORS 8           // tensors per expert (host-checked)
 #define MAX_DESTS 128           // destinations of one source: replicas of an expert within a domain (host-checked)
@@ -131,9 +131,10 @@ __device__ void copy_partial_piece(const unsigned char* src, unsigned char* cons
 // Lane f < WEIGHT_TASK_FIELDS reads field f of a task row (one coalesced read per warp;
 // __shfl_sync hands the fields out).
 __device__ __forceinline__ int task_row_field(const i64* tasks, int task, int lane) {  // every field is a small int
-    return lane < WEIGHT_TASK_FIELDS ? static_cast<int>(__ldg(tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(task) + lane)) : 0;
+    const i64* row = tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(task);
+    return lane < WEIGHT_TASK_FIELDS ? static_cast<int>(__ldg(row + lane)) : 0;
 }
-__device__ __forceinline__ int row_field(int row, int field) { return __shfl_sync(FULL_WARP, row, field); }
+__device__ __forceinline__ int row_field(int row, WeightTaskField field) { return __shfl_sync(FULL_WARP, row, field); }
 
 // A place in the piece grid: piece `piece` of tile slot `tile` of task `task` (grid index
 // (task * chunk_tiles + tile) * pieces_per_tile + piece). A warp steps through the grid by
@@ -268,29 +269,30 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
         if (later.task < num_tasks) later_row = task_row_field(tasks, later.task, lane);
         if (at.task != task_id) {
             task_id = at.task;
-            ready = row_field(row, 6) < 0;
+            ready = row_field(row, WAIT_SLOT) < 0;
         }
         // the next piece, if a master's and whole, is prefetched into L2 while this one is copied
         const unsigned char* next_src = nullptr;
-        if (next.task < num_tasks && row_field(next_row, 6) < 0) {
+        if (next.task < num_tasks && row_field(next_row, WAIT_SLOT) < 0) {
             int next_t;
             i64 next_offset;
-            if (locate_piece(s, num_tensors, tile_bytes, next, row_field(next_row, 2), row_field(next_row, 3), next_t,
-                             next_offset) == PIECE_BYTES)
-                next_src = source_base(s, src_ptrs, row_field(next_row, 0) + next_t) + next_offset;
+            if (locate_piece(s, num_tensors, tile_bytes, next, row_field(next_row, TILE_BEGIN),
+                             row_field(next_row, TILE_END), next_t, next_offset) == PIECE_BYTES)
+                next_src = source_base(s, src_ptrs, row_field(next_row, SRC_REF) + next_t) + next_offset;
         }
         prefetch_piece_l2(next_src, lane);
         int t;
         i64 offset;
-        const int nbytes = locate_piece(s, num_tensors, tile_bytes, at, row_field(row, 2), row_field(row, 3), t, offset);
+        const int nbytes = locate_piece(s, num_tensors, tile_bytes, at, row_field(row, TILE_BEGIN),
+                                        row_field(row, TILE_END), t, offset);
         if (nbytes == 0) continue;
-        if (!ready && !(ready = wait_chunk_flag(reinterpret_cast<const u64*>(peer_bases[rank]), row_field(row, 6), epoch,
-                                                timeout_ns, status, lane)))
+        if (!ready && !(ready = wait_chunk_flag(reinterpret_cast<const u64*>(peer_bases[rank]),
+                                                row_field(row, WAIT_SLOT), epoch, timeout_ns, status, lane)))
             break;
-        const unsigned char* src = source_base(s, src_ptrs, row_field(row, 0) + t) + offset;
+        const unsigned char* src = source_base(s, src_ptrs, row_field(row, SRC_REF) + t) + offset;
         const i64 within = s.slot_offset[t] + offset;
         const bool whole = nbytes == PIECE_BYTES && (reinterpret_cast<u64>(src) | static_cast<u64>(within)) % 16 == 0;
-        const int dest_begin = row_field(row, 4), dest_end = row_field(row, 5);
+        const int dest_begin = row_field(row, DEST_BEGIN), dest_end = row_field(row, DEST_END);
         if (dest_begin != dst_begin || dest_end != dst_end) {  // a source's tasks share their destinations
             dst_begin = dest_begin;
             dst_end = dest_end;
@@ -308,10 +310,10 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
         } else {
             copy_partial_piece(src, dst, dst_end - dst_begin, within, nbytes, lane);
         }
-        if (row_field(row, 7)) {  // publish: count the piece; the warp that completes the chunk flags it at every destination
-            const int chunk = row_field(row, 1);
-            const int chunk_bytes =
-                static_cast<int>(tile_range_bytes(s, num_tensors, tile_bytes, row_field(row, 2), row_field(row, 3)));
+        if (row_field(row, PUBLISH)) {  // count the piece; the warp completing the chunk flags it at every destination
+            const int chunk = row_field(row, CHUNK);
+            const int chunk_bytes = static_cast<int>(
+                tile_range_bytes(s, num_tensors, tile_bytes, row_field(row, TILE_BEGIN), row_field(row, TILE_END)));
             __syncwarp();  // every lane's stores before lane 0's release
             if (lane == 0) fence_gpu();
             if (lane == 0 && atomicAdd(done + task_id, nbytes) + nbytes == chunk_bytes) {
