@@ -3,8 +3,8 @@
 // field and holds the same widths (TABLE_WIDTHS); a CPU test compares the two.
 #pragma once
 
-#define WEIGHT_TASK_FIELDS 8  // src_ref, chunk, tile_begin, tile_end, dest_begin, dest_end, wait_slot, publish
-enum WeightTaskField { SRC_REF, CHUNK, TILE_BEGIN, TILE_END, DEST_BEGIN, DEST_END, WAIT_SLOT, PUBLISH };  // its columns
+#define WEIGHT_TASK_FIELDS 8  // its columns:
+enum WeightTaskField { SRC_REF, CHUNK, TILE_BEGIN, TILE_END, DEST_BEGIN, DEST_END, WAIT_SLOT, PUBLISH };
 #define DEST_FIELDS 3         // rank, slot_heap_offset, flag_slot
 #define GRAD_TASK_FIELDS 5    // dst_ref, byte_offset, nbytes, src_begin, src_end
 #define GRAD_SRC_FIELDS 2     // rank, heap_offset
