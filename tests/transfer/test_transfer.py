@@ -2,12 +2,9 @@
 empty plans, repeatability, bad input and a relay whose master never sends -- CPU backend
 in CI, CUDA IPC on a GPU; and the engine's launch constants against the kernel's."""
 
-import re
-
 import pytest
 
-from tests.conftest import BACKENDS, assert_all_ranks_ok, run_ranks
-from ultraep.runtime.kernels import kernel_source
+from tests.conftest import BACKENDS, assert_all_ranks_ok, kernel_defines, run_ranks
 from ultraep.transfer import engine
 
 RANKS = 4
@@ -30,8 +27,7 @@ def test_transfer_across_ranks(backend, check, grad_dtype):
 def test_engine_constants_match_the_kernel():
     """The host sizes grids, slot counts and limits by these: a kernel edit that changes
     one (a block's warps, its register budget, the piece size) must change the engine."""
-    source = kernel_source("transfer.cu").read_text()
-    defined = {name: value.strip() for name, value in re.findall(r"^#define (\w+) ([^/\n]+)", source, re.MULTILINE)}
+    defined = kernel_defines("transfer.cu") | kernel_defines("piece_copy.cuh")
     assert defined["SYNC_THREADS"] == "(32 * SYNC_WARPS)"
     assert engine.SYNC_THREADS == 32 * int(defined["SYNC_WARPS"])
     assert engine.SYNC_BLOCKS_PER_SM == int(defined["SYNC_MIN_BLOCKS"])

@@ -12,10 +12,13 @@ d2d copy is sized to read and write exactly that much (``(1 + fan-out) / 2`` exp
 ``tile_vs_d2d`` compares memory bandwidth like for like (a copy of all the delivered bytes
 would move ``2 x fan-out`` experts and flatter the tile sync from fan-out 2 on);
 ``*_hbm_gb_s`` are bytes read plus written per second. ``tile_*`` time the streaming
-kernel; ``compile_us`` is what the whole ``weight_sync`` call adds (the plan's device
-schedule compilation). Started with one process, it relaunches itself on 9 ranks under
-``mpiexec``. Rank 0's columns are timed as CUDA-graph replays, so Python's launch
-overhead is not counted.
+kernel; ``bare_vs_d2d`` times the same copy pattern with no task tables, chunk flags or
+start-up (``raw_kernels/bench_copy.cu``, an image of the replica slot copied into the same
+replica slots, best grid of the same ones): what this device gives the pattern at all, and
+``tile_vs_bare`` how much of it the sync keeps; ``compile_us`` is what the whole
+``weight_sync`` call adds (the plan's device schedule compilation). Started with one
+process, it relaunches itself on 9 ranks under ``mpiexec``. Rank 0's columns are timed as
+CUDA-graph replays, so Python's launch overhead is not counted.
 
 Group columns (every rank takes part; group windows, :func:`~ultraep.bench.timing.group_window_ms`):
 ``nccl_gb_s`` sends the master's bytes to each replica holder with one ``batch_isend_irecv``
@@ -35,6 +38,9 @@ import numpy as np
 from ultraep.runtime.launch import multi_rank_main
 
 from ultraep.bench.timing import graph_ms, group_window_ms
+
+FANOUT_COPY_THREADS = 256     # bench_copy.cu: 32 * COPY_WARPS
+FANOUT_COPY_MAX_DESTS = 128   # bench_copy.cu COPY_MAX_DESTS
 
 
 def parse_args(argv):
@@ -75,6 +81,22 @@ def single_expert_plan(layout, fanout: int):
     split[:, 0, : fanout + 1] = loads[:, :1] // (fanout + 1)
     split[:, 0, 0] += loads[:, 0] - split[:, 0, : fanout + 1].sum(axis=1)
     return Plan.from_split(layout, loads, log_to_phys, split)
+
+
+def launch_fanout_copy(source, dest_ptrs, blocks: int) -> None:
+    """``source`` (a CuPy uint8 array) to every address of ``dest_ptrs`` (a CuPy uint64
+    array) by ``fanout_copy`` (raw_kernels/bench_copy.cu) on ``blocks`` blocks of the
+    current stream: the weight-sync copy pattern without its tasks."""
+    from ultraep.runtime.kernels import get_function
+
+    if blocks < 1:
+        raise ValueError(f"blocks must be at least 1, got {blocks}")
+    if len(dest_ptrs) > FANOUT_COPY_MAX_DESTS:
+        raise ValueError(f"at most {FANOUT_COPY_MAX_DESTS} destinations, got {len(dest_ptrs)}")
+    if bool((dest_ptrs % 16).any()):
+        raise ValueError("every destination must be 16-byte aligned")
+    get_function("bench_copy.cu", "fanout_copy")((blocks,), (FANOUT_COPY_THREADS,), (
+        source, dest_ptrs, np.int32(len(dest_ptrs)), np.int64(source.nbytes)))
 
 
 def check_replicas(group, engine, master_tensors, fanout: int) -> None:
@@ -157,7 +179,8 @@ def run(args) -> int:
         engine.close()
     if group.rank == 0:
         columns = ["fanout", "mb_delivered", "tile_gb_s", "memcpy_per_replica_gb_s", "tile_hbm_gb_s", "d2d_hbm_gb_s",
-                   "tile_vs_memcpy", "tile_vs_d2d", "blocks", "compile_us", "nccl_gb_s", "tile_vs_nccl"]
+                   "tile_vs_memcpy", "tile_vs_d2d", "bare_vs_d2d", "tile_vs_bare", "blocks", "compile_us", "nccl_gb_s",
+                   "tile_vs_nccl"]
         if args.relay_threshold is not None:
             columns += ["relays", "relay_gb_s", "relay_vs_direct"]
         print_table(rows, columns, title=f"weight sync of one expert ({expert_bytes / 1e6:.1f} MB, bf16; tiles "
@@ -197,6 +220,14 @@ def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, a
     memcpy_ms = graph_ms(lambda: [runtime.memcpyAsync(d, s, n, runtime.memcpyDeviceToDevice,
                                                       cupy.cuda.get_current_stream().ptr)
                                   for d, s, n in copies], args.repeats)
+    # (c) the same copy pattern without tasks, flags or start-up (bench_copy.cu) from an image
+    # of the replica slot into the same replica slots: what this device gives the pattern
+    image = cupy.empty(engine.spec.weight_slot_bytes, np.uint8)
+    for offset, tensor in zip(engine.spec.weight_offsets, master_tensors):
+        image[offset:offset + tensor.nbytes] = tensor.view(np.uint8).ravel()
+    slots = cupy.asarray(np.array([heap.base_pointer(r) + engine.placement.weight_base for r in range(1, fanout + 1)],
+                                  np.uint64))
+    bare_ms = min(graph_ms(lambda: launch_fanout_copy(image, slots, grid), args.repeats) for grid in grids)
     # (b) one device-to-device copy inside this rank's memory with the tile sync's traffic:
     # it reads and writes (1 + fanout) / 2 experts, the tile sync reads 1 and writes fanout
     traffic = (1 + fanout) * expert_bytes
@@ -208,5 +239,6 @@ def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, a
     return {"fanout": fanout, "mb_delivered": delivered / 1e6, "tile_gb_s": delivered / tile_ms / 1e6,
             "memcpy_per_replica_gb_s": delivered / memcpy_ms / 1e6, "tile_hbm_gb_s": traffic / tile_ms / 1e6,
             "d2d_hbm_gb_s": traffic / d2d_ms / 1e6, "tile_vs_memcpy": memcpy_ms / tile_ms,
-            "tile_vs_d2d": d2d_ms / tile_ms, "blocks": blocks, "compile_us": (sync_ms - tile_ms) * 1e3,
-            "tile_ms": tile_ms, "sync_ms": sync_ms, "memcpy_ms": memcpy_ms, "d2d_ms": d2d_ms}
+            "tile_vs_d2d": d2d_ms / tile_ms, "bare_vs_d2d": d2d_ms / bare_ms, "tile_vs_bare": bare_ms / tile_ms,
+            "blocks": blocks, "compile_us": (sync_ms - tile_ms) * 1e3,
+            "tile_ms": tile_ms, "bare_ms": bare_ms, "sync_ms": sync_ms, "memcpy_ms": memcpy_ms, "d2d_ms": d2d_ms}
