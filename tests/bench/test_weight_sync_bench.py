@@ -1,5 +1,5 @@
 """The weight-sync bench's task-free reference copy (``fanout_copy``, raw_kernels/bench_copy.cu,
-launched by ``ultraep.bench.weight_sync.launch_fanout_copy``): random bytes to every
+launched by ``ultraep.bench.weight_sync.FanoutCopy``): random bytes to every
 destination of poisoned buffers, for sizes of whole 2 KiB pieces, with a short last piece and
 a byte tail, an empty copy, a source that is not 16-byte aligned (the byte path), fan-outs
 past the unrolled store paths and past a warp's lanes, and grids whose warps take one piece
@@ -36,8 +36,7 @@ def test_fanout_copy_matches_source(nbytes, source_offset):
     want = source.get()
     for fanout, blocks in [(1, 1), (2, 3), (3, 37), (8, 2), (9, 5), (33, 1)]:
         buffers = [cupy.full(nbytes + 2 * GUARD, POISON, np.uint8) for _ in range(fanout)]
-        dest_ptrs = cupy.asarray(np.array([b.data.ptr + GUARD for b in buffers], np.uint64))
-        weight_sync.launch_fanout_copy(source, dest_ptrs, blocks)
+        weight_sync.FanoutCopy(source, [b.data.ptr + GUARD for b in buffers]).launch(blocks)
         cupy.cuda.get_current_stream().synchronize()
         for d, buffer in enumerate(buffers):
             got = buffer.get()
@@ -53,11 +52,30 @@ def test_fanout_copy_rejects_bad_launches():
 
     source = cupy.arange(64, dtype=np.uint8)
     target = cupy.zeros(64 + 16, np.uint8)
-    aligned = cupy.asarray(np.array([target.data.ptr], np.uint64))
     with pytest.raises(ValueError, match="16-byte aligned"):
-        weight_sync.launch_fanout_copy(source, aligned + 8, 1)
+        weight_sync.FanoutCopy(source, [target.data.ptr + 8])
     with pytest.raises(ValueError, match="at most 128 destinations"):
-        weight_sync.launch_fanout_copy(source, cupy.tile(aligned, 129), 1)
+        weight_sync.FanoutCopy(source, [target.data.ptr] * 129)
     with pytest.raises(ValueError, match="blocks must be at least 1"):
-        weight_sync.launch_fanout_copy(source, aligned, 0)
+        weight_sync.FanoutCopy(source, [target.data.ptr]).launch(0)
     assert not target.any()  # nothing launched
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_fanout_copy_launch_is_captured_in_a_graph():
+    """The bench times it as CUDA-graph replays: nothing in launch() may leave the stream."""
+    import cupy
+
+    source = cupy.asarray(np.random.default_rng(1).integers(0, 256, 3 * 2048 + 5, dtype=np.uint8))
+    buffers = [cupy.full(source.nbytes, POISON, np.uint8) for _ in range(3)]
+    copy = weight_sync.FanoutCopy(source, [b.data.ptr for b in buffers])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        copy.launch(2)
+        graph = stream.end_capture()
+    assert all((b == POISON).all() for b in buffers)  # captured, not run
+    graph.launch(stream)
+    stream.synchronize()
+    assert all(bool(cupy.array_equal(b, source)) for b in buffers)

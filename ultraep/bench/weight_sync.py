@@ -83,20 +83,30 @@ def single_expert_plan(layout, fanout: int):
     return Plan.from_split(layout, loads, log_to_phys, split)
 
 
-def launch_fanout_copy(source, dest_ptrs, blocks: int) -> None:
-    """``source`` (a CuPy uint8 array) to every address of ``dest_ptrs`` (a CuPy uint64
-    array) by ``fanout_copy`` (raw_kernels/bench_copy.cu) on ``blocks`` blocks of the
-    current stream: the weight-sync copy pattern without its tasks."""
-    from ultraep.runtime.kernels import get_function
+class FanoutCopy:
+    """``source`` (a CuPy uint8 array) to every address of ``dest_ptrs`` (ints) by
+    ``fanout_copy`` (raw_kernels/bench_copy.cu): the weight-sync copy pattern without its
+    tasks. Checked and uploaded once, so that :meth:`launch` can be captured in a graph."""
 
-    if blocks < 1:
-        raise ValueError(f"blocks must be at least 1, got {blocks}")
-    if len(dest_ptrs) > FANOUT_COPY_MAX_DESTS:
-        raise ValueError(f"at most {FANOUT_COPY_MAX_DESTS} destinations, got {len(dest_ptrs)}")
-    if bool((dest_ptrs % 16).any()):
-        raise ValueError("every destination must be 16-byte aligned")
-    get_function("bench_copy.cu", "fanout_copy")((blocks,), (FANOUT_COPY_THREADS,), (
-        source, dest_ptrs, np.int32(len(dest_ptrs)), np.int64(source.nbytes)))
+    def __init__(self, source, dest_ptrs):
+        import cupy
+
+        from ultraep.runtime.kernels import get_function
+
+        if len(dest_ptrs) > FANOUT_COPY_MAX_DESTS:
+            raise ValueError(f"at most {FANOUT_COPY_MAX_DESTS} destinations, got {len(dest_ptrs)}")
+        if any(int(ptr) % 16 for ptr in dest_ptrs):
+            raise ValueError("every destination must be 16-byte aligned")
+        self.source = source
+        self.dest_ptrs = cupy.asarray(np.asarray(dest_ptrs, np.uint64))
+        self.kernel = get_function("bench_copy.cu", "fanout_copy")
+
+    def launch(self, blocks: int) -> None:
+        """On ``blocks`` blocks of the current stream."""
+        if blocks < 1:
+            raise ValueError(f"blocks must be at least 1, got {blocks}")
+        self.kernel((blocks,), (FANOUT_COPY_THREADS,), (
+            self.source, self.dest_ptrs, np.int32(len(self.dest_ptrs)), np.int64(self.source.nbytes)))
 
 
 def check_replicas(group, engine, master_tensors, fanout: int) -> None:
@@ -225,9 +235,8 @@ def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, a
     image = cupy.empty(engine.spec.weight_slot_bytes, np.uint8)
     for offset, tensor in zip(engine.spec.weight_offsets, master_tensors):
         image[offset:offset + tensor.nbytes] = tensor.view(np.uint8).ravel()
-    slots = cupy.asarray(np.array([heap.base_pointer(r) + engine.placement.weight_base for r in range(1, fanout + 1)],
-                                  np.uint64))
-    bare_ms = min(graph_ms(lambda: launch_fanout_copy(image, slots, grid), args.repeats) for grid in grids)
+    bare = FanoutCopy(image, [heap.base_pointer(r) + engine.placement.weight_base for r in range(1, fanout + 1)])
+    bare_ms = min(graph_ms(lambda: bare.launch(grid), args.repeats) for grid in grids)
     # (b) one device-to-device copy inside this rank's memory with the tile sync's traffic:
     # it reads and writes (1 + fanout) / 2 experts, the tile sync reads 1 and writes fanout
     traffic = (1 + fanout) * expert_bytes
