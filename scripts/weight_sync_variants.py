@@ -64,6 +64,10 @@ Findings (H200, 29 Nov 2026; vs d2d at fan-out 1/2/4/8, best grid of each):
   (8 per piece) cost it 5 % at fan-out 1. weight_sync with both (47014d6, WS_VARIANTS
   against dfa1a82's kernel): 0.94-0.95/0.92-0.93/0.90-0.93/0.87-0.88 against 0.90-0.92/
   0.87-0.88/0.87-0.89/0.88-0.89; its 4 KiB variant with the prefetch was 3-15 % slower.
+- 2026-12-01, eleventh session (scratch kernels, not kept; docs/benchmarks.md has the tables):
+  at fan-out 8 the same writes with loads that hit L2 ran at 1.12-1.13 of d2d and the copy
+  from HBM at 0.85-0.91 whatever the prefetch pattern, so one HBM read among eight writes
+  sets the pace; the bench now times the task-free pattern beside the sync (bare_vs_d2d).
 """
 import json
 import os
