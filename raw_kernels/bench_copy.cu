@@ -1,19 +1,19 @@
 // Benchmark reference: the weight-sync copy pattern without its task tables. `nbytes` from
 // one contiguous source to every destination, by the pieces of piece_copy.cuh: warp w of W
 // takes pieces w, w + W, ..., prefetches its next whole piece into L2 and stores each piece
-// to every destination, as weight_sync does, but with no task rows, tensor look-ups, chunk
-// flags or start-up reads. `python -m ultraep.bench weight-sync` times it beside the sync,
-// into the same replica slots: what the device gives this copy pattern at all.
+// to every destination, as weight_sync does, but with one pointer table instead of task
+// rows, tensor look-ups and chunk flags. `python -m ultraep.bench weight-sync` times it
+// beside the sync, into the same replica slots: what the device gives this copy pattern.
 //
 //! kernels: fanout_copy
 
 #include "piece_copy.cuh"
 
-#define COPY_WARPS 8
+#define COPY_WARPS 8        // warps per block the launcher uses (any number of whole warps works)
 #define COPY_MAX_DESTS 128  // host-checked
 
 // Destinations must be 16-byte aligned (host-checked); a source that is not is copied byte
-// by byte. Launch with 32 * COPY_WARPS threads per block.
+// by byte. Blocks of whole warps, at most 32 * COPY_WARPS threads.
 extern "C" __global__ void __launch_bounds__(32 * COPY_WARPS, 4)
 fanout_copy(const unsigned char* src, const u64* dest_ptrs, int num_dests, i64 nbytes) {
     __shared__ unsigned char* dst[COPY_MAX_DESTS];
@@ -22,8 +22,9 @@ fanout_copy(const unsigned char* src, const u64* dest_ptrs, int num_dests, i64 n
     __syncthreads();
     const int lane = threadIdx.x % 32;
     const bool aligned = reinterpret_cast<u64>(src) % 16 == 0;
-    const i64 pieces = (nbytes + PIECE_BYTES - 1) / PIECE_BYTES, warps = static_cast<i64>(gridDim.x) * COPY_WARPS;
-    for (i64 p = static_cast<i64>(blockIdx.x) * COPY_WARPS + threadIdx.x / 32; p < pieces; p += warps) {
+    const int block_warps = blockDim.x / 32;
+    const i64 pieces = (nbytes + PIECE_BYTES - 1) / PIECE_BYTES, warps = static_cast<i64>(gridDim.x) * block_warps;
+    for (i64 p = static_cast<i64>(blockIdx.x) * block_warps + threadIdx.x / 32; p < pieces; p += warps) {
         const i64 offset = p * PIECE_BYTES, next = offset + warps * PIECE_BYTES;
         prefetch_piece_l2(aligned && next + PIECE_BYTES <= nbytes ? src + next : nullptr, lane);
         const int length = static_cast<int>(min(static_cast<i64>(PIECE_BYTES), nbytes - offset));

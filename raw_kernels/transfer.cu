@@ -19,6 +19,7 @@
 #define SRC_CACHED 128          // source-table entries copied into shared memory at start-up (the rest are read from global)
 #define DEST_CACHED SYNC_THREADS  // destination rows and peer bases copied into shared memory at start-up (likewise)
 #define FLAG_WRITER_BITS 16
+#define FULL_WARP 0xffffffffu
 
 __device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -131,9 +132,10 @@ __device__ __forceinline__ int locate_piece(const SyncShared& s, int num_tensors
 __device__ __forceinline__ unsigned char* destination(const SyncShared& s, const i64* dests, const u64* peer_bases,
                                                       int row) {
     const i64* dest = dests + DEST_FIELDS * static_cast<i64>(row);
-    const int rank = row < DEST_CACHED ? s.dest_rank[row] : static_cast<int>(__ldg(dest));
-    const i64 offset = row < DEST_CACHED ? s.dest_offset[row] : __ldg(dest + 1);
-    const u64 base = rank < DEST_CACHED ? s.peer_base[rank] : __ldg(peer_bases + rank);
+    const bool row_cached = static_cast<unsigned>(row) < DEST_CACHED;
+    const int rank = row_cached ? s.dest_rank[row] : static_cast<int>(__ldg(dest));
+    const i64 offset = row_cached ? s.dest_offset[row] : __ldg(dest + 1);
+    const u64 base = static_cast<unsigned>(rank) < DEST_CACHED ? s.peer_base[rank] : __ldg(peer_bases + rank);
     return reinterpret_cast<unsigned char*>(base + offset);
 }
 
@@ -163,7 +165,8 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // until the host has reported it (status) and zeroed done[], later launches do nothing, so a
 // half count can never publish a flag early.
 //
-// Start-up: one round trip of global reads (the status, the task count, each warp's first
+// Start-up (each thread of the SYNC_THREADS a block must have reads one entry of each table
+// it copies): one round trip of global reads (the status, the task count, each warp's first
 // two task rows, whose indices need no count: `task_rows` is what the table holds, the
 // tensor table and the first entries of the source, destination and peer tables, copied
 // into shared memory, so that a warp switching destination ranges reads no global memory:

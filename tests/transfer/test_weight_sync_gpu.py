@@ -27,24 +27,24 @@ FLAG_BASE_B = 16                  # expert B's chunk flags start at this flag sl
 POISON = 0xA5
 
 
-def tables(tile_bytes, fanout, publish, far):
+def tables(tile_bytes, fanout, publish, row_base, rank_base):
     """Task, tensor and destination tables: expert A (source entries 0, 1) to destinations
     0 .. fanout-1 in slot 0, then expert B (entries 2, 3) to the first max(1, fanout // 2)
-    of them in slot 1. Their destination rows and ranks start at `far` (junk rows and
-    ranks before them), so rows and ranks past the kernel's shared-memory copies of the
-    tables (its first 256) are read from global memory."""
+    of them in slot 1. Their destination rows start at `row_base` and their ranks at
+    `rank_base` (junk rows and ranks before them), so rows or ranks past the kernel's
+    shared-memory copies of the tables (its first 256) are read from global memory."""
     tiles = [-(-n // tile_bytes) for n in TENSOR_BYTES]
     chunks = -(-sum(tiles) // CHUNK_TILES)
     assert chunks <= FLAG_BASE_B
     fanout_b = max(1, fanout // 2)
-    tasks = [(2 * e, c, c * CHUNK_TILES, min(c * CHUNK_TILES + CHUNK_TILES, sum(tiles)), far + begin, far + end, -1,
+    tasks = [(2 * e, c, c * CHUNK_TILES, min(c * CHUNK_TILES + CHUNK_TILES, sum(tiles)), row_base + begin, row_base + end, -1,
               publish)
              for e, (begin, end) in enumerate([(0, fanout), (fanout, fanout + fanout_b)]) for c in range(chunks)]
     tasks += [(-9, -9, -9, -9, -9, -9, -9, -9)] * 2  # rows past the count are never read
     tensor_table = np.array([(0, TENSOR_BYTES[0], SLOT_OFFSETS[0]), (tiles[0], TENSOR_BYTES[1], SLOT_OFFSETS[1])],
                             np.int64)
-    dests = ([(-7, -7, -7)] * far + [(far + d, FLAG_BYTES, 0) for d in range(fanout)]
-             + [(far + d, FLAG_BYTES + SLOT_BYTES, FLAG_BASE_B) for d in range(fanout_b)])
+    dests = ([(-7, -7, -7)] * row_base + [(rank_base + d, FLAG_BYTES, 0) for d in range(fanout)]
+             + [(rank_base + d, FLAG_BYTES + SLOT_BYTES, FLAG_BASE_B) for d in range(fanout_b)])
     tasks, dests = np.array(tasks, np.int64), np.array(dests, np.int64)
     assert tasks.shape[1] == WEIGHT_TASK_FIELDS and dests.shape[1] == DEST_FIELDS
     return tasks, 2 * chunks, tensor_table, dests, fanout_b
@@ -75,9 +75,11 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish):
     poison_flag = np.uint64(int.from_bytes(bytes([POISON]) * 8, "little"))
     epoch, rank = 7, 3
     flag = np.uint64(epoch << FLAG_WRITER_BITS | rank) if publish else poison_flag
-    for fanout, blocks, far in [(f, 1 + f % 3, 0) for f in range(1, 11)] + [(33, 2, 0), (4, 37, 0), (33, 3, 240),
-                                                                              (5, 2, 300)]:
-        tasks, count, tensor_table, dests, fanout_b = tables(tile_bytes, fanout, publish, far)
+    # (fan-out, blocks, first destination row, first rank): rows and ranks within and past 256
+    configs = [(f, 1 + f % 3, 0, 0) for f in range(1, 11)] + [(33, 2, 0, 0), (4, 37, 0, 0), (33, 3, 240, 240),
+                                                              (5, 2, 300, 0), (6, 2, 0, 300), (7, 3, 300, 300)]
+    for fanout, blocks, row_base, rank_base in configs:
+        tasks, count, tensor_table, dests, fanout_b = tables(tile_bytes, fanout, publish, row_base, rank_base)
         chunks = count // 2
         buffers = [cupy.full(FLAG_BYTES + 2 * SLOT_BYTES, POISON, np.uint8) for _ in range(fanout)]
         done = cupy.zeros(count, np.int32)
@@ -85,8 +87,9 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish):
         kernel((blocks,), (256,), (cupy.asarray(tasks), cupy.asarray(np.array([count], np.int32)),
                                    np.int32(len(tasks)), np.int32(CHUNK_TILES), cupy.asarray(tensor_table), np.int32(2),
                                    np.int64(tile_bytes), cupy.asarray(dests), np.int32(len(dests)), src_ptrs, np.int32(4),
-                                   cupy.asarray(np.array([0xDEAD0000] * far + [b.data.ptr for b in buffers], np.uint64)),
-                                   np.int32(far + fanout),
+                                   cupy.asarray(np.array([0xDEAD0000] * rank_base + [b.data.ptr for b in buffers],
+                                                         np.uint64)),
+                                   np.int32(rank_base + fanout),
                                    np.int32(rank), np.uint64(epoch), done, np.uint64(10**9), status))
         cupy.cuda.get_current_stream().synchronize()
         assert not status.any(), f"fan-out {fanout}: status {status.get()}"

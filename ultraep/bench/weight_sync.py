@@ -12,8 +12,8 @@ d2d copy is sized to read and write exactly that much (``(1 + fan-out) / 2`` exp
 ``tile_vs_d2d`` compares memory bandwidth like for like (a copy of all the delivered bytes
 would move ``2 x fan-out`` experts and flatter the tile sync from fan-out 2 on);
 ``*_hbm_gb_s`` are bytes read plus written per second. ``tile_*`` time the streaming
-kernel; ``bare_vs_d2d`` times the same copy pattern with no task tables, chunk flags or
-start-up (``raw_kernels/bench_copy.cu``, an image of the replica slot copied into the same
+kernel; ``bare_vs_d2d`` times the same copy pattern with one pointer table instead of task
+tables and chunk flags (``raw_kernels/bench_copy.cu``, an image of the replica slot copied into the same
 replica slots, best grid of the same ones): what this device gives the pattern at all, and
 ``tile_vs_bare`` how much of it the sync keeps; ``compile_us`` is what the whole
 ``weight_sync`` call adds (the plan's device schedule compilation). Started with one
@@ -93,6 +93,8 @@ class FanoutCopy:
 
         from ultraep.runtime.kernels import get_function
 
+        if source.dtype != np.uint8 or not source.flags.c_contiguous:
+            raise ValueError("the source must be a contiguous uint8 array")
         if len(dest_ptrs) > FANOUT_COPY_MAX_DESTS:
             raise ValueError(f"at most {FANOUT_COPY_MAX_DESTS} destinations, got {len(dest_ptrs)}")
         if any(int(ptr) % 16 for ptr in dest_ptrs):
@@ -230,9 +232,9 @@ def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, a
     memcpy_ms = graph_ms(lambda: [runtime.memcpyAsync(d, s, n, runtime.memcpyDeviceToDevice,
                                                       cupy.cuda.get_current_stream().ptr)
                                   for d, s, n in copies], args.repeats)
-    # (c) the same copy pattern without tasks, flags or start-up (bench_copy.cu) from an image
+    # (c) the same copy pattern without tasks or flags (bench_copy.cu) from an image
     # of the replica slot into the same replica slots: what this device gives the pattern
-    image = cupy.empty(engine.spec.weight_slot_bytes, np.uint8)
+    image = cupy.zeros(engine.spec.weight_slot_bytes, np.uint8)
     for offset, tensor in zip(engine.spec.weight_offsets, master_tensors):
         image[offset:offset + tensor.nbytes] = tensor.view(np.uint8).ravel()
     bare = FanoutCopy(image, [heap.base_pointer(r) + engine.placement.weight_base for r in range(1, fanout + 1)])
