@@ -13,9 +13,9 @@ d2d copy is sized to read and write exactly that much (``(1 + fan-out) / 2`` exp
 would move ``2 x fan-out`` experts and flatter the tile sync from fan-out 2 on);
 ``*_hbm_gb_s`` are bytes read plus written per second. ``tile_*`` time the streaming
 kernel; ``bare_vs_d2d`` times the same copy pattern with one pointer table instead of task
-tables and chunk flags (``raw_kernels/bench_copy.cu``, an image of the replica slot copied into the same
-replica slots, best grid of the same ones): what this device gives the pattern at all, and
-``tile_vs_bare`` how much of it the sync keeps; ``compile_us`` is what the whole
+tables and chunk flags (``raw_kernels/bench_copy.cu``: an image of the replica slot copied
+into the same replica slots, best of the same grids): what this device gives the pattern
+at all, and ``tile_vs_bare`` how much of it the sync keeps; ``compile_us`` is what the whole
 ``weight_sync`` call adds (the plan's device schedule compilation). Started with one
 process, it relaunches itself on 9 ranks under ``mpiexec``. Rank 0's columns are timed as
 CUDA-graph replays, so Python's launch overhead is not counted.
