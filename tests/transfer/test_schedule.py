@@ -13,7 +13,8 @@ from tests.transfer.random_plans import random_plan
 from ultraep.planner import ExpertLayout
 from ultraep.transfer.device_schedule import COUNT_FIELDS, ScheduleCapacity
 from ultraep.runtime.kernels import kernel_source
-from ultraep.transfer.schedule import TABLE_WIDTHS, HeapPlacement, TileGeometry, compile_schedule, placement_error
+from ultraep.transfer.schedule import (TABLE_WIDTHS, WEIGHT_TASK_COLUMNS, HeapPlacement, TileGeometry, compile_schedule,
+                                       placement_error)
 from ultraep.transfer.spec import ExpertSpec
 
 LAYOUTS = [ExpertLayout(4, 12, 2), ExpertLayout(8, 16, 3, 8, 8), ExpertLayout(8, 32, 2, 4), ExpertLayout(16, 64, 4),
@@ -152,6 +153,9 @@ def test_kernels_use_the_table_widths_of_the_reference():
     header = kernel_source("task_tables.cuh").read_text()
     defined = {name: int(value) for name, value in re.findall(r"^#define (\w+) (\d+)", header, re.MULTILINE)}
     assert defined == TABLE_WIDTHS
+    # the kernel reads weight-task fields by WeightTaskField: the same columns in the same order
+    enum = re.search(r"enum WeightTaskField \{([^}]*)\}", header).group(1)
+    assert tuple(name.strip().lower() for name in enum.split(",")) == WEIGHT_TASK_COLUMNS
     widths = {"weight_tasks": "WEIGHT_TASK_FIELDS", "dests": "DEST_FIELDS", "grad_tasks": "GRAD_TASK_FIELDS",
               "grad_srcs": "GRAD_SRC_FIELDS"}
     layout = LAYOUTS[0]

@@ -3,8 +3,8 @@
 Every rank compiles the same global decisions from the same plan (relay trees, chunking)
 and keeps its own tasks, so no message is needed. Three task lists per rank:
 
-* **weight tasks** (``int64[N, 8]``: ``src_ref, chunk, tile_begin, tile_end, dest_begin,
-  dest_end, wait_slot, publish``): one chunk -- tiles ``[tile_begin, tile_end)`` of the
+* **weight tasks** (``int64[N, 8]``, columns ``WEIGHT_TASK_COLUMNS``: ``src_ref, chunk,
+  tile_begin, tile_end, dest_begin, dest_end, wait_slot, publish``): one chunk -- tiles ``[tile_begin, tile_end)`` of the
   expert's tile table -- of one source (``src_ref`` is the source table index of the
   expert's first tensor: master tensors, then this rank's replica slots for relays),
   copied to every destination in ``dests[dest_begin:dest_end]``. A relay's tasks carry
@@ -42,8 +42,10 @@ import numpy as np
 from ultraep.transfer.spec import ExpertSpec
 
 FLAG_WRITER_BITS = 16
-# Row widths of the tables above (raw_kernels/task_tables.cuh holds the same for the kernels).
-WEIGHT_TASK_FIELDS, DEST_FIELDS, GRAD_TASK_FIELDS, GRAD_SRC_FIELDS = 8, 3, 5, 2
+# Row widths of the tables above (raw_kernels/task_tables.cuh holds the same for the kernels,
+# and names the weight-task columns in this order: enum WeightTaskField).
+WEIGHT_TASK_COLUMNS = ("src_ref", "chunk", "tile_begin", "tile_end", "dest_begin", "dest_end", "wait_slot", "publish")
+WEIGHT_TASK_FIELDS, DEST_FIELDS, GRAD_TASK_FIELDS, GRAD_SRC_FIELDS = len(WEIGHT_TASK_COLUMNS), 3, 5, 2
 TABLE_WIDTHS = {"WEIGHT_TASK_FIELDS": WEIGHT_TASK_FIELDS, "DEST_FIELDS": DEST_FIELDS,
                 "GRAD_TASK_FIELDS": GRAD_TASK_FIELDS, "GRAD_SRC_FIELDS": GRAD_SRC_FIELDS}
 
