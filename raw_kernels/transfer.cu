@@ -170,7 +170,7 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // two task rows, whose indices need no count: `task_rows` is what the table holds, the
 // tensor table and the first entries of the source, destination and peer tables, copied
 // into shared memory, so that a warp switching destination ranges reads no global memory:
-// 0.4-0.9 us less at fan-out 1-2 in the bench, level at 4-8) before one block barrier;
+// up to 1 us less at fan-out 1-2 in the bench, level at 4-8) before one block barrier;
 // afterwards each warp reads the task row of its piece after next while it copies the
 // current one.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS)
