@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+from tests.conftest import kernel_defines
 from tests.transfer.random_plans import random_plan
 from ultraep.planner import ExpertLayout
 from ultraep.transfer.device_schedule import COUNT_FIELDS, ScheduleCapacity
@@ -151,7 +152,7 @@ def test_placement_error_names_each_broken_rule():
 
 def test_kernels_use_the_table_widths_of_the_reference():
     header = kernel_source("task_tables.cuh").read_text()
-    defined = {name: int(value) for name, value in re.findall(r"^#define (\w+) (\d+)", header, re.MULTILINE)}
+    defined = {name: int(value) for name, value in kernel_defines("task_tables.cuh").items()}
     assert defined == TABLE_WIDTHS
     # the kernel reads weight-task fields by WeightTaskField: the same columns in the same order
     enum = re.search(r"enum WeightTaskField \{([^}]*)\}", header).group(1)
