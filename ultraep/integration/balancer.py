@@ -67,6 +67,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ultraep.errors import BalancerError, StaleHandleError
 from ultraep.integration.loads import DeviceLoadCounter, count_loads
 from ultraep.integration.stats import BalancerStats, DeviceClock, HostClock, plan_record
 from ultraep.planner import ExpertLayout, Plan, plan_placement, reroute
@@ -78,14 +79,6 @@ from ultraep.transfer import ExpertSpec, WeightTransfer
 DEFAULT_HISTORY = 4096
 GATHER_BUFFERS = 2  # see "Order" in the module docstring
 CUDA_MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyKind
-
-
-class BalancerError(ValueError):
-    """Bad input to the Balancer (raised on every rank when ``sync_checks``)."""
-
-
-class StaleHandleError(BalancerError):
-    """A handle whose ring slot has been reused by a later micro-batch of its layer."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from ultraep.runtime.group import EPGroup, check_distinct_processes
-from ultraep.runtime.heap import BarrierTimeout, HeapError, SymmetricHeap, _abandoned
+from ultraep.errors import BarrierTimeout, HeapError
+from ultraep.runtime.heap import SymmetricHeap, _abandoned
 from ultraep.runtime.kernels import get_function
 
 _STATUS_FIELDS = 4  # failed flag, waited rank, expected epoch, value seen

@@ -14,9 +14,7 @@ import socket
 import time
 from typing import Any, Sequence
 
-
-class GroupMismatchError(ValueError):
-    """Ranks of one group passed values that must agree but do not."""
+from ultraep.errors import CollectiveError, GroupMismatchError
 
 
 def _rank_and_size(comm: Any) -> tuple[int, int]:
@@ -120,7 +118,7 @@ class EPGroup:
         return values[0]
 
     def raise_if_any(self, local_error: BaseException | str | None, what: str) -> None:
-        """Collective error check: if any rank failed, raise the same ValueError on every
+        """Collective error check: if any rank failed, raise the same CollectiveError on every
         rank, naming each failed rank and its reason (the local exception is the cause)."""
         message = None if local_error is None else str(local_error)
         errors = self.allgather(message)
@@ -128,7 +126,7 @@ class EPGroup:
         if not failed:
             return
         detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
-        error = ValueError(f"{what} failed on {len(failed)} of {self.size} rank(s): {detail}")
+        error = CollectiveError(f"{what} failed on {len(failed)} of {self.size} rank(s): {detail}")
         raise error from (local_error if isinstance(local_error, BaseException) else None)
 
     def __repr__(self) -> str:

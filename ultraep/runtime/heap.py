@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 import numpy as np
 
+from ultraep.errors import BarrierTimeout, HeapError
 from ultraep.runtime.dtypes import resolve_dtype
 from ultraep.runtime.group import EPGroup
 
@@ -31,15 +32,7 @@ DEFAULT_CLOSE_TIMEOUT_S = 300.0
 FAILING_CLOSE_TIMEOUT_S = 5.0
 
 
-class HeapError(RuntimeError):
-    """The heap cannot serve the request (closed, out of space, broken by a timeout)."""
-
-
 _abandoned: list = []  # allocations left unfreed by a close that peers never joined
-
-
-class BarrierTimeout(TimeoutError):
-    """A device-side (or shared-memory) wait did not see the flag value it waited for."""
 
 
 def round_up(value: int, multiple: int) -> int:

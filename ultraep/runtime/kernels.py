@@ -13,6 +13,9 @@ barrier, so ranks never race to write the same cache entry.
 
 from __future__ import annotations
 
+import ast
+import functools
+import operator
 import os
 import re
 from pathlib import Path
@@ -96,6 +99,59 @@ def inline_local_includes(path: Path, seen: set | None = None) -> str:
         seen.add(header)
         return inline_local_includes(header, seen)
     return _LOCAL_INCLUDE.sub(expand, path.read_text())
+
+
+_DEFINE = re.compile(r"^#define\s+(\w+)\s+([^\n]*?)\s*(?://.*)?$", re.MULTILINE)
+_INT_SUFFIX = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]+\b")
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+              ast.LShift: operator.lshift, ast.RShift: operator.rshift, ast.BitOr: operator.or_,
+              ast.BitAnd: operator.and_, ast.BitXor: operator.xor, ast.USub: operator.neg, ast.Invert: operator.invert}
+
+
+@functools.cache
+def kernel_constants(filename: str) -> dict[str, int]:
+    """The integer ``#define`` constants of ``raw_kernels/<filename>`` and the headers it
+    includes, evaluated (``#define B (32 * A)`` gives ``B`` once ``A`` is known).
+
+    The host reads its launch constants and limits from here, so a kernel's source is the
+    one place each is written; macros that are not integer expressions are left out."""
+    values: dict[str, int] = {}
+    for name, expression in _DEFINE.findall(inline_local_includes(kernel_source(filename))):
+        value = _integer_expression(_INT_SUFFIX.sub(r"\1", expression).replace("/", "//"), values)
+        if value is not None:
+            values[name] = value
+    return values
+
+
+def kernel_constant(filename: str, name: str) -> int:
+    """One integer ``#define`` of a kernel source (KeyError naming the file if it has none)."""
+    constants = kernel_constants(filename)
+    if name not in constants:
+        raise KeyError(f"{filename} defines no integer constant {name!r}")
+    return constants[name]
+
+
+def _integer_expression(text: str, known: dict[str, int]) -> int | None:
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in known:
+            return known[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.operand))
+        raise ValueError("not an integer expression")
+
+    try:
+        return value(tree)
+    except ValueError:
+        return None
 
 
 def _compile(filename: str):

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ultraep.errors import LaunchError
+
 
 # Set by mpiexec in every rank's environment (Open MPI, PMIx, MPICH/Hydra).
 MPI_LAUNCH_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -23,10 +25,6 @@ MPI_LAUNCH_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LO
 
 def launched_by_mpiexec() -> bool:
     return any(v in os.environ for v in MPI_LAUNCH_VARIABLES)
-
-
-class MPILaunchError(RuntimeError):
-    """The job failed, timed out, or no ``mpiexec`` could be found."""
 
 
 def find_mpiexec() -> str:
@@ -41,7 +39,7 @@ def find_mpiexec() -> str:
         found = shutil.which(name)
         if found:
             return found
-    raise MPILaunchError("no mpiexec found: install the project (pip install -e .[test] brings MPICH) or set ULTRAEP_MPIEXEC")
+    raise LaunchError("no mpiexec found: install the project (pip install -e .[test] brings MPICH) or set ULTRAEP_MPIEXEC")
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,13 +48,13 @@ def mpi_flavor(mpiexec: str) -> str:
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise MPILaunchError(f"cannot run {mpiexec} --version: {exc}") from exc
+        raise LaunchError(f"cannot run {mpiexec} --version: {exc}") from exc
     text = out.stdout + out.stderr
     if "Open MPI" in text or "OpenRTE" in text or "Open RTE" in text:
         return "openmpi"
     if "HYDRA" in text or "MPICH" in text or "Intel" in text:
         return "mpich"
-    raise MPILaunchError(f"unknown MPI flavor from {mpiexec} --version: {text[:200]!r}")
+    raise LaunchError(f"unknown MPI flavor from {mpiexec} --version: {text[:200]!r}")
 
 
 def mpiexec_command(nprocs: int, argv: Sequence[str], *, mpiexec: str | None = None,
@@ -94,7 +92,7 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
     """Run ``python -m mpi4py argv`` on ``nprocs`` ranks; kill the whole job after ``timeout`` s.
 
     Returns the completed process (stdout and stderr merged into ``stdout``). With
-    ``check`` a non-zero exit raises :class:`MPILaunchError` carrying the output.
+    ``check`` a non-zero exit raises :class:`LaunchError` carrying the output.
     """
     mpiexec = find_mpiexec()
     flavor = mpi_flavor(mpiexec)
@@ -106,10 +104,10 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise MPILaunchError(f"{' '.join(cmd)} timed out after {timeout:.0f} s; output:\n{out}") from None
+        raise LaunchError(f"{' '.join(cmd)} timed out after {timeout:.0f} s; output:\n{out}") from None
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     if check and proc.returncode != 0:
-        raise MPILaunchError(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{out}")
+        raise LaunchError(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{out}")
     return result
 
 

@@ -13,7 +13,8 @@ import time
 import numpy as np
 
 from ultraep.runtime.group import EPGroup
-from ultraep.runtime.heap import BarrierTimeout, HeapError, SymmetricHeap, _abandoned
+from ultraep.errors import BarrierTimeout, HeapError
+from ultraep.runtime.heap import SymmetricHeap, _abandoned
 
 
 class SharedMemoryHeap(SymmetricHeap):

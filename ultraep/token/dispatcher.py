@@ -36,16 +36,13 @@ from typing import Any
 
 import numpy as np
 
+from ultraep.errors import DispatchError
 from ultraep.runtime.dtypes import resolve_dtype
 from ultraep.runtime.group import EPGroup
 
 DEFAULT_TIMEOUT_S = 30.0
 # Error record codes (shared by the NumPy and CUDA executors).
 BAD_EXPERT_ID, NAN_GATE = 1, 2
-
-
-class DispatchError(ValueError):
-    """Bad input to dispatch/combine, or a routing the set-up bounds cannot hold (raised on every rank)."""
 
 
 def bad_input_message(rank: int, code: int, token: int, slot: int, value, num_experts: int) -> str:

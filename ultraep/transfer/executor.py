@@ -12,11 +12,8 @@ import time
 
 import numpy as np
 
+from ultraep.errors import TransferTimeout
 from ultraep.transfer.schedule import FLAG_WRITER_BITS, Schedule
-
-
-class TransferTimeout(TimeoutError):
-    """A relay waited too long for a chunk of an expert's weights."""
 
 
 def run_weight_tasks(schedule: Schedule, heap, sources: list, slot_offsets, epoch: int, timeout_s: float) -> None:

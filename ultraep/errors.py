@@ -1,0 +1,58 @@
+"""Every error the library raises on purpose, under one base class.
+
+A framework catches :class:`UltraEPError` to tell the library's refusals (bad input,
+ranks that disagree, a wait that timed out) from its own bugs. Each class also derives
+from the built-in exception a caller would expect (``ValueError`` for bad input,
+``TimeoutError`` for a wait), so ``except ValueError`` keeps working. This module
+imports nothing from the package, so every layer can raise these.
+"""
+
+from __future__ import annotations
+
+
+class UltraEPError(Exception):
+    """Base of every error ultraep raises on purpose."""
+
+
+class CollectiveError(UltraEPError, ValueError):
+    """A check failed on at least one rank; every rank raises this with each rank's reason."""
+
+
+class GroupMismatchError(CollectiveError):
+    """Ranks of one group passed values that must agree but do not."""
+
+
+class LaunchError(UltraEPError, RuntimeError):
+    """No usable ``mpiexec`` was found, or the launched job failed."""
+
+
+class HeapError(UltraEPError, RuntimeError):
+    """The symmetric heap cannot serve the request (closed, out of space, broken by a timeout)."""
+
+
+class WaitTimeout(UltraEPError, TimeoutError):
+    """A bounded wait (host or device) did not see what it waited for; the message names it."""
+
+
+class BarrierTimeout(WaitTimeout):
+    """A heap barrier did not see a peer's flag in time."""
+
+
+class TransferTimeout(WaitTimeout):
+    """A relay waited too long for a chunk of an expert's weights."""
+
+
+class DispatchError(UltraEPError, ValueError):
+    """Bad input to dispatch/combine, or a routing the set-up bounds cannot hold."""
+
+
+class BalancerError(UltraEPError, ValueError):
+    """Bad input to the Balancer."""
+
+
+class StaleHandleError(BalancerError):
+    """A handle whose ring slot has been reused by a later micro-batch of its layer."""
+
+
+__all__ = ["BalancerError", "BarrierTimeout", "CollectiveError", "DispatchError", "GroupMismatchError", "HeapError",
+           "LaunchError", "StaleHandleError", "TransferTimeout", "UltraEPError", "WaitTimeout"]
