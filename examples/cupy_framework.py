@@ -37,15 +37,15 @@ from ultraep.token import Dispatcher
 from ultraep.transfer import ExpertSpec
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+parser.add_argument("--backend", default="host", choices=["host", "device"])
 parser.add_argument("--micro-batches", type=int, default=4)
 parser.add_argument("--tokens", type=int, default=128, help="tokens per rank and micro-batch")
 parser.add_argument("--out", type=Path, default=None, help="directory for the load trace and plot (rank 0)")
 args = parser.parse_args()
 
-group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend == "cuda")
+group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend == "device")
 R, me = group.size, group.rank
-if args.backend == "cuda":
+if args.backend == "device":
     import cupy as xp
     to_host = xp.asnumpy
 else:

@@ -26,8 +26,8 @@ def kernel_defines(filename: str) -> dict[str, str]:
 requires_gpu = pytest.mark.skipif(gpu_count() == 0, reason="no CUDA GPU / CuPy here: GPU test not run")
 
 # Parametrisation of multi-rank tests over the heap backends: CPU in CI, CUDA IPC on a GPU.
-BACKENDS = [pytest.param("cpu", id="cpu"),
-            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, requires_gpu])]
+BACKENDS = [pytest.param("host", id="host"),
+            pytest.param("device", id="device", marks=[pytest.mark.gpu, requires_gpu])]
 
 
 def run_ranks(nprocs: int, script: str, *args: str, timeout: float = 120.0, env: dict | None = None):

@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "EPGroup": "ultraep.runtime.group",
     "SymmetricHeap": "ultraep.runtime.heap",
-    "open_heap": "ultraep.runtime.heap",
+    "open_heap": "ultraep.runtime",
     "ExpertLayout": "ultraep.planner",
     "Plan": "ultraep.planner",
     "plan_placement": "ultraep.planner",

@@ -53,7 +53,7 @@ def test_ideal_routing_refuses_pairs_not_divisible_by_the_experts():
 @pytest.mark.mpi
 def test_moe_layer_bench_cpu(tmp_path, capfd):
     out = tmp_path / "moe.json"
-    code = bench.main(["--backend", "cpu", "--ranks", "4", *TINY, "--json", str(out)])
+    code = bench.main(["--backend", "host", "--ranks", "4", *TINY, "--json", str(out)])
     printed = capfd.readouterr().out
     assert code == 0, printed
     assert "CPU backend: not a figure of merit" in printed

@@ -27,7 +27,7 @@ def assert_ranks_ok(out, what):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gpu])])
+@pytest.mark.parametrize("backend", ["host", pytest.param("device", marks=[pytest.mark.gpu, requires_gpu])])
 def test_cupy_framework_example(backend, tmp_path):
     out = run_example("cupy_framework.py", "--backend", backend, "--out", str(tmp_path))
     assert_ranks_ok(out, "cupy_framework")

@@ -26,6 +26,6 @@ def test_balancer_across_ranks(backend, check, tmp_path):
 def test_balancer_hot_path_neither_allocates_nor_waits(tmp_path):
     """update/weight_sync/reroute/restore/reduce_grads enqueued behind a closed gate kernel
     with zero CuPy pool allocations (see ``hot_path`` in the script)."""
-    out = run_ranks(RANKS, "integration/mpi/balancer_check.py", "cuda", "hot-path", str(tmp_path), timeout=240)
+    out = run_ranks(RANKS, "integration/mpi/balancer_check.py", "device", "hot-path", str(tmp_path), timeout=240)
     assert_all_ranks_ok(out, RANKS, "hot-path")
     assert "0 pool allocations" in out

@@ -43,11 +43,11 @@ def test_device_counter_is_bitwise_the_reference(dtype):
 
     from ultraep.integration.loads import DeviceLoadCounter
     from ultraep.runtime.group import EPGroup
-    from ultraep.runtime.heap import open_heap
+    from ultraep.runtime import open_heap
 
     group = EPGroup(MPI.COMM_SELF)
     rng = np.random.default_rng(5)
-    with open_heap(group, 1 << 20, backend="cuda") as heap:
+    with open_heap(group, 1 << 20, backend="device") as heap:
         for E, n, with_bad in ((64, 300_000, False), (257, 4099, True), (8, 0, False)):
             matrix = heap.alloc(f"matrix{E}", (1, E), np.int32)
             counter = DeviceLoadCounter(heap, E)

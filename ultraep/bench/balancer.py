@@ -33,7 +33,7 @@ COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "moe_layer_ms", "
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench balancer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
-    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"])
     parser.add_argument("--experts", type=int, default=64, help="logical experts in all (divisible by the ranks)")
     parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
@@ -62,8 +62,8 @@ def measure(group, target: float, args) -> dict:
     from ultraep.transfer import ExpertSpec
 
     R, me, K, T, H = group.size, group.rank, args.top_k, args.tokens, args.hidden
-    gpu = args.backend == "cuda" or (args.backend == "auto" and group.has_gpu)
-    backend = "cuda" if gpu else "cpu"
+    gpu = args.backend == "device" or (args.backend == "auto" and group.has_gpu)
+    backend = "device" if gpu else "host"
     if gpu:
         import cupy as xp
         synchronize = xp.cuda.get_current_stream().synchronize
@@ -126,10 +126,10 @@ def run(args) -> int:
     from ultraep.bench.report import print_table, write_json
     from ultraep.runtime.group import EPGroup
 
-    group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "cpu")
+    group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "host")
     rows = [measure(group, target, args) for target in args.imbalance]
     if group.rank == 0:
-        where = "cuda" if group.has_gpu and args.backend != "cpu" else "cpu backend"
+        where = "device" if group.has_gpu and args.backend != "host" else "host backend"
         title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({where}), {args.experts} experts, "
                  f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
                  f"ffn {args.ffn}, fp16 experts; exposed = update + weight_sync + reroute")

@@ -83,7 +83,7 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
     row_bytes = hidden * 2
     payload = tokens * K * row_bytes
     with Dispatcher(group, hidden=hidden, dtype="bfloat16", top_k=K, num_experts=args.experts, max_tokens=tokens,
-                    max_recv_rows=max_rows, backend="cuda", sync_checks=False) as disp:
+                    max_recv_rows=max_rows, backend="device", sync_checks=False) as disp:
         recv = cupy.empty((disp.max_recv_rows, hidden), dtype=BFLOAT16)
         combined = cupy.empty((tokens, hidden), dtype=BFLOAT16)
         result = disp.dispatch(x, ids, gates, out=recv)

@@ -48,7 +48,7 @@ TOLERANCE = {"float16": 1e-2, "float32": 1e-4}
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-layer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
-    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts-per-rank", type=int, default=8)
     parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
@@ -228,17 +228,17 @@ def run(args) -> int:
     from ultraep.planner.traces import rank_imbalance
     from ultraep.runtime.group import EPGroup
 
-    group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "cpu")
+    group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "host")
     R, me, T, H, L = group.size, group.rank, args.tokens, args.hidden, args.layers
-    gpu = group.has_gpu and args.backend != "cpu"
-    if args.backend == "cuda" and not gpu:
-        raise SystemExit("--backend cuda: no GPU here")
+    gpu = group.has_gpu and args.backend != "host"
+    if args.backend == "device" and not gpu:
+        raise SystemExit("--backend device: no GPU here")
     if gpu:
         import cupy as xp
         synchronize, to_host = xp.cuda.get_current_stream().synchronize, xp.asnumpy
     else:
         xp, synchronize, to_host = np, (lambda: None), np.asarray
-    backend = "cuda" if gpu else "cpu"
+    backend = "device" if gpu else "host"
     M, E = args.experts_per_rank, R * args.experts_per_rank
     rng = np.random.default_rng((args.seed, me))
     masters = [[[xp.asarray((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(args.dtype))

@@ -38,7 +38,7 @@ def run(args) -> int:
     from ultraep.bench.report import print_table, write_json
     from ultraep.bench.timing import graph_ms
     from ultraep.runtime.group import EPGroup
-    from ultraep.runtime.heap import open_heap
+    from ultraep.runtime import open_heap
     from ultraep.runtime.kernels import get_function
 
     group = EPGroup(MPI.COMM_WORLD)
@@ -49,7 +49,7 @@ def run(args) -> int:
     rows = []
     for size_mib in args.sizes_mib:
         nbytes = size_mib << 20
-        with open_heap(group, 3 * nbytes + (1 << 20), backend="cuda") as heap:
+        with open_heap(group, 3 * nbytes + (1 << 20), backend="device") as heap:
             src = heap.alloc("src", (nbytes,), np.uint8)
             dst = heap.alloc("dst", (nbytes,), np.uint8)
             local_dst = heap.alloc("local_dst", (nbytes,), np.uint8)

@@ -146,7 +146,7 @@ def run(args) -> int:
     from ultraep.bench.report import print_table, write_json
     from ultraep.planner import ExpertLayout
     from ultraep.runtime.group import EPGroup
-    from ultraep.runtime.heap import open_heap
+    from ultraep.runtime import open_heap
     from ultraep.transfer import ExpertSpec, WeightTransfer
 
     group = EPGroup(MPI.COMM_WORLD)
@@ -158,7 +158,7 @@ def run(args) -> int:
     rows = []
     heap_bytes = 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes) + (max(args.fanouts) + 1) * expert_bytes
     tiling = dict(tile_bytes=args.tile_kib << 10, chunk_tiles=args.chunk_tiles)
-    with NcclBaseline(group) as nccl, open_heap(group, heap_bytes, backend="cuda") as heap, \
+    with NcclBaseline(group) as nccl, open_heap(group, heap_bytes, backend="device") as heap, \
             contextlib.ExitStack() as relay_stack:
         engine = WeightTransfer(heap, layout, spec, relay_threshold=R, **tiling)
         rng = cupy.random.default_rng(group.rank)
@@ -168,7 +168,7 @@ def run(args) -> int:
         engines = [engine]
         if args.relay_threshold is not None:
             relay_heap = relay_stack.enter_context(open_heap(group, 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes),
-                                                             backend="cuda"))
+                                                             backend="device"))
             engines.append(relay_stack.enter_context(WeightTransfer(
                 relay_heap, layout, spec, relay_threshold=args.relay_threshold, relay_count=args.relay_count, **tiling)))
             engines[1].register_layer(0, weights, grads)

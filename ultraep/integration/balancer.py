@@ -73,7 +73,8 @@ from ultraep.integration.stats import BalancerStats, DeviceClock, HostClock, pla
 from ultraep.planner import ExpertLayout, Plan, plan_placement, reroute
 from ultraep.planner.traces import TraceRecorder
 from ultraep.runtime.dlpack import external_stream, caller_stream, import_tensor
-from ultraep.runtime.heap import ALLOC_ALIGN, FAILING_CLOSE_TIMEOUT_S, open_heap, round_up
+from ultraep.runtime import open_heap
+from ultraep.runtime.heap import ALLOC_ALIGN, FAILING_CLOSE_TIMEOUT_S, round_up
 from ultraep.transfer import ExpertSpec, WeightTransfer
 
 DEFAULT_HISTORY = 4096
@@ -137,8 +138,6 @@ class Balancer:
                                      ("min_replica_tokens", min_replica_tokens, 0), ("history", history, 0)):
                 if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                     raise BalancerError(f"{name} must be an int >= {low}, got {value!r}")
-            if backend not in ("auto", "cuda", "cpu"):
-                raise BalancerError(f"backend must be 'auto', 'cuda' or 'cpu', got {backend!r}")
         except BalancerError as exc:
             error = exc
         group.raise_if_any(error, "Balancer set-up")
@@ -155,7 +154,7 @@ class Balancer:
         heap_bytes = sum(round_up(n, ALLOC_ALIGN) for n in
                          (gather_bytes, S * spec.weight_slot_bytes, S * spec.grad_slot_bytes)) + ALLOC_ALIGN
         self.heap = open_heap(group, heap_bytes, backend=backend)
-        self.gpu = self.heap.backend == "cuda"
+        self.gpu = self.heap.backend == "device"
         self.device = self.heap.device if self.gpu else None
         try:
             self._gathered = self.heap.alloc("balancer.gathered_loads", (GATHER_BUFFERS, R, E), np.int32)

@@ -20,8 +20,8 @@ from ultraep.runtime.kernels import get_function
 _STATUS_FIELDS = 4  # failed flag, waited rank, expected epoch, value seen
 
 
-class CudaIpcHeap(SymmetricHeap):
-    backend = "cuda"
+class DeviceHeap(SymmetricHeap):
+    backend = "device"
 
     def __init__(self, group: EPGroup, nbytes: int):
         super().__init__(group, nbytes)

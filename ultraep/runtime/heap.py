@@ -7,9 +7,12 @@ data region. Sub-allocation is collective and deterministic: every rank asks for
 named tensors in the same order, gets the same offsets, and the requests are compared
 across ranks, so a rank that asks for something else gets an error on every rank.
 
-:func:`open_heap` picks the transport: ``cuda_ipc`` (peers mapped with CUDA IPC) or
-``mpi_shm`` (the CPU backend). Use it as a context manager or call :meth:`close`; teardown
-is collective (synchronise, unmap peers, barrier, free).
+Components declare what they will allocate as :class:`HeapRequirements`; the sum sizes one
+heap per process (:func:`ultraep.runtime.open_heap`, which picks the transport: the host
+heap on MPI shared memory, ``mpi_shm``, or the device heap mapped through CUDA IPC,
+``cuda_ipc``), so the Balancer, the Dispatcher and any later component share it. Use it as
+a context manager or call :meth:`close`; teardown is collective (synchronise, unmap peers,
+barrier, free).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import Iterable
+
 import numpy as np
 
 from ultraep.errors import BarrierTimeout, HeapError
@@ -37,6 +42,34 @@ _abandoned: list = []  # allocations left unfreed by a close that peers never jo
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class HeapRequirements:
+    """What a component will allocate in a heap: named tensors ``(name, shape, dtype)``
+    and signal blocks ``(name, count)``, in allocation order. Requirements add up, so one
+    heap can be sized for several components."""
+
+    tensors: tuple = ()
+    signals: tuple = ()
+
+    @classmethod
+    def of(cls, tensors: Iterable = (), signals: Iterable = ()) -> "HeapRequirements":
+        return cls(tuple((name, tuple(int(d) for d in shape), resolve_dtype(dtype, what=f"tensor {name!r} dtype"))
+                         for name, shape, dtype in tensors),
+                   tuple((name, int(count)) for name, count in signals))
+
+    def __add__(self, other: "HeapRequirements") -> "HeapRequirements":
+        return HeapRequirements(self.tensors + other.tensors, self.signals + other.signals)
+
+    @property
+    def data_bytes(self) -> int:
+        """Data bytes the tensors take, each starting ``ALLOC_ALIGN``-aligned."""
+        return sum(round_up(math.prod(shape) * dtype.itemsize, ALLOC_ALIGN) for _, shape, dtype in self.tensors)
+
+    @property
+    def signal_slots(self) -> int:
+        return sum(count for _, count in self.signals)
 
 
 @dataclass(frozen=True)
@@ -93,7 +126,7 @@ class SignalBlock:
 class SymmetricHeap:
     """Transport-neutral part of the heap; subclasses map memory and run the barrier."""
 
-    backend = "abstract"
+    backend = "abstract"  # "host" or "device" in the transports
 
     def __init__(self, group: EPGroup, nbytes: int):
         self.group = group
@@ -172,6 +205,13 @@ class SymmetricHeap:
         self.allocations[name] = block
         return block
 
+    def allocate(self, requirements: HeapRequirements) -> dict:
+        """Collective: every tensor and signal block of ``requirements``, by name, so a
+        component allocates exactly what it declared."""
+        allocated: dict = {name: self.alloc(name, shape, dtype) for name, shape, dtype in requirements.tensors}
+        allocated.update({name: self.alloc_signals(name, count) for name, count in requirements.signals})
+        return allocated
+
     # -- synchronisation ----------------------------------------------------------------
     def barrier(self, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S, *, wait: bool = True) -> None:
         """Every rank signals every peer, then waits for all peers' signals of this epoch.
@@ -226,22 +266,3 @@ class SymmetricHeap:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank={self.rank}, size={self.size}, total_bytes={self.total_bytes}, "
                 f"used={self._next_offset - SIGNAL_PAD_BYTES}/{self.data_bytes})")
-
-
-def open_heap(group: EPGroup, nbytes: int, *, backend: str = "auto") -> SymmetricHeap:
-    """Collective: a symmetric heap of ``nbytes`` data bytes per rank.
-
-    ``backend``: ``"cuda"`` (CUDA IPC), ``"cpu"`` (MPI shared memory) or ``"auto"``
-    (CUDA where the group has a GPU). All ranks must pick the same.
-    """
-    if backend == "auto":
-        backend = "cuda" if group.has_gpu else "cpu"
-    if backend not in ("cuda", "cpu"):
-        raise ValueError(f"heap backend must be 'auto', 'cuda' or 'cpu', got {backend!r}")
-    group.agree(backend, "symmetric heap backend")
-    if backend == "cuda":
-        from ultraep.runtime.cuda_ipc import CudaIpcHeap
-        return CudaIpcHeap(group, nbytes)
-    from ultraep.runtime.mpi_shm import SharedMemoryHeap
-    return SharedMemoryHeap(group, nbytes)
-

@@ -17,8 +17,8 @@ from ultraep.errors import BarrierTimeout, HeapError
 from ultraep.runtime.heap import SymmetricHeap, _abandoned
 
 
-class SharedMemoryHeap(SymmetricHeap):
-    backend = "cpu"
+class HostHeap(SymmetricHeap):
+    backend = "host"
 
     def __init__(self, group: EPGroup, nbytes: int):
         super().__init__(group, nbytes)
@@ -26,7 +26,7 @@ class SharedMemoryHeap(SymmetricHeap):
 
         comm = group.comm
         if not isinstance(comm, MPI.Comm):
-            raise TypeError("the CPU heap backend needs an mpi4py communicator (MPI shared memory)")
+            raise TypeError("the host heap needs an mpi4py communicator (MPI shared memory)")
         self._shm_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=group.rank)
         local_error = None
         if self._shm_comm.Get_size() != group.size:

@@ -27,7 +27,7 @@ from ultraep.token.dispatcher import (DispatchError, DispatchHandle, DispatchRes
 class CpuExecutor:
     def __init__(self, dispatcher):
         self.d = dispatcher
-        self.buffers = dispatcher.open_buffers("cpu")
+        self.buffers = dispatcher.open_buffers("host")
         self.heap = self.buffers.heap
 
     def _barrier(self) -> None:

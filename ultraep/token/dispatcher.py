@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ultraep.errors import DispatchError
+from ultraep.runtime.backend import choose_backend
 from ultraep.runtime.dtypes import resolve_dtype
 from ultraep.runtime.group import EPGroup
 
@@ -135,7 +136,7 @@ class Dispatcher:
     """Deterministic dispatch/combine for one EP group; see the module docstring.
 
     Collective: every rank constructs it with the same arguments. ``backend`` is
-    ``"cuda"``, ``"cpu"`` or ``"auto"`` (CUDA where the group has a GPU). Use as a context
+    ``"device"``, ``"host"`` or ``"auto"`` (the device where the group has a GPU). Use as a context
     manager or call :meth:`close` (collective).
 
     ``sync_checks=True``: every call checks its input shapes collectively and, on the GPU,
@@ -193,14 +194,10 @@ class Dispatcher:
         group.agree((self.hidden, self.dtype.str, self.top_k, self.num_experts, self.max_tokens,
                      self.experts_per_rank, self.max_recv_rows), "Dispatcher set-up (hidden, dtype, top_k, "
                     "num_experts, max_tokens, experts_per_rank, max_recv_rows)")
-        if backend == "auto":
-            backend = "cuda" if group.has_gpu else "cpu"
-        if backend not in ("cuda", "cpu"):
-            raise ValueError(f"backend must be 'auto', 'cuda' or 'cpu', got {backend!r}")
-        self.backend = group.agree(backend, "Dispatcher backend")
+        self.backend = backend = choose_backend(group, backend, "Dispatcher backend")
         self.id = Dispatcher._next_id
         Dispatcher._next_id += 1
-        if backend == "cuda":
+        if backend == "device":
             from ultraep.token.gpu_executor import GpuExecutor
             self._executor = GpuExecutor(self)
         else:
@@ -240,7 +237,7 @@ class Dispatcher:
 
     def open_buffers(self, backend: str) -> "TokenBuffers":
         """Collective: the dispatcher's symmetric heap and its tensors."""
-        from ultraep.runtime.heap import open_heap
+        from ultraep.runtime import open_heap
 
         heap = open_heap(self.group, self.heap_bytes(), backend=backend)
         tensors = {name: heap.alloc(f"token.{name}", shape, dtype) for name, shape, dtype in self.heap_layout()}

@@ -57,7 +57,7 @@ class GpuExecutor:
         self.k["reduce_slots"] = get_function(KERNELS, f"reduce_slots<{element}>", group=group)
         self.k["grad_rows"] = get_function(KERNELS, f"grad_rows<{element}>", group=group)
         self.barrier_kernel = get_function("heap.cu", "symmetric_barrier", group=group)
-        self.buffers = d.open_buffers("cuda")
+        self.buffers = d.open_buffers("device")
         self.heap = self.buffers.heap
         self.sync = self.heap.alloc_signals("token.sync", d.size)
         self.epoch = 0

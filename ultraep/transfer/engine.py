@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ultraep.runtime.dlpack import import_tensor
-from ultraep.runtime.heap import SymmetricHeap
+from ultraep.runtime.heap import HeapRequirements, SymmetricHeap
 from ultraep.transfer.device_schedule import DeviceSchedule
 from ultraep.transfer.executor import TransferTimeout, chunk_timeout_message, run_grad_tasks, run_weight_tasks
 from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, placement_error
@@ -50,6 +50,19 @@ def grid_error(blocks: int | None) -> str | None:
 
 
 class WeightTransfer:
+    @staticmethod
+    def heap_requirements(layout, spec: ExpertSpec, *, tile_bytes: int = DEFAULT_TILE_BYTES,
+                          chunk_tiles: int = 4) -> HeapRequirements:
+        """What an engine of this layout, spec and tiling allocates in its heap: ``S``
+        weight and ``S`` gradient slots (one idle slot when ``S`` is 0, so offsets stay
+        defined) and a chunk flag per slot and chunk."""
+        slots = max(layout.redundant_slots, 1)
+        chunks = TileGeometry(spec, tile_bytes, chunk_tiles).num_chunks
+        return HeapRequirements.of(
+            tensors=[("transfer.replica_weights", (slots, spec.weight_slot_bytes), np.uint8),
+                     ("transfer.replica_grads", (slots, spec.grad_slot_bytes), np.uint8)],
+            signals=[("transfer.chunk_flags", slots * chunks)])
+
     def __init__(self, heap: SymmetricHeap, layout, spec: ExpertSpec, *, tile_bytes: int = DEFAULT_TILE_BYTES,
                  chunk_tiles: int = 4, relay_threshold: int = 3, relay_count: int = 2, blocks: int | None = None,
                  timeout_s: float = 30.0):
@@ -67,7 +80,7 @@ class WeightTransfer:
             error = f"relay_threshold and relay_count must be >= 1, got {relay_threshold}, {relay_count}"
         elif (bad_grid := grid_error(blocks)) is not None:
             error = bad_grid
-        elif heap.backend == "cuda" and spec.grad_dtype.name not in ("bfloat16", "float32"):
+        elif heap.backend == "device" and spec.grad_dtype.name not in ("bfloat16", "float32"):
             error = f"the GPU gradient reduction supports float32 and bfloat16 gradients, not {spec.grad_dtype}"
         group.raise_if_any(error, "WeightTransfer set-up")
         group.agree((repr(layout), spec.key(), tile_bytes, chunk_tiles, relay_threshold, relay_count),
@@ -77,14 +90,13 @@ class WeightTransfer:
         self.geometry = TileGeometry(spec, tile_bytes, chunk_tiles)
         self.relay_threshold, self.relay_count = relay_threshold, relay_count
         self.timeout_s = timeout_s
-        slots = max(layout.redundant_slots, 1)  # S = 0 keeps one idle slot so offsets stay defined
-        self._weights = heap.alloc("transfer.replica_weights", (slots, spec.weight_slot_bytes), np.uint8)
-        self._grads = heap.alloc("transfer.replica_grads", (slots, spec.grad_slot_bytes), np.uint8)
-        self._flags = heap.alloc_signals("transfer.chunk_flags", slots * self.geometry.num_chunks)
+        buffers = heap.allocate(self.heap_requirements(layout, spec, tile_bytes=tile_bytes, chunk_tiles=chunk_tiles))
+        self._weights, self._grads = buffers["transfer.replica_weights"], buffers["transfer.replica_grads"]
+        self._flags = buffers["transfer.chunk_flags"]
         self.placement = HeapPlacement(self._weights.offset, self._grads.offset, self._flags.first_slot)
         self._layers: dict = {}
         self._epoch = 0
-        self.gpu = heap.backend == "cuda"
+        self.gpu = heap.backend == "device"
         if self.gpu:
             import cupy
             from ultraep.runtime.kernels import get_function

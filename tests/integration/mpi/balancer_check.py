@@ -25,9 +25,9 @@ from ultraep.transfer.executor import reference_reduce
 
 backend, check = sys.argv[1], sys.argv[2]
 out_dir = Path(sys.argv[3]) if len(sys.argv) > 3 else None
-group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "cuda"))
+group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
 R, me = group.size, group.rank
-if backend == "cuda":
+if backend == "device":
     import cupy as xp
     host = xp.asnumpy
 else:
@@ -226,7 +226,7 @@ def bad_input():
         expect(lambda: bal.replica_weights(h0), BalancerError, "hold nothing")
         expect(lambda: bal.reduce_grads(h0), ValueError, "call weight_sync/restore with this handle first")
         too_many = np.concatenate([ids, ids[:1]]) if me == 2 else ids
-        if backend == "cpu":  # the CuPy reroute cannot look at values; it writes -1 instead
+        if backend == "host":  # the CuPy reroute cannot look at values; it writes -1 instead
             expect(lambda: bal.reroute(h0, xp.asarray(too_many)), BalancerError, "rank 2", "more tokens")
         h1 = bal.update(0, xp.asarray(routing(0, 1, me)))  # max_in_flight=1: reuses h0's slot
         expect(lambda: bal.weight_sync(h0), StaleHandleError, "stale", "micro-batch 0", "now holds micro-batch 1")
@@ -280,7 +280,7 @@ def hot_path():
     stream = cupy.cuda.Stream(non_blocking=True)
     gate = cupy.RawKernel(GATE_SOURCE, "gate")
     with stream, Balancer(group, LAYOUT, SPEC, num_layers=layers, min_replica_tokens=MIN_REPLICA,
-                          max_in_flight=in_flight, backend="cuda", sync_checks=False) as bal:
+                          max_in_flight=in_flight, backend="device", sync_checks=False) as bal:
         model = Model(bal, range(layers))
         warm_handles = {(layer, step): model.forward(layer, step) for step in warm for layer in range(layers)}
         for step in warm:

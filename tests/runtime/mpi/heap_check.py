@@ -10,12 +10,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ultraep.runtime.group import EPGroup, GroupMismatchError
-from ultraep.runtime.heap import BarrierTimeout, HeapError, open_heap
+from ultraep.errors import BarrierTimeout, HeapError
+from ultraep.runtime import open_heap
 
 backend, check = sys.argv[1], sys.argv[2]
-group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "cuda"))
+group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
 R, me = group.size, group.rank
-if backend == "cuda":
+if backend == "device":
     import cupy as xp
     from ultraep.runtime.kernels import get_function
 else:
@@ -37,14 +38,14 @@ def exchange() -> None:
         recv.local[...] = xp.uint32(0xDEADBEEF)  # poison: a row nobody wrote fails the check
         for dst in range(R):
             send.local[dst] = xp.asarray(pattern(me, dst))
-        if backend == "cuda":
+        if backend == "device":
             bases = heap.peer_bases.get()
             gathered = group.allgather(int(heap.base_pointer(me)))
             assert bases[me] == gathered[me], "own entry of the peer table is not the local base"
             assert len(set(int(b) for b in bases)) == R, f"peer table entries not distinct: {bases}"
             xp.cuda.get_current_stream().synchronize()
         heap.barrier()  # poison lands before any peer writes
-        copy = get_function("heap.cu", "copy_bytes") if backend == "cuda" else None
+        copy = get_function("heap.cu", "copy_bytes") if backend == "device" else None
         for dst in range(R):
             target = recv.peer(dst)[me]
             if copy is None:
@@ -52,13 +53,13 @@ def exchange() -> None:
             else:
                 copy((264,), (256,), (send.local[dst], target, np.uint64(target.nbytes)))
         heap.barrier()
-        got = recv.local.get() if backend == "cuda" else recv.local.copy()
+        got = recv.local.get() if backend == "device" else recv.local.copy()
         for src in range(R):
             expected = pattern(src, me)
             bad = int(np.count_nonzero(got[src] != expected))
             assert bad == 0, f"rank {me}: {bad} of {WORDS} words from rank {src} differ"
         # Odd byte counts and offsets: the 16-byte path's tail, and the byte path (offset 1).
-        if backend == "cuda":
+        if backend == "device":
             nxt, prev = (me + 1) % R, (me - 1) % R
             sent = group.allgather(send.local.view(np.uint8)[0].get())[prev]
             for shift in (0, 1):

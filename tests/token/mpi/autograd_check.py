@@ -14,10 +14,10 @@ from ultraep.token import Dispatcher
 from ultraep.token.torch_autograd import TokenRoute
 
 backend = sys.argv[1]
-group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "cuda"))
+group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
 R, me = group.size, group.rank
 E, K, H, T = 4 * R, 3, 32, 20
-device = f"cuda:{group.device}" if backend == "cuda" else "cpu"
+device = f"cuda:{group.device}" if backend == "device" else "cpu"
 gen = torch.Generator().manual_seed(10 + me)
 x = torch.randn(T, H, generator=gen).to(device).requires_grad_()
 ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(device)

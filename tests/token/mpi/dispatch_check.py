@@ -28,11 +28,11 @@ from ultraep.token import reference as ref
 backend, check = sys.argv[1], sys.argv[2]
 DTYPE = resolve_dtype(sys.argv[3] if len(sys.argv) > 3 else "float32")
 REPEATS = int(sys.argv[4]) if len(sys.argv) > 4 else 3
-group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "cuda"))
+group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
 R, me = group.size, group.rank
 E, K, H, GLOBAL_TOKENS = 8, 4, 64, 96
 MAX_TOKENS = GLOBAL_TOKENS
-if backend == "cuda":
+if backend == "device":
     import cupy as xp
 else:
     xp = np
@@ -48,7 +48,7 @@ def host(a):
 
 def device(a):
     a = np.asarray(a)
-    if backend == "cuda" and a.dtype.kind == "V":
+    if backend == "device" and a.dtype.kind == "V":
         return xp.asarray(a.view(np.uint16)).view(a.dtype)
     return xp.asarray(a)
 

@@ -15,15 +15,15 @@ from mpi4py import MPI
 from ultraep.planner import ExpertLayout, Plan
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
-from ultraep.runtime.heap import open_heap
+from ultraep.runtime import open_heap
 from ultraep.transfer import ExpertSpec, WeightTransfer
 from ultraep.transfer.executor import reference_reduce
 
 backend, check = sys.argv[1], sys.argv[2]
 grad_dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
-group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "cuda"))
+group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
 R, me = group.size, group.rank
-if backend == "cuda":
+if backend == "device":
     import cupy as xp
     to_host = xp.asnumpy
 else:
@@ -394,7 +394,7 @@ def bad_input(heap):
         engine.register_layer(0, good, grads0)
         for transfer in (engine.weight_sync, engine.reduce_grads):
             expect_error(lambda: transfer(0, random_plan(501, 2), blocks=-1), "blocks must be in")
-        if backend == "cuda":  # more blocks than are resident could wait for blocks that never start
+        if backend == "device":  # more blocks than are resident could wait for blocks that never start
             expect_error(lambda: engine.weight_sync(0, random_plan(501, 2), blocks=engine.max_sync_blocks + 1),
                          "blocks must be at most")
         other = ExpertLayout(R, 2 * R, 2)
@@ -408,7 +408,7 @@ def bad_input(heap):
         clash = random_plan(600, 0)  # Plan.from_split refuses such a plan: break a valid one
         clash.log_to_phys[[0, M], 1] = 2 * LAYOUT.slots_per_rank + M  # experts of ranks 0 and 1 share a slot on rank 2
         clash.replica_count[[0, M]] = 2
-        if backend == "cpu":
+        if backend == "host":
             expect_error(lambda: engine.weight_sync(0, clash), "weight_sync failed on 4 of 4")
             expect_error(lambda: engine.reduce_grads(0, clash), "two replicas share one slot")
         else:  # every rank's device compiler refuses the plan, and every rank's synchronize says so
