@@ -1,29 +1,49 @@
 """Benchmarks: ``python -m ultraep.bench <name> [args]``.
 
-Each benchmark is a module with ``main(argv: list[str]) -> int``; ``BENCHMARKS`` maps
-names to modules, imported only when asked for, so a benchmark that needs CuPy or MPI
-costs nothing to the others.
+Each benchmark is a module with ``main(argv: list[str]) -> int``; ``BENCHMARKS`` names
+each one's module (imported only when asked for, so a benchmark that needs CuPy or MPI
+costs nothing to the others), whether it needs a GPU, and what it measures.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from dataclasses import dataclass
+
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    module: str
+    needs_gpu: bool
+    summary: str
+
 
 BENCHMARKS = {
-    "plan": "ultraep.bench.plan",
-    "plan-kernel": "ultraep.bench.plan_kernel",
-    "peer-copy": "ultraep.bench.peer_copy",
-    "weight-sync": "ultraep.bench.weight_sync",
-    "balancer": "ultraep.bench.balancer",
-    "dispatch": "ultraep.bench.dispatch",
-    "moe-layer": "ultraep.bench.moe_layer",
+    "plan": Benchmark("ultraep.bench.plan", False,
+                      "replay a load trace through every balancing policy: imbalance, replicas, gap to a proven bound"),
+    "plan-kernel": Benchmark("ultraep.bench.plan_kernel", True,
+                             "planning and reroute kernels on the UltraEP anchor cases (EP64, top-8, S=2)"),
+    "peer-copy": Benchmark("ultraep.bench.peer_copy", True,
+                           "the heap's peer-copy kernel against a device-to-device copy of the same bytes"),
+    "weight-sync": Benchmark("ultraep.bench.weight_sync", True,
+                             "weight sync to 1-8 replicas against d2d copies of the same memory traffic"),
+    "balancer": Benchmark("ultraep.bench.balancer", False,
+                          "exposed cost of balancing one MoE layer (update + weight_sync + reroute)"),
+    "dispatch": Benchmark("ultraep.bench.dispatch", True,
+                          "dispatch and combine bandwidth against a copy of the same bytes and NCCL all-to-all"),
+    "moe-layer": Benchmark("ultraep.bench.moe_layer", False,
+                           "MoE layers forward + backward under none / ultraep / ideal, as a ratio to ideal"),
 }
 
 
 def _usage() -> str:
-    names = "\n".join(f"  {name:<12} {module}" for name, module in BENCHMARKS.items())
-    return f"usage: python -m ultraep.bench <name> [args]   (<name> --help for its options)\n\nbenchmarks:\n{names}"
+    width = max(map(len, BENCHMARKS))
+    names = "\n".join(f"  {name:<{width}}  {bench.summary}{'  [GPU]' if bench.needs_gpu else ''}"
+                      for name, bench in BENCHMARKS.items())
+    return (f"usage: python -m ultraep.bench <name> [args]   (<name> --help for its options)\n\n"
+            f"benchmarks ([GPU]: needs a CUDA GPU and CuPy):\n{names}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,10 +52,16 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
-    module_name = BENCHMARKS.get(name)
-    if module_name is None:
+    bench = BENCHMARKS.get(name)
+    if bench is None:
         print(f"ultraep.bench: unknown benchmark {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if bench.needs_gpu and not {"-h", "--help"} & set(rest):
+        from ultraep.runtime.group import gpu_count
+        if gpu_count() == 0:
+            print(f"ultraep.bench {name}: needs a CUDA GPU and CuPy; this machine has none", file=sys.stderr)
+            return 2
+    module_name = bench.module
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
