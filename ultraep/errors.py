@@ -26,6 +26,10 @@ class LaunchError(UltraEPError, RuntimeError):
     """No usable ``mpiexec`` was found, or the launched job failed."""
 
 
+class MPSUnavailable(LaunchError):
+    """An MPS control daemon could not be started here."""
+
+
 class HeapError(UltraEPError, RuntimeError):
     """The symmetric heap cannot serve the request (closed, out of space, broken by a timeout)."""
 
@@ -55,4 +59,4 @@ class StaleHandleError(BalancerError):
 
 
 __all__ = ["BalancerError", "BarrierTimeout", "CollectiveError", "DispatchError", "GroupMismatchError", "HeapError",
-           "LaunchError", "StaleHandleError", "TransferTimeout", "UltraEPError", "WaitTimeout"]
+           "LaunchError", "MPSUnavailable", "StaleHandleError", "TransferTimeout", "UltraEPError", "WaitTimeout"]

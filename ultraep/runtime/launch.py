@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ultraep.errors import LaunchError
+from ultraep.errors import LaunchError, MPSUnavailable
 
 
 # Set by mpiexec in every rank's environment (Open MPI, PMIx, MPICH/Hydra).
@@ -111,19 +111,45 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
     return result
 
 
-def relaunch_on_ranks(nprocs: int, argv: Sequence[str], *, timeout: float) -> int:
-    """Run ``python -m mpi4py argv`` on ``nprocs`` ranks, print its output, return its exit code
-    (for command-line tools that start as one process and need several ranks)."""
-    result = run_mpi(nprocs, argv, timeout=timeout, check=False)
+def relaunch_on_ranks(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None) -> int:
+    """Run ``python -m mpi4py argv`` on ``nprocs`` ranks (``env`` added to this process's
+    environment), print its output, return its exit code (for command-line tools that
+    start as one process and need several ranks)."""
+    result = run_mpi(nprocs, argv, timeout=timeout, check=False, env={**os.environ, **(env or {})})
     print(result.stdout, end="")
     return result.returncode
 
 
+def add_emulation_option(parser) -> None:
+    """``--emulate-ep [SM_PERCENT]`` for a multi-rank tool (see :func:`multi_rank_main`)."""
+    parser.add_argument("--emulate-ep", type=int, nargs="?", const=0, default=None, metavar="SM_PERCENT",
+                        help="ranks sharing one GPU run under a private MPS daemon, each with SM_PERCENT %% of the "
+                             "SMs (default 100/ranks), so each behaves like a small GPU of its own")
+
+
 def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], timeout: float = 580) -> int:
     """Entry point of a tool that needs several ranks: parse ``argv``; under ``mpiexec``
-    ``run(args)``, else relaunch ``python -m mpi4py command argv`` on ``nprocs(args)`` ranks."""
+    ``run(args)``, else relaunch ``python -m mpi4py command argv`` on ``nprocs(args)`` ranks,
+    under an MPS daemon of its own when ``args.emulate_ep`` is set (:mod:`ultraep.runtime.mps`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if launched_by_mpiexec():
         return run(args)
-    return relaunch_on_ranks(nprocs(args), [*command, *argv], timeout=timeout)
+    ranks, relaunch = nprocs(args), [*command, *argv]
+    percent = getattr(args, "emulate_ep", None)
+    if percent is None:
+        return relaunch_on_ranks(ranks, relaunch, timeout=timeout)
+    from ultraep.runtime.mps import MPSDaemon, default_share, share_error
+
+    percent = percent or default_share(ranks)
+    if (error := share_error(ranks, percent)) is not None:
+        print(f"--emulate-ep: {error}", file=sys.stderr)
+        return 2
+    daemon = MPSDaemon()
+    try:
+        daemon.start()
+    except MPSUnavailable as exc:
+        print(f"--emulate-ep: {exc}; the ranks run time-sliced instead", file=sys.stderr)
+        return relaunch_on_ranks(ranks, relaunch, timeout=timeout)
+    with daemon:
+        return relaunch_on_ranks(ranks, relaunch, timeout=timeout, env=daemon.client_environment(percent))
