@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install the package (no deps: nothing can be
-# downloaded there), run every GPU test and every GPU benchmark, write results to $OUT.
+# downloaded there), run every GPU test (once as is, once with each process held to an SM
+# share under MPS), then the GPU benchmarks; results go to $OUT.
+#   GPU_TESTS           test paths (default: tests)
+#   GPU_MPS_SHARE       SM % for the second test pass (default 25; empty: skip it)
+#   GPU_BENCHES         benchmarks run as they are (default below)
+#   GPU_EMULATED_BENCHES  multi-rank benchmarks run with --emulate-ep (ranks under MPS, 100/R % each)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -13,8 +18,17 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || export PYTHONPATH=$PWD
 status=0
 $PY -m pytest -m gpu -v -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40 || status=1
+if [ -n "${GPU_MPS_SHARE-25}" ]; then
+  echo "== gpu tests, each process held to ${GPU_MPS_SHARE:-25} % of the SMs under MPS"
+  $PY -m ultraep.runtime.mps --percent "${GPU_MPS_SHARE:-25}" -- \
+    $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu-tests-mps.log" | tail -15 || status=1
+fi
 for bench in ${GPU_BENCHES-peer-copy plan-kernel weight-sync dispatch balancer}; do
   echo "== bench $bench" | tee -a "$OUT/bench.log"
   $PY -m ultraep.bench "$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
+done
+for bench in ${GPU_EMULATED_BENCHES-dispatch balancer moe-layer}; do
+  echo "== bench $bench --emulate-ep" | tee -a "$OUT/bench.log"
+  $PY -m ultraep.bench "$bench" --emulate-ep --json "$OUT/bench-$bench-mps.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
 done
 exit $status

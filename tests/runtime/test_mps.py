@@ -112,3 +112,15 @@ def test_sharing_label(monkeypatch):
     assert "time-sliced" in mps.sharing_label(FakeGroup([("h", 0)] * 4))
     monkeypatch.setenv(mps.EMULATION_VARIABLE, "mps:25")
     assert mps.sharing_label(FakeGroup([("h", 0)] * 4)) == "MPS, 25 % of SMs per rank (4 ranks per GPU)"
+
+
+def test_command_line_runs_a_command_under_the_daemon(tmp_path, monkeypatch, capfd):
+    fake_control(tmp_path, monkeypatch)
+    code = mps.main(["--percent", "25", "--", sys.executable, "-c",
+                     "import os; print('share', os.environ['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE'])"])
+    assert code == 0 and "share 25" in capfd.readouterr().out
+
+
+def test_command_line_without_mps_exits_3(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert mps.main(["--", "true"]) == 3 and "not on the PATH" in capsys.readouterr().err

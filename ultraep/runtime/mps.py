@@ -125,3 +125,30 @@ def sharing_label(group: "EPGroup") -> str:
     if emulation.startswith("mps:"):
         return f"MPS, {emulation[4:]} % of SMs per rank ({per_gpu} ranks per GPU)"
     return f"{per_gpu} ranks time-sliced on one GPU: not a figure of merit"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ultraep.runtime.mps [--percent P] -- COMMAND...``: run COMMAND (and the
+    processes it starts) under a private MPS daemon with ``P`` % of the SMs per process."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m ultraep.runtime.mps", description=main.__doc__.split("\n\n")[0])
+    parser.add_argument("--percent", type=int, default=100, help="SM share of each CUDA process (default 100)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given")
+    if (error := share_error(1, args.percent)) is not None:
+        parser.error(error)
+    try:
+        with MPSDaemon() as daemon:
+            return subprocess.run(command, env={**os.environ, **daemon.client_environment(args.percent)}).returncode
+    except MPSUnavailable as exc:
+        print(f"ultraep.runtime.mps: {exc}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
