@@ -297,6 +297,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // Gradient reduction, one task per block iteration (static assignment: the arithmetic
 // order per element is fixed by the task, not by scheduling): master tile in fp32, plus
 // each replica's tile in replica order, rounded once. Plain adds: no FMA can contract them.
+// Threads stride by blockDim.x, so any block works; the host launches REDUCE_THREADS.
+#define REDUCE_THREADS 256
 template <typename T>
 __global__ void reduce_grads(const i64* tasks, const int* task_count, const i64* srcs, const u64* dst_ptrs,
                              const u64* peer_bases) {
