@@ -10,11 +10,12 @@
 #include "piece_copy.cuh"
 
 #define COPY_WARPS 8        // warps per block the launcher uses (any number of whole warps works)
+#define COPY_THREADS (32 * COPY_WARPS)
 #define COPY_MAX_DESTS 128  // host-checked
 
 // Destinations must be 16-byte aligned (host-checked); a source that is not is copied byte
-// by byte. Blocks of whole warps, at most 32 * COPY_WARPS threads.
-extern "C" __global__ void __launch_bounds__(32 * COPY_WARPS, 4)
+// by byte. Blocks of whole warps, at most COPY_THREADS threads.
+extern "C" __global__ void __launch_bounds__(COPY_THREADS, 4)
 fanout_copy(const unsigned char* src, const u64* dest_ptrs, int num_dests, i64 nbytes) {
     __shared__ unsigned char* dst[COPY_MAX_DESTS];
     for (int d = threadIdx.x; d < num_dests; d += blockDim.x)

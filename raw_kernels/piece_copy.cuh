@@ -7,8 +7,8 @@
 
 typedef long long i64;
 
-#define PIECE_VECS 4            // 16-byte vectors per lane in one piece (4 KiB pieces were slower with the prefetch)
-#define PIECE_BYTES (32 * 16 * PIECE_VECS)  // 2 KiB: what a warp holds in registers and stores to every destination
+#define PIECE_VECS 4            // 16-byte vectors per lane in one piece
+#define PIECE_BYTES (32 * 16 * PIECE_VECS)  // what a warp holds in registers and stores to every destination
 
 // A whole piece (the lane's vectors lane + 32 u), stored to F destinations (F < 0: -F known
 // only at run time). Streaming stores: the replicas are not read again by this kernel.

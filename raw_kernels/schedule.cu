@@ -6,17 +6,27 @@
 // The lengths go to counts[], where the transfer kernels read them: nothing returns to
 // the host.
 //
-// counts: [0] weight tasks, [1] destinations, [2] gradient tasks, [3] gradient sources;
-// [4] / [5] sticky error codes of the weight / gradient compile: placement_code's when
-// the plan's placement breaks the layout (every rank derives the same one from the whole
-// plan, so every rank refuses it), -1 when the tables would outgrow their capacity (which
-// a sound placement never does). A failed compile writes zero lengths, so its transfers
-// do nothing.
+// counts: the four tables' lengths, then sticky error codes of the weight / gradient
+// compile: placement_code's when the plan's placement breaks the layout (every rank
+// derives the same one from the whole plan, so every rank refuses it), TABLES_OVERFLOW
+// when the tables would outgrow their capacity (which a sound placement never does). A
+// failed compile writes zero lengths, so its transfers do nothing.
+//
+// Both compilers stride over their work by blockDim.x: any block of whole warps works, and
+// the host launches COMPILE_THREADS.
 
 #include "task_tables.cuh"
 
 typedef long long i64;
 
+#define COMPILE_THREADS 256
+#define COUNT_WEIGHT_TASKS 0  // counts[] indices
+#define COUNT_DESTS 1
+#define COUNT_GRAD_TASKS 2
+#define COUNT_GRAD_SRCS 3
+#define COUNT_WEIGHT_ERROR 4
+#define COUNT_GRAD_ERROR 5
+#define COUNT_SLOTS 6
 #define TABLES_OVERFLOW (-1)
 #define NO_FAULT 0x7fffffff
 // What placement_code finds wrong with an expert's instances (device_schedule.py names them).
@@ -76,6 +86,11 @@ __device__ int placement_code(const int* log_to_phys, const int* replica_count, 
 // tree (int32 [2][E][K], global scratch; rows of hot experts only): chosen[c] = the
 // replica index (0-based, instance - 1) of relay c; owner[i] = the relay position
 // serving replica i (a relay serves itself: chosen[owner[i]] == i).
+//
+// Dynamic shared memory, carved at the top of the kernel: sent (i64 [R]), then the int
+// arrays found, hot, src_expert, src_relay, src_dest, relay_expert, relay_position,
+// relay_leaves and slot_owner. The host launches with this many bytes (M = E / R).
+#define WEIGHT_COMPILE_SHARED_BYTES(R, E, M, S) (8 * (R) + 4 * (2 * (E) + 3 * ((M) + (S)) + 1 + 3 * (S) + (R) * (S)))
 extern "C" __global__ void compile_weight_tasks(
         const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int D, int rank, int num_tensors,
         i64 slot_bytes, int relay_threshold, int relay_count, int num_chunks, int chunk_tiles, int num_tiles,
@@ -100,8 +115,8 @@ extern "C" __global__ void compile_weight_tasks(
     const int fault = placement_code(log_to_phys, replica_count, R, E, S, K, D, slot_owner);
     if (fault) {
         if (tid == 0) {
-            counts[0] = counts[1] = 0;
-            counts[4] = fault;
+            counts[COUNT_WEIGHT_TASKS] = counts[COUNT_DESTS] = 0;
+            counts[COUNT_WEIGHT_ERROR] = fault;
         }
         return;
     }
@@ -206,9 +221,9 @@ extern "C" __global__ void compile_weight_tasks(
         src_dest[sources] = rows;
         overflow |= static_cast<i64>(sources) * num_chunks > max_tasks || rows > max_dests;
         num_sources = overflow ? 0 : sources;
-        counts[0] = overflow ? 0 : sources * num_chunks;
-        counts[1] = overflow ? 0 : rows;
-        if (overflow) counts[4] = TABLES_OVERFLOW;
+        counts[COUNT_WEIGHT_TASKS] = overflow ? 0 : sources * num_chunks;
+        counts[COUNT_DESTS] = overflow ? 0 : rows;
+        if (overflow) counts[COUNT_WEIGHT_ERROR] = TABLES_OVERFLOW;
     }
     __syncthreads();
 
@@ -264,6 +279,10 @@ extern "C" __global__ void compile_weight_tasks(
 //
 // grad_tensors (int64 [T][3]): first tile of the tensor within an expert's tile list,
 // offset in a gradient slot, bytes.
+//
+// Dynamic shared memory, carved at the top of the kernel: the int arrays replicated,
+// src_first and slot_owner. The host launches with this many bytes (M = E / R).
+#define GRAD_COMPILE_SHARED_BYTES(R, M, S) (4 * (2 * (M) + 1 + (R) * (S)))
 extern "C" __global__ void compile_grad_tasks(
         const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int D, int rank, int num_tensors,
         const i64* grad_tensors, int tiles_per_expert, i64 tile_bytes, i64 grad_base, i64 grad_slot_bytes,
@@ -291,9 +310,9 @@ extern "C" __global__ void compile_grad_tasks(
             code = TABLES_OVERFLOW;
         num_replicated = code ? 0 : count;
         if (blockIdx.x == 0) {
-            counts[2] = code ? 0 : count * tiles_per_expert;
-            counts[3] = code ? 0 : replicas * tiles_per_expert;
-            if (code) counts[5] = code;
+            counts[COUNT_GRAD_TASKS] = code ? 0 : count * tiles_per_expert;
+            counts[COUNT_GRAD_SRCS] = code ? 0 : replicas * tiles_per_expert;
+            if (code) counts[COUNT_GRAD_ERROR] = code;
         }
     }
     __syncthreads();

@@ -1,7 +1,7 @@
 // Row widths of the transfer task tables, shared by the schedule compiler (schedule.cu)
 // and the transfer kernels (transfer.cu). ultraep/transfer/schedule.py defines every
-// field and holds the same widths (TABLE_WIDTHS) and weight-task columns
-// (WEIGHT_TASK_COLUMNS); a CPU test compares them.
+// field, reads these widths and names the weight-task columns (WEIGHT_TASK_COLUMNS, in
+// the order of WeightTaskField; a CPU test compares them).
 #pragma once
 
 #define WEIGHT_TASK_FIELDS 8  // its columns:

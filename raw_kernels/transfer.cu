@@ -16,6 +16,7 @@
 #define SYNC_MIN_BLOCKS 4       // blocks per SM the registers must allow: the host caps a grid at that (residency)
 #define MAX_TENSORS 8           // tensors per expert (host-checked)
 #define MAX_DESTS 128           // destinations of one source: replicas of an expert within a domain (host-checked)
+#define STATUS_WORDS 4          // status[]: timed out, flag slot, expected epoch, flag seen (wait_chunk_flag)
 #define SRC_CACHED 128          // source-table entries copied into shared memory at start-up (the rest are read from global)
 #define DEST_CACHED SYNC_THREADS  // destination rows and peer bases copied into shared memory at start-up (likewise)
 #define FLAG_WRITER_BITS 16
@@ -86,8 +87,7 @@ __device__ __forceinline__ int row_field(int row, WeightTaskField field) { retur
 
 // A place in the piece grid: piece `piece` of tile slot `tile` of task `task` (grid index
 // (task * chunk_tiles + tile) * pieces_per_tile + piece). A warp steps through the grid by
-// a mixed-radix add, with no division per piece (run-time divisions cost a bare copy 2-5 %
-// at fan-out 1-2 on an H200).
+// a mixed-radix add: a run-time division per piece would slow the copy measurably.
 struct PieceSlot {
     int task, tile, piece;
 };
@@ -149,12 +149,10 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // (W warps) takes pieces w, w + W, w + 2W, ...: at any time the warps stream neighbouring
 // pieces, and each piece is read once into registers and stored to every destination.
 // Before a warp loads a piece, it starts a prefetch of its next one into L2, so that load
-// waits for L2 rather than for memory busy with everyone's stores (on an H200 the prefetch,
-// 2 KiB pieces and stepping without divisions together made it 4-7 % faster at fan-out 1-4,
-// level at 8).
+// waits for L2 rather than for memory busy with everyone's stores.
 //
 // For a publishing task (a relay among its destinations), per-chunk byte counts (done[task])
-// tell the warp that finishes a chunk to publish its flags (epoch << 16 | rank) at the
+// tell the warp that finishes a chunk to publish its flags (epoch << FLAG_WRITER_BITS | rank) at the
 // destinations; other tasks are neither counted nor flagged (the heap barrier after the sync
 // orders them). A relay task waits (with a timeout) for its own chunk flag before loading,
 // and its pieces are not prefetched (they are not there yet).
@@ -169,8 +167,8 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // it copies): one round trip of global reads (the status, the task count, each warp's first
 // two task rows, whose indices need no count: `task_rows` is what the table holds, the
 // tensor table and the first entries of the source, destination and peer tables, copied
-// into shared memory, so that a warp switching destination ranges reads no global memory:
-// up to 1 us less at fan-out 1-2 in the bench, level at 4-8) before one block barrier;
+// into shared memory, so that a warp switching destination ranges reads no global memory)
+// before one block barrier;
 // afterwards each warp reads the task row of its piece after next while it copies the
 // current one.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS)
@@ -299,6 +297,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // Gradient reduction, one task per block iteration (static assignment: the arithmetic
 // order per element is fixed by the task, not by scheduling): master tile in fp32, plus
 // each replica's tile in replica order, rounded once. Plain adds: no FMA can contract them.
+// Threads stride by blockDim.x, so any block works; the host launches REDUCE_THREADS.
+#define REDUCE_THREADS 256
 template <typename T>
 __global__ void reduce_grads(const i64* tasks, const int* task_count, const i64* srcs, const u64* dst_ptrs,
                              const u64* peer_bases) {

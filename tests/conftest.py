@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -12,15 +11,6 @@ from ultraep.runtime.group import gpu_count
 from ultraep.runtime.launch import run_mpi
 
 MPI_SCRIPTS = Path(__file__).parent
-
-
-def kernel_defines(filename: str) -> dict[str, str]:
-    """The ``#define NAME value`` lines of a raw_kernels/ file (its comments stripped), for
-    tests that compare a kernel's constants with the host's."""
-    from ultraep.runtime.kernels import kernel_source
-
-    source = kernel_source(filename).read_text()
-    return {name: value.strip() for name, value in re.findall(r"^#define (\w+) ([^/\n]+)", source, re.MULTILINE)}
 
 
 requires_gpu = pytest.mark.skipif(gpu_count() == 0, reason="no CUDA GPU / CuPy here: GPU test not run")

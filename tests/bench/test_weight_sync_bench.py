@@ -10,17 +10,18 @@ the launcher's constants against the kernel's."""
 import numpy as np
 import pytest
 
-from tests.conftest import kernel_defines, requires_gpu
+from tests.conftest import requires_gpu
 from ultraep.bench import weight_sync
+from ultraep.runtime.kernels import kernel_constants
 
 GUARD = 256   # poisoned bytes on each side of a destination
 POISON = 0x5A
 
 
-def test_launcher_constants_match_the_kernel():
-    defined = kernel_defines("bench_copy.cu")
-    assert weight_sync.FANOUT_COPY_THREADS == 32 * int(defined["COPY_WARPS"])
-    assert weight_sync.FANOUT_COPY_MAX_DESTS == int(defined["COPY_MAX_DESTS"])
+def test_launcher_constants_are_the_kernels():
+    defined = kernel_constants("bench_copy.cu")
+    assert weight_sync.FANOUT_COPY_THREADS == defined["COPY_THREADS"] == 32 * defined["COPY_WARPS"]
+    assert weight_sync.FANOUT_COPY_MAX_DESTS == defined["COPY_MAX_DESTS"]
 
 
 @pytest.mark.gpu

@@ -2,20 +2,20 @@
 replica is written exactly once, relay trees forward to every leaf, chunk flags are
 published exactly where a relay waits for them, gradient tasks cover every replicated
 master in replica order, no schedule outgrows the capacity the device tables are
-allocated with, and the kernels use the tables' row widths defined here."""
+allocated with; and the kernels' table widths, weight-task columns, counts[] layout,
+fault kinds and shared-memory carve-ups as the host reads them."""
 
 import re
 
 import numpy as np
 import pytest
 
-from tests.conftest import kernel_defines
 from tests.transfer.random_plans import random_plan
 from ultraep.planner import ExpertLayout
-from ultraep.transfer.device_schedule import COUNT_FIELDS, ScheduleCapacity
-from ultraep.runtime.kernels import kernel_source
-from ultraep.transfer.schedule import (TABLE_WIDTHS, WEIGHT_TASK_COLUMNS, HeapPlacement, TileGeometry, compile_schedule,
-                                       placement_error)
+from ultraep.runtime.kernels import kernel_constants, kernel_macro, kernel_source
+from ultraep.transfer.device_schedule import COUNT_FIELDS, ERROR_SLOTS, FAULTS, ScheduleCapacity
+from ultraep.transfer.schedule import (FLAG_WRITER_BITS, WEIGHT_TASK_COLUMNS, HeapPlacement, TileGeometry,
+                                       compile_schedule, placement_error)
 from ultraep.transfer.spec import ExpertSpec
 
 LAYOUTS = [ExpertLayout(4, 12, 2), ExpertLayout(8, 16, 3, 8, 8), ExpertLayout(8, 32, 2, 4), ExpertLayout(16, 64, 4),
@@ -150,17 +150,39 @@ def test_placement_error_names_each_broken_rule():
     assert "outside [1," in placement_error(layout, np.zeros((16, layout.max_instances), np.int32), bad_count)
 
 
-def test_kernels_use_the_table_widths_of_the_reference():
+def test_the_reference_writes_the_kernels_table_widths_and_columns():
     header = kernel_source("task_tables.cuh").read_text()
-    defined = {name: int(value) for name, value in kernel_defines("task_tables.cuh").items()}
-    assert defined == TABLE_WIDTHS
+    widths = kernel_constants("task_tables.cuh")
     # the kernel reads weight-task fields by WeightTaskField: the same columns in the same order
     enum = re.search(r"enum WeightTaskField \{([^}]*)\}", header).group(1)
     assert tuple(name.strip().lower() for name in enum.split(",")) == WEIGHT_TASK_COLUMNS
-    widths = {"weight_tasks": "WEIGHT_TASK_FIELDS", "dests": "DEST_FIELDS", "grad_tasks": "GRAD_TASK_FIELDS",
-              "grad_srcs": "GRAD_SRC_FIELDS"}
+    assert len(WEIGHT_TASK_COLUMNS) == widths["WEIGHT_TASK_FIELDS"]
     layout = LAYOUTS[0]
     schedule = compile_schedule(random_plan(layout, np.random.default_rng(0), 1.0), SPEC, TileGeometry(SPEC, 256, 2),
                                 PLACEMENT, 0, relay_threshold=1, relay_count=1)
-    for table, name in widths.items():
-        assert getattr(schedule, table).shape[1] == TABLE_WIDTHS[name], table
+    for table, name in [("weight_tasks", "WEIGHT_TASK_FIELDS"), ("dests", "DEST_FIELDS"),
+                        ("grad_tasks", "GRAD_TASK_FIELDS"), ("grad_srcs", "GRAD_SRC_FIELDS")]:
+        assert getattr(schedule, table).shape[1] == widths[name], table
+    assert FLAG_WRITER_BITS == kernel_constants("transfer.cu")["FLAG_WRITER_BITS"]
+
+
+def test_the_schedule_compilers_counts_and_faults_are_the_hosts():
+    """counts[] holds the tables' lengths in COUNT_FIELDS order, then the two error codes
+    (the GPU tests slice it so); every fault kind placement_code reports has a message."""
+    defined = kernel_constants("schedule.cu")
+    assert [defined[f"COUNT_{name.upper()}"] for name in COUNT_FIELDS] == list(range(len(COUNT_FIELDS)))
+    assert ERROR_SLOTS == (len(COUNT_FIELDS), len(COUNT_FIELDS) + 1)
+    assert defined["COUNT_SLOTS"] == len(COUNT_FIELDS) + 2
+    kinds = {name for name in defined if name.startswith("FAULT_") and name != "FAULT_KINDS"}
+    assert kinds == set(FAULTS), "a fault kind of schedule.cu has no message, or a message no kind"
+    assert sorted(defined[name] for name in kinds) == list(range(len(kinds))) and len(kinds) <= defined["FAULT_KINDS"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=repr)
+def test_the_compilers_shared_memory_is_the_kernels_carve_up(layout):
+    """The host launches with what the kernel's macros give: sent (i64 [R]) and the int
+    arrays its comment lists, in the order the kernel carves them."""
+    R, E, M, S = layout.num_ranks, layout.num_experts, layout.experts_per_rank, layout.redundant_slots
+    weight_ints = [E, E, M + S, M + S, M + S + 1, S, S, S, R * S]
+    assert kernel_macro("schedule.cu", "WEIGHT_COMPILE_SHARED_BYTES", R=R, E=E, M=M, S=S) == 8 * R + 4 * sum(weight_ints)
+    assert kernel_macro("schedule.cu", "GRAD_COMPILE_SHARED_BYTES", R=R, M=M, S=S) == 4 * (M + M + 1 + R * S)

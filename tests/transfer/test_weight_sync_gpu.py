@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import requires_gpu
+from ultraep.runtime.kernels import kernel_constant
 from ultraep.transfer.schedule import DEST_FIELDS, FLAG_WRITER_BITS, WEIGHT_TASK_FIELDS
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -83,8 +84,8 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish):
         chunks = count // 2
         buffers = [cupy.full(FLAG_BYTES + 2 * SLOT_BYTES, POISON, np.uint8) for _ in range(fanout)]
         done = cupy.zeros(count, np.int32)
-        status = cupy.zeros(4, np.uint64)
-        kernel((blocks,), (256,), (cupy.asarray(tasks), cupy.asarray(np.array([count], np.int32)),
+        status = cupy.zeros(kernel_constant("transfer.cu", "STATUS_WORDS"), np.uint64)
+        kernel((blocks,), (kernel_constant("transfer.cu", "SYNC_THREADS"),), (cupy.asarray(tasks), cupy.asarray(np.array([count], np.int32)),
                                    np.int32(len(tasks)), np.int32(CHUNK_TILES), cupy.asarray(tensor_table), np.int32(2),
                                    np.int64(tile_bytes), cupy.asarray(dests), np.int32(len(dests)), src_ptrs, np.int32(4),
                                    cupy.asarray(np.array([0xDEAD0000] * rank_base + [b.data.ptr for b in buffers],

@@ -35,12 +35,12 @@ import contextlib
 
 import numpy as np
 
+from ultraep.bench.timing import graph_ms, group_window_ms
+from ultraep.runtime.kernels import kernel_constant
 from ultraep.runtime.launch import multi_rank_main
 
-from ultraep.bench.timing import graph_ms, group_window_ms
-
-FANOUT_COPY_THREADS = 256     # bench_copy.cu: 32 * COPY_WARPS
-FANOUT_COPY_MAX_DESTS = 128   # bench_copy.cu COPY_MAX_DESTS
+FANOUT_COPY_THREADS = kernel_constant("bench_copy.cu", "COPY_THREADS")
+FANOUT_COPY_MAX_DESTS = kernel_constant("bench_copy.cu", "COPY_MAX_DESTS")
 
 
 def parse_args(argv):
@@ -216,9 +216,10 @@ def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, a
 
     # The streaming kernel alone (the plan's tables were compiled on the device by the
     # checked sync before), then the whole call with its schedule compilation.
-    entry, tables = engine._layer(0), engine.device_schedule
-    grids = args.blocks or [engine.max_sync_blocks * quarters // 4 for quarters in (2, 3, 4)]
-    timings = [(graph_ms(lambda: engine._launch_sync(entry, tables, blocks), args.repeats), blocks) for blocks in grids]
+    device, entry = engine.impl, engine._layer(0)
+    grids = args.blocks or [device.max_sync_blocks * quarters // 4 for quarters in (2, 3, 4)]
+    timings = [(graph_ms(lambda: device.run_weight_tasks(entry, device.tables, blocks), args.repeats), blocks)
+               for blocks in grids]
     tile_ms, blocks = min(timings)
     device_plan = Plan(layout=plan.layout, imbalance_before=plan.imbalance_before, imbalance_after=plan.imbalance_after,
                        **{name: cupy.asarray(getattr(plan, name)) for name in Plan.ARRAYS})  # capturable compile

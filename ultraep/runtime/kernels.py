@@ -131,6 +131,27 @@ def kernel_constant(filename: str, name: str) -> int:
     return constants[name]
 
 
+_FUNCTION_DEFINE = r"^#define\s+{name}\(([^)]*)\)\s+([^\n]*?)\s*(?://.*)?$"
+
+
+def kernel_macro(filename: str, name: str, **arguments: int) -> int:
+    """A function-like integer ``#define NAME(a, b) expression`` of a kernel source, evaluated
+    for ``arguments`` (the file's constants are known too), e.g. the dynamic shared memory a
+    kernel carves for a given layout: the kernel source stays its one definition."""
+    match = re.search(_FUNCTION_DEFINE.format(name=re.escape(name)), inline_local_includes(kernel_source(filename)),
+                      re.MULTILINE)
+    if match is None:
+        raise KeyError(f"{filename} defines no function-like macro {name!r}")
+    parameters = [p.strip() for p in match.group(1).split(",")]
+    if sorted(parameters) != sorted(arguments):
+        raise TypeError(f"{filename} {name} takes ({', '.join(parameters)}), got {sorted(arguments)}")
+    value = _integer_expression(_INT_SUFFIX.sub(r"\1", match.group(2)).replace("/", "//"),
+                                {**kernel_constants(filename), **{k: int(v) for k, v in arguments.items()}})
+    if value is None:
+        raise ValueError(f"{filename} {name} is not an integer expression: {match.group(2)}")
+    return value
+
+
 def _integer_expression(text: str, known: dict[str, int]) -> int | None:
     try:
         tree = ast.parse(text, mode="eval").body

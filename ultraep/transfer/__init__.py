@@ -4,10 +4,13 @@
   and how they pack into a replica slot.
 * ``schedule`` -- the task compiler: from a plan, the tile transfers each rank performs,
   relay trees for hot experts, and the gradient-reduction tiles.
-* ``executor`` -- the NumPy executor of a schedule (CPU backend and test reference).
-* ``engine``   -- :class:`WeightTransfer`, the thin object over the kernels: replica
-  buffers in the symmetric heap, per-layer registration of masters, weight sync,
-  restore and gradient reduction.
+* ``engine``   -- :class:`WeightTransfer`, the public object: replica buffers in the
+  symmetric heap, per-layer registration of masters, weight sync, restore and gradient
+  reduction, each done by the heap's backend:
+* ``host``     -- ``HostTransfer``, the NumPy executor of a schedule over the host heap
+  (the CPU backend and the reference for the kernels);
+* ``device``   -- ``DeviceTransfer``, the kernels of ``raw_kernels/transfer.cu``, on task
+  tables that ``device_schedule`` compiles on the device (``raw_kernels/schedule.cu``).
 """
 
 from ultraep.transfer.engine import WeightTransfer

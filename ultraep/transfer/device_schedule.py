@@ -23,19 +23,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from ultraep.planner.plan import array_module
+from ultraep.runtime.kernels import kernel_constant, kernel_macro
 from ultraep.transfer.schedule import (DEST_FIELDS, GRAD_SRC_FIELDS, GRAD_TASK_FIELDS, WEIGHT_TASK_FIELDS, HeapPlacement,
                                        TileGeometry)
 from ultraep.transfer.spec import ExpertSpec
 
-COMPILE_THREADS = 256
+KERNEL = "schedule.cu"
+COMPILE_THREADS = kernel_constant(KERNEL, "COMPILE_THREADS")
 DEFAULT_SHARED_BYTES = 48 * 1024  # dynamic shared memory without opting in
 MAX_SHARED_BYTES = 227 * 1024     # per block on sm_90
-COUNT_FIELDS = ("weight_tasks", "dests", "grad_tasks", "grad_srcs")  # counts[0:4]; [4], [5]: error codes
-TABLES_OVERFLOW = -1              # error code: a plan would outgrow the tables
-FAULT_KINDS = 8                   # other codes: 1 + kind + FAULT_KINDS * expert (schedule.cu placement_code)
-FAULTS = ("has an instance count outside [1, {K}]", "has a replica outside the redundant slots",
-          "has a replica on its master's rank or outside its domain", "has two instances on one rank",
-          "has a replica in a slot that a lower expert's replica holds")
+# The tables, in the order of their lengths in counts[] (COUNT_INDEX); the weight and
+# gradient compiles' error codes follow (ERROR_SLOTS).
+COUNT_FIELDS = ("weight_tasks", "dests", "grad_tasks", "grad_srcs")
+COUNT_INDEX = {name: kernel_constant(KERNEL, f"COUNT_{name.upper()}") for name in COUNT_FIELDS}
+COUNT_SLOTS = kernel_constant(KERNEL, "COUNT_SLOTS")
+ERROR_SLOTS = (kernel_constant(KERNEL, "COUNT_WEIGHT_ERROR"), kernel_constant(KERNEL, "COUNT_GRAD_ERROR"))
+TABLES_OVERFLOW = kernel_constant(KERNEL, "TABLES_OVERFLOW")  # error code: a plan would outgrow the tables
+FAULT_KINDS = kernel_constant(KERNEL, "FAULT_KINDS")  # other codes: 1 + kind + FAULT_KINDS * expert
+FAULTS = {"FAULT_COUNT": "has an instance count outside [1, {K}]",  # what each kind of placement_code says
+          "FAULT_SLOT": "has a replica outside the redundant slots",
+          "FAULT_HOST": "has a replica on its master's rank or outside its domain",
+          "FAULT_SHARED_RANK": "has two instances on one rank",
+          "FAULT_SHARED_SLOT": "has a replica in a slot that a lower expert's replica holds"}
+_FAULT_BY_KIND = {kernel_constant(KERNEL, name): text for name, text in FAULTS.items()}
 _INT32_ROWS = 2**31 - 1
 
 
@@ -64,7 +74,7 @@ class DeviceSchedule:
     """This rank's task tables on the device; see the module docstring.
 
     ``weight_tasks``, ``dests``, ``grad_tasks``, ``grad_srcs``: the tables (valid rows
-    first); ``counts``: ``int32[6]``, their lengths then the two error codes;
+    first); ``counts``: ``int32[COUNT_SLOTS]``, their lengths then the two error codes;
     ``weight_task_count`` / ``grad_task_count``: one-element views the transfer kernels read.
     """
 
@@ -84,14 +94,14 @@ class DeviceSchedule:
         self.dests = cupy.empty((max(capacity.dests, 1), DEST_FIELDS), np.int64)
         self.grad_tasks = cupy.empty((max(capacity.grad_tasks, 1), GRAD_TASK_FIELDS), np.int64)
         self.grad_srcs = cupy.empty((max(capacity.grad_srcs, 1), GRAD_SRC_FIELDS), np.int64)
-        self.counts = cupy.zeros(len(COUNT_FIELDS) + 2, np.int32)
-        self.weight_task_count, self.grad_task_count = self.counts[0:1], self.counts[2:3]
+        self.counts = cupy.zeros(COUNT_SLOTS, np.int32)
+        self.weight_task_count, self.grad_task_count = (self.counts[COUNT_INDEX[name]:COUNT_INDEX[name] + 1]
+                                                        for name in ("weight_tasks", "grad_tasks"))
         self._staged = (cupy.empty((E, K), np.int32), cupy.empty(E, np.int32))  # a NumPy plan's arrays
         self._weight_kernel = get_function("schedule.cu", "compile_weight_tasks", group=group)
         self._grad_kernel = get_function("schedule.cu", "compile_grad_tasks", group=group)
-        # the carve-ups of dynamic shared memory in schedule.cu
-        self._weight_shared = 8 * R + 4 * (2 * E + 3 * (M + S) + 1 + 3 * S + R * S)
-        self._grad_shared = 4 * (2 * M + 1 + R * S)
+        self._weight_shared = kernel_macro(KERNEL, "WEIGHT_COMPILE_SHARED_BYTES", R=R, E=E, M=M, S=S)
+        self._grad_shared = kernel_macro(KERNEL, "GRAD_COMPILE_SHARED_BYTES", R=R, M=M, S=S)
         for kernel, nbytes in ((self._weight_kernel, self._weight_shared), (self._grad_kernel, self._grad_shared)):
             if nbytes > MAX_SHARED_BYTES:
                 raise ValueError(f"the device schedule compiler needs {nbytes} bytes of shared memory for {layout} "
@@ -148,18 +158,19 @@ class DeviceSchedule:
     def to_host(self) -> dict:
         """The tables trimmed to their lengths, as NumPy arrays (synchronises)."""
         counts = self.counts.get()
-        return {name: getattr(self, name)[:int(n)].get() for name, n in zip(COUNT_FIELDS, counts)}
+        return {name: getattr(self, name)[:int(counts[index])].get() for name, index in COUNT_INDEX.items()}
 
     def take_error(self) -> str | None:
         """What the compiles since the last call refused, if anything (synchronises); clears it."""
-        codes = [int(code) for code in self.counts[len(COUNT_FIELDS):].get()]
-        if not any(codes):
+        counts = self.counts.get()
+        code = next((int(counts[slot]) for slot in ERROR_SLOTS if counts[slot]), 0)
+        if not code:
             return None
-        self.counts[len(COUNT_FIELDS):].fill(0)
-        code = next(c for c in codes if c)
+        for slot in ERROR_SLOTS:
+            self.counts[slot] = 0
         if code == TABLES_OVERFLOW:
             return (f"rank {self.rank}: a plan would outgrow this rank's transfer tables {self.capacity}; its transfers "
                     "were skipped")
         expert, kind = divmod(code - 1, FAULT_KINDS)
         return (f"rank {self.rank}: the plan's placement breaks {self.layout}: expert {expert} "
-                f"{FAULTS[kind].format(K=self.layout.max_instances)}; its transfers were skipped")
+                f"{_FAULT_BY_KIND[kind].format(K=self.layout.max_instances)}; its transfers were skipped")

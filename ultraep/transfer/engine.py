@@ -1,55 +1,109 @@
-"""``WeightTransfer``: the data plane of one EP group, a thin object over the kernels.
+"""``WeightTransfer``: the data plane of one EP group, a thin object over its backend.
 
 Set up once per EP group with the layout and the expert's tensor spec: ``S`` weight slots
 and ``S`` gradient slots per rank in the symmetric heap (shared by all layers; no
 optimizer state) plus the chunk flags. Per layer the framework registers its master
 weights and gradients (they stay in the framework's memory). Per micro-batch and layer:
 
-* :meth:`weight_sync` copies each replicated master into its replica slots (relay trees
-  for hot experts) and, by default, ends with a heap barrier so every replica is complete
-  before token dispatch; :meth:`restore` re-runs it for a saved plan in backward;
-* :meth:`reduce_grads` adds every replica's gradient into its master's gradient in
-  replica order, fp32 accumulation, deterministic, after a barrier that says all replica
-  gradients are written, and before one that frees the slots for the next layer.
+* :meth:`~WeightTransfer.weight_sync` copies each replicated master into its replica slots
+  (relay trees for hot experts) and, by default, ends with a heap barrier so every replica
+  is complete before token dispatch; :meth:`~WeightTransfer.restore` re-runs it for a saved
+  plan in backward;
+* :meth:`~WeightTransfer.reduce_grads` adds every replica's gradient into its master's
+  gradient in replica order, fp32 accumulation, deterministic, after a barrier that says
+  all replica gradients are written, and before one that frees the slots for the next layer.
 
-On the GPU everything is enqueued on CuPy's current stream (the caller's; see
-``runtime.dlpack.caller_stream``): each transfer first compiles its plan's task tables on
-the device (``device_schedule``) into tables allocated here once, so with a plan already
-on the device (the planner's CuPy backend) no call allocates or waits for the device.
-Those tables and the kernels' counters are shared by every call of one engine, as the
-replica slots are: its transfers must be ordered on one stream (or by events), never run
-concurrently on two. :meth:`synchronize` waits and reports device-side timeouts and
-refused plans (a plan whose placement breaks the layout is refused by every rank). On the
-CPU backend the NumPy executor runs the schedule ``compile_schedule`` makes per call.
+The engine checks its arguments (collectively) and holds what both backends share; the
+work is done by the backend of the heap, chosen once: :class:`~ultraep.transfer.host.HostTransfer`
+(NumPy over the host heap) or :class:`~ultraep.transfer.device.DeviceTransfer` (the kernels).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
+from ultraep.runtime.backend import DEVICE
 from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap
-from ultraep.transfer.device_schedule import DeviceSchedule
-from ultraep.transfer.executor import TransferTimeout, chunk_timeout_message, run_grad_tasks, run_weight_tasks
-from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, placement_error
+from ultraep.runtime.kernels import kernel_constant
+from ultraep.transfer.host import HostTransfer
+from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, host_plan
 from ultraep.transfer.spec import ExpertSpec
 
-DEFAULT_TILE_BYTES = 32 << 10  # best a multiple of PIECE_BYTES: a shorter piece takes a whole warp turn
-MAX_BLOCKS = 1 << 20         # the kernels' int32 task or piece slot plus the grid stride must not overflow
-SYNC_THREADS = 256           # transfer.cu SYNC_THREADS: eight copying warps
-SYNC_BLOCKS_PER_SM = 4       # transfer.cu SYNC_MIN_BLOCKS: its registers let this many blocks share an SM
-PIECE_BYTES = 2048           # piece_copy.cuh PIECE_BYTES: what one warp copies at a time
-MAX_TENSORS_PER_EXPERT = 8     # MAX_TENSORS in transfer.cu
-MAX_REPLICAS_PER_EXPERT = 128  # MAX_DESTS in transfer.cu
-_STATUS_FIELDS = 4
+DEFAULT_TILE_BYTES = 32 << 10  # best a multiple of the kernels' PIECE_BYTES: a shorter piece takes a whole warp turn
+MAX_BLOCKS = 1 << 20           # the kernels' int32 task or piece slot plus the grid stride must not overflow
+MAX_TENSORS_PER_EXPERT = kernel_constant("transfer.cu", "MAX_TENSORS")
+MAX_REPLICAS_PER_EXPERT = kernel_constant("transfer.cu", "MAX_DESTS")  # destinations of one source
 
 
 def grid_error(blocks: int | None) -> str | None:
-    """Why a requested grid (``blocks``; None: the engine's) cannot be launched, or None."""
+    """Why a requested grid (``blocks``; None: the backend's) cannot be launched, or None."""
     return None if blocks is None or 0 < blocks <= MAX_BLOCKS else f"blocks must be in [1, {MAX_BLOCKS}], got {blocks}"
 
 
+class TransferBackend(Protocol):
+    """What :class:`WeightTransfer` asks of its backend (HostTransfer, DeviceTransfer).
+
+    Constructed collectively with ``(heap, layout, spec, geometry, placement,
+    replica_weights, *, relay_threshold, relay_count, blocks, timeout_s)``; ``blocks``
+    (None: the backend's default grid) has passed :func:`grid_error`. An ``entry`` is what
+    :meth:`import_layer` made of one layer's masters."""
+
+    device: int | None  # where master tensors must live (None: host memory)
+
+    @staticmethod
+    def setup_error(spec: ExpertSpec) -> str | None:
+        """Why this backend cannot transfer experts of ``spec``, or None (checked on every rank)."""
+
+    def sync_grid_error(self, blocks: int | None) -> str | None:
+        """Why this backend cannot run a weight sync on ``blocks`` beyond :func:`grid_error`."""
+
+    def import_layer(self, weights: list, grads: list) -> object:
+        """The layer's entry from its imported masters: ``weights[m * T + t]``, ``grads[m * T + t]``."""
+
+    def weight_sync(self, entry, plan, blocks: int | None) -> None:
+        """Collective: this rank's share of filling every replica slot of ``plan``."""
+
+    def run_weight_tasks(self, entry, tables, blocks: int | None) -> None:
+        """The copies of a compiled weight sync alone (what ``weight_sync`` ends with)."""
+
+    def reduce_grads(self, entry, plan, blocks: int | None) -> None:
+        """Collective: this rank's masters += their replicas' gradients, in replica order."""
+
+    def barrier(self) -> None:
+        """A heap barrier in the backend's order of work."""
+
+    def synchronize(self) -> None:
+        """Wait for the enqueued work; raise what it found (timeouts, refused plans)."""
+
+
+def _backend_class(backend: str) -> type:
+    """The implementation for a heap backend (``"host"`` or ``"device"``)."""
+    if backend == DEVICE:
+        from ultraep.transfer.device import DeviceTransfer  # imports CuPy: only where chosen
+
+        return DeviceTransfer
+    return HostTransfer
+
+
 class WeightTransfer:
+    """Replica buffers of one EP group and the transfers that fill and drain them.
+
+    ``heap``: the group's symmetric heap (its backend picks the implementation);
+    ``layout``: the EP layout plans are made for; ``spec``: one expert's tensors.
+    ``tile_bytes`` (a multiple of 256) and ``chunk_tiles`` cut each expert into tiles and
+    chunks (one task, one chunk flag per chunk); an expert with more than
+    ``relay_threshold`` replicas is sent to ``relay_count`` relays that forward each chunk
+    to the rest; ``blocks`` is the default grid (None: the backend's); ``timeout_s`` bounds
+    every wait. Construction, :meth:`register_layer` and every transfer are collective.
+
+    On the device every call is enqueued on the current stream and returns at once;
+    :meth:`synchronize` waits and reports what went wrong. On the host each call has
+    finished when it returns.
+    """
+
     @staticmethod
     def heap_requirements(layout, spec: ExpertSpec, *, tile_bytes: int = DEFAULT_TILE_BYTES,
                           chunk_tiles: int = 4) -> HeapRequirements:
@@ -67,6 +121,7 @@ class WeightTransfer:
                  chunk_tiles: int = 4, relay_threshold: int = 3, relay_count: int = 2, blocks: int | None = None,
                  timeout_s: float = 30.0):
         group = heap.group
+        implementation = _backend_class(heap.backend)
         error = None
         if layout.num_ranks != heap.size:
             error = f"layout has {layout.num_ranks} ranks but the heap's group has {heap.size}"
@@ -78,10 +133,8 @@ class WeightTransfer:
             error = f"layout allows {layout.max_instances - 1} replicas per expert; the kernel handles {MAX_REPLICAS_PER_EXPERT}"
         elif relay_threshold < 1 or relay_count < 1:
             error = f"relay_threshold and relay_count must be >= 1, got {relay_threshold}, {relay_count}"
-        elif (bad_grid := grid_error(blocks)) is not None:
-            error = bad_grid
-        elif heap.backend == "device" and spec.grad_dtype.name not in ("bfloat16", "float32"):
-            error = f"the GPU gradient reduction supports float32 and bfloat16 gradients, not {spec.grad_dtype}"
+        else:
+            error = grid_error(blocks) or implementation.setup_error(spec)
         group.raise_if_any(error, "WeightTransfer set-up")
         group.agree((repr(layout), spec.key(), tile_bytes, chunk_tiles, relay_threshold, relay_count),
                     "WeightTransfer set-up (layout, expert spec, tiling, relay options)")
@@ -92,47 +145,12 @@ class WeightTransfer:
         self.timeout_s = timeout_s
         buffers = heap.allocate(self.heap_requirements(layout, spec, tile_bytes=tile_bytes, chunk_tiles=chunk_tiles))
         self._weights, self._grads = buffers["transfer.replica_weights"], buffers["transfer.replica_grads"]
-        self._flags = buffers["transfer.chunk_flags"]
-        self.placement = HeapPlacement(self._weights.offset, self._grads.offset, self._flags.first_slot)
+        flags = buffers["transfer.chunk_flags"]
+        self.placement = HeapPlacement(self._weights.offset, self._grads.offset, flags.first_slot)
+        self.impl: TransferBackend = implementation(
+            heap, layout, spec, self.geometry, self.placement, self._weights, relay_threshold=relay_threshold,
+            relay_count=relay_count, blocks=blocks, timeout_s=timeout_s)
         self._layers: dict = {}
-        self._epoch = 0
-        self.gpu = heap.backend == "device"
-        if self.gpu:
-            import cupy
-            from ultraep.runtime.kernels import get_function
-            self._sync_kernel = get_function("transfer.cu", "weight_sync", group=group)
-            name = "reduce_grads<__nv_bfloat16>" if spec.grad_dtype.name == "bfloat16" else "reduce_grads<float>"
-            self._reduce_kernel = get_function("transfer.cu", name, group=group)
-            self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
-            props = cupy.cuda.runtime.getDeviceProperties(heap.device)
-            first_tiles = np.searchsorted([t for t, _, _ in self.geometry.tiles], np.arange(len(spec.weights)))
-            self._tensor_table = cupy.asarray(np.array(
-                [(first, w.nbytes, off) for first, w, off in zip(first_tiles, spec.weights, spec.weight_offsets)],
-                dtype=np.int64))
-            # the same bound on every rank (the smallest GPU's), so a grid is refused by all or none
-            self.max_sync_blocks = min(group.allgather(SYNC_BLOCKS_PER_SM * props["multiProcessorCount"]))
-            group.raise_if_any(self._sync_grid_error(blocks), "WeightTransfer set-up")
-            self.blocks = blocks or self.max_sync_blocks
-            # Replica-slot tensor pointers follow the masters in every layer's source table.
-            self._slot_ptrs = [int(self._weights.local[s].data.ptr) + off
-                               for s in range(layout.redundant_slots) for off in spec.weight_offsets]
-        else:
-            self.blocks = blocks or 1
-        self.device_schedule = DeviceSchedule(layout, spec, self.geometry, self.placement, self.rank,
-                                              relay_threshold=relay_threshold, relay_count=relay_count,
-                                              group=group) if self.gpu else None
-        if self.gpu:
-            tasks = len(self.device_schedule.weight_tasks)
-            chunk_bytes = self.geometry.chunk_tiles * tile_bytes
-            pieces = tasks * self.geometry.chunk_tiles * -(-tile_bytes // PIECE_BYTES)
-            # the kernel's int32 chunk byte counts and piece grid (tasks x tiles x pieces) indices
-            group.raise_if_any(None if chunk_bytes < 2**31 and pieces < 2**30 else
-                               f"{tasks} weight tasks x {self.geometry.chunk_tiles} tiles of {tile_bytes} bytes per "
-                               "chunk overflow the kernel's int32 chunk byte count or piece slot index; use fewer "
-                               "or smaller tiles per chunk", "WeightTransfer set-up")
-            # bytes of each task's chunk stored so far: zero between launches (the chunk's
-            # finishing warp resets it; after a timeout, synchronize() does)
-            self._sync_done = cupy.zeros(tasks, dtype=np.int32)
 
     # -- buffers the framework computes with ------------------------------------------
     def replica_weights(self, slot: int) -> list:
@@ -140,6 +158,7 @@ class WeightTransfer:
         return self._slot_views(self._weights, slot, self.spec.weights, self.spec.weight_offsets)
 
     def replica_grads(self, slot: int) -> list:
+        """Typed views (DLPack-exportable) of redundant slot ``slot``'s gradient tensors."""
         return self._slot_views(self._grads, slot, self.spec.grads, self.spec.grad_offsets)
 
     def _slot_views(self, buffer, slot: int, tensors, offsets) -> list:
@@ -161,7 +180,7 @@ class WeightTransfer:
         self._layers[layer] = entry
 
     def _import_layer(self, layer, weights, grads):
-        M, device = self.layout.experts_per_rank, self.heap.device if self.gpu else None
+        M, device = self.layout.experts_per_rank, self.impl.device
         for what, tensors in (("weights", weights), ("grads", grads)):
             if len(tensors) != M or any(len(per_expert) != len(self.spec.weights) for per_expert in tensors):
                 raise ValueError(f"layer {layer} {what}: expected {M} masters x {len(self.spec.weights)} tensors")
@@ -178,32 +197,16 @@ class WeightTransfer:
                                          f"expected {spec.shape}")
                 sources.append(w)
                 grad_views.append(g)
-        if self.gpu:
-            import cupy
-            src_table = cupy.asarray(np.array([int(w.data.ptr) for w in sources] + self._slot_ptrs, dtype=np.uint64))
-            dst_table = cupy.asarray(np.array([int(g.data.ptr) for g in grad_views], dtype=np.uint64))
-            return {"sources": src_table, "grads": dst_table, "keep": (sources, grad_views)}
-        slot_views = [v.reshape(-1).view(np.uint8) for s in range(self.layout.redundant_slots)
-                      for v in self.replica_weights(s)]
-        return {"sources": [w.reshape(-1).view(np.uint8) for w in sources] + slot_views,
-                "grads": [g.reshape(-1) for g in grad_views]}
+        return self.impl.import_layer(sources, grad_views)
 
     # -- schedules -----------------------------------------------------------------------
     def schedule(self, plan) -> Schedule:
         """This rank's tasks for ``plan``, compiled on the host by the NumPy reference (what
-        the CPU backend runs; on the GPU it reads a device plan back, so it is for
-        inspection only: the transfers compile on the device)."""
+        the host backend runs; the device backend compiles its own on the device, so there
+        this reads a device plan back and is for inspection only)."""
         self._check_plan(plan)
-        return compile_schedule(plan.to_numpy() if hasattr(plan, "to_numpy") else plan, self.spec, self.geometry,
-                                self.placement, self.rank, relay_threshold=self.relay_threshold,
-                                relay_count=self.relay_count)
-
-    def _host_schedule(self, plan, what: str) -> Schedule:
-        """The CPU backend's schedule, once every rank found the plan's placement sound
-        (the same error on every rank otherwise; nothing is written)."""
-        host_plan = plan.to_numpy() if hasattr(plan, "to_numpy") else plan
-        self.group.raise_if_any(placement_error(self.layout, host_plan.log_to_phys, host_plan.replica_count), what)
-        return self.schedule(host_plan)
+        return compile_schedule(host_plan(plan), self.spec, self.geometry, self.placement, self.rank,
+                                relay_threshold=self.relay_threshold, relay_count=self.relay_count)
 
     def _check_plan(self, plan) -> None:
         if plan.layout != self.layout:
@@ -222,37 +225,13 @@ class WeightTransfer:
         chunks relays forward are flagged (schedule.py, ``publish``)."""
         entry = self._layer(layer)
         self._check_plan(plan)
-        if (bad_grid := self._sync_grid_error(blocks)) is not None:
+        if (bad_grid := grid_error(blocks) or self.impl.sync_grid_error(blocks)) is not None:
             raise ValueError(bad_grid)
-        self._epoch += 1
-        if self.gpu:
-            self.device_schedule.compile_weights(plan)
-            self._launch_sync(entry, self.device_schedule, blocks or self.blocks)
-        else:
-            run_weight_tasks(self._host_schedule(plan, "weight_sync"), self.heap, entry["sources"],
-                             self.spec.weight_offsets, self._epoch, self.timeout_s)
+        self.impl.weight_sync(entry, plan, blocks)
         if barrier:
-            self.heap.barrier(self.timeout_s, wait=not self.gpu)
-
-    def _sync_grid_error(self, blocks: int | None) -> str | None:
-        """grid_error, and on the GPU no more blocks than are resident at once: a relay's
-        warps wait for chunks that its peers' blocks copy, so every block must be running
-        (other work on the GPU that takes SMs the whole time can still starve them)."""
-        if (error := grid_error(blocks)) is not None or not self.gpu or blocks is None or blocks <= self.max_sync_blocks:
-            return error
-        return (f"blocks must be at most {self.max_sync_blocks} for weight_sync on this GPU ({SYNC_BLOCKS_PER_SM} "
-                f"resident per SM), got {blocks}")
+            self.impl.barrier()
 
     restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
-
-    def _launch_sync(self, entry, tables: DeviceSchedule, blocks: int) -> None:
-        self._sync_kernel((blocks,), (SYNC_THREADS,), (
-            tables.weight_tasks, tables.weight_task_count, np.int32(len(tables.weight_tasks)),
-            np.int32(self.geometry.chunk_tiles), self._tensor_table, np.int32(len(self.spec.weights)),
-            np.int64(self.geometry.tile_bytes), tables.dests, np.int32(len(tables.dests)),
-            entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases, np.int32(self.heap.size),
-            np.int32(self.rank), np.uint64(self._epoch), self._sync_done, np.uint64(int(self.timeout_s * 1e9)),
-            self._status))
 
     def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
@@ -260,31 +239,16 @@ class WeightTransfer:
         self._check_plan(plan)
         if (bad_grid := grid_error(blocks)) is not None:
             raise ValueError(bad_grid)
-        self.heap.barrier(self.timeout_s, wait=not self.gpu)  # every replica gradient is written
-        if self.gpu:
-            tables = self.device_schedule
-            tables.compile_grads(plan)
-            self._reduce_kernel((blocks or self.blocks,), (256,), (
-                tables.grad_tasks, tables.grad_task_count, tables.grad_srcs, entry["grads"], self.heap.peer_bases))
-        else:
-            run_grad_tasks(self._host_schedule(plan, "reduce_grads"), self.heap, entry["grads"], self.spec.grad_dtype)
-        self.heap.barrier(self.timeout_s, wait=not self.gpu)  # replica gradient slots are free again
+        self.impl.barrier()  # every replica gradient is written
+        self.impl.reduce_grads(entry, plan, blocks)
+        self.impl.barrier()  # replica gradient slots are free again
 
     def synchronize(self) -> None:
-        """Wait for the enqueued transfers; raise if a device-side wait timed out or a plan
-        was refused (its transfers were skipped). After a timeout, weight syncs do nothing on
-        this rank until this call has reported it."""
-        if not self.gpu:
-            return
-        self.heap.check_barriers()
-        failed, slot, expected, seen = (int(v) for v in self._status.get())
-        if failed:  # weight syncs since the timeout did nothing (transfer.cu): start again from zero counts
-            self._sync_done.fill(0)
-            self._status.fill(0)
-            raise TransferTimeout(chunk_timeout_message(self.rank, slot, expected, seen, self.timeout_s))
-        refused = self.device_schedule.take_error()
-        if refused is not None:
-            raise ValueError(refused)
+        """Wait for the enqueued transfers; raise if a wait timed out or a plan was refused
+        (its transfers were skipped; on the device a plan whose placement breaks the layout
+        is refused by every rank). After a relay's timeout, weight syncs do nothing on this
+        rank until this call has reported it."""
+        self.impl.synchronize()
 
     def close(self) -> None:
         """Drop the layer registrations; the heap (owned by the caller) stays open."""

@@ -15,7 +15,7 @@ and keeps its own tasks, so no message is needed. Three task lists per rank:
   and no flag is written. Master tasks come first.
 * **destinations** (``int64[D, 3]``: ``rank, slot_heap_offset, flag_slot``): the replica
   slot a source lands in and the flag of its chunk 0; after the whole chunk of a
-  publishing task is stored the writer publishes ``(epoch << 16) | writer_rank`` at
+  publishing task is stored the writer publishes ``(epoch << FLAG_WRITER_BITS) | writer_rank`` at
   ``flag_slot + chunk``, so a flag also says who wrote the chunk (a relay's timeout
   report names it).
 * **tile table** (``int64[T, 3]``: ``tensor, byte_offset, nbytes``): the same for every
@@ -39,15 +39,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ultraep.runtime.kernels import kernel_constant
 from ultraep.transfer.spec import ExpertSpec
 
-FLAG_WRITER_BITS = 16
-# Row widths of the tables above (raw_kernels/task_tables.cuh holds the same for the kernels,
-# and names the weight-task columns in this order: enum WeightTaskField).
+FLAG_WRITER_BITS = kernel_constant("transfer.cu", "FLAG_WRITER_BITS")
+# Row widths of the tables above, as the kernels define them; the weight-task columns in the
+# order of the kernels' enum WeightTaskField (both in raw_kernels/task_tables.cuh).
+WEIGHT_TASK_FIELDS, DEST_FIELDS, GRAD_TASK_FIELDS, GRAD_SRC_FIELDS = (
+    kernel_constant("task_tables.cuh", name)
+    for name in ("WEIGHT_TASK_FIELDS", "DEST_FIELDS", "GRAD_TASK_FIELDS", "GRAD_SRC_FIELDS"))
 WEIGHT_TASK_COLUMNS = ("src_ref", "chunk", "tile_begin", "tile_end", "dest_begin", "dest_end", "wait_slot", "publish")
-WEIGHT_TASK_FIELDS, DEST_FIELDS, GRAD_TASK_FIELDS, GRAD_SRC_FIELDS = len(WEIGHT_TASK_COLUMNS), 3, 5, 2
-TABLE_WIDTHS = {"WEIGHT_TASK_FIELDS": WEIGHT_TASK_FIELDS, "DEST_FIELDS": DEST_FIELDS,
-                "GRAD_TASK_FIELDS": GRAD_TASK_FIELDS, "GRAD_SRC_FIELDS": GRAD_SRC_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,11 @@ class Schedule:
     grad_srcs: np.ndarray
     relays: dict            # expert -> [(relay instance, [leaf instances])]
     bytes_sent: np.ndarray  # int64[R]: weight bytes each rank sends (after relay balancing)
+
+
+def host_plan(plan):
+    """``plan`` with NumPy arrays (a device plan is read back, which synchronises)."""
+    return plan.to_numpy() if hasattr(plan, "to_numpy") else plan
 
 
 def placement_error(layout, log_to_phys, replica_count) -> str | None:

@@ -21,7 +21,7 @@ from ultraep.planner import ExpertLayout, plan_placement, reroute
 from ultraep.planner.traces import load_trace
 from ultraep.runtime.group import EPGroup, GroupMismatchError
 from ultraep.transfer import ExpertSpec
-from ultraep.transfer.executor import reference_reduce
+from ultraep.transfer.host import reference_reduce
 
 backend, check = sys.argv[1], sys.argv[2]
 out_dir = Path(sys.argv[3]) if len(sys.argv) > 3 else None

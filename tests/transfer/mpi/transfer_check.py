@@ -1,6 +1,6 @@
 """Multi-rank data-plane check, run under mpiexec by tests/transfer/test_transfer.py.
 
-Usage: python -m mpi4py transfer_check.py {cpu|cuda} {sync|relay|relay-grids|pipeline|grads|empty|repeat|bad-input|
+Usage: python -m mpi4py transfer_check.py {host|device} {sync|relay|relay-grids|pipeline|grads|empty|repeat|bad-input|
        relay-timeout}
        [grad dtype]
 Every master's weights and every instance's gradients are a seeded function of (layer,
@@ -17,7 +17,7 @@ from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime import open_heap
 from ultraep.transfer import ExpertSpec, WeightTransfer
-from ultraep.transfer.executor import reference_reduce
+from ultraep.transfer.host import reference_reduce
 
 backend, check = sys.argv[1], sys.argv[2]
 grad_dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
@@ -197,11 +197,10 @@ def held_relay(engine):
 
 
 def hold_transfer(engine):
-    """``(owner, name)`` of the function that runs this rank's weight tasks (the kernel
-    launch on the GPU, the NumPy executor on the CPU): replacing it loses or holds them."""
-    import ultraep.transfer.engine as engine_module
-
-    return (engine, "_launch_sync") if engine.gpu else (engine_module, "run_weight_tasks")
+    """``(owner, name)`` of the method that runs this rank's weight tasks once they are
+    compiled (the kernel launch on the device, the NumPy executor on the host): replacing
+    it loses or holds them."""
+    return engine.impl, "run_weight_tasks"
 
 
 def pipeline(_):
@@ -223,8 +222,8 @@ def relay_grids(_):
     rank's master chunks into relay chunks, which wait for peers' chunk flags. A warp must
     count the master pieces it has stored before it waits, or two ranks can each wait for a
     chunk the other holds back (until the timeout). With 5 and 8 blocks, plans 12, 14 and 18
-    formed such cycles in a simulation of the piece order of an earlier kernel (a652404
-    fixed it there), whose storing warp handed pieces to a counting warp two pieces late."""
+    form such cycles for a kernel whose storing warp hands pieces to a counting warp two
+    pieces late."""
     for blocks in (5, 8):
         with open_heap(group, 8 << 20, backend=backend) as heap, \
                 WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2, relay_threshold=1, relay_count=1,
@@ -338,7 +337,7 @@ def relay_timeout(heap):
     """The master's sends are lost (it takes part in the call, but its transfer never
     runs): its relay's wait for the first chunk times out naming the flag it waited for,
     no rank hangs, no slot is written, and the same engines then sync the same plan."""
-    from ultraep.transfer.executor import TransferTimeout
+    from ultraep.errors import TransferTimeout
 
     with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2, relay_threshold=1, relay_count=1,
                         timeout_s=2.0) as engine:
@@ -395,7 +394,7 @@ def bad_input(heap):
         for transfer in (engine.weight_sync, engine.reduce_grads):
             expect_error(lambda: transfer(0, random_plan(501, 2), blocks=-1), "blocks must be in")
         if backend == "device":  # more blocks than are resident could wait for blocks that never start
-            expect_error(lambda: engine.weight_sync(0, random_plan(501, 2), blocks=engine.max_sync_blocks + 1),
+            expect_error(lambda: engine.weight_sync(0, random_plan(501, 2), blocks=engine.impl.max_sync_blocks + 1),
                          "blocks must be at most")
         other = ExpertLayout(R, 2 * R, 2)
         other_plan = Plan.from_split(other, np.ones((R, 2 * R), np.int32),

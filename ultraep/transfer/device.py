@@ -1,0 +1,132 @@
+"""The device implementation of :class:`~ultraep.transfer.WeightTransfer`: the kernels of
+``raw_kernels/transfer.cu`` on CuPy's current stream (the caller's; see
+``runtime.dlpack.caller_stream``).
+
+Each transfer first compiles its plan's task tables on the device
+(:class:`~ultraep.transfer.device_schedule.DeviceSchedule`) into tables allocated once,
+so with a plan already on the device (the planner's device backend) no call allocates or
+waits for the device. Those tables and the kernels' counters are shared by every call of
+one engine, as the replica slots are: its transfers must be ordered on one stream (or by
+events), never run concurrently on two. :meth:`DeviceTransfer.synchronize` waits and
+reports device-side timeouts and refused plans.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from ultraep.errors import TransferTimeout
+from ultraep.runtime.kernels import get_function, kernel_constant
+from ultraep.transfer.device_schedule import DeviceSchedule
+from ultraep.transfer.host import chunk_timeout_message
+
+KERNEL = "transfer.cu"
+SYNC_THREADS = kernel_constant(KERNEL, "SYNC_THREADS")
+SYNC_MIN_BLOCKS = kernel_constant(KERNEL, "SYNC_MIN_BLOCKS")  # resident per SM: the grid's bound
+PIECE_BYTES = kernel_constant(KERNEL, "PIECE_BYTES")
+STATUS_WORDS = kernel_constant(KERNEL, "STATUS_WORDS")
+REDUCE_THREADS = kernel_constant(KERNEL, "REDUCE_THREADS")
+
+
+class DeviceTransfer:
+    """Launches of ``weight_sync`` and ``reduce_grads`` on this rank's tables, the grid bound
+    they need, and the status word a relay's timed-out wait leaves for :meth:`synchronize`."""
+
+    def __init__(self, heap, layout, spec, geometry, placement, replica_weights, *, relay_threshold: int,
+                 relay_count: int, blocks: int | None, timeout_s: float):
+        group = heap.group
+        self.heap, self.spec, self.geometry, self.timeout_s = heap, spec, geometry, timeout_s
+        self.device = heap.device
+        self._sync_kernel = get_function(KERNEL, "weight_sync", group=group)
+        grad_type = "__nv_bfloat16" if spec.grad_dtype.name == "bfloat16" else "float"
+        self._reduce_kernel = get_function(KERNEL, f"reduce_grads<{grad_type}>", group=group)
+        self._status = cupy.zeros(STATUS_WORDS, dtype=np.uint64)
+        first_tiles = np.searchsorted([t for t, _, _ in geometry.tiles], np.arange(len(spec.weights)))
+        self._tensor_table = cupy.asarray(np.array(
+            [(first, w.nbytes, off) for first, w, off in zip(first_tiles, spec.weights, spec.weight_offsets)],
+            dtype=np.int64))
+        sms = cupy.cuda.runtime.getDeviceProperties(heap.device)["multiProcessorCount"]
+        # the same bound on every rank (the smallest GPU's), so a grid is refused by all or none
+        self.max_sync_blocks = min(group.allgather(SYNC_MIN_BLOCKS * sms))
+        group.raise_if_any(self.sync_grid_error(blocks), "WeightTransfer set-up")
+        self.blocks = blocks or self.max_sync_blocks  # the grid of a call that names none
+        # Relays forward from their replica slots: those tensors follow the masters in every source table.
+        self._slot_ptrs = [int(replica_weights.local[s].data.ptr) + off
+                           for s in range(layout.redundant_slots) for off in spec.weight_offsets]
+        self.tables = DeviceSchedule(layout, spec, geometry, placement, heap.rank, relay_threshold=relay_threshold,
+                                     relay_count=relay_count, group=group)
+        tasks = len(self.tables.weight_tasks)
+        chunk_bytes = geometry.chunk_tiles * geometry.tile_bytes
+        pieces = tasks * geometry.chunk_tiles * -(-geometry.tile_bytes // PIECE_BYTES)
+        # the kernel's int32 chunk byte counts and piece grid (tasks x tiles x pieces) indices
+        group.raise_if_any(None if chunk_bytes < 2**31 and pieces < 2**30 else
+                           f"{tasks} weight tasks x {geometry.chunk_tiles} tiles of {geometry.tile_bytes} bytes per "
+                           "chunk overflow the kernel's int32 chunk byte count or piece slot index; use fewer "
+                           "or smaller tiles per chunk", "WeightTransfer set-up")
+        # bytes of each task's chunk stored so far: zero between launches (the chunk's
+        # finishing warp resets it; after a timeout, synchronize() does)
+        self._sync_done = cupy.zeros(tasks, dtype=np.int32)
+        self._epoch = 0
+
+    @staticmethod
+    def setup_error(spec) -> str | None:
+        if spec.grad_dtype.name not in ("bfloat16", "float32"):
+            return f"the GPU gradient reduction supports float32 and bfloat16 gradients, not {spec.grad_dtype}"
+        return None
+
+    def sync_grid_error(self, blocks: int | None) -> str | None:
+        """No more blocks than are resident at once: a relay's warps wait for chunks that its
+        peers' blocks copy, so every block must be running (other work on the GPU that takes
+        SMs the whole time can still starve them)."""
+        if blocks is None or blocks <= self.max_sync_blocks:
+            return None
+        return (f"blocks must be at most {self.max_sync_blocks} for weight_sync on this GPU ({SYNC_MIN_BLOCKS} "
+                f"resident per SM), got {blocks}")
+
+    def import_layer(self, weights: list, grads: list) -> dict:
+        """Device tables of pointers: ``sources`` the master tensors, then this rank's
+        replica-slot tensors; ``grads`` the master gradients. ``keep`` holds the arrays
+        the pointers point into."""
+        sources = cupy.asarray(np.array([int(w.data.ptr) for w in weights] + self._slot_ptrs, dtype=np.uint64))
+        targets = cupy.asarray(np.array([int(g.data.ptr) for g in grads], dtype=np.uint64))
+        return {"sources": sources, "grads": targets, "keep": (weights, grads)}
+
+    def weight_sync(self, entry: dict, plan, blocks: int | None) -> None:
+        self._epoch += 1
+        self.tables.compile_weights(plan)
+        self.run_weight_tasks(entry, self.tables, blocks)
+
+    def run_weight_tasks(self, entry: dict, tables: DeviceSchedule, blocks: int | None) -> None:
+        """Launch the weight sync of the tasks ``tables`` hold (compiled on the stream before)."""
+        self._sync_kernel((blocks or self.blocks,), (SYNC_THREADS,), (
+            tables.weight_tasks, tables.weight_task_count, np.int32(len(tables.weight_tasks)),
+            np.int32(self.geometry.chunk_tiles), self._tensor_table, np.int32(len(self.spec.weights)),
+            np.int64(self.geometry.tile_bytes), tables.dests, np.int32(len(tables.dests)),
+            entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases, np.int32(self.heap.size),
+            np.int32(self.heap.rank), np.uint64(self._epoch), self._sync_done, np.uint64(int(self.timeout_s * 1e9)),
+            self._status))
+
+    def reduce_grads(self, entry: dict, plan, blocks: int | None) -> None:
+        tables = self.tables
+        tables.compile_grads(plan)
+        self._reduce_kernel((blocks or self.blocks,), (REDUCE_THREADS,), (
+            tables.grad_tasks, tables.grad_task_count, tables.grad_srcs, entry["grads"], self.heap.peer_bases))
+
+    def barrier(self) -> None:
+        """Enqueued on the stream; :meth:`synchronize` reports a timeout."""
+        self.heap.barrier(self.timeout_s, wait=False)
+
+    def synchronize(self) -> None:
+        """Wait for the stream; raise if a barrier or a relay's wait timed out, or a plan was
+        refused (its transfers were skipped). After a timeout, weight syncs do nothing on
+        this rank (transfer.cu) until this call has reported it and zeroed the counts."""
+        self.heap.check_barriers()
+        failed, slot, expected, seen = (int(v) for v in self._status.get())
+        if failed:
+            self._sync_done.fill(0)
+            self._status.fill(0)
+            raise TransferTimeout(chunk_timeout_message(self.heap.rank, slot, expected, seen, self.timeout_s))
+        refused = self.tables.take_error()
+        if refused is not None:
+            raise ValueError(refused)
