@@ -198,10 +198,10 @@ class Dispatcher:
         self.id = Dispatcher._next_id
         Dispatcher._next_id += 1
         if backend == "device":
-            from ultraep.token.gpu_executor import GpuExecutor
+            from ultraep.token.device import GpuExecutor
             self._executor = GpuExecutor(self)
         else:
-            from ultraep.token.cpu_executor import CpuExecutor
+            from ultraep.token.host import CpuExecutor
             self._executor = CpuExecutor(self)
 
     @classmethod
