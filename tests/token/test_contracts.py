@@ -100,8 +100,10 @@ def token_imports() -> dict[str, set[str]]:
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ultraep.token"):
-                names = [node.module] if node.module != "ultraep.token" else [f"ultraep.token.{a.name}" for a in node.names]
-                found.update(names)
+                if node.module == "ultraep.token":
+                    found.update(f"ultraep.token.{alias.name}" for alias in node.names)
+                else:
+                    found.add(node.module)
             elif isinstance(node, ast.Import):
                 found.update(a.name for a in node.names if a.name.startswith("ultraep.token."))
         graph[f"ultraep.token.{path.stem}"] = found - {"ultraep.token"}

@@ -192,7 +192,8 @@ def check_tokens(group: EPGroup, config: TokenConfig, x, expert_ids, weights) ->
             raise DispatchError(f"expert_ids: expected integer shape {list(want)}, got {expert_ids.dtype} "
                                 f"{list(expert_ids.shape)}")
         if tuple(weights.shape) != want or np.dtype(weights.dtype).kind not in "fV":
-            raise DispatchError(f"weights: expected float shape {list(want)}, got {weights.dtype} {list(weights.shape)}")
+            raise DispatchError(f"weights: expected float shape {list(want)}, got {weights.dtype} "
+                                f"{list(weights.shape)}")
     except DispatchError as exc:
         error = exc
     raise_if_any(group, config, error, "dispatch input check")

@@ -148,11 +148,12 @@ class DeviceDispatcher:
                 self.keys, self.first_bad))
             items = 2 * n
             segments = -(-items // SEGMENT_ITEMS)
-            segment_args = (self.keys, np.int32(items), np.int32(SEGMENT_ITEMS), np.int32(self.num_keys), self.seg_counts)
-            self.k["count_segments"]((_blocks(segments * 32),), (THREADS,), segment_args)
+            segment_args = (self.keys, np.int32(items), np.int32(SEGMENT_ITEMS), np.int32(self.num_keys),
+                            self.seg_counts)
+            self.k["count_segments"]((_blocks(segments * WARP),), (THREADS,), segment_args)
             self.k["scan_segments"]((self.num_keys,), (THREADS,), (
                 self.seg_counts, np.int32(segments), np.int32(self.num_keys), self.totals))
-            self.k["rank_segments"]((_blocks(segments * 32),), (THREADS,), segment_args + (self.positions,))
+            self.k["rank_segments"]((_blocks(segments * WARP),), (THREADS,), segment_args + (self.positions,))
 
             # Count table on every rank, then the row plan every rank agrees on.
             b = self.buffers
@@ -231,7 +232,8 @@ class DeviceDispatcher:
             if failed:
                 self.barrier_status.fill(0)
                 raise DispatchError(f"rank {d.rank}: token path wait '{site}' timed out after {d.timeout_s:g} s "
-                                    f"waiting for rank {int(waited)} (flag expected >= {int(expected)}, saw {int(seen)})")
+                                    f"waiting for rank {int(waited)} (flag expected >= {int(expected)}, "
+                                    f"saw {int(seen)})")
         if not self.unreported_dispatch:
             return
         self.unreported_dispatch = False
@@ -240,7 +242,8 @@ class DeviceDispatcher:
             table = self.local["count_table"].get()
             records = table[:, d.num_experts + d.size:]
             failed = [bad_input_message(s, *map(int, rec), d.num_experts) for s, rec in enumerate(records) if rec[0]]
-            raise DispatchError(f"dispatch input check failed on {len(failed)} of {d.size} rank(s): " + "; ".join(failed))
+            raise DispatchError(f"dispatch input check failed on {len(failed)} of {d.size} rank(s): "
+                                + "; ".join(failed))
         if code == OUTCOME_TOO_MANY_ROWS:
             raise DispatchError(f"rank {who} would receive {rows} rows, more than the set-up bound "
                                 f"max_recv_rows={d.max_recv_rows}")

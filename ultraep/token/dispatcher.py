@@ -227,9 +227,9 @@ class Dispatcher:
         totals = np.asarray(totals.get() if hasattr(totals, "get") else totals, dtype=np.int64)
         pairs_per_rank = totals[:self.num_experts].reshape(self.size, self.experts_per_rank).sum(axis=1)
         sends_per_rank = totals[self.num_experts:]
-        return Traffic(pairs=int(pairs_per_rank.sum()), pairs_remote=int(pairs_per_rank.sum() - pairs_per_rank[self.rank]),
-                       sends=int(sends_per_rank.sum()), sends_remote=int(sends_per_rank.sum() - sends_per_rank[self.rank]),
-                       row_bytes=self.row_bytes)
+        pairs, sends = int(pairs_per_rank.sum()), int(sends_per_rank.sum())
+        return Traffic(pairs=pairs, pairs_remote=pairs - int(pairs_per_rank[self.rank]),
+                       sends=sends, sends_remote=sends - int(sends_per_rank[self.rank]), row_bytes=self.row_bytes)
 
     def check(self) -> None:
         """Wait for queued work and raise any deferred device-side error (device backend)."""

@@ -160,7 +160,8 @@ def exact() -> None:
                         backend=backend) as disp:
             for run in range(REPEATS):
                 # Every output buffer starts poisoned: a row nobody wrote fails the comparison.
-                res = disp.dispatch(device(xs[me]), device(ids[me]), device(ws[me]), out=device(poison((rows_bound, H))))
+                res = disp.dispatch(device(xs[me]), device(ids[me]), device(ws[me]),
+                                    out=device(poison((rows_bound, H))))
                 got_x, got_w = host(res.x), host(res.weights)
                 bad = mismatches(got_x[:n], ref_recv[me][0]) + mismatches(got_w[:n], ref_recv[me][1])
                 bad += mismatches(got_x[n:], poison((rows_bound - n, H)))  # nothing written past the rows in use
