@@ -26,7 +26,7 @@
 
 typedef unsigned long long u64;
 
-// The host reads every constant below from this file (ultraep.runtime.kernels.kernel_constant).
+// The host reads the constants it shares with these kernels from here (kernel_constant).
 #define WARP 32                 // also the bound on top_k: a warp's lanes hold a token's slots
 #define FULL_MASK 0xffffffffu
 #define UNROLL 4
