@@ -1,6 +1,6 @@
 // Token path kernels (UniEP): the deterministic global token map, one send per
 // destination rank, expansion into the expert-major receive buffer, and the fixed-order
-// combine. ultraep/token/gpu_executor.py launches them in this order on one stream:
+// combine. ultraep/token/device.py launches them in this order on one stream:
 //
 //   route_keys -> count_segments -> scan_segments -> rank_segments   (token map, local)
 //   publish_counts -> [heap.cu symmetric_barrier] -> plan_rows        (count table, row bases)
@@ -26,18 +26,24 @@
 
 typedef unsigned long long u64;
 
-#define WARP 32
+// The host reads the constants it shares with these kernels from here (kernel_constant).
+#define WARP 32                 // also the bound on top_k: a warp's lanes hold a token's slots
 #define FULL_MASK 0xffffffffu
 #define UNROLL 4
-#define NO_BAD_ITEM 0x7fffffff
+#define VECTOR_BYTES 16         // rows move as uint4 vectors, so a row is a multiple of this
+#define MAX_RANKS 1024          // plan_rows keeps a running row count per rank in shared memory
+#define NO_BAD_ITEM 0x7fffffff  // first_bad before route_keys: no bad (token, slot) seen
 
-// Codes in outcome[0] (ultraep/token/gpu_executor.py reads them).
+// Codes in outcome[0].
 #define OUTCOME_OK 0
 #define OUTCOME_BAD_INPUT 1
 #define OUTCOME_TOO_MANY_ROWS 2
-// Error record codes (ultraep/token/dispatcher.py: BAD_EXPERT_ID, NAN_GATE).
+// A count table row ends in a bad-input record (code, token, slot, value); codes:
+#define BAD_RECORD_FIELDS 4
 #define BAD_EXPERT_ID 1
 #define NAN_GATE 2
+
+static_assert(sizeof(uint4) == VECTOR_BYTES, "rows are copied as uint4 vectors");
 
 __device__ __forceinline__ int warp_id_global() { return (blockIdx.x * blockDim.x + threadIdx.x) / WARP; }
 __device__ __forceinline__ int warps_in_grid() { return gridDim.x * blockDim.x / WARP; }
@@ -158,8 +164,8 @@ extern "C" __global__ void rank_segments(const int* keys, int n, int seg_len, in
 extern "C" __global__ void publish_counts(const u64* peer_bases, u64 table_offset, int me, int ranks, int num_experts,
                                           const int* totals, const int* first_bad, const long long* ids,
                                           const float* gates, int top_k) {
-    __shared__ int record[4];
-    const int cols = num_experts + ranks + 4;
+    __shared__ int record[BAD_RECORD_FIELDS];
+    const int cols = num_experts + ranks + BAD_RECORD_FIELDS;
     if (threadIdx.x == 0) {
         const int bad = *first_bad;
         if (bad == NO_BAD_ITEM) {
@@ -187,8 +193,8 @@ extern "C" __global__ void publish_counts(const u64* peer_bases, u64 table_offse
 // bad input somewhere, or some rank receiving more than max_rows rows.
 extern "C" __global__ void plan_rows(const int* table, int ranks, int num_experts, int experts_per_rank, int me,
                                      int max_rows, int* base, int* counts, int* offsets, int* outcome) {
-    __shared__ long long rank_rows[1024];
-    const int cols = num_experts + ranks + 4;
+    __shared__ long long rank_rows[MAX_RANKS];
+    const int cols = num_experts + ranks + BAD_RECORD_FIELDS;
     for (int r = threadIdx.x; r < ranks; r += blockDim.x) {
         long long running = 0;
         for (int j = 0; j < experts_per_rank; ++j) {

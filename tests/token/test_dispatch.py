@@ -60,3 +60,12 @@ def test_balanced_layer_is_bitwise_the_plain_one(backend):
     out = run_ranks(4, "token/mpi/dispatch_check.py", backend, "balanced", "bfloat16", timeout=300)
     assert_all_ranks_ok(out, 4, "balanced")
     assert "balanced [96, 96, 96, 96]" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dispatcher_and_weight_transfer_share_one_heap(backend):
+    """One heap sized from Dispatcher.heap_requirements + WeightTransfer.heap_requirements
+    holds both, exactly; the dispatcher takes the heap's backend and leaves it open."""
+    out = run_ranks(2, "token/mpi/dispatch_check.py", backend, "shared-heap", "bfloat16", timeout=300)
+    assert_all_ranks_ok(out, 2, "shared-heap")

@@ -26,110 +26,66 @@ Output sizes: the receive buffer has ``max_recv_rows`` rows (set-up bound, defau
 worst case ``R * max_tokens * top_k``); the rows in use are ``offsets[-1]``. On the GPU the
 whole map is computed on the device and nothing waits for the host; a routing that would
 exceed the bound is refused on every rank before anything is written.
+
+The work is done by one of two implementations, chosen once at set-up (the library's
+backend pattern, :mod:`ultraep.runtime.backend`): :class:`~ultraep.token.host.HostDispatcher`
+(NumPy over MPI shared memory) or :class:`~ultraep.token.device.DeviceDispatcher` (the
+``raw_kernels/dispatch.cu`` kernels over CUDA IPC). They see only a frozen
+:class:`~ultraep.token.base.TokenConfig` and their heap buffers, never this class.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 
-from ultraep.errors import DispatchError
+from ultraep.runtime import open_heap
 from ultraep.runtime.backend import choose_backend
 from ultraep.runtime.dtypes import resolve_dtype
 from ultraep.runtime.group import EPGroup
+from ultraep.runtime.heap import FAILING_CLOSE_TIMEOUT_S, HeapRequirements, SymmetricHeap
+from ultraep.runtime.kernels import kernel_constant
+from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBackend, TokenBuffers, TokenConfig,
+                                Traffic, table_columns)
 
 DEFAULT_TIMEOUT_S = 30.0
-# Error record codes (shared by the NumPy and CUDA executors).
-BAD_EXPERT_ID, NAN_GATE = 1, 2
+HEAP_PREFIX = "token."
+MAX_TOP_K = kernel_constant(KERNELS, "WARP")
+MAX_RANKS = kernel_constant(KERNELS, "MAX_RANKS")
+VECTOR_BYTES = kernel_constant(KERNELS, "VECTOR_BYTES")
 
 
-def bad_input_message(rank: int, code: int, token: int, slot: int, value, num_experts: int) -> str:
-    if code == BAD_EXPERT_ID:
-        return f"rank {rank}: expert id {value} at token {token}, slot {slot} is outside [0, {num_experts})"
-    return f"rank {rank}: gate weight at token {token}, slot {slot} is NaN"
-
-
-def first_bad_item(expert_ids: np.ndarray, weights: np.ndarray, num_experts: int):
-    """(code, token, slot, value) of the first bad (token, slot) in token-then-slot order, or None."""
-    ids = np.asarray(expert_ids)
-    bad_id = (ids < 0) | (ids >= num_experts)
-    bad = bad_id | np.isnan(np.asarray(weights, dtype=np.float32))
-    if not bad.any():
-        return None
-    t, k = np.unravel_index(int(np.argmax(bad.ravel())), bad.shape)
-    code = BAD_EXPERT_ID if bad_id[t, k] else NAN_GATE
-    return code, int(t), int(k), int(ids[t, k])
-
-
-def table_columns(num_experts: int, num_ranks: int) -> int:
-    return num_experts + num_ranks + 4
-
-
-@dataclass
-class TokenBuffers:
-    """The dispatcher's symmetric tensors (see :meth:`Dispatcher.heap_layout`)."""
-
-    heap: Any
-    count_table: Any
-    landing: Any
-    row_weight: Any
-    row_landing: Any
-    row_origin: Any
-    slot_rows: Any
-    slot_grad_w: Any
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """Rows one dispatch sent from this rank: a row per (token, slot) pair would be
-    ``pairs``; one send per (token, destination rank) moves ``sends``. ``*_remote``
-    leaves out this rank itself."""
-
-    pairs: int
-    pairs_remote: int
-    sends: int
-    sends_remote: int
-    row_bytes: int
-
-    @property
-    def bytes_saved(self) -> int:
-        return (self.pairs - self.sends) * self.row_bytes
-
-    @property
-    def bytes_saved_remote(self) -> int:
-        return (self.pairs_remote - self.sends_remote) * self.row_bytes
-
-
-@dataclass
-class DispatchHandle:
-    """What combine and the backward pair need from one dispatch (backend arrays inside)."""
-
-    dispatcher_id: int
-    tokens: int
-    weights: Any                 # float32[T, K], this rank's gates
-    expert_ids: Any              # int64[T, K]
-    state: dict = field(default_factory=dict)  # executor-specific token map
-
-
-@dataclass
-class DispatchResult:
-    """Received tokens: ``x[max_recv_rows, H]`` (rows ``[0, offsets[-1])`` in use),
-    ``weights[max_recv_rows]`` the received gates, per local expert ``counts`` and
-    ``offsets`` (one more entry, the total), and the ``handle`` for combine."""
-
-    x: Any
-    weights: Any
-    counts: Any
-    offsets: Any
-    handle: DispatchHandle
-
-    @property
-    def num_rows(self) -> int:
-        """Rows received (reads one integer from the device on the GPU backend)."""
-        return int(self.offsets[-1])
+def _set_up(num_ranks: int, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank, max_recv_rows) -> dict:
+    """The set-up arguments checked and completed (defaults filled in); ValueError if bad."""
+    dtype = resolve_dtype(dtype, what="dispatcher dtype")
+    if dtype.kind not in "fV":
+        raise ValueError(f"dispatcher dtype must be a float type, got {dtype}")
+    for name, value in (("num_ranks", num_ranks), ("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts),
+                        ("max_tokens", max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_ranks > MAX_RANKS:
+        raise ValueError(f"the token path serves at most {MAX_RANKS} ranks, the group has {num_ranks}")
+    if experts_per_rank is None:
+        if num_experts % num_ranks:
+            raise ValueError(f"num_experts ({num_experts}) is not divisible by the group size ({num_ranks}); "
+                             "pass experts_per_rank")
+        experts_per_rank = num_experts // num_ranks
+    if experts_per_rank * num_ranks != num_experts:
+        raise ValueError(f"experts_per_rank ({experts_per_rank}) x ranks ({num_ranks}) != num_experts ({num_experts})")
+    if top_k > MAX_TOP_K:
+        raise ValueError(f"top_k must be <= {MAX_TOP_K} (a warp's lanes hold a token's slots), got {top_k}")
+    if hidden * dtype.itemsize % VECTOR_BYTES:
+        raise ValueError(f"a row of hidden={hidden} {dtype} is {hidden * dtype.itemsize} bytes; "
+                         f"rows must be a multiple of {VECTOR_BYTES} bytes ({VECTOR_BYTES}-byte vector copies)")
+    worst = num_ranks * max_tokens * top_k
+    max_recv_rows = worst if max_recv_rows is None else max_recv_rows
+    if isinstance(max_recv_rows, bool) or not isinstance(max_recv_rows, (int, np.integer)) or max_recv_rows < 1:
+        raise ValueError(f"max_recv_rows must be a positive int, got {max_recv_rows!r}")
+    if worst >= 2**31:
+        raise ValueError(f"ranks x max_tokens x top_k = {worst} must fit in int32")
+    return dict(hidden=int(hidden), dtype=dtype, top_k=int(top_k), num_experts=int(num_experts),
+                experts_per_rank=int(experts_per_rank), max_tokens=int(max_tokens),
+                max_recv_rows=int(min(max_recv_rows, worst)))
 
 
 class Dispatcher:
@@ -138,6 +94,11 @@ class Dispatcher:
     Collective: every rank constructs it with the same arguments. ``backend`` is
     ``"device"``, ``"host"`` or ``"auto"`` (the device where the group has a GPU). Use as a context
     manager or call :meth:`close` (collective).
+
+    ``heap``: a symmetric heap the caller opened for several components (size it with
+    :meth:`heap_requirements` added to theirs); the dispatcher allocates in it, takes its
+    backend (a contradicting ``backend`` is an error) and leaves it open at :meth:`close`.
+    Without one, the dispatcher opens a heap of its own and closes it.
 
     ``sync_checks=True``: every call checks its input shapes collectively and, on the GPU,
     waits for the device's verdict (bad expert ids, NaN gates, receive-bound overflow, a
@@ -153,56 +114,77 @@ class Dispatcher:
 
     def __init__(self, group: EPGroup, *, hidden: int, dtype, top_k: int, num_experts: int, max_tokens: int,
                  experts_per_rank: int | None = None, max_recv_rows: int | None = None, backend: str = "auto",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, sync_checks: bool = True):
-        self.group = group
-        self.rank, self.size = group.rank, group.size
-        error = None
+                 timeout_s: float = DEFAULT_TIMEOUT_S, sync_checks: bool = True, heap: SymmetricHeap | None = None):
+        error, settings = None, None
         try:
-            self.dtype = resolve_dtype(dtype, what="dispatcher dtype")
-            if self.dtype.kind not in "fV":
-                raise ValueError(f"dispatcher dtype must be a float type, got {self.dtype}")
-            for name, value in (("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts),
-                                ("max_tokens", max_tokens)):
-                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                    raise ValueError(f"{name} must be a positive int, got {value!r}")
-            if experts_per_rank is None:
-                if num_experts % self.size:
-                    raise ValueError(f"num_experts ({num_experts}) is not divisible by the group size ({self.size}); "
-                                     "pass experts_per_rank")
-                experts_per_rank = num_experts // self.size
-            if experts_per_rank * self.size != num_experts:
-                raise ValueError(f"experts_per_rank ({experts_per_rank}) x ranks ({self.size}) != num_experts ({num_experts})")
-            if top_k > 32:
-                raise ValueError(f"top_k must be <= 32 (a warp's lanes hold a token's slots), got {top_k}")
-            if hidden * self.dtype.itemsize % 16:
-                raise ValueError(f"a row of hidden={hidden} {self.dtype} is {hidden * self.dtype.itemsize} bytes; "
-                                 "rows must be a multiple of 16 bytes (16-byte vector copies)")
-            worst = self.size * max_tokens * top_k
-            max_recv_rows = worst if max_recv_rows is None else max_recv_rows
-            if isinstance(max_recv_rows, bool) or not isinstance(max_recv_rows, (int, np.integer)) or max_recv_rows < 1:
-                raise ValueError(f"max_recv_rows must be a positive int, got {max_recv_rows!r}")
-            if worst >= 2**31:
-                raise ValueError(f"ranks x max_tokens x top_k = {worst} must fit in int32")
+            settings = _set_up(group.size, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank,
+                               max_recv_rows)
         except ValueError as exc:
             error = exc
         group.raise_if_any(error, "Dispatcher set-up")
-        self.hidden, self.top_k, self.num_experts = int(hidden), int(top_k), int(num_experts)
-        self.max_tokens, self.experts_per_rank = int(max_tokens), int(experts_per_rank)
-        self.max_recv_rows = int(min(max_recv_rows, self.size * max_tokens * top_k))
-        self.timeout_s = float(timeout_s)
-        self.sync_checks = bool(sync_checks)
-        group.agree((self.hidden, self.dtype.str, self.top_k, self.num_experts, self.max_tokens,
-                     self.experts_per_rank, self.max_recv_rows), "Dispatcher set-up (hidden, dtype, top_k, "
-                    "num_experts, max_tokens, experts_per_rank, max_recv_rows)")
-        self.backend = backend = choose_backend(group, backend, "Dispatcher backend")
+        group.agree(tuple(v.str if isinstance(v, np.dtype) else v for v in settings.values()),
+                    f"Dispatcher set-up ({', '.join(settings)})")
+        self.group = group
         self.id = Dispatcher._next_id
         Dispatcher._next_id += 1
-        if backend == "device":
-            from ultraep.token.gpu_executor import GpuExecutor
-            self._executor = GpuExecutor(self)
-        else:
-            from ultraep.token.cpu_executor import CpuExecutor
-            self._executor = CpuExecutor(self)
+        self.config = TokenConfig(**settings, rank=group.rank, size=group.size, timeout_s=float(timeout_s),
+                                  sync_checks=bool(sync_checks), dispatcher_id=self.id)
+        c = self.config
+        self.rank, self.size, self.hidden, self.dtype, self.top_k = c.rank, c.size, c.hidden, c.dtype, c.top_k
+        self.num_experts, self.experts_per_rank, self.max_tokens = c.num_experts, c.experts_per_rank, c.max_tokens
+        self.max_recv_rows, self.timeout_s, self.sync_checks = c.max_recv_rows, c.timeout_s, c.sync_checks
+        self.backend = self._backend_of(group, backend, heap)
+        requirements = self.heap_requirements(group.size, **settings)
+        self._owns_heap = heap is None
+        if heap is None:
+            heap = open_heap(group, requirements, backend=self.backend)
+        self.heap = heap
+        try:
+            buffers = TokenBuffers.of(heap, heap.allocate(requirements), HEAP_PREFIX)
+            if self.backend == "device":
+                from ultraep.token.device import DeviceDispatcher
+                self._impl: TokenBackend = DeviceDispatcher(group, self.config, buffers)
+            else:
+                from ultraep.token.host import HostDispatcher
+                self._impl = HostDispatcher(group, self.config, buffers)
+        except BaseException:
+            if self._owns_heap:
+                heap.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
+            raise
+
+    @staticmethod
+    def _backend_of(group: EPGroup, requested: str, heap: SymmetricHeap | None) -> str:
+        """Collective: the backend, chosen once; a given heap's decides it."""
+        if heap is None:
+            return choose_backend(group, requested, "Dispatcher backend")
+        error = None
+        if heap.size != group.size or heap.rank != group.rank:
+            error = f"the heap is rank {heap.rank} of {heap.size}, the group's rank {group.rank} of {group.size}"
+        elif requested not in ("auto", heap.backend):
+            error = f"backend={requested!r} contradicts the given heap, a {heap.backend!r} heap"
+        group.raise_if_any(error, "Dispatcher backend")
+        return group.agree(heap.backend, "Dispatcher backend (the given heap's)")
+
+    @staticmethod
+    def heap_requirements(num_ranks: int, *, hidden: int, dtype, top_k: int, num_experts: int, max_tokens: int,
+                          experts_per_rank: int | None = None, max_recv_rows: int | None = None) -> HeapRequirements:
+        """What a dispatcher of these set-up arguments allocates in its heap, on either
+        backend: its symmetric tensors and the signal block of the device's barriers."""
+        c = _set_up(num_ranks, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank, max_recv_rows)
+        R, T, K, H, rows, data = num_ranks, c["max_tokens"], c["top_k"], c["hidden"], c["max_recv_rows"], c["dtype"]
+        tensors = [
+            # Row s: source s's pair count per expert, its token count per destination
+            # rank (the single sends), then its first bad input (code, token, slot, value).
+            ("count_table", (R, table_columns(c["num_experts"], R)), np.int32),
+            ("landing", (R * T, H), data),          # row s*T+u: source s's u-th token sent here
+            ("row_weight", (rows,), np.float32),    # per received row: its gate,
+            ("row_landing", (rows,), np.int32),     # the landing row holding its token,
+            ("row_origin", (rows,), np.int32),      # and its origin s*T*K + t*K + k
+            ("slot_rows", (T * K, H), data),        # combine: slot (t, k)'s expert output, at the source
+            ("slot_grad_w", (T * K,), np.float32),  # combine backward: slot (t, k)'s gate gradient
+        ]
+        return HeapRequirements.of(tensors=[(HEAP_PREFIX + name, shape, dt) for name, shape, dt in tensors],
+                                   signals=[(HEAP_PREFIX + "sync", R)])
 
     @classmethod
     def for_layout(cls, group: EPGroup, layout, **kwargs) -> "Dispatcher":
@@ -213,100 +195,23 @@ class Dispatcher:
 
     @property
     def row_bytes(self) -> int:
-        return self.hidden * self.dtype.itemsize
-
-    def heap_layout(self) -> list[tuple[str, tuple, Any]]:
-        """The symmetric tensors every rank allocates, in order: (name, shape, dtype)."""
-        R, T, K, E, rows = self.size, self.max_tokens, self.top_k, self.num_experts, self.max_recv_rows
-        return [
-            # Row s: source s's pair count per expert, its token count per destination
-            # rank (the single sends), then its first bad input (code, token, slot, value).
-            ("count_table", (R, table_columns(E, R)), np.int32),
-            ("landing", (R * T, self.hidden), self.dtype),      # row s*T+u: source s's u-th token sent here
-            ("row_weight", (rows,), np.float32),                 # per received row: its gate,
-            ("row_landing", (rows,), np.int32),                  # the landing row holding its token,
-            ("row_origin", (rows,), np.int32),                   # and its origin s*T*K + t*K + k
-            ("slot_rows", (T * K, self.hidden), self.dtype),     # combine: slot (t, k)'s expert output, at the source
-            ("slot_grad_w", (T * K,), np.float32),               # combine backward: slot (t, k)'s gate gradient
-        ]
-
-    def heap_bytes(self) -> int:
-        """Symmetric heap data bytes this dispatcher needs per rank."""
-        sizes = (math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in self.heap_layout())
-        return sum(math.ceil(n / 256) * 256 for n in sizes) + 4096
-
-    def open_buffers(self, backend: str) -> "TokenBuffers":
-        """Collective: the dispatcher's symmetric heap and its tensors."""
-        from ultraep.runtime import open_heap
-
-        heap = open_heap(self.group, self.heap_bytes(), backend=backend)
-        tensors = {name: heap.alloc(f"token.{name}", shape, dtype) for name, shape, dtype in self.heap_layout()}
-        return TokenBuffers(heap=heap, **tensors)
-
-    # -- checks ---------------------------------------------------------------------------
-    def raise_if_any(self, error: Exception | None, what: str) -> None:
-        """Collective raise (every rank, when ``sync_checks``), else a local one."""
-        if self.sync_checks:
-            self.group.raise_if_any(error, what)
-        elif error is not None:
-            raise error
-
-    def check_tokens(self, x, expert_ids, weights) -> None:
-        """Shape/dtype checks of dispatch input (values are checked by the executor)."""
-        error = None
-        try:
-            if x.ndim != 2 or x.shape[1] != self.hidden:
-                raise DispatchError(f"x: expected shape [tokens, {self.hidden}], got {tuple(x.shape)}")
-            if not self._same_dtype(x):
-                raise DispatchError(f"x: expected dtype {self.dtype}, got {x.dtype}")
-            if x.shape[0] > self.max_tokens:
-                raise DispatchError(f"x: {x.shape[0]} tokens exceed the set-up bound max_tokens={self.max_tokens}")
-            want = (x.shape[0], self.top_k)
-            if tuple(expert_ids.shape) != want or np.dtype(expert_ids.dtype).kind not in "iu":
-                raise DispatchError(f"expert_ids: expected integer shape {list(want)}, got {expert_ids.dtype} "
-                                    f"{list(expert_ids.shape)}")
-            if tuple(weights.shape) != want or np.dtype(weights.dtype).kind not in "fV":
-                raise DispatchError(f"weights: expected float shape {list(want)}, got {weights.dtype} {list(weights.shape)}")
-        except DispatchError as exc:
-            error = exc
-        self.raise_if_any(error, "dispatch input check")
-
-    def check_rows(self, arrays: dict, handle: DispatchHandle | None) -> None:
-        """Checks of row arrays ``{name: (array or None, rows)}``: shape ``[rows, H]``, the set-up dtype."""
-        error = None
-        try:
-            if handle is not None and handle.dispatcher_id != self.id:
-                raise DispatchError("the handle comes from another Dispatcher")
-            for name, (rows, first) in arrays.items():
-                if rows is None:
-                    continue
-                if rows.ndim != 2 or rows.shape[1] != self.hidden or rows.shape[0] != first:
-                    raise DispatchError(f"{name}: expected shape [{first}, {self.hidden}], got {tuple(rows.shape)}")
-                if not self._same_dtype(rows):
-                    raise DispatchError(f"{name}: expected dtype {self.dtype}, got {rows.dtype}")
-        except DispatchError as exc:
-            error = exc
-        self.raise_if_any(error, "token path input check")
-
-    def _same_dtype(self, array) -> bool:
-        got = np.dtype(array.dtype)
-        return got == self.dtype or (self.dtype.kind == "V" and got == np.int16)  # bf16 may arrive as its bits
+        return self.config.row_bytes
 
     # -- the token path -------------------------------------------------------------------
     # ``out`` (optional, every call): a preallocated, writable result buffer of the
     # documented shape; only its valid rows are written.
     def dispatch(self, x, expert_ids, weights, *, out=None) -> DispatchResult:
         """Send every (token, slot) to its expert; see the module docstring."""
-        return self._executor.dispatch(x, expert_ids, weights, out)
+        return self._impl.dispatch(x, expert_ids, weights, out)
 
     def combine(self, y, handle: DispatchHandle, *, out=None):
         """Per source token ``[T, H]``: gate-weighted sum of its expert outputs ``y[max_recv_rows, H]``,
         slot order, fp32 accumulation, cast to the set-up dtype."""
-        return self._executor.combine(y, handle, True, out)
+        return self._impl.combine(y, handle, True, out)
 
     def dispatch_backward(self, grad_recv, handle: DispatchHandle, *, out=None):
         """Gradient of dispatch w.r.t. ``x``: per token, the unweighted slot-order sum of its rows' gradients."""
-        return self._executor.combine(grad_recv, handle, False, out)
+        return self._impl.combine(grad_recv, handle, False, out)
 
     def combine_backward(self, grad_out, y, handle: DispatchHandle, *, out=None):
         """Gradients of combine: ``(grad_y[max_recv_rows, H], grad_weights[T, K] float32)``.
@@ -314,7 +219,7 @@ class Dispatcher:
         ``grad_y[row] = gate * grad_out[token]`` (fp32 product, cast); ``grad_weights[t, k]``
         is the fp32 dot product of ``grad_out[t]`` and slot k's expert output in a fixed
         order (:func:`ultraep.token.reference.lane_dot`)."""
-        return self._executor.combine_backward(grad_out, y, handle, out)
+        return self._impl.combine_backward(grad_out, y, handle, out)
 
     def traffic(self, handle: DispatchHandle) -> Traffic:
         """What the dispatch of ``handle`` sent from this rank (reads E + R integers from the device)."""
@@ -322,17 +227,19 @@ class Dispatcher:
         totals = np.asarray(totals.get() if hasattr(totals, "get") else totals, dtype=np.int64)
         pairs_per_rank = totals[:self.num_experts].reshape(self.size, self.experts_per_rank).sum(axis=1)
         sends_per_rank = totals[self.num_experts:]
-        return Traffic(pairs=int(pairs_per_rank.sum()), pairs_remote=int(pairs_per_rank.sum() - pairs_per_rank[self.rank]),
-                       sends=int(sends_per_rank.sum()), sends_remote=int(sends_per_rank.sum() - sends_per_rank[self.rank]),
-                       row_bytes=self.row_bytes)
+        pairs, sends = int(pairs_per_rank.sum()), int(sends_per_rank.sum())
+        return Traffic(pairs=pairs, pairs_remote=pairs - int(pairs_per_rank[self.rank]),
+                       sends=sends, sends_remote=sends - int(sends_per_rank[self.rank]), row_bytes=self.row_bytes)
 
     def check(self) -> None:
-        """Wait for queued work and raise any deferred device-side error (GPU backend)."""
-        self._executor.check()
+        """Wait for queued work and raise any deferred device-side error (device backend)."""
+        self._impl.check()
 
     def close(self) -> None:
-        """Collective: release the symmetric heap."""
-        self._executor.close()
+        """Collective: finish queued work and close the heap if the dispatcher opened it."""
+        self._impl.close()
+        if self._owns_heap:
+            self.heap.close()
 
     def __enter__(self):
         return self

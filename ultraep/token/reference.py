@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
-WARP = 32
-VECTOR_BYTES = 16  # the GPU kernels move rows in 16-byte vectors
+from ultraep.runtime.kernels import kernel_constant
+
+# The kernels' lanes per warp and row vector size fix the order of the warp-order dot.
+WARP = kernel_constant("dispatch.cu", "WARP")
+VECTOR_BYTES = kernel_constant("dispatch.cu", "VECTOR_BYTES")
 
 
 def as_float32(a: np.ndarray) -> np.ndarray:
@@ -129,8 +132,10 @@ def lane_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         for j in range(vec):
             lanes = np.add(lanes, products[:, i, :, j], dtype=np.float32)
     lane_ids = np.arange(WARP)
-    for offset in (16, 8, 4, 2, 1):
+    offset = WARP // 2
+    while offset:  # the xor butterfly of grad_rows
         lanes = np.add(lanes, lanes[:, lane_ids ^ offset], dtype=np.float32)
+        offset //= 2
     return lanes[:, 0].copy()
 
 

@@ -1,6 +1,7 @@
 """Multi-rank Dispatcher check, run under mpiexec by tests/token/test_dispatch.py.
 
-Usage: python -m mpi4py dispatch_check.py {cpu|cuda} {exact|bad-input|balanced|timeout} [dtype] [repeats]
+Usage: python -m mpi4py dispatch_check.py {host|device} {exact|bad-input|balanced|timeout|shared-heap} [dtype]
+       [repeats]
 
 ``exact``: for every routing scenario, dispatch / combine / both backward functions
 against the sequential single-process reference (every rank builds every rank's input
@@ -11,6 +12,8 @@ outputs (equal across rank counts), then "[exact] rank N OK".
 ``bad-input``: each bad input raises on every rank, and the dispatcher still works after.
 ``balanced``: planner reroute into ``Dispatcher.for_layout``, bitwise equal to the plain path.
 ``timeout``: one rank never dispatches; the others' device waits time out naming it.
+``shared-heap``: a Dispatcher and a WeightTransfer in one heap sized from their summed
+requirements, both working; the heap is exactly big enough and outlives the dispatcher.
 """
 
 import hashlib
@@ -157,7 +160,8 @@ def exact() -> None:
                         backend=backend) as disp:
             for run in range(REPEATS):
                 # Every output buffer starts poisoned: a row nobody wrote fails the comparison.
-                res = disp.dispatch(device(xs[me]), device(ids[me]), device(ws[me]), out=device(poison((rows_bound, H))))
+                res = disp.dispatch(device(xs[me]), device(ids[me]), device(ws[me]),
+                                    out=device(poison((rows_bound, H))))
                 got_x, got_w = host(res.x), host(res.weights)
                 bad = mismatches(got_x[:n], ref_recv[me][0]) + mismatches(got_w[:n], ref_recv[me][1])
                 bad += mismatches(got_x[n:], poison((rows_bound - n, H)))  # nothing written past the rows in use
@@ -328,4 +332,72 @@ def timeout() -> None:
     print(f"[timeout] rank {me} OK", flush=True)
 
 
-{"exact": exact, "bad-input": bad_input, "balanced": balanced, "timeout": timeout}[check]()
+def shared_heap() -> None:
+    """One heap for two components: ``WeightTransfer.heap_requirements + Dispatcher.heap_requirements``.
+    The dispatcher runs bitwise against the reference between a weight sync and its check,
+    a backend that contradicts the heap's is refused on every rank, the heap stays open
+    after the dispatcher closes, and a heap one byte smaller cannot hold the dispatcher."""
+    from ultraep.errors import HeapError
+    from ultraep.planner import ExpertLayout, plan_placement
+    from ultraep.runtime import open_heap
+    from ultraep.runtime.heap import ALLOC_ALIGN
+    from ultraep.transfer import ExpertSpec, WeightTransfer
+
+    layout = ExpertLayout(R, E, 2)
+    M = layout.experts_per_rank
+    spec = ExpertSpec([("fc1", (2 * H, H), "bfloat16"), ("fc2", (H, 2 * H), "bfloat16")])
+    T = 16  # slot_grad_w, the last tensor, is then T*K*4 bytes: whole alignment units, no padding
+    setup = dict(hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=T)
+    needs = WeightTransfer.heap_requirements(layout, spec) + Dispatcher.heap_requirements(R, **setup)
+    _, shape, last_dtype = needs.tensors[-1]
+    assert int(np.prod(shape)) * last_dtype.itemsize % ALLOC_ALIGN == 0, "one byte less would still fit"
+
+    def master(e):
+        rng = np.random.default_rng(1000 + e)
+        return [rng.standard_normal(w.shape).astype(np.float32).astype(w.dtype) for w in spec.weights]
+
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((T, H)).astype(np.float32).astype(DTYPE) for _ in range(R)]
+    ids = [np.stack([rng.permutation(E)[:K] for _ in range(T)]) for _ in range(R)]
+    ws = [rng.random((T, K)).astype(np.float32) for _ in range(R)]
+    want = ref.sequential_dispatch(xs, ids, ws, E // R)[me]
+    loads = np.zeros((R, E), np.int32)
+    loads[:, 0] = 100  # expert 0 is hot: replicas of it fill redundant slots
+    loads[:, 1:] = 1
+    plan = plan_placement(loads, layout, min_replica_tokens=1)
+    other = "device" if backend == "host" else "host"
+    with open_heap(group, needs, backend=backend) as heap:
+        expect_error(lambda: Dispatcher(group, **setup, heap=heap, backend=other),
+                     f"backend={other!r} contradicts the given heap, a {backend!r} heap")
+        with WeightTransfer(heap, layout, spec) as engine, Dispatcher(group, **setup, heap=heap) as disp:
+            assert disp.backend == backend and disp.heap is heap
+            engine.register_layer(0, [[device(w) for w in master(me * M + m)] for m in range(M)],
+                                  [[xp.zeros(g.shape, g.dtype) for g in spec.grads] for _ in range(M)])
+            engine.weight_sync(0, plan)
+            res = disp.dispatch(device(xs[me]), device(ids[me]), device(ws[me]))
+            n = res.num_rows
+            bad = mismatches(host(res.x)[:n], want[0]) + mismatches(host(res.weights)[:n], want[1])
+            out = disp.combine(res.x, res.handle)
+            engine.synchronize()
+            replicas = np.asarray(plan.phys_to_log).reshape(R, layout.slots_per_rank)[me, M:]
+            for j, e in enumerate(replicas.tolist()):
+                if e >= 0:
+                    bad += sum(mismatches(got, w) for got, w in zip(engine.replica_weights(j), master(e)))
+            assert bad == 0, f"rank {me}: {bad} elements differ in the shared heap"
+            assert out.shape == (T, H)
+            placed = sum(group.allgather(int((replicas >= 0).sum())))
+            assert placed > 0, "the plan placed no replica: the weight sync moved nothing"
+        heap.barrier()  # the dispatcher left the caller's heap open
+    with open_heap(group, needs.data_bytes - 1, backend=backend) as small:
+        with WeightTransfer(small, layout, spec):
+            try:
+                Dispatcher(group, **setup, heap=small)
+            except HeapError as exc:
+                assert "heap out of space: 'token.slot_grad_w'" in str(exc), str(exc)
+            else:
+                raise AssertionError(f"rank {me}: the dispatcher fit into a heap one byte short")
+    print(f"[shared-heap] rank {me} OK", flush=True)
+
+
+{"exact": exact, "bad-input": bad_input, "balanced": balanced, "timeout": timeout,
+ "shared-heap": shared_heap}[check]()

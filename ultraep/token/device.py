@@ -1,4 +1,4 @@
-"""GPU backend of the ``Dispatcher``: the token path as ``raw_kernels/dispatch.cu`` kernels.
+"""Device backend of the ``Dispatcher``: the token path as ``raw_kernels/dispatch.cu`` kernels.
 
 Everything runs on the caller's stream with no host round trip: the token map (stable
 key positions by warp-sequential segments and prefix sums), the count exchange through
@@ -11,23 +11,31 @@ Errors the device finds (bad expert ids, NaN gates, a routing over the receive b
 travel with the count table, so every rank reaches the same verdict and skips the data
 movement; a device wait that times out records (site, rank, expected, seen). With
 ``sync_checks`` each call then synchronises and raises on every rank; otherwise
-:meth:`GpuExecutor.check` does.
+:meth:`DeviceDispatcher.check` does.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ultraep.errors import DispatchError
 from ultraep.runtime.dlpack import caller_stream, import_tensor
 from ultraep.runtime.dtypes import BFLOAT16
-from ultraep.runtime.kernels import get_function
-from ultraep.token.dispatcher import DispatchError, DispatchHandle, DispatchResult, bad_input_message
+from ultraep.runtime.group import EPGroup
+from ultraep.runtime.kernels import get_function, kernel_constant
+from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBuffers, TokenConfig,
+                                bad_input_message, check_rows, check_tokens)
 
-KERNELS = "dispatch.cu"
+# Launch choices: the kernels take any block of whole warps (up to CUDA's 1024 threads)
+# and the segment length as an argument.
 THREADS = 256
 SEGMENT_ITEMS = 256          # items per warp segment of the token map
-NO_BAD_ITEM = 0x7FFFFFFF
-OUTCOME_BAD_INPUT, OUTCOME_TOO_MANY_ROWS = 1, 2
+MAX_BLOCK_THREADS = 1024
+WARP = kernel_constant(KERNELS, "WARP")
+VECTOR_BYTES = kernel_constant(KERNELS, "VECTOR_BYTES")
+NO_BAD_ITEM = kernel_constant(KERNELS, "NO_BAD_ITEM")
+OUTCOME_BAD_INPUT = kernel_constant(KERNELS, "OUTCOME_BAD_INPUT")
+OUTCOME_TOO_MANY_ROWS = kernel_constant(KERNELS, "OUTCOME_TOO_MANY_ROWS")
 BARRIER_SITES = ("counts", "tokens", "combine-ready", "combine-rows", "grad-ready", "grad-tokens", "grad-rows")
 
 
@@ -44,12 +52,18 @@ def _blocks(threads_needed: int) -> int:
     return max(1, -(-threads_needed // THREADS))
 
 
-class GpuExecutor:
-    def __init__(self, dispatcher):
+def _whole_warps(threads: int) -> int:
+    return max(WARP, -(-threads // WARP) * WARP)
+
+
+class DeviceDispatcher:
+    """The :class:`~ultraep.token.base.TokenBackend` in CUDA kernels, on the caller's stream."""
+
+    def __init__(self, group: EPGroup, config: TokenConfig, buffers: TokenBuffers):
         import cupy
 
-        self.cp, self.d = cupy, dispatcher
-        d, group = dispatcher, dispatcher.group
+        self.cp, self.group, self.config, self.buffers = cupy, group, config, buffers
+        d = config
         element = _template_type(d.dtype)
         self.k = {name: get_function(KERNELS, name, group=group)
                   for name in ("route_keys", "count_segments", "scan_segments", "rank_segments", "publish_counts",
@@ -57,9 +71,7 @@ class GpuExecutor:
         self.k["reduce_slots"] = get_function(KERNELS, f"reduce_slots<{element}>", group=group)
         self.k["grad_rows"] = get_function(KERNELS, f"grad_rows<{element}>", group=group)
         self.barrier_kernel = get_function("heap.cu", "symmetric_barrier", group=group)
-        self.buffers = d.open_buffers("device")
-        self.heap = self.buffers.heap
-        self.sync = self.heap.alloc_signals("token.sync", d.size)
+        self.heap = buffers.heap
         self.epoch = 0
         self.barrier_status = cupy.zeros((len(BARRIER_SITES), 4), dtype=np.uint64)
         self.num_keys = d.num_experts + d.size
@@ -74,34 +86,33 @@ class GpuExecutor:
         self.offsets = cupy.empty(d.experts_per_rank + 1, dtype=np.int32)
         self.outcome = cupy.zeros(4, dtype=np.int32)
         self.unreported_dispatch = False
-        b = self.buffers
-        self.local = {name: getattr(b, name).local for name in
+        self.local = {name: getattr(buffers, name).local for name in
                       ("count_table", "landing", "row_weight", "row_landing", "row_origin", "slot_rows", "slot_grad_w")}
         sms = cupy.cuda.runtime.getDeviceProperties(group.device)["multiProcessorCount"]
         self.grid = 2 * sms    # persistent copy kernels: two resident blocks per SM
-        self.row_vecs = d.row_bytes // 16
-        self.slots_per_rank = d.max_tokens * d.top_k
+        self.row_vecs = d.row_bytes // VECTOR_BYTES
 
     # -- helpers ----------------------------------------------------------------------------
     def _import(self, array, name: str, writable: bool = False):
         if array is None:
             return None
-        return import_tensor(array, name=name, device=self.d.group.device, writable=writable)
+        return import_tensor(array, name=name, device=self.group.device, writable=writable)
 
     def _output(self, out, shape):
-        return self.cp.empty(shape, dtype=self.d.dtype) if out is None else out
+        return self.cp.empty(shape, dtype=self.config.dtype) if out is None else out
 
     def _barrier(self, site: str) -> None:
         """All ranks' earlier stores into peers' heaps are visible once this returns on the device."""
         self.epoch += 1
-        d = self.d
-        self.barrier_kernel((1,), (max(32, -(-d.size // 32) * 32),),
-                            (self.heap.peer_bases, np.int32(d.rank), np.int32(d.size), np.uint64(self.sync.offset),
+        d = self.config
+        self.barrier_kernel((1,), (min(MAX_BLOCK_THREADS, _whole_warps(d.size)),),
+                            (self.heap.peer_bases, np.int32(d.rank), np.int32(d.size),
+                             np.uint64(self.buffers.sync.offset),
                              np.uint64(self.epoch), np.uint64(int(d.timeout_s * 1e9)),
                              self.barrier_status[BARRIER_SITES.index(site)]))
 
     def _send_tokens(self, x, state: dict, with_meta: bool) -> None:
-        d, b = self.d, self.buffers
+        d, b = self.config, self.buffers
         self.k["send_tokens"]((self.grid,), (THREADS,), (
             x, np.int32(state["tokens"]), np.int32(d.top_k), np.int32(self.row_vecs), state["ids"], state["gates"],
             state["positions"], state["base"], self.heap.peer_bases, np.uint64(b.landing.offset),
@@ -110,19 +121,19 @@ class GpuExecutor:
             state["outcome"]))
 
     def _finish(self) -> None:
-        if self.d.sync_checks:
+        if self.config.sync_checks:
             self.check()
 
     # -- the token path -------------------------------------------------------------------
     def dispatch(self, x, expert_ids, weights, out) -> DispatchResult:
-        cp, d = self.cp, self.d
+        cp, d = self.cp, self.config
         with caller_stream(x):
             x = self._import(x, "x")
             ids = self._import(expert_ids, "expert_ids")
             gates = self._import(weights, "weights")
             out = self._import(out, "out", writable=True)
-            d.check_tokens(x, ids, gates)
-            d.check_rows({"out": (out, d.max_recv_rows)}, None)
+            check_tokens(self.group, d, x, ids, gates)
+            check_rows(self.group, d, {"out": (out, d.max_recv_rows)}, None)
             recv = self._output(out, (d.max_recv_rows, d.hidden))
             tokens, top_k = ids.shape
             n = tokens * top_k
@@ -137,11 +148,12 @@ class GpuExecutor:
                 self.keys, self.first_bad))
             items = 2 * n
             segments = -(-items // SEGMENT_ITEMS)
-            segment_args = (self.keys, np.int32(items), np.int32(SEGMENT_ITEMS), np.int32(self.num_keys), self.seg_counts)
-            self.k["count_segments"]((_blocks(segments * 32),), (THREADS,), segment_args)
+            segment_args = (self.keys, np.int32(items), np.int32(SEGMENT_ITEMS), np.int32(self.num_keys),
+                            self.seg_counts)
+            self.k["count_segments"]((_blocks(segments * WARP),), (THREADS,), segment_args)
             self.k["scan_segments"]((self.num_keys,), (THREADS,), (
                 self.seg_counts, np.int32(segments), np.int32(self.num_keys), self.totals))
-            self.k["rank_segments"]((_blocks(segments * 32),), (THREADS,), segment_args + (self.positions,))
+            self.k["rank_segments"]((_blocks(segments * WARP),), (THREADS,), segment_args + (self.positions,))
 
             # Count table on every rank, then the row plan every rank agrees on.
             b = self.buffers
@@ -149,7 +161,7 @@ class GpuExecutor:
                 self.heap.peer_bases, np.uint64(b.count_table.offset), np.int32(d.rank), np.int32(d.size),
                 np.int32(d.num_experts), self.totals, self.first_bad, ids, gates, np.int32(top_k)))
             self._barrier("counts")
-            self.k["plan_rows"]((1,), (max(32, min(1024, -(-d.size // 32) * 32)),), (
+            self.k["plan_rows"]((1,), (min(MAX_BLOCK_THREADS, _whole_warps(d.size)),), (
                 self.local["count_table"], np.int32(d.size), np.int32(d.num_experts), np.int32(d.experts_per_rank),
                 np.int32(d.rank), np.int32(d.max_recv_rows), self.base, self.counts, self.offsets, self.outcome))
 
@@ -165,21 +177,21 @@ class GpuExecutor:
                 state[name] = self.local[name].copy()
             self.unreported_dispatch = True
             self._finish()
-        handle = DispatchHandle(d.id, tokens, gates, ids, state)
+        handle = DispatchHandle(d.dispatcher_id, tokens, gates, ids, state)
         return DispatchResult(recv, state["row_weight"].copy(), self.counts.copy(), state["offsets"], handle)
 
     def combine(self, y, handle: DispatchHandle, weighted: bool, out):
-        d, s = self.d, handle.state
+        d, s = self.config, handle.state
         name = "y" if weighted else "grad_recv"
         with caller_stream(y):
             y = self._import(y, name)
             out = self._import(out, "out", writable=True)
-            d.check_rows({name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle)
+            check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle)
             result = self._output(out, (handle.tokens, d.hidden))
             self._barrier("combine-ready")  # every source's slot rows are free again
             self.k["send_rows"]((self.grid,), (THREADS,), (
                 self.cp.ascontiguousarray(y), s["row_origin"], s["offsets"][-1:], np.int32(self.row_vecs),
-                self.heap.peer_bases, np.uint64(self.buffers.slot_rows.offset), np.int32(self.slots_per_rank),
+                self.heap.peer_bases, np.uint64(self.buffers.slot_rows.offset), np.int32(d.slots_per_rank),
                 s["outcome"]))
             self._barrier("combine-rows")
             gates = s["gates"] if weighted else np.uint64(0)
@@ -190,13 +202,13 @@ class GpuExecutor:
         return result
 
     def combine_backward(self, grad_out, y, handle: DispatchHandle, out):
-        cp, d, s = self.cp, self.d, handle.state
+        cp, d, s = self.cp, self.config, handle.state
         with caller_stream(grad_out):
             grad_out = self._import(grad_out, "grad_out")
             y = self._import(y, "y")
             out = self._import(out, "out", writable=True)
-            d.check_rows({"grad_out": (grad_out, handle.tokens), "y": (y, d.max_recv_rows),
-                          "out": (out, d.max_recv_rows)}, handle)
+            check_rows(self.group, d, {"grad_out": (grad_out, handle.tokens), "y": (y, d.max_recv_rows),
+                                       "out": (out, d.max_recv_rows)}, handle)
             grad_y = self._output(out, (d.max_recv_rows, d.hidden))
             self._barrier("grad-ready")     # every rank's landing rows are free again
             self._send_tokens(cp.ascontiguousarray(grad_out), s, with_meta=False)
@@ -204,7 +216,7 @@ class GpuExecutor:
             self.k["grad_rows"]((self.grid,), (THREADS,), (
                 self.local["landing"], s["row_landing"], s["row_weight"], cp.ascontiguousarray(y), s["row_origin"],
                 s["offsets"][-1:], np.int32(self.row_vecs), grad_y, self.heap.peer_bases,
-                np.uint64(self.buffers.slot_grad_w.offset), np.int32(self.slots_per_rank), s["outcome"]))
+                np.uint64(self.buffers.slot_grad_w.offset), np.int32(d.slots_per_rank), s["outcome"]))
             self._barrier("grad-rows")
             grad_w = self.local["slot_grad_w"][:handle.tokens * d.top_k].reshape(handle.tokens, d.top_k).copy()
             self._finish()
@@ -213,14 +225,15 @@ class GpuExecutor:
     # -- errors -----------------------------------------------------------------------------
     def check(self) -> None:
         """Synchronise; raise a timed-out wait, or the latest dispatch's refusal (the same on every rank)."""
-        d = self.d
+        d = self.config
         self.cp.cuda.get_current_stream().synchronize()
         status = self.barrier_status.get()
         for site, (failed, waited, expected, seen) in zip(BARRIER_SITES, status):
             if failed:
                 self.barrier_status.fill(0)
                 raise DispatchError(f"rank {d.rank}: token path wait '{site}' timed out after {d.timeout_s:g} s "
-                                    f"waiting for rank {int(waited)} (flag expected >= {int(expected)}, saw {int(seen)})")
+                                    f"waiting for rank {int(waited)} (flag expected >= {int(expected)}, "
+                                    f"saw {int(seen)})")
         if not self.unreported_dispatch:
             return
         self.unreported_dispatch = False
@@ -229,11 +242,12 @@ class GpuExecutor:
             table = self.local["count_table"].get()
             records = table[:, d.num_experts + d.size:]
             failed = [bad_input_message(s, *map(int, rec), d.num_experts) for s, rec in enumerate(records) if rec[0]]
-            raise DispatchError(f"dispatch input check failed on {len(failed)} of {d.size} rank(s): " + "; ".join(failed))
+            raise DispatchError(f"dispatch input check failed on {len(failed)} of {d.size} rank(s): "
+                                + "; ".join(failed))
         if code == OUTCOME_TOO_MANY_ROWS:
             raise DispatchError(f"rank {who} would receive {rows} rows, more than the set-up bound "
                                 f"max_recv_rows={d.max_recv_rows}")
 
     def close(self) -> None:
+        """Let queued work finish; the heap is the Dispatcher's to close."""
         self.cp.cuda.get_current_stream().synchronize()
-        self.heap.close()

@@ -1,6 +1,6 @@
-"""CPU backend of the ``Dispatcher``: the GPU's protocol run with NumPy over MPI shared memory.
+"""Host backend of the ``Dispatcher``: the device's protocol run with NumPy over MPI shared memory.
 
-The same steps as the CUDA kernels, in the same heap tensors, so the CPU backend tests the
+The same steps as the CUDA kernels, in the same heap tensors, so the host backend tests the
 protocol itself (count exchange, one send per destination rank into landing rows, rows
 expanded by the receiver, slot rows sent back for a fixed-order sum), not a shortcut:
 
@@ -19,35 +19,38 @@ from __future__ import annotations
 
 import numpy as np
 
+from ultraep.errors import DispatchError
+from ultraep.runtime.dlpack import import_tensor
+from ultraep.runtime.group import EPGroup
 from ultraep.token import reference as ref
-from ultraep.token.dispatcher import (DispatchError, DispatchHandle, DispatchResult, bad_input_message,
-                                      first_bad_item)
+from ultraep.token.base import (DispatchHandle, DispatchResult, TokenBuffers, TokenConfig, bad_input_message,
+                                check_rows, check_tokens, first_bad_item, raise_if_any)
 
 
-class CpuExecutor:
-    def __init__(self, dispatcher):
-        self.d = dispatcher
-        self.buffers = dispatcher.open_buffers("host")
-        self.heap = self.buffers.heap
+class HostDispatcher:
+    """The :class:`~ultraep.token.base.TokenBackend` in NumPy; barriers are the heap's."""
+
+    def __init__(self, group: EPGroup, config: TokenConfig, buffers: TokenBuffers):
+        self.group, self.config, self.buffers = group, config, buffers
+        self.heap = buffers.heap
 
     def _barrier(self) -> None:
-        self.heap.barrier(self.d.timeout_s)
+        self.heap.barrier(self.config.timeout_s)
 
     def _import(self, array, name: str, writable: bool = False):
-        from ultraep.runtime.dlpack import import_tensor
         return None if array is None else import_tensor(array, name=name, device=None, writable=writable)
 
     def dispatch(self, x, expert_ids, weights, out) -> DispatchResult:
-        d, b, me = self.d, self.buffers, self.d.rank
+        d, b, me = self.config, self.buffers, self.config.rank
         x = self._import(x, "x")
         expert_ids = self._import(expert_ids, "expert_ids")
         weights = self._import(weights, "weights")
         out = self._import(out, "out", writable=True)
-        d.check_tokens(x, expert_ids, weights)
-        d.check_rows({"out": (out, d.max_recv_rows)}, None)
+        check_tokens(self.group, d, x, expert_ids, weights)
+        check_rows(self.group, d, {"out": (out, d.max_recv_rows)}, None)
         bad = first_bad_item(expert_ids, weights, d.num_experts)
-        d.raise_if_any(None if bad is None else DispatchError(bad_input_message(me, *bad, d.num_experts)),
-                             "dispatch input check")
+        raise_if_any(self.group, d, None if bad is None else DispatchError(bad_input_message(me, *bad, d.num_experts)),
+                     "dispatch input check")
         ids = np.asarray(expert_ids, dtype=np.int64)
         gates = np.asarray(weights).astype(np.float32)
         tokens, top_k = ids.shape
@@ -93,26 +96,26 @@ class CpuExecutor:
         recv_x[:total] = b.landing.local[state["row_landing"]]
         recv_w = np.zeros(d.max_recv_rows, dtype=np.float32)
         recv_w[:total] = state["row_weight"]
-        handle = DispatchHandle(d.id, tokens, gates, ids, state)
+        handle = DispatchHandle(d.dispatcher_id, tokens, gates, ids, state)
         return DispatchResult(recv_x, recv_w, counts.astype(np.int32), offsets.astype(np.int32), handle)
 
     def _send_back(self, rows, handle: DispatchHandle):
         """Barrier (sources ready), then each received row into its origin slot at the source, barrier."""
-        d, b, s = self.d, self.buffers, handle.state
+        d, b, s = self.config, self.buffers, handle.state
         self._barrier()
         origin = s["row_origin"]
-        slots_per_rank = d.max_tokens * d.top_k
+        slots_per_rank = d.slots_per_rank
         for r in range(d.size):
             mine = np.flatnonzero(origin // slots_per_rank == r)
             b.slot_rows.peer(r)[origin[mine] % slots_per_rank] = rows[mine]
         self._barrier()
 
     def combine(self, y, handle: DispatchHandle, weighted: bool, out):
-        d = self.d
+        d = self.config
         name = "y" if weighted else "grad_recv"
         y = self._import(y, name)
         out = self._import(out, "out", writable=True)
-        d.check_rows({name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle)
+        check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle)
         self._send_back(y[:handle.state["num_rows"]], handle)
         T, K = handle.tokens, d.top_k
         slots = self.buffers.slot_rows.local[:T * K].reshape(T, K, d.hidden)
@@ -123,12 +126,12 @@ class CpuExecutor:
         return out
 
     def combine_backward(self, grad_out, y, handle: DispatchHandle, out):
-        d, b, s, me = self.d, self.buffers, handle.state, self.d.rank
+        d, b, s, me = self.config, self.buffers, handle.state, self.config.rank
         grad_out = self._import(grad_out, "grad_out")
         y = self._import(y, "y")
         out = self._import(out, "out", writable=True)
-        d.check_rows({"grad_out": (grad_out, handle.tokens), "y": (y, d.max_recv_rows),
-                      "out": (out, d.max_recv_rows)}, handle)
+        check_rows(self.group, d, {"grad_out": (grad_out, handle.tokens), "y": (y, d.max_recv_rows),
+                                   "out": (out, d.max_recv_rows)}, handle)
         T_max, K = d.max_tokens, d.top_k
         self._barrier()  # landing rows are free on every rank
         for r, once in s["send_rows"]:
@@ -137,9 +140,10 @@ class CpuExecutor:
         total = s["num_rows"]
         arrived = b.landing.local[s["row_landing"]]
         grad_y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
-        grad_y[:total] = np.multiply(s["row_weight"][:, None], ref.as_float32(arrived), dtype=np.float32).astype(d.dtype)
+        scaled = np.multiply(s["row_weight"][:, None], ref.as_float32(arrived), dtype=np.float32)
+        grad_y[:total] = scaled.astype(d.dtype)
         gate_grads = ref.lane_dot(arrived, y[:total])
-        origin, slots_per_rank = s["row_origin"], T_max * K
+        origin, slots_per_rank = s["row_origin"], d.slots_per_rank
         for r in range(d.size):
             mine = np.flatnonzero(origin // slots_per_rank == r)
             b.slot_grad_w.peer(r)[origin[mine] % slots_per_rank] = gate_grads[mine]
@@ -148,7 +152,7 @@ class CpuExecutor:
         return grad_y, grad_w
 
     def check(self) -> None:
-        """The CPU backend raises at once; nothing is deferred."""
+        """The host backend raises at once; nothing is deferred."""
 
     def close(self) -> None:
-        self.heap.close()
+        """Nothing is queued; the heap is the Dispatcher's to close."""

@@ -1,0 +1,217 @@
+"""What the ``Dispatcher`` and its two implementations share, below both of them.
+
+* :class:`TokenConfig` -- the agreed set-up, frozen: all an implementation knows of its
+  dispatcher;
+* :class:`TokenBuffers` -- the symmetric tensors and the signal block it works in;
+* :class:`TokenBackend` -- the interface :class:`~ultraep.token.host.HostDispatcher` and
+  :class:`~ultraep.token.device.DeviceDispatcher` implement;
+* the handle and result types, and the input checks both run before touching the heap.
+
+The count table's bad-input record and its codes are ``raw_kernels/dispatch.cu``'s: read
+from there, so the host and the kernels cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ultraep.errors import DispatchError
+from ultraep.runtime.group import EPGroup
+from ultraep.runtime.kernels import kernel_constant
+
+KERNELS = "dispatch.cu"
+BAD_EXPERT_ID = kernel_constant(KERNELS, "BAD_EXPERT_ID")
+NAN_GATE = kernel_constant(KERNELS, "NAN_GATE")
+BAD_RECORD_FIELDS = kernel_constant(KERNELS, "BAD_RECORD_FIELDS")
+
+
+@dataclass(frozen=True)
+class TokenConfig:
+    """A dispatcher's set-up, validated and agreed by every rank."""
+
+    hidden: int
+    dtype: np.dtype
+    top_k: int
+    num_experts: int
+    experts_per_rank: int
+    max_tokens: int
+    max_recv_rows: int
+    rank: int
+    size: int
+    timeout_s: float
+    sync_checks: bool
+    dispatcher_id: int    # handles carry it, so a handle from another dispatcher is refused
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * self.dtype.itemsize
+
+    @property
+    def slots_per_rank(self) -> int:
+        """(token, slot) pairs a source can send: ``max_tokens * top_k``."""
+        return self.max_tokens * self.top_k
+
+    def same_dtype(self, array) -> bool:
+        got = np.dtype(array.dtype)
+        return got == self.dtype or (self.dtype.kind == "V" and got == np.int16)  # bf16 may arrive as its bits
+
+
+def table_columns(num_experts: int, num_ranks: int) -> int:
+    """Count table row: pairs per expert, sends per destination rank, the bad-input record."""
+    return num_experts + num_ranks + BAD_RECORD_FIELDS
+
+
+@dataclass(frozen=True)
+class TokenBuffers:
+    """The dispatcher's allocations (see :meth:`ultraep.token.Dispatcher.heap_requirements`)."""
+
+    heap: Any
+    count_table: Any
+    landing: Any
+    row_weight: Any
+    row_landing: Any
+    row_origin: Any
+    slot_rows: Any
+    slot_grad_w: Any
+    sync: Any             # signal block of the device's barriers
+
+    @classmethod
+    def of(cls, heap, allocated: dict, prefix: str) -> "TokenBuffers":
+        """From :meth:`SymmetricHeap.allocate`'s result, names without ``prefix``."""
+        return cls(heap=heap, **{name.removeprefix(prefix): value for name, value in allocated.items()})
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Rows one dispatch sent from this rank: a row per (token, slot) pair would be
+    ``pairs``; one send per (token, destination rank) moves ``sends``. ``*_remote``
+    leaves out this rank itself."""
+
+    pairs: int
+    pairs_remote: int
+    sends: int
+    sends_remote: int
+    row_bytes: int
+
+    @property
+    def bytes_saved(self) -> int:
+        return (self.pairs - self.sends) * self.row_bytes
+
+    @property
+    def bytes_saved_remote(self) -> int:
+        return (self.pairs_remote - self.sends_remote) * self.row_bytes
+
+
+@dataclass
+class DispatchHandle:
+    """What combine and the backward pair need from one dispatch (backend arrays inside)."""
+
+    dispatcher_id: int
+    tokens: int
+    weights: Any                 # float32[T, K], this rank's gates
+    expert_ids: Any              # int64[T, K]
+    state: dict = field(default_factory=dict)  # the implementation's token map
+
+
+@dataclass
+class DispatchResult:
+    """Received tokens: ``x[max_recv_rows, H]`` (rows ``[0, offsets[-1])`` in use),
+    ``weights[max_recv_rows]`` the received gates, per local expert ``counts`` and
+    ``offsets`` (one more entry, the total), and the ``handle`` for combine."""
+
+    x: Any
+    weights: Any
+    counts: Any
+    offsets: Any
+    handle: DispatchHandle
+
+    @property
+    def num_rows(self) -> int:
+        """Rows received (reads one integer from the device on the device backend)."""
+        return int(self.offsets[-1])
+
+
+class TokenBackend(Protocol):
+    """One implementation of the token path. ``weighted=False`` makes combine the
+    unweighted sum of dispatch's backward; ``out`` is an optional result buffer."""
+
+    def dispatch(self, x, expert_ids, weights, out) -> DispatchResult: ...
+
+    def combine(self, y, handle: DispatchHandle, weighted: bool, out): ...
+
+    def combine_backward(self, grad_out, y, handle: DispatchHandle, out): ...
+
+    def check(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+def bad_input_message(rank: int, code: int, token: int, slot: int, value, num_experts: int) -> str:
+    if code == BAD_EXPERT_ID:
+        return f"rank {rank}: expert id {value} at token {token}, slot {slot} is outside [0, {num_experts})"
+    return f"rank {rank}: gate weight at token {token}, slot {slot} is NaN"
+
+
+def first_bad_item(expert_ids: np.ndarray, weights: np.ndarray, num_experts: int):
+    """(code, token, slot, value) of the first bad (token, slot) in token-then-slot order, or None."""
+    ids = np.asarray(expert_ids)
+    bad_id = (ids < 0) | (ids >= num_experts)
+    bad = bad_id | np.isnan(np.asarray(weights, dtype=np.float32))
+    if not bad.any():
+        return None
+    t, k = np.unravel_index(int(np.argmax(bad.ravel())), bad.shape)
+    code = BAD_EXPERT_ID if bad_id[t, k] else NAN_GATE
+    return code, int(t), int(k), int(ids[t, k])
+
+
+def raise_if_any(group: EPGroup, config: TokenConfig, error: Exception | None, what: str) -> None:
+    """Collective raise (every rank, when ``sync_checks``), else a local one."""
+    if config.sync_checks:
+        group.raise_if_any(error, what)
+    elif error is not None:
+        raise error
+
+
+def check_tokens(group: EPGroup, config: TokenConfig, x, expert_ids, weights) -> None:
+    """Shape/dtype checks of dispatch input (values are checked by the implementation)."""
+    error = None
+    try:
+        if x.ndim != 2 or x.shape[1] != config.hidden:
+            raise DispatchError(f"x: expected shape [tokens, {config.hidden}], got {tuple(x.shape)}")
+        if not config.same_dtype(x):
+            raise DispatchError(f"x: expected dtype {config.dtype}, got {x.dtype}")
+        if x.shape[0] > config.max_tokens:
+            raise DispatchError(f"x: {x.shape[0]} tokens exceed the set-up bound max_tokens={config.max_tokens}")
+        want = (x.shape[0], config.top_k)
+        if tuple(expert_ids.shape) != want or np.dtype(expert_ids.dtype).kind not in "iu":
+            raise DispatchError(f"expert_ids: expected integer shape {list(want)}, got {expert_ids.dtype} "
+                                f"{list(expert_ids.shape)}")
+        if tuple(weights.shape) != want or np.dtype(weights.dtype).kind not in "fV":
+            raise DispatchError(f"weights: expected float shape {list(want)}, got {weights.dtype} "
+                                f"{list(weights.shape)}")
+    except DispatchError as exc:
+        error = exc
+    raise_if_any(group, config, error, "dispatch input check")
+
+
+def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, handle: DispatchHandle | None) -> None:
+    """Checks of row arrays ``{name: (array or None, rows)}``: shape ``[rows, H]``, the set-up dtype."""
+    error = None
+    try:
+        if handle is not None and handle.dispatcher_id != config.dispatcher_id:
+            raise DispatchError("the handle comes from another Dispatcher")
+        for name, (rows, first) in arrays.items():
+            if rows is None:
+                continue
+            if rows.ndim != 2 or rows.shape[1] != config.hidden or rows.shape[0] != first:
+                raise DispatchError(f"{name}: expected shape [{first}, {config.hidden}], got {tuple(rows.shape)}")
+            if not config.same_dtype(rows):
+                raise DispatchError(f"{name}: expected dtype {config.dtype}, got {rows.dtype}")
+    except DispatchError as exc:
+        error = exc
+    raise_if_any(group, config, error, "token path input check")
