@@ -427,7 +427,8 @@ class Balancer:
         owner = self._weights_owner
         held = "nothing" if owner is None else f"layer {owner.layer}, micro-batch {owner.step}"
         return BalancerError(f"rank {self.rank}: {what}: the shared replica buffers hold {held}, not layer "
-                             f"{handle.layer}, micro-batch {handle.step}; call weight_sync/restore with this handle first")
+                             f"{handle.layer}, micro-batch {handle.step}; call weight_sync/restore with this "
+                             "handle first")
 
     def replica_weights(self, handle: BalanceHandle) -> list:
         """``[slot][tensor]`` views of this rank's replica weight slots (DLPack-exportable;

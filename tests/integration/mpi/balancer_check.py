@@ -417,4 +417,5 @@ def hot_path():
     print(f"[hot-path] rank {me} OK", flush=True)
 
 
-{"flow": flow, "pipeline": pipeline, "bad-input": bad_input, "shared-heap": shared_heap, "hot-path": hot_path}[check]()
+CHECKS = {"flow": flow, "pipeline": pipeline, "bad-input": bad_input, "shared-heap": shared_heap, "hot-path": hot_path}
+CHECKS[check]()
