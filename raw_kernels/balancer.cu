@@ -1,5 +1,5 @@
 //! kernels: count_expert_loads<int>, count_expert_loads<long long>, publish_load_row
-// Balancer kernels (ultraep/integration/balancer.py); NumPy reference: ultraep/integration/loads.py.
+// Balancer kernels (ultraep/integration/device.py); NumPy reference: ultraep/integration/host.py.
 //
 // count_expert_loads: this rank's load row -- how many of its top-k ids name each logical
 //   expert. Integer counts only, so the atomics cannot change the result. Ids outside

@@ -1,18 +1,23 @@
 """The Balancer across 4 ranks: the whole flow checked against the NumPy planner and the
 data-plane reference, a 2-stage 1F1B pipeline with micro-batches in flight, and bad input
-raised on every rank -- CPU backend in CI, CUDA IPC on a GPU -- and, on a GPU, the hot
-path without allocations or host waits."""
+raised on every rank, a Balancer in a heap the caller shares with another tensor -- CPU
+backend in CI, CUDA IPC on a GPU -- and, on a GPU, the hot path without allocations or
+host waits."""
 
+import numpy as np
 import pytest
 
 from tests.conftest import BACKENDS, assert_all_ranks_ok, requires_gpu, run_ranks
+from ultraep.integration import Balancer
+from ultraep.planner import ExpertLayout
+from ultraep.transfer import ExpertSpec, WeightTransfer
 
 RANKS = 4
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("check", ["flow", "pipeline", "bad-input"])
+@pytest.mark.parametrize("check", ["flow", "pipeline", "bad-input", "shared-heap"])
 def test_balancer_across_ranks(backend, check, tmp_path):
     out = run_ranks(RANKS, "integration/mpi/balancer_check.py", backend, check, str(tmp_path), timeout=240)
     assert_all_ranks_ok(out, RANKS, check)
@@ -29,3 +34,14 @@ def test_balancer_hot_path_neither_allocates_nor_waits(tmp_path):
     out = run_ranks(RANKS, "integration/mpi/balancer_check.py", "device", "hot-path", str(tmp_path), timeout=240)
     assert_all_ranks_ok(out, RANKS, "hot-path")
     assert "0 pool allocations" in out
+
+
+def test_heap_requirements_are_the_gathered_loads_and_the_transfers():
+    """The tiling options size the transfer's part; the other transfer options size nothing."""
+    layout = ExpertLayout(4, 8, 2)
+    spec = ExpertSpec([("w", (64, 32), "float32")], grad_dtype="float32")
+    needs = Balancer.heap_requirements(layout, spec, transfer_options={"tile_bytes": 512, "relay_count": 3})
+    assert needs.tensors[0] == ("balancer.gathered_loads", (2, 4, 8), np.dtype(np.int32))
+    assert needs.tensors[1:] == WeightTransfer.heap_requirements(layout, spec, tile_bytes=512).tensors
+    assert needs.signals == WeightTransfer.heap_requirements(layout, spec, tile_bytes=512).signals
+    assert needs.signals != Balancer.heap_requirements(layout, spec).signals  # default tiles: fewer chunks

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import requires_gpu
-from ultraep.integration.loads import count_loads
+from ultraep.integration.host import count_loads
 
 
 def naive_counts(ids, num_experts):
@@ -41,7 +41,7 @@ def test_device_counter_is_bitwise_the_reference(dtype):
     import cupy
     from mpi4py import MPI
 
-    from ultraep.integration.loads import DeviceLoadCounter
+    from ultraep.integration.device import DeviceLoadCounter
     from ultraep.runtime.group import EPGroup
     from ultraep.runtime import open_heap
 
@@ -60,7 +60,7 @@ def test_device_counter_is_bitwise_the_reference(dtype):
             assert np.array_equal(counter.counts.get(), want)
             got_bad = counter.read_bad(device_ids)
             assert got_bad == bad
-            counter.publish(matrix.offset)
+            counter.publish(counter.counts, matrix.offset)
             heap.barrier()
             assert np.array_equal(matrix.local.get()[0], want)
 

@@ -2,8 +2,10 @@
 
 * ``balancer`` -- :class:`Balancer`: per-layer, per-micro-batch load gathering, planning,
   weight sync, reroute, restore and gradient reduction, with a ring of plans for pipelines.
-* ``loads``    -- this rank's expert-load row (NumPy semantics and the CUDA counter) and
-  its publication into every peer's gathered load matrix.
+* ``host``     -- the Balancer's host backend (NumPy): the load-row semantics and every
+  per-backend step run synchronously.
+* ``device``   -- the Balancer's device backend (CuPy): the CUDA load counter and
+  planning into ring-slot buffers on the caller's stream.
 * ``stats``    -- per (layer, micro-batch) records, stage clocks, summaries and the
   per-rank load plot.
 * ``pipeline`` -- the 1F1B order of a pipeline's forwards and backwards, for driving

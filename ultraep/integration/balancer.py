@@ -2,8 +2,10 @@
 layer by layer and micro-batch by micro-batch.
 
 Set up once per EP group (layout, number of virtual layers, the expert tensor spec,
-``min_replica_tokens``, ``max_in_flight`` micro-batches). Per layer the framework
-registers its master weights and gradients. Per micro-batch and layer:
+``min_replica_tokens``, ``max_in_flight`` micro-batches), in its own symmetric heap or in
+one the process shares with other components (sized from
+:meth:`Balancer.heap_requirements` plus theirs). Per layer the framework registers its
+master weights and gradients. Per micro-batch and layer:
 
 * :meth:`Balancer.update` counts this rank's load row, writes it into row ``rank`` of
   every peer's gathered load matrix in the symmetric heap, runs a heap barrier, and plans
@@ -37,7 +39,15 @@ Metrics: :meth:`stats` (imbalance before/after, replicas, bytes moved, stage tim
 liveness counter of plans the device completed), :meth:`save_trace` (the planner's
 trace format) and :func:`~ultraep.integration.stats.plot_rank_loads`.
 
-GPU hot path: everything runs on the caller's stream (CuPy's current stream, the stream
+Backends: the heap's backend picks, once, the implementation of what differs --
+:class:`~ultraep.integration.host.HostBalancer` (NumPy, every stage synchronous) or
+:class:`~ultraep.integration.device.DeviceBalancer` (CuPy and ``raw_kernels/balancer.cu``).
+Both implement :class:`BalancerBackend`: a ring slot's state (plan buffers, pinned
+mirrors, stage clock), the caller's stream, counting and publishing this rank's load row,
+the heap barrier, planning, reroute, a record's host arrays, synchronisation and the
+deferred device checks. Everything else, the collective checks included, is here.
+
+Device hot path: everything runs on the caller's stream (CuPy's current stream, the stream
 of a torch ``topk_ids``, or ``stream=``), and once every ring slot has seen the largest
 top-k batch, ``update``, ``weight_sync``, ``reroute``, ``restore`` and ``reduce_grads``
 allocate no device memory and, with ``sync_checks=False``, never wait for the device:
@@ -61,25 +71,25 @@ allgathers per call and, for top-k ids, one device read per ``update``.
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from ultraep.errors import BalancerError, StaleHandleError
-from ultraep.integration.loads import DeviceLoadCounter, count_loads
-from ultraep.integration.stats import BalancerStats, DeviceClock, HostClock, plan_record
-from ultraep.planner import ExpertLayout, Plan, plan_placement, reroute
+from ultraep.integration.host import HostBalancer
+from ultraep.integration.stats import BalancerStats, plan_record
+from ultraep.planner import ExpertLayout, Plan
 from ultraep.planner.traces import TraceRecorder
-from ultraep.runtime.dlpack import external_stream, caller_stream, import_tensor
+from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime import open_heap
-from ultraep.runtime.heap import ALLOC_ALIGN, FAILING_CLOSE_TIMEOUT_S, round_up
+from ultraep.runtime.heap import FAILING_CLOSE_TIMEOUT_S, HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
 
 DEFAULT_HISTORY = 4096
 GATHER_BUFFERS = 2  # see "Order" in the module docstring
-CUDA_MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyKind
+TILING_OPTIONS = ("tile_bytes", "chunk_tiles")  # the transfer options that size the heap
 
 
 @dataclass(frozen=True)
@@ -92,41 +102,74 @@ class BalanceHandle:
     slot: int
 
 
+class BalancerBackend(Protocol):
+    """What differs per backend (``Backends`` in the module docstring); ``slot`` is the
+    backend's state of one ring slot, from :meth:`new_slot`."""
+
+    device: int | None  # the GPU tensors are imported onto; None on the host
+
+    def new_slot(self): ...
+    def stream(self, stream, tensor=None): ...
+    def check_ids(self, ids) -> None: ...
+    def check_loads(self, loads) -> None: ...
+    def count(self, source, *, from_ids: bool): ...
+    def publish(self, row, buffer: int) -> None: ...
+    def barrier(self) -> None: ...
+    def plan(self, slot, buffer: int) -> Plan: ...
+    def reroute(self, slot, ids, plan: Plan, out): ...
+    def host_arrays(self, slot, plan: Plan) -> dict: ...
+    def synchronize(self) -> int: ...
+    def check(self) -> None: ...
+
+
+def _backend_class(heap: SymmetricHeap) -> type:
+    if heap.backend == "device":
+        from ultraep.integration.device import DeviceBalancer
+        return DeviceBalancer
+    return HostBalancer
+
+
 class _RingSlot:
     """The plan of one in-flight micro-batch of one layer, and what it has done."""
 
-    def __init__(self, gpu: bool, layout: ExpertLayout):
+    def __init__(self, backend: BalancerBackend):
         self.step = -1
         self.harvested = True  # its record is in the history (or it never held a plan)
         self.plan: Plan | None = None
         self.syncs = self.reductions = 0
-        self.liveness = 0  # CPU: plans completed when this one was (the GPU reads it from the mirror)
-        self.clock = DeviceClock() if gpu else HostClock()
-        self.buffers = self.mirror = None
-        self.reroute_out = self.reroute_workspace = None  # GPU: grown to the largest batch seen
-        if gpu:
-            import cupyx
+        self.state = backend.new_slot()  # the backend's buffers and stage clock
+        self.clock = self.state.clock
 
-            from ultraep.planner.cuda import empty_plan
-            R, E = layout.num_ranks, layout.num_experts
-            self.buffers = empty_plan(layout)
-            # Pinned host copies of what a record needs, filled asynchronously after planning.
-            self.mirror = {"loads": cupyx.empty_pinned((R, E), np.int32),
-                           "phys_to_log": cupyx.empty_pinned(layout.num_physical, np.int32),
-                           "rank_load": cupyx.empty_pinned(R, np.int64),
-                           "liveness": cupyx.empty_pinned(1, np.int64)}
+
+def _gather_requirements(layout: ExpertLayout) -> HeapRequirements:
+    return HeapRequirements.of(tensors=[("balancer.gathered_loads",
+                                         (GATHER_BUFFERS, layout.num_ranks, layout.num_experts), np.int32)])
 
 
 class Balancer:
-    """See the module docstring. Collective: every rank constructs it with the same arguments."""
+    """Load gathering, planning and the data plane of one EP group, driven per layer and
+    micro-batch (module docstring). Collective: every rank constructs it with the same
+    arguments. ``heap``: an open symmetric heap with room for :meth:`heap_requirements`
+    (shared with other components, and left open by :meth:`close`); without one the
+    Balancer opens, and closes, its own."""
 
     _next_id = 0
 
+    @staticmethod
+    def heap_requirements(layout: ExpertLayout, spec: ExpertSpec, *,
+                          transfer_options: dict | None = None) -> HeapRequirements:
+        """What a Balancer of ``layout`` and ``spec`` allocates in its heap: the gathered
+        load matrices and the weight transfer's replica slots and flags (its tiling from
+        ``transfer_options``, as passed to the constructor)."""
+        options = transfer_options or {}
+        tiling = {name: options[name] for name in TILING_OPTIONS if name in options}
+        return _gather_requirements(layout) + WeightTransfer.heap_requirements(layout, spec, **tiling)
+
     def __init__(self, group, layout: ExpertLayout, spec: ExpertSpec, *, num_layers: int,
                  min_replica_tokens: int = 1024, max_in_flight: int = 1, backend: str = "auto",
-                 sync_checks: bool = True, record_trace: bool = False, timeout_s: float = 30.0,
-                 history: int = DEFAULT_HISTORY, transfer_options: dict | None = None):
-        error = None
+                 heap: SymmetricHeap | None = None, sync_checks: bool = True, record_trace: bool = False,
+                 timeout_s: float = 30.0, history: int = DEFAULT_HISTORY, transfer_options: dict | None = None):
+        error, requirements = None, None
         try:
             if not isinstance(layout, ExpertLayout):
                 raise BalancerError(f"layout must be an ExpertLayout, got {type(layout).__name__}")
@@ -138,44 +181,54 @@ class Balancer:
                                      ("min_replica_tokens", min_replica_tokens, 0), ("history", history, 0)):
                 if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                     raise BalancerError(f"{name} must be an int >= {low}, got {value!r}")
+            if heap is not None:
+                if not isinstance(heap, SymmetricHeap):
+                    raise BalancerError(f"heap must be a SymmetricHeap (ultraep.runtime.open_heap), "
+                                        f"got {type(heap).__name__}")
+                if (heap.rank, heap.size) != (group.rank, group.size):
+                    raise BalancerError(f"the heap is rank {heap.rank} of {heap.size}, the group's "
+                                        f"rank {group.rank} of {group.size}")
+                if backend not in ("auto", heap.backend):
+                    raise BalancerError(f"backend={backend!r} contradicts the heap's backend {heap.backend!r}")
+            try:
+                requirements = self.heap_requirements(layout, spec, transfer_options=transfer_options)
+            except ValueError as exc:  # e.g. a tiling the transfer cannot cut
+                raise BalancerError(f"transfer_options: {exc}") from None
         except BalancerError as exc:
             error = exc
         group.raise_if_any(error, "Balancer set-up")
         group.agree((repr(layout), spec.key(), int(num_layers), int(min_replica_tokens), int(max_in_flight),
-                     bool(sync_checks)), "Balancer set-up (layout, expert spec, num_layers, min_replica_tokens, "
-                    "max_in_flight, sync_checks)")
+                     bool(sync_checks), heap is None), "Balancer set-up (layout, expert spec, num_layers, "
+                    "min_replica_tokens, max_in_flight, sync_checks, own heap)")
         self.group, self.layout, self.spec = group, layout, spec
         self.rank = group.rank
         self.num_layers, self.max_in_flight = int(num_layers), int(max_in_flight)
         self.min_replica_tokens = int(min_replica_tokens)
         self.sync_checks, self.timeout_s = bool(sync_checks), float(timeout_s)
-        R, E, S = layout.num_ranks, layout.num_experts, max(layout.redundant_slots, 1)
-        gather_bytes = GATHER_BUFFERS * R * E * 4
-        heap_bytes = sum(round_up(n, ALLOC_ALIGN) for n in
-                         (gather_bytes, S * spec.weight_slot_bytes, S * spec.grad_slot_bytes)) + ALLOC_ALIGN
-        self.heap = open_heap(group, heap_bytes, backend=backend)
-        self.gpu = self.heap.backend == "device"
-        self.device = self.heap.device if self.gpu else None
+        self._owns_heap = heap is None
+        self.heap = open_heap(group, requirements, backend=backend) if heap is None else heap
+        self.backend = self.heap.backend
         try:
-            self._gathered = self.heap.alloc("balancer.gathered_loads", (GATHER_BUFFERS, R, E), np.int32)
+            gathered = self.heap.allocate(_gather_requirements(layout))["balancer.gathered_loads"]
             self.transfer = WeightTransfer(self.heap, layout, spec, timeout_s=timeout_s, **(transfer_options or {}))
-            self._counter = DeviceLoadCounter(self.heap, E) if self.gpu else None
-            self._rings = [[_RingSlot(self.gpu, layout) for _ in range(self.max_in_flight)]
+            self._impl: BalancerBackend = _backend_class(self.heap)(
+                self.heap, layout, gathered, min_replica_tokens=self.min_replica_tokens, timeout_s=self.timeout_s,
+                sync_checks=self.sync_checks)
+            self._rings = [[_RingSlot(self._impl) for _ in range(self.max_in_flight)]
                            for _ in range(self.num_layers)]
-            if self.gpu:
-                import cupy
-                self._liveness_device = cupy.zeros(1, dtype=np.int64)
         except BaseException:
-            self.heap.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
+            if self._owns_heap:
+                self.heap.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
             raise
+        self.device = self._impl.device
         self.id = Balancer._next_id
         Balancer._next_id += 1
         self._steps = [0] * self.num_layers
         self._updates = 0
-        self._liveness = 0  # CPU: plans completed; GPU: the last device count read back
         self._weights_owner: BalanceHandle | None = None
         self._history: deque = deque(maxlen=int(history))
-        self.recorder = TraceRecorder(R, E, {"source": "ultraep.Balancer"}) if record_trace else None
+        self.recorder = TraceRecorder(layout.num_ranks, layout.num_experts,
+                                      {"source": "ultraep.Balancer"}) if record_trace else None
         self._closed = False
 
     # -- checks ---------------------------------------------------------------------------
@@ -213,19 +266,6 @@ class Balancer:
                 "backward before its layer's ring wraps, or raise max_in_flight)")
         return entry
 
-    def _stream(self, stream, tensor=None):
-        """Context making the caller's stream CuPy's current one (GPU; a no-op on the CPU)."""
-        if not self.gpu:
-            return contextlib.nullcontext()
-        if stream is None:
-            return caller_stream(tensor) if tensor is not None else contextlib.nullcontext()
-        import cupy
-        if type(stream).__module__.startswith("cupy"):
-            return stream
-        if isinstance(stream, int):  # a raw cudaStream_t
-            return cupy.cuda.ExternalStream(stream, self.device)
-        return external_stream(cupy, stream, self.device)  # e.g. torch.cuda.current_stream()
-
     # -- set-up per layer -------------------------------------------------------------------
     def register_layer(self, layer: int, weights, grads) -> None:
         """Collective. ``weights[m][t]`` / ``grads[m][t]``: tensor ``t`` of this rank's ``m``-th master."""
@@ -259,18 +299,18 @@ class Balancer:
         except BalancerError as exc:
             error = exc
         self._collective(error, "update (layer, micro-batch, input kind, top-k width)", agreed=agreed)
-        with self._stream(stream, topk_ids if topk_ids is not None else local_loads):
+        with self._impl.stream(stream, topk_ids if topk_ids is not None else local_loads):
             entry = self._rings[layer][self._steps[layer] % self.max_in_flight]
             self._harvest(entry, layer)
             entry.clock.reset()
             entry.clock.start("update")
-            error, counts = None, None
+            error, row = None, None
             try:
-                counts = self._count(source, from_ids=local_loads is None)
+                row = self._impl.count(source, from_ids=local_loads is None)
             except BalancerError as exc:
                 error = exc
             self._collective(error, "update: top-k ids")  # the old plan stays live if this raises
-            return self._update(layer, entry, counts)
+            return self._update(layer, entry, row)
 
     def _import_ids(self, topk_ids):
         try:
@@ -279,8 +319,7 @@ class Balancer:
             raise BalancerError(str(exc)) from None
         if np.dtype(ids.dtype).kind not in "iu":
             raise BalancerError(f"topk_ids: expected an integer dtype, got {ids.dtype}")
-        if self.gpu and not self._counter.supports(ids.dtype):
-            raise BalancerError(f"topk_ids: the GPU load counter takes int32 or int64 ids, got {ids.dtype}")
+        self._impl.check_ids(ids)
         return ids
 
     def _import_loads(self, local_loads):
@@ -291,70 +330,20 @@ class Balancer:
         E = self.layout.num_experts
         if tuple(loads.shape) != (E,) or np.dtype(loads.dtype).kind not in "iu":
             raise BalancerError(f"local_loads: expected integer shape ({E},), got {loads.dtype} {tuple(loads.shape)}")
-        if not self.gpu and loads.size and int(loads.min()) < 0:  # the GPU cannot look without a sync
-            raise BalancerError(f"local_loads: counts must be non-negative, found {int(loads.min())}")
+        self._impl.check_loads(loads)
         return loads
 
-    def _count(self, source, from_ids: bool):
-        """This rank's load row: a NumPy array (CPU), or left in the device counter (GPU)."""
-        E = self.layout.num_experts
-        if not self.gpu:
-            if not from_ids:
-                return source.astype(np.int32)
-            counts, bad = count_loads(source, E)
-            if bad is not None:
-                raise BalancerError(bad.message(self.rank, E, source.shape))
-            return counts
-        if not from_ids:
-            self._counter.counts[...] = source
-            return None
-        self._counter.count(source)
-        if self.sync_checks:
-            bad = self._counter.read_bad(source)
-            if bad is not None:
-                raise BalancerError(bad.message(self.rank, E, source.shape))
-        return None
-
-    def _update(self, layer: int, entry: _RingSlot, counts) -> BalanceHandle:
+    def _update(self, layer: int, entry: _RingSlot, row) -> BalanceHandle:
         step = self._steps[layer]
         buffer = self._updates % GATHER_BUFFERS
-        if self.gpu:
-            self._plan_on_device(entry, buffer)
-        else:
-            self._plan_on_host(entry, buffer, counts)
+        self._impl.publish(row, buffer)
+        self._impl.barrier()
+        entry.plan = self._impl.plan(entry.state, buffer)
+        entry.clock.stop("update")
         entry.step, entry.syncs, entry.reductions, entry.harvested = step, 0, 0, False
         self._steps[layer] += 1
         self._updates += 1
         return BalanceHandle(self.id, layer, step, step % self.max_in_flight)
-
-    def _plan_on_host(self, entry: _RingSlot, buffer: int, counts) -> None:
-        for peer in range(self.heap.size):
-            self._gathered.peer(peer)[buffer, self.rank] = counts
-        self.heap.barrier(self.timeout_s)
-        loads = np.array(self._gathered.local[buffer])  # peers overwrite this buffer two updates on
-        entry.plan = plan_placement(loads, self.layout, min_replica_tokens=self.min_replica_tokens)
-        entry.clock.stop("update")
-        self._liveness += 1
-        entry.liveness = self._liveness
-
-    def _plan_on_device(self, entry: _RingSlot, buffer: int) -> None:
-        import cupy
-
-        matrix = self._gathered.offset + buffer * self.layout.num_ranks * self.layout.num_experts * 4
-        self._counter.publish(matrix)
-        self.heap.barrier(self.timeout_s, wait=False)
-        out = entry.buffers
-        plan_placement(self._gathered.local[buffer], self.layout, min_replica_tokens=self.min_replica_tokens,
-                       backend="cupy", out=out)
-        entry.plan = out  # the transfers compile from the buffers' contents in stream order: no staleness
-        self._liveness_device += 1
-        stream = cupy.cuda.get_current_stream().ptr
-        for name, device_array in (("loads", out.loads), ("phys_to_log", out.phys_to_log),
-                                   ("rank_load", out.rank_load), ("liveness", self._liveness_device)):
-            host = entry.mirror[name]
-            cupy.cuda.runtime.memcpyAsync(host.ctypes.data, device_array.data.ptr, host.nbytes,
-                                          CUDA_MEMCPY_DEVICE_TO_HOST, stream)
-        entry.clock.stop("update")
 
     def _collective_entry(self, handle, what: str) -> _RingSlot:
         error, entry = None, None
@@ -381,11 +370,11 @@ class Balancer:
 
     def _sync(self, handle, stage: str, stream):
         entry = self._collective_entry(handle, stage)
-        with self._stream(stream):
+        with self._impl.stream(stream):
             entry.clock.start(stage)
             # Peers are about to write this rank's replica slots: every rank must be done
             # reading them (the compute of the layer or micro-batch that used them before).
-            self.heap.barrier(self.timeout_s, wait=not self.gpu)
+            self._impl.barrier()
             self.transfer.weight_sync(handle.layer, entry.plan, barrier=True)
             done = entry.clock.stop(stage)
         entry.syncs += 1
@@ -407,32 +396,15 @@ class Balancer:
         except BalancerError as exc:
             error = exc
         self._collective(error, "reroute")
-        with self._stream(stream, topk_ids):
+        with self._impl.stream(stream, topk_ids):
             entry.clock.start("reroute")
             try:
-                if self.gpu:
-                    out, workspace = self._reroute_buffers(entry, ids, out)
-                    slots = reroute(ids, entry.plan, self.rank, out=out, workspace=workspace)
-                else:
-                    slots = reroute(ids, entry.plan, self.rank, out=out)
-                error = None
+                slots, error = self._impl.reroute(entry.state, ids, entry.plan, out), None
             except ValueError as exc:  # e.g. the NumPy path names ids the plan has no room for
                 slots, error = None, BalancerError(f"rank {self.rank}: reroute: {exc}")
             entry.clock.stop("reroute")
         self._collective(error, "reroute")
         return slots
-
-    def _reroute_buffers(self, entry: _RingSlot, ids, out):
-        """``(out, workspace)`` for rerouting ``ids`` from the ring slot's buffers, reallocated
-        only when ``ids`` holds more entries than any batch before it in this slot."""
-        import cupy
-
-        from ultraep.planner.cuda import reroute_workspace_size
-        n = int(ids.size)
-        if entry.reroute_out is None or entry.reroute_out.size < n:
-            entry.reroute_out = cupy.empty(max(n, 1), np.int32)
-            entry.reroute_workspace = cupy.empty(reroute_workspace_size(self.layout, n), np.int32)
-        return (entry.reroute_out[:n].reshape(ids.shape) if out is None else out), entry.reroute_workspace
 
     def reduce_grads(self, handle: BalanceHandle, *, stream=None):
         """Collective: masters' gradients += their replicas' (replica order, fp32 accumulation).
@@ -441,7 +413,7 @@ class Balancer:
         entry = self._collective_entry(handle, "reduce_grads")
         error = self._owner_error(handle, "reduce_grads")
         self._collective(error, "reduce_grads")
-        with self._stream(stream):
+        with self._impl.stream(stream):
             entry.clock.start("reduce_grads")
             self.transfer.reduce_grads(handle.layer, entry.plan)
             done = entry.clock.stop("reduce_grads")
@@ -455,7 +427,8 @@ class Balancer:
         owner = self._weights_owner
         held = "nothing" if owner is None else f"layer {owner.layer}, micro-batch {owner.step}"
         return BalancerError(f"rank {self.rank}: {what}: the shared replica buffers hold {held}, not layer "
-                             f"{handle.layer}, micro-batch {handle.step}; call weight_sync/restore with this handle first")
+                             f"{handle.layer}, micro-batch {handle.step}; call weight_sync/restore with this "
+                             "handle first")
 
     def replica_weights(self, handle: BalanceHandle) -> list:
         """``[slot][tensor]`` views of this rank's replica weight slots (DLPack-exportable;
@@ -489,15 +462,8 @@ class Balancer:
 
     # -- metrics -------------------------------------------------------------------------------
     def _host_arrays(self, entry: _RingSlot) -> dict:
-        """Host copies of what a record needs (on the GPU: the pinned mirrors, once landed)."""
-        if self.gpu:
-            entry.clock.events["update"][1].synchronize()  # blocks only when the device is a ring behind
-            mirror = entry.mirror
-            return {"loads": mirror["loads"], "phys_to_log": mirror["phys_to_log"], "rank_load": mirror["rank_load"],
-                    "liveness": int(mirror["liveness"][0])}
-        plan = entry.plan
-        return {"loads": plan.loads, "phys_to_log": plan.phys_to_log, "rank_load": plan.rank_load,
-                "liveness": entry.liveness}
+        """Host copies of what a record needs (``loads``, ``phys_to_log``, ``rank_load``, ``liveness``)."""
+        return self._impl.host_arrays(entry.state, entry.plan)
 
     def _harvest(self, entry: _RingSlot, layer: int) -> None:
         """Move a ring slot's record into the history (and the trace) before it is reused."""
@@ -525,26 +491,20 @@ class Balancer:
                 if not entry.harvested:
                     yield layer, entry
 
-    def _synchronize(self) -> None:
-        if self.gpu:
-            import cupy
-            cupy.cuda.runtime.deviceSynchronize()  # whichever streams the caller used
-            self._liveness = int(self._liveness_device.get()[0])
-
     def stats(self) -> BalancerStats:
         """Records of the finished micro-batches (the last ``history``) and of the ring's
         live ones; synchronises the device on the GPU."""
         self._check_open()
-        self._synchronize()
+        liveness = self._impl.synchronize()
         live = [self._record(entry, layer, self._host_arrays(entry)) for layer, entry in self._live_entries()]
-        return BalancerStats(records=list(self._history) + live, updates=self._updates, liveness=self._liveness)
+        return BalancerStats(records=list(self._history) + live, updates=self._updates, liveness=liveness)
 
     def save_trace(self, path):
         """Write every micro-batch so far (finished and live) as a planner trace (``.npz``)."""
         self._check_open()
         if self.recorder is None:
             raise BalancerError("the Balancer was created without record_trace=True")
-        self._synchronize()
+        self._impl.synchronize()
         for layer, entry in self._live_entries():  # live slots reach the recorder only when reused
             self.recorder.record(entry.step, layer, self._host_arrays(entry)["loads"])
         return self.recorder.save(path)
@@ -552,24 +512,19 @@ class Balancer:
     def check(self) -> None:
         """Wait for queued work; raise deferred device errors (bad ids, timed-out waits)."""
         self._check_open()
-        if not self.gpu:
-            return
-        bad = self._counter.read_bad(None)
-        if bad is not None:
-            raise BalancerError(f"rank {self.rank}: {bad.count} top-k id(s) outside [0, {self.layout.num_experts}) "
-                                f"since the last check (first at flat index {bad.first_index}); they were not "
-                                "counted and reroute gave them slot -1")
-        self.heap.check_barriers()
+        self._impl.check()
         self.transfer.synchronize()
 
     # -- teardown ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Collective: release the replica buffers and the symmetric heap."""
+        """Collective: release the replica buffers, and the symmetric heap if the Balancer
+        opened it (a caller's heap stays open, its allocations in place)."""
         if self._closed:
             return
         self._closed = True
         self.transfer.close()
-        self.heap.close()
+        if self._owns_heap:
+            self.heap.close()
 
     def __enter__(self):
         return self
@@ -580,4 +535,5 @@ class Balancer:
             return
         self._closed = True  # failing: the heap's own failing-close path cannot hang
         self.transfer.close()
-        self.heap.__exit__(exc_type, exc, tb)
+        if self._owns_heap:
+            self.heap.__exit__(exc_type, exc, tb)

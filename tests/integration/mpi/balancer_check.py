@@ -1,6 +1,6 @@
 """Multi-rank Balancer check, run under mpiexec by tests/integration/test_balancer.py.
 
-Usage: python -m mpi4py balancer_check.py {cpu|cuda} {flow|pipeline|bad-input|hot-path} [out dir]
+Usage: python -m mpi4py balancer_check.py {host|device} {flow|pipeline|bad-input|shared-heap|hot-path} [out dir]
 
 Every rank's top-k ids, master weights and replica gradients are seeded functions of
 (layer, micro-batch, rank, expert), so each rank computes the gathered loads, the plan,
@@ -15,11 +15,14 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from ultraep.errors import CollectiveError
 from ultraep.integration import Balancer, BalancerError, StaleHandleError, plot_rank_loads
 from ultraep.integration.pipeline import max_in_flight, one_f_one_b
 from ultraep.planner import ExpertLayout, plan_placement, reroute
 from ultraep.planner.traces import load_trace
+from ultraep.runtime import open_heap
 from ultraep.runtime.group import EPGroup, GroupMismatchError
+from ultraep.runtime.heap import ALLOC_ALIGN, HeapError, HeapRequirements
 from ultraep.transfer import ExpertSpec
 from ultraep.transfer.host import reference_reduce
 
@@ -240,6 +243,42 @@ def bad_input():
     print(f"[bad-input] rank {me} OK", flush=True)
 
 
+def shared_heap():
+    """A Balancer inside a heap the caller opened for it and another component (here one
+    tensor, allocated first): it allocates exactly its declared requirements, works, leaves
+    the other tensor alone, and close() leaves the heap open. A backend that contradicts the
+    heap's is refused on every rank before anything is allocated."""
+    other = HeapRequirements.of(tensors=[("caller.tensor", (R, 64), np.float32)])
+    options = {"tile_bytes": 256, "chunk_tiles": 2}
+    needs = Balancer.heap_requirements(LAYOUT, SPEC, transfer_options=options)
+    with open_heap(group, other + needs, backend=backend) as heap:
+        tensor = heap.allocate(other)["caller.tensor"]
+        for peer in range(R):
+            tensor.peer(peer)[me] = me + 1  # each rank fills its row everywhere
+        heap.barrier()
+        wrong = "host" if backend == "device" else "device"
+        expect(lambda: Balancer(group, LAYOUT, SPEC, num_layers=1, backend=wrong, heap=heap), CollectiveError,
+               f"on {R} of {R} rank(s)", f"backend={wrong!r} contradicts the heap's backend {backend!r}")
+        assert set(heap.allocations) == {"caller.tensor"}, "a refused Balancer allocated in the heap"
+        with Balancer(group, LAYOUT, SPEC, num_layers=2, min_replica_tokens=MIN_REPLICA, backend=backend, heap=heap,
+                      transfer_options=options) as bal:
+            declared = {name for name, _, _ in needs.tensors} | {name for name, _ in needs.signals}
+            assert set(heap.allocations) == declared | {"caller.tensor"}, sorted(heap.allocations)
+            model = Model(bal, range(2))
+            for step in range(2):
+                done = [model.forward(layer, step) for layer in range(2)]
+                for layer in reversed(range(2)):
+                    handle, want = done[layer]
+                    model.backward(handle, layer, step, want)
+            bal.check()
+            assert bal.stats().updates == 4
+        heap.barrier()  # still open and usable after the Balancer closed
+        assert np.array_equal(host(tensor.local), np.repeat(np.arange(1, R + 1, dtype=np.float32)[:, None], 64, 1))
+        # the declared requirements filled the heap to the byte: not one more aligned block fits
+        expect(lambda: heap.alloc("one.more", (ALLOC_ALIGN,), np.uint8), HeapError, "out of space")
+    print(f"[shared-heap] rank {me} OK", flush=True)
+
+
 GATE_TIMEOUT_S = 60.0
 GATE_SOURCE = r"""
 extern "C" __global__ void gate(const volatile int* open, unsigned long long timeout_ns, int* timed_out) {
@@ -378,4 +417,5 @@ def hot_path():
     print(f"[hot-path] rank {me} OK", flush=True)
 
 
-{"flow": flow, "pipeline": pipeline, "bad-input": bad_input, "hot-path": hot_path}[check]()
+CHECKS = {"flow": flow, "pipeline": pipeline, "bad-input": bad_input, "shared-heap": shared_heap, "hot-path": hot_path}
+CHECKS[check]()

@@ -1,0 +1,119 @@
+"""The host backend of the :class:`~ultraep.integration.Balancer`: NumPy on the host heap
+(MPI shared memory), and the semantics the device backend must match bit for bit.
+
+:func:`count_loads` is the reference of this rank's load row (``raw_kernels/balancer.cu``
+counts the same on the device). :class:`HostBalancer` runs every step synchronously:
+the row is written into every peer's gathered matrix directly, the heap barrier waits,
+and the planner's NumPy reference plans from a copy of the gathered matrix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ultraep.errors import BalancerError
+from ultraep.integration.stats import HostClock
+from ultraep.planner import Plan, plan_placement, reroute
+
+PLANNER_BACKEND = "numpy"  # the planner's name for its host implementation
+
+
+@dataclass(frozen=True)
+class BadIds:
+    """Ids outside ``[0, E)``: how many, and the first one (flat index, value)."""
+
+    count: int
+    first_index: int
+    first_value: int
+
+    def message(self, rank: int, num_experts: int, shape) -> str:
+        position = tuple(int(i) for i in np.unravel_index(self.first_index, shape)) if shape else ()
+        return (f"rank {rank}: {self.count} top-k id(s) outside [0, {num_experts}); the first is "
+                f"{self.first_value} at index {position}")
+
+
+def count_loads(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, BadIds | None]:
+    """``(int32[E] tokens per logical expert, bad ids or None)``; bad ids are not counted."""
+    flat = np.asarray(ids).reshape(-1).astype(np.int64)
+    good = (flat >= 0) & (flat < num_experts)
+    counts = np.bincount(flat[good], minlength=num_experts).astype(np.int32)
+    if good.all():
+        return counts, None
+    first = int(np.argmin(good))
+    return counts, BadIds(int((~good).sum()), first, int(flat[first]))
+
+
+class HostSlot:
+    """A ring slot's host state: its stage clock and the liveness count its plan completed at."""
+
+    def __init__(self):
+        self.clock = HostClock()
+        self.liveness = 0
+
+
+class HostBalancer:
+    """The Balancer's per-backend work on the host; see ``Backends`` in
+    :mod:`ultraep.integration.balancer` for the interface :class:`DeviceBalancer` shares."""
+
+    device = None  # tensors are imported as NumPy arrays
+
+    def __init__(self, heap, layout, gathered, *, min_replica_tokens: int, timeout_s: float, sync_checks: bool):
+        self.heap, self.layout, self.gathered = heap, layout, gathered
+        self.min_replica_tokens, self.timeout_s = min_replica_tokens, timeout_s
+        self.liveness = 0  # plans completed on this rank
+
+    def new_slot(self) -> HostSlot:
+        return HostSlot()
+
+    def stream(self, stream, tensor=None):
+        return contextlib.nullcontext()  # every stage runs synchronously
+
+    def check_ids(self, ids) -> None:
+        """Any integer dtype is counted."""
+
+    def check_loads(self, loads) -> None:
+        if loads.size and int(loads.min()) < 0:
+            raise BalancerError(f"local_loads: counts must be non-negative, found {int(loads.min())}")
+
+    def count(self, source, *, from_ids: bool) -> np.ndarray:
+        """This rank's load row; bad ids raise (always: looking costs nothing here)."""
+        E = self.layout.num_experts
+        if not from_ids:
+            return source.astype(np.int32)
+        counts, bad = count_loads(source, E)
+        if bad is not None:
+            raise BalancerError(bad.message(self.heap.rank, E, source.shape))
+        return counts
+
+    def publish(self, row, buffer: int) -> None:
+        for peer in range(self.heap.size):
+            self.gathered.peer(peer)[buffer, self.heap.rank] = row
+
+    def barrier(self) -> None:
+        self.heap.barrier(self.timeout_s)
+
+    def plan(self, slot: HostSlot, buffer: int) -> Plan:
+        loads = np.array(self.gathered.local[buffer])  # peers overwrite this buffer two updates on
+        plan = plan_placement(loads, self.layout, min_replica_tokens=self.min_replica_tokens,
+                              backend=PLANNER_BACKEND)
+        self.liveness += 1
+        slot.liveness = self.liveness
+        return plan
+
+    def reroute(self, slot: HostSlot, ids, plan: Plan, out):
+        """Raises ValueError for ids the plan has no room for."""
+        return reroute(ids, plan, self.heap.rank, backend=PLANNER_BACKEND, out=out)
+
+    def host_arrays(self, slot: HostSlot, plan: Plan) -> dict:
+        return {"loads": plan.loads, "phys_to_log": plan.phys_to_log, "rank_load": plan.rank_load,
+                "liveness": slot.liveness}
+
+    def synchronize(self) -> int:
+        """Plans completed (every stage has already finished)."""
+        return self.liveness
+
+    def check(self) -> None:
+        """Nothing is deferred on the host: every error was raised by its call."""
