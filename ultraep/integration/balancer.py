@@ -345,7 +345,7 @@ class Balancer:
         self.heap.barrier(self.timeout_s, wait=False)
         out = entry.buffers
         plan_placement(self._gathered.local[buffer], self.layout, min_replica_tokens=self.min_replica_tokens,
-                       backend="cupy", out=out)
+                       backend="device", out=out)
         entry.plan = out  # the transfers compile from the buffers' contents in stream order: no staleness
         self._liveness_device += 1
         stream = cupy.cuda.get_current_stream().ptr

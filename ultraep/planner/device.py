@@ -1,9 +1,10 @@
-"""CuPy backend of the planner and reroute: launches ``raw_kernels/planner.cu`` and
-``raw_kernels/reroute.cu``.
+"""``DevicePlanner``: the quota planner and reroute as CUDA kernels
+(``raw_kernels/planner.cu``, ``raw_kernels/reroute.cu``), bitwise equal to ``HostPlanner``.
 
 No host synchronisation on these paths: output sizes follow from the layout and the
 ids' shape, loads are not inspected on the host, and the imbalances stay 0-d device
-arrays. Passing preallocated outputs (``out=``) makes a call capturable in a CUDA graph.
+arrays. Preallocated outputs (``out=``, ``workspace=``) make a call capturable in a CUDA
+graph. Every launch constant and limit is read from the kernels' ``#define``s.
 """
 
 from __future__ import annotations
@@ -12,23 +13,29 @@ import numpy as np
 
 from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan, array_module, check_loads
-from ultraep.runtime.kernels import get_function
+from ultraep.planner.quota import Planner
+from ultraep.planner.reroute import check_rank
+from ultraep.runtime.kernels import get_function, kernel_constants
 
-PLAN_CLUSTER = 8      # blocks per domain, a thread-block cluster (raw_kernels/planner.cu)
-PLAN_PROBE_WARPS = 4  # warps per block that run a threshold probe each
-PLAN_WARPS = 16       # warps per block
-PROBES = PLAN_CLUSTER * PLAN_PROBE_WARPS
-MOVE_INTS = 2         # ints per recorded move
-MAX_SHARED_BYTES = 227 * 1024  # per block on sm_90
-REROUTE_CHUNK = 1024  # ids per block, = blockDim of both reroute kernels
-MAX_DOMAIN = 128      # ranks per domain a warp holds in registers (plan_domains<4>)
-MAX_SLOTS = 256       # redundant slots per rank a recorded move can name (its slot field has 8 bits)
+_PLANNER = kernel_constants("planner.cu")
+PLAN_CLUSTER = _PLANNER["CLUSTER"]  # blocks per domain
+PLAN_PROBE_WARPS = _PLANNER["PROBE_WARPS"]
+PLAN_THREADS = _PLANNER["THREADS"]
+PROBES = _PLANNER["PROBES"]
+MOVE_INTS = _PLANNER["MOVE_INTS"]
+MAX_CHUNKS = _PLANNER["MAX_CHUNKS"]  # plan_domains<CHUNKS> for CHUNKS = 1, 2, 4, ... MAX_CHUNKS
+MAX_DOMAIN = _PLANNER["MAX_DOMAIN"]
+MAX_SLOTS = _PLANNER["MAX_SLOTS"]
+_REROUTE = kernel_constants("reroute.cu")
+REROUTE_CHUNK = _REROUTE["CHUNK"]  # ids per block
+REROUTE_COUNTERS = _REROUTE["ASSIGN_COUNTERS"]  # shared ints per expert of reroute_assign
+MAX_SHARED_BYTES = 227 * 1024  # dynamic shared memory a block may have on sm_90
 _INT = 4
 
 
 def empty_plan(layout: ExpertLayout) -> Plan:
-    """Device buffers for a plan of ``layout`` (outputs of ``plan_placement_cupy``), with
-    the planner's small workspace (zeroed once; the kernel leaves it zeroed)."""
+    """Device buffers for a plan of ``layout``, with the planner's small workspace (zeroed
+    once; the kernel leaves it zeroed)."""
     import cupy
 
     R, E, K = layout.num_ranks, layout.num_experts, layout.max_instances
@@ -52,88 +59,116 @@ def _kernel(filename, name, shared_bytes):
     return function
 
 
-def plan_placement_cupy(loads, layout: ExpertLayout, *, min_replica_tokens: int, tau_tolerance: int | None,
-                        cap_ppm: int = 0, fit_first: bool = False, out: Plan | None = None) -> Plan:
-    """``quota.plan_placement`` on the GPU. NumPy loads are value-checked on the host and
-    uploaded; CuPy loads are checked for shape and dtype only (values would need a sync)."""
-    import cupy
+class DevicePlanner(Planner):
+    """The CUDA planner (``Planner`` lists the options); ``ValueError`` at construction
+    for a layout the kernel cannot take (``launch_shared_bytes``), which the host can."""
 
-    if array_module(loads) is np:
-        loads = cupy.asarray(check_loads(loads, layout))
-    else:
-        loads = check_loads(loads, layout, check_values=False)
-    shared_bytes = launch_shared_bytes(layout)
-    if out is None:
-        out = empty_plan(layout)
-    elif out.layout != layout:
-        raise ValueError("out was allocated for another layout")
-    elif getattr(out, "planner_workspace", None) is None:
-        raise ValueError("out must come from ultraep.planner.cuda.empty_plan (it carries the planner's workspace)")
-    if loads.data.ptr != out.loads.data.ptr:  # callers may gather straight into out.loads
-        out.loads[...] = loads
-    tolerance = -1 if tau_tolerance is None else min(tau_tolerance, 2**31 - 1)  # -1: quota.auto_tolerance
-    R, E, S, D, K, M = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.domain_size,
-                        layout.max_instances, layout.experts_per_rank)
-    chunks = next(c for c in (1, 2, 4) if 32 * c >= D)
-    plan_domains = _kernel("planner.cu", f"plan_domains<{chunks}>", shared_bytes)
-    plan_domains((layout.num_domains * PLAN_CLUSTER,), (PLAN_WARPS * 32,),
-                 (out.loads, np.int32(R), np.int32(E), np.int32(S), np.int32(D), np.int32(K),
-                  np.int32(max(min_replica_tokens, 1)), np.int32(tolerance), np.int64(cap_ppm), np.int32(fit_first),
-                  out.phys_to_log, out.log_to_phys,
-                  out.replica_count, out.quota, out.rank_load, out.split_prefix, out.imbalance_before,
-                  out.imbalance_after, out.planner_workspace),
-                 shared_mem=shared_bytes)
-    return out
+    def __init__(self, layout: ExpertLayout, **options):
+        super().__init__(layout, **options)
+        self.shared_bytes = launch_shared_bytes(layout)
+        chunks = 1  # the instance whose lanes hold 32 * chunks ranks each, the fewest enough
+        while 32 * chunks < layout.domain_size:
+            chunks *= 2
+        self.kernel_name = f"plan_domains<{chunks}>"
+        self._tolerance = -1 if self.tau_tolerance is None else min(self.tau_tolerance, 2**31 - 1)  # -1: auto
+
+    def plan_function(self):
+        """The ``plan_domains`` instance for this layout, opened up to its shared memory."""
+        return _kernel("planner.cu", self.kernel_name, self.shared_bytes)
+
+    def plan(self, loads, out: Plan | None = None) -> Plan:
+        """A plan of CuPy arrays. NumPy loads are value-checked on the host and uploaded;
+        CuPy loads are checked for shape and dtype only (values would need a sync).
+        ``out`` must come from ``empty_plan`` (it carries the planner's workspace)."""
+        import cupy
+
+        layout = self.layout
+        if array_module(loads) is np:
+            loads = cupy.asarray(check_loads(loads, layout))
+        else:
+            loads = check_loads(loads, layout, check_values=False)
+        if out is None:
+            out = empty_plan(layout)
+        elif out.layout != layout:
+            raise ValueError("out was allocated for another layout")
+        elif getattr(out, "planner_workspace", None) is None:
+            raise ValueError("out must come from ultraep.planner.device.empty_plan (it carries the planner's workspace)")
+        if loads.data.ptr != out.loads.data.ptr:  # callers may gather straight into out.loads
+            out.loads[...] = loads
+        R, E, S, D, K = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.domain_size,
+                         layout.max_instances)
+        self.plan_function()((layout.num_domains * PLAN_CLUSTER,), (PLAN_THREADS,),
+                             (out.loads, np.int32(R), np.int32(E), np.int32(S), np.int32(D), np.int32(K),
+                              np.int32(max(self.min_replica_tokens, 1)), np.int32(self._tolerance),
+                              np.int64(self.cap_ppm), np.int32(self.fit_first), out.phys_to_log, out.log_to_phys,
+                              out.replica_count, out.quota, out.rank_load, out.split_prefix, out.imbalance_before,
+                              out.imbalance_after, out.planner_workspace),
+                             shared_mem=self.shared_bytes)
+        return out
+
+    def reroute(self, topk_ids, plan: Plan, rank: int, out=None, workspace=None):
+        if plan.layout != self.layout:
+            raise ValueError("plan is of another layout than the planner")
+        return reroute_device(topk_ids, plan, rank, out=out, workspace=workspace)
+
+    def empty_plan(self) -> Plan:
+        return empty_plan(self.layout)
 
 
 def launch_shared_bytes(layout: ExpertLayout) -> int:
     """Dynamic shared memory of one ``plan_domains`` block for ``layout``; ValueError, naming
-    the limit, for a layout the CuPy planner cannot take (the numpy backend can)."""
+    the limit, for a layout the device planner cannot take (the host planner can)."""
     if layout.domain_size > MAX_DOMAIN:
-        raise ValueError(f"the CuPy planner handles domains of up to {MAX_DOMAIN} ranks, got {layout.domain_size}; "
-                         "use the numpy backend")
+        raise ValueError(f"the device planner handles domains of up to {MAX_DOMAIN} ranks, got {layout.domain_size}; "
+                         "use the host backend")
     if layout.redundant_slots > MAX_SLOTS:
-        raise ValueError(f"the CuPy planner handles up to {MAX_SLOTS} redundant slots per rank, got "
-                         f"{layout.redundant_slots}; use the numpy backend")
+        raise ValueError(f"the device planner handles up to {MAX_SLOTS} redundant slots per rank, got "
+                         f"{layout.redundant_slots}; use the host backend")
     # (This limit also keeps a domain below 2**15 experts, the width of a recorded move's
-    # expert field: 6 ints per expert alone would need 768 KiB there.)
+    # expert field.)
     shared_bytes = plan_shared_bytes(layout)
     if shared_bytes > MAX_SHARED_BYTES:
-        raise ValueError(f"{layout} needs {shared_bytes} bytes of shared memory in the CuPy planner "
-                         f"(at most {MAX_SHARED_BYTES}); use the numpy backend")
+        raise ValueError(f"{layout} needs {shared_bytes} bytes of shared memory in the device planner "
+                         f"(at most {MAX_SHARED_BYTES}); use the host backend")
     return shared_bytes
 
 
 def plan_shared_bytes(layout: ExpertLayout) -> int:
-    """Dynamic shared memory of one ``plan_domains`` block (its carve-up, in ints)."""
+    """Bytes of the kernel's ``BlockShared`` carve-up for ``layout``, in its order (the
+    kernel traps when launched with less; tests/planner tie the two)."""
     R, S, D, K, M = (layout.num_ranks, layout.redundant_slots, layout.domain_size, layout.max_instances,
                      layout.experts_per_rank)
-    DM, moves = D * M, -(-MOVE_INTS * S * D // 4) * 4  # moves in whole 16-byte words
-    share = -(-DM // PLAN_CLUSTER)
-    ints = (3 * DM + 5 * D + 3             # visiting order (4 ints per rank), expert order (2 per expert), loads; alignment
-            + 4                            # the cap probe's outcome: an mbarrier and the move count
-            + (2 * PLAN_PROBE_WARPS + 1) * moves  # each probe's moves per round parity, the chosen ones
-            + 6 * PROBES                   # round results
-            + R * share + share            # staged load columns, their sums
-            + 3 * DM + D + D * S           # replicas, master quotas, first moves, incoming, slot experts
-            + share + 1                    # replicated experts of the block
-            + share * (6 * K + 2 * R + 1))  # split of the replicated experts (a double per instance)
+    DM = D * M
+    share = -(-DM // PLAN_CLUSTER)  # experts a block owns
+    move_ints = -(-MOVE_INTS * S * D // 4) * 4  # a probe's moves, in whole 16-byte words
+    front = 4 * D + 2 * DM + DM + D  # DomainShared: visits (int4), expert order (int2), expert loads, rank loads
+    ints = (front + (-front & 3)  # 16-byte aligned from here
+            + 2 * PLAN_PROBE_WARPS * move_ints + move_ints  # each probe warp's moves per round parity, the winner's
+            + 2 + 2  # the cap probe's outcome: an mbarrier and the move count
+            + 2 * share * K  # split ratios (doubles)
+            + 2 * 3 * PROBES  # round results
+            + R * share + share  # staged load columns, their sums
+            + 3 * DM + D + D * S  # replicas, master quotas, first moves, incoming, slot experts
+            + share + 1  # replicated experts of the block
+            + 4 * share * K + 2 * share * R + share)  # split of the replicated experts
     return ints * _INT
 
 
 def reroute_workspace_size(layout: ExpertLayout, num_ids: int) -> int:
-    """int32 entries of the per-chunk count table ``reroute_cupy`` needs for ``num_ids`` ids."""
+    """int32 entries of the per-chunk count table ``reroute_device`` needs for ``num_ids`` ids."""
     return max(1, -(-num_ids // REROUTE_CHUNK)) * layout.num_experts
 
 
-def reroute_cupy(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None):
-    """``reroute.reroute`` on the GPU; ``-1`` for invalid ids or surplus occurrences.
+def reroute_device(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None):
+    """``reroute.reroute_reference`` on the GPU; ``-1`` for invalid ids or surplus occurrences
+    (checking values would need a sync).
 
     int32 and int64 ids are read in place. ``out`` and ``workspace`` (int32, at least
     ``reroute_workspace_size`` entries) make the call allocation-free."""
     import cupy
 
     layout = plan.layout
+    rank = check_rank(layout, rank)
     if topk_ids.dtype.kind not in "iu":
         raise ValueError(f"topk_ids must have an integer dtype, got {topk_ids.dtype}")
     ids = cupy.asarray(topk_ids)
@@ -148,9 +183,10 @@ def reroute_cupy(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None):
     elif out.shape != ids.shape or out.dtype != np.int32:
         raise ValueError(f"out must be int32 of shape {ids.shape}")
     n, E, K = ids.size, layout.num_experts, layout.max_instances
-    if 33 * E * _INT > MAX_SHARED_BYTES:
-        raise ValueError(f"the CuPy reroute keeps 33 counters per expert in shared memory: {E} experts "
-                         f"need {33 * E * _INT} bytes (at most {MAX_SHARED_BYTES}); use the numpy backend")
+    assign_bytes = REROUTE_COUNTERS * E * _INT
+    if assign_bytes > MAX_SHARED_BYTES:
+        raise ValueError(f"the device reroute keeps {REROUTE_COUNTERS} counters per expert in shared memory: {E} "
+                         f"experts need {assign_bytes} bytes (at most {MAX_SHARED_BYTES}); use the host backend")
     if n == 0:
         return out
     chunks = -(-n // REROUTE_CHUNK)
@@ -161,8 +197,8 @@ def reroute_cupy(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None):
                          f"(reroute_workspace_size), got {workspace.dtype} of {workspace.size}")
     count = _kernel("reroute.cu", f"reroute_count<{id_type}>", E * _INT)
     count((chunks,), (REROUTE_CHUNK,), (ids, np.int64(n), np.int32(E), workspace), shared_mem=E * _INT)
-    assign = _kernel("reroute.cu", f"reroute_assign<{id_type}>", 33 * E * _INT)
+    assign = _kernel("reroute.cu", f"reroute_assign<{id_type}>", assign_bytes)
     assign((chunks,), (REROUTE_CHUNK,),
            (ids, np.int64(n), np.int32(E), np.int32(K), workspace, plan.split_prefix[rank], plan.log_to_phys,
-            plan.replica_count, out), shared_mem=33 * E * _INT)
+            plan.replica_count, out), shared_mem=assign_bytes)
     return out
