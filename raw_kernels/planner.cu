@@ -1,44 +1,13 @@
 //! kernels: plan_domains<1>, plan_domains<2>, plan_domains<4>
-// Quota planner on the GPU, bitwise equal to ultraep/planner/quota.py (read its module
-// docstring first: the same threshold search, greedy oracle and split, step by step).
+// The quota planner on the GPU, bitwise equal to ultraep/planner/quota.py (its module
+// docstring describes the threshold search, the greedy oracle and the split).
 //
-// plan_domains<CHUNKS>: the whole plan in one launch. One cluster of CLUSTER blocks of
-// WARPS warps per NVLink domain of up to 32*CHUNKS ranks. Only PROBE_WARPS warps of a
-// block run probes (one per SM sub-partition: a probe is a latency-bound chain that
-// would only slow down if it shared a scheduler); the other warps join the phases that
-// are wide: staging, ordering, outputs and the split.
-//  1. Each block stages the load columns of its share of the domain's experts (all
-//     source ranks) in shared memory and sums them; the column sums are exchanged
-//     through distributed shared memory, so every block holds the domain's expert loads
-//     and derives the visiting orders itself.
-//  2. Threshold search: one probe warp per probe, PROBES probes per round. A probe's greedy
-//     oracle is a serial loop of warp-wide moves, and a warp issues an integer
-//     instruction every other cycle at best, so a move is kept to few instructions: each
-//     lane owns the keys of ranks lane, lane+32, ... in registers (selected, never
-//     indexed: an indexed register array lives in local memory), one min-reduction over
-//     them names the target (best fit before most slack; the rank index and whether it
-//     has one free slot left packed in the key when loads allow, else one ballot per
-//     chunk and a shuffle), and the target's new keys follow from the winning key (about
-//     60 instructions). The ranks' visits are one loop over their experts, with the next
-//     rank's visit loaded a move ahead. The oracle is compiled per pass count. A probe's
-//     result is broadcast to every block, so all blocks take the same decision after one
-//     cluster barrier per round; with a cap, the first round's probe 0 (the cap) sends its
-//     outcome and moves to every block itself, and when it is feasible that ends the
-//     search without a cluster barrier. Meanwhile ROW_WARPS idle warps write the split
-//     rows as if no expert had replicas (lean loops: they share schedulers with the
-//     probes), the others set up the tables step 3 rebuilds the placement in, and the idle
-//     warps of the winner's block push its moves to every block.
-//  3. Every block rebuilds the domain's placement from the winner's moves and writes the
-//     outputs of its share of the experts and ranks, and the locality-first split of its
-//     replicated experts (deficits a warp per expert, then rows a source per thread,
-//     storing only the prefixes that differ from the rows written during the search).
-//  4. Imbalance before/after, by one warp alongside step 3: directly when there is one
-//     domain, else the last cluster to finish (a ticket in the plan's workspace)
-//     combines the domains' figures.
-// Phase times: scripts/planner_phases.py. Code that runs once per launch is paid for in
-// instruction fetch and issue, so keep it small: loops that run once are not unrolled.
-// All decisions use integer arithmetic (the total load is below 2**31) and break ties by
-// the lowest index, exactly as the NumPy reference does.
+// plan_domains computes the whole plan in one launch, one cluster of CLUSTER blocks per
+// NVLink domain: each block stages its share of the load columns and the blocks exchange
+// the column sums through distributed shared memory; PROBES warps of the cluster each run
+// the greedy oracle for one threshold per round; then every block rebuilds the winner's
+// placement and writes the outputs and the split of its share of the experts. Integer
+// arithmetic and lowest-index ties in every decision, as in the reference.
 
 #include "sync.cuh"
 
@@ -48,15 +17,63 @@
 #define WARPS 16                  // all warps share the set-up, the outputs and the split
 #define ROW_WARPS 4               // warps that write the master-only split rows during the search
 #define THREADS (WARPS * 32)
-#define PROBES (CLUSTER * PROBE_WARPS)  // probes per round (quota.PROBES_PER_ROUND)
-#define NEAR_PROBES 24            // quota.NEAR_PROBES
-#define NEAR_SHIFT 11             // quota.NEAR_SHIFT
+#define PROBES (CLUSTER * PROBE_WARPS)  // probes per round
+#define NEAR_PROBES 24            // probes spaced by the near step from lo + 1 (quota.probe_points)
+#define NEAR_SHIFT 11             // near step: lo >> NEAR_SHIFT, at most gap >> NEAR_GAP_SHIFT
+#define NEAR_GAP_SHIFT 6
+#define MAX_CHUNKS 4              // plan_domains<CHUNKS>: each lane holds the oracle keys of CHUNKS ranks
+#define MAX_DOMAIN (32 * MAX_CHUNKS)  // ranks per domain
 #define NO_TARGET 0xffffffffu     // oracle key of a rank that cannot take the replica
 #define MOVE_INTS 2               // per move: expert << 16 | slot << 8 | target, tokens
+#define MOVE_FIELD_BITS 8         // width of a move's slot and target fields
+#define MAX_SLOTS (1 << MOVE_FIELD_BITS)  // redundant slots per rank a move can name
 #define SPILL_FLIP 0xffffff00u    // packed spill key = fit key ^ SPILL_FLIP
 #define STAGE_BATCH 4             // load values a staging thread has in flight at once
 
 static_assert(PROBES == 32, "the round decision reads one probe per lane");
+static_assert(MAX_DOMAIN <= MAX_SLOTS, "a move's target field names every rank of the domain");
+
+// Phase timing for scripts/planner_phases.py, which compiles with -DPLANNER_PHASE_STAMPS:
+// thread 0 of each block of the first cluster stamps %globaltimer at each PhaseStamp, and
+// each probe warp around its oracle run. Without the define the stamps compile to nothing.
+enum PhaseStamp {
+    STAMP_START, STAMP_CLUSTER_STARTED, STAMP_EXCHANGED, STAMP_SEARCH, STAMP_SEARCH_DONE, STAMP_MOVES_RECEIVED,
+    STAMP_SPLIT, STAMP_END, STAMP_SHARES, STAMP_SCANS, STAMP_ROWS, STAMP_STAGED, STAMP_ORDERS, STAMP_BOUNDS,
+    STAMP_EXPERT_OUTPUTS, STAMP_RANK_OUTPUTS, STAMPS
+};
+#ifdef PLANNER_PHASE_STAMPS
+__device__ unsigned long long g_stamps[CLUSTER * STAMPS];
+__device__ unsigned long long g_probe[2 * PROBES];  // each probe's oracle run: start, end
+__device__ int g_probe_moves[PROBES];
+#define PHASE_STAMP(stamp)                                                                          \
+    do {                                                                                            \
+        __syncwarp();                                                                               \
+        if (blockIdx.x < CLUSTER && threadIdx.x == 0) g_stamps[STAMPS * blockIdx.x + (stamp)] = global_timer_ns(); \
+    } while (0)
+#define PROBE_START(start) const unsigned long long start = global_timer_ns()
+#define PROBE_STAMP(probe, start, count)                                                            \
+    do {                                                                                            \
+        const unsigned long long end = global_timer_ns();                                          \
+        if ((threadIdx.x & 31) == 0 && blockIdx.x < CLUSTER) {                                     \
+            g_probe[2 * (probe)] = start;                                                          \
+            g_probe[2 * (probe) + 1] = end;                                                        \
+            g_probe_moves[probe] = count;                                                          \
+        }                                                                                           \
+    } while (0)
+#else
+#define PHASE_STAMP(stamp) do {} while (0)
+#define PROBE_START(start) do {} while (0)
+#define PROBE_STAMP(probe, start, count) do {} while (0)
+#endif
+
+// A move's first int: its expert, the slot it fills on the target rank and the target.
+__device__ __forceinline__ int move_word(int expert, int slot, int target) {
+    return expert << (2 * MOVE_FIELD_BITS) | slot << MOVE_FIELD_BITS | target;
+}
+__device__ __forceinline__ int move_expert(int word) { return word >> (2 * MOVE_FIELD_BITS); }
+__device__ __forceinline__ int move_slot(int word) { return word >> MOVE_FIELD_BITS & (MAX_SLOTS - 1); }
+__device__ __forceinline__ int move_target(int word) { return word & ((1 << MOVE_FIELD_BITS) - 1); }
+
 
 __device__ __forceinline__ unsigned cluster_block_rank() {
     unsigned rank;
@@ -91,7 +108,7 @@ __device__ __forceinline__ void store_to_block(int* local, unsigned block, int v
 // when it is feasible the search ends there) reaches every block through an mbarrier in
 // the block's shared memory: remote stores that count their bytes on the receiver's
 // barrier (st.async), announced by one remote arrival that expects them. The sender needs
-// no fence and the receivers no cluster barrier (together about 1 us of the round).
+// no fence and the receivers no cluster barrier.
 // Block b receives its count (-1: infeasible) and, when feasible, the moves.
 __device__ __forceinline__ void send_cap_outcome(int count, const int* moves, int* best_moves, int* cap_count,
                                                  unsigned long long* signal) {
@@ -170,6 +187,7 @@ struct DomainShared {
 // 2**23) carry the rank and a "last free slot" bit in the low 8 bits, so the minimum
 // names the target with the lowest index and says whether it is full afterwards;
 // unpacked keys need a ballot and a shuffle for that.
+static_assert(MAX_DOMAIN <= 128, "a packed key holds the rank in 7 bits");
 template <bool PACKED>
 __device__ __forceinline__ void rank_keys(int rank, int room, int free_slots, int step, unsigned& fit_key,
                                           unsigned& spill_key) {
@@ -211,7 +229,7 @@ __device__ __forceinline__ int place_replica(int need, int remaining, int step, 
     const int chosen = (int)(PACKED ? room_bits >> 8 : room_bits);
     int target = 0;
     if (PACKED) {
-        target = (best >> 1) & 127;
+        target = (best >> 1) & (MAX_DOMAIN - 1);
     } else {
 #pragma unroll
         for (int j = CHUNKS - 1; j >= 0; --j) {  // the lowest chunk holding the key wins
@@ -231,7 +249,7 @@ __device__ __forceinline__ int place_replica(int need, int remaining, int step, 
     const bool exact = chosen - need >= step && !last_slot;
     const int amount = exact ? need : min(chosen, remaining);
     if (found && lane == (target & 31)) {  // the target's lane knows the slot it fills
-        moves[MOVE_INTS * count] = e << 16 | (S - mine) << 8 | target;
+        moves[MOVE_INTS * count] = move_word(e, S - mine, target);
         moves[MOVE_INTS * count + 1] = amount;
     }
     const unsigned target_fit = !exact ? NO_TARGET : (best - fit_from) | (PACKED && mine == 2);
@@ -271,12 +289,12 @@ __device__ __forceinline__ unsigned open_rank(int r, int room, int S, int step, 
 // the keys and free slots of ranks lane, lane+32, ... in registers, and not their rooms:
 // a rank that may not host never may again (rooms only shrink, slots only fill), except
 // an overloaded one after its visit, whose room is set then. One move is one
-// min-reduction and about 60 instructions: a warp issues an integer instruction every
-// other cycle at best, so the instruction count, not the chain, sets the pace. Pass 2
-// visits the ranks in one loop over their experts, and the next rank's visit and the
-// rank's next expert are loaded while the expert's moves run. A compile-time choice: the
-// loop over passes costs the one-pass oracle about 2 us. Not inlined: the loop keeps its
-// own register allocation whatever the rest of the kernel needs.
+// min-reduction and few instructions: a warp issues an integer instruction every other
+// cycle at best, so the instruction count, not the chain, sets the pace. Pass 2 visits
+// the ranks in one loop over their experts, and the next rank's visit and the rank's
+// next expert are loaded while the expert's moves run. The pass count is a compile-time
+// choice, so the one-pass oracle pays for no loop over passes. Not inlined: the loop
+// keeps its own register allocation whatever the rest of the kernel needs.
 template <int CHUNKS, bool PACKED, bool FIT_FIRST>
 __device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_replicas, int step, int* moves) {
     extern __shared__ int4 smem[];
@@ -299,6 +317,7 @@ __device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_rep
     bool found;
     // Pass 1 marks the positions it relieved (bit p of the pair: positions 0-63, 64-127;
     // two named words, not an array, which the compiler would index in local memory).
+    static_assert(MAX_DOMAIN <= 128, "the relieved positions fit in two 64-bit words");
     unsigned long long relieved_low = 0, relieved_high = 0;
     if (FIT_FIRST) {
         // Above every fit key (rooms only shrink; a relieved rank's opens): a rank whose need
@@ -328,10 +347,10 @@ __device__ __noinline__ int run_oracle(int tau, int D, int M, int S, int max_rep
     // one pass 1 did not relieve; `overloaded` when none is left.
     auto next_position = [&](int pos) {
         int next = pos + 1;
-        if (FIT_FIRST && next < 128) {
+        if (FIT_FIRST && next < MAX_DOMAIN) {
             const unsigned long long low = next < 64 ? ~relieved_low & (~0ull << next) : 0ull;
             const unsigned long long high = ~relieved_high & (next < 64 ? ~0ull : ~0ull << (next - 64));
-            next = low ? __ffsll(low) - 1 : high ? 63 + __ffsll(high) : 128;
+            next = low ? __ffsll(low) - 1 : high ? 63 + __ffsll(high) : MAX_DOMAIN;
         }
         return min(next, overloaded);
     };
@@ -379,7 +398,7 @@ __device__ __forceinline__ int probe_point(int lo, int hi, int w, bool* active) 
     const long long gap = (long long)hi - lo;
     *active = true;
     if (gap - 1 <= PROBES) { *active = w < gap - 1; return lo + 1 + w; }
-    const long long step = max(1LL, min((long long)(lo >> NEAR_SHIFT), gap >> 6));
+    const long long step = max(1LL, min((long long)(lo >> NEAR_SHIFT), gap >> NEAR_GAP_SHIFT));
     if (w < NEAR_PROBES) return (int)(lo + 1 + w * step);
     const long long start = lo + NEAR_PROBES * step;
     return (int)(start + (w - NEAR_PROBES + 1) * (hi - start) / (PROBES - NEAR_PROBES + 1));
@@ -487,100 +506,161 @@ __device__ __forceinline__ void store_quad(int* out, int i0, int K, const int (&
     }
 }
 
-template <int CHUNKS>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
-plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, int step, int tau_tolerance,
-             long long cap_ppm, int fit_first, int* __restrict__ phys_to_log, int* __restrict__ log_to_phys,
-             int* __restrict__ replica_count, int* __restrict__ quota, long long* __restrict__ rank_load, int* __restrict__ split_prefix,
-             double* __restrict__ imbalance_before, double* __restrict__ imbalance_after,
-             long long* __restrict__ workspace) {
-    extern __shared__ int4 smem[];
-    const int M = E / R, DM = D * M, slots_per_rank = M + S;
-    const int move_ints = (MOVE_INTS * S * D + 3) & ~3;  // whole 16-byte words: the cap probe sends them so
-    const int domain = blockIdx.x / CLUSTER, domains = gridDim.x / CLUSTER;
-    const int first_rank = domain * D, first_expert = first_rank * M;
-    const int block = (int)cluster_block_rank(), tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int share = (DM + CLUSTER - 1) / CLUSTER;  // experts whose columns and split this block owns
-    const int first_column = min(DM, block * share), columns = min(DM, first_column + share) - first_column;
-    const DomainShared sh(smem, D, M);
-    int* cursor = sh.end + (-(sh.end - reinterpret_cast<int*>(smem)) & 3);  // 16-byte aligned: moves, mbarrier, doubles
-    int* warp_moves = cursor;    cursor += 2 * PROBE_WARPS * move_ints;  // per round parity and probe warp: its moves
-    int* best_moves = cursor;    cursor += move_ints;          // the moves of the chosen probe
-    auto* cap_signal = reinterpret_cast<unsigned long long*>(cursor);  cursor += 2;  // the cap probe's outcome arrived
-    int* cap_count = cursor;     cursor += 2;                  // its move count, -1 if infeasible
-    double* inst_ratio = reinterpret_cast<double*>(cursor);  cursor += 2 * share * K;  // the split's capacity / total
-    int* results = cursor;       cursor += 2 * 3 * PROBES;     // per round parity: tau, state, moves per probe
-    int* staged = cursor;        cursor += R * share;          // loads[src][this block's experts]
-    int* partial = cursor;       cursor += share;              // this block's column sums
-    int* replicas = cursor;      cursor += DM;                 // instances per expert
-    int* master_quota = cursor;  cursor += DM;
-    int* first_move = cursor;    cursor += DM;                 // index of the expert's first move
-    int* incoming = cursor;      cursor += D;                  // tokens of the replicas placed per rank
-    int* slot_expert = cursor;   cursor += D * S;              // expert of each redundant slot, -1 if idle
-    int* replicated = cursor;    cursor += share + 1;          // this block's replicated experts, then their count
+// What one block of a domain's cluster works on.
+struct BlockTask {
+    int R, E, S, D, K, M, DM, slots_per_rank;
+    int move_ints;                 // ints of one probe's moves, in whole 16-byte words (the cap probe sends them so)
+    int domain, domains, first_rank, first_expert;
+    int block;                     // the block's rank in its cluster
+    int share;                     // experts whose columns and split a block owns
+    int first_column, columns;     // this block's experts (domain-local)
+    __device__ __forceinline__ BlockTask(int R_, int E_, int S_, int D_, int K_)
+        : R(R_), E(E_), S(S_), D(D_), K(K_), M(E_ / R_), DM(D_ * M), slots_per_rank(M + S_),
+          move_ints((MOVE_INTS * S_ * D_ + 3) & ~3), domain(blockIdx.x / CLUSTER), domains(gridDim.x / CLUSTER),
+          first_rank(domain * D_), first_expert(first_rank * M), block((int)cluster_block_rank()),
+          share((DM + CLUSTER - 1) / CLUSTER), first_column(min(DM, block * share)),
+          columns(min(DM, first_column + share) - first_column) {}
+};
+
+// The dynamic shared memory of a block: the oracle's front, then the rest in this order.
+// ultraep/planner/device.py (plan_shared_bytes) sizes the launch by the same carve-up,
+// and the kernel checks its launch against `bytes`.
+struct BlockShared : DomainShared {
+    int* warp_moves;     // per round parity and probe warp: its moves
+    int* best_moves;     // the moves of the chosen probe
+    unsigned long long* cap_signal;  // mbarrier: the cap probe's outcome arrived
+    int* cap_count;      // its move count, -1 if infeasible
+    double* inst_ratio;  // the split's capacity / total, per item and instance
+    int* results;        // per round parity: tau, state, moves per probe
+    int* staged;         // loads[src][this block's experts]
+    int* partial;        // this block's column sums
+    int* replicas;       // instances per expert
+    int* master_quota;
+    int* first_move;     // index of the expert's first move
+    int* incoming;       // tokens of the replicas placed per rank
+    int* slot_expert;    // expert of each redundant slot, -1 if idle
+    int* replicated;     // this block's replicated experts, then their count
     // The split of the block's replicated experts ("items"): per item, per instance [K]
     // and per source [R].
-    int* inst_host = cursor;     cursor += share * K;          // host rank (global) of each instance
-    int* inst_local = cursor;    cursor += share * K;          // tokens it takes from its own host rank
-    int* inst_capacity = cursor; cursor += share * K;          // quota left after them
-    int* inst_column = cursor;   cursor += share * K;          // column deficits, then their prefixes
-    int* row_prefix = cursor;    cursor += share * R;          // row deficits, then their inclusive prefix
-    int* remote = cursor;        cursor += share * R;          // each source's demand once hosts took theirs
-    int* item_total = cursor;    cursor += share;              // total capacity of each item
+    int* inst_host;      // host rank (global) of each instance
+    int* inst_local;     // tokens it takes from its own host rank
+    int* inst_capacity;  // quota left after them
+    int* inst_column;    // column deficits, then their prefixes
+    int* row_prefix;     // row deficits, then their inclusive prefix
+    int* remote;         // each source's demand once hosts took theirs
+    int* item_total;     // total capacity of each item
+    unsigned bytes;      // the size of it all
+    __device__ __forceinline__ BlockShared(int4* base, const BlockTask& t) : DomainShared(base, t.D, t.M) {
+        int* cursor = end + (-(end - reinterpret_cast<int*>(base)) & 3);  // 16-byte aligned: moves, mbarrier, doubles
+        warp_moves = cursor;     cursor += 2 * PROBE_WARPS * t.move_ints;
+        best_moves = cursor;     cursor += t.move_ints;
+        cap_signal = reinterpret_cast<unsigned long long*>(cursor);  cursor += 2;
+        cap_count = cursor;      cursor += 2;
+        inst_ratio = reinterpret_cast<double*>(cursor);  cursor += 2 * t.share * t.K;
+        results = cursor;        cursor += 2 * 3 * PROBES;
+        staged = cursor;         cursor += t.R * t.share;
+        partial = cursor;        cursor += t.share;
+        replicas = cursor;       cursor += t.DM;
+        master_quota = cursor;   cursor += t.DM;
+        first_move = cursor;     cursor += t.DM;
+        incoming = cursor;       cursor += t.D;
+        slot_expert = cursor;    cursor += t.D * t.S;
+        replicated = cursor;     cursor += t.share + 1;
+        inst_host = cursor;      cursor += t.share * t.K;
+        inst_local = cursor;     cursor += t.share * t.K;
+        inst_capacity = cursor;  cursor += t.share * t.K;
+        inst_column = cursor;    cursor += t.share * t.K;
+        row_prefix = cursor;     cursor += t.share * t.R;
+        remote = cursor;         cursor += t.share * t.R;
+        item_total = cursor;     cursor += t.share;
+        bytes = (unsigned)(cursor - reinterpret_cast<int*>(base)) * (unsigned)sizeof(int);
+    }
+};
 
-    // 1. Stage this block's load columns and sum them: thread (group, c) reads column c of
-    // every groups-th source (consecutive threads, consecutive columns: coalesced), with
-    // STAGE_BATCH loads in flight before the first is used (one memory round trip, not
-    // one per source).
+__device__ __forceinline__ unsigned dynamic_shared_bytes() {
+    unsigned bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    return bytes;
+}
+
+// A launch with less dynamic shared memory than the carve-up is a bug of the host's
+// sizing: reported and trapped before any block touches its shared memory.
+__device__ __noinline__ void shared_memory_short(unsigned needed, unsigned launched) {
+    if (threadIdx.x == 0)
+        printf("ultraep: plan_domains block %d needs %u bytes of dynamic shared memory, launched with %u\n",
+               (int)blockIdx.x, needed, launched);
+    __trap();
+}
+
+// Phase 1. Stage this block's load columns and sum them: thread (group, c) reads column c
+// of every groups-th source (consecutive threads, consecutive columns: coalesced), with
+// STAGE_BATCH loads in flight before the first is used (one memory round trip, not one
+// per source). Thread 0 also sets up the mbarrier of the cap probe's outcome.
+__device__ __forceinline__ void stage_loads(const int* __restrict__ loads, const BlockTask& t, const BlockShared& mem) {
+    const int tid = threadIdx.x;
 #pragma unroll 1
-    for (int i = tid; i < columns; i += THREADS) partial[i] = 0;
+    for (int i = tid; i < t.columns; i += THREADS) mem.partial[i] = 0;
     if (tid == 0) {
-        mbarrier_init(cap_signal, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // before the cluster barrier below
+        mbarrier_init(mem.cap_signal, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // before the next cluster barrier
     }
     __syncthreads();
-    if (columns > 0) {
-        const int groups = max(1, THREADS / columns);
-        const int* block_loads = loads + first_expert + first_column;
-        for (int idx = tid; idx < columns * groups; idx += THREADS) {
-            const int c = idx % columns, group = idx / columns;
+    if (t.columns > 0) {
+        const int groups = max(1, THREADS / t.columns);
+        const int* block_loads = loads + t.first_expert + t.first_column;
+        for (int idx = tid; idx < t.columns * groups; idx += THREADS) {
+            const int c = idx % t.columns, group = idx / t.columns;
             int sum = 0;
-            for (int first_src = group; first_src < R; first_src += STAGE_BATCH * groups) {
+            for (int first_src = group; first_src < t.R; first_src += STAGE_BATCH * groups) {
                 int tokens[STAGE_BATCH];
 #pragma unroll
                 for (int b = 0; b < STAGE_BATCH; ++b) {
                     const int src = first_src + b * groups;
-                    tokens[b] = src < R ? block_loads[(long long)src * E + c] : 0;
+                    tokens[b] = src < t.R ? block_loads[(long long)src * t.E + c] : 0;
                 }
 #pragma unroll
                 for (int b = 0; b < STAGE_BATCH; ++b) {
                     const int src = first_src + b * groups;
-                    if (src < R) staged[src * share + c] = tokens[b];
+                    if (src < t.R) mem.staged[src * t.share + c] = tokens[b];
                     sum += tokens[b];
                 }
             }
-            atomicAdd(&partial[c], sum);  // integer atomics: order-independent
+            atomicAdd(&mem.partial[c], sum);  // integer atomics: order-independent
         }
     }
-    __syncthreads();      // the block's partial sums are complete
+    __syncthreads();  // the block's partial sums are complete
+    PHASE_STAMP(STAMP_STAGED);
+}
+
+// Phase 2. Every block stores its column sums into every block of the cluster, so each
+// holds all the domain's expert loads, and sums them per rank.
+__device__ __forceinline__ void exchange_expert_loads(const BlockTask& t, const BlockShared& mem) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     cluster_sync(false);  // every block of the cluster is running
+    PHASE_STAMP(STAMP_CLUSTER_STARTED);
 #pragma unroll 1
     for (int to = warp; to < CLUSTER; to += WARPS)
-        for (int c = lane; c < columns; c += 32) store_to_block(&sh.expert_load[first_column + c], to, partial[c]);
+        for (int c = lane; c < t.columns; c += 32) store_to_block(&mem.expert_load[t.first_column + c], to, mem.partial[c]);
     cluster_sync(warp < CLUSTER);  // every block holds all the domain's expert loads
+    PHASE_STAMP(STAMP_EXCHANGED);
 #pragma unroll 1
-    for (int r = tid; r < D; r += THREADS) {
+    for (int r = tid; r < t.D; r += THREADS) {
         int sum = 0;
 #pragma unroll 1
-        for (int k = 0; k < M; ++k) sum += sh.expert_load[r * M + k];
-        sh.rank_load0[r] = sum;
+        for (int k = 0; k < t.M; ++k) sum += mem.expert_load[r * t.M + k];
+        mem.rank_load0[r] = sum;
     }
     __syncthreads();
-    // Orders by counting how many items precede each one: ranks in the first half of the
-    // block, experts in the second, at once (the counting is short; issuing it is what
-    // costs). A rank's count is split over `parts` consecutive lanes (a power of two) and
-    // summed with shuffles. Each thread holds the load it compares against, so the loads
-    // of the others are independent.
+}
+
+// Phase 3. The oracle's visiting orders, by counting how many items precede each one:
+// ranks in the first half of the block, experts in the second, at once (the counting is
+// short; issuing it is what costs). A rank's count is split over `parts` consecutive
+// lanes (a power of two) and summed with shuffles. Each thread holds the load it
+// compares against, so the loads of the others are independent.
+__device__ __forceinline__ void order_visits(int D, int M, const DomainShared& sh) {
+    const int tid = threadIdx.x, DM = D * M;
+    PHASE_STAMP(STAMP_ORDERS);
     const int half = THREADS / 2;
     if (tid < half) {
         const int part_bits = min(5, 31 - __clz(half / D)), parts = 1 << part_bits;
@@ -612,8 +692,20 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             sh.expert_order[base + pos] = make_int2(e, sh.expert_load[e]);
         }
     }
-    // Search bounds (every warp computes them): lo = ceil(mean) - 1 is infeasible (or
-    // cap - 1: quota.search_floor), hi = the initial max is feasible without any move.
+}
+
+struct SearchBounds {
+    long long total;  // the domain's load
+    int lo, hi;       // the search's infeasible lower and feasible upper end
+    int tolerance;
+};
+
+// Phase 4 (every warp computes them): lo = ceil(mean) - 1 is infeasible (or cap - 1:
+// quota.search_floor), hi = the initial max is feasible without any move.
+__device__ __forceinline__ SearchBounds search_bounds(int D, const DomainShared& sh, int tau_tolerance,
+                                                      long long cap_ppm) {
+    const int lane = threadIdx.x & 31;
+    PHASE_STAMP(STAMP_BOUNDS);
     long long total = 0;
     int hi = 0;
 #pragma unroll 1
@@ -626,19 +718,37 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         lo = (int)max((long long)lo, min((long long)hi, cap) - 1);
     }
     const int tolerance = tau_tolerance >= 0 ? tau_tolerance : max(0, lo >> NEAR_SHIFT);  // -1: quota.auto_tolerance
-    __syncthreads();
+    return SearchBounds{total, lo, hi, tolerance};
+}
 
-    // 2. Threshold search. Every thread of the cluster tracks the same lo, hi and best probe.
+// Phase 5. The threshold search: one probe warp per probe, PROBES probes per round; every
+// thread of the cluster tracks the same lo, hi and best probe. A probe's result is
+// broadcast to every block, so all blocks take the same decision after one cluster
+// barrier per round; with a cap, the first round's probe 0 (the cap) sends its outcome
+// and moves to every block itself, and when it is feasible that ends the search without
+// a cluster barrier. Meanwhile ROW_WARPS idle warps write the split rows as if no expert
+// had replicas, the others set up the tables the placement is rebuilt in, and the idle
+// warps of the winner's block push its moves to every block. Returns the winner's move
+// count, once every block holds its moves (none if no probe ran or none was feasible).
+template <int CHUNKS>
+__device__ __forceinline__ int search_threshold(const BlockTask& t, const BlockShared& mem, SearchBounds bounds,
+                                                int step, int fit_first, long long cap_ppm,
+                                                int* __restrict__ split_prefix) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int D = t.D, M = t.M, S = t.S, K = t.K, move_ints = t.move_ints, block = t.block;
+    int lo = bounds.lo, hi = bounds.hi;
+    const int tolerance = bounds.tolerance;
+    int* const best_moves = mem.best_moves;
+    PHASE_STAMP(STAMP_SEARCH);
     int best_count = 0, parity = 0;
     const bool packed = hi < (1 << 23);  // every slack fits the packed oracle keys
     const bool prober = warp < PROBE_WARPS;
     const int probe = block * PROBE_WARPS + warp;
-    // Meanwhile the other warps write every split row of the block's experts as if no
-    // expert had replicas; the block overwrites the first prefixes of its replicated
-    // experts' rows after the search (a block barrier orders the two writes).
-    // (Few warps: more would slow the probes down through the shared memory pipeline.)
+    // The master-only rows: the block overwrites the first prefixes of its replicated
+    // experts' rows after the search (a block barrier orders the two writes). Few warps:
+    // more would slow the probes down through the shared memory pipeline.
     if (!prober && warp < PROBE_WARPS + ROW_WARPS)
-        write_master_rows(split_prefix, staged, R, E, K, first_expert + first_column, columns, share,
+        write_master_rows(split_prefix, mem.staged, t.R, t.E, K, t.first_expert + t.first_column, t.columns, t.share,
                           warp - PROBE_WARPS, ROW_WARPS);
     // This warp wrote memory that other warps read after the next cluster barrier (another
     // block's shared memory, or the tables below), so it arrives there with release (when a
@@ -647,26 +757,27 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     if (warp >= PROBE_WARPS + ROW_WARPS) {  // the rest set up the tables the placement is rebuilt in
         const int helper = tid - (PROBE_WARPS + ROW_WARPS) * 32, helpers = THREADS - (PROBE_WARPS + ROW_WARPS) * 32;
 #pragma unroll 1
-        for (int e = helper; e < DM; e += helpers) {
-            replicas[e] = 1;
-            first_move[e] = 0;
-            master_quota[e] = sh.expert_load[e];
+        for (int e = helper; e < t.DM; e += helpers) {
+            mem.replicas[e] = 1;
+            mem.first_move[e] = 0;
+            mem.master_quota[e] = mem.expert_load[e];
         }
 #pragma unroll 1
-        for (int i = helper; i < D * S; i += helpers) slot_expert[i] = -1;
+        for (int i = helper; i < D * S; i += helpers) mem.slot_expert[i] = -1;
 #pragma unroll 1
-        for (int r = helper; r < D; r += helpers) incoming[r] = 0;
+        for (int r = helper; r < D; r += helpers) mem.incoming[r] = 0;
         pushed = true;
     }
     // With a cap, the first round's probe 0 is the cap: when it is feasible it ends the
     // search, and its outcome alone decides, without a cluster barrier.
     bool cap_round = cap_ppm != 0, cap_reached = false;
     while ((long long)hi - lo > (long long)tolerance + 1) {
-        int* round = results + parity * 3 * PROBES;
-        int* round_moves = warp_moves + parity * PROBE_WARPS * move_ints;
+        int* round = mem.results + parity * 3 * PROBES;
+        int* round_moves = mem.warp_moves + parity * PROBE_WARPS * move_ints;
         int tau = 0, count = 0;
         bool active = false;
         if (prober) {
+            PROBE_START(probe_start);
             tau = probe_point(lo, hi, probe, &active);
             int* moves = round_moves + warp * move_ints;
             // The oracle's pass 1 is optional (quota.plan_placement: fit_first).
@@ -675,14 +786,15 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
                                           : run_oracle<CHUNKS, true, false>(tau, D, M, S, K - 1, step, moves))
                              : (fit_first ? run_oracle<CHUNKS, false, true>(tau, D, M, S, K - 1, step, moves)
                                           : run_oracle<CHUNKS, false, false>(tau, D, M, S, K - 1, step, moves));
-            if (cap_round && probe == 0) send_cap_outcome(count, moves, best_moves, cap_count, cap_signal);
+            PROBE_STAMP(probe, probe_start, count);
+            if (cap_round && probe == 0) send_cap_outcome(count, moves, best_moves, mem.cap_count, mem.cap_signal);
         }
         if (cap_round) {
-            mbarrier_wait<true>(cap_signal, 0, "the cap probe's outcome (sent by warp 0 of cluster block 0)");
+            mbarrier_wait<true>(mem.cap_signal, 0, "the cap probe's outcome (sent by warp 0 of cluster block 0)");
             cap_round = false;
-            if (*cap_count >= 0) {  // the other probes' results are not needed (nor published)
+            if (*mem.cap_count >= 0) {  // the other probes' results are not needed (nor published)
                 hi = lo + 1;
-                best_count = *cap_count;
+                best_count = *mem.cap_count;
                 cap_reached = true;
                 break;
             }
@@ -716,163 +828,190 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
         lo = first > 0 ? round[first - 1] : lo;
         parity ^= 1;
     }
-
-    // 3. Every block holds the winner's moves (none if no probe ran or none was feasible).
-    // Received with the cap's outcome, or pushed: then a cluster barrier completes the
-    // last pushes. From here on no block touches another's shared memory.
+    PHASE_STAMP(STAMP_SEARCH_DONE);
+    // The winner's moves were received with the cap's outcome, or pushed: then a cluster
+    // barrier completes the last pushes. From here on no block touches another's shared
+    // memory.
     if (cap_reached) __syncthreads();  // the tables set up during the search are complete
     else cluster_sync(pushed);  // the last pushes are complete
+    PHASE_STAMP(STAMP_MOVES_RECEIVED);
+    return best_count;
+}
+
+// Phase 6. Every block rebuilds the domain's placement from the winner's moves.
+__device__ __forceinline__ void rebuild_placement(const BlockTask& t, const BlockShared& mem, int best_count) {
+    const int* best_moves = mem.best_moves;
 #pragma unroll 1
-    for (int m = tid; m < best_count; m += THREADS) {
-        const int e = best_moves[MOVE_INTS * m] >> 16, t = best_moves[MOVE_INTS * m] & 255;
+    for (int m = threadIdx.x; m < best_count; m += THREADS) {
+        const int e = move_expert(best_moves[MOVE_INTS * m]), target = move_target(best_moves[MOVE_INTS * m]);
         const int amount = best_moves[MOVE_INTS * m + 1];
-        if (m == 0 || best_moves[MOVE_INTS * (m - 1)] >> 16 != e) first_move[e] = m;  // an expert's moves are consecutive
-        slot_expert[t * S + (best_moves[MOVE_INTS * m] >> 8 & 255)] = e;
-        atomicSub(&master_quota[e], amount);  // integer atomics: order-independent
-        atomicAdd(&replicas[e], 1);
-        atomicAdd(&incoming[t], amount);
+        if (m == 0 || move_expert(best_moves[MOVE_INTS * (m - 1)]) != e)
+            mem.first_move[e] = m;  // an expert's moves are consecutive
+        mem.slot_expert[target * t.S + move_slot(best_moves[MOVE_INTS * m])] = e;
+        atomicSub(&mem.master_quota[e], amount);  // integer atomics: order-independent
+        atomicAdd(&mem.replicas[e], 1);
+        atomicAdd(&mem.incoming[target], amount);
     }
     __syncthreads();
-    // This block's experts: placement rows [K] (consecutive threads, consecutive entries of
-    // the block's rows: one pass of the block for up to THREADS entries) and replica counts.
+}
+
+// Phase 7. This block's experts: placement rows [K] (consecutive threads, consecutive
+// entries of the block's rows: one pass of the block for up to THREADS entries), replica
+// counts, and the replicated experts in column order (a ballot per 32) for the split.
+__device__ __forceinline__ void write_expert_outputs(const BlockTask& t, const BlockShared& mem,
+                                                     int* __restrict__ log_to_phys, int* __restrict__ quota,
+                                                     int* __restrict__ replica_count) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, K = t.K, M = t.M;
+    const int* best_moves = mem.best_moves;
+    PHASE_STAMP(STAMP_EXPERT_OUTPUTS);
 #pragma unroll 1
-    for (int idx = tid; idx < columns * K; idx += THREADS) {
-        const int c = idx / K, column = idx - c * K, e = first_column + c, r = e / M;
-        const long long at = (long long)(first_expert + e) * K + column;
+    for (int idx = tid; idx < t.columns * K; idx += THREADS) {
+        const int c = idx / K, column = idx - c * K, e = t.first_column + c, r = e / M;
+        const long long at = (long long)(t.first_expert + e) * K + column;
         int slot = -1, tokens = 0;
         if (column == 0) {
-            slot = (first_rank + r) * slots_per_rank + (e - r * M);
-            tokens = master_quota[e];
-        } else if (column < replicas[e]) {
-            const int m = first_move[e] + column - 1;
-            slot = (first_rank + (best_moves[MOVE_INTS * m] & 255)) * slots_per_rank + M + (best_moves[MOVE_INTS * m] >> 8 & 255);
+            slot = (t.first_rank + r) * t.slots_per_rank + (e - r * M);
+            tokens = mem.master_quota[e];
+        } else if (column < mem.replicas[e]) {
+            const int m = mem.first_move[e] + column - 1;
+            slot = (t.first_rank + move_target(best_moves[MOVE_INTS * m])) * t.slots_per_rank + M +
+                   move_slot(best_moves[MOVE_INTS * m]);
             tokens = best_moves[MOVE_INTS * m + 1];
         }
         log_to_phys[at] = slot;
         quota[at] = tokens;
     }
-    if (warp == WARPS - 1) {  // replica counts, and the replicated experts in column order (a ballot per 32)
+    if (warp == WARPS - 1) {
         int count = 0;
 #pragma unroll 1
-        for (int first = 0; first < columns; first += 32) {
-            const int c = first + lane, instances = c < columns ? replicas[first_column + c] : 0;
-            if (c < columns) replica_count[first_expert + first_column + c] = instances;
+        for (int first = 0; first < t.columns; first += 32) {
+            const int c = first + lane, instances = c < t.columns ? mem.replicas[t.first_column + c] : 0;
+            if (c < t.columns) replica_count[t.first_expert + t.first_column + c] = instances;
             const unsigned found = __ballot_sync(FULL_MASK, instances > 1);
-            if (instances > 1) replicated[count + __popc(found & ((1u << lane) - 1))] = c;
+            if (instances > 1) mem.replicated[count + __popc(found & ((1u << lane) - 1))] = c;
             count += __popc(found);
         }
-        if (lane == 0) replicated[share] = count;
+        if (lane == 0) mem.replicated[t.share] = count;
     }
-    // This block's ranks: slot contents and loads after balancing.
+}
+
+// Phase 8. This block's ranks: slot contents and loads after balancing.
+__device__ __forceinline__ void write_rank_outputs(const BlockTask& t, const BlockShared& mem,
+                                                   int* __restrict__ phys_to_log, long long* __restrict__ rank_load) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, D = t.D, M = t.M;
+    PHASE_STAMP(STAMP_RANK_OUTPUTS);
     const int rank_share = (D + CLUSTER - 1) / CLUSTER;
-    const int my_first_rank = min(D, block * rank_share), my_ranks = min(D, my_first_rank + rank_share) - my_first_rank;
+    const int my_first_rank = min(D, t.block * rank_share), my_ranks = min(D, my_first_rank + rank_share) - my_first_rank;
 #pragma unroll 1
     for (int r = my_first_rank + warp; r < my_first_rank + my_ranks; r += WARPS)
-        for (int j = lane; j < slots_per_rank; j += 32) {
-            const int e = j < M ? r * M + j : slot_expert[r * S + j - M];
-            phys_to_log[(first_rank + r) * slots_per_rank + j] = e < 0 ? -1 : first_expert + e;
+        for (int j = lane; j < t.slots_per_rank; j += 32) {
+            const int e = j < M ? r * M + j : mem.slot_expert[r * t.S + j - M];
+            phys_to_log[(t.first_rank + r) * t.slots_per_rank + j] = e < 0 ? -1 : t.first_expert + e;
         }
 #pragma unroll 1
     for (int r = my_first_rank + tid; r < my_first_rank + my_ranks; r += THREADS) {
-        long long sum = incoming[r];
+        long long sum = mem.incoming[r];
 #pragma unroll 1
-        for (int k = 0; k < M; ++k) sum += master_quota[r * M + k];
-        rank_load[first_rank + r] = sum;
+        for (int k = 0; k < M; ++k) sum += mem.master_quota[r * M + k];
+        rank_load[t.first_rank + r] = sum;
     }
     __syncthreads();
+}
 
-    // Split (quota.locality_split) of this block's replicated experts ("items"): one warp
-    // per item finds the shares' row and column deficits and their prefixes (no block
-    // barrier between these steps), then the whole block writes the rows, a source each.
-    // (Every expert's rows were written during the search as if it had no replicas.)
-    const int items = replicated[share];
-    if (block == 0 && warp == WARPS - 1)  // alongside the items (it takes one only when there are WARPS)
-        write_imbalance(sh.rank_load0, incoming, master_quota, total, D, M, R, domain, domains, workspace,
-                        imbalance_before, imbalance_after);
+// Phase 9 (quota.locality_split), by one warp for item x of the block's replicated
+// experts: the instances' local tokens and capacities, the proportional shares' row and
+// column deficits, and their prefixes (the north-west corner's bounds).
+__device__ __forceinline__ void split_deficits(const BlockTask& t, const BlockShared& mem, int x) {
+    const int lane = threadIdx.x & 31, R = t.R, K = t.K, M = t.M;
+    const int c = mem.replicated[x], e = t.first_column + c, n = mem.replicas[e];
+    int* host = mem.inst_host + x * K;
+    int* local = mem.inst_local + x * K;
+    int* capacity = mem.inst_capacity + x * K;
+    int* column = mem.inst_column + x * K;
+    int* row = mem.row_prefix + x * R;
+    int spare = 0;
 #pragma unroll 1
-    for (int x = warp; x < items; x += WARPS) {
-        const int c = replicated[x], e = first_column + c, n = replicas[e];
-        int* host = inst_host + x * K;
-        int* local = inst_local + x * K;
-        int* capacity = inst_capacity + x * K;
-        int* column = inst_column + x * K;
-        int* row = row_prefix + x * R;
-        int spare = 0;
-#pragma unroll 1
-        for (int i = lane; i < n; i += 32) {
-            int h = first_rank + e / M, tokens = master_quota[e];
-            if (i > 0) {
-                const int* move = best_moves + MOVE_INTS * (first_move[e] + i - 1);
-                h = first_rank + (move[0] & 255);
-                tokens = move[1];
-            }
-            local[i] = min(staged[h * share + c], tokens);
-            host[i] = h;
-            capacity[i] = tokens - local[i];
-            column[i] = capacity[i];  // less the column sums of the shares: the column deficits
-            spare += capacity[i];
+    for (int i = lane; i < n; i += 32) {
+        int h = t.first_rank + e / M, tokens = mem.master_quota[e];
+        if (i > 0) {
+            const int* move = mem.best_moves + MOVE_INTS * (mem.first_move[e] + i - 1);
+            h = t.first_rank + move_target(move[0]);
+            tokens = move[1];
         }
-        const int total = __reduce_add_sync(FULL_MASK, spare);
-        if (lane == 0) item_total[x] = total;
-        const double inverse = total ? __drcp_rn((double)total) : 0.0;
-        double* ratio = inst_ratio + x * K;
-#pragma unroll 1
-        for (int i = lane; i < n; i += 32) ratio[i] = capacity[i] * inverse;
-        int* demand = remote + x * R;
-#pragma unroll 1
-        for (int src = lane; src < R; src += 32) demand[src] = staged[src * share + c];
-        __syncwarp();
-#pragma unroll 1
-        for (int i = lane; i < n; i += 32) demand[host[i]] -= local[i];  // the hosts are distinct ranks
-        __syncwarp();
-        // Proportional shares floor(d * capacity / total): row and column deficits, two
-        // sources per lane at a time. Lane j keeps the column sum of instance first + j in
-        // a register, so no shared-memory store orders the instances: their shares and
-        // reductions overlap (the hottest experts, with the most instances, set the pace).
-#pragma unroll 1
-        for (int base = 0; base < R; base += 64) {
-            const int src0 = base + lane, src1 = src0 + 32;
-            const int d0 = src0 < R ? demand[src0] : 0, d1 = src1 < R ? demand[src1] : 0;
-            const double demand0 = d0, demand1 = d1;
-            int taken0 = 0, taken1 = 0;
-            for (int first = 0; first < n; first += 32) {
-                int column_sum = 0;
-#pragma unroll 4
-                for (int i = first; i < min(n, first + 32); ++i) {
-                    const int share0 = proportional_share(d0, demand0, capacity[i], ratio[i], total);
-                    const int share1 = proportional_share(d1, demand1, capacity[i], ratio[i], total);
-                    taken0 += share0;
-                    taken1 += share1;
-                    const int sum = __reduce_add_sync(FULL_MASK, share0 + share1);
-                    column_sum = lane == i - first ? sum : column_sum;
-                }
-                if (first + lane < n) column[first + lane] -= column_sum;
-            }
-            if (src0 < R) row[src0] = d0 - taken0;
-            if (src1 < R) row[src1] = d1 - taken1;
-        }
-        __syncwarp();
-        warp_inclusive_scan(column, n);  // north-west corner bounds: deficit prefixes
-        warp_inclusive_scan(row, R);
+        local[i] = min(mem.staged[h * t.share + c], tokens);
+        host[i] = h;
+        capacity[i] = tokens - local[i];
+        column[i] = capacity[i];  // less the column sums of the shares: the column deficits
+        spare += capacity[i];
     }
-    __syncthreads();
-    // Each source's row of K prefixes: share + north-west overlap + local tokens. Only the
-    // quads before instance n - 1 are written: from there on the prefix is the source's
-    // load, which the master-only rows written during the search already hold (the stores,
-    // not the arithmetic, set the pace here).
+    const int total = __reduce_add_sync(FULL_MASK, spare);
+    if (lane == 0) mem.item_total[x] = total;
+    const double inverse = total ? __drcp_rn((double)total) : 0.0;
+    double* ratio = mem.inst_ratio + x * K;
 #pragma unroll 1
-    for (int idx = tid; idx < items * R; idx += THREADS) {
-        const int x = idx / R, src = idx - x * R, c = replicated[x], e = first_column + c, n = replicas[e];
-        const int* host = inst_host + x * K;
-        const int* local = inst_local + x * K;
-        const int* capacity = inst_capacity + x * K;
-        const int* column = inst_column + x * K;
-        const int* row = row_prefix + x * R;
-        const double* ratio = inst_ratio + x * K;
-        const int total = item_total[x], d = remote[x * R + src];
+    for (int i = lane; i < n; i += 32) ratio[i] = capacity[i] * inverse;
+    int* demand = mem.remote + x * R;
+#pragma unroll 1
+    for (int src = lane; src < R; src += 32) demand[src] = mem.staged[src * t.share + c];
+    __syncwarp();
+#pragma unroll 1
+    for (int i = lane; i < n; i += 32) demand[host[i]] -= local[i];  // the hosts are distinct ranks
+    __syncwarp();
+    PHASE_STAMP(STAMP_SHARES);
+    // Proportional shares floor(d * capacity / total): row and column deficits, two
+    // sources per lane at a time. Lane j keeps the column sum of instance first + j in
+    // a register, so no shared-memory store orders the instances: their shares and
+    // reductions overlap (the hottest experts, with the most instances, set the pace).
+#pragma unroll 1
+    for (int base = 0; base < R; base += 64) {
+        const int src0 = base + lane, src1 = src0 + 32;
+        const int d0 = src0 < R ? demand[src0] : 0, d1 = src1 < R ? demand[src1] : 0;
+        const double demand0 = d0, demand1 = d1;
+        int taken0 = 0, taken1 = 0;
+        for (int first = 0; first < n; first += 32) {
+            int column_sum = 0;
+#pragma unroll 4
+            for (int i = first; i < min(n, first + 32); ++i) {
+                const int share0 = proportional_share(d0, demand0, capacity[i], ratio[i], total);
+                const int share1 = proportional_share(d1, demand1, capacity[i], ratio[i], total);
+                taken0 += share0;
+                taken1 += share1;
+                const int sum = __reduce_add_sync(FULL_MASK, share0 + share1);
+                column_sum = lane == i - first ? sum : column_sum;
+            }
+            if (first + lane < n) column[first + lane] -= column_sum;
+        }
+        if (src0 < R) row[src0] = d0 - taken0;
+        if (src1 < R) row[src1] = d1 - taken1;
+    }
+    __syncwarp();
+    PHASE_STAMP(STAMP_SCANS);
+    warp_inclusive_scan(column, n);  // north-west corner bounds: deficit prefixes
+    warp_inclusive_scan(row, R);
+}
+
+// Phase 10. Each source's row of K prefixes of the block's replicated experts: share +
+// north-west overlap + local tokens, a source per thread. Only the quads before instance
+// n - 1 are written: from there on the prefix is the source's load, which the
+// master-only rows written during the search already hold (the stores, not the
+// arithmetic, set the pace here).
+__device__ __forceinline__ void write_split_rows(const BlockTask& t, const BlockShared& mem, int items,
+                                                 int* __restrict__ split_prefix) {
+    const int R = t.R, K = t.K;
+    PHASE_STAMP(STAMP_ROWS);
+#pragma unroll 1
+    for (int idx = threadIdx.x; idx < items * R; idx += THREADS) {
+        const int x = idx / R, src = idx - x * R, c = mem.replicated[x], e = t.first_column + c, n = mem.replicas[e];
+        const int* host = mem.inst_host + x * K;
+        const int* local = mem.inst_local + x * K;
+        const int* capacity = mem.inst_capacity + x * K;
+        const int* column = mem.inst_column + x * K;
+        const int* row = mem.row_prefix + x * R;
+        const double* ratio = mem.inst_ratio + x * K;
+        const int total = mem.item_total[x], d = mem.remote[x * R + src];
         const double demand = d;
         const int row_stop = row[src], row_start = src ? row[src - 1] : 0;
-        int* out = split_prefix + ((long long)src * E + first_expert + e) * K;
+        int* out = split_prefix + ((long long)src * t.E + t.first_expert + e) * K;
         int prefix = 0;
 #pragma unroll 1
         for (int i0 = 0; i0 < n - 1; i0 += 4) {
@@ -891,4 +1030,46 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
             store_quad(out, i0, K, values);
         }
     }
+}
+
+template <int CHUNKS>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1)
+plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, int step, int tau_tolerance,
+             long long cap_ppm, int fit_first, int* __restrict__ phys_to_log, int* __restrict__ log_to_phys,
+             int* __restrict__ replica_count, int* __restrict__ quota, long long* __restrict__ rank_load, int* __restrict__ split_prefix,
+             double* __restrict__ imbalance_before, double* __restrict__ imbalance_after,
+             long long* __restrict__ workspace) {
+    static_assert(CHUNKS <= MAX_CHUNKS, "a domain holds at most MAX_DOMAIN ranks");
+    extern __shared__ int4 smem[];
+    PHASE_STAMP(STAMP_START);
+    const BlockTask t(R, E, S, D, K);
+    const BlockShared mem(smem, t);
+    if (mem.bytes > dynamic_shared_bytes()) shared_memory_short(mem.bytes, dynamic_shared_bytes());
+
+    stage_loads(loads, t, mem);
+    exchange_expert_loads(t, mem);
+    order_visits(D, t.M, mem);
+    const SearchBounds bounds = search_bounds(D, mem, tau_tolerance, cap_ppm);
+    __syncthreads();  // the visiting orders are complete
+    const int best_count = search_threshold<CHUNKS>(t, mem, bounds, step, fit_first, cap_ppm, split_prefix);
+    rebuild_placement(t, mem, best_count);
+    write_expert_outputs(t, mem, log_to_phys, quota, replica_count);
+    write_rank_outputs(t, mem, phys_to_log, rank_load);
+
+    // The split of this block's replicated experts ("items"): a warp per item finds the
+    // deficits (no block barrier between its steps), then the whole block writes the rows.
+    // The imbalance goes alongside (its warp takes an item only when there are WARPS).
+    PHASE_STAMP(STAMP_SPLIT);
+    const int items = mem.replicated[t.share];
+    if (t.block == 0 && (threadIdx.x >> 5) == WARPS - 1)
+        write_imbalance(mem.rank_load0, mem.incoming, mem.master_quota, bounds.total, D, t.M, R, t.domain, t.domains,
+                        workspace, imbalance_before, imbalance_after);
+#pragma unroll 1
+    for (int x = threadIdx.x >> 5; x < items; x += WARPS) split_deficits(t, mem, x);
+    __syncthreads();
+    write_split_rows(t, mem, items, split_prefix);
+#ifdef PLANNER_PHASE_STAMPS
+    __syncthreads();  // the block's last phase is complete
+#endif
+    PHASE_STAMP(STAMP_END);
 }

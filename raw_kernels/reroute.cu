@@ -13,6 +13,8 @@
 
 #define FULL_MASK 0xffffffffu
 #define CHUNK 1024  // = blockDim.x of both kernels
+#define WARPS (CHUNK / 32)
+#define ASSIGN_COUNTERS (1 + WARPS)  // shared ints per expert of reroute_assign: before_chunk, warp_counts
 
 template <typename Id>
 __global__ void __launch_bounds__(CHUNK)
@@ -36,14 +38,14 @@ reroute_assign(const Id* __restrict__ ids, long long n, int E, int K, const int*
                const int* __restrict__ replica_count, int* __restrict__ out) {
     extern __shared__ int shared[];
     int* before_chunk = shared;      // [E]      occurrences in earlier chunks
-    int* warp_counts = shared + E;   // [32][E]  occurrences in each warp of this chunk
+    int* warp_counts = shared + E;   // [WARPS][E]  occurrences in each warp of this chunk
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     for (int e = tid; e < E; e += blockDim.x) {
         int sum = 0;
         for (int chunk = 0; chunk < (int)blockIdx.x; ++chunk) sum += counts[(long long)chunk * E + e];
         before_chunk[e] = sum;
     }
-    for (int j = tid; j < 32 * E; j += blockDim.x) warp_counts[j] = 0;
+    for (int j = tid; j < WARPS * E; j += blockDim.x) warp_counts[j] = 0;
     __syncthreads();
     const long long i = (long long)blockIdx.x * CHUNK + tid;
     const Id id = i < n ? ids[i] : -1;

@@ -12,7 +12,7 @@ POISON = -123456789
 
 
 def poisoned_plan(layout):
-    from ultraep.planner.cuda import empty_plan
+    from ultraep.planner.device import empty_plan
 
     out = empty_plan(layout)
     for name in Plan.ARRAYS:
@@ -37,7 +37,7 @@ def assert_same_plan(layout, loads, min_tokens, **options):
 
     expected = plan_placement(loads, layout, min_replica_tokens=min_tokens, **options)
     out = poisoned_plan(layout)
-    got = plan_placement(cupy.asarray(loads), layout, min_replica_tokens=min_tokens, backend="cupy", out=out, **options)
+    got = plan_placement(cupy.asarray(loads), layout, min_replica_tokens=min_tokens, backend="device", out=out, **options)
     assert got is out
     got = got.to_numpy()
     for name in Plan.ARRAYS:
@@ -88,7 +88,7 @@ def test_repeated_calls_on_one_out_multi_domain():
     """Several domains combine their imbalance through a ticket in the plan's workspace,
     which the last cluster resets: the same ``out`` must stay correct call after call."""
     import cupy
-    from ultraep.planner.cuda import empty_plan
+    from ultraep.planner.device import empty_plan
     from ultraep.planner.traces import zipf_loads
 
     layout = ExpertLayout(64, 256, 2, 8)
@@ -96,7 +96,7 @@ def test_repeated_calls_on_one_out_multi_domain():
     for seed, target in enumerate([1.5, 3.0, 2.0]):
         loads = zipf_loads(64, 256, 8, 8192, target, seed)
         expected = plan_placement(loads, layout)
-        plan_placement(cupy.asarray(loads), layout, backend="cupy", out=out)
+        plan_placement(cupy.asarray(loads), layout, backend="device", out=out)
         got = out.to_numpy()
         assert (got.imbalance_before, got.imbalance_after) == (expected.imbalance_before, expected.imbalance_after)
         assert np.array_equal(got.split_prefix, expected.split_prefix)
@@ -104,7 +104,7 @@ def test_repeated_calls_on_one_out_multi_domain():
     bare = empty_plan(layout)
     bare.planner_workspace = None
     with pytest.raises(ValueError, match="empty_plan"):
-        plan_placement(cupy.asarray(loads), layout, backend="cupy", out=bare)
+        plan_placement(cupy.asarray(loads), layout, backend="device", out=bare)
 
 
 def test_captured_in_a_cuda_graph():
@@ -114,12 +114,12 @@ def test_captured_in_a_cuda_graph():
     layout = ExpertLayout(64, 256, 2)
     loads = cupy.asarray(zipf_loads(64, 256, 8, 8192, 2.0, 1))
     out = poisoned_plan(layout)
-    plan_placement(loads, layout, backend="cupy", out=out)  # compile outside the capture
+    plan_placement(loads, layout, backend="device", out=out)  # compile outside the capture
     out = poisoned_plan(layout)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        plan_placement(loads, layout, backend="cupy", out=out)
+        plan_placement(loads, layout, backend="device", out=out)
         graph = stream.end_capture()
         graph.launch()
     stream.synchronize()
@@ -130,7 +130,7 @@ def test_captured_in_a_cuda_graph():
 
 def test_reroute_bitwise_equal():
     import cupy
-    from ultraep.planner.cuda import reroute_workspace_size
+    from ultraep.planner.device import reroute_workspace_size
     from ultraep.planner.traces import zipf_topk
 
     rng = np.random.default_rng(7)
@@ -139,7 +139,7 @@ def test_reroute_bitwise_equal():
         topk = zipf_topk(ranks, experts, 8, 2048, target, 3)
         loads = np.stack([np.bincount(t.ravel(), minlength=experts) for t in topk]).astype(np.int32)
         plan = plan_placement(loads, layout)
-        device_plan = plan_placement(cupy.asarray(loads), layout, backend="cupy")
+        device_plan = plan_placement(cupy.asarray(loads), layout, backend="device")
         for i, rank in enumerate(rng.choice(ranks, 6, replace=False)):
             ids = cupy.asarray(topk[rank], dtype=np.int64 if i % 2 else np.int32)  # both read in place
             out = cupy.full(topk[rank].shape, POISON, np.int32)
@@ -162,3 +162,31 @@ def test_reroute_bitwise_equal():
     plan = plan_placement(np.full((2, 4), 1, np.int32), layout)
     got = reroute(cupy.asarray(np.array([[0, 0, 7, -1]], np.int32)), plan, 0).get()
     assert got.tolist() == [[0, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("layout", [ExpertLayout(64, 256, 2), ExpertLayout(6, 18, 3, 3, 2)])
+def test_launch_needs_exactly_the_computed_shared_memory(layout):
+    """``plan_shared_bytes`` is the kernel's carve-up: at that size the kernel plans, and
+    one byte less traps with a message naming both sizes (in a child: a trap ends the
+    CUDA context)."""
+    import subprocess
+    import sys
+
+    import cupy
+    from ultraep.planner import DevicePlanner
+    from ultraep.planner.traces import zipf_loads
+
+    loads = zipf_loads(layout.num_ranks, layout.num_experts, 2, 4096, 2.0, 5)
+    planner = DevicePlanner(layout, min_replica_tokens=16)
+    got = planner.plan(cupy.asarray(loads)).to_numpy()
+    assert np.array_equal(got.split_prefix, plan_placement(loads, layout, min_replica_tokens=16).split_prefix)
+    code = ("import cupy, numpy as np\n"
+            "from ultraep.planner import DevicePlanner, ExpertLayout\n"
+            f"planner = DevicePlanner({layout!r})\n"
+            "planner.shared_bytes -= 1\n"
+            f"planner.plan(cupy.ones(({layout.num_ranks}, {layout.num_experts}), np.int32))\n"
+            "cupy.cuda.Device().synchronize()\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    needed = planner.shared_bytes
+    assert child.returncode != 0
+    assert f"needs {needed} bytes of dynamic shared memory, launched with {needed - 1}" in child.stdout + child.stderr

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ultraep.planner import ExpertLayout, Plan, plan_placement
+from ultraep.planner import ExpertLayout, HostPlanner, Plan, make_planner, plan_placement, reroute
 from ultraep.planner.plan import master_rank_load
 
 
@@ -148,3 +148,32 @@ def test_bad_options(kwargs, message):
 def test_bad_layout_argument():
     with pytest.raises(ValueError, match="ExpertLayout"):
         plan_placement(np.ones((2, 4), np.int32), (2, 4, 1))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cupy", "torch"])
+def test_backends_take_the_librarys_names(backend):
+    with pytest.raises(ValueError, match="backend"):
+        plan_placement(np.ones((2, 4), np.int32), ExpertLayout(2, 4, 1), backend=backend)
+    with pytest.raises(ValueError, match="backend"):
+        make_planner(ExpertLayout(2, 4, 1), backend)
+
+
+def test_host_planner_is_plan_placements_reference_and_fills_out():
+    layout = ExpertLayout(4, 8, 2)
+    loads = np.full((4, 8), 10, np.int32)
+    loads[:, 0] = 900
+    planner = make_planner(layout, "host", min_replica_tokens=10, target_imbalance=1.01)
+    assert isinstance(planner, HostPlanner) and (planner.cap_ppm, planner.fit_first) == (1010000, True)
+    expected = plan_placement(loads, layout, backend="auto", min_replica_tokens=10, target_imbalance=1.01)
+    out = planner.empty_plan()
+    assert planner.plan(loads, out=out) is out
+    for name in Plan.ARRAYS:
+        assert np.array_equal(getattr(out, name), getattr(expected, name)), name
+    assert (out.imbalance_before, out.imbalance_after) == (expected.imbalance_before, expected.imbalance_after)
+    assert out.replica_count[0] > 1
+    ids = np.zeros((900, 1), np.int32)
+    slots = np.full(ids.shape, -7, np.int32)
+    assert planner.reroute(ids, out, 0, out=slots) is slots
+    assert np.array_equal(slots, reroute(ids, expected, 0))
+    with pytest.raises(ValueError, match="another layout"):
+        make_planner(ExpertLayout(2, 8, 2)).plan(loads[:2], out=out)

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-imbalance", type=float, default=2.0, help="--generate zipf: initial rank max/mean")
     p.add_argument("--min-replica-tokens", type=int, default=1024)
-    p.add_argument("--backend", choices=("numpy", "cupy"), default="numpy", help="backend of the ultraep policy")
+    p.add_argument("--backend", choices=("host", "device"), default="host", help="backend of the ultraep policy")
     p.add_argument("--eplb-window", type=int, default=10, help="past micro-batches EPLB places from")
     p.add_argument("--eplb-interval", type=int, default=1, help="micro-batches between EPLB re-placements")
     p.add_argument("--bound", choices=("auto", "milp", "lp", "trivial"), default="auto",
@@ -83,7 +83,7 @@ def make_trace(args):
 
 
 def _synchronize(backend: str) -> None:
-    if backend == "cupy":
+    if backend == "device":
         import cupy
 
         cupy.cuda.get_current_stream().synchronize()
@@ -103,7 +103,7 @@ class _Progress:
               file=sys.stderr, flush=True)
 
 
-def replay(loads: np.ndarray, layout: ExpertLayout, *, min_replica_tokens: int, backend: str = "numpy",
+def replay(loads: np.ndarray, layout: ExpertLayout, *, min_replica_tokens: int, backend: str = "host",
            eplb_window: int = 10, eplb_interval: int = 1, bound_method: str = "auto",
            bound_time_limit: float = 2.0, bound_max_binaries: int = DEFAULT_MAX_BINARIES,
            quiet: bool = True) -> dict:
@@ -121,7 +121,7 @@ def replay(loads: np.ndarray, layout: ExpertLayout, *, min_replica_tokens: int, 
     eplb_below_min = np.zeros(shape, dtype=np.int64)
     invalid_ultraep = []
     eplb = [EPLB(layout, window=eplb_window, rebalance_every=eplb_interval) for _ in range(layers)]
-    if backend == "cupy":  # compile and load the kernel outside the timed region
+    if backend == "device":  # compile and load the kernel outside the timed region
         plan_placement(loads[0, 0], layout, min_replica_tokens=min_replica_tokens, backend=backend)
         _synchronize(backend)
     progress = _Progress(steps * layers, quiet)

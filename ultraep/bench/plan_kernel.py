@@ -74,13 +74,13 @@ def parse_args(argv):
 def gpu_times(loads, topk, layout, repeats, cap):
     """Plan and reroute (rank 0's tokens) times: graph replay and plain launches, ms."""
     import cupy
-    from ultraep.planner.cuda import empty_plan
+    from ultraep.planner.device import empty_plan
 
     plan = empty_plan(layout)
     plan.loads[...] = cupy.asarray(loads)
 
     def plan_once(**options):
-        plan_placement(plan.loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, backend="cupy", out=plan, **options)
+        plan_placement(plan.loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, backend="device", out=plan, **options)
 
     ids = cupy.asarray(topk[0])
     slots = cupy.empty(ids.shape, np.int32)

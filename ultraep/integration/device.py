@@ -20,12 +20,11 @@ import numpy as np
 from ultraep.errors import BalancerError
 from ultraep.integration.host import BadIds
 from ultraep.integration.stats import DeviceClock
-from ultraep.planner import Plan, plan_placement, reroute
-from ultraep.planner.cuda import empty_plan, reroute_workspace_size
+from ultraep.planner import DevicePlanner, Plan
+from ultraep.planner.device import reroute_workspace_size
 from ultraep.runtime.dlpack import caller_stream, external_stream
 from ultraep.runtime.kernels import get_function
 
-PLANNER_BACKEND = "cupy"  # the planner's name for its device implementation
 COUNT_THREADS = 256
 MAX_COUNT_BLOCKS = 1024
 NO_BAD_INDEX = np.iinfo(np.uint64).max
@@ -86,10 +85,10 @@ class DeviceSlot:
     """A ring slot's device state: its plan buffers, pinned host mirrors of what a record
     needs, its event clock, and reroute buffers grown to the largest batch it has seen."""
 
-    def __init__(self, layout):
+    def __init__(self, layout, buffers: Plan):
         R, E = layout.num_ranks, layout.num_experts
         self.clock = DeviceClock()
-        self.buffers = empty_plan(layout)
+        self.buffers = buffers
         self.mirror = {"loads": cupyx.empty_pinned((R, E), np.int32),
                        "phys_to_log": cupyx.empty_pinned(layout.num_physical, np.int32),
                        "rank_load": cupyx.empty_pinned(R, np.int64),
@@ -104,14 +103,15 @@ class DeviceBalancer:
 
     def __init__(self, heap, layout, gathered, *, min_replica_tokens: int, timeout_s: float, sync_checks: bool):
         self.heap, self.layout, self.gathered = heap, layout, gathered
-        self.min_replica_tokens, self.timeout_s, self.sync_checks = min_replica_tokens, timeout_s, sync_checks
+        self.timeout_s, self.sync_checks = timeout_s, sync_checks
+        self.planner = DevicePlanner(layout, min_replica_tokens=min_replica_tokens)
         self.device = heap.device
         self._matrix_bytes = gathered.nbytes // gathered.shape[0]  # one of the gathered load matrices
         self.counter = DeviceLoadCounter(heap, layout.num_experts)
         self.liveness = cupy.zeros(1, dtype=np.int64)  # plans completed, counted on the device
 
     def new_slot(self) -> DeviceSlot:
-        return DeviceSlot(self.layout)
+        return DeviceSlot(self.layout, self.planner.empty_plan())
 
     def stream(self, stream, tensor=None):
         """Context making the caller's stream CuPy's current one: ``stream`` (CuPy, a raw
@@ -152,8 +152,7 @@ class DeviceBalancer:
 
     def plan(self, slot: DeviceSlot, buffer: int) -> Plan:
         out = slot.buffers
-        plan_placement(self.gathered.local[buffer], self.layout, min_replica_tokens=self.min_replica_tokens,
-                       backend=PLANNER_BACKEND, out=out)
+        self.planner.plan(self.gathered.local[buffer], out=out)
         self.liveness += 1
         stream = cupy.cuda.get_current_stream().ptr
         for name, device_array in (("loads", out.loads), ("phys_to_log", out.phys_to_log),
@@ -171,7 +170,7 @@ class DeviceBalancer:
             slot.reroute_out = cupy.empty(max(n, 1), np.int32)
             slot.reroute_workspace = cupy.empty(reroute_workspace_size(self.layout, n), np.int32)
         out = slot.reroute_out[:n].reshape(ids.shape) if out is None else out
-        return reroute(ids, plan, self.heap.rank, backend=PLANNER_BACKEND, out=out, workspace=slot.reroute_workspace)
+        return self.planner.reroute(ids, plan, self.heap.rank, out=out, workspace=slot.reroute_workspace)
 
     def host_arrays(self, slot: DeviceSlot, plan: Plan) -> dict:
         """The pinned mirrors, once landed: blocks only when the device is a ring behind.

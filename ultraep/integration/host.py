@@ -16,9 +16,8 @@ import numpy as np
 
 from ultraep.errors import BalancerError
 from ultraep.integration.stats import HostClock
-from ultraep.planner import Plan, plan_placement, reroute
+from ultraep.planner import HostPlanner, Plan
 
-PLANNER_BACKEND = "numpy"  # the planner's name for its host implementation
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,8 @@ class HostBalancer:
 
     def __init__(self, heap, layout, gathered, *, min_replica_tokens: int, timeout_s: float, sync_checks: bool):
         self.heap, self.layout, self.gathered = heap, layout, gathered
-        self.min_replica_tokens, self.timeout_s = min_replica_tokens, timeout_s
+        self.timeout_s = timeout_s
+        self.planner = HostPlanner(layout, min_replica_tokens=min_replica_tokens)
         self.liveness = 0  # plans completed on this rank
 
     def new_slot(self) -> HostSlot:
@@ -97,15 +97,14 @@ class HostBalancer:
 
     def plan(self, slot: HostSlot, buffer: int) -> Plan:
         loads = np.array(self.gathered.local[buffer])  # peers overwrite this buffer two updates on
-        plan = plan_placement(loads, self.layout, min_replica_tokens=self.min_replica_tokens,
-                              backend=PLANNER_BACKEND)
+        plan = self.planner.plan(loads)
         self.liveness += 1
         slot.liveness = self.liveness
         return plan
 
     def reroute(self, slot: HostSlot, ids, plan: Plan, out):
         """Raises ValueError for ids the plan has no room for."""
-        return reroute(ids, plan, self.heap.rank, backend=PLANNER_BACKEND, out=out)
+        return self.planner.reroute(ids, plan, self.heap.rank, out=out)
 
     def host_arrays(self, slot: HostSlot, plan: Plan) -> dict:
         return {"loads": plan.loads, "phys_to_log": plan.phys_to_log, "rank_load": plan.rank_load,

@@ -28,7 +28,7 @@ def check_loads(loads, layout: ExpertLayout, *, check_values: bool = True):
     """Validate a load matrix ``[R, E]`` and return it as int32 (same array module).
 
     Values (NaN, negatives, the int32 total) are checked only when ``check_values`` --
-    the CuPy backend skips them, since reading device values would synchronise.
+    the device planner skips them, since reading device values would synchronise.
     """
     if not isinstance(layout, ExpertLayout):
         raise ValueError(f"layout must be an ExpertLayout, got {type(layout).__name__}")
@@ -67,10 +67,10 @@ def host_rank_of_slots(layout: ExpertLayout, slots):
 
 
 class Plan:
-    """Arrays of one plan (NumPy, or CuPy from the CuPy backend); see DESIGN.md "Control plane".
+    """Arrays of one plan (NumPy, or CuPy from the device planner); see DESIGN.md "Control plane".
 
     ``imbalance_before``/``imbalance_after`` are floats, or 0-d device arrays on the
-    CuPy backend (reading them would synchronise); ``to_numpy()`` gives floats.
+    device planner (reading them would synchronise); ``to_numpy()`` gives floats.
     """
 
     ARRAYS = ("loads", "phys_to_log", "log_to_phys", "replica_count", "quota", "split_prefix", "rank_load")

@@ -1,4 +1,6 @@
-"""The quota planner: NumPy reference and the ``plan_placement`` entry point.
+"""The quota planner: its options (``Planner``, shared by both implementations) and the
+NumPy reference algorithm that ``HostPlanner`` runs and ``raw_kernels/planner.cu`` matches
+bit for bit.
 
 Each NVLink domain is solved on its own (replicas never leave it):
 
@@ -10,87 +12,95 @@ Each NVLink domain is solved on its own (replicas never leave it):
    that only has to reach the cap needs fewer replicas (less weight traffic) than the
    tightest one, and the first probe is the cap itself. The lowest feasible probe
    becomes ``hi`` and the probe below it ``lo``. Rounds stop at ``hi - lo <=
-   tau_tolerance + 1``. The default tolerance is ``lo >> NEAR_SHIFT`` tokens (about
-   0.05% of the domain's mean rank load, the spacing of the near probes): typical
-   loads then need one round, and ``tau`` is within that spacing of the oracle's
-   exact threshold, which ``tau_tolerance=0`` finds. The GPU evaluates one probe per
-   warp; this reference evaluates the same probes in the same order, so both pick the
-   same ``tau`` even where the oracle is not monotone.
+   tau_tolerance + 1``. The default tolerance is ``lo >> NEAR_SHIFT`` tokens (the
+   spacing of the near probes), so ``tau`` is within that spacing of the oracle's exact
+   threshold, which ``tau_tolerance=0`` finds. The GPU evaluates one probe per warp;
+   this reference evaluates the same probes in the same order, so both pick the same
+   ``tau`` even where the oracle is not monotone.
 2. **Greedy oracle** for one ``tau``: overloaded ranks in descending load, their
    masters in descending load; while the rank is above ``tau``, move
    ``need = min(max(excess, q_min), expert's remaining master quota)`` of the expert to
    an eligible rank (free redundant slot, not hosting the expert, slack >= ``q_min``,
    the expert below ``K`` instances), creating a replica. Changes to the paper's
-   oracle (most slack, move as much as fits), each fewer replicas or lower thresholds
-   on the anchor cases: the target is the *best fit* (least slack that still takes
-   ``need``, else most slack); a target that could take no further replica afterwards
-   -- its leftover slack would fall below ``q_min``, or this is its last free slot --
-   is filled completely, which moves that otherwise stranded slack onto the source
-   rank (whose slots are free); and the ranks go in two passes. Pass 1 gives every
+   oracle (most slack, move as much as fits), each for fewer replicas or lower
+   thresholds: the target is the *best fit* (least slack that still takes ``need``,
+   else most slack); a target that could take no further replica afterwards -- its
+   leftover slack would fall below ``q_min``, or this is its last free slot -- is
+   filled completely, which moves that otherwise stranded slack onto the source rank
+   (whose slots are free); and the ranks go in two passes. Pass 1 gives every
    overloaded rank whose whole excess one replica of its hottest expert can take that
    one replica, on the best-fitting rank, and skips the others; pass 2 runs the full
    greedy on the ranks still overloaded. Otherwise the ranks that need several replicas
    come first and spill into the largest rooms, which a rank with one replica's worth
-   of excess would have filled exactly (-4.5 % replicas over 36 Zipf cases at a 1.005
-   cap, all still reaching it; E=256 at 1.5: 42 -> 38, the proven minimum). Pass 1 is
-   on by default only with a cap: in the tightest search it saves replicas too but
-   sometimes stops at a higher threshold (``plan_placement``'s ``fit_first``). Moving at
-   least ``q_min`` even when the excess is smaller lets a slightly overloaded rank shed
-   load at all. Ties go to the lowest index; integer arithmetic.
+   of excess would have filled exactly. Pass 1 is on by default only with a cap: in the
+   tightest search it saves replicas too but sometimes stops at a higher threshold
+   (``fit_first``). Moving at least ``q_min`` even when the excess is smaller lets a
+   slightly overloaded rank shed load at all. Ties go to the lowest index; integer
+   arithmetic.
 3. **Locality-first split** (``locality_split``).
 
 Requires the total load below 2**31 (checked), so every sum fits in int32 on the GPU.
+The search's constants are the kernel's ``#define``s, read from its source.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 from ultraep.planner.layout import ExpertLayout
-from ultraep.planner.plan import Plan, check_loads
+from ultraep.planner.plan import Plan
+from ultraep.runtime.kernels import kernel_constants
 
-PROBES_PER_ROUND = 32  # one warp per probe, spread over a cluster of blocks (raw_kernels/planner.cu)
-NEAR_PROBES = 24  # probes spaced from lo by the near step (probe_points)
-NEAR_SHIFT = 11   # near step = lo / 2**11, about 0.05% of the mean
+_KERNEL = kernel_constants("planner.cu")
+PROBES_PER_ROUND = _KERNEL["PROBES"]  # one warp per probe, spread over a cluster of blocks
+NEAR_PROBES = _KERNEL["NEAR_PROBES"]  # probes spaced from lo by the near step (probe_points)
+NEAR_SHIFT = _KERNEL["NEAR_SHIFT"]  # near step = lo >> NEAR_SHIFT ...
+NEAR_GAP_SHIFT = _KERNEL["NEAR_GAP_SHIFT"]  # ... and at most gap >> NEAR_GAP_SHIFT
 
 
-def plan_placement(loads, layout: ExpertLayout, *, min_replica_tokens: int = 1024, backend: str = "numpy",
-                   tau_tolerance: int | None = None, target_imbalance: float | None = None,
-                   fit_first: bool | None = None, out: Plan | None = None) -> Plan:
-    """Plan replicas, quotas and the per-source split for load matrix ``loads[R, E]``.
+class Planner(ABC):
+    """A quota planner for one layout: ``HostPlanner`` (NumPy) or ``DevicePlanner`` (CUDA).
 
-    ``backend="cupy"`` runs ``raw_kernels/planner.cu`` without host synchronisation and
-    returns a plan of CuPy arrays, bitwise equal to the NumPy reference.
-    ``tau_tolerance`` (tokens): how close the threshold search gets to the oracle's
-    exact threshold; ``None`` = ``auto_tolerance`` of each domain. ``target_imbalance``
-    (>= 1, e.g. 1.005): settle for a max rank load up to that multiple of the domain's
-    mean where the oracle reaches it, with fewer replicas than the tightest plan
-    (``None``: the tightest). ``fit_first``: run the oracle's pass 1 (module
-    docstring): fewer replicas (less weight traffic) at the same threshold, for a
+    ``min_replica_tokens``: the fewest tokens a replica may serve (it must be worth its
+    weight transfer). ``tau_tolerance`` (tokens): how close the threshold search gets to
+    the oracle's exact threshold; ``None`` = ``auto_tolerance`` of each domain.
+    ``target_imbalance`` (>= 1, e.g. 1.005): settle for a max rank load up to that
+    multiple of the domain's mean where the oracle reaches it, with fewer replicas than
+    the tightest plan (``None``: the tightest). ``fit_first``: run the oracle's pass 1
+    (module docstring): fewer replicas (less weight traffic) at the same threshold, for a
     longer planning kernel; ``None`` = only with ``target_imbalance`` (in the tightest
-    search it sometimes ends a little higher). ``out`` (CuPy only, from
-    ``cuda.empty_plan``) receives the plan in place, e.g. for CUDA graph capture.
+    search it sometimes ends a little higher). The options are checked here, once.
     """
-    min_replica_tokens = _non_negative_int("min_replica_tokens", min_replica_tokens)
-    if tau_tolerance is not None:
-        tau_tolerance = _non_negative_int("tau_tolerance", tau_tolerance)
-    cap_ppm = target_ppm(target_imbalance)
-    if fit_first is None:
-        fit_first = target_imbalance is not None
-    elif not isinstance(fit_first, (bool, np.bool_)):
-        raise ValueError(f"fit_first must be True, False or None, got {fit_first!r}")
-    if backend == "cupy":
-        from ultraep.planner.cuda import plan_placement_cupy
 
-        return plan_placement_cupy(loads, layout, min_replica_tokens=min_replica_tokens,
-                                   tau_tolerance=tau_tolerance, cap_ppm=cap_ppm, fit_first=bool(fit_first), out=out)
-    if backend != "numpy":
-        raise ValueError(f"backend must be 'numpy' or 'cupy', got {backend!r}")
-    if out is not None:
-        raise ValueError("out= is only supported by the cupy backend")
-    loads = check_loads(loads, layout)
-    log_to_phys, quota = place_replicas(loads, layout, min_replica_tokens, tau_tolerance, cap_ppm, bool(fit_first))
-    return Plan.from_split(layout, loads, log_to_phys, locality_split(loads, layout, log_to_phys, quota))
+    def __init__(self, layout: ExpertLayout, *, min_replica_tokens: int = 1024, tau_tolerance: int | None = None,
+                 target_imbalance: float | None = None, fit_first: bool | None = None):
+        if not isinstance(layout, ExpertLayout):
+            raise ValueError(f"layout must be an ExpertLayout, got {type(layout).__name__}")
+        self.layout = layout
+        self.min_replica_tokens = _non_negative_int("min_replica_tokens", min_replica_tokens)
+        self.tau_tolerance = None if tau_tolerance is None else _non_negative_int("tau_tolerance", tau_tolerance)
+        self.cap_ppm = target_ppm(target_imbalance)
+        if fit_first is None:
+            fit_first = target_imbalance is not None
+        elif not isinstance(fit_first, (bool, np.bool_)):
+            raise ValueError(f"fit_first must be True, False or None, got {fit_first!r}")
+        self.fit_first = bool(fit_first)
+
+    @abstractmethod
+    def plan(self, loads, out: Plan | None = None) -> Plan:
+        """The plan of load matrix ``loads[R, E]``; written into ``out`` (from
+        ``empty_plan``) when given, e.g. for CUDA graph capture."""
+
+    @abstractmethod
+    def reroute(self, topk_ids, plan: Plan, rank: int, out=None, workspace=None):
+        """Physical slot ids (int32, shaped like ``topk_ids``) of rank ``rank``'s tokens
+        under ``plan`` (``ultraep.planner.reroute``)."""
+
+    @abstractmethod
+    def empty_plan(self) -> Plan:
+        """Buffers for ``plan(..., out=)``."""
 
 
 def _non_negative_int(name, value) -> int:
@@ -120,17 +130,16 @@ def search_floor(total: int, ranks: int, cap_ppm: int) -> int:
 def probe_points(lo: int, hi: int) -> list[int]:
     """Thresholds probed in one round, ascending, strictly inside ``(lo, hi)``.
 
-    The oracle's threshold usually sits within about 1% of the mean (``lo`` + 1 in the
-    first round), so ``NEAR_PROBES`` probes step by ``lo / 2**NEAR_SHIFT`` (at most
-    ``gap / 64``) from ``lo + 1`` (a cap is probed first) and the rest go evenly over the
-    remainder of the gap. On the anchor cases the first round then brackets the
-    threshold within about 32 tokens and the second round ends the search (even
-    spacing, or near probes scaled to the gap, needed three rounds on most of them).
+    The oracle's threshold usually sits just above the mean (``lo`` + 1 in the first
+    round), so ``NEAR_PROBES`` probes step by ``lo >> NEAR_SHIFT`` (at most
+    ``gap >> NEAR_GAP_SHIFT``) from ``lo + 1`` (a cap is probed first) and the rest go
+    evenly over the remainder of the gap: the first round brackets the threshold closely
+    and the second usually ends the search.
     """
     gap = hi - lo
     if gap - 1 <= PROBES_PER_ROUND:
         return list(range(lo + 1, hi))
-    step = max(1, min(lo >> NEAR_SHIFT, gap >> 6))
+    step = max(1, min(lo >> NEAR_SHIFT, gap >> NEAR_GAP_SHIFT))
     start, far = lo + NEAR_PROBES * step, PROBES_PER_ROUND - NEAR_PROBES
     return ([lo + 1 + i * step for i in range(NEAR_PROBES)]
             + [start + (i + 1) * (hi - start) // (far + 1) for i in range(far)])

@@ -3,37 +3,29 @@
 The ``k``-th occurrence of logical expert ``e`` in this rank's ``topk_ids`` (token order,
 then top-k slot order, i.e. row-major) goes to the first instance ``i`` with
 ``split_prefix[rank, e, i] > k``, so each instance receives exactly its planned split.
+This module holds the NumPy reference (``HostPlanner.reroute``); ``raw_kernels/reroute.cu``
+is the device's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ultraep.planner.plan import Plan, array_module
+from ultraep.planner.layout import ExpertLayout
+from ultraep.planner.plan import Plan
 
 
-def reroute(topk_ids, plan: Plan, rank: int, *, backend: str | None = None, out=None, workspace=None):
-    """Physical slot ids, int32, shaped like ``topk_ids``.
-
-    ``backend`` defaults to the array type of ``topk_ids`` ("cupy" for CuPy arrays).
-    The NumPy path raises ``ValueError`` for ids out of range or more tokens of an expert
-    than the plan's ``loads[rank, e]``; the CuPy path cannot check values without
-    synchronising and writes ``-1`` for such entries instead; with a preallocated int32
-    ``out`` and ``workspace`` (``cuda.reroute_workspace_size``) it allocates nothing.
-    """
-    if backend is None:
-        backend = "cupy" if array_module(topk_ids) is not np else "numpy"
-    layout = plan.layout
+def check_rank(layout: ExpertLayout, rank) -> int:
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < layout.num_ranks:
         raise ValueError(f"rank must be an integer in [0, {layout.num_ranks}), got {rank!r}")
-    if backend == "cupy":
-        from ultraep.planner.cuda import reroute_cupy
+    return int(rank)
 
-        return reroute_cupy(topk_ids, plan, int(rank), out=out, workspace=workspace)
-    if backend != "numpy":
-        raise ValueError(f"backend must be 'numpy' or 'cupy', got {backend!r}")
-    if out is not None or workspace is not None:
-        raise ValueError("out= and workspace= are only supported by the cupy backend")
+
+def reroute_reference(topk_ids, plan: Plan, rank: int) -> np.ndarray:
+    """Physical slot ids, int32, shaped like ``topk_ids``; ``ValueError`` for ids out of
+    range or more tokens of an expert than the plan's ``loads[rank, e]``."""
+    layout = plan.layout
+    rank = check_rank(layout, rank)
     plan = plan.to_numpy()
     topk_ids = np.asarray(topk_ids)
     if topk_ids.dtype.kind not in "iu":
