@@ -101,7 +101,7 @@ def time_phases(source: str, repeats: int) -> None:
     import ultraep.planner.cuda as planner_cuda
     from ultraep.bench.timing import graph_ms
     from ultraep.planner import ExpertLayout, plan_placement
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
     from ultraep.runtime.kernels import COMPILE_OPTIONS, declared_kernels, inline_local_includes
 
     path = pathlib.Path(source)

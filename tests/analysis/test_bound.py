@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from ultraep.planner import ExpertLayout, plan_placement
-from ultraep.planner.baselines import EPLB, no_balancing, replicas_below
-from ultraep.planner.bound import _component_bound, lower_bound, min_replicas_bound, trivial_bound
+from ultraep.analysis.baselines import EPLB, no_balancing, replicas_below
+from ultraep.analysis.bound import _component_bound, lower_bound, min_replicas_bound, trivial_bound
 from ultraep.planner.plan import check_loads
-from ultraep.planner.traces import zipf_loads
+from ultraep.analysis.traces import zipf_loads
 
 
 def _expert_options(loads, layout, min_replica_tokens):

@@ -61,7 +61,7 @@ def test_random_small_cases_bitwise_equal():
 
 @pytest.mark.parametrize("ranks, experts, domain", [(64, 128, 64), (64, 256, 64), (64, 256, 8), (72, 576, 72)])
 def test_large_layouts_bitwise_equal(ranks, experts, domain):
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
 
     layout = ExpertLayout(ranks, experts, 2, domain)
     for seed, target in enumerate([1.2, 1.5, 2.0, 3.0]):
@@ -76,7 +76,7 @@ def test_large_layouts_bitwise_equal(ranks, experts, domain):
 
 def test_rank_loads_beyond_packed_oracle_keys():
     """Rank loads of 2**23 and more take the oracle's unpacked keys (one ballot per chunk)."""
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
 
     layout = ExpertLayout(64, 256, 2)
     loads = zipf_loads(64, 256, 8, 8192, 1.5, 4) * 256  # about 2**24 tokens per rank, total below 2**31
@@ -89,7 +89,7 @@ def test_repeated_calls_on_one_out_multi_domain():
     which the last cluster resets: the same ``out`` must stay correct call after call."""
     import cupy
     from ultraep.planner.cuda import empty_plan
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
 
     layout = ExpertLayout(64, 256, 2, 8)
     out = poisoned_plan(layout)
@@ -109,7 +109,7 @@ def test_repeated_calls_on_one_out_multi_domain():
 
 def test_captured_in_a_cuda_graph():
     import cupy
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
 
     layout = ExpertLayout(64, 256, 2)
     loads = cupy.asarray(zipf_loads(64, 256, 8, 8192, 2.0, 1))
@@ -131,7 +131,7 @@ def test_captured_in_a_cuda_graph():
 def test_reroute_bitwise_equal():
     import cupy
     from ultraep.planner.cuda import reroute_workspace_size
-    from ultraep.planner.traces import zipf_topk
+    from ultraep.analysis.traces import zipf_topk
 
     rng = np.random.default_rng(7)
     for ranks, experts, target in [(64, 256, 2.0), (64, 128, 3.0), (72, 576, 1.5)]:

@@ -35,7 +35,7 @@ errors (ids out of range are then not counted, and reroute gives them slot ``-1`
 
 Metrics: :meth:`stats` (imbalance before/after, replicas, bytes moved, stage times, a
 liveness counter of plans the device completed), :meth:`save_trace` (the planner's
-trace format) and :func:`~ultraep.integration.stats.plot_rank_loads`.
+trace format) and :func:`~ultraep.analysis.plots.plot_rank_loads`.
 
 GPU hot path: everything runs on the caller's stream (CuPy's current stream, the stream
 of a torch ``topk_ids``, or ``stream=``), and once every ring slot has seen the largest
@@ -71,7 +71,7 @@ from ultraep.errors import BalancerError, StaleHandleError
 from ultraep.integration.loads import DeviceLoadCounter, count_loads
 from ultraep.integration.stats import BalancerStats, DeviceClock, HostClock, plan_record
 from ultraep.planner import ExpertLayout, Plan, plan_placement, reroute
-from ultraep.planner.traces import TraceRecorder
+from ultraep.integration.traces import TraceRecorder
 from ultraep.runtime.dlpack import external_stream, caller_stream, import_tensor
 from ultraep.runtime.heap import ALLOC_ALIGN, FAILING_CLOSE_TIMEOUT_S, open_heap, round_up
 from ultraep.transfer import ExpertSpec, WeightTransfer
