@@ -199,7 +199,7 @@ def _tiny_loads(layout, rng):
 def test_min_replicas_is_exact_on_tiny_cases(layout, min_tokens):
     rng = np.random.default_rng(7 + layout.num_ranks * 100 + layout.num_experts * 10 + layout.redundant_slots)
     seen = {"infeasible": 0, "replicas": 0}
-    for case in range(8):
+    for _ in range(8):
         loads = _tiny_loads(layout, rng)
         mean = -(-int(loads.sum()) // layout.num_ranks)
         for cap in range(mean - 1, int(no_balancing(loads, layout).rank_load.max()) + 1):

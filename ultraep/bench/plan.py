@@ -299,7 +299,7 @@ def main(argv: list[str]) -> int:
         })
         print(f"wrote {args.json}")
     if args.plot:
-        plot_replay(result, args.plot, f"ultraep bench plan: {source}, R={ranks} E={experts} S={layout.redundant_slots} "
-                                f"D={layout.domain_size}")
+        plot_replay(result, args.plot, f"ultraep bench plan: {source}, R={ranks} E={experts} "
+                                       f"S={layout.redundant_slots} D={layout.domain_size}")
         print(f"wrote {args.plot}")
     return 1 if result["invalid_ultraep"] else 0
