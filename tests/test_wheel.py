@@ -1,5 +1,6 @@
 """The built wheel is a working install: it carries every module and every kernel source,
-and ``ultraep.runtime.kernels`` finds the kernels in it from outside the checkout.
+and ``ultraep.runtime.kernels`` finds the kernels in it from outside the checkout. A
+checkout without the ``ultraep/raw_kernels`` link finds the top-level ``raw_kernels/``.
 
 The wheel is built from a copy of the checkout (setuptools' ``build/`` would otherwise
 collect stale files in the tree) with the test environment's setuptools, so the test
@@ -75,3 +76,14 @@ def test_wheel_installs_kernels_outside_the_checkout(tmp_path):
     assert found["files"] == KERNELS
     for name in sources:
         assert found["declared"][name], f"{name}: no declared kernels found in the installed copy"
+
+
+def test_checkout_without_the_link_uses_the_top_level_kernels(tmp_path):
+    shutil.copytree(REPO / "ultraep", tmp_path / "ultraep", ignore=shutil.ignore_patterns("raw_kernels", "__pycache__"))
+    shutil.copytree(REPO / "raw_kernels", tmp_path / "raw_kernels")
+    env = {k: v for k, v in os.environ.items() if k not in ("ULTRAEP_KERNEL_DIR", "PYTHONPATH")}
+    found = json.loads(run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + CHECK,
+                            json.dumps(["planner.cu"])], cwd=tmp_path, env=env))
+    assert Path(found["package"]).is_relative_to(tmp_path), found["package"]
+    assert found["kernel_dir"] == str(tmp_path / "raw_kernels")
+    assert found["declared"]["planner.cu"]

@@ -42,6 +42,8 @@ def kernel_dir() -> Path:
     data = importlib.resources.files("ultraep") / "raw_kernels"
     if not isinstance(data, Path):  # e.g. a zipped install: the compilers read sources by path
         raise FileNotFoundError(f"ultraep's kernel sources are not files on disk ({data}); set ULTRAEP_KERNEL_DIR")
+    if not data.is_dir():  # a checkout whose link was not made (core.symlinks off, a copy that drops links)
+        return data.parents[1] / "raw_kernels"
     return data
 
 
