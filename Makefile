@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv gpu-check clean
+.PHONY: demo lint test venv gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m ultraep.bench plan --demo
 
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
 # pytest's exit code 5 (no test collected) must fail, never pass.
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
@@ -29,4 +32,4 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

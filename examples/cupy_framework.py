@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from ultraep.integration import Balancer, plot_rank_loads
+from ultraep.analysis.plots import plot_rank_loads
+from ultraep.integration import Balancer
 from ultraep.integration.pipeline import max_in_flight, one_f_one_b
 from ultraep.planner import ExpertLayout
 from ultraep.runtime.group import EPGroup

@@ -70,9 +70,9 @@ def time_phases(source: str, repeats: int) -> None:
     import cupy
 
     from ultraep.bench.timing import graph_ms
+    from ultraep.analysis.traces import zipf_loads
     from ultraep.planner import DevicePlanner, ExpertLayout, plan_placement
     from ultraep.planner.device import PLAN_CLUSTER, PROBES
-    from ultraep.planner.traces import zipf_loads
     from ultraep.runtime.kernels import COMPILE_OPTIONS, declared_kernels, inline_local_includes
 
     path = pathlib.Path(source)

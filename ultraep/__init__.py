@@ -5,17 +5,21 @@ Layers, bottom up (each its own package):
 
 * ``ultraep.runtime`` -- EP group, kernel loading, symmetric heap (CUDA IPC and a CPU
   backend on MPI shared memory), DLPack interop, the ``mpiexec`` launcher.
-* ``ultraep.planner`` -- the control plane: expert layout, exact-load quota planner,
-  reroute, baselines, lower bounds and load traces.
+* ``ultraep.planner`` -- the control plane: expert layout, exact-load quota planner and
+  reroute.
 * ``ultraep.transfer`` -- the data plane: replica buffers, weight sync by tile streaming
   with relay trees, deterministic gradient reduction.
 * ``ultraep.token`` -- the token path: deterministic dispatch and combine (UniEP).
 * ``ultraep.integration`` -- the :class:`Balancer` a framework drives per layer and
-  micro-batch, with its metrics, traces and plots.
+  micro-batch, with its metrics and the load-trace format.
 * ``ultraep.bench`` -- ``python -m ultraep.bench ...`` benchmarks.
 
-Top-level names are imported on first use, so ``import ultraep`` stays cheap and needs
-neither MPI nor CuPy.
+Beside them, ``ultraep.analysis`` holds the analysis tools (proven bounds, baselines,
+synthetic traces, plots; ``pip install ultraep[analysis]``), never imported by the above.
+
+The names below are the public API, what a framework calls; each is imported on first
+use, so ``import ultraep`` stays cheap and needs neither MPI, CuPy, SciPy nor matplotlib.
+Every error the library raises on purpose derives from :class:`UltraEPError`.
 """
 
 import importlib
@@ -24,23 +28,31 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "EPGroup": "ultraep.runtime.group",
-    "SymmetricHeap": "ultraep.runtime.heap",
     "open_heap": "ultraep.runtime",
     "ExpertLayout": "ultraep.planner",
     "Plan": "ultraep.planner",
     "plan_placement": "ultraep.planner",
     "reroute": "ultraep.planner",
-    "lower_bound": "ultraep.planner.bound",
-    "load_trace": "ultraep.planner.traces",
-    "save_trace": "ultraep.planner.traces",
-    "TraceRecorder": "ultraep.planner.traces",
     "ExpertSpec": "ultraep.transfer",
     "WeightTransfer": "ultraep.transfer",
     "Dispatcher": "ultraep.token",
     "Balancer": "ultraep.integration",
     "BalanceHandle": "ultraep.integration",
-    "BalancerError": "ultraep.integration",
-    "StaleHandleError": "ultraep.integration",
+    "save_trace": "ultraep.integration.traces",
+    "load_trace": "ultraep.integration.traces",
+    "TraceRecorder": "ultraep.integration.traces",
+    "UltraEPError": "ultraep.errors",
+    "CollectiveError": "ultraep.errors",
+    "GroupMismatchError": "ultraep.errors",
+    "LaunchError": "ultraep.errors",
+    "MPSUnavailable": "ultraep.errors",
+    "HeapError": "ultraep.errors",
+    "WaitTimeout": "ultraep.errors",
+    "BarrierTimeout": "ultraep.errors",
+    "TransferTimeout": "ultraep.errors",
+    "DispatchError": "ultraep.errors",
+    "BalancerError": "ultraep.errors",
+    "StaleHandleError": "ultraep.errors",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -49,4 +61,10 @@ def __getattr__(name):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ultraep' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

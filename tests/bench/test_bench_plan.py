@@ -10,7 +10,8 @@ import pytest
 import ultraep.bench as bench
 from ultraep.bench import plan as bench_plan
 from ultraep.bench.report import format_value, print_table, write_json
-from ultraep.planner.traces import save_trace, zipf_loads
+from ultraep.analysis.traces import zipf_loads
+from ultraep.integration.traces import save_trace
 
 TINY = ["--ranks", "4", "--experts", "8", "--slots", "1", "--top-k", "2", "--tokens-per-rank", "64",
         "--steps", "4", "--layers", "2", "--min-replica-tokens", "8", "--eplb-window", "2", "--quiet"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ultraep.bench import moe_layer as bench
-from ultraep.planner.traces import rank_imbalance
+from ultraep.analysis.traces import rank_imbalance
 
 TINY = ["--layers", "2", "--experts-per-rank", "2", "--slots", "1", "--tokens", "256", "--top-k", "2", "--hidden", "32",
         "--ffn", "16", "--dtype", "float32", "--imbalance", "1.5", "--min-replica-tokens", "16", "--repeats", "2"]
@@ -37,7 +37,7 @@ def test_skewed_routing_meets_the_target_and_differs_per_layer():
 
 
 def test_skewed_routing_tries_other_rankings_when_the_first_cannot_reach_the_target():
-    from ultraep.planner.traces import zipf_topk
+    from ultraep.analysis.traces import zipf_topk
 
     args = bench.parse_args(["--tokens", "1024", "--top-k", "8", "--imbalance", "1.5"])
     with pytest.raises(ValueError, match="unreachable"):

@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from ultraep.integration.stats import BalancerStats, HostClock, plan_record, plot_rank_loads
+from ultraep.analysis.plots import plot_rank_loads
+from ultraep.integration.stats import BalancerStats, HostClock, plan_record
 from ultraep.planner import ExpertLayout, plan_placement
 from ultraep.planner.plan import master_rank_load
 

@@ -61,7 +61,7 @@ def test_random_small_cases_bitwise_equal():
 
 @pytest.mark.parametrize("ranks, experts, domain", [(64, 128, 64), (64, 256, 64), (64, 256, 8), (72, 576, 72)])
 def test_large_layouts_bitwise_equal(ranks, experts, domain):
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
 
     layout = ExpertLayout(ranks, experts, 2, domain)
     for seed, target in enumerate([1.2, 1.5, 2.0, 3.0]):
@@ -76,7 +76,7 @@ def test_large_layouts_bitwise_equal(ranks, experts, domain):
 
 def test_rank_loads_beyond_packed_oracle_keys():
     """Rank loads of 2**23 and more take the oracle's unpacked keys (one ballot per chunk)."""
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
 
     layout = ExpertLayout(64, 256, 2)
     loads = zipf_loads(64, 256, 8, 8192, 1.5, 4) * 256  # about 2**24 tokens per rank, total below 2**31
@@ -88,8 +88,8 @@ def test_repeated_calls_on_one_out_multi_domain():
     """Several domains combine their imbalance through a ticket in the plan's workspace,
     which the last cluster resets: the same ``out`` must stay correct call after call."""
     import cupy
+    from ultraep.analysis.traces import zipf_loads
     from ultraep.planner.device import empty_plan
-    from ultraep.planner.traces import zipf_loads
 
     layout = ExpertLayout(64, 256, 2, 8)
     out = poisoned_plan(layout)
@@ -109,7 +109,7 @@ def test_repeated_calls_on_one_out_multi_domain():
 
 def test_captured_in_a_cuda_graph():
     import cupy
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
 
     layout = ExpertLayout(64, 256, 2)
     loads = cupy.asarray(zipf_loads(64, 256, 8, 8192, 2.0, 1))
@@ -130,8 +130,8 @@ def test_captured_in_a_cuda_graph():
 
 def test_reroute_bitwise_equal():
     import cupy
+    from ultraep.analysis.traces import zipf_topk
     from ultraep.planner.device import reroute_workspace_size
-    from ultraep.planner.traces import zipf_topk
 
     rng = np.random.default_rng(7)
     for ranks, experts, target in [(64, 256, 2.0), (64, 128, 3.0), (72, 576, 1.5)]:
@@ -174,7 +174,7 @@ def test_launch_needs_exactly_the_computed_shared_memory(layout):
 
     import cupy
     from ultraep.planner import DevicePlanner
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
 
     loads = zipf_loads(layout.num_ranks, layout.num_experts, 2, 4096, 2.0, 5)
     planner = DevicePlanner(layout, min_replica_tokens=16)

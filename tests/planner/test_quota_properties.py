@@ -71,7 +71,7 @@ def test_exact_threshold_and_tolerance():
 
 
 def test_target_imbalance_trades_balance_for_fewer_replicas():
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
 
     layout = ExpertLayout(64, 128, 2)
     loads = zipf_loads(64, 128, 8, 8192, 2.0, 0)
@@ -92,7 +92,7 @@ def test_fit_first_pass_saves_replicas_at_the_cap():
     Without it the greedy spills the hottest rank into the largest rooms and needs 42
     replicas; with it (the default with a cap) 38, the fewest any plan can have there
     (bench plan-kernel --replica-bound), at the same max rank load."""
-    from ultraep.planner.traces import zipf_loads
+    from ultraep.analysis.traces import zipf_loads
 
     layout = ExpertLayout(64, 256, 2)
     loads = zipf_loads(64, 256, 8, 8192, 1.5, 0)

@@ -3,7 +3,7 @@
 itself (dispatch, one matmul pair per local expert slot, combine), in one run.
 
 Every rank routes ``tokens`` fp16 tokens top-k with Zipf-skewed experts tuned to each
-target rank imbalance (``ultraep.planner.traces.zipf_topk``). Experts are two fp16
+target rank imbalance (``ultraep.analysis.traces.zipf_topk``). Experts are two fp16
 matrices ``[hidden, ffn]`` and ``[ffn, hidden]``; gradients fp32. ``exposed_ms`` and
 ``moe_layer_ms`` are the whole group's window per call (first rank's start to the last
 rank's end, host and device); every exposed call plans anew, and its weight sync
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 def measure(group, target: float, args) -> dict:
     from ultraep.integration import Balancer
     from ultraep.planner import ExpertLayout
-    from ultraep.planner.traces import zipf_topk
+    from ultraep.analysis.traces import zipf_topk
     from ultraep.token import Dispatcher
     from ultraep.transfer import ExpertSpec
 

@@ -102,8 +102,6 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
     copy_ms = group_window_ms(group, lambda: dst.__setitem__(Ellipsis, src), args.repeats, sync)
     a2a_ms = nccl.all_to_all_single_ms(send_bytes, args.repeats)
     a2a_back_ms = nccl.all_to_all_single_ms([list(col) for col in zip(*send_bytes)], args.repeats)
-    del src, dst, recv, combined, result, x, ids, gates
-    cupy.get_default_memory_pool().free_all_blocks()
     total_payload = payload * R
     return {
         "tokens": tokens, "hidden": hidden, "dispatch_ms": dispatch_ms, "combine_ms": combine_ms, "copy_ms": copy_ms,
@@ -120,6 +118,7 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
 
 
 def run(args) -> int:
+    import cupy
     from mpi4py import MPI
 
     from ultraep.bench.nccl import NcclBaseline
@@ -130,7 +129,11 @@ def run(args) -> int:
     if not group.has_gpu:
         raise SystemExit("the dispatch benchmark needs a GPU")
     with NcclBaseline(group) as nccl:
-        rows = [measure(group, nccl, tokens, hidden, args) for tokens in args.tokens for hidden in args.hidden]
+        rows = []
+        for tokens in args.tokens:
+            for hidden in args.hidden:
+                rows.append(measure(group, nccl, tokens, hidden, args))
+                cupy.get_default_memory_pool().free_all_blocks()  # this size's buffers died with measure's frame
     if group.rank == 0:
         title = (f"dispatch/combine algorithm bandwidth: {group.size} ranks, top-{args.top_k}, {args.experts} experts, "
                  f"bf16, aggregate over ranks (GB/s = 1e9 B/s); copy = cudaMemcpyAsync of the same bytes; "

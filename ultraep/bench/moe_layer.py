@@ -13,7 +13,7 @@ skewed routing under three policies in one run, as tokens/s and the ratio to the
 Every rank holds ``experts_per_rank`` masters per layer (two-matrix ReLU MLPs, one matmul
 pair per local slot over its contiguous rows; NumPy on the CPU backend, CuPy on a GPU).
 Skewed routing: Zipf top-k ids tuned to the target initial rank imbalance
-(``ultraep.planner.traces.zipf_topk``), another draw per layer (the first of up to
+(``ultraep.analysis.traces.zipf_topk``), another draw per layer (the first of up to
 32 seeded rankings that reaches the target). A step is the forward of
 every layer then the backward in reverse (gradients of inputs and expert weights; no
 optimizer); its time is the whole group's window per step, and tokens/s counts every
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
 def routing(policy: str, ranks: int, experts: int, layer: int, args) -> np.ndarray:
     """Logical top-k ids ``int32[R, T, K]`` of every rank for one layer."""
-    from ultraep.planner.traces import topk_from_loads, zipf_topk
+    from ultraep.analysis.traces import topk_from_loads, zipf_topk
 
     seed = args.seed * 1000 + layer
     if policy != "ideal":
@@ -225,7 +225,7 @@ def run(args) -> int:
 
     from ultraep.bench.nccl import gpu_identity, most_ranks_on_one_gpu
     from ultraep.bench.report import print_table, write_json
-    from ultraep.planner.traces import rank_imbalance
+    from ultraep.analysis.traces import rank_imbalance
     from ultraep.runtime.group import EPGroup
 
     group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "host")

@@ -7,7 +7,7 @@ Policies, each on every (step, layer) of the trace:
 * ``eplb``    -- EPLB from a window of past loads of the same layer, even split;
 * ``ideal``   -- the force-balanced ideal (a router that spreads tokens evenly).
 
-For each cell the proven lower bound of the optimal max rank load (``planner.bound``)
+For each cell the proven lower bound of the optimal max rank load (``analysis.bound``)
 is computed once and every policy's max rank load is reported as a gap to it. The
 summary table gives, per policy, the max/mean rank imbalance after balancing (mean and
 max over cells), redundant slots used, largest replica fan-out, the share of tokens
@@ -23,12 +23,14 @@ import time
 
 import numpy as np
 
+from ultraep.analysis.baselines import EPLB, ideal_rank_load, ideal_remote_fraction, no_balancing, replicas_below
+from ultraep.analysis.bound import DEFAULT_MAX_BINARIES, lower_bound
+from ultraep.analysis.plots import plot_replay
+from ultraep.analysis.traces import GENERATORS
 from ultraep.bench.report import print_table, write_json
+from ultraep.integration.traces import load_trace
 from ultraep.planner import ExpertLayout, plan_placement
-from ultraep.planner.baselines import EPLB, ideal_rank_load, ideal_remote_fraction, no_balancing, replicas_below
-from ultraep.planner.bound import DEFAULT_MAX_BINARIES, lower_bound
 from ultraep.planner.plan import imbalance
-from ultraep.planner.traces import GENERATORS, load_trace
 
 POLICIES = ("none", "ultraep", "eplb", "ideal")
 BOUNDED = ("none", "ultraep", "eplb")  # policies that obey the planner's constraints
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ultraep.bench plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--trace", help="replay this .npz trace (see ultraep.planner.traces)")
+    source.add_argument("--trace", help="replay this .npz trace (see ultraep.integration.traces)")
     source.add_argument("--generate", choices=sorted(GENERATORS), help="generate a synthetic trace")
     source.add_argument("--demo", action="store_true",
                         help="built-in non-stationary trace on the CPU, sized to run in seconds")
@@ -226,36 +228,6 @@ def bound_summary(result: dict) -> dict:
     }
 
 
-def plot(result: dict, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    before = result["before"]
-    s, l = np.unravel_index(np.argmax(before), before.shape)  # the worst cell without balancing
-    ranks = result["rank_load"]["none"].shape[-1]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, ranks * 0.45), 8))
-    width = 0.8 / 3
-    x = np.arange(ranks)
-    for i, name in enumerate(("none", "ultraep", "eplb")):
-        top.bar(x + (i - 1) * width, result["rank_load"][name][s, l], width, label=name)
-    top.axhline(result["rank_load"]["ideal"][s, l].mean(), color="k", ls="--", lw=1, label="ideal (mean)")
-    top.axhline(result["bound_value"][s, l], color="r", ls=":", lw=1, label="lower bound of max")
-    top.set(xlabel="rank", ylabel="tokens", title=f"per-rank load, step {s} layer {l} (worst before balancing)")
-    top.legend(fontsize=8)
-    steps = np.arange(before.shape[0])
-    bottom.plot(steps, before.max(axis=1), label="before (none)", color="C0")
-    for i, name in enumerate(("ultraep", "eplb"), start=1):
-        bottom.plot(steps, result["cell"]["imbalance"][name].max(axis=1), label=name, color=f"C{i}")
-    bottom.set(xlabel="step", ylabel="rank max/mean (worst layer)", title="imbalance over steps", yscale="log")
-    bottom.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.demo:
@@ -327,7 +299,7 @@ def main(argv: list[str]) -> int:
         })
         print(f"wrote {args.json}")
     if args.plot:
-        plot(result, args.plot, f"ultraep bench plan: {source}, R={ranks} E={experts} S={layout.redundant_slots} "
-                                f"D={layout.domain_size}")
+        plot_replay(result, args.plot, f"ultraep bench plan: {source}, R={ranks} E={experts} "
+                                       f"S={layout.redundant_slots} D={layout.domain_size}")
         print(f"wrote {args.plot}")
     return 1 if result["invalid_ultraep"] else 0

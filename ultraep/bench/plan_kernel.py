@@ -34,8 +34,8 @@ from ultraep.bench.report import print_table, write_json
 from ultraep.bench.timing import graph_ms, median_event_ms
 from ultraep.runtime.group import gpu_count
 from ultraep.planner import ExpertLayout, plan_placement, reroute
-from ultraep.planner.bound import min_replicas_bound
-from ultraep.planner.traces import zipf_loads, zipf_topk
+from ultraep.analysis.bound import min_replicas_bound
+from ultraep.analysis.traces import zipf_loads, zipf_topk
 
 RANKS, TOP_K, TOKENS_PER_RANK, SLOTS, MIN_REPLICA_TOKENS = 64, 8, 8192, 2, 1024
 

@@ -6,14 +6,14 @@
   per-backend step run synchronously.
 * ``device``   -- the Balancer's device backend (CuPy): the CUDA load counter and
   planning into ring-slot buffers on the caller's stream.
-* ``stats``    -- per (layer, micro-batch) records, stage clocks, summaries and the
-  per-rank load plot.
+* ``stats``    -- per (layer, micro-batch) records, stage clocks and summaries (the
+  per-rank load plot is :func:`ultraep.analysis.plots.plot_rank_loads`).
+* ``traces``   -- the load-trace file format and :class:`TraceRecorder`.
 * ``pipeline`` -- the 1F1B order of a pipeline's forwards and backwards, for driving
   several micro-batches in flight from one process.
 """
 
 from ultraep.integration.balancer import BalanceHandle, Balancer, BalancerError, StaleHandleError
-from ultraep.integration.stats import BalancerStats, LayerRecord, plot_rank_loads
+from ultraep.integration.stats import BalancerStats, LayerRecord
 
-__all__ = ["BalanceHandle", "Balancer", "BalancerError", "BalancerStats", "LayerRecord", "StaleHandleError",
-           "plot_rank_loads"]
+__all__ = ["BalanceHandle", "Balancer", "BalancerError", "BalancerStats", "LayerRecord", "StaleHandleError"]

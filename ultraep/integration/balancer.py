@@ -37,7 +37,7 @@ errors (ids out of range are then not counted, and reroute gives them slot ``-1`
 
 Metrics: :meth:`stats` (imbalance before/after, replicas, bytes moved, stage times, a
 liveness counter of plans the device completed), :meth:`save_trace` (the planner's
-trace format) and :func:`~ultraep.integration.stats.plot_rank_loads`.
+trace format) and :func:`~ultraep.analysis.plots.plot_rank_loads`.
 
 Backends: the heap's backend picks, once, the implementation of what differs --
 :class:`~ultraep.integration.host.HostBalancer` (NumPy, every stage synchronous) or
@@ -80,10 +80,10 @@ import numpy as np
 from ultraep.errors import BalancerError, StaleHandleError
 from ultraep.integration.host import HostBalancer
 from ultraep.integration.stats import BalancerStats, plan_record
+from ultraep.integration.traces import TraceRecorder
 from ultraep.planner import ExpertLayout, Plan
-from ultraep.planner.traces import TraceRecorder
-from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime import open_heap
+from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.heap import FAILING_CLOSE_TIMEOUT_S, HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
 

@@ -1,5 +1,5 @@
-"""Balancer metrics: stage clocks, one record per (layer, micro-batch), summaries and the
-per-rank load plot.
+"""Balancer metrics: stage clocks, one record per (layer, micro-batch) and summaries (the
+per-rank load plot of these records is :func:`ultraep.analysis.plots.plot_rank_loads`).
 
 A record is built from three host arrays of a plan -- the gathered loads, ``phys_to_log``
 and ``rank_load`` -- by :func:`plan_record`, the same code on both backends (the GPU path
@@ -145,28 +145,3 @@ class BalancerStats:
             if times:
                 out[f"{stage}_ms_median"] = float(np.median(times))
         return out
-
-
-def plot_rank_loads(records, path, *, title: str = "per-rank load") -> None:
-    """Bar chart of each rank's load without and with balancing, summed over ``records``."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not records:
-        raise ValueError("plot_rank_loads: no records to plot")
-    before = np.sum([r.rank_load_before for r in records], axis=0)
-    after = np.sum([r.rank_load_after for r in records], axis=0)
-    ranks = np.arange(before.size)
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * ranks.size + 2), 3.2))
-    ax.bar(ranks - 0.2, before, width=0.4, label=f"unbalanced (max/mean {imbalance(before):.3f})")
-    ax.bar(ranks + 0.2, after, width=0.4, label=f"balanced (max/mean {imbalance(after):.3f})")
-    ax.axhline(before.mean(), color="gray", linewidth=0.8, linestyle="--")
-    ax.set_xlabel("rank")
-    ax.set_ylabel("tokens (token, expert pairs)")
-    ax.set_title(f"{title}, {len(records)} layer micro-batches")
-    ax.set_xticks(ranks)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -1,6 +1,6 @@
 """The control plane: expert layout, the exact-load quota planner (``HostPlanner`` in
-NumPy, ``DevicePlanner`` on the GPU, behind one ``Planner`` interface), reroute,
-baselines, lower bounds and load traces."""
+NumPy, ``DevicePlanner`` on the GPU, behind one ``Planner`` interface) and reroute.
+Baselines, lower bounds and synthetic traces are in :mod:`ultraep.analysis`."""
 
 import numpy as np
 
@@ -10,7 +10,6 @@ from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan, array_module
 from ultraep.planner.quota import Planner
 from ultraep.runtime.backend import CHOICES, DEVICE, HOST
-from ultraep.planner import baselines, bound, traces  # noqa: F401  (bound imports SciPy lazily)
 
 _PLANNERS = {HOST: HostPlanner, DEVICE: DevicePlanner}
 

@@ -14,7 +14,7 @@ import contextlib
 
 import numpy as np
 
-from ultraep.runtime.dtypes import BFLOAT16, SUPPORTED_DTYPES
+from ultraep.runtime.dtypes import is_supported, ml_dtype, resolve_dtype
 
 
 def framework_of(x) -> str:
@@ -116,7 +116,8 @@ def _from_dlpack(consumer, x, kind: str):
             array = consumer(bits)
         except Exception:
             raise exc from None
-        return array.view(BFLOAT16) if BFLOAT16 is not None and consumer is np.from_dlpack else array
+        bf16 = ml_dtype("bfloat16") if consumer is np.from_dlpack else None
+        return array.view(bf16) if bf16 is not None else array
 
 
 def _is_bf16(x) -> bool:
@@ -149,10 +150,9 @@ def _device_of(x, kind: str) -> tuple[str, int]:
 
 def _check_dtype(array, name: str, expected) -> None:
     dtype = np.dtype(array.dtype)
-    if dtype not in SUPPORTED_DTYPES:
+    if not is_supported(dtype):
         raise ValueError(f"{name}: dtype {dtype} is not supported by ultraep kernels")
     if expected is not None:
-        from ultraep.runtime.dtypes import resolve_dtype
         want = resolve_dtype(expected, what=f"{name} expected dtype")
-        if dtype != want and not (want == BFLOAT16 and dtype == np.int16):
+        if dtype != want and not (dtype == np.int16 and want == ml_dtype("bfloat16")):
             raise ValueError(f"{name}: expected dtype {want}, got {dtype}")

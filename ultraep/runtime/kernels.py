@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.resources
 import operator
 import os
 import re
@@ -31,15 +32,26 @@ _functions: dict[tuple[str, str], object] = {}
 
 
 def kernel_dir() -> Path:
-    """``$ULTRAEP_KERNEL_DIR``, else ``raw_kernels/`` beside the package."""
+    """``$ULTRAEP_KERNEL_DIR``, else the package's ``raw_kernels/`` data.
+
+    In a checkout (and an editable install) ``ultraep/raw_kernels`` is a link to the
+    repository's top-level ``raw_kernels/``; a wheel holds a copy of those files there."""
     override = os.environ.get("ULTRAEP_KERNEL_DIR")
-    return Path(override) if override else Path(__file__).resolve().parents[2] / "raw_kernels"
+    if override:
+        return Path(override)
+    data = importlib.resources.files("ultraep") / "raw_kernels"
+    if not isinstance(data, Path):  # e.g. a zipped install: the compilers read sources by path
+        raise FileNotFoundError(f"ultraep's kernel sources are not files on disk ({data}); set ULTRAEP_KERNEL_DIR")
+    if not data.is_dir():  # a checkout whose link was not made (core.symlinks off, a copy that drops links)
+        return data.parents[1] / "raw_kernels"
+    return data
 
 
 def kernel_source(filename: str) -> Path:
     path = kernel_dir() / filename
     if not path.is_file():
-        raise FileNotFoundError(f"kernel source {path} not found (set ULTRAEP_KERNEL_DIR for a non-editable install)")
+        where = "$ULTRAEP_KERNEL_DIR" if os.environ.get("ULTRAEP_KERNEL_DIR") else "ultraep's package data"
+        raise FileNotFoundError(f"kernel source {path} not found (looked in {where})")
     return path
 
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from ultraep.analysis.plots import plot_rank_loads
 from ultraep.errors import CollectiveError
-from ultraep.integration import Balancer, BalancerError, StaleHandleError, plot_rank_loads
+from ultraep.integration import Balancer, BalancerError, StaleHandleError
 from ultraep.integration.pipeline import max_in_flight, one_f_one_b
+from ultraep.integration.traces import load_trace
 from ultraep.planner import ExpertLayout, plan_placement, reroute
-from ultraep.planner.traces import load_trace
 from ultraep.runtime import open_heap
 from ultraep.runtime.group import EPGroup, GroupMismatchError
 from ultraep.runtime.heap import ALLOC_ALIGN, HeapError, HeapRequirements

@@ -103,8 +103,7 @@ def eplb_placement(history_load, layout: ExpertLayout) -> np.ndarray:
     history = np.asarray(history_load, dtype=np.int64)
     if history.shape != (layout.num_experts,):
         raise ValueError(f"history_load must have shape ({layout.num_experts},), got {history.shape}")
-    R, M, S, D, K = (layout.num_ranks, layout.experts_per_rank, layout.redundant_slots,
-                     layout.domain_size, layout.max_instances)
+    M, S, D, K = layout.experts_per_rank, layout.redundant_slots, layout.domain_size, layout.max_instances
     log_to_phys = master_only_placement(layout)
     if S == 0 or K == 1:
         return log_to_phys

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from ultraep.planner import traces
-from ultraep.planner.traces import (GENERATORS, Trace, TraceRecorder, load_trace, rank_imbalance, save_trace,
-                                    topk_from_loads, zipf_loads, zipf_topk)
+from ultraep.analysis import traces
+from ultraep.analysis.traces import GENERATORS, rank_imbalance, topk_from_loads, zipf_loads, zipf_topk
+from ultraep.integration.traces import TRACE_FORMAT_VERSION, Trace, TraceRecorder, load_trace, save_trace
 
 
 @pytest.mark.parametrize("ranks,experts,top_k,tokens,target", [
@@ -73,7 +73,7 @@ def test_save_load_round_trip(tmp_path):
     assert np.array_equal(trace.loads, loads) and trace.loads.dtype == np.int32
     assert np.array_equal(trace.topk, topk)
     assert trace.metadata["model"] == "toy" and trace.metadata["note"] == [1, 2]
-    assert trace.metadata["trace_format_version"] == traces.TRACE_FORMAT_VERSION
+    assert trace.metadata["trace_format_version"] == TRACE_FORMAT_VERSION
     assert (trace.num_steps, trace.num_layers, trace.num_ranks, trace.num_experts) == loads.shape
     # Loads alone, no metadata.
     bare = load_trace(save_trace(tmp_path / "bare.npz", loads))

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from ultraep.planner import ExpertLayout, plan_placement
-from ultraep.planner.baselines import EPLB, no_balancing, replicas_below
-from ultraep.planner.bound import _component_bound, lower_bound, min_replicas_bound, trivial_bound
+from ultraep.analysis.baselines import EPLB, no_balancing, replicas_below
+from ultraep.analysis.bound import _component_bound, lower_bound, min_replicas_bound, trivial_bound
 from ultraep.planner.plan import check_loads
-from ultraep.planner.traces import zipf_loads
+from ultraep.analysis.traces import zipf_loads
 
 
 def _expert_options(loads, layout, min_replica_tokens):
@@ -199,7 +199,7 @@ def _tiny_loads(layout, rng):
 def test_min_replicas_is_exact_on_tiny_cases(layout, min_tokens):
     rng = np.random.default_rng(7 + layout.num_ranks * 100 + layout.num_experts * 10 + layout.redundant_slots)
     seen = {"infeasible": 0, "replicas": 0}
-    for case in range(8):
+    for _ in range(8):
         loads = _tiny_loads(layout, rng)
         mean = -(-int(loads.sum()) // layout.num_ranks)
         for cap in range(mean - 1, int(no_balancing(loads, layout).rank_load.max()) + 1):

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from ultraep.planner import ExpertLayout
-from ultraep.planner.baselines import (EPLB, eplb_placement, even_split, ideal_rank_load, ideal_remote_fraction,
+from ultraep.analysis.baselines import (EPLB, eplb_placement, even_split, ideal_rank_load, ideal_remote_fraction,
                                        no_balancing, replicas_below)
 from ultraep.planner.plan import host_rank_of_slots, master_rank_load
-from ultraep.planner.traces import lognormal_trace, rank_imbalance
+from ultraep.analysis.traces import lognormal_trace, rank_imbalance
 
 LAYOUTS = [ExpertLayout(8, 16, 1), ExpertLayout(8, 32, 2, 4), ExpertLayout(16, 64, 2, 8), ExpertLayout(4, 8, 3, 2)]
 
