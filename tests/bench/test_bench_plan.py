@@ -80,7 +80,7 @@ def test_dispatcher(monkeypatch, capsys):
     assert bench.main([]) == 2
     assert bench.main(["no-such-bench"]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
-    monkeypatch.setitem(bench.BENCHMARKS, "ghost", "ultraep.bench.ghost_module")
+    monkeypatch.setitem(bench.BENCHMARKS, "ghost", bench.Benchmark("ultraep.bench.ghost_module", False, "a ghost"))
     assert bench.main(["ghost"]) == 2
     assert "ultraep.bench.ghost_module is not available" in capsys.readouterr().err
 
