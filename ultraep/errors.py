@@ -50,6 +50,10 @@ class DispatchError(UltraEPError, ValueError):
     """Bad input to dispatch/combine, or a routing the set-up bounds cannot hold."""
 
 
+class GroupedGemmError(UltraEPError, ValueError):
+    """Bad input to a grouped GEMM (shapes, dtypes, layout, expert offsets)."""
+
+
 class BalancerError(UltraEPError, ValueError):
     """Bad input to the Balancer."""
 
@@ -58,5 +62,6 @@ class StaleHandleError(BalancerError):
     """A handle whose ring slot has been reused by a later micro-batch of its layer."""
 
 
-__all__ = ["BalancerError", "BarrierTimeout", "CollectiveError", "DispatchError", "GroupMismatchError", "HeapError",
-           "LaunchError", "MPSUnavailable", "StaleHandleError", "TransferTimeout", "UltraEPError", "WaitTimeout"]
+__all__ = ["BalancerError", "BarrierTimeout", "CollectiveError", "DispatchError", "GroupMismatchError", "GroupedGemmError",
+           "HeapError", "LaunchError", "MPSUnavailable", "StaleHandleError", "TransferTimeout", "UltraEPError",
+           "WaitTimeout"]

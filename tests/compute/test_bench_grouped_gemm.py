@@ -1,0 +1,38 @@
+"""``python -m ultraep.bench grouped-gemm``: the expert-size generators, and one real run on a GPU."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import requires_gpu
+from ultraep.bench.grouped_gemm import expert_counts, main
+
+
+@pytest.mark.parametrize("distribution", ["uniform", "zipf", "empty"])
+def test_expert_sizes(distribution):
+    counts = expert_counts(32, 1024, distribution, seed=3)
+    assert counts.shape == (32,) and (counts >= 0).all()
+    if distribution == "uniform":
+        assert counts.min() >= 1024 - 128 and counts.max() <= 1024 + 128
+    else:
+        assert counts.sum() == 32 * 1024
+    if distribution == "empty":
+        assert (counts == 0).sum() == 8
+    if distribution == "zipf":
+        assert counts.max() > 5 * np.median(counts)
+
+
+def test_unknown_case_is_refused(capsys):
+    assert main(["--cases", "no such case"]) == 2
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_one_case_runs_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "gg.json"
+    assert main(["--cases", "32x256", "--sizes", "empty", "--repeats", "2", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["forward", "dgrad", "wgrad"]
+    assert all(r["ours"] and r["ours"] > 0 for r in rows)
+    assert "vs_dense" in capsys.readouterr().out

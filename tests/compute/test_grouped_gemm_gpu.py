@@ -1,0 +1,241 @@
+"""The grouped GEMM kernel on the GPU (raw_kernels/grouped_gemm.cu).
+
+Device against FP64: within the derived tensor-core bound of tests/compute/reference.py,
+not bitwise against the host (the tensor cores add inside an MMA step in their own order;
+the host sums strictly left to right). Everything else here is bitwise: BF16 output is
+the FP32 output rounded once, ten runs give the same bits, a row's forward output and
+input gradient do not depend on its neighbours or on where its expert starts (the
+master/replica property), and a wgrad does not depend on where its expert's rows start.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+from tests.compute.reference import (assert_within_bound, bf16, exact, nan_bits, offsets_of, random_problem)
+from tests.conftest import requires_gpu
+from ultraep.compute import check_errors, grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+from ultraep.errors import GroupedGemmError
+from ultraep.runtime.dtypes import BFLOAT16
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+OPS = {"forward": grouped_mm, "dgrad": grouped_mm_dgrad, "wgrad": grouped_mm_wgrad}
+
+
+@pytest.fixture
+def cp():
+    import cupy
+    return cupy
+
+
+def up(cp, array: np.ndarray):
+    """To the GPU; bf16 travels as its bits (the kernels take either)."""
+    return cp.asarray(array.view(np.int16) if array.dtype == BFLOAT16 else array)
+
+
+def down(array) -> np.ndarray:
+    host = array.get()
+    return host.view(BFLOAT16) if host.dtype == np.int16 else host
+
+
+def bits(array) -> np.ndarray:
+    host = array.get() if hasattr(array, "get") else np.asarray(array)
+    return host.view(np.uint16 if host.dtype.itemsize == 2 else np.uint32)
+
+
+def out_shape(op, a, b, offsets):
+    if op == "forward":
+        return (a.shape[0], b.shape[2])
+    if op == "dgrad":
+        return (a.shape[0], b.shape[1])
+    return (len(offsets) - 1, a.shape[1], b.shape[1])
+
+
+def run(cp, op, a, b, offsets, out_dtype=BFLOAT16, poison=True):
+    """``op`` on device copies of host arrays into a NaN-poisoned output; the output on the GPU."""
+    out = up(cp, nan_bits(out_shape(op, a, b, offsets), out_dtype)) if poison else None
+    result = OPS[op](up(cp, a), up(cp, b), up(cp, np.asarray(offsets)), out=out)
+    check_errors()
+    return result
+
+
+# (experts, K, N, mean rows): tails in every dimension, one long K, many small experts.
+SHAPES = [(5, 136, 200, 33), (2, 40, 24, 400), (8, 256, 520, 300), (33, 64, 72, 20), (3, 7168, 136, 150)]
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("out_dtype", [BFLOAT16, np.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("seed,shape", list(enumerate(SHAPES)))
+def test_within_derived_bound_of_fp64(cp, op, out_dtype, seed, shape):
+    rng = np.random.default_rng(100 + seed)
+    experts, k, n, mean_rows = shape
+    a, b, offsets = random_problem(rng, op, experts, k, n, mean_rows, spare_rows=5)
+    y = down(run(cp, op, a, b, offsets, out_dtype))
+    r, s, terms = exact(op, a, b, offsets)
+    assert_within_bound(y if op == "wgrad" else y[:int(offsets[-1])], r, s, terms, out_dtype, device=True,
+                        what=f"device {op}")
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_bf16_output_is_the_fp32_output_rounded_once(cp, op):
+    rng = np.random.default_rng(1)
+    a, b, offsets = random_problem(rng, op, 6, 200, 136, 90)
+    y32 = down(run(cp, op, a, b, offsets, np.float32))
+    y16 = down(run(cp, op, a, b, offsets, BFLOAT16))
+    end = None if op == "wgrad" else int(offsets[-1])
+    assert np.array_equal(y16[:end].view(np.uint16), y32[:end].astype(BFLOAT16).view(np.uint16))
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_every_element_written_and_rows_past_the_end_untouched(cp, op):
+    rng = np.random.default_rng(2)
+    counts = [0, 1, 127, 0, 129, 1, 0, 300]
+    offsets = offsets_of(counts)
+    rows, k, n = int(offsets[-1]) + 7, 72, 136
+    a = bf16(rng, (rows, n if op == "dgrad" else k))
+    b = bf16(rng, (rows, n)) if op == "wgrad" else bf16(rng, (len(counts), k, n))
+    poison = nan_bits(out_shape(op, a, b, offsets), BFLOAT16)
+    y = down(run(cp, op, a, b, offsets))
+    if op == "wgrad":
+        assert not np.isnan(y.astype(np.float32)).any(), "some dW element was not written"
+        for e, count in enumerate(counts):
+            if count == 0:
+                assert not y[e].astype(np.float32).any(), f"expert {e} has no rows: dW must be zero"
+    else:
+        end = int(offsets[-1])
+        assert not np.isnan(y[:end].astype(np.float32)).any(), "some row of an expert was not written"
+        assert np.array_equal(y[end:].view(np.uint16), poison[end:].view(np.uint16)), "rows past offsets[E] written"
+
+
+def test_fresh_output_is_bf16_and_zero_past_the_end(cp):
+    rng = np.random.default_rng(3)
+    x, w = bf16(rng, (50, 64)), bf16(rng, (2, 64, 32))
+    y = grouped_mm(up(cp, x), up(cp, w), cp.asarray(np.array([0, 20, 41], np.int32)))
+    assert isinstance(y, cp.ndarray) and y.shape == (50, 32) and np.dtype(y.dtype) == BFLOAT16
+    assert not down(y)[41:].astype(np.float32).any()
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_ten_runs_give_identical_bits(cp, op):
+    rng = np.random.default_rng(4)
+    a, b, offsets = random_problem(rng, op, 8, 512, 264, 200)
+    ga, gb, go = up(cp, a), up(cp, b), up(cp, offsets)
+    first = bits(OPS[op](ga, gb, go))
+    for _ in range(9):
+        assert np.array_equal(bits(OPS[op](ga, gb, go)), first)
+    check_errors()
+
+
+def _layouts(rng, target_rows: np.ndarray):
+    """The same rows of expert 2 placed four ways: alone at row 0; after other experts and
+    5 other rows of their own expert; followed by other rows; split between two slots
+    with equal weights (a master and its replica). Yields (rows, offsets, where the target
+    rows are, the weight each slot uses)."""
+    count = len(target_rows)
+    others = lambda m: bf16(rng, (m, target_rows.shape[1]))  # noqa: E731
+    yield target_rows, offsets_of([0, 0, count, 0]), slice(0, count), [0, 1, 2, 3]
+    rows = np.concatenate([others(37), others(90), others(5), target_rows])
+    yield rows, offsets_of([37, 90, count + 5, 0]), slice(132, 132 + count), [0, 1, 2, 3]
+    rows = np.concatenate([others(3), target_rows, others(60), others(11)])
+    yield rows, offsets_of([3, 0, count + 60, 11]), slice(3, 3 + count), [0, 1, 2, 3]
+    split = 70
+    yield target_rows, offsets_of([0, split, count - split, 0]), slice(0, count), [0, 2, 2, 3]
+
+
+@pytest.mark.parametrize("op", ["forward", "dgrad"])
+def test_a_rows_result_does_not_depend_on_where_it_runs(cp, op):
+    rng = np.random.default_rng(5)
+    k, n, count = 200, 136, 150
+    w = bf16(rng, (4, k, n))
+    target = bf16(rng, (count, k if op == "forward" else n))
+    reference = None
+    for rows, offsets, where, weight_of_slot in _layouts(rng, target):
+        y = bits(run(cp, op, rows, w[weight_of_slot], offsets))[where]
+        if reference is None:
+            reference = y
+        else:
+            assert np.array_equal(y, reference), f"{op}: rows moved to {where} with offsets {offsets} changed bits"
+
+
+def test_wgrad_does_not_depend_on_where_the_experts_rows_start(cp):
+    rng = np.random.default_rng(6)
+    x, dy = bf16(rng, (230, 72)), bf16(rng, (230, 136))
+    alone = bits(run(cp, "wgrad", x, dy, offsets_of([0, 230])))[1]
+    before_x, before_dy = bf16(rng, (77, 72)), bf16(rng, (77, 136))
+    moved = bits(run(cp, "wgrad", np.concatenate([before_x, x]), np.concatenate([before_dy, dy]),
+                     offsets_of([77, 230])))[1]
+    assert np.array_equal(moved, alone)
+
+
+def test_device_offsets_are_checked_on_the_device_and_nothing_is_written(cp):
+    rng = np.random.default_rng(7)
+    x, w = up(cp, bf16(rng, (40, 16))), up(cp, bf16(rng, (3, 16, 24)))
+    out = up(cp, nan_bits((40, 24), BFLOAT16))
+    before = bits(out)
+    for bad, words in (([0, 10, 5, 30], "must not decrease"), ([1, 10, 20, 30], "offsets[0] is 1"),
+                       ([0, 10, 20, 41], "past the 40 rows")):
+        grouped_mm(x, w, cp.asarray(np.array(bad, np.int64)), out=out)
+        with pytest.raises(GroupedGemmError, match=re.escape(words)):
+            check_errors()
+        assert np.array_equal(bits(out), before), f"offsets {bad} were refused but out was written"
+    grouped_mm(x, w, cp.asarray(np.array([0, 10, 20, 30], np.int32)), out=out)
+    check_errors()  # the record was cleared; a good call leaves none
+
+
+def test_host_offsets_with_device_data_are_checked_before_the_launch(cp):
+    rng = np.random.default_rng(8)
+    x, w = up(cp, bf16(rng, (40, 16))), up(cp, bf16(rng, (3, 16, 24)))
+    with pytest.raises(GroupedGemmError, match="past the 40 rows"):
+        grouped_mm(x, w, np.array([0, 10, 20, 41]))
+    y = grouped_mm(x, w, [0, 10, 20, 40])
+    assert np.array_equal(bits(y), bits(grouped_mm(x, w, cp.asarray(np.array([0, 10, 20, 40])))))
+
+
+def test_misaligned_and_non_contiguous_views_are_refused(cp):
+    rng = np.random.default_rng(9)
+    w = up(cp, bf16(rng, (2, 16, 24)))
+    flat = up(cp, bf16(rng, (20 * 16 + 1,)))
+    with pytest.raises(GroupedGemmError, match="aligned"):
+        grouped_mm(flat[1:].reshape(20, 16), w, [0, 10, 20])
+    with pytest.raises(GroupedGemmError, match="contiguous"):
+        grouped_mm(up(cp, bf16(rng, (20, 32)))[:, ::2], w, [0, 10, 20])
+
+
+def test_torch_tensors_on_a_side_stream(cp):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(10)
+    a, b, offsets = random_problem(rng, "forward", 4, 128, 64, 70)
+    expected = bits(run(cp, "forward", a, b, offsets))
+
+    def to_torch(array):
+        return torch.from_numpy(array.view(np.int16)).cuda().view(torch.bfloat16)
+
+    x, w = to_torch(a), to_torch(b)
+    out = torch.full((a.shape[0], 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert grouped_mm(x, w, torch.from_numpy(offsets).cuda(), out=out) is out
+        wgrad = torch.zeros((4, 128, 64), dtype=torch.float32, device="cuda")
+        grouped_mm_wgrad(x, out, torch.from_numpy(offsets.astype(np.int32)).cuda(), out=wgrad)
+    side.synchronize()
+    end = int(offsets[-1])
+    assert np.array_equal(out.view(torch.int16).cpu().numpy().view(np.uint16)[:end], expected[:end])
+    expected_wgrad = bits(run(cp, "wgrad", a, expected.view(BFLOAT16), offsets, np.float32))
+    assert np.array_equal(wgrad.cpu().numpy().view(np.uint32), expected_wgrad)
+
+
+def test_jax_inputs(cp):
+    jax = pytest.importorskip("jax")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX sees no GPU")
+    rng = np.random.default_rng(11)
+    a, b, offsets = random_problem(rng, "dgrad", 3, 64, 48, 40)
+    expected = bits(run(cp, "dgrad", a, b, offsets, poison=False))
+    gpu = next(d for d in jax.devices() if d.platform == "gpu")
+    ja, jb = (jax.device_put(jax.numpy.asarray(v), gpu) for v in (a, b))
+    y = grouped_mm_dgrad(ja, jb, jax.device_put(jax.numpy.asarray(offsets.astype(np.int32)), gpu))
+    check_errors()
+    assert np.array_equal(bits(y), expected)

@@ -1,0 +1,218 @@
+"""``python -m ultraep.bench grouped-gemm``: TFLOPS of the library's grouped GEMM (forward,
+dgrad, wgrad) on MoE shapes, side by side in the same run with cuBLAS dense of the same
+total rows (``cupy.matmul``), a per-expert cuBLAS loop and ``torch._grouped_mm`` (where
+torch is present), on expert sizes that are uniform, Zipf-skewed, or with empty experts.
+
+Every figure is the median device time of one call (:func:`~ultraep.bench.timing.held_event_ms`:
+the host enqueues while a kernel holds the stream, so Python's launch cost is not
+counted, not even for the loop of launches). TFLOPS = 2 x total rows x N x K / time for
+every column alike. ``vs_best`` is ours over the better of the loop and
+``torch._grouped_mm``; ``vs_dense`` ours over cuBLAS dense. The loop and dense baselines
+need the counts on the host; the grouped kernels read them on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from ultraep.bench.report import print_table, write_json
+from ultraep.bench.timing import held_event_ms
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    experts: int
+    rows_per_expert: int
+    n: int
+    k: int
+
+
+# The issue's shapes (shared/anchors.md) and two model layers (gate+up and down projections).
+CASES = [
+    Case("8x4096 N4096 K7168", 8, 4096, 4096, 7168),
+    Case("8x4096 N7168 K2048", 8, 4096, 7168, 2048),
+    Case("32x1024 N4096 K7168", 32, 1024, 4096, 7168),
+    Case("32x1024 N7168 K2048", 32, 1024, 7168, 2048),
+    Case("32x256 N4096 K7168", 32, 256, 4096, 7168),
+    Case("dsv3 up 16x2048", 16, 2048, 2 * 2048, 7168),
+    Case("dsv3 down 16x2048", 16, 2048, 7168, 2048),
+    Case("qwen3 up 16x2048", 16, 2048, 2 * 1536, 4096),
+    Case("qwen3 down 16x2048", 16, 2048, 4096, 1536),
+]
+DISTRIBUTIONS = ("uniform", "zipf", "empty")
+OPS = ("forward", "dgrad", "wgrad")
+COLUMNS = ["case", "sizes", "op", "rows", "min_rows", "max_rows", "ours", "dense", "loop", "torch_grouped",
+           "vs_best", "vs_dense"]
+
+
+def expert_counts(experts: int, mean: int, distribution: str, seed: int) -> np.ndarray:
+    """Rows per expert summing to about ``experts * mean``, none rounded to a tile:
+    ``uniform`` within 1/8 of the mean, ``zipf`` (exponent 1.2, shuffled), ``empty`` (a
+    quarter of the experts get no rows, the rest share the total)."""
+    rng = np.random.default_rng(seed)
+    total = experts * mean
+    if distribution == "uniform":
+        return rng.integers(mean - mean // 8, mean + mean // 8 + 1, size=experts)
+    if distribution == "zipf":
+        weights = rng.permutation(1.0 / np.arange(1, experts + 1) ** 1.2)
+    elif distribution == "empty":
+        weights = rng.uniform(0.75, 1.25, size=experts)
+        weights[rng.permutation(experts)[:max(1, experts // 4)]] = 0.0
+    else:
+        raise ValueError(f"unknown distribution {distribution!r}")
+    counts = np.floor(weights / weights.sum() * total).astype(np.int64)
+    counts[np.argmax(weights)] += total - counts.sum()
+    return counts
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench grouped-gemm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", metavar="NAME", help="substrings of case names to run (default: all)")
+    parser.add_argument("--sizes", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure (median reported)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    return parser.parse_args(argv)
+
+
+class Baselines:
+    """cuBLAS dense, the per-expert cuBLAS loop and ``torch._grouped_mm`` over one problem."""
+
+    def __init__(self, x, w, dy, counts, offsets_dev):
+        import cupy
+
+        self.cp, self.x, self.w, self.dy = cupy, x, w, dy
+        self.bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        self.torch = torch
+        if torch is not None:  # zero-copy views; bf16 crosses as its bits
+            self.tx, self.tw, self.tdy = (torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16) for a in (x, w, dy))
+            self.tends = torch.from_dlpack(offsets_dev[1:].astype(np.int32))
+        self.failed: dict[str, str] = {}
+
+    def _spans(self):
+        b = self.bounds
+        return [(e, int(b[e]), int(b[e + 1])) for e in range(len(b) - 1)]
+
+    def dense(self, op, out):
+        x, w0, dy = self.x, self.w[0], self.dy
+        if op == "forward":
+            return lambda: self.cp.matmul(x, w0, out=out["y"])
+        if op == "dgrad":
+            return lambda: self.cp.matmul(dy, w0.T, out=out["dx"])
+        return lambda: self.cp.matmul(x.T, dy, out=out["dw"][0])
+
+    def loop(self, op, out):
+        cp, x, w, dy, spans = self.cp, self.x, self.w, self.dy, self._spans()
+
+        def forward():
+            for e, lo, hi in spans:
+                if hi > lo:
+                    cp.matmul(x[lo:hi], w[e], out=out["y"][lo:hi])
+
+        def dgrad():
+            for e, lo, hi in spans:
+                if hi > lo:
+                    cp.matmul(dy[lo:hi], w[e].T, out=out["dx"][lo:hi])
+
+        def wgrad():
+            for e, lo, hi in spans:
+                if hi > lo:
+                    cp.matmul(x[lo:hi].T, dy[lo:hi], out=out["dw"][e])
+                else:
+                    out["dw"][e].fill(0)
+
+        return {"forward": forward, "dgrad": dgrad, "wgrad": wgrad}[op]
+
+    def torch_grouped(self, op):
+        torch = self.torch
+        if torch is None or not hasattr(torch, "_grouped_mm"):
+            return None
+        tx, tw, tdy, ends = self.tx, self.tw, self.tdy, self.tends
+        # Some torch versions want the weights' reduction dim contiguous: the second layout
+        # (same values) is tried when the first is refused; its copy is made once, untimed.
+        column_major = tw.transpose(-2, -1).contiguous().transpose(-2, -1)
+        calls = {
+            "forward": [lambda: torch._grouped_mm(tx, tw, offs=ends),
+                        lambda: torch._grouped_mm(tx, column_major, offs=ends)],
+            "dgrad": [lambda: torch._grouped_mm(tdy, tw.transpose(-2, -1), offs=ends),
+                      lambda: torch._grouped_mm(tdy, column_major.transpose(-2, -1), offs=ends)],
+            "wgrad": [lambda: torch._grouped_mm(tx.t(), tdy, offs=ends)],
+        }[op]
+        for call in calls:
+            try:
+                call()
+                return call
+            except (RuntimeError, TypeError, ValueError) as error:
+                self.failed[f"torch._grouped_mm {op}"] = str(error).splitlines()[0]
+        return None
+
+
+def run_case(case: Case, distribution: str, ops, repeats: int, seed: int) -> list[dict]:
+    import cupy
+
+    from ultraep.compute import check_errors, grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+    from ultraep.runtime.dtypes import BFLOAT16
+
+    counts = expert_counts(case.experts, case.rows_per_expert, distribution, seed)
+    rows = int(counts.sum())
+    offsets = cupy.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+    random = cupy.random.default_rng(seed)
+    x = random.standard_normal((rows, case.k), dtype=np.float32).astype(BFLOAT16)
+    dy = random.standard_normal((rows, case.n), dtype=np.float32).astype(BFLOAT16)
+    w = (random.standard_normal((case.experts, case.k, case.n), dtype=np.float32) * 0.02).astype(BFLOAT16)
+    out = {"y": cupy.empty((rows, case.n), BFLOAT16), "dx": cupy.empty((rows, case.k), BFLOAT16),
+           "dw": cupy.empty((case.experts, case.k, case.n), BFLOAT16)}
+    ours = {"forward": lambda: grouped_mm(x, w, offsets, out=out["y"]),
+            "dgrad": lambda: grouped_mm_dgrad(dy, w, offsets, out=out["dx"]),
+            "wgrad": lambda: grouped_mm_wgrad(x, dy, offsets, out=out["dw"])}
+    baselines = Baselines(x, w, dy, counts, offsets)
+    flops = 2.0 * rows * case.n * case.k
+
+    def tflops(launch):
+        if launch is None:
+            return None
+        try:
+            return flops / (held_event_ms(launch, repeats) * 1e-3) / 1e12
+        except Exception as error:  # a baseline this CuPy/torch cannot run: report, do not fake
+            print(f"{case.name} {distribution}: {error}", file=sys.stderr)
+            return None
+
+    rows_out = []
+    for op in ops:
+        row = dict(case=case.name, sizes=distribution, op=op, rows=rows, min_rows=int(counts.min()),
+                   max_rows=int(counts.max()), ours=tflops(ours[op]), dense=tflops(baselines.dense(op, out)),
+                   loop=tflops(baselines.loop(op, out)), torch_grouped=tflops(baselines.torch_grouped(op)))
+        check_errors()
+        best = max([v for v in (row["loop"], row["torch_grouped"]) if v is not None], default=None)
+        row["vs_best"] = row["ours"] / best if best and row["ours"] else None
+        row["vs_dense"] = row["ours"] / row["dense"] if row["dense"] and row["ours"] else None
+        rows_out.append(row)
+    for what, why in baselines.failed.items():
+        print(f"{case.name} {distribution}: {what} unavailable: {why}", file=sys.stderr)
+    return rows_out
+
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    cases = [c for c in CASES if not args.cases or any(s in c.name for s in args.cases)]
+    if not cases:
+        print(f"no case matches {args.cases}; cases: {', '.join(c.name for c in CASES)}", file=sys.stderr)
+        return 2
+    rows = []
+    for case in cases:
+        for distribution in args.sizes:
+            rows += run_case(case, distribution, args.ops, args.repeats, args.seed)
+    print_table(rows, COLUMNS, "Grouped GEMM, BF16 in / FP32 accumulate / BF16 out, TFLOPS (higher is better)")
+    if args.json:
+        write_json(args.json, {"benchmark": "grouped-gemm", "rows": rows})
+    return 0

@@ -1,0 +1,11 @@
+"""The compute layer: grouped GEMM now, the fused MoE kernels later.
+
+* :func:`grouped_mm`, :func:`grouped_mm_dgrad`, :func:`grouped_mm_wgrad` -- the
+  padding-free BF16 grouped GEMM over expert-major rows (forward, input gradient, weight
+  gradient), on the GPU (``raw_kernels/grouped_gemm.cu``) or on the host (NumPy reference);
+* :func:`check_errors` -- raise what the kernel found wrong with device-side offsets.
+"""
+
+from ultraep.compute.grouped_gemm import check_errors, grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+
+__all__ = ["check_errors", "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad"]
