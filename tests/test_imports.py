@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ultraep"
-RUNTIME_PATH = ("runtime", "planner", "transfer", "token", "integration")
+RUNTIME_PATH = ("runtime", "planner", "transfer", "token", "compute", "integration")
 
 
 
@@ -142,8 +142,9 @@ def test_no_import_cycle():
 
 def test_layers_import_only_downwards():
     forbidden = {
-        "runtime": {"planner", "transfer", "token", "integration", "analysis", "bench"},
-        "planner": {"transfer", "token", "integration", "analysis", "bench"},
+        "runtime": {"planner", "transfer", "token", "compute", "integration", "analysis", "bench"},
+        "planner": {"transfer", "token", "compute", "integration", "analysis", "bench"},
+        "compute": {"planner", "transfer", "token", "integration", "analysis", "bench"},
         "transfer": {"integration", "analysis", "bench"},
         "token": {"integration", "analysis", "bench"},
         "integration": {"analysis", "bench"},

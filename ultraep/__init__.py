@@ -10,6 +10,7 @@ Layers, bottom up (each its own package):
 * ``ultraep.transfer`` -- the data plane: replica buffers, weight sync by tile streaming
   with relay trees, deterministic gradient reduction.
 * ``ultraep.token`` -- the token path: deterministic dispatch and combine (UniEP).
+* ``ultraep.compute`` -- the expert compute: the padding-free grouped GEMM.
 * ``ultraep.integration`` -- the :class:`Balancer` a framework drives per layer and
   micro-batch, with its metrics and the load-trace format.
 * ``ultraep.bench`` -- ``python -m ultraep.bench ...`` benchmarks.
@@ -47,6 +48,7 @@ _EXPORTS = {
     "LaunchError": "ultraep.errors",
     "MPSUnavailable": "ultraep.errors",
     "HeapError": "ultraep.errors",
+    "GroupedGemmError": "ultraep.errors",
     "WaitTimeout": "ultraep.errors",
     "BarrierTimeout": "ultraep.errors",
     "TransferTimeout": "ultraep.errors",

@@ -33,6 +33,9 @@ BENCHMARKS = {
                           "exposed cost of balancing one MoE layer (update + weight_sync + reroute)"),
     "dispatch": Benchmark("ultraep.bench.dispatch", True,
                           "dispatch and combine bandwidth against a copy of the same bytes and NCCL all-to-all"),
+    "grouped-gemm": Benchmark("ultraep.bench.grouped_gemm", True,
+                              "grouped GEMM forward/dgrad/wgrad TFLOPS against cuBLAS dense, a per-expert loop and "
+                              "torch._grouped_mm"),
     "moe-layer": Benchmark("ultraep.bench.moe_layer", False,
                            "MoE layers forward + backward under none / ultraep / ideal, as a ratio to ideal"),
 }
