@@ -584,11 +584,9 @@ __device__ __forceinline__ unsigned dynamic_shared_bytes() {
 }
 
 // A launch with less dynamic shared memory than the carve-up is a bug of the host's
-// sizing: reported and trapped before any block touches its shared memory.
-__device__ __noinline__ void shared_memory_short(unsigned needed, unsigned launched) {
-    if (threadIdx.x == 0)
-        printf("ultraep: plan_domains block %d needs %u bytes of dynamic shared memory, launched with %u\n",
-               (int)blockIdx.x, needed, launched);
+// sizing: trapped before any block touches its shared memory (a printf would not survive
+// the trap, so there is none).
+__device__ __noinline__ void shared_memory_short() {
     __trap();
 }
 
@@ -1044,7 +1042,7 @@ plan_domains(const int* __restrict__ loads, int R, int E, int S, int D, int K, i
     PHASE_STAMP(STAMP_START);
     const BlockTask t(R, E, S, D, K);
     const BlockShared mem(smem, t);
-    if (mem.bytes > dynamic_shared_bytes()) shared_memory_short(mem.bytes, dynamic_shared_bytes());
+    if (mem.bytes > dynamic_shared_bytes()) shared_memory_short();
 
     stage_loads(loads, t, mem);
     exchange_expert_loads(t, mem);

@@ -56,7 +56,7 @@ def test_moe_layer_bench_cpu(tmp_path, capfd):
     code = bench.main(["--backend", "host", "--ranks", "4", *TINY, "--json", str(out)])
     printed = capfd.readouterr().out
     assert code == 0, printed
-    assert "CPU backend: not a figure of merit" in printed
+    assert "host backend: not a figure of merit" in printed
     data = json.loads(out.read_text())
     rows = {row["policy"]: row for row in data["rows"]}
     assert list(rows) == list(bench.POLICIES) and data["ranks"] == 4

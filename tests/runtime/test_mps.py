@@ -106,6 +106,8 @@ class FakeGroup:
 
 
 def test_sharing_label(monkeypatch):
+    from ultraep.runtime import group
+    monkeypatch.setattr(group, "gpu_identity", lambda g: None if g.device is None else (g.hostname, g.device))
     monkeypatch.delenv(mps.EMULATION_VARIABLE, raising=False)
     assert mps.sharing_label(FakeGroup([("h", None)] * 2)).startswith("host backend")
     assert mps.sharing_label(FakeGroup([("h", 0), ("h", 1)])) == "one GPU per rank"
@@ -124,3 +126,21 @@ def test_command_line_runs_a_command_under_the_daemon(tmp_path, monkeypatch, cap
 def test_command_line_without_mps_exits_3(monkeypatch, capsys):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert mps.main(["--", "true"]) == 3 and "not on the PATH" in capsys.readouterr().err
+
+
+def test_sigterm_stops_the_command_and_the_daemon(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import time
+
+    fake_control(tmp_path, monkeypatch)
+    marker = tmp_path / "pipe-dir"
+    child = subprocess.Popen([sys.executable, "-m", "ultraep.runtime.mps", "--", sys.executable, "-c",
+                              f"import os, time; open({str(marker)!r}, 'w').write(os.environ['CUDA_MPS_PIPE_DIRECTORY']); "
+                              "time.sleep(60)"])
+    deadline = time.monotonic() + 30
+    while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=20) == 128 + signal.SIGTERM
+    assert not os.path.exists(marker.read_text())  # the daemon was told to quit and its directories removed

@@ -10,7 +10,8 @@ rank's end, host and device); every exposed call plans anew, and its weight sync
 compiles the plan's transfer tasks (on the device on the GPU). The ``*_dev_ms``
 columns are the Balancer's own CUDA-event (CPU: wall) stage times, medians over the
 calls. ``share`` = exposed / (exposed + layer).
-Several ranks on one GPU run time-sliced, so both times include the other ranks' work.
+Several ranks on one GPU run time-sliced, so both times include the other ranks' work,
+unless ``--emulate-ep`` runs them under MPS with an SM share each; the title says which.
 The receive buffer holds 1.25x the mean rows (balanced routing stays near the mean).
 Started with one process, it relaunches itself on ``--ranks`` ranks under ``mpiexec``.
 """
@@ -23,7 +24,7 @@ import sys
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import multi_rank_main
+from ultraep.runtime.launch import add_emulation_option, multi_rank_main
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "moe_layer_ms", "share_pct", "update_dev_ms",
@@ -33,6 +34,7 @@ COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "moe_layer_ms", "
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench balancer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
+    add_emulation_option(parser)
     parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"])
     parser.add_argument("--experts", type=int, default=64, help="logical experts in all (divisible by the ranks)")
     parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
@@ -125,17 +127,19 @@ def run(args) -> int:
 
     from ultraep.bench.report import print_table, write_json
     from ultraep.runtime.group import EPGroup
+    from ultraep.runtime.mps import sharing_label
 
     group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "host")
     rows = [measure(group, target, args) for target in args.imbalance]
+    sharing = sharing_label(group)
     if group.rank == 0:
-        where = "device" if group.has_gpu and args.backend != "host" else "host backend"
-        title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({where}), {args.experts} experts, "
+        title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({sharing}), {args.experts} experts, "
                  f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
                  f"ffn {args.ffn}, fp16 experts; exposed = update + weight_sync + reroute")
         print_table(rows, COLUMNS, title)
         if args.json:
-            write_json(args.json, {"benchmark": "balancer", "ranks": group.size, "args": vars(args), "rows": rows})
+            write_json(args.json, {"benchmark": "balancer", "ranks": group.size, "sharing": sharing, "args": vars(args),
+                                   "rows": rows})
     return 0
 
 

@@ -8,9 +8,11 @@ payload once: ``tokens * top_k * hidden * 2`` bytes per rank (what every (token,
 pair carries), summed over ranks and divided by the slowest rank's time per call. The
 baseline copies the same bytes per rank with ``cudaMemcpyAsync`` at the same time on
 every rank. Times are the whole group's window per call (first start to last end).
-Several ranks on one GPU run time-sliced (no MPS), so every device-side wait costs
-about a time slice per other rank: compare with ``--ranks 1`` for the data path alone. "sent" counts what one-send-per-rank actually moves (a token crosses to a
-rank once however many of its experts live there); "saved" is the share of pair bytes
+Several ranks on one GPU run time-sliced, so every device-side wait costs about a time
+slice per other rank, unless ``--emulate-ep`` runs them under MPS with an SM share each
+(the title says which); ``--ranks 1`` times the data path alone. "sent" counts what
+one-send-per-rank actually moves (a token crosses to a rank once however many of its
+experts live there); "saved" is the share of pair bytes
 it avoids, over all destinations and over remote ones only. Started with one process,
 it relaunches itself on ``--ranks`` ranks under ``mpiexec`` (all on one GPU by default).
 
@@ -29,7 +31,7 @@ import sys
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import multi_rank_main
+from ultraep.runtime.launch import add_emulation_option, multi_rank_main
 
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
            "dispatch/copy", "combine/copy", "a2a_ms", "a2a_back_ms", "a2a_GBps", "dispatch/a2a", "combine/a2a",
@@ -39,6 +41,7 @@ COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench dispatch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
+    add_emulation_option(parser)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="tokens per rank")
     parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
     parser.add_argument("--top-k", type=int, default=8)
@@ -124,6 +127,7 @@ def run(args) -> int:
     from ultraep.bench.nccl import NcclBaseline
     from ultraep.bench.report import print_table, write_json
     from ultraep.runtime.group import EPGroup
+    from ultraep.runtime.mps import sharing_label
 
     group = EPGroup(MPI.COMM_WORLD)
     if not group.has_gpu:
@@ -134,13 +138,14 @@ def run(args) -> int:
             for hidden in args.hidden:
                 rows.append(measure(group, nccl, tokens, hidden, args))
                 cupy.get_default_memory_pool().free_all_blocks()  # this size's buffers died with measure's frame
+    sharing = sharing_label(group)
     if group.rank == 0:
-        title = (f"dispatch/combine algorithm bandwidth: {group.size} ranks, top-{args.top_k}, {args.experts} experts, "
+        title = (f"dispatch/combine algorithm bandwidth: {group.size} ranks ({sharing}), top-{args.top_k}, {args.experts} experts, "
                  f"bf16, aggregate over ranks (GB/s = 1e9 B/s); copy = cudaMemcpyAsync of the same bytes; "
                  f"a2a = NCCL all_to_all_single of the bytes sent (dispatch/a2a > 1: the dispatcher is faster)")
         print_table(rows, COLUMNS, title)
         if args.json:
-            write_json(args.json, {"benchmark": "dispatch", "ranks": group.size, "top_k": args.top_k,
+            write_json(args.json, {"benchmark": "dispatch", "ranks": group.size, "sharing": sharing, "top_k": args.top_k,
                                    "experts": args.experts, "nccl": nccl.reason or "run", "rows": rows})
     return 0
 

@@ -21,9 +21,10 @@ rank's tokens. Before timing, one step of ``ultraep`` is checked against ``none`
 routing, weights and inputs): outputs and master gradients agree within the dtype's
 rounding (balancing only splits an expert's rows between its instances).
 
-Ranks that share a GPU run time-sliced: the table then says "time-sliced, not a figure of
-merit" (likewise on the CPU backend). Started with one process, it relaunches itself on
-``--ranks`` ranks under ``mpiexec``.
+Ranks that share a GPU run time-sliced (the title then says "not a figure of merit", as
+on the host backend) unless ``--emulate-ep`` runs them under MPS with an SM share each,
+so that each behaves like a small GPU of its own. Started with one process, it relaunches
+itself on ``--ranks`` ranks under ``mpiexec``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import sys
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import multi_rank_main
+from ultraep.runtime.launch import add_emulation_option, multi_rank_main
 
 POLICIES = ("none", "ultraep", "ideal")
 ROUTING_DRAWS = 32  # Zipf rankings tried per layer: whether a target is reachable depends on which experts share a rank
@@ -48,6 +49,7 @@ TOLERANCE = {"float16": 1e-2, "float32": 1e-4}
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-layer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
+    add_emulation_option(parser)
     parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts-per-rank", type=int, default=8)
@@ -223,7 +225,7 @@ def relative_difference(got, want) -> float:
 def run(args) -> int:
     from mpi4py import MPI
 
-    from ultraep.bench.nccl import gpu_identity, most_ranks_on_one_gpu
+    from ultraep.runtime.mps import sharing_label
     from ultraep.bench.report import print_table, write_json
     from ultraep.analysis.traces import rank_imbalance
     from ultraep.runtime.group import EPGroup
@@ -282,10 +284,7 @@ def run(args) -> int:
         raise SystemExit(f"ultraep's outputs / master gradients differ from no balancing by {out_diff:.2e} / "
                          f"{grad_diff:.2e} relative (tolerance {TOLERANCE[args.dtype]:g} for {args.dtype})")
 
-    sharing = most_ranks_on_one_gpu(group.allgather(gpu_identity(group))) if gpu else 0
-    caveat = ("CPU backend: not a figure of merit" if not gpu else
-              f"{sharing} ranks share one GPU: time-sliced, not a figure of merit" if sharing > 1 else
-              "one rank per GPU")
+    caveat = sharing_label(group)
     if me == 0:
         title = (f"MoE layers forward+backward: {R} ranks ({caveat}), {L} layers, {E} experts, {args.slots} slots/rank, "
                  f"top-{args.top_k}, {T} tokens/rank, hidden {H}, ffn {args.ffn}, {args.dtype}; initial rank "

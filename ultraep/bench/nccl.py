@@ -19,28 +19,14 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from collections import Counter
 
 from ultraep.bench.timing import group_window_ms
+from ultraep.runtime.group import gpu_identity, most_ranks_on_one_gpu
 
 # NVLink multicast (NVLS) can put a shared host's GPUs out of service; none of the
 # operations timed here needs it. Forced off before NCCL reads its environment.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 INIT_TIMEOUT_S = 120
-
-
-def gpu_identity(group):
-    """This rank's GPU as ``(host, PCI bus id)``, ``None`` without one: equal for ranks sharing a GPU."""
-    if not group.has_gpu:
-        return None
-    import cupy
-
-    return group.hostname, cupy.cuda.Device(group.device).pci_bus_id
-
-
-def most_ranks_on_one_gpu(identities: list) -> int:
-    """The largest number of ranks whose ``identities`` (see :func:`gpu_identity`) are one GPU."""
-    return max(Counter(i for i in identities if i is not None).values(), default=0)
 
 
 def skip_reason(identities: list, local_errors: list) -> str | None:

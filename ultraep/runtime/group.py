@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections import Counter
 from typing import Any, Sequence
 
 from ultraep.errors import CollectiveError, GroupMismatchError
@@ -143,3 +144,17 @@ def check_distinct_processes(group: EPGroup) -> None:
     tags: Sequence[tuple[str, int]] = group.allgather(pid_tag())
     if len(set(tags)) != len(tags):
         raise ValueError(f"two ranks of one group live in one process {tags}: CUDA IPC cannot open its own handle")
+
+
+def gpu_identity(group):
+    """This rank's GPU as ``(host, PCI bus id)``, ``None`` without one: equal for ranks sharing a GPU."""
+    if not group.has_gpu:
+        return None
+    import cupy
+
+    return group.hostname, cupy.cuda.Device(group.device).pci_bus_id
+
+
+def most_ranks_on_one_gpu(identities: list) -> int:
+    """The largest number of ranks whose ``identities`` (see :func:`gpu_identity`) are one GPU."""
+    return max(Counter(i for i in identities if i is not None).values(), default=0)

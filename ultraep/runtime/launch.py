@@ -105,6 +105,10 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise LaunchError(f"{' '.join(cmd)} timed out after {timeout:.0f} s; output:\n{out}") from None
+    except BaseException:  # Ctrl-C or a SIGTERM turned into SystemExit: the job must not outlive us
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     if check and proc.returncode != 0:
         raise LaunchError(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{out}")
@@ -118,6 +122,10 @@ def relaunch_on_ranks(nprocs: int, argv: Sequence[str], *, timeout: float, env: 
     result = run_mpi(nprocs, argv, timeout=timeout, check=False, env={**os.environ, **(env or {})})
     print(result.stdout, end="")
     return result.returncode
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def add_emulation_option(parser) -> None:
@@ -145,6 +153,7 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
     if (error := share_error(ranks, percent)) is not None:
         print(f"--emulate-ep: {error}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the daemon is stopped on the way out
     daemon = MPSDaemon()
     try:
         daemon.start()

@@ -115,10 +115,11 @@ class MPSDaemon:
 
 def sharing_label(group: "EPGroup") -> str:
     """How the group's ranks share their GPUs, for a benchmark table's header (collective)."""
-    placements = group.allgather((group.hostname, group.device))
+    from ultraep.runtime.group import gpu_identity, most_ranks_on_one_gpu
+
+    per_gpu = most_ranks_on_one_gpu(group.allgather(gpu_identity(group)))
     if group.device is None:
         return "host backend: not a figure of merit"
-    per_gpu = max(placements.count(p) for p in placements)
     if per_gpu == 1:
         return "one GPU per rank"
     emulation = os.environ.get(EMULATION_VARIABLE, "")
@@ -142,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command given")
     if (error := share_error(1, args.percent)) is not None:
         parser.error(error)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stop the daemon on the way out
     try:
         with MPSDaemon() as daemon:
             return subprocess.run(command, env={**os.environ, **daemon.client_environment(args.percent)}).returncode
