@@ -164,6 +164,7 @@ def test_reroute_bitwise_equal():
     assert got.tolist() == [[0, -1, -1, -1]]
 
 
+@pytest.mark.traps
 @pytest.mark.parametrize("layout", [ExpertLayout(64, 256, 2), ExpertLayout(6, 18, 3, 3, 2)])
 def test_launch_needs_exactly_the_computed_shared_memory(layout):
     """``plan_shared_bytes`` is the kernel's carve-up: at that size the kernel plans, and

@@ -34,6 +34,7 @@ PROGRAM = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.traps
 def test_a_phase_that_never_completes_is_reported_and_traps():
     result = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=120)
     assert "completed phase: OK" in result.stdout, result.stdout + result.stderr
