@@ -62,6 +62,6 @@ class StaleHandleError(BalancerError):
     """A handle whose ring slot has been reused by a later micro-batch of its layer."""
 
 
-__all__ = ["BalancerError", "BarrierTimeout", "CollectiveError", "DispatchError", "GroupMismatchError", "GroupedGemmError",
-           "HeapError", "LaunchError", "MPSUnavailable", "StaleHandleError", "TransferTimeout", "UltraEPError",
-           "WaitTimeout"]
+__all__ = ["BalancerError", "BarrierTimeout", "CollectiveError", "DispatchError", "GroupMismatchError",
+           "GroupedGemmError", "HeapError", "LaunchError", "MPSUnavailable", "StaleHandleError", "TransferTimeout",
+           "UltraEPError", "WaitTimeout"]

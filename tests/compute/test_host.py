@@ -96,7 +96,8 @@ def test_no_experts_and_no_rows():
     x = np.zeros((0, 8), BFLOAT16)
     assert grouped_mm(x, np.zeros((2, 8, 16), BFLOAT16), np.zeros(3, np.int64)).shape == (0, 16)
     assert grouped_mm_wgrad(x, np.zeros((0, 16), BFLOAT16), np.zeros(3, np.int64)).shape == (2, 8, 16)
-    assert grouped_mm(np.zeros((4, 8), BFLOAT16), np.zeros((0, 8, 16), BFLOAT16), np.zeros(1, np.int64)).shape == (4, 16)
+    assert grouped_mm(np.zeros((4, 8), BFLOAT16), np.zeros((0, 8, 16), BFLOAT16),
+                      np.zeros(1, np.int64)).shape == (4, 16)
 
 
 def _bad_calls():
@@ -112,8 +113,10 @@ def _bad_calls():
     yield "2-D offsets", "1 dimensions", lambda: grouped_mm(x, w, good[None], out=y), y
     yield "float32 x", "x must be bfloat16", lambda: grouped_mm(x.astype(np.float32), w, good, out=y), y
     yield "K mismatch", "needs 16 columns", lambda: grouped_mm(bf16(rng, (10, 8)), w, good, out=y), y
-    yield "dgrad N mismatch", "needs 24 columns", lambda: grouped_mm_dgrad(x, w, good, out=nan_bits((10, 16), BFLOAT16)), y
-    yield "wgrad rows mismatch", "dy has 9", lambda: grouped_mm_wgrad(x, dy[:9], good, out=nan_bits((3, 16, 24), BFLOAT16)), y
+    yield ("dgrad N mismatch", "needs 24 columns",
+           lambda: grouped_mm_dgrad(x, w, good, out=nan_bits((10, 16), BFLOAT16)), y)
+    yield ("wgrad rows mismatch", "dy has 9",
+           lambda: grouped_mm_wgrad(x, dy[:9], good, out=nan_bits((3, 16, 24), BFLOAT16)), y)
     yield "out shape", "shape (10, 24)", lambda: grouped_mm(x, w, good, out=nan_bits((10, 16), BFLOAT16)), y
     yield "out dtype", "bfloat16 or float32", lambda: grouped_mm(x, w, good, out=np.zeros((10, 24), np.float16)), y
     yield "non-contiguous x", "C-contiguous", lambda: grouped_mm(bf16(rng, (10, 32))[:, ::2], w, good, out=y), y

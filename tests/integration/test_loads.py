@@ -31,7 +31,8 @@ def test_count_loads_matches_loops(seed):
     else:
         assert (bad.count, bad.first_index, bad.first_value) == (len(want_bad), *want_bad[0])
         message = bad.message(3, E, ids.shape)
-        assert "rank 3" in message and str(tuple(int(i) for i in np.unravel_index(want_bad[0][0], ids.shape))) in message
+        assert ("rank 3" in message
+                and str(tuple(int(i) for i in np.unravel_index(want_bad[0][0], ids.shape))) in message)
 
 
 @pytest.mark.gpu

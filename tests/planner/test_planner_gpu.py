@@ -37,7 +37,8 @@ def assert_same_plan(layout, loads, min_tokens, **options):
 
     expected = plan_placement(loads, layout, min_replica_tokens=min_tokens, **options)
     out = poisoned_plan(layout)
-    got = plan_placement(cupy.asarray(loads), layout, min_replica_tokens=min_tokens, backend="device", out=out, **options)
+    got = plan_placement(cupy.asarray(loads), layout, min_replica_tokens=min_tokens, backend="device", out=out,
+                         **options)
     assert got is out
     got = got.to_numpy()
     for name in Plan.ARRAYS:

@@ -136,7 +136,8 @@ def test_sigterm_stops_the_command_and_the_daemon(tmp_path, monkeypatch):
     fake_control(tmp_path, monkeypatch)
     marker = tmp_path / "pipe-dir"
     child = subprocess.Popen([sys.executable, "-m", "ultraep.runtime.mps", "--", sys.executable, "-c",
-                              f"import os, time; open({str(marker)!r}, 'w').write(os.environ['CUDA_MPS_PIPE_DIRECTORY']); "
+                              f"import os, time; open({str(marker)!r}, 'w').write("
+                              "os.environ['CUDA_MPS_PIPE_DIRECTORY']); "
                               "time.sleep(60)"])
     deadline = time.monotonic() + 30
     while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:

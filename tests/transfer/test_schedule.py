@@ -184,5 +184,6 @@ def test_the_compilers_shared_memory_is_the_kernels_carve_up(layout):
     arrays its comment lists, in the order the kernel carves them."""
     R, E, M, S = layout.num_ranks, layout.num_experts, layout.experts_per_rank, layout.redundant_slots
     weight_ints = [E, E, M + S, M + S, M + S + 1, S, S, S, R * S]
-    assert kernel_macro("schedule.cu", "WEIGHT_COMPILE_SHARED_BYTES", R=R, E=E, M=M, S=S) == 8 * R + 4 * sum(weight_ints)
+    assert kernel_macro("schedule.cu", "WEIGHT_COMPILE_SHARED_BYTES",
+                        R=R, E=E, M=M, S=S) == 8 * R + 4 * sum(weight_ints)
     assert kernel_macro("schedule.cu", "GRAD_COMPILE_SHARED_BYTES", R=R, M=M, S=S) == 4 * (M + M + 1 + R * S)

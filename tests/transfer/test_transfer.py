@@ -62,4 +62,5 @@ def test_no_host_module_restates_a_kernel_constant(module):
             for target in node.targets:
                 if isinstance(target, ast.Name):
                     assert not any(target.id == n or target.id.endswith("_" + n) for n in names), \
-                        f"{module.name}:{node.lineno} {target.id} restates a kernel constant: read it with kernel_constant"
+                        (f"{module.name}:{node.lineno} {target.id} restates a kernel constant: "
+                         "read it with kernel_constant")

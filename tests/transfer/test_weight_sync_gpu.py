@@ -38,8 +38,8 @@ def tables(tile_bytes, fanout, publish, row_base, rank_base):
     chunks = -(-sum(tiles) // CHUNK_TILES)
     assert chunks <= FLAG_BASE_B
     fanout_b = max(1, fanout // 2)
-    tasks = [(2 * e, c, c * CHUNK_TILES, min(c * CHUNK_TILES + CHUNK_TILES, sum(tiles)), row_base + begin, row_base + end, -1,
-              publish)
+    tasks = [(2 * e, c, c * CHUNK_TILES, min(c * CHUNK_TILES + CHUNK_TILES, sum(tiles)),
+              row_base + begin, row_base + end, -1, publish)
              for e, (begin, end) in enumerate([(0, fanout), (fanout, fanout + fanout_b)]) for c in range(chunks)]
     tasks += [(-9, -9, -9, -9, -9, -9, -9, -9)] * 2  # rows past the count are never read
     tensor_table = np.array([(0, TENSOR_BYTES[0], SLOT_OFFSETS[0]), (tiles[0], TENSOR_BYTES[1], SLOT_OFFSETS[1])],
@@ -85,13 +85,14 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish):
         buffers = [cupy.full(FLAG_BYTES + 2 * SLOT_BYTES, POISON, np.uint8) for _ in range(fanout)]
         done = cupy.zeros(count, np.int32)
         status = cupy.zeros(kernel_constant("transfer.cu", "STATUS_WORDS"), np.uint64)
-        kernel((blocks,), (kernel_constant("transfer.cu", "SYNC_THREADS"),), (cupy.asarray(tasks), cupy.asarray(np.array([count], np.int32)),
-                                   np.int32(len(tasks)), np.int32(CHUNK_TILES), cupy.asarray(tensor_table), np.int32(2),
-                                   np.int64(tile_bytes), cupy.asarray(dests), np.int32(len(dests)), src_ptrs, np.int32(4),
-                                   cupy.asarray(np.array([0xDEAD0000] * rank_base + [b.data.ptr for b in buffers],
-                                                         np.uint64)),
-                                   np.int32(rank_base + fanout),
-                                   np.int32(rank), np.uint64(epoch), done, np.uint64(10**9), status))
+        kernel((blocks,), (kernel_constant("transfer.cu", "SYNC_THREADS"),),
+               (cupy.asarray(tasks), cupy.asarray(np.array([count], np.int32)),
+                np.int32(len(tasks)), np.int32(CHUNK_TILES), cupy.asarray(tensor_table), np.int32(2),
+                np.int64(tile_bytes), cupy.asarray(dests), np.int32(len(dests)), src_ptrs, np.int32(4),
+                cupy.asarray(np.array([0xDEAD0000] * rank_base + [b.data.ptr for b in buffers],
+                                      np.uint64)),
+                np.int32(rank_base + fanout),
+                np.int32(rank), np.uint64(epoch), done, np.uint64(10**9), status))
         cupy.cuda.get_current_stream().synchronize()
         assert not status.any(), f"fan-out {fanout}: status {status.get()}"
         assert not done.any(), f"fan-out {fanout}: chunk counters not reset: {done.get()}"

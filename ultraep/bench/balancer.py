@@ -53,7 +53,8 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: args.ranks, command=["-m", "ultraep.bench", "balancer"])
+    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: args.ranks,
+                           command=["-m", "ultraep.bench", "balancer"])
 
 
 def measure(group, target: float, args) -> dict:

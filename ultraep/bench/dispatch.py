@@ -53,7 +53,8 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: args.ranks, command=["-m", "ultraep.bench", "dispatch"])
+    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: args.ranks,
+                           command=["-m", "ultraep.bench", "dispatch"])
 
 
 def random_routing(cupy, tokens: int, experts: int, top_k: int):
@@ -140,13 +141,15 @@ def run(args) -> int:
                 cupy.get_default_memory_pool().free_all_blocks()  # this size's buffers died with measure's frame
     sharing = sharing_label(group)
     if group.rank == 0:
-        title = (f"dispatch/combine algorithm bandwidth: {group.size} ranks ({sharing}), top-{args.top_k}, {args.experts} experts, "
-                 f"bf16, aggregate over ranks (GB/s = 1e9 B/s); copy = cudaMemcpyAsync of the same bytes; "
+        title = (f"dispatch/combine algorithm bandwidth: {group.size} ranks ({sharing}), top-{args.top_k}, "
+                 f"{args.experts} experts, bf16, aggregate over ranks (GB/s = 1e9 B/s); "
+                 "copy = cudaMemcpyAsync of the same bytes; "
                  f"a2a = NCCL all_to_all_single of the bytes sent (dispatch/a2a > 1: the dispatcher is faster)")
         print_table(rows, COLUMNS, title)
         if args.json:
-            write_json(args.json, {"benchmark": "dispatch", "ranks": group.size, "sharing": sharing, "top_k": args.top_k,
-                                   "experts": args.experts, "nccl": nccl.reason or "run", "rows": rows})
+            write_json(args.json, {"benchmark": "dispatch", "ranks": group.size, "sharing": sharing,
+                                   "top_k": args.top_k, "experts": args.experts, "nccl": nccl.reason or "run",
+                                   "rows": rows})
     return 0
 
 

@@ -54,7 +54,8 @@ def parse_args(argv):
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts-per-rank", type=int, default=8)
     parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank (tokens x top_k divisible by experts)")
+    parser.add_argument("--tokens", type=int, default=8192,
+                        help="tokens per rank (tokens x top_k divisible by experts)")
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=1024)
@@ -286,9 +287,10 @@ def run(args) -> int:
 
     caveat = sharing_label(group)
     if me == 0:
-        title = (f"MoE layers forward+backward: {R} ranks ({caveat}), {L} layers, {E} experts, {args.slots} slots/rank, "
-                 f"top-{args.top_k}, {T} tokens/rank, hidden {H}, ffn {args.ffn}, {args.dtype}; initial rank "
-                 f"imbalance {initial:.3f} (target {args.imbalance}); vs_ideal = ideal step time / policy's")
+        title = (f"MoE layers forward+backward: {R} ranks ({caveat}), {L} layers, {E} experts, "
+                 f"{args.slots} slots/rank, top-{args.top_k}, {T} tokens/rank, hidden {H}, ffn {args.ffn}, "
+                 f"{args.dtype}; initial rank imbalance {initial:.3f} (target {args.imbalance}); "
+                 "vs_ideal = ideal step time / policy's")
         print_table(rows, COLUMNS, title)
         if args.json:
             write_json(args.json, {"benchmark": "moe-layer", "ranks": R, "caveat": caveat, "initial_imbalance": initial,

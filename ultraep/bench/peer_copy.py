@@ -82,7 +82,8 @@ def run(args) -> int:
             group.barrier()  # host barrier: rank 1 must not spin on the GPU while rank 0 measures
     if group.rank == 0:
         columns = ["size_mib", "d2d_tb_s", "peer_copy_tb_s", "ratio", "grid", "d2d_ms", "peer_copy_ms"]
-        print_table(rows, columns, title="peer-copy kernel into a peer's heap vs device-to-device copy (read+write bytes)")
+        print_table(rows, columns,
+                    title="peer-copy kernel into a peer's heap vs device-to-device copy (read+write bytes)")
         if args.json:
             write_json(args.json, {"benchmark": "peer-copy", "ranks": group.size, "rows": rows})
     return 0

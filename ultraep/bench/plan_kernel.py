@@ -111,7 +111,8 @@ def run_case(experts, target, seed, repeats, use_gpu, cap, replica_bound):
     row.update(cap_after=capped.imbalance_after, cap_slots=capped.slots_used, cap_max_replicas=capped.max_fanout)
     for prefix, options in (("fit_first_", {"fit_first": True}), ("cap_one_pass_", {"target_imbalance": cap,
                                                                                      "fit_first": False})):
-        row[prefix + "slots"] = plan_placement(loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, **options).slots_used
+        row[prefix + "slots"] = plan_placement(loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS,
+                                               **options).slots_used
     if replica_bound:
         bound = min_replicas_bound(loads, layout, int(capped.rank_load.max()), min_replica_tokens=MIN_REPLICA_TOKENS)
         row["cap_slots_bound"] = bound.value if bound.status == "optimal" else f"{bound.value} ({bound.status})"
@@ -128,7 +129,8 @@ def run_case(experts, target, seed, repeats, use_gpu, cap, replica_bound):
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     use_gpu = gpu_count() > 0
-    rows = [run_case(e, t, s, args.repeats, use_gpu, args.cap, args.replica_bound) for e in args.experts for t in args.targets for s in args.seeds]
+    rows = [run_case(e, t, s, args.repeats, use_gpu, args.cap, args.replica_bound)
+            for e in args.experts for t in args.targets for s in args.seeds]
     title = (f"Planner kernels: EP{RANKS}, top-{TOP_K}, {TOKENS_PER_RANK} tokens/rank, S={SLOTS}, "
              f"min {MIN_REPLICA_TOKENS} tokens/replica" + ("" if use_gpu else " (no GPU: NumPy only)"))
     print_table(rows, COLUMNS, title)

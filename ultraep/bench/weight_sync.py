@@ -62,7 +62,8 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
-    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: max(args.fanouts) + 1, command=["-m", "ultraep.bench", "weight-sync"])
+    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: max(args.fanouts) + 1,
+                           command=["-m", "ultraep.bench", "weight-sync"])
 
 
 def single_expert_plan(layout, fanout: int):
@@ -133,7 +134,8 @@ def group_columns(group, nccl, engine, relay_engine, plan, fanout: int, expert_b
         direct_ms = group_window_ms(group, lambda: engine.weight_sync(0, plan), args.repeats, sync)
         relay_ms = group_window_ms(group, lambda: relay_engine.weight_sync(0, plan), args.repeats, sync)
         columns.update(relays=len(relay_engine.schedule(plan).relays.get(0, [])), direct_window_ms=direct_ms,
-                       relay_window_ms=relay_ms, relay_gb_s=delivered / relay_ms / 1e6, relay_vs_direct=direct_ms / relay_ms)
+                       relay_window_ms=relay_ms, relay_gb_s=delivered / relay_ms / 1e6,
+                       relay_vs_direct=direct_ms / relay_ms)
     if row is not None:
         row.update(columns, tile_vs_nccl=None if nccl_ms is None else nccl_ms / row["tile_ms"])
 
@@ -170,7 +172,8 @@ def run(args) -> int:
             relay_heap = relay_stack.enter_context(open_heap(group, 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes),
                                                              backend="device"))
             engines.append(relay_stack.enter_context(WeightTransfer(
-                relay_heap, layout, spec, relay_threshold=args.relay_threshold, relay_count=args.relay_count, **tiling)))
+                relay_heap, layout, spec, relay_threshold=args.relay_threshold, relay_count=args.relay_count,
+                **tiling)))
             engines[1].register_layer(0, weights, grads)
         scratch = heap.alloc("bench.scratch", ((max(args.fanouts) + 1) * expert_bytes,), np.uint8)
         for fanout in args.fanouts:

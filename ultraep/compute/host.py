@@ -28,7 +28,8 @@ def sequential_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _float32(bf16_array: np.ndarray) -> np.ndarray:
-    return bf16_array.view(BFLOAT16).astype(np.float32) if bf16_array.dtype == np.int16 else bf16_array.astype(np.float32)
+    return (bf16_array.view(BFLOAT16).astype(np.float32) if bf16_array.dtype == np.int16
+            else bf16_array.astype(np.float32))
 
 
 class HostGroupedGemm:

@@ -92,7 +92,8 @@ class DevicePlanner(Planner):
         elif out.layout != layout:
             raise ValueError("out was allocated for another layout")
         elif getattr(out, "planner_workspace", None) is None:
-            raise ValueError("out must come from ultraep.planner.device.empty_plan (it carries the planner's workspace)")
+            raise ValueError("out must come from ultraep.planner.device.empty_plan "
+                             "(it carries the planner's workspace)")
         if loads.data.ptr != out.loads.data.ptr:  # callers may gather straight into out.loads
             out.loads[...] = loads
         R, E, S, D, K = (layout.num_ranks, layout.num_experts, layout.redundant_slots, layout.domain_size,

@@ -116,7 +116,8 @@ def target_ppm(target_imbalance: float | None) -> int:
         return 0
     if (isinstance(target_imbalance, bool) or not isinstance(target_imbalance, (int, float, np.integer, np.floating))
             or not 1.0 <= float(target_imbalance) <= 100.0):
-        raise ValueError(f"target_imbalance must be a number in [1, 100] (max/mean rank load), got {target_imbalance!r}")
+        raise ValueError("target_imbalance must be a number in [1, 100] (max/mean rank load), "
+                         f"got {target_imbalance!r}")
     return round(float(target_imbalance) * 10**6)
 
 

@@ -50,7 +50,8 @@ class DeviceHeap(SymmetricHeap):
             try:
                 for peer, (peer_bytes, peer_handle) in enumerate(infos):
                     if peer_bytes != self.total_bytes:
-                        raise RuntimeError(f"rank {peer} heap is {peer_bytes} bytes, rank {self.rank} expects {self.total_bytes}")
+                        raise RuntimeError(f"rank {peer} heap is {peer_bytes} bytes, "
+                                           f"rank {self.rank} expects {self.total_bytes}")
                     if peer == self.rank:
                         self._bases.append(self._memory.ptr)  # never open one's own handle
                     else:

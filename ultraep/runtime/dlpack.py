@@ -56,12 +56,16 @@ def import_tensor(x, *, name: str, device: int | None, writable: bool = False, d
     """
     kind = framework_of(x)
     if kind == "unknown":
-        raise ValueError(f"{name}: {type(x).__name__} is not a tensor (expected torch, JAX, CuPy or NumPy, or any DLPack producer)")
+        raise ValueError(f"{name}: {type(x).__name__} is not a tensor "
+                         "(expected torch, JAX, CuPy or NumPy, or any DLPack producer)")
     if writable and kind == "jax":
-        raise ValueError(f"{name}: JAX arrays are immutable and are never written; pass a torch/CuPy/NumPy buffer for outputs")
+        raise ValueError(f"{name}: JAX arrays are immutable and are never written; "
+                         "pass a torch/CuPy/NumPy buffer for outputs")
     if kind in ("torch", "cupy") and not _contiguous(x, kind):
-        raise ValueError(f"{name}: tensor is not contiguous (strides {tuple(_strides(x, kind))}); call .contiguous() first")
-    array = _import_gpu(x, kind, name, device, writable) if device is not None else _import_host(x, kind, name, writable)
+        raise ValueError(f"{name}: tensor is not contiguous (strides {tuple(_strides(x, kind))}); "
+                         "call .contiguous() first")
+    array = (_import_gpu(x, kind, name, device, writable) if device is not None
+             else _import_host(x, kind, name, writable))
     _check_dtype(array, name, dtype)
     if ndim is not None and array.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(array.shape)}")
@@ -94,7 +98,8 @@ def _import_gpu(x, kind: str, name: str, device: int, writable: bool):
 def _import_host(x, kind: str, name: str, writable: bool):
     where = _device_of(x, kind)
     if where[0] != "cpu":
-        raise ValueError(f"{name}: tensor is on {where[0]}:{where[1]}, but this group runs the CPU backend (expected a host array)")
+        raise ValueError(f"{name}: tensor is on {where[0]}:{where[1]}, "
+                         "but this group runs the CPU backend (expected a host array)")
     if kind == "numpy":
         if not x.flags.c_contiguous:
             raise ValueError(f"{name}: array is not C-contiguous (strides {x.strides}); use numpy.ascontiguousarray")

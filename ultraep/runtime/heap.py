@@ -193,7 +193,8 @@ class SymmetricHeap:
     def alloc_signals(self, name: str, count: int) -> SignalBlock:
         """Collective: ``count`` zeroed uint64 flags at the same slots on every rank."""
         self._check_usable()
-        error = None if isinstance(count, (int, np.integer)) and count > 0 else f"signal count must be a positive int, got {count!r}"
+        error = (None if isinstance(count, (int, np.integer)) and count > 0
+                 else f"signal count must be a positive int, got {count!r}")
         self.group.raise_if_any(error, f"signal allocation {name!r}")
         self.group.agree((name, int(count)), "signal allocation request (name, count)")
         if name in self.allocations:

@@ -39,7 +39,8 @@ def find_mpiexec() -> str:
         found = shutil.which(name)
         if found:
             return found
-    raise LaunchError("no mpiexec found: install the project (pip install -e .[test] brings MPICH) or set ULTRAEP_MPIEXEC")
+    raise LaunchError("no mpiexec found: install the project (pip install -e .[test] brings MPICH) "
+                      "or set ULTRAEP_MPIEXEC")
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,8 +24,8 @@ import numpy as np
 
 from ultraep.planner.plan import array_module
 from ultraep.runtime.kernels import kernel_constant, kernel_macro
-from ultraep.transfer.schedule import (DEST_FIELDS, GRAD_SRC_FIELDS, GRAD_TASK_FIELDS, WEIGHT_TASK_FIELDS, HeapPlacement,
-                                       TileGeometry)
+from ultraep.transfer.schedule import (DEST_FIELDS, GRAD_SRC_FIELDS, GRAD_TASK_FIELDS, WEIGHT_TASK_FIELDS,
+                                       HeapPlacement, TileGeometry)
 from ultraep.transfer.spec import ExpertSpec
 
 KERNEL = "schedule.cu"
@@ -169,8 +169,8 @@ class DeviceSchedule:
         for slot in ERROR_SLOTS:
             self.counts[slot] = 0
         if code == TABLES_OVERFLOW:
-            return (f"rank {self.rank}: a plan would outgrow this rank's transfer tables {self.capacity}; its transfers "
-                    "were skipped")
+            return (f"rank {self.rank}: a plan would outgrow this rank's transfer tables {self.capacity}; "
+                    "its transfers were skipped")
         expert, kind = divmod(code - 1, FAULT_KINDS)
         return (f"rank {self.rank}: the plan's placement breaks {self.layout}: expert {expert} "
                 f"{_FAULT_BY_KIND[kind].format(K=self.layout.max_instances)}; its transfers were skipped")

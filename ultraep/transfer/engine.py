@@ -130,7 +130,8 @@ class WeightTransfer:
         elif len(spec.weights) > MAX_TENSORS_PER_EXPERT:
             error = f"an expert may have at most {MAX_TENSORS_PER_EXPERT} tensors, the spec has {len(spec.weights)}"
         elif layout.max_instances - 1 > MAX_REPLICAS_PER_EXPERT:
-            error = f"layout allows {layout.max_instances - 1} replicas per expert; the kernel handles {MAX_REPLICAS_PER_EXPERT}"
+            error = (f"layout allows {layout.max_instances - 1} replicas per expert; "
+                     f"the kernel handles {MAX_REPLICAS_PER_EXPERT}")
         elif relay_threshold < 1 or relay_count < 1:
             error = f"relay_threshold and relay_count must be >= 1, got {relay_threshold}, {relay_count}"
         else:

@@ -114,7 +114,8 @@ def wait_for_chunk(heap, slot: int, epoch: int, timeout_s: float) -> None:
 
 def chunk_timeout_message(rank: int, slot: int, epoch: int, seen: int, timeout_s: float) -> str:
     return (f"rank {rank}: relay waited {timeout_s:g} s for a weight chunk: flag in signal-pad slot {slot} "
-            f"expected epoch >= {epoch}, saw epoch {seen >> FLAG_WRITER_BITS} from rank {seen & ((1 << FLAG_WRITER_BITS) - 1)}")
+            f"expected epoch >= {epoch}, saw epoch {seen >> FLAG_WRITER_BITS} "
+            f"from rank {seen & ((1 << FLAG_WRITER_BITS) - 1)}")
 
 
 def reference_reduce(master: np.ndarray, replicas: list[np.ndarray]) -> np.ndarray:

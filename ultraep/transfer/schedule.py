@@ -4,8 +4,8 @@ Every rank compiles the same global decisions from the same plan (relay trees, c
 and keeps its own tasks, so no message is needed. Three task lists per rank:
 
 * **weight tasks** (``int64[N, 8]``, columns ``WEIGHT_TASK_COLUMNS``: ``src_ref, chunk,
-  tile_begin, tile_end, dest_begin, dest_end, wait_slot, publish``): one chunk -- tiles ``[tile_begin, tile_end)`` of the
-  expert's tile table -- of one source (``src_ref`` is the source table index of the
+  tile_begin, tile_end, dest_begin, dest_end, wait_slot, publish``): one chunk -- tiles ``[tile_begin, tile_end)``
+  of the expert's tile table -- of one source (``src_ref`` is the source table index of the
   expert's first tensor: master tensors, then this rank's replica slots for relays),
   copied to every destination in ``dests[dest_begin:dest_end]``. A relay's tasks carry
   the signal-pad slot of the chunk flag they wait on (``-1``: none). ``publish`` is 1
@@ -123,7 +123,8 @@ def placement_error(layout, log_to_phys, replica_count) -> str | None:
     phys = log_to_phys[experts, columns].astype(np.int64)
     outside = (phys < 0) | (phys >= layout.num_physical) | (phys % P < M)
     if outside.any():
-        return f"expert {int(experts[outside][0])} has a replica outside the redundant slots (slot {int(phys[outside][0])})"
+        return (f"expert {int(experts[outside][0])} has a replica outside the redundant slots "
+                f"(slot {int(phys[outside][0])})")
     hosts, masters = phys // P, experts // M
     stray = (hosts // D != masters // D) | (hosts == masters)
     if stray.any():

@@ -67,7 +67,8 @@ class ExpertSpec:
         return tuple((t.name, t.shape, t.dtype.name) for t in self.weights) + (self.grad_dtype.name,)
 
     def __repr__(self) -> str:
-        return f"ExpertSpec({[(t.name, t.shape, t.dtype.name) for t in self.weights]}, grad_dtype={self.grad_dtype.name})"
+        return (f"ExpertSpec({[(t.name, t.shape, t.dtype.name) for t in self.weights]}, "
+                f"grad_dtype={self.grad_dtype.name})")
 
 
 def _pack(tensors) -> tuple[tuple[int, ...], int]:

@@ -331,7 +331,8 @@ def hot_path():
         # side allocates nothing either.
         want = {(layer, step): expected_plan(layer, step) for step in gated for layer in range(layers)}
         ids = {key: xp.asarray(routing(*key, me)) for key in want}
-        master_grads = {key: [[xp.asarray(g) for g in grads_of(*key, me * M + m, me)] for m in range(M)] for key in want}
+        master_grads = {key: [[xp.asarray(g) for g in grads_of(*key, me * M + m, me)] for m in range(M)]
+                        for key in want}
         replica_grads, results = {}, {}
         for (layer, step), plan in want.items():
             local = plan.phys_to_log[me * (M + S) + M:(me + 1) * (M + S)]
@@ -414,7 +415,8 @@ def hot_path():
         calls = len(call_times)
     if me == 0:
         print(f"hot path: {calls} Balancer calls enqueued in {enqueue_s * 1e3:.1f} ms behind a closed gate "
-              f"(slowest {slowest[1]} {slowest[0] * 1e3:.2f} ms), 0 pool allocations, {replicated} replicas", flush=True)
+              f"(slowest {slowest[1]} {slowest[0] * 1e3:.2f} ms), 0 pool allocations, {replicated} replicas",
+              flush=True)
     print(f"[hot-path] rank {me} OK", flush=True)
 
 

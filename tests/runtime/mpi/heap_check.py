@@ -72,7 +72,8 @@ def exchange() -> None:
                 heap.barrier()
                 mine = recv.local.view(np.uint8)[0].get()
                 poison = np.full(WORDS, 0xDEADBEEF, np.uint32).view(np.uint8)
-                assert np.array_equal(mine[shift:shift + odd], sent[shift:shift + odd]), f"peer copy (shift {shift}) differs"
+                assert np.array_equal(mine[shift:shift + odd], sent[shift:shift + odd]), \
+                    f"peer copy (shift {shift}) differs"
                 assert np.array_equal(mine[:shift], poison[:shift]), "peer copy wrote before its start"
                 assert np.array_equal(mine[shift + odd:], poison[shift + odd:]), "peer copy wrote past its end"
     print(f"[exchange] rank {me} OK", flush=True)
@@ -86,7 +87,8 @@ def timeout() -> None:
             heap.barrier(timeout_s=0.5)
         except BarrierTimeout as exc:
             message = str(exc)
-            assert f"waiting for rank {late}" in message and f"rank {me}" in message and "expected >= 1" in message, message
+            assert (f"waiting for rank {late}" in message and f"rank {me}" in message
+                    and "expected >= 1" in message), message
             print(f"rank {me} saw: {message}", flush=True)
         else:
             raise AssertionError(f"rank {me}: barrier returned although rank {late} never arrived")
@@ -117,7 +119,8 @@ def bad_input() -> None:
     with open_heap(group, 1 << 20, backend=backend) as heap:
         # Only rank 0 asks for something else: every rank must raise, none may hang.
         expect_error(lambda: heap.alloc("t", (8, 4 if me else 5), np.float32), GroupMismatchError, "allocation request")
-        expect_error(lambda: heap.alloc("t", (8, 4), np.complex64 if me == 1 else np.float32), ValueError, "not supported")
+        expect_error(lambda: heap.alloc("t", (8, 4), np.complex64 if me == 1 else np.float32), ValueError,
+                     "not supported")
         expect_error(lambda: heap.alloc("t", (0, 4), np.float32), ValueError, "must be positive")
         expect_error(lambda: heap.alloc("t", (-1,), np.float32), ValueError, "must be positive")
         expect_error(lambda: heap.alloc("big", (1 << 20,), np.float32), HeapError, "out of space")

@@ -386,7 +386,8 @@ def bad_input(heap):
         expect_error(lambda: engine.weight_sync(0, plan), "no registered master")
         good = [[xp.asarray(w) for w in master_weights(0, me * M + m)] for m in range(M)]
         grads0 = [[xp.asarray(g) for g in instance_grads(0, me * M + m, 0)] for m in range(M)]
-        wrong = [[xp.zeros((3, 3), xp.float32) if (me == 1 and t == 0) else w for t, w in enumerate(per)] for per in good]
+        wrong = [[xp.zeros((3, 3), xp.float32) if (me == 1 and t == 0) else w for t, w in enumerate(per)]
+                 for per in good]
         expect_error(lambda: engine.register_layer(0, wrong, grads0), "register_layer(0) failed")
         short = good[:-1] if me == 2 else good
         expect_error(lambda: engine.register_layer(0, short, grads0), "masters x")
@@ -400,7 +401,8 @@ def bad_input(heap):
         other_plan = Plan.from_split(other, np.ones((R, 2 * R), np.int32),
                                      np.array([[other.master_slot(e)] + [-1] * (other.max_instances - 1)
                                                for e in range(2 * R)], np.int32),
-                                     np.pad(np.ones((R, 2 * R, 1), np.int64), ((0, 0), (0, 0), (0, other.max_instances - 1))))
+                                     np.pad(np.ones((R, 2 * R, 1), np.int64),
+                                            ((0, 0), (0, 0), (0, other.max_instances - 1))))
         poison_slots(engine)
         heap.barrier()
         expect_error(lambda: engine.weight_sync(0, other_plan), "plan is for")
