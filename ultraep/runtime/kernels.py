@@ -99,13 +99,12 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
 def inline_local_includes(path: Path, seen: set | None = None) -> str:
     """The source with ``#include "x.cuh"`` replaced by the header's text, so CuPy's cache
-    key (a hash of the code string) changes whenever a header does. A header is looked up
-    beside the file, then in :func:`kernel_dir` (for variants of a kernel kept elsewhere)."""
+    key (a hash of the code string) changes whenever a header does. Headers live beside
+    the file."""
     seen = set() if seen is None else seen
+
     def expand(match):
         header = path.parent / match.group(1)
-        if not header.is_file():
-            header = kernel_dir() / match.group(1)
         if header in seen:
             return ""
         seen.add(header)
