@@ -14,8 +14,10 @@ $(STAMP): setup.cfg pyproject.toml
 
 venv: $(STAMP)
 
+# The planning policies on a trace, then one balanced MoE layer on 4 CPU ranks (out/demo_layer.png).
 demo: $(STAMP)
 	$(PY) -m ultraep.bench plan --demo
+	$(VENV)/bin/mpiexec -n 4 $(PY) -m mpi4py examples/balanced_layer.py --out out/demo_layer.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -6,7 +6,7 @@
 balanced by ``ultraep.Balancer``, run as a 2-stage 1F1B pipeline with several
 micro-batches in flight (stage s holds MoE layer s; both stages live in every process).
 
-    mpiexec -n 4 python -m mpi4py examples/cupy_framework.py [--backend cpu|cuda] [--micro-batches 4]
+    mpiexec -n 4 python -m mpi4py examples/cupy_framework.py [--backend host|device] [--micro-batches 4]
 
 Each rank holds M = E / R master experts per layer (a two-matrix ReLU MLP each). The
 router is skewed: a few hot experts get most tokens. Every micro-batch runs twice --
@@ -248,7 +248,8 @@ outputs_equal, grads_equal = all(c[0] for c in checks), all(c[1] for c in checks
 grad_error = max(c[2] for c in checks)
 if me == 0:
     for (stage, mb), plain in sorted(plain_rows.items()):
-        print(f"stage {stage} micro-batch {mb}: received rows per rank {plain.tolist()} -> {rows[(stage, mb)].tolist()}")
+        print(f"stage {stage} micro-batch {mb}: received rows per rank {plain.tolist()} -> "
+              f"{rows[(stage, mb)].tolist()}")
     print(f"busiest rank / mean over micro-batches: unbalanced {worst_ratio(plain_rows):.3f}, balanced "
           f"{worst_ratio(rows):.3f}; " + "; ".join(
               f"stage {s}: planner {m['imbalance_before_mean']:.3f} -> {m['imbalance_after_mean']:.3f}, "

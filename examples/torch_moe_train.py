@@ -202,7 +202,8 @@ if me == 0:
           f"{max(max(r) * R / sum(r) for step in plain_rows for r in step):.4f}); loss curves differ by at most "
           f"{relative:.2e} relative; planner {summary['imbalance_before_mean']:.3f} -> "
           f"{summary['imbalance_after_mean']:.3f}, {summary['replicas_mean']:.1f} replicas, "
-          f"stage medians (ms) " + ", ".join(f"{k[:-10]} {v:.3f}" for k, v in summary.items() if k.endswith("_ms_median")))
+          f"stage medians (ms) " + ", ".join(f"{k[:-10]} {v:.3f}" for k, v in summary.items()
+                                             if k.endswith("_ms_median")))
 assert worst <= 1.01, f"balanced busiest rank is {worst:.4f} x the mean"
 assert relative <= 1e-4, f"loss curves differ by {relative:.2e} relative"
 print(f"rank {me}/{R} (cuda): torch_moe_train OK", flush=True)

@@ -1,18 +1,116 @@
-"""The examples run as written."""
+"""The README's snippets and the demo run as written.
 
+Each ```python block of README.md names, in the prose just above it, the file under
+``examples/`` it is: the file is a docstring followed by exactly the block's text, and the
+file is run here (on 4 ranks where it uses MPI), so a snippet that breaks fails a test.
+"""
+
+import ast
+import re
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import requires_gpu
 from ultraep.runtime.launch import run_mpi
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+FENCE = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
+NAMED = re.compile(r"examples/(\w+\.py)")
+RANKS = 4
+
+
+def readme_snippets() -> list[tuple[str, str]]:
+    """(example file name, code) of every ```python block in README.md, in order."""
+    text = (ROOT / "README.md").read_text()
+    snippets, previous_end = [], 0
+    for match in FENCE.finditer(text):
+        names = NAMED.findall(text[previous_end:match.start()])
+        assert names, f"README.md: the python block at offset {match.start()} names no examples/*.py above it"
+        snippets.append((names[-1], match.group(1)))
+        previous_end = match.end()
+    return snippets
+
+
+def snippet_body(path: Path) -> str:
+    """The example's text after its module docstring (what the README must show)."""
+    source = path.read_text()
+    tree = ast.parse(source)
+    first = tree.body[0]
+    assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant), f"{path.name}: no docstring"
+    return "".join(source.splitlines(keepends=True)[first.end_lineno:])
+
+
+def run_example(name: str, *args: str, timeout: float = 180) -> str:
+    path = EXAMPLES / name
+    if "mpi4py" in path.read_text():
+        return run_mpi(RANKS, [str(path), *args], timeout=timeout).stdout
+    done = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_readme_has_its_snippets():
+    assert [name for name, _ in readme_snippets()] == ["heap_exchange.py", "planner_step.py", "layer_step.py"]
+
+
+@pytest.mark.parametrize("name, code", readme_snippets(), ids=[name for name, _ in readme_snippets()])
+def test_readme_snippet_is_its_example(name, code):
+    assert snippet_body(EXAMPLES / name) == code, f"README.md's snippet and examples/{name} differ"
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("backend", ["host", pytest.param("device", marks=[pytest.mark.gpu, requires_gpu])])
-def test_heap_exchange_example(backend):
-    out = run_mpi(4, [str(EXAMPLES / "heap_exchange.py"), "--backend", backend], timeout=120).stdout
-    for rank in range(4):
-        assert f"rank {rank}/4 ({backend}): received" in out, out
+def test_heap_exchange_example():
+    out = run_example("heap_exchange.py", timeout=120)
+    for rank in range(RANKS):
+        expected = [float(1000 * peer + rank) for peer in range(RANKS)]
+        assert re.search(rf"rank {rank}/{RANKS} \((host|device)\): received {re.escape(str(expected))}", out), out
+
+
+def test_planner_step_example():
+    out = run_example("planner_step.py")
+    before, after = map(float, re.search(r"busiest rank / mean: ([\d.]+) -> ([\d.]+)", out).groups())
+    assert after < 1.05 < before, out
+
+
+@pytest.mark.mpi
+def test_layer_step_example():
+    out = run_example("layer_step.py")
+    for rank in range(RANKS):
+        line = re.search(rf"rank {rank}: rows per rank \[([^\]]*)\] unbalanced, \[([^\]]*)\] balanced", out)
+        assert line, out
+        before, after = ([int(v) for v in group.split(",")] for group in line.groups())
+        assert sum(before) == sum(after) and max(after) < max(before), out
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.mpi
+def test_balanced_layer_demo(tmp_path):
+    """``make demo``'s layer: balancing flattens every micro-batch, changes no output, and
+    the figure has its labelled axes and legend."""
+    figure = tmp_path / "demo_layer.png"
+    out = run_example("balanced_layer.py", "--out", str(figure), "--micro-batches", "2", "--tokens", "256")
+    for rank in range(RANKS):
+        assert f"rank {rank}/{RANKS}: balanced_layer OK" in out, out
+    ratios = re.findall(r"micro-batch \d: unbalanced .* max/mean ([\d.]+)  ->  balanced .* max/mean ([\d.]+)", out)
+    assert len(ratios) == 2 and all(float(a) < float(b) for b, a in ratios), out
+    assert "outputs and input gradients bitwise equal to the unbalanced layer" in out, out
+    drawn = re.search(r"figure .*: (\d+) panels, (\d+)x(\d+) pixels, x label 'rank', "
+                      r"y label 'rows computed \(token, expert pairs\)', legend \[(.*)\]", out)
+    assert drawn, out
+    panels, width, height, legend = drawn.groups()
+    assert int(panels) == 2
+    assert {"'unbalanced'", "'balanced'", "'mean (ideal)'"} <= set(legend.split(", ")), legend
+    assert png_size(figure) == (int(width), int(height))
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(figure)
+    assert pixels.shape[:2] == (int(height), int(width)) and pixels[..., :3].std() > 0.05, "a blank figure"
