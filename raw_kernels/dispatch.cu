@@ -59,13 +59,13 @@ __device__ __forceinline__ uint4 load_input(const uint4* p) { return __ldg(p); }
 // Keys of the two stable orders, for n = T*K (token, slot) items: keys[i] is the expert,
 // keys[n+i] is num_experts + destination rank on the first slot of the token that goes to
 // that rank (its single send), -1 on later slots for the same rank. A bad item (expert id
-// outside [0, E) or a NaN gate) gets -1 and the lowest bad index lands in first_bad.
+// outside [0, E) or a NaN or infinite gate) gets -1 and the lowest bad index lands in first_bad.
 extern "C" __global__ void route_keys(const long long* ids, const float* gates, int n, int top_k, int num_experts,
                                       int experts_per_rank, int* keys, int* first_bad) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const long long id = ids[i];
-    if (id < 0 || id >= num_experts || isnan(gates[i])) {
+    if (id < 0 || id >= num_experts || !isfinite(gates[i])) {
         atomicMin(first_bad, i);  // an error report, not an address: the minimum is order-free
         keys[i] = -1;
         keys[n + i] = -1;

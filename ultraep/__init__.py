@@ -48,6 +48,7 @@ _EXPORTS = {
     "LaunchError": "ultraep.errors",
     "MPSUnavailable": "ultraep.errors",
     "HeapError": "ultraep.errors",
+    "ClosedError": "ultraep.errors",
     "GroupedGemmError": "ultraep.errors",
     "WaitTimeout": "ultraep.errors",
     "BarrierTimeout": "ultraep.errors",

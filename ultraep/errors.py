@@ -30,6 +30,11 @@ class MPSUnavailable(LaunchError):
     """An MPS control daemon could not be started here."""
 
 
+class ClosedError(UltraEPError, RuntimeError):
+    """An object (heap, transfer engine, dispatcher, balancer) or a view of its memory
+    used after its ``close()``; the message names the object."""
+
+
 class HeapError(UltraEPError, RuntimeError):
     """The symmetric heap cannot serve the request (closed, out of space, broken by a timeout)."""
 
@@ -62,6 +67,6 @@ class StaleHandleError(BalancerError):
     """A handle whose ring slot has been reused by a later micro-batch of its layer."""
 
 
-__all__ = ["BalancerError", "BarrierTimeout", "CollectiveError", "DispatchError", "GroupMismatchError",
+__all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "GroupMismatchError",
            "GroupedGemmError", "HeapError", "LaunchError", "MPSUnavailable", "StaleHandleError", "TransferTimeout",
            "UltraEPError", "WaitTimeout"]

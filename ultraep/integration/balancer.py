@@ -77,7 +77,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ultraep.errors import BalancerError, StaleHandleError
+from ultraep.errors import BalancerError, ClosedError, StaleHandleError
 from ultraep.integration.host import HostBalancer
 from ultraep.integration.stats import BalancerStats, plan_record
 from ultraep.integration.traces import TraceRecorder
@@ -238,7 +238,7 @@ class Balancer:
             try:
                 self.group.raise_if_any(error, what)
             except ValueError as collective:  # keep the local kind (e.g. StaleHandleError) where there is one
-                kind = type(error) if isinstance(error, BalancerError) else BalancerError
+                kind = type(error) if isinstance(error, (BalancerError, ClosedError)) else BalancerError
                 raise kind(str(collective)) from error
             if agreed is not None:
                 self.group.agree(agreed, what)
@@ -252,10 +252,12 @@ class Balancer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise BalancerError("the Balancer is closed")
+            raise ClosedError(f"rank {self.rank}: the Balancer is closed")
 
     def _entry(self, handle) -> _RingSlot:
-        """The ring slot of a live ``handle`` (raises BalancerError/StaleHandleError)."""
+        """The ring slot of a live ``handle`` (raises BalancerError/StaleHandleError, or
+        ClosedError after close)."""
+        self._check_open()
         if not isinstance(handle, BalanceHandle) or handle.balancer_id != self.id:
             raise BalancerError(f"expected a BalanceHandle from this Balancer, got {handle!r}")
         entry = self._rings[handle.layer][handle.slot]
@@ -269,11 +271,11 @@ class Balancer:
     # -- set-up per layer -------------------------------------------------------------------
     def register_layer(self, layer: int, weights, grads) -> None:
         """Collective. ``weights[m][t]`` / ``grads[m][t]``: tensor ``t`` of this rank's ``m``-th master."""
-        self._check_open()
         error = None
         try:
+            self._check_open()
             layer = self._check_layer(layer)
-        except BalancerError as exc:
+        except (BalancerError, ClosedError) as exc:
             error = exc
         self.group.raise_if_any(error, "register_layer")
         self.transfer.register_layer(layer, weights, grads)
@@ -286,9 +288,9 @@ class Balancer:
         ``local_loads`` (``int32[E]``, tokens per logical expert). Ranks may pass
         different token counts but must pass the same layer in the same order.
         """
-        self._check_open()
         error, agreed, source = None, None, None
         try:
+            self._check_open()
             layer = self._check_layer(layer)
             if (topk_ids is None) == (local_loads is None):
                 raise BalancerError("update needs exactly one of topk_ids and local_loads")
@@ -296,7 +298,7 @@ class Balancer:
             # the last dimension (top-k) is a model constant; the token count may differ per rank
             agreed = (layer, self._steps[layer], "topk_ids" if local_loads is None else "local_loads",
                       tuple(source.shape[-1:]))
-        except BalancerError as exc:
+        except (BalancerError, ClosedError) as exc:
             error = exc
         self._collective(error, "update (layer, micro-batch, input kind, top-k width)", agreed=agreed)
         with self._impl.stream(stream, topk_ids if topk_ids is not None else local_loads):
@@ -350,7 +352,7 @@ class Balancer:
         try:
             self._check_open()
             entry = self._entry(handle)
-        except BalancerError as exc:
+        except (BalancerError, ClosedError) as exc:
             error = exc
         key = (handle.layer, handle.step) if isinstance(handle, BalanceHandle) else None
         self._collective(error, what, agreed=key)
@@ -393,7 +395,7 @@ class Balancer:
             self._check_open()
             entry = self._entry(handle)
             ids = self._import_ids(topk_ids)
-        except BalancerError as exc:
+        except (BalancerError, ClosedError) as exc:
             error = exc
         self._collective(error, "reroute")
         with self._impl.stream(stream, topk_ids):
@@ -439,7 +441,8 @@ class Balancer:
     def replica_grads(self, handle: BalanceHandle) -> list:
         """``[slot][tensor]`` views of this rank's replica gradient slots: write each
         replica's full gradient here before :meth:`reduce_grads`, which adds every slot
-        the plan fills (write zeros for a replica that served no rows)."""
+        the plan fills. ``weight_sync``/``restore`` zero them, so a replica that served
+        no rows adds nothing and no earlier micro-batch's gradient is added twice."""
         self._check_live_owner(handle, "replica_grads")
         return [self.transfer.replica_grads(s) for s in range(self.layout.redundant_slots)]
 

@@ -17,6 +17,7 @@ import numpy as np
 from ultraep.errors import BalancerError
 from ultraep.integration.stats import HostClock
 from ultraep.planner import HostPlanner, Plan
+from ultraep.planner.plan import INT32_LIMIT
 
 
 
@@ -77,6 +78,8 @@ class HostBalancer:
     def check_loads(self, loads) -> None:
         if loads.size and int(loads.min()) < 0:
             raise BalancerError(f"local_loads: counts must be non-negative, found {int(loads.min())}")
+        if loads.size and int(loads.max()) >= INT32_LIMIT:  # the row is int32: a larger count would wrap
+            raise BalancerError(f"local_loads: counts must be below 2**31, found {int(loads.max())}")
 
     def count(self, source, *, from_ids: bool) -> np.ndarray:
         """This rank's load row; bad ids raise (always: looking costs nothing here)."""

@@ -9,6 +9,7 @@ from ultraep.planner.host import HostPlanner, reroute_host
 from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan, array_module
 from ultraep.planner.quota import Planner
+from ultraep.planner.reroute import check_plan
 from ultraep.runtime.backend import CHOICES, DEVICE, HOST
 
 _PLANNERS = {HOST: HostPlanner, DEVICE: DevicePlanner}
@@ -45,6 +46,7 @@ def reroute(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None):
     and writes ``-1`` for such entries instead; with a preallocated int32 ``out`` and
     ``workspace`` (``device.reroute_workspace_size``) it allocates nothing.
     """
+    check_plan(plan)
     if array_module(topk_ids) is np:
         return reroute_host(topk_ids, plan, rank, out=out)
     return reroute_device(topk_ids, plan, rank, out=out, workspace=workspace)

@@ -46,8 +46,10 @@ def check_loads(loads, layout: ExpertLayout, *, check_values: bool = True):
     if check_values:
         if loads.size and int(loads.min()) < 0:
             raise ValueError(f"loads must be non-negative, found {int(loads.min())}")
-        total = int(loads.sum(dtype=xp.int64))
-        if total >= INT32_LIMIT or (loads.size and int(loads.max()) >= INT32_LIMIT):
+        if loads.size and int(loads.max()) >= INT32_LIMIT:  # checked first: the int64 total could wrap
+            raise ValueError(f"a load of {int(loads.max())} tokens must be below 2**31 so every quota fits in int32")
+        total = int(loads.sum(dtype=xp.int64))  # R * E entries each below 2**31: no int64 overflow
+        if total >= INT32_LIMIT:
             raise ValueError(f"total load ({total}) must be below 2**31 so every quota fits in int32")
     return xp.ascontiguousarray(loads, dtype=xp.int32)
 
@@ -169,7 +171,8 @@ class Plan:
     # --- invariants --------------------------------------------------------------------
 
     def validate(self, min_replica_tokens: int = 0) -> None:
-        """Raise ``AssertionError`` naming the first broken invariant."""
+        """Raise ``AssertionError`` naming the first broken invariant (raised explicitly, so
+        ``python -O`` checks as much)."""
         p = self.to_numpy()
         lay = p.layout
         R, E, K, M, S, D = (lay.num_ranks, lay.num_experts, lay.max_instances,
@@ -178,45 +181,51 @@ class Plan:
                   "replica_count": (E,), "quota": (E, K), "split_prefix": (R, E, K), "rank_load": (R,)}
         for name, shape in shapes.items():
             array = getattr(p, name)
-            assert array.shape == shape, f"{name} has shape {array.shape}, expected {shape}"
+            _require(array.shape == shape, f"{name} has shape {array.shape}, expected {shape}")
             wanted = np.int64 if name == "rank_load" else np.int32
-            assert array.dtype == wanted, f"{name} has dtype {array.dtype}, expected {np.dtype(wanted)}"
+            _require(array.dtype == wanted, f"{name} has dtype {array.dtype}, expected {np.dtype(wanted)}")
         count = p.replica_count
         column = np.arange(K)[None, :]
         present = column < count[:, None]
-        assert (count >= 1).all() and (count <= K).all(), "replica_count out of [1, K]"
-        assert (p.log_to_phys[present] >= 0).all(), "log_to_phys has -1 inside an expert's instances"
-        assert (p.log_to_phys[~present] == -1).all(), "log_to_phys padding is not -1"
-        assert (p.quota[~present] == 0).all(), "quota of a padded column is not 0"
-        assert (p.quota >= 0).all(), "negative quota"
+        _require((count >= 1).all() and (count <= K).all(), "replica_count out of [1, K]")
+        _require((p.log_to_phys[present] >= 0).all(), "log_to_phys has -1 inside an expert's instances")
+        _require((p.log_to_phys[~present] == -1).all(), "log_to_phys padding is not -1")
+        _require((p.quota[~present] == 0).all(), "quota of a padded column is not 0")
+        _require((p.quota >= 0).all(), "negative quota")
         masters = np.array([lay.master_slot(e) for e in range(E)], dtype=np.int32)
-        assert (p.log_to_phys[:, 0] == masters).all(), "a master moved (log_to_phys[:, 0] is not its home slot)"
+        _require((p.log_to_phys[:, 0] == masters).all(), "a master moved (log_to_phys[:, 0] is not its home slot)")
         by_rank = p.phys_to_log.reshape(R, M + S)
-        assert (by_rank[:, :M] == np.arange(E).reshape(R, M)).all(), "a master slot holds the wrong expert"
+        _require((by_rank[:, :M] == np.arange(E).reshape(R, M)).all(), "a master slot holds the wrong expert")
         experts = np.broadcast_to(np.arange(E)[:, None], (E, K))
-        assert (p.phys_to_log[p.log_to_phys[present]] == experts[present]).all(), \
-            "phys_to_log disagrees with log_to_phys"
-        assert int((p.phys_to_log >= 0).sum()) == int(count.sum()), "phys_to_log holds a slot no expert lists"
+        _require((p.phys_to_log[p.log_to_phys[present]] == experts[present]).all(),
+                 "phys_to_log disagrees with log_to_phys")
+        _require(int((p.phys_to_log >= 0).sum()) == int(count.sum()), "phys_to_log holds a slot no expert lists")
         hosts = host_rank_of_slots(lay, p.log_to_phys)
         for e in range(E):
             ranks = hosts[e, : count[e]]
-            assert len(set(ranks.tolist())) == len(ranks), f"expert {e} has two instances on one rank"
-            assert (ranks // D == ranks[0] // D).all(), f"expert {e} has a replica outside its master's domain"
+            _require(len(set(ranks.tolist())) == len(ranks), f"expert {e} has two instances on one rank")
+            _require((ranks // D == ranks[0] // D).all(), f"expert {e} has a replica outside its master's domain")
             replicas = p.quota[e, 1 : count[e]]
-            assert (replicas >= min_replica_tokens).all(), \
-                f"expert {e} has a replica below min_replica_tokens ({min_replica_tokens})"
+            _require((replicas >= min_replica_tokens).all(),
+                     f"expert {e} has a replica below min_replica_tokens ({min_replica_tokens})")
         loads = p.loads.astype(np.int64)
-        assert (p.quota.sum(axis=1, dtype=np.int64) == loads.sum(axis=0)).all(), \
-            "quotas do not sum to the expert loads"
+        _require((p.quota.sum(axis=1, dtype=np.int64) == loads.sum(axis=0)).all(),
+                 "quotas do not sum to the expert loads")
         split = np.diff(p.split_prefix.astype(np.int64), axis=2, prepend=0)
-        assert (split >= 0).all(), "split_prefix is not non-decreasing (negative split)"
-        assert (p.split_prefix[:, :, -1] == p.loads).all(), "splits do not sum to each source's load"
-        assert (split.sum(axis=0) == p.quota).all(), "splits do not sum to the quotas"
+        _require((split >= 0).all(), "split_prefix is not non-decreasing (negative split)")
+        _require((p.split_prefix[:, :, -1] == p.loads).all(), "splits do not sum to each source's load")
+        _require((split.sum(axis=0) == p.quota).all(), "splits do not sum to the quotas")
         expected = np.zeros(R, dtype=np.int64)
         np.add.at(expected, hosts[present], p.quota[present].astype(np.int64))
-        assert (p.rank_load == expected).all(), "rank_load does not match the hosted quotas"
-        assert p.imbalance_before == imbalance(master_rank_load(lay, p.loads)), "imbalance_before is wrong"
-        assert p.imbalance_after == imbalance(p.rank_load), "imbalance_after is wrong"
+        _require((p.rank_load == expected).all(), "rank_load does not match the hosted quotas")
+        _require(p.imbalance_before == imbalance(master_rank_load(lay, p.loads)), "imbalance_before is wrong")
+        _require(p.imbalance_after == imbalance(p.rank_load), "imbalance_after is wrong")
+
+
+def _require(condition, message: str) -> None:
+    """An invariant check that ``python -O`` keeps (an ``assert`` statement would vanish)."""
+    if not condition:
+        raise AssertionError(message)
 
 
 def master_rank_load(layout: ExpertLayout, loads):

@@ -21,10 +21,16 @@ def check_rank(layout: ExpertLayout, rank) -> int:
     return int(rank)
 
 
+def check_plan(plan) -> Plan:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a Plan (from plan_placement or a planner), got {type(plan).__name__}")
+    return plan
+
+
 def reroute_reference(topk_ids, plan: Plan, rank: int) -> np.ndarray:
     """Physical slot ids, int32, shaped like ``topk_ids``; ``ValueError`` for ids out of
     range or more tokens of an expert than the plan's ``loads[rank, e]``."""
-    layout = plan.layout
+    layout = check_plan(plan).layout
     rank = check_rank(layout, rank)
     plan = plan.to_numpy()
     topk_ids = np.asarray(topk_ids)

@@ -10,6 +10,8 @@ kernels. Several ranks may share one GPU (Default compute mode).
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ultraep.runtime.group import EPGroup, check_distinct_processes
@@ -18,6 +20,16 @@ from ultraep.runtime.heap import SymmetricHeap, _abandoned
 from ultraep.runtime.kernels import get_function
 
 _STATUS_FIELDS = 4  # failed flag, waited rank, expected epoch, value seen
+
+
+class _Mapping:
+    """The owner every view of one rank's heap memory holds (a weak reference to it tells
+    close() whether a view is still alive)."""
+
+    __slots__ = ("memory", "__weakref__")
+
+    def __init__(self, memory=None):
+        self.memory = memory  # the local allocation: its last holder frees it
 
 
 class DeviceHeap(SymmetricHeap):
@@ -61,6 +73,7 @@ class DeviceHeap(SymmetricHeap):
             except Exception:
                 self._close_peers()
                 raise
+            self._owners = [_Mapping(self._memory if peer == self.rank else None) for peer in range(self.size)]
             # Device table of peer base pointers: what every heap kernel indexes.
             self.peer_bases = cupy.asarray(np.array(self._bases, dtype=np.uint64))
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
@@ -73,10 +86,12 @@ class DeviceHeap(SymmetricHeap):
     def view(self, rank: int, offset: int, shape: tuple, dtype: np.dtype):
         import cupy
 
+        self._check_open("view")
         if not 0 <= rank < self.size:
             raise IndexError(f"rank {rank} outside the group of {self.size}")
         nbytes = int(np.prod(shape)) * dtype.itemsize
-        memory = cupy.cuda.UnownedMemory(self._bases[rank] + offset, nbytes, self, device_id=self.device)
+        memory = cupy.cuda.UnownedMemory(self._bases[rank] + offset, nbytes, self._owners[rank],
+                                         device_id=self.device)
         return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
     def _device_barrier(self, epoch: int, timeout_s: float, wait: bool) -> None:
@@ -111,11 +126,19 @@ class DeviceHeap(SymmetricHeap):
 
         with cupy.cuda.Device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
-            self._close_peers()
+            owners, self._owners = [weakref.ref(o) for o in self._owners], []
             self.peer_bases = None
             try:
-                self.group.barrier(timeout_s)  # every peer has unmapped this rank's heap before it is freed
+                self.group.barrier(timeout_s)  # every rank is here: the next collectives cannot hang
             except TimeoutError as exc:
+                self._close_peers()
                 _abandoned.append(self._memory)  # a peer may still map it: never free
                 raise HeapError(f"heap close: {exc}; device allocation left in place") from None
+            if self._keep_for_views(any(o() is not None for o in owners)):
+                _abandoned.append((self._memory, self._opened))  # views of it, here or on a peer, stay mapped
+                self._opened = []
+                self._memory = None
+                return
+            self._close_peers()
+            self.group.barrier(timeout_s)  # every peer has unmapped this rank's heap before it is freed
             self._memory = None  # cudaFree

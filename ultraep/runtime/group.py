@@ -126,7 +126,7 @@ class EPGroup:
         failed = [(r, m) for r, m in enumerate(errors) if m is not None]
         if not failed:
             return
-        detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        detail = "; ".join(f"rank {r}: {m.removeprefix(f'rank {r}: ')}" for r, m in failed)  # named once
         error = CollectiveError(f"{what} failed on {len(failed)} of {self.size} rank(s): {detail}")
         raise error from (local_error if isinstance(local_error, BaseException) else None)
 

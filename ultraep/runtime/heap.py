@@ -13,18 +13,25 @@ heap on MPI shared memory, ``mpi_shm``, or the device heap mapped through CUDA I
 ``cuda_ipc``), so the Balancer, the Dispatcher and any later component share it. Use it as
 a context manager or call :meth:`close`; teardown is collective (synchronise, unmap peers,
 barrier, free).
+
+After :meth:`~SymmetricHeap.close` every accessor (``.local``, ``.peer()``, :meth:`~SymmetricHeap.view`,
+allocation, barriers) raises :class:`~ultraep.errors.ClosedError`. Arrays taken before stay
+readable: if any rank still holds a view of the heap at close, every rank leaves the memory
+allocated until the process exits (freeing it is collective, so all ranks decide together)
+and warns with a ``ResourceWarning``; copy what you keep and drop the views to free it.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 
-from ultraep.errors import BarrierTimeout, HeapError
+from ultraep.errors import BarrierTimeout, ClosedError, HeapError
 from ultraep.runtime.dtypes import resolve_dtype
 from ultraep.runtime.group import EPGroup
 
@@ -42,6 +49,14 @@ _abandoned: list = []  # allocations left unfreed by a close that peers never jo
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def timeout_error(timeout_s) -> str | None:
+    """Why ``timeout_s`` cannot bound a wait (it must be a positive, finite number of seconds), or None."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(timeout_s) or timeout_s <= 0:
+        return f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,10 +104,12 @@ class SymmetricTensor:
     @property
     def local(self):
         """This rank's copy (CuPy array on the GPU backend, NumPy on the CPU backend)."""
+        self.heap._check_open(f"tensor {self.name!r}")
         return self.heap.view(self.heap.rank, self.offset, self.shape, self.dtype)
 
     def peer(self, rank: int):
         """The copy in ``rank``'s heap, writable from here."""
+        self.heap._check_open(f"tensor {self.name!r}")
         return self.heap.view(rank, self.offset, self.shape, self.dtype)
 
     def __dlpack__(self, **kwargs):
@@ -117,9 +134,11 @@ class SignalBlock:
 
     @property
     def local(self):
+        self.heap._check_open(f"signal block {self.name!r}")
         return self.heap.view(self.heap.rank, self.offset, (self.count,), np.dtype(np.uint64))
 
     def peer(self, rank: int):
+        self.heap._check_open(f"signal block {self.name!r}")
         return self.heap.view(rank, self.offset, (self.count,), np.dtype(np.uint64))
 
 
@@ -149,6 +168,7 @@ class SymmetricHeap:
 
     # -- transport hooks ---------------------------------------------------------------
     def view(self, rank: int, offset: int, shape: tuple, dtype: np.dtype):
+        """``shape``/``dtype`` at byte ``offset`` of ``rank``'s heap (ClosedError once closed)."""
         raise NotImplementedError
 
     def _device_barrier(self, epoch: int, timeout_s: float, wait: bool) -> None:
@@ -224,6 +244,8 @@ class SymmetricHeap:
         host synchronisation); :meth:`check_barriers` reports its outcome later.
         """
         self._check_usable()
+        if (bad_timeout := timeout_error(timeout_s)) is not None:  # before this rank signals anyone
+            raise ValueError(f"rank {self.rank}: heap barrier: {bad_timeout}")
         self._epoch += 1
         try:
             self._device_barrier(self._epoch, float(timeout_s), wait)
@@ -235,13 +257,27 @@ class SymmetricHeap:
         return (f"rank {self.rank}: {self.backend} heap barrier timed out after {timeout_s:g} s waiting for "
                 f"rank {waited_rank}: barrier flag in signal-pad slot {waited_rank} expected >= {expected}, saw {seen}")
 
-    def _check_usable(self) -> None:
+    def _check_open(self, what: str) -> None:
         if self._closed:
-            raise HeapError("symmetric heap is closed")
+            raise ClosedError(f"rank {self.rank}: {what}: the {self.backend} symmetric heap is closed "
+                              "(use its tensors inside the heap's with-block, or copy them out first)")
+
+    def _check_usable(self) -> None:
+        self._check_open("symmetric heap")
         if self._broken is not None:
             raise HeapError(f"symmetric heap is unusable after an earlier barrier timeout ({self._broken}); close it")
 
     # -- teardown -----------------------------------------------------------------------
+    def _keep_for_views(self, live: bool) -> bool:
+        """Collective, once every rank passed the close barrier: whether any rank still holds
+        a view of the heap (``live`` here), in which case every rank keeps the memory."""
+        holders = [r for r, held in enumerate(self.group.allgather(bool(live))) if held]
+        if holders:
+            warnings.warn(f"rank {self.rank}: symmetric heap closed while rank(s) {holders} still hold views of it; "
+                          "its memory stays allocated until the process exits so those views remain readable",
+                          ResourceWarning, stacklevel=2)
+        return bool(holders)
+
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Collective: unmap peers, wait for every rank, then free the local allocation."""
         if self._closed:

@@ -9,6 +9,7 @@ polls its own pad) with ``Win.Sync`` as the memory fence, and the same timeout r
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class HostHeap(SymmetricHeap):
         self._shm_comm.Barrier()
 
     def view(self, rank: int, offset: int, shape: tuple, dtype: np.dtype):
+        self._check_open("view")
         if not 0 <= rank < self.size:
             raise IndexError(f"rank {rank} outside the group of {self.size}")
         nbytes = int(np.prod(shape)) * dtype.itemsize
@@ -72,12 +74,16 @@ class HostHeap(SymmetricHeap):
         self._win.Sync()  # peers' stores before their flags are visible to this rank's reads
 
     def _release(self, timeout_s: float) -> None:
-        self._segments = []
+        # Every view's base chain ends at its segment array: one alive means a view is.
+        segments, self._segments = [weakref.ref(s) for s in self._segments], []
         self._win.Unlock_all()
         try:
             self.group.barrier(timeout_s)  # nobody frees while a peer may still touch its segment
         except TimeoutError as exc:
             _abandoned.append((self._win, self._shm_comm))  # Win.Free is collective: it would hang
             raise HeapError(f"heap close: {exc}; shared segment left allocated") from None
+        if self._keep_for_views(any(s() is not None for s in segments)):
+            _abandoned.append((self._win, self._shm_comm))  # unmapping would leave those views dangling
+            return
         self._win.Free()
         self._shm_comm.Free()

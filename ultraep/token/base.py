@@ -154,14 +154,14 @@ class TokenBackend(Protocol):
 def bad_input_message(rank: int, code: int, token: int, slot: int, value, num_experts: int) -> str:
     if code == BAD_EXPERT_ID:
         return f"rank {rank}: expert id {value} at token {token}, slot {slot} is outside [0, {num_experts})"
-    return f"rank {rank}: gate weight at token {token}, slot {slot} is NaN"
+    return f"rank {rank}: gate weight at token {token}, slot {slot} is not finite (NaN or infinite)"
 
 
 def first_bad_item(expert_ids: np.ndarray, weights: np.ndarray, num_experts: int):
     """(code, token, slot, value) of the first bad (token, slot) in token-then-slot order, or None."""
     ids = np.asarray(expert_ids)
     bad_id = (ids < 0) | (ids >= num_experts)
-    bad = bad_id | np.isnan(np.asarray(weights, dtype=np.float32))
+    bad = bad_id | ~np.isfinite(np.asarray(weights, dtype=np.float32))
     if not bad.any():
         return None
     t, k = np.unravel_index(int(np.argmax(bad.ravel())), bad.shape)

@@ -7,7 +7,7 @@ dispatcher's own signal slots), the row plan, one send per (token, destination r
 and the receiver's expansion. Output sizes are bounded at set-up (``max_recv_rows``);
 the rows in use are ``offsets[-1]`` on the device.
 
-Errors the device finds (bad expert ids, NaN gates, a routing over the receive bound)
+Errors the device finds (bad expert ids, non-finite gates, a routing over the receive bound)
 travel with the count table, so every rank reaches the same verdict and skips the data
 movement; a device wait that times out records (site, rank, expected, seen). With
 ``sync_checks`` each call then synchronises and raises on every rank; otherwise
@@ -249,5 +249,7 @@ class DeviceDispatcher:
                                 f"max_recv_rows={d.max_recv_rows}")
 
     def close(self) -> None:
-        """Let queued work finish; the heap is the Dispatcher's to close."""
+        """Let queued work finish and drop the views of the heap (so closing it frees it); the
+        heap is the Dispatcher's to close."""
         self.cp.cuda.get_current_stream().synchronize()
+        self.local = {}

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ultraep.errors import ClosedError
 from ultraep.runtime import open_heap
 from ultraep.runtime.backend import choose_backend
 from ultraep.runtime.dtypes import resolve_dtype
 from ultraep.runtime.group import EPGroup
-from ultraep.runtime.heap import FAILING_CLOSE_TIMEOUT_S, HeapRequirements, SymmetricHeap
+from ultraep.runtime.heap import FAILING_CLOSE_TIMEOUT_S, HeapRequirements, SymmetricHeap, timeout_error
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBackend, TokenBuffers, TokenConfig,
                                 Traffic, table_columns)
@@ -101,7 +102,7 @@ class Dispatcher:
     Without one, the dispatcher opens a heap of its own and closes it.
 
     ``sync_checks=True``: every call checks its input shapes collectively and, on the GPU,
-    waits for the device's verdict (bad expert ids, NaN gates, receive-bound overflow, a
+    waits for the device's verdict (bad expert ids, non-finite gates, receive-bound overflow, a
     timed-out wait), raising the same error on every rank. ``False``: shapes are checked
     on this rank only and device errors surface at :meth:`check` -- nothing waits for the
     host, for pipelines and benchmarks. Either way a refused routing writes nothing.
@@ -119,11 +120,14 @@ class Dispatcher:
         try:
             settings = _set_up(group.size, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank,
                                max_recv_rows)
+            if (bad_timeout := timeout_error(timeout_s)) is not None:
+                raise ValueError(bad_timeout)
         except ValueError as exc:
             error = exc
         group.raise_if_any(error, "Dispatcher set-up")
-        group.agree(tuple(v.str if isinstance(v, np.dtype) else v for v in settings.values()),
-                    f"Dispatcher set-up ({', '.join(settings)})")
+        group.agree(tuple(v.str if isinstance(v, np.dtype) else v for v in settings.values())
+                    + (float(timeout_s), bool(sync_checks)),
+                    f"Dispatcher set-up ({', '.join(settings)}, timeout_s, sync_checks)")
         self.group = group
         self.id = Dispatcher._next_id
         Dispatcher._next_id += 1
@@ -139,6 +143,7 @@ class Dispatcher:
         if heap is None:
             heap = open_heap(group, requirements, backend=self.backend)
         self.heap = heap
+        self._closed = False
         try:
             buffers = TokenBuffers.of(heap, heap.allocate(requirements), HEAP_PREFIX)
             if self.backend == "device":
@@ -200,17 +205,24 @@ class Dispatcher:
     # -- the token path -------------------------------------------------------------------
     # ``out`` (optional, every call): a preallocated, writable result buffer of the
     # documented shape; only its valid rows are written.
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"rank {self.rank}: the Dispatcher is closed")
+
     def dispatch(self, x, expert_ids, weights, *, out=None) -> DispatchResult:
         """Send every (token, slot) to its expert; see the module docstring."""
+        self._check_open()
         return self._impl.dispatch(x, expert_ids, weights, out)
 
     def combine(self, y, handle: DispatchHandle, *, out=None):
         """Per source token ``[T, H]``: gate-weighted sum of its expert outputs ``y[max_recv_rows, H]``,
         slot order, fp32 accumulation, cast to the set-up dtype."""
+        self._check_open()
         return self._impl.combine(y, handle, True, out)
 
     def dispatch_backward(self, grad_recv, handle: DispatchHandle, *, out=None):
         """Gradient of dispatch w.r.t. ``x``: per token, the unweighted slot-order sum of its rows' gradients."""
+        self._check_open()
         return self._impl.combine(grad_recv, handle, False, out)
 
     def combine_backward(self, grad_out, y, handle: DispatchHandle, *, out=None):
@@ -219,10 +231,12 @@ class Dispatcher:
         ``grad_y[row] = gate * grad_out[token]`` (fp32 product, cast); ``grad_weights[t, k]``
         is the fp32 dot product of ``grad_out[t]`` and slot k's expert output in a fixed
         order (:func:`ultraep.token.reference.lane_dot`)."""
+        self._check_open()
         return self._impl.combine_backward(grad_out, y, handle, out)
 
     def traffic(self, handle: DispatchHandle) -> Traffic:
         """What the dispatch of ``handle`` sent from this rank (reads E + R integers from the device)."""
+        self._check_open()
         totals = handle.state["totals"]
         totals = np.asarray(totals.get() if hasattr(totals, "get") else totals, dtype=np.int64)
         pairs_per_rank = totals[:self.num_experts].reshape(self.size, self.experts_per_rank).sum(axis=1)
@@ -233,10 +247,16 @@ class Dispatcher:
 
     def check(self) -> None:
         """Wait for queued work and raise any deferred device-side error (device backend)."""
+        self._check_open()
         self._impl.check()
 
     def close(self) -> None:
-        """Collective: finish queued work and close the heap if the dispatcher opened it."""
+        """Collective: finish queued work and close the heap if the dispatcher opened it; any
+        later call raises :class:`~ultraep.errors.ClosedError`. Results already returned are
+        the caller's own arrays, not views of the heap: they stay valid."""
+        if self._closed:
+            return
+        self._closed = True
         self._impl.close()
         if self._owns_heap:
             self.heap.close()

@@ -13,6 +13,17 @@ weights and gradients (they stay in the framework's memory). Per micro-batch and
   gradient in replica order, fp32 accumulation, deterministic, after a barrier that says
   all replica gradients are written, and before one that frees the slots for the next layer.
 
+``weight_sync``/``restore`` zero this rank's replica gradient slots, so a micro-batch that
+writes no gradient for a replica adds zeros, never an earlier micro-batch's gradients.
+
+Arguments are agreed before any rank can raise alone. On the host backend each transfer
+compares a hash of the plan's placement (``log_to_phys``, ``replica_count``) across ranks
+and checks its layer and grid collectively, so a plan or layer that differs on one rank is
+refused on every rank. On the device the plan stays on the device and is not compared
+(reading it back would synchronise every call): a rank's local refusal leaves its peers'
+kernels to end with a device-side timeout, and a placement that breaks the layout is
+refused by every rank's device compiler.
+
 The engine checks its arguments (collectively) and holds what both backends share; the
 work is done by the backend of the heap, chosen once: :class:`~ultraep.transfer.host.HostTransfer`
 (NumPy over the host heap) or :class:`~ultraep.transfer.device.DeviceTransfer` (the kernels).
@@ -20,13 +31,15 @@ work is done by the backend of the heap, chosen once: :class:`~ultraep.transfer.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Protocol
 
 import numpy as np
 
+from ultraep.errors import ClosedError
 from ultraep.runtime.backend import DEVICE
 from ultraep.runtime.dlpack import import_tensor
-from ultraep.runtime.heap import HeapRequirements, SymmetricHeap
+from ultraep.runtime.heap import HeapRequirements, SymmetricHeap, timeout_error
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.transfer.host import HostTransfer
 from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, host_plan
@@ -41,6 +54,16 @@ MAX_REPLICAS_PER_EXPERT = kernel_constant("transfer.cu", "MAX_DESTS")  # destina
 def grid_error(blocks: int | None) -> str | None:
     """Why a requested grid (``blocks``; None: the backend's) cannot be launched, or None."""
     return None if blocks is None or 0 < blocks <= MAX_BLOCKS else f"blocks must be in [1, {MAX_BLOCKS}], got {blocks}"
+
+
+def plan_fingerprint(plan) -> str:
+    """A hash of what a transfer reads of a host plan (its placement), for comparing ranks' plans."""
+    digest = hashlib.blake2b(digest_size=16)
+    for array in (plan.log_to_phys, plan.replica_count):
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
 
 
 class TransferBackend(Protocol):
@@ -135,10 +158,10 @@ class WeightTransfer:
         elif relay_threshold < 1 or relay_count < 1:
             error = f"relay_threshold and relay_count must be >= 1, got {relay_threshold}, {relay_count}"
         else:
-            error = grid_error(blocks) or implementation.setup_error(spec)
+            error = grid_error(blocks) or timeout_error(timeout_s) or implementation.setup_error(spec)
         group.raise_if_any(error, "WeightTransfer set-up")
-        group.agree((repr(layout), spec.key(), tile_bytes, chunk_tiles, relay_threshold, relay_count),
-                    "WeightTransfer set-up (layout, expert spec, tiling, relay options)")
+        group.agree((repr(layout), spec.key(), tile_bytes, chunk_tiles, relay_threshold, relay_count, float(timeout_s)),
+                    "WeightTransfer set-up (layout, expert spec, tiling, relay options, timeout_s)")
         self.heap, self.group, self.layout, self.spec = heap, group, layout, spec
         self.rank = heap.rank
         self.geometry = TileGeometry(spec, tile_bytes, chunk_tiles)
@@ -152,6 +175,11 @@ class WeightTransfer:
             heap, layout, spec, self.geometry, self.placement, self._weights, relay_threshold=relay_threshold,
             relay_count=relay_count, blocks=blocks, timeout_s=timeout_s)
         self._layers: dict = {}
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"rank {self.rank}: the WeightTransfer is closed")
 
     # -- buffers the framework computes with ------------------------------------------
     def replica_weights(self, slot: int) -> list:
@@ -163,6 +191,7 @@ class WeightTransfer:
         return self._slot_views(self._grads, slot, self.spec.grads, self.spec.grad_offsets)
 
     def _slot_views(self, buffer, slot: int, tensors, offsets) -> list:
+        self._check_open()
         if not 0 <= slot < self.layout.redundant_slots:
             raise IndexError(f"redundant slot {slot} outside [0, {self.layout.redundant_slots})")
         base = buffer.offset + slot * buffer.shape[1]
@@ -171,6 +200,7 @@ class WeightTransfer:
     # -- per-layer registration ----------------------------------------------------------
     def register_layer(self, layer: int, weights, grads) -> None:
         """Collective. ``weights[m][t]`` / ``grads[m][t]``: tensor ``t`` of this rank's ``m``-th master."""
+        self._check_open()
         error, entry = None, None
         try:
             entry = self._import_layer(layer, weights, grads)
@@ -205,6 +235,7 @@ class WeightTransfer:
         """This rank's tasks for ``plan``, compiled on the host by the NumPy reference (what
         the host backend runs; the device backend compiles its own on the device, so there
         this reads a device plan back and is for inspection only)."""
+        self._check_open()
         self._check_plan(plan)
         return compile_schedule(host_plan(plan), self.spec, self.geometry, self.placement, self.rank,
                                 relay_threshold=self.relay_threshold, relay_count=self.relay_count)
@@ -213,10 +244,29 @@ class WeightTransfer:
         if plan.layout != self.layout:
             raise ValueError(f"plan is for {plan.layout}, this WeightTransfer was set up for {self.layout}")
 
-    def _layer(self, layer):
-        entry = self._layers.get(layer)
-        if entry is None:
-            raise ValueError(f"layer {layer} has no registered master weights/gradients (call register_layer first)")
+    def _checked(self, what: str, layer: int, plan, blocks: int | None, grid_check) -> object:
+        """The layer's entry once ``layer``, ``plan`` and ``blocks`` passed on this rank and,
+        on the host, on every rank, with the same plan everywhere; else ValueError."""
+        self._check_open()
+        error, entry, fingerprint = None, None, None
+        try:
+            entry = self._layers.get(layer)
+            if entry is None:
+                raise ValueError(f"layer {layer} has no registered master weights/gradients on rank {self.rank} "
+                                 "(call register_layer first)")
+            self._check_plan(plan)
+            if (bad_grid := grid_check(blocks)) is not None:
+                raise ValueError(bad_grid)
+            if self.impl.device is None:
+                fingerprint = plan_fingerprint(host_plan(plan))
+        except (ValueError, TypeError, AttributeError) as exc:
+            error = ValueError(str(exc)) if isinstance(exc, AttributeError) else exc
+        if self.impl.device is not None:  # the device answers a lone refusal with a timeout, not a host wait
+            if error is not None:
+                raise error
+            return entry
+        self.group.raise_if_any(error, f"{what}({layer})")
+        self.group.agree((layer, fingerprint), f"{what} (layer, hash of the plan's log_to_phys and replica_count)")
         return entry
 
     # -- transfers -----------------------------------------------------------------------
@@ -224,10 +274,9 @@ class WeightTransfer:
         """Fill every replica slot of ``plan`` with its master's weights (collective). With
         ``barrier=False`` no rank may read a replica before a later heap barrier: only the
         chunks relays forward are flagged (schedule.py, ``publish``)."""
-        entry = self._layer(layer)
-        self._check_plan(plan)
-        if (bad_grid := grid_error(blocks) or self.impl.sync_grid_error(blocks)) is not None:
-            raise ValueError(bad_grid)
+        entry = self._checked("weight_sync", layer, plan, blocks,
+                              lambda b: grid_error(b) or self.impl.sync_grid_error(b))
+        self._grads.local.fill(0)  # no stale gradient of an earlier micro-batch can be reduced again
         self.impl.weight_sync(entry, plan, blocks)
         if barrier:
             self.impl.barrier()
@@ -236,10 +285,7 @@ class WeightTransfer:
 
     def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
-        entry = self._layer(layer)
-        self._check_plan(plan)
-        if (bad_grid := grid_error(blocks)) is not None:
-            raise ValueError(bad_grid)
+        entry = self._checked("reduce_grads", layer, plan, blocks, grid_error)
         self.impl.barrier()  # every replica gradient is written
         self.impl.reduce_grads(entry, plan, blocks)
         self.impl.barrier()  # replica gradient slots are free again
@@ -249,10 +295,13 @@ class WeightTransfer:
         (its transfers were skipped; on the device a plan whose placement breaks the layout
         is refused by every rank). After a relay's timeout, weight syncs do nothing on this
         rank until this call has reported it."""
+        self._check_open()
         self.impl.synchronize()
 
     def close(self) -> None:
-        """Drop the layer registrations; the heap (owned by the caller) stays open."""
+        """Drop the layer registrations; the heap (owned by the caller) stays open. Any later
+        call raises :class:`~ultraep.errors.ClosedError`."""
+        self._closed = True
         self._layers.clear()
 
     def __enter__(self):

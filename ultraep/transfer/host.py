@@ -32,11 +32,15 @@ class HostTransfer:
         self.heap, self.layout, self.spec, self.timeout_s = heap, layout, spec, timeout_s
         self._compile = functools.partial(compile_schedule, spec=spec, geometry=geometry, placement=placement,
                                           rank=heap.rank, relay_threshold=relay_threshold, relay_count=relay_count)
-        # Relays forward from their replica slots: those tensors follow the masters in every source list.
-        slots = replica_weights.local
-        self._slot_sources = [slots[s][offset:offset + w.nbytes] for s in range(layout.redundant_slots)
-                              for w, offset in zip(spec.weights, spec.weight_offsets)]
+        self._replica_weights = replica_weights
         self._epoch = 0
+
+    def _slot_sources(self) -> list:
+        """Relays forward from their replica slots: those tensors follow the masters in every
+        source list. Taken per call, so no view of the heap outlives a transfer."""
+        slots = self._replica_weights.local
+        return [slots[s][offset:offset + w.nbytes] for s in range(self.layout.redundant_slots)
+                for w, offset in zip(self.spec.weights, self.spec.weight_offsets)]
 
     @staticmethod
     def setup_error(spec) -> str | None:
@@ -46,10 +50,9 @@ class HostTransfer:
         return None
 
     def import_layer(self, weights: list, grads: list) -> dict:
-        """``sources``: flat uint8 views of the master tensors, then of this rank's replica-slot
-        tensors; ``grads``: flat views of the master gradients."""
-        return {"sources": [w.reshape(-1).view(np.uint8) for w in weights] + self._slot_sources,
-                "grads": [g.reshape(-1) for g in grads]}
+        """``masters``: flat uint8 views of the master tensors; ``grads``: flat views of the
+        master gradients."""
+        return {"masters": [w.reshape(-1).view(np.uint8) for w in weights], "grads": [g.reshape(-1) for g in grads]}
 
     def weight_sync(self, entry: dict, plan, blocks: int | None) -> None:
         self._epoch += 1
@@ -58,7 +61,7 @@ class HostTransfer:
     def run_weight_tasks(self, entry: dict, schedule: Schedule, blocks: int | None) -> None:
         """This rank's weight tasks of ``schedule`` in order: each chunk copied to every
         destination, a relay's chunk after its flag, flags published where a relay waits."""
-        heap, sources, slot_offsets = self.heap, entry["sources"], self.spec.weight_offsets
+        heap, sources, slot_offsets = self.heap, entry["masters"] + self._slot_sources(), self.spec.weight_offsets
         tiles = schedule.tiles.tolist()
         for src_ref, chunk, tile_begin, tile_end, begin, end, wait_slot, publish in schedule.weight_tasks.tolist():
             if wait_slot >= 0:

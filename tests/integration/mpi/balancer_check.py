@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ultraep.analysis.plots import plot_rank_loads
-from ultraep.errors import CollectiveError
+from ultraep.errors import ClosedError, CollectiveError
 from ultraep.integration import Balancer, BalancerError, StaleHandleError
 from ultraep.integration.pipeline import max_in_flight, one_f_one_b
 from ultraep.integration.traces import load_trace
@@ -240,7 +240,7 @@ def bad_input():
         assert len(bal.replica_weights(h1)) == S
         expect(lambda: bal.replica_grads(h0), StaleHandleError, "stale")
         bal.check()
-    expect(lambda: bal.update(0, xp.asarray(ids)), BalancerError, "closed")
+    expect(lambda: bal.update(0, xp.asarray(ids)), ClosedError, "the Balancer is closed")
     print(f"[bad-input] rank {me} OK", flush=True)
 
 

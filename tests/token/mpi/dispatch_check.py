@@ -233,7 +233,13 @@ def bad_input() -> None:
         if me == 0:
             nan_w[2, 3] = np.nan
         expect_error(lambda: disp.dispatch(device(x), device(ids), device(nan_w)),
-                     "rank 0: gate weight at token 2, slot 3 is NaN")
+                     "rank 0: gate weight at token 2, slot 3 is not finite")
+        for infinite in (np.inf, -np.inf):  # refused like NaN, on the host and in the device's route_keys
+            inf_w = w.copy()
+            if me == culprit:
+                inf_w[1, 2] = infinite
+            expect_error(lambda: disp.dispatch(device(x), device(ids), device(inf_w)),
+                         f"rank {culprit}: gate weight at token 1, slot 2 is not finite")
         big = np.concatenate([x, x]) if me == culprit else x
         big_ids = np.concatenate([ids, ids]) if me == culprit else ids
         big_w = np.concatenate([w, w]) if me == culprit else w

@@ -1,0 +1,167 @@
+"""Bad input on one rank, use after close and stale gradients, on ``backend`` (argv[1]); one
+case per argv[2]. Every rank prints ``[<case>] rank <r> OK``; a rank that does not, or a
+crash, fails the test that launched it."""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+
+import numpy as np
+from mpi4py import MPI
+
+from ultraep import (Balancer, ClosedError, Dispatcher, EPGroup, ExpertLayout, ExpertSpec, UltraEPError,
+                     WeightTransfer, open_heap, plan_placement)
+
+backend, case = sys.argv[1], sys.argv[2]
+group = EPGroup(MPI.COMM_WORLD, use_gpu=backend == "device")
+me, R = group.rank, group.size
+odd = R - 1  # the rank that differs
+if backend == "device":
+    import cupy as xp
+else:
+    xp = np
+LAYOUT = ExpertLayout(R, 2 * R, 2)
+SPEC = ExpertSpec([("w", (4, 8), "float32")])
+M = LAYOUT.experts_per_rank
+
+
+def expect(fn, error_type, *fragments) -> str:
+    try:
+        fn()
+    except error_type as exc:
+        message = str(exc)
+        assert all(f in message for f in fragments), f"rank {me}: unexpected message {message!r}, wanted {fragments}"
+        return message
+    raise AssertionError(f"rank {me}: expected {error_type.__name__} with {fragments}")
+
+
+def hot_plan(expert: int):
+    loads = np.ones((R, LAYOUT.num_experts), np.int32)
+    loads[:, expert] = 1000  # replicated into redundant slots
+    return plan_placement(loads, LAYOUT, min_replica_tokens=1)
+
+
+def masters():
+    return [[xp.full((4, 8), me * M + m + 1, dtype=np.float32)] for m in range(M)]
+
+
+def use_after_close() -> None:
+    """The README's pattern: a tensor read after the heap's block raises; an array taken
+    inside stays readable (no SIGSEGV); every object refuses calls after close."""
+    with open_heap(group, 1 << 20, backend=backend) as heap:
+        buf = heap.alloc("recv", (R, 16), np.float32)
+        buf.peer((me + 1) % R)[me] = me + 1.0
+        heap.barrier(timeout_s=10)
+        kept = buf.local
+        signals = heap.alloc_signals("flags", 4)
+    expect(lambda: buf.local, ClosedError, f"rank {me}", "tensor 'recv'", "closed")
+    expect(lambda: buf.peer(0), ClosedError, "closed")
+    expect(lambda: signals.local, ClosedError, "signal block 'flags'")
+    expect(lambda: heap.barrier(), ClosedError, "closed")
+    expect(lambda: heap.alloc("more", (4,), np.float32), ClosedError, "closed")
+    got = np.asarray(kept.get() if hasattr(kept, "get") else kept)  # memory kept alive for this view
+    assert got[(me - 1) % R, 0] == (me - 1) % R + 1.0, got
+    del kept, got
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)  # nothing held: the heap is freed, no warning
+        with open_heap(group, WeightTransfer.heap_requirements(LAYOUT, SPEC), backend=backend) as heap:
+            engine = WeightTransfer(heap, LAYOUT, SPEC)
+            engine.register_layer(0, masters(), [[xp.zeros((4, 8), np.float32)] for _ in range(M)])
+            engine.weight_sync(0, hot_plan(0))
+            engine.close()
+    expect(lambda: engine.weight_sync(0, hot_plan(0)), ClosedError, "WeightTransfer is closed")
+    expect(lambda: engine.replica_weights(0), ClosedError, "WeightTransfer is closed")
+
+    disp = Dispatcher(group, hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend)
+    disp.close()
+    disp.close()  # idempotent
+    ids = xp.zeros((4, 2), dtype=np.int64)
+    expect(lambda: disp.dispatch(xp.ones((4, 16), np.float32), ids, xp.ones((4, 2), np.float32)), ClosedError,
+           "Dispatcher is closed")
+
+    bal = Balancer(group, LAYOUT, SPEC, num_layers=1, min_replica_tokens=1, backend=backend)
+    bal.register_layer(0, masters(), [[xp.zeros((4, 8), np.float32)] for _ in range(M)])
+    handle = bal.update(0, local_loads=xp.asarray(hot_plan(0).loads[me]))
+    bal.weight_sync(handle)
+    views = bal.replica_weights(handle)
+    bal.close()
+    expect(lambda: bal.replica_weights(handle), ClosedError, "Balancer is closed")
+    expect(lambda: bal.weight_sync(handle), ClosedError, "Balancer is closed")
+    float(views[0][0].sum())  # the heap outlives views taken before close
+    print(f"[use_after_close] rank {me} OK", flush=True)
+
+
+def disagreement() -> None:
+    """A plan, layer or timeout that differs on one rank is refused on every rank."""
+    requirements = WeightTransfer.heap_requirements(LAYOUT, SPEC)
+    with open_heap(group, requirements, backend=backend) as heap:
+        expect(lambda: WeightTransfer(heap, LAYOUT, SPEC, timeout_s=0 if me == odd else 30.0), UltraEPError,
+               f"rank {odd}: timeout_s must be a positive")
+        expect(lambda: WeightTransfer(heap, LAYOUT, SPEC, timeout_s=5.0 if me == odd else 30.0), UltraEPError,
+               "ranks disagree", "timeout_s")
+    with open_heap(group, requirements, backend=backend) as heap, WeightTransfer(heap, LAYOUT, SPEC) as engine:
+        grads = [[xp.zeros((4, 8), np.float32)] for _ in range(M)]
+        engine.register_layer(0, masters(), grads)
+        same, other = hot_plan(0), hot_plan(1)
+        mine = other if me == odd else same
+        expect(lambda: engine.weight_sync(0, mine), UltraEPError, "ranks disagree on weight_sync", "hash of the plan")
+        expect(lambda: engine.reduce_grads(0, mine), UltraEPError, "ranks disagree on reduce_grads")
+        expect(lambda: engine.restore(0, mine), UltraEPError, "ranks disagree on weight_sync")
+        expect(lambda: engine.weight_sync(1 if me == odd else 0, same), UltraEPError,
+               f"rank {odd}: layer 1 has no registered master")
+        expect(lambda: engine.weight_sync(0, "plan"), UltraEPError, "weight_sync(0) failed")
+        expect(lambda: heap.barrier(timeout_s=0), ValueError, "timeout_s must be a positive")
+        engine.weight_sync(0, same)  # still usable: nothing was written by a refused call
+        engine.reduce_grads(0, same)
+    print(f"[disagreement] rank {me} OK", flush=True)
+
+
+def stale_grads() -> None:
+    """A micro-batch that writes no replica gradient adds nothing: restore zeroes the slots."""
+    with open_heap(group, WeightTransfer.heap_requirements(LAYOUT, SPEC), backend=backend) as heap, \
+            WeightTransfer(heap, LAYOUT, SPEC) as engine:
+        grads = [[xp.zeros((4, 8), np.float32)] for _ in range(M)]
+        engine.register_layer(0, masters(), grads)
+        plan = hot_plan(0)
+        engine.weight_sync(0, plan)
+        for slot in range(LAYOUT.redundant_slots):
+            engine.replica_grads(slot)[0][...] = 1.0
+        engine.reduce_grads(0, plan)
+        engine.synchronize()
+        first = [float(g[0].sum()) for g in grads]
+        engine.restore(0, plan)  # the next micro-batch writes no replica gradient
+        engine.reduce_grads(0, plan)
+        engine.synchronize()
+        second = [float(g[0].sum()) for g in grads]
+        assert second == first, f"rank {me}: stale replica gradients added again: {first} -> {second}"
+        replicas = int(sum(group.allgather(int((np.asarray(plan.replica_count) - 1).sum()))))
+        assert replicas > 0 and sum(group.allgather(sum(first))) > 0, "the plan reduced no replica"
+    print(f"[stale_grads] rank {me} OK", flush=True)
+
+
+def lone_bad_id() -> None:
+    """sync_checks=False, a bad id on one rank: it raises at once, the others give up within
+    their timeout naming it -- nobody hangs."""
+    start = time.monotonic()
+    with Dispatcher(group, hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend,
+                    sync_checks=False, timeout_s=2.0) as disp:
+        ids = np.zeros((4, 2), np.int64)
+        if me == odd:
+            ids[0, 0] = 99
+        try:
+            disp.dispatch(xp.ones((4, 16), np.float32), xp.asarray(ids), xp.ones((4, 2), np.float32))
+            disp.check()
+        except (UltraEPError, TimeoutError) as exc:
+            wanted = "expert id 99" if me == odd else f"waiting for rank {odd}"
+            assert wanted in str(exc), f"rank {me}: {exc}"
+        else:
+            raise AssertionError(f"rank {me}: dispatch returned")
+    assert time.monotonic() - start < 20, f"rank {me}: took {time.monotonic() - start:.1f} s"
+    print(f"[lone_bad_id] rank {me} OK", flush=True)
+
+
+{"use_after_close": use_after_close, "disagreement": disagreement, "stale_grads": stale_grads,
+ "lone_bad_id": lone_bad_id}[case]()
