@@ -51,6 +51,9 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (after one warm-up)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="draw each rank's load per micro-batch, unbalanced and balanced, at the last "
+                             "--initial-imbalance (ultraep.analysis.plots.plot_rank_loads)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser.parse_args(argv)
 
@@ -60,7 +63,8 @@ def main(argv=None) -> int:
                            command=["-m", "ultraep.bench", "balancer"])
 
 
-def measure(group, target: float, args, progress) -> dict:
+def measure(group, target: float, args, progress):
+    """The row of one initial imbalance, and the Balancer's per-micro-batch records."""
     from ultraep.integration import Balancer
     from ultraep.planner import ExpertLayout
     from ultraep.analysis.traces import zipf_topk
@@ -123,10 +127,11 @@ def measure(group, target: float, args, progress) -> dict:
         balancer.check()
         stats = balancer.stats()
         summary = stats.summary()
-    return {"imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
-            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "moe_layer_ms": layer_ms,
-            "share_pct": 100.0 * exposed_ms / (exposed_ms + layer_ms),
-            **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")}}
+    row = {"imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
+           "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "moe_layer_ms": layer_ms,
+           "share_pct": 100.0 * exposed_ms / (exposed_ms + layer_ms),
+           **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")}}
+    return row, stats.records
 
 
 def run(args) -> int:
@@ -146,9 +151,15 @@ def run(args) -> int:
     rows = []
     with RowStream(COLUMNS, title, enabled=printing) as table:
         for target in args.initial_imbalance:
-            rows.append(measure(group, target, args, progress))
-            table.add(rows[-1])
+            row, records = measure(group, target, args, progress)
+            rows.append(row)
+            table.add(row)
     if printing:
+        if args.plot:
+            from ultraep.analysis.plots import plot_rank_loads
+
+            plot_rank_loads(records, args.plot, title=f"balancer bench, initial imbalance {args.initial_imbalance[-1]}")
+            print(f"wrote {args.plot}")
         if args.json:
             write_json(args.json, {"benchmark": "balancer", "ranks": group.size, "sharing": sharing, "args": vars(args),
                                    "rows": rows})
