@@ -45,7 +45,7 @@ BOUND_KINDS = ("exact", "milp", "lp", "trivial")
 # One NVLink domain of 16 ranks, as in the paper's solver test (EP64 in one domain), scaled
 # down so that the whole demo, bounds included, takes seconds on two cores.
 DEMO = dict(generate="demo", ranks=16, experts=64, slots=2, domain=16, top_k=8, tokens_per_rank=2048,
-            steps=12, layers=3, seed=0, min_replica_tokens=512, bound_time_limit=1.0, bound_budget=5.0)
+            steps=12, layers=3, seed=0, min_replica_tokens=512, bound_budget=6.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
