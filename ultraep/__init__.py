@@ -24,6 +24,27 @@ Every error the library raises on purpose derives from :class:`UltraEPError`.
 """
 
 import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what a type checker sees of the lazily imported names below ("X as X": re-exported)
+    from ultraep.errors import (BalancerError as BalancerError, BarrierTimeout as BarrierTimeout,
+                                CollectiveError as CollectiveError, DispatchError as DispatchError,
+                                GroupedGemmError as GroupedGemmError, GroupMismatchError as GroupMismatchError,
+                                HeapError as HeapError, LaunchError as LaunchError, MPSUnavailable as MPSUnavailable,
+                                StaleHandleError as StaleHandleError, TransferTimeout as TransferTimeout,
+                                UltraEPError as UltraEPError, WaitTimeout as WaitTimeout)
+    from ultraep.integration import BalanceHandle as BalanceHandle, Balancer as Balancer
+    from ultraep.integration.traces import (load_trace as load_trace, save_trace as save_trace,
+                                            TraceRecorder as TraceRecorder)
+    from ultraep.planner import ExpertLayout as ExpertLayout, Plan as Plan, plan_placement as plan_placement
+    from ultraep.runtime import open_heap as open_heap
+    from ultraep.runtime.group import EPGroup as EPGroup
+    from ultraep.token import Dispatcher as Dispatcher
+    from ultraep.transfer import ExpertSpec as ExpertSpec, WeightTransfer as WeightTransfer
+
+    # A type checker takes ultraep.planner.reroute for the submodule of that name, so the
+    # function's signature is restated here (tests/test_package.py keeps the two equal).
+    def reroute(topk_ids: Any, plan: Plan, rank: int, *, out: Any = None, workspace: Any = None) -> Any: ...
 
 __version__ = "0.1.0"
 
@@ -60,7 +81,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ultraep' has no attribute {name!r}")
@@ -69,5 +90,5 @@ def __getattr__(name):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

@@ -161,7 +161,7 @@ def test_generators_are_seeded_and_well_formed(name):
 
 
 def test_zipf_trace_hits_its_target_every_step():
-    trace = traces.zipf_trace(seed=2, target_imbalance=1.8, **SIZES)
+    trace = traces.zipf_trace(seed=2, initial_imbalance=1.8, **SIZES)
     assert np.all(np.abs(rank_imbalance(trace.loads) - 1.8) <= 0.05 * 1.8)
 
 

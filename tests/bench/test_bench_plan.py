@@ -104,3 +104,19 @@ def test_write_json_adds_metadata_and_strict_values(tmp_path):
     assert data["meta"]["device"] == "cpu" and data["meta"]["date_utc"].endswith("+00:00")
     with pytest.raises(ValueError, match="meta"):
         write_json(tmp_path / "x.json", {"meta": 1})
+
+
+def test_plan_streams_each_cell_with_its_bound_kind_and_keeps_the_bound_budget(capsys):
+    assert bench.main(["plan", "--generate", "drift", *TINY[:-1], "--bound-budget", "0"]) == 0
+    captured = capsys.readouterr()
+    cells = [line.split() for line in captured.err.splitlines() if line.split()[:1] and "/8" in line.split()[0]]
+    assert [cell[0] for cell in cells] == [f"{i}/8" for i in range(1, 9)]
+    assert all(cell[-3] in bench_plan.BOUND_KINDS for cell in cells)
+    assert all(cell[-3] != "milp" for cell in cells)  # a zero budget leaves the MILP out
+    assert "lower bound: exact on" in captured.out and "--bound trivial" in captured.out
+
+
+def test_plan_help_names_the_bound_choices():
+    help_text = " ".join(bench_plan.build_parser().format_help().split())
+    assert "trivial: perfect balance" in help_text and "--bound-budget" in help_text
+    assert "--initial-imbalance" in help_text and "--target-imbalance" not in help_text

@@ -29,3 +29,29 @@ def test_gpu_bench_help_is_shown_without_gpu():
     proc = subprocess.run([sys.executable, "-m", "ultraep.bench", "dispatch", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and "usage: python -m ultraep.bench dispatch" in proc.stdout
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing, carrying the parser a bench built."""
+
+
+@pytest.mark.parametrize("name", list(bench.BENCHMARKS))
+def test_every_option_has_help_and_no_repository_file_is_cited_that_is_missing(name, monkeypatch):
+    import argparse
+    import importlib
+    import re
+    from pathlib import Path
+
+    def capture(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    module = importlib.import_module(bench.BENCHMARKS[name].module)
+    with pytest.raises(_Parsed) as parsed:
+        module.build_parser().parse_args([]) if hasattr(module, "build_parser") else module.parse_args([])
+    parser = parsed.value.args[0]
+    bare = [action.option_strings for action in parser._actions if action.option_strings and not action.help]
+    assert bare == [], f"{name}: options without help"
+    root = Path(__file__).resolve().parents[2]
+    for cited in re.findall(r"``([\w./-]+\.(?:md|cu|cuh|py|sh))``", parser.description + (module.__doc__ or "")):
+        assert any((root / prefix / cited).exists() for prefix in ("", "ultraep", "raw_kernels")), cited

@@ -10,7 +10,8 @@ from ultraep.bench import moe_layer as bench
 from ultraep.analysis.traces import rank_imbalance
 
 TINY = ["--layers", "2", "--experts-per-rank", "2", "--slots", "1", "--tokens", "256", "--top-k", "2", "--hidden", "32",
-        "--ffn", "16", "--dtype", "float32", "--imbalance", "1.5", "--min-replica-tokens", "16", "--repeats", "2"]
+        "--ffn", "16", "--dtype", "float32", "--initial-imbalance", "1.5", "--min-replica-tokens", "16",
+        "--repeats", "2"]
 
 
 def loads(ids, experts):
@@ -39,7 +40,7 @@ def test_skewed_routing_meets_the_target_and_differs_per_layer():
 def test_skewed_routing_tries_other_rankings_when_the_first_cannot_reach_the_target():
     from ultraep.analysis.traces import zipf_topk
 
-    args = bench.parse_args(["--tokens", "1024", "--top-k", "8", "--imbalance", "1.5"])
+    args = bench.parse_args(["--tokens", "1024", "--top-k", "8", "--initial-imbalance", "1.5"])
     with pytest.raises(ValueError, match="unreachable"):
         zipf_topk(4, 32, 8, 1024, 1.5, seed=0)  # the first ranking of layer 0
     assert rank_imbalance(loads(bench.routing("none", 4, 32, layer=0, args=args), 32)) == pytest.approx(1.5, rel=0.01)

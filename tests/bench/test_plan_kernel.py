@@ -9,7 +9,8 @@ from ultraep.runtime.group import gpu_count
 
 def test_cap_columns_and_replica_bound(tmp_path, capsys):
     out = tmp_path / "plan-kernel.json"
-    assert plan_kernel.main(["--experts", "128", "--targets", "1.5", "--replica-bound", "--json", str(out)]) == 0
+    assert plan_kernel.main(["--experts", "128", "--initial-imbalance", "1.5", "--replica-bound",
+                             "--json", str(out)]) == 0
     assert "cap_slots_bound" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["rows"]
     assert row["after"] <= row["cap_after"] <= 1.005 < row["before"]

@@ -12,7 +12,7 @@ from ultraep.bench import balancer as bench
 def test_balancer_bench_cpu(tmp_path, capfd):
     out = tmp_path / "balancer.json"
     code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
-                       "--ffn", "16", "--imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "2",
+                       "--ffn", "16", "--initial-imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "2",
                        "--json", str(out)])
     printed = capfd.readouterr().out
     assert code == 0, printed

@@ -93,8 +93,8 @@ def rank_imbalance(loads) -> float:
 
 
 def zipf_loads(num_ranks: int, num_experts: int, top_k: int, tokens_per_rank: int,
-               target_imbalance: float, seed: int, *, tolerance: float = 0.01) -> np.ndarray:
-    """Zipf loads ``int32[R, E]`` whose initial rank max/mean is ``target_imbalance``.
+               initial_imbalance: float, seed: int, *, tolerance: float = 0.01) -> np.ndarray:
+    """Zipf loads ``int32[R, E]`` whose initial rank max/mean is ``initial_imbalance``.
 
     Expert popularity is ``(i + 1) ** -s`` over a seeded random ranking ``i`` of the
     experts (the same for every source); the counts are drawn with one fixed set of
@@ -104,8 +104,8 @@ def zipf_loads(num_ranks: int, num_experts: int, top_k: int, tokens_per_rank: in
     what ``top_k`` distinct experts per token allow).
     """
     _check_sizes(num_ranks, num_experts, top_k, tokens_per_rank)
-    if not np.isfinite(target_imbalance) or target_imbalance < 1.0:
-        raise ValueError(f"target_imbalance must be a finite number >= 1, got {target_imbalance!r}")
+    if not np.isfinite(initial_imbalance) or initial_imbalance < 1.0:
+        raise ValueError(f"initial_imbalance must be a finite number >= 1, got {initial_imbalance!r}")
     rng = np.random.default_rng(seed)
     ranking = rng.permutation(num_experts)
     pairs = tokens_per_rank * top_k
@@ -125,21 +125,21 @@ def zipf_loads(num_ranks: int, num_experts: int, top_k: int, tokens_per_rank: in
         return _enforce_token_cap(counts, np.broadcast_to(shares, counts.shape), tokens_per_rank)
 
     def error(loads):
-        return float(rank_imbalance(loads)) - target_imbalance
+        return float(rank_imbalance(loads)) - initial_imbalance
 
     low, high = 0.0, 1.0
     best = draw(low)
     if error(best) >= 0:
-        if abs(error(best)) <= tolerance * target_imbalance:
+        if abs(error(best)) <= tolerance * initial_imbalance:
             return best
         raise ValueError(
-            f"zipf_loads: target imbalance {target_imbalance} is below the sampling noise at this "
+            f"zipf_loads: initial imbalance {initial_imbalance} is below the sampling noise at this "
             f"size (uniform popularity already gives {rank_imbalance(best):.4f})")
     while error(draw(high)) < 0:
         low, high = high, high * 2
         if high > 256:
             raise ValueError(
-                f"zipf_loads: target imbalance {target_imbalance} is unreachable with {num_ranks} ranks, "
+                f"zipf_loads: initial imbalance {initial_imbalance} is unreachable with {num_ranks} ranks, "
                 f"{num_experts} experts and top_k={top_k} (at most {rank_imbalance(draw(low)):.4f})")
     for _ in range(60):
         mid = 0.5 * (low + high)
@@ -150,15 +150,15 @@ def zipf_loads(num_ranks: int, num_experts: int, top_k: int, tokens_per_rank: in
             low = mid
         else:
             high = mid
-        if abs(error(best)) <= 1e-4 * target_imbalance or high - low < 1e-9:
+        if abs(error(best)) <= 1e-4 * initial_imbalance or high - low < 1e-9:
             break
     for candidate in (draw(low), draw(high)):
         if abs(error(candidate)) < abs(error(best)):
             best = candidate
-    if abs(error(best)) > tolerance * target_imbalance:
+    if abs(error(best)) > tolerance * initial_imbalance:
         raise ValueError(
             f"zipf_loads: reached imbalance {rank_imbalance(best):.4f}, not within {tolerance:.1%} "
-            f"of target {target_imbalance} (too few tokens for this precision?)")
+            f"of the initial imbalance {initial_imbalance} (too few tokens for this precision?)")
     return best
 
 
@@ -191,9 +191,9 @@ def topk_from_loads(loads, top_k: int, seed: int) -> np.ndarray:
 
 
 def zipf_topk(num_ranks: int, num_experts: int, top_k: int, tokens_per_rank: int,
-              target_imbalance: float, seed: int, *, tolerance: float = 0.01) -> np.ndarray:
+              initial_imbalance: float, seed: int, *, tolerance: float = 0.01) -> np.ndarray:
     """Top-k ids ``int32[R, T, top_k]`` whose counts equal ``zipf_loads`` with the same arguments."""
-    loads = zipf_loads(num_ranks, num_experts, top_k, tokens_per_rank, target_imbalance, seed,
+    loads = zipf_loads(num_ranks, num_experts, top_k, tokens_per_rank, initial_imbalance, seed,
                        tolerance=tolerance)
     return topk_from_loads(loads, top_k, seed)
 
@@ -288,7 +288,7 @@ def per_layer_trace(*, steps, layers, num_ranks, num_experts, top_k, tokens_per_
 
 
 def zipf_trace(*, steps, layers, num_ranks, num_experts, top_k, tokens_per_rank, seed,
-               target_imbalance: float = 2.0) -> Trace:
+               initial_imbalance: float = 2.0) -> Trace:
     """Independent ``zipf_loads`` draws per (step, layer): the solver-test distribution, with the
     hot experts re-ranked every micro-batch (the worst case for a history-based balancer)."""
     loads = np.empty((steps, layers, num_ranks, num_experts), dtype=np.int32)
@@ -296,9 +296,9 @@ def zipf_trace(*, steps, layers, num_ranks, num_experts, top_k, tokens_per_rank,
         for l in range(layers):
             cell_seed = int(np.random.SeedSequence([seed, s, l]).generate_state(1)[0])
             loads[s, l] = zipf_loads(num_ranks, num_experts, top_k, tokens_per_rank,
-                                     target_imbalance, cell_seed, tolerance=0.05)
+                                     initial_imbalance, cell_seed, tolerance=0.05)
     return Trace(loads, None, dict(generator="zipf", seed=seed, top_k=top_k,
-                                   tokens_per_rank=tokens_per_rank, target_imbalance=target_imbalance))
+                                   tokens_per_rank=tokens_per_rank, initial_imbalance=initial_imbalance))
 
 
 def demo_trace(*, steps: int = 24, layers: int = 4, num_ranks: int = 16, num_experts: int = 64,

@@ -3,7 +3,7 @@
 itself (dispatch, one matmul pair per local expert slot, combine), in one run.
 
 Every rank routes ``tokens`` fp16 tokens top-k with Zipf-skewed experts tuned to each
-target rank imbalance (``ultraep.analysis.traces.zipf_topk``). Experts are two fp16
+initial rank imbalance (``--initial-imbalance``, ``ultraep.analysis.traces.zipf_topk``). Experts are two fp16
 matrices ``[hidden, ffn]`` and ``[ffn, hidden]``; gradients fp32. ``exposed_ms`` and
 ``moe_layer_ms`` are the whole group's window per call (first rank's start to the last
 rank's end, host and device); every exposed call plans anew, and its weight sync
@@ -35,20 +35,26 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench balancer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
     add_emulation_option(parser)
-    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"])
+    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"],
+                        help="device: CuPy on the GPU; host: NumPy on the CPU; auto: the GPU when there is one")
     parser.add_argument("--experts", type=int, default=64, help="logical experts in all (divisible by the ranks)")
     parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--imbalance", type=float, nargs="+", default=[1.25, 1.5],
-                        help="target initial rank max/mean of the routing (with 4 ranks and top-8 over "
-                             "64 experts at most 1.5 is reachable)")
-    parser.add_argument("--min-replica-tokens", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top-k", type=int, default=8, help="experts per token")
+    parser.add_argument("--hidden", type=int, default=2048, help="model width (rows of w_in)")
+    parser.add_argument("--ffn", type=int, default=1024, help="expert FFN width (columns of w_in)")
+    parser.add_argument("--initial-imbalance", type=float, nargs="+", default=[1.25, 1.5],
+                        help="rank max/mean of the generated routing before balancing, one row each (with 4 "
+                             "ranks and top-8 over 64 experts at most 1.5 is reachable)")
+    parser.add_argument("--min-replica-tokens", type=int, default=1024,
+                        help="fewest tokens a replica may serve (the planner's min_replica_tokens)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (after one warm-up)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="draw each rank's load per micro-batch, unbalanced and balanced, at the last "
+                             "--initial-imbalance (ultraep.analysis.plots.plot_rank_loads)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser.parse_args(argv)
 
 
@@ -57,7 +63,8 @@ def main(argv=None) -> int:
                            command=["-m", "ultraep.bench", "balancer"])
 
 
-def measure(group, target: float, args) -> dict:
+def measure(group, target: float, args, progress):
+    """The row of one initial imbalance, and the Balancer's per-micro-batch records."""
     from ultraep.integration import Balancer
     from ultraep.planner import ExpertLayout
     from ultraep.analysis.traces import zipf_topk
@@ -97,6 +104,8 @@ def measure(group, target: float, args) -> dict:
             balancer.weight_sync(handle)
             state["slots"] = balancer.reroute(handle, ids)
 
+        progress(f"initial imbalance {target}: layers registered, timing update + weight_sync + reroute "
+                 f"({args.repeats} calls)")
         exposed()
         offsets = [int(v) for v in (dispatcher.dispatch(x, state["slots"], gates).offsets.tolist())]
 
@@ -112,32 +121,45 @@ def measure(group, target: float, args) -> dict:
             dispatcher.combine(y, received.handle)
 
         exposed_ms = group_window_ms(group, exposed, args.repeats, synchronize)
+        progress(f"initial imbalance {target}: timing the balanced MoE layer ({args.repeats} calls)")
         layer_ms = group_window_ms(group, moe_layer, args.repeats, synchronize)
         dispatcher.check()
         balancer.check()
         stats = balancer.stats()
         summary = stats.summary()
-    return {"imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
-            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "moe_layer_ms": layer_ms,
-            "share_pct": 100.0 * exposed_ms / (exposed_ms + layer_ms),
-            **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")}}
+    row = {"imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
+           "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "moe_layer_ms": layer_ms,
+           "share_pct": 100.0 * exposed_ms / (exposed_ms + layer_ms),
+           **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")}}
+    return row, stats.records
 
 
 def run(args) -> int:
     from mpi4py import MPI
 
-    from ultraep.bench.report import print_table, write_json
+    from ultraep.bench.report import Progress, RowStream, write_json
     from ultraep.runtime.group import EPGroup
     from ultraep.runtime.mps import sharing_label
 
     group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "host")
-    rows = [measure(group, target, args) for target in args.imbalance]
     sharing = sharing_label(group)
-    if group.rank == 0:
-        title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({sharing}), {args.experts} experts, "
-                 f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
-                 f"ffn {args.ffn}, fp16 experts; exposed = update + weight_sync + reroute")
-        print_table(rows, COLUMNS, title)
+    printing = group.rank == 0
+    progress = Progress("balancer", enabled=printing and not args.quiet)
+    title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({sharing}), {args.experts} experts, "
+             f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
+             f"ffn {args.ffn}, fp16 experts; exposed = update + weight_sync + reroute")
+    rows = []
+    with RowStream(COLUMNS, title, enabled=printing) as table:
+        for target in args.initial_imbalance:
+            row, records = measure(group, target, args, progress)
+            rows.append(row)
+            table.add(row)
+    if printing:
+        if args.plot:
+            from ultraep.analysis.plots import plot_rank_loads
+
+            plot_rank_loads(records, args.plot, title=f"balancer bench, initial imbalance {args.initial_imbalance[-1]}")
+            print(f"wrote {args.plot}")
         if args.json:
             write_json(args.json, {"benchmark": "balancer", "ranks": group.size, "sharing": sharing, "args": vars(args),
                                    "rows": rows})

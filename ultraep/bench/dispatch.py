@@ -43,12 +43,13 @@ def parse_args(argv):
     parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
     add_emulation_option(parser)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="tokens per rank")
-    parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
-    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168], help="token widths (bf16 values)")
+    parser.add_argument("--top-k", type=int, default=8, help="experts per token")
     parser.add_argument("--experts", type=int, default=256, help="experts in all (divisible by the rank count)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (mean reported)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random routing")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser.parse_args(argv)
 
 
@@ -126,26 +127,29 @@ def run(args) -> int:
     from mpi4py import MPI
 
     from ultraep.bench.nccl import NcclBaseline
-    from ultraep.bench.report import print_table, write_json
+    from ultraep.bench.report import Progress, RowStream, write_json
     from ultraep.runtime.group import EPGroup
     from ultraep.runtime.mps import sharing_label
 
     group = EPGroup(MPI.COMM_WORLD)
     if not group.has_gpu:
         raise SystemExit("the dispatch benchmark needs a GPU")
-    with NcclBaseline(group) as nccl:
-        rows = []
-        for tokens in args.tokens:
-            for hidden in args.hidden:
-                rows.append(measure(group, nccl, tokens, hidden, args))
-                cupy.get_default_memory_pool().free_all_blocks()  # this size's buffers died with measure's frame
     sharing = sharing_label(group)
-    if group.rank == 0:
-        title = (f"dispatch/combine algorithm bandwidth: {group.size} ranks ({sharing}), top-{args.top_k}, "
-                 f"{args.experts} experts, bf16, aggregate over ranks (GB/s = 1e9 B/s); "
-                 "copy = cudaMemcpyAsync of the same bytes; "
-                 f"a2a = NCCL all_to_all_single of the bytes sent (dispatch/a2a > 1: the dispatcher is faster)")
-        print_table(rows, COLUMNS, title)
+    printing = group.rank == 0
+    title = (f"dispatch/combine algorithm bandwidth: {group.size} ranks ({sharing}), top-{args.top_k}, "
+             f"{args.experts} experts, bf16, aggregate over ranks (GB/s = 1e9 B/s); "
+             "copy = cudaMemcpyAsync of the same bytes; "
+             f"a2a = NCCL all_to_all_single of the bytes sent (dispatch/a2a > 1: the dispatcher is faster)")
+    progress = Progress("dispatch", enabled=printing and not args.quiet)
+    cells = [(tokens, hidden) for tokens in args.tokens for hidden in args.hidden]
+    with NcclBaseline(group) as nccl, RowStream(COLUMNS, title, enabled=printing) as table:
+        rows = []
+        for i, (tokens, hidden) in enumerate(cells):
+            progress(f"{i + 1}/{len(cells)}: {tokens} tokens/rank, hidden {hidden}")
+            rows.append(measure(group, nccl, tokens, hidden, args))
+            table.add(rows[-1])
+            cupy.get_default_memory_pool().free_all_blocks()  # this size's buffers died with measure's frame
+    if printing:
         if args.json:
             write_json(args.json, {"benchmark": "dispatch", "ranks": group.size, "sharing": sharing,
                                    "top_k": args.top_k, "experts": args.experts, "nccl": nccl.reason or "run",

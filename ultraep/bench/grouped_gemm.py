@@ -32,7 +32,7 @@ class Case:
     k: int
 
 
-# The shapes (shared/anchors.md) and two model layers (gate+up and down projections).
+# The anchor shapes (public UltraEP grouped-GEMM cases) and two model layers (gate+up and down projections).
 CASES = [
     Case("8x4096 N4096 K7168", 8, 4096, 4096, 7168),
     Case("8x4096 N7168 K2048", 8, 4096, 7168, 2048),
@@ -73,10 +73,11 @@ def expert_counts(experts: int, mean: int, distribution: str, seed: int) -> np.n
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench grouped-gemm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", metavar="NAME", help="substrings of case names to run (default: all)")
-    parser.add_argument("--sizes", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
-    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--sizes", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS),
+                        help="how the rows are spread over the experts")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="passes to time")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure (median reported)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the row counts and the operands")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     return parser.parse_args(argv)
 

@@ -12,7 +12,7 @@ skewed routing under three policies in one run, as tokens/s and the ratio to the
 
 Every rank holds ``experts_per_rank`` masters per layer (two-matrix ReLU MLPs, one matmul
 pair per local slot over its contiguous rows; NumPy on the CPU backend, CuPy on a GPU).
-Skewed routing: Zipf top-k ids tuned to the target initial rank imbalance
+Skewed routing: Zipf top-k ids tuned to the initial rank imbalance ``--initial-imbalance``
 (``ultraep.analysis.traces.zipf_topk``), another draw per layer (the first of up to
 32 seeded rankings that reaches the target). A step is the forward of
 every layer then the backward in reverse (gradients of inputs and expert weights; no
@@ -37,7 +37,7 @@ import numpy as np
 from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import add_emulation_option, multi_rank_main
 
-POLICIES = ("none", "ultraep", "ideal")
+POLICIES = ("ideal", "none", "ultraep")  # in this order: each row's vs_ideal and diffs are known when it is printed
 ROUTING_DRAWS = 32  # Zipf rankings tried per layer: whether a target is reachable depends on which experts share a rank
 COLUMNS = ["policy", "step_ms", "tokens_per_s", "vs_ideal", "rows_max_mean", "replicas", "out_diff", "grad_diff"]
 # Largest relative difference of ultraep's outputs and master gradients from none's: another
@@ -50,21 +50,25 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-layer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
     add_emulation_option(parser)
-    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--experts-per-rank", type=int, default=8)
+    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"],
+                        help="device: CuPy on the GPU; host: NumPy on the CPU; auto: the GPU when there is one")
+    parser.add_argument("--layers", type=int, default=2, help="MoE layers in the stack")
+    parser.add_argument("--experts-per-rank", type=int, default=8, help="master experts per rank and layer")
     parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
     parser.add_argument("--tokens", type=int, default=8192,
                         help="tokens per rank (tokens x top_k divisible by experts)")
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--dtype", default="float16", choices=sorted(TOLERANCE))
-    parser.add_argument("--imbalance", type=float, default=1.5, help="target initial rank max/mean of the routing")
-    parser.add_argument("--min-replica-tokens", type=int, default=512)
+    parser.add_argument("--top-k", type=int, default=8, help="experts per token")
+    parser.add_argument("--hidden", type=int, default=2048, help="model width (rows of w_in)")
+    parser.add_argument("--ffn", type=int, default=1024, help="expert FFN width (columns of w_in)")
+    parser.add_argument("--dtype", default="float16", choices=sorted(TOLERANCE), help="expert weights and tokens")
+    parser.add_argument("--initial-imbalance", type=float, default=1.5,
+                        help="rank max/mean of the skewed routing before balancing")
+    parser.add_argument("--min-replica-tokens", type=int, default=512,
+                        help="fewest tokens a replica may serve (the planner's min_replica_tokens)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per policy")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser.parse_args(argv)
 
 
@@ -81,7 +85,8 @@ def routing(policy: str, ranks: int, experts: int, layer: int, args) -> np.ndarr
     if policy != "ideal":
         for draw in range(ROUTING_DRAWS):
             try:
-                return zipf_topk(ranks, experts, args.top_k, args.tokens, args.imbalance, seed + 100_000 * draw)
+                return zipf_topk(ranks, experts, args.top_k, args.tokens, args.initial_imbalance,
+                                 seed + 100_000 * draw)
             except ValueError as exc:
                 error = exc
         raise ValueError(f"layer {layer}: no Zipf ranking of {ROUTING_DRAWS} reaches the target: {error}")
@@ -227,7 +232,7 @@ def run(args) -> int:
     from mpi4py import MPI
 
     from ultraep.runtime.mps import sharing_label
-    from ultraep.bench.report import print_table, write_json
+    from ultraep.bench.report import Progress, RowStream, write_json
     from ultraep.analysis.traces import rank_imbalance
     from ultraep.runtime.group import EPGroup
 
@@ -255,8 +260,16 @@ def run(args) -> int:
     initial = max(float(rank_imbalance(np.stack([np.bincount(ids[r].ravel(), minlength=E) for r in range(R)])))
                   for ids in skewed)
 
+    caveat = sharing_label(group)
+    title = (f"MoE layers forward+backward: {R} ranks ({caveat}), {L} layers, {E} experts, "
+             f"{args.slots} slots/rank, top-{args.top_k}, {T} tokens/rank, hidden {H}, ffn {args.ffn}, "
+             f"{args.dtype}; initial rank imbalance {initial:.3f} (target {args.initial_imbalance}); "
+             "vs_ideal = ideal step time / policy's")
+    progress = Progress("moe-layer", enabled=me == 0 and not args.quiet)
+    table = RowStream(COLUMNS, title, enabled=me == 0)
     rows, checked = [], {}
     for policy in POLICIES:
+        progress(f"{policy}: setting up, one checked step, then {args.repeats} timed steps")
         stack = MoEStack(group, policy, masters, ideal if policy == "ideal" else skewed, gates, xp, backend, args)
         try:
             stack.zero_grads()
@@ -270,28 +283,24 @@ def run(args) -> int:
             if stack.balancer is not None:
                 stack.balancer.check()
                 replicas = stack.balancer.stats().summary()["replicas_mean"]
-            rows.append({"policy": policy, "step_ms": step_ms, "tokens_per_s": R * T / step_ms * 1e3,
-                         "rows_max_mean": stack.rows_max_mean(), "replicas": replicas})
+            row = {"policy": policy, "step_ms": step_ms, "tokens_per_s": R * T / step_ms * 1e3,
+                   "rows_max_mean": stack.rows_max_mean(), "replicas": replicas}
         finally:
             stack.close()
-    diffs = group.allgather((relative_difference(checked["ultraep"][:1], checked["none"][:1]),
-                             relative_difference(checked["ultraep"][1:], checked["none"][1:])))
-    out_diff, grad_diff = (max(d[i] for d in diffs) for i in range(2))
-    ideal_ms = rows[POLICIES.index("ideal")]["step_ms"]
-    for row in rows:
-        row["vs_ideal"] = ideal_ms / row["step_ms"]
-    rows[POLICIES.index("ultraep")].update(out_diff=out_diff, grad_diff=grad_diff)
+        row["vs_ideal"] = rows[0]["step_ms"] / step_ms if rows else 1.0  # ideal is measured first
+        if policy == "ultraep":
+            diffs = group.allgather((relative_difference(checked["ultraep"][:1], checked["none"][:1]),
+                                     relative_difference(checked["ultraep"][1:], checked["none"][1:])))
+            row["out_diff"], row["grad_diff"] = (max(d[i] for d in diffs) for i in range(2))
+        rows.append(row)
+        table.add(row)
+    table.close()
+    out_diff, grad_diff = rows[POLICIES.index("ultraep")]["out_diff"], rows[POLICIES.index("ultraep")]["grad_diff"]
     if out_diff > TOLERANCE[args.dtype] or grad_diff > TOLERANCE[args.dtype]:
         raise SystemExit(f"ultraep's outputs / master gradients differ from no balancing by {out_diff:.2e} / "
                          f"{grad_diff:.2e} relative (tolerance {TOLERANCE[args.dtype]:g} for {args.dtype})")
 
-    caveat = sharing_label(group)
     if me == 0:
-        title = (f"MoE layers forward+backward: {R} ranks ({caveat}), {L} layers, {E} experts, "
-                 f"{args.slots} slots/rank, top-{args.top_k}, {T} tokens/rank, hidden {H}, ffn {args.ffn}, "
-                 f"{args.dtype}; initial rank imbalance {initial:.3f} (target {args.imbalance}); "
-                 "vs_ideal = ideal step time / policy's")
-        print_table(rows, COLUMNS, title)
         if args.json:
             write_json(args.json, {"benchmark": "moe-layer", "ranks": R, "caveat": caveat, "initial_imbalance": initial,
                                    "args": vars(args), "rows": rows})

@@ -7,8 +7,14 @@ Policies, each on every (step, layer) of the trace:
 * ``eplb``    -- EPLB from a window of past loads of the same layer, even split;
 * ``ideal``   -- the force-balanced ideal (a router that spreads tokens evenly).
 
-For each cell the proven lower bound of the optimal max rank load (``analysis.bound``)
-is computed once and every policy's max rank load is reported as a gap to it. The
+For each cell a proven lower bound of the optimal max rank load (``analysis.bound``) is
+computed once and every policy's max rank load is reported as a gap to it. The bound is
+the cell's ``exact`` optimum where that is cheap to prove, else the MILP's or the LP
+relaxation's bound, or the ``trivial`` one (perfect balance, the heaviest expert over its
+most instances): by default (``--bound auto``) the MILP runs with ``--bound-time-limit``
+seconds per cell until the run has spent ``--bound-budget`` seconds on bounds, then the
+LP (milliseconds a cell) takes over; ``--bound trivial`` costs nothing. Each cell's kind is
+printed as it is measured, counted under the tables and named in the figure. The
 summary table gives, per policy, the max/mean rank imbalance after balancing (mean and
 max over cells), redundant slots used, largest replica fan-out, the share of tokens
 served off their source rank, the gap to the bound and the solve time (wall clock of
@@ -27,7 +33,7 @@ from ultraep.analysis.baselines import EPLB, ideal_rank_load, ideal_remote_fract
 from ultraep.analysis.bound import DEFAULT_MAX_BINARIES, lower_bound
 from ultraep.analysis.plots import plot_replay
 from ultraep.analysis.traces import GENERATORS
-from ultraep.bench.report import print_table, write_json
+from ultraep.bench.report import RowStream, print_table, write_json
 from ultraep.integration.traces import load_trace
 from ultraep.planner import ExpertLayout, plan_placement
 from ultraep.planner.plan import imbalance
@@ -35,10 +41,11 @@ from ultraep.planner.plan import imbalance
 POLICIES = ("none", "ultraep", "eplb", "ideal")
 BOUNDED = ("none", "ultraep", "eplb")  # policies that obey the planner's constraints
 TIMED = ("ultraep", "eplb")
+BOUND_KINDS = ("exact", "milp", "lp", "trivial")
 # One NVLink domain of 16 ranks, as in the paper's solver test (EP64 in one domain), scaled
-# down so the MILP bound (time-limited) keeps the whole demo to seconds on two cores.
+# down so that the whole demo, bounds included, takes seconds on two cores.
 DEMO = dict(generate="demo", ranks=16, experts=64, slots=2, domain=16, top_k=8, tokens_per_rank=2048,
-            steps=12, layers=3, seed=0, min_replica_tokens=512, bound_time_limit=1.0)
+            steps=12, layers=3, seed=0, min_replica_tokens=512, bound_budget=6.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,24 +60,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=64, help="logical experts E (generated traces)")
     p.add_argument("--slots", type=int, default=2, help="redundant slots per rank S")
     p.add_argument("--domain", type=int, default=None, help="NVLink domain size D (default: all ranks)")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--tokens-per-rank", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target-imbalance", type=float, default=2.0, help="--generate zipf: initial rank max/mean")
-    p.add_argument("--min-replica-tokens", type=int, default=1024)
+    p.add_argument("--top-k", type=int, default=8, help="experts per token (generated traces)")
+    p.add_argument("--tokens-per-rank", type=int, default=2048, help="tokens per rank and micro-batch (generated)")
+    p.add_argument("--steps", type=int, default=16, help="micro-batches (generated traces)")
+    p.add_argument("--layers", type=int, default=2, help="MoE layers (generated traces)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
+    p.add_argument("--initial-imbalance", type=float, default=2.0,
+                   help="--generate zipf: rank max/mean of every cell before balancing")
+    p.add_argument("--min-replica-tokens", type=int, default=1024,
+                   help="fewest tokens a replica may serve (the planner's min_replica_tokens)")
     p.add_argument("--backend", choices=("host", "device"), default="host", help="backend of the ultraep policy")
     p.add_argument("--eplb-window", type=int, default=10, help="past micro-batches EPLB places from")
     p.add_argument("--eplb-interval", type=int, default=1, help="micro-batches between EPLB re-placements")
     p.add_argument("--bound", choices=("auto", "milp", "lp", "trivial"), default="auto",
-                   help="lower-bound method (auto: MILP on small layouts, LP on large)")
-    p.add_argument("--bound-time-limit", type=float, default=2.0, help="seconds per lower-bound solve")
+                   help="lower bound each gap is measured to. auto: the MILP (exact where cheap) until "
+                        "--bound-budget is spent, then the LP; milp / lp: that solver on every cell; trivial: "
+                        "perfect balance or the heaviest expert over its most instances, no solver, no cost")
+    p.add_argument("--bound-time-limit", type=float, default=2.0, help="seconds per cell for the MILP or LP")
+    p.add_argument("--bound-budget", type=float, default=10.0,
+                   help="--bound auto: seconds of MILP in the whole run; later cells get the LP bound")
     p.add_argument("--bound-max-binaries", type=int, default=DEFAULT_MAX_BINARIES,
-                   help="largest MILP (replica variables) that --bound auto still solves exactly")
+                   help="largest MILP (replica variables) that --bound auto still tries; larger layouts get the LP")
     p.add_argument("--json", help="write the results to this JSON file")
     p.add_argument("--plot", help="draw per-rank loads before/after and imbalance over steps to this PNG")
-    p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    p.add_argument("--quiet", action="store_true", help="no per-cell lines on stderr")
     return p
 
 
@@ -80,7 +93,7 @@ def make_trace(args):
     kwargs = dict(steps=args.steps, layers=args.layers, num_ranks=args.ranks, num_experts=args.experts,
                   top_k=args.top_k, tokens_per_rank=args.tokens_per_rank, seed=args.seed)
     if args.generate == "zipf":
-        kwargs["target_imbalance"] = args.target_imbalance
+        kwargs["initial_imbalance"] = args.initial_imbalance
     return GENERATORS[args.generate or "demo"](**kwargs)
 
 
@@ -91,25 +104,25 @@ def _synchronize(backend: str) -> None:
         cupy.cuda.get_current_stream().synchronize()
 
 
-class _Progress:
-    def __init__(self, total: int, quiet: bool):
-        self.total, self.quiet = total, quiet
-        self.start = self.last = time.perf_counter()
+CELL_COLUMNS = ["cell", "step", "layer", "before", "none", "ultraep", "eplb", "ultraep gap", "bound", "bound ms",
+                "elapsed s"]
 
-    def update(self, done: int, step: int, layer: int) -> None:
-        now = time.perf_counter()
-        if self.quiet or (now - self.last < 2.0 and done < self.total):
-            return
-        self.last = now
-        print(f"[bench plan] {done}/{self.total} cells (step {step}, layer {layer}), {now - self.start:.1f} s",
-              file=sys.stderr, flush=True)
+
+def bound_kind(bound) -> str:
+    """How a cell's bound was obtained: ``exact`` (a feasible plan reaches it), else its method."""
+    return "exact" if bound.exact else bound.method
 
 
 def replay(loads: np.ndarray, layout: ExpertLayout, *, min_replica_tokens: int, backend: str = "host",
            eplb_window: int = 10, eplb_interval: int = 1, bound_method: str = "auto",
-           bound_time_limit: float = 2.0, bound_max_binaries: int = DEFAULT_MAX_BINARIES,
-           quiet: bool = True) -> dict:
-    """Run every policy on ``loads[steps, layers, R, E]``; per-cell arrays keyed by metric and policy."""
+           bound_time_limit: float = 2.0, bound_budget: float = 10.0,
+           bound_max_binaries: int = DEFAULT_MAX_BINARIES, quiet: bool = True) -> dict:
+    """Run every policy on ``loads[steps, layers, R, E]``; per-cell arrays keyed by metric and policy.
+
+    Unless ``quiet``, each cell is printed to stderr as a table row when it is done.
+    ``bound_method="auto"`` spends at most about ``bound_budget`` seconds on MILP bounds in
+    all (each cell's solve capped at ``bound_time_limit``), then uses the LP bound.
+    """
     steps, layers = loads.shape[:2]
     shape = (steps, layers)
     cell = {metric: {p: np.zeros(shape) for p in POLICIES}
@@ -118,6 +131,7 @@ def replay(loads: np.ndarray, layout: ExpertLayout, *, min_replica_tokens: int, 
     before = np.zeros(shape)
     bound_value = np.zeros(shape, dtype=np.int64)
     bound_methods = np.empty(shape, dtype=object)
+    bound_kinds = np.empty(shape, dtype=object)
     bound_exact = np.zeros(shape, dtype=bool)
     bound_time = np.zeros(shape)
     eplb_below_min = np.zeros(shape, dtype=np.int64)
@@ -126,7 +140,9 @@ def replay(loads: np.ndarray, layout: ExpertLayout, *, min_replica_tokens: int, 
     if backend == "device":  # compile and load the kernel outside the timed region
         plan_placement(loads[0, 0], layout, min_replica_tokens=min_replica_tokens, backend=backend)
         _synchronize(backend)
-    progress = _Progress(steps * layers, quiet)
+    start = time.perf_counter()
+    cells = RowStream(CELL_COLUMNS, "cells as they are replayed (imbalance: rank max/mean; bound: how the "
+                      "lower bound was obtained)", file=sys.stderr, enabled=not quiet)
     for s in range(steps):
         for l in range(layers):
             current = loads[s, l]
@@ -147,10 +163,13 @@ def replay(loads: np.ndarray, layout: ExpertLayout, *, min_replica_tokens: int, 
             except AssertionError as exc:  # reported, never trusted for the bound's exactness
                 invalid_ultraep.append({"step": s, "layer": l, "error": str(exc)})
                 feasible = None
-            bound = lower_bound(current, layout, min_replica_tokens=min_replica_tokens, method=bound_method,
+            method = bound_method
+            if method == "auto" and bound_time[bound_methods == "milp"].sum() >= bound_budget:
+                method = "lp"
+            bound = lower_bound(current, layout, min_replica_tokens=min_replica_tokens, method=method,
                                 time_limit=bound_time_limit, max_binaries=bound_max_binaries,
                                 feasible_max=feasible)
-            bound_value[s, l], bound_methods[s, l] = bound.value, bound.method
+            bound_value[s, l], bound_methods[s, l], bound_kinds[s, l] = bound.value, bound.method, bound_kind(bound)
             bound_exact[s, l], bound_time[s, l] = bound.exact, bound.solve_time_s
             before[s, l] = plans["none"].imbalance_after
             for name, plan in plans.items():
@@ -169,9 +188,13 @@ def replay(loads: np.ndarray, layout: ExpertLayout, *, min_replica_tokens: int, 
             cell["remote"]["ideal"][s, l] = ideal_remote_fraction(layout)
             cell["time_s"]["ideal"][s, l] = np.nan
             cell["gap"]["ideal"][s, l] = np.nan
-            progress.update(s * layers + l + 1, s, l)
+            cells.add({"cell": f"{s * layers + l + 1}/{steps * layers}", "step": s, "layer": l,
+                       "before": before[s, l], **{p: cell["imbalance"][p][s, l] for p in ("none", "ultraep", "eplb")},
+                       "ultraep gap": cell["gap"]["ultraep"][s, l], "bound": bound_kinds[s, l],
+                       "bound ms": 1e3 * bound_time[s, l], "elapsed s": time.perf_counter() - start})
+    cells.close()
     return dict(cell=cell, rank_load=rank_load, before=before, bound_value=bound_value,
-                bound_method=bound_methods, bound_exact=bound_exact, bound_time=bound_time,
+                bound_method=bound_methods, bound_kind=bound_kinds, bound_exact=bound_exact, bound_time=bound_time,
                 eplb_below_min=eplb_below_min, invalid_ultraep=invalid_ultraep)
 
 
@@ -216,16 +239,24 @@ def per_layer_rows(result: dict) -> list[dict]:
 
 def bound_summary(result: dict) -> dict:
     methods = result["bound_method"].ravel().tolist()
+    kinds = result["bound_kind"].ravel().tolist()
     exact = result["bound_exact"]
     return {
         "cells": len(methods),
         "exact": int(exact.sum()),
+        "kinds": {k: kinds.count(k) for k in BOUND_KINDS},
         "methods": {m: methods.count(m) for m in ("milp", "lp", "trivial")},
         "exact_by_method": {m: int(sum(e for e, mm in zip(exact.ravel(), methods) if mm == m))
                             for m in ("milp", "lp", "trivial")},
+        "time_s_total": float(result["bound_time"].sum()),
         "time_s_mean": float(result["bound_time"].mean()),
         "time_s_max": float(result["bound_time"].max()),
     }
+
+
+def bound_counts(bounds: dict) -> str:
+    """``"3 exact, 29 lp"``: the cells of each bound kind."""
+    return ", ".join(f"{n} {kind}" for kind, n in bounds["kinds"].items() if n)
 
 
 def main(argv: list[str]) -> int:
@@ -248,8 +279,8 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     result = replay(trace.loads, layout, min_replica_tokens=args.min_replica_tokens, backend=args.backend,
                     eplb_window=args.eplb_window, eplb_interval=args.eplb_interval, bound_method=args.bound,
-                    bound_time_limit=args.bound_time_limit, bound_max_binaries=args.bound_max_binaries,
-                    quiet=args.quiet)
+                    bound_time_limit=args.bound_time_limit, bound_budget=args.bound_budget,
+                    bound_max_binaries=args.bound_max_binaries, quiet=args.quiet)
     elapsed = time.perf_counter() - start
     rows = summarize(result)
     print()
@@ -261,12 +292,10 @@ def main(argv: list[str]) -> int:
                                              "eplb mean", "eplb max"], "imbalance per layer (over steps)")
     bounds = bound_summary(result)
     print()
-    print(f"lower bound: exact on {bounds['exact']}/{bounds['cells']} cells "
-          f"(milp {bounds['methods']['milp']} cells, {bounds['exact_by_method']['milp']} exact; "
-          f"lp {bounds['methods']['lp']}, {bounds['exact_by_method']['lp']} exact; "
-          f"trivial {bounds['methods']['trivial']}, {bounds['exact_by_method']['trivial']} exact), "
-          f"{bounds['time_s_mean'] * 1e3:.1f} ms mean per cell. Where not exact, the gaps are upper "
-          f"estimates of the true distance to optimal.")
+    print(f"lower bound: exact on {bounds['exact']}/{bounds['cells']} cells ({bound_counts(bounds)}; --bound "
+          f"{args.bound}), {bounds['time_s_total']:.1f} s in all, {bounds['time_s_mean'] * 1e3:.1f} ms mean per "
+          f"cell. Where not exact, the gaps are upper estimates of the true distance to optimal; "
+          f"--bound trivial costs nothing, --bound-budget buys more exact cells.")
     below = int(result["eplb_below_min"].sum())
     if below:
         print(f"EPLB left {below} replicas below min_replica_tokens={args.min_replica_tokens} "
@@ -279,7 +308,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         config = {k: getattr(args, k) for k in ("trace", "generate", "demo", "slots", "domain", "min_replica_tokens",
                                                 "backend", "eplb_window", "eplb_interval", "bound",
-                                                "bound_time_limit", "seed")}
+                                                "bound_time_limit", "bound_budget", "seed")}
         config.update(num_ranks=ranks, num_experts=experts, max_instances=layout.max_instances,
                       steps=trace.num_steps, layers=trace.num_layers)
         per_cell = {metric: {name: values[name] for name in POLICIES} for metric, values in result["cell"].items()}
@@ -290,7 +319,7 @@ def main(argv: list[str]) -> int:
             "policies": rows,
             "per_layer": per_layer_rows(result),
             "lower_bound": dict(bounds, value=result["bound_value"], method=result["bound_method"].tolist(),
-                                exact=result["bound_exact"]),
+                                kind=result["bound_kind"].tolist(), exact=result["bound_exact"]),
             "imbalance_before": result["before"],
             "per_cell": per_cell,
             "eplb_replicas_below_min": result["eplb_below_min"],

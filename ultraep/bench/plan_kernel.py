@@ -1,7 +1,7 @@
 """``python -m ultraep.bench plan-kernel``: the GPU planner and reroute kernels on the
 anchor cases (EP64, NVLink domain 64, top-8, 8192 tokens per rank, S=2, min 1024 tokens
-per replica, Zipf loads tuned to a target rank imbalance), side by side with the public
-UltraEP numbers measured on the same kind of GPU (``shared/anchors.md``).
+per replica, Zipf loads tuned to an initial rank imbalance), side by side with the public
+UltraEP v1.0.0 numbers measured on one H200 (``ANCHOR`` below, its ``anchor_*`` columns).
 
 Kernel times (``plan_ms``, ``reroute_ms``) are medians over ``--repeats`` replays of a
 captured CUDA graph after a warm-up, timed on the device alone
@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from ultraep.bench.report import print_table, write_json
+from ultraep.bench.report import RowStream, write_json
 from ultraep.bench.timing import graph_ms, median_event_ms
 from ultraep.runtime.group import gpu_count
 from ultraep.planner import ExpertLayout, plan_placement, reroute
@@ -39,8 +39,8 @@ from ultraep.analysis.traces import zipf_loads, zipf_topk
 
 RANKS, TOP_K, TOKENS_PER_RANK, SLOTS, MIN_REPLICA_TOKENS = 64, 8, 8192, 2, 1024
 
-# Public UltraEP v1.0.0 on one H200 (shared/anchors.md): after, planning ms, reroute ms,
-# slots used of 128, max replicas of one expert.
+# Public UltraEP v1.0.0 on one H200, per (experts, initial imbalance): after, planning ms,
+# reroute ms, slots used of 128, max replicas of one expert.
 ANCHOR = {
     (128, 1.5): (1.010, 0.053, 0.021, 41, 4),
     (128, 2.0): (1.010, 0.056, 0.021, 45, 5),
@@ -50,7 +50,7 @@ ANCHOR = {
     (256, 3.0): (1.010, 0.063, 0.037, 51, 6),
 }
 
-COLUMNS = ["experts", "target", "seed", "before", "after", "plan_ms", "reroute_ms", "plan_launch_ms",
+COLUMNS = ["experts", "initial", "seed", "before", "after", "plan_ms", "reroute_ms", "plan_launch_ms",
            "reroute_launch_ms", "exact_plan_ms", "slots", "max_replicas", "cap_after", "cap_plan_ms", "cap_slots",
            "cap_max_replicas", "cap_slots_bound", "fit_first_plan_ms", "fit_first_slots", "cap_one_pass_plan_ms",
            "cap_one_pass_slots", "remote_pct", "numpy_ms", "anchor_after", "anchor_plan_ms", "anchor_reroute_ms",
@@ -60,8 +60,9 @@ COLUMNS = ["experts", "target", "seed", "before", "after", "plan_ms", "reroute_m
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench plan-kernel",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experts", type=int, nargs="+", default=[128, 256])
-    parser.add_argument("--targets", type=float, nargs="+", default=[1.5, 2.0, 3.0], help="initial max/mean")
+    parser.add_argument("--experts", type=int, nargs="+", default=[128, 256], help="logical experts, one row each")
+    parser.add_argument("--initial-imbalance", type=float, nargs="+", default=[1.5, 2.0, 3.0],
+                        help="rank max/mean of the Zipf loads before balancing, one row each")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one row per seed")
     parser.add_argument("--repeats", type=int, default=200, help="timed kernel runs (median reported)")
     parser.add_argument("--cap", type=float, default=1.005, help="target_imbalance of the cap_* columns")
@@ -96,15 +97,15 @@ def gpu_times(loads, topk, layout, repeats, cap):
                 reroute_ms=graph_ms(reroute_once, repeats), reroute_launch_ms=median_event_ms(reroute_once, repeats))
 
 
-def run_case(experts, target, seed, repeats, use_gpu, cap, replica_bound):
+def run_case(experts, initial, seed, repeats, use_gpu, cap, replica_bound):
     layout = ExpertLayout(RANKS, experts, SLOTS)
-    loads = zipf_loads(RANKS, experts, TOP_K, TOKENS_PER_RANK, target, seed)
+    loads = zipf_loads(RANKS, experts, TOP_K, TOKENS_PER_RANK, initial, seed)
     numpy_times = []
     for _ in range(3):
         started = time.perf_counter()
         plan = plan_placement(loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS)
         numpy_times.append((time.perf_counter() - started) * 1e3)
-    row = dict(experts=experts, target=target, seed=seed, before=plan.imbalance_before, after=plan.imbalance_after,
+    row = dict(experts=experts, initial=initial, seed=seed, before=plan.imbalance_before, after=plan.imbalance_after,
                slots=plan.slots_used, max_replicas=plan.max_fanout, remote_pct=100.0 * plan.remote_fraction(),
                numpy_ms=statistics.median(numpy_times))
     capped = plan_placement(loads, layout, min_replica_tokens=MIN_REPLICA_TOKENS, target_imbalance=cap)
@@ -117,9 +118,9 @@ def run_case(experts, target, seed, repeats, use_gpu, cap, replica_bound):
         bound = min_replicas_bound(loads, layout, int(capped.rank_load.max()), min_replica_tokens=MIN_REPLICA_TOKENS)
         row["cap_slots_bound"] = bound.value if bound.status == "optimal" else f"{bound.value} ({bound.status})"
     if use_gpu:
-        topk = zipf_topk(RANKS, experts, TOP_K, TOKENS_PER_RANK, target, seed)
+        topk = zipf_topk(RANKS, experts, TOP_K, TOKENS_PER_RANK, initial, seed)
         row.update(gpu_times(loads, topk, layout, repeats, cap))
-    anchor = ANCHOR.get((experts, target))
+    anchor = ANCHOR.get((experts, initial))
     if anchor:
         keys = ("anchor_after", "anchor_plan_ms", "anchor_reroute_ms", "anchor_slots", "anchor_max_replicas")
         row.update(zip(keys, anchor))
@@ -129,11 +130,15 @@ def run_case(experts, target, seed, repeats, use_gpu, cap, replica_bound):
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     use_gpu = gpu_count() > 0
-    rows = [run_case(e, t, s, args.repeats, use_gpu, args.cap, args.replica_bound)
-            for e in args.experts for t in args.targets for s in args.seeds]
     title = (f"Planner kernels: EP{RANKS}, top-{TOP_K}, {TOKENS_PER_RANK} tokens/rank, S={SLOTS}, "
              f"min {MIN_REPLICA_TOKENS} tokens/replica" + ("" if use_gpu else " (no GPU: NumPy only)"))
-    print_table(rows, COLUMNS, title)
+    rows = []
+    with RowStream(COLUMNS, title) as table:
+        for e in args.experts:
+            for initial in args.initial_imbalance:
+                for seed in args.seeds:
+                    rows.append(run_case(e, initial, seed, args.repeats, use_gpu, args.cap, args.replica_bound))
+                    table.add(rows[-1])
     if args.json:
         write_json(args.json, {"benchmark": "plan-kernel", "rows": rows})
     return 0

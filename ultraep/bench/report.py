@@ -9,6 +9,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,53 @@ def print_table(rows: list[dict], columns: list[str], title: str, file=None) -> 
     for values in cells:
         print(line(values), file=file)
     print(rule, file=file)
+
+
+class RowStream:
+    """A table printed row by row as the rows are measured: title and header at once, each
+    row when :meth:`add` gets it, the closing rule from :meth:`close` (or the ``with`` block).
+
+    Widths are fixed by the header (at least ``min_width``), since later rows are unknown;
+    a longer value widens its own line only. Numbers align right, text left.
+    """
+
+    def __init__(self, columns: list[str], title: str, *, file=None, min_width: int = 9, enabled: bool = True):
+        self.columns, self.file, self.enabled = columns, file or sys.stdout, enabled
+        self.widths = [max(len(column), min_width) for column in columns]
+        self.rule = "-" * (sum(self.widths) + 2 * (len(columns) - 1))
+        header = "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, self.widths)))
+        self._print(title, self.rule, header, self.rule)
+
+    def _print(self, *lines: str) -> None:
+        if self.enabled:
+            for line in lines:
+                print(line.rstrip(), file=self.file, flush=True)
+
+    def add(self, row: dict) -> None:
+        values = [row.get(column) for column in self.columns]
+        self._print("  ".join(format_value(v).rjust(w) if _numeric(v) else format_value(v).ljust(w)
+                              for v, w in zip(values, self.widths)))
+
+    def close(self) -> None:
+        self._print(self.rule)
+
+    def __enter__(self) -> RowStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Progress:
+    """Progress lines on stderr, ``[bench NAME] 12.3 s: message``, from the rank that prints."""
+
+    def __init__(self, name: str, *, enabled: bool = True):
+        self.name, self.enabled, self.start = name, enabled, time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            print(f"[bench {self.name}] {time.perf_counter() - self.start:.1f} s: {message}", file=sys.stderr,
+                  flush=True)
 
 
 def _numeric(value) -> bool:

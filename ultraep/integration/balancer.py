@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -86,6 +86,12 @@ from ultraep.runtime import open_heap
 from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.heap import FAILING_CLOSE_TIMEOUT_S, HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
+
+if TYPE_CHECKING:
+    import os
+    from pathlib import Path
+
+    from ultraep.runtime.group import EPGroup
 
 DEFAULT_HISTORY = 4096
 GATHER_BUFFERS = 2  # see "Order" in the module docstring
@@ -165,7 +171,7 @@ class Balancer:
         tiling = {name: options[name] for name in TILING_OPTIONS if name in options}
         return _gather_requirements(layout) + WeightTransfer.heap_requirements(layout, spec, **tiling)
 
-    def __init__(self, group, layout: ExpertLayout, spec: ExpertSpec, *, num_layers: int,
+    def __init__(self, group: EPGroup, layout: ExpertLayout, spec: ExpertSpec, *, num_layers: int,
                  min_replica_tokens: int = 1024, max_in_flight: int = 1, backend: str = "auto",
                  heap: SymmetricHeap | None = None, sync_checks: bool = True, record_trace: bool = False,
                  timeout_s: float = 30.0, history: int = DEFAULT_HISTORY, transfer_options: dict | None = None):
@@ -269,7 +275,7 @@ class Balancer:
         return entry
 
     # -- set-up per layer -------------------------------------------------------------------
-    def register_layer(self, layer: int, weights, grads) -> None:
+    def register_layer(self, layer: int, weights: list[list[Any]], grads: list[list[Any]]) -> None:
         """Collective. ``weights[m][t]`` / ``grads[m][t]``: tensor ``t`` of this rank's ``m``-th master."""
         error = None
         try:
@@ -281,7 +287,8 @@ class Balancer:
         self.transfer.register_layer(layer, weights, grads)
 
     # -- per micro-batch ----------------------------------------------------------------------
-    def update(self, layer: int, topk_ids=None, *, local_loads=None, stream=None) -> BalanceHandle:
+    def update(self, layer: int, topk_ids: Any = None, *, local_loads: Any = None,
+               stream: Any = None) -> BalanceHandle:
         """Collective: gather the exact load of ``layer`` for this micro-batch and plan it.
 
         Pass this rank's ``topk_ids`` (integer, any shape; ids in ``[0, E)``) or its
@@ -358,14 +365,14 @@ class Balancer:
         self._collective(error, what, agreed=key)
         return entry
 
-    def weight_sync(self, handle: BalanceHandle, *, stream=None):
+    def weight_sync(self, handle: BalanceHandle, *, stream: Any = None) -> Any:
         """Collective: fill the replica slots from the handle's plan; ends with a heap barrier.
 
         Returns a CUDA event that completes when every replica is written (``None`` on the
         CPU backend, where the call returns after the transfer)."""
         return self._sync(handle, "weight_sync", stream)
 
-    def restore(self, handle: BalanceHandle, *, stream=None):
+    def restore(self, handle: BalanceHandle, *, stream: Any = None) -> Any:
         """Backward: the same transfer for the micro-batch's own plan (other layers have
         since overwritten the shared replica slots)."""
         return self._sync(handle, "restore", stream)
@@ -383,7 +390,7 @@ class Balancer:
         self._weights_owner = handle
         return done
 
-    def reroute(self, handle: BalanceHandle, topk_ids, *, out=None, stream=None):
+    def reroute(self, handle: BalanceHandle, topk_ids: Any, *, out: Any = None, stream: Any = None) -> Any:
         """Physical slot ids (int32, shaped like ``topk_ids``) for this rank's tokens:
         feed them to any dispatcher over ``layout.num_physical`` experts. ``topk_ids`` must
         be the ids (or ids with the same per-expert counts) passed to :meth:`update`.
@@ -408,7 +415,7 @@ class Balancer:
         self._collective(error, "reroute")
         return slots
 
-    def reduce_grads(self, handle: BalanceHandle, *, stream=None):
+    def reduce_grads(self, handle: BalanceHandle, *, stream: Any = None) -> Any:
         """Collective: masters' gradients += their replicas' (replica order, fp32 accumulation).
         The replica gradient slots must hold this handle's gradients. Returns a completion
         event (``None`` on the CPU backend)."""
@@ -452,7 +459,7 @@ class Balancer:
         if error is not None:
             raise error
 
-    def local_experts(self, handle: BalanceHandle):
+    def local_experts(self, handle: BalanceHandle) -> Any:
         """``int32[M + S]``: the logical expert in each of this rank's physical slots (masters,
         then replica slots; ``-1`` empty) -- a view of the plan's ``phys_to_log``."""
         plan = self._entry(handle).plan
@@ -502,7 +509,7 @@ class Balancer:
         live = [self._record(entry, layer, self._host_arrays(entry)) for layer, entry in self._live_entries()]
         return BalancerStats(records=list(self._history) + live, updates=self._updates, liveness=liveness)
 
-    def save_trace(self, path):
+    def save_trace(self, path: str | os.PathLike[str]) -> Path:
         """Write every micro-batch so far (finished and live) as a planner trace (``.npz``)."""
         self._check_open()
         if self.recorder is None:
@@ -529,10 +536,10 @@ class Balancer:
         if self._owns_heap:
             self.heap.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Balancer:
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:
             self.close()
             return

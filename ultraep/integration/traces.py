@@ -11,8 +11,10 @@ plan --trace`` replays it. Seeded synthetic traces are in :mod:`ultraep.analysis
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +94,7 @@ def _validate_topk(topk, loads: np.ndarray) -> None:
             f"topk counts {int(counts[tuple(bad)])} tokens, loads says {int(loads[tuple(bad)])}")
 
 
-def save_trace(path, loads, topk=None, metadata: dict | None = None) -> Path:
+def save_trace(path: str | os.PathLike[str], loads: Any, topk: Any = None, metadata: dict | None = None) -> Path:
     """Validate and write a trace to ``path`` (``.npz``, compressed); returns the path."""
     trace = Trace(np.asarray(loads), None if topk is None else np.asarray(topk), dict(metadata or {}))
     meta = dict(trace.metadata, trace_format_version=TRACE_FORMAT_VERSION)
@@ -109,7 +111,7 @@ def save_trace(path, loads, topk=None, metadata: dict | None = None) -> Path:
     return path
 
 
-def load_trace(path) -> Trace:
+def load_trace(path: str | os.PathLike[str]) -> Trace:
     """Read and validate a trace written by ``save_trace`` (or any compatible tool)."""
     path = Path(path)
     if not path.is_file():
@@ -156,7 +158,7 @@ class TraceRecorder:
         self._loads: dict[tuple[int, int], np.ndarray] = {}
         self._topk: dict[tuple[int, int], np.ndarray] = {}
 
-    def record(self, step: int, layer: int, loads, topk=None) -> None:
+    def record(self, step: int, layer: int, loads: Any, topk: Any = None) -> None:
         if step < 0 or layer < 0:
             raise ValueError(f"TraceRecorder.record: step and layer must be >= 0, got {step}, {layer}")
         loads = _to_host(loads)
@@ -195,7 +197,7 @@ class TraceRecorder:
             topk = np.stack([np.stack([self._topk[(s, l)] for l in range(layers)]) for s in range(steps)])
         return Trace(loads, topk, dict(self.metadata))
 
-    def save(self, path) -> Path:
+    def save(self, path: str | os.PathLike[str]) -> Path:
         trace = self.to_trace()
         return save_trace(path, trace.loads, trace.topk, trace.metadata)
 

@@ -2,6 +2,8 @@
 NumPy, ``DevicePlanner`` on the GPU, behind one ``Planner`` interface) and reroute.
 Baselines, lower bounds and synthetic traces are in :mod:`ultraep.analysis`."""
 
+from typing import Any
+
 import numpy as np
 
 from ultraep.planner.device import DevicePlanner, reroute_device
@@ -23,7 +25,8 @@ def make_planner(layout: ExpertLayout, backend: str = HOST, **options) -> Planne
     return _PLANNERS[backend](layout, **options)
 
 
-def plan_placement(loads, layout: ExpertLayout, *, backend: str = "auto", out: Plan | None = None, **options) -> Plan:
+def plan_placement(loads: Any, layout: ExpertLayout, *, backend: str = "auto", out: Plan | None = None,
+                   **options: Any) -> Plan:
     """Plan replicas, quotas and the per-source split for load matrix ``loads[R, E]``.
 
     ``backend``: "host", "device", or "auto" (the device for CuPy loads, else the host).
@@ -38,7 +41,7 @@ def plan_placement(loads, layout: ExpertLayout, *, backend: str = "auto", out: P
     return make_planner(layout, backend, **options).plan(loads, out=out)
 
 
-def reroute(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None):
+def reroute(topk_ids: Any, plan: Plan, rank: int, *, out: Any = None, workspace: Any = None) -> Any:
     """Physical slot ids, int32, shaped like ``topk_ids``, on the device for CuPy ids.
 
     The host raises ``ValueError`` for ids out of range or more tokens of an expert than

@@ -36,7 +36,8 @@ class ExpertLayout:
 
     __slots__ = ("num_ranks", "num_experts", "redundant_slots", "domain_size", "max_instances")
 
-    def __init__(self, num_ranks, num_experts, redundant_slots, domain_size=None, max_instances=None):
+    def __init__(self, num_ranks: int, num_experts: int, redundant_slots: int, domain_size: int | None = None,
+                 max_instances: int | None = None):
         num_ranks = _count("num_ranks", num_ranks, 1)
         num_experts = _count("num_experts", num_experts, 1)
         redundant_slots = _count("redundant_slots", redundant_slots, 0)

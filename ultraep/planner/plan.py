@@ -8,6 +8,8 @@ derived quantities, metrics and invariant checks. Input validation of load matri
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ultraep.planner.layout import ExpertLayout
@@ -77,8 +79,8 @@ class Plan:
 
     ARRAYS = ("loads", "phys_to_log", "log_to_phys", "replica_count", "quota", "split_prefix", "rank_load")
 
-    def __init__(self, layout, loads, phys_to_log, log_to_phys, replica_count, quota, split_prefix,
-                 rank_load, imbalance_before, imbalance_after):
+    def __init__(self, layout: ExpertLayout, loads: Any, phys_to_log: Any, log_to_phys: Any, replica_count: Any,
+                 quota: Any, split_prefix: Any, rank_load: Any, imbalance_before: float, imbalance_after: float):
         self.layout = layout
         self.loads = loads
         self.phys_to_log = phys_to_log
@@ -91,7 +93,7 @@ class Plan:
         self.imbalance_after = imbalance_after
 
     @classmethod
-    def from_split(cls, layout: ExpertLayout, loads, log_to_phys, split) -> "Plan":
+    def from_split(cls, layout: ExpertLayout, loads: Any, log_to_phys: Any, split: Any) -> "Plan":
         """Derive and validate a full plan from placement ``log_to_phys[E, K]`` and
         ``split[R, E, K]`` (tokens of each source for each instance)."""
         loads = check_loads(loads, layout)
@@ -140,7 +142,7 @@ class Plan:
         return Plan(layout=self.layout, imbalance_before=float(self.imbalance_before),
                     imbalance_after=float(self.imbalance_after), **arrays)
 
-    def split(self):
+    def split(self) -> Any:
         """Tokens of each source for each instance, ``int32[R, E, K]``."""
         xp = array_module(self.split_prefix)
         return xp.diff(self.split_prefix, axis=2, prepend=0).astype(xp.int32)

@@ -89,27 +89,31 @@ def mpi_environment(flavor: str, base: Mapping[str, str] | None = None) -> dict[
 
 
 def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
-            cwd: str | os.PathLike | None = None, check: bool = True) -> subprocess.CompletedProcess:
+            cwd: str | os.PathLike | None = None, check: bool = True,
+            capture: bool = True) -> subprocess.CompletedProcess:
     """Run ``python -m mpi4py argv`` on ``nprocs`` ranks; kill the whole job after ``timeout`` s.
 
     Returns the completed process (stdout and stderr merged into ``stdout``). With
-    ``check`` a non-zero exit raises :class:`LaunchError` carrying the output.
+    ``check`` a non-zero exit raises :class:`LaunchError` carrying the output. Without
+    ``capture`` the ranks write to this process's stdout and stderr as they run (``stdout`` is "").
     """
     mpiexec = find_mpiexec()
     flavor = mpi_flavor(mpiexec)
     cmd = mpiexec_command(nprocs, argv, mpiexec=mpiexec, flavor=flavor)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT) if capture else {}
+    proc = subprocess.Popen(cmd, **pipes, text=True,
                             env=mpi_environment(flavor, env), cwd=cwd, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise LaunchError(f"{' '.join(cmd)} timed out after {timeout:.0f} s; output:\n{out}") from None
+        raise LaunchError(f"{' '.join(cmd)} timed out after {timeout:.0f} s; output:\n{out or ''}") from None
     except BaseException:  # Ctrl-C or a SIGTERM turned into SystemExit: the job must not outlive us
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
+    out = out or ""
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     if check and proc.returncode != 0:
         raise LaunchError(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{out}")
@@ -118,10 +122,10 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
 
 def relaunch_on_ranks(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None) -> int:
     """Run ``python -m mpi4py argv`` on ``nprocs`` ranks (``env`` added to this process's
-    environment), print its output, return its exit code (for command-line tools that
-    start as one process and need several ranks)."""
-    result = run_mpi(nprocs, argv, timeout=timeout, check=False, env={**os.environ, **(env or {})})
-    print(result.stdout, end="")
+    environment), its output streamed as it comes, and return its exit code (for
+    command-line tools that start as one process and need several ranks)."""
+    sys.stdout.flush()  # this process's earlier lines before the ranks'
+    result = run_mpi(nprocs, argv, timeout=timeout, check=False, env={**os.environ, **(env or {})}, capture=False)
     return result.returncode
 
 

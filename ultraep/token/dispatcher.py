@@ -36,6 +36,8 @@ backend pattern, :mod:`ultraep.runtime.backend`): :class:`~ultraep.token.host.Ho
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ultraep.errors import ClosedError
@@ -47,6 +49,9 @@ from ultraep.runtime.heap import FAILING_CLOSE_TIMEOUT_S, HeapRequirements, Symm
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBackend, TokenBuffers, TokenConfig,
                                 Traffic, table_columns)
+
+if TYPE_CHECKING:
+    from ultraep.planner import ExpertLayout
 
 DEFAULT_TIMEOUT_S = 30.0
 HEAP_PREFIX = "token."
@@ -113,7 +118,7 @@ class Dispatcher:
 
     _next_id = 0
 
-    def __init__(self, group: EPGroup, *, hidden: int, dtype, top_k: int, num_experts: int, max_tokens: int,
+    def __init__(self, group: EPGroup, *, hidden: int, dtype: Any, top_k: int, num_experts: int, max_tokens: int,
                  experts_per_rank: int | None = None, max_recv_rows: int | None = None, backend: str = "auto",
                  timeout_s: float = DEFAULT_TIMEOUT_S, sync_checks: bool = True, heap: SymmetricHeap | None = None):
         error, settings = None, None
@@ -171,7 +176,7 @@ class Dispatcher:
         return group.agree(heap.backend, "Dispatcher backend (the given heap's)")
 
     @staticmethod
-    def heap_requirements(num_ranks: int, *, hidden: int, dtype, top_k: int, num_experts: int, max_tokens: int,
+    def heap_requirements(num_ranks: int, *, hidden: int, dtype: Any, top_k: int, num_experts: int, max_tokens: int,
                           experts_per_rank: int | None = None, max_recv_rows: int | None = None) -> HeapRequirements:
         """What a dispatcher of these set-up arguments allocates in its heap, on either
         backend: its symmetric tensors and the signal block of the device's barriers."""
@@ -192,7 +197,7 @@ class Dispatcher:
                                    signals=[(HEAP_PREFIX + "sync", R)])
 
     @classmethod
-    def for_layout(cls, group: EPGroup, layout, **kwargs) -> "Dispatcher":
+    def for_layout(cls, group: EPGroup, layout: ExpertLayout, **kwargs: Any) -> "Dispatcher":
         """A dispatcher over a planner layout's physical slots (``Plan`` reroute output)."""
         if layout.num_ranks != group.size:
             raise ValueError(f"layout has {layout.num_ranks} ranks, the group {group.size}")
@@ -209,23 +214,23 @@ class Dispatcher:
         if self._closed:
             raise ClosedError(f"rank {self.rank}: the Dispatcher is closed")
 
-    def dispatch(self, x, expert_ids, weights, *, out=None) -> DispatchResult:
+    def dispatch(self, x: Any, expert_ids: Any, weights: Any, *, out: Any = None) -> DispatchResult:
         """Send every (token, slot) to its expert; see the module docstring."""
         self._check_open()
         return self._impl.dispatch(x, expert_ids, weights, out)
 
-    def combine(self, y, handle: DispatchHandle, *, out=None):
+    def combine(self, y: Any, handle: DispatchHandle, *, out: Any = None) -> Any:
         """Per source token ``[T, H]``: gate-weighted sum of its expert outputs ``y[max_recv_rows, H]``,
         slot order, fp32 accumulation, cast to the set-up dtype."""
         self._check_open()
         return self._impl.combine(y, handle, True, out)
 
-    def dispatch_backward(self, grad_recv, handle: DispatchHandle, *, out=None):
+    def dispatch_backward(self, grad_recv: Any, handle: DispatchHandle, *, out: Any = None) -> Any:
         """Gradient of dispatch w.r.t. ``x``: per token, the unweighted slot-order sum of its rows' gradients."""
         self._check_open()
         return self._impl.combine(grad_recv, handle, False, out)
 
-    def combine_backward(self, grad_out, y, handle: DispatchHandle, *, out=None):
+    def combine_backward(self, grad_out: Any, y: Any, handle: DispatchHandle, *, out: Any = None) -> Any:
         """Gradients of combine: ``(grad_y[max_recv_rows, H], grad_weights[T, K] float32)``.
 
         ``grad_y[row] = gate * grad_out[token]`` (fp32 product, cast); ``grad_weights[t, k]``
@@ -261,8 +266,8 @@ class Dispatcher:
         if self._owns_heap:
             self.heap.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Dispatcher:
         return self
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -32,7 +32,7 @@ work is done by the backend of the heap, chosen once: :class:`~ultraep.transfer.
 from __future__ import annotations
 
 import hashlib
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from ultraep.runtime.kernels import kernel_constant
 from ultraep.transfer.host import HostTransfer
 from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, host_plan
 from ultraep.transfer.spec import ExpertSpec
+
+if TYPE_CHECKING:
+    from ultraep.planner import ExpertLayout, Plan
 
 DEFAULT_TILE_BYTES = 32 << 10  # best a multiple of the kernels' PIECE_BYTES: a shorter piece takes a whole warp turn
 MAX_BLOCKS = 1 << 20           # the kernels' int32 task or piece slot plus the grid stride must not overflow
@@ -128,7 +131,7 @@ class WeightTransfer:
     """
 
     @staticmethod
-    def heap_requirements(layout, spec: ExpertSpec, *, tile_bytes: int = DEFAULT_TILE_BYTES,
+    def heap_requirements(layout: ExpertLayout, spec: ExpertSpec, *, tile_bytes: int = DEFAULT_TILE_BYTES,
                           chunk_tiles: int = 4) -> HeapRequirements:
         """What an engine of this layout, spec and tiling allocates in its heap: ``S``
         weight and ``S`` gradient slots (one idle slot when ``S`` is 0, so offsets stay
@@ -140,7 +143,8 @@ class WeightTransfer:
                      ("transfer.replica_grads", (slots, spec.grad_slot_bytes), np.uint8)],
             signals=[("transfer.chunk_flags", slots * chunks)])
 
-    def __init__(self, heap: SymmetricHeap, layout, spec: ExpertSpec, *, tile_bytes: int = DEFAULT_TILE_BYTES,
+    def __init__(self, heap: SymmetricHeap, layout: ExpertLayout, spec: ExpertSpec, *,
+                 tile_bytes: int = DEFAULT_TILE_BYTES,
                  chunk_tiles: int = 4, relay_threshold: int = 3, relay_count: int = 2, blocks: int | None = None,
                  timeout_s: float = 30.0):
         group = heap.group
@@ -198,7 +202,7 @@ class WeightTransfer:
         return [self.heap.view(self.rank, base + off, t.shape, t.dtype) for t, off in zip(tensors, offsets)]
 
     # -- per-layer registration ----------------------------------------------------------
-    def register_layer(self, layer: int, weights, grads) -> None:
+    def register_layer(self, layer: int, weights: list[list[Any]], grads: list[list[Any]]) -> None:
         """Collective. ``weights[m][t]`` / ``grads[m][t]``: tensor ``t`` of this rank's ``m``-th master."""
         self._check_open()
         error, entry = None, None
@@ -231,7 +235,7 @@ class WeightTransfer:
         return self.impl.import_layer(sources, grad_views)
 
     # -- schedules -----------------------------------------------------------------------
-    def schedule(self, plan) -> Schedule:
+    def schedule(self, plan: Plan) -> Schedule:
         """This rank's tasks for ``plan``, compiled on the host by the NumPy reference (what
         the host backend runs; the device backend compiles its own on the device, so there
         this reads a device plan back and is for inspection only)."""
@@ -270,7 +274,7 @@ class WeightTransfer:
         return entry
 
     # -- transfers -----------------------------------------------------------------------
-    def weight_sync(self, layer: int, plan, *, blocks: int | None = None, barrier: bool = True) -> None:
+    def weight_sync(self, layer: int, plan: Plan, *, blocks: int | None = None, barrier: bool = True) -> None:
         """Fill every replica slot of ``plan`` with its master's weights (collective). With
         ``barrier=False`` no rank may read a replica before a later heap barrier: only the
         chunks relays forward are flagged (schedule.py, ``publish``)."""
@@ -283,7 +287,7 @@ class WeightTransfer:
 
     restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
 
-    def reduce_grads(self, layer: int, plan, *, blocks: int | None = None) -> None:
+    def reduce_grads(self, layer: int, plan: Plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
         entry = self._checked("reduce_grads", layer, plan, blocks, grid_error)
         self.impl.barrier()  # every replica gradient is written
@@ -304,8 +308,8 @@ class WeightTransfer:
         self._closed = True
         self._layers.clear()
 
-    def __enter__(self):
+    def __enter__(self) -> WeightTransfer:
         return self
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -9,7 +9,9 @@ weights are bf16).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +40,7 @@ class ExpertSpec:
     ``[("fc1", (2 * ffn, hidden), "bfloat16"), ("fc2", (hidden, ffn), "bfloat16")]``;
     ``grad_dtype``: dtype of every gradient tensor (``"float32"`` or ``"bfloat16"``)."""
 
-    def __init__(self, tensors, grad_dtype="float32"):
+    def __init__(self, tensors: Sequence[tuple[str, Sequence[int], Any]], grad_dtype: Any = "float32"):
         parsed = []
         for entry in tensors:
             try:
