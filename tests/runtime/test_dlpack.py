@@ -5,7 +5,7 @@ import pytest
 
 from tests.conftest import requires_gpu
 from ultraep.runtime.dlpack import import_tensor
-from ultraep.runtime.dtypes import BFLOAT16
+from ultraep.runtime.dtypes import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2
 
 
 def test_numpy_on_cpu_is_zero_copy():
@@ -18,6 +18,30 @@ def test_bf16_numpy_round_trip():
     x = np.array([1.5, -2.0, 3.25], dtype=BFLOAT16)
     y = import_tensor(x, name="w", device=None, dtype="bfloat16")
     assert y.dtype == BFLOAT16 and np.array_equal(y.view(np.int16), x.view(np.int16))
+
+
+@pytest.mark.parametrize("fp8", [FLOAT8_E4M3FN, FLOAT8_E5M2], ids=["e4m3fn", "e5m2"])
+def test_fp8_numpy_round_trip_and_its_bits(fp8):
+    bits = np.arange(256, dtype=np.uint8)  # every pattern, NaNs included
+    y = import_tensor(bits.view(fp8), name="w", device=None, dtype=fp8.name)
+    assert y.dtype == fp8 and np.shares_memory(y, bits) and np.array_equal(y.view(np.uint8), bits)
+    # an FP8 tensor may arrive as its bytes (a consumer that cannot type it); nothing else may
+    assert import_tensor(bits, name="w", device=None, dtype=fp8.name).dtype == np.uint8
+    with pytest.raises(ValueError, match=f"w: expected dtype {fp8.name}, got int8"):
+        import_tensor(bits.view(np.int8), name="w", device=None, dtype=fp8.name)
+    with pytest.raises(ValueError, match="expected dtype bfloat16, got float8"):
+        import_tensor(bits.view(fp8), name="w", device=None, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_torch_fp8_on_cpu_arrives_typed(name):
+    """torch exports FP8 through DLPack only with kDLFloat8 codes (newer versions); where it
+    refuses, the import takes a uint8 view of the same bytes and types it again."""
+    torch = pytest.importorskip("torch")
+    t = torch.arange(256, dtype=torch.uint8).view(getattr(torch, name))
+    y = import_tensor(t, name="w", device=None, dtype=name)
+    assert y.dtype.name == name and y.ctypes.data == t.data_ptr(), "torch FP8 import copied"
+    assert np.array_equal(y.view(np.uint8), np.arange(256, dtype=np.uint8))
 
 
 @pytest.mark.parametrize("make, needle", [
@@ -68,3 +92,28 @@ def test_gpu_framework_imports():
     side = torch.cuda.Stream()
     with torch.cuda.stream(side), caller_stream(t):
         assert cupy.cuda.get_current_stream().ptr == side.cuda_stream
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_gpu_fp8_imports(name):
+    """torch and JAX FP8 tensors on the GPU: zero-copy, the same bytes, typed where CuPy holds
+    the type and as uint8 bytes where it does not; a writable import keeps torch's pointer."""
+    import cupy
+
+    from ultraep.runtime.dtypes import cupy_dtype, resolve_dtype
+
+    torch = pytest.importorskip("torch")
+    bits = np.arange(256, dtype=np.uint8)
+    t = torch.arange(256, dtype=torch.uint8, device="cuda:0").view(getattr(torch, name))
+    a = import_tensor(t, name="w", device=0, writable=True, dtype=name)
+    assert a.data.ptr == t.data_ptr(), "torch FP8 import copied"
+    assert np.dtype(a.dtype) == cupy_dtype(resolve_dtype(name))
+    assert np.array_equal(cupy.asnumpy(a.view(np.uint8)), bits)
+    h = import_tensor(bits.view(resolve_dtype(name)), name="h", device=0, dtype=name)  # host FP8: one copy
+    assert np.array_equal(cupy.asnumpy(h.view(np.uint8)), bits)
+    jax = pytest.importorskip("jax")
+    j = jax.lax.bitcast_convert_type(jax.numpy.arange(256, dtype=jax.numpy.uint8), getattr(jax.numpy, name))
+    ja = import_tensor(j, name="j", device=0, dtype=name)
+    assert np.array_equal(cupy.asnumpy(ja.view(np.uint8)), bits)

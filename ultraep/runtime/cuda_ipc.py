@@ -14,6 +14,7 @@ import weakref
 
 import numpy as np
 
+from ultraep.runtime.dtypes import cupy_dtype
 from ultraep.runtime.group import EPGroup, check_distinct_processes
 from ultraep.errors import BarrierTimeout, HeapError
 from ultraep.runtime.heap import SymmetricHeap, _abandoned
@@ -89,6 +90,7 @@ class DeviceHeap(SymmetricHeap):
         self._check_open("view")
         if not 0 <= rank < self.size:
             raise IndexError(f"rank {rank} outside the group of {self.size}")
+        dtype = cupy_dtype(dtype)  # FP8 where CuPy cannot hold it: the same bytes as uint8
         nbytes = int(np.prod(shape)) * dtype.itemsize
         memory = cupy.cuda.UnownedMemory(self._bases[rank] + offset, nbytes, self._owners[rank],
                                          device_id=self.device)

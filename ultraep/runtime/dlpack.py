@@ -1,8 +1,10 @@
 """Framework tensors in: PyTorch, JAX, CuPy and NumPy arrays as CuPy/NumPy arrays.
 
-Imports are zero-copy where the producer allows (DLPack); bf16 arrives as
-``ml_dtypes.bfloat16`` where CuPy supports it and as its 16-bit pattern (``int16``)
-otherwise. Work on a torch tensor runs on torch's current stream
+Imports are zero-copy where the producer allows (DLPack). bf16 and FP8 tensors a producer
+cannot export typed (torch refuses FP8 through DLPack before DLPack 1.1's kDLFloat8
+codes) are imported as a view of their bits -- ``int16`` for bf16, ``uint8`` for FP8 --
+and typed again where the consumer holds the ml_dtypes type (NumPy with ml_dtypes; CuPy
+where it registers the type), else left as bits. Work on a torch tensor runs on torch's current stream
 (:func:`caller_stream`). JAX arrays are immutable: asking for a writable import of one is
 an error, so the library never writes into a JAX buffer. Every check names the tensor
 and says what was expected.
@@ -14,7 +16,7 @@ import contextlib
 
 import numpy as np
 
-from ultraep.runtime.dtypes import is_supported, ml_dtype, resolve_dtype
+from ultraep.runtime.dtypes import ML_DTYPE_NAMES, bits_dtype, cupy_dtype, is_supported, ml_dtype, resolve_dtype
 
 
 def framework_of(x) -> str:
@@ -86,8 +88,8 @@ def _import_gpu(x, kind: str, name: str, device: int, writable: bool):
     where = _device_of(x, kind)
     if where != ("cuda", device):
         shown = "cpu" if where[0] == "cpu" else f"{where[0]}:{where[1]}"
-        if kind == "numpy" and not writable:
-            return cupy.asarray(x)  # host data for a device op: one explicit copy
+        if kind == "numpy" and not writable:  # host data for a device op: one explicit copy
+            return cupy.asarray(x.view(cupy_dtype(x.dtype)) if x.dtype.name in ML_DTYPE_NAMES else x)
         raise ValueError(f"{name}: tensor is on {shown}, expected cuda:{device} (this rank's GPU)")
     if kind == "cupy":
         return x
@@ -110,32 +112,37 @@ def _import_host(x, kind: str, name: str, writable: bool):
 
 
 def _from_dlpack(consumer, x, kind: str):
-    """Zero-copy import; a bf16 tensor the consumer cannot type travels as int16 bits."""
+    """Zero-copy import; a bf16 or FP8 tensor the consumer cannot type travels as its bits."""
     try:
         return consumer(x)
     except (TypeError, ValueError, RuntimeError, BufferError) as exc:
-        if not _is_bf16(x):
+        name = _ml_dtype_name(x)
+        if name is None:
             raise
-        bits = _bf16_bits(x, kind)
         try:
-            array = consumer(bits)
+            array = consumer(_bits_view(x, kind, bits_dtype(name)))
         except Exception:
             raise exc from None
-        bf16 = ml_dtype("bfloat16") if consumer is np.from_dlpack else None
-        return array.view(bf16) if bf16 is not None else array
+        typed = ml_dtype(name)
+        if typed is None:
+            return array
+        holds = typed if consumer is np.from_dlpack else cupy_dtype(typed)
+        return array.view(holds) if holds != array.dtype else array
 
 
-def _is_bf16(x) -> bool:
-    return "bfloat16" in str(getattr(x, "dtype", ""))
+def _ml_dtype_name(x) -> str | None:
+    """The ml_dtypes type name of ``x``'s elements (bf16, FP8; torch and JAX name them alike), or None."""
+    name = str(getattr(x, "dtype", "")).removeprefix("torch.")
+    return name if name in ML_DTYPE_NAMES else None
 
 
-def _bf16_bits(x, kind: str):
+def _bits_view(x, kind: str, bits: np.dtype):
     if kind == "torch":
         import torch
-        return x.view(torch.int16)
+        return x.view(getattr(torch, bits.name))
     if kind == "jax":
         import jax
-        return jax.lax.bitcast_convert_type(x, "int16")
+        return jax.lax.bitcast_convert_type(x, bits.name)
     return x
 
 
@@ -159,5 +166,5 @@ def _check_dtype(array, name: str, expected) -> None:
         raise ValueError(f"{name}: dtype {dtype} is not supported by ultraep kernels")
     if expected is not None:
         want = resolve_dtype(expected, what=f"{name} expected dtype")
-        if dtype != want and not (dtype == np.int16 and want == ml_dtype("bfloat16")):
+        if dtype != want and dtype != bits_dtype(want.name):  # bf16 or FP8 may arrive as its bits
             raise ValueError(f"{name}: expected dtype {want}, got {dtype}")

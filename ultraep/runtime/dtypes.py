@@ -1,8 +1,10 @@
 """The element types the library's kernels accept.
 
-bf16 comes from ``ml_dtypes`` (as NumPy and CuPy 14 carry it). That import is deferred to
-the first use of a bf16 dtype -- ``BFLOAT16``, ``resolve_dtype("bfloat16")`` or an array
-of that type -- so runs that never touch one never load it.
+bf16 and the two FP8 formats (``float8_e4m3fn``, ``float8_e5m2``) come from ``ml_dtypes``
+(as NumPy and CuPy 14 carry them). That import is deferred to the first use of such a
+dtype -- ``BFLOAT16``, ``FLOAT8_E4M3FN``, ``resolve_dtype("bfloat16")`` or an array of that
+type -- so runs that never touch one never load it. Where a consumer cannot type one of
+them, it travels as its bits: bf16 as ``int16``, FP8 as ``uint8`` (:func:`bits_dtype`).
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ import numpy as np
 
 _NAMES = ("float64", "float32", "float16", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
 _PLAIN = frozenset(np.dtype(n) for n in _NAMES)
-_ML_DTYPES = {"bfloat16": "BFLOAT16"}  # ml_dtypes type -> this module's attribute for it
+# ml_dtypes type -> (this module's attribute for it, the integer type its bits travel as)
+_ML_DTYPES = {"bfloat16": ("BFLOAT16", np.int16), "float8_e4m3fn": ("FLOAT8_E4M3FN", np.uint8),
+              "float8_e5m2": ("FLOAT8_E5M2", np.uint8)}
+ML_DTYPE_NAMES = tuple(_ML_DTYPES)
+FP8_NAMES = ("float8_e4m3fn", "float8_e5m2")
 _ALIASES = {"bf16": "bfloat16"}
 
 
 @functools.cache
 def ml_dtype(type_name: str) -> np.dtype | None:
-    """The NumPy dtype of ``ml_dtypes.<type_name>``; None without ml_dtypes (bf16 then
-    travels as its 16-bit pattern, see dlpack.py)."""
+    """The NumPy dtype of ``ml_dtypes.<type_name>``; None without ml_dtypes (bf16 and FP8
+    then travel as their bits, see dlpack.py)."""
     try:
         import ml_dtypes
     except ImportError:
@@ -29,22 +35,49 @@ def ml_dtype(type_name: str) -> np.dtype | None:
 
 
 def __getattr__(name: str):
-    for type_name, attribute in _ML_DTYPES.items():
+    for type_name, (attribute, _) in _ML_DTYPES.items():
         if attribute == name:
             return ml_dtype(type_name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def is_supported(dtype: np.dtype) -> bool:
-    """Whether the kernels accept ``dtype`` (a NumPy dtype)."""
-    if dtype in _PLAIN:
-        return True
-    # A dtype of this name exists only once ml_dtypes is loaded: the lookup imports nothing new.
+def _is_ml_dtype(dtype: np.dtype) -> bool:
+    # A dtype of such a name exists only once ml_dtypes is loaded: the lookup imports nothing new.
     return dtype.name in _ML_DTYPES and dtype == ml_dtype(dtype.name)
 
 
+def is_supported(dtype: np.dtype) -> bool:
+    """Whether the kernels accept ``dtype`` (a NumPy dtype)."""
+    return dtype in _PLAIN or _is_ml_dtype(dtype)
+
+
+def is_fp8(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is one of the FP8 formats (``float8_e4m3fn``, ``float8_e5m2``)."""
+    return dtype.name in FP8_NAMES and _is_ml_dtype(dtype)
+
+
+def bits_dtype(name: str) -> np.dtype | None:
+    """The integer type the ml_dtypes type ``name`` travels as where a consumer cannot type
+    it (``int16`` for bf16, ``uint8`` for FP8); None for any other name."""
+    return np.dtype(_ML_DTYPES[name][1]) if name in _ML_DTYPES else None
+
+
+@functools.cache
+def cupy_dtype(dtype: np.dtype) -> np.dtype:
+    """``dtype`` if CuPy can hold arrays of it, else :func:`bits_dtype` (a CuPy that
+    registers bf16 but not FP8 holds FP8 tensors as their ``uint8`` bytes)."""
+    import cupy
+
+    try:
+        cupy.ndarray((0,), dtype=dtype)
+    except (TypeError, ValueError):
+        return bits_dtype(dtype.name)
+    return dtype
+
+
 def resolve_dtype(dtype, *, what: str = "dtype") -> np.dtype:
-    """NumPy dtype for ``dtype`` (a dtype, its name, or 'bfloat16'); ValueError if the kernels don't support it."""
+    """NumPy dtype for ``dtype`` (a dtype, its name, 'bfloat16', 'float8_e4m3fn' or
+    'float8_e5m2'); ValueError if the kernels don't support it."""
     if isinstance(dtype, str) and _ALIASES.get(dtype, dtype) in _ML_DTYPES:
         resolved = ml_dtype(_ALIASES.get(dtype, dtype))
         if resolved is None:
