@@ -13,8 +13,9 @@ weights and gradients (they stay in the framework's memory). Per micro-batch and
   gradient in replica order, fp32 accumulation, deterministic, after a barrier that says
   all replica gradients are written, and before one that frees the slots for the next layer.
 
-``weight_sync``/``restore`` zero this rank's replica gradient slots, so a micro-batch that
-writes no gradient for a replica adds zeros, never an earlier micro-batch's gradients.
+The replica gradient slots start at zero and ``reduce_grads`` zeroes them again once every
+master has read them, so a micro-batch that writes no gradient for a replica adds zeros,
+never an earlier micro-batch's gradients (and the zeroing stays off the forward path).
 
 Arguments are agreed before any rank can raise alone. On the host backend each transfer
 compares a hash of the plan's placement (``log_to_phys``, ``replica_count``) across ranks
@@ -280,7 +281,6 @@ class WeightTransfer:
         chunks relays forward are flagged (schedule.py, ``publish``)."""
         entry = self._checked("weight_sync", layer, plan, blocks,
                               lambda b: grid_error(b) or self.impl.sync_grid_error(b))
-        self._grads.local.fill(0)  # no stale gradient of an earlier micro-batch can be reduced again
         self.impl.weight_sync(entry, plan, blocks)
         if barrier:
             self.impl.barrier()
@@ -293,6 +293,7 @@ class WeightTransfer:
         self.impl.barrier()  # every replica gradient is written
         self.impl.reduce_grads(entry, plan, blocks)
         self.impl.barrier()  # replica gradient slots are free again
+        self._grads.local.fill(0)  # every master has read them: none can be added a second time
 
     def synchronize(self) -> None:
         """Wait for the enqueued transfers; raise if a wait timed out or a plan was refused

@@ -120,7 +120,7 @@ def disagreement() -> None:
 
 
 def stale_grads() -> None:
-    """A micro-batch that writes no replica gradient adds nothing: restore zeroes the slots."""
+    """A micro-batch that writes no replica gradient adds nothing: reduce_grads zeroed the slots after reading."""
     with open_heap(group, WeightTransfer.heap_requirements(LAYOUT, SPEC), backend=backend) as heap, \
             WeightTransfer(heap, LAYOUT, SPEC) as engine:
         grads = [[xp.zeros((4, 8), np.float32)] for _ in range(M)]
