@@ -13,12 +13,12 @@ def test_openmpi_command_oversubscribes_and_allows_root(monkeypatch):
     cmd = launch.mpiexec_command(4, ["x.py"], mpiexec="/usr/bin/mpirun", flavor="openmpi")
     assert cmd[:3] == ["/usr/bin/mpirun", "-n", "4"]
     assert "--oversubscribe" in cmd and "--allow-run-as-root" in cmd
-    assert cmd[-4:] == [sys.executable, "-m", "mpi4py", "x.py"]
+    assert cmd[-6:] == [sys.executable, "-m", "mpi4py", "-c", launch.RANK_MAIN, "x.py"]
 
 
 def test_mpich_command_has_no_openmpi_flags():
     cmd = launch.mpiexec_command(2, ["x.py", "a"], mpiexec="mpiexec", flavor="mpich")
-    assert cmd == ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", "x.py", "a"]
+    assert cmd == ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", "-c", launch.RANK_MAIN, "x.py", "a"]
     assert launch.mpi_environment("mpich", {})["HYDRA_LAUNCHER"] == "fork"
 
 
