@@ -123,21 +123,42 @@ def run_rank(argv: Sequence[str] | None = None) -> None:
     record("exited with 0")
 
 
-def rank_report(status_dir: str | os.PathLike, nprocs: int, output: str) -> str:
-    """One line per rank of a failed job: how it ended, from the files :func:`run_rank` wrote;
-    a rank that left none or left "running" was killed (by a signal, ``os._exit`` or the
-    job's abort), with the code the MPI launcher printed for its pid where it printed one."""
-    launcher_codes = dict(re.findall(r"PID (\d+) RUNNING AT .*\n=\s+EXIT CODE: (\d+)", output))
+def rank_report(status_dir: str | os.PathLike, nprocs: int, first_gone: Sequence[int] = ()) -> str:
+    """One line per rank of a failed job: how it ended, from the files :func:`run_rank` wrote.
+    A rank that left "running" was killed (a signal, ``os._exit`` or the job's abort);
+    ``first_gone`` are those that vanished before any other (see :class:`_RankWatcher`)."""
     lines = []
     for rank in range(nprocs):
         path = Path(status_dir, f"rank{rank}")
         pid, _, text = path.read_text().partition(" ") if path.exists() else ("?", "", "never started")
         if text == "running":
-            code = launcher_codes.get(pid)
-            text = ("ended without a status (killed by a signal, os._exit or the job's abort)" if code is None else
-                    f"ended without a status; the MPI launcher reports exit code {code} (a signal number if killed)")
+            text = ("ended first, without a status (killed by a signal or os._exit)" if rank in first_gone else
+                    "ended without a status (killed by a signal, os._exit or the job's abort)")
         lines.append(f"rank {rank} (pid {pid}) {text}")
     return "\n".join(lines)
+
+
+class _RankWatcher(threading.Thread):
+    """Notes which ranks vanish first without a status: the MPI launcher names the first
+    process it saw end, often one it killed itself while cleaning up after the real one."""
+
+    def __init__(self, status_dir: str, nprocs: int):
+        super().__init__(daemon=True)
+        self.status_dir, self.nprocs = status_dir, nprocs
+        self.first_gone: list[int] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(5e-3) and not self.first_gone:
+            running = {}
+            for rank in range(self.nprocs):
+                try:
+                    pid, _, text = Path(self.status_dir, f"rank{rank}").read_text().partition(" ")
+                except OSError:
+                    continue
+                if text == "running":
+                    running[rank] = int(pid)
+            self.first_gone = [r for r, pid in running.items() if (stat := _proc_stat(pid)) is None or stat[0] == "Z"]
 
 
 def mpi_environment(flavor: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -174,6 +195,8 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
         proc = subprocess.Popen(cmd, **pipes, text=True, env={**mpi_environment(flavor, env),
                                                                STATUS_DIR_VARIABLE: status_dir},
                                 cwd=cwd, start_new_session=True)
+        watcher = _RankWatcher(status_dir, nprocs)
+        watcher.start()
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -182,10 +205,13 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
         except BaseException:  # Ctrl-C or a SIGTERM turned into SystemExit: the job must not outlive us
             _kill_job(proc, status_dir, segments_before)
             raise
+        finally:
+            watcher.done.set()
+            watcher.join()
         out = out or ""
         if proc.returncode != 0:
             _kill_job(proc, status_dir, segments_before)  # ranks the MPI launcher left behind, and their segments
-            report = rank_report(status_dir, nprocs, out)
+            report = rank_report(status_dir, nprocs, watcher.first_gone)
             if not capture:
                 print(f"ultraep: {' '.join(cmd)} exited with {proc.returncode}:\n{report}", file=sys.stderr)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
@@ -274,7 +300,7 @@ def mpi_segments() -> set[str]:
         return set()
 
 
-def _mapped_shm_names() -> set[str]:
+def mapped_shm_names() -> set[str]:
     """Every /dev/shm file a live process maps (those this process may read: a job's ranks are its own)."""
     names = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
@@ -291,7 +317,7 @@ def remove_orphan_segments(before: set[str]) -> list[str]:
     are not ours. Returns the names removed."""
     new = mpi_segments() - before
     removed = []
-    for name in sorted(new - _mapped_shm_names() if new else ()):
+    for name in sorted(new - mapped_shm_names() if new else ()):
         try:
             (SHM_DIR / name).unlink()
             removed.append(name)
