@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what a type checker sees of the lazily imported names below ("X as X": re-exported)
     from ultraep.errors import (BalancerError as BalancerError, BarrierTimeout as BarrierTimeout,
-                                CollectiveError as CollectiveError, DispatchError as DispatchError,
+                                ClosedError as ClosedError, CollectiveError as CollectiveError,
+                                DispatchError as DispatchError,
                                 GroupedGemmError as GroupedGemmError, GroupMismatchError as GroupMismatchError,
                                 HeapError as HeapError, LaunchError as LaunchError, MPSUnavailable as MPSUnavailable,
                                 RankFailedError as RankFailedError,
