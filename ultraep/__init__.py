@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what a type checker sees of the lazily imported names below
                                 DispatchError as DispatchError,
                                 GroupedGemmError as GroupedGemmError, GroupMismatchError as GroupMismatchError,
                                 HeapError as HeapError, LaunchError as LaunchError, MPSUnavailable as MPSUnavailable,
+                                RankFailedError as RankFailedError,
                                 StaleHandleError as StaleHandleError, TransferTimeout as TransferTimeout,
                                 UltraEPError as UltraEPError, WaitTimeout as WaitTimeout)
     from ultraep.integration import BalanceHandle as BalanceHandle, Balancer as Balancer
@@ -73,6 +74,7 @@ _EXPORTS = {
     "ClosedError": "ultraep.errors",
     "GroupedGemmError": "ultraep.errors",
     "WaitTimeout": "ultraep.errors",
+    "RankFailedError": "ultraep.errors",
     "BarrierTimeout": "ultraep.errors",
     "TransferTimeout": "ultraep.errors",
     "DispatchError": "ultraep.errors",

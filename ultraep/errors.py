@@ -43,6 +43,11 @@ class WaitTimeout(UltraEPError, TimeoutError):
     """A bounded wait (host or device) did not see what it waited for; the message names it."""
 
 
+class RankFailedError(UltraEPError, RuntimeError):
+    """A rank of the group failed alone (an exception of its own inside a ``with`` block), so
+    the group gives up its collectives; the message names the rank and its exception."""
+
+
 class BarrierTimeout(WaitTimeout):
     """A heap barrier did not see a peer's flag in time."""
 
@@ -68,5 +73,5 @@ class StaleHandleError(BalancerError):
 
 
 __all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "GroupMismatchError",
-           "GroupedGemmError", "HeapError", "LaunchError", "MPSUnavailable", "StaleHandleError", "TransferTimeout",
-           "UltraEPError", "WaitTimeout"]
+           "GroupedGemmError", "HeapError", "LaunchError", "MPSUnavailable", "RankFailedError", "StaleHandleError",
+           "TransferTimeout", "UltraEPError", "WaitTimeout"]

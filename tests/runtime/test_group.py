@@ -33,4 +33,6 @@ def test_group_rejects_objects_without_allgather():
 
 @pytest.mark.mpi
 def test_group_four_ranks():
-    assert_all_ranks_ok(run_ranks(4, "runtime/mpi/group_check.py"), 4, "group")
+    out = run_ranks(4, "runtime/mpi/group_check.py")
+    assert_all_ranks_ok(out, 4, "group")
+    assert_all_ranks_ok(out, 4, "group-timeouts")

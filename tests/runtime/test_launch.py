@@ -1,7 +1,11 @@
 """The launcher: flags for each MPI flavor, and a hung job killed at its timeout."""
 
+import signal
+import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -13,12 +17,12 @@ def test_openmpi_command_oversubscribes_and_allows_root(monkeypatch):
     cmd = launch.mpiexec_command(4, ["x.py"], mpiexec="/usr/bin/mpirun", flavor="openmpi")
     assert cmd[:3] == ["/usr/bin/mpirun", "-n", "4"]
     assert "--oversubscribe" in cmd and "--allow-run-as-root" in cmd
-    assert cmd[-4:] == [sys.executable, "-m", "mpi4py", "x.py"]
+    assert cmd[-6:] == [sys.executable, "-m", "mpi4py", "-c", launch.RANK_MAIN, "x.py"]
 
 
 def test_mpich_command_has_no_openmpi_flags():
     cmd = launch.mpiexec_command(2, ["x.py", "a"], mpiexec="mpiexec", flavor="mpich")
-    assert cmd == ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", "x.py", "a"]
+    assert cmd == ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", "-c", launch.RANK_MAIN, "x.py", "a"]
     assert launch.mpi_environment("mpich", {})["HYDRA_LAUNCHER"] == "fork"
 
 
@@ -49,3 +53,38 @@ def test_failing_rank_aborts_the_job(tmp_path):
                       "MPI.COMM_WORLD.Barrier()\n")
     with pytest.raises(launch.LaunchError, match="exited with"):
         launch.run_mpi(2, [str(script)], timeout=60)
+
+
+@pytest.mark.mpi
+def test_each_rank_exit_status_is_reported(tmp_path):
+    script = tmp_path / "exit.py"
+    script.write_text("import sys\nfrom mpi4py import MPI\nif MPI.COMM_WORLD.rank == 1:\n    sys.exit(5)\n"
+                      "MPI.COMM_WORLD.Barrier()\n")
+    with pytest.raises(launch.LaunchError, match=r"rank 1 \(pid \d+\) exited with 5\n"):
+        launch.run_mpi(3, [str(script)], timeout=60)
+
+
+@pytest.mark.mpi
+def test_sigterm_kills_the_whole_job(tmp_path):
+    """Hydra puts its proxy and each rank in sessions of their own: a SIGTERM to the launcher
+    must still end every one of them."""
+    token = f"sleeper-{uuid.uuid4().hex}"
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+                      "if MPI.COMM_WORLD.rank == 0:\n    print('started', flush=True)\n"
+                      "time.sleep(600)\n")
+    code = (f"from ultraep.runtime.launch import run_mpi\nrun_mpi(2, [{str(script)!r}, {token!r}], timeout=300, "
+            "capture=False)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout.readline().strip() == "started"
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=30) == 128 + signal.SIGTERM
+    left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if _reads(p) and token.encode() in _reads(p)]
+    assert left == [], "processes of the job outlived the launcher"
+
+
+def _reads(path):
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""

@@ -539,11 +539,15 @@ class Balancer:
     def __enter__(self) -> Balancer:
         return self
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
             self.close()
             return
-        self._closed = True  # failing: the heap's own failing-close path cannot hang
+        # Failing: a lone failure is published so the peers stop waiting for this rank, and
+        # nothing here waits for them (the heap decides, see SymmetricHeap.close_failing).
+        self._closed = True
         self.transfer.close()
         if self._owns_heap:
-            self.heap.__exit__(exc_type, exc, tb)
+            self.heap.close_failing(exc)
+        else:
+            self.group.notify_failure(exc)

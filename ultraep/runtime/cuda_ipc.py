@@ -16,7 +16,7 @@ import numpy as np
 
 from ultraep.runtime.dtypes import cupy_dtype
 from ultraep.runtime.group import EPGroup, check_distinct_processes
-from ultraep.errors import BarrierTimeout, HeapError
+from ultraep.errors import BarrierTimeout, HeapError, RankFailedError, WaitTimeout
 from ultraep.runtime.heap import SymmetricHeap, _abandoned
 from ultraep.runtime.kernels import get_function
 
@@ -123,6 +123,11 @@ class DeviceHeap(SymmetricHeap):
             runtime.ipcCloseMemHandle(ptr)
         self._opened = []
 
+    def _abandon(self) -> None:
+        # Queued kernels may still use the mappings and the peer table: keep all of it.
+        _abandoned.append((self._memory, self._opened, self._owners, self.peer_bases))
+        self._memory, self._opened, self._owners, self.peer_bases = None, [], [], None
+
     def _release(self, timeout_s: float) -> None:
         import cupy
 
@@ -132,7 +137,7 @@ class DeviceHeap(SymmetricHeap):
             self.peer_bases = None
             try:
                 self.group.barrier(timeout_s)  # every rank is here: the next collectives cannot hang
-            except TimeoutError as exc:
+            except (WaitTimeout, RankFailedError) as exc:
                 self._close_peers()
                 _abandoned.append(self._memory)  # a peer may still map it: never free
                 raise HeapError(f"heap close: {exc}; device allocation left in place") from None

@@ -5,17 +5,52 @@ Wraps an mpi4py communicator, or any object offering ``allgather`` of Python obj
 its own process group. Every collective check here gathers the local verdicts first and
 then decides identically on every rank, so bad input raises on all ranks instead of
 leaving the healthy ones waiting in the next collective.
+
+On an mpi4py communicator every collective here is non-blocking MPI polled against a
+deadline (the group's ``timeout_s``, or the call's): the waiting rank sleeps between polls,
+and on expiry raises :class:`~ultraep.errors.WaitTimeout` naming the operation and the
+ranks that had not reached it. Where the ranks share one node they also share a small
+status window (MPI shared memory): each rank's count of collectives entered, and the
+failure a rank publishes (:meth:`EPGroup.notify_failure`) when it leaves a ``with`` block
+on an exception of its own; a peer waiting for it then raises
+:class:`~ultraep.errors.RankFailedError` with that exception at once. After a timeout or a
+peer's failure the communicator is out of step (a collective is left pending), so the group
+refuses further collectives.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import pickle
 import socket
+import sys
 import time
 from collections import Counter
 from typing import Any, Sequence
 
-from ultraep.errors import CollectiveError, GroupMismatchError
+import numpy as np
+
+from ultraep.errors import CollectiveError, GroupMismatchError, RankFailedError, WaitTimeout
+
+DEFAULT_TIMEOUT_S = 120.0
+STATUS_SLOT_BYTES = 4096        # per rank: collectives entered, failure flag, message length, message
+_STATUS_HEADER = 3              # int64 words before the message
+_POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-3  # a fast collective costs microseconds; a long wait, no core
+
+
+def timeout_error(timeout_s) -> str | None:
+    """Why ``timeout_s`` cannot bound a wait (it must be a positive, finite number of seconds), or None."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(timeout_s) or timeout_s <= 0:
+        return f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}"
+    return None
+
+
+def _mpi_comm(comm: Any):
+    """The mpi4py module if ``comm`` is one of its communicators, else None (no import otherwise)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi if mpi is not None and isinstance(comm, mpi.Comm) else None
 
 
 def _rank_and_size(comm: Any) -> tuple[int, int]:
@@ -46,10 +81,18 @@ class EPGroup:
 
     ``comm`` defaults to ``MPI.COMM_WORLD``. ``device`` overrides the GPU choice
     (``local_rank % device_count``); ``use_gpu=False`` keeps the group on the CPU even
-    where a GPU exists.
+    where a GPU exists. ``timeout_s`` bounds every host collective of the group (a call may
+    pass its own); it must agree across ranks.
     """
 
-    def __init__(self, comm: Any = None, *, device: int | None = None, use_gpu: bool = True):
+    # Class-level defaults: a group built around a framework's allgather has no status window.
+    _mpi: Any = None
+    _status: list | None = None
+    _broken: Exception | None = None
+    timeout_s = DEFAULT_TIMEOUT_S
+
+    def __init__(self, comm: Any = None, *, device: int | None = None, use_gpu: bool = True,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
@@ -57,11 +100,27 @@ class EPGroup:
             raise TypeError(f"an EP group needs allgather(obj); {type(comm).__name__} has none")
         self.comm = comm
         self.rank, self.size = _rank_and_size(comm)
+        self._mpi = _mpi_comm(comm)
+        self._entered = 0         # collectives this rank has entered
+        self._broken = None       # why the group refuses collectives
+        self._pending: list = []  # abandoned requests and their buffers, kept alive
+        self._status = None       # every rank's status slot (one node, MPI only)
+        bad_timeout = timeout_error(timeout_s)
+        self.timeout_s = DEFAULT_TIMEOUT_S if bad_timeout else float(timeout_s)
         self.hostname = socket.gethostname()
-        hosts = self.allgather(self.hostname)
+        if self._mpi is None:  # a framework's own allgather: not bounded here, so the timeout is unused
+            if bad_timeout:
+                raise ValueError(bad_timeout)
+            hosts = self.allgather(self.hostname)
+        else:
+            hosts, errors = zip(*self.allgather((self.hostname, bad_timeout), what="EP group creation"))
+            self.raise_if_any(errors[self.rank], "EP group creation")
+            self.agree(self.timeout_s, "EP group timeout_s")
         self.local_rank = sum(1 for h in hosts[: self.rank] if h == self.hostname)
         self.local_size = sum(1 for h in hosts if h == self.hostname)
         self.all_on_one_host = len(set(hosts)) == 1
+        if self._mpi is not None and self.all_on_one_host:
+            self._open_status()
         self.device: int | None = None
         if use_gpu:
             count = gpu_count()
@@ -79,37 +138,134 @@ class EPGroup:
     def has_gpu(self) -> bool:
         return self.device is not None
 
-    def allgather(self, obj: Any) -> list:
-        return list(self.comm.allgather(obj))
+    # -- the status window ---------------------------------------------------------------
+    def _open_status(self) -> None:
+        mpi = self._mpi
+        self._shm_comm = self.comm.Split_type(mpi.COMM_TYPE_SHARED, key=self.rank)
+        self._win = mpi.Win.Allocate_shared(STATUS_SLOT_BYTES, 1, comm=self._shm_comm)
+        self._win.Lock_all(mpi.MODE_NOCHECK)  # passive epoch for Win.Sync; the window lives as long as the process
+        slots = [np.frombuffer(self._win.Shared_query(r)[0], dtype=np.uint8, count=STATUS_SLOT_BYTES)
+                 for r in range(self.size)]  # shm ranks follow group ranks (key above)
+        slots[self.rank][:] = 0
+        self._win.Sync()
+        self.barrier(what="EP group status window")  # no rank reads a slot before its owner cleared it
+        self._status = slots
 
-    def barrier(self, timeout_s: float | None = None) -> None:
-        """Host barrier: the communicator's own where it has one.
+    def _header(self, rank: int) -> np.ndarray:
+        return self._status[rank][: 8 * _STATUS_HEADER].view(np.int64)
 
-        With ``timeout_s`` (mpi4py communicators) raises :class:`TimeoutError` when not
-        every rank arrives in time -- e.g. a teardown while one rank is failing alone.
-        """
-        if timeout_s is not None and callable(getattr(self.comm, "Ibarrier", None)):
-            request = self.comm.Ibarrier()
-            deadline = time.monotonic() + timeout_s
-            while not request.Test():
+    def notify_failure(self, error: BaseException) -> bool:
+        """Called by a ``with`` block left on ``error``: whether this rank must give up its
+        collective teardown. A :class:`~ultraep.errors.CollectiveError` was raised on every
+        rank alike, so the ranks tear down together. Any other error may be this rank's alone:
+        it is published to the peers (their waits raise :class:`~ultraep.errors.RankFailedError`
+        carrying it) and the group refuses further collectives."""
+        if self._broken is not None:
+            return True
+        if isinstance(error, CollectiveError):
+            return False
+        text = str(error).removeprefix(f"rank {self.rank}: ")
+        message = f"rank {self.rank} failed: {type(error).__name__}: {text}"
+        self._broken = RankFailedError(message)
+        if self._status is not None:
+            encoded = message.encode("utf-8", "replace")[: STATUS_SLOT_BYTES - 8 * _STATUS_HEADER]
+            self._status[self.rank][8 * _STATUS_HEADER:][: len(encoded)] = np.frombuffer(encoded, np.uint8)
+            self._header(self.rank)[2] = len(encoded)
+            self._win.Sync()  # the message before the flag
+            self._header(self.rank)[1] = 1
+            self._win.Sync()
+        return True
+
+    def check_peers(self, what: str) -> None:
+        """Raise :class:`~ultraep.errors.RankFailedError` if a peer published a failure (for
+        waits that poll: a peer that failed will never answer)."""
+        if self._status is None:
+            return
+        self._win.Sync()
+        failed = []
+        for r in range(self.size):
+            header = self._header(r)
+            if r != self.rank and header[1]:
+                failed.append(bytes(self._status[r][8 * _STATUS_HEADER:][: int(header[2])]).decode("utf-8", "replace"))
+        if failed:
+            self._broken = RankFailedError(f"rank {self.rank}: {what} given up: {'; '.join(failed)}")
+            raise self._broken
+
+    # -- bounded collectives -------------------------------------------------------------
+    def _enter(self, what: str, timeout_s: float | None) -> float:
+        if self._broken is not None:
+            raise type(self._broken)(f"rank {self.rank}: {what}: the group refuses collectives after an earlier "
+                                     f"failure ({self._broken})")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if (bad_timeout := timeout_error(timeout)) is not None:
+            raise ValueError(f"rank {self.rank}: {what}: {bad_timeout}")
+        self._entered += 1
+        if self._status is not None:
+            self._header(self.rank)[0] = self._entered
+        return float(timeout)
+
+    def _wait(self, request: Any, what: str, timeout_s: float, deadline: float, keep: tuple = ()) -> None:
+        """Poll ``request`` until done, sleeping between polls; raise on a peer's failure or at ``deadline``."""
+        pause = _POLL_FIRST_S
+        while not request.Test():
+            try:
+                self.check_peers(what)
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {self.rank}: not every rank reached the barrier within {timeout_s:g} s")
-                time.sleep(1e-3)
+                    self._broken = WaitTimeout(self._timeout_message(what, timeout_s))
+                    raise self._broken
+            except Exception:
+                self._pending.append((request, keep))  # MPI still owns the buffers
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+
+    def _timeout_message(self, what: str, timeout_s: float) -> str:
+        if self._status is None:
+            where = "the ranks that had not reached it are unknown (no shared status window across hosts)"
+        else:
+            self._win.Sync()
+            behind = [(r, int(self._header(r)[0])) for r in range(self.size) if self._header(r)[0] < self._entered]
+            where = (f"rank(s) {[r for r, _ in behind]} had not reached it (this is collective #{self._entered} "
+                     f"of the group; they entered {', '.join(f'#{n}' for _, n in behind)} last)"
+                     if behind else "every rank reached it, but it did not complete")
+        return f"rank {self.rank}: {what} timed out after {timeout_s:g} s: {where}"
+
+    def allgather(self, obj: Any, *, what: str = "allgather", timeout_s: float | None = None) -> list:
+        """Every rank's ``obj``, in rank order (bounded on an mpi4py communicator)."""
+        if self._mpi is None:
+            return list(self.comm.allgather(obj))
+        timeout = self._enter(what, timeout_s)
+        deadline = time.monotonic() + timeout
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        mine, sizes = np.array([payload.size], np.int64), np.zeros(self.size, np.int64)
+        self._wait(self.comm.Iallgather(mine, sizes), what, timeout, deadline, (mine, sizes))
+        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        gathered = np.empty(int(sizes.sum()), np.uint8)
+        spec = [gathered, (sizes.tolist(), offsets.tolist()), self._mpi.BYTE]
+        self._wait(self.comm.Iallgatherv(payload, spec), what, timeout, deadline, (payload, gathered))
+        return [pickle.loads(gathered[o:o + n]) for o, n in zip(offsets, sizes)]
+
+    def barrier(self, timeout_s: float | None = None, *, what: str = "barrier") -> None:
+        """Host barrier, bounded on an mpi4py communicator (:class:`~ultraep.errors.WaitTimeout`
+        when not every rank arrives in time); otherwise the communicator's own."""
+        if self._mpi is not None:
+            timeout = self._enter(what, timeout_s)
+            self._wait(self.comm.Ibarrier(), what, timeout, time.monotonic() + timeout)
         elif callable(getattr(self.comm, "Barrier", None)):
             self.comm.Barrier()
         else:
-            self.allgather(None)
+            self.comm.allgather(None)
 
     def split(self, color: int, key: int | None = None) -> "EPGroup":
         """Sub-group of the ranks that pass the same ``color`` (EP groups inside a larger job)."""
         if not callable(getattr(self.comm, "Split", None)):
             raise TypeError(f"{type(self.comm).__name__} has no Split; pass the sub-group's communicator directly")
         sub = self.comm.Split(color, self.rank if key is None else key)
-        return EPGroup(sub, device=self.device, use_gpu=self.device is not None)
+        return EPGroup(sub, device=self.device, use_gpu=self.device is not None, timeout_s=self.timeout_s)
 
-    def agree(self, value: Any, what: str) -> Any:
+    def agree(self, value: Any, what: str, *, timeout_s: float | None = None) -> Any:
         """Return ``value`` if every rank passed an equal one, else raise on every rank."""
-        values = self.allgather(value)
+        values = self.allgather(value, what=what, timeout_s=timeout_s)
         if any(v != values[0] for v in values[1:]):
             groups: dict[str, list[int]] = {}
             for r, v in enumerate(values):
@@ -118,11 +274,12 @@ class EPGroup:
             raise GroupMismatchError(f"ranks disagree on {what}: {detail}")
         return values[0]
 
-    def raise_if_any(self, local_error: BaseException | str | None, what: str) -> None:
+    def raise_if_any(self, local_error: BaseException | str | None, what: str, *,
+                     timeout_s: float | None = None) -> None:
         """Collective error check: if any rank failed, raise the same CollectiveError on every
         rank, naming each failed rank and its reason (the local exception is the cause)."""
         message = None if local_error is None else str(local_error)
-        errors = self.allgather(message)
+        errors = self.allgather(message, what=what, timeout_s=timeout_s)
         failed = [(r, m) for r, m in enumerate(errors) if m is not None]
         if not failed:
             return

@@ -33,14 +33,13 @@ import numpy as np
 
 from ultraep.errors import BarrierTimeout, ClosedError, HeapError
 from ultraep.runtime.dtypes import resolve_dtype
-from ultraep.runtime.group import EPGroup
+from ultraep.runtime.group import EPGroup, timeout_error  # noqa: F401 (timeout_error: callers import it here)
 
 HEAP_GRANULE = 2 << 20          # CUDA IPC maps whole allocations; keep them 2 MiB-granular
 ALLOC_ALIGN = 256               # every sub-allocation starts 256-byte aligned (16-byte vector access and more)
 SIGNAL_PAD_BYTES = 64 << 10     # 8192 uint64 flags
 SIGNAL_SLOTS = SIGNAL_PAD_BYTES // 8
 DEFAULT_BARRIER_TIMEOUT_S = 30.0
-DEFAULT_CLOSE_TIMEOUT_S = 300.0
 FAILING_CLOSE_TIMEOUT_S = 5.0
 
 
@@ -49,14 +48,6 @@ _abandoned: list = []  # allocations left unfreed by a close that peers never jo
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def timeout_error(timeout_s) -> str | None:
-    """Why ``timeout_s`` cannot bound a wait (it must be a positive, finite number of seconds), or None."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(timeout_s) or timeout_s <= 0:
-        return f"timeout_s must be a positive, finite number of seconds, got {timeout_s!r}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -278,12 +269,32 @@ class SymmetricHeap:
                           ResourceWarning, stacklevel=2)
         return bool(holders)
 
-    def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
-        """Collective: unmap peers, wait for every rank, then free the local allocation."""
+    def _abandon(self) -> None:
+        """Drop this rank's access without any collective, leaving the memory allocated."""
+        raise NotImplementedError
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Collective: unmap peers, wait (at most ``timeout_s``, by default the group's) for
+        every rank, then free the local allocation."""
         if self._closed:
             return
         self._closed = True
-        self._release(timeout_s)
+        self._release(self.group.timeout_s if timeout_s is None else timeout_s)
+
+    def close_failing(self, error: BaseException) -> None:
+        """Teardown on the way out of ``error``: collective (and quick) when every rank raised
+        it; else the failure is published to the peers and this rank leaves at once, its memory
+        left allocated (nobody waits for a rank that failed alone)."""
+        if self._closed:
+            return
+        if self.group.notify_failure(error):
+            self._closed = True
+            self._abandon()
+            return
+        try:
+            self.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
+        except HeapError as close_error:
+            print(f"ultraep: {close_error}", file=sys.stderr, flush=True)
 
     def __enter__(self):
         return self
@@ -291,14 +302,8 @@ class SymmetricHeap:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             self.close()
-            return
-        # Failing: if every rank fails together they all close; if this rank fails alone,
-        # a collective close would hang, so give up after a while and let the original
-        # exception propagate (under ``python -m mpi4py`` it aborts the job).
-        try:
-            self.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
-        except HeapError as close_error:
-            print(f"ultraep: {close_error}", file=sys.stderr, flush=True)
+        else:  # the original exception propagates (under ``python -m mpi4py`` it aborts the job)
+            self.close_failing(exc)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(rank={self.rank}, size={self.size}, total_bytes={self.total_bytes}, "

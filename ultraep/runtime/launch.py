@@ -2,17 +2,27 @@
 
 Tests and examples start ``mpiexec -n N python -m mpi4py script.py``: ``-m mpi4py``
 turns an unhandled exception on one rank into ``MPI_Abort`` for the whole job, and the
-timeout here kills the whole process group if a rank hangs anyway.
+timeout here kills the whole process group if a rank hangs anyway. Each rank runs its
+script through :func:`run_rank`, which records how it ended in a file the launcher reads
+when the job fails, since the MPI launcher reports only one process's code. A job that
+fails, times out or is interrupted (SIGINT, SIGTERM) is killed as a process group, and the
+MPI shared-memory segments it left in ``/dev/shm`` are removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
+import runpy
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -21,6 +31,10 @@ from ultraep.errors import LaunchError, MPSUnavailable
 
 # Set by mpiexec in every rank's environment (Open MPI, PMIx, MPICH/Hydra).
 MPI_LAUNCH_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+STATUS_DIR_VARIABLE = "ULTRAEP_RANK_STATUS_DIR"  # where each rank records how it ended
+SHM_DIR = Path("/dev/shm")
+MPI_SEGMENT_PREFIXES = ("mpich_shm_", "vader_segment.", "sm_segment.")  # MPICH, Open MPI
 
 
 def launched_by_mpiexec() -> bool:
@@ -71,7 +85,80 @@ def mpiexec_command(nprocs: int, argv: Sequence[str], *, mpiexec: str | None = N
         flags.append("--oversubscribe")
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             flags.append("--allow-run-as-root")
-    return [mpiexec, "-n", str(nprocs), *flags, sys.executable, "-m", "mpi4py", *argv]
+    return [mpiexec, "-n", str(nprocs), *flags, sys.executable, "-m", "mpi4py", "-c", RANK_MAIN, *argv]
+
+
+RANK_MAIN = "from ultraep.runtime.launch import run_rank; run_rank()"
+
+
+def run_rank(argv: Sequence[str] | None = None) -> None:
+    """Run ``argv`` (``script.py args...`` or ``-m module args...``) as this rank's
+    ``__main__``, recording in ``$ULTRAEP_RANK_STATUS_DIR/rank<N>`` how it ended; the
+    exception or exit code then goes on to ``python -m mpi4py``, which aborts the job."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "?")
+    status_dir = os.environ.get(STATUS_DIR_VARIABLE)
+
+    def record(text: str) -> None:
+        if status_dir:
+            Path(status_dir, f"rank{rank}").write_text(f"{os.getpid()} {text}")
+
+    record("running")
+    try:
+        if argv[:1] == ["-m"]:
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) or exc.code is None else 1
+        record(f"exited with {code or 0}" + ("" if isinstance(exc.code, int) or exc.code is None else f": {exc.code}"))
+        raise
+    except BaseException as exc:
+        last = str(exc).strip().splitlines()[-1:] or [""]
+        record(f"raised {type(exc).__name__}: {last[0]}")
+        raise
+    record("exited with 0")
+
+
+def rank_report(status_dir: str | os.PathLike, nprocs: int, first_gone: Sequence[int] = ()) -> str:
+    """One line per rank of a failed job: how it ended, from the files :func:`run_rank` wrote.
+    A rank that left "running" was killed (a signal, ``os._exit`` or the job's abort);
+    ``first_gone`` are those that vanished before any other (see :class:`_RankWatcher`)."""
+    lines = []
+    for rank in range(nprocs):
+        path = Path(status_dir, f"rank{rank}")
+        pid, _, text = path.read_text().partition(" ") if path.exists() else ("?", "", "never started")
+        if text == "running":
+            text = ("ended first, without a status (killed by a signal or os._exit)" if rank in first_gone else
+                    "ended without a status (killed by a signal, os._exit or the job's abort)")
+        lines.append(f"rank {rank} (pid {pid}) {text}")
+    return "\n".join(lines)
+
+
+class _RankWatcher(threading.Thread):
+    """Notes which ranks vanish first without a status: the MPI launcher names the first
+    process it saw end, often one it killed itself while cleaning up after the real one."""
+
+    def __init__(self, status_dir: str, nprocs: int):
+        super().__init__(daemon=True)
+        self.status_dir, self.nprocs = status_dir, nprocs
+        self.first_gone: list[int] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(5e-3) and not self.first_gone:
+            running = {}
+            for rank in range(self.nprocs):
+                try:
+                    pid, _, text = Path(self.status_dir, f"rank{rank}").read_text().partition(" ")
+                except OSError:
+                    continue
+                if text == "running":
+                    running[rank] = int(pid)
+            self.first_gone = [r for r, pid in running.items() if (stat := _proc_stat(pid)) is None or stat[0] == "Z"]
 
 
 def mpi_environment(flavor: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -94,30 +181,149 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
     """Run ``python -m mpi4py argv`` on ``nprocs`` ranks; kill the whole job after ``timeout`` s.
 
     Returns the completed process (stdout and stderr merged into ``stdout``). With
-    ``check`` a non-zero exit raises :class:`LaunchError` carrying the output. Without
-    ``capture`` the ranks write to this process's stdout and stderr as they run (``stdout`` is "").
+    ``check`` a non-zero exit raises :class:`LaunchError` carrying the output and each
+    rank's own exit status. Without ``capture`` the ranks write to this process's stdout
+    and stderr as they run (``stdout`` is ""). SIGINT and SIGTERM (turned into SystemExit
+    while waiting) kill the job; a job that did not succeed leaves no MPI segment in /dev/shm.
     """
     mpiexec = find_mpiexec()
     flavor = mpi_flavor(mpiexec)
     cmd = mpiexec_command(nprocs, argv, mpiexec=mpiexec, flavor=flavor)
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT) if capture else {}
-    proc = subprocess.Popen(cmd, **pipes, text=True,
-                            env=mpi_environment(flavor, env), cwd=cwd, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise LaunchError(f"{' '.join(cmd)} timed out after {timeout:.0f} s; output:\n{out or ''}") from None
-    except BaseException:  # Ctrl-C or a SIGTERM turned into SystemExit: the job must not outlive us
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    out = out or ""
+    segments_before = mpi_segments()
+    with tempfile.TemporaryDirectory(prefix="ultraep-ranks-") as status_dir, _sigterm_as_exit():
+        proc = subprocess.Popen(cmd, **pipes, text=True, env={**mpi_environment(flavor, env),
+                                                               STATUS_DIR_VARIABLE: status_dir},
+                                cwd=cwd, start_new_session=True)
+        watcher = _RankWatcher(status_dir, nprocs)
+        watcher.start()
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out = _kill_job(proc, status_dir, segments_before)
+            raise LaunchError(f"{' '.join(cmd)} timed out after {timeout:.0f} s; output:\n{out or ''}") from None
+        except BaseException:  # Ctrl-C or a SIGTERM turned into SystemExit: the job must not outlive us
+            _kill_job(proc, status_dir, segments_before)
+            raise
+        finally:
+            watcher.done.set()
+            watcher.join()
+        out = out or ""
+        if proc.returncode != 0:
+            _kill_job(proc, status_dir, segments_before)  # ranks the MPI launcher left behind, and their segments
+            report = rank_report(status_dir, nprocs, watcher.first_gone)
+            if not capture:
+                print(f"ultraep: {' '.join(cmd)} exited with {proc.returncode}:\n{report}", file=sys.stderr)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     if check and proc.returncode != 0:
-        raise LaunchError(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{out}")
+        raise LaunchError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{report}\noutput:\n{out}")
     return result
+
+
+def _kill_job(proc: subprocess.Popen, status_dir: str, segments_before: set[str]) -> str:
+    """Kill every process of the job, collect its output, remove the segments it left.
+
+    Hydra starts its proxy and each rank in a session of its own, so the job is found by
+    descent from ``mpiexec`` and by the status directory in each rank's environment (a rank
+    whose parent died already has been re-parented)."""
+    marker = f"{STATUS_DIR_VARIABLE}={status_dir}".encode()
+    pids = _job_processes(proc.pid, marker)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    out, _ = proc.communicate()
+    _wait_gone(pids | _job_processes(proc.pid, marker))
+    remove_orphan_segments(segments_before)
+    return out or ""
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1])
+
+
+def _job_processes(root: int, marker: bytes) -> set[int]:
+    """``root`` and its live descendants, and every live process whose environment holds ``marker``."""
+    parents, found = {}, {root}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or (stat := _proc_stat(int(entry.name))) is None or stat[0] == "Z":
+            continue
+        parents[int(entry.name)] = stat[1]
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.add(int(entry.name))
+        except OSError:
+            pass
+    grew = True
+    while grew:
+        children = {pid for pid, parent in parents.items() if parent in found} - found
+        found |= children
+        grew = bool(children)
+    return found
+
+
+def _wait_gone(pids: set[int], timeout_s: float = 5.0) -> None:
+    """Wait until none of ``pids`` is alive (zombies aside): SIGKILL is asynchronous, and a
+    dying rank still maps its segments."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all((stat := _proc_stat(pid)) is None or stat[0] == "Z" for pid in pids):
+            return
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """SIGTERM raises SystemExit while the job runs, so the job is killed on the way out
+    (only the main thread may set handlers; elsewhere the default stays)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def mpi_segments() -> set[str]:
+    """Names of the MPI shared-memory segments now in /dev/shm."""
+    try:
+        return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(MPI_SEGMENT_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def mapped_shm_names() -> set[str]:
+    """Every /dev/shm file a live process maps (those this process may read: a job's ranks are its own)."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            names.update(re.findall(r"/dev/shm/(\S+)", maps.read_text()))
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+    return names
+
+
+def remove_orphan_segments(before: set[str]) -> list[str]:
+    """Remove the MPI segments that appeared since ``before`` and no live process maps (a
+    job killed or aborted leaves them); another job's segments are still mapped, older ones
+    are not ours. Returns the names removed."""
+    new = mpi_segments() - before
+    removed = []
+    for name in sorted(new - mapped_shm_names() if new else ()):
+        try:
+            (SHM_DIR / name).unlink()
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 def relaunch_on_ranks(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None) -> int:

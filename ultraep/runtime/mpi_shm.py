@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 
 from ultraep.runtime.group import EPGroup
-from ultraep.errors import BarrierTimeout, HeapError
+from ultraep.errors import BarrierTimeout, HeapError, RankFailedError, WaitTimeout
 from ultraep.runtime.heap import SymmetricHeap, _abandoned
 
 
@@ -67,11 +67,16 @@ class HostHeap(SymmetricHeap):
         deadline = time.monotonic() + timeout_s
         for peer in range(self.size):
             while mine[peer] < epoch:
+                self.group.check_peers(f"{self.backend} heap barrier")
                 if time.monotonic() > deadline:
                     raise BarrierTimeout(self._timeout_message(peer, epoch, int(mine[peer]), timeout_s))
                 time.sleep(20e-6)
                 self._win.Sync()
         self._win.Sync()  # peers' stores before their flags are visible to this rank's reads
+
+    def _abandon(self) -> None:
+        self._segments = []
+        _abandoned.append((self._win, self._shm_comm))  # Win.Free is collective
 
     def _release(self, timeout_s: float) -> None:
         # Every view's base chain ends at its segment array: one alive means a view is.
@@ -79,7 +84,7 @@ class HostHeap(SymmetricHeap):
         self._win.Unlock_all()
         try:
             self.group.barrier(timeout_s)  # nobody frees while a peer may still touch its segment
-        except TimeoutError as exc:
+        except (WaitTimeout, RankFailedError) as exc:
             _abandoned.append((self._win, self._shm_comm))  # Win.Free is collective: it would hang
             raise HeapError(f"heap close: {exc}; shared segment left allocated") from None
         if self._keep_for_views(any(s() is not None for s in segments)):

@@ -269,5 +269,15 @@ class Dispatcher:
     def __enter__(self) -> Dispatcher:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        # Failing: a lone failure is published so the peers stop waiting for this rank, and
+        # nothing here waits for them (the heap decides, see SymmetricHeap.close_failing).
+        self._closed = True
+        self._impl.close()
+        if self._owns_heap:
+            self.heap.close_failing(exc)
+        else:
+            self.group.notify_failure(exc)
