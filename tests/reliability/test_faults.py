@@ -28,7 +28,9 @@ CASES = ([("raise", p) for p in PHASES] + [("sleep", p) for p in PHASES]
 EXPECTED = {
     "raise": r"RuntimeError: injected fault on rank 2 at {phase}",
     "exit": r"rank 2 \(pid \d+\) exited with 7",
-    "kill": r"rank 2 \(pid \d+\) ended first, without a status \(killed by a signal",
+    # which rank vanished first is seen by polling, so under load the launcher may name a rank
+    # it killed while cleaning up; that the killed rank left no status must always show
+    "kill": r"rank 2 \(pid \d+\) ended (first, )?without a status \(killed by a signal",
     "sleep": r"rank\(s\) \[2\] had not reached it|waiting for rank 2",
 }
 
