@@ -4,7 +4,8 @@
 # share under MPS, less the tests that trap a kernel on purpose: under MPS a trap ends
 # every client of the GPU), then the GPU benchmarks; results go to $OUT.
 #   GPU_TESTS           test paths (default: tests)
-#   GPU_MPS_SHARE       SM % for the second test pass (default 25; empty: skip it)
+#   GPU_MPS_SHARE       SM % for the second test pass (default 25; empty: skip it). At 25 % that pass
+#                       alone outlasts a 10-minute device call: run it in a call of its own
 #   GPU_BENCHES         benchmarks run as they are (default below)
 #   GPU_EMULATED_BENCHES  multi-rank benchmarks run with --emulate-ep (ranks under MPS, 100/R % each)
 set -uo pipefail
