@@ -220,7 +220,7 @@ def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, a
 
     # The streaming kernel alone (the plan's tables were compiled on the device by the
     # checked sync before), then the whole call with its schedule compilation.
-    device, entry = engine.impl, engine._layer(0)
+    device, entry = engine.impl, engine._layers[0]
     grids = args.blocks or [device.max_sync_blocks * quarters // 4 for quarters in (2, 3, 4)]
     timings = [(graph_ms(lambda: device.run_weight_tasks(entry, device.tables, blocks), args.repeats), blocks)
                for blocks in grids]
