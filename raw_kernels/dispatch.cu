@@ -6,6 +6,7 @@
 //   publish_counts -> [heap.cu symmetric_barrier] -> plan_rows        (count table, row bases)
 //   send_tokens -> [barrier] -> expand_rows                          (dispatch)
 //   [barrier] -> send_rows -> [barrier] -> reduce_slots              (combine)
+//   [barrier] -> pull_slots -> [barrier]                             (combine from expert_out)
 //   [barrier] -> send_tokens -> [barrier] -> grad_rows -> [barrier]  (combine backward)
 //
 // Addresses come from stable key positions (warp-sequential segments, prefix sums over
@@ -19,6 +20,7 @@
 //! kernels: route_keys, count_segments, scan_segments, rank_segments, publish_counts, plan_rows
 //! kernels: send_tokens, expand_rows, send_rows
 //! kernels: reduce_slots<__nv_bfloat16>, reduce_slots<__half>, reduce_slots<float>
+//! kernels: pull_slots<__nv_bfloat16>, pull_slots<__half>, pull_slots<float>
 //! kernels: grad_rows<__nv_bfloat16>, grad_rows<__half>, grad_rows<float>
 
 #include <cuda_bf16.h>
@@ -370,35 +372,71 @@ template <> struct Vector<float> {
     }
 };
 
-// Source side, a warp per token: out[t] = sum over k = 0..K-1 of gates[t, k] * slots[t, k]
-// (unweighted when gates is null), fp32, products and sums rounded separately.
+// The gate-weighted sum of one token's K slot rows into out_row (unweighted when gates is
+// null), fp32, products and sums rounded separately, slots in order 0..K-1; row_of(k) is
+// slot k's row. Every combine path sums through here, so they agree bit for bit.
+template <typename T, typename RowOf>
+__device__ __forceinline__ void sum_slots(RowOf row_of, const float* gates, int top_k, int row_vecs, uint4* out_row) {
+    constexpr int N = Vector<T>::N;
+    for (int v = lane_id(); v < row_vecs; v += WARP) {
+        float acc[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) acc[j] = 0.0f;
+        for (int k0 = 0; k0 < top_k; k0 += UNROLL) {
+            uint4 buf[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                if (k0 + u < top_k) buf[u] = row_of(k0 + u)[v];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                if (k0 + u >= top_k) break;
+                float f[N];
+                Vector<T>::to_float(buf[u], f);
+                const float g = gates ? gates[k0 + u] : 1.0f;
+#pragma unroll
+                for (int j = 0; j < N; ++j) acc[j] = __fadd_rn(acc[j], gates ? __fmul_rn(g, f[j]) : f[j]);
+            }
+        }
+        out_row[v] = Vector<T>::from_float(acc);
+    }
+}
+
+// Source side, a warp per token: out[t] = the sum of its K slot rows, which send_rows
+// placed in this rank's slot_rows.
 template <typename T>
 __global__ void reduce_slots(const uint4* slots, const float* gates, int tokens, int top_k, int row_vecs, uint4* out) {
-    constexpr int N = Vector<T>::N;
-    const int lane = lane_id();
     for (int t = warp_id_global(); t < tokens; t += warps_in_grid()) {
         const uint4* token_slots = slots + static_cast<long long>(t) * top_k * row_vecs;
-        for (int v = lane; v < row_vecs; v += WARP) {
-            float acc[N];
-#pragma unroll
-            for (int j = 0; j < N; ++j) acc[j] = 0.0f;
-            for (int k0 = 0; k0 < top_k; k0 += UNROLL) {
-                uint4 buf[UNROLL];
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u)
-                    if (k0 + u < top_k) buf[u] = token_slots[static_cast<long long>(k0 + u) * row_vecs + v];
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    if (k0 + u >= top_k) break;
-                    float f[N];
-                    Vector<T>::to_float(buf[u], f);
-                    const float g = gates ? gates[t * top_k + k0 + u] : 1.0f;
-#pragma unroll
-                    for (int j = 0; j < N; ++j) acc[j] = __fadd_rn(acc[j], gates ? __fmul_rn(g, f[j]) : f[j]);
-                }
-            }
-            out[static_cast<long long>(t) * row_vecs + v] = Vector<T>::from_float(acc);
+        sum_slots<T>([&](int k) { return token_slots + static_cast<long long>(k) * row_vecs; },
+                     gates ? gates + static_cast<long long>(t) * top_k : nullptr, top_k, row_vecs,
+                     out + static_cast<long long>(t) * row_vecs);
+    }
+}
+
+// Source side, a warp per token, when the experts wrote their outputs into the heap's
+// expert_out: slot (t, k)'s row is read where it lies, row base[e] + positions[t*K+k] of
+// expert e's rank (the rows dispatch assigned), so no slot rows are sent or stored.
+// Lane k finds slot k's row; the warp's rows wait in shared memory (blockDim.x / WARP
+// warps of WARP pointers, dynamic).
+template <typename T>
+__global__ void pull_slots(const u64* peer_bases, u64 expert_out_offset, const long long* ids, const int* positions,
+                           const int* base, const float* gates, int tokens, int top_k, int experts_per_rank,
+                           int row_vecs, uint4* out, const int* outcome) {
+    extern __shared__ const uint4* slot_row[];
+    if (outcome[0] != OUTCOME_OK) return;
+    const int lane = lane_id();
+    const uint4** rows = slot_row + (threadIdx.x / WARP) * WARP;
+    for (int t = warp_id_global(); t < tokens; t += warps_in_grid()) {
+        if (lane < top_k) {
+            const int i = t * top_k + lane;
+            const int expert = static_cast<int>(ids[i]);
+            const u64 peer = peer_bases[expert / experts_per_rank] + expert_out_offset;
+            rows[lane] = reinterpret_cast<const uint4*>(peer) + static_cast<long long>(base[expert] + positions[i]) * row_vecs;
         }
+        __syncwarp();
+        sum_slots<T>([&](int k) { return rows[k]; }, gates ? gates + static_cast<long long>(t) * top_k : nullptr,
+                     top_k, row_vecs, out + static_cast<long long>(t) * row_vecs);
+        __syncwarp();
     }
 }
 

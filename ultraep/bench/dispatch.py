@@ -21,6 +21,10 @@ between every pair of ranks, the bytes the dispatch sends (one row per token and
 destination rank; the combine column times the transposed matrix); it only moves bytes
 (no expert-major layout, no gates). NCCL refuses ranks that share a GPU: the columns then
 say "not run (N ranks share one GPU)".
+
+``pull``: combine with the expert outputs in the heap (``Dispatcher(expert_output=True)``),
+each source reading its rows where they lie instead of receiving them and summing;
+``pull_diff`` counts the elements that differ from the combine beside it (must be 0).
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import add_emulation_option, multi_rank_main
 
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
-           "dispatch/copy", "combine/copy", "a2a_ms", "a2a_back_ms", "a2a_GBps", "dispatch/a2a", "combine/a2a",
-           "sent_GB", "saved_pct", "saved_remote_pct"]
+           "dispatch/copy", "combine/copy", "pull_ms", "pull/copy", "pull_diff", "a2a_ms", "a2a_back_ms", "a2a_GBps",
+           "dispatch/a2a", "combine/a2a", "sent_GB", "saved_pct", "saved_remote_pct"]
 
 
 def parse_args(argv):
@@ -102,6 +106,15 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
         dispatch_ms = group_window_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv), args.repeats, sync)
         combine_ms = group_window_ms(group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats, sync)
         disp.check()
+    with Dispatcher(group, hidden=hidden, dtype="bfloat16", top_k=K, num_experts=args.experts, max_tokens=tokens,
+                    max_recv_rows=max_rows, backend="device", sync_checks=False, expert_output=True) as disp:
+        expert_out = disp.expert_output()
+        pulled = cupy.empty_like(combined)
+        result = disp.dispatch(x, ids, gates, out=expert_out)  # the rows themselves stand in for expert outputs
+        pull_ms = group_window_ms(group, lambda: disp.combine(expert_out, result.handle, out=pulled), args.repeats,
+                                  sync)
+        disp.check()
+        pull_diff = int(cupy.count_nonzero(pulled.view(np.uint16) != combined.view(np.uint16)))
     src = cupy.empty(payload, dtype=np.uint8)
     dst = cupy.empty_like(src)
     copy_ms = group_window_ms(group, lambda: dst.__setitem__(Ellipsis, src), args.repeats, sync)
@@ -113,6 +126,7 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
         "dispatch_GBps": total_payload / dispatch_ms / 1e6, "combine_GBps": total_payload / combine_ms / 1e6,
         "copy_GBps": total_payload / copy_ms / 1e6,
         "dispatch/copy": copy_ms / dispatch_ms, "combine/copy": copy_ms / combine_ms,
+        "pull_ms": pull_ms, "pull/copy": copy_ms / pull_ms, "pull_diff": pull_diff,
         "a2a_ms": a2a_ms, "a2a_back_ms": a2a_back_ms,
         "a2a_GBps": nccl.reason if a2a_ms is None else total_payload / a2a_ms / 1e6,
         "dispatch/a2a": None if a2a_ms is None else a2a_ms / dispatch_ms,

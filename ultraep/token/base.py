@@ -44,6 +44,7 @@ class TokenConfig:
     timeout_s: float
     sync_checks: bool
     dispatcher_id: int    # handles carry it, so a handle from another dispatcher is refused
+    expert_output: bool = False  # the heap holds expert_out: combine reads rows where they lie
 
     @property
     def row_bytes(self) -> int:
@@ -77,6 +78,7 @@ class TokenBuffers:
     slot_rows: Any
     slot_grad_w: Any
     sync: Any             # signal block of the device's barriers
+    expert_out: Any = None  # with expert_output: the experts' output rows, read by the sources
 
     @classmethod
     def of(cls, heap, allocated: dict, prefix: str) -> "TokenBuffers":
@@ -136,9 +138,13 @@ class DispatchResult:
 
 class TokenBackend(Protocol):
     """One implementation of the token path. ``weighted=False`` makes combine the
-    unweighted sum of dispatch's backward; ``out`` is an optional result buffer."""
+    unweighted sum of dispatch's backward; ``out`` is an optional result buffer.
+    ``expert_output()`` is this rank's view of the heap's ``expert_out`` (with
+    ``TokenConfig.expert_output``); a combine whose rows are that buffer reads them there."""
 
     def dispatch(self, x, expert_ids, weights, out) -> DispatchResult: ...
+
+    def expert_output(self): ...
 
     def combine(self, y, handle: DispatchHandle, weighted: bool, out): ...
 
@@ -199,8 +205,17 @@ def check_tokens(group: EPGroup, config: TokenConfig, x, expert_ids, weights) ->
     raise_if_any(group, config, error, "dispatch input check")
 
 
-def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, handle: DispatchHandle | None) -> None:
-    """Checks of row arrays ``{name: (array or None, rows)}``: shape ``[rows, H]``, the set-up dtype."""
+def is_buffer(rows, buffer) -> bool:
+    """Whether ``rows`` is ``buffer`` itself (same memory, same shape), whichever array type views it."""
+    def address(a):
+        return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+    return tuple(rows.shape) == tuple(buffer.shape) and address(rows) == address(buffer)
+
+
+def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, handle: DispatchHandle | None,
+               expert_out=None) -> None:
+    """Checks of row arrays ``{name: (array or None, rows)}``: shape ``[rows, H]``, the set-up dtype.
+    ``expert_out``: ``(name, buffer)``, set up with ``expert_output``: that array must be the buffer."""
     error = None
     try:
         if handle is not None and handle.dispatcher_id != config.dispatcher_id:
@@ -212,6 +227,10 @@ def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, handle: Dispat
                 raise DispatchError(f"{name}: expected shape [{first}, {config.hidden}], got {tuple(rows.shape)}")
             if not config.same_dtype(rows):
                 raise DispatchError(f"{name}: expected dtype {config.dtype}, got {rows.dtype}")
+        if expert_out is not None and not is_buffer(arrays[expert_out[0]][0], expert_out[1]):
+            raise DispatchError(f"{expert_out[0]}: this Dispatcher was set up with expert_output=True, so combine "
+                                "and dispatch_backward read the rows where the experts wrote them: pass "
+                                "Dispatcher.expert_output() (after writing the rows into it)")
     except DispatchError as exc:
         error = exc
     raise_if_any(group, config, error, "token path input check")

@@ -36,7 +36,9 @@ VECTOR_BYTES = kernel_constant(KERNELS, "VECTOR_BYTES")
 NO_BAD_ITEM = kernel_constant(KERNELS, "NO_BAD_ITEM")
 OUTCOME_BAD_INPUT = kernel_constant(KERNELS, "OUTCOME_BAD_INPUT")
 OUTCOME_TOO_MANY_ROWS = kernel_constant(KERNELS, "OUTCOME_TOO_MANY_ROWS")
-BARRIER_SITES = ("counts", "tokens", "combine-ready", "combine-rows", "grad-ready", "grad-tokens", "grad-rows")
+BARRIER_SITES = ("counts", "tokens", "combine-ready", "combine-rows", "grad-ready", "grad-tokens", "grad-rows",
+                 "expert-rows-written", "expert-rows-read")
+POINTER_BYTES = 8
 
 
 def _template_type(dtype: np.dtype) -> str:
@@ -70,6 +72,7 @@ class DeviceDispatcher:
                                "plan_rows", "send_tokens", "expand_rows", "send_rows")}
         self.k["reduce_slots"] = get_function(KERNELS, f"reduce_slots<{element}>", group=group)
         self.k["grad_rows"] = get_function(KERNELS, f"grad_rows<{element}>", group=group)
+        self.k["pull_slots"] = get_function(KERNELS, f"pull_slots<{element}>", group=group)
         self.barrier_kernel = get_function("heap.cu", "symmetric_barrier", group=group)
         self.heap = buffers.heap
         self.epoch = 0
@@ -87,7 +90,8 @@ class DeviceDispatcher:
         self.outcome = cupy.zeros(4, dtype=np.int32)
         self.unreported_dispatch = False
         self.local = {name: getattr(buffers, name).local for name in
-                      ("count_table", "landing", "row_weight", "row_landing", "row_origin", "slot_rows", "slot_grad_w")}
+                      ("count_table", "landing", "row_weight", "row_landing", "row_origin", "slot_rows", "slot_grad_w")
+                      + (("expert_out",) if d.expert_output else ())}
         sms = cupy.cuda.runtime.getDeviceProperties(group.device)["multiProcessorCount"]
         self.grid = 2 * sms    # persistent copy kernels: two resident blocks per SM
         self.row_vecs = d.row_bytes // VECTOR_BYTES
@@ -180,26 +184,45 @@ class DeviceDispatcher:
         handle = DispatchHandle(d.dispatcher_id, tokens, gates, ids, state)
         return DispatchResult(recv, state["row_weight"].copy(), self.counts.copy(), state["offsets"], handle)
 
+    def expert_output(self):
+        return self.local["expert_out"]
+
     def combine(self, y, handle: DispatchHandle, weighted: bool, out):
         d, s = self.config, handle.state
         name = "y" if weighted else "grad_recv"
         with caller_stream(y):
             y = self._import(y, name)
             out = self._import(out, "out", writable=True)
-            check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle)
+            check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle,
+                       expert_out=(name, self.local["expert_out"]) if d.expert_output else None)
             result = self._output(out, (handle.tokens, d.hidden))
+            gates = s["gates"] if weighted else np.uint64(0)
+            if d.expert_output:
+                self._pull(handle, gates, result)
+                self._finish()
+                return result
             self._barrier("combine-ready")  # every source's slot rows are free again
             self.k["send_rows"]((self.grid,), (THREADS,), (
                 self.cp.ascontiguousarray(y), s["row_origin"], s["offsets"][-1:], np.int32(self.row_vecs),
                 self.heap.peer_bases, np.uint64(self.buffers.slot_rows.offset), np.int32(d.slots_per_rank),
                 s["outcome"]))
             self._barrier("combine-rows")
-            gates = s["gates"] if weighted else np.uint64(0)
             self.k["reduce_slots"]((self.grid,), (THREADS,), (
                 self.local["slot_rows"], gates, np.int32(handle.tokens), np.int32(d.top_k), np.int32(self.row_vecs),
                 result))
             self._finish()
         return result
+
+    def _pull(self, handle: DispatchHandle, gates, result) -> None:
+        """Sum each token's slot rows read from the experts' ranks' expert_out; the heap rows
+        are rewritten only once every rank has read its own."""
+        d, s = self.config, handle.state
+        self._barrier("expert-rows-written")
+        self.k["pull_slots"]((self.grid,), (THREADS,), (
+            self.heap.peer_bases, np.uint64(self.buffers.expert_out.offset), s["ids"], s["positions"], s["base"],
+            gates, np.int32(handle.tokens), np.int32(d.top_k), np.int32(d.experts_per_rank), np.int32(self.row_vecs),
+            result, s["outcome"]), shared_mem=THREADS * POINTER_BYTES)
+        self._barrier("expert-rows-read")
 
     def combine_backward(self, grad_out, y, handle: DispatchHandle, out):
         cp, d, s = self.cp, self.config, handle.state

@@ -9,7 +9,10 @@ per rank). Then, per micro-batch:
   GEMM without padding. Each token crosses to a rank once, however many of its experts
   live there; the receiver copies it into each expert's rows.
 * :meth:`Dispatcher.combine` ``(y, handle)`` returns, per source token, the gate-weighted
-  sum of its K expert outputs in slot order with fp32 accumulation.
+  sum of its K expert outputs in slot order with fp32 accumulation. Each expert output row
+  is sent back to its source, which sums; or, set up with ``expert_output=True`` and the
+  experts writing into :meth:`Dispatcher.expert_output`, each source reads its rows where
+  they lie (one pass over the rows instead of a send and a sum, the same bits).
 * Backward: :meth:`dispatch_backward` sums the K row gradients of a token (a combine
   without gates); :meth:`combine_backward` sends the output gradient to the experts scaled
   by the gates (a dispatch) and returns the gate gradients.
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ultraep.errors import ClosedError
+from ultraep.errors import ClosedError, DispatchError
 from ultraep.runtime import open_heap
 from ultraep.runtime.backend import choose_backend
 from ultraep.runtime.dtypes import resolve_dtype
@@ -120,7 +123,8 @@ class Dispatcher:
 
     def __init__(self, group: EPGroup, *, hidden: int, dtype: Any, top_k: int, num_experts: int, max_tokens: int,
                  experts_per_rank: int | None = None, max_recv_rows: int | None = None, backend: str = "auto",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, sync_checks: bool = True, heap: SymmetricHeap | None = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, sync_checks: bool = True, heap: SymmetricHeap | None = None,
+                 expert_output: bool = False):
         error, settings = None, None
         try:
             settings = _set_up(group.size, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank,
@@ -131,19 +135,20 @@ class Dispatcher:
             error = exc
         group.raise_if_any(error, "Dispatcher set-up")
         group.agree(tuple(v.str if isinstance(v, np.dtype) else v for v in settings.values())
-                    + (float(timeout_s), bool(sync_checks)),
-                    f"Dispatcher set-up ({', '.join(settings)}, timeout_s, sync_checks)")
+                    + (float(timeout_s), bool(sync_checks), bool(expert_output)),
+                    f"Dispatcher set-up ({', '.join(settings)}, timeout_s, sync_checks, expert_output)")
         self.group = group
         self.id = Dispatcher._next_id
         Dispatcher._next_id += 1
         self.config = TokenConfig(**settings, rank=group.rank, size=group.size, timeout_s=float(timeout_s),
-                                  sync_checks=bool(sync_checks), dispatcher_id=self.id)
+                                  sync_checks=bool(sync_checks), dispatcher_id=self.id,
+                                  expert_output=bool(expert_output))
         c = self.config
         self.rank, self.size, self.hidden, self.dtype, self.top_k = c.rank, c.size, c.hidden, c.dtype, c.top_k
         self.num_experts, self.experts_per_rank, self.max_tokens = c.num_experts, c.experts_per_rank, c.max_tokens
         self.max_recv_rows, self.timeout_s, self.sync_checks = c.max_recv_rows, c.timeout_s, c.sync_checks
         self.backend = self._backend_of(group, backend, heap)
-        requirements = self.heap_requirements(group.size, **settings)
+        requirements = self.heap_requirements(group.size, **settings, expert_output=bool(expert_output))
         self._owns_heap = heap is None
         if heap is None:
             heap = open_heap(group, requirements, backend=self.backend)
@@ -177,7 +182,8 @@ class Dispatcher:
 
     @staticmethod
     def heap_requirements(num_ranks: int, *, hidden: int, dtype: Any, top_k: int, num_experts: int, max_tokens: int,
-                          experts_per_rank: int | None = None, max_recv_rows: int | None = None) -> HeapRequirements:
+                          experts_per_rank: int | None = None, max_recv_rows: int | None = None,
+                          expert_output: bool = False) -> HeapRequirements:
         """What a dispatcher of these set-up arguments allocates in its heap, on either
         backend: its symmetric tensors and the signal block of the device's barriers."""
         c = _set_up(num_ranks, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank, max_recv_rows)
@@ -193,6 +199,8 @@ class Dispatcher:
             ("slot_rows", (T * K, H), data),        # combine: slot (t, k)'s expert output, at the source
             ("slot_grad_w", (T * K,), np.float32),  # combine backward: slot (t, k)'s gate gradient
         ]
+        if expert_output:
+            tensors.append(("expert_out", (rows, H), data))  # the experts' output rows, read by their sources
         return HeapRequirements.of(tensors=[(HEAP_PREFIX + name, shape, dt) for name, shape, dt in tensors],
                                    signals=[(HEAP_PREFIX + "sync", R)])
 
@@ -219,9 +227,21 @@ class Dispatcher:
         self._check_open()
         return self._impl.dispatch(x, expert_ids, weights, out)
 
+    def expert_output(self) -> Any:
+        """This rank's ``[max_recv_rows, H]`` rows in the heap for the expert outputs (set up with
+        ``expert_output=True``): write ``y`` here (e.g. a grouped GEMM's ``out``) and pass this
+        buffer to :meth:`combine` or :meth:`dispatch_backward`, and the sources read their rows
+        from it directly. It is rewritten by the next micro-batch's experts, and a combine
+        from it returns only when every rank has read what it needs."""
+        self._check_open()
+        if not self.config.expert_output:
+            raise DispatchError("expert_output(): this Dispatcher was set up without expert_output=True")
+        return self._impl.expert_output()
+
     def combine(self, y: Any, handle: DispatchHandle, *, out: Any = None) -> Any:
         """Per source token ``[T, H]``: gate-weighted sum of its expert outputs ``y[max_recv_rows, H]``,
-        slot order, fp32 accumulation, cast to the set-up dtype."""
+        slot order, fp32 accumulation, cast to the set-up dtype. With ``y`` the
+        :meth:`expert_output` buffer (on every rank), the rows are read where they lie."""
         self._check_open()
         return self._impl.combine(y, handle, True, out)
 

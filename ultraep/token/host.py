@@ -12,6 +12,10 @@ expanded by the receiver, slot rows sent back for a fixed-order sum), not a shor
    landing row and origin into its receive row there, barrier;
 5. the receiver copies landing rows into the expert-major receive buffer.
 
+Combine sends each expert output row back into its source's slot rows, barrier, and the
+source sums; from ``expert_out`` (``expert_output=True``) the source reads its rows on the
+experts' ranks after a barrier instead, and a second barrier frees them.
+
 Bad input is checked on the host and raised on every rank before anything is written.
 """
 
@@ -91,7 +95,7 @@ class HostDispatcher:
         state = {"row_landing": b.row_landing.local[:total].copy(), "row_origin": b.row_origin.local[:total].copy(),
                  "row_weight": b.row_weight.local[:total].copy(), "num_rows": total,
                  "send_rows": [(r, np.flatnonzero(sends & (dest == r))) for r in range(R)], "send_pos": send_pos,
-                 "totals": totals}
+                 "totals": totals, "pair_rank": dest, "pair_row": rows}
         recv_x = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
         recv_x[:total] = b.landing.local[state["row_landing"]]
         recv_w = np.zeros(d.max_recv_rows, dtype=np.float32)
@@ -110,15 +114,33 @@ class HostDispatcher:
             b.slot_rows.peer(r)[origin[mine] % slots_per_rank] = rows[mine]
         self._barrier()
 
+    def expert_output(self):
+        return self.buffers.expert_out.local
+
+    def _pull(self, handle: DispatchHandle):
+        """Barrier (every expert output written), each slot's row read on its expert's rank, barrier."""
+        d, s = self.config, handle.state
+        self._barrier()
+        slots = np.empty((handle.tokens * d.top_k, d.hidden), dtype=d.dtype)
+        for r in range(d.size):
+            mine = np.flatnonzero(s["pair_rank"] == r)
+            slots[mine] = self.buffers.expert_out.peer(r)[s["pair_row"][mine]]
+        self._barrier()
+        return slots
+
     def combine(self, y, handle: DispatchHandle, weighted: bool, out):
         d = self.config
         name = "y" if weighted else "grad_recv"
         y = self._import(y, name)
         out = self._import(out, "out", writable=True)
-        check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle)
-        self._send_back(y[:handle.state["num_rows"]], handle)
+        check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle,
+                   expert_out=(name, self.buffers.expert_out.local) if d.expert_output else None)
         T, K = handle.tokens, d.top_k
-        slots = self.buffers.slot_rows.local[:T * K].reshape(T, K, d.hidden)
+        if d.expert_output:
+            slots = self._pull(handle).reshape(T, K, d.hidden)
+        else:
+            self._send_back(y[:handle.state["num_rows"]], handle)
+            slots = self.buffers.slot_rows.local[:T * K].reshape(T, K, d.hidden)
         result = ref.slot_sum(slots, handle.weights if weighted else None, d.dtype)
         if out is None:
             return result

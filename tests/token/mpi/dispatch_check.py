@@ -65,6 +65,14 @@ def poison(shape) -> np.ndarray:
     return np.full(int(np.prod(shape)) * DTYPE.itemsize, 0xA5, np.uint8).view(DTYPE).reshape(shape)
 
 
+def written(buffer, rows):
+    """``buffer`` (a Dispatcher's expert_output) poisoned, then holding ``rows`` in front."""
+    as_bits = buffer.view(np.dtype(f"u{DTYPE.itemsize}"))
+    as_bits[...] = device(bits(poison(buffer.shape)))
+    as_bits[:len(rows)] = device(bits(rows))
+    return buffer
+
+
 def mismatches(got, want) -> int:
     got, want = bits(got), bits(want)
     assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
@@ -156,32 +164,34 @@ def exact() -> None:
         rows_bound = R * MAX_TOKENS * K
         pad = lambda a: np.concatenate([a, np.zeros((rows_bound - len(a), H), DTYPE)])  # noqa: E731
         previous = None
-        with Dispatcher(group, hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=MAX_TOKENS,
-                        backend=backend) as disp:
-            for run in range(REPEATS):
-                # Every output buffer starts poisoned: a row nobody wrote fails the comparison.
-                res = disp.dispatch(device(xs[me]), device(ids[me]), device(ws[me]),
-                                    out=device(poison((rows_bound, H))))
-                got_x, got_w = host(res.x), host(res.weights)
-                bad = mismatches(got_x[:n], ref_recv[me][0]) + mismatches(got_w[:n], ref_recv[me][1])
-                bad += mismatches(got_x[n:], poison((rows_bound - n, H)))  # nothing written past the rows in use
-                assert np.array_equal(host(res.counts), ref_recv[me][2]), (host(res.counts), ref_recv[me][2])
-                assert res.num_rows == n and host(res.offsets)[-1] == n
-                if run == 0:
-                    check_traffic(disp.traffic(res.handle), ids[me], E // R)
-                y = expert_fn(got_x[:n], row_experts(host(res.counts)))
-                out = disp.combine(device(pad(y)), res.handle, out=device(poison((len(xs[me]), H))))
-                gx_got = disp.dispatch_backward(device(pad(grad_recv[me])), res.handle,
-                                                out=device(poison((len(xs[me]), H))))
-                gy, gwt = disp.combine_backward(device(grad_outs[me]), device(pad(y)), res.handle,
-                                                out=device(poison((rows_bound, H))))
-                bad += (mismatches(out, ref_out[me]) + mismatches(out, formula) + mismatches(gx_got, ref_gx[me])
-                        + mismatches(host(gy)[:n], ref_gy[me]) + mismatches(gwt, ref_gw[me]))
-                outputs = [bits(o).tobytes() for o in (out, gx_got, host(gy)[:n], gwt, got_x[:n])]
-                if previous is not None:
-                    assert outputs == previous, f"rank {me}: run {run} of {scenario} differs from run 0"
-                previous = outputs
-                total_bad += bad
+        for pull in (False, True):  # expert outputs sent back to the sources, or read where they lie
+            with Dispatcher(group, hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=MAX_TOKENS,
+                            backend=backend, expert_output=pull) as disp:
+                rows_of = (lambda a: written(disp.expert_output(), pad(a))) if pull else (lambda a: device(pad(a)))
+                for run in range(REPEATS):
+                    # Every output buffer starts poisoned: a row nobody wrote fails the comparison.
+                    res = disp.dispatch(device(xs[me]), device(ids[me]), device(ws[me]),
+                                        out=device(poison((rows_bound, H))))
+                    got_x, got_w = host(res.x), host(res.weights)
+                    bad = mismatches(got_x[:n], ref_recv[me][0]) + mismatches(got_w[:n], ref_recv[me][1])
+                    bad += mismatches(got_x[n:], poison((rows_bound - n, H)))  # nothing written past the rows in use
+                    assert np.array_equal(host(res.counts), ref_recv[me][2]), (host(res.counts), ref_recv[me][2])
+                    assert res.num_rows == n and host(res.offsets)[-1] == n
+                    if run == 0:
+                        check_traffic(disp.traffic(res.handle), ids[me], E // R)
+                    y = expert_fn(got_x[:n], row_experts(host(res.counts)))
+                    out = disp.combine(rows_of(y), res.handle, out=device(poison((len(xs[me]), H))))
+                    gx_got = disp.dispatch_backward(rows_of(grad_recv[me]), res.handle,
+                                                    out=device(poison((len(xs[me]), H))))
+                    gy, gwt = disp.combine_backward(device(grad_outs[me]), device(pad(y)), res.handle,
+                                                    out=device(poison((rows_bound, H))))
+                    bad += (mismatches(out, ref_out[me]) + mismatches(out, formula) + mismatches(gx_got, ref_gx[me])
+                            + mismatches(host(gy)[:n], ref_gy[me]) + mismatches(gwt, ref_gw[me]))
+                    outputs = [bits(o).tobytes() for o in (out, gx_got, host(gy)[:n], gwt, got_x[:n])]
+                    if previous is not None:
+                        assert outputs == previous, f"rank {me}: run {run} of {scenario} differs from run 0"
+                    previous = outputs
+                    total_bad += bad
         everything = group.allgather(bits(out).tobytes())
         digests.append(f"{scenario}={hashlib.sha256(b''.join(everything)).hexdigest()[:16]}")
     bad_all = sum(group.allgather(total_bad))
@@ -262,6 +272,16 @@ def bad_input() -> None:
         short = res.x[: T * K - 1]
         expect_error(lambda: disp.combine(short if me == culprit else res.x, res.handle), "y: expected shape")
         assert out.shape == (T, H)
+        expect_error(disp.expert_output, "set up without expert_output=True")
+        disp.check()
+    with make(max_recv_rows=T * K * R, expert_output=True) as disp:
+        res = disp.dispatch(device(x), device(ids), device(w))
+        mine = disp.expert_output()
+        expect_error(lambda: disp.combine(res.x if me == culprit else mine, res.handle),
+                     "pass Dispatcher.expert_output()")
+        expect_error(lambda: disp.dispatch_backward(mine[1:] if me == culprit else mine, res.handle),
+                     "expected shape")
+        disp.combine(mine, res.handle)  # still usable
         disp.check()
     print(f"[bad-input] rank {me} OK", flush=True)
 
