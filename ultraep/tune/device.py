@@ -1,0 +1,120 @@
+"""The GPU's micro-benchmarks (CuPy, one GPU of this process): a device-to-device copy,
+the heap's copy kernel into a peer GPU (or within this one), an empty kernel's launch, and
+the grouped GEMM at a few rows per expert. Each quantity is the time per call over a few
+batches of back-to-back calls (the fastest), timed from the host around a synchronised
+batch."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ultraep.tune.host import seconds_per_call
+
+COPY_BYTES = 256 << 20          # several times the L2 cache: the copy runs at HBM speed
+COPY_THREADS = 512              # threads per block of heap.cu's copy_bytes (as the peer-copy bench)
+COPY_BLOCKS_PER_SM = (1, 2, 4)  # grids tried for it; the fastest counts
+PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+
+
+class DeviceProbe:
+    """Micro-benchmarks of GPU ``device`` (default: CuPy's current device)."""
+
+    backend = "device"
+    copy_method = "cudaMemcpyAsync device to device"
+    compute_kernel = "ultraep.compute.grouped_mm"
+    compute_dtype = "bfloat16"
+    # 8 experts of 2048 x 2048 bf16 weights (64 MiB, more than L2): weight reads come from HBM
+    compute_shape = (8, 2048, 2048)
+    rows_per_expert = (8, 32, 128, 512, 2048, 8192)
+
+    def __init__(self, device: int | None = None):
+        import cupy
+
+        self.cp = cupy
+        self.device = cupy.cuda.Device().id if device is None else int(device)
+
+    def _seconds(self, call) -> float:
+        with self.cp.cuda.Device(self.device):
+            return seconds_per_call(call, time.perf_counter, self.cp.cuda.get_current_stream().synchronize)
+
+    def describe(self) -> tuple[str, int]:
+        properties = self.cp.cuda.runtime.getDeviceProperties(self.device)
+        name = properties["name"]
+        return (name.decode() if isinstance(name, bytes) else str(name)), int(properties["multiProcessorCount"])
+
+    def copy_bytes_per_s(self) -> float:
+        runtime = self.cp.cuda.runtime
+        with self.cp.cuda.Device(self.device):
+            source = self.cp.random.randint(0, 256, COPY_BYTES, dtype=np.uint8)
+            target = self.cp.empty_like(source)
+            stream = self.cp.cuda.get_current_stream()
+            return COPY_BYTES / self._seconds(lambda: runtime.memcpyAsync(
+                target.data.ptr, source.data.ptr, COPY_BYTES, runtime.memcpyDeviceToDevice, stream.ptr))
+
+    def _peer_device(self) -> int | None:
+        runtime = self.cp.cuda.runtime
+        for other in range(runtime.getDeviceCount()):
+            if other != self.device and runtime.deviceCanAccessPeer(self.device, other):
+                return other
+        return None
+
+    def peer_bytes_per_s(self, copy_bytes_per_s: float) -> tuple[float, str]:
+        from ultraep.runtime.kernels import get_function
+
+        cp, runtime = self.cp, self.cp.cuda.runtime
+        copy = get_function("heap.cu", "copy_bytes")
+        peer = self._peer_device()
+        with cp.cuda.Device(self.device):
+            source = cp.random.randint(0, 256, COPY_BYTES, dtype=np.uint8)
+            if peer is not None:
+                try:
+                    runtime.deviceEnablePeerAccess(peer)
+                except runtime.CUDARuntimeError as exc:
+                    if exc.status != PEER_ACCESS_ALREADY_ENABLED:
+                        raise
+        if peer is None:
+            target = cp.empty_like(source)
+            method = (f"heap.cu copy_bytes within GPU {self.device} (one GPU: a peer's heap on it shares this HBM; "
+                      "no link between GPUs measured)")
+        else:
+            with cp.cuda.Device(peer):
+                target = cp.empty((COPY_BYTES,), np.uint8)
+        with cp.cuda.Device(target.device.id):
+            target.fill(0xA5)  # poisoned: the check below sees a copy that left bytes out
+            method = f"heap.cu copy_bytes from GPU {self.device} into GPU {peer} (peer access, as into a peer's heap)"
+        sms = runtime.getDeviceProperties(self.device)["multiProcessorCount"]
+        best = min(self._seconds(lambda grid=sms * per_sm: copy((grid,), (COPY_THREADS,),
+                                                                (source, target, np.uint64(COPY_BYTES))))
+                   for per_sm in COPY_BLOCKS_PER_SM)
+        with cp.cuda.Device(self.device):
+            landed = cp.empty_like(source)
+            landed.data.copy_from_device(target.data, COPY_BYTES)
+            if not bool(cp.array_equal(landed, source)):
+                raise RuntimeError(f"the peer copy measured for the machine profile is wrong ({method})")
+        return COPY_BYTES / best, method
+
+    def launch_s(self) -> float:
+        from ultraep.runtime.kernels import get_function
+
+        hold = get_function("timing.cu", "hold_stream")  # with 0 ns it returns at once: an empty kernel
+        return self._seconds(lambda: hold((1,), (1,), (np.uint64(0),)))
+
+    def expert_call_s(self, rows: int) -> float:
+        from ultraep.compute import grouped_mm
+
+        cp = self.cp
+        experts, k, n = self.compute_shape
+        with cp.cuda.Device(self.device):
+            x = _bf16_bits(cp, (experts * rows, k), seed=rows)
+            w = _bf16_bits(cp, (experts, k, n), seed=rows + 1)
+            offsets = cp.arange(0, experts * rows + 1, rows, dtype=np.int32)
+            out = cp.empty((experts * rows, n), dtype=np.int16)
+            return self._seconds(lambda: grouped_mm(x, w, offsets, out=out))
+
+
+def _bf16_bits(cp, shape, seed: int):
+    """Random bf16 values in ``[-1, 1)`` as their int16 bits (the grouped GEMM takes either)."""
+    values = cp.random.default_rng(seed).random(shape, dtype=np.float32) * 2 - 1
+    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
