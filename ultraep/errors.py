@@ -73,7 +73,8 @@ class StaleHandleError(BalancerError):
 
 
 class ProfileError(UltraEPError, ValueError):
-    """Bad input to the machine profile or the replica cost model (``ultraep.tune``)."""
+    """Bad input to the machine profile or the replica cost model (``ultraep.tune``), or a
+    measurement of the profile that came out wrong."""
 
 
 __all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "GroupMismatchError",

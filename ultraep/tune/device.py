@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from ultraep.errors import ProfileError
 from ultraep.tune.host import seconds_per_call
 
 COPY_BYTES = 256 << 20          # several times the L2 cache: the copy runs at HBM speed
@@ -68,31 +69,33 @@ class DeviceProbe:
         peer = self._peer_device()
         with cp.cuda.Device(self.device):
             source = cp.random.randint(0, 256, COPY_BYTES, dtype=np.uint8)
-            if peer is not None:
+            if peer is None:
+                target = cp.empty_like(source)
+                method = (f"heap.cu copy_bytes within GPU {self.device} (one GPU: a peer's heap on it shares this "
+                          "HBM; no link between GPUs measured)")
+            else:
                 try:
                     runtime.deviceEnablePeerAccess(peer)
                 except runtime.CUDARuntimeError as exc:
                     if exc.status != PEER_ACCESS_ALREADY_ENABLED:
                         raise
-        if peer is None:
-            target = cp.empty_like(source)
-            method = (f"heap.cu copy_bytes within GPU {self.device} (one GPU: a peer's heap on it shares this HBM; "
-                      "no link between GPUs measured)")
-        else:
-            with cp.cuda.Device(peer):
+                method = (f"heap.cu copy_bytes from GPU {self.device} into GPU {peer} (peer access, as into a "
+                          "peer's heap)")
+        with cp.cuda.Device(self.device if peer is None else peer):
+            if peer is not None:
                 target = cp.empty((COPY_BYTES,), np.uint8)
-        with cp.cuda.Device(target.device.id):
             target.fill(0xA5)  # poisoned: the check below sees a copy that left bytes out
-            method = f"heap.cu copy_bytes from GPU {self.device} into GPU {peer} (peer access, as into a peer's heap)"
+            cp.cuda.get_current_stream().synchronize()
         sms = runtime.getDeviceProperties(self.device)["multiProcessorCount"]
-        best = min(self._seconds(lambda grid=sms * per_sm: copy((grid,), (COPY_THREADS,),
-                                                                (source, target, np.uint64(COPY_BYTES))))
+        # raw pointers: the target may live on another GPU, which the kernel reaches by peer access
+        pointers = (np.uint64(source.data.ptr), np.uint64(target.data.ptr), np.uint64(COPY_BYTES))
+        best = min(self._seconds(lambda grid=sms * per_sm: copy((grid,), (COPY_THREADS,), pointers))
                    for per_sm in COPY_BLOCKS_PER_SM)
         with cp.cuda.Device(self.device):
             landed = cp.empty_like(source)
             landed.data.copy_from_device(target.data, COPY_BYTES)
             if not bool(cp.array_equal(landed, source)):
-                raise RuntimeError(f"the peer copy measured for the machine profile is wrong ({method})")
+                raise ProfileError(f"the peer copy measured for the machine profile is wrong ({method})")
         return COPY_BYTES / best, method
 
     def launch_s(self) -> float:
