@@ -1,8 +1,10 @@
 """The GPU's micro-benchmarks (CuPy, one GPU of this process): a device-to-device copy,
 the heap's copy kernel into a peer GPU (or within this one), an empty kernel's launch, and
 the grouped GEMM at a few rows per expert. Each quantity is the time per call over a few
-batches of back-to-back calls (the fastest), timed from the host around a synchronised
-batch."""
+batches of back-to-back calls (the fastest batch): the copies and the launch timed from
+the host around a synchronised batch, the GEMM on the device alone (at a few rows per
+expert the host takes longer to launch it than the GPU to run it, and the cost model
+needs the GPU's time)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ import time
 import numpy as np
 
 from ultraep.errors import ProfileError
-from ultraep.tune.host import seconds_per_call
+from ultraep.tune.host import BATCH_S, MAX_CALLS, ROUNDS, seconds_per_call
 
 COPY_BYTES = 256 << 20          # several times the L2 cache: the copy runs at HBM speed
 COPY_THREADS = 512              # threads per block of heap.cu's copy_bytes (as the peer-copy bench)
 COPY_BLOCKS_PER_SM = (1, 2, 4)  # grids tried for it; the fastest counts
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+MAX_HOLD_NS = 10**9  # a hold this long that still ends before the batch is enqueued: the host is stuck
 
 
 class DeviceProbe:
@@ -39,6 +42,45 @@ class DeviceProbe:
     def _seconds(self, call) -> float:
         with self.cp.cuda.Device(self.device):
             return seconds_per_call(call, time.perf_counter, self.cp.cuda.get_current_stream().synchronize)
+
+    def _device_seconds(self, call) -> float:
+        """Device time per call of back-to-back calls: each batch is enqueued behind a kernel
+        that holds the stream (``timing.cu``), so the events around the batch time the GPU's
+        work and not the host's launches; a hold that ended before the whole batch was
+        enqueued is doubled and the batch timed again."""
+        from ultraep.runtime.kernels import get_function
+
+        cp = self.cp
+        hold = get_function("timing.cu", "hold_stream")
+        with cp.cuda.Device(self.device):
+            stream = cp.cuda.get_current_stream()
+            call()
+            stream.synchronize()
+            begin = time.perf_counter()
+            call()
+            stream.synchronize()
+            once = max(time.perf_counter() - begin, 1e-9)  # host and device together: an upper bound
+            calls = max(1, min(MAX_CALLS, int(BATCH_S / once)))
+            hold_ns = int(2e9 * calls * once)
+            held, start, stop = cp.cuda.Event(), cp.cuda.Event(), cp.cuda.Event()
+            times = []
+            while len(times) < ROUNDS:
+                hold((1,), (1,), (np.uint64(hold_ns),))
+                held.record()
+                start.record()
+                for _ in range(calls):
+                    call()
+                stop.record()
+                waited = held.done  # the hold ended while the host still enqueued: the GPU idled in between
+                stop.synchronize()
+                if waited:
+                    hold_ns *= 2
+                    if hold_ns > MAX_HOLD_NS:
+                        raise ProfileError(f"the host took over {MAX_HOLD_NS / 1e9:.0f} s to enqueue {calls} "
+                                           "expert-compute calls for the machine profile")
+                    continue
+                times.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3 / calls)
+            return min(times)
 
     def describe(self) -> tuple[str, int]:
         properties = self.cp.cuda.runtime.getDeviceProperties(self.device)
@@ -114,7 +156,7 @@ class DeviceProbe:
             w = _bf16_bits(cp, (experts, k, n), seed=rows + 1)
             offsets = cp.arange(0, experts * rows + 1, rows, dtype=np.int32)
             out = cp.empty((experts * rows, n), dtype=np.int16)
-            return self._seconds(lambda: grouped_mm(x, w, offsets, out=out))
+            return self._device_seconds(lambda: grouped_mm(x, w, offsets, out=out))
 
 
 def _bf16_bits(cp, shape, seed: int):

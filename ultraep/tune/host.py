@@ -12,6 +12,7 @@ import numpy as np
 
 ROUNDS = 5               # timed batches per quantity; the fastest is kept
 BATCH_S = 0.02           # each batch runs about this long
+MAX_CALLS = 1000         # calls per batch at most
 COPY_BYTES = 32 << 20    # larger than the last-level cache of a common CPU
 LAUNCH_CALLS = 2000
 
@@ -25,7 +26,7 @@ def seconds_per_call(call, clock, finish=lambda: None) -> float:
     begin = clock()
     call()
     finish()
-    calls = max(1, min(1000, int(BATCH_S / max(clock() - begin, 1e-9))))
+    calls = max(1, min(MAX_CALLS, int(BATCH_S / max(clock() - begin, 1e-9))))
     times = []
     for _ in range(ROUNDS):
         begin = clock()

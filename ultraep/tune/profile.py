@@ -13,9 +13,10 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
 * ``launch_s``: one kernel launch as the host issues them back to back (on the host: one
   minimal NumPy call);
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
-  grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, ``np.matmul`` (float32)
-  per expert on the host. Time per call, not only throughput: at a few rows per expert the
-  call reads every weight for little arithmetic, so its time hardly depends on the rows.
+  grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, timed on the device
+  alone (the host's part is ``launch_s``), ``np.matmul`` (float32) per expert on the host.
+  Time per call, not only throughput: at a few rows per expert the call reads every
+  weight for little arithmetic, so its time hardly depends on the rows.
 
 The cache: ``profile-<device>.json`` in ``$ULTRAEP_CACHE_DIR`` (default
 ``~/.cache/ultraep``) or at an explicit path. The file carries a format version
