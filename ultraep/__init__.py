@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # what a type checker sees of the lazily imported names below
                                 DispatchError as DispatchError,
                                 GroupedGemmError as GroupedGemmError, GroupMismatchError as GroupMismatchError,
                                 HeapError as HeapError, LaunchError as LaunchError, MPSUnavailable as MPSUnavailable,
-                                RankFailedError as RankFailedError,
+                                ProfileError as ProfileError, RankFailedError as RankFailedError,
                                 StaleHandleError as StaleHandleError, TransferTimeout as TransferTimeout,
                                 UltraEPError as UltraEPError, WaitTimeout as WaitTimeout)
     from ultraep.integration import BalanceHandle as BalanceHandle, Balancer as Balancer
@@ -80,6 +80,7 @@ _EXPORTS = {
     "DispatchError": "ultraep.errors",
     "BalancerError": "ultraep.errors",
     "StaleHandleError": "ultraep.errors",
+    "ProfileError": "ultraep.errors",
 }
 __all__ = sorted(_EXPORTS)
 

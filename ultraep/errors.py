@@ -72,6 +72,11 @@ class StaleHandleError(BalancerError):
     """A handle whose ring slot has been reused by a later micro-batch of its layer."""
 
 
+class ProfileError(UltraEPError, ValueError):
+    """Bad input to the machine profile or the replica cost model (``ultraep.tune``), or a
+    measurement of the profile that came out wrong."""
+
+
 __all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "GroupMismatchError",
-           "GroupedGemmError", "HeapError", "LaunchError", "MPSUnavailable", "RankFailedError", "StaleHandleError",
-           "TransferTimeout", "UltraEPError", "WaitTimeout"]
+           "GroupedGemmError", "HeapError", "LaunchError", "MPSUnavailable", "ProfileError", "RankFailedError",
+           "StaleHandleError", "TransferTimeout", "UltraEPError", "WaitTimeout"]

@@ -7,6 +7,9 @@ skewed routing under three policies in one run, as tokens/s and the ratio to the
   ``reroute`` and a ``Dispatcher`` over the layout's physical slots; the experts run on
   master and replica buffers; backward ``restore`` (layers whose replicas were since
   overwritten), replica gradients, ``reduce_grads``;
+* ``ultraep@N``: with several ``--min-replica-tokens`` values (e.g. ``0 1024 auto``), an
+  ``ultraep`` row per value; ``min_replica`` is the value it planned with (``auto``
+  resolved by the cost model on the machine profile, ``ultraep.tune``);
 * ``ideal``: force-balanced routing -- every source sends ``tokens x top_k / experts``
   pairs to every expert, so each rank receives exactly the mean -- with no balancing.
 
@@ -39,11 +42,25 @@ from ultraep.runtime.launch import add_emulation_option, multi_rank_main
 
 POLICIES = ("ideal", "none", "ultraep")  # in this order: each row's vs_ideal and diffs are known when it is printed
 ROUTING_DRAWS = 32  # Zipf rankings tried per layer: whether a target is reachable depends on which experts share a rank
-COLUMNS = ["policy", "step_ms", "tokens_per_s", "vs_ideal", "rows_max_mean", "replicas", "out_diff", "grad_diff"]
+COLUMNS = ["policy", "step_ms", "tokens_per_s", "vs_ideal", "rows_max_mean", "replicas", "min_replica", "out_diff",
+           "grad_diff"]
 # Largest relative difference of ultraep's outputs and master gradients from none's: another
 # summation order moves fp16 by about 1e-3; a replica gradient dropped or added twice, by
 # several percent.
 TOLERANCE = {"float16": 1e-2, "float32": 1e-4}
+
+
+def replica_threshold(text: str):
+    """A ``--min-replica-tokens`` value: ``auto`` or an int >= 0."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0 or 'auto', got {text!r}")
+    return value
 
 
 def parse_args(argv):
@@ -63,8 +80,9 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float16", choices=sorted(TOLERANCE), help="expert weights and tokens")
     parser.add_argument("--initial-imbalance", type=float, default=1.5,
                         help="rank max/mean of the skewed routing before balancing")
-    parser.add_argument("--min-replica-tokens", type=int, default=512,
-                        help="fewest tokens a replica may serve (the planner's min_replica_tokens)")
+    parser.add_argument("--min-replica-tokens", type=replica_threshold, nargs="+", default=[512], metavar="N|auto",
+                        help="fewest tokens a replica may serve (the planner's min_replica_tokens), or auto (the "
+                             "cost model on the machine profile, ultraep.tune); several values: an ultraep row each")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -106,7 +124,7 @@ class MoEStack:
     """The layers of one policy on this rank: routing, masters and their gradients, one
     Dispatcher per layer and, for ``ultraep``, the Balancer."""
 
-    def __init__(self, group, policy: str, masters, ids, gates, xp, backend: str, args):
+    def __init__(self, group, policy: str, masters, ids, gates, xp, backend: str, args, min_replica_tokens=None):
         from ultraep.integration import Balancer
         from ultraep.planner import ExpertLayout
         from ultraep.token import Dispatcher
@@ -128,7 +146,7 @@ class MoEStack:
             spec = ExpertSpec([("w_in", (H, args.ffn), args.dtype), ("w_out", (args.ffn, H), args.dtype)],
                               grad_dtype="float32")
             self.balancer = Balancer(group, layout, spec, num_layers=len(masters), backend=backend, sync_checks=False,
-                                     min_replica_tokens=args.min_replica_tokens)
+                                     min_replica_tokens=min_replica_tokens)
             for layer, (weights, grads) in enumerate(zip(masters, self.grads)):
                 self.balancer.register_layer(layer, weights, grads)
             self.dispatchers = [Dispatcher.for_layout(group, layout, **common) for _ in masters]
@@ -268,37 +286,44 @@ def run(args) -> int:
     progress = Progress("moe-layer", enabled=me == 0 and not args.quiet)
     table = RowStream(COLUMNS, title, enabled=me == 0)
     rows, checked = [], {}
-    for policy in POLICIES:
-        progress(f"{policy}: setting up, one checked step, then {args.repeats} timed steps")
-        stack = MoEStack(group, policy, masters, ideal if policy == "ideal" else skewed, gates, xp, backend, args)
+    thresholds = args.min_replica_tokens
+    runs = [(policy, threshold) for policy in POLICIES for threshold in (thresholds if policy == "ultraep" else [None])]
+    for policy, threshold in runs:
+        name = f"ultraep@{threshold}" if policy == "ultraep" and len(thresholds) > 1 else policy
+        progress(f"{name}: setting up, one checked step, then {args.repeats} timed steps")
+        stack = MoEStack(group, policy, masters, ideal if policy == "ideal" else skewed, gates, xp, backend, args,
+                         min_replica_tokens=threshold)
         try:
             stack.zero_grads()
             out, _ = stack.step(x, grad_out)  # warm-up (kernels, schedules) and the checked step
             synchronize()
-            checked[policy] = [to_host(out)] + [to_host(g) for layer in stack.grads for e in layer for g in e]
+            checked[name] = [to_host(out)] + [to_host(g) for layer in stack.grads for e in layer for g in e]
             step_ms = group_window_ms(group, lambda: stack.step(x, grad_out), args.repeats, synchronize)
             for dispatcher in stack.dispatchers:
                 dispatcher.check()
-            replicas = None
+            replicas, min_replica = None, None
             if stack.balancer is not None:
                 stack.balancer.check()
                 replicas = stack.balancer.stats().summary()["replicas_mean"]
-            row = {"policy": policy, "step_ms": step_ms, "tokens_per_s": R * T / step_ms * 1e3,
-                   "rows_max_mean": stack.rows_max_mean(), "replicas": replicas}
+                min_replica = stack.balancer.min_replica_tokens  # "auto" resolved
+            row = {"policy": name, "step_ms": step_ms, "tokens_per_s": R * T / step_ms * 1e3,
+                   "rows_max_mean": stack.rows_max_mean(), "replicas": replicas, "min_replica": min_replica}
         finally:
             stack.close()
         row["vs_ideal"] = rows[0]["step_ms"] / step_ms if rows else 1.0  # ideal is measured first
         if policy == "ultraep":
-            diffs = group.allgather((relative_difference(checked["ultraep"][:1], checked["none"][:1]),
-                                     relative_difference(checked["ultraep"][1:], checked["none"][1:])))
+            diffs = group.allgather((relative_difference(checked[name][:1], checked["none"][:1]),
+                                     relative_difference(checked[name][1:], checked["none"][1:])))
             row["out_diff"], row["grad_diff"] = (max(d[i] for d in diffs) for i in range(2))
         rows.append(row)
         table.add(row)
     table.close()
-    out_diff, grad_diff = rows[POLICIES.index("ultraep")]["out_diff"], rows[POLICIES.index("ultraep")]["grad_diff"]
-    if out_diff > TOLERANCE[args.dtype] or grad_diff > TOLERANCE[args.dtype]:
-        raise SystemExit(f"ultraep's outputs / master gradients differ from no balancing by {out_diff:.2e} / "
-                         f"{grad_diff:.2e} relative (tolerance {TOLERANCE[args.dtype]:g} for {args.dtype})")
+    for row in rows:
+        out_diff, grad_diff = row.get("out_diff", 0.0), row.get("grad_diff", 0.0)
+        if out_diff > TOLERANCE[args.dtype] or grad_diff > TOLERANCE[args.dtype]:
+            raise SystemExit(f"{row['policy']}'s outputs / master gradients differ from no balancing by "
+                             f"{out_diff:.2e} / {grad_diff:.2e} relative (tolerance {TOLERANCE[args.dtype]:g} "
+                             f"for {args.dtype})")
 
     if me == 0:
         if args.json:

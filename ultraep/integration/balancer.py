@@ -2,7 +2,9 @@
 layer by layer and micro-batch by micro-batch.
 
 Set up once per EP group (layout, number of virtual layers, the expert tensor spec,
-``min_replica_tokens``, ``max_in_flight`` micro-batches), in its own symmetric heap or in
+``min_replica_tokens`` -- or ``"auto"``, the cost model of :mod:`ultraep.tune.replicas`
+on the machine profile, resolved once and kept as ``min_replica_tokens`` --
+``max_in_flight`` micro-batches), in its own symmetric heap or in
 one the process shares with other components (sized from
 :meth:`Balancer.heap_requirements` plus theirs). Per layer the framework registers its
 master weights and gradients. Per micro-batch and layer:
@@ -86,6 +88,7 @@ from ultraep.runtime import open_heap
 from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.heap import FAILING_CLOSE_TIMEOUT_S, HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
+from ultraep.tune.replicas import agreed_min_replica_tokens
 
 if TYPE_CHECKING:
     import os
@@ -172,7 +175,7 @@ class Balancer:
         return _gather_requirements(layout) + WeightTransfer.heap_requirements(layout, spec, **tiling)
 
     def __init__(self, group: EPGroup, layout: ExpertLayout, spec: ExpertSpec, *, num_layers: int,
-                 min_replica_tokens: int = 1024, max_in_flight: int = 1, backend: str = "auto",
+                 min_replica_tokens: int | str = 1024, max_in_flight: int = 1, backend: str = "auto",
                  heap: SymmetricHeap | None = None, sync_checks: bool = True, record_trace: bool = False,
                  timeout_s: float = 30.0, history: int = DEFAULT_HISTORY, transfer_options: dict | None = None):
         error, requirements = None, None
@@ -185,8 +188,11 @@ class Balancer:
                 raise BalancerError(f"spec must be an ExpertSpec, got {type(spec).__name__}")
             for name, value, low in (("num_layers", num_layers, 1), ("max_in_flight", max_in_flight, 1),
                                      ("min_replica_tokens", min_replica_tokens, 0), ("history", history, 0)):
+                if name == "min_replica_tokens" and isinstance(value, str) and value == "auto":
+                    continue  # resolved once the heap's backend is known
                 if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                    raise BalancerError(f"{name} must be an int >= {low}, got {value!r}")
+                    hint = " or 'auto'" if name == "min_replica_tokens" else ""
+                    raise BalancerError(f"{name} must be an int >= {low}{hint}, got {value!r}")
             if heap is not None:
                 if not isinstance(heap, SymmetricHeap):
                     raise BalancerError(f"heap must be a SymmetricHeap (ultraep.runtime.open_heap), "
@@ -203,18 +209,20 @@ class Balancer:
         except BalancerError as exc:
             error = exc
         group.raise_if_any(error, "Balancer set-up")
-        group.agree((repr(layout), spec.key(), int(num_layers), int(min_replica_tokens), int(max_in_flight),
+        group.agree((repr(layout), spec.key(), int(num_layers), str(min_replica_tokens), int(max_in_flight),
                      bool(sync_checks), heap is None), "Balancer set-up (layout, expert spec, num_layers, "
                     "min_replica_tokens, max_in_flight, sync_checks, own heap)")
         self.group, self.layout, self.spec = group, layout, spec
         self.rank = group.rank
         self.num_layers, self.max_in_flight = int(num_layers), int(max_in_flight)
-        self.min_replica_tokens = int(min_replica_tokens)
         self.sync_checks, self.timeout_s = bool(sync_checks), float(timeout_s)
         self._owns_heap = heap is None
         self.heap = open_heap(group, requirements, backend=backend) if heap is None else heap
         self.backend = self.heap.backend
         try:
+            # "auto": the cost model's value from the machine profile, the same on every rank
+            self.min_replica_tokens = (agreed_min_replica_tokens(group, spec, backend=self.backend)
+                                       if isinstance(min_replica_tokens, str) else int(min_replica_tokens))
             gathered = self.heap.allocate(_gather_requirements(layout))["balancer.gathered_loads"]
             self.transfer = WeightTransfer(self.heap, layout, spec, timeout_s=timeout_s, **(transfer_options or {}))
             self._impl: BalancerBackend = _backend_class(self.heap)(

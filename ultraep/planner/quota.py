@@ -79,6 +79,10 @@ class Planner(ABC):
         if not isinstance(layout, ExpertLayout):
             raise ValueError(f"layout must be an ExpertLayout, got {type(layout).__name__}")
         self.layout = layout
+        if isinstance(min_replica_tokens, str) and min_replica_tokens == "auto":
+            raise ValueError("min_replica_tokens='auto' needs the expert's size and the machine profile: the "
+                             "Balancer resolves it; for the planner alone pass "
+                             "ultraep.tune.min_replica_tokens_for(...)")
         self.min_replica_tokens = _non_negative_int("min_replica_tokens", min_replica_tokens)
         self.tau_tolerance = None if tau_tolerance is None else _non_negative_int("tau_tolerance", tau_tolerance)
         self.cap_ppm = target_ppm(target_imbalance)

@@ -1,0 +1,142 @@
+"""The machine profile on the host backend (what CI can measure): the micro-benchmarks,
+the cache and its directory, and what happens to a cached file of another version,
+another device, or one that cannot be read."""
+
+import json
+
+import pytest
+
+from ultraep.errors import ProfileError
+from ultraep.tune import PROFILE_VERSION, MachineProfile, load_profile, profile_path, read_profile, write_profile
+from ultraep.tune.__main__ import main as tune_main
+from ultraep.tune import host
+from ultraep.tune.host import HostProbe
+from ultraep.tune.profile import CACHE_VARIABLE
+
+
+@pytest.fixture(autouse=True)
+def small_host_probe(monkeypatch, tmp_path):
+    """A quick host profile (small matrices, three sizes) cached under the test's directory."""
+    monkeypatch.setattr(HostProbe, "compute_shape", (2, 64, 64))
+    monkeypatch.setattr(HostProbe, "rows_per_expert", (4, 32, 256))
+    monkeypatch.setattr(host, "BATCH_S", 0.002)
+    monkeypatch.setattr(host, "COPY_BYTES", 1 << 20)
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
+
+
+def measured(lines=None) -> MachineProfile:
+    return load_profile("host", progress=None if lines is None else lines.append)
+
+
+def test_host_profile_is_measured_cached_and_reused(tmp_path):
+    lines = []
+    profile = measured(lines)
+    name, cores = HostProbe().describe()
+    assert profile.identity() == ("host", name, 100) and profile.sm_count == cores
+    assert profile.version == PROFILE_VERSION
+    assert profile.copy_bytes_per_s > 1e7 and profile.peer_bytes_per_s == profile.copy_bytes_per_s
+    assert "shared memory" in profile.peer_method
+    assert 0 < profile.launch_s < 1e-2
+    curve = profile.compute
+    assert curve.rows_per_expert == (4, 32, 256) and (curve.experts, curve.k, curve.n) == (2, 64, 64)
+    assert all(s > 0 for s in curve.seconds)
+    path = profile_path(name)
+    assert path.parent == tmp_path / "cache" and path.name.startswith("profile-host-") and path.is_file()
+    assert any("no machine profile" in line for line in lines)
+    assert any("expert compute, 256 rows" in line for line in lines)
+    again = []
+    assert measured(again) == profile and again == []  # from the cache, silently
+    forced = load_profile("host", force=True)
+    assert forced.measured_at >= profile.measured_at and read_profile(path) == forced
+
+
+def test_an_explicit_path_overrides_the_cache_directory(tmp_path):
+    target = tmp_path / "elsewhere" / "mine.json"
+    profile = load_profile("host", path=target)
+    assert read_profile(target) == profile
+    assert not (tmp_path / "cache").exists()
+
+
+def _rewrite(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda p: p.write_text("{ not json"), "not JSON"),
+    (lambda p: p.write_bytes(b"\xff\xfe\x00garbage"), "cannot use"),
+    (lambda p: p.write_text(json.dumps([1, 2])), "not a machine profile"),
+    (lambda p: _rewrite(p, copy_bytes_per_s="fast"), "copy_bytes_per_s"),
+    (lambda p: _rewrite(p, launch_s=-1.0), "launch_s"),
+    (lambda p: _rewrite(p, sm_count=None), "sm_count"),
+    (lambda p: _rewrite(p, compute={"kernel": "k"}), "bad or missing field"),
+    (lambda p: _rewrite(p, version=PROFILE_VERSION + 1), f"format version {PROFILE_VERSION + 1}"),
+])
+def test_an_unusable_cache_file_says_why_and_is_measured_again(damage, reason):
+    first = measured()
+    path = profile_path(first.device)
+    damage(path)
+    lines = []
+    second = measured(lines)
+    assert any(reason in line and "measuring it again" in line and str(path) in line for line in lines), lines
+    assert read_profile(path) == second and second.measured_at >= first.measured_at
+
+
+def test_a_profile_of_another_device_or_share_is_measured_again():
+    first = measured()
+    path = profile_path(first.device)
+    _rewrite(path, device="some other machine")
+    lines = []
+    assert measured(lines).device == first.device
+    assert any("some other machine" in line and "measuring it again" in line for line in lines), lines
+    _rewrite(path, sm_share=25)
+    lines = []
+    assert measured(lines).sm_share == 100 and any("25 %" in line for line in lines), lines
+
+
+def test_an_mps_share_has_its_own_cache_file(monkeypatch):
+    monkeypatch.setenv("ULTRAEP_EP_EMULATION", "mps:25")
+    profile = measured()
+    assert profile.sm_share == 25
+    assert profile_path(profile.device, 25).is_file() and not profile_path(profile.device).exists()
+
+
+def test_an_unwritable_cache_is_reported_not_raised(tmp_path, monkeypatch):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv(CACHE_VARIABLE, str(blocker / "cache"))
+    lines = []
+    assert measured(lines).backend == "host"
+    assert any("could not write the machine profile" in line for line in lines), lines
+
+
+def test_round_trip_and_refusals():
+    profile = measured()
+    assert MachineProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    data = profile.to_json()
+    data["compute"] = dict(data["compute"], rows_per_expert=[32, 4, 256])
+    with pytest.raises(ProfileError, match="rows_per_expert must rise"):
+        MachineProfile.from_json(data)
+    data["compute"] = dict(data["compute"], rows_per_expert=[4, 32, 256], seconds=[1.0, 0.0, 2.0])
+    with pytest.raises(ProfileError, match="one positive time per size"):
+        MachineProfile.from_json(data)
+    with pytest.raises(ProfileError, match="backend must be"):
+        load_profile("tpu")
+
+
+def test_write_is_atomic_and_leaves_no_partial_file(tmp_path):
+    profile = measured()
+    target = write_profile(profile, tmp_path / "p" / "profile.json")
+    assert [p.name for p in target.parent.iterdir()] == ["profile.json"]
+
+
+def test_cli_prints_a_table(tmp_path, capsys):
+    out = tmp_path / "cli.json"
+    assert tune_main(["profile", "--backend", "host", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "machine profile: host" in printed.out and "rows/expert" in printed.out and "peer copy" in printed.out
+    assert "[tune] measuring a machine profile" in printed.err
+    assert tune_main(["profile", "--backend", "host", "--out", str(out), "--json"]) == 0
+    printed = capsys.readouterr()
+    assert MachineProfile.from_json(json.loads(printed.out)) == read_profile(out) and printed.err == ""

@@ -1,0 +1,45 @@
+"""The machine profile measured on the GPU: plausible figures for every quantity, a
+compute curve that is weight-bound at a few rows per expert, and the cost model's
+threshold between a decode-sized and a prefill-sized expert load."""
+
+import pytest
+
+from tests.conftest import requires_gpu
+from ultraep.transfer import ExpertSpec
+from ultraep.tune import load_profile, min_replica_tokens_for, read_profile
+from ultraep.tune.replicas import expert_weight_elements
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+
+def test_device_profile_is_plausible_and_cached(tmp_path):
+    import cupy
+
+    path = tmp_path / "profile.json"
+    lines = []
+    profile = load_profile("device", path=path, force=True, progress=lines.append)
+    print("\n" + profile.table())
+    properties = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    assert profile.backend == "device" and profile.sm_count == properties["multiProcessorCount"]
+    assert read_profile(path) == profile and any("expert compute" in line for line in lines)
+    assert 2e11 < profile.copy_bytes_per_s < 1e13, profile.copy_bytes_per_s  # bytes copied, not read + written
+    assert 1e10 < profile.peer_bytes_per_s < 1e13, profile.peer_bytes_per_s
+    assert "copy_bytes" in profile.peer_method
+    assert 2e-7 < profile.launch_s < 1e-4, profile.launch_s
+    curve = profile.compute
+    seconds = dict(zip(curve.rows_per_expert, curve.seconds))
+    assert seconds[32] < 1.5 * seconds[8], seconds  # weight-bound: 4x the rows, about the same time
+    assert seconds[8192] > 4 * seconds[512], seconds  # compute-bound: time grows with the rows
+    assert max(curve.tflops()) > 50, curve.tflops()
+    assert load_profile("device", path=path) == profile  # reused
+
+
+def test_threshold_sits_between_decode_and_prefill(tmp_path):
+    """hidden 2048, ffn 1024, bf16: a decode step (64 tokens x top-8 per rank, 8 experts per
+    rank: 64 rows an expert on average) cannot spare a replica that many tokens; a prefill
+    step (8192 rows an expert) can."""
+    profile = load_profile("device", path=tmp_path / "profile.json")
+    spec = ExpertSpec([("w_in", (2048, 1024), "bfloat16"), ("w_out", (1024, 2048), "bfloat16")])
+    threshold = min_replica_tokens_for(spec.weight_slot_bytes, profile, weight_elements=expert_weight_elements(spec))
+    print(f"\nmin_replica_tokens='auto' for {spec}: {threshold}")
+    assert 128 < threshold < 4096, threshold

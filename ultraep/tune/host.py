@@ -1,0 +1,79 @@
+"""The host backend's micro-benchmarks (NumPy, this process): what the CPU backend's
+copies and expert compute cost, measured the way :mod:`ultraep.tune.device` measures the
+GPU, so that CI exercises the whole profile."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import numpy as np
+
+ROUNDS = 5               # timed batches per quantity; the fastest is kept
+BATCH_S = 0.02           # each batch runs about this long
+MAX_CALLS = 1000         # calls per batch at most
+COPY_BYTES = 32 << 20    # larger than the last-level cache of a common CPU
+LAUNCH_CALLS = 2000
+
+
+def seconds_per_call(call, clock, finish=lambda: None) -> float:
+    """Time per ``call()`` back to back, by ``clock`` (``finish()`` waits for the batch's
+    work): the fastest of ``ROUNDS`` batches, since other processes only ever add time;
+    each batch has as many calls as fill about ``BATCH_S``, estimated from a warm-up call."""
+    call()
+    finish()
+    begin = clock()
+    call()
+    finish()
+    calls = max(1, min(MAX_CALLS, int(BATCH_S / max(clock() - begin, 1e-9))))
+    times = []
+    for _ in range(ROUNDS):
+        begin = clock()
+        for _ in range(calls):
+            call()
+        finish()
+        times.append((clock() - begin) / calls)
+    return min(times)
+
+
+class HostProbe:
+    """Micro-benchmarks of the host backend; :func:`ultraep.tune.profile.measure_profile` runs them."""
+
+    backend = "host"
+    copy_method = "np.copyto, one process"
+    compute_kernel = "np.matmul per expert (the host backend's expert compute)"
+    compute_dtype = "float32"
+    compute_shape = (4, 256, 256)  # experts, k, n
+    rows_per_expert = (4, 16, 64, 256, 1024)
+
+    def describe(self) -> tuple[str, int]:
+        return f"host {platform.machine() or 'cpu'}", os.cpu_count() or 1
+
+    def copy_bytes_per_s(self) -> float:
+        source = np.full(COPY_BYTES, 0x5A, np.uint8)  # the bytes do not change a copy's speed
+        target = np.empty_like(source)
+        return COPY_BYTES / seconds_per_call(lambda: np.copyto(target, source), time.perf_counter)
+
+    def peer_bytes_per_s(self, copy_bytes_per_s: float) -> tuple[float, str]:
+        # The host heap is MPI shared memory: a peer's buffer is mapped into this process
+        # and a store there is the same memory copy as a local one.
+        return copy_bytes_per_s, "the local copy (the host heap is shared memory: a peer copy is a local copy)"
+
+    def launch_s(self) -> float:
+        a, b = np.ones((1, 8), np.float32), np.ones((8, 8), np.float32)
+        out = np.empty((1, 8), np.float32)
+        return seconds_per_call(lambda: np.matmul(a, b, out=out), time.perf_counter)
+
+    def expert_call_s(self, rows: int) -> float:
+        experts, k, n = self.compute_shape
+        rng = np.random.default_rng(rows)
+        x = rng.standard_normal((experts * rows, k), dtype=np.float32)
+        w = rng.standard_normal((experts, k, n), dtype=np.float32)
+        y = np.empty((experts * rows, n), np.float32)
+
+        def call():
+            for e in range(experts):
+                np.matmul(x[e * rows:(e + 1) * rows], w[e], out=y[e * rows:(e + 1) * rows])
+
+        return seconds_per_call(call, time.perf_counter)

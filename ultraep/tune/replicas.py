@@ -1,0 +1,117 @@
+"""Cost-aware replication: the smallest replica worth its weight transfer, from the
+machine profile (``min_replica_tokens="auto"``).
+
+The model (:func:`min_replica_tokens_for`). A replica of an expert is paid for by copying
+the expert's bytes ``B`` to a peer before the layer's expert compute (weight sync runs
+before dispatch and ends with a heap barrier, so every rank waits for it):
+
+    copy = B / peer_bytes_per_s
+
+and it pays back by the time its ``d`` tokens would have taken on the hottest rank. Let
+``t(m)`` be the modelled time of one expert's compute at ``m`` rows
+(:meth:`~ultraep.tune.profile.ComputeCurve.expert_seconds`, scaled to the expert's weight
+elements): flat while the call is bound by reading the weights, then growing linearly
+once it is compute-bound. The master keeps the rest of its rows and still reads all its
+weights, so moving ``d`` of its ``n`` rows away saves ``t(n) - t(n - d)``, and for a ``t``
+that is flat then linear that is at least the part of ``d`` rows' compute that grows
+with the rows:
+
+    saving(d) = compute_passes * (t(d) - t(0+))        t(0+): the flat floor
+
+``min_replica_tokens`` is the smallest ``d`` with ``saving(d) > copy``. So a replica must
+take at least the rows where the expert's compute stops being weight-bound (the knee)
+plus as many as the copy's time buys at the compute-bound rate. Decode (tens of tokens
+per rank): every expert is weight-bound, moving rows saves next to nothing, and the
+threshold exceeds any expert's excess -- no replica is made. Prefill (thousands of tokens
+per rank): the threshold is a few hundred tokens, small beside the excess of a hot
+expert, and replication proceeds.
+
+What the model leaves out: the receiving rank's own weight read for the replica (it has
+slack by construction of the plan), the launches of weight sync (paid once per layer, not
+per replica) and any overlap of weight sync with other work.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ultraep.errors import ProfileError
+from ultraep.tune.profile import MachineProfile, load_profile, stderr_progress
+
+if TYPE_CHECKING:
+    from ultraep.runtime.group import EPGroup
+    from ultraep.transfer import ExpertSpec
+
+NEVER = 2**31 - 1  # "no replica pays off": larger than any load the planner's int32 arithmetic holds
+PROFILE_TIMEOUT_S = 900.0  # the host's first rank may compile kernels and measure while the others wait
+
+
+def min_replica_tokens_for(spec_bytes: int, profile: MachineProfile, *, weight_elements: int | None = None,
+                           compute_passes: float = 1.0) -> int:
+    """The fewest tokens a replica must serve to save more time than copying it costs (the
+    module docstring's model), or :data:`NEVER`.
+
+    ``spec_bytes``: bytes copied per replica (``ExpertSpec.weight_slot_bytes``; in training
+    add what restore and the gradient reduction move for it); ``weight_elements``: the
+    expert's weight elements, which scale the measured compute (default ``spec_bytes // 2``,
+    a bf16 expert); ``compute_passes``: expert GEMM passes its rows run per copy (1 for
+    inference; 3 in training: forward, input and weight gradient)."""
+    if not isinstance(profile, MachineProfile):
+        raise ProfileError(f"profile must be a MachineProfile (ultraep.tune.load_profile), "
+                           f"got {type(profile).__name__}")
+    for name, value in (("spec_bytes", spec_bytes), ("weight_elements", weight_elements)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            raise ProfileError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(compute_passes, bool) or not isinstance(compute_passes, (int, float)) or not compute_passes > 0:
+        raise ProfileError(f"compute_passes must be a positive number, got {compute_passes!r}")
+    elements = int(spec_bytes) // 2 if weight_elements is None else int(weight_elements)
+    copy_s = int(spec_bytes) / profile.peer_bytes_per_s
+    curve = profile.compute
+    floor = float(curve.expert_seconds(0, max(elements, 1)))
+
+    def pays_off(tokens: int) -> bool:
+        return compute_passes * (float(curve.expert_seconds(tokens, max(elements, 1))) - floor) > copy_s
+
+    if not pays_off(NEVER):
+        return NEVER
+    low, high = 0, NEVER  # saving is non-decreasing in the tokens: bisect for the first that pays off
+    while high - low > 1:
+        middle = (low + high) // 2
+        if pays_off(middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def expert_weight_elements(spec: ExpertSpec) -> int:
+    """Elements of an expert's weights that its compute multiplies (FP8 scales excluded)."""
+    return sum(t.numel for t in spec.weights if t.name not in spec.scale_of)
+
+
+def agreed_min_replica_tokens(group: EPGroup, spec: ExpertSpec, *, backend: str,
+                              timeout_s: float = PROFILE_TIMEOUT_S) -> int:
+    """Collective: ``min_replica_tokens="auto"`` for an expert of ``spec`` on this group.
+
+    Every rank evaluates :func:`min_replica_tokens_for` on its machine's profile (of the
+    group's ``backend``, ``"host"`` or ``"device"``) and all take the largest value, so
+    every rank plans with one number. The first rank of each host loads or measures the
+    profile before the host's other ranks look, so a machine is measured once (they then
+    find it in the cache) and no two ranks measure one GPU at once."""
+    error, value = None, None
+    for turn in (0, 1):
+        if (group.local_rank == 0) == (turn == 0):
+            try:
+                profile = load_profile(backend, device=group.device,
+                                       progress=stderr_progress if group.local_rank == 0 else None)
+                value = min_replica_tokens_for(spec.weight_slot_bytes, profile,
+                                               weight_elements=expert_weight_elements(spec))
+            except Exception as exc:  # reported on every rank below, never left to hang the others
+                error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+        if turn == 0:
+            group.barrier(timeout_s, what="min_replica_tokens='auto' (the first rank of each host measures "
+                                          "the machine profile)")
+    group.raise_if_any(error, "min_replica_tokens='auto' (machine profile)", timeout_s=timeout_s)
+    return max(group.allgather(value, what="min_replica_tokens='auto'"))
