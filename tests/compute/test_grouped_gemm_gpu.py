@@ -1,5 +1,4 @@
-"""The grouped GEMM kernels on the GPU (raw_kernels/grouped_gemm_sm90.cu: forward and dgrad,
-raw_kernels/grouped_gemm.cu: wgrad).
+"""The grouped GEMM kernels on the GPU (raw_kernels/grouped_gemm.cu).
 
 Device against FP64: within the derived tensor-core bound of tests/compute/reference.py,
 not bitwise against the host (the tensor cores add inside an MMA step in their own order;

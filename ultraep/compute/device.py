@@ -1,6 +1,5 @@
-"""Device (CuPy) grouped GEMM on the caller's stream: forward and dgrad by the Hopper kernels
-of ``raw_kernels/grouped_gemm_sm90.cu`` (TMA + wgmma, one persistent block per SM), wgrad
-by ``raw_kernels/grouped_gemm.cu`` (mma.sync, ``GG_BLOCKS_PER_SM`` blocks per SM).
+"""Device (CuPy) grouped GEMM on the caller's stream: the Hopper kernels of
+``raw_kernels/grouped_gemm.cu`` (TMA + wgmma, one persistent block per SM).
 
 One launch per call whatever the expert sizes: the kernels read the offsets on the
 device, so the host never waits for the counts. Offsets on the device are checked by the
@@ -9,7 +8,7 @@ record waits in this GPU's status word until :meth:`DeviceGroupedGemm.check`
 (``ultraep.compute.check_errors``) raises it. So does a Hopper kernel's pipeline wait that
 ran out of time (a bug, reported rather than hung).
 
-The Hopper kernels take their operands through TMA tensor maps, encoded here for every
+The kernels take their operands through TMA tensor maps, encoded here for every
 call by the driver's ``cuTensorMapEncodeTiled`` (they hold the operands' addresses) and
 passed by value as kernel parameters.
 """
@@ -24,7 +23,6 @@ from ultraep.compute.checks import KERNELS, Problem, offsets_message
 from ultraep.errors import GroupedGemmError
 from ultraep.runtime.kernels import get_function, kernel_constant
 
-HOPPER_KERNELS = "grouped_gemm_sm90.cu"
 _ALIGN_BYTES = 16  # cp.async and TMA move 16-byte units; the epilogues store 4- or 8-byte pairs
 
 # cuTensorMapEncodeTiled's enumerations (cuda.h).
@@ -48,7 +46,7 @@ class _TensorMaps:
         u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
         self.encode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p,
                                 u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        self.size = kernel_constant(HOPPER_KERNELS, "GH_TENSOR_MAP_BYTES")
+        self.size = kernel_constant(KERNELS, "GH_TENSOR_MAP_BYTES")
         self.dtype = np.dtype((np.void, self.size))
 
     def tiled(self, pointer: int, dims, box) -> np.void:
@@ -73,7 +71,7 @@ class _TensorMaps:
 
 
 class DeviceGroupedGemm:
-    """The grouped GEMM on GPU ``device``: kernels, persistent grids and status word."""
+    """The grouped GEMM on GPU ``device``: kernels, persistent grid and status word."""
 
     def __init__(self, device: int):
         import cupy
@@ -85,25 +83,19 @@ class DeviceGroupedGemm:
             # Stands in for an empty operand in a tensor map (never read: no tile touches it).
             self._placeholder = cupy.zeros(_ALIGN_BYTES, dtype=np.uint8)
         self.hopper = (properties["major"], properties["minor"]) == (9, 0)
-        sms = properties["multiProcessorCount"]
-        self.launch = {
-            "wgrad": (KERNELS, sms * kernel_constant(KERNELS, "GG_BLOCKS_PER_SM"),
-                      kernel_constant(KERNELS, "GG_THREADS"), kernel_constant(KERNELS, "GG_SMEM_BYTES")),
-        }
-        for op in ("forward", "dgrad"):
-            self.launch[op] = (HOPPER_KERNELS, sms, kernel_constant(HOPPER_KERNELS, "GH_THREADS"),
-                               kernel_constant(HOPPER_KERNELS, "GH_SMEM_BYTES"))
+        self.grid = properties["multiProcessorCount"]
+        self.threads = kernel_constant(KERNELS, "GH_THREADS")
+        self.shared_bytes = kernel_constant(KERNELS, "GH_SMEM_BYTES")
         self._maps: _TensorMaps | None = None
         self._kernels: dict[tuple[str, np.dtype], object] = {}
 
     def _kernel(self, op: str, out_dtype: np.dtype):
         kernel = self._kernels.get((op, out_dtype))
         if kernel is None:
-            source, _, _, shared_bytes = self.launch[op]
             element = "float" if out_dtype == np.float32 else "__nv_bfloat16"
-            kernel = get_function(source, f"grouped_mm_{op}<{element}>")
+            kernel = get_function(KERNELS, f"grouped_mm_{op}<{element}>")
             with self.cp.cuda.Device(self.device):
-                kernel.max_dynamic_shared_size_bytes = shared_bytes
+                kernel.max_dynamic_shared_size_bytes = self.shared_bytes
             self._kernels[(op, out_dtype)] = kernel
         return kernel
 
@@ -114,42 +106,40 @@ class DeviceGroupedGemm:
         return make(problem.out_shape, dtype=problem.out_dtype)
 
     def _operand_maps(self, problem: Problem, a, b):
-        """Tensor maps of A ([rows, reduction], box GH_BK x GH_BM) and W ([E, K, N] as
-        (N, K, E); forward boxes GH_BOX_COLS x GH_BK, dgrad GH_BK x GH_BN)."""
+        """Tensor maps of the two operands, as the kernel's grouped_mm describes them."""
         if self._maps is None:
             self._maps = _TensorMaps()
-        constant = lambda name: kernel_constant(HOPPER_KERNELS, name)  # noqa: E731
-        bk, bm, bn = constant("GH_BK"), constant("GH_BM"), constant("GH_BN")
-        reduction = problem.k if problem.op == "forward" else problem.n
-        w_box = (constant("GH_BOX_COLS"), bk, 1) if problem.op == "forward" else (bk, bn, 1)
+        constant = lambda name: kernel_constant(KERNELS, name)  # noqa: E731
+        bk, bm, bn, box = constant("GH_BK"), constant("GH_BM"), constant("GH_BN"), constant("GH_BOX")
+        rows, k, n, experts = problem.rows, problem.k, problem.n, problem.experts
+        if problem.op == "forward":
+            shapes = ((k, rows), (bk, bm)), ((n, k, experts), (box, bk, 1))
+        elif problem.op == "dgrad":
+            shapes = ((n, rows), (bk, bm)), ((n, k, experts), (bk, bn, 1))
+        else:
+            shapes = ((k, rows), (box, bk)), ((n, rows), (box, bk))
 
         def tiled(array, dims, box):
             if array.size == 0:  # no tile reads it; the map still needs a real address and 16-byte rows
                 return self._maps.tiled(self._placeholder.data.ptr, [_ALIGN_BYTES // 2] + [1] * (len(dims) - 1), box)
             return self._maps.tiled(array.data.ptr, dims, box)
 
-        return (tiled(a, (reduction, problem.rows), (bk, bm)),
-                tiled(b, (problem.n, problem.k, problem.experts), w_box))
+        return tuple(tiled(array, dims, box) for array, (dims, box) in zip((a, b), shapes))
 
     def run(self, problem: Problem, a, b, offsets, out) -> None:
         """Launch on the current stream (checked CuPy arrays on this GPU)."""
+        if not self.hopper:
+            raise GroupedGemmError(f"{problem.op}: the grouped GEMM kernels need a Hopper (compute capability 9.0) "
+                                   f"GPU; GPU {self.device} is not one")
         for name, array in (("a", a), ("b", b), ("out", out)):
             if array.size and array.data.ptr % _ALIGN_BYTES:
                 raise GroupedGemmError(f"{problem.op}: the {name} operand's data is not {_ALIGN_BYTES}-byte aligned "
                                        f"(a view into a larger buffer?); pass an aligned copy")
-        _, grid, threads, shared_bytes = self.launch[problem.op]
-        if problem.op == "wgrad":
-            operands = (a, b)
-        elif not self.hopper:
-            raise GroupedGemmError(f"{problem.op}: the grouped GEMM's forward and dgrad kernels need a Hopper "
-                                   f"(compute capability 9.0) GPU; GPU {self.device} is not one")
-        else:
-            operands = self._operand_maps(problem, a, b)
         kernel = self._kernel(problem.op, problem.out_dtype)
-        kernel((grid,), (threads,), (
-            *operands, offsets, np.int32(offsets.dtype == np.int64), np.int32(problem.experts),
-            np.int64(problem.rows), np.int32(problem.k), np.int32(problem.n), out, self.status),
-            shared_mem=shared_bytes)
+        kernel((self.grid,), (self.threads,), (
+            *self._operand_maps(problem, a, b), offsets, np.int32(offsets.dtype == np.int64),
+            np.int32(problem.experts), np.int64(problem.rows), np.int32(problem.k), np.int32(problem.n), out,
+            self.status), shared_mem=self.shared_bytes)
 
     def check(self) -> None:
         """Synchronise this GPU's current stream; raise (and clear) the first status record."""
@@ -158,9 +148,11 @@ class DeviceGroupedGemm:
             code, index, value, rows = (int(v) for v in self.status.get())
             if code:
                 self.status.fill(0)
-                if code == kernel_constant(HOPPER_KERNELS, "GH_STAGE_TIMED_OUT"):
-                    waited = {kernel_constant(HOPPER_KERNELS, "GH_WAITED_FOR_CONSUMERS"): "the MMAs to free a stage",
-                              kernel_constant(HOPPER_KERNELS, "GH_WAITED_FOR_COPIES"): "a stage's TMA copies"}
+                if code == kernel_constant(KERNELS, "GH_STAGE_TIMED_OUT"):
+                    waited = {kernel_constant(KERNELS, "GH_WAITED_FOR_CONSUMERS"): "the MMAs to free a stage",
+                              kernel_constant(KERNELS, "GH_WAITED_FOR_COPIES"): "a stage's TMA copies",
+                              kernel_constant(KERNELS, "GH_WAITED_FOR_OUTPUT"): "an output tile to store",
+                              kernel_constant(KERNELS, "GH_WAITED_FOR_STORES"): "the stores of an output tile"}
                     raise GroupedGemmError(f"grouped GEMM: block {value} waited over {rows} ms for "
                                            f"{waited.get(index, f'wait {index}')}; its output is not valid")
                 raise GroupedGemmError(f"grouped GEMM refused device offsets (nothing was written): "
