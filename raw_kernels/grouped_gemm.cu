@@ -8,17 +8,15 @@
 //
 // rows_e = [offsets[e], offsets[e+1]), read and checked on the device by every block
 // (grouped_gemm_common.cuh): on a bad array no block writes anything. One persistent
-// block per SM, in clusters of two; cluster c walks the tile pairs p = c, + clusters, ...
-// of one fixed order: expert, then n-tile, then pair of m-tiles (its blocks take one
-// each), so the blocks running at once share a slice of the n-side operand and each
-// m-side tile is read by neighbours at about the same time (L2). The two blocks of a
-// cluster copy halves of their shared n-side slice, each into both (TMA multicast).
+// block per SM walks the tiles t = blockIdx.x, + gridDim.x, ... of one fixed order:
+// expert, then n-tile, then m-tile, so the blocks running at once share a slice of the
+// n-side operand and each m-side tile is read by neighbours at about the same time (L2).
 //
 // A block is three warpgroups. In warpgroup 0, which gives most of its registers away
 // (setmaxnreg), one thread is the producer: it copies the operand tiles of each k-step by
 // TMA (tensor maps encoded on the host, 128-byte swizzle) into a GH_STAGES-deep ring of
 // shared-memory stages, each with a "full" mbarrier (TMA bytes arrive) and an "empty" one
-// (the consumers of both blocks are done); its three other warps store BF16 output tiles that the
+// (the consumers are done); its three other warps store BF16 output tiles that the
 // consumers staged in shared memory, while the consumers go on with the next tile.
 // Warpgroups 1 and 2 are the consumers: each owns 64 rows x GH_BN columns of the
 // GH_BM x GH_BN tile and multiplies with wgmma.mma_async m64n256k16 straight from the
@@ -53,9 +51,6 @@
 #define GH_BK 64
 #define GH_STAGES 3
 #define GH_CONSUMERS 2
-// Blocks per cluster: the two take vertically adjacent tiles (same n-side operand slice),
-// each copies half of that slice by TMA multicast into both, so the L2 delivers it once.
-#define GH_CLUSTER 2
 #define GH_THREADS (128 * (1 + GH_CONSUMERS))
 // Operand tiles are copied in boxes of 64 elements along their contiguous dimension: a box
 // row may span at most the 128 bytes of the swizzle.
@@ -120,41 +115,6 @@ __device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap* map, 
                     "r"(shared_address(bar)) : "memory");
 }
 
-// The same box into the same shared-memory offset of both blocks of the cluster, and its
-// bytes to the same barrier offset in each.
-__device__ __forceinline__ void tma_multicast_2d(unsigned dst, const TensorMap* map, u64* bar, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"
-                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1),
-                    "r"(shared_address(bar)), "h"(static_cast<unsigned short>((1 << GH_CLUSTER) - 1)) : "memory");
-}
-
-__device__ __forceinline__ void tma_multicast_3d(unsigned dst, const TensorMap* map, u64* bar, int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;"
-                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2),
-                    "r"(shared_address(bar)), "h"(static_cast<unsigned short>((1 << GH_CLUSTER) - 1)) : "memory");
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    return rank;
-}
-
-// Every thread of both blocks; release/acquire orders what each did before with what any does after.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// One arrival on the barrier at `bar`'s offset in every block of the cluster.
-__device__ __forceinline__ void arrive_everywhere(u64* bar) {
-#pragma unroll
-    for (unsigned rank = 0; rank < GH_CLUSTER; ++rank) {
-        unsigned remote;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(bar)), "r"(rank));
-        asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(remote) : "memory");
-    }
-}
-
 // Shared-memory matrix descriptor of a 128-byte-swizzled operand at shared address `addr`:
 // `leading` and `stride` are the byte offsets wgmma steps by (K-major: stride = next 8
 // rows, leading unused; MN-major: leading = next 64-element swizzle atom along M/N,
@@ -196,17 +156,14 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 // sync.cuh's mbarrier_wait, printf) makes ptxas serialise every wgmma, and so does a
 // consumer leaving its loop on a path of its own; so a wait that runs out of time records
 // itself in status for the host (unless an earlier record is there) and sets `gave_up`:
-// the producer then stops, the consumers and store warps run on without waiting (their
-// results are garbage, the host raises), and all meet at the kernel's final cluster
-// barrier. status[1] is what it waited for (GH_WAITED_*), status[2]
+// the producer then stops, the consumers run on without waiting (their results are
+// garbage, the host raises). status[1] is what it waited for (GH_WAITED_*), status[2]
 // the block, status[3] the timeout in ms.
-// CLUSTER_ACQUIRE: the phase was completed by arrivals from the other block too.
-template <bool CLUSTER_ACQUIRE = false>
 __device__ __forceinline__ void stage_wait(u64* bar, unsigned parity, long long* status, int what, bool& gave_up) {
     const unsigned address = shared_address(bar);
-    if (gave_up || mbarrier_try_wait<CLUSTER_ACQUIRE>(address, parity)) return;
+    if (gave_up || mbarrier_try_wait<false>(address, parity)) return;
     const u64 start = global_timer_ns();
-    while (!mbarrier_try_wait<CLUSTER_ACQUIRE>(address, parity)) {
+    while (!mbarrier_try_wait<false>(address, parity)) {
         if (global_timer_ns() - start > MBARRIER_TIMEOUT_NS) {
             unsigned long long* word = reinterpret_cast<unsigned long long*>(status);
             if (atomicCAS(word, 0ull, static_cast<unsigned long long>(GH_STAGE_TIMED_OUT)) == 0ull) {
@@ -241,60 +198,54 @@ __device__ __forceinline__ void store_pair(OutT* p, float v0, float v1) {
 
 // Operands (a_map, b_map tensor maps; the reduction dimension is r):
 //   forward  A = x [M, K] as (K, M), box 64 x 128: K-major.  B = w as (N, K, E), boxes 64 x 64 x 1: N-major.
-//   dgrad    A = dy [M, N] as (N, M), box 64 x 128: K-major. B = w as (N, K, E), boxes 64 x 128 x 1: K-major.
+//   dgrad    A = dy [M, N] as (N, M), box 64 x 128: K-major. B = w as (N, K, E), box 64 x 256 x 1: K-major.
 //   wgrad    A = x [M, K] as (K, M), boxes 64 x 64: M-major. B = dy [M, N] as (N, M), boxes 64 x 64: N-major.
-// An N-major B is four boxes of 64 reduction rows x 64 columns, a K-major B two of 128
-// columns x 64 reduction elements, an M-major A two of 64 reduction rows x 64 output rows
-// (one per consumer). The two blocks of a cluster take the m-tiles 2i and 2i + 1 of one
-// expert and n-tile (a block whose m-tile is past the rows computes and stores nothing
-// that counts) and copy B's boxes alternately, each to both. Boxes wholly past the
-// output's columns (or wgrad's K rows) are not copied: nothing is stored from them.
+// An N-major B is four boxes of 64 reduction rows x 64 columns, an M-major A two of 64
+// reduction rows x 64 output rows (one per consumer). Boxes wholly past the output's
+// columns (or wgrad's K rows) are not copied: nothing is stored from them.
 template <int MODE, typename OutT>
 __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorMap* b_map, const void* offsets,
                                            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out,
                                            long long* status) {
     constexpr bool STAGED_OUTPUT = sizeof(OutT) == 2;  // FP32 tiles do not fit beside the stages: stored directly
-    constexpr bool A_BOXES = MODE == GH_WGRAD;
-    constexpr int B_BOX_COLS = MODE == GH_DGRAD ? GH_BN / 2 : GH_BOX;  // B boxes per tile: GH_BN / B_BOX_COLS
+    constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
     extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[GG_MAX_EXPERTS + 1];
     __shared__ int tile_start[GG_MAX_EXPERTS + 1];
     __shared__ u64 full[GH_STAGES], empty[GH_STAGES], output_full, output_empty;
 
-    if (!load_offsets(off, offsets, offsets_are_64bit, experts, rows, status)) return;  // every block alike
+    if (!load_offsets(off, offsets, offsets_are_64bit, experts, rows, status)) return;
+    const int out_rows_per_expert = K;  // wgrad's output rows
     const int out_cols = MODE == GH_DGRAD ? K : N;
     const int n_tiles = ceil_div(out_cols, GH_BN);
-    const int wgrad_m_pairs = ceil_div(K, GH_CLUSTER * GH_BM);
-    if (MODE != GH_WGRAD && threadIdx.x < WARP) tile_prefix(tile_start, off, experts, GH_CLUSTER * GH_BM, n_tiles);
+    const int wgrad_m_tiles = ceil_div(K, GH_BM);
+    if (MODE != GH_WGRAD && threadIdx.x < WARP) tile_prefix(tile_start, off, experts, GH_BM, n_tiles);
     if (threadIdx.x == 0) {
         for (int s = 0; s < GH_STAGES; ++s) {
-            mbarrier_init(&full[s], 1);                               // the producer's expect_tx arrival
-            mbarrier_init(&empty[s], GH_CLUSTER * GH_CONSUMERS * 4);  // each consumer warp of both blocks
+            mbarrier_init(&full[s], 1);                  // the producer's expect_tx arrival
+            mbarrier_init(&empty[s], GH_CONSUMERS * 4);  // one arrival per consumer warp
         }
         mbarrier_init(&output_full, GH_CONSUMERS * 4);
         mbarrier_init(&output_empty, GH_STORE_WARPS);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    cluster_sync();  // both blocks' barriers exist before either copies or arrives into the other
-    // Tile pairs, one per cluster at a time: (expert, n-tile, m-tile pair), m-pairs fastest.
-    const int pairs = MODE == GH_WGRAD ? experts * wgrad_m_pairs * n_tiles : tile_start[experts];
-    const int rank = static_cast<int>(cluster_rank());
-    const int cluster = blockIdx.x / GH_CLUSTER, clusters = gridDim.x / GH_CLUSTER;
+    __syncthreads();
+    const int tiles = MODE == GH_WGRAD ? experts * wgrad_m_tiles * n_tiles : tile_start[experts];
     const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
     const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;  // the BF16 output tile
 
-    // This block's tile of pair p.
-    auto tile_at = [&](int p) {
+    // Tile t of the order expert, n-tile, m-tile (m fastest).
+    auto tile_at = [&](int t) {
         if constexpr (MODE == GH_WGRAD) {
-            const int e = p / (wgrad_m_pairs * n_tiles), local = p - e * wgrad_m_pairs * n_tiles;
-            return Tile{e, ((local % wgrad_m_pairs) * GH_CLUSTER + rank) * GH_BM, K, (local / wgrad_m_pairs) * GH_BN,
+            const int e = t / (wgrad_m_tiles * n_tiles), local = t - e * wgrad_m_tiles * n_tiles;
+            return Tile{e, (local % wgrad_m_tiles) * GH_BM, out_rows_per_expert, (local / wgrad_m_tiles) * GH_BN,
                         off[e], off[e + 1] - off[e]};
         } else {
-            const int e = expert_of_tile(tile_start, experts, p);
-            const int m_pairs = ceil_div(off[e + 1] - off[e], GH_CLUSTER * GH_BM);
-            const int local = p - tile_start[e];
-            return Tile{e, off[e] + ((local % m_pairs) * GH_CLUSTER + rank) * GH_BM, off[e + 1],
-                        (local / m_pairs) * GH_BN, 0, MODE == GH_FORWARD ? K : N};
+            const int e = expert_of_tile(tile_start, experts, t);
+            const int m_tiles = ceil_div(off[e + 1] - off[e], GH_BM);
+            const int local = t - tile_start[e];
+            return Tile{e, off[e] + (local % m_tiles) * GH_BM, off[e + 1], (local / m_tiles) * GH_BN, 0,
+                        MODE == GH_FORWARD ? K : N};
         }
     };
 
@@ -302,49 +253,49 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     bool gave_up = false;
     if (warpgroup == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        if (warp == 0 && lane == 0) {
+        if (warp == 0) {
+            if (lane != 0) return;
             int step = 0;
-            for (int p = cluster; p < pairs && !gave_up; p += clusters) {
-                const Tile tile = tile_at(p);
-                const int a_boxes = A_BOXES ? max(0, min(GH_BM / GH_BOX, ceil_div(K - tile.row0, GH_BOX))) : 1;
-                const int b_boxes = min(GH_BN / B_BOX_COLS, ceil_div(out_cols - tile.col0, B_BOX_COLS));
-                const unsigned bytes = (A_BOXES ? a_boxes * GH_BOX_BYTES : GH_A_BYTES) + b_boxes * (GH_B_BYTES * B_BOX_COLS / GH_BN);
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                const Tile tile = tile_at(t);
+                const int a_boxes = A_BOXES ? min(GH_BM / GH_BOX, ceil_div(K - tile.row0, GH_BOX)) : 1;
+                const int b_boxes = B_BOXES ? min(GH_BN / GH_BOX, ceil_div(out_cols - tile.col0, GH_BOX)) : 1;
+                const unsigned bytes = (A_BOXES ? a_boxes * GH_BOX_BYTES : GH_A_BYTES) +
+                                       (B_BOXES ? b_boxes * GH_BOX_BYTES : GH_B_BYTES);
                 const int k_steps = ceil_div(tile.red_len, GH_BK);
                 for (int k = 0; k < k_steps; ++k, ++step) {
                     const int s = step % GH_STAGES;
-                    // Both blocks' consumers are done with the stage: this block's copies land in both.
-                    stage_wait<true>(&empty[s], ((step / GH_STAGES) & 1) ^ 1, status, GH_WAITED_FOR_CONSUMERS, gave_up);
-                    if (gave_up) break;
+                    stage_wait(&empty[s], ((step / GH_STAGES) & 1) ^ 1, status, GH_WAITED_FOR_CONSUMERS, gave_up);
+                    if (gave_up) return;
                     expect_bytes(&full[s], bytes);
                     const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
                     const int r = tile.red0 + k * GH_BK;
                     if constexpr (MODE == GH_WGRAD) {
                         for (int j = 0; j < a_boxes; ++j)
                             tma_load_2d(a + j * GH_BOX_BYTES, a_map, &full[s], tile.row0 + j * GH_BOX, r);
+                        for (int j = 0; j < b_boxes; ++j)
+                            tma_load_2d(b + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + j * GH_BOX, r);
+                    } else if constexpr (MODE == GH_FORWARD) {
+                        tma_load_2d(a, a_map, &full[s], r, tile.row0);
+                        for (int j = 0; j < b_boxes; ++j)
+                            tma_load_3d(b + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + j * GH_BOX, r, tile.expert);
                     } else {
                         tma_load_2d(a, a_map, &full[s], r, tile.row0);
-                    }
-                    for (int j = rank; j < b_boxes; j += GH_CLUSTER) {
-                        const unsigned box = b + j * (GH_B_BYTES * B_BOX_COLS / GH_BN);
-                        if constexpr (MODE == GH_WGRAD) {
-                            tma_multicast_2d(box, b_map, &full[s], tile.col0 + j * B_BOX_COLS, r);
-                        } else if constexpr (MODE == GH_FORWARD) {
-                            tma_multicast_3d(box, b_map, &full[s], tile.col0 + j * B_BOX_COLS, r, tile.expert);
-                        } else {
-                            tma_multicast_3d(box, b_map, &full[s], r, tile.col0 + j * B_BOX_COLS, tile.expert);
-                        }
+                        tma_load_3d(b, b_map, &full[s], r, tile.col0, tile.expert);
                     }
                 }
             }
-        } else if (STAGED_OUTPUT && warp != 0) {
+            return;
+        }
+        if constexpr (STAGED_OUTPUT) {
             // Store warps: each staged tile to global memory in 16-byte chunks, a warp per
             // 512-byte row at a time, masked to the tile's rows and the output's columns.
             const int id = threadIdx.x - WARP;
             int phase = 0;
-            for (int p = cluster; p < pairs; p += clusters, phase ^= 1) {
-                const Tile tile = tile_at(p);
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x, phase ^= 1) {
+                const Tile tile = tile_at(t);
                 stage_wait(&output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
-                if (__any_sync(FULL_MASK, gave_up)) break;  // the whole warp, or its __syncwarp would hang
+                if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
                 OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
                 for (int i = id; i < GH_BM * (GH_BN / 8); i += GH_STORE_WARPS * WARP) {
                     const int row = i / (GH_BN / 8), chunk = i % (GH_BN / 8);
@@ -361,99 +312,97 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 if (lane == 0) mbarrier_arrive(&output_empty);
             }
         }
-        __syncwarp();
-    } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
-        const int consumer = warpgroup - 1;
-        int step = 0, phase = 0;
-        for (int p = cluster; p < pairs; p += clusters, phase ^= 1) {
-            const Tile tile = tile_at(p);
-            const int k_steps = ceil_div(tile.red_len, GH_BK);
-            float d[128];
-#pragma unroll
-            for (int i = 0; i < 128; ++i) d[i] = 0.0f;
-            for (int k = 0; k < k_steps; ++k, ++step) {
-                const int s = step % GH_STAGES;
-                stage_wait(&full[s], (step / GH_STAGES) & 1, status, GH_WAITED_FOR_COPIES, gave_up);
-                const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
-                if constexpr (MODE == GH_WGRAD) {
-                    // The expert's last chunk: its rows past the end (the next expert's) count as
-                    // zeros. Every box is cleared from that row on, whole 128-byte lines (the
-                    // swizzle permutes chunks within a line), before the MMAs read them.
-                    const int valid = tile.red_len - k * GH_BK;
-                    if (valid < GH_BK) {
-                        const int lines = GH_BK - valid, chunks = lines * 8;
-                        const int boxes = GH_BM / GH_BOX + GH_BN / GH_BOX;
-                        for (int i = threadIdx.x - 128; i < boxes * chunks; i += 128 * GH_CONSUMERS) {
-                            const int box = i / chunks, line = valid + (i % chunks) / 8, chunk = i % 8;
-                            const unsigned at = a + box * GH_BOX_BYTES + line * 128 + chunk * 16;  // B follows A's boxes
-                            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(at), "r"(0) : "memory");
-                        }
-                        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by the MMAs (async proxy)
-                        consumers_sync();
-                    }
-                }
-                wgmma_fence();
-#pragma unroll
-                for (int k16 = 0; k16 < GH_BK / 16; ++k16) {
-                    if constexpr (MODE == GH_WGRAD) {  // both 16 reduction rows further: 2 swizzle atoms
-                        wgmma_m64n256k16<1, 1>(d, smem_descriptor(a + consumer * GH_BOX_BYTES + k16 * 2048, GH_BOX_BYTES, 1024),
-                                               smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
-                    } else {
-                        // A: 16 elements of K further within the 128-byte row.
-                        const unsigned long long da = smem_descriptor(a + consumer * 64 * 128 + k16 * 32, 16, 1024);
-                        if constexpr (MODE == GH_FORWARD) {
-                            wgmma_m64n256k16<0, 1>(d, da, smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
-                        } else {
-                            wgmma_m64n256k16<0, 0>(d, da, smem_descriptor(b + k16 * 32, 16, 1024));
-                        }
-                    }
-                }
-                wgmma_commit();
-                wgmma_wait<1>();  // the previous step's MMAs are done: its stage may be refilled
-                if (k > 0 && lane == 0) arrive_everywhere(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
-            }
-            wgmma_wait<0>();
-            if (k_steps > 0 && lane == 0) arrive_everywhere(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+        return;
+    }
 
-            // Accumulator d[4j + {0, 1}] is row lane/4, columns 8j + 2 (lane%4) + {0, 1} of the
-            // warp's 16 rows; d[4j + {2, 3}] the same 8 rows further.
-            const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
-            if constexpr (STAGED_OUTPUT) {  // to the staged tile once the store warps are done with the last
-                stage_wait(&output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
+    const int consumer = warpgroup - 1;
+    int step = 0, phase = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x, phase ^= 1) {
+        const Tile tile = tile_at(t);
+        const int k_steps = ceil_div(tile.red_len, GH_BK);
+        float d[128];
 #pragma unroll
-                for (int half = 0; half < 2; ++half)
-#pragma unroll
-                    for (int j = 0; j < GH_BN / 8; ++j) {
-                        const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
-                        asm volatile("st.shared.b32 [%0], %1;" :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
-                                     "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
+        for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+        for (int k = 0; k < k_steps; ++k, ++step) {
+            const int s = step % GH_STAGES;
+            stage_wait(&full[s], (step / GH_STAGES) & 1, status, GH_WAITED_FOR_COPIES, gave_up);
+            const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
+            if constexpr (MODE == GH_WGRAD) {
+                // The expert's last chunk: its rows past the end (the next expert's) count as
+                // zeros. Every copied box is cleared from that row on, whole 128-byte lines
+                // (the swizzle permutes chunks within a line), before the MMAs read them.
+                const int valid = tile.red_len - k * GH_BK;
+                if (valid < GH_BK) {
+                    const int lines = GH_BK - valid, chunks = lines * 8;
+                    const int boxes = GH_BM / GH_BOX + GH_BN / GH_BOX;
+                    for (int i = threadIdx.x - 128; i < boxes * chunks; i += 128 * GH_CONSUMERS) {
+                        const int box = i / chunks, line = valid + (i % chunks) / 8, chunk = i % 8;
+                        const unsigned at = a + box * GH_BOX_BYTES + line * 128 + chunk * 16;  // B follows A's boxes
+                        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(at), "r"(0) : "memory");
                     }
-                __syncwarp();
-                if (lane == 0) mbarrier_arrive(&output_full);
-            } else {
-                OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by the MMAs (async proxy)
+                    consumers_sync();
+                }
+            }
+            wgmma_fence();
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int r = tile.row0 + row + 8 * half;
-                    if (r >= tile.row_end) continue;
-                    OutT* out_row = base + static_cast<long long>(r) * out_cols;
-#pragma unroll
-                    for (int j = 0; j < GH_BN / 8; ++j) {
-                        const int c = tile.col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
-                        if (c < out_cols) store_pair(out_row + c, d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+            for (int k16 = 0; k16 < GH_BK / 16; ++k16) {
+                if constexpr (MODE == GH_WGRAD) {  // both 16 reduction rows further: 2 swizzle atoms
+                    wgmma_m64n256k16<1, 1>(d, smem_descriptor(a + consumer * GH_BOX_BYTES + k16 * 2048, GH_BOX_BYTES, 1024),
+                                           smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
+                } else {
+                    // A: 16 elements of K further within the 128-byte row.
+                    const unsigned long long da = smem_descriptor(a + consumer * 64 * 128 + k16 * 32, 16, 1024);
+                    if constexpr (MODE == GH_FORWARD) {
+                        wgmma_m64n256k16<0, 1>(d, da, smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
+                    } else {
+                        wgmma_m64n256k16<0, 0>(d, da, smem_descriptor(b + k16 * 32, 16, 1024));
                     }
+                }
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // the previous step's MMAs are done: its stage may be refilled
+            if (k > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+        }
+        wgmma_wait<0>();
+        if (k_steps > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+
+        // Accumulator d[4j + {0, 1}] is row lane/4, columns 8j + 2 (lane%4) + {0, 1} of the
+        // warp's 16 rows; d[4j + {2, 3}] the same 8 rows further.
+        const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
+        if constexpr (STAGED_OUTPUT) {  // to the staged tile once the store warps are done with the last
+            stage_wait(&output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int j = 0; j < GH_BN / 8; ++j) {
+                    const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+                    asm volatile("st.shared.b32 [%0], %1;" :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
+                                 "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
+                }
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&output_full);
+        } else {
+            OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = tile.row0 + row + 8 * half;
+                if (r >= tile.row_end) continue;
+                OutT* out_row = base + static_cast<long long>(r) * out_cols;
+#pragma unroll
+                for (int j = 0; j < GH_BN / 8; ++j) {
+                    const int c = tile.col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
+                    if (c < out_cols) store_pair(out_row + c, d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
                 }
             }
         }
     }
-    // Neither block leaves while the other may still copy into it or arrive on its barriers.
-    cluster_sync();
 }
 
 #define GH_KERNEL(kernel, mode, a, b)                                                                                  \
     template <typename OutT>                                                                                           \
-    __global__ void __launch_bounds__(GH_THREADS, 1) __cluster_dims__(GH_CLUSTER, 1, 1)                               \
+    __global__ void __launch_bounds__(GH_THREADS, 1)                                                                   \
     kernel(const __grid_constant__ TensorMap a, const __grid_constant__ TensorMap b, const void* offsets,               \
            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out, long long* status) {          \
         grouped_mm<mode, OutT>(&a, &b, offsets, offsets_are_64bit, experts, rows, K, N, out, status);                 \

@@ -1,6 +1,5 @@
 """Device (CuPy) grouped GEMM on the caller's stream: the Hopper kernels of
-``raw_kernels/grouped_gemm.cu`` (TMA + wgmma, one persistent block per SM, in clusters
-of ``GH_CLUSTER``).
+``raw_kernels/grouped_gemm.cu`` (TMA + wgmma, one persistent block per SM).
 
 One launch per call whatever the expert sizes: the kernels read the offsets on the
 device, so the host never waits for the counts. Offsets on the device are checked by the
@@ -84,8 +83,7 @@ class DeviceGroupedGemm:
             # Stands in for an empty operand in a tensor map (never read: no tile touches it).
             self._placeholder = cupy.zeros(_ALIGN_BYTES, dtype=np.uint8)
         self.hopper = (properties["major"], properties["minor"]) == (9, 0)
-        cluster = kernel_constant(KERNELS, "GH_CLUSTER")  # the grid is whole clusters
-        self.grid = properties["multiProcessorCount"] // cluster * cluster
+        self.grid = properties["multiProcessorCount"]
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
         self.shared_bytes = kernel_constant(KERNELS, "GH_SMEM_BYTES")
         self._maps: _TensorMaps | None = None
@@ -117,7 +115,7 @@ class DeviceGroupedGemm:
         if problem.op == "forward":
             shapes = ((k, rows), (bk, bm)), ((n, k, experts), (box, bk, 1))
         elif problem.op == "dgrad":
-            shapes = ((n, rows), (bk, bm)), ((n, k, experts), (bk, bn // 2, 1))
+            shapes = ((n, rows), (bk, bm)), ((n, k, experts), (bk, bn, 1))
         else:
             shapes = ((k, rows), (box, bk)), ((n, rows), (box, bk))
 
