@@ -215,7 +215,6 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     __shared__ u64 full[GH_STAGES], empty[GH_STAGES], output_full, output_empty;
 
     if (!load_offsets(off, offsets, offsets_are_64bit, experts, rows, status)) return;
-    const int out_rows_per_expert = K;  // wgrad's output rows
     const int out_cols = MODE == GH_DGRAD ? K : N;
     const int n_tiles = ceil_div(out_cols, GH_BN);
     const int wgrad_m_tiles = ceil_div(K, GH_BM);
@@ -238,8 +237,8 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     auto tile_at = [&](int t) {
         if constexpr (MODE == GH_WGRAD) {
             const int e = t / (wgrad_m_tiles * n_tiles), local = t - e * wgrad_m_tiles * n_tiles;
-            return Tile{e, (local % wgrad_m_tiles) * GH_BM, out_rows_per_expert, (local / wgrad_m_tiles) * GH_BN,
-                        off[e], off[e + 1] - off[e]};
+            return Tile{e, (local % wgrad_m_tiles) * GH_BM, K, (local / wgrad_m_tiles) * GH_BN, off[e],
+                        off[e + 1] - off[e]};
         } else {
             const int e = expert_of_tile(tile_start, experts, t);
             const int m_tiles = ceil_div(off[e + 1] - off[e], GH_BM);
