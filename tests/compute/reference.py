@@ -9,8 +9,9 @@ products are exact in FP32 and FP64, so only the sums and the final rounding err
   with ``gamma_n(u) = n u / (1 - n u)`` (Higham, Accuracy and Stability, Thm 4.4 / 3.1).
 * Host (sequential FP32, ``u = 2^-24``): R - 1 additions of exact terms, each rounded once,
   ``|fp32 - s| <= gamma_{R-1}(2^-24) S``.
-* Device (tensor cores): the kernel adds ``T = (BK / 16) ceil(R / BK)`` m16n8k16 steps
-  ``d = c + p_1 + ... + p_16`` (zero-padded past R). Model of one step: the 17 addends are
+* Device (tensor cores): the kernels add ``T = ceil(R / 16)`` k16 MMA steps (mma.sync
+  m16n8k16 or wgmma m64nNk16) ``d = c + p_1 + ... + p_16`` (zero-padded past R; a step
+  wholly past R adds exact zeros and is not counted). Model of one step: the 17 addends are
   aligned to the largest and truncated, in at most two passes (the hardware may add the
   products in groups), then the sum is normalised with truncation; each truncation loses
   less than one unit in the 24th bit of the largest magnitude, so a step errs by at most
@@ -26,7 +27,6 @@ from __future__ import annotations
 import numpy as np
 
 from ultraep.runtime.dtypes import BFLOAT16
-from ultraep.runtime.kernels import kernel_constant
 
 U_FP64, U_FP32, U_BF16 = 2.0**-53, 2.0**-24, 2.0**-8
 DEVICE_STEP_ERROR = 35 * 2.0**-23
@@ -91,8 +91,7 @@ def exact(op: str, a, b, offsets):
 def error_bound(r, s, terms, out_dtype, device: bool):
     """Largest |y - r| the implementation may show (see the module docstring)."""
     if device:
-        block_k = kernel_constant("grouped_gemm.cu", "GG_BK")
-        steps = (block_k // 16) * np.ceil(np.asarray(terms, dtype=np.float64) / block_k)
+        steps = np.ceil(np.asarray(terms, dtype=np.float64) / 16)
         sum_error = gamma(steps, DEVICE_STEP_ERROR) * s
     else:
         sum_error = gamma(np.maximum(np.asarray(terms) - 1, 0), U_FP32) * s

@@ -1,4 +1,4 @@
-"""The grouped GEMM kernel on the GPU (raw_kernels/grouped_gemm.cu).
+"""The grouped GEMM kernels on the GPU (raw_kernels/grouped_gemm.cu).
 
 Device against FP64: within the derived tensor-core bound of tests/compute/reference.py,
 not bitwise against the host (the tensor cores add inside an MMA step in their own order;
@@ -61,8 +61,10 @@ def run(cp, op, a, b, offsets, out_dtype=BFLOAT16, poison=True):
     return result
 
 
-# (experts, K, N, mean rows): tails in every dimension, one long K, many small experts.
-SHAPES = [(5, 136, 200, 33), (2, 40, 24, 400), (8, 256, 520, 300), (33, 64, 72, 20), (3, 7168, 136, 150)]
+# (experts, K, N, mean rows): tails in every dimension, one long K, many small experts;
+# output columns one W box (64) past a whole tile (256) and reductions one chunk past it.
+SHAPES = [(5, 136, 200, 33), (2, 40, 24, 400), (8, 256, 520, 300), (33, 64, 72, 20), (3, 7168, 136, 150),
+          (4, 584, 328, 260), (6, 320, 1032, 130)]
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -145,9 +147,9 @@ def _layouts(rng, target_rows: np.ndarray):
 
 
 @pytest.mark.parametrize("op", ["forward", "dgrad"])
-def test_a_rows_result_does_not_depend_on_where_it_runs(cp, op):
+@pytest.mark.parametrize("k,n,count", [(200, 136, 150), (520, 328, 300)])
+def test_a_rows_result_does_not_depend_on_where_it_runs(cp, op, k, n, count):
     rng = np.random.default_rng(5)
-    k, n, count = 200, 136, 150
     w = bf16(rng, (4, k, n))
     target = bf16(rng, (count, k if op == "forward" else n))
     reference = None
@@ -157,6 +159,35 @@ def test_a_rows_result_does_not_depend_on_where_it_runs(cp, op):
             reference = y
         else:
             assert np.array_equal(y, reference), f"{op}: rows moved to {where} with offsets {offsets} changed bits"
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("seed", range(4))
+def test_random_sizes_with_empty_and_one_row_experts(cp, op, seed):
+    """Random K, N (multiples of 8) and expert sizes, some experts empty or of one row, no
+    size a multiple of a tile, rows past offsets[E]: within the bound, nothing past the end
+    written, the same bits on a second run."""
+    rng = np.random.default_rng(200 + seed)
+    experts = int(rng.integers(2, 12))
+    k, n = (8 * int(v) for v in rng.integers(1, 90, size=2))
+    counts = [int(v) for v in rng.integers(2, 300, size=experts)]
+    for e in rng.permutation(experts)[:2]:
+        counts[e] = 0
+    counts[int(rng.integers(experts))] = 1
+    offsets = offsets_of(counts)
+    rows = int(offsets[-1]) + int(rng.integers(0, 9))
+    a = bf16(rng, (rows, n if op == "dgrad" else k))
+    b = bf16(rng, (rows, n)) if op == "wgrad" else bf16(rng, (experts, k, n))
+    poison = nan_bits(out_shape(op, a, b, offsets), BFLOAT16)
+    y = run(cp, op, a, b, offsets)
+    again = run(cp, op, a, b, offsets)
+    assert np.array_equal(bits(y), bits(again)), f"{op}: two runs differ"
+    y = down(y)
+    r, s, terms = exact(op, a, b, offsets)
+    end = None if op == "wgrad" else int(offsets[-1])
+    assert_within_bound(y[:end], r, s, terms, BFLOAT16, device=True, what=f"device {op} K={k} N={n} {counts}")
+    if op != "wgrad":
+        assert np.array_equal(y[end:].view(np.uint16), poison[end:].view(np.uint16)), "rows past offsets[E] written"
 
 
 def test_wgrad_does_not_depend_on_where_the_experts_rows_start(cp):

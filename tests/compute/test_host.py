@@ -143,7 +143,7 @@ def test_bad_input_is_refused_before_anything_is_written(case):
 
 def test_offsets_are_judged_in_the_kernels_scan_order():
     """First bad entry wins, and at one index a decrease is named before an overrun, as in
-    raw_kernels/grouped_gemm.cu's report_offsets."""
+    raw_kernels/grouped_gemm_common.cuh's report_offsets."""
     assert "offsets[2] = 3" in offsets_error(np.array([0, 5, 3, 100]), 10)
     assert "offsets[1] = 100 is past" in offsets_error(np.array([0, 100, 3]), 10)
     assert "offsets[2] = 3 is below" in offsets_error(np.array([0, 12, 3]), 20)

@@ -2,7 +2,8 @@
 
 * :func:`grouped_mm`, :func:`grouped_mm_dgrad`, :func:`grouped_mm_wgrad` -- the
   padding-free BF16 grouped GEMM over expert-major rows (forward, input gradient, weight
-  gradient), on the GPU (``raw_kernels/grouped_gemm.cu``) or on the host (NumPy reference);
+  gradient), on a Hopper GPU (``raw_kernels/grouped_gemm.cu``: TMA + wgmma) or on the host
+  (NumPy reference);
 * :func:`check_errors` -- raise what the kernel found wrong with device-side offsets.
 """
 

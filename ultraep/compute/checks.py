@@ -1,8 +1,8 @@
 """The grouped GEMM's input contract, shared by the host and the device implementation.
 
 Every check here runs before anything is launched or written. Expert offsets that live on
-the host are checked here too; offsets on the device are checked by the kernel itself
-(``raw_kernels/grouped_gemm.cu``), which words its verdict with the same codes.
+the host are checked here too; offsets on the device are checked by the kernels themselves
+(``raw_kernels/grouped_gemm_common.cuh``), which word their verdict with the same codes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ultraep.errors import GroupedGemmError
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.kernels import kernel_constant
 
-KERNELS = "grouped_gemm.cu"
+KERNELS = "grouped_gemm.cu"  # includes grouped_gemm_common.cuh: the limits and codes below are its constants
 OPERANDS = {"forward": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("x", "dy")}
 MAX_ROWS = 2**31 - 1  # the kernel's row arithmetic is 32-bit
 
@@ -111,7 +111,7 @@ def offsets_error(offsets: np.ndarray, rows: int) -> str | None:
 
 
 def offsets_message(code: int, index: int, value: int, rows: int) -> str:
-    """The words for a bad-offsets record (``code`` as ``raw_kernels/grouped_gemm.cu`` defines it)."""
+    """The words for a bad-offsets record (``code`` as ``raw_kernels/grouped_gemm_common.cuh`` defines it)."""
     if code == kernel_constant(KERNELS, "GG_FIRST_OFFSET_NOT_ZERO"):
         return f"offsets[0] is {value}, expected 0 (expert 0's rows start at row 0)"
     if code == kernel_constant(KERNELS, "GG_OFFSETS_DECREASE"):

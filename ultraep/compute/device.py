@@ -1,13 +1,21 @@
-"""Device (CuPy) grouped GEMM: ``raw_kernels/grouped_gemm.cu`` on the caller's stream.
+"""Device (CuPy) grouped GEMM on the caller's stream: the Hopper kernels of
+``raw_kernels/grouped_gemm.cu`` (TMA + wgmma, one persistent block per SM).
 
-One persistent launch per call, ``GG_BLOCKS_PER_SM`` blocks per SM, whatever the expert
-sizes: the kernel reads the offsets on the device, so the host never waits for the counts.
-Offsets on the device are checked by the kernel; a bad array is refused by every block
-before any store, and the first such record waits in this GPU's status word until
-:meth:`DeviceGroupedGemm.check` (``ultraep.compute.check_errors``) raises it.
+One launch per call whatever the expert sizes: the kernels read the offsets on the
+device, so the host never waits for the counts. Offsets on the device are checked by the
+kernel; a bad array is refused by every block before any store, and the first such
+record waits in this GPU's status word until :meth:`DeviceGroupedGemm.check`
+(``ultraep.compute.check_errors``) raises it. So does a Hopper kernel's pipeline wait that
+ran out of time (a bug, reported rather than hung).
+
+The kernels take their operands through TMA tensor maps, encoded here for every
+call by the driver's ``cuTensorMapEncodeTiled`` (they hold the operands' addresses) and
+passed by value as kernel parameters.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
@@ -15,7 +23,51 @@ from ultraep.compute.checks import KERNELS, Problem, offsets_message
 from ultraep.errors import GroupedGemmError
 from ultraep.runtime.kernels import get_function, kernel_constant
 
-_ALIGN_BYTES = 16  # cp.async moves 16-byte chunks; the epilogue stores 4- or 8-byte pairs
+_ALIGN_BYTES = 16  # cp.async and TMA move 16-byte units; the epilogues store 4- or 8-byte pairs
+
+# cuTensorMapEncodeTiled's enumerations (cuda.h).
+_BFLOAT16 = 9
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZEROS = 0
+
+
+class _TensorMaps:
+    """TMA tensor maps of row-major BF16 arrays, from the CUDA driver."""
+
+    def __init__(self):
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise GroupedGemmError(f"the CUDA driver library (libcuda.so.1) could not be loaded: {exc}") from exc
+        self.encode = driver.cuTensorMapEncodeTiled
+        self.encode.restype = ctypes.c_int
+        u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+        self.encode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p,
+                                u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.size = kernel_constant(KERNELS, "GH_TENSOR_MAP_BYTES")
+        self.dtype = np.dtype((np.void, self.size))
+
+    def tiled(self, pointer: int, dims, box) -> np.void:
+        """The map of a row-major array at ``pointer`` with ``dims`` (innermost first), copied
+        in ``box`` tiles into 128-byte-swizzled shared memory, reads out of bounds as zeros."""
+        strides, stride = [], 2
+        for d in dims[:-1]:
+            stride *= d
+            strides.append(stride)
+        buffer = np.zeros(2 * self.size, dtype=np.uint8)  # the map must be 64-byte aligned
+        start = -buffer.ctypes.data % 64
+        out = buffer[start:start + self.size]
+        rank = len(dims)
+        result = self.encode(out.ctypes.data, _BFLOAT16, rank, pointer, (ctypes.c_uint64 * rank)(*dims),
+                             (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box),
+                             (ctypes.c_uint32 * rank)(*([1] * rank)), _INTERLEAVE_NONE, _SWIZZLE_128B,
+                             _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+        if result != 0:
+            raise GroupedGemmError(f"cuTensorMapEncodeTiled refused dims {tuple(dims)} box {tuple(box)} "
+                                   f"(CUresult {result})")
+        return out.view(self.dtype)[0]
 
 
 class DeviceGroupedGemm:
@@ -25,12 +77,16 @@ class DeviceGroupedGemm:
         import cupy
 
         self.cp, self.device = cupy, device
-        self.threads = kernel_constant(KERNELS, "GG_THREADS")
-        self.shared_bytes = kernel_constant(KERNELS, "GG_SMEM_BYTES")
         with cupy.cuda.Device(device):
-            sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+            properties = cupy.cuda.runtime.getDeviceProperties(device)
             self.status = cupy.zeros(4, dtype=np.int64)
-        self.grid = sms * kernel_constant(KERNELS, "GG_BLOCKS_PER_SM")
+            # Stands in for an empty operand in a tensor map (never read: no tile touches it).
+            self._placeholder = cupy.zeros(_ALIGN_BYTES, dtype=np.uint8)
+        self.hopper = (properties["major"], properties["minor"]) == (9, 0)
+        self.grid = properties["multiProcessorCount"]
+        self.threads = kernel_constant(KERNELS, "GH_THREADS")
+        self.shared_bytes = kernel_constant(KERNELS, "GH_SMEM_BYTES")
+        self._maps: _TensorMaps | None = None
         self._kernels: dict[tuple[str, np.dtype], object] = {}
 
     def _kernel(self, op: str, out_dtype: np.dtype):
@@ -49,23 +105,55 @@ class DeviceGroupedGemm:
         make = self.cp.empty if problem.op == "wgrad" else self.cp.zeros
         return make(problem.out_shape, dtype=problem.out_dtype)
 
+    def _operand_maps(self, problem: Problem, a, b):
+        """Tensor maps of the two operands, as the kernel's grouped_mm describes them."""
+        if self._maps is None:
+            self._maps = _TensorMaps()
+        constant = lambda name: kernel_constant(KERNELS, name)  # noqa: E731
+        bk, bm, bn, box = constant("GH_BK"), constant("GH_BM"), constant("GH_BN"), constant("GH_BOX")
+        rows, k, n, experts = problem.rows, problem.k, problem.n, problem.experts
+        if problem.op == "forward":
+            shapes = ((k, rows), (bk, bm)), ((n, k, experts), (box, bk, 1))
+        elif problem.op == "dgrad":
+            shapes = ((n, rows), (bk, bm)), ((n, k, experts), (bk, bn, 1))
+        else:
+            shapes = ((k, rows), (box, bk)), ((n, rows), (box, bk))
+
+        def tiled(array, dims, box):
+            if array.size == 0:  # no tile reads it; the map still needs a real address and 16-byte rows
+                return self._maps.tiled(self._placeholder.data.ptr, [_ALIGN_BYTES // 2] + [1] * (len(dims) - 1), box)
+            return self._maps.tiled(array.data.ptr, dims, box)
+
+        return tuple(tiled(array, dims, box) for array, (dims, box) in zip((a, b), shapes))
+
     def run(self, problem: Problem, a, b, offsets, out) -> None:
         """Launch on the current stream (checked CuPy arrays on this GPU)."""
+        if not self.hopper:
+            raise GroupedGemmError(f"{problem.op}: the grouped GEMM kernels need a Hopper (compute capability 9.0) "
+                                   f"GPU; GPU {self.device} is not one")
         for name, array in (("a", a), ("b", b), ("out", out)):
             if array.size and array.data.ptr % _ALIGN_BYTES:
                 raise GroupedGemmError(f"{problem.op}: the {name} operand's data is not {_ALIGN_BYTES}-byte aligned "
                                        f"(a view into a larger buffer?); pass an aligned copy")
         kernel = self._kernel(problem.op, problem.out_dtype)
         kernel((self.grid,), (self.threads,), (
-            a, b, offsets, np.int32(offsets.dtype == np.int64), np.int32(problem.experts), np.int64(problem.rows),
-            np.int32(problem.k), np.int32(problem.n), out, self.status), shared_mem=self.shared_bytes)
+            *self._operand_maps(problem, a, b), offsets, np.int32(offsets.dtype == np.int64),
+            np.int32(problem.experts), np.int64(problem.rows), np.int32(problem.k), np.int32(problem.n), out,
+            self.status), shared_mem=self.shared_bytes)
 
     def check(self) -> None:
-        """Synchronise this GPU's current stream; raise (and clear) the first bad-offsets record."""
+        """Synchronise this GPU's current stream; raise (and clear) the first status record."""
         with self.cp.cuda.Device(self.device):
             self.cp.cuda.get_current_stream().synchronize()
             code, index, value, rows = (int(v) for v in self.status.get())
             if code:
                 self.status.fill(0)
+                if code == kernel_constant(KERNELS, "GH_STAGE_TIMED_OUT"):
+                    waited = {kernel_constant(KERNELS, "GH_WAITED_FOR_CONSUMERS"): "the MMAs to free a stage",
+                              kernel_constant(KERNELS, "GH_WAITED_FOR_COPIES"): "a stage's TMA copies",
+                              kernel_constant(KERNELS, "GH_WAITED_FOR_OUTPUT"): "an output tile to store",
+                              kernel_constant(KERNELS, "GH_WAITED_FOR_STORES"): "the stores of an output tile"}
+                    raise GroupedGemmError(f"grouped GEMM: block {value} waited over {rows} ms for "
+                                           f"{waited.get(index, f'wait {index}')}; its output is not valid")
                 raise GroupedGemmError(f"grouped GEMM refused device offsets (nothing was written): "
                                        f"{offsets_message(code, index, value, rows)}")

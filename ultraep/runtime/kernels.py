@@ -4,7 +4,8 @@ Each ``.cu`` file lists the kernels the Python side fetches on lines of the form
 ``//! kernels: name_a, name_b<float>`` -- ``extern "C"`` names or template instances
 (compiled as ``name_expressions``). That list is the single source of truth: the
 loader compiles exactly those, and the CI compile check instantiates the same ones
-with ``nvcc``.
+with ``nvcc``. A file may add NVRTC options on ``//! nvrtc-options:`` lines (e.g.
+``-arch=sm_90a`` for wgmma, which NVRTC honours next to the ``-arch`` CuPy adds).
 
 A module is compiled once per process and cached on disk by CuPy (``CUPY_CACHE_DIR``).
 With a group, local rank 0 compiles first and the others load from the cache after a
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 COMPILE_OPTIONS = ("--std=c++17",)
 _KERNEL_LINE = re.compile(r"^//!\s*kernels:\s*(.+)$", re.MULTILINE)
+_OPTIONS_LINE = re.compile(r"^//!\s*nvrtc-options:\s*(.+)$", re.MULTILINE)
 _modules: dict[str, object] = {}
 _functions: dict[tuple[str, str], object] = {}
 
@@ -191,7 +193,9 @@ def _compile(filename: str):
 
     path = kernel_source(filename)
     names = declared_kernels(path)
-    module = cupy.RawModule(code=inline_local_includes(path), options=COMPILE_OPTIONS, name_expressions=names)
+    code = inline_local_includes(path)
+    options = COMPILE_OPTIONS + tuple(o for line in _OPTIONS_LINE.findall(code) for o in line.split())
+    module = cupy.RawModule(code=code, options=options, name_expressions=names)
     module.compile()  # compile now, not at the first launch inside a timed or captured region
     return module
 
