@@ -7,12 +7,16 @@ from __future__ import annotations
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 from ultraep import (Balancer, ClosedError, Dispatcher, EPGroup, ExpertLayout, ExpertSpec, UltraEPError,
                      WeightTransfer, open_heap, plan_placement)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
+from tests.support.mpi_checks import expect  # noqa: E402
 
 backend, case = sys.argv[1], sys.argv[2]
 group = EPGroup(MPI.COMM_WORLD, use_gpu=backend == "device")
@@ -26,15 +30,6 @@ LAYOUT = ExpertLayout(R, 2 * R, 2)
 SPEC = ExpertSpec([("w", (4, 8), "float32")])
 M = LAYOUT.experts_per_rank
 
-
-def expect(fn, error_type, *fragments) -> str:
-    try:
-        fn()
-    except error_type as exc:
-        message = str(exc)
-        assert all(f in message for f in fragments), f"rank {me}: unexpected message {message!r}, wanted {fragments}"
-        return message
-    raise AssertionError(f"rank {me}: expected {error_type.__name__} with {fragments}")
 
 
 def hot_plan(expert: int):
