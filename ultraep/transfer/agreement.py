@@ -130,8 +130,11 @@ class DevicePlanAgreement:
         return AgreedPlacement(log_to_phys, self._gated_count)
 
     def check(self) -> None:
-        """Wait for the stream; raise the first disagreement or timeout since the last check
+        """Wait for the device; raise the first disagreement or timeout since the last check
         (the same disagreement on every rank; a timeout names the rank waited for)."""
+        import cupy
+
+        cupy.cuda.Device(self.heap.device).synchronize()  # whichever stream the transfers ran on
         status = [int(v) for v in self._status.get()]
         kind = status[STATUS_KIND]
         if not kind:

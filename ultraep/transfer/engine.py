@@ -253,6 +253,7 @@ class WeightTransfer:
         (:mod:`ultraep.transfer.agreement`): ``plan`` where the ranks agree, else one whose
         transfer writes nothing."""
         self._check_open()
+        self.heap._check_open(f"WeightTransfer.{what}")  # its replica slots and peer table are gone
         error, entry, fingerprint = None, None, None
         try:
             entry = self._layers.get(layer)

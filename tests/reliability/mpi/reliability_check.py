@@ -69,6 +69,11 @@ def use_after_close() -> None:
             engine.close()
     expect(lambda: engine.weight_sync(0, hot_plan(0)), ClosedError, "WeightTransfer is closed")
     expect(lambda: engine.replica_weights(0), ClosedError, "WeightTransfer is closed")
+    with open_heap(group, WeightTransfer.heap_requirements(LAYOUT, SPEC), backend=backend) as heap:
+        engine = WeightTransfer(heap, LAYOUT, SPEC)  # left open, its heap closed under it
+        engine.register_layer(0, masters(), [[xp.zeros((4, 8), np.float32)] for _ in range(M)])
+    for transfer in (engine.weight_sync, engine.reduce_grads):
+        expect(lambda: transfer(0, hot_plan(0)), ClosedError, f"rank {me}: WeightTransfer.", "heap is closed")
 
     disp = Dispatcher(group, hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend)
     disp.close()
