@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import requires_gpu
 from ultraep.transfer.agreement import (AGREE_MISMATCH, AGREE_THREADS, AGREE_TIMEOUT, SLOTS_PER_RANK,
@@ -75,6 +77,23 @@ def test_one_changed_word_or_layer_changes_the_hash(seed):
     a, b = np.flatnonzero(flat != flat[0])[0], 0
     flat[[a, b]] = flat[[b, a]]
     assert plan_hash(0, flat.reshape(log_to_phys.shape), replica_count) != base
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 4), st.integers(0, 2**31 - 1), st.integers(-2**40, 2**40), st.data())
+def test_any_one_change_changes_the_hash(E, K, seed, layer, data):
+    """Plans of any shape: the hash is the kernel's arithmetic, and a different value in any
+    one word of either array changes it."""
+    log_to_phys, replica_count = random_placement(np.random.default_rng(seed), E, K)
+    base = plan_hash(layer, log_to_phys, replica_count)
+    assert base == hash_reference(layer, log_to_phys, replica_count)
+    position = data.draw(st.integers(0, E * K + E - 1), label="position")
+    value = data.draw(st.integers(-2**31, 2**31 - 1), label="value")
+    words = np.concatenate([log_to_phys.ravel(), replica_count])
+    if words[position] == value:
+        return
+    words[position] = value
+    assert plan_hash(layer, words[:E * K].reshape(E, K), words[E * K:]) != base
 
 
 def test_disagreement_message_groups_ranks():

@@ -46,7 +46,8 @@ def _mix64(z: np.ndarray) -> np.ndarray:
 def plan_hash(layer: int, log_to_phys, replica_count) -> int:
     """The 64-bit hash ``agree_plan`` computes on the device, on the host (NumPy arrays):
     the mixed layer plus, for each word of ``log_to_phys`` then ``replica_count`` (as int32),
-    the mix of its position (from 1) and value, summed modulo 2**64."""
+    the mix of its position (from 1) and value, summed modulo 2**64. The mix is a bijection,
+    so plans that differ in one word always hash apart; more differences collide only by chance."""
     words = np.concatenate([np.ascontiguousarray(log_to_phys, dtype=np.int32).ravel(),
                             np.ascontiguousarray(replica_count, dtype=np.int32).ravel()])
     positions = np.arange(1, words.size + 1, dtype=_U64)
