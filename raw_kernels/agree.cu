@@ -50,8 +50,8 @@ __device__ __forceinline__ u64 hashed_word(u64 position, unsigned value) {
 // their plans at once: every transfer after it writes nothing until it is reported.
 extern "C" __global__ void agree_plan(const int* __restrict__ log_to_phys, const int* __restrict__ replica_count,
                                       int E, int K, int op, u64 layer, const u64* __restrict__ peer_bases, int rank,
-                                      int world, u64 pad, u64 call, u64 timeout_ns, u64* __restrict__ hashes,
-                                      u64* __restrict__ status, int* __restrict__ gated_count) {
+                                      int world, u64 pad, u64 call, u64 timeout_ns, u64* hashes, u64* status,
+                                      int* __restrict__ gated_count) {
     __shared__ u64 partial[AGREE_THREADS];
     __shared__ int failed;
     if (threadIdx.x == 0) failed = static_cast<int>(status[STATUS_KIND]);
@@ -97,18 +97,22 @@ extern "C" __global__ void agree_plan(const int* __restrict__ log_to_phys, const
                 hashes[peer] = own[world * (1 + parity) + peer];
             }
         }
-        __syncthreads();
-        if (threadIdx.x == 0 && status[STATUS_KIND] == AGREE_OK) {
-            bool same = true;
-            for (int peer = 0; peer < world; ++peer) same = same && hashes[peer] == mine;
-            if (!same) {
-                status[STATUS_CALL] = call;
-                status[STATUS_OP] = static_cast<u64>(op);
-                status[STATUS_LAYER] = layer;
-                for (int peer = 0; peer < world; ++peer) status[STATUS_HASHES + peer] = hashes[peer];
-                status[STATUS_KIND] = AGREE_MISMATCH;
+        __syncthreads();  // every peer's hash (or a timeout) is in hashes[] and status[]
+        if (threadIdx.x == 0) {
+            volatile u64* kind = status + STATUS_KIND;  // other threads' atomics may have set it
+            if (*kind == AGREE_OK) {
+                const volatile u64* seen_hashes = hashes;
+                bool same = true;
+                for (int peer = 0; peer < world; ++peer) same = same && seen_hashes[peer] == mine;
+                if (!same) {
+                    status[STATUS_CALL] = call;
+                    status[STATUS_OP] = static_cast<u64>(op);
+                    status[STATUS_LAYER] = layer;
+                    for (int peer = 0; peer < world; ++peer) status[STATUS_HASHES + peer] = seen_hashes[peer];
+                    *kind = AGREE_MISMATCH;
+                }
             }
-            failed = static_cast<int>(status[STATUS_KIND]);
+            failed = static_cast<int>(*kind);  // a mismatch or this call's timeout gates the plan
         }
         __syncthreads();
     }
