@@ -6,7 +6,8 @@
 //
 // The hash is a sum over the plan's words of a 64-bit mix of (position, value), so threads
 // can add their shares in any order; ultraep/transfer/agreement.py (plan_hash) is its NumPy
-// twin and must stay bit-for-bit equal.
+// twin and must stay bit-for-bit equal. Columns of log_to_phys past an expert's instance
+// count are read as -1: a transfer never reads them, so what they hold cannot split ranks.
 //
 //! kernels: agree_plan
 
@@ -59,8 +60,10 @@ extern "C" __global__ void agree_plan(const int* __restrict__ log_to_phys, const
     if (!failed) {
         const u64 words = static_cast<u64>(E) * K;
         u64 sum = threadIdx.x == 0 ? mix64(layer) : 0;
-        for (u64 i = threadIdx.x; i < words; i += blockDim.x)
-            sum += hashed_word(1 + i, static_cast<unsigned>(log_to_phys[i]));
+        for (u64 i = threadIdx.x; i < words; i += blockDim.x) {
+            const int used = static_cast<int>(i % K) < replica_count[i / K];
+            sum += hashed_word(1 + i, static_cast<unsigned>(used ? log_to_phys[i] : -1));
+        }
         for (u64 e = threadIdx.x; e < static_cast<u64>(E); e += blockDim.x)
             sum += hashed_word(1 + words + e, static_cast<unsigned>(replica_count[e]));
         partial[threadIdx.x] = sum;

@@ -31,10 +31,13 @@ def mix64_reference(z: int) -> int:
 
 
 def hash_reference(layer: int, log_to_phys, replica_count) -> int:
-    """agree_plan's sum, one word at a time in Python integers."""
+    """agree_plan's sum, one word at a time in Python integers (columns past an expert's
+    count read as -1)."""
     total = mix64_reference(layer & MASK)
-    words = [int(v) for v in np.asarray(log_to_phys).ravel()] + [int(v) for v in np.asarray(replica_count).ravel()]
-    for position, value in enumerate(words, start=1):
+    counts = [int(c) for c in np.asarray(replica_count)]
+    words = [int(v) if k < counts[e] else -1
+             for e, row in enumerate(np.asarray(log_to_phys)) for k, v in enumerate(row)]
+    for position, value in enumerate(words + counts, start=1):
         total = (total + mix64_reference(((position << 32) | (value & 0xFFFFFFFF)) & MASK)) & MASK
     return total
 
@@ -51,6 +54,15 @@ def test_numpy_hash_is_the_kernels_arithmetic(seed):
     assert plan_hash(layer, log_to_phys, replica_count) == hash_reference(layer, log_to_phys, replica_count)
 
 
+def test_columns_past_the_count_are_not_hashed():
+    rng = np.random.default_rng(9)
+    log_to_phys, replica_count = random_placement(rng)
+    replica_count[:] = 1
+    junk = log_to_phys.copy()
+    junk[:, 1:] = rng.integers(-1000, 1000, junk[:, 1:].shape)  # what np.empty might hold
+    assert plan_hash(0, junk, replica_count) == plan_hash(0, log_to_phys, replica_count)
+
+
 def test_hash_reads_values_not_dtypes():
     rng = np.random.default_rng(7)
     log_to_phys, replica_count = random_placement(rng)
@@ -65,25 +77,26 @@ def test_one_changed_word_or_layer_changes_the_hash(seed):
     base = plan_hash(0, log_to_phys, replica_count)
     other_l2p, other_count = log_to_phys.copy(), replica_count.copy()
     if seed % 2:
-        i, j = rng.integers(0, log_to_phys.shape[0]), rng.integers(0, log_to_phys.shape[1])
+        i = rng.integers(0, log_to_phys.shape[0])
+        j = rng.integers(0, replica_count[i])  # a column the transfer reads
         other_l2p[i, j] += int(rng.integers(1, 5))
     else:
         e = rng.integers(0, replica_count.size)
         other_count[e] = other_count[e] % 3 + 1
     assert plan_hash(0, other_l2p, other_count) != base
     assert plan_hash(1, log_to_phys, replica_count) != base
-    # swapping two different words moves values between positions: a different hash
-    flat = log_to_phys.ravel().copy()
-    a, b = np.flatnonzero(flat != flat[0])[0], 0
-    flat[[a, b]] = flat[[b, a]]
-    assert plan_hash(0, flat.reshape(log_to_phys.shape), replica_count) != base
+    # swapping two different masters moves values between positions: a different hash
+    swapped = log_to_phys.copy()
+    a = int(np.flatnonzero(swapped[:, 0] != swapped[0, 0])[0])
+    swapped[[0, a], 0] = swapped[[a, 0], 0]
+    assert plan_hash(0, swapped, replica_count) != base
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 12), st.integers(1, 4), st.integers(0, 2**31 - 1), st.integers(-2**40, 2**40), st.data())
 def test_any_one_change_changes_the_hash(E, K, seed, layer, data):
     """Plans of any shape: the hash is the kernel's arithmetic, and a different value in any
-    one word of either array changes it."""
+    one word a transfer reads changes it (a column past the expert's count is not read)."""
     log_to_phys, replica_count = random_placement(np.random.default_rng(seed), E, K)
     base = plan_hash(layer, log_to_phys, replica_count)
     assert base == hash_reference(layer, log_to_phys, replica_count)
@@ -93,7 +106,9 @@ def test_any_one_change_changes_the_hash(E, K, seed, layer, data):
     if words[position] == value:
         return
     words[position] = value
-    assert plan_hash(layer, words[:E * K].reshape(E, K), words[E * K:]) != base
+    changed = plan_hash(layer, words[:E * K].reshape(E, K), words[E * K:])
+    read = position >= E * K or position % K < replica_count[position // K]
+    assert (changed != base) == read
 
 
 def test_disagreement_message_groups_ranks():

@@ -46,10 +46,14 @@ def _mix64(z: np.ndarray) -> np.ndarray:
 def plan_hash(layer: int, log_to_phys, replica_count) -> int:
     """The 64-bit hash ``agree_plan`` computes on the device, on the host (NumPy arrays):
     the mixed layer plus, for each word of ``log_to_phys`` then ``replica_count`` (as int32),
-    the mix of its position (from 1) and value, summed modulo 2**64. The mix is a bijection,
-    so plans that differ in one word always hash apart; more differences collide only by chance."""
-    words = np.concatenate([np.ascontiguousarray(log_to_phys, dtype=np.int32).ravel(),
-                            np.ascontiguousarray(replica_count, dtype=np.int32).ravel()])
+    the mix of its position (from 1) and value, summed modulo 2**64. Columns of
+    ``log_to_phys`` past an expert's instance count count as -1 (no transfer reads them).
+    The mix is a bijection, so plans that differ in one word a transfer reads always hash
+    apart; more differences collide only by chance."""
+    log_to_phys = np.asarray(log_to_phys).astype(np.int32)
+    replica_count = np.ascontiguousarray(replica_count, dtype=np.int32)
+    used = np.arange(log_to_phys.shape[1])[None, :] < replica_count[:, None]
+    words = np.concatenate([np.where(used, log_to_phys, -1).astype(np.int32).ravel(), replica_count.ravel()])
     positions = np.arange(1, words.size + 1, dtype=_U64)
     mixed = _mix64((positions << _U64(32)) | words.view(np.uint32).astype(_U64))
     layer_word = _mix64(np.array([layer & 0xFFFFFFFFFFFFFFFF], dtype=_U64))
