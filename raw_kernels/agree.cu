@@ -44,19 +44,26 @@ __device__ __forceinline__ u64 hashed_word(u64 position, unsigned value) {
 }
 
 // One block of AGREE_THREADS. `pad` is the byte offset of this engine's signal block in
-// every heap; `call` counts the engine's transfers from 1 (the same on every rank); `op`
+// every heap; `calls` counts the engine's transfers on the device (the same on every rank;
+// kept here, not passed in, so a captured CUDA graph numbers its replays too); `op`
 // and `layer` are recorded with a failure (the layer is hashed too); `hashes` is world
 // words of scratch. Writes gated_count[E]: replica_count, or all ones after a failure.
 // While a failure waits in status[] for the host, later calls publish nothing and gate
 // their plans at once: every transfer after it writes nothing until it is reported.
 extern "C" __global__ void agree_plan(const int* __restrict__ log_to_phys, const int* __restrict__ replica_count,
                                       int E, int K, int op, u64 layer, const u64* __restrict__ peer_bases, int rank,
-                                      int world, u64 pad, u64 call, u64 timeout_ns, u64* hashes, u64* status,
+                                      int world, u64 pad, u64* calls, u64 timeout_ns, u64* hashes, u64* status,
                                       int* __restrict__ gated_count) {
     __shared__ u64 partial[AGREE_THREADS];
+    __shared__ u64 this_call;
     __shared__ int failed;
-    if (threadIdx.x == 0) failed = static_cast<int>(status[STATUS_KIND]);
+    if (threadIdx.x == 0) {
+        this_call = *calls + 1;
+        *calls = this_call;
+        failed = static_cast<int>(status[STATUS_KIND]);
+    }
     __syncthreads();
+    const u64 call = this_call;
     if (!failed) {
         const u64 words = static_cast<u64>(E) * K;
         u64 sum = threadIdx.x == 0 ? mix64(layer) : 0;

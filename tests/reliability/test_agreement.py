@@ -149,11 +149,13 @@ class Pads:
         from ultraep.runtime.kernels import get_function
 
         gated = cupy.full(E, -7, np.int32)  # poisoned
+        calls = cupy.full(1, call - 1, np.uint64)  # the kernel numbers this call
         get_function("agree.cu", "agree_plan")((1,), (AGREE_THREADS,), (
             cupy.asarray(log_to_phys), cupy.asarray(replica_count), np.int32(E), np.int32(K), np.int32(op),
-            np.uint64(layer), self.peer_bases, np.int32(RANK), np.int32(WORLD), np.uint64(PAD), np.uint64(call),
+            np.uint64(layer), self.peer_bases, np.int32(RANK), np.int32(WORLD), np.uint64(PAD), calls,
             np.uint64(int(timeout_s * 1e9)), self.hashes, self.status, gated))
         cupy.cuda.get_current_stream().synchronize()
+        assert int(calls.get()[0]) == call, "the kernel did not count the call"
         return gated.get(), [int(v) for v in self.status.get()]
 
 

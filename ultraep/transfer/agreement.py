@@ -100,7 +100,7 @@ class DevicePlanAgreement:
         self._gated_count = cupy.empty(E, np.int32)
         self._hashes = cupy.empty(heap.size, _U64)
         self._status = cupy.zeros(STATUS_HASHES + heap.size, _U64)
-        self._call = 0
+        self._calls = cupy.zeros(1, _U64)  # transfers agreed so far, counted by the kernel
         self._broken: str | None = None
 
     def agreed(self, what: str, layer: int, plan) -> AgreedPlacement:
@@ -125,12 +125,11 @@ class DevicePlanAgreement:
                 raise ValueError(f"plan.{name}: expected a contiguous int32 array of shape {shape} (NumPy or CuPy), "
                                  f"got {type(array).__name__} {getattr(array, 'dtype', '')} "
                                  f"{getattr(array, 'shape', '')}")
-        self._call += 1
         heap = self.heap
         self._kernel((1,), (AGREE_THREADS,), (
             log_to_phys, replica_count, np.int32(E), np.int32(K), np.int32(OPERATIONS.index(what)),
             _U64(layer & 0xFFFFFFFFFFFFFFFF), heap.peer_bases, np.int32(heap.rank), np.int32(heap.size),
-            _U64(self._pad), _U64(self._call), _U64(int(self.timeout_s * 1e9)), self._hashes, self._status,
+            _U64(self._pad), self._calls, _U64(int(self.timeout_s * 1e9)), self._hashes, self._status,
             self._gated_count))
         return AgreedPlacement(log_to_phys, self._gated_count)
 
