@@ -144,8 +144,8 @@ class DevicePlanAgreement:
         if not kind:
             return
         self._status.fill(0)
-        rank, call = self.heap.rank, status[STATUS_CALL]
-        what = f"{OPERATIONS[status[STATUS_OP]]}({status[STATUS_LAYER]})"
+        rank, call, layer = self.heap.rank, status[STATUS_CALL], status[STATUS_LAYER]
+        what = f"{OPERATIONS[status[STATUS_OP]]}({layer - 2**64 if layer >= 2**63 else layer})"  # the signed layer
         after = "it and every transfer after it until this report wrote nothing"
         if kind == AGREE_MISMATCH:
             message = disagreement_message(what, status[STATUS_HASHES:])
