@@ -1,6 +1,8 @@
 """The GPU half of the fault suite: 2 ranks, WeightTransfer on the device (needs a GPU).
 
 A plan that differs on one rank is refused on every rank at synchronize within the timeout;
+a rank that refuses alone on the host (an unregistered layer) leaves the other a device-side
+timeout naming it;
 a rank that stops answering before ``weight_sync`` (its host asleep) or inside it (its
 stream held by a long kernel) ends the job within the timeout plus 10 s, the other rank
 showing the device-side agreement timeout that names it; views and device calls after the
@@ -22,7 +24,7 @@ TIMEOUT_S = 3.0
 SCRIPT = "reliability/mpi/device_fault_check.py"
 
 
-@pytest.mark.parametrize("kind", ["disagree", "closed"])
+@pytest.mark.parametrize("kind", ["disagree", "closed", "lone"])
 def test_refused_on_every_rank(kind):
     out = run_ranks(2, SCRIPT, kind, str(TIMEOUT_S), timeout=120)
     assert_all_ranks_ok(out, 2, kind)

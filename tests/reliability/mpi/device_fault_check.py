@@ -11,6 +11,9 @@ argv: kind, timeout_s (the group's and the engine's). Rank ``FAULTY`` prints
   timeout (a rank stuck on the device); the same must happen.
 * ``closed``: after the heap's block, its views and every device call of the engine refuse
   (ClosedError), arrays taken inside stay readable and writable by a kernel.
+* ``lone``: passes a layer it never registered, so it refuses alone, on the host; the other
+  rank's device wait for its plan hash gives up within the timeout naming it, and that
+  engine then refuses further calls. Every rank prints OK.
 
 The other rank prints ``[fault] rank <r> got <error>`` before re-raising it.
 """
@@ -85,6 +88,28 @@ def closed() -> None:
     print(f"[closed] rank {me} OK", flush=True)
 
 
+def lone() -> None:
+    with open_heap(group, WeightTransfer.heap_requirements(LAYOUT, SPEC), backend="device") as heap, \
+            WeightTransfer(heap, LAYOUT, SPEC, timeout_s=timeout_s) as engine:
+        engine.register_layer(0, [[cupy.full((64, 64), me * M + m + 1, np.float32)] for m in range(M)],
+                              [[cupy.zeros((64, 64), np.float32)] for _ in range(M)])
+        plan = hot_plan(0)
+        group.barrier()
+        start = time.monotonic()
+        if me == FAULTY:
+            expect(lambda: engine.weight_sync(1, plan), ValueError, "layer 1 has no registered master",
+                   f"on rank {FAULTY}")
+        else:
+            engine.weight_sync(0, plan)
+            expect(engine.synchronize, TimeoutError,
+                   f"weight_sync(0) plan agreement timed out after {timeout_s:g} s waiting for rank {FAULTY}")
+            expect(lambda: engine.weight_sync(0, plan), TimeoutError, "unusable after an earlier plan agreement")
+        took = time.monotonic() - start
+        assert took < 2 * timeout_s + 10, f"rank {me}: took {took:.1f} s"  # the agreement's wait, then the barrier's
+        group.barrier()
+    print(f"[lone] rank {me} OK", flush=True)
+
+
 def faulty_step() -> None:
     with open_heap(group, WeightTransfer.heap_requirements(LAYOUT, SPEC), backend="device") as heap, \
             WeightTransfer(heap, LAYOUT, SPEC, timeout_s=timeout_s) as engine:
@@ -119,4 +144,4 @@ def faulty_step() -> None:
     print(f"[{kind}] rank {me} OK", flush=True)
 
 
-closed() if kind == "closed" else faulty_step()
+{"closed": closed, "lone": lone}.get(kind, faulty_step)()
