@@ -140,8 +140,8 @@ class Pads:
     def publish_as(self, peer, call, value):
         """What peer ``peer`` would have written into this rank's pad for ``call``."""
         own = self.slots(RANK)
-        own[WORLD * (1 + call % 2) + peer] = value
-        own[peer] = call
+        own[WORLD * (1 + call % 2) + peer] = np.uint64(value)  # a Python int past 2**63 is no int64
+        own[peer] = np.uint64(call)
 
     def run(self, log_to_phys, replica_count, call, layer=4, op=1, timeout_s=2.0):
         import cupy
