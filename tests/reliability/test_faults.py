@@ -24,7 +24,8 @@ PHASES = ["update", "weight_sync", "dispatch", "combine", "reduce_grads", "close
 # Every phase where the library must react (a raise, a silent rank); exits and kills end
 # the job through the MPI launcher whatever the phase, so two phases each suffice.
 CASES = ([("raise", p) for p in PHASES] + [("sleep", p) for p in PHASES]
-         + [("exit", "dispatch"), ("exit", "close"), ("kill", "weight_sync"), ("kill", "combine")])
+         + [("exit", "dispatch"), ("exit", "close"), ("kill", "weight_sync"), ("kill", "combine")]
+         + [("raise", "balancer_init"), ("raise", "dispatcher_init")])  # inside a constructor, its own heap open
 EXPECTED = {
     "raise": r"RuntimeError: injected fault on rank 2 at {phase}",
     "exit": r"rank 2 \(pid \d+\) exited with 7",

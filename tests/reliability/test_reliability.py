@@ -26,6 +26,15 @@ def test_multi_rank(backend, case):
     assert_all_ranks_ok(out, 2, case)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_plan_differing_on_one_rank_is_always_refused(backend):
+    """Random plans, each changed on a random rank (another plan, a replica dropped, another
+    layer): refused on every rank, nothing written; other loads alone are accepted."""
+    ranks, trials = (4, 40) if backend == "host" else (2, 12)
+    out = run_ranks(ranks, "reliability/mpi/plan_property_check.py", backend, str(trials), timeout=300)
+    assert_all_ranks_ok(out, ranks, "plan_property")
+
+
 def test_uint64_loads_report_the_real_load():
     layout = ExpertLayout(2, 4, 1)
     loads = np.zeros((2, 4), np.uint64)

@@ -86,7 +86,7 @@ from ultraep.integration.traces import TraceRecorder
 from ultraep.planner import ExpertLayout, Plan
 from ultraep.runtime import open_heap
 from ultraep.runtime.dlpack import import_tensor
-from ultraep.runtime.heap import FAILING_CLOSE_TIMEOUT_S, HeapRequirements, SymmetricHeap
+from ultraep.runtime.heap import HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
 from ultraep.tune.replicas import agreed_min_replica_tokens
 
@@ -230,9 +230,9 @@ class Balancer:
                 sync_checks=self.sync_checks)
             self._rings = [[_RingSlot(self._impl) for _ in range(self.max_in_flight)]
                            for _ in range(self.num_layers)]
-        except BaseException:
-            if self._owns_heap:
-                self.heap.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
+        except BaseException as exc:
+            if self._owns_heap:  # a lone failure is published to the peers, not waited out
+                self.heap.close_failing(exc)
             raise
         self.device = self._impl.device
         self.id = Balancer._next_id

@@ -48,7 +48,7 @@ from ultraep.runtime import open_heap
 from ultraep.runtime.backend import choose_backend
 from ultraep.runtime.dtypes import resolve_dtype
 from ultraep.runtime.group import EPGroup
-from ultraep.runtime.heap import FAILING_CLOSE_TIMEOUT_S, HeapRequirements, SymmetricHeap, timeout_error
+from ultraep.runtime.heap import HeapRequirements, SymmetricHeap, timeout_error
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBackend, TokenBuffers, TokenConfig,
                                 Traffic, table_columns)
@@ -162,9 +162,9 @@ class Dispatcher:
             else:
                 from ultraep.token.host import HostDispatcher
                 self._impl = HostDispatcher(group, self.config, buffers)
-        except BaseException:
-            if self._owns_heap:
-                heap.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
+        except BaseException as exc:
+            if self._owns_heap:  # a lone failure is published to the peers, not waited out
+                heap.close_failing(exc)
             raise
 
     @staticmethod

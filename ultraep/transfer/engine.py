@@ -17,13 +17,16 @@ The replica gradient slots start at zero and ``reduce_grads`` zeroes them again 
 master has read them, so a micro-batch that writes no gradient for a replica adds zeros,
 never an earlier micro-batch's gradients (and the zeroing stays off the forward path).
 
-Arguments are agreed before any rank can raise alone. On the host backend each transfer
-compares a hash of the plan's placement (``log_to_phys``, ``replica_count``) across ranks
-and checks its layer and grid collectively, so a plan or layer that differs on one rank is
-refused on every rank. On the device the plan stays on the device and is not compared
-(reading it back would synchronise every call): a rank's local refusal leaves its peers'
-kernels to end with a device-side timeout, and a placement that breaks the layout is
-refused by every rank's device compiler.
+Arguments are agreed before any rank can raise alone. Each transfer compares a hash of its
+layer and of the plan's placement (``log_to_phys``, ``replica_count``) across ranks
+(:mod:`ultraep.transfer.agreement`), so a plan or layer that differs on one rank is refused
+on every rank. On the host that is a host collective, with the layer and grid checked
+collectively too, before any work. On the device the plan stays on the device: a kernel
+compares the hashes through the heap's signal pads, a refused transfer writes nothing, and
+:meth:`~WeightTransfer.synchronize` raises the disagreement on every rank. A rank's local
+refusal there (a layer it never registered, a bad grid) leaves its peers' waits to end with
+a device-side timeout naming it, and a placement that breaks the layout is refused by
+every rank's device compiler.
 
 The engine checks its arguments (collectively) and holds what both backends share; the
 work is done by the backend of the heap, chosen once: :class:`~ultraep.transfer.host.HostTransfer`
@@ -32,7 +35,6 @@ work is done by the backend of the heap, chosen once: :class:`~ultraep.transfer.
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -42,6 +44,9 @@ from ultraep.runtime.backend import DEVICE
 from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap, timeout_error
 from ultraep.runtime.kernels import kernel_constant
+from ultraep.transfer.agreement import SIGNALS as AGREEMENT_SIGNALS
+from ultraep.transfer.agreement import WHAT as AGREED_WHAT
+from ultraep.transfer.agreement import DevicePlanAgreement, plan_hash
 from ultraep.transfer.host import HostTransfer
 from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, host_plan
 from ultraep.transfer.spec import ExpertSpec
@@ -58,16 +63,6 @@ MAX_REPLICAS_PER_EXPERT = kernel_constant("transfer.cu", "MAX_DESTS")  # destina
 def grid_error(blocks: int | None) -> str | None:
     """Why a requested grid (``blocks``; None: the backend's) cannot be launched, or None."""
     return None if blocks is None or 0 < blocks <= MAX_BLOCKS else f"blocks must be in [1, {MAX_BLOCKS}], got {blocks}"
-
-
-def plan_fingerprint(plan) -> str:
-    """A hash of what a transfer reads of a host plan (its placement), for comparing ranks' plans."""
-    digest = hashlib.blake2b(digest_size=16)
-    for array in (plan.log_to_phys, plan.replica_count):
-        array = np.ascontiguousarray(array)
-        digest.update(f"{array.dtype.str}{array.shape}".encode())
-        digest.update(array.tobytes())
-    return digest.hexdigest()
 
 
 class TransferBackend(Protocol):
@@ -136,13 +131,13 @@ class WeightTransfer:
                           chunk_tiles: int = 4) -> HeapRequirements:
         """What an engine of this layout, spec and tiling allocates in its heap: ``S``
         weight and ``S`` gradient slots (one idle slot when ``S`` is 0, so offsets stay
-        defined) and a chunk flag per slot and chunk."""
+        defined), a chunk flag per slot and chunk, and the device's plan-agreement flags."""
         slots = max(layout.redundant_slots, 1)
         chunks = TileGeometry(spec, tile_bytes, chunk_tiles).num_chunks
         return HeapRequirements.of(
             tensors=[("transfer.replica_weights", (slots, spec.weight_slot_bytes), np.uint8),
                      ("transfer.replica_grads", (slots, spec.grad_slot_bytes), np.uint8)],
-            signals=[("transfer.chunk_flags", slots * chunks)])
+            signals=[("transfer.chunk_flags", slots * chunks)]) + DevicePlanAgreement.heap_requirements(layout)
 
     def __init__(self, heap: SymmetricHeap, layout: ExpertLayout, spec: ExpertSpec, *,
                  tile_bytes: int = DEFAULT_TILE_BYTES,
@@ -179,6 +174,8 @@ class WeightTransfer:
         self.impl: TransferBackend = implementation(
             heap, layout, spec, self.geometry, self.placement, self._weights, relay_threshold=relay_threshold,
             relay_count=relay_count, blocks=blocks, timeout_s=timeout_s)
+        self._agreement = (DevicePlanAgreement(heap, layout, buffers[AGREEMENT_SIGNALS], timeout_s)
+                           if self.impl.device is not None else None)
         self._layers: dict = {}
         self._closed = False
 
@@ -249,10 +246,14 @@ class WeightTransfer:
         if plan.layout != self.layout:
             raise ValueError(f"plan is for {plan.layout}, this WeightTransfer was set up for {self.layout}")
 
-    def _checked(self, what: str, layer: int, plan, blocks: int | None, grid_check) -> object:
-        """The layer's entry once ``layer``, ``plan`` and ``blocks`` passed on this rank and,
-        on the host, on every rank, with the same plan everywhere; else ValueError."""
+    def _checked(self, what: str, layer: int, plan, blocks: int | None, grid_check) -> tuple:
+        """The layer's entry and the plan to transfer, once ``layer``, ``plan`` and ``blocks``
+        passed on this rank and, on the host, on every rank, with the same plan everywhere
+        (else ValueError). On the device the plan returned is the agreement kernel's
+        (:mod:`ultraep.transfer.agreement`): ``plan`` where the ranks agree, else one whose
+        transfer writes nothing."""
         self._check_open()
+        self.heap._check_open(f"WeightTransfer.{what}")  # its replica slots and peer table are gone
         error, entry, fingerprint = None, None, None
         try:
             entry = self._layers.get(layer)
@@ -262,25 +263,25 @@ class WeightTransfer:
             self._check_plan(plan)
             if (bad_grid := grid_check(blocks)) is not None:
                 raise ValueError(bad_grid)
-            if self.impl.device is None:
-                fingerprint = plan_fingerprint(host_plan(plan))
+            if self._agreement is not None:  # the device answers a lone refusal with a timeout, not a host wait
+                return entry, self._agreement.agreed(what, layer, plan)
+            numpy_plan = host_plan(plan)
+            fingerprint = f"{plan_hash(layer, numpy_plan.log_to_phys, numpy_plan.replica_count):#018x}"
         except (ValueError, TypeError, AttributeError) as exc:
             error = ValueError(str(exc)) if isinstance(exc, AttributeError) else exc
-        if self.impl.device is not None:  # the device answers a lone refusal with a timeout, not a host wait
-            if error is not None:
-                raise error
-            return entry
+            if self._agreement is not None:
+                raise error from None
         self.group.raise_if_any(error, f"{what}({layer})")
-        self.group.agree((layer, fingerprint), f"{what} (layer, hash of the plan's log_to_phys and replica_count)")
-        return entry
+        self.group.agree((layer, fingerprint), f"{what} {AGREED_WHAT}")
+        return entry, plan
 
     # -- transfers -----------------------------------------------------------------------
     def weight_sync(self, layer: int, plan: Plan, *, blocks: int | None = None, barrier: bool = True) -> None:
         """Fill every replica slot of ``plan`` with its master's weights (collective). With
         ``barrier=False`` no rank may read a replica before a later heap barrier: only the
         chunks relays forward are flagged (schedule.py, ``publish``)."""
-        entry = self._checked("weight_sync", layer, plan, blocks,
-                              lambda b: grid_error(b) or self.impl.sync_grid_error(b))
+        entry, plan = self._checked("weight_sync", layer, plan, blocks,
+                                    lambda b: grid_error(b) or self.impl.sync_grid_error(b))
         self.impl.weight_sync(entry, plan, blocks)
         if barrier:
             self.impl.barrier()
@@ -289,7 +290,7 @@ class WeightTransfer:
 
     def reduce_grads(self, layer: int, plan: Plan, *, blocks: int | None = None) -> None:
         """Masters += replica gradients in replica order (collective; barriers on both sides)."""
-        entry = self._checked("reduce_grads", layer, plan, blocks, grid_error)
+        entry, plan = self._checked("reduce_grads", layer, plan, blocks, grid_error)
         self.impl.barrier()  # every replica gradient is written
         self.impl.reduce_grads(entry, plan, blocks)
         self.impl.barrier()  # replica gradient slots are free again
@@ -297,10 +298,12 @@ class WeightTransfer:
 
     def synchronize(self) -> None:
         """Wait for the enqueued transfers; raise if a wait timed out or a plan was refused
-        (its transfers were skipped; on the device a plan whose placement breaks the layout
-        is refused by every rank). After a relay's timeout, weight syncs do nothing on this
-        rank until this call has reported it."""
+        (its transfers were skipped; on the device a plan whose placement breaks the layout,
+        or that differs across ranks, is refused by every rank). After a relay's timeout or a
+        disagreement, transfers do nothing on this rank until this call has reported it."""
         self._check_open()
+        if self._agreement is not None:
+            self._agreement.check()  # the cause first: a refused plan is why later transfers did nothing
         self.impl.synchronize()
 
     def close(self) -> None:

@@ -27,6 +27,9 @@ from ultraep.runtime.heap import ALLOC_ALIGN, HeapError, HeapRequirements
 from ultraep.transfer import ExpertSpec
 from ultraep.transfer.host import reference_reduce
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
+from tests.support.mpi_checks import expect  # noqa: E402
+
 backend, check = sys.argv[1], sys.argv[2]
 out_dir = Path(sys.argv[3]) if len(sys.argv) > 3 else None
 group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
@@ -71,15 +74,6 @@ def grads_of(layer, step, expert, rank):
     return [np.random.default_rng((layer, step, expert, rank, t, 9)).standard_normal(g.shape).astype(np.float32)
             for t, g in enumerate(SPEC.grads)]
 
-
-def expect(fn, error_type, *fragments):
-    try:
-        fn()
-    except error_type as exc:
-        message = str(exc)
-        assert all(f in message for f in fragments), f"rank {me}: unexpected message {message!r}, wanted {fragments}"
-        return message
-    raise AssertionError(f"rank {me}: expected {error_type.__name__} with {fragments}")
 
 
 class Model:

@@ -4,6 +4,8 @@ argv: kind (raise, exit, kill, sleep), phase (update, weight_sync, dispatch, com
 reduce_grads, close), timeout_s (the group's, the Balancer's and the Dispatcher's). Rank
 ``FAULTY`` prints ``[fault] <wall time>`` and then raises, exits with ``EXIT_CODE``, kills
 itself or stops answering just before that phase; the other ranks go on, and the job must end.
+Phases ``balancer_init`` and ``dispatcher_init`` (kind raise): a Balancer or a Dispatcher
+that opens its own heap fails on rank ``FAULTY`` inside its constructor, after the heap is open.
 """
 
 from __future__ import annotations
@@ -44,6 +46,37 @@ def fault(here: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(600)
 
+
+def constructor_fault() -> None:
+    """The backend a constructor builds once its heap is open fails on rank FAULTY."""
+    import ultraep.integration.balancer
+    import ultraep.token.host
+
+    def failing(base):
+        class Failing(base):
+            def __init__(self, *args, **kwargs):
+                fault(phase)
+
+        return Failing
+
+    if me == FAULTY:
+        if phase == "balancer_init":
+            module, name = ultraep.integration.balancer, "WeightTransfer"
+        else:
+            module, name = ultraep.token.host, "HostDispatcher"
+        setattr(module, name, failing(getattr(module, name)))
+    if phase == "balancer_init":
+        with Balancer(group, layout, spec, num_layers=1, min_replica_tokens=1, timeout_s=timeout_s):
+            pass
+    else:
+        with Dispatcher.for_layout(group, layout, **token_args):
+            pass
+
+
+if phase.endswith("_init"):
+    constructor_fault()
+    print(f"[fault] rank {me} finished", flush=True)
+    sys.exit(0)
 
 rng = np.random.default_rng(me)
 weights = [[np.full((H, H), me * M + m, np.float32)] for m in range(M)]

@@ -7,12 +7,16 @@ from __future__ import annotations
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 from ultraep import (Balancer, ClosedError, Dispatcher, EPGroup, ExpertLayout, ExpertSpec, UltraEPError,
                      WeightTransfer, open_heap, plan_placement)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
+from tests.support.mpi_checks import expect  # noqa: E402
 
 backend, case = sys.argv[1], sys.argv[2]
 group = EPGroup(MPI.COMM_WORLD, use_gpu=backend == "device")
@@ -26,15 +30,6 @@ LAYOUT = ExpertLayout(R, 2 * R, 2)
 SPEC = ExpertSpec([("w", (4, 8), "float32")])
 M = LAYOUT.experts_per_rank
 
-
-def expect(fn, error_type, *fragments) -> str:
-    try:
-        fn()
-    except error_type as exc:
-        message = str(exc)
-        assert all(f in message for f in fragments), f"rank {me}: unexpected message {message!r}, wanted {fragments}"
-        return message
-    raise AssertionError(f"rank {me}: expected {error_type.__name__} with {fragments}")
 
 
 def hot_plan(expert: int):
@@ -74,6 +69,11 @@ def use_after_close() -> None:
             engine.close()
     expect(lambda: engine.weight_sync(0, hot_plan(0)), ClosedError, "WeightTransfer is closed")
     expect(lambda: engine.replica_weights(0), ClosedError, "WeightTransfer is closed")
+    with open_heap(group, WeightTransfer.heap_requirements(LAYOUT, SPEC), backend=backend) as heap:
+        engine = WeightTransfer(heap, LAYOUT, SPEC)  # left open, its heap closed under it
+        engine.register_layer(0, masters(), [[xp.zeros((4, 8), np.float32)] for _ in range(M)])
+    for transfer in (engine.weight_sync, engine.reduce_grads):
+        expect(lambda: transfer(0, hot_plan(0)), ClosedError, f"rank {me}: WeightTransfer.", "heap is closed")
 
     disp = Dispatcher(group, hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend)
     disp.close()
@@ -107,6 +107,10 @@ def disagreement() -> None:
         engine.register_layer(0, masters(), grads)
         same, other = hot_plan(0), hot_plan(1)
         mine = other if me == odd else same
+        if backend == "device":
+            device_disagreement(engine, grads, same, mine)
+            print(f"[disagreement] rank {me} OK", flush=True)
+            return
         expect(lambda: engine.weight_sync(0, mine), UltraEPError, "ranks disagree on weight_sync", "hash of the plan")
         expect(lambda: engine.reduce_grads(0, mine), UltraEPError, "ranks disagree on reduce_grads")
         expect(lambda: engine.restore(0, mine), UltraEPError, "ranks disagree on weight_sync")
@@ -117,6 +121,35 @@ def disagreement() -> None:
         engine.weight_sync(0, same)  # still usable: nothing was written by a refused call
         engine.reduce_grads(0, same)
     print(f"[disagreement] rank {me} OK", flush=True)
+
+
+def device_disagreement(engine, grads, same, mine) -> None:
+    """On the device the plans are compared by a kernel: a refused transfer writes nothing,
+    every transfer after it up to the report does nothing either, and synchronize raises the
+    disagreement on every rank, naming the odd rank's hash."""
+    wanted = ("ranks disagree on", "hash of the plan", f"ranks [{odd}]: 0x")
+    engine.register_layer(1, masters(), [[xp.zeros((4, 8), np.float32)] for _ in range(M)])
+    slots = [engine.replica_weights(s)[0] for s in range(LAYOUT.redundant_slots)]
+    for slot in slots:
+        slot[...] = -5.0  # poison: a refused weight_sync leaves it
+    engine.weight_sync(0, mine)
+    engine.weight_sync(0, same)  # after a refusal, until it is reported: nothing either
+    expect(engine.synchronize, UltraEPError, "ranks disagree on weight_sync(0)", *wanted)
+    assert all(bool((slot == -5.0).all()) for slot in slots), f"rank {me}: a refused weight_sync wrote a replica"
+    engine.restore(1 if me == odd else 0, same)  # the layer is hashed too
+    expect(engine.synchronize, UltraEPError, "ranks disagree on weight_sync(", *wanted)
+    engine.weight_sync(0, same)  # reported: usable again
+    engine.synchronize()
+    filled = sum(group.allgather(sum(not bool((slot == -5.0).all()) for slot in slots)))
+    replicas = int((np.asarray(same.replica_count) - 1).sum())
+    assert filled == replicas > 0, f"rank {me}: the agreed weight_sync filled {filled} of {replicas} replica slots"
+    for slot in range(LAYOUT.redundant_slots):
+        engine.replica_grads(slot)[0][...] = 1.0
+    engine.reduce_grads(0, mine)
+    expect(engine.synchronize, UltraEPError, "ranks disagree on reduce_grads(0)", *wanted)
+    assert all(float(abs(g[0]).sum()) == 0.0 for g in grads), f"rank {me}: a refused reduce_grads added gradients"
+    engine.reduce_grads(0, same)
+    engine.synchronize()
 
 
 def stale_grads() -> None:

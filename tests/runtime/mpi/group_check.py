@@ -1,11 +1,16 @@
 """Multi-rank EP group check (tests/runtime/test_group.py)."""
 
+import sys
 import time
+from pathlib import Path
 
 from mpi4py import MPI
 
 from ultraep.errors import WaitTimeout
 from ultraep.runtime.group import EPGroup, GroupMismatchError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
+from tests.support.mpi_checks import expect  # noqa: E402
 
 group = EPGroup(MPI.COMM_WORLD, use_gpu=False)
 me, R = group.rank, group.size
@@ -15,18 +20,9 @@ sub = group.split(color=me % 2)
 assert sub.size == R // 2 and sub.rank == me // 2, sub
 assert sub.allgather(me) == [r for r in range(R) if r % 2 == me % 2]
 assert group.agree(("layer", 3), "layer id") == ("layer", 3)
-try:
-    group.agree(("layer", 3 if me else 4), "layer id")
-except GroupMismatchError as exc:
-    assert "ranks disagree on layer id" in str(exc) and "ranks [0]" in str(exc), exc
-else:
-    raise AssertionError("disagreement not detected")
-try:
-    group.raise_if_any("bad top-k ids" if me == 2 else None, "update")
-except ValueError as exc:
-    assert "rank 2: bad top-k ids" in str(exc), exc
-else:
-    raise AssertionError("a failure on rank 2 was not raised on every rank")
+expect(lambda: group.agree(("layer", 3 if me else 4), "layer id"), GroupMismatchError, "ranks disagree on layer id",
+       "ranks [0]")
+expect(lambda: group.raise_if_any("bad top-k ids" if me == 2 else None, "update"), ValueError, "rank 2: bad top-k ids")
 print(f"[group] rank {me} OK", flush=True)
 
 # Bounded collectives: a rank that does not come names itself in the others' timeout.
@@ -35,28 +31,12 @@ if me == R - 1:
     time.sleep(2.5)
     timed.barrier(what="late barrier")  # completes the barrier the others gave up, so COMM_WORLD stays in step
 else:
-    try:
-        timed.barrier(what="late barrier")
-    except WaitTimeout as exc:
-        assert f"late barrier timed out after 1 s: rank(s) [{R - 1}] had not reached it" in str(exc), exc
-    else:
-        raise AssertionError("a barrier without rank R-1 completed")
-    try:
-        timed.allgather(me, what="after the timeout")
-    except WaitTimeout as exc:
-        assert "refuses collectives after an earlier failure" in str(exc), exc
-    else:
-        raise AssertionError("a group whose collective timed out went on")
-try:
-    EPGroup(MPI.COMM_WORLD, use_gpu=False, timeout_s=0 if me == 1 else 5)
-except ValueError as exc:
-    assert "rank 1: timeout_s must be a positive, finite number" in str(exc), exc
-else:
-    raise AssertionError("timeout_s=0 on one rank accepted")
-try:
-    EPGroup(MPI.COMM_WORLD, use_gpu=False, timeout_s=5 + me)
-except ValueError as exc:
-    assert "ranks disagree on EP group timeout_s" in str(exc), exc
-else:
-    raise AssertionError("timeouts differing across ranks accepted")
+    expect(lambda: timed.barrier(what="late barrier"), WaitTimeout,
+           f"late barrier timed out after 1 s: rank(s) [{R - 1}] had not reached it")
+    expect(lambda: timed.allgather(me, what="after the timeout"), WaitTimeout,
+           "refuses collectives after an earlier failure")
+expect(lambda: EPGroup(MPI.COMM_WORLD, use_gpu=False, timeout_s=0 if me == 1 else 5), ValueError,
+       "rank 1: timeout_s must be a positive, finite number")
+expect(lambda: EPGroup(MPI.COMM_WORLD, use_gpu=False, timeout_s=5 + me), ValueError,
+       "ranks disagree on EP group timeout_s")
 print(f"[group-timeouts] rank {me} OK", flush=True)

@@ -5,6 +5,7 @@ Prints "[<check>] rank N OK" on every rank that passed; raises (MPI_Abort) other
 """
 
 import sys
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -12,6 +13,9 @@ from mpi4py import MPI
 from ultraep.runtime.group import EPGroup, GroupMismatchError
 from ultraep.errors import BarrierTimeout, HeapError
 from ultraep.runtime import open_heap
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
+from tests.support.mpi_checks import expect  # noqa: E402
 
 backend, check = sys.argv[1], sys.argv[2]
 group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
@@ -103,27 +107,19 @@ def timeout() -> None:
     print(f"[timeout] rank {me} OK", flush=True)
 
 
-def expect_error(fn, exc_type, needle: str) -> None:
-    try:
-        fn()
-    except exc_type as exc:
-        assert needle in str(exc), f"rank {me}: error lacks {needle!r}: {exc}"
-    else:
-        raise AssertionError(f"rank {me}: expected {exc_type.__name__} containing {needle!r}")
-
 
 def bad_input() -> None:
-    expect_error(lambda: open_heap(group, 0, backend=backend), ValueError, "must be positive")
-    expect_error(lambda: open_heap(group, -5, backend=backend), ValueError, "must be positive")
-    expect_error(lambda: open_heap(group, 1 << 20 if me else 2 << 20, backend=backend), GroupMismatchError, "heap size")
+    expect(lambda: open_heap(group, 0, backend=backend), ValueError, "must be positive")
+    expect(lambda: open_heap(group, -5, backend=backend), ValueError, "must be positive")
+    expect(lambda: open_heap(group, 1 << 20 if me else 2 << 20, backend=backend), GroupMismatchError, "heap size")
     with open_heap(group, 1 << 20, backend=backend) as heap:
         # Only rank 0 asks for something else: every rank must raise, none may hang.
-        expect_error(lambda: heap.alloc("t", (8, 4 if me else 5), np.float32), GroupMismatchError, "allocation request")
-        expect_error(lambda: heap.alloc("t", (8, 4), np.complex64 if me == 1 else np.float32), ValueError,
+        expect(lambda: heap.alloc("t", (8, 4 if me else 5), np.float32), GroupMismatchError, "allocation request")
+        expect(lambda: heap.alloc("t", (8, 4), np.complex64 if me == 1 else np.float32), ValueError,
                      "not supported")
-        expect_error(lambda: heap.alloc("t", (0, 4), np.float32), ValueError, "must be positive")
-        expect_error(lambda: heap.alloc("t", (-1,), np.float32), ValueError, "must be positive")
-        expect_error(lambda: heap.alloc("big", (1 << 20,), np.float32), HeapError, "out of space")
+        expect(lambda: heap.alloc("t", (0, 4), np.float32), ValueError, "must be positive")
+        expect(lambda: heap.alloc("t", (-1,), np.float32), ValueError, "must be positive")
+        expect(lambda: heap.alloc("big", (1 << 20,), np.float32), HeapError, "out of space")
         ok = heap.alloc("t", (8, 4), "bfloat16")
         assert ok.offset % 256 == 0 and ok.local.shape == (8, 4)
         heap.barrier()

@@ -19,6 +19,7 @@ requirements, both working; the heap is exactly big enough and outlives the disp
 import hashlib
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -27,6 +28,11 @@ from ultraep.runtime.dtypes import resolve_dtype
 from ultraep.runtime.group import EPGroup
 from ultraep.token import DispatchError, Dispatcher
 from ultraep.token import reference as ref
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
+from tests.support.mpi_checks import expect  # noqa: E402
+
+BAD_INPUT = (DispatchError, ValueError)  # what a refused argument raises
 
 backend, check = sys.argv[1], sys.argv[2]
 DTYPE = resolve_dtype(sys.argv[3] if len(sys.argv) > 3 else "float32")
@@ -205,14 +211,6 @@ def exact() -> None:
     print(f"[exact] rank {me} OK", flush=True)
 
 
-def expect_error(fn, needle: str) -> None:
-    try:
-        fn()
-    except (DispatchError, ValueError) as exc:
-        assert needle in str(exc), f"rank {me}: error lacks {needle!r}: {exc}"
-    else:
-        raise AssertionError(f"rank {me}: expected an error containing {needle!r}")
-
 
 def bad_input() -> None:
     T = 6
@@ -223,45 +221,47 @@ def bad_input() -> None:
     culprit = R - 1
     make = lambda **kw: Dispatcher(group, **{**dict(hidden=H, dtype=DTYPE, top_k=K, num_experts=E,  # noqa: E731
                                                    max_tokens=T, backend=backend), **kw})
-    expect_error(lambda: make(hidden=3), "rows must be a multiple of 16 bytes")
-    expect_error(lambda: make(top_k=33), "top_k must be <= 32")
+    expect(lambda: make(hidden=3), BAD_INPUT, "rows must be a multiple of 16 bytes")
+    expect(lambda: make(top_k=33), BAD_INPUT, "top_k must be <= 32")
     if R > 1:
-        expect_error(lambda: make(num_experts=E + 1), "not divisible by the group size")
-        expect_error(lambda: make(hidden=H * 2 if me == culprit else H), "ranks disagree on Dispatcher set-up")
+        expect(lambda: make(num_experts=E + 1), BAD_INPUT, "not divisible by the group size")
+        expect(lambda: make(hidden=H * 2 if me == culprit else H), BAD_INPUT, "ranks disagree on Dispatcher set-up")
     with Dispatcher(group, hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=T,
                     max_recv_rows=T * K, backend=backend) as disp:
         bad_ids = ids.copy()
         if me == culprit:
             bad_ids[4, 1] = E + 3
-        expect_error(lambda: disp.dispatch(device(x), device(bad_ids), device(w)),
-                     f"rank {culprit}: expert id {E + 3} at token 4, slot 1 is outside [0, {E})")
+        expect(lambda: disp.dispatch(device(x), device(bad_ids), device(w)), BAD_INPUT,
+               f"rank {culprit}: expert id {E + 3} at token 4, slot 1 is outside [0, {E})")
         negative = ids.copy()
         if me == culprit:
             negative[0, 0] = -1
-        expect_error(lambda: disp.dispatch(device(x), device(negative), device(w)), "expert id -1 at token 0, slot 0")
+        expect(lambda: disp.dispatch(device(x), device(negative), device(w)), BAD_INPUT,
+               "expert id -1 at token 0, slot 0")
         nan_w = w.copy()
         if me == 0:
             nan_w[2, 3] = np.nan
-        expect_error(lambda: disp.dispatch(device(x), device(ids), device(nan_w)),
-                     "rank 0: gate weight at token 2, slot 3 is not finite")
+        expect(lambda: disp.dispatch(device(x), device(ids), device(nan_w)), BAD_INPUT,
+               "rank 0: gate weight at token 2, slot 3 is not finite")
         for infinite in (np.inf, -np.inf):  # refused like NaN, on the host and in the device's route_keys
             inf_w = w.copy()
             if me == culprit:
                 inf_w[1, 2] = infinite
-            expect_error(lambda: disp.dispatch(device(x), device(ids), device(inf_w)),
-                         f"rank {culprit}: gate weight at token 1, slot 2 is not finite")
+            expect(lambda: disp.dispatch(device(x), device(ids), device(inf_w)), BAD_INPUT,
+                   f"rank {culprit}: gate weight at token 1, slot 2 is not finite")
         big = np.concatenate([x, x]) if me == culprit else x
         big_ids = np.concatenate([ids, ids]) if me == culprit else ids
         big_w = np.concatenate([w, w]) if me == culprit else w
-        expect_error(lambda: disp.dispatch(device(big), device(big_ids), device(big_w)),
-                     f"{2 * T} tokens exceed the set-up bound max_tokens={T}")
+        expect(lambda: disp.dispatch(device(big), device(big_ids), device(big_w)), BAD_INPUT,
+               f"{2 * T} tokens exceed the set-up bound max_tokens={T}")
         narrow = x[:, : H // 2].copy() if me == culprit else x
-        expect_error(lambda: disp.dispatch(device(narrow), device(ids), device(w)), f"expected shape [tokens, {H}]")
+        expect(lambda: disp.dispatch(device(narrow), device(ids), device(w)), BAD_INPUT,
+               f"expected shape [tokens, {H}]")
         other = x.astype(np.float64) if me == culprit else x
-        expect_error(lambda: disp.dispatch(device(other), device(ids), device(w)), "expected dtype")
+        expect(lambda: disp.dispatch(device(other), device(ids), device(w)), BAD_INPUT, "expected dtype")
         if R > 1:  # every rank sends every pair to rank 0: R*T*K rows > bound T*K
-            expect_error(lambda: disp.dispatch(device(x), device(ids % (E // R)), device(w)),
-                         f"rank 0 would receive {R * T * K} rows, more than the set-up bound max_recv_rows={T * K}")
+            expect(lambda: disp.dispatch(device(x), device(ids % (E // R)), device(w)), BAD_INPUT,
+                   f"rank 0 would receive {R * T * K} rows, more than the set-up bound max_recv_rows={T * K}")
         # Still usable, and nothing was written where it should not be.
         own = me * (E // R) + ids % (E // R)
         res = disp.dispatch(device(x), device(own), device(w))
@@ -270,7 +270,7 @@ def bad_input() -> None:
         assert n == T * K and mismatches(host(res.x)[:n], want[0]) == 0
         out = disp.combine(res.x, res.handle)
         short = res.x[: T * K - 1]
-        expect_error(lambda: disp.combine(short if me == culprit else res.x, res.handle), "y: expected shape")
+        expect(lambda: disp.combine(short if me == culprit else res.x, res.handle), BAD_INPUT, "y: expected shape")
         assert out.shape == (T, H)
         expect_error(disp.expert_output, "set up without expert_output=True")
         disp.check()
@@ -393,8 +393,8 @@ def shared_heap() -> None:
     plan = plan_placement(loads, layout, min_replica_tokens=1)
     other = "device" if backend == "host" else "host"
     with open_heap(group, needs, backend=backend) as heap:
-        expect_error(lambda: Dispatcher(group, **setup, heap=heap, backend=other),
-                     f"backend={other!r} contradicts the given heap, a {backend!r} heap")
+        expect(lambda: Dispatcher(group, **setup, heap=heap, backend=other), BAD_INPUT,
+               f"backend={other!r} contradicts the given heap, a {backend!r} heap")
         with WeightTransfer(heap, layout, spec) as engine, Dispatcher(group, **setup, heap=heap) as disp:
             assert disp.backend == backend and disp.heap is heap
             engine.register_layer(0, [[device(w) for w in master(me * M + m)] for m in range(M)],

@@ -8,6 +8,7 @@ expert, instance), so each rank checks what it holds without asking anyone.
 """
 
 import sys
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -18,6 +19,11 @@ from ultraep.runtime.group import EPGroup
 from ultraep.runtime import open_heap
 from ultraep.transfer import ExpertSpec, WeightTransfer
 from ultraep.transfer.host import reference_reduce
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
+from tests.support.mpi_checks import expect  # noqa: E402
+
+BAD_INPUT = (ValueError, TypeError)  # what a refused argument raises
 
 backend, check = sys.argv[1], sys.argv[2]
 grad_dtype = sys.argv[3] if len(sys.argv) > 3 else "float32"
@@ -371,32 +377,24 @@ def relay_timeout(heap):
         assert check_replicas(engine, plan, 0) == (me != 0)
 
 
-def expect_error(fn, needle):
-    try:
-        fn()
-    except (ValueError, TypeError) as exc:
-        assert needle in str(exc), f"rank {me}: error lacks {needle!r}: {exc}"
-    else:
-        raise AssertionError(f"rank {me}: expected an error containing {needle!r}")
-
 
 def bad_input(heap):
     with WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=4096, chunk_tiles=2) as engine:
         plan = random_plan(500, 2)
-        expect_error(lambda: engine.weight_sync(0, plan), "no registered master")
+        expect(lambda: engine.weight_sync(0, plan), BAD_INPUT, "no registered master")
         good = [[xp.asarray(w) for w in master_weights(0, me * M + m)] for m in range(M)]
         grads0 = [[xp.asarray(g) for g in instance_grads(0, me * M + m, 0)] for m in range(M)]
         wrong = [[xp.zeros((3, 3), xp.float32) if (me == 1 and t == 0) else w for t, w in enumerate(per)]
                  for per in good]
-        expect_error(lambda: engine.register_layer(0, wrong, grads0), "register_layer(0) failed")
+        expect(lambda: engine.register_layer(0, wrong, grads0), BAD_INPUT, "register_layer(0) failed")
         short = good[:-1] if me == 2 else good
-        expect_error(lambda: engine.register_layer(0, short, grads0), "masters x")
+        expect(lambda: engine.register_layer(0, short, grads0), BAD_INPUT, "masters x")
         engine.register_layer(0, good, grads0)
         for transfer in (engine.weight_sync, engine.reduce_grads):
-            expect_error(lambda: transfer(0, random_plan(501, 2), blocks=-1), "blocks must be in")
+            expect(lambda: transfer(0, random_plan(501, 2), blocks=-1), BAD_INPUT, "blocks must be in")
         if backend == "device":  # more blocks than are resident could wait for blocks that never start
-            expect_error(lambda: engine.weight_sync(0, random_plan(501, 2), blocks=engine.impl.max_sync_blocks + 1),
-                         "blocks must be at most")
+            expect(lambda: engine.weight_sync(0, random_plan(501, 2), blocks=engine.impl.max_sync_blocks + 1),
+                   BAD_INPUT, "blocks must be at most")
         other = ExpertLayout(R, 2 * R, 2)
         other_plan = Plan.from_split(other, np.ones((R, 2 * R), np.int32),
                                      np.array([[other.master_slot(e)] + [-1] * (other.max_instances - 1)
@@ -405,21 +403,21 @@ def bad_input(heap):
                                             ((0, 0), (0, 0), (0, other.max_instances - 1))))
         poison_slots(engine)
         heap.barrier()
-        expect_error(lambda: engine.weight_sync(0, other_plan), "plan is for")
+        expect(lambda: engine.weight_sync(0, other_plan), BAD_INPUT, "plan is for")
         clash = random_plan(600, 0)  # Plan.from_split refuses such a plan: break a valid one
         clash.log_to_phys[[0, M], 1] = 2 * LAYOUT.slots_per_rank + M  # experts of ranks 0 and 1 share a slot on rank 2
         clash.replica_count[[0, M]] = 2
         if backend == "host":
-            expect_error(lambda: engine.weight_sync(0, clash), "weight_sync failed on 4 of 4")
-            expect_error(lambda: engine.reduce_grads(0, clash), "two replicas share one slot")
+            expect(lambda: engine.weight_sync(0, clash), BAD_INPUT, "weight_sync failed on 4 of 4")
+            expect(lambda: engine.reduce_grads(0, clash), BAD_INPUT, "two replicas share one slot")
         else:  # every rank's device compiler refuses the plan, and every rank's synchronize says so
             for transfer in (engine.weight_sync, engine.reduce_grads):
                 transfer(0, clash)
-                expect_error(engine.synchronize, f"expert {M} has a replica in a slot that a lower expert's")
+                expect(engine.synchronize, BAD_INPUT, f"expert {M} has a replica in a slot that a lower expert's")
         for j in range(LAYOUT.redundant_slots):  # nothing was written by the refused calls
             assert all(bool((to_host(v).view(np.uint8) == 0xA5).all()) for v in engine.replica_weights(j))
-    expect_error(lambda: WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=1000), "tile_bytes")
-    expect_error(lambda: WeightTransfer(heap, LAYOUT, SPEC, blocks=1 << 30), "blocks must be in")
+    expect(lambda: WeightTransfer(heap, LAYOUT, SPEC, tile_bytes=1000), BAD_INPUT, "tile_bytes")
+    expect(lambda: WeightTransfer(heap, LAYOUT, SPEC, blocks=1 << 30), BAD_INPUT, "blocks must be in")
 
 
 with open_heap(group, 8 << 20, backend=backend) as heap:
