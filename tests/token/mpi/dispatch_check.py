@@ -272,15 +272,15 @@ def bad_input() -> None:
         short = res.x[: T * K - 1]
         expect(lambda: disp.combine(short if me == culprit else res.x, res.handle), BAD_INPUT, "y: expected shape")
         assert out.shape == (T, H)
-        expect_error(disp.expert_output, "set up without expert_output=True")
+        expect(disp.expert_output, BAD_INPUT, "set up without expert_output=True")
         disp.check()
     with make(max_recv_rows=T * K * R, expert_output=True) as disp:
         res = disp.dispatch(device(x), device(ids), device(w))
         mine = disp.expert_output()
-        expect_error(lambda: disp.combine(res.x if me == culprit else mine, res.handle),
-                     "pass Dispatcher.expert_output()")
-        expect_error(lambda: disp.dispatch_backward(mine[1:] if me == culprit else mine, res.handle),
-                     "expected shape")
+        expect(lambda: disp.combine(res.x if me == culprit else mine, res.handle), BAD_INPUT,
+               "pass Dispatcher.expert_output()")
+        expect(lambda: disp.dispatch_backward(mine[1:] if me == culprit else mine, res.handle), BAD_INPUT,
+               "expected shape")
         disp.combine(mine, res.handle)  # still usable
         disp.check()
     print(f"[bad-input] rank {me} OK", flush=True)
