@@ -8,7 +8,9 @@ weights and gradients (they stay in the framework's memory). Per micro-batch and
 * :meth:`~WeightTransfer.weight_sync` copies each replicated master into its replica slots
   (relay trees for hot experts) and, by default, ends with a heap barrier so every replica
   is complete before token dispatch; :meth:`~WeightTransfer.restore` re-runs it for a saved
-  plan in backward;
+  plan in backward. With ``barrier=False`` on the device, the senders flag every chunk at
+  its destination instead, and a reader enqueues :meth:`~WeightTransfer.wait_replica`
+  for the slots it is about to use: each slot's compute waits for its own chunks only;
 * :meth:`~WeightTransfer.reduce_grads` adds every replica's gradient into its master's
   gradient in replica order, fp32 accumulation, deterministic, after a barrier that says
   all replica gradients are written, and before one that frees the slots for the next layer.
@@ -180,6 +182,7 @@ class WeightTransfer:
             heap, layout, spec, self.geometry, self.placement, self._weights, relay_threshold=relay_threshold,
             relay_count=relay_count, blocks=blocks, timeout_s=timeout_s)
         self._layers: dict = {}
+        self._flagged_epoch: int | None = None  # the last sync's epoch if its chunks were flagged (device)
         self._closed = False
 
     def _check_open(self) -> None:
@@ -276,14 +279,35 @@ class WeightTransfer:
 
     # -- transfers -----------------------------------------------------------------------
     def weight_sync(self, layer: int, plan: Plan, *, blocks: int | None = None, barrier: bool = True) -> None:
-        """Fill every replica slot of ``plan`` with its master's weights (collective). With
-        ``barrier=False`` no rank may read a replica before a later heap barrier: only the
-        chunks relays forward are flagged (schedule.py, ``publish``)."""
+        """Fill every replica slot of ``plan`` with its master's weights (collective).
+
+        ``barrier=False``: no heap barrier closes the sync. On the device every chunk's
+        flag is then published at its destination, and a rank reads a replica slot after
+        :meth:`wait_replica` for it (on the reading stream). On the host (synchronous, and
+        flagging only the chunks relays forward) a later heap barrier must order them."""
         entry = self._checked("weight_sync", layer, plan, blocks,
                               lambda b: grid_error(b) or self.impl.sync_grid_error(b))
-        self.impl.weight_sync(entry, plan, blocks)
+        if self.impl.device is None:
+            self.impl.weight_sync(entry, plan, blocks)
+            self._flagged_epoch = None
+        else:
+            epoch = self.impl.weight_sync(entry, plan, blocks, flag_every_chunk=not barrier)
+            self._flagged_epoch = None if barrier else epoch
         if barrier:
             self.impl.barrier()
+
+    def wait_replica(self, layer: int, plan: Plan, slots: range) -> None:
+        """Make the current stream wait (bounded by ``timeout_s``; :meth:`synchronize`
+        reports a timeout naming the slot and layer) until the last weight sync, run for
+        ``plan`` of ``layer`` without a barrier, has landed every chunk of this rank's
+        replica slots ``slots`` that the plan fills. Nothing to wait for after a sync
+        that ended with a barrier, nor on the host."""
+        self._check_open()
+        if not (isinstance(slots, range) and slots.step == 1 and 0 <= slots.start <= slots.stop
+                <= self.layout.redundant_slots):
+            raise IndexError(f"replica slots must be a range within [0, {self.layout.redundant_slots}), got {slots!r}")
+        if self._flagged_epoch is not None and len(slots):
+            self.impl.wait_slots(plan, slots.start, len(slots), self._flagged_epoch, layer)
 
     restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
 
