@@ -428,10 +428,10 @@ class Balancer:
 
     def _used(self, entry: _RingSlot, what: str) -> None:
         """The current stream has enqueued work that reads the entry's plan buffers: the
-        update that next rewrites them waits for it."""
-        mark = self._impl.mark(("plan use", id(entry), what))
-        if mark is not None:
-            entry.users[mark.stream] = mark
+        update that next rewrites them (on the updates' stream) waits for it."""
+        planned, current = self._impl.planned(entry.state), self._impl.current()
+        if planned is not None and current.ptr != planned.stream:  # the updates' own stream is in order
+            entry.users[current.ptr] = self._impl.mark(("plan use", id(entry), what))
 
     def weight_sync(self, handle: BalanceHandle, *, stream: Any = None, blocks: int | None = None) -> ReplicaSync:
         """Collective: fill the replica slots from the handle's plan, on ``stream`` (else

@@ -93,7 +93,10 @@ class TransferBackend(Protocol):
         """The layer's entry from its imported masters: ``weights[m * T + t]``, ``grads[m * T + t]``."""
 
     def weight_sync(self, entry, plan, blocks: int | None) -> None:
-        """Collective: this rank's share of filling every replica slot of ``plan``."""
+        """Collective: this rank's share of filling every replica slot of ``plan``. The
+        device backend also takes ``flag_every_chunk`` (publish each chunk's flag at its
+        destination) and returns the sync's epoch, what its ``wait_slots(plan, first_slot,
+        count, epoch, layer)`` waits for; the host's syncs have finished when they return."""
 
     def run_weight_tasks(self, entry, tables, blocks: int | None) -> None:
         """The copies of a compiled weight sync alone (what ``weight_sync`` ends with)."""
