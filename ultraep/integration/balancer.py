@@ -411,15 +411,18 @@ class Balancer:
         self._updates += 1
         return BalanceHandle(self.id, layer, step, step % self.max_in_flight)
 
-    def _collective_entry(self, handle, what: str, owner: bool = False) -> _RingSlot:
+    def _collective_entry(self, handle, what: str, owner: bool = False, blocks: int | None = None) -> _RingSlot:
         """The live entry of ``handle`` (and, with ``owner``, the replica buffers hold its
-        weights), checked on every rank and the handle agreed, in one collective."""
+        weights; a sync's grid ``blocks`` fits), checked on every rank and the handle
+        agreed, in one collective."""
         error, entry = None, None
         try:
             self._check_open()
             entry = self._entry(handle)
             if owner:
                 error = self._owner_error(handle, what)
+            if (bad_grid := self.transfer.sync_grid_error(blocks)) is not None:
+                error = BalancerError(f"rank {self.rank}: {what}: {bad_grid}")
         except (BalancerError, ClosedError) as exc:
             error = exc
         key = (handle.layer, handle.step) if isinstance(handle, BalanceHandle) else None
@@ -453,7 +456,7 @@ class Balancer:
         return self._sync(handle, "restore", stream, blocks)
 
     def _sync(self, handle, stage: str, stream, blocks):
-        entry = self._collective_entry(handle, stage)
+        entry = self._collective_entry(handle, stage, blocks=blocks)
         impl = self._impl
         with impl.stream(stream):
             # this rank's reads of the slots, wherever they were enqueued, come before the barrier
@@ -464,10 +467,7 @@ class Balancer:
             # Peers are about to write this rank's replica slots: every rank must be done
             # reading them (the compute of the layer or micro-batch that used them before).
             impl.barrier()
-            try:
-                self.transfer.weight_sync(handle.layer, entry.plan, blocks=blocks, barrier=self.device is None)
-            except ValueError as exc:  # e.g. a grid the GPU cannot hold (refused on every rank alike)
-                raise BalancerError(f"rank {self.rank}: {stage}: {exc}") from None
+            self.transfer.weight_sync(handle.layer, entry.plan, blocks=blocks, barrier=self.device is None)
             done = entry.clock.stop(stage)
             self._transferred = impl.mark("transfer")
             self._used(entry, "transfer")

@@ -288,8 +288,7 @@ class WeightTransfer:
         flag is then published at its destination, and a rank reads a replica slot after
         :meth:`wait_replica` for it (on the reading stream). On the host (synchronous, and
         flagging only the chunks relays forward) a later heap barrier must order them."""
-        entry = self._checked("weight_sync", layer, plan, blocks,
-                              lambda b: grid_error(b) or self.impl.sync_grid_error(b))
+        entry = self._checked("weight_sync", layer, plan, blocks, self.sync_grid_error)
         if self.impl.device is None:
             self.impl.weight_sync(entry, plan, blocks)
             self._flagged_epoch = None
@@ -298,6 +297,11 @@ class WeightTransfer:
             self._flagged_epoch = None if barrier else epoch
         if barrier:
             self.impl.barrier()
+
+    def sync_grid_error(self, blocks: int | None) -> str | None:
+        """Why a weight sync cannot run on ``blocks`` (None: the default grid), or None;
+        the same answer on every rank."""
+        return grid_error(blocks) or self.impl.sync_grid_error(blocks)
 
     def wait_replica(self, layer: int, plan: Plan, slots: range) -> None:
         """Make the current stream wait (bounded by ``timeout_s``; :meth:`synchronize`

@@ -469,6 +469,8 @@ def streams():
             plans[layer] = expected_plan(layer, 0)
             handles[layer] = bal.update(layer, xp.asarray(routing(layer, 0, me)))
         assert plans[0].slots_used > 0 and plans[1].slots_used > 0, "nothing replicated: the check would prove nothing"
+        expect(lambda: bal.weight_sync(handles[0], stream=side, blocks=0), BalancerError, f"failed on {R} of {R}",
+               "weight_sync: blocks must be in [1,")
         sync = bal.weight_sync(handles[0], stream=side)
         expect(lambda: bal.wait_replica(handles[0], S), BalancerError, f"slot must be None or an int in [0, {S})")
         expect(lambda: bal.wait_replica(handles[1], 0), BalancerError, "replica buffers hold layer 0")
