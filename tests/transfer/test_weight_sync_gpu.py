@@ -11,6 +11,8 @@ tasks, or every chunk when the kernel is told to flag all: readers wait per slot
 destinations are poisoned; afterwards each replica equals its source byte for byte, the
 gaps stay poisoned, and the flags and counters are as the schedule says (needs a GPU)."""
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 
@@ -130,10 +132,11 @@ def test_wait_replica_slots():
     phys_to_log = cupy.asarray(np.array([0] * (rank * 6) + [10, 11, 12, 40, -1, 41], np.int32))  # M + S = 6 slots
 
     def wait(first, count, timeout_ns=10**9, stream=None):
-        status = cupy.zeros(words, np.uint64)
-        kernel((count,), (threads,), (np.uint64(pad.data.ptr), np.int64(base), np.int32(chunks), np.int32(first),
-                                      np.uint64(epoch), phys_to_log, np.int32(rank * 6 + masters), np.int32(rank),
-                                      np.int32(layer), np.uint64(timeout_ns), status), stream=stream)
+        with stream if stream is not None else nullcontext():
+            status = cupy.zeros(words, np.uint64)
+            kernel((count,), (threads,), (np.uint64(pad.data.ptr), np.int64(base), np.int32(chunks), np.int32(first),
+                                          np.uint64(epoch), phys_to_log, np.int32(rank * 6 + masters),
+                                          np.int32(rank), np.int32(layer), np.uint64(timeout_ns), status))
         return status
 
     flags[0] = (epoch << FLAG_WRITER_BITS) | 1
@@ -149,6 +152,7 @@ def test_wait_replica_slots():
     assert status.get().tolist() == [1, layer, 2, chunks - 1, epoch, ((epoch - 1) << FLAG_WRITER_BITS) | 3]
 
     waiting, writer = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()  # the flags written so far, before the streams below read them
     status = wait(2, 1, stream=waiting)
     done = cupy.cuda.Event()
     done.record(waiting)
