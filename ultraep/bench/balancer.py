@@ -138,8 +138,8 @@ def measure(group, target: float, args, progress):
             received = dispatcher.dispatch(x, state["slots"], gates)
             dispatcher.combine(experts(received, state["handle"], lambda slot: None), received.handle)
 
-        progress(f"initial imbalance {target}: layers registered, timing the balanced layer and the layer with "
-                 f"its plan in place ({args.rounds} x {args.repeats} calls each)")
+        progress(f"initial imbalance {target}: layers registered, timing the balanced MoE layer and the same layer "
+                 f"with its plan in place ({args.rounds} x {args.repeats} calls each)")
         handle = state["handle"] = balancer.update(0, ids)
         balancer.weight_sync(handle).wait()
         state["slots"] = balancer.reroute(handle, ids)

@@ -446,7 +446,12 @@ class Balancer:
         is flagged at its destination. Before the expert compute reads a replica slot,
         make its stream wait for that slot's own chunks: :meth:`wait_replica` (or the
         returned :class:`ReplicaSync`'s ``wait``); :meth:`replica_weights` waits for all
-        by default. ``blocks``: the copy kernel's grid (default: as many as are resident)."""
+        by default. ``blocks``: the copy kernel's grid (default: as many as are resident).
+
+        Beside kernels that wait for peers (dispatch), a relay (an expert with more than
+        ``relay_threshold`` replicas) can wait only for chunks whose senders' blocks get
+        SMs: there, pass ``blocks`` well below the resident bound, or a ``relay_threshold``
+        (``transfer_options``) of at least ``layout.max_instances - 1`` so no sync waits."""
         return self._sync(handle, "weight_sync", stream, blocks)
 
     def restore(self, handle: BalanceHandle, *, stream: Any = None, blocks: int | None = None) -> ReplicaSync:
