@@ -33,10 +33,12 @@ with ultraep.open_heap(group, need) as heap, \
     gates = np.full((T, K), 1 / K, np.float32)
     # forward
     h = bal.update(0, topk_ids)             # gathers every rank's exact load, plans (the same plan on every rank)
-    bal.weight_sync(h)                      # copies hot experts' weights into replica slots on other ranks
+    sync = bal.weight_sync(h)               # copies hot experts' weights into replica slots (GPU: stream=side)
     slot_ids = bal.reroute(h, topk_ids)     # logical expert ids -> physical slot ids
     recv = disp.dispatch(x, slot_ids, gates)  # expert-major rows: local slot j owns rows offsets[j]:offsets[j+1]
-    w = np.stack([m[0] for m in weights] + [r[0] for r in bal.replica_weights(h)])  # masters, then replica slots
+    for s in range(S):                      # GPU: dispatch and the masters' compute run while replicas arrive;
+        sync.wait(s)                        # replica slot s's compute waits for its own chunks (stream=compute)
+    w = np.stack([m[0] for m in weights] + [r[0] for r in bal.replica_weights(h, wait=False)])  # masters, replicas
     y = grouped_mm(recv.x, w, recv.offsets)
     out = disp.combine(y, recv.handle)      # per token: gate-weighted sum of its K experts' outputs
     # backward of sum(out)

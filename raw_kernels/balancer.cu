@@ -1,43 +1,101 @@
-//! kernels: count_expert_loads<int>, count_expert_loads<long long>, publish_load_row
+//! kernels: gather_loads<int>, gather_loads<long long>
 // Balancer kernels (ultraep/integration/device.py); NumPy reference: ultraep/integration/host.py.
 //
-// count_expert_loads: this rank's load row -- how many of its top-k ids name each logical
-//   expert. Integer counts only, so the atomics cannot change the result. Ids outside
-//   [0, E) are not counted; bad[0] counts them and bad[1] keeps the smallest flat index
-//   of one (atomicMin), so the host can name it after a single read. `counts` must be
-//   zeroed before the launch; `bad` accumulates until the host resets it.
-// publish_load_row: block p copies the row into row `rank` of peer p's gathered load
-//   matrix (same heap offset on every rank). The heap barrier that follows fences the
-//   stores before it signals.
+// gather_loads: the load gather of one update in one launch, with no heap barrier.
+//   Counting (ids != nullptr): how many of this rank's top-k ids name each logical expert,
+//   added into `counts`. Integer counts only, so the atomics cannot change the result. Ids
+//   outside [0, E) are not counted; bad[0] counts them and bad[1] keeps the smallest flat
+//   index of one (atomicMin), so the host can name it after a single read (`bad`
+//   accumulates until the host resets it). With ids == nullptr and loads != nullptr,
+//   block 0 adds the caller's row `loads` instead.
+//   Publishing (publish != 0; a launch may only count, and a later one-block launch with
+//   neither ids nor loads publish what was counted): the last block to finish counting
+//   writes the row into row `rank` of every peer's gathered matrix (same heap offset on
+//   every rank), zeroes `counts` and `arrived` for the next update, and releases flag
+//   `rank` of the gather's flag block in every peer's pad with `epoch`. It then waits
+//   (acquire) for every peer's flag of this epoch -- each peer's row is then in this
+//   rank's matrix -- copies the matrix to `out` (what the planner reads), and counts the
+//   gather in `gathers`. A wait that outlasts timeout_ns records (1, peer, expected, seen)
+//   in status and gives up; the host reports it.
+//   `counts` and `arrived` must be zero before the first launch.
 
-typedef unsigned long long u64;
+#include "sync.cuh"
+
+#define GATHER_THREADS 256
 
 template <typename Id>
-__global__ void count_expert_loads(const Id* __restrict__ ids, long long n, int E, int* __restrict__ counts,
-                                   u64* __restrict__ bad) {
+__global__ void __launch_bounds__(GATHER_THREADS)
+gather_loads(const Id* __restrict__ ids, long long n, const int* __restrict__ loads, int E, int* counts,
+             u64* __restrict__ bad, unsigned* arrived, int publish, const u64* __restrict__ peer_bases,
+             u64 matrix_offset, long long flag_slot, int rank, int world, u64 epoch, u64 timeout_ns,
+             int* __restrict__ out, long long* gathers, u64* status) {
     extern __shared__ int histogram[];  // [E]
-    for (int e = threadIdx.x; e < E; e += blockDim.x) histogram[e] = 0;
+    __shared__ bool last;
+    if (ids != nullptr) {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) histogram[e] = 0;
+        __syncthreads();
+        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+             i += (long long)gridDim.x * blockDim.x) {
+            const long long e = (long long)ids[i];
+            if (e >= 0 && e < E) {
+                atomicAdd(&histogram[e], 1);
+            } else {
+                atomicAdd(&bad[0], 1ull);
+                atomicMin(&bad[1], (u64)i);
+            }
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            if (histogram[e]) atomicAdd(&counts[e], histogram[e]);
+        }
+    } else if (loads != nullptr && blockIdx.x == 0) {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] += loads[e];
+    }
+    if (!publish) return;
+
+    // The last block sees every block's counts: each fences its adds before arriving.
+    __threadfence();
     __syncthreads();
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long e = (long long)ids[i];
-        if (e >= 0 && e < E) {
-            atomicAdd(&histogram[e], 1);
-        } else {
-            atomicAdd(&bad[0], 1ull);
-            atomicMin(&bad[1], (u64)i);
+    if (threadIdx.x == 0) last = atomicAdd(arrived, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const volatile int* total = counts;
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+        const int peer = i / E, e = i % E;
+        reinterpret_cast<int*>(peer_bases[peer] + matrix_offset)[(long long)rank * E + e] = total[e];
+    }
+    __syncthreads();  // every thread has read the counts before any zeroes them
+    for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+    if (threadIdx.x == 0) *arrived = 0;
+    __threadfence_system();  // the row's stores, at every peer, before any flag
+    __syncthreads();
+    for (int peer = threadIdx.x; peer < world; peer += blockDim.x)
+        store_release_sys(reinterpret_cast<u64*>(peer_bases[peer]) + flag_slot + rank, epoch);
+    const u64* own = reinterpret_cast<const u64*>(peer_bases[rank]) + flag_slot;
+    for (int peer = threadIdx.x; peer < world; peer += blockDim.x) {
+        const u64 start = global_timer_ns();
+        u64 seen;
+        while ((seen = load_acquire_sys(own + peer)) < epoch) {
+            if (global_timer_ns() - start > timeout_ns) {
+                if (atomicCAS(status, 0ull, 1ull) == 0ull) {
+                    status[1] = static_cast<u64>(peer);
+                    status[2] = epoch;
+                    status[3] = seen;
+                }
+                break;
+            }
+            __nanosleep(128);
         }
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        if (histogram[e]) atomicAdd(&counts[e], histogram[e]);
-    }
+    __syncthreads();  // every peer's row has arrived (each thread acquired its peers' flags)
+    const int* matrix = reinterpret_cast<const int*>(peer_bases[rank] + matrix_offset);
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) out[i] = matrix[i];
+    if (threadIdx.x == 0) ++*gathers;
 }
 
-template __global__ void count_expert_loads<int>(const int*, long long, int, int*, u64*);
-template __global__ void count_expert_loads<long long>(const long long*, long long, int, int*, u64*);
-
-extern "C" __global__ void publish_load_row(const int* __restrict__ counts, int E, const u64* __restrict__ peer_bases,
-                                            u64 matrix_offset, int rank) {
-    int* row = reinterpret_cast<int*>(peer_bases[blockIdx.x] + matrix_offset) + (long long)rank * E;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) row[e] = counts[e];
-}
+template __global__ void gather_loads<int>(const int*, long long, const int*, int, int*, u64*, unsigned*, int,
+                                           const u64*, u64, long long, int, int, u64, u64, int*, long long*, u64*);
+template __global__ void gather_loads<long long>(const long long*, long long, const int*, int, int*, u64*, unsigned*,
+                                                 int, const u64*, u64, long long, int, int, u64, u64, int*,
+                                                 long long*, u64*);

@@ -3,7 +3,7 @@
 // the device by schedule.cu; ultraep/transfer/schedule.py (its NumPy reference) defines
 // every field.
 //
-//! kernels: weight_sync, reduce_grads<float>, reduce_grads<__nv_bfloat16>
+//! kernels: weight_sync, wait_replica_slots, reduce_grads<float>, reduce_grads<__nv_bfloat16>
 
 #include <cuda_bf16.h>
 
@@ -17,6 +17,8 @@
 #define MAX_TENSORS 8           // tensors per expert (host-checked)
 #define MAX_DESTS 128           // destinations of one source: replicas of an expert within a domain (host-checked)
 #define STATUS_WORDS 4          // status[]: timed out, flag slot, expected epoch, flag seen (wait_chunk_flag)
+#define WAIT_STATUS_WORDS 6     // wait_replica_slots' status[]: timed out, layer, slot, chunk, expected epoch, flag seen
+#define WAIT_THREADS 128        // a wait_replica_slots block: one thread per chunk flag at a time
 #define SRC_CACHED 128          // source-table entries copied into shared memory at start-up (the rest are read from global)
 #define DEST_CACHED SYNC_THREADS  // destination rows and peer bases copied into shared memory at start-up (likewise)
 #define FLAG_WRITER_BITS 16
@@ -151,10 +153,11 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // Before a warp loads a piece, it starts a prefetch of its next one into L2, so that load
 // waits for L2 rather than for memory busy with everyone's stores.
 //
-// For a publishing task (a relay among its destinations), per-chunk byte counts (done[task])
-// tell the warp that finishes a chunk to publish its flags (epoch << FLAG_WRITER_BITS | rank) at the
-// destinations; other tasks are neither counted nor flagged (the heap barrier after the sync
-// orders them). A relay task waits (with a timeout) for its own chunk flag before loading,
+// For a publishing task (a relay among its destinations), or for every task when
+// flag_every_chunk is set (no heap barrier follows: readers wait per slot, wait_replica_slots),
+// per-chunk byte counts (done[task]) tell the warp that finishes a chunk to publish its flags
+// (epoch << FLAG_WRITER_BITS | rank) at the destinations; other tasks are neither counted nor
+// flagged (the heap barrier after the sync orders them). A relay task waits (with a timeout) for its own chunk flag before loading,
 // and its pieces are not prefetched (they are not there yet).
 // Master tasks come first in the table, so a warp has stored and counted all its master
 // pieces before it can wait for a flag; as the host caps the grid at what is resident
@@ -174,7 +177,8 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS)
 weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_tiles, const i64* tensor_table,
             int num_tensors, i64 tile_bytes, const i64* dests, int dest_rows, const u64* src_ptrs, int num_src_ptrs,
-            const u64* peer_bases, int num_ranks, int rank, u64 epoch, int* done, u64 timeout_ns, u64* status) {
+            const u64* peer_bases, int num_ranks, int rank, u64 epoch, int flag_every_chunk, int* done,
+            u64 timeout_ns, u64* status) {
     __shared__ SyncShared s;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int pieces_per_tile = static_cast<int>((tile_bytes + PIECE_BYTES - 1) / PIECE_BYTES);
@@ -270,7 +274,7 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
         } else {
             copy_partial_piece(src, dst, dst_end - dst_begin, within, nbytes, lane);
         }
-        if (row_field(row, PUBLISH)) {  // count the piece; the warp completing the chunk flags it at every destination
+        if (flag_every_chunk || row_field(row, PUBLISH)) {  // count the piece; the warp completing the chunk flags it at every destination
             const int chunk = row_field(row, CHUNK);
             const int chunk_bytes = static_cast<int>(
                 tile_range_bytes(s, num_tensors, tile_bytes, row_field(row, TILE_BEGIN), row_field(row, TILE_END)));
@@ -284,6 +288,42 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
                     store_relaxed_sys(reinterpret_cast<u64*>(peer_bases[dest[0]]) + dest[2] + chunk, flag_value);
                 }
             }
+        }
+    }
+}
+
+// A reader's wait for its replica slots [first_slot, first_slot + gridDim.x) (block b: slot
+// first_slot + b): every chunk flag of the slot, in this rank's own pad, reaches `epoch`;
+// the senders store each flag with release semantics after the chunk's bytes (weight_sync
+// with flag_every_chunk), and the acquiring loads here order the kernels after this one on
+// the stream behind them. A slot the plan leaves empty (phys_to_log[slot_index(b)] < 0) has
+// nothing to wait for. A wait that outlasts timeout_ns records (1, layer, slot, chunk,
+// expected epoch, seen) in status, says so once on stdout, and gives up; the host raises it.
+extern "C" __global__ void __launch_bounds__(WAIT_THREADS)
+wait_replica_slots(const u64* pad, i64 flag_base_slot, int num_chunks, int first_slot, u64 epoch,
+                   const int* phys_to_log, int first_phys, int rank, int layer, u64 timeout_ns, u64* status) {
+    const int slot = first_slot + static_cast<int>(blockIdx.x);
+    if (phys_to_log[first_phys + slot] < 0) return;
+    const u64* flags = pad + flag_base_slot + static_cast<i64>(slot) * num_chunks;
+    for (int chunk = threadIdx.x; chunk < num_chunks; chunk += blockDim.x) {
+        const u64 start = global_timer_ns();
+        u64 seen;
+        while (((seen = load_acquire_sys(flags + chunk)) >> FLAG_WRITER_BITS) < epoch) {
+            if (*reinterpret_cast<volatile u64*>(status)) return;  // one report is enough
+            if (global_timer_ns() - start > timeout_ns) {
+                if (atomicCAS(status, 0ull, 1ull) == 0ull) {
+                    status[1] = static_cast<u64>(layer);
+                    status[2] = static_cast<u64>(slot);
+                    status[3] = static_cast<u64>(chunk);
+                    status[4] = epoch;
+                    status[5] = seen;
+                    printf("ultraep: rank %d waited over %llu ms for replica slot %d of layer %d (chunk %d: flag "
+                           "epoch %llu expected, saw %llu)\n", rank, timeout_ns / 1000000ull, slot, layer, chunk,
+                           epoch, seen >> FLAG_WRITER_BITS);
+                }
+                return;
+            }
+            __nanosleep(128);
         }
     }
 }

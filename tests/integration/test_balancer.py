@@ -17,7 +17,7 @@ RANKS = 4
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("check", ["flow", "pipeline", "bad-input", "shared-heap"])
+@pytest.mark.parametrize("check", ["flow", "pipeline", "bad-input", "shared-heap", "streams"])
 def test_balancer_across_ranks(backend, check, tmp_path):
     out = run_ranks(RANKS, "integration/mpi/balancer_check.py", backend, check, str(tmp_path), timeout=240)
     assert_all_ranks_ok(out, RANKS, check)
@@ -43,5 +43,6 @@ def test_heap_requirements_are_the_gathered_loads_and_the_transfers():
     needs = Balancer.heap_requirements(layout, spec, transfer_options={"tile_bytes": 512, "relay_count": 3})
     assert needs.tensors[0] == ("balancer.gathered_loads", (2, 4, 8), np.dtype(np.int32))
     assert needs.tensors[1:] == WeightTransfer.heap_requirements(layout, spec, tile_bytes=512).tensors
-    assert needs.signals == WeightTransfer.heap_requirements(layout, spec, tile_bytes=512).signals
+    assert needs.signals[0] == ("balancer.gather_flags", 4)  # one flag per rank's load row
+    assert needs.signals[1:] == WeightTransfer.heap_requirements(layout, spec, tile_bytes=512).signals
     assert needs.signals != Balancer.heap_requirements(layout, spec).signals  # default tiles: fewer chunks

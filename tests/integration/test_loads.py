@@ -1,5 +1,6 @@
-"""The load row: NumPy semantics against naive loops, and the CUDA counter bitwise
-against it (int32 and int64 ids, ids out of range, publication into the heap)."""
+"""The load row: NumPy semantics against naive loops, and the CUDA gather bitwise
+against it (int32 and int64 ids, ids out of range, a caller's row, publication into the
+heap and the gathered matrix)."""
 
 import numpy as np
 import pytest
@@ -38,11 +39,14 @@ def test_count_loads_matches_loops(seed):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
-def test_device_counter_is_bitwise_the_reference(dtype):
+def test_device_gather_is_bitwise_the_reference(dtype):
+    """One rank: counting alone (the row staged, bad ids named), publishing the staged row,
+    counting and publishing in one launch, and a caller's row -- each gathered matrix
+    bitwise the NumPy count, the staged row zeroed after each publication."""
     import cupy
     from mpi4py import MPI
 
-    from ultraep.integration.device import DeviceLoadCounter
+    from ultraep.integration.device import DeviceLoadGather
     from ultraep.runtime.group import EPGroup
     from ultraep.runtime import open_heap
 
@@ -50,18 +54,24 @@ def test_device_counter_is_bitwise_the_reference(dtype):
     rng = np.random.default_rng(5)
     with open_heap(group, 1 << 20, backend="device") as heap:
         for E, n, with_bad in ((64, 300_000, False), (257, 4099, True), (8, 0, False)):
-            matrix = heap.alloc(f"matrix{E}", (1, E), np.int32)
-            counter = DeviceLoadCounter(heap, E)
+            matrix = heap.alloc(f"matrix{E}", (2, 1, E), np.int32)
+            gather = DeviceLoadGather(heap, E, matrix, heap.alloc_signals(f"flags{E}", 1), timeout_s=10.0)
             ids = rng.integers(0, E, size=(n, 1)).astype(dtype)
             if with_bad:
                 ids[[17, 900, 4000], 0] = [E, -1, E + 5]
             device_ids = cupy.asarray(ids)
-            counter.count(device_ids)
             want, bad = count_loads(ids, E)
-            assert np.array_equal(counter.counts.get(), want)
-            got_bad = counter.read_bad(device_ids)
-            assert got_bad == bad
-            counter.publish(counter.counts, matrix.offset)
-            heap.barrier()
-            assert np.array_equal(matrix.local.get()[0], want)
-
+            out = cupy.full((1, E), -7, np.int32)
+            gather.launch(device_ids, from_ids=True, publish=False)
+            assert np.array_equal(gather.counts.get(), want)
+            assert gather.read_bad(device_ids) == bad
+            gather.launch(None, from_ids=False, publish=True, buffer=1, epoch=1, out=out)
+            assert np.array_equal(out.get()[0], want) and np.array_equal(matrix.local.get()[1, 0], want)
+            assert not gather.counts.any() and int(gather.gathers.get()[0]) == 1
+            for epoch, (source, from_ids) in enumerate(((device_ids, True), (cupy.asarray(want), False)), start=2):
+                out.fill(-7)
+                gather.launch(source, from_ids=from_ids, publish=True, buffer=epoch % 2, epoch=epoch, out=out)
+                assert np.array_equal(out.get()[0], want), (epoch, from_ids)
+                assert not gather.counts.any()
+            gather.read_bad(device_ids)
+            gather.check()  # no wait timed out

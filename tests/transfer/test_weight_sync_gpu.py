@@ -6,9 +6,12 @@ than lanes); 32 KiB tiles and 5 KiB ones (each ends in a piece shorter than 2 Ki
 whose warps step within a task and across several; destination rows and ranks within and
 past the kernel's shared-memory copies of those tables; a tensor's short last piece with
 a byte tail; a source that is not 16-byte aligned (the byte path); a task table with more
-rows than the device-written count; with and without published chunk flags. The
+rows than the device-written count; with and without published chunk flags (a relay's
+tasks, or every chunk when the kernel is told to flag all: readers wait per slot). The
 destinations are poisoned; afterwards each replica equals its source byte for byte, the
 gaps stay poisoned, and the flags and counters are as the schedule says (needs a GPU)."""
+
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -51,16 +54,16 @@ def tables(tile_bytes, fanout, publish, row_base, rank_base):
     return tasks, 2 * chunks, tensor_table, dests, fanout_b
 
 
-@pytest.mark.parametrize("publish", [0, 1])
+@pytest.mark.parametrize("publish, every_chunk", [(0, 0), (1, 0), (0, 1)])
 @pytest.mark.parametrize("source_offset", [0, 4])
 @pytest.mark.parametrize("tile_bytes", [32 << 10, 5 << 10])
-def test_weight_sync_fanouts(tile_bytes, source_offset, publish):
+def test_weight_sync_fanouts(tile_bytes, source_offset, publish, every_chunk):
     import cupy
 
     from ultraep.runtime.kernels import get_function
 
     kernel = get_function("transfer.cu", "weight_sync")
-    rng = np.random.default_rng(tile_bytes + source_offset + publish)
+    rng = np.random.default_rng(tile_bytes + source_offset + publish + 2 * every_chunk)
     expert_bytes = sum(TENSOR_BYTES)
     source = cupy.asarray(rng.integers(0, 256, 2 * expert_bytes + 64, dtype=np.uint8))  # A, then B
     starts = [source_offset, source_offset + TENSOR_BYTES[0]]
@@ -75,7 +78,7 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish):
     poison_slot = cupy.full(SLOT_BYTES, POISON, np.uint8)
     poison_flag = np.uint64(int.from_bytes(bytes([POISON]) * 8, "little"))
     epoch, rank = 7, 3
-    flag = np.uint64(epoch << FLAG_WRITER_BITS | rank) if publish else poison_flag
+    flag = np.uint64(epoch << FLAG_WRITER_BITS | rank) if publish or every_chunk else poison_flag
     # (fan-out, blocks, first destination row, first rank): rows and ranks within and past 256
     configs = [(f, 1 + f % 3, 0, 0) for f in range(1, 11)] + [(33, 2, 0, 0), (4, 37, 0, 0), (33, 3, 240, 240),
                                                               (5, 2, 300, 0), (6, 2, 0, 300), (7, 3, 300, 300)]
@@ -92,7 +95,7 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish):
                 cupy.asarray(np.array([0xDEAD0000] * rank_base + [b.data.ptr for b in buffers],
                                       np.uint64)),
                 np.int32(rank_base + fanout),
-                np.int32(rank), np.uint64(epoch), done, np.uint64(10**9), status))
+                np.int32(rank), np.uint64(epoch), np.int32(every_chunk), done, np.uint64(10**9), status))
         cupy.cuda.get_current_stream().synchronize()
         assert not status.any(), f"fan-out {fanout}: status {status.get()}"
         assert not done.any(), f"fan-out {fanout}: chunk counters not reset: {done.get()}"
@@ -108,3 +111,53 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish):
             if has_b:
                 expected[FLAG_BASE_B:FLAG_BASE_B + chunks] = flag
             assert (flags == expected).all(), f"fan-out {fanout}: destination {d} chunk flags {flags}"
+
+
+def test_wait_replica_slots():
+    """The per-slot wait: a slot whose chunk flags carry the epoch (or a later one) passes, a
+    slot the plan leaves empty passes without flags, a slot still missing one chunk's
+    flag times out with (layer, slot, chunk, expected, seen) recorded, and a wait
+    enqueued before the flags land finishes once another stream writes them."""
+    import cupy
+
+    from ultraep.runtime.kernels import get_function
+
+    kernel = get_function("transfer.cu", "wait_replica_slots")
+    words = kernel_constant("transfer.cu", "WAIT_STATUS_WORDS")
+    threads = kernel_constant("transfer.cu", "WAIT_THREADS")
+    chunks, base, epoch, rank, layer, masters = 300, 5, 9, 2, 6, 3  # more chunks than threads
+    assert chunks > threads
+    pad = cupy.zeros(base + 3 * chunks, np.uint64)
+    flags = pad[base:].reshape(3, chunks)
+    phys_to_log = cupy.asarray(np.array([0] * (rank * 6) + [10, 11, 12, 40, -1, 41], np.int32))  # M + S = 6 slots
+
+    def wait(first, count, timeout_ns=10**9, stream=None):
+        with stream if stream is not None else nullcontext():
+            status = cupy.zeros(words, np.uint64)
+            kernel((count,), (threads,), (np.uint64(pad.data.ptr), np.int64(base), np.int32(chunks), np.int32(first),
+                                          np.uint64(epoch), phys_to_log, np.int32(rank * 6 + masters),
+                                          np.int32(rank), np.int32(layer), np.uint64(timeout_ns), status))
+        return status
+
+    flags[0] = (epoch << FLAG_WRITER_BITS) | 1
+    flags[2, ::2] = ((epoch + 1) << FLAG_WRITER_BITS) | 3  # a later sync's flags count as well
+    flags[2, 1::2] = (epoch << FLAG_WRITER_BITS) | 3
+    status = wait(0, 3)  # slot 1 is empty in the plan: its unset flags are not waited for
+    cupy.cuda.Device().synchronize()
+    assert not status.any(), status.get()
+
+    flags[2, chunks - 1] = ((epoch - 1) << FLAG_WRITER_BITS) | 3  # the last chunk still holds the last sync's
+    status = wait(2, 1, timeout_ns=20_000_000)
+    cupy.cuda.Device().synchronize()
+    assert status.get().tolist() == [1, layer, 2, chunks - 1, epoch, ((epoch - 1) << FLAG_WRITER_BITS) | 3]
+
+    waiting, writer = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()  # the flags written so far, before the streams below read them
+    status = wait(2, 1, stream=waiting)
+    done = cupy.cuda.Event()
+    done.record(waiting)
+    assert not done.done, "the wait finished before its last flag landed"
+    with writer:
+        flags[2, chunks - 1] = (epoch << FLAG_WRITER_BITS) | 3
+    done.synchronize()
+    assert not status.any(), status.get()

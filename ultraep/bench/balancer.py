@@ -1,15 +1,24 @@
-"""``python -m ultraep.bench balancer``: the exposed cost of balancing one MoE layer --
-``Balancer.update`` + ``weight_sync`` + ``reroute`` -- beside the balanced MoE layer
-itself (dispatch, one matmul pair per local expert slot, combine), in one run.
+"""``python -m ultraep.bench balancer``: the exposed cost of balancing one MoE layer, as a
+framework would run it, beside the layer itself, in one run.
 
 Every rank routes ``tokens`` fp16 tokens top-k with Zipf-skewed experts tuned to each
-initial rank imbalance (``--initial-imbalance``, ``ultraep.analysis.traces.zipf_topk``). Experts are two fp16
-matrices ``[hidden, ffn]`` and ``[ffn, hidden]``; gradients fp32. ``exposed_ms`` and
-``moe_layer_ms`` are the whole group's window per call (first rank's start to the last
-rank's end, host and device); every exposed call plans anew, and its weight sync
-compiles the plan's transfer tasks (on the device on the GPU). The ``*_dev_ms``
-columns are the Balancer's own CUDA-event (CPU: wall) stage times, medians over the
-calls. ``share`` = exposed / (exposed + layer).
+initial rank imbalance (``--initial-imbalance``, ``ultraep.analysis.traces.zipf_topk``).
+Experts are two fp16 matrices ``[hidden, ffn]`` and ``[ffn, hidden]``; gradients fp32.
+Two layers are timed, alternately, as group windows (first rank's start to the last
+rank's end, host and device, per call; medians over ``--rounds`` rounds of
+``--repeats`` calls):
+
+* ``balanced_ms``: the whole balanced layer -- ``Balancer.update`` (a new plan every
+  call), ``weight_sync`` on a side stream (its tasks compiled on the device on the GPU),
+  ``reroute``, dispatch beside the sync, the masters' compute, then each replica slot's
+  compute after ``wait_replica`` for that slot alone, combine;
+* ``layer_ms``: the same layer with the plan and the replicas already in place
+  (dispatch, compute, combine).
+
+``exposed_ms`` = balanced - in place (median of the rounds' differences): what balancing
+adds to the layer. ``share_pct`` = exposed / layer. The ``*_dev_ms`` columns are the
+Balancer's own CUDA-event (CPU: wall) stage times in the balanced layer, medians over
+its calls: the parts, not additive (the sync runs beside dispatch).
 Several ranks on one GPU run time-sliced, so both times include the other ranks' work,
 unless ``--emulate-ep`` runs them under MPS with an SM share each; the title says which.
 The receive buffer holds 1.25x the mean rows (balanced routing stays near the mean).
@@ -19,6 +28,7 @@ Started with one process, it relaunches itself on ``--ranks`` ranks under ``mpie
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import numpy as np
@@ -27,8 +37,8 @@ from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import add_emulation_option, multi_rank_main
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
-COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "moe_layer_ms", "share_pct", "update_dev_ms",
-           "weight_sync_dev_ms", "reroute_dev_ms"]
+COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct",
+           "update_dev_ms", "weight_sync_dev_ms", "reroute_dev_ms"]
 
 
 def parse_args(argv):
@@ -48,7 +58,11 @@ def parse_args(argv):
                              "ranks and top-8 over 64 experts at most 1.5 is reachable)")
     parser.add_argument("--min-replica-tokens", type=int, default=1024,
                         help="fewest tokens a replica may serve (the planner's min_replica_tokens)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per window (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="windows of each layer, alternating balanced and in place (medians reported)")
+    parser.add_argument("--sync-blocks", type=int, default=None,
+                        help="grid of the weight sync beside dispatch (default: the engine's, all resident blocks)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG",
@@ -76,7 +90,7 @@ def measure(group, target: float, args, progress):
     backend = "device" if gpu else "host"
     if gpu:
         import cupy as xp
-        synchronize = xp.cuda.get_current_stream().synchronize
+        synchronize = xp.cuda.runtime.deviceSynchronize  # the weight sync's side stream too
     else:
         xp, synchronize = np, (lambda: None)
     layout = ExpertLayout(R, args.experts, args.slots)
@@ -95,41 +109,55 @@ def measure(group, target: float, args, progress):
                                   max_recv_rows=int(1.25 * T * K) + 1024, sync_checks=False) as dispatcher:
         for layer in range(LAYERS):
             balancer.register_layer(layer, masters, grads)
+        side = xp.cuda.Stream(non_blocking=True) if gpu else None  # the weight sync's own stream
         state = {"calls": 0}
 
-        def exposed():
-            layer = state["calls"] % LAYERS
-            state["calls"] += 1
-            state["handle"] = handle = balancer.update(layer, ids)
-            balancer.weight_sync(handle)
-            state["slots"] = balancer.reroute(handle, ids)
-
-        progress(f"initial imbalance {target}: layers registered, timing update + weight_sync + reroute "
-                 f"({args.repeats} calls)")
-        exposed()
-        offsets = [int(v) for v in (dispatcher.dispatch(x, state["slots"], gates).offsets.tolist())]
-
-        def moe_layer():
-            received = dispatcher.dispatch(x, state["slots"], gates)
+        def experts(received, handle, wait):
+            """Masters first, then each replica slot once ``wait(slot)`` lets its stream at it."""
             y = xp.zeros_like(received.x)
-            weights = masters + balancer.replica_weights(state["handle"])
+            weights = masters + balancer.replica_weights(handle, wait=False)
             for slot in range(M + args.slots):
                 begin, end = offsets[slot], offsets[slot + 1]
                 if end > begin:
+                    if slot >= M:
+                        wait(slot - M)
                     w_in, w_out = weights[slot]
                     y[begin:end] = xp.maximum(received.x[begin:end] @ w_in, 0) @ w_out
-            dispatcher.combine(y, received.handle)
+            return y
 
-        exposed_ms = group_window_ms(group, exposed, args.repeats, synchronize)
-        progress(f"initial imbalance {target}: timing the balanced MoE layer ({args.repeats} calls)")
-        layer_ms = group_window_ms(group, moe_layer, args.repeats, synchronize)
+        def balanced():
+            layer = state["calls"] % LAYERS
+            state["calls"] += 1
+            state["handle"] = handle = balancer.update(layer, ids)
+            sync = balancer.weight_sync(handle, stream=side, blocks=args.sync_blocks)
+            state["slots"] = balancer.reroute(handle, ids)
+            received = dispatcher.dispatch(x, state["slots"], gates)
+            dispatcher.combine(experts(received, handle, sync.wait), received.handle)
+
+        def in_place():
+            received = dispatcher.dispatch(x, state["slots"], gates)
+            dispatcher.combine(experts(received, state["handle"], lambda slot: None), received.handle)
+
+        progress(f"initial imbalance {target}: layers registered, timing the balanced MoE layer and the same layer "
+                 f"with its plan in place ({args.rounds} x {args.repeats} calls each)")
+        handle = state["handle"] = balancer.update(0, ids)
+        balancer.weight_sync(handle).wait()
+        state["slots"] = balancer.reroute(handle, ids)
+        state["calls"] = 1
+        offsets = [int(v) for v in (dispatcher.dispatch(x, state["slots"], gates).offsets.tolist())]
+        windows = {"balanced": [], "in_place": []}
+        for _ in range(args.rounds):
+            windows["balanced"].append(group_window_ms(group, balanced, args.repeats, synchronize))
+            windows["in_place"].append(group_window_ms(group, in_place, args.repeats, synchronize))
         dispatcher.check()
         balancer.check()
         stats = balancer.stats()
         summary = stats.summary()
+    layer_ms, balanced_ms = (statistics.median(windows[k]) for k in ("in_place", "balanced"))
+    exposed_ms = statistics.median(b - p for b, p in zip(windows["balanced"], windows["in_place"]))
     row = {"imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
-           "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "moe_layer_ms": layer_ms,
-           "share_pct": 100.0 * exposed_ms / (exposed_ms + layer_ms),
+           "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
+           "balanced_ms": balanced_ms, "share_pct": 100.0 * exposed_ms / layer_ms,
            **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")}}
     return row, stats.records
 
@@ -147,7 +175,8 @@ def run(args) -> int:
     progress = Progress("balancer", enabled=printing and not args.quiet)
     title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({sharing}), {args.experts} experts, "
              f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
-             f"ffn {args.ffn}, fp16 experts; exposed = update + weight_sync + reroute")
+             f"ffn {args.ffn}, fp16 experts; exposed = balanced layer (update, weight_sync on a side stream beside "
+             "dispatch, reroute, per-slot waits) - the same layer with its plan and replicas in place, group windows")
     rows = []
     with RowStream(COLUMNS, title, enabled=printing) as table:
         for target in args.initial_imbalance:

@@ -1,10 +1,11 @@
 """Integration: the objects a framework calls.
 
 * ``balancer`` -- :class:`Balancer`: per-layer, per-micro-batch load gathering, planning,
-  weight sync, reroute, restore and gradient reduction, with a ring of plans for pipelines.
+  weight sync (a :class:`ReplicaSync` whose per-slot waits gate the replicas' compute),
+  reroute, restore and gradient reduction, with a ring of plans for pipelines.
 * ``host``     -- the Balancer's host backend (NumPy): the load-row semantics and every
   per-backend step run synchronously.
-* ``device``   -- the Balancer's device backend (CuPy): the CUDA load counter and
+* ``device``   -- the Balancer's device backend (CuPy): the CUDA load gather and
   planning into ring-slot buffers on the caller's stream.
 * ``stats``    -- per (layer, micro-batch) records, stage clocks and summaries (the
   per-rank load plot is :func:`ultraep.analysis.plots.plot_rank_loads`).
@@ -13,7 +14,8 @@
   several micro-batches in flight from one process.
 """
 
-from ultraep.integration.balancer import BalanceHandle, Balancer, BalancerError, StaleHandleError
+from ultraep.integration.balancer import BalanceHandle, Balancer, BalancerError, ReplicaSync, StaleHandleError
 from ultraep.integration.stats import BalancerStats, LayerRecord
 
-__all__ = ["BalanceHandle", "Balancer", "BalancerError", "BalancerStats", "LayerRecord", "StaleHandleError"]
+__all__ = ["BalanceHandle", "Balancer", "BalancerError", "BalancerStats", "LayerRecord", "ReplicaSync",
+           "StaleHandleError"]

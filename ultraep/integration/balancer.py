@@ -10,14 +10,20 @@ one the process shares with other components (sized from
 master weights and gradients. Per micro-batch and layer:
 
 * :meth:`Balancer.update` counts this rank's load row, writes it into row ``rank`` of
-  every peer's gathered load matrix in the symmetric heap, runs a heap barrier, and plans
-  from the gathered matrix -- on the GPU with no host round trip, into the preallocated
+  every peer's gathered load matrix in the symmetric heap with a flag behind it, waits for
+  every peer's flag and plans from the gathered matrix -- on the GPU in two launches (the
+  gather, the plan) with no heap barrier and no host round trip, into the preallocated
   buffers of a ring slot. It returns a :class:`BalanceHandle`.
-* :meth:`weight_sync` fills the replica slots; :meth:`reroute` maps logical top-k ids to
-  physical slots for any dispatcher; :meth:`replica_weights` / :meth:`replica_grads`
-  expose the shared replica buffers (DLPack-exportable) for the expert compute.
-* Backward: :meth:`restore` refills the replicas from the handle's own plan and
-  :meth:`reduce_grads` adds replica gradients into the masters.
+* :meth:`weight_sync` fills the replica slots, on a stream of the caller's choice, and
+  returns a :class:`ReplicaSync`; :meth:`wait_replica` (or ``ReplicaSync.wait``) makes
+  a compute stream wait for one replica slot's own chunks before the compute that reads
+  it, so dispatch and the masters' compute run while the replicas arrive.
+  :meth:`reroute` maps logical top-k ids to physical slots for any dispatcher;
+  :meth:`replica_weights` / :meth:`replica_grads` expose the shared replica buffers
+  (DLPack-exportable) for the expert compute.
+* Backward: :meth:`restore` refills the replicas from the handle's own plan (wait for
+  them as after ``weight_sync``) and :meth:`reduce_grads` adds replica gradients into
+  the masters.
 
 Pipelines: every virtual layer has a ring of ``max_in_flight`` plan slots; a handle names
 its layer, its micro-batch number (the layer's update counter) and its slot, so the
@@ -25,50 +31,64 @@ backward of micro-batch ``i`` finds the plan of its own forward while later forw
 are in flight. A handle whose slot was reused raises :class:`StaleHandleError`.
 
 Order: replica buffers are shared by all layers, so the handle passed to
-:meth:`replica_weights` / :meth:`replica_grads` must be the last one synced or
-restored, and every sync starts with a heap barrier: no peer overwrites a replica slot
-that a rank still reads for the previous layer or micro-batch (in stream order). The
-gathered-load buffer is double-buffered because a peer may already write the next
-update's row while this rank still plans the previous one.
+:meth:`replica_weights` / :meth:`replica_grads` / :meth:`wait_replica` must be the last
+one synced or restored. Streams are ordered by events the Balancer records, never by a
+host wait: every stage that reads a plan waits for the update that made it; a sync waits
+for the previous transfer and for every stream that waited for the replica slots since
+the previous sync (their compute reads them), then runs a heap barrier, so no peer
+overwrites a replica slot that a rank still reads; the update that reuses a ring slot
+waits for every stream that read its plan. The weight sync itself ends with no barrier:
+the senders publish each chunk's flag at its destination (system-scope release after the
+chunk's bytes), and ``wait_replica`` enqueues a bounded device-side wait for the slot's
+flags (acquire). The gathered-load buffer is double-buffered because a peer may already
+write the next update's row while this rank still copies the previous one out.
 
 Checks: ``sync_checks=True`` (default) checks every call collectively -- the same error
 on every rank: bad ids, dtypes, devices, ranks passing different layers or top-k widths,
-stale handles -- at the cost of host allgathers per call and, for top-k ids on the GPU,
-one device read. ``False`` checks locally only; :meth:`check` reports deferred device
-errors (ids out of range are then not counted, and reroute gives them slot ``-1``).
+stale handles -- in one host allgather per call (the error check and the agreement on the
+call's arguments travel together; ``update`` stages its counted row first, so on the GPU
+that also covers bad top-k ids, at the cost of one device read, and publishes it only once
+every rank agreed). An agreement cannot ride on the next call instead: a disagreement
+would then be found after the peers' kernels had already exchanged rows or weights for
+different layers. ``False`` makes no host collective at all and checks locally only;
+:meth:`check` reports deferred device errors (ids out of range are then not counted, and
+reroute gives them slot ``-1``).
 
 Metrics: :meth:`stats` (imbalance before/after, replicas, bytes moved, stage times, a
-liveness counter of plans the device completed), :meth:`save_trace` (the planner's
+liveness counter of load gathers the device completed), :meth:`save_trace` (the planner's
 trace format) and :func:`~ultraep.analysis.plots.plot_rank_loads`.
 
 Backends: the heap's backend picks, once, the implementation of what differs --
 :class:`~ultraep.integration.host.HostBalancer` (NumPy, every stage synchronous) or
 :class:`~ultraep.integration.device.DeviceBalancer` (CuPy and ``raw_kernels/balancer.cu``).
 Both implement :class:`BalancerBackend`: a ring slot's state (plan buffers, pinned
-mirrors, stage clock), the caller's stream, counting and publishing this rank's load row,
-the heap barrier, planning, reroute, a record's host arrays, synchronisation and the
-deferred device checks. Everything else, the collective checks included, is here.
+mirrors, stage clock), the caller's stream and marks that order streams (none on the
+host), counting and gathering the load rows, the heap barrier, planning, reroute, a
+record's host arrays, synchronisation and the deferred device checks. Everything else,
+the collective checks included, is here.
 
-Device hot path: everything runs on the caller's stream (CuPy's current stream, the stream
+Device hot path: everything runs on the caller's streams (CuPy's current stream, the stream
 of a torch ``topk_ids``, or ``stream=``), and once every ring slot has seen the largest
-top-k batch, ``update``, ``weight_sync``, ``reroute``, ``restore`` and ``reduce_grads``
-allocate no device memory and, with ``sync_checks=False``, never wait for the device:
+top-k batch, ``update``, ``weight_sync``, ``wait_replica``, ``reroute``, ``restore`` and
+``reduce_grads`` allocate no device memory and, with ``sync_checks=False``, never wait for
+the device nor for the other ranks:
 
-* ``update`` counts the ids (int32 or int64, read in place) into a preallocated row,
-  publishes it to every peer, enqueues a device-side heap barrier and plans into the
-  ring slot's own plan buffers; the arrays a record needs are copied to pinned host
-  memory asynchronously;
+* ``update`` counts the ids (int32 or int64, read in place), publishes the row and gathers
+  the peers' in one launch (``raw_kernels/balancer.cu``), and plans into the ring slot's
+  own plan buffers; the arrays a record needs are copied to pinned host memory on a side
+  stream;
 * ``weight_sync`` / ``restore`` / ``reduce_grads`` compile the plan's transfer tasks on
   the device (``transfer.device_schedule``) into tables allocated once, and launch the
-  transfer between device-side heap barriers;
+  transfer behind a device-side heap barrier;
+* ``wait_replica`` is one small kernel per call;
 * ``reroute`` writes into the ring slot's output and count workspace, which are
   reallocated only when a batch larger than any the slot has seen arrives.
 
 The host waits for the device only where it must read device results: an ``update``
-whose ring slot still holds a micro-batch the device has not finished planning (the
-device is a whole ring behind) waits for that plan before reading its record, and
-``stats``, ``save_trace`` and ``check`` synchronise. ``sync_checks=True`` adds host
-allgathers per call and, for top-k ids, one device read per ``update``.
+whose ring slot still holds a micro-batch whose record has not reached host memory (the
+device is a whole ring behind) waits for it, and ``stats``, ``save_trace`` and ``check``
+synchronise. ``sync_checks=True`` adds one host allgather per call and, for top-k ids,
+one device read per ``update``.
 """
 
 from __future__ import annotations
@@ -79,7 +99,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ultraep.errors import BalancerError, ClosedError, StaleHandleError
+from ultraep.errors import BalancerError, ClosedError, GroupMismatchError, StaleHandleError
 from ultraep.integration.host import HostBalancer
 from ultraep.integration.stats import BalancerStats, plan_record
 from ultraep.integration.traces import TraceRecorder
@@ -98,6 +118,7 @@ if TYPE_CHECKING:
 
 DEFAULT_HISTORY = 4096
 GATHER_BUFFERS = 2  # see "Order" in the module docstring
+_NO_AGREEMENT = object()
 TILING_OPTIONS = ("tile_bytes", "chunk_tiles")  # the transfer options that size the heap
 
 
@@ -111,6 +132,20 @@ class BalanceHandle:
     slot: int
 
 
+class ReplicaSync:
+    """A weight sync or restore in flight: :meth:`wait` makes a stream wait for one replica
+    slot (or all) before the expert compute that reads it. ``event``: this rank's launches
+    on the sync's stream are done (its sends, not its arrivals; ``None`` on the host, where
+    the call returns after the transfer)."""
+
+    def __init__(self, balancer: Balancer, handle: BalanceHandle, event: Any):
+        self.balancer, self.handle, self.event = balancer, handle, event
+
+    def wait(self, slot: int | None = None, *, stream: Any = None) -> None:
+        """:meth:`Balancer.wait_replica` for this sync's handle."""
+        self.balancer.wait_replica(self.handle, slot, stream=stream)
+
+
 class BalancerBackend(Protocol):
     """What differs per backend (``Backends`` in the module docstring); ``slot`` is the
     backend's state of one ring slot, from :meth:`new_slot`."""
@@ -119,12 +154,19 @@ class BalancerBackend(Protocol):
 
     def new_slot(self): ...
     def stream(self, stream, tensor=None): ...
+    def current(self): ...
+    def mark(self, what): ...
+    def mark_on(self, stream, what): ...
+    def follow(self, *marks) -> None: ...
     def check_ids(self, ids) -> None: ...
     def check_loads(self, loads) -> None: ...
-    def count(self, source, *, from_ids: bool): ...
-    def publish(self, row, buffer: int) -> None: ...
+    def count(self, source, *, from_ids: bool) -> None: ...
+    def discard(self) -> None: ...
+    def gather(self, slot, buffer: int, epoch: int) -> None: ...
+    def count_and_gather(self, slot, source, *, from_ids: bool, buffer: int, epoch: int) -> None: ...
     def barrier(self) -> None: ...
-    def plan(self, slot, buffer: int) -> Plan: ...
+    def plan(self, slot) -> Plan: ...
+    def planned(self, slot): ...
     def reroute(self, slot, ids, plan: Plan, out): ...
     def host_arrays(self, slot, plan: Plan) -> dict: ...
     def synchronize(self) -> int: ...
@@ -148,11 +190,13 @@ class _RingSlot:
         self.syncs = self.reductions = 0
         self.state = backend.new_slot()  # the backend's buffers and stage clock
         self.clock = self.state.clock
+        self.users: dict = {}  # stream -> mark after its last use of the plan buffers
 
 
 def _gather_requirements(layout: ExpertLayout) -> HeapRequirements:
     return HeapRequirements.of(tensors=[("balancer.gathered_loads",
-                                         (GATHER_BUFFERS, layout.num_ranks, layout.num_experts), np.int32)])
+                                         (GATHER_BUFFERS, layout.num_ranks, layout.num_experts), np.int32)],
+                               signals=[("balancer.gather_flags", layout.num_ranks)])
 
 
 class Balancer:
@@ -223,11 +267,11 @@ class Balancer:
             # "auto": the cost model's value from the machine profile, the same on every rank
             self.min_replica_tokens = (agreed_min_replica_tokens(group, spec, backend=self.backend)
                                        if isinstance(min_replica_tokens, str) else int(min_replica_tokens))
-            gathered = self.heap.allocate(_gather_requirements(layout))["balancer.gathered_loads"]
+            gather = self.heap.allocate(_gather_requirements(layout))
             self.transfer = WeightTransfer(self.heap, layout, spec, timeout_s=timeout_s, **(transfer_options or {}))
             self._impl: BalancerBackend = _backend_class(self.heap)(
-                self.heap, layout, gathered, min_replica_tokens=self.min_replica_tokens, timeout_s=self.timeout_s,
-                sync_checks=self.sync_checks)
+                self.heap, layout, gather["balancer.gathered_loads"], gather["balancer.gather_flags"],
+                min_replica_tokens=self.min_replica_tokens, timeout_s=self.timeout_s, sync_checks=self.sync_checks)
             self._rings = [[_RingSlot(self._impl) for _ in range(self.max_in_flight)]
                            for _ in range(self.num_layers)]
         except BaseException as exc:
@@ -240,22 +284,25 @@ class Balancer:
         self._steps = [0] * self.num_layers
         self._updates = 0
         self._weights_owner: BalanceHandle | None = None
+        self._transferred = None  # mark after the last transfer (they share the engine's tables)
+        self._readers: dict = {}  # stream pointer -> stream that waited for the replica slots since the last sync
         self._history: deque = deque(maxlen=int(history))
         self.recorder = TraceRecorder(layout.num_ranks, layout.num_experts,
                                       {"source": "ultraep.Balancer"}) if record_trace else None
         self._closed = False
 
     # -- checks ---------------------------------------------------------------------------
-    def _collective(self, error, what: str, agreed=None) -> None:
-        """Raise the same error on every rank (``sync_checks``), else this rank's own."""
+    def _collective(self, error, what: str, agreed=_NO_AGREEMENT) -> None:
+        """Raise the same error on every rank (``sync_checks``), else this rank's own. The
+        error check and the agreement on ``agreed`` share one host allgather."""
         if self.sync_checks:
             try:
-                self.group.raise_if_any(error, what)
+                self.group.raise_if_any(error, what, **({} if agreed is _NO_AGREEMENT else {"agree": agreed}))
+            except GroupMismatchError:
+                raise
             except ValueError as collective:  # keep the local kind (e.g. StaleHandleError) where there is one
                 kind = type(error) if isinstance(error, (BalancerError, ClosedError)) else BalancerError
                 raise kind(str(collective)) from error
-            if agreed is not None:
-                self.group.agree(agreed, what)
         elif error is not None:
             raise error
 
@@ -301,33 +348,41 @@ class Balancer:
 
         Pass this rank's ``topk_ids`` (integer, any shape; ids in ``[0, E)``) or its
         ``local_loads`` (``int32[E]``, tokens per logical expert). Ranks may pass
-        different token counts but must pass the same layer in the same order.
+        different token counts but must pass the same layer in the same order, and order
+        their updates on one stream (or by events).
         """
-        error, agreed, source = None, None, None
-        try:
-            self._check_open()
-            layer = self._check_layer(layer)
-            if (topk_ids is None) == (local_loads is None):
-                raise BalancerError("update needs exactly one of topk_ids and local_loads")
-            source = self._import_ids(topk_ids) if local_loads is None else self._import_loads(local_loads)
-            # the last dimension (top-k) is a model constant; the token count may differ per rank
-            agreed = (layer, self._steps[layer], "topk_ids" if local_loads is None else "local_loads",
-                      tuple(source.shape[-1:]))
-        except (BalancerError, ClosedError) as exc:
-            error = exc
-        self._collective(error, "update (layer, micro-batch, input kind, top-k width)", agreed=agreed)
+        error, agreed, source, entry = None, None, None, None
+        from_ids = local_loads is None
         with self._impl.stream(stream, topk_ids if topk_ids is not None else local_loads):
-            entry = self._rings[layer][self._steps[layer] % self.max_in_flight]
-            self._harvest(entry, layer)
-            entry.clock.reset()
-            entry.clock.start("update")
-            error, row = None, None
             try:
-                row = self._impl.count(source, from_ids=local_loads is None)
-            except BalancerError as exc:
+                self._check_open()
+                layer = self._check_layer(layer)
+                if (topk_ids is None) == (local_loads is None):
+                    raise BalancerError("update needs exactly one of topk_ids and local_loads")
+                source = self._import_ids(topk_ids) if from_ids else self._import_loads(local_loads)
+                # the last dimension (top-k) is a model constant; the token count may differ per rank
+                agreed = (layer, self._steps[layer], "topk_ids" if from_ids else "local_loads",
+                          tuple(source.shape[-1:]))
+                entry = self._rings[layer][self._steps[layer] % self.max_in_flight]
+                self._harvest(entry, layer)
+                self._impl.follow(*entry.users.values())  # the plan buffers' last readers, on their streams
+                entry.users.clear()
+                entry.clock.reset()
+                entry.clock.start("update")
+                if self.sync_checks:
+                    self._impl.count(source, from_ids=from_ids)  # staged: nothing is published before the check
+            except (BalancerError, ClosedError) as exc:
                 error = exc
-            self._collective(error, "update: top-k ids")  # the old plan stays live if this raises
-            return self._update(layer, entry, row)
+            if self.sync_checks:
+                try:
+                    self._collective(error, "update (layer, micro-batch, input kind, top-k width; top-k ids)",
+                                     agreed=agreed)
+                except BaseException:
+                    self._impl.discard()
+                    raise  # the old plan stays live
+            elif error is not None:
+                raise error
+            return self._update(layer, entry, source, from_ids)
 
     def _import_ids(self, topk_ids):
         try:
@@ -350,53 +405,114 @@ class Balancer:
         self._impl.check_loads(loads)
         return loads
 
-    def _update(self, layer: int, entry: _RingSlot, row) -> BalanceHandle:
+    def _update(self, layer: int, entry: _RingSlot, source, from_ids: bool) -> BalanceHandle:
         step = self._steps[layer]
-        buffer = self._updates % GATHER_BUFFERS
-        self._impl.publish(row, buffer)
-        self._impl.barrier()
-        entry.plan = self._impl.plan(entry.state, buffer)
+        buffer, epoch = self._updates % GATHER_BUFFERS, self._updates + 1  # every rank counts the same updates
+        if self.sync_checks:
+            self._impl.gather(entry.state, buffer, epoch)
+        else:
+            self._impl.count_and_gather(entry.state, source, from_ids=from_ids, buffer=buffer, epoch=epoch)
+        entry.plan = self._impl.plan(entry.state)
         entry.clock.stop("update")
         entry.step, entry.syncs, entry.reductions, entry.harvested = step, 0, 0, False
         self._steps[layer] += 1
         self._updates += 1
         return BalanceHandle(self.id, layer, step, step % self.max_in_flight)
 
-    def _collective_entry(self, handle, what: str) -> _RingSlot:
+    def _collective_entry(self, handle, what: str, owner: bool = False, blocks: int | None = None) -> _RingSlot:
+        """The live entry of ``handle`` (and, with ``owner``, the replica buffers hold its
+        weights; a sync's grid ``blocks`` fits), checked on every rank and the handle
+        agreed, in one collective."""
         error, entry = None, None
         try:
             self._check_open()
             entry = self._entry(handle)
+            if owner:
+                error = self._owner_error(handle, what)
+            if (bad_grid := self.transfer.sync_grid_error(blocks)) is not None:
+                error = BalancerError(f"rank {self.rank}: {what}: {bad_grid}")
         except (BalancerError, ClosedError) as exc:
             error = exc
         key = (handle.layer, handle.step) if isinstance(handle, BalanceHandle) else None
         self._collective(error, what, agreed=key)
         return entry
 
-    def weight_sync(self, handle: BalanceHandle, *, stream: Any = None) -> Any:
-        """Collective: fill the replica slots from the handle's plan; ends with a heap barrier.
+    def _used(self, entry: _RingSlot, what: str) -> None:
+        """The current stream has enqueued work that reads the entry's plan buffers: the
+        update that next rewrites them (on the updates' stream) waits for it."""
+        planned, current = self._impl.planned(entry.state), self._impl.current()
+        if planned is not None and current.ptr != planned.stream:  # the updates' own stream is in order
+            entry.users[current.ptr] = self._impl.mark(("plan use", id(entry), what))
 
-        Returns a CUDA event that completes when every replica is written (``None`` on the
-        CPU backend, where the call returns after the transfer)."""
-        return self._sync(handle, "weight_sync", stream)
+    def weight_sync(self, handle: BalanceHandle, *, stream: Any = None, blocks: int | None = None) -> ReplicaSync:
+        """Collective: fill the replica slots from the handle's plan, on ``stream`` (else
+        the current one), so that dispatch and the masters' compute can run beside it.
 
-    def restore(self, handle: BalanceHandle, *, stream: Any = None) -> Any:
+        The sync waits (on its stream) for the plan and for every stream that waited for
+        the replica slots since the last sync, then for all ranks (a heap barrier: no peer
+        overwrites a slot that a rank still reads), and ends with no barrier: each chunk
+        is flagged at its destination. Before the expert compute reads a replica slot,
+        make its stream wait for that slot's own chunks: :meth:`wait_replica` (or the
+        returned :class:`ReplicaSync`'s ``wait``); :meth:`replica_weights` waits for all
+        by default. ``blocks``: the copy kernel's grid (default: as many as are resident).
+
+        Beside kernels that wait for peers (dispatch), a relay (an expert with more than
+        ``relay_threshold`` replicas) can wait only for chunks whose senders' blocks get
+        SMs: there, pass ``blocks`` well below the resident bound, or a ``relay_threshold``
+        (``transfer_options``) of at least ``layout.max_instances - 1`` so no sync waits."""
+        return self._sync(handle, "weight_sync", stream, blocks)
+
+    def restore(self, handle: BalanceHandle, *, stream: Any = None, blocks: int | None = None) -> ReplicaSync:
         """Backward: the same transfer for the micro-batch's own plan (other layers have
-        since overwritten the shared replica slots)."""
-        return self._sync(handle, "restore", stream)
+        since overwritten the shared replica slots); wait for its slots as after
+        :meth:`weight_sync`."""
+        return self._sync(handle, "restore", stream, blocks)
 
-    def _sync(self, handle, stage: str, stream):
-        entry = self._collective_entry(handle, stage)
-        with self._impl.stream(stream):
+    def _sync(self, handle, stage: str, stream, blocks):
+        entry = self._collective_entry(handle, stage, blocks=blocks)
+        impl = self._impl
+        with impl.stream(stream):
+            # this rank's reads of the slots, wherever they were enqueued, come before the barrier
+            readers = [impl.mark_on(reader, "replica reads") for reader in self._readers.values()]
+            impl.follow(impl.planned(entry.state), self._transferred, *readers)
+            self._readers.clear()
             entry.clock.start(stage)
             # Peers are about to write this rank's replica slots: every rank must be done
             # reading them (the compute of the layer or micro-batch that used them before).
-            self._impl.barrier()
-            self.transfer.weight_sync(handle.layer, entry.plan, barrier=True)
+            impl.barrier()
+            self.transfer.weight_sync(handle.layer, entry.plan, blocks=blocks, barrier=self.device is None)
             done = entry.clock.stop(stage)
+            self._transferred = impl.mark("transfer")
+            self._used(entry, "transfer")
         entry.syncs += 1
         self._weights_owner = handle
-        return done
+        return ReplicaSync(self, handle, done)
+
+    def wait_replica(self, handle: BalanceHandle, slot: int | None = None, *, stream: Any = None) -> None:
+        """Make ``stream`` (else the current one) wait, on the device, until replica slot
+        ``slot`` of this rank (``None``: every slot) holds the weights the handle's sync
+        or restore brought -- each slot's own chunks, not the whole sync. A slot the plan
+        leaves empty has nothing to wait for. Local (no collective), returns at once; a
+        wait that outlasts ``timeout_s`` gives up and :meth:`check` raises
+        :class:`~ultraep.errors.TransferTimeout` naming the slot and layer. On the host the
+        sync has finished when it returns: nothing is left to wait for.
+
+        Enqueue the compute that reads the slot on this stream (or behind it) before the
+        next :meth:`weight_sync` or :meth:`restore`: that sync waits for it."""
+        S = self.layout.redundant_slots
+        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, (int, np.integer))
+                                 or not 0 <= slot < S):
+            raise BalancerError(f"slot must be None or an int in [0, {S}), got {slot!r}")
+        self._check_live_owner(handle, "wait_replica")
+        entry = self._entry(handle)
+        slots = range(S) if slot is None else range(int(slot), int(slot) + 1)
+        with self._impl.stream(stream):
+            self._impl.follow(self._impl.planned(entry.state))  # the wait reads which slots the plan fills
+            self.transfer.wait_replica(handle.layer, entry.plan, slots)
+            reader = self._impl.current()
+            if reader is not None:
+                self._readers[reader.ptr] = reader
+            self._used(entry, "wait")
 
     def reroute(self, handle: BalanceHandle, topk_ids: Any, *, out: Any = None, stream: Any = None) -> Any:
         """Physical slot ids (int32, shaped like ``topk_ids``) for this rank's tokens:
@@ -405,35 +521,41 @@ class Balancer:
 
         On the GPU the result is, unless ``out`` is given, a view of the handle's ring-slot
         buffer: valid until the next ``reroute`` of a handle in the same slot."""
-        error, entry, ids = None, None, None
-        try:
-            self._check_open()
-            entry = self._entry(handle)
-            ids = self._import_ids(topk_ids)
-        except (BalancerError, ClosedError) as exc:
-            error = exc
-        self._collective(error, "reroute")
+        error, slots = None, None
         with self._impl.stream(stream, topk_ids):
-            entry.clock.start("reroute")
             try:
-                slots, error = self._impl.reroute(entry.state, ids, entry.plan, out), None
-            except ValueError as exc:  # e.g. the NumPy path names ids the plan has no room for
-                slots, error = None, BalancerError(f"rank {self.rank}: reroute: {exc}")
-            entry.clock.stop("reroute")
+                self._check_open()
+                entry = self._entry(handle)
+                ids = self._import_ids(topk_ids)
+                self._impl.follow(self._impl.planned(entry.state))
+                entry.clock.start("reroute")
+                try:
+                    slots = self._impl.reroute(entry.state, ids, entry.plan, out)
+                except ValueError as exc:  # e.g. the NumPy path names ids the plan has no room for
+                    raise BalancerError(f"rank {self.rank}: reroute: {exc}") from None
+                finally:
+                    entry.clock.stop("reroute")
+                self._used(entry, "reroute")
+            except (BalancerError, ClosedError) as exc:
+                error = exc
         self._collective(error, "reroute")
         return slots
 
     def reduce_grads(self, handle: BalanceHandle, *, stream: Any = None) -> Any:
         """Collective: masters' gradients += their replicas' (replica order, fp32 accumulation).
-        The replica gradient slots must hold this handle's gradients. Returns a completion
-        event (``None`` on the CPU backend)."""
-        entry = self._collective_entry(handle, "reduce_grads")
-        error = self._owner_error(handle, "reduce_grads")
-        self._collective(error, "reduce_grads")
-        with self._impl.stream(stream):
+        The replica gradient slots must hold this handle's gradients, written on this
+        stream or on one that waited for the replicas (:meth:`wait_replica`). Returns a
+        completion event (``None`` on the CPU backend)."""
+        entry = self._collective_entry(handle, "reduce_grads", owner=True)
+        impl = self._impl
+        with impl.stream(stream):
+            writers = [impl.mark_on(writer, "replica reads") for writer in self._readers.values()]
+            impl.follow(impl.planned(entry.state), self._transferred, *writers)
             entry.clock.start("reduce_grads")
             self.transfer.reduce_grads(handle.layer, entry.plan)
             done = entry.clock.stop("reduce_grads")
+            self._transferred = impl.mark("transfer")
+            self._used(entry, "transfer")
         entry.reductions += 1
         return done
 
@@ -447,10 +569,14 @@ class Balancer:
                              f"{handle.layer}, micro-batch {handle.step}; call weight_sync/restore with this "
                              "handle first")
 
-    def replica_weights(self, handle: BalanceHandle) -> list:
+    def replica_weights(self, handle: BalanceHandle, *, wait: bool = True, stream: Any = None) -> list:
         """``[slot][tensor]`` views of this rank's replica weight slots (DLPack-exportable;
-        read only). Which expert a slot holds: :meth:`local_experts`."""
+        read only). Which expert a slot holds: :meth:`local_experts`. With ``wait`` (the
+        default) ``stream`` (else the current one) first waits for every slot
+        (:meth:`wait_replica`); pass ``wait=False`` to wait per slot instead."""
         self._check_live_owner(handle, "replica_weights")
+        if wait:
+            self.wait_replica(handle, stream=stream)
         return [self.transfer.replica_weights(s) for s in range(self.layout.redundant_slots)]
 
     def replica_grads(self, handle: BalanceHandle) -> list:

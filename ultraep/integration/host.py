@@ -3,8 +3,9 @@
 
 :func:`count_loads` is the reference of this rank's load row (``raw_kernels/balancer.cu``
 counts the same on the device). :class:`HostBalancer` runs every step synchronously:
-the row is written into every peer's gathered matrix directly, the heap barrier waits,
-and the planner's NumPy reference plans from a copy of the gathered matrix.
+the row is written into every peer's gathered matrix directly, the heap barrier waits
+(the device needs none: a flag follows each row), and the planner's NumPy reference
+plans from a copy of the gathered matrix.
 """
 
 from __future__ import annotations
@@ -47,30 +48,48 @@ def count_loads(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, BadIds |
 
 
 class HostSlot:
-    """A ring slot's host state: its stage clock and the liveness count its plan completed at."""
+    """A ring slot's host state: its stage clock, the gathered loads it plans from and the
+    liveness count its plan completed at."""
 
     def __init__(self):
         self.clock = HostClock()
+        self.loads = None
         self.liveness = 0
 
 
 class HostBalancer:
     """The Balancer's per-backend work on the host; see ``Backends`` in
-    :mod:`ultraep.integration.balancer` for the interface :class:`DeviceBalancer` shares."""
+    :mod:`ultraep.integration.balancer` for the interface :class:`DeviceBalancer` shares.
+    Every stage has finished when it returns, so there is nothing to order between
+    streams: marks are None."""
 
     device = None  # tensors are imported as NumPy arrays
 
-    def __init__(self, heap, layout, gathered, *, min_replica_tokens: int, timeout_s: float, sync_checks: bool):
+    def __init__(self, heap, layout, gathered, flags, *, min_replica_tokens: int, timeout_s: float,
+                 sync_checks: bool):
         self.heap, self.layout, self.gathered = heap, layout, gathered
         self.timeout_s = timeout_s
         self.planner = HostPlanner(layout, min_replica_tokens=min_replica_tokens)
         self.liveness = 0  # plans completed on this rank
+        self._row = None  # the staged load row
 
     def new_slot(self) -> HostSlot:
         return HostSlot()
 
     def stream(self, stream, tensor=None):
         return contextlib.nullcontext()  # every stage runs synchronously
+
+    def current(self):
+        return None
+
+    def mark(self, what):
+        return None
+
+    def mark_on(self, stream, what):
+        return None
+
+    def follow(self, *marks) -> None:
+        """Nothing to wait for: every stage has finished."""
 
     def check_ids(self, ids) -> None:
         """Any integer dtype is counted."""
@@ -81,29 +100,44 @@ class HostBalancer:
         if loads.size and int(loads.max()) >= INT32_LIMIT:  # the row is int32: a larger count would wrap
             raise BalancerError(f"local_loads: counts must be below 2**31, found {int(loads.max())}")
 
-    def count(self, source, *, from_ids: bool) -> np.ndarray:
-        """This rank's load row; bad ids raise (always: looking costs nothing here)."""
+    def count(self, source, *, from_ids: bool) -> None:
+        """Stage this rank's load row; bad ids raise (always: looking costs nothing here)."""
         E = self.layout.num_experts
         if not from_ids:
-            return source.astype(np.int32)
+            self._row = source.astype(np.int32)
+            return
         counts, bad = count_loads(source, E)
         if bad is not None:
             raise BalancerError(bad.message(self.heap.rank, E, source.shape))
-        return counts
+        self._row = counts
 
-    def publish(self, row, buffer: int) -> None:
+    def discard(self) -> None:
+        self._row = None
+
+    def gather(self, slot: HostSlot, buffer: int, epoch: int) -> None:
+        """Write the staged row into every peer's gathered matrix; after the heap barrier
+        the slot keeps a copy of this rank's (peers overwrite the buffer two updates on)."""
         for peer in range(self.heap.size):
-            self.gathered.peer(peer)[buffer, self.heap.rank] = row
+            self.gathered.peer(peer)[buffer, self.heap.rank] = self._row
+        self._row = None
+        self.heap.barrier(self.timeout_s)
+        slot.loads = np.array(self.gathered.local[buffer])
+
+    def count_and_gather(self, slot: HostSlot, source, *, from_ids: bool, buffer: int, epoch: int) -> None:
+        self.count(source, from_ids=from_ids)
+        self.gather(slot, buffer, epoch)
 
     def barrier(self) -> None:
         self.heap.barrier(self.timeout_s)
 
-    def plan(self, slot: HostSlot, buffer: int) -> Plan:
-        loads = np.array(self.gathered.local[buffer])  # peers overwrite this buffer two updates on
-        plan = self.planner.plan(loads)
+    def plan(self, slot: HostSlot) -> Plan:
+        plan = self.planner.plan(slot.loads)
         self.liveness += 1
         slot.liveness = self.liveness
         return plan
+
+    def planned(self, slot: HostSlot):
+        return None
 
     def reroute(self, slot: HostSlot, ids, plan: Plan, out):
         """Raises ValueError for ids the plan has no room for."""

@@ -76,6 +76,9 @@ def gpu_count() -> int:
         return 0
 
 
+_NOTHING = object()  # raise_if_any without a value to agree on
+
+
 class EPGroup:
     """Ranks of one expert-parallel group.
 
@@ -265,31 +268,41 @@ class EPGroup:
 
     def agree(self, value: Any, what: str, *, timeout_s: float | None = None) -> Any:
         """Return ``value`` if every rank passed an equal one, else raise on every rank."""
-        values = self.allgather(value, what=what, timeout_s=timeout_s)
-        if any(v != values[0] for v in values[1:]):
-            groups: dict[str, list[int]] = {}
-            for r, v in enumerate(values):
-                groups.setdefault(repr(v), []).append(r)
-            detail = "; ".join(f"ranks {ranks}: {v}" for v, ranks in groups.items())
-            raise GroupMismatchError(f"ranks disagree on {what}: {detail}")
-        return values[0]
+        return _agreed(self.allgather(value, what=what, timeout_s=timeout_s), what)
 
     def raise_if_any(self, local_error: BaseException | str | None, what: str, *,
-                     timeout_s: float | None = None) -> None:
+                     timeout_s: float | None = None, agree: Any = _NOTHING) -> None:
         """Collective error check: if any rank failed, raise the same CollectiveError on every
-        rank, naming each failed rank and its reason (the local exception is the cause)."""
+        rank, naming each failed rank and its reason (the local exception is the cause).
+        With ``agree``, the same single allgather then checks it as :meth:`agree` does."""
         message = None if local_error is None else str(local_error)
-        errors = self.allgather(message, what=what, timeout_s=timeout_s)
+        if agree is _NOTHING:
+            errors, values = self.allgather(message, what=what, timeout_s=timeout_s), None
+        else:
+            pairs = self.allgather((message, agree), what=what, timeout_s=timeout_s)
+            errors, values = [m for m, _ in pairs], [v for _, v in pairs]
         failed = [(r, m) for r, m in enumerate(errors) if m is not None]
-        if not failed:
-            return
-        detail = "; ".join(f"rank {r}: {m.removeprefix(f'rank {r}: ')}" for r, m in failed)  # named once
-        error = CollectiveError(f"{what} failed on {len(failed)} of {self.size} rank(s): {detail}")
-        raise error from (local_error if isinstance(local_error, BaseException) else None)
+        if failed:
+            detail = "; ".join(f"rank {r}: {m.removeprefix(f'rank {r}: ')}" for r, m in failed)  # named once
+            error = CollectiveError(f"{what} failed on {len(failed)} of {self.size} rank(s): {detail}")
+            raise error from (local_error if isinstance(local_error, BaseException) else None)
+        if values is not None:
+            _agreed(values, what)
 
     def __repr__(self) -> str:
         gpu = f"cuda:{self.device}" if self.device is not None else "cpu"
         return f"EPGroup(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, device={gpu})"
+
+
+def _agreed(values: list, what: str) -> Any:
+    """The common value of ``values`` (one per rank), else GroupMismatchError naming who differs."""
+    if any(v != values[0] for v in values[1:]):
+        groups: dict[str, list[int]] = {}
+        for r, v in enumerate(values):
+            groups.setdefault(repr(v), []).append(r)
+        detail = "; ".join(f"ranks {ranks}: {v}" for v, ranks in groups.items())
+        raise GroupMismatchError(f"ranks disagree on {what}: {detail}")
+    return values[0]
 
 
 def pid_tag() -> tuple[str, int]:

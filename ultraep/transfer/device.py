@@ -19,6 +19,7 @@ import numpy as np
 from ultraep.errors import TransferTimeout
 from ultraep.runtime.kernels import get_function, kernel_constant
 from ultraep.transfer.device_schedule import DeviceSchedule
+from ultraep.transfer.schedule import FLAG_WRITER_BITS
 from ultraep.transfer.host import chunk_timeout_message
 
 KERNEL = "transfer.cu"
@@ -26,7 +27,15 @@ SYNC_THREADS = kernel_constant(KERNEL, "SYNC_THREADS")
 SYNC_MIN_BLOCKS = kernel_constant(KERNEL, "SYNC_MIN_BLOCKS")  # resident per SM: the grid's bound
 PIECE_BYTES = kernel_constant(KERNEL, "PIECE_BYTES")
 STATUS_WORDS = kernel_constant(KERNEL, "STATUS_WORDS")
+WAIT_STATUS_WORDS = kernel_constant(KERNEL, "WAIT_STATUS_WORDS")
+WAIT_THREADS = kernel_constant(KERNEL, "WAIT_THREADS")
 REDUCE_THREADS = kernel_constant(KERNEL, "REDUCE_THREADS")
+
+
+def replica_timeout_message(rank: int, layer: int, slot: int, chunk: int, epoch: int, seen: int,
+                            timeout_s: float) -> str:
+    return (f"rank {rank}: waited {timeout_s:g} s for replica slot {slot} of layer {layer}: chunk {chunk}'s flag "
+            f"expected epoch >= {epoch}, saw epoch {seen >> FLAG_WRITER_BITS}")
 
 
 class DeviceTransfer:
@@ -41,7 +50,12 @@ class DeviceTransfer:
         self._sync_kernel = get_function(KERNEL, "weight_sync", group=group)
         grad_type = "__nv_bfloat16" if spec.grad_dtype.name == "bfloat16" else "float"
         self._reduce_kernel = get_function(KERNEL, f"reduce_grads<{grad_type}>", group=group)
+        self._wait_kernel = get_function(KERNEL, "wait_replica_slots", group=group)
         self._status = cupy.zeros(STATUS_WORDS, dtype=np.uint64)
+        self._wait_status = cupy.zeros(WAIT_STATUS_WORDS, dtype=np.uint64)
+        self.rank, self.placement, self.slots_per_rank = heap.rank, placement, layout.slots_per_rank
+        self.masters_per_rank = layout.experts_per_rank
+        self._own_pad = heap.base_pointer(heap.rank)  # the signal pad opens the heap
         first_tiles = np.searchsorted([t for t, _, _ in geometry.tiles], np.arange(len(spec.weights)))
         self._tensor_table = cupy.asarray(np.array(
             [(first, w.nbytes, off) for first, w, off in zip(first_tiles, spec.weights, spec.weight_offsets)],
@@ -92,20 +106,35 @@ class DeviceTransfer:
         targets = cupy.asarray(np.array([int(g.data.ptr) for g in grads], dtype=np.uint64))
         return {"sources": sources, "grads": targets, "keep": (weights, grads)}
 
-    def weight_sync(self, entry: dict, plan, blocks: int | None) -> None:
+    def weight_sync(self, entry: dict, plan, blocks: int | None, flag_every_chunk: bool = False) -> int:
+        """Enqueue the sync; its epoch (what :meth:`wait_slots` waits for) is returned."""
         self._epoch += 1
         self.tables.compile_weights(plan)
-        self.run_weight_tasks(entry, self.tables, blocks)
+        self.run_weight_tasks(entry, self.tables, blocks, flag_every_chunk)
+        return self._epoch
 
-    def run_weight_tasks(self, entry: dict, tables: DeviceSchedule, blocks: int | None) -> None:
-        """Launch the weight sync of the tasks ``tables`` hold (compiled on the stream before)."""
+    def wait_slots(self, plan, first_slot: int, count: int, epoch: int, layer: int) -> None:
+        """Enqueue on the current stream a wait until the sync of ``epoch`` (run with
+        ``flag_every_chunk``) has landed every chunk of replica slots ``[first_slot,
+        first_slot + count)`` that ``plan`` fills; :meth:`synchronize` reports a timeout."""
+        self._wait_kernel((count,), (WAIT_THREADS,), (
+            np.uint64(self._own_pad),
+            np.int64(self.placement.flag_base_slot), np.int32(self.geometry.num_chunks), np.int32(first_slot),
+            np.uint64(epoch), plan.phys_to_log, np.int32(self.rank * self.slots_per_rank + self.masters_per_rank),
+            np.int32(self.rank), np.int32(layer), np.uint64(int(self.timeout_s * 1e9)), self._wait_status))
+
+    def run_weight_tasks(self, entry: dict, tables: DeviceSchedule, blocks: int | None,
+                         flag_every_chunk: bool = False) -> None:
+        """Launch the weight sync of the tasks ``tables`` hold (compiled on the stream before);
+        ``flag_every_chunk``: publish every chunk's flag at its destination, not only those
+        a relay forwards."""
         self._sync_kernel((blocks or self.blocks,), (SYNC_THREADS,), (
             tables.weight_tasks, tables.weight_task_count, np.int32(len(tables.weight_tasks)),
             np.int32(self.geometry.chunk_tiles), self._tensor_table, np.int32(len(self.spec.weights)),
             np.int64(self.geometry.tile_bytes), tables.dests, np.int32(len(tables.dests)),
             entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases, np.int32(self.heap.size),
-            np.int32(self.heap.rank), np.uint64(self._epoch), self._sync_done, np.uint64(int(self.timeout_s * 1e9)),
-            self._status))
+            np.int32(self.heap.rank), np.uint64(self._epoch), np.int32(flag_every_chunk), self._sync_done,
+            np.uint64(int(self.timeout_s * 1e9)), self._status))
 
     def reduce_grads(self, entry: dict, plan, blocks: int | None) -> None:
         tables = self.tables
@@ -127,6 +156,11 @@ class DeviceTransfer:
             self._sync_done.fill(0)
             self._status.fill(0)
             raise TransferTimeout(chunk_timeout_message(self.heap.rank, slot, expected, seen, self.timeout_s))
+        failed, layer, slot, chunk, expected, seen = (int(v) for v in self._wait_status.get())
+        if failed:
+            self._wait_status.fill(0)
+            raise TransferTimeout(replica_timeout_message(self.rank, layer, slot, chunk, expected, seen,
+                                                          self.timeout_s))
         refused = self.tables.take_error()
         if refused is not None:
             raise ValueError(refused)

@@ -8,7 +8,9 @@ weights and gradients (they stay in the framework's memory). Per micro-batch and
 * :meth:`~WeightTransfer.weight_sync` copies each replicated master into its replica slots
   (relay trees for hot experts) and, by default, ends with a heap barrier so every replica
   is complete before token dispatch; :meth:`~WeightTransfer.restore` re-runs it for a saved
-  plan in backward;
+  plan in backward. With ``barrier=False`` on the device, the senders flag every chunk at
+  its destination instead, and a reader enqueues :meth:`~WeightTransfer.wait_replica`
+  for the slots it is about to use: each slot's compute waits for its own chunks only;
 * :meth:`~WeightTransfer.reduce_grads` adds every replica's gradient into its master's
   gradient in replica order, fp32 accumulation, deterministic, after a barrier that says
   all replica gradients are written, and before one that frees the slots for the next layer.
@@ -86,7 +88,10 @@ class TransferBackend(Protocol):
         """The layer's entry from its imported masters: ``weights[m * T + t]``, ``grads[m * T + t]``."""
 
     def weight_sync(self, entry, plan, blocks: int | None) -> None:
-        """Collective: this rank's share of filling every replica slot of ``plan``."""
+        """Collective: this rank's share of filling every replica slot of ``plan``. The
+        device backend also takes ``flag_every_chunk`` (publish each chunk's flag at its
+        destination) and returns the sync's epoch, what its ``wait_slots(plan, first_slot,
+        count, epoch, layer)`` waits for; the host's syncs have finished when they return."""
 
     def run_weight_tasks(self, entry, tables, blocks: int | None) -> None:
         """The copies of a compiled weight sync alone (what ``weight_sync`` ends with)."""
@@ -177,6 +182,7 @@ class WeightTransfer:
         self._agreement = (DevicePlanAgreement(heap, layout, buffers[AGREEMENT_SIGNALS], timeout_s)
                            if self.impl.device is not None else None)
         self._layers: dict = {}
+        self._flagged_epoch: int | None = None  # the last sync's epoch if its chunks were flagged (device)
         self._closed = False
 
     def _check_open(self) -> None:
@@ -277,14 +283,39 @@ class WeightTransfer:
 
     # -- transfers -----------------------------------------------------------------------
     def weight_sync(self, layer: int, plan: Plan, *, blocks: int | None = None, barrier: bool = True) -> None:
-        """Fill every replica slot of ``plan`` with its master's weights (collective). With
-        ``barrier=False`` no rank may read a replica before a later heap barrier: only the
-        chunks relays forward are flagged (schedule.py, ``publish``)."""
-        entry, plan = self._checked("weight_sync", layer, plan, blocks,
-                                    lambda b: grid_error(b) or self.impl.sync_grid_error(b))
-        self.impl.weight_sync(entry, plan, blocks)
+        """Fill every replica slot of ``plan`` with its master's weights (collective).
+
+        ``barrier=False``: no heap barrier closes the sync. On the device every chunk's
+        flag is then published at its destination, and a rank reads a replica slot after
+        :meth:`wait_replica` for it (on the reading stream). On the host (synchronous, and
+        flagging only the chunks relays forward) a later heap barrier must order them."""
+        entry, plan = self._checked("weight_sync", layer, plan, blocks, self.sync_grid_error)
+        if self.impl.device is None:
+            self.impl.weight_sync(entry, plan, blocks)
+            self._flagged_epoch = None
+        else:
+            epoch = self.impl.weight_sync(entry, plan, blocks, flag_every_chunk=not barrier)
+            self._flagged_epoch = None if barrier else epoch
         if barrier:
             self.impl.barrier()
+
+    def sync_grid_error(self, blocks: int | None) -> str | None:
+        """Why a weight sync cannot run on ``blocks`` (None: the default grid), or None;
+        the same answer on every rank."""
+        return grid_error(blocks) or self.impl.sync_grid_error(blocks)
+
+    def wait_replica(self, layer: int, plan: Plan, slots: range) -> None:
+        """Make the current stream wait (bounded by ``timeout_s``; :meth:`synchronize`
+        reports a timeout naming the slot and layer) until the last weight sync, run for
+        ``plan`` of ``layer`` without a barrier, has landed every chunk of this rank's
+        replica slots ``slots`` that the plan fills. Nothing to wait for after a sync
+        that ended with a barrier, nor on the host."""
+        self._check_open()
+        if not (isinstance(slots, range) and slots.step == 1 and 0 <= slots.start <= slots.stop
+                <= self.layout.redundant_slots):
+            raise IndexError(f"replica slots must be a range within [0, {self.layout.redundant_slots}), got {slots!r}")
+        if self._flagged_epoch is not None and len(slots):
+            self.impl.wait_slots(plan, slots.start, len(slots), self._flagged_epoch, layer)
 
     restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
 

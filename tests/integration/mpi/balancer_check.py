@@ -1,6 +1,7 @@
 """Multi-rank Balancer check, run under mpiexec by tests/integration/test_balancer.py.
 
-Usage: python -m mpi4py balancer_check.py {host|device} {flow|pipeline|bad-input|shared-heap|hot-path} [out dir]
+Usage: python -m mpi4py balancer_check.py {host|device} {flow|pipeline|bad-input|shared-heap|hot-path|streams}
+       [out dir]
 
 Every rank's top-k ids, master weights and replica gradients are seeded functions of
 (layer, micro-batch, rank, expert), so each rank computes the gathered loads, the plan,
@@ -10,13 +11,14 @@ the replica contents and the reduced gradients it must see without asking anyone
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 from ultraep.analysis.plots import plot_rank_loads
-from ultraep.errors import ClosedError, CollectiveError
+from ultraep.errors import ClosedError, CollectiveError, TransferTimeout
 from ultraep.integration import Balancer, BalancerError, StaleHandleError
 from ultraep.integration.pipeline import max_in_flight, one_f_one_b
 from ultraep.integration.traces import load_trace
@@ -414,5 +416,85 @@ def hot_path():
     print(f"[hot-path] rank {me} OK", flush=True)
 
 
-CHECKS = {"flow": flow, "pipeline": pipeline, "bad-input": bad_input, "shared-heap": shared_heap, "hot-path": hot_path}
+def replica_values(bal, handle, layer, plan, stream=None):
+    """(slot, want, copy) of every replica slot the plan fills on this rank; on the GPU the
+    copies are taken on ``stream`` behind whatever it already holds."""
+    local = plan.phys_to_log[me * (M + S) + M:(me + 1) * (M + S)]
+    views = bal.replica_weights(handle, wait=False)
+    out = []
+    for s, expert in enumerate(local):
+        if expert >= 0:
+            with stream if stream is not None else nullcontext():
+                out.append((s, master_weights(layer, int(expert)), [v.copy() for v in views[s]]))
+    return out
+
+
+def assert_replicas(values, stream, what):
+    if stream is not None:
+        stream.synchronize()
+    for s, want, got in values:
+        for g, w in zip(got, want):
+            assert np.array_equal(host(g), w), f"rank {me}: replica slot {s} {what}"
+
+
+def streams():
+    """The sync on a side stream, each slot waited for alone on a compute stream (and the
+    same API on the host, where there is nothing to wait for). On the GPU: a rank whose
+    compute stream still reads its replica slots (held by a gate kernel) keeps every
+    peer's next sync from overwriting them; a slot whose flags never come times out,
+    naming the slot and layer."""
+    gpu = backend == "device"
+    side = xp.cuda.Stream(non_blocking=True) if gpu else None
+    compute = xp.cuda.Stream(non_blocking=True) if gpu else None
+    if gpu:
+        import cupy
+        import cupyx
+
+        opened, timed_out = cupyx.empty_pinned(1, np.int32), cupy.zeros(1, np.int32)
+        opened[0] = 1
+        gate = cupy.RawKernel(GATE_SOURCE, "gate")
+        gate((1,), (32,), (np.uint64(opened.ctypes.data), np.uint64(GATE_TIMEOUT_S * 1e9), timed_out))  # compile
+        cupy.cuda.Device().synchronize()
+    with Balancer(group, LAYOUT, SPEC, num_layers=2, min_replica_tokens=MIN_REPLICA, backend=backend,
+                  timeout_s=5.0) as bal:
+        Model(bal, range(2))
+        handles, plans = {}, {}
+        for layer in range(2):
+            plans[layer] = expected_plan(layer, 0)
+            handles[layer] = bal.update(layer, xp.asarray(routing(layer, 0, me)))
+        assert plans[0].slots_used > 0 and plans[1].slots_used > 0, "nothing replicated: the check would prove nothing"
+        expect(lambda: bal.weight_sync(handles[0], stream=side, blocks=0), BalancerError, f"failed on {R} of {R}",
+               "weight_sync: blocks must be in [1,")
+        sync = bal.weight_sync(handles[0], stream=side)
+        expect(lambda: bal.wait_replica(handles[0], S), BalancerError, f"slot must be None or an int in [0, {S})")
+        expect(lambda: bal.wait_replica(handles[1], 0), BalancerError, "replica buffers hold layer 0")
+        for s in range(S):
+            sync.wait(s, stream=compute)
+        if gpu:
+            opened[0] = 0
+            with compute:  # this rank still "computes" with layer 0's replicas until the gate opens
+                gate((1,), (32,), (np.uint64(opened.ctypes.data), np.uint64(GATE_TIMEOUT_S * 1e9), timed_out))
+        held = replica_values(bal, handles[0], 0, plans[0], stream=compute)
+        bal.weight_sync(handles[1], stream=side)  # layer 1's replicas go to the same slots
+        if gpu:
+            time.sleep(0.5)  # ample for the peers' syncs, were they not held back
+            opened[0] = 1
+        assert_replicas(held, compute, "was overwritten while this rank read it")
+        bal.wait_replica(handles[1], stream=compute)
+        assert_replicas(replica_values(bal, handles[1], 1, plans[1], stream=compute), compute, "is not layer 1's")
+        bal.check()
+        if gpu:
+            assert not int(timed_out[0]), f"rank {me}: the gate timed out"
+            filled = [s for s, _, _ in replica_values(bal, handles[1], 1, plans[1])]
+            bal.transfer._flagged_epoch += 1  # a sync that never ran: its flags never come
+            if filled:
+                bal.wait_replica(handles[1], filled[0])
+                expect(bal.check, TransferTimeout, f"replica slot {filled[0]} of layer 1", "waited 5 s")
+            bal.transfer._flagged_epoch -= 1
+            group.barrier()
+    print(f"[streams] rank {me} OK", flush=True)
+
+
+CHECKS = {"flow": flow, "pipeline": pipeline, "bad-input": bad_input, "shared-heap": shared_heap, "hot-path": hot_path,
+          "streams": streams}
 CHECKS[check]()
