@@ -72,6 +72,11 @@ class StaleHandleError(BalancerError):
     """A handle whose ring slot has been reused by a later micro-batch of its layer."""
 
 
+class MoELayerError(UltraEPError, ValueError):
+    """Bad input to an MoE layer (set-up, weights, a context used twice)."""
+
+
 __all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "GroupMismatchError",
-           "GroupedGemmError", "HeapError", "LaunchError", "MPSUnavailable", "RankFailedError", "StaleHandleError",
+           "GroupedGemmError", "HeapError", "LaunchError", "MoELayerError", "MPSUnavailable",
+           "RankFailedError", "StaleHandleError",
            "TransferTimeout", "UltraEPError", "WaitTimeout"]
