@@ -64,3 +64,13 @@ def test_torch_moe_train_example_on_the_cpu_backend():
 def test_jax_moe_forward_example():
     out = run_example("jax_moe_forward.py", "--steps", "3")  # it sets XLA_PYTHON_CLIENT_PREALLOCATE=false
     assert_ranks_ok(out, "jax_moe_forward")
+    assert "0 output elements differ" in out, out
+
+
+@pytest.mark.mpi
+@requires("jax")
+@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the example runs on it (the test above)")
+def test_jax_moe_forward_example_on_the_cpu_backend():
+    out = run_example("jax_moe_forward.py", "--steps", "2", "--tokens", "256")
+    assert_ranks_ok(out, "jax_moe_forward")
+    assert "(cpu): jax_moe_forward OK" in out and "0 output elements differ" in out, out
