@@ -162,13 +162,15 @@ class MoELayer:
     """One MoE layer of this rank (module docstring). Collective: every rank constructs it
     with the same arguments and makes the same calls in the same order.
 
-    ``balancer``: a :class:`Balancer` built with :func:`expert_spec` ``(hidden, ffn)`` over a
+    ``balancer``: a :class:`Balancer` built with ``MoELayer.expert_spec(hidden, ffn)`` over a
     layout of ``num_experts`` experts on this group; the layer registers its masters as
     the Balancer's virtual layer ``layer`` and shares its backend. Without one, tokens go
     to the masters. ``heap``: a symmetric heap for the Dispatcher (see
     :meth:`Dispatcher.heap_requirements`), else it opens its own. ``max_recv_rows``,
     ``timeout_s``, ``sync_checks``: the Dispatcher's.
     """
+
+    expert_spec = staticmethod(expert_spec)
 
     def __init__(self, group: EPGroup, *, hidden: int, ffn: int, num_experts: int, top_k: int, max_tokens: int,
                  balancer: Balancer | None = None, layer: int = 0, max_recv_rows: int | None = None,
