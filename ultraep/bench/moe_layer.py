@@ -236,8 +236,8 @@ def run(args) -> int:
     M, E = args.experts_per_rank, R * args.experts_per_rank
     rng = np.random.default_rng((args.seed, me))
 
-    def bf16(values):
-        return xp.asarray(values.astype(np.float32).astype(BFLOAT16))
+    def bf16(values):  # crosses to the GPU as its bits
+        return xp.asarray(values.astype(np.float32).astype(BFLOAT16).view(np.int16)).view(BFLOAT16)
 
     masters = [tuple(bf16(rng.standard_normal((M, *shape)) / np.sqrt(shape[0])) for shape in ((H, 2 * F), (F, H)))
                for _ in range(L)]

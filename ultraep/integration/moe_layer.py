@@ -109,14 +109,15 @@ def swiglu_backward(h: np.ndarray, d_act: np.ndarray, rows: int) -> np.ndarray:
 class _DeviceSwiGLU:
     """``raw_kernels/swiglu.cu`` on the current stream; the row count stays on the device."""
 
-    def __init__(self, device: int):
+    def __init__(self, device: int, group: EPGroup | None = None):
         import cupy
 
         from ultraep.runtime.kernels import get_function
 
         self.cp = cupy
-        self.forward_kernel = get_function(KERNELS, "swiglu_forward")
-        self.backward_kernel = get_function(KERNELS, "swiglu_backward")
+        # With a group (collective), local rank 0 compiles into the disk cache first.
+        self.forward_kernel = get_function(KERNELS, "swiglu_forward", group=group)
+        self.backward_kernel = get_function(KERNELS, "swiglu_backward", group=group)
         self.threads = kernel_constant(KERNELS, "SWIGLU_THREADS")
         sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
         self.blocks = sms * kernel_constant(KERNELS, "SWIGLU_BLOCKS_PER_SM")
@@ -249,7 +250,7 @@ class MoELayer:
 
             self.xp, weight_dtype = cupy, cupy_dtype(BFLOAT16)
             with cupy.cuda.Device(self.device):
-                self._swiglu = _DeviceSwiGLU(self.device)
+                self._swiglu = _DeviceSwiGLU(self.device, self.group)
         with self._on_device():
             self._w_up = self.xp.zeros((M + S, H, 2 * F), dtype=weight_dtype)
             self._w_down = self.xp.zeros((M + S, F, H), dtype=weight_dtype)

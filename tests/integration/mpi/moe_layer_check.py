@@ -35,9 +35,19 @@ group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
 R, me = group.size, group.rank
 if backend == "device":
     import cupy as xp
-    host = xp.asnumpy
+
+    def host(array):
+        array = xp.asnumpy(array)
+        return array.view(BFLOAT16) if array.dtype == np.int16 else array  # a CuPy that holds bf16 as bits
 else:
     xp, host = np, np.asarray
+
+
+def to_backend(array):
+    """A host array on this backend (bf16 crosses to the GPU as its bits)."""
+    if array.dtype == BFLOAT16:
+        return xp.asarray(array.view(np.int16)).view(BFLOAT16)
+    return xp.asarray(array)
 
 M, S, H, F, T, K, LAYERS, MICRO, RUNS = 2, 2, 32, 16, 48, 2, 2, 2, 10
 E = M * R
@@ -81,8 +91,8 @@ def run_policy(balanced: bool):
     layers = [MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer, layer=layer,
                        backend=backend) for layer in range(LAYERS)]
     for layer, moe in enumerate(layers):
-        moe.load_weights(*(xp.asarray(w) for w in masters(layer, me)))
-    data = {(layer, micro): [xp.asarray(a) for a in inputs(layer, micro, me)]
+        moe.load_weights(*masters(layer, me))  # NumPy in, copied onto the backend
+    data = {(layer, micro): [to_backend(a) for a in inputs(layer, micro, me)]
             for layer in range(LAYERS) for micro in range(MICRO)}
     runs, replicas = [], 0
     for _ in range(RUNS):
@@ -212,14 +222,14 @@ def bad_input():
             group, hidden=H + 4, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend))
         with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer,
                       backend=backend) as moe:
-            good = [xp.asarray(w) for w in masters(0, me)]
-            wrong = [xp.asarray(w) for w in masters(0, me)]
+            good = [to_backend(w) for w in masters(0, me)]
+            wrong = [to_backend(w) for w in masters(0, me)]
             if me == R - 1:
-                wrong[1] = xp.asarray(masters(0, me)[1].astype(np.float32))
+                wrong[1] = to_backend(masters(0, me)[1].astype(np.float32))
             expect_everywhere(MoELayerError, f"rank {R - 1}: w_down: expected bfloat16",
                               lambda: moe.load_weights(*wrong))
             moe.load_weights(*good)
-            x, ids, gates, dy = (xp.asarray(a) for a in inputs(0, 0, me))
+            x, ids, gates, dy = (to_backend(a) for a in inputs(0, 0, me))
             _, ctx = moe.forward(x, ids, gates)
             moe.backward(ctx, dy)
             expect_everywhere(MoELayerError, "has run already", lambda: moe.backward(ctx, dy))
