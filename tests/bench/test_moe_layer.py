@@ -1,11 +1,12 @@
 """``ultraep.bench.moe_layer``: the routings it compares and a tiny run end to end on the CPU
-backend (4 ranks); the GPU runs are scripts/multi_gpu_check.sh's."""
+backend (4 ranks) and on one GPU; the timed GPU runs are scripts/multi_gpu_check.sh's."""
 
 import json
 
 import numpy as np
 import pytest
 
+from tests.conftest import requires_gpu
 from ultraep.bench import moe_layer as bench
 from ultraep.analysis.traces import rank_imbalance
 
@@ -74,3 +75,19 @@ def test_moe_layer_bench_cpu(tmp_path, capfd):
         assert row["step_ms"] == pytest.approx(row["fwd_ms"] + row["bwd_ms"])
         assert row["tokens_per_s"] == pytest.approx(4 * 256 / row["step_ms"] * 1e3)
         assert row["vs_ideal"] == pytest.approx(rows["ideal"]["step_ms"] / row["step_ms"])
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@requires_gpu
+def test_moe_layer_bench_gpu_balancing_moves_no_bit(tmp_path):
+    """The grouped GEMM on the device: ultraep's outputs and input gradients bitwise none's,
+    every policy's two checked steps bitwise equal (4 ranks sharing the GPU, time-sliced)."""
+    out = tmp_path / "moe.json"
+    code = bench.main(["--backend", "device", "--ranks", "4", *TINY, "--hidden", "256", "--ffn", "128",
+                       "--json", str(out)])
+    assert code == 0
+    rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["ultraep"]["out_diff"] == 0 and rows["ultraep"]["dx_diff"] == 0
+    assert rows["ultraep"]["replicas"] > 0 and rows["ultraep"]["wgrad_rel"] <= 1e-4
+    assert all(row["rerun_diff"] == 0 for row in rows.values())

@@ -390,24 +390,25 @@ class MoELayer:
         return dx, d_gates
 
     def _replica_grads(self, ctx: MoEContext, stream) -> list:
-        """The Balancer's replica gradient slots for ``ctx``'s plan; restores the replica
-        weights first when another layer or micro-batch has synced since (the Balancer
-        then refuses the handle), and refills the layer's copy when another forward of this
+        """The Balancer's replica gradient slots for ``ctx``'s plan. Restores the replica
+        weights first when another layer or micro-batch has synced since (the Balancer then
+        refuses the handle), and refills the layer's copy when another forward of this
         layer has overwritten it."""
         if ctx.handle is None:
             return []
+        event = None
         try:
-            return self.balancer.replica_grads(ctx.handle)
+            grads = self.balancer.replica_grads(ctx.handle)
         except StaleHandleError:
             raise
         except BalancerError:  # the shared replica buffers hold another handle's weights
-            pass
-        event = self.balancer.restore(ctx.handle, stream=stream)
+            event = self.balancer.restore(ctx.handle, stream=stream)
+            grads = self.balancer.replica_grads(ctx.handle)
         if ctx.generation != self._generation:
             self._fill_replicas(ctx.handle, event)
             self._generation += 1
             ctx.generation = self._generation
-        return self.balancer.replica_grads(ctx.handle)
+        return grads
 
     def _swiglu_forward(self, h, offsets):
         if self._swiglu is None:
