@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from ultraep.compute import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+from ultraep.compute.checks import is_bf16
 from ultraep.errors import BalancerError, ClosedError, CollectiveError, MoELayerError, StaleHandleError
 from ultraep.integration.balancer import BalanceHandle, Balancer
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
@@ -59,7 +60,7 @@ from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import Dispatcher
-from ultraep.token.base import DispatchResult
+from ultraep.token.base import DispatchResult, check_tokens
 from ultraep.transfer import ExpertSpec
 
 KERNELS = "swiglu.cu"
@@ -143,6 +144,7 @@ class MoEContext:
     act: Any                      # SwiGLU output, BF16 [max_recv_rows, F]
     y: Any                        # expert outputs, BF16 [max_recv_rows, H]
     generation: int               # which forward last filled the layer's replica weights
+    tokens: int                   # this rank's tokens in the forward
     done: bool = False
 
 
@@ -309,14 +311,24 @@ class MoELayer:
             for array, target in zip(arrays, (self.w_up, self.w_down)):
                 _bits(target)[...] = _bits(self.xp.asarray(array))
 
-    def _import_weight(self, name, tensor, target):
+    def _import(self, name: str, tensor):
         try:
-            array = import_tensor(tensor, name=name, device=self.device)
+            return import_tensor(tensor, name=name, device=self.device)
         except ValueError as exc:
             raise MoELayerError(str(exc)) from None
+
+    def _raise(self, error: BaseException | None, what: str) -> None:
+        """On every rank with ``sync_checks`` (the Dispatcher's), else this rank's own."""
+        if self.dispatcher.sync_checks:
+            _raise_everywhere(self.group, error, what)
+        elif error is not None:
+            raise error
+
+    def _import_weight(self, name, tensor, target):
+        array = self._import(name, tensor)
         if tuple(array.shape) != tuple(target.shape):
             raise MoELayerError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(array.shape)}")
-        if np.dtype(array.dtype) not in (np.dtype(BFLOAT16), np.dtype(np.int16)):
+        if not is_bf16(array.dtype):
             raise MoELayerError(f"{name}: expected bfloat16, got {np.dtype(array.dtype)}")
         return array
 
@@ -341,6 +353,15 @@ class MoELayer:
         float32; returns ``(y [T, H] BF16, ctx)``: the gate-weighted sum of each token's K
         experts (slot order, FP32 accumulation) and the context for :meth:`backward`."""
         self._check_open()
+        error, arrays = None, None
+        try:
+            arrays = [self._import(name, tensor) for name, tensor in (("x", x), ("topk_ids", topk_ids),
+                                                                      ("gates", gates))]
+        except MoELayerError as exc:
+            error = exc
+        self._raise(error, "MoELayer.forward input")
+        check_tokens(self.group, self.dispatcher.config, *arrays)  # before the Balancer plans anything
+        tokens = arrays[0].shape[0]
         with self._on_stream(stream, x):
             handle, ids = None, topk_ids
             if self.balancer is not None:
@@ -356,7 +377,7 @@ class MoELayer:
             act = self._swiglu_forward(h, offsets)
             y = grouped_mm(act, self._w_down, offsets)
             out = self.dispatcher.combine(y, received.handle)
-        return out, MoEContext(handle, received, h, act, y, self._generation)
+        return out, MoEContext(handle, received, h, act, y, self._generation, tokens)
 
     def backward(self, ctx: MoEContext, dy: Any, *, stream: Any = None) -> tuple[Any, Any]:
         """Collective. ``dy [T, H]`` (the output's gradient); returns ``(dx [T, H] BF16,
@@ -364,10 +385,19 @@ class MoELayer:
         ``grad_down`` (this rank's rows directly, replicas' through ``reduce_grads``).
         Each context once; a layer's micro-batches in any order its Balancer's ring allows."""
         self._check_open()
-        if not isinstance(ctx, MoEContext):
-            raise MoELayerError(f"backward needs the context forward returned, got {type(ctx).__name__}")
-        if ctx.done:
-            raise MoELayerError("this context's backward has run already (its gradients were added once)")
+        error = None
+        try:
+            if not isinstance(ctx, MoEContext):
+                raise MoELayerError(f"backward needs the context forward returned, got {type(ctx).__name__}")
+            if ctx.done:
+                raise MoELayerError("this context's backward has run already (its gradients were added once)")
+            grad = self._import("dy", dy)
+            if tuple(grad.shape) != (ctx.tokens, self.hidden) or not is_bf16(grad.dtype):
+                raise MoELayerError(f"dy: expected bfloat16 [{ctx.tokens}, {self.hidden}] (the forward's tokens), "
+                                    f"got {np.dtype(grad.dtype)} {list(grad.shape)}")
+        except MoELayerError as exc:
+            error = exc
+        self._raise(error, "MoELayer.backward input")  # before any restore or launch
         ctx.done = True
         M, F, H, xp = self.experts_per_rank, self.ffn, self.hidden, self.xp
         received, offsets = ctx.received, ctx.received.offsets

@@ -230,7 +230,15 @@ def bad_input():
                               lambda: moe.load_weights(*wrong))
             moe.load_weights(*good)
             x, ids, gates, dy = (to_backend(a) for a in inputs(0, 0, me))
+            # Bad tokens on one rank: refused on every rank before the Balancer plans anything.
+            bad_x = to_backend(inputs(0, 0, me)[0].astype(np.float32)) if me == R - 1 else x
+            expect_everywhere(CollectiveError, f"rank {R - 1}: x: expected dtype bfloat16",
+                              lambda: moe.forward(bad_x, ids, gates))
+            assert balancer.stats().updates == 0, "a refused forward reached the Balancer"
             _, ctx = moe.forward(x, ids, gates)
+            bad_dy = dy[:-1] if me == 0 else dy
+            expect_everywhere(MoELayerError, f"rank 0: dy: expected bfloat16 [{T}, {H}]",
+                              lambda: moe.backward(ctx, bad_dy))
             moe.backward(ctx, dy)
             expect_everywhere(MoELayerError, "has run already", lambda: moe.backward(ctx, dy))
         expect_everywhere(Exception, "closed", lambda: moe.forward(x, ids, gates))
