@@ -32,7 +32,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ultraep import Balancer, EPGroup, ExpertLayout, MoELayer
-from ultraep.integration.moe_layer import expert_spec
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3)
@@ -71,7 +70,7 @@ def route(x):
 
 
 def run(balanced):
-    balancer = (Balancer(group, layout, expert_spec(H, F), num_layers=1, min_replica_tokens=16)
+    balancer = (Balancer(group, layout, MoELayer.expert_spec(H, F), num_layers=1, min_replica_tokens=16)
                 if balanced else None)
     layer = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=TOP_K, max_tokens=T, balancer=balancer)
     layer.load_weights(w_up, w_down)

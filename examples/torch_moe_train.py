@@ -33,7 +33,6 @@ import torch
 from mpi4py import MPI
 
 from ultraep import Balancer, EPGroup, ExpertLayout, MoELayer
-from ultraep.integration.moe_layer import expert_spec
 from ultraep.token.torch_autograd import to_torch
 
 parser = argparse.ArgumentParser()
@@ -96,7 +95,7 @@ class MoEBlock(torch.nn.Module):
 
 
 def train(balanced):
-    balancer = (Balancer(group, layout, expert_spec(H, F), num_layers=LAYERS, min_replica_tokens=16,
+    balancer = (Balancer(group, layout, MoELayer.expert_spec(H, F), num_layers=LAYERS, min_replica_tokens=16,
                          sync_checks=False) if balanced else None)
     blocks = [MoEBlock(index, balancer) for index in range(LAYERS)]
     losses, rows, first_out = [], [], None

@@ -51,18 +51,18 @@ from typing import Any
 
 import numpy as np
 
-from ultraep.compute import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
-from ultraep.compute.checks import is_bf16
 from ultraep.errors import BalancerError, ClosedError, CollectiveError, MoELayerError, StaleHandleError
 from ultraep.integration.balancer import BalanceHandle, Balancer
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
-from ultraep.runtime.dtypes import BFLOAT16
+from ultraep.runtime import dtypes
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import Dispatcher
 from ultraep.token.base import DispatchResult, check_tokens
 from ultraep.transfer import ExpertSpec
 
+# ultraep.compute and the bf16 type (ml_dtypes) are imported at first use, so that the
+# public API's import loads no optional package.
 KERNELS = "swiglu.cu"
 GEMM_KERNELS = "grouped_gemm.cu"
 WEIGHT_NAMES = ("w_up", "w_down")
@@ -87,9 +87,9 @@ def swiglu(h: np.ndarray, rows: int) -> np.ndarray:
     """``act [len(h), F]`` BF16 from ``h [., 2F]`` FP32 (gate | up) over the first ``rows`` rows
     (the rest zero), rounded as ``raw_kernels/swiglu.cu`` states."""
     ffn = h.shape[1] // 2
-    act = np.zeros((h.shape[0], ffn), dtype=BFLOAT16)
+    act = np.zeros((h.shape[0], ffn), dtype=dtypes.BFLOAT16)
     a, b = h[:rows, :ffn], h[:rows, ffn:]
-    act[:rows] = ((a * _sigmoid(a)) * b).astype(BFLOAT16)
+    act[:rows] = ((a * _sigmoid(a)) * b).astype(dtypes.BFLOAT16)
     return act
 
 
@@ -97,13 +97,13 @@ def swiglu_backward(h: np.ndarray, d_act: np.ndarray, rows: int) -> np.ndarray:
     """``dh [len(h), 2F]`` BF16 (d gate | d up) from ``h`` and ``d_act [., F]`` BF16 over the
     first ``rows`` rows (the rest zero)."""
     ffn = h.shape[1] // 2
-    dh = np.zeros(h.shape, dtype=BFLOAT16)
+    dh = np.zeros(h.shape, dtype=dtypes.BFLOAT16)
     a, b = h[:rows, :ffn], h[:rows, ffn:]
     g = d_act[:rows].astype(np.float32)
     s = _sigmoid(a)
     slope = s * (np.float32(1) + a * (np.float32(1) - s))
-    dh[:rows, :ffn] = ((g * b) * slope).astype(BFLOAT16)
-    dh[:rows, ffn:] = (g * (a * s)).astype(BFLOAT16)
+    dh[:rows, :ffn] = ((g * b) * slope).astype(dtypes.BFLOAT16)
+    dh[:rows, ffn:] = (g * (a * s)).astype(dtypes.BFLOAT16)
     return dh
 
 
@@ -244,13 +244,11 @@ class MoELayer:
         """Stacked weights of the masters and, behind them, copies of the replica slots."""
         M, S, H, F = self.experts_per_rank, self.slots, self.hidden, self.ffn
         if self.device is None:
-            self.xp, weight_dtype, self._swiglu = np, BFLOAT16, None
+            self.xp, weight_dtype, self._swiglu = np, dtypes.BFLOAT16, None
         else:
             import cupy
 
-            from ultraep.runtime.dtypes import cupy_dtype
-
-            self.xp, weight_dtype = cupy, cupy_dtype(BFLOAT16)
+            self.xp, weight_dtype = cupy, dtypes.cupy_dtype(dtypes.BFLOAT16)
             with cupy.cuda.Device(self.device):
                 self._swiglu = _DeviceSwiGLU(self.device, self.group)
         with self._on_device():
@@ -325,6 +323,8 @@ class MoELayer:
             raise error
 
     def _import_weight(self, name, tensor, target):
+        from ultraep.compute.checks import is_bf16
+
         array = self._import(name, tensor)
         if tuple(array.shape) != tuple(target.shape):
             raise MoELayerError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(array.shape)}")
@@ -352,6 +352,8 @@ class MoELayer:
         """Collective. ``x [T, H]`` BF16, ``topk_ids [T, K]`` logical expert ids, ``gates [T, K]``
         float32; returns ``(y [T, H] BF16, ctx)``: the gate-weighted sum of each token's K
         experts (slot order, FP32 accumulation) and the context for :meth:`backward`."""
+        from ultraep.compute import grouped_mm
+
         self._check_open()
         error, arrays = None, None
         try:
@@ -384,6 +386,9 @@ class MoELayer:
         d_gates [T, K] float32)`` and adds the weight gradients into ``grad_up`` /
         ``grad_down`` (this rank's rows directly, replicas' through ``reduce_grads``).
         Each context once; a layer's micro-batches in any order its Balancer's ring allows."""
+        from ultraep.compute import grouped_mm_dgrad, grouped_mm_wgrad
+        from ultraep.compute.checks import is_bf16
+
         self._check_open()
         error = None
         try:
