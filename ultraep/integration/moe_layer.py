@@ -180,7 +180,7 @@ class MoELayer:
                  backend: str = "auto", heap: Any = None, timeout_s: float = 30.0, sync_checks: bool = True):
         error = None
         try:
-            self._check_set_up(group, hidden, ffn, num_experts, balancer, layer, backend)
+            self._check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend)
         except MoELayerError as exc:
             error = exc
         _raise_everywhere(group, error, "MoELayer set-up")
@@ -213,10 +213,11 @@ class MoELayer:
         self._generation = 0  # forwards that filled the replica part of the stacked weights
 
     @staticmethod
-    def _check_set_up(group, hidden, ffn, num_experts, balancer, layer, backend) -> None:
-        for name, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise MoELayerError(f"{name} must be a positive int, got {value!r}")
+    def _check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend) -> None:
+        for name, value, low in (("hidden", hidden, 1), ("ffn", ffn, 1), ("num_experts", num_experts, 1),
+                                 ("top_k", top_k, 1), ("max_tokens", max_tokens, 1), ("layer", layer, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise MoELayerError(f"{name} must be an int >= {low}, got {value!r}")
         if num_experts % group.size:
             raise MoELayerError(f"num_experts ({num_experts}) must be a multiple of the group size ({group.size})")
         align = kernel_constant(GEMM_KERNELS, "GG_ALIGN_ELEMENTS")
@@ -232,9 +233,8 @@ class MoELayer:
                                 f"{balancer.layout.num_ranks} ranks, the layer {num_experts} on {group.size}")
         if balancer.spec.key() != expert_spec(hidden, ffn).key():
             raise MoELayerError(f"the balancer's expert spec {balancer.spec!r} is not the layer's "
-                                f"{expert_spec(hidden, ffn)!r} (build it with ultraep.integration.moe_layer."
-                                "expert_spec(hidden, ffn))")
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < balancer.num_layers:
+                                f"{expert_spec(hidden, ffn)!r} (build it with MoELayer.expert_spec(hidden, ffn))")
+        if layer >= balancer.num_layers:
             raise MoELayerError(f"layer must be an int in [0, {balancer.num_layers}) (the balancer's num_layers), "
                                 f"got {layer!r}")
         if backend not in ("auto", balancer.backend):
