@@ -15,9 +15,10 @@
 //   act    = bf16((a * s) * b)
 //   d_up   = bf16(g * (a * s))
 //   d_gate = bf16((g * b) * (s * (1 + a * (1 - s))))      g = float(d_act)
-// Two correct fp64 exponentials round to the same fp32 unless exp(-a) lies within one
-// fp64 ulp of the midpoint between two fp32 values, so device and host agree bit for bit
-// but for such inputs (about one in 2^28).
+// CUDA's and NumPy's fp64 exponentials are each within about one fp64 ulp of exact, so
+// they round to the same fp32 unless exp(-a) lies within that distance of the midpoint
+// between two fp32 values (about one input in 2^28): device and host agree bit for bit
+// but for such inputs.
 //
 //! kernels: swiglu_forward, swiglu_backward
 
