@@ -12,7 +12,8 @@ Layers, bottom up (each its own package):
 * ``ultraep.token`` -- the token path: deterministic dispatch and combine (UniEP).
 * ``ultraep.compute`` -- the expert compute: the padding-free grouped GEMM.
 * ``ultraep.integration`` -- the :class:`Balancer` a framework drives per layer and
-  micro-batch, with its metrics and the load-trace format.
+  micro-batch, with its metrics and the load-trace format, and :class:`MoELayer`, a whole
+  (optionally balanced) MoE layer in two calls.
 * ``ultraep.bench`` -- ``python -m ultraep.bench ...`` benchmarks.
 
 Beside them, ``ultraep.analysis`` holds the analysis tools (proven bounds, baselines,
@@ -31,11 +32,13 @@ if TYPE_CHECKING:  # what a type checker sees of the lazily imported names below
                                 ClosedError as ClosedError, CollectiveError as CollectiveError,
                                 DispatchError as DispatchError,
                                 GroupedGemmError as GroupedGemmError, GroupMismatchError as GroupMismatchError,
-                                HeapError as HeapError, LaunchError as LaunchError, MPSUnavailable as MPSUnavailable,
-                                ProfileError as ProfileError, RankFailedError as RankFailedError,
+                                HeapError as HeapError, LaunchError as LaunchError, MoELayerError as MoELayerError,
+                                MPSUnavailable as MPSUnavailable, ProfileError as ProfileError,
+                                RankFailedError as RankFailedError,
                                 StaleHandleError as StaleHandleError, TransferTimeout as TransferTimeout,
                                 UltraEPError as UltraEPError, WaitTimeout as WaitTimeout)
     from ultraep.integration import BalanceHandle as BalanceHandle, Balancer as Balancer
+    from ultraep.integration.moe_layer import MoELayer as MoELayer
     from ultraep.integration.traces import (load_trace as load_trace, save_trace as save_trace,
                                             TraceRecorder as TraceRecorder)
     from ultraep.planner import ExpertLayout as ExpertLayout, Plan as Plan, plan_placement as plan_placement
@@ -62,6 +65,7 @@ _EXPORTS = {
     "Dispatcher": "ultraep.token",
     "Balancer": "ultraep.integration",
     "BalanceHandle": "ultraep.integration",
+    "MoELayer": "ultraep.integration.moe_layer",
     "save_trace": "ultraep.integration.traces",
     "load_trace": "ultraep.integration.traces",
     "TraceRecorder": "ultraep.integration.traces",
@@ -81,6 +85,7 @@ _EXPORTS = {
     "BalancerError": "ultraep.errors",
     "StaleHandleError": "ultraep.errors",
     "ProfileError": "ultraep.errors",
+    "MoELayerError": "ultraep.errors",
 }
 __all__ = sorted(_EXPORTS)
 

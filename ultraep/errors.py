@@ -77,6 +77,10 @@ class ProfileError(UltraEPError, ValueError):
     measurement of the profile that came out wrong."""
 
 
+class MoELayerError(UltraEPError, ValueError):
+    """Bad input to an MoE layer (set-up, weights, a context used twice)."""
+
+
 __all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "GroupMismatchError",
-           "GroupedGemmError", "HeapError", "LaunchError", "MPSUnavailable", "ProfileError", "RankFailedError",
-           "StaleHandleError", "TransferTimeout", "UltraEPError", "WaitTimeout"]
+           "GroupedGemmError", "HeapError", "LaunchError", "MoELayerError", "MPSUnavailable", "ProfileError",
+           "RankFailedError", "StaleHandleError", "TransferTimeout", "UltraEPError", "WaitTimeout"]

@@ -54,7 +54,8 @@ def run_example(name: str, *args: str, timeout: float = 180) -> str:
 
 
 def test_readme_has_its_snippets():
-    assert [name for name, _ in readme_snippets()] == ["heap_exchange.py", "planner_step.py", "layer_step.py"]
+    assert [name for name, _ in readme_snippets()] == ["heap_exchange.py", "planner_step.py", "layer_step.py",
+                                                       "moe_layer_step.py"]
 
 
 @pytest.mark.parametrize("name, code", readme_snippets(), ids=[name for name, _ in readme_snippets()])
@@ -84,6 +85,17 @@ def test_layer_step_example():
         assert line, out
         before, after = ([int(v) for v in group.split(",")] for group in line.groups())
         assert sum(before) == sum(after) and max(after) < max(before), out
+
+
+@pytest.mark.mpi
+def test_moe_layer_step_example():
+    out = run_example("moe_layer_step.py")
+    for rank in range(RANKS):
+        line = re.search(rf"rank {rank}: rows per rank \[([^\]]*)\] balanced, \|grad_up\| ([\d.e+]+)", out)
+        assert line, out
+        rows = [int(v) for v in line.group(1).split(",")]
+        assert sum(rows) == RANKS * 256 * 2 and max(rows) <= 1.01 * sum(rows) / RANKS, out
+        assert float(line.group(2)) > 0, out
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import requires_gpu
+from ultraep.runtime.group import gpu_count
 from ultraep.runtime.launch import run_mpi
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -44,7 +45,16 @@ def test_cupy_framework_example(backend, tmp_path):
 def test_torch_moe_train_example():
     out = run_example("torch_moe_train.py", "--steps", "4")
     assert_ranks_ok(out, "torch_moe_train")
-    assert "balanced busiest rank / mean" in out, out
+    assert "balanced busiest rank / mean" in out and "first step: 0 output elements differ" in out, out
+
+
+@pytest.mark.mpi
+@requires("torch")
+@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the example runs on it (the test above)")
+def test_torch_moe_train_example_on_the_cpu_backend():
+    out = run_example("torch_moe_train.py", "--steps", "2", "--tokens", "256")
+    assert_ranks_ok(out, "torch_moe_train")
+    assert "(cpu): torch_moe_train OK" in out and "first step: 0 output elements differ" in out, out
 
 
 @pytest.mark.mpi
@@ -54,3 +64,13 @@ def test_torch_moe_train_example():
 def test_jax_moe_forward_example():
     out = run_example("jax_moe_forward.py", "--steps", "3")  # it sets XLA_PYTHON_CLIENT_PREALLOCATE=false
     assert_ranks_ok(out, "jax_moe_forward")
+    assert "0 output elements differ" in out, out
+
+
+@pytest.mark.mpi
+@requires("jax")
+@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the example runs on it (the test above)")
+def test_jax_moe_forward_example_on_the_cpu_backend():
+    out = run_example("jax_moe_forward.py", "--steps", "2", "--tokens", "256")
+    assert_ranks_ok(out, "jax_moe_forward")
+    assert "(cpu): jax_moe_forward OK" in out and "0 output elements differ" in out, out

@@ -1,0 +1,67 @@
+// SwiGLU between the two grouped GEMMs of an MoE expert, over expert-major rows.
+// ultraep/integration/moe_layer.py launches them; its NumPy functions are the reference.
+//
+//   forward   h [rows, 2F] fp32 (gate | up)  ->  act [rows, F] bf16
+//   backward  h, d_act [rows, F] bf16       ->  dh  [rows, 2F] bf16 (d gate | d up)
+//
+// Only rows [0, min(offsets[experts], rows)) are read or written: the row count stays on
+// the device, so the host never waits for the dispatch.
+//
+// Rounding, stated so the NumPy reference can repeat it step by step: every operation
+// is one IEEE fp32 operation rounded to nearest (__fadd_rn, __fmul_rn, __fdiv_rn: no
+// contraction into FMA), except the exponential, which is taken in fp64 and rounded once
+// to fp32; results are rounded once to bf16 (nearest even). With s = sigmoid(a):
+//   s      = 1 / (1 + float(exp(-(double)a)))
+//   act    = bf16((a * s) * b)
+//   d_up   = bf16(g * (a * s))
+//   d_gate = bf16((g * b) * (s * (1 + a * (1 - s))))      g = float(d_act)
+// CUDA's and NumPy's fp64 exponentials are each within about one fp64 ulp of exact, so
+// they round to the same fp32 unless exp(-a) lies within that distance of the midpoint
+// between two fp32 values (about one input in 2^28): device and host agree bit for bit
+// but for such inputs.
+//
+//! kernels: swiglu_forward, swiglu_backward
+
+#include <cuda_bf16.h>
+
+#define SWIGLU_THREADS 256
+#define SWIGLU_BLOCKS_PER_SM 4
+
+__device__ __forceinline__ float sigmoid_rn(float a) {
+    float e = __double2float_rn(exp(-(double)a));
+    return __fdiv_rn(1.0f, __fadd_rn(1.0f, e));
+}
+
+__device__ __forceinline__ long long rows_in_use(const int* offsets, int experts, long long rows) {
+    long long used = offsets[experts];
+    return used < rows ? used : rows;
+}
+
+extern "C" __global__ void swiglu_forward(const float* __restrict__ h, const int* __restrict__ offsets, int experts,
+                                          long long rows, int ffn, __nv_bfloat16* __restrict__ act) {
+    long long total = rows_in_use(offsets, experts, rows) * ffn;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long row = i / ffn, col = i - row * ffn;
+        float a = h[row * 2 * ffn + col], b = h[row * 2 * ffn + ffn + col];
+        float s = sigmoid_rn(a);
+        act[i] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(a, s), b));
+    }
+}
+
+extern "C" __global__ void swiglu_backward(const float* __restrict__ h, const __nv_bfloat16* __restrict__ d_act,
+                                           const int* __restrict__ offsets, int experts, long long rows, int ffn,
+                                           __nv_bfloat16* __restrict__ dh) {
+    long long total = rows_in_use(offsets, experts, rows) * ffn;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long row = i / ffn, col = i - row * ffn;
+        float a = h[row * 2 * ffn + col], b = h[row * 2 * ffn + ffn + col];
+        float g = __bfloat162float(d_act[i]);
+        float s = sigmoid_rn(a);
+        float silu = __fmul_rn(a, s);
+        float slope = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(a, __fadd_rn(1.0f, -s))));
+        dh[row * 2 * ffn + col] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(g, b), slope));
+        dh[row * 2 * ffn + ffn + col] = __float2bfloat16_rn(__fmul_rn(g, silu));
+    }
+}

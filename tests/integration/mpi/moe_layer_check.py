@@ -1,0 +1,253 @@
+"""Multi-rank MoELayer check, run under mpiexec by tests/integration/test_moe_layer.py.
+
+Usage: python -m mpi4py moe_layer_check.py {host|device} {invariance|bad-input}
+
+invariance: two MoE layers sharing one Balancer (``ultraep`` policy) and the same two
+layers without one (``none``), with the same masters, inputs and skewed routing, two
+micro-batches in flight per layer (forward a, forward b, backward in reverse, so the
+second layer's replicas are restored and the first refilled). Ten runs each. Checked:
+
+* ``ultraep`` against ``none``: outputs, input gradients and gate gradients bitwise equal
+  (count of differing bit patterns = 0);
+* every run against the first, per policy: all of them and the weight gradients identical;
+* the weight gradients of the two policies within FP32 reassociation of the same terms;
+* the ``none`` layer against an FP64 NumPy model of the whole layer (every rank's inputs
+  and masters are seeded functions of its rank, so each rank can compute all of them).
+
+bad-input: mismatched set-up, wrong weights on one rank, a context used twice -- each a
+clear error on every rank.
+"""
+
+import sys
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+from ultraep import Balancer, ExpertLayout, MoELayer, MoELayerError
+from ultraep.errors import CollectiveError
+from ultraep.integration.moe_layer import expert_spec
+from ultraep.runtime.dtypes import BFLOAT16
+from ultraep.runtime.group import EPGroup
+
+backend, check = sys.argv[1], sys.argv[2]
+group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
+R, me = group.size, group.rank
+if backend == "device":
+    import cupy as xp
+
+    def host(array):
+        array = xp.asnumpy(array)
+        return array.view(BFLOAT16) if array.dtype == np.int16 else array  # a CuPy that holds bf16 as bits
+else:
+    xp, host = np, np.asarray
+
+
+def to_backend(array):
+    """A host array on this backend (bf16 crosses to the GPU as its bits)."""
+    if array.dtype == BFLOAT16:
+        return xp.asarray(array.view(np.int16)).view(BFLOAT16)
+    return xp.asarray(array)
+
+M, S, H, F, T, K, LAYERS, MICRO, RUNS = 2, 2, 32, 16, 48, 2, 2, 2, 10
+E = M * R
+
+
+def bf16(values):
+    return np.asarray(values, dtype=np.float32).astype(BFLOAT16)
+
+
+def masters(layer, rank):
+    rng = np.random.default_rng((layer, rank, 7))
+    return (bf16(rng.standard_normal((M, H, 2 * F)) / np.sqrt(H)), bf16(rng.standard_normal((M, F, H)) / np.sqrt(F)))
+
+
+def inputs(layer, micro, rank):
+    """x, logical top-k ids (a hot expert per layer and micro-batch, distinct per token), gates, dy."""
+    rng = np.random.default_rng((layer, micro, rank, 11))
+    hot = (1 + layer + 2 * micro) % E
+    weights = 1.0 / (1 + (np.arange(E) - hot) % E) ** 2
+    ids = np.stack([rng.choice(E, size=K, replace=False, p=weights / weights.sum()) for _ in range(T)])
+    gates = rng.random((T, K)).astype(np.float32) + 0.1
+    gates /= gates.sum(axis=1, keepdims=True)
+    return (bf16(rng.standard_normal((T, H))), ids.astype(np.int64), gates, bf16(rng.standard_normal((T, H)) / 4))
+
+
+def bits(array):
+    array = host(array)
+    return array.view(np.int16 if array.dtype.itemsize == 2 else np.int32)
+
+
+def differing(a, b) -> int:
+    return int(np.count_nonzero(bits(a) != bits(b)))
+
+
+def run_policy(balanced: bool):
+    """Per run: ({(layer, micro): (y, dx, d_gates)}, [(grad_up, grad_down) per layer])."""
+    balancer = None
+    if balanced:
+        balancer = Balancer(group, ExpertLayout(R, E, S), expert_spec(H, F), num_layers=LAYERS, min_replica_tokens=4,
+                            max_in_flight=MICRO, backend=backend)
+    layers = [MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer, layer=layer,
+                       backend=backend) for layer in range(LAYERS)]
+    for layer, moe in enumerate(layers):
+        moe.load_weights(*masters(layer, me))  # NumPy in, copied onto the backend
+    data = {(layer, micro): [to_backend(a) for a in inputs(layer, micro, me)]
+            for layer in range(LAYERS) for micro in range(MICRO)}
+    runs, replicas = [], 0
+    for _ in range(RUNS):
+        for moe in layers:
+            moe.zero_grads()
+        outputs, contexts = {}, {}
+        for micro in range(MICRO):
+            for layer, moe in enumerate(layers):
+                x, ids, gates, _ = data[layer, micro]
+                outputs[layer, micro], contexts[layer, micro] = moe.forward(x, ids, gates)
+        for micro in reversed(range(MICRO)):
+            for layer in reversed(range(LAYERS)):
+                dy = data[layer, micro][3]
+                dx, d_gates = layers[layer].backward(contexts[layer, micro], dy)
+                outputs[layer, micro] = tuple(host(a) for a in (outputs[layer, micro], dx, d_gates))
+        for moe in layers:
+            moe.check()
+        runs.append((outputs, [(host(moe.grad_up).copy(), host(moe.grad_down).copy()) for moe in layers]))
+    if balancer is not None:
+        replicas = balancer.stats().summary()["replicas_mean"]
+    for moe in layers:
+        moe.close()
+    if balancer is not None:
+        balancer.close()
+    return runs, replicas
+
+
+def silu_parts(a):
+    s = 1.0 / (1.0 + np.exp(-a))
+    return s, a * s
+
+
+def reference():
+    """FP64 model: this rank's (layer, micro) -> (y, dx, d_gates) and each layer's master gradients."""
+    results, grads = {}, []
+    for layer in range(LAYERS):
+        weights = [masters(layer, r) for r in range(R)]
+        up = [weights[e // M][0][e % M].astype(np.float64) for e in range(E)]
+        down = [weights[e // M][1][e % M].astype(np.float64) for e in range(E)]
+        g_up, g_down = np.zeros((M, H, 2 * F)), np.zeros((M, F, H))
+        for micro in range(MICRO):
+            for r in range(R):
+                x, ids, gates, dy = inputs(layer, micro, r)
+                x, dy = x.astype(np.float64), dy.astype(np.float64)
+                y, dx, d_gates = np.zeros((T, H)), np.zeros((T, H)), np.zeros((T, K))
+                for t in range(T):
+                    for k in range(K):
+                        e, g = ids[t, k], float(gates[t, k])
+                        h = x[t] @ up[e]
+                        a, b = h[:F], h[F:]
+                        s, silu = silu_parts(a)
+                        act = silu * b
+                        out = act @ down[e]
+                        y[t] += g * out
+                        d_gates[t, k] = dy[t] @ out
+                        gy = g * dy[t]
+                        d_act = down[e] @ gy
+                        dh = np.concatenate([d_act * b * s * (1 + a * (1 - s)), d_act * silu])
+                        dx[t] += up[e] @ dh
+                        if e // M == me:
+                            g_up[e % M] += np.outer(x[t], dh)
+                            g_down[e % M] += np.outer(act, gy)
+                if r == me:
+                    results[layer, micro] = (y, dx, d_gates)
+        grads.append((g_up, g_down))
+    return results, grads
+
+
+def close_to(got, want, fraction, what):
+    """BF16 intermediates (each rounding at most 2^-9 relative, about four on any path to an
+    output) and FP32 sums: a fraction of a percent of the largest magnitude."""
+    got = host(got).astype(np.float64)
+    error, scale = float(np.max(np.abs(got - want))), float(np.max(np.abs(want)))
+    assert error <= fraction * scale, f"{what}: off by {error:.3g}, largest magnitude {scale:.3g}"
+
+
+def invariance():
+    plain, _ = run_policy(balanced=False)
+    balanced, replicas = run_policy(balanced=True)
+    assert sum(group.allgather(replicas)) > 0, "the routing made no replica: the check would prove nothing"
+    for runs, name in ((plain, "none"), (balanced, "ultraep")):
+        first_out, first_grads = runs[0]
+        for i, (out, grads) in enumerate(runs[1:], 1):
+            for key in out:
+                for a, b, what in zip(out[key], first_out[key], ("y", "dx", "d_gates")):
+                    assert differing(a, b) == 0, f"{name} run {i} {key} {what} differs from run 0"
+            for layer, (pair, first) in enumerate(zip(grads, first_grads)):
+                for a, b, what in zip(pair, first, ("grad_up", "grad_down")):
+                    assert differing(a, b) == 0, f"{name} run {i} layer {layer} {what} differs from run 0"
+    for key in plain[0][0]:
+        for a, b, what in zip(balanced[0][0][key], plain[0][0][key], ("y", "dx", "d_gates")):
+            count = differing(a, b)
+            assert count == 0, f"{key} {what}: {count} elements of ultraep differ from none"
+    for layer, (pair, plain_pair) in enumerate(zip(balanced[0][1], plain[0][1])):
+        for a, b, what in zip(pair, plain_pair, ("grad_up", "grad_down")):
+            # The same FP32 terms, summed per instance and the partials added in replica order.
+            close_to(a, b.astype(np.float64), 1e-5, f"layer {layer} {what} ultraep vs none")
+    want, want_grads = reference()
+    for key, (y, dx, d_gates) in plain[0][0].items():
+        for got, ref, what in zip((y, dx, d_gates), want[key], ("y", "dx", "d_gates")):
+            close_to(got, ref, 2e-2, f"{key} {what} vs FP64")
+    for layer, (pair, ref) in enumerate(zip(plain[0][1], want_grads)):
+        for got, ref_g, what in zip(pair, ref, ("grad_up", "grad_down")):
+            close_to(got, ref_g, 2e-2, f"layer {layer} {what} vs FP64")
+
+
+def expect_everywhere(kind, fragment, call):
+    try:
+        call()
+    except kind as exc:
+        assert fragment in str(exc), f"expected {fragment!r} in {exc}"
+        return
+    raise AssertionError(f"no {kind.__name__} for {fragment!r}")
+
+
+def bad_input():
+    layout = ExpertLayout(R, E, S)
+    with Balancer(group, layout, expert_spec(H, F), num_layers=1, backend=backend) as balancer:
+        # An expert spec that is not the layer's: refused on every rank.
+        with Balancer(group, layout, expert_spec(H, 2 * F), num_layers=1, backend=backend) as other:
+            expect_everywhere(MoELayerError, "expert spec", lambda: MoELayer(
+                group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=other, backend=backend))
+        # One rank with another hidden size: every rank raises before anything is allocated.
+        expect_everywhere(CollectiveError, "MoELayer set-up", lambda: MoELayer(
+            group, hidden=H if me else 2 * H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend))
+        expect_everywhere(MoELayerError, "multiples of 8", lambda: MoELayer(
+            group, hidden=H + 4, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend))
+        with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer,
+                      backend=backend) as moe:
+            good = [to_backend(w) for w in masters(0, me)]
+            wrong = [to_backend(w) for w in masters(0, me)]
+            if me == R - 1:
+                wrong[1] = to_backend(masters(0, me)[1].astype(np.float32))
+            expect_everywhere(MoELayerError, f"rank {R - 1}: w_down: expected bfloat16",
+                              lambda: moe.load_weights(*wrong))
+            moe.load_weights(*good)
+            x, ids, gates, dy = (to_backend(a) for a in inputs(0, 0, me))
+            # Bad tokens on one rank: refused on every rank before the Balancer plans anything.
+            bad_x = to_backend(inputs(0, 0, me)[0].astype(np.float32)) if me == R - 1 else x
+            expect_everywhere(CollectiveError, f"rank {R - 1}: x: expected dtype bfloat16",
+                              lambda: moe.forward(bad_x, ids, gates))
+            assert balancer.stats().updates == 0, "a refused forward reached the Balancer"
+            _, ctx = moe.forward(x, ids, gates)
+            bad_dy = dy[:-1] if me == 0 else dy
+            expect_everywhere(MoELayerError, f"rank 0: dy: expected bfloat16 [{T}, {H}]",
+                              lambda: moe.backward(ctx, bad_dy))
+            moe.backward(ctx, dy)
+            expect_everywhere(MoELayerError, "has run already", lambda: moe.backward(ctx, dy))
+        expect_everywhere(Exception, "closed", lambda: moe.forward(x, ids, gates))
+
+
+try:
+    {"invariance": invariance, "bad-input": bad_input}[check]()
+except Exception:
+    traceback.print_exc()
+    sys.stdout.flush()
+    MPI.COMM_WORLD.Abort(1)
+print(f"[{check}] rank {me} OK", flush=True)

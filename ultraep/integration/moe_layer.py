@@ -1,0 +1,482 @@
+"""``MoELayer``: a whole expert-parallel MoE layer -- dispatch, SwiGLU experts on the
+grouped GEMM, combine -- optionally balanced by a :class:`~ultraep.integration.Balancer`,
+in two calls a framework makes per micro-batch.
+
+    layer = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                     balancer=balancer, layer=0)         # balancer: None for plain EP
+    layer.load_weights(w_up, w_down)                     # this rank's masters
+    y, ctx = layer.forward(x, topk_ids, gates)           # x [T, H] bf16, ids/gates [T, K]
+    dx, d_gates = layer.backward(ctx, dy)                # grads += into layer.grad_up/down
+
+Experts are SwiGLU MLPs: ``act = silu(x @ w_up[:, :F]) * (x @ w_up[:, F:])``,
+``y = act @ w_down``; BF16 weights and activations, FP32 accumulation and FP32 weight
+gradients. The layer owns this rank's ``M`` masters as stacked tensors
+(``w_up [M, H, 2F]``, ``w_down [M, F, H]`` and their gradients ``grad_up``, ``grad_down``;
+DLPack-exportable, so a framework wraps them zero-copy as its parameters).
+
+Data flow of one micro-batch (the Dispatcher's receive buffer is expert-major: rows of
+local slot ``j`` are ``offsets[j]:offsets[j + 1]``, masters ``j < M`` then replica slots):
+
+* forward: with a Balancer, ``update`` -> ``weight_sync`` -> ``reroute`` and the replica
+  slots' weights are copied behind the masters in the layer's stacked weights, so the
+  whole receive buffer runs as one grouped GEMM per projection over ``M + S`` experts;
+  ``dispatch`` -> ``grouped_mm`` (up, FP32 out) -> SwiGLU (BF16) -> ``grouped_mm`` (down)
+  -> ``combine``;
+* backward: ``combine_backward`` (row gradients and the gates' gradients) -> dgrad and
+  wgrad of down -> SwiGLU backward -> dgrad and wgrad of up -> masters' gradients ``+=``
+  their rows' part, replica slots' gradients into the Balancer's replica gradient slots ->
+  ``reduce_grads`` -> ``dispatch_backward`` (the input gradient).
+
+Placement invariance: every step of a row's forward output and input gradient is a
+function of that row alone (the grouped GEMM sums each element in one fixed order
+whatever other rows share its tile, SwiGLU is elementwise, combine and dispatch_backward
+sum in slot order), and a replica's weights are the master's bits. So the balanced
+layer's outputs, input gradients and gate gradients are bitwise those of the unbalanced
+one; a master's weight gradient differs only in being summed per instance, the partial
+sums added in replica order (deterministic run to run).
+
+SwiGLU's rounding is stated in ``raw_kernels/swiglu.cu``; :func:`swiglu` and
+:func:`swiglu_backward` here are its NumPy reference and the host backend.
+
+The layer's own work runs on the caller's stream (``stream=``, else a torch input's
+current stream, else CuPy's). The fused kernels of the UniEP design will replace the
+inside of :meth:`forward` / :meth:`backward`; the calls and the context stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ultraep.errors import BalancerError, ClosedError, CollectiveError, MoELayerError, StaleHandleError
+from ultraep.integration.balancer import BalanceHandle, Balancer
+from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
+from ultraep.runtime import dtypes
+from ultraep.runtime.group import EPGroup
+from ultraep.runtime.kernels import kernel_constant
+from ultraep.token import Dispatcher
+from ultraep.token.base import DispatchResult, check_tokens
+from ultraep.transfer import ExpertSpec
+
+# ultraep.compute and the bf16 type (ml_dtypes) are imported at first use, so that the
+# public API's import loads no optional package.
+KERNELS = "swiglu.cu"
+GEMM_KERNELS = "grouped_gemm.cu"
+WEIGHT_NAMES = ("w_up", "w_down")
+
+
+def expert_spec(hidden: int, ffn: int) -> ExpertSpec:
+    """The expert of :class:`MoELayer` for a Balancer: ``w_up [H, 2F]``, ``w_down [F, H]``
+    in BF16, FP32 gradients."""
+    return ExpertSpec([("w_up", (hidden, 2 * ffn), "bfloat16"), ("w_down", (ffn, hidden), "bfloat16")],
+                      grad_dtype="float32")
+
+
+# -- SwiGLU: NumPy reference (the host backend) and the CUDA kernels ----------------------------
+def _sigmoid(a: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-a))`` in fp32, the exponential in fp64 rounded once (swiglu.cu)."""
+    with np.errstate(over="ignore"):  # exp(-a) past FP32's range is inf, as on the device: s = 0
+        e = np.exp(-a.astype(np.float64)).astype(np.float32)
+    return np.float32(1) / (np.float32(1) + e)
+
+
+def swiglu(h: np.ndarray, rows: int) -> np.ndarray:
+    """``act [len(h), F]`` BF16 from ``h [., 2F]`` FP32 (gate | up) over the first ``rows`` rows
+    (the rest zero), rounded as ``raw_kernels/swiglu.cu`` states."""
+    ffn = h.shape[1] // 2
+    act = np.zeros((h.shape[0], ffn), dtype=dtypes.BFLOAT16)
+    a, b = h[:rows, :ffn], h[:rows, ffn:]
+    act[:rows] = ((a * _sigmoid(a)) * b).astype(dtypes.BFLOAT16)
+    return act
+
+
+def swiglu_backward(h: np.ndarray, d_act: np.ndarray, rows: int) -> np.ndarray:
+    """``dh [len(h), 2F]`` BF16 (d gate | d up) from ``h`` and ``d_act [., F]`` BF16 over the
+    first ``rows`` rows (the rest zero)."""
+    ffn = h.shape[1] // 2
+    dh = np.zeros(h.shape, dtype=dtypes.BFLOAT16)
+    a, b = h[:rows, :ffn], h[:rows, ffn:]
+    g = d_act[:rows].astype(np.float32)
+    s = _sigmoid(a)
+    slope = s * (np.float32(1) + a * (np.float32(1) - s))
+    dh[:rows, :ffn] = ((g * b) * slope).astype(dtypes.BFLOAT16)
+    dh[:rows, ffn:] = (g * (a * s)).astype(dtypes.BFLOAT16)
+    return dh
+
+
+class _DeviceSwiGLU:
+    """``raw_kernels/swiglu.cu`` on the current stream; the row count stays on the device."""
+
+    def __init__(self, device: int, group: EPGroup | None = None):
+        import cupy
+
+        from ultraep.runtime.kernels import get_function
+
+        self.cp = cupy
+        # With a group (collective), local rank 0 compiles into the disk cache first.
+        self.forward_kernel = get_function(KERNELS, "swiglu_forward", group=group)
+        self.backward_kernel = get_function(KERNELS, "swiglu_backward", group=group)
+        self.threads = kernel_constant(KERNELS, "SWIGLU_THREADS")
+        sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+        self.blocks = sms * kernel_constant(KERNELS, "SWIGLU_BLOCKS_PER_SM")
+
+    def forward(self, h, offsets, act) -> None:
+        ffn = act.shape[1]
+        self.forward_kernel((self.blocks,), (self.threads,), (
+            h, offsets, np.int32(offsets.shape[0] - 1), np.int64(h.shape[0]), np.int32(ffn), act))
+
+    def backward(self, h, d_act, offsets, dh) -> None:
+        ffn = d_act.shape[1]
+        self.backward_kernel((self.blocks,), (self.threads,), (
+            h, d_act, offsets, np.int32(offsets.shape[0] - 1), np.int64(h.shape[0]), np.int32(ffn), dh))
+
+
+@dataclass
+class MoEContext:
+    """What :meth:`MoELayer.backward` needs of one forward (used once)."""
+
+    handle: BalanceHandle | None  # the Balancer's plan of this micro-batch, or None
+    received: DispatchResult      # receive buffer, offsets and the Dispatcher's handle
+    h: Any                        # up-projection, FP32 [max_recv_rows, 2F]
+    act: Any                      # SwiGLU output, BF16 [max_recv_rows, F]
+    y: Any                        # expert outputs, BF16 [max_recv_rows, H]
+    generation: int               # which forward last filled the layer's replica weights
+    tokens: int                   # this rank's tokens in the forward
+    done: bool = False
+
+
+def _raise_everywhere(group: EPGroup, error: BaseException | None, what: str) -> None:
+    """Collective: every rank raises MoELayerError naming each failing rank's error."""
+    try:
+        group.raise_if_any(error, what)
+    except CollectiveError as collective:
+        raise MoELayerError(str(collective)) from error
+
+
+def _bits(array):
+    """The 16-bit pattern of a BF16 array (copies between BF16 buffers never convert values)."""
+    return array.view(np.int16)
+
+
+class MoELayer:
+    """One MoE layer of this rank (module docstring). Collective: every rank constructs it
+    with the same arguments and makes the same calls in the same order.
+
+    ``balancer``: a :class:`Balancer` built with ``MoELayer.expert_spec(hidden, ffn)`` over a
+    layout of ``num_experts`` experts on this group; the layer registers its masters as
+    the Balancer's virtual layer ``layer`` and shares its backend. Without one, tokens go
+    to the masters. ``heap``: a symmetric heap for the Dispatcher (see
+    :meth:`Dispatcher.heap_requirements`), else it opens its own. ``max_recv_rows``,
+    ``timeout_s``, ``sync_checks``: the Dispatcher's.
+    """
+
+    expert_spec = staticmethod(expert_spec)
+
+    def __init__(self, group: EPGroup, *, hidden: int, ffn: int, num_experts: int, top_k: int, max_tokens: int,
+                 balancer: Balancer | None = None, layer: int = 0, max_recv_rows: int | None = None,
+                 backend: str = "auto", heap: Any = None, timeout_s: float = 30.0, sync_checks: bool = True):
+        error = None
+        try:
+            self._check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend)
+        except MoELayerError as exc:
+            error = exc
+        _raise_everywhere(group, error, "MoELayer set-up")
+        group.agree((int(hidden), int(ffn), int(num_experts), int(top_k), int(max_tokens), balancer is not None,
+                     int(layer)), "MoELayer set-up (hidden, ffn, num_experts, top_k, max_tokens, balanced, layer)")
+        self.group, self.balancer, self.layer = group, balancer, int(layer)
+        self.hidden, self.ffn, self.num_experts, self.top_k = int(hidden), int(ffn), int(num_experts), int(top_k)
+        self.experts_per_rank = self.num_experts // group.size
+        self.slots = balancer.layout.redundant_slots if balancer is not None else 0
+        common = dict(hidden=self.hidden, dtype="bfloat16", top_k=self.top_k, max_tokens=max_tokens,
+                      max_recv_rows=max_recv_rows, timeout_s=timeout_s, sync_checks=sync_checks, heap=heap,
+                      backend=balancer.backend if balancer is not None else backend)
+        if balancer is None:
+            self.dispatcher = Dispatcher(group, num_experts=self.num_experts, **common)
+        else:
+            self.dispatcher = Dispatcher.for_layout(group, balancer.layout, **common)
+        self.backend = self.dispatcher.backend
+        self.device = group.device if self.backend == "device" else None
+        self._closed = False
+        try:
+            self._allocate()
+            if balancer is not None:
+                M = self.experts_per_rank
+                balancer.register_layer(self.layer, [[self._w_up[m], self._w_down[m]] for m in range(M)],
+                                        [[self.grad_up[m], self.grad_down[m]] for m in range(M)])
+        except BaseException:
+            self._closed = True
+            self.dispatcher.close()
+            raise
+        self._generation = 0  # forwards that filled the replica part of the stacked weights
+
+    @staticmethod
+    def _check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend) -> None:
+        for name, value, low in (("hidden", hidden, 1), ("ffn", ffn, 1), ("num_experts", num_experts, 1),
+                                 ("top_k", top_k, 1), ("max_tokens", max_tokens, 1), ("layer", layer, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise MoELayerError(f"{name} must be an int >= {low}, got {value!r}")
+        if num_experts % group.size:
+            raise MoELayerError(f"num_experts ({num_experts}) must be a multiple of the group size ({group.size})")
+        align = kernel_constant(GEMM_KERNELS, "GG_ALIGN_ELEMENTS")
+        if hidden % align or ffn % align:
+            raise MoELayerError(f"hidden ({hidden}) and ffn ({ffn}) must be multiples of {align} (the grouped GEMM's "
+                                "rows are whole 16-byte chunks)")
+        if balancer is None:
+            return
+        if not isinstance(balancer, Balancer):
+            raise MoELayerError(f"balancer must be an ultraep.Balancer, got {type(balancer).__name__}")
+        if balancer.layout.num_experts != num_experts or balancer.layout.num_ranks != group.size:
+            raise MoELayerError(f"the balancer's layout has {balancer.layout.num_experts} experts on "
+                                f"{balancer.layout.num_ranks} ranks, the layer {num_experts} on {group.size}")
+        if balancer.spec.key() != expert_spec(hidden, ffn).key():
+            raise MoELayerError(f"the balancer's expert spec {balancer.spec!r} is not the layer's "
+                                f"{expert_spec(hidden, ffn)!r} (build it with MoELayer.expert_spec(hidden, ffn))")
+        if layer >= balancer.num_layers:
+            raise MoELayerError(f"layer must be an int in [0, {balancer.num_layers}) (the balancer's num_layers), "
+                                f"got {layer!r}")
+        if backend not in ("auto", balancer.backend):
+            raise MoELayerError(f"backend={backend!r} contradicts the balancer's backend {balancer.backend!r}")
+
+    def _allocate(self) -> None:
+        """Stacked weights of the masters and, behind them, copies of the replica slots."""
+        M, S, H, F = self.experts_per_rank, self.slots, self.hidden, self.ffn
+        if self.device is None:
+            self.xp, weight_dtype, self._swiglu = np, dtypes.BFLOAT16, None
+        else:
+            import cupy
+
+            self.xp, weight_dtype = cupy, dtypes.cupy_dtype(dtypes.BFLOAT16)
+            with cupy.cuda.Device(self.device):
+                self._swiglu = _DeviceSwiGLU(self.device, self.group)
+        with self._on_device():
+            self._w_up = self.xp.zeros((M + S, H, 2 * F), dtype=weight_dtype)
+            self._w_down = self.xp.zeros((M + S, F, H), dtype=weight_dtype)
+            self.grad_up = self.xp.zeros((M, H, 2 * F), dtype=np.float32)
+            self.grad_down = self.xp.zeros((M, F, H), dtype=np.float32)
+        self.w_up, self.w_down = self._w_up[:M], self._w_down[:M]
+
+    # -- streams --------------------------------------------------------------------------
+    def _on_device(self):
+        if self.device is None:
+            return contextlib.nullcontext()
+        return self.xp.cuda.Device(self.device)
+
+    @contextlib.contextmanager
+    def _on_stream(self, stream, tensor):
+        """The caller's stream as CuPy's current one: ``stream``, else ``tensor``'s framework's."""
+        if self.device is None:
+            yield
+            return
+        cupy = self.xp
+        with cupy.cuda.Device(self.device):
+            if stream is None:
+                with caller_stream(tensor):
+                    yield
+            elif type(stream).__module__.startswith("cupy"):
+                with stream:
+                    yield
+            else:
+                raw = cupy.cuda.ExternalStream(stream, self.device) if isinstance(stream, int) else \
+                    external_stream(cupy, stream, self.device)
+                with raw:
+                    yield
+
+    # -- weights ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"rank {self.group.rank}: the MoELayer is closed")
+
+    def load_weights(self, w_up: Any, w_down: Any) -> None:
+        """Copy this rank's masters in: ``w_up [M, H, 2F]``, ``w_down [M, F, H]`` BF16 (torch,
+        JAX, CuPy or NumPy). Collective: bad input raises on every rank, nothing copied."""
+        error, arrays = None, None
+        try:
+            self._check_open()
+            arrays = [self._import_weight(name, tensor, target)
+                      for name, tensor, target in (("w_up", w_up, self.w_up), ("w_down", w_down, self.w_down))]
+        except (MoELayerError, ClosedError) as exc:
+            error = exc
+        _raise_everywhere(self.group, error, "MoELayer.load_weights")
+        with self._on_stream(None, w_up):
+            for array, target in zip(arrays, (self.w_up, self.w_down)):
+                _bits(target)[...] = _bits(self.xp.asarray(array))
+
+    def _import(self, name: str, tensor):
+        try:
+            return import_tensor(tensor, name=name, device=self.device)
+        except ValueError as exc:
+            raise MoELayerError(str(exc)) from None
+
+    def _raise(self, error: BaseException | None, what: str) -> None:
+        """On every rank with ``sync_checks`` (the Dispatcher's), else this rank's own."""
+        if self.dispatcher.sync_checks:
+            _raise_everywhere(self.group, error, what)
+        elif error is not None:
+            raise error
+
+    def _import_weight(self, name, tensor, target):
+        from ultraep.compute.checks import is_bf16
+
+        array = self._import(name, tensor)
+        if tuple(array.shape) != tuple(target.shape):
+            raise MoELayerError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(array.shape)}")
+        if not is_bf16(array.dtype):
+            raise MoELayerError(f"{name}: expected bfloat16, got {np.dtype(array.dtype)}")
+        return array
+
+    def zero_grads(self) -> None:
+        """Set ``grad_up`` and ``grad_down`` to zero (backward adds into them)."""
+        self._check_open()
+        with self._on_device():
+            self.grad_up.fill(0)
+            self.grad_down.fill(0)
+
+    def _fill_replicas(self, handle: BalanceHandle) -> None:
+        """Copy the replica slots' weights (as synced for ``handle``) behind the masters, on
+        the current stream once it has waited for every slot (``replica_weights``)."""
+        M = self.experts_per_rank
+        for s, (up, down) in enumerate(self.balancer.replica_weights(handle)):
+            _bits(self._w_up[M + s])[...] = _bits(self.xp.asarray(up))
+            _bits(self._w_down[M + s])[...] = _bits(self.xp.asarray(down))
+
+    # -- the layer ----------------------------------------------------------------------------
+    def forward(self, x: Any, topk_ids: Any, gates: Any, *, stream: Any = None) -> tuple[Any, MoEContext]:
+        """Collective. ``x [T, H]`` BF16, ``topk_ids [T, K]`` logical expert ids, ``gates [T, K]``
+        float32; returns ``(y [T, H] BF16, ctx)``: the gate-weighted sum of each token's K
+        experts (slot order, FP32 accumulation) and the context for :meth:`backward`."""
+        from ultraep.compute import grouped_mm
+
+        self._check_open()
+        error, arrays = None, None
+        try:
+            arrays = [self._import(name, tensor) for name, tensor in (("x", x), ("topk_ids", topk_ids),
+                                                                      ("gates", gates))]
+        except MoELayerError as exc:
+            error = exc
+        self._raise(error, "MoELayer.forward input")
+        check_tokens(self.group, self.dispatcher.config, *arrays)  # before the Balancer plans anything
+        tokens = arrays[0].shape[0]
+        with self._on_stream(stream, x):
+            handle, ids = None, topk_ids
+            if self.balancer is not None:
+                handle = self.balancer.update(self.layer, topk_ids, stream=stream)
+                self.balancer.weight_sync(handle, stream=stream)
+                ids = self.balancer.reroute(handle, topk_ids, stream=stream)
+                self._fill_replicas(handle)
+                self._generation += 1
+            received = self.dispatcher.dispatch(x, ids, gates)
+            offsets, xp = received.offsets, self.xp
+            rows = received.x.shape[0]
+            h = grouped_mm(received.x, self._w_up, offsets, out=xp.empty((rows, 2 * self.ffn), np.float32))
+            act = self._swiglu_forward(h, offsets)
+            y = grouped_mm(act, self._w_down, offsets)
+            out = self.dispatcher.combine(y, received.handle)
+        return out, MoEContext(handle, received, h, act, y, self._generation, tokens)
+
+    def backward(self, ctx: MoEContext, dy: Any, *, stream: Any = None) -> tuple[Any, Any]:
+        """Collective. ``dy [T, H]`` (the output's gradient); returns ``(dx [T, H] BF16,
+        d_gates [T, K] float32)`` and adds the weight gradients into ``grad_up`` /
+        ``grad_down`` (this rank's rows directly, replicas' through ``reduce_grads``).
+        Each context once; a layer's micro-batches in any order its Balancer's ring allows."""
+        from ultraep.compute import grouped_mm_dgrad, grouped_mm_wgrad
+        from ultraep.compute.checks import is_bf16
+
+        self._check_open()
+        error = None
+        try:
+            if not isinstance(ctx, MoEContext):
+                raise MoELayerError(f"backward needs the context forward returned, got {type(ctx).__name__}")
+            if ctx.done:
+                raise MoELayerError("this context's backward has run already (its gradients were added once)")
+            grad = self._import("dy", dy)
+            if tuple(grad.shape) != (ctx.tokens, self.hidden) or not is_bf16(grad.dtype):
+                raise MoELayerError(f"dy: expected bfloat16 [{ctx.tokens}, {self.hidden}] (the forward's tokens), "
+                                    f"got {np.dtype(grad.dtype)} {list(grad.shape)}")
+        except MoELayerError as exc:
+            error = exc
+        self._raise(error, "MoELayer.backward input")  # before any restore or launch
+        ctx.done = True
+        M, F, H, xp = self.experts_per_rank, self.ffn, self.hidden, self.xp
+        received, offsets = ctx.received, ctx.received.offsets
+        with self._on_stream(stream, dy):
+            replica_grads = self._replica_grads(ctx, stream)
+            grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
+            d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
+            dw_down = grouped_mm_wgrad(ctx.act, grad_y, offsets, out=xp.empty((M + self.slots, F, H), np.float32))
+            dh = self._swiglu_backward(ctx.h, d_act, offsets)
+            d_recv = grouped_mm_dgrad(dh, self._w_up, offsets)
+            dw_up = grouped_mm_wgrad(received.x, dh, offsets, out=xp.empty((M + self.slots, H, 2 * F), np.float32))
+            self.grad_up += dw_up[:M]
+            self.grad_down += dw_down[:M]
+            if ctx.handle is not None:
+                for s, (up, down) in enumerate(replica_grads):
+                    xp.asarray(up)[...] = dw_up[M + s]
+                    xp.asarray(down)[...] = dw_down[M + s]
+                self.balancer.reduce_grads(ctx.handle, stream=stream)
+            dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
+        return dx, d_gates
+
+    def _replica_grads(self, ctx: MoEContext, stream) -> list:
+        """The Balancer's replica gradient slots for ``ctx``'s plan. Restores the replica
+        weights first when another layer or micro-batch has synced since (the Balancer then
+        refuses the handle), and refills the layer's copy when another forward of this
+        layer has overwritten it."""
+        if ctx.handle is None:
+            return []
+        try:
+            grads = self.balancer.replica_grads(ctx.handle)
+        except StaleHandleError:
+            raise
+        except BalancerError:  # the shared replica buffers hold another handle's weights
+            self.balancer.restore(ctx.handle, stream=stream)
+            grads = self.balancer.replica_grads(ctx.handle)
+        if ctx.generation != self._generation:
+            self._fill_replicas(ctx.handle)
+            self._generation += 1
+            ctx.generation = self._generation
+        return grads
+
+    def _swiglu_forward(self, h, offsets):
+        if self._swiglu is None:
+            return swiglu(h, int(offsets[-1]))
+        act = self.xp.empty((h.shape[0], self.ffn), dtype=self._w_up.dtype)
+        self._swiglu.forward(h, offsets, act)
+        return act
+
+    def _swiglu_backward(self, h, d_act, offsets):
+        if self._swiglu is None:
+            return swiglu_backward(h, d_act, int(offsets[-1]))
+        dh = self.xp.empty(h.shape, dtype=self._w_up.dtype)
+        self._swiglu.backward(h, self.xp.asarray(d_act), offsets, dh)
+        return dh
+
+    def check(self) -> None:
+        """Wait for queued work; raise deferred device errors of the Dispatcher, the grouped
+        GEMM and the Balancer."""
+        self._check_open()
+        self.dispatcher.check()
+        if self.device is not None:
+            from ultraep.compute import check_errors
+            check_errors()
+        if self.balancer is not None:
+            self.balancer.check()
+
+    def close(self) -> None:
+        """Collective: close the Dispatcher (the Balancer is the caller's and stays open)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.dispatcher.close()
+
+    def __enter__(self) -> MoELayer:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        self._closed = True
+        self.dispatcher.__exit__(exc_type, exc, tb)
