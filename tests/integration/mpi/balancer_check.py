@@ -437,6 +437,11 @@ def assert_replicas(values, stream, what):
             assert np.array_equal(host(g), w), f"rank {me}: replica slot {s} {what}"
 
 
+def step(what: str) -> None:
+    """A progress line, so that a check stuck on the GPU shows where."""
+    print(f"[streams] rank {me} at {time.monotonic():.3f}: {what}", flush=True)
+
+
 def streams():
     """The sync on a side stream, each slot waited for alone on a compute stream (and the
     same API on the host, where there is nothing to wait for). On the GPU: a rank whose
@@ -474,15 +479,20 @@ def streams():
             opened[0] = 0
             with compute:  # this rank still "computes" with layer 0's replicas until the gate opens
                 gate((1,), (32,), (np.uint64(opened.ctypes.data), np.uint64(GATE_TIMEOUT_S * 1e9), timed_out))
+        step("gate closed")
         held = replica_values(bal, handles[0], 0, plans[0], stream=compute)
+        step("layer 0's replicas copied behind the gate")
         bal.weight_sync(handles[1], stream=side)  # layer 1's replicas go to the same slots
+        step("layer 1's sync enqueued")
         if gpu:
             time.sleep(0.5)  # ample for the peers' syncs, were they not held back
             opened[0] = 1
+            step("gate opened")
         assert_replicas(held, compute, "was overwritten while this rank read it")
         bal.wait_replica(handles[1], stream=compute)
         assert_replicas(replica_values(bal, handles[1], 1, plans[1], stream=compute), compute, "is not layer 1's")
         bal.check()
+        step("layer 1's replicas checked")
         if gpu:
             assert not int(timed_out[0]), f"rank {me}: the gate timed out"
             filled = [s for s, _, _ in replica_values(bal, handles[1], 1, plans[1])]
