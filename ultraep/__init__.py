@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # what a type checker sees of the lazily imported names below
                                 RankFailedError as RankFailedError,
                                 StaleHandleError as StaleHandleError, TransferTimeout as TransferTimeout,
                                 UltraEPError as UltraEPError, WaitTimeout as WaitTimeout)
-    from ultraep.integration import BalanceHandle as BalanceHandle, Balancer as Balancer
+    from ultraep.integration import BalanceHandle as BalanceHandle, Balancer as Balancer, ReplicaSync as ReplicaSync
     from ultraep.integration.moe_layer import MoELayer as MoELayer
     from ultraep.integration.traces import (load_trace as load_trace, save_trace as save_trace,
                                             TraceRecorder as TraceRecorder)
@@ -65,6 +65,7 @@ _EXPORTS = {
     "Dispatcher": "ultraep.token",
     "Balancer": "ultraep.integration",
     "BalanceHandle": "ultraep.integration",
+    "ReplicaSync": "ultraep.integration",
     "MoELayer": "ultraep.integration.moe_layer",
     "save_trace": "ultraep.integration.traces",
     "load_trace": "ultraep.integration.traces",
