@@ -9,8 +9,8 @@ import ultraep
 from ultraep import errors
 
 FRAMEWORK_API = {"EPGroup", "open_heap", "ExpertLayout", "ExpertSpec", "Balancer", "BalanceHandle", "ReplicaSync",
-                 "Dispatcher", "MoELayer", "Plan", "plan_placement", "reroute", "save_trace", "load_trace", "TraceRecorder",
-                 "WeightTransfer"}
+                 "Dispatcher", "MoELayer", "Plan", "plan_placement", "reroute", "save_trace", "load_trace",
+                 "TraceRecorder", "WeightTransfer"}
 ERRORS = {name for name, value in vars(errors).items()
           if isinstance(value, type) and issubclass(value, errors.UltraEPError)}
 RUNTIME_PATH = ("runtime", "planner", "transfer", "token", "integration")
