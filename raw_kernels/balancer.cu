@@ -72,22 +72,7 @@ gather_loads(const Id* __restrict__ ids, long long n, const int* __restrict__ lo
     __syncthreads();
     for (int peer = threadIdx.x; peer < world; peer += blockDim.x)
         store_release_sys(reinterpret_cast<u64*>(peer_bases[peer]) + flag_slot + rank, epoch);
-    const u64* own = reinterpret_cast<const u64*>(peer_bases[rank]) + flag_slot;
-    for (int peer = threadIdx.x; peer < world; peer += blockDim.x) {
-        const u64 start = global_timer_ns();
-        u64 seen;
-        while ((seen = load_acquire_sys(own + peer)) < epoch) {
-            if (global_timer_ns() - start > timeout_ns) {
-                if (atomicCAS(status, 0ull, 1ull) == 0ull) {
-                    status[1] = static_cast<u64>(peer);
-                    status[2] = epoch;
-                    status[3] = seen;
-                }
-                break;
-            }
-            __nanosleep(128);
-        }
-    }
+    wait_peer_flags(reinterpret_cast<const u64*>(peer_bases[rank]) + flag_slot, world, epoch, timeout_ns, status, 128);
     __syncthreads();  // every peer's row has arrived (each thread acquired its peers' flags)
     const int* matrix = reinterpret_cast<const int*>(peer_bases[rank] + matrix_offset);
     for (int i = threadIdx.x; i < world * E; i += blockDim.x) out[i] = matrix[i];

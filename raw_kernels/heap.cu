@@ -20,22 +20,7 @@ extern "C" __global__ void symmetric_barrier(const u64* peer_bases, int rank, in
         u64* slot = reinterpret_cast<u64*>(peer_bases[peer] + pad_offset) + rank;
         store_release_sys(slot, epoch);
     }
-    const u64* own = reinterpret_cast<const u64*>(peer_bases[rank] + pad_offset);
-    for (int peer = threadIdx.x; peer < world; peer += blockDim.x) {
-        const u64 start = global_timer_ns();
-        u64 seen;
-        while ((seen = load_acquire_sys(own + peer)) < epoch) {
-            if (global_timer_ns() - start > timeout_ns) {
-                if (atomicCAS(status, 0ull, 1ull) == 0ull) {
-                    status[1] = static_cast<u64>(peer);
-                    status[2] = epoch;
-                    status[3] = seen;
-                }
-                break;
-            }
-            __nanosleep(256);
-        }
-    }
+    wait_peer_flags(reinterpret_cast<const u64*>(peer_bases[rank] + pad_offset), world, epoch, timeout_ns, status, 256);
     __syncthreads();
 }
 

@@ -27,6 +27,28 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
+// The block's threads wait, a peer per thread (grid-stride over the block), until each
+// peer's flag own[peer] reaches `epoch`; the first wait to run out of time records
+// (1, peer, epoch, seen) in status[0..3] for the host and gives up.
+__device__ __forceinline__ void wait_peer_flags(const u64* own, int world, u64 epoch, u64 timeout_ns, u64* status,
+                                                unsigned sleep_ns) {
+    for (int peer = threadIdx.x; peer < world; peer += blockDim.x) {
+        const u64 start = global_timer_ns();
+        u64 seen;
+        while ((seen = load_acquire_sys(own + peer)) < epoch) {
+            if (global_timer_ns() - start > timeout_ns) {
+                if (atomicCAS(status, 0ull, 1ull) == 0ull) {
+                    status[1] = static_cast<u64>(peer);
+                    status[2] = epoch;
+                    status[3] = seen;
+                }
+                break;
+            }
+            __nanosleep(sleep_ns);
+        }
+    }
+}
+
 // -- Shared-memory barriers (mbarrier, sm_90) ----------------------------------------------
 // The 32-bit shared-window address that mbarrier and bulk-copy instructions take.
 __device__ __forceinline__ unsigned shared_address(const void* p) {
