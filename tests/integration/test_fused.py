@@ -1,11 +1,14 @@
-"""The fused MoE layer's task semantics (``ultraep.integration.fused``): bitwise the
+"""The fused MoE layer: its task semantics (``ultraep.integration.fused``) bitwise the
 sequential path over random routings, empty experts, every token to one expert and 1, 2,
-4 ranks, whatever the CTAs per rank and the interleaving of their claims; and an order
-that lets a consumer be claimed before its producer is refused and can deadlock."""
+4 ranks, whatever the CTAs per rank and the interleaving of their claims; an order that
+lets a consumer be claimed before its producer is refused and can deadlock; and
+``MoELayer(fused=True)`` on 1, 2 and 4 ranks (host in CI, the CUDA kernels on a GPU)
+bitwise the sequential layer, forward and backward, identical over repeated runs."""
 
 import numpy as np
 import pytest
 
+from tests.conftest import BACKENDS, assert_all_ranks_ok, run_ranks
 from ultraep.integration.fused import (FusedDeadlock, FusedLayer, Granularity, check_order, sequential_forward,
                                        simulate, task_order)
 from ultraep.integration.moe_layer import swiglu
@@ -63,7 +66,7 @@ def test_fused_forward_is_bitwise_the_sequential_path(ranks, slots, tokens, top_
     assert all(np.isfinite(e.view(BFLOAT16).astype(np.float32)).all() for e in expected)
     for seed in range(4):
         rng = np.random.default_rng(seed)
-        layer = FusedLayer(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL, epoch=seed + 1)
+        layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL, epoch=seed + 1)
         check_order(layer)
         ctas = [int(c) for c in rng.integers(1, 5, size=ranks)]
         got = bits(simulate(layer, ctas, rng))
@@ -73,7 +76,7 @@ def test_fused_forward_is_bitwise_the_sequential_path(ranks, slots, tokens, top_
 
 def test_kernel_granularity_is_bitwise_the_sequential_path():
     xs, ids, gates, w_up, w_down = problem(2, 2, 150, 4, hidden=24, ffn=16, seed=3)
-    layer = FusedLayer(xs, ids, gates, w_up, w_down, swiglu)
+    layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu)
     assert layer.grain == Granularity.kernel()
     check_order(layer)
     got = simulate(layer, [2, 3], np.random.default_rng(0))
@@ -83,7 +86,7 @@ def test_kernel_granularity_is_bitwise_the_sequential_path():
 
 def test_the_order_puts_every_producer_before_its_consumers():
     xs, ids, gates, w_up, w_down = problem(2, 3, 20, 2, seed=5)
-    layer = FusedLayer(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
+    layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
     a, b = layer.tasks[0]
     kinds_a = [t.kind for t in a]
     assert kinds_a == sorted(kinds_a, key=("send", "relay", "up").index)
@@ -94,7 +97,7 @@ def test_the_order_puts_every_producer_before_its_consumers():
 
 def test_an_order_with_consumers_first_is_refused_and_deadlocks():
     xs, ids, gates, w_up, w_down = problem(2, 2, 10, 2, seed=1)
-    layer = FusedLayer(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
+    layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
     bad = []
     for a, b in layer.tasks:  # up tiles claimed before the relays they wait for
         bad.append(([t for t in a if t.kind != "relay"] + [t for t in a if t.kind == "relay"], b))
@@ -107,10 +110,26 @@ def test_an_order_with_consumers_first_is_refused_and_deadlocks():
 def test_a_stale_epoch_is_never_taken_for_arrival():
     """Flags left at an earlier call's epoch: every wait still holds until this call sets it."""
     xs, ids, gates, w_up, w_down = problem(2, 2, 10, 2, seed=2)
-    layer = FusedLayer(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL, epoch=7)
+    layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL, epoch=7)
     for state in layer.state:
         for flag in state.flags.values():
             flag[...] = 6
     got = simulate(layer, [2, 2], np.random.default_rng(1))
     expected = sequential_forward(xs, ids, gates, w_up, w_down, swiglu)
     assert all(np.array_equal(g, e) for g, e in zip(bits(got), bits(expected)))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_fused_layer_is_bitwise_the_sequential_layer(backend, ranks):
+    runs = "10" if backend == "device" else "2"
+    out = run_ranks(ranks, "integration/mpi/fused_check.py", backend, "bitwise", runs, timeout=600)
+    assert_all_ranks_ok(out, ranks, "bitwise")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_layer_refuses_bad_ids_on_every_rank(backend):
+    out = run_ranks(2, "integration/mpi/fused_check.py", backend, "bad-input", timeout=240)
+    assert_all_ranks_ok(out, 2, "bad-input")

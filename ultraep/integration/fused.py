@@ -56,18 +56,21 @@ slot order exactly as combine does.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from ultraep.compute.host import sequential_product
-from ultraep.errors import UltraEPError
+from ultraep.errors import UltraEPError, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16
+from ultraep.runtime.heap import HeapRequirements
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import reference as ref
 
 KERNELS = "fused_moe.cu"
+HEAP_PREFIX = "fused."
 
 
 class FusedDeadlock(UltraEPError, RuntimeError):
@@ -107,6 +110,20 @@ NO_WAITS = ("send", "down")
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def max_m_tiles(max_recv_rows: int, slots_per_rank: int) -> int:
+    """M-tiles a rank can have: every slot's partial tile on top of the whole ones."""
+    return _ceil(max_recv_rows, kernel_constant(KERNELS, "FM_BM")) + slots_per_rank
+
+
+def heap_requirements(*, hidden: int, max_recv_rows: int, slots_per_rank: int, layer: int = 0) -> HeapRequirements:
+    """The fused layer's flags in the symmetric heap (add to the Dispatcher's)."""
+    n_down = _ceil(hidden, kernel_constant(KERNELS, "FM_DOWN_COLS"))
+    tiles = max_m_tiles(max_recv_rows, slots_per_rank)
+    prefix = f"{HEAP_PREFIX}{layer}."
+    return HeapRequirements.of(tensors=[(prefix + "row_flag", (max_recv_rows,), np.uint64),
+                                        (prefix + "done", (tiles * n_down,), np.uint64)])
 
 
 def mtile_starts(counts: np.ndarray, bm: int) -> np.ndarray:
@@ -175,21 +192,22 @@ def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity) -> tup
 
 @dataclass
 class RankState:
-    """One rank's buffers: the symmetric heap's (written by peers) and its own."""
+    """One rank's buffers: the symmetric heap's (written or read by peers) and its own
+    (None where another process holds them)."""
 
-    x: np.ndarray
-    gates: np.ndarray
-    w_up: np.ndarray      # [slots, H, 2F] bf16
-    w_down: np.ndarray    # [slots, F, H] bf16
     landing: np.ndarray
     row_weight: np.ndarray
     row_landing: np.ndarray
     row_origin: np.ndarray
-    recv: np.ndarray
-    act: np.ndarray
     expert_out: np.ndarray
-    out: np.ndarray
-    flags: dict = field(default_factory=dict)   # name -> int64 array: row_flag, tile_ready, done
+    flags: dict = field(default_factory=dict)   # name -> integer array: row_flag, tile_ready, done
+    x: np.ndarray | None = None
+    gates: np.ndarray | None = None
+    w_up: np.ndarray | None = None      # [slots, H, 2F] bf16
+    w_down: np.ndarray | None = None    # [slots, F, H] bf16
+    recv: np.ndarray | None = None
+    act: np.ndarray | None = None
+    out: np.ndarray | None = None
 
 
 def _poison(shape, dtype) -> np.ndarray:
@@ -206,39 +224,49 @@ def _f32(a: np.ndarray) -> np.ndarray:
 
 
 class FusedLayer:
-    """All ranks' fused forward in one process: the tasks, their waits and their effects.
+    """The fused forward's tasks, their waits and their effects over every rank's buffers.
 
-    ``xs[r] [T_r, H]`` BF16, ``expert_ids[r] [T_r, K]`` physical slot ids, ``gates[r]``
-    float32, ``w_up[r] [slots, H, 2F]`` and ``w_down[r] [slots, F, H]`` BF16 (rank ``r``'s
-    stacked slots), ``activation(h, rows)`` the epilogue (``moe_layer.swiglu``).
+    ``plans[r]``: rank ``r``'s :class:`RankPlan` where this process runs its tasks, else
+    None; ``states[r]``: its buffers (a peer's: the heap's views of it). :meth:`simulation`
+    builds every rank in one process; :class:`HostFusedForward` one rank over the heap.
     """
 
-    def __init__(self, xs, expert_ids, gates, w_up, w_down, activation: Callable, *, grain: Granularity | None = None,
-                 epoch: int = 1, max_tokens: int | None = None):
-        self.grain = grain or Granularity.kernel()
-        self.ranks = len(xs)
-        self.slots = w_up[0].shape[0]
-        self.hidden, self.ffn = w_up[0].shape[1], w_up[0].shape[2] // 2
-        self.activation, self.epoch = activation, epoch
-        self.top_k = np.shape(expert_ids[0])[1]
-        self.max_tokens = max_tokens or max(1, max(len(x) for x in xs))
-        self.plans = plan_ranks(expert_ids, self.slots, self.grain)
-        self.tasks = [task_order(p, self.ffn, self.hidden, self.grain) for p in self.plans]
-        H, F, g = self.hidden, self.ffn, self.grain
-        self.n_down = _ceil(H, g.down_cols)
-        self.state = []
-        for r in range(self.ranks):
-            rows = max(1, int(self.plans[r].offsets[r][-1]))
-            tiles = max(1, int(self.plans[r].mtiles[r][-1]))
-            self.state.append(RankState(
+    def __init__(self, plans: list, states: list, activation: Callable, *, grain: Granularity, epoch: int,
+                 max_tokens: int, top_k: int, hidden: int, ffn: int):
+        self.plans, self.state, self.activation, self.grain = plans, states, activation, grain
+        self.ranks, self.epoch, self.max_tokens = len(states), epoch, max_tokens
+        self.top_k, self.hidden, self.ffn = top_k, hidden, ffn
+        self.n_down = _ceil(hidden, grain.down_cols)
+        self.tasks = [None if p is None else task_order(p, ffn, hidden, grain) for p in plans]
+
+    @classmethod
+    def simulation(cls, xs, expert_ids, gates, w_up, w_down, activation: Callable, *, grain: Granularity | None = None,
+                   epoch: int = 1, max_tokens: int | None = None) -> FusedLayer:
+        """Every rank in this process, buffers poisoned: ``xs[r] [T_r, H]`` BF16,
+        ``expert_ids[r] [T_r, K]`` physical slot ids, ``gates[r]`` float32, ``w_up[r] [slots,
+        H, 2F]`` and ``w_down[r] [slots, F, H]`` BF16 (rank ``r``'s stacked slots),
+        ``activation(h, rows)`` the epilogue (``moe_layer.swiglu``)."""
+        grain = grain or Granularity.kernel()
+        ranks, slots = len(xs), w_up[0].shape[0]
+        H, F = w_up[0].shape[1], w_up[0].shape[2] // 2
+        max_tokens = max_tokens or max(1, max(len(x) for x in xs))
+        plans = plan_ranks(expert_ids, slots, grain)
+        n_down = _ceil(H, grain.down_cols)
+        states = []
+        for r in range(ranks):
+            rows = max(1, int(plans[r].offsets[r][-1]))
+            tiles = max(1, int(plans[r].mtiles[r][-1]))
+            states.append(RankState(
                 x=np.asarray(xs[r]), gates=np.asarray(gates[r], dtype=np.float32), w_up=np.asarray(w_up[r]),
-                w_down=np.asarray(w_down[r]), landing=_poison((self.ranks * self.max_tokens, H), BFLOAT16),
+                w_down=np.asarray(w_down[r]), landing=_poison((ranks * max_tokens, H), BFLOAT16),
                 row_weight=_poison(rows, np.float32), row_landing=_poison(rows, np.int64),
                 row_origin=_poison(rows, np.int64), recv=_poison((rows, H), BFLOAT16),
                 act=_poison((rows, F), BFLOAT16), expert_out=_poison((rows, H), BFLOAT16),
                 out=_poison((len(xs[r]), H), BFLOAT16),
                 flags={"row_flag": np.zeros(rows, np.int64), "tile_ready": np.zeros(tiles, np.int64),
-                       "done": np.zeros(tiles * self.n_down, np.int64)}))
+                       "done": np.zeros(tiles * n_down, np.int64)}))
+        return cls(plans, states, activation, grain=grain, epoch=epoch, max_tokens=max_tokens,
+                   top_k=np.shape(expert_ids[0])[1], hidden=H, ffn=F)
 
     # -- geometry ---------------------------------------------------------------------------
     def _tile_rows(self, r: int, j: int, m: int) -> tuple[int, int]:
@@ -373,6 +401,71 @@ def check_order(layer: FusedLayer, tasks: list | None = None) -> None:
                         raise FusedDeadlock(f"rank {r} kernel {'AB'[kernel]} task {index} {task} waits for {flag}, "
                                             f"set by rank {pr} kernel {'AB'[pk]} task {pi} {ptask}, which is not "
                                             "claimed before it and may itself wait")
+
+
+def run_rank(layer: FusedLayer, rank: int, timeout_s: float, poll_s: float = 5e-5) -> None:
+    """Rank ``rank``'s kernels A then B with one CTA, its flags written by other processes:
+    each wait polls until the flag holds the epoch, WaitTimeout after ``timeout_s``."""
+    for order in layer.tasks[rank]:
+        for task in order:
+            for peer, name, index in layer.waits(rank, task):
+                flags = layer.state[peer].flags[name]
+                deadline = time.monotonic() + timeout_s
+                while flags[index] != layer.epoch:
+                    if time.monotonic() > deadline:
+                        raise WaitTimeout(f"rank {rank}: fused task {task} waited over {timeout_s:g} s for flag {name} "
+                                          f"index {index} on rank {peer} (expected epoch {layer.epoch}, saw "
+                                          f"{int(flags[index])})")
+                    time.sleep(poll_s)
+            layer.run(rank, task)
+
+
+class HostFusedForward:
+    """The fused forward on the host backend: this rank's tasks of the semantics above over
+    the MPI shared-memory heap (peers' landing rows, row metadata, expert outputs and flags
+    are their heap views), one CTA in claim order, after the Dispatcher's token map."""
+
+    def __init__(self, group, dispatcher, flags: dict, *, ffn: int, timeout_s: float, activation: Callable):
+        self.group, self.impl, self.config = group, dispatcher._impl, dispatcher.config
+        self.ffn, self.timeout_s, self.activation = ffn, timeout_s, activation
+        self.flags = flags
+        for tensor in flags.values():
+            tensor.local[...] = 0
+        self.grain = Granularity.kernel()
+        self.tile_ready = np.zeros(max_m_tiles(self.config.max_recv_rows, self.config.experts_per_rank), np.uint64)
+        self.epoch = 0
+
+    def forward(self, x, ids, gates, w_up, w_down):
+        """As :meth:`~ultraep.integration.fused_device.DeviceFusedForward.forward`: ``(out,
+        received, act)``."""
+        d, b, me = self.config, self.impl.buffers, self.config.rank
+        self.epoch += 1
+        m = self.impl.token_map(x, ids, gates)
+        offsets = [ref.plan_rows(m["table"], d.experts_per_rank, r)[2] for r in range(d.size)]
+        plan = RankPlan(rank=me, tokens=m["tokens"], top_k=d.top_k, pair_row=m["pair_row"],
+                        pair_rank=m["pair_rank"], send_pos=m["send_pos"], first_slot=m["first_slot"], offsets=offsets,
+                        mtiles=[mtile_starts(np.diff(o), self.grain.bm) for o in offsets])
+        states = []
+        for r in range(d.size):
+            view = (lambda t: t.local) if r == me else (lambda t, r=r: t.peer(r))
+            states.append(RankState(landing=view(b.landing), row_weight=view(b.row_weight),
+                                    row_landing=view(b.row_landing), row_origin=view(b.row_origin),
+                                    expert_out=view(b.expert_out),
+                                    flags={"row_flag": view(self.flags["row_flag"]), "done": view(self.flags["done"])}))
+        own = states[me]
+        own.flags["tile_ready"] = self.tile_ready
+        own.x, own.gates, own.w_up, own.w_down = np.asarray(x), m["gates"], np.asarray(w_up), np.asarray(w_down)
+        own.recv = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
+        own.act = np.zeros((d.max_recv_rows, self.ffn), dtype=d.dtype)
+        own.out = np.zeros((m["tokens"], d.hidden), dtype=d.dtype)
+        layer = FusedLayer([plan if r == me else None for r in range(d.size)], states, self.activation,
+                           grain=self.grain, epoch=self.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
+                           hidden=d.hidden, ffn=self.ffn)
+        run_rank(layer, me, self.timeout_s)
+        return own.out, self.impl.received(own.recv, m), own.act
+
+    def check(self) -> None:
+        """The host backend raises at once; nothing is deferred."""
 
 
 def simulate(layer: FusedLayer, ctas: list[int], rng: np.random.Generator, tasks: list | None = None) -> list:
