@@ -183,9 +183,17 @@ __device__ __forceinline__ void init_pipeline(Pipeline& p) {
 // Non-aligned barriers: the producer warp's lane 0 may still be diverged from its warp.
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 3, %0;" :: "n"(GH_THREADS) : "memory"); }
 
-__device__ __forceinline__ int claim(int* counter, int* claimed) {
+// `ready(task)` runs on thread 0 -- the producer thread -- before the block sees the task:
+// a wait there keeps the consumers from waiting on a stage (whose timeout is a bug
+// detector's) while a peer's data is legitimately late.
+template <typename Ready>
+__device__ __forceinline__ int claim(int* counter, int* claimed, Ready ready) {
     block_sync();
-    if (threadIdx.x == 0) *claimed = atomicAdd(counter, 1);
+    if (threadIdx.x == 0) {
+        const int task = atomicAdd(counter, 1);
+        ready(task);
+        *claimed = task;
+    }
     block_sync();
     return *claimed;
 }
@@ -263,21 +271,27 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
         return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FM_UP_COLS, 0, hidden};
     };
     const int first_tile = n_send + n_relay;
+    // An up tile is handed to the block once its rows are relayed (acquire), and the proxy
+    // fence orders the relay's generic stores before this thread's TMA loads of them.
+    auto rows_relayed = [&](int task) {
+        if (task < first_tile || task >= total) return;
+        const Tile tile = up_tile(task - first_tile);
+        const int ready = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
+        wait_flag(tile_ready + ready, epoch, timeout_ns, status, FM_TILE_READY, me, ready);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+    };
 
     if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = claim(counter, &claimed); task < total; task = claim(counter, &claimed)) {
+        for (int task = claim(counter, &claimed, rows_relayed); task < total;
+             task = claim(counter, &claimed, rows_relayed)) {
             if (task < first_tile) continue;
             const Tile tile = up_tile(task - first_tile);
             if (warp == 0) {
                 if (lane == 0 && !gave_up) {
-                    const int ready = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
-                    gave_up = !wait_flag(tile_ready + ready, epoch, timeout_ns, status, FM_TILE_READY, me, ready);
-                    asm volatile("fence.proxy.async.global;" ::: "memory");  // the relay's stores, then the TMA
                     const unsigned half = ffn - tile.col0 > GH_BOX ? 3u : 1u;  // each half's boxes left of F
-                    if (!gave_up)
-                        load_tile<GH_FORWARD>(&recv_map, &w_up_map, tile, 1, half | half << 2, ffn - FM_UP_COLS,
-                                              stages, p.full, p.empty, step, status, gave_up);
+                    load_tile<GH_FORWARD>(&recv_map, &w_up_map, tile, 1, half | half << 2, ffn - FM_UP_COLS, stages,
+                                          p.full, p.empty, step, status, gave_up);
                 }
             } else {
                 stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
@@ -294,7 +308,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
-    for (int task = claim(counter, &claimed); task < total; task = claim(counter, &claimed)) {
+    for (int task = claim(counter, &claimed, rows_relayed); task < total;
+         task = claim(counter, &claimed, rows_relayed)) {
         if (task < n_send) {
             const int last = min(tokens, (task + 1) * FM_SEND_TOKENS);
             for (int t = task * FM_SEND_TOKENS + cwarp; t < last; t += GH_CONSUMERS * 4)
@@ -366,6 +381,7 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
     bf16* expert_out = reinterpret_cast<bf16*>(peer_bases[me] + expert_out_offset);
     bool gave_up = false;
     int step = 0, phase = 0;
+    auto no_wait = [](int) {};
     auto down_tile = [&](int t) {
         const int j = expert_of_tile(tile_start, spr, t);
         const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
@@ -374,7 +390,7 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
 
     if (warpgroup == 0) {  // the producer thread and the store warps: down tiles only
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = claim(counter, &claimed); task < total; task = claim(counter, &claimed)) {
+        for (int task = claim(counter, &claimed, no_wait); task < total; task = claim(counter, &claimed, no_wait)) {
             if (task >= n_tiles) continue;
             const Tile tile = down_tile(task);
             if (warp == 0) {
@@ -408,7 +424,7 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
-    for (int task = claim(counter, &claimed); task < total; task = claim(counter, &claimed)) {
+    for (int task = claim(counter, &claimed, no_wait); task < total; task = claim(counter, &claimed, no_wait)) {
         if (task < n_tiles) {
             const Tile tile = down_tile(task);
             float d[128];
