@@ -18,9 +18,11 @@ Kernel A, dispatch + up-projection (rank ``r``; ``j`` a local slot, ``m`` an M-t
    expert-major receive row, then releases ``tile_ready[mtile(j, m)] = epoch``.
 3. ``up(j, n, m)`` (expert, then column block, then M-tile: the grouped GEMM's order)
    waits (acquire, then a proxy fence: the TMA reads what generic stores wrote) until
-   ``tile_ready[mtile(j, m)] == epoch``; multiplies the tile's rows by ``w_up[j]``'s gate
-   columns ``[n*U, (n+1)*U)`` and up columns ``F + [n*U, (n+1)*U)`` (one accumulator of
-   2U columns) and stores ``act = swiglu(gate | up)`` in the epilogue, BF16.
+   ``tile_ready[mtile(j, m)] == epoch`` -- on the device the claiming thread waits before
+   the block sees the task, so no stage wait of the GEMM pipeline spans it; multiplies
+   the tile's rows by ``w_up[j]``'s gate columns ``[n*U, (n+1)*U)`` and up columns
+   ``F + [n*U, (n+1)*U)`` (one accumulator of 2U columns) and stores
+   ``act = swiglu(gate | up)`` in the epilogue, BF16.
 
 Kernel B, down-projection + combine (launched after A on the same stream):
 

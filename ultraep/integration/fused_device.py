@@ -72,9 +72,9 @@ class DeviceFusedForward:
     def forward(self, x, ids, gates, w_up, w_down):
         """Collective, on the current stream; ``x``, ``ids``, ``gates`` checked CuPy arrays,
         ``w_up [slots, H, 2F]`` / ``w_down [slots, F, H]`` the stacked BF16 weights. Returns
-        ``(out [T, H], received, act [max_recv_rows, F], y)``: ``received`` the
-        Dispatcher's result (its handle serves the sequential backward), ``y`` a copy of
-        the expert outputs (the heap's rows are the next forward's)."""
+        ``(out [T, H], received, act [max_recv_rows, F])``: ``received`` the Dispatcher's
+        result (its handle serves the sequential backward). With ``sync_checks`` it waits
+        and raises a recorded wait timeout here, else :meth:`check` does."""
         cp, d, b = self.cp, self.config, self.impl.buffers
         H, F, spr = self.hidden, self.ffn, self.spr
         self.epoch += 1
@@ -108,9 +108,10 @@ class DeviceFusedForward:
             state["ids"], state["positions"], state["base"], state["gates"], np.int32(state["tokens"]),
             np.int32(d.top_k), out, epoch, timeout, self.counters[1:], self.status, state["outcome"]),
             shared_mem=self.shared_bytes)
-        y = self.impl.local["expert_out"].copy()
         received = self.impl.received(recv, state)
-        return out, received, act, y
+        if d.sync_checks:
+            self.check()
+        return out, received, act
 
     def check(self) -> None:
         """Synchronise; raise (and clear) the fused kernels' first status record."""

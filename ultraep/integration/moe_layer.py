@@ -209,7 +209,9 @@ class MoELayer:
     layout of ``num_experts`` experts on this group; the layer registers its masters as
     the Balancer's virtual layer ``layer`` and shares its backend. Without one, tokens go
     to the masters. ``heap``: a symmetric heap for the Dispatcher (see
-    :meth:`Dispatcher.heap_requirements`), else it opens its own. ``max_recv_rows``,
+    :meth:`Dispatcher.heap_requirements`; with ``fused``, set up with ``expert_output=True``,
+    plus :func:`ultraep.integration.fused.heap_requirements`), else it opens its own.
+    ``fused``: the forward as the fused persistent kernels (module docstring). ``max_recv_rows``,
     ``timeout_s``, ``sync_checks``: the Dispatcher's.
     """
 
