@@ -69,8 +69,8 @@ __device__ __forceinline__ bool aborted(const long long* status) {
 // Waits until *flag == epoch; false on timeout (recorded) or once an earlier wait anywhere in
 // this kernel has recorded one. Inline: a function call anywhere in a kernel makes ptxas
 // serialise its wgmma instructions.
-__device__ __forceinline__ bool wait_flag(const u64* flag, u64 epoch, u64 timeout_ns, long long* status, int what, int rank,
-                                       long long index) {
+__device__ __forceinline__ bool wait_flag(const u64* flag, u64 epoch, u64 timeout_ns, long long* status, int what,
+                                          int rank, long long index) {
     u64 seen = load_acquire_sys(flag);
     if (seen == epoch) return true;
     const u64 start = global_timer_ns();

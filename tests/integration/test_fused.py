@@ -8,7 +8,7 @@ bitwise the sequential layer, forward and backward, identical over repeated runs
 import numpy as np
 import pytest
 
-from tests.conftest import BACKENDS, assert_all_ranks_ok, run_ranks
+from tests.conftest import BACKENDS, assert_all_ranks_ok, requires_gpu, run_ranks
 from ultraep.integration.fused import (FusedDeadlock, FusedLayer, Granularity, check_order, sequential_forward,
                                        simulate, task_order)
 from ultraep.integration.moe_layer import swiglu
@@ -133,3 +133,127 @@ def test_fused_layer_is_bitwise_the_sequential_layer(backend, ranks):
 def test_fused_layer_refuses_bad_ids_on_every_rank(backend):
     out = run_ranks(2, "integration/mpi/fused_check.py", backend, "bad-input", timeout=240)
     assert_all_ranks_ok(out, 2, "bad-input")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peer_that_sends_nothing_makes_every_rank_time_out(backend):
+    out = run_ranks(2, "integration/mpi/fused_check.py", backend, "peer-fails", timeout=240)
+    assert_all_ranks_ok(out, 2, "peer-fails")
+
+
+def _layers_on_one_gpu(hidden, ffn, experts, top_k, tokens):
+    from mpi4py import MPI
+
+    from ultraep.integration.moe_layer import MoELayer
+    from ultraep.runtime.group import EPGroup
+
+    group = EPGroup(MPI.COMM_SELF, use_gpu=True)
+    return [MoELayer(group, hidden=hidden, ffn=ffn, num_experts=experts, top_k=top_k, max_tokens=tokens,
+                     backend="device", fused=fused) for fused in (False, True)]
+
+
+def _on_gpu(array):
+    """A host array on the GPU (BF16 crosses as its bits)."""
+    import cupy
+
+    if array.dtype == BFLOAT16:
+        return cupy.asarray(array.view(np.int16)).view(BFLOAT16)
+    return cupy.asarray(array)
+
+
+def _first_difference(got, want, what):
+    rows, cols = np.nonzero(got != want)
+    return f"{what}: {rows.size} elements differ, first at row {rows[0]}, column {cols[0]}" if rows.size else ""
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("hidden,ffn,experts,tokens,routing", [
+    (256, 128, 4, 64, "random"),            # whole column blocks, one M-tile per expert
+    (272, 200, 5, 700, "random"),           # partial column blocks (H, F), several M-tiles per expert
+    (512, 72, 6, 300, "empty-experts"),     # F below one box: the up tile's gate and up halves one box each
+    (136, 264, 3, 500, "one-expert"),       # every token's first slot on one expert
+])
+def test_fused_kernels_stage_by_stage_on_one_gpu(hidden, ffn, experts, tokens, routing):
+    """One rank: the fused kernels' receive rows, act (kernel A) and output (kernel B) each
+    bitwise the sequential layer's, and the same bits over 10 runs; the memory pool and the
+    heap's expert rows hold NaN patterns before every fused forward."""
+    import cupy
+
+    top_k = 2
+    rng = np.random.default_rng(hidden + ffn)
+    sequential, fused = _layers_on_one_gpu(hidden, ffn, experts, top_k, tokens)
+    try:
+        w_up = _on_gpu(bf16(rng, (experts, hidden, 2 * ffn), hidden ** -0.5))
+        w_down = _on_gpu(bf16(rng, (experts, ffn, hidden), ffn ** -0.5))
+        for moe in (sequential, fused):
+            moe.load_weights(w_up, w_down)
+        if routing == "empty-experts":
+            ids = 2 * rng.integers(0, (experts + 1) // 2, size=(tokens, top_k))
+        elif routing == "one-expert":
+            ids = np.stack([np.full(tokens, experts - 1), rng.integers(0, experts - 1, size=tokens)], axis=1)
+        else:
+            ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+        x, ids = _on_gpu(bf16(rng, (tokens, hidden))), cupy.asarray(ids.astype(np.int64))
+        gates = cupy.asarray(rng.random((tokens, top_k)).astype(np.float32))
+        y, ctx = sequential.forward(x, ids, gates)
+        rows = ctx.received.num_rows
+        want = [cupy.asnumpy(a).view(np.int16) for a in (ctx.received.x[:rows], ctx.act[:rows], y)]
+        first = None
+        for run in range(10):
+            poison = [cupy.full(n, 0x7FC1, dtype=np.int16) for n in (rows * hidden, rows * ffn, tokens * hidden)]
+            del poison  # back to the pool: the fused forward's buffers start as NaN patterns
+            fused.dispatcher.expert_output().view(np.int16).fill(0x7FC1)
+            y_fused, ctx_fused = fused.forward(x, ids, gates)
+            fused.check()
+            got = [cupy.asnumpy(a).view(np.int16)
+                   for a in (ctx_fused.received.x[:rows], ctx_fused.act[:rows], y_fused)]
+            stages = ("receive rows (relay)", "act (up tiles)", "output (down + reduce)")
+            problems = [p for p in map(_first_difference, got, want, stages) if p]
+            assert not problems, f"run {run}: " + "; ".join(problems)
+            if first is None:
+                first = got
+            assert all(np.array_equal(g, f) for g, f in zip(got, first)), f"run {run} differs from run 0"
+    finally:
+        for moe in (sequential, fused):
+            moe.close()
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("skip,flag", [("sends", "row_flag"), ("down tiles", "done")])
+def test_every_fused_wait_is_bounded_and_names_its_flag(skip, flag):
+    """One rank whose kernels start past their producers' tasks (claim counters preset):
+    the consumers give up after the layer's timeout and the record names the flag."""
+    import cupy
+    from mpi4py import MPI
+
+    from ultraep.errors import WaitTimeout
+    from ultraep.integration.moe_layer import MoELayer
+    from ultraep.runtime.group import EPGroup
+    from ultraep.runtime.kernels import kernel_constant
+
+    H, F, E, K, T = 256, 128, 4, 2, 200
+    group = EPGroup(MPI.COMM_SELF, use_gpu=True)
+    rng = np.random.default_rng(0)
+    with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend="device", fused=True,
+                  timeout_s=1.0, sync_checks=False) as moe:
+        moe.load_weights(_on_gpu(bf16(rng, (E, H, 2 * F))), _on_gpu(bf16(rng, (E, F, H))))
+        launcher, plan = moe._fused, moe._fused.k["fused_plan"]
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :K]
+        counts = np.bincount(ids.ravel(), minlength=E)
+        bm = kernel_constant("fused_moe.cu", "FM_BM")
+        down_tiles = int(sum(-(-c // bm) for c in counts)) * -(-H // kernel_constant("fused_moe.cu", "FM_DOWN_COLS"))
+
+        def plan_then_skip(*args, **kwargs):
+            plan(*args, **kwargs)
+            if skip == "sends":
+                launcher.counters[0] = -(-T // kernel_constant("fused_moe.cu", "FM_SEND_TOKENS"))
+            else:
+                launcher.counters[1] = down_tiles
+        launcher.k["fused_plan"] = plan_then_skip
+        x = _on_gpu(bf16(rng, (T, H)))
+        moe.forward(x, cupy.asarray(ids.astype(np.int64)), cupy.asarray(rng.random((T, K)).astype(np.float32)))
+        with pytest.raises(WaitTimeout, match=flag):
+            moe.check()

@@ -1,6 +1,6 @@
 """Multi-rank check of ``MoELayer(fused=True)``, run under mpiexec by tests/integration/test_fused.py.
 
-Usage: python -m mpi4py fused_check.py {host|device} {bitwise|bad-input} [runs]
+Usage: python -m mpi4py fused_check.py {host|device} {bitwise|bad-input|peer-fails} [runs]
 
 bitwise: for random routings, routings that leave experts empty and every token's first
 slot on one expert, unbalanced and balanced (a Balancer with replica slots): the fused
@@ -11,6 +11,10 @@ bits. The heap's expert rows and the memory pool are poisoned (NaN bit patterns)
 every fused forward, so a row read before it is written shows.
 
 bad-input: an expert id out of range on one rank: refused on every rank, naming it.
+
+peer-fails: the last rank runs no send task (its tokens never arrive): every rank's
+forward gives up after the layer's timeout with WaitTimeout naming the row_flag it
+waited for, instead of hanging.
 """
 
 import sys
@@ -20,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ultraep import Balancer, ExpertLayout, MoELayer
-from ultraep.errors import CollectiveError, DispatchError
+from ultraep.errors import CollectiveError, DispatchError, WaitTimeout
 from ultraep.integration.moe_layer import expert_spec
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
@@ -151,8 +155,44 @@ def bad_input():
             raise AssertionError("an expert id out of range was not refused")
 
 
+def skip_sends(moe):
+    """This rank's fused forward runs everything but its send tasks."""
+    if backend == "host":
+        from ultraep.integration import fused
+
+        order = fused.task_order
+        fused.task_order = lambda *a: ([t for t in order(*a)[0] if t.kind != "send"], order(*a)[1])
+        return
+    from ultraep.runtime.kernels import kernel_constant
+
+    launcher = moe._fused
+    plan, sends = launcher.k["fused_plan"], -(-T // kernel_constant("fused_moe.cu", "FM_SEND_TOKENS"))
+
+    def plan_then_skip(*args, **kwargs):
+        plan(*args, **kwargs)
+        launcher.counters[0] = sends  # kernel A's claims start past the send tasks
+    launcher.k["fused_plan"] = plan_then_skip
+
+
+def peer_fails():
+    timeout = 2.0
+    with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend, fused=True,
+                  timeout_s=timeout, sync_checks=False) as moe:
+        moe.load_weights(*masters(me))
+        x, ids, gates, _ = (to_backend(a) for a in inputs("random", me))
+        if me == R - 1:
+            skip_sends(moe)
+        try:
+            moe.forward(x, ids, gates)
+            moe.check()
+        except WaitTimeout as exc:
+            assert "row_flag" in str(exc) and f"{timeout:g} s" in str(exc), str(exc)
+        else:
+            raise AssertionError("a forward whose peer sent nothing did not time out")
+
+
 try:
-    {"bitwise": bitwise, "bad-input": bad_input}[check]()
+    {"bitwise": bitwise, "bad-input": bad_input, "peer-fails": peer_fails}[check]()
 except Exception:
     traceback.print_exc()
     sys.stdout.flush()
