@@ -123,8 +123,9 @@ def run(args) -> int:
             x = bf16(rng.standard_normal((T, H)))
             ids = xp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64))
             gates = xp.asarray(rng.random((T, K)).astype(np.float32))
-            # Receive bound: uniform routing's mean with room for its spread.
-            bound = int(1.25 * T * K) + 1024
+            # Receive bound: uniform routing's mean with room for its spread (a few standard
+            # deviations are well under 10 % of it); the largest setting runs 4 ranks on one GPU.
+            bound = int(1.1 * T * K) + 1024
             layers = {}
             try:
                 for fused in (False, True):
@@ -144,6 +145,8 @@ def run(args) -> int:
             finally:
                 for moe in layers.values():
                     moe.close()
+                if gpu:  # the next setting's buffers differ in shape: give this one's back to the driver
+                    xp.get_default_memory_pool().free_all_blocks()
             everyone = group.allgather(mine)
             row = {"tokens": T, "hidden": H, "ffn": F, "seq_ms": seq_ms, "fused_ms": fused_ms,
                    "speedup": seq_ms / fused_ms, "out_diff": sum(d[0] for d in everyone),
