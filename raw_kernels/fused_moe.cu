@@ -44,6 +44,7 @@
 #define FM_MAX_SLOTS 256         // local slots (M + S) per rank (shared-memory tables)
 #define FM_MAX_TOP_K WARP        // a warp's lanes hold a token's slots
 #define FM_PLAN_THREADS 256
+#define FM_UNROLL 4              // 16-byte loads in flight per lane in copies and reduces
 
 // status[0] (after the grouped GEMM's codes 1..4), then status[1] the flag, status[2] the
 // rank waited on, [3] the flag's index, [4] the epoch expected, [5] the value seen, [6] the block.
@@ -117,9 +118,22 @@ extern "C" __global__ void fused_plan(const int* table, int ranks, int num_exper
 
 // -- copies ----------------------------------------------------------------------------------------
 
-// Row `src` to row `dst` by one warp, 16-byte vectors. Plain loads: peers wrote src.
+// Row `src` to row `dst` by one warp, 16-byte vectors, FM_UNROLL loads in flight per lane.
+// Plain loads: peers wrote src during this kernel.
 __device__ __forceinline__ void warp_copy_row(const uint4* src, uint4* dst, int row_vecs, int lane) {
-    for (int v = lane; v < row_vecs; v += WARP) dst[v] = src[v];
+    for (int v0 = 0; v0 < row_vecs; v0 += WARP * FM_UNROLL) {
+        uint4 buf[FM_UNROLL];
+#pragma unroll
+        for (int u = 0; u < FM_UNROLL; ++u) {
+            const int v = v0 + u * WARP + lane;
+            if (v < row_vecs) buf[u] = src[v];
+        }
+#pragma unroll
+        for (int u = 0; u < FM_UNROLL; ++u) {
+            const int v = v0 + u * WARP + lane;
+            if (v < row_vecs) dst[v] = buf[u];
+        }
+    }
 }
 
 // Kernel A's send task for one token (a warp): as dispatch.cu's send_tokens -- lane k < K
@@ -150,9 +164,22 @@ __device__ __forceinline__ void send_token(int t, const uint4* x, int top_k, int
         flag = peer + row_flag_offset + static_cast<u64>(row) * sizeof(u64);
     }
     const uint4* src = x + static_cast<long long>(t) * row_vecs;
-    for (unsigned m = __ballot_sync(FULL_MASK, sends); m; m &= m - 1) {
-        uint4* dst = reinterpret_cast<uint4*>(__shfl_sync(FULL_MASK, dest, __ffs(m) - 1));
-        for (int v = lane; v < row_vecs; v += WARP) dst[v] = __ldg(src + v);
+    const unsigned send_mask = __ballot_sync(FULL_MASK, sends);
+    for (int v0 = 0; v0 < row_vecs; v0 += WARP * FM_UNROLL) {  // the token read once, stored to each rank
+        uint4 buf[FM_UNROLL];
+#pragma unroll
+        for (int u = 0; u < FM_UNROLL; ++u) {
+            const int v = v0 + u * WARP + lane;
+            if (v < row_vecs) buf[u] = __ldg(src + v);
+        }
+        for (unsigned m = send_mask; m; m &= m - 1) {
+            uint4* dst = reinterpret_cast<uint4*>(__shfl_sync(FULL_MASK, dest, __ffs(m) - 1));
+#pragma unroll
+            for (int u = 0; u < FM_UNROLL; ++u) {
+                const int v = v0 + u * WARP + lane;
+                if (v < row_vecs) dst[v] = buf[u];
+            }
+        }
     }
     __threadfence_system();
     __syncwarp();
@@ -463,13 +490,20 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
                 float acc[8];
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-                for (int k = 0; k < top_k; ++k) {
-                    const float gk = __shfl_sync(FULL_MASK, g, k);
-                    if (col < hidden) {
-                        const uint4 v = slot_row[cwarp][k][lane];
-                        const bf16* h = reinterpret_cast<const bf16*>(&v);
+                for (int k0 = 0; k0 < top_k; k0 += FM_UNROLL) {
+                    uint4 v[FM_UNROLL];
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(gk, __bfloat162float(h[e])));
+                    for (int u = 0; u < FM_UNROLL; ++u)
+                        if (col < hidden && k0 + u < top_k) v[u] = slot_row[cwarp][k0 + u][lane];
+#pragma unroll
+                    for (int u = 0; u < FM_UNROLL; ++u) {
+                        const float gk = __shfl_sync(FULL_MASK, g, (k0 + u) % WARP);
+                        if (col < hidden && k0 + u < top_k) {
+                            const bf16* h = reinterpret_cast<const bf16*>(&v[u]);
+#pragma unroll
+                            for (int e = 0; e < 8; ++e)
+                                acc[e] = __fadd_rn(acc[e], __fmul_rn(gk, __bfloat162float(h[e])));
+                        }
                     }
                 }
                 if (col < hidden) {
