@@ -50,10 +50,16 @@ share. Every wait on the device is bounded (``timeout_s``) and records which fla
 rank and value it saw. :func:`check_order` verifies this property for a given task list
 and :func:`simulate` runs the tasks in random interleavings to show it.
 
-The result is bitwise the sequential path's: each output element of a tile is one FP32
-sum over the reduction in ascending order (``compute.host.sequential_product``: the same
-whichever rows and columns share its tile), SwiGLU is elementwise, and the reduce sums in
-slot order exactly as combine does.
+Reuse across calls: a rank rewrites its peers' landing rows and row metadata, and its own
+``expert_out``, only after the next call's count barrier (the Dispatcher's token map),
+which every rank enters after its kernel B of this call: no reader is overtaken.
+
+The result is bitwise the sequential path's on the same backend: each output element of a
+tile is one FP32 sum over the reduction in ascending order (``compute.host.sequential_product``
+here; on the device the grouped GEMM's tensor-core steps, the same whichever rows and
+columns share its tile), SwiGLU is elementwise, and the reduce sums in slot order exactly
+as combine does. :class:`HostFusedForward` runs these tasks for ``MoELayer(fused=True)``
+on the host backend.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ from typing import Callable
 import numpy as np
 
 from ultraep.compute.host import sequential_product
-from ultraep.errors import UltraEPError, WaitTimeout
+from ultraep.errors import FusedDeadlock, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.heap import HeapRequirements
 from ultraep.runtime.kernels import kernel_constant
@@ -73,10 +79,6 @@ from ultraep.token import reference as ref
 
 KERNELS = "fused_moe.cu"
 HEAP_PREFIX = "fused."
-
-
-class FusedDeadlock(UltraEPError, RuntimeError):
-    """A fused task order or interleaving in which a task waits for one that cannot run."""
 
 
 @dataclass(frozen=True)
