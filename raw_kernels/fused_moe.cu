@@ -3,7 +3,8 @@
 // Dispatcher's token map (route_keys .. plan_rows of dispatch.cu, its count barrier
 // included). ultraep/integration/fused.py states the task semantics in NumPy -- the task
 // order, the scoreboard, where each flag is released and acquired and why no claim order
-// can deadlock -- and is the reference these kernels are held to, bit for bit.
+// can deadlock. The outputs are held bit for bit to the sequential path on the GPU (the
+// Dispatcher, grouped_gemm.cu, swiglu.cu): the same tile arithmetic, the same sums.
 //
 //   fused_plan          one block: every rank's offsets and M-tile starts from the gathered
 //                       count table; the two claim counters zeroed
