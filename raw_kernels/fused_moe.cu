@@ -55,6 +55,14 @@
 #define FM_TILE_READY 2    // an M-tile's rows relayed into the receive buffer
 #define FM_TILE_DONE 3     // a down tile's output rows written (read by the reducers)
 
+// The optional task timeline: per task id [start ns, end ns, SM id | kind << 32].
+#define FM_TRACE_WORDS 3
+#define FM_KIND_SEND 0
+#define FM_KIND_RELAY 1
+#define FM_KIND_UP 2
+#define FM_KIND_DOWN 3
+#define FM_KIND_REDUCE 4
+
 // Dispatch outcome codes of dispatch.cu's plan_rows: anything but OK means no work.
 #define FM_OUTCOME_OK 0
 
@@ -213,14 +221,28 @@ __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 3, %0;
 
 // `ready(task)` runs on thread 0 -- the producer thread -- before the block sees the task:
 // a wait there keeps the consumers from waiting on a stage (whose timeout is a bug
-// detector's) while a peer's data is legitimately late.
-template <typename Ready>
-__device__ __forceinline__ int claim(int* counter, int* claimed, Ready ready) {
+// detector's) while a peer's data is legitimately late. With a `trace`, thread 0 also
+// stamps the task's start (before that wait) and, at its next claim, the end of the task
+// it last claimed (`last`, total for none): the barrier between means the block is done.
+template <typename Ready, typename Kind>
+__device__ __forceinline__ int claim(int* counter, int* claimed, int total, Ready ready, Kind kind, u64* trace,
+                                     int& last) {
     block_sync();
     if (threadIdx.x == 0) {
+        const u64 now = trace != nullptr ? global_timer_ns() : 0;
+        if (trace != nullptr && last < total) trace[FM_TRACE_WORDS * last + 1] = now;
         const int task = atomicAdd(counter, 1);
-        ready(task);
+        if (task < total) {
+            if (trace != nullptr) {
+                unsigned sm;
+                asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+                trace[FM_TRACE_WORDS * task] = now;
+                trace[FM_TRACE_WORDS * task + 2] = sm | static_cast<u64>(kind(task)) << 32;
+            }
+            ready(task);
+        }
         *claimed = task;
+        last = task;
     }
     block_sync();
     return *claimed;
@@ -267,7 +289,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
                   const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
                   u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens,
                   const int* rank_off, const int* rank_mtile, int max_rows, uint4* recv, u64* tile_ready, int ffn,
-                  bf16* act, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome) {
+                  bf16* act, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome,
+                  u64* trace) {
     extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
     __shared__ Pipeline p;
@@ -302,17 +325,21 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     // An up tile is handed to the block once its rows are relayed (acquire), and the proxy
     // fence orders the relay's generic stores before this thread's TMA loads of them.
     auto rows_relayed = [&](int task) {
-        if (task < first_tile || task >= total) return;
+        if (task < first_tile) return;
         const Tile tile = up_tile(task - first_tile);
         const int ready = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
         wait_flag(tile_ready + ready, epoch, timeout_ns, status, FM_TILE_READY, me, ready);
         asm volatile("fence.proxy.async.global;" ::: "memory");
     };
+    auto kind = [&](int task) {
+        return task < n_send ? FM_KIND_SEND : task < first_tile ? FM_KIND_RELAY : FM_KIND_UP;
+    };
+    int last = total;
+    auto next = [&] { return claim(counter, &claimed, total, rows_relayed, kind, trace, last); };
 
     if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = claim(counter, &claimed, rows_relayed); task < total;
-             task = claim(counter, &claimed, rows_relayed)) {
+        for (int task = next(); task < total; task = next()) {
             if (task < first_tile) continue;
             const Tile tile = up_tile(task - first_tile);
             if (warp == 0) {
@@ -336,8 +363,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
-    for (int task = claim(counter, &claimed, rows_relayed); task < total;
-         task = claim(counter, &claimed, rows_relayed)) {
+    for (int task = next(); task < total; task = next()) {
         if (task < n_send) {
             const int last = min(tokens, (task + 1) * FM_SEND_TOKENS);
             for (int t = task * FM_SEND_TOKENS + cwarp; t < last; t += GH_CONSUMERS * 4)
@@ -384,7 +410,7 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
                    int ffn, int hidden, const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me,
                    int spr, const int* rank_off, const int* rank_mtile, const long long* ids, const int* positions,
                    const int* base, const float* gates, int tokens, int top_k, bf16* out, u64 epoch, u64 timeout_ns,
-                   int* counter, long long* status, const int* outcome) {
+                   int* counter, long long* status, const int* outcome, u64* trace) {
     extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
     __shared__ Pipeline p;
@@ -410,6 +436,9 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
     bool gave_up = false;
     int step = 0, phase = 0;
     auto no_wait = [](int) {};
+    auto kind = [&](int task) { return task < n_tiles ? FM_KIND_DOWN : FM_KIND_REDUCE; };
+    int last = total;
+    auto next = [&] { return claim(counter, &claimed, total, no_wait, kind, trace, last); };
     auto down_tile = [&](int t) {
         const int j = expert_of_tile(tile_start, spr, t);
         const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
@@ -418,7 +447,7 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
 
     if (warpgroup == 0) {  // the producer thread and the store warps: down tiles only
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = claim(counter, &claimed, no_wait); task < total; task = claim(counter, &claimed, no_wait)) {
+        for (int task = next(); task < total; task = next()) {
             if (task >= n_tiles) continue;
             const Tile tile = down_tile(task);
             if (warp == 0) {
@@ -452,7 +481,7 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
-    for (int task = claim(counter, &claimed, no_wait); task < total; task = claim(counter, &claimed, no_wait)) {
+    for (int task = next(); task < total; task = next()) {
         if (task < n_tiles) {
             const Tile tile = down_tile(task);
             float d[128];

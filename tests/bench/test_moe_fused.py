@@ -35,9 +35,20 @@ def test_bad_arguments_are_refused(argv, fragment, capsys):
 def test_tiny_host_run(tmp_path, capfd):
     out = tmp_path / "fused.json"
     code = bench.main(["--backend", "host", "--ranks", "2", "--tokens", "24", "40", "--hidden", "32", "--ffn", "16",
-                       "--experts-per-rank", "2", "--top-k", "2", "--repeats", "1", "--json", str(out), "--quiet"])
+                       "--experts-per-rank", "2", "--top-k", "2", "--repeats", "1", "--json", str(out), "--quiet",
+                       "--timeline", str(tmp_path / "tasks.png")])
     printed = capfd.readouterr().out
     assert code == 0, printed
     result = json.loads(out.read_text())
     assert [(row["tokens"], row["hidden"]) for row in result["rows"]] == [(24, 32), (40, 32)]
     assert all(row["out_diff"] == 0 and row["rerun_diff"] == 0 and row["fused_ms"] > 0 for row in result["rows"])
+    assert (tmp_path / "tasks_t24_h32.png").stat().st_size > 0 and (tmp_path / "tasks_t40_h32.png").stat().st_size > 0
+
+
+def test_timeline_paths_and_plot(tmp_path):
+    assert bench.timeline_path("out/tl.png", 4096, 7168) == "out/tl_t4096_h7168.png"
+    tasks = [("send", 0, 500, 0), ("relay", 500, 900, 1), ("up", 900, 3000, 0), ("down", 3000, 4000, 1),
+             ("reduce", 4000, 4200, 0)]
+    path = tmp_path / "t.png"
+    bench.plot_timeline(tasks, str(path), "title")
+    assert path.stat().st_size > 0

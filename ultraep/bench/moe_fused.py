@@ -8,9 +8,14 @@ Every rank holds ``experts_per_rank`` BF16 SwiGLU experts; routing is uniform to
 (distinct experts per token), gates random; no balancing. Per (tokens, hidden): both
 layers are built, a checked forward each (also the warm-up), ``--repeats`` timed forwards
 each as group windows (first rank's start to last rank's end, a barrier before each), a
-second checked fused forward. ``out_diff``: elements of the fused output whose bits differ
-from the sequential output's (must be 0); ``rerun_diff``: between the two checked fused
-forwards (must be 0). ``speedup`` = sequential ms / fused ms.
+second checked fused forward (and, with ``--timeline``, a recorded one). ``out_diff``:
+elements of the fused output whose bits differ from the sequential output's (must be 0);
+``rerun_diff``: between the two checked fused forwards (must be 0). ``speedup`` =
+sequential ms / fused ms.
+
+``--timeline FILE.png``: per setting, rank 0's recorded fused forward as one line per SM
+(a worker on the host) over time, coloured by task kind (send, relay, up tile, down tile,
+reduce): where communication hides under the GEMMs. Needs matplotlib (``ultraep[analysis]``).
 
 The issue's setting: 4 ranks under ``--emulate-ep`` (MPS, an SM share each, so each rank
 behaves like a small GPU), tokens 4096-32768, hidden 4096 and 7168, top-8. Ranks sharing
@@ -65,12 +70,50 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=positive, default=5, help="timed forwards per path")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--timeline", metavar="FILE.png",
+                        help="plot rank 0's fused tasks per SM over time, a file per setting "
+                             "(FILE_t{tokens}_h{hidden}.png)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if args.top_k > args.experts_per_rank * args.ranks:
         parser.error(f"--top-k {args.top_k} exceeds the experts ({args.experts_per_rank} per rank x {args.ranks} "
                      "ranks): a token's experts are distinct")
     return args
+
+
+def timeline_path(path: str, tokens: int, hidden: int) -> str:
+    stem, dot, suffix = path.rpartition(".")
+    return f"{stem}_t{tokens}_h{hidden}.{suffix}" if dot else f"{path}_t{tokens}_h{hidden}"
+
+
+KIND_COLOURS = {"send": "tab:blue", "relay": "tab:cyan", "up": "tab:orange", "down": "tab:red", "reduce": "tab:green"}
+
+
+def plot_timeline(tasks, path: str, title: str) -> None:
+    """``tasks``: (kind, start ns, end ns, worker) rows; one horizontal line per worker."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise SystemExit("--timeline needs matplotlib: pip install ultraep[analysis]") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min((start for _, start, _, _ in tasks), default=0)
+    workers = sorted({worker for *_, worker in tasks})
+    row = {worker: i for i, worker in enumerate(workers)}
+    fig, ax = plt.subplots(figsize=(12, max(3.0, 0.05 * len(workers) + 2)))
+    for kind, colour in KIND_COLOURS.items():
+        spans = [(row[w], (s - t0) / 1e3, max(e - s, 0) / 1e3) for k, s, e, w in tasks if k == kind]
+        if spans:
+            ax.barh([y for y, _, _ in spans], [d for *_, d in spans], left=[x for _, x, _ in spans], height=0.8,
+                    color=colour, label=kind)
+    ax.set_xlabel("µs since the first task")
+    ax.set_ylabel("SM (worker)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -141,6 +184,15 @@ def run(args) -> int:
                 again = to_host(layers[True].forward(x, ids, gates)[0])
                 for moe in layers.values():
                     moe.check()
+                if args.timeline:
+                    layers[True].record_timeline(True)
+                    layers[True].forward(x, ids, gates)
+                    tasks = layers[True].timeline()
+                    layers[True].record_timeline(False)
+                    if me == 0:
+                        plot_timeline(tasks, timeline_path(args.timeline, T, H),
+                                      f"rank 0 of {R} ({caveat}): fused forward, {T} tokens, hidden {H}, ffn {F}, "
+                                      f"top-{K}")
                 mine = (differing([outputs[True]], [outputs[False]]), differing([again], [outputs[True]]))
             finally:
                 for moe in layers.values():

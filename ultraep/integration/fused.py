@@ -110,6 +110,8 @@ class Task:
 KERNEL_A = ("send", "relay", "up")
 KERNEL_B = ("down", "reduce")
 NO_WAITS = ("send", "down")
+# A timeline's task kinds by the kernel's FM_KIND_* codes.
+KINDS = {kernel_constant(KERNELS, f"FM_KIND_{kind.upper()}"): kind for kind in KERNEL_A + KERNEL_B}
 
 
 def _ceil(a: int, b: int) -> int:
@@ -119,6 +121,15 @@ def _ceil(a: int, b: int) -> int:
 def max_m_tiles(max_recv_rows: int, slots_per_rank: int) -> int:
     """M-tiles a rank can have: every slot's partial tile on top of the whole ones."""
     return _ceil(max_recv_rows, kernel_constant(KERNELS, "FM_BM")) + slots_per_rank
+
+
+def max_tasks(*, max_tokens: int, max_recv_rows: int, slots_per_rank: int, hidden: int, ffn: int,
+              grain: Granularity) -> tuple[int, int]:
+    """Most tasks kernels A and B can have (the timeline's rows)."""
+    tiles = _ceil(max_recv_rows, grain.bm) + slots_per_rank
+    n_down = _ceil(hidden, grain.down_cols)
+    return (_ceil(max_tokens, grain.send_tokens) + tiles * (1 + _ceil(ffn, grain.up_cols)),
+            tiles * n_down + _ceil(max_tokens, grain.reduce_tokens) * n_down)
 
 
 def heap_requirements(*, hidden: int, max_recv_rows: int, slots_per_rank: int, layer: int = 0) -> HeapRequirements:
@@ -407,11 +418,14 @@ def check_order(layer: FusedLayer, tasks: list | None = None) -> None:
                                             "claimed before it and may itself wait")
 
 
-def run_rank(layer: FusedLayer, rank: int, timeout_s: float, poll_s: float = 5e-5) -> None:
+def run_rank(layer: FusedLayer, rank: int, timeout_s: float, poll_s: float = 5e-5,
+             timeline: list | None = None) -> None:
     """Rank ``rank``'s kernels A then B with one CTA, its flags written by other processes:
-    each wait polls until the flag holds the epoch, WaitTimeout after ``timeout_s``."""
+    each wait polls until the flag holds the epoch, WaitTimeout after ``timeout_s``.
+    ``timeline``: (kind, start ns, end ns, worker 0) of every task is appended to it."""
     for order in layer.tasks[rank]:
         for task in order:
+            start = time.monotonic_ns()
             for peer, name, index in layer.waits(rank, task):
                 flags = layer.state[peer].flags[name]
                 deadline = time.monotonic() + timeout_s
@@ -422,6 +436,8 @@ def run_rank(layer: FusedLayer, rank: int, timeout_s: float, poll_s: float = 5e-
                                           f"{int(flags[index])})")
                     time.sleep(poll_s)
             layer.run(rank, task)
+            if timeline is not None:
+                timeline.append((task.kind, start, time.monotonic_ns(), 0))
 
 
 class HostFusedForward:
@@ -438,6 +454,7 @@ class HostFusedForward:
         self.grain = Granularity.kernel()
         self.tile_ready = np.zeros(max_m_tiles(self.config.max_recv_rows, self.config.experts_per_rank), np.uint64)
         self.epoch = 0
+        self.recording, self.last_timeline = False, []
 
     def forward(self, x, ids, gates, w_up, w_down):
         """As :meth:`~ultraep.integration.fused_device.DeviceFusedForward.forward`: ``(out,
@@ -465,8 +482,17 @@ class HostFusedForward:
         layer = FusedLayer([plan if r == me else None for r in range(d.size)], states, self.activation,
                            grain=self.grain, epoch=self.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
                            hidden=d.hidden, ffn=self.ffn)
-        run_rank(layer, me, self.timeout_s)
+        self.last_timeline = [] if self.recording else None
+        run_rank(layer, me, self.timeout_s, timeline=self.last_timeline)
         return own.out, self.impl.received(own.recv, m), own.act
+
+    def record_timeline(self, enable: bool) -> None:
+        """Whether later forwards record when each task ran (:meth:`timeline`)."""
+        self.recording = bool(enable)
+
+    def timeline(self) -> list:
+        """The last recorded forward's tasks as (kind, start ns, end ns, worker), by start."""
+        return sorted(self.last_timeline or [], key=lambda row: row[1])
 
     def check(self) -> None:
         """The host backend raises at once; nothing is deferred."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from ultraep.errors import MoELayerError, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
-from ultraep.integration.fused import KERNELS, max_m_tiles
+from ultraep.integration.fused import KERNELS, KINDS, Granularity, max_m_tiles, max_tasks
 from ultraep.runtime.kernels import get_function, kernel_constant
 
 FLAG_NAMES = {kernel_constant(KERNELS, "FM_ROW_FLAG"): "row_flag (a receive row's arrival from its sender)",
@@ -68,6 +68,7 @@ class DeviceFusedForward:
         self.maps = _TensorMaps()
         self.box = kernel_constant(KERNELS, "GH_BOX")
         self.bm = kernel_constant(KERNELS, "GH_BM")
+        self.traces = None  # per kernel: [tasks, FM_TRACE_WORDS] uint64 when recording a timeline
 
     def forward(self, x, ids, gates, w_up, w_down):
         """Collective, on the current stream; ``x``, ``ids``, ``gates`` checked CuPy arrays,
@@ -94,6 +95,11 @@ class DeviceFusedForward:
         act_map = self.maps.tiled(act.data.ptr, (F, rows), (box, bm))
         w_down_map = self.maps.tiled(w_down.data.ptr, (H, F, spr), (box, box, 1))
         epoch, timeout = np.uint64(self.epoch), np.uint64(self.timeout_ns)
+        traces = (np.uint64(0), np.uint64(0))  # null: no timeline
+        if self.traces is not None:
+            for trace in self.traces:
+                trace.fill(0)
+            traces = self.traces
         bases = self.impl.heap.peer_bases
         self.k["fused_dispatch_up"]((self.grid,), (self.threads,), (
             recv_map, w_up_map, x, np.int32(state["tokens"]), np.int32(d.top_k), np.int32(H), state["ids"],
@@ -101,17 +107,39 @@ class DeviceFusedForward:
             np.uint64(b.row_weight.offset), np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset),
             np.uint64(self.row_flag.offset), np.int32(d.rank), np.int32(spr), np.int32(d.max_tokens), self.rank_off,
             self.rank_mtile, np.int32(rows), recv, self.tile_ready, np.int32(F), act, epoch, timeout, self.counters[:1],
-            self.status, state["outcome"]), shared_mem=self.shared_bytes)
+            self.status, state["outcome"], traces[0]), shared_mem=self.shared_bytes)
         self.k["fused_down_combine"]((self.grid,), (self.threads,), (
             act_map, w_down_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(self.done.offset), np.int32(d.rank), np.int32(spr), self.rank_off, self.rank_mtile,
             state["ids"], state["positions"], state["base"], state["gates"], np.int32(state["tokens"]),
-            np.int32(d.top_k), out, epoch, timeout, self.counters[1:], self.status, state["outcome"]),
+            np.int32(d.top_k), out, epoch, timeout, self.counters[1:], self.status, state["outcome"], traces[1]),
             shared_mem=self.shared_bytes)
         received = self.impl.received(recv, state)
         if d.sync_checks:
             self.check()
         return out, received, act
+
+    def record_timeline(self, enable: bool) -> None:
+        """Whether later forwards stamp each task's start, end and SM (:meth:`timeline`)."""
+        if not enable:
+            self.traces = None
+            return
+        d, words = self.config, kernel_constant(KERNELS, "FM_TRACE_WORDS")
+        counts = max_tasks(max_tokens=d.max_tokens, max_recv_rows=d.max_recv_rows, slots_per_rank=self.spr,
+                           hidden=self.hidden, ffn=self.ffn, grain=Granularity.kernel())
+        self.traces = tuple(self.cp.zeros((n, words), dtype=np.uint64) for n in counts)
+
+    def timeline(self) -> list:
+        """The last recorded forward's tasks as (kind, start ns, end ns, SM id), by start
+        (waits for the device)."""
+        if self.traces is None:
+            return []
+        rows = []
+        for trace in self.traces:
+            for start, end, where in self.cp.asnumpy(trace):
+                if start:
+                    rows.append((KINDS[int(where) >> 32], int(start), int(end), int(where) & 0xFFFFFFFF))
+        return sorted(rows, key=lambda row: row[1])
 
     def check(self) -> None:
         """Synchronise; raise (and clear) the fused kernels' first status record."""

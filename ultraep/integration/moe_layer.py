@@ -515,6 +515,21 @@ class MoELayer:
         self._swiglu.backward(h, self.xp.asarray(d_act), offsets, dh)
         return dh
 
+    def record_timeline(self, enable: bool = True) -> None:
+        """A fused layer: whether later forwards record when and where each task ran."""
+        self._fused_only("record_timeline").record_timeline(enable)
+
+    def timeline(self) -> list:
+        """A fused layer: the last recorded forward's tasks on this rank as (kind, start ns,
+        end ns, SM id -- 0 on the host), by start; kinds send, relay, up, down, reduce."""
+        return self._fused_only("timeline").timeline()
+
+    def _fused_only(self, what: str):
+        self._check_open()
+        if self._fused is None:
+            raise MoELayerError(f"{what}: the layer was set up without fused=True")
+        return self._fused
+
     def check(self) -> None:
         """Wait for queued work; raise deferred device errors of the Dispatcher, the grouped
         GEMM and the Balancer."""

@@ -8,7 +8,8 @@ layer against the sequential layer with the same masters and inputs -- outputs, 
 gradients, gate gradients and weight gradients bitwise equal (the fused backward is the
 sequential one on the fused forward's context); ``runs`` fused forwards give identical
 bits. The heap's expert rows and the memory pool are poisoned (NaN bit patterns) before
-every fused forward, so a row read before it is written shows.
+every fused forward, so a row read before it is written shows. A recorded forward's
+timeline lists its tasks.
 
 bad-input: an expert id out of range on one rank: refused on every rank, naming it.
 
@@ -23,7 +24,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from ultraep import Balancer, ExpertLayout, MoELayer
+from ultraep import Balancer, ExpertLayout, MoELayer, MoELayerError
 from ultraep.errors import CollectiveError, DispatchError, WaitTimeout
 from ultraep.integration.moe_layer import expert_spec
 from ultraep.runtime.dtypes import BFLOAT16
@@ -118,6 +119,27 @@ def step(moe, data, *, fused):
     return [y, host(dx), host(d_gates), host(moe.grad_up).copy(), host(moe.grad_down).copy()]
 
 
+def timeline(plain, fused, data):
+    """A recorded fused forward lists every task once per kind it has, each ending after it
+    starts; on the host (one worker) in claim order. A sequential layer has no timeline."""
+    fused.record_timeline(True)
+    fused.forward(*data[:3])
+    tasks = fused.timeline()
+    fused.record_timeline(False)
+    kinds = [kind for kind, *_ in tasks]
+    order = ["send", "relay", "up", "down", "reduce"]
+    assert {"send", "down"} <= set(kinds) <= set(order), kinds
+    assert all(end >= start for _, start, end, _ in tasks), tasks
+    if backend == "host":
+        assert kinds == sorted(kinds, key=order.index), kinds
+    try:
+        plain.timeline()
+    except MoELayerError as exc:
+        assert "fused=True" in str(exc)
+    else:
+        raise AssertionError("a sequential layer returned a timeline")
+
+
 def bitwise():
     names = ("y", "dx", "d_gates", "grad_up", "grad_down")
     for balanced in (False, True):
@@ -134,6 +156,8 @@ def bitwise():
                 again = step(fused, data, fused=True)
                 for got, ref, name in zip(again, first, names):
                     assert differing(got, ref) == 0, f"balanced={balanced} {routing} run {run} {name} differs"
+        if not balanced:
+            timeline(plain, fused, data)
         for moe, balancer in ((plain, plain_balancer), (fused, fused_balancer)):
             moe.close()
             if balancer is not None:
