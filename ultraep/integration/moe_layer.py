@@ -45,8 +45,9 @@ backend; the outputs are bitwise the sequential path's. Its backward is the sequ
 one, recomputing the up-projection and the expert outputs from the context's ``act``.
 
 The layer's own work runs on the caller's stream (``stream=``, else a torch input's
-current stream, else CuPy's). The fused kernels of the UniEP design will replace the
-inside of :meth:`forward` / :meth:`backward`; the calls and the context stay.
+current stream, else CuPy's). The fused kernels replace the inside of :meth:`forward`
+(``fused=True``), and will replace the inside of :meth:`backward`; the calls and the
+context stay.
 """
 
 from __future__ import annotations
@@ -244,7 +245,12 @@ class MoELayer:
             common["expert_output"] = True
             if heap is None:
                 common["heap"] = self._owned_heap = _open_fused_heap(group, common, slots, self.layer)
-        self.dispatcher = Dispatcher(group, **slots, **common)
+        try:
+            self.dispatcher = Dispatcher(group, **slots, **common)
+        except BaseException as exc:
+            if self._owned_heap is not None:  # a lone failure is published, not waited out
+                self._owned_heap.close_failing(exc)
+            raise
         self.backend = self.dispatcher.backend
         self.device = group.device if self.backend == "device" else None
         self._closed = False
