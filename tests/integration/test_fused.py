@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import BACKENDS, assert_all_ranks_ok, requires_gpu, run_ranks
-from ultraep.integration.fused import (FusedDeadlock, FusedLayer, Granularity, check_order, sequential_forward,
-                                       simulate, task_order)
+from ultraep.integration.fused import (FusedDeadlock, FusedLayer, Granularity, check_order, max_m_tiles, max_tasks,
+                                       sequential_forward, simulate, task_order)
 from ultraep.integration.moe_layer import swiglu
 from ultraep.runtime.dtypes import BFLOAT16
 
@@ -82,6 +82,21 @@ def test_kernel_granularity_is_bitwise_the_sequential_path():
     got = simulate(layer, [2, 3], np.random.default_rng(0))
     expected = sequential_forward(xs, ids, gates, w_up, w_down, swiglu)
     assert all(np.array_equal(g, e) for g, e in zip(bits(got), bits(expected)))
+
+
+@pytest.mark.parametrize("routing", ["random", "one-expert", "empty-experts"])
+def test_the_set_up_bounds_hold_every_task_and_tile(routing):
+    """The device sizes its flags and timeline from max_m_tiles / max_tasks at set-up: no
+    routing within the receive bound may exceed them (a write past them would corrupt)."""
+    ranks, slots, tokens, top_k = 4, 3, 50, 4
+    xs, ids, gates, w_up, w_down = problem(ranks, slots, tokens, top_k, hidden=40, ffn=24, routing=routing, seed=9)
+    layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
+    for r, (a, b) in enumerate(layer.tasks):
+        rows = int(layer.plans[r].offsets[r][-1])  # the tightest receive bound this routing passes
+        bound_a, bound_b = max_tasks(max_tokens=tokens, max_recv_rows=rows, slots_per_rank=slots, hidden=40, ffn=24,
+                                     grain=SMALL)
+        assert len(a) <= bound_a and len(b) <= bound_b
+        assert layer.plans[r].mtiles[r][-1] <= max_m_tiles(rows, slots, SMALL)
 
 
 def test_the_order_puts_every_producer_before_its_consumers():

@@ -118,15 +118,15 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def max_m_tiles(max_recv_rows: int, slots_per_rank: int) -> int:
+def max_m_tiles(max_recv_rows: int, slots_per_rank: int, grain: Granularity | None = None) -> int:
     """M-tiles a rank can have: every slot's partial tile on top of the whole ones."""
-    return _ceil(max_recv_rows, kernel_constant(KERNELS, "FM_BM")) + slots_per_rank
+    return _ceil(max_recv_rows, (grain or Granularity.kernel()).bm) + slots_per_rank
 
 
 def max_tasks(*, max_tokens: int, max_recv_rows: int, slots_per_rank: int, hidden: int, ffn: int,
               grain: Granularity) -> tuple[int, int]:
     """Most tasks kernels A and B can have (the timeline's rows)."""
-    tiles = _ceil(max_recv_rows, grain.bm) + slots_per_rank
+    tiles = max_m_tiles(max_recv_rows, slots_per_rank, grain)
     n_down = _ceil(hidden, grain.down_cols)
     return (_ceil(max_tokens, grain.send_tokens) + tiles * (1 + _ceil(ffn, grain.up_cols)),
             tiles * n_down + _ceil(max_tokens, grain.reduce_tokens) * n_down)
