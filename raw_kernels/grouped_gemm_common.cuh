@@ -4,6 +4,10 @@
 // expert that a persistent block walks in one fixed order.
 #pragma once
 
+#include <cuda_bf16.h>
+
+#include "sync.cuh"
+
 #define GG_MAX_EXPERTS 1024
 // K and N must be multiples of this: rows of whole 16-byte chunks (cp.async, and TMA's
 // global strides).
@@ -95,4 +99,273 @@ __device__ __forceinline__ int expert_of_tile(const int* tile_start, int experts
         if (tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
     }
     return lo;
+}
+
+// -- The Hopper tile machinery (grouped_gemm.cu and fused_moe.cu) ------------------------------
+
+#define GH_BM 128
+#define GH_BN 256
+#define GH_BK 64
+#define GH_STAGES 3
+#define GH_CONSUMERS 2
+#define GH_THREADS (128 * (1 + GH_CONSUMERS))
+// Operand tiles are copied in boxes of 64 elements along their contiguous dimension: a box
+// row may span at most the 128 bytes of the swizzle.
+#define GH_BOX 64
+#define GH_BOX_BYTES (GH_BOX * GH_BK * 2)
+#define GH_A_BYTES (GH_BM * GH_BK * 2)
+#define GH_B_BYTES (GH_BN * GH_BK * 2)
+#define GH_STAGE_BYTES (GH_A_BYTES + GH_B_BYTES)
+// A BF16 output tile staged for the store warps: rows padded by 16 bytes, so the
+// consumers' fragment writes (8 rows x 4 lanes of 4 bytes) hit 32 different banks.
+#define GH_C_PITCH (GH_BN * 2 + 16)
+#define GH_C_BYTES (GH_BM * GH_C_PITCH)
+// The swizzled stages must start on a 1024-byte boundary (the swizzle pattern repeats
+// every 8 rows of 128 bytes); the slack lets the kernel round the dynamic base up.
+#define GH_SMEM_BYTES (GH_STAGES * GH_STAGE_BYTES + GH_C_BYTES + 1024)
+// setmaxnreg: 128 x 40 + 256 x 232 = the 384 x 168 registers the launch reserves.
+#define GH_PRODUCER_REGISTERS 40
+#define GH_CONSUMER_REGISTERS 232
+// Warpgroup 0: warp 0 copies operands, the other three store output tiles.
+#define GH_STORE_WARPS 3
+// The host encodes the tensor maps with these (CUtensorMap is 128 opaque bytes).
+#define GH_TENSOR_MAP_BYTES 128
+
+// status[0] when a pipeline wait gave up (after grouped_gemm_common.cuh's offsets codes),
+// and what it waited for in status[1] (ultraep/compute/device.py words them).
+#define GH_STAGE_TIMED_OUT 4
+#define GH_WAITED_FOR_CONSUMERS 1
+#define GH_WAITED_FOR_COPIES 2
+#define GH_WAITED_FOR_OUTPUT 3
+#define GH_WAITED_FOR_STORES 4
+
+#define GH_FORWARD 0
+#define GH_DGRAD 1
+#define GH_WGRAD 2
+
+typedef __nv_bfloat16 bf16;
+
+static_assert(GH_BK * 2 == 128, "a k-step of A is one 128-byte swizzle row");
+static_assert(GH_BM == 64 * GH_CONSUMERS, "each consumer warpgroup owns 64 rows");
+static_assert(GH_BN == 256 && GH_BK == GH_BOX && GH_BM == 2 * GH_BOX, "the MMA is m64n256k16, boxes are 64 wide");
+
+struct __align__(64) TensorMap {
+    unsigned long long opaque[GH_TENSOR_MAP_BYTES / 8];
+};
+
+// -- TMA, wgmma and register hand-over ------------------------------------------------------
+
+__device__ __forceinline__ void expect_bytes(u64* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(shared_address(bar)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap* map, u64* bar, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1),
+                    "r"(shared_address(bar)) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap* map, u64* bar, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2),
+                    "r"(shared_address(bar)) : "memory");
+}
+
+// Shared-memory matrix descriptor of a 128-byte-swizzled operand at shared address `addr`:
+// `leading` and `stride` are the byte offsets wgmma steps by (K-major: stride = next 8
+// rows, leading unused; MN-major: leading = next 64-element swizzle atom along M/N,
+// stride = next 8 rows along K).
+__device__ __forceinline__ unsigned long long smem_descriptor(unsigned addr, unsigned leading, unsigned stride) {
+    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
+           static_cast<unsigned long long>(leading >> 4) << 16 | static_cast<unsigned long long>(stride >> 4) << 32 |
+           1ull << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory"); }
+
+#define GH_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+#define GH_D32(i) GH_D8(i), GH_D8(i + 8), GH_D8(i + 16), GH_D8(i + 24)
+
+// d += A (64 x 16) x B (16 x 256), FP32; A is K-major, or M-major when TRANS_A; B K-major,
+// or N-major when TRANS_B.
+template <int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %132, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+        "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+        "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, "
+        "%67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, "
+        "%89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, "
+        "%109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, "
+        "%127}, %128, %129, p, 1, 1, %130, %131;\n}\n"
+        : GH_D32(0), GH_D32(32), GH_D32(64), GH_D32(96)
+        : "l"(a), "l"(b), "n"(TRANS_A), "n"(TRANS_B), "r"(1));  // p: accumulate into d
+}
+
+// A stage wait that gives up. Any function call in this kernel (the out-of-line report of
+// sync.cuh's mbarrier_wait, printf) makes ptxas serialise every wgmma, and so does a
+// consumer leaving its loop on a path of its own; so a wait that runs out of time records
+// itself in status for the host (unless an earlier record is there) and sets `gave_up`:
+// the producer then stops, the consumers run on without waiting (their results are
+// garbage, the host raises). status[1] is what it waited for (GH_WAITED_*), status[2]
+// the block, status[3] the timeout in ms.
+__device__ __forceinline__ void stage_wait(u64* bar, unsigned parity, long long* status, int what, bool& gave_up) {
+    const unsigned address = shared_address(bar);
+    if (gave_up || mbarrier_try_wait<false>(address, parity)) return;
+    const u64 start = global_timer_ns();
+    while (!mbarrier_try_wait<false>(address, parity)) {
+        if (global_timer_ns() - start > MBARRIER_TIMEOUT_NS) {
+            unsigned long long* word = reinterpret_cast<unsigned long long*>(status);
+            if (atomicCAS(word, 0ull, static_cast<unsigned long long>(GH_STAGE_TIMED_OUT)) == 0ull) {
+                status[1] = what;
+                status[2] = blockIdx.x;
+                status[3] = static_cast<long long>(MBARRIER_TIMEOUT_NS / 1000000ull);
+            }
+            gave_up = true;
+            return;
+        }
+    }
+}
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(128 * GH_CONSUMERS) : "memory"); }
+
+// One output tile: expert, first output row and the end of its rows (the expert's end, or
+// K in wgrad), first output column, and the reduction's start and length.
+struct Tile {
+    int expert, row0, row_end, col0, red0, red_len;
+};
+
+template <typename OutT>
+__device__ __forceinline__ void store_pair(OutT* p, float v0, float v1) {
+    if constexpr (sizeof(OutT) == 4) {
+        *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+    } else {
+        *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
+    }
+}
+
+
+// Operands (a_map, b_map tensor maps; the reduction dimension is r):
+//   forward  A = x [M, K] as (K, M), box 64 x 128: K-major.  B = w as (N, K, E), boxes 64 x 64 x 1: N-major.
+//   dgrad    A = dy [M, N] as (N, M), box 64 x 128: K-major. B = w as (N, K, E), box 64 x 256 x 1: K-major.
+//   wgrad    A = x [M, K] as (K, M), boxes 64 x 64: M-major. B = dy [M, N] as (N, M), boxes 64 x 64: N-major.
+// An N-major B is four boxes of 64 reduction rows x 64 columns, an M-major A two of 64
+// reduction rows x 64 output rows (one per consumer). Boxes wholly past the output's
+// columns (or wgrad's K rows) are not copied: nothing is stored from them.
+
+// The producer thread's k-steps of one tile into the stage ring: `a_boxes` boxes of an
+// M-major A (wgrad), the N-major B boxes named in `b_box_mask`, box j at column
+// tile.col0 + 64 j, plus `b_split` for the upper half (j >= 2: the fused up-projection's
+// up columns, F further than its gate columns). False when a stage wait gave up.
+template <int MODE>
+__device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMap* b_map, const Tile& tile, int a_boxes,
+                                          unsigned b_box_mask, int b_split, unsigned stages, u64* full, u64* empty,
+                                          int& step, long long* status, bool& gave_up) {
+    constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
+    const unsigned bytes = (A_BOXES ? a_boxes * GH_BOX_BYTES : GH_A_BYTES) +
+                           (B_BOXES ? __popc(b_box_mask) * GH_BOX_BYTES : GH_B_BYTES);
+    const int k_steps = ceil_div(tile.red_len, GH_BK);
+    for (int k = 0; k < k_steps; ++k, ++step) {
+        const int s = step % GH_STAGES;
+        stage_wait(&empty[s], ((step / GH_STAGES) & 1) ^ 1, status, GH_WAITED_FOR_CONSUMERS, gave_up);
+        if (gave_up) return false;
+        expect_bytes(&full[s], bytes);
+        const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
+        const int r = tile.red0 + k * GH_BK;
+        if constexpr (MODE == GH_WGRAD) {
+            for (int j = 0; j < a_boxes; ++j)
+                tma_load_2d(a + j * GH_BOX_BYTES, a_map, &full[s], tile.row0 + j * GH_BOX, r);
+            for (int j = 0; j < GH_BN / GH_BOX; ++j)
+                if (b_box_mask >> j & 1) tma_load_2d(b + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + j * GH_BOX, r);
+        } else if constexpr (MODE == GH_FORWARD) {
+            tma_load_2d(a, a_map, &full[s], r, tile.row0);
+            for (int j = 0; j < GH_BN / GH_BOX; ++j)
+                if (b_box_mask >> j & 1)
+                    tma_load_3d(b + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + j * GH_BOX +
+                                (j >= GH_BN / GH_BOX / 2 ? b_split : 0), r, tile.expert);
+        } else {
+            tma_load_2d(a, a_map, &full[s], r, tile.row0);
+            tma_load_3d(b, b_map, &full[s], r, tile.col0, tile.expert);
+        }
+    }
+    return true;
+}
+
+// A consumer warpgroup's MMAs of one tile: d = its 64 rows x GH_BN columns, summed over the
+// reduction in GH_BK chunks in ascending order, each releasing its stage once the next
+// chunk's MMAs are issued.
+template <int MODE>
+__device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsigned stages, u64* full, u64* empty,
+                                         int& step, int consumer, int lane, long long* status, bool& gave_up) {
+    const int k_steps = ceil_div(tile.red_len, GH_BK);
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    for (int k = 0; k < k_steps; ++k, ++step) {
+        const int s = step % GH_STAGES;
+        stage_wait(&full[s], (step / GH_STAGES) & 1, status, GH_WAITED_FOR_COPIES, gave_up);
+        const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
+        if constexpr (MODE == GH_WGRAD) {
+            // The expert's last chunk: its rows past the end (the next expert's) count as
+            // zeros. Every copied box is cleared from that row on, whole 128-byte lines
+            // (the swizzle permutes chunks within a line), before the MMAs read them.
+            const int valid = tile.red_len - k * GH_BK;
+            if (valid < GH_BK) {
+                const int lines = GH_BK - valid, chunks = lines * 8;
+                const int boxes = GH_BM / GH_BOX + GH_BN / GH_BOX;
+                for (int i = threadIdx.x - 128; i < boxes * chunks; i += 128 * GH_CONSUMERS) {
+                    const int box = i / chunks, line = valid + (i % chunks) / 8, chunk = i % 8;
+                    const unsigned at = a + box * GH_BOX_BYTES + line * 128 + chunk * 16;  // B follows A's boxes
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(at), "r"(0) : "memory");
+                }
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by the MMAs (async proxy)
+                consumers_sync();
+            }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int k16 = 0; k16 < GH_BK / 16; ++k16) {
+            if constexpr (MODE == GH_WGRAD) {  // both 16 reduction rows further: 2 swizzle atoms
+                wgmma_m64n256k16<1, 1>(d, smem_descriptor(a + consumer * GH_BOX_BYTES + k16 * 2048, GH_BOX_BYTES, 1024),
+                                       smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
+            } else {
+                // A: 16 elements of K further within the 128-byte row.
+                const unsigned long long da = smem_descriptor(a + consumer * 64 * 128 + k16 * 32, 16, 1024);
+                if constexpr (MODE == GH_FORWARD) {
+                    wgmma_m64n256k16<0, 1>(d, da, smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
+                } else {
+                    wgmma_m64n256k16<0, 0>(d, da, smem_descriptor(b + k16 * 32, 16, 1024));
+                }
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous step's MMAs are done: its stage may be refilled
+        if (k > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+    }
+    wgmma_wait<0>();
+    if (k_steps > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+}
+
+// The store warps' part of a BF16 epilogue: the tile staged in shared memory (GH_C_PITCH
+// bytes a row, COLS columns) to `out` (row pitch out_cols) in 16-byte chunks, masked to
+// the tile's rows and the output's columns; `id` is the thread's index among the store warps.
+template <int COLS>
+__device__ __forceinline__ void store_staged_tile(unsigned staged, const Tile& tile, bf16* out, int out_cols, int id) {
+    for (int i = id; i < GH_BM * (COLS / 8); i += GH_STORE_WARPS * WARP) {
+        const int row = i / (COLS / 8), chunk = i % (COLS / 8);
+        const int r = tile.row0 + row, c = tile.col0 + chunk * 8;  // out_cols is a multiple of 8
+        if (r < tile.row_end && c < out_cols) {
+            uint4 v;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(staged + row * GH_C_PITCH + chunk * 16));
+            *reinterpret_cast<uint4*>(out + static_cast<long long>(r) * out_cols + c) = v;
+        }
+    }
 }

@@ -24,13 +24,11 @@
 
 #include <cuda_bf16.h>
 
+#include "swiglu.cuh"
+
 #define SWIGLU_THREADS 256
 #define SWIGLU_BLOCKS_PER_SM 4
 
-__device__ __forceinline__ float sigmoid_rn(float a) {
-    float e = __double2float_rn(exp(-(double)a));
-    return __fdiv_rn(1.0f, __fadd_rn(1.0f, e));
-}
 
 __device__ __forceinline__ long long rows_in_use(const int* offsets, int experts, long long rows) {
     long long used = offsets[experts];
@@ -44,8 +42,7 @@ extern "C" __global__ void swiglu_forward(const float* __restrict__ h, const int
          i += (long long)gridDim.x * blockDim.x) {
         long long row = i / ffn, col = i - row * ffn;
         float a = h[row * 2 * ffn + col], b = h[row * 2 * ffn + ffn + col];
-        float s = sigmoid_rn(a);
-        act[i] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(a, s), b));
+        act[i] = swiglu_rn(a, b);
     }
 }
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what a type checker sees of the lazily imported names below ("X as X": re-exported)
     from ultraep.errors import (BalancerError as BalancerError, BarrierTimeout as BarrierTimeout,
                                 ClosedError as ClosedError, CollectiveError as CollectiveError,
-                                DispatchError as DispatchError,
+                                DispatchError as DispatchError, FusedDeadlock as FusedDeadlock,
                                 GroupedGemmError as GroupedGemmError, GroupMismatchError as GroupMismatchError,
                                 HeapError as HeapError, LaunchError as LaunchError, MoELayerError as MoELayerError,
                                 MPSUnavailable as MPSUnavailable, ProfileError as ProfileError,
@@ -87,6 +87,7 @@ _EXPORTS = {
     "StaleHandleError": "ultraep.errors",
     "ProfileError": "ultraep.errors",
     "MoELayerError": "ultraep.errors",
+    "FusedDeadlock": "ultraep.errors",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -81,6 +81,11 @@ class MoELayerError(UltraEPError, ValueError):
     """Bad input to an MoE layer (set-up, weights, a context used twice)."""
 
 
-__all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "GroupMismatchError",
-           "GroupedGemmError", "HeapError", "LaunchError", "MoELayerError", "MPSUnavailable", "ProfileError",
-           "RankFailedError", "StaleHandleError", "TransferTimeout", "UltraEPError", "WaitTimeout"]
+class FusedDeadlock(UltraEPError, RuntimeError):
+    """A fused-layer task order or interleaving in which a task waits for one that cannot
+    run (``ultraep.integration.fused.check_order`` / ``simulate``)."""
+
+
+__all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "FusedDeadlock",
+           "GroupMismatchError", "GroupedGemmError", "HeapError", "LaunchError", "MoELayerError", "MPSUnavailable",
+           "ProfileError", "RankFailedError", "StaleHandleError", "TransferTimeout", "UltraEPError", "WaitTimeout"]

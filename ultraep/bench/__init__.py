@@ -38,6 +38,9 @@ BENCHMARKS = {
                               "torch._grouped_mm"),
     "moe-layer": Benchmark("ultraep.bench.moe_layer", False,
                            "MoE layers forward + backward under none / ultraep / ideal, as a ratio to ideal"),
+    "moe-fused": Benchmark("ultraep.bench.moe_fused", False,
+                           "the fused MoE forward (UniEP persistent kernels) against the sequential path, bitwise "
+                           "checked"),
 }
 
 

@@ -38,9 +38,16 @@ sums added in replica order (deterministic run to run).
 SwiGLU's rounding is stated in ``raw_kernels/swiglu.cu``; :func:`swiglu` and
 :func:`swiglu_backward` here are its NumPy reference and the host backend.
 
+``fused=True`` runs the forward as UniEP's two persistent kernels (``raw_kernels/fused_moe.cu``:
+dispatch + up-projection with SwiGLU in the epilogue, down-projection + combine), whose
+task semantics :mod:`ultraep.integration.fused` states in NumPy and runs on the host
+backend; the outputs are bitwise the sequential path's. Its backward is the sequential
+one, recomputing the up-projection and the expert outputs from the context's ``act``.
+
 The layer's own work runs on the caller's stream (``stream=``, else a torch input's
-current stream, else CuPy's). The fused kernels of the UniEP design will replace the
-inside of :meth:`forward` / :meth:`backward`; the calls and the context stay.
+current stream, else CuPy's). The fused kernels replace the inside of :meth:`forward`
+(``fused=True``), and will replace the inside of :meth:`backward`; the calls and the
+context stay.
 """
 
 from __future__ import annotations
@@ -156,6 +163,40 @@ def _raise_everywhere(group: EPGroup, error: BaseException | None, what: str) ->
         raise MoELayerError(str(collective)) from error
 
 
+def _open_fused_heap(group: EPGroup, common: dict, slots: dict, layer: int):
+    """Collective: a heap with room for the Dispatcher's tensors and the fused layer's flags."""
+    from ultraep.integration.fused import heap_requirements
+    from ultraep.runtime import open_heap
+
+    settings = {k: v for k, v in common.items() if k not in ("timeout_s", "sync_checks", "heap", "backend")}
+    token = Dispatcher.heap_requirements(group.size, **slots, **settings)
+    rows = dict((name, shape) for name, shape, _ in token.tensors)["token.row_weight"][0]
+    spr = slots.get("experts_per_rank", slots["num_experts"] // group.size)
+    return open_heap(group, token + heap_requirements(hidden=common["hidden"], max_recv_rows=rows,
+                                                      slots_per_rank=spr, layer=layer), backend=common["backend"])
+
+
+def _fused_forward(layer: "MoELayer", heap, timeout_s: float):
+    """The fused forward of ``layer`` on its backend, its flags allocated in ``heap``."""
+    from ultraep.integration.fused import HEAP_PREFIX, heap_requirements
+
+    d = layer.dispatcher.config
+    requirements = heap_requirements(hidden=layer.hidden, max_recv_rows=d.max_recv_rows,
+                                     slots_per_rank=d.experts_per_rank, layer=layer.layer)
+    prefix = f"{HEAP_PREFIX}{layer.layer}."
+    flags = {name.removeprefix(prefix): tensor for name, tensor in heap.allocate(requirements).items()}
+    if layer.backend == "device":
+        import cupy
+
+        from ultraep.integration.fused_device import DeviceFusedForward
+        with cupy.cuda.Device(layer.group.device):
+            return DeviceFusedForward(layer.group, layer.dispatcher, flags, hidden=layer.hidden, ffn=layer.ffn,
+                                      timeout_s=timeout_s)
+    from ultraep.integration.fused import HostFusedForward
+    return HostFusedForward(layer.group, layer.dispatcher, flags, ffn=layer.ffn, timeout_s=timeout_s,
+                            activation=swiglu)
+
+
 def _bits(array):
     """The 16-bit pattern of a BF16 array (copies between BF16 buffers never convert values)."""
     return array.view(np.int16)
@@ -169,7 +210,9 @@ class MoELayer:
     layout of ``num_experts`` experts on this group; the layer registers its masters as
     the Balancer's virtual layer ``layer`` and shares its backend. Without one, tokens go
     to the masters. ``heap``: a symmetric heap for the Dispatcher (see
-    :meth:`Dispatcher.heap_requirements`), else it opens its own. ``max_recv_rows``,
+    :meth:`Dispatcher.heap_requirements`; with ``fused``, set up with ``expert_output=True``,
+    plus :func:`ultraep.integration.fused.heap_requirements`), else it opens its own.
+    ``fused``: the forward as the fused persistent kernels (module docstring). ``max_recv_rows``,
     ``timeout_s``, ``sync_checks``: the Dispatcher's.
     """
 
@@ -177,7 +220,8 @@ class MoELayer:
 
     def __init__(self, group: EPGroup, *, hidden: int, ffn: int, num_experts: int, top_k: int, max_tokens: int,
                  balancer: Balancer | None = None, layer: int = 0, max_recv_rows: int | None = None,
-                 backend: str = "auto", heap: Any = None, timeout_s: float = 30.0, sync_checks: bool = True):
+                 backend: str = "auto", heap: Any = None, timeout_s: float = 30.0, sync_checks: bool = True,
+                 fused: bool = False):
         error = None
         try:
             self._check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend)
@@ -185,7 +229,8 @@ class MoELayer:
             error = exc
         _raise_everywhere(group, error, "MoELayer set-up")
         group.agree((int(hidden), int(ffn), int(num_experts), int(top_k), int(max_tokens), balancer is not None,
-                     int(layer)), "MoELayer set-up (hidden, ffn, num_experts, top_k, max_tokens, balanced, layer)")
+                     int(layer), bool(fused)),
+                    "MoELayer set-up (hidden, ffn, num_experts, top_k, max_tokens, balanced, layer, fused)")
         self.group, self.balancer, self.layer = group, balancer, int(layer)
         self.hidden, self.ffn, self.num_experts, self.top_k = int(hidden), int(ffn), int(num_experts), int(top_k)
         self.experts_per_rank = self.num_experts // group.size
@@ -193,14 +238,25 @@ class MoELayer:
         common = dict(hidden=self.hidden, dtype="bfloat16", top_k=self.top_k, max_tokens=max_tokens,
                       max_recv_rows=max_recv_rows, timeout_s=timeout_s, sync_checks=sync_checks, heap=heap,
                       backend=balancer.backend if balancer is not None else backend)
-        if balancer is None:
-            self.dispatcher = Dispatcher(group, num_experts=self.num_experts, **common)
-        else:
-            self.dispatcher = Dispatcher.for_layout(group, balancer.layout, **common)
+        slots = dict(num_experts=self.num_experts) if balancer is None else \
+            dict(num_experts=balancer.layout.num_physical, experts_per_rank=balancer.layout.slots_per_rank)
+        self._fused, self._owned_heap = None, None
+        if fused:
+            common["expert_output"] = True
+            if heap is None:
+                common["heap"] = self._owned_heap = _open_fused_heap(group, common, slots, self.layer)
+        try:
+            self.dispatcher = Dispatcher(group, **slots, **common)
+        except BaseException as exc:
+            if self._owned_heap is not None:  # a lone failure is published, not waited out
+                self._owned_heap.close_failing(exc)
+            raise
         self.backend = self.dispatcher.backend
         self.device = group.device if self.backend == "device" else None
         self._closed = False
         try:
+            if fused:
+                self._fused = _fused_forward(self, self.dispatcher.heap, timeout_s)
             self._allocate()
             if balancer is not None:
                 M = self.experts_per_rank
@@ -209,6 +265,8 @@ class MoELayer:
         except BaseException:
             self._closed = True
             self.dispatcher.close()
+            if self._owned_heap is not None:
+                self._owned_heap.close()
             raise
         self._generation = 0  # forwards that filled the replica part of the stacked weights
 
@@ -367,6 +425,10 @@ class MoELayer:
                 ids = self.balancer.reroute(handle, topk_ids, stream=stream)
                 self._fill_replicas(handle)
                 self._generation += 1
+            if self._fused is not None:
+                out, received, act = self._fused.forward(arrays[0], self._import("topk_ids", ids), arrays[2],
+                                                         self._w_up, self._w_down)
+                return out, MoEContext(handle, received, None, act, None, self._generation, tokens)
             received = self.dispatcher.dispatch(x, ids, gates)
             offsets, xp = received.offsets, self.xp
             rows = received.x.shape[0]
@@ -381,7 +443,7 @@ class MoELayer:
         d_gates [T, K] float32)`` and adds the weight gradients into ``grad_up`` /
         ``grad_down`` (this rank's rows directly, replicas' through ``reduce_grads``).
         Each context once; a layer's micro-batches in any order its Balancer's ring allows."""
-        from ultraep.compute import grouped_mm_dgrad, grouped_mm_wgrad
+        from ultraep.compute import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
         from ultraep.compute.checks import is_bf16
 
         self._check_open()
@@ -403,11 +465,17 @@ class MoELayer:
         received, offsets = ctx.received, ctx.received.offsets
         with self._on_stream(stream, dy):
             replica_grads = self._replica_grads(ctx, stream)
+            if ctx.h is None:  # a fused forward kept only act: the rest is recomputed, bit for bit
+                rows = received.x.shape[0]
+                ctx.h = grouped_mm(received.x, self._w_up, offsets, out=xp.empty((rows, 2 * F), np.float32))
+                ctx.y = grouped_mm(ctx.act, self._w_down, offsets)
             grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
             d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
             dw_down = grouped_mm_wgrad(ctx.act, grad_y, offsets, out=xp.empty((M + self.slots, F, H), np.float32))
             dh = self._swiglu_backward(ctx.h, d_act, offsets)
-            d_recv = grouped_mm_dgrad(dh, self._w_up, offsets)
+            # set up for the fused forward, the Dispatcher reads row gradients where they lie
+            d_recv = grouped_mm_dgrad(dh, self._w_up, offsets,
+                                      out=self.dispatcher.expert_output() if self._fused is not None else None)
             dw_up = grouped_mm_wgrad(received.x, dh, offsets, out=xp.empty((M + self.slots, H, 2 * F), np.float32))
             self.grad_up += dw_up[:M]
             self.grad_down += dw_down[:M]
@@ -453,11 +521,28 @@ class MoELayer:
         self._swiglu.backward(h, self.xp.asarray(d_act), offsets, dh)
         return dh
 
+    def record_timeline(self, enable: bool = True) -> None:
+        """A fused layer: whether later forwards record when and where each task ran."""
+        self._fused_only("record_timeline").record_timeline(enable)
+
+    def timeline(self) -> list:
+        """A fused layer: the last recorded forward's tasks on this rank as (kind, start ns,
+        end ns, SM id -- 0 on the host), by start; kinds send, relay, up, down, reduce."""
+        return self._fused_only("timeline").timeline()
+
+    def _fused_only(self, what: str):
+        self._check_open()
+        if self._fused is None:
+            raise MoELayerError(f"{what}: the layer was set up without fused=True")
+        return self._fused
+
     def check(self) -> None:
         """Wait for queued work; raise deferred device errors of the Dispatcher, the grouped
         GEMM and the Balancer."""
         self._check_open()
         self.dispatcher.check()
+        if self._fused is not None:
+            self._fused.check()
         if self.device is not None:
             from ultraep.compute import check_errors
             check_errors()
@@ -470,6 +555,8 @@ class MoELayer:
             return
         self._closed = True
         self.dispatcher.close()
+        if self._owned_heap is not None:
+            self._owned_heap.close()
 
     def __enter__(self) -> MoELayer:
         return self
@@ -480,3 +567,5 @@ class MoELayer:
             return
         self._closed = True
         self.dispatcher.__exit__(exc_type, exc, tb)
+        if self._owned_heap is not None:
+            self._owned_heap.close_failing(exc)

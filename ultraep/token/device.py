@@ -130,58 +130,70 @@ class DeviceDispatcher:
 
     # -- the token path -------------------------------------------------------------------
     def dispatch(self, x, expert_ids, weights, out) -> DispatchResult:
-        cp, d = self.cp, self.config
         with caller_stream(x):
             x = self._import(x, "x")
             ids = self._import(expert_ids, "expert_ids")
             gates = self._import(weights, "weights")
             out = self._import(out, "out", writable=True)
-            check_tokens(self.group, d, x, ids, gates)
-            check_rows(self.group, d, {"out": (out, d.max_recv_rows)}, None)
-            recv = self._output(out, (d.max_recv_rows, d.hidden))
-            tokens, top_k = ids.shape
-            n = tokens * top_k
-            ids = cp.ascontiguousarray(ids.astype(np.int64, copy=False))
-            gates = cp.ascontiguousarray(gates.astype(np.float32, copy=False))
-            x = cp.ascontiguousarray(x)
-
-            # Token map: stable positions of the items by expert and by single send per rank.
-            self.first_bad.fill(NO_BAD_ITEM)
-            self.k["route_keys"]((_blocks(n),), (THREADS,), (
-                ids, gates, np.int32(n), np.int32(top_k), np.int32(d.num_experts), np.int32(d.experts_per_rank),
-                self.keys, self.first_bad))
-            items = 2 * n
-            segments = -(-items // SEGMENT_ITEMS)
-            segment_args = (self.keys, np.int32(items), np.int32(SEGMENT_ITEMS), np.int32(self.num_keys),
-                            self.seg_counts)
-            self.k["count_segments"]((_blocks(segments * WARP),), (THREADS,), segment_args)
-            self.k["scan_segments"]((self.num_keys,), (THREADS,), (
-                self.seg_counts, np.int32(segments), np.int32(self.num_keys), self.totals))
-            self.k["rank_segments"]((_blocks(segments * WARP),), (THREADS,), segment_args + (self.positions,))
-
-            # Count table on every rank, then the row plan every rank agrees on.
-            b = self.buffers
-            self.k["publish_counts"]((1,), (THREADS,), (
-                self.heap.peer_bases, np.uint64(b.count_table.offset), np.int32(d.rank), np.int32(d.size),
-                np.int32(d.num_experts), self.totals, self.first_bad, ids, gates, np.int32(top_k)))
-            self._barrier("counts")
-            self.k["plan_rows"]((1,), (min(MAX_BLOCK_THREADS, _whole_warps(d.size)),), (
-                self.local["count_table"], np.int32(d.size), np.int32(d.num_experts), np.int32(d.experts_per_rank),
-                np.int32(d.rank), np.int32(d.max_recv_rows), self.base, self.counts, self.offsets, self.outcome))
-
-            state = {"tokens": tokens, "ids": ids, "gates": gates, "positions": self.positions[:items].copy(),
-                     "base": self.base.copy(), "outcome": self.outcome.copy(), "offsets": self.offsets.copy(),
-                     "totals": self.totals.copy()}
+            check_tokens(self.group, self.config, x, ids, gates)
+            check_rows(self.group, self.config, {"out": (out, self.config.max_recv_rows)}, None)
+            recv = self._output(out, (self.config.max_recv_rows, self.config.hidden))
+            x, state = self.token_map(x, ids, gates)
             self._send_tokens(x, state, with_meta=True)
             self._barrier("tokens")
             self.k["expand_rows"]((self.grid,), (THREADS,), (
                 self.local["landing"], self.local["row_landing"], state["offsets"][-1:], np.int32(self.row_vecs), recv,
                 state["outcome"]))
-            for name in ("row_landing", "row_origin", "row_weight"):
-                state[name] = self.local[name].copy()
-            self.unreported_dispatch = True
-            self._finish()
-        handle = DispatchHandle(d.dispatcher_id, tokens, gates, ids, state)
+            return self.received(recv, state)
+
+    def token_map(self, x, ids, gates):
+        """Steps 1-3 of dispatch on the current stream (checked device arrays): the token map,
+        the count exchange and its barrier, the row plan. Returns ``(x contiguous, state)``;
+        what sends the tokens then (dispatch, or the fused layer's kernel) follows it."""
+        cp, d = self.cp, self.config
+        tokens, top_k = ids.shape
+        n = tokens * top_k
+        ids = cp.ascontiguousarray(ids.astype(np.int64, copy=False))
+        gates = cp.ascontiguousarray(gates.astype(np.float32, copy=False))
+        x = cp.ascontiguousarray(x)
+
+        # Token map: stable positions of the items by expert and by single send per rank.
+        self.first_bad.fill(NO_BAD_ITEM)
+        self.k["route_keys"]((_blocks(n),), (THREADS,), (
+            ids, gates, np.int32(n), np.int32(top_k), np.int32(d.num_experts), np.int32(d.experts_per_rank),
+            self.keys, self.first_bad))
+        items = 2 * n
+        segments = -(-items // SEGMENT_ITEMS)
+        segment_args = (self.keys, np.int32(items), np.int32(SEGMENT_ITEMS), np.int32(self.num_keys),
+                        self.seg_counts)
+        self.k["count_segments"]((_blocks(segments * WARP),), (THREADS,), segment_args)
+        self.k["scan_segments"]((self.num_keys,), (THREADS,), (
+            self.seg_counts, np.int32(segments), np.int32(self.num_keys), self.totals))
+        self.k["rank_segments"]((_blocks(segments * WARP),), (THREADS,), segment_args + (self.positions,))
+
+        # Count table on every rank, then the row plan every rank agrees on.
+        b = self.buffers
+        self.k["publish_counts"]((1,), (THREADS,), (
+            self.heap.peer_bases, np.uint64(b.count_table.offset), np.int32(d.rank), np.int32(d.size),
+            np.int32(d.num_experts), self.totals, self.first_bad, ids, gates, np.int32(top_k)))
+        self._barrier("counts")
+        self.k["plan_rows"]((1,), (min(MAX_BLOCK_THREADS, _whole_warps(d.size)),), (
+            self.local["count_table"], np.int32(d.size), np.int32(d.num_experts), np.int32(d.experts_per_rank),
+            np.int32(d.rank), np.int32(d.max_recv_rows), self.base, self.counts, self.offsets, self.outcome))
+
+        state = {"tokens": tokens, "ids": ids, "gates": gates, "positions": self.positions[:items].copy(),
+                 "base": self.base.copy(), "outcome": self.outcome.copy(), "offsets": self.offsets.copy(),
+                 "totals": self.totals.copy()}
+        return x, state
+
+    def received(self, recv, state: dict) -> DispatchResult:
+        """The result of a dispatch whose rows and row metadata have landed (on the stream)."""
+        d = self.config
+        for name in ("row_landing", "row_origin", "row_weight"):
+            state[name] = self.local[name].copy()
+        self.unreported_dispatch = True
+        self._finish()
+        handle = DispatchHandle(d.dispatcher_id, state["tokens"], state["gates"], state["ids"], state)
         return DispatchResult(recv, state["row_weight"].copy(), self.counts.copy(), state["offsets"], handle)
 
     def expert_output(self):

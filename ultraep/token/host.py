@@ -52,6 +52,25 @@ class HostDispatcher:
         out = self._import(out, "out", writable=True)
         check_tokens(self.group, d, x, expert_ids, weights)
         check_rows(self.group, d, {"out": (out, d.max_recv_rows)}, None)
+        m = self.token_map(x, expert_ids, weights)
+        top_k, dest, rows, sends = d.top_k, m["pair_rank"], m["pair_row"], m["sends"]
+        for r in range(d.size):
+            once = np.flatnonzero(sends & (dest == r))
+            b.landing.peer(r)[me * d.max_tokens + m["send_pos"][once]] = x[once // top_k]
+            pairs = dest == r
+            b.row_weight.peer(r)[rows[pairs]] = m["gates"].ravel()[pairs]
+            b.row_landing.peer(r)[rows[pairs]] = m["landing_row"][pairs]
+            b.row_origin.peer(r)[rows[pairs]] = m["origin"][pairs]
+        self._barrier()
+        recv_x = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
+        recv_x[:int(m["offsets"][-1])] = b.landing.local[b.row_landing.local[:int(m["offsets"][-1])]]
+        return self.received(recv_x, m)
+
+    def token_map(self, x, expert_ids, weights) -> dict:
+        """Steps 1-3 of dispatch (checked input): the token map, the count exchange and its
+        barrier, the row plan; raises on every rank for bad values or too many rows. Returns
+        the map; what sends the tokens then (dispatch, or the fused layer) follows it."""
+        d, b, me = self.config, self.buffers, self.config.rank
         bad = first_bad_item(expert_ids, weights, d.num_experts)
         raise_if_any(self.group, d, None if bad is None else DispatchError(bad_input_message(me, *bad, d.num_experts)),
                      "dispatch input check")
@@ -75,33 +94,28 @@ class HostDispatcher:
             r = int(too_many[0])
             raise DispatchError(f"rank {r} would receive {int(rank_totals[r])} rows, more than the set-up bound "
                                 f"max_recv_rows={d.max_recv_rows}")
-
-        dest = (ids // d.experts_per_rank).ravel()
-        rows = base[ids.ravel()] + pair_pos
         first_slot = ref.first_slot_of_rank(ids, d.experts_per_rank)
-        landing_row = me * T_max + send_pos.reshape(tokens, top_k)[np.arange(tokens)[:, None], first_slot].ravel()
-        origin = me * T_max * top_k + np.arange(tokens * top_k)
-        sends = keys[1] >= 0
-        for r in range(R):
-            once = np.flatnonzero(sends & (dest == r))
-            b.landing.peer(r)[me * T_max + send_pos[once]] = x[once // top_k]
-            pairs = dest == r
-            b.row_weight.peer(r)[rows[pairs]] = gates.ravel()[pairs]
-            b.row_landing.peer(r)[rows[pairs]] = landing_row[pairs]
-            b.row_origin.peer(r)[rows[pairs]] = origin[pairs]
-        self._barrier()
+        return {"ids": ids, "gates": gates, "tokens": tokens, "table": table, "totals": totals, "counts": counts,
+                "offsets": offsets, "send_pos": send_pos, "first_slot": first_slot,
+                "pair_rank": (ids // d.experts_per_rank).ravel(), "pair_row": base[ids.ravel()] + pair_pos,
+                "landing_row": me * T_max + send_pos.reshape(tokens, top_k)[np.arange(tokens)[:, None],
+                                                                             first_slot].ravel(),
+                "origin": me * T_max * top_k + np.arange(tokens * top_k), "sends": keys[1] >= 0}
 
-        total = int(offsets[-1])
+    def received(self, recv_x, m: dict) -> DispatchResult:
+        """The result of a dispatch whose rows and row metadata have landed (every rank's
+        sends done: after the barrier that follows them)."""
+        d, b = self.config, self.buffers
+        total = int(m["offsets"][-1])
         state = {"row_landing": b.row_landing.local[:total].copy(), "row_origin": b.row_origin.local[:total].copy(),
                  "row_weight": b.row_weight.local[:total].copy(), "num_rows": total,
-                 "send_rows": [(r, np.flatnonzero(sends & (dest == r))) for r in range(R)], "send_pos": send_pos,
-                 "totals": totals, "pair_rank": dest, "pair_row": rows}
-        recv_x = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
-        recv_x[:total] = b.landing.local[state["row_landing"]]
+                 "send_rows": [(r, np.flatnonzero(m["sends"] & (m["pair_rank"] == r))) for r in range(d.size)],
+                 "send_pos": m["send_pos"], "totals": m["totals"], "pair_rank": m["pair_rank"],
+                 "pair_row": m["pair_row"]}
         recv_w = np.zeros(d.max_recv_rows, dtype=np.float32)
         recv_w[:total] = state["row_weight"]
-        handle = DispatchHandle(d.dispatcher_id, tokens, gates, ids, state)
-        return DispatchResult(recv_x, recv_w, counts.astype(np.int32), offsets.astype(np.int32), handle)
+        handle = DispatchHandle(d.dispatcher_id, m["tokens"], m["gates"], m["ids"], state)
+        return DispatchResult(recv_x, recv_w, m["counts"].astype(np.int32), m["offsets"].astype(np.int32), handle)
 
     def _send_back(self, rows, handle: DispatchHandle):
         """Barrier (sources ready), then each received row into its origin slot at the source, barrier."""

@@ -1,0 +1,550 @@
+// Fused MoE layer (UniEP): dispatch + up-projection and down-projection + combine as two
+// persistent kernels, launched by ultraep/integration/fused_device.py after the
+// Dispatcher's token map (route_keys .. plan_rows of dispatch.cu, its count barrier
+// included). ultraep/integration/fused.py states the task semantics in NumPy -- the task
+// order, the scoreboard, where each flag is released and acquired and why no claim order
+// can deadlock. The outputs are held bit for bit to the sequential path on the GPU (the
+// Dispatcher, grouped_gemm.cu, swiglu.cu): the same tile arithmetic, the same sums.
+//
+//   fused_plan          one block: every rank's offsets and M-tile starts from the gathered
+//                       count table; the two claim counters zeroed
+//   fused_dispatch_up   send -> relay -> up tiles (SwiGLU epilogue) -> act [rows, F] BF16
+//   fused_down_combine  down tiles -> expert_out (heap) -> reduce -> out [T, H] BF16
+//
+// A block (GH_THREADS: a producer warpgroup and two consumer warpgroups, as the grouped
+// GEMM) claims one task at a time: thread 0 takes the next id from the kernel's counter,
+// the block reads it after a barrier. GEMM tiles run the grouped GEMM's producer, MMAs and
+// store warps on the same stage ring (grouped_gemm_common.cuh); send, relay and reduce
+// tasks run on the consumer warps, a warp per token or row. Any number of resident blocks
+// is correct (a block never waits for a task claimed after its own), so the grid is the
+// SM count whatever share of them MPS grants.
+//
+// Flags hold the call's epoch. Cross-rank flags (row_flag, done) live in the symmetric
+// heap: the writer fences its data at system scope and stores the flag with release
+// semantics; the reader loads it with system-scope acquire semantics. tile_ready is
+// local (gpu scope), and a proxy fence on both sides orders the relay's generic stores
+// before the TMA loads of the up tiles. Every wait gives up after timeout_ns and records
+// (FM_FLAG_TIMED_OUT, which flag, rank, index, expected, seen, block) in status; once
+// status holds a record every later wait returns at once, so a failed peer ends the
+// kernel within one timeout and the host raises.
+//
+//! kernels: fused_plan, fused_dispatch_up, fused_down_combine
+//! nvrtc-options: -arch=sm_90a
+
+#include <cuda_bf16.h>
+
+#include "grouped_gemm_common.cuh"
+#include "swiglu.cuh"
+
+// Task granularity, shared with the host (kernel_constant).
+#define FM_SEND_TOKENS 16        // tokens per send task
+#define FM_REDUCE_TOKENS 16      // tokens per reduce task (times one column block)
+#define FM_BM GH_BM              // rows per relay task and per GEMM tile
+#define FM_UP_COLS (GH_BN / 2)   // act columns per up tile: the accumulator is gate half | up half
+#define FM_DOWN_COLS GH_BN       // output columns per down tile and per reduce task
+#define FM_MAX_SLOTS 256         // local slots (M + S) per rank (shared-memory tables)
+#define FM_MAX_TOP_K WARP        // a warp's lanes hold a token's slots
+#define FM_PLAN_THREADS 256
+#define FM_UNROLL 4              // 16-byte loads in flight per lane in copies and reduces
+
+// status[0] (after the grouped GEMM's codes 1..4), then status[1] the flag, status[2] the
+// rank waited on, [3] the flag's index, [4] the epoch expected, [5] the value seen, [6] the block.
+#define FM_STATUS_WORDS 8
+#define FM_FLAG_TIMED_OUT 5
+#define FM_ROW_FLAG 1      // a receive row's arrival (written by its sender)
+#define FM_TILE_READY 2    // an M-tile's rows relayed into the receive buffer
+#define FM_TILE_DONE 3     // a down tile's output rows written (read by the reducers)
+
+// The optional task timeline: per task id [start ns, end ns, SM id | kind << 32].
+#define FM_TRACE_WORDS 3
+#define FM_KIND_SEND 0
+#define FM_KIND_RELAY 1
+#define FM_KIND_UP 2
+#define FM_KIND_DOWN 3
+#define FM_KIND_REDUCE 4
+
+// Dispatch outcome codes of dispatch.cu's plan_rows: anything but OK means no work.
+#define FM_OUTCOME_OK 0
+
+static_assert(FM_UP_COLS * 2 == GH_BN && FM_DOWN_COLS == GH_BN, "an up tile is gate | up halves of one accumulator");
+static_assert(FM_DOWN_COLS == WARP * 8, "a reduce warp's lane holds 8 BF16 columns");
+static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");
+
+// -- bounded flag waits ------------------------------------------------------------------------
+
+__device__ __forceinline__ bool aborted(const long long* status) {
+    return *reinterpret_cast<const volatile long long*>(status) != 0;
+}
+
+// Waits until *flag == epoch; false on timeout (recorded) or once an earlier wait anywhere in
+// this kernel has recorded one. Inline: a function call anywhere in a kernel makes ptxas
+// serialise its wgmma instructions.
+__device__ __forceinline__ bool wait_flag(const u64* flag, u64 epoch, u64 timeout_ns, long long* status, int what,
+                                          int rank, long long index) {
+    u64 seen = load_acquire_sys(flag);
+    if (seen == epoch) return true;
+    const u64 start = global_timer_ns();
+    while ((seen = load_acquire_sys(flag)) != epoch) {
+        if (aborted(status)) return false;
+        if (global_timer_ns() - start > timeout_ns) {
+            unsigned long long* word = reinterpret_cast<unsigned long long*>(status);
+            if (atomicCAS(word, 0ull, static_cast<unsigned long long>(FM_FLAG_TIMED_OUT)) == 0ull) {
+                status[1] = what;
+                status[2] = rank;
+                status[3] = index;
+                status[4] = static_cast<long long>(epoch);
+                status[5] = static_cast<long long>(seen);
+                status[6] = blockIdx.x;
+            }
+            return false;
+        }
+    }
+    return true;
+}
+
+// -- the plan ------------------------------------------------------------------------------------
+
+// From the gathered count table (rows: sources; columns: num_experts pair counts first):
+// rank_off[r * (spr + 1) + j] = rank r's expert-major offsets, rank_mtile[...] its first
+// M-tile per slot (the last entry the total). Zeroes the claim counters.
+extern "C" __global__ void fused_plan(const int* table, int ranks, int num_experts, int table_cols, int spr,
+                                      int* rank_off, int* rank_mtile, int* counters) {
+    if (threadIdx.x < 2) counters[threadIdx.x] = 0;
+    for (int r = threadIdx.x; r < ranks; r += blockDim.x) {
+        int rows = 0, tiles = 0;
+        for (int j = 0; j < spr; ++j) {
+            rank_off[r * (spr + 1) + j] = rows;
+            rank_mtile[r * (spr + 1) + j] = tiles;
+            int count = 0;
+            for (int s = 0; s < ranks; ++s) count += table[s * table_cols + r * spr + j];
+            rows += count;
+            tiles += ceil_div(count, FM_BM);
+        }
+        rank_off[r * (spr + 1) + spr] = rows;
+        rank_mtile[r * (spr + 1) + spr] = tiles;
+    }
+}
+
+// -- copies ----------------------------------------------------------------------------------------
+
+// Row `src` to row `dst` by one warp, 16-byte vectors, FM_UNROLL loads in flight per lane.
+// Plain loads: peers wrote src during this kernel.
+__device__ __forceinline__ void warp_copy_row(const uint4* src, uint4* dst, int row_vecs, int lane) {
+    for (int v0 = 0; v0 < row_vecs; v0 += WARP * FM_UNROLL) {
+        uint4 buf[FM_UNROLL];
+#pragma unroll
+        for (int u = 0; u < FM_UNROLL; ++u) {
+            const int v = v0 + u * WARP + lane;
+            if (v < row_vecs) buf[u] = src[v];
+        }
+#pragma unroll
+        for (int u = 0; u < FM_UNROLL; ++u) {
+            const int v = v0 + u * WARP + lane;
+            if (v < row_vecs) dst[v] = buf[u];
+        }
+    }
+}
+
+// Kernel A's send task for one token (a warp): as dispatch.cu's send_tokens -- lane k < K
+// writes slot k's gate, landing row and origin into its receive row on its rank; the token
+// goes once to each destination rank's landing rows -- then the warp fences its writes at
+// system scope and lane k releases row_flag of slot k's row on its rank.
+__device__ __forceinline__ void send_token(int t, const uint4* x, int top_k, int row_vecs, const long long* ids,
+                                           const float* gates, const int* positions, const int* base, int n,
+                                           const u64* peer_bases, u64 landing_offset, u64 weight_offset,
+                                           u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me,
+                                           int spr, int max_tokens, u64 epoch, int lane) {
+    u64 dest = 0, flag = 0;
+    bool sends = false;
+    if (lane < top_k) {
+        const int i = t * top_k + lane;
+        const int expert = static_cast<int>(ids[i]);
+        const int rank = expert / spr;
+        const u64 peer = peer_bases[rank];
+        sends = positions[n + i] >= 0;
+        dest = peer + landing_offset + (static_cast<u64>(me) * max_tokens + positions[n + i]) * row_vecs * sizeof(uint4);
+        int first_slot = lane;
+        for (int k = lane - 1; k >= 0; --k)
+            if (static_cast<int>(ids[t * top_k + k]) / spr == rank) first_slot = k;
+        const int row = base[expert] + positions[i];
+        reinterpret_cast<float*>(peer + weight_offset)[row] = gates[i];
+        reinterpret_cast<int*>(peer + row_landing_offset)[row] = me * max_tokens + positions[n + t * top_k + first_slot];
+        reinterpret_cast<int*>(peer + origin_offset)[row] = me * max_tokens * top_k + i;
+        flag = peer + row_flag_offset + static_cast<u64>(row) * sizeof(u64);
+    }
+    const uint4* src = x + static_cast<long long>(t) * row_vecs;
+    const unsigned send_mask = __ballot_sync(FULL_MASK, sends);
+    for (int v0 = 0; v0 < row_vecs; v0 += WARP * FM_UNROLL) {  // the token read once, stored to each rank
+        uint4 buf[FM_UNROLL];
+#pragma unroll
+        for (int u = 0; u < FM_UNROLL; ++u) {
+            const int v = v0 + u * WARP + lane;
+            if (v < row_vecs) buf[u] = __ldg(src + v);
+        }
+        for (unsigned m = send_mask; m; m &= m - 1) {
+            uint4* dst = reinterpret_cast<uint4*>(__shfl_sync(FULL_MASK, dest, __ffs(m) - 1));
+#pragma unroll
+            for (int u = 0; u < FM_UNROLL; ++u) {
+                const int v = v0 + u * WARP + lane;
+                if (v < row_vecs) dst[v] = buf[u];
+            }
+        }
+    }
+    __threadfence_system();
+    __syncwarp();
+    if (lane < top_k) store_release_sys(reinterpret_cast<u64*>(flag), epoch);
+}
+
+// -- the task loop's shared pieces ----------------------------------------------------------------
+
+struct Pipeline {
+    u64 full[GH_STAGES], empty[GH_STAGES], output_full, output_empty;
+};
+
+__device__ __forceinline__ void init_pipeline(Pipeline& p) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GH_STAGES; ++s) {
+            mbarrier_init(&p.full[s], 1);
+            mbarrier_init(&p.empty[s], GH_CONSUMERS * 4);
+        }
+        mbarrier_init(&p.output_full, GH_CONSUMERS * 4);
+        mbarrier_init(&p.output_empty, GH_STORE_WARPS);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+}
+
+// The next task id of this block. Every thread calls it, the producer warpgroup and the
+// consumers from their own loops (a named barrier of the whole block); the first barrier
+// means every thread has read the last id.
+// Non-aligned barriers: the producer warp's lane 0 may still be diverged from its warp.
+__device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 3, %0;" :: "n"(GH_THREADS) : "memory"); }
+
+// `ready(task)` runs on thread 0 -- the producer thread -- before the block sees the task:
+// a wait there keeps the consumers from waiting on a stage (whose timeout is a bug
+// detector's) while a peer's data is legitimately late. With a `trace`, thread 0 also
+// stamps the task's start (before that wait) and, at its next claim, the end of the task
+// it last claimed (`last`, total for none): the barrier between means the block is done.
+template <typename Ready, typename Kind>
+__device__ __forceinline__ int claim(int* counter, int* claimed, int total, Ready ready, Kind kind, u64* trace,
+                                     int& last) {
+    block_sync();
+    if (threadIdx.x == 0) {
+        const u64 now = trace != nullptr ? global_timer_ns() : 0;
+        if (trace != nullptr && last < total) trace[FM_TRACE_WORDS * last + 1] = now;
+        const int task = atomicAdd(counter, 1);
+        if (task < total) {
+            if (trace != nullptr) {
+                unsigned sm;
+                asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+                trace[FM_TRACE_WORDS * task] = now;
+                trace[FM_TRACE_WORDS * task + 2] = sm | static_cast<u64>(kind(task)) << 32;
+            }
+            ready(task);
+        }
+        *claimed = task;
+        last = task;
+    }
+    block_sync();
+    return *claimed;
+}
+
+__device__ __forceinline__ void store_warps_sync() {
+    asm volatile("barrier.sync 2, %0;" :: "n"(GH_STORE_WARPS * WARP) : "memory");
+}
+
+// Stage a consumer's accumulators as BF16 (COLS columns of the tile) for the store warps.
+// Accumulator d[4j + {0, 1}] is row lane/4, columns 8j + 2 (lane%4) + {0, 1} of the warp's
+// 16 rows; d[4j + {2, 3}] the same 8 rows further. UP: column block j < 16 is gate, j + 16
+// the matching up columns, and the staged value is swiglu(gate, up).
+template <bool UP>
+__device__ __forceinline__ void stage_accumulators(const float (&d)[128], unsigned staged, int consumer, int warp,
+                                                   int lane) {
+    const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
+    constexpr int BLOCKS = UP ? GH_BN / 16 : GH_BN / 8;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int j = 0; j < BLOCKS; ++j) {
+            const int i = 4 * j + 2 * half;
+            __nv_bfloat162 v;
+            if constexpr (UP) {
+                v.x = swiglu_rn(d[i], d[i + 4 * BLOCKS]);
+                v.y = swiglu_rn(d[i + 1], d[i + 1 + 4 * BLOCKS]);
+            } else {
+                v = __floats2bfloat162_rn(d[i], d[i + 1]);
+            }
+            asm volatile("st.shared.b32 [%0], %1;" :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
+                         "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
+        }
+}
+
+// -- kernel A: dispatch + up-projection ------------------------------------------------------------
+
+// Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then up tiles in
+// the grouped GEMM's order (slot, column block, M-tile). recv_map: recv [max_rows, H] as
+// (H, rows), box 64 x 128; w_up_map: w_up [slots, H, 2F] as (2F, H, slots), boxes 64 x 64 x 1.
+extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
+fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_constant__ TensorMap w_up_map,
+                  const uint4* x, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
+                  const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
+                  u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens,
+                  const int* rank_off, const int* rank_mtile, int max_rows, uint4* recv, u64* tile_ready, int ffn,
+                  bf16* act, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome,
+                  u64* trace) {
+    extern __shared__ unsigned char dynamic_shared[];
+    __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
+    __shared__ Pipeline p;
+    __shared__ int claimed;
+    if (outcome[0] != FM_OUTCOME_OK) return;  // every block of every rank reads the same verdict
+    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
+        off[j] = rank_off[me * (spr + 1) + j];
+        mtile[j] = rank_mtile[me * (spr + 1) + j];
+    }
+    __syncthreads();
+    const int n_up = ceil_div(ffn, FM_UP_COLS);
+    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_up);
+    init_pipeline(p);
+    __syncthreads();
+    const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
+    const int n_send = ceil_div(tokens, FM_SEND_TOKENS), n_relay = mtile[spr];
+    const int total = n_send + n_relay + tile_start[spr];
+    const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
+    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
+    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
+    const int cwarp = (threadIdx.x - 128) / WARP;  // consumer warp 0..7
+    const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
+    bool gave_up = false;
+    int step = 0, phase = 0;
+    // Tile t of the up tiles: gate columns [c0, c0 + 128) and up columns F + [c0, c0 + 128) of slot j.
+    auto up_tile = [&](int t) {
+        const int j = expert_of_tile(tile_start, spr, t);
+        const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
+        return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FM_UP_COLS, 0, hidden};
+    };
+    const int first_tile = n_send + n_relay;
+    // An up tile is handed to the block once its rows are relayed (acquire), and the proxy
+    // fence orders the relay's generic stores before this thread's TMA loads of them.
+    auto rows_relayed = [&](int task) {
+        if (task < first_tile) return;
+        const Tile tile = up_tile(task - first_tile);
+        const int ready = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
+        wait_flag(tile_ready + ready, epoch, timeout_ns, status, FM_TILE_READY, me, ready);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+    };
+    auto kind = [&](int task) {
+        return task < n_send ? FM_KIND_SEND : task < first_tile ? FM_KIND_RELAY : FM_KIND_UP;
+    };
+    int last = total;
+    auto next = [&] { return claim(counter, &claimed, total, rows_relayed, kind, trace, last); };
+
+    if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
+        for (int task = next(); task < total; task = next()) {
+            if (task < first_tile) continue;
+            const Tile tile = up_tile(task - first_tile);
+            if (warp == 0) {
+                if (lane == 0 && !gave_up) {
+                    const unsigned half = ffn - tile.col0 > GH_BOX ? 3u : 1u;  // each half's boxes left of F
+                    load_tile<GH_FORWARD>(&recv_map, &w_up_map, tile, 1, half | half << 2, ffn - FM_UP_COLS, stages,
+                                          p.full, p.empty, step, status, gave_up);
+                }
+            } else {
+                stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
+                if (!__any_sync(FULL_MASK, gave_up)) {
+                    store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, threadIdx.x - WARP);
+                    __syncwarp();
+                    if (lane == 0) mbarrier_arrive(&p.output_empty);
+                }
+            }
+            phase ^= 1;
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
+    const int consumer = warpgroup - 1;
+    for (int task = next(); task < total; task = next()) {
+        if (task < n_send) {
+            const int last = min(tokens, (task + 1) * FM_SEND_TOKENS);
+            for (int t = task * FM_SEND_TOKENS + cwarp; t < last; t += GH_CONSUMERS * 4)
+                send_token(t, x, top_k, row_vecs, ids, gates, positions, base, n, peer_bases, landing_offset,
+                           weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr, max_tokens,
+                           epoch, lane);
+        } else if (task < first_tile) {
+            const int tile = task - n_send;
+            const int j = expert_of_tile(mtile, spr, tile);
+            const int lo = off[j] + (tile - mtile[j]) * FM_BM, hi = min(off[j + 1], lo + FM_BM);
+            const uint4* landing = reinterpret_cast<const uint4*>(peer_bases[me] + landing_offset);
+            const int* row_landing = reinterpret_cast<const int*>(peer_bases[me] + row_landing_offset);
+            for (int row = lo + cwarp; row < hi; row += GH_CONSUMERS * 4) {
+                wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
+                warp_copy_row(landing + static_cast<long long>(row_landing[row]) * row_vecs,
+                              recv + static_cast<long long>(row) * row_vecs, row_vecs, lane);
+            }
+            asm volatile("fence.proxy.async.global;" ::: "memory");  // the TMA of an up tile reads these rows
+            __threadfence();
+            consumers_sync();
+            if (threadIdx.x == 128 && !aborted(status)) store_release_sys(tile_ready + tile, epoch);
+        } else {
+            const Tile tile = up_tile(task - first_tile);
+            float d[128];
+            mma_tile<GH_FORWARD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+            stage_accumulators<true>(d, staged, consumer, warp, lane);
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&p.output_full);
+            phase ^= 1;
+        }
+    }
+}
+
+// -- kernel B: down-projection + combine -----------------------------------------------------------
+
+// Tasks: down tiles in the grouped GEMM's order (slot, column block, M-tile), then reduce
+// tasks (token chunk, column block). act_map: act [max_rows, F] as (F, rows), box 64 x 128;
+// w_down_map: w_down [slots, F, H] as (H, F, slots), boxes 64 x 64 x 1. expert_out and the
+// done flags are heap tensors (offsets from each peer's base): reducers read them on the
+// experts' ranks. done[m * n_down + n]: M-tile m (this rank's M-tile index), column block n.
+extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
+fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_constant__ TensorMap w_down_map,
+                   int ffn, int hidden, const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me,
+                   int spr, const int* rank_off, const int* rank_mtile, const long long* ids, const int* positions,
+                   const int* base, const float* gates, int tokens, int top_k, bf16* out, u64 epoch, u64 timeout_ns,
+                   int* counter, long long* status, const int* outcome, u64* trace) {
+    extern __shared__ unsigned char dynamic_shared[];
+    __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
+    __shared__ Pipeline p;
+    __shared__ int claimed;
+    __shared__ const uint4* slot_row[GH_CONSUMERS * 4][FM_MAX_TOP_K];
+    if (outcome[0] != FM_OUTCOME_OK) return;
+    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
+        off[j] = rank_off[me * (spr + 1) + j];
+        mtile[j] = rank_mtile[me * (spr + 1) + j];
+    }
+    __syncthreads();
+    const int n_down = ceil_div(hidden, FM_DOWN_COLS);
+    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_down);
+    init_pipeline(p);
+    __syncthreads();
+    const int n_tiles = tile_start[spr];
+    const int total = n_tiles + ceil_div(tokens, FM_REDUCE_TOKENS) * n_down;
+    const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
+    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
+    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
+    const int cwarp = (threadIdx.x - 128) / WARP;
+    bf16* expert_out = reinterpret_cast<bf16*>(peer_bases[me] + expert_out_offset);
+    bool gave_up = false;
+    int step = 0, phase = 0;
+    auto no_wait = [](int) {};
+    auto kind = [&](int task) { return task < n_tiles ? FM_KIND_DOWN : FM_KIND_REDUCE; };
+    int last = total;
+    auto next = [&] { return claim(counter, &claimed, total, no_wait, kind, trace, last); };
+    auto down_tile = [&](int t) {
+        const int j = expert_of_tile(tile_start, spr, t);
+        const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
+        return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FM_DOWN_COLS, 0, ffn};
+    };
+
+    if (warpgroup == 0) {  // the producer thread and the store warps: down tiles only
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
+        for (int task = next(); task < total; task = next()) {
+            if (task >= n_tiles) continue;
+            const Tile tile = down_tile(task);
+            if (warp == 0) {
+                if (lane == 0 && !gave_up) {
+                    const int boxes = min(GH_BN / GH_BOX, ceil_div(hidden - tile.col0, GH_BOX));
+                    load_tile<GH_FORWARD>(&act_map, &w_down_map, tile, 1, (1u << boxes) - 1, 0, stages, p.full,
+                                          p.empty, step, status, gave_up);
+                }
+            } else {
+                stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
+                const bool stored = !__any_sync(FULL_MASK, gave_up);
+                if (stored) {
+                    store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, threadIdx.x - WARP);
+                    __syncwarp();
+                    if (lane == 0) mbarrier_arrive(&p.output_empty);
+                }
+                // The tile's rows are in the heap: fenced at system scope by every store
+                // thread, then one releases the tile's done flag for the reducers on every rank.
+                __threadfence_system();
+                store_warps_sync();
+                if (threadIdx.x == WARP && stored && !aborted(status)) {
+                    const long long flag = static_cast<long long>(mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM) *
+                                           n_down + tile.col0 / FM_DOWN_COLS;
+                    store_release_sys(reinterpret_cast<u64*>(peer_bases[me] + done_offset) + flag, epoch);
+                }
+            }
+            phase ^= 1;
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
+    const int consumer = warpgroup - 1;
+    for (int task = next(); task < total; task = next()) {
+        if (task < n_tiles) {
+            const Tile tile = down_tile(task);
+            float d[128];
+            mma_tile<GH_FORWARD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+            stage_accumulators<false>(d, staged, consumer, warp, lane);
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&p.output_full);
+            phase ^= 1;
+            continue;
+        }
+        {  // reduce: tokens of chunk c, output columns [nb * 256, + 256)
+            const int c = (task - n_tiles) / n_down, nb = (task - n_tiles) % n_down;
+            const int col = nb * FM_DOWN_COLS + lane * 8;
+            const int last = min(tokens, (c + 1) * FM_REDUCE_TOKENS);
+            for (int t = c * FM_REDUCE_TOKENS + cwarp; t < last; t += GH_CONSUMERS * 4) {
+                float g = 0.0f;
+                if (lane < top_k) {  // slot `lane`: its row on its expert's rank, once that tile's flag says so
+                    const int i = t * top_k + lane;
+                    const int expert = static_cast<int>(ids[i]);
+                    const int rank = expert / spr, j = expert % spr;
+                    const int row = base[expert] + positions[i];
+                    const int* roff = rank_off + rank * (spr + 1);
+                    const int m = rank_mtile[rank * (spr + 1) + j] + (row - roff[j]) / FM_BM;
+                    const u64 peer = peer_bases[rank];
+                    wait_flag(reinterpret_cast<const u64*>(peer + done_offset) + static_cast<long long>(m) * n_down + nb,
+                              epoch, timeout_ns, status, FM_TILE_DONE, rank, static_cast<long long>(m) * n_down + nb);
+                    slot_row[cwarp][lane] = reinterpret_cast<const uint4*>(
+                        reinterpret_cast<const bf16*>(peer + expert_out_offset) + static_cast<long long>(row) * hidden +
+                        nb * FM_DOWN_COLS);
+                    g = gates[i];
+                }
+                __syncwarp();
+                // dispatch.cu's sum_slots for this lane's 8 columns: fp32, products and sums
+                // rounded separately, slots in order.
+                float acc[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+                for (int k0 = 0; k0 < top_k; k0 += FM_UNROLL) {
+                    uint4 v[FM_UNROLL];
+#pragma unroll
+                    for (int u = 0; u < FM_UNROLL; ++u)
+                        if (col < hidden && k0 + u < top_k) v[u] = slot_row[cwarp][k0 + u][lane];
+#pragma unroll
+                    for (int u = 0; u < FM_UNROLL; ++u) {
+                        const float gk = __shfl_sync(FULL_MASK, g, (k0 + u) % WARP);
+                        if (col < hidden && k0 + u < top_k) {
+                            const bf16* h = reinterpret_cast<const bf16*>(&v[u]);
+#pragma unroll
+                            for (int e = 0; e < 8; ++e)
+                                acc[e] = __fadd_rn(acc[e], __fmul_rn(gk, __bfloat162float(h[e])));
+                        }
+                    }
+                }
+                if (col < hidden) {
+                    uint4 v;
+                    bf16* h = reinterpret_cast<bf16*>(&v);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) h[e] = __float2bfloat16_rn(acc[e]);
+                    *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * hidden + col) = v;
+                }
+                __syncwarp();
+            }
+        }
+    }
+}

@@ -1,0 +1,220 @@
+"""``python -m ultraep.bench moe-fused``: the fused MoE forward (UniEP's dispatch + up-GEMM
+and down-GEMM + combine persistent kernels, ``MoELayer(fused=True)``) against the
+sequential path (``Dispatcher.dispatch`` -> grouped GEMM -> SwiGLU -> grouped GEMM ->
+``combine``, ``MoELayer(fused=False)``) in the same run, over tokens per rank and hidden
+sizes.
+
+Every rank holds ``experts_per_rank`` BF16 SwiGLU experts; routing is uniform top-k
+(distinct experts per token), gates random; no balancing. Per (tokens, hidden): both
+layers are built, a checked forward each (also the warm-up), ``--repeats`` timed forwards
+each as group windows (first rank's start to last rank's end, a barrier before each), a
+second checked fused forward (and, with ``--timeline``, a recorded one). ``out_diff``:
+elements of the fused output whose bits differ from the sequential output's (must be 0);
+``rerun_diff``: between the two checked fused forwards (must be 0). ``speedup`` =
+sequential ms / fused ms.
+
+``--timeline FILE.png``: per setting, rank 0's recorded fused forward as one line per SM
+(a worker on the host) over time, coloured by task kind (send, relay, up tile, down tile,
+reduce): where communication hides under the GEMMs. Needs matplotlib (``ultraep[analysis]``).
+
+The issue's setting: 4 ranks under ``--emulate-ep`` (MPS, an SM share each, so each rank
+behaves like a small GPU), tokens 4096-32768, hidden 4096 and 7168, top-8. Ranks sharing
+a GPU without it run time-sliced (the title says "not a figure of merit", as on the host
+backend). Started with one process, it relaunches itself on ``--ranks`` ranks under
+``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from ultraep.bench.moe_layer import differing, phase_windows_ms
+from ultraep.runtime.launch import add_emulation_option, multi_rank_main
+
+COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
+ALIGN = 8  # hidden and ffn: whole 16-byte rows (the grouped GEMM's and the Dispatcher's copies)
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def width(text: str) -> int:
+    value = positive(text)
+    if value % ALIGN:
+        raise argparse.ArgumentTypeError(f"expected a multiple of {ALIGN}, got {text!r}")
+    return value
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-fused", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=positive, default=4, help="ranks to launch when started without mpiexec")
+    add_emulation_option(parser)
+    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"],
+                        help="device: the CUDA kernels; host: the NumPy task semantics; auto: the GPU if any")
+    parser.add_argument("--tokens", type=positive, nargs="+", default=[4096, 8192, 16384, 32768],
+                        help="tokens per rank (one row each)")
+    parser.add_argument("--hidden", type=width, nargs="+", default=[4096, 7168], help="model widths (one row each)")
+    parser.add_argument("--ffn", type=width, default=2048, help="expert FFN width (w_up is [hidden, 2 x ffn])")
+    parser.add_argument("--experts-per-rank", type=positive, default=8, help="experts per rank")
+    parser.add_argument("--top-k", type=positive, default=8, help="experts per token")
+    parser.add_argument("--repeats", type=positive, default=5, help="timed forwards per path")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--timeline", metavar="FILE.png",
+                        help="plot rank 0's fused tasks per SM over time, a file per setting "
+                             "(FILE_t{tokens}_h{hidden}.png)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    args = parser.parse_args(argv)
+    if args.top_k > args.experts_per_rank * args.ranks:
+        parser.error(f"--top-k {args.top_k} exceeds the experts ({args.experts_per_rank} per rank x {args.ranks} "
+                     "ranks): a token's experts are distinct")
+    return args
+
+
+def timeline_path(path: str, tokens: int, hidden: int) -> str:
+    stem, dot, suffix = path.rpartition(".")
+    return f"{stem}_t{tokens}_h{hidden}.{suffix}" if dot else f"{path}_t{tokens}_h{hidden}"
+
+
+KIND_COLOURS = {"send": "tab:blue", "relay": "tab:cyan", "up": "tab:orange", "down": "tab:red", "reduce": "tab:green"}
+
+
+def plot_timeline(tasks, path: str, title: str) -> None:
+    """``tasks``: (kind, start ns, end ns, worker) rows; one horizontal line per worker."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise SystemExit("--timeline needs matplotlib: pip install ultraep[analysis]") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min((start for _, start, _, _ in tasks), default=0)
+    workers = sorted({worker for *_, worker in tasks})
+    row = {worker: i for i, worker in enumerate(workers)}
+    fig, ax = plt.subplots(figsize=(12, max(3.0, 0.05 * len(workers) + 2)))
+    for kind, colour in KIND_COLOURS.items():
+        spans = [(row[w], (s - t0) / 1e3, max(e - s, 0) / 1e3) for k, s, e, w in tasks if k == kind]
+        if spans:
+            ax.barh([y for y, _, _ in spans], [d for *_, d in spans], left=[x for _, x, _ in spans], height=0.8,
+                    color=colour, label=kind)
+    ax.set_xlabel("µs since the first task")
+    ax.set_ylabel("SM (worker)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    return multi_rank_main(argv, parse_args, run, nprocs=lambda args: args.ranks,
+                           command=["-m", "ultraep.bench", "moe-fused"])
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    from ultraep.bench.report import Progress, RowStream, write_json
+    from ultraep.integration.moe_layer import MoELayer
+    from ultraep.runtime.dtypes import BFLOAT16
+    from ultraep.runtime.group import EPGroup
+    from ultraep.runtime.mps import sharing_label
+
+    group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "host")
+    R, me, K, F = group.size, group.rank, args.top_k, args.ffn
+    if K > R * args.experts_per_rank:
+        raise SystemExit(f"--top-k {K} exceeds the {R * args.experts_per_rank} experts of {R} ranks")
+    gpu = group.has_gpu and args.backend != "host"
+    if args.backend == "device" and not gpu:
+        raise SystemExit("--backend device: no GPU here")
+    if gpu:
+        import cupy as xp
+        synchronize, to_host = xp.cuda.get_current_stream().synchronize, xp.asnumpy
+    else:
+        xp, synchronize, to_host = np, (lambda: None), np.asarray
+    backend = "device" if gpu else "host"
+    M = args.experts_per_rank
+    E = R * M
+
+    def bf16(values):  # crosses to the GPU as its bits
+        return xp.asarray(values.astype(np.float32).astype(BFLOAT16).view(np.int16)).view(BFLOAT16)
+
+    caveat = sharing_label(group)
+    title = (f"fused vs sequential MoE forward: {R} ranks ({caveat}), {E} experts, top-{K}, ffn {F}, uniform "
+             "routing, BF16 SwiGLU experts; speedup = seq_ms / fused_ms; out_diff: fused output elements whose bits "
+             "differ from the sequential path's; rerun_diff: between two fused forwards")
+    progress = Progress("moe-fused", enabled=me == 0 and not args.quiet)
+    table = RowStream(COLUMNS, title, enabled=me == 0)
+    rows = []
+    for H in args.hidden:
+        for T in args.tokens:
+            progress(f"tokens {T}, hidden {H}: setting up, a checked forward each, {args.repeats} timed forwards "
+                     "each, a checked fused forward")
+            rng = np.random.default_rng((args.seed, me, T, H))
+            w_up = bf16(rng.standard_normal((M, H, 2 * F)) / np.sqrt(H))
+            w_down = bf16(rng.standard_normal((M, F, H)) / np.sqrt(F))
+            x = bf16(rng.standard_normal((T, H)))
+            ids = xp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64))
+            gates = xp.asarray(rng.random((T, K)).astype(np.float32))
+            # Receive bound: uniform routing's mean with room for its spread (a few standard
+            # deviations are well under 10 % of it); the largest setting runs 4 ranks on one GPU.
+            bound = int(1.1 * T * K) + 1024
+            layers = {}
+            try:
+                for fused in (False, True):
+                    layers[fused] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                                             max_recv_rows=bound, backend=backend, sync_checks=False, fused=fused)
+                    layers[fused].load_weights(w_up, w_down)
+                outputs = {}
+                for fused, moe in layers.items():
+                    outputs[fused] = to_host(moe.forward(x, ids, gates)[0]).copy()
+                    moe.check()
+                phases = [lambda _, moe=moe: moe.forward(x, ids, gates) for moe in (layers[False], layers[True])]
+                seq_ms, fused_ms = phase_windows_ms(group, phases, args.repeats, synchronize)
+                again = to_host(layers[True].forward(x, ids, gates)[0])
+                for moe in layers.values():
+                    moe.check()
+                if args.timeline:
+                    layers[True].record_timeline(True)
+                    layers[True].forward(x, ids, gates)
+                    tasks = layers[True].timeline()
+                    layers[True].record_timeline(False)
+                    if me == 0:
+                        plot_timeline(tasks, timeline_path(args.timeline, T, H),
+                                      f"rank 0 of {R} ({caveat}): fused forward, {T} tokens, hidden {H}, ffn {F}, "
+                                      f"top-{K}")
+                mine = (differing([outputs[True]], [outputs[False]]), differing([again], [outputs[True]]))
+            finally:
+                for moe in layers.values():
+                    moe.close()
+                if gpu:  # the next setting's buffers differ in shape: give this one's back to the driver
+                    xp.get_default_memory_pool().free_all_blocks()
+            everyone = group.allgather(mine)
+            row = {"tokens": T, "hidden": H, "ffn": F, "seq_ms": seq_ms, "fused_ms": fused_ms,
+                   "speedup": seq_ms / fused_ms, "out_diff": sum(d[0] for d in everyone),
+                   "rerun_diff": sum(d[1] for d in everyone)}
+            rows.append(row)
+            table.add(row)
+    table.close()
+    problems = [f"tokens {row['tokens']} hidden {row['hidden']}: {key} = {row[key]} (must be 0)"
+                for row in rows for key in ("out_diff", "rerun_diff") if row[key]]
+    if problems:
+        raise SystemExit("the fused layer is not bitwise the sequential path: " + "; ".join(problems))
+    if me == 0 and args.json:
+        write_json(args.json, {"benchmark": "moe-fused", "ranks": R, "caveat": caveat, "args": vars(args),
+                               "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

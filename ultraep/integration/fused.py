@@ -1,0 +1,562 @@
+"""The fused MoE layer's task semantics in NumPy: the spec ``raw_kernels/fused_moe.cu``
+follows and the reference it is held to.
+
+UniEP's two persistent kernels replace ``dispatch -> grouped GEMM up -> SwiGLU -> grouped
+GEMM down -> combine`` (``MoELayer``'s sequential path). Every CTA (a persistent block, one
+per SM, however many are resident) claims task ids from one counter per rank and kernel,
+``task = atomicAdd(counter, 1)``, and runs them in the order below until the list is done.
+
+Kernel A, dispatch + up-projection (rank ``r``; ``j`` a local slot, ``m`` an M-tile of
+``bm`` rows of slot ``j``, ``n`` a column block):
+
+1. ``send(c)``   tokens ``[c*S, (c+1)*S)`` of this rank: each token once into its landing
+   row on every destination rank, each (token, k) pair's gate, landing row and origin into
+   its receive row there; then, after a system-scope release fence, ``row_flag[row] =
+   epoch`` on the destination for every pair row written. Waits for nothing.
+2. ``relay(j, m)`` waits (acquire) until ``row_flag[row] == epoch`` for each row of the
+   tile (written by senders on any rank), copies ``landing[row_landing[row]]`` into the
+   expert-major receive row, then releases ``tile_ready[mtile(j, m)] = epoch``.
+3. ``up(j, n, m)`` (expert, then column block, then M-tile: the grouped GEMM's order)
+   waits (acquire, then a proxy fence: the TMA reads what generic stores wrote) until
+   ``tile_ready[mtile(j, m)] == epoch`` -- on the device the claiming thread waits before
+   the block sees the task, so no stage wait of the GEMM pipeline spans it; multiplies
+   the tile's rows by ``w_up[j]``'s gate columns ``[n*U, (n+1)*U)`` and up columns
+   ``F + [n*U, (n+1)*U)`` (one accumulator of 2U columns) and stores
+   ``act = swiglu(gate | up)`` in the epilogue, BF16.
+
+Kernel B, down-projection + combine (launched after A on the same stream):
+
+1. ``down(j, n, m)`` multiplies ``act`` rows by ``w_down[j]``'s columns ``[n*D, (n+1)*D)``
+   into the heap's ``expert_out`` rows (BF16), then, after a system-scope release fence,
+   ``done[mtile(j, m) * n_down + n] = epoch``. Waits for nothing.
+2. ``reduce(c, n)`` for tokens ``[c*S', (c+1)*S')`` of this rank and output columns
+   ``[n*D, (n+1)*D)``: for k = 0..K-1, waits (acquire) until the done flag of the tile
+   holding slot (t, k)'s row on its expert's rank says ``epoch``, reads those columns of
+   the row there, and sums gate-weighted in slot order in FP32 (``slot_sum``).
+
+``mtile(j, m)`` is the tile's index in the rank's prefix of M-tiles (``mtile_starts``), the
+same on every rank because every rank derives every rank's counts from the gathered count
+table. Flags hold the call's epoch (the same count of fused calls on every rank), so no
+flag is ever reset; a stale value from an earlier call never equals the current epoch.
+
+Why no order of claims can deadlock: a task waits only for (a) send tasks, which wait for
+nothing, (b) down tasks, which wait for nothing, or (c) a relay of its own rank and kernel
+with a smaller id. A task with a smaller id was claimed earlier by a running CTA; by
+induction on the id that CTA finishes it; tasks of kinds (a) and (b) finish once claimed,
+and every rank claims all of them (a rank's CTAs are never all blocked while a task that
+waits for nothing is unclaimed: it precedes every waiting task in the order). So one
+resident CTA per rank suffices, which is what makes the kernels correct under an MPS SM
+share. Every wait on the device is bounded (``timeout_s``) and records which flag, index,
+rank and value it saw. :func:`check_order` verifies this property for a given task list
+and :func:`simulate` runs the tasks in random interleavings to show it.
+
+Reuse across calls: a rank rewrites its peers' landing rows and row metadata, and its own
+``expert_out``, only after the next call's count barrier (the Dispatcher's token map),
+which every rank enters after its kernel B of this call: no reader is overtaken.
+
+The result is bitwise the sequential path's on the same backend: each output element of a
+tile is one FP32 sum over the reduction in ascending order (``compute.host.sequential_product``
+here; on the device the grouped GEMM's tensor-core steps, the same whichever rows and
+columns share its tile), SwiGLU is elementwise, and the reduce sums in slot order exactly
+as combine does. :class:`HostFusedForward` runs these tasks for ``MoELayer(fused=True)``
+on the host backend.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ultraep.compute.host import sequential_product
+from ultraep.errors import FusedDeadlock, WaitTimeout
+from ultraep.runtime.dtypes import BFLOAT16
+from ultraep.runtime.heap import HeapRequirements
+from ultraep.runtime.kernels import kernel_constant
+from ultraep.token import reference as ref
+
+KERNELS = "fused_moe.cu"
+HEAP_PREFIX = "fused."
+
+
+@dataclass(frozen=True)
+class Granularity:
+    """Task sizes (the kernel's, or smaller ones for tests)."""
+
+    send_tokens: int
+    reduce_tokens: int
+    bm: int
+    up_cols: int
+    down_cols: int
+
+    @classmethod
+    def kernel(cls) -> Granularity:
+        names = ("FM_SEND_TOKENS", "FM_REDUCE_TOKENS", "FM_BM", "FM_UP_COLS", "FM_DOWN_COLS")
+        return cls(*(kernel_constant(KERNELS, name) for name in names))
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: ``kind`` in send, relay, up (kernel A), down, reduce (kernel B)."""
+
+    kind: str
+    a: int        # send/reduce: token chunk; relay/up/down: local slot j
+    m: int = 0    # relay/up/down: M-tile
+    n: int = 0    # up/down/reduce: column block
+
+
+KERNEL_A = ("send", "relay", "up")
+KERNEL_B = ("down", "reduce")
+NO_WAITS = ("send", "down")
+# A timeline's task kinds by the kernel's FM_KIND_* codes.
+KINDS = {kernel_constant(KERNELS, f"FM_KIND_{kind.upper()}"): kind for kind in KERNEL_A + KERNEL_B}
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def max_m_tiles(max_recv_rows: int, slots_per_rank: int, grain: Granularity | None = None) -> int:
+    """M-tiles a rank can have: every slot's partial tile on top of the whole ones."""
+    return _ceil(max_recv_rows, (grain or Granularity.kernel()).bm) + slots_per_rank
+
+
+def max_tasks(*, max_tokens: int, max_recv_rows: int, slots_per_rank: int, hidden: int, ffn: int,
+              grain: Granularity) -> tuple[int, int]:
+    """Most tasks kernels A and B can have (the timeline's rows)."""
+    tiles = max_m_tiles(max_recv_rows, slots_per_rank, grain)
+    n_down = _ceil(hidden, grain.down_cols)
+    return (_ceil(max_tokens, grain.send_tokens) + tiles * (1 + _ceil(ffn, grain.up_cols)),
+            tiles * n_down + _ceil(max_tokens, grain.reduce_tokens) * n_down)
+
+
+def heap_requirements(*, hidden: int, max_recv_rows: int, slots_per_rank: int, layer: int = 0) -> HeapRequirements:
+    """The fused layer's flags in the symmetric heap (add to the Dispatcher's)."""
+    n_down = _ceil(hidden, kernel_constant(KERNELS, "FM_DOWN_COLS"))
+    tiles = max_m_tiles(max_recv_rows, slots_per_rank)
+    prefix = f"{HEAP_PREFIX}{layer}."
+    return HeapRequirements.of(tensors=[(prefix + "row_flag", (max_recv_rows,), np.uint64),
+                                        (prefix + "done", (tiles * n_down,), np.uint64)])
+
+
+def mtile_starts(counts: np.ndarray, bm: int) -> np.ndarray:
+    """``[slots + 1]``: the first M-tile index of each local slot, then the total."""
+    tiles = [_ceil(int(c), bm) for c in counts]
+    return np.concatenate([[0], np.cumsum(tiles, dtype=np.int64)]).astype(np.int64)
+
+
+@dataclass
+class RankPlan:
+    """What one rank knows after the token map and the count exchange (every rank's
+    counts come from the same gathered table)."""
+
+    rank: int
+    tokens: int
+    top_k: int
+    pair_row: np.ndarray      # [T*K] receive row of each pair on its destination rank
+    pair_rank: np.ndarray     # [T*K]
+    send_pos: np.ndarray      # [T*K] position among this rank's sends to that rank, -1 if not the token's send
+    first_slot: np.ndarray    # [T, K] the token's first slot going to the same rank
+    offsets: list             # offsets[r]: rank r's expert-major offsets [slots + 1]
+    mtiles: list              # mtiles[r]: mtile_starts of rank r
+
+
+def plan_ranks(expert_ids: list, slots_per_rank: int, grain: Granularity) -> list[RankPlan]:
+    """The token map of every rank (``token.reference``'s arithmetic, as the Dispatcher)."""
+    R = len(expert_ids)
+    E = R * slots_per_rank
+    table = np.zeros((R, E), dtype=np.int64)
+    keyed = []
+    for s, ids in enumerate(expert_ids):
+        ids = np.asarray(ids, dtype=np.int64)
+        positions, totals = ref.stable_key_positions(ref.route_keys(ids, slots_per_rank, E), E + R)
+        table[s] = totals[:E]
+        keyed.append((ids, positions))
+    offsets = [ref.plan_rows(table, slots_per_rank, r)[2] for r in range(R)]
+    plans = []
+    for s, (ids, positions) in enumerate(keyed):
+        n = ids.size
+        base = ref.plan_rows(table, slots_per_rank, s)[0]
+        plans.append(RankPlan(
+            rank=s, tokens=ids.shape[0], top_k=ids.shape[1], pair_row=base[ids.ravel()] + positions[:n],
+            pair_rank=ids.ravel() // slots_per_rank, send_pos=positions[n:],
+            first_slot=ref.first_slot_of_rank(ids, slots_per_rank), offsets=offsets,
+            mtiles=[mtile_starts(np.diff(o), grain.bm) for o in offsets]))
+    return plans
+
+
+def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity) -> tuple[list[Task], list[Task]]:
+    """This rank's tasks of kernel A and kernel B, in claim order."""
+    off = plan.offsets[plan.rank]
+    slots = len(off) - 1
+    m_tiles = [_ceil(int(off[j + 1] - off[j]), grain.bm) for j in range(slots)]
+    a = [Task("send", c) for c in range(_ceil(plan.tokens, grain.send_tokens))]
+    a += [Task("relay", j, m) for j in range(slots) for m in range(m_tiles[j])]
+    a += [Task("up", j, m, n) for j in range(slots) for n in range(_ceil(ffn, grain.up_cols))
+          for m in range(m_tiles[j])]
+    b = [Task("down", j, m, n) for j in range(slots) for n in range(_ceil(hidden, grain.down_cols))
+         for m in range(m_tiles[j])]
+    b += [Task("reduce", c, 0, n) for c in range(_ceil(plan.tokens, grain.reduce_tokens))
+          for n in range(_ceil(hidden, grain.down_cols))]
+    return a, b
+
+
+# -- the heaps and the tasks' semantics -----------------------------------------------------------
+
+@dataclass
+class RankState:
+    """One rank's buffers: the symmetric heap's (written or read by peers) and its own
+    (None where another process holds them)."""
+
+    landing: np.ndarray
+    row_weight: np.ndarray
+    row_landing: np.ndarray
+    row_origin: np.ndarray
+    expert_out: np.ndarray
+    flags: dict = field(default_factory=dict)   # name -> integer array: row_flag, tile_ready, done
+    x: np.ndarray | None = None
+    gates: np.ndarray | None = None
+    w_up: np.ndarray | None = None      # [slots, H, 2F] bf16
+    w_down: np.ndarray | None = None    # [slots, F, H] bf16
+    recv: np.ndarray | None = None
+    act: np.ndarray | None = None
+    out: np.ndarray | None = None
+
+
+def _poison(shape, dtype) -> np.ndarray:
+    """BF16 NaNs (or float NaNs, or -1): a row read before it is written shows in the result."""
+    if dtype == BFLOAT16:
+        return np.full(shape, 0x7FC1, dtype=np.int16).view(BFLOAT16)
+    if np.dtype(dtype).kind == "f":
+        return np.full(shape, np.nan, dtype=dtype)
+    return np.full(shape, -1, dtype=dtype)
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).astype(np.float32)
+
+
+class FusedLayer:
+    """The fused forward's tasks, their waits and their effects over every rank's buffers.
+
+    ``plans[r]``: rank ``r``'s :class:`RankPlan` where this process runs its tasks, else
+    None; ``states[r]``: its buffers (a peer's: the heap's views of it). :meth:`simulation`
+    builds every rank in one process; :class:`HostFusedForward` one rank over the heap.
+    """
+
+    def __init__(self, plans: list, states: list, activation: Callable, *, grain: Granularity, epoch: int,
+                 max_tokens: int, top_k: int, hidden: int, ffn: int):
+        self.plans, self.state, self.activation, self.grain = plans, states, activation, grain
+        self.ranks, self.epoch, self.max_tokens = len(states), epoch, max_tokens
+        self.top_k, self.hidden, self.ffn = top_k, hidden, ffn
+        self.n_down = _ceil(hidden, grain.down_cols)
+        self.tasks = [None if p is None else task_order(p, ffn, hidden, grain) for p in plans]
+
+    @classmethod
+    def simulation(cls, xs, expert_ids, gates, w_up, w_down, activation: Callable, *, grain: Granularity | None = None,
+                   epoch: int = 1, max_tokens: int | None = None) -> FusedLayer:
+        """Every rank in this process, buffers poisoned: ``xs[r] [T_r, H]`` BF16,
+        ``expert_ids[r] [T_r, K]`` physical slot ids, ``gates[r]`` float32, ``w_up[r] [slots,
+        H, 2F]`` and ``w_down[r] [slots, F, H]`` BF16 (rank ``r``'s stacked slots),
+        ``activation(h, rows)`` the epilogue (``moe_layer.swiglu``)."""
+        grain = grain or Granularity.kernel()
+        ranks, slots = len(xs), w_up[0].shape[0]
+        H, F = w_up[0].shape[1], w_up[0].shape[2] // 2
+        max_tokens = max_tokens or max(1, max(len(x) for x in xs))
+        plans = plan_ranks(expert_ids, slots, grain)
+        n_down = _ceil(H, grain.down_cols)
+        states = []
+        for r in range(ranks):
+            rows = max(1, int(plans[r].offsets[r][-1]))
+            tiles = max(1, int(plans[r].mtiles[r][-1]))
+            states.append(RankState(
+                x=np.asarray(xs[r]), gates=np.asarray(gates[r], dtype=np.float32), w_up=np.asarray(w_up[r]),
+                w_down=np.asarray(w_down[r]), landing=_poison((ranks * max_tokens, H), BFLOAT16),
+                row_weight=_poison(rows, np.float32), row_landing=_poison(rows, np.int64),
+                row_origin=_poison(rows, np.int64), recv=_poison((rows, H), BFLOAT16),
+                act=_poison((rows, F), BFLOAT16), expert_out=_poison((rows, H), BFLOAT16),
+                out=_poison((len(xs[r]), H), BFLOAT16),
+                flags={"row_flag": np.zeros(rows, np.int64), "tile_ready": np.zeros(tiles, np.int64),
+                       "done": np.zeros(tiles * n_down, np.int64)}))
+        return cls(plans, states, activation, grain=grain, epoch=epoch, max_tokens=max_tokens,
+                   top_k=np.shape(expert_ids[0])[1], hidden=H, ffn=F)
+
+    # -- geometry ---------------------------------------------------------------------------
+    def _tile_rows(self, r: int, j: int, m: int) -> tuple[int, int]:
+        off = self.plans[r].offsets[r]
+        lo = int(off[j]) + m * self.grain.bm
+        return lo, min(int(off[j + 1]), lo + self.grain.bm)
+
+    def _mtile(self, r: int, j: int, m: int) -> int:
+        return int(self.plans[r].mtiles[r][j]) + m
+
+    def _chunk(self, r: int, c: int, size: int) -> range:
+        return range(c * size, min(self.plans[r].tokens, (c + 1) * size))
+
+    def _slot_tile(self, r: int, i: int) -> tuple[int, int, int]:
+        """Pair ``i`` of source ``r``: (destination rank, its row there, the row's M-tile there)."""
+        p = self.plans[r]
+        dest, row = int(p.pair_rank[i]), int(p.pair_row[i])
+        off = p.offsets[dest]
+        j = int(np.searchsorted(off, row, side="right")) - 1  # the last slot starting at or before row: non-empty
+        return dest, row, int(p.mtiles[dest][j]) + (row - int(off[j])) // self.grain.bm
+
+    # -- waits and producers ----------------------------------------------------------------
+    def waits(self, r: int, task: Task) -> list[tuple[int, str, int]]:
+        """The flags (rank, name, index) ``task`` of rank ``r`` waits for, each to equal the epoch."""
+        if task.kind == "relay":
+            lo, hi = self._tile_rows(r, task.a, task.m)
+            return [(r, "row_flag", row) for row in range(lo, hi)]
+        if task.kind == "up":
+            return [(r, "tile_ready", self._mtile(r, task.a, task.m))]
+        if task.kind == "reduce":
+            waits = []
+            for t in self._chunk(r, task.a, self.grain.reduce_tokens):
+                for k in range(self.top_k):
+                    dest, _, tile = self._slot_tile(r, t * self.top_k + k)
+                    waits.append((dest, "done", tile * self.n_down + task.n))
+            return waits
+        return []
+
+    def publishes(self, r: int, task: Task) -> list[tuple[int, str, int]]:
+        """The flags ``task`` sets to the epoch when it is done."""
+        if task.kind == "send":
+            p = self.plans[r]
+            return [(int(p.pair_rank[i]), "row_flag", int(p.pair_row[i]))
+                    for t in self._chunk(r, task.a, self.grain.send_tokens) for i in range(t * self.top_k,
+                                                                                          (t + 1) * self.top_k)]
+        if task.kind == "relay":
+            return [(r, "tile_ready", self._mtile(r, task.a, task.m))]
+        if task.kind == "down":
+            return [(r, "done", self._mtile(r, task.a, task.m) * self.n_down + task.n)]
+        return []
+
+    # -- effects ----------------------------------------------------------------------------
+    def run(self, r: int, task: Task) -> None:
+        """Task ``task`` of rank ``r`` (its waits satisfied), then its flags published."""
+        getattr(self, "_" + task.kind)(r, task)
+        for rank, name, index in self.publishes(r, task):
+            self.state[rank].flags[name][index] = self.epoch
+
+    def _send(self, r: int, task: Task) -> None:
+        p, st, K = self.plans[r], self.state[r], self.top_k
+        for t in self._chunk(r, task.a, self.grain.send_tokens):
+            for k in range(K):
+                i = t * K + k
+                dest = self.state[int(p.pair_rank[i])]
+                if p.send_pos[i] >= 0:
+                    dest.landing[r * self.max_tokens + p.send_pos[i]] = st.x[t]
+                row = int(p.pair_row[i])
+                dest.row_weight[row] = st.gates[t, k]
+                dest.row_landing[row] = r * self.max_tokens + p.send_pos[t * K + p.first_slot[t, k]]
+                dest.row_origin[row] = r * self.max_tokens * K + i
+
+    def _relay(self, r: int, task: Task) -> None:
+        st = self.state[r]
+        lo, hi = self._tile_rows(r, task.a, task.m)
+        st.recv[lo:hi] = st.landing[st.row_landing[lo:hi]]
+
+    def _up(self, r: int, task: Task) -> None:
+        st, F, U = self.state[r], self.ffn, self.grain.up_cols
+        lo, hi = self._tile_rows(r, task.a, task.m)
+        c0, c1 = task.n * U, min(F, (task.n + 1) * U)
+        w = _f32(st.w_up[task.a])
+        a = _f32(st.recv[lo:hi])
+        h = np.concatenate([sequential_product(a, w[:, c0:c1]), sequential_product(a, w[:, F + c0:F + c1])], axis=1)
+        st.act[lo:hi, c0:c1] = self.activation(h, hi - lo)
+
+    def _down(self, r: int, task: Task) -> None:
+        st, D = self.state[r], self.grain.down_cols
+        lo, hi = self._tile_rows(r, task.a, task.m)
+        c0, c1 = task.n * D, min(self.hidden, (task.n + 1) * D)
+        st.expert_out[lo:hi, c0:c1] = sequential_product(_f32(st.act[lo:hi]),
+                                                         _f32(st.w_down[task.a][:, c0:c1])).astype(BFLOAT16)
+
+    def _reduce(self, r: int, task: Task) -> None:
+        st, D, K = self.state[r], self.grain.down_cols, self.top_k
+        c0, c1 = task.n * D, min(self.hidden, (task.n + 1) * D)
+        tokens = list(self._chunk(r, task.a, self.grain.reduce_tokens))
+        slots = np.empty((len(tokens), K, c1 - c0), dtype=BFLOAT16)
+        for a, t in enumerate(tokens):
+            for k in range(K):
+                dest, row, _ = self._slot_tile(r, t * K + k)
+                slots[a, k] = self.state[dest].expert_out[row, c0:c1]
+        if tokens:
+            st.out[tokens[0]:tokens[-1] + 1, c0:c1] = ref.slot_sum(slots, st.gates[tokens[0]:tokens[-1] + 1], BFLOAT16)
+
+    def outputs(self) -> list[np.ndarray]:
+        return [s.out for s in self.state]
+
+
+# -- order check and interleavings -----------------------------------------------------------------
+
+def check_order(layer: FusedLayer, tasks: list | None = None) -> None:
+    """Raise FusedDeadlock unless every wait of every task has a producer that waits for
+    nothing or is an earlier task of the same rank and kernel (the module docstring's
+    argument that no interleaving deadlocks)."""
+    tasks = tasks or layer.tasks
+    producer = {}
+    for r, (a, b) in enumerate(tasks):
+        for kernel, order in ((0, a), (1, b)):
+            for index, task in enumerate(order):
+                for flag in layer.publishes(r, task):
+                    producer[flag] = (r, kernel, index, task)
+    for r, (a, b) in enumerate(tasks):
+        for kernel, order in ((0, a), (1, b)):
+            for index, task in enumerate(order):
+                for flag in layer.waits(r, task):
+                    if flag not in producer:
+                        raise FusedDeadlock(f"rank {r} task {index} {task} waits for {flag}, which no task sets")
+                    pr, pk, pi, ptask = producer[flag]
+                    if ptask.kind in NO_WAITS:
+                        continue
+                    if (pr, pk) != (r, kernel) or pi >= index:
+                        raise FusedDeadlock(f"rank {r} kernel {'AB'[kernel]} task {index} {task} waits for {flag}, "
+                                            f"set by rank {pr} kernel {'AB'[pk]} task {pi} {ptask}, which is not "
+                                            "claimed before it and may itself wait")
+
+
+def run_rank(layer: FusedLayer, rank: int, timeout_s: float, poll_s: float = 5e-5,
+             timeline: list | None = None) -> None:
+    """Rank ``rank``'s kernels A then B with one CTA, its flags written by other processes:
+    each wait polls until the flag holds the epoch, WaitTimeout after ``timeout_s``.
+    ``timeline``: (kind, start ns, end ns, worker 0) of every task is appended to it."""
+    for order in layer.tasks[rank]:
+        for task in order:
+            start = time.monotonic_ns()
+            for peer, name, index in layer.waits(rank, task):
+                flags = layer.state[peer].flags[name]
+                deadline = time.monotonic() + timeout_s
+                while flags[index] != layer.epoch:
+                    if time.monotonic() > deadline:
+                        raise WaitTimeout(f"rank {rank}: fused task {task} waited over {timeout_s:g} s for flag {name} "
+                                          f"index {index} on rank {peer} (expected epoch {layer.epoch}, saw "
+                                          f"{int(flags[index])})")
+                    time.sleep(poll_s)
+            layer.run(rank, task)
+            if timeline is not None:
+                timeline.append((task.kind, start, time.monotonic_ns(), 0))
+
+
+class HostFusedForward:
+    """The fused forward on the host backend: this rank's tasks of the semantics above over
+    the MPI shared-memory heap (peers' landing rows, row metadata, expert outputs and flags
+    are their heap views), one CTA in claim order, after the Dispatcher's token map."""
+
+    def __init__(self, group, dispatcher, flags: dict, *, ffn: int, timeout_s: float, activation: Callable):
+        self.group, self.impl, self.config = group, dispatcher._impl, dispatcher.config
+        self.ffn, self.timeout_s, self.activation = ffn, timeout_s, activation
+        self.flags = flags
+        for tensor in flags.values():
+            tensor.local[...] = 0
+        self.grain = Granularity.kernel()
+        self.tile_ready = np.zeros(max_m_tiles(self.config.max_recv_rows, self.config.experts_per_rank), np.uint64)
+        self.epoch = 0
+        self.recording, self.last_timeline = False, []
+
+    def forward(self, x, ids, gates, w_up, w_down):
+        """As :meth:`~ultraep.integration.fused_device.DeviceFusedForward.forward`: ``(out,
+        received, act)``."""
+        d, b, me = self.config, self.impl.buffers, self.config.rank
+        self.epoch += 1
+        m = self.impl.token_map(x, ids, gates)
+        offsets = [ref.plan_rows(m["table"], d.experts_per_rank, r)[2] for r in range(d.size)]
+        plan = RankPlan(rank=me, tokens=m["tokens"], top_k=d.top_k, pair_row=m["pair_row"],
+                        pair_rank=m["pair_rank"], send_pos=m["send_pos"], first_slot=m["first_slot"], offsets=offsets,
+                        mtiles=[mtile_starts(np.diff(o), self.grain.bm) for o in offsets])
+        states = []
+        for r in range(d.size):
+            view = (lambda t: t.local) if r == me else (lambda t, r=r: t.peer(r))
+            states.append(RankState(landing=view(b.landing), row_weight=view(b.row_weight),
+                                    row_landing=view(b.row_landing), row_origin=view(b.row_origin),
+                                    expert_out=view(b.expert_out),
+                                    flags={"row_flag": view(self.flags["row_flag"]), "done": view(self.flags["done"])}))
+        own = states[me]
+        own.flags["tile_ready"] = self.tile_ready
+        own.x, own.gates, own.w_up, own.w_down = np.asarray(x), m["gates"], np.asarray(w_up), np.asarray(w_down)
+        own.recv = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
+        own.act = np.zeros((d.max_recv_rows, self.ffn), dtype=d.dtype)
+        own.out = np.zeros((m["tokens"], d.hidden), dtype=d.dtype)
+        layer = FusedLayer([plan if r == me else None for r in range(d.size)], states, self.activation,
+                           grain=self.grain, epoch=self.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
+                           hidden=d.hidden, ffn=self.ffn)
+        self.last_timeline = [] if self.recording else None
+        run_rank(layer, me, self.timeout_s, timeline=self.last_timeline)
+        return own.out, self.impl.received(own.recv, m), own.act
+
+    def record_timeline(self, enable: bool) -> None:
+        """Whether later forwards record when each task ran (:meth:`timeline`)."""
+        self.recording = bool(enable)
+
+    def timeline(self) -> list:
+        """The last recorded forward's tasks as (kind, start ns, end ns, worker), by start."""
+        return sorted(self.last_timeline or [], key=lambda row: row[1])
+
+    def check(self) -> None:
+        """The host backend raises at once; nothing is deferred."""
+
+
+def simulate(layer: FusedLayer, ctas: list[int], rng: np.random.Generator, tasks: list | None = None) -> list:
+    """Run every rank's kernels A then B with ``ctas[r]`` CTAs claiming from one counter per
+    rank and kernel, one random step at a time (claim a task, or run a claimed task whose
+    waits are met). Returns the outputs; raises FusedDeadlock if no step is possible."""
+    tasks = tasks or layer.tasks
+    R = layer.ranks
+    kernel = [0] * R                      # 0: A, 1: B, 2: finished
+    counter = [0] * R
+    held = [[None] * ctas[r] for r in range(R)]
+    done = [0] * R
+
+    def ready(r, task):
+        return all(layer.state[rank].flags[name][index] == layer.epoch for rank, name, index in layer.waits(r, task))
+
+    while True:
+        for r in range(R):  # a rank's next kernel starts when its last one has finished (stream order)
+            while kernel[r] < 2 and done[r] == len(tasks[r][kernel[r]]):
+                kernel[r], counter[r], done[r] = kernel[r] + 1, 0, 0
+        if all(k == 2 for k in kernel):
+            return layer.outputs()
+        steps = []
+        for r in range(R):
+            if kernel[r] == 2:
+                continue
+            order = tasks[r][kernel[r]]
+            for c, task in enumerate(held[r]):
+                if task is None and counter[r] < len(order):
+                    steps.append((r, c, None))
+                elif task is not None and ready(r, task):
+                    steps.append((r, c, task))
+        if not steps:
+            blocked = [(r, t) for r in range(R) for t in held[r] if t is not None]
+            raise FusedDeadlock(f"no CTA can go on: blocked tasks {blocked}, counters {counter}")
+        r, c, task = steps[rng.integers(len(steps))]
+        if task is None:
+            held[r][c] = tasks[r][kernel[r]][counter[r]]
+            counter[r] += 1
+        else:
+            layer.run(r, task)
+            held[r][c] = None
+            done[r] += 1
+
+
+# -- the sequential path, for comparison ----------------------------------------------------------
+
+def sequential_forward(xs, expert_ids, gates, w_up, w_down, activation: Callable) -> list[np.ndarray]:
+    """``MoELayer``'s host path from the token reference: dispatch, one FP32 product per
+    slot for up, ``activation``, down to BF16, combine in slot order."""
+    slots = w_up[0].shape[0]
+    received = ref.sequential_dispatch(xs, expert_ids, gates, slots)
+    ys = []
+    for r, (recv_x, _, counts) in enumerate(received):
+        off = np.concatenate([[0], np.cumsum(counts)])
+        hidden = recv_x.shape[1]
+        y = np.zeros((len(recv_x), hidden), dtype=BFLOAT16)
+        for j in range(slots):
+            lo, hi = int(off[j]), int(off[j + 1])
+            h = sequential_product(_f32(recv_x[lo:hi]), _f32(w_up[r][j]))
+            act = activation(h, hi - lo)
+            y[lo:hi] = sequential_product(_f32(act), _f32(w_down[r][j])).astype(BFLOAT16)
+        ys.append(y)
+    return ref.sequential_combine(ys, expert_ids, gates, slots)
