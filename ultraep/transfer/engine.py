@@ -226,6 +226,8 @@ class WeightTransfer:
         self._check_open()
         error, entry = None, None
         try:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                raise TypeError(f"layer must be an int, got {layer!r}")
             entry = self._import_layer(layer, weights, grads)
         except (ValueError, TypeError) as exc:
             error = exc
