@@ -330,6 +330,8 @@ for value in ("gpu", "device", None):
     case("open_heap", f"backend={value!r}",
          lambda bad, v=value: open_heap(env.group, 4096, backend=pick(bad, v, "host")),
          Raises(CollectiveError, "symmetric heap backend"))
+case("open_heap", "group a communicator", lambda bad: open_heap(WORLD if bad else env.group, 4096, backend="host"),
+     Raises(TypeError, "EPGroup", rank=False), scopes=ALL)
 case("open_heap", "too many signal flags",
      lambda bad: open_heap(env.group, HeapRequirements.of(signals=[("s", pick(bad, 1 << 20, 4))]), backend="host"),
      Raises(CollectiveError, "signal flags"))
@@ -534,6 +536,9 @@ for name, weights, grads, text in (
          lambda bad, w=weights, g=grads: engine().register_layer(5, w() if bad else masters(), g() if bad else
                                                                   zeros_grads()),
          Raises(CollectiveError, "register_layer(5)", text))
+for value in ("0", 1.5, None):
+    case("WeightTransfer", f"register_layer layer={value!r}", lambda bad, v=value: engine().register_layer(
+        pick(bad, v, 5), masters(), zeros_grads()), Raises(CollectiveError, "register_layer(", "layer must be an int"))
 case("WeightTransfer", "register_layer ids differ", lambda bad: engine().register_layer(pick(bad, 7, 6), masters(),
                                                                                         zeros_grads()),
      Raises(GroupMismatchError, "registered layer id"), scopes=("one",))
@@ -731,6 +736,26 @@ case("Balancer", "replica_weights before its sync", lambda bad: balancer().repli
 case("Balancer", "replica views kept across close stay readable",
      lambda bad: float(sum(float(np.asarray(t).sum()) for slot in closed_balancer()[2] for t in slot)),
      Returns(lambda total: math.isfinite(total)), scopes=LOCAL)
+for name, call in (("register_layer layer 2",
+                    lambda b, bad: b.register_layer(pick(bad, 2, 1), masters(), zeros_grads())),
+                   ("register_layer one master short",
+                    lambda b, bad: b.register_layer(1, masters()[:-1] if bad else masters(), zeros_grads()))):
+    case("Balancer", name, lambda bad, c=call: c(balancer(), bad), Raises(CollectiveError, "register_layer"))
+for call in ("stats", "check", "save_trace"):
+    case("Balancer", f"{call} after close", lambda bad, c=call: getattr(closed_balancer()[0], c)(
+        *(("t.npz",) if c == "save_trace" else ())), Raises(ClosedError, "Balancer is closed"), scopes=LOCAL)
+
+
+def unchecked_update(bad):
+    """sync_checks=False: a rank with a bad id raises at once, naming itself; its peers give up
+    their bounded wait for its loads within the Balancer's timeout, naming it."""
+    b = env.get("unchecked_balancer", lambda: Balancer(env.group, LAYOUT, SPEC, num_layers=1, min_replica_tokens=1,
+                                                      backend="host", timeout_s=1.0, sync_checks=False))
+    b.update(0, np.where(HOT_IDS == 1, 99, HOT_IDS) if bad else HOT_IDS)
+
+
+case("Balancer", "update id 99 with sync_checks=False", unchecked_update,
+     Raises(BalancerError, "99", peers=TimeoutError, peer_fragments=()), scopes=("one",))
 case("Balancer", "save_trace without record_trace", lambda bad: balancer().save_trace(tempfile.mkdtemp() + "/t.npz"),
      Raises(BalancerError, "record_trace=True", rank=False), scopes=LOCAL)
 
@@ -805,6 +830,13 @@ case("Dispatcher", "dispatch receive bound", lambda bad: Dispatcher(
     env.group, hidden=16, dtype="float32", top_k=TOP_K, num_experts=2 * R, max_tokens=TOKENS, backend="host",
     timeout_s=TIMEOUT_S, max_recv_rows=TOKENS).dispatch(X, np.zeros_like(IDS), GATES),
      Raises(DispatchError, "rank 0 would receive", "max_recv_rows", rank=False), scopes=ALL)
+
+
+for name, layout, text in (("layout of 2R ranks", ExpertLayout(2 * R, 4 * R, 1), "ranks"),
+                           ("layout a tuple", (R, 2 * R, 2), "ExpertLayout")):
+    case("Dispatcher", f"for_layout {name}", lambda bad, lay=layout: Dispatcher.for_layout(
+        env.group, lay if bad else LAYOUT, hidden=16, dtype="float32", top_k=TOP_K, max_tokens=TOKENS, backend="host",
+        timeout_s=TIMEOUT_S).close(), Raises(CollectiveError, text))
 
 
 def unchecked_dispatch(bad):
