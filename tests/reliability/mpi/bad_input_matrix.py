@@ -715,11 +715,13 @@ for value in (0, -3, "all"):
          lambda bad, v=value: balancer().weight_sync(balancer().update(0, local_loads=HOT_LOADS),
                                                      blocks=pick(bad, v, None)),
          Raises(BalancerError, "blocks"))
+HOT_LOADS_IDS = np.repeat(np.arange(2 * R), hot_plan(0).loads[ME]).reshape(-1, 1).astype(np.int64)  # fresh_handle's
 case("Balancer", "reroute ids beyond the update", lambda bad: balancer().reroute(
     fresh_handle(), np.vstack([HOT_IDS, HOT_IDS]) if bad else HOT_LOADS_IDS), Raises(BalancerError, "reroute"))
-HOT_LOADS_IDS = np.repeat(np.arange(2 * R), hot_plan(0).loads[ME]).reshape(-1, 1).astype(np.int64)
 case("Balancer", "reroute float ids", lambda bad: balancer().reroute(
     fresh_handle(), HOT_LOADS_IDS.astype(np.float64) if bad else HOT_LOADS_IDS), Raises(BalancerError, "integer dtype"))
+
+
 def reduce_unsynced(bad):
     b = balancer()
     unsynced = b.update(1, local_loads=HOT_LOADS)
@@ -903,6 +905,26 @@ for what in ("dispatch", "expert_output"):
     case("Dispatcher", f"{what} after close", lambda bad, w=what: getattr(closed_dispatcher(), w)(
         *((X, IDS, GATES) if w == "dispatch" else ())), Raises(ClosedError, "Dispatcher is closed"), scopes=LOCAL)
 case("Dispatcher", "close twice", lambda bad: closed_dispatcher().close(), Returns(), scopes=LOCAL)
+
+
+def views_kept_across_close():
+    """A dispatch's result and the expert_output rows, taken before the Dispatcher's close."""
+    def build():
+        d = Dispatcher(env.group, hidden=16, dtype="float32", top_k=TOP_K, num_experts=2 * R, max_tokens=TOKENS,
+                       backend="host", timeout_s=TIMEOUT_S, expert_output=True)
+        received = d.dispatch(*tokens())
+        rows = d.expert_output()
+        rows[...] = 2.0
+        d.close()
+        return received, rows
+    return env.get("dispatch_views", build)
+
+
+case("Dispatcher", "a dispatch result read after close",
+     lambda bad: float(np.asarray(views_kept_across_close()[0].x[:views_kept_across_close()[0].num_rows]).sum()),
+     Returns(lambda total: math.isfinite(total)), scopes=LOCAL)
+case("Dispatcher", "expert_output rows read after close", lambda bad: float(views_kept_across_close()[1].sum()),
+     Returns(lambda total: total == 2.0 * views_kept_across_close()[1].size), scopes=LOCAL)
 
 
 # -- grouped_mm / dgrad / wgrad (local) --------------------------------------------------------------
