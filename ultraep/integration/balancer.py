@@ -120,6 +120,7 @@ DEFAULT_HISTORY = 4096
 GATHER_BUFFERS = 2  # see "Order" in the module docstring
 _NO_AGREEMENT = object()
 TILING_OPTIONS = ("tile_bytes", "chunk_tiles")  # the transfer options that size the heap
+TRANSFER_OPTIONS = TILING_OPTIONS + ("relay_threshold", "relay_count", "blocks")  # what transfer_options may set
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,10 @@ class Balancer:
                                         f"rank {group.rank} of {group.size}")
                 if backend not in ("auto", heap.backend):
                     raise BalancerError(f"backend={backend!r} contradicts the heap's backend {heap.backend!r}")
+            if transfer_options is not None and (not isinstance(transfer_options, dict)
+                                                 or not set(transfer_options) <= set(TRANSFER_OPTIONS)):
+                raise BalancerError(f"transfer_options must be a dict of {', '.join(TRANSFER_OPTIONS)}, "
+                                    f"got {transfer_options!r}")
             try:
                 requirements = self.heap_requirements(layout, spec, transfer_options=transfer_options)
             except ValueError as exc:  # e.g. a tiling the transfer cannot cut

@@ -350,12 +350,12 @@ class MoELayer:
     def load_weights(self, w_up: Any, w_down: Any) -> None:
         """Copy this rank's masters in: ``w_up [M, H, 2F]``, ``w_down [M, F, H]`` BF16 (torch,
         JAX, CuPy or NumPy). Collective: bad input raises on every rank, nothing copied."""
+        self._check_open()  # closed on every rank alike (close is collective)
         error, arrays = None, None
         try:
-            self._check_open()
             arrays = [self._import_weight(name, tensor, target)
                       for name, tensor, target in (("w_up", w_up, self.w_up), ("w_down", w_down, self.w_down))]
-        except (MoELayerError, ClosedError) as exc:
+        except MoELayerError as exc:
             error = exc
         _raise_everywhere(self.group, error, "MoELayer.load_weights")
         with self._on_stream(None, w_up):

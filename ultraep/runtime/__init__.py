@@ -31,8 +31,12 @@ def open_heap(group: "EPGroup", size: "int | HeapRequirements", *, backend: str 
     ``backend``: ``"device"`` (CUDA IPC), ``"host"`` (MPI shared memory) or ``"auto"``
     (the device where the group has a GPU); every rank must pick the same."""
     from ultraep.runtime.backend import choose_backend
+    from ultraep.runtime.group import EPGroup
     from ultraep.runtime.heap import SIGNAL_SLOTS, HeapRequirements
 
+    if not isinstance(group, EPGroup):  # no group to tell the other ranks through: every rank passed it
+        raise TypeError(f"open_heap needs an ultraep EPGroup, got {type(group).__name__} (wrap a communicator "
+                        "in EPGroup(comm))")
     chosen = choose_backend(group, backend, "symmetric heap backend")
     if isinstance(size, HeapRequirements):
         group.raise_if_any(None if group.size + size.signal_slots <= SIGNAL_SLOTS else

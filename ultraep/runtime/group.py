@@ -108,15 +108,19 @@ class EPGroup:
         self._broken = None       # why the group refuses collectives
         self._pending: list = []  # abandoned requests and their buffers, kept alive
         self._status = None       # every rank's status slot (one node, MPI only)
-        bad_timeout = timeout_error(timeout_s)
-        self.timeout_s = DEFAULT_TIMEOUT_S if bad_timeout else float(timeout_s)
+        bad_argument = timeout_error(timeout_s)  # or a device this rank cannot use (below)
+        self.timeout_s = DEFAULT_TIMEOUT_S if bad_argument else float(timeout_s)
+        count = gpu_count() if use_gpu else 0
+        if use_gpu and device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer))
+                                               or not 0 <= device < count):
+            bad_argument = bad_argument or f"device {device!r} requested but {count} GPU(s) visible"
         self.hostname = socket.gethostname()
         if self._mpi is None:  # a framework's own allgather: not bounded here, so the timeout is unused
-            if bad_timeout:
-                raise ValueError(bad_timeout)
+            if bad_argument:
+                raise ValueError(bad_argument)
             hosts = self.allgather(self.hostname)
         else:
-            hosts, errors = zip(*self.allgather((self.hostname, bad_timeout), what="EP group creation"))
+            hosts, errors = zip(*self.allgather((self.hostname, bad_argument), what="EP group creation"))
             self.raise_if_any(errors[self.rank], "EP group creation")
             self.agree(self.timeout_s, "EP group timeout_s")
         self.local_rank = sum(1 for h in hosts[: self.rank] if h == self.hostname)
@@ -126,11 +130,8 @@ class EPGroup:
             self._open_status()
         self.device: int | None = None
         if use_gpu:
-            count = gpu_count()
-            if device is not None:
-                if not 0 <= device < max(count, 1) or count == 0:
-                    raise ValueError(f"rank {self.rank}: device {device} requested but {count} GPU(s) visible")
-                self.device = device
+            if device is not None:  # checked on every rank above
+                self.device = int(device)
             elif count:
                 self.device = self.local_rank % count
             if self.device is not None:

@@ -194,7 +194,7 @@ class SymmetricHeap:
         offset = round_up(self._next_offset, ALLOC_ALIGN)
         end = SIGNAL_PAD_BYTES + self.data_bytes
         if offset + nbytes > end:
-            raise HeapError(f"heap out of space: {name!r} needs {nbytes} bytes at offset {offset}, "
+            raise HeapError(f"rank {self.rank}: heap out of space: {name!r} needs {nbytes} bytes at offset {offset}, "
                             f"data region ends at {end} (heap created with {self.data_bytes} bytes)")
         self._next_offset = offset + nbytes
         tensor = SymmetricTensor(self, name, offset, shape, dtype)
@@ -211,7 +211,8 @@ class SymmetricHeap:
         if name in self.allocations:
             raise ValueError(f"signal block {name!r} is already allocated in this heap")
         if self._next_signal + count > SIGNAL_SLOTS:
-            raise HeapError(f"signal pad full: {name!r} needs {count} flags, {SIGNAL_SLOTS - self._next_signal} left")
+            raise HeapError(f"rank {self.rank}: signal pad full: {name!r} needs {count} flags, "
+                            f"{SIGNAL_SLOTS - self._next_signal} left")
         block = SignalBlock(self, name, self._next_signal, int(count))
         self._next_signal += int(count)
         self.allocations[name] = block

@@ -183,10 +183,32 @@ def raise_if_any(group: EPGroup, config: TokenConfig, error: Exception | None, w
         raise error
 
 
-def check_tokens(group: EPGroup, config: TokenConfig, x, expert_ids, weights) -> None:
-    """Shape/dtype checks of dispatch input (values are checked by the implementation)."""
-    error = None
+def import_inputs(importer, arrays: dict, handle: Any = None, *, with_handle: bool = False) -> tuple[list, Any]:
+    """Each ``name: (array, writable)`` through ``importer(array, name, writable)``, and the
+    first failure (not a tensor, not contiguous, read-only) or, ``with_handle``, a ``handle``
+    that is not a DispatchHandle, as a DispatchError: kept, not raised, for the call's
+    collective input check to raise on every rank (a rank raising alone leaves its peers
+    waiting in that check)."""
+    imported, error = [], None
+    if with_handle and not isinstance(handle, DispatchHandle):
+        error = DispatchError(f"handle: expected the DispatchHandle of a dispatch, got {type(handle).__name__}")
+    for name, (array, writable) in arrays.items():
+        if error is None:
+            try:
+                array = importer(array, name, writable)
+            except ValueError as exc:
+                error = DispatchError(str(exc))
+        imported.append(array)
+    return imported, error
+
+
+def check_tokens(group: EPGroup, config: TokenConfig, x, expert_ids, weights, failed: Exception | None = None) -> None:
+    """Shape/dtype checks of dispatch input (values are checked by the implementation);
+    ``failed``: an import failure (:func:`import_inputs`) to raise instead."""
+    error = failed
     try:
+        if failed is not None:
+            raise failed
         if x.ndim != 2 or x.shape[1] != config.hidden:
             raise DispatchError(f"x: expected shape [tokens, {config.hidden}], got {tuple(x.shape)}")
         if not config.same_dtype(x):
@@ -213,11 +235,14 @@ def is_buffer(rows, buffer) -> bool:
 
 
 def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, handle: DispatchHandle | None,
-               expert_out=None) -> None:
+               expert_out=None, failed: Exception | None = None) -> None:
     """Checks of row arrays ``{name: (array or None, rows)}``: shape ``[rows, H]``, the set-up dtype.
-    ``expert_out``: ``(name, buffer)``, set up with ``expert_output``: that array must be the buffer."""
-    error = None
+    ``expert_out``: ``(name, buffer)``, set up with ``expert_output``: that array must be the buffer.
+    ``failed``: an import failure (:func:`import_inputs`) to raise instead."""
+    error = failed
     try:
+        if failed is not None:
+            raise failed
         if handle is not None and handle.dispatcher_id != config.dispatcher_id:
             raise DispatchError("the handle comes from another Dispatcher")
         for name, (rows, first) in arrays.items():

@@ -24,7 +24,7 @@ from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.kernels import get_function, kernel_constant
 from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBuffers, TokenConfig,
-                                bad_input_message, check_rows, check_tokens)
+                                bad_input_message, check_rows, check_tokens, import_inputs)
 
 # Launch choices: the kernels take any block of whole warps (up to CUDA's 1024 threads)
 # and the segment length as an argument.
@@ -131,11 +131,10 @@ class DeviceDispatcher:
     # -- the token path -------------------------------------------------------------------
     def dispatch(self, x, expert_ids, weights, out) -> DispatchResult:
         with caller_stream(x):
-            x = self._import(x, "x")
-            ids = self._import(expert_ids, "expert_ids")
-            gates = self._import(weights, "weights")
-            out = self._import(out, "out", writable=True)
-            check_tokens(self.group, self.config, x, ids, gates)
+            (x, ids, gates, out), failed = import_inputs(
+                self._import, {"x": (x, False), "expert_ids": (expert_ids, False), "weights": (weights, False),
+                               "out": (out, True)})
+            check_tokens(self.group, self.config, x, ids, gates, failed)
             check_rows(self.group, self.config, {"out": (out, self.config.max_recv_rows)}, None)
             recv = self._output(out, (self.config.max_recv_rows, self.config.hidden))
             x, state = self.token_map(x, ids, gates)
@@ -200,13 +199,14 @@ class DeviceDispatcher:
         return self.local["expert_out"]
 
     def combine(self, y, handle: DispatchHandle, weighted: bool, out):
-        d, s = self.config, handle.state
+        d = self.config
         name = "y" if weighted else "grad_recv"
         with caller_stream(y):
-            y = self._import(y, name)
-            out = self._import(out, "out", writable=True)
-            check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle,
-                       expert_out=(name, self.local["expert_out"]) if d.expert_output else None)
+            (y, out), failed = import_inputs(self._import, {name: (y, False), "out": (out, True)}, handle,
+                                             with_handle=True)
+            check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, 0 if failed else handle.tokens)},
+                       handle, expert_out=(name, self.local["expert_out"]) if d.expert_output else None, failed=failed)
+            s = handle.state
             result = self._output(out, (handle.tokens, d.hidden))
             gates = s["gates"] if weighted else np.uint64(0)
             if d.expert_output:
@@ -237,13 +237,14 @@ class DeviceDispatcher:
         self._barrier("expert-rows-read")
 
     def combine_backward(self, grad_out, y, handle: DispatchHandle, out):
-        cp, d, s = self.cp, self.config, handle.state
+        cp, d = self.cp, self.config
         with caller_stream(grad_out):
-            grad_out = self._import(grad_out, "grad_out")
-            y = self._import(y, "y")
-            out = self._import(out, "out", writable=True)
-            check_rows(self.group, d, {"grad_out": (grad_out, handle.tokens), "y": (y, d.max_recv_rows),
-                                       "out": (out, d.max_recv_rows)}, handle)
+            (grad_out, y, out), failed = import_inputs(
+                self._import, {"grad_out": (grad_out, False), "y": (y, False), "out": (out, True)}, handle,
+                with_handle=True)
+            check_rows(self.group, d, {"grad_out": (grad_out, 0 if failed else handle.tokens),
+                                       "y": (y, d.max_recv_rows), "out": (out, d.max_recv_rows)}, handle, failed=failed)
+            s = handle.state
             grad_y = self._output(out, (d.max_recv_rows, d.hidden))
             self._barrier("grad-ready")     # every rank's landing rows are free again
             self._send_tokens(cp.ascontiguousarray(grad_out), s, with_meta=False)

@@ -39,11 +39,12 @@ backend pattern, :mod:`ultraep.runtime.backend`): :class:`~ultraep.token.host.Ho
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ultraep.errors import ClosedError, DispatchError
+from ultraep.planner.layout import ExpertLayout
 from ultraep.runtime import open_heap
 from ultraep.runtime.backend import choose_backend
 from ultraep.runtime.dtypes import resolve_dtype
@@ -53,8 +54,6 @@ from ultraep.runtime.kernels import kernel_constant
 from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBackend, TokenBuffers, TokenConfig,
                                 Traffic, table_columns)
 
-if TYPE_CHECKING:
-    from ultraep.planner import ExpertLayout
 
 DEFAULT_TIMEOUT_S = 30.0
 HEAP_PREFIX = "token."
@@ -207,8 +206,10 @@ class Dispatcher:
     @classmethod
     def for_layout(cls, group: EPGroup, layout: ExpertLayout, **kwargs: Any) -> "Dispatcher":
         """A dispatcher over a planner layout's physical slots (``Plan`` reroute output)."""
-        if layout.num_ranks != group.size:
-            raise ValueError(f"layout has {layout.num_ranks} ranks, the group {group.size}")
+        error = (f"layout must be an ExpertLayout, got {type(layout).__name__}" if not isinstance(layout, ExpertLayout)
+                 else f"layout has {layout.num_ranks} ranks, the group {group.size}"
+                 if layout.num_ranks != group.size else None)
+        group.raise_if_any(error, "Dispatcher.for_layout")  # a rank refusing alone would leave its peers waiting
         return cls(group, num_experts=layout.num_physical, experts_per_rank=layout.slots_per_rank, **kwargs)
 
     @property

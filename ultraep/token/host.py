@@ -28,7 +28,8 @@ from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.group import EPGroup
 from ultraep.token import reference as ref
 from ultraep.token.base import (DispatchHandle, DispatchResult, TokenBuffers, TokenConfig, bad_input_message,
-                                check_rows, check_tokens, first_bad_item, raise_if_any)
+                                check_rows, check_tokens, first_bad_item, import_inputs,
+                                raise_if_any)
 
 
 class HostDispatcher:
@@ -46,11 +47,10 @@ class HostDispatcher:
 
     def dispatch(self, x, expert_ids, weights, out) -> DispatchResult:
         d, b, me = self.config, self.buffers, self.config.rank
-        x = self._import(x, "x")
-        expert_ids = self._import(expert_ids, "expert_ids")
-        weights = self._import(weights, "weights")
-        out = self._import(out, "out", writable=True)
-        check_tokens(self.group, d, x, expert_ids, weights)
+        (x, expert_ids, weights, out), failed = import_inputs(
+            self._import, {"x": (x, False), "expert_ids": (expert_ids, False), "weights": (weights, False),
+                           "out": (out, True)})
+        check_tokens(self.group, d, x, expert_ids, weights, failed)
         check_rows(self.group, d, {"out": (out, d.max_recv_rows)}, None)
         m = self.token_map(x, expert_ids, weights)
         top_k, dest, rows, sends = d.top_k, m["pair_rank"], m["pair_row"], m["sends"]
@@ -145,10 +145,10 @@ class HostDispatcher:
     def combine(self, y, handle: DispatchHandle, weighted: bool, out):
         d = self.config
         name = "y" if weighted else "grad_recv"
-        y = self._import(y, name)
-        out = self._import(out, "out", writable=True)
-        check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, handle.tokens)}, handle,
-                   expert_out=(name, self.buffers.expert_out.local) if d.expert_output else None)
+        (y, out), failed = import_inputs(self._import, {name: (y, False), "out": (out, True)}, handle,
+                                         with_handle=True)
+        check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, 0 if failed else handle.tokens)}, handle,
+                   expert_out=(name, self.buffers.expert_out.local) if d.expert_output else None, failed=failed)
         T, K = handle.tokens, d.top_k
         if d.expert_output:
             slots = self._pull(handle).reshape(T, K, d.hidden)
@@ -162,12 +162,13 @@ class HostDispatcher:
         return out
 
     def combine_backward(self, grad_out, y, handle: DispatchHandle, out):
-        d, b, s, me = self.config, self.buffers, handle.state, self.config.rank
-        grad_out = self._import(grad_out, "grad_out")
-        y = self._import(y, "y")
-        out = self._import(out, "out", writable=True)
-        check_rows(self.group, d, {"grad_out": (grad_out, handle.tokens), "y": (y, d.max_recv_rows),
-                                   "out": (out, d.max_recv_rows)}, handle)
+        d, b, me = self.config, self.buffers, self.config.rank
+        (grad_out, y, out), failed = import_inputs(
+            self._import, {"grad_out": (grad_out, False), "y": (y, False), "out": (out, True)}, handle,
+            with_handle=True)
+        check_rows(self.group, d, {"grad_out": (grad_out, 0 if failed else handle.tokens), "y": (y, d.max_recv_rows),
+                                   "out": (out, d.max_recv_rows)}, handle, failed=failed)
+        s = handle.state
         T_max, K = d.max_tokens, d.top_k
         self._barrier()  # landing rows are free on every rank
         for r, once in s["send_rows"]:

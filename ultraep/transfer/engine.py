@@ -37,11 +37,13 @@ work is done by the backend of the heap, chosen once: :class:`~ultraep.transfer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from ultraep.errors import ClosedError
+from ultraep.planner.layout import ExpertLayout
+from ultraep.planner.plan import Plan
 from ultraep.runtime.backend import DEVICE
 from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap, timeout_error
@@ -53,9 +55,6 @@ from ultraep.transfer.host import HostTransfer
 from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, host_plan
 from ultraep.transfer.spec import ExpertSpec
 
-if TYPE_CHECKING:
-    from ultraep.planner import ExpertLayout, Plan
-
 DEFAULT_TILE_BYTES = 32 << 10  # best a multiple of the kernels' PIECE_BYTES: a shorter piece takes a whole warp turn
 MAX_BLOCKS = 1 << 20           # the kernels' int32 task or piece slot plus the grid stride must not overflow
 MAX_TENSORS_PER_EXPERT = kernel_constant("transfer.cu", "MAX_TENSORS")
@@ -64,7 +63,10 @@ MAX_REPLICAS_PER_EXPERT = kernel_constant("transfer.cu", "MAX_DESTS")  # destina
 
 def grid_error(blocks: int | None) -> str | None:
     """Why a requested grid (``blocks``; None: the backend's) cannot be launched, or None."""
-    return None if blocks is None or 0 < blocks <= MAX_BLOCKS else f"blocks must be in [1, {MAX_BLOCKS}], got {blocks}"
+    if blocks is None or (not isinstance(blocks, bool) and isinstance(blocks, (int, np.integer))
+                          and 0 < blocks <= MAX_BLOCKS):
+        return None
+    return f"blocks must be in [1, {MAX_BLOCKS}] (an int), got {blocks!r}"
 
 
 class TransferBackend(Protocol):
@@ -151,10 +153,22 @@ class WeightTransfer:
         group = heap.group
         implementation = _backend_class(heap.backend)
         error = None
-        if layout.num_ranks != heap.size:
+        counts = (("tile_bytes", tile_bytes), ("chunk_tiles", chunk_tiles), ("relay_threshold", relay_threshold),
+                  ("relay_count", relay_count))
+        # every check a string, never a raise: a rank raising alone would leave its peers in the collective
+        if not isinstance(layout, ExpertLayout):
+            error = f"layout must be an ExpertLayout, got {type(layout).__name__}"
+        elif not isinstance(spec, ExpertSpec):
+            error = f"spec must be an ExpertSpec, got {type(spec).__name__}"
+        elif (wrong := next((n for n, v in counts if isinstance(v, bool) or not isinstance(v, (int, np.integer))),
+                            None)) is not None:
+            error = f"{wrong} must be an int, got {dict(counts)[wrong]!r}"
+        elif layout.num_ranks != heap.size:
             error = f"layout has {layout.num_ranks} ranks but the heap's group has {heap.size}"
         elif tile_bytes <= 0 or tile_bytes % 256:
             error = f"tile_bytes must be a positive multiple of 256, got {tile_bytes}"
+        elif chunk_tiles < 1:
+            error = f"chunk_tiles must be positive, got {chunk_tiles}"
         elif len(spec.weights) > MAX_TENSORS_PER_EXPERT:
             error = f"an expert may have at most {MAX_TENSORS_PER_EXPERT} tensors, the spec has {len(spec.weights)}"
         elif layout.max_instances - 1 > MAX_REPLICAS_PER_EXPERT:
@@ -200,8 +214,9 @@ class WeightTransfer:
 
     def _slot_views(self, buffer, slot: int, tensors, offsets) -> list:
         self._check_open()
-        if not 0 <= slot < self.layout.redundant_slots:
-            raise IndexError(f"redundant slot {slot} outside [0, {self.layout.redundant_slots})")
+        S = self.layout.redundant_slots
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < S:
+            raise IndexError(f"rank {self.rank}: redundant slot {slot!r} is not an int in [0, {S})")
         base = buffer.offset + slot * buffer.shape[1]
         return [self.heap.view(self.rank, base + off, t.shape, t.dtype) for t, off in zip(tensors, offsets)]
 
@@ -211,6 +226,8 @@ class WeightTransfer:
         self._check_open()
         error, entry = None, None
         try:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                raise TypeError(f"layer must be an int, got {layer!r}")
             entry = self._import_layer(layer, weights, grads)
         except (ValueError, TypeError) as exc:
             error = exc
@@ -249,6 +266,8 @@ class WeightTransfer:
                                 relay_threshold=self.relay_threshold, relay_count=self.relay_count)
 
     def _check_plan(self, plan) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a Plan (from plan_placement or a Balancer), got {type(plan).__name__}")
         if plan.layout != self.layout:
             raise ValueError(f"plan is for {plan.layout}, this WeightTransfer was set up for {self.layout}")
 
