@@ -196,17 +196,26 @@ class EPGroup:
             raise self._broken
 
     # -- bounded collectives -------------------------------------------------------------
-    def _enter(self, what: str, timeout_s: float | None) -> float:
+    def _enter(self, what: str, timeout_s: float | None) -> tuple[float, str | None]:
+        """The collective's timeout and this rank's refusal of its ``timeout_s`` (or None).
+        A refused timeout is not raised here: the collective runs on the group's own
+        timeout and carries the refusal, so every rank raises it, not only this one."""
         if self._broken is not None:
             raise type(self._broken)(f"rank {self.rank}: {what}: the group refuses collectives after an earlier "
                                      f"failure ({self._broken})")
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if (bad_timeout := timeout_error(timeout)) is not None:
-            raise ValueError(f"rank {self.rank}: {what}: {bad_timeout}")
+        refusal = timeout_error(timeout)
         self._entered += 1
         if self._status is not None:
             self._header(self.rank)[0] = self._entered
-        return float(timeout)
+        return (float(self.timeout_s) if refusal is not None else float(timeout)), refusal
+
+    def _raise_refusals(self, refusals: list, what: str) -> None:
+        """Every rank raises the same ValueError when any rank's argument was refused."""
+        failed = [(r, m) for r, m in enumerate(refusals) if m is not None]
+        if failed:
+            detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+            raise CollectiveError(f"rank {self.rank}: {what}: {detail}")
 
     def _wait(self, request: Any, what: str, timeout_s: float, deadline: float, keep: tuple = ()) -> None:
         """Poll ``request`` until done, sleeping between polls; raise on a peer's failure or at ``deadline``."""
@@ -238,23 +247,33 @@ class EPGroup:
         """Every rank's ``obj``, in rank order (bounded on an mpi4py communicator)."""
         if self._mpi is None:
             return list(self.comm.allgather(obj))
-        timeout = self._enter(what, timeout_s)
+        timeout, refusal = self._enter(what, timeout_s)
         deadline = time.monotonic() + timeout
-        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        payload = np.frombuffer(pickle.dumps((refusal, obj), protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
         mine, sizes = np.array([payload.size], np.int64), np.zeros(self.size, np.int64)
         self._wait(self.comm.Iallgather(mine, sizes), what, timeout, deadline, (mine, sizes))
         offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         gathered = np.empty(int(sizes.sum()), np.uint8)
         spec = [gathered, (sizes.tolist(), offsets.tolist()), self._mpi.BYTE]
         self._wait(self.comm.Iallgatherv(payload, spec), what, timeout, deadline, (payload, gathered))
-        return [pickle.loads(gathered[o:o + n]) for o, n in zip(offsets, sizes)]
+        refusals, values = zip(*(pickle.loads(gathered[o:o + n]) for o, n in zip(offsets, sizes)))
+        self._raise_refusals(list(refusals), what)
+        return list(values)
 
     def barrier(self, timeout_s: float | None = None, *, what: str = "barrier") -> None:
         """Host barrier, bounded on an mpi4py communicator (:class:`~ultraep.errors.WaitTimeout`
         when not every rank arrives in time); otherwise the communicator's own."""
         if self._mpi is not None:
-            timeout = self._enter(what, timeout_s)
-            self._wait(self.comm.Ibarrier(), what, timeout, time.monotonic() + timeout)
+            # One collective, as a barrier: which ranks refused their timeout_s (a flag each,
+            # reduced by max), so every rank raises a refusal, not only the refusing rank.
+            timeout, refusal = self._enter(what, timeout_s)
+            mine, refused = np.zeros(self.size, np.int8), np.zeros(self.size, np.int8)
+            mine[self.rank] = refusal is not None
+            self._wait(self.comm.Iallreduce(mine, refused, op=self._mpi.MAX), what, timeout,
+                       time.monotonic() + timeout, (mine, refused))
+            elsewhere = "its timeout_s was refused (timeout_s must be a positive, finite number of seconds)"
+            self._raise_refusals([refusal if r == self.rank else (elsewhere if refused[r] else None)
+                                  for r in range(self.size)], what)
         elif callable(getattr(self.comm, "Barrier", None)):
             self.comm.Barrier()
         else:
