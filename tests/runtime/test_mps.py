@@ -72,7 +72,7 @@ def run_emulated(monkeypatch, argv, ranks=4):
     def parse(argv):
         import argparse
         parser = argparse.ArgumentParser()
-        launch.add_emulation_option(parser)
+        launch.add_launch_options(parser)
         return parser.parse_args(argv)
 
     code = launch.multi_rank_main(argv, parse, run=None, nprocs=lambda args: ranks, command=["-m", "tool"])

@@ -34,7 +34,7 @@ import sys
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import add_emulation_option, multi_rank_main
+from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct",
@@ -43,10 +43,7 @@ COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms", "bala
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench balancer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
-    add_emulation_option(parser)
-    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"],
-                        help="device: CuPy on the GPU; host: NumPy on the CPU; auto: the GPU when there is one")
+    add_launch_options(parser, backend_help=CPU_OR_GPU)
     parser.add_argument("--experts", type=int, default=64, help="logical experts in all (divisible by the ranks)")
     parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")

@@ -35,7 +35,7 @@ import sys
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import add_emulation_option, multi_rank_main
+from ultraep.runtime.launch import add_launch_options, multi_rank_main
 
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
            "dispatch/copy", "combine/copy", "pull_ms", "pull/copy", "pull_diff", "a2a_ms", "a2a_back_ms", "a2a_GBps",
@@ -44,8 +44,7 @@ COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench dispatch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
-    add_emulation_option(parser)
+    add_launch_options(parser)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="tokens per rank")
     parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168], help="token widths (bf16 values)")
     parser.add_argument("--top-k", type=int, default=8, help="experts per token")

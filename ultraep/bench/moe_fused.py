@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 from ultraep.bench.moe_layer import differing, phase_windows_ms
-from ultraep.runtime.launch import add_emulation_option, multi_rank_main
+from ultraep.runtime.launch import add_launch_options, multi_rank_main
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
 ALIGN = 8  # hidden and ffn: whole 16-byte rows (the grouped GEMM's and the Dispatcher's copies)
@@ -57,10 +57,8 @@ def width(text: str) -> int:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-fused", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=positive, default=4, help="ranks to launch when started without mpiexec")
-    add_emulation_option(parser)
-    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"],
-                        help="device: the CUDA kernels; host: the NumPy task semantics; auto: the GPU if any")
+    add_launch_options(parser, backend_help="device: the CUDA kernels; host: the NumPy task semantics; auto: the GPU "
+                                            "if any")
     parser.add_argument("--tokens", type=positive, nargs="+", default=[4096, 8192, 16384, 32768],
                         help="tokens per rank (one row each)")
     parser.add_argument("--hidden", type=width, nargs="+", default=[4096, 7168], help="model widths (one row each)")

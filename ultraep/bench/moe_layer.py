@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from ultraep.runtime.launch import add_emulation_option, multi_rank_main
+from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
 
 POLICIES = ("ideal", "none", "ultraep")  # in this order: each row's vs_ideal and diffs are known when it is printed
 ROUTING_DRAWS = 32  # Zipf rankings tried per layer: whether a target is reachable depends on which experts share a rank
@@ -68,10 +68,7 @@ def replica_threshold(text: str):
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-layer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=4, help="ranks to launch when started without mpiexec")
-    add_emulation_option(parser)
-    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"],
-                        help="device: CuPy on the GPU; host: NumPy on the CPU; auto: the GPU when there is one")
+    add_launch_options(parser, backend_help=CPU_OR_GPU)
     parser.add_argument("--layers", type=int, default=2, help="MoE layers in the stack")
     parser.add_argument("--experts-per-rank", type=int, default=8, help="master experts per rank and layer")
     parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")

@@ -11,6 +11,8 @@ MPI shared-memory segments it left in ``/dev/shm`` are removed.
 
 from __future__ import annotations
 
+import argparse
+
 import contextlib
 import functools
 import os
@@ -339,11 +341,28 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def add_emulation_option(parser) -> None:
-    """``--emulate-ep [SM_PERCENT]`` for a multi-rank tool (see :func:`multi_rank_main`)."""
+CPU_OR_GPU = "device: CuPy on the GPU; host: NumPy on the CPU; auto: the GPU when there is one"  # --backend help
+
+
+def _rank_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def add_launch_options(parser, *, ranks: int = 4, backend_help: str | None = None) -> None:
+    """The options every multi-rank tool shares (see :func:`multi_rank_main`): ``--ranks``,
+    ``--emulate-ep [SM_PERCENT]`` and, given its help text, ``--backend``."""
+    parser.add_argument("--ranks", type=_rank_count, default=ranks, help="ranks to launch when started without mpiexec")
     parser.add_argument("--emulate-ep", type=int, nargs="?", const=0, default=None, metavar="SM_PERCENT",
                         help="ranks sharing one GPU run under a private MPS daemon, each with SM_PERCENT %% of the "
                              "SMs (default 100/ranks), so each behaves like a small GPU of its own")
+    if backend_help is not None:
+        parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"], help=backend_help)
 
 
 def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], timeout: float = 580) -> int:
