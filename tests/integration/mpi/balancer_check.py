@@ -476,6 +476,11 @@ def streams():
         for s in range(S):
             sync.wait(s, stream=compute)
         if gpu:
+            # Before the gated window: load CuPy's copy kernel and leave blocks of these sizes in
+            # the compute stream's pool, so the copies behind the gate neither load a module nor
+            # cudaMalloc (either may wait for the running gate, with the host holding it shut).
+            replica_values(bal, handles[0], 0, plans[0], stream=compute)
+            compute.synchronize()
             opened[0] = 0
             with compute:  # this rank still "computes" with layer 0's replicas until the gate opens
                 gate((1,), (32,), (np.uint64(opened.ctypes.data), np.uint64(GATE_TIMEOUT_S * 1e9), timed_out))
