@@ -328,7 +328,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
         if (task < first_tile) return;
         const Tile tile = up_tile(task - first_tile);
         const int ready = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
-        wait_flag(tile_ready + ready, epoch, timeout_ns, status, FM_TILE_READY, me, ready);
+        // twice the relay's bound: a relay that gives up on a sender records that first
+        wait_flag(tile_ready + ready, epoch, 2 * timeout_ns, status, FM_TILE_READY, me, ready);
         asm volatile("fence.proxy.async.global;" ::: "memory");
     };
     auto kind = [&](int task) {

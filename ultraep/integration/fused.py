@@ -52,7 +52,10 @@ and :func:`simulate` runs the tasks in random interleavings to show it.
 
 Reuse across calls: a rank rewrites its peers' landing rows and row metadata, and its own
 ``expert_out``, only after the next call's count barrier (the Dispatcher's token map),
-which every rank enters after its kernel B of this call: no reader is overtaken.
+which every rank enters after its kernel B of this call: no reader is overtaken. The count
+table itself is read after that barrier, and two ranks that exchange no rows never wait
+for each other in the kernels, so a barrier after the read (``release_counts``) keeps the
+next call's publish from overtaking it.
 
 The result is bitwise the sequential path's on the same backend: each output element of a
 tile is one FP32 sum over the reduction in ascending order (``compute.host.sequential_product``
@@ -462,6 +465,7 @@ class HostFusedForward:
         d, b, me = self.config, self.impl.buffers, self.config.rank
         self.epoch += 1
         m = self.impl.token_map(x, ids, gates)
+        self.impl.release_counts()  # no later barrier in this call protects the table from the next publish
         offsets = [ref.plan_rows(m["table"], d.experts_per_rank, r)[2] for r in range(d.size)]
         plan = RankPlan(rank=me, tokens=m["tokens"], top_k=d.top_k, pair_row=m["pair_row"],
                         pair_rank=m["pair_rank"], send_pos=m["send_pos"], first_slot=m["first_slot"], offsets=offsets,

@@ -84,6 +84,7 @@ class DeviceFusedForward:
         self.k["fused_plan"]((1,), (kernel_constant(KERNELS, "FM_PLAN_THREADS"),), (
             self.impl.local["count_table"], np.int32(d.size), np.int32(d.num_experts), np.int32(table_cols),
             np.int32(spr), self.rank_off, self.rank_mtile, self.counters))
+        self.impl.release_counts()  # no later barrier in this call protects the table from the next publish
         bf16 = cupy_dtype(BFLOAT16)
         rows = d.max_recv_rows
         recv = cp.empty((rows, H), dtype=bf16)

@@ -37,7 +37,7 @@ NO_BAD_ITEM = kernel_constant(KERNELS, "NO_BAD_ITEM")
 OUTCOME_BAD_INPUT = kernel_constant(KERNELS, "OUTCOME_BAD_INPUT")
 OUTCOME_TOO_MANY_ROWS = kernel_constant(KERNELS, "OUTCOME_TOO_MANY_ROWS")
 BARRIER_SITES = ("counts", "tokens", "combine-ready", "combine-rows", "grad-ready", "grad-tokens", "grad-rows",
-                 "expert-rows-written", "expert-rows-read")
+                 "expert-rows-written", "expert-rows-read", "counts-read")
 POINTER_BYTES = 8
 
 
@@ -114,6 +114,12 @@ class DeviceDispatcher:
                              np.uint64(self.buffers.sync.offset),
                              np.uint64(self.epoch), np.uint64(int(d.timeout_s * 1e9)),
                              self.barrier_status[BARRIER_SITES.index(site)]))
+
+    def release_counts(self) -> None:
+        """Barrier (on the stream) once this rank's count table has been read: a caller with no
+        later barrier in the call (the fused layer) must, or a peer's next publish could
+        overtake the read."""
+        self._barrier("counts-read")
 
     def _send_tokens(self, x, state: dict, with_meta: bool) -> None:
         d, b = self.config, self.buffers

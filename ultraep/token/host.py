@@ -42,6 +42,11 @@ class HostDispatcher:
     def _barrier(self) -> None:
         self.heap.barrier(self.config.timeout_s)
 
+    def release_counts(self) -> None:
+        """Barrier once this rank has read its count table: a caller with no later barrier in
+        the call (the fused layer) must, or a peer's next publish could overtake the read."""
+        self._barrier()
+
     def _import(self, array, name: str, writable: bool = False):
         return None if array is None else import_tensor(array, name=name, device=None, writable=writable)
 
