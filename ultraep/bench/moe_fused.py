@@ -32,24 +32,15 @@ import sys
 import numpy as np
 
 from ultraep.bench.moe_layer import differing, phase_windows_ms
-from ultraep.runtime.launch import add_launch_options, multi_rank_main
+from ultraep.bench.timing import array_backend
+from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive_int
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
 ALIGN = 8  # hidden and ffn: whole 16-byte rows (the grouped GEMM's and the Dispatcher's copies)
 
 
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return value
-
-
 def width(text: str) -> int:
-    value = positive(text)
+    value = positive_int(text)
     if value % ALIGN:
         raise argparse.ArgumentTypeError(f"expected a multiple of {ALIGN}, got {text!r}")
     return value
@@ -59,13 +50,13 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-fused", description=__doc__.split("\n\n")[0])
     add_launch_options(parser, backend_help="device: the CUDA kernels; host: the NumPy task semantics; auto: the GPU "
                                             "if any")
-    parser.add_argument("--tokens", type=positive, nargs="+", default=[4096, 8192, 16384, 32768],
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 8192, 16384, 32768],
                         help="tokens per rank (one row each)")
     parser.add_argument("--hidden", type=width, nargs="+", default=[4096, 7168], help="model widths (one row each)")
     parser.add_argument("--ffn", type=width, default=2048, help="expert FFN width (w_up is [hidden, 2 x ffn])")
-    parser.add_argument("--experts-per-rank", type=positive, default=8, help="experts per rank")
-    parser.add_argument("--top-k", type=positive, default=8, help="experts per token")
-    parser.add_argument("--repeats", type=positive, default=5, help="timed forwards per path")
+    parser.add_argument("--experts-per-rank", type=positive_int, default=8, help="experts per rank")
+    parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed forwards per path")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--timeline", metavar="FILE.png",
@@ -132,15 +123,8 @@ def run(args) -> int:
     R, me, K, F = group.size, group.rank, args.top_k, args.ffn
     if K > R * args.experts_per_rank:
         raise SystemExit(f"--top-k {K} exceeds the {R * args.experts_per_rank} experts of {R} ranks")
-    gpu = group.has_gpu and args.backend != "host"
-    if args.backend == "device" and not gpu:
-        raise SystemExit("--backend device: no GPU here")
-    if gpu:
-        import cupy as xp
-        synchronize, to_host = xp.cuda.get_current_stream().synchronize, xp.asnumpy
-    else:
-        xp, synchronize, to_host = np, (lambda: None), np.asarray
-    backend = "device" if gpu else "host"
+    backend, xp, synchronize, to_host = array_backend(group, args.backend)
+    gpu = backend == "device"
     M = args.experts_per_rank
     E = R * M
 

@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 
+from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
 
 POLICIES = ("ideal", "none", "ultraep")  # in this order: each row's vs_ideal and diffs are known when it is printed
@@ -238,15 +239,7 @@ def run(args) -> int:
 
     group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "host")
     R, me, T, H, F, L = group.size, group.rank, args.tokens, args.hidden, args.ffn, args.layers
-    gpu = group.has_gpu and args.backend != "host"
-    if args.backend == "device" and not gpu:
-        raise SystemExit("--backend device: no GPU here")
-    if gpu:
-        import cupy as xp
-        synchronize, to_host = xp.cuda.get_current_stream().synchronize, xp.asnumpy
-    else:
-        xp, synchronize, to_host = np, (lambda: None), np.asarray
-    backend = "device" if gpu else "host"
+    backend, xp, synchronize, to_host = array_backend(group, args.backend)
     M, E = args.experts_per_rank, R * args.experts_per_rank
     rng = np.random.default_rng((args.seed, me))
 

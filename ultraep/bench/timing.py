@@ -93,3 +93,18 @@ def group_window_ms(group, fn, repeats: int, synchronize) -> float:
     synchronize()
     spans = group.allgather((start, time.monotonic()))
     return (max(end for _, end in spans) - min(begin for begin, _ in spans)) / repeats * 1e3
+
+
+def array_backend(group, requested: str):
+    """``(backend, xp, synchronize, to_host)`` for a bench's ``--backend``: CuPy and the
+    current stream's synchronize on the GPU, NumPy and no-ops on the host."""
+    import numpy as np
+
+    gpu = group.has_gpu and requested != "host"
+    if requested == "device" and not gpu:
+        raise SystemExit("--backend device: no GPU here")
+    if not gpu:
+        return "host", np, (lambda: None), np.asarray
+    import cupy
+
+    return "device", cupy, cupy.cuda.get_current_stream().synchronize, cupy.asnumpy

@@ -344,7 +344,8 @@ def _exit_on_sigterm(signum, frame):
 CPU_OR_GPU = "device: CuPy on the GPU; host: NumPy on the CPU; auto: the GPU when there is one"  # --backend help
 
 
-def _rank_count(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -357,7 +358,8 @@ def _rank_count(text: str) -> int:
 def add_launch_options(parser, *, ranks: int = 4, backend_help: str | None = None) -> None:
     """The options every multi-rank tool shares (see :func:`multi_rank_main`): ``--ranks``,
     ``--emulate-ep [SM_PERCENT]`` and, given its help text, ``--backend``."""
-    parser.add_argument("--ranks", type=_rank_count, default=ranks, help="ranks to launch when started without mpiexec")
+    parser.add_argument("--ranks", type=positive_int, default=ranks,
+                        help="ranks to launch when started without mpiexec")
     parser.add_argument("--emulate-ep", type=int, nargs="?", const=0, default=None, metavar="SM_PERCENT",
                         help="ranks sharing one GPU run under a private MPS daemon, each with SM_PERCENT %% of the "
                              "SMs (default 100/ranks), so each behaves like a small GPU of its own")
