@@ -69,7 +69,8 @@ if check == "agree":
         handle = bal.update(0, local_loads=loads)
         plan = bal.plan(handle)
         plan.validate(min_replica_tokens=expected)
-        assert int(np.asarray(plan.replica_count)[0]) > 1, "the hot expert got no replica"
+        replica_count = plan.replica_count.get() if hasattr(plan.replica_count, "get") else plan.replica_count
+        assert int(replica_count[0]) > 1, "the hot expert got no replica"
     with balancer(5) as bal:
         assert bal.min_replica_tokens == 5
 elif check == "measure":
