@@ -38,14 +38,15 @@
 
 // Task granularity, shared with the host (kernel_constant).
 #define FM_SEND_TOKENS 16        // tokens per send task
-#define FM_REDUCE_TOKENS 16      // tokens per reduce task (times one column block)
+#define FM_REDUCE_TOKENS 16      // tokens per reduce task (every output column)
 #define FM_BM GH_BM              // rows per relay task and per GEMM tile
 #define FM_UP_COLS (GH_BN / 2)   // act columns per up tile: the accumulator is gate half | up half
 #define FM_DOWN_COLS GH_BN       // output columns per down tile and per reduce task
 #define FM_MAX_SLOTS 256         // local slots (M + S) per rank (shared-memory tables)
 #define FM_MAX_TOP_K WARP        // a warp's lanes hold a token's slots
 #define FM_PLAN_THREADS 256
-#define FM_UNROLL 4              // 16-byte loads in flight per lane in copies and reduces
+#define FM_UNROLL 4              // 16-byte loads in flight per lane in copies
+#define FM_REDUCE_UNROLL 8       // slots read at once per lane in a reduce
 
 // status[0] (after the grouped GEMM's codes 1..4), then status[1] the flag, status[2] the
 // rank waited on, [3] the flag's index, [4] the epoch expected, [5] the value seen, [6] the block.
@@ -53,7 +54,7 @@
 #define FM_FLAG_TIMED_OUT 5
 #define FM_ROW_FLAG 1      // a receive row's arrival (written by its sender)
 #define FM_TILE_READY 2    // an M-tile's rows relayed into the receive buffer
-#define FM_TILE_DONE 3     // a down tile's output rows written (read by the reducers)
+#define FM_TILE_DONE 3     // an M-tile's output rows written, every column (read by the reducers)
 
 // The optional task timeline: per task id [start ns, end ns, SM id | kind << 32].
 #define FM_TRACE_WORDS 3
@@ -67,7 +68,7 @@
 #define FM_OUTCOME_OK 0
 
 static_assert(FM_UP_COLS * 2 == GH_BN && FM_DOWN_COLS == GH_BN, "an up tile is gate | up halves of one accumulator");
-static_assert(FM_DOWN_COLS == WARP * 8, "a reduce warp's lane holds 8 BF16 columns");
+static_assert(FM_DOWN_COLS == WARP * 8, "a reduce warp covers a down tile's columns, 8 BF16 per lane");
 static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");
 
 // -- bounded flag waits ------------------------------------------------------------------------
@@ -106,10 +107,12 @@ __device__ __forceinline__ bool wait_flag(const u64* flag, u64 epoch, u64 timeou
 
 // From the gathered count table (rows: sources; columns: num_experts pair counts first):
 // rank_off[r * (spr + 1) + j] = rank r's expert-major offsets, rank_mtile[...] its first
-// M-tile per slot (the last entry the total). Zeroes the claim counters.
+// M-tile per slot (the last entry the total). Zeroes the claim counters and the per-M-tile
+// counts of finished down tiles (a failed call may have left some short).
 extern "C" __global__ void fused_plan(const int* table, int ranks, int num_experts, int table_cols, int spr,
-                                      int* rank_off, int* rank_mtile, int* counters) {
+                                      int* rank_off, int* rank_mtile, int* counters, int* down_count, int max_tiles) {
     if (threadIdx.x < 2) counters[threadIdx.x] = 0;
+    for (int m = threadIdx.x; m < max_tiles; m += blockDim.x) down_count[m] = 0;
     for (int r = threadIdx.x; r < ranks; r += blockDim.x) {
         int rows = 0, tiles = 0;
         for (int j = 0; j < spr; ++j) {
@@ -402,21 +405,24 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
 // -- kernel B: down-projection + combine -----------------------------------------------------------
 
 // Tasks: down tiles in the grouped GEMM's order (slot, column block, M-tile), then reduce
-// tasks (token chunk, column block). act_map: act [max_rows, F] as (F, rows), box 64 x 128;
+// tasks (a token chunk, every column). act_map: act [max_rows, F] as (F, rows), box 64 x 128;
 // w_down_map: w_down [slots, F, H] as (H, F, slots), boxes 64 x 64 x 1. expert_out and the
 // done flags are heap tensors (offsets from each peer's base): reducers read them on the
-// experts' ranks. done[m * n_down + n]: M-tile m (this rank's M-tile index), column block n.
+// experts' ranks. done[m]: M-tile m (this rank's M-tile index), released by the block that
+// finishes its last column block (down_count[m], local, counts them): a reducer waits once
+// per slot instead of once per slot and column block.
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_constant__ TensorMap w_down_map,
                    int ffn, int hidden, const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me,
                    int spr, const int* rank_off, const int* rank_mtile, const long long* ids, const int* positions,
-                   const int* base, const float* gates, int tokens, int top_k, bf16* out, u64 epoch, u64 timeout_ns,
-                   int* counter, long long* status, const int* outcome, u64* trace) {
+                   const int* base, const float* gates, int tokens, int top_k, bf16* out, int* down_count, u64 epoch,
+                   u64 timeout_ns, int* counter, long long* status, const int* outcome, u64* trace) {
     extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
     __shared__ Pipeline p;
     __shared__ int claimed;
     __shared__ const uint4* slot_row[GH_CONSUMERS * 4][FM_MAX_TOP_K];
+    __shared__ float slot_gate[GH_CONSUMERS * 4][FM_MAX_TOP_K];
     if (outcome[0] != FM_OUTCOME_OK) return;
     for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
         off[j] = rank_off[me * (spr + 1) + j];
@@ -428,7 +434,7 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
     init_pipeline(p);
     __syncthreads();
     const int n_tiles = tile_start[spr];
-    const int total = n_tiles + ceil_div(tokens, FM_REDUCE_TOKENS) * n_down;
+    const int total = n_tiles + ceil_div(tokens, FM_REDUCE_TOKENS);
     const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
     const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
     const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
@@ -466,13 +472,18 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
                     if (lane == 0) mbarrier_arrive(&p.output_empty);
                 }
                 // The tile's rows are in the heap: fenced at system scope by every store
-                // thread, then one releases the tile's done flag for the reducers on every rank.
+                // thread, then one counts the tile; the M-tile's last column block (fenced
+                // after the count, so every earlier block's rows are ordered before) releases
+                // its done flag for the reducers on every rank.
                 __threadfence_system();
                 store_warps_sync();
                 if (threadIdx.x == WARP && stored && !aborted(status)) {
-                    const long long flag = static_cast<long long>(mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM) *
-                                           n_down + tile.col0 / FM_DOWN_COLS;
-                    store_release_sys(reinterpret_cast<u64*>(peer_bases[me] + done_offset) + flag, epoch);
+                    const int m = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
+                    if (atomicAdd(down_count + m, 1) == n_down - 1) {
+                        down_count[m] = 0;
+                        __threadfence_system();
+                        store_release_sys(reinterpret_cast<u64*>(peer_bases[me] + done_offset) + m, epoch);
+                    }
                 }
             }
             phase ^= 1;
@@ -494,13 +505,11 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
             phase ^= 1;
             continue;
         }
-        {  // reduce: tokens of chunk c, output columns [nb * 256, + 256)
-            const int c = (task - n_tiles) / n_down, nb = (task - n_tiles) % n_down;
-            const int col = nb * FM_DOWN_COLS + lane * 8;
+        {  // reduce: tokens of chunk c, every output column
+            const int c = task - n_tiles;
             const int last = min(tokens, (c + 1) * FM_REDUCE_TOKENS);
             for (int t = c * FM_REDUCE_TOKENS + cwarp; t < last; t += GH_CONSUMERS * 4) {
-                float g = 0.0f;
-                if (lane < top_k) {  // slot `lane`: its row on its expert's rank, once that tile's flag says so
+                if (lane < top_k) {  // slot `lane`: its row on its expert's rank, once its M-tile's flag says so
                     const int i = t * top_k + lane;
                     const int expert = static_cast<int>(ids[i]);
                     const int rank = expert / spr, j = expert % spr;
@@ -508,36 +517,35 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
                     const int* roff = rank_off + rank * (spr + 1);
                     const int m = rank_mtile[rank * (spr + 1) + j] + (row - roff[j]) / FM_BM;
                     const u64 peer = peer_bases[rank];
-                    wait_flag(reinterpret_cast<const u64*>(peer + done_offset) + static_cast<long long>(m) * n_down + nb,
-                              epoch, timeout_ns, status, FM_TILE_DONE, rank, static_cast<long long>(m) * n_down + nb);
+                    wait_flag(reinterpret_cast<const u64*>(peer + done_offset) + m, epoch, timeout_ns, status,
+                              FM_TILE_DONE, rank, m);
                     slot_row[cwarp][lane] = reinterpret_cast<const uint4*>(
-                        reinterpret_cast<const bf16*>(peer + expert_out_offset) + static_cast<long long>(row) * hidden +
-                        nb * FM_DOWN_COLS);
-                    g = gates[i];
+                        reinterpret_cast<const bf16*>(peer + expert_out_offset) + static_cast<long long>(row) * hidden);
+                    slot_gate[cwarp][lane] = gates[i];
                 }
                 __syncwarp();
-                // dispatch.cu's sum_slots for this lane's 8 columns: fp32, products and sums
-                // rounded separately, slots in order.
-                float acc[8];
+                // dispatch.cu's sum_slots for this lane's 8 columns of each block: fp32, products
+                // and sums rounded separately, slots in order.
+                for (int col = lane * 8; col < hidden; col += FM_DOWN_COLS) {
+                    float acc[8];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-                for (int k0 = 0; k0 < top_k; k0 += FM_UNROLL) {
-                    uint4 v[FM_UNROLL];
+                    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+                    for (int k0 = 0; k0 < top_k; k0 += FM_REDUCE_UNROLL) {
+                        uint4 v[FM_REDUCE_UNROLL];
 #pragma unroll
-                    for (int u = 0; u < FM_UNROLL; ++u)
-                        if (col < hidden && k0 + u < top_k) v[u] = slot_row[cwarp][k0 + u][lane];
+                        for (int u = 0; u < FM_REDUCE_UNROLL; ++u)
+                            if (k0 + u < top_k) v[u] = slot_row[cwarp][k0 + u][col / 8];
 #pragma unroll
-                    for (int u = 0; u < FM_UNROLL; ++u) {
-                        const float gk = __shfl_sync(FULL_MASK, g, (k0 + u) % WARP);
-                        if (col < hidden && k0 + u < top_k) {
-                            const bf16* h = reinterpret_cast<const bf16*>(&v[u]);
+                        for (int u = 0; u < FM_REDUCE_UNROLL; ++u) {
+                            if (k0 + u < top_k) {
+                                const float gk = slot_gate[cwarp][k0 + u];
+                                const bf16* h = reinterpret_cast<const bf16*>(&v[u]);
 #pragma unroll
-                            for (int e = 0; e < 8; ++e)
-                                acc[e] = __fadd_rn(acc[e], __fmul_rn(gk, __bfloat162float(h[e])));
+                                for (int e = 0; e < 8; ++e)
+                                    acc[e] = __fadd_rn(acc[e], __fmul_rn(gk, __bfloat162float(h[e])));
+                            }
                         }
                     }
-                }
-                if (col < hidden) {
                     uint4 v;
                     bf16* h = reinterpret_cast<bf16*>(&v);
 #pragma unroll

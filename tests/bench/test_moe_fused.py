@@ -47,8 +47,14 @@ def test_tiny_host_run(tmp_path, capfd):
 
 def test_timeline_paths_and_plot(tmp_path):
     assert bench.timeline_path("out/tl.png", 4096, 7168) == "out/tl_t4096_h7168.png"
-    tasks = [("send", 0, 500, 0), ("relay", 500, 900, 1), ("up", 900, 3000, 0), ("down", 3000, 4000, 1),
-             ("reduce", 4000, 4200, 0)]
+    ms = 1_000_000
+    tasks = [("send", 1 * ms, 2 * ms, 0), ("relay", 2 * ms, 3 * ms, 1), ("up", 3 * ms, 7 * ms, 0),
+             ("down", 7 * ms, 9 * ms, 1), ("reduce", 9 * ms, 10 * ms, 0)]
+    late = [(kind, start + 20 * ms, end + 20 * ms, worker) for kind, start, end, worker in tasks[:3]]
     path = tmp_path / "t.png"
-    bench.plot_timeline(tasks, str(path), "title")
+    bench.plot_timeline([tasks, late], str(path), "title")
     assert path.stat().st_size > 0
+    spans = bench.phase_spans([tasks, late])
+    assert spans == [{"send": (0, 1), "relay": (1, 2), "up": (2, 6), "down": (6, 8), "reduce": (8, 9)},
+                     {"send": (20, 21), "relay": (21, 22), "up": (22, 26)}]
+    assert bench.format_phases(spans).splitlines()[1] == "rank 1: send 20.00-21.00  relay 21.00-22.00  up 22.00-26.00"

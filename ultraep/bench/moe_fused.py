@@ -13,9 +13,12 @@ elements of the fused output whose bits differ from the sequential output's (mus
 ``rerun_diff``: between the two checked fused forwards (must be 0). ``speedup`` =
 sequential ms / fused ms.
 
-``--timeline FILE.png``: per setting, rank 0's recorded fused forward as one line per SM
-(a worker on the host) over time, coloured by task kind (send, relay, up tile, down tile,
-reduce): where communication hides under the GEMMs. Needs matplotlib (``ultraep[analysis]``).
+``--timeline FILE.png``: per setting, every rank's recorded fused forward, a panel per rank
+on one time axis, one line per SM (a worker on the host), coloured by task kind (send,
+relay, up tile, down tile, reduce): where communication hides under the GEMMs and which
+rank holds the others up. Below the table, each rank's phases: when its first task of a
+kind started and its last ended, in ms from the first task on any rank (``%globaltimer``:
+one clock for ranks sharing a GPU). Needs matplotlib (``ultraep[analysis]``).
 
 The issue's setting: 4 ranks under ``--emulate-ep`` (MPS, an SM share each, so each rank
 behaves like a small GPU), tokens 4096-32768, hidden 4096 and 7168, top-8. Ranks sharing
@@ -60,8 +63,8 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--timeline", metavar="FILE.png",
-                        help="plot rank 0's fused tasks per SM over time, a file per setting "
-                             "(FILE_t{tokens}_h{hidden}.png)")
+                        help="plot every rank's fused tasks per SM over time, a file per setting "
+                             "(FILE_t{tokens}_h{hidden}.png), and print each rank's phases")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if args.top_k > args.experts_per_rank * args.ranks:
@@ -78,8 +81,29 @@ def timeline_path(path: str, tokens: int, hidden: int) -> str:
 KIND_COLOURS = {"send": "tab:blue", "relay": "tab:cyan", "up": "tab:orange", "down": "tab:red", "reduce": "tab:green"}
 
 
-def plot_timeline(tasks, path: str, title: str) -> None:
-    """``tasks``: (kind, start ns, end ns, worker) rows; one horizontal line per worker."""
+def phase_spans(ranks_tasks) -> list[dict]:
+    """Per rank, per task kind present: ``(first start, last end)`` in ms from the first task
+    on any rank. ``ranks_tasks[r]``: rank r's (kind, start ns, end ns, worker) rows."""
+    t0 = min((start for tasks in ranks_tasks for _, start, _, _ in tasks), default=0)
+    spans = []
+    for tasks in ranks_tasks:
+        mine = {}
+        for kind in KIND_COLOURS:
+            rows = [(s, e) for k, s, e, _ in tasks if k == kind]
+            if rows:
+                mine[kind] = ((min(s for s, _ in rows) - t0) / 1e6, (max(e for _, e in rows) - t0) / 1e6)
+        spans.append(mine)
+    return spans
+
+
+def format_phases(spans: list[dict]) -> str:
+    return "\n".join(f"rank {r}: " + "  ".join(f"{kind} {a:.2f}-{b:.2f}" for kind, (a, b) in mine.items())
+                     for r, mine in enumerate(spans))
+
+
+def plot_timeline(ranks_tasks, path: str, title: str) -> None:
+    """``ranks_tasks[r]``: rank r's (kind, start ns, end ns, worker) rows; a panel per rank,
+    one horizontal line per worker, one time axis."""
     try:
         import matplotlib
     except ModuleNotFoundError:
@@ -87,19 +111,23 @@ def plot_timeline(tasks, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t0 = min((start for _, start, _, _ in tasks), default=0)
-    workers = sorted({worker for *_, worker in tasks})
-    row = {worker: i for i, worker in enumerate(workers)}
-    fig, ax = plt.subplots(figsize=(12, max(3.0, 0.05 * len(workers) + 2)))
-    for kind, colour in KIND_COLOURS.items():
-        spans = [(row[w], (s - t0) / 1e3, max(e - s, 0) / 1e3) for k, s, e, w in tasks if k == kind]
-        if spans:
-            ax.barh([y for y, _, _ in spans], [d for *_, d in spans], left=[x for _, x, _ in spans], height=0.8,
-                    color=colour, label=kind)
-    ax.set_xlabel("µs since the first task")
-    ax.set_ylabel("SM (worker)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(loc="upper right", fontsize=8)
+    t0 = min((start for tasks in ranks_tasks for _, start, _, _ in tasks), default=0)
+    heights = [max(1, len({worker for *_, worker in tasks})) for tasks in ranks_tasks]
+    fig, axes = plt.subplots(len(ranks_tasks), 1, sharex=True, squeeze=False,
+                             figsize=(12, 1.5 + sum(max(1.2, 0.05 * h) for h in heights)),
+                             gridspec_kw={"height_ratios": [max(1.2, 0.05 * h) for h in heights]})
+    for r, (tasks, ax) in enumerate(zip(ranks_tasks, axes[:, 0])):
+        row = {worker: i for i, worker in enumerate(sorted({worker for *_, worker in tasks}))}
+        for kind, colour in KIND_COLOURS.items():
+            spans = [(row[w], (s - t0) / 1e3, max(e - s, 0) / 1e3) for k, s, e, w in tasks if k == kind]
+            if spans:
+                ax.barh([y for y, _, _ in spans], [d for *_, d in spans], left=[x for _, x, _ in spans], height=0.8,
+                        color=colour, label=kind if r == 0 else None)
+        ax.set_ylabel(f"rank {r}\nSM", fontsize=8)
+        ax.set_yticks([])
+    axes[-1, 0].set_xlabel("µs since the first task on any rank")
+    axes[0, 0].set_title(title, fontsize=9)
+    fig.legend(loc="upper right", fontsize=8, ncol=len(KIND_COLOURS))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -166,14 +194,16 @@ def run(args) -> int:
                 again = to_host(layers[True].forward(x, ids, gates)[0])
                 for moe in layers.values():
                     moe.check()
+                phases = None
                 if args.timeline:
                     layers[True].record_timeline(True)
                     layers[True].forward(x, ids, gates)
-                    tasks = layers[True].timeline()
+                    everyone_tasks = group.allgather(layers[True].timeline())
                     layers[True].record_timeline(False)
+                    phases = phase_spans(everyone_tasks)
                     if me == 0:
-                        plot_timeline(tasks, timeline_path(args.timeline, T, H),
-                                      f"rank 0 of {R} ({caveat}): fused forward, {T} tokens, hidden {H}, ffn {F}, "
+                        plot_timeline(everyone_tasks, timeline_path(args.timeline, T, H),
+                                      f"{R} ranks ({caveat}): fused forward, {T} tokens, hidden {H}, ffn {F}, "
                                       f"top-{K}")
                 mine = (differing([outputs[True]], [outputs[False]]), differing([again], [outputs[True]]))
             finally:
@@ -185,9 +215,15 @@ def run(args) -> int:
             row = {"tokens": T, "hidden": H, "ffn": F, "seq_ms": seq_ms, "fused_ms": fused_ms,
                    "speedup": seq_ms / fused_ms, "out_diff": sum(d[0] for d in everyone),
                    "rerun_diff": sum(d[1] for d in everyone)}
+            if phases is not None:
+                row["phases"] = phases
             rows.append(row)
             table.add(row)
     table.close()
+    for row in rows:
+        if me == 0 and "phases" in row:
+            print(f"phases of a recorded fused forward, tokens {row['tokens']}, hidden {row['hidden']} (ms from the "
+                  f"first task on any rank, first start-last end per kind):\n{format_phases(row['phases'])}")
     problems = [f"tokens {row['tokens']} hidden {row['hidden']}: {key} = {row[key]} (must be 0)"
                 for row in rows for key in ("out_diff", "rerun_diff") if row[key]]
     if problems:

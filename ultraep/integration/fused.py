@@ -27,12 +27,14 @@ Kernel A, dispatch + up-projection (rank ``r``; ``j`` a local slot, ``m`` an M-t
 Kernel B, down-projection + combine (launched after A on the same stream):
 
 1. ``down(j, n, m)`` multiplies ``act`` rows by ``w_down[j]``'s columns ``[n*D, (n+1)*D)``
-   into the heap's ``expert_out`` rows (BF16), then, after a system-scope release fence,
-   ``done[mtile(j, m) * n_down + n] = epoch``. Waits for nothing.
-2. ``reduce(c, n)`` for tokens ``[c*S', (c+1)*S')`` of this rank and output columns
-   ``[n*D, (n+1)*D)``: for k = 0..K-1, waits (acquire) until the done flag of the tile
-   holding slot (t, k)'s row on its expert's rank says ``epoch``, reads those columns of
-   the row there, and sums gate-weighted in slot order in FP32 (``slot_sum``).
+   into the heap's ``expert_out`` rows (BF16), fences them at system scope and counts
+   itself in ``down_count[mtile(j, m)]`` (local); the M-tile's last column block to finish
+   resets the count and releases ``done[mtile(j, m)] = epoch``. Waits for nothing.
+2. ``reduce(c)`` for tokens ``[c*S', (c+1)*S')`` of this rank, every output column: for
+   k = 0..K-1, waits (acquire) until the done flag of the M-tile holding slot (t, k)'s row
+   on its expert's rank says ``epoch``, reads the row there, and sums gate-weighted in
+   slot order in FP32 (``slot_sum``). One flag per slot, not per slot and column block:
+   the reducers' waits and row lookups do not grow with the width.
 
 ``mtile(j, m)`` is the tile's index in the rank's prefix of M-tiles (``mtile_starts``), the
 same on every rank because every rank derives every rank's counts from the gathered count
@@ -107,7 +109,7 @@ class Task:
     kind: str
     a: int        # send/reduce: token chunk; relay/up/down: local slot j
     m: int = 0    # relay/up/down: M-tile
-    n: int = 0    # up/down/reduce: column block
+    n: int = 0    # up/down: column block
 
 
 KERNEL_A = ("send", "relay", "up")
@@ -132,16 +134,15 @@ def max_tasks(*, max_tokens: int, max_recv_rows: int, slots_per_rank: int, hidde
     tiles = max_m_tiles(max_recv_rows, slots_per_rank, grain)
     n_down = _ceil(hidden, grain.down_cols)
     return (_ceil(max_tokens, grain.send_tokens) + tiles * (1 + _ceil(ffn, grain.up_cols)),
-            tiles * n_down + _ceil(max_tokens, grain.reduce_tokens) * n_down)
+            tiles * n_down + _ceil(max_tokens, grain.reduce_tokens))
 
 
 def heap_requirements(*, hidden: int, max_recv_rows: int, slots_per_rank: int, layer: int = 0) -> HeapRequirements:
     """The fused layer's flags in the symmetric heap (add to the Dispatcher's)."""
-    n_down = _ceil(hidden, kernel_constant(KERNELS, "FM_DOWN_COLS"))
     tiles = max_m_tiles(max_recv_rows, slots_per_rank)
     prefix = f"{HEAP_PREFIX}{layer}."
     return HeapRequirements.of(tensors=[(prefix + "row_flag", (max_recv_rows,), np.uint64),
-                                        (prefix + "done", (tiles * n_down,), np.uint64)])
+                                        (prefix + "done", (tiles,), np.uint64)])
 
 
 def mtile_starts(counts: np.ndarray, bm: int) -> np.ndarray:
@@ -201,8 +202,7 @@ def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity) -> tup
           for m in range(m_tiles[j])]
     b = [Task("down", j, m, n) for j in range(slots) for n in range(_ceil(hidden, grain.down_cols))
          for m in range(m_tiles[j])]
-    b += [Task("reduce", c, 0, n) for c in range(_ceil(plan.tokens, grain.reduce_tokens))
-          for n in range(_ceil(hidden, grain.down_cols))]
+    b += [Task("reduce", c) for c in range(_ceil(plan.tokens, grain.reduce_tokens))]
     return a, b
 
 
@@ -218,7 +218,8 @@ class RankState:
     row_landing: np.ndarray
     row_origin: np.ndarray
     expert_out: np.ndarray
-    flags: dict = field(default_factory=dict)   # name -> integer array: row_flag, tile_ready, done
+    flags: dict = field(default_factory=dict)   # name -> integer epoch array: row_flag, tile_ready, done
+    down_count: np.ndarray | None = None        # per M-tile: its down tiles finished in this call
     x: np.ndarray | None = None
     gates: np.ndarray | None = None
     w_up: np.ndarray | None = None      # [slots, H, 2F] bf16
@@ -269,7 +270,6 @@ class FusedLayer:
         H, F = w_up[0].shape[1], w_up[0].shape[2] // 2
         max_tokens = max_tokens or max(1, max(len(x) for x in xs))
         plans = plan_ranks(expert_ids, slots, grain)
-        n_down = _ceil(H, grain.down_cols)
         states = []
         for r in range(ranks):
             rows = max(1, int(plans[r].offsets[r][-1]))
@@ -282,7 +282,7 @@ class FusedLayer:
                 act=_poison((rows, F), BFLOAT16), expert_out=_poison((rows, H), BFLOAT16),
                 out=_poison((len(xs[r]), H), BFLOAT16),
                 flags={"row_flag": np.zeros(rows, np.int64), "tile_ready": np.zeros(tiles, np.int64),
-                       "done": np.zeros(tiles * n_down, np.int64)}))
+                       "done": np.zeros(tiles, np.int64)}, down_count=np.zeros(tiles, np.int64)))
         return cls(plans, states, activation, grain=grain, epoch=epoch, max_tokens=max_tokens,
                    top_k=np.shape(expert_ids[0])[1], hidden=H, ffn=F)
 
@@ -319,12 +319,13 @@ class FusedLayer:
             for t in self._chunk(r, task.a, self.grain.reduce_tokens):
                 for k in range(self.top_k):
                     dest, _, tile = self._slot_tile(r, t * self.top_k + k)
-                    waits.append((dest, "done", tile * self.n_down + task.n))
+                    waits.append((dest, "done", tile))
             return waits
         return []
 
     def publishes(self, r: int, task: Task) -> list[tuple[int, str, int]]:
-        """The flags ``task`` sets to the epoch when it is done."""
+        """The flags ``task`` sets to the epoch when it is done (a down task: when it is its
+        M-tile's last column block to finish)."""
         if task.kind == "send":
             p = self.plans[r]
             return [(int(p.pair_rank[i]), "row_flag", int(p.pair_row[i]))
@@ -333,7 +334,7 @@ class FusedLayer:
         if task.kind == "relay":
             return [(r, "tile_ready", self._mtile(r, task.a, task.m))]
         if task.kind == "down":
-            return [(r, "done", self._mtile(r, task.a, task.m) * self.n_down + task.n)]
+            return [(r, "done", self._mtile(r, task.a, task.m))]
         return []
 
     # -- effects ----------------------------------------------------------------------------
@@ -341,6 +342,12 @@ class FusedLayer:
         """Task ``task`` of rank ``r`` (its waits satisfied), then its flags published."""
         getattr(self, "_" + task.kind)(r, task)
         for rank, name, index in self.publishes(r, task):
+            if task.kind == "down":
+                count = self.state[rank].down_count
+                count[index] += 1
+                if count[index] < self.n_down:
+                    continue
+                count[index] = 0
             self.state[rank].flags[name][index] = self.epoch
 
     def _send(self, r: int, task: Task) -> None:
@@ -378,16 +385,15 @@ class FusedLayer:
                                                          _f32(st.w_down[task.a][:, c0:c1])).astype(BFLOAT16)
 
     def _reduce(self, r: int, task: Task) -> None:
-        st, D, K = self.state[r], self.grain.down_cols, self.top_k
-        c0, c1 = task.n * D, min(self.hidden, (task.n + 1) * D)
+        st, K = self.state[r], self.top_k
         tokens = list(self._chunk(r, task.a, self.grain.reduce_tokens))
-        slots = np.empty((len(tokens), K, c1 - c0), dtype=BFLOAT16)
+        slots = np.empty((len(tokens), K, self.hidden), dtype=BFLOAT16)
         for a, t in enumerate(tokens):
             for k in range(K):
                 dest, row, _ = self._slot_tile(r, t * K + k)
-                slots[a, k] = self.state[dest].expert_out[row, c0:c1]
+                slots[a, k] = self.state[dest].expert_out[row]
         if tokens:
-            st.out[tokens[0]:tokens[-1] + 1, c0:c1] = ref.slot_sum(slots, st.gates[tokens[0]:tokens[-1] + 1], BFLOAT16)
+            st.out[tokens[0]:tokens[-1] + 1] = ref.slot_sum(slots, st.gates[tokens[0]:tokens[-1] + 1], BFLOAT16)
 
     def outputs(self) -> list[np.ndarray]:
         return [s.out for s in self.state]
@@ -455,7 +461,8 @@ class HostFusedForward:
         for tensor in flags.values():
             tensor.local[...] = 0
         self.grain = Granularity.kernel()
-        self.tile_ready = np.zeros(max_m_tiles(self.config.max_recv_rows, self.config.experts_per_rank), np.uint64)
+        tiles = max_m_tiles(self.config.max_recv_rows, self.config.experts_per_rank)
+        self.tile_ready, self.down_count = np.zeros(tiles, np.uint64), np.zeros(tiles, np.int64)
         self.epoch = 0
         self.recording, self.last_timeline = False, []
 
@@ -466,6 +473,7 @@ class HostFusedForward:
         self.epoch += 1
         m = self.impl.token_map(x, ids, gates)
         self.impl.release_counts()  # no later barrier in this call protects the table from the next publish
+        self.down_count[...] = 0  # as the device plan does: a failed call may have left counts short
         offsets = [ref.plan_rows(m["table"], d.experts_per_rank, r)[2] for r in range(d.size)]
         plan = RankPlan(rank=me, tokens=m["tokens"], top_k=d.top_k, pair_row=m["pair_row"],
                         pair_rank=m["pair_rank"], send_pos=m["send_pos"], first_slot=m["first_slot"], offsets=offsets,
@@ -478,7 +486,7 @@ class HostFusedForward:
                                     expert_out=view(b.expert_out),
                                     flags={"row_flag": view(self.flags["row_flag"]), "done": view(self.flags["done"])}))
         own = states[me]
-        own.flags["tile_ready"] = self.tile_ready
+        own.flags["tile_ready"], own.down_count = self.tile_ready, self.down_count
         own.x, own.gates, own.w_up, own.w_down = np.asarray(x), m["gates"], np.asarray(w_up), np.asarray(w_down)
         own.recv = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
         own.act = np.zeros((d.max_recv_rows, self.ffn), dtype=d.dtype)

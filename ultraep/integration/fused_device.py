@@ -8,7 +8,7 @@ with the SwiGLU epilogue) -> ``fused_down_combine`` (down tiles into the heap's
 no claim order deadlocks are :mod:`ultraep.integration.fused`'s.
 
 Heap tensors (beside the Dispatcher's, which must be set up with ``expert_output=True``):
-``row_flag [max_recv_rows]`` and ``done [max_m_tiles * n_down]`` uint64 epoch flags,
+``row_flag [max_recv_rows]`` and ``done [max_m_tiles]`` uint64 epoch flags,
 zeroed once at set-up; a flag equals the current epoch only once this call set it, so
 nothing is reset between calls. The grid is the SM count: a block per SM (the stage ring
 fills its shared memory), and any number of them resident is correct.
@@ -63,7 +63,9 @@ class DeviceFusedForward:
         self.rank_mtile = cupy.zeros(R * (spr + 1), dtype=np.int32)
         self.counters = cupy.zeros(2, dtype=np.int32)
         self.status = cupy.zeros(kernel_constant(KERNELS, "FM_STATUS_WORDS"), dtype=np.int64)
-        self.tile_ready = cupy.zeros(max_m_tiles(d.max_recv_rows, spr), dtype=np.uint64)
+        tiles = max_m_tiles(d.max_recv_rows, spr)
+        self.tile_ready = cupy.zeros(tiles, dtype=np.uint64)
+        self.down_count = cupy.zeros(tiles, dtype=np.int32)
         self.epoch = 0
         self.maps = _TensorMaps()
         self.box = kernel_constant(KERNELS, "GH_BOX")
@@ -83,7 +85,8 @@ class DeviceFusedForward:
         table_cols = d.num_experts + d.size + kernel_constant("dispatch.cu", "BAD_RECORD_FIELDS")
         self.k["fused_plan"]((1,), (kernel_constant(KERNELS, "FM_PLAN_THREADS"),), (
             self.impl.local["count_table"], np.int32(d.size), np.int32(d.num_experts), np.int32(table_cols),
-            np.int32(spr), self.rank_off, self.rank_mtile, self.counters))
+            np.int32(spr), self.rank_off, self.rank_mtile, self.counters, self.down_count,
+            np.int32(self.down_count.size)))
         self.impl.release_counts()  # no later barrier in this call protects the table from the next publish
         bf16 = cupy_dtype(BFLOAT16)
         rows = d.max_recv_rows
@@ -113,7 +116,8 @@ class DeviceFusedForward:
             act_map, w_down_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(self.done.offset), np.int32(d.rank), np.int32(spr), self.rank_off, self.rank_mtile,
             state["ids"], state["positions"], state["base"], state["gates"], np.int32(state["tokens"]),
-            np.int32(d.top_k), out, epoch, timeout, self.counters[1:], self.status, state["outcome"], traces[1]),
+            np.int32(d.top_k), out, self.down_count, epoch, timeout, self.counters[1:], self.status, state["outcome"],
+            traces[1]),
             shared_mem=self.shared_bytes)
         received = self.impl.received(recv, state)
         if d.sync_checks:
