@@ -55,6 +55,7 @@ def test_timeline_paths_and_plot(tmp_path):
     bench.plot_timeline([tasks, late], str(path), "title")
     assert path.stat().st_size > 0
     spans = bench.phase_spans([tasks, late])
-    assert spans == [{"send": (0, 1), "relay": (1, 2), "up": (2, 6), "down": (6, 8), "reduce": (8, 9)},
-                     {"send": (20, 21), "relay": (21, 22), "up": (22, 26)}]
-    assert bench.format_phases(spans).splitlines()[1] == "rank 1: send 20.00-21.00  relay 21.00-22.00  up 22.00-26.00"
+    assert spans == [{"workers": 2, "send": (0, 1), "relay": (1, 2), "up": (2, 6), "down": (6, 8), "reduce": (8, 9)},
+                     {"workers": 2, "send": (20, 21), "relay": (21, 22), "up": (22, 26)}]
+    assert bench.format_phases(spans).splitlines()[1] == ("rank 1 (2 SMs): send 20.00-21.00  relay 21.00-22.00  "
+                                                           "up 22.00-26.00")

@@ -82,12 +82,13 @@ KIND_COLOURS = {"send": "tab:blue", "relay": "tab:cyan", "up": "tab:orange", "do
 
 
 def phase_spans(ranks_tasks) -> list[dict]:
-    """Per rank, per task kind present: ``(first start, last end)`` in ms from the first task
-    on any rank. ``ranks_tasks[r]``: rank r's (kind, start ns, end ns, worker) rows."""
+    """Per rank: ``workers`` (the SMs its tasks ran on) and per task kind present ``(first
+    start, last end)`` in ms from the first task on any rank. ``ranks_tasks[r]``: rank r's
+    (kind, start ns, end ns, worker) rows."""
     t0 = min((start for tasks in ranks_tasks for _, start, _, _ in tasks), default=0)
     spans = []
     for tasks in ranks_tasks:
-        mine = {}
+        mine = {"workers": len({worker for *_, worker in tasks})}
         for kind in KIND_COLOURS:
             rows = [(s, e) for k, s, e, _ in tasks if k == kind]
             if rows:
@@ -97,8 +98,9 @@ def phase_spans(ranks_tasks) -> list[dict]:
 
 
 def format_phases(spans: list[dict]) -> str:
-    return "\n".join(f"rank {r}: " + "  ".join(f"{kind} {a:.2f}-{b:.2f}" for kind, (a, b) in mine.items())
-                     for r, mine in enumerate(spans))
+    return "\n".join(f"rank {r} ({mine['workers']} SMs): " + "  ".join(
+        f"{kind} {mine[kind][0]:.2f}-{mine[kind][1]:.2f}" for kind in KIND_COLOURS if kind in mine)
+        for r, mine in enumerate(spans))
 
 
 def plot_timeline(ranks_tasks, path: str, title: str) -> None:
@@ -201,6 +203,8 @@ def run(args) -> int:
                     everyone_tasks = group.allgather(layers[True].timeline())
                     layers[True].record_timeline(False)
                     phases = phase_spans(everyone_tasks)
+                    progress(f"tokens {T}, hidden {H}: phases of a recorded fused forward (ms):\n"
+                             f"{format_phases(phases)}")
                     if me == 0:
                         plot_timeline(everyone_tasks, timeline_path(args.timeline, T, H),
                                       f"{R} ranks ({caveat}): fused forward, {T} tokens, hidden {H}, ffn {F}, "
