@@ -9,18 +9,20 @@
 
 #include "sync.cuh"
 
-// One block. Thread t publishes `epoch` into slot `rank` of peer t's pad, then waits until
-// slot t of this rank's own pad reaches `epoch`. A wait that outlasts timeout_ns records
-// (1, waited rank, expected, seen) in status[0..3] and gives up instead of hanging.
+// One block. Thread t publishes `flag` (epoch and refusal causes, sync.cuh) into slot `rank`
+// of peer t's pad, then waits until slot t of this rank's own pad reaches the epoch. A wait
+// that outlasts timeout_ns, or a peer that refused this epoch, is recorded in status[0..3]
+// (wait_peer_flags); a timed-out wait gives up instead of hanging.
 extern "C" __global__ void symmetric_barrier(const u64* peer_bases, int rank, int world, u64 pad_offset,
-                                             u64 epoch, u64 timeout_ns, u64* status) {
+                                             u64 flag, u64 timeout_ns, u64* status) {
     __threadfence_system();  // earlier kernels' peer stores complete before any flag is published
     __syncthreads();
     for (int peer = threadIdx.x; peer < world; peer += blockDim.x) {
         u64* slot = reinterpret_cast<u64*>(peer_bases[peer] + pad_offset) + rank;
-        store_release_sys(slot, epoch);
+        store_release_sys(slot, flag);
     }
-    wait_peer_flags(reinterpret_cast<const u64*>(peer_bases[rank] + pad_offset), world, epoch, timeout_ns, status, 256);
+    wait_peer_flags(reinterpret_cast<const u64*>(peer_bases[rank] + pad_offset), world, flag & BARRIER_EPOCH_MASK,
+                    timeout_ns, status, 256);
     __syncthreads();
 }
 

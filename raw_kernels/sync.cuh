@@ -27,24 +27,45 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
+// A heap barrier flag word: the epoch in the low BARRIER_EPOCH_BITS, then why this rank
+// refuses this epoch and why it refused the one before (cause codes, 0: it did not). A rank
+// that refuses a barrier (its own arguments are bad) still arrives, so every rank stays in
+// step and its peers report the cause instead of timing out. A peer can be at most one
+// barrier ahead of a waiter (it waits for everyone's arrival before it signals again), so a
+// refusal overwritten by the next flag survives in that flag's previous-epoch field.
+#define BARRIER_EPOCH_BITS 48
+#define BARRIER_EPOCH_MASK ((1ull << BARRIER_EPOCH_BITS) - 1)
+#define BARRIER_CAUSE_BITS 8
+#define BARRIER_CAUSE_MASK ((1ull << BARRIER_CAUSE_BITS) - 1)
+#define BARRIER_CAUSE_SHIFT BARRIER_EPOCH_BITS
+#define BARRIER_PREV_CAUSE_SHIFT (BARRIER_EPOCH_BITS + BARRIER_CAUSE_BITS)
+// status[0] of a failed wait_peer_flags
+#define PEER_WAIT_TIMED_OUT 1
+#define PEER_WAIT_REFUSED 2
+
 // The block's threads wait, a peer per thread (grid-stride over the block), until each
-// peer's flag own[peer] reaches `epoch`; the first wait to run out of time records
-// (1, peer, epoch, seen) in status[0..3] for the host and gives up.
+// peer's flag own[peer] reaches `epoch`; the first wait that times out, or sees its peer
+// refuse this epoch, records (PEER_WAIT_TIMED_OUT or PEER_WAIT_REFUSED, peer, epoch, flag
+// seen) in status[0..3] for the host. A refusal counts as an arrival.
 __device__ __forceinline__ void wait_peer_flags(const u64* own, int world, u64 epoch, u64 timeout_ns, u64* status,
                                                 unsigned sleep_ns) {
     for (int peer = threadIdx.x; peer < world; peer += blockDim.x) {
         const u64 start = global_timer_ns();
-        u64 seen;
-        while ((seen = load_acquire_sys(own + peer)) < epoch) {
+        u64 seen, code = 0;
+        while (((seen = load_acquire_sys(own + peer)) & BARRIER_EPOCH_MASK) < epoch) {
             if (global_timer_ns() - start > timeout_ns) {
-                if (atomicCAS(status, 0ull, 1ull) == 0ull) {
-                    status[1] = static_cast<u64>(peer);
-                    status[2] = epoch;
-                    status[3] = seen;
-                }
+                code = PEER_WAIT_TIMED_OUT;
                 break;
             }
             __nanosleep(sleep_ns);
+        }
+        const u64 arrived = seen & BARRIER_EPOCH_MASK;
+        const int shift = arrived == epoch ? BARRIER_CAUSE_SHIFT : BARRIER_PREV_CAUSE_SHIFT;
+        if (code == 0 && arrived <= epoch + 1 && ((seen >> shift) & BARRIER_CAUSE_MASK) != 0) code = PEER_WAIT_REFUSED;
+        if (code != 0 && atomicCAS(status, 0ull, code) == 0ull) {
+            status[1] = static_cast<u64>(peer);
+            status[2] = epoch;
+            status[3] = seen;
         }
     }
 }

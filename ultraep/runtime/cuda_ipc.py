@@ -17,7 +17,7 @@ import numpy as np
 from ultraep.runtime.dtypes import cupy_dtype
 from ultraep.runtime.group import EPGroup, check_distinct_processes
 from ultraep.errors import BarrierTimeout, HeapError, RankFailedError, WaitTimeout
-from ultraep.runtime.heap import SymmetricHeap, _abandoned
+from ultraep.runtime.heap import SymmetricHeap, _abandoned, flag_constant
 from ultraep.runtime.kernels import get_function
 
 _STATUS_FIELDS = 4  # failed flag, waited rank, expected epoch, value seen
@@ -96,12 +96,12 @@ class DeviceHeap(SymmetricHeap):
                                          device_id=self.device)
         return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
-    def _device_barrier(self, epoch: int, timeout_s: float, wait: bool) -> None:
+    def _device_barrier(self, flag: int, timeout_s: float, wait: bool) -> None:
         threads = min(1024, max(32, -(-self.size // 32) * 32))
         # The status word is only cleared once reported, so a timeout of an unchecked
         # (wait=False) barrier survives until check_barriers() reads it.
         self._barrier_kernel((1,), (threads,), (self.peer_bases, np.int32(self.rank), np.int32(self.size),
-                                                np.uint64(0), np.uint64(epoch), np.uint64(int(timeout_s * 1e9)),
+                                                np.uint64(0), np.uint64(flag), np.uint64(int(timeout_s * 1e9)),
                                                 self._status))
         self._last_timeout_s = timeout_s
         if wait:
@@ -114,6 +114,8 @@ class DeviceHeap(SymmetricHeap):
         failed, waited, expected, seen = (int(v) for v in self._status.get())
         if failed:
             self._status.fill(0)
+            if failed == flag_constant("PEER_WAIT_REFUSED"):
+                raise RankFailedError(self._refusal_message(waited, expected, seen))
             raise BarrierTimeout(self._timeout_message(waited, expected, seen, self._last_timeout_s))
 
     def _close_peers(self) -> None:

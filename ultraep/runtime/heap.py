@@ -31,9 +31,10 @@ from typing import Iterable
 
 import numpy as np
 
-from ultraep.errors import BarrierTimeout, ClosedError, HeapError
+from ultraep.errors import BarrierTimeout, ClosedError, HeapError, RankFailedError
 from ultraep.runtime.dtypes import resolve_dtype
 from ultraep.runtime.group import EPGroup, timeout_error  # noqa: F401 (timeout_error: callers import it here)
+from ultraep.runtime.kernels import kernel_constants
 
 HEAP_GRANULE = 2 << 20          # CUDA IPC maps whole allocations; keep them 2 MiB-granular
 ALLOC_ALIGN = 256               # every sub-allocation starts 256-byte aligned (16-byte vector access and more)
@@ -43,11 +44,39 @@ DEFAULT_BARRIER_TIMEOUT_S = 30.0
 FAILING_CLOSE_TIMEOUT_S = 5.0
 
 
+# Why a rank refused a heap barrier: the cause code its refusal flag carries to the peers.
+REFUSED_BAD_TIMEOUT = 1
+_REFUSAL_CAUSES = {REFUSED_BAD_TIMEOUT: "timeout_s must be a positive, finite number of seconds"}
+
 _abandoned: list = []  # allocations left unfreed by a close that peers never joined
 
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def flag_constant(name: str) -> int:
+    """A constant of the heap barrier's flag word (epoch bits, refusal cause fields, wait
+    status codes), defined once for both backends in ``raw_kernels/sync.cuh``."""
+    return kernel_constants("heap.cu")[name]
+
+
+def flag_epoch(flag: int) -> int:
+    """The epoch a barrier flag word carries."""
+    return int(flag) & flag_constant("BARRIER_EPOCH_MASK")
+
+
+def refusal_cause(flag: int, epoch: int) -> int:
+    """Why the peer whose flag is ``flag`` refused barrier ``epoch`` (0: it did not): its
+    flag of that epoch says so, or the previous-epoch field of its next one."""
+    arrived = flag_epoch(flag)
+    if arrived == epoch:
+        shift = flag_constant("BARRIER_CAUSE_SHIFT")
+    elif arrived == epoch + 1:
+        shift = flag_constant("BARRIER_PREV_CAUSE_SHIFT")
+    else:
+        return 0
+    return (int(flag) >> shift) & flag_constant("BARRIER_CAUSE_MASK")
 
 
 @dataclass(frozen=True)
@@ -153,6 +182,7 @@ class SymmetricHeap:
         self._next_offset = SIGNAL_PAD_BYTES
         self._next_signal = self.size  # slots [0, size) belong to the barrier
         self._epoch = 0
+        self._refused_cause = 0  # why this rank refused the last barrier (0: it did not); its next flag says so too
         self._broken: str | None = None
         self._closed = False
         self.allocations: dict[str, SymmetricTensor | SignalBlock] = {}
@@ -162,7 +192,10 @@ class SymmetricHeap:
         """``shape``/``dtype`` at byte ``offset`` of ``rank``'s heap (ClosedError once closed)."""
         raise NotImplementedError
 
-    def _device_barrier(self, epoch: int, timeout_s: float, wait: bool) -> None:
+    def _device_barrier(self, flag: int, timeout_s: float, wait: bool) -> None:
+        """Publish ``flag`` (its epoch and refusal causes) to every peer, then wait for every
+        peer's arrival at that epoch; raise :class:`BarrierTimeout` if one does not come in
+        time, else :class:`~ultraep.errors.RankFailedError` if one refused the barrier."""
         raise NotImplementedError
 
     def check_barriers(self) -> None:
@@ -232,22 +265,44 @@ class SymmetricHeap:
         Orders this rank's earlier writes into peers' heaps before peers' later reads.
         Raises :class:`BarrierTimeout` naming the rank, flag and expected value if a peer
         does not arrive in ``timeout_s``; the heap is unusable afterwards (close it).
+        A bad ``timeout_s`` raises ValueError here and :class:`~ultraep.errors.RankFailedError`
+        naming this rank and the cause on every peer (the refusal travels in this rank's flag,
+        which still arrives); the heap stays usable.
         On the GPU, ``wait=False`` only enqueues the barrier on the current stream (no
         host synchronisation); :meth:`check_barriers` reports its outcome later.
         """
         self._check_usable()
-        if (bad_timeout := timeout_error(timeout_s)) is not None:  # before this rank signals anyone
-            raise ValueError(f"rank {self.rank}: heap barrier: {bad_timeout}")
+        bad_timeout = timeout_error(timeout_s)
+        cause = 0 if bad_timeout is None else REFUSED_BAD_TIMEOUT
         self._epoch += 1
+        flag = (self._epoch | cause << flag_constant("BARRIER_CAUSE_SHIFT")
+                | self._refused_cause << flag_constant("BARRIER_PREV_CAUSE_SHIFT"))
+        self._refused_cause = cause
+        if bad_timeout is not None:
+            # A refusal still arrives (on the group's timeout), keeping every rank in step and
+            # telling the peers why, so they raise that instead of waiting out their timeout.
+            try:
+                self._device_barrier(flag, self.group.timeout_s, wait=True)
+            except RankFailedError:
+                pass  # other ranks refused too: each raises its own cause
+            except BarrierTimeout as exc:
+                self._broken = str(exc)
+            raise ValueError(f"rank {self.rank}: heap barrier: {bad_timeout}")
         try:
-            self._device_barrier(self._epoch, float(timeout_s), wait)
+            self._device_barrier(flag, float(timeout_s), wait)
         except BarrierTimeout as exc:
             self._broken = str(exc)
             raise
 
     def _timeout_message(self, waited_rank: int, expected: int, seen: int, timeout_s: float) -> str:
         return (f"rank {self.rank}: {self.backend} heap barrier timed out after {timeout_s:g} s waiting for "
-                f"rank {waited_rank}: barrier flag in signal-pad slot {waited_rank} expected >= {expected}, saw {seen}")
+                f"rank {waited_rank}: barrier flag in signal-pad slot {waited_rank} expected >= {expected}, "
+                f"saw {flag_epoch(seen)}")
+
+    def _refusal_message(self, refused_rank: int, epoch: int, seen: int) -> str:
+        cause = refusal_cause(seen, epoch)
+        why = _REFUSAL_CAUSES.get(cause, f"unknown refusal cause {cause}")
+        return f"rank {self.rank}: {self.backend} heap barrier {epoch}: rank {refused_rank} refused it: {why}"
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ultraep.runtime.group import EPGroup
 from ultraep.errors import BarrierTimeout, HeapError, RankFailedError, WaitTimeout
-from ultraep.runtime.heap import SymmetricHeap, _abandoned
+from ultraep.runtime.heap import SymmetricHeap, _abandoned, flag_epoch, refusal_cause
 
 
 class HostHeap(SymmetricHeap):
@@ -59,20 +59,25 @@ class HostHeap(SymmetricHeap):
         """Memory fence for host stores into (and loads from) peers' segments."""
         self._win.Sync()
 
-    def _device_barrier(self, epoch: int, timeout_s: float, wait: bool) -> None:
+    def _device_barrier(self, flag: int, timeout_s: float, wait: bool) -> None:
         self._win.Sync()  # this rank's earlier stores land before its flags
         for peer in range(self.size):
-            self.view(peer, 0, (self.size,), np.dtype(np.uint64))[self.rank] = epoch
+            self.view(peer, 0, (self.size,), np.dtype(np.uint64))[self.rank] = flag
+        epoch, refused = flag_epoch(flag), None
         mine = self.view(self.rank, 0, (self.size,), np.dtype(np.uint64))
         deadline = time.monotonic() + timeout_s
         for peer in range(self.size):
-            while mine[peer] < epoch:
+            while flag_epoch(seen := int(mine[peer])) < epoch:
                 self.group.check_peers(f"{self.backend} heap barrier")
                 if time.monotonic() > deadline:
-                    raise BarrierTimeout(self._timeout_message(peer, epoch, int(mine[peer]), timeout_s))
+                    raise BarrierTimeout(self._timeout_message(peer, epoch, seen, timeout_s))
                 time.sleep(20e-6)
                 self._win.Sync()
+            if refused is None and refusal_cause(seen, epoch):
+                refused = peer, seen  # an arrival all the same: wait for the others like the device does
         self._win.Sync()  # peers' stores before their flags are visible to this rank's reads
+        if refused is not None:
+            raise RankFailedError(self._refusal_message(refused[0], epoch, refused[1]))
 
     def _abandon(self) -> None:
         self._segments = []
