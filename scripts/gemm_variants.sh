@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/ultraep-cupy-cache}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the test processes share the GPU (the JAX test)
 PY=${PYTHON:-python3}
 read -r -a VARIANTS <<< "${GEMM_VARIANTS:-$($PY -c 'from ultraep.compute.device import VARIANTS; print(*VARIANTS)')}"
 CASES=("8x4096 N4096 K7168" "8x4096 N7168 K2048" "32x1024 N7168 K2048" "32x256 N4096 K7168" "qwen3 down")
@@ -61,7 +62,9 @@ for v in "${VARIANTS[@]}"; do
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid"; done
-for v in "${VARIANTS[@]}"; do echo "$v: $(grep -E '(passed|failed|error)' "$OUT/tests-$v.log" | tail -1) ($(tail -1 "$OUT/tests-$v.log"))"; done
+for v in "${VARIANTS[@]}"; do  # pytest's summary line, then its exit status
+  echo "$v: $(tail -2 "$OUT/tests-$v.log" | head -1) ($(tail -1 "$OUT/tests-$v.log"))"
+done
 echo "phase 1 took $((SECONDS - start)) s"
 
 echo "== 2. bench grouped-gemm, one variant at a time"
@@ -71,7 +74,9 @@ for v in "${VARIANTS[@]}"; do
   limit=$((left < 50 ? left : 50))
   ULTRAEP_GEMM_VARIANT=$v timeout "$limit" $PY -m ultraep.bench grouped-gemm --cases "${CASES[@]}" --sizes uniform \
       --repeats "${GEMM_REPEATS:-10}" --json "$OUT/gemm-$v.json" > "$OUT/bench-$v.log" 2>&1
-  echo "$v: exit $? after $((SECONDS - start)) s"
+  code=$?
+  echo "$v: exit $code after $((SECONDS - start)) s"
+  [ "$code" -eq 0 ] || tail -5 "$OUT/bench-$v.log"
 done
 
 echo "== 3. comparison"
