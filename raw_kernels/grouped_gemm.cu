@@ -57,7 +57,7 @@
 #endif
 // The dynamic shared memory of a variant (the host evaluates it): stages, the staged BF16
 // tile, slack to align the stages.
-#define GG_SMEM_BYTES(stages, staged) (stages * GH_STAGE_BYTES + staged * GH_C_BYTES + 1024)
+#define GG_SMEM_BYTES(stages, staged) ((stages) * GH_STAGE_BYTES + (staged) * GH_C_BYTES + 1024)
 #if GH_CLUSTER > 1
 #define GG_CLUSTER_DIMS __cluster_dims__(GH_CLUSTER, 1, 1)
 #else
