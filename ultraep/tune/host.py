@@ -46,6 +46,8 @@ class HostProbe:
     compute_dtype = "float32"
     compute_shape = (4, 256, 256)  # experts, k, n
     rows_per_expert = (4, 16, 64, 256, 1024)
+    tile_shape = (128, 256)        # bm, bn: the GPU's tile, over the compute shape's k
+    tile_batch = 8                 # tiles in the call whose time per tile is the tile's cost
 
     def describe(self) -> tuple[str, int]:
         return f"host {platform.machine() or 'cpu'}", os.cpu_count() or 1
@@ -64,6 +66,38 @@ class HostProbe:
         a, b = np.ones((1, 8), np.float32), np.ones((8, 8), np.float32)
         out = np.empty((1, 8), np.float32)
         return seconds_per_call(lambda: np.matmul(a, b, out=out), time.perf_counter)
+
+    def copy_warp_bytes_per_s(self) -> float:
+        # One process copies as one worker: the local copy is what one "warp" of it moves.
+        return self.copy_bytes_per_s()
+
+    def flag_s(self) -> float:
+        flag = np.zeros(1, np.uint64)  # the host heap's flags are words of shared memory, stored then read
+        seen = np.zeros(1, np.uint64)
+
+        def handoff():
+            flag[0] = 1
+            seen[0] = flag[0]
+
+        return seconds_per_call(handoff, time.perf_counter)
+
+    def gemm_tile(self):
+        """A tile's share of one ``np.matmul`` of ``tile_batch`` tiles' rows, and what a call
+        of one tile costs beyond it (one process computes as one worker; a line through a
+        few sizes is at the mercy of the BLAS's threading on a shared machine)."""
+        from ultraep.tune.profile import TileCost
+
+        bm, bn = self.tile_shape
+        k = self.compute_shape[1]
+        rng = np.random.default_rng(0)
+        w = rng.standard_normal((k, bn), dtype=np.float32)
+        seconds = []
+        for tiles in (1, self.tile_batch):
+            x = rng.standard_normal((tiles * bm, k), dtype=np.float32)
+            y = np.empty((tiles * bm, bn), np.float32)
+            seconds.append(seconds_per_call(lambda x=x, y=y: np.matmul(x, w, out=y), time.perf_counter))
+        tile_s = seconds[1] / self.tile_batch
+        return TileCost(kernel="np.matmul", bm=bm, bn=bn, k=k, tile_s=tile_s, fixed_s=max(seconds[0] - tile_s, 1e-9))
 
     def expert_call_s(self, rows: int) -> float:
         experts, k, n = self.compute_shape
