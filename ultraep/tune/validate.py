@@ -244,15 +244,17 @@ def plot(rows: list[dict], summary: dict, path: str, title: str):
         mine = [row for row in rows if row["problem"] == problem]
         ax.scatter([row["measured_ms"] for row in mine], [row["predicted_ms"] for row in mine], s=14, label=problem)
     values = [v for row in rows for v in (row["measured_ms"], row["predicted_ms"])]
-    low, high = min(values) * 0.9, max(values) * 1.1
-    line = np.array([low, high])
+    low, high = min(values) * 0.8, max(values) * 1.25
+    line = np.geomspace(low, high, 50)
+    ax.set_xscale("log")  # problems of different sizes lie decades apart
+    ax.set_yscale("log")
     ax.plot(line, line, color="k", linewidth=0.8, label="predicted = measured")
     ax.fill_between(line, line * 0.95, line * 1.05, color="gray", alpha=0.2, label="within 5 %")
     ax.set_xlim(low, high)
     ax.set_ylim(low, high)
     ax.set_xlabel("measured (ms)")
     ax.set_ylabel("predicted (ms)")
-    ax.set_title(f"{title}\nmean |error| {summary['mean_abs_error_pct']:.2f} %, worst "
+    ax.set_title(title.replace(": ", ":\n", 1) + f"\nmean |error| {summary['mean_abs_error_pct']:.2f} %, worst "
                  f"{summary['worst_error_pct']:+.2f} %", fontsize=9)
     ax.grid(linewidth=0.4, alpha=0.5)
     ax.legend(fontsize=7, loc="upper left")
