@@ -8,9 +8,9 @@ import pytest
 from tests.tune.synthetic import h200_like
 from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
-from ultraep.tune.model import (FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS, FusedConfig, Problem,
-                                SyncProblem, combine_s, dispatch_s, fused_down_s, fused_up_s, join, predict,
-                                weight_sync_s)
+from ultraep.tune.model import (DISPATCH_THREADS, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
+                                FusedConfig, Problem, SyncProblem, combine_s, dispatch_s, fused_down_s, fused_up_s,
+                                join, predict, weight_sync_s)
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
@@ -70,7 +70,16 @@ def test_sync_problem_from_a_plan():
     layout = ExpertLayout(4, 4, 1, max_instances=4)
     plan = single_expert_plan(layout, 3)
     assert isinstance(plan, Plan)
-    assert SyncProblem.from_plan(plan, 1000, ranks_per_gpu=4) == SyncProblem(1000, (3,), 1)
+    assert SyncProblem.from_replica_count(plan.replica_count, 1, 1000, ranks_per_gpu=4) == SyncProblem(1000, (3,), 1)
+    # two experts a rank: rank 1 sends 2 + 1 replicas, rank 0 one; both copy at once on a shared GPU
+    counts = np.array([2, 1, 3, 2, 1, 1])
+    assert SyncProblem.from_replica_count(counts, 2, 10, ranks_per_gpu=3) == SyncProblem(10, (2, 1), 2)
+
+
+def test_the_dispatch_block_is_the_dispatchers():
+    from ultraep.token.device import THREADS
+
+    assert DISPATCH_THREADS == THREADS
 
 
 def test_dispatch_and_combine_scale_with_the_bytes_once_bandwidth_binds():

@@ -185,12 +185,12 @@ class DeviceProbe:
                 raise ProfileError("the flag handoff measured for the machine profile timed out")
         return max(with_flag - empty, 1e-9)
 
-    def gemm_tile(self):
+    def gemm_tile_times(self) -> tuple:
         """The grouped GEMM on one expert whose output is one tile row per SM of its grid
-        wide, at ``TILE_WAVES`` tile rows: whole waves of tiles on every SM."""
+        wide, at ``TILE_WAVES`` tile rows (whole waves of tiles on every SM): what
+        :func:`~ultraep.tune.profile.fit_tile_cost` takes."""
         from ultraep.compute import grouped_mm
         from ultraep.runtime.kernels import kernel_constant
-        from ultraep.tune.profile import fit_tile_cost, sm_share
 
         cp = self.cp
         bm, bn = kernel_constant("grouped_gemm.cu", "GH_BM"), kernel_constant("grouped_gemm.cu", "GH_BN")
@@ -205,8 +205,7 @@ class DeviceProbe:
                 out = cp.empty((waves * bm, bn * sms), dtype=np.int16)
                 seconds.append(self._device_seconds(lambda x=x, offsets=offsets, out=out: grouped_mm(x, w, offsets,
                                                                                                    out=out)))
-        usable = max(1, sms * sm_share() // 100)
-        return fit_tile_cost(self.compute_kernel, bm, bn, k, [waves * sms for waves in TILE_WAVES], seconds, usable)
+        return self.compute_kernel, bm, bn, k, tuple(waves * sms for waves in TILE_WAVES), tuple(seconds)
 
     def expert_call_s(self, rows: int) -> float:
         from ultraep.compute import grouped_mm

@@ -81,23 +81,18 @@ class HostProbe:
 
         return seconds_per_call(handoff, time.perf_counter)
 
-    def gemm_tile(self):
-        """A tile's share of one ``np.matmul`` of ``tile_batch`` tiles' rows, and what a call
-        of one tile costs beyond it (one process computes as one worker; a line through a
-        few sizes is at the mercy of the BLAS's threading on a shared machine)."""
-        from ultraep.tune.profile import TileCost
-
+    def gemm_tile_times(self) -> tuple:
+        """``np.matmul`` of ``tile_batch`` tiles' rows, one size (a line through a few sizes
+        is at the mercy of the BLAS's threading on a shared machine): what
+        :func:`~ultraep.tune.profile.fit_tile_cost` takes."""
         bm, bn = self.tile_shape
         k = self.compute_shape[1]
         rng = np.random.default_rng(0)
         w = rng.standard_normal((k, bn), dtype=np.float32)
-        seconds = []
-        for tiles in (1, self.tile_batch):
-            x = rng.standard_normal((tiles * bm, k), dtype=np.float32)
-            y = np.empty((tiles * bm, bn), np.float32)
-            seconds.append(seconds_per_call(lambda x=x, y=y: np.matmul(x, w, out=y), time.perf_counter))
-        tile_s = seconds[1] / self.tile_batch
-        return TileCost(kernel="np.matmul", bm=bm, bn=bn, k=k, tile_s=tile_s, fixed_s=max(seconds[0] - tile_s, 1e-9))
+        x = rng.standard_normal((self.tile_batch * bm, k), dtype=np.float32)
+        y = np.empty((self.tile_batch * bm, bn), np.float32)
+        seconds = seconds_per_call(lambda: np.matmul(x, w, out=y), time.perf_counter)
+        return "np.matmul", bm, bn, k, (self.tile_batch,), (seconds,)
 
     def expert_call_s(self, rows: int) -> float:
         experts, k, n = self.compute_shape

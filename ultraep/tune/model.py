@@ -40,7 +40,6 @@ import numpy as np
 
 from ultraep.errors import ProfileError
 from ultraep.runtime.kernels import kernel_constant
-from ultraep.token.device import THREADS as DISPATCH_THREADS
 from ultraep.tune.profile import MachineProfile
 
 JOIN_P = 4.0                 # two rates' limits joined as (a^p + b^p)^(1/p)
@@ -50,6 +49,7 @@ WARP_THREADS = 32
 PIECE_BYTES = kernel_constant("transfer.cu", "PIECE_BYTES")
 SYNC_WARPS = kernel_constant("transfer.cu", "SYNC_WARPS")
 SYNC_MIN_BLOCKS = kernel_constant("transfer.cu", "SYNC_MIN_BLOCKS")
+DISPATCH_THREADS = 256       # the Dispatcher's copy kernels' block: ultraep.token.device.THREADS (a test holds it)
 FM_SEND_TOKENS = kernel_constant("fused_moe.cu", "FM_SEND_TOKENS")
 FM_REDUCE_TOKENS = kernel_constant("fused_moe.cu", "FM_REDUCE_TOKENS")
 FM_BM = kernel_constant("fused_moe.cu", "FM_BM")
@@ -157,19 +157,17 @@ class SyncProblem:
     ranks_copying: int = 1
 
     @classmethod
-    def from_plan(cls, plan, expert_bytes: int, *, ranks_per_gpu: int = 1) -> SyncProblem:
-        """The rank that writes the most replica bytes under ``plan`` (direct copies, no
-        relay trees); the ranks with replicas to send, up to ``ranks_per_gpu``, copy at once."""
-        from ultraep.transfer.schedule import host_plan
-
-        numpy_plan = host_plan(plan)
-        layout = numpy_plan.layout
-        replicas = np.asarray(numpy_plan.replica_count, np.int64) - 1
-        per_rank = [replicas[r * layout.experts_per_rank:(r + 1) * layout.experts_per_rank]
-                    for r in range(layout.num_ranks)]
-        busiest = max(range(layout.num_ranks), key=lambda r: int(per_rank[r].sum()))
-        senders = sum(1 for r in per_rank if r.sum() > 0)
-        return cls(int(expert_bytes), tuple(int(f) for f in per_rank[busiest] if f > 0),
+    def from_replica_count(cls, replica_count, experts_per_rank: int, expert_bytes: int, *,
+                           ranks_per_gpu: int = 1) -> SyncProblem:
+        """The rank that writes the most replica bytes under a plan whose ``replica_count``
+        (NumPy, ``Plan.replica_count``: instances of each expert, masters by rank) it is
+        (direct copies, no relay trees); the ranks with replicas to send, up to
+        ``ranks_per_gpu``, copy at once."""
+        replicas = np.asarray(replica_count, np.int64).reshape(-1, experts_per_rank) - 1
+        per_rank = replicas.sum(axis=1)
+        busiest = int(np.argmax(per_rank))
+        senders = int(np.count_nonzero(per_rank))
+        return cls(int(expert_bytes), tuple(int(f) for f in replicas[busiest] if f > 0),
                    max(1, min(senders, ranks_per_gpu)))
 
 

@@ -21,7 +21,8 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   one rank, less an empty kernel); on the host a store and a load of a shared word;
 * ``gemm``: one GEMM tile (:class:`TileCost`): the grouped GEMM's time per ``bm x bn``
   output tile over ``k`` on one SM, from calls of one, two and four waves of tiles, and the
-  fixed cost of a call beside it (the host: one ``np.matmul`` of a tile's shape);
+  fixed cost of a call beside it (the host: one ``np.matmul`` of several tiles' rows over
+  the cores, nothing fixed);
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
   grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, timed on the device
   alone (the host's part is ``launch_s``), ``np.matmul`` (float32) per expert on the host.
@@ -205,12 +206,17 @@ class MachineProfile:
 
 def fit_tile_cost(kernel: str, bm: int, bn: int, k: int, tiles, seconds, workers: int) -> TileCost:
     """A :class:`TileCost` from calls of ``tiles[i]`` tiles that took ``seconds[i]`` on
-    ``workers`` SMs (cores) working at once: the least-squares line through the points, its
-    slope times the workers a tile's time on one, its intercept the fixed cost (at least a
-    nanosecond: noise may put a tiny intercept below zero)."""
-    slope, intercept = np.polyfit(np.asarray(tiles, np.float64), np.asarray(seconds, np.float64), 1)
+    ``workers`` SMs (cores) working at once. Several sizes: the least-squares line through
+    them, its slope times the workers a tile's time on one, its intercept the fixed cost
+    (at least a nanosecond: noise may put a tiny intercept below zero). One size: its time
+    per tile, nothing fixed."""
+    tiles, seconds = np.asarray(tiles, np.float64), np.asarray(seconds, np.float64)
+    if len(tiles) == 1:
+        slope, intercept = seconds[0] / tiles[0], 0.0
+    else:
+        slope, intercept = np.polyfit(tiles, seconds, 1)
     if not slope > 0:
-        raise ProfileError(f"the GEMM's time did not grow with its tiles ({list(tiles)} tiles took "
+        raise ProfileError(f"the GEMM's time did not grow with its tiles ({tiles.tolist()} tiles took "
                            f"{[f'{s * 1e6:.1f} us' for s in seconds]})")
     return TileCost(kernel=kernel, bm=bm, bn=bn, k=k, tile_s=float(slope * workers),
                     fixed_s=max(float(intercept), 1e-9))
@@ -279,7 +285,9 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
     say(f"  copy per warp: {warp / 1e9:.2f} GB/s copied")
     flag = probe.flag_s()
     say(f"  flag handoff: {flag * 1e6:.2f} us")
-    gemm = probe.gemm_tile()
+    share = sm_share()
+    # the tiles of a call run on every SM (core) this process may use at once
+    gemm = fit_tile_cost(*probe.gemm_tile_times(), workers=max(1, sm_count * share // 100))
     say(f"  GEMM tile {gemm.bm} x {gemm.bn} over k = {gemm.k}: {gemm.tile_s * 1e6:.2f} us on one SM, "
         f"{gemm.fixed_s * 1e6:.2f} us per call beside")
     seconds = []
@@ -289,7 +297,7 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
     experts, k, n = probe.compute_shape
     curve = ComputeCurve(kernel=probe.compute_kernel, dtype=probe.compute_dtype, experts=experts, k=k, n=n,
                          rows_per_expert=tuple(probe.rows_per_expert), seconds=tuple(seconds))
-    return MachineProfile(backend=probe.backend, device=name, sm_count=sm_count, sm_share=sm_share(),
+    return MachineProfile(backend=probe.backend, device=name, sm_count=sm_count, sm_share=share,
                           copy_bytes_per_s=copy, copy_method=probe.copy_method, peer_bytes_per_s=peer,
                           peer_method=peer_method, launch_s=launch, compute=curve, copy_warp_bytes_per_s=warp,
                           flag_s=flag, gemm=gemm,

@@ -36,6 +36,7 @@ PHASES = ("weight-sync", "dispatch", "fused-up", "fused-down")
 FUSED_NOT_CONFIGURABLE = ("the fused kernels (raw_kernels/fused_moe.cu) do not take a configuration yet: "
                           "there is no knob to sweep, so {phase} cannot be validated (nothing was measured)")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
+RANK0_SWEEP_TIMEOUT_S = 600.0  # the other ranks wait while rank 0 times a whole weight-sync sweep alone
 
 
 def parse_args(argv):
@@ -113,11 +114,11 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
             plan = single_expert_plan(layout, fanout)
             engine.weight_sync(0, plan)  # compiles the device schedule; every rank takes part
             engine.synchronize()
-            sync = SyncProblem.from_plan(plan, spec.weight_slot_bytes)
+            sync = SyncProblem.from_replica_count(plan.replica_count, layout.experts_per_rank, spec.weight_slot_bytes)
             predicted = weight_sync_s(profile, sync, np.asarray(grids))
             problem = f"fan-out {fanout}, {spec.weight_slot_bytes / 1e6:.1f} MB"
             measured = []
-            group.barrier()
+            group.barrier(what="weight-sync sweep: every replica checked before rank 0 times alone")
             for i, blocks in enumerate(grids):
                 progress(f"weight sync, {problem}: grid {blocks} ({i + 1}/{len(grids)})")
                 if backend == "device":
@@ -129,7 +130,7 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
                 else:
                     measured.append(group_window_ms(group, lambda b=blocks: engine.weight_sync(0, plan, blocks=b),
                                                     args.repeats, synchronize))
-            group.barrier()
+            group.barrier(RANK0_SWEEP_TIMEOUT_S, what=f"weight-sync sweep: rank 0 timing {len(grids)} grids")
             if group.rank == 0:
                 rows += [{"phase": "weight-sync", "problem": problem, "config": f"blocks={blocks}", "knob": blocks,
                           "predicted_ms": float(p) * 1e3, "measured_ms": m}
@@ -140,16 +141,16 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
 # -- dispatch and combine --------------------------------------------------------------------
 
 def random_tokens(rng, tokens: int, hidden: int, experts: int, top_k: int):
-    """bf16 tokens in [0.5, 2), distinct uniformly random experts per token, and gates (NumPy)."""
-    from ultraep.runtime.dtypes import BFLOAT16
-
+    """The bits of bf16 tokens in [0.5, 2) (uint16), distinct uniformly random experts per
+    token, and gates (NumPy)."""
     ids = np.argsort(rng.random((tokens, experts), dtype=np.float32), axis=1)[:, :top_k].astype(np.int32)
-    x = rng.integers(0x3F00, 0x4000, size=(tokens, hidden), dtype=np.int32).astype(np.uint16).view(BFLOAT16)
-    return x, ids, rng.random((tokens, top_k), dtype=np.float32)
+    bits = rng.integers(0x3F00, 0x4000, size=(tokens, hidden), dtype=np.int32).astype(np.uint16)
+    return bits, ids, rng.random((tokens, top_k), dtype=np.float32)
 
 
 def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> list[dict]:
     from ultraep.bench.timing import group_window_ms
+    from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.token import Dispatcher
     from ultraep.tune.model import Problem, combine_s, dispatch_s
 
@@ -161,7 +162,8 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
     rows = []
     for tokens in args.tokens:
         rng = np.random.default_rng(args.seed * 1000 + group.rank)
-        x, ids, gates = (xp.asarray(a) for a in random_tokens(rng, tokens, args.hidden, args.experts, args.top_k))
+        bits, ids, gates = (xp.asarray(a) for a in random_tokens(rng, tokens, args.hidden, args.experts, args.top_k))
+        x = bits.view(BFLOAT16)
         max_rows = int(tokens * args.top_k * 1.15) + 1024  # uniform routing: about tokens * top_k rows a rank
         with Dispatcher(group, hidden=args.hidden, dtype="bfloat16", top_k=args.top_k, num_experts=args.experts,
                         max_tokens=tokens, max_recv_rows=max_rows, backend=backend, sync_checks=False) as disp:
