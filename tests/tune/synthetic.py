@@ -13,5 +13,5 @@ def h200_like(*, sm_share: int = 100, peer_bytes_per_s: float = 1.5e12) -> Machi
     return MachineProfile(backend="device", device="synthetic H200", sm_count=132, sm_share=sm_share,
                           copy_bytes_per_s=peer_bytes_per_s, copy_method="synthetic",
                           peer_bytes_per_s=peer_bytes_per_s, peer_method="synthetic", launch_s=5e-6, compute=curve,
-                          copy_warp_bytes_per_s=5e9, flag_s=2e-6,
+                          kernel_s=2e-6, copy_warp_bytes_per_s=5e9, flag_s=2e-6,
                           gemm=TileCost(kernel="synthetic", bm=128, bn=256, k=2048, tile_s=30e-6, fixed_s=5e-6))

@@ -47,10 +47,10 @@ def test_weight_sync_warp_bound_then_bandwidth_bound():
     piece_s = PIECE_BYTES * (1 + 3) / 2 / PROFILE.copy_warp_bytes_per_s
     one_block = float(weight_sync_s(PROFILE, sync, 1))
     warp_bound = np.ceil(pieces / SYNC_WARPS) * piece_s
-    assert one_block == pytest.approx(PROFILE.launch_s + warp_bound, rel=1e-3)
+    assert one_block == pytest.approx(PROFILE.kernel_s + warp_bound, rel=1e-3)
     bandwidth_s = EXPERT * (1 + 3) / 2 / PROFILE.peer_bytes_per_s
     full = float(weight_sync_s(PROFILE, sync, 528))
-    assert bandwidth_s < full - PROFILE.launch_s < 1.1 * bandwidth_s
+    assert bandwidth_s < full - PROFILE.kernel_s < 1.1 * bandwidth_s
     grids = np.arange(1, 529)
     times = weight_sync_s(PROFILE, sync, grids)
     assert times.shape == grids.shape and np.all(np.diff(times) <= 1e-12)  # more resident warps never hurt
@@ -100,7 +100,7 @@ def test_fused_phases_count_gemm_waves_over_the_ctas():
     tile_down = PROFILE.gemm.tile_s * PROBLEM.ffn / PROFILE.gemm.k
     down_tiles = PROBLEM.m_tiles() * (PROBLEM.hidden // FM_DOWN_COLS)
     down = float(fused_down_s(PROFILE, PROBLEM, 132, 16))
-    assert down > np.ceil(down_tiles / 132) * tile_down + PROFILE.launch_s
+    assert down > np.ceil(down_tiles / 132) * tile_down + PROFILE.kernel_s
     # a reduce task of many tokens is the tail after the last tile; tasks of few fit the idle CTAs
     assert float(fused_down_s(PROFILE, PROBLEM, 132, 4096)) > float(fused_down_s(PROFILE, PROBLEM, 132, 16))
 

@@ -14,7 +14,7 @@ from ultraep.tune.profile import TileCost
 from ultraep.tune.replicas import expert_weight_elements
 
 # The profile's quantities the replica threshold does not read.
-UNUSED_BY_REPLICAS = dict(copy_warp_bytes_per_s=1e10, flag_s=1e-6,
+UNUSED_BY_REPLICAS = dict(kernel_s=1e-6, copy_warp_bytes_per_s=1e10, flag_s=1e-6,
                           gemm=TileCost(kernel="synthetic", bm=128, bn=256, k=2048, tile_s=3e-5, fixed_s=5e-6))
 
 

@@ -150,6 +150,12 @@ class DeviceProbe:
         hold = get_function("timing.cu", "hold_stream")  # with 0 ns it returns at once: an empty kernel
         return self._seconds(lambda: hold((1,), (1,), (np.uint64(0),)))
 
+    def kernel_s(self) -> float:
+        from ultraep.runtime.kernels import get_function
+
+        hold = get_function("timing.cu", "hold_stream")  # with 0 ns it returns at once: an empty kernel
+        return self._device_seconds(lambda: hold((1,), (1,), (np.uint64(0),)))
+
     def copy_warp_bytes_per_s(self) -> float:
         from ultraep.runtime.kernels import get_function
 
@@ -171,7 +177,6 @@ class DeviceProbe:
 
         cp = self.cp
         barrier = get_function("heap.cu", "symmetric_barrier")
-        hold = get_function("timing.cu", "hold_stream")
         with cp.cuda.Device(self.device):
             pad = cp.zeros(8, dtype=np.uint64)
             status = cp.zeros(4, dtype=np.uint64)
@@ -180,7 +185,7 @@ class DeviceProbe:
             # wait ends at its first load and nothing but the handoff itself is timed
             arguments = (bases, np.int32(0), np.int32(1), np.uint64(0), np.uint64(1), np.uint64(10**9), status)
             with_flag = self._device_seconds(lambda: barrier((1,), (32,), arguments))
-            empty = self._device_seconds(lambda: hold((1,), (1,), (np.uint64(0),)))
+            empty = self.kernel_s()
             if int(status[0].get()):
                 raise ProfileError("the flag handoff measured for the machine profile timed out")
         return max(with_flag - empty, 1e-9)

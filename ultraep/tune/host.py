@@ -67,6 +67,9 @@ class HostProbe:
         out = np.empty((1, 8), np.float32)
         return seconds_per_call(lambda: np.matmul(a, b, out=out), time.perf_counter)
 
+    def kernel_s(self) -> float:
+        return self.launch_s()  # the host runs a call as it issues it
+
     def copy_warp_bytes_per_s(self) -> float:
         # One process copies as one worker: the local copy is what one "warp" of it moves.
         return self.copy_bytes_per_s()

@@ -20,9 +20,10 @@ The building blocks, each a quantity the profile measures:
 * a GEMM of ``t`` tiles over ``c`` CTAs takes ``ceil(t / c)`` waves of one tile's time
   (:meth:`~ultraep.tune.profile.TileCost.seconds`, linear in the reduction), plus the
   fixed cost of a call;
-* a flag handoff (a release fence and store, an acquire load) costs ``flag_s``, a launch
-  ``launch_s``; the host enqueues launches while the device runs earlier ones, so a chain
-  of kernels takes the longer of the two.
+* a flag handoff (a release fence and store, an acquire load) costs ``flag_s``; a kernel
+  adds ``kernel_s`` to the device's time and ``launch_s`` to the host's; the host enqueues
+  launches while the device runs earlier ones, so a call of many kernels timed from the
+  host takes the longer of the two (a kernel timed on the device alone: the device's).
 
 Two limits are joined by a p-norm (:data:`JOIN_P`) rather than a hard maximum: near the
 point where both bind, neither reaches its own rate.
@@ -56,11 +57,11 @@ FM_BM = kernel_constant("fused_moe.cu", "FM_BM")
 FM_UP_COLS = kernel_constant("fused_moe.cu", "FM_UP_COLS")
 FM_DOWN_COLS = kernel_constant("fused_moe.cu", "FM_DOWN_COLS")
 FM_TASK_WARPS = 4 * kernel_constant("fused_moe.cu", "GH_CONSUMERS")  # send/relay/reduce: the consumer warps
-# Launches a call makes besides its copy kernels (kernels and CuPy copies, counted in
-# ultraep/token/device.py): the token map and the row plan, what dispatch returns, combine.
-TOKEN_MAP_LAUNCHES = 12
-DISPATCH_RESULT_LAUNCHES = 6
-COMBINE_LAUNCHES = 2
+# What a call enqueues, kernels and CuPy copies (ultraep/token/device.py): dispatch's token
+# map, row plan, send, barriers, expansion and the copies it returns; combine's barriers,
+# send and reduce.
+DISPATCH_LAUNCHES = 21
+COMBINE_LAUNCHES = 4
 TOKEN_MAP_KEY_BYTES = 16     # per (token, slot) item: keys and positions written and read back
 
 
@@ -200,7 +201,7 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
     traffic = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0)) if sync.fanouts else 0.0
     per_piece = traffic / pieces if pieces else 0.0
     body = grid_copy_s(profile, blocks, SYNC_WARPS, SYNC_MIN_BLOCKS, pieces, per_piece, traffic, sync.ranks_copying)
-    return profile.launch_s + body
+    return profile.kernel_s + body
 
 
 # -- dispatch and combine ------------------------------------------------------------------
@@ -220,11 +221,10 @@ def dispatch_s(profile: MachineProfile, problem: Problem, grid):
     per_sm = _dispatch_blocks_per_sm()
     warps = DISPATCH_THREADS // WARP_THREADS
     keys = 2.0 * problem.tokens * problem.top_k * TOKEN_MAP_KEY_BYTES * sharing / profile.copy_bytes_per_s
-    device = (keys + 2 * profile.flag_s
+    device = (DISPATCH_LAUNCHES * profile.kernel_s + keys + 2 * profile.flag_s
               + grid_copy_s(profile, grid, warps, per_sm, sends, row, sends * row, sharing)
               + grid_copy_s(profile, grid, warps, per_sm, recv, row, recv * row, sharing))
-    host = (TOKEN_MAP_LAUNCHES + DISPATCH_RESULT_LAUNCHES + 3) * profile.launch_s
-    return join(host, device)
+    return join(DISPATCH_LAUNCHES * profile.launch_s, device)
 
 
 def combine_s(profile: MachineProfile, problem: Problem, grid):
@@ -237,11 +237,10 @@ def combine_s(profile: MachineProfile, problem: Problem, grid):
     per_sm = _dispatch_blocks_per_sm()
     warps = DISPATCH_THREADS // WARP_THREADS
     reduce_bytes = (k + 1) * row / 2.0
-    device = (2 * profile.flag_s
+    device = (COMBINE_LAUNCHES * profile.kernel_s + 2 * profile.flag_s
               + grid_copy_s(profile, grid, warps, per_sm, recv, row, recv * row, sharing)
               + grid_copy_s(profile, grid, warps, per_sm, tokens, reduce_bytes, tokens * reduce_bytes, sharing))
-    host = (COMBINE_LAUNCHES + 4) * profile.launch_s
-    return join(host, device)
+    return join(COMBINE_LAUNCHES * profile.launch_s, device)
 
 
 # -- the fused kernels ---------------------------------------------------------------------
@@ -271,7 +270,7 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens):
     comm = join(comm_bytes * sharing / profile.peer_bytes_per_s,
                 np.ceil(send_tasks / ctas) * send_s + np.ceil(relays / ctas) * relay_s)
     tiles = np.ceil(up_tiles / ctas) * float(profile.gemm.seconds(problem.hidden))
-    return profile.launch_s + profile.gemm.fixed_s + comm + tiles + profile.flag_s
+    return profile.kernel_s + profile.gemm.fixed_s + comm + tiles + profile.flag_s
 
 
 def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens):
@@ -293,7 +292,7 @@ def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens)
     excess = np.maximum(reduce_tasks * reduce_task - idle, 0.0) / ctas
     reduce_bw = tokens * (k + 1) * problem.row_bytes / 2.0 * problem.ranks_per_gpu / profile.peer_bytes_per_s
     tail = join(np.maximum(excess, reduce_task), reduce_bw)
-    return profile.launch_s + profile.gemm.fixed_s + waves * tile + tail
+    return profile.kernel_s + profile.gemm.fixed_s + waves * tile + tail
 
 
 PHASES = ("weight_sync", "dispatch", "combine", "fused_up", "fused_down")

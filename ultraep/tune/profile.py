@@ -12,6 +12,8 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   backend ranks share memory, so a peer copy is the local copy; ``peer_method`` says which;
 * ``launch_s``: one kernel launch as the host issues them back to back (on the host: one
   minimal NumPy call);
+* ``kernel_s``: an empty kernel on the device alone, back to back (what a launch adds to
+  the device's time, as opposed to the host's ``launch_s``; on the host ``launch_s``);
 * ``copy_warp_bytes_per_s``: what one warp of the heap's copy kernel copies per second
   while the memory is far from its limit (a grid of a few blocks; on the host the local
   copy: one process is one worker) -- a copy kernel of ``w`` warps moves at most ``w``
@@ -131,6 +133,7 @@ class MachineProfile:
     peer_method: str
     launch_s: float
     compute: ComputeCurve
+    kernel_s: float
     copy_warp_bytes_per_s: float
     flag_s: float
     gemm: TileCost
@@ -169,6 +172,7 @@ class MachineProfile:
                           copy_bytes_per_s=_positive(data, "copy_bytes_per_s"), copy_method=_text(data, "copy_method"),
                           peer_bytes_per_s=_positive(data, "peer_bytes_per_s"), peer_method=_text(data, "peer_method"),
                           launch_s=_positive(data, "launch_s"), compute=curve,
+                          kernel_s=_positive(data, "kernel_s"),
                           copy_warp_bytes_per_s=_positive(data, "copy_warp_bytes_per_s"),
                           flag_s=_positive(data, "flag_s"),
                           gemm=TileCost(kernel=_text(gemm, "kernel"), bm=_count(gemm, "bm"), bn=_count(gemm, "bn"),
@@ -192,6 +196,7 @@ class MachineProfile:
                  f"  copy        {self.copy_bytes_per_s / 1e9:10.1f} GB/s copied   {self.copy_method}",
                  f"  peer copy   {self.peer_bytes_per_s / 1e9:10.1f} GB/s copied   {self.peer_method}",
                  f"  launch      {self.launch_s * 1e6:10.2f} us per launch",
+                 f"  kernel      {self.kernel_s * 1e6:10.2f} us per empty kernel on the device",
                  f"  warp copy   {self.copy_warp_bytes_per_s / 1e9:10.2f} GB/s copied   per warp, far from the "
                  "memory's limit",
                  f"  flag        {self.flag_s * 1e6:10.2f} us per release/acquire handoff",
@@ -281,6 +286,8 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
     say(f"  peer copy: {peer / 1e9:.1f} GB/s copied ({peer_method})")
     launch = probe.launch_s()
     say(f"  launch: {launch * 1e6:.2f} us")
+    kernel = probe.kernel_s()
+    say(f"  empty kernel on the device: {kernel * 1e6:.2f} us")
     warp = probe.copy_warp_bytes_per_s()
     say(f"  copy per warp: {warp / 1e9:.2f} GB/s copied")
     flag = probe.flag_s()
@@ -299,7 +306,8 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
                          rows_per_expert=tuple(probe.rows_per_expert), seconds=tuple(seconds))
     return MachineProfile(backend=probe.backend, device=name, sm_count=sm_count, sm_share=share,
                           copy_bytes_per_s=copy, copy_method=probe.copy_method, peer_bytes_per_s=peer,
-                          peer_method=peer_method, launch_s=launch, compute=curve, copy_warp_bytes_per_s=warp,
+                          peer_method=peer_method, launch_s=launch, compute=curve, kernel_s=kernel,
+                          copy_warp_bytes_per_s=warp,
                           flag_s=flag, gemm=gemm,
                           measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 

@@ -44,7 +44,7 @@ def synthetic_profile(rank: int) -> MachineProfile:
     peer = 2e9 * (1 + rank)
     return MachineProfile(backend=backend, device=name, sm_count=sms, sm_share=sm_share(), copy_bytes_per_s=peer,
                           copy_method="synthetic", peer_bytes_per_s=peer, peer_method="synthetic", launch_s=1e-6,
-                          compute=curve, copy_warp_bytes_per_s=peer, flag_s=1e-6,
+                          compute=curve, kernel_s=1e-6, copy_warp_bytes_per_s=peer, flag_s=1e-6,
                           gemm=TileCost(kernel="synthetic", bm=128, bn=256, k=64, tile_s=1e-6, fixed_s=1e-6))
 
 
