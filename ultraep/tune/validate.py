@@ -18,7 +18,8 @@ measurements, over a sweep of the phase's knob.
 For each problem (fan-out, or token count and op) the table lists every configuration's
 predicted and measured time; the summary gives the mean absolute error and the worst case,
 and where the model's choice (its fastest predicted configuration) ranks among the
-measured ones, with its measured time over the best measured. ``--plot`` draws predicted
+measured ones, with its measured time over the best measured and against today's constant
+(the weight sync's default grid, the Dispatcher's two blocks per SM). ``--plot`` draws predicted
 against measured; ``--json`` writes every row. Started without ``mpiexec`` it relaunches
 itself on ``--ranks`` ranks (``--emulate-ep``: under MPS, each rank a share of the SMs).
 """
@@ -36,6 +37,7 @@ PHASES = ("weight-sync", "dispatch", "fused-up", "fused-down")
 FUSED_NOT_CONFIGURABLE = ("the fused kernels (raw_kernels/fused_moe.cu) do not take a configuration yet: "
                           "there is no knob to sweep, so {phase} cannot be validated (nothing was measured)")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
+DISPATCHER_BLOCKS_PER_SM = 2  # the Dispatcher's grid today: two resident blocks per SM (ultraep/token/device.py)
 RANK0_SWEEP_TIMEOUT_S = 600.0  # the other ranks wait while rank 0 times a whole weight-sync sweep alone
 
 
@@ -133,7 +135,8 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
             group.barrier(RANK0_SWEEP_TIMEOUT_S, what=f"weight-sync sweep: rank 0 timing {len(grids)} grids")
             if group.rank == 0:
                 rows += [{"phase": "weight-sync", "problem": problem, "config": f"blocks={blocks}", "knob": blocks,
-                          "predicted_ms": float(p) * 1e3, "measured_ms": m}
+                          "default": backend == "device" and blocks == bound, "predicted_ms": float(p) * 1e3,
+                          "measured_ms": m}
                          for blocks, p, m in zip(grids, predicted, measured)]
     return rows
 
@@ -158,7 +161,8 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
     if args.experts % R:
         raise SystemExit(f"--experts {args.experts} does not divide over {R} ranks")
     sharing = ranks_per_gpu(group)
-    grids = spread(max(1, profile.sm_count // 4), 8 * profile.sm_count, args.configs)
+    default = DISPATCHER_BLOCKS_PER_SM * profile.sm_count
+    grids = sorted(set(spread(max(1, profile.sm_count // 4), 8 * profile.sm_count, args.configs - 1)) | {default})
     rows = []
     for tokens in args.tokens:
         rng = np.random.default_rng(args.seed * 1000 + group.rank)
@@ -191,7 +195,8 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
         knobs = np.asarray(grids)
         for op, model in (("dispatch", dispatch_s), ("combine", combine_s)):
             rows += [{"phase": "dispatch", "problem": f"{op}, {label}", "config": f"grid={grid}", "knob": grid,
-                      "predicted_ms": float(p) * 1e3, "measured_ms": m}
+                      "default": backend == "device" and grid == default, "predicted_ms": float(p) * 1e3,
+                      "measured_ms": m}
                      for grid, p, m in zip(grids, model(profile, problem, knobs), measured[op])]
     return rows
 
@@ -215,6 +220,10 @@ def summarise(rows: list[dict]) -> dict:
         problems[problem] = {"chosen": chosen["config"], "chosen_rank": 1 + faster, "configs": len(mine),
                              "chosen_over_best_pct": 100.0 * (chosen["measured_ms"] / best - 1),
                              "best_measured": min(mine, key=lambda row: row["measured_ms"])["config"]}
+        default = next((row for row in mine if row.get("default")), None)
+        if default is not None:  # today's constant: what a tuned configuration must at least match
+            problems[problem].update(default=default["config"],
+                                     chosen_vs_default_pct=100.0 * (chosen["measured_ms"] / default["measured_ms"] - 1))
     return {"configs": len(rows), "mean_abs_error_pct": float(errors.mean()), "worst_error_pct": worst["error_pct"],
             "worst": f"{worst['problem']}, {worst['config']}", "problems": problems}
 
@@ -227,8 +236,11 @@ def report(rows: list[dict], summary: dict, title: str, file=None) -> None:
     print(f"mean absolute error {summary['mean_abs_error_pct']:.2f} % over {summary['configs']} configurations; "
           f"worst {summary['worst_error_pct']:+.2f} % ({summary['worst']})", file=file)
     for problem, s in summary["problems"].items():
+        against_default = (f"; {s['chosen_vs_default_pct']:+.2f} % against today's {s['default']}"
+                           if "default" in s else "")
         print(f"{problem}: the model's choice {s['chosen']} ranks {s['chosen_rank']} of {s['configs']} measured, "
-              f"{s['chosen_over_best_pct']:.2f} % over the fastest measured ({s['best_measured']})", file=file)
+              f"{s['chosen_over_best_pct']:.2f} % over the fastest measured ({s['best_measured']}){against_default}",
+              file=file)
 
 
 def plot(rows: list[dict], summary: dict, path: str, title: str):
