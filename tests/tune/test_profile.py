@@ -37,6 +37,9 @@ def test_host_profile_is_measured_cached_and_reused(tmp_path):
     assert profile.copy_bytes_per_s > 1e7 and profile.peer_bytes_per_s == profile.copy_bytes_per_s
     assert "shared memory" in profile.peer_method
     assert 0 < profile.launch_s < 1e-2
+    assert profile.copy_warp_bytes_per_s > 1e7 and 0 < profile.flag_s < 1e-3 and 0 < profile.kernel_s < 1e-2
+    assert (profile.gemm.bm, profile.gemm.bn, profile.gemm.k) == (128, 256, 64) and profile.gemm.tile_s > 0
+    assert float(profile.gemm.seconds(128)) == pytest.approx(2 * profile.gemm.tile_s)
     curve = profile.compute
     assert curve.rows_per_expert == (4, 32, 256) and (curve.experts, curve.k, curve.n) == (2, 64, 64)
     assert all(s > 0 for s in curve.seconds)
@@ -71,6 +74,8 @@ def _rewrite(path, **changes):
     (lambda p: _rewrite(p, launch_s=-1.0), "launch_s"),
     (lambda p: _rewrite(p, sm_count=None), "sm_count"),
     (lambda p: _rewrite(p, compute={"kernel": "k"}), "bad or missing field"),
+    (lambda p: _rewrite(p, gemm={"kernel": "k", "bm": 128}), "bad or missing field"),
+    (lambda p: _rewrite(p, flag_s=0.0), "flag_s"),
     (lambda p: _rewrite(p, version=PROFILE_VERSION + 1), f"format version {PROFILE_VERSION + 1}"),
 ])
 def test_an_unusable_cache_file_says_why_and_is_measured_again(damage, reason):

@@ -26,6 +26,13 @@ def test_device_profile_is_plausible_and_cached(tmp_path):
     assert 1e10 < profile.peer_bytes_per_s < 1e13, profile.peer_bytes_per_s
     assert "copy_bytes" in profile.peer_method
     assert 2e-7 < profile.launch_s < 1e-4, profile.launch_s
+    # a warp alone moves far less than the whole GPU, and a flag handoff is microseconds at most
+    assert 1e8 < profile.copy_warp_bytes_per_s < profile.peer_bytes_per_s / 64, profile.copy_warp_bytes_per_s
+    assert 1e-9 <= profile.flag_s < 2e-5, profile.flag_s
+    assert 1e-7 < profile.kernel_s < profile.launch_s * 2, (profile.kernel_s, profile.launch_s)
+    gemm = profile.gemm  # a 128 x 256 tile over k = 2048: 134 MFLOP at 0.2 .. 10 TFLOPS per SM
+    flops = 2.0 * gemm.bm * gemm.bn * gemm.k
+    assert 0.2e12 < flops / gemm.tile_s < 10e12, (flops / gemm.tile_s, gemm)
     curve = profile.compute
     seconds = dict(zip(curve.rows_per_expert, curve.seconds))
     assert seconds[32] < 1.5 * seconds[8], seconds  # weight-bound: 4x the rows, about the same time

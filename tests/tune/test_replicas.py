@@ -10,7 +10,12 @@ import pytest
 from ultraep.errors import ProfileError
 from ultraep.transfer import ExpertSpec
 from ultraep.tune import NEVER, ComputeCurve, MachineProfile, min_replica_tokens_for
+from ultraep.tune.profile import TileCost
 from ultraep.tune.replicas import expert_weight_elements
+
+# The profile's quantities the replica threshold does not read.
+UNUSED_BY_REPLICAS = dict(kernel_s=1e-6, copy_warp_bytes_per_s=1e10, flag_s=1e-6,
+                          gemm=TileCost(kernel="synthetic", bm=128, bn=256, k=2048, tile_s=3e-5, fixed_s=5e-6))
 
 
 def roofline_profile(*, floor_s: float, per_row_s: float, peer_bytes_per_s: float, k: int = 1024, n: int = 1024,
@@ -21,7 +26,8 @@ def roofline_profile(*, floor_s: float, per_row_s: float, peer_bytes_per_s: floa
                          rows_per_expert=tuple(rows), seconds=seconds)
     return MachineProfile(backend="device", device="synthetic GPU", sm_count=132, sm_share=100,
                           copy_bytes_per_s=2 * peer_bytes_per_s, copy_method="synthetic",
-                          peer_bytes_per_s=peer_bytes_per_s, peer_method="synthetic", launch_s=3e-6, compute=curve)
+                          peer_bytes_per_s=peer_bytes_per_s, peer_method="synthetic", launch_s=3e-6, compute=curve,
+                          **UNUSED_BY_REPLICAS)
 
 
 KNEE = 128  # a measured size: the model interpolates between sizes, so a kink elsewhere is rounded off
@@ -134,7 +140,7 @@ def test_threshold_is_the_first_size_that_pays_off_on_any_measured_curve(seed):
     curve = ComputeCurve(kernel="k", dtype="bfloat16", experts=2, k=64, n=64, rows_per_expert=rows, seconds=seconds)
     profile = MachineProfile(backend="host", device="d", sm_count=2, sm_share=100, copy_bytes_per_s=1e9,
                              copy_method="m", peer_bytes_per_s=float(rng.uniform(1e9, 1e11)), peer_method="m",
-                             launch_s=1e-6, compute=curve)
+                             launch_s=1e-6, compute=curve, **UNUSED_BY_REPLICAS)
     got = min_replica_tokens_for(1 << 20, profile)
     sizes = np.arange(1, 200_000)
     saving = curve.expert_seconds(sizes, (1 << 20) // 2) - curve.expert_seconds(0, (1 << 20) // 2)

@@ -2,20 +2,28 @@
 
 It owns
 
-* the machine profile (:mod:`ultraep.tune.profile`): copy and peer-copy bandwidth, the
-  cost of a launch and the expert compute's time per call at a few sizes, measured once
-  per device by short micro-benchmarks (``host.py`` / ``device.py``) and cached as
-  versioned JSON (``python -m ultraep.tune profile`` prints it);
+* the machine profile (:mod:`ultraep.tune.profile`): copy and peer-copy bandwidth, one
+  warp's copy rate, the cost of a launch and of a flag handoff, the expert compute's time
+  per call at a few sizes and a GEMM tile's time, measured once per device by short
+  micro-benchmarks (``host.py`` / ``device.py``) and cached as versioned JSON
+  (``python -m ultraep.tune profile`` prints it);
 * cost-aware replication (:mod:`ultraep.tune.replicas`): ``min_replica_tokens="auto"``,
-  the smallest replica whose tokens save more time than its weight copy costs.
+  the smallest replica whose tokens save more time than its weight copy costs;
+* the performance model (:mod:`ultraep.tune.model`) of weight sync, dispatch/combine and
+  the fused kernels, vectorised over configurations, and the search over their knobs
+  (:mod:`ultraep.tune.search`), memoised per token bucket -- imported where used, so
+  that the balancer's import of this package stays cheap; ``python -m ultraep.tune
+  validate`` holds the model to measurements (:mod:`ultraep.tune.validate`, a benchmark
+  tool above the layers it measures).
 
-It sits above ``compute`` (whose grouped GEMM it measures) and ``runtime``, and below
-``integration``, which resolves ``"auto"`` through it.
+It sits above ``compute`` (whose grouped GEMM it measures), ``runtime``, ``transfer`` and
+``token`` (whose kernels it models), and below ``integration``, which resolves ``"auto"``
+through it.
 """
 
-from ultraep.tune.profile import (PROFILE_VERSION, ComputeCurve, MachineProfile, load_profile, measure_profile,
-                                  profile_path, read_profile, write_profile)
+from ultraep.tune.profile import (PROFILE_VERSION, ComputeCurve, MachineProfile, TileCost, load_profile,
+                                  measure_profile, profile_path, read_profile, write_profile)
 from ultraep.tune.replicas import NEVER, agreed_min_replica_tokens, min_replica_tokens_for
 
-__all__ = ["NEVER", "PROFILE_VERSION", "ComputeCurve", "MachineProfile", "agreed_min_replica_tokens", "load_profile",
-           "measure_profile", "min_replica_tokens_for", "profile_path", "read_profile", "write_profile"]
+__all__ = ["NEVER", "PROFILE_VERSION", "ComputeCurve", "MachineProfile", "TileCost", "agreed_min_replica_tokens",
+           "load_profile", "measure_profile", "min_replica_tokens_for", "profile_path", "read_profile", "write_profile"]

@@ -1,5 +1,12 @@
-"""``python -m ultraep.tune profile [--out FILE] [--force]``: this machine's profile, from
-the cache or measured now (progress on stderr), printed as a table."""
+"""``python -m ultraep.tune COMMAND``: this machine's profile, the search's choice for a
+problem, and the model's validation against measurements.
+
+* ``profile [--out FILE] [--force]``: the profile, from the cache or measured now
+  (progress on stderr), printed as a table;
+* ``search``: the best configuration the model finds for a problem, each phase's
+  predicted time, and how long the search over the whole space took;
+* ``validate --phase PHASE``: predicted against measured over a sweep
+  (:mod:`ultraep.tune.validate`; ``validate --help``)."""
 
 from __future__ import annotations
 
@@ -7,7 +14,10 @@ import argparse
 import json
 import sys
 
-from ultraep.tune.profile import load_profile, stderr_progress
+from ultraep.runtime.launch import positive_int
+from ultraep.tune.profile import load_profile, read_profile, stderr_progress
+
+SEARCH_RUNS = 5  # the search is timed this many times; the fastest is reported (the first pays NumPy's warm-up)
 
 
 def parse_args(argv):
@@ -18,15 +28,63 @@ def parse_args(argv):
                          help="the profile's file (default: profile-<device>.json in $ULTRAEP_CACHE_DIR "
                               "or ~/.cache/ultraep)")
     profile.add_argument("--force", action="store_true", help="measure again even where a valid profile is cached")
-    profile.add_argument("--backend", default="auto", choices=["auto", "device", "host"],
-                         help="device: the GPU; host: NumPy on the CPU; auto: the GPU when there is one")
-    profile.add_argument("--device", type=int, help="the GPU to measure (default: CuPy's current one)")
+    _add_machine_options(profile)
     profile.add_argument("--json", action="store_true", help="print the profile as JSON instead of a table")
+    search = commands.add_parser("search", help="the model's best configuration for a problem, and the search's time")
+    search.add_argument("--profile", metavar="FILE", help="use this profile file (e.g. another machine's) as it is")
+    _add_machine_options(search)
+    search.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")
+    search.add_argument("--hidden", type=positive_int, default=4096, help="model width")
+    search.add_argument("--ffn", type=positive_int, default=1536, help="expert FFN width")
+    search.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
+    search.add_argument("--experts", type=positive_int, default=64, help="experts in all")
+    search.add_argument("--ranks", type=positive_int, default=8, help="ranks of the EP group")
+    search.add_argument("--ranks-per-gpu", type=positive_int, default=1,
+                        help="ranks sharing one GPU's memory (the MPS emulation: all of them)")
+    search.add_argument("--fanout", type=int, default=0,
+                        help="replicas of one expert the busiest rank syncs (0: no weight sync)")
+    commands.add_parser("validate", add_help=False,
+                        help="predicted against measured over a sweep (see: python -m ultraep.tune validate --help)")
     return parser.parse_args(argv)
 
 
+def _add_machine_options(parser) -> None:
+    parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"],
+                        help="device: the GPU; host: NumPy on the CPU; auto: the GPU when there is one")
+    parser.add_argument("--device", type=int, help="the GPU to measure (default: CuPy's current one)")
+
+
+def search_command(args) -> int:
+    from ultraep.tune.model import Problem, SyncProblem
+    from ultraep.tune.search import search
+
+    profile = read_profile(args.profile) if args.profile else load_profile(args.backend, device=args.device,
+                                                                            progress=stderr_progress)
+    problem = Problem(args.tokens, args.hidden, args.ffn, args.top_k, args.experts, args.ranks,
+                      ranks_per_gpu=args.ranks_per_gpu)
+    sync = SyncProblem(3 * args.hidden * args.ffn * problem.element_bytes, (args.fanout,)) if args.fanout else None
+    results = [search(profile, problem, sync) for _ in range(SEARCH_RUNS)]
+    fastest = min(result.seconds for result in results)
+    result = results[-1]
+    print(f"profile: {profile.device} ({profile.backend} backend, {profile.sm_share} % of {profile.sm_count} SMs)")
+    print(f"problem: {problem}" + (f"; weight sync {sync}" if sync else ""))
+    print(f"best: {result.config}")
+    for phase, seconds in result.predicted.items():
+        print(f"  {phase:12s} {seconds * 1e6:10.1f} us predicted")
+    print(f"search: {result.evaluated} configurations in {fastest * 1e3:.2f} ms (fastest of {SEARCH_RUNS} runs, "
+          f"first {results[0].seconds * 1e3:.2f} ms)")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["validate"]:
+        from ultraep.tune import validate
+
+        return validate.main(argv[1:])
     args = parse_args(argv)
+    if args.command == "search":
+        return search_command(args)
     profile = load_profile(args.backend, device=args.device, path=args.out, force=args.force,
                            progress=stderr_progress)
     print(json.dumps(profile.to_json(), indent=2) if args.json else profile.table())

@@ -1,6 +1,7 @@
 """The GPU's micro-benchmarks (CuPy, one GPU of this process): a device-to-device copy,
-the heap's copy kernel into a peer GPU (or within this one), an empty kernel's launch, and
-the grouped GEMM at a few rows per expert. Each quantity is the time per call over a few
+the heap's copy kernel into a peer GPU (or within this one) and on a few blocks, an empty
+kernel's launch, a flag handoff, and the grouped GEMM at a few rows per expert and at a
+few waves of tiles. Each quantity is the time per call over a few
 batches of back-to-back calls (the fastest batch): the copies and the launch timed from
 the host around a synchronised batch, the GEMM on the device alone (at a few rows per
 expert the host takes longer to launch it than the GPU to run it, and the cost model
@@ -18,6 +19,9 @@ from ultraep.tune.host import BATCH_S, MAX_CALLS, ROUNDS, seconds_per_call
 COPY_BYTES = 256 << 20          # several times the L2 cache: the copy runs at HBM speed
 COPY_THREADS = 512              # threads per block of heap.cu's copy_bytes (as the peer-copy bench)
 COPY_BLOCKS_PER_SM = (1, 2, 4)  # grids tried for it; the fastest counts
+WARP_COPY_SM_FRACTION = 8       # the per-warp copy runs on one block per this many SMs: far from HBM's limit
+WARP_COPY_BYTES = 64 << 20
+TILE_WAVES = (1, 2, 4)          # GEMM calls of this many tiles per SM of the grid
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 MAX_HOLD_NS = 10**9  # a hold this long that still ends before the batch is enqueued: the host is stuck
 
@@ -145,6 +149,68 @@ class DeviceProbe:
 
         hold = get_function("timing.cu", "hold_stream")  # with 0 ns it returns at once: an empty kernel
         return self._seconds(lambda: hold((1,), (1,), (np.uint64(0),)))
+
+    def kernel_s(self) -> float:
+        from ultraep.runtime.kernels import get_function
+
+        hold = get_function("timing.cu", "hold_stream")  # with 0 ns it returns at once: an empty kernel
+        return self._device_seconds(lambda: hold((1,), (1,), (np.uint64(0),)))
+
+    def copy_warp_bytes_per_s(self) -> float:
+        from ultraep.runtime.kernels import get_function
+
+        cp = self.cp
+        copy = get_function("heap.cu", "copy_bytes")
+        _, sms = self.describe()
+        blocks = max(1, sms // WARP_COPY_SM_FRACTION)
+        with cp.cuda.Device(self.device):
+            source = cp.random.randint(0, 256, WARP_COPY_BYTES, dtype=np.uint8)
+            target = cp.empty_like(source)
+            pointers = (source, target, np.uint64(WARP_COPY_BYTES))
+            seconds = self._device_seconds(lambda: copy((blocks,), (COPY_THREADS,), pointers))
+        return WARP_COPY_BYTES / seconds / (blocks * COPY_THREADS // 32)
+
+    def flag_s(self) -> float:
+        """A one-rank heap barrier (a system fence, a release store of its flag, an acquire
+        load that finds it) less an empty kernel, both on the device alone."""
+        from ultraep.runtime.kernels import get_function
+
+        cp = self.cp
+        barrier = get_function("heap.cu", "symmetric_barrier")
+        with cp.cuda.Device(self.device):
+            pad = cp.zeros(8, dtype=np.uint64)
+            status = cp.zeros(4, dtype=np.uint64)
+            bases = cp.asarray(np.array([pad.data.ptr], dtype=np.uint64))
+            # epoch 1 throughout: from the second call on the flag is already there, so the
+            # wait ends at its first load and nothing but the handoff itself is timed
+            arguments = (bases, np.int32(0), np.int32(1), np.uint64(0), np.uint64(1), np.uint64(10**9), status)
+            with_flag = self._device_seconds(lambda: barrier((1,), (32,), arguments))
+            empty = self.kernel_s()
+            if int(status[0].get()):
+                raise ProfileError("the flag handoff measured for the machine profile timed out")
+        return max(with_flag - empty, 1e-9)
+
+    def gemm_tile_times(self) -> tuple:
+        """The grouped GEMM on one expert whose output is one tile row per SM of its grid
+        wide, at ``TILE_WAVES`` tile rows (whole waves of tiles on every SM): what
+        :func:`~ultraep.tune.profile.fit_tile_cost` takes."""
+        from ultraep.compute import grouped_mm
+        from ultraep.runtime.kernels import kernel_constant
+
+        cp = self.cp
+        bm, bn = kernel_constant("grouped_gemm.cu", "GH_BM"), kernel_constant("grouped_gemm.cu", "GH_BN")
+        k = self.compute_shape[1]
+        _, sms = self.describe()
+        seconds = []
+        with cp.cuda.Device(self.device):
+            w = _bf16_bits(cp, (1, k, bn * sms), seed=7)
+            for waves in TILE_WAVES:
+                x = _bf16_bits(cp, (waves * bm, k), seed=waves)
+                offsets = cp.asarray(np.array([0, waves * bm], dtype=np.int32))
+                out = cp.empty((waves * bm, bn * sms), dtype=np.int16)
+                seconds.append(self._device_seconds(lambda x=x, offsets=offsets, out=out: grouped_mm(x, w, offsets,
+                                                                                                   out=out)))
+        return self.compute_kernel, bm, bn, k, tuple(waves * sms for waves in TILE_WAVES), tuple(seconds)
 
     def expert_call_s(self, rows: int) -> float:
         from ultraep.compute import grouped_mm

@@ -46,6 +46,8 @@ class HostProbe:
     compute_dtype = "float32"
     compute_shape = (4, 256, 256)  # experts, k, n
     rows_per_expert = (4, 16, 64, 256, 1024)
+    tile_shape = (128, 256)        # bm, bn: the GPU's tile, over the compute shape's k
+    tile_batch = 8                 # tiles in the call whose time per tile is the tile's cost
 
     def describe(self) -> tuple[str, int]:
         return f"host {platform.machine() or 'cpu'}", os.cpu_count() or 1
@@ -64,6 +66,36 @@ class HostProbe:
         a, b = np.ones((1, 8), np.float32), np.ones((8, 8), np.float32)
         out = np.empty((1, 8), np.float32)
         return seconds_per_call(lambda: np.matmul(a, b, out=out), time.perf_counter)
+
+    def kernel_s(self) -> float:
+        return self.launch_s()  # the host runs a call as it issues it
+
+    def copy_warp_bytes_per_s(self) -> float:
+        # One process copies as one worker: the local copy is what one "warp" of it moves.
+        return self.copy_bytes_per_s()
+
+    def flag_s(self) -> float:
+        flag = np.zeros(1, np.uint64)  # the host heap's flags are words of shared memory, stored then read
+        seen = np.zeros(1, np.uint64)
+
+        def handoff():
+            flag[0] = 1
+            seen[0] = flag[0]
+
+        return seconds_per_call(handoff, time.perf_counter)
+
+    def gemm_tile_times(self) -> tuple:
+        """``np.matmul`` of ``tile_batch`` tiles' rows, one size (a line through a few sizes
+        is at the mercy of the BLAS's threading on a shared machine): what
+        :func:`~ultraep.tune.profile.fit_tile_cost` takes."""
+        bm, bn = self.tile_shape
+        k = self.compute_shape[1]
+        rng = np.random.default_rng(0)
+        w = rng.standard_normal((k, bn), dtype=np.float32)
+        x = rng.standard_normal((self.tile_batch * bm, k), dtype=np.float32)
+        y = np.empty((self.tile_batch * bm, bn), np.float32)
+        seconds = seconds_per_call(lambda: np.matmul(x, w, out=y), time.perf_counter)
+        return "np.matmul", bm, bn, k, (self.tile_batch,), (seconds,)
 
     def expert_call_s(self, rows: int) -> float:
         experts, k, n = self.compute_shape

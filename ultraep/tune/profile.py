@@ -12,6 +12,19 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   backend ranks share memory, so a peer copy is the local copy; ``peer_method`` says which;
 * ``launch_s``: one kernel launch as the host issues them back to back (on the host: one
   minimal NumPy call);
+* ``kernel_s``: an empty kernel on the device alone, back to back (what a launch adds to
+  the device's time, as opposed to the host's ``launch_s``; on the host ``launch_s``);
+* ``copy_warp_bytes_per_s``: what one warp of the heap's copy kernel copies per second
+  while the memory is far from its limit (a grid of a few blocks; on the host the local
+  copy: one process is one worker) -- a copy kernel of ``w`` warps moves at most ``w``
+  times this, and at most ``peer_bytes_per_s``;
+* ``flag_s``: one flag handoff on the device alone -- a system-scope fence, a flag stored
+  with release semantics and loaded back with acquire semantics (``heap.cu``'s barrier of
+  one rank, less an empty kernel); on the host a store and a load of a shared word;
+* ``gemm``: one GEMM tile (:class:`TileCost`): the grouped GEMM's time per ``bm x bn``
+  output tile over ``k`` on one SM, from calls of one, two and four waves of tiles, and the
+  fixed cost of a call beside it (the host: one ``np.matmul`` of several tiles' rows over
+  the cores, nothing fixed);
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
   grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, timed on the device
   alone (the host's part is ``launch_s``), ``np.matmul`` (float32) per expert on the host.
@@ -43,7 +56,7 @@ import numpy as np
 from ultraep.errors import ProfileError
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
@@ -86,6 +99,25 @@ class ComputeCurve:
 
 
 @dataclass(frozen=True)
+class TileCost:
+    """One GEMM tile of ``bm x bn`` outputs over a reduction of ``k``: ``tile_s`` on one SM
+    (the slope of a call's time in whole waves of tiles, times the SMs), and ``fixed_s`` what
+    a call costs beside its tiles (the intercept: prologue, the last tile's epilogue)."""
+
+    kernel: str
+    bm: int
+    bn: int
+    k: int
+    tile_s: float
+    fixed_s: float
+
+    def seconds(self, k) -> np.ndarray:
+        """Modelled time of one ``bm x bn`` tile over a reduction of ``k`` (array-like) on one
+        SM: linear in ``k`` (each k step streams one slice of both operands through the MMAs)."""
+        return self.tile_s * np.asarray(k, np.float64) / self.k
+
+
+@dataclass(frozen=True)
 class MachineProfile:
     """One device's measured costs (module docstring). ``sm_count``: SMs of the GPU (CPU
     cores on the host); ``sm_share``: the percentage of them this process may use (an MPS
@@ -101,8 +133,17 @@ class MachineProfile:
     peer_method: str
     launch_s: float
     compute: ComputeCurve
+    kernel_s: float
+    copy_warp_bytes_per_s: float
+    flag_s: float
+    gemm: TileCost
     measured_at: str = ""
     version: int = PROFILE_VERSION
+
+    @property
+    def usable_sms(self) -> int:
+        """SMs (cores) this process's work runs on: its share of ``sm_count``, at least one."""
+        return max(1, self.sm_count * self.sm_share // 100)
 
     def identity(self) -> tuple[str, str, int]:
         """What a cached profile must match to be reused (besides its version)."""
@@ -121,7 +162,7 @@ class MachineProfile:
         if data.get("version") != PROFILE_VERSION:
             raise ProfileError(f"format version {data.get('version')!r}, this library reads version {PROFILE_VERSION}")
         try:
-            compute = data["compute"]
+            compute, gemm = data["compute"], data["gemm"]
             curve = ComputeCurve(kernel=_text(compute, "kernel"), dtype=_text(compute, "dtype"),
                                  experts=_count(compute, "experts"), k=_count(compute, "k"), n=_count(compute, "n"),
                                  rows_per_expert=tuple(int(v) for v in compute["rows_per_expert"]),
@@ -131,6 +172,12 @@ class MachineProfile:
                           copy_bytes_per_s=_positive(data, "copy_bytes_per_s"), copy_method=_text(data, "copy_method"),
                           peer_bytes_per_s=_positive(data, "peer_bytes_per_s"), peer_method=_text(data, "peer_method"),
                           launch_s=_positive(data, "launch_s"), compute=curve,
+                          kernel_s=_positive(data, "kernel_s"),
+                          copy_warp_bytes_per_s=_positive(data, "copy_warp_bytes_per_s"),
+                          flag_s=_positive(data, "flag_s"),
+                          gemm=TileCost(kernel=_text(gemm, "kernel"), bm=_count(gemm, "bm"), bn=_count(gemm, "bn"),
+                                        k=_count(gemm, "k"), tile_s=_positive(gemm, "tile_s"),
+                                        fixed_s=_positive(gemm, "fixed_s")),
                           measured_at=str(data.get("measured_at", "")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"bad or missing field: {exc}") from None
@@ -149,11 +196,35 @@ class MachineProfile:
                  f"  copy        {self.copy_bytes_per_s / 1e9:10.1f} GB/s copied   {self.copy_method}",
                  f"  peer copy   {self.peer_bytes_per_s / 1e9:10.1f} GB/s copied   {self.peer_method}",
                  f"  launch      {self.launch_s * 1e6:10.2f} us per launch",
+                 f"  kernel      {self.kernel_s * 1e6:10.2f} us per empty kernel on the device",
+                 f"  warp copy   {self.copy_warp_bytes_per_s / 1e9:10.2f} GB/s copied   per warp, far from the "
+                 "memory's limit",
+                 f"  flag        {self.flag_s * 1e6:10.2f} us per release/acquire handoff",
+                 f"  GEMM tile   {self.gemm.tile_s * 1e6:10.2f} us per {self.gemm.bm} x {self.gemm.bn} tile over "
+                 f"k = {self.gemm.k} on one SM, {self.gemm.fixed_s * 1e6:.2f} us per call beside ({self.gemm.kernel})",
                  f"  expert compute: {curve.kernel}, {curve.dtype}, {curve.experts} experts of {curve.k} x {curve.n}",
                  f"  {'rows/expert':>13}  {'us/call':>10}  {'us/expert':>10}  {'TFLOPS':>8}"]
         for rows, seconds, tflops in zip(curve.rows_per_expert, curve.seconds, curve.tflops()):
             lines.append(f"  {rows:13d}  {seconds * 1e6:10.2f}  {seconds * 1e6 / curve.experts:10.2f}  {tflops:8.2f}")
         return "\n".join(lines)
+
+
+def fit_tile_cost(kernel: str, bm: int, bn: int, k: int, tiles, seconds, workers: int) -> TileCost:
+    """A :class:`TileCost` from calls of ``tiles[i]`` tiles that took ``seconds[i]`` on
+    ``workers`` SMs (cores) working at once. Several sizes: the least-squares line through
+    them, its slope times the workers a tile's time on one, its intercept the fixed cost
+    (at least a nanosecond: noise may put a tiny intercept below zero). One size: its time
+    per tile, nothing fixed."""
+    tiles, seconds = np.asarray(tiles, np.float64), np.asarray(seconds, np.float64)
+    if len(tiles) == 1:
+        slope, intercept = seconds[0] / tiles[0], 0.0
+    else:
+        slope, intercept = np.polyfit(tiles, seconds, 1)
+    if not slope > 0:
+        raise ProfileError(f"the GEMM's time did not grow with its tiles ({tiles.tolist()} tiles took "
+                           f"{[f'{s * 1e6:.1f} us' for s in seconds]})")
+    return TileCost(kernel=kernel, bm=bm, bn=bn, k=k, tile_s=float(slope * workers),
+                    fixed_s=max(float(intercept), 1e-9))
 
 
 def _text(data: dict, key: str) -> str:
@@ -215,6 +286,17 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
     say(f"  peer copy: {peer / 1e9:.1f} GB/s copied ({peer_method})")
     launch = probe.launch_s()
     say(f"  launch: {launch * 1e6:.2f} us")
+    kernel = probe.kernel_s()
+    say(f"  empty kernel on the device: {kernel * 1e6:.2f} us")
+    warp = probe.copy_warp_bytes_per_s()
+    say(f"  copy per warp: {warp / 1e9:.2f} GB/s copied")
+    flag = probe.flag_s()
+    say(f"  flag handoff: {flag * 1e6:.2f} us")
+    share = sm_share()
+    # the tiles of a call run on every SM (core) this process may use at once
+    gemm = fit_tile_cost(*probe.gemm_tile_times(), workers=max(1, sm_count * share // 100))
+    say(f"  GEMM tile {gemm.bm} x {gemm.bn} over k = {gemm.k}: {gemm.tile_s * 1e6:.2f} us on one SM, "
+        f"{gemm.fixed_s * 1e6:.2f} us per call beside")
     seconds = []
     for rows in probe.rows_per_expert:
         seconds.append(probe.expert_call_s(rows))
@@ -222,9 +304,11 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
     experts, k, n = probe.compute_shape
     curve = ComputeCurve(kernel=probe.compute_kernel, dtype=probe.compute_dtype, experts=experts, k=k, n=n,
                          rows_per_expert=tuple(probe.rows_per_expert), seconds=tuple(seconds))
-    return MachineProfile(backend=probe.backend, device=name, sm_count=sm_count, sm_share=sm_share(),
+    return MachineProfile(backend=probe.backend, device=name, sm_count=sm_count, sm_share=share,
                           copy_bytes_per_s=copy, copy_method=probe.copy_method, peer_bytes_per_s=peer,
-                          peer_method=peer_method, launch_s=launch, compute=curve,
+                          peer_method=peer_method, launch_s=launch, compute=curve, kernel_s=kernel,
+                          copy_warp_bytes_per_s=warp,
+                          flag_s=flag, gemm=gemm,
                           measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 

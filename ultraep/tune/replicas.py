@@ -33,7 +33,7 @@ per replica) and any overlap of weight sync with other work.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -91,27 +91,35 @@ def expert_weight_elements(spec: ExpertSpec) -> int:
     return sum(t.numel for t in spec.weights if t.name not in spec.scale_of)
 
 
-def agreed_min_replica_tokens(group: EPGroup, spec: ExpertSpec, *, backend: str,
-                              timeout_s: float = PROFILE_TIMEOUT_S) -> int:
-    """Collective: ``min_replica_tokens="auto"`` for an expert of ``spec`` on this group.
-
-    Every rank evaluates :func:`min_replica_tokens_for` on its machine's profile (of the
-    group's ``backend``, ``"host"`` or ``"device"``) and all take the largest value, so
-    every rank plans with one number. The first rank of each host loads or measures the
-    profile before the host's other ranks look, so a machine is measured once (they then
-    find it in the cache) and no two ranks measure one GPU at once."""
+def group_profile(group: EPGroup, backend: str, *, what: str, timeout_s: float = PROFILE_TIMEOUT_S,
+                  then: Callable[[MachineProfile], Any] = lambda profile: profile) -> list:
+    """Collective: every rank's ``then(profile)`` for its machine's profile (of ``backend``,
+    ``"host"`` or ``"device"``), in rank order. The first rank of each host loads or
+    measures the profile before the host's other ranks look, so a machine is measured once
+    (they then find it in the cache) and no two ranks measure one GPU at once; an error on
+    any rank is raised on every rank, naming ``what`` needed the profile."""
     error, value = None, None
     for turn in (0, 1):
         if (group.local_rank == 0) == (turn == 0):
             try:
                 profile = load_profile(backend, device=group.device,
                                        progress=stderr_progress if group.local_rank == 0 else None)
-                value = min_replica_tokens_for(spec.weight_slot_bytes, profile,
-                                               weight_elements=expert_weight_elements(spec))
+                value = then(profile)
             except Exception as exc:  # reported on every rank below, never left to hang the others
                 error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
         if turn == 0:
-            group.barrier(timeout_s, what="min_replica_tokens='auto' (the first rank of each host measures "
-                                          "the machine profile)")
-    group.raise_if_any(error, "min_replica_tokens='auto' (machine profile)", timeout_s=timeout_s)
-    return max(group.allgather(value, what="min_replica_tokens='auto'"))
+            group.barrier(timeout_s, what=f"{what} (the first rank of each host measures the machine profile)")
+    group.raise_if_any(error, f"{what} (machine profile)", timeout_s=timeout_s)
+    return group.allgather(value, what=what)
+
+
+def agreed_min_replica_tokens(group: EPGroup, spec: ExpertSpec, *, backend: str,
+                              timeout_s: float = PROFILE_TIMEOUT_S) -> int:
+    """Collective: ``min_replica_tokens="auto"`` for an expert of ``spec`` on this group.
+
+    Every rank evaluates :func:`min_replica_tokens_for` on its machine's profile
+    (:func:`group_profile`) and all take the largest value, so every rank plans with one
+    number."""
+    return max(group_profile(group, backend, what="min_replica_tokens='auto'", timeout_s=timeout_s,
+                             then=lambda profile: min_replica_tokens_for(
+                                 spec.weight_slot_bytes, profile, weight_elements=expert_weight_elements(spec))))

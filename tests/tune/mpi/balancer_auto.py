@@ -25,7 +25,7 @@ from ultraep.planner import ExpertLayout
 from ultraep.runtime.group import EPGroup
 from ultraep.transfer import ExpertSpec
 from ultraep.tune import ComputeCurve, MachineProfile, min_replica_tokens_for, profile_path, read_profile, write_profile
-from ultraep.tune.profile import CACHE_VARIABLE, make_probe, sm_share
+from ultraep.tune.profile import CACHE_VARIABLE, TileCost, make_probe, sm_share
 
 backend, check, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 group = EPGroup(MPI.COMM_WORLD, use_gpu=backend == "device")
@@ -44,7 +44,8 @@ def synthetic_profile(rank: int) -> MachineProfile:
     peer = 2e9 * (1 + rank)
     return MachineProfile(backend=backend, device=name, sm_count=sms, sm_share=sm_share(), copy_bytes_per_s=peer,
                           copy_method="synthetic", peer_bytes_per_s=peer, peer_method="synthetic", launch_s=1e-6,
-                          compute=curve)
+                          compute=curve, kernel_s=1e-6, copy_warp_bytes_per_s=peer, flag_s=1e-6,
+                          gemm=TileCost(kernel="synthetic", bm=128, bn=256, k=64, tile_s=1e-6, fixed_s=1e-6))
 
 
 def balancer(min_replica_tokens):

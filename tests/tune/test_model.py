@@ -1,0 +1,122 @@
+"""The performance model on a synthetic H200-like profile: each phase's limits where they
+must bind (the warps of a small grid, the shared bandwidth of a large one, GEMM waves over
+the CTAs, the reduce tail), the problem's derived quantities, and refusals."""
+
+import numpy as np
+import pytest
+
+from tests.tune.synthetic import h200_like
+from ultraep.errors import ProfileError
+from ultraep.planner import ExpertLayout, Plan
+from ultraep.tune.model import (DISPATCH_THREADS, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
+                                FusedConfig, Problem, SyncProblem, combine_s, dispatch_s, fused_down_s, fused_up_s,
+                                join, predict, weight_sync_s)
+
+PROFILE = h200_like()
+PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
+EXPERT = 3 * 4096 * 1536 * 2
+
+
+def test_problem_derived_quantities_and_refusals():
+    assert PROBLEM.rows.tolist() == [2048] * 16 and PROBLEM.m_tiles() == 16 * (2048 // FM_BM)
+    assert Problem(64, 64, 64, 1, 8, 4).crossings == pytest.approx(1.0)  # one expert: one rank
+    assert Problem(64, 64, 64, 8, 8, 4).crossings == pytest.approx(4.0)  # every expert: every rank
+    assert 1.0 < PROBLEM.crossings < 4.0
+    skewed = Problem(4096, 4096, 1536, 8, 64, 4, slot_rows=(5000, 1, 0) + (0,) * 13, sends_per_token=2.0)
+    assert skewed.m_tiles() == -(-5000 // FM_BM) + 1 and skewed.crossings == 2.0
+    with pytest.raises(ProfileError, match="do not divide"):
+        Problem(64, 64, 64, 2, 10, 4)
+    with pytest.raises(ProfileError, match="top_k"):
+        Problem(64, 64, 64, 9, 8, 4)
+    with pytest.raises(ProfileError, match="tokens must be a positive integer"):
+        Problem(0, 64, 64, 2, 8, 4)
+    with pytest.raises(ProfileError, match="slot_rows"):
+        Problem(64, 64, 64, 2, 8, 4, slot_rows=(-1,))
+
+
+def test_fused_config_refusals():
+    assert FusedConfig(132).error(PROFILE) is None
+    assert "at most the 132 SMs" in FusedConfig(133).error(PROFILE)
+    assert "at most the 33 SMs" in FusedConfig(34).error(h200_like(sm_share=25))
+    assert "send_tokens must be a positive integer" in FusedConfig(8, send_tokens=0).error(PROFILE)
+
+
+def test_weight_sync_warp_bound_then_bandwidth_bound():
+    sync = SyncProblem(EXPERT, (3,))
+    pieces = -(-EXPERT // PIECE_BYTES)
+    piece_s = PIECE_BYTES * (1 + 3) / 2 / PROFILE.copy_warp_bytes_per_s
+    one_block = float(weight_sync_s(PROFILE, sync, 1))
+    warp_bound = np.ceil(pieces / SYNC_WARPS) * piece_s
+    assert one_block == pytest.approx(PROFILE.kernel_s + warp_bound, rel=1e-3)
+    bandwidth_s = EXPERT * (1 + 3) / 2 / PROFILE.peer_bytes_per_s
+    full = float(weight_sync_s(PROFILE, sync, 528))
+    assert bandwidth_s < full - PROFILE.kernel_s < 1.1 * bandwidth_s
+    grids = np.arange(1, 529)
+    times = weight_sync_s(PROFILE, sync, grids)
+    assert times.shape == grids.shape and np.all(np.diff(times) <= 1e-12)  # more resident warps never hurt
+    # four ranks copying at once on one GPU share its bandwidth
+    assert float(weight_sync_s(PROFILE, SyncProblem(EXPERT, (3,), ranks_copying=4), 528)) > 3.5 * bandwidth_s
+
+
+def test_weight_sync_blocks_beyond_residency_run_in_waves():
+    quarter = h200_like(sm_share=25)  # 33 SMs, 4 resident sync blocks each: 132 at once
+    sync = SyncProblem(EXPERT, (1,))
+    assert float(weight_sync_s(quarter, sync, 133)) > float(weight_sync_s(quarter, sync, 132))
+
+
+def test_sync_problem_from_a_plan():
+    from ultraep.bench.weight_sync import single_expert_plan
+
+    layout = ExpertLayout(4, 4, 1, max_instances=4)
+    plan = single_expert_plan(layout, 3)
+    assert isinstance(plan, Plan)
+    assert SyncProblem.from_replica_count(plan.replica_count, 1, 1000, ranks_per_gpu=4) == SyncProblem(1000, (3,), 1)
+    # two experts a rank: rank 1 sends 2 + 1 replicas, rank 0 one; both copy at once on a shared GPU
+    counts = np.array([2, 1, 3, 2, 1, 1])
+    assert SyncProblem.from_replica_count(counts, 2, 10, ranks_per_gpu=3) == SyncProblem(10, (2, 1), 2)
+
+
+def test_the_dispatch_block_is_the_dispatchers():
+    from ultraep.token.device import THREADS
+
+    assert DISPATCH_THREADS == THREADS
+
+
+def test_dispatch_and_combine_scale_with_the_bytes_once_bandwidth_binds():
+    grids = np.array([33, 132, 264, 1056])
+    small, large = dispatch_s(PROFILE, PROBLEM, grids), combine_s(PROFILE, PROBLEM, grids)
+    assert np.all(np.diff(small) <= 0) and np.all(np.diff(large) <= 0)
+    wide = Problem(4096, 8192, 1536, 8, 64, 4)
+    assert 1.6 < float(dispatch_s(PROFILE, wide, 1056)) / float(dispatch_s(PROFILE, PROBLEM, 1056)) < 2.05
+    shared = Problem(4096, 4096, 1536, 8, 64, 4, ranks_per_gpu=4)
+    assert float(combine_s(PROFILE, shared, 1056)) > 2.5 * float(combine_s(PROFILE, PROBLEM, 1056))
+
+
+def test_fused_phases_count_gemm_waves_over_the_ctas():
+    tile_up = PROFILE.gemm.tile_s * PROBLEM.hidden / PROFILE.gemm.k
+    up_tiles = PROBLEM.m_tiles() * -(-PROBLEM.ffn // FM_UP_COLS)
+    half, full = fused_up_s(PROFILE, PROBLEM, np.array([66, 132]), 16)
+    assert half - full >= (np.ceil(up_tiles / 66) - np.ceil(up_tiles / 132)) * tile_up * 0.99
+    tile_down = PROFILE.gemm.tile_s * PROBLEM.ffn / PROFILE.gemm.k
+    down_tiles = PROBLEM.m_tiles() * (PROBLEM.hidden // FM_DOWN_COLS)
+    down = float(fused_down_s(PROFILE, PROBLEM, 132, 16))
+    assert down > np.ceil(down_tiles / 132) * tile_down + PROFILE.kernel_s
+    # a reduce task of many tokens is the tail after the last tile; tasks of few fit the idle CTAs
+    assert float(fused_down_s(PROFILE, PROBLEM, 132, 4096)) > float(fused_down_s(PROFILE, PROBLEM, 132, 16))
+
+
+def test_predict_broadcasts_each_phase_over_its_own_knobs():
+    configs = {"sync_blocks": np.array([64, 528]).reshape(2, 1, 1), "dispatch_grid": np.array([264]).reshape(1, 1, 1),
+               "ctas": np.array([66, 99, 132]).reshape(1, 3, 1), "send_tokens": np.array([16]),
+               "reduce_tokens": np.array([8, 16, 32, 64]).reshape(1, 1, 4)}
+    phases = predict(PROFILE, PROBLEM, SyncProblem(EXPERT, (2,)), configs)
+    assert phases["weight_sync"].shape == (2, 1, 1) and phases["fused_down"].shape == (1, 3, 4)
+    assert sum(phases.values()).shape == (2, 3, 4)
+    assert np.all(predict(PROFILE, PROBLEM, None, configs)["weight_sync"] == 0)
+    assert float(phases["fused_up"][0, 2, 0]) == pytest.approx(float(fused_up_s(PROFILE, PROBLEM, 132, 16)))
+
+
+def test_join_lies_between_the_larger_limit_and_their_sum():
+    a, b = np.array([1.0, 1.0, 1.0]), np.array([0.0, 1.0, 10.0])
+    joined = join(a, b)
+    assert np.all(joined >= np.maximum(a, b)) and np.all(joined <= a + b) and joined[0] == 1.0

@@ -1,0 +1,59 @@
+"""``python -m ultraep.tune validate``: the summary's arithmetic, the fused phases' refusal,
+and a smoke test of both sweeps on the CPU backend (2 ranks, 5 configurations)."""
+
+import json
+
+import pytest
+
+from ultraep.tune.__main__ import main as tune_main
+from ultraep.tune.validate import summarise
+
+
+def test_summary_errors_and_the_rank_of_the_models_choice():
+    rows = [{"problem": "a", "config": f"g={g}", "predicted_ms": p, "measured_ms": m}
+            for g, p, m in ((1, 2.0, 2.0), (2, 1.0, 1.25), (3, 1.5, 1.0))]
+    rows.append({"problem": "b", "config": "g=1", "predicted_ms": 0.9, "measured_ms": 1.0})
+    rows[0]["default"] = True
+    summary = summarise(rows)
+    assert [row["error_pct"] for row in rows] == pytest.approx([0.0, -20.0, 50.0, -10.0])
+    assert summary["mean_abs_error_pct"] == pytest.approx(20.0)
+    assert summary["worst_error_pct"] == pytest.approx(50.0) and summary["worst"] == "a, g=3"
+    a = summary["problems"]["a"]  # chose g=2 (predicted 1.0); measured 1.25, behind g=3's 1.0
+    assert (a["chosen"], a["chosen_rank"], a["best_measured"]) == ("g=2", 2, "g=3")
+    assert a["chosen_over_best_pct"] == pytest.approx(25.0)
+    assert a["default"] == "g=1" and a["chosen_vs_default_pct"] == pytest.approx(-37.5)
+    assert summary["problems"]["b"]["chosen_rank"] == 1 and "default" not in summary["problems"]["b"]
+
+
+@pytest.mark.parametrize("phase", ["fused-up", "fused-down"])
+def test_fused_phases_say_the_kernel_takes_no_configuration(phase, capsys):
+    assert tune_main(["validate", "--phase", phase]) == 2
+    err = capsys.readouterr().err
+    assert "do not take a configuration yet" in err and phase in err and "nothing was measured" in err
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("phase, extra", [
+    ("weight-sync", ["--hidden", "256", "--ffn", "128"]),
+    ("dispatch", ["--hidden", "256", "--tokens", "64", "--experts", "8", "--top-k", "2"]),
+])
+def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    monkeypatch.setenv("ULTRAEP_CACHE_DIR", str(tmp_path / "cache"))
+    png, out_json = tmp_path / "scatter.png", tmp_path / "rows.json"
+    code = tune_main(["validate", "--phase", phase, "--configs", "5", "--ranks", "2", "--backend", "host",
+                      "--repeats", "2", *extra, "--plot", str(png), "--json", str(out_json)])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    assert "mean absolute error" in out and "the model's choice" in out and "predicted_ms" in out
+    assert "[bench tune validate]" in err and "(5/5)" in err
+    data = json.loads(out_json.read_text())
+    problems = 2 if phase == "dispatch" else 1  # dispatch and combine
+    # dispatch: 4 grids spread over the range and today's 2 per SM, unless one of them is it
+    assert len(data["rows"]) in (5 * problems, 4 * problems) and data["profile"]["backend"] == "host"
+    assert all(row["measured_ms"] > 0 and row["predicted_ms"] > 0 for row in data["rows"])
+    assert len(data["summary"]["problems"]) == problems
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 100 and image.shape[1] > 100

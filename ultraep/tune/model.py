@@ -1,0 +1,312 @@
+"""The analytical performance model: what a phase of the layer costs on this machine, from
+the machine profile (:mod:`ultraep.tune.profile`), the problem and a configuration, in
+NumPy, vectorised over configurations (every function takes arrays of knob values that
+broadcast together and returns seconds of their shape).
+
+The phases and their knobs:
+
+* weight sync (``WeightTransfer.weight_sync(..., blocks=)``): the grid;
+* dispatch and combine (``Dispatcher``): the grid of its persistent copy kernels;
+* the fused kernels (``raw_kernels/fused_moe.cu``): :class:`FusedConfig` -- the CTAs of the
+  persistent grid and the tokens of a send and of a reduce task.
+
+The building blocks, each a quantity the profile measures:
+
+* a copy moves its bytes at most at ``peer_bytes_per_s`` (shared by the ranks copying at
+  once on one GPU's memory), and each warp at most at ``copy_warp_bytes_per_s``: a grid of
+  ``w`` warps that splits ``u`` equal units (pieces, rows) among them takes ``ceil(u / w)``
+  units' time when the memory is not the limit, and blocks beyond those resident at once
+  run in later waves;
+* a GEMM of ``t`` tiles over ``c`` CTAs takes ``ceil(t / c)`` waves of one tile's time
+  (:meth:`~ultraep.tune.profile.TileCost.seconds`, linear in the reduction), plus the
+  fixed cost of a call;
+* a flag handoff (a release fence and store, an acquire load) costs ``flag_s``; a kernel
+  adds ``kernel_s`` to the device's time and ``launch_s`` to the host's; the host enqueues
+  launches while the device runs earlier ones, so a call of many kernels timed from the
+  host takes the longer of the two (a kernel timed on the device alone: the device's).
+
+Two limits are joined by a p-norm (:data:`JOIN_P`) rather than a hard maximum: near the
+point where both bind, neither reaches its own rate.
+
+What it leaves out (stated per phase below): relay trees in weight sync, the token map's
+dependence on routing beyond its item count, and contention between the fused kernels'
+communication and GEMM tiles for HBM beyond the shared bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ultraep.errors import ProfileError
+from ultraep.runtime.kernels import kernel_constant
+from ultraep.tune.profile import MachineProfile
+
+JOIN_P = 4.0                 # two rates' limits joined as (a^p + b^p)^(1/p)
+MAX_THREADS_PER_SM = 2048    # resident threads per SM (compute capability 9.0)
+WARP_THREADS = 32
+
+PIECE_BYTES = kernel_constant("transfer.cu", "PIECE_BYTES")
+SYNC_WARPS = kernel_constant("transfer.cu", "SYNC_WARPS")
+SYNC_MIN_BLOCKS = kernel_constant("transfer.cu", "SYNC_MIN_BLOCKS")
+DISPATCH_THREADS = 256       # the Dispatcher's copy kernels' block: ultraep.token.device.THREADS (a test holds it)
+FM_SEND_TOKENS = kernel_constant("fused_moe.cu", "FM_SEND_TOKENS")
+FM_REDUCE_TOKENS = kernel_constant("fused_moe.cu", "FM_REDUCE_TOKENS")
+FM_BM = kernel_constant("fused_moe.cu", "FM_BM")
+FM_UP_COLS = kernel_constant("fused_moe.cu", "FM_UP_COLS")
+FM_DOWN_COLS = kernel_constant("fused_moe.cu", "FM_DOWN_COLS")
+FM_TASK_WARPS = 4 * kernel_constant("fused_moe.cu", "GH_CONSUMERS")  # send/relay/reduce: the consumer warps
+# What a call enqueues, kernels and CuPy copies (ultraep/token/device.py): dispatch's token
+# map, row plan, send, barriers, expansion and the copies it returns; combine's barriers,
+# send and reduce.
+DISPATCH_LAUNCHES = 21
+COMBINE_LAUNCHES = 4
+TOKEN_MAP_KEY_BYTES = 16     # per (token, slot) item: keys and positions written and read back
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """The fused kernels' configuration: ``ctas`` persistent CTAs (at most the SMs this
+    process may use), ``send_tokens`` tokens per send task, ``reduce_tokens`` per reduce
+    task (of one column block)."""
+
+    ctas: int
+    send_tokens: int = FM_SEND_TOKENS
+    reduce_tokens: int = FM_REDUCE_TOKENS
+
+    def error(self, profile: MachineProfile) -> str | None:
+        """Why this configuration cannot run on ``profile``'s machine, or None."""
+        for name in ("ctas", "send_tokens", "reduce_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                return f"FusedConfig.{name} must be a positive integer, got {value!r}"
+        if self.ctas > profile.usable_sms:
+            return f"FusedConfig.ctas must be at most the {profile.usable_sms} SMs this process may use, " \
+                   f"got {self.ctas}"
+        return None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One MoE layer call: ``tokens`` per rank of width ``hidden`` (``element_bytes`` each),
+    experts of FFN width ``ffn``, top-``top_k`` routing over ``experts`` on ``ranks`` ranks,
+    ``ranks_per_gpu`` of which share one GPU's memory (MPS emulation: all of them).
+    ``slot_rows``: rows each local slot of the busiest rank receives (default: uniform
+    routing, ``tokens * top_k * ranks / experts`` each); ``sends_per_token``: ranks a token
+    crosses to (default: the expectation under uniform routing over distinct experts)."""
+
+    tokens: int
+    hidden: int
+    ffn: int
+    top_k: int
+    experts: int
+    ranks: int
+    ranks_per_gpu: int = 1
+    element_bytes: int = 2
+    slot_rows: tuple[int, ...] | None = None
+    sends_per_token: float | None = None
+
+    def __post_init__(self):
+        for name in ("tokens", "hidden", "ffn", "top_k", "experts", "ranks", "ranks_per_gpu", "element_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ProfileError(f"Problem.{name} must be a positive integer, got {value!r}")
+        if self.experts % self.ranks:
+            raise ProfileError(f"Problem: {self.experts} experts do not divide over {self.ranks} ranks")
+        if self.top_k > self.experts:
+            raise ProfileError(f"Problem: top_k {self.top_k} exceeds the {self.experts} experts")
+        if self.slot_rows is not None and (len(self.slot_rows) == 0 or min(self.slot_rows) < 0):
+            raise ProfileError("Problem.slot_rows must hold a non-negative row count per local slot")
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Rows each local slot of the busiest rank receives."""
+        if self.slot_rows is not None:
+            return np.asarray(self.slot_rows, np.int64)
+        per_rank = self.experts // self.ranks
+        return np.full(per_rank, -(-self.tokens * self.top_k * self.ranks // self.experts), np.int64)
+
+    @property
+    def crossings(self) -> float:
+        """Ranks a token is sent to (one send per destination rank)."""
+        if self.sends_per_token is not None:
+            return float(self.sends_per_token)
+        # P(no chosen expert on a given rank) for top_k distinct experts drawn uniformly
+        others, miss = self.experts - self.experts // self.ranks, 1.0
+        for i in range(self.top_k):
+            miss *= max(others - i, 0) / (self.experts - i)
+        return self.ranks * (1.0 - miss)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * self.element_bytes
+
+    def m_tiles(self, bm: int = FM_BM) -> int:
+        """M-tiles of ``bm`` rows over the busiest rank's slots."""
+        return int(np.sum(-(-self.rows // bm)))
+
+
+@dataclass(frozen=True)
+class SyncProblem:
+    """The busiest sender of a weight sync: ``fanouts[i]`` replicas of its ``i``-th
+    replicated master, ``expert_bytes`` each (``ExpertSpec.weight_slot_bytes``);
+    ``ranks_copying`` ranks copy at once on one GPU's memory."""
+
+    expert_bytes: int
+    fanouts: tuple[int, ...]
+    ranks_copying: int = 1
+
+    @classmethod
+    def from_replica_count(cls, replica_count, experts_per_rank: int, expert_bytes: int, *,
+                           ranks_per_gpu: int = 1) -> SyncProblem:
+        """The rank that writes the most replica bytes under a plan whose ``replica_count``
+        (NumPy, ``Plan.replica_count``: instances of each expert, masters by rank) it is
+        (direct copies, no relay trees); the ranks with replicas to send, up to
+        ``ranks_per_gpu``, copy at once."""
+        replicas = np.asarray(replica_count, np.int64).reshape(-1, experts_per_rank) - 1
+        per_rank = replicas.sum(axis=1)
+        busiest = int(np.argmax(per_rank))
+        senders = int(np.count_nonzero(per_rank))
+        return cls(int(expert_bytes), tuple(int(f) for f in replicas[busiest] if f > 0),
+                   max(1, min(senders, ranks_per_gpu)))
+
+
+def join(a, b):
+    """Two limits on one duration joined (:data:`JOIN_P`)."""
+    return (a ** JOIN_P + b ** JOIN_P) ** (1.0 / JOIN_P)
+
+
+def grid_copy_s(profile: MachineProfile, grid, warps_per_block: int, max_blocks_per_sm: int, units: float,
+                unit_bytes: float, total_bytes: float, sharing: int):
+    """A grid-stride copy kernel's body: ``units`` units of ``unit_bytes`` copied each
+    (``total_bytes`` in all, read once and written once), split over ``grid`` blocks of
+    ``warps_per_block`` warps, ``max_blocks_per_sm`` of them resident per SM."""
+    grid = np.asarray(grid, np.float64)
+    resident = profile.usable_sms * max_blocks_per_sm
+    block_waves = np.ceil(grid / resident)
+    unit_waves = np.ceil(units / (grid * warps_per_block))
+    warp_s = block_waves * unit_waves * (unit_bytes / profile.copy_warp_bytes_per_s)
+    return join(total_bytes * sharing / profile.peer_bytes_per_s, warp_s)
+
+
+# -- weight sync ---------------------------------------------------------------------------
+
+def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
+    """``weight_sync``'s kernel (no barrier, schedule compiled): every warp takes pieces of
+    ``PIECE_BYTES`` in turn, loads each once and stores it to each of its replicas; the
+    busiest sender's pieces bound the call. Relay trees are not modelled."""
+    fanouts = np.asarray(sync.fanouts or (0,), np.float64)
+    pieces = -(-sync.expert_bytes // PIECE_BYTES) * len(sync.fanouts)
+    traffic = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0)) if sync.fanouts else 0.0
+    per_piece = traffic / pieces if pieces else 0.0
+    body = grid_copy_s(profile, blocks, SYNC_WARPS, SYNC_MIN_BLOCKS, pieces, per_piece, traffic, sync.ranks_copying)
+    return profile.kernel_s + body
+
+
+# -- dispatch and combine ------------------------------------------------------------------
+
+def _dispatch_blocks_per_sm() -> int:
+    return MAX_THREADS_PER_SM // DISPATCH_THREADS
+
+
+def dispatch_s(profile: MachineProfile, problem: Problem, grid):
+    """``Dispatcher.dispatch``: the token map (its launches, its key traffic and the count
+    barrier), one send per (token, destination rank), the tokens barrier, the receiver's
+    expansion into expert-major rows; ``grid`` sizes the send and the expansion."""
+    row = problem.row_bytes
+    sends = problem.tokens * problem.crossings
+    recv = float(problem.rows.sum())
+    sharing = problem.ranks_per_gpu
+    per_sm = _dispatch_blocks_per_sm()
+    warps = DISPATCH_THREADS // WARP_THREADS
+    keys = 2.0 * problem.tokens * problem.top_k * TOKEN_MAP_KEY_BYTES * sharing / profile.copy_bytes_per_s
+    device = (DISPATCH_LAUNCHES * profile.kernel_s + keys + 2 * profile.flag_s
+              + grid_copy_s(profile, grid, warps, per_sm, sends, row, sends * row, sharing)
+              + grid_copy_s(profile, grid, warps, per_sm, recv, row, recv * row, sharing))
+    return join(DISPATCH_LAUNCHES * profile.launch_s, device)
+
+
+def combine_s(profile: MachineProfile, problem: Problem, grid):
+    """``Dispatcher.combine``: a barrier, each expert row sent back to its token's rank, a
+    barrier, each token's ``top_k`` rows summed (read ``top_k`` rows, write one)."""
+    row = problem.row_bytes
+    recv = float(problem.rows.sum())
+    tokens, k = problem.tokens, problem.top_k
+    sharing = problem.ranks_per_gpu
+    per_sm = _dispatch_blocks_per_sm()
+    warps = DISPATCH_THREADS // WARP_THREADS
+    reduce_bytes = (k + 1) * row / 2.0
+    device = (COMBINE_LAUNCHES * profile.kernel_s + 2 * profile.flag_s
+              + grid_copy_s(profile, grid, warps, per_sm, recv, row, recv * row, sharing)
+              + grid_copy_s(profile, grid, warps, per_sm, tokens, reduce_bytes, tokens * reduce_bytes, sharing))
+    return join(COMBINE_LAUNCHES * profile.launch_s, device)
+
+
+# -- the fused kernels ---------------------------------------------------------------------
+
+def _task_s(profile: MachineProfile, rows, row_bytes: float):
+    """A task copying ``rows`` rows on a CTA's task warps (a warp per row), its flag
+    handoff and its claim (an atomic and a block barrier: about one handoff)."""
+    return np.ceil(np.asarray(rows, np.float64) / FM_TASK_WARPS) * (row_bytes / profile.copy_warp_bytes_per_s) \
+        + 2 * profile.flag_s
+
+
+def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens):
+    """Kernel A (send, relay, up tiles with SwiGLU), claimed in that order by ``ctas`` CTAs:
+    the send and relay tasks in waves over the CTAs (or the shared bandwidth, whichever
+    binds), then the up tiles (``bm`` rows x ``2 * up_cols`` columns over ``hidden``) in
+    waves; the first tile's wait for its relay is one handoff."""
+    ctas = np.asarray(ctas, np.float64)
+    send_tokens = np.asarray(send_tokens, np.float64)
+    row, sharing = problem.row_bytes, problem.ranks_per_gpu
+    sends = problem.tokens * problem.crossings
+    relays = problem.m_tiles()
+    up_tiles = relays * -(-problem.ffn // FM_UP_COLS)
+    send_tasks = np.ceil(problem.tokens / send_tokens)
+    send_s = _task_s(profile, send_tokens * problem.crossings, row)
+    relay_s = _task_s(profile, FM_BM, row)
+    comm_bytes = (sends + float(problem.rows.sum())) * row
+    comm = join(comm_bytes * sharing / profile.peer_bytes_per_s,
+                np.ceil(send_tasks / ctas) * send_s + np.ceil(relays / ctas) * relay_s)
+    tiles = np.ceil(up_tiles / ctas) * float(profile.gemm.seconds(problem.hidden))
+    return profile.kernel_s + profile.gemm.fixed_s + comm + tiles + profile.flag_s
+
+
+def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens):
+    """Kernel B (down tiles, then reduce tasks): the down tiles (``bm`` x ``down_cols``
+    over ``ffn``) in waves over ``ctas`` CTAs; reduce tasks fill the last wave's idle CTAs
+    and only what does not fit there (or the shared bandwidth's time, if longer) extends
+    the kernel, by at least one reduce task after the last tile."""
+    ctas = np.asarray(ctas, np.float64)
+    reduce_tokens = np.asarray(reduce_tokens, np.float64)
+    tokens, k = problem.tokens, problem.top_k
+    col_blocks = -(-problem.hidden // FM_DOWN_COLS)
+    down_tiles = problem.m_tiles() * col_blocks
+    tile = float(profile.gemm.seconds(problem.ffn))
+    waves = np.ceil(down_tiles / ctas)
+    idle = (waves * ctas - down_tiles) * tile  # CTA-seconds free in the last wave
+    block_bytes = FM_DOWN_COLS * problem.element_bytes
+    reduce_task = _task_s(profile, reduce_tokens, (k + 1) * block_bytes / 2.0)
+    reduce_tasks = np.ceil(tokens / reduce_tokens) * col_blocks
+    excess = np.maximum(reduce_tasks * reduce_task - idle, 0.0) / ctas
+    reduce_bw = tokens * (k + 1) * problem.row_bytes / 2.0 * problem.ranks_per_gpu / profile.peer_bytes_per_s
+    tail = join(np.maximum(excess, reduce_task), reduce_bw)
+    return profile.kernel_s + profile.gemm.fixed_s + waves * tile + tail
+
+
+PHASES = ("weight_sync", "dispatch", "combine", "fused_up", "fused_down")
+
+
+def predict(profile: MachineProfile, problem: Problem, sync: SyncProblem | None, configs: dict) -> dict:
+    """Each phase's modelled seconds for ``configs`` (arrays that broadcast together:
+    ``sync_blocks``, ``dispatch_grid``, ``ctas``, ``send_tokens``, ``reduce_tokens``);
+    ``weight_sync`` is zero without a ``sync`` problem."""
+    return {
+        "weight_sync": (weight_sync_s(profile, sync, configs["sync_blocks"]) if sync is not None
+                        else np.zeros_like(np.asarray(configs["sync_blocks"], np.float64))),
+        "dispatch": dispatch_s(profile, problem, configs["dispatch_grid"]),
+        "combine": combine_s(profile, problem, configs["dispatch_grid"]),
+        "fused_up": fused_up_s(profile, problem, configs["ctas"], configs["send_tokens"]),
+        "fused_down": fused_down_s(profile, problem, configs["ctas"], configs["reduce_tokens"]),
+    }

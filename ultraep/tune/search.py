@@ -1,0 +1,127 @@
+"""The search: every configuration of the knobs' cartesian product evaluated by the model
+(:mod:`ultraep.tune.model`) at once, the best returned, memoised per token bucket.
+
+The space (:func:`knob_values`): weight sync's grid, the Dispatcher's grid, and the fused
+kernels' CTAs, send and reduce task sizes -- over a hundred thousand configurations on a
+GPU of 132 SMs. A phase's time depends on its own knobs only, so each phase is evaluated
+on the axes of its knobs and the layer's time of every configuration is their sum,
+broadcast over the product (one array of the product's size); the best configuration of
+the sum is then each phase's best at once.
+
+:class:`Tuner` memoises per problem shape and bucket of :data:`BUCKET_TOKENS` tokens per
+rank: the first problem that falls into a bucket is searched, the rest reuse its answer
+(the model is queried only when the load crosses a bucket's boundary).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ultraep.errors import ProfileError
+from ultraep.tune.model import PHASES, SYNC_MIN_BLOCKS, FusedConfig, Problem, SyncProblem, predict
+from ultraep.tune.profile import MachineProfile
+
+BUCKET_TOKENS = 4096
+TASK_TOKENS = (4, 8, 16, 32, 64, 128)   # send and reduce task sizes tried
+CTA_STEPS = 16                          # CTA counts tried: this many, evenly up to the usable SMs
+SYNC_GRIDS = 32                         # weight-sync grids tried, evenly up to its resident bound
+DISPATCH_BLOCKS_PER_SM = tuple(range(1, 9))
+KNOBS = ("sync_blocks", "dispatch_grid", "ctas", "send_tokens", "reduce_tokens")
+
+
+@dataclass(frozen=True)
+class TunedConfig:
+    """The knobs of one layer call: weight sync's grid, the Dispatcher's grid (its
+    persistent copy kernels'), and the fused kernels' :class:`FusedConfig`."""
+
+    sync_blocks: int
+    dispatch_grid: int
+    fused: FusedConfig
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best configuration, each phase's modelled seconds under it, how many
+    configurations were evaluated and how long the search took."""
+
+    config: TunedConfig
+    predicted: dict
+    evaluated: int
+    seconds: float
+
+
+def _spread(low: int, high: int, count: int) -> np.ndarray:
+    """Up to ``count`` distinct integers evenly from ``low`` to ``high`` (both included)."""
+    return np.unique(np.linspace(low, high, count).round().astype(np.int64))
+
+
+def knob_values(profile: MachineProfile) -> dict[str, np.ndarray]:
+    """Each knob's candidate values on ``profile``'s machine."""
+    usable = profile.usable_sms
+    tokens = np.asarray(TASK_TOKENS, np.int64)
+    return {
+        "sync_blocks": _spread(1, SYNC_MIN_BLOCKS * profile.sm_count, SYNC_GRIDS),
+        "dispatch_grid": np.asarray(DISPATCH_BLOCKS_PER_SM, np.int64) * profile.sm_count,
+        "ctas": _spread(max(1, usable // CTA_STEPS), usable, CTA_STEPS),
+        "send_tokens": tokens,
+        "reduce_tokens": tokens.copy(),
+    }
+
+
+def product_axes(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The knobs' values shaped to broadcast into their cartesian product (one axis each)."""
+    axes = {}
+    for i, name in enumerate(KNOBS):
+        shape = [1] * len(KNOBS)
+        shape[i] = len(values[name])
+        axes[name] = np.asarray(values[name]).reshape(shape)
+    return axes
+
+
+def search(profile: MachineProfile, problem: Problem, sync: SyncProblem | None = None, *,
+           values: dict[str, np.ndarray] | None = None) -> SearchResult:
+    """The configuration of least modelled layer time (weight sync, dispatch and combine,
+    the fused kernels) among the product of ``values`` (default :func:`knob_values`)."""
+    begin = time.perf_counter()
+    values = knob_values(profile) if values is None else values
+    if any(len(values.get(name, ())) == 0 for name in KNOBS):
+        raise ProfileError(f"search: every knob needs candidate values ({', '.join(KNOBS)})")
+    axes = product_axes(values)
+    phases = predict(profile, problem, sync, axes)
+    total = sum(phases.values())
+    total = np.broadcast_to(total, tuple(len(values[name]) for name in KNOBS))
+    best = np.unravel_index(int(np.argmin(total)), total.shape)
+    chosen = {name: int(values[name][i]) for name, i in zip(KNOBS, best)}
+    predicted = {phase: float(np.broadcast_to(phases[phase], total.shape)[best]) for phase in PHASES}
+    config = TunedConfig(chosen["sync_blocks"], chosen["dispatch_grid"],
+                         FusedConfig(chosen["ctas"], chosen["send_tokens"], chosen["reduce_tokens"]))
+    return SearchResult(config, predicted, int(total.size), time.perf_counter() - begin)
+
+
+def bucket(tokens: int) -> int:
+    """The memo's bucket of ``tokens`` per rank: 1 for 1..4096 tokens, 2 for 4097..8192, ..."""
+    return max(1, -(-int(tokens) // BUCKET_TOKENS))
+
+
+class Tuner:
+    """:func:`search` memoised per problem shape, token bucket and weight-sync problem."""
+
+    def __init__(self, profile: MachineProfile):
+        if not isinstance(profile, MachineProfile):
+            raise ProfileError(f"profile must be a MachineProfile, got {type(profile).__name__}")
+        self.profile = profile
+        self._memo: dict = {}
+
+    def choose(self, problem: Problem, sync: SyncProblem | None = None) -> SearchResult:
+        key = (bucket(problem.tokens), problem.hidden, problem.ffn, problem.top_k, problem.experts, problem.ranks,
+               problem.ranks_per_gpu, problem.element_bytes, sync)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = search(self.profile, problem, sync)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._memo)

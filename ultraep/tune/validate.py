@@ -1,0 +1,310 @@
+"""``python -m ultraep.tune validate --phase PHASE``: the model's predictions against
+measurements, over a sweep of the phase's knob.
+
+* ``weight-sync``: one expert (``--hidden``, ``--ffn``, bf16, as ``bench weight-sync``) of
+  rank 0 replicated to ``fan-out`` other ranks, over ``--configs`` grids (``blocks=``) from
+  one to the engine's resident bound. On the GPU rank 0 times the sync's kernel alone as
+  CUDA-graph replays (the schedule compiled before; as ``bench weight-sync``), what
+  :func:`~ultraep.tune.model.weight_sync_s` models; on the host every rank times the whole
+  collective call.
+* ``dispatch``: ``Dispatcher.dispatch`` and ``combine`` of ``--tokens`` random top-k tokens
+  per rank, over ``--configs`` grids of the Dispatcher's copy kernels, timed as the group's
+  window per call (``bench dispatch``). The Dispatcher has no grid argument yet: the sweep
+  sets its device backend's ``grid`` between calls (the host backend has no grid, so its
+  sweep measures one configuration many times).
+* ``fused-up`` / ``fused-down``: the fused kernels do not take a configuration yet; the
+  command says so and exits with status 2 without measuring anything.
+
+For each problem (fan-out, or token count and op) the table lists every configuration's
+predicted and measured time; the summary gives the mean absolute error and the worst case,
+and where the model's choice (its fastest predicted configuration) ranks among the
+measured ones, with its measured time over the best measured and against today's constant
+(the weight sync's default grid, the Dispatcher's two blocks per SM). ``--plot`` draws predicted
+against measured; ``--json`` writes every row. Started without ``mpiexec`` it relaunches
+itself on ``--ranks`` ranks (``--emulate-ep``: under MPS, each rank a share of the SMs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive_int
+
+PHASES = ("weight-sync", "dispatch", "fused-up", "fused-down")
+FUSED_NOT_CONFIGURABLE = ("the fused kernels (raw_kernels/fused_moe.cu) do not take a configuration yet: "
+                          "there is no knob to sweep, so {phase} cannot be validated (nothing was measured)")
+COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
+DISPATCHER_BLOCKS_PER_SM = 2  # the Dispatcher's grid today: two resident blocks per SM (ultraep/token/device.py)
+RANK0_SWEEP_TIMEOUT_S = 600.0  # the other ranks wait while rank 0 times a whole weight-sync sweep alone
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m ultraep.tune validate", description=__doc__.split("\n\n")[0])
+    add_launch_options(parser, backend_help="device: the GPU; host: NumPy on the CPU (a smoke test of the sweep); "
+                                            "auto: the GPU when there is one")
+    parser.add_argument("--phase", required=True, choices=PHASES, help="what to sweep")
+    parser.add_argument("--configs", type=positive_int, default=50, help="configurations per problem")
+    parser.add_argument("--fanouts", type=positive_int, nargs="+", default=None,
+                        help="weight-sync: replicas of the synced expert, one problem each (default: ranks - 1)")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[4096],
+                        help="dispatch: tokens per rank, one problem each")
+    parser.add_argument("--hidden", type=positive_int, default=4096, help="model width")
+    parser.add_argument("--ffn", type=positive_int, default=1536, help="expert FFN width")
+    parser.add_argument("--top-k", type=positive_int, default=8, help="dispatch: experts per token")
+    parser.add_argument("--experts", type=positive_int, default=64,
+                        help="dispatch: experts in all (divisible by the ranks)")
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed calls per measurement")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
+    parser.add_argument("--plot", metavar="FILE.png", help="write predicted against measured as a scatter plot")
+    parser.add_argument("--json", metavar="FILE", help="also write every row and the summary as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.phase in ("fused-up", "fused-down"):
+        print(FUSED_NOT_CONFIGURABLE.format(phase=args.phase), file=sys.stderr)
+        return 2
+    return multi_rank_main(argv, parse_args, run, nprocs=lambda a: a.ranks, command=["-m", "ultraep.tune", "validate"])
+
+
+def spread(low: int, high: int, count: int) -> list[int]:
+    """Up to ``count`` distinct integers evenly from ``low`` to ``high`` (both included)."""
+    return [int(v) for v in np.unique(np.linspace(low, max(low, high), count).round().astype(np.int64))]
+
+
+def ranks_per_gpu(group) -> int:
+    """Ranks whose kernels share this rank's GPU (all of them under the MPS emulation)."""
+    places = group.allgather((group.hostname, group.device), what="ranks per GPU")
+    return places.count((group.hostname, group.device))
+
+
+# -- weight sync -----------------------------------------------------------------------------
+
+def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) -> list[dict]:
+    from ultraep.bench.timing import graph_ms, group_window_ms
+    from ultraep.bench.weight_sync import single_expert_plan
+    from ultraep.planner import ExpertLayout
+    from ultraep.runtime import open_heap
+    from ultraep.transfer import ExpertSpec, WeightTransfer
+    from ultraep.tune.model import SYNC_MIN_BLOCKS, SyncProblem, weight_sync_s
+
+    R = group.size
+    if R < 2:
+        raise SystemExit("--phase weight-sync needs at least 2 ranks (a master and a replica)")
+    fanouts = args.fanouts or [R - 1]
+    if max(fanouts) > R - 1:
+        raise SystemExit(f"--fanouts: at most {R - 1} replicas on {R} ranks")
+    spec = ExpertSpec([("fc1", (2 * args.ffn, args.hidden), "bfloat16"), ("fc2", (args.hidden, args.ffn), "bfloat16")],
+                      grad_dtype="bfloat16")
+    layout = ExpertLayout(R, R, 1, max_instances=min(R, 16))
+    rows = []
+    with open_heap(group, 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes), backend=backend) as heap, \
+            WeightTransfer(heap, layout, spec, relay_threshold=R) as engine:
+        rng = np.random.default_rng(args.seed + group.rank)
+        weights = [[xp.asarray(rng.standard_normal(t.shape, dtype=np.float32)).astype(t.dtype) for t in spec.weights]]
+        grads = [[xp.zeros(t.shape, t.dtype) for t in spec.grads]]
+        engine.register_layer(0, weights, grads)
+        bound = getattr(engine.impl, "max_sync_blocks", SYNC_MIN_BLOCKS * profile.sm_count)
+        grids = spread(1, bound, args.configs)
+        for fanout in fanouts:
+            plan = single_expert_plan(layout, fanout)
+            engine.weight_sync(0, plan)  # compiles the device schedule; every rank takes part
+            engine.synchronize()
+            sync = SyncProblem.from_replica_count(plan.replica_count, layout.experts_per_rank, spec.weight_slot_bytes)
+            predicted = weight_sync_s(profile, sync, np.asarray(grids))
+            problem = f"fan-out {fanout}, {spec.weight_slot_bytes / 1e6:.1f} MB"
+            measured = []
+            group.barrier(what="weight-sync sweep: every replica checked before rank 0 times alone")
+            for i, blocks in enumerate(grids):
+                progress(f"weight sync, {problem}: grid {blocks} ({i + 1}/{len(grids)})")
+                if backend == "device":
+                    # rank 0 alone: below the relay threshold only its tasks copy and none waits on a flag
+                    if group.rank == 0:
+                        impl, entry = engine.impl, engine._layers[0]
+                        measured.append(graph_ms(lambda b=blocks: impl.run_weight_tasks(entry, impl.tables, b),
+                                                 args.repeats))
+                else:
+                    measured.append(group_window_ms(group, lambda b=blocks: engine.weight_sync(0, plan, blocks=b),
+                                                    args.repeats, synchronize))
+            group.barrier(RANK0_SWEEP_TIMEOUT_S, what=f"weight-sync sweep: rank 0 timing {len(grids)} grids")
+            if group.rank == 0:
+                rows += [{"phase": "weight-sync", "problem": problem, "config": f"blocks={blocks}", "knob": blocks,
+                          "default": backend == "device" and blocks == bound, "predicted_ms": float(p) * 1e3,
+                          "measured_ms": m}
+                         for blocks, p, m in zip(grids, predicted, measured)]
+    return rows
+
+
+# -- dispatch and combine --------------------------------------------------------------------
+
+def random_tokens(rng, tokens: int, hidden: int, experts: int, top_k: int):
+    """The bits of bf16 tokens in [0.5, 2) (uint16), distinct uniformly random experts per
+    token, and gates (NumPy)."""
+    ids = np.argsort(rng.random((tokens, experts), dtype=np.float32), axis=1)[:, :top_k].astype(np.int32)
+    bits = rng.integers(0x3F00, 0x4000, size=(tokens, hidden), dtype=np.int32).astype(np.uint16)
+    return bits, ids, rng.random((tokens, top_k), dtype=np.float32)
+
+
+def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> list[dict]:
+    from ultraep.bench.timing import group_window_ms
+    from ultraep.runtime.dtypes import BFLOAT16
+    from ultraep.token import Dispatcher
+    from ultraep.tune.model import Problem, combine_s, dispatch_s
+
+    R = group.size
+    if args.experts % R:
+        raise SystemExit(f"--experts {args.experts} does not divide over {R} ranks")
+    sharing = ranks_per_gpu(group)
+    default = DISPATCHER_BLOCKS_PER_SM * profile.sm_count
+    grids = sorted(set(spread(max(1, profile.sm_count // 4), 8 * profile.sm_count, args.configs - 1)) | {default})
+    rows = []
+    for tokens in args.tokens:
+        rng = np.random.default_rng(args.seed * 1000 + group.rank)
+        bits, ids, gates = (xp.asarray(a) for a in random_tokens(rng, tokens, args.hidden, args.experts, args.top_k))
+        x = bits.view(BFLOAT16)
+        max_rows = int(tokens * args.top_k * 1.15) + 1024  # uniform routing: about tokens * top_k rows a rank
+        with Dispatcher(group, hidden=args.hidden, dtype="bfloat16", top_k=args.top_k, num_experts=args.experts,
+                        max_tokens=tokens, max_recv_rows=max_rows, backend=backend, sync_checks=False) as disp:
+            recv = xp.empty((disp.max_recv_rows, args.hidden), dtype=x.dtype)
+            combined = xp.empty((tokens, args.hidden), dtype=x.dtype)
+            result = disp.dispatch(x, ids, gates, out=recv)
+            disp.check()
+            counts = np.asarray(result.counts.get() if hasattr(result.counts, "get") else result.counts, np.int64)
+            sent = disp.traffic(result.handle)
+            loads = group.allgather((int(counts.sum()), tuple(int(c) for c in counts), sent.sends / tokens))
+            busiest = max(loads)  # the rank receiving the most rows bounds the group's window
+            problem = Problem(tokens, args.hidden, args.ffn, args.top_k, args.experts, R, ranks_per_gpu=sharing,
+                              slot_rows=busiest[1], sends_per_token=max(load[2] for load in loads))
+            label = f"{tokens} tokens/rank, hidden {args.hidden}"
+            measured = {"dispatch": [], "combine": []}
+            for i, grid in enumerate(grids):
+                progress(f"dispatch, {label}: grid {grid} ({i + 1}/{len(grids)})")
+                if hasattr(disp._impl, "grid"):  # the sweep's hook until the Dispatcher takes a grid
+                    disp._impl.grid = grid
+                measured["dispatch"].append(group_window_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv),
+                                                            args.repeats, synchronize))
+                measured["combine"].append(group_window_ms(
+                    group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats, synchronize))
+            disp.check()
+        knobs = np.asarray(grids)
+        for op, model in (("dispatch", dispatch_s), ("combine", combine_s)):
+            rows += [{"phase": "dispatch", "problem": f"{op}, {label}", "config": f"grid={grid}", "knob": grid,
+                      "default": backend == "device" and grid == default, "predicted_ms": float(p) * 1e3,
+                      "measured_ms": m}
+                     for grid, p, m in zip(grids, model(profile, problem, knobs), measured[op])]
+    return rows
+
+
+# -- the report ------------------------------------------------------------------------------
+
+def summarise(rows: list[dict]) -> dict:
+    """Adds ``error_pct`` to every row; the mean absolute error, the worst row, and per
+    problem the model's choice's rank among the measured (1: the fastest measured) and its
+    measured time over the fastest measured."""
+    for row in rows:
+        row["error_pct"] = 100.0 * (row["predicted_ms"] - row["measured_ms"]) / row["measured_ms"]
+    errors = np.abs([row["error_pct"] for row in rows])
+    worst = rows[int(np.argmax(errors))]
+    problems = {}
+    for problem in dict.fromkeys(row["problem"] for row in rows):
+        mine = [row for row in rows if row["problem"] == problem]
+        chosen = min(mine, key=lambda row: row["predicted_ms"])
+        best = min(row["measured_ms"] for row in mine)
+        faster = sum(row["measured_ms"] < chosen["measured_ms"] for row in mine)
+        problems[problem] = {"chosen": chosen["config"], "chosen_rank": 1 + faster, "configs": len(mine),
+                             "chosen_over_best_pct": 100.0 * (chosen["measured_ms"] / best - 1),
+                             "best_measured": min(mine, key=lambda row: row["measured_ms"])["config"]}
+        default = next((row for row in mine if row.get("default")), None)
+        if default is not None:  # today's constant: what a tuned configuration must at least match
+            problems[problem].update(default=default["config"],
+                                     chosen_vs_default_pct=100.0 * (chosen["measured_ms"] / default["measured_ms"] - 1))
+    return {"configs": len(rows), "mean_abs_error_pct": float(errors.mean()), "worst_error_pct": worst["error_pct"],
+            "worst": f"{worst['problem']}, {worst['config']}", "problems": problems}
+
+
+def report(rows: list[dict], summary: dict, title: str, file=None) -> None:
+    from ultraep.bench.report import print_table
+
+    file = file or sys.stdout
+    print_table(rows, COLUMNS, title, file=file)
+    print(f"mean absolute error {summary['mean_abs_error_pct']:.2f} % over {summary['configs']} configurations; "
+          f"worst {summary['worst_error_pct']:+.2f} % ({summary['worst']})", file=file)
+    for problem, s in summary["problems"].items():
+        against_default = (f"; {s['chosen_vs_default_pct']:+.2f} % against today's {s['default']}"
+                           if "default" in s else "")
+        print(f"{problem}: the model's choice {s['chosen']} ranks {s['chosen_rank']} of {s['configs']} measured, "
+              f"{s['chosen_over_best_pct']:.2f} % over the fastest measured ({s['best_measured']}){against_default}",
+              file=file)
+
+
+def plot(rows: list[dict], summary: dict, path: str, title: str):
+    """Predicted against measured, one colour per problem, the diagonal and a +-5 % band;
+    the closed figure is returned."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise SystemExit("--plot needs matplotlib: pip install ultraep[analysis]") from None
+    matplotlib.use("Agg")  # files only: no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    for problem in dict.fromkeys(row["problem"] for row in rows):
+        mine = [row for row in rows if row["problem"] == problem]
+        ax.scatter([row["measured_ms"] for row in mine], [row["predicted_ms"] for row in mine], s=14, label=problem)
+    values = [v for row in rows for v in (row["measured_ms"], row["predicted_ms"])]
+    low, high = min(values) * 0.8, max(values) * 1.25
+    line = np.geomspace(low, high, 50)
+    ax.set_xscale("log")  # problems of different sizes lie decades apart
+    ax.set_yscale("log")
+    ax.plot(line, line, color="k", linewidth=0.8, label="predicted = measured")
+    ax.fill_between(line, line * 0.95, line * 1.05, color="gray", alpha=0.2, label="within 5 %")
+    ax.set_xlim(low, high)
+    ax.set_ylim(low, high)
+    ax.set_xlabel("measured (ms)")
+    ax.set_ylabel("predicted (ms)")
+    ax.set_title(title.replace(": ", ":\n", 1) + f"\nmean |error| {summary['mean_abs_error_pct']:.2f} %, worst "
+                 f"{summary['worst_error_pct']:+.2f} %", fontsize=9)
+    ax.grid(linewidth=0.4, alpha=0.5)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return fig
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    from ultraep.bench.report import Progress, write_json
+    from ultraep.bench.timing import array_backend
+    from ultraep.runtime.group import EPGroup
+    from ultraep.runtime.mps import sharing_label
+    from ultraep.tune.replicas import group_profile
+
+    group = EPGroup(MPI.COMM_WORLD)
+    backend, xp, synchronize, _ = array_backend(group, args.backend)
+    profile = group_profile(group, backend, what="tune validate")[group.rank]
+    printing = group.rank == 0
+    progress = Progress("tune validate", enabled=printing and not args.quiet)
+    sweep = sweep_weight_sync if args.phase == "weight-sync" else sweep_dispatch
+    rows = sweep(group, backend, xp, synchronize, profile, args, progress)
+    sharing = sharing_label(group)  # collective
+    if not printing:
+        return 0
+    summary = summarise(rows)
+    title = (f"tune validate --phase {args.phase}: {group.size} ranks ({sharing}), {backend} backend, "
+             f"profile of {profile.device} ({profile.sm_share} % of {profile.sm_count} SMs)")
+    report(rows, summary, title)
+    if args.plot:
+        plot(rows, summary, args.plot, title)
+    if args.json:
+        write_json(args.json, {"benchmark": "tune-validate", "phase": args.phase, "ranks": group.size,
+                               "backend": backend, "sharing": sharing, "profile": profile.to_json(),
+                               "summary": summary, "rows": rows})
+    return 0
