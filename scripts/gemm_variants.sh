@@ -10,6 +10,7 @@
 # Run from the repository root: PYTHONPATH=$PWD bash scripts/gemm_variants.sh
 #   GEMM_VARIANTS  variants to run (default: all of VARIANTS)
 #   GEMM_REPEATS   timed calls per bench figure (default 10)
+#   GEMM_BUDGET_S  seconds for the whole script (default 235)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -19,7 +20,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the test processes share the GPU (
 PY=${PYTHON:-python3}
 read -r -a VARIANTS <<< "${GEMM_VARIANTS:-$($PY -c 'from ultraep.compute.device import VARIANTS; print(*VARIANTS)')}"
 CASES=("8x4096 N4096 K7168" "8x4096 N7168 K2048" "32x1024 N7168 K2048" "32x256 N4096 K7168" "qwen3 down")
-BUDGET_S=235
+BUDGET_S=${GEMM_BUDGET_S:-235}
 start=$SECONDS
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv; git rev-parse HEAD; date -u; } > "$OUT/machine.txt" 2>&1
 
