@@ -145,13 +145,3 @@ def test_sigterm_stops_the_command_and_the_daemon(tmp_path, monkeypatch):
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=20) == 128 + signal.SIGTERM
     assert not os.path.exists(marker.read_text())  # the daemon was told to quit and its directories removed
-
-
-@pytest.mark.parametrize("percent,expected", [(None, 132), ("25", 33), ("12", 16), ("12.5", 17), ("100", 132),
-                                              ("0", 132), ("abc", 132), ("0.1", 1)])
-def test_resident_sms_is_the_mps_share_of_the_sms(monkeypatch, percent, expected):
-    if percent is None:
-        monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", percent)
-    assert mps.resident_sms(132) == expected

@@ -10,9 +10,8 @@ no claim order deadlocks are :mod:`ultraep.integration.fused`'s.
 Heap tensors (beside the Dispatcher's, which must be set up with ``expert_output=True``):
 ``row_flag [max_recv_rows]`` and ``done [max_m_tiles]`` uint64 epoch flags,
 zeroed once at set-up; a flag equals the current epoch only once this call set it, so
-nothing is reset between calls. The grid is a block per SM this process may hold (the
-stage ring fills its shared memory; under MPS its share), and any number of them resident
-is correct.
+nothing is reset between calls. The grid is the SM count: a block per SM (the stage ring
+fills its shared memory), and any number of them resident is correct.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from ultraep.errors import MoELayerError, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
 from ultraep.integration.fused import KERNELS, KINDS, Granularity, max_m_tiles, max_tasks
 from ultraep.runtime.kernels import get_function, kernel_constant
-from ultraep.runtime.mps import resident_sms
 
 FLAG_NAMES = {kernel_constant(KERNELS, "FM_ROW_FLAG"): "row_flag (a receive row's arrival from its sender)",
               kernel_constant(KERNELS, "FM_TILE_READY"): "tile_ready (an M-tile's rows relayed)",
@@ -56,7 +54,7 @@ class DeviceFusedForward:
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
         for name in ("fused_dispatch_up", "fused_down_combine"):
             self.k[name].max_dynamic_shared_size_bytes = self.shared_bytes
-        self.grid = resident_sms(cupy.cuda.runtime.getDeviceProperties(group.device)["multiProcessorCount"])
+        self.grid = cupy.cuda.runtime.getDeviceProperties(group.device)["multiProcessorCount"]
         self.row_flag, self.done = flags["row_flag"], flags["done"]
         self.row_flag.local.fill(0)
         self.done.local.fill(0)

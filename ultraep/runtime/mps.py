@@ -13,7 +13,6 @@ pipe and log directories, a child of this process) and stops it again; the launc
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import subprocess
@@ -36,20 +35,6 @@ STOP_TIMEOUT_S = 20.0
 def default_share(ranks: int) -> int:
     """The SM percentage that splits one GPU evenly among ``ranks``."""
     return max(1, 100 // max(ranks, 1))
-
-
-def resident_sms(sm_count: int) -> int:
-    """SMs this process's kernels may hold at once: its ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
-    share of ``sm_count`` (all of them without one). A persistent grid of this size has no
-    blocks queued behind its own, which would take SMs as they free up."""
-    value = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "")
-    try:
-        percent = float(value)
-    except ValueError:
-        return sm_count
-    if not 0 < percent < 100:
-        return sm_count
-    return max(1, min(sm_count, math.ceil(sm_count * percent / 100)))
 
 
 def share_error(ranks: int, percent: int) -> str | None:
