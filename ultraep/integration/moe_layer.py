@@ -469,13 +469,17 @@ class MoELayer:
                 rows = received.x.shape[0]
                 ctx.h = grouped_mm(received.x, self._w_up, offsets, out=xp.empty((rows, 2 * F), np.float32))
                 ctx.y = grouped_mm(ctx.act, self._w_down, offsets)
-            grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
-            d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
+            fused = self._fused_backward()
+            if fused is not None:  # the gradients' exchange and both dgrads in two persistent kernels
+                dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.h, ctx.y, self._w_up, self._w_down)
+            else:
+                grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
+                d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
+                dh = self._swiglu_backward(ctx.h, d_act, offsets)
+                # set up for the fused forward, the Dispatcher reads row gradients where they lie
+                d_recv = grouped_mm_dgrad(dh, self._w_up, offsets,
+                                          out=self.dispatcher.expert_output() if self._fused is not None else None)
             dw_down = grouped_mm_wgrad(ctx.act, grad_y, offsets, out=xp.empty((M + self.slots, F, H), np.float32))
-            dh = self._swiglu_backward(ctx.h, d_act, offsets)
-            # set up for the fused forward, the Dispatcher reads row gradients where they lie
-            d_recv = grouped_mm_dgrad(dh, self._w_up, offsets,
-                                      out=self.dispatcher.expert_output() if self._fused is not None else None)
             dw_up = grouped_mm_wgrad(received.x, dh, offsets, out=xp.empty((M + self.slots, H, 2 * F), np.float32))
             self.grad_up += dw_up[:M]
             self.grad_down += dw_down[:M]
@@ -484,8 +488,16 @@ class MoELayer:
                     xp.asarray(up)[...] = dw_up[M + s]
                     xp.asarray(down)[...] = dw_down[M + s]
                 self.balancer.reduce_grads(ctx.handle, stream=stream)
-            dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
+            if fused is None:
+                dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
         return dx, d_gates
+
+    def _fused_backward(self):
+        """The fused backward over the fused forward's flags (host backend), else None."""
+        if self._fused is None or self.backend != "host":
+            return None
+        from ultraep.integration.fused_backward import HostFusedBackward
+        return HostFusedBackward(self._fused, activation=swiglu_backward)
 
     def _replica_grads(self, ctx: MoEContext, stream) -> list:
         """The Balancer's replica gradient slots for ``ctx``'s plan. Restores the replica

@@ -87,7 +87,10 @@ def differing(a, b) -> int:
 
 
 def poison(layer):
-    """NaN patterns in the heap's expert rows and, on the GPU, in the pool's free blocks."""
+    """NaN patterns in the heap's expert rows and, on the GPU, in the pool's free blocks,
+    once no peer reads them any more (a fused backward's last readers are peers' reduces)."""
+    layer.check()
+    group.barrier()
     rows = layer.dispatcher.expert_output()
     rows.view(np.int16)[...] = POISON
     if backend == "device":
