@@ -130,3 +130,10 @@ def test_fused_backward_layer_is_bitwise_the_sequential_layer(backend, ranks):
     runs = "10" if backend == "device" else "2"
     out = run_ranks(ranks, "integration/mpi/fused_backward_check.py", backend, "bitwise", runs, timeout=600)
     assert_all_ranks_ok(out, ranks, "bitwise")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", ["host"])
+def test_a_peer_that_sends_nothing_makes_every_backward_time_out(backend):
+    out = run_ranks(2, "integration/mpi/fused_backward_check.py", backend, "peer-fails", timeout=240)
+    assert_all_ranks_ok(out, 2, "peer-fails")
