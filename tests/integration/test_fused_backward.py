@@ -9,10 +9,11 @@ CUDA kernels on a GPU) bitwise the sequential layer's."""
 import numpy as np
 import pytest
 
-from tests.conftest import BACKENDS, assert_all_ranks_ok, run_ranks
-from tests.integration.test_fused import CASES, SMALL, bf16, problem
+from tests.conftest import BACKENDS, assert_all_ranks_ok, requires_gpu, run_ranks
+from tests.integration.test_fused import CASES, SMALL, _first_difference, _layers_on_one_gpu, _on_gpu, bf16, problem
 from ultraep.integration.fused import FusedDeadlock, Granularity, check_order, simulate
-from ultraep.integration.fused_backward import (FusedBackward, sequential_backward, sequential_rows, task_order)
+from ultraep.integration.fused_backward import (FusedBackward, granularity, sequential_backward, sequential_rows,
+                                                task_order)
 from ultraep.integration.moe_layer import swiglu, swiglu_backward
 from ultraep.runtime.dtypes import BFLOAT16
 
@@ -63,10 +64,17 @@ def test_fused_backward_is_bitwise_the_sequential_backward(ranks, slots, tokens,
 def test_kernel_granularity_is_bitwise_the_sequential_backward():
     data = backward_problem(2, 2, 150, 4, hidden=24, ffn=16, seed=3)
     layer = simulation(*data)
-    assert layer.grain == Granularity.kernel()
+    assert layer.grain == granularity()
     check_order(layer)
     simulate(layer, [2, 3], np.random.default_rng(0))
     assert_bitwise(layer, sequential_backward(*data, swiglu_backward), "kernel granularity")
+
+
+def test_the_backward_kernels_index_the_forward_flags_alike():
+    """The heap's done flags and tile_ready are sized and indexed by the forward's M-tiles
+    and output column blocks; the backward's must be the same."""
+    forward, backward = Granularity.kernel(), granularity()
+    assert (backward.bm, backward.down_cols) == (forward.bm, forward.down_cols)
 
 
 def test_the_order_puts_every_producer_before_its_consumers():
@@ -133,7 +141,124 @@ def test_fused_backward_layer_is_bitwise_the_sequential_layer(backend, ranks):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("backend", ["host"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_peer_that_sends_nothing_makes_every_backward_time_out(backend):
     out = run_ranks(2, "integration/mpi/fused_backward_check.py", backend, "peer-fails", timeout=240)
     assert_all_ranks_ok(out, 2, "peer-fails")
+
+
+def _poison_heap(moe):
+    """NaN patterns in the heap rows a backward fills before it reads them."""
+    local = moe.dispatcher._impl.local
+    for rows in (local["landing"], local["slot_grad_w"], moe.dispatcher.expert_output()):
+        rows.view(np.int16).fill(0x7FC1)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("hidden,ffn,experts,tokens,routing", [
+    (256, 256, 4, 64, "random"),            # whole column blocks, one M-tile per expert
+    (272, 200, 5, 700, "random"),           # partial column blocks (H, F), several M-tiles per expert
+    (512, 72, 6, 300, "empty-experts"),     # F below one box
+    (136, 264, 3, 500, "one-expert"),       # every token's first slot on one expert
+])
+def test_fused_backward_stage_by_stage_on_one_gpu(hidden, ffn, experts, tokens, routing):
+    """One rank: kernel C's grad_y and dh rows and kernel D's dx and gate gradients each
+    bitwise the sequential backward's on the GPU (combine_backward, grouped dgrad, SwiGLU
+    backward, grouped dgrad, dispatch_backward), the same bits over 10 runs; the memory
+    pool and the heap's landing rows, gate-gradient slots and expert rows hold NaN
+    patterns before every fused backward."""
+    import cupy
+
+    from ultraep.compute import grouped_mm, grouped_mm_dgrad
+
+    top_k = 2
+    rng = np.random.default_rng(hidden + ffn + 1)
+    layers = _layers_on_one_gpu(hidden, ffn, experts, top_k, tokens)
+    moe = layers[1]  # the fused one; the sequential pieces run on its Dispatcher and weights
+    try:
+        moe.load_weights(_on_gpu(bf16(rng, (experts, hidden, 2 * ffn), hidden ** -0.5)),
+                         _on_gpu(bf16(rng, (experts, ffn, hidden), ffn ** -0.5)))
+        if routing == "empty-experts":
+            ids = 2 * rng.integers(0, (experts + 1) // 2, size=(tokens, top_k))
+        elif routing == "one-expert":
+            ids = np.stack([np.full(tokens, experts - 1), rng.integers(0, experts - 1, size=tokens)], axis=1)
+        else:
+            ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+        x, ids = _on_gpu(bf16(rng, (tokens, hidden))), cupy.asarray(ids.astype(np.int64))
+        gates = cupy.asarray(rng.random((tokens, top_k)).astype(np.float32))
+        dy = _on_gpu(bf16(rng, (tokens, hidden)))
+        _, ctx = moe.forward(x, ids, gates)
+        received, offsets, rows = ctx.received, ctx.received.offsets, ctx.received.num_rows
+        h = grouped_mm(received.x, moe._w_up, offsets, out=cupy.empty((received.x.shape[0], 2 * ffn), np.float32))
+        y = grouped_mm(ctx.act, moe._w_down, offsets)
+        grad_y, d_gates = moe.dispatcher.combine_backward(dy, y, received.handle)
+        dh = moe._swiglu_backward(h, grouped_mm_dgrad(grad_y, moe._w_down, offsets), offsets)
+        d_recv = grouped_mm_dgrad(dh, moe._w_up, offsets, out=moe.dispatcher.expert_output())
+        dx = moe.dispatcher.dispatch_backward(d_recv, received.handle)
+        want = [cupy.asnumpy(a).view(np.int16 if a.dtype.itemsize == 2 else np.int32)
+                for a in (grad_y[:rows], dh[:rows], dx, d_gates)]
+        assert np.count_nonzero(want[2]) and np.isfinite(cupy.asnumpy(d_gates)).all()
+        launcher, first = moe._fused_backward(), None
+        for run in range(10):
+            poison = [cupy.full(n, 0x7FC1, dtype=np.int16) for n in (rows * hidden, rows * 2 * ffn, tokens * hidden)]
+            del poison  # back to the pool: the fused backward's buffers start as NaN patterns
+            _poison_heap(moe)
+            outputs = launcher.backward(dy, received, h, y, moe._w_up, moe._w_down)
+            moe.check()
+            dx_f, d_gates_f, grad_y_f, dh_f = outputs
+            got = [cupy.asnumpy(a).view(np.int16 if a.dtype.itemsize == 2 else np.int32)
+                   for a in (grad_y_f[:rows], dh_f[:rows], dx_f, d_gates_f)]
+            stages = ("grad_y (relay)", "dh (dgrad-down tiles)", "dx (dgrad-up tiles + reduce)",
+                      "d_gates (relay + reduce)")
+            problems = [p for p in map(_first_difference, got, want, stages) if p]
+            assert not problems, f"run {run}: " + "; ".join(problems)
+            if first is None:
+                first = got
+            assert all(np.array_equal(g, f) for g, f in zip(got, first)), f"run {run} differs from run 0"
+    finally:
+        for layer in layers:
+            layer.close()
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("skip,flag", [("sends", "row_flag"), ("dgrad-up tiles", "done")])
+def test_every_fused_backward_wait_is_bounded_and_names_its_flag(skip, flag):
+    """One rank whose backward kernels start past their producers' tasks (claim counters
+    preset): the consumers give up after the layer's timeout and the record names the flag."""
+    import cupy
+    from mpi4py import MPI
+
+    from ultraep.errors import WaitTimeout
+    from ultraep.integration.fused_backward import KERNELS
+    from ultraep.integration.moe_layer import MoELayer
+    from ultraep.runtime.group import EPGroup
+    from ultraep.runtime.kernels import kernel_constant
+
+    H, F, E, K, T = 256, 128, 4, 2, 200
+    group = EPGroup(MPI.COMM_SELF, use_gpu=True)
+    rng = np.random.default_rng(0)
+    with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend="device", fused=True,
+                  timeout_s=1.0, sync_checks=False) as moe:
+        moe.load_weights(_on_gpu(bf16(rng, (E, H, 2 * F))), _on_gpu(bf16(rng, (E, F, H))))
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :K]
+        counts = np.bincount(ids.ravel(), minlength=E)
+        bm, cols = kernel_constant(KERNELS, "FB_BM"), kernel_constant(KERNELS, "FB_DOWN_COLS")
+        _, ctx = moe.forward(_on_gpu(bf16(rng, (T, H))), cupy.asarray(ids.astype(np.int64)),
+                             cupy.asarray(rng.random((T, K)).astype(np.float32)))
+        moe.check()
+        launcher = moe._fused_backward()
+        name = "fused_grad_dispatch_dgrad" if skip == "sends" else "fused_dgrad_combine"
+        counter = 0 if skip == "sends" else 1
+        start = (-(-T // kernel_constant(KERNELS, "FB_SEND_TOKENS")) if skip == "sends"
+                 else int(sum(-(-c // bm) for c in counts)) * -(-H // cols))
+        kernel = launcher.k[name]
+
+        def skip_then_launch(*args, **kwargs):
+            launcher.counters[counter] = start
+            kernel(*args, **kwargs)
+        launcher.k[name] = skip_then_launch
+        moe.backward(ctx, _on_gpu(bf16(rng, (T, H))))
+        with pytest.raises(WaitTimeout, match=flag):
+            moe.check()

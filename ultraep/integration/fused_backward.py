@@ -24,9 +24,9 @@ M-tile of ``bm`` rows of slot ``j``, ``n`` a column block of ``F``):
    ``tile_ready[mtile(j, m)] = epoch``.
 3. ``dgrad_down(j, n, m)`` waits (acquire, then a proxy fence) until
    ``tile_ready[mtile(j, m)] == epoch``; ``d_act = bf16(grad_y[rows] @ w_down[j][cols]^T)``
-   for ``F`` columns ``[n*U, (n+1)*U)``, and in the epilogue SwiGLU's backward from ``h``'s
-   gate and up columns of the same indices: ``dh[rows, cols]`` and ``dh[rows, F + cols]``
-   (BF16).
+   for ``F`` columns ``[n*U, (n+1)*U)`` (``U``: :func:`granularity`'s ``up_cols``), and in
+   the epilogue SwiGLU's backward from ``h``'s gate and up columns of the same indices:
+   ``dh[rows, cols]`` and ``dh[rows, F + cols]`` (BF16).
 
 Kernel D, dgrad of up + gradient combine (launched after C on the same stream):
 
@@ -79,10 +79,18 @@ from ultraep.compute.host import sequential_product
 from ultraep.integration.fused import (FusedLayer, Granularity, RankPlan, Task, _ceil, _f32, _poison, mtile_starts,
                                        plan_ranks, run_rank)
 from ultraep.runtime.dtypes import BFLOAT16
+from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import reference as ref
 
+KERNELS = "fused_moe_backward.cu"
 KERNEL_C = ("send", "relay", "dgrad_down")
 KERNEL_D = ("dgrad_up", "reduce")
+
+
+def granularity() -> Granularity:
+    """The backward kernels' task sizes (``up_cols``: d_act columns per dgrad_down tile)."""
+    names = ("FB_SEND_TOKENS", "FB_REDUCE_TOKENS", "FB_BM", "FB_DACT_COLS", "FB_DOWN_COLS")
+    return Granularity(*(kernel_constant(KERNELS, name) for name in names))
 
 
 def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity) -> tuple[list[Task], list[Task]]:
@@ -142,7 +150,7 @@ class FusedBackward(FusedLayer):
         """Every rank in this process, buffers poisoned: ``dys[r] [T_r, H]`` BF16, ``expert_ids``
         and ``gates`` as the forward's, ``hs[r]`` / ``ys[r]`` rank ``r``'s receive rows' ``h``
         and ``y`` in receive order (:func:`sequential_rows`), stacked weights as the forward's."""
-        grain = grain or Granularity.kernel()
+        grain = grain or granularity()
         ranks, slots, K = len(dys), w_up[0].shape[0], np.shape(expert_ids[0])[1]
         H, F = w_up[0].shape[1], w_up[0].shape[2] // 2
         max_tokens = max_tokens or max(1, max(len(g) for g in dys))
@@ -250,7 +258,7 @@ class HostFusedBackward:
         and ``y [rows, H]`` BF16 of this rank's receive rows, the stacked weights. Returns
         ``(dx [T, H], d_gates [T, K], grad_y [max_recv_rows, H], dh [max_recv_rows, 2F])``;
         collective."""
-        fwd = self.forward
+        fwd, grain = self.forward, granularity()
         d, b, me, s = fwd.config, fwd.impl.buffers, fwd.config.rank, received.handle.state
         fwd.epoch += 1  # one counter for both directions: a flag of either's earlier call is stale
         offsets = fwd.group.allgather(np.asarray(received.offsets, dtype=np.int64), timeout_s=d.timeout_s,
@@ -259,7 +267,7 @@ class HostFusedBackward:
         tokens = received.handle.tokens
         plan = RankPlan(rank=me, tokens=tokens, top_k=d.top_k, pair_row=s["pair_row"], pair_rank=s["pair_rank"],
                         send_pos=s["send_pos"], first_slot=None, offsets=offsets,
-                        mtiles=[mtile_starts(np.diff(o), fwd.grain.bm) for o in offsets])
+                        mtiles=[mtile_starts(np.diff(o), grain.bm) for o in offsets])
         states = []
         for r in range(d.size):
             view = (lambda t: t.local) if r == me else (lambda t, r=r: t.peer(r))
@@ -276,7 +284,7 @@ class HostFusedBackward:
         own.dx = np.zeros((tokens, d.hidden), dtype=d.dtype)
         own.d_gates = np.zeros((tokens, d.top_k), dtype=np.float32)
         layer = FusedBackward([plan if r == me else None for r in range(d.size)], states, self.activation,
-                              grain=fwd.grain, epoch=fwd.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
+                              grain=grain, epoch=fwd.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
                               hidden=d.hidden, ffn=fwd.ffn)
         run_rank(layer, me, fwd.timeout_s)
         return own.dx, own.d_gates, own.grad_y, own.dh

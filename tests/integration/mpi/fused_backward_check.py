@@ -1,7 +1,7 @@
 """Multi-rank check of ``MoELayer(fused=True)``'s backward, run under mpiexec by
 tests/integration/test_fused_backward.py.
 
-Usage: python -m mpi4py fused_backward_check.py {host|device} {bitwise|peer-fails} [runs] (peer-fails: host)
+Usage: python -m mpi4py fused_backward_check.py {host|device} {bitwise|peer-fails} [runs]
 
 bitwise: for random routings, routings that leave experts empty and every token's first
 slot on one expert, unbalanced and balanced: the fused layer's input, gate and weight
@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from ultraep import Balancer, ExpertLayout, MoELayer
 from ultraep.errors import WaitTimeout
+from ultraep.integration.fused_backward import KERNELS
 from ultraep.integration.moe_layer import expert_spec
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
@@ -139,12 +140,22 @@ def bitwise():
                 balancer.close()
 
 
-def skip_sends():
-    """This rank's fused backward (host backend) runs everything but its send tasks."""
-    from ultraep.integration import fused_backward
+def skip_sends(launcher):
+    """This rank's fused backward runs everything but its send tasks."""
+    if backend == "host":
+        from ultraep.integration import fused_backward
 
-    order = fused_backward.task_order
-    fused_backward.task_order = lambda *a: ([t for t in order(*a)[0] if t.kind != "send"], order(*a)[1])
+        order = fused_backward.task_order
+        fused_backward.task_order = lambda *a: ([t for t in order(*a)[0] if t.kind != "send"], order(*a)[1])
+        return
+    from ultraep.runtime.kernels import kernel_constant
+
+    kernel, sends = launcher.k["fused_grad_dispatch_dgrad"], -(-T // kernel_constant(KERNELS, "FB_SEND_TOKENS"))
+
+    def skip_then_launch(*args, **kwargs):
+        launcher.counters[0] = sends  # kernel C's claims start past the send tasks
+        kernel(*args, **kwargs)
+    launcher.k["fused_grad_dispatch_dgrad"] = skip_then_launch
 
 
 def peer_fails():
@@ -154,8 +165,9 @@ def peer_fails():
         moe.load_weights(*masters(me))
         x, ids, gates, dy = inputs("random", me, 0)
         _, ctx = moe.forward(x, ids, gates)
+        launcher = moe._fused_backward()  # collective: made (its kernels loaded) on every rank
         if me == R - 1:
-            skip_sends()
+            skip_sends(launcher)
         try:
             moe.backward(ctx, dy)
             moe.check()
