@@ -54,11 +54,8 @@ extern "C" __global__ void swiglu_backward(const float* __restrict__ h, const __
          i += (long long)gridDim.x * blockDim.x) {
         long long row = i / ffn, col = i - row * ffn;
         float a = h[row * 2 * ffn + col], b = h[row * 2 * ffn + ffn + col];
-        float g = __bfloat162float(d_act[i]);
-        float s = sigmoid_rn(a);
-        float silu = __fmul_rn(a, s);
-        float slope = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(a, __fadd_rn(1.0f, -s))));
-        dh[row * 2 * ffn + col] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(g, b), slope));
-        dh[row * 2 * ffn + ffn + col] = __float2bfloat16_rn(__fmul_rn(g, silu));
+        const float2 grads = swiglu_backward_rn(a, b, __bfloat162float(d_act[i]));
+        dh[row * 2 * ffn + col] = __float2bfloat16_rn(grads.x);
+        dh[row * 2 * ffn + ffn + col] = __float2bfloat16_rn(grads.y);
     }
 }

@@ -114,7 +114,6 @@ class Task:
 
 KERNEL_A = ("send", "relay", "up")
 KERNEL_B = ("down", "reduce")
-NO_WAITS = ("send", "down")
 # A timeline's task kinds by the kernel's FM_KIND_* codes.
 KINDS = {kernel_constant(KERNELS, f"FM_KIND_{kind.upper()}"): kind for kind in KERNEL_A + KERNEL_B}
 
@@ -403,13 +402,18 @@ class FusedLayer:
 
 def check_order(layer: FusedLayer, tasks: list | None = None) -> None:
     """Raise FusedDeadlock unless every wait of every task has a producer that waits for
-    nothing or is an earlier task of the same rank and kernel (the module docstring's
-    argument that no interleaving deadlocks)."""
+    nothing and is claimed before any task of its rank and kernel that waits, or is an
+    earlier task of the same rank and kernel (the module docstring's argument that no
+    interleaving deadlocks). Any layer with ``waits``/``publishes`` (the backward's too)."""
     tasks = tasks or layer.tasks
-    producer = {}
+    producer, free = {}, set()   # free: (rank, kernel, index) in the prefix of tasks that wait for nothing
     for r, (a, b) in enumerate(tasks):
         for kernel, order in ((0, a), (1, b)):
+            waited = False
             for index, task in enumerate(order):
+                waited = waited or bool(layer.waits(r, task))
+                if not waited:
+                    free.add((r, kernel, index))
                 for flag in layer.publishes(r, task):
                     producer[flag] = (r, kernel, index, task)
     for r, (a, b) in enumerate(tasks):
@@ -419,11 +423,11 @@ def check_order(layer: FusedLayer, tasks: list | None = None) -> None:
                     if flag not in producer:
                         raise FusedDeadlock(f"rank {r} task {index} {task} waits for {flag}, which no task sets")
                     pr, pk, pi, ptask = producer[flag]
-                    if ptask.kind in NO_WAITS:
+                    if (pr, pk, pi) in free:
                         continue
                     if (pr, pk) != (r, kernel) or pi >= index:
-                        raise FusedDeadlock(f"rank {r} kernel {'AB'[kernel]} task {index} {task} waits for {flag}, "
-                                            f"set by rank {pr} kernel {'AB'[pk]} task {pi} {ptask}, which is not "
+                        raise FusedDeadlock(f"rank {r} kernel {kernel} task {index} {task} waits for {flag}, "
+                                            f"set by rank {pr} kernel {pk} task {pi} {ptask}, which is not "
                                             "claimed before it and may itself wait")
 
 

@@ -41,13 +41,15 @@ SwiGLU's rounding is stated in ``raw_kernels/swiglu.cu``; :func:`swiglu` and
 ``fused=True`` runs the forward as UniEP's two persistent kernels (``raw_kernels/fused_moe.cu``:
 dispatch + up-projection with SwiGLU in the epilogue, down-projection + combine), whose
 task semantics :mod:`ultraep.integration.fused` states in NumPy and runs on the host
-backend; the outputs are bitwise the sequential path's. Its backward is the sequential
-one, recomputing the up-projection and the expert outputs from the context's ``act``.
+backend; the outputs are bitwise the sequential path's. Its backward recomputes the
+up-projection and the expert outputs from the context's ``act`` and runs the exchange of
+gradients and both dgrads as two persistent kernels too (``raw_kernels/fused_moe_backward.cu``,
+semantics in :mod:`ultraep.integration.fused_backward`), bitwise the sequential backward;
+the weight gradients stay on the grouped wgrad.
 
 The layer's own work runs on the caller's stream (``stream=``, else a torch input's
-current stream, else CuPy's). The fused kernels replace the inside of :meth:`forward`
-(``fused=True``), and will replace the inside of :meth:`backward`; the calls and the
-context stay.
+current stream, else CuPy's). The fused kernels replace the inside of :meth:`forward` and
+:meth:`backward` (``fused=True``); the calls and the context stay.
 """
 
 from __future__ import annotations
@@ -240,7 +242,7 @@ class MoELayer:
                       backend=balancer.backend if balancer is not None else backend)
         slots = dict(num_experts=self.num_experts) if balancer is None else \
             dict(num_experts=balancer.layout.num_physical, experts_per_rank=balancer.layout.slots_per_rank)
-        self._fused, self._owned_heap = None, None
+        self._fused, self._fused_bwd, self._owned_heap = None, None, None
         if fused:
             common["expert_output"] = True
             if heap is None:
@@ -469,13 +471,15 @@ class MoELayer:
                 rows = received.x.shape[0]
                 ctx.h = grouped_mm(received.x, self._w_up, offsets, out=xp.empty((rows, 2 * F), np.float32))
                 ctx.y = grouped_mm(ctx.act, self._w_down, offsets)
-            grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
-            d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
+            fused = self._fused_backward()
+            if fused is not None:  # the gradients' exchange and both dgrads in two persistent kernels
+                dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.h, ctx.y, self._w_up, self._w_down)
+            else:
+                grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
+                d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
+                dh = self._swiglu_backward(ctx.h, d_act, offsets)
+                d_recv = grouped_mm_dgrad(dh, self._w_up, offsets)
             dw_down = grouped_mm_wgrad(ctx.act, grad_y, offsets, out=xp.empty((M + self.slots, F, H), np.float32))
-            dh = self._swiglu_backward(ctx.h, d_act, offsets)
-            # set up for the fused forward, the Dispatcher reads row gradients where they lie
-            d_recv = grouped_mm_dgrad(dh, self._w_up, offsets,
-                                      out=self.dispatcher.expert_output() if self._fused is not None else None)
             dw_up = grouped_mm_wgrad(received.x, dh, offsets, out=xp.empty((M + self.slots, H, 2 * F), np.float32))
             self.grad_up += dw_up[:M]
             self.grad_down += dw_down[:M]
@@ -484,8 +488,21 @@ class MoELayer:
                     xp.asarray(up)[...] = dw_up[M + s]
                     xp.asarray(down)[...] = dw_down[M + s]
                 self.balancer.reduce_grads(ctx.handle, stream=stream)
-            dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
+            if fused is None:
+                dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
         return dx, d_gates
+
+    def _fused_backward(self):
+        """The fused backward over the fused forward's flags (made at the first backward), or None."""
+        if self._fused is None or self._fused_bwd is not None:
+            return self._fused_bwd
+        if self.backend == "device":
+            from ultraep.integration.fused_backward_device import DeviceFusedBackward
+            self._fused_bwd = DeviceFusedBackward(self._fused)
+        else:
+            from ultraep.integration.fused_backward import HostFusedBackward
+            self._fused_bwd = HostFusedBackward(self._fused, activation=swiglu_backward)
+        return self._fused_bwd
 
     def _replica_grads(self, ctx: MoEContext, stream) -> list:
         """The Balancer's replica gradient slots for ``ctx``'s plan. Restores the replica

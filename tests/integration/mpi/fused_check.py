@@ -5,8 +5,8 @@ Usage: python -m mpi4py fused_check.py {host|device} {bitwise|bad-input|peer-fai
 bitwise: for random routings, routings that leave experts empty and every token's first
 slot on one expert, unbalanced and balanced (a Balancer with replica slots): the fused
 layer against the sequential layer with the same masters and inputs -- outputs, input
-gradients, gate gradients and weight gradients bitwise equal (the fused backward is the
-sequential one on the fused forward's context); ``runs`` fused forwards give identical
+gradients, gate gradients and weight gradients bitwise equal (the backward fused too:
+fused_backward_check.py checks it further); ``runs`` fused forwards give identical
 bits. The heap's expert rows and the memory pool are poisoned (NaN bit patterns) before
 every fused forward, so a row read before it is written shows. A recorded forward's
 timeline lists its tasks.
@@ -87,7 +87,10 @@ def differing(a, b) -> int:
 
 
 def poison(layer):
-    """NaN patterns in the heap's expert rows and, on the GPU, in the pool's free blocks."""
+    """NaN patterns in the heap's expert rows and, on the GPU, in the pool's free blocks,
+    once no peer reads them any more (a fused backward's last readers are peers' reduces)."""
+    layer.check()
+    group.barrier()
     rows = layer.dispatcher.expert_output()
     rows.view(np.int16)[...] = POISON
     if backend == "device":

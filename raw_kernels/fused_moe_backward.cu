@@ -1,0 +1,406 @@
+// Fused MoE layer, backward (UniEP): gradient dispatch + dgrad of down and dgrad of up +
+// gradient combine as two persistent kernels, launched by
+// ultraep/integration/fused_backward_device.py. ultraep/integration/fused_backward.py states
+// the task semantics in NumPy -- the task order, the flags, why no claim order can
+// deadlock. The results are held bit for bit to the sequential backward on the GPU
+// (dispatch.cu's grad_rows and sum_slots, grouped_gemm.cu's dgrad, swiglu.cu's backward):
+// the same tile arithmetic, the same sums.
+//
+//   fused_grad_dispatch_dgrad  send dy -> relay (grad_y rows, gate gradients to the sources)
+//                              -> dgrad-down tiles (SwiGLU backward epilogue) -> dh [rows, 2F]
+//   fused_dgrad_combine        dgrad-up tiles -> expert_out (heap) -> reduce -> dx, d_gates
+//
+// Blocks, claims, the stage ring and the flags are the forward's (fused_common.cuh): the
+// backward shares the forward's row_flag, tile_ready and done flags and its epoch counter,
+// and reports waits in the same status words. A dgrad-down tile's accumulator is d_act
+// for GH_BN columns of F; its epilogue rounds it to BF16 (as the sequential dgrad stores
+// it), applies SwiGLU's backward with h's gate and up columns of the same indices and
+// hands the store warps two staged halves: dh's gate columns, then its up columns F further.
+//
+//! kernels: fused_grad_dispatch_dgrad, fused_dgrad_combine
+//! nvrtc-options: -arch=sm_90a
+
+#include <cuda_bf16.h>
+
+#include "grouped_gemm_common.cuh"
+#include "swiglu.cuh"
+#include "fused_common.cuh"
+
+// Task granularity, shared with the host (kernel_constant). FB_BM and FB_DOWN_COLS index
+// the forward's flags, so they are fused_moe.cu's FM_BM and FM_DOWN_COLS (the host checks).
+#define FB_SEND_TOKENS 16        // tokens per send task
+#define FB_REDUCE_TOKENS 16      // tokens per reduce task (times one column block)
+#define FB_BM GH_BM              // rows per relay task and per GEMM tile
+#define FB_DACT_COLS GH_BN       // d_act columns per dgrad-down tile (as many dh gate and up columns)
+#define FB_DOWN_COLS GH_BN       // dx columns per dgrad-up tile and per reduce task
+#define FB_MAX_SLOTS 256         // local slots (M + S) per rank (shared-memory tables)
+#define FB_MAX_TOP_K WARP        // a warp's lanes hold a token's slots
+
+#define FB_KIND_SEND 0
+#define FB_KIND_RELAY 1
+#define FB_KIND_DGRAD_DOWN 2
+#define FB_KIND_DGRAD_UP 3
+#define FB_KIND_REDUCE 4
+
+// Dispatch outcome codes of dispatch.cu's plan_rows: anything but OK means no work.
+#define FB_OUTCOME_OK 0
+
+static_assert(FB_DOWN_COLS == WARP * 8, "a reduce warp's lane holds 8 BF16 columns");
+static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");
+
+// The first half of a dgrad-down tile's epilogue, a consumer thread's accumulators (the
+// layout of stage_accumulators): g = bf16(d_act), staged BF16 d gate = SwiGLU backward's
+// gate half; d keeps the up half's FP32 value for the second half (stage_accumulators<false>
+// rounds it). Rows past the tile's and columns past F give zeros, which no store writes.
+__device__ __forceinline__ void stage_dgrad_gate(float (&d)[128], unsigned staged, const Tile& tile, const float* h,
+                                                 int ffn, int consumer, int warp, int lane) {
+    const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = tile.row0 + row + 8 * half;
+#pragma unroll
+        for (int j = 0; j < GH_BN / 8; ++j) {
+            const int i = 4 * j + 2 * half, f = tile.col0 + col + 8 * j;  // ffn is even: f < ffn holds f + 1 too
+            float gate[2] = {0.0f, 0.0f};
+            if (r < tile.row_end && f < ffn) {
+                const float2 a = *reinterpret_cast<const float2*>(h + static_cast<long long>(r) * 2 * ffn + f);
+                const float2 b = *reinterpret_cast<const float2*>(h + static_cast<long long>(r) * 2 * ffn + ffn + f);
+                const __nv_bfloat162 g = __floats2bfloat162_rn(d[i], d[i + 1]);
+                const float2 g0 = swiglu_backward_rn(a.x, b.x, __low2float(g));
+                const float2 g1 = swiglu_backward_rn(a.y, b.y, __high2float(g));
+                gate[0] = g0.x, gate[1] = g1.x, d[i] = g0.y, d[i + 1] = g1.y;
+            } else {
+                d[i] = 0.0f, d[i + 1] = 0.0f;
+            }
+            const __nv_bfloat162 v = __floats2bfloat162_rn(gate[0], gate[1]);
+            asm volatile("st.shared.b32 [%0], %1;" :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
+                         "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
+        }
+    }
+}
+
+// The store warps' part of one dh half: the staged GH_BN columns to dh columns
+// first + [tile.col0, tile.col0 + GH_BN), masked to the tile's rows and to F columns (the
+// other half's columns are another tile's).
+__device__ __forceinline__ void store_dh_half(unsigned staged, const Tile& tile, bf16* dh, int ffn, int first,
+                                              int id) {
+    for (int i = id; i < GH_BM * (GH_BN / 8); i += GH_STORE_WARPS * WARP) {
+        const int row = i / (GH_BN / 8), chunk = i % (GH_BN / 8);
+        const int r = tile.row0 + row, c = tile.col0 + chunk * 8;  // ffn is a multiple of 8
+        if (r < tile.row_end && c < ffn) {
+            uint4 v;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(staged + row * GH_C_PITCH + chunk * 16));
+            *reinterpret_cast<uint4*>(dh + static_cast<long long>(r) * 2 * ffn + first + c) = v;
+        }
+    }
+}
+
+// The relay of one received row (a warp), as dispatch.cu's grad_rows: g = the token's dy
+// (in landing); grad_y[row] = bf16(gate * g); the gate gradient dot(g, y[row]) -- each lane
+// sums its elements in increasing order, lanes meet in an xor butterfly -- into slot
+// (t, k) of the source's slot_grad_w.
+__device__ __forceinline__ void relay_grad_row(int row, const uint4* landing, const int* row_landing,
+                                               const float* row_weight, const int* row_origin, const uint4* y,
+                                               uint4* grad_y, int row_vecs, const u64* peer_bases,
+                                               u64 slot_grad_w_offset, int slots_per_rank, int lane) {
+    const uint4* g_row = landing + static_cast<long long>(row_landing[row]) * row_vecs;
+    const uint4* y_row = y + static_cast<long long>(row) * row_vecs;
+    const float gate = row_weight[row];
+    float dot = 0.0f;
+    for (int v = lane; v < row_vecs; v += WARP) {
+        const uint4 gv = g_row[v], yv = __ldg(y_row + v);
+        const bf16* g = reinterpret_cast<const bf16*>(&gv);
+        const bf16* h = reinterpret_cast<const bf16*>(&yv);
+        uint4 out;
+        bf16* scaled = reinterpret_cast<bf16*>(&out);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float gf = __bfloat162float(g[e]);
+            dot = __fadd_rn(dot, __fmul_rn(gf, __bfloat162float(h[e])));
+            scaled[e] = __float2bfloat16_rn(__fmul_rn(gate, gf));
+        }
+        grad_y[static_cast<long long>(row) * row_vecs + v] = out;
+    }
+    for (int offset = WARP / 2; offset > 0; offset /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(FULL_MASK, dot, offset));
+    if (lane == 0) {
+        const int origin = row_origin[row];
+        reinterpret_cast<float*>(peer_bases[origin / slots_per_rank] + slot_grad_w_offset)[origin % slots_per_rank] = dot;
+    }
+}
+
+// -- kernel C: gradient dispatch + dgrad of down ------------------------------------------------
+
+// Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then dgrad-down
+// tiles in the grouped GEMM's order (slot, column block, M-tile). grad_y_map: grad_y
+// [max_rows, H] as (H, rows), box 64 x 128; w_down_map: w_down [slots, F, H] as (H, F, slots),
+// box 64 x 256 x 1. row_landing, row_weight, row_origin: the forward's receive-row metadata
+// (the Dispatcher's handle). The send is the forward's send_token over dy: it rewrites each
+// pair's heap metadata with the values its forward wrote, which no later reader overtakes
+// (fused_backward.py, reuse across calls).
+extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
+fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __grid_constant__ TensorMap w_down_map,
+                          const uint4* dy, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
+                          const int* positions, const int* base, const u64* peer_bases, u64 landing_offset,
+                          u64 weight_offset, u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset,
+                          u64 slot_grad_w_offset, int me, int spr, int max_tokens, const int* rank_off,
+                          const int* rank_mtile, const int* row_landing, const float* row_weight,
+                          const int* row_origin, const uint4* y, uint4* grad_y, u64* tile_ready, int ffn,
+                          const float* h, bf16* dh, u64 epoch, u64 timeout_ns, int* counter, long long* status,
+                          const int* outcome) {
+    extern __shared__ unsigned char dynamic_shared[];
+    __shared__ int off[FB_MAX_SLOTS + 1], mtile[FB_MAX_SLOTS + 1], tile_start[FB_MAX_SLOTS + 1];
+    __shared__ Pipeline p;
+    __shared__ int claimed;
+    if (outcome[0] != FB_OUTCOME_OK) return;  // every block of every rank reads the same verdict
+    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
+        off[j] = rank_off[me * (spr + 1) + j];
+        mtile[j] = rank_mtile[me * (spr + 1) + j];
+    }
+    __syncthreads();
+    const int n_dact = ceil_div(ffn, FB_DACT_COLS);
+    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_dact);
+    init_pipeline(p);
+    __syncthreads();
+    const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
+    const int n_send = ceil_div(tokens, FB_SEND_TOKENS), n_relay = mtile[spr];
+    const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
+    const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
+    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
+    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
+    const int cwarp = (threadIdx.x - 128) / WARP;  // consumer warp 0..7
+    const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
+    bool gave_up = false;
+    int step = 0, phase = 0;
+    auto dgrad_tile = [&](int t) {
+        const int j = expert_of_tile(tile_start, spr, t);
+        const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
+        return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FB_DACT_COLS, 0, hidden};
+    };
+    // A dgrad-down tile is handed to the block once its rows are relayed (acquire), and the
+    // proxy fence orders the relay's generic stores before this thread's TMA loads of them.
+    auto rows_relayed = [&](int task) {
+        if (task < first_tile) return;
+        const Tile tile = dgrad_tile(task - first_tile);
+        const int ready = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
+        // twice the relay's bound: a relay that gives up on a sender records that first
+        wait_flag(tile_ready + ready, epoch, 2 * timeout_ns, status, FM_TILE_READY, me, ready);
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+    };
+    auto kind = [&](int task) {
+        return task < n_send ? FB_KIND_SEND : task < first_tile ? FB_KIND_RELAY : FB_KIND_DGRAD_DOWN;
+    };
+    int last = total;
+    auto next = [&] { return claim(counter, &claimed, total, rows_relayed, kind, static_cast<u64*>(nullptr), last); };
+
+    if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
+        for (int task = next(); task < total; task = next()) {
+            if (task < first_tile) continue;
+            const Tile tile = dgrad_tile(task - first_tile);
+            if (warp == 0) {
+                if (lane == 0 && !gave_up)
+                    load_tile<GH_DGRAD>(&grad_y_map, &w_down_map, tile, 1, 0u, 0, stages, p.full, p.empty, step, status,
+                                        gave_up);
+            } else {
+                for (int first = 0; first <= ffn; first += ffn) {  // the gate half, then the up half
+                    stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
+                    if (!__any_sync(FULL_MASK, gave_up)) {
+                        store_dh_half(staged, tile, dh, ffn, first, threadIdx.x - WARP);
+                        __syncwarp();
+                        if (lane == 0) mbarrier_arrive(&p.output_empty);
+                    }
+                    phase ^= 1;
+                }
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
+    const int consumer = warpgroup - 1;
+    for (int task = next(); task < total; task = next()) {
+        if (task < n_send) {
+            const int end = min(tokens, (task + 1) * FB_SEND_TOKENS);
+            for (int t = task * FB_SEND_TOKENS + cwarp; t < end; t += GH_CONSUMERS * 4)
+                send_token(t, dy, top_k, row_vecs, ids, gates, positions, base, n, peer_bases, landing_offset,
+                           weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr, max_tokens,
+                           epoch, lane);
+        } else if (task < first_tile) {
+            const int tile = task - n_send;
+            const int j = expert_of_tile(mtile, spr, tile);
+            const int lo = off[j] + (tile - mtile[j]) * FB_BM, hi = min(off[j + 1], lo + FB_BM);
+            const uint4* landing = reinterpret_cast<const uint4*>(peer_bases[me] + landing_offset);
+            for (int row = lo + cwarp; row < hi; row += GH_CONSUMERS * 4) {
+                wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
+                relay_grad_row(row, landing, row_landing, row_weight, row_origin, y, grad_y, row_vecs, peer_bases,
+                               slot_grad_w_offset, max_tokens * top_k, lane);
+            }
+            asm volatile("fence.proxy.async.global;" ::: "memory");  // the TMA of a dgrad tile reads these rows
+            __threadfence_system();  // and the sources read their gate gradients after kernel D's flags
+            consumers_sync();
+            if (threadIdx.x == 128 && !aborted(status)) store_release_sys(tile_ready + tile, epoch);
+        } else {
+            const Tile tile = dgrad_tile(task - first_tile);
+            float d[128];
+            mma_tile<GH_DGRAD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+            stage_dgrad_gate(d, staged, tile, h, ffn, consumer, warp, lane);
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&p.output_full);
+            phase ^= 1;
+            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+            stage_accumulators<false>(d, staged, consumer, warp, lane);
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&p.output_full);
+            phase ^= 1;
+        }
+    }
+}
+
+// -- kernel D: dgrad of up + gradient combine -----------------------------------------------------
+
+// Tasks: dgrad-up tiles in the grouped GEMM's order (slot, column block, M-tile), then reduce
+// tasks (token chunk, column block). dh_map: dh [max_rows, 2F] as (2F, rows), box 64 x 128;
+// w_up_map: w_up [slots, H, 2F] as (2F, H, slots), box 64 x 256 x 1. expert_out, the done
+// flags and slot_grad_w are heap tensors (offsets from each peer's base).
+extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
+fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_constant__ TensorMap w_up_map, int ffn,
+                    int hidden, const u64* peer_bases, u64 expert_out_offset, u64 done_offset, u64 slot_grad_w_offset,
+                    int me, int spr, const int* rank_off, const int* rank_mtile, const long long* ids,
+                    const int* positions, const int* base, int tokens, int top_k, bf16* dx, float* d_gates, u64 epoch,
+                    u64 timeout_ns, int* counter, long long* status, const int* outcome) {
+    extern __shared__ unsigned char dynamic_shared[];
+    __shared__ int off[FB_MAX_SLOTS + 1], mtile[FB_MAX_SLOTS + 1], tile_start[FB_MAX_SLOTS + 1];
+    __shared__ Pipeline p;
+    __shared__ int claimed;
+    __shared__ const uint4* slot_row[GH_CONSUMERS * 4][FB_MAX_TOP_K];
+    if (outcome[0] != FB_OUTCOME_OK) return;
+    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
+        off[j] = rank_off[me * (spr + 1) + j];
+        mtile[j] = rank_mtile[me * (spr + 1) + j];
+    }
+    __syncthreads();
+    const int n_down = ceil_div(hidden, FB_DOWN_COLS);
+    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_down);
+    init_pipeline(p);
+    __syncthreads();
+    const int n_tiles = tile_start[spr];
+    const int total = n_tiles + ceil_div(tokens, FB_REDUCE_TOKENS) * n_down;
+    const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
+    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
+    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
+    const int cwarp = (threadIdx.x - 128) / WARP;
+    bf16* expert_out = reinterpret_cast<bf16*>(peer_bases[me] + expert_out_offset);
+    const float* slot_grad_w = reinterpret_cast<const float*>(peer_bases[me] + slot_grad_w_offset);
+    bool gave_up = false;
+    int step = 0, phase = 0;
+    auto no_wait = [](int) {};
+    auto kind = [&](int task) { return task < n_tiles ? FB_KIND_DGRAD_UP : FB_KIND_REDUCE; };
+    int last = total;
+    auto next = [&] { return claim(counter, &claimed, total, no_wait, kind, static_cast<u64*>(nullptr), last); };
+    auto dgrad_tile = [&](int t) {
+        const int j = expert_of_tile(tile_start, spr, t);
+        const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
+        return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FB_DOWN_COLS, 0, 2 * ffn};
+    };
+
+    if (warpgroup == 0) {  // the producer thread and the store warps: dgrad-up tiles only
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
+        for (int task = next(); task < total; task = next()) {
+            if (task >= n_tiles) continue;
+            const Tile tile = dgrad_tile(task);
+            if (warp == 0) {
+                if (lane == 0 && !gave_up)
+                    load_tile<GH_DGRAD>(&dh_map, &w_up_map, tile, 1, 0u, 0, stages, p.full, p.empty, step, status,
+                                        gave_up);
+            } else {
+                stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
+                const bool stored = !__any_sync(FULL_MASK, gave_up);
+                if (stored) {
+                    store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, threadIdx.x - WARP);
+                    __syncwarp();
+                    if (lane == 0) mbarrier_arrive(&p.output_empty);
+                }
+                // The tile's rows are in the heap: fenced at system scope by every store
+                // thread, then one releases the tile's done flag for the reducers on every rank.
+                __threadfence_system();
+                store_warps_sync();
+                if (threadIdx.x == WARP && stored && !aborted(status)) {
+                    const long long flag =
+                        static_cast<long long>(mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM) * n_down +
+                        tile.col0 / FB_DOWN_COLS;
+                    store_release_sys(reinterpret_cast<u64*>(peer_bases[me] + done_offset) + flag, epoch);
+                }
+            }
+            phase ^= 1;
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
+    const int consumer = warpgroup - 1;
+    for (int task = next(); task < total; task = next()) {
+        if (task < n_tiles) {
+            const Tile tile = dgrad_tile(task);
+            float d[128];
+            mma_tile<GH_DGRAD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+            stage_accumulators<false>(d, staged, consumer, warp, lane);
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&p.output_full);
+            phase ^= 1;
+            continue;
+        }
+        // reduce: tokens of chunk c, dx columns [nb * 256, + 256), and with nb == 0 the gate
+        // gradients (the relays that wrote them ran before the dgrad-up tile whose flag is acquired)
+        const int c = (task - n_tiles) / n_down, nb = (task - n_tiles) % n_down;
+        const int col = nb * FB_DOWN_COLS + lane * 8;
+        const int end = min(tokens, (c + 1) * FB_REDUCE_TOKENS);
+        for (int t = c * FB_REDUCE_TOKENS + cwarp; t < end; t += GH_CONSUMERS * 4) {
+            if (lane < top_k) {  // slot `lane`: its row on its expert's rank, once that tile's flag says so
+                const int i = t * top_k + lane;
+                const int expert = static_cast<int>(ids[i]);
+                const int rank = expert / spr, j = expert % spr;
+                const int row = base[expert] + positions[i];
+                const int* roff = rank_off + rank * (spr + 1);
+                const int m = rank_mtile[rank * (spr + 1) + j] + (row - roff[j]) / FB_BM;
+                const u64 peer = peer_bases[rank];
+                wait_flag(reinterpret_cast<const u64*>(peer + done_offset) + static_cast<long long>(m) * n_down + nb,
+                          epoch, timeout_ns, status, FM_TILE_DONE, rank, static_cast<long long>(m) * n_down + nb);
+                slot_row[cwarp][lane] = reinterpret_cast<const uint4*>(
+                    reinterpret_cast<const bf16*>(peer + expert_out_offset) + static_cast<long long>(row) * hidden +
+                    nb * FB_DOWN_COLS);
+                if (nb == 0) d_gates[i] = slot_grad_w[i];
+            }
+            __syncwarp();
+            // dispatch.cu's unweighted sum_slots for this lane's 8 columns: fp32, slots in order.
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+            for (int k0 = 0; k0 < top_k; k0 += FM_UNROLL) {
+                uint4 v[FM_UNROLL];
+#pragma unroll
+                for (int u = 0; u < FM_UNROLL; ++u)
+                    if (col < hidden && k0 + u < top_k) v[u] = slot_row[cwarp][k0 + u][lane];
+#pragma unroll
+                for (int u = 0; u < FM_UNROLL; ++u) {
+                    if (col < hidden && k0 + u < top_k) {
+                        const bf16* g = reinterpret_cast<const bf16*>(&v[u]);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __bfloat162float(g[e]));
+                    }
+                }
+            }
+            if (col < hidden) {
+                uint4 v;
+                bf16* g = reinterpret_cast<bf16*>(&v);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) g[e] = __float2bfloat16_rn(acc[e]);
+                *reinterpret_cast<uint4*>(dx + static_cast<long long>(t) * hidden + col) = v;
+            }
+            __syncwarp();
+        }
+    }
+}

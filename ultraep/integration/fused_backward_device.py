@@ -1,0 +1,94 @@
+"""Device launcher of the fused MoE backward: ``raw_kernels/fused_moe_backward.cu`` on the
+caller's stream, with the fused forward's flags, epoch counter and status words.
+
+Per backward: this rank's stream is synchronised and every rank's expert offsets gathered
+(the opening barrier of :mod:`ultraep.integration.fused_backward`: after it no rank's
+earlier kernel still reads what this call rewrites; the offsets place each pair's row in
+its rank's M-tiles, which a later forward's plan may have replaced on the device) ->
+``fused_grad_dispatch_dgrad`` (send dy, relay grad_y rows and gate gradients, dgrad-down
+tiles with SwiGLU's backward) -> ``fused_dgrad_combine`` (dgrad-up tiles into the heap's
+``expert_out``, slot-order reduce into dx, gate gradients). The task semantics, the flags
+and the argument that no claim order deadlocks are :mod:`ultraep.integration.fused_backward`'s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ultraep.errors import MoELayerError
+from ultraep.integration import fused
+from ultraep.integration.fused import mtile_starts
+from ultraep.integration.fused_backward import KERNELS
+from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
+from ultraep.runtime.kernels import get_function, kernel_constant
+
+
+class DeviceFusedBackward:
+    """The fused backward of one ``MoELayer`` on its GPU; ``forward``: the layer's
+    :class:`~ultraep.integration.fused_device.DeviceFusedForward` (its flags, tile_ready,
+    epoch, status and tensor maps serve both directions)."""
+
+    def __init__(self, forward):
+        import cupy
+
+        for mine, theirs in (("FB_BM", "FM_BM"), ("FB_DOWN_COLS", "FM_DOWN_COLS")):  # they index the same flags
+            if kernel_constant(KERNELS, mine) != kernel_constant(fused.KERNELS, theirs):
+                raise MoELayerError(f"{KERNELS} {mine} must equal {fused.KERNELS} {theirs}: the backward indexes "
+                                    "the forward's flags")
+        if forward.spr > kernel_constant(KERNELS, "FB_MAX_SLOTS"):
+            raise MoELayerError(f"the fused backward holds at most {kernel_constant(KERNELS, 'FB_MAX_SLOTS')} slots "
+                                f"per rank, the layer has {forward.spr}")
+        self.cp, self.forward = cupy, forward
+        self.k = {name: get_function(KERNELS, name, group=forward.group)
+                  for name in ("fused_grad_dispatch_dgrad", "fused_dgrad_combine")}
+        for kernel in self.k.values():
+            kernel.max_dynamic_shared_size_bytes = forward.shared_bytes
+        self.counters = cupy.zeros(2, dtype=np.int32)
+        self.bn = kernel_constant(KERNELS, "GH_BN")
+
+    def backward(self, dy, received, h, y, w_up, w_down):
+        """Collective, on the current stream: ``dy [T, H]`` BF16, ``received`` the forward's
+        DispatchResult, ``h [max_recv_rows, 2F]`` FP32 and ``y [max_recv_rows, H]`` BF16 of
+        this rank's receive rows, the stacked weights. Returns ``(dx [T, H], d_gates [T, K],
+        grad_y [max_recv_rows, H], dh [max_recv_rows, 2F])`` (rows past the received ones
+        undefined). With ``sync_checks`` it waits and raises a recorded wait timeout here."""
+        cp, fwd = self.cp, self.forward
+        d, b, s = fwd.config, fwd.impl.buffers, received.handle.state
+        H, F, spr, rows = fwd.hidden, fwd.ffn, fwd.spr, d.max_recv_rows
+        cp.cuda.get_current_stream().synchronize()  # with the allgather: every rank's earlier kernels are done
+        offsets = fwd.group.allgather(cp.asnumpy(received.offsets).astype(np.int64), timeout_s=d.timeout_s,
+                                      what="fused backward: every rank's expert offsets")
+        rank_off = cp.asarray(np.concatenate(offsets).astype(np.int32))
+        rank_mtile = cp.asarray(np.concatenate([mtile_starts(np.diff(o), fwd.bm) for o in offsets]).astype(np.int32))
+        fwd.epoch += 1  # one counter for both directions: a flag of either's earlier call is stale
+        self.counters.fill(0)
+        bf16 = cupy_dtype(BFLOAT16)
+        tokens = received.handle.tokens
+        dy = cp.ascontiguousarray(dy)
+        grad_y = cp.empty((rows, H), dtype=bf16)
+        dh = cp.empty((rows, 2 * F), dtype=bf16)
+        dx = cp.empty((tokens, H), dtype=bf16)
+        d_gates = cp.empty((tokens, d.top_k), dtype=np.float32)
+        box, bm, bn = fwd.box, fwd.bm, self.bn
+        grad_y_map = fwd.maps.tiled(grad_y.data.ptr, (H, rows), (box, bm))
+        w_down_map = fwd.maps.tiled(w_down.data.ptr, (H, F, spr), (box, bn, 1))
+        dh_map = fwd.maps.tiled(dh.data.ptr, (2 * F, rows), (box, bm))
+        w_up_map = fwd.maps.tiled(w_up.data.ptr, (2 * F, H, spr), (box, bn, 1))
+        epoch, timeout = np.uint64(fwd.epoch), np.uint64(fwd.timeout_ns)
+        bases = fwd.impl.heap.peer_bases
+        self.k["fused_grad_dispatch_dgrad"]((fwd.grid,), (fwd.threads,), (
+            grad_y_map, w_down_map, dy, np.int32(tokens), np.int32(d.top_k), np.int32(H), s["ids"], s["gates"],
+            s["positions"], s["base"], bases, np.uint64(b.landing.offset), np.uint64(b.row_weight.offset),
+            np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset), np.uint64(fwd.row_flag.offset),
+            np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), np.int32(d.max_tokens), rank_off,
+            rank_mtile, s["row_landing"], s["row_weight"], s["row_origin"], cp.ascontiguousarray(y), grad_y,
+            fwd.tile_ready, np.int32(F), cp.ascontiguousarray(h), dh, epoch, timeout, self.counters[:1], fwd.status,
+            s["outcome"]), shared_mem=fwd.shared_bytes)
+        self.k["fused_dgrad_combine"]((fwd.grid,), (fwd.threads,), (
+            dh_map, w_up_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
+            np.uint64(fwd.done.offset), np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), rank_off,
+            rank_mtile, s["ids"], s["positions"], s["base"], np.int32(tokens), np.int32(d.top_k), dx, d_gates, epoch,
+            timeout, self.counters[1:], fwd.status, s["outcome"]), shared_mem=fwd.shared_bytes)
+        if d.sync_checks:
+            fwd.check()
+        return dx, d_gates, grad_y, dh
