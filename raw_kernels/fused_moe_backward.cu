@@ -29,12 +29,13 @@
 // Task granularity, shared with the host (kernel_constant). FB_BM and FB_DOWN_COLS index
 // the forward's flags, so they are fused_moe.cu's FM_BM and FM_DOWN_COLS (the host checks).
 #define FB_SEND_TOKENS 16        // tokens per send task
-#define FB_REDUCE_TOKENS 16      // tokens per reduce task (times one column block)
+#define FB_REDUCE_TOKENS 16      // tokens per reduce task (every dx column)
 #define FB_BM GH_BM              // rows per relay task and per GEMM tile
 #define FB_DACT_COLS GH_BN       // d_act columns per dgrad-down tile (as many dh gate and up columns)
 #define FB_DOWN_COLS GH_BN       // dx columns per dgrad-up tile and per reduce task
 #define FB_MAX_SLOTS 256         // local slots (M + S) per rank (shared-memory tables)
 #define FB_MAX_TOP_K WARP        // a warp's lanes hold a token's slots
+#define FB_REDUCE_UNROLL 8       // slots read at once per lane in a reduce
 
 #define FB_KIND_SEND 0
 #define FB_KIND_RELAY 1
@@ -45,7 +46,7 @@
 // Dispatch outcome codes of dispatch.cu's plan_rows: anything but OK means no work.
 #define FB_OUTCOME_OK 0
 
-static_assert(FB_DOWN_COLS == WARP * 8, "a reduce warp's lane holds 8 BF16 columns");
+static_assert(FB_DOWN_COLS == WARP * 8, "a reduce warp covers a dgrad-up tile's columns, 8 BF16 per lane");
 static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");
 
 // The first half of a dgrad-down tile's epilogue, a consumer thread's accumulators (the
@@ -262,15 +263,17 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
 // -- kernel D: dgrad of up + gradient combine -----------------------------------------------------
 
 // Tasks: dgrad-up tiles in the grouped GEMM's order (slot, column block, M-tile), then reduce
-// tasks (token chunk, column block). dh_map: dh [max_rows, 2F] as (2F, rows), box 64 x 128;
+// tasks (a token chunk, every column). dh_map: dh [max_rows, 2F] as (2F, rows), box 64 x 128;
 // w_up_map: w_up [slots, H, 2F] as (2F, H, slots), box 64 x 256 x 1. expert_out, the done
-// flags and slot_grad_w are heap tensors (offsets from each peer's base).
+// flags and slot_grad_w are heap tensors (offsets from each peer's base). done[m] is released
+// by the block finishing M-tile m's last column block (down_count[m] counts them), as in the
+// forward's kernel B.
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_constant__ TensorMap w_up_map, int ffn,
                     int hidden, const u64* peer_bases, u64 expert_out_offset, u64 done_offset, u64 slot_grad_w_offset,
                     int me, int spr, const int* rank_off, const int* rank_mtile, const long long* ids,
-                    const int* positions, const int* base, int tokens, int top_k, bf16* dx, float* d_gates, u64 epoch,
-                    u64 timeout_ns, int* counter, long long* status, const int* outcome) {
+                    const int* positions, const int* base, int tokens, int top_k, bf16* dx, float* d_gates,
+                    int* down_count, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome) {
     extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[FB_MAX_SLOTS + 1], mtile[FB_MAX_SLOTS + 1], tile_start[FB_MAX_SLOTS + 1];
     __shared__ Pipeline p;
@@ -287,7 +290,7 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
     init_pipeline(p);
     __syncthreads();
     const int n_tiles = tile_start[spr];
-    const int total = n_tiles + ceil_div(tokens, FB_REDUCE_TOKENS) * n_down;
+    const int total = n_tiles + ceil_div(tokens, FB_REDUCE_TOKENS);
     const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
     const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
     const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
@@ -324,14 +327,17 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
                     if (lane == 0) mbarrier_arrive(&p.output_empty);
                 }
                 // The tile's rows are in the heap: fenced at system scope by every store
-                // thread, then one releases the tile's done flag for the reducers on every rank.
+                // thread, then one counts the tile; the M-tile's last column block (fenced
+                // after the count) releases its done flag for the reducers on every rank.
                 __threadfence_system();
                 store_warps_sync();
                 if (threadIdx.x == WARP && stored && !aborted(status)) {
-                    const long long flag =
-                        static_cast<long long>(mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM) * n_down +
-                        tile.col0 / FB_DOWN_COLS;
-                    store_release_sys(reinterpret_cast<u64*>(peer_bases[me] + done_offset) + flag, epoch);
+                    const int m = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
+                    if (atomicAdd(down_count + m, 1) == n_down - 1) {
+                        down_count[m] = 0;
+                        __threadfence_system();
+                        store_release_sys(reinterpret_cast<u64*>(peer_bases[me] + done_offset) + m, epoch);
+                    }
                 }
             }
             phase ^= 1;
@@ -353,13 +359,12 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
             phase ^= 1;
             continue;
         }
-        // reduce: tokens of chunk c, dx columns [nb * 256, + 256), and with nb == 0 the gate
-        // gradients (the relays that wrote them ran before the dgrad-up tile whose flag is acquired)
-        const int c = (task - n_tiles) / n_down, nb = (task - n_tiles) % n_down;
-        const int col = nb * FB_DOWN_COLS + lane * 8;
+        // reduce: tokens of chunk c, every dx column, and the gate gradients (the relays that
+        // wrote them ran before the dgrad-up tiles whose flag is acquired)
+        const int c = task - n_tiles;
         const int end = min(tokens, (c + 1) * FB_REDUCE_TOKENS);
         for (int t = c * FB_REDUCE_TOKENS + cwarp; t < end; t += GH_CONSUMERS * 4) {
-            if (lane < top_k) {  // slot `lane`: its row on its expert's rank, once that tile's flag says so
+            if (lane < top_k) {  // slot `lane`: its row on its expert's rank, once its M-tile's flag says so
                 const int i = t * top_k + lane;
                 const int expert = static_cast<int>(ids[i]);
                 const int rank = expert / spr, j = expert % spr;
@@ -367,33 +372,33 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
                 const int* roff = rank_off + rank * (spr + 1);
                 const int m = rank_mtile[rank * (spr + 1) + j] + (row - roff[j]) / FB_BM;
                 const u64 peer = peer_bases[rank];
-                wait_flag(reinterpret_cast<const u64*>(peer + done_offset) + static_cast<long long>(m) * n_down + nb,
-                          epoch, timeout_ns, status, FM_TILE_DONE, rank, static_cast<long long>(m) * n_down + nb);
+                wait_flag(reinterpret_cast<const u64*>(peer + done_offset) + m, epoch, timeout_ns, status, FM_TILE_DONE,
+                          rank, m);
                 slot_row[cwarp][lane] = reinterpret_cast<const uint4*>(
-                    reinterpret_cast<const bf16*>(peer + expert_out_offset) + static_cast<long long>(row) * hidden +
-                    nb * FB_DOWN_COLS);
-                if (nb == 0) d_gates[i] = slot_grad_w[i];
+                    reinterpret_cast<const bf16*>(peer + expert_out_offset) + static_cast<long long>(row) * hidden);
+                d_gates[i] = slot_grad_w[i];
             }
             __syncwarp();
-            // dispatch.cu's unweighted sum_slots for this lane's 8 columns: fp32, slots in order.
-            float acc[8];
+            // dispatch.cu's unweighted sum_slots for this lane's 8 columns of each block: fp32,
+            // slots in order.
+            for (int col = lane * 8; col < hidden; col += FB_DOWN_COLS) {
+                float acc[8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-            for (int k0 = 0; k0 < top_k; k0 += FM_UNROLL) {
-                uint4 v[FM_UNROLL];
+                for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+                for (int k0 = 0; k0 < top_k; k0 += FB_REDUCE_UNROLL) {
+                    uint4 v[FB_REDUCE_UNROLL];
 #pragma unroll
-                for (int u = 0; u < FM_UNROLL; ++u)
-                    if (col < hidden && k0 + u < top_k) v[u] = slot_row[cwarp][k0 + u][lane];
+                    for (int u = 0; u < FB_REDUCE_UNROLL; ++u)
+                        if (k0 + u < top_k) v[u] = slot_row[cwarp][k0 + u][col / 8];
 #pragma unroll
-                for (int u = 0; u < FM_UNROLL; ++u) {
-                    if (col < hidden && k0 + u < top_k) {
-                        const bf16* g = reinterpret_cast<const bf16*>(&v[u]);
+                    for (int u = 0; u < FB_REDUCE_UNROLL; ++u) {
+                        if (k0 + u < top_k) {
+                            const bf16* g = reinterpret_cast<const bf16*>(&v[u]);
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __bfloat162float(g[e]));
+                            for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __bfloat162float(g[e]));
+                        }
                     }
                 }
-            }
-            if (col < hidden) {
                 uint4 v;
                 bf16* g = reinterpret_cast<bf16*>(&v);
 #pragma unroll

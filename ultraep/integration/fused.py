@@ -341,7 +341,7 @@ class FusedLayer:
         """Task ``task`` of rank ``r`` (its waits satisfied), then its flags published."""
         getattr(self, "_" + task.kind)(r, task)
         for rank, name, index in self.publishes(r, task):
-            if task.kind == "down":
+            if name == "done":  # an M-tile's output rows: released by its last column block to finish
                 count = self.state[rank].down_count
                 count[index] += 1
                 if count[index] < self.n_down:

@@ -31,16 +31,16 @@ M-tile of ``bm`` rows of slot ``j``, ``n`` a column block of ``F``):
 Kernel D, dgrad of up + gradient combine (launched after C on the same stream):
 
 1. ``dgrad_up(j, n, m)`` ``d_recv = bf16(dh[rows] @ w_up[j][cols]^T)`` for ``H`` columns
-   ``[n*D, (n+1)*D)`` into the heap's ``expert_out`` rows, then, after a system-scope
-   release fence, ``done[mtile(j, m) * n_down + n] = epoch``. Waits for nothing: ``dh`` is
-   this rank's kernel C's, finished before D starts.
-2. ``reduce(c, n)`` for tokens ``[c*S', (c+1)*S')`` and ``H`` columns ``[n*D, (n+1)*D)``:
-   for k = 0..K-1 waits (acquire) for the done flag of the tile holding slot (t, k)'s row
-   on its expert's rank, reads those columns of the row there and sums unweighted in slot
-   order in FP32 into ``dx`` (``slot_sum``, as ``dispatch_backward``); ``n == 0`` also
-   copies the K gate gradients from ``slot_grad_w`` into ``d_gates``: the relay that wrote
-   them ran in that rank's kernel C, which finished before the ``dgrad_up`` that released
-   the flag just acquired.
+   ``[n*D, (n+1)*D)`` into the heap's ``expert_out`` rows, fences them at system scope and
+   counts itself for its M-tile, as the forward's down tiles: the M-tile's last column
+   block releases ``done[mtile(j, m)] = epoch``. Waits for nothing: ``dh`` is this rank's
+   kernel C's, finished before D starts.
+2. ``reduce(c)`` for tokens ``[c*S', (c+1)*S')``, every column: for k = 0..K-1 waits
+   (acquire) for the done flag of the M-tile holding slot (t, k)'s row on its expert's
+   rank, reads the row there and sums unweighted in slot order in FP32 into ``dx``
+   (``slot_sum``, as ``dispatch_backward``), and copies the K gate gradients from
+   ``slot_grad_w`` into ``d_gates``: the relay that wrote them ran in that rank's kernel C,
+   which finished before the ``dgrad_up`` that released the flag just acquired.
 
 The geometry (``mtile``, slots, tiles, column blocks) is the forward's, and so are the flags
 (``row_flag``, ``done`` in the heap, ``tile_ready`` local): one epoch counter serves both
@@ -104,8 +104,7 @@ def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity) -> tup
           for m in range(m_tiles[j])]
     d = [Task("dgrad_up", j, m, n) for j in range(slots) for n in range(_ceil(hidden, grain.down_cols))
          for m in range(m_tiles[j])]
-    d += [Task("reduce", t, 0, n) for t in range(_ceil(plan.tokens, grain.reduce_tokens))
-          for n in range(_ceil(hidden, grain.down_cols))]
+    d += [Task("reduce", t) for t in range(_ceil(plan.tokens, grain.reduce_tokens))]
     return c, d
 
 
@@ -117,7 +116,8 @@ class BackwardState:
     landing: np.ndarray
     slot_grad_w: np.ndarray
     expert_out: np.ndarray
-    flags: dict = field(default_factory=dict)   # name -> integer array: row_flag, tile_ready, done
+    flags: dict = field(default_factory=dict)   # name -> integer epoch array: row_flag, tile_ready, done
+    down_count: np.ndarray | None = None        # per M-tile: its dgrad_up tiles finished in this call
     dy: np.ndarray | None = None
     row_weight: np.ndarray | None = None        # the forward's receive-row metadata
     row_landing: np.ndarray | None = None
@@ -155,7 +155,6 @@ class FusedBackward(FusedLayer):
         H, F = w_up[0].shape[1], w_up[0].shape[2] // 2
         max_tokens = max_tokens or max(1, max(len(g) for g in dys))
         plans = plan_ranks(expert_ids, slots, grain)
-        n_down = _ceil(H, grain.down_cols)
         states = []
         for r in range(ranks):
             rows = max(1, int(plans[r].offsets[r][-1]))
@@ -168,7 +167,7 @@ class FusedBackward(FusedLayer):
                 grad_y=_poison((rows, H), BFLOAT16), dh=_poison((rows, 2 * F), BFLOAT16),
                 dx=_poison((len(dys[r]), H), BFLOAT16), d_gates=_poison((len(dys[r]), K), np.float32),
                 flags={"row_flag": np.zeros(rows, np.int64), "tile_ready": np.zeros(tiles, np.int64),
-                       "done": np.zeros(tiles * n_down, np.int64)}))
+                       "done": np.zeros(tiles, np.int64)}, down_count=np.zeros(tiles, np.int64)))
         for s, p in enumerate(plans):  # the forward's dispatch left each pair's metadata in its receive row
             for i in range(p.tokens * K):
                 t, k = divmod(i, K)
@@ -227,18 +226,16 @@ class FusedBackward(FusedLayer):
                                                          _f32(st.w_up[task.a][c0:c1]).T).astype(BFLOAT16)
 
     def _reduce(self, r: int, task: Task) -> None:
-        st, D, K = self.state[r], self.grain.down_cols, self.top_k
-        c0, c1 = task.n * D, min(self.hidden, (task.n + 1) * D)
+        st, K = self.state[r], self.top_k
         tokens = list(self._chunk(r, task.a, self.grain.reduce_tokens))
-        slots = np.empty((len(tokens), K, c1 - c0), dtype=BFLOAT16)
+        slots = np.empty((len(tokens), K, self.hidden), dtype=BFLOAT16)
         for a, t in enumerate(tokens):
             for k in range(K):
                 dest, row, _ = self._slot_tile(r, t * K + k)
-                slots[a, k] = self.state[dest].expert_out[row, c0:c1]
+                slots[a, k] = self.state[dest].expert_out[row]
         first, last = tokens[0], tokens[-1] + 1
-        st.dx[first:last, c0:c1] = ref.slot_sum(slots, None, BFLOAT16)
-        if task.n == 0:
-            st.d_gates[first:last] = st.slot_grad_w[first * K:last * K].reshape(-1, K)
+        st.dx[first:last] = ref.slot_sum(slots, None, BFLOAT16)
+        st.d_gates[first:last] = st.slot_grad_w[first * K:last * K].reshape(-1, K)
 
     def outputs(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per rank ``(dx, d_gates)``."""
@@ -276,7 +273,8 @@ class HostFusedBackward:
                                         flags={"row_flag": view(fwd.flags["row_flag"]),
                                                "done": view(fwd.flags["done"])}))
         own = states[me]
-        own.flags["tile_ready"] = fwd.tile_ready
+        own.flags["tile_ready"], own.down_count = fwd.tile_ready, fwd.down_count
+        fwd.down_count[...] = 0  # as the device plan does: a failed call may have left counts short
         own.dy, own.h, own.y, own.w_up, own.w_down = (np.asarray(a) for a in (dy, h, y, w_up, w_down))
         own.row_weight, own.row_landing, own.row_origin = s["row_weight"], s["row_landing"], s["row_origin"]
         own.grad_y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)

@@ -62,6 +62,7 @@ class DeviceFusedBackward:
         rank_mtile = cp.asarray(np.concatenate([mtile_starts(np.diff(o), fwd.bm) for o in offsets]).astype(np.int32))
         fwd.epoch += 1  # one counter for both directions: a flag of either's earlier call is stale
         self.counters.fill(0)
+        fwd.down_count.fill(0)  # as the forward's plan: a failed call may have left counts short
         bf16 = cupy_dtype(BFLOAT16)
         tokens = received.handle.tokens
         dy = cp.ascontiguousarray(dy)
@@ -87,8 +88,8 @@ class DeviceFusedBackward:
         self.k["fused_dgrad_combine"]((fwd.grid,), (fwd.threads,), (
             dh_map, w_up_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(fwd.done.offset), np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), rank_off,
-            rank_mtile, s["ids"], s["positions"], s["base"], np.int32(tokens), np.int32(d.top_k), dx, d_gates, epoch,
-            timeout, self.counters[1:], fwd.status, s["outcome"]), shared_mem=fwd.shared_bytes)
+            rank_mtile, s["ids"], s["positions"], s["base"], np.int32(tokens), np.int32(d.top_k), dx, d_gates,
+            fwd.down_count, epoch, timeout, self.counters[1:], fwd.status, s["outcome"]), shared_mem=fwd.shared_bytes)
         if d.sync_checks:
             fwd.check()
         return dx, d_gates, grad_y, dh
