@@ -3,11 +3,16 @@ refused) and a tiny run end to end on the CPU backend; the timed GPU run is the 
 (``python -m ultraep.bench moe-fused --emulate-ep``)."""
 
 import json
+import textwrap
 
 import pytest
 
 from ultraep.bench import BENCHMARKS
 from ultraep.bench import moe_fused as bench
+from ultraep.runtime.launch import run_mpi
+
+TINY = ["--backend", "host", "--ranks", "2", "--hidden", "32", "--ffn", "16", "--experts-per-rank", "2", "--top-k", "2",
+        "--repeats", "1", "--quiet"]
 
 
 def test_defaults_are_the_issue_setting():
@@ -34,14 +39,15 @@ def test_bad_arguments_are_refused(argv, fragment, capsys):
 @pytest.mark.mpi
 def test_tiny_host_run(tmp_path, capfd):
     out = tmp_path / "fused.json"
-    code = bench.main(["--backend", "host", "--ranks", "2", "--tokens", "24", "40", "--hidden", "32", "--ffn", "16",
-                       "--experts-per-rank", "2", "--top-k", "2", "--repeats", "1", "--json", str(out), "--quiet",
-                       "--timeline", str(tmp_path / "tasks.png")])
+    code = bench.main([*TINY, "--tokens", "24", "40", "--json", str(out), "--timeline", str(tmp_path / "tasks.png")])
     printed = capfd.readouterr().out
     assert code == 0, printed
     result = json.loads(out.read_text())
     assert [(row["tokens"], row["hidden"]) for row in result["rows"]] == [(24, 32), (40, 32)]
     assert all(row["out_diff"] == 0 and row["rerun_diff"] == 0 and row["fused_ms"] > 0 for row in result["rows"])
+    backward = bench.BACKWARD_TIMES + bench.BACKWARD_DIFFS
+    assert not any(key in row for row in result["rows"] for key in backward)  # without --backward: as before
+    assert not any(key in printed for key in backward)
     assert (tmp_path / "tasks_t24_h32.png").stat().st_size > 0 and (tmp_path / "tasks_t40_h32.png").stat().st_size > 0
 
 
@@ -59,3 +65,63 @@ def test_timeline_paths_and_plot(tmp_path):
                      {"workers": 2, "send": (20, 21), "relay": (21, 22), "up": (22, 26)}]
     assert bench.format_phases(spans).splitlines()[1] == ("rank 1 (2 SMs): send 20.00-21.00  relay 21.00-22.00  "
                                                            "up 22.00-26.00")
+
+
+def test_backward_columns_follow_the_forward_ones():
+    assert bench.columns(False) == bench.COLUMNS
+    assert bench.columns(True) == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "seq_bwd_ms",
+                                   "fused_bwd_ms", "bwd_speedup", "out_diff", "rerun_diff", "dx_diff", "dgates_diff",
+                                   "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
+    assert not bench.parse_args([]).backward and bench.parse_args(["--backward"]).backward
+
+
+@pytest.mark.mpi
+def test_tiny_host_run_with_backward(tmp_path, capfd):
+    """--backward: forward and backward of both layers, the backward's gradients bitwise the
+    sequential layer's (weight gradients after one backward from zero) and rerun alike."""
+    out = tmp_path / "fused.json"
+    code = bench.main([*TINY, "--tokens", "24", "40", "--backward", "--json", str(out)])
+    printed = capfd.readouterr().out
+    assert code == 0, printed
+    header = next(line for line in printed.splitlines() if line.startswith("tokens"))
+    assert header.split() == bench.columns(True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["tokens"] for row in rows] == [24, 40]
+    for row in rows:
+        assert all(row[key] == 0 for key in ["out_diff", "rerun_diff", *bench.BACKWARD_DIFFS]), row
+        assert all(isinstance(row[key], float) for key in ("seq_bwd_ms", "fused_bwd_ms")), row
+        assert row["bwd_speedup"] is None or row["bwd_speedup"] == row["seq_bwd_ms"] / row["fused_bwd_ms"]
+
+
+@pytest.mark.mpi
+def test_backward_that_differs_is_refused(tmp_path):
+    """One bit of one element of the fused backward's dx flipped on rank 1 (its weight and
+    gate gradients untouched, the same flip in the rerun): the bench exits non-zero naming
+    dx_diff and nothing else."""
+    script = tmp_path / "flip_dx.py"
+    script.write_text(textwrap.dedent(f"""\
+        import sys
+
+        import numpy as np
+        from mpi4py import MPI
+
+        from ultraep.bench import moe_fused
+        from ultraep.integration.fused_backward import HostFusedBackward
+
+        backward = HostFusedBackward.backward
+
+        def flipped(self, *args):
+            dx, *rest = backward(self, *args)
+            if MPI.COMM_WORLD.rank == 1:
+                dx.view(np.int16)[0, 0] ^= 1
+            return (dx, *rest)
+
+        HostFusedBackward.backward = flipped
+        sys.exit(moe_fused.main({[*TINY, "--tokens", "24", "--backward"]!r}))
+        """))
+    done = run_mpi(2, [str(script)], timeout=120, check=False)
+    assert done.returncode != 0, done.stdout
+    assert "not bitwise the sequential path: tokens 24 hidden 32: dx_diff = 1 (must be 0)\n" in done.stdout, \
+        done.stdout
+    for other in ("out_diff =", "rerun_diff =", "dgates_diff =", "grad_up_diff =", "grad_down_diff ="):
+        assert other not in done.stdout, done.stdout

@@ -13,6 +13,18 @@ elements of the fused output whose bits differ from the sequential output's (mus
 ``rerun_diff``: between the two checked fused forwards (must be 0). ``speedup`` =
 sequential ms / fused ms.
 
+``--backward``: the checked passes become forward + backward from zeroed weight gradients
+(``dy`` random), and each repeat also times, per layer, ``zero_grads`` (untimed, a phase of
+its own) then forward + backward as one window; ``seq_bwd_ms`` / ``fused_bwd_ms`` = that
+window - the layer's forward window, ``bwd_speedup`` their ratio. Bitwise, fused against
+sequential, elements whose bits differ summed over ranks (each must be 0): ``dx_diff``,
+``dgates_diff``, ``grad_up_diff``, ``grad_down_diff`` (the weight gradients of one backward);
+``bwd_rerun_diff``: all four between the two checked fused passes. The comparison is per
+layer as a framework calls it: the fused forward keeps only ``act``, so the fused backward
+first recomputes ``h`` and ``y`` (two grouped GEMMs, in fused_bwd_ms), which the sequential
+forward computes on its way anyway and keeps in the context (more memory held between the
+passes, no extra time). No timeline for the backward (its kernels record none).
+
 ``--timeline FILE.png``: per setting, every rank's recorded fused forward, a panel per rank
 on one time axis, one line per SM (a worker on the host), coloured by task kind (send,
 relay, up tile, down tile, reduce): where communication hides under the GEMMs and which
@@ -39,6 +51,8 @@ from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive_int
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
+BACKWARD_TIMES = ["seq_bwd_ms", "fused_bwd_ms", "bwd_speedup"]
+BACKWARD_DIFFS = ["dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
 ALIGN = 8  # hidden and ffn: whole 16-byte rows (the grouped GEMM's and the Dispatcher's copies)
 
 
@@ -59,8 +73,11 @@ def parse_args(argv):
     parser.add_argument("--ffn", type=width, default=2048, help="expert FFN width (w_up is [hidden, 2 x ffn])")
     parser.add_argument("--experts-per-rank", type=positive_int, default=8, help="experts per rank")
     parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed forwards per path")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="timed forwards per path (and forward + backward passes with --backward)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
+    parser.add_argument("--backward", action="store_true",
+                        help="also time and check each layer's backward (seq_bwd_ms, fused_bwd_ms, dx_diff, ...)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--timeline", metavar="FILE.png",
                         help="plot every rank's fused tasks per SM over time, a file per setting "
@@ -71,6 +88,14 @@ def parse_args(argv):
         parser.error(f"--top-k {args.top_k} exceeds the experts ({args.experts_per_rank} per rank x {args.ranks} "
                      "ranks): a token's experts are distinct")
     return args
+
+
+def columns(backward: bool) -> list[str]:
+    """The table's columns: the backward's times after the forward's, its diffs last."""
+    if not backward:
+        return COLUMNS
+    times = COLUMNS.index("out_diff")
+    return COLUMNS[:times] + BACKWARD_TIMES + COLUMNS[times:] + BACKWARD_DIFFS
 
 
 def timeline_path(path: str, tokens: int, hidden: int) -> str:
@@ -162,40 +187,63 @@ def run(args) -> int:
         return xp.asarray(values.astype(np.float32).astype(BFLOAT16).view(np.int16)).view(BFLOAT16)
 
     caveat = sharing_label(group)
-    title = (f"fused vs sequential MoE forward: {R} ranks ({caveat}), {E} experts, top-{K}, ffn {F}, uniform "
+    direction = "forward and backward" if args.backward else "forward"
+    title = (f"fused vs sequential MoE {direction}: {R} ranks ({caveat}), {E} experts, top-{K}, ffn {F}, uniform "
              "routing, BF16 SwiGLU experts; speedup = seq_ms / fused_ms; out_diff: fused output elements whose bits "
              "differ from the sequential path's; rerun_diff: between two fused forwards")
+    if args.backward:
+        title += ("; *_bwd_ms: forward+backward window - forward window (the fused backward recomputes h and y); "
+                  "dx/dgates/grad_up/grad_down_diff: elements whose bits differ from the sequential backward's; "
+                  "bwd_rerun_diff: between two fused backwards")
+    diff_columns = ["out_diff", "rerun_diff"] + (BACKWARD_DIFFS if args.backward else [])
     progress = Progress("moe-fused", enabled=me == 0 and not args.quiet)
-    table = RowStream(COLUMNS, title, enabled=me == 0)
+    table = RowStream(columns(args.backward), title, enabled=me == 0)
     rows = []
     for H in args.hidden:
         for T in args.tokens:
-            progress(f"tokens {T}, hidden {H}: setting up, a checked forward each, {args.repeats} timed forwards "
-                     "each, a checked fused forward")
+            progress(f"tokens {T}, hidden {H}: setting up, a checked {direction} each, {args.repeats} timed each, "
+                     f"a checked fused {direction}")
             rng = np.random.default_rng((args.seed, me, T, H))
             w_up = bf16(rng.standard_normal((M, H, 2 * F)) / np.sqrt(H))
             w_down = bf16(rng.standard_normal((M, F, H)) / np.sqrt(F))
             x = bf16(rng.standard_normal((T, H)))
             ids = xp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64))
             gates = xp.asarray(rng.random((T, K)).astype(np.float32))
+            dy = bf16(rng.standard_normal((T, H))) if args.backward else None
             # Receive bound: uniform routing's mean with room for its spread (a few standard
             # deviations are well under 10 % of it); the largest setting runs 4 ranks on one GPU.
             bound = int(1.1 * T * K) + 1024
             layers = {}
+
+            def checked(moe):
+                """Host copies of one forward's output and, with --backward, of one backward's
+                dx, d_gates and weight gradients from zero."""
+                if args.backward:
+                    moe.zero_grads()
+                out, ctx = moe.forward(x, ids, gates)
+                results = [to_host(out).copy()]
+                if args.backward:
+                    results += [to_host(a).copy() for a in (*moe.backward(ctx, dy), moe.grad_up, moe.grad_down)]
+                moe.check()
+                return results
+
+            def step(moe):
+                _, ctx = moe.forward(x, ids, gates)
+                moe.backward(ctx, dy)
+
             try:
                 for fused in (False, True):
                     layers[fused] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                                              max_recv_rows=bound, backend=backend, sync_checks=False, fused=fused)
                     layers[fused].load_weights(w_up, w_down)
-                outputs = {}
-                for fused, moe in layers.items():
-                    outputs[fused] = to_host(moe.forward(x, ids, gates)[0]).copy()
-                    moe.check()
+                first = {fused: checked(moe) for fused, moe in layers.items()}  # also the warm-up
                 phases = [lambda _, moe=moe: moe.forward(x, ids, gates) for moe in (layers[False], layers[True])]
-                seq_ms, fused_ms = phase_windows_ms(group, phases, args.repeats, synchronize)
-                again = to_host(layers[True].forward(x, ids, gates)[0])
-                for moe in layers.values():
-                    moe.check()
+                if args.backward:  # zero_grads in a phase of its own: the window is forward + backward alone
+                    for moe in (layers[False], layers[True]):
+                        phases += [lambda _, moe=moe: moe.zero_grads(), lambda _, moe=moe: step(moe)]
+                windows = phase_windows_ms(group, phases, args.repeats, synchronize)
+                again = checked(layers[True])
+                layers[False].check()
                 phases = None
                 if args.timeline:
                     layers[True].record_timeline(True)
@@ -209,16 +257,26 @@ def run(args) -> int:
                         plot_timeline(everyone_tasks, timeline_path(args.timeline, T, H),
                                       f"{R} ranks ({caveat}): fused forward, {T} tokens, hidden {H}, ffn {F}, "
                                       f"top-{K}")
-                mine = (differing([outputs[True]], [outputs[False]]), differing([again], [outputs[True]]))
+                want, got = first[False], first[True]
+                mine = [differing(got[:1], want[:1]), differing(again[:1], got[:1])]
+                if args.backward:  # dx, d_gates, grad_up, grad_down each, then all four rerun
+                    mine += [differing([g], [w]) for g, w in zip(got[1:], want[1:])]
+                    mine.append(differing(again[1:], got[1:]))
             finally:
                 for moe in layers.values():
                     moe.close()
                 if gpu:  # the next setting's buffers differ in shape: give this one's back to the driver
                     xp.get_default_memory_pool().free_all_blocks()
             everyone = group.allgather(mine)
+            seq_ms, fused_ms = windows[:2]
             row = {"tokens": T, "hidden": H, "ffn": F, "seq_ms": seq_ms, "fused_ms": fused_ms,
-                   "speedup": seq_ms / fused_ms, "out_diff": sum(d[0] for d in everyone),
-                   "rerun_diff": sum(d[1] for d in everyone)}
+                   "speedup": seq_ms / fused_ms}
+            if args.backward:
+                seq_step, fused_step = windows[3::2]  # after each layer's zero_grads phase
+                seq_bwd, fused_bwd = seq_step - seq_ms, fused_step - fused_ms
+                row.update(seq_bwd_ms=seq_bwd, fused_bwd_ms=fused_bwd,
+                           bwd_speedup=seq_bwd / fused_bwd if fused_bwd > 0 else None)  # None: lost in the noise
+            row.update((key, sum(d[i] for d in everyone)) for i, key in enumerate(diff_columns))
             if phases is not None:
                 row["phases"] = phases
             rows.append(row)
@@ -229,7 +287,7 @@ def run(args) -> int:
             print(f"phases of a recorded fused forward, tokens {row['tokens']}, hidden {row['hidden']} (ms from the "
                   f"first task on any rank, first start-last end per kind):\n{format_phases(row['phases'])}")
     problems = [f"tokens {row['tokens']} hidden {row['hidden']}: {key} = {row[key]} (must be 0)"
-                for row in rows for key in ("out_diff", "rerun_diff") if row[key]]
+                for row in rows for key in diff_columns if row[key]]
     if problems:
         raise SystemExit("the fused layer is not bitwise the sequential path: " + "; ".join(problems))
     if me == 0 and args.json:
