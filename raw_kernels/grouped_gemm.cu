@@ -45,25 +45,6 @@
 
 #include "grouped_gemm_common.cuh"
 
-// -- Variants under trial -------------------------------------------------------------------
-// ultraep/compute/device.py compiles this file with the -D options of the variant that
-// ULTRAEP_GEMM_VARIANT names (none: the defaults here and in grouped_gemm_common.cuh):
-//   GH_STAGES      stages in the ring;
-//   GH_CLUSTER     blocks per cluster, sharing the n-side operand by TMA multicast;
-//   GG_STAGED_BF16 0: the consumers store BF16 tiles straight from registers, as FP32 ones,
-//                  which frees the staged tile's shared memory for a fourth stage.
-#ifndef GG_STAGED_BF16
-#define GG_STAGED_BF16 1
-#endif
-// The dynamic shared memory of a variant (the host evaluates it): stages, the staged BF16
-// tile, slack to align the stages.
-#define GG_SMEM_BYTES(stages, staged) ((stages) * GH_STAGE_BYTES + (staged) * GH_C_BYTES + 1024)
-#if GH_CLUSTER > 1
-#define GG_CLUSTER_DIMS __cluster_dims__(GH_CLUSTER, 1, 1)
-#else
-#define GG_CLUSTER_DIMS
-#endif
-
 // -- The tile loop ----------------------------------------------------------------------------
 
 // The operands as grouped_gemm_common.cuh describes them (load_tile).
@@ -71,8 +52,7 @@ template <int MODE, typename OutT>
 __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorMap* b_map, const void* offsets,
                                            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out,
                                            long long* status) {
-    // FP32 tiles do not fit beside the stages: stored directly.
-    constexpr bool STAGED_OUTPUT = sizeof(OutT) == 2 && GG_STAGED_BF16;
+    constexpr bool STAGED_OUTPUT = sizeof(OutT) == 2;  // FP32 tiles do not fit beside the stages: stored directly
     constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
     extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[GG_MAX_EXPERTS + 1];
@@ -82,42 +62,34 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     if (!load_offsets(off, offsets, offsets_are_64bit, experts, rows, status)) return;
     const int out_cols = MODE == GH_DGRAD ? K : N;
     const int n_tiles = ceil_div(out_cols, GH_BN);
-    // A cluster walks groups of GH_CLUSTER vertically adjacent tiles (one per block) as a
-    // block walks single tiles; m-tiles of a group past the expert's rows (or wgrad's K)
-    // are computed and stored nowhere.
-    const int wgrad_m_tiles = ceil_div(K, GH_CLUSTER * GH_BM);
-    if (MODE != GH_WGRAD && threadIdx.x < WARP) tile_prefix(tile_start, off, experts, GH_CLUSTER * GH_BM, n_tiles);
+    const int wgrad_m_tiles = ceil_div(K, GH_BM);
+    if (MODE != GH_WGRAD && threadIdx.x < WARP) tile_prefix(tile_start, off, experts, GH_BM, n_tiles);
     if (threadIdx.x == 0) {
         for (int s = 0; s < GH_STAGES; ++s) {
-            mbarrier_init(&full[s], 1);                               // the producer's expect_tx arrival
-            mbarrier_init(&empty[s], GH_CLUSTER * GH_CONSUMERS * 4);  // one arrival per consumer warp of the cluster
+            mbarrier_init(&full[s], 1);                  // the producer's expect_tx arrival
+            mbarrier_init(&empty[s], GH_CONSUMERS * 4);  // one arrival per consumer warp
         }
         mbarrier_init(&output_full, GH_CONSUMERS * 4);
         mbarrier_init(&output_empty, GH_STORE_WARPS);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    if constexpr (GH_CLUSTER > 1) {
-        cluster_sync();  // every block's barriers exist before any copies or arrives into it
-    } else {
-        __syncthreads();
-    }
+    __syncthreads();
     const int tiles = MODE == GH_WGRAD ? experts * wgrad_m_tiles * n_tiles : tile_start[experts];
-    const int rank = GH_CLUSTER > 1 ? cluster_rank() : 0;
     const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
     const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;  // the BF16 output tile
 
-    // This block's tile of group t of the order expert, n-tile, m-tile (m fastest).
+    // Tile t of the order expert, n-tile, m-tile (m fastest).
     auto tile_at = [&](int t) {
         if constexpr (MODE == GH_WGRAD) {
             const int e = t / (wgrad_m_tiles * n_tiles), local = t - e * wgrad_m_tiles * n_tiles;
-            return Tile{e, ((local % wgrad_m_tiles) * GH_CLUSTER + rank) * GH_BM, K, (local / wgrad_m_tiles) * GH_BN,
-                        off[e], off[e + 1] - off[e]};
+            return Tile{e, (local % wgrad_m_tiles) * GH_BM, K, (local / wgrad_m_tiles) * GH_BN, off[e],
+                        off[e + 1] - off[e]};
         } else {
             const int e = expert_of_tile(tile_start, experts, t);
-            const int m_tiles = ceil_div(off[e + 1] - off[e], GH_CLUSTER * GH_BM);
+            const int m_tiles = ceil_div(off[e + 1] - off[e], GH_BM);
             const int local = t - tile_start[e];
-            return Tile{e, off[e] + ((local % m_tiles) * GH_CLUSTER + rank) * GH_BM, off[e + 1],
-                        (local / m_tiles) * GH_BN, 0, MODE == GH_FORWARD ? K : N};
+            return Tile{e, off[e] + (local % m_tiles) * GH_BM, off[e + 1], (local / m_tiles) * GH_BN, 0,
+                        MODE == GH_FORWARD ? K : N};
         }
     };
 
@@ -128,21 +100,13 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
         if (warp == 0) {
             if (lane != 0) return;
             int step = 0;
-            for (int t = blockIdx.x / GH_CLUSTER; t < tiles; t += gridDim.x / GH_CLUSTER) {
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
                 const Tile tile = tile_at(t);
-                const int a_rows = min(GH_BM / GH_BOX, ceil_div(K - tile.row0, GH_BOX));
-                const int a_boxes = A_BOXES ? (GH_CLUSTER > 1 ? max(0, a_rows) : a_rows) : 1;
+                const int a_boxes = A_BOXES ? min(GH_BM / GH_BOX, ceil_div(K - tile.row0, GH_BOX)) : 1;
                 const int b_boxes = B_BOXES ? min(GH_BN / GH_BOX, ceil_div(out_cols - tile.col0, GH_BOX)) : 1;
                 if (!load_tile<MODE>(a_map, b_map, tile, a_boxes, (1u << b_boxes) - 1, 0, stages, full, empty, step,
                                      status, gave_up))
                     return;
-            }
-            if constexpr (GH_CLUSTER > 1) {
-                // The block stays until every consumer of the cluster has released each
-                // stage: no copy into it and no arrival on its barriers is then in flight.
-                for (int i = 0; i < GH_STAGES; ++i, ++step)
-                    stage_wait<true>(&empty[step % GH_STAGES], ((step / GH_STAGES) & 1) ^ 1, status,
-                                     GH_WAITED_FOR_CONSUMERS, gave_up);
             }
             return;
         }
@@ -151,7 +115,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             // 512-byte row at a time, masked to the tile's rows and the output's columns.
             const int id = threadIdx.x - WARP;
             int phase = 0;
-            for (int t = blockIdx.x / GH_CLUSTER; t < tiles; t += gridDim.x / GH_CLUSTER, phase ^= 1) {
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x, phase ^= 1) {
                 const Tile tile = tile_at(t);
                 stage_wait(&output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
                 if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
@@ -167,7 +131,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
     int step = 0, phase = 0;
-    for (int t = blockIdx.x / GH_CLUSTER; t < tiles; t += gridDim.x / GH_CLUSTER, phase ^= 1) {
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x, phase ^= 1) {
         const Tile tile = tile_at(t);
         float d[128];
         mma_tile<MODE>(d, tile, stages, full, empty, step, consumer, lane, status, gave_up);
@@ -206,7 +170,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
 
 #define GH_KERNEL(kernel, mode, a, b)                                                                                  \
     template <typename OutT>                                                                                           \
-    __global__ void __launch_bounds__(GH_THREADS, 1) GG_CLUSTER_DIMS                                                   \
+    __global__ void __launch_bounds__(GH_THREADS, 1)                                                                   \
     kernel(const __grid_constant__ TensorMap a, const __grid_constant__ TensorMap b, const void* offsets,               \
            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out, long long* status) {          \
         grouped_mm<mode, OutT>(&a, &b, offsets, offsets_are_64bit, experts, rows, K, N, out, status);                 \

@@ -106,16 +106,7 @@ __device__ __forceinline__ int expert_of_tile(const int* tile_start, int experts
 #define GH_BM 128
 #define GH_BN 256
 #define GH_BK 64
-// grouped_gemm.cu's trial variants (ULTRAEP_GEMM_VARIANT, ultraep/compute/device.py) compile
-// with other stage counts and clusters; fused_moe.cu always takes these defaults.
-#ifndef GH_STAGES
 #define GH_STAGES 3
-#endif
-// Blocks per cluster: they take vertically adjacent tiles (the same n-side operand) and
-// each copies its share of that operand into all of them by TMA multicast.
-#ifndef GH_CLUSTER
-#define GH_CLUSTER 1
-#endif
 #define GH_CONSUMERS 2
 #define GH_THREADS (128 * (1 + GH_CONSUMERS))
 // Operand tiles are copied in boxes of 64 elements along their contiguous dimension: a box
@@ -181,46 +172,6 @@ __device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap* map, 
                     "r"(shared_address(bar)) : "memory");
 }
 
-// The same box into the same shared-memory offset of every block of the cluster, its bytes
-// to the same barrier offset in each.
-__device__ __forceinline__ void tma_multicast_2d(unsigned dst, const TensorMap* map, u64* bar, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"
-                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1),
-                    "r"(shared_address(bar)), "h"(static_cast<unsigned short>((1 << GH_CLUSTER) - 1)) : "memory");
-}
-
-__device__ __forceinline__ void tma_multicast_3d(unsigned dst, const TensorMap* map, u64* bar, int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;"
-                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2),
-                    "r"(shared_address(bar)), "h"(static_cast<unsigned short>((1 << GH_CLUSTER) - 1)) : "memory");
-}
-
-__device__ __forceinline__ int cluster_rank() {
-    unsigned rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    return static_cast<int>(rank);
-}
-
-// Every thread of every block of the cluster; orders what each did before with what any does after.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// A consumer warp is done with a stage: one arrival on its empty barrier, in every block of
-// the cluster when the stage's copies came from all of them.
-__device__ __forceinline__ void release_stage(u64* bar) {
-    if constexpr (GH_CLUSTER > 1) {
-#pragma unroll
-        for (unsigned rank = 0; rank < GH_CLUSTER; ++rank) {
-            unsigned remote;
-            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(bar)), "r"(rank));
-            asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(remote) : "memory");
-        }
-    } else {
-        mbarrier_arrive(bar);
-    }
-}
-
 // Shared-memory matrix descriptor of a 128-byte-swizzled operand at shared address `addr`:
 // `leading` and `stride` are the byte offsets wgmma steps by (K-major: stride = next 8
 // rows, leading unused; MN-major: leading = next 64-element swizzle atom along M/N,
@@ -264,14 +215,12 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 // itself in status for the host (unless an earlier record is there) and sets `gave_up`:
 // the producer then stops, the consumers run on without waiting (their results are
 // garbage, the host raises). status[1] is what it waited for (GH_WAITED_*), status[2]
-// the block, status[3] the timeout in ms. CLUSTER_ACQUIRE: other blocks of the cluster
-// arrive on it too.
-template <bool CLUSTER_ACQUIRE = false>
+// the block, status[3] the timeout in ms.
 __device__ __forceinline__ void stage_wait(u64* bar, unsigned parity, long long* status, int what, bool& gave_up) {
     const unsigned address = shared_address(bar);
-    if (gave_up || mbarrier_try_wait<CLUSTER_ACQUIRE>(address, parity)) return;
+    if (gave_up || mbarrier_try_wait<false>(address, parity)) return;
     const u64 start = global_timer_ns();
-    while (!mbarrier_try_wait<CLUSTER_ACQUIRE>(address, parity)) {
+    while (!mbarrier_try_wait<false>(address, parity)) {
         if (global_timer_ns() - start > MBARRIER_TIMEOUT_NS) {
             unsigned long long* word = reinterpret_cast<unsigned long long*>(status);
             if (atomicCAS(word, 0ull, static_cast<unsigned long long>(GH_STAGE_TIMED_OUT)) == 0ull) {
@@ -309,9 +258,7 @@ __device__ __forceinline__ void store_pair(OutT* p, float v0, float v1) {
 //   wgrad    A = x [M, K] as (K, M), boxes 64 x 64: M-major. B = dy [M, N] as (N, M), boxes 64 x 64: N-major.
 // An N-major B is four boxes of 64 reduction rows x 64 columns, an M-major A two of 64
 // reduction rows x 64 output rows (one per consumer). Boxes wholly past the output's
-// columns (or wgrad's K rows) are not copied: nothing is stored from them. In a cluster
-// (GH_CLUSTER > 1) every block has the same B; block `rank` copies the B boxes j with
-// j % GH_CLUSTER == rank (dgrad: its share of the 256 rows) into all blocks.
+// columns (or wgrad's K rows) are not copied: nothing is stored from them.
 
 // The producer thread's k-steps of one tile into the stage ring: `a_boxes` boxes of an
 // M-major A (wgrad), the N-major B boxes named in `b_box_mask`, box j at column
@@ -325,10 +272,9 @@ __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMa
     const unsigned bytes = (A_BOXES ? a_boxes * GH_BOX_BYTES : GH_A_BYTES) +
                            (B_BOXES ? __popc(b_box_mask) * GH_BOX_BYTES : GH_B_BYTES);
     const int k_steps = ceil_div(tile.red_len, GH_BK);
-    const int rank = GH_CLUSTER > 1 ? cluster_rank() : 0;
     for (int k = 0; k < k_steps; ++k, ++step) {
         const int s = step % GH_STAGES;
-        stage_wait<(GH_CLUSTER > 1)>(&empty[s], ((step / GH_STAGES) & 1) ^ 1, status, GH_WAITED_FOR_CONSUMERS, gave_up);
+        stage_wait(&empty[s], ((step / GH_STAGES) & 1) ^ 1, status, GH_WAITED_FOR_CONSUMERS, gave_up);
         if (gave_up) return false;
         expect_bytes(&full[s], bytes);
         const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
@@ -337,33 +283,16 @@ __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMa
             for (int j = 0; j < a_boxes; ++j)
                 tma_load_2d(a + j * GH_BOX_BYTES, a_map, &full[s], tile.row0 + j * GH_BOX, r);
             for (int j = 0; j < GH_BN / GH_BOX; ++j)
-                if (b_box_mask >> j & 1) {
-                    if constexpr (GH_CLUSTER > 1) {
-                        if (j % GH_CLUSTER == rank)
-                            tma_multicast_2d(b + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + j * GH_BOX, r);
-                    } else {
-                        tma_load_2d(b + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + j * GH_BOX, r);
-                    }
-                }
+                if (b_box_mask >> j & 1) tma_load_2d(b + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + j * GH_BOX, r);
         } else if constexpr (MODE == GH_FORWARD) {
             tma_load_2d(a, a_map, &full[s], r, tile.row0);
             for (int j = 0; j < GH_BN / GH_BOX; ++j)
-                if (b_box_mask >> j & 1) {
-                    const int c = tile.col0 + j * GH_BOX + (j >= GH_BN / GH_BOX / 2 ? b_split : 0);
-                    if constexpr (GH_CLUSTER > 1) {
-                        if (j % GH_CLUSTER == rank) tma_multicast_3d(b + j * GH_BOX_BYTES, b_map, &full[s], c, r, tile.expert);
-                    } else {
-                        tma_load_3d(b + j * GH_BOX_BYTES, b_map, &full[s], c, r, tile.expert);
-                    }
-                }
+                if (b_box_mask >> j & 1)
+                    tma_load_3d(b + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + j * GH_BOX +
+                                (j >= GH_BN / GH_BOX / 2 ? b_split : 0), r, tile.expert);
         } else {
             tma_load_2d(a, a_map, &full[s], r, tile.row0);
-            if constexpr (GH_CLUSTER > 1) {  // the box is GH_BN / GH_CLUSTER rows of w (the host's tensor map)
-                tma_multicast_3d(b + rank * (GH_B_BYTES / GH_CLUSTER), b_map, &full[s], r,
-                                 tile.col0 + rank * (GH_BN / GH_CLUSTER), tile.expert);
-            } else {
-                tma_load_3d(b, b_map, &full[s], r, tile.col0, tile.expert);
-            }
+            tma_load_3d(b, b_map, &full[s], r, tile.col0, tile.expert);
         }
     }
     return true;
@@ -417,10 +346,10 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous step's MMAs are done: its stage may be refilled
-        if (k > 0 && lane == 0) release_stage(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+        if (k > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
     }
     wgmma_wait<0>();
-    if (k_steps > 0 && lane == 0) release_stage(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+    if (k_steps > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
 }
 
 // The store warps' part of a BF16 epilogue: the tile staged in shared memory (GH_C_PITCH

@@ -11,22 +11,17 @@ ran out of time (a bug, reported rather than hung).
 The kernels take their operands through TMA tensor maps, encoded here for every
 call by the driver's ``cuTensorMapEncodeTiled`` (they hold the operands' addresses) and
 passed by value as kernel parameters.
-
-``ULTRAEP_GEMM_VARIANT`` picks one of the kernel variants under trial (``VARIANTS``; unset:
-``default``), compiled with that variant's ``-D`` options (``raw_kernels/grouped_gemm.cu``
-says what each means).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 
 from ultraep.compute.checks import KERNELS, Problem, offsets_message
 from ultraep.errors import GroupedGemmError
-from ultraep.runtime.kernels import get_function, kernel_constant, kernel_macro
+from ultraep.runtime.kernels import get_function, kernel_constant
 
 _ALIGN_BYTES = 16  # cp.async and TMA move 16-byte units; the epilogues store 4- or 8-byte pairs
 
@@ -36,23 +31,6 @@ _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0
-
-# The kernel variants under trial: the defines each compiles grouped_gemm.cu with.
-VARIANTS = {
-    "default": {},
-    "stages4": {"GH_STAGES": 4, "GG_STAGED_BF16": 0},
-    "cluster2": {"GH_CLUSTER": 2},
-    "cluster2-stages4": {"GH_CLUSTER": 2, "GH_STAGES": 4, "GG_STAGED_BF16": 0},
-}
-
-
-def variant_defines() -> dict[str, int]:
-    """The defines of the variant ``$ULTRAEP_GEMM_VARIANT`` names (unset or empty: ``default``)."""
-    name = os.environ.get("ULTRAEP_GEMM_VARIANT") or "default"
-    if name not in VARIANTS:
-        raise GroupedGemmError(f"ULTRAEP_GEMM_VARIANT={name!r} is not a grouped GEMM variant; "
-                               f"variants: {', '.join(VARIANTS)}")
-    return VARIANTS[name]
 
 
 class _TensorMaps:
@@ -105,14 +83,9 @@ class DeviceGroupedGemm:
             # Stands in for an empty operand in a tensor map (never read: no tile touches it).
             self._placeholder = cupy.zeros(_ALIGN_BYTES, dtype=np.uint8)
         self.hopper = (properties["major"], properties["minor"]) == (9, 0)
-        defines = variant_defines()
-        self.options = tuple(f"-D{name}={value}" for name, value in defines.items())
-        setting = lambda name: defines.get(name, kernel_constant(KERNELS, name))  # noqa: E731
-        self.cluster = setting("GH_CLUSTER")
-        self.grid = properties["multiProcessorCount"] // self.cluster * self.cluster  # whole clusters
+        self.grid = properties["multiProcessorCount"]
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
-        self.shared_bytes = kernel_macro(KERNELS, "GG_SMEM_BYTES", stages=setting("GH_STAGES"),
-                                         staged=setting("GG_STAGED_BF16"))
+        self.shared_bytes = kernel_constant(KERNELS, "GH_SMEM_BYTES")
         self._maps: _TensorMaps | None = None
         self._kernels: dict[tuple[str, np.dtype], object] = {}
 
@@ -120,7 +93,7 @@ class DeviceGroupedGemm:
         kernel = self._kernels.get((op, out_dtype))
         if kernel is None:
             element = "float" if out_dtype == np.float32 else "__nv_bfloat16"
-            kernel = get_function(KERNELS, f"grouped_mm_{op}<{element}>", options=self.options)
+            kernel = get_function(KERNELS, f"grouped_mm_{op}<{element}>")
             with self.cp.cuda.Device(self.device):
                 kernel.max_dynamic_shared_size_bytes = self.shared_bytes
             self._kernels[(op, out_dtype)] = kernel
@@ -142,7 +115,7 @@ class DeviceGroupedGemm:
         if problem.op == "forward":
             shapes = ((k, rows), (bk, bm)), ((n, k, experts), (box, bk, 1))
         elif problem.op == "dgrad":
-            shapes = ((n, rows), (bk, bm)), ((n, k, experts), (bk, bn // self.cluster, 1))  # a block's share of B
+            shapes = ((n, rows), (bk, bm)), ((n, k, experts), (bk, bn, 1))
         else:
             shapes = ((k, rows), (box, bk)), ((n, rows), (box, bk))
 

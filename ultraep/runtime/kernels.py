@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 COMPILE_OPTIONS = ("--std=c++17",)
 _KERNEL_LINE = re.compile(r"^//!\s*kernels:\s*(.+)$", re.MULTILINE)
 _OPTIONS_LINE = re.compile(r"^//!\s*nvrtc-options:\s*(.+)$", re.MULTILINE)
-_modules: dict[tuple[str, tuple[str, ...]], object] = {}
-_functions: dict[tuple[str, str, tuple[str, ...]], object] = {}
+_modules: dict[str, object] = {}
+_functions: dict[tuple[str, str], object] = {}
 
 
 def kernel_dir() -> Path:
@@ -80,20 +80,19 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
-def load_module(filename: str, *, group: "EPGroup | None" = None, options: tuple[str, ...] = ()):
-    """The compiled ``cupy.RawModule`` of ``raw_kernels/<filename>`` (all declared kernels built),
-    with NVRTC ``options`` (e.g. ``-D`` defines) added to the file's own."""
-    module = _modules.get((filename, options))
+def load_module(filename: str, *, group: "EPGroup | None" = None):
+    """The compiled ``cupy.RawModule`` of ``raw_kernels/<filename>`` (all declared kernels built)."""
+    module = _modules.get(filename)
     if module is not None:
         return module
     if group is not None and group.local_rank != 0:
         group.barrier()  # local rank 0 fills the disk cache first
-        module = _compile(filename, options)
+        module = _compile(filename)
     else:
-        module = _compile(filename, options)
+        module = _compile(filename)
         if group is not None:
             group.barrier()
-    _modules[(filename, options)] = module
+    _modules[filename] = module
     return module
 
 
@@ -189,30 +188,29 @@ def _integer_expression(text: str, known: dict[str, int]) -> int | None:
         return None
 
 
-def _compile(filename: str, extra: tuple[str, ...]):
+def _compile(filename: str):
     import cupy
 
     path = kernel_source(filename)
     names = declared_kernels(path)
     code = inline_local_includes(path)
-    options = COMPILE_OPTIONS + tuple(o for line in _OPTIONS_LINE.findall(code) for o in line.split()) + extra
+    options = COMPILE_OPTIONS + tuple(o for line in _OPTIONS_LINE.findall(code) for o in line.split())
     module = cupy.RawModule(code=code, options=options, name_expressions=names)
     module.compile()  # compile now, not at the first launch inside a timed or captured region
     return module
 
 
-def get_function(filename: str, name: str, *, group: "EPGroup | None" = None, options: tuple[str, ...] = ()):
-    """A ``cupy.RawKernel`` for ``name`` (as declared on the file's ``//! kernels:`` line), from
-    the module compiled with ``options`` (:func:`load_module`).
+def get_function(filename: str, name: str, *, group: "EPGroup | None" = None):
+    """A ``cupy.RawKernel`` for ``name`` (as declared on the file's ``//! kernels:`` line).
 
     Cached: hot paths look their kernels up on every launch, and reading the source to
     check the declaration cost tens of microseconds of host time per call."""
-    function = _functions.get((filename, name, options))
+    function = _functions.get((filename, name))
     if function is not None:
         return function
-    module = load_module(filename, group=group, options=options)
+    module = load_module(filename, group=group)
     declared = declared_kernels(kernel_source(filename))
     if name not in declared:
         raise KeyError(f"{name!r} is not declared in {filename} (declared: {', '.join(declared)})")
-    function = _functions[(filename, name, options)] = module.get_function(name)
+    function = _functions[(filename, name)] = module.get_function(name)
     return function
