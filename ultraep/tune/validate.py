@@ -119,20 +119,23 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
             sync = SyncProblem.from_replica_count(plan.replica_count, layout.experts_per_rank, spec.weight_slot_bytes)
             predicted = weight_sync_s(profile, sync, np.asarray(grids))
             problem = f"fan-out {fanout}, {spec.weight_slot_bytes / 1e6:.1f} MB"
-            measured = []
+            measured, error = [], None
             group.barrier(what="weight-sync sweep: every replica checked before rank 0 times alone")
             for i, blocks in enumerate(grids):
                 progress(f"weight sync, {problem}: grid {blocks} ({i + 1}/{len(grids)})")
                 if backend == "device":
                     # rank 0 alone: below the relay threshold only its tasks copy and none waits on a flag
-                    if group.rank == 0:
+                    if group.rank == 0 and error is None:
                         impl, entry = engine.impl, engine._layers[0]
                         measured.append(graph_ms(lambda b=blocks: impl.run_weight_tasks(entry, impl.tables, b),
                                                  args.repeats))
+                        if measured[-1] is None:
+                            error = f"the weight sync of grid {blocks} could not be captured in a CUDA graph"
                 else:
                     measured.append(group_window_ms(group, lambda b=blocks: engine.weight_sync(0, plan, blocks=b),
                                                     args.repeats, synchronize))
-            group.barrier(RANK0_SWEEP_TIMEOUT_S, what=f"weight-sync sweep: rank 0 timing {len(grids)} grids")
+            group.raise_if_any(error, f"weight-sync sweep: rank 0 timing {len(grids)} grids",
+                               timeout_s=RANK0_SWEEP_TIMEOUT_S)
             if group.rank == 0:
                 rows += [{"phase": "weight-sync", "problem": problem, "config": f"blocks={blocks}", "knob": blocks,
                           "default": backend == "device" and blocks == bound, "predicted_ms": float(p) * 1e3,
@@ -289,7 +292,9 @@ def run(args) -> int:
 
     group = EPGroup(MPI.COMM_WORLD)
     backend, xp, synchronize, _ = array_backend(group, args.backend)
-    profile = group_profile(group, backend, what="tune validate")[group.rank]
+    # rank 0's profile on every rank: the swept knob values come from it, so every rank
+    # sweeps the same list and posts the same collectives
+    profile = group_profile(group, backend, what="tune validate")[0]
     printing = group.rank == 0
     progress = Progress("tune validate", enabled=printing and not args.quiet)
     sweep = sweep_weight_sync if args.phase == "weight-sync" else sweep_dispatch
