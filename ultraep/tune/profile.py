@@ -208,7 +208,7 @@ class MachineProfile:
         """A readable summary, one quantity per line."""
         curve = self.compute
         lines = [f"machine profile: {self.device} ({self.backend} backend, {self.sm_count} "
-                 f"{'SMs' if self.backend == 'device' else 'cores'}, {self.sm_share} % of them), "
+                 f"{'SMs' if self.backend == 'device' else 'cores'} at an MPS share of {self.sm_share} %), "
                  f"format version {self.version}, measured {self.measured_at or '-'}",
                  f"  copy        {self.copy_bytes_per_s / 1e9:10.1f} GB/s copied   {self.copy_method}",
                  f"  peer copy   {self.peer_bytes_per_s / 1e9:10.1f} GB/s copied   {self.peer_method}",

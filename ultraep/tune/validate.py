@@ -317,7 +317,7 @@ def run(args) -> int:
         return 0
     summary = summarise(rows)
     title = (f"tune validate --phase {args.phase}: {group.size} ranks ({sharing}), {backend} backend, "
-             f"profile of {profile.device} ({profile.sm_share} % of {profile.sm_count} SMs)")
+             f"profile of {profile.device} ({profile.sm_count} SMs, MPS share {profile.sm_share} %)")
     report(rows, summary, title)
     if args.plot:
         plot(rows, summary, args.plot, title)
