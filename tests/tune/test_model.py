@@ -2,6 +2,8 @@
 must bind (the warps of a small grid, the shared bandwidth of a large one, GEMM waves over
 the CTAs, the reduce tail), the problem's derived quantities, and refusals."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
 from ultraep.tune.model import (DISPATCH_THREADS, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
                                 FusedConfig, Problem, SyncProblem, combine_s, dispatch_s, fused_down_s, fused_up_s,
-                                join, predict, weight_sync_s)
+                                join, predict, pull_s, weight_sync_s)
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
@@ -120,3 +122,39 @@ def test_join_lies_between_the_larger_limit_and_their_sum():
     a, b = np.array([1.0, 1.0, 1.0]), np.array([0.0, 1.0, 10.0])
     joined = join(a, b)
     assert np.all(joined >= np.maximum(a, b)) and np.all(joined <= a + b) and joined[0] == 1.0
+
+
+def test_dispatch_kernels_are_warp_bound_on_small_grids_and_bandwidth_bound_on_resident_ones():
+    """Per grid: a warp per unit, 8 warps a block; the send reads a token once and stores it
+    once per destination rank ((1 + crossings) / 2 rows copied); nothing is flat while the
+    warps bind, nothing moves once the bandwidth does."""
+    row, warps = PROBLEM.row_bytes, DISPATCH_THREADS // 32
+    recv = float(PROBLEM.rows.sum())
+    send_unit = (1 + PROBLEM.crossings) / 2 * row
+    warp_bound = (np.ceil(PROBLEM.tokens / warps) * send_unit + np.ceil(recv / warps) * row) / \
+        PROFILE.copy_warp_bytes_per_s
+    assert float(dispatch_s(PROFILE, PROBLEM, 1)) == pytest.approx(warp_bound, rel=0.02)
+    resident = 8 * PROFILE.sm_count
+    grids = np.arange(1, resident + 1)
+    times = dispatch_s(PROFILE, PROBLEM, grids)
+    assert np.all(np.diff(times) <= 1e-12) and times[0] > 20 * times[-1]
+    copied = PROBLEM.tokens * send_unit + recv * row
+    assert times[-1] < 1.2 * copied / PROFILE.peer_bytes_per_s + 21 * PROFILE.kernel_s + 0.1e-3
+    # the pull reads a token's rows where they lie: the combine's reduction without its sends
+    assert float(pull_s(PROFILE, PROBLEM, resident)) < 0.5 * float(combine_s(PROFILE, PROBLEM, resident))
+
+
+def test_ranks_sharing_a_gpu_share_the_rate_measured_for_them():
+    shared = Problem(4096, 4096, 1536, 8, 64, 4, ranks_per_gpu=4)
+    quarter = h200_like(sm_share=25, peer_bytes_per_s=1.2e12)  # one rank on its 33 SMs
+    assert quarter.usable_sms == quarter.sm_count == 33  # the device reports the share's SMs
+    alone = float(combine_s(quarter, shared, 264))
+    measured = dataclasses.replace(quarter, shared_copy_bytes_per_s=2.4e12, shared_by=4)
+    # four ranks together move twice what one moves alone: each takes half as long as at 4x
+    assert float(combine_s(measured, shared, 264)) == pytest.approx(alone / 2, rel=0.05)
+    # a rate measured for another number of sharers is not used
+    assert float(combine_s(dataclasses.replace(measured, shared_by=2), shared, 264)) == alone
+    # never faster than the rank's own SMs copy
+    fast = dataclasses.replace(quarter, shared_copy_bytes_per_s=100e12, shared_by=4)
+    own = float(combine_s(quarter, Problem(4096, 4096, 1536, 8, 64, 4, slot_rows=shared.slot_rows), 264))
+    assert float(combine_s(fast, shared, 264)) == pytest.approx(own, rel=1e-6)

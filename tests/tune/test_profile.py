@@ -2,6 +2,7 @@
 the cache and its directory, and what happens to a cached file of another version,
 another device, or one that cannot be read."""
 
+import dataclasses
 import json
 
 import pytest
@@ -119,6 +120,9 @@ def test_an_unwritable_cache_is_reported_not_raised(tmp_path, monkeypatch):
 def test_round_trip_and_refusals():
     profile = measured()
     assert MachineProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    shared = dataclasses.replace(profile, shared_copy_bytes_per_s=3e9, shared_by=4)
+    assert MachineProfile.from_json(json.loads(json.dumps(shared.to_json()))) == shared
+    assert shared.gpu_copy_bytes_per_s(4) == 3e9 and shared.gpu_copy_bytes_per_s(2) == profile.peer_bytes_per_s
     data = profile.to_json()
     data["compute"] = dict(data["compute"], rows_per_expert=[32, 4, 256])
     with pytest.raises(ProfileError, match="rows_per_expert must rise"):

@@ -55,8 +55,8 @@ def test_search_covers_over_1e5_configurations_within_the_bound():
 
 def test_the_space_respects_the_machine():
     quarter = knob_values(h200_like(sm_share=25))
-    assert quarter["ctas"].max() == 33 and quarter["sync_blocks"].max() == 4 * 132
-    assert quarter["dispatch_grid"].tolist() == [132 * i for i in range(1, 9)]
+    assert quarter["ctas"].max() == 33 and quarter["sync_blocks"].max() == 4 * 33
+    assert quarter["dispatch_grid"].tolist() == [33 * i for i in range(1, 9)]
     chosen = search(h200_like(sm_share=25), PROBLEM).config.fused
     assert chosen.error(h200_like(sm_share=25)) is None
     with pytest.raises(ProfileError, match="candidate values"):

@@ -1,5 +1,6 @@
 """``python -m ultraep.tune validate``: the summary's arithmetic, the fused phases' refusal,
-and a smoke test of both sweeps on the CPU backend (2 ranks, 5 configurations)."""
+and a smoke test of both sweeps on the CPU backend (2 ranks, 5 configurations, a fresh
+profile cache: rank 0 measures, rank 1 reads it, both measure their copy rate together)."""
 
 import json
 
@@ -50,9 +51,12 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
     assert "mean absolute error" in out and "the model's choice" in out and "predicted_ms" in out
     assert "[bench tune validate]" in err and "(5/5)" in err
     data = json.loads(out_json.read_text())
-    problems = 2 if phase == "dispatch" else 1  # dispatch and combine
-    # dispatch: 4 grids spread over the range and today's 2 per SM, unless one of them is it
-    assert len(data["rows"]) in (5 * problems, 4 * problems) and data["profile"]["backend"] == "host"
+    problems = 3 if phase == "dispatch" else 1  # dispatch, combine and pull
+    assert len(data["rows"]) == 5 * problems and data["profile"]["backend"] == "host"
+    # the two ranks share the host's memory: their copy rate together was measured and cached
+    assert data["profile"]["shared_by"] == 2 and data["profile"]["shared_copy_bytes_per_s"] > 0
+    cached = json.loads(next((tmp_path / "cache").glob("profile-*.json")).read_text())
+    assert cached["shared_by"] == 2 and cached["shared_copy_bytes_per_s"] == data["profile"]["shared_copy_bytes_per_s"]
     assert all(row["measured_ms"] > 0 and row["predicted_ms"] > 0 for row in data["rows"])
     assert len(data["summary"]["problems"]) == problems
     image = matplotlib.image.imread(png)

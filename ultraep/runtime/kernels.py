@@ -9,7 +9,10 @@ with ``nvcc``. A file may add NVRTC options on ``//! nvrtc-options:`` lines (e.g
 
 A module is compiled once per process and cached on disk by CuPy (``CUPY_CACHE_DIR``).
 With a group, local rank 0 compiles first and the others load from the cache after a
-barrier, so ranks never race to write the same cache entry.
+barrier, so ranks never race to write the same cache entry. That barrier comes with the
+group's first load of each module on every rank, whatever the process loaded before
+without the group (a rank that measured a machine profile alone has modules its peers
+lack), so every rank posts the same collectives.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import importlib.resources
 import operator
 import os
 import re
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +35,7 @@ _KERNEL_LINE = re.compile(r"^//!\s*kernels:\s*(.+)$", re.MULTILINE)
 _OPTIONS_LINE = re.compile(r"^//!\s*nvrtc-options:\s*(.+)$", re.MULTILINE)
 _modules: dict[str, object] = {}
 _functions: dict[tuple[str, str], object] = {}
+_group_modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> modules loaded through it
 
 
 def kernel_dir() -> Path:
@@ -82,17 +87,22 @@ def _split_top_level(text: str) -> list[str]:
 
 def load_module(filename: str, *, group: "EPGroup | None" = None):
     """The compiled ``cupy.RawModule`` of ``raw_kernels/<filename>`` (all declared kernels built)."""
+    if group is None:
+        if filename not in _modules:
+            _modules[filename] = _compile(filename)
+        return _modules[filename]
+    loaded = _group_modules.setdefault(group, set())
+    if filename in loaded:
+        return _modules[filename]
+    if group.local_rank != 0:
+        group.barrier(what=f"loading {filename} (local rank 0 compiles it first)")
     module = _modules.get(filename)
-    if module is not None:
-        return module
-    if group is not None and group.local_rank != 0:
-        group.barrier()  # local rank 0 fills the disk cache first
+    if module is None:
         module = _compile(filename)
-    else:
-        module = _compile(filename)
-        if group is not None:
-            group.barrier()
+    if group.local_rank == 0:
+        group.barrier(what=f"loading {filename} (local rank 0 compiles it first)")
     _modules[filename] = module
+    loaded.add(filename)
     return module
 
 
@@ -206,7 +216,7 @@ def get_function(filename: str, name: str, *, group: "EPGroup | None" = None):
     Cached: hot paths look their kernels up on every launch, and reading the source to
     check the declaration cost tens of microseconds of host time per call."""
     function = _functions.get((filename, name))
-    if function is not None:
+    if function is not None and (group is None or filename in _group_modules.get(group, ())):
         return function
     module = load_module(filename, group=group)
     declared = declared_kernels(kernel_source(filename))

@@ -45,6 +45,7 @@ class TokenConfig:
     sync_checks: bool
     dispatcher_id: int    # handles carry it, so a handle from another dispatcher is refused
     expert_output: bool = False  # the heap holds expert_out: combine reads rows where they lie
+    grid: int | None = None      # blocks of the device's persistent copy kernels (None: its default)
 
     @property
     def row_bytes(self) -> int:

@@ -58,6 +58,14 @@ def _whole_warps(threads: int) -> int:
     return max(WARP, -(-threads // WARP) * WARP)
 
 
+def grid_error(grid: int | None, max_grid: int) -> str | None:
+    """Why the copy kernels cannot run on ``grid`` blocks when ``max_grid`` are resident at
+    once, or None (None: the default grid)."""
+    if grid is None or grid <= max_grid:
+        return None
+    return f"grid must be at most the {max_grid} blocks of {THREADS} threads resident at once on this GPU, got {grid}"
+
+
 class DeviceDispatcher:
     """The :class:`~ultraep.token.base.TokenBackend` in CUDA kernels, on the caller's stream."""
 
@@ -92,8 +100,13 @@ class DeviceDispatcher:
         self.local = {name: getattr(buffers, name).local for name in
                       ("count_table", "landing", "row_weight", "row_landing", "row_origin", "slot_rows", "slot_grad_w")
                       + (("expert_out",) if d.expert_output else ())}
-        sms = cupy.cuda.runtime.getDeviceProperties(group.device)["multiProcessorCount"]
-        self.grid = 2 * sms    # persistent copy kernels: two resident blocks per SM
+        properties = cupy.cuda.runtime.getDeviceProperties(group.device)
+        sms = properties["multiProcessorCount"]
+        # the same bound on every rank (the smallest GPU's), so a grid is refused by all or none
+        self.max_grid = min(group.allgather(sms * (properties["maxThreadsPerMultiProcessor"] // THREADS),
+                                            what="Dispatcher set-up (resident copy blocks)"))
+        group.raise_if_any(grid_error(d.grid, self.max_grid), "Dispatcher set-up")
+        self.grid = d.grid or 2 * sms  # persistent copy kernels; default: two resident blocks per SM
         self.row_vecs = d.row_bytes // VECTOR_BYTES
 
     # -- helpers ----------------------------------------------------------------------------

@@ -116,6 +116,11 @@ class Dispatcher:
     A rank that never makes a call: with ``sync_checks`` the others wait in the host
     collective (MPI has no timeout); without, their device/heap waits give up after
     ``timeout_s`` and the error names the missing rank.
+
+    ``grid``: blocks of the device's persistent copy kernels (the sends, the expansion,
+    the combine's sends, sums and pulls), at most as many as the GPU holds resident at
+    once (:attr:`max_grid`); None: two blocks per SM. The same on every rank; the host
+    backend checks it and has no use for it (``ultraep.tune`` chooses it per problem).
     """
 
     _next_id = 0
@@ -123,25 +128,28 @@ class Dispatcher:
     def __init__(self, group: EPGroup, *, hidden: int, dtype: Any, top_k: int, num_experts: int, max_tokens: int,
                  experts_per_rank: int | None = None, max_recv_rows: int | None = None, backend: str = "auto",
                  timeout_s: float = DEFAULT_TIMEOUT_S, sync_checks: bool = True, heap: SymmetricHeap | None = None,
-                 expert_output: bool = False):
+                 expert_output: bool = False, grid: int | None = None):
         error, settings = None, None
         try:
             settings = _set_up(group.size, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank,
                                max_recv_rows)
             if (bad_timeout := timeout_error(timeout_s)) is not None:
                 raise ValueError(bad_timeout)
+            if grid is not None and (isinstance(grid, bool) or not isinstance(grid, (int, np.integer)) or grid < 1):
+                raise ValueError(f"grid must be None or a positive int (blocks of the copy kernels), got {grid!r}")
         except ValueError as exc:
             error = exc
         group.raise_if_any(error, "Dispatcher set-up")
+        grid = None if grid is None else int(grid)
         group.agree(tuple(v.str if isinstance(v, np.dtype) else v for v in settings.values())
-                    + (float(timeout_s), bool(sync_checks), bool(expert_output)),
-                    f"Dispatcher set-up ({', '.join(settings)}, timeout_s, sync_checks, expert_output)")
+                    + (float(timeout_s), bool(sync_checks), bool(expert_output), grid),
+                    f"Dispatcher set-up ({', '.join(settings)}, timeout_s, sync_checks, expert_output, grid)")
         self.group = group
         self.id = Dispatcher._next_id
         Dispatcher._next_id += 1
         self.config = TokenConfig(**settings, rank=group.rank, size=group.size, timeout_s=float(timeout_s),
                                   sync_checks=bool(sync_checks), dispatcher_id=self.id,
-                                  expert_output=bool(expert_output))
+                                  expert_output=bool(expert_output), grid=grid)
         c = self.config
         self.rank, self.size, self.hidden, self.dtype, self.top_k = c.rank, c.size, c.hidden, c.dtype, c.top_k
         self.num_experts, self.experts_per_rank, self.max_tokens = c.num_experts, c.experts_per_rank, c.max_tokens
@@ -211,6 +219,16 @@ class Dispatcher:
                  if layout.num_ranks != group.size else None)
         group.raise_if_any(error, "Dispatcher.for_layout")  # a rank refusing alone would leave its peers waiting
         return cls(group, num_experts=layout.num_physical, experts_per_rank=layout.slots_per_rank, **kwargs)
+
+    @property
+    def grid(self) -> int | None:
+        """Blocks of the device's copy kernels in use (None on the host backend)."""
+        return getattr(self._impl, "grid", None)
+
+    @property
+    def max_grid(self) -> int | None:
+        """The most blocks ``grid`` may be on this group's GPUs (None on the host backend)."""
+        return getattr(self._impl, "max_grid", None)
 
     @property
     def row_bytes(self) -> int:

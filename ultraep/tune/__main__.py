@@ -66,7 +66,8 @@ def search_command(args) -> int:
     results = [search(profile, problem, sync) for _ in range(SEARCH_RUNS)]
     fastest = min(result.seconds for result in results)
     result = results[-1]
-    print(f"profile: {profile.device} ({profile.backend} backend, {profile.sm_share} % of {profile.sm_count} SMs)")
+    print(f"profile: {profile.device} ({profile.backend} backend, {profile.sm_count} SMs, "
+          f"MPS share {profile.sm_share} %)")
     print(f"problem: {problem}" + (f"; weight sync {sync}" if sync else ""))
     print(f"best: {result.config}")
     for phase, seconds in result.predicted.items():

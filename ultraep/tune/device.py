@@ -144,6 +144,25 @@ class DeviceProbe:
                 raise ProfileError(f"the peer copy measured for the machine profile is wrong ({method})")
         return COPY_BYTES / best, method
 
+    def copy_call(self):
+        """``(launch, finish, bytes)``: one heap copy kernel of ``bytes`` bytes within this GPU
+        on every resident thread, and the wait for it."""
+        from ultraep.runtime.kernels import get_function
+
+        cp = self.cp
+        copy = get_function("heap.cu", "copy_bytes")
+        _, sms = self.describe()
+        grid = sms * max(COPY_BLOCKS_PER_SM)
+        with cp.cuda.Device(self.device):
+            source = cp.random.randint(0, 256, COPY_BYTES, dtype=np.uint8)
+            target = cp.empty_like(source)
+            stream = cp.cuda.get_current_stream()
+
+        def launch():
+            with cp.cuda.Device(self.device):
+                copy((grid,), (COPY_THREADS,), (source, target, np.uint64(COPY_BYTES)))
+        return launch, stream.synchronize, COPY_BYTES
+
     def launch_s(self) -> float:
         from ultraep.runtime.kernels import get_function
 

@@ -57,6 +57,12 @@ class HostProbe:
         target = np.empty_like(source)
         return COPY_BYTES / seconds_per_call(lambda: np.copyto(target, source), time.perf_counter)
 
+    def copy_call(self):
+        """``(launch, finish, bytes)``: one peer copy of ``bytes`` bytes and the wait for it."""
+        source = np.full(COPY_BYTES, 0x5A, np.uint8)
+        target = np.empty_like(source)
+        return (lambda: np.copyto(target, source)), (lambda: None), COPY_BYTES
+
     def peer_bytes_per_s(self, copy_bytes_per_s: float) -> tuple[float, str]:
         # The host heap is MPI shared memory: a peer's buffer is mapped into this process
         # and a store there is the same memory copy as a local one.

@@ -12,8 +12,10 @@ The phases and their knobs:
 
 The building blocks, each a quantity the profile measures:
 
-* a copy moves its bytes at most at ``peer_bytes_per_s`` (shared by the ranks copying at
-  once on one GPU's memory), and each warp at most at ``copy_warp_bytes_per_s``: a grid of
+* a copy moves its bytes at most at ``peer_bytes_per_s`` (what this process's SMs reach),
+  ranks copying at once on one GPU together at most at the rate measured for that many
+  (``MachineProfile.gpu_copy_bytes_per_s``), and each warp at most at
+  ``copy_warp_bytes_per_s``: a grid of
   ``w`` warps that splits ``u`` equal units (pieces, rows) among them takes ``ceil(u / w)``
   units' time when the memory is not the limit, and blocks beyond those resident at once
   run in later waves;
@@ -59,9 +61,10 @@ FM_DOWN_COLS = kernel_constant("fused_moe.cu", "FM_DOWN_COLS")
 FM_TASK_WARPS = 4 * kernel_constant("fused_moe.cu", "GH_CONSUMERS")  # send/relay/reduce: the consumer warps
 # What a call enqueues, kernels and CuPy copies (ultraep/token/device.py): dispatch's token
 # map, row plan, send, barriers, expansion and the copies it returns; combine's barriers,
-# send and reduce.
+# send and reduce; a combine from expert_output's barriers and pull.
 DISPATCH_LAUNCHES = 21
 COMBINE_LAUNCHES = 4
+PULL_LAUNCHES = 3
 TOKEN_MAP_KEY_BYTES = 16     # per (token, slot) item: keys and positions written and read back
 
 
@@ -177,6 +180,13 @@ def join(a, b):
     return (a ** JOIN_P + b ** JOIN_P) ** (1.0 / JOIN_P)
 
 
+def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
+    """``copied_bytes`` at the bandwidth: this process's SMs bound its own copy, the GPU's
+    memory all ``sharing`` processes' copies together (each copying as much)."""
+    return np.maximum(copied_bytes / profile.peer_bytes_per_s,
+                      copied_bytes * sharing / profile.gpu_copy_bytes_per_s(sharing))
+
+
 def grid_copy_s(profile: MachineProfile, grid, warps_per_block: int, max_blocks_per_sm: int, units: float,
                 unit_bytes: float, total_bytes: float, sharing: int):
     """A grid-stride copy kernel's body: ``units`` units of ``unit_bytes`` copied each
@@ -187,7 +197,7 @@ def grid_copy_s(profile: MachineProfile, grid, warps_per_block: int, max_blocks_
     block_waves = np.ceil(grid / resident)
     unit_waves = np.ceil(units / (grid * warps_per_block))
     warp_s = block_waves * unit_waves * (unit_bytes / profile.copy_warp_bytes_per_s)
-    return join(total_bytes * sharing / profile.peer_bytes_per_s, warp_s)
+    return join(bandwidth_s(profile, total_bytes, sharing), warp_s)
 
 
 # -- weight sync ---------------------------------------------------------------------------
@@ -205,42 +215,62 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 
 
 # -- dispatch and combine ------------------------------------------------------------------
+#
+# Every copy kernel of the Dispatcher is persistent and grid-stride with a warp per unit (a
+# token, or a received row) and moves a unit in rounds of UNROLL 16-byte vectors per lane:
+# a warp's rate is the profile's per-warp rate (heap.cu's copy keeps as many loads in
+# flight), so ``grid * 8`` resident warps copy at most that many times it, and a kernel's
+# time is its busiest warp's units -- the grid decides it until the bandwidth binds. Bytes
+# below are "copied" bytes (one read and one write each), as the profile's rates count them.
 
 def _dispatch_blocks_per_sm() -> int:
     return MAX_THREADS_PER_SM // DISPATCH_THREADS
 
 
+def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_copied_bytes: float, sharing: int):
+    """One of the Dispatcher's copy kernels on ``grid`` blocks: ``units`` warp units of
+    ``unit_copied_bytes`` each (:func:`grid_copy_s`)."""
+    return grid_copy_s(profile, grid, DISPATCH_THREADS // WARP_THREADS, _dispatch_blocks_per_sm(), units,
+                       unit_copied_bytes, units * unit_copied_bytes, sharing)
+
+
 def dispatch_s(profile: MachineProfile, problem: Problem, grid):
     """``Dispatcher.dispatch``: the token map (its launches, its key traffic and the count
-    barrier), one send per (token, destination rank), the tokens barrier, the receiver's
-    expansion into expert-major rows; ``grid`` sizes the send and the expansion."""
+    barrier); ``send_tokens``, a warp per token reading it once and storing it to each of
+    its ``crossings`` destination ranks (``(1 + crossings) / 2`` rows copied); the tokens
+    barrier; ``expand_rows``, a warp per received row (one row copied). ``grid`` sizes
+    both copy kernels."""
     row = problem.row_bytes
-    sends = problem.tokens * problem.crossings
     recv = float(problem.rows.sum())
     sharing = problem.ranks_per_gpu
-    per_sm = _dispatch_blocks_per_sm()
-    warps = DISPATCH_THREADS // WARP_THREADS
     keys = 2.0 * problem.tokens * problem.top_k * TOKEN_MAP_KEY_BYTES * sharing / profile.copy_bytes_per_s
     device = (DISPATCH_LAUNCHES * profile.kernel_s + keys + 2 * profile.flag_s
-              + grid_copy_s(profile, grid, warps, per_sm, sends, row, sends * row, sharing)
-              + grid_copy_s(profile, grid, warps, per_sm, recv, row, recv * row, sharing))
+              + _copy_kernel_s(profile, grid, problem.tokens, (1.0 + problem.crossings) / 2.0 * row, sharing)
+              + _copy_kernel_s(profile, grid, recv, row, sharing))
     return join(DISPATCH_LAUNCHES * profile.launch_s, device)
 
 
 def combine_s(profile: MachineProfile, problem: Problem, grid):
-    """``Dispatcher.combine``: a barrier, each expert row sent back to its token's rank, a
-    barrier, each token's ``top_k`` rows summed (read ``top_k`` rows, write one)."""
+    """``Dispatcher.combine`` (set up without ``expert_output``): a barrier, ``send_rows``
+    (a warp per received row, one row copied back to its token's rank), a barrier,
+    ``reduce_slots`` (a warp per token: ``top_k`` rows read, one written)."""
     row = problem.row_bytes
     recv = float(problem.rows.sum())
-    tokens, k = problem.tokens, problem.top_k
     sharing = problem.ranks_per_gpu
-    per_sm = _dispatch_blocks_per_sm()
-    warps = DISPATCH_THREADS // WARP_THREADS
-    reduce_bytes = (k + 1) * row / 2.0
     device = (COMBINE_LAUNCHES * profile.kernel_s + 2 * profile.flag_s
-              + grid_copy_s(profile, grid, warps, per_sm, recv, row, recv * row, sharing)
-              + grid_copy_s(profile, grid, warps, per_sm, tokens, reduce_bytes, tokens * reduce_bytes, sharing))
+              + _copy_kernel_s(profile, grid, recv, row, sharing)
+              + _copy_kernel_s(profile, grid, problem.tokens, (problem.top_k + 1) * row / 2.0, sharing))
     return join(COMBINE_LAUNCHES * profile.launch_s, device)
+
+
+def pull_s(profile: MachineProfile, problem: Problem, grid):
+    """``Dispatcher.combine`` from ``expert_output`` (the fused layer's): a barrier,
+    ``pull_slots`` (a warp per token reading its ``top_k`` rows where the experts wrote
+    them, in peers' heaps, and writing one), a barrier. No row is sent back."""
+    sharing = problem.ranks_per_gpu
+    device = (PULL_LAUNCHES * profile.kernel_s + 2 * profile.flag_s
+              + _copy_kernel_s(profile, grid, problem.tokens, (problem.top_k + 1) * problem.row_bytes / 2.0, sharing))
+    return join(PULL_LAUNCHES * profile.launch_s, device)
 
 
 # -- the fused kernels ---------------------------------------------------------------------
@@ -267,7 +297,7 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens):
     send_s = _task_s(profile, send_tokens * problem.crossings, row)
     relay_s = _task_s(profile, FM_BM, row)
     comm_bytes = (sends + float(problem.rows.sum())) * row
-    comm = join(comm_bytes * sharing / profile.peer_bytes_per_s,
+    comm = join(bandwidth_s(profile, comm_bytes, sharing),
                 np.ceil(send_tasks / ctas) * send_s + np.ceil(relays / ctas) * relay_s)
     tiles = np.ceil(up_tiles / ctas) * float(profile.gemm.seconds(problem.hidden))
     return profile.kernel_s + profile.gemm.fixed_s + comm + tiles + profile.flag_s
@@ -290,7 +320,7 @@ def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens)
     reduce_task = _task_s(profile, reduce_tokens, (k + 1) * block_bytes / 2.0)
     reduce_tasks = np.ceil(tokens / reduce_tokens) * col_blocks
     excess = np.maximum(reduce_tasks * reduce_task - idle, 0.0) / ctas
-    reduce_bw = tokens * (k + 1) * problem.row_bytes / 2.0 * problem.ranks_per_gpu / profile.peer_bytes_per_s
+    reduce_bw = bandwidth_s(profile, tokens * (k + 1) * problem.row_bytes / 2.0, problem.ranks_per_gpu)
     tail = join(np.maximum(excess, reduce_task), reduce_bw)
     return profile.kernel_s + profile.gemm.fixed_s + waves * tile + tail
 

@@ -18,6 +18,10 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   while the memory is far from its limit (a grid of a few blocks; on the host the local
   copy: one process is one worker) -- a copy kernel of ``w`` warps moves at most ``w``
   times this, and at most ``peer_bytes_per_s``;
+* ``shared_copy_bytes_per_s`` and ``shared_by``: when several processes share one GPU
+  (the MPS emulation), the peer copy of all of them at once, measured collectively by
+  :func:`~ultraep.tune.replicas.group_profile` and added to the cached file: one process
+  on its share of the SMs need not reach what the GPU's memory moves for all;
 * ``flag_s``: one flag handoff on the device alone -- a system-scope fence, a flag stored
   with release semantics and loaded back with acquire semantics (``heap.cu``'s barrier of
   one rank, less an empty kernel); on the host a store and a load of a shared word;
@@ -56,7 +60,7 @@ import numpy as np
 from ultraep.errors import ProfileError
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
@@ -119,9 +123,9 @@ class TileCost:
 
 @dataclass(frozen=True)
 class MachineProfile:
-    """One device's measured costs (module docstring). ``sm_count``: SMs of the GPU (CPU
-    cores on the host); ``sm_share``: the percentage of them this process may use (an MPS
-    share, else 100)."""
+    """One device's measured costs (module docstring). ``sm_count``: SMs this process sees
+    (CPU cores on the host; under an MPS share the device reports the share's SMs);
+    ``sm_share``: that MPS share in percent, else 100 (it names the cache file)."""
 
     backend: str
     device: str
@@ -139,11 +143,22 @@ class MachineProfile:
     gemm: TileCost
     measured_at: str = ""
     version: int = PROFILE_VERSION
+    shared_copy_bytes_per_s: float = 0.0
+    shared_by: int = 1
+
+    def gpu_copy_bytes_per_s(self, sharing: int) -> float:
+        """What ``sharing`` processes copying at once on one GPU move together: the rate
+        measured with that many (:func:`ultraep.tune.replicas.group_profile`), else this
+        process's own peer copy rate (one process alone taken to reach the memory's limit)."""
+        if sharing > 1 and sharing == self.shared_by and self.shared_copy_bytes_per_s > 0:
+            return self.shared_copy_bytes_per_s
+        return self.peer_bytes_per_s
 
     @property
     def usable_sms(self) -> int:
-        """SMs (cores) this process's work runs on: its share of ``sm_count``, at least one."""
-        return max(1, self.sm_count * self.sm_share // 100)
+        """SMs (cores) this process's work runs on: ``sm_count``, which under an MPS share
+        the device already reports as the share (a quarter of the H200's 132 SMs is 33)."""
+        return self.sm_count
 
     def identity(self) -> tuple[str, str, int]:
         """What a cached profile must match to be reused (besides its version)."""
@@ -178,7 +193,9 @@ class MachineProfile:
                           gemm=TileCost(kernel=_text(gemm, "kernel"), bm=_count(gemm, "bm"), bn=_count(gemm, "bn"),
                                         k=_count(gemm, "k"), tile_s=_positive(gemm, "tile_s"),
                                         fixed_s=_positive(gemm, "fixed_s")),
-                          measured_at=str(data.get("measured_at", "")))
+                          measured_at=str(data.get("measured_at", "")),
+                          shared_copy_bytes_per_s=float(data.get("shared_copy_bytes_per_s", 0.0)),
+                          shared_by=int(data.get("shared_by", 1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"bad or missing field: {exc}") from None
         rows = curve.rows_per_expert
@@ -191,7 +208,7 @@ class MachineProfile:
         """A readable summary, one quantity per line."""
         curve = self.compute
         lines = [f"machine profile: {self.device} ({self.backend} backend, {self.sm_count} "
-                 f"{'SMs' if self.backend == 'device' else 'cores'}, {self.sm_share} % of them), "
+                 f"{'SMs' if self.backend == 'device' else 'cores'} at an MPS share of {self.sm_share} %), "
                  f"format version {self.version}, measured {self.measured_at or '-'}",
                  f"  copy        {self.copy_bytes_per_s / 1e9:10.1f} GB/s copied   {self.copy_method}",
                  f"  peer copy   {self.peer_bytes_per_s / 1e9:10.1f} GB/s copied   {self.peer_method}",
@@ -199,6 +216,9 @@ class MachineProfile:
                  f"  kernel      {self.kernel_s * 1e6:10.2f} us per empty kernel on the device",
                  f"  warp copy   {self.copy_warp_bytes_per_s / 1e9:10.2f} GB/s copied   per warp, far from the "
                  "memory's limit",
+                 f"  shared copy {self.shared_copy_bytes_per_s / 1e9:10.1f} GB/s copied   by {self.shared_by} "
+                 "processes on one GPU at once" if self.shared_copy_bytes_per_s else
+                 "  shared copy          -              (not measured: one process per GPU)",
                  f"  flag        {self.flag_s * 1e6:10.2f} us per release/acquire handoff",
                  f"  GEMM tile   {self.gemm.tile_s * 1e6:10.2f} us per {self.gemm.bm} x {self.gemm.bn} tile over "
                  f"k = {self.gemm.k} on one SM, {self.gemm.fixed_s * 1e6:.2f} us per call beside ({self.gemm.kernel})",
@@ -293,8 +313,9 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
     flag = probe.flag_s()
     say(f"  flag handoff: {flag * 1e6:.2f} us")
     share = sm_share()
-    # the tiles of a call run on every SM (core) this process may use at once
-    gemm = fit_tile_cost(*probe.gemm_tile_times(), workers=max(1, sm_count * share // 100))
+    # the tiles of a call run on every SM (core) this process may use at once: under MPS
+    # the device's SM count is already the share's
+    gemm = fit_tile_cost(*probe.gemm_tile_times(), workers=sm_count)
     say(f"  GEMM tile {gemm.bm} x {gemm.bn} over k = {gemm.k}: {gemm.tile_s * 1e6:.2f} us on one SM, "
         f"{gemm.fixed_s * 1e6:.2f} us per call beside")
     seconds = []

@@ -33,12 +33,14 @@ per replica) and any overlap of weight sync with other work.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ultraep.errors import ProfileError
-from ultraep.tune.profile import MachineProfile, load_profile, stderr_progress
+from ultraep.tune.profile import MachineProfile, load_profile, make_probe, profile_path, stderr_progress, write_profile
 
 if TYPE_CHECKING:
     from ultraep.runtime.group import EPGroup
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
 
 NEVER = 2**31 - 1  # "no replica pays off": larger than any load the planner's int32 arithmetic holds
 PROFILE_TIMEOUT_S = 900.0  # the host's first rank may compile kernels and measure while the others wait
+SHARED_WHAT = "machine profile: the copy rate of the ranks sharing a GPU"
+SHARED_COPY_BATCH_S = 0.05  # each rank's copies of one round of the shared copy last about this long
 
 
 def min_replica_tokens_for(spec_bytes: int, profile: MachineProfile, *, weight_elements: int | None = None,
@@ -92,25 +96,77 @@ def expert_weight_elements(spec: ExpertSpec) -> int:
 
 
 def group_profile(group: EPGroup, backend: str, *, what: str, timeout_s: float = PROFILE_TIMEOUT_S,
-                  then: Callable[[MachineProfile], Any] = lambda profile: profile) -> list:
+                  then: Callable[[MachineProfile], Any] = lambda profile: profile, shared: bool = False) -> list:
     """Collective: every rank's ``then(profile)`` for its machine's profile (of ``backend``,
     ``"host"`` or ``"device"``), in rank order. The first rank of each host loads or
     measures the profile before the host's other ranks look, so a machine is measured once
-    (they then find it in the cache) and no two ranks measure one GPU at once; an error on
-    any rank is raised on every rank, naming ``what`` needed the profile."""
-    error, value = None, None
+    (they then find it in the cache) and no two ranks measure one GPU at once; with
+    ``shared``, where ranks share a GPU, the profile then gets their copy rate together
+    (:func:`shared_copy`). An error on any rank is raised on every rank, naming ``what``
+    needed the profile."""
+    error, profile = None, None
     for turn in (0, 1):
         if (group.local_rank == 0) == (turn == 0):
             try:
                 profile = load_profile(backend, device=group.device,
                                        progress=stderr_progress if group.local_rank == 0 else None)
-                value = then(profile)
             except Exception as exc:  # reported on every rank below, never left to hang the others
                 error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
         if turn == 0:
             group.barrier(timeout_s, what=f"{what} (the first rank of each host measures the machine profile)")
     group.raise_if_any(error, f"{what} (machine profile)", timeout_s=timeout_s)
+    if shared:
+        profile = shared_copy(group, backend, profile, timeout_s=timeout_s)
+    value = None
+    try:
+        value = then(profile)
+    except Exception as exc:
+        error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+    group.raise_if_any(error, what, timeout_s=timeout_s)
     return group.allgather(value, what=what)
+
+
+def shared_copy(group: EPGroup, backend: str, profile: MachineProfile, *,
+                timeout_s: float = PROFILE_TIMEOUT_S) -> MachineProfile:
+    """Collective: ``profile`` with the copy rate of all ranks sharing this rank's GPU
+    copying at once (``shared_copy_bytes_per_s``, ``shared_by``), measured now where any
+    rank's profile lacks it for its count and written to the cache by each host's first rank;
+    unchanged where no GPU is shared. Every rank copies in the same rounds between barriers;
+    a GPU's rate is its ranks' bytes over the window from the first start to the last end
+    (one clock per host), the best of the rounds."""
+    from ultraep.tune.host import ROUNDS
+
+    place = (group.hostname, group.device)
+    places = group.allgather(place, what=f"{SHARED_WHAT} (ranks per GPU)")
+    sharing = places.count(place)
+    if not any(group.allgather(sharing > 1 and profile.shared_by != sharing, what=SHARED_WHAT)):
+        return profile
+    error, best = None, 0.0
+    try:
+        launch, finish, nbytes = make_probe(backend, group.device).copy_call()
+        launch()
+        finish()
+    except Exception as exc:
+        error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+    group.raise_if_any(error, SHARED_WHAT, timeout_s=timeout_s)
+    calls = max(1, int(SHARED_COPY_BATCH_S * profile.peer_bytes_per_s / nbytes))
+    for _ in range(ROUNDS):
+        group.barrier(timeout_s, what=SHARED_WHAT)
+        begin = time.monotonic()
+        for _ in range(calls):
+            launch()
+        finish()
+        spans = group.allgather((place, begin, time.monotonic(), calls * nbytes), what=SHARED_WHAT,
+                                timeout_s=timeout_s)
+        mine = [(b, e, n) for p, b, e, n in spans if p == place]
+        best = max(best, sum(n for _, _, n in mine) / (max(e for _, e, _ in mine) - min(b for b, _, _ in mine)))
+    profile = dataclasses.replace(profile, shared_copy_bytes_per_s=best, shared_by=sharing)
+    if sharing > 1 and group.local_rank == 0:
+        try:
+            write_profile(profile, profile_path(profile.device, profile.sm_share))
+        except OSError as exc:
+            stderr_progress(f"could not add the shared copy rate to the cached profile ({exc})")
+    return profile
 
 
 def agreed_min_replica_tokens(group: EPGroup, spec: ExpertSpec, *, backend: str,

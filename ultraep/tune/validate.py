@@ -7,11 +7,12 @@ measurements, over a sweep of the phase's knob.
   CUDA-graph replays (the schedule compiled before; as ``bench weight-sync``), what
   :func:`~ultraep.tune.model.weight_sync_s` models; on the host every rank times the whole
   collective call.
-* ``dispatch``: ``Dispatcher.dispatch`` and ``combine`` of ``--tokens`` random top-k tokens
-  per rank, over ``--configs`` grids of the Dispatcher's copy kernels, timed as the group's
-  window per call (``bench dispatch``). The Dispatcher has no grid argument yet: the sweep
-  sets its device backend's ``grid`` between calls (the host backend has no grid, so its
-  sweep measures one configuration many times).
+* ``dispatch``: ``Dispatcher.dispatch``, ``combine``, and the combine from
+  ``expert_output`` (``pull``) of ``--tokens`` random top-k tokens per rank, over
+  ``--configs`` values of ``Dispatcher(grid=)`` from one block to the resident bound
+  (``Dispatcher.max_grid``), a Dispatcher per grid, timed as the group's window per call
+  (``bench dispatch``). The host backend has no copy kernels: its sweep measures one
+  configuration many times.
 * ``fused-up`` / ``fused-down``: the fused kernels do not take a configuration yet; the
   command says so and exits with status 2 without measuring anything.
 
@@ -19,7 +20,7 @@ For each problem (fan-out, or token count and op) the table lists every configur
 predicted and measured time; the summary gives the mean absolute error and the worst case,
 and where the model's choice (its fastest predicted configuration) ranks among the
 measured ones, with its measured time over the best measured and against today's constant
-(the weight sync's default grid, the Dispatcher's two blocks per SM). ``--plot`` draws predicted
+(the weight sync's default grid, the Dispatcher's default grid). ``--plot`` draws predicted
 against measured; ``--json`` writes every row. Started without ``mpiexec`` it relaunches
 itself on ``--ranks`` ranks (``--emulate-ep``: under MPS, each rank a share of the SMs).
 """
@@ -37,7 +38,7 @@ PHASES = ("weight-sync", "dispatch", "fused-up", "fused-down")
 FUSED_NOT_CONFIGURABLE = ("the fused kernels (raw_kernels/fused_moe.cu) do not take a configuration yet: "
                           "there is no knob to sweep, so {phase} cannot be validated (nothing was measured)")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
-DISPATCHER_BLOCKS_PER_SM = 2  # the Dispatcher's grid today: two resident blocks per SM (ultraep/token/device.py)
+HOST_MODEL_BLOCKS_PER_CORE = 2  # the grid the model is given for the host backend, which has no copy kernels
 RANK0_SWEEP_TIMEOUT_S = 600.0  # the other ranks wait while rank 0 times a whole weight-sync sweep alone
 
 
@@ -119,20 +120,23 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
             sync = SyncProblem.from_replica_count(plan.replica_count, layout.experts_per_rank, spec.weight_slot_bytes)
             predicted = weight_sync_s(profile, sync, np.asarray(grids))
             problem = f"fan-out {fanout}, {spec.weight_slot_bytes / 1e6:.1f} MB"
-            measured = []
+            measured, error = [], None
             group.barrier(what="weight-sync sweep: every replica checked before rank 0 times alone")
             for i, blocks in enumerate(grids):
                 progress(f"weight sync, {problem}: grid {blocks} ({i + 1}/{len(grids)})")
                 if backend == "device":
                     # rank 0 alone: below the relay threshold only its tasks copy and none waits on a flag
-                    if group.rank == 0:
+                    if group.rank == 0 and error is None:
                         impl, entry = engine.impl, engine._layers[0]
                         measured.append(graph_ms(lambda b=blocks: impl.run_weight_tasks(entry, impl.tables, b),
                                                  args.repeats))
+                        if measured[-1] is None:
+                            error = f"the weight sync of grid {blocks} could not be captured in a CUDA graph"
                 else:
                     measured.append(group_window_ms(group, lambda b=blocks: engine.weight_sync(0, plan, blocks=b),
                                                     args.repeats, synchronize))
-            group.barrier(RANK0_SWEEP_TIMEOUT_S, what=f"weight-sync sweep: rank 0 timing {len(grids)} grids")
+            group.raise_if_any(error, f"weight-sync sweep: rank 0 timing {len(grids)} grids",
+                               timeout_s=RANK0_SWEEP_TIMEOUT_S)
             if group.rank == 0:
                 rows += [{"phase": "weight-sync", "problem": problem, "config": f"blocks={blocks}", "knob": blocks,
                           "default": backend == "device" and blocks == bound, "predicted_ms": float(p) * 1e3,
@@ -155,49 +159,61 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
     from ultraep.bench.timing import group_window_ms
     from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.token import Dispatcher
-    from ultraep.tune.model import Problem, combine_s, dispatch_s
+    from ultraep.tune.model import Problem, combine_s, dispatch_s, pull_s
 
     R = group.size
     if args.experts % R:
         raise SystemExit(f"--experts {args.experts} does not divide over {R} ranks")
     sharing = ranks_per_gpu(group)
-    default = DISPATCHER_BLOCKS_PER_SM * profile.sm_count
-    grids = sorted(set(spread(max(1, profile.sm_count // 4), 8 * profile.sm_count, args.configs - 1)) | {default})
     rows = []
     for tokens in args.tokens:
         rng = np.random.default_rng(args.seed * 1000 + group.rank)
         bits, ids, gates = (xp.asarray(a) for a in random_tokens(rng, tokens, args.hidden, args.experts, args.top_k))
         x = bits.view(BFLOAT16)
-        max_rows = int(tokens * args.top_k * 1.15) + 1024  # uniform routing: about tokens * top_k rows a rank
-        with Dispatcher(group, hidden=args.hidden, dtype="bfloat16", top_k=args.top_k, num_experts=args.experts,
-                        max_tokens=tokens, max_recv_rows=max_rows, backend=backend, sync_checks=False) as disp:
-            recv = xp.empty((disp.max_recv_rows, args.hidden), dtype=x.dtype)
-            combined = xp.empty((tokens, args.hidden), dtype=x.dtype)
-            result = disp.dispatch(x, ids, gates, out=recv)
+        set_up = dict(hidden=args.hidden, dtype="bfloat16", top_k=args.top_k, num_experts=args.experts,
+                      max_tokens=tokens, backend=backend, sync_checks=False,
+                      max_recv_rows=int(tokens * args.top_k * 1.15) + 1024)  # uniform routing: ~tokens * top_k a rank
+        with Dispatcher(group, **set_up) as disp:  # today's grid, and the routing's loads for the model
+            default, bound = disp.grid, disp.max_grid
+            result = disp.dispatch(x, ids, gates)
             disp.check()
             counts = np.asarray(result.counts.get() if hasattr(result.counts, "get") else result.counts, np.int64)
             sent = disp.traffic(result.handle)
-            loads = group.allgather((int(counts.sum()), tuple(int(c) for c in counts), sent.sends / tokens))
-            busiest = max(loads)  # the rank receiving the most rows bounds the group's window
-            problem = Problem(tokens, args.hidden, args.ffn, args.top_k, args.experts, R, ranks_per_gpu=sharing,
-                              slot_rows=busiest[1], sends_per_token=max(load[2] for load in loads))
-            label = f"{tokens} tokens/rank, hidden {args.hidden}"
-            measured = {"dispatch": [], "combine": []}
-            for i, grid in enumerate(grids):
-                progress(f"dispatch, {label}: grid {grid} ({i + 1}/{len(grids)})")
-                if hasattr(disp._impl, "grid"):  # the sweep's hook until the Dispatcher takes a grid
-                    disp._impl.grid = grid
+        loads = group.allgather((int(counts.sum()), tuple(int(c) for c in counts), sent.sends / tokens))
+        busiest = max(loads)  # the rank receiving the most rows bounds the group's window
+        problem = Problem(tokens, args.hidden, args.ffn, args.top_k, args.experts, R, ranks_per_gpu=sharing,
+                          slot_rows=busiest[1], sends_per_token=max(load[2] for load in loads))
+        # every grid the GPU holds resident (the Dispatcher refuses more); on the host, which
+        # has no copy kernels, one configuration (the Dispatcher's None) measured again and again
+        grids = (sorted(set(spread(1, bound, args.configs - 1)) | {default}) if bound is not None
+                 else [None] * args.configs)
+        label = f"{tokens} tokens/rank, hidden {args.hidden}"
+        measured = {"dispatch": [], "combine": [], "pull": []}
+        for i, grid in enumerate(grids):
+            progress(f"dispatch, {label}: grid {grid} ({i + 1}/{len(grids)})")
+            with Dispatcher(group, **set_up, grid=grid) as disp:
+                recv = xp.empty((disp.max_recv_rows, args.hidden), dtype=x.dtype)
+                combined = xp.empty((tokens, args.hidden), dtype=x.dtype)
+                result = disp.dispatch(x, ids, gates, out=recv)
                 measured["dispatch"].append(group_window_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv),
                                                             args.repeats, synchronize))
                 measured["combine"].append(group_window_ms(
                     group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats, synchronize))
-            disp.check()
-        knobs = np.asarray(grids)
-        for op, model in (("dispatch", dispatch_s), ("combine", combine_s)):
+                disp.check()
+            with Dispatcher(group, **set_up, grid=grid, expert_output=True) as disp:
+                expert_out = disp.expert_output()  # the received rows stand in for the experts' outputs
+                combined = xp.empty((tokens, args.hidden), dtype=x.dtype)
+                result = disp.dispatch(x, ids, gates, out=expert_out)
+                measured["pull"].append(group_window_ms(
+                    group, lambda: disp.combine(expert_out, result.handle, out=combined), args.repeats, synchronize))
+                disp.check()
+        knobs = np.asarray(grids if bound is not None else [HOST_MODEL_BLOCKS_PER_CORE * profile.sm_count] * len(grids))
+        for op, model in (("dispatch", dispatch_s), ("combine", combine_s), ("pull", pull_s)):
+            predicted = model(profile, problem, knobs)
             rows += [{"phase": "dispatch", "problem": f"{op}, {label}", "config": f"grid={grid}", "knob": grid,
-                      "default": backend == "device" and grid == default, "predicted_ms": float(p) * 1e3,
+                      "default": grid is not None and grid == default, "predicted_ms": float(p) * 1e3,
                       "measured_ms": m}
-                     for grid, p, m in zip(grids, model(profile, problem, knobs), measured[op])]
+                     for grid, p, m in zip(grids, predicted, measured[op])]
     return rows
 
 
@@ -289,7 +305,9 @@ def run(args) -> int:
 
     group = EPGroup(MPI.COMM_WORLD)
     backend, xp, synchronize, _ = array_backend(group, args.backend)
-    profile = group_profile(group, backend, what="tune validate")[group.rank]
+    # rank 0's profile on every rank: the swept knob values come from it, so every rank
+    # sweeps the same list and posts the same collectives
+    profile = group_profile(group, backend, what="tune validate", shared=True)[0]
     printing = group.rank == 0
     progress = Progress("tune validate", enabled=printing and not args.quiet)
     sweep = sweep_weight_sync if args.phase == "weight-sync" else sweep_dispatch
@@ -299,7 +317,7 @@ def run(args) -> int:
         return 0
     summary = summarise(rows)
     title = (f"tune validate --phase {args.phase}: {group.size} ranks ({sharing}), {backend} backend, "
-             f"profile of {profile.device} ({profile.sm_share} % of {profile.sm_count} SMs)")
+             f"profile of {profile.device} ({profile.sm_count} SMs, MPS share {profile.sm_share} %)")
     report(rows, summary, title)
     if args.plot:
         plot(rows, summary, args.plot, title)
