@@ -151,19 +151,21 @@ __device__ __forceinline__ unsigned stage_ring() {
 }
 
 // This rank's tables in shared memory -- off[j] slot j's first row, mtile[j] its first M-tile
-// (entry spr the totals), tile_start the grouped GEMM's tile prefix over n_cols column
-// blocks of `block_cols` over `cols` -- and the stage ring's barriers, before any task.
-__device__ __forceinline__ void load_tables(int* off, int* mtile, int* tile_start, Pipeline& p, const int* rank_off,
-                                            const int* rank_mtile, int me, int spr, int cols, int block_cols) {
+// (entry spr the totals), tile_start the grouped GEMM's tile prefix over the column blocks
+// of `block_cols` in `cols` -- and the stage ring's barriers, before any task. Returns the
+// number of column blocks.
+__device__ __forceinline__ int load_tables(int* off, int* mtile, int* tile_start, Pipeline& p, const int* rank_off,
+                                           const int* rank_mtile, int me, int spr, int cols, int block_cols) {
     for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
         off[j] = rank_off[me * (spr + 1) + j];
         mtile[j] = rank_mtile[me * (spr + 1) + j];
     }
     __syncthreads();
+    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, ceil_div(cols, block_cols));
     const int n_cols = ceil_div(cols, block_cols);
-    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_cols);
     init_pipeline(p);
     __syncthreads();
+    return n_cols;
 }
 
 // GEMM tile t in the grouped GEMM's order (slot, column block, M-tile): `cols` output columns
@@ -177,6 +179,16 @@ __device__ __forceinline__ Tile gemm_tile(const int* tile_start, const int* off,
 // This rank's index of a tile's M-tile: the index of its tile_ready and done flags.
 __device__ __forceinline__ int mtile_of(const int* mtile, const int* off, const Tile& tile) {
     return mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
+}
+
+// A GEMM tile of relayed rows (kernels A and C) is handed to the block once its M-tile's rows
+// are relayed, tile_ready[m] (acquire); the proxy fence orders the relay's generic stores
+// before this thread's TMA loads of them.
+__device__ __forceinline__ void wait_rows_relayed(const u64* tile_ready, int m, u64 epoch, u64 timeout_ns,
+                                                  long long* status, int me) {
+    // twice the relay's bound: a relay that gives up on a sender records that first
+    wait_flag(tile_ready + m, epoch, 2 * timeout_ns, status, FM_TILE_READY, me, m);
+    asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 // The next task id of this block. Every thread calls it, the producer warpgroup and the
@@ -274,8 +286,10 @@ __device__ __forceinline__ bool take_from_consumers(Pipeline& p, int phase, long
 
 // -- kernels B and D: GEMM tiles into the heap, then the slot-order reduce ---------------------------
 
-// The task loop of kernels B and D after load_tables (over ceil_div(hidden, GH_BN) column
-// blocks). Tasks: GEMM tiles -- MODE's, `tile_of(t)` tile t (columns of GH_BN), `boxes(tile)`
+static_assert(GH_BN == WARP * 8, "a reduce warp covers a tile's columns, 8 BF16 per lane");
+
+// The task loop of kernels B and D after load_tables (over `n_cols` column blocks of hidden,
+// its result). Tasks: GEMM tiles -- MODE's, `tile_of(t)` tile t (columns of GH_BN), `boxes(tile)`
 // load_tile's box mask, task kind `tile_kind` -- whose BF16 output [rows, hidden] goes to the
 // heap's expert_out, then reduce tasks of `chunk` tokens, every column (kind `reduce_kind`).
 // done[m]: M-tile m (this rank's M-tile index), released by the block that finishes its last
@@ -287,17 +301,14 @@ __device__ __forceinline__ bool take_from_consumers(Pipeline& p, int phase, long
 // base); then dispatch.cu's sum_slots over the lane's 8 columns of each block: fp32, slots in
 // order, WEIGHTED each row times its gate (product and sum rounded separately), one BF16
 // rounding into out [tokens, hidden].
-static_assert(GH_BN == WARP * 8, "a reduce warp covers a tile's columns, 8 BF16 per lane");
-
 template <int MODE, bool WEIGHTED, typename TileOf, typename Boxes, typename Slot>
 __device__ __forceinline__ void gemm_tiles_then_reduce(
-    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int hidden, const u64* peer_bases,
-    u64 expert_out_offset, u64 done_offset, int me, int spr, const int* rank_off, const int* rank_mtile,
-    const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed, const long long* ids,
-    const int* positions, const int* base, const float* gates, int tokens, int top_k, int chunk, bf16* out,
-    const uint4* (*slot_row)[WARP], float (*slot_gate)[WARP], Slot slot, int* down_count, u64 epoch, u64 timeout_ns,
-    int* counter, long long* status, u64* trace, int tile_kind, int reduce_kind) {
-    const int n_cols = ceil_div(hidden, GH_BN);
+    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int n_cols, int hidden,
+    const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me, int spr, const int* rank_off,
+    const int* rank_mtile, const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed,
+    const long long* ids, const int* positions, const int* base, const float* gates, int tokens, int top_k, int chunk,
+    bf16* out, const uint4* (*slot_row)[WARP], float (*slot_gate)[WARP], Slot slot, int* down_count, u64 epoch,
+    u64 timeout_ns, int* counter, long long* status, u64* trace, int tile_kind, int reduce_kind) {
     const int n_tiles = tile_start[spr];
     const int total = n_tiles + ceil_div(tokens, chunk);
     const unsigned stages = stage_ring();

@@ -102,15 +102,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     __shared__ Pipeline p;
     __shared__ int claimed;
     if (outcome[0] != FM_OUTCOME_OK) return;  // every block of every rank reads the same verdict
-    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
-        off[j] = rank_off[me * (spr + 1) + j];
-        mtile[j] = rank_mtile[me * (spr + 1) + j];
-    }
-    __syncthreads();
-    const int n_up = ceil_div(ffn, FM_UP_COLS);
-    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_up);
-    init_pipeline(p);
-    __syncthreads();
+    load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FM_UP_COLS);
     const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
     const int n_send = ceil_div(tokens, FM_SEND_TOKENS), n_relay = mtile[spr];
     const int total = n_send + n_relay + tile_start[spr];
@@ -122,21 +114,12 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     bool gave_up = false;
     int step = 0, phase = 0;
     // Tile t of the up tiles: gate columns [c0, c0 + 128) and up columns F + [c0, c0 + 128) of slot j.
-    auto up_tile = [&](int t) {
-        const int j = expert_of_tile(tile_start, spr, t);
-        const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
-        return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FM_UP_COLS, 0, hidden};
-    };
+    auto up_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FM_UP_COLS, hidden); };
     const int first_tile = n_send + n_relay;
-    // An up tile is handed to the block once its rows are relayed (acquire), and the proxy
-    // fence orders the relay's generic stores before this thread's TMA loads of them.
     auto rows_relayed = [&](int task) {
-        if (task < first_tile) return;
-        const Tile tile = up_tile(task - first_tile);
-        const int ready = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
-        // twice the relay's bound: a relay that gives up on a sender records that first
-        wait_flag(tile_ready + ready, epoch, 2 * timeout_ns, status, FM_TILE_READY, me, ready);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
+        if (task >= first_tile)
+            wait_rows_relayed(tile_ready, mtile_of(mtile, off, up_tile(task - first_tile)), epoch, timeout_ns, status,
+                              me);
     };
     auto kind = [&](int task) {
         return task < n_send ? FM_KIND_SEND : task < first_tile ? FM_KIND_RELAY : FM_KIND_UP;
@@ -156,12 +139,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
                                           p.full, p.empty, step, status, gave_up);
                 }
             } else {
-                stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
-                if (!__any_sync(FULL_MASK, gave_up)) {
-                    store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, threadIdx.x - WARP);
-                    __syncwarp();
-                    if (lane == 0) mbarrier_arrive(&p.output_empty);
-                }
+                take_from_consumers(p, phase, status, gave_up, lane,
+                                    [&] { store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, threadIdx.x - WARP); });
             }
             phase ^= 1;
         }
@@ -196,10 +175,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
             const Tile tile = up_tile(task - first_tile);
             float d[128];
             mma_tile<GH_FORWARD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
-            stage_accumulators<true>(d, staged, consumer, warp, lane);
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&p.output_full);
+            hand_to_stores(p, phase, status, gave_up, lane,
+                           [&] { stage_accumulators<true>(d, staged, consumer, warp, lane); });
             phase ^= 1;
         }
     }
@@ -224,13 +201,13 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
     __shared__ const uint4* slot_row[GH_CONSUMERS * 4][FM_MAX_TOP_K];
     __shared__ float slot_gate[GH_CONSUMERS * 4][FM_MAX_TOP_K];
     if (outcome[0] != FM_OUTCOME_OK) return;
-    load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, hidden, FM_DOWN_COLS);
+    const int n_cols = load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, hidden, FM_DOWN_COLS);
     // the boxes of w_down's columns left of H
     auto boxes = [&](const Tile& tile) {
         return (1u << min(GH_BN / GH_BOX, ceil_div(hidden - tile.col0, GH_BOX))) - 1;
     };
     auto tile_of = [&](int t) { return gemm_tile(tile_start, off, spr, t, FM_DOWN_COLS, ffn); };
-    gemm_tiles_then_reduce<GH_FORWARD, true>(&act_map, &w_down_map, tile_of, boxes, hidden, peer_bases,
+    gemm_tiles_then_reduce<GH_FORWARD, true>(&act_map, &w_down_map, tile_of, boxes, n_cols, hidden, peer_bases,
                                              expert_out_offset, done_offset, me, spr, rank_off, rank_mtile, off,
                                              mtile, tile_start, p, &claimed, ids, positions, base, gates, tokens,
                                              top_k, FM_REDUCE_TOKENS, out, slot_row, slot_gate, [](int, u64) {},

@@ -153,15 +153,7 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     __shared__ Pipeline p;
     __shared__ int claimed;
     if (outcome[0] != FB_OUTCOME_OK) return;  // every block of every rank reads the same verdict
-    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
-        off[j] = rank_off[me * (spr + 1) + j];
-        mtile[j] = rank_mtile[me * (spr + 1) + j];
-    }
-    __syncthreads();
-    const int n_dact = ceil_div(ffn, FB_DACT_COLS);
-    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_dact);
-    init_pipeline(p);
-    __syncthreads();
+    load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FB_DACT_COLS);
     const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
     const int n_send = ceil_div(tokens, FB_SEND_TOKENS), n_relay = mtile[spr];
     const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
@@ -172,20 +164,11 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
     bool gave_up = false;
     int step = 0, phase = 0;
-    auto dgrad_tile = [&](int t) {
-        const int j = expert_of_tile(tile_start, spr, t);
-        const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
-        return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FB_DACT_COLS, 0, hidden};
-    };
-    // A dgrad-down tile is handed to the block once its rows are relayed (acquire), and the
-    // proxy fence orders the relay's generic stores before this thread's TMA loads of them.
+    auto dgrad_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FB_DACT_COLS, hidden); };
     auto rows_relayed = [&](int task) {
-        if (task < first_tile) return;
-        const Tile tile = dgrad_tile(task - first_tile);
-        const int ready = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
-        // twice the relay's bound: a relay that gives up on a sender records that first
-        wait_flag(tile_ready + ready, epoch, 2 * timeout_ns, status, FM_TILE_READY, me, ready);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
+        if (task >= first_tile)
+            wait_rows_relayed(tile_ready, mtile_of(mtile, off, dgrad_tile(task - first_tile)), epoch, timeout_ns,
+                              status, me);
     };
     auto kind = [&](int task) {
         return task < n_send ? FB_KIND_SEND : task < first_tile ? FB_KIND_RELAY : FB_KIND_DGRAD_DOWN;
@@ -204,12 +187,8 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
                                         gave_up);
             } else {
                 for (int first = 0; first <= ffn; first += ffn) {  // the gate half, then the up half
-                    stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
-                    if (!__any_sync(FULL_MASK, gave_up)) {
-                        store_dh_half(staged, tile, dh, ffn, first, threadIdx.x - WARP);
-                        __syncwarp();
-                        if (lane == 0) mbarrier_arrive(&p.output_empty);
-                    }
+                    take_from_consumers(p, phase, status, gave_up, lane,
+                                        [&] { store_dh_half(staged, tile, dh, ffn, first, threadIdx.x - WARP); });
                     phase ^= 1;
                 }
             }
@@ -244,15 +223,11 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
             const Tile tile = dgrad_tile(task - first_tile);
             float d[128];
             mma_tile<GH_DGRAD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
-            stage_dgrad_gate(d, staged, tile, h, ffn, consumer, warp, lane);
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&p.output_full);
+            hand_to_stores(p, phase, status, gave_up, lane,
+                           [&] { stage_dgrad_gate(d, staged, tile, h, ffn, consumer, warp, lane); });
             phase ^= 1;
-            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
-            stage_accumulators<false>(d, staged, consumer, warp, lane);
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&p.output_full);
+            hand_to_stores(p, phase, status, gave_up, lane,
+                           [&] { stage_accumulators<false>(d, staged, consumer, warp, lane); });
             phase ^= 1;
         }
     }
@@ -277,14 +252,14 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
     __shared__ int claimed;
     __shared__ const uint4* slot_row[GH_CONSUMERS * 4][FB_MAX_TOP_K];
     if (outcome[0] != FB_OUTCOME_OK) return;
-    load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, hidden, FB_DOWN_COLS);
+    const int n_cols = load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, hidden, FB_DOWN_COLS);
     auto tile_of = [&](int t) { return gemm_tile(tile_start, off, spr, t, FB_DOWN_COLS, 2 * ffn); };
     auto copy_gate_grad = [&](int i, u64 heap) {
         d_gates[i] = reinterpret_cast<const float*>(heap + slot_grad_w_offset)[i];
     };
     gemm_tiles_then_reduce<GH_DGRAD, false>(
-        &dh_map, &w_up_map, tile_of, [](const Tile&) { return 0u; }, hidden, peer_bases, expert_out_offset, done_offset,
-        me, spr, rank_off, rank_mtile, off, mtile, tile_start, p, &claimed, ids, positions, base,
+        &dh_map, &w_up_map, tile_of, [](const Tile&) { return 0u; }, n_cols, hidden, peer_bases, expert_out_offset,
+        done_offset, me, spr, rank_off, rank_mtile, off, mtile, tile_start, p, &claimed, ids, positions, base,
         static_cast<const float*>(nullptr), tokens, top_k, FB_REDUCE_TOKENS, dx, slot_row,
         static_cast<float(*)[WARP]>(nullptr), copy_gate_grad, down_count, epoch, timeout_ns, counter, status,
         static_cast<u64*>(nullptr), FB_KIND_DGRAD_UP, FB_KIND_REDUCE);
