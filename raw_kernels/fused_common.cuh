@@ -191,6 +191,20 @@ __device__ __forceinline__ void wait_rows_relayed(const u64* tile_ready, int m, 
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// The end of a relay task (kernels A and C): the proxy fence orders the relayed rows before
+// the TMA loads of the tiles that read them, the fence at gpu scope or (SYSTEM) system scope
+// before the flag; once every consumer warp is done, one thread releases tile_ready[m].
+template <bool SYSTEM>
+__device__ __forceinline__ void release_relayed(u64* tile_ready, int m, u64 epoch, const long long* status) {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    if constexpr (SYSTEM)
+        __threadfence_system();
+    else
+        __threadfence();
+    consumers_sync();
+    if (threadIdx.x == 128 && !aborted(status)) store_release_sys(tile_ready + m, epoch);
+}
+
 // The next task id of this block. Every thread calls it, the producer warpgroup and the
 // consumers from their own loops (a named barrier of the whole block); the first barrier
 // means every thread has read the last id.

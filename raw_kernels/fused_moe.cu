@@ -167,10 +167,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
                 warp_copy_row(landing + static_cast<long long>(row_landing[row]) * row_vecs,
                               recv + static_cast<long long>(row) * row_vecs, row_vecs, lane);
             }
-            asm volatile("fence.proxy.async.global;" ::: "memory");  // the TMA of an up tile reads these rows
-            __threadfence();
-            consumers_sync();
-            if (threadIdx.x == 128 && !aborted(status)) store_release_sys(tile_ready + tile, epoch);
+            release_relayed<false>(tile_ready, tile, epoch, status);
         } else {
             const Tile tile = up_tile(task - first_tile);
             float d[128];

@@ -215,10 +215,8 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
                 relay_grad_row(row, landing, row_landing, row_weight, row_origin, y, grad_y, row_vecs, peer_bases,
                                slot_grad_w_offset, max_tokens * top_k, lane);
             }
-            asm volatile("fence.proxy.async.global;" ::: "memory");  // the TMA of a dgrad tile reads these rows
-            __threadfence_system();  // and the sources read their gate gradients after kernel D's flags
-            consumers_sync();
-            if (threadIdx.x == 128 && !aborted(status)) store_release_sys(tile_ready + tile, epoch);
+            // system scope: the sources read their gate gradients after kernel D's flags
+            release_relayed<true>(tile_ready, tile, epoch, status);
         } else {
             const Tile tile = dgrad_tile(task - first_tile);
             float d[128];
