@@ -1,7 +1,10 @@
 // What the fused MoE kernels share (fused_moe.cu, fused_moe_backward.cu): the status and
-// timeline words, bounded flag waits, the token send and row copy of a warp, and the task
-// loop's pieces -- claiming a task, the GEMM stage ring, staging accumulators for the store
-// warps. ultraep/integration/fused.py states the task semantics they serve.
+// timeline words, bounded flag waits, the token send and row copy of a warp, the task loop's
+// pieces -- the shared tables, claiming a task, the GEMM stage ring and its hand-overs to the
+// store warps, the relay's release -- and the whole task loop of kernels B and D (GEMM tiles
+// into the heap, then the slot-order reduce). Everything is inline: a function call anywhere
+// in a kernel makes ptxas serialise its wgmma instructions. ultraep/integration/fused.py
+// states the task semantics they serve.
 #pragma once
 
 #include <cuda_bf16.h>
