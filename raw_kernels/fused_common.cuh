@@ -1,8 +1,9 @@
 // What the fused MoE kernels share (fused_moe.cu, fused_moe_backward.cu): the status and
 // timeline words, bounded flag waits, the token send and row copy of a warp, the task loop's
 // pieces -- the shared tables, claiming a task, the GEMM stage ring and its hand-overs to the
-// store warps, the relay's release -- and the whole task loop of kernels B and D (GEMM tiles
-// into the heap, then the slot-order reduce). Everything is inline: a function call anywhere
+// store warps, the relay's release -- and the task loops themselves: kernels A and C's (send,
+// relay, GEMM tiles of the relayed rows) and kernels B and D's (GEMM tiles into the heap, then
+// the slot-order reduce). Everything is inline: a function call anywhere
 // in a kernel makes ptxas serialise its wgmma instructions. ultraep/integration/fused.py
 // states the task semantics they serve.
 #pragma once
@@ -299,6 +300,104 @@ __device__ __forceinline__ bool take_from_consumers(Pipeline& p, int phase, long
         if (lane == 0) mbarrier_arrive(&p.output_empty);
     }
     return stored;
+}
+
+// -- kernels A and C: send, relay, then GEMM tiles of the relayed rows -------------------------------
+
+// The task loop of kernels A and C after load_tables. Tasks: [0, n_send) send tasks of `chunk`
+// tokens of src (send_token, a consumer warp per token; kind `send_kind`); one relay per
+// M-tile, slot then M-tile (kind `relay_kind`): a consumer warp per row waits for its row_flag
+// and runs `relay_row(row, landing, row_landing)` (this rank's landing rows and the heap's
+// row_landing), then release_relayed<SYSTEM>; then GEMM tiles (kind `tile_kind`), MODE's,
+// `tile_of(t)` tile t, each handed to the block once its M-tile is relayed. The producer thread
+// loads a tile with load_tile's `boxes(tile)` and `b_split`; its accumulators go to the store
+// warps in HALVES stagings: `stage(d, tile, half, staged, consumer, warp, lane)` on the
+// consumers, `store(staged, tile, first)` on the store warps, `first` the staging's column
+// offset (0, then half_cols).
+template <int MODE, bool SYSTEM, int HALVES, typename TileOf, typename Boxes, typename RelayRow, typename Store,
+          typename Stage>
+__device__ __forceinline__ void send_relay_then_gemm(
+    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, int half_cols,
+    const uint4* src, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
+    const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
+    u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk,
+    const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed, u64* tile_ready,
+    RelayRow relay_row, Store store, Stage stage, u64 epoch, u64 timeout_ns, int* counter, long long* status,
+    u64* trace, int send_kind, int relay_kind, int tile_kind) {
+    const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
+    const int n_send = ceil_div(tokens, chunk), n_relay = mtile[spr];
+    const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
+    const unsigned stages = stage_ring();
+    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
+    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
+    const int cwarp = (threadIdx.x - 128) / WARP;  // consumer warp 0..7
+    const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
+    bool gave_up = false;
+    int step = 0, phase = 0;
+    auto rows_relayed = [&](int task) {
+        if (task >= first_tile)
+            wait_rows_relayed(tile_ready, mtile_of(mtile, off, tile_of(task - first_tile)), epoch, timeout_ns, status,
+                              me);
+    };
+    auto kind = [&](int task) { return task < n_send ? send_kind : task < first_tile ? relay_kind : tile_kind; };
+    int last = total;
+    auto next = [&] { return claim(counter, claimed, total, rows_relayed, kind, trace, last); };
+
+    if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
+        for (int task = next(); task < total; task = next()) {
+            if (task < first_tile) continue;
+            const Tile tile = tile_of(task - first_tile);
+            if (warp == 0) {
+                if (lane == 0 && !gave_up)
+                    load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step, status,
+                                    gave_up);
+            } else if constexpr (HALVES == 1) {
+                take_from_consumers(p, phase, status, gave_up, lane, [&] { store(staged, tile, 0); });
+            } else {  // HALVES == 2
+                for (int first = 0; first <= half_cols; first += half_cols) {
+                    take_from_consumers(p, phase, status, gave_up, lane, [&] { store(staged, tile, first); });
+                    phase ^= 1;
+                }
+            }
+            if constexpr (HALVES == 1) phase ^= 1;  // the load warp's copy goes unread
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
+    const int consumer = warpgroup - 1;
+    for (int task = next(); task < total; task = next()) {
+        if (task < n_send) {
+            const int end = min(tokens, (task + 1) * chunk);
+            for (int t = task * chunk + cwarp; t < end; t += GH_CONSUMERS * 4)
+                send_token(t, src, top_k, row_vecs, ids, gates, positions, base, n, peer_bases, landing_offset,
+                           weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr, max_tokens,
+                           epoch, lane);
+        } else if (task < first_tile) {
+            const int tile = task - n_send;
+            const int j = expert_of_tile(mtile, spr, tile);
+            const int lo = off[j] + (tile - mtile[j]) * GH_BM, hi = min(off[j + 1], lo + GH_BM);
+            const u64 heap = peer_bases[me];
+            const uint4* landing = reinterpret_cast<const uint4*>(heap + landing_offset);
+            const int* row_landing = reinterpret_cast<const int*>(heap + row_landing_offset);
+            for (int row = lo + cwarp; row < hi; row += GH_CONSUMERS * 4) {
+                wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
+                relay_row(row, landing, row_landing);
+            }
+            release_relayed<SYSTEM>(tile_ready, tile, epoch, status);
+        } else {
+            const Tile tile = tile_of(task - first_tile);
+            float d[128];
+            mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+#pragma unroll
+            for (int half = 0; half < HALVES; ++half) {
+                hand_to_stores(p, phase, status, gave_up, lane,
+                               [&] { stage(d, tile, half, staged, consumer, warp, lane); });
+                phase ^= 1;
+            }
+        }
+    }
 }
 
 // -- kernels B and D: GEMM tiles into the heap, then the slot-order reduce ---------------------------

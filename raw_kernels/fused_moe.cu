@@ -88,7 +88,9 @@ extern "C" __global__ void fused_plan(const int* table, int ranks, int num_exper
 // -- kernel A: dispatch + up-projection ------------------------------------------------------------
 
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then up tiles in
-// the grouped GEMM's order (slot, column block, M-tile). recv_map: recv [max_rows, H] as
+// the grouped GEMM's order (slot, column block, M-tile): send_relay_then_gemm, the relay a row
+// copy into recv (gpu-scope fence: only this rank's TMA reads it), an up tile's epilogue
+// SwiGLU into act [rows, F]. recv_map: recv [max_rows, H] as
 // (H, rows), box 64 x 128; w_up_map: w_up [slots, H, 2F] as (2F, H, slots), boxes 64 x 64 x 1.
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_constant__ TensorMap w_up_map,
@@ -103,80 +105,29 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     __shared__ int claimed;
     if (outcome[0] != FM_OUTCOME_OK) return;  // every block of every rank reads the same verdict
     load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FM_UP_COLS);
-    const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
-    const int n_send = ceil_div(tokens, FM_SEND_TOKENS), n_relay = mtile[spr];
-    const int total = n_send + n_relay + tile_start[spr];
-    const unsigned stages = stage_ring();
-    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
-    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
-    const int cwarp = (threadIdx.x - 128) / WARP;  // consumer warp 0..7
-    const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
-    bool gave_up = false;
-    int step = 0, phase = 0;
     // Tile t of the up tiles: gate columns [c0, c0 + 128) and up columns F + [c0, c0 + 128) of slot j.
     auto up_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FM_UP_COLS, hidden); };
-    const int first_tile = n_send + n_relay;
-    auto rows_relayed = [&](int task) {
-        if (task >= first_tile)
-            wait_rows_relayed(tile_ready, mtile_of(mtile, off, up_tile(task - first_tile)), epoch, timeout_ns, status,
-                              me);
+    auto boxes = [&](const Tile& tile) {
+        const unsigned half = ffn - tile.col0 > GH_BOX ? 3u : 1u;  // each half's boxes left of F
+        return half | half << 2;
     };
-    auto kind = [&](int task) {
-        return task < n_send ? FM_KIND_SEND : task < first_tile ? FM_KIND_RELAY : FM_KIND_UP;
+    auto relay_row = [&](int row, const uint4* landing, const int* row_landing) {
+        const int row_vecs = hidden * 2 / 16;
+        warp_copy_row(landing + static_cast<long long>(row_landing[row]) * row_vecs,
+                      recv + static_cast<long long>(row) * row_vecs, row_vecs, threadIdx.x % WARP);
     };
-    int last = total;
-    auto next = [&] { return claim(counter, &claimed, total, rows_relayed, kind, trace, last); };
-
-    if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = next(); task < total; task = next()) {
-            if (task < first_tile) continue;
-            const Tile tile = up_tile(task - first_tile);
-            if (warp == 0) {
-                if (lane == 0 && !gave_up) {
-                    const unsigned half = ffn - tile.col0 > GH_BOX ? 3u : 1u;  // each half's boxes left of F
-                    load_tile<GH_FORWARD>(&recv_map, &w_up_map, tile, 1, half | half << 2, ffn - FM_UP_COLS, stages,
-                                          p.full, p.empty, step, status, gave_up);
-                }
-            } else {
-                take_from_consumers(p, phase, status, gave_up, lane,
-                                    [&] { store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, threadIdx.x - WARP); });
-            }
-            phase ^= 1;
-        }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
-    const int consumer = warpgroup - 1;
-    for (int task = next(); task < total; task = next()) {
-        if (task < n_send) {
-            const int last = min(tokens, (task + 1) * FM_SEND_TOKENS);
-            for (int t = task * FM_SEND_TOKENS + cwarp; t < last; t += GH_CONSUMERS * 4)
-                send_token(t, x, top_k, row_vecs, ids, gates, positions, base, n, peer_bases, landing_offset,
-                           weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr, max_tokens,
-                           epoch, lane);
-        } else if (task < first_tile) {
-            const int tile = task - n_send;
-            const int j = expert_of_tile(mtile, spr, tile);
-            const int lo = off[j] + (tile - mtile[j]) * FM_BM, hi = min(off[j + 1], lo + FM_BM);
-            const uint4* landing = reinterpret_cast<const uint4*>(peer_bases[me] + landing_offset);
-            const int* row_landing = reinterpret_cast<const int*>(peer_bases[me] + row_landing_offset);
-            for (int row = lo + cwarp; row < hi; row += GH_CONSUMERS * 4) {
-                wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
-                warp_copy_row(landing + static_cast<long long>(row_landing[row]) * row_vecs,
-                              recv + static_cast<long long>(row) * row_vecs, row_vecs, lane);
-            }
-            release_relayed<false>(tile_ready, tile, epoch, status);
-        } else {
-            const Tile tile = up_tile(task - first_tile);
-            float d[128];
-            mma_tile<GH_FORWARD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            hand_to_stores(p, phase, status, gave_up, lane,
-                           [&] { stage_accumulators<true>(d, staged, consumer, warp, lane); });
-            phase ^= 1;
-        }
-    }
+    auto store = [&](unsigned staged, const Tile& tile, int) {
+        store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, threadIdx.x - WARP);
+    };
+    auto stage = [&](const float (&d)[128], const Tile&, int, unsigned staged, int consumer, int warp, int lane) {
+        stage_accumulators<true>(d, staged, consumer, warp, lane);
+    };
+    // the up half's boxes are F further than the gate half's
+    send_relay_then_gemm<GH_FORWARD, false, 1>(
+        &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, 0, x, tokens, top_k, hidden, ids, gates, positions,
+        base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
+        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, store, stage, epoch,
+        timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
 }
 
 // -- kernel B: down-projection + combine -----------------------------------------------------------

@@ -133,7 +133,9 @@ __device__ __forceinline__ void relay_grad_row(int row, const uint4* landing, co
 // -- kernel C: gradient dispatch + dgrad of down ------------------------------------------------
 
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then dgrad-down
-// tiles in the grouped GEMM's order (slot, column block, M-tile). grad_y_map: grad_y
+// tiles in the grouped GEMM's order (slot, column block, M-tile): the forward kernel A's
+// send_relay_then_gemm, the relay relay_grad_row, a tile's epilogue SwiGLU's backward into dh's
+// gate half and up half (two stagings). grad_y_map: grad_y
 // [max_rows, H] as (H, rows), box 64 x 128; w_down_map: w_down [slots, F, H] as (H, F, slots),
 // box 64 x 256 x 1. row_landing, row_weight, row_origin: the forward's receive-row metadata
 // (the Dispatcher's handle). The send is the forward's send_token over dy: it rewrites each
@@ -154,81 +156,29 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     __shared__ int claimed;
     if (outcome[0] != FB_OUTCOME_OK) return;  // every block of every rank reads the same verdict
     load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FB_DACT_COLS);
-    const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
-    const int n_send = ceil_div(tokens, FB_SEND_TOKENS), n_relay = mtile[spr];
-    const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
-    const unsigned stages = stage_ring();
-    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
-    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
-    const int cwarp = (threadIdx.x - 128) / WARP;  // consumer warp 0..7
-    const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
-    bool gave_up = false;
-    int step = 0, phase = 0;
     auto dgrad_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FB_DACT_COLS, hidden); };
-    auto rows_relayed = [&](int task) {
-        if (task >= first_tile)
-            wait_rows_relayed(tile_ready, mtile_of(mtile, off, dgrad_tile(task - first_tile)), epoch, timeout_ns,
-                              status, me);
+    auto relay_row = [&](int row, const uint4* landing, const int*) {  // the handle's row_landing
+        relay_grad_row(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16, peer_bases,
+                       slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
     };
-    auto kind = [&](int task) {
-        return task < n_send ? FB_KIND_SEND : task < first_tile ? FB_KIND_RELAY : FB_KIND_DGRAD_DOWN;
+    // dh's gate half (its first F columns), then its up half
+    auto store = [&](unsigned staged, const Tile& tile, int first) {
+        store_dh_half(staged, tile, dh, ffn, first, threadIdx.x - WARP);
     };
-    int last = total;
-    auto next = [&] { return claim(counter, &claimed, total, rows_relayed, kind, static_cast<u64*>(nullptr), last); };
-
-    if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = next(); task < total; task = next()) {
-            if (task < first_tile) continue;
-            const Tile tile = dgrad_tile(task - first_tile);
-            if (warp == 0) {
-                if (lane == 0 && !gave_up)
-                    load_tile<GH_DGRAD>(&grad_y_map, &w_down_map, tile, 1, 0u, 0, stages, p.full, p.empty, step, status,
-                                        gave_up);
-            } else {
-                for (int first = 0; first <= ffn; first += ffn) {  // the gate half, then the up half
-                    take_from_consumers(p, phase, status, gave_up, lane,
-                                        [&] { store_dh_half(staged, tile, dh, ffn, first, threadIdx.x - WARP); });
-                    phase ^= 1;
-                }
-            }
-        }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
-    const int consumer = warpgroup - 1;
-    for (int task = next(); task < total; task = next()) {
-        if (task < n_send) {
-            const int end = min(tokens, (task + 1) * FB_SEND_TOKENS);
-            for (int t = task * FB_SEND_TOKENS + cwarp; t < end; t += GH_CONSUMERS * 4)
-                send_token(t, dy, top_k, row_vecs, ids, gates, positions, base, n, peer_bases, landing_offset,
-                           weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr, max_tokens,
-                           epoch, lane);
-        } else if (task < first_tile) {
-            const int tile = task - n_send;
-            const int j = expert_of_tile(mtile, spr, tile);
-            const int lo = off[j] + (tile - mtile[j]) * FB_BM, hi = min(off[j + 1], lo + FB_BM);
-            const uint4* landing = reinterpret_cast<const uint4*>(peer_bases[me] + landing_offset);
-            for (int row = lo + cwarp; row < hi; row += GH_CONSUMERS * 4) {
-                wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
-                relay_grad_row(row, landing, row_landing, row_weight, row_origin, y, grad_y, row_vecs, peer_bases,
-                               slot_grad_w_offset, max_tokens * top_k, lane);
-            }
-            // system scope: the sources read their gate gradients after kernel D's flags
-            release_relayed<true>(tile_ready, tile, epoch, status);
-        } else {
-            const Tile tile = dgrad_tile(task - first_tile);
-            float d[128];
-            mma_tile<GH_DGRAD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            hand_to_stores(p, phase, status, gave_up, lane,
-                           [&] { stage_dgrad_gate(d, staged, tile, h, ffn, consumer, warp, lane); });
-            phase ^= 1;
-            hand_to_stores(p, phase, status, gave_up, lane,
-                           [&] { stage_accumulators<false>(d, staged, consumer, warp, lane); });
-            phase ^= 1;
-        }
-    }
+    auto stage = [&](float (&d)[128], const Tile& tile, int half, unsigned staged, int consumer, int warp,
+                     int lane) {
+        if (half == 0)
+            stage_dgrad_gate(d, staged, tile, h, ffn, consumer, warp, lane);
+        else
+            stage_accumulators<false>(d, staged, consumer, warp, lane);
+    };
+    // system-scope relay fences: the sources read their gate gradients after kernel D's flags
+    send_relay_then_gemm<GH_DGRAD, true, 2>(
+        &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, ffn, dy, tokens, top_k, hidden, ids,
+        gates, positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset,
+        row_flag_offset, me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready,
+        relay_row, store, stage, epoch, timeout_ns, counter, status, static_cast<u64*>(nullptr), FB_KIND_SEND,
+        FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
 }
 
 // -- kernel D: dgrad of up + gradient combine -----------------------------------------------------
