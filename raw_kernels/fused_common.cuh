@@ -1,7 +1,11 @@
 // What the fused MoE kernels share (fused_moe.cu, fused_moe_backward.cu): the status and
-// timeline words, bounded flag waits, the token send and row copy of a warp, and the task
-// loop's pieces -- claiming a task, the GEMM stage ring, staging accumulators for the store
-// warps. ultraep/integration/fused.py states the task semantics they serve.
+// timeline words, bounded flag waits, the token send and row copy of a warp, the task loop's
+// pieces -- the shared tables, claiming a task, the GEMM stage ring and its hand-overs to the
+// store warps, the relay's release -- and the task loops themselves: kernels A and C's (send,
+// relay, GEMM tiles of the relayed rows) and kernels B and D's (GEMM tiles into the heap, then
+// the slot-order reduce). Everything is inline: a function call anywhere
+// in a kernel makes ptxas serialise its wgmma instructions. ultraep/integration/fused.py
+// states the task semantics they serve.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,6 +14,7 @@
 #include "swiglu.cuh"
 
 #define FM_UNROLL 4              // 16-byte loads in flight per lane in copies
+#define FM_REDUCE_UNROLL 8       // slots read at once per lane in a reduce
 
 // status[0] (after the grouped GEMM's codes 1..4), then status[1] the flag, status[2] the
 // rank waited on, [3] the flag's index, [4] the epoch expected, [5] the value seen, [6] the block.
@@ -142,6 +147,68 @@ __device__ __forceinline__ void init_pipeline(Pipeline& p) {
     }
 }
 
+// The stage ring in dynamic shared memory, 1024-aligned for the swizzled TMA boxes; the
+// staging buffer of the store warps follows it (GH_STAGES * GH_STAGE_BYTES further).
+__device__ __forceinline__ unsigned stage_ring() {
+    extern __shared__ unsigned char dynamic_shared[];
+    return (shared_address(dynamic_shared) + 1023) & ~1023u;
+}
+
+// This rank's tables in shared memory -- off[j] slot j's first row, mtile[j] its first M-tile
+// (entry spr the totals), tile_start the grouped GEMM's tile prefix over the column blocks
+// of `block_cols` in `cols` -- and the stage ring's barriers, before any task. Returns the
+// number of column blocks.
+__device__ __forceinline__ int load_tables(int* off, int* mtile, int* tile_start, Pipeline& p, const int* rank_off,
+                                           const int* rank_mtile, int me, int spr, int cols, int block_cols) {
+    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
+        off[j] = rank_off[me * (spr + 1) + j];
+        mtile[j] = rank_mtile[me * (spr + 1) + j];
+    }
+    __syncthreads();
+    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, ceil_div(cols, block_cols));
+    const int n_cols = ceil_div(cols, block_cols);
+    init_pipeline(p);
+    __syncthreads();
+    return n_cols;
+}
+
+// GEMM tile t in the grouped GEMM's order (slot, column block, M-tile): `cols` output columns
+// per block, a reduction over `k`.
+__device__ __forceinline__ Tile gemm_tile(const int* tile_start, const int* off, int spr, int t, int cols, int k) {
+    const int j = expert_of_tile(tile_start, spr, t);
+    const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
+    return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * cols, 0, k};
+}
+
+// This rank's index of a tile's M-tile: the index of its tile_ready and done flags.
+__device__ __forceinline__ int mtile_of(const int* mtile, const int* off, const Tile& tile) {
+    return mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
+}
+
+// A GEMM tile of relayed rows (kernels A and C) is handed to the block once its M-tile's rows
+// are relayed, tile_ready[m] (acquire); the proxy fence orders the relay's generic stores
+// before this thread's TMA loads of them.
+__device__ __forceinline__ void wait_rows_relayed(const u64* tile_ready, int m, u64 epoch, u64 timeout_ns,
+                                                  long long* status, int me) {
+    // twice the relay's bound: a relay that gives up on a sender records that first
+    wait_flag(tile_ready + m, epoch, 2 * timeout_ns, status, FM_TILE_READY, me, m);
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// The end of a relay task (kernels A and C): the proxy fence orders the relayed rows before
+// the TMA loads of the tiles that read them, the fence at gpu scope or (SYSTEM) system scope
+// before the flag; once every consumer warp is done, one thread releases tile_ready[m].
+template <bool SYSTEM>
+__device__ __forceinline__ void release_relayed(u64* tile_ready, int m, u64 epoch, const long long* status) {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    if constexpr (SYSTEM)
+        __threadfence_system();
+    else
+        __threadfence();
+    consumers_sync();
+    if (threadIdx.x == 128 && !aborted(status)) store_release_sys(tile_ready + m, epoch);
+}
+
 // The next task id of this block. Every thread calls it, the producer warpgroup and the
 // consumers from their own loops (a named barrier of the whole block); the first barrier
 // means every thread has read the last id.
@@ -205,4 +272,270 @@ __device__ __forceinline__ void stage_accumulators(const float (&d)[128], unsign
             asm volatile("st.shared.b32 [%0], %1;" :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
                          "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
         }
+}
+
+// A consumer warp's hand-over of a tile to the store warps: once they have freed the staging
+// buffer of `phase`, `stage()` stages this thread's part, then the warp signals it. The caller
+// flips phase, as the store warps do.
+template <typename Stage>
+__device__ __forceinline__ void hand_to_stores(Pipeline& p, int phase, long long* status, bool& gave_up, int lane,
+                                               Stage stage) {
+    stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+    stage();
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(&p.output_full);
+}
+
+// A store warp's side: once the consumers have staged a tile, `store()` stores this thread's
+// part and the warp frees the buffer -- unless a wait anywhere in the warp gave up. True if
+// it stored.
+template <typename Store>
+__device__ __forceinline__ bool take_from_consumers(Pipeline& p, int phase, long long* status, bool& gave_up, int lane,
+                                                    Store store) {
+    stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
+    const bool stored = !__any_sync(FULL_MASK, gave_up);
+    if (stored) {
+        store();
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&p.output_empty);
+    }
+    return stored;
+}
+
+// -- kernels A and C: send, relay, then GEMM tiles of the relayed rows -------------------------------
+
+// The task loop of kernels A and C after load_tables. Tasks: [0, n_send) send tasks of `chunk`
+// tokens of src (send_token, a consumer warp per token; kind `send_kind`); one relay per
+// M-tile, slot then M-tile (kind `relay_kind`): a consumer warp per row waits for its row_flag
+// and runs `relay_row(row, landing, row_landing)` (this rank's landing rows and the heap's
+// row_landing), then release_relayed<SYSTEM>; then GEMM tiles (kind `tile_kind`), MODE's,
+// `tile_of(t)` tile t, each handed to the block once its M-tile is relayed. The producer thread
+// loads a tile with load_tile's `boxes(tile)` and `b_split`; its accumulators go to the store
+// warps in HALVES stagings: `stage(d, tile, half, staged, consumer, warp, lane)` on the
+// consumers, `store(staged, tile, first)` on the store warps, `first` the staging's column
+// offset (0, then half_cols).
+template <int MODE, bool SYSTEM, int HALVES, typename TileOf, typename Boxes, typename RelayRow, typename Store,
+          typename Stage>
+__device__ __forceinline__ void send_relay_then_gemm(
+    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, int half_cols,
+    const uint4* src, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
+    const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
+    u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk,
+    const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed, u64* tile_ready,
+    RelayRow relay_row, Store store, Stage stage, u64 epoch, u64 timeout_ns, int* counter, long long* status,
+    u64* trace, int send_kind, int relay_kind, int tile_kind) {
+    const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
+    const int n_send = ceil_div(tokens, chunk), n_relay = mtile[spr];
+    const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
+    const unsigned stages = stage_ring();
+    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
+    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
+    const int cwarp = (threadIdx.x - 128) / WARP;  // consumer warp 0..7
+    const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
+    bool gave_up = false;
+    int step = 0, phase = 0;
+    auto rows_relayed = [&](int task) {
+        if (task >= first_tile)
+            wait_rows_relayed(tile_ready, mtile_of(mtile, off, tile_of(task - first_tile)), epoch, timeout_ns, status,
+                              me);
+    };
+    auto kind = [&](int task) { return task < n_send ? send_kind : task < first_tile ? relay_kind : tile_kind; };
+    int last = total;
+    auto next = [&] { return claim(counter, claimed, total, rows_relayed, kind, trace, last); };
+
+    if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
+        for (int task = next(); task < total; task = next()) {
+            if (task < first_tile) continue;
+            const Tile tile = tile_of(task - first_tile);
+            if (warp == 0) {
+                if (lane == 0 && !gave_up)
+                    load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step, status,
+                                    gave_up);
+            } else if constexpr (HALVES == 1) {
+                take_from_consumers(p, phase, status, gave_up, lane, [&] { store(staged, tile, 0); });
+            } else {  // HALVES == 2
+                for (int first = 0; first <= half_cols; first += half_cols) {
+                    take_from_consumers(p, phase, status, gave_up, lane, [&] { store(staged, tile, first); });
+                    phase ^= 1;
+                }
+            }
+            if constexpr (HALVES == 1) phase ^= 1;  // the load warp's copy goes unread
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
+    const int consumer = warpgroup - 1;
+    for (int task = next(); task < total; task = next()) {
+        if (task < n_send) {
+            const int end = min(tokens, (task + 1) * chunk);
+            for (int t = task * chunk + cwarp; t < end; t += GH_CONSUMERS * 4)
+                send_token(t, src, top_k, row_vecs, ids, gates, positions, base, n, peer_bases, landing_offset,
+                           weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr, max_tokens,
+                           epoch, lane);
+        } else if (task < first_tile) {
+            const int tile = task - n_send;
+            const int j = expert_of_tile(mtile, spr, tile);
+            const int lo = off[j] + (tile - mtile[j]) * GH_BM, hi = min(off[j + 1], lo + GH_BM);
+            const u64 heap = peer_bases[me];
+            const uint4* landing = reinterpret_cast<const uint4*>(heap + landing_offset);
+            const int* row_landing = reinterpret_cast<const int*>(heap + row_landing_offset);
+            for (int row = lo + cwarp; row < hi; row += GH_CONSUMERS * 4) {
+                wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
+                relay_row(row, landing, row_landing);
+            }
+            release_relayed<SYSTEM>(tile_ready, tile, epoch, status);
+        } else {
+            const Tile tile = tile_of(task - first_tile);
+            float d[128];
+            mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+#pragma unroll
+            for (int half = 0; half < HALVES; ++half) {
+                hand_to_stores(p, phase, status, gave_up, lane,
+                               [&] { stage(d, tile, half, staged, consumer, warp, lane); });
+                phase ^= 1;
+            }
+        }
+    }
+}
+
+// -- kernels B and D: GEMM tiles into the heap, then the slot-order reduce ---------------------------
+
+static_assert(GH_BN == WARP * 8, "a reduce warp covers a tile's columns, 8 BF16 per lane");
+
+// The task loop of kernels B and D after load_tables (over `n_cols` column blocks of hidden,
+// its result). Tasks: GEMM tiles -- MODE's, `tile_of(t)` tile t (columns of GH_BN), `boxes(tile)`
+// load_tile's box mask, task kind `tile_kind` -- whose BF16 output [rows, hidden] goes to the
+// heap's expert_out, then reduce tasks of `chunk` tokens, every column (kind `reduce_kind`).
+// done[m]: M-tile m (this rank's M-tile index), released by the block that finishes its last
+// column block (down_count[m], local, counts them): a reducer waits once per slot instead of
+// once per slot and column block.
+// A reduce warp takes a token: lane k < top_k finds slot k's row on its expert's rank, waits
+// for that M-tile's done flag, keeps the row in slot_row (WEIGHTED: its gate, gates[i], in
+// slot_gate) and runs `slot(i, heap)`, the kernel's own per-slot work (heap: this rank's heap
+// base); then dispatch.cu's sum_slots over the lane's 8 columns of each block: fp32, slots in
+// order, WEIGHTED each row times its gate (product and sum rounded separately), one BF16
+// rounding into out [tokens, hidden].
+template <int MODE, bool WEIGHTED, typename TileOf, typename Boxes, typename Slot>
+__device__ __forceinline__ void gemm_tiles_then_reduce(
+    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int n_cols, int hidden,
+    const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me, int spr, const int* rank_off,
+    const int* rank_mtile, const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed,
+    const long long* ids, const int* positions, const int* base, const float* gates, int tokens, int top_k, int chunk,
+    bf16* out, const uint4* (*slot_row)[WARP], float (*slot_gate)[WARP], Slot slot, int* down_count, u64 epoch,
+    u64 timeout_ns, int* counter, long long* status, u64* trace, int tile_kind, int reduce_kind) {
+    const int n_tiles = tile_start[spr];
+    const int total = n_tiles + ceil_div(tokens, chunk);
+    const unsigned stages = stage_ring();
+    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
+    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
+    const int cwarp = (threadIdx.x - 128) / WARP;
+    const u64 heap = peer_bases[me];
+    bf16* expert_out = reinterpret_cast<bf16*>(heap + expert_out_offset);
+    bool gave_up = false;
+    int step = 0, phase = 0;
+    auto no_wait = [](int) {};
+    auto kind = [&](int task) { return task < n_tiles ? tile_kind : reduce_kind; };
+    int last = total;
+    auto next = [&] { return claim(counter, claimed, total, no_wait, kind, trace, last); };
+
+    if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
+        for (int task = next(); task < total; task = next()) {
+            if (task >= n_tiles) continue;
+            const Tile tile = tile_of(task);
+            if (warp == 0) {
+                if (lane == 0 && !gave_up)
+                    load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), 0, stages, p.full, p.empty, step, status,
+                                    gave_up);
+            } else {
+                const bool stored = take_from_consumers(p, phase, status, gave_up, lane, [&] {
+                    store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, threadIdx.x - WARP);
+                });
+                // The tile's rows are in the heap: fenced at system scope by every store
+                // thread, then one counts the tile; the M-tile's last column block (fenced
+                // after the count, so every earlier block's rows are ordered before) releases
+                // its done flag for the reducers on every rank.
+                __threadfence_system();
+                store_warps_sync();
+                if (threadIdx.x == WARP && stored && !aborted(status)) {
+                    const int m = mtile_of(mtile, off, tile);
+                    if (atomicAdd(down_count + m, 1) == n_cols - 1) {
+                        down_count[m] = 0;
+                        __threadfence_system();
+                        store_release_sys(reinterpret_cast<u64*>(peer_bases[me] + done_offset) + m, epoch);
+                    }
+                }
+            }
+            phase ^= 1;
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
+    const int consumer = warpgroup - 1;
+    for (int task = next(); task < total; task = next()) {
+        if (task < n_tiles) {
+            const Tile tile = tile_of(task);
+            float d[128];
+            mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+            hand_to_stores(p, phase, status, gave_up, lane,
+                           [&] { stage_accumulators<false>(d, staged, consumer, warp, lane); });
+            phase ^= 1;
+            continue;
+        }
+        const int c = task - n_tiles;
+        const int end = min(tokens, (c + 1) * chunk);
+        for (int t = c * chunk + cwarp; t < end; t += GH_CONSUMERS * 4) {
+            if (lane < top_k) {
+                const int i = t * top_k + lane;
+                const int expert = static_cast<int>(ids[i]);
+                const int rank = expert / spr, j = expert % spr;
+                const int row = base[expert] + positions[i];
+                const int* roff = rank_off + rank * (spr + 1);
+                const int m = rank_mtile[rank * (spr + 1) + j] + (row - roff[j]) / GH_BM;
+                const u64 peer = peer_bases[rank];
+                wait_flag(reinterpret_cast<const u64*>(peer + done_offset) + m, epoch, timeout_ns, status, FM_TILE_DONE,
+                          rank, m);
+                slot_row[cwarp][lane] = reinterpret_cast<const uint4*>(
+                    reinterpret_cast<const bf16*>(peer + expert_out_offset) + static_cast<long long>(row) * hidden);
+                if constexpr (WEIGHTED) slot_gate[cwarp][lane] = gates[i];
+                slot(i, heap);
+            }
+            __syncwarp();
+            for (int col = lane * 8; col < hidden; col += GH_BN) {
+                float acc[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+                for (int k0 = 0; k0 < top_k; k0 += FM_REDUCE_UNROLL) {
+                    uint4 v[FM_REDUCE_UNROLL];
+#pragma unroll
+                    for (int u = 0; u < FM_REDUCE_UNROLL; ++u)
+                        if (k0 + u < top_k) v[u] = slot_row[cwarp][k0 + u][col / 8];
+#pragma unroll
+                    for (int u = 0; u < FM_REDUCE_UNROLL; ++u) {
+                        if (k0 + u < top_k) {
+                            const bf16* h = reinterpret_cast<const bf16*>(&v[u]);
+                            if constexpr (WEIGHTED) {
+                                const float g = slot_gate[cwarp][k0 + u];
+#pragma unroll
+                                for (int e = 0; e < 8; ++e)
+                                    acc[e] = __fadd_rn(acc[e], __fmul_rn(g, __bfloat162float(h[e])));
+                            } else {
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __bfloat162float(h[e]));
+                            }
+                        }
+                    }
+                }
+                uint4 v;
+                bf16* h = reinterpret_cast<bf16*>(&v);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) h[e] = __float2bfloat16_rn(acc[e]);
+                *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * hidden + col) = v;
+            }
+            __syncwarp();
+        }
+    }
 }

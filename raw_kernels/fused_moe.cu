@@ -46,7 +46,6 @@
 #define FM_MAX_SLOTS 256         // local slots (M + S) per rank (shared-memory tables)
 #define FM_MAX_TOP_K WARP        // a warp's lanes hold a token's slots
 #define FM_PLAN_THREADS 256
-#define FM_REDUCE_UNROLL 8       // slots read at once per lane in a reduce
 
 #define FM_KIND_SEND 0
 #define FM_KIND_RELAY 1
@@ -89,7 +88,9 @@ extern "C" __global__ void fused_plan(const int* table, int ranks, int num_exper
 // -- kernel A: dispatch + up-projection ------------------------------------------------------------
 
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then up tiles in
-// the grouped GEMM's order (slot, column block, M-tile). recv_map: recv [max_rows, H] as
+// the grouped GEMM's order (slot, column block, M-tile): send_relay_then_gemm, the relay a row
+// copy into recv (gpu-scope fence: only this rank's TMA reads it), an up tile's epilogue
+// SwiGLU into act [rows, F]. recv_map: recv [max_rows, H] as
 // (H, rows), box 64 x 128; w_up_map: w_up [slots, H, 2F] as (2F, H, slots), boxes 64 x 64 x 1.
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_constant__ TensorMap w_up_map,
@@ -99,266 +100,65 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
                   const int* rank_off, const int* rank_mtile, int max_rows, uint4* recv, u64* tile_ready, int ffn,
                   bf16* act, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome,
                   u64* trace) {
-    extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
     __shared__ Pipeline p;
     __shared__ int claimed;
     if (outcome[0] != FM_OUTCOME_OK) return;  // every block of every rank reads the same verdict
-    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
-        off[j] = rank_off[me * (spr + 1) + j];
-        mtile[j] = rank_mtile[me * (spr + 1) + j];
-    }
-    __syncthreads();
-    const int n_up = ceil_div(ffn, FM_UP_COLS);
-    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_up);
-    init_pipeline(p);
-    __syncthreads();
-    const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
-    const int n_send = ceil_div(tokens, FM_SEND_TOKENS), n_relay = mtile[spr];
-    const int total = n_send + n_relay + tile_start[spr];
-    const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
-    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
-    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
-    const int cwarp = (threadIdx.x - 128) / WARP;  // consumer warp 0..7
-    const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
-    bool gave_up = false;
-    int step = 0, phase = 0;
+    load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FM_UP_COLS);
     // Tile t of the up tiles: gate columns [c0, c0 + 128) and up columns F + [c0, c0 + 128) of slot j.
-    auto up_tile = [&](int t) {
-        const int j = expert_of_tile(tile_start, spr, t);
-        const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
-        return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FM_UP_COLS, 0, hidden};
+    auto up_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FM_UP_COLS, hidden); };
+    auto boxes = [&](const Tile& tile) {
+        const unsigned half = ffn - tile.col0 > GH_BOX ? 3u : 1u;  // each half's boxes left of F
+        return half | half << 2;
     };
-    const int first_tile = n_send + n_relay;
-    // An up tile is handed to the block once its rows are relayed (acquire), and the proxy
-    // fence orders the relay's generic stores before this thread's TMA loads of them.
-    auto rows_relayed = [&](int task) {
-        if (task < first_tile) return;
-        const Tile tile = up_tile(task - first_tile);
-        const int ready = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
-        // twice the relay's bound: a relay that gives up on a sender records that first
-        wait_flag(tile_ready + ready, epoch, 2 * timeout_ns, status, FM_TILE_READY, me, ready);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
+    auto relay_row = [&](int row, const uint4* landing, const int* row_landing) {
+        const int row_vecs = hidden * 2 / 16;
+        warp_copy_row(landing + static_cast<long long>(row_landing[row]) * row_vecs,
+                      recv + static_cast<long long>(row) * row_vecs, row_vecs, threadIdx.x % WARP);
     };
-    auto kind = [&](int task) {
-        return task < n_send ? FM_KIND_SEND : task < first_tile ? FM_KIND_RELAY : FM_KIND_UP;
+    auto store = [&](unsigned staged, const Tile& tile, int) {
+        store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, threadIdx.x - WARP);
     };
-    int last = total;
-    auto next = [&] { return claim(counter, &claimed, total, rows_relayed, kind, trace, last); };
-
-    if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = next(); task < total; task = next()) {
-            if (task < first_tile) continue;
-            const Tile tile = up_tile(task - first_tile);
-            if (warp == 0) {
-                if (lane == 0 && !gave_up) {
-                    const unsigned half = ffn - tile.col0 > GH_BOX ? 3u : 1u;  // each half's boxes left of F
-                    load_tile<GH_FORWARD>(&recv_map, &w_up_map, tile, 1, half | half << 2, ffn - FM_UP_COLS, stages,
-                                          p.full, p.empty, step, status, gave_up);
-                }
-            } else {
-                stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
-                if (!__any_sync(FULL_MASK, gave_up)) {
-                    store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, threadIdx.x - WARP);
-                    __syncwarp();
-                    if (lane == 0) mbarrier_arrive(&p.output_empty);
-                }
-            }
-            phase ^= 1;
-        }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
-    const int consumer = warpgroup - 1;
-    for (int task = next(); task < total; task = next()) {
-        if (task < n_send) {
-            const int last = min(tokens, (task + 1) * FM_SEND_TOKENS);
-            for (int t = task * FM_SEND_TOKENS + cwarp; t < last; t += GH_CONSUMERS * 4)
-                send_token(t, x, top_k, row_vecs, ids, gates, positions, base, n, peer_bases, landing_offset,
-                           weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr, max_tokens,
-                           epoch, lane);
-        } else if (task < first_tile) {
-            const int tile = task - n_send;
-            const int j = expert_of_tile(mtile, spr, tile);
-            const int lo = off[j] + (tile - mtile[j]) * FM_BM, hi = min(off[j + 1], lo + FM_BM);
-            const uint4* landing = reinterpret_cast<const uint4*>(peer_bases[me] + landing_offset);
-            const int* row_landing = reinterpret_cast<const int*>(peer_bases[me] + row_landing_offset);
-            for (int row = lo + cwarp; row < hi; row += GH_CONSUMERS * 4) {
-                wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
-                warp_copy_row(landing + static_cast<long long>(row_landing[row]) * row_vecs,
-                              recv + static_cast<long long>(row) * row_vecs, row_vecs, lane);
-            }
-            asm volatile("fence.proxy.async.global;" ::: "memory");  // the TMA of an up tile reads these rows
-            __threadfence();
-            consumers_sync();
-            if (threadIdx.x == 128 && !aborted(status)) store_release_sys(tile_ready + tile, epoch);
-        } else {
-            const Tile tile = up_tile(task - first_tile);
-            float d[128];
-            mma_tile<GH_FORWARD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
-            stage_accumulators<true>(d, staged, consumer, warp, lane);
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&p.output_full);
-            phase ^= 1;
-        }
-    }
+    auto stage = [&](const float (&d)[128], const Tile&, int, unsigned staged, int consumer, int warp, int lane) {
+        stage_accumulators<true>(d, staged, consumer, warp, lane);
+    };
+    // the up half's boxes are F further than the gate half's
+    send_relay_then_gemm<GH_FORWARD, false, 1>(
+        &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, 0, x, tokens, top_k, hidden, ids, gates, positions,
+        base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
+        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, store, stage, epoch,
+        timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
 }
 
 // -- kernel B: down-projection + combine -----------------------------------------------------------
 
 // Tasks: down tiles in the grouped GEMM's order (slot, column block, M-tile), then reduce
-// tasks (a token chunk, every column). act_map: act [max_rows, F] as (F, rows), box 64 x 128;
-// w_down_map: w_down [slots, F, H] as (H, F, slots), boxes 64 x 64 x 1. expert_out and the
-// done flags are heap tensors (offsets from each peer's base): reducers read them on the
-// experts' ranks. done[m]: M-tile m (this rank's M-tile index), released by the block that
-// finishes its last column block (down_count[m], local, counts them): a reducer waits once
-// per slot instead of once per slot and column block.
+// tasks (a token chunk, every column): gemm_tiles_then_reduce, weighted by the gates.
+// act_map: act [max_rows, F] as (F, rows), box 64 x 128; w_down_map: w_down [slots, F, H] as
+// (H, F, slots), boxes 64 x 64 x 1. expert_out and the done flags are heap tensors (offsets
+// from each peer's base): reducers read them on the experts' ranks.
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_constant__ TensorMap w_down_map,
                    int ffn, int hidden, const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me,
                    int spr, const int* rank_off, const int* rank_mtile, const long long* ids, const int* positions,
                    const int* base, const float* gates, int tokens, int top_k, bf16* out, int* down_count, u64 epoch,
                    u64 timeout_ns, int* counter, long long* status, const int* outcome, u64* trace) {
-    extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
     __shared__ Pipeline p;
     __shared__ int claimed;
     __shared__ const uint4* slot_row[GH_CONSUMERS * 4][FM_MAX_TOP_K];
     __shared__ float slot_gate[GH_CONSUMERS * 4][FM_MAX_TOP_K];
     if (outcome[0] != FM_OUTCOME_OK) return;
-    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
-        off[j] = rank_off[me * (spr + 1) + j];
-        mtile[j] = rank_mtile[me * (spr + 1) + j];
-    }
-    __syncthreads();
-    const int n_down = ceil_div(hidden, FM_DOWN_COLS);
-    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_down);
-    init_pipeline(p);
-    __syncthreads();
-    const int n_tiles = tile_start[spr];
-    const int total = n_tiles + ceil_div(tokens, FM_REDUCE_TOKENS);
-    const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
-    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
-    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
-    const int cwarp = (threadIdx.x - 128) / WARP;
-    bf16* expert_out = reinterpret_cast<bf16*>(peer_bases[me] + expert_out_offset);
-    bool gave_up = false;
-    int step = 0, phase = 0;
-    auto no_wait = [](int) {};
-    auto kind = [&](int task) { return task < n_tiles ? FM_KIND_DOWN : FM_KIND_REDUCE; };
-    int last = total;
-    auto next = [&] { return claim(counter, &claimed, total, no_wait, kind, trace, last); };
-    auto down_tile = [&](int t) {
-        const int j = expert_of_tile(tile_start, spr, t);
-        const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
-        return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FM_DOWN_COLS, 0, ffn};
+    const int n_cols = load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, hidden, FM_DOWN_COLS);
+    // the boxes of w_down's columns left of H
+    auto boxes = [&](const Tile& tile) {
+        return (1u << min(GH_BN / GH_BOX, ceil_div(hidden - tile.col0, GH_BOX))) - 1;
     };
-
-    if (warpgroup == 0) {  // the producer thread and the store warps: down tiles only
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = next(); task < total; task = next()) {
-            if (task >= n_tiles) continue;
-            const Tile tile = down_tile(task);
-            if (warp == 0) {
-                if (lane == 0 && !gave_up) {
-                    const int boxes = min(GH_BN / GH_BOX, ceil_div(hidden - tile.col0, GH_BOX));
-                    load_tile<GH_FORWARD>(&act_map, &w_down_map, tile, 1, (1u << boxes) - 1, 0, stages, p.full,
-                                          p.empty, step, status, gave_up);
-                }
-            } else {
-                stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
-                const bool stored = !__any_sync(FULL_MASK, gave_up);
-                if (stored) {
-                    store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, threadIdx.x - WARP);
-                    __syncwarp();
-                    if (lane == 0) mbarrier_arrive(&p.output_empty);
-                }
-                // The tile's rows are in the heap: fenced at system scope by every store
-                // thread, then one counts the tile; the M-tile's last column block (fenced
-                // after the count, so every earlier block's rows are ordered before) releases
-                // its done flag for the reducers on every rank.
-                __threadfence_system();
-                store_warps_sync();
-                if (threadIdx.x == WARP && stored && !aborted(status)) {
-                    const int m = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
-                    if (atomicAdd(down_count + m, 1) == n_down - 1) {
-                        down_count[m] = 0;
-                        __threadfence_system();
-                        store_release_sys(reinterpret_cast<u64*>(peer_bases[me] + done_offset) + m, epoch);
-                    }
-                }
-            }
-            phase ^= 1;
-        }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
-    const int consumer = warpgroup - 1;
-    for (int task = next(); task < total; task = next()) {
-        if (task < n_tiles) {
-            const Tile tile = down_tile(task);
-            float d[128];
-            mma_tile<GH_FORWARD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
-            stage_accumulators<false>(d, staged, consumer, warp, lane);
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&p.output_full);
-            phase ^= 1;
-            continue;
-        }
-        {  // reduce: tokens of chunk c, every output column
-            const int c = task - n_tiles;
-            const int last = min(tokens, (c + 1) * FM_REDUCE_TOKENS);
-            for (int t = c * FM_REDUCE_TOKENS + cwarp; t < last; t += GH_CONSUMERS * 4) {
-                if (lane < top_k) {  // slot `lane`: its row on its expert's rank, once its M-tile's flag says so
-                    const int i = t * top_k + lane;
-                    const int expert = static_cast<int>(ids[i]);
-                    const int rank = expert / spr, j = expert % spr;
-                    const int row = base[expert] + positions[i];
-                    const int* roff = rank_off + rank * (spr + 1);
-                    const int m = rank_mtile[rank * (spr + 1) + j] + (row - roff[j]) / FM_BM;
-                    const u64 peer = peer_bases[rank];
-                    wait_flag(reinterpret_cast<const u64*>(peer + done_offset) + m, epoch, timeout_ns, status,
-                              FM_TILE_DONE, rank, m);
-                    slot_row[cwarp][lane] = reinterpret_cast<const uint4*>(
-                        reinterpret_cast<const bf16*>(peer + expert_out_offset) + static_cast<long long>(row) * hidden);
-                    slot_gate[cwarp][lane] = gates[i];
-                }
-                __syncwarp();
-                // dispatch.cu's sum_slots for this lane's 8 columns of each block: fp32, products
-                // and sums rounded separately, slots in order.
-                for (int col = lane * 8; col < hidden; col += FM_DOWN_COLS) {
-                    float acc[8];
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-                    for (int k0 = 0; k0 < top_k; k0 += FM_REDUCE_UNROLL) {
-                        uint4 v[FM_REDUCE_UNROLL];
-#pragma unroll
-                        for (int u = 0; u < FM_REDUCE_UNROLL; ++u)
-                            if (k0 + u < top_k) v[u] = slot_row[cwarp][k0 + u][col / 8];
-#pragma unroll
-                        for (int u = 0; u < FM_REDUCE_UNROLL; ++u) {
-                            if (k0 + u < top_k) {
-                                const float gk = slot_gate[cwarp][k0 + u];
-                                const bf16* h = reinterpret_cast<const bf16*>(&v[u]);
-#pragma unroll
-                                for (int e = 0; e < 8; ++e)
-                                    acc[e] = __fadd_rn(acc[e], __fmul_rn(gk, __bfloat162float(h[e])));
-                            }
-                        }
-                    }
-                    uint4 v;
-                    bf16* h = reinterpret_cast<bf16*>(&v);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) h[e] = __float2bfloat16_rn(acc[e]);
-                    *reinterpret_cast<uint4*>(out + static_cast<long long>(t) * hidden + col) = v;
-                }
-                __syncwarp();
-            }
-        }
-    }
+    auto tile_of = [&](int t) { return gemm_tile(tile_start, off, spr, t, FM_DOWN_COLS, ffn); };
+    gemm_tiles_then_reduce<GH_FORWARD, true>(&act_map, &w_down_map, tile_of, boxes, n_cols, hidden, peer_bases,
+                                             expert_out_offset, done_offset, me, spr, rank_off, rank_mtile, off,
+                                             mtile, tile_start, p, &claimed, ids, positions, base, gates, tokens,
+                                             top_k, FM_REDUCE_TOKENS, out, slot_row, slot_gate, [](int, u64) {},
+                                             down_count, epoch, timeout_ns, counter, status, trace, FM_KIND_DOWN,
+                                             FM_KIND_REDUCE);
 }

@@ -35,7 +35,6 @@
 #define FB_DOWN_COLS GH_BN       // dx columns per dgrad-up tile and per reduce task
 #define FB_MAX_SLOTS 256         // local slots (M + S) per rank (shared-memory tables)
 #define FB_MAX_TOP_K WARP        // a warp's lanes hold a token's slots
-#define FB_REDUCE_UNROLL 8       // slots read at once per lane in a reduce
 
 #define FB_KIND_SEND 0
 #define FB_KIND_RELAY 1
@@ -134,7 +133,9 @@ __device__ __forceinline__ void relay_grad_row(int row, const uint4* landing, co
 // -- kernel C: gradient dispatch + dgrad of down ------------------------------------------------
 
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then dgrad-down
-// tiles in the grouped GEMM's order (slot, column block, M-tile). grad_y_map: grad_y
+// tiles in the grouped GEMM's order (slot, column block, M-tile): the forward kernel A's
+// send_relay_then_gemm, the relay relay_grad_row, a tile's epilogue SwiGLU's backward into dh's
+// gate half and up half (two stagings). grad_y_map: grad_y
 // [max_rows, H] as (H, rows), box 64 x 128; w_down_map: w_down [slots, F, H] as (H, F, slots),
 // box 64 x 256 x 1. row_landing, row_weight, row_origin: the forward's receive-row metadata
 // (the Dispatcher's handle). The send is the forward's send_token over dy: it rewrites each
@@ -150,262 +151,64 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
                           const int* row_origin, const uint4* y, uint4* grad_y, u64* tile_ready, int ffn,
                           const float* h, bf16* dh, u64 epoch, u64 timeout_ns, int* counter, long long* status,
                           const int* outcome) {
-    extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[FB_MAX_SLOTS + 1], mtile[FB_MAX_SLOTS + 1], tile_start[FB_MAX_SLOTS + 1];
     __shared__ Pipeline p;
     __shared__ int claimed;
     if (outcome[0] != FB_OUTCOME_OK) return;  // every block of every rank reads the same verdict
-    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
-        off[j] = rank_off[me * (spr + 1) + j];
-        mtile[j] = rank_mtile[me * (spr + 1) + j];
-    }
-    __syncthreads();
-    const int n_dact = ceil_div(ffn, FB_DACT_COLS);
-    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_dact);
-    init_pipeline(p);
-    __syncthreads();
-    const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
-    const int n_send = ceil_div(tokens, FB_SEND_TOKENS), n_relay = mtile[spr];
-    const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
-    const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
-    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
-    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
-    const int cwarp = (threadIdx.x - 128) / WARP;  // consumer warp 0..7
-    const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
-    bool gave_up = false;
-    int step = 0, phase = 0;
-    auto dgrad_tile = [&](int t) {
-        const int j = expert_of_tile(tile_start, spr, t);
-        const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
-        return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FB_DACT_COLS, 0, hidden};
+    load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FB_DACT_COLS);
+    auto dgrad_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FB_DACT_COLS, hidden); };
+    auto relay_row = [&](int row, const uint4* landing, const int*) {  // the handle's row_landing
+        relay_grad_row(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16, peer_bases,
+                       slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
     };
-    // A dgrad-down tile is handed to the block once its rows are relayed (acquire), and the
-    // proxy fence orders the relay's generic stores before this thread's TMA loads of them.
-    auto rows_relayed = [&](int task) {
-        if (task < first_tile) return;
-        const Tile tile = dgrad_tile(task - first_tile);
-        const int ready = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
-        // twice the relay's bound: a relay that gives up on a sender records that first
-        wait_flag(tile_ready + ready, epoch, 2 * timeout_ns, status, FM_TILE_READY, me, ready);
-        asm volatile("fence.proxy.async.global;" ::: "memory");
+    // dh's gate half (its first F columns), then its up half
+    auto store = [&](unsigned staged, const Tile& tile, int first) {
+        store_dh_half(staged, tile, dh, ffn, first, threadIdx.x - WARP);
     };
-    auto kind = [&](int task) {
-        return task < n_send ? FB_KIND_SEND : task < first_tile ? FB_KIND_RELAY : FB_KIND_DGRAD_DOWN;
-    };
-    int last = total;
-    auto next = [&] { return claim(counter, &claimed, total, rows_relayed, kind, static_cast<u64*>(nullptr), last); };
-
-    if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = next(); task < total; task = next()) {
-            if (task < first_tile) continue;
-            const Tile tile = dgrad_tile(task - first_tile);
-            if (warp == 0) {
-                if (lane == 0 && !gave_up)
-                    load_tile<GH_DGRAD>(&grad_y_map, &w_down_map, tile, 1, 0u, 0, stages, p.full, p.empty, step, status,
-                                        gave_up);
-            } else {
-                for (int first = 0; first <= ffn; first += ffn) {  // the gate half, then the up half
-                    stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
-                    if (!__any_sync(FULL_MASK, gave_up)) {
-                        store_dh_half(staged, tile, dh, ffn, first, threadIdx.x - WARP);
-                        __syncwarp();
-                        if (lane == 0) mbarrier_arrive(&p.output_empty);
-                    }
-                    phase ^= 1;
-                }
-            }
-        }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
-    const int consumer = warpgroup - 1;
-    for (int task = next(); task < total; task = next()) {
-        if (task < n_send) {
-            const int end = min(tokens, (task + 1) * FB_SEND_TOKENS);
-            for (int t = task * FB_SEND_TOKENS + cwarp; t < end; t += GH_CONSUMERS * 4)
-                send_token(t, dy, top_k, row_vecs, ids, gates, positions, base, n, peer_bases, landing_offset,
-                           weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr, max_tokens,
-                           epoch, lane);
-        } else if (task < first_tile) {
-            const int tile = task - n_send;
-            const int j = expert_of_tile(mtile, spr, tile);
-            const int lo = off[j] + (tile - mtile[j]) * FB_BM, hi = min(off[j + 1], lo + FB_BM);
-            const uint4* landing = reinterpret_cast<const uint4*>(peer_bases[me] + landing_offset);
-            for (int row = lo + cwarp; row < hi; row += GH_CONSUMERS * 4) {
-                wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
-                relay_grad_row(row, landing, row_landing, row_weight, row_origin, y, grad_y, row_vecs, peer_bases,
-                               slot_grad_w_offset, max_tokens * top_k, lane);
-            }
-            asm volatile("fence.proxy.async.global;" ::: "memory");  // the TMA of a dgrad tile reads these rows
-            __threadfence_system();  // and the sources read their gate gradients after kernel D's flags
-            consumers_sync();
-            if (threadIdx.x == 128 && !aborted(status)) store_release_sys(tile_ready + tile, epoch);
-        } else {
-            const Tile tile = dgrad_tile(task - first_tile);
-            float d[128];
-            mma_tile<GH_DGRAD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+    auto stage = [&](float (&d)[128], const Tile& tile, int half, unsigned staged, int consumer, int warp,
+                     int lane) {
+        if (half == 0)
             stage_dgrad_gate(d, staged, tile, h, ffn, consumer, warp, lane);
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&p.output_full);
-            phase ^= 1;
-            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+        else
             stage_accumulators<false>(d, staged, consumer, warp, lane);
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&p.output_full);
-            phase ^= 1;
-        }
-    }
+    };
+    // system-scope relay fences: the sources read their gate gradients after kernel D's flags
+    send_relay_then_gemm<GH_DGRAD, true, 2>(
+        &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, ffn, dy, tokens, top_k, hidden, ids,
+        gates, positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset,
+        row_flag_offset, me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready,
+        relay_row, store, stage, epoch, timeout_ns, counter, status, static_cast<u64*>(nullptr), FB_KIND_SEND,
+        FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
 }
 
 // -- kernel D: dgrad of up + gradient combine -----------------------------------------------------
 
 // Tasks: dgrad-up tiles in the grouped GEMM's order (slot, column block, M-tile), then reduce
-// tasks (a token chunk, every column). dh_map: dh [max_rows, 2F] as (2F, rows), box 64 x 128;
-// w_up_map: w_up [slots, H, 2F] as (2F, H, slots), box 64 x 256 x 1. expert_out, the done
-// flags and slot_grad_w are heap tensors (offsets from each peer's base). done[m] is released
-// by the block finishing M-tile m's last column block (down_count[m] counts them), as in the
-// forward's kernel B.
+// tasks (a token chunk, every column): the forward kernel B's gemm_tiles_then_reduce,
+// unweighted, each reduce also copying the gate gradients (the relays that wrote them ran
+// before the dgrad-up tiles whose flag is acquired). dh_map: dh [max_rows, 2F] as (2F, rows),
+// box 64 x 128; w_up_map: w_up [slots, H, 2F] as (2F, H, slots), box 64 x 256 x 1. expert_out,
+// the done flags and slot_grad_w are heap tensors (offsets from each peer's base).
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_constant__ TensorMap w_up_map, int ffn,
                     int hidden, const u64* peer_bases, u64 expert_out_offset, u64 done_offset, u64 slot_grad_w_offset,
                     int me, int spr, const int* rank_off, const int* rank_mtile, const long long* ids,
                     const int* positions, const int* base, int tokens, int top_k, bf16* dx, float* d_gates,
                     int* down_count, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome) {
-    extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[FB_MAX_SLOTS + 1], mtile[FB_MAX_SLOTS + 1], tile_start[FB_MAX_SLOTS + 1];
     __shared__ Pipeline p;
     __shared__ int claimed;
     __shared__ const uint4* slot_row[GH_CONSUMERS * 4][FB_MAX_TOP_K];
     if (outcome[0] != FB_OUTCOME_OK) return;
-    for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
-        off[j] = rank_off[me * (spr + 1) + j];
-        mtile[j] = rank_mtile[me * (spr + 1) + j];
-    }
-    __syncthreads();
-    const int n_down = ceil_div(hidden, FB_DOWN_COLS);
-    if (threadIdx.x < WARP) tile_prefix(tile_start, off, spr, GH_BM, n_down);
-    init_pipeline(p);
-    __syncthreads();
-    const int n_tiles = tile_start[spr];
-    const int total = n_tiles + ceil_div(tokens, FB_REDUCE_TOKENS);
-    const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
-    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
-    const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
-    const int cwarp = (threadIdx.x - 128) / WARP;
-    bf16* expert_out = reinterpret_cast<bf16*>(peer_bases[me] + expert_out_offset);
-    const float* slot_grad_w = reinterpret_cast<const float*>(peer_bases[me] + slot_grad_w_offset);
-    bool gave_up = false;
-    int step = 0, phase = 0;
-    auto no_wait = [](int) {};
-    auto kind = [&](int task) { return task < n_tiles ? FB_KIND_DGRAD_UP : FB_KIND_REDUCE; };
-    int last = total;
-    auto next = [&] { return claim(counter, &claimed, total, no_wait, kind, static_cast<u64*>(nullptr), last); };
-    auto dgrad_tile = [&](int t) {
-        const int j = expert_of_tile(tile_start, spr, t);
-        const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
-        return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * FB_DOWN_COLS, 0, 2 * ffn};
+    const int n_cols = load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, hidden, FB_DOWN_COLS);
+    auto tile_of = [&](int t) { return gemm_tile(tile_start, off, spr, t, FB_DOWN_COLS, 2 * ffn); };
+    auto copy_gate_grad = [&](int i, u64 heap) {
+        d_gates[i] = reinterpret_cast<const float*>(heap + slot_grad_w_offset)[i];
     };
-
-    if (warpgroup == 0) {  // the producer thread and the store warps: dgrad-up tiles only
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = next(); task < total; task = next()) {
-            if (task >= n_tiles) continue;
-            const Tile tile = dgrad_tile(task);
-            if (warp == 0) {
-                if (lane == 0 && !gave_up)
-                    load_tile<GH_DGRAD>(&dh_map, &w_up_map, tile, 1, 0u, 0, stages, p.full, p.empty, step, status,
-                                        gave_up);
-            } else {
-                stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
-                const bool stored = !__any_sync(FULL_MASK, gave_up);
-                if (stored) {
-                    store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, threadIdx.x - WARP);
-                    __syncwarp();
-                    if (lane == 0) mbarrier_arrive(&p.output_empty);
-                }
-                // The tile's rows are in the heap: fenced at system scope by every store
-                // thread, then one counts the tile; the M-tile's last column block (fenced
-                // after the count) releases its done flag for the reducers on every rank.
-                __threadfence_system();
-                store_warps_sync();
-                if (threadIdx.x == WARP && stored && !aborted(status)) {
-                    const int m = mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
-                    if (atomicAdd(down_count + m, 1) == n_down - 1) {
-                        down_count[m] = 0;
-                        __threadfence_system();
-                        store_release_sys(reinterpret_cast<u64*>(peer_bases[me] + done_offset) + m, epoch);
-                    }
-                }
-            }
-            phase ^= 1;
-        }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
-    const int consumer = warpgroup - 1;
-    for (int task = next(); task < total; task = next()) {
-        if (task < n_tiles) {
-            const Tile tile = dgrad_tile(task);
-            float d[128];
-            mma_tile<GH_DGRAD>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
-            stage_accumulators<false>(d, staged, consumer, warp, lane);
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&p.output_full);
-            phase ^= 1;
-            continue;
-        }
-        // reduce: tokens of chunk c, every dx column, and the gate gradients (the relays that
-        // wrote them ran before the dgrad-up tiles whose flag is acquired)
-        const int c = task - n_tiles;
-        const int end = min(tokens, (c + 1) * FB_REDUCE_TOKENS);
-        for (int t = c * FB_REDUCE_TOKENS + cwarp; t < end; t += GH_CONSUMERS * 4) {
-            if (lane < top_k) {  // slot `lane`: its row on its expert's rank, once its M-tile's flag says so
-                const int i = t * top_k + lane;
-                const int expert = static_cast<int>(ids[i]);
-                const int rank = expert / spr, j = expert % spr;
-                const int row = base[expert] + positions[i];
-                const int* roff = rank_off + rank * (spr + 1);
-                const int m = rank_mtile[rank * (spr + 1) + j] + (row - roff[j]) / FB_BM;
-                const u64 peer = peer_bases[rank];
-                wait_flag(reinterpret_cast<const u64*>(peer + done_offset) + m, epoch, timeout_ns, status, FM_TILE_DONE,
-                          rank, m);
-                slot_row[cwarp][lane] = reinterpret_cast<const uint4*>(
-                    reinterpret_cast<const bf16*>(peer + expert_out_offset) + static_cast<long long>(row) * hidden);
-                d_gates[i] = slot_grad_w[i];
-            }
-            __syncwarp();
-            // dispatch.cu's unweighted sum_slots for this lane's 8 columns of each block: fp32,
-            // slots in order.
-            for (int col = lane * 8; col < hidden; col += FB_DOWN_COLS) {
-                float acc[8];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-                for (int k0 = 0; k0 < top_k; k0 += FB_REDUCE_UNROLL) {
-                    uint4 v[FB_REDUCE_UNROLL];
-#pragma unroll
-                    for (int u = 0; u < FB_REDUCE_UNROLL; ++u)
-                        if (k0 + u < top_k) v[u] = slot_row[cwarp][k0 + u][col / 8];
-#pragma unroll
-                    for (int u = 0; u < FB_REDUCE_UNROLL; ++u) {
-                        if (k0 + u < top_k) {
-                            const bf16* g = reinterpret_cast<const bf16*>(&v[u]);
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __bfloat162float(g[e]));
-                        }
-                    }
-                }
-                uint4 v;
-                bf16* g = reinterpret_cast<bf16*>(&v);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) g[e] = __float2bfloat16_rn(acc[e]);
-                *reinterpret_cast<uint4*>(dx + static_cast<long long>(t) * hidden + col) = v;
-            }
-            __syncwarp();
-        }
-    }
+    gemm_tiles_then_reduce<GH_DGRAD, false>(
+        &dh_map, &w_up_map, tile_of, [](const Tile&) { return 0u; }, n_cols, hidden, peer_bases, expert_out_offset,
+        done_offset, me, spr, rank_off, rank_mtile, off, mtile, tile_start, p, &claimed, ids, positions, base,
+        static_cast<const float*>(nullptr), tokens, top_k, FB_REDUCE_TOKENS, dx, slot_row,
+        static_cast<float(*)[WARP]>(nullptr), copy_gate_grad, down_count, epoch, timeout_ns, counter, status,
+        static_cast<u64*>(nullptr), FB_KIND_DGRAD_UP, FB_KIND_REDUCE);
 }
