@@ -190,16 +190,21 @@ def plan_ranks(expert_ids: list, slots_per_rank: int, grain: Granularity) -> lis
     return plans
 
 
-def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity) -> tuple[list[Task], list[Task]]:
-    """This rank's tasks of kernel A and kernel B, in claim order."""
+def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity,
+               gemms: tuple[str, str] = ("up", "down")) -> tuple[list[Task], list[Task]]:
+    """This rank's tasks of the two kernels, in claim order: sends, relays, then the first
+    GEMM's tiles (``gemms[0]``, ``ffn`` columns); the second GEMM's tiles (``gemms[1]``,
+    ``hidden`` columns), then reduces. The forward's GEMMs are up and down; the backward
+    (:mod:`ultraep.integration.fused_backward`) runs its dgrad tiles in the same order."""
+    first, second = gemms
     off = plan.offsets[plan.rank]
     slots = len(off) - 1
     m_tiles = [_ceil(int(off[j + 1] - off[j]), grain.bm) for j in range(slots)]
     a = [Task("send", c) for c in range(_ceil(plan.tokens, grain.send_tokens))]
     a += [Task("relay", j, m) for j in range(slots) for m in range(m_tiles[j])]
-    a += [Task("up", j, m, n) for j in range(slots) for n in range(_ceil(ffn, grain.up_cols))
+    a += [Task(first, j, m, n) for j in range(slots) for n in range(_ceil(ffn, grain.up_cols))
           for m in range(m_tiles[j])]
-    b = [Task("down", j, m, n) for j in range(slots) for n in range(_ceil(hidden, grain.down_cols))
+    b = [Task(second, j, m, n) for j in range(slots) for n in range(_ceil(hidden, grain.down_cols))
          for m in range(m_tiles[j])]
     b += [Task("reduce", c) for c in range(_ceil(plan.tokens, grain.reduce_tokens))]
     return a, b

@@ -76,7 +76,8 @@ from typing import Callable
 import numpy as np
 
 from ultraep.compute.host import sequential_product
-from ultraep.integration.fused import (FusedLayer, Granularity, RankPlan, Task, _ceil, _f32, _poison, mtile_starts,
+from ultraep.integration import fused
+from ultraep.integration.fused import (FusedLayer, Granularity, RankPlan, Task, _f32, _poison, mtile_starts,
                                        plan_ranks, run_rank)
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.kernels import kernel_constant
@@ -94,18 +95,9 @@ def granularity() -> Granularity:
 
 
 def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity) -> tuple[list[Task], list[Task]]:
-    """This rank's tasks of kernel C and kernel D, in claim order."""
-    off = plan.offsets[plan.rank]
-    slots = len(off) - 1
-    m_tiles = [_ceil(int(off[j + 1] - off[j]), grain.bm) for j in range(slots)]
-    c = [Task("send", t) for t in range(_ceil(plan.tokens, grain.send_tokens))]
-    c += [Task("relay", j, m) for j in range(slots) for m in range(m_tiles[j])]
-    c += [Task("dgrad_down", j, m, n) for j in range(slots) for n in range(_ceil(ffn, grain.up_cols))
-          for m in range(m_tiles[j])]
-    d = [Task("dgrad_up", j, m, n) for j in range(slots) for n in range(_ceil(hidden, grain.down_cols))
-         for m in range(m_tiles[j])]
-    d += [Task("reduce", t) for t in range(_ceil(plan.tokens, grain.reduce_tokens))]
-    return c, d
+    """This rank's tasks of kernel C and kernel D, in claim order (the forward's, with the
+    dgrad tiles in place of up and down)."""
+    return fused.task_order(plan, ffn, hidden, grain, gemms=(KERNEL_C[2], KERNEL_D[0]))
 
 
 @dataclass
