@@ -212,6 +212,18 @@ def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity,
 
 # -- the heaps and the tasks' semantics -----------------------------------------------------------
 
+def simulation_geometry(expert_ids, w_up, grain: Granularity, max_tokens: int | None):
+    """What a simulation of every rank needs first: the rank count, ``(H, F)``, the landing
+    rows per source (``max_tokens``, default the most tokens of any rank), every rank's
+    :class:`RankPlan` and per rank ``(receive rows, M-tiles)``, at least 1 each."""
+    ranks, slots = len(expert_ids), w_up[0].shape[0]
+    hidden_ffn = (w_up[0].shape[1], w_up[0].shape[2] // 2)
+    max_tokens = max_tokens or max(1, max(len(ids) for ids in expert_ids))
+    plans = plan_ranks(expert_ids, slots, grain)
+    sizes = [(max(1, int(p.offsets[r][-1])), max(1, int(p.mtiles[r][-1]))) for r, p in enumerate(plans)]
+    return ranks, hidden_ffn, max_tokens, plans, sizes
+
+
 @dataclass
 class RankState:
     """One rank's buffers: the symmetric heap's (written or read by peers) and its own
@@ -270,14 +282,9 @@ class FusedLayer:
         H, 2F]`` and ``w_down[r] [slots, F, H]`` BF16 (rank ``r``'s stacked slots),
         ``activation(h, rows)`` the epilogue (``moe_layer.swiglu``)."""
         grain = grain or Granularity.kernel()
-        ranks, slots = len(xs), w_up[0].shape[0]
-        H, F = w_up[0].shape[1], w_up[0].shape[2] // 2
-        max_tokens = max_tokens or max(1, max(len(x) for x in xs))
-        plans = plan_ranks(expert_ids, slots, grain)
+        ranks, (H, F), max_tokens, plans, sizes = simulation_geometry(expert_ids, w_up, grain, max_tokens)
         states = []
-        for r in range(ranks):
-            rows = max(1, int(plans[r].offsets[r][-1]))
-            tiles = max(1, int(plans[r].mtiles[r][-1]))
+        for r, (rows, tiles) in enumerate(sizes):
             states.append(RankState(
                 x=np.asarray(xs[r]), gates=np.asarray(gates[r], dtype=np.float32), w_up=np.asarray(w_up[r]),
                 w_down=np.asarray(w_down[r]), landing=_poison((ranks * max_tokens, H), BFLOAT16),

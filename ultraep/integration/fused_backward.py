@@ -78,7 +78,7 @@ import numpy as np
 from ultraep.compute.host import sequential_product
 from ultraep.integration import fused
 from ultraep.integration.fused import (FusedLayer, Granularity, RankPlan, Task, _f32, _poison, mtile_starts,
-                                       plan_ranks, run_rank)
+                                       run_rank)
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import reference as ref
@@ -143,14 +143,10 @@ class FusedBackward(FusedLayer):
         and ``gates`` as the forward's, ``hs[r]`` / ``ys[r]`` rank ``r``'s receive rows' ``h``
         and ``y`` in receive order (:func:`sequential_rows`), stacked weights as the forward's."""
         grain = grain or granularity()
-        ranks, slots, K = len(dys), w_up[0].shape[0], np.shape(expert_ids[0])[1]
-        H, F = w_up[0].shape[1], w_up[0].shape[2] // 2
-        max_tokens = max_tokens or max(1, max(len(g) for g in dys))
-        plans = plan_ranks(expert_ids, slots, grain)
+        K = np.shape(expert_ids[0])[1]
+        ranks, (H, F), max_tokens, plans, sizes = fused.simulation_geometry(expert_ids, w_up, grain, max_tokens)
         states = []
-        for r in range(ranks):
-            rows = max(1, int(plans[r].offsets[r][-1]))
-            tiles = max(1, int(plans[r].mtiles[r][-1]))
+        for r, (rows, tiles) in enumerate(sizes):
             states.append(BackwardState(
                 landing=_poison((ranks * max_tokens, H), BFLOAT16), slot_grad_w=_poison(max_tokens * K, np.float32),
                 expert_out=_poison((rows, H), BFLOAT16), dy=np.asarray(dys[r]), row_weight=_poison(rows, np.float32),
