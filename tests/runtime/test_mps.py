@@ -6,31 +6,58 @@ import textwrap
 
 import pytest
 
-from ultraep.errors import MPSUnavailable
+from ultraep.errors import LaunchError, MPSUnavailable
 from ultraep.runtime import launch, mps
 
 # Stands in for nvidia-cuda-mps-control: "-f" creates the control pipe and runs until a
-# "quit" arrives through a second invocation's stdin, as the real daemon does.
+# "quit" arrives through a second invocation's stdin, as the real daemon does. With "-S"
+# (refused when {static} is False) it answers "lspart" with 16 free chunks of 8 SMs (an
+# H200's) and "sm_partition add" with a new partition id. Every invocation is logged.
 FAKE_CONTROL = """\
 #!{python}
 import os, pathlib, sys, time
 pipe = pathlib.Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
-if sys.argv[1:] == ["-f"]:
+log = pathlib.Path({log!r})
+if sys.argv[1:2] == ["-f"]:
+    with log.open("a") as f: f.write(" ".join(sys.argv[1:]) + "\\n")
+    if "-S" in sys.argv[2:] and not {static}:
+        print("static partitioning is not supported on this device"); sys.exit(1)
     {start}
     while not (pipe / "quit").exists():
         time.sleep(0.01)
     print("daemon quit")
 else:
-    if sys.stdin.read().strip() == "quit":
+    line = sys.stdin.read().strip()
+    with log.open("a") as f: f.write(line + "\\n")
+    made = pipe / "partitions"
+    count = len(made.read_text().split()) if made.exists() else 0
+    if line == "quit":
         (pipe / "quit").touch()
+    elif line == "lspart":
+        print("GPU                Partition   free   used   free  used  clients")
+        print("                               chunk  chunk  SM    SM")
+        print(f"GPU-5c1f0a2e  -  {{16 - 4 * count}}  {{4 * count}}  {{128 - 32 * count}}  {{32 * count}}  -")
+    elif line.startswith("sm_partition add "):
+        name = f"{{line.split()[2]}}/Dx{{count}}AAAAAAAA+b="
+        made.write_text((made.read_text() if made.exists() else "") + name + "\\n")
+        print(f"Partition {{name}} created")
 """
+GPU_UUID = "GPU-5c1f0a2e-0000-1111-2222-333344445555"
 
 
-def fake_control(tmp_path, monkeypatch, start="(pipe / 'control').touch()"):
+def fake_control(tmp_path, monkeypatch, start="(pipe / 'control').touch()", static=True):
+    """A fake daemon on the PATH (and a fake nvidia-smi naming the GPU); returns the file
+    that logs every daemon start and every command sent to it."""
+    log = tmp_path / "control.log"
     script = tmp_path / mps.CONTROL
-    script.write_text(textwrap.dedent(FAKE_CONTROL).format(python=sys.executable, start=start))
+    script.write_text(textwrap.dedent(FAKE_CONTROL).format(python=sys.executable, start=start, static=static,
+                                                            log=str(log)))
     script.chmod(0o755)
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho {GPU_UUID}\n")
+    smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return log
 
 
 @pytest.mark.parametrize("ranks, percent, fits", [(4, 25, True), (8, 12, True), (3, 33, True), (4, 26, False),
@@ -79,10 +106,71 @@ def run_emulated(monkeypatch, argv, ranks=4):
     return code, relaunched
 
 
-def test_launcher_runs_ranks_under_the_daemon_with_the_default_share(tmp_path, monkeypatch):
-    fake_control(tmp_path, monkeypatch)
+def test_launcher_gives_each_rank_a_static_partition_of_the_default_share(tmp_path, monkeypatch, capsys):
+    log = fake_control(tmp_path, monkeypatch)
     code, relaunched = run_emulated(monkeypatch, ["--emulate-ep"])
-    assert code == 0 and relaunched[0][0] == 4 and relaunched[0][1]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert code == 0 and relaunched[0][0] == 4
+    env = relaunched[0][1]
+    names = env[mps.PARTITIONS_VARIABLE].split(",")
+    assert names == [f"{GPU_UUID}/Dx{i}AAAAAAAA+b=" for i in range(4)]
+    assert env[mps.SMS_PER_RANK_VARIABLE] == "32" and env[mps.EMULATION_VARIABLE] == "mps:25"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env  # ignored under -S; the partition is the share
+    assert log.read_text().splitlines() == ["-f -S", "lspart", *[f"sm_partition add {GPU_UUID} 4"] * 4, "quit"]
+    assert capsys.readouterr().err == ""
+
+
+def test_launcher_falls_back_to_the_thread_percentage_without_static_partitions(tmp_path, monkeypatch, capsys):
+    log = fake_control(tmp_path, monkeypatch, static=False)
+    code, relaunched = run_emulated(monkeypatch, ["--emulate-ep"])
+    env = relaunched[0][1]
+    assert code == 0 and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25" and mps.PARTITIONS_VARIABLE not in env
+    assert log.read_text().splitlines() == ["-f -S", "-f", "quit"]
+    err = capsys.readouterr().err
+    assert "no static SM partitions" in err and "not supported on this device" in err and "may overlap" in err
+
+
+@pytest.mark.parametrize("ranks, percent, chunks", [(4, 25, 4), (8, 12, 2), (3, 33, 5), (2, 10, 2), (1, 100, 16)])
+def test_partition_chunks_round_to_whole_chunks_never_past_an_even_split(ranks, percent, chunks):
+    assert mps.partition_chunks(ranks, percent, 16) == chunks
+
+
+def test_a_share_under_one_chunk_falls_back_to_the_thread_percentage(tmp_path, monkeypatch, capsys):
+    log = fake_control(tmp_path, monkeypatch)
+    with pytest.raises(mps.StaticPartitionsUnavailable, match="less than one chunk"):
+        mps.partition_chunks(16, 2, 16)
+    code, relaunched = run_emulated(monkeypatch, ["--emulate-ep", "2"], ranks=16)
+    assert code == 0 and relaunched[0][1]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "2"
+    assert "sm_partition add" not in log.read_text() and "less than one chunk" in capsys.readouterr().err
+
+
+def test_lspart_without_free_chunks_is_refused():
+    with pytest.raises(mps.StaticPartitionsUnavailable, match="no free SM chunks"):
+        mps.free_chunks_and_sms("GPU  Partition free used free used clients\nGPU-5c1f  -  0  16  0  128  -\n")
+
+
+def test_each_rank_takes_its_own_partition():
+    names = "GPU-a/Dx0,GPU-a/Dx1,GPU-a/Dx2"
+    for variable in mps.LOCAL_RANK_VARIABLES:
+        environ = {mps.PARTITIONS_VARIABLE: names, variable: "1"}
+        mps.take_rank_partition(environ)
+        assert environ[mps.PARTITION_VARIABLE] == "GPU-a/Dx1"
+    untouched = {"OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    mps.take_rank_partition(untouched)
+    assert mps.PARTITION_VARIABLE not in untouched
+    with pytest.raises(LaunchError, match="holds 3 SM partitions but this rank's local rank is 3"):
+        mps.take_rank_partition({mps.PARTITIONS_VARIABLE: names, "MPI_LOCALRANKID": "3"})
+    with pytest.raises(LaunchError, match="local rank is None"):
+        mps.take_rank_partition({mps.PARTITIONS_VARIABLE: names})
+
+
+def test_run_rank_sets_the_partition_before_the_script_runs(tmp_path, monkeypatch):
+    script = tmp_path / "show.py"
+    script.write_text("import os; print('partition', os.environ['CUDA_MPS_SM_PARTITION'])")
+    monkeypatch.setenv(mps.PARTITIONS_VARIABLE, "GPU-a/Dx0,GPU-a/Dx1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    monkeypatch.setenv(mps.PARTITION_VARIABLE, "to be replaced")  # and removed again after the test
+    launch.run_rank([str(script)])
+    assert os.environ[mps.PARTITION_VARIABLE] == "GPU-a/Dx1"
 
 
 def test_launcher_refuses_a_share_that_does_not_fit(monkeypatch, capsys):
@@ -113,7 +201,10 @@ def test_sharing_label(monkeypatch):
     assert mps.sharing_label(FakeGroup([("h", 0), ("h", 1)])) == "one GPU per rank"
     assert "time-sliced" in mps.sharing_label(FakeGroup([("h", 0)] * 4))
     monkeypatch.setenv(mps.EMULATION_VARIABLE, "mps:25")
-    assert mps.sharing_label(FakeGroup([("h", 0)] * 4)) == "MPS, 25 % of SMs per rank (4 ranks per GPU)"
+    assert (mps.sharing_label(FakeGroup([("h", 0)] * 4))
+            == "MPS, 25 % of SMs per rank (shares may overlap; 4 ranks per GPU)")
+    monkeypatch.setenv(mps.SMS_PER_RANK_VARIABLE, "32")
+    assert mps.sharing_label(FakeGroup([("h", 0)] * 4)) == "MPS static partition, 32 SMs per rank (4 ranks per GPU)"
 
 
 def test_command_line_runs_a_command_under_the_daemon(tmp_path, monkeypatch, capfd):

@@ -95,8 +95,11 @@ RANK_MAIN = "from ultraep.runtime.launch import run_rank; run_rank()"
 
 def run_rank(argv: Sequence[str] | None = None) -> None:
     """Run ``argv`` (``script.py args...`` or ``-m module args...``) as this rank's
-    ``__main__``, recording in ``$ULTRAEP_RANK_STATUS_DIR/rank<N>`` how it ended; the
-    exception or exit code then goes on to ``python -m mpi4py``, which aborts the job."""
+    ``__main__`` (in this rank's own SM partition under emulated EP), recording in
+    ``$ULTRAEP_RANK_STATUS_DIR/rank<N>`` how it ended; the exception or exit code then goes
+    on to ``python -m mpi4py``, which aborts the job."""
+    from ultraep.runtime.mps import take_rank_partition
+
     argv = list(sys.argv[1:] if argv is None else argv)
     rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "?")
     status_dir = os.environ.get(STATUS_DIR_VARIABLE)
@@ -107,6 +110,7 @@ def run_rank(argv: Sequence[str] | None = None) -> None:
 
     record("running")
     try:
+        take_rank_partition()  # before the script starts CUDA
         if argv[:1] == ["-m"]:
             sys.argv = argv[1:]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -379,16 +383,15 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
     percent = getattr(args, "emulate_ep", None)
     if percent is None:
         return relaunch_on_ranks(ranks, relaunch, timeout=timeout)
-    from ultraep.runtime.mps import MPSDaemon, default_share, share_error
+    from ultraep.runtime.mps import default_share, share_error, start_emulation
 
     percent = percent or default_share(ranks)
     if (error := share_error(ranks, percent)) is not None:
         print(f"--emulate-ep: {error}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the daemon is stopped on the way out
-    daemon = MPSDaemon()
     try:
-        daemon.start()
+        daemon = start_emulation(ranks, percent)
     except MPSUnavailable as exc:
         print(f"--emulate-ep: {exc}; the ranks run time-sliced instead", file=sys.stderr)
         return relaunch_on_ranks(ranks, relaunch, timeout=timeout)

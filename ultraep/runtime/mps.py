@@ -3,19 +3,30 @@ own share of the SMs.
 
 Ranks that share a GPU without MPS are time-sliced: their kernels take turns, so a
 multi-rank time says little. Under an MPS control daemon their kernels run at once, and
-``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` caps each rank at a share of the SMs, so every rank
-behaves like a small GPU of its own (HBM is shared, there is no NVLink) and a straggler
-costs time as on a real EP group. :class:`MPSDaemon` starts a private daemon (its own
-pipe and log directories, a child of this process) and stops it again; the launcher
-(:func:`ultraep.runtime.launch.multi_rank_main`) uses it for ``--emulate-ep``, and
-:func:`sharing_label` says in a table's header how the ranks shared the GPU.
+each rank behaves like a small GPU of its own (HBM is shared, there is no NVLink), so a
+straggler costs time as on a real EP group. Two ways to give each rank its share:
+
+- **static SM partitions** (daemon started with ``-S``, one ``sm_partition add`` per rank,
+  each client naming its partition in ``CUDA_MPS_SM_PARTITION``): every rank owns a
+  disjoint set of SMs, as one GPU per rank would give it;
+- **the thread percentage** (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``): caps how many SMs a
+  rank uses but not which, so ranks' blocks can land on the same SMs and one rank's
+  persistent kernel can run late behind another's.
+
+:func:`start_emulation` tries the first and falls back to the second, saying so;
+:class:`MPSDaemon` starts a private daemon (its own pipe and log directories, a child of
+this process) and stops it again; the launcher (:func:`ultraep.runtime.launch.multi_rank_main`)
+uses them for ``--emulate-ep``, each rank takes its partition with :func:`take_rank_partition`
+before CUDA starts, and :func:`sharing_label` says in a table's header how the ranks shared the GPU.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,8 +39,14 @@ if TYPE_CHECKING:
 
 CONTROL = "nvidia-cuda-mps-control"
 EMULATION_VARIABLE = "ULTRAEP_EP_EMULATION"  # "mps:<percent>" in every rank of an emulated job
+PARTITIONS_VARIABLE = "ULTRAEP_MPS_SM_PARTITIONS"  # the partition ids, comma-separated, by local rank
+SMS_PER_RANK_VARIABLE = "ULTRAEP_MPS_SMS_PER_RANK"  # set only when the ranks have static partitions
+PARTITION_VARIABLE = "CUDA_MPS_SM_PARTITION"
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK")
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 20.0
+COMMAND_TIMEOUT_S = 15.0
+PARTITION_ID = re.compile(r"GPU-[0-9A-Fa-f-]+/[^\s,]+")  # what "sm_partition add" prints
 
 
 def default_share(ranks: int) -> int:
@@ -47,15 +64,23 @@ def share_error(ranks: int, percent: int) -> str | None:
     return None
 
 
+class StaticPartitionsUnavailable(Exception):
+    """This machine's MPS cannot give the ranks static SM partitions (the thread percentage can still run)."""
+
+
 class MPSDaemon:
     """A private MPS control daemon for the length of a ``with`` block.
 
-    ``client_environment(percent)`` is what each rank's environment needs to run under it
-    with ``percent`` % of the SMs. :meth:`start` (or entering the block) raises
+    With ``static`` it runs in static SM partitioning mode and :meth:`partition` carves one
+    partition per rank. ``client_environment(percent)`` is what each rank's environment
+    needs to run under it. :meth:`start` (or entering the block) raises
     :class:`~ultraep.errors.MPSUnavailable`, with the daemon's own words, when it cannot start."""
 
-    def __init__(self, *, start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(self, *, static: bool = False, start_timeout_s: float = START_TIMEOUT_S):
+        self.static = static
         self.start_timeout_s = start_timeout_s
+        self.partitions: list[str] = []
+        self.sms_per_partition = 0
         self._root: Path | None = None
         self._process: subprocess.Popen | None = None
 
@@ -76,20 +101,50 @@ class MPSDaemon:
         self._root = Path(tempfile.mkdtemp(prefix="ultraep-mps-"))
         for directory in self._directories.values():
             os.makedirs(directory)
-        self._process = subprocess.Popen([control, "-f"], env={**os.environ, **self._directories},
+        self._process = subprocess.Popen([control, "-f", *(["-S"] if self.static else [])],
+                                         env={**os.environ, **self._directories},
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         pipe = Path(self._directories["CUDA_MPS_PIPE_DIRECTORY"]) / "control"
         deadline = time.monotonic() + self.start_timeout_s
         while not pipe.exists():
             if self._process.poll() is not None or time.monotonic() > deadline:
                 said = self._stop()
-                raise MPSUnavailable(f"the MPS control daemon did not start within {self.start_timeout_s:g} s"
-                                  + (f": {said.strip()}" if said.strip() else ""))
+                raise MPSUnavailable(f"the MPS control daemon{' (-S)' if self.static else ''} did not start within "
+                                     f"{self.start_timeout_s:g} s" + (f": {said.strip()}" if said.strip() else ""))
             time.sleep(0.05)
 
+    def command(self, line: str) -> str:
+        """Send one command to the daemon; its reply (raises StaticPartitionsUnavailable when it fails)."""
+        try:
+            done = subprocess.run([CONTROL], input=line + "\n", env={**os.environ, **self._directories}, text=True,
+                                  capture_output=True, timeout=COMMAND_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise StaticPartitionsUnavailable(f"'{line}' to the MPS daemon: {exc}") from exc
+        reply = (done.stdout + done.stderr).strip()
+        if done.returncode != 0:
+            raise StaticPartitionsUnavailable(f"'{line}' to the MPS daemon exited {done.returncode}: {reply}")
+        return reply
+
+    def partition(self, ranks: int, percent: int) -> None:
+        """Carve ``ranks`` disjoint SM partitions of ``percent`` % of the SMs each (whole chunks)."""
+        assert self.static and self._process is not None
+        free_chunks, free_sms = free_chunks_and_sms(self.command("lspart"))
+        chunks = partition_chunks(ranks, percent, free_chunks)
+        device = gpu_uuid()
+        for _ in range(ranks):
+            reply = self.command(f"sm_partition add {device} {chunks}")
+            found = PARTITION_ID.search(reply)
+            if found is None:
+                raise StaticPartitionsUnavailable(f"'sm_partition add {device} {chunks}' gave no partition: {reply}")
+            self.partitions.append(found.group(0))
+        self.sms_per_partition = chunks * free_sms // free_chunks
+
     def client_environment(self, percent: int) -> dict[str, str]:
-        return {**self._directories, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent),
-                EMULATION_VARIABLE: f"mps:{percent}"}
+        if self.partitions:  # each rank picks its own partition (take_rank_partition)
+            share = {PARTITIONS_VARIABLE: ",".join(self.partitions), SMS_PER_RANK_VARIABLE: str(self.sms_per_partition)}
+        else:
+            share = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
+        return {**self._directories, **share, EMULATION_VARIABLE: f"mps:{percent}"}
 
     def __exit__(self, *exc_info) -> None:
         self._stop()
@@ -113,6 +168,74 @@ class MPSDaemon:
         return said
 
 
+def free_chunks_and_sms(lspart: str) -> tuple[int, int]:
+    """The free chunks and free SMs in ``lspart``'s device row (``GPU-… - free used free-SMs used-SMs …``)."""
+    for line in lspart.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[0].startswith("GPU-") and fields[1] == "-" and fields[2].isdigit() \
+                and fields[4].isdigit() and int(fields[2]) > 0:
+            return int(fields[2]), int(fields[4])
+    raise StaticPartitionsUnavailable(f"no free SM chunks in the daemon's lspart: {lspart!r}")
+
+
+def partition_chunks(ranks: int, percent: int, free_chunks: int) -> int:
+    """Chunks per rank for ``percent`` % of the SMs: the nearest whole number, at most an even split."""
+    chunks = min(free_chunks // ranks, round(free_chunks * percent / 100))
+    if chunks < 1:
+        raise StaticPartitionsUnavailable(f"{percent} % of {free_chunks} SM chunks is less than one chunk per rank")
+    return chunks
+
+
+def gpu_uuid() -> str:
+    """The UUID of the GPU the ranks share (the first visible one), which names it to the daemon."""
+    device = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    try:
+        done = subprocess.run(["nvidia-smi", "-i", device, "--query-gpu=uuid", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise StaticPartitionsUnavailable(f"nvidia-smi could not name GPU {device}: {exc}") from exc
+    uuid, said = done.stdout.strip(), (done.stdout + done.stderr).strip()
+    if done.returncode != 0 or not uuid.startswith("GPU-"):
+        raise StaticPartitionsUnavailable(f"nvidia-smi could not name GPU {device}: {said}")
+    return uuid
+
+
+def start_emulation(ranks: int, percent: int) -> MPSDaemon:
+    """A started daemon giving ``ranks`` ranks ``percent`` % of the SMs each: disjoint static
+    partitions when the machine's MPS has them, else (said on stderr) the thread percentage.
+    Raises :class:`~ultraep.errors.MPSUnavailable` when MPS cannot start at all."""
+    daemon = MPSDaemon(static=True)
+    try:
+        daemon.start()
+        daemon.partition(ranks, percent)
+        return daemon
+    except (MPSUnavailable, StaticPartitionsUnavailable) as exc:
+        daemon._stop()
+        if shutil.which(CONTROL) is None:
+            raise
+        print(f"--emulate-ep: no static SM partitions ({exc}); the ranks get {percent} % of the SMs each by "
+              "thread percentage instead, and their shares may overlap", file=sys.stderr)
+    daemon = MPSDaemon()
+    daemon.start()
+    return daemon
+
+
+def take_rank_partition(environ=os.environ) -> None:
+    """In a rank of an emulated job with static partitions, before CUDA starts: name this
+    rank's own partition in ``CUDA_MPS_SM_PARTITION`` (all ranks were started with one environment)."""
+    partitions = environ.get(PARTITIONS_VARIABLE)
+    if not partitions:
+        return
+    from ultraep.errors import LaunchError
+
+    rank = next((environ[v] for v in LOCAL_RANK_VARIABLES if v in environ), None)
+    names = partitions.split(",")
+    if rank is None or not rank.isdigit() or int(rank) >= len(names):
+        raise LaunchError(f"{PARTITIONS_VARIABLE} holds {len(names)} SM partitions but this rank's local rank is "
+                          f"{rank} (from {', '.join(LOCAL_RANK_VARIABLES)}): it has no partition of its own")
+    environ[PARTITION_VARIABLE] = names[int(rank)]
+
+
 def sharing_label(group: "EPGroup") -> str:
     """How the group's ranks share their GPUs, for a benchmark table's header (collective)."""
     from ultraep.runtime.group import gpu_identity, most_ranks_on_one_gpu
@@ -123,8 +246,10 @@ def sharing_label(group: "EPGroup") -> str:
     if per_gpu == 1:
         return "one GPU per rank"
     emulation = os.environ.get(EMULATION_VARIABLE, "")
+    if sms := os.environ.get(SMS_PER_RANK_VARIABLE):
+        return f"MPS static partition, {sms} SMs per rank ({per_gpu} ranks per GPU)"
     if emulation.startswith("mps:"):
-        return f"MPS, {emulation[4:]} % of SMs per rank ({per_gpu} ranks per GPU)"
+        return f"MPS, {emulation[4:]} % of SMs per rank (shares may overlap; {per_gpu} ranks per GPU)"
     return f"{per_gpu} ranks time-sliced on one GPU: not a figure of merit"
 
 
@@ -132,7 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m ultraep.runtime.mps [--percent P] -- COMMAND...``: run COMMAND (and the
     processes it starts) under a private MPS daemon with ``P`` % of the SMs per process."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(prog="python -m ultraep.runtime.mps", description=main.__doc__.split("\n\n")[0])
     parser.add_argument("--percent", type=int, default=100, help="SM share of each CUDA process (default 100)")
