@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Can MPS give each emulated EP rank a disjoint set of SMs on this machine? Starts a private
 # control daemon in static SM partitioning mode (-S), carves one partition per rank, runs a
-# tiny kernel in every rank at once that records the SM (%smid) each block ran on, and
-# checks that the ranks' SM sets are disjoint; then does the same under today's
+# tiny kernel in every rank at once whose blocks hold their SMs for 20 ms, and checks that
+# no rank had to wait for SMs another rank held; then does the same under today's
 # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE mode for comparison. Every step is bounded by a
 # timeout, every daemon it starts is stopped (by its pid if "quit" fails), and the daemon's
 # logs are printed at the end. Needs python with cupy; does not import ultraep.
@@ -94,24 +94,29 @@ start_daemon() {  # start_daemon NAME ARGS...: a daemon with its own pipe/log di
 }
 
 # The per-rank check: wait until every rank is ready (so the kernels overlap), then for
-# about two seconds launch a grid of 8x132 blocks that each spin 2 ms and record %smid.
+# about two seconds launch one full wave (8 blocks of 256 threads per SM the rank is told it
+# has) of blocks that each hold their SM for 20 ms and record %smid. A rank that owns its
+# SMs finishes each wave in ~20 ms; one whose SMs are also another rank's waits for
+# residency and takes ~40 ms or more. The timing is the proof: %smid may be numbered per
+# client under MPS, so equal ids across ranks need not be the same physical SM.
 cat > "$ROOT/rank_check.py" << 'EOF'
 import json, os, pathlib, sys, time
 rank, ranks, out = int(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3])
 import cupy as cp
-props = cp.cuda.runtime.getDeviceProperties(0)
-source = r'''
-extern "C" __global__ void where(unsigned* smid_of_block, unsigned long long spin_ns) {
+sms = cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+source = r"""
+extern "C" __global__ void hold(unsigned* smid_of_block, unsigned long long hold_ns) {
   unsigned smid; unsigned long long t0, t;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < spin_ns);
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < hold_ns);
   if (threadIdx.x == 0) smid_of_block[blockIdx.x] = smid;
-}'''
-kernel = cp.RawKernel(source, "where")
-blocks = 8 * 132
+}"""
+kernel = cp.RawKernel(source, "hold")
+blocks, hold_ns = 8 * sms, 20_000_000
 smids = cp.full(blocks, 0xFFFFFFFF, dtype=cp.uint32)
-kernel((blocks,), (64,), (smids, cp.uint64(2_000_000)))  # compile and warm up before the barrier
+begin, end = cp.cuda.Event(), cp.cuda.Event()
+kernel((blocks,), (256,), (smids, cp.uint64(hold_ns)))  # compile and warm up before the barrier
 cp.cuda.Device().synchronize()
 (out / f"ready{rank}").touch()
 deadline = time.monotonic() + 60
@@ -119,14 +124,20 @@ while sum((out / f"ready{r}").exists() for r in range(ranks)) < ranks:
     if time.monotonic() > deadline:
         sys.exit(f"rank {rank}: the other ranks were not ready within 60 s")
     time.sleep(0.005)
-seen, launches, start = set(), 0, time.monotonic()
+seen, wave_ms, start = set(), [], time.monotonic()
 while time.monotonic() - start < 2.0:
     smids.fill(0xFFFFFFFF)
-    kernel((blocks,), (64,), (smids, cp.uint64(2_000_000)))
+    begin.record()
+    kernel((blocks,), (256,), (smids, cp.uint64(hold_ns)))
+    end.record()
+    end.synchronize()
+    wave_ms.append(cp.cuda.get_elapsed_time(begin, end))
     seen.update(int(s) for s in cp.asnumpy(smids))
-    launches += 1
-(out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "sms_reported": props["multiProcessorCount"],
-    "partition": os.environ.get("CUDA_MPS_SM_PARTITION"), "launches": launches, "smids": sorted(seen)}))
+wave_ms.sort()
+(out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "sms_reported": sms,
+    "partition": os.environ.get("CUDA_MPS_SM_PARTITION"), "launches": len(wave_ms), "smids": sorted(seen),
+    "wave_ms_median": wave_ms[len(wave_ms) // 2], "wave_ms_max": wave_ms[-1], "hold_ms": hold_ns / 1e6,
+    "slow_waves": sum(ms > 1.3 * hold_ns / 1e6 for ms in wave_ms)}))
 EOF
 
 cat > "$ROOT/compare.py" << 'EOF'
@@ -141,16 +152,19 @@ def ranges(ids):
             spans.append(f"{start}-{s}" if s > start else f"{s}"); start = None
     return ",".join(spans)
 for r in results:
-    print(f"rank {r['rank']}: {r['sms_reported']} SMs reported, {len(r['smids'])} distinct SMs used over "
-          f"{r['launches']} launches: {ranges(r['smids'])}   partition={r['partition']}")
+    print(f"rank {r['rank']}: {r['sms_reported']} SMs reported; one full wave of {r['hold_ms']:g} ms blocks took "
+          f"{r['wave_ms_median']:.1f} ms median, {r['wave_ms_max']:.1f} ms max, {r['slow_waves']} of {r['launches']} "
+          "waves over 1.3x; "
+          f"%smid seen: {ranges(r['smids'])}   partition={r['partition']}")
 if len(results) < ranks:
     print(f"only {len(results)} of {ranks} ranks reported"); sys.exit(2)
-overlap = {(a["rank"], b["rank"]): sorted(set(a["smids"]) & set(b["smids"]))
-           for i, a in enumerate(results) for b in results[i + 1:]}
-shared = {pair: ids for pair, ids in overlap.items() if ids}
-union = set().union(*(set(r["smids"]) for r in results))
-print(f"union: {len(union)} SMs; pairs sharing SMs: " + (", ".join(f"{p}: {len(i)}" for p, i in shared.items()) or "none"))
-sys.exit(1 if shared else 0)
+shared = {(a["rank"], b["rank"]): len(set(a["smids"]) & set(b["smids"]))
+          for i, a in enumerate(results) for b in results[i + 1:]}
+print("pairs with equal %smid values: " + (", ".join(f"{p}: {n}" for p, n in shared.items() if n) or "none")
+      + " (under MPS %smid may be numbered per client: the wave times decide)")
+slow = [r["rank"] for r in results if r["wave_ms_max"] > 1.3 * r["hold_ms"]]
+print(f"ranks whose wave took over 1.3x the hold time (they waited for SMs another rank held): {slow or 'none'}")
+sys.exit(1 if slow else 0)
 EOF
 
 run_ranks() {  # run_ranks NAME ENV_OF_RANK_FUNCTION: every rank at once, each bounded by 120 s
@@ -172,6 +186,7 @@ nvidia-smi --query-gpu=index,name,uuid,driver_version,compute_mode --format=csv 
 echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>}  uid=$(id -u)  ranks=$RANKS"
 command -v "$CONTROL" || { VERDICT="no $CONTROL on the PATH"; exit 1; }
 echo "\$ $CONTROL -v"; timeout 10 "$CONTROL" -v 2>&1 | head -5
+echo "(static SM partitioning needs a daemon reporting version 13010 or later; the H200 lent on 2026-12-02 had 13000)"
 "$PY" -c 'import cupy, sys; print("python", sys.version.split()[0], "cupy", cupy.__version__, "CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(), "driver", cupy.cuda.runtime.driverGetVersion())' 2>&1
 GPU=${CUDA_VISIBLE_DEVICES:-0}; GPU=${GPU%%,*}
 UUID=$(nvidia-smi -i "$GPU" --query-gpu=uuid --format=csv,noheader 2>/dev/null | tr -d '[:space:]')
@@ -204,8 +219,8 @@ if start_daemon static -f -S || start_daemon static-d -d -S; then
   if [ ${#PARTS[@]} -eq "$RANKS" ]; then
     partition_of() { echo "CUDA_MPS_SM_PARTITION=${PARTS[$1]}"; }
     say "$RANKS ranks at once, each in its own partition of $CHUNKS chunks"
-    if run_ranks static partition_of; then VERDICT="static partitioning WORKS: the ranks' SM sets are disjoint"
-    else VERDICT="static partitioning ran but the ranks' SM sets were NOT disjoint (or a rank failed)"; fi
+    if run_ranks static partition_of; then VERDICT="static partitioning WORKS: no rank waited for another's SMs"
+    else VERDICT="static partitioning ran but some rank waited for SMs (or failed)"; fi
     say "a client without CUDA_MPS_SM_PARTITION under -S (expected to be refused)"
     CUDA_MPS_PIPE_DIRECTORY=$PIPE timeout 60 "$PY" -c \
       'import cupy as cp; print("SMs:", cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]); cp.zeros(1).sum()' 2>&1 | tail -3
@@ -222,7 +237,7 @@ say "for comparison: thread-percentage mode (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$
 if start_daemon percent -f; then
   share_of() { echo "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / RANKS))"; }
   run_ranks percent share_of
-  echo "(overlap is expected here: the percentage caps each client's SMs, it does not separate them)"
+  echo "(the percentage caps each client's SMs; whether it separates them is what this shows)"
   stop_daemon "$PIPE"
 fi
 [[ $VERDICT == *WORKS* ]]

@@ -10,15 +10,18 @@ from ultraep.errors import LaunchError, MPSUnavailable
 from ultraep.runtime import launch, mps
 
 # Stands in for nvidia-cuda-mps-control: "-f" creates the control pipe and runs until a
-# "quit" arrives through a second invocation's stdin, as the real daemon does. With "-S"
-# (refused when {static} is False) it answers "lspart" with 16 free chunks of 8 SMs (an
-# H200's) and "sm_partition add" with a new partition id. Every invocation is logged.
+# "quit" arrives through a second invocation's stdin, as the real daemon does. "-v" reports
+# {version}; "-S" is refused when {static} is False; "lspart" answers 16 free chunks of 8
+# SMs (an H200's), "sm_partition add" a new partition id. Every invocation is logged.
 FAKE_CONTROL = """\
 #!{python}
 import os, pathlib, sys, time
-pipe = pathlib.Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
+pipe = pathlib.Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "."))
 log = pathlib.Path({log!r})
-if sys.argv[1:2] == ["-f"]:
+if sys.argv[1:2] == ["-v"]:
+    with log.open("a") as f: f.write("-v\\n")
+    print("CUDA MPS Control for Linux/Unix/QNX. Binary version: {version}")
+elif sys.argv[1:2] == ["-f"]:
     with log.open("a") as f: f.write(" ".join(sys.argv[1:]) + "\\n")
     if "-S" in sys.argv[2:] and not {static}:
         print("static partitioning is not supported on this device"); sys.exit(1)
@@ -45,13 +48,13 @@ else:
 GPU_UUID = "GPU-5c1f0a2e-0000-1111-2222-333344445555"
 
 
-def fake_control(tmp_path, monkeypatch, start="(pipe / 'control').touch()", static=True):
+def fake_control(tmp_path, monkeypatch, start="(pipe / 'control').touch()", static=True, version=13010):
     """A fake daemon on the PATH (and a fake nvidia-smi naming the GPU); returns the file
     that logs every daemon start and every command sent to it."""
     log = tmp_path / "control.log"
     script = tmp_path / mps.CONTROL
     script.write_text(textwrap.dedent(FAKE_CONTROL).format(python=sys.executable, start=start, static=static,
-                                                            log=str(log)))
+                                                            version=version, log=str(log)))
     script.chmod(0o755)
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\necho {GPU_UUID}\n")
@@ -115,18 +118,23 @@ def test_launcher_gives_each_rank_a_static_partition_of_the_default_share(tmp_pa
     assert names == [f"{GPU_UUID}/Dx{i}AAAAAAAA+b=" for i in range(4)]
     assert env[mps.SMS_PER_RANK_VARIABLE] == "32" and env[mps.EMULATION_VARIABLE] == "mps:25"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env  # ignored under -S; the partition is the share
-    assert log.read_text().splitlines() == ["-f -S", "lspart", *[f"sm_partition add {GPU_UUID} 4"] * 4, "quit"]
+    assert log.read_text().splitlines() == ["-v", "-f -S", "lspart", *[f"sm_partition add {GPU_UUID} 4"] * 4,
+                                            "quit"]
     assert capsys.readouterr().err == ""
 
 
-def test_launcher_falls_back_to_the_thread_percentage_without_static_partitions(tmp_path, monkeypatch, capsys):
-    log = fake_control(tmp_path, monkeypatch, static=False)
+@pytest.mark.parametrize("version, static, commands, why", [
+    (13000, True, ["-v", "-f", "quit"], "reports version 13000; static SM partitions need 13010 or later"),
+    (13010, False, ["-v", "-f -S", "-f", "quit"], "not supported on this device")])
+def test_launcher_falls_back_to_the_thread_percentage_without_static_partitions(
+        tmp_path, monkeypatch, capsys, version, static, commands, why):
+    log = fake_control(tmp_path, monkeypatch, static=static, version=version)
     code, relaunched = run_emulated(monkeypatch, ["--emulate-ep"])
     env = relaunched[0][1]
     assert code == 0 and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25" and mps.PARTITIONS_VARIABLE not in env
-    assert log.read_text().splitlines() == ["-f -S", "-f", "quit"]
+    assert log.read_text().splitlines() == commands
     err = capsys.readouterr().err
-    assert "no static SM partitions" in err and "not supported on this device" in err and "may overlap" in err
+    assert "no static SM partitions" in err and why in err and "may overlap" in err
 
 
 @pytest.mark.parametrize("ranks, percent, chunks", [(4, 25, 4), (8, 12, 2), (3, 33, 5), (2, 10, 2), (1, 100, 16)])
