@@ -274,6 +274,31 @@ __device__ __forceinline__ void stage_accumulators(const float (&d)[128], unsign
         }
 }
 
+// A consumer's up-tile accumulators as FP32 into h [rows, 2 ffn] (the layer keeps h for
+// SwiGLU's backward, as the sequential path's grouped GEMM writes it): column block j < 16
+// is gate column c0 + 8j + ..., j + 16 the matching up column, ffn further; rows past the
+// tile's end and columns past ffn are not stored.
+__device__ __forceinline__ void store_up_accumulators(const float (&d)[128], const Tile& tile, float* h, int ffn,
+                                                      int consumer, int warp, int lane) {
+    const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
+    constexpr int BLOCKS = GH_BN / 16;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = tile.row0 + row + 8 * half;
+        if (r >= tile.row_end) continue;
+        float* h_row = h + static_cast<long long>(r) * 2 * ffn;
+#pragma unroll
+        for (int j = 0; j < BLOCKS; ++j) {
+            const int c = tile.col0 + col + 8 * j;  // ffn is a multiple of 8 and c even: c + 1 < ffn too
+            if (c < ffn) {
+                const int i = 4 * j + 2 * half;
+                store_pair(h_row + c, d[i], d[i + 1]);
+                store_pair(h_row + ffn + c, d[i + 4 * BLOCKS], d[i + 1 + 4 * BLOCKS]);
+            }
+        }
+    }
+}
+
 // A consumer warp's hand-over of a tile to the store warps: once they have freed the staging
 // buffer of `phase`, `stage()` stages this thread's part, then the warp signals it. The caller
 // flips phase, as the store warps do.

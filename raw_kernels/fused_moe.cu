@@ -8,7 +8,8 @@
 //
 //   fused_plan          one block: every rank's offsets and M-tile starts from the gathered
 //                       count table; the two claim counters zeroed
-//   fused_dispatch_up   send -> relay -> up tiles (SwiGLU epilogue) -> act [rows, F] BF16
+//   fused_dispatch_up   send -> relay -> up tiles (SwiGLU epilogue) -> act [rows, F] BF16,
+//                       and h [rows, 2F] FP32 kept for the backward
 //   fused_down_combine  down tiles -> expert_out (heap) -> reduce -> out [T, H] BF16
 //
 // A block (GH_THREADS: a producer warpgroup and two consumer warpgroups, as the grouped
@@ -98,8 +99,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
                   const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
                   u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens,
                   const int* rank_off, const int* rank_mtile, int max_rows, uint4* recv, u64* tile_ready, int ffn,
-                  bf16* act, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome,
-                  u64* trace) {
+                  bf16* act, float* h, u64 epoch, u64 timeout_ns, int* counter, long long* status,
+                  const int* outcome, u64* trace) {
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
     __shared__ Pipeline p;
     __shared__ int claimed;
@@ -119,7 +120,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     auto store = [&](unsigned staged, const Tile& tile, int) {
         store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, threadIdx.x - WARP);
     };
-    auto stage = [&](const float (&d)[128], const Tile&, int, unsigned staged, int consumer, int warp, int lane) {
+    auto stage = [&](const float (&d)[128], const Tile& tile, int, unsigned staged, int consumer, int warp, int lane) {
+        store_up_accumulators(d, tile, h, ffn, consumer, warp, lane);
         stage_accumulators<true>(d, staged, consumer, warp, lane);
     };
     // the up half's boxes are F further than the gate half's

@@ -20,10 +20,9 @@ window - the layer's forward window, ``bwd_speedup`` their ratio. Bitwise, fused
 sequential, elements whose bits differ summed over ranks (each must be 0): ``dx_diff``,
 ``dgates_diff``, ``grad_up_diff``, ``grad_down_diff`` (the weight gradients of one backward);
 ``bwd_rerun_diff``: all four between the two checked fused passes. The comparison is per
-layer as a framework calls it: the fused forward keeps only ``act``, so the fused backward
-first recomputes ``h`` and ``y`` (two grouped GEMMs, in fused_bwd_ms), which the sequential
-forward computes on its way anyway and keeps in the context (more memory held between the
-passes, no extra time). No timeline for the backward (its kernels record none).
+layer as a framework calls it; both forwards keep ``h``, ``act`` and ``y`` in the context
+for their backward (the fused up tiles write ``h`` beside ``act``, ``y`` is copied out of
+the heap, whose ``expert_out`` the next call reuses). No timeline for the backward (its kernels record none).
 
 ``--timeline FILE.png``: per setting, every rank's recorded fused forward, a panel per rank
 on one time axis, one line per SM (a worker on the host), coloured by task kind (send,
@@ -192,7 +191,7 @@ def run(args) -> int:
              "routing, BF16 SwiGLU experts; speedup = seq_ms / fused_ms; out_diff: fused output elements whose bits "
              "differ from the sequential path's; rerun_diff: between two fused forwards")
     if args.backward:
-        title += ("; *_bwd_ms: forward+backward window - forward window (the fused backward recomputes h and y); "
+        title += ("; *_bwd_ms: forward+backward window - forward window; "
                   "dx/dgates/grad_up/grad_down_diff: elements whose bits differ from the sequential backward's; "
                   "bwd_rerun_diff: between two fused backwards")
     diff_columns = ["out_diff", "rerun_diff"] + (BACKWARD_DIFFS if args.backward else [])
