@@ -9,7 +9,7 @@
 //   fused_plan          one block: every rank's offsets and M-tile starts from the gathered
 //                       count table; the two claim counters zeroed
 //   fused_dispatch_up   send -> relay -> up tiles (SwiGLU epilogue) -> act [rows, F] BF16,
-//                       and h [rows, 2F] FP32 kept for the backward
+//                       and h [rows, 2F] FP32 kept for the backward (unless h is null)
 //   fused_down_combine  down tiles -> expert_out (heap) -> reduce -> out [T, H] BF16
 //
 // A block (GH_THREADS: a producer warpgroup and two consumer warpgroups, as the grouped
@@ -121,7 +121,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
         store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, threadIdx.x - WARP);
     };
     auto stage = [&](const float (&d)[128], const Tile& tile, int, unsigned staged, int consumer, int warp, int lane) {
-        store_up_accumulators(d, tile, h, ffn, consumer, warp, lane);
+        if (h != nullptr) store_up_accumulators(d, tile, h, ffn, consumer, warp, lane);
         stage_accumulators<true>(d, staged, consumer, warp, lane);
     };
     // the up half's boxes are F further than the gate half's

@@ -280,3 +280,29 @@ def test_every_fused_wait_is_bounded_and_names_its_flag(skip, flag):
         moe.forward(x, cupy.asarray(ids.astype(np.int64)), cupy.asarray(rng.random((T, K)).astype(np.float32)))
         with pytest.raises(WaitTimeout, match=flag):
             moe.check()
+
+
+def test_a_forward_without_backward_keeps_nothing_and_its_context_refuses_one():
+    """backward=False (inference): the same output bits, no h or y kept, and a backward on
+    that context is refused with a message; a training context of the same layer still works."""
+    from mpi4py import MPI
+
+    from ultraep.errors import MoELayerError
+    from ultraep.integration.moe_layer import MoELayer
+    from ultraep.runtime.group import EPGroup
+
+    H, F, E, K, T = 256, 128, 4, 2, 40
+    rng = np.random.default_rng(7)
+    group = EPGroup(MPI.COMM_SELF, use_gpu=False)
+    with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend="host", fused=True) as moe:
+        moe.load_weights(bf16(rng, (E, H, 2 * F), H ** -0.5), bf16(rng, (E, F, H), F ** -0.5))
+        x, dy = bf16(rng, (T, H)), bf16(rng, (T, H))
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64)
+        gates = rng.random((T, K)).astype(np.float32)
+        y_train, ctx_train = moe.forward(x, ids, gates)
+        y_infer, ctx_infer = moe.forward(x, ids, gates, backward=False)
+        assert np.array_equal(y_infer.view(np.int16), y_train.view(np.int16))
+        assert ctx_infer.h is None and ctx_infer.y is None and ctx_train.h is not None
+        with pytest.raises(MoELayerError, match="backward=False"):
+            moe.backward(ctx_infer, dy)
+        moe.backward(ctx_train, dy)

@@ -485,7 +485,7 @@ class HostFusedForward:
         self.epoch = 0
         self.recording, self.last_timeline = False, []
 
-    def forward(self, x, ids, gates, w_up, w_down):
+    def forward(self, x, ids, gates, w_up, w_down, keep: bool = True):
         """As :meth:`~ultraep.integration.fused_device.DeviceFusedForward.forward`: ``(out,
         received, act, h, y)``."""
         d, b, me = self.config, self.impl.buffers, self.config.rank
@@ -509,14 +509,14 @@ class HostFusedForward:
         own.x, own.gates, own.w_up, own.w_down = np.asarray(x), m["gates"], np.asarray(w_up), np.asarray(w_down)
         own.recv = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
         own.act = np.zeros((d.max_recv_rows, self.ffn), dtype=d.dtype)
-        own.h = np.zeros((d.max_recv_rows, 2 * self.ffn), dtype=np.float32)
+        own.h = np.zeros((d.max_recv_rows, 2 * self.ffn), dtype=np.float32) if keep else None
         own.out = np.zeros((m["tokens"], d.hidden), dtype=d.dtype)
         layer = FusedLayer([plan if r == me else None for r in range(d.size)], states, self.activation,
                            grain=self.grain, epoch=self.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
                            hidden=d.hidden, ffn=self.ffn)
         self.last_timeline = [] if self.recording else None
         run_rank(layer, me, self.timeout_s, timeline=self.last_timeline)
-        return own.out, self.impl.received(own.recv, m), own.act, own.h, own.expert_out.copy()
+        return own.out, self.impl.received(own.recv, m), own.act, own.h, own.expert_out.copy() if keep else None
 
     def record_timeline(self, enable: bool) -> None:
         """Whether later forwards record when each task ran (:meth:`timeline`)."""

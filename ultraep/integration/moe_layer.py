@@ -156,6 +156,7 @@ class MoEContext:
     generation: int               # which forward last filled the layer's replica weights
     tokens: int                   # this rank's tokens in the forward
     done: bool = False
+    for_backward: bool = True     # False: the forward ran with backward=False (nothing kept for one)
 
 
 def _raise_everywhere(group: EPGroup, error: BaseException | None, what: str) -> None:
@@ -404,10 +405,14 @@ class MoELayer:
             _bits(self._w_down[M + s])[...] = _bits(self.xp.asarray(down))
 
     # -- the layer ----------------------------------------------------------------------------
-    def forward(self, x: Any, topk_ids: Any, gates: Any, *, stream: Any = None) -> tuple[Any, MoEContext]:
+    def forward(self, x: Any, topk_ids: Any, gates: Any, *, stream: Any = None,
+                backward: bool = True) -> tuple[Any, MoEContext]:
         """Collective. ``x [T, H]`` BF16, ``topk_ids [T, K]`` logical expert ids, ``gates [T, K]``
         float32; returns ``(y [T, H] BF16, ctx)``: the gate-weighted sum of each token's K
-        experts (slot order, FP32 accumulation) and the context for :meth:`backward`."""
+        experts (slot order, FP32 accumulation) and the context for :meth:`backward`.
+        ``backward=False``: none will follow (inference); the fused forward then keeps
+        neither ``h`` nor the expert outputs (less time and memory) and the context refuses
+        :meth:`backward`."""
         from ultraep.compute import grouped_mm
 
         self._check_open()
@@ -430,8 +435,9 @@ class MoELayer:
                 self._generation += 1
             if self._fused is not None:
                 out, received, act, h, y = self._fused.forward(arrays[0], self._import("topk_ids", ids), arrays[2],
-                                                               self._w_up, self._w_down)
-                return out, MoEContext(handle, received, h, act, y, self._generation, tokens)
+                                                               self._w_up, self._w_down, keep=backward)
+                return out, MoEContext(handle, received, h, act, y, self._generation, tokens,
+                                       for_backward=bool(backward))
             received = self.dispatcher.dispatch(x, ids, gates)
             offsets, xp = received.offsets, self.xp
             rows = received.x.shape[0]
@@ -439,7 +445,7 @@ class MoELayer:
             act = self._swiglu_forward(h, offsets)
             y = grouped_mm(act, self._w_down, offsets)
             out = self.dispatcher.combine(y, received.handle)
-        return out, MoEContext(handle, received, h, act, y, self._generation, tokens)
+        return out, MoEContext(handle, received, h, act, y, self._generation, tokens, for_backward=bool(backward))
 
     def backward(self, ctx: MoEContext, dy: Any, *, stream: Any = None) -> tuple[Any, Any]:
         """Collective. ``dy [T, H]`` (the output's gradient); returns ``(dx [T, H] BF16,
@@ -456,6 +462,8 @@ class MoELayer:
                 raise MoELayerError(f"backward needs the context forward returned, got {type(ctx).__name__}")
             if ctx.done:
                 raise MoELayerError("this context's backward has run already (its gradients were added once)")
+            if not ctx.for_backward:
+                raise MoELayerError("this context's forward ran with backward=False: it kept nothing for a backward")
             grad = self._import("dy", dy)
             if tuple(grad.shape) != (ctx.tokens, self.hidden) or not is_bf16(grad.dtype):
                 raise MoELayerError(f"dy: expected bfloat16 [{ctx.tokens}, {self.hidden}] (the forward's tokens), "
