@@ -274,6 +274,24 @@ __device__ __forceinline__ void stage_accumulators(const float (&d)[128], unsign
         }
 }
 
+// Stage one half of a consumer's up-tile accumulators as FP32 (GH_BN / 2 columns: PART 0 the
+// gate columns, 1 the matching up columns), for the store warps to write into h.
+template <int PART>
+__device__ __forceinline__ void stage_up_half_fp32(const float (&d)[128], unsigned staged, int consumer, int warp,
+                                                   int lane) {
+    const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
+    constexpr int BLOCKS = GH_BN / 16;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int j = 0; j < BLOCKS; ++j) {
+            const int i = 4 * (j + PART * BLOCKS) + 2 * half;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
+                         :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 4), "f"(d[i]), "f"(d[i + 1])
+                         : "memory");
+        }
+}
+
 // A consumer warp's hand-over of a tile to the store warps: once they have freed the staging
 // buffer of `phase`, `stage()` stages this thread's part, then the warp signals it. The caller
 // flips phase, as the store warps do.
@@ -311,13 +329,12 @@ __device__ __forceinline__ bool take_from_consumers(Pipeline& p, int phase, long
 // row_landing), then release_relayed<SYSTEM>; then GEMM tiles (kind `tile_kind`), MODE's,
 // `tile_of(t)` tile t, each handed to the block once its M-tile is relayed. The producer thread
 // loads a tile with load_tile's `boxes(tile)` and `b_split`; its accumulators go to the store
-// warps in HALVES stagings: `stage(d, tile, half, staged, consumer, warp, lane)` on the
-// consumers, `store(staged, tile, first)` on the store warps, `first` the staging's column
-// offset (0, then half_cols).
-template <int MODE, bool SYSTEM, int HALVES, typename TileOf, typename Boxes, typename RelayRow, typename Store,
-          typename Stage>
+// warps in `stagings` rounds through the one staging buffer: `stage(d, tile, s, staged,
+// consumer, warp, lane)` on the consumers, then `store(staged, tile, s)` on the store warps,
+// for s = 0 .. stagings - 1.
+template <int MODE, bool SYSTEM, typename TileOf, typename Boxes, typename RelayRow, typename Store, typename Stage>
 __device__ __forceinline__ void send_relay_then_gemm(
-    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, int half_cols,
+    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, int stagings,
     const uint4* src, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
     const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
     u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk,
@@ -352,15 +369,10 @@ __device__ __forceinline__ void send_relay_then_gemm(
                 if (lane == 0 && !gave_up)
                     load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step, status,
                                     gave_up);
-            } else if constexpr (HALVES == 1) {
-                take_from_consumers(p, phase, status, gave_up, lane, [&] { store(staged, tile, 0); });
-            } else {  // HALVES == 2
-                for (int first = 0; first <= half_cols; first += half_cols) {
-                    take_from_consumers(p, phase, status, gave_up, lane, [&] { store(staged, tile, first); });
-                    phase ^= 1;
-                }
+            } else {
+                for (int s = 0; s < stagings; ++s, phase ^= 1)
+                    take_from_consumers(p, phase, status, gave_up, lane, [&] { store(staged, tile, s); });
             }
-            if constexpr (HALVES == 1) phase ^= 1;  // the load warp's copy goes unread
         }
         return;
     }
@@ -390,12 +402,8 @@ __device__ __forceinline__ void send_relay_then_gemm(
             const Tile tile = tile_of(task - first_tile);
             float d[128];
             mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-#pragma unroll
-            for (int half = 0; half < HALVES; ++half) {
-                hand_to_stores(p, phase, status, gave_up, lane,
-                               [&] { stage(d, tile, half, staged, consumer, warp, lane); });
-                phase ^= 1;
-            }
+            for (int s = 0; s < stagings; ++s, phase ^= 1)
+                hand_to_stores(p, phase, status, gave_up, lane, [&] { stage(d, tile, s, staged, consumer, warp, lane); });
         }
     }
 }
@@ -451,7 +459,7 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
                                     gave_up);
             } else {
                 const bool stored = take_from_consumers(p, phase, status, gave_up, lane, [&] {
-                    store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, threadIdx.x - WARP);
+                    store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, hidden, threadIdx.x - WARP);
                 });
                 // The tile's rows are in the heap: fenced at system scope by every store
                 // thread, then one counts the tile; the M-tile's last column block (fenced

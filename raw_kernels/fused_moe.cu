@@ -8,7 +8,8 @@
 //
 //   fused_plan          one block: every rank's offsets and M-tile starts from the gathered
 //                       count table; the two claim counters zeroed
-//   fused_dispatch_up   send -> relay -> up tiles (SwiGLU epilogue) -> act [rows, F] BF16
+//   fused_dispatch_up   send -> relay -> up tiles (SwiGLU epilogue) -> act [rows, F] BF16,
+//                       and h [rows, 2F] FP32 kept for the backward (unless h is null)
 //   fused_down_combine  down tiles -> expert_out (heap) -> reduce -> out [T, H] BF16
 //
 // A block (GH_THREADS: a producer warpgroup and two consumer warpgroups, as the grouped
@@ -98,8 +99,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
                   const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
                   u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens,
                   const int* rank_off, const int* rank_mtile, int max_rows, uint4* recv, u64* tile_ready, int ffn,
-                  bf16* act, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome,
-                  u64* trace) {
+                  bf16* act, float* h, u64 epoch, u64 timeout_ns, int* counter, long long* status,
+                  const int* outcome, u64* trace) {
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
     __shared__ Pipeline p;
     __shared__ int claimed;
@@ -116,15 +117,25 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
         warp_copy_row(landing + static_cast<long long>(row_landing[row]) * row_vecs,
                       recv + static_cast<long long>(row) * row_vecs, row_vecs, threadIdx.x % WARP);
     };
-    auto store = [&](unsigned staged, const Tile& tile, int) {
-        store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, threadIdx.x - WARP);
+    // With h: its gate half, its up half (FP32, kept for the backward), then act; else act alone.
+    const int stagings = h != nullptr ? 3 : 1;
+    auto store = [&](unsigned staged, const Tile& tile, int s) {
+        if (s == stagings - 1)
+            store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, ffn, threadIdx.x - WARP);
+        else
+            store_staged_tile<FM_UP_COLS, float>(staged, tile, h + s * ffn, 2 * ffn, ffn, threadIdx.x - WARP);
     };
-    auto stage = [&](const float (&d)[128], const Tile&, int, unsigned staged, int consumer, int warp, int lane) {
-        stage_accumulators<true>(d, staged, consumer, warp, lane);
+    auto stage = [&](const float (&d)[128], const Tile&, int s, unsigned staged, int consumer, int warp, int lane) {
+        if (s == stagings - 1)
+            stage_accumulators<true>(d, staged, consumer, warp, lane);
+        else if (s == 0)
+            stage_up_half_fp32<0>(d, staged, consumer, warp, lane);
+        else
+            stage_up_half_fp32<1>(d, staged, consumer, warp, lane);
     };
     // the up half's boxes are F further than the gate half's
-    send_relay_then_gemm<GH_FORWARD, false, 1>(
-        &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, 0, x, tokens, top_k, hidden, ids, gates, positions,
+    send_relay_then_gemm<GH_FORWARD, false>(
+        &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, stagings, x, tokens, top_k, hidden, ids, gates, positions,
         base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
         max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, store, stage, epoch,
         timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);

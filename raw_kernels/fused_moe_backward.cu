@@ -79,24 +79,6 @@ __device__ __forceinline__ void stage_dgrad_gate(float (&d)[128], unsigned stage
     }
 }
 
-// The store warps' part of one dh half: the staged GH_BN columns to dh columns
-// first + [tile.col0, tile.col0 + GH_BN), masked to the tile's rows and to F columns (the
-// other half's columns are another tile's).
-__device__ __forceinline__ void store_dh_half(unsigned staged, const Tile& tile, bf16* dh, int ffn, int first,
-                                              int id) {
-    for (int i = id; i < GH_BM * (GH_BN / 8); i += GH_STORE_WARPS * WARP) {
-        const int row = i / (GH_BN / 8), chunk = i % (GH_BN / 8);
-        const int r = tile.row0 + row, c = tile.col0 + chunk * 8;  // ffn is a multiple of 8
-        if (r < tile.row_end && c < ffn) {
-            uint4 v;
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(staged + row * GH_C_PITCH + chunk * 16));
-            *reinterpret_cast<uint4*>(dh + static_cast<long long>(r) * 2 * ffn + first + c) = v;
-        }
-    }
-}
-
 // The relay of one received row (a warp), as dispatch.cu's grad_rows: g = the token's dy
 // (in landing); grad_y[row] = bf16(gate * g); the gate gradient dot(g, y[row]) -- each lane
 // sums its elements in increasing order, lanes meet in an xor butterfly -- into slot
@@ -161,9 +143,9 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
         relay_grad_row(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16, peer_bases,
                        slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
     };
-    // dh's gate half (its first F columns), then its up half
-    auto store = [&](unsigned staged, const Tile& tile, int first) {
-        store_dh_half(staged, tile, dh, ffn, first, threadIdx.x - WARP);
+    // dh's gate half (its first F columns), then its up half: staging s to columns s F + the tile's
+    auto store = [&](unsigned staged, const Tile& tile, int s) {
+        store_staged_tile<GH_BN>(staged, tile, dh + s * ffn, 2 * ffn, ffn, threadIdx.x - WARP);
     };
     auto stage = [&](float (&d)[128], const Tile& tile, int half, unsigned staged, int consumer, int warp,
                      int lane) {
@@ -173,8 +155,8 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
             stage_accumulators<false>(d, staged, consumer, warp, lane);
     };
     // system-scope relay fences: the sources read their gate gradients after kernel D's flags
-    send_relay_then_gemm<GH_DGRAD, true, 2>(
-        &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, ffn, dy, tokens, top_k, hidden, ids,
+    send_relay_then_gemm<GH_DGRAD, true>(
+        &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, 2, dy, tokens, top_k, hidden, ids,
         gates, positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset,
         row_flag_offset, me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready,
         relay_row, store, stage, epoch, timeout_ns, counter, status, static_cast<u64*>(nullptr), FB_KIND_SEND,

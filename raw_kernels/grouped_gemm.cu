@@ -120,7 +120,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 stage_wait(&output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
                 if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
                 OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
-                store_staged_tile<GH_BN>(staged, tile, base, out_cols, id);
+                store_staged_tile<GH_BN>(staged, tile, base, out_cols, out_cols, id);
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(&output_empty);
             }

@@ -352,20 +352,23 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
     if (k_steps > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
 }
 
-// The store warps' part of a BF16 epilogue: the tile staged in shared memory (GH_C_PITCH
-// bytes a row, COLS columns) to `out` (row pitch out_cols) in 16-byte chunks, masked to
-// the tile's rows and the output's columns; `id` is the thread's index among the store warps.
-template <int COLS>
-__device__ __forceinline__ void store_staged_tile(unsigned staged, const Tile& tile, bf16* out, int out_cols, int id) {
-    for (int i = id; i < GH_BM * (COLS / 8); i += GH_STORE_WARPS * WARP) {
-        const int row = i / (COLS / 8), chunk = i % (COLS / 8);
-        const int r = tile.row0 + row, c = tile.col0 + chunk * 8;  // out_cols is a multiple of 8
-        if (r < tile.row_end && c < out_cols) {
+// The store warps' part of an epilogue: the tile staged in shared memory (GH_C_PITCH bytes
+// a row, COLS columns of T) to `out` (row pitch `pitch` elements) in 16-byte chunks, masked
+// to the tile's rows and to columns below `col_end` (a multiple of 16 bytes' worth); `id` is
+// the thread's index among the store warps.
+template <int COLS, typename T = bf16>
+__device__ __forceinline__ void store_staged_tile(unsigned staged, const Tile& tile, T* out, long long pitch,
+                                                  int col_end, int id) {
+    constexpr int PER_CHUNK = 16 / sizeof(T), CHUNKS = COLS / PER_CHUNK;
+    for (int i = id; i < GH_BM * CHUNKS; i += GH_STORE_WARPS * WARP) {
+        const int row = i / CHUNKS, chunk = i % CHUNKS;
+        const int r = tile.row0 + row, c = tile.col0 + chunk * PER_CHUNK;
+        if (r < tile.row_end && c < col_end) {
             uint4 v;
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                          : "r"(staged + row * GH_C_PITCH + chunk * 16));
-            *reinterpret_cast<uint4*>(out + static_cast<long long>(r) * out_cols + c) = v;
+            *reinterpret_cast<uint4*>(out + r * pitch + c) = v;
         }
     }
 }

@@ -177,6 +177,11 @@ def _on_gpu(array):
     return cupy.asarray(array)
 
 
+def _bits(array):
+    """The bit patterns of a BF16 (int16) or FP32 (int32) array: NaN patterns compare too."""
+    return array.view(np.int16 if array.dtype.itemsize == 2 else np.int32)
+
+
 def _first_difference(got, want, what):
     rows, cols = np.nonzero(got != want)
     return f"{what}: {rows.size} elements differ, first at row {rows[0]}, column {cols[0]}" if rows.size else ""
@@ -214,17 +219,20 @@ def test_fused_kernels_stage_by_stage_on_one_gpu(hidden, ffn, experts, tokens, r
         gates = cupy.asarray(rng.random((tokens, top_k)).astype(np.float32))
         y, ctx = sequential.forward(x, ids, gates)
         rows = ctx.received.num_rows
-        want = [cupy.asnumpy(a).view(np.int16) for a in (ctx.received.x[:rows], ctx.act[:rows], y)]
+        kept = (ctx.received.x[:rows], ctx.act[:rows], y, ctx.h[:rows], ctx.y[:rows])
+        want = [_bits(cupy.asnumpy(a)) for a in kept]
         first = None
         for run in range(10):
-            poison = [cupy.full(n, 0x7FC1, dtype=np.int16) for n in (rows * hidden, rows * ffn, tokens * hidden)]
+            poison = [cupy.full(n, 0x7FC1, dtype=np.int16)
+                      for n in (rows * hidden, rows * ffn, tokens * hidden, 4 * rows * ffn, rows * hidden)]
             del poison  # back to the pool: the fused forward's buffers start as NaN patterns
             fused.dispatcher.expert_output().view(np.int16).fill(0x7FC1)
             y_fused, ctx_fused = fused.forward(x, ids, gates)
             fused.check()
-            got = [cupy.asnumpy(a).view(np.int16)
-                   for a in (ctx_fused.received.x[:rows], ctx_fused.act[:rows], y_fused)]
-            stages = ("receive rows (relay)", "act (up tiles)", "output (down + reduce)")
+            kept = (ctx_fused.received.x[:rows], ctx_fused.act[:rows], y_fused, ctx_fused.h[:rows], ctx_fused.y[:rows])
+            got = [_bits(cupy.asnumpy(a)) for a in kept]
+            stages = ("receive rows (relay)", "act (up tiles)", "output (down + reduce)", "h kept (up tiles, FP32)",
+                      "y kept (down tiles, copied out of the heap)")
             problems = [p for p in map(_first_difference, got, want, stages) if p]
             assert not problems, f"run {run}: " + "; ".join(problems)
             if first is None:
@@ -272,3 +280,29 @@ def test_every_fused_wait_is_bounded_and_names_its_flag(skip, flag):
         moe.forward(x, cupy.asarray(ids.astype(np.int64)), cupy.asarray(rng.random((T, K)).astype(np.float32)))
         with pytest.raises(WaitTimeout, match=flag):
             moe.check()
+
+
+def test_a_forward_without_backward_keeps_nothing_and_its_context_refuses_one():
+    """backward=False (inference): the same output bits, no h or y kept, and a backward on
+    that context is refused with a message; a training context of the same layer still works."""
+    from mpi4py import MPI
+
+    from ultraep.errors import MoELayerError
+    from ultraep.integration.moe_layer import MoELayer
+    from ultraep.runtime.group import EPGroup
+
+    H, F, E, K, T = 256, 128, 4, 2, 40
+    rng = np.random.default_rng(7)
+    group = EPGroup(MPI.COMM_SELF, use_gpu=False)
+    with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend="host", fused=True) as moe:
+        moe.load_weights(bf16(rng, (E, H, 2 * F), H ** -0.5), bf16(rng, (E, F, H), F ** -0.5))
+        x, dy = bf16(rng, (T, H)), bf16(rng, (T, H))
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64)
+        gates = rng.random((T, K)).astype(np.float32)
+        y_train, ctx_train = moe.forward(x, ids, gates)
+        y_infer, ctx_infer = moe.forward(x, ids, gates, backward=False)
+        assert np.array_equal(y_infer.view(np.int16), y_train.view(np.int16))
+        assert ctx_infer.h is None and ctx_infer.y is None and ctx_train.h is not None
+        with pytest.raises(MoELayerError, match="backward=False"):
+            moe.backward(ctx_infer, dy)
+        moe.backward(ctx_train, dy)

@@ -8,22 +8,22 @@ Every rank holds ``experts_per_rank`` BF16 SwiGLU experts; routing is uniform to
 (distinct experts per token), gates random; no balancing. Per (tokens, hidden): both
 layers are built, a checked forward each (also the warm-up), ``--repeats`` timed forwards
 each as group windows (first rank's start to last rank's end, a barrier before each), a
-second checked fused forward (and, with ``--timeline``, a recorded one). ``out_diff``:
+second checked fused forward (and, with ``--timeline``, a recorded one). The timed forwards
+are inference's (``backward=False``: the fused layer keeps nothing for a backward). ``out_diff``:
 elements of the fused output whose bits differ from the sequential output's (must be 0);
 ``rerun_diff``: between the two checked fused forwards (must be 0). ``speedup`` =
 sequential ms / fused ms.
 
 ``--backward``: the checked passes become forward + backward from zeroed weight gradients
 (``dy`` random), and each repeat also times, per layer, ``zero_grads`` (untimed, a phase of
-its own) then forward + backward as one window; ``seq_bwd_ms`` / ``fused_bwd_ms`` = that
-window - the layer's forward window, ``bwd_speedup`` their ratio. Bitwise, fused against
+its own) then a training step, forward + backward, as one window: ``seq_step_ms`` /
+``fused_step_ms``, ``step_speedup`` their ratio. Bitwise, fused against
 sequential, elements whose bits differ summed over ranks (each must be 0): ``dx_diff``,
 ``dgates_diff``, ``grad_up_diff``, ``grad_down_diff`` (the weight gradients of one backward);
 ``bwd_rerun_diff``: all four between the two checked fused passes. The comparison is per
-layer as a framework calls it: the fused forward keeps only ``act``, so the fused backward
-first recomputes ``h`` and ``y`` (two grouped GEMMs, in fused_bwd_ms), which the sequential
-forward computes on its way anyway and keeps in the context (more memory held between the
-passes, no extra time). No timeline for the backward (its kernels record none).
+layer as a framework calls it: a training forward of either layer keeps ``h``, ``act`` and
+``y`` for its backward (the fused up tiles write ``h`` beside ``act``; ``y`` is copied out of
+the heap, whose ``expert_out`` the next call reuses). No timeline for the backward (its kernels record none).
 
 ``--timeline FILE.png``: per setting, every rank's recorded fused forward, a panel per rank
 on one time axis, one line per SM (a worker on the host), coloured by task kind (send,
@@ -51,7 +51,7 @@ from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive_int
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
-BACKWARD_TIMES = ["seq_bwd_ms", "fused_bwd_ms", "bwd_speedup"]
+BACKWARD_TIMES = ["seq_step_ms", "fused_step_ms", "step_speedup"]
 BACKWARD_DIFFS = ["dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
 ALIGN = 8  # hidden and ffn: whole 16-byte rows (the grouped GEMM's and the Dispatcher's copies)
 
@@ -77,7 +77,7 @@ def parse_args(argv):
                         help="timed forwards per path (and forward + backward passes with --backward)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--backward", action="store_true",
-                        help="also time and check each layer's backward (seq_bwd_ms, fused_bwd_ms, dx_diff, ...)")
+                        help="also time a training step, forward + backward (seq_step_ms, ...), and check the backward")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--timeline", metavar="FILE.png",
                         help="plot every rank's fused tasks per SM over time, a file per setting "
@@ -187,12 +187,12 @@ def run(args) -> int:
         return xp.asarray(values.astype(np.float32).astype(BFLOAT16).view(np.int16)).view(BFLOAT16)
 
     caveat = sharing_label(group)
-    direction = "forward and backward" if args.backward else "forward"
+    direction = "forward, and forward + backward" if args.backward else "forward"
     title = (f"fused vs sequential MoE {direction}: {R} ranks ({caveat}), {E} experts, top-{K}, ffn {F}, uniform "
              "routing, BF16 SwiGLU experts; speedup = seq_ms / fused_ms; out_diff: fused output elements whose bits "
              "differ from the sequential path's; rerun_diff: between two fused forwards")
     if args.backward:
-        title += ("; *_bwd_ms: forward+backward window - forward window (the fused backward recomputes h and y); "
+        title += ("; *_step_ms: a training step (forward keeping what its backward needs, then backward); "
                   "dx/dgates/grad_up/grad_down_diff: elements whose bits differ from the sequential backward's; "
                   "bwd_rerun_diff: between two fused backwards")
     diff_columns = ["out_diff", "rerun_diff"] + (BACKWARD_DIFFS if args.backward else [])
@@ -237,7 +237,8 @@ def run(args) -> int:
                                              max_recv_rows=bound, backend=backend, sync_checks=False, fused=fused)
                     layers[fused].load_weights(w_up, w_down)
                 first = {fused: checked(moe) for fused, moe in layers.items()}  # also the warm-up
-                phases = [lambda _, moe=moe: moe.forward(x, ids, gates) for moe in (layers[False], layers[True])]
+                phases = [lambda _, moe=moe: moe.forward(x, ids, gates, backward=False)
+                          for moe in (layers[False], layers[True])]
                 if args.backward:  # zero_grads in a phase of its own: the window is forward + backward alone
                     for moe in (layers[False], layers[True]):
                         phases += [lambda _, moe=moe: moe.zero_grads(), lambda _, moe=moe: step(moe)]
@@ -247,7 +248,7 @@ def run(args) -> int:
                 phases = None
                 if args.timeline:
                     layers[True].record_timeline(True)
-                    layers[True].forward(x, ids, gates)
+                    layers[True].forward(x, ids, gates, backward=False)
                     everyone_tasks = group.allgather(layers[True].timeline())
                     layers[True].record_timeline(False)
                     phases = phase_spans(everyone_tasks)
@@ -273,9 +274,7 @@ def run(args) -> int:
                    "speedup": seq_ms / fused_ms}
             if args.backward:
                 seq_step, fused_step = windows[3::2]  # after each layer's zero_grads phase
-                seq_bwd, fused_bwd = seq_step - seq_ms, fused_step - fused_ms
-                row.update(seq_bwd_ms=seq_bwd, fused_bwd_ms=fused_bwd,
-                           bwd_speedup=seq_bwd / fused_bwd if fused_bwd > 0 else None)  # None: lost in the noise
+                row.update(seq_step_ms=seq_step, fused_step_ms=fused_step, step_speedup=seq_step / fused_step)
             row.update((key, sum(d[i] for d in everyone)) for i, key in enumerate(diff_columns))
             if phases is not None:
                 row["phases"] = phases

@@ -242,6 +242,7 @@ class RankState:
     w_down: np.ndarray | None = None    # [slots, F, H] bf16
     recv: np.ndarray | None = None
     act: np.ndarray | None = None
+    h: np.ndarray | None = None         # [rows, 2F] FP32: the up tiles' sums, kept for the backward
     out: np.ndarray | None = None
 
 
@@ -385,8 +386,10 @@ class FusedLayer:
         c0, c1 = task.n * U, min(F, (task.n + 1) * U)
         w = _f32(st.w_up[task.a])
         a = _f32(st.recv[lo:hi])
-        h = np.concatenate([sequential_product(a, w[:, c0:c1]), sequential_product(a, w[:, F + c0:F + c1])], axis=1)
-        st.act[lo:hi, c0:c1] = self.activation(h, hi - lo)
+        gate, up = sequential_product(a, w[:, c0:c1]), sequential_product(a, w[:, F + c0:F + c1])
+        if st.h is not None:
+            st.h[lo:hi, c0:c1], st.h[lo:hi, F + c0:F + c1] = gate, up
+        st.act[lo:hi, c0:c1] = self.activation(np.concatenate([gate, up], axis=1), hi - lo)
 
     def _down(self, r: int, task: Task) -> None:
         st, D = self.state[r], self.grain.down_cols
@@ -482,9 +485,9 @@ class HostFusedForward:
         self.epoch = 0
         self.recording, self.last_timeline = False, []
 
-    def forward(self, x, ids, gates, w_up, w_down):
+    def forward(self, x, ids, gates, w_up, w_down, keep: bool = True):
         """As :meth:`~ultraep.integration.fused_device.DeviceFusedForward.forward`: ``(out,
-        received, act)``."""
+        received, act, h, y)``."""
         d, b, me = self.config, self.impl.buffers, self.config.rank
         self.epoch += 1
         m = self.impl.token_map(x, ids, gates)
@@ -506,13 +509,14 @@ class HostFusedForward:
         own.x, own.gates, own.w_up, own.w_down = np.asarray(x), m["gates"], np.asarray(w_up), np.asarray(w_down)
         own.recv = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
         own.act = np.zeros((d.max_recv_rows, self.ffn), dtype=d.dtype)
+        own.h = np.zeros((d.max_recv_rows, 2 * self.ffn), dtype=np.float32) if keep else None
         own.out = np.zeros((m["tokens"], d.hidden), dtype=d.dtype)
         layer = FusedLayer([plan if r == me else None for r in range(d.size)], states, self.activation,
                            grain=self.grain, epoch=self.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
                            hidden=d.hidden, ffn=self.ffn)
         self.last_timeline = [] if self.recording else None
         run_rank(layer, me, self.timeout_s, timeline=self.last_timeline)
-        return own.out, self.impl.received(own.recv, m), own.act
+        return own.out, self.impl.received(own.recv, m), own.act, own.h, own.expert_out.copy() if keep else None
 
     def record_timeline(self, enable: bool) -> None:
         """Whether later forwards record when each task ran (:meth:`timeline`)."""

@@ -72,12 +72,15 @@ class DeviceFusedForward:
         self.bm = kernel_constant(KERNELS, "GH_BM")
         self.traces = None  # per kernel: [tasks, FM_TRACE_WORDS] uint64 when recording a timeline
 
-    def forward(self, x, ids, gates, w_up, w_down):
+    def forward(self, x, ids, gates, w_up, w_down, keep: bool = True):
         """Collective, on the current stream; ``x``, ``ids``, ``gates`` checked CuPy arrays,
         ``w_up [slots, H, 2F]`` / ``w_down [slots, F, H]`` the stacked BF16 weights. Returns
-        ``(out [T, H], received, act [max_recv_rows, F])``: ``received`` the Dispatcher's
-        result (its handle serves the sequential backward). With ``sync_checks`` it waits
-        and raises a recorded wait timeout here, else :meth:`check` does."""
+        ``(out [T, H], received, act [max_recv_rows, F], h [max_recv_rows, 2F] FP32, y
+        [max_recv_rows, H])``: ``received`` the Dispatcher's result (its handle serves the
+        sequential backward); h and y are what the backward needs of the forward, the up
+        tiles' accumulators and a copy of the heap's expert outputs (the next call overwrites
+        those), both None unless ``keep``. With ``sync_checks`` it waits and raises a recorded wait timeout here, else
+        :meth:`check` does."""
         cp, d, b = self.cp, self.config, self.impl.buffers
         H, F, spr = self.hidden, self.ffn, self.spr
         self.epoch += 1
@@ -92,6 +95,8 @@ class DeviceFusedForward:
         rows = d.max_recv_rows
         recv = cp.empty((rows, H), dtype=bf16)
         act = cp.empty((rows, F), dtype=bf16)
+        h = cp.empty((rows, 2 * F), dtype=np.float32) if keep else None
+        kept_h = np.uint64(0) if h is None else h  # null: the up tiles store only act
         out = cp.empty((state["tokens"], H), dtype=bf16)
         box, bm = self.box, self.bm
         recv_map = self.maps.tiled(recv.data.ptr, (H, rows), (box, bm))
@@ -110,7 +115,8 @@ class DeviceFusedForward:
             state["gates"], state["positions"], state["base"], bases, np.uint64(b.landing.offset),
             np.uint64(b.row_weight.offset), np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset),
             np.uint64(self.row_flag.offset), np.int32(d.rank), np.int32(spr), np.int32(d.max_tokens), self.rank_off,
-            self.rank_mtile, np.int32(rows), recv, self.tile_ready, np.int32(F), act, epoch, timeout, self.counters[:1],
+            self.rank_mtile, np.int32(rows), recv, self.tile_ready, np.int32(F), act, kept_h, epoch, timeout,
+            self.counters[:1],
             self.status, state["outcome"], traces[0]), shared_mem=self.shared_bytes)
         self.k["fused_down_combine"]((self.grid,), (self.threads,), (
             act_map, w_down_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
@@ -120,9 +126,10 @@ class DeviceFusedForward:
             traces[1]),
             shared_mem=self.shared_bytes)
         received = self.impl.received(recv, state)
+        y = b.expert_out.local[:rows].copy() if keep else None
         if d.sync_checks:
             self.check()
-        return out, received, act
+        return out, received, act, h, y
 
     def record_timeline(self, enable: bool) -> None:
         """Whether later forwards stamp each task's start, end and SM (:meth:`timeline`)."""

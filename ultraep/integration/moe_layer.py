@@ -41,9 +41,10 @@ SwiGLU's rounding is stated in ``raw_kernels/swiglu.cu``; :func:`swiglu` and
 ``fused=True`` runs the forward as UniEP's two persistent kernels (``raw_kernels/fused_moe.cu``:
 dispatch + up-projection with SwiGLU in the epilogue, down-projection + combine), whose
 task semantics :mod:`ultraep.integration.fused` states in NumPy and runs on the host
-backend; the outputs are bitwise the sequential path's. Its backward recomputes the
-up-projection and the expert outputs from the context's ``act`` and runs the exchange of
-gradients and both dgrads as two persistent kernels too (``raw_kernels/fused_moe_backward.cu``,
+backend; the outputs are bitwise the sequential path's. It keeps what the backward needs
+as the sequential path does (the up tiles' FP32 sums ``h``, ``act``, the expert outputs
+``y``); its backward runs the exchange of gradients and both dgrads as two persistent
+kernels too (``raw_kernels/fused_moe_backward.cu``,
 semantics in :mod:`ultraep.integration.fused_backward`), bitwise the sequential backward;
 the weight gradients stay on the grouped wgrad.
 
@@ -155,6 +156,7 @@ class MoEContext:
     generation: int               # which forward last filled the layer's replica weights
     tokens: int                   # this rank's tokens in the forward
     done: bool = False
+    for_backward: bool = True     # False: the forward ran with backward=False (nothing kept for one)
 
 
 def _raise_everywhere(group: EPGroup, error: BaseException | None, what: str) -> None:
@@ -403,10 +405,14 @@ class MoELayer:
             _bits(self._w_down[M + s])[...] = _bits(self.xp.asarray(down))
 
     # -- the layer ----------------------------------------------------------------------------
-    def forward(self, x: Any, topk_ids: Any, gates: Any, *, stream: Any = None) -> tuple[Any, MoEContext]:
+    def forward(self, x: Any, topk_ids: Any, gates: Any, *, stream: Any = None,
+                backward: bool = True) -> tuple[Any, MoEContext]:
         """Collective. ``x [T, H]`` BF16, ``topk_ids [T, K]`` logical expert ids, ``gates [T, K]``
         float32; returns ``(y [T, H] BF16, ctx)``: the gate-weighted sum of each token's K
-        experts (slot order, FP32 accumulation) and the context for :meth:`backward`."""
+        experts (slot order, FP32 accumulation) and the context for :meth:`backward`.
+        ``backward=False``: none will follow (inference); the fused forward then keeps
+        neither ``h`` nor the expert outputs (less time and memory) and the context refuses
+        :meth:`backward`."""
         from ultraep.compute import grouped_mm
 
         self._check_open()
@@ -428,9 +434,10 @@ class MoELayer:
                 self._fill_replicas(handle)
                 self._generation += 1
             if self._fused is not None:
-                out, received, act = self._fused.forward(arrays[0], self._import("topk_ids", ids), arrays[2],
-                                                         self._w_up, self._w_down)
-                return out, MoEContext(handle, received, None, act, None, self._generation, tokens)
+                out, received, act, h, y = self._fused.forward(arrays[0], self._import("topk_ids", ids), arrays[2],
+                                                               self._w_up, self._w_down, keep=backward)
+                return out, MoEContext(handle, received, h, act, y, self._generation, tokens,
+                                       for_backward=bool(backward))
             received = self.dispatcher.dispatch(x, ids, gates)
             offsets, xp = received.offsets, self.xp
             rows = received.x.shape[0]
@@ -438,14 +445,14 @@ class MoELayer:
             act = self._swiglu_forward(h, offsets)
             y = grouped_mm(act, self._w_down, offsets)
             out = self.dispatcher.combine(y, received.handle)
-        return out, MoEContext(handle, received, h, act, y, self._generation, tokens)
+        return out, MoEContext(handle, received, h, act, y, self._generation, tokens, for_backward=bool(backward))
 
     def backward(self, ctx: MoEContext, dy: Any, *, stream: Any = None) -> tuple[Any, Any]:
         """Collective. ``dy [T, H]`` (the output's gradient); returns ``(dx [T, H] BF16,
         d_gates [T, K] float32)`` and adds the weight gradients into ``grad_up`` /
         ``grad_down`` (this rank's rows directly, replicas' through ``reduce_grads``).
         Each context once; a layer's micro-batches in any order its Balancer's ring allows."""
-        from ultraep.compute import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+        from ultraep.compute import grouped_mm_dgrad, grouped_mm_wgrad
         from ultraep.compute.checks import is_bf16
 
         self._check_open()
@@ -455,6 +462,8 @@ class MoELayer:
                 raise MoELayerError(f"backward needs the context forward returned, got {type(ctx).__name__}")
             if ctx.done:
                 raise MoELayerError("this context's backward has run already (its gradients were added once)")
+            if not ctx.for_backward:
+                raise MoELayerError("this context's forward ran with backward=False: it kept nothing for a backward")
             grad = self._import("dy", dy)
             if tuple(grad.shape) != (ctx.tokens, self.hidden) or not is_bf16(grad.dtype):
                 raise MoELayerError(f"dy: expected bfloat16 [{ctx.tokens}, {self.hidden}] (the forward's tokens), "
@@ -467,10 +476,6 @@ class MoELayer:
         received, offsets = ctx.received, ctx.received.offsets
         with self._on_stream(stream, dy):
             replica_grads = self._replica_grads(ctx, stream)
-            if ctx.h is None:  # a fused forward kept only act: the rest is recomputed, bit for bit
-                rows = received.x.shape[0]
-                ctx.h = grouped_mm(received.x, self._w_up, offsets, out=xp.empty((rows, 2 * F), np.float32))
-                ctx.y = grouped_mm(ctx.act, self._w_down, offsets)
             fused = self._fused_backward()
             if fused is not None:  # the gradients' exchange and both dgrads in two persistent kernels
                 dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.h, ctx.y, self._w_up, self._w_down)
