@@ -154,6 +154,7 @@ class MoEContext:
     y: Any                        # expert outputs, BF16 [max_recv_rows, H]
     generation: int               # which forward last filled the layer's replica weights
     tokens: int                   # this rank's tokens in the forward
+    rank_tiles: Any = None        # fused: every rank's offsets and M-tile starts of this forward [2, R, slots + 1]
     done: bool = False
 
 
@@ -428,9 +429,9 @@ class MoELayer:
                 self._fill_replicas(handle)
                 self._generation += 1
             if self._fused is not None:
-                out, received, act = self._fused.forward(arrays[0], self._import("topk_ids", ids), arrays[2],
-                                                         self._w_up, self._w_down)
-                return out, MoEContext(handle, received, None, act, None, self._generation, tokens)
+                out, received, act, rank_tiles = self._fused.forward(arrays[0], self._import("topk_ids", ids),
+                                                                     arrays[2], self._w_up, self._w_down)
+                return out, MoEContext(handle, received, None, act, None, self._generation, tokens, rank_tiles)
             received = self.dispatcher.dispatch(x, ids, gates)
             offsets, xp = received.offsets, self.xp
             rows = received.x.shape[0]
@@ -473,7 +474,8 @@ class MoELayer:
                 ctx.y = grouped_mm(ctx.act, self._w_down, offsets)
             fused = self._fused_backward()
             if fused is not None:  # the gradients' exchange and both dgrads in two persistent kernels
-                dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.h, ctx.y, self._w_up, self._w_down)
+                dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.rank_tiles, ctx.h, ctx.y, self._w_up,
+                                                         self._w_down)
             else:
                 grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
                 d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
@@ -558,8 +560,9 @@ class MoELayer:
         GEMM and the Balancer."""
         self._check_open()
         self.dispatcher.check()
-        if self._fused is not None:
-            self._fused.check()
+        fused = self._fused_bwd or self._fused  # the backward's check: its opening barrier, then the kernels'
+        if fused is not None:
+            fused.check()
         if self.device is not None:
             from ultraep.compute import check_errors
             check_errors()
