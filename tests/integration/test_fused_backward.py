@@ -4,7 +4,9 @@ gradients are computed from) over random routings, empty experts, every token to
 expert and 1, 2, 4 ranks, whatever the CTAs per rank and the interleaving of their
 claims; an order that lets a consumer be claimed before its producer is refused and can
 deadlock; and ``MoELayer(fused=True)``'s backward on 1, 2 and 4 ranks (host in CI, the
-CUDA kernels on a GPU) bitwise the sequential layer's."""
+CUDA kernels on a GPU) bitwise the sequential layer's, two micro-batches' backwards in
+reverse order bitwise their forward/backward pairs, and bounded waits (a peer that sends
+nothing, a peer that never enters the backward)."""
 
 import numpy as np
 import pytest
@@ -142,9 +144,21 @@ def test_fused_backward_layer_is_bitwise_the_sequential_layer(backend, ranks):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_peer_that_sends_nothing_makes_every_backward_time_out(backend):
-    out = run_ranks(2, "integration/mpi/fused_backward_check.py", backend, "peer-fails", timeout=240)
-    assert_all_ranks_ok(out, 2, "peer-fails")
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_two_forwards_then_their_backwards_in_reverse_give_the_pairs_bits(backend, ranks):
+    """Each backward reads the rank tiles of its own forward, not the later forward's."""
+    out = run_ranks(ranks, "integration/mpi/fused_backward_check.py", backend, "reverse-order", timeout=600)
+    assert_all_ranks_ok(out, ranks, "reverse-order")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("check,ranks", [("peer-fails", 2), ("peer-absent", 2), ("peer-absent", 3)])
+def test_a_failing_peer_makes_every_backward_time_out(backend, check, ranks):
+    """A peer that sends nothing (the kernels' flag waits give up) or never enters the
+    backward (its opening barrier gives up): an error naming what was waited for, no hang."""
+    out = run_ranks(ranks, "integration/mpi/fused_backward_check.py", backend, check, timeout=240)
+    assert_all_ranks_ok(out, ranks, check)
 
 
 def _poison_heap(moe):
@@ -204,7 +218,7 @@ def test_fused_backward_stage_by_stage_on_one_gpu(hidden, ffn, experts, tokens, 
             poison = [cupy.full(n, 0x7FC1, dtype=np.int16) for n in (rows * hidden, rows * 2 * ffn, tokens * hidden)]
             del poison  # back to the pool: the fused backward's buffers start as NaN patterns
             _poison_heap(moe)
-            outputs = launcher.backward(dy, received, h, y, moe._w_up, moe._w_down)
+            outputs = launcher.backward(dy, received, ctx.rank_tiles, h, y, moe._w_up, moe._w_down)
             moe.check()
             dx_f, d_gates_f, grad_y_f, dh_f = outputs
             got = [cupy.asnumpy(a).view(np.int16 if a.dtype.itemsize == 2 else np.int32)

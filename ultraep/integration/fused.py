@@ -487,16 +487,17 @@ class HostFusedForward:
 
     def forward(self, x, ids, gates, w_up, w_down, keep: bool = True):
         """As :meth:`~ultraep.integration.fused_device.DeviceFusedForward.forward`: ``(out,
-        received, act, h, y)``."""
+        received, act, h, y, rank_tiles)``."""
         d, b, me = self.config, self.impl.buffers, self.config.rank
         self.epoch += 1
         m = self.impl.token_map(x, ids, gates)
         self.impl.release_counts()  # no later barrier in this call protects the table from the next publish
         self.down_count[...] = 0  # as the device plan does: a failed call may have left counts short
         offsets = [ref.plan_rows(m["table"], d.experts_per_rank, r)[2] for r in range(d.size)]
+        rank_tiles = np.array([offsets, [mtile_starts(np.diff(o), self.grain.bm) for o in offsets]], dtype=np.int64)
         plan = RankPlan(rank=me, tokens=m["tokens"], top_k=d.top_k, pair_row=m["pair_row"],
-                        pair_rank=m["pair_rank"], send_pos=m["send_pos"], first_slot=m["first_slot"], offsets=offsets,
-                        mtiles=[mtile_starts(np.diff(o), self.grain.bm) for o in offsets])
+                        pair_rank=m["pair_rank"], send_pos=m["send_pos"], first_slot=m["first_slot"],
+                        offsets=rank_tiles[0], mtiles=rank_tiles[1])
         states = []
         for r in range(d.size):
             view = (lambda t: t.local) if r == me else (lambda t, r=r: t.peer(r))
@@ -516,7 +517,8 @@ class HostFusedForward:
                            hidden=d.hidden, ffn=self.ffn)
         self.last_timeline = [] if self.recording else None
         run_rank(layer, me, self.timeout_s, timeline=self.last_timeline)
-        return own.out, self.impl.received(own.recv, m), own.act, own.h, own.expert_out.copy() if keep else None
+        return (own.out, self.impl.received(own.recv, m), own.act, own.h, own.expert_out.copy() if keep else None,
+                rank_tiles)
 
     def record_timeline(self, enable: bool) -> None:
         """Whether later forwards record when each task ran (:meth:`timeline`)."""

@@ -54,12 +54,20 @@ with a smaller id. By induction on the id, a claimed task finishes; so one resid
 per rank suffices. :func:`~ultraep.integration.fused.check_order` verifies this for a task
 list and :func:`~ultraep.integration.fused.simulate` runs random interleavings.
 
-Reuse across calls: the backward opens with a barrier (as ``combine_backward``) once every
-rank's earlier kernels are done, so its sends into peers' landing rows, its relays into
-peers' ``slot_grad_w`` and its ``expert_out`` rows overtake no reader of an earlier call.
-The next call (a forward's count barrier, or a backward's opening barrier) is entered
-after this call's kernel D, so nothing of this call is overwritten before it is read, and
-no source can set a row flag to the next epoch before this call's relay has seen its own.
+Reuse across calls: the backward opens with a heap barrier (as ``combine_backward``; on
+the device enqueued on the stream behind this rank's earlier kernels, no host round trip),
+which every rank passes only once every rank's earlier kernels are done, so its sends into
+peers' landing rows, its relays into peers' ``slot_grad_w`` and its ``expert_out`` rows
+overtake no reader of an earlier call. The next call (a forward's count barrier, or a
+backward's opening barrier) is entered after this call's kernel D, so nothing of this call
+is overwritten before it is read, and no source can set a row flag to the next epoch before
+this call's relay has seen its own. A peer that never arrives makes the barrier give up
+after the layer's timeout with :func:`opening_barrier_timeout`'s error.
+
+Every rank's offsets and M-tile starts (``mtile``'s geometry) are the ones its forward's
+plan computed (the forward's rank tiles, kept in the layer's context for this backward), not
+recomputed: micro-batches may run forward, forward, backward, backward, and the second
+forward's tiles are not the first one's.
 
 The result is bitwise the sequential backward's: every element of ``grad_y``, ``d_act``,
 ``dh`` and ``d_recv`` is the same function of its row (one FP32 sum over the reduction in
@@ -76,9 +84,9 @@ from typing import Callable
 import numpy as np
 
 from ultraep.compute.host import sequential_product
+from ultraep.errors import BarrierTimeout
 from ultraep.integration import fused
-from ultraep.integration.fused import (FusedLayer, Granularity, RankPlan, Task, _f32, _poison, mtile_starts,
-                                       run_rank)
+from ultraep.integration.fused import FusedLayer, Granularity, RankPlan, Task, _f32, _poison, run_rank
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import reference as ref
@@ -92,6 +100,14 @@ def granularity() -> Granularity:
     """The backward kernels' task sizes (``up_cols``: d_act columns per dgrad_down tile)."""
     names = ("FB_SEND_TOKENS", "FB_REDUCE_TOKENS", "FB_BM", "FB_DACT_COLS", "FB_DOWN_COLS")
     return Granularity(*(kernel_constant(KERNELS, name) for name in names))
+
+
+def opening_barrier_timeout(rank: int, error: BarrierTimeout) -> BarrierTimeout:
+    """The heap barrier a backward opens with timed out (``error``): what it waited for."""
+    detail = str(error).removeprefix(f"rank {rank}: ")
+    return BarrierTimeout(f"rank {rank}: fused backward: its opening barrier (every rank's earlier kernels done "
+                          f"before it rewrites their landing rows, gate-gradient slots and expert rows) gave up: "
+                          f"{detail}; the backward's outputs are not valid")
 
 
 def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity) -> tuple[list[Task], list[Task]]:
@@ -238,21 +254,21 @@ class HostFusedBackward:
     def __init__(self, forward, *, activation: Callable):
         self.forward, self.activation = forward, activation
 
-    def backward(self, dy, received, h, y, w_up, w_down):
-        """``dy [T, H]`` BF16, ``received`` the forward's DispatchResult, ``h [rows, 2F]`` FP32
-        and ``y [rows, H]`` BF16 of this rank's receive rows, the stacked weights. Returns
-        ``(dx [T, H], d_gates [T, K], grad_y [max_recv_rows, H], dh [max_recv_rows, 2F])``;
-        collective."""
+    def backward(self, dy, received, rank_tiles, h, y, w_up, w_down):
+        """``dy [T, H]`` BF16, ``received`` and ``rank_tiles`` the forward's DispatchResult and
+        rank tiles, ``h [rows, 2F]`` FP32 and ``y [rows, H]`` BF16 of this rank's receive rows,
+        the stacked weights. Returns ``(dx [T, H], d_gates [T, K], grad_y [max_recv_rows, H],
+        dh [max_recv_rows, 2F])``; collective."""
         fwd, grain = self.forward, granularity()
         d, b, me, s = fwd.config, fwd.impl.buffers, fwd.config.rank, received.handle.state
         fwd.epoch += 1  # one counter for both directions: a flag of either's earlier call is stale
-        offsets = fwd.group.allgather(np.asarray(received.offsets, dtype=np.int64), timeout_s=d.timeout_s,
-                                      what="fused backward: every rank's expert offsets")
-        fwd.impl.heap.barrier(d.timeout_s)  # landing rows, slot_grad_w and expert_out are free on every rank
+        try:
+            fwd.impl.heap.barrier(d.timeout_s)  # landing rows, slot_grad_w and expert_out are free on every rank
+        except BarrierTimeout as exc:
+            raise opening_barrier_timeout(me, exc) from None
         tokens = received.handle.tokens
         plan = RankPlan(rank=me, tokens=tokens, top_k=d.top_k, pair_row=s["pair_row"], pair_rank=s["pair_rank"],
-                        send_pos=s["send_pos"], first_slot=None, offsets=offsets,
-                        mtiles=[mtile_starts(np.diff(o), grain.bm) for o in offsets])
+                        send_pos=s["send_pos"], first_slot=None, offsets=rank_tiles[0], mtiles=rank_tiles[1])
         states = []
         for r in range(d.size):
             view = (lambda t: t.local) if r == me else (lambda t, r=r: t.peer(r))
@@ -274,6 +290,9 @@ class HostFusedBackward:
                               hidden=d.hidden, ffn=fwd.ffn)
         run_rank(layer, me, fwd.timeout_s)
         return own.dx, own.d_gates, own.grad_y, own.dh
+
+    def check(self) -> None:
+        """The host backend raises at once; nothing is deferred."""
 
 
 # -- the sequential path, for comparison ----------------------------------------------------------

@@ -1,24 +1,24 @@
 """Device launcher of the fused MoE backward: ``raw_kernels/fused_moe_backward.cu`` on the
 caller's stream, with the fused forward's flags, epoch counter and status words.
 
-Per backward: this rank's stream is synchronised and every rank's expert offsets gathered
-(the opening barrier of :mod:`ultraep.integration.fused_backward`: after it no rank's
-earlier kernel still reads what this call rewrites; the offsets place each pair's row in
-its rank's M-tiles, which a later forward's plan may have replaced on the device) ->
+Per backward, all enqueued on the stream with no host round trip: the heap barrier it opens
+with (:mod:`ultraep.integration.fused_backward`: after it no rank's earlier kernel still
+reads what this call rewrites; :meth:`DeviceFusedBackward.check` reports its timeout) ->
 ``fused_grad_dispatch_dgrad`` (send dy, relay grad_y rows and gate gradients, dgrad-down
 tiles with SwiGLU's backward) -> ``fused_dgrad_combine`` (dgrad-up tiles into the heap's
-``expert_out``, slot-order reduce into dx, gate gradients). The task semantics, the flags
-and the argument that no claim order deadlocks are :mod:`ultraep.integration.fused_backward`'s.
+``expert_out``, slot-order reduce into dx, gate gradients). Both place each pair's row in
+its rank's M-tiles by the rank tiles of its own forward's plan (kept in the layer's
+context; a later forward writes its own). The task semantics, the flags and the argument
+that no claim order deadlocks are :mod:`ultraep.integration.fused_backward`'s.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ultraep.errors import MoELayerError
+from ultraep.errors import BarrierTimeout, MoELayerError
 from ultraep.integration import fused
-from ultraep.integration.fused import mtile_starts
-from ultraep.integration.fused_backward import KERNELS
+from ultraep.integration.fused_backward import KERNELS, opening_barrier_timeout
 from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
 from ultraep.runtime.kernels import get_function, kernel_constant
 
@@ -46,20 +46,18 @@ class DeviceFusedBackward:
         self.counters = cupy.zeros(2, dtype=np.int32)
         self.bn = kernel_constant(KERNELS, "GH_BN")
 
-    def backward(self, dy, received, h, y, w_up, w_down):
-        """Collective, on the current stream: ``dy [T, H]`` BF16, ``received`` the forward's
-        DispatchResult, ``h [max_recv_rows, 2F]`` FP32 and ``y [max_recv_rows, H]`` BF16 of
-        this rank's receive rows, the stacked weights. Returns ``(dx [T, H], d_gates [T, K],
-        grad_y [max_recv_rows, H], dh [max_recv_rows, 2F])`` (rows past the received ones
-        undefined). With ``sync_checks`` it waits and raises a recorded wait timeout here."""
+    def backward(self, dy, received, rank_tiles, h, y, w_up, w_down):
+        """Collective, on the current stream: ``dy [T, H]`` BF16, ``received`` and ``rank_tiles``
+        the forward's DispatchResult and rank tiles, ``h [max_recv_rows, 2F]`` FP32 and
+        ``y [max_recv_rows, H]`` BF16 of this rank's receive rows, the stacked weights. Returns
+        ``(dx [T, H], d_gates [T, K], grad_y [max_recv_rows, H], dh [max_recv_rows, 2F])``
+        (rows past the received ones undefined). With ``sync_checks`` it waits and raises a
+        recorded timeout here, else :meth:`check` does."""
         cp, fwd = self.cp, self.forward
         d, b, s = fwd.config, fwd.impl.buffers, received.handle.state
         H, F, spr, rows = fwd.hidden, fwd.ffn, fwd.spr, d.max_recv_rows
-        cp.cuda.get_current_stream().synchronize()  # with the allgather: every rank's earlier kernels are done
-        offsets = fwd.group.allgather(cp.asnumpy(received.offsets).astype(np.int64), timeout_s=d.timeout_s,
-                                      what="fused backward: every rank's expert offsets")
-        rank_off = cp.asarray(np.concatenate(offsets).astype(np.int32))
-        rank_mtile = cp.asarray(np.concatenate([mtile_starts(np.diff(o), fwd.bm) for o in offsets]).astype(np.int32))
+        fwd.impl.heap.barrier(d.timeout_s, wait=False)  # every rank's earlier kernels are done
+        rank_off, rank_mtile = rank_tiles
         fwd.epoch += 1  # one counter for both directions: a flag of either's earlier call is stale
         self.counters.fill(0)
         fwd.down_count.fill(0)  # as the forward's plan: a failed call may have left counts short
@@ -91,5 +89,17 @@ class DeviceFusedBackward:
             rank_mtile, s["ids"], s["positions"], s["base"], np.int32(tokens), np.int32(d.top_k), dx, d_gates,
             fwd.down_count, epoch, timeout, self.counters[1:], fwd.status, s["outcome"]), shared_mem=fwd.shared_bytes)
         if d.sync_checks:
-            fwd.check()
+            self.check()
         return dx, d_gates, grad_y, dh
+
+    def check(self) -> None:
+        """Synchronise; raise a timeout of the opening barrier (the heap's first unreported
+        one: on a heap shared with a Balancer it may be the Balancer's), dropping the fused
+        kernels' record its absent peer caused, else the kernels' first record."""
+        fwd = self.forward
+        try:
+            fwd.impl.heap.check_barriers()
+        except BarrierTimeout as exc:
+            fwd.status.fill(0)
+            raise opening_barrier_timeout(fwd.config.rank, exc) from None
+        fwd.check()

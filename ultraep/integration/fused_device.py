@@ -2,7 +2,8 @@
 stream, after the Dispatcher's token map (its count exchange and barrier included).
 
 Per forward: ``DeviceDispatcher.token_map`` -> ``fused_plan`` (every rank's offsets and
-M-tile starts, the claim counters zeroed) -> ``fused_dispatch_up`` (send, relay, up tiles
+M-tile starts into this call's own rank tiles, which its backward reads again; the claim
+counters zeroed) -> ``fused_dispatch_up`` (send, relay, up tiles
 with the SwiGLU epilogue) -> ``fused_down_combine`` (down tiles into the heap's
 ``expert_out``, slot-order reduce). The task semantics, the flags and the argument that
 no claim order deadlocks are :mod:`ultraep.integration.fused`'s.
@@ -58,9 +59,6 @@ class DeviceFusedForward:
         self.row_flag, self.done = flags["row_flag"], flags["done"]
         self.row_flag.local.fill(0)
         self.done.local.fill(0)
-        R = d.size
-        self.rank_off = cupy.zeros(R * (spr + 1), dtype=np.int32)
-        self.rank_mtile = cupy.zeros(R * (spr + 1), dtype=np.int32)
         self.counters = cupy.zeros(2, dtype=np.int32)
         self.status = cupy.zeros(kernel_constant(KERNELS, "FM_STATUS_WORDS"), dtype=np.int64)
         tiles = max_m_tiles(d.max_recv_rows, spr)
@@ -76,19 +74,23 @@ class DeviceFusedForward:
         """Collective, on the current stream; ``x``, ``ids``, ``gates`` checked CuPy arrays,
         ``w_up [slots, H, 2F]`` / ``w_down [slots, F, H]`` the stacked BF16 weights. Returns
         ``(out [T, H], received, act [max_recv_rows, F], h [max_recv_rows, 2F] FP32, y
-        [max_recv_rows, H])``: ``received`` the Dispatcher's result (its handle serves the
-        sequential backward); h and y are what the backward needs of the forward, the up
-        tiles' accumulators and a copy of the heap's expert outputs (the next call overwrites
-        those), both None unless ``keep``. With ``sync_checks`` it waits and raises a recorded wait timeout here, else
-        :meth:`check` does."""
+        [max_recv_rows, H], rank_tiles [2, R, slots + 1])``: ``received`` the Dispatcher's
+        result (its handle serves the sequential backward); h and y are what the backward
+        needs of the forward, the up tiles' accumulators and a copy of the heap's expert
+        outputs (the next call overwrites those), both None unless ``keep``; ``rank_tiles``
+        every rank's offsets and M-tile starts, this call's own (a later forward leaves them
+        alone) for its backward. With ``sync_checks`` it waits and raises a recorded wait
+        timeout here, else :meth:`check` does."""
         cp, d, b = self.cp, self.config, self.impl.buffers
         H, F, spr = self.hidden, self.ffn, self.spr
         self.epoch += 1
         x, state = self.impl.token_map(x, ids, gates)
         table_cols = d.num_experts + d.size + kernel_constant("dispatch.cu", "BAD_RECORD_FIELDS")
+        rank_tiles = cp.empty((2, d.size, spr + 1), dtype=np.int32)
+        rank_off, rank_mtile = rank_tiles
         self.k["fused_plan"]((1,), (kernel_constant(KERNELS, "FM_PLAN_THREADS"),), (
             self.impl.local["count_table"], np.int32(d.size), np.int32(d.num_experts), np.int32(table_cols),
-            np.int32(spr), self.rank_off, self.rank_mtile, self.counters, self.down_count,
+            np.int32(spr), rank_off, rank_mtile, self.counters, self.down_count,
             np.int32(self.down_count.size)))
         self.impl.release_counts()  # no later barrier in this call protects the table from the next publish
         bf16 = cupy_dtype(BFLOAT16)
@@ -114,13 +116,13 @@ class DeviceFusedForward:
             recv_map, w_up_map, x, np.int32(state["tokens"]), np.int32(d.top_k), np.int32(H), state["ids"],
             state["gates"], state["positions"], state["base"], bases, np.uint64(b.landing.offset),
             np.uint64(b.row_weight.offset), np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset),
-            np.uint64(self.row_flag.offset), np.int32(d.rank), np.int32(spr), np.int32(d.max_tokens), self.rank_off,
-            self.rank_mtile, np.int32(rows), recv, self.tile_ready, np.int32(F), act, kept_h, epoch, timeout,
+            np.uint64(self.row_flag.offset), np.int32(d.rank), np.int32(spr), np.int32(d.max_tokens), rank_off,
+            rank_mtile, np.int32(rows), recv, self.tile_ready, np.int32(F), act, kept_h, epoch, timeout,
             self.counters[:1],
             self.status, state["outcome"], traces[0]), shared_mem=self.shared_bytes)
         self.k["fused_down_combine"]((self.grid,), (self.threads,), (
             act_map, w_down_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
-            np.uint64(self.done.offset), np.int32(d.rank), np.int32(spr), self.rank_off, self.rank_mtile,
+            np.uint64(self.done.offset), np.int32(d.rank), np.int32(spr), rank_off, rank_mtile,
             state["ids"], state["positions"], state["base"], state["gates"], np.int32(state["tokens"]),
             np.int32(d.top_k), out, self.down_count, epoch, timeout, self.counters[1:], self.status, state["outcome"],
             traces[1]),
@@ -129,7 +131,7 @@ class DeviceFusedForward:
         y = b.expert_out.local[:rows].copy() if keep else None
         if d.sync_checks:
             self.check()
-        return out, received, act, h, y
+        return out, received, act, h, y, rank_tiles
 
     def record_timeline(self, enable: bool) -> None:
         """Whether later forwards stamp each task's start, end and SM (:meth:`timeline`)."""

@@ -155,6 +155,7 @@ class MoEContext:
     y: Any                        # expert outputs, BF16 [max_recv_rows, H]
     generation: int               # which forward last filled the layer's replica weights
     tokens: int                   # this rank's tokens in the forward
+    rank_tiles: Any = None        # fused: every rank's offsets and M-tile starts of this forward [2, R, slots + 1]
     done: bool = False
     for_backward: bool = True     # False: the forward ran with backward=False (nothing kept for one)
 
@@ -434,9 +435,9 @@ class MoELayer:
                 self._fill_replicas(handle)
                 self._generation += 1
             if self._fused is not None:
-                out, received, act, h, y = self._fused.forward(arrays[0], self._import("topk_ids", ids), arrays[2],
-                                                               self._w_up, self._w_down, keep=backward)
-                return out, MoEContext(handle, received, h, act, y, self._generation, tokens,
+                out, received, act, h, y, rank_tiles = self._fused.forward(
+                    arrays[0], self._import("topk_ids", ids), arrays[2], self._w_up, self._w_down, keep=backward)
+                return out, MoEContext(handle, received, h, act, y, self._generation, tokens, rank_tiles=rank_tiles,
                                        for_backward=bool(backward))
             received = self.dispatcher.dispatch(x, ids, gates)
             offsets, xp = received.offsets, self.xp
@@ -478,7 +479,8 @@ class MoELayer:
             replica_grads = self._replica_grads(ctx, stream)
             fused = self._fused_backward()
             if fused is not None:  # the gradients' exchange and both dgrads in two persistent kernels
-                dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.h, ctx.y, self._w_up, self._w_down)
+                dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.rank_tiles, ctx.h, ctx.y, self._w_up,
+                                                         self._w_down)
             else:
                 grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
                 d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
@@ -563,8 +565,9 @@ class MoELayer:
         GEMM and the Balancer."""
         self._check_open()
         self.dispatcher.check()
-        if self._fused is not None:
-            self._fused.check()
+        fused = self._fused_bwd or self._fused  # the backward's check: its opening barrier, then the kernels'
+        if fused is not None:
+            fused.check()
         if self.device is not None:
             from ultraep.compute import check_errors
             check_errors()

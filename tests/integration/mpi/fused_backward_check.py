@@ -1,7 +1,7 @@
 """Multi-rank check of ``MoELayer(fused=True)``'s backward, run under mpiexec by
 tests/integration/test_fused_backward.py.
 
-Usage: python -m mpi4py fused_backward_check.py {host|device} {bitwise|peer-fails} [runs]
+Usage: python -m mpi4py fused_backward_check.py {host|device} {bitwise|reverse-order|peer-fails|peer-absent} [runs]
 
 bitwise: for random routings, routings that leave experts empty and every token's first
 slot on one expert, unbalanced and balanced: the fused layer's input, gate and weight
@@ -12,11 +12,23 @@ landing rows, gate-gradient slots and expert rows are poisoned (NaN bit patterns
 every backward, so a row read before it is written shows; ``runs`` repetitions give
 identical bits.
 
+reverse-order: forward 1, forward 2, backward 2, backward 1 with no check between the calls
+give the bits of forward 1, backward 1, forward 2, backward 2 (the two micro-batches route
+differently, so their rank tiles differ: a backward that read the later forward's would
+place rows wrongly); each context's rank tiles are every rank's offsets and M-tile starts
+of its own forward.
+
 peer-fails: the last rank's backward runs no send task (its output gradients never
 arrive): every rank's backward gives up after the layer's timeout with WaitTimeout naming
 a flag it waited for, instead of hanging.
+
+peer-absent: the last rank never enters the backward: every other rank's backward gives up
+at its opening barrier after the layer's timeout with BarrierTimeout naming the barrier and
+the absent rank, instead of hanging; the fused kernels' waits that followed it are reported
+with it, not by a later check.
 """
 
+import contextlib
 import sys
 import traceback
 
@@ -24,11 +36,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ultraep import Balancer, ExpertLayout, MoELayer
-from ultraep.errors import WaitTimeout
+from ultraep.errors import BarrierTimeout, WaitTimeout
+from ultraep.integration.fused import mtile_starts
 from ultraep.integration.fused_backward import KERNELS
 from ultraep.integration.moe_layer import expert_spec
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
+from ultraep.runtime.kernels import kernel_constant
 
 backend, check = sys.argv[1], sys.argv[2]
 RUNS = int(sys.argv[3]) if len(sys.argv) > 3 else 2
@@ -140,6 +154,39 @@ def bitwise():
                 balancer.close()
 
 
+def reverse_order():
+    moe = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend, fused=True,
+                   sync_checks=False)
+    moe.load_weights(*masters(me))
+    batches = [inputs("random", me, 0), inputs("one-expert", me, 1)]
+    moe.zero_grads()
+    pairs = []
+    for data in batches:
+        _, ctx = moe.forward(*data[:3])
+        pairs.append(moe.backward(ctx, data[3]))
+    moe.check()
+    want = [host(a).copy() for a in (*pairs[0], *pairs[1], moe.grad_up, moe.grad_down)]
+    poison(moe)
+    moe.zero_grads()
+    contexts = [moe.forward(*data[:3])[1] for data in batches]
+    reverse = {i: moe.backward(contexts[i], batches[i][3]) for i in (1, 0)}
+    moe.check()
+    got = [host(a).copy() for a in (*reverse[0], *reverse[1], moe.grad_up, moe.grad_down)]
+    names = ("dx 1", "d_gates 1", "dx 2", "d_gates 2", "grad_up", "grad_down")
+    for g, w, name in zip(got, want, names):
+        count = int(np.count_nonzero(bits(g) != bits(w)))
+        assert count == 0, f"{name}: {count} elements differ from forward/backward pairs"
+    tiles = []
+    for ctx in contexts:
+        offsets = group.allgather(host(ctx.received.offsets).astype(np.int64))
+        bm = kernel_constant(KERNELS, "FB_BM")
+        expected = np.array([offsets, [mtile_starts(np.diff(o), bm) for o in offsets]])
+        tiles.append(host(ctx.rank_tiles))
+        assert np.array_equal(tiles[-1], expected), f"rank tiles {tiles[-1]} are not the forward's {expected}"
+    assert not np.array_equal(*tiles), "the two micro-batches' rank tiles are alike: the check proves nothing"
+    moe.close()
+
+
 def skip_sends(launcher):
     """This rank's fused backward runs everything but its send tasks."""
     if backend == "host":
@@ -148,8 +195,6 @@ def skip_sends(launcher):
         order = fused_backward.task_order
         fused_backward.task_order = lambda *a: ([t for t in order(*a)[0] if t.kind != "send"], order(*a)[1])
         return
-    from ultraep.runtime.kernels import kernel_constant
-
     kernel, sends = launcher.k["fused_grad_dispatch_dgrad"], -(-T // kernel_constant(KERNELS, "FB_SEND_TOKENS"))
 
     def skip_then_launch(*args, **kwargs):
@@ -158,14 +203,21 @@ def skip_sends(launcher):
     launcher.k["fused_grad_dispatch_dgrad"] = skip_then_launch
 
 
-def peer_fails():
-    timeout = 2.0
+@contextlib.contextmanager
+def after_one_forward(timeout):
+    """A fused layer giving up after ``timeout`` s, after one forward: its backward launcher
+    (made on every rank: collective), the context and dy."""
     with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend, fused=True,
                   timeout_s=timeout, sync_checks=False) as moe:
         moe.load_weights(*masters(me))
         x, ids, gates, dy = inputs("random", me, 0)
         _, ctx = moe.forward(x, ids, gates)
-        launcher = moe._fused_backward()  # collective: made (its kernels loaded) on every rank
+        yield moe, moe._fused_backward(), ctx, dy
+
+
+def peer_fails():
+    timeout = 2.0
+    with after_one_forward(timeout) as (moe, launcher, ctx, dy):
         if me == R - 1:
             skip_sends(launcher)
         try:
@@ -178,8 +230,26 @@ def peer_fails():
             raise AssertionError("a backward whose peer sent nothing did not time out")
 
 
+def peer_absent():
+    timeout = 2.0
+    with after_one_forward(timeout) as (moe, _, ctx, dy):
+        if me != R - 1:
+            try:
+                moe.backward(ctx, dy)
+                moe.check()
+            except BarrierTimeout as exc:
+                text = str(exc)
+                assert text.startswith(f"rank {me}: fused backward: its opening barrier"), text
+                assert f"waiting for rank {R - 1}" in text and f"{timeout:g} s" in text, text
+            else:
+                raise AssertionError("a backward whose peer never entered it did not time out")
+            moe.check()  # the kernels' waits after the barrier were reported with it
+        group.barrier(120.0, what="peer-absent: the absent rank stays until the others gave up")
+
+
 try:
-    {"bitwise": bitwise, "peer-fails": peer_fails}[check]()
+    {"bitwise": bitwise, "reverse-order": reverse_order, "peer-fails": peer_fails,
+     "peer-absent": peer_absent}[check]()
 except Exception:
     traceback.print_exc()
     sys.stdout.flush()
