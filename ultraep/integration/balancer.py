@@ -588,8 +588,9 @@ class Balancer:
     def replica_grads(self, handle: BalanceHandle) -> list:
         """``[slot][tensor]`` views of this rank's replica gradient slots: write each
         replica's full gradient here before :meth:`reduce_grads`, which adds every slot
-        the plan fills. They start at zero and ``reduce_grads`` zeroes them after reading,
-        so a replica that served no rows adds nothing and no gradient is added twice."""
+        the plan fills (write no other slot: it is neither read nor zeroed). They start at
+        zero and ``reduce_grads`` zeroes the slots it read, so a replica that served no rows
+        adds nothing and no gradient is added twice."""
         self._check_live_owner(handle, "replica_grads")
         return [self.transfer.replica_grads(s) for s in range(self.layout.redundant_slots)]
 
