@@ -637,6 +637,7 @@ class MoELayer:
         if self._closed:
             return
         self._closed = True
+        self._weight_copy = self._grad_copy = None  # they hold views of the Balancer's heap
         self.dispatcher.close()
         if self._owned_heap is not None:
             self._owned_heap.close()
@@ -649,6 +650,7 @@ class MoELayer:
             self.close()
             return
         self._closed = True
+        self._weight_copy = self._grad_copy = None
         self.dispatcher.__exit__(exc_type, exc, tb)
         if self._owned_heap is not None:
             self._owned_heap.close_failing(exc)

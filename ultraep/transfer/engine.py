@@ -393,6 +393,7 @@ class WeightTransfer:
         call raises :class:`~ultraep.errors.ClosedError`."""
         self._closed = True
         self._layers.clear()
+        self._views, self._zero_read_grads = {}, None  # views of the heap: closing it must not find them held
 
     def __enter__(self) -> WeightTransfer:
         return self
