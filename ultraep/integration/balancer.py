@@ -196,6 +196,17 @@ class _RingSlot:
         self.users: dict = {}  # stream -> mark after its last use of the plan buffers
 
 
+def _record(layout: ExpertLayout, spec: ExpertSpec, layer: int, step: int, arrays: dict, syncs: int, reductions: int,
+            times_ms: dict):
+    """A micro-batch's record from its plan's host arrays, transfers and stage times."""
+    record = plan_record(layout, layer, step, arrays["loads"], arrays["phys_to_log"], arrays["rank_load"])
+    record.weight_bytes = syncs * record.replicas * spec.weight_slot_bytes
+    record.grad_bytes = reductions * record.replicas * spec.grad_slot_bytes
+    record.times_ms = times_ms
+    record.liveness = arrays["liveness"]
+    return record
+
+
 def _gather_requirements(layout: ExpertLayout) -> HeapRequirements:
     return HeapRequirements.of(tensors=[("balancer.gathered_loads",
                                          (GATHER_BUFFERS, layout.num_ranks, layout.num_experts), np.int32)],
@@ -625,22 +636,14 @@ class Balancer:
         entry.harvested = True
         arrays = {name: np.array(value) if name != "liveness" else value  # the slot's mirrors are rewritten
                   for name, value in self._host_arrays(entry).items()}
-        self._history.append(partial(self._record, layer, entry.step, arrays, entry.syncs, entry.reductions,
-                                     entry.clock.times()))
+        self._history.append(partial(_record, self.layout, self.spec, layer, entry.step, arrays, entry.syncs,
+                                     entry.reductions, entry.clock.times()))
         if self.recorder is not None:
             self.recorder.record(entry.step, layer, arrays["loads"])
 
-    def _record(self, layer: int, step: int, arrays: dict, syncs: int, reductions: int, times_ms: dict):
-        record = plan_record(self.layout, layer, step, arrays["loads"], arrays["phys_to_log"], arrays["rank_load"])
-        record.weight_bytes = syncs * record.replicas * self.spec.weight_slot_bytes
-        record.grad_bytes = reductions * record.replicas * self.spec.grad_slot_bytes
-        record.times_ms = times_ms
-        record.liveness = arrays["liveness"]
-        return record
-
     def _live_record(self, layer: int, entry: _RingSlot):
-        return self._record(layer, entry.step, self._host_arrays(entry), entry.syncs, entry.reductions,
-                            entry.clock.times())
+        return _record(self.layout, self.spec, layer, entry.step, self._host_arrays(entry), entry.syncs,
+                       entry.reductions, entry.clock.times())
 
     def _live_entries(self):
         """(layer, ring slot) of every live plan, each layer's oldest first."""

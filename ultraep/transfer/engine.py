@@ -227,8 +227,11 @@ class WeightTransfer:
         """uint8 ``[S, nbytes]`` view of tensor ``tensor`` of every redundant slot's weights
         (``kind="weights"``) or gradients (``"grads"``): what a :class:`FilledSlotCopy` moves."""
         self._check_open()
-        buffer, tensors, offsets = ((self._weights, self.spec.weights, self.spec.weight_offsets) if kind == "weights"
-                                    else (self._grads, self.spec.grads, self.spec.grad_offsets))
+        slots = {"weights": (self._weights, self.spec.weights, self.spec.weight_offsets),
+                 "grads": (self._grads, self.spec.grads, self.spec.grad_offsets)}
+        if kind not in slots:
+            raise ValueError(f"kind must be 'weights' or 'grads', got {kind!r}")
+        buffer, tensors, offsets = slots[kind]
         offset = offsets[tensor]
         return buffer.local[:self.layout.redundant_slots, offset:offset + tensors[tensor].nbytes]
 
