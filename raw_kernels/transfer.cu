@@ -4,6 +4,7 @@
 // every field.
 //
 //! kernels: weight_sync, wait_replica_slots, reduce_grads<float>, reduce_grads<__nv_bfloat16>
+//! kernels: copy_filled_slots
 
 #include <cuda_bf16.h>
 
@@ -356,5 +357,32 @@ __global__ void reduce_grads(const i64* tasks, const int* task_count, const i64*
             }
             dst[i] = from_float<T>(acc);
         }
+    }
+}
+
+// Whole replica slots moved only where the plan fills them, the plan read on the device (no
+// host round trip; an empty slot costs its blocks one load). Row z of `rows` (SLOT_COPY_FIELDS
+// int64s: source, source slot stride, destination, destination slot stride, bytes per slot)
+// moves slot y = blockIdx.y's bytes when filled[y] >= 0 (this rank's phys_to_log entries of
+// its replica slots); a null source writes zeros. Blocks along x stride over the bytes: in
+// 16-byte words where both sides and the length allow, else byte by byte.
+#define SLOT_COPY_FIELDS 5
+#define SLOT_COPY_THREADS 256
+extern "C" __global__ void __launch_bounds__(SLOT_COPY_THREADS)
+copy_filled_slots(const int* filled, const i64* rows) {
+    if (filled[blockIdx.y] < 0) return;
+    const i64* row = rows + SLOT_COPY_FIELDS * static_cast<i64>(blockIdx.z);
+    const u64 src_base = static_cast<u64>(row[0]);
+    const unsigned char* src = src_base ? reinterpret_cast<const unsigned char*>(src_base + blockIdx.y * row[1]) : nullptr;
+    unsigned char* dst = reinterpret_cast<unsigned char*>(static_cast<u64>(row[2]) + blockIdx.y * row[3]);
+    const i64 bytes = row[4];
+    const i64 first = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const i64 step = static_cast<i64>(gridDim.x) * blockDim.x;
+    if (((reinterpret_cast<u64>(src) | reinterpret_cast<u64>(dst) | static_cast<u64>(bytes)) & 15) == 0) {
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        for (i64 i = first; i < bytes / 16; i += step)
+            reinterpret_cast<uint4*>(dst)[i] = src ? __ldcs(reinterpret_cast<const uint4*>(src) + i) : zero;
+    } else {
+        for (i64 i = first; i < bytes; i += step) dst[i] = src ? src[i] : 0;
     }
 }

@@ -98,3 +98,17 @@ def test_swiglu_kernel_is_the_reference_bit_for_bit():
     assert np.count_nonzero(got_act[:rows] != want_act[:rows]) == 0
     assert np.count_nonzero(got_dh[:rows] != want_dh[:rows]) == 0
     assert (got_act[rows:] == poison).all() and (got_dh[rows:] == poison).all()
+
+
+def test_layers_of_one_shape_share_their_weight_gradient_buffers():
+    """One [M + S] set per (device, shape), held by the layers that use it."""
+    from types import SimpleNamespace
+
+    from ultraep.integration.moe_layer import _WgradScratch
+
+    def layer(hidden):
+        return SimpleNamespace(device=None, experts_per_rank=2, slots=1, hidden=hidden, ffn=3, xp=np)
+
+    first, second, other = (_WgradScratch.of(layer(h)) for h in (4, 4, 8))
+    assert first is second and other is not first
+    assert first.up.shape == (3, 4, 6) and first.down.shape == (3, 3, 4) and first.up.dtype == np.float32

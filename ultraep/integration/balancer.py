@@ -35,7 +35,8 @@ Order: replica buffers are shared by all layers, so the handle passed to
 one synced or restored. Streams are ordered by events the Balancer records, never by a
 host wait: every stage that reads a plan waits for the update that made it; a sync waits
 for the previous transfer and for every stream that waited for the replica slots since
-the previous sync (their compute reads them), then runs a heap barrier, so no peer
+the previous sync (their compute reads them), then for every rank (the transfer's plan
+agreement, which waits for every rank's plan hash, is that barrier), so no peer
 overwrites a replica slot that a rank still reads; the update that reuses a ring slot
 waits for every stream that read its plan. The weight sync itself ends with no barrier:
 the senders publish each chunk's flag at its destination (system-scope release after the
@@ -63,7 +64,7 @@ Backends: the heap's backend picks, once, the implementation of what differs --
 :class:`~ultraep.integration.device.DeviceBalancer` (CuPy and ``raw_kernels/balancer.cu``).
 Both implement :class:`BalancerBackend`: a ring slot's state (plan buffers, pinned
 mirrors, stage clock), the caller's stream and marks that order streams (none on the
-host), counting and gathering the load rows, the heap barrier, planning, reroute, a
+host), counting and gathering the load rows, planning, reroute, a
 record's host arrays, synchronisation and the deferred device checks. Everything else,
 the collective checks included, is here.
 
@@ -79,7 +80,8 @@ the device nor for the other ranks:
   stream;
 * ``weight_sync`` / ``restore`` / ``reduce_grads`` compile the plan's transfer tasks on
   the device (``transfer.device_schedule``) into tables allocated once, and launch the
-  transfer behind a device-side heap barrier;
+  transfer behind the device-side plan agreement (which orders it after every rank's
+  earlier work);
 * ``wait_replica`` is one small kernel per call;
 * ``reroute`` writes into the ring slot's output and count workspace, which are
   reallocated only when a batch larger than any the slot has seen arrives.
@@ -95,6 +97,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -165,7 +168,6 @@ class BalancerBackend(Protocol):
     def discard(self) -> None: ...
     def gather(self, slot, buffer: int, epoch: int) -> None: ...
     def count_and_gather(self, slot, source, *, from_ids: bool, buffer: int, epoch: int) -> None: ...
-    def barrier(self) -> None: ...
     def plan(self, slot) -> Plan: ...
     def planned(self, slot): ...
     def reroute(self, slot, ids, plan: Plan, out): ...
@@ -192,6 +194,17 @@ class _RingSlot:
         self.state = backend.new_slot()  # the backend's buffers and stage clock
         self.clock = self.state.clock
         self.users: dict = {}  # stream -> mark after its last use of the plan buffers
+
+
+def _record(layout: ExpertLayout, spec: ExpertSpec, layer: int, step: int, arrays: dict, syncs: int, reductions: int,
+            times_ms: dict):
+    """A micro-batch's record from its plan's host arrays, transfers and stage times."""
+    record = plan_record(layout, layer, step, arrays["loads"], arrays["phys_to_log"], arrays["rank_load"])
+    record.weight_bytes = syncs * record.replicas * spec.weight_slot_bytes
+    record.grad_bytes = reductions * record.replicas * spec.grad_slot_bytes
+    record.times_ms = times_ms
+    record.liveness = arrays["liveness"]
+    return record
 
 
 def _gather_requirements(layout: ExpertLayout) -> HeapRequirements:
@@ -454,8 +467,8 @@ class Balancer:
         the current one), so that dispatch and the masters' compute can run beside it.
 
         The sync waits (on its stream) for the plan and for every stream that waited for
-        the replica slots since the last sync, then for all ranks (a heap barrier: no peer
-        overwrites a slot that a rank still reads), and ends with no barrier: each chunk
+        the replica slots since the last sync, then for all ranks (the plan agreement: no
+        peer overwrites a slot that a rank still reads), and ends with no barrier: each chunk
         is flagged at its destination. Before the expert compute reads a replica slot,
         make its stream wait for that slot's own chunks: :meth:`wait_replica` (or the
         returned :class:`ReplicaSync`'s ``wait``); :meth:`replica_weights` waits for all
@@ -477,14 +490,13 @@ class Balancer:
         entry = self._collective_entry(handle, stage, blocks=blocks)
         impl = self._impl
         with impl.stream(stream):
-            # this rank's reads of the slots, wherever they were enqueued, come before the barrier
+            # this rank's reads of the slots, wherever they were enqueued, come before the agreement
             readers = [impl.mark_on(reader, "replica reads") for reader in self._readers.values()]
             impl.follow(impl.planned(entry.state), self._transferred, *readers)
             self._readers.clear()
             entry.clock.start(stage)
-            # Peers are about to write this rank's replica slots: every rank must be done
-            # reading them (the compute of the layer or micro-batch that used them before).
-            impl.barrier()
+            # Peers are about to write this rank's replica slots, so every rank must be done
+            # reading them: the transfer's plan agreement waits for every rank, so it is that barrier.
             self.transfer.weight_sync(handle.layer, entry.plan, blocks=blocks, barrier=self.device is None)
             done = entry.clock.stop(stage)
             self._transferred = impl.mark("transfer")
@@ -587,8 +599,9 @@ class Balancer:
     def replica_grads(self, handle: BalanceHandle) -> list:
         """``[slot][tensor]`` views of this rank's replica gradient slots: write each
         replica's full gradient here before :meth:`reduce_grads`, which adds every slot
-        the plan fills. They start at zero and ``reduce_grads`` zeroes them after reading,
-        so a replica that served no rows adds nothing and no gradient is added twice."""
+        the plan fills (write no other slot: it is neither read nor zeroed). They start at
+        zero and ``reduce_grads`` zeroes the slots it read, so a replica that served no rows
+        adds nothing and no gradient is added twice."""
         self._check_live_owner(handle, "replica_grads")
         return [self.transfer.replica_grads(s) for s in range(self.layout.redundant_slots)]
 
@@ -615,23 +628,22 @@ class Balancer:
         return self._impl.host_arrays(entry.state, entry.plan)
 
     def _harvest(self, entry: _RingSlot, layer: int) -> None:
-        """Move a ring slot's record into the history (and the trace) before it is reused."""
+        """Move what a ring slot's record needs into the history (and the trace) before the
+        slot is reused; the record itself is built when :meth:`stats` reads it (off the
+        update's path)."""
         if entry.harvested:
             return
         entry.harvested = True
-        arrays = self._host_arrays(entry)
-        self._history.append(self._record(entry, layer, arrays))
+        arrays = {name: np.array(value) if name != "liveness" else value  # the slot's mirrors are rewritten
+                  for name, value in self._host_arrays(entry).items()}
+        self._history.append(partial(_record, self.layout, self.spec, layer, entry.step, arrays, entry.syncs,
+                                     entry.reductions, entry.clock.times()))
         if self.recorder is not None:
             self.recorder.record(entry.step, layer, arrays["loads"])
 
-    def _record(self, entry: _RingSlot, layer: int, arrays: dict):
-        record = plan_record(self.layout, layer, entry.step, arrays["loads"], arrays["phys_to_log"],
-                             arrays["rank_load"])
-        record.weight_bytes = entry.syncs * record.replicas * self.spec.weight_slot_bytes
-        record.grad_bytes = entry.reductions * record.replicas * self.spec.grad_slot_bytes
-        record.times_ms = entry.clock.times()
-        record.liveness = arrays["liveness"]
-        return record
+    def _live_record(self, layer: int, entry: _RingSlot):
+        return _record(self.layout, self.spec, layer, entry.step, self._host_arrays(entry), entry.syncs,
+                       entry.reductions, entry.clock.times())
 
     def _live_entries(self):
         """(layer, ring slot) of every live plan, each layer's oldest first."""
@@ -645,7 +657,9 @@ class Balancer:
         live ones; synchronises the device on the GPU."""
         self._check_open()
         liveness = self._impl.synchronize()
-        live = [self._record(entry, layer, self._host_arrays(entry)) for layer, entry in self._live_entries()]
+        self._history = deque((item() if isinstance(item, partial) else item for item in self._history),
+                              maxlen=self._history.maxlen)
+        live = [self._live_record(layer, entry) for layer, entry in self._live_entries()]
         return BalancerStats(records=list(self._history) + live, updates=self._updates, liveness=liveness)
 
     def save_trace(self, path: str | os.PathLike[str]) -> Path:

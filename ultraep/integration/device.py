@@ -223,9 +223,6 @@ class DeviceBalancer:
         self.loads.launch(self._row(source, from_ids), from_ids=from_ids, publish=True, buffer=buffer, epoch=epoch,
                           out=slot.buffers.loads)
 
-    def barrier(self) -> None:
-        self.heap.barrier(self.timeout_s, wait=False)  # enqueued; check() reports a timeout
-
     def plan(self, slot: DeviceSlot) -> Plan:
         """Plan from the slot's gathered loads; a record's arrays are copied to pinned memory
         on the mirror stream, off the caller's."""

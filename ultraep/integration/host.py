@@ -127,9 +127,6 @@ class HostBalancer:
         self.count(source, from_ids=from_ids)
         self.gather(slot, buffer, epoch)
 
-    def barrier(self) -> None:
-        self.heap.barrier(self.timeout_s)
-
     def plan(self, slot: HostSlot) -> Plan:
         plan = self.planner.plan(slot.loads)
         self.liveness += 1

@@ -17,14 +17,15 @@ DLPack-exportable, so a framework wraps them zero-copy as its parameters).
 Data flow of one micro-batch (the Dispatcher's receive buffer is expert-major: rows of
 local slot ``j`` are ``offsets[j]:offsets[j + 1]``, masters ``j < M`` then replica slots):
 
-* forward: with a Balancer, ``update`` -> ``weight_sync`` -> ``reroute`` and the replica
-  slots' weights are copied behind the masters in the layer's stacked weights, so the
-  whole receive buffer runs as one grouped GEMM per projection over ``M + S`` experts;
-  ``dispatch`` -> ``grouped_mm`` (up, FP32 out) -> SwiGLU (BF16) -> ``grouped_mm`` (down)
-  -> ``combine``;
+* forward: with a Balancer, ``update`` -> ``weight_sync`` -> ``reroute`` and the weights
+  of the replica slots the plan fills are copied behind the masters in the layer's stacked
+  weights (``FilledSlotCopy``: an empty slot gets no rows, so nothing reads its stale
+  copy), so the whole receive buffer runs as one grouped GEMM per projection over
+  ``M + S`` experts; ``dispatch`` -> ``grouped_mm`` (up, FP32 out) -> SwiGLU (BF16) ->
+  ``grouped_mm`` (down) -> ``combine``;
 * backward: ``combine_backward`` (row gradients and the gates' gradients) -> dgrad and
   wgrad of down -> SwiGLU backward -> dgrad and wgrad of up -> masters' gradients ``+=``
-  their rows' part, replica slots' gradients into the Balancer's replica gradient slots ->
+  their rows' part, filled replica slots' gradients into the Balancer's replica gradient slots ->
   ``reduce_grads`` -> ``dispatch_backward`` (the input gradient).
 
 Placement invariance: every step of a row's forward output and input gradient is a
@@ -56,6 +57,7 @@ current stream, else CuPy's). The fused kernels replace the inside of :meth:`for
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +72,7 @@ from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import Dispatcher
 from ultraep.token.base import DispatchResult, check_tokens
 from ultraep.transfer import ExpertSpec
+from ultraep.transfer.slot_copy import FilledSlotCopy
 
 # ultraep.compute and the bf16 type (ml_dtypes) are imported at first use, so that the
 # public API's import loads no optional package.
@@ -207,6 +210,50 @@ def _bits(array):
     return array.view(np.int16)
 
 
+def _slot_bytes(stacked, first: int):
+    """uint8 ``[slots, bytes]`` of the experts ``first:`` of a stacked ``[experts, ...]`` array."""
+    tail = stacked[first:]
+    return tail.view(np.uint8).reshape(tail.shape[0], -1)
+
+
+class _WgradScratch:
+    """The weight gradients ``[M + S, ...]`` (FP32) a backward computes before adding them
+    up: kept, since a replica-slot copy reads them through fixed pointers, and shared by
+    every layer of one shape on one device, so ``L`` layers hold one set. A backward on
+    another stream than the previous user's waits for that use's end (an event)."""
+
+    _shared = weakref.WeakValueDictionary()  # (device, experts, hidden, ffn) -> scratch; layers hold it
+
+    @classmethod
+    def of(cls, layer: "MoELayer") -> "_WgradScratch":
+        key = (layer.device, layer.experts_per_rank + layer.slots, layer.hidden, layer.ffn)
+        scratch = cls._shared.get(key)
+        if scratch is None:
+            scratch = cls._shared[key] = cls(layer.xp, *key[1:], on_device=layer.device is not None)
+        return scratch
+
+    def __init__(self, xp, experts: int, hidden: int, ffn: int, *, on_device: bool):
+        self.up = xp.empty((experts, hidden, 2 * ffn), np.float32)
+        self.down = xp.empty((experts, ffn, hidden), np.float32)
+        self._xp, self._done, self._done_on = xp, None, None
+        if on_device:
+            self._done = xp.cuda.Event(disable_timing=True)
+
+    def acquire(self) -> None:
+        """The current stream's later work waits for the last user's (device)."""
+        if self._done is not None and self._done_on is not None:
+            stream = self._xp.cuda.get_current_stream()
+            if stream.ptr != self._done_on:
+                stream.wait_event(self._done)
+
+    def release(self) -> None:
+        """The current stream's work so far is the last use."""
+        if self._done is not None:
+            stream = self._xp.cuda.get_current_stream()
+            self._done.record(stream)
+            self._done_on = stream.ptr
+
+
 class MoELayer:
     """One MoE layer of this rank (module docstring). Collective: every rank constructs it
     with the same arguments and makes the same calls in the same order.
@@ -274,6 +321,7 @@ class MoELayer:
                 self._owned_heap.close()
             raise
         self._generation = 0  # forwards that filled the replica part of the stacked weights
+        self._weight_copy = self._grad_copy = self._wgrad = None  # made at first use
 
     @staticmethod
     def _check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend) -> None:
@@ -399,11 +447,17 @@ class MoELayer:
 
     def _fill_replicas(self, handle: BalanceHandle) -> None:
         """Copy the replica slots' weights (as synced for ``handle``) behind the masters, on
-        the current stream once it has waited for every slot (``replica_weights``)."""
-        M = self.experts_per_rank
-        for s, (up, down) in enumerate(self.balancer.replica_weights(handle)):
-            _bits(self._w_up[M + s])[...] = _bits(self.xp.asarray(up))
-            _bits(self._w_down[M + s])[...] = _bits(self.xp.asarray(down))
+        the current stream once it has waited for every slot -- only the slots the plan
+        fills: an empty slot gets no rows, so no GEMM reads its weights."""
+        transfer = self.balancer.transfer
+        if self._weight_copy is None:
+            M = self.experts_per_rank
+            self._weight_copy = FilledSlotCopy(
+                [(transfer.replica_bytes("weights", t), _slot_bytes(w, M)) for t, w in enumerate((self._w_up,
+                                                                                                  self._w_down))],
+                self.slots, device=self.device)
+        self.balancer.wait_replica(handle)
+        self._weight_copy(transfer.replica_entries(self.balancer.plan(handle)))
 
     # -- the layer ----------------------------------------------------------------------------
     def forward(self, x: Any, topk_ids: Any, gates: Any, *, stream: Any = None,
@@ -473,10 +527,10 @@ class MoELayer:
             error = exc
         self._raise(error, "MoELayer.backward input")  # before any restore or launch
         ctx.done = True
-        M, F, H, xp = self.experts_per_rank, self.ffn, self.hidden, self.xp
+        M = self.experts_per_rank
         received, offsets = ctx.received, ctx.received.offsets
         with self._on_stream(stream, dy):
-            replica_grads = self._replica_grads(ctx, stream)
+            replica_entries = self._replica_grads(ctx, stream)
             fused = self._fused_backward()
             if fused is not None:  # the gradients' exchange and both dgrads in two persistent kernels
                 dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.rank_tiles, ctx.h, ctx.y, self._w_up,
@@ -486,15 +540,16 @@ class MoELayer:
                 d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
                 dh = self._swiglu_backward(ctx.h, d_act, offsets)
                 d_recv = grouped_mm_dgrad(dh, self._w_up, offsets)
-            dw_down = grouped_mm_wgrad(ctx.act, grad_y, offsets, out=xp.empty((M + self.slots, F, H), np.float32))
-            dw_up = grouped_mm_wgrad(received.x, dh, offsets, out=xp.empty((M + self.slots, H, 2 * F), np.float32))
+            wgrad = self._wgrad_scratch()
+            wgrad.acquire()
+            dw_down = grouped_mm_wgrad(ctx.act, grad_y, offsets, out=wgrad.down)
+            dw_up = grouped_mm_wgrad(received.x, dh, offsets, out=wgrad.up)
             self.grad_up += dw_up[:M]
             self.grad_down += dw_down[:M]
-            if ctx.handle is not None:
-                for s, (up, down) in enumerate(replica_grads):
-                    xp.asarray(up)[...] = dw_up[M + s]
-                    xp.asarray(down)[...] = dw_down[M + s]
+            if ctx.handle is not None:  # the replica slots' gradients: only those the plan fills are read
+                self._grad_copy(replica_entries)
                 self.balancer.reduce_grads(ctx.handle, stream=stream)
+            wgrad.release()
             if fused is None:
                 dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
         return dx, d_gates
@@ -511,25 +566,36 @@ class MoELayer:
             self._fused_bwd = HostFusedBackward(self._fused, activation=swiglu_backward)
         return self._fused_bwd
 
-    def _replica_grads(self, ctx: MoEContext, stream) -> list:
-        """The Balancer's replica gradient slots for ``ctx``'s plan. Restores the replica
-        weights first when another layer or micro-batch has synced since (the Balancer then
-        refuses the handle), and refills the layer's copy when another forward of this
-        layer has overwritten it."""
+    def _wgrad_scratch(self) -> _WgradScratch:
+        if self._wgrad is None:
+            self._wgrad = _WgradScratch.of(self)
+        return self._wgrad
+
+    def _replica_grads(self, ctx: MoEContext, stream):
+        """The plan's entries of this rank's replica slots, once the Balancer's replica
+        gradient slots may take ``ctx``'s gradients (None without a Balancer). Restores the
+        replica weights first when another layer or micro-batch has synced since (the
+        Balancer then refuses the handle), and refills the layer's copy when another forward
+        of this layer has overwritten it."""
         if ctx.handle is None:
-            return []
+            return None
         try:
-            grads = self.balancer.replica_grads(ctx.handle)
+            self.balancer.replica_grads(ctx.handle)
         except StaleHandleError:
             raise
         except BalancerError:  # the shared replica buffers hold another handle's weights
             self.balancer.restore(ctx.handle, stream=stream)
-            grads = self.balancer.replica_grads(ctx.handle)
         if ctx.generation != self._generation:
             self._fill_replicas(ctx.handle)
             self._generation += 1
             ctx.generation = self._generation
-        return grads
+        transfer = self.balancer.transfer
+        if self._grad_copy is None:
+            wgrad, M = self._wgrad_scratch(), self.experts_per_rank
+            self._grad_copy = FilledSlotCopy(
+                [(_slot_bytes(g, M), transfer.replica_bytes("grads", t)) for t, g in enumerate((wgrad.up, wgrad.down))],
+                self.slots, device=self.device)
+        return transfer.replica_entries(self.balancer.plan(ctx.handle))
 
     def _swiglu_forward(self, h, offsets):
         if self._swiglu is None:
@@ -579,6 +645,7 @@ class MoELayer:
         if self._closed:
             return
         self._closed = True
+        self._weight_copy = self._grad_copy = None  # they hold views of the Balancer's heap
         self.dispatcher.close()
         if self._owned_heap is not None:
             self._owned_heap.close()
@@ -591,6 +658,7 @@ class MoELayer:
             self.close()
             return
         self._closed = True
+        self._weight_copy = self._grad_copy = None
         self.dispatcher.__exit__(exc_type, exc, tb)
         if self._owned_heap is not None:
             self._owned_heap.close_failing(exc)

@@ -200,6 +200,12 @@ def reroute_device(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None)
     count((chunks,), (REROUTE_CHUNK,), (ids, np.int64(n), np.int32(E), workspace), shared_mem=E * _INT)
     assign = _kernel("reroute.cu", f"reroute_assign<{id_type}>", assign_bytes)
     assign((chunks,), (REROUTE_CHUNK,),
-           (ids, np.int64(n), np.int32(E), np.int32(K), workspace, plan.split_prefix[rank], plan.log_to_phys,
-            plan.replica_count, out), shared_mem=assign_bytes)
+           (ids, np.int64(n), np.int32(E), np.int32(K), workspace, _row_pointer(plan.split_prefix, rank),
+            plan.log_to_phys, plan.replica_count, out), shared_mem=assign_bytes)
     return out
+
+
+def _row_pointer(array, row: int) -> np.uintp:
+    """Device address of ``array[row]``: what indexing would pass, without making a view
+    (host time on every reroute)."""
+    return np.uintp(array.data.ptr + row * array.strides[0])

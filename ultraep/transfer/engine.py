@@ -13,11 +13,14 @@ weights and gradients (they stay in the framework's memory). Per micro-batch and
   for the slots it is about to use: each slot's compute waits for its own chunks only;
 * :meth:`~WeightTransfer.reduce_grads` adds every replica's gradient into its master's
   gradient in replica order, fp32 accumulation, deterministic, after a barrier that says
-  all replica gradients are written, and before one that frees the slots for the next layer.
+  all replica gradients are written (on the device the plan agreement, which waits for
+  every rank), and before one that frees the slots for the next layer.
 
-The replica gradient slots start at zero and ``reduce_grads`` zeroes them again once every
-master has read them, so a micro-batch that writes no gradient for a replica adds zeros,
-never an earlier micro-batch's gradients (and the zeroing stays off the forward path).
+The replica gradient slots start at zero and ``reduce_grads`` zeroes the slots the plan
+fills once every master has read them, so a micro-batch that writes no gradient for a
+replica adds zeros, never an earlier micro-batch's gradients (and the zeroing stays off
+the forward path). Write only the slots the plan fills: the others are neither read nor
+zeroed, which keeps a plan with few replicas from paying for all ``S`` slots.
 
 Arguments are agreed before any rank can raise alone. Each transfer compares a hash of its
 layer and of the plan's placement (``log_to_phys``, ``replica_count``) across ranks
@@ -53,6 +56,7 @@ from ultraep.transfer.agreement import WHAT as AGREED_WHAT
 from ultraep.transfer.agreement import DevicePlanAgreement, plan_hash
 from ultraep.transfer.host import HostTransfer
 from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, host_plan
+from ultraep.transfer.slot_copy import FilledSlotCopy
 from ultraep.transfer.spec import ExpertSpec
 
 DEFAULT_TILE_BYTES = 32 << 10  # best a multiple of the kernels' PIECE_BYTES: a shorter piece takes a whole warp turn
@@ -195,6 +199,13 @@ class WeightTransfer:
             relay_count=relay_count, blocks=blocks, timeout_s=timeout_s)
         self._agreement = (DevicePlanAgreement(heap, layout, buffers[AGREEMENT_SIGNALS], timeout_s)
                            if self.impl.device is not None else None)
+        S = layout.redundant_slots
+        self._views = {name: [self._views_of(buffer, slot, tensors, offsets) for slot in range(S)]
+                       for name, buffer, tensors, offsets in (
+                           ("weights", self._weights, spec.weights, spec.weight_offsets),
+                           ("grads", self._grads, spec.grads, spec.grad_offsets))}
+        # reduce_grads zeroes the gradient slots it read: those the plan fills, not all S
+        self._zero_read_grads = FilledSlotCopy([(None, self._grads.local)], S, device=self.impl.device)
         self._layers: dict = {}
         self._flagged_epoch: int | None = None  # the last sync's epoch if its chunks were flagged (device)
         self._closed = False
@@ -206,17 +217,39 @@ class WeightTransfer:
     # -- buffers the framework computes with ------------------------------------------
     def replica_weights(self, slot: int) -> list:
         """Typed views (DLPack-exportable) of redundant slot ``slot``'s weight tensors."""
-        return self._slot_views(self._weights, slot, self.spec.weights, self.spec.weight_offsets)
+        return self._slot_views("weights", slot)
 
     def replica_grads(self, slot: int) -> list:
         """Typed views (DLPack-exportable) of redundant slot ``slot``'s gradient tensors."""
-        return self._slot_views(self._grads, slot, self.spec.grads, self.spec.grad_offsets)
+        return self._slot_views("grads", slot)
 
-    def _slot_views(self, buffer, slot: int, tensors, offsets) -> list:
+    def replica_bytes(self, kind: str, tensor: int) -> Any:
+        """uint8 ``[S, nbytes]`` view of tensor ``tensor`` of every redundant slot's weights
+        (``kind="weights"``) or gradients (``"grads"``): what a :class:`FilledSlotCopy` moves."""
+        self._check_open()
+        slots = {"weights": (self._weights, self.spec.weights, self.spec.weight_offsets),
+                 "grads": (self._grads, self.spec.grads, self.spec.grad_offsets)}
+        if kind not in slots:
+            raise ValueError(f"kind must be 'weights' or 'grads', got {kind!r}")
+        buffer, tensors, offsets = slots[kind]
+        offset = offsets[tensor]
+        return buffer.local[:self.layout.redundant_slots, offset:offset + tensors[tensor].nbytes]
+
+    def replica_entries(self, plan: Plan) -> Any:
+        """``int32[S]``: the plan's ``phys_to_log`` entries of this rank's redundant slots
+        (``-1``: empty), a view on the plan's device (what :class:`FilledSlotCopy` reads)."""
+        first = self.rank * self.layout.slots_per_rank + self.layout.experts_per_rank
+        return plan.phys_to_log[first:first + self.layout.redundant_slots]
+
+    def _slot_views(self, kind: str, slot: int) -> list:
         self._check_open()
         S = self.layout.redundant_slots
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < S:
             raise IndexError(f"rank {self.rank}: redundant slot {slot!r} is not an int in [0, {S})")
+        self.heap._check_open(f"replica slot {slot}")  # the cached views die with the heap
+        return list(self._views[kind][slot])
+
+    def _views_of(self, buffer, slot: int, tensors, offsets) -> list:
         base = buffer.offset + slot * buffer.shape[1]
         return [self.heap.view(self.rank, base + off, t.shape, t.dtype) for t, off in zip(tensors, offsets)]
 
@@ -339,12 +372,14 @@ class WeightTransfer:
     restore = weight_sync  # backward: the same transfer for the micro-batch's saved plan
 
     def reduce_grads(self, layer: int, plan: Plan, *, blocks: int | None = None) -> None:
-        """Masters += replica gradients in replica order (collective; barriers on both sides)."""
-        entry, plan = self._checked("reduce_grads", layer, plan, blocks, grid_error)
-        self.impl.barrier()  # every replica gradient is written
-        self.impl.reduce_grads(entry, plan, blocks)
+        """Masters += replica gradients in replica order (collective; barriers on both sides,
+        the first being the plan agreement on the device)."""
+        entry, agreed = self._checked("reduce_grads", layer, plan, blocks, grid_error)
+        if self._agreement is None:  # on the device the agreement kernel is this barrier: it waits for every rank
+            self.impl.barrier()  # every replica gradient is written
+        self.impl.reduce_grads(entry, agreed, blocks)
         self.impl.barrier()  # replica gradient slots are free again
-        self._grads.local.fill(0)  # every master has read them: none can be added a second time
+        self._zero_read_grads(self.replica_entries(plan))  # every master has read them: none is added twice
 
     def synchronize(self) -> None:
         """Wait for the enqueued transfers; raise if a wait timed out or a plan was refused
@@ -361,6 +396,7 @@ class WeightTransfer:
         call raises :class:`~ultraep.errors.ClosedError`."""
         self._closed = True
         self._layers.clear()
+        self._views, self._zero_read_grads = {}, None  # views of the heap: closing it must not find them held
 
     def __enter__(self) -> WeightTransfer:
         return self
