@@ -127,8 +127,8 @@ def fp16_weights(spec, xp):
     """The function from an expert's tensors (typed, or their bits as CuPy holds them) to the
     fp16 ``[w_in, w_out]`` the compute reads."""
     if not spec.scale_of:  # bf16: its bits are the upper half of a float32's
-        return lambda weights: [(w.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float16)
-                                for w in weights[:2]]
+        return lambda weights: [(w.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+                                .astype(np.float16) for w in weights[:2]]
     values = xp.asarray(np.arange(256, dtype=np.uint8).view(spec.weights[0].dtype).astype(np.float32))  # per byte
     return lambda weights: [(values[w.view(np.uint8)] * blockwise(s, w.shape, xp)).astype(np.float16)
                             for w, s in zip(weights[:2], weights[2:])]
