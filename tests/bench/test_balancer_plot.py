@@ -17,8 +17,8 @@ def test_balancer_bench_streams_rows_progress_and_one_plot(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert code == 0, out + err
     lines = out.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("imbalance"))
-    assert len([line for line in lines[header + 2:] if line.strip()[:1].isdigit()]) == 2  # both rows, below one header
+    header = next(i for i, line in enumerate(lines) if line.startswith("weights"))
+    assert len([line for line in lines[header + 2:] if line.startswith("bf16")]) == 2  # both rows, below one header
     assert "[bench balancer]" in err and "timing the balanced MoE layer" in err
     image = matplotlib.image.imread(png)
     assert png.stat().st_size > 0 and image.shape[0] > 100 and image.shape[1] > 100

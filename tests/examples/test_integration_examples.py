@@ -2,6 +2,7 @@
 CI (and on the GPU), the PyTorch and JAX examples on the GPU."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from ultraep.runtime.launch import run_mpi
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RANKS = 4
+FP8 = ["float8_e4m3fn", "float8_e5m2"]
 
 
 def requires(module):
@@ -38,6 +40,12 @@ def test_cupy_framework_example(backend, tmp_path):
     assert (tmp_path / "cupy_framework_stage0_trace.npz").is_file()
 
 
+def assert_fp8_replicas_checked(out, dtype):
+    """The FP8 variant compared every synced replica with its master, byte for byte."""
+    checked = re.search(rf"{dtype} experts: after every sync (\d+) of (\d+) replica bytes differ", out)
+    assert checked and checked.group(1) == "0" and int(checked.group(2)) > 0, out
+
+
 @pytest.mark.mpi
 @pytest.mark.gpu
 @requires_gpu
@@ -49,12 +57,28 @@ def test_torch_moe_train_example():
 
 
 @pytest.mark.mpi
+@pytest.mark.gpu
+@requires_gpu
 @requires("torch")
-@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the example runs on it (the test above)")
-def test_torch_moe_train_example_on_the_cpu_backend():
-    out = run_example("torch_moe_train.py", "--steps", "2", "--tokens", "256")
+@pytest.mark.parametrize("dtype", FP8)
+def test_torch_moe_train_example_with_fp8_weights(dtype):
+    out = run_example("torch_moe_train.py", "--steps", "4", "--weight-dtype", dtype)
     assert_ranks_ok(out, "torch_moe_train")
-    assert "(cpu): torch_moe_train OK" in out and "first step: 0 output elements differ" in out, out
+    assert_fp8_replicas_checked(out, dtype)
+
+
+@pytest.mark.mpi
+@requires("torch")
+@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the example runs on it (the tests above)")
+@pytest.mark.parametrize("dtype", ["bfloat16", *FP8])
+def test_torch_moe_train_example_on_the_cpu_backend(dtype):
+    out = run_example("torch_moe_train.py", "--steps", "2", "--tokens", "256", "--weight-dtype", dtype)
+    assert_ranks_ok(out, "torch_moe_train")
+    assert "(cpu): torch_moe_train OK" in out, out
+    if dtype == "bfloat16":
+        assert "first step: 0 output elements differ" in out, out
+    else:
+        assert_fp8_replicas_checked(out, dtype)
 
 
 @pytest.mark.mpi

@@ -3,7 +3,10 @@ framework would run it, beside the layer itself, in one run.
 
 Every rank routes ``tokens`` fp16 tokens top-k with Zipf-skewed experts tuned to each
 initial rank imbalance (``--initial-imbalance``, ``ultraep.analysis.traces.zipf_topk``).
-Experts are two fp16 matrices ``[hidden, ffn]`` and ``[ffn, hidden]``; gradients fp32.
+Experts are two matrices ``[hidden, ffn]`` and ``[ffn, hidden]`` stored in each
+``--weight-dtype`` (one row each): bf16, or FP8 with DeepSeek-V3-style float32 scales, one
+per 128 x 128 block, synced beside them; gradients fp32. The compute reads fp16 copies
+(bf16 widened, FP8 times its block scale): the masters' made once, each replica's per call.
 Two layers are timed, alternately, as group windows (first rank's start to the last
 rank's end, host and device, per call; medians over ``--rounds`` rounds of
 ``--repeats`` calls):
@@ -18,7 +21,10 @@ rank's end, host and device, per call; medians over ``--rounds`` rounds of
 ``exposed_ms`` = balanced - in place (median of the rounds' differences): what balancing
 adds to the layer. ``share_pct`` = exposed / layer. The ``*_dev_ms`` columns are the
 Balancer's own CUDA-event (CPU: wall) stage times in the balanced layer, medians over
-its calls: the parts, not additive (the sync runs beside dispatch).
+its calls: the parts, not additive (the sync runs beside dispatch). ``sync_vs_bf16`` is a
+row's ``weight_sync_dev_ms`` over the bf16 row's at the same imbalance; ``sync_MB`` the
+weight bytes one sync moves (group total, mean). ``replica_diff``: bytes of this row's last
+synced replicas that differ from their masters (any makes the bench exit 1).
 Several ranks on one GPU run time-sliced, so both times include the other ranks' work,
 unless ``--emulate-ep`` runs them under MPS with an SM share each; the title says which.
 The receive buffer holds 1.25x the mean rows (balanced routing stays near the mean).
@@ -37,8 +43,10 @@ from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
-COLUMNS = ["imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct",
-           "update_dev_ms", "weight_sync_dev_ms", "reroute_dev_ms"]
+COLUMNS = ["weights", "imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct",
+           "update_dev_ms", "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
+WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}  # name -> table label
+BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
 
 
 def parse_args(argv):
@@ -53,6 +61,9 @@ def parse_args(argv):
     parser.add_argument("--initial-imbalance", type=float, nargs="+", default=[1.25, 1.5],
                         help="rank max/mean of the generated routing before balancing, one row each (with 4 "
                              "ranks and top-8 over 64 experts at most 1.5 is reachable)")
+    parser.add_argument("--weight-dtype", nargs="+", choices=list(WEIGHT_DTYPES), default=["bfloat16"],
+                        help="expert weight types, one row each per imbalance (FP8 with float32 scales per "
+                             f"{BLOCK} x {BLOCK} block); list bfloat16 too for the sync_vs_bf16 ratio")
     parser.add_argument("--min-replica-tokens", type=int, default=1024,
                         help="fewest tokens a replica may serve (the planner's min_replica_tokens)")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per window (after one warm-up)")
@@ -74,13 +85,71 @@ def main(argv=None) -> int:
                            command=["-m", "ultraep.bench", "balancer"])
 
 
-def measure(group, target: float, args, progress):
-    """The row of one initial imbalance, and the Balancer's per-micro-batch records."""
+def expert_spec(hidden: int, ffn: int, dtype: str):
+    """``w_in`` and ``w_out`` in ``dtype``, then each FP8 weight's block scales."""
+    from ultraep.runtime.dtypes import FP8_NAMES
+    from ultraep.transfer import ExpertSpec
+
+    matrices = [("w_in", (hidden, ffn)), ("w_out", (ffn, hidden))]
+    scales = ([(f"{name}_scale", tuple(-(-d // BLOCK) for d in shape), "float32", name) for name, shape in matrices]
+              if dtype in FP8_NAMES else [])
+    return ExpertSpec([(name, shape, dtype) for name, shape in matrices] + scales, grad_dtype="float32")
+
+
+def blockwise(scale, shape, xp):
+    """Each block's scale repeated over the block's elements of a weight of ``shape``."""
+    return xp.repeat(xp.repeat(scale, BLOCK, axis=0), BLOCK, axis=1)[:shape[0], :shape[1]]
+
+
+def master_weights(spec, expert: int, seed: int) -> list:
+    """Expert ``expert``'s tensors on the host, seeded by the expert alone so any rank can
+    rebuild a master to check its replicas: normal matrices rounded to bf16, or quantised
+    to FP8 with the scale that maps each block's largest magnitude to the format's largest."""
+    rng = np.random.default_rng((seed, 1, expert))
+    matrices = [rng.standard_normal(t.shape, np.float32) / np.float32(np.sqrt(t.shape[0])) for t in spec.weights[:2]]
+    dtype = spec.weights[0].dtype
+    if not spec.scale_of:
+        return [m.astype(dtype) for m in matrices]
+    import ml_dtypes
+
+    largest = np.float32(ml_dtypes.finfo(dtype).max)
+    scales = []
+    for m in matrices:
+        rows, cols = (-(-d // BLOCK) for d in m.shape)
+        padded = np.zeros((rows * BLOCK, cols * BLOCK), np.float32)
+        padded[:m.shape[0], :m.shape[1]] = np.abs(m)
+        scales.append(np.maximum(padded.reshape(rows, BLOCK, cols, BLOCK).max(axis=(1, 3)), 1e-12) / largest)
+    return [np.clip(m / blockwise(s, m.shape, np), -largest, largest).astype(dtype)
+            for m, s in zip(matrices, scales)] + scales
+
+
+def fp16_weights(spec, xp):
+    """The function from an expert's tensors (typed, or their bits as CuPy holds them) to the
+    fp16 ``[w_in, w_out]`` the compute reads."""
+    if not spec.scale_of:  # bf16: its bits are the upper half of a float32's
+        return lambda weights: [(w.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+                                .astype(np.float16) for w in weights[:2]]
+    values = xp.asarray(np.arange(256, dtype=np.uint8).view(spec.weights[0].dtype).astype(np.float32))  # per byte
+    return lambda weights: [(values[w.view(np.uint8)] * blockwise(s, w.shape, xp)).astype(np.float16)
+                            for w, s in zip(weights[:2], weights[2:])]
+
+
+def replica_diff(balancer, handle, spec, masters_per_rank: int, seed: int, to_host) -> int:
+    """Bytes of this rank's replica slots that differ from their masters after the sync."""
+    experts = to_host(balancer.local_experts(handle))[masters_per_rank:].tolist()
+    replicas = balancer.replica_weights(handle)
+    return sum(int(np.count_nonzero(to_host(got).view(np.uint8) != want.view(np.uint8)))
+               for slot, expert in enumerate(experts) if expert >= 0
+               for got, want in zip(replicas[slot], master_weights(spec, expert, seed)))
+
+
+def measure(group, target: float, dtype: str, args, progress):
+    """The row of one initial imbalance and weight type, and the Balancer's per-micro-batch records."""
     from ultraep.integration import Balancer
     from ultraep.planner import ExpertLayout
     from ultraep.analysis.traces import zipf_topk
+    from ultraep.runtime.dtypes import cupy_dtype
     from ultraep.token import Dispatcher
-    from ultraep.transfer import ExpertSpec
 
     R, me, K, T, H = group.size, group.rank, args.top_k, args.tokens, args.hidden
     gpu = args.backend == "device" or (args.backend == "auto" and group.has_gpu)
@@ -88,17 +157,19 @@ def measure(group, target: float, args, progress):
     if gpu:
         import cupy as xp
         synchronize = xp.cuda.runtime.deviceSynchronize  # the weight sync's side stream too
+        to_host, place = xp.asnumpy, (lambda w: xp.asarray(w.view(cupy_dtype(w.dtype))))
     else:
-        xp, synchronize = np, (lambda: None)
+        xp, synchronize, to_host, place = np, (lambda: None), np.asarray, (lambda w: w)
     layout = ExpertLayout(R, args.experts, args.slots)
     M = layout.experts_per_rank
-    spec = ExpertSpec([("w_in", (H, args.ffn), "float16"), ("w_out", (args.ffn, H), "float16")], grad_dtype="float32")
+    spec = expert_spec(H, args.ffn, dtype)
     rng = np.random.default_rng((args.seed, me))
     ids = xp.asarray(zipf_topk(R, args.experts, K, T, target, args.seed)[me])
     x = xp.asarray(rng.standard_normal((T, H)).astype(np.float16))
     gates = xp.asarray(rng.random((T, K)).astype(np.float32))
-    masters = [[xp.asarray((rng.standard_normal(t.shape) / np.sqrt(t.shape[0])).astype(np.float16))
-                for t in spec.weights] for _ in range(M)]
+    masters = [[place(w) for w in master_weights(spec, me * M + m, args.seed)] for m in range(M)]
+    to_fp16 = fp16_weights(spec, xp)
+    masters_fp16 = [to_fp16(weights) for weights in masters]  # the masters never change: converted once
     grads = [[xp.zeros(t.shape, np.float32) for t in spec.grads] for _ in range(M)]
     with Balancer(group, layout, spec, num_layers=LAYERS, min_replica_tokens=args.min_replica_tokens,
                   backend=backend, sync_checks=False) as balancer, \
@@ -112,13 +183,13 @@ def measure(group, target: float, args, progress):
         def experts(received, handle, wait):
             """Masters first, then each replica slot once ``wait(slot)`` lets its stream at it."""
             y = xp.zeros_like(received.x)
-            weights = masters + balancer.replica_weights(handle, wait=False)
+            replicas = balancer.replica_weights(handle, wait=False)
             for slot in range(M + args.slots):
                 begin, end = offsets[slot], offsets[slot + 1]
                 if end > begin:
                     if slot >= M:
                         wait(slot - M)
-                    w_in, w_out = weights[slot]
+                    w_in, w_out = masters_fp16[slot] if slot < M else to_fp16(replicas[slot - M])
                     y[begin:end] = xp.maximum(received.x[begin:end] @ w_in, 0) @ w_out
             return y
 
@@ -135,8 +206,8 @@ def measure(group, target: float, args, progress):
             received = dispatcher.dispatch(x, state["slots"], gates)
             dispatcher.combine(experts(received, state["handle"], lambda slot: None), received.handle)
 
-        progress(f"initial imbalance {target}: layers registered, timing the balanced MoE layer and the same layer "
-                 f"with its plan in place ({args.rounds} x {args.repeats} calls each)")
+        progress(f"initial imbalance {target}, {dtype} weights: layers registered, timing the balanced MoE layer "
+                 f"and the same layer with its plan in place ({args.rounds} x {args.repeats} calls each)")
         handle = state["handle"] = balancer.update(0, ids)
         balancer.weight_sync(handle).wait()
         state["slots"] = balancer.reroute(handle, ids)
@@ -146,16 +217,20 @@ def measure(group, target: float, args, progress):
         for _ in range(args.rounds):
             windows["balanced"].append(group_window_ms(group, balanced, args.repeats, synchronize))
             windows["in_place"].append(group_window_ms(group, in_place, args.repeats, synchronize))
+        synchronize()
+        diff = sum(group.allgather(replica_diff(balancer, state["handle"], spec, M, args.seed, to_host)))
         dispatcher.check()
         balancer.check()
         stats = balancer.stats()
         summary = stats.summary()
     layer_ms, balanced_ms = (statistics.median(windows[k]) for k in ("in_place", "balanced"))
     exposed_ms = statistics.median(b - p for b, p in zip(windows["balanced"], windows["in_place"]))
-    row = {"imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
+    row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype,
+           "imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
            "balanced_ms": balanced_ms, "share_pct": 100.0 * exposed_ms / layer_ms,
-           **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")}}
+           **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")},
+           "sync_MB": statistics.mean(r.weight_bytes for r in stats.records) / 1e6, "replica_diff": diff}
     return row, stats.records
 
 
@@ -172,14 +247,22 @@ def run(args) -> int:
     progress = Progress("balancer", enabled=printing and not args.quiet)
     title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({sharing}), {args.experts} experts, "
              f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
-             f"ffn {args.ffn}, fp16 experts; exposed = balanced layer (update, weight_sync on a side stream beside "
-             "dispatch, reroute, per-slot waits) - the same layer with its plan and replicas in place, group windows")
+             f"ffn {args.ffn}, fp16 tokens and compute, expert weights as listed; exposed = balanced layer (update, "
+             "weight_sync on a side stream beside dispatch, reroute, per-slot waits) - the same layer with its plan "
+             "and replicas in place, group windows")
     rows = []
+    dtypes = sorted(set(args.weight_dtype), key=list(WEIGHT_DTYPES).index)  # bf16 first: the ratios' base
     with RowStream(COLUMNS, title, enabled=printing) as table:
         for target in args.initial_imbalance:
-            row, records = measure(group, target, args, progress)
-            rows.append(row)
-            table.add(row)
+            bf16_sync_ms = None
+            for dtype in dtypes:
+                row, records = measure(group, target, dtype, args, progress)
+                sync_ms = row["weight_sync_dev_ms"]
+                if dtype == "bfloat16":
+                    bf16_sync_ms = sync_ms
+                row["sync_vs_bf16"] = sync_ms / bf16_sync_ms if sync_ms is not None and bf16_sync_ms else None
+                rows.append(row)
+                table.add(row)
     if printing:
         if args.plot:
             from ultraep.analysis.plots import plot_rank_loads
@@ -189,7 +272,11 @@ def run(args) -> int:
         if args.json:
             write_json(args.json, {"benchmark": "balancer", "ranks": group.size, "sharing": sharing, "args": vars(args),
                                    "rows": rows})
-    return 0
+    differing = [row["weights"] for row in rows if row["replica_diff"]]
+    if differing and printing:
+        print(f"balancer bench: replicas differ from their masters after weight sync ({', '.join(differing)} rows)",
+              file=sys.stderr)
+    return 1 if differing else 0
 
 
 if __name__ == "__main__":
