@@ -56,3 +56,32 @@ def test_a_configurations_task_sizes_set_the_task_lists():
 def test_fused_layer_is_bitwise_the_sequential_layer_for_every_configuration(backend, ranks):
     out = run_ranks(ranks, "tune/mpi/fused_config_check.py", backend, timeout=900)
     assert_all_ranks_ok(out, ranks, "fused-config")
+
+
+def test_bench_columns_by_config():
+    from ultraep.bench import moe_fused as bench
+
+    assert bench.columns(False) == bench.COLUMNS and bench.parse_args([]).config == "default"
+    assert bench.columns(False, "both") == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "tuned_ms",
+                                            "tuned_gain", "tuned_config", "out_diff", "rerun_diff"]
+    assert bench.columns(True, "tuned")[6:10] == ["tuned_config", "seq_bwd_ms", "fused_bwd_ms", "bwd_speedup"]
+
+
+@pytest.mark.mpi
+def test_bench_runs_the_default_and_the_tuned_layer_side_by_side(tmp_path, monkeypatch, capfd):
+    import json
+
+    from ultraep.bench import moe_fused as bench
+    from ultraep.tune.profile import CACHE_VARIABLE
+
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))  # the host profile is measured here
+    out = tmp_path / "fused.json"
+    code = bench.main(["--backend", "host", "--ranks", "2", "--hidden", "32", "--ffn", "16", "--experts-per-rank",
+                       "2", "--top-k", "2", "--repeats", "1", "--quiet", "--tokens", "24", "4100", "--config", "both",
+                       "--json", str(out)])
+    assert code == 0, capfd.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    for row in rows:
+        assert row["out_diff"] == 0 and row["rerun_diff"] == 0, row
+        assert row["tuned_gain"] == pytest.approx(row["fused_ms"] / row["tuned_ms"])
+        assert row["tuned_config"].startswith("ctas=")
