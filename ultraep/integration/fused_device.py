@@ -27,7 +27,7 @@ from ultraep.errors import MoELayerError, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
 from ultraep.integration.fused import KERNELS, KINDS, Granularity, max_m_tiles, max_tasks
 from ultraep.runtime.kernels import get_function, kernel_constant
-from ultraep.tune.config import FusedConfig, FusedSchedule
+from ultraep.tune.config import FusedSchedule
 
 FLAG_NAMES = {kernel_constant(KERNELS, "FM_ROW_FLAG"): "row_flag (a receive row's arrival from its sender)",
               kernel_constant(KERNELS, "FM_TILE_READY"): "tile_ready (an M-tile's rows relayed)",
@@ -68,11 +68,12 @@ class DeviceFusedForward:
         self.shared_bytes = kernel_constant(KERNELS, "GH_SMEM_BYTES")
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
         self.schedule = schedule
-        self.variants = {}  # a config's defines -> its module variant's kernels, loaded in the schedule's order
-        for config in (FusedConfig(1), *schedule.configs):  # the plain module first: fused_plan, the backward's grid
+        # a config's defines -> its module variant's kernels; the plain module's run fused_plan
+        self.k = self._load(group, ())
+        self.variants = {(): self.k}
+        for config in schedule.configs:  # in the schedule's order: the same collective loads on every rank
             if config.defines() not in self.variants:
                 self.variants[config.defines()] = self._load(group, config.defines())
-        self.k = self.variants[()]
         self.grid = resident_ctas(group.device)
         self.row_flag, self.done = flags["row_flag"], flags["done"]
         self.row_flag.local.fill(0)
