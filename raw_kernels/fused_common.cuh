@@ -13,8 +13,15 @@
 #include "grouped_gemm_common.cuh"
 #include "swiglu.cuh"
 
+// Overridable with -D (FusedConfig's copy_unroll, reduce_unroll: ultraep/tune/config.py); no
+// result bit depends on them (a reduce still adds its slots one by one in slot order).
+#ifndef FM_UNROLL
 #define FM_UNROLL 4              // 16-byte loads in flight per lane in copies
+#endif
+#ifndef FM_REDUCE_UNROLL
 #define FM_REDUCE_UNROLL 8       // slots read at once per lane in a reduce
+#endif
+static_assert(FM_UNROLL >= 1 && FM_REDUCE_UNROLL >= 1, "the copy and reduce unrolls are positive");
 
 // status[0] (after the grouped GEMM's codes 1..4), then status[1] the flag, status[2] the
 // rank waited on, [3] the flag's index, [4] the epoch expected, [5] the value seen, [6] the block.

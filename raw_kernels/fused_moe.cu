@@ -38,9 +38,15 @@
 #include "swiglu.cuh"
 #include "fused_common.cuh"
 
-// Task granularity, shared with the host (kernel_constant).
+// Task granularity, shared with the host (kernel_constant). The task sizes are overridable
+// with -D (FusedConfig's send_tokens, reduce_tokens: ultraep/tune/config.py); the host sizes
+// its task lists from the same values.
+#ifndef FM_SEND_TOKENS
 #define FM_SEND_TOKENS 16        // tokens per send task
+#endif
+#ifndef FM_REDUCE_TOKENS
 #define FM_REDUCE_TOKENS 16      // tokens per reduce task (every output column)
+#endif
 #define FM_BM GH_BM              // rows per relay task and per GEMM tile
 #define FM_UP_COLS (GH_BN / 2)   // act columns per up tile: the accumulator is gate half | up half
 #define FM_DOWN_COLS GH_BN       // output columns per down tile and per reduce task
@@ -57,6 +63,7 @@
 // Dispatch outcome codes of dispatch.cu's plan_rows: anything but OK means no work.
 #define FM_OUTCOME_OK 0
 
+static_assert(FM_SEND_TOKENS >= 1 && FM_REDUCE_TOKENS >= 1, "task sizes are positive");
 static_assert(FM_UP_COLS * 2 == GH_BN && FM_DOWN_COLS == GH_BN, "an up tile is gate | up halves of one accumulator");
 static_assert(FM_DOWN_COLS == WARP * 8, "a reduce warp covers a down tile's columns, 8 BF16 per lane");
 static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");

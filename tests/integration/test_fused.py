@@ -272,7 +272,7 @@ def test_every_fused_wait_is_bounded_and_names_its_flag(skip, flag):
         def plan_then_skip(*args, **kwargs):
             plan(*args, **kwargs)
             if skip == "sends":
-                launcher.counters[0] = -(-T // kernel_constant("fused_moe.cu", "FM_SEND_TOKENS"))
+                launcher.counters[0] = -(-T // launcher.schedule.for_tokens(T).send_tokens)
             else:
                 launcher.counters[1] = down_tiles
         launcher.k["fused_plan"] = plan_then_skip

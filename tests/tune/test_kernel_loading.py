@@ -38,7 +38,9 @@ def fresh_process(monkeypatch):
         monkeypatch.setattr(kernels, "_modules", {})
         monkeypatch.setattr(kernels, "_functions", {})
         compiled.clear()
-    monkeypatch.setattr(kernels, "_compile", lambda filename: compiled.append(filename) or FakeModule())
+    monkeypatch.setattr(kernels, "_compile",
+                        lambda filename, defines=(): compiled.append(filename + kernels._define_text(defines))
+                        or FakeModule())
     start.compiled = compiled
     return start
 
@@ -74,3 +76,18 @@ def test_a_new_group_loads_through_its_own_barrier(fresh_process):
     kernels.get_function("heap.cu", "copy_bytes", group=second)
     assert first.posted == ["barrier"] and second.posted == ["barrier"]
     assert fresh_process.compiled == ["heap.cu"]
+
+
+def test_each_set_of_defines_is_a_module_of_its_own_loaded_collectively_once(fresh_process):
+    fresh_process()
+    group = RecordingGroup(1)
+    small = (("FM_SEND_TOKENS", 8), ("FM_REDUCE_TOKENS", 32))
+    kernels.get_function("fused_moe.cu", "fused_plan", group=group)
+    kernels.get_function("fused_moe.cu", "fused_plan", group=group, defines=small)
+    kernels.get_function("fused_moe.cu", "fused_down_combine", group=group, defines=small)
+    kernels.get_function("fused_moe.cu", "fused_plan", group=group, defines=[("FM_SEND_TOKENS", 8),
+                                                                              ("FM_REDUCE_TOKENS", 32)])
+    assert group.posted == ["barrier", "barrier"]  # one per variant, on the group's first load of it
+    assert fresh_process.compiled == ["fused_moe.cu", "fused_moe.cu -DFM_SEND_TOKENS=8 -DFM_REDUCE_TOKENS=32"]
+    with pytest.raises(ValueError, match="not a macro name"):
+        kernels.get_function("fused_moe.cu", "fused_plan", defines=(("-O0 x", 1),))

@@ -11,7 +11,7 @@ from tests.tune.synthetic import h200_like
 from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
 from ultraep.tune.model import (DISPATCH_THREADS, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
-                                FusedConfig, Problem, SyncProblem, combine_s, dispatch_s, fused_down_s, fused_up_s,
+                                Problem, SyncProblem, combine_s, dispatch_s, fused_down_s, fused_up_s,
                                 join, predict, pull_s, weight_sync_s)
 
 PROFILE = h200_like()
@@ -34,13 +34,6 @@ def test_problem_derived_quantities_and_refusals():
         Problem(0, 64, 64, 2, 8, 4)
     with pytest.raises(ProfileError, match="slot_rows"):
         Problem(64, 64, 64, 2, 8, 4, slot_rows=(-1,))
-
-
-def test_fused_config_refusals():
-    assert FusedConfig(132).error(PROFILE) is None
-    assert "at most the 132 SMs" in FusedConfig(133).error(PROFILE)
-    assert "at most the 33 SMs" in FusedConfig(34).error(h200_like(sm_share=25))
-    assert "send_tokens must be a positive integer" in FusedConfig(8, send_tokens=0).error(PROFILE)
 
 
 def test_weight_sync_warp_bound_then_bandwidth_bound():

@@ -10,14 +10,15 @@ import pytest
 from tests.tune.synthetic import h200_like
 from ultraep.errors import ProfileError
 from ultraep.tune.__main__ import main as tune_main
-from ultraep.tune.model import FusedConfig, Problem, SyncProblem, predict
-from ultraep.tune.search import KNOBS, Tuner, bucket, knob_values, search
+from ultraep.tune.config import FusedConfig, FusedSchedule, bucket
+from ultraep.tune.model import Problem, SyncProblem, predict
+from ultraep.tune.search import KNOBS, Tuner, fused_schedule, knob_values, search
 from ultraep.tune.profile import write_profile
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
 SYNC = SyncProblem(3 * 4096 * 1536 * 2, (3, 1))
-SEARCH_BOUND_S = 0.05  # CI's bound on two shared cores; the target on a quiet machine is 10 ms
+SEARCH_BOUND_S = 0.01  # issue 23's bound (about 2 ms here on two shared cores, fastest of 5)
 
 
 def flat_product(values):
@@ -58,7 +59,7 @@ def test_the_space_respects_the_machine():
     assert quarter["ctas"].max() == 33 and quarter["sync_blocks"].max() == 4 * 33
     assert quarter["dispatch_grid"].tolist() == [33 * i for i in range(1, 9)]
     chosen = search(h200_like(sm_share=25), PROBLEM).config.fused
-    assert chosen.error(h200_like(sm_share=25)) is None
+    chosen.check_resident(33)
     with pytest.raises(ProfileError, match="candidate values"):
         search(PROFILE, PROBLEM, values={**knob_values(PROFILE), "ctas": np.array([], np.int64)})
 
@@ -81,3 +82,16 @@ def test_search_cli_prints_the_choice_and_its_time(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "best: TunedConfig(" in out and "fused_down" in out
     assert "search: 147456 configurations in" in out
+
+
+def test_a_fused_schedule_holds_each_buckets_choice():
+    tuner = Tuner(PROFILE)
+    problem = Problem(10000, 4096, 1536, 8, 64, 4, ranks_per_gpu=4)
+    schedule = fused_schedule(tuner, problem)
+    assert len(schedule.configs) == bucket(10000) == 3
+    for b, tokens in enumerate((4096, 8192, 10000), start=1):
+        expected = search(PROFILE, Problem(tokens, 4096, 1536, 8, 64, 4, ranks_per_gpu=4)).config.fused
+        assert schedule.configs[b - 1] == expected
+        assert schedule.for_tokens(tokens) == expected
+    assert schedule.for_tokens(1) == schedule.configs[0] and schedule.for_tokens(10**6) == schedule.configs[-1]
+    assert FusedSchedule((FusedConfig(7),)).for_tokens(50000) == FusedConfig(7)

@@ -26,17 +26,11 @@ def test_summary_errors_and_the_rank_of_the_models_choice():
     assert summary["problems"]["b"]["chosen_rank"] == 1 and "default" not in summary["problems"]["b"]
 
 
-@pytest.mark.parametrize("phase", ["fused-up", "fused-down"])
-def test_fused_phases_say_the_kernel_takes_no_configuration(phase, capsys):
-    assert tune_main(["validate", "--phase", phase]) == 2
-    err = capsys.readouterr().err
-    assert "do not take a configuration yet" in err and phase in err and "nothing was measured" in err
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("phase, extra", [
     ("weight-sync", ["--hidden", "256", "--ffn", "128"]),
     ("dispatch", ["--hidden", "256", "--tokens", "64", "--experts", "8", "--top-k", "2"]),
+    ("fused-forward", ["--hidden", "64", "--ffn", "32", "--tokens", "48", "--experts", "8", "--top-k", "2"]),
 ])
 def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypatch):
     pytest.importorskip("matplotlib")
@@ -51,7 +45,7 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
     assert "mean absolute error" in out and "the model's choice" in out and "predicted_ms" in out
     assert "[bench tune validate]" in err and "(5/5)" in err
     data = json.loads(out_json.read_text())
-    problems = 3 if phase == "dispatch" else 1  # dispatch, combine and pull
+    problems = 1 if phase == "weight-sync" else 3  # dispatch, combine and pull; kernels A, B and the forward
     assert len(data["rows"]) == 5 * problems and data["profile"]["backend"] == "host"
     # the two ranks share the host's memory: their copy rate together was measured and cached
     assert data["profile"]["shared_by"] == 2 and data["profile"]["shared_copy_bytes_per_s"] > 0

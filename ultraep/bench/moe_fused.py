@@ -25,6 +25,15 @@ layer as a framework calls it: a training forward of either layer keeps ``h``, `
 ``y`` for its backward (the fused up tiles write ``h`` beside ``act``; ``y`` is copied out of
 the heap, whose ``expert_out`` the next call reuses). No timeline for the backward (its kernels record none).
 
+``--config``: the fused layer's configuration (``MoELayer(fused_config=)``): ``default``,
+today's constants (every SM, the kernel source's task sizes: the columns above); ``tuned``,
+the model's choice for the setting's token bucket (``ultraep.tune.search``, from the machine
+profile, measured once and cached), its columns then the tuned layer's; ``both``, the
+default's columns and the tuned layer's beside them in the same run: ``tuned_ms``,
+``tuned_gain`` = fused_ms / tuned_ms (at least 1: tuned at least as fast as the constants)
+and ``tuned_config``. Each fused layer's output and rerun count in ``out_diff`` /
+``rerun_diff``; the backward (``--backward``) and the timeline are the first layer's.
+
 ``--timeline FILE.png``: per setting, every rank's recorded fused forward, a panel per rank
 on one time axis, one line per SM (a worker on the host), coloured by task kind (send,
 relay, up tile, down tile, reduce): where communication hides under the GEMMs and which
@@ -51,6 +60,8 @@ from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive_int
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
+CONFIGS = ("default", "tuned")  # --config both: each, the default first
+TUNED = {"tuned": ["tuned_config"], "both": ["tuned_ms", "tuned_gain", "tuned_config"]}
 BACKWARD_TIMES = ["seq_step_ms", "fused_step_ms", "step_speedup"]
 BACKWARD_DIFFS = ["dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
 ALIGN = 8  # hidden and ffn: whole 16-byte rows (the grouped GEMM's and the Dispatcher's copies)
@@ -78,6 +89,9 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--backward", action="store_true",
                         help="also time a training step, forward + backward (seq_step_ms, ...), and check the backward")
+    parser.add_argument("--config", choices=["default", "tuned", "both"], default="default",
+                        help="the fused layer's configuration: today's constants, the tuned schedule, or both side "
+                             "by side (tuned_ms, tuned_gain = fused_ms / tuned_ms)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--timeline", metavar="FILE.png",
                         help="plot every rank's fused tasks per SM over time, a file per setting "
@@ -90,12 +104,19 @@ def parse_args(argv):
     return args
 
 
-def columns(backward: bool) -> list[str]:
-    """The table's columns: the backward's times after the forward's, its diffs last."""
-    if not backward:
-        return COLUMNS
+def columns(backward: bool, config: str = "default") -> list[str]:
+    """The table's columns: the tuned layer's and the backward's times after the forward's,
+    the diffs last."""
     times = COLUMNS.index("out_diff")
-    return COLUMNS[:times] + BACKWARD_TIMES + COLUMNS[times:] + BACKWARD_DIFFS
+    return (COLUMNS[:times] + TUNED.get(config, []) + (BACKWARD_TIMES if backward else []) + COLUMNS[times:]
+            + (BACKWARD_DIFFS if backward else []))
+
+
+def fused_configs(config: str) -> dict:
+    """``--config``'s fused layers: name -> ``MoELayer``'s ``fused_config``; ``default`` is
+    today's constants (``None``: every SM, the source's task sizes)."""
+    names = CONFIGS if config == "both" else (config,)
+    return {name: None if name == "default" else "tuned" for name in names}
 
 
 def timeline_path(path: str, tokens: int, hidden: int) -> str:
@@ -196,8 +217,12 @@ def run(args) -> int:
                   "dx/dgates/grad_up/grad_down_diff: elements whose bits differ from the sequential backward's; "
                   "bwd_rerun_diff: between two fused backwards")
     diff_columns = ["out_diff", "rerun_diff"] + (BACKWARD_DIFFS if args.backward else [])
+    configs = fused_configs(args.config)
+    if args.config != "default":
+        title += "; tuned: MoELayer(fused_config='tuned')" + (", tuned_gain = fused_ms / tuned_ms"
+                                                              if args.config == "both" else "")
     progress = Progress("moe-fused", enabled=me == 0 and not args.quiet)
-    table = RowStream(columns(args.backward), title, enabled=me == 0)
+    table = RowStream(columns(args.backward, args.config), title, enabled=me == 0)
     rows = []
     for H in args.hidden:
         for T in args.tokens:
@@ -232,25 +257,31 @@ def run(args) -> int:
                 moe.backward(ctx, dy)
 
             try:
-                for fused in (False, True):
-                    layers[fused] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                                             max_recv_rows=bound, backend=backend, sync_checks=False, fused=fused)
-                    layers[fused].load_weights(w_up, w_down)
-                first = {fused: checked(moe) for fused, moe in layers.items()}  # also the warm-up
-                phases = [lambda _, moe=moe: moe.forward(x, ids, gates, backward=False)
-                          for moe in (layers[False], layers[True])]
+                layers[False] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                                         max_recv_rows=bound, backend=backend, sync_checks=False)
+                for name, config in configs.items():  # the fused layers by --config, the first one's backward
+                    layers[name] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                                            max_recv_rows=bound, backend=backend, sync_checks=False, fused=True,
+                                            fused_config=config)
+                for moe in layers.values():
+                    moe.load_weights(w_up, w_down)
+                primary = next(iter(configs))
+                fused = layers[primary]
+                first = {key: checked(moe) for key, moe in layers.items()}  # also the warm-up
+                phases = [lambda _, moe=moe: moe.forward(x, ids, gates, backward=False) for moe in layers.values()]
                 if args.backward:  # zero_grads in a phase of its own: the window is forward + backward alone
-                    for moe in (layers[False], layers[True]):
+                    for moe in (layers[False], fused):
                         phases += [lambda _, moe=moe: moe.zero_grads(), lambda _, moe=moe: step(moe)]
                 windows = phase_windows_ms(group, phases, args.repeats, synchronize)
-                again = checked(layers[True])
+                again = {name: checked(layers[name]) for name in configs}
                 layers[False].check()
+                tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None
                 phases = None
                 if args.timeline:
-                    layers[True].record_timeline(True)
-                    layers[True].forward(x, ids, gates, backward=False)
-                    everyone_tasks = group.allgather(layers[True].timeline())
-                    layers[True].record_timeline(False)
+                    fused.record_timeline(True)
+                    fused.forward(x, ids, gates, backward=False)
+                    everyone_tasks = group.allgather(fused.timeline())
+                    fused.record_timeline(False)
                     phases = phase_spans(everyone_tasks)
                     progress(f"tokens {T}, hidden {H}: phases of a recorded fused forward (ms):\n"
                              f"{format_phases(phases)}")
@@ -258,11 +289,12 @@ def run(args) -> int:
                         plot_timeline(everyone_tasks, timeline_path(args.timeline, T, H),
                                       f"{R} ranks ({caveat}): fused forward, {T} tokens, hidden {H}, ffn {F}, "
                                       f"top-{K}")
-                want, got = first[False], first[True]
-                mine = [differing(got[:1], want[:1]), differing(again[:1], got[:1])]
+                want, got = first[False], first[primary]
+                mine = [sum(differing(first[name][:1], want[:1]) for name in configs),
+                        sum(differing(again[name][:1], first[name][:1]) for name in configs)]
                 if args.backward:  # dx, d_gates, grad_up, grad_down each, then all four rerun
                     mine += [differing([g], [w]) for g, w in zip(got[1:], want[1:])]
-                    mine.append(differing(again[1:], got[1:]))
+                    mine.append(differing(again[primary][1:], got[1:]))
             finally:
                 for moe in layers.values():
                     moe.close()
@@ -272,8 +304,12 @@ def run(args) -> int:
             seq_ms, fused_ms = windows[:2]
             row = {"tokens": T, "hidden": H, "ffn": F, "seq_ms": seq_ms, "fused_ms": fused_ms,
                    "speedup": seq_ms / fused_ms}
+            if args.config == "both":
+                row.update(tuned_ms=windows[2], tuned_gain=fused_ms / windows[2])
+            if tuned is not None:
+                row["tuned_config"] = tuned
             if args.backward:
-                seq_step, fused_step = windows[3::2]  # after each layer's zero_grads phase
+                seq_step, fused_step = windows[len(layers) + 1::2]  # after each layer's zero_grads phase
                 row.update(seq_step_ms=seq_step, fused_step_ms=fused_step, step_speedup=seq_step / fused_step)
             row.update((key, sum(d[i] for d in everyone)) for i, key in enumerate(diff_columns))
             if phases is not None:

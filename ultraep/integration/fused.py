@@ -69,6 +69,7 @@ on the host backend.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -81,6 +82,7 @@ from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.heap import HeapRequirements
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import reference as ref
+from ultraep.tune.config import FusedConfig, FusedSchedule
 
 KERNELS = "fused_moe.cu"
 HEAP_PREFIX = "fused."
@@ -97,9 +99,14 @@ class Granularity:
     down_cols: int
 
     @classmethod
-    def kernel(cls) -> Granularity:
+    def kernel(cls, config: FusedConfig | None = None) -> Granularity:
+        """The kernel source's sizes, with ``config``'s task sizes where given (the rest
+        are fixed by the GEMM tile)."""
         names = ("FM_SEND_TOKENS", "FM_REDUCE_TOKENS", "FM_BM", "FM_UP_COLS", "FM_DOWN_COLS")
-        return cls(*(kernel_constant(KERNELS, name) for name in names))
+        grain = cls(*(kernel_constant(KERNELS, name) for name in names))
+        if config is None:
+            return grain
+        return dataclasses.replace(grain, send_tokens=config.send_tokens, reduce_tokens=config.reduce_tokens)
 
 
 @dataclass(frozen=True)
@@ -265,25 +272,38 @@ class FusedLayer:
     ``plans[r]``: rank ``r``'s :class:`RankPlan` where this process runs its tasks, else
     None; ``states[r]``: its buffers (a peer's: the heap's views of it). :meth:`simulation`
     builds every rank in one process; :class:`HostFusedForward` one rank over the heap.
+    ``grain``: one :class:`Granularity`, or one per rank -- each rank's kernels may run with
+    task sizes of their own (a rank's sends and reduces are its own tasks, chunked only
+    where they run); the tile geometry must be every rank's.
     """
 
-    def __init__(self, plans: list, states: list, activation: Callable, *, grain: Granularity, epoch: int,
+    def __init__(self, plans: list, states: list, activation: Callable, *, grain: Granularity | list, epoch: int,
                  max_tokens: int, top_k: int, hidden: int, ffn: int):
-        self.plans, self.state, self.activation, self.grain = plans, states, activation, grain
+        self.grains = list(grain) if isinstance(grain, (list, tuple)) else [grain] * len(states)
+        self.grain = self.grains[0]  # the tile geometry (bm, column blocks), every rank's
+        if len(self.grains) != len(states) or any(
+                (g.bm, g.up_cols, g.down_cols) != (self.grain.bm, self.grain.up_cols, self.grain.down_cols)
+                for g in self.grains):
+            raise ValueError("FusedLayer: one granularity per rank, every rank's with the same tile geometry")
+        self.plans, self.state, self.activation = plans, states, activation
         self.ranks, self.epoch, self.max_tokens = len(states), epoch, max_tokens
         self.top_k, self.hidden, self.ffn = top_k, hidden, ffn
-        self.n_down = _ceil(hidden, grain.down_cols)
-        self.tasks = [None if p is None else task_order(p, ffn, hidden, grain) for p in plans]
+        self.n_down = _ceil(hidden, self.grain.down_cols)
+        self.tasks = [None if p is None else task_order(p, ffn, hidden, self.grains[r]) for r, p in enumerate(plans)]
 
     @classmethod
-    def simulation(cls, xs, expert_ids, gates, w_up, w_down, activation: Callable, *, grain: Granularity | None = None,
-                   epoch: int = 1, max_tokens: int | None = None) -> FusedLayer:
+    def simulation(cls, xs, expert_ids, gates, w_up, w_down, activation: Callable, *,
+                   grain: Granularity | list | None = None, epoch: int = 1,
+                   max_tokens: int | None = None) -> FusedLayer:
         """Every rank in this process, buffers poisoned: ``xs[r] [T_r, H]`` BF16,
         ``expert_ids[r] [T_r, K]`` physical slot ids, ``gates[r]`` float32, ``w_up[r] [slots,
         H, 2F]`` and ``w_down[r] [slots, F, H]`` BF16 (rank ``r``'s stacked slots),
-        ``activation(h, rows)`` the epilogue (``moe_layer.swiglu``)."""
+        ``activation(h, rows)`` the epilogue (``moe_layer.swiglu``); ``grain`` one or per
+        rank (a rank's :class:`~ultraep.tune.config.FusedConfig`: ``Granularity.kernel(config)``,
+        its CTAs :func:`simulate`'s)."""
         grain = grain or Granularity.kernel()
-        ranks, (H, F), max_tokens, plans, sizes = simulation_geometry(expert_ids, w_up, grain, max_tokens)
+        geometry = grain[0] if isinstance(grain, (list, tuple)) else grain
+        ranks, (H, F), max_tokens, plans, sizes = simulation_geometry(expert_ids, w_up, geometry, max_tokens)
         states = []
         for r, (rows, tiles) in enumerate(sizes):
             states.append(RankState(
@@ -328,7 +348,7 @@ class FusedLayer:
             return [(r, "tile_ready", self._mtile(r, task.a, task.m))]
         if task.kind == "reduce":
             waits = []
-            for t in self._chunk(r, task.a, self.grain.reduce_tokens):
+            for t in self._chunk(r, task.a, self.grains[r].reduce_tokens):
                 for k in range(self.top_k):
                     dest, _, tile = self._slot_tile(r, t * self.top_k + k)
                     waits.append((dest, "done", tile))
@@ -341,8 +361,8 @@ class FusedLayer:
         if task.kind == "send":
             p = self.plans[r]
             return [(int(p.pair_rank[i]), "row_flag", int(p.pair_row[i]))
-                    for t in self._chunk(r, task.a, self.grain.send_tokens) for i in range(t * self.top_k,
-                                                                                          (t + 1) * self.top_k)]
+                    for t in self._chunk(r, task.a, self.grains[r].send_tokens)
+                    for i in range(t * self.top_k, (t + 1) * self.top_k)]
         if task.kind == "relay":
             return [(r, "tile_ready", self._mtile(r, task.a, task.m))]
         if task.kind == "down":
@@ -364,7 +384,7 @@ class FusedLayer:
 
     def _send(self, r: int, task: Task) -> None:
         p, st, K = self.plans[r], self.state[r], self.top_k
-        for t in self._chunk(r, task.a, self.grain.send_tokens):
+        for t in self._chunk(r, task.a, self.grains[r].send_tokens):
             for k in range(K):
                 i = t * K + k
                 dest = self.state[int(p.pair_rank[i])]
@@ -400,7 +420,7 @@ class FusedLayer:
 
     def _reduce(self, r: int, task: Task) -> None:
         st, K = self.state[r], self.top_k
-        tokens = list(self._chunk(r, task.a, self.grain.reduce_tokens))
+        tokens = list(self._chunk(r, task.a, self.grains[r].reduce_tokens))
         slots = np.empty((len(tokens), K, self.hidden), dtype=BFLOAT16)
         for a, t in enumerate(tokens):
             for k in range(K):
@@ -471,15 +491,17 @@ def run_rank(layer: FusedLayer, rank: int, timeout_s: float, poll_s: float = 5e-
 class HostFusedForward:
     """The fused forward on the host backend: this rank's tasks of the semantics above over
     the MPI shared-memory heap (peers' landing rows, row metadata, expert outputs and flags
-    are their heap views), one CTA in claim order, after the Dispatcher's token map."""
+    are their heap views), one CTA in claim order, after the Dispatcher's token map, with the
+    task sizes of ``schedule``'s configuration for the call's tokens."""
 
-    def __init__(self, group, dispatcher, flags: dict, *, ffn: int, timeout_s: float, activation: Callable):
-        self.group, self.impl, self.config = group, dispatcher._impl, dispatcher.config
+    def __init__(self, group, dispatcher, flags: dict, *, ffn: int, timeout_s: float, activation: Callable,
+                 schedule: FusedSchedule):
+        self.group, self.impl, self.config, self.schedule = group, dispatcher._impl, dispatcher.config, schedule
         self.ffn, self.timeout_s, self.activation = ffn, timeout_s, activation
         self.flags = flags
         for tensor in flags.values():
             tensor.local[...] = 0
-        self.grain = Granularity.kernel()
+        self.grain = Granularity.kernel()  # the tile geometry; a call's task sizes are its bucket's (schedule)
         tiles = max_m_tiles(self.config.max_recv_rows, self.config.experts_per_rank)
         self.tile_ready, self.down_count = np.zeros(tiles, np.uint64), np.zeros(tiles, np.int64)
         self.epoch = 0
@@ -512,8 +534,9 @@ class HostFusedForward:
         own.act = np.zeros((d.max_recv_rows, self.ffn), dtype=d.dtype)
         own.h = np.zeros((d.max_recv_rows, 2 * self.ffn), dtype=np.float32) if keep else None
         own.out = np.zeros((m["tokens"], d.hidden), dtype=d.dtype)
+        grains = [Granularity.kernel(self.schedule.for_tokens(m["tokens"]))] * d.size  # only this rank's runs here
         layer = FusedLayer([plan if r == me else None for r in range(d.size)], states, self.activation,
-                           grain=self.grain, epoch=self.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
+                           grain=grains, epoch=self.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
                            hidden=d.hidden, ffn=self.ffn)
         self.last_timeline = [] if self.recording else None
         run_rank(layer, me, self.timeout_s, timeline=self.last_timeline)

@@ -11,8 +11,13 @@ no claim order deadlocks are :mod:`ultraep.integration.fused`'s.
 Heap tensors (beside the Dispatcher's, which must be set up with ``expert_output=True``):
 ``row_flag [max_recv_rows]`` and ``done [max_m_tiles]`` uint64 epoch flags,
 zeroed once at set-up; a flag equals the current epoch only once this call set it, so
-nothing is reset between calls. The grid is the SM count: a block per SM (the stage ring
-fills its shared memory), and any number of them resident is correct.
+nothing is reset between calls.
+
+A call runs with its token bucket's :class:`~ultraep.tune.config.FusedConfig` (the layer's
+``FusedSchedule``): its ``ctas`` blocks, at most one per SM this process may use (the stage
+ring fills an SM's shared memory; any number resident is correct), and the kernel module
+variant compiled with its task sizes and unrolls; every variant of the schedule is loaded
+at set-up, collectively, so no call compiles.
 """
 
 from __future__ import annotations
@@ -23,17 +28,29 @@ from ultraep.errors import MoELayerError, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
 from ultraep.integration.fused import KERNELS, KINDS, Granularity, max_m_tiles, max_tasks
 from ultraep.runtime.kernels import get_function, kernel_constant
+from ultraep.tune.config import FusedSchedule
 
 FLAG_NAMES = {kernel_constant(KERNELS, "FM_ROW_FLAG"): "row_flag (a receive row's arrival from its sender)",
               kernel_constant(KERNELS, "FM_TILE_READY"): "tile_ready (an M-tile's rows relayed)",
               kernel_constant(KERNELS, "FM_TILE_DONE"): "done (a down tile's output rows written)"}
 
 
+def resident_ctas(device: int) -> int:
+    """The fused kernels' CTAs resident at once on ``device``: one per SM this process may
+    use (under MPS the device reports its share's SMs)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+
+
 class DeviceFusedForward:
     """The fused forward of one ``MoELayer`` on its GPU (a device-backend Dispatcher set up
-    with ``expert_output=True``; ``flags``: the heap tensors of :func:`heap_requirements`)."""
+    with ``expert_output=True``; ``flags``: the heap tensors of :func:`heap_requirements`;
+    ``schedule``: the configuration per token bucket, every grid within
+    :func:`resident_ctas`, checked by the caller on every rank)."""
 
-    def __init__(self, group, dispatcher, flags: dict, *, hidden: int, ffn: int, timeout_s: float):
+    def __init__(self, group, dispatcher, flags: dict, *, hidden: int, ffn: int, timeout_s: float,
+                 schedule: FusedSchedule):
         import cupy
 
         from ultraep.compute.device import _TensorMaps
@@ -49,13 +66,16 @@ class DeviceFusedForward:
                                 f"per rank, the layer has {spr}")
         self.hidden, self.ffn, self.spr, self.config = hidden, ffn, spr, d
         self.timeout_ns = int(timeout_s * 1e9)
-        self.k = {name: get_function(KERNELS, name, group=group)
-                  for name in ("fused_plan", "fused_dispatch_up", "fused_down_combine")}
         self.shared_bytes = kernel_constant(KERNELS, "GH_SMEM_BYTES")
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
-        for name in ("fused_dispatch_up", "fused_down_combine"):
-            self.k[name].max_dynamic_shared_size_bytes = self.shared_bytes
-        self.grid = cupy.cuda.runtime.getDeviceProperties(group.device)["multiProcessorCount"]
+        self.schedule = schedule
+        # a config's defines -> its module variant's kernels; the plain module's run fused_plan
+        self.k = self._load(group, ())
+        self.variants = {(): self.k}
+        for config in schedule.configs:  # in the schedule's order: the same collective loads on every rank
+            if config.defines() not in self.variants:
+                self.variants[config.defines()] = self._load(group, config.defines())
+        self.grid = resident_ctas(group.device)
         self.row_flag, self.done = flags["row_flag"], flags["done"]
         self.row_flag.local.fill(0)
         self.done.local.fill(0)
@@ -83,6 +103,8 @@ class DeviceFusedForward:
         timeout here, else :meth:`check` does."""
         cp, d, b = self.cp, self.config, self.impl.buffers
         H, F, spr = self.hidden, self.ffn, self.spr
+        config = self.schedule.for_tokens(x.shape[0])
+        kernels = self.variants[config.defines()]
         self.epoch += 1
         x, state = self.impl.token_map(x, ids, gates)
         table_cols = d.num_experts + d.size + kernel_constant("dispatch.cu", "BAD_RECORD_FIELDS")
@@ -112,7 +134,7 @@ class DeviceFusedForward:
                 trace.fill(0)
             traces = self.traces
         bases = self.impl.heap.peer_bases
-        self.k["fused_dispatch_up"]((self.grid,), (self.threads,), (
+        kernels["fused_dispatch_up"]((config.ctas,), (self.threads,), (
             recv_map, w_up_map, x, np.int32(state["tokens"]), np.int32(d.top_k), np.int32(H), state["ids"],
             state["gates"], state["positions"], state["base"], bases, np.uint64(b.landing.offset),
             np.uint64(b.row_weight.offset), np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset),
@@ -120,7 +142,7 @@ class DeviceFusedForward:
             rank_mtile, np.int32(rows), recv, self.tile_ready, np.int32(F), act, kept_h, epoch, timeout,
             self.counters[:1],
             self.status, state["outcome"], traces[0]), shared_mem=self.shared_bytes)
-        self.k["fused_down_combine"]((self.grid,), (self.threads,), (
+        kernels["fused_down_combine"]((config.ctas,), (self.threads,), (
             act_map, w_down_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(self.done.offset), np.int32(d.rank), np.int32(spr), rank_off, rank_mtile,
             state["ids"], state["positions"], state["base"], state["gates"], np.int32(state["tokens"]),
@@ -133,14 +155,23 @@ class DeviceFusedForward:
             self.check()
         return out, received, act, h, y, rank_tiles
 
+    def _load(self, group, defines: tuple) -> dict:
+        """Collective: the kernels of the module variant compiled with ``defines``."""
+        kernels = {name: get_function(KERNELS, name, group=group, defines=defines)
+                   for name in ("fused_plan", "fused_dispatch_up", "fused_down_combine")}
+        for name in ("fused_dispatch_up", "fused_down_combine"):
+            kernels[name].max_dynamic_shared_size_bytes = self.shared_bytes
+        return kernels
+
     def record_timeline(self, enable: bool) -> None:
         """Whether later forwards stamp each task's start, end and SM (:meth:`timeline`)."""
         if not enable:
             self.traces = None
             return
         d, words = self.config, kernel_constant(KERNELS, "FM_TRACE_WORDS")
-        counts = max_tasks(max_tokens=d.max_tokens, max_recv_rows=d.max_recv_rows, slots_per_rank=self.spr,
-                           hidden=self.hidden, ffn=self.ffn, grain=Granularity.kernel())
+        counts = np.max([max_tasks(max_tokens=d.max_tokens, max_recv_rows=d.max_recv_rows, slots_per_rank=self.spr,
+                                   hidden=self.hidden, ffn=self.ffn, grain=Granularity.kernel(config))
+                         for config in self.schedule.configs], axis=0)  # the smallest tasks: the most of them
         self.traces = tuple(self.cp.zeros((n, words), dtype=np.uint64) for n in counts)
 
     def timeline(self) -> list:

@@ -73,6 +73,7 @@ from ultraep.token import Dispatcher
 from ultraep.token.base import DispatchResult, check_tokens
 from ultraep.transfer import ExpertSpec
 from ultraep.transfer.slot_copy import FilledSlotCopy
+from ultraep.tune.config import FusedConfig, FusedSchedule
 
 # ultraep.compute and the bf16 type (ml_dtypes) are imported at first use, so that the
 # public API's import loads no optional package.
@@ -184,7 +185,43 @@ def _open_fused_heap(group: EPGroup, common: dict, slots: dict, layer: int):
                                                       slots_per_rank=spr, layer=layer), backend=common["backend"])
 
 
-def _fused_forward(layer: "MoELayer", heap, timeout_s: float):
+def _fused_schedule(layer: "MoELayer", fused_config) -> FusedSchedule:
+    """Collective: the fused kernels' configuration per token bucket (``MoELayer``'s
+    ``fused_config``), every grid checked against the CTAs resident on every rank."""
+    from ultraep.tune.search import agreed_fused_schedule
+
+    error, schedule, d = None, None, layer.dispatcher.config
+    try:
+        if isinstance(fused_config, FusedConfig):
+            schedule = FusedSchedule((fused_config,))
+        elif fused_config is None:  # the source's task sizes on every resident CTA (one worker on the host)
+            schedule = FusedSchedule((FusedConfig(1 if layer.backend == "host" else _resident_ctas(layer)),))
+        elif fused_config not in (None, "tuned"):
+            raise MoELayerError(f"fused_config must be None, 'tuned' or a FusedConfig, got {fused_config!r}")
+    except MoELayerError as exc:
+        error = exc
+    try:  # one schedule on every rank: the kernel variants are loaded collectively
+        layer.group.raise_if_any(error, "MoELayer fused_config", agree=repr(fused_config))
+    except CollectiveError as collective:
+        raise MoELayerError(str(collective)) from error
+    if schedule is None:
+        schedule = agreed_fused_schedule(layer.group, layer.backend, max_tokens=d.max_tokens, hidden=layer.hidden,
+                                         ffn=layer.ffn, top_k=layer.top_k, experts=d.experts_per_rank * d.size)
+    if layer.backend == "device":
+        try:
+            schedule.check_resident(_resident_ctas(layer))
+        except MoELayerError as exc:
+            error = exc
+        _raise_everywhere(layer.group, error, "MoELayer fused_config")
+    return schedule
+
+
+def _resident_ctas(layer: "MoELayer") -> int:
+    from ultraep.integration.fused_device import resident_ctas
+    return resident_ctas(layer.group.device)
+
+
+def _fused_forward(layer: "MoELayer", heap, timeout_s: float, fused_config):
     """The fused forward of ``layer`` on its backend, its flags allocated in ``heap``."""
     from ultraep.integration.fused import HEAP_PREFIX, heap_requirements
 
@@ -193,16 +230,17 @@ def _fused_forward(layer: "MoELayer", heap, timeout_s: float):
                                      slots_per_rank=d.experts_per_rank, layer=layer.layer)
     prefix = f"{HEAP_PREFIX}{layer.layer}."
     flags = {name.removeprefix(prefix): tensor for name, tensor in heap.allocate(requirements).items()}
+    schedule = _fused_schedule(layer, fused_config)
     if layer.backend == "device":
         import cupy
 
         from ultraep.integration.fused_device import DeviceFusedForward
         with cupy.cuda.Device(layer.group.device):
             return DeviceFusedForward(layer.group, layer.dispatcher, flags, hidden=layer.hidden, ffn=layer.ffn,
-                                      timeout_s=timeout_s)
+                                      timeout_s=timeout_s, schedule=schedule)
     from ultraep.integration.fused import HostFusedForward
     return HostFusedForward(layer.group, layer.dispatcher, flags, ffn=layer.ffn, timeout_s=timeout_s,
-                            activation=swiglu)
+                            activation=swiglu, schedule=schedule)
 
 
 def _bits(array):
@@ -264,8 +302,12 @@ class MoELayer:
     to the masters. ``heap``: a symmetric heap for the Dispatcher (see
     :meth:`Dispatcher.heap_requirements`; with ``fused``, set up with ``expert_output=True``,
     plus :func:`ultraep.integration.fused.heap_requirements`), else it opens its own.
-    ``fused``: the forward as the fused persistent kernels (module docstring). ``max_recv_rows``,
-    ``timeout_s``, ``sync_checks``: the Dispatcher's.
+    ``fused``: the forward as the fused persistent kernels (module docstring). ``fused_config``
+    (with ``fused``): None, the kernel source's task sizes on every resident CTA; ``"tuned"``,
+    the model's best :class:`~ultraep.tune.config.FusedConfig` per 4096-token bucket up to
+    ``max_tokens`` (``ultraep.tune.search``, from rank 0's machine profile, measured once and
+    cached); or a ``FusedConfig`` for every call. No choice changes a result bit.
+    ``max_recv_rows``, ``timeout_s``, ``sync_checks``: the Dispatcher's.
     """
 
     expert_spec = staticmethod(expert_spec)
@@ -273,10 +315,12 @@ class MoELayer:
     def __init__(self, group: EPGroup, *, hidden: int, ffn: int, num_experts: int, top_k: int, max_tokens: int,
                  balancer: Balancer | None = None, layer: int = 0, max_recv_rows: int | None = None,
                  backend: str = "auto", heap: Any = None, timeout_s: float = 30.0, sync_checks: bool = True,
-                 fused: bool = False):
+                 fused: bool = False, fused_config: FusedConfig | str | None = None):
         error = None
         try:
             self._check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend)
+            if fused_config is not None and not fused:
+                raise MoELayerError("fused_config is set but fused=False: it configures the fused kernels")
         except MoELayerError as exc:
             error = exc
         _raise_everywhere(group, error, "MoELayer set-up")
@@ -308,7 +352,7 @@ class MoELayer:
         self._closed = False
         try:
             if fused:
-                self._fused = _fused_forward(self, self.dispatcher.heap, timeout_s)
+                self._fused = _fused_forward(self, self.dispatcher.heap, timeout_s, fused_config)
             self._allocate()
             if balancer is not None:
                 M = self.experts_per_rank

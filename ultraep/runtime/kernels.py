@@ -8,6 +8,9 @@ with ``nvcc``. A file may add NVRTC options on ``//! nvrtc-options:`` lines (e.g
 ``-arch=sm_90a`` for wgmma, which NVRTC honours next to the ``-arch`` CuPy adds).
 
 A module is compiled once per process and cached on disk by CuPy (``CUPY_CACHE_DIR``).
+``defines`` (``(("NAME", value), ...)``, passed as ``-DNAME=value``) compile a variant of a
+module whose ``#define``s are ``#ifndef``-guarded, e.g. the fused kernels' task sizes: each
+distinct set is a module of its own, cached alike (CuPy's key includes the options).
 With a group, local rank 0 compiles first and the others load from the cache after a
 barrier, so ranks never race to write the same cache entry. That barrier comes with the
 group's first load of each module on every rank, whatever the process loaded before
@@ -33,8 +36,8 @@ if TYPE_CHECKING:
 COMPILE_OPTIONS = ("--std=c++17",)
 _KERNEL_LINE = re.compile(r"^//!\s*kernels:\s*(.+)$", re.MULTILINE)
 _OPTIONS_LINE = re.compile(r"^//!\s*nvrtc-options:\s*(.+)$", re.MULTILINE)
-_modules: dict[str, object] = {}
-_functions: dict[tuple[str, str], object] = {}
+_modules: dict[tuple[str, tuple], object] = {}          # (filename, defines) -> module
+_functions: dict[tuple[str, tuple, str], object] = {}  # (filename, defines, name) -> kernel
 _group_modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> modules loaded through it
 
 
@@ -85,25 +88,40 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
-def load_module(filename: str, *, group: "EPGroup | None" = None):
-    """The compiled ``cupy.RawModule`` of ``raw_kernels/<filename>`` (all declared kernels built)."""
+def load_module(filename: str, *, group: "EPGroup | None" = None, defines: tuple = ()):
+    """The compiled ``cupy.RawModule`` of ``raw_kernels/<filename>`` (all declared kernels
+    built), with ``defines`` (a tuple of ``(name, int)``) as ``-D`` options."""
+    key = (filename, _checked_defines(defines))
     if group is None:
-        if filename not in _modules:
-            _modules[filename] = _compile(filename)
-        return _modules[filename]
+        if key not in _modules:
+            _modules[key] = _compile(*key)
+        return _modules[key]
     loaded = _group_modules.setdefault(group, set())
-    if filename in loaded:
-        return _modules[filename]
+    if key in loaded:
+        return _modules[key]
+    what = f"loading {filename}{_define_text(key[1])} (local rank 0 compiles it first)"
     if group.local_rank != 0:
-        group.barrier(what=f"loading {filename} (local rank 0 compiles it first)")
-    module = _modules.get(filename)
+        group.barrier(what=what)
+    module = _modules.get(key)
     if module is None:
-        module = _compile(filename)
+        module = _compile(*key)
     if group.local_rank == 0:
-        group.barrier(what=f"loading {filename} (local rank 0 compiles it first)")
-    _modules[filename] = module
-    loaded.add(filename)
+        group.barrier(what=what)
+    _modules[key] = module
+    loaded.add(key)
     return module
+
+
+def _checked_defines(defines) -> tuple:
+    defines = tuple((str(name), int(value)) for name, value in defines)
+    for name, _ in defines:
+        if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", name):
+            raise ValueError(f"kernel define {name!r} is not a macro name")
+    return defines
+
+
+def _define_text(defines: tuple) -> str:
+    return "".join(f" -D{name}={value}" for name, value in defines)
 
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
@@ -198,29 +216,32 @@ def _integer_expression(text: str, known: dict[str, int]) -> int | None:
         return None
 
 
-def _compile(filename: str):
+def _compile(filename: str, defines: tuple = ()):
     import cupy
 
     path = kernel_source(filename)
     names = declared_kernels(path)
     code = inline_local_includes(path)
-    options = COMPILE_OPTIONS + tuple(o for line in _OPTIONS_LINE.findall(code) for o in line.split())
+    options = COMPILE_OPTIONS + tuple(o for line in _OPTIONS_LINE.findall(code) for o in line.split()) \
+        + tuple(_define_text(defines).split())
     module = cupy.RawModule(code=code, options=options, name_expressions=names)
     module.compile()  # compile now, not at the first launch inside a timed or captured region
     return module
 
 
-def get_function(filename: str, name: str, *, group: "EPGroup | None" = None):
-    """A ``cupy.RawKernel`` for ``name`` (as declared on the file's ``//! kernels:`` line).
+def get_function(filename: str, name: str, *, group: "EPGroup | None" = None, defines: tuple = ()):
+    """A ``cupy.RawKernel`` for ``name`` (as declared on the file's ``//! kernels:`` line) of
+    the module variant compiled with ``defines`` (:func:`load_module`).
 
     Cached: hot paths look their kernels up on every launch, and reading the source to
     check the declaration cost tens of microseconds of host time per call."""
-    function = _functions.get((filename, name))
-    if function is not None and (group is None or filename in _group_modules.get(group, ())):
+    defines = _checked_defines(defines)
+    function = _functions.get((filename, defines, name))
+    if function is not None and (group is None or (filename, defines) in _group_modules.get(group, ())):
         return function
-    module = load_module(filename, group=group)
+    module = load_module(filename, group=group, defines=defines)
     declared = declared_kernels(kernel_source(filename))
     if name not in declared:
         raise KeyError(f"{name!r} is not declared in {filename} (declared: {', '.join(declared)})")
-    function = _functions[(filename, name)] = module.get_function(name)
+    function = _functions[(filename, defines, name)] = module.get_function(name)
     return function

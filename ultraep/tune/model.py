@@ -7,8 +7,9 @@ The phases and their knobs:
 
 * weight sync (``WeightTransfer.weight_sync(..., blocks=)``): the grid;
 * dispatch and combine (``Dispatcher``): the grid of its persistent copy kernels;
-* the fused kernels (``raw_kernels/fused_moe.cu``): :class:`FusedConfig` -- the CTAs of the
-  persistent grid and the tokens of a send and of a reduce task.
+* the fused kernels (``raw_kernels/fused_moe.cu``): :class:`~ultraep.tune.config.FusedConfig`
+  -- the CTAs of the persistent grid and the tokens of a send and of a reduce task (its
+  unrolls are not modelled: the profile's per-warp copy rate is measured at the default).
 
 The building blocks, each a quantity the profile measures:
 
@@ -66,28 +67,6 @@ DISPATCH_LAUNCHES = 21
 COMBINE_LAUNCHES = 4
 PULL_LAUNCHES = 3
 TOKEN_MAP_KEY_BYTES = 16     # per (token, slot) item: keys and positions written and read back
-
-
-@dataclass(frozen=True)
-class FusedConfig:
-    """The fused kernels' configuration: ``ctas`` persistent CTAs (at most the SMs this
-    process may use), ``send_tokens`` tokens per send task, ``reduce_tokens`` per reduce
-    task (of one column block)."""
-
-    ctas: int
-    send_tokens: int = FM_SEND_TOKENS
-    reduce_tokens: int = FM_REDUCE_TOKENS
-
-    def error(self, profile: MachineProfile) -> str | None:
-        """Why this configuration cannot run on ``profile``'s machine, or None."""
-        for name in ("ctas", "send_tokens", "reduce_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                return f"FusedConfig.{name} must be a positive integer, got {value!r}"
-        if self.ctas > profile.usable_sms:
-            return f"FusedConfig.ctas must be at most the {profile.usable_sms} SMs this process may use, " \
-                   f"got {self.ctas}"
-        return None
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,24 @@ the sum is then each phase's best at once.
 :class:`Tuner` memoises per problem shape and bucket of :data:`BUCKET_TOKENS` tokens per
 rank: the first problem that falls into a bucket is searched, the rest reuse its answer
 (the model is queried only when the load crosses a bucket's boundary).
+:func:`fused_schedule` is a fused layer's choice for every bucket up to its ``max_tokens``,
+made once at set-up (:func:`agreed_fused_schedule`: from rank 0's profile, so every rank
+holds the same schedule and loads the same kernel variants).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ultraep.errors import ProfileError
-from ultraep.tune.model import PHASES, SYNC_MIN_BLOCKS, FusedConfig, Problem, SyncProblem, predict
+from ultraep.tune.config import BUCKET_TOKENS, FusedConfig, FusedSchedule, bucket
+from ultraep.tune.model import PHASES, SYNC_MIN_BLOCKS, Problem, SyncProblem, predict
 from ultraep.tune.profile import MachineProfile
 
-BUCKET_TOKENS = 4096
 TASK_TOKENS = (4, 8, 16, 32, 64, 128)   # send and reduce task sizes tried
 CTA_STEPS = 16                          # CTA counts tried: this many, evenly up to the usable SMs
 SYNC_GRIDS = 32                         # weight-sync grids tried, evenly up to its resident bound
@@ -101,11 +105,6 @@ def search(profile: MachineProfile, problem: Problem, sync: SyncProblem | None =
     return SearchResult(config, predicted, int(total.size), time.perf_counter() - begin)
 
 
-def bucket(tokens: int) -> int:
-    """The memo's bucket of ``tokens`` per rank: 1 for 1..4096 tokens, 2 for 4097..8192, ..."""
-    return max(1, -(-int(tokens) // BUCKET_TOKENS))
-
-
 class Tuner:
     """:func:`search` memoised per problem shape, token bucket and weight-sync problem."""
 
@@ -125,3 +124,24 @@ class Tuner:
 
     def __len__(self) -> int:
         return len(self._memo)
+
+
+def fused_schedule(tuner: Tuner, problem: Problem) -> FusedSchedule:
+    """The fused kernels' best configuration for each token bucket up to ``problem.tokens``
+    (each searched at its bucket's largest count, the last at ``problem.tokens``)."""
+    return FusedSchedule(tuple(
+        tuner.choose(dataclasses.replace(problem, tokens=min(b * BUCKET_TOKENS, problem.tokens))).config.fused
+        for b in range(1, bucket(problem.tokens) + 1)))
+
+
+def agreed_fused_schedule(group, backend: str, *, max_tokens: int, hidden: int, ffn: int, top_k: int, experts: int,
+                          element_bytes: int = 2) -> FusedSchedule:
+    """Collective: :func:`fused_schedule` for a fused layer of this group from rank 0's
+    machine profile (measured once and cached; every rank gets the same schedule), the
+    ranks sharing a GPU as the profile found them."""
+    from ultraep.tune.replicas import group_profile
+
+    profile = group_profile(group, backend, what="fused_config='tuned'", shared=True)[0]
+    problem = Problem(int(max_tokens), int(hidden), int(ffn), int(top_k), int(experts), group.size,
+                      ranks_per_gpu=profile.shared_by, element_bytes=element_bytes)
+    return fused_schedule(Tuner(profile), problem)

@@ -13,14 +13,24 @@ measurements, over a sweep of the phase's knob.
   (``Dispatcher.max_grid``), a Dispatcher per grid, timed as the group's window per call
   (``bench dispatch``). The host backend has no copy kernels: its sweep measures one
   configuration many times.
-* ``fused-up`` / ``fused-down``: the fused kernels do not take a configuration yet; the
-  command says so and exits with status 2 without measuring anything.
+* ``fused-forward``: ``MoELayer(fused=True, fused_config=)`` over ``--configs``
+  configurations (:class:`~ultraep.tune.config.FusedConfig`: CTAs from one to every SM, for a few send
+  and reduce task sizes, with today's constants and the search's choice among them), a
+  layer per configuration, ``--tokens`` random top-k tokens per rank over ``--experts``.
+  Each kernel is measured as the group's window of its tasks in the layer's timeline
+  (first task's start on any rank to the last task's end on any rank, ``%globaltimer``:
+  one clock for ranks on one GPU; the median of ``--repeats`` forwards): kernel A
+  (dispatch + up) against :func:`~ultraep.tune.model.fused_up_s`, kernel B (down +
+  combine) against :func:`~ultraep.tune.model.fused_down_s`, and their sum, whose rank of
+  the model's choice is the tuned layer's. The window leaves out each kernel's launch and
+  table load before its first task, which the model charges (``kernel_s``).
 
 For each problem (fan-out, or token count and op) the table lists every configuration's
 predicted and measured time; the summary gives the mean absolute error and the worst case,
 and where the model's choice (its fastest predicted configuration) ranks among the
 measured ones, with its measured time over the best measured and against today's constant
-(the weight sync's default grid, the Dispatcher's default grid). ``--plot`` draws predicted
+(the weight sync's default grid, the Dispatcher's default grid, the fused kernels' every SM and
+source task sizes). ``--plot`` draws predicted
 against measured; ``--json`` writes every row. Started without ``mpiexec`` it relaunches
 itself on ``--ranks`` ranks (``--emulate-ep``: under MPS, each rank a share of the SMs).
 """
@@ -34,9 +44,7 @@ import numpy as np
 
 from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive_int
 
-PHASES = ("weight-sync", "dispatch", "fused-up", "fused-down")
-FUSED_NOT_CONFIGURABLE = ("the fused kernels (raw_kernels/fused_moe.cu) do not take a configuration yet: "
-                          "there is no knob to sweep, so {phase} cannot be validated (nothing was measured)")
+PHASES = ("weight-sync", "dispatch", "fused-forward")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
 HOST_MODEL_BLOCKS_PER_CORE = 2  # the grid the model is given for the host backend, which has no copy kernels
 RANK0_SWEEP_TIMEOUT_S = 600.0  # the other ranks wait while rank 0 times a whole weight-sync sweep alone
@@ -51,12 +59,12 @@ def parse_args(argv):
     parser.add_argument("--fanouts", type=positive_int, nargs="+", default=None,
                         help="weight-sync: replicas of the synced expert, one problem each (default: ranks - 1)")
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[4096],
-                        help="dispatch: tokens per rank, one problem each")
+                        help="dispatch, fused-forward: tokens per rank, one problem each")
     parser.add_argument("--hidden", type=positive_int, default=4096, help="model width")
     parser.add_argument("--ffn", type=positive_int, default=1536, help="expert FFN width")
-    parser.add_argument("--top-k", type=positive_int, default=8, help="dispatch: experts per token")
+    parser.add_argument("--top-k", type=positive_int, default=8, help="dispatch, fused-forward: experts per token")
     parser.add_argument("--experts", type=positive_int, default=64,
-                        help="dispatch: experts in all (divisible by the ranks)")
+                        help="dispatch, fused-forward: experts in all (divisible by the ranks)")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed calls per measurement")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
     parser.add_argument("--plot", metavar="FILE.png", help="write predicted against measured as a scatter plot")
@@ -67,10 +75,6 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.phase in ("fused-up", "fused-down"):
-        print(FUSED_NOT_CONFIGURABLE.format(phase=args.phase), file=sys.stderr)
-        return 2
     return multi_rank_main(argv, parse_args, run, nprocs=lambda a: a.ranks, command=["-m", "ultraep.tune", "validate"])
 
 
@@ -155,34 +159,46 @@ def random_tokens(rng, tokens: int, hidden: int, experts: int, top_k: int):
     return bits, ids, rng.random((tokens, top_k), dtype=np.float32)
 
 
-def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> list[dict]:
-    from ultraep.bench.timing import group_window_ms
+def routed_problem(group, backend, xp, args, tokens: int, sharing: int):
+    """``tokens`` random top-k tokens of this rank (``x`` BF16, ``ids``, ``gates`` on the
+    backend), the Dispatcher's set-up for them, its default grid and resident bound, and the
+    model's :class:`~ultraep.tune.model.Problem` of the group's busiest rank under that
+    routing (its slots' rows and its sends per token, from one dispatch)."""
     from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.token import Dispatcher
-    from ultraep.tune.model import Problem, combine_s, dispatch_s, pull_s
+    from ultraep.tune.model import Problem
 
     R = group.size
     if args.experts % R:
         raise SystemExit(f"--experts {args.experts} does not divide over {R} ranks")
+    rng = np.random.default_rng(args.seed * 1000 + group.rank)
+    bits, ids, gates = (xp.asarray(a) for a in random_tokens(rng, tokens, args.hidden, args.experts, args.top_k))
+    data = (bits.view(BFLOAT16), ids, gates)
+    set_up = dict(hidden=args.hidden, dtype="bfloat16", top_k=args.top_k, num_experts=args.experts,
+                  max_tokens=tokens, backend=backend, sync_checks=False,
+                  max_recv_rows=int(tokens * args.top_k * 1.15) + 1024)  # uniform routing: ~tokens * top_k a rank
+    with Dispatcher(group, **set_up) as disp:  # today's grid, and the routing's loads for the model
+        default, bound = disp.grid, disp.max_grid
+        result = disp.dispatch(*data)
+        disp.check()
+        counts = np.asarray(result.counts.get() if hasattr(result.counts, "get") else result.counts, np.int64)
+        sent = disp.traffic(result.handle)
+    loads = group.allgather((int(counts.sum()), tuple(int(c) for c in counts), sent.sends / tokens))
+    busiest = max(loads)  # the rank receiving the most rows bounds the group's window
+    problem = Problem(tokens, args.hidden, args.ffn, args.top_k, args.experts, R, ranks_per_gpu=sharing,
+                      slot_rows=busiest[1], sends_per_token=max(load[2] for load in loads))
+    return data, set_up, default, bound, problem
+
+
+def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> list[dict]:
+    from ultraep.bench.timing import group_window_ms
+    from ultraep.token import Dispatcher
+    from ultraep.tune.model import combine_s, dispatch_s, pull_s
+
     sharing = ranks_per_gpu(group)
     rows = []
     for tokens in args.tokens:
-        rng = np.random.default_rng(args.seed * 1000 + group.rank)
-        bits, ids, gates = (xp.asarray(a) for a in random_tokens(rng, tokens, args.hidden, args.experts, args.top_k))
-        x = bits.view(BFLOAT16)
-        set_up = dict(hidden=args.hidden, dtype="bfloat16", top_k=args.top_k, num_experts=args.experts,
-                      max_tokens=tokens, backend=backend, sync_checks=False,
-                      max_recv_rows=int(tokens * args.top_k * 1.15) + 1024)  # uniform routing: ~tokens * top_k a rank
-        with Dispatcher(group, **set_up) as disp:  # today's grid, and the routing's loads for the model
-            default, bound = disp.grid, disp.max_grid
-            result = disp.dispatch(x, ids, gates)
-            disp.check()
-            counts = np.asarray(result.counts.get() if hasattr(result.counts, "get") else result.counts, np.int64)
-            sent = disp.traffic(result.handle)
-        loads = group.allgather((int(counts.sum()), tuple(int(c) for c in counts), sent.sends / tokens))
-        busiest = max(loads)  # the rank receiving the most rows bounds the group's window
-        problem = Problem(tokens, args.hidden, args.ffn, args.top_k, args.experts, R, ranks_per_gpu=sharing,
-                          slot_rows=busiest[1], sends_per_token=max(load[2] for load in loads))
+        (x, ids, gates), set_up, default, bound, problem = routed_problem(group, backend, xp, args, tokens, sharing)
         # every grid the GPU holds resident (the Dispatcher refuses more); on the host, which
         # has no copy kernels, one configuration (the Dispatcher's None) measured again and again
         grids = (sorted(set(spread(1, bound, args.configs - 1)) | {default}) if bound is not None
@@ -215,6 +231,93 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
                       "measured_ms": m}
                      for grid, p, m in zip(grids, predicted, measured[op])]
     return rows
+
+
+# -- the fused forward -----------------------------------------------------------------------
+
+FUSED_TASK_TOKENS = (16, 4, 32, 64)  # send = reduce task sizes swept (16: the source's); a module variant each
+
+
+def fused_configs(profile, problem, count: int) -> list:
+    """About ``count`` configurations of the fused kernels: CTA counts from one to every
+    usable SM for each of :data:`FUSED_TASK_TOKENS`, with today's constants (every SM, the
+    source's sizes) and the search's choice for ``problem`` among them."""
+    from ultraep.tune.config import FusedConfig
+    from ultraep.tune.search import search
+
+    ctas = spread(1, profile.usable_sms, -(-max(1, count - 1) // len(FUSED_TASK_TOKENS)))
+    configs = [FusedConfig(c, size, size) for size in FUSED_TASK_TOKENS for c in ctas]
+    configs.append(search(profile, problem).config.fused)
+    return list(dict.fromkeys(configs))
+
+
+def kernel_spans_ns(moe, x, ids, gates) -> list[int]:
+    """One recorded fused forward of this rank: the first task's start and the last task's
+    end of kernel A, then of kernel B (ns, one clock for ranks on one GPU or host)."""
+    from ultraep.integration.fused import KERNEL_A, KERNEL_B
+
+    moe.forward(x, ids, gates)
+    tasks = moe.timeline()  # waits for the device
+    spans = []
+    for kinds in (KERNEL_A, KERNEL_B):
+        mine = [(start, end) for kind, start, end, _ in tasks if kind in kinds]
+        spans += [min(s for s, _ in mine), max(e for _, e in mine)] if mine else [0, 0]
+    return spans
+
+
+def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> list[dict]:
+    """Each configuration's fused layer (``MoELayer(fused=True, fused_config=)``): per kernel
+    the group's window from its tasks' timeline (first task's start on any rank to the last
+    task's end on any rank), the median of ``--repeats`` recorded forwards, against
+    :func:`~ultraep.tune.model.fused_up_s` and :func:`~ultraep.tune.model.fused_down_s`;
+    the forward's row is the two kernels' sum."""
+    from ultraep.integration.moe_layer import MoELayer
+    from ultraep.runtime.dtypes import BFLOAT16
+    from ultraep.tune.config import FusedConfig
+    from ultraep.tune.model import fused_down_s, fused_up_s
+    from ultraep.tune.search import search
+
+    sharing = ranks_per_gpu(group)
+    rng = np.random.default_rng(args.seed)
+    weights = [xp.asarray(a.astype(np.float32).astype(BFLOAT16).view(np.int16)).view(BFLOAT16)
+               for a in (rng.standard_normal((args.experts // group.size, args.hidden, 2 * args.ffn)) / 64,
+                         rng.standard_normal((args.experts // group.size, args.ffn, args.hidden)) / 64)]
+    rows = []
+    for tokens in args.tokens:
+        (x, ids, gates), set_up, _, _, problem = routed_problem(group, backend, xp, args, tokens, sharing)
+        configs = fused_configs(profile, problem, args.configs)
+        default, tuned = FusedConfig(profile.usable_sms), search(profile, problem).config.fused
+        label = f"{tokens} tokens/rank, hidden {args.hidden}, ffn {args.ffn}"
+        measured = []
+        for i, config in enumerate(configs):
+            progress(f"fused forward, {label}: {config} ({i + 1}/{len(configs)})")
+            with MoELayer(group, hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k,
+                          max_tokens=tokens, max_recv_rows=set_up["max_recv_rows"], backend=backend,
+                          sync_checks=False, fused=True, fused_config=config) as moe:
+                moe.load_weights(*weights)
+                moe.forward(x, ids, gates)  # warm-up
+                moe.check()
+                moe.record_timeline(True)
+                windows = []
+                for _ in range(args.repeats):
+                    group.barrier(what="tune validate: fused forward")
+                    spans = np.asarray(group.allgather(kernel_spans_ns(moe, x, ids, gates)), np.int64)
+                    windows.append([(spans[:, 1].max() - spans[:, 0].min()) / 1e6,
+                                    (spans[:, 3].max() - spans[:, 2].min()) / 1e6])
+                moe.check()
+                measured.append(np.median(np.asarray(windows), axis=0))
+        ctas = np.asarray([c.ctas for c in configs])
+        up = fused_up_s(profile, problem, ctas, np.asarray([c.send_tokens for c in configs])) * 1e3
+        down = fused_down_s(profile, problem, ctas, np.asarray([c.reduce_tokens for c in configs])) * 1e3
+        for name, predicted, times in (("kernel A (dispatch + up)", up, [m[0] for m in measured]),
+                                       ("kernel B (down + combine)", down, [m[1] for m in measured]),
+                                       ("forward (A + B)", up + down, [m[0] + m[1] for m in measured])):
+            rows += [{"phase": "fused-forward", "problem": f"{name}, {label}", "config": str(config),
+                      "knob": str(config), "default": config == default, "tuned": config == tuned,
+                      "predicted_ms": float(p), "measured_ms": float(m)}
+                     for config, p, m in zip(configs, predicted, times)]
+    return rows
+
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -310,7 +413,7 @@ def run(args) -> int:
     profile = group_profile(group, backend, what="tune validate", shared=True)[0]
     printing = group.rank == 0
     progress = Progress("tune validate", enabled=printing and not args.quiet)
-    sweep = sweep_weight_sync if args.phase == "weight-sync" else sweep_dispatch
+    sweep = {"weight-sync": sweep_weight_sync, "dispatch": sweep_dispatch, "fused-forward": sweep_fused}[args.phase]
     rows = sweep(group, backend, xp, synchronize, profile, args, progress)
     sharing = sharing_label(group)  # collective
     if not printing:

@@ -190,10 +190,9 @@ def skip_sends(moe):
         order = fused.task_order
         fused.task_order = lambda *a: ([t for t in order(*a)[0] if t.kind != "send"], order(*a)[1])
         return
-    from ultraep.runtime.kernels import kernel_constant
 
     launcher = moe._fused
-    plan, sends = launcher.k["fused_plan"], -(-T // kernel_constant("fused_moe.cu", "FM_SEND_TOKENS"))
+    plan, sends = launcher.k["fused_plan"], -(-T // launcher.schedule.for_tokens(T).send_tokens)
 
     def plan_then_skip(*args, **kwargs):
         plan(*args, **kwargs)

@@ -1,0 +1,42 @@
+"""The fused kernels' configuration: refusals naming the knob and the bound, the kernel
+variant each configuration compiles, and the schedule's buckets."""
+
+import pytest
+
+from ultraep.errors import MoELayerError
+from ultraep.runtime.kernels import kernel_constant
+from ultraep.tune.config import FusedConfig, FusedSchedule
+
+
+def test_defaults_are_the_kernel_sources_and_compile_the_plain_module():
+    config = FusedConfig(132)
+    assert (config.send_tokens, config.reduce_tokens, config.copy_unroll, config.reduce_unroll) == tuple(
+        kernel_constant("fused_moe.cu", name) for name in ("FM_SEND_TOKENS", "FM_REDUCE_TOKENS", "FM_UNROLL",
+                                                           "FM_REDUCE_UNROLL"))
+    assert config.defines() == ()
+    assert FusedConfig(8, send_tokens=32, reduce_unroll=2).defines() == (("FM_SEND_TOKENS", 32),
+                                                                          ("FM_REDUCE_UNROLL", 2))
+    assert str(FusedConfig(8, send_tokens=32)) == "ctas=8 send=32 reduce=16 unroll=4/8"
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(ctas=0), "ctas must be a positive integer, got 0"),
+    (dict(ctas=True), "ctas must be a positive integer"),
+    (dict(ctas=4, send_tokens=2.5), "send_tokens must be a positive integer, got 2.5"),
+    (dict(ctas=4, reduce_tokens=-1), "reduce_tokens must be a positive integer"),
+    (dict(ctas=4, copy_unroll=9), "copy_unroll must be at most 8, got 9"),
+    (dict(ctas=4, reduce_unroll=17), "reduce_unroll must be at most 16, got 17"),
+])
+def test_bad_knobs_are_refused_by_name(knobs, message):
+    with pytest.raises(MoELayerError, match=message):
+        FusedConfig(**knobs)
+
+
+def test_a_grid_above_the_resident_ctas_names_both_numbers():
+    FusedConfig(33).check_resident(33)
+    with pytest.raises(MoELayerError, match="ctas 34 exceeds the 33 CTAs"):
+        FusedConfig(34).check_resident(33)
+    with pytest.raises(MoELayerError, match="ctas 132 exceeds the 33 CTAs"):
+        FusedSchedule((FusedConfig(8), FusedConfig(132))).check_resident(33)
+    with pytest.raises(MoELayerError, match="needs FusedConfigs"):
+        FusedSchedule(())

@@ -1,0 +1,103 @@
+"""The fused kernels' configuration (``raw_kernels/fused_moe.cu``): what a caller may set,
+what the search (:mod:`ultraep.tune.search`) chooses, and the schedule of one per token
+bucket a fused ``MoELayer`` runs with.
+
+The grid is a launch parameter; every other knob is an ``#ifndef``-guarded ``#define`` of
+the kernel source, so a configuration whose knobs differ from the source's defaults is a
+module variant of its own (``-D`` options, compiled once and cached, see
+:func:`ultraep.runtime.kernels.load_module`). No knob changes a result bit: tasks are
+claimed in one fixed order whatever their size and whichever CTA runs them, each GEMM
+element is one sum in ascending reduction order, and a reduce adds a token's slots one by
+one in slot order (``ultraep.integration.fused``'s simulation runs several configurations,
+different ones per rank included, and compares bit for bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ultraep.errors import MoELayerError
+from ultraep.runtime.kernels import kernel_constant
+
+KERNELS = "fused_moe.cu"
+BUCKET_TOKENS = 4096
+# (knob, the kernel's macro, largest value accepted): an unroll is a register array per lane
+DEFINES = (("send_tokens", "FM_SEND_TOKENS", 1 << 16), ("reduce_tokens", "FM_REDUCE_TOKENS", 1 << 16),
+           ("copy_unroll", "FM_UNROLL", 8), ("reduce_unroll", "FM_REDUCE_UNROLL", 16))
+
+
+def bucket(tokens: int) -> int:
+    """The bucket of ``tokens`` per rank: 1 for 1..4096 tokens, 2 for 4097..8192, ..."""
+    return max(1, -(-int(tokens) // BUCKET_TOKENS))
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """One configuration of the fused kernels (the forward's: ``fused_dispatch_up`` and
+    ``fused_down_combine``).
+
+    * ``ctas``: the persistent grid, one CTA per SM (the stage ring fills an SM's shared
+      memory); at most the CTAs resident at once, i.e. the SMs this process may use (under
+      MPS its share). Fewer leave SMs to other work; any number is correct.
+    * ``send_tokens``: tokens per send task of kernel A (``FM_SEND_TOKENS``): a warp per
+      token; smaller tasks spread the sends over more CTAs, larger ones pay fewer claims.
+    * ``reduce_tokens``: tokens per reduce task of kernel B, every output column
+      (``FM_REDUCE_TOKENS``): the same trade for the slot-order sums after the down tiles.
+    * ``copy_unroll``: 16-byte loads a lane keeps in flight in a row copy (send and relay,
+      ``FM_UNROLL``, at most 8).
+    * ``reduce_unroll``: slot rows a lane loads at once in a reduce (``FM_REDUCE_UNROLL``,
+      at most 16).
+
+    The defaults are the kernel source's constants; ``ctas`` has none (the device's).
+    """
+
+    ctas: int
+    send_tokens: int = kernel_constant(KERNELS, "FM_SEND_TOKENS")
+    reduce_tokens: int = kernel_constant(KERNELS, "FM_REDUCE_TOKENS")
+    copy_unroll: int = kernel_constant(KERNELS, "FM_UNROLL")
+    reduce_unroll: int = kernel_constant(KERNELS, "FM_REDUCE_UNROLL")
+
+    def __post_init__(self):
+        for knob in fields(self):
+            value = getattr(self, knob.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MoELayerError(f"FusedConfig.{knob.name} must be a positive integer, got {value!r}")
+        for name, _, most in DEFINES:
+            if getattr(self, name) > most:
+                raise MoELayerError(f"FusedConfig.{name} must be at most {most}, got {getattr(self, name)}")
+
+    def check_resident(self, resident: int) -> None:
+        """Raise MoELayerError unless the grid fits the ``resident`` CTAs (SMs) at once."""
+        if self.ctas > resident:
+            raise MoELayerError(f"FusedConfig.ctas {self.ctas} exceeds the {resident} CTAs this process can keep "
+                                f"resident at once (one per SM it may use); a persistent grid must fit")
+
+    def defines(self) -> tuple:
+        """The ``-D`` defines of this configuration's module variant: the knobs that differ
+        from the source's defaults (the defaults' variant is the plain module)."""
+        return tuple((macro, getattr(self, name)) for name, macro, _ in DEFINES
+                     if getattr(self, name) != kernel_constant(KERNELS, macro))
+
+    def __str__(self) -> str:
+        return (f"ctas={self.ctas} send={self.send_tokens} reduce={self.reduce_tokens} "
+                f"unroll={self.copy_unroll}/{self.reduce_unroll}")
+
+
+@dataclass(frozen=True)
+class FusedSchedule:
+    """The configuration a fused layer runs a call of ``tokens`` tokens with:
+    ``configs[b - 1]`` for token bucket ``b`` (:func:`bucket`), the last for every larger
+    bucket. One configuration: every call's."""
+
+    configs: tuple[FusedConfig, ...]
+
+    def __post_init__(self):
+        if not self.configs or not all(isinstance(c, FusedConfig) for c in self.configs):
+            raise MoELayerError(f"FusedSchedule needs FusedConfigs, got {self.configs!r}")
+
+    def for_tokens(self, tokens: int) -> FusedConfig:
+        return self.configs[min(bucket(tokens), len(self.configs)) - 1]
+
+    def check_resident(self, resident: int) -> None:
+        for config in self.configs:
+            config.check_resident(resident)
