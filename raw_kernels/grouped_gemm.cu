@@ -9,8 +9,8 @@
 // rows_e = [offsets[e], offsets[e+1]), read and checked on the device by every block
 // (grouped_gemm_common.cuh): on a bad array no block writes anything. One persistent
 // block per SM walks the tiles t = blockIdx.x, + gridDim.x, ... of one fixed order:
-// expert, then n-tile, then m-tile, so the blocks running at once share a slice of the
-// n-side operand and each m-side tile is read by neighbours at about the same time (L2).
+// expert, then groups of 8 m-tiles, every n-tile of a group (grouped_raster), so the blocks
+// running at once share a few m-side tiles and an n-side slice in L2.
 //
 // A block is three warpgroups. In warpgroup 0, which gives most of its registers away
 // (setmaxnreg), one thread is the producer: it copies the operand tiles of each k-step by
@@ -78,18 +78,16 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
     const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;  // the BF16 output tile
 
-    // Tile t of the order expert, n-tile, m-tile (m fastest).
+    // Tile t: its expert, then (m, n) of the expert's tiles in grouped_raster's order.
     auto tile_at = [&](int t) {
         if constexpr (MODE == GH_WGRAD) {
-            const int e = t / (wgrad_m_tiles * n_tiles), local = t - e * wgrad_m_tiles * n_tiles;
-            return Tile{e, (local % wgrad_m_tiles) * GH_BM, K, (local / wgrad_m_tiles) * GH_BN, off[e],
-                        off[e + 1] - off[e]};
+            const int e = t / (wgrad_m_tiles * n_tiles);
+            const int2 mn = grouped_raster(t - e * wgrad_m_tiles * n_tiles, wgrad_m_tiles, n_tiles);
+            return Tile{e, mn.x * GH_BM, K, mn.y * GH_BN, off[e], off[e + 1] - off[e]};
         } else {
             const int e = expert_of_tile(tile_start, experts, t);
-            const int m_tiles = ceil_div(off[e + 1] - off[e], GH_BM);
-            const int local = t - tile_start[e];
-            return Tile{e, off[e] + (local % m_tiles) * GH_BM, off[e + 1], (local / m_tiles) * GH_BN, 0,
-                        MODE == GH_FORWARD ? K : N};
+            const int2 mn = grouped_raster(t - tile_start[e], ceil_div(off[e + 1] - off[e], GH_BM), n_tiles);
+            return Tile{e, off[e] + mn.x * GH_BM, off[e + 1], mn.y * GH_BN, 0, MODE == GH_FORWARD ? K : N};
         }
     };
 

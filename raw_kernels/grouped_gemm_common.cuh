@@ -101,6 +101,18 @@ __device__ __forceinline__ int expert_of_tile(const int* tile_start, int experts
     return lo;
 }
 
+// Tile `local` of one expert's m_tiles x n_tiles grid, as (m, n), in groups of GG_GROUP_M
+// m-tiles: every n-tile of a group before the next group. The blocks running at once then
+// share a few m-tiles of A and a slice of B, which stay in L2 together, where walking all
+// m-tiles of one n-tile would stream the expert's whole A from HBM once per n-tile.
+#define GG_GROUP_M 8
+__device__ __forceinline__ int2 grouped_raster(int local, int m_tiles, int n_tiles) {
+    const int per_group = GG_GROUP_M * n_tiles, group = local / per_group;
+    const int first = group * GG_GROUP_M, in_group = local - group * per_group;
+    const int rows = min(GG_GROUP_M, m_tiles - first);
+    return make_int2(first + in_group % rows, in_group / rows);
+}
+
 // -- The Hopper tile machinery (grouped_gemm.cu and fused_moe.cu) ------------------------------
 
 #define GH_BM 128
