@@ -179,12 +179,13 @@ __device__ __forceinline__ int load_tables(int* off, int* mtile, int* tile_start
     return n_cols;
 }
 
-// GEMM tile t in the grouped GEMM's order (slot, column block, M-tile): `cols` output columns
-// per block, a reduction over `k`.
+// GEMM tile t in the grouped GEMM's order (slot, then grouped_raster's (M-tile, column
+// block)): `cols` output columns per block, a reduction over `k`.
 __device__ __forceinline__ Tile gemm_tile(const int* tile_start, const int* off, int spr, int t, int cols, int k) {
-    const int j = expert_of_tile(tile_start, spr, t);
-    const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), local = t - tile_start[j];
-    return Tile{j, off[j] + (local % m_tiles) * GH_BM, off[j + 1], (local / m_tiles) * cols, 0, k};
+    const int j = expert_of_tile(tile_start, spr, t);  // a slot with tiles: m_tiles >= 1
+    const int m_tiles = ceil_div(off[j + 1] - off[j], GH_BM), n_tiles = (tile_start[j + 1] - tile_start[j]) / m_tiles;
+    const int2 mn = grouped_raster(t - tile_start[j], m_tiles, n_tiles);
+    return Tile{j, off[j] + mn.x * GH_BM, off[j + 1], mn.y * cols, 0, k};
 }
 
 // This rank's index of a tile's M-tile: the index of its tile_ready and done flags.

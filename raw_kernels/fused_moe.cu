@@ -96,7 +96,7 @@ extern "C" __global__ void fused_plan(const int* table, int ranks, int num_exper
 // -- kernel A: dispatch + up-projection ------------------------------------------------------------
 
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then up tiles in
-// the grouped GEMM's order (slot, column block, M-tile): send_relay_then_gemm, the relay a row
+// the grouped GEMM's order (gemm_tile): send_relay_then_gemm, the relay a row
 // copy into recv (gpu-scope fence: only this rank's TMA reads it), an up tile's epilogue
 // SwiGLU into act [rows, F]. recv_map: recv [max_rows, H] as
 // (H, rows), box 64 x 128; w_up_map: w_up [slots, H, 2F] as (2F, H, slots), boxes 64 x 64 x 1.
@@ -150,7 +150,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
 
 // -- kernel B: down-projection + combine -----------------------------------------------------------
 
-// Tasks: down tiles in the grouped GEMM's order (slot, column block, M-tile), then reduce
+// Tasks: down tiles in the grouped GEMM's order (gemm_tile), then reduce
 // tasks (a token chunk, every column): gemm_tiles_then_reduce, weighted by the gates.
 // act_map: act [max_rows, F] as (F, rows), box 64 x 128; w_down_map: w_down [slots, F, H] as
 // (H, F, slots), boxes 64 x 64 x 1. expert_out and the done flags are heap tensors (offsets

@@ -115,7 +115,7 @@ __device__ __forceinline__ void relay_grad_row(int row, const uint4* landing, co
 // -- kernel C: gradient dispatch + dgrad of down ------------------------------------------------
 
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then dgrad-down
-// tiles in the grouped GEMM's order (slot, column block, M-tile): the forward kernel A's
+// tiles in the grouped GEMM's order (gemm_tile): the forward kernel A's
 // send_relay_then_gemm, the relay relay_grad_row, a tile's epilogue SwiGLU's backward into dh's
 // gate half and up half (two stagings). grad_y_map: grad_y
 // [max_rows, H] as (H, rows), box 64 x 128; w_down_map: w_down [slots, F, H] as (H, F, slots),
@@ -165,7 +165,7 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
 
 // -- kernel D: dgrad of up + gradient combine -----------------------------------------------------
 
-// Tasks: dgrad-up tiles in the grouped GEMM's order (slot, column block, M-tile), then reduce
+// Tasks: dgrad-up tiles in the grouped GEMM's order (gemm_tile), then reduce
 // tasks (a token chunk, every column): the forward kernel B's gemm_tiles_then_reduce,
 // unweighted, each reduce also copying the gate gradients (the relays that wrote them ran
 // before the dgrad-up tiles whose flag is acquired). dh_map: dh [max_rows, 2F] as (2F, rows),

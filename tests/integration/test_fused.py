@@ -14,7 +14,7 @@ from ultraep.integration.fused import (FusedDeadlock, FusedLayer, Granularity, c
 from ultraep.integration.moe_layer import swiglu
 from ultraep.runtime.dtypes import BFLOAT16
 
-SMALL = Granularity(send_tokens=3, reduce_tokens=2, bm=4, up_cols=8, down_cols=16)
+SMALL = Granularity(send_tokens=3, reduce_tokens=2, bm=4, up_cols=8, down_cols=16, group_m=2)
 
 
 def bf16(rng, shape, scale=1.0):

@@ -97,12 +97,13 @@ class Granularity:
     bm: int
     up_cols: int
     down_cols: int
+    group_m: int = 8  # M-tiles per group of the tile order (grouped_raster)
 
     @classmethod
     def kernel(cls, config: FusedConfig | None = None) -> Granularity:
         """The kernel source's sizes, with ``config``'s task sizes where given (the rest
         are fixed by the GEMM tile)."""
-        names = ("FM_SEND_TOKENS", "FM_REDUCE_TOKENS", "FM_BM", "FM_UP_COLS", "FM_DOWN_COLS")
+        names = ("FM_SEND_TOKENS", "FM_REDUCE_TOKENS", "FM_BM", "FM_UP_COLS", "FM_DOWN_COLS", "GG_GROUP_M")
         grain = cls(*(kernel_constant(KERNELS, name) for name in names))
         if config is None:
             return grain
@@ -127,6 +128,14 @@ KINDS = {kernel_constant(KERNELS, f"FM_KIND_{kind.upper()}"): kind for kind in K
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def grouped_raster(m_tiles: int, n_tiles: int, group_m: int) -> list[tuple[int, int]]:
+    """One slot's GEMM tiles as (M-tile, column block) in the kernels' order
+    (``grouped_raster`` of grouped_gemm_common.cuh): ``group_m`` M-tiles at a time, every
+    column block of a group before the next group."""
+    return [(m, n) for first in range(0, m_tiles, group_m) for n in range(n_tiles)
+            for m in range(first, min(first + group_m, m_tiles))]
 
 
 def max_m_tiles(max_recv_rows: int, slots_per_rank: int, grain: Granularity | None = None) -> int:
@@ -209,10 +218,10 @@ def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity,
     m_tiles = [_ceil(int(off[j + 1] - off[j]), grain.bm) for j in range(slots)]
     a = [Task("send", c) for c in range(_ceil(plan.tokens, grain.send_tokens))]
     a += [Task("relay", j, m) for j in range(slots) for m in range(m_tiles[j])]
-    a += [Task(first, j, m, n) for j in range(slots) for n in range(_ceil(ffn, grain.up_cols))
-          for m in range(m_tiles[j])]
-    b = [Task(second, j, m, n) for j in range(slots) for n in range(_ceil(hidden, grain.down_cols))
-         for m in range(m_tiles[j])]
+    a += [Task(first, j, m, n) for j in range(slots)
+          for m, n in grouped_raster(m_tiles[j], _ceil(ffn, grain.up_cols), grain.group_m)]
+    b = [Task(second, j, m, n) for j in range(slots)
+         for m, n in grouped_raster(m_tiles[j], _ceil(hidden, grain.down_cols), grain.group_m)]
     b += [Task("reduce", c) for c in range(_ceil(plan.tokens, grain.reduce_tokens))]
     return a, b
 

@@ -98,7 +98,7 @@ KERNEL_D = ("dgrad_up", "reduce")
 
 def granularity() -> Granularity:
     """The backward kernels' task sizes (``up_cols``: d_act columns per dgrad_down tile)."""
-    names = ("FB_SEND_TOKENS", "FB_REDUCE_TOKENS", "FB_BM", "FB_DACT_COLS", "FB_DOWN_COLS")
+    names = ("FB_SEND_TOKENS", "FB_REDUCE_TOKENS", "FB_BM", "FB_DACT_COLS", "FB_DOWN_COLS", "GG_GROUP_M")
     return Granularity(*(kernel_constant(KERNELS, name) for name in names))
 
 
