@@ -91,19 +91,29 @@ __device__ __forceinline__ void relay_grad_row(int row, const uint4* landing, co
     const uint4* y_row = y + static_cast<long long>(row) * row_vecs;
     const float gate = row_weight[row];
     float dot = 0.0f;
-    for (int v = lane; v < row_vecs; v += WARP) {
-        const uint4 gv = g_row[v], yv = __ldg(y_row + v);
-        const bf16* g = reinterpret_cast<const bf16*>(&gv);
-        const bf16* h = reinterpret_cast<const bf16*>(&yv);
-        uint4 out;
-        bf16* scaled = reinterpret_cast<bf16*>(&out);
+    for (int v0 = lane; v0 < row_vecs; v0 += WARP * FM_UNROLL) {  // FM_UNROLL vectors' loads in flight
+        uint4 gv[FM_UNROLL], yv[FM_UNROLL];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const float gf = __bfloat162float(g[e]);
-            dot = __fadd_rn(dot, __fmul_rn(gf, __bfloat162float(h[e])));
-            scaled[e] = __float2bfloat16_rn(__fmul_rn(gate, gf));
+        for (int u = 0; u < FM_UNROLL; ++u) {
+            const int v = v0 + u * WARP;
+            if (v < row_vecs) gv[u] = g_row[v], yv[u] = __ldg(y_row + v);
         }
-        grad_y[static_cast<long long>(row) * row_vecs + v] = out;
+#pragma unroll
+        for (int u = 0; u < FM_UNROLL; ++u) {  // the lane's vectors in increasing order, as one at a time
+            const int v = v0 + u * WARP;
+            if (v >= row_vecs) break;
+            const bf16* g = reinterpret_cast<const bf16*>(&gv[u]);
+            const bf16* h = reinterpret_cast<const bf16*>(&yv[u]);
+            uint4 out;
+            bf16* scaled = reinterpret_cast<bf16*>(&out);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float gf = __bfloat162float(g[e]);
+                dot = __fadd_rn(dot, __fmul_rn(gf, __bfloat162float(h[e])));
+                scaled[e] = __float2bfloat16_rn(__fmul_rn(gate, gf));
+            }
+            grad_y[static_cast<long long>(row) * row_vecs + v] = out;
+        }
     }
     for (int offset = WARP / 2; offset > 0; offset /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(FULL_MASK, dot, offset));
     if (lane == 0) {
