@@ -457,16 +457,27 @@ __global__ void grad_rows(const uint4* landing, const int* row_landing, const fl
         const uint4* y_row = y + static_cast<long long>(row) * row_vecs;
         const float gate = row_weight[row];
         float dot = 0.0f;
-        for (int v = lane; v < row_vecs; v += WARP) {
-            float g[N], h[N], scaled[N];
-            Vector<T>::to_float(g_row[v], g);
-            Vector<T>::to_float(load_input(y_row + v), h);
+        for (int v0 = lane; v0 < row_vecs; v0 += WARP * UNROLL) {  // UNROLL vectors' loads in flight
+            uint4 gv[UNROLL], yv[UNROLL];
 #pragma unroll
-            for (int j = 0; j < N; ++j) {
-                dot = __fadd_rn(dot, __fmul_rn(g[j], h[j]));
-                scaled[j] = __fmul_rn(gate, g[j]);
+            for (int u = 0; u < UNROLL; ++u) {
+                const int v = v0 + u * WARP;
+                if (v < row_vecs) gv[u] = g_row[v], yv[u] = load_input(y_row + v);
             }
-            grad_y[static_cast<long long>(row) * row_vecs + v] = Vector<T>::from_float(scaled);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {  // the lane's vectors in increasing order, as one at a time
+                const int v = v0 + u * WARP;
+                if (v >= row_vecs) break;
+                float g[N], h[N], scaled[N];
+                Vector<T>::to_float(gv[u], g);
+                Vector<T>::to_float(yv[u], h);
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    dot = __fadd_rn(dot, __fmul_rn(g[j], h[j]));
+                    scaled[j] = __fmul_rn(gate, g[j]);
+                }
+                grad_y[static_cast<long long>(row) * row_vecs + v] = Vector<T>::from_float(scaled);
+            }
         }
         for (int offset = WARP / 2; offset > 0; offset /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(FULL_MASK, dot, offset));
         if (lane == 0) {
