@@ -12,10 +12,12 @@
 //
 // Blocks, claims, the stage ring and the flags are the forward's (fused_common.cuh): the
 // backward shares the forward's row_flag, tile_ready and done flags and its epoch counter,
-// and reports waits in the same status words. A dgrad-down tile's accumulator is d_act
-// for GH_BN columns of F; its epilogue rounds it to BF16 (as the sequential dgrad stores
-// it), applies SwiGLU's backward with h's gate and up columns of the same indices and
-// hands the store warps two staged halves: dh's gate columns, then its up columns F further.
+// and reports waits in the same status words; a non-null `trace` gets each task's start,
+// end and SM as the forward's does (claim), kinds FB_KIND_*. A dgrad-down tile's
+// accumulator is d_act for GH_BN columns of F; its epilogue rounds it to BF16 (as the
+// sequential dgrad stores it), applies SwiGLU's backward with h's gate and up columns of
+// the same indices and hands the store warps two staged halves: dh's gate columns, then its
+// up columns F further.
 //
 //! kernels: fused_grad_dispatch_dgrad, fused_dgrad_combine
 //! nvrtc-options: -arch=sm_90a
@@ -142,7 +144,7 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
                           const int* rank_mtile, const int* row_landing, const float* row_weight,
                           const int* row_origin, const uint4* y, uint4* grad_y, u64* tile_ready, int ffn,
                           const float* h, bf16* dh, u64 epoch, u64 timeout_ns, int* counter, long long* status,
-                          const int* outcome) {
+                          const int* outcome, u64* trace) {
     __shared__ int off[FB_MAX_SLOTS + 1], mtile[FB_MAX_SLOTS + 1], tile_start[FB_MAX_SLOTS + 1];
     __shared__ Pipeline p;
     __shared__ int claimed;
@@ -169,7 +171,7 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
         &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, 2, dy, tokens, top_k, hidden, ids,
         gates, positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset,
         row_flag_offset, me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready,
-        relay_row, store, stage, epoch, timeout_ns, counter, status, static_cast<u64*>(nullptr), FB_KIND_SEND,
+        relay_row, store, stage, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND,
         FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
 }
 
@@ -186,7 +188,8 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
                     int hidden, const u64* peer_bases, u64 expert_out_offset, u64 done_offset, u64 slot_grad_w_offset,
                     int me, int spr, const int* rank_off, const int* rank_mtile, const long long* ids,
                     const int* positions, const int* base, int tokens, int top_k, bf16* dx, float* d_gates,
-                    int* down_count, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome) {
+                    int* down_count, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome,
+                    u64* trace) {
     __shared__ int off[FB_MAX_SLOTS + 1], mtile[FB_MAX_SLOTS + 1], tile_start[FB_MAX_SLOTS + 1];
     __shared__ Pipeline p;
     __shared__ int claimed;
@@ -202,5 +205,5 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
         done_offset, me, spr, rank_off, rank_mtile, off, mtile, tile_start, p, &claimed, ids, positions, base,
         static_cast<const float*>(nullptr), tokens, top_k, FB_REDUCE_TOKENS, dx, slot_row,
         static_cast<float(*)[WARP]>(nullptr), copy_gate_grad, down_count, epoch, timeout_ns, counter, status,
-        static_cast<u64*>(nullptr), FB_KIND_DGRAD_UP, FB_KIND_REDUCE);
+        trace, FB_KIND_DGRAD_UP, FB_KIND_REDUCE);
 }

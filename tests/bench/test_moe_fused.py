@@ -53,6 +53,8 @@ def test_tiny_host_run(tmp_path, capfd):
 
 def test_timeline_paths_and_plot(tmp_path):
     assert bench.timeline_path("out/tl.png", 4096, 7168) == "out/tl_t4096_h7168.png"
+    assert bench.timeline_path("out/tl.png", 4096, 7168, "backward") == "out/tl_bwd_t4096_h7168.png"
+    assert bench.timeline_path("tl", 8, 16, "backward") == "tl_bwd_t8_h16"
     ms = 1_000_000
     tasks = [("send", 1 * ms, 2 * ms, 0), ("relay", 2 * ms, 3 * ms, 1), ("up", 3 * ms, 7 * ms, 0),
              ("down", 7 * ms, 9 * ms, 1), ("reduce", 9 * ms, 10 * ms, 0)]
@@ -67,6 +69,21 @@ def test_timeline_paths_and_plot(tmp_path):
                                                            "up 22.00-26.00")
 
 
+def test_backward_timeline_spans_and_plot(tmp_path):
+    """The backward's kinds have colours and phases of their own."""
+    ms = 1_000_000
+    tasks = [("send", 0, 1 * ms, 0), ("relay", 1 * ms, 2 * ms, 1), ("dgrad_down", 2 * ms, 5 * ms, 0),
+             ("dgrad_up", 5 * ms, 8 * ms, 1), ("reduce", 8 * ms, 9 * ms, 0)]
+    path = tmp_path / "bwd.png"
+    bench.plot_timeline([tasks, tasks[1:]], str(path), "title")
+    assert path.stat().st_size > 0
+    spans = bench.phase_spans([tasks, tasks[1:]])
+    assert spans[1] == {"workers": 2, "relay": (1, 2), "dgrad_down": (2, 5), "dgrad_up": (5, 8), "reduce": (8, 9)}
+    assert bench.format_phases(spans).splitlines()[0] == ("rank 0 (2 SMs): send 0.00-1.00  relay 1.00-2.00  "
+                                                           "dgrad_down 2.00-5.00  dgrad_up 5.00-8.00  "
+                                                           "reduce 8.00-9.00")
+
+
 def test_backward_columns_follow_the_forward_ones():
     assert bench.columns(False) == bench.COLUMNS
     assert bench.columns(True) == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "seq_step_ms",
@@ -78,9 +95,12 @@ def test_backward_columns_follow_the_forward_ones():
 @pytest.mark.mpi
 def test_tiny_host_run_with_backward(tmp_path, capfd):
     """--backward: forward and backward of both layers, the backward's gradients bitwise the
-    sequential layer's (weight gradients after one backward from zero) and rerun alike."""
+    sequential layer's (weight gradients after one backward from zero) and rerun alike;
+    with --timeline a recorded backward too: its phases per rank printed and in the JSON,
+    its plot beside the forward's."""
     out = tmp_path / "fused.json"
-    code = bench.main([*TINY, "--tokens", "24", "40", "--backward", "--json", str(out)])
+    code = bench.main([*TINY, "--tokens", "24", "40", "--backward", "--json", str(out), "--timeline",
+                       str(tmp_path / "tasks.png")])
     printed = capfd.readouterr().out
     assert code == 0, printed
     header = next(line for line in printed.splitlines() if line.startswith("tokens"))
@@ -91,6 +111,13 @@ def test_tiny_host_run_with_backward(tmp_path, capfd):
         assert all(row[key] == 0 for key in ["out_diff", "rerun_diff", *bench.BACKWARD_DIFFS]), row
         assert all(isinstance(row[key], float) for key in ("seq_step_ms", "fused_step_ms")), row
         assert row["step_speedup"] == row["seq_step_ms"] / row["fused_step_ms"]
+        assert [set(rank) for rank in row["bwd_phases"]] == [{"workers", "send", "relay", "dgrad_down", "dgrad_up",
+                                                              "reduce"}] * 2, row["bwd_phases"]
+        assert {"up", "down"} <= set(row["phases"][0]) and "dgrad_up" not in row["phases"][0]
+        for which in ("forward", "backward"):
+            assert f"phases of a recorded fused {which}, tokens {row['tokens']}, hidden 32" in printed
+            assert (tmp_path / bench.timeline_path("tasks.png", row["tokens"], 32, which)).stat().st_size > 0
+    assert printed.count("rank 1 (1 SMs): send") == 4  # each setting's forward and backward
 
 
 @pytest.mark.mpi

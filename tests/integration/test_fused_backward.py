@@ -5,17 +5,17 @@ expert and 1, 2, 4 ranks, whatever the CTAs per rank and the interleaving of the
 claims; an order that lets a consumer be claimed before its producer is refused and can
 deadlock; and ``MoELayer(fused=True)``'s backward on 1, 2 and 4 ranks (host in CI, the
 CUDA kernels on a GPU) bitwise the sequential layer's, two micro-batches' backwards in
-reverse order bitwise their forward/backward pairs, and bounded waits (a peer that sends
-nothing, a peer that never enters the backward)."""
+reverse order bitwise their forward/backward pairs, bounded waits (a peer that sends
+nothing, a peer that never enters the backward) and a recorded backward's timeline."""
 
 import numpy as np
 import pytest
 
 from tests.conftest import BACKENDS, assert_all_ranks_ok, requires_gpu, run_ranks
 from tests.integration.test_fused import CASES, SMALL, _first_difference, _layers_on_one_gpu, _on_gpu, bf16, problem
-from ultraep.integration.fused import FusedDeadlock, Granularity, check_order, simulate
-from ultraep.integration.fused_backward import (FusedBackward, granularity, sequential_backward, sequential_rows,
-                                                task_order)
+from ultraep.integration.fused import FusedDeadlock, Granularity, check_order, plan_ranks, simulate
+from ultraep.integration.fused_backward import (KERNEL_C, KERNEL_D, KINDS, FusedBackward, granularity, max_tasks,
+                                                sequential_backward, sequential_rows, task_order)
 from ultraep.integration.moe_layer import swiglu, swiglu_backward
 from ultraep.runtime.dtypes import BFLOAT16
 
@@ -77,6 +77,24 @@ def test_the_backward_kernels_index_the_forward_flags_alike():
     and output column blocks; the backward's must be the same."""
     forward, backward = Granularity.kernel(), granularity()
     assert (backward.bm, backward.down_cols) == (forward.bm, forward.down_cols)
+
+
+@pytest.mark.parametrize("routing", ["random", "one-expert", "empty-experts"])
+def test_the_timeline_bounds_hold_every_backward_task(routing):
+    """The device sizes the backward's trace buffers by max_tasks at set-up: no routing
+    within the receive bound may have more tasks (a stamp past them would corrupt)."""
+    ranks, slots, tokens, top_k, hidden, ffn = 4, 3, 700, 4, 520, 264  # several M-tiles, partial column blocks
+    ids = problem(ranks, slots, tokens, top_k, hidden, ffn, routing, seed=9)[1]
+    for r, plan in enumerate(plan_ranks(ids, slots, granularity())):
+        rows = int(plan.offsets[r][-1])  # the tightest receive bound this routing passes
+        c, d = task_order(plan, ffn, hidden, granularity())
+        bound_c, bound_d = max_tasks(max_tokens=tokens, max_recv_rows=rows, slots_per_rank=slots, hidden=hidden,
+                                     ffn=ffn)
+        assert len(c) <= bound_c and len(d) <= bound_d
+
+
+def test_the_timeline_names_every_backward_kind_once():
+    assert sorted(KINDS.values()) == sorted(KERNEL_C + KERNEL_D)
 
 
 def test_the_order_puts_every_producer_before_its_consumers():
@@ -276,3 +294,56 @@ def test_every_fused_backward_wait_is_bounded_and_names_its_flag(skip, flag):
         moe.backward(ctx, _on_gpu(bf16(rng, (T, H))))
         with pytest.raises(WaitTimeout, match=flag):
             moe.check()
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_a_recorded_device_backward_stamps_every_task():
+    """One rank, recording switched on before the backward launcher exists: the recorded
+    backward's timeline holds each task of both kernels once (as many of each kind as the
+    task order has), every stamp from this call (no end before its start -- %globaltimer
+    may tick slower than a short task --, within the call's wall time), on an SM of the
+    device; the forward's timeline stays the forward's; switched off, nothing is recorded."""
+    import os
+    import time
+
+    import cupy
+    from mpi4py import MPI
+
+    from ultraep.integration.fused import KERNEL_A, KERNEL_B
+    from ultraep.integration.moe_layer import MoELayer
+    from ultraep.runtime.group import EPGroup
+
+    H, F, E, K, T = 272, 200, 4, 2, 700  # partial column blocks, several M-tiles per expert
+    group = EPGroup(MPI.COMM_SELF, use_gpu=True)
+    rng = np.random.default_rng(4)
+    with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend="device", fused=True) as moe:
+        moe.load_weights(_on_gpu(bf16(rng, (E, H, 2 * F), H ** -0.5)), _on_gpu(bf16(rng, (E, F, H), F ** -0.5)))
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :K]
+        data = (_on_gpu(bf16(rng, (T, H))), cupy.asarray(ids.astype(np.int64)),
+                cupy.asarray(rng.random((T, K)).astype(np.float32)))
+        moe.record_timeline(True)
+        began = time.time_ns()
+        _, ctx = moe.forward(*data)
+        moe.backward(ctx, _on_gpu(bf16(rng, (T, H))))
+        moe.check()
+        wall = time.time_ns() - began
+        tasks = moe.timeline("backward")
+        grain = granularity()
+        plan = plan_ranks([ids], E, grain)[0]
+        want = [t.kind for order in task_order(plan, F, H, grain) for t in order]
+        assert sorted(kind for kind, *_ in tasks) == sorted(want)
+        assert set(want) == set(KERNEL_C + KERNEL_D)
+        sms = cupy.cuda.runtime.getDeviceProperties(group.device)["multiProcessorCount"]
+        first = min(start for _, start, _, _ in tasks)
+        for kind, start, end, sm in tasks:
+            assert first <= start <= end <= first + wall, (kind, start, end, first, wall)
+            if "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in os.environ:  # under a share %smid is the physical SM
+                assert sm < sms, (kind, sm, sms)
+        assert sum(end - start for _, start, end, _ in tasks) > 0
+        assert {kind for kind, *_ in moe.timeline()} == set(KERNEL_A + KERNEL_B)
+        moe.record_timeline(False)
+        _, ctx = moe.forward(*data)
+        moe.backward(ctx, _on_gpu(bf16(rng, (T, H))))
+        moe.check()
+        assert moe.timeline("backward") == [] and moe.timeline() == []

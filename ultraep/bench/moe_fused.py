@@ -23,7 +23,7 @@ sequential, elements whose bits differ summed over ranks (each must be 0): ``dx_
 ``bwd_rerun_diff``: all four between the two checked fused passes. The comparison is per
 layer as a framework calls it: a training forward of either layer keeps ``h``, ``act`` and
 ``y`` for its backward (the fused up tiles write ``h`` beside ``act``; ``y`` is copied out of
-the heap, whose ``expert_out`` the next call reuses). No timeline for the backward (its kernels record none).
+the heap, whose ``expert_out`` the next call reuses).
 
 ``--config``: the fused layer's configuration (``MoELayer(fused_config=)``): ``default``,
 today's constants (every SM, the kernel source's task sizes: the columns above); ``tuned``,
@@ -39,7 +39,11 @@ on one time axis, one line per SM (a worker on the host), coloured by task kind 
 relay, up tile, down tile, reduce): where communication hides under the GEMMs and which
 rank holds the others up. Below the table, each rank's phases: when its first task of a
 kind started and its last ended, in ms from the first task on any rank (``%globaltimer``:
-one clock for ranks sharing a GPU). Needs matplotlib (``ultraep[analysis]``).
+one clock for ranks sharing a GPU). With ``--backward`` also a recorded fused backward
+(after a training forward), its own file (FILE_bwd_t{tokens}_h{hidden}.png) and phases:
+send (dy), relay (grad_y rows and gate gradients), dgrad-down tile (SwiGLU's backward in
+its epilogue), dgrad-up tile, reduce (dx). A task's span starts before its waits, so a
+relay's or reduce's includes waiting for its rows. Needs matplotlib (``ultraep[analysis]``).
 
 The issue's setting: 4 ranks under ``--emulate-ep`` (MPS, an SM share each, so each rank
 behaves like a small GPU), tokens 4096-32768, hidden 4096 and 7168, top-8. Ranks sharing
@@ -95,7 +99,8 @@ def parse_args(argv):
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--timeline", metavar="FILE.png",
                         help="plot every rank's fused tasks per SM over time, a file per setting "
-                             "(FILE_t{tokens}_h{hidden}.png), and print each rank's phases")
+                             "(FILE_t{tokens}_h{hidden}.png; with --backward also the backward's, "
+                             "FILE_bwd_t{tokens}_h{hidden}.png), and print each rank's phases")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if args.top_k > args.experts_per_rank * args.ranks:
@@ -119,12 +124,18 @@ def fused_configs(config: str) -> dict:
     return {name: None if name == "default" else "tuned" for name in names}
 
 
-def timeline_path(path: str, tokens: int, hidden: int) -> str:
+def timeline_path(path: str, tokens: int, hidden: int, direction: str = "forward") -> str:
+    """A setting's plot file: the forward's FILE_t{tokens}_h{hidden}.png, the backward's
+    FILE_bwd_t..."""
+    tag = f"{'_bwd' if direction == 'backward' else ''}_t{tokens}_h{hidden}"
     stem, dot, suffix = path.rpartition(".")
-    return f"{stem}_t{tokens}_h{hidden}.{suffix}" if dot else f"{path}_t{tokens}_h{hidden}"
+    return f"{stem}{tag}.{suffix}" if dot else f"{path}{tag}"
 
 
-KIND_COLOURS = {"send": "tab:blue", "relay": "tab:cyan", "up": "tab:orange", "down": "tab:red", "reduce": "tab:green"}
+# Both directions' kinds in claim order (the phases print so): the backward's dgrad tiles in
+# place of up and down, its send, relay and reduce the forward's colours.
+KIND_COLOURS = {"send": "tab:blue", "relay": "tab:cyan", "up": "tab:orange", "dgrad_down": "tab:purple",
+                "down": "tab:red", "dgrad_up": "tab:brown", "reduce": "tab:green"}
 
 
 def phase_spans(ranks_tasks) -> list[dict]:
@@ -276,19 +287,25 @@ def run(args) -> int:
                 again = {name: checked(layers[name]) for name in configs}
                 layers[False].check()
                 tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None
-                phases = None
+                phases = {}
                 if args.timeline:
                     fused.record_timeline(True)
                     fused.forward(x, ids, gates, backward=False)
-                    everyone_tasks = group.allgather(fused.timeline())
+                    recorded = {"forward": group.allgather(fused.timeline())}
+                    if args.backward:  # a training forward (its timeline not kept), then the recorded backward
+                        _, ctx = fused.forward(x, ids, gates)
+                        fused.backward(ctx, dy)
+                        recorded["backward"] = group.allgather(fused.timeline("backward"))
+                        fused.check()
                     fused.record_timeline(False)
-                    phases = phase_spans(everyone_tasks)
-                    progress(f"tokens {T}, hidden {H}: phases of a recorded fused forward (ms):\n"
-                             f"{format_phases(phases)}")
-                    if me == 0:
-                        plot_timeline(everyone_tasks, timeline_path(args.timeline, T, H),
-                                      f"{R} ranks ({caveat}): fused forward, {T} tokens, hidden {H}, ffn {F}, "
-                                      f"top-{K}")
+                    for which, everyone_tasks in recorded.items():
+                        phases[which] = phase_spans(everyone_tasks)
+                        progress(f"tokens {T}, hidden {H}: phases of a recorded fused {which} (ms):\n"
+                                 f"{format_phases(phases[which])}")
+                        if me == 0:
+                            plot_timeline(everyone_tasks, timeline_path(args.timeline, T, H, which),
+                                          f"{R} ranks ({caveat}): fused {which}, {T} tokens, hidden {H}, ffn {F}, "
+                                          f"top-{K}")
                 want, got = first[False], first[primary]
                 mine = [sum(differing(first[name][:1], want[:1]) for name in configs),
                         sum(differing(again[name][:1], first[name][:1]) for name in configs)]
@@ -312,15 +329,18 @@ def run(args) -> int:
                 seq_step, fused_step = windows[len(layers) + 1::2]  # after each layer's zero_grads phase
                 row.update(seq_step_ms=seq_step, fused_step_ms=fused_step, step_speedup=seq_step / fused_step)
             row.update((key, sum(d[i] for d in everyone)) for i, key in enumerate(diff_columns))
-            if phases is not None:
-                row["phases"] = phases
+            if phases:
+                row["phases"] = phases["forward"]
+            if "backward" in phases:
+                row["bwd_phases"] = phases["backward"]
             rows.append(row)
             table.add(row)
     table.close()
     for row in rows:
-        if me == 0 and "phases" in row:
-            print(f"phases of a recorded fused forward, tokens {row['tokens']}, hidden {row['hidden']} (ms from the "
-                  f"first task on any rank, first start-last end per kind):\n{format_phases(row['phases'])}")
+        for key, which in (("phases", "forward"), ("bwd_phases", "backward")):
+            if me == 0 and key in row:
+                print(f"phases of a recorded fused {which}, tokens {row['tokens']}, hidden {row['hidden']} (ms from "
+                      f"the first task on any rank, first start-last end per kind):\n{format_phases(row[key])}")
     problems = [f"tokens {row['tokens']} hidden {row['hidden']}: {key} = {row[key]} (must be 0)"
                 for row in rows for key in diff_columns if row[key]]
     if problems:

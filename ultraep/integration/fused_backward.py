@@ -94,12 +94,21 @@ from ultraep.token import reference as ref
 KERNELS = "fused_moe_backward.cu"
 KERNEL_C = ("send", "relay", "dgrad_down")
 KERNEL_D = ("dgrad_up", "reduce")
+# A timeline's task kinds by the kernels' FB_KIND_* codes.
+KINDS = {kernel_constant(KERNELS, f"FB_KIND_{kind.upper()}"): kind for kind in KERNEL_C + KERNEL_D}
 
 
 def granularity() -> Granularity:
     """The backward kernels' task sizes (``up_cols``: d_act columns per dgrad_down tile)."""
     names = ("FB_SEND_TOKENS", "FB_REDUCE_TOKENS", "FB_BM", "FB_DACT_COLS", "FB_DOWN_COLS", "GG_GROUP_M")
     return Granularity(*(kernel_constant(KERNELS, name) for name in names))
+
+
+def max_tasks(*, max_tokens: int, max_recv_rows: int, slots_per_rank: int, hidden: int, ffn: int) -> tuple[int, int]:
+    """Most tasks kernels C and D can have (the timeline's rows): the forward's bound over
+    the backward's task sizes, its tasks being the forward's kind for kind."""
+    return fused.max_tasks(max_tokens=max_tokens, max_recv_rows=max_recv_rows, slots_per_rank=slots_per_rank,
+                           hidden=hidden, ffn=ffn, grain=granularity())
 
 
 def opening_barrier_timeout(rank: int, error: BarrierTimeout) -> BarrierTimeout:
@@ -253,6 +262,7 @@ class HostFusedBackward:
 
     def __init__(self, forward, *, activation: Callable):
         self.forward, self.activation = forward, activation
+        self.recording, self.last_timeline = False, []
 
     def backward(self, dy, received, rank_tiles, h, y, w_up, w_down):
         """``dy [T, H]`` BF16, ``received`` and ``rank_tiles`` the forward's DispatchResult and
@@ -288,8 +298,17 @@ class HostFusedBackward:
         layer = FusedBackward([plan if r == me else None for r in range(d.size)], states, self.activation,
                               grain=grain, epoch=fwd.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
                               hidden=d.hidden, ffn=fwd.ffn)
-        run_rank(layer, me, fwd.timeout_s)
+        self.last_timeline = [] if self.recording else None
+        run_rank(layer, me, fwd.timeout_s, timeline=self.last_timeline)
         return own.dx, own.d_gates, own.grad_y, own.dh
+
+    def record_timeline(self, enable: bool) -> None:
+        """Whether later backwards record when each task ran (:meth:`timeline`)."""
+        self.recording = bool(enable)
+
+    def timeline(self) -> list:
+        """The last recorded backward's tasks as (kind, start ns, end ns, worker), by start."""
+        return sorted(self.last_timeline or [], key=lambda row: row[1])
 
     def check(self) -> None:
         """The host backend raises at once; nothing is deferred."""

@@ -10,6 +10,10 @@ tiles with SwiGLU's backward) -> ``fused_dgrad_combine`` (dgrad-up tiles into th
 its rank's M-tiles by the rank tiles of its own forward's plan (kept in the layer's
 context; a later forward writes its own). The task semantics, the flags and the argument
 that no claim order deadlocks are :mod:`ultraep.integration.fused_backward`'s.
+
+While :meth:`DeviceFusedBackward.record_timeline` is on, both kernels stamp every task's
+start (before its wait), end and SM into trace buffers sized by the backward's most tasks,
+as the forward's kernels do; off, they get null and stamp nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import numpy as np
 
 from ultraep.errors import BarrierTimeout, MoELayerError
 from ultraep.integration import fused
-from ultraep.integration.fused_backward import KERNELS, opening_barrier_timeout
+from ultraep.integration.fused_backward import KERNELS, KINDS, max_tasks, opening_barrier_timeout
+from ultraep.integration.fused_device import trace_rows
 from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
 from ultraep.runtime.kernels import get_function, kernel_constant
 
@@ -45,6 +50,7 @@ class DeviceFusedBackward:
             kernel.max_dynamic_shared_size_bytes = forward.shared_bytes
         self.counters = cupy.zeros(2, dtype=np.int32)
         self.bn = kernel_constant(KERNELS, "GH_BN")
+        self.traces = None  # per kernel: [tasks, FM_TRACE_WORDS] uint64 when recording a timeline
 
     def backward(self, dy, received, rank_tiles, h, y, w_up, w_down):
         """Collective, on the current stream: ``dy [T, H]`` BF16, ``received`` and ``rank_tiles``
@@ -74,6 +80,11 @@ class DeviceFusedBackward:
         dh_map = fwd.maps.tiled(dh.data.ptr, (2 * F, rows), (box, bm))
         w_up_map = fwd.maps.tiled(w_up.data.ptr, (2 * F, H, spr), (box, bn, 1))
         epoch, timeout = np.uint64(fwd.epoch), np.uint64(fwd.timeout_ns)
+        traces = (np.uint64(0), np.uint64(0))  # null: no timeline
+        if self.traces is not None:
+            for trace in self.traces:
+                trace.fill(0)
+            traces = self.traces
         bases = fwd.impl.heap.peer_bases
         self.k["fused_grad_dispatch_dgrad"]((fwd.grid,), (fwd.threads,), (
             grad_y_map, w_down_map, dy, np.int32(tokens), np.int32(d.top_k), np.int32(H), s["ids"], s["gates"],
@@ -82,15 +93,31 @@ class DeviceFusedBackward:
             np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), np.int32(d.max_tokens), rank_off,
             rank_mtile, s["row_landing"], s["row_weight"], s["row_origin"], cp.ascontiguousarray(y), grad_y,
             fwd.tile_ready, np.int32(F), cp.ascontiguousarray(h), dh, epoch, timeout, self.counters[:1], fwd.status,
-            s["outcome"]), shared_mem=fwd.shared_bytes)
+            s["outcome"], traces[0]), shared_mem=fwd.shared_bytes)
         self.k["fused_dgrad_combine"]((fwd.grid,), (fwd.threads,), (
             dh_map, w_up_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(fwd.done.offset), np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), rank_off,
             rank_mtile, s["ids"], s["positions"], s["base"], np.int32(tokens), np.int32(d.top_k), dx, d_gates,
-            fwd.down_count, epoch, timeout, self.counters[1:], fwd.status, s["outcome"]), shared_mem=fwd.shared_bytes)
+            fwd.down_count, epoch, timeout, self.counters[1:], fwd.status, s["outcome"], traces[1]),
+            shared_mem=fwd.shared_bytes)
         if d.sync_checks:
             self.check()
         return dx, d_gates, grad_y, dh
+
+    def record_timeline(self, enable: bool) -> None:
+        """Whether later backwards stamp each task's start, end and SM (:meth:`timeline`)."""
+        if not enable:
+            self.traces = None
+            return
+        fwd, words = self.forward, kernel_constant(KERNELS, "FM_TRACE_WORDS")
+        counts = max_tasks(max_tokens=fwd.config.max_tokens, max_recv_rows=fwd.config.max_recv_rows,
+                           slots_per_rank=fwd.spr, hidden=fwd.hidden, ffn=fwd.ffn)
+        self.traces = tuple(self.cp.zeros((n, words), dtype=np.uint64) for n in counts)
+
+    def timeline(self) -> list:
+        """The last recorded backward's tasks as (kind, start ns, end ns, SM id), by start
+        (waits for the device); kinds send, relay, dgrad_down (kernel C), dgrad_up, reduce (D)."""
+        return trace_rows(self.traces, KINDS)
 
     def check(self) -> None:
         """Synchronise; raise a timeout of the opening barrier (the heap's first unreported

@@ -43,6 +43,19 @@ def resident_ctas(device: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
 
 
+def trace_rows(traces, kinds: dict) -> list:
+    """The stamped tasks of a recorded call's trace buffers (None: not recording) as (kind,
+    start ns, end ns, SM id), by start; ``kinds``: the kernels' kind codes -> names."""
+    import cupy
+
+    rows = []
+    for trace in traces or ():
+        for start, end, where in cupy.asnumpy(trace):
+            if start:
+                rows.append((kinds[int(where) >> 32], int(start), int(end), int(where) & 0xFFFFFFFF))
+    return sorted(rows, key=lambda row: row[1])
+
+
 class DeviceFusedForward:
     """The fused forward of one ``MoELayer`` on its GPU (a device-backend Dispatcher set up
     with ``expert_output=True``; ``flags``: the heap tensors of :func:`heap_requirements`;
@@ -177,14 +190,7 @@ class DeviceFusedForward:
     def timeline(self) -> list:
         """The last recorded forward's tasks as (kind, start ns, end ns, SM id), by start
         (waits for the device)."""
-        if self.traces is None:
-            return []
-        rows = []
-        for trace in self.traces:
-            for start, end, where in self.cp.asnumpy(trace):
-                if start:
-                    rows.append((KINDS[int(where) >> 32], int(start), int(end), int(where) & 0xFFFFFFFF))
-        return sorted(rows, key=lambda row: row[1])
+        return trace_rows(self.traces, KINDS)
 
     def check(self) -> None:
         """Synchronise; raise (and clear) the fused kernels' first status record."""

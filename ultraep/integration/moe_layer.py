@@ -337,6 +337,7 @@ class MoELayer:
         slots = dict(num_experts=self.num_experts) if balancer is None else \
             dict(num_experts=balancer.layout.num_physical, experts_per_rank=balancer.layout.slots_per_rank)
         self._fused, self._fused_bwd, self._owned_heap = None, None, None
+        self._recording = False  # record_timeline's: the backward launcher, made later, takes it at its making
         if fused:
             common["expert_output"] = True
             if heap is None:
@@ -608,6 +609,7 @@ class MoELayer:
         else:
             from ultraep.integration.fused_backward import HostFusedBackward
             self._fused_bwd = HostFusedBackward(self._fused, activation=swiglu_backward)
+        self._fused_bwd.record_timeline(self._recording)
         return self._fused_bwd
 
     def _wgrad_scratch(self) -> _WgradScratch:
@@ -656,13 +658,24 @@ class MoELayer:
         return dh
 
     def record_timeline(self, enable: bool = True) -> None:
-        """A fused layer: whether later forwards record when and where each task ran."""
+        """A fused layer: whether later forwards and backwards record when and where each
+        task ran (:meth:`timeline`)."""
         self._fused_only("record_timeline").record_timeline(enable)
+        self._recording = bool(enable)
+        if self._fused_bwd is not None:
+            self._fused_bwd.record_timeline(enable)
 
-    def timeline(self) -> list:
-        """A fused layer: the last recorded forward's tasks on this rank as (kind, start ns,
-        end ns, SM id -- 0 on the host), by start; kinds send, relay, up, down, reduce."""
-        return self._fused_only("timeline").timeline()
+    def timeline(self, direction: str = "forward") -> list:
+        """A fused layer: the last recorded forward's (``direction="forward"``) or backward's
+        (``"backward"``) tasks on this rank as (kind, start ns, end ns, SM id -- 0 on the
+        host), by start; the forward's kinds send, relay, up, down, reduce, the backward's
+        send, relay, dgrad_down, dgrad_up, reduce. Empty before any recorded call."""
+        fused = self._fused_only("timeline")
+        if direction == "forward":
+            return fused.timeline()
+        if direction == "backward":
+            return [] if self._fused_bwd is None else self._fused_bwd.timeline()
+        raise MoELayerError(f"timeline: direction must be 'forward' or 'backward', got {direction!r}")
 
     def _fused_only(self, what: str):
         self._check_open()

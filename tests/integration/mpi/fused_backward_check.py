@@ -10,7 +10,8 @@ micro-batches in flight (forward 1, forward 2, backward 2, backward 1: the backw
 flags share the forward's epoch counter, and its rows must not be overtaken); the heap's
 landing rows, gate-gradient slots and expert rows are poisoned (NaN bit patterns) before
 every backward, so a row read before it is written shows; ``runs`` repetitions give
-identical bits.
+identical bits. A recorded backward's timeline lists every kind of task on every rank;
+the forward's stays the forward's.
 
 reverse-order: forward 1, forward 2, backward 2, backward 1 with no check between the calls
 give the bits of forward 1, backward 1, forward 2, backward 2 (the two micro-batches route
@@ -35,10 +36,11 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from ultraep import Balancer, ExpertLayout, MoELayer
+from ultraep import Balancer, ExpertLayout, MoELayer, MoELayerError
 from ultraep.errors import BarrierTimeout, WaitTimeout
 from ultraep.integration.fused import mtile_starts
-from ultraep.integration.fused_backward import KERNELS
+from ultraep.integration.fused import KERNEL_A, KERNEL_B
+from ultraep.integration.fused_backward import KERNEL_C, KERNEL_D, KERNELS
 from ultraep.integration.moe_layer import expert_spec
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
@@ -131,6 +133,32 @@ def two_in_flight(moe, batches, *, fused):
     return grads + [host(moe.grad_up).copy(), host(moe.grad_down).copy()]
 
 
+def timeline(moe, data):
+    """A recorded training step: the backward's timeline holds each of its kinds on every
+    rank (random routing: every rank sends, relays and reduces), each task ending after it
+    starts, on the host (one worker) in claim order; the forward's timeline is the forward's
+    kinds; no other direction is taken."""
+    moe.record_timeline(True)
+    _, ctx = moe.forward(*data[:3])
+    moe.backward(ctx, data[3])
+    moe.check()
+    tasks, forward = moe.timeline("backward"), moe.timeline()
+    moe.record_timeline(False)
+    order = list(KERNEL_C + KERNEL_D)
+    for rank, kinds in enumerate(group.allgather([kind for kind, *_ in tasks])):
+        assert set(kinds) == set(order), f"rank {rank}: {sorted(set(kinds))}"
+    assert all(end >= start for _, start, end, _ in tasks), tasks
+    if backend == "host":
+        assert [kind for kind, *_ in tasks] == sorted((kind for kind, *_ in tasks), key=order.index)
+    assert {kind for kind, *_ in forward} <= set(KERNEL_A + KERNEL_B) and "up" in {k for k, *_ in forward}
+    try:
+        moe.timeline("sideways")
+    except MoELayerError as exc:
+        assert "'forward' or 'backward'" in str(exc), str(exc)
+    else:
+        raise AssertionError("timeline took a direction that is neither")
+
+
 def bitwise():
     names = ("dx 2", "d_gates 2", "dx 1", "d_gates 1", "grad_up", "grad_down")
     for balanced in (False, True):
@@ -148,6 +176,8 @@ def bitwise():
                 again = two_in_flight(fused, batches, fused=True)
                 for got, ref, name in zip(again, first, names):
                     assert np.array_equal(bits(got), bits(ref)), f"balanced={balanced} {routing} run {run} {name}"
+        if not balanced:
+            timeline(fused, inputs("random", me, 0))
         for moe, balancer in ((plain, plain_balancer), (fused, fused_balancer)):
             moe.close()
             if balancer is not None:
