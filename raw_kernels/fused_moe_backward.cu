@@ -57,26 +57,38 @@ static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 
 __device__ __forceinline__ void stage_dgrad_gate(float (&d)[128], unsigned staged, const Tile& tile, const float* h,
                                                  int ffn, int consumer, int warp, int lane) {
     const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
+    constexpr int CHUNK = 4;  // column blocks whose h loads are in flight at once (the stores below fence them)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = tile.row0 + row + 8 * half;
+        const float* h_row = h + static_cast<long long>(r) * 2 * ffn;
 #pragma unroll
-        for (int j = 0; j < GH_BN / 8; ++j) {
-            const int i = 4 * j + 2 * half, f = tile.col0 + col + 8 * j;  // ffn is even: f < ffn holds f + 1 too
-            float gate[2] = {0.0f, 0.0f};
-            if (r < tile.row_end && f < ffn) {
-                const float2 a = *reinterpret_cast<const float2*>(h + static_cast<long long>(r) * 2 * ffn + f);
-                const float2 b = *reinterpret_cast<const float2*>(h + static_cast<long long>(r) * 2 * ffn + ffn + f);
-                const __nv_bfloat162 g = __floats2bfloat162_rn(d[i], d[i + 1]);
-                const float2 g0 = swiglu_backward_rn(a.x, b.x, __low2float(g));
-                const float2 g1 = swiglu_backward_rn(a.y, b.y, __high2float(g));
-                gate[0] = g0.x, gate[1] = g1.x, d[i] = g0.y, d[i + 1] = g1.y;
-            } else {
-                d[i] = 0.0f, d[i + 1] = 0.0f;
+        for (int j0 = 0; j0 < GH_BN / 8; j0 += CHUNK) {
+            float2 a[CHUNK], b[CHUNK];  // h's gate and up pairs of the chunk's columns
+#pragma unroll
+            for (int u = 0; u < CHUNK; ++u) {
+                const int f = tile.col0 + col + 8 * (j0 + u);  // ffn is even: f < ffn holds f + 1 too
+                const bool inside = r < tile.row_end && f < ffn;
+                a[u] = inside ? __ldg(reinterpret_cast<const float2*>(h_row + f)) : make_float2(0.0f, 0.0f);
+                b[u] = inside ? __ldg(reinterpret_cast<const float2*>(h_row + ffn + f)) : make_float2(0.0f, 0.0f);
             }
-            const __nv_bfloat162 v = __floats2bfloat162_rn(gate[0], gate[1]);
-            asm volatile("st.shared.b32 [%0], %1;" :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
-                         "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
+#pragma unroll
+            for (int u = 0; u < CHUNK; ++u) {
+                const int j = j0 + u, i = 4 * j + 2 * half, f = tile.col0 + col + 8 * j;
+                float gate[2] = {0.0f, 0.0f};
+                if (r < tile.row_end && f < ffn) {
+                    const __nv_bfloat162 g = __floats2bfloat162_rn(d[i], d[i + 1]);
+                    const float2 g0 = swiglu_backward_rn(a[u].x, b[u].x, __low2float(g));
+                    const float2 g1 = swiglu_backward_rn(a[u].y, b[u].y, __high2float(g));
+                    gate[0] = g0.x, gate[1] = g1.x, d[i] = g0.y, d[i + 1] = g1.y;
+                } else {
+                    d[i] = 0.0f, d[i + 1] = 0.0f;
+                }
+                const __nv_bfloat162 v = __floats2bfloat162_rn(gate[0], gate[1]);
+                asm volatile("st.shared.b32 [%0], %1;"
+                             :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
+                                "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
+            }
         }
     }
 }
