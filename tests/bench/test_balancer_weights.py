@@ -1,7 +1,7 @@
 """``bench balancer --weight-dtype``: BF16 and FP8 experts (float32 scales per 128 x 128
 block) side by side -- the FP8 masters and their fp16 compute copies, the replica check
 counting a corrupted byte, and the rows end to end on the CPU backend (4 ranks) and on
-one GPU (2 ranks)."""
+one GPU (4 ranks)."""
 
 import json
 
@@ -87,5 +87,6 @@ def test_fp8_rows_beside_bf16_on_the_cpu_backend(tmp_path, capfd):
 @pytest.mark.gpu
 @requires_gpu
 def test_fp8_rows_beside_bf16_on_the_gpu(tmp_path):
-    """Replicas synced by the CUDA kernels over IPC byte-identical to the masters (2 ranks sharing the GPU)."""
-    assert_fp8_rows(run_rows(tmp_path, "device", 2))
+    """Replicas synced by the CUDA kernels over IPC byte-identical to the masters (4 ranks sharing the GPU:
+    the bench's Zipf routing cannot reach its 1.5 imbalance on 2)."""
+    assert_fp8_rows(run_rows(tmp_path, "device", 4))
