@@ -25,11 +25,11 @@ if [ -n "${GPU_MPS_SHARE-25}" ]; then
   $PY -m ultraep.runtime.mps --percent "${GPU_MPS_SHARE:-25}" -- \
     $PY -m pytest -m "gpu and not traps" -q -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu-tests-mps.log" | tail -15 || status=1
 fi
-for bench in ${GPU_BENCHES-peer-copy plan-kernel weight-sync dispatch balancer}; do
+for bench in ${GPU_BENCHES-peer-copy plan-kernel weight-sync dispatch balancer grouped-gemm}; do
   echo "== bench $bench" | tee -a "$OUT/bench.log"
   $PY -m ultraep.bench "$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
 done
-for bench in ${GPU_EMULATED_BENCHES-dispatch balancer moe-layer}; do
+for bench in ${GPU_EMULATED_BENCHES-dispatch balancer moe-layer moe-fused}; do
   echo "== bench $bench --emulate-ep" | tee -a "$OUT/bench.log"
   $PY -m ultraep.bench "$bench" --emulate-ep --json "$OUT/bench-$bench-mps.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
 done
