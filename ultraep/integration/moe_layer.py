@@ -196,7 +196,7 @@ def _fused_schedule(layer: "MoELayer", fused_config) -> FusedSchedule:
             schedule = FusedSchedule((fused_config,))
         elif fused_config is None:  # the source's task sizes on every resident CTA (one worker on the host)
             schedule = FusedSchedule((FusedConfig(1 if layer.backend == "host" else _resident_ctas(layer)),))
-        elif fused_config not in (None, "tuned"):
+        elif fused_config != "tuned":
             raise MoELayerError(f"fused_config must be None, 'tuned' or a FusedConfig, got {fused_config!r}")
     except MoELayerError as exc:
         error = exc
