@@ -47,6 +47,8 @@ typedef unsigned long long u64;
 
 static_assert(sizeof(uint4) == VECTOR_BYTES, "rows are copied as uint4 vectors");
 
+#include "row_math.cuh"
+
 __device__ __forceinline__ int warp_id_global() { return (blockIdx.x * blockDim.x + threadIdx.x) / WARP; }
 __device__ __forceinline__ int warps_in_grid() { return gridDim.x * blockDim.x / WARP; }
 __device__ __forceinline__ int lane_id() { return threadIdx.x % WARP; }
@@ -330,48 +332,6 @@ extern "C" __global__ void send_rows(const uint4* y, const int* row_origin, cons
     }
 }
 
-// 16-byte vectors of T as floats: 8 bf16/half or 4 float.
-template <typename T> struct Vector;
-template <> struct Vector<__nv_bfloat16> {
-    static constexpr int N = 8;
-    __device__ static void to_float(const uint4& v, float* f) {
-        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-#pragma unroll
-        for (int j = 0; j < N; ++j) f[j] = __bfloat162float(h[j]);
-    }
-    __device__ static uint4 from_float(const float* f) {
-        uint4 v;
-        __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&v);
-#pragma unroll
-        for (int j = 0; j < N; ++j) h[j] = __float2bfloat16_rn(f[j]);
-        return v;
-    }
-};
-template <> struct Vector<__half> {
-    static constexpr int N = 8;
-    __device__ static void to_float(const uint4& v, float* f) {
-        const __half* h = reinterpret_cast<const __half*>(&v);
-#pragma unroll
-        for (int j = 0; j < N; ++j) f[j] = __half2float(h[j]);
-    }
-    __device__ static uint4 from_float(const float* f) {
-        uint4 v;
-        __half* h = reinterpret_cast<__half*>(&v);
-#pragma unroll
-        for (int j = 0; j < N; ++j) h[j] = __float2half_rn(f[j]);
-        return v;
-    }
-};
-template <> struct Vector<float> {
-    static constexpr int N = 4;
-    __device__ static void to_float(const uint4& v, float* f) {
-        f[0] = __uint_as_float(v.x), f[1] = __uint_as_float(v.y), f[2] = __uint_as_float(v.z), f[3] = __uint_as_float(v.w);
-    }
-    __device__ static uint4 from_float(const float* f) {
-        return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
-    }
-};
-
 // The gate-weighted sum of one token's K slot rows into out_row (unweighted when gates is
 // null), fp32, products and sums rounded separately, slots in order 0..K-1; row_of(k) is
 // slot k's row. Every combine path sums through here, so they agree bit for bit.
@@ -440,49 +400,16 @@ __global__ void pull_slots(const u64* peer_bases, u64 expert_out_offset, const l
     }
 }
 
-// Combine backward, expert side, a warp per received row: its token's output gradient g
-// (arrived in landing); grad_y[row] = gate * g; and the gate gradient dot(g, y[row]) --
-// each lane sums its elements in increasing order, lanes meet in an xor butterfly
-// (reference.lane_dot) -- written to slot (t, k) of the source's slot_grad_w.
+// Combine backward, expert side, a warp per received row: row_math.cuh's grad_row (the
+// fused backward's relay runs the same).
 template <typename T>
 __global__ void grad_rows(const uint4* landing, const int* row_landing, const float* row_weight, const uint4* y,
                           const int* row_origin, const int* offsets_end, int row_vecs, uint4* grad_y,
                           const u64* peer_bases, u64 slot_grad_w_offset, int slots_per_rank, const int* outcome) {
-    constexpr int N = Vector<T>::N;
     if (outcome[0] != OUTCOME_OK) return;
     const int lane = lane_id();
     const int rows = *offsets_end;
-    for (int row = warp_id_global(); row < rows; row += warps_in_grid()) {
-        const uint4* g_row = landing + static_cast<long long>(row_landing[row]) * row_vecs;
-        const uint4* y_row = y + static_cast<long long>(row) * row_vecs;
-        const float gate = row_weight[row];
-        float dot = 0.0f;
-        for (int v0 = lane; v0 < row_vecs; v0 += WARP * UNROLL) {  // UNROLL vectors' loads in flight
-            uint4 gv[UNROLL], yv[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int v = v0 + u * WARP;
-                if (v < row_vecs) gv[u] = g_row[v], yv[u] = load_input(y_row + v);
-            }
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {  // the lane's vectors in increasing order, as one at a time
-                const int v = v0 + u * WARP;
-                if (v >= row_vecs) break;
-                float g[N], h[N], scaled[N];
-                Vector<T>::to_float(gv[u], g);
-                Vector<T>::to_float(yv[u], h);
-#pragma unroll
-                for (int j = 0; j < N; ++j) {
-                    dot = __fadd_rn(dot, __fmul_rn(g[j], h[j]));
-                    scaled[j] = __fmul_rn(gate, g[j]);
-                }
-                grad_y[static_cast<long long>(row) * row_vecs + v] = Vector<T>::from_float(scaled);
-            }
-        }
-        for (int offset = WARP / 2; offset > 0; offset /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(FULL_MASK, dot, offset));
-        if (lane == 0) {
-            const int origin = row_origin[row];
-            reinterpret_cast<float*>(peer_bases[origin / slots_per_rank] + slot_grad_w_offset)[origin % slots_per_rank] = dot;
-        }
-    }
+    for (int row = warp_id_global(); row < rows; row += warps_in_grid())
+        grad_row<T, UNROLL>(row, landing, row_landing, row_weight, row_origin, y, grad_y, row_vecs, peer_bases,
+                            slot_grad_w_offset, slots_per_rank, lane);
 }

@@ -27,6 +27,7 @@
 #include "grouped_gemm_common.cuh"
 #include "swiglu.cuh"
 #include "fused_common.cuh"
+#include "row_math.cuh"
 
 // Task granularity, shared with the host (kernel_constant). FB_BM and FB_DOWN_COLS index
 // the forward's flags, so they are fused_moe.cu's FM_BM and FM_DOWN_COLS (the host checks).
@@ -93,55 +94,12 @@ __device__ __forceinline__ void stage_dgrad_gate(float (&d)[128], unsigned stage
     }
 }
 
-// The relay of one received row (a warp), as dispatch.cu's grad_rows: g = the token's dy
-// (in landing); grad_y[row] = bf16(gate * g); the gate gradient dot(g, y[row]) -- each lane
-// sums its elements in increasing order, lanes meet in an xor butterfly -- into slot
-// (t, k) of the source's slot_grad_w.
-__device__ __forceinline__ void relay_grad_row(int row, const uint4* landing, const int* row_landing,
-                                               const float* row_weight, const int* row_origin, const uint4* y,
-                                               uint4* grad_y, int row_vecs, const u64* peer_bases,
-                                               u64 slot_grad_w_offset, int slots_per_rank, int lane) {
-    const uint4* g_row = landing + static_cast<long long>(row_landing[row]) * row_vecs;
-    const uint4* y_row = y + static_cast<long long>(row) * row_vecs;
-    const float gate = row_weight[row];
-    float dot = 0.0f;
-    for (int v0 = lane; v0 < row_vecs; v0 += WARP * FM_UNROLL) {  // FM_UNROLL vectors' loads in flight
-        uint4 gv[FM_UNROLL], yv[FM_UNROLL];
-#pragma unroll
-        for (int u = 0; u < FM_UNROLL; ++u) {
-            const int v = v0 + u * WARP;
-            if (v < row_vecs) gv[u] = g_row[v], yv[u] = __ldg(y_row + v);
-        }
-#pragma unroll
-        for (int u = 0; u < FM_UNROLL; ++u) {  // the lane's vectors in increasing order, as one at a time
-            const int v = v0 + u * WARP;
-            if (v >= row_vecs) break;
-            const bf16* g = reinterpret_cast<const bf16*>(&gv[u]);
-            const bf16* h = reinterpret_cast<const bf16*>(&yv[u]);
-            uint4 out;
-            bf16* scaled = reinterpret_cast<bf16*>(&out);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float gf = __bfloat162float(g[e]);
-                dot = __fadd_rn(dot, __fmul_rn(gf, __bfloat162float(h[e])));
-                scaled[e] = __float2bfloat16_rn(__fmul_rn(gate, gf));
-            }
-            grad_y[static_cast<long long>(row) * row_vecs + v] = out;
-        }
-    }
-    for (int offset = WARP / 2; offset > 0; offset /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(FULL_MASK, dot, offset));
-    if (lane == 0) {
-        const int origin = row_origin[row];
-        reinterpret_cast<float*>(peer_bases[origin / slots_per_rank] + slot_grad_w_offset)[origin % slots_per_rank] = dot;
-    }
-}
-
 // -- kernel C: gradient dispatch + dgrad of down ------------------------------------------------
 
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then dgrad-down
 // tiles in the grouped GEMM's order (gemm_tile): the forward kernel A's
-// send_relay_then_gemm, the relay relay_grad_row, a tile's epilogue SwiGLU's backward into dh's
-// gate half and up half (two stagings). grad_y_map: grad_y
+// send_relay_then_gemm, the relay row_math.cuh's grad_row (the sequential path's too), a
+// tile's epilogue SwiGLU's backward into dh's gate half and up half (two stagings). grad_y_map: grad_y
 // [max_rows, H] as (H, rows), box 64 x 128; w_down_map: w_down [slots, F, H] as (H, F, slots),
 // box 64 x 256 x 1. row_landing, row_weight, row_origin: the forward's receive-row metadata
 // (the Dispatcher's handle). The send is the forward's send_token over dy: it rewrites each
@@ -164,8 +122,8 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FB_DACT_COLS);
     auto dgrad_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FB_DACT_COLS, hidden); };
     auto relay_row = [&](int row, const uint4* landing, const int*) {  // the handle's row_landing
-        relay_grad_row(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16, peer_bases,
-                       slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
+        grad_row<bf16, FM_UNROLL>(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16,
+                                  peer_bases, slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
     };
     // dh's gate half (its first F columns), then its up half: staging s to columns s F + the tile's
     auto store = [&](unsigned staged, const Tile& tile, int s) {
