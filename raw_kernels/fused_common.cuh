@@ -339,16 +339,18 @@ __device__ __forceinline__ bool take_from_consumers(Pipeline& p, int phase, long
 // loads a tile with load_tile's `boxes(tile)` and `b_split`; its accumulators go to the store
 // warps in `stagings` rounds through the one staging buffer: `stage(d, tile, s, staged,
 // consumer, warp, lane)` on the consumers, then `store(staged, tile, s)` on the store warps,
-// for s = 0 .. stagings - 1.
-template <int MODE, bool SYSTEM, typename TileOf, typename Boxes, typename RelayRow, typename Store, typename Stage>
+// for s = 0 .. stagings - 1. Before those, the store warps run `prefetch(tile, id)` (id: the
+// thread's index among them) while the tile's MMAs run: what the epilogue reads goes to L2.
+template <int MODE, bool SYSTEM, typename TileOf, typename Boxes, typename RelayRow, typename Store, typename Stage,
+          typename Prefetch>
 __device__ __forceinline__ void send_relay_then_gemm(
     const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, int stagings,
     const uint4* src, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
     const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
     u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk,
     const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed, u64* tile_ready,
-    RelayRow relay_row, Store store, Stage stage, u64 epoch, u64 timeout_ns, int* counter, long long* status,
-    u64* trace, int send_kind, int relay_kind, int tile_kind) {
+    RelayRow relay_row, Store store, Stage stage, Prefetch prefetch, u64 epoch, u64 timeout_ns, int* counter,
+    long long* status, u64* trace, int send_kind, int relay_kind, int tile_kind) {
     const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
     const int n_send = ceil_div(tokens, chunk), n_relay = mtile[spr];
     const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
@@ -378,6 +380,7 @@ __device__ __forceinline__ void send_relay_then_gemm(
                     load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step, status,
                                     gave_up);
             } else {
+                prefetch(tile, threadIdx.x - WARP);
                 for (int s = 0; s < stagings; ++s, phase ^= 1)
                     take_from_consumers(p, phase, status, gave_up, lane, [&] { store(staged, tile, s); });
             }

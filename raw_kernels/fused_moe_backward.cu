@@ -28,6 +28,7 @@
 #include "swiglu.cuh"
 #include "fused_common.cuh"
 #include "row_math.cuh"
+#include "piece_copy.cuh"
 
 // Task granularity, shared with the host (kernel_constant). FB_BM and FB_DOWN_COLS index
 // the forward's flags, so they are fused_moe.cu's FM_BM and FM_DOWN_COLS (the host checks).
@@ -136,12 +137,20 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
         else
             stage_accumulators<false>(d, staged, consumer, warp, lane);
     };
+    // h's gate and up columns of the tile: 256 KB that the epilogue would otherwise wait for
+    // from HBM in serial rounds (its loads cannot pass its shared stores)
+    auto prefetch_h = [&](const Tile& tile, int id) {
+        const unsigned bytes = min(FB_DACT_COLS, ffn - tile.col0) * sizeof(float);  // ffn: whole 16-byte chunks
+        const int rows = min(GH_BM, tile.row_end - tile.row0);
+        for (int i = id / WARP; i < 2 * rows; i += GH_STORE_WARPS)  // a warp's rows, its lane 0
+            if (id % WARP == 0) prefetch_l2(h + static_cast<long long>(tile.row0 + i / 2) * 2 * ffn + (i % 2) * ffn + tile.col0, bytes);
+    };
     // system-scope relay fences: the sources read their gate gradients after kernel D's flags
     send_relay_then_gemm<GH_DGRAD, true>(
         &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, 2, dy, tokens, top_k, hidden, ids,
         gates, positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset,
         row_flag_offset, me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready,
-        relay_row, store, stage, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND,
+        relay_row, store, stage, prefetch_h, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND,
         FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
 }
 

@@ -61,9 +61,13 @@ __device__ void copy_partial_piece(const unsigned char* src, unsigned char* cons
     }
 }
 
-// Lane 0 starts bringing a whole piece (if any: null for none) into L2: the SM's bulk-copy (TMA)
-// unit fetches it, no registers wait for it.
+// Starts bringing `bytes` (a multiple of 16, from a 16-byte aligned address) into L2: the SM's
+// bulk-copy (TMA) unit fetches them, no registers wait for them.
+__device__ __forceinline__ void prefetch_l2(const void* from, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(from), "r"(bytes) : "memory");
+}
+
+// Lane 0 prefetches a whole piece (if any: null for none).
 __device__ __forceinline__ void prefetch_piece_l2(const unsigned char* piece, int lane) {
-    if (lane == 0 && piece != nullptr && reinterpret_cast<u64>(piece) % 16 == 0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(piece), "r"(PIECE_BYTES) : "memory");
+    if (lane == 0 && piece != nullptr && reinterpret_cast<u64>(piece) % 16 == 0) prefetch_l2(piece, PIECE_BYTES);
 }

@@ -57,16 +57,19 @@ def test_timeline_paths_and_plot(tmp_path):
     assert bench.timeline_path("tl", 8, 16, "backward") == "tl_bwd_t8_h16"
     ms = 1_000_000
     tasks = [("send", 1 * ms, 2 * ms, 0), ("relay", 2 * ms, 3 * ms, 1), ("up", 3 * ms, 7 * ms, 0),
-             ("down", 7 * ms, 9 * ms, 1), ("reduce", 9 * ms, 10 * ms, 0)]
+             ("up", 3 * ms, 4 * ms, 1), ("up", 4 * ms, 6 * ms, 1), ("down", 7 * ms, 9 * ms, 1),
+             ("reduce", 9 * ms, 10 * ms, 0)]
     late = [(kind, start + 20 * ms, end + 20 * ms, worker) for kind, start, end, worker in tasks[:3]]
     path = tmp_path / "t.png"
     bench.plot_timeline([tasks, late], str(path), "title")
     assert path.stat().st_size > 0
     spans = bench.phase_spans([tasks, late])
-    assert spans == [{"workers": 2, "send": (0, 1), "relay": (1, 2), "up": (2, 6), "down": (6, 8), "reduce": (8, 9)},
-                     {"workers": 2, "send": (20, 21), "relay": (21, 22), "up": (22, 26)}]
-    assert bench.format_phases(spans).splitlines()[1] == ("rank 1 (2 SMs): send 20.00-21.00  relay 21.00-22.00  "
-                                                           "up 22.00-26.00")
+    # the median up tile of rank 0: 1, 2 and 4 ms long
+    assert spans == [{"workers": 2, "send": (0, 1, 1000), "relay": (1, 2, 1000), "up": (2, 6, 2000),
+                      "down": (6, 8, 2000), "reduce": (8, 9, 1000)},
+                     {"workers": 2, "send": (20, 21, 1000), "relay": (21, 22, 1000), "up": (22, 26, 4000)}]
+    assert bench.format_phases(spans).splitlines()[1] == ("rank 1 (2 SMs): send 20.00-21.00 (1000 µs)  "
+                                                           "relay 21.00-22.00 (1000 µs)  up 22.00-26.00 (4000 µs)")
 
 
 def test_backward_timeline_spans_and_plot(tmp_path):
@@ -78,10 +81,11 @@ def test_backward_timeline_spans_and_plot(tmp_path):
     bench.plot_timeline([tasks, tasks[1:]], str(path), "title")
     assert path.stat().st_size > 0
     spans = bench.phase_spans([tasks, tasks[1:]])
-    assert spans[1] == {"workers": 2, "relay": (1, 2), "dgrad_down": (2, 5), "dgrad_up": (5, 8), "reduce": (8, 9)}
-    assert bench.format_phases(spans).splitlines()[0] == ("rank 0 (2 SMs): send 0.00-1.00  relay 1.00-2.00  "
-                                                           "dgrad_down 2.00-5.00  dgrad_up 5.00-8.00  "
-                                                           "reduce 8.00-9.00")
+    assert spans[1] == {"workers": 2, "relay": (1, 2, 1000), "dgrad_down": (2, 5, 3000), "dgrad_up": (5, 8, 3000),
+                        "reduce": (8, 9, 1000)}
+    assert bench.format_phases(spans).splitlines()[0] == ("rank 0 (2 SMs): send 0.00-1.00 (1000 µs)  "
+                                                           "relay 1.00-2.00 (1000 µs)  dgrad_down 2.00-5.00 (3000 µs)  "
+                                                           "dgrad_up 5.00-8.00 (3000 µs)  reduce 8.00-9.00 (1000 µs)")
 
 
 def test_backward_columns_follow_the_forward_ones():

@@ -39,11 +39,12 @@ on one time axis, one line per SM (a worker on the host), coloured by task kind 
 relay, up tile, down tile, reduce): where communication hides under the GEMMs and which
 rank holds the others up. Below the table, each rank's phases: when its first task of a
 kind started and its last ended, in ms from the first task on any rank (``%globaltimer``:
-one clock for ranks sharing a GPU). With ``--backward`` also a recorded fused backward
-(after a training forward), its own file (FILE_bwd_t{tokens}_h{hidden}.png) and phases:
-send (dy), relay (grad_y rows and gate gradients), dgrad-down tile (SwiGLU's backward in
-its epilogue), dgrad-up tile, reduce (dx). A task's span starts before its waits, so a
-relay's or reduce's includes waiting for its rows. Needs matplotlib (``ultraep[analysis]``).
+one clock for ranks sharing a GPU), and in brackets the median task of that kind in µs.
+With ``--backward`` also a recorded fused backward (after a training forward), its own file
+(FILE_bwd_t{tokens}_h{hidden}.png) and phases: send (dy), relay (grad_y rows and gate
+gradients), dgrad-down tile (SwiGLU's backward in its epilogue), dgrad-up tile, reduce (dx).
+A task's span starts before its waits, so a relay's or reduce's includes waiting for its
+rows. Needs matplotlib (``ultraep[analysis]``).
 
 The issue's setting: 4 ranks under ``--emulate-ep`` (MPS, an SM share each, so each rank
 behaves like a small GPU), tokens 4096-32768, hidden 4096 and 7168, top-8. Ranks sharing
@@ -140,8 +141,9 @@ KIND_COLOURS = {"send": "tab:blue", "relay": "tab:cyan", "up": "tab:orange", "dg
 
 def phase_spans(ranks_tasks) -> list[dict]:
     """Per rank: ``workers`` (the SMs its tasks ran on) and per task kind present ``(first
-    start, last end)`` in ms from the first task on any rank. ``ranks_tasks[r]``: rank r's
-    (kind, start ns, end ns, worker) rows."""
+    start, last end, median task)``: the span in ms from the first task on any rank, and the
+    median of the kind's task durations in µs (what one tile or one chunk costs). ``ranks_tasks[r]``:
+    rank r's (kind, start ns, end ns, worker) rows."""
     t0 = min((start for tasks in ranks_tasks for _, start, _, _ in tasks), default=0)
     spans = []
     for tasks in ranks_tasks:
@@ -149,14 +151,16 @@ def phase_spans(ranks_tasks) -> list[dict]:
         for kind in KIND_COLOURS:
             rows = [(s, e) for k, s, e, _ in tasks if k == kind]
             if rows:
-                mine[kind] = ((min(s for s, _ in rows) - t0) / 1e6, (max(e for _, e in rows) - t0) / 1e6)
+                mine[kind] = ((min(s for s, _ in rows) - t0) / 1e6, (max(e for _, e in rows) - t0) / 1e6,
+                              float(np.median([e - s for s, e in rows])) / 1e3)
         spans.append(mine)
     return spans
 
 
 def format_phases(spans: list[dict]) -> str:
     return "\n".join(f"rank {r} ({mine['workers']} SMs): " + "  ".join(
-        f"{kind} {mine[kind][0]:.2f}-{mine[kind][1]:.2f}" for kind in KIND_COLOURS if kind in mine)
+        f"{kind} {mine[kind][0]:.2f}-{mine[kind][1]:.2f} ({mine[kind][2]:.0f} µs)" for kind in KIND_COLOURS
+        if kind in mine)
         for r, mine in enumerate(spans))
 
 
@@ -340,7 +344,8 @@ def run(args) -> int:
         for key, which in (("phases", "forward"), ("bwd_phases", "backward")):
             if me == 0 and key in row:
                 print(f"phases of a recorded fused {which}, tokens {row['tokens']}, hidden {row['hidden']} (ms from "
-                      f"the first task on any rank, first start-last end per kind):\n{format_phases(row[key])}")
+                      f"the first task on any rank, first start-last end per kind, median task):\n"
+                      f"{format_phases(row[key])}")
     problems = [f"tokens {row['tokens']} hidden {row['hidden']}: {key} = {row[key]} (must be 0)"
                 for row in rows for key in diff_columns if row[key]]
     if problems:
