@@ -156,3 +156,27 @@ def test_backward_that_differs_is_refused(tmp_path):
         done.stdout
     for other in ("out_diff =", "rerun_diff =", "dgates_diff =", "grad_up_diff =", "grad_down_diff ="):
         assert other not in done.stdout, done.stdout
+
+
+def test_kernel_a_spans_every_rank_up_to_the_last_up_tile():
+    ms = 1_000_000
+    ranks = [[("send", 2 * ms, 3 * ms, 0), ("up", 3 * ms, 9 * ms, 0), ("down", 9 * ms, 12 * ms, 0)],
+             [("relay", 1 * ms, 4 * ms, 1), ("up", 4 * ms, 10 * ms, 1), ("reduce", 10 * ms, 14 * ms, 1)]]
+    assert bench.kernel_a_ms(ranks) == 9.0
+
+
+@pytest.mark.mpi
+def test_tiny_host_run_with_overlap(tmp_path, capfd):
+    """--overlap: the sequential dispatch and up GEMM timed alone beside kernel A's span,
+    their columns before the diffs, a_vs_max their ratio."""
+    out = tmp_path / "fused.json"
+    code = bench.main([*TINY, "--tokens", "24", "--overlap", "--json", str(out)])
+    printed = capfd.readouterr().out
+    assert code == 0, printed
+    header = next(line for line in printed.splitlines() if line.startswith("tokens"))
+    assert header.split() == bench.columns(False, overlap=True)
+    assert bench.columns(False, overlap=True)[6:10] == bench.OVERLAP
+    row = json.loads(out.read_text())["rows"][0]
+    assert all(row[key] > 0 for key in ("dispatch_ms", "up_gemm_ms", "fused_a_ms")), row
+    assert row["a_vs_max"] == row["fused_a_ms"] / max(row["dispatch_ms"], row["up_gemm_ms"])
+    assert "phases" not in row  # recorded for the overlap, not printed without --timeline

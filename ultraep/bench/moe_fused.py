@@ -69,6 +69,7 @@ CONFIGS = ("default", "tuned")  # --config both: each, the default first
 TUNED = {"tuned": ["tuned_config"], "both": ["tuned_ms", "tuned_gain", "tuned_config"]}
 BACKWARD_TIMES = ["seq_step_ms", "fused_step_ms", "step_speedup"]
 BACKWARD_DIFFS = ["dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
+OVERLAP = ["dispatch_ms", "up_gemm_ms", "fused_a_ms", "a_vs_max"]
 ALIGN = 8  # hidden and ffn: whole 16-byte rows (the grouped GEMM's and the Dispatcher's copies)
 
 
@@ -97,6 +98,10 @@ def parse_args(argv):
     parser.add_argument("--config", choices=["default", "tuned", "both"], default="default",
                         help="the fused layer's configuration: today's constants, the tuned schedule, or both side "
                              "by side (tuned_ms, tuned_gain = fused_ms / tuned_ms)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also time the sequential dispatch alone and its up-projection GEMM alone, and the "
+                             "fused kernel A (dispatch + up) from a recorded forward: a_vs_max = fused_a_ms / "
+                             "max(dispatch_ms, up_gemm_ms), 1.0 when the exchange hides wholly under the GEMM")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--timeline", metavar="FILE.png",
                         help="plot every rank's fused tasks per SM over time, a file per setting "
@@ -110,12 +115,20 @@ def parse_args(argv):
     return args
 
 
-def columns(backward: bool, config: str = "default") -> list[str]:
-    """The table's columns: the tuned layer's and the backward's times after the forward's,
-    the diffs last."""
+def columns(backward: bool, config: str = "default", overlap: bool = False) -> list[str]:
+    """The table's columns: the tuned layer's, the backward's and the overlap's times after the
+    forward's, the diffs last."""
     times = COLUMNS.index("out_diff")
-    return (COLUMNS[:times] + TUNED.get(config, []) + (BACKWARD_TIMES if backward else []) + COLUMNS[times:]
-            + (BACKWARD_DIFFS if backward else []))
+    return (COLUMNS[:times] + TUNED.get(config, []) + (BACKWARD_TIMES if backward else [])
+            + (OVERLAP if overlap else []) + COLUMNS[times:] + (BACKWARD_DIFFS if backward else []))
+
+
+def kernel_a_ms(ranks_tasks) -> float:
+    """Kernel A's time in a recorded fused forward: from the first task on any rank to the
+    last up tile's end on any rank (the send and relay tasks come first in every rank's
+    claim order), in ms."""
+    start = min(s for tasks in ranks_tasks for _, s, _, _ in tasks)
+    return (max(e for tasks in ranks_tasks for kind, _, e, _ in tasks if kind == "up") - start) / 1e6
 
 
 def fused_configs(config: str) -> dict:
@@ -237,7 +250,12 @@ def run(args) -> int:
         title += "; tuned: MoELayer(fused_config='tuned')" + (", tuned_gain = fused_ms / tuned_ms"
                                                               if args.config == "both" else "")
     progress = Progress("moe-fused", enabled=me == 0 and not args.quiet)
-    table = RowStream(columns(args.backward, args.config), title, enabled=me == 0)
+    if args.overlap:
+        title += ("; dispatch_ms, up_gemm_ms: the sequential path's Dispatcher.dispatch alone and its "
+                  "up-projection grouped GEMM (BF16 out) alone; fused_a_ms: kernel A (dispatch + up tiles with "
+                  "SwiGLU) in a recorded fused forward, first task to last up tile on any rank; a_vs_max = "
+                  "fused_a_ms / max(dispatch_ms, up_gemm_ms)")
+    table = RowStream(columns(args.backward, args.config, args.overlap), title, enabled=me == 0)
     rows = []
     for H in args.hidden:
         for T in args.tokens:
@@ -287,15 +305,26 @@ def run(args) -> int:
                 if args.backward:  # zero_grads in a phase of its own: the window is forward + backward alone
                     for moe in (layers[False], fused):
                         phases += [lambda _, moe=moe: moe.zero_grads(), lambda _, moe=moe: step(moe)]
+                overlap_at = len(phases)
+                if args.overlap:  # the sequential path's two parts that kernel A fuses, each alone
+                    from ultraep.compute import grouped_mm
+
+                    sequential = layers[False]
+                    received = sequential.dispatcher.dispatch(x, ids, gates)
+                    phases += [lambda _: sequential.dispatcher.dispatch(x, ids, gates),
+                               lambda _: grouped_mm(received.x, sequential._w_up, received.offsets)]
                 windows = phase_windows_ms(group, phases, args.repeats, synchronize)
                 again = {name: checked(layers[name]) for name in configs}
                 layers[False].check()
                 tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None
-                phases = {}
-                if args.timeline:
+                phases, recorded = {}, {}
+                if args.timeline or args.overlap:
                     fused.record_timeline(True)
                     fused.forward(x, ids, gates, backward=False)
-                    recorded = {"forward": group.allgather(fused.timeline())}
+                    recorded["forward"] = group.allgather(fused.timeline())
+                    fused.record_timeline(False)
+                if args.timeline:
+                    fused.record_timeline(True)
                     if args.backward:  # a training forward (its timeline not kept), then the recorded backward
                         _, ctx = fused.forward(x, ids, gates)
                         fused.backward(ctx, dy)
@@ -330,8 +359,13 @@ def run(args) -> int:
             if tuned is not None:
                 row["tuned_config"] = tuned
             if args.backward:
-                seq_step, fused_step = windows[len(layers) + 1::2]  # after each layer's zero_grads phase
+                seq_step, fused_step = windows[len(layers) + 1:overlap_at:2]  # after each layer's zero_grads phase
                 row.update(seq_step_ms=seq_step, fused_step_ms=fused_step, step_speedup=seq_step / fused_step)
+            if args.overlap:
+                dispatch_ms, up_gemm_ms = windows[overlap_at:]
+                fused_a = kernel_a_ms(recorded["forward"])
+                row.update(dispatch_ms=dispatch_ms, up_gemm_ms=up_gemm_ms, fused_a_ms=fused_a,
+                           a_vs_max=fused_a / max(dispatch_ms, up_gemm_ms))
             row.update((key, sum(d[i] for d in everyone)) for i, key in enumerate(diff_columns))
             if phases:
                 row["phases"] = phases["forward"]
