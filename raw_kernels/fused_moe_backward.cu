@@ -15,9 +15,9 @@
 // and reports waits in the same status words; a non-null `trace` gets each task's start,
 // end and SM as the forward's does (claim), kinds FB_KIND_*. A dgrad-down tile's
 // accumulator is d_act for GH_BN columns of F; its epilogue rounds it to BF16 (as the
-// sequential dgrad stores it), applies SwiGLU's backward with h's gate and up columns of
-// the same indices and hands the store warps two staged halves: dh's gate columns, then its
-// up columns F further.
+// sequential dgrad stores it) and stages it; the consumers then apply SwiGLU's backward with
+// h's gate and up columns of the same indices and store dh's gate columns and its up columns
+// F further (swiglu_backward_tile).
 //
 //! kernels: fused_grad_dispatch_dgrad, fused_dgrad_combine
 //! nvrtc-options: -arch=sm_90a
@@ -52,45 +52,45 @@
 static_assert(FB_DOWN_COLS == WARP * 8, "a reduce warp covers a dgrad-up tile's columns, 8 BF16 per lane");
 static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");
 
-// The first half of a dgrad-down tile's epilogue, a consumer thread's accumulators (the
-// layout of stage_accumulators): g = bf16(d_act), staged BF16 d gate = SwiGLU backward's
-// gate half; d keeps the up half's FP32 value for the second half (stage_accumulators<false>
-// rounds it). Rows past the tile's and columns past F give zeros, which no store writes.
-__device__ __forceinline__ void stage_dgrad_gate(float (&d)[128], unsigned staged, const Tile& tile, const float* h,
-                                                 int ffn, int consumer, int warp, int lane) {
-    const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
-    constexpr int CHUNK = 4;  // column blocks whose h loads are in flight at once (the stores below fence them)
+// The SwiGLU backward of a dgrad-down tile on its 256 consumer threads (`id`), once g =
+// bf16(d_act) of the whole tile is staged as BF16 (as the sequential dgrad stores it): four
+// columns of a row per item, h's gate and up values loaded for UNROLL items at once, dh's
+// gate and up columns stored as BF16 straight to global memory. A runtime loop over the
+// staged tile, not the accumulators' registers: the math is inlined UNROLL times instead of
+// once per accumulator pair, and a warp reads and writes whole rows.
+__device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile& tile, const float* h, bf16* dh,
+                                                     int ffn, int id) {
+    constexpr int PER = 4, ROW_ITEMS = GH_BN / PER, THREADS = 128 * GH_CONSUMERS, UNROLL = 4;
+    static_assert(GH_BM * ROW_ITEMS % (THREADS * UNROLL) == 0, "every thread runs the same iterations");
+    for (int i0 = id; i0 < GH_BM * ROW_ITEMS; i0 += THREADS * UNROLL) {
+        float4 gate_h[UNROLL], up_h[UNROLL];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = tile.row0 + row + 8 * half;
-        const float* h_row = h + static_cast<long long>(r) * 2 * ffn;
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = i0 + u * THREADS, r = tile.row0 + i / ROW_ITEMS, f = tile.col0 + i % ROW_ITEMS * PER;
+            const bool inside = r < tile.row_end && f < ffn;  // ffn is a multiple of 8: f < ffn holds f + 3 too
+            const float* h_row = h + static_cast<long long>(r) * 2 * ffn + f;
+            gate_h[u] = inside ? __ldg(reinterpret_cast<const float4*>(h_row)) : make_float4(0, 0, 0, 0);
+            up_h[u] = inside ? __ldg(reinterpret_cast<const float4*>(h_row + ffn)) : make_float4(0, 0, 0, 0);
+        }
 #pragma unroll
-        for (int j0 = 0; j0 < GH_BN / 8; j0 += CHUNK) {
-            float2 a[CHUNK], b[CHUNK];  // h's gate and up pairs of the chunk's columns
-#pragma unroll
-            for (int u = 0; u < CHUNK; ++u) {
-                const int f = tile.col0 + col + 8 * (j0 + u);  // ffn is even: f < ffn holds f + 1 too
-                const bool inside = r < tile.row_end && f < ffn;
-                a[u] = inside ? __ldg(reinterpret_cast<const float2*>(h_row + f)) : make_float2(0.0f, 0.0f);
-                b[u] = inside ? __ldg(reinterpret_cast<const float2*>(h_row + ffn + f)) : make_float2(0.0f, 0.0f);
-            }
-#pragma unroll
-            for (int u = 0; u < CHUNK; ++u) {
-                const int j = j0 + u, i = 4 * j + 2 * half, f = tile.col0 + col + 8 * j;
-                float gate[2] = {0.0f, 0.0f};
-                if (r < tile.row_end && f < ffn) {
-                    const __nv_bfloat162 g = __floats2bfloat162_rn(d[i], d[i + 1]);
-                    const float2 g0 = swiglu_backward_rn(a[u].x, b[u].x, __low2float(g));
-                    const float2 g1 = swiglu_backward_rn(a[u].y, b[u].y, __high2float(g));
-                    gate[0] = g0.x, gate[1] = g1.x, d[i] = g0.y, d[i + 1] = g1.y;
-                } else {
-                    d[i] = 0.0f, d[i + 1] = 0.0f;
-                }
-                const __nv_bfloat162 v = __floats2bfloat162_rn(gate[0], gate[1]);
-                asm volatile("st.shared.b32 [%0], %1;"
-                             :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
-                                "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
-            }
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = i0 + u * THREADS, row = i / ROW_ITEMS, c = i % ROW_ITEMS * PER;
+            const int r = tile.row0 + row, f = tile.col0 + c;
+            if (r >= tile.row_end || f >= ffn) continue;
+            uint2 bits;
+            asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(bits.x), "=r"(bits.y)
+                         : "r"(staged + row * GH_C_PITCH + c * 2));
+            const __nv_bfloat162 g01 = *reinterpret_cast<const __nv_bfloat162*>(&bits.x);
+            const __nv_bfloat162 g23 = *reinterpret_cast<const __nv_bfloat162*>(&bits.y);
+            const float2 d0 = swiglu_backward_rn(gate_h[u].x, up_h[u].x, __low2float(g01));
+            const float2 d1 = swiglu_backward_rn(gate_h[u].y, up_h[u].y, __high2float(g01));
+            const float2 d2 = swiglu_backward_rn(gate_h[u].z, up_h[u].z, __low2float(g23));
+            const float2 d3 = swiglu_backward_rn(gate_h[u].w, up_h[u].w, __high2float(g23));
+            const __nv_bfloat162 gate[2] = {__floats2bfloat162_rn(d0.x, d1.x), __floats2bfloat162_rn(d2.x, d3.x)};
+            const __nv_bfloat162 up[2] = {__floats2bfloat162_rn(d0.y, d1.y), __floats2bfloat162_rn(d2.y, d3.y)};
+            bf16* dh_row = dh + static_cast<long long>(r) * 2 * ffn + f;
+            *reinterpret_cast<uint2*>(dh_row) = *reinterpret_cast<const uint2*>(gate);
+            *reinterpret_cast<uint2*>(dh_row + ffn) = *reinterpret_cast<const uint2*>(up);
         }
     }
 }
@@ -126,28 +126,25 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
         grad_row<bf16, FM_UNROLL>(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16,
                                   peer_bases, slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
     };
-    // dh's gate half (its first F columns), then its up half: staging s to columns s F + the tile's
-    auto store = [&](unsigned staged, const Tile& tile, int s) {
-        store_staged_tile<GH_BN>(staged, tile, dh + s * ffn, 2 * ffn, ffn, threadIdx.x - WARP);
+    // The epilogue on the consumers alone: g staged, then the tile's SwiGLU backward from it
+    // into dh; the store warps only prefetch h.
+    auto store = [](unsigned, const Tile&, int) {};
+    auto stage = [&](float (&d)[128], const Tile& tile, int, unsigned staged, int consumer, int warp, int lane) {
+        stage_accumulators<false>(d, staged, consumer, warp, lane);
+        consumers_sync();
+        swiglu_backward_tile(staged, tile, h, dh, ffn, threadIdx.x - 128);
     };
-    auto stage = [&](float (&d)[128], const Tile& tile, int half, unsigned staged, int consumer, int warp,
-                     int lane) {
-        if (half == 0)
-            stage_dgrad_gate(d, staged, tile, h, ffn, consumer, warp, lane);
-        else
-            stage_accumulators<false>(d, staged, consumer, warp, lane);
-    };
-    // h's gate and up columns of the tile: 256 KB that the epilogue would otherwise wait for
-    // from HBM in serial rounds (its loads cannot pass its shared stores)
+    // h's gate and up columns of the tile (256 KB) into L2 while its MMAs run, for the epilogue
     auto prefetch_h = [&](const Tile& tile, int id) {
         const unsigned bytes = min(FB_DACT_COLS, ffn - tile.col0) * sizeof(float);  // ffn: whole 16-byte chunks
         const int rows = min(GH_BM, tile.row_end - tile.row0);
         for (int i = id / WARP; i < 2 * rows; i += GH_STORE_WARPS)  // a warp's rows, its lane 0
-            if (id % WARP == 0) prefetch_l2(h + static_cast<long long>(tile.row0 + i / 2) * 2 * ffn + (i % 2) * ffn + tile.col0, bytes);
+            if (id % WARP == 0)
+                prefetch_l2(h + static_cast<long long>(tile.row0 + i / 2) * 2 * ffn + (i % 2) * ffn + tile.col0, bytes);
     };
     // system-scope relay fences: the sources read their gate gradients after kernel D's flags
     send_relay_then_gemm<GH_DGRAD, true>(
-        &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, 2, dy, tokens, top_k, hidden, ids,
+        &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, 1, dy, tokens, top_k, hidden, ids,
         gates, positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset,
         row_flag_offset, me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready,
         relay_row, store, stage, prefetch_h, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND,
