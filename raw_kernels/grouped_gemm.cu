@@ -35,6 +35,8 @@
 // chunk four k16 MMAs in ascending k, with no split-K and no atomics. A row's forward or
 // dgrad result depends only on its own row and the weights, never on which rows share its
 // tile or where its expert starts; a dW_e only on the expert's rows, not where they start.
+// The schedules below change where output tiles wait and how deep the ring is, never a sum:
+// they give the same bits.
 //
 //! kernels: grouped_mm_forward<__nv_bfloat16>, grouped_mm_forward<float>
 //! kernels: grouped_mm_dgrad<__nv_bfloat16>, grouped_mm_dgrad<float>
@@ -43,7 +45,115 @@
 
 #include <cuda_bf16.h>
 
+// -- Schedules --------------------------------------------------------------------------------
+// GG_SCHEDULE (a -D option; ultraep/compute/device.py names them) decides where a BF16 output
+// tile waits for the store warps, and with it the depth of the stage ring:
+//   GG_STAGED_TILE  (the default) a padded buffer of its own, GH_C_BYTES, beside 3 stages;
+//   GG_RING_STAGED  the stage of the tile's last k-step, still held by the consumers, for its
+//                   first GG_STAGE_BLOCKS column blocks and a GG_TAIL_BYTES tail for the
+//                   rest, beside GG_RING_STAGES stages; the store warps hand that stage back
+//                   to the producer once they have read it (until then the ring is 3 deep).
+// While the MMAs of one k-step run, the consumers hold its stage and the producer refills the
+// others: a copy may take two k-steps of MMAs with 3 stages, three with 4 (~1.1 against ~1.7 us
+// at the tensor cores' peak) before the MMAs wait for it; the same epilogue overlaps the next
+// tile's MMAs in both.
+#define GG_STAGED_TILE 0
+#define GG_RING_STAGED 1
+#ifndef GG_SCHEDULE
+#define GG_SCHEDULE GG_STAGED_TILE
+#endif
+#define GG_RING_STAGES 4
+#if GG_SCHEDULE == GG_RING_STAGED
+#define GH_STAGES GG_RING_STAGES
+// The store warps keep two 16-byte chunks a lane in flight: warpgroup 0 takes 56 registers
+// (40 spill), the consumers 224 (they use about 170); 128 x 56 + 256 x 224 = 384 x 168.
+#define GH_PRODUCER_REGISTERS 56
+#define GH_CONSUMER_REGISTERS 224
+#endif
+
 #include "grouped_gemm_common.cuh"
+
+// A ring-staged tile is column blocks of 64, 128 rows of 128 bytes each, 16-byte chunk c of
+// row r at chunk c ^ (r % 8): a consumer warp's fragment write (8 rows x 4 lanes of 4 bytes)
+// and a store warp's read (8 lanes x 16 bytes of one row) both hit 32 different banks.
+#define GG_BLOCK_COLS 64
+#define GG_BLOCK_BYTES (GH_BM * GG_BLOCK_COLS * 2)
+#define GG_STAGE_BLOCKS (GH_STAGE_BYTES / GG_BLOCK_BYTES)
+#define GG_TAIL_BYTES (GH_BN / GG_BLOCK_COLS * GG_BLOCK_BYTES - GH_STAGE_BYTES)
+// The host's dynamic shared memory for GG_RING_STAGED (GH_SMEM_BYTES for GG_STAGED_TILE).
+#define GG_RING_SMEM_BYTES (GG_RING_STAGES * GH_STAGE_BYTES + GG_TAIL_BYTES + 1024)
+
+static_assert(GH_STAGE_BYTES % GG_BLOCK_BYTES == 0 && GG_TAIL_BYTES > 0, "a stage holds whole blocks, not a tile");
+static_assert(GG_SCHEDULE == GG_STAGED_TILE || GG_SCHEDULE == GG_RING_STAGED, "GG_SCHEDULE names no schedule");
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a ring-staged column block.
+__device__ __forceinline__ unsigned swizzled_chunk(int row, int chunk) {
+    return row * (GG_BLOCK_COLS * 2) + ((chunk ^ (row & 7)) * 16);
+}
+
+// Store warp w's share of the GH_CONSUMERS * 4 arrivals that release a stage.
+__device__ __forceinline__ unsigned store_warp_arrivals(int w) {
+    return GH_CONSUMERS * 4 * (w + 1) / GH_STORE_WARPS - GH_CONSUMERS * 4 * w / GH_STORE_WARPS;
+}
+
+__device__ __forceinline__ void mbarrier_arrive_count(u64* bar, unsigned count) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" :: "r"(shared_address(bar)), "r"(count) : "memory");
+}
+
+// Generic-proxy accesses to shared memory that a later TMA copy (async proxy) overwrites:
+// ordered before it.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// A consumer's rows of a ring-staged BF16 tile (accumulators as in grouped_mm): column block
+// b at stage + b * GG_BLOCK_BYTES for b < GG_STAGE_BLOCKS, the others in the tail.
+__device__ __forceinline__ void stage_in_ring(const float (&d)[128], unsigned stage, unsigned tail, int row, int lane) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int j = 0; j < GH_BN / 8; ++j) {
+            const int block = j / (GG_BLOCK_COLS / 8);
+            const unsigned base = block < GG_STAGE_BLOCKS ? stage + block * GG_BLOCK_BYTES
+                                                          : tail + (block - GG_STAGE_BLOCKS) * GG_BLOCK_BYTES;
+            const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+            asm volatile("st.shared.b32 [%0], %1;"
+                         :: "r"(base + swizzled_chunk(row + 8 * half, j % (GG_BLOCK_COLS / 8)) + 4 * (lane % 4)),
+                            "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
+        }
+}
+
+// The store warps' part of a ring-staged epilogue: BLOCKS column blocks from `base`, the first
+// at output column `col0`, to `out` (row pitch out_cols), masked to the tile's rows and to
+// columns below out_cols; ZEROS: zeros instead, nothing read (a tile with no reduction). Eight
+// lanes take a 128-byte row, a warp 4 rows at a time; each lane keeps UNROLL chunks in flight.
+template <int BLOCKS, bool ZEROS = false>
+__device__ __forceinline__ void store_ring_blocks(unsigned base, int col0, const Tile& tile, bf16* out, int out_cols,
+                                                  int id) {
+    constexpr int ROW_STEP = GH_STORE_WARPS * WARP / 8, UNROLL = 2;
+    const int chunk = id % 8, first_row = id / 8, rows = min(GH_BM, tile.row_end - tile.row0);
+    const long long row_step = static_cast<long long>(ROW_STEP) * out_cols;
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+        const int c = col0 + b * GG_BLOCK_COLS + chunk * 8;
+        if (c >= out_cols) break;  // and so are the further blocks' columns
+        const unsigned block = base + b * GG_BLOCK_BYTES;
+        bf16* at = out + static_cast<long long>(tile.row0 + first_row) * out_cols + c;
+#pragma unroll 1
+        for (int row = first_row; row < rows; row += UNROLL * ROW_STEP, at += UNROLL * row_step) {
+            uint4 v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                v[u] = make_uint4(0, 0, 0, 0);
+                if (!ZEROS && row + u * ROW_STEP < rows)
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                                 : "r"(block + swizzled_chunk(row + u * ROW_STEP, chunk)));
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                if (row + u * ROW_STEP < rows) *reinterpret_cast<uint4*>(at + u * row_step) = v[u];
+        }
+    }
+}
 
 // -- The tile loop ----------------------------------------------------------------------------
 
@@ -53,6 +163,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                                            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out,
                                            long long* status) {
     constexpr bool STAGED_OUTPUT = sizeof(OutT) == 2;  // FP32 tiles do not fit beside the stages: stored directly
+    constexpr bool RING_STAGED = STAGED_OUTPUT && GG_SCHEDULE == GG_RING_STAGED;
     constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
     extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[GG_MAX_EXPERTS + 1];
@@ -76,7 +187,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     __syncthreads();
     const int tiles = MODE == GH_WGRAD ? experts * wgrad_m_tiles * n_tiles : tile_start[experts];
     const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
-    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;  // the BF16 output tile
+    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;  // the BF16 output tile (ring-staged: its tail)
 
     // Tile t: its expert, then (m, n) of the expert's tiles in grouped_raster's order.
     auto tile_at = [&](int t) {
@@ -108,7 +219,35 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             }
             return;
         }
-        if constexpr (STAGED_OUTPUT) {
+        if constexpr (RING_STAGED) {
+            // Store warps: each tile from the stage of its last k-step and the tail; the stage
+            // goes back to the producer first (its arrivals, shared out among the store warps,
+            // are the consumer warps' that mma_tile left out). A tile with no k-step is zeros
+            // and was staged nowhere.
+            const int id = threadIdx.x - WARP;
+            int phase = 0, step = 0;
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                const Tile tile = tile_at(t);
+                OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
+                step += ceil_div(tile.red_len, GH_BK);
+                if (tile.red_len == 0) {
+                    store_ring_blocks<GH_BN / GG_BLOCK_COLS, true>(0, tile.col0, tile, base, out_cols, id);
+                    continue;
+                }
+                stage_wait(&output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
+                phase ^= 1;
+                if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
+                const int s = (step - 1) % GH_STAGES;
+                store_ring_blocks<GG_STAGE_BLOCKS>(stages + s * GH_STAGE_BYTES, tile.col0, tile, base, out_cols, id);
+                fence_proxy_async();
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive_count(&empty[s], store_warp_arrivals(id / WARP));
+                store_ring_blocks<GH_BN / GG_BLOCK_COLS - GG_STAGE_BLOCKS>(
+                    staged, tile.col0 + GG_STAGE_BLOCKS * GG_BLOCK_COLS, tile, base, out_cols, id);
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive(&output_empty);
+            }
+        } else if constexpr (STAGED_OUTPUT) {
             // Store warps: each staged tile to global memory in 16-byte chunks, a warp per
             // 512-byte row at a time, masked to the tile's rows and the output's columns.
             const int id = threadIdx.x - WARP;
@@ -129,15 +268,25 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
     int step = 0, phase = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x, phase ^= 1) {
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = tile_at(t);
         float d[128];
-        mma_tile<MODE>(d, tile, stages, full, empty, step, consumer, lane, status, gave_up);
+        mma_tile<MODE, !RING_STAGED>(d, tile, stages, full, empty, step, consumer, lane, status, gave_up);
 
         // Accumulator d[4j + {0, 1}] is row lane/4, columns 8j + 2 (lane%4) + {0, 1} of the
         // warp's 16 rows; d[4j + {2, 3}] the same 8 rows further.
         const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
-        if constexpr (STAGED_OUTPUT) {  // to the staged tile once the store warps are done with the last
+        if constexpr (RING_STAGED) {  // over the last k-step's stage and the tail, once the store warps are done with it
+            if (tile.red_len > 0) {   // else zeros, which the store warps write
+                consumers_sync();     // both warpgroups' last MMAs have read the stage
+                stage_wait(&output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+                stage_in_ring(d, stages + (step - 1) % GH_STAGES * GH_STAGE_BYTES, staged, row, lane);
+                fence_proxy_async();
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive(&output_full);
+                phase ^= 1;
+            }
+        } else if constexpr (STAGED_OUTPUT) {  // to the staged tile once the store warps are done with the last
             stage_wait(&output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
 #pragma unroll
             for (int half = 0; half < 2; ++half)
@@ -149,6 +298,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 }
             __syncwarp();
             if (lane == 0) mbarrier_arrive(&output_full);
+            phase ^= 1;
         } else {
             OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
 #pragma unroll

@@ -118,7 +118,11 @@ __device__ __forceinline__ int2 grouped_raster(int local, int m_tiles, int n_til
 #define GH_BM 128
 #define GH_BN 256
 #define GH_BK 64
+// grouped_gemm.cu's GG_RING_STAGED schedule compiles with a deeper ring; the fused kernels
+// always take this one.
+#ifndef GH_STAGES
 #define GH_STAGES 3
+#endif
 #define GH_CONSUMERS 2
 #define GH_THREADS (128 * (1 + GH_CONSUMERS))
 // Operand tiles are copied in boxes of 64 elements along their contiguous dimension: a box
@@ -135,9 +139,12 @@ __device__ __forceinline__ int2 grouped_raster(int local, int m_tiles, int n_til
 // The swizzled stages must start on a 1024-byte boundary (the swizzle pattern repeats
 // every 8 rows of 128 bytes); the slack lets the kernel round the dynamic base up.
 #define GH_SMEM_BYTES (GH_STAGES * GH_STAGE_BYTES + GH_C_BYTES + 1024)
-// setmaxnreg: 128 x 40 + 256 x 232 = the 384 x 168 registers the launch reserves.
+// setmaxnreg: 128 x 40 + 256 x 232 = the 384 x 168 registers the launch reserves
+// (grouped_gemm.cu's GG_RING_STAGED schedule compiles with another split).
+#ifndef GH_PRODUCER_REGISTERS
 #define GH_PRODUCER_REGISTERS 40
 #define GH_CONSUMER_REGISTERS 232
+#endif
 // Warpgroup 0: warp 0 copies operands, the other three store output tiles.
 #define GH_STORE_WARPS 3
 // The host encodes the tensor maps with these (CUtensorMap is 128 opaque bytes).
@@ -312,8 +319,9 @@ __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMa
 
 // A consumer warpgroup's MMAs of one tile: d = its 64 rows x GH_BN columns, summed over the
 // reduction in GH_BK chunks in ascending order, each releasing its stage once the next
-// chunk's MMAs are issued.
-template <int MODE>
+// chunk's MMAs are issued. !RELEASE_LAST: the last chunk's stage stays held (its release
+// is then the caller's: grouped_gemm.cu stages an output tile in it).
+template <int MODE, bool RELEASE_LAST = true>
 __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsigned stages, u64* full, u64* empty,
                                          int& step, int consumer, int lane, long long* status, bool& gave_up) {
     const int k_steps = ceil_div(tile.red_len, GH_BK);
@@ -361,7 +369,7 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
         if (k > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
     }
     wgmma_wait<0>();
-    if (k_steps > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+    if (RELEASE_LAST && k_steps > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
 }
 
 // The store warps' part of an epilogue: the tile staged in shared memory (GH_C_PITCH bytes

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import requires_gpu
-from ultraep.bench.grouped_gemm import expert_counts, main
+from ultraep.bench.grouped_gemm import expert_counts, main, parse_args
 
 
 @pytest.mark.parametrize("distribution", ["uniform", "zipf", "empty"])
@@ -27,6 +27,14 @@ def test_unknown_case_is_refused(capsys):
     assert main(["--cases", "no such case"]) == 2
 
 
+def test_variant_is_a_schedule_other_than_the_default(capsys):
+    assert parse_args(["--variant", "ring"]).variant == "ring"
+    assert parse_args([]).variant is None
+    for name in ("staged", "fast"):
+        with pytest.raises(SystemExit):
+            parse_args(["--variant", name])
+
+
 @pytest.mark.gpu
 @requires_gpu
 def test_one_case_runs_and_writes_json(tmp_path, capsys):
@@ -36,3 +44,15 @@ def test_one_case_runs_and_writes_json(tmp_path, capsys):
     assert [r["op"] for r in rows] == ["forward", "dgrad", "wgrad"]
     assert all(r["ours"] and r["ours"] > 0 for r in rows)
     assert "vs_dense" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_variant_is_timed_beside_ours_with_the_same_bits(tmp_path, capsys):
+    path = tmp_path / "gg.json"
+    assert main(["--cases", "32x256", "--sizes", "empty", "--repeats", "2", "--variant", "ring",
+                 "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["forward", "dgrad", "wgrad"]
+    assert all(r["variant"] and r["variant"] > 0 and r["variant_diff"] == 0 for r in rows)
+    assert "variant_vs_ours" in capsys.readouterr().out

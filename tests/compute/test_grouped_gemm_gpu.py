@@ -6,6 +6,9 @@ the host sums strictly left to right). Everything else here is bitwise: BF16 out
 the FP32 output rounded once, ten runs give the same bits, a row's forward output and
 input gradient do not depend on its neighbours or on where its expert starts (the
 master/replica property), and a wgrad does not depend on where its expert's rows start.
+
+Every test runs on each kernel schedule (``ultraep.compute.device.SCHEDULES``: ``-k ring``
+runs only that one); test_grouped_gemm_schedules_gpu.py compares their bits directly.
 """
 
 import re
@@ -16,6 +19,8 @@ import pytest
 from tests.compute.reference import (assert_within_bound, bf16, exact, nan_bits, offsets_of, random_problem)
 from tests.conftest import requires_gpu
 from ultraep.compute import check_errors, grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+from ultraep.compute import grouped_gemm as api
+from ultraep.compute.device import SCHEDULES, DeviceGroupedGemm
 from ultraep.errors import GroupedGemmError
 from ultraep.runtime.dtypes import BFLOAT16
 
@@ -28,6 +33,14 @@ OPS = {"forward": grouped_mm, "dgrad": grouped_mm_dgrad, "wgrad": grouped_mm_wgr
 def cp():
     import cupy
     return cupy
+
+
+@pytest.fixture(autouse=True, params=list(SCHEDULES))
+def schedule(request, monkeypatch, cp):
+    """The API's device implementation, on every GPU, is this schedule's for the test."""
+    devices = {gpu: DeviceGroupedGemm(gpu, request.param) for gpu in range(cp.cuda.runtime.getDeviceCount())}
+    monkeypatch.setattr(api, "_devices", devices)
+    return request.param
 
 
 def up(cp, array: np.ndarray):

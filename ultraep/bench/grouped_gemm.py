@@ -9,6 +9,11 @@ counted, not even for the loop of launches). TFLOPS = 2 x total rows x N x K / t
 every column alike. ``vs_best`` is ours over the better of the loop and
 ``torch._grouped_mm``; ``vs_dense`` ours over cuBLAS dense. The loop and dense baselines
 need the counts on the host; the grouped kernels read them on the device.
+
+``--variant SCHEDULE`` also times the kernels compiled with another schedule
+(``ultraep.compute.device.SCHEDULES``) right after ours on the same operands: ``variant``
+and its ratios to ours, the better baseline and dense, and ``variant_diff``, the output
+elements whose bits differ from ours (the schedules must agree: 0).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 
 from ultraep.bench.report import print_table, write_json
 from ultraep.bench.timing import held_event_ms
+from ultraep.compute.device import DEFAULT_SCHEDULE, SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,8 @@ DISTRIBUTIONS = ("uniform", "zipf", "empty")
 OPS = ("forward", "dgrad", "wgrad")
 COLUMNS = ["case", "sizes", "op", "rows", "min_rows", "max_rows", "ours", "dense", "loop", "torch_grouped",
            "vs_best", "vs_dense"]
+VARIANT_COLUMNS = ["variant", "variant_vs_ours", "variant_vs_best", "variant_vs_dense", "variant_diff"]
+OUTPUTS = {"forward": "y", "dgrad": "dx", "wgrad": "dw"}
 
 
 def expert_counts(experts: int, mean: int, distribution: str, seed: int) -> np.ndarray:
@@ -79,6 +87,8 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row counts and the operands")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--variant", choices=[s for s in SCHEDULES if s != DEFAULT_SCHEDULE],
+                        help="also time the kernels of this schedule beside ours, and compare their bits")
     return parser.parse_args(argv)
 
 
@@ -158,10 +168,13 @@ class Baselines:
         return None
 
 
-def run_case(case: Case, distribution: str, ops, repeats: int, seed: int) -> list[dict]:
+def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, variant=None) -> list[dict]:
+    """The rows of one case and size distribution; ``variant``: a DeviceGroupedGemm of another
+    schedule, timed beside ours."""
     import cupy
 
     from ultraep.compute import check_errors, grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+    from ultraep.compute.checks import check_problem
     from ultraep.runtime.dtypes import BFLOAT16
 
     counts = expert_counts(case.experts, case.rows_per_expert, distribution, seed)
@@ -188,15 +201,29 @@ def run_case(case: Case, distribution: str, ops, repeats: int, seed: int) -> lis
             print(f"{case.name} {distribution}: {error}", file=sys.stderr)
             return None
 
+    operands = {"forward": (x, w), "dgrad": (dy, w), "wgrad": (x, dy)}
+    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+
     rows_out = []
     for op in ops:
         row = dict(case=case.name, sizes=distribution, op=op, rows=rows, min_rows=int(counts.min()),
-                   max_rows=int(counts.max()), ours=tflops(ours[op]), dense=tflops(baselines.dense(op, out)),
-                   loop=tflops(baselines.loop(op, out)), torch_grouped=tflops(baselines.torch_grouped(op)))
+                   max_rows=int(counts.max()), ours=tflops(ours[op]))
+        if variant is not None:  # now, while the output holds ours (the baselines write it too)
+            theirs = cupy.empty_like(out[OUTPUTS[op]])
+            problem = check_problem(op, *operands[op], offsets, theirs)
+            row["variant"] = tflops(lambda: variant.run(problem, *operands[op], offsets, theirs))
+            variant.check()
+            check_errors()
+            row["variant_diff"] = int((out[OUTPUTS[op]].view(np.uint16) != theirs.view(np.uint16)).sum())
+            del theirs
+        row.update(dense=tflops(baselines.dense(op, out)), loop=tflops(baselines.loop(op, out)),
+                   torch_grouped=tflops(baselines.torch_grouped(op)))
         check_errors()
         best = max([v for v in (row["loop"], row["torch_grouped"]) if v is not None], default=None)
-        row["vs_best"] = row["ours"] / best if best and row["ours"] else None
-        row["vs_dense"] = row["ours"] / row["dense"] if row["dense"] and row["ours"] else None
+        row["vs_best"], row["vs_dense"] = ratio(row["ours"], best), ratio(row["ours"], row["dense"])
+        if variant is not None:
+            row.update(variant_vs_ours=ratio(row["variant"], row["ours"]), variant_vs_best=ratio(row["variant"], best),
+                       variant_vs_dense=ratio(row["variant"], row["dense"]))
         rows_out.append(row)
     for what, why in baselines.failed.items():
         print(f"{case.name} {distribution}: {what} unavailable: {why}", file=sys.stderr)
@@ -209,11 +236,20 @@ def main(argv=None) -> int:
     if not cases:
         print(f"no case matches {args.cases}; cases: {', '.join(c.name for c in CASES)}", file=sys.stderr)
         return 2
+    variant = None
+    if args.variant:
+        import cupy
+
+        from ultraep.compute.device import DeviceGroupedGemm
+        variant = DeviceGroupedGemm(cupy.cuda.runtime.getDevice(), args.variant)
     rows = []
     for case in cases:
         for distribution in args.sizes:
-            rows += run_case(case, distribution, args.ops, args.repeats, args.seed)
-    print_table(rows, COLUMNS, "Grouped GEMM, BF16 in / FP32 accumulate / BF16 out, TFLOPS (higher is better)")
+            rows += run_case(case, distribution, args.ops, args.repeats, args.seed, variant)
+    title = "Grouped GEMM, BF16 in / FP32 accumulate / BF16 out, TFLOPS (higher is better)"
+    if args.variant:
+        title += f"; variant: schedule {args.variant!r} against ours ({DEFAULT_SCHEDULE!r})"
+    print_table(rows, COLUMNS + (VARIANT_COLUMNS if args.variant else []), title)
     if args.json:
-        write_json(args.json, {"benchmark": "grouped-gemm", "rows": rows})
+        write_json(args.json, {"benchmark": "grouped-gemm", "variant": args.variant, "rows": rows})
     return 0

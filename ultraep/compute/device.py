@@ -11,6 +11,11 @@ ran out of time (a bug, reported rather than hung).
 The kernels take their operands through TMA tensor maps, encoded here for every
 call by the driver's ``cuTensorMapEncodeTiled`` (they hold the operands' addresses) and
 passed by value as kernel parameters.
+
+``schedule`` picks one of the kernels' compile-time schedules (:data:`SCHEDULES`,
+``GG_SCHEDULE`` in ``raw_kernels/grouped_gemm.cu``, which says what each does); all give
+the same bits. The library runs ``staged``; ``bench grouped-gemm --variant`` measures the
+others beside it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0
+
+# Schedule name -> (its GG_SCHEDULE value's macro, its dynamic shared memory's macro).
+SCHEDULES = {"staged": ("GG_STAGED_TILE", "GH_SMEM_BYTES"), "ring": ("GG_RING_STAGED", "GG_RING_SMEM_BYTES")}
+DEFAULT_SCHEDULE = "staged"
 
 
 class _TensorMaps:
@@ -71,11 +80,19 @@ class _TensorMaps:
 
 
 class DeviceGroupedGemm:
-    """The grouped GEMM on GPU ``device``: kernels, persistent grid and status word."""
+    """The grouped GEMM on GPU ``device``: kernels of one schedule, persistent grid and status word."""
 
-    def __init__(self, device: int):
+    def __init__(self, device: int, schedule: str = DEFAULT_SCHEDULE):
+        if schedule not in SCHEDULES:
+            raise GroupedGemmError(f"grouped GEMM schedule {schedule!r} does not exist; "
+                                   f"schedules: {', '.join(SCHEDULES)}")
         import cupy
 
+        value, shared_bytes = SCHEDULES[schedule]
+        self.schedule = schedule
+        # The default's module is the plain one (no -D option), shared with every other user.
+        self.defines = () if schedule == DEFAULT_SCHEDULE else (("GG_SCHEDULE", kernel_constant(KERNELS, value)),)
+        self.shared_bytes = kernel_constant(KERNELS, shared_bytes)
         self.cp, self.device = cupy, device
         with cupy.cuda.Device(device):
             properties = cupy.cuda.runtime.getDeviceProperties(device)
@@ -85,7 +102,6 @@ class DeviceGroupedGemm:
         self.hopper = (properties["major"], properties["minor"]) == (9, 0)
         self.grid = properties["multiProcessorCount"]
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
-        self.shared_bytes = kernel_constant(KERNELS, "GH_SMEM_BYTES")
         self._maps: _TensorMaps | None = None
         self._kernels: dict[tuple[str, np.dtype], object] = {}
 
@@ -93,7 +109,7 @@ class DeviceGroupedGemm:
         kernel = self._kernels.get((op, out_dtype))
         if kernel is None:
             element = "float" if out_dtype == np.float32 else "__nv_bfloat16"
-            kernel = get_function(KERNELS, f"grouped_mm_{op}<{element}>")
+            kernel = get_function(KERNELS, f"grouped_mm_{op}<{element}>", defines=self.defines)
             with self.cp.cuda.Device(self.device):
                 kernel.max_dynamic_shared_size_bytes = self.shared_bytes
             self._kernels[(op, out_dtype)] = kernel

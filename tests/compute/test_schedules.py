@@ -1,0 +1,67 @@
+"""The grouped GEMM's kernel schedules on the host side: names, shared memory, and each one's
+nvcc build (no spill the default does not have)."""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from tests.runtime.test_kernels_compile import find_nvcc
+from ultraep.compute.checks import KERNELS
+from ultraep.compute.device import DEFAULT_SCHEDULE, SCHEDULES, DeviceGroupedGemm
+from ultraep.errors import GroupedGemmError
+from ultraep.runtime.kernels import kernel_constant, kernel_source
+
+# The most dynamic plus static shared memory a block may have on sm_90 (227 KiB).
+SM90_BLOCK_SHARED_BYTES = 227 * 1024
+STATIC_SHARED_BYTES = 8 * (kernel_constant(KERNELS, "GG_MAX_EXPERTS") + 1) + 1024  # offsets, tile prefix, barriers
+
+
+def test_an_unknown_schedule_is_refused_by_name():
+    with pytest.raises(GroupedGemmError, match="schedule 'fast' does not exist; schedules: staged, ring"):
+        DeviceGroupedGemm(0, "fast")
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_each_schedule_fits_a_blocks_shared_memory(schedule):
+    shared = kernel_constant(KERNELS, SCHEDULES[schedule][1])
+    assert shared + STATIC_SHARED_BYTES <= SM90_BLOCK_SHARED_BYTES
+
+
+def ptxas_spills(report: str) -> dict[str, int]:
+    """Spill store + load bytes per compiled kernel in an ``-Xptxas -v`` report."""
+    spills, current = {}, None
+    for line in report.splitlines():
+        if "Compiling entry function" in line:
+            current = line.split("'")[1]
+        elif current and "spill stores" in line:
+            stores, loads = re.findall(r"(\d+) bytes spill (?:stores|loads)", line)
+            spills[current] = int(stores) + int(loads)
+    return spills
+
+
+def compile_schedule(nvcc, schedule: str, tmp_path) -> dict[str, int]:
+    value = kernel_constant(KERNELS, SCHEDULES[schedule][0])
+    source = kernel_source(KERNELS)
+    cmd = [nvcc, "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-DGG_SCHEDULE={value}",
+           "-I", str(source.parent), "-o", str(tmp_path / f"{schedule}.cubin"), str(source)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, f"nvcc failed on {KERNELS} with schedule {schedule!r}:\n{report}"
+    assert "serialized" not in report, f"ptxas serialises wgmma with schedule {schedule!r}:\n{report}"
+    return ptxas_spills(report)
+
+
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != DEFAULT_SCHEDULE])
+def test_each_schedule_compiles_without_spills_the_default_lacks(schedule, tmp_path):
+    nvcc = find_nvcc()
+    if nvcc is None:
+        if os.environ.get("CI"):
+            pytest.fail("nvcc is expected on the CI machine but was not found")
+        pytest.skip("no nvcc on this machine: compile check not run")
+    default = compile_schedule(nvcc, DEFAULT_SCHEDULE, tmp_path)
+    spills = compile_schedule(nvcc, schedule, tmp_path)
+    assert spills.keys() == default.keys() and len(spills) == 6
+    worse = {kernel: (default[kernel], spilled) for kernel, spilled in spills.items() if spilled > default[kernel]}
+    assert not worse, f"schedule {schedule!r} spills more than {DEFAULT_SCHEDULE!r} (bytes: default, it): {worse}"
