@@ -90,8 +90,9 @@ def test_backward_timeline_spans_and_plot(tmp_path):
 
 def test_backward_columns_follow_the_forward_ones():
     assert bench.columns(False) == bench.COLUMNS
-    assert bench.columns(True) == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "seq_step_ms",
-                                   "fused_step_ms", "step_speedup", "out_diff", "rerun_diff", "dx_diff", "dgates_diff",
+    assert bench.columns(True) == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "seq_train_ms",
+                                   "seq_bwd_ms", "fused_train_ms", "fused_bwd_ms", "train_speedup", "bwd_speedup",
+                                   "step_speedup", "out_diff", "rerun_diff", "dx_diff", "dgates_diff",
                                    "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
     assert not bench.parse_args([]).backward and bench.parse_args(["--backward"]).backward
 
@@ -113,8 +114,11 @@ def test_tiny_host_run_with_backward(tmp_path, capfd):
     assert [row["tokens"] for row in rows] == [24, 40]
     for row in rows:
         assert all(row[key] == 0 for key in ["out_diff", "rerun_diff", *bench.BACKWARD_DIFFS]), row
-        assert all(isinstance(row[key], float) for key in ("seq_step_ms", "fused_step_ms")), row
-        assert row["step_speedup"] == row["seq_step_ms"] / row["fused_step_ms"]
+        assert all(isinstance(row[key], float) for key in ("seq_train_ms", "seq_bwd_ms", "fused_train_ms",
+                                                            "fused_bwd_ms")), row
+        assert row["bwd_speedup"] == row["seq_bwd_ms"] / row["fused_bwd_ms"]
+        assert row["step_speedup"] == ((row["seq_train_ms"] + row["seq_bwd_ms"])
+                                       / (row["fused_train_ms"] + row["fused_bwd_ms"]))
         assert [set(rank) for rank in row["bwd_phases"]] == [{"workers", "send", "relay", "dgrad_down", "dgrad_up",
                                                               "reduce"}] * 2, row["bwd_phases"]
         assert {"up", "down"} <= set(row["phases"][0]) and "dgrad_up" not in row["phases"][0]

@@ -16,8 +16,10 @@ sequential ms / fused ms.
 
 ``--backward``: the checked passes become forward + backward from zeroed weight gradients
 (``dy`` random), and each repeat also times, per layer, ``zero_grads`` (untimed, a phase of
-its own) then a training step, forward + backward, as one window: ``seq_step_ms`` /
-``fused_step_ms``, ``step_speedup`` their ratio. Bitwise, fused against
+its own), then a training forward and its backward, each a window of its own:
+``seq_train_ms`` / ``fused_train_ms`` (the forward keeping what its backward needs),
+``seq_bwd_ms`` / ``fused_bwd_ms``, their ratios ``train_speedup`` and ``bwd_speedup``, and
+``step_speedup``, the ratio of the sums (a training step). Bitwise, fused against
 sequential, elements whose bits differ summed over ranks (each must be 0): ``dx_diff``,
 ``dgates_diff``, ``grad_up_diff``, ``grad_down_diff`` (the weight gradients of one backward);
 ``bwd_rerun_diff``: all four between the two checked fused passes. The comparison is per
@@ -67,7 +69,8 @@ from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
 CONFIGS = ("default", "tuned")  # --config both: each, the default first
 TUNED = {"tuned": ["tuned_config"], "both": ["tuned_ms", "tuned_gain", "tuned_config"]}
-BACKWARD_TIMES = ["seq_step_ms", "fused_step_ms", "step_speedup"]
+BACKWARD_TIMES = ["seq_train_ms", "seq_bwd_ms", "fused_train_ms", "fused_bwd_ms", "train_speedup", "bwd_speedup",
+                  "step_speedup"]
 BACKWARD_DIFFS = ["dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
 OVERLAP = ["dispatch_ms", "up_gemm_ms", "fused_a_ms", "a_vs_max"]
 ALIGN = 8  # hidden and ffn: whole 16-byte rows (the grouped GEMM's and the Dispatcher's copies)
@@ -94,7 +97,8 @@ def parse_args(argv):
                         help="timed forwards per path (and forward + backward passes with --backward)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--backward", action="store_true",
-                        help="also time a training step, forward + backward (seq_step_ms, ...), and check the backward")
+                        help="also time a training forward and its backward (seq_train_ms, seq_bwd_ms, ...), and check "
+                             "the backward")
     parser.add_argument("--config", choices=["default", "tuned", "both"], default="default",
                         help="the fused layer's configuration: today's constants, the tuned schedule, or both side "
                              "by side (tuned_ms, tuned_gain = fused_ms / tuned_ms)")
@@ -285,10 +289,6 @@ def run(args) -> int:
                 moe.check()
                 return results
 
-            def step(moe):
-                _, ctx = moe.forward(x, ids, gates)
-                moe.backward(ctx, dy)
-
             try:
                 layers[False] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                                          max_recv_rows=bound, backend=backend, sync_checks=False)
@@ -302,9 +302,11 @@ def run(args) -> int:
                 fused = layers[primary]
                 first = {key: checked(moe) for key, moe in layers.items()}  # also the warm-up
                 phases = [lambda _, moe=moe: moe.forward(x, ids, gates, backward=False) for moe in layers.values()]
-                if args.backward:  # zero_grads in a phase of its own: the window is forward + backward alone
+                if args.backward:  # zero_grads in a phase of its own; the forward hands its context on
                     for moe in (layers[False], fused):
-                        phases += [lambda _, moe=moe: moe.zero_grads(), lambda _, moe=moe: step(moe)]
+                        phases += [lambda _, moe=moe: moe.zero_grads(),
+                                   lambda _, moe=moe: moe.forward(x, ids, gates)[1],
+                                   lambda ctx, moe=moe: moe.backward(ctx, dy)]
                 overlap_at = len(phases)
                 if args.overlap:  # the sequential path's two parts that kernel A fuses, each alone
                     from ultraep.compute import grouped_mm
@@ -359,8 +361,11 @@ def run(args) -> int:
             if tuned is not None:
                 row["tuned_config"] = tuned
             if args.backward:
-                seq_step, fused_step = windows[len(layers) + 1:overlap_at:2]  # after each layer's zero_grads phase
-                row.update(seq_step_ms=seq_step, fused_step_ms=fused_step, step_speedup=seq_step / fused_step)
+                _, seq_train, seq_bwd, _, fused_train, fused_bwd = windows[len(layers):overlap_at]
+                row.update(seq_train_ms=seq_train, seq_bwd_ms=seq_bwd, fused_train_ms=fused_train,
+                           fused_bwd_ms=fused_bwd, train_speedup=seq_train / fused_train,
+                           bwd_speedup=seq_bwd / fused_bwd,
+                           step_speedup=(seq_train + seq_bwd) / (fused_train + fused_bwd))
             if args.overlap:
                 dispatch_ms, up_gemm_ms = windows[overlap_at:]
                 fused_a = kernel_a_ms(recorded["forward"])
