@@ -62,23 +62,23 @@ class LaunchGraphs:
         self._capture_stream = cupy.cuda.Stream(non_blocking=True) if self.enabled else None
         self.captures, self.replays = Counter(), Counter()
 
-    def run(self, graphs: dict, name: str, key, launches) -> None:
-        """``launches()`` on the current stream, or the graph of it that ``graphs`` (the
-        owner's, name -> (key, graph or None)) holds for ``key``."""
-        if not self.enabled:
-            launches()
-            return
-        held_key, graph = graphs.get(name, (None, None))
-        if held_key != key:
+    def run(self, graphs: dict, name: str, key, launches, stream=None) -> None:
+        """``launches()`` (which enqueue on the current stream) on ``stream`` (None: the
+        current one), or the graph of them that ``graphs`` (the owner's, name -> (key,
+        graph or None)) holds for ``key``."""
+        if self.enabled:
+            held_key, graph = graphs.get(name, (None, None))
+            if held_key == key:
+                if graph is None:
+                    graph = self._capture(launches)
+                    graphs[name] = (key, graph)
+                    self.captures[name] += 1
+                graph.launch(stream)
+                self.replays[name] += 1
+                return
             graphs[name] = (key, None)
+        with contextlib.nullcontext() if stream is None else stream:
             launches()
-            return
-        if graph is None:
-            graph = self._capture(launches)
-            graphs[name] = (key, graph)
-            self.captures[name] += 1
-        graph.launch()
-        self.replays[name] += 1
 
     def _capture(self, launches):
         stream = self._capture_stream
@@ -316,8 +316,7 @@ class DeviceBalancer:
         slot.planned = Mark(slot.clock.stop("update"), stream.ptr)
         mirror = self._mirror_stream
         mirror.wait_event(slot.planned.event)
-        with mirror:
-            self.graphs.run(slot.graphs, "record", "record", lambda: self._copy_record(slot))
+        self.graphs.run(slot.graphs, "record", "record", lambda: self._copy_record(slot), stream=mirror)
         slot.mirrored.record(mirror)
         return slot.buffers  # the transfers compile from the buffers' contents in stream order: no staleness
 
@@ -340,6 +339,8 @@ class DeviceBalancer:
         """Into the slot's buffers (unless ``out``), reallocated only when ``ids`` holds more
         entries than any batch before it in this slot; ``-1`` for ids the plan has no room
         for. One graph launch once the slot has seen these shapes and buffers twice in a row."""
+        if out is not None and not isinstance(out, cupy.ndarray):
+            raise ValueError(f"out must be a CuPy int32 array shaped like topk_ids, got {type(out).__name__}")
         n = int(ids.size)
         if slot.reroute_out is None or slot.reroute_out.size < n:
             slot.reroute_out = cupy.empty(max(n, 1), np.int32)
