@@ -21,7 +21,9 @@ per layer (the first of up to 32 seeded rankings that reaches the target). A ste
 forward of every layer then the backward in reverse (gradients of inputs, gates and
 expert weights; no optimizer); forward and backward are timed as separate group windows
 (first rank's start to last rank's end, barriers between), ``step_ms`` is their sum, and
-tokens/s counts every rank's tokens. Checked steps (one before timing, one after, the
+tokens/s counts every rank's tokens. Every policy's layers are set up at once and their
+timed steps interleaved (each repeat steps every policy in turn), so that a slow stretch
+of a shared GPU costs all policies alike. Checked steps (one before timing, one after, the
 gradients zeroed before each): ``ultraep``'s outputs and input gradients must have 0
 elements differing from ``none``'s (same routing, weights and inputs: balancing moves no
 bit), its master weight gradients differ from ``none``'s only by FP32 reassociation, and
@@ -265,51 +267,59 @@ def run(args) -> int:
              "rerun_diff: elements of the outputs and all gradients differing between two checked steps")
     progress = Progress("moe-layer", enabled=me == 0 and not args.quiet)
     table = RowStream(COLUMNS, title, enabled=me == 0)
-    rows, checked = [], {}
+    rows = []
     thresholds = args.min_replica_tokens
     runs = [(policy, threshold) for policy in POLICIES for threshold in (thresholds if policy == "ultraep" else [None])]
-    for policy, threshold in runs:
-        name = f"ultraep@{threshold}" if policy == "ultraep" and len(thresholds) > 1 else policy
-        progress(f"{name}: setting up, a checked step, {args.repeats} timed steps, a checked step")
-        stack = MoEStack(group, policy, masters, ideal if policy == "ideal" else skewed, gates, xp, backend, args,
-                         min_replica_tokens=threshold)
 
-        def checked_step():
-            stack.zero_grads()
-            out, contexts = stack.forward(x)
-            stack.record_rows(contexts)
-            dx = stack.backward(contexts, grad_out)
-            synchronize()
-            return ([to_host(out)], [to_host(dx)],
-                    [to_host(g).copy() for moe in stack.layers for g in (moe.grad_up, moe.grad_down)])
+    def checked_step(stack):
+        stack.zero_grads()
+        out, contexts = stack.forward(x)
+        stack.record_rows(contexts)
+        dx = stack.backward(contexts, grad_out)
+        synchronize()
+        return ([to_host(out)], [to_host(dx)],
+                [to_host(g).copy() for moe in stack.layers for g in (moe.grad_up, moe.grad_down)])
 
-        try:
-            first = checked_step()  # also the warm-up (kernels, schedules)
-            fwd_ms, bwd_ms = phase_windows_ms(group, [lambda _: stack.forward(x)[1],
-                                                      lambda contexts: stack.backward(contexts, grad_out)],
-                                              args.repeats, synchronize)
-            again = checked_step()
+    # Every policy's layers at once, their timed steps interleaved repeat by repeat: a slow
+    # stretch of a shared GPU (one MPS share overlapping another) then costs every policy alike.
+    stacks, first = {}, {}
+    try:
+        for policy, threshold in runs:
+            name = f"ultraep@{threshold}" if policy == "ultraep" and len(thresholds) > 1 else policy
+            progress(f"{name}: setting up and a checked step")
+            stacks[name] = (policy, MoEStack(group, policy, masters, ideal if policy == "ideal" else skewed, gates,
+                                             xp, backend, args, min_replica_tokens=threshold))
+            first[name] = checked_step(stacks[name][1])  # also the warm-up (kernels, schedules)
+        progress(f"{args.repeats} timed steps of each policy, interleaved, then a checked step each")
+        phases = []
+        for _, stack in stacks.values():
+            phases += [lambda _, stack=stack: stack.forward(x)[1],
+                       lambda contexts, stack=stack: stack.backward(contexts, grad_out)]
+        windows = phase_windows_ms(group, phases, args.repeats, synchronize)
+        for index, (name, (policy, stack)) in enumerate(stacks.items()):
+            again = checked_step(stack)
             stack.check()
             replicas, min_replica = None, None
             if stack.balancer is not None:
                 replicas = stack.balancer.stats().summary()["replicas_mean"]
                 min_replica = stack.balancer.min_replica_tokens  # "auto" resolved
-            rerun = differing(sum(first, []), sum(again, []))
+            fwd_ms, bwd_ms = windows[2 * index:2 * index + 2]
+            rerun = differing(sum(first[name], []), sum(again, []))
             row = {"policy": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "step_ms": fwd_ms + bwd_ms,
                    "tokens_per_s": R * T / (fwd_ms + bwd_ms) * 1e3, "rows_max_mean": stack.rows_max_mean(),
                    "replicas": replicas, "min_replica": min_replica, "rerun_diff": sum(group.allgather(rerun))}
-            checked[name] = first
-        finally:
+            row["vs_ideal"] = rows[0]["step_ms"] / row["step_ms"] if rows else 1.0  # ideal is measured first
+            if policy == "ultraep":
+                (out, dx, grads), (out_none, dx_none, grads_none) = first[name], first["none"]
+                mine = (differing(out, out_none), differing(dx, dx_none), relative_difference(grads, grads_none))
+                everyone = group.allgather(mine)
+                row["out_diff"], row["dx_diff"] = (sum(d[i] for d in everyone) for i in range(2))
+                row["wgrad_rel"] = max(d[2] for d in everyone)
+            rows.append(row)
+            table.add(row)
+    finally:
+        for _, stack in stacks.values():
             stack.close()
-        row["vs_ideal"] = rows[0]["step_ms"] / row["step_ms"] if rows else 1.0  # ideal is measured first
-        if policy == "ultraep":
-            (out, dx, grads), (out_none, dx_none, grads_none) = checked[name], checked["none"]
-            mine = (differing(out, out_none), differing(dx, dx_none), relative_difference(grads, grads_none))
-            everyone = group.allgather(mine)
-            row["out_diff"], row["dx_diff"] = (sum(d[i] for d in everyone) for i in range(2))
-            row["wgrad_rel"] = max(d[2] for d in everyone)
-        rows.append(row)
-        table.add(row)
     table.close()
     balanced = [row for row in rows if row["policy"].startswith("ultraep")]
     problems = [f"{row['policy']}: {key} = {row[key]} (must be 0)"
