@@ -8,34 +8,23 @@
 #include <cuda_fp16.h>
 
 // 16-byte vectors of T as floats: 8 bf16/half or 4 float.
-template <typename T> struct Vector;
-template <> struct Vector<__nv_bfloat16> {
+__device__ __forceinline__ float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float as_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ void round_to(float f, __nv_bfloat16& v) { v = __float2bfloat16_rn(f); }
+__device__ __forceinline__ void round_to(float f, __half& v) { v = __float2half_rn(f); }
+
+template <typename T> struct Vector {  // the 16-bit types
     static constexpr int N = 8;
     __device__ static void to_float(const uint4& v, float* f) {
-        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+        const T* h = reinterpret_cast<const T*>(&v);
 #pragma unroll
-        for (int j = 0; j < N; ++j) f[j] = __bfloat162float(h[j]);
+        for (int j = 0; j < N; ++j) f[j] = as_float(h[j]);
     }
     __device__ static uint4 from_float(const float* f) {
         uint4 v;
-        __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&v);
+        T* h = reinterpret_cast<T*>(&v);
 #pragma unroll
-        for (int j = 0; j < N; ++j) h[j] = __float2bfloat16_rn(f[j]);
-        return v;
-    }
-};
-template <> struct Vector<__half> {
-    static constexpr int N = 8;
-    __device__ static void to_float(const uint4& v, float* f) {
-        const __half* h = reinterpret_cast<const __half*>(&v);
-#pragma unroll
-        for (int j = 0; j < N; ++j) f[j] = __half2float(h[j]);
-    }
-    __device__ static uint4 from_float(const float* f) {
-        uint4 v;
-        __half* h = reinterpret_cast<__half*>(&v);
-#pragma unroll
-        for (int j = 0; j < N; ++j) h[j] = __float2half_rn(f[j]);
+        for (int j = 0; j < N; ++j) round_to(f[j], h[j]);
         return v;
     }
 };
