@@ -4,7 +4,8 @@
 # ///
 """A small MoE transformer block stack trained in PyTorch on ``ultraep.MoELayer``.
 
-    mpirun -n 4 python -m mpi4py examples/torch_moe_train.py [--steps 4] [--tokens 1024] [--weight-dtype float8_e4m3fn]
+    mpirun -n 4 python -m mpi4py examples/torch_moe_train.py [--steps 4] [--tokens 1024] [--fused]
+                                                            [--weight-dtype float8_e4m3fn]
 
 Every rank holds M = E / R master experts of each of two MoE blocks (pre-norm, a trained
 router, top-k, BF16 SwiGLU experts). Each block's experts are one ``MoELayer`` -- dispatch,
@@ -23,6 +24,12 @@ bitwise equal (0 differing elements) and so is the loss: the grouped GEMM comput
 row the same way wherever its expert runs. Later steps agree within 1e-3 relative: a
 master's weight gradient is summed per instance with balancing, its partial sums added
 in replica order, and the FP32 rounding differences pass through the BF16 weight updates.
+
+``--fused``: each block's experts run as UniEP's fused persistent kernels
+(``MoELayer(fused=True)``: dispatch + up-projection, down-projection + combine, and the
+backward alike). A third run trains the balanced stack on the sequential layer, and every
+step's loss and the first step's outputs must be bitwise the fused run's: the fused kernels
+compute every output and gradient as the sequential path does.
 
 FP8 variant (``--weight-dtype float8_e4m3fn`` or ``float8_e5m2``), DeepSeek-V3 style: the
 experts' weights are FP8 with a float32 scale per 32 x 32 block (128 in DeepSeek-V3; these
@@ -53,7 +60,12 @@ parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank an
 parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--weight-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"],
                     help="the experts' weights: BF16 (MoELayer) or FP8 with float32 block scales")
+parser.add_argument("--fused", action="store_true",
+                    help="MoELayer(fused=True): the fused persistent kernels, checked bitwise against the sequential "
+                         "layer (BF16 weights)")
 args = parser.parse_args()
+if args.fused and args.weight_dtype != "bfloat16":
+    parser.error("--fused runs MoELayer's fused kernels, which take BF16 expert weights")
 
 group = EPGroup(MPI.COMM_WORLD)
 R, me = group.size, group.rank
@@ -94,9 +106,9 @@ def initial_weights(index):
 class BF16Experts:
     """A block's experts as one ``MoELayer``: BF16 weights, the library's grouped GEMM."""
 
-    def __init__(self, index, balancer):
+    def __init__(self, index, balancer, fused):
         self.layer = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=TOP_K, max_tokens=T, balancer=balancer,
-                              layer=index)
+                              layer=index, fused=fused)
         self.layer.load_weights(*(w.bfloat16().to(device) for w in initial_weights(index)))
         # The expert parameters: views of the layer's stacked BF16 weights and FP32 gradients.
         self.params = [(to_torch(self.layer.w_up), to_torch(self.layer.grad_up)),
@@ -243,14 +255,14 @@ class FP8Experts:
 
 
 class MoEBlock(torch.nn.Module):
-    def __init__(self, index, balancer):
+    def __init__(self, index, balancer, fused):
         super().__init__()
         gen = torch.Generator().manual_seed(1000 + index)  # router and norm: the same on every rank
         self.norm = torch.nn.LayerNorm(H).to(device).requires_grad_(False)
         self.router = torch.nn.Parameter((torch.randn(H, E, generator=gen) / H ** 0.5).to(device))
         self.skew = torch.zeros(E, device=device)
         self.skew[[index % E, (index + 5) % E]] = 2.5  # two hot experts
-        self.experts = (FP8Experts if FP8 else BF16Experts)(index, balancer)
+        self.experts = FP8Experts(index, balancer) if FP8 else BF16Experts(index, balancer, fused)
 
     def forward(self, x):
         h = self.norm(x)
@@ -260,11 +272,11 @@ class MoEBlock(torch.nn.Module):
         return x + self.experts(h.bfloat16(), gates, ids).float()
 
 
-def train(balanced):
+def train(balanced, fused=args.fused):
     spec = fp8_spec() if FP8 else MoELayer.expert_spec(H, F)
     balancer = (Balancer(group, layout, spec, num_layers=LAYERS, min_replica_tokens=16, sync_checks=False)
                 if balanced else None)
-    blocks = [MoEBlock(index, balancer) for index in range(LAYERS)]
+    blocks = [MoEBlock(index, balancer, fused) for index in range(LAYERS)]
     losses, rows, first_out = [], [], None
     for step in range(args.steps):
         gen = torch.Generator().manual_seed(10_000 * step + me)
@@ -324,4 +336,11 @@ if FP8:
 else:
     assert differing == 0 and losses[0] == plain_losses[0], f"first step: {differing} output elements differ"
 assert relative <= 1e-3, f"loss curves differ by {relative:.2e} relative"
+if args.fused:
+    sequential_losses, _, sequential_out, _ = train(balanced=True, fused=False)
+    fused_differing = sum(group.allgather(int((out.view(torch.int32) != sequential_out.view(torch.int32)).sum())))
+    if me == 0:
+        print(f"fused against sequential (balanced): first step {fused_differing} output elements differ; losses "
+              f"equal at {sum(a == b for a, b in zip(losses, sequential_losses))} of {args.steps} steps")
+    assert fused_differing == 0 and losses == sequential_losses, "the fused layer trained differently"
 print(f"rank {me}/{R} ({device.type}): torch_moe_train OK", flush=True)

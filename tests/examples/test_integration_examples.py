@@ -60,6 +60,17 @@ def test_torch_moe_train_example():
 @pytest.mark.gpu
 @requires_gpu
 @requires("torch")
+def test_torch_moe_train_example_fused():
+    """The fused kernels in training: the balanced fused run bitwise the sequential one."""
+    out = run_example("torch_moe_train.py", "--steps", "3", "--fused")
+    assert_ranks_ok(out, "torch_moe_train")
+    assert "first step 0 output elements differ; losses equal at 3 of 3 steps" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@requires_gpu
+@requires("torch")
 @pytest.mark.parametrize("dtype", FP8)
 def test_torch_moe_train_example_with_fp8_weights(dtype):
     out = run_example("torch_moe_train.py", "--steps", "4", "--weight-dtype", dtype)
@@ -79,6 +90,18 @@ def test_torch_moe_train_example_on_the_cpu_backend(dtype):
         assert "first step: 0 output elements differ" in out, out
     else:
         assert_fp8_replicas_checked(out, dtype)
+
+
+@pytest.mark.mpi
+@requires("torch")
+@pytest.mark.skipif(gpu_count() > 0, reason="with a GPU the example runs on it (the tests above)")
+def test_torch_moe_train_example_fused_on_the_cpu_backend():
+    """--fused on the host: the fused layer's task semantics in NumPy, bitwise the sequential
+    layer's over every step of training."""
+    out = run_example("torch_moe_train.py", "--steps", "2", "--tokens", "256", "--fused")
+    assert_ranks_ok(out, "torch_moe_train")
+    assert "(cpu): torch_moe_train OK" in out, out
+    assert "first step 0 output elements differ; losses equal at 2 of 2 steps" in out, out
 
 
 @pytest.mark.mpi
