@@ -190,8 +190,10 @@ def plot_timeline(ranks_tasks, path: str, title: str) -> None:
         raise SystemExit("--timeline needs matplotlib: pip install ultraep[analysis]") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
 
     t0 = min((start for tasks in ranks_tasks for _, start, _, _ in tasks), default=0)
+    t1 = max((end for tasks in ranks_tasks for _, _, end, _ in tasks), default=t0)
     heights = [max(1, len({worker for *_, worker in tasks})) for tasks in ranks_tasks]
     fig, axes = plt.subplots(len(ranks_tasks), 1, sharex=True, squeeze=False,
                              figsize=(12, 1.5 + sum(max(1.2, 0.05 * h) for h in heights)),
@@ -199,12 +201,17 @@ def plot_timeline(ranks_tasks, path: str, title: str) -> None:
     for r, (tasks, ax) in enumerate(zip(ranks_tasks, axes[:, 0])):
         row = {worker: i for i, worker in enumerate(sorted({worker for *_, worker in tasks}))}
         for kind, colour in KIND_COLOURS.items():
-            spans = [(row[w], (s - t0) / 1e3, max(e - s, 0) / 1e3) for k, s, e, w in tasks if k == kind]
-            if spans:
-                ax.barh([y for y, _, _ in spans], [d for *_, d in spans], left=[x for _, x, _ in spans], height=0.8,
-                        color=colour, label=kind if r == 0 else None)
+            # One collection of rectangles per kind: a bar per task would take minutes at
+            # tens of thousands of tasks, while the other ranks wait in a collective.
+            boxes = [((s - t0) / 1e3, (e - t0) / 1e3, row[w]) for k, s, e, w in tasks if k == kind]
+            if boxes:
+                ax.add_collection(PolyCollection([((x0, y - 0.4), (x0, y + 0.4), (x1, y + 0.4), (x1, y - 0.4))
+                                                  for x0, x1, y in boxes], facecolors=colour, edgecolors="none",
+                                                 label=kind if r == 0 else None))
+        ax.set_ylim(-0.5, len(row) - 0.5)
         ax.set_ylabel(f"rank {r}\nSM", fontsize=8)
         ax.set_yticks([])
+    axes[-1, 0].set_xlim(0, max(t1 - t0, 1) / 1e3)  # the panels share the axis
     axes[-1, 0].set_xlabel("µs since the first task on any rank")
     axes[0, 0].set_title(title, fontsize=9)
     fig.legend(loc="upper right", fontsize=8, ncol=len(KIND_COLOURS))
