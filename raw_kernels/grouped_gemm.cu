@@ -96,14 +96,6 @@ __device__ __forceinline__ unsigned store_warp_arrivals(int w) {
     return GH_CONSUMERS * 4 * (w + 1) / GH_STORE_WARPS - GH_CONSUMERS * 4 * w / GH_STORE_WARPS;
 }
 
-__device__ __forceinline__ void mbarrier_arrive_count(u64* bar, unsigned count) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" :: "r"(shared_address(bar)), "r"(count) : "memory");
-}
-
-// Generic-proxy accesses to shared memory that a later TMA copy (async proxy) overwrites:
-// ordered before it.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
 // A consumer's rows of a ring-staged BF16 tile (accumulators as in grouped_mm): column block
 // b at stage + b * GG_BLOCK_BYTES for b < GG_STAGE_BLOCKS, the others in the tail.
 __device__ __forceinline__ void stage_in_ring(const float (&d)[128], unsigned stage, unsigned tail, int row, int lane) {
@@ -239,7 +231,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
                 const int s = (step - 1) % GH_STAGES;
                 store_ring_blocks<GG_STAGE_BLOCKS>(stages + s * GH_STAGE_BYTES, tile.col0, tile, base, out_cols, id);
-                fence_proxy_async();
+                fence_proxy_async_shared();
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive_count(&empty[s], store_warp_arrivals(id / WARP));
                 store_ring_blocks<GH_BN / GG_BLOCK_COLS - GG_STAGE_BLOCKS>(
@@ -281,7 +273,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 consumers_sync();     // both warpgroups' last MMAs have read the stage
                 stage_wait(&output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
                 stage_in_ring(d, stages + (step - 1) % GH_STAGES * GH_STAGE_BYTES, staged, row, lane);
-                fence_proxy_async();
+                fence_proxy_async_shared();
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(&output_full);
                 phase ^= 1;

@@ -201,6 +201,12 @@ __device__ __forceinline__ unsigned long long smem_descriptor(unsigned addr, uns
            1ull << 62;
 }
 
+// This thread's generic-proxy accesses to shared memory ordered before later async-proxy
+// ones (TMA copies, wgmma operand reads) that the block orders after them.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int PENDING>
@@ -344,7 +350,7 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
                     const unsigned at = a + box * GH_BOX_BYTES + line * 128 + chunk * 16;  // B follows A's boxes
                     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(at), "r"(0) : "memory");
                 }
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by the MMAs (async proxy)
+                fence_proxy_async_shared();  // seen by the MMAs
                 consumers_sync();
             }
         }

@@ -82,6 +82,10 @@ __device__ __forceinline__ void mbarrier_init(u64* bar, unsigned arrivals) {
 __device__ __forceinline__ void mbarrier_arrive(u64* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(shared_address(bar)) : "memory");
 }
+// `count` arrivals at once (a thread arriving for others that left theirs out).
+__device__ __forceinline__ void mbarrier_arrive_count(u64* bar, unsigned count) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" :: "r"(shared_address(bar)), "r"(count) : "memory");
+}
 
 // Unless the caller knows a longer legitimate wait (a wait behind a peer's flag), a phase
 // of a block's own mbarrier that does not complete within this time is a bug: the wait
