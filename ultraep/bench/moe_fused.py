@@ -308,21 +308,21 @@ def run(args) -> int:
                 primary = next(iter(configs))
                 fused = layers[primary]
                 first = {key: checked(moe) for key, moe in layers.items()}  # also the warm-up
-                phases = [lambda _, moe=moe: moe.forward(x, ids, gates, backward=False) for moe in layers.values()]
+                timed = [lambda _, moe=moe: moe.forward(x, ids, gates, backward=False) for moe in layers.values()]
                 if args.backward:  # zero_grads in a phase of its own; the forward hands its context on
                     for moe in (layers[False], fused):
-                        phases += [lambda _, moe=moe: moe.zero_grads(),
+                        timed += [lambda _, moe=moe: moe.zero_grads(),
                                    lambda _, moe=moe: moe.forward(x, ids, gates)[1],
                                    lambda ctx, moe=moe: moe.backward(ctx, dy)]
-                overlap_at = len(phases)
+                overlap_at = len(timed)
                 if args.overlap:  # the sequential path's two parts that kernel A fuses, each alone
                     from ultraep.compute import grouped_mm
 
                     sequential = layers[False]
                     received = sequential.dispatcher.dispatch(x, ids, gates)
-                    phases += [lambda _: sequential.dispatcher.dispatch(x, ids, gates),
+                    timed += [lambda _: sequential.dispatcher.dispatch(x, ids, gates),
                                lambda _: grouped_mm(received.x, sequential._w_up, received.offsets)]
-                windows = phase_windows_ms(group, phases, args.repeats, synchronize)
+                windows = phase_windows_ms(group, timed, args.repeats, synchronize)
                 again = {name: checked(layers[name]) for name in configs}
                 layers[False].check()
                 tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None
