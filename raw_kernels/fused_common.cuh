@@ -256,49 +256,47 @@ __device__ __forceinline__ void store_warps_sync() {
     asm volatile("barrier.sync 2, %0;" :: "n"(GH_STORE_WARPS * WARP) : "memory");
 }
 
-// Stage a consumer's accumulators as BF16 (COLS columns of the tile) for the store warps.
-// Accumulator d[4j + {0, 1}] is row lane/4, columns 8j + 2 (lane%4) + {0, 1} of the warp's
-// 16 rows; d[4j + {2, 3}] the same 8 rows further. UP: column block j < 16 is gate, j + 16
-// the matching up columns, and the staged value is swiglu(gate, up).
-template <bool UP>
+// Stage a consumer's accumulators as BF16 for the store warps. Accumulator d[4j + {0, 1}] is
+// row lane/4, columns 8j + 2 (lane%4) + {0, 1} of the warp's 16 rows; d[4j + {2, 3}] the same
+// 8 rows further.
 __device__ __forceinline__ void stage_accumulators(const float (&d)[128], unsigned staged, int consumer, int warp,
                                                    int lane) {
     const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
-    constexpr int BLOCKS = UP ? GH_BN / 16 : GH_BN / 8;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int j = 0; j < BLOCKS; ++j) {
+        for (int j = 0; j < GH_BN / 8; ++j) {
             const int i = 4 * j + 2 * half;
-            __nv_bfloat162 v;
-            if constexpr (UP) {
-                v.x = swiglu_rn(d[i], d[i + 4 * BLOCKS]);
-                v.y = swiglu_rn(d[i + 1], d[i + 1 + 4 * BLOCKS]);
-            } else {
-                v = __floats2bfloat162_rn(d[i], d[i + 1]);
-            }
+            const __nv_bfloat162 v = __floats2bfloat162_rn(d[i], d[i + 1]);
             asm volatile("st.shared.b32 [%0], %1;" :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
                          "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
         }
 }
 
-// Stage one half of a consumer's up-tile accumulators as FP32 (GH_BN / 2 columns: PART 0 the
-// gate columns, 1 the matching up columns), for the store warps to write into h.
-template <int PART>
-__device__ __forceinline__ void stage_up_half_fp32(const float (&d)[128], unsigned staged, int consumer, int warp,
-                                                   int lane) {
+// A whole FP32 tile, GH_BM rows of GH_BN columns, staged in the stage ring, which is idle
+// between a tile's last MMA and the next claim (the producer issues the next tile's copies
+// only after the claim's block-wide barrier). Rows padded by 32 bytes: a warp's fragment
+// stores (8 rows x 4 lanes of 8 bytes) take the two wavefronts 256 bytes need.
+#define RING_TILE_PITCH (GH_BN * 4 + 32)
+static_assert(GH_BM * RING_TILE_PITCH <= GH_STAGES * GH_STAGE_BYTES, "an FP32 tile fits in the idle stage ring");
+
+__device__ __forceinline__ void stage_accumulators_fp32(const float (&d)[128], unsigned ring, int consumer, int warp,
+                                                        int lane) {
     const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
-    constexpr int BLOCKS = GH_BN / 16;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int j = 0; j < BLOCKS; ++j) {
-            const int i = 4 * (j + PART * BLOCKS) + 2 * half;
+        for (int j = 0; j < GH_BN / 8; ++j) {
+            const int i = 4 * j + 2 * half;
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
-                         :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 4), "f"(d[i]), "f"(d[i + 1])
+                         :: "r"(ring + (row + 8 * half) * RING_TILE_PITCH + (col + 8 * j) * 4), "f"(d[i]), "f"(d[i + 1])
                          : "memory");
         }
 }
+
+// After the consumers' last generic access to the ring in a tile, before the claim barrier
+// after which the producer's TMA (the async proxy) overwrites it.
+__device__ __forceinline__ void ring_to_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // A consumer warp's hand-over of a tile to the store warps: once they have freed the staging
 // buffer of `phase`, `stage()` stages this thread's part, then the warp signals it. The caller
@@ -339,18 +337,20 @@ __device__ __forceinline__ bool take_from_consumers(Pipeline& p, int phase, long
 // loads a tile with load_tile's `boxes(tile)` and `b_split`; its accumulators go to the store
 // warps in `stagings` rounds through the one staging buffer: `stage(d, tile, s, staged,
 // consumer, warp, lane)` on the consumers, then `store(staged, tile, s)` on the store warps,
-// for s = 0 .. stagings - 1. Before those, the store warps run `prefetch(tile, id)` (id: the
-// thread's index among them) while the tile's MMAs run: what the epilogue reads goes to L2.
+// for s = 0 .. stagings - 1; then `finish(d, tile, ring, consumer, warp, lane)` on the
+// consumers, which may use the idle stage ring (`ring`; see stage_accumulators_fp32). Before
+// the stagings, the store warps run `prefetch(tile, id)` (id: the thread's index among them)
+// while the tile's MMAs run: what the epilogue reads goes to L2.
 template <int MODE, bool SYSTEM, typename TileOf, typename Boxes, typename RelayRow, typename Store, typename Stage,
-          typename Prefetch>
+          typename Finish, typename Prefetch>
 __device__ __forceinline__ void send_relay_then_gemm(
     const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, int stagings,
     const uint4* src, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
     const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
     u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk,
     const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed, u64* tile_ready,
-    RelayRow relay_row, Store store, Stage stage, Prefetch prefetch, u64 epoch, u64 timeout_ns, int* counter,
-    long long* status, u64* trace, int send_kind, int relay_kind, int tile_kind) {
+    RelayRow relay_row, Store store, Stage stage, Finish finish, Prefetch prefetch, u64 epoch, u64 timeout_ns,
+    int* counter, long long* status, u64* trace, int send_kind, int relay_kind, int tile_kind) {
     const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
     const int n_send = ceil_div(tokens, chunk), n_relay = mtile[spr];
     const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
@@ -415,6 +415,7 @@ __device__ __forceinline__ void send_relay_then_gemm(
             mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
             for (int s = 0; s < stagings; ++s, phase ^= 1)
                 hand_to_stores(p, phase, status, gave_up, lane, [&] { stage(d, tile, s, staged, consumer, warp, lane); });
+            finish(d, tile, stages, consumer, warp, lane);
         }
     }
 }
@@ -500,7 +501,7 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
             float d[128];
             mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
             hand_to_stores(p, phase, status, gave_up, lane,
-                           [&] { stage_accumulators<false>(d, staged, consumer, warp, lane); });
+                           [&] { stage_accumulators(d, staged, consumer, warp, lane); });
             phase ^= 1;
             continue;
         }

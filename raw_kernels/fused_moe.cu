@@ -15,7 +15,8 @@
 // A block (GH_THREADS: a producer warpgroup and two consumer warpgroups, as the grouped
 // GEMM) claims one task at a time: thread 0 takes the next id from the kernel's counter,
 // the block reads it after a barrier. GEMM tiles run the grouped GEMM's producer, MMAs and
-// store warps on the same stage ring (grouped_gemm_common.cuh); send, relay and reduce
+// store warps on the same stage ring (grouped_gemm_common.cuh) -- an up tile's epilogue
+// runs on the consumers, through the ring once its MMAs are done; send, relay and reduce
 // tasks run on the consumer warps, a warp per token or row. Any number of resident blocks
 // is correct (a block never waits for a task claimed after its own), so the grid is the
 // SM count whatever share of them MPS grants.
@@ -93,6 +94,39 @@ extern "C" __global__ void fused_plan(const int* table, int ranks, int num_exper
     }
 }
 
+// An up tile's SwiGLU on its 256 consumer threads (`id`), from the FP32 tile staged in the
+// ring (RING_TILE_PITCH a row, gate columns then the matching up columns): four columns of a
+// row per item, act stored as BF16 and, with h (a training forward), h's gate and up columns
+// as FP32, all straight to global memory. A runtime loop over the staged tile, not the
+// accumulators' registers: swiglu_rn is inlined UNROLL times instead of once per pair, and a
+// warp writes whole rows.
+__device__ __forceinline__ void swiglu_up_tile(unsigned ring, const Tile& tile, bf16* act, float* h, int ffn, int id) {
+    constexpr int PER = 4, ROW_ITEMS = FM_UP_COLS / PER, THREADS = 128 * GH_CONSUMERS, UNROLL = 4;
+    static_assert(GH_BM * ROW_ITEMS % (THREADS * UNROLL) == 0, "every thread runs the same iterations");
+    for (int i0 = id; i0 < GH_BM * ROW_ITEMS; i0 += THREADS * UNROLL) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = i0 + u * THREADS, row = i / ROW_ITEMS, c = i % ROW_ITEMS * PER;
+            const int r = tile.row0 + row, f = tile.col0 + c;
+            if (r >= tile.row_end || f >= ffn) continue;  // ffn is a multiple of 8: f < ffn holds f + 3 too
+            float4 gate, up;
+            const unsigned at = ring + row * RING_TILE_PITCH + c * 4;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(gate.x), "=f"(gate.y), "=f"(gate.z), "=f"(gate.w) : "r"(at));
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(up.x), "=f"(up.y), "=f"(up.z), "=f"(up.w) : "r"(at + FM_UP_COLS * 4));
+            const __nv_bfloat16 a[PER] = {swiglu_rn(gate.x, up.x), swiglu_rn(gate.y, up.y), swiglu_rn(gate.z, up.z),
+                                          swiglu_rn(gate.w, up.w)};
+            *reinterpret_cast<uint2*>(act + static_cast<long long>(r) * ffn + f) = *reinterpret_cast<const uint2*>(a);
+            if (h != nullptr) {
+                float* h_row = h + static_cast<long long>(r) * 2 * ffn + f;
+                *reinterpret_cast<float4*>(h_row) = gate;
+                *reinterpret_cast<float4*>(h_row + ffn) = up;
+            }
+        }
+    }
+}
+
 // -- kernel A: dispatch + up-projection ------------------------------------------------------------
 
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then up tiles in
@@ -124,27 +158,21 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
         warp_copy_row(landing + static_cast<long long>(row_landing[row]) * row_vecs,
                       recv + static_cast<long long>(row) * row_vecs, row_vecs, threadIdx.x % WARP);
     };
-    // With h: its gate half, its up half (FP32, kept for the backward), then act; else act alone.
-    const int stagings = h != nullptr ? 3 : 1;
-    auto store = [&](unsigned staged, const Tile& tile, int s) {
-        if (s == stagings - 1)
-            store_staged_tile<FM_UP_COLS>(staged, tile, act, ffn, ffn, threadIdx.x - WARP);
-        else
-            store_staged_tile<FM_UP_COLS, float>(staged, tile, h + s * ffn, 2 * ffn, ffn, threadIdx.x - WARP);
-    };
-    auto stage = [&](const float (&d)[128], const Tile&, int s, unsigned staged, int consumer, int warp, int lane) {
-        if (s == stagings - 1)
-            stage_accumulators<true>(d, staged, consumer, warp, lane);
-        else if (s == 0)
-            stage_up_half_fp32<0>(d, staged, consumer, warp, lane);
-        else
-            stage_up_half_fp32<1>(d, staged, consumer, warp, lane);
+    // The epilogue on the consumers alone, through the idle stage ring: the FP32 tile (gate
+    // half | up half) staged, then act (and with h, h) stored from it by swiglu_up_tile.
+    auto finish = [&](const float (&d)[128], const Tile& tile, unsigned ring, int consumer, int warp, int lane) {
+        consumers_sync();  // both warpgroups' MMAs have read the ring's last stages
+        stage_accumulators_fp32(d, ring, consumer, warp, lane);
+        consumers_sync();
+        swiglu_up_tile(ring, tile, act, h, ffn, threadIdx.x - 128);
+        ring_to_async_proxy();
     };
     // the up half's boxes are F further than the gate half's
     send_relay_then_gemm<GH_FORWARD, false>(
-        &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, stagings, x, tokens, top_k, hidden, ids, gates, positions,
+        &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, 0, x, tokens, top_k, hidden, ids, gates, positions,
         base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
-        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, store, stage,
+        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row,
+        [](unsigned, const Tile&, int) {}, [](const float (&)[128], const Tile&, int, unsigned, int, int, int) {}, finish,
         [](const Tile&, int) {}, epoch, timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
 }
 

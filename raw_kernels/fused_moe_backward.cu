@@ -130,7 +130,7 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     // into dh; the store warps only prefetch h.
     auto store = [](unsigned, const Tile&, int) {};
     auto stage = [&](float (&d)[128], const Tile& tile, int, unsigned staged, int consumer, int warp, int lane) {
-        stage_accumulators<false>(d, staged, consumer, warp, lane);
+        stage_accumulators(d, staged, consumer, warp, lane);
         consumers_sync();
         swiglu_backward_tile(staged, tile, h, dh, ffn, threadIdx.x - 128);
     };
@@ -147,8 +147,8 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
         &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, 1, dy, tokens, top_k, hidden, ids,
         gates, positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset,
         row_flag_offset, me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready,
-        relay_row, store, stage, prefetch_h, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND,
-        FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
+        relay_row, store, stage, [](const float (&)[128], const Tile&, unsigned, int, int, int) {}, prefetch_h, epoch,
+        timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
 }
 
 // -- kernel D: dgrad of up + gradient combine -----------------------------------------------------
