@@ -65,13 +65,14 @@ def test_device_gather_is_bitwise_the_reference(dtype):
             gather.launch(device_ids, from_ids=True, publish=False)
             assert np.array_equal(gather.counts.get(), want)
             assert gather.read_bad(device_ids) == bad
-            gather.launch(None, from_ids=False, publish=True, buffer=1, epoch=1, out=out)
-            assert np.array_equal(out.get()[0], want) and np.array_equal(matrix.local.get()[1, 0], want)
+            gather.launch(None, from_ids=False, publish=True, out=out)  # epoch 1: gathered matrix 0
+            assert np.array_equal(out.get()[0], want) and np.array_equal(matrix.local.get()[0, 0], want)
             assert not gather.counts.any() and int(gather.gathers.get()[0]) == 1
             for epoch, (source, from_ids) in enumerate(((device_ids, True), (cupy.asarray(want), False)), start=2):
                 out.fill(-7)
-                gather.launch(source, from_ids=from_ids, publish=True, buffer=epoch % 2, epoch=epoch, out=out)
+                gather.launch(source, from_ids=from_ids, publish=True, out=out)  # the kernel numbers the epoch
                 assert np.array_equal(out.get()[0], want), (epoch, from_ids)
-                assert not gather.counts.any()
+                assert np.array_equal(matrix.local.get()[(epoch - 1) % 2, 0], want), (epoch, from_ids)
+                assert not gather.counts.any() and int(gather.gathers.get()[0]) == epoch
             gather.read_bad(device_ids)
             gather.check()  # no wait timed out

@@ -21,10 +21,16 @@ rank's end, host and device, per call; medians over ``--rounds`` rounds of
 ``exposed_ms`` = balanced - in place (median of the rounds' differences): what balancing
 adds to the layer. ``share_pct`` = exposed / layer. The ``*_dev_ms`` columns are the
 Balancer's own CUDA-event (CPU: wall) stage times in the balanced layer, medians over
-its calls: the parts, not additive (the sync runs beside dispatch). ``sync_vs_bf16`` is a
-row's ``weight_sync_dev_ms`` over the bf16 row's at the same imbalance; ``sync_MB`` the
-weight bytes one sync moves (group total, mean). ``replica_diff``: bytes of this row's last
-synced replicas that differ from their masters (any makes the bench exit 1).
+its calls: the parts, not additive (the sync runs beside dispatch). ``bal_host_ms`` is the
+host's time inside the Balancer's calls of one balanced layer and ``call_host_ms`` the
+host's time to enqueue the whole balanced layer (medians): with ``call_host_ms`` below
+``balanced_ms`` the host runs ahead of the device, so the exposed time is the device's,
+while a layer too small to hide the host (decode) pays ``bal_host_ms`` itself. On the
+GPU the Balancer replays its fixed launches as CUDA graphs unless ``--no-cuda-graphs``.
+``sync_vs_bf16`` is a row's ``weight_sync_dev_ms`` over the bf16 row's at the same
+imbalance; ``sync_MB`` the weight bytes one sync moves (group total, mean).
+``replica_diff``: bytes of this row's last synced replicas that differ from their masters
+(any makes the bench exit 1).
 Several ranks on one GPU run time-sliced, so both times include the other ranks' work,
 unless ``--emulate-ep`` runs them under MPS with an SM share each; the title says which.
 The receive buffer holds 1.25x the mean rows (balanced routing stays near the mean).
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 import numpy as np
 
@@ -44,7 +51,8 @@ from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_ma
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 COLUMNS = ["weights", "imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct",
-           "update_dev_ms", "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
+           "bal_host_ms", "call_host_ms", "update_dev_ms", "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB",
+           "reroute_dev_ms", "replica_diff"]
 WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}  # name -> table label
 BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
 
@@ -71,6 +79,9 @@ def parse_args(argv):
                         help="windows of each layer, alternating balanced and in place (medians reported)")
     parser.add_argument("--sync-blocks", type=int, default=None,
                         help="grid of the weight sync beside dispatch (default: the engine's, all resident blocks)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="the Balancer launches every kernel itself (default: its fixed launch sequences are "
+                             "replayed as CUDA graphs)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG",
@@ -143,6 +154,10 @@ def replica_diff(balancer, handle, spec, masters_per_rank: int, seed: int, to_ho
                for got, want in zip(replicas[slot], master_weights(spec, expert, seed)))
 
 
+def on_gpu(group, args) -> bool:
+    return args.backend == "device" or (args.backend == "auto" and group.has_gpu)
+
+
 def measure(group, target: float, dtype: str, args, progress):
     """The row of one initial imbalance and weight type, and the Balancer's per-micro-batch records."""
     from ultraep.integration import Balancer
@@ -152,7 +167,7 @@ def measure(group, target: float, dtype: str, args, progress):
     from ultraep.token import Dispatcher
 
     R, me, K, T, H = group.size, group.rank, args.top_k, args.tokens, args.hidden
-    gpu = args.backend == "device" or (args.backend == "auto" and group.has_gpu)
+    gpu = on_gpu(group, args)
     backend = "device" if gpu else "host"
     if gpu:
         import cupy as xp
@@ -172,13 +187,14 @@ def measure(group, target: float, dtype: str, args, progress):
     masters_fp16 = [to_fp16(weights) for weights in masters]  # the masters never change: converted once
     grads = [[xp.zeros(t.shape, np.float32) for t in spec.grads] for _ in range(M)]
     with Balancer(group, layout, spec, num_layers=LAYERS, min_replica_tokens=args.min_replica_tokens,
-                  backend=backend, sync_checks=False) as balancer, \
+                  backend=backend, sync_checks=False, cuda_graphs=not args.no_cuda_graphs) as balancer, \
             Dispatcher.for_layout(group, layout, hidden=H, dtype="float16", top_k=K, max_tokens=T, backend=backend,
                                   max_recv_rows=int(1.25 * T * K) + 1024, sync_checks=False) as dispatcher:
         for layer in range(LAYERS):
             balancer.register_layer(layer, masters, grads)
         side = xp.cuda.Stream(non_blocking=True) if gpu else None  # the weight sync's own stream
         state = {"calls": 0}
+        host_ms = {"balancer": [], "call": []}  # per balanced layer: in the Balancer's calls, in all of it
 
         def experts(received, handle, wait):
             """Masters first, then each replica slot once ``wait(slot)`` lets its stream at it."""
@@ -194,13 +210,23 @@ def measure(group, target: float, dtype: str, args, progress):
             return y
 
         def balanced():
+            started = time.perf_counter()
             layer = state["calls"] % LAYERS
             state["calls"] += 1
             state["handle"] = handle = balancer.update(layer, ids)
             sync = balancer.weight_sync(handle, stream=side, blocks=args.sync_blocks)
             state["slots"] = balancer.reroute(handle, ids)
+            in_balancer = [time.perf_counter() - started]
+
+            def wait(slot):
+                waiting = time.perf_counter()
+                sync.wait(slot)
+                in_balancer.append(time.perf_counter() - waiting)
+
             received = dispatcher.dispatch(x, state["slots"], gates)
-            dispatcher.combine(experts(received, handle, sync.wait), received.handle)
+            dispatcher.combine(experts(received, handle, wait), received.handle)
+            host_ms["balancer"].append(1e3 * sum(in_balancer))
+            host_ms["call"].append(1e3 * (time.perf_counter() - started))
 
         def in_place():
             received = dispatcher.dispatch(x, state["slots"], gates)
@@ -229,6 +255,7 @@ def measure(group, target: float, dtype: str, args, progress):
            "imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
            "balanced_ms": balanced_ms, "share_pct": 100.0 * exposed_ms / layer_ms,
+           "bal_host_ms": statistics.median(host_ms["balancer"]), "call_host_ms": statistics.median(host_ms["call"]),
            **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")},
            "sync_MB": statistics.mean(r.weight_bytes for r in stats.records) / 1e6, "replica_diff": diff}
     return row, stats.records
@@ -245,11 +272,13 @@ def run(args) -> int:
     sharing = sharing_label(group)
     printing = group.rank == 0
     progress = Progress("balancer", enabled=printing and not args.quiet)
+    launches = (f"Balancer launches {'eager' if args.no_cuda_graphs else 'in CUDA graphs'}" if on_gpu(group, args)
+                else "Balancer on the host")
     title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({sharing}), {args.experts} experts, "
              f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
-             f"ffn {args.ffn}, fp16 tokens and compute, expert weights as listed; exposed = balanced layer (update, "
-             "weight_sync on a side stream beside dispatch, reroute, per-slot waits) - the same layer with its plan "
-             "and replicas in place, group windows")
+             f"ffn {args.ffn}, fp16 tokens and compute, expert weights as listed, {launches}; exposed = balanced "
+             "layer (update, weight_sync on a side stream beside dispatch, reroute, per-slot waits) - the same layer "
+             "with its plan and replicas in place, group windows")
     rows = []
     dtypes = sorted(set(args.weight_dtype), key=list(WEIGHT_DTYPES).index)  # bf16 first: the ratios' base
     with RowStream(COLUMNS, title, enabled=printing) as table:

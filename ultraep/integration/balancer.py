@@ -12,8 +12,9 @@ master weights and gradients. Per micro-batch and layer:
 * :meth:`Balancer.update` counts this rank's load row, writes it into row ``rank`` of
   every peer's gathered load matrix in the symmetric heap with a flag behind it, waits for
   every peer's flag and plans from the gathered matrix -- on the GPU in two launches (the
-  gather, the plan) with no heap barrier and no host round trip, into the preallocated
-  buffers of a ring slot. It returns a :class:`BalanceHandle`.
+  gather, the plan; one CUDA graph launch once the ring slot has seen the shapes twice)
+  with no heap barrier and no host round trip, into the preallocated buffers of a ring
+  slot. It returns a :class:`BalanceHandle`.
 * :meth:`weight_sync` fills the replica slots, on a stream of the caller's choice, and
   returns a :class:`ReplicaSync`; :meth:`wait_replica` (or ``ReplicaSync.wait``) makes
   a compute stream wait for one replica slot's own chunks before the compute that reads
@@ -64,9 +65,10 @@ Backends: the heap's backend picks, once, the implementation of what differs --
 :class:`~ultraep.integration.device.DeviceBalancer` (CuPy and ``raw_kernels/balancer.cu``).
 Both implement :class:`BalancerBackend`: a ring slot's state (plan buffers, pinned
 mirrors, stage clock), the caller's stream and marks that order streams (none on the
-host), counting and gathering the load rows, planning, reroute, a
-record's host arrays, synchronisation and the deferred device checks. Everything else,
-the collective checks included, is here.
+host), counting the load row, the update (publish, gather, plan: each backend numbers
+its updates, which pick the gathered matrix), reroute, a record's host arrays,
+synchronisation and the deferred device checks. Everything else, the collective checks
+included, is here.
 
 Device hot path: everything runs on the caller's streams (CuPy's current stream, the stream
 of a torch ``topk_ids``, or ``stream=``), and once every ring slot has seen the largest
@@ -74,17 +76,22 @@ top-k batch, ``update``, ``weight_sync``, ``wait_replica``, ``reroute``, ``resto
 ``reduce_grads`` allocate no device memory and, with ``sync_checks=False``, never wait for
 the device nor for the other ranks:
 
-* ``update`` counts the ids (int32 or int64, read in place), publishes the row and gathers
-  the peers' in one launch (``raw_kernels/balancer.cu``), and plans into the ring slot's
-  own plan buffers; the arrays a record needs are copied to pinned host memory on a side
-  stream;
+* ``update`` counts the ids (int32 or int64), publishes the row and gathers the peers' in
+  one launch (``raw_kernels/balancer.cu``), and plans into the ring slot's own plan
+  buffers; the arrays a record needs are copied to pinned host memory on a side stream;
 * ``weight_sync`` / ``restore`` / ``reduce_grads`` compile the plan's transfer tasks on
   the device (``transfer.device_schedule``) into tables allocated once, and launch the
   transfer behind the device-side plan agreement (which orders it after every rank's
   earlier work);
 * ``wait_replica`` is one small kernel per call;
 * ``reroute`` writes into the ring slot's output and count workspace, which are
-  reallocated only when a batch larger than any the slot has seen arrives.
+  reallocated only when a batch larger than any the slot has seen arrives;
+* with ``cuda_graphs`` (the default), a ring slot's launch sequences -- update's gather and
+  plan, the record's copies, reroute's two kernels -- are captured as CUDA graphs the
+  second time in a row the slot sees the same shapes, and replayed from then on (a new
+  token count or id dtype runs eagerly once and is captured again): one graph launch each
+  instead of the launches and their Python, at the cost of copying the ids into a buffer
+  of the Balancer's first (``integration.device.LaunchGraphs``). The bits are the same.
 
 The host waits for the device only where it must read device results: an ``update``
 whose ring slot still holds a micro-batch whose record has not reached host memory (the
@@ -166,9 +173,7 @@ class BalancerBackend(Protocol):
     def check_loads(self, loads) -> None: ...
     def count(self, source, *, from_ids: bool) -> None: ...
     def discard(self) -> None: ...
-    def gather(self, slot, buffer: int, epoch: int) -> None: ...
-    def count_and_gather(self, slot, source, *, from_ids: bool, buffer: int, epoch: int) -> None: ...
-    def plan(self, slot) -> Plan: ...
+    def update(self, slot, source, *, from_ids: bool) -> Plan: ...
     def planned(self, slot): ...
     def reroute(self, slot, ids, plan: Plan, out): ...
     def host_arrays(self, slot, plan: Plan) -> dict: ...
@@ -218,7 +223,9 @@ class Balancer:
     micro-batch (module docstring). Collective: every rank constructs it with the same
     arguments. ``heap``: an open symmetric heap with room for :meth:`heap_requirements`
     (shared with other components, and left open by :meth:`close`); without one the
-    Balancer opens, and closes, its own."""
+    Balancer opens, and closes, its own. ``cuda_graphs`` (GPU): replay each ring slot's
+    fixed launches as CUDA graphs ("Device hot path" in the module docstring); ``False``
+    launches every kernel itself, with the same results."""
 
     _next_id = 0
 
@@ -235,7 +242,8 @@ class Balancer:
     def __init__(self, group: EPGroup, layout: ExpertLayout, spec: ExpertSpec, *, num_layers: int,
                  min_replica_tokens: int | str = 1024, max_in_flight: int = 1, backend: str = "auto",
                  heap: SymmetricHeap | None = None, sync_checks: bool = True, record_trace: bool = False,
-                 timeout_s: float = 30.0, history: int = DEFAULT_HISTORY, transfer_options: dict | None = None):
+                 timeout_s: float = 30.0, history: int = DEFAULT_HISTORY, transfer_options: dict | None = None,
+                 cuda_graphs: bool = True):
         error, requirements = None, None
         try:
             if not isinstance(layout, ExpertLayout):
@@ -260,6 +268,8 @@ class Balancer:
                                         f"rank {group.rank} of {group.size}")
                 if backend not in ("auto", heap.backend):
                     raise BalancerError(f"backend={backend!r} contradicts the heap's backend {heap.backend!r}")
+            if not isinstance(cuda_graphs, bool):
+                raise BalancerError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
             if transfer_options is not None and (not isinstance(transfer_options, dict)
                                                  or not set(transfer_options) <= set(TRANSFER_OPTIONS)):
                 raise BalancerError(f"transfer_options must be a dict of {', '.join(TRANSFER_OPTIONS)}, "
@@ -289,7 +299,8 @@ class Balancer:
             self.transfer = WeightTransfer(self.heap, layout, spec, timeout_s=timeout_s, **(transfer_options or {}))
             self._impl: BalancerBackend = _backend_class(self.heap)(
                 self.heap, layout, gather["balancer.gathered_loads"], gather["balancer.gather_flags"],
-                min_replica_tokens=self.min_replica_tokens, timeout_s=self.timeout_s, sync_checks=self.sync_checks)
+                min_replica_tokens=self.min_replica_tokens, timeout_s=self.timeout_s, sync_checks=self.sync_checks,
+                cuda_graphs=cuda_graphs)
             self._rings = [[_RingSlot(self._impl) for _ in range(self.max_in_flight)]
                            for _ in range(self.num_layers)]
         except BaseException as exc:
@@ -425,13 +436,8 @@ class Balancer:
 
     def _update(self, layer: int, entry: _RingSlot, source, from_ids: bool) -> BalanceHandle:
         step = self._steps[layer]
-        buffer, epoch = self._updates % GATHER_BUFFERS, self._updates + 1  # every rank counts the same updates
-        if self.sync_checks:
-            self._impl.gather(entry.state, buffer, epoch)
-        else:
-            self._impl.count_and_gather(entry.state, source, from_ids=from_ids, buffer=buffer, epoch=epoch)
-        entry.plan = self._impl.plan(entry.state)
-        entry.clock.stop("update")
+        # with sync_checks the row was counted (and checked) before the collective: publish it
+        entry.plan = self._impl.update(entry.state, None if self.sync_checks else source, from_ids=from_ids)
         entry.step, entry.syncs, entry.reductions, entry.harvested = step, 0, 0, False
         self._steps[layer] += 1
         self._updates += 1

@@ -5,15 +5,25 @@ stream with buffers allocated once.
 :class:`DeviceLoadGather` counts this rank's load row (bitwise
 :func:`ultraep.integration.host.count_loads`), publishes it into every peer's gathered
 matrix and waits for theirs, in one launch and with no heap barrier: each row is
-followed by a flag of the update's epoch (``gather_loads`` in ``balancer.cu``).
-:class:`DeviceBalancer` plans from it into each ring slot's own plan buffers and copies
-what a record needs to pinned host memory on a side stream, so the host waits for the
-device only where it reads results, and the caller's stream only for its own work.
+followed by a flag of the update's epoch, which the kernel numbers itself
+(``gather_loads`` in ``balancer.cu``). :class:`DeviceBalancer` plans from it into each
+ring slot's own plan buffers and copies what a record needs to pinned host memory on a
+side stream, so the host waits for the device only where it reads results, and the
+caller's stream only for its own work.
+
+Host time: a ring slot's launches take the same pointers every time once their inputs
+are copied into buffers of the slot's or the gather's own (:class:`Staging`, one
+device-to-device copy), so :class:`LaunchGraphs` replays them as CUDA graphs -- update's
+gather and plan as one graph launch, the record's four copies as one, reroute's two
+kernels as one -- captured the second time in a row a slot sees the same shapes and
+recaptured when they change. A graph replays the launches the eager path makes, so both
+give the same bits.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 
 import cupy
 import cupyx
@@ -32,23 +42,94 @@ MAX_COUNT_BLOCKS = 1024
 NO_BAD_INDEX = np.iinfo(np.uint64).max
 MAX_HISTOGRAM_BYTES = 48 * 1024  # dynamic shared memory without opting in
 CUDA_MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyKind
+CUDA_MEMCPY_DEVICE_TO_DEVICE = 3
 STATUS_WORDS = 4  # gather_loads' status: timed out, peer, expected epoch, flag seen
 
 
+class LaunchGraphs:
+    """Launch sequences replayed as CUDA graphs (when ``enabled``; otherwise every call runs
+    its launches). An owner names each of its sequences and passes, per call, a key of
+    everything the launches take that can change (pointers, shapes, dtypes): the first
+    time a key comes the launches run as they are (loading any kernel they need); the
+    second time in a row they are captured and the graph is launched, as it is from then
+    on; another key runs eagerly again and drops the graph. Captures run on a private
+    stream, run no work and allocate nothing (every buffer a launch takes is its owner's);
+    event records and waits stay outside the graphs. ``captures`` and ``replays`` count
+    them per sequence name."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = bool(enabled)
+        self._capture_stream = cupy.cuda.Stream(non_blocking=True) if self.enabled else None
+        self.captures, self.replays = Counter(), Counter()
+
+    def run(self, graphs: dict, name: str, key, launches, stream=None) -> None:
+        """``launches()`` (which enqueue on the current stream) on ``stream`` (None: the
+        current one), or the graph of them that ``graphs`` (the owner's, name -> (key,
+        graph or None)) holds for ``key``."""
+        if self.enabled:
+            held_key, graph = graphs.get(name, (None, None))
+            if held_key == key:
+                if graph is None:
+                    graph = self._capture(launches)
+                    graphs[name] = (key, graph)
+                    self.captures[name] += 1
+                graph.launch(stream)
+                self.replays[name] += 1
+                return
+            graphs[name] = (key, None)
+        with contextlib.nullcontext() if stream is None else stream:
+            launches()
+
+    def _capture(self, launches):
+        stream = self._capture_stream
+        with stream:
+            stream.begin_capture()
+            try:
+                launches()
+            except BaseException:
+                with contextlib.suppress(cupy.cuda.runtime.CUDARuntimeError):  # the capture is void anyway
+                    stream.end_capture()
+                raise
+            return stream.end_capture()
+
+
+class Staging:
+    """A device buffer of its owner's that inputs are copied into, in stream order, so the
+    launches that read the copy take the same pointer every call (what a graph replays).
+    It grows to the largest input; the view of the last shape and dtype is kept."""
+
+    def __init__(self):
+        self._buffer = self._view = None
+
+    def copy(self, source):
+        """The copy of contiguous ``source`` (enqueued on the current stream)."""
+        view = self._view
+        if view is None or view.dtype != source.dtype or view.shape != source.shape:
+            if self._buffer is None or self._buffer.nbytes < source.nbytes:
+                self._buffer = cupy.empty(max(source.nbytes, 1), np.uint8)
+            view = self._view = self._buffer[:source.nbytes].view(source.dtype).reshape(source.shape)
+        if source.nbytes:
+            cupy.cuda.runtime.memcpyAsync(view.data.ptr, source.data.ptr, source.nbytes, CUDA_MEMCPY_DEVICE_TO_DEVICE,
+                                          cupy.cuda.get_current_stream().ptr)
+        return view
+
+
 class DeviceLoadGather:
-    """This rank's load row, counted and exchanged by ``gather_loads``: :meth:`count` alone
-    (the row stays staged), :meth:`publish` of a staged row, or both in one launch."""
+    """This rank's load row, counted and exchanged by ``gather_loads`` (:meth:`launch`):
+    counted alone (the row stays staged), a staged row published, or both in one launch."""
 
     def __init__(self, heap, num_experts: int, gathered, flags, timeout_s: float):
         self.heap, self.num_experts, self.timeout_s = heap, int(num_experts), timeout_s
         if 4 * self.num_experts > MAX_HISTOGRAM_BYTES:
             raise ValueError(f"the GPU load counter keeps one int per expert in shared memory: {num_experts} experts "
                              f"need {4 * self.num_experts} bytes (at most {MAX_HISTOGRAM_BYTES})")
-        self._matrix_offset, self._matrix_bytes = gathered.offset, gathered.nbytes // gathered.shape[0]
+        self._matrix_offset, self._buffers = gathered.offset, gathered.shape[0]
+        self._matrix_bytes = gathered.nbytes // self._buffers
         self._flag_slot = flags.first_slot
         self.counts = cupy.zeros(self.num_experts, dtype=np.int32)  # the staged row; zeroed by each publication
         self._arrived = cupy.zeros(1, dtype=np.uint32)
-        self.gathers = cupy.zeros(1, dtype=np.int64)  # gathers the device completed
+        self.gathers = cupy.zeros(1, dtype=np.int64)  # gathers the device completed: the last epoch
+        self.staging = Staging()  # what a graphed update counts
         self.status = cupy.zeros(STATUS_WORDS, dtype=np.uint64)
         self.bad = cupy.zeros(2, dtype=np.uint64)
         self._reset_bad = np.array([0, NO_BAD_INDEX], dtype=np.uint64)
@@ -60,10 +141,10 @@ class DeviceLoadGather:
     def supports(self, dtype) -> bool:
         return np.dtype(dtype) in self._kernels
 
-    def launch(self, source, *, from_ids: bool, publish: bool, buffer: int = 0, epoch: int = 0, out=None) -> None:
+    def launch(self, source, *, from_ids: bool, publish: bool, out=None) -> None:
         """Stage ``source`` (contiguous ids, or an ``int32[E]`` row; None: nothing more) and,
-        with ``publish``, exchange the staged row for update ``epoch`` through gathered
-        matrix ``buffer`` into ``out`` (``int32[R, E]``)."""
+        with ``publish``, exchange the staged row for the next update (the kernel numbers
+        it, and picks the gathered matrix by it) into ``out`` (``int32[R, E]``)."""
         ids = source if from_ids and source is not None else None
         loads = source if not from_ids and source is not None else None
         n = 0 if ids is None else int(ids.size)
@@ -73,8 +154,8 @@ class DeviceLoadGather:
         kernel((blocks,), (GATHER_THREADS,),
                (null if ids is None else ids, np.int64(n), null if loads is None else loads,
                 np.int32(self.num_experts), self.counts, self.bad, self._arrived, np.int32(publish),
-                self.heap.peer_bases, np.uint64(self._matrix_offset + buffer * self._matrix_bytes),
-                np.int64(self._flag_slot), np.int32(self.heap.rank), np.int32(self.heap.size), np.uint64(epoch),
+                self.heap.peer_bases, np.uint64(self._matrix_offset), np.uint64(self._matrix_bytes),
+                np.int32(self._buffers), np.int64(self._flag_slot), np.int32(self.heap.rank), np.int32(self.heap.size),
                 np.uint64(int(self.timeout_s * 1e9)), null if out is None else out, self.gathers, self.status),
                shared_mem=4 * self.num_experts if ids is not None else 0)
 
@@ -103,9 +184,9 @@ class DeviceLoadGather:
 class DeviceSlot:
     """A ring slot's device state: its plan buffers, pinned host mirrors of what a record
     needs (copied on the mirror stream; ``mirrored`` follows the copies), its event clock,
-    and reroute buffers grown to the largest batch it has seen."""
+    reroute buffers grown to the largest batch it has seen, and its launch graphs."""
 
-    def __init__(self, layout, buffers: Plan):
+    def __init__(self, layout, buffers: Plan, gathers):
         R, E = layout.num_ranks, layout.num_experts
         self.clock = DeviceClock()
         self.buffers = buffers
@@ -113,10 +194,16 @@ class DeviceSlot:
                        "phys_to_log": cupyx.empty_pinned(layout.num_physical, np.int32),
                        "rank_load": cupyx.empty_pinned(R, np.int64),
                        "liveness": cupyx.empty_pinned(1, np.int64)}
-        self.planned = cupy.cuda.Event(disable_timing=True)
+        # (host, device, bytes) of each mirror copy; liveness: the gathers the device had completed
+        sources = {"loads": buffers.loads, "phys_to_log": buffers.phys_to_log, "rank_load": buffers.rank_load,
+                   "liveness": gathers}
+        self.record_copies = [(host.ctypes.data, sources[name].data.ptr, host.nbytes)
+                              for name, host in self.mirror.items()]
+        self.planned: Mark | None = None  # where the plan is complete: the update's clock stop
         self.mirrored = cupy.cuda.Event(disable_timing=True)
-        self.planned_on = 0  # the stream the plan was made on
-        self.reroute_out = self.reroute_workspace = None
+        self.reroute_out = self.reroute_workspace = self.reroute_view = None
+        self.reroute_ids = Staging()  # what a graphed reroute reads
+        self.graphs: dict = {}  # LaunchGraphs of this slot: "update", "record", "reroute"
 
 
 class Mark:
@@ -132,20 +219,22 @@ class Mark:
 class DeviceBalancer:
     """The Balancer's per-backend work on the device; the interface is
     :class:`~ultraep.integration.host.HostBalancer`'s (``Backends`` in
-    :mod:`ultraep.integration.balancer`)."""
+    :mod:`ultraep.integration.balancer`). ``cuda_graphs``: replay each ring slot's launch
+    sequences as CUDA graphs (:class:`LaunchGraphs`)."""
 
     def __init__(self, heap, layout, gathered, flags, *, min_replica_tokens: int, timeout_s: float,
-                 sync_checks: bool):
+                 sync_checks: bool, cuda_graphs: bool):
         self.heap, self.layout, self.gathered = heap, layout, gathered
         self.timeout_s, self.sync_checks = timeout_s, sync_checks
         self.planner = DevicePlanner(layout, min_replica_tokens=min_replica_tokens)
         self.device = heap.device
         self.loads = DeviceLoadGather(heap, layout.num_experts, gathered, flags, timeout_s)
+        self.graphs = LaunchGraphs(cuda_graphs)
         self._mirror_stream = cupy.cuda.Stream(non_blocking=True)
         self._events: dict = {}  # (what, stream) -> the event a Mark of it re-records
 
     def new_slot(self) -> DeviceSlot:
-        return DeviceSlot(self.layout, self.planner.empty_plan())
+        return DeviceSlot(self.layout, self.planner.empty_plan(), self.loads.gathers)
 
     def stream(self, stream, tensor=None):
         """Context making the caller's stream CuPy's current one: ``stream`` (CuPy, a raw
@@ -208,51 +297,68 @@ class DeviceBalancer:
     def discard(self) -> None:
         self.loads.discard()
 
-    def _before_gather(self, slot: DeviceSlot) -> None:
-        # the slot's plan buffers are about to be rewritten: its last record's copies first
-        self.current().wait_event(slot.mirrored)
-
-    def gather(self, slot: DeviceSlot, buffer: int, epoch: int) -> None:
-        """Publish the staged row and wait for every peer's into the slot's plan loads."""
-        self._before_gather(slot)
-        self.loads.launch(None, from_ids=False, publish=True, buffer=buffer, epoch=epoch, out=slot.buffers.loads)
-
-    def count_and_gather(self, slot: DeviceSlot, source, *, from_ids: bool, buffer: int, epoch: int) -> None:
-        """:meth:`count` and :meth:`gather` in one launch (bad ids are reported by :meth:`check`)."""
-        self._before_gather(slot)
-        self.loads.launch(self._row(source, from_ids), from_ids=from_ids, publish=True, buffer=buffer, epoch=epoch,
-                          out=slot.buffers.loads)
-
-    def plan(self, slot: DeviceSlot) -> Plan:
-        """Plan from the slot's gathered loads; a record's arrays are copied to pinned memory
-        on the mirror stream, off the caller's."""
-        out = slot.buffers
-        self.planner.plan(out.loads, out=out)
-        slot.planned.record()
-        slot.planned_on = self.current().ptr
+    def update(self, slot: DeviceSlot, source, *, from_ids: bool) -> Plan:
+        """Count ``source`` (None: publish the row :meth:`count` staged; bad ids are then
+        reported by :meth:`check`), publish the row, wait for every peer's into the slot's
+        plan loads and plan: one graph launch once the slot has seen these shapes twice in
+        a row. The update's clock stop marks the plan complete; a record's arrays are
+        copied to pinned memory on the mirror stream from there, off the caller's."""
+        stream = self.current()
+        stream.wait_event(slot.mirrored)  # the plan buffers are about to be rewritten: its last record's copies first
+        if source is None:
+            key = "staged row"
+        else:
+            source = self._row(source, from_ids)
+            if self.graphs.enabled:
+                source = self.loads.staging.copy(source)
+            key = (from_ids, source.dtype.char, source.shape, source.data.ptr)
+        self.graphs.run(slot.graphs, "update", key, lambda: self._gather_and_plan(slot, source, from_ids))
+        slot.planned = Mark(slot.clock.stop("update"), stream.ptr)
         mirror = self._mirror_stream
-        mirror.wait_event(slot.planned)
-        for name, device_array in (("loads", out.loads), ("phys_to_log", out.phys_to_log),
-                                   ("rank_load", out.rank_load), ("liveness", self.loads.gathers)):
-            host = slot.mirror[name]
-            cupy.cuda.runtime.memcpyAsync(host.ctypes.data, device_array.data.ptr, host.nbytes,
-                                          CUDA_MEMCPY_DEVICE_TO_HOST, mirror.ptr)
+        mirror.wait_event(slot.planned.event)
+        self.graphs.run(slot.graphs, "record", "record", lambda: self._copy_record(slot), stream=mirror)
         slot.mirrored.record(mirror)
-        return out  # the transfers compile from the buffers' contents in stream order: no staleness
+        return slot.buffers  # the transfers compile from the buffers' contents in stream order: no staleness
 
-    def planned(self, slot: DeviceSlot) -> Mark:
-        """Where the slot's plan is complete (recorded by :meth:`plan`)."""
-        return Mark(slot.planned, slot.planned_on)
+    def _gather_and_plan(self, slot: DeviceSlot, source, from_ids: bool) -> None:
+        out = slot.buffers
+        self.loads.launch(source, from_ids=from_ids, publish=True, out=out.loads)
+        self.planner.plan(out.loads, out=out)
+
+    @staticmethod
+    def _copy_record(slot: DeviceSlot) -> None:
+        stream = cupy.cuda.get_current_stream().ptr
+        for host, device, nbytes in slot.record_copies:
+            cupy.cuda.runtime.memcpyAsync(host, device, nbytes, CUDA_MEMCPY_DEVICE_TO_HOST, stream)
+
+    def planned(self, slot: DeviceSlot) -> Mark | None:
+        """Where the slot's plan is complete (marked by :meth:`update`)."""
+        return slot.planned
 
     def reroute(self, slot: DeviceSlot, ids, plan: Plan, out):
         """Into the slot's buffers (unless ``out``), reallocated only when ``ids`` holds more
-        entries than any batch before it in this slot; ``-1`` for ids the plan has no room for."""
+        entries than any batch before it in this slot; ``-1`` for ids the plan has no room
+        for. One graph launch once the slot has seen these shapes and buffers twice in a row."""
+        if out is not None and not isinstance(out, cupy.ndarray):
+            raise ValueError(f"out must be a CuPy int32 array shaped like topk_ids, got {type(out).__name__}")
         n = int(ids.size)
         if slot.reroute_out is None or slot.reroute_out.size < n:
             slot.reroute_out = cupy.empty(max(n, 1), np.int32)
             slot.reroute_workspace = cupy.empty(reroute_workspace_size(self.layout, n), np.int32)
-        out = slot.reroute_out[:n].reshape(ids.shape) if out is None else out
-        return self.planner.reroute(ids, plan, self.heap.rank, out=out, workspace=slot.reroute_workspace)
+            slot.reroute_view = None
+        if out is None:
+            if slot.reroute_view is None or slot.reroute_view.shape != ids.shape:
+                slot.reroute_view = slot.reroute_out[:n].reshape(ids.shape)
+            out = slot.reroute_view
+        workspace, rank = slot.reroute_workspace, self.heap.rank
+        if n == 0:  # nothing to launch
+            return self.planner.reroute(ids, plan, rank, out=out, workspace=workspace)
+        if self.graphs.enabled:
+            ids = slot.reroute_ids.copy(ids)
+        key = (ids.dtype.char, ids.shape, ids.data.ptr, out.dtype.char, out.shape, out.data.ptr, workspace.data.ptr)
+        self.graphs.run(slot.graphs, "reroute", key,
+                        lambda: self.planner.reroute(ids, plan, rank, out=out, workspace=workspace))
+        return out
 
     def host_arrays(self, slot: DeviceSlot, plan: Plan) -> dict:
         """The pinned mirrors, once landed: blocks only when the device is a ring behind."""

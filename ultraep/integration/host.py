@@ -66,11 +66,11 @@ class HostBalancer:
     device = None  # tensors are imported as NumPy arrays
 
     def __init__(self, heap, layout, gathered, flags, *, min_replica_tokens: int, timeout_s: float,
-                 sync_checks: bool):
+                 sync_checks: bool, cuda_graphs: bool):
         self.heap, self.layout, self.gathered = heap, layout, gathered
         self.timeout_s = timeout_s
         self.planner = HostPlanner(layout, min_replica_tokens=min_replica_tokens)
-        self.liveness = 0  # plans completed on this rank
+        self.liveness = 0  # gathers and plans completed on this rank (cuda_graphs: nothing to capture here)
         self._row = None  # the staged load row
 
     def new_slot(self) -> HostSlot:
@@ -114,23 +114,23 @@ class HostBalancer:
     def discard(self) -> None:
         self._row = None
 
-    def gather(self, slot: HostSlot, buffer: int, epoch: int) -> None:
-        """Write the staged row into every peer's gathered matrix; after the heap barrier
-        the slot keeps a copy of this rank's (peers overwrite the buffer two updates on)."""
+    def update(self, slot: HostSlot, source, *, from_ids: bool) -> Plan:
+        """Count ``source`` (None: publish the row :meth:`count` staged), write the row into
+        every peer's gathered matrix (the one the update's number picks, as on the device),
+        wait at the heap barrier, plan from a copy of this rank's matrix (peers overwrite it
+        two updates on) and stop the update's clock."""
+        if source is not None:
+            self.count(source, from_ids=from_ids)
+        buffer = self.liveness % self.gathered.shape[0]
         for peer in range(self.heap.size):
             self.gathered.peer(peer)[buffer, self.heap.rank] = self._row
         self._row = None
         self.heap.barrier(self.timeout_s)
         slot.loads = np.array(self.gathered.local[buffer])
-
-    def count_and_gather(self, slot: HostSlot, source, *, from_ids: bool, buffer: int, epoch: int) -> None:
-        self.count(source, from_ids=from_ids)
-        self.gather(slot, buffer, epoch)
-
-    def plan(self, slot: HostSlot) -> Plan:
         plan = self.planner.plan(slot.loads)
         self.liveness += 1
         slot.liveness = self.liveness
+        slot.clock.stop("update")
         return plan
 
     def planned(self, slot: HostSlot):
