@@ -12,7 +12,7 @@ from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
 from ultraep.tune.model import (DISPATCH_THREADS, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
                                 Problem, SyncProblem, combine_s, dispatch_s, fused_down_s, fused_up_s,
-                                join, predict, pull_s, weight_sync_s)
+                                fused_windows, join, predict, pull_s, weight_sync_s)
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
@@ -34,6 +34,8 @@ def test_problem_derived_quantities_and_refusals():
         Problem(0, 64, 64, 2, 8, 4)
     with pytest.raises(ProfileError, match="slot_rows"):
         Problem(64, 64, 64, 2, 8, 4, slot_rows=(-1,))
+    with pytest.raises(ProfileError, match="keeps_h"):
+        Problem(64, 64, 64, 2, 8, 4, keeps_h=1)
 
 
 def test_weight_sync_warp_bound_then_bandwidth_bound():
@@ -87,17 +89,53 @@ def test_dispatch_and_combine_scale_with_the_bytes_once_bandwidth_binds():
     assert float(combine_s(PROFILE, shared, 1056)) > 2.5 * float(combine_s(PROFILE, PROBLEM, 1056))
 
 
-def test_fused_phases_count_gemm_waves_over_the_ctas():
-    tile_up = PROFILE.gemm.tile_s * PROBLEM.hidden / PROFILE.gemm.k
+def test_fused_phases_count_measured_tiles_in_waves_over_the_ctas():
+    costs = PROFILE.fused
     up_tiles = PROBLEM.m_tiles() * -(-PROBLEM.ffn // FM_UP_COLS)
     half, full = fused_up_s(PROFILE, PROBLEM, np.array([66, 132]), 16)
-    assert half - full >= (np.ceil(up_tiles / 66) - np.ceil(up_tiles / 132)) * tile_up * 0.99
-    tile_down = PROFILE.gemm.tile_s * PROBLEM.ffn / PROFILE.gemm.k
+    tile_half, tile_full = costs.up_tile_s(PROBLEM.hidden, [66, 132])
+    assert tile_half < tile_full  # the profile's tiles slow down as more CTAs run them
+    assert np.ceil(up_tiles / 66) * tile_half < half < np.ceil(up_tiles / 66) * tile_half * 1.2
+    assert np.ceil(up_tiles / 132) * tile_full < full
+    # an up tile that keeps h costs more than one that stores act alone
+    inference = dataclasses.replace(PROBLEM, keeps_h=False)
+    assert float(fused_up_s(PROFILE, inference, 132, 16)) < float(full)
     down_tiles = PROBLEM.m_tiles() * (PROBLEM.hidden // FM_DOWN_COLS)
     down = float(fused_down_s(PROFILE, PROBLEM, 132, 16))
-    assert down > np.ceil(down_tiles / 132) * tile_down + PROFILE.kernel_s
+    assert down > np.ceil(down_tiles / 132) * float(costs.down_tile_s(PROBLEM.ffn, 132)) + PROFILE.kernel_s
     # a reduce task of many tokens is the tail after the last tile; tasks of few fit the idle CTAs
     assert float(fused_down_s(PROFILE, PROBLEM, 132, 4096)) > float(fused_down_s(PROFILE, PROBLEM, 132, 16))
+    # small send tasks leave task warps idle, many claims cost: the send size moves kernel A at one CTA
+    assert float(fused_up_s(PROFILE, PROBLEM, 1, 4)) > float(fused_up_s(PROFILE, PROBLEM, 1, 16))
+
+
+def test_fused_kernels_use_the_costs_measured_with_as_many_sharers():
+    shared = Problem(4096, 4096, 1536, 8, 64, 4, ranks_per_gpu=4)
+    quarter = h200_like(sm_share=25)
+    slower = dataclasses.replace(quarter.fused, sharing=4, up=tuple(tuple(2 * v for v in row)
+                                                                    for row in quarter.fused.up))
+    measured = dataclasses.replace(quarter, shared_fused=slower, shared_by=4)
+    alone, together = (float(fused_up_s(p, shared, 33, 16)) for p in (quarter, measured))
+    tiles = np.ceil(PROBLEM.m_tiles() * -(-PROBLEM.ffn // FM_UP_COLS) / 33)
+    assert together - alone == pytest.approx(tiles * float(quarter.fused.up_tile_s(4096, 33)), rel=1e-6)
+    # measured with another number of sharers: this process's own
+    assert float(fused_up_s(measured, dataclasses.replace(shared, ranks_per_gpu=2), 33, 16)) == pytest.approx(
+        float(fused_up_s(quarter, dataclasses.replace(shared, ranks_per_gpu=2), 33, 16)))
+
+
+def test_fused_windows_hold_the_spread_of_the_ranks_kernel_a():
+    light = Problem(4096, 4096, 1536, 8, 64, 4, slot_rows=(2000,) * 16)
+    heavy = Problem(4096, 4096, 1536, 8, 64, 4, slot_rows=(2100,) * 16)  # 17 M-tiles a slot, not 16
+    ctas = np.array([33, 132])
+    windows = fused_windows(PROFILE, [light, heavy], ctas, 16, 16)
+    up = {p: fused_up_s(PROFILE, p, ctas, 16) for p in (light, heavy)}
+    down = {p: fused_down_s(PROFILE, p, ctas, 16) for p in (light, heavy)}
+    assert np.all(up[heavy] > up[light]) and windows["up"] == pytest.approx(up[heavy])
+    assert windows["forward"] == pytest.approx(up[heavy] + down[heavy])
+    # kernel B's window opens when the light rank's kernel A ends
+    assert windows["down"] == pytest.approx(down[heavy] + up[heavy] - up[light])
+    alone = fused_windows(PROFILE, [heavy], ctas, 16, 16)
+    assert alone["down"] == pytest.approx(down[heavy]) and alone["forward"] == pytest.approx(up[heavy] + down[heavy])
 
 
 def test_predict_broadcasts_each_phase_over_its_own_knobs():

@@ -39,8 +39,12 @@ def test_host_profile_is_measured_cached_and_reused(tmp_path):
     assert "shared memory" in profile.peer_method
     assert 0 < profile.launch_s < 1e-2
     assert profile.copy_warp_bytes_per_s > 1e7 and 0 < profile.flag_s < 1e-3 and 0 < profile.kernel_s < 1e-2
-    assert (profile.gemm.bm, profile.gemm.bn, profile.gemm.k) == (128, 256, 64) and profile.gemm.tile_s > 0
-    assert float(profile.gemm.seconds(128)) == pytest.approx(2 * profile.gemm.tile_s)
+    fused = profile.fused
+    assert fused.grids == (1,) and fused.sharing == 1 and profile.shared_fused is None
+    assert (fused.up_k, fused.down_k) == HostProbe.fused_reductions
+    assert all(v > 0 for task in ("up", "up_act", "relay", "down") for row in getattr(fused, task) for v in row)
+    assert float(fused.up_tile_s(fused.up_k[0], 1)) == pytest.approx(fused.up[0][0])
+    assert profile.fused_costs(4) is fused  # no measurement with 4 processes at once: this one's own
     curve = profile.compute
     assert curve.rows_per_expert == (4, 32, 256) and (curve.experts, curve.k, curve.n) == (2, 64, 64)
     assert all(s > 0 for s in curve.seconds)
@@ -75,7 +79,8 @@ def _rewrite(path, **changes):
     (lambda p: _rewrite(p, launch_s=-1.0), "launch_s"),
     (lambda p: _rewrite(p, sm_count=None), "sm_count"),
     (lambda p: _rewrite(p, compute={"kernel": "k"}), "bad or missing field"),
-    (lambda p: _rewrite(p, gemm={"kernel": "k", "bm": 128}), "bad or missing field"),
+    (lambda p: _rewrite(p, fused={"grids": [1]}), "bad or missing field"),
+    (lambda p: _rewrite(p, fused=dict(json.loads(p.read_text())["fused"], grids=[2, 1])), "grids must rise"),
     (lambda p: _rewrite(p, flag_s=0.0), "flag_s"),
     (lambda p: _rewrite(p, version=PROFILE_VERSION + 1), f"format version {PROFILE_VERSION + 1}"),
 ])
@@ -120,9 +125,11 @@ def test_an_unwritable_cache_is_reported_not_raised(tmp_path, monkeypatch):
 def test_round_trip_and_refusals():
     profile = measured()
     assert MachineProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
-    shared = dataclasses.replace(profile, shared_copy_bytes_per_s=3e9, shared_by=4)
+    shared_fused = dataclasses.replace(profile.fused, sharing=4)
+    shared = dataclasses.replace(profile, shared_copy_bytes_per_s=3e9, shared_by=4, shared_fused=shared_fused)
     assert MachineProfile.from_json(json.loads(json.dumps(shared.to_json()))) == shared
     assert shared.gpu_copy_bytes_per_s(4) == 3e9 and shared.gpu_copy_bytes_per_s(2) == profile.peer_bytes_per_s
+    assert shared.fused_costs(4) is shared_fused and shared.fused_costs(2) is profile.fused
     data = profile.to_json()
     data["compute"] = dict(data["compute"], rows_per_expert=[32, 4, 256])
     with pytest.raises(ProfileError, match="rows_per_expert must rise"):
@@ -149,3 +156,39 @@ def test_cli_prints_a_table(tmp_path, capsys):
     assert tune_main(["profile", "--backend", "host", "--out", str(out), "--json"]) == 0
     printed = capsys.readouterr()
     assert MachineProfile.from_json(json.loads(printed.out)) == read_profile(out) and printed.err == ""
+
+
+def test_fused_costs_are_lines_in_k_and_linear_between_grids():
+    from ultraep.tune import FusedCosts
+
+    costs = FusedCosts(grids=(1, 8), sharing=2, up_k=(1000, 2000), down_k=(500, 1500),
+                       up=((10e-6, 20e-6), (15e-6, 30e-6)), up_act=((5e-6, 5e-6), (8e-6, 8e-6)),
+                       relay=((1e-6, 2e-6), (2e-6, 4e-6)), down=((4e-6, 4e-6), (6e-6, 6e-6)))
+    assert float(costs.up_tile_s(1500, 1)) == pytest.approx(12.5e-6)  # halfway between the reductions
+    assert float(costs.up_tile_s(3000, 8)) == pytest.approx(40e-6)  # the line extended
+    assert costs.up_tile_s(2000, [1, 4.5, 8]).tolist() == pytest.approx([15e-6, 22.5e-6, 30e-6])
+    assert float(costs.up_tile_s(2000, 20)) == pytest.approx(30e-6)  # beyond the grids: the last one's
+    assert float(costs.up_tile_s(1000, 1, keeps_h=False)) == pytest.approx(5e-6)
+    assert float(costs.relay_task_s(1000, 8)) == pytest.approx(2e-6)
+    assert float(costs.down_tile_s(1000, 1)) == pytest.approx(5e-6)
+    # a line through noise may cross zero short of the reductions measured: never below the
+    # shortest one's time in proportion, never beyond the longest below its time
+    noisy = dataclasses.replace(costs, down=((1e-6, 1e-6), (9e-6, 9e-6)))
+    assert float(noisy.down_tile_s(100, 1)) == pytest.approx(100 * 1e-6 / 500)
+    falling = dataclasses.replace(costs, down=((9e-6, 9e-6), (8e-6, 8e-6)))
+    assert float(falling.down_tile_s(3000, 1)) == pytest.approx(8e-6)
+    assert float(falling.down_tile_s(1000, 1)) == pytest.approx(8.5e-6)  # between them: the line
+    with pytest.raises(ProfileError, match="one positive time per reduction"):
+        dataclasses.replace(costs, relay=((1e-6,), (2e-6, 4e-6)))
+    with pytest.raises(ProfileError, match="up_k must rise"):
+        dataclasses.replace(costs, up_k=(2000, 1000))
+
+
+def test_shared_fused_costs_are_the_slowest_process():
+    from ultraep.tune.profile import fused_costs
+
+    one = {"up": [[1.0, 2.0]], "up_act": [[1.0, 1.0]], "relay": [[3.0, 3.0]], "down": [[2.0, 2.0]]}
+    other = {"up": [[1.5, 1.0]], "up_act": [[1.0, 4.0]], "relay": [[1.0, 1.0]], "down": [[2.0, 5.0]]}
+    costs = fused_costs([one, other], (1, 4), (64,), (32,))
+    assert costs.sharing == 2 and costs.up == ((1.5, 2.0),) and costs.up_act == ((1.0, 4.0),)
+    assert costs.relay == ((3.0, 3.0),) and costs.down == ((2.0, 5.0),)

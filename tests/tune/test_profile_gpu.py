@@ -1,7 +1,8 @@
-"""The machine profile measured on the GPU: plausible figures for every quantity, a
-compute curve that is weight-bound at a few rows per expert, and the cost model's
-threshold between a decode-sized and a prefill-sized expert load."""
+"""The machine profile measured on the GPU: plausible figures for every quantity (the fused
+kernels' tasks among them), a compute curve that is weight-bound at a few rows per expert,
+and the cost model's threshold between a decode-sized and a prefill-sized expert load."""
 
+import numpy as np
 import pytest
 
 from tests.conftest import requires_gpu
@@ -30,9 +31,18 @@ def test_device_profile_is_plausible_and_cached(tmp_path):
     assert 1e8 < profile.copy_warp_bytes_per_s < profile.peer_bytes_per_s / 64, profile.copy_warp_bytes_per_s
     assert 1e-9 <= profile.flag_s < 2e-5, profile.flag_s
     assert 1e-7 < profile.kernel_s < profile.launch_s * 2, (profile.kernel_s, profile.launch_s)
-    gemm = profile.gemm  # a 128 x 256 tile over k = 2048: 134 MFLOP at 0.2 .. 10 TFLOPS per SM
-    flops = 2.0 * gemm.bm * gemm.bn * gemm.k
-    assert 0.2e12 < flops / gemm.tile_s < 10e12, (flops / gemm.tile_s, gemm)
+    fused = profile.fused  # the fused kernels run on synthetic rows: a 128 x 256 tile at 0.2 .. 10 TFLOPS per SM
+    assert fused.sharing == 1 and fused.grids[0] == 1 and fused.grids[-1] == profile.sm_count
+    for k in fused.up_k:
+        tile = fused.up_tile_s(k, fused.grids)
+        assert np.all(0.2e12 < 2.0 * 128 * 256 * k / tile) and np.all(2.0 * 128 * 256 * k / tile < 10e12), tile
+        # keeping h stores twice the bytes of act alone and more: never cheaper
+        assert np.all(tile >= fused.up_tile_s(k, fused.grids, keeps_h=False) * 0.98)
+        relay = fused.relay_task_s(k, fused.grids)  # 128 rows of 2 k bytes: 0.1 .. 100 GB/s a CTA
+        assert np.all(0.1e9 < 128 * 2 * k / relay) and np.all(128 * 2 * k / relay < 100e9), relay
+    for k in fused.down_k:
+        tile = fused.down_tile_s(k, fused.grids)
+        assert np.all(0.2e12 < 2.0 * 128 * 256 * k / tile) and np.all(2.0 * 128 * 256 * k / tile < 10e12), tile
     curve = profile.compute
     seconds = dict(zip(curve.rows_per_expert, curve.seconds))
     assert seconds[32] < 1.5 * seconds[8], seconds  # weight-bound: 4x the rows, about the same time

@@ -10,12 +10,11 @@ import pytest
 from ultraep.errors import ProfileError
 from ultraep.transfer import ExpertSpec
 from ultraep.tune import NEVER, ComputeCurve, MachineProfile, min_replica_tokens_for
-from ultraep.tune.profile import TileCost
+from tests.tune.synthetic import fused_like
 from ultraep.tune.replicas import expert_weight_elements
 
 # The profile's quantities the replica threshold does not read.
-UNUSED_BY_REPLICAS = dict(kernel_s=1e-6, copy_warp_bytes_per_s=1e10, flag_s=1e-6,
-                          gemm=TileCost(kernel="synthetic", bm=128, bn=256, k=2048, tile_s=3e-5, fixed_s=5e-6))
+UNUSED_BY_REPLICAS = dict(kernel_s=1e-6, copy_warp_bytes_per_s=1e10, flag_s=1e-6, fused=fused_like(132))
 
 
 def roofline_profile(*, floor_s: float, per_row_s: float, peer_bytes_per_s: float, k: int = 1024, n: int = 1024,

@@ -18,6 +18,9 @@ def test_summary_errors_and_the_rank_of_the_models_choice():
     summary = summarise(rows)
     assert [row["error_pct"] for row in rows] == pytest.approx([0.0, -20.0, 50.0, -10.0])
     assert summary["mean_abs_error_pct"] == pytest.approx(20.0)
+    assert summary["within_fraction"] == pytest.approx(0.25)  # only g=1 of a is within 5 %
+    assert summary["problems"]["a"]["mean_abs_error_pct"] == pytest.approx(70.0 / 3)
+    assert summary["problems"]["a"]["within_fraction"] == pytest.approx(1 / 3)
     assert summary["worst_error_pct"] == pytest.approx(50.0) and summary["worst"] == "a, g=3"
     a = summary["problems"]["a"]  # chose g=2 (predicted 1.0); measured 1.25, behind g=3's 1.0
     assert (a["chosen"], a["chosen_rank"], a["best_measured"]) == ("g=2", 2, "g=3")
@@ -43,6 +46,7 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
     out, err = capfd.readouterr()
     assert code == 0, out + err
     assert "mean absolute error" in out and "the model's choice" in out and "predicted_ms" in out
+    assert "within 5 %" in out and "worst" in out
     assert "[bench tune validate]" in err and "(5/5)" in err
     data = json.loads(out_json.read_text())
     problems = 1 if phase == "weight-sync" else 3  # dispatch, combine and pull; kernels A, B and the forward
@@ -51,6 +55,10 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
     assert data["profile"]["shared_by"] == 2 and data["profile"]["shared_copy_bytes_per_s"] > 0
     cached = json.loads(next((tmp_path / "cache").glob("profile-*.json")).read_text())
     assert cached["shared_by"] == 2 and cached["shared_copy_bytes_per_s"] == data["profile"]["shared_copy_bytes_per_s"]
+    # and their fused tasks at once
+    assert cached["shared_fused"]["sharing"] == 2 and cached["shared_fused"] == data["profile"]["shared_fused"]
+    if phase == "fused-forward":
+        assert all(len(row["rank_ms"]) == 2 for row in data["rows"])
     assert all(row["measured_ms"] > 0 and row["predicted_ms"] > 0 for row in data["rows"])
     assert len(data["summary"]["problems"]) == problems
     image = matplotlib.image.imread(png)

@@ -22,9 +22,9 @@ It sits above ``compute`` (whose grouped GEMM it measures), ``runtime``, ``trans
 through it.
 """
 
-from ultraep.tune.profile import (PROFILE_VERSION, ComputeCurve, MachineProfile, TileCost, load_profile,
+from ultraep.tune.profile import (PROFILE_VERSION, ComputeCurve, FusedCosts, MachineProfile, load_profile,
                                   measure_profile, profile_path, read_profile, write_profile)
 from ultraep.tune.replicas import NEVER, agreed_min_replica_tokens, min_replica_tokens_for
 
-__all__ = ["NEVER", "PROFILE_VERSION", "ComputeCurve", "MachineProfile", "TileCost", "agreed_min_replica_tokens",
+__all__ = ["NEVER", "PROFILE_VERSION", "ComputeCurve", "FusedCosts", "MachineProfile", "agreed_min_replica_tokens",
            "load_profile", "measure_profile", "min_replica_tokens_for", "profile_path", "read_profile", "write_profile"]

@@ -1,14 +1,24 @@
 """The GPU's micro-benchmarks (CuPy, one GPU of this process): a device-to-device copy,
 the heap's copy kernel into a peer GPU (or within this one) and on a few blocks, an empty
-kernel's launch, a flag handoff, and the grouped GEMM at a few rows per expert and at a
-few waves of tiles. Each quantity is the time per call over a few
+kernel's launch, a flag handoff, the grouped GEMM at a few rows per expert, and the fused
+MoE kernels' tasks on synthetic rows. Each quantity is the time per call over a few
 batches of back-to-back calls (the fastest batch): the copies and the launch timed from
 the host around a synchronised batch, the GEMM on the device alone (at a few rows per
 expert the host takes longer to launch it than the GPU to run it, and the cost model
-needs the GPU's time)."""
+needs the GPU's time), the fused tasks from the kernels' own task timeline.
+
+The fused kernels (:class:`FusedBench`) run on one process's synthetic problem, no token
+sent: kernel A with its M-tiles' relay flags already set (up tiles alone, storing ``h``
+or not) or with no up tile (relays alone), kernel B with no token to reduce (down tiles
+alone, each publishing its ``done`` flag as in a layer). Their arguments are passed by the
+names the kernel source declares, so a kernel whose parameters change is refused with the
+name this probe does not know, never launched with arguments out of place.
+"""
 
 from __future__ import annotations
 
+import math
+import re
 import time
 
 import numpy as np
@@ -21,7 +31,16 @@ COPY_THREADS = 512              # threads per block of heap.cu's copy_bytes (as 
 COPY_BLOCKS_PER_SM = (1, 2, 4)  # grids tried for it; the fastest counts
 WARP_COPY_SM_FRACTION = 8       # the per-warp copy runs on one block per this many SMs: far from HBM's limit
 WARP_COPY_BYTES = 64 << 20
-TILE_WAVES = (1, 2, 4)          # GEMM calls of this many tiles per SM of the grid
+FUSED_KERNELS = "fused_moe.cu"
+FUSED_UP_K = (2048, 4096)       # hidden sizes the up tiles and relays are measured at (their reductions, row widths)
+FUSED_DOWN_K = (1024, 2048)     # FFN sizes the down tiles are measured at
+FUSED_SLOT_ROWS = 2048          # a synthetic slot: 16 M-tiles, two rasters of the grouped GEMM's order
+FUSED_COLUMN_BLOCKS = 16        # a slot's column blocks: up tiles over 2048 act columns, down tiles over 4096
+FUSED_TILE_WAVES = 8            # a tile run has at least this many waves of tiles on its grid
+FUSED_RELAY_WAVES = 2           # a relay run, of relay tasks
+FUSED_GRID_FRACTIONS = tuple(i / 8 for i in range(1, 9))  # grids measured, of the SMs, besides 1, 2 and 4 CTAs
+FUSED_ROUNDS = 3                # launches per measurement (a barrier of the measuring processes before each)
+FUSED_TIMEOUT_NS = 10 * 10**9   # a flag wait of the probe that lasts this long is a bug: reported, not hung
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 MAX_HOLD_NS = 10**9  # a hold this long that still ends before the batch is enqueued: the host is stuck
 
@@ -42,6 +61,7 @@ class DeviceProbe:
 
         self.cp = cupy
         self.device = cupy.cuda.Device().id if device is None else int(device)
+        self._fused: FusedBench | None = None
 
     def _seconds(self, call) -> float:
         with self.cp.cuda.Device(self.device):
@@ -209,27 +229,21 @@ class DeviceProbe:
                 raise ProfileError("the flag handoff measured for the machine profile timed out")
         return max(with_flag - empty, 1e-9)
 
-    def gemm_tile_times(self) -> tuple:
-        """The grouped GEMM on one expert whose output is one tile row per SM of its grid
-        wide, at ``TILE_WAVES`` tile rows (whole waves of tiles on every SM): what
-        :func:`~ultraep.tune.profile.fit_tile_cost` takes."""
-        from ultraep.compute import grouped_mm
-        from ultraep.runtime.kernels import kernel_constant
-
-        cp = self.cp
-        bm, bn = kernel_constant("grouped_gemm.cu", "GH_BM"), kernel_constant("grouped_gemm.cu", "GH_BN")
-        k = self.compute_shape[1]
+    def fused_grids(self) -> tuple[int, ...]:
+        """The grids (CTAs of this process) the fused tasks are measured at: 1, 2, 4 and
+        :data:`FUSED_GRID_FRACTIONS` of the SMs."""
         _, sms = self.describe()
-        seconds = []
-        with cp.cuda.Device(self.device):
-            w = _bf16_bits(cp, (1, k, bn * sms), seed=7)
-            for waves in TILE_WAVES:
-                x = _bf16_bits(cp, (waves * bm, k), seed=waves)
-                offsets = cp.asarray(np.array([0, waves * bm], dtype=np.int32))
-                out = cp.empty((waves * bm, bn * sms), dtype=np.int16)
-                seconds.append(self._device_seconds(lambda x=x, offsets=offsets, out=out: grouped_mm(x, w, offsets,
-                                                                                                   out=out)))
-        return self.compute_kernel, bm, bn, k, tuple(waves * sms for waves in TILE_WAVES), tuple(seconds)
+        return tuple(sorted({g for g in (1, 2, 4, *(round(f * sms) for f in FUSED_GRID_FRACTIONS)) if 1 <= g <= sms}))
+
+    fused_reductions = (FUSED_UP_K, FUSED_DOWN_K)
+
+    def fused_seconds(self, task: str, k: int, grid: int, together) -> float:
+        """One fused task's time (:class:`~ultraep.tune.profile.FusedCosts`) at ``k`` on
+        ``grid`` CTAs: the median of :data:`FUSED_ROUNDS` launches, each after ``together()``."""
+        if self._fused is None or self._fused.key != (task, k):
+            self._fused = None  # its buffers go before the next one's are made
+            self._fused = FusedBench(self.cp, self.device, task, k, max(self.fused_grids()))
+        return self._fused.seconds(grid, together)
 
     def expert_call_s(self, rows: int) -> float:
         from ultraep.compute import grouped_mm
@@ -248,3 +262,189 @@ def _bf16_bits(cp, shape, seed: int):
     """Random bf16 values in ``[-1, 1)`` as their int16 bits (the grouped GEMM takes either)."""
     values = cp.random.default_rng(seed).random(shape, dtype=np.float32) * 2 - 1
     return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+
+
+def kernel_parameters(filename: str, name: str) -> tuple[str, ...]:
+    """The parameter names of kernel ``name`` as ``raw_kernels/<filename>`` declares it."""
+    from ultraep.runtime.kernels import kernel_source
+
+    text = kernel_source(filename).read_text()
+    match = re.search(rf"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?{re.escape(name)}\s*\(([^)]*)\)", text)
+    if match is None:
+        raise ProfileError(f"{filename} declares no kernel {name}")
+    return tuple(re.findall(r"\w+", parameter)[-1] for parameter in match.group(1).split(","))
+
+
+def ordered_arguments(filename: str, name: str, values: dict) -> tuple:
+    """``values`` (by parameter name) in the order kernel ``name`` declares them; a name
+    either side lacks is refused, naming it."""
+    parameters = kernel_parameters(filename, name)
+    unknown, unused = set(parameters) - set(values), set(values) - set(parameters)
+    if unknown or unused:
+        raise ProfileError(f"the machine profile's probe of {name} ({filename}) is out of date with the kernel: "
+                           f"it has no value for {sorted(unknown)} and values for no parameter {sorted(unused)} "
+                           f"(ultraep/tune/device.py, FusedBench)")
+    return tuple(values[parameter] for parameter in parameters)
+
+
+class FusedBench:
+    """One fused task of ``raw_kernels/fused_moe.cu`` on synthetic rows of this process
+    (``task``, ``k``: :class:`~ultraep.tune.profile.FusedCosts`), its buffers made once for
+    grids up to ``max_grid`` (a run on a smaller grid uses fewer slots: every run has
+    :data:`FUSED_TILE_WAVES` waves of tiles, or :data:`FUSED_RELAY_WAVES` of relays, at least).
+
+    * ``up`` / ``up_act``: kernel A on slots of :data:`FUSED_SLOT_ROWS` rows whose M-tiles are
+      already relayed (no relay task: the M-tile table is all zeros, and the flags every up
+      tile waits for hold the epoch before the launch), ``k`` = hidden, 2048 act columns,
+      storing ``h`` (FP32) and ``act``, or ``act`` alone;
+    * ``relay``: kernel A with no up tile (ffn 0), each M-tile's rows flagged as arrived and
+      copied from landing rows of their own;
+    * ``down``: kernel B with no token to reduce, ``k`` = ffn, hidden 4096: down tiles into a
+      heap of this process's, each M-tile's last one publishing its ``done`` flag.
+
+    A tile's time is the tile phase's span (first tile's claim to the last tile's end, from
+    the timeline the kernels stamp) over its waves; a relay's, the mean relay task."""
+
+    def __init__(self, cp, device: int, task: str, k: int, max_grid: int):
+        from ultraep.compute.device import _TensorMaps
+        from ultraep.runtime.kernels import get_function, kernel_constant
+
+        if task not in ("up", "up_act", "relay", "down"):
+            raise ProfileError(f"no fused task {task!r}")
+        self.cp, self.device, self.task, self.key = cp, device, task, (task, k)
+        constant = lambda name: kernel_constant(FUSED_KERNELS, name)  # noqa: E731
+        self.bm, self.box = constant("FM_BM"), constant("GH_BOX")
+        self.kind = constant({"up": "FM_KIND_UP", "up_act": "FM_KIND_UP", "relay": "FM_KIND_RELAY",
+                              "down": "FM_KIND_DOWN"}[task])
+        self.kernel_name = "fused_down_combine" if task == "down" else "fused_dispatch_up"
+        self.tiles_per_slot = 0 if task == "relay" else (FUSED_SLOT_ROWS // self.bm) * FUSED_COLUMN_BLOCKS
+        self.tasks_per_slot = self.tiles_per_slot or FUSED_SLOT_ROWS // self.bm
+        waves = FUSED_RELAY_WAVES if task == "relay" else FUSED_TILE_WAVES
+        self.slots = self.slots_for(max_grid, waves)
+        self.waves = waves
+        rows = self.slots * FUSED_SLOT_ROWS
+        self.threads, self.shared_bytes = constant("GH_THREADS"), constant("GH_SMEM_BYTES")
+        self.kernel = get_function(FUSED_KERNELS, self.kernel_name)
+        with cp.cuda.Device(device):
+            self.kernel.max_dynamic_shared_size_bytes = self.shared_bytes
+            maps = _TensorMaps()
+            m_tiles = rows // self.bm
+            self.epoch = 0
+            self.counter = cp.zeros(1, np.int32)
+            self.status = cp.zeros(constant("FM_STATUS_WORDS"), np.int64)
+            self.outcome = cp.zeros(1, np.int32)  # the token map's verdict: OK
+            self.trace = cp.zeros((self.slots * self.tasks_per_slot, constant("FM_TRACE_WORDS")), np.uint64)
+            if task == "down":
+                ffn, hidden = k, FUSED_COLUMN_BLOCKS * constant("FM_DOWN_COLS")
+                self.a = _bf16_bits(cp, (rows, ffn), seed=k)
+                self.w = _bf16_bits(cp, (self.slots, ffn, hidden), seed=k + 1)
+                self.heap, offsets = _carve(cp, (("expert_out", rows * hidden * 2), ("done", m_tiles * 8)))
+                self.flags = None
+                self.down_count = cp.zeros(m_tiles, np.int32)
+                self.fixed = dict(act_map=maps.tiled(self.a.data.ptr, (ffn, rows), (self.box, self.bm)),
+                                  w_down_map=maps.tiled(self.w.data.ptr, (hidden, ffn, self.slots),
+                                                        (self.box, self.box, 1)),
+                                  ffn=np.int32(ffn), hidden=np.int32(hidden),
+                                  expert_out_offset=np.uint64(offsets["expert_out"]),
+                                  done_offset=np.uint64(offsets["done"]), down_count=self.down_count)
+            else:
+                hidden = k
+                ffn = 0 if task == "relay" else FUSED_COLUMN_BLOCKS * constant("FM_UP_COLS")
+                self.recv = cp.empty((rows, hidden), np.int16)
+                parts = [("landing", rows * hidden * 2), ("row_landing", rows * 4), ("row_flag", rows * 8)]
+                self.heap, offsets = _carve(cp, parts if task == "relay" else parts[:1])
+                if task == "relay":  # every row lands in a row of its own, as a layer's do
+                    self.heap[:rows * hidden * 2].view(np.int16)[:] = _bf16_bits(cp, (rows * hidden,), seed=k)
+                    landing = self.heap[offsets["row_landing"]:offsets["row_landing"] + rows * 4].view(np.int32)
+                    landing[:] = cp.arange(rows, dtype=np.int32)
+                    self.flags = self.heap[offsets["row_flag"]:offsets["row_flag"] + rows * 8].view(np.uint64)
+                    w_up_map = None
+                else:
+                    self.recv[:] = _bf16_bits(cp, (rows, hidden), seed=k)
+                    self.w = _bf16_bits(cp, (self.slots, hidden, 2 * ffn), seed=k + 1)
+                    w_up_map = maps.tiled(self.w.data.ptr, (2 * ffn, hidden, self.slots), (self.box, self.box, 1))
+                    self.flags = None
+                self.tile_ready = cp.zeros(m_tiles, np.uint64)
+                self.act = cp.empty((rows, max(ffn, 1)), np.int16)
+                self.h = cp.empty((rows, 2 * ffn), np.float32) if task == "up" else None
+                recv_map = maps.tiled(self.recv.data.ptr, (hidden, rows), (self.box, self.bm))
+                self.fixed = dict(recv_map=recv_map, w_up_map=recv_map if w_up_map is None else w_up_map,
+                                  x=self.recv, hidden=np.int32(hidden), landing_offset=np.uint64(0),
+                                  weight_offset=np.uint64(0),
+                                  row_landing_offset=np.uint64(offsets.get("row_landing", 0)),
+                                  origin_offset=np.uint64(0), row_flag_offset=np.uint64(offsets.get("row_flag", 0)),
+                                  max_tokens=np.int32(rows), max_rows=np.int32(rows), recv=self.recv,
+                                  tile_ready=self.tile_ready, ffn=np.int32(ffn), act=self.act,
+                                  h=np.uint64(0) if self.h is None else self.h)
+            self.bases = cp.asarray(np.array([self.heap.data.ptr], dtype=np.uint64))
+            unread = self.counter  # sends and reduces only read these, and no token is sent or reduced
+            self.fixed.update(peer_bases=self.bases, me=np.int32(0), tokens=np.int32(0), top_k=np.int32(1), ids=unread,
+                              gates=unread, positions=unread, base=unread, timeout_ns=np.uint64(FUSED_TIMEOUT_NS),
+                              counter=self.counter, status=self.status, outcome=self.outcome, trace=self.trace)
+            if task == "down":
+                self.fixed["out"] = unread
+            self._prepare(max_grid)[0]()  # warm-up: the module's first launch, the buffers' first touch
+            cp.cuda.get_current_stream().synchronize()
+
+    def slots_for(self, grid: int, waves: int) -> int:
+        return max(1, -(-waves * grid // self.tasks_per_slot))
+
+    def _prepare(self, grid: int):
+        """A launch on ``grid`` CTAs over enough slots for the run's waves, its flags and
+        counters reset: ``(launch, tasks)``."""
+        cp = self.cp
+        slots = min(self.slots, self.slots_for(grid, self.waves))
+        self.epoch += 1
+        epoch = np.uint64(self.epoch)
+        if self.flags is not None:
+            self.flags.fill(epoch)  # every relayed row has arrived
+        if self.task in ("up", "up_act"):
+            self.tile_ready.fill(epoch)  # every M-tile is relayed
+        self.counter.fill(0)
+        self.trace.fill(0)
+        m_tiles = FUSED_SLOT_ROWS // self.bm
+        offsets = np.arange(slots + 1, dtype=np.int32)
+        # a run of up tiles has no relay task: its M-tile table is all zeros (the flags are set)
+        mtiles = np.zeros(slots + 1, np.int32) if self.task in ("up", "up_act") else offsets * m_tiles
+        values = dict(self.fixed, spr=np.int32(slots), rank_off=cp.asarray(offsets * FUSED_SLOT_ROWS),
+                      rank_mtile=cp.asarray(mtiles), epoch=epoch)
+        arguments = ordered_arguments(FUSED_KERNELS, self.kernel_name, values)
+
+        def launch():
+            self.kernel((grid,), (self.threads,), arguments, shared_mem=self.shared_bytes)
+        return launch, slots * self.tasks_per_slot
+
+    def seconds(self, grid: int, together) -> float:
+        cp = self.cp
+        times = []
+        with cp.cuda.Device(self.device):
+            for _ in range(FUSED_ROUNDS):
+                launch, tasks = self._prepare(grid)
+                cp.cuda.get_current_stream().synchronize()  # the resets are done before the barrier
+                together()
+                launch()
+                cp.cuda.get_current_stream().synchronize()
+                status = [int(v) for v in self.status.get()]
+                if status[0]:
+                    raise ProfileError(f"the fused kernels' {self.task} probe on {grid} CTAs recorded status {status} "
+                                       "(a flag wait timed out: the probe's set-up is wrong)")
+                start, end, where = (column[:tasks] for column in cp.asnumpy(self.trace).T)
+                mine = (where >> np.uint64(32)) == self.kind
+                if not mine.any() or not (start[mine].all() and end[mine].all()):
+                    raise ProfileError(f"the fused kernels' {self.task} probe on {grid} CTAs left tasks unstamped")
+                if self.task == "relay":
+                    times.append(float(np.mean((end[mine] - start[mine]).astype(np.float64))) * 1e-9)
+                else:
+                    span = float(end[mine].max() - start[mine].min()) * 1e-9
+                    times.append(span / math.ceil(int(mine.sum()) / grid))
+        return float(np.median(times))
+
+
+def _carve(cp, parts):
+    """One device buffer holding ``parts`` ((name, bytes), each 256-byte aligned): a
+    process's heap as the kernels address it (offsets from its base); the offsets by name."""
+    offsets, total = {}, 0
+    for name, size in parts:
+        offsets[name] = total
+        total += -(-size // 256) * 256
+    return cp.zeros(total, np.uint8), offsets

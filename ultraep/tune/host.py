@@ -46,8 +46,7 @@ class HostProbe:
     compute_dtype = "float32"
     compute_shape = (4, 256, 256)  # experts, k, n
     rows_per_expert = (4, 16, 64, 256, 1024)
-    tile_shape = (128, 256)        # bm, bn: the GPU's tile, over the compute shape's k
-    tile_batch = 8                 # tiles in the call whose time per tile is the tile's cost
+    tile_shape = (128, 256)        # bm, bn: the GPU's tile
 
     def describe(self) -> tuple[str, int]:
         return f"host {platform.machine() or 'cpu'}", os.cpu_count() or 1
@@ -90,18 +89,35 @@ class HostProbe:
 
         return seconds_per_call(handoff, time.perf_counter)
 
-    def gemm_tile_times(self) -> tuple:
-        """``np.matmul`` of ``tile_batch`` tiles' rows, one size (a line through a few sizes
-        is at the mercy of the BLAS's threading on a shared machine): what
-        :func:`~ultraep.tune.profile.fit_tile_cost` takes."""
+    fused_reductions = ((128, 256), (64, 128))  # up tiles' and relays' reductions (hidden), down tiles' (ffn)
+
+    def fused_grids(self) -> tuple[int, ...]:
+        return (1,)  # the host backend's fused layer runs its tasks one after another
+
+    def fused_seconds(self, task: str, k: int, grid: int, together) -> float:
+        """A fused task of the host backend's kind, one tile's NumPy: an up tile's matmul of
+        ``tile_shape`` over ``k`` and SwiGLU (and a copy of the accumulators, as ``h``, for
+        ``up``), a down tile's matmul, a relay's copy of ``tile_shape[0]`` rows of ``k``."""
         bm, bn = self.tile_shape
-        k = self.compute_shape[1]
-        rng = np.random.default_rng(0)
+        rng = np.random.default_rng(k)
+        x = rng.standard_normal((bm, k), dtype=np.float32)
         w = rng.standard_normal((k, bn), dtype=np.float32)
-        x = rng.standard_normal((self.tile_batch * bm, k), dtype=np.float32)
-        y = np.empty((self.tile_batch * bm, bn), np.float32)
-        seconds = seconds_per_call(lambda: np.matmul(x, w, out=y), time.perf_counter)
-        return "np.matmul", bm, bn, k, (self.tile_batch,), (seconds,)
+        acc = np.empty((bm, bn), np.float32)
+        kept = np.empty_like(acc)
+        act = np.empty((bm, bn // 2), np.float32)
+        landing = np.empty_like(x)
+
+        def up(keep: bool):
+            np.matmul(x, w, out=acc)
+            if keep:
+                np.copyto(kept, acc)
+            gate, value = acc[:, :bn // 2], acc[:, bn // 2:]
+            np.multiply(gate / (1.0 + np.exp(-gate)), value, out=act)
+
+        calls = {"up": lambda: up(True), "up_act": lambda: up(False), "relay": lambda: np.copyto(landing, x),
+                 "down": lambda: np.matmul(x, w, out=acc)}
+        together()
+        return seconds_per_call(calls[task], time.perf_counter)
 
     def expert_call_s(self, rows: int) -> float:
         experts, k, n = self.compute_shape

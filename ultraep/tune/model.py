@@ -9,7 +9,7 @@ The phases and their knobs:
 * dispatch and combine (``Dispatcher``): the grid of its persistent copy kernels;
 * the fused kernels (``raw_kernels/fused_moe.cu``): :class:`~ultraep.tune.config.FusedConfig`
   -- the CTAs of the persistent grid and the tokens of a send and of a reduce task (its
-  unrolls are not modelled: the profile's per-warp copy rate is measured at the default).
+  unrolls are not modelled: the kernels are measured at the source's).
 
 The building blocks, each a quantity the profile measures:
 
@@ -20,10 +20,12 @@ The building blocks, each a quantity the profile measures:
   ``w`` warps that splits ``u`` equal units (pieces, rows) among them takes ``ceil(u / w)``
   units' time when the memory is not the limit, and blocks beyond those resident at once
   run in later waves;
-* a GEMM of ``t`` tiles over ``c`` CTAs takes ``ceil(t / c)`` waves of one tile's time
-  (:meth:`~ultraep.tune.profile.TileCost.seconds`, linear in the reduction), plus the
-  fixed cost of a call;
-* a flag handoff (a release fence and store, an acquire load) costs ``flag_s``; a kernel
+* the fused kernels' GEMM tiles and relay tasks cost what the profile measured running
+  those kernels (:class:`~ultraep.tune.profile.FusedCosts`, at the grid, with as many ranks
+  of the GPU running them at once): ``ceil(t / c)`` waves of ``t`` tiles over ``c`` CTAs;
+  their sends and reduces are counted in round trips of a task warp, the relay's unit;
+* a flag handoff (a release fence and store, an acquire load) costs ``flag_s``, and so
+  does a task's claim (an atomic between two block barriers); a kernel
   adds ``kernel_s`` to the device's time and ``launch_s`` to the host's; the host enqueues
   launches while the device runs earlier ones, so a call of many kernels timed from the
   host takes the longer of the two (a kernel timed on the device alone: the device's).
@@ -33,7 +35,8 @@ point where both bind, neither reaches its own rate.
 
 What it leaves out (stated per phase below): relay trees in weight sync, the token map's
 dependence on routing beyond its item count, and contention between the fused kernels'
-communication and GEMM tiles for HBM beyond the shared bandwidth.
+communication and GEMM tiles beyond the shared bandwidth (each is measured with its own
+kind running on every rank).
 """
 
 from __future__ import annotations
@@ -54,12 +57,12 @@ PIECE_BYTES = kernel_constant("transfer.cu", "PIECE_BYTES")
 SYNC_WARPS = kernel_constant("transfer.cu", "SYNC_WARPS")
 SYNC_MIN_BLOCKS = kernel_constant("transfer.cu", "SYNC_MIN_BLOCKS")
 DISPATCH_THREADS = 256       # the Dispatcher's copy kernels' block: ultraep.token.device.THREADS (a test holds it)
-FM_SEND_TOKENS = kernel_constant("fused_moe.cu", "FM_SEND_TOKENS")
-FM_REDUCE_TOKENS = kernel_constant("fused_moe.cu", "FM_REDUCE_TOKENS")
 FM_BM = kernel_constant("fused_moe.cu", "FM_BM")
 FM_UP_COLS = kernel_constant("fused_moe.cu", "FM_UP_COLS")
 FM_DOWN_COLS = kernel_constant("fused_moe.cu", "FM_DOWN_COLS")
 FM_TASK_WARPS = 4 * kernel_constant("fused_moe.cu", "GH_CONSUMERS")  # send/relay/reduce: the consumer warps
+FM_UNROLL = kernel_constant("fused_moe.cu", "FM_UNROLL")  # the source's; FusedConfig's copy_unroll is not modelled
+FM_REDUCE_UNROLL = kernel_constant("fused_moe.cu", "FM_REDUCE_UNROLL")
 # What a call enqueues, kernels and CuPy copies (ultraep/token/device.py): dispatch's token
 # map, row plan, send, barriers, expansion and the copies it returns; combine's barriers,
 # send and reduce; a combine from expert_output's barriers and pull.
@@ -88,6 +91,7 @@ class Problem:
     element_bytes: int = 2
     slot_rows: tuple[int, ...] | None = None
     sends_per_token: float | None = None
+    keeps_h: bool = True
 
     def __post_init__(self):
         for name in ("tokens", "hidden", "ffn", "top_k", "experts", "ranks", "ranks_per_gpu", "element_bytes"):
@@ -100,6 +104,8 @@ class Problem:
             raise ProfileError(f"Problem: top_k {self.top_k} exceeds the {self.experts} experts")
         if self.slot_rows is not None and (len(self.slot_rows) == 0 or min(self.slot_rows) < 0):
             raise ProfileError("Problem.slot_rows must hold a non-negative row count per local slot")
+        if not isinstance(self.keeps_h, bool):
+            raise ProfileError(f"Problem.keeps_h must be True or False, got {self.keeps_h!r}")
 
     @property
     def rows(self) -> np.ndarray:
@@ -253,55 +259,92 @@ def pull_s(profile: MachineProfile, problem: Problem, grid):
 
 
 # -- the fused kernels ---------------------------------------------------------------------
+#
+# A rank's CTAs claim kernel A's tasks in order -- sends, relays, up tiles -- and kernel B's --
+# down tiles, then reduces -- one at a time. The tiles' and relays' times are the profile's
+# measurement of these very kernels (FusedCosts: at the grid, with every rank of the GPU
+# running the same at once): a tile's claim, the pipeline's fill, its epilogue (kernel A's
+# stagings of h and act, kernel B's system fences and done flag) and what every other
+# tile costs it are in them. The sends and reduces, which the profile does not run, are
+# counted in the relay's own unit: a warp's dependent round trip to memory (a relayed row
+# is its flag's acquire and its copy rounds of 32 lanes x FM_UNROLL vectors).
 
-def _task_s(profile: MachineProfile, rows, row_bytes: float):
-    """A task copying ``rows`` rows on a CTA's task warps (a warp per row), its flag
-    handoff and its claim (an atomic and a block barrier: about one handoff)."""
-    return np.ceil(np.asarray(rows, np.float64) / FM_TASK_WARPS) * (row_bytes / profile.copy_warp_bytes_per_s) \
-        + 2 * profile.flag_s
+def _round_trip_s(costs, problem: Problem, ctas):
+    """One dependent round trip to memory of a task warp, from the relay measured at this
+    hidden and grid: a relay task is FM_BM / FM_TASK_WARPS rows per warp, each row its flag's
+    acquire and its copy rounds."""
+    return costs.relay_task_s(problem.hidden, ctas) / (FM_BM / FM_TASK_WARPS) / (_copy_rounds(problem) + 1)
+
+
+def _copy_rounds(problem: Problem) -> int:
+    """Round trips of a warp's row copy: 16-byte vectors, FM_UNROLL per lane in flight."""
+    return -(-problem.row_bytes // (16 * WARP_THREADS * FM_UNROLL))
 
 
 def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens):
-    """Kernel A (send, relay, up tiles with SwiGLU), claimed in that order by ``ctas`` CTAs:
-    the send and relay tasks in waves over the CTAs (or the shared bandwidth, whichever
-    binds), then the up tiles (``bm`` rows x ``2 * up_cols`` columns over ``hidden``) in
-    waves; the first tile's wait for its relay is one handoff."""
+    """Kernel A of the busiest rank on ``ctas`` CTAs: its sends, relays and up tiles over
+    the CTAs in claim order. A send task is a claim and, per round of FM_TASK_WARPS tokens,
+    a token's copy (read once, stored to every destination: a relayed row's round trips
+    per row copied) and its system fence; a
+    relay task is measured, one of a partial M-tile is charged by its rows' rounds; the
+    sends' and relays' bytes bound them too (the GPU's shared bandwidth); then the up tiles
+    (``bm`` rows x ``2 * up_cols`` columns over ``hidden``, storing ``h`` as
+    ``problem.keeps_h`` says) in waves of the measured tile."""
     ctas = np.asarray(ctas, np.float64)
     send_tokens = np.asarray(send_tokens, np.float64)
-    row, sharing = problem.row_bytes, problem.ranks_per_gpu
-    sends = problem.tokens * problem.crossings
-    relays = problem.m_tiles()
-    up_tiles = relays * -(-problem.ffn // FM_UP_COLS)
-    send_tasks = np.ceil(problem.tokens / send_tokens)
-    send_s = _task_s(profile, send_tokens * problem.crossings, row)
-    relay_s = _task_s(profile, FM_BM, row)
-    comm_bytes = (sends + float(problem.rows.sum())) * row
-    comm = join(bandwidth_s(profile, comm_bytes, sharing),
-                np.ceil(send_tasks / ctas) * send_s + np.ceil(relays / ctas) * relay_s)
-    tiles = np.ceil(up_tiles / ctas) * float(profile.gemm.seconds(problem.hidden))
-    return profile.kernel_s + profile.gemm.fixed_s + comm + tiles + profile.flag_s
+    costs = profile.fused_costs(problem.ranks_per_gpu)
+    row, rows = problem.row_bytes, problem.rows
+    trip = _round_trip_s(costs, problem, ctas)
+    # a token is read once and stored to each destination: a relayed row's round trips per row copied
+    token_trips = _copy_rounds(problem) * (1.0 + problem.crossings) / 2.0 + 1
+    send_task = profile.flag_s + np.ceil(send_tokens / FM_TASK_WARPS) * token_trips * trip
+    # a relay's time per round of FM_TASK_WARPS rows, its partial M-tiles' rounds counted as theirs
+    relay_rounds = float(np.sum(rows // FM_BM * (FM_BM // FM_TASK_WARPS) + -(-(rows % FM_BM) // FM_TASK_WARPS)))
+    relay_work = costs.relay_task_s(problem.hidden, ctas) * relay_rounds / (FM_BM / FM_TASK_WARPS)
+    comm_work = np.ceil(problem.tokens / send_tokens) * send_task + relay_work
+    comm_bytes = (problem.tokens * (1.0 + problem.crossings) / 2.0 + float(rows.sum())) * row
+    comm = join(bandwidth_s(profile, comm_bytes, problem.ranks_per_gpu), comm_work / ctas)
+    up_tiles = problem.m_tiles() * -(-problem.ffn // FM_UP_COLS)
+    tiles = np.ceil(up_tiles / ctas) * costs.up_tile_s(problem.hidden, ctas, problem.keeps_h)
+    return profile.kernel_s + comm + tiles
 
 
 def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens):
-    """Kernel B (down tiles, then reduce tasks): the down tiles (``bm`` x ``down_cols``
-    over ``ffn``) in waves over ``ctas`` CTAs; reduce tasks fill the last wave's idle CTAs
-    and only what does not fit there (or the shared bandwidth's time, if longer) extends
-    the kernel, by at least one reduce task after the last tile."""
+    """Kernel B of the busiest rank on ``ctas`` CTAs: the down tiles (``bm`` x ``down_cols``
+    over ``ffn``) in waves of the measured tile; then the reduce tasks, a claim and per
+    round of FM_TASK_WARPS tokens a token's round trips (its done flag's acquire, its slots'
+    rows read FM_REDUCE_UNROLL at once per block of FM_DOWN_COLS columns). Reduces fill the
+    last wave's idle CTAs, and only what does not fit there (or the shared bandwidth's
+    time, if longer) extends the kernel, by at least one reduce task after the last tile."""
     ctas = np.asarray(ctas, np.float64)
     reduce_tokens = np.asarray(reduce_tokens, np.float64)
-    tokens, k = problem.tokens, problem.top_k
+    costs = profile.fused_costs(problem.ranks_per_gpu)
     col_blocks = -(-problem.hidden // FM_DOWN_COLS)
     down_tiles = problem.m_tiles() * col_blocks
-    tile = float(profile.gemm.seconds(problem.ffn))
+    tile = costs.down_tile_s(problem.ffn, ctas)
     waves = np.ceil(down_tiles / ctas)
     idle = (waves * ctas - down_tiles) * tile  # CTA-seconds free in the last wave
-    block_bytes = FM_DOWN_COLS * problem.element_bytes
-    reduce_task = _task_s(profile, reduce_tokens, (k + 1) * block_bytes / 2.0)
-    reduce_tasks = np.ceil(tokens / reduce_tokens) * col_blocks
-    excess = np.maximum(reduce_tasks * reduce_task - idle, 0.0) / ctas
-    reduce_bw = bandwidth_s(profile, tokens * (k + 1) * problem.row_bytes / 2.0, problem.ranks_per_gpu)
+    token_trips = -(-problem.top_k // FM_REDUCE_UNROLL) * col_blocks + 1
+    reduce_task = profile.flag_s + np.ceil(reduce_tokens / FM_TASK_WARPS) * token_trips * _round_trip_s(
+        costs, problem, ctas)
+    reduce_work = np.ceil(problem.tokens / reduce_tokens) * reduce_task
+    excess = np.maximum(reduce_work - idle, 0.0) / ctas
+    reduce_bw = bandwidth_s(profile, problem.tokens * (problem.top_k + 1) * problem.row_bytes / 2.0,
+                            problem.ranks_per_gpu)
     tail = join(np.maximum(excess, reduce_task), reduce_bw)
-    return profile.kernel_s + profile.gemm.fixed_s + waves * tile + tail
+    return profile.kernel_s + waves * tile + tail
+
+
+def fused_windows(profile: MachineProfile, problems, ctas, send_tokens, reduce_tokens) -> dict:
+    """The group's windows of one fused forward, one :class:`Problem` per rank (its own
+    routing): ``up``, kernel A's (the slowest rank's); ``down``, kernel B's, which opens when
+    the first rank's kernel A ends and closes when the last rank's reduces do -- they wait
+    for every rank's down tiles, so the ranks' kernel A ends' spread is in it; ``forward``,
+    both (the slowest rank's A and B). One problem: that rank's A, B and their sum."""
+    up = np.stack([np.asarray(fused_up_s(profile, p, ctas, send_tokens), np.float64) for p in problems])
+    down = np.stack([np.asarray(fused_down_s(profile, p, ctas, reduce_tokens), np.float64) for p in problems])
+    forward = (up + down).max(axis=0)
+    return {"up": up.max(axis=0), "down": forward - up.min(axis=0), "forward": forward}
 
 
 PHASES = ("weight_sync", "dispatch", "combine", "fused_up", "fused_down")

@@ -25,10 +25,14 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
 * ``flag_s``: one flag handoff on the device alone -- a system-scope fence, a flag stored
   with release semantics and loaded back with acquire semantics (``heap.cu``'s barrier of
   one rank, less an empty kernel); on the host a store and a load of a shared word;
-* ``gemm``: one GEMM tile (:class:`TileCost`): the grouped GEMM's time per ``bm x bn``
-  output tile over ``k`` on one SM, from calls of one, two and four waves of tiles, and the
-  fixed cost of a call beside it (the host: one ``np.matmul`` of several tiles' rows over
-  the cores, nothing fixed);
+* ``fused``: the fused kernels' tasks (:class:`FusedCosts`), measured by running
+  ``raw_kernels/fused_moe.cu`` itself on synthetic rows of this process: an up tile (with and
+  without the FP32 ``h`` a training forward keeps), a down tile, each at two reductions, and a
+  relay task, at a few grids from one CTA to every SM -- everything a tile costs in those
+  kernels (its claim, the pipeline's fill, the epilogue's stagings and stores, a down tile's
+  system fences and flag) and what the other CTAs' tiles cost it (clocks, L2, HBM);
+  ``shared_fused``: the same with every process sharing this GPU running it at once
+  (:func:`~ultraep.tune.replicas.group_profile`, as ``shared_copy_bytes_per_s``);
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
   grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, timed on the device
   alone (the host's part is ``launch_s``), ``np.matmul`` (float32) per expert on the host.
@@ -60,7 +64,7 @@ import numpy as np
 from ultraep.errors import ProfileError
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
@@ -102,23 +106,96 @@ class ComputeCurve:
                 for rows, seconds in zip(self.rows_per_expert, self.seconds)]
 
 
+FUSED_TASKS = ("up", "up_act", "relay", "down")
+
+
 @dataclass(frozen=True)
-class TileCost:
-    """One GEMM tile of ``bm x bn`` outputs over a reduction of ``k``: ``tile_s`` on one SM
-    (the slope of a call's time in whole waves of tiles, times the SMs), and ``fixed_s`` what
-    a call costs beside its tiles (the intercept: prologue, the last tile's epilogue)."""
+class FusedCosts:
+    """The fused kernels' tasks as measured on this machine (``raw_kernels/fused_moe.cu`` on
+    synthetic rows): at each of ``grids`` (CTAs per process, ascending), with ``sharing``
+    processes of this GPU running the same at once, the seconds
 
-    kernel: str
-    bm: int
-    bn: int
-    k: int
-    tile_s: float
-    fixed_s: float
+    * ``up[i][g]``: per up tile (``FM_BM`` rows x ``2 * FM_UP_COLS`` columns, SwiGLU epilogue)
+      over a reduction of ``up_k[i]``, storing ``h`` (FP32) and ``act`` as a training forward;
+    * ``up_act[i][g]``: the same storing ``act`` alone (``backward=False``);
+    * ``relay[i][g]``: per relay task (``FM_BM`` rows of ``2 * up_k[i]`` bytes);
+    * ``down[i][g]``: per down tile (``FM_BM`` x ``FM_DOWN_COLS``) over ``down_k[i]``, its
+      system fences and ``done`` flag included.
 
-    def seconds(self, k) -> np.ndarray:
-        """Modelled time of one ``bm x bn`` tile over a reduction of ``k`` (array-like) on one
-        SM: linear in ``k`` (each k step streams one slice of both operands through the MMAs)."""
-        return self.tile_s * np.asarray(k, np.float64) / self.k
+    A tile's time is the kernel's tile phase over its waves (``ceil(tiles / grid)``): what a
+    tile costs there, claim and epilogue included, with every CTA of every sharer doing the
+    same. Between measured reductions a task's time is the line through them (the k steps
+    are linear in the reduction, the rest is not), between grids linear in the grid."""
+
+    grids: tuple[int, ...]
+    sharing: int
+    up_k: tuple[int, ...]
+    down_k: tuple[int, ...]
+    up: tuple[tuple[float, ...], ...]
+    up_act: tuple[tuple[float, ...], ...]
+    relay: tuple[tuple[float, ...], ...]
+    down: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self):
+        grids = list(self.grids)
+        if not grids or grids[0] < 1 or grids != sorted(set(grids)):
+            raise ProfileError(f"fused: grids must rise from >= 1, got {grids}")
+        if self.sharing < 1:
+            raise ProfileError(f"fused: sharing must be at least 1, got {self.sharing}")
+        for name, ks in (("up_k", self.up_k), ("down_k", self.down_k)):
+            if not ks or list(ks) != sorted(set(ks)) or ks[0] < 1:
+                raise ProfileError(f"fused: {name} must rise from >= 1, got {list(ks)}")
+        for task in FUSED_TASKS:
+            table = getattr(self, task)
+            rows = len(self.down_k if task == "down" else self.up_k)
+            if len(table) != rows or any(len(row) != len(grids) for row in table) \
+                    or not all(math.isfinite(v) and v > 0 for row in table for v in row):
+                raise ProfileError(f"fused: {task} needs one positive time per reduction ({rows}) and grid "
+                                   f"({len(grids)})")
+
+    def up_tile_s(self, k: int, ctas, keeps_h: bool = True) -> np.ndarray:
+        """An up tile over a reduction of ``k`` at ``ctas`` CTAs per process (array-like)."""
+        return self._at(self.up if keeps_h else self.up_act, self.up_k, k, ctas)
+
+    def relay_task_s(self, hidden: int, ctas) -> np.ndarray:
+        """A relay task of ``FM_BM`` rows of ``hidden`` elements at ``ctas`` CTAs per process."""
+        return self._at(self.relay, self.up_k, hidden, ctas)
+
+    def down_tile_s(self, k: int, ctas) -> np.ndarray:
+        """A down tile over a reduction of ``k`` at ``ctas`` CTAs per process."""
+        return self._at(self.down, self.down_k, k, ctas)
+
+    def _at(self, table, ks, k: int, ctas) -> np.ndarray:
+        measured = np.asarray(table, np.float64)  # [reduction, grid]
+        k = float(k)
+        if len(ks) == 1:
+            at_k = measured[0] * k / ks[0]
+        else:
+            slope, intercept = np.polyfit(np.asarray(ks, np.float64), measured, 1)
+            at_k = slope * k + intercept
+            # beyond the reductions measured, noise in the line must not make a task cheaper than the
+            # nearest one measured allows: below, its time in proportion; above, its time
+            if k < ks[0]:
+                at_k = np.maximum(at_k, measured[0] * k / ks[0])
+            elif k > ks[-1]:
+                at_k = np.maximum(at_k, measured[-1])
+        return np.interp(np.asarray(ctas, np.float64), np.asarray(self.grids, np.float64), at_k)
+
+    @classmethod
+    def from_json(cls, data) -> FusedCosts:
+        return cls(grids=tuple(int(v) for v in data["grids"]), sharing=_count(data, "sharing"),
+                   up_k=tuple(int(v) for v in data["up_k"]), down_k=tuple(int(v) for v in data["down_k"]),
+                   **{task: tuple(tuple(float(v) for v in row) for row in data[task]) for task in FUSED_TASKS})
+
+    def table(self) -> list[str]:
+        """Readable lines: each task's microseconds per grid."""
+        lines = [f"  fused kernels' tasks, us, by CTAs per process ({self.sharing} process"
+                 f"{'es' if self.sharing > 1 else ''} of this GPU at once)",
+                 f"  {'task':>22}  " + "".join(f"{g:>8d}" for g in self.grids)]
+        for task, ks in (("up", self.up_k), ("up_act", self.up_k), ("relay", self.up_k), ("down", self.down_k)):
+            for k, row in zip(ks, getattr(self, task)):
+                lines.append(f"  {f'{task} k={k}':>22}  " + "".join(f"{v * 1e6:8.1f}" for v in row))
+        return lines
 
 
 @dataclass(frozen=True)
@@ -140,11 +217,12 @@ class MachineProfile:
     kernel_s: float
     copy_warp_bytes_per_s: float
     flag_s: float
-    gemm: TileCost
+    fused: FusedCosts
     measured_at: str = ""
     version: int = PROFILE_VERSION
     shared_copy_bytes_per_s: float = 0.0
     shared_by: int = 1
+    shared_fused: FusedCosts | None = None
 
     def gpu_copy_bytes_per_s(self, sharing: int) -> float:
         """What ``sharing`` processes copying at once on one GPU move together: the rate
@@ -153,6 +231,13 @@ class MachineProfile:
         if sharing > 1 and sharing == self.shared_by and self.shared_copy_bytes_per_s > 0:
             return self.shared_copy_bytes_per_s
         return self.peer_bytes_per_s
+
+    def fused_costs(self, sharing: int) -> FusedCosts:
+        """The fused kernels' task costs with ``sharing`` processes of one GPU running them at
+        once: measured with that many where the profile has them, else this process's alone."""
+        if sharing > 1 and self.shared_fused is not None and self.shared_fused.sharing == sharing:
+            return self.shared_fused
+        return self.fused
 
     @property
     def usable_sms(self) -> int:
@@ -177,7 +262,8 @@ class MachineProfile:
         if data.get("version") != PROFILE_VERSION:
             raise ProfileError(f"format version {data.get('version')!r}, this library reads version {PROFILE_VERSION}")
         try:
-            compute, gemm = data["compute"], data["gemm"]
+            compute = data["compute"]
+            shared_fused = data.get("shared_fused")
             curve = ComputeCurve(kernel=_text(compute, "kernel"), dtype=_text(compute, "dtype"),
                                  experts=_count(compute, "experts"), k=_count(compute, "k"), n=_count(compute, "n"),
                                  rows_per_expert=tuple(int(v) for v in compute["rows_per_expert"]),
@@ -190,12 +276,11 @@ class MachineProfile:
                           kernel_s=_positive(data, "kernel_s"),
                           copy_warp_bytes_per_s=_positive(data, "copy_warp_bytes_per_s"),
                           flag_s=_positive(data, "flag_s"),
-                          gemm=TileCost(kernel=_text(gemm, "kernel"), bm=_count(gemm, "bm"), bn=_count(gemm, "bn"),
-                                        k=_count(gemm, "k"), tile_s=_positive(gemm, "tile_s"),
-                                        fixed_s=_positive(gemm, "fixed_s")),
+                          fused=FusedCosts.from_json(data["fused"]),
                           measured_at=str(data.get("measured_at", "")),
                           shared_copy_bytes_per_s=float(data.get("shared_copy_bytes_per_s", 0.0)),
-                          shared_by=int(data.get("shared_by", 1)))
+                          shared_by=int(data.get("shared_by", 1)),
+                          shared_fused=None if shared_fused is None else FusedCosts.from_json(shared_fused))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"bad or missing field: {exc}") from None
         rows = curve.rows_per_expert
@@ -220,31 +305,13 @@ class MachineProfile:
                  "processes on one GPU at once" if self.shared_copy_bytes_per_s else
                  "  shared copy          -              (not measured: one process per GPU)",
                  f"  flag        {self.flag_s * 1e6:10.2f} us per release/acquire handoff",
-                 f"  GEMM tile   {self.gemm.tile_s * 1e6:10.2f} us per {self.gemm.bm} x {self.gemm.bn} tile over "
-                 f"k = {self.gemm.k} on one SM, {self.gemm.fixed_s * 1e6:.2f} us per call beside ({self.gemm.kernel})",
+                 *self.fused.table(),
+                 *(self.shared_fused.table() if self.shared_fused is not None else ()),
                  f"  expert compute: {curve.kernel}, {curve.dtype}, {curve.experts} experts of {curve.k} x {curve.n}",
                  f"  {'rows/expert':>13}  {'us/call':>10}  {'us/expert':>10}  {'TFLOPS':>8}"]
         for rows, seconds, tflops in zip(curve.rows_per_expert, curve.seconds, curve.tflops()):
             lines.append(f"  {rows:13d}  {seconds * 1e6:10.2f}  {seconds * 1e6 / curve.experts:10.2f}  {tflops:8.2f}")
         return "\n".join(lines)
-
-
-def fit_tile_cost(kernel: str, bm: int, bn: int, k: int, tiles, seconds, workers: int) -> TileCost:
-    """A :class:`TileCost` from calls of ``tiles[i]`` tiles that took ``seconds[i]`` on
-    ``workers`` SMs (cores) working at once. Several sizes: the least-squares line through
-    them, its slope times the workers a tile's time on one, its intercept the fixed cost
-    (at least a nanosecond: noise may put a tiny intercept below zero). One size: its time
-    per tile, nothing fixed."""
-    tiles, seconds = np.asarray(tiles, np.float64), np.asarray(seconds, np.float64)
-    if len(tiles) == 1:
-        slope, intercept = seconds[0] / tiles[0], 0.0
-    else:
-        slope, intercept = np.polyfit(tiles, seconds, 1)
-    if not slope > 0:
-        raise ProfileError(f"the GEMM's time did not grow with its tiles ({tiles.tolist()} tiles took "
-                           f"{[f'{s * 1e6:.1f} us' for s in seconds]})")
-    return TileCost(kernel=kernel, bm=bm, bn=bn, k=k, tile_s=float(slope * workers),
-                    fixed_s=max(float(intercept), 1e-9))
 
 
 def _text(data: dict, key: str) -> str:
@@ -313,11 +380,8 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
     flag = probe.flag_s()
     say(f"  flag handoff: {flag * 1e6:.2f} us")
     share = sm_share()
-    # the tiles of a call run on every SM (core) this process may use at once: under MPS
-    # the device's SM count is already the share's
-    gemm = fit_tile_cost(*probe.gemm_tile_times(), workers=sm_count)
-    say(f"  GEMM tile {gemm.bm} x {gemm.bn} over k = {gemm.k}: {gemm.tile_s * 1e6:.2f} us on one SM, "
-        f"{gemm.fixed_s * 1e6:.2f} us per call beside")
+    fused = fused_costs([measure_fused(probe, probe.fused_grids(), say)], probe.fused_grids(),
+                        *probe.fused_reductions)
     seconds = []
     for rows in probe.rows_per_expert:
         seconds.append(probe.expert_call_s(rows))
@@ -329,8 +393,34 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
                           copy_bytes_per_s=copy, copy_method=probe.copy_method, peer_bytes_per_s=peer,
                           peer_method=peer_method, launch_s=launch, compute=curve, kernel_s=kernel,
                           copy_warp_bytes_per_s=warp,
-                          flag_s=flag, gemm=gemm,
+                          flag_s=flag, fused=fused,
                           measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def measure_fused(probe, grids, progress: Callable[[str], None] | None = None,
+                  together: Callable[[], None] = lambda: None) -> dict[str, list[list[float]]]:
+    """This process's fused-kernel task times (:class:`FusedCosts`' tables) at ``grids`` CTAs,
+    each task measured in rounds that ``together()`` starts (a barrier of the processes that
+    measure at once; alone, nothing)."""
+    say = progress or (lambda line: None)
+    up_k, down_k = probe.fused_reductions
+    tables = {}
+    for task in FUSED_TASKS:
+        tables[task] = []
+        for k in down_k if task == "down" else up_k:
+            tables[task].append([probe.fused_seconds(task, k, grid, together) for grid in grids])
+            say(f"  fused {task} task, k = {k}: " + ", ".join(f"{seconds * 1e6:.1f}" for seconds in tables[task][-1])
+                + f" us at {', '.join(str(g) for g in grids)} CTAs")
+    return tables
+
+
+def fused_costs(tables: list[dict], grids, up_k, down_k) -> FusedCosts:
+    """:class:`FusedCosts` of ``len(tables)`` processes that measured at once (each's
+    :func:`measure_fused`): the slowest one's time of every task, which the group waits for."""
+    return FusedCosts(grids=tuple(int(g) for g in grids), sharing=len(tables), up_k=tuple(up_k), down_k=tuple(down_k),
+                      **{task: tuple(tuple(float(v) for v in row)
+                                     for row in np.max([t[task] for t in tables], axis=0))
+                         for task in FUSED_TASKS})
 
 
 # -- the cache -------------------------------------------------------------------------------

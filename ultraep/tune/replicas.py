@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ultraep.errors import ProfileError
-from ultraep.tune.profile import MachineProfile, load_profile, make_probe, profile_path, stderr_progress, write_profile
+from ultraep.tune.profile import (MachineProfile, fused_costs, load_profile, make_probe, measure_fused, profile_path,
+                                  stderr_progress, write_profile)
 
 if TYPE_CHECKING:
     from ultraep.runtime.group import EPGroup
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 NEVER = 2**31 - 1  # "no replica pays off": larger than any load the planner's int32 arithmetic holds
 PROFILE_TIMEOUT_S = 900.0  # the host's first rank may compile kernels and measure while the others wait
 SHARED_WHAT = "machine profile: the copy rate of the ranks sharing a GPU"
+SHARED_FUSED_WHAT = "machine profile: the fused kernels' tasks of the ranks sharing a GPU, all at once"
 SHARED_COPY_BATCH_S = 0.05  # each rank's copies of one round of the shared copy last about this long
 
 
@@ -101,8 +103,8 @@ def group_profile(group: EPGroup, backend: str, *, what: str, timeout_s: float =
     ``"host"`` or ``"device"``), in rank order. The first rank of each host loads or
     measures the profile before the host's other ranks look, so a machine is measured once
     (they then find it in the cache) and no two ranks measure one GPU at once; with
-    ``shared``, where ranks share a GPU, the profile then gets their copy rate together
-    (:func:`shared_copy`). An error on any rank is raised on every rank, naming ``what``
+    ``shared``, where ranks share a GPU, the profile then gets their copy rate and fused
+    tasks' times together (:func:`measure_shared`). An error on any rank is raised on every rank, naming ``what``
     needed the profile."""
     error, profile = None, None
     for turn in (0, 1):
@@ -116,7 +118,7 @@ def group_profile(group: EPGroup, backend: str, *, what: str, timeout_s: float =
             group.barrier(timeout_s, what=f"{what} (the first rank of each host measures the machine profile)")
     group.raise_if_any(error, f"{what} (machine profile)", timeout_s=timeout_s)
     if shared:
-        profile = shared_copy(group, backend, profile, timeout_s=timeout_s)
+        profile = measure_shared(group, backend, profile, timeout_s=timeout_s)
     value = None
     try:
         value = then(profile)
@@ -126,24 +128,31 @@ def group_profile(group: EPGroup, backend: str, *, what: str, timeout_s: float =
     return group.allgather(value, what=what)
 
 
-def shared_copy(group: EPGroup, backend: str, profile: MachineProfile, *,
-                timeout_s: float = PROFILE_TIMEOUT_S) -> MachineProfile:
-    """Collective: ``profile`` with the copy rate of all ranks sharing this rank's GPU
-    copying at once (``shared_copy_bytes_per_s``, ``shared_by``), measured now where any
-    rank's profile lacks it for its count and written to the cache by each host's first rank;
-    unchanged where no GPU is shared. Every rank copies in the same rounds between barriers;
-    a GPU's rate is its ranks' bytes over the window from the first start to the last end
-    (one clock per host), the best of the rounds."""
+def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
+                   timeout_s: float = PROFILE_TIMEOUT_S) -> MachineProfile:
+    """Collective: ``profile`` with what all ranks sharing this rank's GPU reach together,
+    measured now where any rank's profile lacks it for their count and written to the cache
+    by each host's first rank; unchanged where no GPU is shared:
+
+    * ``shared_copy_bytes_per_s`` (and ``shared_by``): every rank copies in the same rounds
+      between barriers; a GPU's rate is its ranks' bytes over the window from the first
+      start to the last end (one clock per host), the best of the rounds;
+    * ``shared_fused``: every rank runs the fused tasks of its profile's ``fused`` (the same
+      grids and reductions) at once, a barrier before each round; a task's time is the
+      slowest rank's of that GPU (:func:`~ultraep.tune.profile.fused_costs`)."""
     from ultraep.tune.host import ROUNDS
 
     place = (group.hostname, group.device)
     places = group.allgather(place, what=f"{SHARED_WHAT} (ranks per GPU)")
     sharing = places.count(place)
-    if not any(group.allgather(sharing > 1 and profile.shared_by != sharing, what=SHARED_WHAT)):
+    lacking = sharing > 1 and (profile.shared_by != sharing or profile.shared_fused is None
+                               or profile.shared_fused.sharing != sharing)
+    if not any(group.allgather(lacking, what=SHARED_WHAT)):
         return profile
-    error, best = None, 0.0
+    error, best, probe = None, 0.0, None
     try:
-        launch, finish, nbytes = make_probe(backend, group.device).copy_call()
+        probe = make_probe(backend, group.device)
+        launch, finish, nbytes = probe.copy_call()
         launch()
         finish()
     except Exception as exc:
@@ -160,12 +169,22 @@ def shared_copy(group: EPGroup, backend: str, profile: MachineProfile, *,
                                 timeout_s=timeout_s)
         mine = [(b, e, n) for p, b, e, n in spans if p == place]
         best = max(best, sum(n for _, _, n in mine) / (max(e for _, e, _ in mine) - min(b for b, _, _ in mine)))
-    profile = dataclasses.replace(profile, shared_copy_bytes_per_s=best, shared_by=sharing)
+    fused = profile.fused
+    tables = None
+    try:
+        tables = measure_fused(probe, fused.grids, stderr_progress if group.local_rank == 0 else None,
+                               together=lambda: group.barrier(timeout_s, what=SHARED_FUSED_WHAT))
+    except Exception as exc:
+        error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+    group.raise_if_any(error, SHARED_FUSED_WHAT, timeout_s=timeout_s)
+    gathered = group.allgather((place, tables), what=SHARED_FUSED_WHAT, timeout_s=timeout_s)
+    shared_fused = fused_costs([t for p, t in gathered if p == place], fused.grids, fused.up_k, fused.down_k)
+    profile = dataclasses.replace(profile, shared_copy_bytes_per_s=best, shared_by=sharing, shared_fused=shared_fused)
     if sharing > 1 and group.local_rank == 0:
         try:
             write_profile(profile, profile_path(profile.device, profile.sm_share))
         except OSError as exc:
-            stderr_progress(f"could not add the shared copy rate to the cached profile ({exc})")
+            stderr_progress(f"could not add the shared measurements to the cached profile ({exc})")
     return profile
 
 

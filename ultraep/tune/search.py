@@ -116,7 +116,7 @@ class Tuner:
 
     def choose(self, problem: Problem, sync: SyncProblem | None = None) -> SearchResult:
         key = (bucket(problem.tokens), problem.hidden, problem.ffn, problem.top_k, problem.experts, problem.ranks,
-               problem.ranks_per_gpu, problem.element_bytes, sync)
+               problem.ranks_per_gpu, problem.element_bytes, problem.keeps_h, sync)
         found = self._memo.get(key)
         if found is None:
             found = self._memo[key] = search(self.profile, problem, sync)

@@ -24,8 +24,9 @@ from ultraep.integration import Balancer
 from ultraep.planner import ExpertLayout
 from ultraep.runtime.group import EPGroup
 from ultraep.transfer import ExpertSpec
-from ultraep.tune import ComputeCurve, MachineProfile, min_replica_tokens_for, profile_path, read_profile, write_profile
-from ultraep.tune.profile import CACHE_VARIABLE, TileCost, make_probe, sm_share
+from ultraep.tune import (ComputeCurve, FusedCosts, MachineProfile, min_replica_tokens_for, profile_path, read_profile,
+                          write_profile)
+from ultraep.tune.profile import CACHE_VARIABLE, make_probe, sm_share
 
 backend, check, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 group = EPGroup(MPI.COMM_WORLD, use_gpu=backend == "device")
@@ -45,7 +46,8 @@ def synthetic_profile(rank: int) -> MachineProfile:
     return MachineProfile(backend=backend, device=name, sm_count=sms, sm_share=sm_share(), copy_bytes_per_s=peer,
                           copy_method="synthetic", peer_bytes_per_s=peer, peer_method="synthetic", launch_s=1e-6,
                           compute=curve, kernel_s=1e-6, copy_warp_bytes_per_s=peer, flag_s=1e-6,
-                          gemm=TileCost(kernel="synthetic", bm=128, bn=256, k=64, tile_s=1e-6, fixed_s=1e-6))
+                          fused=FusedCosts(grids=(1,), sharing=1, up_k=(64,), down_k=(32,), up=((1e-6,),),
+                                           up_act=((1e-6,),), relay=((1e-6,),), down=((1e-6,),)))
 
 
 def balancer(min_replica_tokens):

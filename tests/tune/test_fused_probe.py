@@ -1,0 +1,134 @@
+"""The machine profile's probe of the fused kernels (``tune.device.FusedBench``) without a
+GPU: CuPy replaced by NumPy and each kernel by a stand-in that checks the set-up the probe
+made (every parameter the source declares given, by name; the flags a task waits for
+already hold the epoch; ``h`` kept or not) and stamps the task timeline as CTAs of a fixed
+task time would, which the probe must read back as that time."""
+
+import contextlib
+import ctypes
+import types
+
+import numpy as np
+import pytest
+
+from ultraep.errors import ProfileError
+from ultraep.runtime import kernels
+from ultraep.tune import device
+from ultraep.tune.device import FusedBench, kernel_parameters, ordered_arguments
+
+TILE_NS, RELAY_NS = 50_000, 7_000
+
+
+class FakeArray(np.ndarray):
+    """A NumPy array that answers CuPy's ``.data.ptr`` and ``.get()``."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+    def get(self):
+        return np.asarray(self)
+
+
+def _wrap(array):
+    return np.asarray(array).view(FakeArray)
+
+
+fake_cupy = types.SimpleNamespace(
+    zeros=lambda shape, dtype=float: _wrap(np.zeros(shape, dtype)),
+    empty=lambda shape, dtype=float: _wrap(np.zeros(shape, dtype)),
+    asarray=lambda array, dtype=None: _wrap(np.asarray(array, dtype)),
+    arange=lambda *args, **kwargs: _wrap(np.arange(*args, **kwargs)),
+    asnumpy=np.asarray,
+    random=types.SimpleNamespace(default_rng=lambda seed: types.SimpleNamespace(
+        random=lambda shape, dtype: _wrap(np.random.default_rng(seed).random(shape, dtype=dtype)))),
+    cuda=types.SimpleNamespace(Device=lambda device=None: contextlib.nullcontext(),
+                               get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None)))
+
+
+class FakeMaps:
+    def tiled(self, pointer, dims, box):
+        return ("map", pointer, tuple(dims), tuple(box))
+
+
+class FakeKernel:
+    """Stamps every task of the launch: CTA ``i`` of the grid runs tasks ``i, i + grid, ...``
+    back to back, each ``TILE_NS`` (a relay ``RELAY_NS``)."""
+
+    def __init__(self, name):
+        self.name, self.launches = name, []
+
+    def __call__(self, grid, block, arguments, shared_mem):
+        values = dict(zip(kernel_parameters("fused_moe.cu", self.name), arguments))
+        self.launches.append(values)
+        epoch, slots = int(values["epoch"]), int(values["spr"])
+        mtiles = np.asarray(values["rank_mtile"])
+        if self.name == "fused_down_combine":
+            kind, tasks, task_ns = 3, slots * 16 * (int(values["hidden"]) // 256), TILE_NS
+        elif int(values["ffn"]) == 0:  # relays only: every row flagged as arrived
+            kind, tasks, task_ns = 1, int(mtiles[-1]), RELAY_NS
+            heap = int(np.asarray(values["peer_bases"])[0])  # this process's heap base, as the kernel reads it
+            rows = tasks * 128
+            flags = (ctypes.c_uint64 * rows).from_address(heap + int(values["row_flag_offset"]))
+            assert set(flags) == {epoch}
+        else:  # up tiles only: no relay task, every M-tile's flag already set
+            assert not mtiles.any() and np.all(np.asarray(values["tile_ready"]) == epoch)
+            kind, tasks, task_ns = 2, slots * 16 * (int(values["ffn"]) // 128), TILE_NS
+        assert int(values["tokens"]) == 0  # no send, no reduce
+        trace = values["trace"]
+        for task in range(tasks):
+            cta, wave = task % grid[0], task // grid[0]
+            start = 10**6 + wave * task_ns + cta  # the CTAs start a few ns apart
+            trace[task] = (start, start + task_ns, cta | kind << 32)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    made = {}
+
+    def get_function(filename, name, **kwargs):
+        assert filename == "fused_moe.cu"
+        return made.setdefault(name, FakeKernel(name))
+
+    monkeypatch.setattr(kernels, "get_function", get_function)
+    import ultraep.compute.device
+
+    monkeypatch.setattr(ultraep.compute.device, "_TensorMaps", FakeMaps)
+    return made
+
+
+@pytest.mark.parametrize("task", ["up", "up_act", "down", "relay"])
+def test_the_probe_reads_the_task_time_back(fake_gpu, task):
+    barriers = []
+    bench = FusedBench(fake_cupy, 0, task, 128, max_grid=32)
+    for grid in (1, 7, 32):
+        seconds = bench.seconds(grid, lambda: barriers.append(grid))
+        # a tile: the tile phase's span over its waves (to the CTAs' few ns of stagger); a relay: its mean
+        assert seconds == pytest.approx((RELAY_NS if task == "relay" else TILE_NS) * 1e-9, rel=1e-3)
+    assert barriers == [1] * 3 + [7] * 3 + [32] * 3  # a barrier before every round
+    launches = fake_gpu["fused_down_combine" if task == "down" else "fused_dispatch_up"].launches
+    assert [int(v["epoch"]) for v in launches] == list(range(1, 11))  # a warm-up, then three rounds per grid
+    if task in ("up", "up_act"):
+        assert isinstance(launches[-1]["h"], np.ndarray) == (task == "up")
+        assert int(launches[-1]["ffn"]) == 2048 and int(launches[-1]["hidden"]) == 128
+    if task == "relay":
+        heap = bench.heap
+        rows = bench.slots * device.FUSED_SLOT_ROWS
+        start = int(launches[-1]["row_landing_offset"])
+        assert heap[start:start + 4 * rows].view(np.int32).tolist() == list(range(rows))  # a landing row each
+        assert np.all(bench.flags == 10)  # every row arrived in the last launch's epoch
+    # at least FUSED_TILE_WAVES waves on the largest grid, one slot's tiles on a small one
+    if task != "relay":
+        assert bench.slots == 1 and bench.slots_for(132, device.FUSED_TILE_WAVES) == 5
+
+
+def test_arguments_go_by_the_names_the_kernel_declares():
+    names = kernel_parameters("fused_moe.cu", "fused_down_combine")
+    assert names[:2] == ("act_map", "w_down_map") and names[-1] == "trace"
+    values = {name: i for i, name in enumerate(names)}
+    assert ordered_arguments("fused_moe.cu", "fused_down_combine", values) == tuple(range(len(names)))
+    with pytest.raises(ProfileError, match=r"no value for \['trace'\].*no parameter \['traces'\]"):
+        ordered_arguments("fused_moe.cu", "fused_down_combine",
+                          {("traces" if name == "trace" else name): 0 for name in names})
+    with pytest.raises(ProfileError, match="declares no kernel"):
+        kernel_parameters("fused_moe.cu", "fused_nothing")
