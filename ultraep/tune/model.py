@@ -23,7 +23,8 @@ The building blocks, each a quantity the profile measures:
 * the fused kernels' GEMM tiles and relay tasks cost what the profile measured running
   those kernels (:class:`~ultraep.tune.profile.FusedCosts`, at the grid, with as many ranks
   of the GPU running them at once): ``ceil(t / c)`` waves of ``t`` tiles over ``c`` CTAs;
-  their sends and reduces are counted in round trips of a task warp, the relay's unit;
+  their sends and reduces are counted in dependent round trips of a task warp, each what
+  ``copy_warp_bytes_per_s`` gives the copy kernel's loads in flight;
 * a flag handoff (a release fence and store, an acquire load) costs ``flag_s``, and so
   does a task's claim (an atomic between two block barriers); a kernel
   adds ``kernel_s`` to the device's time and ``launch_s`` to the host's; the host enqueues
@@ -36,7 +37,11 @@ point where both bind, neither reaches its own rate.
 What it leaves out (stated per phase below): relay trees in weight sync, the token map's
 dependence on routing beyond its item count, and contention between the fused kernels'
 communication and GEMM tiles beyond the shared bandwidth (each is measured with its own
-kind running on every rank).
+kind running on every rank). Two effects seen on the H200 under the MPS emulation are not
+in it: one rank's kernel A running as if on fewer CTAs (up to a quarter) once the ranks'
+grids together near the GPU's SMs (shares that overlap: which rank, and whether, varies
+from call to call), and down tiles about 10 % dearer in the layer than in the profile's
+probe, whose one slot of weights stays in L2 where the layer's sixteen do not.
 """
 
 from __future__ import annotations
@@ -266,14 +271,19 @@ def pull_s(profile: MachineProfile, problem: Problem, grid):
 # running the same at once): a tile's claim, the pipeline's fill, its epilogue (kernel A's
 # stagings of h and act, kernel B's system fences and done flag) and what every other
 # tile costs it are in them. The sends and reduces, which the profile does not run, are
-# counted in the relay's own unit: a warp's dependent round trip to memory (a relayed row
-# is its flag's acquire and its copy rounds of 32 lanes x FM_UNROLL vectors).
+# counted in dependent round trips of a task warp to memory, each the time the per-warp copy
+# rate gives the copy kernel's loads in flight (heap.cu keeps COPY_LOADS_IN_FLIGHT 16-byte
+# loads a lane, as FM_UNROLL does).
 
-def _round_trip_s(costs, problem: Problem, ctas):
-    """One dependent round trip to memory of a task warp, from the relay measured at this
-    hidden and grid: a relay task is FM_BM / FM_TASK_WARPS rows per warp, each row its flag's
-    acquire and its copy rounds."""
-    return costs.relay_task_s(problem.hidden, ctas) / (FM_BM / FM_TASK_WARPS) / (_copy_rounds(problem) + 1)
+COPY_LOADS_IN_FLIGHT = 4     # heap.cu copy_vectors' 16-byte loads in flight a thread (copy_warp_bytes_per_s)
+REDUCE_INDEX_TRIPS = 3       # a reduce lane's loads before its rows: ids; base, rank_off, rank_mtile; its done flag
+
+
+def _round_trip_s(profile: MachineProfile):
+    """One dependent round trip to memory of a task warp: the per-warp copy rate over the
+    bytes a warp of the copy kernel keeps in flight (a copy warp waits one round trip per
+    round of loads; its stores do not wait)."""
+    return WARP_THREADS * 16 * COPY_LOADS_IN_FLIGHT / profile.copy_warp_bytes_per_s
 
 
 def _copy_rounds(problem: Problem) -> int:
@@ -284,26 +294,29 @@ def _copy_rounds(problem: Problem) -> int:
 def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens):
     """Kernel A of the busiest rank on ``ctas`` CTAs: its sends, relays and up tiles over
     the CTAs in claim order. A send task is a claim and, per round of FM_TASK_WARPS tokens,
-    a token's copy (read once, stored to every destination: a relayed row's round trips
-    per row copied) and its system fence; a
-    relay task is measured, one of a partial M-tile is charged by its rows' rounds; the
-    sends' and relays' bytes bound them too (the GPU's shared bandwidth); then the up tiles
-    (``bm`` rows x ``2 * up_cols`` columns over ``hidden``, storing ``h`` as
-    ``problem.keeps_h`` says) in waves of the measured tile."""
+    a token's copy (read once, stored to every destination: a row copy's round trips per row
+    copied) and its system fence; a relay task is measured, one of a partial M-tile is
+    charged by its rows' rounds. The sends' and relays' traffic bounds them too: a row's
+    stores (the send's) and its loads (the relay's) are ordered by its row flag, so the
+    phase cannot stream reads under writes as a copy kernel does, and its every byte read
+    and every byte written moves at the GPU's shared copy rate. Then the up tiles (``bm``
+    rows x ``2 * up_cols`` columns over ``hidden``, storing ``h`` as ``problem.keeps_h``
+    says) in waves of the measured tile."""
     ctas = np.asarray(ctas, np.float64)
     send_tokens = np.asarray(send_tokens, np.float64)
     costs = profile.fused_costs(problem.ranks_per_gpu)
     row, rows = problem.row_bytes, problem.rows
-    trip = _round_trip_s(costs, problem, ctas)
-    # a token is read once and stored to each destination: a relayed row's round trips per row copied
+    trip = _round_trip_s(profile)
+    # a token is read once and stored to each destination: a row copy's round trips per row copied
     token_trips = _copy_rounds(problem) * (1.0 + problem.crossings) / 2.0 + 1
     send_task = profile.flag_s + np.ceil(send_tokens / FM_TASK_WARPS) * token_trips * trip
     # a relay's time per round of FM_TASK_WARPS rows, its partial M-tiles' rounds counted as theirs
     relay_rounds = float(np.sum(rows // FM_BM * (FM_BM // FM_TASK_WARPS) + -(-(rows % FM_BM) // FM_TASK_WARPS)))
     relay_work = costs.relay_task_s(problem.hidden, ctas) * relay_rounds / (FM_BM / FM_TASK_WARPS)
     comm_work = np.ceil(problem.tokens / send_tokens) * send_task + relay_work
-    comm_bytes = (problem.tokens * (1.0 + problem.crossings) / 2.0 + float(rows.sum())) * row
-    comm = join(bandwidth_s(profile, comm_bytes, problem.ranks_per_gpu), comm_work / ctas)
+    # bytes read plus bytes written: a token read once and stored crossings times, a row relayed read and written
+    comm_traffic = (problem.tokens * (1.0 + problem.crossings) + 2.0 * float(rows.sum())) * row
+    comm = join(bandwidth_s(profile, comm_traffic, problem.ranks_per_gpu), comm_work / ctas)
     up_tiles = problem.m_tiles() * -(-problem.ffn // FM_UP_COLS)
     tiles = np.ceil(up_tiles / ctas) * costs.up_tile_s(problem.hidden, ctas, problem.keeps_h)
     return profile.kernel_s + comm + tiles
@@ -312,10 +325,11 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens):
 def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens):
     """Kernel B of the busiest rank on ``ctas`` CTAs: the down tiles (``bm`` x ``down_cols``
     over ``ffn``) in waves of the measured tile; then the reduce tasks, a claim and per
-    round of FM_TASK_WARPS tokens a token's round trips (its done flag's acquire, its slots'
-    rows read FM_REDUCE_UNROLL at once per block of FM_DOWN_COLS columns). Reduces fill the
-    last wave's idle CTAs, and only what does not fit there (or the shared bandwidth's
-    time, if longer) extends the kernel, by at least one reduce task after the last tile."""
+    round of FM_TASK_WARPS tokens a token's dependent round trips: REDUCE_INDEX_TRIPS loads
+    to find its slots' rows and done flags, then per block of FM_DOWN_COLS columns its
+    slots' rows read FM_REDUCE_UNROLL at once. Reduces fill the last wave's idle CTAs, and
+    only what does not fit there (or the shared bandwidth's time, if longer) extends the
+    kernel, by at least one reduce task after the last tile."""
     ctas = np.asarray(ctas, np.float64)
     reduce_tokens = np.asarray(reduce_tokens, np.float64)
     costs = profile.fused_costs(problem.ranks_per_gpu)
@@ -324,9 +338,8 @@ def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens)
     tile = costs.down_tile_s(problem.ffn, ctas)
     waves = np.ceil(down_tiles / ctas)
     idle = (waves * ctas - down_tiles) * tile  # CTA-seconds free in the last wave
-    token_trips = -(-problem.top_k // FM_REDUCE_UNROLL) * col_blocks + 1
-    reduce_task = profile.flag_s + np.ceil(reduce_tokens / FM_TASK_WARPS) * token_trips * _round_trip_s(
-        costs, problem, ctas)
+    token_trips = REDUCE_INDEX_TRIPS + -(-problem.top_k // FM_REDUCE_UNROLL) * col_blocks
+    reduce_task = profile.flag_s + np.ceil(reduce_tokens / FM_TASK_WARPS) * token_trips * _round_trip_s(profile)
     reduce_work = np.ceil(problem.tokens / reduce_tokens) * reduce_task
     excess = np.maximum(reduce_work - idle, 0.0) / ctas
     reduce_bw = bandwidth_s(profile, problem.tokens * (problem.top_k + 1) * problem.row_bytes / 2.0,
