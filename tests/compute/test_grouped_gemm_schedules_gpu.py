@@ -1,7 +1,8 @@
 """The grouped GEMM's kernel schedules (``ultraep.compute.device.SCHEDULES``) give the same
-bits as the default on problems of several tiles per block: every block then takes output
-tiles through the store warps while its MMAs go on, stages wrap around the ring many times,
-and (wgrad) tiles with no reduction, stored without staging, fall between staged ones.
+bits as the plain module's, and so do the per-operation defaults, on problems of several
+tiles per block: every block then takes output tiles through the store warps while its MMAs
+go on, stages wrap around the ring many times, and (wgrad) tiles with no reduction, stored
+without staging, fall between staged ones.
 """
 
 import numpy as np
@@ -10,12 +11,12 @@ import pytest
 from tests.compute.reference import bf16, nan_bits, offsets_of
 from tests.conftest import requires_gpu
 from ultraep.compute.checks import check_problem
-from ultraep.compute.device import DEFAULT_SCHEDULE, SCHEDULES, DeviceGroupedGemm
+from ultraep.compute.device import PLAIN_SCHEDULE, SCHEDULES, DeviceGroupedGemm
 from ultraep.runtime.dtypes import BFLOAT16
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-OTHERS = [s for s in SCHEDULES if s != DEFAULT_SCHEDULE]
+OTHERS = [s for s in SCHEDULES if s != PLAIN_SCHEDULE]
 
 # (experts, K, N, rows of each expert): hundreds of tiles (a few per SM), expert ends and
 # K, N off every tile and box size, empty experts (all-zero wgrad tiles between others),
@@ -61,7 +62,9 @@ def test_same_bits_as_the_default(schedule, out_dtype, op, problem):
     a, b = operands(rng, op, k, n, counts)
     offsets = offsets_of(counts)
     gpu = cp.cuda.runtime.getDevice()
-    expected = run(cp, DeviceGroupedGemm(gpu), op, a, b, offsets, out_dtype)
+    expected = run(cp, DeviceGroupedGemm(gpu, PLAIN_SCHEDULE), op, a, b, offsets, out_dtype)
     got = run(cp, DeviceGroupedGemm(gpu, schedule), op, a, b, offsets, out_dtype)
     differ = int((got != expected).sum())
-    assert differ == 0, f"schedule {schedule!r}, {op}: {differ} of {got.size} elements differ from the default"
+    assert differ == 0, f"schedule {schedule!r}, {op}: {differ} of {got.size} elements differ from {PLAIN_SCHEDULE!r}"
+    defaults = run(cp, DeviceGroupedGemm(gpu), op, a, b, offsets, out_dtype)
+    assert int((defaults != expected).sum()) == 0, f"the default schedules, {op}: bits differ from {PLAIN_SCHEDULE!r}"

@@ -10,8 +10,9 @@ every column alike. ``vs_best`` is ours over the better of the loop and
 ``torch._grouped_mm``; ``vs_dense`` ours over cuBLAS dense. The loop and dense baselines
 need the counts on the host; the grouped kernels read them on the device.
 
-``--variant SCHEDULE`` also times the kernels compiled with another schedule
-(``ultraep.compute.device.SCHEDULES``) right after ours on the same operands: ``variant``
+``--variant SCHEDULE`` also times the kernels compiled with one schedule
+(``ultraep.compute.device.SCHEDULES``) for every operation right after ours (each
+operation's default) on the same operands: ``variant``
 and its ratios to ours, the better baseline and dense, and ``variant_diff``, the output
 elements whose bits differ from ours (the schedules must agree: 0).
 """
@@ -26,7 +27,7 @@ import numpy as np
 
 from ultraep.bench.report import print_table, write_json
 from ultraep.bench.timing import held_event_ms
-from ultraep.compute.device import DEFAULT_SCHEDULE, SCHEDULES
+from ultraep.compute.device import DEFAULT_SCHEDULES, SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row counts and the operands")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    parser.add_argument("--variant", choices=[s for s in SCHEDULES if s != DEFAULT_SCHEDULE],
+    parser.add_argument("--variant", choices=list(SCHEDULES),
                         help="also time the kernels of this schedule beside ours, and compare their bits")
     return parser.parse_args(argv)
 
@@ -248,7 +249,8 @@ def main(argv=None) -> int:
             rows += run_case(case, distribution, args.ops, args.repeats, args.seed, variant)
     title = "Grouped GEMM, BF16 in / FP32 accumulate / BF16 out, TFLOPS (higher is better)"
     if args.variant:
-        title += f"; variant: schedule {args.variant!r} against ours ({DEFAULT_SCHEDULE!r})"
+        ours = ", ".join(f"{op} {name}" for op, name in DEFAULT_SCHEDULES.items())
+        title += f"; variant: schedule {args.variant!r} for every op against ours ({ours})"
     print_table(rows, COLUMNS + (VARIANT_COLUMNS if args.variant else []), title)
     if args.json:
         write_json(args.json, {"benchmark": "grouped-gemm", "variant": args.variant, "rows": rows})

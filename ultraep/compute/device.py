@@ -13,9 +13,10 @@ call by the driver's ``cuTensorMapEncodeTiled`` (they hold the operands' address
 passed by value as kernel parameters.
 
 ``schedule`` picks one of the kernels' compile-time schedules (:data:`SCHEDULES`,
-``GG_SCHEDULE`` in ``raw_kernels/grouped_gemm.cu``, which says what each does); all give
-the same bits. The library runs ``staged``; ``bench grouped-gemm --variant`` measures the
-others beside it.
+``GG_SCHEDULE`` in ``raw_kernels/grouped_gemm.cu``, which says what each does) for every
+operation; all give the same bits. Without one, each operation runs its
+:data:`DEFAULT_SCHEDULES` entry, the faster on the H200; ``bench grouped-gemm --variant``
+measures one schedule beside them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ _OOB_FILL_ZEROS = 0
 
 # Schedule name -> (its GG_SCHEDULE value's macro, its dynamic shared memory's macro).
 SCHEDULES = {"staged": ("GG_STAGED_TILE", "GH_SMEM_BYTES"), "ring": ("GG_RING_STAGED", "GG_RING_SMEM_BYTES")}
-DEFAULT_SCHEDULE = "staged"
+PLAIN_SCHEDULE = "staged"  # the module compiled without a GG_SCHEDULE option
+# The deeper ring pays where the MMAs wait on copies (dgrad's and wgrad's transposed
+# operand boxes); forward is as fast staged and keeps the module the fused kernels share.
+DEFAULT_SCHEDULES = {"forward": "staged", "dgrad": "ring", "wgrad": "ring"}
 
 
 class _TensorMaps:
@@ -80,19 +84,16 @@ class _TensorMaps:
 
 
 class DeviceGroupedGemm:
-    """The grouped GEMM on GPU ``device``: kernels of one schedule, persistent grid and status word."""
+    """The grouped GEMM on GPU ``device``: its kernels (``schedule`` for every operation, or
+    each operation's :data:`DEFAULT_SCHEDULES` entry), persistent grid and status word."""
 
-    def __init__(self, device: int, schedule: str = DEFAULT_SCHEDULE):
-        if schedule not in SCHEDULES:
+    def __init__(self, device: int, schedule: str | None = None):
+        if schedule is not None and schedule not in SCHEDULES:
             raise GroupedGemmError(f"grouped GEMM schedule {schedule!r} does not exist; "
                                    f"schedules: {', '.join(SCHEDULES)}")
         import cupy
 
-        value, shared_bytes = SCHEDULES[schedule]
-        self.schedule = schedule
-        # The default's module is the plain one (no -D option), shared with every other user.
-        self.defines = () if schedule == DEFAULT_SCHEDULE else (("GG_SCHEDULE", kernel_constant(KERNELS, value)),)
-        self.shared_bytes = kernel_constant(KERNELS, shared_bytes)
+        self.schedules = {op: schedule or default for op, default in DEFAULT_SCHEDULES.items()}
         self.cp, self.device = cupy, device
         with cupy.cuda.Device(device):
             properties = cupy.cuda.runtime.getDeviceProperties(device)
@@ -103,16 +104,22 @@ class DeviceGroupedGemm:
         self.grid = properties["multiProcessorCount"]
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
         self._maps: _TensorMaps | None = None
-        self._kernels: dict[tuple[str, np.dtype], object] = {}
+        self._kernels: dict[tuple[str, np.dtype], tuple[object, int]] = {}
 
     def _kernel(self, op: str, out_dtype: np.dtype):
+        """``op``'s kernel for ``out_dtype`` in its schedule, and its dynamic shared memory."""
         kernel = self._kernels.get((op, out_dtype))
         if kernel is None:
+            schedule = self.schedules[op]
+            value, shared_macro = SCHEDULES[schedule]
+            # The plain module (no -D option) is shared with every other user.
+            defines = () if schedule == PLAIN_SCHEDULE else (("GG_SCHEDULE", kernel_constant(KERNELS, value)),)
             element = "float" if out_dtype == np.float32 else "__nv_bfloat16"
-            kernel = get_function(KERNELS, f"grouped_mm_{op}<{element}>", defines=self.defines)
+            function = get_function(KERNELS, f"grouped_mm_{op}<{element}>", defines=defines)
+            shared_bytes = kernel_constant(KERNELS, shared_macro)
             with self.cp.cuda.Device(self.device):
-                kernel.max_dynamic_shared_size_bytes = self.shared_bytes
-            self._kernels[(op, out_dtype)] = kernel
+                function.max_dynamic_shared_size_bytes = shared_bytes
+            kernel = self._kernels[(op, out_dtype)] = function, shared_bytes
         return kernel
 
     def allocate(self, problem: Problem):
@@ -151,11 +158,11 @@ class DeviceGroupedGemm:
             if array.size and array.data.ptr % _ALIGN_BYTES:
                 raise GroupedGemmError(f"{problem.op}: the {name} operand's data is not {_ALIGN_BYTES}-byte aligned "
                                        f"(a view into a larger buffer?); pass an aligned copy")
-        kernel = self._kernel(problem.op, problem.out_dtype)
+        kernel, shared_bytes = self._kernel(problem.op, problem.out_dtype)
         kernel((self.grid,), (self.threads,), (
             *self._operand_maps(problem, a, b), offsets, np.int32(offsets.dtype == np.int64),
             np.int32(problem.experts), np.int64(problem.rows), np.int32(problem.k), np.int32(problem.n), out,
-            self.status), shared_mem=self.shared_bytes)
+            self.status), shared_mem=shared_bytes)
 
     def check(self) -> None:
         """Synchronise this GPU's current stream; raise (and clear) the first status record."""
