@@ -24,3 +24,36 @@ def test_balancer_bench_cpu(tmp_path, capfd):
     # on the CPU every stage is synchronous: balancing adds its whole cost to the layer
     assert row["exposed_ms"] > 0 and row["layer_ms"] > 0 and row["balanced_ms"] > row["layer_ms"], row
     assert row["share_pct"] == pytest.approx(100 * row["exposed_ms"] / row["layer_ms"]), row
+
+
+@pytest.mark.mpi
+def test_balancer_bench_rows_per_sync_grid_with_the_host_breakdown_and_profile(tmp_path):
+    """One row per ``--sync-blocks`` grid; the Balancer's host time split by call; no host
+    waits on the CPU backend and no device stamps; ``--host-profile`` writes each row's profile."""
+    out, profiles = tmp_path / "balancer.json", tmp_path / "profiles"
+    code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
+                       "--ffn", "16", "--initial-imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "3",
+                       "--rounds", "1", "--sync-blocks", "all", "4", "--host-profile", str(profiles), "--quiet",
+                       "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["sync_blocks"] for row in rows] == ["all", 4]
+    for row in rows:
+        parts = [row[f"{part}_host_ms"] for part in bench.HOST_PARTS]
+        assert all(ms >= 0 for ms in parts) and row["update_host_ms"] > 0 and row["sync_host_ms"] > 0, row
+        assert row["bal_host_ms"] <= row["call_host_ms"] and row["blocked_host_ms"] == 0.0, row
+        assert all(row[f"{part}_dev_ms"] is None for part in ("exposed", "lead", "wait", "idle")), row
+    assert sorted(p.name for p in profiles.iterdir()) == [
+        f"bf16_imbalance2_sync{grid}.{ext}" for grid in ("4", "all") for ext in ("pstats", "txt")]
+    assert "integration/balancer.py" in (profiles / "bf16_imbalance2_syncall.txt").read_text()
+
+
+@pytest.mark.parametrize("text, blocks", [("all", None), ("16", 16)])
+def test_sync_grid_values(text, blocks):
+    assert bench.sync_grid(text) == blocks
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "many"])
+def test_sync_grid_refuses_what_is_not_a_block_count(text):
+    with pytest.raises(Exception, match="expected a positive block count or 'all'"):
+        bench.sync_grid(text)

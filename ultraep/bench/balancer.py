@@ -53,6 +53,7 @@ Started with one process, it relaunches itself on ``--ranks`` ranks under ``mpie
 from __future__ import annotations
 
 import argparse
+import cProfile
 import statistics
 import sys
 import time
@@ -98,6 +99,10 @@ def parse_args(argv):
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="the Balancer launches every kernel itself (default: its fixed launch sequences are "
                              "replayed as CUDA graphs)")
+    parser.add_argument("--host-profile", metavar="DIR",
+                        help="profile the Balancer's calls of the balanced layers on rank 0 with cProfile: one "
+                             ".pstats and one .txt (top functions by own time) per row in DIR (the profiler "
+                             "slows those calls: read the row's times from a run without it)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG",
@@ -278,6 +283,9 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
                                   max_recv_rows=int(1.25 * T * K) + 1024, sync_checks=False) as dispatcher:
         for layer in range(LAYERS):
             balancer.register_layer(layer, masters, grads)
+        profiler = cProfile.Profile() if args.host_profile and group.rank == 0 else None
+        profiling = profiler.enable if profiler else (lambda: None)
+        profiled = profiler.disable if profiler else (lambda: None)
         side = xp.cuda.Stream(non_blocking=True) if gpu else None  # the weight sync's own stream
         state = {"calls": 0}
         host_ms = {part: [] for part in HOST_PARTS + ("call",)}  # per balanced layer: each call kind, all of it
@@ -305,6 +313,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
             stamp.stamp("begin")
             layer = state["calls"] % LAYERS
             state["calls"] += 1
+            profiling()
             clock = [time.perf_counter()]
             state["handle"] = handle = balancer.update(layer, ids)
             clock.append(time.perf_counter())
@@ -312,12 +321,15 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
             clock.append(time.perf_counter())
             state["slots"] = balancer.reroute(handle, ids)
             clock.append(time.perf_counter())
+            profiled()
             stamp.stamp("routed")
             waited = [0.0]
 
             def wait(slot):
                 waiting = time.perf_counter()
+                profiling()
                 stamp.wait(lambda: sync.wait(slot))
+                profiled()
                 waited[0] += time.perf_counter() - waiting
 
             received = dispatcher.dispatch(x, state["slots"], gates)
@@ -360,6 +372,9 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
         balancer.check()
         stats = balancer.stats()
         summary = stats.summary()
+    if profiler is not None:
+        write_host_profile(profiler, args.host_profile, f"{WEIGHT_DTYPES[dtype]}_imbalance{target:g}_sync"
+                                                        f"{sync_blocks or 'all'}")
     layer_ms, balanced_ms = (statistics.median(windows[k]) for k in ("in_place", "balanced"))
     exposed_ms = statistics.median(b - p for b, p in zip(windows["balanced"], windows["in_place"]))
     row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype, "sync_blocks": sync_blocks or "all",
@@ -373,6 +388,18 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
            **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")},
            "sync_MB": statistics.mean(r.weight_bytes for r in stats.records) / 1e6, "replica_diff": diff}
     return row, stats.records
+
+
+def write_host_profile(profiler, directory: str, label: str) -> None:
+    """``label.pstats`` and ``label.txt`` (the top 40 functions by own time) in ``directory``."""
+    import pstats
+    from pathlib import Path
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(out / f"{label}.pstats")
+    with open(out / f"{label}.txt", "w") as text:
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
 
 
 def device_breakdown(group, device_ms: dict) -> dict:
