@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.conftest import requires_gpu
 from ultraep.bench import balancer as bench
 
 
@@ -57,3 +58,22 @@ def test_sync_grid_values(text, blocks):
 def test_sync_grid_refuses_what_is_not_a_block_count(text):
     with pytest.raises(Exception, match="expected a positive block count or 'all'"):
         bench.sync_grid(text)
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@requires_gpu
+def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path):
+    """4 ranks on one GPU: the compute stream's stamps fill the device columns, and the
+    serial part before dispatch is a part of the balanced layer."""
+    out = tmp_path / "balancer.json"
+    code = bench.main(["--backend", "device", "--ranks", "4", "--experts", "16", "--tokens", "1024", "--top-k", "2",
+                       "--hidden", "256", "--ffn", "128", "--initial-imbalance", "1.5", "--min-replica-tokens", "16",
+                       "--repeats", "4", "--rounds", "2", "--sync-blocks", "all", "8", "--quiet", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["sync_blocks"] for row in rows] == ["all", 8]
+    for row in rows:
+        assert row["replica_diff"] == 0 and row["exposed_dev_ms"] is not None, row
+        assert 0 < row["lead_dev_ms"] < row["balanced_ms"] and row["wait_dev_ms"] >= 0 and row["idle_dev_ms"] >= 0, row
+        assert row["blocked_host_ms"] >= 0 and row["update_host_ms"] > 0, row
