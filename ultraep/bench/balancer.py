@@ -33,10 +33,11 @@ launch, which waits for the host; ``lead_dev_ms`` the compute stream's time from
 layer's start to dispatch's (update and reroute: serial); ``wait_dev_ms`` its time in the
 per-slot waits (replicas not landed yet); ``idle_dev_ms`` its wait for the host between
 one layer's end and the next's start; ``blocked_host_ms`` the host's time blocked on the
-device inside the Balancer's calls per layer (``BalancerStats.host_wait_ms``, mean).
-Host-bound: ``idle_dev_ms`` above zero (or ``call_host_ms`` near ``balanced_ms``): the
-layer then pays the calls' host time, and ``blocked_host_ms`` the part of it spent
-waiting. Device-bound: ``exposed_dev_ms`` is about ``lead_dev_ms + wait_dev_ms`` plus
+device inside the Balancer's calls per layer (``BalancerStats.host_wait_ms``, mean: an
+update a whole ring of micro-batches ahead of its device waits there, harmless that far
+ahead). Host-bound: ``idle_dev_ms`` above zero (or ``call_host_ms`` near
+``balanced_ms``): the layer then pays the calls' host time. Device-bound (idle near
+zero): ``exposed_dev_ms`` is about ``lead_dev_ms + wait_dev_ms`` plus
 what the sync's grid takes from dispatch and the compute beside it (``--sync-blocks``
 lists grids to compare, one row each). On the
 GPU the Balancer replays its fixed launches as CUDA graphs unless ``--no-cuda-graphs``.

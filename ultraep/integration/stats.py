@@ -117,10 +117,9 @@ class DeviceClock:
 class BalancerStats:
     """``records`` in completion order (oldest first, the ring's live ones last);
     ``updates``: plans requested on this rank; ``liveness``: plans the device completed;
-    ``host_waits`` / ``host_wait_ms``: how often and how long the host was blocked on the
-    device inside the per-micro-batch calls (an ``update`` a whole ring ahead of the
-    device, ``sync_checks``' read of bad ids; never on the host backend) -- where a
-    host-bound layer pays balancing itself."""
+    ``host_waits`` / ``host_wait_ms``: how often and how long the per-micro-batch calls
+    blocked the host on the device (an ``update`` a whole ring of micro-batches ahead of
+    its device, ``sync_checks``' read of bad ids; never on the host backend)."""
 
     records: list
     updates: int
