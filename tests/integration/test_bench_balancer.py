@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests.conftest import requires_gpu
 from ultraep.bench import balancer as bench
 
 
@@ -24,3 +25,55 @@ def test_balancer_bench_cpu(tmp_path, capfd):
     # on the CPU every stage is synchronous: balancing adds its whole cost to the layer
     assert row["exposed_ms"] > 0 and row["layer_ms"] > 0 and row["balanced_ms"] > row["layer_ms"], row
     assert row["share_pct"] == pytest.approx(100 * row["exposed_ms"] / row["layer_ms"]), row
+
+
+@pytest.mark.mpi
+def test_balancer_bench_rows_per_sync_grid_with_the_host_breakdown_and_profile(tmp_path):
+    """One row per ``--sync-blocks`` grid; the Balancer's host time split by call; no host
+    waits on the CPU backend and no device stamps; ``--host-profile`` writes each row's profile."""
+    out, profiles = tmp_path / "balancer.json", tmp_path / "profiles"
+    code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
+                       "--ffn", "16", "--initial-imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "3",
+                       "--rounds", "1", "--sync-blocks", "all", "4", "--host-profile", str(profiles), "--quiet",
+                       "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["sync_blocks"] for row in rows] == ["all", 4]
+    for row in rows:
+        parts = [row[f"{part}_host_ms"] for part in bench.HOST_PARTS]
+        assert all(ms >= 0 for ms in parts) and row["update_host_ms"] > 0 and row["sync_host_ms"] > 0, row
+        assert row["bal_host_ms"] <= row["call_host_ms"] and row["blocked_host_ms"] == 0.0, row
+        assert all(row[f"{part}_dev_ms"] is None for part in ("exposed", "lead", "wait", "idle")), row
+    assert sorted(p.name for p in profiles.iterdir()) == [
+        f"bf16_imbalance2_sync{grid}.{ext}" for grid in ("4", "all") for ext in ("pstats", "txt")]
+    assert "integration/balancer.py" in (profiles / "bf16_imbalance2_syncall.txt").read_text()
+
+
+@pytest.mark.parametrize("text, blocks", [("all", None), ("16", 16)])
+def test_sync_grid_values(text, blocks):
+    assert bench.sync_grid(text) == blocks
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "many"])
+def test_sync_grid_refuses_what_is_not_a_block_count(text):
+    with pytest.raises(Exception, match="expected a positive block count or 'all'"):
+        bench.sync_grid(text)
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@requires_gpu
+def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path):
+    """4 ranks on one GPU: the compute stream's stamps fill the device columns, and the
+    serial part before dispatch is a part of the balanced layer."""
+    out = tmp_path / "balancer.json"
+    code = bench.main(["--backend", "device", "--ranks", "4", "--experts", "16", "--tokens", "1024", "--top-k", "2",
+                       "--hidden", "256", "--ffn", "128", "--initial-imbalance", "1.5", "--min-replica-tokens", "16",
+                       "--repeats", "4", "--rounds", "2", "--sync-blocks", "all", "8", "--quiet", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["sync_blocks"] for row in rows] == ["all", 8]
+    for row in rows:
+        assert row["replica_diff"] == 0 and row["exposed_dev_ms"] is not None, row
+        assert 0 < row["lead_dev_ms"] < row["balanced_ms"] and row["wait_dev_ms"] >= 0 and row["idle_dev_ms"] >= 0, row
+        assert row["blocked_host_ms"] >= 0 and row["update_host_ms"] > 0, row

@@ -41,6 +41,9 @@ def test_summary_and_health(tmp_path):
     assert healthy["imbalance_after_mean"] < healthy["imbalance_before_mean"]
     assert healthy["update_ms_median"] == 1.0 and "weight_sync_ms_median" not in healthy
     assert BalancerStats(records, updates=4, liveness=3).summary()["stalled"]
+    assert (healthy["host_waits"], healthy["host_wait_ms"]) == (0, 0.0)  # nothing blocked the host
+    blocked = BalancerStats(records, updates=3, liveness=3, host_waits=2, host_wait_ms=1.5).summary()
+    assert (blocked["host_waits"], blocked["host_wait_ms"]) == (2, 1.5)
     plot_rank_loads(records, tmp_path / "loads.png")
     assert (tmp_path / "loads.png").stat().st_size > 0
 

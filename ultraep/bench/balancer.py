@@ -22,10 +22,24 @@ rank's end, host and device, per call; medians over ``--rounds`` rounds of
 adds to the layer. ``share_pct`` = exposed / layer. The ``*_dev_ms`` columns are the
 Balancer's own CUDA-event (CPU: wall) stage times in the balanced layer, medians over
 its calls: the parts, not additive (the sync runs beside dispatch). ``bal_host_ms`` is the
-host's time inside the Balancer's calls of one balanced layer and ``call_host_ms`` the
-host's time to enqueue the whole balanced layer (medians): with ``call_host_ms`` below
-``balanced_ms`` the host runs ahead of the device, so the exposed time is the device's,
-while a layer too small to hide the host (decode) pays ``bal_host_ms`` itself. On the
+host's time inside the Balancer's calls of one balanced layer -- ``update_host_ms``,
+``sync_host_ms``, ``reroute_host_ms`` and ``wait_host_ms`` (the per-slot waits) -- and
+``call_host_ms`` the host's time to enqueue the whole balanced layer (medians).
+
+Where the exposed time goes (GPU; events on the compute stream, medians over the calls
+after each window's first): ``exposed_dev_ms`` is the same difference taken from the
+device's period per layer (one layer's start to the next's), without the window's first
+launch, which waits for the host; ``lead_dev_ms`` the compute stream's time from the
+layer's start to dispatch's (update and reroute: serial); ``wait_dev_ms`` its time in the
+per-slot waits (replicas not landed yet); ``idle_dev_ms`` its wait for the host between
+one layer's end and the next's start; ``blocked_host_ms`` the host's time blocked on the
+device inside the Balancer's calls per layer (``BalancerStats.host_wait_ms``, mean: an
+update a whole ring of micro-batches ahead of its device waits there, harmless that far
+ahead). Host-bound: ``idle_dev_ms`` above zero (or ``call_host_ms`` near
+``balanced_ms``): the layer then pays the calls' host time. Device-bound (idle near
+zero): ``exposed_dev_ms`` is about ``lead_dev_ms + wait_dev_ms`` plus
+what the sync's grid takes from dispatch and the compute beside it (``--sync-blocks``
+lists grids to compare, one row each). On the
 GPU the Balancer replays its fixed launches as CUDA graphs unless ``--no-cuda-graphs``.
 ``sync_vs_bf16`` is a row's ``weight_sync_dev_ms`` over the bf16 row's at the same
 imbalance; ``sync_MB`` the weight bytes one sync moves (group total, mean).
@@ -40,6 +54,7 @@ Started with one process, it relaunches itself on ``--ranks`` ranks under ``mpie
 from __future__ import annotations
 
 import argparse
+import cProfile
 import statistics
 import sys
 import time
@@ -50,9 +65,11 @@ from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
-COLUMNS = ["weights", "imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct",
-           "bal_host_ms", "call_host_ms", "update_dev_ms", "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB",
-           "reroute_dev_ms", "replica_diff"]
+COLUMNS = ["weights", "sync_blocks", "imbalance", "imb_after", "replicas", "exposed_ms", "exposed_dev_ms", "layer_ms",
+           "balanced_ms", "share_pct", "lead_dev_ms", "wait_dev_ms", "idle_dev_ms", "bal_host_ms", "update_host_ms",
+           "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms", "call_host_ms", "update_dev_ms",
+           "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
+HOST_PARTS = ("update", "sync", "reroute", "wait")  # the Balancer's calls of a balanced layer, timed on the host
 WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}  # name -> table label
 BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
 
@@ -77,11 +94,16 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per window (after one warm-up)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="windows of each layer, alternating balanced and in place (medians reported)")
-    parser.add_argument("--sync-blocks", type=int, default=None,
-                        help="grid of the weight sync beside dispatch (default: the engine's, all resident blocks)")
+    parser.add_argument("--sync-blocks", type=sync_grid, nargs="+", default=[None], metavar="BLOCKS",
+                        help="grids of the weight sync beside dispatch, one row each: a block count, or 'all' "
+                             "(the engine's default: every resident block)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="the Balancer launches every kernel itself (default: its fixed launch sequences are "
                              "replayed as CUDA graphs)")
+    parser.add_argument("--host-profile", metavar="DIR",
+                        help="profile the Balancer's calls of the balanced layers on rank 0 with cProfile: one "
+                             ".pstats and one .txt (top functions by own time) per row in DIR (the profiler "
+                             "slows those calls: read the row's times from a run without it)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG",
@@ -89,6 +111,19 @@ def parse_args(argv):
                              "--initial-imbalance (ultraep.analysis.plots.plot_rank_loads)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser.parse_args(argv)
+
+
+def sync_grid(text: str) -> int | None:
+    """``--sync-blocks`` value: a positive block count, or ``all`` (None: the engine's grid)."""
+    if text == "all":
+        return None
+    try:
+        blocks = int(text)
+    except ValueError:
+        blocks = 0
+    if blocks < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive block count or 'all', got {text!r}")
+    return blocks
 
 
 def main(argv=None) -> int:
@@ -154,12 +189,69 @@ def replica_diff(balancer, handle, spec, masters_per_rank: int, seed: int, to_ho
                for got, want in zip(replicas[slot], master_weights(spec, expert, seed)))
 
 
+class CallStamps:
+    """CUDA events on the compute stream at fixed points of every call of one timed window
+    (the warm-up call first), made once so that stamping allocates nothing; :meth:`read`
+    takes the window's times once it has synchronised. ``cupy`` None (CPU): no stamps."""
+
+    def __init__(self, cupy, calls: int, points: tuple, waits_per_call: int):
+        self.enabled, self.points, self.call = cupy is not None, points, -1
+        if not self.enabled:
+            return
+        event = cupy.cuda.Event
+        self._elapsed = cupy.cuda.get_elapsed_time
+        self._events = {point: [event() for _ in range(calls)] for point in points}
+        self._waits = [[(event(), event()) for _ in range(waits_per_call)] for _ in range(calls)]
+        self._waited = [0] * calls
+
+    def start_window(self) -> None:
+        self.call = -1
+
+    def next_call(self) -> None:
+        self.call += 1
+        if self.enabled:
+            self._waited[self.call] = 0
+
+    def stamp(self, point: str) -> None:
+        if self.enabled:
+            self._events[point][self.call].record()
+
+    def wait(self, enqueue) -> None:
+        """``enqueue()`` (a per-slot wait) between two stamps."""
+        if not self.enabled:
+            enqueue()
+            return
+        before, after = self._waits[self.call][self._waited[self.call]]
+        before.record()
+        enqueue()
+        after.record()
+        self._waited[self.call] += 1
+
+    def read(self, times: dict) -> None:
+        """Append this window's device times (ms) to ``times``' lists: ``period`` (a call's
+        start to the next's), ``lead`` (start to ``routed``), ``wait`` (a call's per-slot
+        waits) and ``idle`` (the previous call's end to the start). The warm-up call and the
+        first timed one are left out: the device waited for the host to start them."""
+        if not self.enabled:
+            return
+        elapsed, calls = self._elapsed, self.call + 1
+        begin, end = self._events["begin"], self._events["end"]
+        for i in range(2, calls):
+            if i + 1 < calls:
+                times["period"].append(elapsed(begin[i], begin[i + 1]))
+            times["idle"].append(elapsed(end[i - 1], begin[i]))
+            if "routed" in self.points:
+                times["lead"].append(elapsed(begin[i], self._events["routed"][i]))
+                times["wait"].append(sum(elapsed(a, b) for a, b in self._waits[i][:self._waited[i]]))
+
+
 def on_gpu(group, args) -> bool:
     return args.backend == "device" or (args.backend == "auto" and group.has_gpu)
 
 
-def measure(group, target: float, dtype: str, args, progress):
-    """The row of one initial imbalance and weight type, and the Balancer's per-micro-batch records."""
+def measure(group, target: float, dtype: str, sync_blocks: int | None, args, progress):
+    """The row of one initial imbalance, weight type and sync grid, and the Balancer's
+    per-micro-batch records."""
     from ultraep.integration import Balancer
     from ultraep.planner import ExpertLayout
     from ultraep.analysis.traces import zipf_topk
@@ -192,9 +284,15 @@ def measure(group, target: float, dtype: str, args, progress):
                                   max_recv_rows=int(1.25 * T * K) + 1024, sync_checks=False) as dispatcher:
         for layer in range(LAYERS):
             balancer.register_layer(layer, masters, grads)
+        profiler = cProfile.Profile() if args.host_profile and group.rank == 0 else None
+        profiling = profiler.enable if profiler else (lambda: None)
+        profiled = profiler.disable if profiler else (lambda: None)
         side = xp.cuda.Stream(non_blocking=True) if gpu else None  # the weight sync's own stream
         state = {"calls": 0}
-        host_ms = {"balancer": [], "call": []}  # per balanced layer: in the Balancer's calls, in all of it
+        host_ms = {part: [] for part in HOST_PARTS + ("call",)}  # per balanced layer: each call kind, all of it
+        stamps = {"balanced": CallStamps(xp if gpu else None, args.repeats + 1, ("begin", "routed", "end"), args.slots),
+                  "in_place": CallStamps(xp if gpu else None, args.repeats + 1, ("begin", "end"), 0)}
+        device_ms = {layer: {"period": [], "idle": [], "lead": [], "wait": []} for layer in stamps}
 
         def experts(received, handle, wait):
             """Masters first, then each replica slot once ``wait(slot)`` lets its stream at it."""
@@ -211,28 +309,54 @@ def measure(group, target: float, dtype: str, args, progress):
 
         def balanced():
             started = time.perf_counter()
+            stamp = stamps["balanced"]
+            stamp.next_call()
+            stamp.stamp("begin")
             layer = state["calls"] % LAYERS
             state["calls"] += 1
+            profiling()
+            clock = [time.perf_counter()]
             state["handle"] = handle = balancer.update(layer, ids)
-            sync = balancer.weight_sync(handle, stream=side, blocks=args.sync_blocks)
+            clock.append(time.perf_counter())
+            sync = balancer.weight_sync(handle, stream=side, blocks=sync_blocks)
+            clock.append(time.perf_counter())
             state["slots"] = balancer.reroute(handle, ids)
-            in_balancer = [time.perf_counter() - started]
+            clock.append(time.perf_counter())
+            profiled()
+            stamp.stamp("routed")
+            waited = [0.0]
 
             def wait(slot):
                 waiting = time.perf_counter()
-                sync.wait(slot)
-                in_balancer.append(time.perf_counter() - waiting)
+                profiling()
+                stamp.wait(lambda: sync.wait(slot))
+                profiled()
+                waited[0] += time.perf_counter() - waiting
 
             received = dispatcher.dispatch(x, state["slots"], gates)
             dispatcher.combine(experts(received, handle, wait), received.handle)
-            host_ms["balancer"].append(1e3 * sum(in_balancer))
+            stamp.stamp("end")
+            for part, seconds in zip(HOST_PARTS, [b - a for a, b in zip(clock, clock[1:])] + waited):
+                host_ms[part].append(1e3 * seconds)
             host_ms["call"].append(1e3 * (time.perf_counter() - started))
 
         def in_place():
+            stamp = stamps["in_place"]
+            stamp.next_call()
+            stamp.stamp("begin")
             received = dispatcher.dispatch(x, state["slots"], gates)
             dispatcher.combine(experts(received, state["handle"], lambda slot: None), received.handle)
+            stamp.stamp("end")
 
-        progress(f"initial imbalance {target}, {dtype} weights: layers registered, timing the balanced MoE layer "
+        def window(layer: str, call) -> float:
+            stamps[layer].start_window()
+            window_ms = group_window_ms(group, call, args.repeats, synchronize)  # synchronised: the stamps are in
+            stamps[layer].read(device_ms[layer])
+            return window_ms
+
+        grid = "the engine's grid" if sync_blocks is None else f"{sync_blocks} blocks"
+        progress(f"initial imbalance {target}, {dtype} weights, weight sync on {grid}: layers registered, timing "
+                 "the balanced MoE layer "
                  f"and the same layer with its plan in place ({args.rounds} x {args.repeats} calls each)")
         handle = state["handle"] = balancer.update(0, ids)
         balancer.weight_sync(handle).wait()
@@ -241,24 +365,61 @@ def measure(group, target: float, dtype: str, args, progress):
         offsets = [int(v) for v in (dispatcher.dispatch(x, state["slots"], gates).offsets.tolist())]
         windows = {"balanced": [], "in_place": []}
         for _ in range(args.rounds):
-            windows["balanced"].append(group_window_ms(group, balanced, args.repeats, synchronize))
-            windows["in_place"].append(group_window_ms(group, in_place, args.repeats, synchronize))
+            windows["balanced"].append(window("balanced", balanced))
+            windows["in_place"].append(window("in_place", in_place))
         synchronize()
         diff = sum(group.allgather(replica_diff(balancer, state["handle"], spec, M, args.seed, to_host)))
         dispatcher.check()
         balancer.check()
         stats = balancer.stats()
         summary = stats.summary()
+    if profiler is not None:
+        write_host_profile(profiler, args.host_profile, f"{WEIGHT_DTYPES[dtype]}_imbalance{target:g}_sync"
+                                                        f"{sync_blocks or 'all'}")
     layer_ms, balanced_ms = (statistics.median(windows[k]) for k in ("in_place", "balanced"))
     exposed_ms = statistics.median(b - p for b, p in zip(windows["balanced"], windows["in_place"]))
-    row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype,
+    row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype, "sync_blocks": sync_blocks or "all",
            "imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
            "balanced_ms": balanced_ms, "share_pct": 100.0 * exposed_ms / layer_ms,
-           "bal_host_ms": statistics.median(host_ms["balancer"]), "call_host_ms": statistics.median(host_ms["call"]),
+           **device_breakdown(group, device_ms),
+           **{f"{part}_host_ms": statistics.median(host_ms[part]) for part in HOST_PARTS},
+           "bal_host_ms": statistics.median(map(sum, zip(*(host_ms[part] for part in HOST_PARTS)))),
+           "blocked_host_ms": stats.host_wait_ms / stats.updates, "call_host_ms": statistics.median(host_ms["call"]),
            **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")},
            "sync_MB": statistics.mean(r.weight_bytes for r in stats.records) / 1e6, "replica_diff": diff}
     return row, stats.records
+
+
+def write_host_profile(profiler, directory: str, label: str) -> None:
+    """``label.pstats`` and ``label.txt`` (the top 40 functions by own time) in ``directory``."""
+    import pstats
+    from pathlib import Path
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(out / f"{label}.pstats")
+    with open(out / f"{label}.txt", "w") as text:
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+
+
+def device_breakdown(group, device_ms: dict) -> dict:
+    """The stamps' columns (None on the CPU): ``exposed_dev_ms`` from the median periods,
+    the ranks' mean (they keep one pace); the parts, each rank's median, the largest
+    rank's (the group waits for it at dispatch)."""
+    def median(values):
+        return statistics.median(values) if values else None
+
+    balanced, in_place = device_ms["balanced"], device_ms["in_place"]
+    exposed = (median(balanced["period"]) - median(in_place["period"])
+               if balanced["period"] and in_place["period"] else None)
+    parts = (median(balanced["lead"]), median(balanced["wait"]), median(balanced["idle"]))
+    gathered = group.allgather((exposed, parts))
+    if any(value is None for value, _ in gathered):
+        return dict.fromkeys(("exposed_dev_ms", "lead_dev_ms", "wait_dev_ms", "idle_dev_ms"))
+    return {"exposed_dev_ms": statistics.mean(value for value, _ in gathered),
+            **{f"{name}_dev_ms": max(rank_parts[i] for _, rank_parts in gathered)
+               for i, name in enumerate(("lead", "wait", "idle"))}}
 
 
 def run(args) -> int:
@@ -283,15 +444,16 @@ def run(args) -> int:
     dtypes = sorted(set(args.weight_dtype), key=list(WEIGHT_DTYPES).index)  # bf16 first: the ratios' base
     with RowStream(COLUMNS, title, enabled=printing) as table:
         for target in args.initial_imbalance:
-            bf16_sync_ms = None
-            for dtype in dtypes:
-                row, records = measure(group, target, dtype, args, progress)
-                sync_ms = row["weight_sync_dev_ms"]
-                if dtype == "bfloat16":
-                    bf16_sync_ms = sync_ms
-                row["sync_vs_bf16"] = sync_ms / bf16_sync_ms if sync_ms is not None and bf16_sync_ms else None
-                rows.append(row)
-                table.add(row)
+            for sync_blocks in args.sync_blocks:
+                bf16_sync_ms = None
+                for dtype in dtypes:
+                    row, records = measure(group, target, dtype, sync_blocks, args, progress)
+                    sync_ms = row["weight_sync_dev_ms"]
+                    if dtype == "bfloat16":
+                        bf16_sync_ms = sync_ms
+                    row["sync_vs_bf16"] = sync_ms / bf16_sync_ms if sync_ms is not None and bf16_sync_ms else None
+                    rows.append(row)
+                    table.add(row)
     if printing:
         if args.plot:
             from ultraep.analysis.plots import plot_rank_loads

@@ -97,7 +97,10 @@ The host waits for the device only where it must read device results: an ``updat
 whose ring slot still holds a micro-batch whose record has not reached host memory (the
 device is a whole ring behind) waits for it, and ``stats``, ``save_trace`` and ``check``
 synchronise. ``sync_checks=True`` adds one host allgather per call and, for top-k ids,
-one device read per ``update``.
+one device read per ``update``. :meth:`stats` counts the hot path's waits
+(``host_waits``, ``host_wait_ms``): with none, a layer whose host runs ahead of its
+device pays only the device work below, not the calls' host time.
+
 """
 
 from __future__ import annotations
@@ -162,6 +165,8 @@ class BalancerBackend(Protocol):
     backend's state of one ring slot, from :meth:`new_slot`."""
 
     device: int | None  # the GPU tensors are imported onto; None on the host
+    host_waits: int  # times the per-micro-batch calls blocked the host on the device
+    host_wait_s: float  # and for how long in all
 
     def new_slot(self): ...
     def stream(self, stream, tensor=None): ...
@@ -526,8 +531,7 @@ class Balancer:
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, (int, np.integer))
                                  or not 0 <= slot < S):
             raise BalancerError(f"slot must be None or an int in [0, {S}), got {slot!r}")
-        self._check_live_owner(handle, "wait_replica")
-        entry = self._entry(handle)
+        entry = self._check_live_owner(handle, "wait_replica")
         slots = range(S) if slot is None else range(int(slot), int(slot) + 1)
         with self._impl.stream(stream):
             self._impl.follow(self._impl.planned(entry.state))  # the wait reads which slots the plan fills
@@ -611,11 +615,12 @@ class Balancer:
         self._check_live_owner(handle, "replica_grads")
         return [self.transfer.replica_grads(s) for s in range(self.layout.redundant_slots)]
 
-    def _check_live_owner(self, handle, what: str) -> None:
-        self._entry(handle)
+    def _check_live_owner(self, handle, what: str) -> _RingSlot:
+        entry = self._entry(handle)
         error = self._owner_error(handle, what)
         if error is not None:
             raise error
+        return entry
 
     def local_experts(self, handle: BalanceHandle) -> Any:
         """``int32[M + S]``: the logical expert in each of this rank's physical slots (masters,
@@ -666,7 +671,8 @@ class Balancer:
         self._history = deque((item() if isinstance(item, partial) else item for item in self._history),
                               maxlen=self._history.maxlen)
         live = [self._live_record(layer, entry) for layer, entry in self._live_entries()]
-        return BalancerStats(records=list(self._history) + live, updates=self._updates, liveness=liveness)
+        return BalancerStats(records=list(self._history) + live, updates=self._updates, liveness=liveness,
+                             host_waits=self._impl.host_waits, host_wait_ms=1e3 * self._impl.host_wait_s)
 
     def save_trace(self, path: str | os.PathLike[str]) -> Path:
         """Write every micro-batch so far (finished and live) as a planner trace (``.npz``)."""

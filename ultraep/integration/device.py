@@ -23,6 +23,7 @@ give the same bits.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 
 import cupy
@@ -232,6 +233,11 @@ class DeviceBalancer:
         self.graphs = LaunchGraphs(cuda_graphs)
         self._mirror_stream = cupy.cuda.Stream(non_blocking=True)
         self._events: dict = {}  # (what, stream) -> the event a Mark of it re-records
+        self.host_waits, self.host_wait_s = 0, 0.0  # the per-micro-batch calls' host waits for the device
+
+    def _waited(self, since: float) -> None:
+        self.host_waits += 1
+        self.host_wait_s += time.perf_counter() - since
 
     def new_slot(self) -> DeviceSlot:
         return DeviceSlot(self.layout, self.planner.empty_plan(), self.loads.gathers)
@@ -289,7 +295,9 @@ class DeviceBalancer:
         read, the row discarded), otherwise :meth:`check` reports them."""
         self.loads.launch(self._row(source, from_ids), from_ids=from_ids, publish=False)
         if from_ids and self.sync_checks:
+            reading = time.perf_counter()
             bad = self.loads.read_bad(source)
+            self._waited(reading)
             if bad is not None:
                 self.loads.discard()
                 raise BalancerError(bad.message(self.heap.rank, self.layout.num_experts, source.shape))
@@ -361,8 +369,12 @@ class DeviceBalancer:
         return out
 
     def host_arrays(self, slot: DeviceSlot, plan: Plan) -> dict:
-        """The pinned mirrors, once landed: blocks only when the device is a ring behind."""
-        slot.mirrored.synchronize()
+        """The pinned mirrors, once landed: blocks only when the device is a ring behind
+        (counted in ``host_waits``; the query is the one API call when it is not)."""
+        if not slot.mirrored.done:
+            blocked = time.perf_counter()
+            slot.mirrored.synchronize()
+            self._waited(blocked)
         mirror = slot.mirror
         return {"loads": mirror["loads"], "phys_to_log": mirror["phys_to_log"], "rank_load": mirror["rank_load"],
                 "liveness": int(mirror["liveness"][0])}

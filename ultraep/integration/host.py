@@ -64,6 +64,7 @@ class HostBalancer:
     streams: marks are None."""
 
     device = None  # tensors are imported as NumPy arrays
+    host_waits, host_wait_s = 0, 0.0  # there is no device to wait for
 
     def __init__(self, heap, layout, gathered, flags, *, min_replica_tokens: int, timeout_s: float,
                  sync_checks: bool, cuda_graphs: bool):

@@ -116,11 +116,16 @@ class DeviceClock:
 @dataclass
 class BalancerStats:
     """``records`` in completion order (oldest first, the ring's live ones last);
-    ``updates``: plans requested on this rank; ``liveness``: plans the device completed."""
+    ``updates``: plans requested on this rank; ``liveness``: plans the device completed;
+    ``host_waits`` / ``host_wait_ms``: how often and how long the per-micro-batch calls
+    blocked the host on the device (an ``update`` a whole ring of micro-batches ahead of
+    its device, ``sync_checks``' read of bad ids; never on the host backend)."""
 
     records: list
     updates: int
     liveness: int
+    host_waits: int = 0
+    host_wait_ms: float = 0.0
 
     @property
     def stalled(self) -> bool:
@@ -129,7 +134,8 @@ class BalancerStats:
 
     def summary(self) -> dict:
         records = self.records
-        out = {"updates": self.updates, "liveness": self.liveness, "stalled": self.stalled, "records": len(records)}
+        out = {"updates": self.updates, "liveness": self.liveness, "stalled": self.stalled, "records": len(records),
+               "host_waits": self.host_waits, "host_wait_ms": self.host_wait_ms}
         if not records:
             return out
         out.update(

@@ -150,6 +150,8 @@ def flow():
         records = sorted(stats.records, key=lambda r: (r.step, -r.layer))
         assert len(records) == steps * layers and stats.updates == stats.liveness == steps * layers, stats.summary()
         assert sum(replicas) > 0, "the skewed routing never replicated anything: the check would prove nothing"
+        # sync_checks reads the bad-id count back once per update on the GPU; the host never waits for a device
+        assert stats.host_waits >= stats.updates if backend == "device" else stats.host_waits == 0, stats.summary()
         for record, used in zip(records, replicas):
             want = expected_plan(record.layer, record.step)
             assert record.replicas == used
@@ -406,6 +408,8 @@ def hot_path():
         model.check_replicas(handles[last], last[0], want[last])
         stats = bal.stats()
         assert stats.updates == stats.liveness == layers * (len(warm) + len(gated)), stats.summary()
+        # the ring slots' earlier records had landed before the gate: no update blocked the host
+        assert stats.host_waits == 0 and stats.host_wait_ms == 0.0, stats.summary()
         replicated = sum(plan.slots_used for plan in want.values())
         assert replicated > 0, "the gated micro-batches replicated nothing: the transfers were not exercised"
         calls = len(call_times)
