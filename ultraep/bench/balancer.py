@@ -62,7 +62,7 @@ import time
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
+from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main, positive_int
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 COLUMNS = ["weights", "sync_blocks", "imbalance", "imb_after", "replicas", "exposed_ms", "exposed_dev_ms", "layer_ms",
@@ -115,15 +115,7 @@ def parse_args(argv):
 
 def sync_grid(text: str) -> int | None:
     """``--sync-blocks`` value: a positive block count, or ``all`` (None: the engine's grid)."""
-    if text == "all":
-        return None
-    try:
-        blocks = int(text)
-    except ValueError:
-        blocks = 0
-    if blocks < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive block count or 'all', got {text!r}")
-    return blocks
+    return None if text == "all" else positive_int(text)
 
 
 def main(argv=None) -> int:
