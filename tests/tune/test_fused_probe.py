@@ -17,6 +17,7 @@ from ultraep.tune import device
 from ultraep.tune.device import FusedBench, kernel_parameters, ordered_arguments
 
 TILE_NS, RELAY_NS = 50_000, 7_000
+L2_BYTES = 1 << 20
 
 
 class FakeArray(np.ndarray):
@@ -100,7 +101,7 @@ def fake_gpu(monkeypatch):
 @pytest.mark.parametrize("task", ["up", "up_act", "down", "relay"])
 def test_the_probe_reads_the_task_time_back(fake_gpu, task):
     barriers = []
-    bench = FusedBench(fake_cupy, 0, task, 128, max_grid=32)
+    bench = FusedBench(fake_cupy, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES)
     for grid in (1, 7, 32):
         seconds = bench.seconds(grid, lambda: barriers.append(grid))
         # a tile: the tile phase's span over its waves (to the CTAs' few ns of stagger); a relay: its mean
@@ -120,6 +121,29 @@ def test_the_probe_reads_the_task_time_back(fake_gpu, task):
     # at least FUSED_TILE_WAVES waves on the largest grid, one slot's tiles on a small one
     if task != "relay":
         assert bench.slots == 1 and bench.slots_for(132, device.FUSED_TILE_WAVES) == 5
+
+
+@pytest.mark.parametrize("task", ["up", "down"])
+def test_every_launch_reads_weights_the_launches_before_it_left_alone(fake_gpu, task):
+    """A slot of k = 128 rows of 4096 columns is 1 MiB: the pool holds two L2s of column
+    blocks (32 slots) besides two runs' slots, and the launches walk through it."""
+    name = "w_down_map" if task == "down" else "w_up_map"
+    bench = FusedBench(fake_cupy, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES)
+    slot_bytes = 128 * 4096 * 2
+    assert bench.weight_slots == device.FUSED_COLD_L2S * device.FUSED_COLUMN_BLOCKS + 2 * bench.slots
+    for grid in (1, 32) * 20:
+        bench.seconds(grid, lambda: None)
+    launches = fake_gpu["fused_down_combine" if task == "down" else "fused_dispatch_up"].launches
+    pool = bench.w.ctypes.data
+    firsts = [(values[name][1] - pool) // slot_bytes for values in launches]
+    assert firsts[:4] == [0, 1, 2, 3]  # the warm-up, then one slot a run
+    assert all(0 <= first <= bench.weight_slots - 1 for first in firsts)
+    assert all(values[name][2] == (4096, 128, 1) for values in launches)
+    for i, first in enumerate(firsts):  # no slot again before the walk has been through the pool
+        later = firsts[i + 1:]
+        if first in later:
+            assert later.index(first) >= bench.weight_slots - 2 * bench.slots
+    assert len(set(firsts)) == bench.weight_slots  # 41 launches of one slot each: the whole pool, then again
 
 
 def test_arguments_go_by_the_names_the_kernel_declares():

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
+import json
 from ultraep.tune.model import Problem, fused_windows
-from ultraep.tune.profile import read_profile
+from ultraep.tune.profile import PROFILE_VERSION, MachineProfile
 
-PROFILE = read_profile(Path(__file__).with_name("h200_mps25_profile.json"))
+# measured by profile version 4, whose fields version 5 keeps (version 5's probe reads its
+# weights from HBM, where version 4's found them in L2): read as today's format
+PROFILE = MachineProfile.from_json(dict(json.loads(Path(__file__).with_name("h200_mps25_profile.json").read_text()),
+                                        version=PROFILE_VERSION))
 RANK_SLOT_ROWS = [
     [2036, 2142, 2046, 2030, 2029, 1979, 2079, 2074, 2075, 2042, 2030, 2042, 2024, 2005, 2043, 2079],
     [2054, 2070, 2046, 2058, 1949, 2064, 2084, 2040, 2061, 2018, 2061, 2106, 2010, 2007, 2066, 2040],

@@ -59,6 +59,7 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
     assert cached["shared_fused"]["sharing"] == 2 and cached["shared_fused"] == data["profile"]["shared_fused"]
     if phase == "fused-forward":
         assert all(len(row["rank_ms"]) == 2 for row in data["rows"])
+        assert all(row["rank_ctas_a"] == [1.0, 1.0] for row in data["rows"])  # the host runs one worker a rank
     assert all(row["measured_ms"] > 0 and row["predicted_ms"] > 0 for row in data["rows"])
     assert len(data["summary"]["problems"]) == problems
     image = matplotlib.image.imread(png)

@@ -10,7 +10,11 @@ needs the GPU's time), the fused tasks from the kernels' own task timeline.
 The fused kernels (:class:`FusedBench`) run on one process's synthetic problem, no token
 sent: kernel A with its M-tiles' relay flags already set (up tiles alone, storing ``h``
 or not) or with no up tile (relays alone), kernel B with no token to reduce (down tiles
-alone, each publishing its ``done`` flag as in a layer). Their arguments are passed by the
+alone, each publishing its ``done`` flag as in a layer). A layer reads each slot's weights
+from HBM (its slots' weights are several times the L2, and every call walks all of them),
+so every launch of the probe reads weight slots that the launches before it have not
+touched for :data:`FUSED_COLD_L2S` L2s (a pool of slots the launches walk through), never
+the ones the last launch left in L2. Their arguments are passed by the
 names the kernel source declares, so a kernel whose parameters change is refused with the
 name this probe does not know, never launched with arguments out of place.
 """
@@ -41,6 +45,7 @@ FUSED_RELAY_WAVES = 2           # a relay run, of relay tasks
 FUSED_GRID_FRACTIONS = tuple(i / 8 for i in range(1, 9))  # grids measured, of the SMs, besides 1, 2 and 4 CTAs
 FUSED_ROUNDS = 3                # launches per measurement (a barrier of the measuring processes before each)
 FUSED_TIMEOUT_NS = 10 * 10**9   # a flag wait of the probe that lasts this long is a bug: reported, not hung
+FUSED_COLD_L2S = 2              # a launch's weights: untouched by the launches before it for this many L2s of weights
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 MAX_HOLD_NS = 10**9  # a hold this long that still ends before the batch is enqueued: the host is stuck
 
@@ -242,7 +247,8 @@ class DeviceProbe:
         ``grid`` CTAs: the median of :data:`FUSED_ROUNDS` launches, each after ``together()``."""
         if self._fused is None or self._fused.key != (task, k):
             self._fused = None  # its buffers go before the next one's are made
-            self._fused = FusedBench(self.cp, self.device, task, k, max(self.fused_grids()))
+            l2_bytes = int(self.cp.cuda.runtime.getDeviceProperties(self.device)["l2CacheSize"])
+            self._fused = FusedBench(self.cp, self.device, task, k, max(self.fused_grids()), l2_bytes)
         return self._fused.seconds(grid, together)
 
     def expert_call_s(self, rows: int) -> float:
@@ -292,6 +298,11 @@ class FusedBench:
     (``task``, ``k``: :class:`~ultraep.tune.profile.FusedCosts`), its buffers made once for
     grids up to ``max_grid`` (a run on a smaller grid uses fewer slots: every run has
     :data:`FUSED_TILE_WAVES` waves of tiles, or :data:`FUSED_RELAY_WAVES` of relays, at least).
+    The tiles' weights come from a pool of ``weight_slots`` slots that the launches walk
+    through, each launch the slots after the last one's: a run touches at least one column
+    block of each of its slots, so between two launches on one slot the others have touched
+    :data:`FUSED_COLD_L2S` times ``l2_bytes`` of weights, and every launch reads its weights
+    from HBM, as a layer does.
 
     * ``up`` / ``up_act``: kernel A on slots of :data:`FUSED_SLOT_ROWS` rows whose M-tiles are
       already relayed (no relay task: the M-tile table is all zeros, and the flags every up
@@ -305,7 +316,7 @@ class FusedBench:
     A tile's time is the tile phase's span (first tile's claim to the last tile's end, from
     the timeline the kernels stamp) over its waves; a relay's, the mean relay task."""
 
-    def __init__(self, cp, device: int, task: str, k: int, max_grid: int):
+    def __init__(self, cp, device: int, task: str, k: int, max_grid: int, l2_bytes: int):
         from ultraep.compute.device import _TensorMaps
         from ultraep.runtime.kernels import get_function, kernel_constant
 
@@ -322,6 +333,7 @@ class FusedBench:
         waves = FUSED_RELAY_WAVES if task == "relay" else FUSED_TILE_WAVES
         self.slots = self.slots_for(max_grid, waves)
         self.waves = waves
+        self.weight_slots, self.next_weight_slot, self.weight_map = 0, 0, None
         rows = self.slots * FUSED_SLOT_ROWS
         self.threads, self.shared_bytes = constant("GH_THREADS"), constant("GH_SMEM_BYTES")
         self.kernel = get_function(FUSED_KERNELS, self.kernel_name)
@@ -337,13 +349,11 @@ class FusedBench:
             if task == "down":
                 ffn, hidden = k, FUSED_COLUMN_BLOCKS * constant("FM_DOWN_COLS")
                 self.a = _bf16_bits(cp, (rows, ffn), seed=k)
-                self.w = _bf16_bits(cp, (self.slots, ffn, hidden), seed=k + 1)
+                self._weight_pool(maps, "w_down_map", (ffn, hidden), l2_bytes)
                 self.heap, offsets = _carve(cp, (("expert_out", rows * hidden * 2), ("done", m_tiles * 8)))
                 self.flags = None
                 self.down_count = cp.zeros(m_tiles, np.int32)
                 self.fixed = dict(act_map=maps.tiled(self.a.data.ptr, (ffn, rows), (self.box, self.bm)),
-                                  w_down_map=maps.tiled(self.w.data.ptr, (hidden, ffn, self.slots),
-                                                        (self.box, self.box, 1)),
                                   ffn=np.int32(ffn), hidden=np.int32(hidden),
                                   expert_out_offset=np.uint64(offsets["expert_out"]),
                                   done_offset=np.uint64(offsets["done"]), down_count=self.down_count)
@@ -358,17 +368,15 @@ class FusedBench:
                     landing = self.heap[offsets["row_landing"]:offsets["row_landing"] + rows * 4].view(np.int32)
                     landing[:] = cp.arange(rows, dtype=np.int32)
                     self.flags = self.heap[offsets["row_flag"]:offsets["row_flag"] + rows * 8].view(np.uint64)
-                    w_up_map = None
                 else:
                     self.recv[:] = _bf16_bits(cp, (rows, hidden), seed=k)
-                    self.w = _bf16_bits(cp, (self.slots, hidden, 2 * ffn), seed=k + 1)
-                    w_up_map = maps.tiled(self.w.data.ptr, (2 * ffn, hidden, self.slots), (self.box, self.box, 1))
+                    self._weight_pool(maps, "w_up_map", (hidden, 2 * ffn), l2_bytes)
                     self.flags = None
                 self.tile_ready = cp.zeros(m_tiles, np.uint64)
                 self.act = cp.empty((rows, max(ffn, 1)), np.int16)
                 self.h = cp.empty((rows, 2 * ffn), np.float32) if task == "up" else None
                 recv_map = maps.tiled(self.recv.data.ptr, (hidden, rows), (self.box, self.bm))
-                self.fixed = dict(recv_map=recv_map, w_up_map=recv_map if w_up_map is None else w_up_map,
+                self.fixed = dict(recv_map=recv_map,
                                   x=self.recv, hidden=np.int32(hidden), landing_offset=np.uint64(0),
                                   weight_offset=np.uint64(0),
                                   row_landing_offset=np.uint64(offsets.get("row_landing", 0)),
@@ -383,8 +391,32 @@ class FusedBench:
                               counter=self.counter, status=self.status, outcome=self.outcome, trace=self.trace)
             if task == "down":
                 self.fixed["out"] = unread
+            if task == "relay":  # no tile reads weights
+                self.fixed["w_up_map"] = recv_map
             self._prepare(max_grid)[0]()  # warm-up: the module's first launch, the buffers' first touch
             cp.cuda.get_current_stream().synchronize()
+
+    def _weight_pool(self, maps, name: str, slot_shape: tuple[int, int], l2_bytes: int) -> None:
+        """The tiles' weights (``name``'s tensor map, slots of ``slot_shape``): enough slots
+        that the column blocks of those between two launches on one slot hold
+        :data:`FUSED_COLD_L2S` L2s, besides two runs' slots (a walk that wraps skips at most
+        one run's)."""
+        cp = self.cp
+        slot_bytes = 2 * slot_shape[0] * slot_shape[1]
+        cold = -(-FUSED_COLD_L2S * l2_bytes * FUSED_COLUMN_BLOCKS // slot_bytes)
+        self.weight_slots = cold + 2 * self.slots
+        self.w = cp.empty((self.weight_slots, *slot_shape), np.int16)
+        for slot in range(self.weight_slots):  # slot by slot: the FP32 draws of the whole pool need not fit
+            self.w[slot] = _bf16_bits(cp, slot_shape, seed=slot_shape[0] + slot)
+        self.weight_map = (maps, name, slot_bytes, (slot_shape[1], slot_shape[0]))
+
+    def _next_weights(self, slots: int) -> dict:
+        """The weights' tensor map of a launch over ``slots`` slots: those after the last
+        launch's in the pool, from its start again where they do not fit."""
+        maps, name, slot_bytes, dims = self.weight_map
+        first = self.next_weight_slot if self.next_weight_slot + slots <= self.weight_slots else 0
+        self.next_weight_slot = first + slots
+        return {name: maps.tiled(self.w.data.ptr + first * slot_bytes, (*dims, slots), (self.box, self.box, 1))}
 
     def slots_for(self, grid: int, waves: int) -> int:
         return max(1, -(-waves * grid // self.tasks_per_slot))
@@ -408,6 +440,8 @@ class FusedBench:
         mtiles = np.zeros(slots + 1, np.int32) if self.task in ("up", "up_act") else offsets * m_tiles
         values = dict(self.fixed, spr=np.int32(slots), rank_off=cp.asarray(offsets * FUSED_SLOT_ROWS),
                       rank_mtile=cp.asarray(mtiles), epoch=epoch)
+        if self.weight_map is not None:
+            values.update(self._next_weights(slots))
         arguments = ordered_arguments(FUSED_KERNELS, self.kernel_name, values)
 
         def launch():

@@ -37,11 +37,13 @@ point where both bind, neither reaches its own rate.
 What it leaves out (stated per phase below): relay trees in weight sync, the token map's
 dependence on routing beyond its item count, and contention between the fused kernels'
 communication and GEMM tiles beyond the shared bandwidth (each is measured with its own
-kind running on every rank). Two effects seen on the H200 under the MPS emulation are not
+kind running on every rank). One effect seen on the H200 under the MPS emulation is not
 in it: one rank's kernel A running as if on fewer CTAs (up to a quarter) once the ranks'
 grids together near the GPU's SMs (shares that overlap: which rank, and whether, varies
-from call to call), and down tiles about 10 % dearer in the layer than in the profile's
-probe, whose one slot of weights stays in L2 where the layer's sixteen do not.
+from call to call). The profile's probe, all ranks at once at every grid, did not show it
+(its tiles cost the same at 28 and 32 CTAs), so it cannot measure a cap yet; ``tune
+validate`` records each rank's CTAs at work in kernel A (``rank_ctas_a``) to tell whether
+it is CTAs left without an SM.
 """
 
 from __future__ import annotations

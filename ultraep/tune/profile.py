@@ -30,7 +30,9 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   without the FP32 ``h`` a training forward keeps), a down tile, each at two reductions, and a
   relay task, at a few grids from one CTA to every SM -- everything a tile costs in those
   kernels (its claim, the pipeline's fill, the epilogue's stagings and stores, a down tile's
-  system fences and flag) and what the other CTAs' tiles cost it (clocks, L2, HBM);
+  system fences and flag) and what the other CTAs' tiles cost it (clocks, L2, HBM), each
+  launch reading its weights from HBM as a layer does (version 5; version 4's probe found
+  them in L2, left there by its previous launch on the same slot);
   ``shared_fused``: the same with every process sharing this GPU running it at once
   (:func:`~ultraep.tune.replicas.group_profile`, as ``shared_copy_bytes_per_s``);
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
@@ -64,7 +66,7 @@ import numpy as np
 from ultraep.errors import ProfileError
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 

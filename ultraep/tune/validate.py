@@ -24,7 +24,10 @@ measurements, over a sweep of the phase's knob.
   :func:`~ultraep.tune.model.fused_windows` of every rank's own routing -- kernel B's window
   opens at the first rank's end of A and its reduces wait for every rank's down tiles, so
   it holds the spread of the ranks' kernel A; the forward's rank of the model's choice is
-  the tuned layer's. Each row also keeps every rank's own span (``rank_ms`` in the JSON).
+  the tuned layer's. Each row also keeps every rank's own span (``rank_ms`` in the JSON)
+  and, of kernel A, every rank's CTAs at work in the first half of its span
+  (``rank_ctas_a``: distinct SMs its tasks started on; fewer than the grid means CTAs that
+  found no SM free until late, as under MPS shares that overlap).
   The windows leave out each kernel's launch and table load before its first task, which
   the model charges (``kernel_s``).
 
@@ -260,7 +263,8 @@ def fused_configs(profile, problem, count: int) -> list:
 
 def kernel_spans_ns(moe, x, ids, gates) -> list[int]:
     """One recorded fused forward of this rank: the first task's start and the last task's
-    end of kernel A, then of kernel B (ns, one clock for ranks on one GPU or host)."""
+    end of kernel A, then of kernel B (ns, one clock for ranks on one GPU or host), and the
+    CTAs (distinct SMs, or host workers) that started a task of kernel A in its first half."""
     from ultraep.integration.fused import KERNEL_A, KERNEL_B
 
     moe.forward(x, ids, gates)
@@ -269,7 +273,8 @@ def kernel_spans_ns(moe, x, ids, gates) -> list[int]:
     for kinds in (KERNEL_A, KERNEL_B):
         mine = [(start, end) for kind, start, end, _ in tasks if kind in kinds]
         spans += [min(s for s, _ in mine), max(e for _, e in mine)] if mine else [0, 0]
-    return spans
+    half = (spans[0] + spans[1]) / 2
+    return spans + [len({where for kind, start, _, where in tasks if kind in KERNEL_A and start < half})]
 
 
 def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> list[dict]:
@@ -278,7 +283,8 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> lis
     last task's end on any rank), of kernel B, and of the forward (kernel A's first start to
     kernel B's last end), the median of ``--repeats`` recorded forwards, against
     :func:`~ultraep.tune.model.fused_windows` of every rank's routing. Each row also keeps
-    every rank's own span of the kernel (``rank_ms``, the medians): who was slowest."""
+    every rank's own span of the kernel (``rank_ms``, the medians): who was slowest; and
+    every rank's CTAs at work in kernel A's first half (``rank_ctas_a``, the medians)."""
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.tune.config import FusedConfig
@@ -297,7 +303,7 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> lis
         configs = fused_configs(profile, problem, args.configs)
         default, tuned = FusedConfig(profile.usable_sms), search(profile, problem).config.fused
         label = f"{tokens} tokens/rank, hidden {args.hidden}, ffn {args.ffn}"
-        measured, per_rank = [], []
+        measured, per_rank, ctas_a = [], [], []
         for i, config in enumerate(configs):
             progress(f"fused forward, {label}: {config} ({i + 1}/{len(configs)})")
             with MoELayer(group, hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k,
@@ -307,7 +313,7 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> lis
                 moe.forward(x, ids, gates)  # warm-up
                 moe.check()
                 moe.record_timeline(True)
-                windows, own = [], []
+                windows, own, working = [], [], []
                 for _ in range(args.repeats):
                     group.barrier(what="tune validate: fused forward")
                     spans = np.asarray(group.allgather(kernel_spans_ns(moe, x, ids, gates)), np.int64)
@@ -316,9 +322,11 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> lis
                                     (spans[:, 3].max() - spans[:, 0].min()) / 1e6])
                     own.append([(spans[:, 1] - spans[:, 0]) / 1e6, (spans[:, 3] - spans[:, 2]) / 1e6,
                                 (spans[:, 3] - spans[:, 0]) / 1e6])
+                    working.append(spans[:, 4])
                 moe.check()
                 measured.append(np.median(np.asarray(windows), axis=0))
                 per_rank.append(np.median(np.asarray(own), axis=0))
+                ctas_a.append(np.median(np.asarray(working), axis=0))
         knobs = {name: np.asarray([getattr(c, name) for c in configs]) for name in ("ctas", "send_tokens",
                                                                                      "reduce_tokens")}
         predicted = fused_windows(profile, rank_problems, knobs["ctas"], knobs["send_tokens"], knobs["reduce_tokens"])
@@ -327,8 +335,8 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> lis
             rows += [{"phase": "fused-forward", "problem": f"{name}, {label}", "config": str(config),
                       "knob": str(config), "default": config == default, "tuned": config == tuned,
                       "predicted_ms": float(p) * 1e3, "measured_ms": float(m[i]),
-                      "rank_ms": [float(v) for v in r[i]]}
-                     for config, p, m, r in zip(configs, predicted[window], measured, per_rank)]
+                      "rank_ms": [float(v) for v in r[i]], "rank_ctas_a": [float(v) for v in working]}
+                     for config, p, m, r, working in zip(configs, predicted[window], measured, per_rank, ctas_a)]
     return rows
 
 
