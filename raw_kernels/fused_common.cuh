@@ -138,8 +138,11 @@ __device__ __forceinline__ void send_token(int t, const uint4* x, int top_k, int
 
 // -- the task loop's shared pieces ----------------------------------------------------------------
 
+// The stage ring's barriers, and the hand-over to the store warps: output_full (the consumer
+// warps' arrivals) and output_empty (the store warps'), with the task id handed over.
 struct Pipeline {
     u64 full[GH_STAGES], empty[GH_STAGES], output_full, output_empty;
+    int handed_task;
 };
 
 __device__ __forceinline__ void init_pipeline(Pipeline& p) {
@@ -217,21 +220,31 @@ __device__ __forceinline__ void release_relayed(u64* tile_ready, int m, u64 epoc
     if (threadIdx.x == 128 && !aborted(status)) store_release_sys(tile_ready + m, epoch);
 }
 
-// The next task id of this block. Every thread calls it, the producer warpgroup and the
-// consumers from their own loops (a named barrier of the whole block); the first barrier
-// means every thread has read the last id.
-// Non-aligned barriers: the producer warp's lane 0 may still be diverged from its warp.
-__device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 3, %0;" :: "n"(GH_THREADS) : "memory"); }
+// The next task id of this block. Thread 0 takes it from the counter between two named
+// barriers of the threads that claim, and they read it after the second; the first means
+// they have all read the last id. The store warps claim with the block (`whole_block`) only
+// until its first GEMM tile, then run their own loop (store_handed_tiles), and the claims
+// are the producer warp's and the consumers'. A store warp's read of the id that sends it
+// away may then see a later id; a block's ids only grow, so that is past the tiles' start
+// too. Non-aligned barriers: the producer warp's lane 0 may still be diverged from its warp.
+__device__ __forceinline__ void claim_sync(bool whole_block) {
+    if (whole_block)
+        asm volatile("barrier.sync 3, %0;" :: "n"(GH_THREADS) : "memory");
+    else
+        asm volatile("barrier.sync 4, %0;" :: "n"(GH_THREADS - GH_STORE_WARPS * WARP) : "memory");
+}
 
 // `ready(task)` runs on thread 0 -- the producer thread -- before the block sees the task:
 // a wait there keeps the consumers from waiting on a stage (whose timeout is a bug
 // detector's) while a peer's data is legitimately late. With a `trace`, thread 0 also
 // stamps the task's start (before that wait) and, at its next claim, the end of the task
-// it last claimed (`last`, total for none): the barrier between means the block is done.
+// it last claimed (`last`, total for none): the barrier between means the producer and the
+// consumers are done with it -- a GEMM tile's end is its hand-over to the store warps,
+// whose stores overlap what the block runs next.
 template <typename Ready, typename Kind>
 __device__ __forceinline__ int claim(int* counter, int* claimed, int total, Ready ready, Kind kind, u64* trace,
-                                     int& last) {
-    block_sync();
+                                     int& last, bool whole_block) {
+    claim_sync(whole_block);
     if (threadIdx.x == 0) {
         const u64 now = trace != nullptr ? global_timer_ns() : 0;
         if (trace != nullptr && last < total) trace[FM_TRACE_WORDS * last + 1] = now;
@@ -248,12 +261,21 @@ __device__ __forceinline__ int claim(int* counter, int* claimed, int total, Read
         *claimed = task;
         last = task;
     }
-    block_sync();
+    claim_sync(whole_block);
     return *claimed;
 }
 
 __device__ __forceinline__ void store_warps_sync() {
     asm volatile("barrier.sync 2, %0;" :: "n"(GH_STORE_WARPS * WARP) : "memory");
+}
+
+// Whether `vote` holds on any store-warp thread, on all of them (store_warps_sync's barrier).
+__device__ __forceinline__ bool store_warps_any(bool vote) {
+    unsigned any;
+    asm volatile("{\n .reg .pred vote, any;\n setp.ne.u32 vote, %1, 0;\n"
+                 " barrier.red.or.pred any, 2, %2, vote;\n selp.u32 %0, 1, 0, any;\n}"
+                 : "=r"(any) : "r"(static_cast<unsigned>(vote)), "n"(GH_STORE_WARPS * WARP) : "memory");
+    return any != 0;
 }
 
 // Stage a consumer's accumulators as BF16 for the store warps. Accumulator d[4j + {0, 1}] is
@@ -298,32 +320,75 @@ __device__ __forceinline__ void stage_accumulators_fp32(const float (&d)[128], u
 // after which the producer's TMA (the async proxy) overwrites it.
 __device__ __forceinline__ void ring_to_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// A consumer warp's hand-over of a tile to the store warps: once they have freed the staging
-// buffer of `phase`, `stage()` stages this thread's part, then the warp signals it. The caller
-// flips phase, as the store warps do.
+// A consumer warp's hand-over to the store warps: once they have freed the staging buffer
+// (output_empty of the hand-over before), `stage()` stages this thread's part and the
+// block's first consumer thread writes `task` -- a GEMM tile's id, or the block's first
+// claim past its tiles, which ends the store warps' loop -- then the warp arrives on
+// output_full (a release; the store warps' wait acquires). The caller flips phase.
 template <typename Stage>
-__device__ __forceinline__ void hand_to_stores(Pipeline& p, int phase, long long* status, bool& gave_up, int lane,
-                                               Stage stage) {
+__device__ __forceinline__ void hand_to_stores(Pipeline& p, int phase, int task, long long* status, bool& gave_up,
+                                               int lane, Stage stage) {
     stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
+    if (threadIdx.x == 128) p.handed_task = task;
     stage();
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&p.output_full);
 }
 
-// A store warp's side: once the consumers have staged a tile, `store()` stores this thread's
-// part and the warp frees the buffer -- unless a wait anywhere in the warp gave up. True if
-// it stored.
+// A store warp's wait for the consumers' next hand-over. It spans the block's claim of the
+// next task as well as that tile's MMAs, so its bound is the caller's (`limit_ns`), recorded
+// as a stage wait's timeout. It gives up at once when a stage wait has (status
+// GH_STAGE_TIMED_OUT): consumers that gave up no longer wait for the buffer, so hand-overs
+// may be missed. After a flag wait's record the hand-overs stay in step (no flag wait sets
+// gave_up), and the store warps serve them to the end rather than make the consumers' next
+// wait for the buffer time out.
+__device__ __forceinline__ void wait_for_hand_over(Pipeline& p, int phase, u64 limit_ns, long long* status,
+                                                   bool& gave_up) {
+    const unsigned address = shared_address(&p.output_full);
+    const u64 start = global_timer_ns();
+    while (!gave_up && !mbarrier_try_wait<false>(address, phase)) {
+        if (*reinterpret_cast<const volatile long long*>(status) == GH_STAGE_TIMED_OUT) {
+            gave_up = true;
+        } else if (global_timer_ns() - start > limit_ns) {
+            unsigned long long* word = reinterpret_cast<unsigned long long*>(status);
+            if (atomicCAS(word, 0ull, static_cast<unsigned long long>(GH_STAGE_TIMED_OUT)) == 0ull) {
+                status[1] = GH_WAITED_FOR_OUTPUT;
+                status[2] = blockIdx.x;
+                status[3] = static_cast<long long>(limit_ns / 1000000ull);
+            }
+            gave_up = true;
+        }
+    }
+}
+
+// The store warps' own loop, from their block's first GEMM tile on: each tile the consumers
+// hand over, `store(task)` stores this thread's part of task's output from the staging
+// buffer, then each warp frees the buffer; the loop ends at the hand-over of a task at or
+// past `end_tile` (the block's first claim past its tiles). The three warps decide together
+// to give up (a vote), so none is left alone in a store_warps_sync of `store`; they leave,
+// and the consumers' next wait for the buffer gives up in turn, bounded: the block does not
+// hang.
+// Why this loop cannot deadlock: a store warp waits only for its own block's next hand-over,
+// which the consumers make once a tile's MMAs are done (or at their claim past the tiles),
+// waiting for no other task. What waits for the store warps -- the consumers for the
+// staging buffer, kernels B and D's reducers for a done flag -- waits on work that needs
+// nothing but hand-overs already made. So a claimed tile finishes whatever its block runs
+// next (a reduce waiting for that tile's own done flag included), and the task order's
+// argument (ultraep/integration/fused.py) holds as before.
 template <typename Store>
-__device__ __forceinline__ bool take_from_consumers(Pipeline& p, int phase, long long* status, bool& gave_up, int lane,
-                                                    Store store) {
-    stage_wait(&p.output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
-    const bool stored = !__any_sync(FULL_MASK, gave_up);
-    if (stored) {
-        store();
+__device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, u64 limit_ns, long long* status,
+                                                   Store store) {
+    const int lane = threadIdx.x % WARP;
+    bool gave_up = false;
+    for (int phase = 0;; phase ^= 1) {
+        wait_for_hand_over(p, phase, limit_ns, status, gave_up);
+        if (store_warps_any(gave_up)) return;
+        const int task = *reinterpret_cast<volatile int*>(&p.handed_task);
+        if (task >= end_tile) return;
+        store(task);
         __syncwarp();
         if (lane == 0) mbarrier_arrive(&p.output_empty);
     }
-    return stored;
 }
 
 // -- kernels A and C: send, relay, then GEMM tiles of the relayed rows -------------------------------
@@ -334,23 +399,26 @@ __device__ __forceinline__ bool take_from_consumers(Pipeline& p, int phase, long
 // and runs `relay_row(row, landing, row_landing)` (this rank's landing rows and the heap's
 // row_landing), then release_relayed<SYSTEM>; then GEMM tiles (kind `tile_kind`), MODE's,
 // `tile_of(t)` tile t, each handed to the block once its M-tile is relayed. The producer thread
-// loads a tile with load_tile's `boxes(tile)` and `b_split`; its accumulators go to the store
-// warps in `stagings` rounds through the one staging buffer: `stage(d, tile, s, staged,
-// consumer, warp, lane)` on the consumers, then `store(staged, tile, s)` on the store warps,
-// for s = 0 .. stagings - 1; then `finish(d, tile, ring, consumer, warp, lane)` on the
-// consumers, which may use the idle stage ring (`ring`; see stage_accumulators_fp32). Before
-// the stagings, the store warps run `prefetch(tile, id)` (id: the thread's index among them)
-// while the tile's MMAs run: what the epilogue reads goes to L2.
-template <int MODE, bool SYSTEM, typename TileOf, typename Boxes, typename RelayRow, typename Store, typename Stage,
-          typename Finish, typename Prefetch>
+// loads a tile with load_tile's `boxes(tile)` and `b_split`. With STORES, the consumers then
+// `stage(d, tile, staged, consumer, warp, lane)` its accumulators in the staging buffer and
+// hand it over, and the store warps run `store(staged, tile, id)` (id: the thread's index
+// among them) while the block goes on with its next task; then, on the consumers,
+// `finish(d, tile, ring, consumer, warp, lane)`, which may use the idle stage ring (`ring`;
+// see stage_accumulators_fp32). Without STORES the store warps have no work and leave.
+// The store warps take part in the block's claims through its sends and relays (a wait for a
+// hand-over would span those tasks, which have no bound of their own) and leave the claims
+// at its first GEMM tile: from there a hand-over comes within a claim's wait for its rows
+// (twice the relay's bound) and a tile's MMAs.
+template <int MODE, bool SYSTEM, bool STORES, typename TileOf, typename Boxes, typename RelayRow, typename Stage,
+          typename Store, typename Finish>
 __device__ __forceinline__ void send_relay_then_gemm(
-    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, int stagings,
-    const uint4* src, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
-    const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
-    u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk,
-    const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed, u64* tile_ready,
-    RelayRow relay_row, Store store, Stage stage, Finish finish, Prefetch prefetch, u64 epoch, u64 timeout_ns,
-    int* counter, long long* status, u64* trace, int send_kind, int relay_kind, int tile_kind) {
+    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, const uint4* src,
+    int tokens, int top_k, int hidden, const long long* ids, const float* gates, const int* positions,
+    const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset, u64 row_landing_offset,
+    u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk, const int* off,
+    const int* mtile, const int* tile_start, Pipeline& p, int* claimed, u64* tile_ready, RelayRow relay_row,
+    Stage stage, Store store, Finish finish, u64 epoch, u64 timeout_ns, int* counter, long long* status, u64* trace,
+    int send_kind, int relay_kind, int tile_kind) {
     const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
     const int n_send = ceil_div(tokens, chunk), n_relay = mtile[spr];
     const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
@@ -368,29 +436,36 @@ __device__ __forceinline__ void send_relay_then_gemm(
     };
     auto kind = [&](int task) { return task < n_send ? send_kind : task < first_tile ? relay_kind : tile_kind; };
     int last = total;
-    auto next = [&] { return claim(counter, claimed, total, rows_relayed, kind, trace, last); };
+    bool stores_claim = STORES && first_tile > 0;  // the store warps still take part in the claims
+    auto next = [&] {
+        const int task = claim(counter, claimed, total, rows_relayed, kind, trace, last, stores_claim);
+        stores_claim = stores_claim && task < first_tile;
+        return task;
+    };
 
     if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = next(); task < total; task = next()) {
-            if (task < first_tile) continue;
-            const Tile tile = tile_of(task - first_tile);
-            if (warp == 0) {
-                if (lane == 0 && !gave_up)
-                    load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step, status,
-                                    gave_up);
-            } else {
-                prefetch(tile, threadIdx.x - WARP);
-                for (int s = 0; s < stagings; ++s, phase ^= 1)
-                    take_from_consumers(p, phase, status, gave_up, lane, [&] { store(staged, tile, s); });
+        if (warp > 0) {
+            if constexpr (STORES) {
+                while (stores_claim) next();
+                store_handed_tiles(p, total, 2 * timeout_ns + MBARRIER_TIMEOUT_NS, status,
+                                   [&](int task) { store(staged, tile_of(task - first_tile), threadIdx.x - WARP); });
             }
+            return;
+        }
+        for (int task = next(); task < total; task = next()) {  // the producer warp
+            if (task < first_tile || lane != 0 || gave_up) continue;
+            const Tile tile = tile_of(task - first_tile);
+            load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step, status,
+                            gave_up);
         }
         return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
-    for (int task = next(); task < total; task = next()) {
+    int task = next();
+    for (; task < total; task = next()) {
         if (task < n_send) {
             const int end = min(tokens, (task + 1) * chunk);
             for (int t = task * chunk + cwarp; t < end; t += GH_CONSUMERS * 4)
@@ -413,11 +488,15 @@ __device__ __forceinline__ void send_relay_then_gemm(
             const Tile tile = tile_of(task - first_tile);
             float d[128];
             mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            for (int s = 0; s < stagings; ++s, phase ^= 1)
-                hand_to_stores(p, phase, status, gave_up, lane, [&] { stage(d, tile, s, staged, consumer, warp, lane); });
+            if constexpr (STORES) {
+                hand_to_stores(p, phase, task, status, gave_up, lane,
+                               [&] { stage(d, tile, staged, consumer, warp, lane); });
+                phase ^= 1;
+            }
             finish(d, tile, stages, consumer, warp, lane);
         }
     }
+    if constexpr (STORES) hand_to_stores(p, phase, task, status, gave_up, lane, [] {});  // ends the store warps' loop
 }
 
 // -- kernels B and D: GEMM tiles into the heap, then the slot-order reduce ---------------------------
@@ -458,28 +537,23 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
     auto no_wait = [](int) {};
     auto kind = [&](int task) { return task < n_tiles ? tile_kind : reduce_kind; };
     int last = total;
-    auto next = [&] { return claim(counter, claimed, total, no_wait, kind, trace, last); };
+    auto next = [&] { return claim(counter, claimed, total, no_wait, kind, trace, last, false); };
 
     if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        for (int task = next(); task < total; task = next()) {
-            if (task >= n_tiles) continue;
-            const Tile tile = tile_of(task);
-            if (warp == 0) {
-                if (lane == 0 && !gave_up)
-                    load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), 0, stages, p.full, p.empty, step, status,
-                                    gave_up);
-            } else {
-                const bool stored = take_from_consumers(p, phase, status, gave_up, lane, [&] {
-                    store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, hidden, threadIdx.x - WARP);
-                });
-                // The tile's rows are in the heap: fenced at system scope by every store
-                // thread, then one counts the tile; the M-tile's last column block (fenced
-                // after the count, so every earlier block's rows are ordered before) releases
-                // its done flag for the reducers on every rank.
+        if (warp > 0) {
+            // The store warps, in their own loop from the start (the tiles are the first
+            // tasks, whose claims wait for nothing: a hand-over comes within a tile's MMAs).
+            // A tile's rows are in the heap: fenced at system scope by every store thread,
+            // then one counts the tile; the M-tile's last column block (fenced after the
+            // count, so every earlier block's rows are ordered before) releases its done flag
+            // for the reducers on every rank.
+            store_handed_tiles(p, n_tiles, MBARRIER_TIMEOUT_NS, status, [&](int task) {
+                const Tile tile = tile_of(task);
+                store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, hidden, threadIdx.x - WARP);
                 __threadfence_system();
                 store_warps_sync();
-                if (threadIdx.x == WARP && stored && !aborted(status)) {
+                if (threadIdx.x == WARP && !aborted(status)) {
                     const int m = mtile_of(mtile, off, tile);
                     if (atomicAdd(down_count + m, 1) == n_cols - 1) {
                         down_count[m] = 0;
@@ -487,24 +561,30 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
                         store_release_sys(reinterpret_cast<u64*>(peer_bases[me] + done_offset) + m, epoch);
                     }
                 }
-            }
-            phase ^= 1;
+            });
+            return;
+        }
+        for (int task = next(); task < total; task = next()) {  // the producer warp
+            if (task >= n_tiles || lane != 0 || gave_up) continue;
+            const Tile tile = tile_of(task);
+            load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), 0, stages, p.full, p.empty, step, status, gave_up);
         }
         return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
-    for (int task = next(); task < total; task = next()) {
-        if (task < n_tiles) {
-            const Tile tile = tile_of(task);
-            float d[128];
-            mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            hand_to_stores(p, phase, status, gave_up, lane,
-                           [&] { stage_accumulators(d, staged, consumer, warp, lane); });
-            phase ^= 1;
-            continue;
-        }
+    int task = next();
+    for (; task < n_tiles; task = next()) {
+        const Tile tile = tile_of(task);
+        float d[128];
+        mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+        hand_to_stores(p, phase, task, status, gave_up, lane,
+                       [&] { stage_accumulators(d, staged, consumer, warp, lane); });
+        phase ^= 1;
+    }
+    hand_to_stores(p, phase, task, status, gave_up, lane, [] {});  // ends the store warps' loop
+    for (; task < total; task = next()) {
         const int c = task - n_tiles;
         const int end = min(tokens, (c + 1) * chunk);
         for (int t = c * chunk + cwarp; t < end; t += GH_CONSUMERS * 4) {

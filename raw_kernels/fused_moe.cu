@@ -14,10 +14,12 @@
 //
 // A block (GH_THREADS: a producer warpgroup and two consumer warpgroups, as the grouped
 // GEMM) claims one task at a time: thread 0 takes the next id from the kernel's counter,
-// the block reads it after a barrier. GEMM tiles run the grouped GEMM's producer, MMAs and
-// store warps on the same stage ring (grouped_gemm_common.cuh) -- an up tile's epilogue
-// runs on the consumers, through the ring once its MMAs are done; send, relay and reduce
-// tasks run on the consumer warps, a warp per token or row. Any number of resident blocks
+// the producer warp and the consumers read it after a barrier. GEMM tiles run the grouped
+// GEMM's producer and MMAs on the same stage ring (grouped_gemm_common.cuh); a down tile's
+// output goes through the staging buffer to the store warps, which run a loop of their
+// own, so its stores overlap the block's next task (fused_common.cuh); an up tile's
+// epilogue runs on the consumers, through the ring once its MMAs are done. Send, relay and
+// reduce tasks run on the consumer warps, a warp per token or row. Any number of resident blocks
 // is correct (a block never waits for a task claimed after its own), so the grid is the
 // SM count whatever share of them MPS grants.
 //
@@ -167,13 +169,14 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
         swiglu_up_tile(ring, tile, act, h, ffn, threadIdx.x - 128);
         ring_to_async_proxy();
     };
-    // the up half's boxes are F further than the gate half's
-    send_relay_then_gemm<GH_FORWARD, false>(
-        &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, 0, x, tokens, top_k, hidden, ids, gates, positions,
-        base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
-        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row,
-        [](unsigned, const Tile&, int) {}, [](const float (&)[128], const Tile&, int, unsigned, int, int, int) {}, finish,
-        [](const Tile&, int) {}, epoch, timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
+    // No store warps' part (the ring is the producer's again after the next claim); the up
+    // half's boxes are F further than the gate half's.
+    auto none = [](auto&&...) {};
+    send_relay_then_gemm<GH_FORWARD, false, false>(
+        &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, x, tokens, top_k, hidden, ids, gates, positions, base,
+        peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
+        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, none, none, finish,
+        epoch, timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
 }
 
 // -- kernel B: down-projection + combine -----------------------------------------------------------

@@ -15,14 +15,21 @@
 // and reports waits in the same status words; a non-null `trace` gets each task's start,
 // end and SM as the forward's does (claim), kinds FB_KIND_*. A dgrad-down tile's
 // accumulator is d_act for GH_BN columns of F; its epilogue rounds it to BF16 (as the
-// sequential dgrad stores it) and stages it; the consumers then apply SwiGLU's backward with
-// h's gate and up columns of the same indices and store dh's gate columns and its up columns
-// F further (swiglu_backward_tile).
+// sequential dgrad stores it) and stages it; the store warps then apply SwiGLU's backward
+// with h's gate and up columns of the same indices and store dh's gate columns and its up
+// columns F further (swiglu_backward_tile), while the block goes on with its next tile.
 //
 //! kernels: fused_grad_dispatch_dgrad, fused_dgrad_combine
 //! nvrtc-options: -arch=sm_90a
 
 #include <cuda_bf16.h>
+
+// Kernel C's store warps run a dgrad-down tile's SwiGLU backward (swiglu_backward_tile), whose
+// double-precision exp spills below 88 registers a thread: warpgroup 0 takes 88, the
+// consumers 208 (both kernels compile without spills); 128 x 88 + 256 x 208 = the 384 x 168
+// registers the launch reserves.
+#define GH_PRODUCER_REGISTERS 88
+#define GH_CONSUMER_REGISTERS 208
 
 #include "grouped_gemm_common.cuh"
 #include "swiglu.cuh"
@@ -52,46 +59,64 @@
 static_assert(FB_DOWN_COLS == WARP * 8, "a reduce warp covers a dgrad-up tile's columns, 8 BF16 per lane");
 static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");
 
-// The SwiGLU backward of a dgrad-down tile on its 256 consumer threads (`id`), once g =
-// bf16(d_act) of the whole tile is staged as BF16 (as the sequential dgrad stores it): four
-// columns of a row per item, h's gate and up values loaded for UNROLL items at once, dh's
-// gate and up columns stored as BF16 straight to global memory. A runtime loop over the
-// staged tile, not the accumulators' registers: the math is inlined UNROLL times instead of
+// The SwiGLU backward of a dgrad-down tile on the store warps (`id`: the thread's index among
+// them), from g = bf16(d_act) of the whole tile that the consumers staged (as the sequential
+// dgrad stores it), while the block runs its next task. h's gate and up rows of the tile go
+// to L2 first (a bulk prefetch a row by lane 0 of each warp: it takes uniform operands, and
+// holds no register). Then a warp takes a row at a time, a lane four columns of each of the
+// row's GH_BN / 4 / WARP items, h's gate and up values of the warp's next row loaded before
+// this row's math (which is serial: each element's exp and division branch to a slow path);
+// dh's gate and up columns are stored as BF16 straight to global memory. A runtime loop over
+// the staged tile, not the accumulators' registers: the math is inlined a few times instead of
 // once per accumulator pair, and a warp reads and writes whole rows.
 __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile& tile, const float* h, bf16* dh,
                                                      int ffn, int id) {
-    constexpr int PER = 4, ROW_ITEMS = GH_BN / PER, THREADS = 128 * GH_CONSUMERS, UNROLL = 4;
-    static_assert(GH_BM * ROW_ITEMS % (THREADS * UNROLL) == 0, "every thread runs the same iterations");
-    for (int i0 = id; i0 < GH_BM * ROW_ITEMS; i0 += THREADS * UNROLL) {
-        float4 gate_h[UNROLL], up_h[UNROLL];
+    constexpr int PER = 4, ITEMS = GH_BN / PER / WARP;
+    const int warp = id / WARP, lane = id % WARP;
+    const int rows = min(GH_BM, tile.row_end - tile.row0), cols = min(FB_DACT_COLS, ffn - tile.col0);
+    const long long pitch = 2ll * ffn;  // h's and dh's row: gate columns, then up columns
+    const float* h_tile = h + tile.row0 * pitch + tile.col0;
+    bf16* dh_tile = dh + tile.row0 * pitch + tile.col0;
+    if (lane == 0)
+        for (int i = warp; i < 2 * rows; i += GH_STORE_WARPS)  // ffn: whole 16-byte chunks
+            prefetch_l2(h_tile + i / 2 * pitch + i % 2 * ffn, cols * sizeof(float));
+    float4 gate_h[ITEMS], up_h[ITEMS];
+    auto load_row = [&](int row, float4 (&gate)[ITEMS], float4 (&up)[ITEMS]) {
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int i = i0 + u * THREADS, r = tile.row0 + i / ROW_ITEMS, f = tile.col0 + i % ROW_ITEMS * PER;
-            const bool inside = r < tile.row_end && f < ffn;  // ffn is a multiple of 8: f < ffn holds f + 3 too
-            const float* h_row = h + static_cast<long long>(r) * 2 * ffn + f;
-            gate_h[u] = inside ? __ldg(reinterpret_cast<const float4*>(h_row)) : make_float4(0, 0, 0, 0);
-            up_h[u] = inside ? __ldg(reinterpret_cast<const float4*>(h_row + ffn)) : make_float4(0, 0, 0, 0);
+        for (int u = 0; u < ITEMS; ++u) {
+            const int c = (u * WARP + lane) * PER;
+            const bool inside = row < rows && c < cols;  // ffn is a multiple of 8: c < cols holds c + 3 too
+            const float* at = h_tile + row * pitch + c;
+            gate[u] = inside ? __ldg(reinterpret_cast<const float4*>(at)) : make_float4(0, 0, 0, 0);
+            up[u] = inside ? __ldg(reinterpret_cast<const float4*>(at + ffn)) : make_float4(0, 0, 0, 0);
         }
+    };
+    load_row(warp, gate_h, up_h);
+    for (int row = warp; row < rows; row += GH_STORE_WARPS) {
+        float4 next_gate[ITEMS], next_up[ITEMS];
+        load_row(row + GH_STORE_WARPS, next_gate, next_up);
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int i = i0 + u * THREADS, row = i / ROW_ITEMS, c = i % ROW_ITEMS * PER;
-            const int r = tile.row0 + row, f = tile.col0 + c;
-            if (r >= tile.row_end || f >= ffn) continue;
+        for (int u = 0; u < ITEMS; ++u) {
+            const int c = (u * WARP + lane) * PER;
+            if (c >= cols) continue;
             uint2 bits;
             asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(bits.x), "=r"(bits.y)
                          : "r"(staged + row * GH_C_PITCH + c * 2));
             const __nv_bfloat162 g01 = *reinterpret_cast<const __nv_bfloat162*>(&bits.x);
             const __nv_bfloat162 g23 = *reinterpret_cast<const __nv_bfloat162*>(&bits.y);
-            const float2 d0 = swiglu_backward_rn(gate_h[u].x, up_h[u].x, __low2float(g01));
-            const float2 d1 = swiglu_backward_rn(gate_h[u].y, up_h[u].y, __high2float(g01));
-            const float2 d2 = swiglu_backward_rn(gate_h[u].z, up_h[u].z, __low2float(g23));
-            const float2 d3 = swiglu_backward_rn(gate_h[u].w, up_h[u].w, __high2float(g23));
+            const float4 a = gate_h[u], b = up_h[u];
+            const float2 d0 = swiglu_backward_rn(a.x, b.x, __low2float(g01));
+            const float2 d1 = swiglu_backward_rn(a.y, b.y, __high2float(g01));
+            const float2 d2 = swiglu_backward_rn(a.z, b.z, __low2float(g23));
+            const float2 d3 = swiglu_backward_rn(a.w, b.w, __high2float(g23));
             const __nv_bfloat162 gate[2] = {__floats2bfloat162_rn(d0.x, d1.x), __floats2bfloat162_rn(d2.x, d3.x)};
             const __nv_bfloat162 up[2] = {__floats2bfloat162_rn(d0.y, d1.y), __floats2bfloat162_rn(d2.y, d3.y)};
-            bf16* dh_row = dh + static_cast<long long>(r) * 2 * ffn + f;
+            bf16* dh_row = dh_tile + row * pitch + c;
             *reinterpret_cast<uint2*>(dh_row) = *reinterpret_cast<const uint2*>(gate);
             *reinterpret_cast<uint2*>(dh_row + ffn) = *reinterpret_cast<const uint2*>(up);
         }
+#pragma unroll
+        for (int u = 0; u < ITEMS; ++u) gate_h[u] = next_gate[u], up_h[u] = next_up[u];
     }
 }
 
@@ -100,12 +125,12 @@ __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then dgrad-down
 // tiles in the grouped GEMM's order (gemm_tile): the forward kernel A's
 // send_relay_then_gemm, the relay row_math.cuh's grad_row (the sequential path's too), a
-// tile's epilogue SwiGLU's backward into dh's gate half and up half (two stagings). grad_y_map: grad_y
-// [max_rows, H] as (H, rows), box 64 x 128; w_down_map: w_down [slots, F, H] as (H, F, slots),
-// box 64 x 256 x 1. row_landing, row_weight, row_origin: the forward's receive-row metadata
-// (the Dispatcher's handle). The send is the forward's send_token over dy: it rewrites each
-// pair's heap metadata with the values its forward wrote, which no later reader overtakes
-// (fused_backward.py, reuse across calls).
+// tile's epilogue SwiGLU's backward into dh's gate half and up half on the store warps.
+// grad_y_map: grad_y [max_rows, H] as (H, rows), box 64 x 128; w_down_map: w_down
+// [slots, F, H] as (H, F, slots), box 64 x 256 x 1. row_landing, row_weight, row_origin: the
+// forward's receive-row metadata (the Dispatcher's handle). The send is the forward's
+// send_token over dy: it rewrites each pair's heap metadata with the values its forward
+// wrote, which no later reader overtakes (fused_backward.py, reuse across calls).
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __grid_constant__ TensorMap w_down_map,
                           const uint4* dy, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
@@ -126,29 +151,18 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
         grad_row<bf16, FM_UNROLL>(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16,
                                   peer_bases, slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
     };
-    // The epilogue on the consumers alone: g staged, then the tile's SwiGLU backward from it
-    // into dh; the store warps only prefetch h.
-    auto store = [](unsigned, const Tile&, int) {};
-    auto stage = [&](float (&d)[128], const Tile& tile, int, unsigned staged, int consumer, int warp, int lane) {
+    // The epilogue: the consumers stage g, the store warps run the tile's SwiGLU backward
+    // from it into dh while the block goes on.
+    auto stage = [](const float (&d)[128], const Tile&, unsigned staged, int consumer, int warp, int lane) {
         stage_accumulators(d, staged, consumer, warp, lane);
-        consumers_sync();
-        swiglu_backward_tile(staged, tile, h, dh, ffn, threadIdx.x - 128);
     };
-    // h's gate and up columns of the tile (256 KB) into L2 while its MMAs run, for the epilogue
-    auto prefetch_h = [&](const Tile& tile, int id) {
-        const unsigned bytes = min(FB_DACT_COLS, ffn - tile.col0) * sizeof(float);  // ffn: whole 16-byte chunks
-        const int rows = min(GH_BM, tile.row_end - tile.row0);
-        for (int i = id / WARP; i < 2 * rows; i += GH_STORE_WARPS)  // a warp's rows, its lane 0
-            if (id % WARP == 0)
-                prefetch_l2(h + static_cast<long long>(tile.row0 + i / 2) * 2 * ffn + (i % 2) * ffn + tile.col0, bytes);
-    };
+    auto store = [&](unsigned staged, const Tile& tile, int id) { swiglu_backward_tile(staged, tile, h, dh, ffn, id); };
     // system-scope relay fences: the sources read their gate gradients after kernel D's flags
-    send_relay_then_gemm<GH_DGRAD, true>(
-        &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, 1, dy, tokens, top_k, hidden, ids,
-        gates, positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset,
-        row_flag_offset, me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready,
-        relay_row, store, stage, [](const float (&)[128], const Tile&, unsigned, int, int, int) {}, prefetch_h, epoch,
-        timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
+    send_relay_then_gemm<GH_DGRAD, true, true>(
+        &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, dy, tokens, top_k, hidden, ids, gates,
+        positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset,
+        me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, stage, store,
+        [](auto&&...) {}, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
 }
 
 // -- kernel D: dgrad of up + gradient combine -----------------------------------------------------
