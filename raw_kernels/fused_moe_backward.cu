@@ -15,21 +15,15 @@
 // and reports waits in the same status words; a non-null `trace` gets each task's start,
 // end and SM as the forward's does (claim), kinds FB_KIND_*. A dgrad-down tile's
 // accumulator is d_act for GH_BN columns of F; its epilogue rounds it to BF16 (as the
-// sequential dgrad stores it) and stages it; the store warps then apply SwiGLU's backward
-// with h's gate and up columns of the same indices and store dh's gate columns and its up
-// columns F further (swiglu_backward_tile), while the block goes on with its next tile.
+// sequential dgrad stores it) and stages it; the consumers then apply SwiGLU's backward with
+// h's gate and up columns of the same indices and store dh's gate columns and its up columns
+// F further (swiglu_backward_tile); the store warps leave kernel C at once, as kernel A's (on
+// those three warps the SwiGLU backward outlasted the next tile's MMAs).
 //
 //! kernels: fused_grad_dispatch_dgrad, fused_dgrad_combine
 //! nvrtc-options: -arch=sm_90a
 
 #include <cuda_bf16.h>
-
-// Kernel C's store warps run a dgrad-down tile's SwiGLU backward (swiglu_backward_tile), whose
-// double-precision exp spills below 88 registers a thread: warpgroup 0 takes 88, the
-// consumers 208 (both kernels compile without spills); 128 x 88 + 256 x 208 = the 384 x 168
-// registers the launch reserves.
-#define GH_PRODUCER_REGISTERS 88
-#define GH_CONSUMER_REGISTERS 208
 
 #include "grouped_gemm_common.cuh"
 #include "swiglu.cuh"
@@ -59,9 +53,9 @@
 static_assert(FB_DOWN_COLS == WARP * 8, "a reduce warp covers a dgrad-up tile's columns, 8 BF16 per lane");
 static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");
 
-// The SwiGLU backward of a dgrad-down tile on the store warps (`id`: the thread's index among
+// The SwiGLU backward of a dgrad-down tile on WARPS warps (`id`: the thread's index among
 // them), from g = bf16(d_act) of the whole tile that the consumers staged (as the sequential
-// dgrad stores it), while the block runs its next task. h's gate and up rows of the tile go
+// dgrad stores it). h's gate and up rows of the tile go
 // to L2 first (a bulk prefetch a row by lane 0 of each warp: it takes uniform operands, and
 // holds no register). Then a warp takes a row at a time, a lane four columns of each of the
 // row's GH_BN / 4 / WARP items, h's gate and up values of the warp's next row loaded before
@@ -69,6 +63,7 @@ static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 
 // dh's gate and up columns are stored as BF16 straight to global memory. A runtime loop over
 // the staged tile, not the accumulators' registers: the math is inlined a few times instead of
 // once per accumulator pair, and a warp reads and writes whole rows.
+template <int WARPS>
 __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile& tile, const float* h, bf16* dh,
                                                      int ffn, int id) {
     constexpr int PER = 4, ITEMS = GH_BN / PER / WARP;
@@ -78,7 +73,7 @@ __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile
     const float* h_tile = h + tile.row0 * pitch + tile.col0;
     bf16* dh_tile = dh + tile.row0 * pitch + tile.col0;
     if (lane == 0)
-        for (int i = warp; i < 2 * rows; i += GH_STORE_WARPS)  // ffn: whole 16-byte chunks
+        for (int i = warp; i < 2 * rows; i += WARPS)  // ffn: whole 16-byte chunks
             prefetch_l2(h_tile + i / 2 * pitch + i % 2 * ffn, cols * sizeof(float));
     float4 gate_h[ITEMS], up_h[ITEMS];
     auto load_row = [&](int row, float4 (&gate)[ITEMS], float4 (&up)[ITEMS]) {
@@ -92,9 +87,9 @@ __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile
         }
     };
     load_row(warp, gate_h, up_h);
-    for (int row = warp; row < rows; row += GH_STORE_WARPS) {
+    for (int row = warp; row < rows; row += WARPS) {
         float4 next_gate[ITEMS], next_up[ITEMS];
-        load_row(row + GH_STORE_WARPS, next_gate, next_up);
+        load_row(row + WARPS, next_gate, next_up);
 #pragma unroll
         for (int u = 0; u < ITEMS; ++u) {
             const int c = (u * WARP + lane) * PER;
@@ -125,7 +120,7 @@ __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then dgrad-down
 // tiles in the grouped GEMM's order (gemm_tile): the forward kernel A's
 // send_relay_then_gemm, the relay row_math.cuh's grad_row (the sequential path's too), a
-// tile's epilogue SwiGLU's backward into dh's gate half and up half on the store warps.
+// tile's epilogue SwiGLU's backward into dh's gate half and up half on the consumers.
 // grad_y_map: grad_y [max_rows, H] as (H, rows), box 64 x 128; w_down_map: w_down
 // [slots, F, H] as (H, F, slots), box 64 x 256 x 1. row_landing, row_weight, row_origin: the
 // forward's receive-row metadata (the Dispatcher's handle). The send is the forward's
@@ -151,18 +146,22 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
         grad_row<bf16, FM_UNROLL>(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16,
                                   peer_bases, slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
     };
-    // The epilogue: the consumers stage g, the store warps run the tile's SwiGLU backward
-    // from it into dh while the block goes on.
-    auto stage = [](const float (&d)[128], const Tile&, unsigned staged, int consumer, int warp, int lane) {
+    // The epilogue on the consumers alone, in the staging buffer no store warp uses here: g
+    // staged, then the tile's SwiGLU backward from it into dh. The next tile's staging comes
+    // after the claim barrier, once every consumer is done reading this one.
+    auto finish = [&](const float (&d)[128], const Tile& tile, unsigned ring, int consumer, int warp, int lane) {
+        const unsigned staged = ring + GH_STAGES * GH_STAGE_BYTES;
         stage_accumulators(d, staged, consumer, warp, lane);
+        consumers_sync();
+        swiglu_backward_tile<GH_CONSUMERS * 4>(staged, tile, h, dh, ffn, threadIdx.x - 128);
     };
-    auto store = [&](unsigned staged, const Tile& tile, int id) { swiglu_backward_tile(staged, tile, h, dh, ffn, id); };
+    auto none = [](auto&&...) {};
     // system-scope relay fences: the sources read their gate gradients after kernel D's flags
-    send_relay_then_gemm<GH_DGRAD, true, true>(
+    send_relay_then_gemm<GH_DGRAD, true, false>(
         &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, dy, tokens, top_k, hidden, ids, gates,
         positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset,
-        me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, stage, store,
-        [](auto&&...) {}, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
+        me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, none, none,
+        finish, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
 }
 
 // -- kernel D: dgrad of up + gradient combine -----------------------------------------------------
