@@ -115,7 +115,12 @@ def parse_args(argv):
 
 def sync_grid(text: str) -> int | None:
     """``--sync-blocks`` value: a positive block count, or ``all`` (None: the engine's grid)."""
-    return None if text == "all" else positive_int(text)
+    if text == "all":
+        return None
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive block count or 'all', got {text!r}") from None
 
 
 def main(argv=None) -> int:
