@@ -350,12 +350,7 @@ __device__ __forceinline__ void wait_for_hand_over(Pipeline& p, int phase, u64 l
         if (*reinterpret_cast<const volatile long long*>(status) == GH_STAGE_TIMED_OUT) {
             gave_up = true;
         } else if (global_timer_ns() - start > limit_ns) {
-            unsigned long long* word = reinterpret_cast<unsigned long long*>(status);
-            if (atomicCAS(word, 0ull, static_cast<unsigned long long>(GH_STAGE_TIMED_OUT)) == 0ull) {
-                status[1] = GH_WAITED_FOR_OUTPUT;
-                status[2] = blockIdx.x;
-                status[3] = static_cast<long long>(limit_ns / 1000000ull);
-            }
+            record_stage_timeout(status, GH_WAITED_FOR_OUTPUT, limit_ns);
             gave_up = true;
         }
     }
