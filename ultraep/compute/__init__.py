@@ -1,9 +1,12 @@
-"""The compute layer: grouped GEMM now, the fused MoE kernels later.
+"""The compute layer: the grouped GEMM (the fused MoE kernels, which share its tile
+pipeline through ``raw_kernels/grouped_gemm_common.cuh``, are launched by
+``ultraep.integration``, beside the token path they fuse).
 
 * :func:`grouped_mm`, :func:`grouped_mm_dgrad`, :func:`grouped_mm_wgrad` -- the
   padding-free BF16 grouped GEMM over expert-major rows (forward, input gradient, weight
-  gradient), on a Hopper GPU (``raw_kernels/grouped_gemm.cu``: TMA + wgmma) or on the host
-  (NumPy reference);
+  gradient), on a Hopper GPU (``raw_kernels/grouped_gemm.cu``: TMA + wgmma, each operation
+  on its faster compile-time schedule, :data:`ultraep.compute.device.DEFAULT_SCHEDULES`)
+  or on the host (NumPy reference);
 * :func:`check_errors` -- raise what the kernel found wrong with device-side offsets.
 """
 
