@@ -26,7 +26,8 @@
 
 #include <cuda_bf16.h>
 
-#include "fused_common.cuh"  // first: it sets warpgroup 0's register split
+// fused_common.cuh first: it sets warpgroup 0's register split
+#include "fused_common.cuh"
 #include "grouped_gemm_common.cuh"
 #include "swiglu.cuh"
 #include "row_math.cuh"

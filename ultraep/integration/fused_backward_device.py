@@ -5,8 +5,9 @@ Per backward, all enqueued on the stream with no host round trip: the heap barri
 with (:mod:`ultraep.integration.fused_backward`: after it no rank's earlier kernel still
 reads what this call rewrites; :meth:`DeviceFusedBackward.check` reports its timeout) ->
 ``fused_grad_dispatch_dgrad`` (send dy and dgrad-down tiles with SwiGLU's backward,
-claimed by the blocks; relays of grad_y rows and gate gradients on their store warps) -> ``fused_dgrad_combine`` (dgrad-up tiles into the heap's
-``expert_out``, slot-order reduce into dx, gate gradients). Both place each pair's row in
+claimed by the blocks; relays of grad_y rows and gate gradients on their store warps) ->
+``fused_dgrad_combine`` (dgrad-up tiles into the heap's ``expert_out``, slot-order reduce
+into dx, gate gradients). Both place each pair's row in
 its rank's M-tiles by the rank tiles of its own forward's plan (kept in the layer's
 context; a later forward writes its own). The task semantics, the flags and the argument
 that no claim order deadlocks are :mod:`ultraep.integration.fused_backward`'s.
