@@ -467,8 +467,8 @@ def check_order(layer: FusedLayer, tasks: list | None = None) -> None:
     argument covers: its producer waits for nothing and is claimed before any task of its
     rank's CTAs that waits, or -- for a task of the CTAs' claims -- is a relay of the same
     rank and kernel or an earlier claim of the same rank and kernel, or -- for a relay --
-    is an earlier relay of the same rank and kernel; and every relay's own waits are so
-    covered. Any layer with ``waits``/``publishes`` (the backward's too)."""
+    is an earlier relay of the same rank and kernel. Any layer with ``waits``/``publishes``
+    (the backward's too)."""
     tasks = tasks or layer.tasks
     producer, free = {}, set()   # free: (rank, kernel, stream, index) of the CTAs' prefix that waits for nothing
     for r, orders in enumerate(tasks):
