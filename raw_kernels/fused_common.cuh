@@ -221,17 +221,12 @@ __device__ __forceinline__ void release_relayed(u64* tile_ready, int m, u64 epoc
 }
 
 // The next task id of this block. Thread 0 takes it from the counter between two named
-// barriers of the threads that claim, and they read it after the second; the first means
-// they have all read the last id. The store warps claim with the block (`whole_block`) only
-// until its first GEMM tile, then run their own loop (store_handed_tiles), and the claims
-// are the producer warp's and the consumers'. A store warp's read of the id that sends it
-// away may then see a later id; a block's ids only grow, so that is past the tiles' start
-// too. Non-aligned barriers: the producer warp's lane 0 may still be diverged from its warp.
-__device__ __forceinline__ void claim_sync(bool whole_block) {
-    if (whole_block)
-        asm volatile("barrier.sync 3, %0;" :: "n"(GH_THREADS) : "memory");
-    else
-        asm volatile("barrier.sync 4, %0;" :: "n"(GH_THREADS - GH_STORE_WARPS * WARP) : "memory");
+// barriers of the threads that claim -- the producer warp and the consumers; the store warps
+// run a loop of their own (store_handed_tiles) or leave -- and they read it after the
+// second; the first means they have all read the last id. Non-aligned barriers: the
+// producer warp's lane 0 may still be diverged from its warp.
+__device__ __forceinline__ void claim_sync() {
+    asm volatile("barrier.sync 4, %0;" :: "n"(GH_THREADS - GH_STORE_WARPS * WARP) : "memory");
 }
 
 // `ready(task)` runs on thread 0 -- the producer thread -- before the block sees the task:
@@ -243,8 +238,8 @@ __device__ __forceinline__ void claim_sync(bool whole_block) {
 // whose stores overlap what the block runs next.
 template <typename Ready, typename Kind>
 __device__ __forceinline__ int claim(int* counter, int* claimed, int total, Ready ready, Kind kind, u64* trace,
-                                     int& last, bool whole_block) {
-    claim_sync(whole_block);
+                                     int& last) {
+    claim_sync();
     if (threadIdx.x == 0) {
         const u64 now = trace != nullptr ? global_timer_ns() : 0;
         if (trace != nullptr && last < total) trace[FM_TRACE_WORDS * last + 1] = now;
@@ -261,7 +256,7 @@ __device__ __forceinline__ int claim(int* counter, int* claimed, int total, Read
         *claimed = task;
         last = task;
     }
-    claim_sync(whole_block);
+    claim_sync();
     return *claimed;
 }
 
@@ -394,36 +389,29 @@ __device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, u6
 // and runs `relay_row(row, landing, row_landing)` (this rank's landing rows and the heap's
 // row_landing), then release_relayed<SYSTEM>; then GEMM tiles (kind `tile_kind`), MODE's,
 // `tile_of(t)` tile t, each handed to the block once its M-tile is relayed. The producer thread
-// loads a tile with load_tile's `boxes(tile)` and `b_split`. With STORES, the consumers then
-// `stage(d, tile, staged, consumer, warp, lane)` its accumulators in the staging buffer and
-// hand it over, and the store warps run `store(staged, tile, id)` (id: the thread's index
-// among them) while the block goes on with its next task; then, on the consumers,
-// `finish(d, tile, ring, consumer, warp, lane)`, which may use the idle stage ring (`ring`;
-// see stage_accumulators_fp32). Without STORES the store warps have no work and leave.
-// The store warps take part in the block's claims through its sends and relays (a wait for a
-// hand-over would span those tasks, which have no bound of their own) and leave the claims
-// at its first GEMM tile: from there a hand-over comes within a claim's wait for its rows
-// (twice the relay's bound) and a tile's MMAs.
-template <int MODE, bool SYSTEM, bool STORES, typename TileOf, typename Boxes, typename RelayRow, typename Stage,
-          typename Store, typename Finish>
+// loads a tile with load_tile's `boxes(tile)` and `b_split`; the consumers' epilogue is
+// `finish(d, tile, ring, consumer, warp, lane)`, which may use the idle stage ring (`ring`,
+// the staging buffer GH_STAGES stages further; see stage_accumulators_fp32). The store
+// warps have no work here and leave (an epilogue on those three warps outlasted the next
+// tile's MMAs).
+template <int MODE, bool SYSTEM, typename TileOf, typename Boxes, typename RelayRow, typename Finish>
 __device__ __forceinline__ void send_relay_then_gemm(
     const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, const uint4* src,
     int tokens, int top_k, int hidden, const long long* ids, const float* gates, const int* positions,
     const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset, u64 row_landing_offset,
     u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk, const int* off,
     const int* mtile, const int* tile_start, Pipeline& p, int* claimed, u64* tile_ready, RelayRow relay_row,
-    Stage stage, Store store, Finish finish, u64 epoch, u64 timeout_ns, int* counter, long long* status, u64* trace,
-    int send_kind, int relay_kind, int tile_kind) {
+    Finish finish, u64 epoch, u64 timeout_ns, int* counter, long long* status, u64* trace, int send_kind,
+    int relay_kind, int tile_kind) {
     const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
     const int n_send = ceil_div(tokens, chunk), n_relay = mtile[spr];
     const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
     const unsigned stages = stage_ring();
-    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
     const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
     const int cwarp = (threadIdx.x - 128) / WARP;  // consumer warp 0..7
     const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
     bool gave_up = false;
-    int step = 0, phase = 0;
+    int step = 0;
     auto rows_relayed = [&](int task) {
         if (task >= first_tile)
             wait_rows_relayed(tile_ready, mtile_of(mtile, off, tile_of(task - first_tile)), epoch, timeout_ns, status,
@@ -431,23 +419,11 @@ __device__ __forceinline__ void send_relay_then_gemm(
     };
     auto kind = [&](int task) { return task < n_send ? send_kind : task < first_tile ? relay_kind : tile_kind; };
     int last = total;
-    bool stores_claim = STORES && first_tile > 0;  // the store warps still take part in the claims
-    auto next = [&] {
-        const int task = claim(counter, claimed, total, rows_relayed, kind, trace, last, stores_claim);
-        stores_claim = stores_claim && task < first_tile;
-        return task;
-    };
+    auto next = [&] { return claim(counter, claimed, total, rows_relayed, kind, trace, last); };
 
-    if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
+    if (warpgroup == 0) {  // the producer thread: GEMM tiles only; the store warps leave
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        if (warp > 0) {
-            if constexpr (STORES) {
-                while (stores_claim) next();
-                store_handed_tiles(p, total, 2 * timeout_ns + MBARRIER_TIMEOUT_NS, status,
-                                   [&](int task) { store(staged, tile_of(task - first_tile), threadIdx.x - WARP); });
-            }
-            return;
-        }
+        if (warp > 0) return;
         for (int task = next(); task < total; task = next()) {  // the producer warp
             if (task < first_tile || lane != 0 || gave_up) continue;
             const Tile tile = tile_of(task - first_tile);
@@ -459,8 +435,7 @@ __device__ __forceinline__ void send_relay_then_gemm(
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
-    int task = next();
-    for (; task < total; task = next()) {
+    for (int task = next(); task < total; task = next()) {
         if (task < n_send) {
             const int end = min(tokens, (task + 1) * chunk);
             for (int t = task * chunk + cwarp; t < end; t += GH_CONSUMERS * 4)
@@ -483,15 +458,9 @@ __device__ __forceinline__ void send_relay_then_gemm(
             const Tile tile = tile_of(task - first_tile);
             float d[128];
             mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-            if constexpr (STORES) {
-                hand_to_stores(p, phase, task, status, gave_up, lane,
-                               [&] { stage(d, tile, staged, consumer, warp, lane); });
-                phase ^= 1;
-            }
             finish(d, tile, stages, consumer, warp, lane);
         }
     }
-    if constexpr (STORES) hand_to_stores(p, phase, task, status, gave_up, lane, [] {});  // ends the store warps' loop
 }
 
 // -- kernels B and D: GEMM tiles into the heap, then the slot-order reduce ---------------------------
@@ -532,7 +501,7 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
     auto no_wait = [](int) {};
     auto kind = [&](int task) { return task < n_tiles ? tile_kind : reduce_kind; };
     int last = total;
-    auto next = [&] { return claim(counter, claimed, total, no_wait, kind, trace, last, false); };
+    auto next = [&] { return claim(counter, claimed, total, no_wait, kind, trace, last); };
 
     if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));

@@ -169,13 +169,11 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
         swiglu_up_tile(ring, tile, act, h, ffn, threadIdx.x - 128);
         ring_to_async_proxy();
     };
-    // No store warps' part (the ring is the producer's again after the next claim); the up
-    // half's boxes are F further than the gate half's.
-    auto none = [](auto&&...) {};
-    send_relay_then_gemm<GH_FORWARD, false, false>(
+    // The up half's boxes are F further than the gate half's.
+    send_relay_then_gemm<GH_FORWARD, false>(
         &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, x, tokens, top_k, hidden, ids, gates, positions, base,
         peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
-        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, none, none, finish,
+        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, finish,
         epoch, timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
 }
 
