@@ -158,7 +158,8 @@ __device__ __forceinline__ void init_pipeline(Pipeline& p) {
 }
 
 // The stage ring in dynamic shared memory, 1024-aligned for the swizzled TMA boxes; the
-// staging buffer of the store warps follows it (GH_STAGES * GH_STAGE_BYTES further).
+// staging buffer follows it (GH_STAGES * GH_STAGE_BYTES further): the store warps' in
+// kernels B and D, kernel C's consumers' own.
 __device__ __forceinline__ unsigned stage_ring() {
     extern __shared__ unsigned char dynamic_shared[];
     return (shared_address(dynamic_shared) + 1023) & ~1023u;
@@ -234,8 +235,8 @@ __device__ __forceinline__ void claim_sync() {
 // detector's) while a peer's data is legitimately late. With a `trace`, thread 0 also
 // stamps the task's start (before that wait) and, at its next claim, the end of the task
 // it last claimed (`last`, total for none): the barrier between means the producer and the
-// consumers are done with it -- a GEMM tile's end is its hand-over to the store warps,
-// whose stores overlap what the block runs next.
+// consumers are done with it -- in kernels B and D a GEMM tile's end is its hand-over to
+// the store warps, whose stores overlap what the block runs next.
 template <typename Ready, typename Kind>
 __device__ __forceinline__ int claim(int* counter, int* claimed, int total, Ready ready, Kind kind, u64* trace,
                                      int& last) {
@@ -330,22 +331,21 @@ __device__ __forceinline__ void hand_to_stores(Pipeline& p, int phase, int task,
     if (lane == 0) mbarrier_arrive(&p.output_full);
 }
 
-// A store warp's wait for the consumers' next hand-over. It spans the block's claim of the
-// next task as well as that tile's MMAs, so its bound is the caller's (`limit_ns`), recorded
-// as a stage wait's timeout. It gives up at once when a stage wait has (status
+// A store warp's wait for the consumers' next hand-over, bounded and recorded as a stage
+// wait. It gives up at once when a stage wait has (status
 // GH_STAGE_TIMED_OUT): consumers that gave up no longer wait for the buffer, so hand-overs
 // may be missed. After a flag wait's record the hand-overs stay in step (no flag wait sets
 // gave_up), and the store warps serve them to the end rather than make the consumers' next
 // wait for the buffer time out.
-__device__ __forceinline__ void wait_for_hand_over(Pipeline& p, int phase, u64 limit_ns, long long* status,
+__device__ __forceinline__ void wait_for_hand_over(Pipeline& p, int phase, long long* status,
                                                    bool& gave_up) {
     const unsigned address = shared_address(&p.output_full);
     const u64 start = global_timer_ns();
     while (!gave_up && !mbarrier_try_wait<false>(address, phase)) {
         if (*reinterpret_cast<const volatile long long*>(status) == GH_STAGE_TIMED_OUT) {
             gave_up = true;
-        } else if (global_timer_ns() - start > limit_ns) {
-            record_stage_timeout(status, GH_WAITED_FOR_OUTPUT, limit_ns);
+        } else if (global_timer_ns() - start > MBARRIER_TIMEOUT_NS) {
+            record_stage_timeout(status, GH_WAITED_FOR_OUTPUT);
             gave_up = true;
         }
     }
@@ -366,12 +366,12 @@ __device__ __forceinline__ void wait_for_hand_over(Pipeline& p, int phase, u64 l
 // next (a reduce waiting for that tile's own done flag included), and the task order's
 // argument (ultraep/integration/fused.py) holds as before.
 template <typename Store>
-__device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, u64 limit_ns, long long* status,
+__device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, long long* status,
                                                    Store store) {
     const int lane = threadIdx.x % WARP;
     bool gave_up = false;
     for (int phase = 0;; phase ^= 1) {
-        wait_for_hand_over(p, phase, limit_ns, status, gave_up);
+        wait_for_hand_over(p, phase, status, gave_up);
         if (store_warps_any(gave_up)) return;
         const int task = *reinterpret_cast<volatile int*>(&p.handed_task);
         if (task >= end_tile) return;
@@ -512,7 +512,7 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
             // then one counts the tile; the M-tile's last column block (fenced after the
             // count, so every earlier block's rows are ordered before) releases its done flag
             // for the reducers on every rank.
-            store_handed_tiles(p, n_tiles, MBARRIER_TIMEOUT_NS, status, [&](int task) {
+            store_handed_tiles(p, n_tiles, status, [&](int task) {
                 const Tile tile = tile_of(task);
                 store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, hidden, threadIdx.x - WARP);
                 __threadfence_system();

@@ -53,8 +53,8 @@
 static_assert(FB_DOWN_COLS == WARP * 8, "a reduce warp covers a dgrad-up tile's columns, 8 BF16 per lane");
 static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");
 
-// The SwiGLU backward of a dgrad-down tile on WARPS warps (`id`: the thread's index among
-// them), from g = bf16(d_act) of the whole tile that the consumers staged (as the sequential
+// The SwiGLU backward of a dgrad-down tile on the 8 consumer warps (`id`: the thread's index
+// among them), from g = bf16(d_act) of the whole tile that the consumers staged (as the sequential
 // dgrad stores it). h's gate and up rows of the tile go
 // to L2 first (a bulk prefetch a row by lane 0 of each warp: it takes uniform operands, and
 // holds no register). Then a warp takes a row at a time, a lane four columns of each of the
@@ -63,10 +63,9 @@ static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 
 // dh's gate and up columns are stored as BF16 straight to global memory. A runtime loop over
 // the staged tile, not the accumulators' registers: the math is inlined a few times instead of
 // once per accumulator pair, and a warp reads and writes whole rows.
-template <int WARPS>
 __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile& tile, const float* h, bf16* dh,
                                                      int ffn, int id) {
-    constexpr int PER = 4, ITEMS = GH_BN / PER / WARP;
+    constexpr int PER = 4, ITEMS = GH_BN / PER / WARP, WARPS = GH_CONSUMERS * 4;
     const int warp = id / WARP, lane = id % WARP;
     const int rows = min(GH_BM, tile.row_end - tile.row0), cols = min(FB_DACT_COLS, ffn - tile.col0);
     const long long pitch = 2ll * ffn;  // h's and dh's row: gate columns, then up columns
@@ -153,7 +152,7 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
         const unsigned staged = ring + GH_STAGES * GH_STAGE_BYTES;
         stage_accumulators(d, staged, consumer, warp, lane);
         consumers_sync();
-        swiglu_backward_tile<GH_CONSUMERS * 4>(staged, tile, h, dh, ffn, threadIdx.x - 128);
+        swiglu_backward_tile(staged, tile, h, dh, ffn, threadIdx.x - 128);
     };
     // system-scope relay fences: the sources read their gate gradients after kernel D's flags
     send_relay_then_gemm<GH_DGRAD, true>(

@@ -241,12 +241,12 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 // the producer then stops, the consumers run on without waiting (their results are
 // garbage, the host raises). status[1] is what it waited for (GH_WAITED_*), status[2]
 // the block, status[3] the timeout in ms (record_stage_timeout).
-__device__ __forceinline__ void record_stage_timeout(long long* status, int what, u64 limit_ns) {
+__device__ __forceinline__ void record_stage_timeout(long long* status, int what) {
     unsigned long long* word = reinterpret_cast<unsigned long long*>(status);
     if (atomicCAS(word, 0ull, static_cast<unsigned long long>(GH_STAGE_TIMED_OUT)) == 0ull) {
         status[1] = what;
         status[2] = blockIdx.x;
-        status[3] = static_cast<long long>(limit_ns / 1000000ull);
+        status[3] = static_cast<long long>(MBARRIER_TIMEOUT_NS / 1000000ull);
     }
 }
 
@@ -256,7 +256,7 @@ __device__ __forceinline__ void stage_wait(u64* bar, unsigned parity, long long*
     const u64 start = global_timer_ns();
     while (!mbarrier_try_wait<false>(address, parity)) {
         if (global_timer_ns() - start > MBARRIER_TIMEOUT_NS) {
-            record_stage_timeout(status, what, MBARRIER_TIMEOUT_NS);
+            record_stage_timeout(status, what);
             gave_up = true;
             return;
         }

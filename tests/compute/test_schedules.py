@@ -4,7 +4,9 @@ nvcc build (no spill the default does not have)."""
 import os
 import re
 import subprocess
+from contextlib import nullcontext
 
+import numpy as np
 import pytest
 
 from tests.runtime.test_kernels_compile import find_nvcc
@@ -70,3 +72,31 @@ def test_each_schedule_compiles_without_spills_the_plain_one_lacks(schedule, tmp
     assert spills.keys() == plain.keys() and len(spills) == 6
     worse = {kernel: (plain[kernel], spilled) for kernel, spilled in spills.items() if spilled > plain[kernel]}
     assert not worse, f"schedule {schedule!r} spills more than {PLAIN_SCHEDULE!r} (bytes: plain, it): {worse}"
+
+
+def test_each_operation_loads_its_default_schedules_module(monkeypatch):
+    """forward from the plain module (no -D option), dgrad and wgrad with GG_SCHEDULE set to
+    the ring's value, each with its schedule's shared memory; no GPU needed."""
+    import ultraep.compute.device as device
+
+    loaded = {}
+
+    class Function:
+        max_dynamic_shared_size_bytes = 0
+
+    def get_function(filename, name, defines=()):
+        loaded[name] = dict(defines)
+        return Function()
+
+    monkeypatch.setattr(device, "get_function", get_function)
+    gemm = object.__new__(DeviceGroupedGemm)  # no CUDA: only what _kernel reads
+    gemm.schedules, gemm._kernels, gemm.device = dict(DEFAULT_SCHEDULES), {}, 0
+    gemm.cp = type("NoCupy", (), {"cuda": type("Cuda", (), {"Device": staticmethod(lambda _: nullcontext())})})
+    for op in ("forward", "dgrad", "wgrad"):
+        _, shared = gemm._kernel(op, np.dtype(np.float32))
+        schedule = DEFAULT_SCHEDULES[op]
+        ring_value = {"GG_SCHEDULE": kernel_constant(KERNELS, SCHEDULES[schedule][0])}
+        expected = {} if schedule == PLAIN_SCHEDULE else ring_value
+        assert loaded[f"grouped_mm_{op}<float>"] == expected, op
+        assert shared == kernel_constant(KERNELS, SCHEDULES[schedule][1]), op
+    assert DEFAULT_SCHEDULES["dgrad"] == DEFAULT_SCHEDULES["wgrad"] == "ring"

@@ -21,6 +21,7 @@ name this probe does not know, never launched with arguments out of place.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -270,6 +271,7 @@ def _bf16_bits(cp, shape, seed: int):
     return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
 
 
+@functools.lru_cache(maxsize=None)  # every probe launch orders its arguments by them
 def kernel_parameters(filename: str, name: str) -> tuple[str, ...]:
     """The parameter names of kernel ``name`` as ``raw_kernels/<filename>`` declares it."""
     from ultraep.runtime.kernels import kernel_source

@@ -271,7 +271,7 @@ def pull_s(profile: MachineProfile, problem: Problem, grid):
 # down tiles, then reduces -- one at a time. The tiles' and relays' times are the profile's
 # measurement of these very kernels (FusedCosts: at the grid, with every rank of the GPU
 # running the same at once): a tile's claim, the pipeline's fill, its epilogue (kernel A's
-# stagings of h and act, kernel B's system fences and done flag) and what every other
+# SwiGLU through the stage ring, kernel B's system fences and done flag) and what every other
 # tile costs it are in them. The sends and reduces, which the profile does not run, are
 # counted in dependent round trips of a task warp to memory, each the time the per-warp copy
 # rate gives the copy kernel's loads in flight (heap.cu keeps COPY_LOADS_IN_FLIGHT 16-byte

@@ -29,7 +29,7 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   ``raw_kernels/fused_moe.cu`` itself on synthetic rows of this process: an up tile (with and
   without the FP32 ``h`` a training forward keeps), a down tile, each at two reductions, and a
   relay task, at a few grids from one CTA to every SM -- everything a tile costs in those
-  kernels (its claim, the pipeline's fill, the epilogue's stagings and stores, a down tile's
+  kernels (its claim, the pipeline's fill, the epilogue's SwiGLU and stores, a down tile's
   system fences and flag) and what the other CTAs' tiles cost it (clocks, L2, HBM), each
   launch reading its weights from HBM as a layer does (version 5; version 4's probe found
   them in L2, left there by its previous launch on the same slot);

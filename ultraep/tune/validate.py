@@ -335,8 +335,8 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> lis
             rows += [{"phase": "fused-forward", "problem": f"{name}, {label}", "config": str(config),
                       "knob": str(config), "default": config == default, "tuned": config == tuned,
                       "predicted_ms": float(p) * 1e3, "measured_ms": float(m[i]),
-                      "rank_ms": [float(v) for v in r[i]], "rank_ctas_a": [float(v) for v in working]}
-                     for config, p, m, r, working in zip(configs, predicted[window], measured, per_rank, ctas_a)]
+                      "rank_ms": [float(v) for v in r[i]], "rank_ctas_a": [float(v) for v in at_work]}
+                     for config, p, m, r, at_work in zip(configs, predicted[window], measured, per_rank, ctas_a)]
     return rows
 
 
