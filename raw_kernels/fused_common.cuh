@@ -312,9 +312,6 @@ __device__ __forceinline__ void stage_accumulators_fp32(const float (&d)[128], u
         }
 }
 
-// After the consumers' last generic access to the ring in a tile, before the claim barrier
-// after which the producer's TMA (the async proxy) overwrites it.
-__device__ __forceinline__ void ring_to_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // A consumer warp's hand-over to the store warps: once they have freed the staging buffer
 // (output_empty of the hand-over before), `stage()` stages this thread's part and the

@@ -167,7 +167,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
         stage_accumulators_fp32(d, ring, consumer, warp, lane);
         consumers_sync();
         swiglu_up_tile(ring, tile, act, h, ffn, threadIdx.x - 128);
-        ring_to_async_proxy();
+        fence_proxy_async_shared();  // before the claim barrier after which the producer's TMA overwrites the ring
     };
     // The up half's boxes are F further than the gate half's.
     send_relay_then_gemm<GH_FORWARD, false>(

@@ -105,7 +105,8 @@ def parse_args(argv):
     parser.add_argument("--overlap", action="store_true",
                         help="also time the sequential dispatch alone and its up-projection GEMM alone, and the "
                              "fused kernel A (dispatch + up) from a recorded forward: a_vs_max = fused_a_ms / "
-                             "max(dispatch_ms, up_gemm_ms), 1.0 when the exchange hides wholly under the GEMM")
+                             "max(dispatch_ms, up_gemm_ms), 1.0 when the exchange hides wholly under the GEMM "
+                             "(fused_a_ms: the kernel's own task stamps; the other two: group windows of calls)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--timeline", metavar="FILE.png",
                         help="plot every rank's fused tasks per SM over time, a file per setting "
@@ -252,7 +253,8 @@ def run(args) -> int:
              "routing, BF16 SwiGLU experts; speedup = seq_ms / fused_ms; out_diff: fused output elements whose bits "
              "differ from the sequential path's; rerun_diff: between two fused forwards")
     if args.backward:
-        title += ("; *_step_ms: a training step (forward keeping what its backward needs, then backward); "
+        title += ("; *_train_ms: a training forward (keeping what its backward needs), *_bwd_ms: its backward, "
+                  "step_speedup: of the two together; "
                   "dx/dgates/grad_up/grad_down_diff: elements whose bits differ from the sequential backward's; "
                   "bwd_rerun_diff: between two fused backwards")
     diff_columns = ["out_diff", "rerun_diff"] + (BACKWARD_DIFFS if args.backward else [])
@@ -315,13 +317,14 @@ def run(args) -> int:
                                    lambda _, moe=moe: moe.forward(x, ids, gates)[1],
                                    lambda ctx, moe=moe: moe.backward(ctx, dy)]
                 overlap_at = len(timed)
-                if args.overlap:  # the sequential path's two parts that kernel A fuses, each alone
+                if args.overlap:  # the sequential path's two parts that kernel A fuses, each alone (GEMM: BF16 out)
                     from ultraep.compute import grouped_mm
 
                     sequential = layers[False]
                     received = sequential.dispatcher.dispatch(x, ids, gates)
+                    up_out = grouped_mm(received.x, sequential._w_up, received.offsets)  # reused: no zero fill timed
                     timed += [lambda _: sequential.dispatcher.dispatch(x, ids, gates),
-                               lambda _: grouped_mm(received.x, sequential._w_up, received.offsets)]
+                               lambda _: grouped_mm(received.x, sequential._w_up, received.offsets, out=up_out)]
                 windows = phase_windows_ms(group, timed, args.repeats, synchronize)
                 again = {name: checked(layers[name]) for name in configs}
                 layers[False].check()
@@ -332,14 +335,14 @@ def run(args) -> int:
                     fused.forward(x, ids, gates, backward=False)
                     recorded["forward"] = group.allgather(fused.timeline())
                     fused.record_timeline(False)
-                if args.timeline:
+                if args.timeline and args.backward:  # a training forward (its timeline not kept), then the backward
                     fused.record_timeline(True)
-                    if args.backward:  # a training forward (its timeline not kept), then the recorded backward
-                        _, ctx = fused.forward(x, ids, gates)
-                        fused.backward(ctx, dy)
-                        recorded["backward"] = group.allgather(fused.timeline("backward"))
-                        fused.check()
+                    _, ctx = fused.forward(x, ids, gates)
+                    fused.backward(ctx, dy)
+                    recorded["backward"] = group.allgather(fused.timeline("backward"))
+                    fused.check()
                     fused.record_timeline(False)
+                if args.timeline:
                     for which, everyone_tasks in recorded.items():
                         phases[which] = phase_spans(everyone_tasks)
                         progress(f"tokens {T}, hidden {H}: phases of a recorded fused {which} (ms):\n"
