@@ -303,7 +303,7 @@ def test_every_fused_wait_is_bounded_and_names_its_flag(skip, flag):
             if skip == "sends":
                 launcher.counters[0] = -(-T // launcher.schedule.for_tokens(T).send_tokens)
             else:
-                launcher.counters[1] = down_tiles
+                launcher.counters[2] = down_tiles  # kernel B's claims, after kernel A's claims and relays
         launcher.k["fused_plan"] = plan_then_skip
         x = _on_gpu(bf16(rng, (T, H)))
         moe.forward(x, cupy.asarray(ids.astype(np.int64)), cupy.asarray(rng.random((T, K)).astype(np.float32)))
