@@ -92,8 +92,8 @@ def test_backward_columns_follow_the_forward_ones():
     assert bench.columns(False) == bench.COLUMNS
     assert bench.columns(True) == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "seq_train_ms",
                                    "seq_bwd_ms", "fused_train_ms", "fused_bwd_ms", "train_speedup", "bwd_speedup",
-                                   "step_speedup", "out_diff", "rerun_diff", "dx_diff", "dgates_diff",
-                                   "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
+                                   "step_speedup", "wgrad_ms", "bwd_rest_speedup", "out_diff", "rerun_diff",
+                                   "dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
     assert not bench.parse_args([]).backward and bench.parse_args(["--backward"]).backward
 
 
@@ -119,6 +119,8 @@ def test_tiny_host_run_with_backward(tmp_path, capfd):
         assert row["bwd_speedup"] == row["seq_bwd_ms"] / row["fused_bwd_ms"]
         assert row["step_speedup"] == ((row["seq_train_ms"] + row["seq_bwd_ms"])
                                        / (row["fused_train_ms"] + row["fused_bwd_ms"]))
+        assert 0 < row["wgrad_ms"] and row["bwd_rest_speedup"] == ((row["seq_bwd_ms"] - row["wgrad_ms"])
+                                                                   / (row["fused_bwd_ms"] - row["wgrad_ms"]))
         assert [set(rank) for rank in row["bwd_phases"]] == [{"workers", "send", "relay", "dgrad_down", "dgrad_up",
                                                               "reduce"}] * 2, row["bwd_phases"]
         assert {"up", "down"} <= set(row["phases"][0]) and "dgrad_up" not in row["phases"][0]

@@ -19,7 +19,10 @@ sequential ms / fused ms.
 its own), then a training forward and its backward, each a window of its own:
 ``seq_train_ms`` / ``fused_train_ms`` (the forward keeping what its backward needs),
 ``seq_bwd_ms`` / ``fused_bwd_ms``, their ratios ``train_speedup`` and ``bwd_speedup``, and
-``step_speedup``, the ratio of the sums (a training step). Bitwise, fused against
+``step_speedup``, the ratio of the sums (a training step); ``wgrad_ms``, the weight
+gradients alone (the two grouped wgrads and the gradient adds both paths end with, on one
+dispatch's rows), and ``bwd_rest_speedup``, the backward's ratio without them: what the
+fused kernels C and D make of the part they replace. Bitwise, fused against
 sequential, elements whose bits differ summed over ranks (each must be 0): ``dx_diff``,
 ``dgates_diff``, ``grad_up_diff``, ``grad_down_diff`` (the weight gradients of one backward);
 ``bwd_rerun_diff``: all four between the two checked fused passes. The comparison is per
@@ -70,7 +73,7 @@ COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff
 CONFIGS = ("default", "tuned")  # --config both: each, the default first
 TUNED = {"tuned": ["tuned_config"], "both": ["tuned_ms", "tuned_gain", "tuned_config"]}
 BACKWARD_TIMES = ["seq_train_ms", "seq_bwd_ms", "fused_train_ms", "fused_bwd_ms", "train_speedup", "bwd_speedup",
-                  "step_speedup"]
+                  "step_speedup", "wgrad_ms", "bwd_rest_speedup"]
 BACKWARD_DIFFS = ["dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
 OVERLAP = ["dispatch_ms", "up_gemm_ms", "fused_a_ms", "a_vs_max"]
 ALIGN = 8  # hidden and ffn: whole 16-byte rows (the grouped GEMM's and the Dispatcher's copies)
@@ -134,6 +137,17 @@ def kernel_a_ms(ranks_tasks) -> float:
     claim order), in ms."""
     start = min(s for tasks in ranks_tasks for _, s, _, _ in tasks)
     return (max(e for tasks in ranks_tasks for kind, _, e, _ in tasks if kind == "up") - start) / 1e6
+
+
+def weight_grads_alone(layer, x, ids, gates, bf16, rng):
+    """A timed phase: the weight gradients of one backward as ``MoELayer.backward`` computes
+    them after either path's exchange and dgrads (the same two grouped wgrads and gradient
+    adds), alone, on one dispatch's rows with random ``grad_y`` and ``dh``."""
+    received = layer.dispatcher.dispatch(x, ids, gates)
+    rows = received.x.shape[0]
+    act, dh = bf16(rng.standard_normal((rows, layer.ffn))), bf16(rng.standard_normal((rows, 2 * layer.ffn)))
+    grad_y, scratch = bf16(rng.standard_normal((rows, layer.hidden))), layer._wgrad_scratch()
+    return lambda _: layer._weight_grads(act, grad_y, received.x, dh, received.offsets, scratch)
 
 
 def fused_configs(config: str) -> dict:
@@ -256,7 +270,9 @@ def run(args) -> int:
         title += ("; *_train_ms: a training forward (keeping what its backward needs), *_bwd_ms: its backward, "
                   "step_speedup: of the two together; "
                   "dx/dgates/grad_up/grad_down_diff: elements whose bits differ from the sequential backward's; "
-                  "bwd_rerun_diff: between two fused backwards")
+                  "bwd_rerun_diff: between two fused backwards; wgrad_ms: the weight gradients alone (both "
+                  "paths' last part, the same kernels), bwd_rest_speedup: the backward without them, "
+                  "(seq_bwd_ms - wgrad_ms) / (fused_bwd_ms - wgrad_ms)")
     diff_columns = ["out_diff", "rerun_diff"] + (BACKWARD_DIFFS if args.backward else [])
     configs = fused_configs(args.config)
     if args.config != "default":
@@ -316,6 +332,7 @@ def run(args) -> int:
                         timed += [lambda _, moe=moe: moe.zero_grads(),
                                    lambda _, moe=moe: moe.forward(x, ids, gates)[1],
                                    lambda ctx, moe=moe: moe.backward(ctx, dy)]
+                    timed.append(weight_grads_alone(layers[False], x, ids, gates, bf16, rng))
                 overlap_at = len(timed)
                 if args.overlap:  # the sequential path's two parts that kernel A fuses, each alone (GEMM: BF16 out)
                     from ultraep.compute import grouped_mm
@@ -371,11 +388,12 @@ def run(args) -> int:
             if tuned is not None:
                 row["tuned_config"] = tuned
             if args.backward:
-                _, seq_train, seq_bwd, _, fused_train, fused_bwd = windows[len(layers):overlap_at]
+                _, seq_train, seq_bwd, _, fused_train, fused_bwd, wgrad = windows[len(layers):overlap_at]
                 row.update(seq_train_ms=seq_train, seq_bwd_ms=seq_bwd, fused_train_ms=fused_train,
                            fused_bwd_ms=fused_bwd, train_speedup=seq_train / fused_train,
                            bwd_speedup=seq_bwd / fused_bwd,
-                           step_speedup=(seq_train + seq_bwd) / (fused_train + fused_bwd))
+                           step_speedup=(seq_train + seq_bwd) / (fused_train + fused_bwd), wgrad_ms=wgrad,
+                           bwd_rest_speedup=(seq_bwd - wgrad) / (fused_bwd - wgrad))
             if args.overlap:
                 dispatch_ms, up_gemm_ms = windows[overlap_at:]
                 fused_a = kernel_a_ms(recorded["forward"])

@@ -552,7 +552,7 @@ class MoELayer:
         d_gates [T, K] float32)`` and adds the weight gradients into ``grad_up`` /
         ``grad_down`` (this rank's rows directly, replicas' through ``reduce_grads``).
         Each context once; a layer's micro-batches in any order its Balancer's ring allows."""
-        from ultraep.compute import grouped_mm_dgrad, grouped_mm_wgrad
+        from ultraep.compute import grouped_mm_dgrad
         from ultraep.compute.checks import is_bf16
 
         self._check_open()
@@ -572,7 +572,6 @@ class MoELayer:
             error = exc
         self._raise(error, "MoELayer.backward input")  # before any restore or launch
         ctx.done = True
-        M = self.experts_per_rank
         received, offsets = ctx.received, ctx.received.offsets
         with self._on_stream(stream, dy):
             replica_entries = self._replica_grads(ctx, stream)
@@ -587,10 +586,7 @@ class MoELayer:
                 d_recv = grouped_mm_dgrad(dh, self._w_up, offsets)
             wgrad = self._wgrad_scratch()
             wgrad.acquire()
-            dw_down = grouped_mm_wgrad(ctx.act, grad_y, offsets, out=wgrad.down)
-            dw_up = grouped_mm_wgrad(received.x, dh, offsets, out=wgrad.up)
-            self.grad_up += dw_up[:M]
-            self.grad_down += dw_down[:M]
+            self._weight_grads(ctx.act, grad_y, received.x, dh, offsets, wgrad)
             if ctx.handle is not None:  # the replica slots' gradients: only those the plan fills are read
                 self._grad_copy(replica_entries)
                 self.balancer.reduce_grads(ctx.handle, stream=stream)
@@ -598,6 +594,18 @@ class MoELayer:
             if fused is None:
                 dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
         return dx, d_gates
+
+    def _weight_grads(self, act, grad_y, x, dh, offsets, wgrad: _WgradScratch) -> None:
+        """A backward's weight gradients into ``wgrad`` (every slot's), this rank's experts'
+        then added into ``grad_up`` / ``grad_down`` (the replica slots' wait there for
+        ``reduce_grads``)."""
+        from ultraep.compute import grouped_mm_wgrad
+
+        M = self.experts_per_rank
+        dw_down = grouped_mm_wgrad(act, grad_y, offsets, out=wgrad.down)
+        dw_up = grouped_mm_wgrad(x, dh, offsets, out=wgrad.up)
+        self.grad_up += dw_up[:M]
+        self.grad_down += dw_down[:M]
 
     def _fused_backward(self):
         """The fused backward over the fused forward's flags (made at the first backward), or None."""
