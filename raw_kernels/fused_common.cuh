@@ -1,17 +1,28 @@
 // What the fused MoE kernels share (fused_moe.cu, fused_moe_backward.cu): the status and
 // timeline words, bounded flag waits, the token send and row copy of a warp, the task loop's
 // pieces -- the shared tables, claiming a task, the GEMM stage ring and its hand-overs to the
-// store warps, the relay's release -- and the task loops themselves: kernels A and C's (send,
-// relay, GEMM tiles of the relayed rows) and kernels B and D's (GEMM tiles into the heap, then
-// the slot-order reduce). Everything is inline: a function call anywhere
+// store warps -- and the task loops themselves: kernels A and C's (send and GEMM tiles of the
+// relayed rows, the relays on the store warps beside them) and kernels B and D's (GEMM tiles
+// into the heap, then the slot-order reduce). Everything is inline: a function call anywhere
 // in a kernel makes ptxas serialise its wgmma instructions. ultraep/integration/fused.py
 // states the task semantics they serve.
 #pragma once
 
 #include <cuda_bf16.h>
 
+// Warpgroup 0's registers a thread after setmaxnreg: the store warps of kernels A and C
+// relay rows (relay_on_store_warps), whose loop state and copy need more than the grouped
+// GEMM's 40 (at 40 kernel A spilled 44 bytes, kernel C's grad_row 356; at 72 kernel C still
+// 4); the consumers compile without spills at 208 in all four kernels. 128 x 88 + 256 x 208
+// = the 384 x 168 the launch reserves. Before grouped_gemm_common.cuh, which defaults them.
+#ifndef GH_PRODUCER_REGISTERS
+#define GH_PRODUCER_REGISTERS 88
+#define GH_CONSUMER_REGISTERS 208
+#endif
 #include "grouped_gemm_common.cuh"
 #include "swiglu.cuh"
+static_assert(128 * GH_PRODUCER_REGISTERS + 256 * GH_CONSUMER_REGISTERS <= 384 * 168,
+              "the register split fits what the launch reserves");
 
 // Overridable with -D (FusedConfig's copy_unroll, reduce_unroll: ultraep/tune/config.py); no
 // result bit depends on them (a reduce still adds its slots one by one in slot order).
@@ -22,6 +33,10 @@
 #define FM_REDUCE_UNROLL 8       // slots read at once per lane in a reduce
 #endif
 static_assert(FM_UNROLL >= 1 && FM_REDUCE_UNROLL >= 1, "the copy and reduce unrolls are positive");
+// 16-byte loads in flight per lane in a relay's row copy on the store warps: fixed, not
+// FM_UNROLL, which the consumers' sends may raise past what warpgroup 0's registers hold.
+// No bit depends on it (grad_row's dot visits a lane's columns in the same order).
+#define FM_RELAY_UNROLL 4
 
 // status[0] (after the grouped GEMM's codes 1..4), then status[1] the flag, status[2] the
 // rank waited on, [3] the flag's index, [4] the epoch expected, [5] the value seen, [6] the block.
@@ -68,18 +83,19 @@ __device__ __forceinline__ bool wait_flag(const u64* flag, u64 epoch, u64 timeou
 
 // -- copies ----------------------------------------------------------------------------------------
 
-// Row `src` to row `dst` by one warp, 16-byte vectors, FM_UNROLL loads in flight per lane.
+// Row `src` to row `dst` by one warp, 16-byte vectors, LOADS loads in flight per lane.
 // Plain loads: peers wrote src during this kernel.
+template <int LOADS>
 __device__ __forceinline__ void warp_copy_row(const uint4* src, uint4* dst, int row_vecs, int lane) {
-    for (int v0 = 0; v0 < row_vecs; v0 += WARP * FM_UNROLL) {
-        uint4 buf[FM_UNROLL];
+    for (int v0 = 0; v0 < row_vecs; v0 += WARP * LOADS) {
+        uint4 buf[LOADS];
 #pragma unroll
-        for (int u = 0; u < FM_UNROLL; ++u) {
+        for (int u = 0; u < LOADS; ++u) {
             const int v = v0 + u * WARP + lane;
             if (v < row_vecs) buf[u] = src[v];
         }
 #pragma unroll
-        for (int u = 0; u < FM_UNROLL; ++u) {
+        for (int u = 0; u < LOADS; ++u) {
             const int v = v0 + u * WARP + lane;
             if (v < row_vecs) dst[v] = buf[u];
         }
@@ -137,6 +153,13 @@ __device__ __forceinline__ void send_token(int t, const uint4* x, int top_k, int
 }
 
 // -- the task loop's shared pieces ----------------------------------------------------------------
+
+// The SM this thread runs on: a timeline row's worker.
+__device__ __forceinline__ unsigned sm_id() {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    return sm;
+}
 
 // The stage ring's barriers, and the hand-over to the store warps: output_full (the consumer
 // warps' arrivals) and output_empty (the store warps'), with the task id handed over.
@@ -202,30 +225,17 @@ __device__ __forceinline__ int mtile_of(const int* mtile, const int* off, const 
 // before this thread's TMA loads of them.
 __device__ __forceinline__ void wait_rows_relayed(const u64* tile_ready, int m, u64 epoch, u64 timeout_ns,
                                                   long long* status, int me) {
-    // twice the relay's bound: a relay that gives up on a sender records that first
+    // twice the relay's bound: a relay that gives up on a sender records that first, and the
+    // copies of the relays ahead of this one take milliseconds
     wait_flag(tile_ready + m, epoch, 2 * timeout_ns, status, FM_TILE_READY, me, m);
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-// The end of a relay task (kernels A and C): the proxy fence orders the relayed rows before
-// the TMA loads of the tiles that read them, the fence at gpu scope or (SYSTEM) system scope
-// before the flag; once every consumer warp is done, one thread releases tile_ready[m].
-template <bool SYSTEM>
-__device__ __forceinline__ void release_relayed(u64* tile_ready, int m, u64 epoch, const long long* status) {
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    if constexpr (SYSTEM)
-        __threadfence_system();
-    else
-        __threadfence();
-    consumers_sync();
-    if (threadIdx.x == 128 && !aborted(status)) store_release_sys(tile_ready + m, epoch);
-}
-
-// The next task id of this block. Thread 0 takes it from the counter between two named
-// barriers of the threads that claim -- the producer warp and the consumers; the store warps
-// run a loop of their own (store_handed_tiles) or leave -- and they read it after the
-// second; the first means they have all read the last id. Non-aligned barriers: the
-// producer warp's lane 0 may still be diverged from its warp.
+// The next task id of this block. Thread 0 takes the counter's next value between two
+// named barriers of the threads that claim -- the producer warp and the consumers (the store
+// warps run loops of their own) -- and they read `task_of(value)`, the task id, after the
+// second; the first means they have all read the last id. Non-aligned barriers: the producer
+// warp's lane 0 may still be diverged from its warp.
 __device__ __forceinline__ void claim_sync() {
     asm volatile("barrier.sync 4, %0;" :: "n"(GH_THREADS - GH_STORE_WARPS * WARP) : "memory");
 }
@@ -235,22 +245,20 @@ __device__ __forceinline__ void claim_sync() {
 // detector's) while a peer's data is legitimately late. With a `trace`, thread 0 also
 // stamps the task's start (before that wait) and, at its next claim, the end of the task
 // it last claimed (`last`, total for none): the barrier between means the producer and the
-// consumers are done with it -- in kernels B and D a GEMM tile's end is its hand-over to
-// the store warps, whose stores overlap what the block runs next.
-template <typename Ready, typename Kind>
-__device__ __forceinline__ int claim(int* counter, int* claimed, int total, Ready ready, Kind kind, u64* trace,
-                                     int& last) {
+// consumers are done with it -- a GEMM tile's end is its hand-over to the store warps,
+// whose stores overlap what the block runs next.
+template <typename TaskOf, typename Ready, typename Kind>
+__device__ __forceinline__ int claim(int* counter, int* claimed, int total, TaskOf task_of, Ready ready, Kind kind,
+                                     u64* trace, int& last) {
     claim_sync();
     if (threadIdx.x == 0) {
         const u64 now = trace != nullptr ? global_timer_ns() : 0;
         if (trace != nullptr && last < total) trace[FM_TRACE_WORDS * last + 1] = now;
-        const int task = atomicAdd(counter, 1);
+        const int task = task_of(atomicAdd(counter, 1));
         if (task < total) {
             if (trace != nullptr) {
-                unsigned sm;
-                asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
                 trace[FM_TRACE_WORDS * task] = now;
-                trace[FM_TRACE_WORDS * task + 2] = sm | static_cast<u64>(kind(task)) << 32;
+                trace[FM_TRACE_WORDS * task + 2] = sm_id() | static_cast<u64>(kind(task)) << 32;
             }
             ready(task);
         }
@@ -293,7 +301,7 @@ __device__ __forceinline__ void stage_accumulators(const float (&d)[128], unsign
 
 // A whole FP32 tile, GH_BM rows of GH_BN columns, staged in the stage ring, which is idle
 // between a tile's last MMA and the next claim (the producer issues the next tile's copies
-// only after the claim's block-wide barrier). Rows padded by 32 bytes: a warp's fragment
+// only after the claim's barrier). Rows padded by 32 bytes: a warp's fragment
 // stores (8 rows x 4 lanes of 8 bytes) take the two wavefronts 256 bytes need.
 #define RING_TILE_PITCH (GH_BN * 4 + 32)
 static_assert(GH_BM * RING_TILE_PITCH <= GH_STAGES * GH_STAGE_BYTES, "an FP32 tile fits in the idle stage ring");
@@ -380,17 +388,77 @@ __device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, lo
 
 // -- kernels A and C: send, relay, then GEMM tiles of the relayed rows -------------------------------
 
-// The task loop of kernels A and C after load_tables. Tasks: [0, n_send) send tasks of `chunk`
-// tokens of src (send_token, a consumer warp per token; kind `send_kind`); one relay per
-// M-tile, slot then M-tile (kind `relay_kind`): a consumer warp per row waits for its row_flag
-// and runs `relay_row(row, landing, row_landing)` (this rank's landing rows and the heap's
-// row_landing), then release_relayed<SYSTEM>; then GEMM tiles (kind `tile_kind`), MODE's,
-// `tile_of(t)` tile t, each handed to the block once its M-tile is relayed. The producer thread
-// loads a tile with load_tile's `boxes(tile)` and `b_split`; the consumers' epilogue is
-// `finish(d, tile, ring, consumer, warp, lane)`, which may use the idle stage ring (`ring`,
-// the staging buffer GH_STAGES stages further; see stage_accumulators_fp32). The store
-// warps have no work here and leave (an epilogue on those three warps outlasted the next
-// tile's MMAs).
+// The relays of kernels A and C on the store warps of every block, beside the block's claimed
+// tasks: one M-tile at a time from the rank's relay counter (counter[1]; the id read through
+// claimed[1]), slot then M-tile, `n_relay` of them; the three warps take a row at a time:
+// wait for its row_flag, then `relay_row(row, landing, row_landing)` (this rank's landing rows
+// and the heap's row_landing). Each thread then fences its stores -- the proxy fence orders
+// them before the TMA loads of the tiles that read them, the fence at gpu scope or (SYSTEM)
+// system scope before the flag -- and after the warps' barrier one thread releases
+// tile_ready[m], stamps the relay's end and claims the next. A relay's timeline row is
+// `first_row` + its M-tile (its task id in send_relay_then_gemm), stamped from its claim
+// (before its row waits) to its release.
+template <bool SYSTEM, typename RelayRow>
+__device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed, int n_relay, const int* off,
+                                                     const int* mtile, int spr, u64 heap, u64 landing_offset,
+                                                     u64 row_landing_offset, u64 row_flag_offset, u64* tile_ready,
+                                                     RelayRow relay_row, u64 epoch, u64 timeout_ns, long long* status,
+                                                     int me, u64* trace, int first_row, int relay_kind) {
+    const int id = threadIdx.x - WARP, warp = id / WARP;  // among the store warps
+    const uint4* landing = reinterpret_cast<const uint4*>(heap + landing_offset);
+    const int* row_landing = reinterpret_cast<const int*>(heap + row_landing_offset);
+    const u64* row_flag = reinterpret_cast<const u64*>(heap + row_flag_offset);
+    for (int relay = -1;;) {
+        store_warps_sync();  // the last relay's rows are relayed and fenced, its id read by every thread
+        if (id == 0) {
+            const u64 now = trace != nullptr ? global_timer_ns() : 0;
+            if (relay >= 0) {
+                if (!aborted(status)) store_release_sys(tile_ready + relay, epoch);
+                if (trace != nullptr) trace[FM_TRACE_WORDS * (first_row + relay) + 1] = now;
+            }
+            const int next = atomicAdd(counter + 1, 1);
+            if (trace != nullptr && next < n_relay) {
+                trace[FM_TRACE_WORDS * (first_row + next)] = now;
+                trace[FM_TRACE_WORDS * (first_row + next) + 2] = sm_id() | static_cast<u64>(relay_kind) << 32;
+            }
+            claimed[1] = next;
+        }
+        store_warps_sync();
+        relay = *reinterpret_cast<volatile int*>(claimed + 1);
+        if (relay >= n_relay) return;
+        const int j = expert_of_tile(mtile, spr, relay);
+        const int lo = off[j] + (relay - mtile[j]) * GH_BM, hi = min(off[j + 1], lo + GH_BM);
+        for (int row = lo + warp; row < hi; row += GH_STORE_WARPS) {
+            wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
+            relay_row(row, landing, row_landing);
+        }
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        if constexpr (SYSTEM)
+            __threadfence_system();
+        else
+            __threadfence();
+    }
+}
+
+// The task loop of kernels A and C after load_tables. Task ids: [0, n_send) send tasks of
+// `chunk` tokens of src (send_token, a consumer warp per token; kind `send_kind`); then one
+// relay per M-tile, slot then M-tile (kind `relay_kind`), run by relay_on_store_warps; then
+// GEMM tiles (kind `tile_kind`), MODE's, `tile_of(t)` tile t, each handed to the block once
+// its M-tile is relayed. The block (the producer warp and the consumers) claims the sends
+// and then the tiles from counter[0]; the store warps claim the relays from counter[1], so a
+// relay's copies run beside the consumers' sends and MMAs instead of before the block's
+// first tile. The producer thread loads a tile with load_tile's `boxes(tile)` and
+// `b_split`; the consumers then run `finish(d, tile, ring, consumer, warp, lane)`, the tile's
+// epilogue, which may use the idle stage ring (`ring`; see stage_accumulators_fp32) and the
+// staging buffer after it (no store warp uses it here).
+// Why no claim order deadlocks (ultraep/integration/fused.py states it for the host model):
+// a store warp waits only for row flags, which send tasks release; sends precede every tile
+// in the claim order and wait for nothing, so every rank's sends finish; a tile waits for
+// tile_ready, which a relay releases, and relays progress on the store warps of any resident
+// block, whatever its consumers wait for. So one resident block per rank suffices.
+// A tile's wait for its rows spans their arrival (the relay's bounded row waits) and the
+// copies of the relays ahead of its own (milliseconds against a timeout of seconds): twice
+// the relay's bound (wait_rows_relayed).
 template <int MODE, bool SYSTEM, typename TileOf, typename Boxes, typename RelayRow, typename Finish>
 __device__ __forceinline__ void send_relay_then_gemm(
     const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, const uint4* src,
@@ -406,7 +474,6 @@ __device__ __forceinline__ void send_relay_then_gemm(
     const unsigned stages = stage_ring();
     const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
     const int cwarp = (threadIdx.x - 128) / WARP;  // consumer warp 0..7
-    const u64* row_flag = reinterpret_cast<const u64*>(peer_bases[me] + row_flag_offset);
     bool gave_up = false;
     int step = 0;
     auto rows_relayed = [&](int task) {
@@ -414,15 +481,21 @@ __device__ __forceinline__ void send_relay_then_gemm(
             wait_rows_relayed(tile_ready, mtile_of(mtile, off, tile_of(task - first_tile)), epoch, timeout_ns, status,
                               me);
     };
-    auto kind = [&](int task) { return task < n_send ? send_kind : task < first_tile ? relay_kind : tile_kind; };
+    auto task_of = [&](int claimed_value) { return claimed_value < n_send ? claimed_value : claimed_value + n_relay; };
+    auto kind = [&](int task) { return task < n_send ? send_kind : tile_kind; };  // the relays stamp their own
     int last = total;
-    auto next = [&] { return claim(counter, claimed, total, rows_relayed, kind, trace, last); };
+    auto next = [&] { return claim(counter, claimed, total, task_of, rows_relayed, kind, trace, last); };
 
-    if (warpgroup == 0) {  // the producer thread: GEMM tiles only; the store warps leave
+    if (warpgroup == 0) {  // the producer thread and the store warps
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
-        if (warp > 0) return;
+        if (warp > 0) {
+            relay_on_store_warps<SYSTEM>(counter, claimed, n_relay, off, mtile, spr, peer_bases[me], landing_offset,
+                                         row_landing_offset, row_flag_offset, tile_ready, relay_row, epoch, timeout_ns,
+                                         status, me, trace, n_send, relay_kind);
+            return;
+        }
         for (int task = next(); task < total; task = next()) {  // the producer warp
-            if (task < first_tile || lane != 0 || gave_up) continue;
+            if (task < n_send || lane != 0 || gave_up) continue;
             const Tile tile = tile_of(task - first_tile);
             load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step, status,
                             gave_up);
@@ -439,18 +512,6 @@ __device__ __forceinline__ void send_relay_then_gemm(
                 send_token(t, src, top_k, row_vecs, ids, gates, positions, base, n, peer_bases, landing_offset,
                            weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr, max_tokens,
                            epoch, lane);
-        } else if (task < first_tile) {
-            const int tile = task - n_send;
-            const int j = expert_of_tile(mtile, spr, tile);
-            const int lo = off[j] + (tile - mtile[j]) * GH_BM, hi = min(off[j + 1], lo + GH_BM);
-            const u64 heap = peer_bases[me];
-            const uint4* landing = reinterpret_cast<const uint4*>(heap + landing_offset);
-            const int* row_landing = reinterpret_cast<const int*>(heap + row_landing_offset);
-            for (int row = lo + cwarp; row < hi; row += GH_CONSUMERS * 4) {
-                wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
-                relay_row(row, landing, row_landing);
-            }
-            release_relayed<SYSTEM>(tile_ready, tile, epoch, status);
         } else {
             const Tile tile = tile_of(task - first_tile);
             float d[128];
@@ -496,9 +557,10 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
     bool gave_up = false;
     int step = 0, phase = 0;
     auto no_wait = [](int) {};
+    auto in_order = [](int value) { return value; };
     auto kind = [&](int task) { return task < n_tiles ? tile_kind : reduce_kind; };
     int last = total;
-    auto next = [&] { return claim(counter, claimed, total, no_wait, kind, trace, last); };
+    auto next = [&] { return claim(counter, claimed, total, in_order, no_wait, kind, trace, last); };
 
     if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));

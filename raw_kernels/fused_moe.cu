@@ -7,9 +7,11 @@
 // Dispatcher, grouped_gemm.cu, swiglu.cu): the same tile arithmetic, the same sums.
 //
 //   fused_plan          one block: every rank's offsets and M-tile starts from the gathered
-//                       count table; the two claim counters zeroed
-//   fused_dispatch_up   send -> relay -> up tiles (SwiGLU epilogue) -> act [rows, F] BF16,
-//                       and h [rows, 2F] FP32 kept for the backward (unless h is null)
+//                       count table; the three counters zeroed (kernel A's claims and
+//                       relays, kernel B's claims)
+//   fused_dispatch_up   send -> up tiles (SwiGLU epilogue) -> act [rows, F] BF16, and
+//                       h [rows, 2F] FP32 kept for the backward (unless h is null); relay
+//                       (landing -> recv rows) on the store warps beside them
 //   fused_down_combine  down tiles -> expert_out (heap) -> reduce -> out [T, H] BF16
 //
 // A block (GH_THREADS: a producer warpgroup and two consumer warpgroups, as the grouped
@@ -18,10 +20,12 @@
 // GEMM's producer and MMAs on the same stage ring (grouped_gemm_common.cuh); a down tile's
 // output goes through the staging buffer to the store warps, which run a loop of their
 // own, so its stores overlap the block's next task (fused_common.cuh); an up tile's
-// epilogue runs on the consumers, through the ring once its MMAs are done. Send, relay and
-// reduce tasks run on the consumer warps, a warp per token or row. Any number of resident blocks
-// is correct (a block never waits for a task claimed after its own), so the grid is the
-// SM count whatever share of them MPS grants.
+// epilogue runs on the consumers, through the ring once its MMAs are done. Send and reduce
+// tasks run on the consumer warps, a warp per token. In kernel A the store warps of every
+// block claim the relays from a counter of their own and copy their rows beside the block's
+// sends and MMAs. Any number of resident blocks is correct (a block never waits for a task
+// claimed after its own, nor for a relay that no resident block's store warps can run), so
+// the grid is the SM count whatever share of them MPS grants.
 //
 // Flags hold the call's epoch. Cross-rank flags (row_flag, done) live in the symmetric
 // heap: the writer fences its data at system scope and stores the flag with release
@@ -37,9 +41,10 @@
 
 #include <cuda_bf16.h>
 
+// fused_common.cuh first: it sets warpgroup 0's register split
+#include "fused_common.cuh"
 #include "grouped_gemm_common.cuh"
 #include "swiglu.cuh"
-#include "fused_common.cuh"
 
 // Task granularity, shared with the host (kernel_constant). The task sizes are overridable
 // with -D (FusedConfig's send_tokens, reduce_tokens: ultraep/tune/config.py); the host sizes
@@ -75,11 +80,12 @@ static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 
 
 // From the gathered count table (rows: sources; columns: num_experts pair counts first):
 // rank_off[r * (spr + 1) + j] = rank r's expert-major offsets, rank_mtile[...] its first
-// M-tile per slot (the last entry the total). Zeroes the claim counters and the per-M-tile
-// counts of finished down tiles (a failed call may have left some short).
+// M-tile per slot (the last entry the total). Zeroes the counters (kernel A's claims and
+// relays, kernel B's claims) and the per-M-tile counts of finished down tiles (a failed call
+// may have left some short).
 extern "C" __global__ void fused_plan(const int* table, int ranks, int num_experts, int table_cols, int spr,
                                       int* rank_off, int* rank_mtile, int* counters, int* down_count, int max_tiles) {
-    if (threadIdx.x < 2) counters[threadIdx.x] = 0;
+    if (threadIdx.x < 3) counters[threadIdx.x] = 0;
     for (int m = threadIdx.x; m < max_tiles; m += blockDim.x) down_count[m] = 0;
     for (int r = threadIdx.x; r < ranks; r += blockDim.x) {
         int rows = 0, tiles = 0;
@@ -132,9 +138,10 @@ __device__ __forceinline__ void swiglu_up_tile(unsigned ring, const Tile& tile, 
 // -- kernel A: dispatch + up-projection ------------------------------------------------------------
 
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then up tiles in
-// the grouped GEMM's order (gemm_tile): send_relay_then_gemm, the relay a row
-// copy into recv (gpu-scope fence: only this rank's TMA reads it), an up tile's epilogue
-// SwiGLU into act [rows, F]. recv_map: recv [max_rows, H] as
+// the grouped GEMM's order (gemm_tile): send_relay_then_gemm, the sends and up tiles claimed
+// from counter[0], the relays by the store warps from counter[1]; the relay a row copy into
+// recv (gpu-scope fence: only this rank's TMA reads it), an up tile's epilogue SwiGLU into
+// act [rows, F]. recv_map: recv [max_rows, H] as
 // (H, rows), box 64 x 128; w_up_map: w_up [slots, H, 2F] as (2F, H, slots), boxes 64 x 64 x 1.
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_constant__ TensorMap w_up_map,
@@ -146,7 +153,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
                   const int* outcome, u64* trace) {
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
     __shared__ Pipeline p;
-    __shared__ int claimed;
+    __shared__ int claimed[2];  // the block's claim, the store warps' relay
     if (outcome[0] != FM_OUTCOME_OK) return;  // every block of every rank reads the same verdict
     load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FM_UP_COLS);
     // Tile t of the up tiles: gate columns [c0, c0 + 128) and up columns F + [c0, c0 + 128) of slot j.
@@ -157,8 +164,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     };
     auto relay_row = [&](int row, const uint4* landing, const int* row_landing) {
         const int row_vecs = hidden * 2 / 16;
-        warp_copy_row(landing + static_cast<long long>(row_landing[row]) * row_vecs,
-                      recv + static_cast<long long>(row) * row_vecs, row_vecs, threadIdx.x % WARP);
+        warp_copy_row<FM_RELAY_UNROLL>(landing + static_cast<long long>(row_landing[row]) * row_vecs,
+                                       recv + static_cast<long long>(row) * row_vecs, row_vecs, threadIdx.x % WARP);
     };
     // The epilogue on the consumers alone, through the idle stage ring: the FP32 tile (gate
     // half | up half) staged, then act (and with h, h) stored from it by swiglu_up_tile.
@@ -173,8 +180,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     send_relay_then_gemm<GH_FORWARD, false>(
         &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, x, tokens, top_k, hidden, ids, gates, positions, base,
         peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
-        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, finish,
-        epoch, timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
+        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, claimed, tile_ready, relay_row, finish, epoch,
+        timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
 }
 
 // -- kernel B: down-projection + combine -----------------------------------------------------------

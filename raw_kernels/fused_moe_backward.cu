@@ -6,8 +6,9 @@
 // (dispatch.cu's grad_rows and sum_slots, grouped_gemm.cu's dgrad, swiglu.cu's backward):
 // the same tile arithmetic, the same sums.
 //
-//   fused_grad_dispatch_dgrad  send dy -> relay (grad_y rows, gate gradients to the sources)
-//                              -> dgrad-down tiles (SwiGLU backward epilogue) -> dh [rows, 2F]
+//   fused_grad_dispatch_dgrad  send dy -> dgrad-down tiles (SwiGLU backward epilogue) -> dh
+//                              [rows, 2F]; relay (grad_y rows, gate gradients to the sources)
+//                              on the store warps beside them
 //   fused_dgrad_combine        dgrad-up tiles -> expert_out (heap) -> reduce -> dx, d_gates
 //
 // Blocks, claims, the stage ring and the flags are the forward's (fused_common.cuh): the
@@ -17,7 +18,7 @@
 // accumulator is d_act for GH_BN columns of F; its epilogue rounds it to BF16 (as the
 // sequential dgrad stores it) and stages it; the consumers then apply SwiGLU's backward with
 // h's gate and up columns of the same indices and store dh's gate columns and its up columns
-// F further (swiglu_backward_tile); the store warps leave kernel C at once, as kernel A's (on
+// F further (swiglu_backward_tile); the store warps run kernel C's relays, as kernel A's (on
 // those three warps the SwiGLU backward outlasted the next tile's MMAs).
 //
 //! kernels: fused_grad_dispatch_dgrad, fused_dgrad_combine
@@ -25,9 +26,10 @@
 
 #include <cuda_bf16.h>
 
+// fused_common.cuh first: it sets warpgroup 0's register split
+#include "fused_common.cuh"
 #include "grouped_gemm_common.cuh"
 #include "swiglu.cuh"
-#include "fused_common.cuh"
 #include "row_math.cuh"
 #include "piece_copy.cuh"
 
@@ -118,7 +120,8 @@ __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile
 
 // Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then dgrad-down
 // tiles in the grouped GEMM's order (gemm_tile): the forward kernel A's
-// send_relay_then_gemm, the relay row_math.cuh's grad_row (the sequential path's too), a
+// send_relay_then_gemm (sends and tiles claimed from counter[0], the relays by the store warps
+// from counter[1]), the relay row_math.cuh's grad_row (the sequential path's too), a
 // tile's epilogue SwiGLU's backward into dh's gate half and up half on the consumers.
 // grad_y_map: grad_y [max_rows, H] as (H, rows), box 64 x 128; w_down_map: w_down
 // [slots, F, H] as (H, F, slots), box 64 x 256 x 1. row_landing, row_weight, row_origin: the
@@ -137,12 +140,12 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
                           const int* outcome, u64* trace) {
     __shared__ int off[FB_MAX_SLOTS + 1], mtile[FB_MAX_SLOTS + 1], tile_start[FB_MAX_SLOTS + 1];
     __shared__ Pipeline p;
-    __shared__ int claimed;
+    __shared__ int claimed[2];  // the block's claim, the store warps' relay
     if (outcome[0] != FB_OUTCOME_OK) return;  // every block of every rank reads the same verdict
     load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FB_DACT_COLS);
     auto dgrad_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FB_DACT_COLS, hidden); };
     auto relay_row = [&](int row, const uint4* landing, const int*) {  // the handle's row_landing
-        grad_row<bf16, FM_UNROLL>(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16,
+        grad_row<bf16, FM_RELAY_UNROLL>(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16,
                                   peer_bases, slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
     };
     // The epilogue on the consumers alone, in the staging buffer no store warp uses here: g
@@ -158,8 +161,8 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     send_relay_then_gemm<GH_DGRAD, true>(
         &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, dy, tokens, top_k, hidden, ids, gates,
         positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset,
-        me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, &claimed, tile_ready, relay_row, finish,
-        epoch, timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
+        me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, claimed, tile_ready, relay_row, finish, epoch,
+        timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
 }
 
 // -- kernel D: dgrad of up + gradient combine -----------------------------------------------------

@@ -1,7 +1,8 @@
 """The fused MoE layer: its task semantics (``ultraep.integration.fused``) bitwise the
 sequential path over random routings, empty experts, every token to one expert and 1, 2,
-4 ranks, whatever the CTAs per rank and the interleaving of their claims; an order that
-lets a consumer be claimed before its producer is refused and can deadlock; and
+4 ranks, whatever the CTAs per rank and the interleaving of their claims and of their relay
+workers' (kernel A's relays, a stream of their own); an order that lets a consumer be
+claimed before its producer is refused and can deadlock; and
 ``MoELayer(fused=True)`` on 1, 2 and 4 ranks (host in CI, the CUDA kernels on a GPU)
 bitwise the sequential layer, forward and backward, identical over repeated runs."""
 
@@ -10,7 +11,7 @@ import pytest
 
 from tests.conftest import BACKENDS, assert_all_ranks_ok, requires_gpu, run_ranks
 from ultraep.integration.fused import (FusedDeadlock, FusedLayer, Granularity, check_order, max_m_tiles, max_tasks,
-                                       sequential_forward, simulate, task_order)
+                                       run_rank, sequential_forward, simulate, task_order)
 from ultraep.integration.moe_layer import swiglu
 from ultraep.runtime.dtypes import BFLOAT16
 
@@ -114,12 +115,40 @@ def test_an_order_with_consumers_first_is_refused_and_deadlocks():
     xs, ids, gates, w_up, w_down = problem(2, 2, 10, 2, seed=1)
     layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
     bad = []
-    for a, b in layer.tasks:  # up tiles claimed before the relays they wait for
-        bad.append(([t for t in a if t.kind != "relay"] + [t for t in a if t.kind == "relay"], b))
+    for a, b in layer.tasks:  # up tiles claimed before the sends their relays wait for
+        bad.append(([t for t in a if t.kind == "up"] + [t for t in a if t.kind != "up"], b))
     with pytest.raises(FusedDeadlock, match="not claimed before it"):
         check_order(layer, bad)
     with pytest.raises(FusedDeadlock, match="no CTA can go on"):
         simulate(layer, [1, 1], np.random.default_rng(0), bad)
+
+
+def test_the_relays_are_a_stream_of_their_own():
+    """The relay workers claim the relays from a counter of their own: wherever they stand
+    in the list, the CTAs' claims (sends, then up tiles) cannot starve them, one CTA a rank
+    suffices and the result keeps its bits."""
+    xs, ids, gates, w_up, w_down = problem(2, 2, 10, 2, seed=1)
+    expected = bits(sequential_forward(xs, ids, gates, w_up, w_down, swiglu))
+    layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
+    late = [([t for t in a if t.kind != "relay"] + [t for t in a if t.kind == "relay"], b) for a, b in layer.tasks]
+    check_order(layer, late)
+    got = bits(simulate(layer, [1, 1], np.random.default_rng(0), late))
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected))
+
+
+def test_one_rank_runs_its_claims_and_relays_in_one_interleaving():
+    """run_rank (the host backend's one CTA): the sends, the relays its relay worker runs,
+    then the up tiles; bitwise the sequential path."""
+    xs, ids, gates, w_up, w_down = problem(1, 3, 20, 2, seed=6)
+    layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
+    timeline = []
+    for r in range(layer.ranks):
+        run_rank(layer, r, timeout_s=1.0, timeline=timeline)
+    kinds = [kind for kind, *_ in timeline]
+    assert kinds == sorted(kinds, key=("send", "relay", "up", "down", "reduce").index)
+    assert set(kinds) == {"send", "relay", "up", "down", "reduce"}
+    expected = bits(sequential_forward(xs, ids, gates, w_up, w_down, swiglu))
+    assert all(np.array_equal(g, e) for g, e in zip(bits(layer.outputs()), expected))
 
 
 def test_a_stale_epoch_is_never_taken_for_arrival():

@@ -110,15 +110,16 @@ def test_the_order_puts_every_producer_before_its_consumers():
     assert (c, d) == task_order(layer.plans[0], layer.ffn, layer.hidden, SMALL)
 
 
-@pytest.mark.parametrize("swap", ["relay", "dgrad_up"])
+@pytest.mark.parametrize("swap", ["dgrad_down", "dgrad_up"])
 def test_an_order_with_consumers_first_is_refused_and_deadlocks(swap):
-    """dgrad_down tiles claimed before their relays, or reduces before the dgrad_up tiles."""
+    """dgrad_down tiles claimed before the sends their relays wait for, or reduces before
+    the dgrad_up tiles."""
     data = backward_problem(2, 2, 10, 2, seed=1)
     layer = simulation(*data, grain=SMALL)
     bad = []
     for c, d in layer.tasks:
-        if swap == "relay":
-            bad.append(([t for t in c if t.kind != "relay"] + [t for t in c if t.kind == "relay"], d))
+        if swap == "dgrad_down":
+            bad.append(([t for t in c if t.kind == "dgrad_down"] + [t for t in c if t.kind != "dgrad_down"], d))
         else:
             bad.append((c, [t for t in d if t.kind != "dgrad_up"] + [t for t in d if t.kind == "dgrad_up"]))
     with pytest.raises(FusedDeadlock, match="not claimed before it"):

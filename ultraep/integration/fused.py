@@ -4,7 +4,11 @@ follows and the reference it is held to.
 UniEP's two persistent kernels replace ``dispatch -> grouped GEMM up -> SwiGLU -> grouped
 GEMM down -> combine`` (``MoELayer``'s sequential path). Every CTA (a persistent block, one
 per SM, however many are resident) claims task ids from one counter per rank and kernel,
-``task = atomicAdd(counter, 1)``, and runs them in the order below until the list is done.
+``task = atomicAdd(counter, 1)``, and runs them in the order below until the list is done --
+all but kernel A's relays: each CTA's relay worker (on the device its three store warps)
+claims those from a second counter of the rank, in their order, and runs them beside
+whatever its CTA runs. A kernel's task list (:func:`task_order`) holds both streams: its
+``relay`` tasks are the relay workers', the rest the CTAs' claims, in list order.
 
 Kernel A, dispatch + up-projection (rank ``r``; ``j`` a local slot, ``m`` an M-tile of
 ``bm`` rows of slot ``j``, ``n`` a column block):
@@ -13,9 +17,10 @@ Kernel A, dispatch + up-projection (rank ``r``; ``j`` a local slot, ``m`` an M-t
    row on every destination rank, each (token, k) pair's gate, landing row and origin into
    its receive row there; then, after a system-scope release fence, ``row_flag[row] =
    epoch`` on the destination for every pair row written. Waits for nothing.
-2. ``relay(j, m)`` waits (acquire) until ``row_flag[row] == epoch`` for each row of the
-   tile (written by senders on any rank), copies ``landing[row_landing[row]]`` into the
-   expert-major receive row, then releases ``tile_ready[mtile(j, m)] = epoch``.
+2. ``relay(j, m)``, the relay workers' (slot, then M-tile), waits (acquire) until
+   ``row_flag[row] == epoch`` for each row of the tile (written by senders on any rank),
+   copies ``landing[row_landing[row]]`` into the expert-major receive row, then releases
+   ``tile_ready[mtile(j, m)] = epoch``.
 3. ``up(j, n, m)`` (expert, then column block, then M-tile: the grouped GEMM's order)
    waits (acquire, then a proxy fence: the TMA reads what generic stores wrote) until
    ``tile_ready[mtile(j, m)] == epoch`` -- on the device the claiming thread waits before
@@ -41,16 +46,20 @@ same on every rank because every rank derives every rank's counts from the gathe
 table. Flags hold the call's epoch (the same count of fused calls on every rank), so no
 flag is ever reset; a stale value from an earlier call never equals the current epoch.
 
-Why no order of claims can deadlock: a task waits only for (a) send tasks, which wait for
-nothing, (b) down tasks, which wait for nothing, or (c) a relay of its own rank and kernel
-with a smaller id. A task with a smaller id was claimed earlier by a running CTA; by
-induction on the id that CTA finishes it; tasks of kinds (a) and (b) finish once claimed,
-and every rank claims all of them (a rank's CTAs are never all blocked while a task that
-waits for nothing is unclaimed: it precedes every waiting task in the order). So one
-resident CTA per rank suffices, which is what makes the kernels correct under an MPS SM
-share. Every wait on the device is bounded (``timeout_s``) and records which flag, index,
+Why no order of claims can deadlock: (a) send and down tasks wait for nothing and precede
+every waiting task of their rank's claims, so they finish once claimed, and every rank
+claims all of them (a rank's CTAs are never all blocked while a task that waits for nothing
+is unclaimed). (b) A relay waits only for row flags, which sends release; so every relay
+finishes, whatever the CTAs' claims wait for: a relay worker waits for nothing but row
+flags, and every resident CTA has one, which claims the rank's relays in order until none
+is left. (c) An up tile waits for ``tile_ready``, which its relay releases (b), and a
+reduce for ``done``, which down tasks release (a). So one resident CTA per rank suffices,
+which is what makes the kernels correct under an MPS SM share. In general: a claimed task
+may wait for tasks of kind (a), for any relay of its rank and kernel, or for a claimed
+task of its rank and kernel with a smaller id; a relay for tasks of kind (a) or an earlier
+relay. Every wait on the device is bounded (``timeout_s``) and records which flag, index,
 rank and value it saw. :func:`check_order` verifies this property for a given task list
-and :func:`simulate` runs the tasks in random interleavings to show it.
+and :func:`simulate` runs the tasks in random interleavings of both streams to show it.
 
 Reuse across calls: a rank rewrites its peers' landing rows and row metadata, and its own
 ``expert_out``, only after the next call's count barrier (the Dispatcher's token map),
@@ -122,6 +131,7 @@ class Task:
 
 KERNEL_A = ("send", "relay", "up")
 KERNEL_B = ("down", "reduce")
+RELAY = "relay"  # the kind the relay workers claim from their own counter; the CTAs claim the rest
 # A timeline's task kinds by the kernel's FM_KIND_* codes.
 KINDS = {kernel_constant(KERNELS, f"FM_KIND_{kind.upper()}"): kind for kind in KERNEL_A + KERNEL_B}
 
@@ -208,10 +218,12 @@ def plan_ranks(expert_ids: list, slots_per_rank: int, grain: Granularity) -> lis
 
 def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity,
                gemms: tuple[str, str] = ("up", "down")) -> tuple[list[Task], list[Task]]:
-    """This rank's tasks of the two kernels, in claim order: sends, relays, then the first
-    GEMM's tiles (``gemms[0]``, ``ffn`` columns); the second GEMM's tiles (``gemms[1]``,
-    ``hidden`` columns), then reduces. The forward's GEMMs are up and down; the backward
-    (:mod:`ultraep.integration.fused_backward`) runs its dgrad tiles in the same order."""
+    """This rank's tasks of the two kernels in task-id order (the device's timeline rows):
+    sends, relays, then the first GEMM's tiles (``gemms[0]``, ``ffn`` columns); the second
+    GEMM's tiles (``gemms[1]``, ``hidden`` columns), then reduces. The relays are the relay
+    workers' claims, the rest the CTAs', each stream in this order (:func:`streams`). The
+    forward's GEMMs are up and down; the backward (:mod:`ultraep.integration.fused_backward`)
+    runs its dgrad tiles in the same order."""
     first, second = gemms
     off = plan.offsets[plan.rank]
     slots = len(off) - 1
@@ -224,6 +236,12 @@ def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity,
          for m, n in grouped_raster(m_tiles[j], _ceil(hidden, grain.down_cols), grain.group_m)]
     b += [Task("reduce", c) for c in range(_ceil(plan.tokens, grain.reduce_tokens))]
     return a, b
+
+
+def streams(order: list) -> tuple[list[Task], list[Task]]:
+    """A kernel's task list as its two claim streams: the CTAs' (every task but the relays,
+    in order) and the relay workers' (the relays, in order)."""
+    return [t for t in order if t.kind != RELAY], [t for t in order if t.kind == RELAY]
 
 
 # -- the heaps and the tasks' semantics -----------------------------------------------------------
@@ -445,63 +463,83 @@ class FusedLayer:
 # -- order check and interleavings -----------------------------------------------------------------
 
 def check_order(layer: FusedLayer, tasks: list | None = None) -> None:
-    """Raise FusedDeadlock unless every wait of every task has a producer that waits for
-    nothing and is claimed before any task of its rank and kernel that waits, or is an
-    earlier task of the same rank and kernel (the module docstring's argument that no
-    interleaving deadlocks). Any layer with ``waits``/``publishes`` (the backward's too)."""
+    """Raise FusedDeadlock unless every wait of every task is one the module docstring's
+    argument covers: its producer waits for nothing and is claimed before any task of its
+    rank's CTAs that waits, or -- for a task of the CTAs' claims -- is a relay of the same
+    rank and kernel or an earlier claim of the same rank and kernel, or -- for a relay --
+    is an earlier relay of the same rank and kernel. Any layer with ``waits``/``publishes``
+    (the backward's too)."""
     tasks = tasks or layer.tasks
-    producer, free = {}, set()   # free: (rank, kernel, index) in the prefix of tasks that wait for nothing
-    for r, (a, b) in enumerate(tasks):
-        for kernel, order in ((0, a), (1, b)):
+    producer, free = {}, set()   # free: (rank, kernel, stream, index) of the CTAs' prefix that waits for nothing
+    for r, orders in enumerate(tasks):
+        for kernel, order in enumerate(orders):
+            claimed, relays = streams(order)
             waited = False
-            for index, task in enumerate(order):
+            for index, task in enumerate(claimed):
                 waited = waited or bool(layer.waits(r, task))
                 if not waited:
-                    free.add((r, kernel, index))
-                for flag in layer.publishes(r, task):
-                    producer[flag] = (r, kernel, index, task)
-    for r, (a, b) in enumerate(tasks):
-        for kernel, order in ((0, a), (1, b)):
-            for index, task in enumerate(order):
-                for flag in layer.waits(r, task):
-                    if flag not in producer:
-                        raise FusedDeadlock(f"rank {r} task {index} {task} waits for {flag}, which no task sets")
-                    pr, pk, pi, ptask = producer[flag]
-                    if (pr, pk, pi) in free:
-                        continue
-                    if (pr, pk) != (r, kernel) or pi >= index:
-                        raise FusedDeadlock(f"rank {r} kernel {kernel} task {index} {task} waits for {flag}, "
-                                            f"set by rank {pr} kernel {pk} task {pi} {ptask}, which is not "
-                                            "claimed before it and may itself wait")
+                    free.add((r, kernel, 0, index))
+            for stream, tasks_of_stream in enumerate((claimed, relays)):
+                for index, task in enumerate(tasks_of_stream):
+                    for flag in layer.publishes(r, task):
+                        producer[flag] = (r, kernel, stream, index, task)
+    for r, orders in enumerate(tasks):
+        for kernel, order in enumerate(orders):
+            for stream, tasks_of_stream in enumerate(streams(order)):
+                for index, task in enumerate(tasks_of_stream):
+                    for flag in layer.waits(r, task):
+                        if flag not in producer:
+                            raise FusedDeadlock(f"rank {r} task {index} {task} waits for {flag}, which no task sets")
+                        pr, pk, ps, pi, ptask = producer[flag]
+                        if (pr, pk, ps, pi) in free:
+                            continue
+                        same = (pr, pk) == (r, kernel)
+                        if same and ps == 1 and stream == 0:  # a claim waits for a relay: relays finish (b)
+                            continue
+                        if same and ps == stream and pi < index:
+                            continue
+                        who = "a relay" if stream else "a claim"
+                        raise FusedDeadlock(f"rank {r} kernel {kernel} {who} {index} {task} waits for {flag}, set by "
+                                            f"rank {pr} kernel {pk} {'relay' if ps else 'claim'} {pi} {ptask}, which "
+                                            "is not claimed before it and may itself wait")
 
 
 def run_rank(layer: FusedLayer, rank: int, timeout_s: float, poll_s: float = 5e-5,
              timeline: list | None = None) -> None:
     """Rank ``rank``'s kernels A then B with one CTA, its flags written by other processes:
-    each wait polls until the flag holds the epoch, WaitTimeout after ``timeout_s``.
-    ``timeline``: (kind, start ns, end ns, worker 0) of every task is appended to it."""
+    the CTAs' claims up to the first that waits, then the relays (its relay worker's, each
+    waiting for rows only senders release), then the rest of the claims -- one interleaving
+    the device may run. Each wait polls until the flag holds the epoch, WaitTimeout after
+    ``timeout_s``. ``timeline``: (kind, start ns, end ns, worker 0) of every task is
+    appended to it."""
+    def run(task):
+        start = time.monotonic_ns()
+        for peer, name, index in layer.waits(rank, task):
+            flags = layer.state[peer].flags[name]
+            deadline = time.monotonic() + timeout_s
+            while flags[index] != layer.epoch:
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(f"rank {rank}: fused task {task} waited over {timeout_s:g} s for flag {name} "
+                                      f"index {index} on rank {peer} (expected epoch {layer.epoch}, saw "
+                                      f"{int(flags[index])})")
+                time.sleep(poll_s)
+        layer.run(rank, task)
+        if timeline is not None:
+            timeline.append((task.kind, start, time.monotonic_ns(), 0))
+
     for order in layer.tasks[rank]:
-        for task in order:
-            start = time.monotonic_ns()
-            for peer, name, index in layer.waits(rank, task):
-                flags = layer.state[peer].flags[name]
-                deadline = time.monotonic() + timeout_s
-                while flags[index] != layer.epoch:
-                    if time.monotonic() > deadline:
-                        raise WaitTimeout(f"rank {rank}: fused task {task} waited over {timeout_s:g} s for flag {name} "
-                                          f"index {index} on rank {peer} (expected epoch {layer.epoch}, saw "
-                                          f"{int(flags[index])})")
-                    time.sleep(poll_s)
-            layer.run(rank, task)
-            if timeline is not None:
-                timeline.append((task.kind, start, time.monotonic_ns(), 0))
+        claimed, relays = streams(order)
+        free = next((i for i, task in enumerate(claimed) if layer.waits(rank, task)), len(claimed))
+        for task in claimed[:free] + relays + claimed[free:]:
+            run(task)
 
 
 class HostFusedForward:
     """The fused forward on the host backend: this rank's tasks of the semantics above over
     the MPI shared-memory heap (peers' landing rows, row metadata, expert outputs and flags
-    are their heap views), one CTA in claim order, after the Dispatcher's token map, with the
-    task sizes of ``schedule``'s configuration for the call's tokens."""
+    are their heap views), one CTA (:func:`run_rank`: its claims and relays), after the
+    Dispatcher's token map, with the task sizes of ``schedule``'s configuration for the
+    call's tokens."""
 
     def __init__(self, group, dispatcher, flags: dict, *, ffn: int, timeout_s: float, activation: Callable,
                  schedule: FusedSchedule):
@@ -565,15 +603,17 @@ class HostFusedForward:
 
 
 def simulate(layer: FusedLayer, ctas: list[int], rng: np.random.Generator, tasks: list | None = None) -> list:
-    """Run every rank's kernels A then B with ``ctas[r]`` CTAs claiming from one counter per
-    rank and kernel, one random step at a time (claim a task, or run a claimed task whose
-    waits are met). Returns the outputs; raises FusedDeadlock if no step is possible."""
+    """Run every rank's kernels A then B with ``ctas[r]`` CTAs, each a claiming worker (one
+    counter per rank and kernel) and a relay worker (a second counter: the relays), one
+    random step at a time (a worker claims a task of its stream, or runs a claimed task
+    whose waits are met). Returns the outputs; raises FusedDeadlock if no step is possible."""
     tasks = tasks or layer.tasks
     R = layer.ranks
     kernel = [0] * R                      # 0: A, 1: B, 2: finished
-    counter = [0] * R
-    held = [[None] * ctas[r] for r in range(R)]
+    counters = [[0, 0] for _ in range(R)]  # per stream: the CTAs' claims, the relays
+    held = [[[None, None] for _ in range(ctas[r])] for r in range(R)]  # per CTA, per stream
     done = [0] * R
+    split = [[streams(order) for order in orders] for orders in tasks]
 
     def ready(r, task):
         return all(layer.state[rank].flags[name][index] == layer.epoch for rank, name, index in layer.waits(r, task))
@@ -581,29 +621,30 @@ def simulate(layer: FusedLayer, ctas: list[int], rng: np.random.Generator, tasks
     while True:
         for r in range(R):  # a rank's next kernel starts when its last one has finished (stream order)
             while kernel[r] < 2 and done[r] == len(tasks[r][kernel[r]]):
-                kernel[r], counter[r], done[r] = kernel[r] + 1, 0, 0
+                kernel[r], counters[r], done[r] = kernel[r] + 1, [0, 0], 0
         if all(k == 2 for k in kernel):
             return layer.outputs()
         steps = []
         for r in range(R):
             if kernel[r] == 2:
                 continue
-            order = tasks[r][kernel[r]]
-            for c, task in enumerate(held[r]):
-                if task is None and counter[r] < len(order):
-                    steps.append((r, c, None))
-                elif task is not None and ready(r, task):
-                    steps.append((r, c, task))
+            own = split[r][kernel[r]]
+            for c, workers in enumerate(held[r]):
+                for stream, task in enumerate(workers):
+                    if task is None and counters[r][stream] < len(own[stream]):
+                        steps.append((r, c, stream, None))
+                    elif task is not None and ready(r, task):
+                        steps.append((r, c, stream, task))
         if not steps:
-            blocked = [(r, t) for r in range(R) for t in held[r] if t is not None]
-            raise FusedDeadlock(f"no CTA can go on: blocked tasks {blocked}, counters {counter}")
-        r, c, task = steps[rng.integers(len(steps))]
+            blocked = [(r, t) for r in range(R) for workers in held[r] for t in workers if t is not None]
+            raise FusedDeadlock(f"no CTA can go on: blocked tasks {blocked}, counters {counters}")
+        r, c, stream, task = steps[rng.integers(len(steps))]
         if task is None:
-            held[r][c] = tasks[r][kernel[r]][counter[r]]
-            counter[r] += 1
+            held[r][c][stream] = split[r][kernel[r]][stream][counters[r][stream]]
+            counters[r][stream] += 1
         else:
             layer.run(r, task)
-            held[r][c] = None
+            held[r][c][stream] = None
             done[r] += 1
 
 

@@ -2,8 +2,9 @@
 follow and the reference they are held to.
 
 The same two persistent kernels as the forward (:mod:`ultraep.integration.fused`: tasks
-claimed from one counter per rank and kernel, ``task = atomicAdd(counter, 1)``, flags in
-the symmetric heap holding the call's epoch) replace ``MoELayer``'s sequential backward
+claimed from one counter per rank and kernel, ``task = atomicAdd(counter, 1)``, kernel C's
+relays by each CTA's relay worker from a second counter, as kernel A's, flags in the
+symmetric heap holding the call's epoch) replace ``MoELayer``'s sequential backward
 ``combine_backward -> dgrad down -> SwiGLU backward -> dgrad up -> dispatch_backward``.
 The inputs are the forward's: the Dispatcher's token map and receive-row metadata (its
 handle), the up-projection ``h`` (FP32) and the expert outputs ``y`` (BF16) of this rank's
@@ -17,11 +18,11 @@ M-tile of ``bm`` rows of slot ``j``, ``n`` a column block of ``F``):
    row on every destination rank (the forward's landing rows), then, after a system-scope
    release fence, ``row_flag[row] = epoch`` on the destination for every pair row of the
    token. Waits for nothing.
-2. ``relay(j, m)`` waits (acquire) until ``row_flag[row] == epoch`` for each row of the
-   tile, then for each row: ``grad_y[row] = bf16(gate * dy)`` (one FP32 product, as
-   ``combine_backward``) and the gate's gradient ``lane_dot(dy, y[row])`` written into the
-   source's ``slot_grad_w`` at the pair's slot (``row_origin``); then releases
-   ``tile_ready[mtile(j, m)] = epoch``.
+2. ``relay(j, m)``, the relay workers' (slot, then M-tile), waits (acquire) until
+   ``row_flag[row] == epoch`` for each row of the tile, then for each row:
+   ``grad_y[row] = bf16(gate * dy)`` (one FP32 product, as ``combine_backward``) and the
+   gate's gradient ``lane_dot(dy, y[row])`` written into the source's ``slot_grad_w`` at
+   the pair's slot (``row_origin``); then releases ``tile_ready[mtile(j, m)] = epoch``.
 3. ``dgrad_down(j, n, m)`` waits (acquire, then a proxy fence) until
    ``tile_ready[mtile(j, m)] == epoch``; ``d_act = bf16(grad_y[rows] @ w_down[j][cols]^T)``
    for ``F`` columns ``[n*U, (n+1)*U)`` (``U``: :func:`granularity`'s ``up_cols``), and in
@@ -47,12 +48,13 @@ The geometry (``mtile``, slots, tiles, column blocks) is the forward's, and so a
 directions, so a flag left by either direction's earlier call never equals the current
 epoch and nothing is reset.
 
-Why no order of claims can deadlock: the argument of the forward's, kind for kind. A task
-waits only for (a) send tasks or (b) dgrad_up tasks, which wait for nothing and precede
-every waiting task of their rank and kernel, or (c) a relay of its own rank and kernel
-with a smaller id. By induction on the id, a claimed task finishes; so one resident CTA
-per rank suffices. :func:`~ultraep.integration.fused.check_order` verifies this for a task
-list and :func:`~ultraep.integration.fused.simulate` runs random interleavings.
+Why no order of claims can deadlock: the argument of the forward's, kind for kind. Send
+and dgrad_up tasks wait for nothing and precede every waiting claim of their rank and
+kernel, so they finish; a relay waits only for row flags, which sends release, and runs on
+any resident CTA's relay worker, so relays finish; a dgrad_down tile waits for its relay,
+a reduce for dgrad_up tiles. So one resident CTA per rank suffices.
+:func:`~ultraep.integration.fused.check_order` verifies this for a task list and
+:func:`~ultraep.integration.fused.simulate` runs random interleavings.
 
 Reuse across calls: the backward opens with a heap barrier (as ``combine_backward``; on
 the device enqueued on the stream behind this rank's earlier kernels, no host round trip),
@@ -257,8 +259,9 @@ class FusedBackward(FusedLayer):
 
 class HostFusedBackward:
     """The fused backward on the host backend: this rank's tasks of the semantics above over
-    the MPI shared-memory heap, one CTA in claim order, with the forward's flags and epoch
-    counter (``forward``: the layer's :class:`~ultraep.integration.fused.HostFusedForward`)."""
+    the MPI shared-memory heap, one CTA (:func:`~ultraep.integration.fused.run_rank`), with
+    the forward's flags and epoch counter (``forward``: the layer's
+    :class:`~ultraep.integration.fused.HostFusedForward`)."""
 
     def __init__(self, forward, *, activation: Callable):
         self.forward, self.activation = forward, activation

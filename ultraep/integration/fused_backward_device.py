@@ -4,9 +4,10 @@ caller's stream, with the fused forward's flags, epoch counter and status words.
 Per backward, all enqueued on the stream with no host round trip: the heap barrier it opens
 with (:mod:`ultraep.integration.fused_backward`: after it no rank's earlier kernel still
 reads what this call rewrites; :meth:`DeviceFusedBackward.check` reports its timeout) ->
-``fused_grad_dispatch_dgrad`` (send dy, relay grad_y rows and gate gradients, dgrad-down
-tiles with SwiGLU's backward) -> ``fused_dgrad_combine`` (dgrad-up tiles into the heap's
-``expert_out``, slot-order reduce into dx, gate gradients). Both place each pair's row in
+``fused_grad_dispatch_dgrad`` (send dy and dgrad-down tiles with SwiGLU's backward,
+claimed by the blocks; relays of grad_y rows and gate gradients on their store warps) ->
+``fused_dgrad_combine`` (dgrad-up tiles into the heap's ``expert_out``, slot-order reduce
+into dx, gate gradients). Both place each pair's row in
 its rank's M-tiles by the rank tiles of its own forward's plan (kept in the layer's
 context; a later forward writes its own). The task semantics, the flags and the argument
 that no claim order deadlocks are :mod:`ultraep.integration.fused_backward`'s.
@@ -48,7 +49,7 @@ class DeviceFusedBackward:
                   for name in ("fused_grad_dispatch_dgrad", "fused_dgrad_combine")}
         for kernel in self.k.values():
             kernel.max_dynamic_shared_size_bytes = forward.shared_bytes
-        self.counters = cupy.zeros(2, dtype=np.int32)
+        self.counters = cupy.zeros(3, dtype=np.int32)  # kernel C's claims and relays, kernel D's claims
         self.bn = kernel_constant(KERNELS, "GH_BN")
         self.traces = None  # per kernel: [tasks, FM_TRACE_WORDS] uint64 when recording a timeline
 
@@ -92,13 +93,13 @@ class DeviceFusedBackward:
             np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset), np.uint64(fwd.row_flag.offset),
             np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), np.int32(d.max_tokens), rank_off,
             rank_mtile, s["row_landing"], s["row_weight"], s["row_origin"], cp.ascontiguousarray(y), grad_y,
-            fwd.tile_ready, np.int32(F), cp.ascontiguousarray(h), dh, epoch, timeout, self.counters[:1], fwd.status,
+            fwd.tile_ready, np.int32(F), cp.ascontiguousarray(h), dh, epoch, timeout, self.counters[:2], fwd.status,
             s["outcome"], traces[0]), shared_mem=fwd.shared_bytes)
         self.k["fused_dgrad_combine"]((fwd.grid,), (fwd.threads,), (
             dh_map, w_up_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(fwd.done.offset), np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), rank_off,
             rank_mtile, s["ids"], s["positions"], s["base"], np.int32(tokens), np.int32(d.top_k), dx, d_gates,
-            fwd.down_count, epoch, timeout, self.counters[1:], fwd.status, s["outcome"], traces[1]),
+            fwd.down_count, epoch, timeout, self.counters[2:], fwd.status, s["outcome"], traces[1]),
             shared_mem=fwd.shared_bytes)
         if d.sync_checks:
             self.check()

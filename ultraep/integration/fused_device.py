@@ -2,9 +2,10 @@
 stream, after the Dispatcher's token map (its count exchange and barrier included).
 
 Per forward: ``DeviceDispatcher.token_map`` -> ``fused_plan`` (every rank's offsets and
-M-tile starts into this call's own rank tiles, which its backward reads again; the claim
-counters zeroed) -> ``fused_dispatch_up`` (send, relay, up tiles
-with the SwiGLU epilogue) -> ``fused_down_combine`` (down tiles into the heap's
+M-tile starts into this call's own rank tiles, which its backward reads again; the
+counters zeroed) -> ``fused_dispatch_up`` (send and up tiles with the SwiGLU epilogue
+claimed by the blocks, relays claimed by their store warps from a counter of their own)
+-> ``fused_down_combine`` (down tiles into the heap's
 ``expert_out``, slot-order reduce). The task semantics, the flags and the argument that
 no claim order deadlocks are :mod:`ultraep.integration.fused`'s.
 
@@ -92,7 +93,8 @@ class DeviceFusedForward:
         self.row_flag, self.done = flags["row_flag"], flags["done"]
         self.row_flag.local.fill(0)
         self.done.local.fill(0)
-        self.counters = cupy.zeros(2, dtype=np.int32)
+        # kernel A's claims and its store warps' relays, then kernel B's claims
+        self.counters = cupy.zeros(3, dtype=np.int32)
         self.status = cupy.zeros(kernel_constant(KERNELS, "FM_STATUS_WORDS"), dtype=np.int64)
         tiles = max_m_tiles(d.max_recv_rows, spr)
         self.tile_ready = cupy.zeros(tiles, dtype=np.uint64)
@@ -153,13 +155,13 @@ class DeviceFusedForward:
             np.uint64(b.row_weight.offset), np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset),
             np.uint64(self.row_flag.offset), np.int32(d.rank), np.int32(spr), np.int32(d.max_tokens), rank_off,
             rank_mtile, np.int32(rows), recv, self.tile_ready, np.int32(F), act, kept_h, epoch, timeout,
-            self.counters[:1],
+            self.counters[:2],
             self.status, state["outcome"], traces[0]), shared_mem=self.shared_bytes)
         kernels["fused_down_combine"]((config.ctas,), (self.threads,), (
             act_map, w_down_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(self.done.offset), np.int32(d.rank), np.int32(spr), rank_off, rank_mtile,
             state["ids"], state["positions"], state["base"], state["gates"], np.int32(state["tokens"]),
-            np.int32(d.top_k), out, self.down_count, epoch, timeout, self.counters[1:], self.status, state["outcome"],
+            np.int32(d.top_k), out, self.down_count, epoch, timeout, self.counters[2:], self.status, state["outcome"],
             traces[1]),
             shared_mem=self.shared_bytes)
         received = self.impl.received(recv, state)

@@ -344,7 +344,7 @@ class FusedBench:
             maps = _TensorMaps()
             m_tiles = rows // self.bm
             self.epoch = 0
-            self.counter = cp.zeros(1, np.int32)
+            self.counter = cp.zeros(2, np.int32)  # kernel A's second word: its store warps' relays
             self.status = cp.zeros(constant("FM_STATUS_WORDS"), np.int64)
             self.outcome = cp.zeros(1, np.int32)  # the token map's verdict: OK
             self.trace = cp.zeros((self.slots * self.tasks_per_slot, constant("FM_TRACE_WORDS")), np.uint64)
