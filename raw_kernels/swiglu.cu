@@ -7,18 +7,18 @@
 // Only rows [0, min(offsets[experts], rows)) are read or written: the row count stays on
 // the device, so the host never waits for the dispatch.
 //
-// Rounding, stated so the NumPy reference can repeat it step by step: every operation
-// is one IEEE fp32 operation rounded to nearest (__fadd_rn, __fmul_rn, __fdiv_rn: no
-// contraction into FMA), except the exponential, which is taken in fp64 and rounded once
-// to fp32; results are rounded once to bf16 (nearest even). With s = sigmoid(a):
-//   s      = 1 / (1 + float(exp(-(double)a)))
+// Rounding, stated so the NumPy reference repeats it step by step: every operation is one
+// IEEE fp32 operation rounded to nearest (__fadd_rn, __fmul_rn, __fdiv_rn: no contraction
+// into FMA), the exponential included (swiglu.cuh's exp_rn: fp32 adds and multiplies, a
+// clamp and exponent bits, within 1 ulp of exp); results are rounded once to bf16 (nearest
+// even). With s = sigmoid(a):
+//   s      = 1 / (1 + exp_rn(-a))
 //   act    = bf16((a * s) * b)
 //   d_up   = bf16(g * (a * s))
 //   d_gate = bf16((g * b) * (s * (1 + a * (1 - s))))      g = float(d_act)
-// CUDA's and NumPy's fp64 exponentials are each within about one fp64 ulp of exact, so
-// they round to the same fp32 unless exp(-a) lies within that distance of the midpoint
-// between two fp32 values (about one input in 2^28): device and host agree bit for bit
-// but for such inputs.
+// So device and host agree bit for bit on every input (NaN: both NaN, payloads aside), as
+// long as subnormals are kept: the modules are compiled without -ftz (which flushes them in
+// these intrinsics too; exp_rn alone never meets one that would change its result).
 //
 //! kernels: swiglu_forward, swiglu_backward
 

@@ -1,16 +1,21 @@
 """MoELayer: placement invariance and bad input across 2 and 4 ranks (CPU backend in CI,
 CUDA IPC on a GPU; ``mpi/moe_layer_check.py``), and the SwiGLU between its grouped GEMMs
-(NumPy reference against FP64; the CUDA kernel against the reference, bit for bit)."""
+(NumPy reference against FP64; the CUDA kernels against the reference, bit for bit)."""
+
+import re
 
 import numpy as np
 import pytest
 
 from tests.conftest import BACKENDS, assert_all_ranks_ok, requires_gpu, run_ranks
-from ultraep.integration.moe_layer import expert_spec, swiglu, swiglu_backward
+from ultraep.integration.moe_layer import exp_rn, expert_spec, swiglu, swiglu_backward
 from ultraep.runtime.dtypes import BFLOAT16
 
 BF16_ROUNDOFF = 2.0**-8  # round to nearest BF16 (8 significant bits): relative error at most 2^-8
 FP32_TINY = 2.0**-126  # below this the FP32 sigmoid loses its relative precision (exp(-a) overflows at a < -88.7)
+# Rounding a result below the normal range errs by up to half BF16's subnormal spacing, 2^-134,
+# absolutely; FP32's underflows (2^-150 each, times factors below 2^10 here) add less than 2^-134.
+BF16_UNDERFLOW = 2.0**-133
 
 
 @pytest.mark.mpi
@@ -35,12 +40,109 @@ def test_expert_spec_is_the_stacked_weights_slices():
     assert spec.grad_dtype == np.float32
 
 
+FP32_MAX = float(np.finfo(np.float32).max)
+EXP_ULPS = 1.0  # exp_rn's error bound: at most 0.989 ulp over every FP32 input from -86 up (checked once, offline)
+
+
 def sample(rows=300, ffn=40, seed=0):
     rng = np.random.default_rng(seed)
     h = (rng.standard_normal((rows, 2 * ffn)) * 4).astype(np.float32)
-    h[0, :4] = [0.0, -0.0, 90.0, -90.0]  # exp over- and underflow in FP32, not in FP64
+    # exp(-a) in FP32: exact 1, flushed to 0 (a > 86), subnormal sigmoid (a < -87.3), overflow (a < -88.7)
+    h[0, :16] = [0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 86.0, 86.5, -86.5, 87.5, -87.5, 88.7, -88.7, 90.0, -90.0,
+                 1e3]
     d_act = rng.standard_normal((rows, ffn)).astype(np.float32).astype(BFLOAT16)
     return h, d_act
+
+
+def exp_inputs():
+    """Every 251st FP32 bit pattern (17 million), special values and both sides of exp_rn's
+    clamps and of FP32's overflow."""
+    sweep = np.arange(0, 2**32, 251, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, FP32_MAX, -FP32_MAX, 2.0**-126, -2.0**-126,
+                        2.0**-149, -2.0**-149, 2.0**-25, -2.0**-25, 1e30, -1e30, 1.0, -1.0], dtype=np.float32)
+    edges = np.array([-86.0, 88.72283935546875, 88.75, 0.0], dtype=np.float32)
+    steps = np.arange(-300, 301, dtype=np.int32)
+    around = (edges.view(np.int32)[:, None] + steps).ravel().view(np.float32)
+    return np.concatenate([sweep, special, around, -around])
+
+
+def fp32_ulps(got: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """|got - exact| in ulps of FP32 at ``exact`` (FP64, normal FP32 range); inf counts as 2^128."""
+    ulp = np.ldexp(1.0, np.frexp(exact)[1] - 24)
+    return np.abs(np.where(np.isinf(got), 2.0**128, got.astype(np.float64)) - np.minimum(exact, 2.0**128)) / ulp
+
+
+def test_exp_constants_are_the_kernels():
+    """moe_layer's exp_rn and swiglu.cuh's use the same FP32 constants."""
+    from ultraep.integration import moe_layer
+    from ultraep.runtime.kernels import kernel_source
+
+    header = kernel_source("swiglu.cuh").read_text()
+    device = {name: np.float32(value) for name, value in re.findall(r"\b(EXP_\w+) = (-?[0-9.e+-]+)f\b", header)}
+    host = {name: getattr(moe_layer, name) for name in device if hasattr(moe_layer, name)}
+    host.update({f"EXP_P{i}": c for i, c in enumerate(moe_layer.EXP_P)})
+    assert sorted(device) == sorted(host), f"swiglu.cuh has {sorted(device)}, moe_layer {sorted(host)}"
+    for name, value in device.items():
+        assert host[name].dtype == np.float32 and host[name].view(np.uint32) == value.view(np.uint32), name
+
+
+def test_swiglu_modules_keep_subnormals():
+    """The __fadd_rn / __fmul_rn / __fdiv_rn of swiglu.cuh flush subnormals under -ftz (and
+    fast math), where NumPy keeps them: every module using it compiles without."""
+    from ultraep.runtime.kernels import COMPILE_OPTIONS, inline_local_includes, kernel_dir
+
+    users = [path for path in sorted(kernel_dir().glob("*.cu")) if "sigmoid_rn(" in inline_local_includes(path)]
+    assert {path.name for path in users} >= {"swiglu.cu", "fused_moe.cu", "fused_moe_backward.cu"}
+    for path in users:
+        lines = re.findall(r"^//!\s*nvrtc-options:\s*(.+)$", path.read_text(), re.MULTILINE)
+        options = " ".join([*COMPILE_OPTIONS, *lines])
+        assert not re.search(r"ftz=true|fast.math", options), f"{path.name} compiles with {options}"
+
+
+def test_exp_is_within_its_ulp_bound_of_exp():
+    """Within EXP_ULPS of FP64's exp wherever it is not flushed to 0 (below -86, where exp
+    < 2^-124: the sigmoid is 1 already below 2^-25); exactly 1 for |x| <= 2^-25 (subnormals
+    included), NaN for NaN, inf past FP32's range."""
+    x = exp_inputs()
+    with np.errstate(invalid="ignore"):  # signalling NaNs among the bit patterns
+        got = exp_rn(x)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    nan = np.isnan(x)
+    assert np.isnan(got[nan]).all() and not np.isnan(got[~nan]).any()
+    x, got = x[~nan], got[~nan]
+    flushed = x < np.float32(-86)
+    assert (got[flushed] == 0).all() and not np.signbit(got[flushed]).any()
+    assert (got[np.abs(x) <= 2.0**-25] == 1).all()
+    with np.errstate(over="ignore"):
+        exact = np.exp(x[~flushed].astype(np.float64))
+    error = fp32_ulps(got[~flushed], exact)
+    worst = np.argmax(error)
+    assert error[worst] <= EXP_ULPS, f"exp_rn({x[~flushed][worst]!r}) = {got[~flushed][worst]!r}: {error[worst]} ulps"
+    assert (got[~flushed][exact >= 2.0**128] == np.inf).all()
+
+
+def test_sigmoid_is_within_4u_of_sigmoid():
+    """1 / (1 + exp_rn(-a)) with exp_rn within 2u (u = 2^-24, one rounding) of exp: 1 + e
+    within 3u, s within 4u (plus one for second-order terms); absolutely within FP32_TINY
+    where s is subnormal or 0."""
+    from ultraep.integration.moe_layer import _sigmoid
+
+    a = exp_inputs()
+    a = a[~np.isnan(a)]
+    with np.errstate(invalid="ignore"):  # signalling NaNs among the bit patterns
+        got = _sigmoid(a)
+    assert got.dtype == np.float32
+    with np.errstate(over="ignore"):
+        want = 1 / (1 + np.exp(-a.astype(np.float64)))
+    bound = 5 * 2.0**-24 * want + np.where(want < FP32_TINY, FP32_TINY, 0)
+    error = np.abs(got - want)
+    worst = np.argmax(error - bound)
+    assert error[worst] <= bound[worst], f"sigmoid({a[worst]!r}) = {got[worst]!r}, want {want[worst]!r}"
+
+
+def test_exp_takes_float32_only():
+    with pytest.raises(TypeError, match="float32"):
+        exp_rn(np.zeros(3))
 
 
 def fp64_swiglu(h, d_act):
@@ -51,53 +153,146 @@ def fp64_swiglu(h, d_act):
     return a * s * b, np.concatenate([g * b * s * (1 + a * (1 - s)), g * a * s], axis=1)
 
 
-def test_swiglu_reference_is_fp64_rounded_once_to_bf16_within_its_fp32_steps():
-    """Each result is at most 6 FP32 roundings (2^-24 each) from exact, then one BF16
-    rounding: within 2^-8 + 8 x 2^-24 of its magnitude, plus FP32_TINY times the magnitude
-    of its terms where the sigmoid underflows. The slope 1 + a(1 - s) of d_gate can
-    cancel, so its FP32 part is measured against the magnitudes of its terms."""
-    h, d_act = sample()
-    rows = 250
+def gate_sweep(seed=0):
+    """Gates from a dense sweep of FP32 over [-100, 100] (every 1024th bit pattern: 2.2
+    million, 8192 a binade), random up halves and d_act."""
+    rng = np.random.default_rng(seed)
+    top = np.float32(100).view(np.uint32)
+    half = np.arange(0, top, 1024, dtype=np.uint32).view(np.float32)
+    a = np.concatenate([half, -half])
+    ffn = 1024
+    a = a[: len(a) // ffn * ffn].reshape(-1, ffn)
+    b = (rng.standard_normal(a.shape) * 4).astype(np.float32)
+    d_act = rng.standard_normal(a.shape).astype(np.float32).astype(BFLOAT16)
+    return np.concatenate([a, b], axis=1), d_act
+
+
+@pytest.mark.parametrize("data", ["sample", "gate sweep"])
+def test_swiglu_reference_is_fp64_within_its_fp32_steps_then_bf16(data):
+    """With u = 2^-24 (one FP32 rounding) and exp_rn within 2u of exp (1 ulp), s = 1 / (1 +
+    e) is within 4u of sigmoid; act = (a s) b and d_up = g (a s) within 6u. d_gate's slope
+    s (1 + a (1 - s)) can cancel, so it is measured against its terms: 1 - s within 4u
+    (absolute), a (1 - s) within 5u |a|, 1 + a (1 - s) within 6u (1 + |a|), the slope within
+    11u (1 + |a|), d_gate within 13u |g b| (1 + |a|). Then one BF16 rounding, 2^-8 of the
+    magnitude; FP32_TINY times the terms where the sigmoid underflows (s subnormal or 0), and
+    BF16_UNDERFLOW where a result does. Each bound gets one u more for the second-order terms."""
+    h, d_act = sample() if data == "sample" else gate_sweep()
+    rows = h.shape[0] - 50 if data == "sample" else h.shape[0]
     act, dh = swiglu(h, rows), swiglu_backward(h, d_act, rows)
     want_act, want_dh = fp64_swiglu(h, d_act)
     ffn = h.shape[1] // 2
     a, b = np.abs(h[:rows, :ffn].astype(np.float64)), np.abs(h[:rows, ffn:].astype(np.float64))
     g = np.abs(d_act[:rows].astype(np.float64))
-    fp32 = 8 * 2.0**-24
-    for got, want, terms in ((act[:rows], want_act[:rows], a * b), (dh[:rows, ffn:], want_dh[:rows, ffn:], g * a),
-                             (dh[:rows, :ffn], want_dh[:rows, :ffn], g * b * (1 + a))):
+    u = 2.0**-24
+    for got, want, terms, fp32 in ((act[:rows], want_act[:rows], a * b, 7 * u),
+                                   (dh[:rows, ffn:], want_dh[:rows, ffn:], g * a, 7 * u),
+                                   (dh[:rows, :ffn], want_dh[:rows, :ffn], g * b * (1 + a), 14 * u)):
         error = np.abs(got.astype(np.float64) - want)
-        bound = BF16_ROUNDOFF * np.abs(want) + (fp32 + FP32_TINY) * terms
+        bound = BF16_ROUNDOFF * np.abs(want) + (fp32 + FP32_TINY) * terms + BF16_UNDERFLOW
         assert np.all(error <= bound), f"worst excess {np.max(error - bound):.3g}"
     assert not act[rows:].astype(np.float32).any() and not dh[rows:].astype(np.float32).any()
     assert np.all(np.isfinite(act.astype(np.float32))) and np.all(np.isfinite(dh.astype(np.float32)))
 
 
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Bit for bit, but any NaN equals any NaN (NumPy keeps an input NaN's payload and sign,
+    the GPU writes its canonical one)."""
+    width = {2: np.int16, 4: np.int32}[got.dtype.itemsize]
+    magnitude = {2: 0x7FFF, 4: 0x7FFFFFFF}[got.dtype.itemsize]
+    inf_bits = {2: 0x7F80, 4: 0x7F800000}[got.dtype.itemsize]
+    got, want = got.view(width), want.view(width)
+    got_nan, want_nan = (got & magnitude) > inf_bits, (want & magnitude) > inf_bits
+    differ = np.flatnonzero((got != want) & ~(got_nan & want_nan))
+    assert differ.size == 0, f"{what}: {differ.size} of {got.size} differ, first at {differ[0]}"
+
+
+def random_fp32(rng, count):
+    """Half uniform bit patterns (every exponent, inf and NaN), half uniform over [-100, 100]."""
+    patterns = rng.integers(0, 2**32, count // 2, dtype=np.uint32).view(np.float32)
+    return np.concatenate([patterns, rng.uniform(-100, 100, count - count // 2).astype(np.float32)])
+
+
+EXP_TEST_KERNEL = r"""
+extern "C" __global__ void exp_and_sigmoid(const float* x, long long n, float* exp_out, float* sigmoid_out) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        exp_out[i] = exp_rn(x[i]);
+        sigmoid_out[i] = sigmoid_rn(x[i]);
+    }
+}
+"""
+
+
 @pytest.mark.gpu
 @requires_gpu
-def test_swiglu_kernel_is_the_reference_bit_for_bit():
-    """Poisoned outputs; offsets end before the buffer's last rows, which stay poisoned.
-    Bit for bit but for an exponential rounding differently near an FP32 midpoint (about one
-    input in 2^28, raw_kernels/swiglu.cu): for these 1.6e6 results a chance of about 1 in 170."""
+def test_exp_and_sigmoid_kernels_are_the_reference_bit_for_bit():
+    """swiglu.cuh's exp_rn and sigmoid_rn against moe_layer's on exp_inputs() and 10^7
+    random FP32 values."""
+    import cupy
+
+    from ultraep.integration.moe_layer import _sigmoid
+    from ultraep.runtime.kernels import COMPILE_OPTIONS, inline_local_includes, kernel_source
+
+    x = np.concatenate([exp_inputs(), random_fp32(np.random.default_rng(7), 10**7)])
+    code = inline_local_includes(kernel_source("swiglu.cuh")) + EXP_TEST_KERNEL
+    kernel = cupy.RawModule(code=code, options=COMPILE_OPTIONS).get_function("exp_and_sigmoid")
+    x_dev = cupy.asarray(x)
+    exp_dev, sigmoid_dev = cupy.empty_like(x_dev), cupy.empty_like(x_dev)
+    kernel((1024,), (256,), (x_dev, np.int64(x.size), exp_dev, sigmoid_dev))
+    with np.errstate(invalid="ignore"):  # signalling NaNs among the random bit patterns
+        want_exp, want_sigmoid = exp_rn(x), _sigmoid(x)
+    assert_same_bits(cupy.asnumpy(exp_dev), want_exp, "exp_rn")
+    assert_same_bits(cupy.asnumpy(sigmoid_dev), want_sigmoid, "sigmoid_rn")
+
+
+def run_swiglu_kernels(h, d_act, offsets, rows):
+    """swiglu.cu's forward and backward over poisoned outputs: (act, dh) as int16 bits."""
     import cupy
 
     from ultraep.integration.moe_layer import _DeviceSwiGLU
 
-    h, d_act = sample(rows=4099, ffn=136, seed=3)
-    rows = 4000
-    offsets = cupy.asarray([0, 1000, 1000, 2500, rows], dtype=np.int32)
     kernels = _DeviceSwiGLU(cupy.cuda.Device().id)
     poison = np.int16(0x7FC1)  # a NaN pattern
     act = cupy.full((h.shape[0], h.shape[1] // 2), poison, dtype=np.int16)
     dh = cupy.full(h.shape, poison, dtype=np.int16)
     h_dev, d_act_dev = cupy.asarray(h), cupy.asarray(d_act.view(np.int16))
+    offsets = cupy.asarray(offsets, dtype=np.int32)
     kernels.forward(h_dev, offsets, act)
     kernels.backward(h_dev, d_act_dev, offsets, dh)
     got_act, got_dh = cupy.asnumpy(act), cupy.asnumpy(dh)
-    want_act, want_dh = swiglu(h, rows).view(np.int16), swiglu_backward(h, d_act, rows).view(np.int16)
-    assert np.count_nonzero(got_act[:rows] != want_act[:rows]) == 0
-    assert np.count_nonzero(got_dh[:rows] != want_dh[:rows]) == 0
     assert (got_act[rows:] == poison).all() and (got_dh[rows:] == poison).all()
+    return got_act[:rows], got_dh[:rows]
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_swiglu_kernel_is_the_reference_bit_for_bit():
+    """Poisoned outputs; offsets end before the buffer's last rows, which stay poisoned."""
+    h, d_act = sample(rows=4099, ffn=136, seed=3)
+    rows = 4000
+    got_act, got_dh = run_swiglu_kernels(h, d_act, [0, 1000, 1000, 2500, rows], rows)
+    assert_same_bits(got_act, swiglu(h, rows)[:rows], "act")
+    assert_same_bits(got_dh, swiglu_backward(h, d_act, rows)[:rows], "dh")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_swiglu_kernel_is_the_reference_bit_for_bit_on_any_input():
+    """Gates, up halves and d_act from random bits and the dense gate sweep (10^7 gates
+    and as many up values; inf and NaN included, NaN compared as NaN)."""
+    rng = np.random.default_rng(11)
+    ffn = 1024
+    sweep_h, sweep_d_act = gate_sweep(seed=5)
+    random_h = rng.permutation(random_fp32(rng, 2 * ffn * (10**7 // ffn))).reshape(-1, 2 * ffn)
+    random_d_act = rng.integers(0, 2**16, (random_h.shape[0], ffn), dtype=np.uint16).view(BFLOAT16)
+    h = np.concatenate([sweep_h, random_h])
+    d_act = np.concatenate([sweep_d_act, random_d_act])
+    rows = h.shape[0]
+    got_act, got_dh = run_swiglu_kernels(h, d_act, [0, rows // 3, rows], rows)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0, inf - inf, sums past FP32's range
+        want_act, want_dh = swiglu(h, rows), swiglu_backward(h, d_act, rows)
+    assert_same_bits(got_act, want_act, "act")
+    assert_same_bits(got_dh, want_dh, "dh")
 
 
 def test_layers_of_one_shape_share_their_weight_gradient_buffers():

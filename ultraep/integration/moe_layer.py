@@ -90,11 +90,41 @@ def expert_spec(hidden: int, ffn: int) -> ExpertSpec:
 
 
 # -- SwiGLU: NumPy reference (the host backend) and the CUDA kernels ----------------------------
+# exp_rn's FP32 constants, raw_kernels/swiglu.cuh's (a CPU test compares them).
+EXP_INPUT_MIN, EXP_INPUT_MAX = np.float32("-86.0"), np.float32("88.75")
+EXP_LOG2E = np.float32("1.442695")
+EXP_ROUNDING_SHIFT = np.float32("12582912.0")
+EXP_LN2_HI, EXP_LN2_LO = np.float32("0.69314575"), np.float32("1.4286068e-06")
+EXP_P = tuple(np.float32(c) for c in ("0.49999994", "0.16666521", "0.04166839", "0.00836871", "0.0013814613"))
+
+
+def exp_rn(x: np.ndarray) -> np.ndarray:
+    """``exp(x)`` of FP32 ``x``, bit for bit ``raw_kernels/swiglu.cuh``'s ``exp_rn``: the
+    same FP32 operations in the same order (NumPy's FP32 add and multiply are IEEE, rounded
+    to nearest, never contracted; every constant is an FP32 scalar so nothing widens)."""
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        raise TypeError(f"exp_rn takes float32, got {x.dtype}")
+    clamped = np.minimum(np.maximum(x, EXP_INPUT_MIN), EXP_INPUT_MAX)  # NaN stays NaN, as on the device
+    shifted = clamped * EXP_LOG2E + EXP_ROUNDING_SHIFT
+    k = shifted - EXP_ROUNDING_SHIFT
+    r = (clamped - k * EXP_LN2_HI) - k * EXP_LN2_LO
+    poly = EXP_P[3] + EXP_P[4] * r
+    for coefficient in reversed(EXP_P[:3]):
+        poly = coefficient + poly * r
+    exp_r = np.float32(1) + ((r * r) * poly + r)
+    # 2^(k-1) from exponent bits, in int32 where the device has unsigned: the same bits, and the
+    # difference cannot wrap (NumPy warns when a scalar's does). A NaN's scale is anything: NaN.
+    k_bits = shifted.view(np.int32) - EXP_ROUNDING_SHIFT.view(np.int32)
+    half_scale = ((k_bits + np.int32(126)) << np.int32(23)).view(np.float32)
+    with np.errstate(over="ignore"):  # exp(x) past FP32's range is inf, as on the device
+        result = (exp_r * half_scale) * np.float32(2)
+    return np.where(x < EXP_INPUT_MIN, np.float32(0), result)
+
+
 def _sigmoid(a: np.ndarray) -> np.ndarray:
-    """``1 / (1 + exp(-a))`` in fp32, the exponential in fp64 rounded once (swiglu.cu)."""
-    with np.errstate(over="ignore"):  # exp(-a) past FP32's range is inf, as on the device: s = 0
-        e = np.exp(-a.astype(np.float64)).astype(np.float32)
-    return np.float32(1) / (np.float32(1) + e)
+    """``1 / (1 + exp(-a))`` in FP32 as ``raw_kernels/swiglu.cuh``'s ``sigmoid_rn``."""
+    return np.float32(1) / (np.float32(1) + exp_rn(-a))
 
 
 def swiglu(h: np.ndarray, rows: int) -> np.ndarray:
