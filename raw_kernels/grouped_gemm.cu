@@ -27,12 +27,14 @@
 // (the next expert's rows, or zeros past the tensor) but never stored, and a row's
 // accumulators depend on its own row of A only. A wgrad tile is GH_BM rows of K by GH_BN
 // columns of N of one expert, reduced over the expert's rows from its first in GH_BK
-// chunks; in the last chunk, rows past the expert's end are cleared in shared memory
-// before the MMAs (an empty expert's dW_e is all zeros). Columns past the output's and
-// the reduction past its end (K or N) are zeros filled in by TMA.
+// chunks; the last chunk runs only its k16 steps that hold rows of the expert, and the rows
+// past the expert's end in the last of those are cleared in shared memory before the MMAs
+// (an empty expert's dW_e is all zeros). Columns past the output's and the reduction past
+// its end (K or N) are zeros filled in by TMA.
 //
 // Determinism: every output element is one sum in GH_BK chunks in ascending order, each
-// chunk four k16 MMAs in ascending k, with no split-K and no atomics. A row's forward or
+// chunk four k16 MMAs in ascending k (a wgrad expert's last chunk leaves out those that
+// would add only zeros), with no split-K and no atomics. A row's forward or
 // dgrad result depends only on its own row and the weights, never on which rows share its
 // tile or where its expert starts; a dW_e only on the expert's rows, not where they start.
 // The schedules below change where output tiles wait and how deep the ring is, never a sum:

@@ -327,6 +327,19 @@ __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMa
     return true;
 }
 
+// One wgrad k-step's batch of MMAs, its first K16_STEPS k16 steps: A (M-major) and B
+// (N-major) both 16 reduction rows, 2 swizzle atoms, further each.
+template <int K16_STEPS>
+__device__ __forceinline__ void wgrad_k16_steps(float (&d)[128], unsigned a, unsigned b, int consumer) {
+    static_assert(K16_STEPS >= 1 && K16_STEPS <= GH_BK / 16, "a k-step holds GH_BK / 16 k16 steps");
+    wgmma_fence();
+#pragma unroll
+    for (int k16 = 0; k16 < K16_STEPS; ++k16)
+        wgmma_m64n256k16<1, 1>(d, smem_descriptor(a + consumer * GH_BOX_BYTES + k16 * 2048, GH_BOX_BYTES, 1024),
+                               smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
+    wgmma_commit();
+}
+
 // A consumer warpgroup's MMAs of one tile: d = its 64 rows x GH_BN columns, summed over the
 // reduction in GH_BK chunks in ascending order, each releasing its stage once the next
 // chunk's MMAs are issued. !RELEASE_LAST: the last chunk's stage stays held (its release
@@ -342,29 +355,34 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
         stage_wait(&full[s], (step / GH_STAGES) & 1, status, GH_WAITED_FOR_COPIES, gave_up);
         const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
         if constexpr (MODE == GH_WGRAD) {
-            // The expert's last chunk: its rows past the end (the next expert's) count as
-            // zeros. Every copied box is cleared from that row on, whole 128-byte lines
-            // (the swizzle permutes chunks within a line), before the MMAs read them.
+            // The expert's last chunk may end early: its rows past the end (the next expert's)
+            // must count as zeros. Only its k16 steps holding rows of the expert run (the others
+            // would add exact zeros), and the last of those is cleared from the end on in every
+            // copied box, whole 128-byte lines (the swizzle permutes chunks within a line),
+            // before the MMAs read it.
             const int valid = tile.red_len - k * GH_BK;
-            if (valid < GH_BK) {
-                const int lines = GH_BK - valid, chunks = lines * 8;
-                const int boxes = GH_BM / GH_BOX + GH_BN / GH_BOX;
-                for (int i = threadIdx.x - 128; i < boxes * chunks; i += 128 * GH_CONSUMERS) {
-                    const int box = i / chunks, line = valid + (i % chunks) / 8, chunk = i % 8;
+            const int k16_steps = valid >= GH_BK ? GH_BK / 16 : ceil_div(valid, 16);
+            const int lines = k16_steps * 16 - min(valid, GH_BK);
+            if (lines > 0) {
+                constexpr int LINE_CHUNKS = (GH_BM / GH_BOX + GH_BN / GH_BOX) * 8;  // a line across every box
+                for (int i = threadIdx.x - 128; i < lines * LINE_CHUNKS; i += 128 * GH_CONSUMERS) {
+                    const int line = valid + i / LINE_CHUNKS, box = i % LINE_CHUNKS / 8, chunk = i % 8;
                     const unsigned at = a + box * GH_BOX_BYTES + line * 128 + chunk * 16;  // B follows A's boxes
                     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(at), "r"(0) : "memory");
                 }
                 fence_proxy_async_shared();  // seen by the MMAs
                 consumers_sync();
             }
-        }
-        wgmma_fence();
+            // A batch per count: a wgmma that may or may not run inside a batch makes ptxas
+            // serialise every wgmma of the kernel.
+            if (k16_steps == 4) wgrad_k16_steps<4>(d, a, b, consumer);
+            else if (k16_steps == 3) wgrad_k16_steps<3>(d, a, b, consumer);
+            else if (k16_steps == 2) wgrad_k16_steps<2>(d, a, b, consumer);
+            else wgrad_k16_steps<1>(d, a, b, consumer);
+        } else {
+            wgmma_fence();
 #pragma unroll
-        for (int k16 = 0; k16 < GH_BK / 16; ++k16) {
-            if constexpr (MODE == GH_WGRAD) {  // both 16 reduction rows further: 2 swizzle atoms
-                wgmma_m64n256k16<1, 1>(d, smem_descriptor(a + consumer * GH_BOX_BYTES + k16 * 2048, GH_BOX_BYTES, 1024),
-                                       smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
-            } else {
+            for (int k16 = 0; k16 < GH_BK / 16; ++k16) {
                 // A: 16 elements of K further within the 128-byte row.
                 const unsigned long long da = smem_descriptor(a + consumer * 64 * 128 + k16 * 32, 16, 1024);
                 if constexpr (MODE == GH_FORWARD) {
@@ -373,8 +391,8 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
                     wgmma_m64n256k16<0, 0>(d, da, smem_descriptor(b + k16 * 32, 16, 1024));
                 }
             }
+            wgmma_commit();
         }
-        wgmma_commit();
         wgmma_wait<1>();  // the previous step's MMAs are done: its stage may be refilled
         if (k > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
     }

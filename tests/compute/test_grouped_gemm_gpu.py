@@ -213,6 +213,25 @@ def test_wgrad_does_not_depend_on_where_the_experts_rows_start(cp):
     assert np.array_equal(moved, alone)
 
 
+def test_wgrad_keeps_the_next_experts_rows_out_wherever_an_expert_ends(cp):
+    """An expert's last chunk runs only its k16 steps holding the expert's rows, the last of
+    them cleared past its end. Experts ending on and off a k16 step in each of a chunk's four,
+    each followed by an expert of NaN rows: theirs are within the bound (no NaN reaches them)."""
+    rng = np.random.default_rng(9)
+    ends = [1, 15, 16, 17, 32, 47, 48, 49, 63, 64, 65, 80, 127, 128]
+    offsets = offsets_of([count for end in ends for count in (end, 40)])
+    x, dy = bf16(rng, (int(offsets[-1]), 136)), bf16(rng, (int(offsets[-1]), 264))
+    nan_rows = np.zeros(len(x), bool)
+    for e in range(1, len(offsets) - 1, 2):
+        nan_rows[offsets[e]:offsets[e + 1]] = True
+    nan_x, nan_dy = (np.where(nan_rows[:, None], np.nan, m).astype(BFLOAT16) for m in (x, dy))
+    y = down(run(cp, "wgrad", nan_x, nan_dy, offsets, np.float32))
+    r, s, terms = exact("wgrad", x, dy, offsets)
+    ours = slice(0, None, 2)
+    assert_within_bound(y[ours], r[ours], s[ours], terms[ours], np.float32, device=True,
+                        what=f"wgrad of experts ending at {ends} before NaN rows")
+
+
 def test_device_offsets_are_checked_on_the_device_and_nothing_is_written(cp):
     rng = np.random.default_rng(7)
     x, w = up(cp, bf16(rng, (40, 16))), up(cp, bf16(rng, (3, 16, 24)))
