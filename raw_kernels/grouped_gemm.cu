@@ -27,12 +27,14 @@
 // (the next expert's rows, or zeros past the tensor) but never stored, and a row's
 // accumulators depend on its own row of A only. A wgrad tile is GH_BM rows of K by GH_BN
 // columns of N of one expert, reduced over the expert's rows from its first in GH_BK
-// chunks; in the last chunk, rows past the expert's end are cleared in shared memory
-// before the MMAs (an empty expert's dW_e is all zeros). Columns past the output's and
-// the reduction past its end (K or N) are zeros filled in by TMA.
+// chunks; the last chunk runs only its k16 steps that hold rows of the expert, and the rows
+// past the expert's end in the last of those are cleared in shared memory before the MMAs
+// (an empty expert's dW_e is all zeros). Columns past the output's and the reduction past
+// its end (K or N) are zeros filled in by TMA.
 //
 // Determinism: every output element is one sum in GH_BK chunks in ascending order, each
-// chunk four k16 MMAs in ascending k, with no split-K and no atomics. A row's forward or
+// chunk four k16 MMAs in ascending k (a wgrad expert's last chunk leaves out those that
+// would add only zeros), with no split-K and no atomics. A row's forward or
 // dgrad result depends only on its own row and the weights, never on which rows share its
 // tile or where its expert starts; a dW_e only on the expert's rows, not where they start.
 // The schedules below change where output tiles wait and how deep the ring is, never a sum:
@@ -149,6 +151,12 @@ __device__ __forceinline__ void store_ring_blocks(unsigned base, int col0, const
 
 // -- The tile loop ----------------------------------------------------------------------------
 
+// A compile-time choice passed to a generic lambda (NVRTC has no <type_traits>).
+template <bool VALUE>
+struct Flag {
+    static constexpr bool value = VALUE;
+};
+
 // The operands as grouped_gemm_common.cuh describes them (load_tile).
 template <int MODE, typename OutT>
 __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorMap* b_map, const void* offsets,
@@ -200,15 +208,27 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
         if (warp == 0) {
             if (lane != 0) return;
-            int step = 0;
-            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-                const Tile tile = tile_at(t);
-                const int a_boxes = A_BOXES ? min(GH_BM / GH_BOX, ceil_div(K - tile.row0, GH_BOX)) : 1;
-                const int b_boxes = B_BOXES ? min(GH_BN / GH_BOX, ceil_div(out_cols - tile.col0, GH_BOX)) : 1;
-                if (!load_tile<MODE>(a_map, b_map, tile, a_boxes, (1u << b_boxes) - 1, 0, stages, full, empty, step,
-                                     status, gave_up))
+            // wgrad with K and N multiples of GH_BOX: its operands are 3-D maps (device.py makes
+            // the same choice), copied one box each.
+            auto produce = [&](auto one_box_each) {
+                int step = 0;
+                for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                    const Tile tile = tile_at(t);
+                    const int a_boxes = A_BOXES ? min(GH_BM / GH_BOX, ceil_div(K - tile.row0, GH_BOX)) : 1;
+                    const int b_boxes = B_BOXES ? min(GH_BN / GH_BOX, ceil_div(out_cols - tile.col0, GH_BOX)) : 1;
+                    if (!load_tile<MODE, decltype(one_box_each)::value>(a_map, b_map, tile, a_boxes,
+                                                                        (1u << b_boxes) - 1, 0, stages, full, empty,
+                                                                        step, status, gave_up))
+                        return;
+                }
+            };
+            if constexpr (MODE == GH_WGRAD) {
+                if (K % GH_BOX == 0 && N % GH_BOX == 0) {
+                    produce(Flag<true>{});
                     return;
+                }
             }
+            produce(Flag<false>{});
             return;
         }
         if constexpr (RING_STAGED) {

@@ -288,18 +288,26 @@ __device__ __forceinline__ void store_pair(OutT* p, float v0, float v1) {
 // An N-major B is four boxes of 64 reduction rows x 64 columns, an M-major A two of 64
 // reduction rows x 64 output rows (one per consumer). Boxes wholly past the output's
 // columns (or wgrad's K rows) are not copied: nothing is stored from them.
+// Where K and N are multiples of 64, wgrad's maps are 3-D instead, x as (64, M, K / 64) and
+// dy as (64, M, N / 64) (64-column blocks side by side, 128 bytes apart), and each operand of
+// a k-step is one box of 64 x 64 x 2 (A) or 64 x 64 x 4 (B): the same stage, two copies
+// instead of six, blocks past K or N filled with zeros. (The 128-byte swizzle caps a box row
+// at 64 elements; a partial last block would read past the array's end, hence the 2-D maps.)
 
 // The producer thread's k-steps of one tile into the stage ring: `a_boxes` boxes of an
 // M-major A (wgrad), the N-major B boxes named in `b_box_mask`, box j at column
 // tile.col0 + 64 j, plus `b_split` for the upper half (j >= 2: the fused up-projection's
-// up columns, F further than its gate columns). False when a stage wait gave up.
-template <int MODE>
+// up columns, F further than its gate columns); or, ONE_BOX_EACH (wgrad's 3-D maps), one
+// box per operand. False when a stage wait gave up.
+template <int MODE, bool ONE_BOX_EACH = false>
 __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMap* b_map, const Tile& tile, int a_boxes,
                                           unsigned b_box_mask, int b_split, unsigned stages, u64* full, u64* empty,
                                           int& step, long long* status, bool& gave_up) {
     constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
-    const unsigned bytes = (A_BOXES ? a_boxes * GH_BOX_BYTES : GH_A_BYTES) +
-                           (B_BOXES ? __popc(b_box_mask) * GH_BOX_BYTES : GH_B_BYTES);
+    static_assert(!ONE_BOX_EACH || MODE == GH_WGRAD, "only wgrad's maps are 3-D");
+    const unsigned bytes = ONE_BOX_EACH ? GH_STAGE_BYTES  // boxes past the tensor count in full, as zeros
+                                        : (A_BOXES ? a_boxes * GH_BOX_BYTES : GH_A_BYTES) +
+                                              (B_BOXES ? __popc(b_box_mask) * GH_BOX_BYTES : GH_B_BYTES);
     const int k_steps = ceil_div(tile.red_len, GH_BK);
     for (int k = 0; k < k_steps; ++k, ++step) {
         const int s = step % GH_STAGES;
@@ -308,7 +316,10 @@ __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMa
         expect_bytes(&full[s], bytes);
         const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
         const int r = tile.red0 + k * GH_BK;
-        if constexpr (MODE == GH_WGRAD) {
+        if constexpr (ONE_BOX_EACH) {
+            tma_load_3d(a, a_map, &full[s], 0, r, tile.row0 / GH_BOX);
+            tma_load_3d(b, b_map, &full[s], 0, r, tile.col0 / GH_BOX);
+        } else if constexpr (MODE == GH_WGRAD) {
             for (int j = 0; j < a_boxes; ++j)
                 tma_load_2d(a + j * GH_BOX_BYTES, a_map, &full[s], tile.row0 + j * GH_BOX, r);
             for (int j = 0; j < GH_BN / GH_BOX; ++j)
@@ -327,6 +338,19 @@ __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMa
     return true;
 }
 
+// One wgrad k-step's batch of MMAs, its first K16_STEPS k16 steps: A (M-major) and B
+// (N-major) both 16 reduction rows, 2 swizzle atoms, further each.
+template <int K16_STEPS>
+__device__ __forceinline__ void wgrad_k16_steps(float (&d)[128], unsigned a, unsigned b, int consumer) {
+    static_assert(K16_STEPS >= 1 && K16_STEPS <= GH_BK / 16, "a k-step holds GH_BK / 16 k16 steps");
+    wgmma_fence();
+#pragma unroll
+    for (int k16 = 0; k16 < K16_STEPS; ++k16)
+        wgmma_m64n256k16<1, 1>(d, smem_descriptor(a + consumer * GH_BOX_BYTES + k16 * 2048, GH_BOX_BYTES, 1024),
+                               smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
+    wgmma_commit();
+}
+
 // A consumer warpgroup's MMAs of one tile: d = its 64 rows x GH_BN columns, summed over the
 // reduction in GH_BK chunks in ascending order, each releasing its stage once the next
 // chunk's MMAs are issued. !RELEASE_LAST: the last chunk's stage stays held (its release
@@ -342,29 +366,34 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
         stage_wait(&full[s], (step / GH_STAGES) & 1, status, GH_WAITED_FOR_COPIES, gave_up);
         const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
         if constexpr (MODE == GH_WGRAD) {
-            // The expert's last chunk: its rows past the end (the next expert's) count as
-            // zeros. Every copied box is cleared from that row on, whole 128-byte lines
-            // (the swizzle permutes chunks within a line), before the MMAs read them.
+            // The expert's last chunk may end early: its rows past the end (the next expert's)
+            // must count as zeros. Only its k16 steps holding rows of the expert run (the others
+            // would add exact zeros), and the last of those is cleared from the end on in every
+            // copied box, whole 128-byte lines (the swizzle permutes chunks within a line),
+            // before the MMAs read it.
             const int valid = tile.red_len - k * GH_BK;
-            if (valid < GH_BK) {
-                const int lines = GH_BK - valid, chunks = lines * 8;
-                const int boxes = GH_BM / GH_BOX + GH_BN / GH_BOX;
-                for (int i = threadIdx.x - 128; i < boxes * chunks; i += 128 * GH_CONSUMERS) {
-                    const int box = i / chunks, line = valid + (i % chunks) / 8, chunk = i % 8;
+            const int k16_steps = valid >= GH_BK ? GH_BK / 16 : ceil_div(valid, 16);
+            const int lines = k16_steps * 16 - min(valid, GH_BK);
+            if (lines > 0) {
+                constexpr int LINE_CHUNKS = (GH_BM / GH_BOX + GH_BN / GH_BOX) * 8;  // a line across every box
+                for (int i = threadIdx.x - 128; i < lines * LINE_CHUNKS; i += 128 * GH_CONSUMERS) {
+                    const int line = valid + i / LINE_CHUNKS, box = i % LINE_CHUNKS / 8, chunk = i % 8;
                     const unsigned at = a + box * GH_BOX_BYTES + line * 128 + chunk * 16;  // B follows A's boxes
                     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(at), "r"(0) : "memory");
                 }
                 fence_proxy_async_shared();  // seen by the MMAs
                 consumers_sync();
             }
-        }
-        wgmma_fence();
+            // A batch per count: a wgmma that may or may not run inside a batch makes ptxas
+            // serialise every wgmma of the kernel.
+            if (k16_steps == 4) wgrad_k16_steps<4>(d, a, b, consumer);
+            else if (k16_steps == 3) wgrad_k16_steps<3>(d, a, b, consumer);
+            else if (k16_steps == 2) wgrad_k16_steps<2>(d, a, b, consumer);
+            else wgrad_k16_steps<1>(d, a, b, consumer);
+        } else {
+            wgmma_fence();
 #pragma unroll
-        for (int k16 = 0; k16 < GH_BK / 16; ++k16) {
-            if constexpr (MODE == GH_WGRAD) {  // both 16 reduction rows further: 2 swizzle atoms
-                wgmma_m64n256k16<1, 1>(d, smem_descriptor(a + consumer * GH_BOX_BYTES + k16 * 2048, GH_BOX_BYTES, 1024),
-                                       smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
-            } else {
+            for (int k16 = 0; k16 < GH_BK / 16; ++k16) {
                 // A: 16 elements of K further within the 128-byte row.
                 const unsigned long long da = smem_descriptor(a + consumer * 64 * 128 + k16 * 32, 16, 1024);
                 if constexpr (MODE == GH_FORWARD) {
@@ -373,8 +402,8 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
                     wgmma_m64n256k16<0, 0>(d, da, smem_descriptor(b + k16 * 32, 16, 1024));
                 }
             }
+            wgmma_commit();
         }
-        wgmma_commit();
         wgmma_wait<1>();  // the previous step's MMAs are done: its stage may be refilled
         if (k > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
     }

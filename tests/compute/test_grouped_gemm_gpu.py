@@ -5,7 +5,9 @@ not bitwise against the host (the tensor cores add inside an MMA step in their o
 the host sums strictly left to right). Everything else here is bitwise: BF16 output is
 the FP32 output rounded once, ten runs give the same bits, a row's forward output and
 input gradient do not depend on its neighbours or on where its expert starts (the
-master/replica property), and a wgrad does not depend on where its expert's rows start.
+master/replica property), a wgrad does not depend on where its expert's rows start, and
+its two ways of copying the operands (3-D maps where K and N are whole 64-column blocks,
+2-D ones otherwise) give the same bits.
 
 Every test runs on each kernel schedule (``ultraep.compute.device.SCHEDULES``: ``-k ring``
 runs only that one); test_grouped_gemm_schedules_gpu.py compares their bits directly.
@@ -75,9 +77,10 @@ def run(cp, op, a, b, offsets, out_dtype=BFLOAT16, poison=True):
 
 
 # (experts, K, N, mean rows): tails in every dimension, one long K, many small experts;
-# output columns one W box (64) past a whole tile (256) and reductions one chunk past it.
+# output columns one W box (64) past a whole tile (256) and reductions one chunk past it;
+# K and N whole 64-column blocks off the tile sizes (wgrad's 3-D maps).
 SHAPES = [(5, 136, 200, 33), (2, 40, 24, 400), (8, 256, 520, 300), (33, 64, 72, 20), (3, 7168, 136, 150),
-          (4, 584, 328, 260), (6, 320, 1032, 130)]
+          (4, 584, 328, 260), (6, 320, 1032, 130), (4, 320, 576, 230)]
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -211,6 +214,41 @@ def test_wgrad_does_not_depend_on_where_the_experts_rows_start(cp):
     moved = bits(run(cp, "wgrad", np.concatenate([before_x, x]), np.concatenate([before_dy, dy]),
                      offsets_of([77, 230])))[1]
     assert np.array_equal(moved, alone)
+
+
+@pytest.mark.parametrize("k,n", [(136, 264), (128, 320)], ids=["2d-maps", "3d-maps"])
+def test_wgrad_keeps_the_next_experts_rows_out_wherever_an_expert_ends(cp, k, n):
+    """An expert's last chunk runs only its k16 steps holding the expert's rows, the last of
+    them cleared past its end. Experts ending on and off a k16 step in each of a chunk's four,
+    each followed by an expert of NaN rows: theirs are within the bound (no NaN reaches them)."""
+    rng = np.random.default_rng(9)
+    ends = [1, 15, 16, 17, 32, 47, 48, 49, 63, 64, 65, 80, 127, 128]
+    offsets = offsets_of([count for end in ends for count in (end, 40)])
+    x, dy = bf16(rng, (int(offsets[-1]), k)), bf16(rng, (int(offsets[-1]), n))
+    nan_rows = np.zeros(len(x), bool)
+    for e in range(1, len(offsets) - 1, 2):
+        nan_rows[offsets[e]:offsets[e + 1]] = True
+    nan_x, nan_dy = (np.where(nan_rows[:, None], np.nan, m).astype(BFLOAT16) for m in (x, dy))
+    y = down(run(cp, "wgrad", nan_x, nan_dy, offsets, np.float32))
+    r, s, terms = exact("wgrad", x, dy, offsets)
+    ours = slice(0, None, 2)
+    assert_within_bound(y[ours], r[ours], s[ours], terms[ours], np.float32, device=True,
+                        what=f"wgrad of experts ending at {ends} before NaN rows")
+
+
+@pytest.mark.parametrize("out_dtype", [BFLOAT16, np.float32], ids=["bf16", "fp32"])
+def test_wgrad_one_copy_per_operand_gives_the_bits_of_a_copy_per_box(cp, out_dtype):
+    """K and N multiples of 64 take wgrad's 3-D maps (one copy per operand and k-step, blocks
+    past K or N as zeros); 8 more columns of x and dy, the 2-D maps (a copy per 64-column
+    box). The output elements both have must have the same bits."""
+    rng = np.random.default_rng(8)
+    offsets = offsets_of([300, 0, 129, 64, 1, 77])
+    rows = int(offsets[-1]) + 3
+    x, dy = bf16(rng, (rows, 328)), bf16(rng, (rows, 584))
+    blocks = bits(run(cp, "wgrad", np.ascontiguousarray(x[:, :320]), np.ascontiguousarray(dy[:, :576]), offsets,
+                      out_dtype))
+    boxes = bits(run(cp, "wgrad", x, dy, offsets, out_dtype))
+    assert np.array_equal(blocks, boxes[:, :320, :576])
 
 
 def test_device_offsets_are_checked_on_the_device_and_nothing_is_written(cp):

@@ -20,10 +20,12 @@ OTHERS = [s for s in SCHEDULES if s != PLAIN_SCHEDULE]
 
 # (experts, K, N, rows of each expert): hundreds of tiles (a few per SM), expert ends and
 # K, N off every tile and box size, empty experts (all-zero wgrad tiles between others),
-# a reduction of 112 k-steps.
+# a reduction of 112 k-steps; K and N whole 64-column blocks off the tile sizes (wgrad's
+# 3-D maps).
 PROBLEMS = [(8, 1032, 1032, [1500, 0, 1333, 2047, 1, 900, 0, 1711]),
             (24, 520, 1032, [0, 300, 0, 257, 129, 0, 640, 0, 77, 0, 512, 0] * 2),
-            (4, 7168, 528, [700, 1100, 0, 960])]
+            (4, 7168, 528, [700, 1100, 0, 960]),
+            (6, 1088, 960, [900, 0, 1333, 641, 1, 1200])]
 
 
 def operands(rng, op, k, n, counts, spare_rows=3):

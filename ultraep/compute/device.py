@@ -62,13 +62,15 @@ class _TensorMaps:
         self.size = kernel_constant(KERNELS, "GH_TENSOR_MAP_BYTES")
         self.dtype = np.dtype((np.void, self.size))
 
-    def tiled(self, pointer: int, dims, box) -> np.void:
-        """The map of a row-major array at ``pointer`` with ``dims`` (innermost first), copied
-        in ``box`` tiles into 128-byte-swizzled shared memory, reads out of bounds as zeros."""
-        strides, stride = [], 2
-        for d in dims[:-1]:
-            stride *= d
-            strides.append(stride)
+    def tiled(self, pointer: int, dims, box, strides=None) -> np.void:
+        """The map of an array at ``pointer`` with ``dims`` (innermost first) and byte
+        ``strides`` of the outer ones (default: a row-major array's), copied in ``box`` tiles
+        into 128-byte-swizzled shared memory, reads out of bounds as zeros."""
+        if strides is None:
+            strides, stride = [], 2
+            for d in dims[:-1]:
+                stride *= d
+                strides.append(stride)
         buffer = np.zeros(2 * self.size, dtype=np.uint8)  # the map must be 64-byte aligned
         start = -buffer.ctypes.data % 64
         out = buffer[start:start + self.size]
@@ -136,18 +138,23 @@ class DeviceGroupedGemm:
         bk, bm, bn, box = constant("GH_BK"), constant("GH_BM"), constant("GH_BN"), constant("GH_BOX")
         rows, k, n, experts = problem.rows, problem.k, problem.n, problem.experts
         if problem.op == "forward":
-            shapes = ((k, rows), (bk, bm)), ((n, k, experts), (box, bk, 1))
+            shapes = ((k, rows), (bk, bm), None), ((n, k, experts), (box, bk, 1), None)
         elif problem.op == "dgrad":
-            shapes = ((n, rows), (bk, bm)), ((n, k, experts), (bk, bn, 1))
+            shapes = ((n, rows), (bk, bm), None), ((n, k, experts), (bk, bn, 1), None)
+        elif k % box == 0 and n % box == 0:  # the kernel's producer makes the same choice
+            # Each operand as its 64-column blocks side by side (128 bytes apart), a k-step of
+            # it one box of all the tile's blocks.
+            shapes = (((box, rows, k // box), (box, bk, bm // box), (2 * k, 2 * box)),
+                      ((box, rows, n // box), (box, bk, bn // box), (2 * n, 2 * box)))
         else:
-            shapes = ((k, rows), (box, bk)), ((n, rows), (box, bk))
+            shapes = ((k, rows), (box, bk), None), ((n, rows), (box, bk), None)
 
-        def tiled(array, dims, box):
+        def tiled(array, dims, box, strides):
             if array.size == 0:  # no tile reads it; the map still needs a real address and 16-byte rows
                 return self._maps.tiled(self._placeholder.data.ptr, [_ALIGN_BYTES // 2] + [1] * (len(dims) - 1), box)
-            return self._maps.tiled(array.data.ptr, dims, box)
+            return self._maps.tiled(array.data.ptr, dims, box, strides)
 
-        return tuple(tiled(array, dims, box) for array, (dims, box) in zip((a, b), shapes))
+        return tuple(tiled(array, *shape) for array, shape in zip((a, b), shapes))
 
     def run(self, problem: Problem, a, b, offsets, out) -> None:
         """Launch on the current stream (checked CuPy arrays on this GPU)."""
