@@ -58,14 +58,14 @@ def windows_mae(rows) -> dict:
 
 
 def test_the_runs_replay_as_they_were_predicted():
-    """Today's model on the run's own profile: 9cb7189's run was predicted by it (its
-    profile rebuilt from rank 0's lines, within 1.3 %); e9279ab's by the model before
-    9348602 and 2ad9fc3, today's predicts its kernel B closer."""
+    """Today's model on the run's own profile: 9cb7189's run was predicted by nearly it
+    (within 1.3 %: its profile rebuilt from rank 0's lines, the sends and relays since two
+    phases); e9279ab's by the model before 9348602, today's predicts its kernel B closer."""
     rows, profile = replay_rows(HELD_OUT)
     assert profile.version == 5 and not profile.fused.relays_on_store_warps
     logged = np.array([row["predicted_ms"] for row in HELD_OUT["rows"]])
     assert np.abs(np.array([row["predicted_ms"] for row in rows]) / logged - 1).max() < 0.014
-    for document, mae in ((FIT, 10.51), (HELD_OUT, 9.24)):
+    for document, mae in ((FIT, 10.46), (HELD_OUT, 9.18)):
         assert summarise(replay_rows(document)[0])["mean_abs_error_pct"] == pytest.approx(mae, abs=0.01)
 
 
@@ -89,10 +89,10 @@ def test_replay_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "replayed.json"
     assert tune_main(["validate", "--replay", str(HERE / "h200_fused_9cb7189.json"), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "--replay" in printed and "9cb7189" in printed and "mean absolute error 9.24 %" in printed
+    assert "--replay" in printed and "9cb7189" in printed and "mean absolute error 9.18 %" in printed
     replayed = json.loads(out.read_text())
     assert replayed["replayed"].endswith("h200_fused_9cb7189.json") and len(replayed["rows"]) == 159
-    assert replayed["summary"]["mean_abs_error_pct"] == pytest.approx(9.24, abs=0.01)
+    assert replayed["summary"]["mean_abs_error_pct"] == pytest.approx(9.18, abs=0.01)
     assert replay_rows(replayed)[0] == replayed["rows"]  # a replay's file replays to itself
 
 

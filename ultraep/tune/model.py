@@ -344,13 +344,13 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     m_tiles, col_blocks = problem.m_tiles(), -(-problem.ffn // FM_UP_COLS)
     tile = costs.up_tile_s(problem.hidden, ctas, problem.keeps_h)
     tiles = np.ceil(m_tiles * col_blocks / working) * tile
+    sends = join(bandwidth_s(profile, send_traffic, problem.ranks_per_gpu), send_work / working)
     if costs.relays_on_store_warps:
-        sends = join(bandwidth_s(profile, send_traffic, problem.ranks_per_gpu), send_work / working)
         last_group = np.ceil(min(GG_GROUP_M, m_tiles) * col_blocks / working) * tile
         body = np.maximum(sends + tiles, np.maximum(sends, relay_work / working) + last_group)
-    else:
-        traffic = send_traffic + 2.0 * float(rows.sum()) * row  # and a row relayed: read and written
-        body = join(bandwidth_s(profile, traffic, problem.ranks_per_gpu), (send_work + relay_work) / working) + tiles
+    else:  # every send is claimed before the first relay: two phases, each its own limits
+        relay_traffic = 2.0 * float(rows.sum()) * row  # a row relayed: read and written
+        body = sends + join(bandwidth_s(profile, relay_traffic, problem.ranks_per_gpu), relay_work / working) + tiles
     return profile.kernel_s + body
 
 
