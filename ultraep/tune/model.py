@@ -323,9 +323,8 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     store warps keep relaying ahead of the tiles; they bound the kernel only if all the
     relays (one at a time per CTA) and the tiles of the last M-tile group outlast it. Where
     the relays are claimed tasks between the sends and the tiles (before profile version 6),
-    the sends and relays share the CTAs and the traffic bound (a row's send and relay are
-    ordered by its flag, so their reads and writes do not stream under each other), then the
-    tiles follow."""
+    every send is claimed before the first relay: the relays are a phase of their own, their
+    work over the CTAs bounded by their traffic (a row read and written), then the tiles."""
     ctas = np.asarray(ctas, np.float64)
     send_tokens = np.asarray(send_tokens, np.float64)
     costs = profile.fused_costs(problem.ranks_per_gpu)
