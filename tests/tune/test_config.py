@@ -40,3 +40,10 @@ def test_a_grid_above_the_resident_ctas_names_both_numbers():
         FusedSchedule((FusedConfig(8), FusedConfig(132))).check_resident(33)
     with pytest.raises(MoELayerError, match="needs FusedConfigs"):
         FusedSchedule(())
+
+
+def test_a_configuration_parses_back_from_its_text():
+    config = FusedConfig(27, 64, 4, copy_unroll=2, reduce_unroll=16)
+    assert FusedConfig.parse(str(config)) == config and str(config) == "ctas=27 send=64 reduce=4 unroll=2/16"
+    with pytest.raises(MoELayerError, match="not a fused configuration"):
+        FusedConfig.parse("ctas=27 send=64")

@@ -53,11 +53,12 @@ class FakeMaps:
 
 
 class FakeKernel:
-    """Stamps every task of the launch: CTA ``i`` of the grid runs tasks ``i, i + grid, ...``
-    back to back, each ``TILE_NS`` (a relay ``RELAY_NS``)."""
+    """Stamps every task of the launch: CTA ``i`` of the first ``grid - late`` runs tasks
+    ``i, i + grid - late, ...`` back to back, each ``TILE_NS`` (a relay ``RELAY_NS``); the
+    ``late`` others find an SM only as those end, and run the last tasks."""
 
     def __init__(self, name):
-        self.name, self.launches = name, []
+        self.name, self.launches, self.late = name, [], 0
 
     def __call__(self, grid, block, arguments, shared_mem):
         values = dict(zip(kernel_parameters("fused_moe.cu", self.name), arguments))
@@ -77,8 +78,11 @@ class FakeKernel:
             kind, tasks, task_ns = 2, slots * 16 * (int(values["ffn"]) // 128), TILE_NS
         assert int(values["tokens"]) == 0  # no send, no reduce
         trace = values["trace"]
+        early = grid[0] - self.late
         for task in range(tasks):
-            cta, wave = task % grid[0], task // grid[0]
+            cta, wave = task % early, task // early
+            if task >= tasks - self.late:  # a late CTA's one task, after every early one's
+                cta, wave = early + tasks - 1 - task, -(-(tasks - self.late) // early)
             start = 10**6 + wave * task_ns + cta  # the CTAs start a few ns apart
             trace[task] = (start, start + task_ns, cta | kind << 32)
 
@@ -103,9 +107,11 @@ def test_the_probe_reads_the_task_time_back(fake_gpu, task):
     barriers = []
     bench = FusedBench(fake_cupy, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES)
     for grid in (1, 7, 32):
-        seconds = bench.seconds(grid, lambda: barriers.append(grid))
+        rounds = bench.rounds(grid, lambda: barriers.append(grid))
         # a tile: the tile phase's span over its waves (to the CTAs' few ns of stagger); a relay: its mean
-        assert seconds == pytest.approx((RELAY_NS if task == "relay" else TILE_NS) * 1e-9, rel=1e-3)
+        assert [seconds for seconds, _ in rounds] == pytest.approx(
+            [(RELAY_NS if task == "relay" else TILE_NS) * 1e-9] * device.FUSED_ROUNDS, rel=1e-3)
+        assert [at_work for _, at_work in rounds] == [grid] * device.FUSED_ROUNDS  # every CTA from the start
     assert barriers == [1] * 3 + [7] * 3 + [32] * 3  # a barrier before every round
     launches = fake_gpu["fused_down_combine" if task == "down" else "fused_dispatch_up"].launches
     assert [int(v["epoch"]) for v in launches] == list(range(1, 11))  # a warm-up, then three rounds per grid
@@ -124,26 +130,45 @@ def test_the_probe_reads_the_task_time_back(fake_gpu, task):
 
 
 @pytest.mark.parametrize("task", ["up", "down"])
-def test_every_launch_reads_weights_the_launches_before_it_left_alone(fake_gpu, task):
-    """A slot of k = 128 rows of 4096 columns is 1 MiB: the pool holds two L2s of column
-    blocks (32 slots) besides two runs' slots, and the launches walk through it."""
-    name = "w_down_map" if task == "down" else "w_up_map"
+@pytest.mark.parametrize("operand", ["weights", "rows"])
+def test_every_launch_reads_operands_the_launches_before_it_left_alone(fake_gpu, task, operand):
+    """Weights: a slot of k = 128 rows of 4096 columns is 1 MiB, a run reads a column block
+    of it at least: the pool holds two L2s of column blocks (32 slots) besides two runs'
+    slots. Rows: a slot of 2048 rows of k = 128 is 0.5 MiB, a run reads all of it: four
+    slots hold two L2s. The launches walk through each pool."""
+    if operand == "weights":
+        name, slot_bytes, cold = ("w_down_map" if task == "down" else "w_up_map"), 128 * 4096 * 2, 32
+    else:
+        name, slot_bytes, cold = ("act_map" if task == "down" else "recv_map"), 2048 * 128 * 2, 4
     bench = FusedBench(fake_cupy, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES)
-    slot_bytes = 128 * 4096 * 2
-    assert bench.weight_slots == device.FUSED_COLD_L2S * device.FUSED_COLUMN_BLOCKS + 2 * bench.slots
+    pool = bench.pools[name]
+    assert device.FUSED_COLD_L2S * L2_BYTES == 2 * L2_BYTES and pool.slots == cold + 2 * bench.slots
     for grid in (1, 32) * 20:
-        bench.seconds(grid, lambda: None)
+        bench.rounds(grid, lambda: None)
     launches = fake_gpu["fused_down_combine" if task == "down" else "fused_dispatch_up"].launches
-    pool = bench.w.ctypes.data
-    firsts = [(values[name][1] - pool) // slot_bytes for values in launches]
+    start = pool.data.ctypes.data
+    firsts = [(values[name][1] - start) // slot_bytes for values in launches]
     assert firsts[:4] == [0, 1, 2, 3]  # the warm-up, then one slot a run
-    assert all(0 <= first <= bench.weight_slots - 1 for first in firsts)
-    assert all(values[name][2] == (4096, 128, 1) for values in launches)
+    assert all(0 <= first <= pool.slots - 1 for first in firsts)
+    dims = (4096, 128, 1) if operand == "weights" else (128, device.FUSED_SLOT_ROWS)
+    assert all(values[name][2] == dims for values in launches)
     for i, first in enumerate(firsts):  # no slot again before the walk has been through the pool
         later = firsts[i + 1:]
         if first in later:
-            assert later.index(first) >= bench.weight_slots - 2 * bench.slots
-    assert len(set(firsts)) == bench.weight_slots  # 41 launches of one slot each: the whole pool, then again
+            assert later.index(first) >= pool.slots - 2 * bench.slots
+    assert len(set(firsts)) == min(pool.slots, len(launches))  # 41 launches of one slot each: the walk wraps
+
+
+@pytest.mark.parametrize("task", ["up", "down"])
+def test_ctas_that_find_no_sm_until_the_others_end_are_not_at_work(fake_gpu, task):
+    """Under MPS shares that overlap, some of a process's CTAs may start only as others end:
+    the probe counts the SMs that started a task in the first half of the run."""
+    bench = FusedBench(fake_cupy, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES)
+    fake_gpu["fused_down_combine" if task == "down" else "fused_dispatch_up"].late = 8
+    rounds = bench.rounds(32, lambda: None)
+    assert [at_work for _, at_work in rounds] == [24] * device.FUSED_ROUNDS
+    # the run's span holds the early CTAs' waves and the late ones' task: longer than 32 CTAs would take
+    assert all(seconds > 1.2 * TILE_NS * 1e-9 for seconds, _ in rounds)
 
 
 def test_arguments_go_by_the_names_the_kernel_declares():

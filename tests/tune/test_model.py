@@ -138,6 +138,56 @@ def test_fused_windows_hold_the_spread_of_the_ranks_kernel_a():
     assert alone["down"] == pytest.approx(down[heavy]) and alone["forward"] == pytest.approx(up[heavy] + down[heavy])
 
 
+def test_relays_on_the_store_warps_run_beside_the_tiles():
+    """Since profile version 6 the relays run on every CTA's store warps: the tiles start as
+    the sends end and the relays cost nothing unless all of them outlast the tiles; before,
+    they were claimed tasks between the sends and the tiles."""
+    claimed = dataclasses.replace(PROFILE, fused=dataclasses.replace(PROFILE.fused, relays_on_store_warps=False))
+    ctas = np.array([8, 33, 132])
+    beside, before = fused_up_s(PROFILE, PROBLEM, ctas, 16), fused_up_s(claimed, PROBLEM, ctas, 16)
+    relay = PROFILE.fused.relay_task_s(PROBLEM.hidden, ctas)
+    assert np.all(before - beside > 0.8 * PROBLEM.m_tiles() * relay / ctas)  # the relays' share of the CTAs
+    tile = PROFILE.fused.up_tile_s(PROBLEM.hidden, ctas)
+    tiles = np.ceil(PROBLEM.m_tiles() * (PROBLEM.ffn // FM_UP_COLS) / ctas) * tile
+    assert np.all(beside - tiles > PROFILE.kernel_s)  # the sends before the tiles
+    # relays far slower than the tiles bound the kernel: all of them on the store warps, then the
+    # tiles of the last M-tile group (8 M-tiles of 12 column blocks)
+    slow = dataclasses.replace(PROFILE.fused, relay=tuple(tuple(v * 1e3 for v in row) for row in PROFILE.fused.relay))
+    bound = float(fused_up_s(dataclasses.replace(PROFILE, fused=slow), PROBLEM, 132, 16))
+    relays = float(slow.relay_task_s(PROBLEM.hidden, 132)) * PROBLEM.m_tiles() / 132
+    last_group = np.ceil(8 * (PROBLEM.ffn // FM_UP_COLS) / 132) * float(tile[-1])
+    assert bound == pytest.approx(PROFILE.kernel_s + relays + last_group, rel=1e-6)
+
+
+def test_a_rank_with_fewer_ctas_at_work_runs_its_waves_on_those():
+    """The profile's CTAs at work (the unluckiest sharer's): the tiles keep their cost at the
+    grid, their waves run over the CTAs at work; the default is that rank's, whom the group
+    waits for; ``working`` sets it (every CTA, for the ranks that kept theirs)."""
+    quarter = h200_like(sm_share=25)
+    grids = quarter.fused.grids
+    lacking = dataclasses.replace(quarter.fused, sharing=4,
+                                  ctas_at_work=tuple(float(min(g, 24)) for g in grids))
+    profile = dataclasses.replace(quarter, shared_fused=lacking, shared_by=4)
+    shared = Problem(4096, 4096, 1536, 8, 64, 4, ranks_per_gpu=4)
+    ctas = np.array([16, 21, 33])  # measured grids of 33 SMs: ..., 17, 21, 25, 29, 33
+    assert lacking.working_ctas(ctas).tolist() == [16, 21, 24]
+    lagging, kept = fused_up_s(profile, shared, ctas, 16), fused_up_s(profile, shared, ctas, 16, ctas)
+    assert lagging[:2] == pytest.approx(kept[:2]) and lagging[2] > kept[2]
+    tile = float(lacking.up_tile_s(4096, 33))
+    waves = np.ceil(shared.m_tiles() * (shared.ffn // FM_UP_COLS) / np.array([24, 33]))
+    assert lagging[2] - kept[2] == pytest.approx((waves[0] - waves[1]) * tile, rel=0.05)
+    assert float(fused_down_s(profile, shared, 33, 16)) > float(fused_down_s(profile, shared, 33, 16, 33))
+    # the group's windows: each rank lags in turn, the median of the turns; one rank: that rank lagging
+    windows = fused_windows(profile, [shared, shared], ctas, 16, 16)
+    down_lagging, down_kept = fused_down_s(profile, shared, ctas, 16), fused_down_s(profile, shared, ctas, 16, ctas)
+    assert windows["up"] == pytest.approx(lagging)
+    assert windows["forward"] == pytest.approx(lagging + down_lagging)
+    assert windows["down"] == pytest.approx(lagging + down_lagging - kept)
+    alone = fused_windows(profile, [shared], ctas, 16, 16)
+    assert alone["up"] == pytest.approx(lagging) and alone["down"] == pytest.approx(down_lagging)
+    assert float(down_kept[2]) < float(down_lagging[2])
+
+
 def test_predict_broadcasts_each_phase_over_its_own_knobs():
     configs = {"sync_blocks": np.array([64, 528]).reshape(2, 1, 1), "dispatch_grid": np.array([264]).reshape(1, 1, 1),
                "ctas": np.array([66, 99, 132]).reshape(1, 3, 1), "send_tokens": np.array([16]),

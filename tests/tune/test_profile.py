@@ -187,8 +187,41 @@ def test_fused_costs_are_lines_in_k_and_linear_between_grids():
 def test_shared_fused_costs_are_the_slowest_process():
     from ultraep.tune.profile import fused_costs
 
-    one = {"up": [[1.0, 2.0]], "up_act": [[1.0, 1.0]], "relay": [[3.0, 3.0]], "down": [[2.0, 2.0]]}
-    other = {"up": [[1.5, 1.0]], "up_act": [[1.0, 4.0]], "relay": [[1.0, 1.0]], "down": [[2.0, 5.0]]}
+    # per grid, the CTAs at work of three rounds: one process lacks CTAs in a round, then the other
+    one = {"up": [[1.0, 2.0]], "up_act": [[1.0, 1.0]], "relay": [[3.0, 3.0]], "down": [[2.0, 2.0]],
+           "ctas_at_work": [[1, 1, 1], [3, 4, 4]]}
+    other = {"up": [[1.5, 1.0]], "up_act": [[1.0, 4.0]], "relay": [[1.0, 1.0]], "down": [[2.0, 5.0]],
+             "ctas_at_work": [[1, 1, 1], [4, 3, 4]]}
     costs = fused_costs([one, other], (1, 4), (64,), (32,))
     assert costs.sharing == 2 and costs.up == ((1.5, 2.0),) and costs.up_act == ((1.0, 4.0),)
     assert costs.relay == ((3.0, 3.0),) and costs.down == ((2.0, 5.0),)
+    # each process's median round has all 4 at work; the group's median round lacks one
+    assert costs.ctas_at_work == (1.0, 3.0) and costs.relays_on_store_warps
+
+
+def test_ctas_at_work_scale_the_grid_between_measured_ones():
+    from ultraep.tune import FusedCosts
+
+    table = ((1e-6,) * 4,)
+    costs = FusedCosts(grids=(1, 16, 24, 32), sharing=4, up_k=(64,), down_k=(32,), up=table, up_act=table,
+                       relay=table, down=table, ctas_at_work=(1.0, 16.0, 24.0, 24.0))
+    assert costs.working_ctas([1, 16, 20, 24, 28, 32]).tolist() == pytest.approx([1, 16, 20, 24, 28 * 0.875, 24])
+    assert dataclasses.replace(costs, ctas_at_work=None).working_ctas([5, 32]).tolist() == [5, 32]
+    assert "CTAs at work" in "\n".join(costs.table())
+    with pytest.raises(ProfileError, match="ctas_at_work needs one count per grid"):
+        dataclasses.replace(costs, ctas_at_work=(1.0, 16.0, 25.0, 24.0))
+    with pytest.raises(ProfileError, match="ctas_at_work needs one count per grid"):
+        dataclasses.replace(costs, ctas_at_work=(1.0, 16.0))
+
+
+def test_a_profile_stored_beside_measurements_may_be_of_an_older_version():
+    profile = measured()
+    data = json.loads(json.dumps(profile.to_json()))
+    old = dict(data, version=5, fused={k: v for k, v in data["fused"].items()
+                                       if k not in ("ctas_at_work", "relays_on_store_warps")})
+    with pytest.raises(ProfileError, match="format version 5"):
+        MachineProfile.from_json(old)
+    stored = MachineProfile.from_json(old, stored=True)
+    assert stored.version == 5 and stored.fused.ctas_at_work is None and not stored.fused.relays_on_store_warps
+    with pytest.raises(ProfileError, match="format version 3.*stored beside measurements"):
+        MachineProfile.from_json(dict(old, version=3), stored=True)

@@ -40,6 +40,9 @@ def test_device_profile_is_plausible_and_cached(tmp_path):
         assert np.all(tile >= fused.up_tile_s(k, fused.grids, keeps_h=False) * 0.98)
         relay = fused.relay_task_s(k, fused.grids)  # 128 rows of 2 k bytes: 0.1 .. 100 GB/s a CTA
         assert np.all(0.1e9 < 128 * 2 * k / relay) and np.all(128 * 2 * k / relay < 100e9), relay
+    # one process alone on the GPU: every CTA finds its SM at once
+    assert all(0.95 * g <= v <= g for v, g in zip(fused.ctas_at_work, fused.grids)), fused.ctas_at_work
+    assert fused.relays_on_store_warps
     for k in fused.down_k:
         tile = fused.down_tile_s(k, fused.grids)
         assert np.all(0.2e12 < 2.0 * 128 * 256 * k / tile) and np.all(2.0 * 128 * 256 * k / tile < 10e12), tile

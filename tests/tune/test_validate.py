@@ -60,7 +60,56 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
     if phase == "fused-forward":
         assert all(len(row["rank_ms"]) == 2 for row in data["rows"])
         assert all(row["rank_ctas_a"] == [1.0, 1.0] for row in data["rows"])  # the host runs one worker a rank
+        assert all(row["fewest_ctas_a"] == 1.0 for row in data["rows"])
+        assert all(row["profile_ctas_a"] == int(row["config"].split()[0][5:]) for row in data["rows"])
+        assert "kernel A's CTAs at work" in out
+        # every rank's problem is kept: the sweep replays to its own predictions
+        assert len(data["problems"]["48 tokens/rank, hidden 64, ffn 32"]) == 2
+        assert tune_main(["validate", "--replay", str(out_json)]) == 0
+        replayed = capfd.readouterr().out
+        assert f"mean absolute error {data['summary']['mean_abs_error_pct']:.2f} %" in replayed
     assert all(row["measured_ms"] > 0 and row["predicted_ms"] > 0 for row in data["rows"])
     assert len(data["summary"]["problems"]) == problems
     image = matplotlib.image.imread(png)
     assert image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_a_forward_enqueued_after_its_hold_ended_is_timed_again_behind_a_longer_hold():
+    """On the GPU each timed forward waits behind a hold of the stream; where a rank's host
+    was still enqueueing it when the hold ended, the forward does not count (its kernels
+    started when their launches came) and the hold doubles for every rank."""
+    from ultraep.integration.fused import KERNEL_A, KERNEL_B
+    from ultraep.tune import validate
+
+    a, b = next(iter(KERNEL_A)), next(iter(KERNEL_B))
+
+    class Moe:
+        def forward(self, x, ids, gates):
+            hold.enqueued.append(hold.hold_ns)
+
+        def timeline(self):  # two tasks of A on SMs 0 and 1, then one of B
+            return [(a, 100, 300, 0), (a, 120, 400, 1), (b, 410, 900, 0)]
+
+    class Hold:
+        hold_ns, enqueued = validate.HOLD_NS, []
+
+        def start(self):
+            pass
+
+        def ended_early(self):  # the host outlasts the first two holds
+            return len(self.enqueued) <= 2
+
+    class Group:
+        def barrier(self, what):
+            pass
+
+        def allgather(self, value):
+            return [value, value]
+
+    hold = Hold()
+    spans = validate.timed_forwards(Group(), Moe(), None, None, None, hold, repeats=3)
+    assert spans.shape == (3, 2, 5) and spans[0, 0].tolist() == [100, 400, 410, 900, 2]
+    assert hold.enqueued == [validate.HOLD_NS, 2 * validate.HOLD_NS] + [4 * validate.HOLD_NS] * 3
+    hold.enqueued, hold.hold_ns = [], validate.MAX_HOLD_NS
+    with pytest.raises(RuntimeError, match="to enqueue one fused forward"):
+        validate.timed_forwards(Group(), Moe(), None, None, None, hold, repeats=1)

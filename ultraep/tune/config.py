@@ -14,6 +14,7 @@ different ones per rank included, and compares bit for bit).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from ultraep.errors import MoELayerError
@@ -81,6 +82,14 @@ class FusedConfig:
     def __str__(self) -> str:
         return (f"ctas={self.ctas} send={self.send_tokens} reduce={self.reduce_tokens} "
                 f"unroll={self.copy_unroll}/{self.reduce_unroll}")
+
+    @classmethod
+    def parse(cls, text: str) -> FusedConfig:
+        """The configuration ``str()`` wrote (as a ``tune validate --json`` keeps it)."""
+        match = re.fullmatch(r"ctas=(\d+) send=(\d+) reduce=(\d+) unroll=(\d+)/(\d+)", text.strip())
+        if match is None:
+            raise MoELayerError(f"not a fused configuration (ctas=C send=S reduce=R unroll=U/V): {text!r}")
+        return cls(*(int(v) for v in match.groups()))
 
 
 @dataclass(frozen=True)

@@ -243,14 +243,15 @@ class DeviceProbe:
 
     fused_reductions = (FUSED_UP_K, FUSED_DOWN_K)
 
-    def fused_seconds(self, task: str, k: int, grid: int, together) -> float:
-        """One fused task's time (:class:`~ultraep.tune.profile.FusedCosts`) at ``k`` on
-        ``grid`` CTAs: the median of :data:`FUSED_ROUNDS` launches, each after ``together()``."""
+    def fused_rounds(self, task: str, k: int, grid: int, together) -> list[tuple[float, int]]:
+        """One fused task (:class:`~ultraep.tune.profile.FusedCosts`) at ``k`` on ``grid`` CTAs
+        in :data:`FUSED_ROUNDS` launches, each after ``together()``: per launch its time and
+        its CTAs at work (:meth:`FusedBench.rounds`)."""
         if self._fused is None or self._fused.key != (task, k):
             self._fused = None  # its buffers go before the next one's are made
             l2_bytes = int(self.cp.cuda.runtime.getDeviceProperties(self.device)["l2CacheSize"])
             self._fused = FusedBench(self.cp, self.device, task, k, max(self.fused_grids()), l2_bytes)
-        return self._fused.seconds(grid, together)
+        return self._fused.rounds(grid, together)
 
     def expert_call_s(self, rows: int) -> float:
         from ultraep.compute import grouped_mm
@@ -300,11 +301,11 @@ class FusedBench:
     (``task``, ``k``: :class:`~ultraep.tune.profile.FusedCosts`), its buffers made once for
     grids up to ``max_grid`` (a run on a smaller grid uses fewer slots: every run has
     :data:`FUSED_TILE_WAVES` waves of tiles, or :data:`FUSED_RELAY_WAVES` of relays, at least).
-    The tiles' weights come from a pool of ``weight_slots`` slots that the launches walk
-    through, each launch the slots after the last one's: a run touches at least one column
-    block of each of its slots, so between two launches on one slot the others have touched
-    :data:`FUSED_COLD_L2S` times ``l2_bytes`` of weights, and every launch reads its weights
-    from HBM, as a layer does.
+    Both operands of the tiles come from pools (:class:`OperandPool`) that the launches walk
+    through, each launch the slots after the last one's, so that every launch reads them from
+    HBM, as a layer does: its slots' weights (version 5), and its rows (version 6) -- a
+    layer's up tiles read rows relayed long before (a rank relays hundreds of MB ahead of its
+    tiles), its down tiles the ``act`` kernel A wrote (as much), never what L2 still holds.
 
     * ``up`` / ``up_act``: kernel A on slots of :data:`FUSED_SLOT_ROWS` rows whose M-tiles are
       already relayed (no relay task: the M-tile table is all zeros, and the flags every up
@@ -316,7 +317,8 @@ class FusedBench:
       heap of this process's, each M-tile's last one publishing its ``done`` flag.
 
     A tile's time is the tile phase's span (first tile's claim to the last tile's end, from
-    the timeline the kernels stamp) over its waves; a relay's, the mean relay task."""
+    the timeline the kernels stamp) over its waves; a relay's, the mean relay task; a run's
+    CTAs at work, the SMs its tasks started on in the first half of its span."""
 
     def __init__(self, cp, device: int, task: str, k: int, max_grid: int, l2_bytes: int):
         from ultraep.compute.device import _TensorMaps
@@ -335,7 +337,7 @@ class FusedBench:
         waves = FUSED_RELAY_WAVES if task == "relay" else FUSED_TILE_WAVES
         self.slots = self.slots_for(max_grid, waves)
         self.waves = waves
-        self.weight_slots, self.next_weight_slot, self.weight_map = 0, 0, None
+        self.pools = {}  # a tile operand's tensor map argument: its pool
         rows = self.slots * FUSED_SLOT_ROWS
         self.threads, self.shared_bytes = constant("GH_THREADS"), constant("GH_SMEM_BYTES")
         self.kernel = get_function(FUSED_KERNELS, self.kernel_name)
@@ -350,35 +352,34 @@ class FusedBench:
             self.trace = cp.zeros((self.slots * self.tasks_per_slot, constant("FM_TRACE_WORDS")), np.uint64)
             if task == "down":
                 ffn, hidden = k, FUSED_COLUMN_BLOCKS * constant("FM_DOWN_COLS")
-                self.a = _bf16_bits(cp, (rows, ffn), seed=k)
-                self._weight_pool(maps, "w_down_map", (ffn, hidden), l2_bytes)
+                self._pools(maps, l2_bytes, "act_map", ffn, "w_down_map", (ffn, hidden))
                 self.heap, offsets = _carve(cp, (("expert_out", rows * hidden * 2), ("done", m_tiles * 8)))
                 self.flags = None
                 self.down_count = cp.zeros(m_tiles, np.int32)
-                self.fixed = dict(act_map=maps.tiled(self.a.data.ptr, (ffn, rows), (self.box, self.bm)),
-                                  ffn=np.int32(ffn), hidden=np.int32(hidden),
+                self.fixed = dict(ffn=np.int32(ffn), hidden=np.int32(hidden),
                                   expert_out_offset=np.uint64(offsets["expert_out"]),
                                   done_offset=np.uint64(offsets["done"]), down_count=self.down_count)
             else:
                 hidden = k
                 ffn = 0 if task == "relay" else FUSED_COLUMN_BLOCKS * constant("FM_UP_COLS")
-                self.recv = cp.empty((rows, hidden), np.int16)
                 parts = [("landing", rows * hidden * 2), ("row_landing", rows * 4), ("row_flag", rows * 8)]
                 self.heap, offsets = _carve(cp, parts if task == "relay" else parts[:1])
                 if task == "relay":  # every row lands in a row of its own, as a layer's do
+                    self.recv = cp.empty((rows, hidden), np.int16)
                     self.heap[:rows * hidden * 2].view(np.int16)[:] = _bf16_bits(cp, (rows * hidden,), seed=k)
                     landing = self.heap[offsets["row_landing"]:offsets["row_landing"] + rows * 4].view(np.int32)
                     landing[:] = cp.arange(rows, dtype=np.int32)
                     self.flags = self.heap[offsets["row_flag"]:offsets["row_flag"] + rows * 8].view(np.uint64)
+                    recv_map = maps.tiled(self.recv.data.ptr, (hidden, rows), (self.box, self.bm))
+                    tiles_maps = dict(recv_map=recv_map, w_up_map=recv_map)  # no tile reads them
                 else:
-                    self.recv[:] = _bf16_bits(cp, (rows, hidden), seed=k)
-                    self._weight_pool(maps, "w_up_map", (hidden, 2 * ffn), l2_bytes)
+                    self.recv = self._pools(maps, l2_bytes, "recv_map", hidden, "w_up_map", (hidden, 2 * ffn))
                     self.flags = None
+                    tiles_maps = {}
                 self.tile_ready = cp.zeros(m_tiles, np.uint64)
                 self.act = cp.empty((rows, max(ffn, 1)), np.int16)
                 self.h = cp.empty((rows, 2 * ffn), np.float32) if task == "up" else None
-                recv_map = maps.tiled(self.recv.data.ptr, (hidden, rows), (self.box, self.bm))
-                self.fixed = dict(recv_map=recv_map,
+                self.fixed = dict(tiles_maps,
                                   x=self.recv, hidden=np.int32(hidden), landing_offset=np.uint64(0),
                                   weight_offset=np.uint64(0),
                                   row_landing_offset=np.uint64(offsets.get("row_landing", 0)),
@@ -393,32 +394,22 @@ class FusedBench:
                               counter=self.counter, status=self.status, outcome=self.outcome, trace=self.trace)
             if task == "down":
                 self.fixed["out"] = unread
-            if task == "relay":  # no tile reads weights
-                self.fixed["w_up_map"] = recv_map
             self._prepare(max_grid)[0]()  # warm-up: the module's first launch, the buffers' first touch
             cp.cuda.get_current_stream().synchronize()
 
-    def _weight_pool(self, maps, name: str, slot_shape: tuple[int, int], l2_bytes: int) -> None:
-        """The tiles' weights (``name``'s tensor map, slots of ``slot_shape``): enough slots
-        that the column blocks of those between two launches on one slot hold
-        :data:`FUSED_COLD_L2S` L2s, besides two runs' slots (a walk that wraps skips at most
-        one run's)."""
-        cp = self.cp
-        slot_bytes = 2 * slot_shape[0] * slot_shape[1]
-        cold = -(-FUSED_COLD_L2S * l2_bytes * FUSED_COLUMN_BLOCKS // slot_bytes)
-        self.weight_slots = cold + 2 * self.slots
-        self.w = cp.empty((self.weight_slots, *slot_shape), np.int16)
-        for slot in range(self.weight_slots):  # slot by slot: the FP32 draws of the whole pool need not fit
-            self.w[slot] = _bf16_bits(cp, slot_shape, seed=slot_shape[0] + slot)
-        self.weight_map = (maps, name, slot_bytes, (slot_shape[1], slot_shape[0]))
-
-    def _next_weights(self, slots: int) -> dict:
-        """The weights' tensor map of a launch over ``slots`` slots: those after the last
-        launch's in the pool, from its start again where they do not fit."""
-        maps, name, slot_bytes, dims = self.weight_map
-        first = self.next_weight_slot if self.next_weight_slot + slots <= self.weight_slots else 0
-        self.next_weight_slot = first + slots
-        return {name: maps.tiled(self.w.data.ptr + first * slot_bytes, (*dims, slots), (self.box, self.box, 1))}
+    def _pools(self, maps, l2_bytes: int, rows_map: str, k: int, weights_map: str, weight_slot: tuple[int, int]):
+        """The tiles' operand pools: their rows (``rows_map``, a slot's :data:`FUSED_SLOT_ROWS`
+        rows of ``k``; a run reads every row of its slots) and their weights
+        (``weights_map``, slots of ``weight_slot``; a run reads a column block of each of its
+        slots at least). Returns the rows' buffer (kernel A's ``recv``)."""
+        rows = OperandPool(self.cp, (FUSED_SLOT_ROWS, k), 1, l2_bytes, self.slots,
+                           lambda pointer, slots: maps.tiled(pointer, (k, slots * FUSED_SLOT_ROWS),
+                                                             (self.box, self.bm)))
+        weights = OperandPool(self.cp, weight_slot, FUSED_COLUMN_BLOCKS, l2_bytes, self.slots,
+                              lambda pointer, slots: maps.tiled(pointer, (weight_slot[1], weight_slot[0], slots),
+                                                                (self.box, self.box, 1)))
+        self.pools = {rows_map: rows, weights_map: weights}
+        return rows.data
 
     def slots_for(self, grid: int, waves: int) -> int:
         return max(1, -(-waves * grid // self.tasks_per_slot))
@@ -442,17 +433,19 @@ class FusedBench:
         mtiles = np.zeros(slots + 1, np.int32) if self.task in ("up", "up_act") else offsets * m_tiles
         values = dict(self.fixed, spr=np.int32(slots), rank_off=cp.asarray(offsets * FUSED_SLOT_ROWS),
                       rank_mtile=cp.asarray(mtiles), epoch=epoch)
-        if self.weight_map is not None:
-            values.update(self._next_weights(slots))
+        values.update({name: pool.next_map(slots) for name, pool in self.pools.items()})
         arguments = ordered_arguments(FUSED_KERNELS, self.kernel_name, values)
 
         def launch():
             self.kernel((grid,), (self.threads,), arguments, shared_mem=self.shared_bytes)
         return launch, slots * self.tasks_per_slot
 
-    def seconds(self, grid: int, together) -> float:
+    def rounds(self, grid: int, together) -> list[tuple[float, int]]:
+        """:data:`FUSED_ROUNDS` launches on ``grid`` CTAs, each after ``together()``: per launch
+        the task's time and the CTAs at work, those (distinct SMs) that started a task in the
+        first half of the run -- a CTA that found no SM free until others ended starts late."""
         cp = self.cp
-        times = []
+        rounds = []
         with cp.cuda.Device(self.device):
             for _ in range(FUSED_ROUNDS):
                 launch, tasks = self._prepare(grid)
@@ -468,12 +461,39 @@ class FusedBench:
                 mine = (where >> np.uint64(32)) == self.kind
                 if not mine.any() or not (start[mine].all() and end[mine].all()):
                     raise ProfileError(f"the fused kernels' {self.task} probe on {grid} CTAs left tasks unstamped")
+                first, last = int(start[mine].min()), int(end[mine].max())
+                early = mine & (start < np.uint64(first + (last - first) // 2))
+                at_work = len(np.unique(where[early] & np.uint64(0xFFFFFFFF)))
                 if self.task == "relay":
-                    times.append(float(np.mean((end[mine] - start[mine]).astype(np.float64))) * 1e-9)
+                    seconds = float(np.mean((end[mine] - start[mine]).astype(np.float64))) * 1e-9
                 else:
-                    span = float(end[mine].max() - start[mine].min()) * 1e-9
-                    times.append(span / math.ceil(int(mine.sum()) / grid))
-        return float(np.median(times))
+                    seconds = (last - first) * 1e-9 / math.ceil(int(mine.sum()) / grid)
+                rounds.append((seconds, at_work))
+        return rounds
+
+
+class OperandPool:
+    """One tile operand in slots of ``slot_shape`` (BF16) that a probe's launches walk
+    through, each launch the slots after the last one's, from the start again where they do
+    not fit: enough slots that between two launches on one slot the others have touched
+    :data:`FUSED_COLD_L2S` times ``l2_bytes`` (a run touching a ``1 / touched`` part of each of
+    its slots at least), besides two runs' slots (a walk that wraps skips at most one run's).
+    ``map_at(pointer, slots)``: the operand's tensor map of ``slots`` slots from ``pointer``."""
+
+    def __init__(self, cp, slot_shape: tuple[int, int], touched: int, l2_bytes: int, run_slots: int, map_at):
+        self.slot_bytes = 2 * slot_shape[0] * slot_shape[1]
+        self.slots = -(-FUSED_COLD_L2S * l2_bytes * touched // self.slot_bytes) + 2 * run_slots
+        self.data = cp.empty((self.slots * slot_shape[0], slot_shape[1]), np.int16)
+        for slot in range(self.slots):  # slot by slot: the FP32 draws of the whole pool need not fit
+            self.data[slot * slot_shape[0]:(slot + 1) * slot_shape[0]] = _bf16_bits(cp, slot_shape,
+                                                                                    seed=slot_shape[0] + slot)
+        self.map_at, self.next_slot = map_at, 0
+
+    def next_map(self, slots: int):
+        """The tensor map of a launch over ``slots`` slots."""
+        first = self.next_slot if self.next_slot + slots <= self.slots else 0
+        self.next_slot = first + slots
+        return self.map_at(self.data.data.ptr + first * self.slot_bytes, slots)
 
 
 def _carve(cp, parts):

@@ -94,10 +94,11 @@ class HostProbe:
     def fused_grids(self) -> tuple[int, ...]:
         return (1,)  # the host backend's fused layer runs its tasks one after another
 
-    def fused_seconds(self, task: str, k: int, grid: int, together) -> float:
+    def fused_rounds(self, task: str, k: int, grid: int, together) -> list[tuple[float, int]]:
         """A fused task of the host backend's kind, one tile's NumPy: an up tile's matmul of
         ``tile_shape`` over ``k`` and SwiGLU (and a copy of the accumulators, as ``h``, for
-        ``up``), a down tile's matmul, a relay's copy of ``tile_shape[0]`` rows of ``k``."""
+        ``up``), a down tile's matmul, a relay's copy of ``tile_shape[0]`` rows of ``k``; one
+        round, its time per call and its one worker at work."""
         bm, bn = self.tile_shape
         rng = np.random.default_rng(k)
         x = rng.standard_normal((bm, k), dtype=np.float32)
@@ -117,7 +118,7 @@ class HostProbe:
         calls = {"up": lambda: up(True), "up_act": lambda: up(False), "relay": lambda: np.copyto(landing, x),
                  "down": lambda: np.matmul(x, w, out=acc)}
         together()
-        return seconds_per_call(calls[task], time.perf_counter)
+        return [(seconds_per_call(calls[task], time.perf_counter), grid)]
 
     def expert_call_s(self, rows: int) -> float:
         experts, k, n = self.compute_shape

@@ -22,7 +22,8 @@ The building blocks, each a quantity the profile measures:
   run in later waves;
 * the fused kernels' GEMM tiles and relay tasks cost what the profile measured running
   those kernels (:class:`~ultraep.tune.profile.FusedCosts`, at the grid, with as many ranks
-  of the GPU running them at once): ``ceil(t / c)`` waves of ``t`` tiles over ``c`` CTAs;
+  of the GPU running them at once): ``ceil(t / c)`` waves of ``t`` tiles over the ``c``
+  CTAs at work;
   their sends and reduces are counted in dependent round trips of a task warp, each what
   ``copy_warp_bytes_per_s`` gives the copy kernel's loads in flight;
 * a flag handoff (a release fence and store, an acquire load) costs ``flag_s``, and so
@@ -37,13 +38,11 @@ point where both bind, neither reaches its own rate.
 What it leaves out (stated per phase below): relay trees in weight sync, the token map's
 dependence on routing beyond its item count, and contention between the fused kernels'
 communication and GEMM tiles beyond the shared bandwidth (each is measured with its own
-kind running on every rank). One effect seen on the H200 under the MPS emulation is not
-in it: one rank's kernel A running as if on fewer CTAs (up to a quarter) once the ranks'
-grids together near the GPU's SMs (shares that overlap: which rank, and whether, varies
-from call to call). The profile's probe, all ranks at once at every grid, did not show it
-(its tiles cost the same at 28 and 32 CTAs), so it cannot measure a cap yet; ``tune
-validate`` records each rank's CTAs at work in kernel A (``rank_ctas_a``) to tell whether
-it is CTAs left without an SM.
+kind running on every rank). Under the MPS emulation one rank's kernels may run on fewer
+CTAs than their grid once the ranks' grids together near the GPU's SMs (shares that
+overlap; which rank varies from call to call): the profile measures how many the
+unluckiest rank has at work (``FusedCosts.ctas_at_work``, profile version 6), the model
+runs that rank's tiles over those and the group waits for it.
 """
 
 from __future__ import annotations
@@ -267,18 +266,27 @@ def pull_s(profile: MachineProfile, problem: Problem, grid):
 
 # -- the fused kernels ---------------------------------------------------------------------
 #
-# A rank's CTAs claim kernel A's tasks in order -- sends, relays, up tiles -- and kernel B's --
-# down tiles, then reduces -- one at a time. The tiles' and relays' times are the profile's
-# measurement of these very kernels (FusedCosts: at the grid, with every rank of the GPU
-# running the same at once): a tile's claim, the pipeline's fill, its epilogue (kernel A's
-# SwiGLU through the stage ring, kernel B's system fences and done flag) and what every other
-# tile costs it are in them. The sends and reduces, which the profile does not run, are
-# counted in dependent round trips of a task warp to memory, each the time the per-warp copy
-# rate gives the copy kernel's loads in flight (heap.cu keeps COPY_LOADS_IN_FLIGHT 16-byte
-# loads a lane, as FM_UNROLL does).
+# A rank's CTAs claim kernel A's tasks in order -- sends, then up tiles, while the store warps
+# of every CTA claim the relays from a counter of their own -- and kernel B's -- down tiles,
+# then reduces -- one at a time. The tiles' and relays' times are the profile's measurement
+# of these very kernels (FusedCosts: at the grid, with every rank of the GPU running the same
+# at once): a tile's claim, the pipeline's fill, its epilogue (kernel A's SwiGLU through the
+# stage ring, kernel B's system fences and done flag) and what every other tile costs it are
+# in them. The sends and reduces, which the profile does not run, are counted in dependent
+# round trips of a task warp to memory, each the time the per-warp copy rate gives the copy
+# kernel's loads in flight (heap.cu keeps COPY_LOADS_IN_FLIGHT 16-byte loads a lane, as
+# FM_UNROLL does).
+#
+# Of a rank's CTAs, those at work may be fewer than its grid: under MPS shares that overlap,
+# one rank's CTAs need not all find an SM while the other ranks hold theirs. The profile
+# measures how many the unluckiest rank has (FusedCosts.working_ctas); the tiles cost what
+# they cost at the grid (every rank's CTAs contend as launched), their waves run over the
+# CTAs at work.
 
 COPY_LOADS_IN_FLIGHT = 4     # heap.cu copy_vectors' 16-byte loads in flight a thread (copy_warp_bytes_per_s)
 REDUCE_INDEX_TRIPS = 3       # a reduce lane's loads before its rows: ids; base, rank_off, rank_mtile; its done flag
+GH_STORE_WARPS = kernel_constant("fused_moe.cu", "GH_STORE_WARPS")  # the warps that relay an M-tile's rows
+GG_GROUP_M = kernel_constant("fused_moe.cu", "GG_GROUP_M")  # M-tiles whose column blocks a rank's tiles run first
 
 
 def _round_trip_s(profile: MachineProfile):
@@ -293,57 +301,80 @@ def _copy_rounds(problem: Problem) -> int:
     return -(-problem.row_bytes // (16 * WARP_THREADS * FM_UNROLL))
 
 
-def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens):
-    """Kernel A of the busiest rank on ``ctas`` CTAs: its sends, relays and up tiles over
-    the CTAs in claim order. A send task is a claim and, per round of FM_TASK_WARPS tokens,
-    a token's copy (read once, stored to every destination: a row copy's round trips per row
-    copied) and its system fence; a relay task is measured, one of a partial M-tile is
-    charged by its rows' rounds. The sends' and relays' traffic bounds them too: a row's
-    stores (the send's) and its loads (the relay's) are ordered by its row flag, so the
-    phase cannot stream reads under writes as a copy kernel does, and its every byte read
-    and every byte written moves at the GPU's shared copy rate. Then the up tiles (``bm``
-    rows x ``2 * up_cols`` columns over ``hidden``, storing ``h`` as ``problem.keeps_h``
-    says) in waves of the measured tile."""
+def _working(costs, ctas, working):
+    """``working`` CTAs at work of ``ctas`` (float arrays); None: the profile's unluckiest rank's."""
+    return costs.working_ctas(ctas) if working is None else np.asarray(working, np.float64)
+
+
+def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, working=None):
+    """Kernel A of the busiest rank on ``ctas`` CTAs, ``working`` of them at work (default:
+    as many as the profile's unluckiest rank has, whom the group waits for).
+
+    A send task is a claim and, per round of FM_TASK_WARPS tokens, a token's copy (read once,
+    stored to every destination: a row copy's round trips per row copied) and its system
+    fence; the sends are bounded by their traffic too (every byte read and written at the
+    GPU's shared copy rate). A relay task (one M-tile's rows) is measured; one of a partial
+    M-tile is charged by its rows' rounds. The up tiles (``bm`` rows x ``2 * up_cols``
+    columns over ``hidden``, storing ``h`` as ``problem.keeps_h`` says) run in waves of the
+    measured tile over the CTAs at work.
+
+    Where the relays run on the store warps (FusedCosts.relays_on_store_warps), the tiles
+    start as the sends end: an M-tile's rows are relayed as they arrive, and each CTA's
+    store warps keep relaying ahead of the tiles; they bound the kernel only if all the
+    relays (one at a time per CTA) and the tiles of the last M-tile group outlast it. Where
+    the relays are claimed tasks between the sends and the tiles (before profile version 6),
+    every send is claimed before the first relay: the relays are a phase of their own, their
+    work over the CTAs bounded by their traffic (a row read and written), then the tiles."""
     ctas = np.asarray(ctas, np.float64)
     send_tokens = np.asarray(send_tokens, np.float64)
     costs = profile.fused_costs(problem.ranks_per_gpu)
+    working = _working(costs, ctas, working)
     row, rows = problem.row_bytes, problem.rows
     trip = _round_trip_s(profile)
     # a token is read once and stored to each destination: a row copy's round trips per row copied
     token_trips = _copy_rounds(problem) * (1.0 + problem.crossings) / 2.0 + 1
     send_task = profile.flag_s + np.ceil(send_tokens / FM_TASK_WARPS) * token_trips * trip
-    # a relay's time per round of FM_TASK_WARPS rows, its partial M-tiles' rounds counted as theirs
-    relay_rounds = float(np.sum(rows // FM_BM * (FM_BM // FM_TASK_WARPS) + -(-(rows % FM_BM) // FM_TASK_WARPS)))
-    relay_work = costs.relay_task_s(problem.hidden, ctas) * relay_rounds / (FM_BM / FM_TASK_WARPS)
-    comm_work = np.ceil(problem.tokens / send_tokens) * send_task + relay_work
-    # bytes read plus bytes written: a token read once and stored crossings times, a row relayed read and written
-    comm_traffic = (problem.tokens * (1.0 + problem.crossings) + 2.0 * float(rows.sum())) * row
-    comm = join(bandwidth_s(profile, comm_traffic, problem.ranks_per_gpu), comm_work / ctas)
-    up_tiles = problem.m_tiles() * -(-problem.ffn // FM_UP_COLS)
-    tiles = np.ceil(up_tiles / ctas) * costs.up_tile_s(problem.hidden, ctas, problem.keeps_h)
-    return profile.kernel_s + comm + tiles
+    send_work = np.ceil(problem.tokens / send_tokens) * send_task
+    send_traffic = problem.tokens * (1.0 + problem.crossings) * row  # a token read once, stored crossings times
+    # a relay's time per round of its warps' rows, its partial M-tiles' rounds counted as theirs
+    relay_warps = GH_STORE_WARPS if costs.relays_on_store_warps else FM_TASK_WARPS
+    relay_rounds = float(np.sum(rows // FM_BM * -(-FM_BM // relay_warps) + -(-(rows % FM_BM) // relay_warps)))
+    relay_work = costs.relay_task_s(problem.hidden, ctas) * relay_rounds / -(-FM_BM // relay_warps)
+    m_tiles, col_blocks = problem.m_tiles(), -(-problem.ffn // FM_UP_COLS)
+    tile = costs.up_tile_s(problem.hidden, ctas, problem.keeps_h)
+    tiles = np.ceil(m_tiles * col_blocks / working) * tile
+    sends = join(bandwidth_s(profile, send_traffic, problem.ranks_per_gpu), send_work / working)
+    if costs.relays_on_store_warps:
+        last_group = np.ceil(min(GG_GROUP_M, m_tiles) * col_blocks / working) * tile
+        body = np.maximum(sends + tiles, np.maximum(sends, relay_work / working) + last_group)
+    else:  # every send is claimed before the first relay: two phases, each its own limits
+        relay_traffic = 2.0 * float(rows.sum()) * row  # a row relayed: read and written
+        body = sends + join(bandwidth_s(profile, relay_traffic, problem.ranks_per_gpu), relay_work / working) + tiles
+    return profile.kernel_s + body
 
 
-def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens):
-    """Kernel B of the busiest rank on ``ctas`` CTAs: the down tiles (``bm`` x ``down_cols``
-    over ``ffn``) in waves of the measured tile; then the reduce tasks, a claim and per
-    round of FM_TASK_WARPS tokens a token's dependent round trips: REDUCE_INDEX_TRIPS loads
-    to find its slots' rows and done flags, then per block of FM_DOWN_COLS columns its
+def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens, working=None):
+    """Kernel B of the busiest rank on ``ctas`` CTAs, ``working`` of them at work (default:
+    the profile's unluckiest rank's): the down tiles (``bm`` x ``down_cols`` over ``ffn``)
+    in waves of the measured tile over the CTAs at work; then the reduce tasks, a claim and
+    per round of FM_TASK_WARPS tokens a token's dependent round trips: REDUCE_INDEX_TRIPS
+    loads to find its slots' rows and done flags, then per block of FM_DOWN_COLS columns its
     slots' rows read FM_REDUCE_UNROLL at once. Reduces fill the last wave's idle CTAs, and
     only what does not fit there (or the shared bandwidth's time, if longer) extends the
     kernel, by at least one reduce task after the last tile."""
     ctas = np.asarray(ctas, np.float64)
     reduce_tokens = np.asarray(reduce_tokens, np.float64)
     costs = profile.fused_costs(problem.ranks_per_gpu)
+    working = _working(costs, ctas, working)
     col_blocks = -(-problem.hidden // FM_DOWN_COLS)
     down_tiles = problem.m_tiles() * col_blocks
     tile = costs.down_tile_s(problem.ffn, ctas)
-    waves = np.ceil(down_tiles / ctas)
-    idle = (waves * ctas - down_tiles) * tile  # CTA-seconds free in the last wave
+    waves = np.ceil(down_tiles / working)
+    idle = (waves * working - down_tiles) * tile  # CTA-seconds free in the last wave
     token_trips = REDUCE_INDEX_TRIPS + -(-problem.top_k // FM_REDUCE_UNROLL) * col_blocks
     reduce_task = profile.flag_s + np.ceil(reduce_tokens / FM_TASK_WARPS) * token_trips * _round_trip_s(profile)
     reduce_work = np.ceil(problem.tokens / reduce_tokens) * reduce_task
-    excess = np.maximum(reduce_work - idle, 0.0) / ctas
+    excess = np.maximum(reduce_work - idle, 0.0) / working
     reduce_bw = bandwidth_s(profile, problem.tokens * (problem.top_k + 1) * problem.row_bytes / 2.0,
                             problem.ranks_per_gpu)
     tail = join(np.maximum(excess, reduce_task), reduce_bw)
@@ -355,11 +386,26 @@ def fused_windows(profile: MachineProfile, problems, ctas, send_tokens, reduce_t
     routing): ``up``, kernel A's (the slowest rank's); ``down``, kernel B's, which opens when
     the first rank's kernel A ends and closes when the last rank's reduces do -- they wait
     for every rank's down tiles, so the ranks' kernel A ends' spread is in it; ``forward``,
-    both (the slowest rank's A and B). One problem: that rank's A, B and their sum."""
-    up = np.stack([np.asarray(fused_up_s(profile, p, ctas, send_tokens), np.float64) for p in problems])
-    down = np.stack([np.asarray(fused_down_s(profile, p, ctas, reduce_tokens), np.float64) for p in problems])
-    forward = (up + down).max(axis=0)
-    return {"up": up.max(axis=0), "down": forward - up.min(axis=0), "forward": forward}
+    both (the slowest rank's A and B).
+
+    One rank has only the profile's CTAs at work (FusedCosts.working_ctas), the others all
+    of theirs: which rank lags varies from call to call, so each rank takes that turn and
+    the windows are the median over the turns (a timed window is the median of calls). One
+    problem: that rank, lagging, and its A, B and their sum."""
+    ctas = np.asarray(ctas, np.float64)
+    full = [(np.asarray(fused_up_s(profile, p, ctas, send_tokens, ctas), np.float64),
+             np.asarray(fused_down_s(profile, p, ctas, reduce_tokens, ctas), np.float64)) for p in problems]
+    lagging = [(np.asarray(fused_up_s(profile, p, ctas, send_tokens), np.float64),
+                np.asarray(fused_down_s(profile, p, ctas, reduce_tokens), np.float64)) for p in problems]
+    turns = {"up": [], "down": [], "forward": []}
+    for lagger in range(len(problems)):
+        up = np.stack([(lagging if r == lagger else full)[r][0] for r in range(len(problems))])
+        down = np.stack([(lagging if r == lagger else full)[r][1] for r in range(len(problems))])
+        forward = (up + down).max(axis=0)
+        turns["up"].append(up.max(axis=0))
+        turns["down"].append(forward - up.min(axis=0))
+        turns["forward"].append(forward)
+    return {name: np.median(np.stack(values), axis=0) for name, values in turns.items()}
 
 
 PHASES = ("weight_sync", "dispatch", "combine", "fused_up", "fused_down")

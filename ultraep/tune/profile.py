@@ -32,9 +32,13 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   kernels (its claim, the pipeline's fill, the epilogue's SwiGLU and stores, a down tile's
   system fences and flag) and what the other CTAs' tiles cost it (clocks, L2, HBM), each
   launch reading its weights from HBM as a layer does (version 5; version 4's probe found
-  them in L2, left there by its previous launch on the same slot);
+  them in L2, left there by its previous launch on the same slot) and its rows too (version
+  6: a layer's tiles read rows relayed or written hundreds of MB before); and at each grid
+  the CTAs at work, those that started a tile in the first half of a run (version 6);
   ``shared_fused``: the same with every process sharing this GPU running it at once
-  (:func:`~ultraep.tune.replicas.group_profile`, as ``shared_copy_bytes_per_s``);
+  (:func:`~ultraep.tune.replicas.group_profile`, as ``shared_copy_bytes_per_s``), the CTAs
+  at work the unluckiest process's: under MPS shares that overlap, one process's grid need
+  not find its SMs while the others hold theirs (version 6);
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
   grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, timed on the device
   alone (the host's part is ``launch_s``), ``np.matmul`` (float32) per expert on the host.
@@ -66,7 +70,11 @@ import numpy as np
 from ultraep.errors import ProfileError
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
+# Versions whose fields this one reads when a profile is kept beside measurements (a
+# ``tune validate --json``, replayed): before 6 no CTAs at work were measured, and kernel A's
+# relays were claimed tasks between its sends and its tiles (they run on the store warps since).
+STORED_VERSIONS = (4, 5, PROFILE_VERSION)
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
@@ -122,7 +130,12 @@ class FusedCosts:
     * ``up_act[i][g]``: the same storing ``act`` alone (``backward=False``);
     * ``relay[i][g]``: per relay task (``FM_BM`` rows of ``2 * up_k[i]`` bytes);
     * ``down[i][g]``: per down tile (``FM_BM`` x ``FM_DOWN_COLS``) over ``down_k[i]``, its
-      system fences and ``done`` flag included.
+      system fences and ``done`` flag included;
+    * ``ctas_at_work[g]``: of ``grids[g]`` CTAs, those that started a tile in the first half
+      of a tile run -- with several sharers the fewest of any process in a round, the median
+      round (None: not measured, every CTA taken to work);
+    * ``relays_on_store_warps``: whether the relay tasks measured run on the store warps of
+      every CTA beside the claimed tasks (kernel A since version 6), not as claimed tasks.
 
     A tile's time is the kernel's tile phase over its waves (``ceil(tiles / grid)``): what a
     tile costs there, claim and epilogue included, with every CTA of every sharer doing the
@@ -137,6 +150,8 @@ class FusedCosts:
     up_act: tuple[tuple[float, ...], ...]
     relay: tuple[tuple[float, ...], ...]
     down: tuple[tuple[float, ...], ...]
+    ctas_at_work: tuple[float, ...] | None = None
+    relays_on_store_warps: bool = True
 
     def __post_init__(self):
         grids = list(self.grids)
@@ -154,6 +169,11 @@ class FusedCosts:
                     or not all(math.isfinite(v) and v > 0 for row in table for v in row):
                 raise ProfileError(f"fused: {task} needs one positive time per reduction ({rows}) and grid "
                                    f"({len(grids)})")
+        at_work = self.ctas_at_work
+        if at_work is not None and (len(at_work) != len(grids)
+                                    or not all(1 <= v <= g for v, g in zip(at_work, grids))):
+            raise ProfileError(f"fused: ctas_at_work needs one count per grid ({len(grids)}), each from 1 to its "
+                               f"grid, got {list(at_work)}")
 
     def up_tile_s(self, k: int, ctas, keeps_h: bool = True) -> np.ndarray:
         """An up tile over a reduction of ``k`` at ``ctas`` CTAs per process (array-like)."""
@@ -166,6 +186,16 @@ class FusedCosts:
     def down_tile_s(self, k: int, ctas) -> np.ndarray:
         """A down tile over a reduction of ``k`` at ``ctas`` CTAs per process."""
         return self._at(self.down, self.down_k, k, ctas)
+
+    def working_ctas(self, ctas) -> np.ndarray:
+        """Of ``ctas`` CTAs per process (array-like), those the unluckiest process has at work:
+        the measured counts' fraction of their grids, linear between grids, never above
+        ``ctas`` (all of them where nothing was measured)."""
+        ctas = np.asarray(ctas, np.float64)
+        if self.ctas_at_work is None:
+            return ctas
+        grids = np.asarray(self.grids, np.float64)
+        return ctas * np.minimum(np.interp(ctas, grids, np.asarray(self.ctas_at_work, np.float64) / grids), 1.0)
 
     def _at(self, table, ks, k: int, ctas) -> np.ndarray:
         measured = np.asarray(table, np.float64)  # [reduction, grid]
@@ -185,9 +215,15 @@ class FusedCosts:
 
     @classmethod
     def from_json(cls, data) -> FusedCosts:
+        at_work = data["ctas_at_work"]
+        relays_on_store_warps = data["relays_on_store_warps"]
+        if not isinstance(relays_on_store_warps, bool):
+            raise TypeError(f"relays_on_store_warps must be true or false, got {relays_on_store_warps!r}")
         return cls(grids=tuple(int(v) for v in data["grids"]), sharing=_count(data, "sharing"),
                    up_k=tuple(int(v) for v in data["up_k"]), down_k=tuple(int(v) for v in data["down_k"]),
-                   **{task: tuple(tuple(float(v) for v in row) for row in data[task]) for task in FUSED_TASKS})
+                   **{task: tuple(tuple(float(v) for v in row) for row in data[task]) for task in FUSED_TASKS},
+                   ctas_at_work=None if at_work is None else tuple(float(v) for v in at_work),
+                   relays_on_store_warps=relays_on_store_warps)
 
     def table(self) -> list[str]:
         """Readable lines: each task's microseconds per grid."""
@@ -197,6 +233,8 @@ class FusedCosts:
         for task, ks in (("up", self.up_k), ("up_act", self.up_k), ("relay", self.up_k), ("down", self.down_k)):
             for k, row in zip(ks, getattr(self, task)):
                 lines.append(f"  {f'{task} k={k}':>22}  " + "".join(f"{v * 1e6:8.1f}" for v in row))
+        if self.ctas_at_work is not None:
+            lines.append(f"  {'CTAs at work':>22}  " + "".join(f"{v:8.1f}" for v in self.ctas_at_work))
         return lines
 
 
@@ -257,12 +295,22 @@ class MachineProfile:
         return data
 
     @classmethod
-    def from_json(cls, data) -> MachineProfile:
-        """A profile from :meth:`to_json`'s dict; ProfileError naming what is missing or wrong."""
+    def from_json(cls, data, *, stored: bool = False) -> MachineProfile:
+        """A profile from :meth:`to_json`'s dict; ProfileError naming what is missing or wrong.
+        ``stored``: one kept beside measurements, which may be of any of
+        :data:`STORED_VERSIONS` (read as it was measured: no CTAs at work, relays as claimed
+        tasks before version 6); the cache takes this version only."""
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ProfileError(f"not a machine profile (no \"format\": \"{PROFILE_FORMAT}\")")
-        if data.get("version") != PROFILE_VERSION:
-            raise ProfileError(f"format version {data.get('version')!r}, this library reads version {PROFILE_VERSION}")
+        version = data.get("version")
+        if version not in (STORED_VERSIONS if stored else (PROFILE_VERSION,)):
+            raise ProfileError(f"format version {version!r}, this library reads version {PROFILE_VERSION}"
+                               + (f" (and {', '.join(map(str, STORED_VERSIONS[:-1]))} stored beside measurements)"
+                                  if stored else ""))
+        if version != PROFILE_VERSION:  # what an older version did not record, as it measured
+            before = {"ctas_at_work": None, "relays_on_store_warps": False}
+            data = dict(data, **{name: {**before, **data[name]}
+                                 for name in ("fused", "shared_fused") if isinstance(data.get(name), dict)})
         try:
             compute = data["compute"]
             shared_fused = data.get("shared_fused")
@@ -279,7 +327,7 @@ class MachineProfile:
                           copy_warp_bytes_per_s=_positive(data, "copy_warp_bytes_per_s"),
                           flag_s=_positive(data, "flag_s"),
                           fused=FusedCosts.from_json(data["fused"]),
-                          measured_at=str(data.get("measured_at", "")),
+                          measured_at=str(data.get("measured_at", "")), version=version,
                           shared_copy_bytes_per_s=float(data.get("shared_copy_bytes_per_s", 0.0)),
                           shared_by=int(data.get("shared_by", 1)),
                           shared_fused=None if shared_fused is None else FusedCosts.from_json(shared_fused))
@@ -400,29 +448,43 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
 
 
 def measure_fused(probe, grids, progress: Callable[[str], None] | None = None,
-                  together: Callable[[], None] = lambda: None) -> dict[str, list[list[float]]]:
+                  together: Callable[[], None] = lambda: None) -> dict[str, list]:
     """This process's fused-kernel task times (:class:`FusedCosts`' tables) at ``grids`` CTAs,
     each task measured in rounds that ``together()`` starts (a barrier of the processes that
-    measure at once; alone, nothing)."""
+    measure at once; alone, nothing): the median round's; and ``ctas_at_work``, per grid the
+    CTAs at work in every round of the tile tasks (rounds in the same order on every process)."""
     say = progress or (lambda line: None)
     up_k, down_k = probe.fused_reductions
-    tables = {}
+    tables = {"ctas_at_work": [[] for _ in grids]}
     for task in FUSED_TASKS:
         tables[task] = []
         for k in down_k if task == "down" else up_k:
-            tables[task].append([probe.fused_seconds(task, k, grid, together) for grid in grids])
-            say(f"  fused {task} task, k = {k}: " + ", ".join(f"{seconds * 1e6:.1f}" for seconds in tables[task][-1])
+            row = []
+            for g, grid in enumerate(grids):
+                rounds = probe.fused_rounds(task, k, grid, together)
+                row.append(float(np.median([seconds for seconds, _ in rounds])))
+                if task != "relay":  # a relay run is too short to tell a CTA that waited for its SM
+                    tables["ctas_at_work"][g] += [at_work for _, at_work in rounds]
+            tables[task].append(row)
+            say(f"  fused {task} task, k = {k}: " + ", ".join(f"{seconds * 1e6:.1f}" for seconds in row)
                 + f" us at {', '.join(str(g) for g in grids)} CTAs")
+    say("  fused tiles' CTAs at work (median round): "
+        + ", ".join(f"{np.median(rounds):g}" for rounds in tables["ctas_at_work"])
+        + f" of {', '.join(str(g) for g in grids)}")
     return tables
 
 
 def fused_costs(tables: list[dict], grids, up_k, down_k) -> FusedCosts:
     """:class:`FusedCosts` of ``len(tables)`` processes that measured at once (each's
-    :func:`measure_fused`): the slowest one's time of every task, which the group waits for."""
+    :func:`measure_fused`): the slowest one's time of every task, which the group waits for,
+    and per grid the CTAs at work of the process with the fewest in each round, the median
+    round: the group waits for that one too."""
+    fewest = np.min([t["ctas_at_work"] for t in tables], axis=0)  # [grid, round]
     return FusedCosts(grids=tuple(int(g) for g in grids), sharing=len(tables), up_k=tuple(up_k), down_k=tuple(down_k),
                       **{task: tuple(tuple(float(v) for v in row)
                                      for row in np.max([t[task] for t in tables], axis=0))
-                         for task in FUSED_TASKS})
+                         for task in FUSED_TASKS},
+                      ctas_at_work=tuple(float(v) for v in np.median(fewest, axis=1)))
 
 
 # -- the cache -------------------------------------------------------------------------------

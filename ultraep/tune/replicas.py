@@ -139,7 +139,8 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
       start to the last end (one clock per host), the best of the rounds;
     * ``shared_fused``: every rank runs the fused tasks of its profile's ``fused`` (the same
       grids and reductions) at once, a barrier before each round; a task's time is the
-      slowest rank's of that GPU (:func:`~ultraep.tune.profile.fused_costs`)."""
+      slowest rank's of that GPU, its CTAs at work the fewest of any rank in a round, the
+      median round (:func:`~ultraep.tune.profile.fused_costs`)."""
     from ultraep.tune.host import ROUNDS
 
     place = (group.hostname, group.device)
@@ -179,6 +180,10 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
     group.raise_if_any(error, SHARED_FUSED_WHAT, timeout_s=timeout_s)
     gathered = group.allgather((place, tables), what=SHARED_FUSED_WHAT, timeout_s=timeout_s)
     shared_fused = fused_costs([t for p, t in gathered if p == place], fused.grids, fused.up_k, fused.down_k)
+    if group.local_rank == 0:
+        stderr_progress(f"  {sharing} processes at once: fused tiles' CTAs at work, the fewest of any (median round): "
+                        + ", ".join(f"{v:g}" for v in shared_fused.ctas_at_work)
+                        + f" of {', '.join(str(g) for g in shared_fused.grids)}")
     profile = dataclasses.replace(profile, shared_copy_bytes_per_s=best, shared_by=sharing, shared_fused=shared_fused)
     if sharing > 1 and group.local_rank == 0:
         try:

@@ -29,7 +29,16 @@ measurements, over a sweep of the phase's knob.
   (``rank_ctas_a``: distinct SMs its tasks started on; fewer than the grid means CTAs that
   found no SM free until late, as under MPS shares that overlap).
   The windows leave out each kernel's launch and table load before its first task, which
-  the model charges (``kernel_s``).
+  the model charges (``kernel_s``). On the GPU each timed forward is enqueued behind a
+  kernel that holds the stream (:data:`HOLD_NS`), so its kernels start as the device
+  reaches them, as in a layer whose host runs ahead, and not when each rank's host gets
+  to their launches: else the ranks' hosts, a few hundred microseconds apart after the
+  barrier, start kernel A that far apart and every window holds that spread.
+
+``--replay FILE.json`` (no GPU, no ranks): a fused-forward sweep's ``--json`` predicted
+again by today's model from the profile and the ranks' problems the file keeps (profile
+versions :data:`~ultraep.tune.profile.STORED_VERSIONS`), against the measurements it holds:
+the same table and summary, for a model changed since the run.
 
 For each problem (fan-out, or token count and op) the table lists every configuration's
 predicted and measured time; the summary gives the mean absolute error, the share of
@@ -55,13 +64,17 @@ PHASES = ("weight-sync", "dispatch", "fused-forward")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
 HOST_MODEL_BLOCKS_PER_CORE = 2  # the grid the model is given for the host backend, which has no copy kernels
 RANK0_SWEEP_TIMEOUT_S = 600.0  # the other ranks wait while rank 0 times a whole weight-sync sweep alone
+HOLD_NS = 10**7  # a timed fused forward waits behind a hold this long (doubled while the host needs longer)
+MAX_HOLD_NS = 10**9  # a host that cannot enqueue one forward within a hold this long is stuck
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.tune validate", description=__doc__.split("\n\n")[0])
     add_launch_options(parser, backend_help="device: the GPU; host: NumPy on the CPU (a smoke test of the sweep); "
                                             "auto: the GPU when there is one")
-    parser.add_argument("--phase", required=True, choices=PHASES, help="what to sweep")
+    parser.add_argument("--phase", choices=PHASES, help="what to sweep (required unless --replay)")
+    parser.add_argument("--replay", metavar="FILE.json",
+                        help="no sweep: predict a fused-forward sweep's --json again with today's model")
     parser.add_argument("--configs", type=positive_int, default=50, help="configurations per problem")
     parser.add_argument("--fanouts", type=positive_int, nargs="+", default=None,
                         help="weight-sync: replicas of the synced expert, one problem each (default: ranks - 1)")
@@ -77,11 +90,17 @@ def parse_args(argv):
     parser.add_argument("--plot", metavar="FILE.png", help="write predicted against measured as a scatter plot")
     parser.add_argument("--json", metavar="FILE", help="also write every row and the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.phase is None) == (args.replay is None):
+        parser.error("give --phase PHASE to sweep, or --replay FILE.json to predict a saved sweep again")
+    return args
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.replay is not None:
+        return replay(args)
     return multi_rank_main(argv, parse_args, run, nprocs=lambda a: a.ranks, command=["-m", "ultraep.tune", "validate"])
 
 
@@ -98,7 +117,7 @@ def ranks_per_gpu(group) -> int:
 
 # -- weight sync -----------------------------------------------------------------------------
 
-def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) -> list[dict]:
+def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) -> tuple[list[dict], dict]:
     from ultraep.bench.timing import graph_ms, group_window_ms
     from ultraep.bench.weight_sync import single_expert_plan
     from ultraep.planner import ExpertLayout
@@ -153,7 +172,7 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
                           "default": backend == "device" and blocks == bound, "predicted_ms": float(p) * 1e3,
                           "measured_ms": m}
                          for blocks, p, m in zip(grids, predicted, measured)]
-    return rows
+    return rows, {}
 
 
 # -- dispatch and combine --------------------------------------------------------------------
@@ -199,7 +218,7 @@ def routed_problem(group, backend, xp, args, tokens: int, sharing: int):
     return data, set_up, default, bound, problems
 
 
-def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> list[dict]:
+def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> tuple[list[dict], dict]:
     from ultraep.bench.timing import group_window_ms
     from ultraep.token import Dispatcher
     from ultraep.tune.model import combine_s, dispatch_s, pull_s
@@ -240,7 +259,7 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
                       "default": grid is not None and grid == default, "predicted_ms": float(p) * 1e3,
                       "measured_ms": m}
                      for grid, p, m in zip(grids, predicted, measured[op])]
-    return rows
+    return rows, {}
 
 
 # -- the fused forward -----------------------------------------------------------------------
@@ -261,30 +280,81 @@ def fused_configs(profile, problem, count: int) -> list:
     return list(dict.fromkeys(configs))
 
 
-def kernel_spans_ns(moe, x, ids, gates) -> list[int]:
-    """One recorded fused forward of this rank: the first task's start and the last task's
-    end of kernel A, then of kernel B (ns, one clock for ranks on one GPU or host), and the
-    CTAs (distinct SMs, or host workers) that started a task of kernel A in its first half."""
+class StreamHold:
+    """The GPU's current stream held for :attr:`hold_ns` by ``timing.cu``'s ``hold_stream``
+    while the host enqueues a call behind it (:meth:`start`); :meth:`ended_early` then says
+    whether the hold ended before the host was done, so that the call's first kernels
+    waited for their launches after all."""
+
+    def __init__(self, cp):
+        from ultraep.runtime.kernels import get_function
+
+        self.hold_ns = HOLD_NS
+        self.kernel = get_function("timing.cu", "hold_stream")
+        self.held = cp.cuda.Event()
+
+    def start(self) -> None:
+        self.kernel((1,), (1,), (np.uint64(self.hold_ns),))
+        self.held.record()
+
+    def ended_early(self) -> bool:
+        return self.held.done
+
+
+def kernel_spans_ns(moe, x, ids, gates, hold: StreamHold | None) -> list[int]:
+    """One recorded fused forward of this rank, enqueued behind ``hold`` where there is one:
+    the first task's start and the last task's end of kernel A, then of kernel B (ns, one
+    clock for ranks on one GPU or host), the CTAs (distinct SMs, or host workers) that
+    started a task of kernel A in its first half, and 1 if the hold ended before the
+    forward was enqueued (else 0)."""
     from ultraep.integration.fused import KERNEL_A, KERNEL_B
 
+    if hold is not None:
+        hold.start()
     moe.forward(x, ids, gates)
+    late = int(hold is not None and hold.ended_early())
     tasks = moe.timeline()  # waits for the device
     spans = []
     for kinds in (KERNEL_A, KERNEL_B):
         mine = [(start, end) for kind, start, end, _ in tasks if kind in kinds]
         spans += [min(s for s, _ in mine), max(e for _, e in mine)] if mine else [0, 0]
     half = (spans[0] + spans[1]) / 2
-    return spans + [len({where for kind, start, _, where in tasks if kind in KERNEL_A and start < half})]
+    return spans + [len({where for kind, start, _, where in tasks if kind in KERNEL_A and start < half}), late]
 
 
-def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> list[dict]:
+def timed_forwards(group, moe, x, ids, gates, hold: StreamHold | None, repeats: int) -> np.ndarray:
+    """``repeats`` recorded forwards of every rank ([repeat, rank, kernel_spans_ns's values]),
+    a barrier before each; a forward that some rank's host enqueued after its hold ended
+    does not count, and the hold doubles (collectively: every rank sees every rank's)."""
+    forwards = []
+    while len(forwards) < repeats:
+        group.barrier(what="tune validate: fused forward")
+        spans = np.asarray(group.allgather(kernel_spans_ns(moe, x, ids, gates, hold)), np.int64)
+        if not spans[:, 5].any():
+            forwards.append(spans[:, :5])
+            continue
+        hold.hold_ns *= 2
+        if hold.hold_ns > MAX_HOLD_NS:
+            raise RuntimeError(f"tune validate: a rank's host took over {MAX_HOLD_NS / 1e9:.0f} s to enqueue one "
+                               "fused forward (the hold before it had ended)")
+    return np.asarray(forwards)
+
+
+def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tuple[list[dict], dict]:
     """Each configuration's fused layer (``MoELayer(fused=True, fused_config=)``): from its
     tasks' timeline, the group's window of kernel A (first task's start on any rank to its
     last task's end on any rank), of kernel B, and of the forward (kernel A's first start to
-    kernel B's last end), the median of ``--repeats`` recorded forwards, against
-    :func:`~ultraep.tune.model.fused_windows` of every rank's routing. Each row also keeps
-    every rank's own span of the kernel (``rank_ms``, the medians): who was slowest; and
-    every rank's CTAs at work in kernel A's first half (``rank_ctas_a``, the medians)."""
+    kernel B's last end), the median of ``--repeats`` recorded forwards (each behind a
+    :class:`StreamHold` on the GPU), against :func:`~ultraep.tune.model.fused_windows` of
+    every rank's routing. Each row also keeps every rank's own span of the kernel
+    (``rank_ms``, the medians): who was slowest; every rank's CTAs at work in kernel A's
+    first half (``rank_ctas_a``, the medians), the fewest of any rank in a forward
+    (``fewest_ctas_a``, the median forward's) against the profile's CTAs at work
+    (``profile_ctas_a``, :meth:`~ultraep.tune.profile.FusedCosts.working_ctas`); and its
+    problem's ``shape``, under which the second value returned keeps every rank's
+    :class:`~ultraep.tune.model.Problem` (what ``--replay`` predicts from)."""
+    import dataclasses
+
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.tune.config import FusedConfig
@@ -296,14 +366,16 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> lis
     weights = [xp.asarray(a.astype(np.float32).astype(BFLOAT16).view(np.int16)).view(BFLOAT16)
                for a in (rng.standard_normal((args.experts // group.size, args.hidden, 2 * args.ffn)) / 64,
                          rng.standard_normal((args.experts // group.size, args.ffn, args.hidden)) / 64)]
-    rows = []
+    hold = StreamHold(xp) if backend == "device" else None
+    rows, problems = [], {}
     for tokens in args.tokens:
         (x, ids, gates), set_up, _, _, (problem, *rank_problems) = routed_problem(group, backend, xp, args, tokens,
                                                                                    sharing)
         configs = fused_configs(profile, problem, args.configs)
         default, tuned = FusedConfig(profile.usable_sms), search(profile, problem).config.fused
         label = f"{tokens} tokens/rank, hidden {args.hidden}, ffn {args.ffn}"
-        measured, per_rank, ctas_a = [], [], []
+        problems[label] = [dataclasses.asdict(p) for p in rank_problems]
+        measured, per_rank, ctas_a, fewest_a = [], [], [], []
         for i, config in enumerate(configs):
             progress(f"fused forward, {label}: {config} ({i + 1}/{len(configs)})")
             with MoELayer(group, hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k,
@@ -313,31 +385,89 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> lis
                 moe.forward(x, ids, gates)  # warm-up
                 moe.check()
                 moe.record_timeline(True)
-                windows, own, working = [], [], []
-                for _ in range(args.repeats):
-                    group.barrier(what="tune validate: fused forward")
-                    spans = np.asarray(group.allgather(kernel_spans_ns(moe, x, ids, gates)), np.int64)
-                    windows.append([(spans[:, 1].max() - spans[:, 0].min()) / 1e6,
-                                    (spans[:, 3].max() - spans[:, 2].min()) / 1e6,
-                                    (spans[:, 3].max() - spans[:, 0].min()) / 1e6])
-                    own.append([(spans[:, 1] - spans[:, 0]) / 1e6, (spans[:, 3] - spans[:, 2]) / 1e6,
-                                (spans[:, 3] - spans[:, 0]) / 1e6])
-                    working.append(spans[:, 4])
+                spans = timed_forwards(group, moe, x, ids, gates, hold, args.repeats)  # [repeat, rank, 5]
                 moe.check()
-                measured.append(np.median(np.asarray(windows), axis=0))
-                per_rank.append(np.median(np.asarray(own), axis=0))
-                ctas_a.append(np.median(np.asarray(working), axis=0))
+            windows = np.stack([spans[:, :, 1].max(1) - spans[:, :, 0].min(1),
+                                spans[:, :, 3].max(1) - spans[:, :, 2].min(1),
+                                spans[:, :, 3].max(1) - spans[:, :, 0].min(1)], axis=1) / 1e6
+            own = np.stack([spans[:, :, 1] - spans[:, :, 0], spans[:, :, 3] - spans[:, :, 2],
+                            spans[:, :, 3] - spans[:, :, 0]], axis=1) / 1e6  # [repeat, kernel, rank]
+            measured.append(np.median(windows, axis=0))
+            per_rank.append(np.median(own, axis=0))
+            ctas_a.append(np.median(spans[:, :, 4], axis=0))
+            fewest_a.append(float(np.median(spans[:, :, 4].min(axis=1))))
         knobs = {name: np.asarray([getattr(c, name) for c in configs]) for name in ("ctas", "send_tokens",
                                                                                      "reduce_tokens")}
         predicted = fused_windows(profile, rank_problems, knobs["ctas"], knobs["send_tokens"], knobs["reduce_tokens"])
-        for i, (name, window) in enumerate((("kernel A (dispatch + up)", "up"), ("kernel B (down + combine)", "down"),
-                                            ("forward (A then B)", "forward"))):
-            rows += [{"phase": "fused-forward", "problem": f"{name}, {label}", "config": str(config),
-                      "knob": str(config), "default": config == default, "tuned": config == tuned,
-                      "predicted_ms": float(p) * 1e3, "measured_ms": float(m[i]),
-                      "rank_ms": [float(v) for v in r[i]], "rank_ctas_a": [float(v) for v in at_work]}
-                     for config, p, m, r, at_work in zip(configs, predicted[window], measured, per_rank, ctas_a)]
-    return rows
+        for i, (name, window) in enumerate(FUSED_WINDOWS):
+            rows += [{"phase": "fused-forward", "problem": f"{name}, {label}", "shape": label, "window": window,
+                      "config": str(config), "knob": str(config), "default": config == default,
+                      "tuned": config == tuned, "predicted_ms": float(p) * 1e3, "measured_ms": float(m[i]),
+                      "rank_ms": [float(v) for v in r[i]], "rank_ctas_a": [float(v) for v in at_work],
+                      "fewest_ctas_a": fewest, "profile_ctas_a": float(working)}
+                     for config, p, m, r, at_work, fewest, working in zip(
+                         configs, predicted[window], measured, per_rank, ctas_a, fewest_a,
+                         profile.fused_costs(sharing).working_ctas(knobs["ctas"]))]
+    return rows, problems
+
+
+FUSED_WINDOWS = (("kernel A (dispatch + up)", "up"), ("kernel B (down + combine)", "down"),
+                 ("forward (A then B)", "forward"))  # a row's name and fused_windows' window
+
+
+def replay_rows(document: dict) -> tuple[list[dict], object]:
+    """A fused-forward sweep's rows (a ``--json`` document) predicted again by today's model
+    from its profile and its ranks' problems, and that profile; SystemExit saying what a
+    document it cannot replay lacks."""
+    from ultraep.errors import ProfileError
+    from ultraep.tune.config import FusedConfig
+    from ultraep.tune.model import Problem, fused_windows
+    from ultraep.tune.profile import MachineProfile
+
+    if document.get("phase") != "fused-forward" or "problems" not in document:
+        raise SystemExit("--replay: not a fused-forward sweep's --json with its ranks' problems (written by tune "
+                         "validate --phase fused-forward from this version on)")
+    try:
+        profile = MachineProfile.from_json(document["profile"], stored=True)
+    except ProfileError as exc:
+        raise SystemExit(f"--replay: the file's profile cannot be read: {exc}") from None
+    problems = {shape: [Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()}) for p in ranks]
+                for shape, ranks in document["problems"].items()}
+    rows = [dict(row) for row in document["rows"]]
+    for shape, ranks in problems.items():
+        mine = [row for row in rows if row["shape"] == shape]
+        configs = [FusedConfig.parse(row["config"]) for row in mine]
+        predicted = fused_windows(profile, ranks, *(np.asarray([getattr(c, knob) for c in configs])
+                                                    for knob in ("ctas", "send_tokens", "reduce_tokens")))
+        for i, row in enumerate(mine):
+            row["predicted_ms"] = float(predicted[row["window"]][i]) * 1e3
+    return rows, profile
+
+
+def replay(args) -> int:
+    """``--replay``: the saved sweep's table and summary with today's predictions."""
+    import json
+    from pathlib import Path
+
+    try:
+        document = json.loads(Path(args.replay).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--replay: cannot read {args.replay}: {exc}") from None
+    rows, profile = replay_rows(document)
+    summary = summarise(rows)
+    meta = document.get("meta", {})
+    title = (f"tune validate --replay {args.replay}: measured {meta.get('date_utc', '?')} at "
+             f"{meta.get('git_commit', '?')} ({document.get('ranks', '?')} ranks, {document.get('sharing', '?')}), "
+             f"profile of {profile.device} version {profile.version}, predicted by today's model")
+    report(rows, summary, title)
+    if args.plot:
+        plot(rows, summary, args.plot, title)
+    if args.json:
+        from ultraep.bench.report import write_json
+
+        write_json(args.json, {**{k: v for k, v in document.items() if k != "meta"}, "replayed": args.replay,
+                               "summary": summary, "rows": rows})
+    return 0
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -392,6 +522,21 @@ def report(rows: list[dict], summary: dict, title: str, file=None) -> None:
               f"{against_default}", file=file)
 
 
+def ctas_at_work_line(rows: list[dict]) -> str:
+    """Kernel A's CTAs at work by grid, measured (the fewest of any rank in a forward, the
+    median forward; the median over the task sizes swept) against the profile's."""
+    from ultraep.tune.config import FusedConfig
+
+    grids = {}
+    for row in rows:
+        if row["window"] == "up":
+            grids.setdefault(FusedConfig.parse(row["config"]).ctas, []).append(
+                (row["fewest_ctas_a"], row["profile_ctas_a"]))
+    return ("kernel A's CTAs at work, the fewest of any rank / the profile's, by CTAs a rank: "
+            + ", ".join(f"{ctas}: {np.median([m for m, _ in pairs]):g}/{pairs[0][1]:.1f}"
+                        for ctas, pairs in sorted(grids.items())))
+
+
 def plot(rows: list[dict], summary: dict, path: str, title: str):
     """Predicted against measured, one colour per problem, the diagonal and a +-5 % band;
     the closed figure is returned."""
@@ -444,7 +589,7 @@ def run(args) -> int:
     printing = group.rank == 0
     progress = Progress("tune validate", enabled=printing and not args.quiet)
     sweep = {"weight-sync": sweep_weight_sync, "dispatch": sweep_dispatch, "fused-forward": sweep_fused}[args.phase]
-    rows = sweep(group, backend, xp, synchronize, profile, args, progress)
+    rows, problems = sweep(group, backend, xp, synchronize, profile, args, progress)
     sharing = sharing_label(group)  # collective
     if not printing:
         return 0
@@ -452,10 +597,12 @@ def run(args) -> int:
     title = (f"tune validate --phase {args.phase}: {group.size} ranks ({sharing}), {backend} backend, "
              f"profile of {profile.device} ({profile.sm_count} SMs, MPS share {profile.sm_share} %)")
     report(rows, summary, title)
+    if args.phase == "fused-forward":
+        print(ctas_at_work_line(rows))
     if args.plot:
         plot(rows, summary, args.plot, title)
     if args.json:
         write_json(args.json, {"benchmark": "tune-validate", "phase": args.phase, "ranks": group.size,
                                "backend": backend, "sharing": sharing, "profile": profile.to_json(),
-                               "summary": summary, "rows": rows})
+                               "problems": problems, "summary": summary, "rows": rows})
     return 0
