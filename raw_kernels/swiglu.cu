@@ -16,9 +16,11 @@
 //   act    = bf16((a * s) * b)
 //   d_up   = bf16(g * (a * s))
 //   d_gate = bf16((g * b) * (s * (1 + a * (1 - s))))      g = float(d_act)
-// So device and host agree bit for bit on every input (NaN: both NaN, payloads aside), as
-// long as subnormals are kept: the modules are compiled without -ftz (which flushes them in
-// these intrinsics too; exp_rn alone never meets one that would change its result).
+// CuPy compiles every RawModule with -ftz=true, which even these intrinsics obey: a subnormal
+// operand or result of each FP32 operation is a zero of its sign (exp_rn never meets one that
+// would change its result); the BF16 roundings keep subnormals. The reference flushes after
+// each operation alike (moe_layer.flush_subnormals), so device and host agree bit for bit on
+// every input (NaN: both NaN, payloads aside).
 //
 //! kernels: swiglu_forward, swiglu_backward
 

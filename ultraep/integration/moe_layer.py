@@ -122,9 +122,20 @@ def exp_rn(x: np.ndarray) -> np.ndarray:
     return np.where(x < EXP_INPUT_MIN, np.float32(0), result)
 
 
+FP32_SMALLEST_NORMAL = np.finfo(np.float32).tiny
+
+
+def flush_subnormals(x: np.ndarray) -> np.ndarray:
+    """FP32 ``x`` with its subnormals replaced by a zero of their sign: what the device's
+    FP32 arithmetic does to its operands and results (CuPy compiles every RawModule with
+    -ftz=true), so the reference flushes after each of its operations too."""
+    return np.where(np.abs(x) < FP32_SMALLEST_NORMAL, np.copysign(np.float32(0), x), x)
+
+
 def _sigmoid(a: np.ndarray) -> np.ndarray:
-    """``1 / (1 + exp(-a))`` in FP32 as ``raw_kernels/swiglu.cuh``'s ``sigmoid_rn``."""
-    return np.float32(1) / (np.float32(1) + exp_rn(-a))
+    """``1 / (1 + exp(-a))`` in FP32 as ``raw_kernels/swiglu.cuh``'s ``sigmoid_rn`` (exp_rn
+    never meets a subnormal that changes its result; a subnormal quotient is flushed)."""
+    return flush_subnormals(np.float32(1) / (np.float32(1) + exp_rn(-a)))
 
 
 def swiglu(h: np.ndarray, rows: int) -> np.ndarray:
@@ -132,8 +143,8 @@ def swiglu(h: np.ndarray, rows: int) -> np.ndarray:
     (the rest zero), rounded as ``raw_kernels/swiglu.cu`` states."""
     ffn = h.shape[1] // 2
     act = np.zeros((h.shape[0], ffn), dtype=dtypes.BFLOAT16)
-    a, b = h[:rows, :ffn], h[:rows, ffn:]
-    act[:rows] = ((a * _sigmoid(a)) * b).astype(dtypes.BFLOAT16)
+    a, b = flush_subnormals(h[:rows, :ffn]), flush_subnormals(h[:rows, ffn:])
+    act[:rows] = flush_subnormals(flush_subnormals(a * _sigmoid(a)) * b).astype(dtypes.BFLOAT16)
     return act
 
 
@@ -142,12 +153,13 @@ def swiglu_backward(h: np.ndarray, d_act: np.ndarray, rows: int) -> np.ndarray:
     first ``rows`` rows (the rest zero)."""
     ffn = h.shape[1] // 2
     dh = np.zeros(h.shape, dtype=dtypes.BFLOAT16)
-    a, b = h[:rows, :ffn], h[:rows, ffn:]
-    g = d_act[:rows].astype(np.float32)
+    f = flush_subnormals
+    a, b = f(h[:rows, :ffn]), f(h[:rows, ffn:])
+    g = f(d_act[:rows].astype(np.float32))
     s = _sigmoid(a)
-    slope = s * (np.float32(1) + a * (np.float32(1) - s))
-    dh[:rows, :ffn] = ((g * b) * slope).astype(dtypes.BFLOAT16)
-    dh[:rows, ffn:] = (g * (a * s)).astype(dtypes.BFLOAT16)
+    slope = f(s * f(np.float32(1) + f(a * f(np.float32(1) - s))))
+    dh[:rows, :ffn] = f(f(g * b) * slope).astype(dtypes.BFLOAT16)
+    dh[:rows, ffn:] = f(g * f(a * s)).astype(dtypes.BFLOAT16)
     return dh
 
 
