@@ -70,11 +70,14 @@ import numpy as np
 from ultraep.errors import ProfileError
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 # Versions whose fields this one reads when a profile is kept beside measurements (a
 # ``tune validate --json``, replayed): before 6 no CTAs at work were measured, and kernel A's
-# relays were claimed tasks between its sends and its tiles (they run on the store warps since).
-STORED_VERSIONS = (4, 5, PROFILE_VERSION)
+# relays were claimed tasks between its sends and its tiles (they run on the store warps since);
+# 6 has this version's fields, but its sharers' tile runs (8 waves, a fraction of a millisecond)
+# hardly overlapped, so its shared times and CTAs at work are those of processes taking turns.
+STORED_VERSIONS = (4, 5, 6, PROFILE_VERSION)
+CTAS_AT_WORK_SINCE = 6  # the first version that measured the CTAs at work
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
@@ -307,7 +310,7 @@ class MachineProfile:
             raise ProfileError(f"format version {version!r}, this library reads version {PROFILE_VERSION}"
                                + (f" (and {', '.join(map(str, STORED_VERSIONS[:-1]))} stored beside measurements)"
                                   if stored else ""))
-        if version != PROFILE_VERSION:  # what an older version did not record, as it measured
+        if version < CTAS_AT_WORK_SINCE:  # what an older version did not record, as it measured
             before = {"ctas_at_work": None, "relays_on_store_warps": False}
             data = dict(data, **{name: {**before, **data[name]}
                                  for name in ("fused", "shared_fused") if isinstance(data.get(name), dict)})
