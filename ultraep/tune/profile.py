@@ -34,11 +34,13 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   launch reading its weights from HBM as a layer does (version 5; version 4's probe found
   them in L2, left there by its previous launch on the same slot) and its rows too (version
   6: a layer's tiles read rows relayed or written hundreds of MB before); and at each grid
-  the CTAs at work, those that started a tile in the first half of a run (version 6);
+  the CTAs at work, those that started a tile in the first half of a run (version 6), each
+  run as long as a layer's kernel A (version 7);
   ``shared_fused``: the same with every process sharing this GPU running it at once
   (:func:`~ultraep.tune.replicas.group_profile`, as ``shared_copy_bytes_per_s``), the CTAs
   at work the unluckiest process's: under MPS shares that overlap, one process's grid need
-  not find its SMs while the others hold theirs (version 6);
+  not find its SMs while the others hold theirs (version 6; version 7's runs, long and held
+  behind a stream hold, overlap as a layer's kernels do: version 6's mostly took turns);
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
   grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, timed on the device
   alone (the host's part is ``launch_s``), ``np.matmul`` (float32) per expert on the host.
