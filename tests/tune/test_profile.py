@@ -225,3 +225,14 @@ def test_a_profile_stored_beside_measurements_may_be_of_an_older_version():
     assert stored.version == 5 and stored.fused.ctas_at_work is None and not stored.fused.relays_on_store_warps
     with pytest.raises(ProfileError, match="format version 3.*stored beside measurements"):
         MachineProfile.from_json(dict(old, version=3), stored=True)
+
+
+def test_a_version_6_profile_is_read_beside_measurements_with_its_ctas_at_work_but_never_cached():
+    """Version 6 has version 7's fields (its sharers' runs were too short to overlap)."""
+    data = json.loads(json.dumps(measured().to_json()))
+    at_work = [max(1.0, g - 1.0) for g in data["fused"]["grids"]]
+    old = dict(data, version=6, fused=dict(data["fused"], ctas_at_work=at_work))
+    with pytest.raises(ProfileError, match="format version 6"):
+        MachineProfile.from_json(old)
+    stored = MachineProfile.from_json(old, stored=True)
+    assert stored.version == 6 and list(stored.fused.ctas_at_work) == at_work and stored.fused.relays_on_store_warps

@@ -41,10 +41,15 @@ FUSED_UP_K = (2048, 4096)       # hidden sizes the up tiles and relays are measu
 FUSED_DOWN_K = (1024, 2048)     # FFN sizes the down tiles are measured at
 FUSED_SLOT_ROWS = 2048          # a synthetic slot: 16 M-tiles, two rasters of the grouped GEMM's order
 FUSED_COLUMN_BLOCKS = 16        # a slot's column blocks: up tiles over 2048 act columns, down tiles over 4096
-FUSED_TILE_WAVES = 8            # a tile run has at least this many waves of tiles on its grid
+# A tile run has at least this many waves of tiles on its grid: 1.5-6.5 ms on the H200, as long
+# as a layer's kernel A, many times the processes' start skew after a host barrier (whose
+# polls back off to 2 ms). Version 6's 8 waves (0.1-0.4 ms) ended before the other sharers'
+# began: their shared times were hardly above one process's alone and no CTA waited for an SM.
+FUSED_TILE_WAVES = 128
 FUSED_RELAY_WAVES = 2           # a relay run, of relay tasks
 FUSED_GRID_FRACTIONS = tuple(i / 8 for i in range(1, 9))  # grids measured, of the SMs, besides 1, 2 and 4 CTAs
 FUSED_ROUNDS = 3                # launches per measurement (a barrier of the measuring processes before each)
+FUSED_HOLD_NS = 2 * 10**6       # each launch is enqueued behind a hold this long, as tune validate's forwards are
 FUSED_TIMEOUT_NS = 10 * 10**9   # a flag wait of the probe that lasts this long is a bug: reported, not hung
 FUSED_COLD_L2S = 2              # a launch's weights: untouched by the launches before it for this many L2s of weights
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
@@ -316,9 +321,13 @@ class FusedBench:
     * ``down``: kernel B with no token to reduce, ``k`` = ffn, hidden 4096: down tiles into a
       heap of this process's, each M-tile's last one publishing its ``done`` flag.
 
-    A tile's time is the tile phase's span (first tile's claim to the last tile's end, from
-    the timeline the kernels stamp) over its waves; a relay's, the mean relay task; a run's
-    CTAs at work, the SMs its tasks started on in the first half of its span."""
+    Each launch waits on the device behind ``timing.cu``'s ``hold_stream`` (as ``tune
+    validate``'s forwards do), so it starts as the device reaches it, not as the host gets
+    there. A run's CTAs at work are the SMs its tasks started on in the first half of its
+    span; a tile's time is the tile phase's span (first tile's claim to the last tile's end,
+    from the timeline the kernels stamp) over its waves on those CTAs (the model runs its
+    waves over the CTAs at work: a tile time over the grid's waves would count a lag twice);
+    a relay's, the mean relay task."""
 
     def __init__(self, cp, device: int, task: str, k: int, max_grid: int, l2_bytes: int):
         from ultraep.compute.device import _TensorMaps
@@ -341,6 +350,7 @@ class FusedBench:
         rows = self.slots * FUSED_SLOT_ROWS
         self.threads, self.shared_bytes = constant("GH_THREADS"), constant("GH_SMEM_BYTES")
         self.kernel = get_function(FUSED_KERNELS, self.kernel_name)
+        self.hold = get_function("timing.cu", "hold_stream")
         with cp.cuda.Device(device):
             self.kernel.max_dynamic_shared_size_bytes = self.shared_bytes
             maps = _TensorMaps()
@@ -437,13 +447,15 @@ class FusedBench:
         arguments = ordered_arguments(FUSED_KERNELS, self.kernel_name, values)
 
         def launch():
+            self.hold((1,), (1,), (np.uint64(FUSED_HOLD_NS),))
             self.kernel((grid,), (self.threads,), arguments, shared_mem=self.shared_bytes)
         return launch, slots * self.tasks_per_slot
 
     def rounds(self, grid: int, together) -> list[tuple[float, int]]:
         """:data:`FUSED_ROUNDS` launches on ``grid`` CTAs, each after ``together()``: per launch
         the task's time and the CTAs at work, those (distinct SMs) that started a task in the
-        first half of the run -- a CTA that found no SM free until others ended starts late."""
+        first half of the run -- a CTA that found no SM free until others ended starts late;
+        a tile's time is over its waves on those."""
         cp = self.cp
         rounds = []
         with cp.cuda.Device(self.device):
@@ -467,7 +479,7 @@ class FusedBench:
                 if self.task == "relay":
                     seconds = float(np.mean((end[mine] - start[mine]).astype(np.float64))) * 1e-9
                 else:
-                    seconds = (last - first) * 1e-9 / math.ceil(int(mine.sum()) / grid)
+                    seconds = (last - first) * 1e-9 / math.ceil(int(mine.sum()) / at_work)
                 rounds.append((seconds, at_work))
         return rounds
 

@@ -34,11 +34,13 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   launch reading its weights from HBM as a layer does (version 5; version 4's probe found
   them in L2, left there by its previous launch on the same slot) and its rows too (version
   6: a layer's tiles read rows relayed or written hundreds of MB before); and at each grid
-  the CTAs at work, those that started a tile in the first half of a run (version 6);
+  the CTAs at work, those that started a tile in the first half of a run (version 6), each
+  run as long as a layer's kernel A (version 7);
   ``shared_fused``: the same with every process sharing this GPU running it at once
   (:func:`~ultraep.tune.replicas.group_profile`, as ``shared_copy_bytes_per_s``), the CTAs
   at work the unluckiest process's: under MPS shares that overlap, one process's grid need
-  not find its SMs while the others hold theirs (version 6);
+  not find its SMs while the others hold theirs (version 6; version 7's runs, long and held
+  behind a stream hold, overlap as a layer's kernels do: version 6's mostly took turns);
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
   grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, timed on the device
   alone (the host's part is ``launch_s``), ``np.matmul`` (float32) per expert on the host.
@@ -70,11 +72,14 @@ import numpy as np
 from ultraep.errors import ProfileError
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 # Versions whose fields this one reads when a profile is kept beside measurements (a
 # ``tune validate --json``, replayed): before 6 no CTAs at work were measured, and kernel A's
-# relays were claimed tasks between its sends and its tiles (they run on the store warps since).
-STORED_VERSIONS = (4, 5, PROFILE_VERSION)
+# relays were claimed tasks between its sends and its tiles (they run on the store warps since);
+# 6 has this version's fields, but its sharers' tile runs (8 waves, a fraction of a millisecond)
+# hardly overlapped, so its shared times and CTAs at work are those of processes taking turns.
+STORED_VERSIONS = (4, 5, 6, PROFILE_VERSION)
+CTAS_AT_WORK_SINCE = 6  # the first version that measured the CTAs at work
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
@@ -307,7 +312,7 @@ class MachineProfile:
             raise ProfileError(f"format version {version!r}, this library reads version {PROFILE_VERSION}"
                                + (f" (and {', '.join(map(str, STORED_VERSIONS[:-1]))} stored beside measurements)"
                                   if stored else ""))
-        if version != PROFILE_VERSION:  # what an older version did not record, as it measured
+        if version < CTAS_AT_WORK_SINCE:  # what an older version did not record, as it measured
             before = {"ctas_at_work": None, "relays_on_store_warps": False}
             data = dict(data, **{name: {**before, **data[name]}
                                  for name in ("fused", "shared_fused") if isinstance(data.get(name), dict)})
