@@ -448,8 +448,7 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 // and then the tiles from counter[0]; the store warps claim the relays from counter[1], so a
 // relay's copies run beside the consumers' sends and MMAs instead of before the block's
 // first tile. The producer thread loads a tile with load_tile's `boxes(tile)` and
-// `b_split`, or (forward, `one_copy`: b_map is the weight's blocks map) one box per operand;
-// the consumers then run `finish(d, tile, ring, consumer, warp, lane)`, the tile's
+// `b_split`; the consumers then run `finish(d, tile, ring, consumer, warp, lane)`, the tile's
 // epilogue, which may use the idle stage ring (`ring`; see stage_accumulators_fp32) and the
 // staging buffer after it (no store warp uses it here).
 // Why no claim order deadlocks (ultraep/integration/fused.py states it for the host model):
@@ -462,8 +461,7 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 // the relay's bound (wait_rows_relayed).
 template <int MODE, bool SYSTEM, typename TileOf, typename Boxes, typename RelayRow, typename Finish>
 __device__ __forceinline__ void send_relay_then_gemm(
-    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, bool one_copy,
-    const uint4* src,
+    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, const uint4* src,
     int tokens, int top_k, int hidden, const long long* ids, const float* gates, const int* positions,
     const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset, u64 row_landing_offset,
     u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk, const int* off,
@@ -499,12 +497,6 @@ __device__ __forceinline__ void send_relay_then_gemm(
         for (int task = next(); task < total; task = next()) {  // the producer warp
             if (task < n_send || lane != 0 || gave_up) continue;
             const Tile tile = tile_of(task - first_tile);
-            if constexpr (MODE == GH_FORWARD) {
-                if (one_copy) {
-                    load_tile<MODE, true>(a_map, b_map, tile, 1, 0, 0, stages, p.full, p.empty, step, status, gave_up);
-                    continue;
-                }
-            }
             load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step, status,
                             gave_up);
         }
@@ -535,8 +527,7 @@ static_assert(GH_BN == WARP * 8, "a reduce warp covers a tile's columns, 8 BF16 
 
 // The task loop of kernels B and D after load_tables (over `n_cols` column blocks of hidden,
 // its result). Tasks: GEMM tiles -- MODE's, `tile_of(t)` tile t (columns of GH_BN), `boxes(tile)`
-// load_tile's box mask or (forward, `one_copy`: b_map is the weight's blocks map) one box per
-// operand, task kind `tile_kind` -- whose BF16 output [rows, hidden] goes to the
+// load_tile's box mask, task kind `tile_kind` -- whose BF16 output [rows, hidden] goes to the
 // heap's expert_out, then reduce tasks of `chunk` tokens, every column (kind `reduce_kind`).
 // done[m]: M-tile m (this rank's M-tile index), released by the block that finishes its last
 // column block (down_count[m], local, counts them): a reducer waits once per slot instead of
@@ -549,7 +540,7 @@ static_assert(GH_BN == WARP * 8, "a reduce warp covers a tile's columns, 8 BF16 
 // rounding into out [tokens, hidden].
 template <int MODE, bool WEIGHTED, typename TileOf, typename Boxes, typename Slot>
 __device__ __forceinline__ void gemm_tiles_then_reduce(
-    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, bool one_copy, int n_cols, int hidden,
+    const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int n_cols, int hidden,
     const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me, int spr, const int* rank_off,
     const int* rank_mtile, const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed,
     const long long* ids, const int* positions, const int* base, const float* gates, int tokens, int top_k, int chunk,
@@ -599,12 +590,6 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
         for (int task = next(); task < total; task = next()) {  // the producer warp
             if (task >= n_tiles || lane != 0 || gave_up) continue;
             const Tile tile = tile_of(task);
-            if constexpr (MODE == GH_FORWARD) {
-                if (one_copy) {
-                    load_tile<MODE, true>(a_map, b_map, tile, 1, 0, 0, stages, p.full, p.empty, step, status, gave_up);
-                    continue;
-                }
-            }
             load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), 0, stages, p.full, p.empty, step, status, gave_up);
         }
         return;

@@ -142,9 +142,7 @@ __device__ __forceinline__ void swiglu_up_tile(unsigned ring, const Tile& tile, 
 // from counter[0], the relays by the store warps from counter[1]; the relay a row copy into
 // recv (gpu-scope fence: only this rank's TMA reads it), an up tile's epilogue SwiGLU into
 // act [rows, F]. recv_map: recv [max_rows, H] as
-// (H, rows), box 64 x 128; w_up_map: w_up [slots, H, 2F] as (2F, H, slots), boxes 64 x 64 x 1,
-// or, F a multiple of 64, as (64, H, F / 64, 2, slots), one box of 64 x 64 x 2 x 2 x 1 a k-step
-// (load_tile's blocks map: gate blocks, then up blocks).
+// (H, rows), box 64 x 128; w_up_map: w_up [slots, H, 2F] as (2F, H, slots), boxes 64 x 64 x 1.
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_constant__ TensorMap w_up_map,
                   const uint4* x, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
@@ -180,7 +178,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     };
     // The up half's boxes are F further than the gate half's.
     send_relay_then_gemm<GH_FORWARD, false>(
-        &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, ffn % GH_BOX == 0, x, tokens, top_k, hidden, ids, gates, positions, base,
+        &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, x, tokens, top_k, hidden, ids, gates, positions, base,
         peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
         max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, claimed, tile_ready, relay_row, finish, epoch,
         timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
@@ -191,8 +189,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
 // Tasks: down tiles in the grouped GEMM's order (gemm_tile), then reduce
 // tasks (a token chunk, every column): gemm_tiles_then_reduce, weighted by the gates.
 // act_map: act [max_rows, F] as (F, rows), box 64 x 128; w_down_map: w_down [slots, F, H] as
-// (H, F, slots), boxes 64 x 64 x 1, or, H a multiple of 64, as (64, F, H / 64, 1, slots), one
-// box of 64 x 64 x 4 x 1 x 1 a k-step (load_tile's blocks map). expert_out and the done flags are heap tensors (offsets
+// (H, F, slots), boxes 64 x 64 x 1. expert_out and the done flags are heap tensors (offsets
 // from each peer's base): reducers read them on the experts' ranks.
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_constant__ TensorMap w_down_map,
@@ -212,10 +209,10 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
         return (1u << min(GH_BN / GH_BOX, ceil_div(hidden - tile.col0, GH_BOX))) - 1;
     };
     auto tile_of = [&](int t) { return gemm_tile(tile_start, off, spr, t, FM_DOWN_COLS, ffn); };
-    gemm_tiles_then_reduce<GH_FORWARD, true>(&act_map, &w_down_map, tile_of, boxes, hidden % GH_BOX == 0, n_cols,
-                                             hidden, peer_bases, expert_out_offset, done_offset, me, spr, rank_off,
-                                             rank_mtile, off, mtile, tile_start, p, &claimed, ids, positions, base,
-                                             gates, tokens, top_k, FM_REDUCE_TOKENS, out, slot_row, slot_gate,
-                                             [](int, u64) {}, down_count, epoch, timeout_ns, counter, status, trace,
-                                             FM_KIND_DOWN, FM_KIND_REDUCE);
+    gemm_tiles_then_reduce<GH_FORWARD, true>(&act_map, &w_down_map, tile_of, boxes, n_cols, hidden, peer_bases,
+                                             expert_out_offset, done_offset, me, spr, rank_off, rank_mtile, off,
+                                             mtile, tile_start, p, &claimed, ids, positions, base, gates, tokens,
+                                             top_k, FM_REDUCE_TOKENS, out, slot_row, slot_gate, [](int, u64) {},
+                                             down_count, epoch, timeout_ns, counter, status, trace, FM_KIND_DOWN,
+                                             FM_KIND_REDUCE);
 }

@@ -159,8 +159,8 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     };
     // system-scope relay fences: the sources read their gate gradients after kernel D's flags
     send_relay_then_gemm<GH_DGRAD, true>(
-        &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, false, dy, tokens, top_k, hidden, ids,
-        gates, positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset,
+        &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, dy, tokens, top_k, hidden, ids, gates,
+        positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset,
         me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, claimed, tile_ready, relay_row, finish, epoch,
         timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
 }
@@ -191,7 +191,7 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
         d_gates[i] = reinterpret_cast<const float*>(heap + slot_grad_w_offset)[i];
     };
     gemm_tiles_then_reduce<GH_DGRAD, false>(
-        &dh_map, &w_up_map, tile_of, [](const Tile&) { return 0u; }, false, n_cols, hidden, peer_bases, expert_out_offset,
+        &dh_map, &w_up_map, tile_of, [](const Tile&) { return 0u; }, n_cols, hidden, peer_bases, expert_out_offset,
         done_offset, me, spr, rank_off, rank_mtile, off, mtile, tile_start, p, &claimed, ids, positions, base,
         static_cast<const float*>(nullptr), tokens, top_k, FB_REDUCE_TOKENS, dx, slot_row,
         static_cast<float(*)[WARP]>(nullptr), copy_gate_grad, down_count, epoch, timeout_ns, counter, status,

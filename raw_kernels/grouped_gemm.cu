@@ -208,8 +208,8 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
         if (warp == 0) {
             if (lane != 0) return;
-            // wgrad with K and N multiples of GH_BOX, forward with N one: the 64-column operands
-            // are mapped as whole blocks (device.py makes the same choice), copied one box each.
+            // wgrad with K and N multiples of GH_BOX: its operands are 3-D maps (device.py makes
+            // the same choice), copied one box each.
             auto produce = [&](auto one_box_each) {
                 int step = 0;
                 for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -222,8 +222,8 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                         return;
                 }
             };
-            if constexpr (MODE != GH_DGRAD) {
-                if (N % GH_BOX == 0 && (MODE == GH_FORWARD || K % GH_BOX == 0)) {
+            if constexpr (MODE == GH_WGRAD) {
+                if (K % GH_BOX == 0 && N % GH_BOX == 0) {
                     produce(Flag<true>{});
                     return;
                 }

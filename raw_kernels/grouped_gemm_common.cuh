@@ -191,13 +191,6 @@ __device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap* map, 
                     "r"(shared_address(bar)) : "memory");
 }
 
-__device__ __forceinline__ void tma_load_5d(unsigned dst, const TensorMap* map, u64* bar, int c0, int c1, int c2,
-                                            int c3, int c4) {
-    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
-                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
-                    "r"(c4), "r"(shared_address(bar)) : "memory");
-}
-
 // Shared-memory matrix descriptor of a 128-byte-swizzled operand at shared address `addr`:
 // `leading` and `stride` are the byte offsets wgmma steps by (K-major: stride = next 8
 // rows, leading unused; MN-major: leading = next 64-element swizzle atom along M/N,
@@ -295,29 +288,23 @@ __device__ __forceinline__ void store_pair(OutT* p, float v0, float v1) {
 // An N-major B is four boxes of 64 reduction rows x 64 columns, an M-major A two of 64
 // reduction rows x 64 output rows (one per consumer). Boxes wholly past the output's
 // columns (or wgrad's K rows) are not copied: nothing is stored from them.
-// One copy per operand instead (ONE_BOX_EACH), where the 64-column blocks are whole: the
-// operand mapped as its blocks side by side, 128 bytes apart, one box of them all writing the
-// bytes the 64 x 64 boxes wrote (block j at j * 8 KiB, same swizzle phase), blocks past the
-// columns filled with zeros (nothing is stored from them). (The 128-byte swizzle caps a box
-// row at 64 elements; a partial last block would read past the array's end, hence the boxes.)
-//   wgrad (K and N multiples of 64): x as (64, M, K / 64), box 64 x 64 x 2; dy as (64, M, N / 64),
-//     box 64 x 64 x 4. Two copies a stage instead of six.
-//   forward (N, or the fused up-projection's F, a multiple of 64): w as (64, K, blocks of a
-//     half, halves, E), halves 1 (the halves dimension of extent 1) or the fused up's 2 (gate
-//     and up columns, F apart), box 64 x 64 x (4 / halves) x halves x 1. Two copies instead of five.
-// ultraep.compute.device (weight_blocks) shapes these maps; the callers make its choice.
+// Where K and N are multiples of 64, wgrad's maps are 3-D instead, x as (64, M, K / 64) and
+// dy as (64, M, N / 64) (64-column blocks side by side, 128 bytes apart), and each operand of
+// a k-step is one box of 64 x 64 x 2 (A) or 64 x 64 x 4 (B): the same stage, two copies
+// instead of six, blocks past K or N filled with zeros. (The 128-byte swizzle caps a box row
+// at 64 elements; a partial last block would read past the array's end, hence the 2-D maps.)
 
 // The producer thread's k-steps of one tile into the stage ring: `a_boxes` boxes of an
 // M-major A (wgrad), the N-major B boxes named in `b_box_mask`, box j at column
 // tile.col0 + 64 j, plus `b_split` for the upper half (j >= 2: the fused up-projection's
-// up columns, F further than its gate columns); or, ONE_BOX_EACH (the blocks maps above),
-// one box per operand. False when a stage wait gave up.
+// up columns, F further than its gate columns); or, ONE_BOX_EACH (wgrad's 3-D maps), one
+// box per operand. False when a stage wait gave up.
 template <int MODE, bool ONE_BOX_EACH = false>
 __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMap* b_map, const Tile& tile, int a_boxes,
                                           unsigned b_box_mask, int b_split, unsigned stages, u64* full, u64* empty,
                                           int& step, long long* status, bool& gave_up) {
     constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
-    static_assert(!ONE_BOX_EACH || MODE != GH_DGRAD, "dgrad's operands are one box each already");
+    static_assert(!ONE_BOX_EACH || MODE == GH_WGRAD, "only wgrad's maps are 3-D");
     const unsigned bytes = ONE_BOX_EACH ? GH_STAGE_BYTES  // boxes past the tensor count in full, as zeros
                                         : (A_BOXES ? a_boxes * GH_BOX_BYTES : GH_A_BYTES) +
                                               (B_BOXES ? __popc(b_box_mask) * GH_BOX_BYTES : GH_B_BYTES);
@@ -329,12 +316,9 @@ __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMa
         expect_bytes(&full[s], bytes);
         const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
         const int r = tile.red0 + k * GH_BK;
-        if constexpr (ONE_BOX_EACH && MODE == GH_WGRAD) {
+        if constexpr (ONE_BOX_EACH) {
             tma_load_3d(a, a_map, &full[s], 0, r, tile.row0 / GH_BOX);
             tma_load_3d(b, b_map, &full[s], 0, r, tile.col0 / GH_BOX);
-        } else if constexpr (ONE_BOX_EACH) {  // forward
-            tma_load_2d(a, a_map, &full[s], r, tile.row0);
-            tma_load_5d(b, b_map, &full[s], 0, r, tile.col0 / GH_BOX, 0, tile.expert);
         } else if constexpr (MODE == GH_WGRAD) {
             for (int j = 0; j < a_boxes; ++j)
                 tma_load_2d(a + j * GH_BOX_BYTES, a_map, &full[s], tile.row0 + j * GH_BOX, r);

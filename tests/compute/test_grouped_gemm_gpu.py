@@ -6,8 +6,8 @@ the host sums strictly left to right). Everything else here is bitwise: BF16 out
 the FP32 output rounded once, ten runs give the same bits, a row's forward output and
 input gradient do not depend on its neighbours or on where its expert starts (the
 master/replica property), a wgrad does not depend on where its expert's rows start, and
-the two ways of copying wgrad's and forward's operands (one copy where the columns are whole
-64-column blocks, a copy per 64-column box otherwise) give the same bits.
+its two ways of copying the operands (3-D maps where K and N are whole 64-column blocks,
+2-D ones otherwise) give the same bits.
 
 Every test runs on each kernel schedule (``ultraep.compute.device.SCHEDULES``: ``-k ring``
 runs only that one); test_grouped_gemm_schedules_gpu.py compares their bits directly.
@@ -237,25 +237,18 @@ def test_wgrad_keeps_the_next_experts_rows_out_wherever_an_expert_ends(cp, k, n)
 
 
 @pytest.mark.parametrize("out_dtype", [BFLOAT16, np.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("op", ["wgrad", "forward"])
-def test_one_copy_per_operand_gives_the_bits_of_a_copy_per_box(cp, op, out_dtype):
-    """Whole 64-column blocks (wgrad: K and N; forward: N) take the blocks maps, one copy per
-    operand and k-step, blocks past the columns as zeros; 8 more columns (x and dy, or w), a
-    copy per 64-column box. The output elements both have must have the same bits. Forward's
-    K (328) is a partial block: its reduction tail is zeros either way."""
+def test_wgrad_one_copy_per_operand_gives_the_bits_of_a_copy_per_box(cp, out_dtype):
+    """K and N multiples of 64 take wgrad's 3-D maps (one copy per operand and k-step, blocks
+    past K or N as zeros); 8 more columns of x and dy, the 2-D maps (a copy per 64-column
+    box). The output elements both have must have the same bits."""
     rng = np.random.default_rng(8)
     offsets = offsets_of([300, 0, 129, 64, 1, 77])
     rows = int(offsets[-1]) + 3
-    x = bf16(rng, (rows, 328))
-    if op == "wgrad":
-        dy = bf16(rng, (rows, 584))
-        blocks = run(cp, op, np.ascontiguousarray(x[:, :320]), np.ascontiguousarray(dy[:, :576]), offsets, out_dtype)
-        boxes = run(cp, op, x, dy, offsets, out_dtype)[:, :320, :576]
-    else:
-        w = bf16(rng, (len(offsets) - 1, 328, 584))
-        blocks = run(cp, op, x, np.ascontiguousarray(w[:, :, :576]), offsets, out_dtype)
-        boxes = run(cp, op, x, w, offsets, out_dtype)[:, :576]
-    assert np.array_equal(bits(blocks), bits(boxes))
+    x, dy = bf16(rng, (rows, 328)), bf16(rng, (rows, 584))
+    blocks = bits(run(cp, "wgrad", np.ascontiguousarray(x[:, :320]), np.ascontiguousarray(dy[:, :576]), offsets,
+                      out_dtype))
+    boxes = bits(run(cp, "wgrad", x, dy, offsets, out_dtype))
+    assert np.array_equal(blocks, boxes[:, :320, :576])
 
 
 def test_device_offsets_are_checked_on_the_device_and_nothing_is_written(cp):

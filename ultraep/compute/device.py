@@ -85,21 +85,6 @@ class _TensorMaps:
         return out.view(self.dtype)[0]
 
 
-def weight_blocks(rows: int, cols: int, experts: int, halves: int = 1):
-    """An N-major weight [experts, rows, cols] (rows: the reduction) as the kernels' one-copy B
-    (grouped_gemm_common.cuh, load_tile): its (dims, box, byte strides), dims (64, rows, blocks
-    of a half, halves, experts), the 64-column blocks 128 bytes apart and the halves cols /
-    halves apart (the fused up-projection's gate and up columns: 2). A box is a k-step's whole
-    B, its blocks in the order of the 64 x 64 boxes it replaces. Each half must be whole blocks."""
-    constant = lambda name: kernel_constant(KERNELS, name)  # noqa: E731
-    box, bk, bn = constant("GH_BOX"), constant("GH_BK"), constant("GH_BN")
-    if cols % (halves * box):
-        raise GroupedGemmError(f"a weight of {cols} columns is not {halves} halves of whole {box}-column blocks")
-    half = cols // halves
-    dims = (box, rows, half // box, halves, experts)
-    return dims, (box, bk, bn // box // halves, halves, 1), (2 * cols, 2 * box, 2 * half, 2 * cols * rows)
-
-
 class DeviceGroupedGemm:
     """The grouped GEMM on GPU ``device``: its kernels (``schedule`` for every operation, or
     each operation's :data:`DEFAULT_SCHEDULES` entry), persistent grid and status word."""
@@ -152,9 +137,7 @@ class DeviceGroupedGemm:
         constant = lambda name: kernel_constant(KERNELS, name)  # noqa: E731
         bk, bm, bn, box = constant("GH_BK"), constant("GH_BM"), constant("GH_BN"), constant("GH_BOX")
         rows, k, n, experts = problem.rows, problem.k, problem.n, problem.experts
-        if problem.op == "forward" and n % box == 0:  # the kernel's producer makes the same choice
-            shapes = ((k, rows), (bk, bm), None), weight_blocks(k, n, experts)
-        elif problem.op == "forward":
+        if problem.op == "forward":
             shapes = ((k, rows), (bk, bm), None), ((n, k, experts), (box, bk, 1), None)
         elif problem.op == "dgrad":
             shapes = ((n, rows), (bk, bm), None), ((n, k, experts), (bk, bn, 1), None)

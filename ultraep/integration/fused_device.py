@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ultraep.compute.device import weight_blocks
 from ultraep.errors import MoELayerError, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
 from ultraep.integration.fused import KERNELS, KINDS, Granularity, max_m_tiles, max_tasks
@@ -43,20 +42,6 @@ def resident_ctas(device: int) -> int:
     import cupy
 
     return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
-
-
-def weight_maps(hidden: int, ffn: int, spr: int, box: int):
-    """The (dims, box, byte strides or None: row-major) of the tensor maps of w_up [spr, H, 2F]
-    and w_down [spr, F, H]: each one copy a k-step where its output columns are whole
-    ``box``-column blocks (F for the up tiles' gate and up halves, H for the down tiles; the
-    kernels make the same choice), else a box per 64 columns, (2F, H, spr) and (H, F, spr)."""
-    up = ((2 * ffn, hidden, spr), (box, box, 1), None)
-    if ffn % box == 0:
-        up = weight_blocks(hidden, 2 * ffn, spr, halves=2)
-    down = ((hidden, ffn, spr), (box, box, 1), None)
-    if hidden % box == 0:
-        down = weight_blocks(ffn, hidden, spr)
-    return up, down
 
 
 def trace_rows(traces, kinds: dict) -> list:
@@ -154,9 +139,9 @@ class DeviceFusedForward:
         out = cp.empty((state["tokens"], H), dtype=bf16)
         box, bm = self.box, self.bm
         recv_map = self.maps.tiled(recv.data.ptr, (H, rows), (box, bm))
+        w_up_map = self.maps.tiled(w_up.data.ptr, (2 * F, H, spr), (box, box, 1))
         act_map = self.maps.tiled(act.data.ptr, (F, rows), (box, bm))
-        w_up_map, w_down_map = (self.maps.tiled(w.data.ptr, *shape) for w, shape in
-                                zip((w_up, w_down), weight_maps(H, F, spr, box)))
+        w_down_map = self.maps.tiled(w_down.data.ptr, (H, F, spr), (box, box, 1))
         epoch, timeout = np.uint64(self.epoch), np.uint64(self.timeout_ns)
         traces = (np.uint64(0), np.uint64(0))  # null: no timeline
         if self.traces is not None:
