@@ -386,7 +386,7 @@ __device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, lo
     }
 }
 
-// -- kernels A and C: send, relay, then GEMM tiles of the relayed rows -------------------------------
+// -- kernels A and C: send, then GEMM tiles of the relayed rows; relays on the store warps ----------
 
 // The relays of kernels A and C on the store warps of every block, beside the block's claimed
 // tasks: one M-tile at a time from the rank's relay counter (counter[1]; the id read through

@@ -74,7 +74,7 @@
 static_assert(FM_SEND_TOKENS >= 1 && FM_REDUCE_TOKENS >= 1, "task sizes are positive");
 static_assert(FM_UP_COLS * 2 == GH_BN && FM_DOWN_COLS == GH_BN, "an up tile is gate | up halves of one accumulator");
 static_assert(FM_DOWN_COLS == WARP * 8, "a reduce warp covers a down tile's columns, 8 BF16 per lane");
-static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");
+static_assert(GH_CONSUMERS * 4 == 8, "send and reduce tasks run on the 8 consumer warps");
 
 // -- the plan ------------------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@
 #define FB_OUTCOME_OK 0
 
 static_assert(FB_DOWN_COLS == WARP * 8, "a reduce warp covers a dgrad-up tile's columns, 8 BF16 per lane");
-static_assert(GH_CONSUMERS * 4 == 8, "send, relay and reduce tasks run on the 8 consumer warps");
+static_assert(GH_CONSUMERS * 4 == 8, "send and reduce tasks run on the 8 consumer warps");
 
 // The SwiGLU backward of a dgrad-down tile on the 8 consumer warps (`id`: the thread's index
 // among them), from g = bf16(d_act) of the whole tile that the consumers staged (as the sequential
@@ -146,7 +146,7 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     auto dgrad_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FB_DACT_COLS, hidden); };
     auto relay_row = [&](int row, const uint4* landing, const int*) {  // the handle's row_landing
         grad_row<bf16, FM_RELAY_UNROLL>(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16,
-                                  peer_bases, slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
+                                        peer_bases, slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
     };
     // The epilogue on the consumers alone, in the staging buffer no store warp uses here: g
     // staged, then the tile's SwiGLU backward from it into dh. The next tile's staging comes
