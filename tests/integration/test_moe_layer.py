@@ -86,6 +86,28 @@ def test_exp_constants_are_the_kernels():
         assert host[name].dtype == np.float32 and host[name].view(np.uint32) == value.view(np.uint32), name
 
 
+def test_exp_is_within_its_ulp_bound_of_exp():
+    """Within EXP_ULPS of FP64's exp wherever it is not flushed to 0 (below -86, where exp
+    < 2^-124: the sigmoid is 1 already below 2^-25); exactly 1 for |x| <= 2^-25 (subnormals
+    included), NaN for NaN, inf past FP32's range."""
+    x = exp_inputs()
+    with np.errstate(invalid="ignore"):  # signalling NaNs among the bit patterns
+        got = exp_rn(x)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    nan = np.isnan(x)
+    assert np.isnan(got[nan]).all() and not np.isnan(got[~nan]).any()
+    x, got = x[~nan], got[~nan]
+    flushed = x < np.float32(-86)
+    assert (got[flushed] == 0).all() and not np.signbit(got[flushed]).any()
+    assert (got[np.abs(x) <= 2.0**-25] == 1).all()
+    with np.errstate(over="ignore"):
+        exact = np.exp(x[~flushed].astype(np.float64))
+    error = fp32_ulps(got[~flushed], exact)
+    worst = np.argmax(error)
+    assert error[worst] <= EXP_ULPS, f"exp_rn({x[~flushed][worst]!r}) = {got[~flushed][worst]!r}: {error[worst]} ulps"
+    assert (got[~flushed][exact >= 2.0**128] == np.inf).all()
+
+
 def test_reference_flushes_subnormals_as_the_device_does():
     """CuPy compiles with -ftz=true (measured on the H200: a subnormal operand or result of
     __fmul_rn / __fdiv_rn is a zero of its sign): the reference's sigmoid, SwiGLU and its
