@@ -280,6 +280,10 @@ def fused_configs(profile, problem, count: int) -> list:
     return list(dict.fromkeys(configs))
 
 
+FUSED_WINDOWS = (("kernel A (dispatch + up)", "up"), ("kernel B (down + combine)", "down"),
+                 ("forward (A then B)", "forward"))  # a row's name and fused_windows' window
+
+
 class StreamHold:
     """The GPU's current stream held for :attr:`hold_ns` by ``timing.cu``'s ``hold_stream``
     while the host enqueues a call behind it (:meth:`start`); :meth:`ended_early` then says
@@ -409,10 +413,6 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
                          configs, predicted[window], measured, per_rank, ctas_a, fewest_a,
                          profile.fused_costs(sharing).working_ctas(knobs["ctas"]))]
     return rows, problems
-
-
-FUSED_WINDOWS = (("kernel A (dispatch + up)", "up"), ("kernel B (down + combine)", "down"),
-                 ("forward (A then B)", "forward"))  # a row's name and fused_windows' window
 
 
 def replay_rows(document: dict) -> tuple[list[dict], object]:
