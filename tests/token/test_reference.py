@@ -78,3 +78,22 @@ def test_lane_dot_follows_the_warp_order():
             lanes = [np.float32(lanes[l] + lanes[l ^ offset]) for l in range(32)]
         assert got[i].tobytes() == lanes[0].tobytes()
     assert np.allclose(got, (a.astype(np.float64) * b).sum(axis=1), rtol=1e-5)
+
+
+def test_the_fp32_arithmetic_flushes_subnormals_as_the_device_does():
+    """CuPy compiles the kernels with -ftz=true: a subnormal operand or result of an FP32
+    multiply or add is a zero of its sign there, so in slot_sum, lane_dot and
+    weighted_rows too; normal values pass unchanged."""
+    tiny = np.finfo(np.float32).tiny
+    slots = np.array([[[tiny / 2, 1.0], [tiny / 4, 2.0]]], np.float32)  # [T 1, K 2, H 2]
+    assert ref.slot_sum(slots, None, np.float32).tolist() == [[0.0, 3.0]]  # tiny/2 + tiny/4 would stay subnormal
+    weights = np.array([[tiny / 2, 0.5]], np.float32)  # a subnormal gate reads as 0
+    assert ref.slot_sum(slots, weights, np.float32).tolist() == [[0.0, 1.0]]
+    rows = np.array([[1.5 * tiny, -3.0]], np.float32)
+    got = ref.weighted_rows(np.array([0.5], np.float32), rows)  # 0.75 tiny is subnormal: -> +0
+    assert got.tolist() == [[0.0, -1.5]] and not np.signbit(got[0, 0])
+    a = np.zeros((1, 64), np.float32)
+    a[0, 0], a[0, 1] = 1.5 * tiny, -1.25 * tiny  # each product normal, their sum subnormal
+    b = np.ones((1, 64), np.float32)
+    assert ref.lane_dot(a, b).tolist() == [0.0]
+    assert ref.lane_dot(a * 0 + 2, b).tolist() == [128.0]

@@ -218,7 +218,7 @@ class FusedBackward(FusedLayer):
         st, slots_per_source = self.state[r], self.max_tokens * self.top_k
         lo, hi = self._tile_rows(r, task.a, task.m)
         arrived = st.landing[st.row_landing[lo:hi]]
-        st.grad_y[lo:hi] = np.multiply(st.row_weight[lo:hi, None], _f32(arrived), dtype=np.float32).astype(BFLOAT16)
+        st.grad_y[lo:hi] = ref.weighted_rows(st.row_weight[lo:hi], arrived).astype(BFLOAT16)
         gate_grads = ref.lane_dot(arrived, st.y[lo:hi])
         for origin, value in zip(st.row_origin[lo:hi], gate_grads):
             source, slot = divmod(int(origin), slots_per_source)

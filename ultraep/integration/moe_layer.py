@@ -67,6 +67,7 @@ from ultraep.errors import BalancerError, ClosedError, CollectiveError, MoELayer
 from ultraep.integration.balancer import BalanceHandle, Balancer
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
 from ultraep.runtime import dtypes
+from ultraep.runtime.dtypes import flush_subnormals
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import Dispatcher
@@ -120,16 +121,6 @@ def exp_rn(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp(x) past FP32's range is inf, as on the device
         result = (exp_r * half_scale) * np.float32(2)
     return np.where(x < EXP_INPUT_MIN, np.float32(0), result)
-
-
-FP32_SMALLEST_NORMAL = np.finfo(np.float32).tiny
-
-
-def flush_subnormals(x: np.ndarray) -> np.ndarray:
-    """FP32 ``x`` with its subnormals replaced by a zero of their sign: what the device's
-    FP32 arithmetic does to its operands and results (CuPy compiles every RawModule with
-    -ftz=true), so the reference flushes after each of its operations too."""
-    return np.where(np.abs(x) < FP32_SMALLEST_NORMAL, np.copysign(np.float32(0), x), x)
 
 
 def _sigmoid(a: np.ndarray) -> np.ndarray:

@@ -91,3 +91,13 @@ def resolve_dtype(dtype, *, what: str = "dtype") -> np.dtype:
         supported = ", ".join(sorted([*_NAMES, *_ML_DTYPES]))
         raise ValueError(f"{what} {resolved} is not supported by ultraep kernels (supported: {supported})")
     return resolved
+
+
+FP32_SMALLEST_NORMAL = np.finfo(np.float32).tiny
+
+
+def flush_subnormals(x: np.ndarray) -> np.ndarray:
+    """FP32 ``x`` with its subnormals replaced by a zero of their sign: what the device's
+    FP32 arithmetic does to its operands and results (CuPy compiles every RawModule with
+    -ftz=true), so the NumPy references flush after each FP32 operation too."""
+    return np.where(np.abs(x) < FP32_SMALLEST_NORMAL, np.copysign(np.float32(0), x), x)

@@ -182,8 +182,7 @@ class HostDispatcher:
         total = s["num_rows"]
         arrived = b.landing.local[s["row_landing"]]
         grad_y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
-        scaled = np.multiply(s["row_weight"][:, None], ref.as_float32(arrived), dtype=np.float32)
-        grad_y[:total] = scaled.astype(d.dtype)
+        grad_y[:total] = ref.weighted_rows(s["row_weight"], arrived).astype(d.dtype)
         gate_grads = ref.lane_dot(arrived, y[:total])
         origin, slots_per_rank = s["row_origin"], d.slots_per_rank
         for r in range(d.size):

@@ -11,8 +11,10 @@ Two things live here, kept apart on purpose:
   :func:`stable_key_positions` (the deterministic token map: the position of each item
   among the earlier items with the same key), :func:`plan_rows` (destination row bases
   from the gathered count table), :func:`slot_sum` (the fixed-order, fp32 top-k sum of
-  combine) and :func:`lane_dot` (the fixed-order fp32 dot product of the gate gradient,
-  in the order the GPU's warps compute it).
+  combine), :func:`lane_dot` (the fixed-order fp32 dot product of the gate gradient,
+  in the order the GPU's warps compute it) and :func:`weighted_rows` (rows times their
+  gates). Each FP32 operand and result is flushed as the device's -ftz arithmetic flushes
+  it (:func:`~ultraep.runtime.dtypes.flush_subnormals`).
 
 Expert id -> rank is ``e // experts_per_rank``; local index ``e % experts_per_rank``
 (physical slot ids of an :class:`~ultraep.planner.layout.ExpertLayout` map the same way
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ultraep.runtime.dtypes import flush_subnormals
 from ultraep.runtime.kernels import kernel_constant
 
 # The kernels' lanes per warp and row vector size fix the order of the warp-order dot.
@@ -32,6 +35,17 @@ VECTOR_BYTES = kernel_constant("dispatch.cu", "VECTOR_BYTES")
 
 def as_float32(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).astype(np.float32, copy=False)
+
+
+def fp32_operand(a: np.ndarray) -> np.ndarray:
+    """``a`` as the device's FP32 arithmetic reads it: widened to fp32, subnormals flushed."""
+    return flush_subnormals(as_float32(a))
+
+
+def weighted_rows(weights: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``weights[i] * rows[i]`` in fp32 (``weights`` [n], ``rows`` [n, H]), one rounding and
+    the device's flush."""
+    return flush_subnormals(np.multiply(fp32_operand(weights)[:, None], fp32_operand(rows), dtype=np.float32))
 
 
 def stable_key_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -105,10 +119,8 @@ def slot_sum(slots: np.ndarray, weights: np.ndarray | None, out_dtype) -> np.nda
     tokens, top_k, hidden = slots.shape
     acc = np.zeros((tokens, hidden), dtype=np.float32)
     for k in range(top_k):
-        term = as_float32(slots[:, k])
-        if weights is not None:
-            term = np.multiply(as_float32(weights[:, k])[:, None], term, dtype=np.float32)
-        acc = np.add(acc, term, dtype=np.float32)
+        term = fp32_operand(slots[:, k]) if weights is None else weighted_rows(weights[:, k], slots[:, k])
+        acc = flush_subnormals(np.add(acc, term, dtype=np.float32))
     return acc.astype(out_dtype)
 
 
@@ -125,16 +137,16 @@ def lane_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     chunk = WARP * vec
     padded = -(-hidden // chunk) * chunk
     products = np.zeros((rows, padded), dtype=np.float32)   # +0.0 padding never changes a sum that starts at +0.0
-    products[:, :hidden] = np.multiply(as_float32(a), as_float32(b), dtype=np.float32)
+    products[:, :hidden] = flush_subnormals(np.multiply(fp32_operand(a), fp32_operand(b), dtype=np.float32))
     products = products.reshape(rows, padded // chunk, WARP, vec)
     lanes = np.zeros((rows, WARP), dtype=np.float32)
     for i in range(products.shape[1]):
         for j in range(vec):
-            lanes = np.add(lanes, products[:, i, :, j], dtype=np.float32)
+            lanes = flush_subnormals(np.add(lanes, products[:, i, :, j], dtype=np.float32))
     lane_ids = np.arange(WARP)
     offset = WARP // 2
     while offset:  # the xor butterfly of grad_rows
-        lanes = np.add(lanes, lanes[:, lane_ids ^ offset], dtype=np.float32)
+        lanes = flush_subnormals(np.add(lanes, lanes[:, lane_ids ^ offset], dtype=np.float32))
         offset //= 2
     return lanes[:, 0].copy()
 
@@ -212,7 +224,7 @@ def sequential_combine_backward(grad_outs, ys, expert_ids, weights, experts_per_
     for r, order in enumerate(sources):
         g = np.stack([grad_outs[s][t] for s, t, _ in order]) if order else np.empty((0, ys[r].shape[1]), ys[r].dtype)
         w = np.asarray([weights[s][t, k] for s, t, k in order], dtype=np.float32)
-        grad_ys.append(np.multiply(w[:, None], as_float32(g), dtype=np.float32).astype(ys[r].dtype))
+        grad_ys.append(weighted_rows(w, g).astype(ys[r].dtype))
     slots = _gather_slots(ys, expert_ids, experts_per_rank)
     grad_ws = []
     for s, sl in enumerate(slots):
