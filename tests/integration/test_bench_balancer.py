@@ -43,7 +43,7 @@ def test_balancer_bench_rows_per_sync_grid_with_the_host_breakdown_and_profile(t
         parts = [row[f"{part}_host_ms"] for part in bench.HOST_PARTS]
         assert all(ms >= 0 for ms in parts) and row["update_host_ms"] > 0 and row["sync_host_ms"] > 0, row
         assert row["bal_host_ms"] <= row["call_host_ms"] and row["blocked_host_ms"] == 0.0, row
-        assert all(row[f"{part}_dev_ms"] is None for part in ("exposed", "lead", "wait", "idle")), row
+        assert all(row[column] is None for column in bench.DEVICE_COLUMNS), row
     assert sorted(p.name for p in profiles.iterdir()) == [
         f"bf16_imbalance2_sync{grid}.{ext}" for grid in ("4", "all") for ext in ("pstats", "txt")]
     assert "integration/balancer.py" in (profiles / "bf16_imbalance2_syncall.txt").read_text()
@@ -75,5 +75,7 @@ def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path):
     assert [row["sync_blocks"] for row in rows] == ["all", 8]
     for row in rows:
         assert row["replica_diff"] == 0 and row["exposed_dev_ms"] is not None, row
-        assert 0 < row["lead_dev_ms"] < row["balanced_ms"] and row["wait_dev_ms"] >= 0 and row["idle_dev_ms"] >= 0, row
+        assert 0 < row["update_lead_dev_ms"] < row["lead_dev_ms"] < row["balanced_ms"], row
+        assert row["wait_dev_ms"] >= 0 and row["idle_dev_ms"] >= 0 and row["synced_dev_ms"] > 0, row
+        assert all(row[f"d_{phase}_dev_ms"] is not None for phase in ("dispatch", "experts", "combine")), row
         assert row["blocked_host_ms"] >= 0 and row["update_host_ms"] > 0, row

@@ -30,15 +30,19 @@ Where the exposed time goes (GPU; events on the compute stream, medians over the
 after each window's first): ``exposed_dev_ms`` is the same difference taken from the
 device's period per layer (one layer's start to the next's), without the window's first
 launch, which waits for the host; ``lead_dev_ms`` the compute stream's time from the
-layer's start to dispatch's (update and reroute: serial); ``wait_dev_ms`` its time in the
-per-slot waits (replicas not landed yet); ``idle_dev_ms`` its wait for the host between
+layer's start to dispatch's (update and reroute: serial), ``update_lead_dev_ms`` its
+update part; ``d_dispatch_dev_ms``, ``d_experts_dev_ms`` and ``d_combine_dev_ms`` what
+each phase of the layer takes longer balanced than in place (the sync beside it, the
+per-slot waits); ``wait_dev_ms`` the compute stream's time in the per-slot waits
+(replicas not landed yet); ``synced_dev_ms`` the layer's start to the end of the sync's
+launches on its own stream; ``idle_dev_ms`` the compute stream's wait for the host between
 one layer's end and the next's start; ``blocked_host_ms`` the host's time blocked on the
 device inside the Balancer's calls per layer (``BalancerStats.host_wait_ms``, mean: an
 update a whole ring of micro-batches ahead of its device waits there, harmless that far
 ahead). Host-bound: ``idle_dev_ms`` above zero (or ``call_host_ms`` near
 ``balanced_ms``): the layer then pays the calls' host time. Device-bound (idle near
-zero): ``exposed_dev_ms`` is about ``lead_dev_ms + wait_dev_ms`` plus
-what the sync's grid takes from dispatch and the compute beside it (``--sync-blocks``
+zero): ``exposed_dev_ms`` is about ``lead_dev_ms`` plus the ``d_*`` columns: what the
+sync's grid takes from dispatch and the compute beside it (``--sync-blocks``
 lists grids to compare, one row each). On the
 GPU the Balancer replays its fixed launches as CUDA graphs unless ``--no-cuda-graphs``.
 ``sync_vs_bf16`` is a row's ``weight_sync_dev_ms`` over the bf16 row's at the same
@@ -65,10 +69,13 @@ from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main, positive_int
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
-COLUMNS = ["weights", "sync_blocks", "imbalance", "imb_after", "replicas", "exposed_ms", "exposed_dev_ms", "layer_ms",
-           "balanced_ms", "share_pct", "lead_dev_ms", "wait_dev_ms", "idle_dev_ms", "bal_host_ms", "update_host_ms",
+DEVICE_COLUMNS = ["exposed_dev_ms", "update_lead_dev_ms", "lead_dev_ms", "d_dispatch_dev_ms", "d_experts_dev_ms",
+                  "wait_dev_ms", "d_combine_dev_ms", "synced_dev_ms", "idle_dev_ms"]
+COLUMNS = ["weights", "sync_blocks", "imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms", "balanced_ms",
+           "share_pct", *DEVICE_COLUMNS, "bal_host_ms", "update_host_ms",
            "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms", "call_host_ms", "update_dev_ms",
            "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
+LAYER_PHASES = ("dispatched", "computed", "end")  # the stamps ending dispatch, the experts and combine
 HOST_PARTS = ("update", "sync", "reroute", "wait")  # the Balancer's calls of a balanced layer, timed on the host
 WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}  # name -> table label
 BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
@@ -187,17 +194,18 @@ def replica_diff(balancer, handle, spec, masters_per_rank: int, seed: int, to_ho
 
 
 class CallStamps:
-    """CUDA events on the compute stream at fixed points of every call of one timed window
-    (the warm-up call first), made once so that stamping allocates nothing; :meth:`read`
-    takes the window's times once it has synchronised. ``cupy`` None (CPU): no stamps."""
+    """CUDA events at fixed points of every call of one timed window (the warm-up call
+    first), made once so that stamping allocates nothing; :meth:`read` takes the window's
+    times once it has synchronised. ``points`` in call order, on the compute stream;
+    ``side_points`` on another stream (read from ``begin``). ``cupy`` None (CPU): no stamps."""
 
-    def __init__(self, cupy, calls: int, points: tuple, waits_per_call: int):
-        self.enabled, self.points, self.call = cupy is not None, points, -1
+    def __init__(self, cupy, calls: int, points: tuple, waits_per_call: int, side_points: tuple = ()):
+        self.enabled, self.points, self.side_points, self.call = cupy is not None, points, side_points, -1
         if not self.enabled:
             return
         event = cupy.cuda.Event
         self._elapsed = cupy.cuda.get_elapsed_time
-        self._events = {point: [event() for _ in range(calls)] for point in points}
+        self._events = {point: [event() for _ in range(calls)] for point in points + side_points}
         self._waits = [[(event(), event()) for _ in range(waits_per_call)] for _ in range(calls)]
         self._waited = [0] * calls
 
@@ -209,9 +217,9 @@ class CallStamps:
         if self.enabled:
             self._waited[self.call] = 0
 
-    def stamp(self, point: str) -> None:
+    def stamp(self, point: str, stream=None) -> None:
         if self.enabled:
-            self._events[point][self.call].record()
+            self._events[point][self.call].record(stream)
 
     def wait(self, enqueue) -> None:
         """``enqueue()`` (a per-slot wait) between two stamps."""
@@ -226,20 +234,23 @@ class CallStamps:
 
     def read(self, times: dict) -> None:
         """Append this window's device times (ms) to ``times``' lists: ``period`` (a call's
-        start to the next's), ``lead`` (start to ``routed``), ``wait`` (a call's per-slot
-        waits) and ``idle`` (the previous call's end to the start). The warm-up call and the
-        first timed one are left out: the device waited for the host to start them."""
+        start to the next's), ``idle`` (the previous call's end to the start), ``wait`` (a
+        call's per-slot waits), per point after ``begin`` the time from the point before it
+        (the phase it ends), per side point the time from ``begin``. The warm-up call and
+        the first timed one are left out: the device waited for the host to start them."""
         if not self.enabled:
             return
-        elapsed, calls = self._elapsed, self.call + 1
-        begin, end = self._events["begin"], self._events["end"]
+        elapsed, calls, events = self._elapsed, self.call + 1, self._events
+        begin, end = events["begin"], events["end"]
         for i in range(2, calls):
             if i + 1 < calls:
                 times["period"].append(elapsed(begin[i], begin[i + 1]))
             times["idle"].append(elapsed(end[i - 1], begin[i]))
-            if "routed" in self.points:
-                times["lead"].append(elapsed(begin[i], self._events["routed"][i]))
-                times["wait"].append(sum(elapsed(a, b) for a, b in self._waits[i][:self._waited[i]]))
+            times["wait"].append(sum(elapsed(a, b) for a, b in self._waits[i][:self._waited[i]]))
+            for before, point in zip(self.points, self.points[1:]):
+                times[point].append(elapsed(events[before][i], events[point][i]))
+            for point in self.side_points:
+                times[point].append(elapsed(begin[i], events[point][i]))
 
 
 def on_gpu(group, args) -> bool:
@@ -287,9 +298,12 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
         side = xp.cuda.Stream(non_blocking=True) if gpu else None  # the weight sync's own stream
         state = {"calls": 0}
         host_ms = {part: [] for part in HOST_PARTS + ("call",)}  # per balanced layer: each call kind, all of it
-        stamps = {"balanced": CallStamps(xp if gpu else None, args.repeats + 1, ("begin", "routed", "end"), args.slots),
-                  "in_place": CallStamps(xp if gpu else None, args.repeats + 1, ("begin", "end"), 0)}
-        device_ms = {layer: {"period": [], "idle": [], "lead": [], "wait": []} for layer in stamps}
+        cupy = xp if gpu else None
+        stamps = {"balanced": CallStamps(cupy, args.repeats + 1, ("begin", "planned", "routed") + LAYER_PHASES,
+                                         args.slots, side_points=("synced",)),
+                  "in_place": CallStamps(cupy, args.repeats + 1, ("begin",) + LAYER_PHASES, 0)}
+        device_ms = {layer: {name: [] for name in ("period", "idle", "wait") + stamp.points[1:] + stamp.side_points}
+                     for layer, stamp in stamps.items()}
 
         def experts(received, handle, wait):
             """Masters first, then each replica slot once ``wait(slot)`` lets its stream at it."""
@@ -304,6 +318,15 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
                     y[begin:end] = xp.maximum(received.x[begin:end] @ w_in, 0) @ w_out
             return y
 
+        def moe_layer(stamp, handle, wait):
+            """Dispatch, the experts, combine: each phase's end stamped (``LAYER_PHASES``)."""
+            received = dispatcher.dispatch(x, state["slots"], gates)
+            stamp.stamp("dispatched")
+            y = experts(received, handle, wait)
+            stamp.stamp("computed")
+            dispatcher.combine(y, received.handle)
+            stamp.stamp("end")
+
         def balanced():
             started = time.perf_counter()
             stamp = stamps["balanced"]
@@ -314,8 +337,10 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
             profiling()
             clock = [time.perf_counter()]
             state["handle"] = handle = balancer.update(layer, ids)
+            stamp.stamp("planned")
             clock.append(time.perf_counter())
             sync = balancer.weight_sync(handle, stream=side, blocks=sync_blocks)
+            stamp.stamp("synced", side)
             clock.append(time.perf_counter())
             state["slots"] = balancer.reroute(handle, ids)
             clock.append(time.perf_counter())
@@ -330,9 +355,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
                 profiled()
                 waited[0] += time.perf_counter() - waiting
 
-            received = dispatcher.dispatch(x, state["slots"], gates)
-            dispatcher.combine(experts(received, handle, wait), received.handle)
-            stamp.stamp("end")
+            moe_layer(stamp, handle, wait)
             for part, seconds in zip(HOST_PARTS, [b - a for a, b in zip(clock, clock[1:])] + waited):
                 host_ms[part].append(1e3 * seconds)
             host_ms["call"].append(1e3 * (time.perf_counter() - started))
@@ -341,9 +364,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
             stamp = stamps["in_place"]
             stamp.next_call()
             stamp.stamp("begin")
-            received = dispatcher.dispatch(x, state["slots"], gates)
-            dispatcher.combine(experts(received, state["handle"], lambda slot: None), received.handle)
-            stamp.stamp("end")
+            moe_layer(stamp, state["handle"], lambda slot: None)
 
         def window(layer: str, call) -> float:
             stamps[layer].start_window()
@@ -401,22 +422,27 @@ def write_host_profile(profiler, directory: str, label: str) -> None:
 
 
 def device_breakdown(group, device_ms: dict) -> dict:
-    """The stamps' columns (None on the CPU): ``exposed_dev_ms`` from the median periods,
-    the ranks' mean (they keep one pace); the parts, each rank's median, the largest
+    """The stamps' columns (None on the CPU): ``exposed_dev_ms`` from the median periods
+    and ``d_*_dev_ms``, each layer phase's median balanced minus in place, the ranks' mean
+    (they keep one pace); the balanced layer's parts, each rank's median, the largest
     rank's (the group waits for it at dispatch)."""
-    def median(values):
-        return statistics.median(values) if values else None
-
     balanced, in_place = device_ms["balanced"], device_ms["in_place"]
-    exposed = (median(balanced["period"]) - median(in_place["period"])
-               if balanced["period"] and in_place["period"] else None)
-    parts = (median(balanced["lead"]), median(balanced["wait"]), median(balanced["idle"]))
-    gathered = group.allgather((exposed, parts))
-    if any(value is None for value, _ in gathered):
-        return dict.fromkeys(("exposed_dev_ms", "lead_dev_ms", "wait_dev_ms", "idle_dev_ms"))
-    return {"exposed_dev_ms": statistics.mean(value for value, _ in gathered),
-            **{f"{name}_dev_ms": max(rank_parts[i] for _, rank_parts in gathered)
-               for i, name in enumerate(("lead", "wait", "idle"))}}
+    if not (balanced["period"] and in_place["period"]):
+        group.allgather(None)
+        return dict.fromkeys(DEVICE_COLUMNS)
+    median = statistics.median
+    deltas = [median(balanced["period"]) - median(in_place["period"])]
+    deltas += [median(balanced[phase]) - median(in_place[phase]) for phase in LAYER_PHASES]
+    lead = [planned + routed for planned, routed in zip(balanced["planned"], balanced["routed"])]
+    parts = [median(balanced["planned"]), median(lead), median(balanced["wait"]), median(balanced["idle"]),
+             median(balanced["synced"])]
+    gathered = group.allgather((deltas, parts))
+    if any(rank is None for rank in gathered):
+        return dict.fromkeys(DEVICE_COLUMNS)
+    delta_names = ("exposed_dev_ms",) + tuple(f"d_{phase}_dev_ms" for phase in ("dispatch", "experts", "combine"))
+    part_names = ("update_lead_dev_ms", "lead_dev_ms", "wait_dev_ms", "idle_dev_ms", "synced_dev_ms")
+    return {**{name: statistics.mean(rank[0][i] for rank in gathered) for i, name in enumerate(delta_names)},
+            **{name: max(rank[1][i] for rank in gathered) for i, name in enumerate(part_names)}}
 
 
 def run(args) -> int:
