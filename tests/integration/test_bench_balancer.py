@@ -77,5 +77,20 @@ def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path):
         assert row["replica_diff"] == 0 and row["exposed_dev_ms"] is not None, row
         assert 0 < row["update_lead_dev_ms"] < row["lead_dev_ms"] < row["balanced_ms"], row
         assert row["wait_dev_ms"] >= 0 and row["idle_dev_ms"] >= 0 and row["synced_dev_ms"] > 0, row
-        assert all(row[f"d_{phase}_dev_ms"] is not None for phase in ("dispatch", "experts", "combine")), row
+        assert all(row[f"d_{phase}_dev_ms"] is not None for phase in bench.PHASE_NAMES), row
         assert row["blocked_host_ms"] >= 0 and row["update_host_ms"] > 0, row
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("steps", ["plan", "sync"])
+def test_balancer_bench_with_one_step_left_out(tmp_path, steps):
+    """``--steps plan`` / ``sync``: the balanced layer without the sync or without update and
+    reroute still runs, checks its replicas against their masters, and says which it ran."""
+    out = tmp_path / "balancer.json"
+    code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
+                       "--ffn", "16", "--initial-imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "2",
+                       "--rounds", "1", "--steps", steps, "--quiet", "--json", str(out)])
+    assert code == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["steps"] == steps and row["replica_diff"] == 0 and row["replicas"] > 0, row
+    assert row[{"plan": "sync_host_ms", "sync": "update_host_ms"}[steps]] < 0.05, row  # that call was not made

@@ -18,6 +18,8 @@ rank's end, host and device, per call; medians over ``--rounds`` rounds of
 * ``layer_ms``: the same layer with the plan and the replicas already in place
   (dispatch, compute, combine).
 
+``--steps plan`` or ``sync`` leaves the sync or the update and reroute out of the balanced
+layer, to tell their costs apart.
 ``exposed_ms`` = balanced - in place (median of the rounds' differences): what balancing
 adds to the layer. ``share_pct`` = exposed / layer. The ``*_dev_ms`` columns are the
 Balancer's own CUDA-event (CPU: wall) stage times in the balanced layer, medians over
@@ -31,8 +33,8 @@ after each window's first): ``exposed_dev_ms`` is the same difference taken from
 device's period per layer (one layer's start to the next's), without the window's first
 launch, which waits for the host; ``lead_dev_ms`` the compute stream's time from the
 layer's start to dispatch's (update and reroute: serial), ``update_lead_dev_ms`` its
-update part; ``d_dispatch_dev_ms``, ``d_experts_dev_ms`` and ``d_combine_dev_ms`` what
-each phase of the layer takes longer balanced than in place (the sync beside it, the
+update part; ``d_dispatch_dev_ms``, ``d_masters_dev_ms``, ``d_replicas_dev_ms`` and
+``d_combine_dev_ms`` what each phase of the layer takes longer balanced than in place (the sync beside it, the
 per-slot waits); ``wait_dev_ms`` the compute stream's time in the per-slot waits
 (replicas not landed yet); ``synced_dev_ms`` the layer's start to the end of the sync's
 launches on its own stream; ``idle_dev_ms`` the compute stream's wait for the host between
@@ -69,13 +71,15 @@ from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main, positive_int
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
-DEVICE_COLUMNS = ["exposed_dev_ms", "update_lead_dev_ms", "lead_dev_ms", "d_dispatch_dev_ms", "d_experts_dev_ms",
-                  "wait_dev_ms", "d_combine_dev_ms", "synced_dev_ms", "idle_dev_ms"]
-COLUMNS = ["weights", "sync_blocks", "imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms", "balanced_ms",
-           "share_pct", *DEVICE_COLUMNS, "bal_host_ms", "update_host_ms",
+PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASES end, as the columns name them
+DEVICE_COLUMNS = ["exposed_dev_ms", "update_lead_dev_ms", "lead_dev_ms", *(f"d_{name}_dev_ms" for name in PHASE_NAMES),
+                  "wait_dev_ms", "synced_dev_ms", "idle_dev_ms"]
+COLUMNS = ["weights", "steps", "sync_blocks", "imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms",
+           "balanced_ms", "share_pct", *DEVICE_COLUMNS, "bal_host_ms", "update_host_ms",
            "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms", "call_host_ms", "update_dev_ms",
            "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
-LAYER_PHASES = ("dispatched", "computed", "end")  # the stamps ending dispatch, the experts and combine
+LAYER_PHASES = ("dispatched", "masters", "computed", "end")  # the stamps ending dispatch, the masters' compute,
+# the replicas' and combine
 HOST_PARTS = ("update", "sync", "reroute", "wait")  # the Balancer's calls of a balanced layer, timed on the host
 WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}  # name -> table label
 BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
@@ -104,6 +108,10 @@ def parse_args(argv):
     parser.add_argument("--sync-blocks", type=sync_grid, nargs="+", default=[None], metavar="BLOCKS",
                         help="grids of the weight sync beside dispatch, one row each: a block count, or 'all' "
                              "(the engine's default: every resident block)")
+    parser.add_argument("--steps", choices=["all", "plan", "sync"], default="all",
+                        help="what the balanced layer does each call: all (update, weight_sync, reroute), plan "
+                             "(update and reroute; the replicas of the same plan stay in place: the routing is the "
+                             "same every call) or sync (weight_sync of the plan in place, and the per-slot waits)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="the Balancer launches every kernel itself (default: its fixed launch sequences are "
                              "replayed as CUDA graphs)")
@@ -305,11 +313,13 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
         device_ms = {layer: {name: [] for name in ("period", "idle", "wait") + stamp.points[1:] + stamp.side_points}
                      for layer, stamp in stamps.items()}
 
-        def experts(received, handle, wait):
-            """Masters first, then each replica slot once ``wait(slot)`` lets its stream at it."""
+        def experts(received, replicas, wait, stamp):
+            """Masters first (their end stamped), then each replica slot once ``wait(slot)``
+            lets its stream at it."""
             y = xp.zeros_like(received.x)
-            replicas = balancer.replica_weights(handle, wait=False)
             for slot in range(M + args.slots):
+                if slot == M:
+                    stamp.stamp("masters")
                 begin, end = offsets[slot], offsets[slot + 1]
                 if end > begin:
                     if slot >= M:
@@ -318,11 +328,11 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
                     y[begin:end] = xp.maximum(received.x[begin:end] @ w_in, 0) @ w_out
             return y
 
-        def moe_layer(stamp, handle, wait):
+        def moe_layer(stamp, replicas, wait):
             """Dispatch, the experts, combine: each phase's end stamped (``LAYER_PHASES``)."""
             received = dispatcher.dispatch(x, state["slots"], gates)
             stamp.stamp("dispatched")
-            y = experts(received, handle, wait)
+            y = experts(received, replicas, wait, stamp)
             stamp.stamp("computed")
             dispatcher.combine(y, received.handle)
             stamp.stamp("end")
@@ -336,13 +346,17 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
             state["calls"] += 1
             profiling()
             clock = [time.perf_counter()]
-            state["handle"] = handle = balancer.update(layer, ids)
+            planning, syncing = args.steps in ("all", "plan"), args.steps in ("all", "sync")
+            handle = state["planned"] = balancer.update(layer, ids) if planning else state["handle"]
             stamp.stamp("planned")
             clock.append(time.perf_counter())
-            sync = balancer.weight_sync(handle, stream=side, blocks=sync_blocks)
+            if syncing:
+                state["handle"] = handle
+                sync = balancer.weight_sync(handle, stream=side, blocks=sync_blocks)
             stamp.stamp("synced", side)
             clock.append(time.perf_counter())
-            state["slots"] = balancer.reroute(handle, ids)
+            if planning:
+                state["slots"] = balancer.reroute(handle, ids)
             clock.append(time.perf_counter())
             profiled()
             stamp.stamp("routed")
@@ -355,7 +369,10 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
                 profiled()
                 waited[0] += time.perf_counter() - waiting
 
-            moe_layer(stamp, handle, wait)
+            if syncing:
+                moe_layer(stamp, balancer.replica_weights(handle, wait=False), wait)
+            else:  # the replicas of the last sync: the routing is the same every call, so is the plan
+                moe_layer(stamp, replicas_in_place, lambda slot: None)
             for part, seconds in zip(HOST_PARTS, [b - a for a, b in zip(clock, clock[1:])] + waited):
                 host_ms[part].append(1e3 * seconds)
             host_ms["call"].append(1e3 * (time.perf_counter() - started))
@@ -364,7 +381,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
             stamp = stamps["in_place"]
             stamp.next_call()
             stamp.stamp("begin")
-            moe_layer(stamp, state["handle"], lambda slot: None)
+            moe_layer(stamp, replicas_in_place, lambda slot: None)
 
         def window(layer: str, call) -> float:
             stamps[layer].start_window()
@@ -378,6 +395,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
                  f"and the same layer with its plan in place ({args.rounds} x {args.repeats} calls each)")
         handle = state["handle"] = balancer.update(0, ids)
         balancer.weight_sync(handle).wait()
+        replicas_in_place = balancer.replica_weights(handle)
         state["slots"] = balancer.reroute(handle, ids)
         state["calls"] = 1
         offsets = [int(v) for v in (dispatcher.dispatch(x, state["slots"], gates).offsets.tolist())]
@@ -385,6 +403,9 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
         for _ in range(args.rounds):
             windows["balanced"].append(window("balanced", balanced))
             windows["in_place"].append(window("in_place", in_place))
+        if args.steps == "plan":  # the check below reads the replicas of a live plan
+            state["handle"] = state["planned"]
+            balancer.weight_sync(state["handle"]).wait()
         synchronize()
         diff = sum(group.allgather(replica_diff(balancer, state["handle"], spec, M, args.seed, to_host)))
         dispatcher.check()
@@ -396,7 +417,8 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
                                                         f"{sync_blocks or 'all'}")
     layer_ms, balanced_ms = (statistics.median(windows[k]) for k in ("in_place", "balanced"))
     exposed_ms = statistics.median(b - p for b, p in zip(windows["balanced"], windows["in_place"]))
-    row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype, "sync_blocks": sync_blocks or "all",
+    row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype, "steps": args.steps,
+           "sync_blocks": sync_blocks or "all",
            "imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
            "balanced_ms": balanced_ms, "share_pct": 100.0 * exposed_ms / layer_ms,
@@ -439,7 +461,7 @@ def device_breakdown(group, device_ms: dict) -> dict:
     gathered = group.allgather((deltas, parts))
     if any(rank is None for rank in gathered):
         return dict.fromkeys(DEVICE_COLUMNS)
-    delta_names = ("exposed_dev_ms",) + tuple(f"d_{phase}_dev_ms" for phase in ("dispatch", "experts", "combine"))
+    delta_names = ("exposed_dev_ms",) + tuple(f"d_{phase}_dev_ms" for phase in PHASE_NAMES)
     part_names = ("update_lead_dev_ms", "lead_dev_ms", "wait_dev_ms", "idle_dev_ms", "synced_dev_ms")
     return {**{name: statistics.mean(rank[0][i] for rank in gathered) for i, name in enumerate(delta_names)},
             **{name: max(rank[1][i] for rank in gathered) for i, name in enumerate(part_names)}}
@@ -462,7 +484,8 @@ def run(args) -> int:
              f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
              f"ffn {args.ffn}, fp16 tokens and compute, expert weights as listed, {launches}; exposed = balanced "
              "layer (update, weight_sync on a side stream beside dispatch, reroute, per-slot waits) - the same layer "
-             "with its plan and replicas in place, group windows")
+             "with its plan and replicas in place, group windows"
+             + ("" if args.steps == "all" else f"; balanced layer's steps: {args.steps} alone"))
     rows = []
     dtypes = sorted(set(args.weight_dtype), key=list(WEIGHT_DTYPES).index)  # bf16 first: the ratios' base
     with RowStream(COLUMNS, title, enabled=printing) as table:
