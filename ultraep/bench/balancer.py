@@ -60,6 +60,7 @@ Started with one process, it relaunches itself on ``--ranks`` ranks under ``mpie
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import statistics
 import sys
@@ -74,8 +75,8 @@ LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other laye
 PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASES end, as the columns name them
 DEVICE_COLUMNS = ["exposed_dev_ms", "update_lead_dev_ms", "lead_dev_ms", *(f"d_{name}_dev_ms" for name in PHASE_NAMES),
                   "wait_dev_ms", "synced_dev_ms", "idle_dev_ms"]
-COLUMNS = ["weights", "steps", "sync_blocks", "imbalance", "imb_after", "replicas", "exposed_ms", "layer_ms",
-           "balanced_ms", "share_pct", *DEVICE_COLUMNS, "bal_host_ms", "update_host_ms",
+COLUMNS = ["weights", "steps", "compute_priority", "sync_blocks", "imbalance", "imb_after", "replicas", "exposed_ms",
+           "layer_ms", "balanced_ms", "share_pct", *DEVICE_COLUMNS, "bal_host_ms", "update_host_ms",
            "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms", "call_host_ms", "update_dev_ms",
            "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
 LAYER_PHASES = ("dispatched", "masters", "computed", "end")  # the stamps ending dispatch, the masters' compute,
@@ -112,6 +113,10 @@ def parse_args(argv):
                         help="what the balanced layer does each call: all (update, weight_sync, reroute), plan "
                              "(update and reroute; the replicas of the same plan stay in place: the routing is the "
                              "same every call) or sync (weight_sync of the plan in place, and the per-slot waits)")
+    parser.add_argument("--compute-priority", choices=["default", "high"], default="default",
+                        help="the stream the layers run on: the default priority, as the weight sync's side stream, "
+                             "or the device's highest, so that the block scheduler serves the layer's kernels before "
+                             "the sync's")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="the Balancer launches every kernel itself (default: its fixed launch sequences are "
                              "replayed as CUDA graphs)")
@@ -304,6 +309,9 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
         profiling = profiler.enable if profiler else (lambda: None)
         profiled = profiler.disable if profiler else (lambda: None)
         side = xp.cuda.Stream(non_blocking=True) if gpu else None  # the weight sync's own stream
+        compute = contextlib.nullcontext()  # the layers' stream: the current one, or one of the highest priority
+        if gpu and args.compute_priority == "high":
+            compute = xp.cuda.Stream(non_blocking=True, priority=xp.cuda.runtime.deviceGetStreamPriorityRange()[1])
         state = {"calls": 0}
         host_ms = {part: [] for part in HOST_PARTS + ("call",)}  # per balanced layer: each call kind, all of it
         cupy = xp if gpu else None
@@ -385,7 +393,13 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
 
         def window(layer: str, call) -> float:
             stamps[layer].start_window()
-            window_ms = group_window_ms(group, call, args.repeats, synchronize)  # synchronised: the stamps are in
+
+            def on_compute_stream():
+                with compute:
+                    call()
+
+            # synchronised: the stamps are in
+            window_ms = group_window_ms(group, on_compute_stream, args.repeats, synchronize)
             stamps[layer].read(device_ms[layer])
             return window_ms
 
@@ -418,6 +432,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
     layer_ms, balanced_ms = (statistics.median(windows[k]) for k in ("in_place", "balanced"))
     exposed_ms = statistics.median(b - p for b, p in zip(windows["balanced"], windows["in_place"]))
     row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype, "steps": args.steps,
+           "compute_priority": args.compute_priority,
            "sync_blocks": sync_blocks or "all",
            "imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
