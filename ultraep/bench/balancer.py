@@ -83,6 +83,7 @@ LAYER_PHASES = ("dispatched", "masters", "computed", "end")  # the stamps ending
 # the replicas' and combine
 HOST_PARTS = ("update", "sync", "reroute", "wait")  # the Balancer's calls of a balanced layer, timed on the host
 WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}  # name -> table label
+HIGHEST_PRIORITY = -1000  # CUDA clamps a stream priority to the device's range: this is its highest
 BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
 
 
@@ -311,7 +312,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
         side = xp.cuda.Stream(non_blocking=True) if gpu else None  # the weight sync's own stream
         compute = contextlib.nullcontext()  # the layers' stream: the current one, or one of the highest priority
         if gpu and args.compute_priority == "high":
-            compute = xp.cuda.Stream(non_blocking=True, priority=xp.cuda.runtime.deviceGetStreamPriorityRange()[1])
+            compute = xp.cuda.Stream(non_blocking=True, priority=HIGHEST_PRIORITY)
         state = {"calls": 0}
         host_ms = {part: [] for part in HOST_PARTS + ("call",)}  # per balanced layer: each call kind, all of it
         cupy = xp if gpu else None
