@@ -82,15 +82,20 @@ def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("steps", ["plan", "sync"])
-def test_balancer_bench_with_one_step_left_out(tmp_path, steps):
+@pytest.mark.parametrize("steps, sync_at", [("plan", "plan"), ("sync", "plan"), ("all", "dispatch")])
+def test_balancer_bench_steps_and_where_the_sync_starts(tmp_path, steps, sync_at):
     """``--steps plan`` / ``sync``: the balanced layer without the sync or without update and
-    reroute still runs, checks its replicas against their masters, and says which it ran."""
+    reroute; ``--sync-at dispatch``: the sync started after dispatch. Each still runs, checks
+    its replicas against their masters, and says what it ran."""
     out = tmp_path / "balancer.json"
     code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
                        "--ffn", "16", "--initial-imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "2",
-                       "--rounds", "1", "--steps", steps, "--quiet", "--json", str(out)])
+                       "--rounds", "1", "--steps", steps, "--sync-at", sync_at, "--quiet", "--json", str(out)])
     assert code == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["steps"] == steps and row["replica_diff"] == 0 and row["replicas"] > 0, row
-    assert row[{"plan": "sync_host_ms", "sync": "update_host_ms"}[steps]] < 0.05, row  # that call was not made
+    assert row["steps"] == steps and row["sync_at"] == sync_at and row["replica_diff"] == 0, row
+    assert row["replicas"] > 0, row
+    left_out = {"plan": ["sync_host_ms", "wait_host_ms"], "sync": ["update_host_ms", "reroute_host_ms"], "all": []}
+    assert all(row[part] == 0.0 for part in left_out[steps]), row  # those calls were not made
+    assert all(row[part] > 0 for part in ("update_host_ms", "sync_host_ms", "reroute_host_ms")
+               if part not in left_out[steps]), row

@@ -19,7 +19,8 @@ rank's end, host and device, per call; medians over ``--rounds`` rounds of
   (dispatch, compute, combine).
 
 ``--steps plan`` or ``sync`` leaves the sync or the update and reroute out of the balanced
-layer, to tell their costs apart.
+layer, to tell their costs apart; ``--sync-at dispatch`` starts the sync once dispatch is
+enqueued (it then runs beside the masters' compute instead of reroute and dispatch).
 ``exposed_ms`` = balanced - in place (median of the rounds' differences): what balancing
 adds to the layer. ``share_pct`` = exposed / layer. The ``*_dev_ms`` columns are the
 Balancer's own CUDA-event (CPU: wall) stage times in the balanced layer, medians over
@@ -65,6 +66,7 @@ import cProfile
 import statistics
 import sys
 import time
+from functools import partial
 
 import numpy as np
 
@@ -75,8 +77,8 @@ LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other laye
 PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASES end, as the columns name them
 DEVICE_COLUMNS = ["exposed_dev_ms", "update_lead_dev_ms", "lead_dev_ms", *(f"d_{name}_dev_ms" for name in PHASE_NAMES),
                   "wait_dev_ms", "synced_dev_ms", "idle_dev_ms"]
-COLUMNS = ["weights", "steps", "compute_priority", "sync_blocks", "imbalance", "imb_after", "replicas", "exposed_ms",
-           "layer_ms", "balanced_ms", "share_pct", *DEVICE_COLUMNS, "bal_host_ms", "update_host_ms",
+COLUMNS = ["weights", "steps", "sync_at", "compute_priority", "sync_blocks", "imbalance", "imb_after", "replicas",
+           "exposed_ms", "layer_ms", "balanced_ms", "share_pct", *DEVICE_COLUMNS, "bal_host_ms", "update_host_ms",
            "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms", "call_host_ms", "update_dev_ms",
            "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
 LAYER_PHASES = ("dispatched", "masters", "computed", "end")  # the stamps ending dispatch, the masters' compute,
@@ -114,6 +116,10 @@ def parse_args(argv):
                         help="what the balanced layer does each call: all (update, weight_sync, reroute), plan "
                              "(update and reroute; the replicas of the same plan stay in place: the routing is the "
                              "same every call) or sync (weight_sync of the plan in place, and the per-slot waits)")
+    parser.add_argument("--sync-at", choices=["plan", "dispatch"], default="plan",
+                        help="where the balanced layer starts weight_sync: as soon as the plan exists (beside "
+                             "reroute and dispatch), or once dispatch is enqueued (its stream then waits for dispatch, "
+                             "a reader of the replica slots: the sync runs beside the masters' compute)")
     parser.add_argument("--compute-priority", choices=["default", "high"], default="default",
                         help="the stream the layers run on: the default priority, as the weight sync's side stream, "
                              "or the device's highest, so that the block scheduler serves the layer's kernels before "
@@ -337,9 +343,11 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
                     y[begin:end] = xp.maximum(received.x[begin:end] @ w_in, 0) @ w_out
             return y
 
-        def moe_layer(stamp, replicas, wait):
-            """Dispatch, the experts, combine: each phase's end stamped (``LAYER_PHASES``)."""
+        def moe_layer(stamp, wait, after_dispatch):
+            """Dispatch, the experts on the replica slots ``after_dispatch()`` returns,
+            combine: each phase's end stamped (``LAYER_PHASES``)."""
             received = dispatcher.dispatch(x, state["slots"], gates)
+            replicas = after_dispatch()
             stamp.stamp("dispatched")
             y = experts(received, replicas, wait, stamp)
             stamp.stamp("computed")
@@ -353,36 +361,47 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
             stamp.stamp("begin")
             layer = state["calls"] % LAYERS
             state["calls"] += 1
-            profiling()
-            clock = [time.perf_counter()]
+            spent = dict.fromkeys(HOST_PARTS, 0.0)
+
+            def timed(part, call, *call_args):
+                """``call(*call_args)``, its host time added to ``part``'s (and profiled)."""
+                begin = time.perf_counter()
+                profiling()
+                result = call(*call_args)
+                profiled()
+                spent[part] += time.perf_counter() - begin
+                return result
+
             planning, syncing = args.steps in ("all", "plan"), args.steps in ("all", "sync")
-            handle = state["planned"] = balancer.update(layer, ids) if planning else state["handle"]
+            handle = state["planned"] = timed("update", balancer.update, layer, ids) if planning else state["handle"]
             stamp.stamp("planned")
-            clock.append(time.perf_counter())
-            if syncing:
+            syncs = []
+
+            def start_sync():
                 state["handle"] = handle
-                sync = balancer.weight_sync(handle, stream=side, blocks=sync_blocks)
-            stamp.stamp("synced", side)
-            clock.append(time.perf_counter())
+                syncs.append(timed("sync", partial(balancer.weight_sync, stream=side, blocks=sync_blocks), handle))
+                stamp.stamp("synced", side)
+
+            if syncing and args.sync_at == "plan":
+                start_sync()
             if planning:
-                state["slots"] = balancer.reroute(handle, ids)
-            clock.append(time.perf_counter())
-            profiled()
+                state["slots"] = timed("reroute", balancer.reroute, handle, ids)
             stamp.stamp("routed")
-            waited = [0.0]
+
+            def after_dispatch():
+                if not syncing:  # the replicas of the last sync: the routing is the same every call, so is the plan
+                    stamp.stamp("synced", side)
+                    return replicas_in_place
+                if args.sync_at == "dispatch":
+                    start_sync()
+                return balancer.replica_weights(handle, wait=False)
 
             def wait(slot):
-                waiting = time.perf_counter()
-                profiling()
-                stamp.wait(lambda: sync.wait(slot))
-                profiled()
-                waited[0] += time.perf_counter() - waiting
+                if syncs:  # else nothing to wait for: the replicas of the last sync
+                    timed("wait", stamp.wait, lambda: syncs[0].wait(slot))
 
-            if syncing:
-                moe_layer(stamp, balancer.replica_weights(handle, wait=False), wait)
-            else:  # the replicas of the last sync: the routing is the same every call, so is the plan
-                moe_layer(stamp, replicas_in_place, lambda slot: None)
-            for part, seconds in zip(HOST_PARTS, [b - a for a, b in zip(clock, clock[1:])] + waited):
+            moe_layer(stamp, wait, after_dispatch)
+            for part, seconds in spent.items():
                 host_ms[part].append(1e3 * seconds)
             host_ms["call"].append(1e3 * (time.perf_counter() - started))
 
@@ -390,7 +409,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
             stamp = stamps["in_place"]
             stamp.next_call()
             stamp.stamp("begin")
-            moe_layer(stamp, replicas_in_place, lambda slot: None)
+            moe_layer(stamp, lambda slot: None, lambda: replicas_in_place)
 
         def window(layer: str, call) -> float:
             stamps[layer].start_window()
@@ -433,7 +452,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
     layer_ms, balanced_ms = (statistics.median(windows[k]) for k in ("in_place", "balanced"))
     exposed_ms = statistics.median(b - p for b, p in zip(windows["balanced"], windows["in_place"]))
     row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype, "steps": args.steps,
-           "compute_priority": args.compute_priority,
+           "compute_priority": args.compute_priority, "sync_at": args.sync_at,
            "sync_blocks": sync_blocks or "all",
            "imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
@@ -444,6 +463,8 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
            "blocked_host_ms": stats.host_wait_ms / stats.updates, "call_host_ms": statistics.median(host_ms["call"]),
            **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")},
            "sync_MB": statistics.mean(r.weight_bytes for r in stats.records) / 1e6, "replica_diff": diff}
+    if args.steps == "plan":
+        row["synced_dev_ms"] = None  # no sync was stamped
     return row, stats.records
 
 
