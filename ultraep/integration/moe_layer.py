@@ -17,13 +17,15 @@ DLPack-exportable, so a framework wraps them zero-copy as its parameters).
 Data flow of one micro-batch (the Dispatcher's receive buffer is expert-major: rows of
 local slot ``j`` are ``offsets[j]:offsets[j + 1]``, masters ``j < M`` then replica slots):
 
-* forward: with a Balancer, ``update`` -> ``weight_sync`` -> ``reroute`` and the weights
-  of the replica slots the plan fills are copied behind the masters in the layer's stacked
-  weights (``FilledSlotCopy``: an empty slot gets no rows, so nothing reads its stale
-  copy), so the whole receive buffer runs as one grouped GEMM per projection over
-  ``M + S`` experts; ``dispatch`` -> ``grouped_mm`` (up, FP32 out) -> SwiGLU (BF16) ->
-  ``grouped_mm`` (down) -> ``combine``;
-* backward: ``combine_backward`` (row gradients and the gates' gradients) -> dgrad and
+* forward: with a Balancer, ``update`` -> ``weight_sync`` (on the layer's own stream, so
+  the copies run beside reroute and dispatch) -> ``reroute``; ``dispatch``; then the
+  weights of the replica slots the plan fills are copied behind the masters in the layer's
+  stacked weights once they have landed (``FilledSlotCopy``: an empty slot gets no rows, so
+  nothing reads its stale copy; the fused path copies them before its first kernel), so the
+  whole receive buffer runs as one grouped GEMM per projection over ``M + S`` experts ->
+  ``grouped_mm`` (up, FP32 out) -> SwiGLU (BF16) -> ``grouped_mm`` (down) -> ``combine``;
+* backward: ``restore`` on the layer's stream when the shared replica buffers hold another
+  plan's weights; ``combine_backward`` (row gradients and the gates' gradients) -> dgrad and
   wgrad of down -> SwiGLU backward -> dgrad and wgrad of up -> masters' gradients ``+=``
   their rows' part, filled replica slots' gradients into the Balancer's replica gradient slots ->
   ``reduce_grads`` -> ``dispatch_backward`` (the input gradient).
@@ -400,6 +402,11 @@ class MoELayer:
             raise
         self._generation = 0  # forwards that filled the replica part of the stacked weights
         self._weight_copy = self._grad_copy = self._wgrad = None  # made at first use
+        # the replica weights' transfers run beside dispatch (GPU; the Balancer orders the streams by events)
+        self._sync_stream = None
+        if self.device is not None:
+            with self.xp.cuda.Device(self.device):
+                self._sync_stream = self.xp.cuda.Stream(non_blocking=True)
 
     @staticmethod
     def _check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend) -> None:
@@ -562,16 +569,19 @@ class MoELayer:
             handle, ids = None, topk_ids
             if self.balancer is not None:
                 handle = self.balancer.update(self.layer, topk_ids, stream=stream)
-                self.balancer.weight_sync(handle, stream=stream)
+                self.balancer.weight_sync(handle, stream=self._sync_stream)
                 ids = self.balancer.reroute(handle, topk_ids, stream=stream)
-                self._fill_replicas(handle)
                 self._generation += 1
             if self._fused is not None:
+                if handle is not None:  # kernel A's up tiles read every slot's weights from its start
+                    self._fill_replicas(handle)
                 out, received, act, h, y, rank_tiles = self._fused.forward(
                     arrays[0], self._import("topk_ids", ids), arrays[2], self._w_up, self._w_down, keep=backward)
                 return out, MoEContext(handle, received, h, act, y, self._generation, tokens, rank_tiles=rank_tiles,
                                        for_backward=bool(backward))
             received = self.dispatcher.dispatch(x, ids, gates)
+            if handle is not None:  # the sync ran beside dispatch; the GEMMs read the replicas
+                self._fill_replicas(handle)
             offsets, xp = received.offsets, self.xp
             rows = received.x.shape[0]
             h = grouped_mm(received.x, self._w_up, offsets, out=xp.empty((rows, 2 * self.ffn), np.float32))
@@ -607,13 +617,15 @@ class MoELayer:
         ctx.done = True
         received, offsets = ctx.received, ctx.received.offsets
         with self._on_stream(stream, dy):
-            replica_entries = self._replica_grads(ctx, stream)
+            replica_entries = self._replica_grads(ctx)
             fused = self._fused_backward()
             if fused is not None:  # the gradients' exchange and both dgrads in two persistent kernels
+                self._refill_replicas(ctx)
                 dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.rank_tiles, ctx.h, ctx.y, self._w_up,
                                                          self._w_down)
             else:
                 grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
+                self._refill_replicas(ctx)  # a restore ran beside combine_backward; the dgrads read the replicas
                 d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
                 dh = self._swiglu_backward(ctx.h, d_act, offsets)
                 d_recv = grouped_mm_dgrad(dh, self._w_up, offsets)
@@ -658,12 +670,11 @@ class MoELayer:
             self._wgrad = _WgradScratch.of(self)
         return self._wgrad
 
-    def _replica_grads(self, ctx: MoEContext, stream):
+    def _replica_grads(self, ctx: MoEContext):
         """The plan's entries of this rank's replica slots, once the Balancer's replica
         gradient slots may take ``ctx``'s gradients (None without a Balancer). Restores the
-        replica weights first when another layer or micro-batch has synced since (the
-        Balancer then refuses the handle), and refills the layer's copy when another forward
-        of this layer has overwritten it."""
+        replica weights first, on the layer's sync stream, when another layer or
+        micro-batch has synced since (the Balancer then refuses the handle)."""
         if ctx.handle is None:
             return None
         try:
@@ -671,11 +682,7 @@ class MoELayer:
         except StaleHandleError:
             raise
         except BalancerError:  # the shared replica buffers hold another handle's weights
-            self.balancer.restore(ctx.handle, stream=stream)
-        if ctx.generation != self._generation:
-            self._fill_replicas(ctx.handle)
-            self._generation += 1
-            ctx.generation = self._generation
+            self.balancer.restore(ctx.handle, stream=self._sync_stream)
         transfer = self.balancer.transfer
         if self._grad_copy is None:
             wgrad, M = self._wgrad_scratch(), self.experts_per_rank
@@ -683,6 +690,14 @@ class MoELayer:
                 [(_slot_bytes(g, M), transfer.replica_bytes("grads", t)) for t, g in enumerate((wgrad.up, wgrad.down))],
                 self.slots, device=self.device)
         return transfer.replica_entries(self.balancer.plan(ctx.handle))
+
+    def _refill_replicas(self, ctx: MoEContext) -> None:
+        """Refill the layer's copy of the replica weights (waiting for them) when another
+        forward of this layer has overwritten it since ``ctx``'s."""
+        if ctx.handle is not None and ctx.generation != self._generation:
+            self._fill_replicas(ctx.handle)
+            self._generation += 1
+            ctx.generation = self._generation
 
     def _swiglu_forward(self, h, offsets):
         if self._swiglu is None:
