@@ -121,9 +121,10 @@ def test_the_probe_reads_the_task_time_back(fake_gpu, task):
     for grid in (1, 7, 32):
         rounds = bench.rounds(grid, lambda: barriers.append(grid))
         # a tile: the tile phase's span over its waves (to the CTAs' few ns of stagger); a relay: its mean
-        assert [seconds for seconds, _ in rounds] == pytest.approx(
+        assert [r.seconds for r in rounds] == pytest.approx(
             [(RELAY_NS if task == "relay" else TILE_NS) * 1e-9] * device.FUSED_ROUNDS, rel=1e-3)
-        assert [at_work for _, at_work in rounds] == [grid] * device.FUSED_ROUNDS  # every CTA from the start
+        assert [r.at_work for r in rounds] == [grid] * device.FUSED_ROUNDS  # every CTA from the start
+        assert [r.start_ns for r in rounds] == [10**6] * device.FUSED_ROUNDS  # the first task's start
     assert barriers == [1] * 3 + [7] * 3 + [32] * 3  # a barrier before every round
     launches = fake_gpu["fused_down_combine" if task == "down" else "fused_dispatch_up"].launches
     assert [int(v["epoch"]) for v in launches] == list(range(1, 11))  # a warm-up, then three rounds per grid
@@ -180,11 +181,24 @@ def test_ctas_that_find_no_sm_until_the_others_end_are_not_at_work(fake_gpu, tas
     bench = FusedBench(fake_cupy, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES)
     fake_gpu["fused_down_combine" if task == "down" else "fused_dispatch_up"].late = 8
     rounds = bench.rounds(32, lambda: None)
-    assert [at_work for _, at_work in rounds] == [24] * device.FUSED_ROUNDS
+    assert [r.at_work for r in rounds] == [24] * device.FUSED_ROUNDS
     # the run's span holds the early CTAs' waves and the late ones' task: a tile's time over the
     # waves of the 24 at work (171 of 4096 tiles, the late ones' one more), not over 32 CTAs' 128
-    assert [seconds for seconds, _ in rounds] == pytest.approx([172 / 171 * TILE_NS * 1e-9] * device.FUSED_ROUNDS,
-                                                               rel=1e-3)
+    assert [r.seconds for r in rounds] == pytest.approx([172 / 171 * TILE_NS * 1e-9] * device.FUSED_ROUNDS,
+                                                        rel=1e-3)
+
+
+def test_a_released_launch_waits_behind_the_hold_then_the_release(fake_gpu):
+    """Where the sharers measure at once, kernel A's runs start on a device barrier of theirs
+    (``release``, enqueued between the hold and the kernel), as a layer's kernel A starts
+    when every rank leaves the token map's last barrier."""
+    bench = FusedBench(fake_cupy, 0, "up", 128, max_grid=8, l2_bytes=L2_BYTES)
+    hold, kernel = fake_gpu["hold_stream"], fake_gpu["fused_dispatch_up"]
+    released = []
+    bench.rounds(8, lambda: None, lambda: released.append((len(hold.holds), len(kernel.launches))))
+    # after the warm-up (a hold and a launch, no release): each round's hold, its release, its kernel
+    assert released == [(2 + i, 1 + i) for i in range(device.FUSED_ROUNDS)]
+    assert len(kernel.launches) == 1 + device.FUSED_ROUNDS
 
 
 def test_arguments_go_by_the_names_the_kernel_declares():

@@ -188,6 +188,29 @@ def test_a_rank_with_fewer_ctas_at_work_runs_its_waves_on_those():
     assert float(down_kept[2]) < float(down_lagging[2])
 
 
+def test_kernel_b_runs_its_waves_over_its_own_ctas_at_work():
+    """Since profile version 8 the down tiles' CTAs at work are measured apart: kernel B's
+    waves run over those, kernel A's over the up tiles'; the lagging rank's kernel B may keep
+    every CTA while its kernel A lacks some (before, kernel A's stood for both)."""
+    quarter = h200_like(sm_share=25)
+    grids = quarter.fused.grids
+    costs = dataclasses.replace(quarter.fused, sharing=4, ctas_at_work=tuple(float(min(g, 24)) for g in grids),
+                                down_ctas_at_work=tuple(float(min(g, 30)) for g in grids))
+    profile = dataclasses.replace(quarter, shared_fused=costs, shared_by=4)
+    shared = Problem(4096, 4096, 1536, 8, 64, 4, ranks_per_gpu=4)
+    ctas = np.array([16, 33])
+    assert float(fused_down_s(profile, shared, 33, 16)) == pytest.approx(float(fused_down_s(profile, shared, 33, 16,
+                                                                                              30)))
+    assert float(fused_up_s(profile, shared, 33, 16)) == pytest.approx(float(fused_up_s(profile, shared, 33, 16, 24)))
+    full = dataclasses.replace(profile, shared_fused=dataclasses.replace(costs, down_ctas_at_work=tuple(
+        float(g) for g in grids)))
+    windows = fused_windows(full, [shared, shared], ctas, 16, 16)
+    up_lagging, up_kept = fused_up_s(full, shared, ctas, 16), fused_up_s(full, shared, ctas, 16, ctas)
+    down = fused_down_s(full, shared, ctas, 16, ctas)
+    assert windows["up"] == pytest.approx(up_lagging) and windows["forward"] == pytest.approx(up_lagging + down)
+    assert windows["down"] == pytest.approx(up_lagging - up_kept + down)  # the lag of kernel A, then all of B
+
+
 def test_predict_broadcasts_each_phase_over_its_own_knobs():
     configs = {"sync_blocks": np.array([64, 528]).reshape(2, 1, 1), "dispatch_grid": np.array([264]).reshape(1, 1, 1),
                "ctas": np.array([66, 99, 132]).reshape(1, 3, 1), "send_tokens": np.array([16]),

@@ -187,16 +187,47 @@ def test_fused_costs_are_lines_in_k_and_linear_between_grids():
 def test_shared_fused_costs_are_the_slowest_process():
     from ultraep.tune.profile import fused_costs
 
-    # per grid, the CTAs at work of three rounds: one process lacks CTAs in a round, then the other
+    # per grid, the CTAs at work of three rounds: one process lacks CTAs in a round, then the other;
+    # of the down tiles, one process lacks two in two rounds
     one = {"up": [[1.0, 2.0]], "up_act": [[1.0, 1.0]], "relay": [[3.0, 3.0]], "down": [[2.0, 2.0]],
-           "ctas_at_work": [[1, 1, 1], [3, 4, 4]]}
+           "ctas_at_work": [[1, 1, 1], [3, 4, 4]], "down_ctas_at_work": [[1, 1, 1], [4, 4, 4]]}
     other = {"up": [[1.5, 1.0]], "up_act": [[1.0, 4.0]], "relay": [[1.0, 1.0]], "down": [[2.0, 5.0]],
-             "ctas_at_work": [[1, 1, 1], [4, 3, 4]]}
+             "ctas_at_work": [[1, 1, 1], [4, 3, 4]], "down_ctas_at_work": [[1, 1, 1], [2, 4, 2]]}
     costs = fused_costs([one, other], (1, 4), (64,), (32,))
     assert costs.sharing == 2 and costs.up == ((1.5, 2.0),) and costs.up_act == ((1.0, 4.0),)
     assert costs.relay == ((3.0, 3.0),) and costs.down == ((2.0, 5.0),)
     # each process's median round has all 4 at work; the group's median round lacks one
     assert costs.ctas_at_work == (1.0, 3.0) and costs.relays_on_store_warps
+    assert costs.down_ctas_at_work == (1.0, 2.0) and costs.down_at_work_note is None
+
+
+def test_kernel_a_tasks_are_released_together_and_each_kernel_counts_its_own_ctas_at_work():
+    """measure_fused: kernel A's tasks (up tiles, relays) run behind the sharers' release,
+    kernel B's down tiles without (a layer's kernel B starts as its rank's kernel A ends); the
+    up tiles' rounds count kernel A's CTAs at work, the down tiles' kernel B's; every round's
+    start is kept (how far apart the sharers started)."""
+    from ultraep.tune.host import FusedRound
+    from ultraep.tune.profile import measure_fused
+
+    class Probe:
+        fused_reductions = ((64,), (32,))
+        calls = []
+
+        def fused_rounds(self, task, k, grid, together, release=None):
+            together()
+            self.calls.append((task, release))
+            at_work = grid - 1 if task == "down" and grid > 1 else grid
+            return [FusedRound(1e-6, at_work, 100 * len(self.calls) + i) for i in range(2)]
+
+    release = object()
+    tables = measure_fused(Probe(), (1, 4), together=lambda: None, release=release)
+    assert [(task, r is release) for task, r in Probe.calls] == [
+        ("up", True), ("up", True), ("up_act", True), ("up_act", True), ("relay", True), ("relay", True),
+        ("down", False), ("down", False)]
+    assert tables["ctas_at_work"] == [[1] * 4, [4] * 4] and tables["down_ctas_at_work"] == [[1, 1], [3, 3]]
+    assert tables["starts"]["down"] == [700, 701, 800, 801]
+    with pytest.raises(ProfileError, match="no device to release"):
+        HostProbe().fused_rounds("up", 64, 1, lambda: None, release=lambda: None)
 
 
 def test_ctas_at_work_scale_the_grid_between_measured_ones():
@@ -207,11 +238,17 @@ def test_ctas_at_work_scale_the_grid_between_measured_ones():
                        relay=table, down=table, ctas_at_work=(1.0, 16.0, 24.0, 24.0))
     assert costs.working_ctas([1, 16, 20, 24, 28, 32]).tolist() == pytest.approx([1, 16, 20, 24, 28 * 0.875, 24])
     assert dataclasses.replace(costs, ctas_at_work=None).working_ctas([5, 32]).tolist() == [5, 32]
-    assert "CTAs at work" in "\n".join(costs.table())
-    with pytest.raises(ProfileError, match="ctas_at_work needs one count per grid"):
-        dataclasses.replace(costs, ctas_at_work=(1.0, 16.0, 25.0, 24.0))
-    with pytest.raises(ProfileError, match="ctas_at_work needs one count per grid"):
-        dataclasses.replace(costs, ctas_at_work=(1.0, 16.0))
+    # kernel B's: the down tiles' own where measured (version 8), else kernel A's, and the table says so
+    assert "up CTAs at work" in "\n".join(costs.table()) and "kernel A's stand for them" in "\n".join(costs.table())
+    assert costs.working_down_ctas([28, 32]).tolist() == pytest.approx([24.5, 24])
+    own = dataclasses.replace(costs, down_ctas_at_work=(1.0, 16.0, 24.0, 32.0))
+    assert own.working_down_ctas([28, 32]).tolist() == [28, 32] and own.working_ctas([32]).tolist() == [24]
+    assert own.down_at_work_note is None and "down CTAs at work" in "\n".join(own.table())
+    for name in ("ctas_at_work", "down_ctas_at_work"):
+        with pytest.raises(ProfileError, match=f"{name} needs one count per grid"):
+            dataclasses.replace(costs, **{name: (1.0, 16.0, 25.0, 24.0)})
+        with pytest.raises(ProfileError, match=f"{name} needs one count per grid"):
+            dataclasses.replace(costs, **{name: (1.0, 16.0)})
 
 
 def test_a_profile_stored_beside_measurements_may_be_of_an_older_version():
@@ -227,12 +264,20 @@ def test_a_profile_stored_beside_measurements_may_be_of_an_older_version():
         MachineProfile.from_json(dict(old, version=3), stored=True)
 
 
-def test_a_version_6_profile_is_read_beside_measurements_with_its_ctas_at_work_but_never_cached():
-    """Version 6 has version 7's fields (its sharers' runs were too short to overlap)."""
+@pytest.mark.parametrize("version", [6, 7])
+def test_a_version_6_or_7_profile_is_read_beside_measurements_with_its_ctas_at_work_but_never_cached(version):
+    """Versions 6 and 7 have this version's fields but the down tiles' CTAs at work (one count
+    stood for both kernels); 6's sharers' runs were too short to overlap."""
     data = json.loads(json.dumps(measured().to_json()))
     at_work = [max(1.0, g - 1.0) for g in data["fused"]["grids"]]
-    old = dict(data, version=6, fused=dict(data["fused"], ctas_at_work=at_work))
-    with pytest.raises(ProfileError, match="format version 6"):
+    fused = {k: v for k, v in data["fused"].items() if k != "down_ctas_at_work"}
+    old = dict(data, version=version, fused=dict(fused, ctas_at_work=at_work))
+    with pytest.raises(ProfileError, match=f"format version {version}"):
         MachineProfile.from_json(old)
     stored = MachineProfile.from_json(old, stored=True)
-    assert stored.version == 6 and list(stored.fused.ctas_at_work) == at_work and stored.fused.relays_on_store_warps
+    assert stored.version == version and list(stored.fused.ctas_at_work) == at_work
+    assert stored.fused.relays_on_store_warps and stored.fused.down_ctas_at_work is None
+    assert list(stored.fused.working_down_ctas(stored.fused.grids)) == at_work
+    assert "kernel A's stand for them" in stored.fused.down_at_work_note
+    with pytest.raises(ProfileError, match="bad or missing field: 'down_ctas_at_work'"):
+        MachineProfile.from_json(dict(old, version=8))

@@ -1,11 +1,12 @@
 """The machine profile measured on the GPU: plausible figures for every quantity (the fused
 kernels' tasks among them), a compute curve that is weight-bound at a few rows per expert,
-and the cost model's threshold between a decode-sized and a prefill-sized expert load."""
+the cost model's threshold between a decode-sized and a prefill-sized expert load, and the
+shared probe's kernel A runs started together by the sharers' device barrier."""
 
 import numpy as np
 import pytest
 
-from tests.conftest import requires_gpu
+from tests.conftest import assert_all_ranks_ok, requires_gpu, run_ranks
 from ultraep.transfer import ExpertSpec
 from ultraep.tune import load_profile, min_replica_tokens_for, read_profile
 from ultraep.tune.replicas import expert_weight_elements
@@ -41,7 +42,8 @@ def test_device_profile_is_plausible_and_cached(tmp_path):
         relay = fused.relay_task_s(k, fused.grids)  # 128 rows of 2 k bytes: 0.1 .. 100 GB/s a CTA
         assert np.all(0.1e9 < 128 * 2 * k / relay) and np.all(128 * 2 * k / relay < 100e9), relay
     # one process alone on the GPU: every CTA finds its SM at once
-    assert all(0.95 * g <= v <= g for v, g in zip(fused.ctas_at_work, fused.grids)), fused.ctas_at_work
+    for at_work in (fused.ctas_at_work, fused.down_ctas_at_work):
+        assert all(0.95 * g <= v <= g for v, g in zip(at_work, fused.grids)), at_work
     assert fused.relays_on_store_warps
     for k in fused.down_k:
         tile = fused.down_tile_s(k, fused.grids)
@@ -63,3 +65,19 @@ def test_threshold_sits_between_decode_and_prefill(tmp_path):
     threshold = min_replica_tokens_for(spec.weight_slot_bytes, profile, weight_elements=expert_weight_elements(spec))
     print(f"\nmin_replica_tokens='auto' for {spec}: {threshold}")
     assert 128 < threshold < 4096, threshold
+
+
+@pytest.mark.mpi
+def test_sharers_kernel_a_runs_start_together_on_a_device_barrier():
+    """Two ranks of one GPU under MPS (time-sliced ranks would take turns, never start together)."""
+    from ultraep.errors import MPSUnavailable
+    from ultraep.runtime.mps import start_emulation
+
+    try:
+        daemon = start_emulation(2, 50)
+    except MPSUnavailable as exc:
+        pytest.skip(f"no MPS daemon: {exc}")
+    with daemon:
+        out = run_ranks(2, "tune/mpi/shared_probe_check.py", timeout=600, env=daemon.client_environment(50))
+    print(out)
+    assert_all_ranks_ok(out, 2, "shared-probe")

@@ -1,18 +1,20 @@
-"""The fused kernels' model replayed on two sweeps measured on the H200 (4 ranks under the
+"""The fused kernels' model replayed on four sweeps measured on the H200 (4 ranks under the
 MPS emulation, 25 % of the SMs each: 32 SMs a rank; ``python -m ultraep.tune validate
 --emulate-ep --ranks 4 --phase fused-forward --tokens 4096``: hidden 4096, ffn 1536, top-8 of
 64 experts, seed 0; 53 configurations, kernel A, kernel B and the forward each):
 
 * ``h200_fused_e9279ab.json``: at e9279ab, profile version 4, with every rank's own spans;
 * ``h200_fused_9cb7189.json``: at 9cb7189 (kernel B's stores on its store warps), profile
-  version 5, rebuilt from the run's text log (its meta says how).
+  version 5, rebuilt from the run's text log (its meta says how);
+* ``h200_fused_aa332a3.json`` and ``h200_fused_4be4f84.json``: profile versions 6 and 7,
+  with every rank's kernel A CTAs at work (``rank_ctas_a``, ``fewest_ctas_a``).
 
-Both keep every rank's problem (its routing, recomputed from the seed). The model replays
-them as they were measured: relays claimed between the sends and the tiles, no CTAs at work
-in the profile. One rank at a time ran kernel A as if on fewer CTAs from 27 CTAs a rank on
-(MPS shares that overlap); profile version 6 measures those CTAs at work, these profiles do
-not: the held-out check derives them from the first run's rank spans and replays the
-second run with them."""
+All keep every rank's problem (the first two's recomputed from the seed). The model replays
+them as they were measured: the first two with relays claimed between the sends and the
+tiles and no CTAs at work in the profile; the last two with kernel A's CTAs at work standing
+for kernel B's too (version 8 measures kernel B's apart). One rank at a time ran kernel A as
+if on fewer CTAs from 27 CTAs a rank on (MPS shares that overlap): the held-out checks
+derive those CTAs at work from one run and replay another with them."""
 
 import copy
 import json
@@ -23,11 +25,13 @@ import pytest
 
 from ultraep.tune.__main__ import main as tune_main
 from ultraep.tune.config import FusedConfig
+from ultraep.tune.model import Problem, fused_down_s
+from ultraep.tune.profile import MachineProfile
 from ultraep.tune.validate import replay_rows, summarise
 
 HERE = Path(__file__).parent
-FIT, HELD_OUT = (json.loads((HERE / name).read_text()) for name in ("h200_fused_e9279ab.json",
-                                                                     "h200_fused_9cb7189.json"))
+FIT, HELD_OUT, V6, V7 = (json.loads((HERE / f"h200_fused_{commit}.json").read_text())
+                         for commit in ("e9279ab", "9cb7189", "aa332a3", "4be4f84"))
 NO_LAG_CTAS = 24  # up to here no rank of either run lagged (its spans are the group's, less the start spread)
 
 
@@ -83,6 +87,72 @@ def test_ctas_at_work_derived_from_one_run_predict_the_other():
     assert windows["up"]["mean_abs_error_pct"] < 4.0 and windows["forward"]["mean_abs_error_pct"] < 3.5
     # the choice: the forward's within 3 % of the fastest measured (27 CTAs), no longer every SM
     assert windows["forward"]["chosen_over_best_pct"] < 3.0 and not windows["forward"]["chosen"].startswith("ctas=32")
+
+
+def test_the_version_7_run_replays_as_measured_kernel_b_on_kernel_a_s_ctas_at_work(capsys):
+    """4be4f84's run, its version 7 profile: one count of CTAs at work (the up and down
+    tiles' rounds together) stands for both kernels, and the replay says so."""
+    rows, profile = replay_rows(V7)
+    assert profile.version == 7 and profile.shared_fused.down_ctas_at_work is None
+    assert profile.shared_fused.ctas_at_work[-2:] == (28.0, 30.5)
+    windows = windows_mae(rows)
+    assert summarise(rows)["mean_abs_error_pct"] == pytest.approx(7.04, abs=0.01)
+    assert [windows[w]["mean_abs_error_pct"] for w in ("up", "down", "forward")] == pytest.approx(
+        [6.68, 8.71, 5.73], abs=0.01)
+    assert windows["forward"]["chosen"].startswith("ctas=32") and windows["forward"]["chosen_over_best_pct"] == \
+        pytest.approx(5.61, abs=0.01)
+    assert tune_main(["validate", "--replay", str(HERE / "h200_fused_4be4f84.json")]) == 0
+    assert "kernel A's stand for them" in capsys.readouterr().out
+
+
+def run_ctas_at_work(document) -> list[float]:
+    """Kernel A's CTAs at work a run's validate measured (the fewest of any rank in a forward,
+    the median forward; the median over the task sizes) at its profile's grids, linear
+    between the CTA counts swept."""
+    rows = [row for row in document["rows"] if row["window"] == "up"]
+    ctas = np.array([FusedConfig.parse(row["config"]).ctas for row in rows])
+    swept = sorted(set(ctas))
+    fewest = [np.median([row["fewest_ctas_a"] for row, c in zip(rows, ctas) if c == g]) for g in swept]
+    return [float(v) for v in np.interp(document["profile"]["shared_fused"]["grids"], swept, fewest)]
+
+
+def as_version_8(document, up_at_work, down_at_work):
+    """``document`` with a version 8 profile: its own times, these CTAs at work."""
+    replayed = copy.deepcopy(document)
+    profile = replayed["profile"]
+    profile["version"] = 8
+    profile["fused"]["down_ctas_at_work"] = None
+    profile["shared_fused"].update(ctas_at_work=list(up_at_work), down_ctas_at_work=list(down_at_work))
+    return replayed
+
+
+def test_what_the_version_8_probe_must_see():
+    """Not a prediction: what the model reaches if version 8's probe sees what the layer
+    does. Kernel A's CTAs at work: the lagging rank's as the other run's validate measured
+    them (25, 23, 20 at 27, 29, 32 CTAs a rank in both). Kernel B's: every CTA -- the rank
+    that lags in kernel A does not in its kernel B: from the last kernel A's end to the last
+    kernel B's end (the forward's window less kernel A's) each run measured, at 32 CTAs a rank
+    (the median over the task sizes), nearer kernel B on every CTA than on kernel A's 20."""
+    for run, other in ((V7, V6), (V6, V7)):
+        rows = {(row["config"], row["window"]): row for row in run["rows"]}
+        profile = MachineProfile.from_json(run["profile"], stored=True)
+        problems = [Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()})
+                    for p in next(iter(run["problems"].values()))]
+        after_a, full, lagging = np.median([
+            [rows[config, "forward"]["measured_ms"] - rows[config, "up"]["measured_ms"],
+             *(max(float(fused_down_s(profile, p, 32, FusedConfig.parse(config).reduce_tokens, working))
+                   for p in problems) * 1e3 for working in (32, 20))]
+            for config, window in rows if window == "up" and config.startswith("ctas=32 ")], axis=0)
+        assert abs(after_a - full) < 0.5 * abs(after_a - lagging), (after_a, full, lagging)
+        grids = run["profile"]["shared_fused"]["grids"]
+        replayed = replay_rows(as_version_8(run, run_ctas_at_work(other), grids))[0]
+        summary, windows = summarise(replayed), windows_mae(replayed)
+        print(f"\n{run['meta']['git_commit']} with {other['meta']['git_commit']}'s CTAs at work: "
+              f"{summary['mean_abs_error_pct']:.2f} % (A {windows['up']['mean_abs_error_pct']:.2f}, B "
+              f"{windows['down']['mean_abs_error_pct']:.2f}, forward {windows['forward']['mean_abs_error_pct']:.2f}), "
+              f"choice {windows['forward']['chosen']} {windows['forward']['chosen_over_best_pct']:.1f} % over")
+        assert summary["mean_abs_error_pct"] < (4.0 if run is V7 else 5.5)
+        assert windows["forward"]["chosen_over_best_pct"] < 1.5 and windows["forward"]["chosen"].startswith("ctas=27")
 
 
 def test_replay_cli_prints_the_table_and_writes_json(tmp_path, capsys):

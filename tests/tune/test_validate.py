@@ -55,14 +55,18 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
     assert data["profile"]["shared_by"] == 2 and data["profile"]["shared_copy_bytes_per_s"] > 0
     cached = json.loads(next((tmp_path / "cache").glob("profile-*.json")).read_text())
     assert cached["shared_by"] == 2 and cached["shared_copy_bytes_per_s"] == data["profile"]["shared_copy_bytes_per_s"]
-    # and their fused tasks at once
+    # and their fused tasks at once, the up and the down tiles' CTAs at work each, and how far apart they started
     assert cached["shared_fused"]["sharing"] == 2 and cached["shared_fused"] == data["profile"]["shared_fused"]
+    assert cached["shared_fused"]["down_ctas_at_work"] == [1.0]
+    assert "fused down tiles' CTAs at work, the fewest of any" in err and "runs' starts apart" in err
     if phase == "fused-forward":
         assert all(len(row["rank_ms"]) == 2 for row in data["rows"])
-        assert all(row["rank_ctas_a"] == [1.0, 1.0] for row in data["rows"])  # the host runs one worker a rank
-        assert all(row["fewest_ctas_a"] == 1.0 for row in data["rows"])
-        assert all(row["profile_ctas_a"] == int(row["config"].split()[0][5:]) for row in data["rows"])
-        assert "kernel A's CTAs at work" in out
+        for kernel in "ab":  # the host runs one worker a rank
+            assert all(row[f"rank_ctas_{kernel}"] == [1.0, 1.0] for row in data["rows"])
+            assert all(row[f"fewest_ctas_{kernel}"] == 1.0 for row in data["rows"])
+            assert all(row[f"profile_ctas_{kernel}"] == int(row["config"].split()[0][5:]) for row in data["rows"])
+        assert "kernel A's CTAs at work" in out and "kernel B's CTAs at work" in out
+        assert "kernel A's stand for them" not in out  # the profile measured kernel B's
         # every rank's problem is kept: the sweep replays to its own predictions
         assert len(data["problems"]["48 tokens/rank, hidden 64, ffn 32"]) == 2
         assert tune_main(["validate", "--replay", str(out_json)]) == 0
@@ -87,8 +91,8 @@ def test_a_forward_enqueued_after_its_hold_ended_is_timed_again_behind_a_longer_
         def forward(self, x, ids, gates):
             hold.enqueued.append(hold.hold_ns)
 
-        def timeline(self):  # two tasks of A on SMs 0 and 1, then one of B
-            return [(a, 100, 300, 0), (a, 120, 400, 1), (b, 410, 900, 0)]
+        def timeline(self):  # two tasks of A on SMs 0 and 1, then B's on SM 0 and, late, SM 1
+            return [(a, 100, 300, 0), (a, 120, 400, 1), (b, 410, 900, 0), (b, 700, 800, 1)]
 
     class Hold:
         hold_ns, enqueued = validate.HOLD_NS, []
@@ -108,7 +112,8 @@ def test_a_forward_enqueued_after_its_hold_ended_is_timed_again_behind_a_longer_
 
     hold = Hold()
     spans = validate.timed_forwards(Group(), Moe(), None, None, None, hold, repeats=3)
-    assert spans.shape == (3, 2, 5) and spans[0, 0].tolist() == [100, 400, 410, 900, 2]
+    # each kernel's first task's start and last task's end, and its CTAs at work in its first half
+    assert spans.shape == (3, 2, 6) and spans[0, 0].tolist() == [100, 400, 410, 900, 2, 1]
     assert hold.enqueued == [validate.HOLD_NS, 2 * validate.HOLD_NS] + [4 * validate.HOLD_NS] * 3
     hold.enqueued, hold.hold_ns = [], validate.MAX_HOLD_NS
     with pytest.raises(RuntimeError, match="to enqueue one fused forward"):

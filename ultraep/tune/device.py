@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from ultraep.errors import ProfileError
-from ultraep.tune.host import BATCH_S, MAX_CALLS, ROUNDS, seconds_per_call
+from ultraep.tune.host import BATCH_S, MAX_CALLS, ROUNDS, FusedRound, seconds_per_call
 
 COPY_BYTES = 256 << 20          # several times the L2 cache: the copy runs at HBM speed
 COPY_THREADS = 512              # threads per block of heap.cu's copy_bytes (as the peer-copy bench)
@@ -248,15 +248,15 @@ class DeviceProbe:
 
     fused_reductions = (FUSED_UP_K, FUSED_DOWN_K)
 
-    def fused_rounds(self, task: str, k: int, grid: int, together) -> list[tuple[float, int]]:
+    def fused_rounds(self, task: str, k: int, grid: int, together, release=None) -> list[FusedRound]:
         """One fused task (:class:`~ultraep.tune.profile.FusedCosts`) at ``k`` on ``grid`` CTAs
-        in :data:`FUSED_ROUNDS` launches, each after ``together()``: per launch its time and
-        its CTAs at work (:meth:`FusedBench.rounds`)."""
+        in :data:`FUSED_ROUNDS` launches, each after ``together()`` and, where given, on the
+        device behind ``release()`` (:meth:`FusedBench.rounds`)."""
         if self._fused is None or self._fused.key != (task, k):
             self._fused = None  # its buffers go before the next one's are made
             l2_bytes = int(self.cp.cuda.runtime.getDeviceProperties(self.device)["l2CacheSize"])
             self._fused = FusedBench(self.cp, self.device, task, k, max(self.fused_grids()), l2_bytes)
-        return self._fused.rounds(grid, together)
+        return self._fused.rounds(grid, together, release)
 
     def expert_call_s(self, rows: int) -> float:
         from ultraep.compute import grouped_mm
@@ -323,11 +323,14 @@ class FusedBench:
 
     Each launch waits on the device behind ``timing.cu``'s ``hold_stream`` (as ``tune
     validate``'s forwards do), so it starts as the device reaches it, not as the host gets
-    there. A run's CTAs at work are the SMs its tasks started on in the first half of its
-    span; a tile's time is the tile phase's span (first tile's claim to the last tile's end,
-    from the timeline the kernels stamp) over its waves on those CTAs (the model runs its
-    waves over the CTAs at work: a tile time over the grid's waves would count a lag twice);
-    a relay's, the mean relay task."""
+    there; where the processes sharing the GPU measure at once, kernel A's runs wait behind a
+    device barrier of theirs too (``release``, :func:`~ultraep.tune.replicas.measure_shared`):
+    a layer's kernel A starts as every rank leaves such a barrier. A run's CTAs at work are
+    the SMs its tasks started on in the first half of its span; a tile's time is the tile
+    phase's span (first tile's claim to the last tile's end, from the timeline the kernels
+    stamp) over its waves on those CTAs (the model runs its waves over the CTAs at work: a
+    tile time over the grid's waves would count a lag twice); a relay's, the mean relay
+    task."""
 
     def __init__(self, cp, device: int, task: str, k: int, max_grid: int, l2_bytes: int):
         from ultraep.compute.device import _TensorMaps
@@ -404,7 +407,7 @@ class FusedBench:
                               counter=self.counter, status=self.status, outcome=self.outcome, trace=self.trace)
             if task == "down":
                 self.fixed["out"] = unread
-            self._prepare(max_grid)[0]()  # warm-up: the module's first launch, the buffers' first touch
+            self._prepare(max_grid)[0](None)  # warm-up: the module's first launch, the buffers' first touch
             cp.cuda.get_current_stream().synchronize()
 
     def _pools(self, maps, l2_bytes: int, rows_map: str, k: int, weights_map: str, weight_slot: tuple[int, int]):
@@ -446,16 +449,20 @@ class FusedBench:
         values.update({name: pool.next_map(slots) for name, pool in self.pools.items()})
         arguments = ordered_arguments(FUSED_KERNELS, self.kernel_name, values)
 
-        def launch():
+        def launch(release):
             self.hold((1,), (1,), (np.uint64(FUSED_HOLD_NS),))
+            if release is not None:
+                release()
             self.kernel((grid,), (self.threads,), arguments, shared_mem=self.shared_bytes)
         return launch, slots * self.tasks_per_slot
 
-    def rounds(self, grid: int, together) -> list[tuple[float, int]]:
-        """:data:`FUSED_ROUNDS` launches on ``grid`` CTAs, each after ``together()``: per launch
-        the task's time and the CTAs at work, those (distinct SMs) that started a task in the
-        first half of the run -- a CTA that found no SM free until others ended starts late;
-        a tile's time is over its waves on those."""
+    def rounds(self, grid: int, together, release=None) -> list[FusedRound]:
+        """:data:`FUSED_ROUNDS` launches on ``grid`` CTAs, each after ``together()`` and on the
+        device after ``release()`` where given (it enqueues what the launch waits for, between
+        the hold and the kernel): per launch the task's time, the CTAs at work -- those
+        (distinct SMs) that started a task in the first half of the run: a CTA that found no
+        SM free until others ended starts late; a tile's time is over its waves on those --
+        and its first task's start."""
         cp = self.cp
         rounds = []
         with cp.cuda.Device(self.device):
@@ -463,7 +470,7 @@ class FusedBench:
                 launch, tasks = self._prepare(grid)
                 cp.cuda.get_current_stream().synchronize()  # the resets are done before the barrier
                 together()
-                launch()
+                launch(release)
                 cp.cuda.get_current_stream().synchronize()
                 status = [int(v) for v in self.status.get()]
                 if status[0]:
@@ -480,7 +487,7 @@ class FusedBench:
                     seconds = float(np.mean((end[mine] - start[mine]).astype(np.float64))) * 1e-9
                 else:
                     seconds = (last - first) * 1e-9 / math.ceil(int(mine.sum()) / at_work)
-                rounds.append((seconds, at_work))
+                rounds.append(FusedRound(seconds, at_work, first))
         return rounds
 
 

@@ -7,14 +7,26 @@ from __future__ import annotations
 import os
 import platform
 import time
+from typing import NamedTuple
 
 import numpy as np
+
+from ultraep.errors import ProfileError
 
 ROUNDS = 5               # timed batches per quantity; the fastest is kept
 BATCH_S = 0.02           # each batch runs about this long
 MAX_CALLS = 1000         # calls per batch at most
 COPY_BYTES = 32 << 20    # larger than the last-level cache of a common CPU
 LAUNCH_CALLS = 2000
+
+
+class FusedRound(NamedTuple):
+    """One round of a fused task's probe: the task's time, the CTAs (workers) at work, and
+    when its first task started (ns; one clock for the processes of one GPU or host)."""
+
+    seconds: float
+    at_work: int
+    start_ns: int
 
 
 def seconds_per_call(call, clock, finish=lambda: None) -> float:
@@ -94,11 +106,12 @@ class HostProbe:
     def fused_grids(self) -> tuple[int, ...]:
         return (1,)  # the host backend's fused layer runs its tasks one after another
 
-    def fused_rounds(self, task: str, k: int, grid: int, together) -> list[tuple[float, int]]:
+    def fused_rounds(self, task: str, k: int, grid: int, together, release=None) -> list[FusedRound]:
         """A fused task of the host backend's kind, one tile's NumPy: an up tile's matmul of
         ``tile_shape`` over ``k`` and SwiGLU (and a copy of the accumulators, as ``h``, for
         ``up``), a down tile's matmul, a relay's copy of ``tile_shape[0]`` rows of ``k``; one
-        round, its time per call and its one worker at work."""
+        round after ``together()``, its time per call, its one worker at work and its start.
+        ``release``: a device's (the host has none to wait on)."""
         bm, bn = self.tile_shape
         rng = np.random.default_rng(k)
         x = rng.standard_normal((bm, k), dtype=np.float32)
@@ -117,8 +130,11 @@ class HostProbe:
 
         calls = {"up": lambda: up(True), "up_act": lambda: up(False), "relay": lambda: np.copyto(landing, x),
                  "down": lambda: np.matmul(x, w, out=acc)}
+        if release is not None:
+            raise ProfileError("the host backend's fused tasks have no device to release them")
         together()
-        return [(seconds_per_call(calls[task], time.perf_counter), grid)]
+        start = time.monotonic_ns()
+        return [FusedRound(seconds_per_call(calls[task], time.perf_counter), grid, start)]
 
     def expert_call_s(self, rows: int) -> float:
         experts, k, n = self.compute_shape

@@ -41,8 +41,9 @@ communication and GEMM tiles beyond the shared bandwidth (each is measured with 
 kind running on every rank). Under the MPS emulation one rank's kernels may run on fewer
 CTAs than their grid once the ranks' grids together near the GPU's SMs (shares that
 overlap; which rank varies from call to call): the profile measures how many the
-unluckiest rank has at work (``FusedCosts.ctas_at_work``, profile version 6), the model
-runs that rank's tiles over those and the group waits for it.
+unluckiest rank has at work (``FusedCosts.ctas_at_work``, profile version 6; kernel B's
+apart, ``down_ctas_at_work``, since version 8), the model runs that rank's tiles over those
+and the group waits for it.
 """
 
 from __future__ import annotations
@@ -279,9 +280,9 @@ def pull_s(profile: MachineProfile, problem: Problem, grid):
 #
 # Of a rank's CTAs, those at work may be fewer than its grid: under MPS shares that overlap,
 # one rank's CTAs need not all find an SM while the other ranks hold theirs. The profile
-# measures how many the unluckiest rank has (FusedCosts.working_ctas); the tiles cost what
-# they cost at the grid (every rank's CTAs contend as launched), their waves run over the
-# CTAs at work.
+# measures how many the unluckiest rank has, in each kernel (FusedCosts.working_ctas,
+# working_down_ctas); the tiles cost what they cost at the grid (every rank's CTAs contend as
+# launched), their waves run over the CTAs at work.
 
 COPY_LOADS_IN_FLIGHT = 4     # heap.cu copy_vectors' 16-byte loads in flight a thread (copy_warp_bytes_per_s)
 REDUCE_INDEX_TRIPS = 3       # a reduce lane's loads before its rows: ids; base, rank_off, rank_mtile; its done flag
@@ -301,9 +302,10 @@ def _copy_rounds(problem: Problem) -> int:
     return -(-problem.row_bytes // (16 * WARP_THREADS * FM_UNROLL))
 
 
-def _working(costs, ctas, working):
-    """``working`` CTAs at work of ``ctas`` (float arrays); None: the profile's unluckiest rank's."""
-    return costs.working_ctas(ctas) if working is None else np.asarray(working, np.float64)
+def _working(measured, ctas, working):
+    """``working`` CTAs at work of ``ctas`` (float arrays); None: ``measured(ctas)``, the
+    profile's unluckiest rank's (FusedCosts.working_ctas or working_down_ctas)."""
+    return measured(ctas) if working is None else np.asarray(working, np.float64)
 
 
 def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, working=None):
@@ -328,7 +330,7 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     ctas = np.asarray(ctas, np.float64)
     send_tokens = np.asarray(send_tokens, np.float64)
     costs = profile.fused_costs(problem.ranks_per_gpu)
-    working = _working(costs, ctas, working)
+    working = _working(costs.working_ctas, ctas, working)
     row, rows = problem.row_bytes, problem.rows
     trip = _round_trip_s(profile)
     # a token is read once and stored to each destination: a row copy's round trips per row copied
@@ -355,7 +357,8 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
 
 def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens, working=None):
     """Kernel B of the busiest rank on ``ctas`` CTAs, ``working`` of them at work (default:
-    the profile's unluckiest rank's): the down tiles (``bm`` x ``down_cols`` over ``ffn``)
+    the profile's unluckiest rank's in kernel B, measured on the down tiles since profile
+    version 8, kernel A's before): the down tiles (``bm`` x ``down_cols`` over ``ffn``)
     in waves of the measured tile over the CTAs at work; then the reduce tasks, a claim and
     per round of FM_TASK_WARPS tokens a token's dependent round trips: REDUCE_INDEX_TRIPS
     loads to find its slots' rows and done flags, then per block of FM_DOWN_COLS columns its
@@ -365,7 +368,7 @@ def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens,
     ctas = np.asarray(ctas, np.float64)
     reduce_tokens = np.asarray(reduce_tokens, np.float64)
     costs = profile.fused_costs(problem.ranks_per_gpu)
-    working = _working(costs, ctas, working)
+    working = _working(costs.working_down_ctas, ctas, working)
     col_blocks = -(-problem.hidden // FM_DOWN_COLS)
     down_tiles = problem.m_tiles() * col_blocks
     tile = costs.down_tile_s(problem.ffn, ctas)
@@ -388,10 +391,11 @@ def fused_windows(profile: MachineProfile, problems, ctas, send_tokens, reduce_t
     for every rank's down tiles, so the ranks' kernel A ends' spread is in it; ``forward``,
     both (the slowest rank's A and B).
 
-    One rank has only the profile's CTAs at work (FusedCosts.working_ctas), the others all
-    of theirs: which rank lags varies from call to call, so each rank takes that turn and
-    the windows are the median over the turns (a timed window is the median of calls). One
-    problem: that rank, lagging, and its A, B and their sum."""
+    One rank has only the profile's CTAs at work (FusedCosts.working_ctas in kernel A,
+    working_down_ctas in kernel B), the others all of theirs: which rank lags varies from
+    call to call, so each rank takes that turn and the windows are the median over the turns
+    (a timed window is the median of calls). One problem: that rank, lagging, and its A, B
+    and their sum."""
     ctas = np.asarray(ctas, np.float64)
     full = [(np.asarray(fused_up_s(profile, p, ctas, send_tokens, ctas), np.float64),
              np.asarray(fused_down_s(profile, p, ctas, reduce_tokens, ctas), np.float64)) for p in problems]

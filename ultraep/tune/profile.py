@@ -35,12 +35,15 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   them in L2, left there by its previous launch on the same slot) and its rows too (version
   6: a layer's tiles read rows relayed or written hundreds of MB before); and at each grid
   the CTAs at work, those that started a tile in the first half of a run (version 6), each
-  run as long as a layer's kernel A (version 7);
+  run as long as a layer's kernel A (version 7), of the up tiles (kernel A's) and of the
+  down tiles (kernel B's) apart (version 8);
   ``shared_fused``: the same with every process sharing this GPU running it at once
   (:func:`~ultraep.tune.replicas.group_profile`, as ``shared_copy_bytes_per_s``), the CTAs
   at work the unluckiest process's: under MPS shares that overlap, one process's grid need
   not find its SMs while the others hold theirs (version 6; version 7's runs, long and held
-  behind a stream hold, overlap as a layer's kernels do: version 6's mostly took turns);
+  behind a stream hold, overlap as a layer's kernels do: version 6's mostly took turns;
+  version 8's kernel A runs start together behind a device barrier of the sharers, as a
+  layer's kernel A does);
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
   grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, timed on the device
   alone (the host's part is ``launch_s``), ``np.matmul`` (float32) per expert on the host.
@@ -72,14 +75,17 @@ import numpy as np
 from ultraep.errors import ProfileError
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 7
+PROFILE_VERSION = 8
 # Versions whose fields this one reads when a profile is kept beside measurements (a
 # ``tune validate --json``, replayed): before 6 no CTAs at work were measured, and kernel A's
 # relays were claimed tasks between its sends and its tiles (they run on the store warps since);
-# 6 has this version's fields, but its sharers' tile runs (8 waves, a fraction of a millisecond)
-# hardly overlapped, so its shared times and CTAs at work are those of processes taking turns.
-STORED_VERSIONS = (4, 5, 6, PROFILE_VERSION)
+# before 8 one count of CTAs at work stood for the up and the down tiles together, and the
+# sharers' up tile runs started as their hosts left a barrier; 6's runs (8 waves, a fraction of
+# a millisecond) hardly overlapped, so its shared times and CTAs at work are those of processes
+# taking turns.
+STORED_VERSIONS = (4, 5, 6, 7, PROFILE_VERSION)
 CTAS_AT_WORK_SINCE = 6  # the first version that measured the CTAs at work
+DOWN_CTAS_AT_WORK_SINCE = 8  # the first that measured the down tiles' own
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
@@ -122,6 +128,11 @@ class ComputeCurve:
 
 
 FUSED_TASKS = ("up", "up_act", "relay", "down")
+# the tile tasks whose runs count CTAs at work, and the field each counts for: kernel A's, kernel B's
+AT_WORK_OF = {"up": "ctas_at_work", "up_act": "ctas_at_work", "down": "down_ctas_at_work"}
+# kernel A's tasks: their shared runs start as a layer's kernel A does, as every rank leaves a device
+# barrier (the token map's last); kernel B's as a layer's does, as each rank's own kernel A ends
+RELEASED_TASKS = ("up", "up_act", "relay")
 
 
 @dataclass(frozen=True)
@@ -136,9 +147,11 @@ class FusedCosts:
     * ``relay[i][g]``: per relay task (``FM_BM`` rows of ``2 * up_k[i]`` bytes);
     * ``down[i][g]``: per down tile (``FM_BM`` x ``FM_DOWN_COLS``) over ``down_k[i]``, its
       system fences and ``done`` flag included;
-    * ``ctas_at_work[g]``: of ``grids[g]`` CTAs, those that started a tile in the first half
-      of a tile run -- with several sharers the fewest of any process in a round, the median
-      round (None: not measured, every CTA taken to work);
+    * ``ctas_at_work[g]``: of ``grids[g]`` CTAs, those that started an up tile in the first
+      half of an up tile run -- with several sharers the fewest of any process in a round, the
+      median round (None: not measured, every CTA taken to work): kernel A's;
+    * ``down_ctas_at_work[g]``: the same of the down tile runs, kernel B's (None: not
+      measured, profiles before version 8: kernel A's stand for them);
     * ``relays_on_store_warps``: whether the relay tasks measured run on the store warps of
       every CTA beside the claimed tasks (kernel A since version 6), not as claimed tasks.
 
@@ -157,6 +170,7 @@ class FusedCosts:
     down: tuple[tuple[float, ...], ...]
     ctas_at_work: tuple[float, ...] | None = None
     relays_on_store_warps: bool = True
+    down_ctas_at_work: tuple[float, ...] | None = None
 
     def __post_init__(self):
         grids = list(self.grids)
@@ -174,11 +188,12 @@ class FusedCosts:
                     or not all(math.isfinite(v) and v > 0 for row in table for v in row):
                 raise ProfileError(f"fused: {task} needs one positive time per reduction ({rows}) and grid "
                                    f"({len(grids)})")
-        at_work = self.ctas_at_work
-        if at_work is not None and (len(at_work) != len(grids)
-                                    or not all(1 <= v <= g for v, g in zip(at_work, grids))):
-            raise ProfileError(f"fused: ctas_at_work needs one count per grid ({len(grids)}), each from 1 to its "
-                               f"grid, got {list(at_work)}")
+        for name in ("ctas_at_work", "down_ctas_at_work"):
+            at_work = getattr(self, name)
+            if at_work is not None and (len(at_work) != len(grids)
+                                        or not all(1 <= v <= g for v, g in zip(at_work, grids))):
+                raise ProfileError(f"fused: {name} needs one count per grid ({len(grids)}), each from 1 to its "
+                                   f"grid, got {list(at_work)}")
 
     def up_tile_s(self, k: int, ctas, keeps_h: bool = True) -> np.ndarray:
         """An up tile over a reduction of ``k`` at ``ctas`` CTAs per process (array-like)."""
@@ -193,14 +208,30 @@ class FusedCosts:
         return self._at(self.down, self.down_k, k, ctas)
 
     def working_ctas(self, ctas) -> np.ndarray:
-        """Of ``ctas`` CTAs per process (array-like), those the unluckiest process has at work:
-        the measured counts' fraction of their grids, linear between grids, never above
-        ``ctas`` (all of them where nothing was measured)."""
+        """Of ``ctas`` CTAs per process (array-like), those the unluckiest process has at work
+        in kernel A (its up tiles): the measured counts' fraction of their grids, linear
+        between grids, never above ``ctas`` (all of them where nothing was measured)."""
+        return self._working(self.ctas_at_work, ctas)
+
+    def working_down_ctas(self, ctas) -> np.ndarray:
+        """The same in kernel B (its down tiles); kernel A's where a profile before version 8
+        did not measure them apart (:attr:`down_at_work_note` says so)."""
+        return self._working(self.ctas_at_work if self.down_ctas_at_work is None else self.down_ctas_at_work, ctas)
+
+    @property
+    def down_at_work_note(self) -> str | None:
+        """Why kernel B's CTAs at work are kernel A's, where they are; else None."""
+        if self.down_ctas_at_work is None and self.ctas_at_work is not None:
+            return ("kernel B's CTAs at work were not measured apart (profile before version 8): kernel A's stand "
+                    "for them")
+        return None
+
+    def _working(self, at_work, ctas) -> np.ndarray:
         ctas = np.asarray(ctas, np.float64)
-        if self.ctas_at_work is None:
+        if at_work is None:
             return ctas
         grids = np.asarray(self.grids, np.float64)
-        return ctas * np.minimum(np.interp(ctas, grids, np.asarray(self.ctas_at_work, np.float64) / grids), 1.0)
+        return ctas * np.minimum(np.interp(ctas, grids, np.asarray(at_work, np.float64) / grids), 1.0)
 
     def _at(self, table, ks, k: int, ctas) -> np.ndarray:
         measured = np.asarray(table, np.float64)  # [reduction, grid]
@@ -220,7 +251,7 @@ class FusedCosts:
 
     @classmethod
     def from_json(cls, data) -> FusedCosts:
-        at_work = data["ctas_at_work"]
+        at_work, down_at_work = data["ctas_at_work"], data["down_ctas_at_work"]
         relays_on_store_warps = data["relays_on_store_warps"]
         if not isinstance(relays_on_store_warps, bool):
             raise TypeError(f"relays_on_store_warps must be true or false, got {relays_on_store_warps!r}")
@@ -228,7 +259,8 @@ class FusedCosts:
                    up_k=tuple(int(v) for v in data["up_k"]), down_k=tuple(int(v) for v in data["down_k"]),
                    **{task: tuple(tuple(float(v) for v in row) for row in data[task]) for task in FUSED_TASKS},
                    ctas_at_work=None if at_work is None else tuple(float(v) for v in at_work),
-                   relays_on_store_warps=relays_on_store_warps)
+                   relays_on_store_warps=relays_on_store_warps,
+                   down_ctas_at_work=None if down_at_work is None else tuple(float(v) for v in down_at_work))
 
     def table(self) -> list[str]:
         """Readable lines: each task's microseconds per grid."""
@@ -238,8 +270,11 @@ class FusedCosts:
         for task, ks in (("up", self.up_k), ("up_act", self.up_k), ("relay", self.up_k), ("down", self.down_k)):
             for k, row in zip(ks, getattr(self, task)):
                 lines.append(f"  {f'{task} k={k}':>22}  " + "".join(f"{v * 1e6:8.1f}" for v in row))
-        if self.ctas_at_work is not None:
-            lines.append(f"  {'CTAs at work':>22}  " + "".join(f"{v:8.1f}" for v in self.ctas_at_work))
+        for name, at_work in (("up", self.ctas_at_work), ("down", self.down_ctas_at_work)):
+            if at_work is not None:
+                lines.append(f"  {f'{name} CTAs at work':>22}  " + "".join(f"{v:8.1f}" for v in at_work))
+        if self.down_at_work_note:
+            lines.append(f"  ({self.down_at_work_note})")
         return lines
 
 
@@ -304,7 +339,8 @@ class MachineProfile:
         """A profile from :meth:`to_json`'s dict; ProfileError naming what is missing or wrong.
         ``stored``: one kept beside measurements, which may be of any of
         :data:`STORED_VERSIONS` (read as it was measured: no CTAs at work, relays as claimed
-        tasks before version 6); the cache takes this version only."""
+        tasks before version 6; no down tiles' CTAs at work apart before 8); the cache takes
+        this version only."""
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ProfileError(f"not a machine profile (no \"format\": \"{PROFILE_FORMAT}\")")
         version = data.get("version")
@@ -312,10 +348,13 @@ class MachineProfile:
             raise ProfileError(f"format version {version!r}, this library reads version {PROFILE_VERSION}"
                                + (f" (and {', '.join(map(str, STORED_VERSIONS[:-1]))} stored beside measurements)"
                                   if stored else ""))
-        if version < CTAS_AT_WORK_SINCE:  # what an older version did not record, as it measured
-            before = {"ctas_at_work": None, "relays_on_store_warps": False}
-            data = dict(data, **{name: {**before, **data[name]}
-                                 for name in ("fused", "shared_fused") if isinstance(data.get(name), dict)})
+        before = {}  # what an older version did not record, as it measured
+        if version < CTAS_AT_WORK_SINCE:
+            before.update(ctas_at_work=None, relays_on_store_warps=False)
+        if version < DOWN_CTAS_AT_WORK_SINCE:
+            before.update(down_ctas_at_work=None)
+        data = dict(data, **{name: {**before, **data[name]}
+                             for name in ("fused", "shared_fused") if isinstance(data.get(name), dict)})
         try:
             compute = data["compute"]
             shared_fused = data.get("shared_fused")
@@ -453,43 +492,52 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
 
 
 def measure_fused(probe, grids, progress: Callable[[str], None] | None = None,
-                  together: Callable[[], None] = lambda: None) -> dict[str, list]:
+                  together: Callable[[], None] = lambda: None,
+                  release: Callable[[], None] | None = None) -> dict[str, list]:
     """This process's fused-kernel task times (:class:`FusedCosts`' tables) at ``grids`` CTAs,
     each task measured in rounds that ``together()`` starts (a barrier of the processes that
-    measure at once; alone, nothing): the median round's; and ``ctas_at_work``, per grid the
-    CTAs at work in every round of the tile tasks (rounds in the same order on every process)."""
+    measure at once; alone, nothing) and, for kernel A's tasks, on the device behind
+    ``release()`` where given (:data:`RELEASED_TASKS`): the median round's; per grid the CTAs
+    at work in every round of the up tiles (``ctas_at_work``) and of the down tiles
+    (``down_ctas_at_work``), rounds in the same order on every process; and per task every
+    round's start (``starts``)."""
     say = progress or (lambda line: None)
     up_k, down_k = probe.fused_reductions
-    tables = {"ctas_at_work": [[] for _ in grids]}
+    tables = {name: [[] for _ in grids] for name in AT_WORK_OF.values()}
+    tables["starts"] = {task: [] for task in FUSED_TASKS}
     for task in FUSED_TASKS:
         tables[task] = []
         for k in down_k if task == "down" else up_k:
             row = []
             for g, grid in enumerate(grids):
-                rounds = probe.fused_rounds(task, k, grid, together)
-                row.append(float(np.median([seconds for seconds, _ in rounds])))
-                if task != "relay":  # a relay run is too short to tell a CTA that waited for its SM
-                    tables["ctas_at_work"][g] += [at_work for _, at_work in rounds]
+                rounds = probe.fused_rounds(task, k, grid, together, release if task in RELEASED_TASKS else None)
+                row.append(float(np.median([r.seconds for r in rounds])))
+                tables["starts"][task] += [r.start_ns for r in rounds]
+                if task in AT_WORK_OF:  # a relay run is too short to tell a CTA that waited for its SM
+                    tables[AT_WORK_OF[task]][g] += [r.at_work for r in rounds]
             tables[task].append(row)
             say(f"  fused {task} task, k = {k}: " + ", ".join(f"{seconds * 1e6:.1f}" for seconds in row)
                 + f" us at {', '.join(str(g) for g in grids)} CTAs")
-    say("  fused tiles' CTAs at work (median round): "
-        + ", ".join(f"{np.median(rounds):g}" for rounds in tables["ctas_at_work"])
-        + f" of {', '.join(str(g) for g in grids)}")
+    for tiles, name in (("up", "ctas_at_work"), ("down", "down_ctas_at_work")):
+        say(f"  fused {tiles} tiles' CTAs at work (median round): "
+            + ", ".join(f"{np.median(rounds):g}" for rounds in tables[name])
+            + f" of {', '.join(str(g) for g in grids)}")
     return tables
 
 
 def fused_costs(tables: list[dict], grids, up_k, down_k) -> FusedCosts:
     """:class:`FusedCosts` of ``len(tables)`` processes that measured at once (each's
     :func:`measure_fused`): the slowest one's time of every task, which the group waits for,
-    and per grid the CTAs at work of the process with the fewest in each round, the median
-    round: the group waits for that one too."""
-    fewest = np.min([t["ctas_at_work"] for t in tables], axis=0)  # [grid, round]
+    and per grid, of the up tiles and of the down tiles, the CTAs at work of the process with
+    the fewest in each round, the median round: the group waits for that one too."""
+    def fewest(name):
+        return tuple(float(v) for v in np.median(np.min([t[name] for t in tables], axis=0), axis=1))  # [grid, round]
+
     return FusedCosts(grids=tuple(int(g) for g in grids), sharing=len(tables), up_k=tuple(up_k), down_k=tuple(down_k),
                       **{task: tuple(tuple(float(v) for v in row)
                                      for row in np.max([t[task] for t in tables], axis=0))
                          for task in FUSED_TASKS},
-                      ctas_at_work=tuple(float(v) for v in np.median(fewest, axis=1)))
+                      **{name: fewest(name) for name in AT_WORK_OF.values()})
 
 
 # -- the cache -------------------------------------------------------------------------------

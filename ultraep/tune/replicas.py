@@ -33,6 +33,7 @@ per replica) and any overlap of weight sync with other work.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -52,6 +53,7 @@ PROFILE_TIMEOUT_S = 900.0  # the host's first rank may compile kernels and measu
 SHARED_WHAT = "machine profile: the copy rate of the ranks sharing a GPU"
 SHARED_FUSED_WHAT = "machine profile: the fused kernels' tasks of the ranks sharing a GPU, all at once"
 SHARED_COPY_BATCH_S = 0.05  # each rank's copies of one round of the shared copy last about this long
+RELEASE_TIMEOUT_S = 10.0  # a device barrier before a probe launch waits this long for the other sharers at most
 
 
 def min_replica_tokens_for(spec_bytes: int, profile: MachineProfile, *, weight_elements: int | None = None,
@@ -138,9 +140,11 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
       between barriers; a GPU's rate is its ranks' bytes over the window from the first
       start to the last end (one clock per host), the best of the rounds;
     * ``shared_fused``: every rank runs the fused tasks of its profile's ``fused`` (the same
-      grids and reductions) at once, a barrier before each round; a task's time is the
-      slowest rank's of that GPU, its CTAs at work the fewest of any rank in a round, the
-      median round (:func:`~ultraep.tune.profile.fused_costs`)."""
+      grids and reductions) at once, a barrier before each round -- on the GPU kernel A's
+      tasks also behind a device barrier of the GPU's ranks (:func:`sharers_barrier`), so
+      that they start together as a layer's kernel A does; a task's time is the slowest
+      rank's of that GPU, its CTAs at work the fewest of any rank in a round, the median
+      round (:func:`~ultraep.tune.profile.fused_costs`)."""
     from ultraep.tune.host import ROUNDS
 
     place = (group.hostname, group.device)
@@ -172,18 +176,29 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
         best = max(best, sum(n for _, _, n in mine) / (max(e for _, e, _ in mine) - min(b for b, _, _ in mine)))
     fused = profile.fused
     tables = None
-    try:
-        tables = measure_fused(probe, fused.grids, stderr_progress if group.local_rank == 0 else None,
-                               together=lambda: group.barrier(timeout_s, what=SHARED_FUSED_WHAT))
-    except Exception as exc:
-        error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
-    group.raise_if_any(error, SHARED_FUSED_WHAT, timeout_s=timeout_s)
-    gathered = group.allgather((place, tables), what=SHARED_FUSED_WHAT, timeout_s=timeout_s)
-    shared_fused = fused_costs([t for p, t in gathered if p == place], fused.grids, fused.up_k, fused.down_k)
+    with sharers_barrier(group, places) if backend == "device" else contextlib.nullcontext() as heap:
+        try:
+            tables = measure_fused(probe, fused.grids, stderr_progress if group.local_rank == 0 else None,
+                                   together=lambda: group.barrier(timeout_s, what=SHARED_FUSED_WHAT),
+                                   release=None if heap is None else lambda: heap.barrier(RELEASE_TIMEOUT_S,
+                                                                                           wait=False))
+            if heap is not None:
+                heap.check_barriers()
+        except Exception as exc:
+            error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+        group.raise_if_any(error, SHARED_FUSED_WHAT, timeout_s=timeout_s)
+    gathered = [t for p, t in group.allgather((place, tables), what=SHARED_FUSED_WHAT, timeout_s=timeout_s)
+                if p == place]
+    shared_fused = fused_costs(gathered, fused.grids, fused.up_k, fused.down_k)
     if group.local_rank == 0:
-        stderr_progress(f"  {sharing} processes at once: fused tiles' CTAs at work, the fewest of any (median round): "
-                        + ", ".join(f"{v:g}" for v in shared_fused.ctas_at_work)
-                        + f" of {', '.join(str(g) for g in shared_fused.grids)}")
+        for tiles, at_work in (("up", shared_fused.ctas_at_work), ("down", shared_fused.down_ctas_at_work)):
+            stderr_progress(f"  {sharing} processes at once: fused {tiles} tiles' CTAs at work, the fewest of any "
+                            f"(median round): {', '.join(f'{v:g}' for v in at_work)} of "
+                            f"{', '.join(str(g) for g in shared_fused.grids)}")
+        spread = {task: np.median(np.ptp([t["starts"][task] for t in gathered], axis=0)) * 1e-3
+                  for task in gathered[0]["starts"]}
+        stderr_progress(f"  {sharing} processes at once: their runs' starts apart (median round), us: "
+                        + ", ".join(f"{task} {us:.1f}" for task, us in spread.items()))
     profile = dataclasses.replace(profile, shared_copy_bytes_per_s=best, shared_by=sharing, shared_fused=shared_fused)
     if sharing > 1 and group.local_rank == 0:
         try:
@@ -191,6 +206,15 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
         except OSError as exc:
             stderr_progress(f"could not add the shared measurements to the cached profile ({exc})")
     return profile
+
+
+def sharers_barrier(group: EPGroup, places: list):
+    """Collective: a small symmetric heap of the ranks that share this rank's GPU (``places``:
+    every rank's (host, device)), whose device barrier releases their probe launches at once."""
+    from ultraep.runtime import open_heap
+
+    place = (group.hostname, group.device)
+    return open_heap(group.split(sorted(set(places)).index(place)), 1, backend="device")
 
 
 def agreed_min_replica_tokens(group: EPGroup, spec: ExpertSpec, *, backend: str,

@@ -309,8 +309,8 @@ def kernel_spans_ns(moe, x, ids, gates, hold: StreamHold | None) -> list[int]:
     """One recorded fused forward of this rank, enqueued behind ``hold`` where there is one:
     the first task's start and the last task's end of kernel A, then of kernel B (ns, one
     clock for ranks on one GPU or host), the CTAs (distinct SMs, or host workers) that
-    started a task of kernel A in its first half, and 1 if the hold ended before the
-    forward was enqueued (else 0)."""
+    started a task of kernel A in its first half, those of kernel B in its first half, and
+    1 if the hold ended before the forward was enqueued (else 0)."""
     from ultraep.integration.fused import KERNEL_A, KERNEL_B
 
     if hold is not None:
@@ -318,24 +318,26 @@ def kernel_spans_ns(moe, x, ids, gates, hold: StreamHold | None) -> list[int]:
     moe.forward(x, ids, gates)
     late = int(hold is not None and hold.ended_early())
     tasks = moe.timeline()  # waits for the device
-    spans = []
+    spans, at_work = [], []
     for kinds in (KERNEL_A, KERNEL_B):
-        mine = [(start, end) for kind, start, end, _ in tasks if kind in kinds]
-        spans += [min(s for s, _ in mine), max(e for _, e in mine)] if mine else [0, 0]
-    half = (spans[0] + spans[1]) / 2
-    return spans + [len({where for kind, start, _, where in tasks if kind in KERNEL_A and start < half}), late]
+        mine = [(start, end, where) for kind, start, end, where in tasks if kind in kinds]
+        first, last = (min(s for s, _, _ in mine), max(e for _, e, _ in mine)) if mine else (0, 0)
+        spans += [first, last]
+        at_work.append(len({where for start, _, where in mine if start < (first + last) / 2}))
+    return spans + at_work + [late]
 
 
 def timed_forwards(group, moe, x, ids, gates, hold: StreamHold | None, repeats: int) -> np.ndarray:
-    """``repeats`` recorded forwards of every rank ([repeat, rank, kernel_spans_ns's values]),
-    a barrier before each; a forward that some rank's host enqueued after its hold ended
-    does not count, and the hold doubles (collectively: every rank sees every rank's)."""
+    """``repeats`` recorded forwards of every rank ([repeat, rank, kernel_spans_ns's values
+    but the last]), a barrier before each; a forward that some rank's host enqueued after its
+    hold ended does not count, and the hold doubles (collectively: every rank sees every
+    rank's)."""
     forwards = []
     while len(forwards) < repeats:
         group.barrier(what="tune validate: fused forward")
         spans = np.asarray(group.allgather(kernel_spans_ns(moe, x, ids, gates, hold)), np.int64)
-        if not spans[:, 5].any():
-            forwards.append(spans[:, :5])
+        if not spans[:, -1].any():
+            forwards.append(spans[:, :-1])
             continue
         hold.hold_ns *= 2
         if hold.hold_ns > MAX_HOLD_NS:
@@ -354,8 +356,10 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
     (``rank_ms``, the medians): who was slowest; every rank's CTAs at work in kernel A's
     first half (``rank_ctas_a``, the medians), the fewest of any rank in a forward
     (``fewest_ctas_a``, the median forward's) against the profile's CTAs at work
-    (``profile_ctas_a``, :meth:`~ultraep.tune.profile.FusedCosts.working_ctas`); and its
-    problem's ``shape``, under which the second value returned keeps every rank's
+    (``profile_ctas_a``, :meth:`~ultraep.tune.profile.FusedCosts.working_ctas`), the same of
+    kernel B (``rank_ctas_b``, ``fewest_ctas_b``, ``profile_ctas_b``:
+    :meth:`~ultraep.tune.profile.FusedCosts.working_down_ctas`); and its problem's
+    ``shape``, under which the second value returned keeps every rank's
     :class:`~ultraep.tune.model.Problem` (what ``--replay`` predicts from)."""
     import dataclasses
 
@@ -379,7 +383,7 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
         default, tuned = FusedConfig(profile.usable_sms), search(profile, problem).config.fused
         label = f"{tokens} tokens/rank, hidden {args.hidden}, ffn {args.ffn}"
         problems[label] = [dataclasses.asdict(p) for p in rank_problems]
-        measured, per_rank, ctas_a, fewest_a = [], [], [], []
+        measured, per_rank, at_work, fewest = [], [], [], []
         for i, config in enumerate(configs):
             progress(f"fused forward, {label}: {config} ({i + 1}/{len(configs)})")
             with MoELayer(group, hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k,
@@ -398,20 +402,23 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
                             spans[:, :, 3] - spans[:, :, 0]], axis=1) / 1e6  # [repeat, kernel, rank]
             measured.append(np.median(windows, axis=0))
             per_rank.append(np.median(own, axis=0))
-            ctas_a.append(np.median(spans[:, :, 4], axis=0))
-            fewest_a.append(float(np.median(spans[:, :, 4].min(axis=1))))
+            at_work.append(np.median(spans[:, :, 4:6], axis=0).T)  # [kernel, rank]
+            fewest.append(np.median(spans[:, :, 4:6].min(axis=1), axis=0))  # [kernel]
         knobs = {name: np.asarray([getattr(c, name) for c in configs]) for name in ("ctas", "send_tokens",
                                                                                      "reduce_tokens")}
         predicted = fused_windows(profile, rank_problems, knobs["ctas"], knobs["send_tokens"], knobs["reduce_tokens"])
+        costs = profile.fused_costs(sharing)
+        working = np.stack([costs.working_ctas(knobs["ctas"]), costs.working_down_ctas(knobs["ctas"])], axis=1)
         for i, (name, window) in enumerate(FUSED_WINDOWS):
             rows += [{"phase": "fused-forward", "problem": f"{name}, {label}", "shape": label, "window": window,
                       "config": str(config), "knob": str(config), "default": config == default,
                       "tuned": config == tuned, "predicted_ms": float(p) * 1e3, "measured_ms": float(m[i]),
-                      "rank_ms": [float(v) for v in r[i]], "rank_ctas_a": [float(v) for v in at_work],
-                      "fewest_ctas_a": fewest, "profile_ctas_a": float(working)}
-                     for config, p, m, r, at_work, fewest, working in zip(
-                         configs, predicted[window], measured, per_rank, ctas_a, fewest_a,
-                         profile.fused_costs(sharing).working_ctas(knobs["ctas"]))]
+                      "rank_ms": [float(v) for v in r[i]],
+                      **{f"rank_ctas_{kernel}": [float(v) for v in ranks[j]] for j, kernel in enumerate("ab")},
+                      **{f"fewest_ctas_{kernel}": float(few[j]) for j, kernel in enumerate("ab")},
+                      **{f"profile_ctas_{kernel}": float(work[j]) for j, kernel in enumerate("ab")}}
+                     for config, p, m, r, ranks, few, work in zip(configs, predicted[window], measured, per_rank,
+                                                                  at_work, fewest, working)]
     return rows, problems
 
 
@@ -460,6 +467,7 @@ def replay(args) -> int:
              f"{meta.get('git_commit', '?')} ({document.get('ranks', '?')} ranks, {document.get('sharing', '?')}), "
              f"profile of {profile.device} version {profile.version}, predicted by today's model")
     report(rows, summary, title)
+    print_down_at_work_note(profile, document["problems"])
     if args.plot:
         plot(rows, summary, args.plot, title)
     if args.json:
@@ -522,19 +530,30 @@ def report(rows: list[dict], summary: dict, title: str, file=None) -> None:
               f"{against_default}", file=file)
 
 
-def ctas_at_work_line(rows: list[dict]) -> str:
-    """Kernel A's CTAs at work by grid, measured (the fewest of any rank in a forward, the
-    median forward; the median over the task sizes swept) against the profile's."""
+def print_down_at_work_note(profile, problems: dict) -> None:
+    """Say where kernel B was predicted with kernel A's CTAs at work (a profile before
+    version 8); ``problems``: a sweep's ranks' problems by shape, as its JSON keeps them."""
+    note = profile.fused_costs(next(iter(problems.values()))[0]["ranks_per_gpu"]).down_at_work_note
+    if note:
+        print(note)
+
+
+def ctas_at_work_lines(rows: list[dict]) -> list[str]:
+    """Kernel A's and kernel B's CTAs at work by grid, measured (the fewest of any rank in a
+    forward, the median forward; the median over the task sizes swept) against the profile's."""
     from ultraep.tune.config import FusedConfig
 
-    grids = {}
-    for row in rows:
-        if row["window"] == "up":
-            grids.setdefault(FusedConfig.parse(row["config"]).ctas, []).append(
-                (row["fewest_ctas_a"], row["profile_ctas_a"]))
-    return ("kernel A's CTAs at work, the fewest of any rank / the profile's, by CTAs a rank: "
-            + ", ".join(f"{ctas}: {np.median([m for m, _ in pairs]):g}/{pairs[0][1]:.1f}"
-                        for ctas, pairs in sorted(grids.items())))
+    lines = []
+    for kernel in "ab":
+        grids = {}
+        for row in rows:
+            if row["window"] == "up":
+                grids.setdefault(FusedConfig.parse(row["config"]).ctas, []).append(
+                    (row[f"fewest_ctas_{kernel}"], row[f"profile_ctas_{kernel}"]))
+        lines.append(f"kernel {kernel.upper()}'s CTAs at work, the fewest of any rank / the profile's, by CTAs a "
+                     "rank: " + ", ".join(f"{ctas}: {np.median([m for m, _ in pairs]):g}/{pairs[0][1]:.1f}"
+                                          for ctas, pairs in sorted(grids.items())))
+    return lines
 
 
 def plot(rows: list[dict], summary: dict, path: str, title: str):
@@ -598,7 +617,8 @@ def run(args) -> int:
              f"profile of {profile.device} ({profile.sm_count} SMs, MPS share {profile.sm_share} %)")
     report(rows, summary, title)
     if args.phase == "fused-forward":
-        print(ctas_at_work_line(rows))
+        print("\n".join(ctas_at_work_lines(rows)))
+        print_down_at_work_note(profile, problems)
     if args.plot:
         plot(rows, summary, args.plot, title)
     if args.json:
