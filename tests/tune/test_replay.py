@@ -63,13 +63,15 @@ def windows_mae(rows) -> dict:
 
 def test_the_runs_replay_as_they_were_predicted():
     """Today's model on the run's own profile: 9cb7189's run was predicted by nearly it
-    (within 1.3 %: its profile rebuilt from rank 0's lines, the sends and relays since two
-    phases); e9279ab's by the model before 9348602, today's predicts its kernel B closer."""
+    (within 2.1 %: its profile rebuilt from rank 0's lines, the sends and relays since two
+    phases, the send and reduce tasks since whole -- 64 reduces on 29 CTAs in three rounds,
+    kernel B 1.3 % dearer); e9279ab's by the model before 9348602, today's predicts its
+    kernel B closer."""
     rows, profile = replay_rows(HELD_OUT)
     assert profile.version == 5 and not profile.fused.relays_on_store_warps
     logged = np.array([row["predicted_ms"] for row in HELD_OUT["rows"]])
-    assert np.abs(np.array([row["predicted_ms"] for row in rows]) / logged - 1).max() < 0.014
-    for document, mae in ((FIT, 10.46), (HELD_OUT, 9.18)):
+    assert np.abs(np.array([row["predicted_ms"] for row in rows]) / logged - 1).max() < 0.022
+    for document, mae in ((FIT, 10.33), (HELD_OUT, 9.04)):
         assert summarise(replay_rows(document)[0])["mean_abs_error_pct"] == pytest.approx(mae, abs=0.01)
 
 
@@ -96,11 +98,11 @@ def test_the_version_7_run_replays_as_measured_kernel_b_on_kernel_a_s_ctas_at_wo
     assert profile.version == 7 and profile.shared_fused.down_ctas_at_work is None
     assert profile.shared_fused.ctas_at_work[-2:] == (28.0, 30.5)
     windows = windows_mae(rows)
-    assert summarise(rows)["mean_abs_error_pct"] == pytest.approx(7.04, abs=0.01)
+    assert summarise(rows)["mean_abs_error_pct"] == pytest.approx(6.83, abs=0.01)
     assert [windows[w]["mean_abs_error_pct"] for w in ("up", "down", "forward")] == pytest.approx(
-        [6.68, 8.71, 5.73], abs=0.01)
+        [6.59, 8.37, 5.54], abs=0.01)
     assert windows["forward"]["chosen"].startswith("ctas=32") and windows["forward"]["chosen_over_best_pct"] == \
-        pytest.approx(5.61, abs=0.01)
+        pytest.approx(3.75, abs=0.01)
     assert tune_main(["validate", "--replay", str(HERE / "h200_fused_4be4f84.json")]) == 0
     assert "kernel A's stand for them" in capsys.readouterr().out
 
@@ -159,10 +161,10 @@ def test_replay_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "replayed.json"
     assert tune_main(["validate", "--replay", str(HERE / "h200_fused_9cb7189.json"), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "--replay" in printed and "9cb7189" in printed and "mean absolute error 9.18 %" in printed
+    assert "--replay" in printed and "9cb7189" in printed and "mean absolute error 9.04 %" in printed
     replayed = json.loads(out.read_text())
     assert replayed["replayed"].endswith("h200_fused_9cb7189.json") and len(replayed["rows"]) == 159
-    assert replayed["summary"]["mean_abs_error_pct"] == pytest.approx(9.18, abs=0.01)
+    assert replayed["summary"]["mean_abs_error_pct"] == pytest.approx(9.04, abs=0.01)
     assert replay_rows(replayed)[0] == replayed["rows"]  # a replay's file replays to itself
 
 
