@@ -11,8 +11,8 @@ from tests.tune.synthetic import h200_like
 from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
 from ultraep.tune.model import (DISPATCH_THREADS, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
-                                Problem, SyncProblem, combine_s, dispatch_s, fused_down_s, fused_up_s,
-                                fused_windows, join, predict, pull_s, weight_sync_s)
+                                Problem, SyncProblem, _task_rounds_s, combine_s, dispatch_s, fused_down_s,
+                                fused_up_s, fused_windows, join, predict, pull_s, weight_sync_s)
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
@@ -107,6 +107,27 @@ def test_fused_phases_count_measured_tiles_in_waves_over_the_ctas():
     assert float(fused_down_s(PROFILE, PROBLEM, 132, 4096)) > float(fused_down_s(PROFILE, PROBLEM, 132, 16))
     # small send tasks leave task warps idle, many claims cost: the send size moves kernel A at one CTA
     assert float(fused_up_s(PROFILE, PROBLEM, 1, 4)) > float(fused_up_s(PROFILE, PROBLEM, 1, 16))
+
+
+def test_send_and_reduce_tasks_are_whole_rounds_over_the_ctas():
+    """A CTA runs whole tasks: 32 tasks on 28 CTAs take two task times, not 32 / 28 of one;
+    a round binds at the bandwidth on its share of the traffic, a partial last round moves
+    little and takes its task's time."""
+    task = 100e-6
+    assert _task_rounds_s(32.0, 28.0, task, 0.0) == pytest.approx(2 * task)
+    assert _task_rounds_s(28.0, 28.0, task, 0.0) == pytest.approx(task)
+    assert _task_rounds_s(256.0, 32.0, task, 0.0) == pytest.approx(8 * task)
+    assert _task_rounds_s(32.0, 28.0, 1e-9, 1e-3) == pytest.approx(1e-3, rel=1e-4)  # the bandwidth's alone
+    assert _task_rounds_s(32.0, 28.0, task, 1e-3) == pytest.approx(
+        float(join(28 / 32 * 1e-3, task) + join(4 / 32 * 1e-3, task)))
+    # kernel B's tail on 28 CTAs at work against 32: 32 reduce tasks of 128 tokens (4096 a
+    # rank) take a second round, whatever the last wave's few idle CTAs hold
+    problem = dataclasses.replace(PROBLEM, ranks_per_gpu=1)
+    down_tiles = problem.m_tiles() * -(-problem.hidden // FM_DOWN_COLS)
+    tile = float(PROFILE.fused.down_tile_s(problem.ffn, 32))
+    tails = [float(fused_down_s(PROFILE, problem, 32, 128, w)) - np.ceil(down_tiles / w) * tile
+             for w in (28, 32)]
+    assert tails[0] > 1.5 * tails[1]
 
 
 def test_fused_kernels_use_the_costs_measured_with_as_many_sharers():

@@ -1,4 +1,4 @@
-"""The fused kernels' model replayed on four sweeps measured on the H200 (4 ranks under the
+"""The fused kernels' model replayed on five sweeps measured on the H200 (4 ranks under the
 MPS emulation, 25 % of the SMs each: 32 SMs a rank; ``python -m ultraep.tune validate
 --emulate-ep --ranks 4 --phase fused-forward --tokens 4096``: hidden 4096, ffn 1536, top-8 of
 64 experts, seed 0; 53 configurations, kernel A, kernel B and the forward each):
@@ -7,16 +7,19 @@ MPS emulation, 25 % of the SMs each: 32 SMs a rank; ``python -m ultraep.tune val
 * ``h200_fused_9cb7189.json``: at 9cb7189 (kernel B's stores on its store warps), profile
   version 5, rebuilt from the run's text log (its meta says how);
 * ``h200_fused_aa332a3.json`` and ``h200_fused_4be4f84.json``: profile versions 6 and 7,
-  with every rank's kernel A CTAs at work (``rank_ctas_a``, ``fewest_ctas_a``).
+  with every rank's kernel A CTAs at work (``rank_ctas_a``, ``fewest_ctas_a``);
+* ``h200_fused_a7b6c7b.json``: profile version 8 (kernel B's CTAs at work measured apart),
+  with kernel B's too (``rank_ctas_b``, ``fewest_ctas_b``).
 
 All keep every rank's problem (the first two's recomputed from the seed). The model replays
 them as they were measured: the first two with relays claimed between the sends and the
-tiles and no CTAs at work in the profile; the last two with kernel A's CTAs at work standing
+tiles and no CTAs at work in the profile; the next two with kernel A's CTAs at work standing
 for kernel B's too (version 8 measures kernel B's apart). One rank at a time ran kernel A as
 if on fewer CTAs from 27 CTAs a rank on (MPS shares that overlap): the held-out checks
 derive those CTAs at work from one run and replay another with them."""
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,11 +30,12 @@ from ultraep.tune.__main__ import main as tune_main
 from ultraep.tune.config import FusedConfig
 from ultraep.tune.model import Problem, fused_down_s
 from ultraep.tune.profile import MachineProfile
+from ultraep.tune.search import search
 from ultraep.tune.validate import replay_rows, summarise
 
 HERE = Path(__file__).parent
-FIT, HELD_OUT, V6, V7 = (json.loads((HERE / f"h200_fused_{commit}.json").read_text())
-                         for commit in ("e9279ab", "9cb7189", "aa332a3", "4be4f84"))
+FIT, HELD_OUT, V6, V7, V8 = (json.loads((HERE / f"h200_fused_{commit}.json").read_text())
+                             for commit in ("e9279ab", "9cb7189", "aa332a3", "4be4f84", "a7b6c7b"))
 NO_LAG_CTAS = 24  # up to here no rank of either run lagged (its spans are the group's, less the start spread)
 
 
@@ -63,13 +67,15 @@ def windows_mae(rows) -> dict:
 
 def test_the_runs_replay_as_they_were_predicted():
     """Today's model on the run's own profile: 9cb7189's run was predicted by nearly it
-    (within 1.3 %: its profile rebuilt from rank 0's lines, the sends and relays since two
-    phases); e9279ab's by the model before 9348602, today's predicts its kernel B closer."""
+    (within 2.1 %: its profile rebuilt from rank 0's lines, the sends and relays since two
+    phases, the send and reduce tasks since whole -- 64 reduces on 29 CTAs in three rounds,
+    kernel B 1.3 % dearer); e9279ab's by the model before 9348602, today's predicts its
+    kernel B closer."""
     rows, profile = replay_rows(HELD_OUT)
     assert profile.version == 5 and not profile.fused.relays_on_store_warps
     logged = np.array([row["predicted_ms"] for row in HELD_OUT["rows"]])
-    assert np.abs(np.array([row["predicted_ms"] for row in rows]) / logged - 1).max() < 0.014
-    for document, mae in ((FIT, 10.46), (HELD_OUT, 9.18)):
+    assert np.abs(np.array([row["predicted_ms"] for row in rows]) / logged - 1).max() < 0.022
+    for document, mae in ((FIT, 10.33), (HELD_OUT, 9.04)):
         assert summarise(replay_rows(document)[0])["mean_abs_error_pct"] == pytest.approx(mae, abs=0.01)
 
 
@@ -96,11 +102,11 @@ def test_the_version_7_run_replays_as_measured_kernel_b_on_kernel_a_s_ctas_at_wo
     assert profile.version == 7 and profile.shared_fused.down_ctas_at_work is None
     assert profile.shared_fused.ctas_at_work[-2:] == (28.0, 30.5)
     windows = windows_mae(rows)
-    assert summarise(rows)["mean_abs_error_pct"] == pytest.approx(7.04, abs=0.01)
+    assert summarise(rows)["mean_abs_error_pct"] == pytest.approx(6.83, abs=0.01)
     assert [windows[w]["mean_abs_error_pct"] for w in ("up", "down", "forward")] == pytest.approx(
-        [6.68, 8.71, 5.73], abs=0.01)
+        [6.59, 8.37, 5.54], abs=0.01)
     assert windows["forward"]["chosen"].startswith("ctas=32") and windows["forward"]["chosen_over_best_pct"] == \
-        pytest.approx(5.61, abs=0.01)
+        pytest.approx(3.75, abs=0.01)
     assert tune_main(["validate", "--replay", str(HERE / "h200_fused_4be4f84.json")]) == 0
     assert "kernel A's stand for them" in capsys.readouterr().out
 
@@ -155,14 +161,44 @@ def test_what_the_version_8_probe_must_see():
         assert windows["forward"]["chosen_over_best_pct"] < 1.5 and windows["forward"]["chosen"].startswith("ctas=27")
 
 
+def test_the_version_8_run_replays_with_whole_send_and_reduce_tasks():
+    """a7b6c7b's run, its version 8 profile (kernel A's CTAs at work 24 / 20 at 28 / 32 CTAs
+    a rank, as the sweep's lagging rank; kernel B's 28 / 30.5). As predicted then: 3.87 % (A
+    3.64, B 4.41, forward 3.56), the forward's choice ctas=28 send=reduce=128 3.97 % over the
+    fastest measured -- its 32 reduce tasks on 28 CTAs take two task times, which the model
+    spread as 32 / 28 of one, and 32 sends likewise. With whole tasks in rounds each choice is
+    the fastest measured; on that profile the search keeps 28 CTAs, with sends of 16 tokens
+    and reduces of 32 (not swept: the next run measures it)."""
+    logged = summarise(copy.deepcopy(V8["rows"]))
+    assert logged["mean_abs_error_pct"] == pytest.approx(3.87, abs=0.01)
+    assert logged["problems"][next(r["problem"] for r in V8["rows"] if r["window"] == "forward")][
+        "chosen_over_best_pct"] == pytest.approx(3.97, abs=0.01)
+    rows, profile = replay_rows(V8)
+    assert profile.version == 8 and profile.shared_fused.ctas_at_work[-2:] == (24.0, 20.0)
+    assert profile.shared_fused.down_ctas_at_work[-2:] == (28.0, 30.5)
+    summary, windows = summarise(rows), windows_mae(rows)
+    assert summary["mean_abs_error_pct"] == pytest.approx(3.76, abs=0.01)
+    assert [windows[w]["mean_abs_error_pct"] for w in ("up", "down", "forward")] == pytest.approx(
+        [3.59, 4.28, 3.41], abs=0.01)
+    assert [windows[w]["chosen"] for w in ("up", "down", "forward")] == [
+        "ctas=27 send=16 reduce=16 unroll=4/8", "ctas=24 send=16 reduce=16 unroll=4/8",
+        "ctas=27 send=16 reduce=16 unroll=4/8"]
+    assert all(windows[w]["chosen_over_best_pct"] == 0.0 for w in ("up", "down", "forward"))
+    ranks = [Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()})
+             for p in next(iter(V8["problems"].values()))]
+    busiest = dataclasses.replace(max(ranks, key=lambda p: sum(p.slot_rows)),  # as validate searches
+                                  sends_per_token=max(p.sends_per_token for p in ranks))
+    assert search(profile, busiest).config.fused == FusedConfig(28, 16, 32)
+
+
 def test_replay_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "replayed.json"
     assert tune_main(["validate", "--replay", str(HERE / "h200_fused_9cb7189.json"), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "--replay" in printed and "9cb7189" in printed and "mean absolute error 9.18 %" in printed
+    assert "--replay" in printed and "9cb7189" in printed and "mean absolute error 9.04 %" in printed
     replayed = json.loads(out.read_text())
     assert replayed["replayed"].endswith("h200_fused_9cb7189.json") and len(replayed["rows"]) == 159
-    assert replayed["summary"]["mean_abs_error_pct"] == pytest.approx(9.18, abs=0.01)
+    assert replayed["summary"]["mean_abs_error_pct"] == pytest.approx(9.04, abs=0.01)
     assert replay_rows(replayed)[0] == replayed["rows"]  # a replay's file replays to itself
 
 

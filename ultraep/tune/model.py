@@ -302,6 +302,19 @@ def _copy_rounds(problem: Problem) -> int:
     return -(-problem.row_bytes // (16 * WARP_THREADS * FM_UNROLL))
 
 
+def _task_rounds_s(tasks, working, task_s, traffic_s):
+    """``tasks`` equal tasks of ``task_s`` each on ``working`` CTAs, ``traffic_s`` all their
+    bytes at the bandwidth. A CTA runs whole tasks, claimed in turn: rounds of ``working``
+    tasks at once (the last one partial), each its share of the traffic joined with one
+    task's time. Spreading the tasks' time evenly (``tasks / working`` of one) would let 32
+    tasks on 28 CTAs end after 1.14 task times; the last four start after the first round."""
+    whole = np.floor(tasks / working)
+    partial = tasks - whole * working
+    per_task = traffic_s / np.maximum(tasks, 1.0)
+    return (whole * join(per_task * working, task_s)
+            + np.where(partial > 0, join(per_task * partial, task_s), 0.0))
+
+
 def _working(measured, ctas, working):
     """``working`` CTAs at work of ``ctas`` (float arrays); None: ``measured(ctas)``, the
     profile's unluckiest rank's (FusedCosts.working_ctas or working_down_ctas)."""
@@ -314,11 +327,13 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
 
     A send task is a claim and, per round of FM_TASK_WARPS tokens, a token's copy (read once,
     stored to every destination: a row copy's round trips per row copied) and its system
-    fence; the sends are bounded by their traffic too (every byte read and written at the
-    GPU's shared copy rate). A relay task (one M-tile's rows) is measured; one of a partial
-    M-tile is charged by its rows' rounds. The up tiles (``bm`` rows x ``2 * up_cols``
-    columns over ``hidden``, storing ``h`` as ``problem.keeps_h`` says) run in waves of the
-    measured tile over the CTAs at work.
+    fence. A CTA runs whole tasks: the sends take rounds of one task per CTA at work, each
+    bounded by its share of their traffic too (every byte read and written at the GPU's
+    shared copy rate), and the tiles wait for the last round (the first tiles, slot 0's first
+    M-tiles, hold rows of ranks 0 and 1 in token order, their last tokens' too). A relay
+    task (one M-tile's rows) is measured; one of a partial M-tile is charged by its rows'
+    rounds. The up tiles (``bm`` rows x ``2 * up_cols`` columns over ``hidden``, storing
+    ``h`` as ``problem.keeps_h`` says) run in waves of the measured tile over the CTAs at work.
 
     Where the relays run on the store warps (FusedCosts.relays_on_store_warps), the tiles
     start as the sends end: an M-tile's rows are relayed as they arrive, and each CTA's
@@ -336,7 +351,6 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     # a token is read once and stored to each destination: a row copy's round trips per row copied
     token_trips = _copy_rounds(problem) * (1.0 + problem.crossings) / 2.0 + 1
     send_task = profile.flag_s + np.ceil(send_tokens / FM_TASK_WARPS) * token_trips * trip
-    send_work = np.ceil(problem.tokens / send_tokens) * send_task
     send_traffic = problem.tokens * (1.0 + problem.crossings) * row  # a token read once, stored crossings times
     # a relay's time per round of its warps' rows, its partial M-tiles' rounds counted as theirs
     relay_warps = GH_STORE_WARPS if costs.relays_on_store_warps else FM_TASK_WARPS
@@ -345,7 +359,8 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     m_tiles, col_blocks = problem.m_tiles(), -(-problem.ffn // FM_UP_COLS)
     tile = costs.up_tile_s(problem.hidden, ctas, problem.keeps_h)
     tiles = np.ceil(m_tiles * col_blocks / working) * tile
-    sends = join(bandwidth_s(profile, send_traffic, problem.ranks_per_gpu), send_work / working)
+    sends = _task_rounds_s(np.ceil(problem.tokens / send_tokens), working, send_task,
+                           bandwidth_s(profile, send_traffic, problem.ranks_per_gpu))
     if costs.relays_on_store_warps:
         last_group = np.ceil(min(GG_GROUP_M, m_tiles) * col_blocks / working) * tile
         body = np.maximum(sends + tiles, np.maximum(sends, relay_work / working) + last_group)
@@ -362,9 +377,9 @@ def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens,
     in waves of the measured tile over the CTAs at work; then the reduce tasks, a claim and
     per round of FM_TASK_WARPS tokens a token's dependent round trips: REDUCE_INDEX_TRIPS
     loads to find its slots' rows and done flags, then per block of FM_DOWN_COLS columns its
-    slots' rows read FM_REDUCE_UNROLL at once. Reduces fill the last wave's idle CTAs, and
-    only what does not fit there (or the shared bandwidth's time, if longer) extends the
-    kernel, by at least one reduce task after the last tile."""
+    slots' rows read FM_REDUCE_UNROLL at once. Reduces fill the last wave's idle CTAs; what
+    does not fit there, at least one task, extends the kernel in rounds of one whole task per
+    CTA at work, each bounded by its share of the reduces' traffic too."""
     ctas = np.asarray(ctas, np.float64)
     reduce_tokens = np.asarray(reduce_tokens, np.float64)
     costs = profile.fused_costs(problem.ranks_per_gpu)
@@ -376,11 +391,12 @@ def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens,
     idle = (waves * working - down_tiles) * tile  # CTA-seconds free in the last wave
     token_trips = REDUCE_INDEX_TRIPS + -(-problem.top_k // FM_REDUCE_UNROLL) * col_blocks
     reduce_task = profile.flag_s + np.ceil(reduce_tokens / FM_TASK_WARPS) * token_trips * _round_trip_s(profile)
-    reduce_work = np.ceil(problem.tokens / reduce_tokens) * reduce_task
-    excess = np.maximum(reduce_work - idle, 0.0) / working
+    # the last wave's idle CTA-time holds some tasks, the rest take whole rounds
+    reduce_tasks = np.ceil(problem.tokens / reduce_tokens)
+    excess_tasks = np.maximum(reduce_tasks - idle / reduce_task, 1.0)
     reduce_bw = bandwidth_s(profile, problem.tokens * (problem.top_k + 1) * problem.row_bytes / 2.0,
                             problem.ranks_per_gpu)
-    tail = join(np.maximum(excess, reduce_task), reduce_bw)
+    tail = _task_rounds_s(excess_tasks, working, reduce_task, reduce_bw * excess_tasks / reduce_tasks)
     return profile.kernel_s + waves * tile + tail
 
 
