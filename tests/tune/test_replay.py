@@ -9,7 +9,9 @@ MPS emulation, 25 % of the SMs each: 32 SMs a rank; ``python -m ultraep.tune val
 * ``h200_fused_aa332a3.json`` and ``h200_fused_4be4f84.json``: profile versions 6 and 7,
   with every rank's kernel A CTAs at work (``rank_ctas_a``, ``fewest_ctas_a``);
 * ``h200_fused_a7b6c7b.json``: profile version 8 (kernel B's CTAs at work measured apart),
-  with kernel B's too (``rank_ctas_b``, ``fewest_ctas_b``).
+  with kernel B's too (``rank_ctas_b``, ``fewest_ctas_b``);
+* ``h200_fused_8c678b2.json``: the same profile version, predicted by the model with whole
+  send and reduce tasks in rounds (today's).
 
 All keep every rank's problem (the first two's recomputed from the seed). The model replays
 them as they were measured: the first two with relays claimed between the sends and the
@@ -34,8 +36,8 @@ from ultraep.tune.search import search
 from ultraep.tune.validate import replay_rows, summarise
 
 HERE = Path(__file__).parent
-FIT, HELD_OUT, V6, V7, V8 = (json.loads((HERE / f"h200_fused_{commit}.json").read_text())
-                             for commit in ("e9279ab", "9cb7189", "aa332a3", "4be4f84", "a7b6c7b"))
+FIT, HELD_OUT, V6, V7, V8, ROUNDS = (json.loads((HERE / f"h200_fused_{commit}.json").read_text())
+                                     for commit in ("e9279ab", "9cb7189", "aa332a3", "4be4f84", "a7b6c7b", "8c678b2"))
 NO_LAG_CTAS = 24  # up to here no rank of either run lagged (its spans are the group's, less the start spread)
 
 
@@ -211,3 +213,19 @@ def test_replay_refuses_what_it_cannot_predict(tmp_path):
         tune_main(["validate", "--replay", str(tmp_path / "missing.json")])
     with pytest.raises(SystemExit):  # neither a phase to sweep nor a file to replay
         tune_main(["validate"])
+
+
+def test_the_run_with_whole_tasks_replays_as_predicted_and_its_choices_are_within_the_bar():
+    """8c678b2's run, predicted by today's model on its own version 8 profile: the replay
+    gives the logged predictions back (3.61 % over 159 rows), and every kernel's choice is
+    within the issue's 3 % of the fastest measured (A 0.37 %, B 0.00, forward 0.84)."""
+    logged = summarise(copy.deepcopy(ROUNDS["rows"]))
+    rows, profile = replay_rows(ROUNDS)
+    summary = summarise(rows)
+    assert profile.version == 8
+    assert summary["mean_abs_error_pct"] == pytest.approx(logged["mean_abs_error_pct"], abs=1e-6)
+    assert summary["mean_abs_error_pct"] == pytest.approx(3.61, abs=0.01)
+    chosen = {problem.split(",")[0]: figures["chosen_over_best_pct"]
+              for problem, figures in summary["problems"].items()}
+    assert chosen == pytest.approx({"kernel A (dispatch + up)": 0.37, "kernel B (down + combine)": 0.0,
+                                    "forward (A then B)": 0.84}, abs=0.01)
