@@ -12,7 +12,8 @@
 // Ids outside [0, E) and occurrences beyond the plan's load get slot -1. Both kernels read
 // int32 or int64 ids as they are (no converted copy on the hot path).
 
-#include "reroute_chunks.cuh"  // CHUNK: ids per block (= blockDim.x of both kernels)
+// CHUNK (reroute_chunks.cuh): ids per block, = blockDim.x of both kernels
+#include "reroute_chunks.cuh"
 
 #define FULL_MASK 0xffffffffu
 #define WARPS (CHUNK / 32)
