@@ -389,7 +389,8 @@ class Balancer:
         Pass this rank's ``topk_ids`` (integer, any shape; ids in ``[0, E)``) or its
         ``local_loads`` (``int32[E]``, tokens per logical expert). Ranks may pass
         different token counts but must pass the same layer in the same order, and order
-        their updates on one stream (or by events).
+        their updates on one stream (or by events). Given ``topk_ids``, the update also
+        reroutes them: ``reroute(handle)`` returns that.
         """
         error, agreed, source, entry = None, None, None, None
         from_ids = local_loads is None
