@@ -113,7 +113,7 @@ with ultraep.open_heap(group, need) as heap, \
             g[0][...] = 0
         handle = balancer.update(0, ids)
         balancer.weight_sync(handle)
-        slot_ids = balancer.reroute(handle, ids)
+        slot_ids = balancer.reroute(handle)
         w = np.concatenate([masters, np.stack([r[0] for r in balancer.replica_weights(handle)])])
         out, grad_x, grad_w, rows1 = layer(balanced, w, x, slot_ids, gates)
         for m in range(M):

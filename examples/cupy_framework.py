@@ -148,7 +148,7 @@ class MoEStage:
             handle = self.bal.update(0, xp.asarray(ids))
             self.plans[mb] = self.bal.plan(handle).to_numpy()
             self.bal.weight_sync(handle)
-            ids = self.bal.reroute(handle, xp.asarray(ids))
+            ids = self.bal.reroute(handle)
         received = self.dispatcher.dispatch(x, xp.asarray(ids), xp.asarray(gates))
         offsets = to_host(received.offsets)
         y, caches = xp.zeros_like(received.x), {}

@@ -204,7 +204,8 @@ class FP8Experts:
         if self.balancer is not None:
             self.handle = self.balancer.update(self.index, ids)
             self.balancer.weight_sync(self.handle)
-            slots = to_torch(self.balancer.reroute(self.handle, ids))
+            stream = torch.cuda.current_stream() if ids.is_cuda else None  # where the update ran (ids')
+            slots = to_torch(self.balancer.reroute(self.handle, stream=stream))
             views = self.balancer.replica_weights(self.handle)  # waits for the sync
             self.check_replicas(views)
             replicas = [[to_torch(v.view(np.uint8)).view(self.fp8_type) if t % 2 == 0 else to_torch(v)

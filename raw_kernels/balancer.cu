@@ -3,11 +3,15 @@
 //
 // gather_loads: the load gather of one update in one launch, with no heap barrier.
 //   Counting (ids != nullptr): how many of this rank's top-k ids name each logical expert,
-//   added into `counts`. Integer counts only, so the atomics cannot change the result. Ids
-//   outside [0, E) are not counted; bad[0] counts them and bad[1] keeps the smallest flat
-//   index of one (atomicMin), so the host can name it after a single read (`bad`
-//   accumulates until the host resets it). With ids == nullptr and loads != nullptr,
-//   block 0 adds the caller's row `loads` instead.
+//   added into `counts`. One block per chunk of CHUNK ids (reroute_chunks.cuh), so each
+//   block's histogram is its chunk's complete count: with `chunk_counts` != nullptr it is
+//   also written there, row blockIdx.x of counts[chunk][E] (every entry, zeros too) --
+//   reroute_count's table, which reroute_assign (reroute.cu) reads for the same ids. Integer
+//   counts only, so the atomics cannot change the result. Ids outside [0, E) are not
+//   counted; bad[0] counts them and bad[1] keeps the smallest flat index of one
+//   (atomicMin), so the host can name it after a single read (`bad` accumulates until the
+//   host resets it). With ids == nullptr and loads != nullptr, block 0 adds the caller's
+//   row `loads` instead. Shared memory: E ints (the histogram).
 //   Publishing (publish != 0; a launch may only count, and a later one-block launch with
 //   neither ids nor loads publish what was counted): the last block to finish counting
 //   numbers this update's epoch `gathers` + 1 (every rank publishes once per update, in
@@ -24,13 +28,14 @@
 //   `counts`, `arrived` and `gathers` must be zero before the first launch.
 
 #include "sync.cuh"
+#include "reroute_chunks.cuh"
 
 #define GATHER_THREADS 256
 
 template <typename Id>
 __global__ void __launch_bounds__(GATHER_THREADS)
 gather_loads(const Id* __restrict__ ids, long long n, const int* __restrict__ loads, int E, int* counts,
-             u64* __restrict__ bad, unsigned* arrived, int publish, const u64* __restrict__ peer_bases,
+             int* __restrict__ chunk_counts, u64* __restrict__ bad, unsigned* arrived, int publish, const u64* __restrict__ peer_bases,
              u64 matrix_offset, u64 matrix_bytes, int buffers, long long flag_slot, int rank, int world,
              u64 timeout_ns, int* __restrict__ out, long long* gathers, u64* status) {
     extern __shared__ int histogram[];  // [E]
@@ -39,8 +44,9 @@ gather_loads(const Id* __restrict__ ids, long long n, const int* __restrict__ lo
     if (ids != nullptr) {
         for (int e = threadIdx.x; e < E; e += blockDim.x) histogram[e] = 0;
         __syncthreads();
-        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-             i += (long long)gridDim.x * blockDim.x) {
+        const long long chunk_begin = (long long)blockIdx.x * CHUNK;
+        const long long chunk_end = chunk_begin + CHUNK < n ? chunk_begin + CHUNK : n;
+        for (long long i = chunk_begin + threadIdx.x; i < chunk_end; i += blockDim.x) {
             const long long e = (long long)ids[i];
             if (e >= 0 && e < E) {
                 atomicAdd(&histogram[e], 1);
@@ -51,7 +57,9 @@ gather_loads(const Id* __restrict__ ids, long long n, const int* __restrict__ lo
         }
         __syncthreads();
         for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            if (histogram[e]) atomicAdd(&counts[e], histogram[e]);
+            const int count = histogram[e];
+            if (count) atomicAdd(&counts[e], count);
+            if (chunk_counts != nullptr) chunk_counts[(long long)blockIdx.x * E + e] = count;
         }
     } else if (loads != nullptr && blockIdx.x == 0) {
         for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] += loads[e];
@@ -88,9 +96,9 @@ gather_loads(const Id* __restrict__ ids, long long n, const int* __restrict__ lo
     if (threadIdx.x == 0) *gathers = static_cast<long long>(epoch);
 }
 
-template __global__ void gather_loads<int>(const int*, long long, const int*, int, int*, u64*, unsigned*, int,
-                                           const u64*, u64, u64, int, long long, int, int, u64, int*, long long*,
-                                           u64*);
-template __global__ void gather_loads<long long>(const long long*, long long, const int*, int, int*, u64*, unsigned*,
-                                                 int, const u64*, u64, u64, int, long long, int, int, u64, int*,
-                                                 long long*, u64*);
+template __global__ void gather_loads<int>(const int*, long long, const int*, int, int*, int*, u64*, unsigned*,
+                                           int, const u64*, u64, u64, int, long long, int, int, u64, int*,
+                                           long long*, u64*);
+template __global__ void gather_loads<long long>(const long long*, long long, const int*, int, int*, int*, u64*,
+                                                 unsigned*, int, const u64*, u64, u64, int, long long, int, int,
+                                                 u64, int*, long long*, u64*);

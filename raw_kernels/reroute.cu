@@ -4,15 +4,18 @@
 // instance i with split_prefix[rank, e, i] > k.
 //
 // The ids are cut into chunks of CHUNK entries, one block each.
-// reroute_count:  per-chunk occurrence counts of every expert (counts[chunk][E]).
+// reroute_count:  per-chunk occurrence counts of every expert (counts[chunk][E]; gather_loads
+//   in balancer.cu writes the same table for the ids an update counts).
 // reroute_assign: an entry's ordinal = occurrences in earlier chunks + in earlier warps of
 //   its chunk + in earlier lanes of its warp (__match_any_sync), then an upper-bound scan
 //   over the expert's few instances. Integer counts only: no order-dependent result.
 // Ids outside [0, E) and occurrences beyond the plan's load get slot -1. Both kernels read
 // int32 or int64 ids as they are (no converted copy on the hot path).
 
+// CHUNK (reroute_chunks.cuh): ids per block, = blockDim.x of both kernels
+#include "reroute_chunks.cuh"
+
 #define FULL_MASK 0xffffffffu
-#define CHUNK 1024  // = blockDim.x of both kernels
 #define WARPS (CHUNK / 32)
 #define ASSIGN_COUNTERS (1 + WARPS)  // shared ints per expert of reroute_assign: before_chunk, warp_counts
 

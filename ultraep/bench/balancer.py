@@ -385,7 +385,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
             if syncing and args.sync_at == "plan":
                 start_sync()
             if planning:
-                state["slots"] = timed("reroute", balancer.reroute, handle, ids)
+                state["slots"] = timed("reroute", balancer.reroute, handle)  # the update rerouted ids already
             stamp.stamp("routed")
 
             def after_dispatch():
@@ -430,7 +430,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
         handle = state["handle"] = balancer.update(0, ids)
         balancer.weight_sync(handle).wait()
         replicas_in_place = balancer.replica_weights(handle)
-        state["slots"] = balancer.reroute(handle, ids)
+        state["slots"] = balancer.reroute(handle)
         state["calls"] = 1
         offsets = [int(v) for v in (dispatcher.dispatch(x, state["slots"], gates).offsets.tolist())]
         windows = {"balanced": [], "in_place": []}

@@ -19,7 +19,8 @@ master weights and gradients. Per micro-batch and layer:
   returns a :class:`ReplicaSync`; :meth:`wait_replica` (or ``ReplicaSync.wait``) makes
   a compute stream wait for one replica slot's own chunks before the compute that reads
   it, so dispatch and the masters' compute run while the replicas arrive.
-  :meth:`reroute` maps logical top-k ids to physical slots for any dispatcher;
+  :meth:`reroute` maps logical top-k ids to physical slots for any dispatcher (``update``
+  already did so for the ids it counted: ``reroute(handle)`` returns that);
   :meth:`replica_weights` / :meth:`replica_grads` expose the shared replica buffers
   (DLPack-exportable) for the expert compute.
 * Backward: :meth:`restore` refills the replicas from the handle's own plan (wait for
@@ -76,18 +77,21 @@ top-k batch, ``update``, ``weight_sync``, ``wait_replica``, ``reroute``, ``resto
 ``reduce_grads`` allocate no device memory and, with ``sync_checks=False``, never wait for
 the device nor for the other ranks:
 
-* ``update`` counts the ids (int32 or int64), publishes the row and gathers the peers' in
-  one launch (``raw_kernels/balancer.cu``), and plans into the ring slot's own plan
-  buffers; the arrays a record needs are copied to pinned host memory on a side stream;
+* ``update`` counts the ids (int32 or int64) -- each chunk's counts kept for reroute --,
+  publishes the row and gathers the peers' in one launch (``raw_kernels/balancer.cu``),
+  plans into the ring slot's own plan buffers and reroutes the ids into the slot's routed
+  output (reroute's assign kernel: ``reroute(handle)`` then does no device work); the
+  arrays a record needs are copied to pinned host memory on a side stream;
 * ``weight_sync`` / ``restore`` / ``reduce_grads`` compile the plan's transfer tasks on
   the device (``transfer.device_schedule``) into tables allocated once, and launch the
   transfer behind the device-side plan agreement (which orders it after every rank's
   earlier work);
 * ``wait_replica`` is one small kernel per call;
-* ``reroute`` writes into the ring slot's output and count workspace, which are
-  reallocated only when a batch larger than any the slot has seen arrives;
-* with ``cuda_graphs`` (the default), a ring slot's launch sequences -- update's gather and
-  plan, the record's copies, reroute's two kernels -- are captured as CUDA graphs the
+* ``reroute`` with ids writes into the ring slot's output and count workspace, which (as
+  the update's routed output) are reallocated only when a batch larger than any the slot
+  has seen arrives;
+* with ``cuda_graphs`` (the default), a ring slot's launch sequences -- update's gather,
+  plan and assign, the record's copies, reroute's two kernels -- are captured as CUDA graphs the
   second time in a row the slot sees the same shapes, and replayed from then on (a new
   token count or id dtype runs eagerly once and is captured again): one graph launch each
   instead of the launches and their Python, at the cost of copying the ids into a buffer
@@ -180,6 +184,7 @@ class BalancerBackend(Protocol):
     def discard(self) -> None: ...
     def update(self, slot, source, *, from_ids: bool) -> Plan: ...
     def planned(self, slot): ...
+    def routed(self, slot): ...
     def reroute(self, slot, ids, plan: Plan, out): ...
     def host_arrays(self, slot, plan: Plan) -> dict: ...
     def synchronize(self) -> int: ...
@@ -200,6 +205,7 @@ class _RingSlot:
         self.step = -1
         self.harvested = True  # its record is in the history (or it never held a plan)
         self.plan: Plan | None = None
+        self.counted_ids = False  # its update counted top-k ids (and rerouted them), not a load row
         self.syncs = self.reductions = 0
         self.state = backend.new_slot()  # the backend's buffers and stage clock
         self.clock = self.state.clock
@@ -383,7 +389,8 @@ class Balancer:
         Pass this rank's ``topk_ids`` (integer, any shape; ids in ``[0, E)``) or its
         ``local_loads`` (``int32[E]``, tokens per logical expert). Ranks may pass
         different token counts but must pass the same layer in the same order, and order
-        their updates on one stream (or by events).
+        their updates on one stream (or by events). Given ``topk_ids``, the update also
+        reroutes them: ``reroute(handle)`` returns that.
         """
         error, agreed, source, entry = None, None, None, None
         from_ids = local_loads is None
@@ -444,6 +451,7 @@ class Balancer:
         # with sync_checks the row was counted (and checked) before the collective: publish it
         entry.plan = self._impl.update(entry.state, None if self.sync_checks else source, from_ids=from_ids)
         entry.step, entry.syncs, entry.reductions, entry.harvested = step, 0, 0, False
+        entry.counted_ids = from_ids
         self._steps[layer] += 1
         self._updates += 1
         return BalanceHandle(self.id, layer, step, step % self.max_in_flight)
@@ -541,23 +549,41 @@ class Balancer:
                 self._readers[reader.ptr] = reader
             self._used(entry, "wait")
 
-    def reroute(self, handle: BalanceHandle, topk_ids: Any, *, out: Any = None, stream: Any = None) -> Any:
-        """Physical slot ids (int32, shaped like ``topk_ids``) for this rank's tokens:
-        feed them to any dispatcher over ``layout.num_physical`` experts. ``topk_ids`` must
-        be the ids (or ids with the same per-expert counts) passed to :meth:`update`.
+    def reroute(self, handle: BalanceHandle, topk_ids: Any = None, *, out: Any = None, stream: Any = None) -> Any:
+        """Physical slot ids (int32, shaped like the ids) for this rank's tokens: feed them to
+        any dispatcher over ``layout.num_physical`` experts.
+
+        Without ``topk_ids``: the reroute of the ids the handle's :meth:`update` counted,
+        which that update already computed (on the GPU, in its own launch: no device work
+        here, and ``stream``, else the current one, only waits for the update). A handle
+        whose update got ``local_loads`` has none: :class:`~ultraep.errors.BalancerError`.
+        With ``topk_ids``: they must be the ids (or ids with the same per-expert counts)
+        passed to :meth:`update`, rerouted here (into ``out`` when given).
 
         On the GPU the result is, unless ``out`` is given, a view of the handle's ring-slot
-        buffer: valid until the next ``reroute`` of a handle in the same slot."""
+        buffer: without ids, written by the update and valid until the update that reuses
+        the ring slot (the handle is stale from then); with ids, valid until the next
+        ``reroute`` with ids of a handle in the same slot."""
         error, slots = None, None
         with self._impl.stream(stream, topk_ids):
             try:
                 self._check_open()
                 entry = self._entry(handle)
-                ids = self._import_ids(topk_ids)
+                if topk_ids is None:
+                    if out is not None:
+                        raise BalancerError(f"rank {self.rank}: reroute: out needs topk_ids (without them reroute "
+                                            "returns the update's own result)")
+                    if not entry.counted_ids:
+                        raise BalancerError(f"rank {self.rank}: reroute without topk_ids returns the reroute of the "
+                                            f"ids update counted, but layer {handle.layer}, micro-batch "
+                                            f"{handle.step} was updated from local_loads: pass topk_ids")
+                else:
+                    ids = self._import_ids(topk_ids)
                 self._impl.follow(self._impl.planned(entry.state))
                 entry.clock.start("reroute")
                 try:
-                    slots = self._impl.reroute(entry.state, ids, entry.plan, out)
+                    slots = (self._impl.routed(entry.state) if topk_ids is None
+                             else self._impl.reroute(entry.state, ids, entry.plan, out))
                 except ValueError as exc:  # e.g. the NumPy path names ids the plan has no room for
                     raise BalancerError(f"rank {self.rank}: reroute: {exc}") from None
                 finally:

@@ -9,12 +9,15 @@ followed by a flag of the update's epoch, which the kernel numbers itself
 (``gather_loads`` in ``balancer.cu``). :class:`DeviceBalancer` plans from it into each
 ring slot's own plan buffers and copies what a record needs to pinned host memory on a
 side stream, so the host waits for the device only where it reads results, and the
-caller's stream only for its own work.
+caller's stream only for its own work. An update from top-k ids also reroutes them: the
+gather writes each chunk's counts as it counts (reroute's count kernel, for free), and
+reroute's assign kernel runs after the plan into the slot's routed output, which
+``Balancer.reroute(handle)`` returns with no device work of its own.
 
 Host time: a ring slot's launches take the same pointers every time once their inputs
 are copied into buffers of the slot's or the gather's own (:class:`Staging`, one
 device-to-device copy), so :class:`LaunchGraphs` replays them as CUDA graphs -- update's
-gather and plan as one graph launch, the record's four copies as one, reroute's two
+gather, plan (and assign) as one graph launch, the record's four copies as one, reroute's two
 kernels as one -- captured the second time in a row a slot sees the same shapes and
 recaptured when they change. A graph replays the launches the eager path makes, so both
 give the same bits.
@@ -34,12 +37,12 @@ from ultraep.errors import BalancerError, BarrierTimeout
 from ultraep.integration.host import BadIds
 from ultraep.integration.stats import DeviceClock
 from ultraep.planner import DevicePlanner, Plan
-from ultraep.planner.device import reroute_workspace_size
+from ultraep.planner.device import (REROUTE_CHUNK, reroute_assign_counted, reroute_assign_shared_bytes,
+                                    reroute_workspace_size)
 from ultraep.runtime.dlpack import caller_stream, external_stream
 from ultraep.runtime.kernels import get_function, kernel_constant
 
 GATHER_THREADS = kernel_constant("balancer.cu", "GATHER_THREADS")
-MAX_COUNT_BLOCKS = 1024
 NO_BAD_INDEX = np.iinfo(np.uint64).max
 MAX_HISTOGRAM_BYTES = 48 * 1024  # dynamic shared memory without opting in
 CUDA_MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyKind
@@ -142,19 +145,22 @@ class DeviceLoadGather:
     def supports(self, dtype) -> bool:
         return np.dtype(dtype) in self._kernels
 
-    def launch(self, source, *, from_ids: bool, publish: bool, out=None) -> None:
+    def launch(self, source, *, from_ids: bool, publish: bool, out=None, chunk_counts=None) -> None:
         """Stage ``source`` (contiguous ids, or an ``int32[E]`` row; None: nothing more) and,
         with ``publish``, exchange the staged row for the next update (the kernel numbers
-        it, and picks the gathered matrix by it) into ``out`` (``int32[R, E]``)."""
+        it, and picks the gathered matrix by it) into ``out`` (``int32[R, E]``). Counting
+        ids, the kernel also writes their per-chunk counts into ``chunk_counts`` (int32, at
+        least ``reroute_workspace_size`` entries) when given: one block per chunk."""
         ids = source if from_ids and source is not None else None
         loads = source if not from_ids and source is not None else None
         n = 0 if ids is None else int(ids.size)
-        blocks = max(1, min(MAX_COUNT_BLOCKS, -(-n // GATHER_THREADS)))
+        blocks = max(1, -(-n // REROUTE_CHUNK))
         kernel = self._kernels[np.dtype(ids.dtype if ids is not None else np.int32)]
         null = np.uintp(0)
         kernel((blocks,), (GATHER_THREADS,),
                (null if ids is None else ids, np.int64(n), null if loads is None else loads,
-                np.int32(self.num_experts), self.counts, self.bad, self._arrived, np.int32(publish),
+                np.int32(self.num_experts), self.counts, null if chunk_counts is None else chunk_counts, self.bad,
+                self._arrived, np.int32(publish),
                 self.heap.peer_bases, np.uint64(self._matrix_offset), np.uint64(self._matrix_bytes),
                 np.int32(self._buffers), np.int64(self._flag_slot), np.int32(self.heap.rank), np.int32(self.heap.size),
                 np.uint64(int(self.timeout_s * 1e9)), null if out is None else out, self.gathers, self.status),
@@ -185,7 +191,8 @@ class DeviceLoadGather:
 class DeviceSlot:
     """A ring slot's device state: its plan buffers, pinned host mirrors of what a record
     needs (copied on the mirror stream; ``mirrored`` follows the copies), its event clock,
-    reroute buffers grown to the largest batch it has seen, and its launch graphs."""
+    reroute buffers grown to the largest batch it has seen (the update's routed output and
+    ``reroute``'s own), and its launch graphs."""
 
     def __init__(self, layout, buffers: Plan, gathers):
         R, E = layout.num_ranks, layout.num_experts
@@ -202,6 +209,8 @@ class DeviceSlot:
                               for name, host in self.mirror.items()]
         self.planned: Mark | None = None  # where the plan is complete: the update's clock stop
         self.mirrored = cupy.cuda.Event(disable_timing=True)
+        self.routed = self.routed_shaped = None  # the buffer of the update's reroute of its ids, its last view
+        self.routed_view = None  # the slot's update's reroute, shaped like its ids (None: it got a load row)
         self.reroute_out = self.reroute_workspace = self.reroute_view = None
         self.reroute_ids = Staging()  # what a graphed reroute reads
         self.graphs: dict = {}  # LaunchGraphs of this slot: "update", "record", "reroute"
@@ -234,6 +243,13 @@ class DeviceBalancer:
         self._mirror_stream = cupy.cuda.Stream(non_blocking=True)
         self._events: dict = {}  # (what, stream) -> the event a Mark of it re-records
         self.host_waits, self.host_wait_s = 0, 0.0  # the per-micro-batch calls' host waits for the device
+        try:  # an update reroutes its ids only if reroute's assign kernel can take E
+            reroute_assign_shared_bytes(layout.num_experts)
+            self._unroutable = None
+        except ValueError as exc:
+            self._unroutable = str(exc)
+        self._chunk_counts = None  # the per-chunk counts of the ids an update routes, grown to the largest batch
+        self._counted = None  # the ids count() counted, for the update to route
 
     def _waited(self, since: float) -> None:
         self.host_waits += 1
@@ -292,8 +308,15 @@ class DeviceBalancer:
 
     def count(self, source, *, from_ids: bool) -> None:
         """Stage this rank's load row; with ``sync_checks`` bad ids raise here (one device
-        read, the row discarded), otherwise :meth:`check` reports them."""
-        self.loads.launch(self._row(source, from_ids), from_ids=from_ids, publish=False)
+        read, the row discarded), otherwise :meth:`check` reports them. Ids are counted from
+        the gather's staging copy (graphs) with their per-chunk counts, for :meth:`update`
+        to route."""
+        row = self._row(source, from_ids)
+        self._counted = self._routable(row) if from_ids else None
+        if self._counted is not None:
+            row = self._counted
+        self.loads.launch(row, from_ids=from_ids, publish=False,
+                          chunk_counts=None if self._counted is None else self._chunk_counts)
         if from_ids and self.sync_checks:
             reading = time.perf_counter()
             bad = self.loads.read_bad(source)
@@ -304,23 +327,43 @@ class DeviceBalancer:
 
     def discard(self) -> None:
         self.loads.discard()
+        self._counted = None
+
+    def _routable(self, ids):
+        """``ids`` as the update's launches read them (the gather's staging copy when graphed),
+        the per-chunk count table grown for them; None where E is too large to route."""
+        if self._unroutable is not None:
+            return None
+        size = reroute_workspace_size(self.layout, int(ids.size))
+        if self._chunk_counts is None or self._chunk_counts.size < size:
+            self._chunk_counts = cupy.empty(size, np.int32)
+        return self.loads.staging.copy(ids) if self.graphs.enabled else ids
 
     def update(self, slot: DeviceSlot, source, *, from_ids: bool) -> Plan:
         """Count ``source`` (None: publish the row :meth:`count` staged; bad ids are then
         reported by :meth:`check`), publish the row, wait for every peer's into the slot's
-        plan loads and plan: one graph launch once the slot has seen these shapes twice in
-        a row. The update's clock stop marks the plan complete; a record's arrays are
-        copied to pinned memory on the mirror stream from there, off the caller's."""
+        plan loads and plan, then reroute the counted ids (if any) into the slot's routed
+        output: one graph launch once the slot has seen these shapes twice in a row. The
+        update's clock stop marks the plan complete; a record's arrays are copied to pinned
+        memory on the mirror stream from there, off the caller's."""
         stream = self.current()
         stream.wait_event(slot.mirrored)  # the plan buffers are about to be rewritten: its last record's copies first
         if source is None:
-            key = "staged row"
+            routed, self._counted = self._counted, None
+            key = ("staged row",)
         else:
             source = self._row(source, from_ids)
-            if self.graphs.enabled:
+            routed = self._routable(source) if from_ids else None
+            if routed is not None:
+                source = routed
+            elif self.graphs.enabled:
                 source = self.loads.staging.copy(source)
             key = (from_ids, source.dtype.char, source.shape, source.data.ptr)
-        self.graphs.run(slot.graphs, "update", key, lambda: self._gather_and_plan(slot, source, from_ids))
+        slot.routed_view = None if routed is None else self._routed_output(slot, routed)
+        if routed is not None:  # the routed ids are in the key already when this launch counts them
+            key += (routed.dtype.char, routed.shape, routed.data.ptr, slot.routed.data.ptr,
+                    self._chunk_counts.data.ptr)
+        self.graphs.run(slot.graphs, "update", key, lambda: self._gather_and_plan(slot, source, from_ids, routed))
         slot.planned = Mark(slot.clock.stop("update"), stream.ptr)
         mirror = self._mirror_stream
         mirror.wait_event(slot.planned.event)
@@ -328,10 +371,25 @@ class DeviceBalancer:
         slot.mirrored.record(mirror)
         return slot.buffers  # the transfers compile from the buffers' contents in stream order: no staleness
 
-    def _gather_and_plan(self, slot: DeviceSlot, source, from_ids: bool) -> None:
+    def _gather_and_plan(self, slot: DeviceSlot, source, from_ids: bool, routed) -> None:
         out = slot.buffers
-        self.loads.launch(source, from_ids=from_ids, publish=True, out=out.loads)
+        chunk_counts = None if routed is None else self._chunk_counts
+        self.loads.launch(source, from_ids=from_ids, publish=True, out=out.loads, chunk_counts=chunk_counts)
         self.planner.plan(out.loads, out=out)
+        if routed is not None:
+            reroute_assign_counted(routed, out, self.heap.rank, chunk_counts=chunk_counts, out=slot.routed_view)
+
+    @staticmethod
+    def _routed_output(slot: DeviceSlot, ids):
+        """The view of the slot's routed buffer shaped like ``ids``, the buffer grown first if
+        ``ids`` holds more entries than any batch before it in this slot."""
+        n = int(ids.size)
+        if slot.routed is None or slot.routed.size < n:
+            slot.routed = cupy.empty(max(n, 1), np.int32)
+            slot.routed_shaped = None
+        if slot.routed_shaped is None or slot.routed_shaped.shape != ids.shape:  # a view costs host time
+            slot.routed_shaped = slot.routed[:n].reshape(ids.shape)
+        return slot.routed_shaped
 
     @staticmethod
     def _copy_record(slot: DeviceSlot) -> None:
@@ -342,6 +400,12 @@ class DeviceBalancer:
     def planned(self, slot: DeviceSlot) -> Mark | None:
         """Where the slot's plan is complete (marked by :meth:`update`)."""
         return slot.planned
+
+    def routed(self, slot: DeviceSlot):
+        """The reroute of the ids the slot's update counted, written by that update."""
+        if self._unroutable is not None:
+            raise ValueError(self._unroutable)
+        return slot.routed_view
 
     def reroute(self, slot: DeviceSlot, ids, plan: Plan, out):
         """Into the slot's buffers (unless ``out``), reallocated only when ``ids`` holds more

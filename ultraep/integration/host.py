@@ -4,8 +4,9 @@
 :func:`count_loads` is the reference of this rank's load row (``raw_kernels/balancer.cu``
 counts the same on the device). :class:`HostBalancer` runs every step synchronously:
 the row is written into every peer's gathered matrix directly, the heap barrier waits
-(the device needs none: a flag follows each row), and the planner's NumPy reference
-plans from a copy of the gathered matrix.
+(the device needs none: a flag follows each row), the planner's NumPy reference plans
+from a copy of the gathered matrix, and the ids the row was counted from are rerouted
+(what ``Balancer.reroute(handle)`` returns).
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ def count_loads(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, BadIds |
 
 
 class HostSlot:
-    """A ring slot's host state: its stage clock, the gathered loads it plans from and the
-    liveness count its plan completed at."""
+    """A ring slot's host state: its stage clock, the gathered loads it plans from, the
+    liveness count its plan completed at and the reroute of the ids its update counted
+    (None: the update got a load row)."""
 
     def __init__(self):
         self.clock = HostClock()
         self.loads = None
         self.liveness = 0
+        self.routed = None
 
 
 class HostBalancer:
@@ -73,6 +76,7 @@ class HostBalancer:
         self.planner = HostPlanner(layout, min_replica_tokens=min_replica_tokens)
         self.liveness = 0  # gathers and plans completed on this rank (cuda_graphs: nothing to capture here)
         self._row = None  # the staged load row
+        self._ids = None  # the ids it was counted from (None: a caller's row)
 
     def new_slot(self) -> HostSlot:
         return HostSlot()
@@ -105,21 +109,22 @@ class HostBalancer:
         """Stage this rank's load row; bad ids raise (always: looking costs nothing here)."""
         E = self.layout.num_experts
         if not from_ids:
-            self._row = source.astype(np.int32)
+            self._row, self._ids = source.astype(np.int32), None
             return
         counts, bad = count_loads(source, E)
         if bad is not None:
             raise BalancerError(bad.message(self.heap.rank, E, source.shape))
-        self._row = counts
+        self._row, self._ids = counts, source
 
     def discard(self) -> None:
-        self._row = None
+        self._row = self._ids = None
 
     def update(self, slot: HostSlot, source, *, from_ids: bool) -> Plan:
         """Count ``source`` (None: publish the row :meth:`count` staged), write the row into
         every peer's gathered matrix (the one the update's number picks, as on the device),
         wait at the heap barrier, plan from a copy of this rank's matrix (peers overwrite it
-        two updates on) and stop the update's clock."""
+        two updates on), reroute the counted ids (the plan has room for every one of them)
+        and stop the update's clock."""
         if source is not None:
             self.count(source, from_ids=from_ids)
         buffer = self.liveness % self.gathered.shape[0]
@@ -129,6 +134,8 @@ class HostBalancer:
         self.heap.barrier(self.timeout_s)
         slot.loads = np.array(self.gathered.local[buffer])
         plan = self.planner.plan(slot.loads)
+        slot.routed = None if self._ids is None else self.planner.reroute(self._ids, plan, self.heap.rank)
+        self._ids = None
         self.liveness += 1
         slot.liveness = self.liveness
         slot.clock.stop("update")
@@ -136,6 +143,10 @@ class HostBalancer:
 
     def planned(self, slot: HostSlot):
         return None
+
+    def routed(self, slot: HostSlot):
+        """The reroute of the ids the slot's update counted."""
+        return slot.routed
 
     def reroute(self, slot: HostSlot, ids, plan: Plan, out):
         """Raises ValueError for ids the plan has no room for."""

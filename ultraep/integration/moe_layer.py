@@ -570,7 +570,7 @@ class MoELayer:
             if self.balancer is not None:
                 handle = self.balancer.update(self.layer, topk_ids, stream=stream)
                 self.balancer.weight_sync(handle, stream=self._sync_stream)
-                ids = self.balancer.reroute(handle, topk_ids, stream=stream)
+                ids = self.balancer.reroute(handle, stream=stream)  # the update rerouted topk_ids already
                 self._generation += 1
             if self._fused is not None:
                 if handle is not None:  # kernel A's up tiles read every slot's weights from its start

@@ -175,7 +175,6 @@ def reroute_device(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None)
     ids = cupy.asarray(topk_ids)
     if ids.dtype not in (np.int32, np.int64) or not ids.flags.c_contiguous:
         ids = cupy.ascontiguousarray(ids, dtype=np.int64)
-    id_type = "int" if ids.dtype == np.int32 else "long long"
     if array_module(plan.split_prefix) is np:
         plan = Plan(layout=layout, imbalance_before=plan.imbalance_before, imbalance_after=plan.imbalance_after,
                     **{name: cupy.asarray(getattr(plan, name)) for name in Plan.ARRAYS})
@@ -183,11 +182,8 @@ def reroute_device(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None)
         out = cupy.empty(ids.shape, np.int32)
     elif out.shape != ids.shape or out.dtype != np.int32:
         raise ValueError(f"out must be int32 of shape {ids.shape}")
-    n, E, K = ids.size, layout.num_experts, layout.max_instances
-    assign_bytes = REROUTE_COUNTERS * E * _INT
-    if assign_bytes > MAX_SHARED_BYTES:
-        raise ValueError(f"the device reroute keeps {REROUTE_COUNTERS} counters per expert in shared memory: {E} "
-                         f"experts need {assign_bytes} bytes (at most {MAX_SHARED_BYTES}); use the host backend")
+    n, E = ids.size, layout.num_experts
+    reroute_assign_shared_bytes(E)
     if n == 0:
         return out
     chunks = -(-n // REROUTE_CHUNK)
@@ -196,13 +192,42 @@ def reroute_device(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None)
     elif workspace.dtype != np.int32 or workspace.size < chunks * E:
         raise ValueError(f"workspace must be int32 with at least {chunks * E} entries "
                          f"(reroute_workspace_size), got {workspace.dtype} of {workspace.size}")
-    count = _kernel("reroute.cu", f"reroute_count<{id_type}>", E * _INT)
+    count = _kernel("reroute.cu", f"reroute_count<{_id_type(ids)}>", E * _INT)
     count((chunks,), (REROUTE_CHUNK,), (ids, np.int64(n), np.int32(E), workspace), shared_mem=E * _INT)
-    assign = _kernel("reroute.cu", f"reroute_assign<{id_type}>", assign_bytes)
-    assign((chunks,), (REROUTE_CHUNK,),
-           (ids, np.int64(n), np.int32(E), np.int32(K), workspace, _row_pointer(plan.split_prefix, rank),
-            plan.log_to_phys, plan.replica_count, out), shared_mem=assign_bytes)
+    reroute_assign_counted(ids, plan, rank, chunk_counts=workspace, out=out)
     return out
+
+
+def reroute_assign_shared_bytes(num_experts: int) -> int:
+    """Dynamic shared memory of one ``reroute_assign`` block; ValueError, naming the limit,
+    for more experts than it can count (at most ``MAX_SHARED_BYTES // (4 * REROUTE_COUNTERS)``)."""
+    assign_bytes = REROUTE_COUNTERS * num_experts * _INT
+    if assign_bytes > MAX_SHARED_BYTES:
+        raise ValueError(f"the device reroute keeps {REROUTE_COUNTERS} counters per expert in shared memory: "
+                         f"{num_experts} experts need {assign_bytes} bytes (at most {MAX_SHARED_BYTES}); use the "
+                         "host backend")
+    return assign_bytes
+
+
+def reroute_assign_counted(ids, plan: Plan, rank: int, *, chunk_counts, out) -> None:
+    """The assignment half of :func:`reroute_device` for ids whose per-chunk counts
+    (``int32[chunks][E]``, chunks of ``REROUTE_CHUNK`` ids) are already in ``chunk_counts``
+    -- written by ``reroute_count``, or by ``gather_loads`` (``raw_kernels/balancer.cu``)
+    for the ids an update counted. ``ids``: contiguous int32 or int64 CuPy ids; ``plan``:
+    CuPy arrays; ``out``: int32, shaped like ``ids``. No checks beyond the kernel's limit:
+    the callers have made these."""
+    n, E, K = ids.size, plan.layout.num_experts, plan.layout.max_instances
+    if n == 0:
+        return
+    assign_bytes = reroute_assign_shared_bytes(E)
+    assign = _kernel("reroute.cu", f"reroute_assign<{_id_type(ids)}>", assign_bytes)
+    assign((-(-n // REROUTE_CHUNK),), (REROUTE_CHUNK,),
+           (ids, np.int64(n), np.int32(E), np.int32(K), chunk_counts, _row_pointer(plan.split_prefix, rank),
+            plan.log_to_phys, plan.replica_count, out), shared_mem=assign_bytes)
+
+
+def _id_type(ids) -> str:
+    return "int" if ids.dtype == np.int32 else "long long"
 
 
 def _row_pointer(array, row: int) -> np.uintp:

@@ -8,10 +8,12 @@ Two Balancers hold the same masters: one replays its ring slots' launches as CUD
 the same updates, weight syncs and reroutes, in segments that change what a graph was
 captured for: the token count (fewer, then more than the staging buffers hold), the ids'
 dtype, ``local_loads`` instead of ids, a caller's reroute ``out``, and a rank with no
-tokens. Every plan, rerouted id, replica weight and stats record must be the same on both
-and equal the NumPy references; and in each segment the graphed Balancer must have
-captured anew and replayed (``checked``: sync_checks=True, whose update graph publishes
-the row counted before the collective and so is captured once).
+tokens. Every plan, rerouted id (``reroute(handle)``, the update's own, and
+``reroute(handle, ids)``), replica weight and stats record must be the same on both and
+equal the NumPy references; and in each segment the graphed Balancer must have captured
+anew and replayed (``checked``: sync_checks=True, whose update graph publishes the row
+counted before the collective and reroutes the ids counted there, so it is keyed on them
+as the unchecked one is).
 """
 
 import sys
@@ -108,13 +110,16 @@ def one_layer(graphed, eager, layer, step, segment, outs):
     reference = reroute(ids[me], want, me)
     for got, which in zip(slots, ("graphed", "eager")):
         assert np.array_equal(got, reference), f"{what}: {which} reroute differs"
+    if not from_loads:
+        for bal, h, which in zip((graphed, eager), handles, ("graphed", "eager")):
+            assert np.array_equal(cupy.asnumpy(bal.reroute(h)), reference), f"{what}: {which} update's reroute differs"
 
 
 def graph_keys(segment) -> dict:
     """What this rank's ring slots key each launch sequence on, apart from buffers that stay
     put within a segment: a segment that changes a key recaptures that sequence."""
     _, tokens, dtype, from_loads, caller_out = segment
-    return {"update": "staged row" if mode == "checked" else (from_loads, dtype, tokens(me)),
+    return {"update": "local_loads" if from_loads else (dtype, tokens(me)),
             "record": "record", "reroute": (dtype, tokens(me), caller_out)}
 
 
