@@ -266,7 +266,6 @@ class HostFusedBackward:
     def __init__(self, forward, *, activation: Callable):
         self.forward, self.activation = forward, activation
         self.recording, self.last_timeline = False, []
-        self.rows_ready = None  # the device launcher's event after kernel C; the host runs in order
 
     def backward(self, dy, received, rank_tiles, h, y, w_up, w_down):
         """``dy [T, H]`` BF16, ``received`` and ``rank_tiles`` the forward's DispatchResult and

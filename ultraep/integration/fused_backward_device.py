@@ -52,7 +52,6 @@ class DeviceFusedBackward:
         self.counters = cupy.zeros(3, dtype=np.int32)  # kernel C's claims and relays, kernel D's claims
         self.bn = kernel_constant(KERNELS, "GH_BN")
         self.traces = None  # per kernel: [tasks, FM_TRACE_WORDS] uint64 when recording a timeline
-        self.rows_ready = cupy.cuda.Event(disable_timing=True)  # each backward's kernel C done: grad_y, dh written
 
     def backward(self, dy, received, rank_tiles, h, y, w_up, w_down):
         """Collective, on the current stream: ``dy [T, H]`` BF16, ``received`` and ``rank_tiles``
@@ -96,7 +95,6 @@ class DeviceFusedBackward:
             rank_mtile, s["row_landing"], s["row_weight"], s["row_origin"], cp.ascontiguousarray(y), grad_y,
             fwd.tile_ready, np.int32(F), cp.ascontiguousarray(h), dh, epoch, timeout, self.counters[:2], fwd.status,
             s["outcome"], traces[0]), shared_mem=fwd.shared_bytes)
-        self.rows_ready.record()
         self.k["fused_dgrad_combine"]((fwd.grid,), (fwd.threads,), (
             dh_map, w_up_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(fwd.done.offset), np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), rank_off,

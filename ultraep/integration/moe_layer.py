@@ -25,11 +25,10 @@ local slot ``j`` are ``offsets[j]:offsets[j + 1]``, masters ``j < M`` then repli
   whole receive buffer runs as one grouped GEMM per projection over ``M + S`` experts ->
   ``grouped_mm`` (up, FP32 out) -> SwiGLU (BF16) -> ``grouped_mm`` (down) -> ``combine``;
 * backward: ``restore`` on the layer's stream when the shared replica buffers hold another
-  plan's weights; ``combine_backward`` (row gradients and the gates' gradients) -> dgrad of
-  down -> SwiGLU backward -> dgrad of up -> ``dispatch_backward`` (the input gradient);
-  beside the last two, on a second stream of the layer's, the wgrads of both projections ->
-  masters' gradients ``+=`` their rows' part, filled replica slots' gradients into the
-  Balancer's replica gradient slots; then, both done, ``reduce_grads``.
+  plan's weights; ``combine_backward`` (row gradients and the gates' gradients) -> dgrad and
+  wgrad of down -> SwiGLU backward -> dgrad and wgrad of up -> masters' gradients ``+=``
+  their rows' part, filled replica slots' gradients into the Balancer's replica gradient slots ->
+  ``reduce_grads`` -> ``dispatch_backward`` (the input gradient).
 
 Placement invariance: every step of a row's forward output and input gradient is a
 function of that row alone (the grouped GEMM sums each element in one fixed order
@@ -50,7 +49,7 @@ as the sequential path does (the up tiles' FP32 sums ``h``, ``act``, the expert 
 ``y``); its backward runs the exchange of gradients and both dgrads as two persistent
 kernels too (``raw_kernels/fused_moe_backward.cu``,
 semantics in :mod:`ultraep.integration.fused_backward`), bitwise the sequential backward;
-the weight gradients stay on the grouped wgrad, beside the second backward kernel.
+the weight gradients stay on the grouped wgrad.
 
 The layer's own work runs on the caller's stream (``stream=``, else a torch input's
 current stream, else CuPy's). The fused kernels replace the inside of :meth:`forward` and
@@ -404,12 +403,10 @@ class MoELayer:
         self._generation = 0  # forwards that filled the replica part of the stacked weights
         self._weight_copy = self._grad_copy = self._wgrad = None  # made at first use
         # the replica weights' transfers run beside dispatch (GPU; the Balancer orders the streams by events)
-        # and a backward's weight gradients beside its input gradient's last GEMM and exchange
-        self._sync_stream = self._wgrad_stream = None
+        self._sync_stream = None
         if self.device is not None:
             with self.xp.cuda.Device(self.device):
                 self._sync_stream = self.xp.cuda.Stream(non_blocking=True)
-                self._wgrad_stream = self.xp.cuda.Stream(non_blocking=True)
 
     @staticmethod
     def _check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend) -> None:
@@ -482,24 +479,6 @@ class MoELayer:
                     external_stream(cupy, stream, self.device)
                 with raw:
                     yield
-
-    def _mark(self):
-        """An event at the current stream's work so far (None on the host)."""
-        return None if self.device is None else self.xp.cuda.get_current_stream().record()
-
-    @contextlib.contextmanager
-    def _beside_caller(self, ready):
-        """The layer's weight-gradient stream as the current one, its work after ``ready``;
-        the caller's stream then waits for that work, so a backward's results are the
-        caller's stream's as before."""
-        if self.device is None:
-            yield
-            return
-        caller, side = self.xp.cuda.get_current_stream(), self._wgrad_stream
-        side.wait_event(ready)
-        with side:
-            yield
-        caller.wait_event(side.record())
 
     # -- weights ----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -644,24 +623,21 @@ class MoELayer:
                 self._refill_replicas(ctx)
                 dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.rank_tiles, ctx.h, ctx.y, self._w_up,
                                                          self._w_down)
-                rows_ready = fused.rows_ready  # kernel C's end: grad_y and dh are written
             else:
                 grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
                 self._refill_replicas(ctx)  # a restore ran beside combine_backward; the dgrads read the replicas
                 d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
                 dh = self._swiglu_backward(ctx.h, d_act, offsets)
-                rows_ready = self._mark()
                 d_recv = grouped_mm_dgrad(dh, self._w_up, offsets)
-                dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
-            with self._beside_caller(rows_ready):
-                wgrad = self._wgrad_scratch()
-                wgrad.acquire()
-                self._weight_grads(ctx.act, grad_y, received.x, dh, offsets, wgrad)
-                if ctx.handle is not None:  # the replica slots' gradients: only those the plan fills are read
-                    self._grad_copy(replica_entries)
-                wgrad.release()
-            if ctx.handle is not None:  # on the caller's stream: its heap barriers follow dispatch_backward's
+            wgrad = self._wgrad_scratch()
+            wgrad.acquire()
+            self._weight_grads(ctx.act, grad_y, received.x, dh, offsets, wgrad)
+            if ctx.handle is not None:  # the replica slots' gradients: only those the plan fills are read
+                self._grad_copy(replica_entries)
                 self.balancer.reduce_grads(ctx.handle, stream=stream)
+            wgrad.release()
+            if fused is None:
+                dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
         return dx, d_gates
 
     def _weight_grads(self, act, grad_y, x, dh, offsets, wgrad: _WgradScratch) -> None:
