@@ -28,6 +28,65 @@ def test_balanced_layer_is_bitwise_the_unbalanced_one(backend, ranks):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_layer_whose_balancer_cannot_replicate_runs_unbalanced(backend, ranks):
+    out = run_ranks(ranks, "integration/mpi/moe_layer_check.py", backend, "no-replica", timeout=300)
+    assert_all_ranks_ok(out, ranks, "no-replica")
+
+
+def hot_pair_loads(ranks: int, tokens: int) -> np.ndarray:
+    """Every rank's tokens all pick experts 0 and 1 (both on rank 0): expert 0's load is the
+    most one expert can get, ``ranks * tokens``."""
+    loads = np.zeros((ranks, 2 * ranks), np.int32)
+    loads[:, :2] = tokens
+    return loads
+
+
+def planned_replicas(loads, layout, min_replica_tokens: int, backend: str) -> int:
+    from ultraep.planner import plan_placement
+
+    if backend == "device":
+        import cupy
+        loads = cupy.asarray(loads)
+    plan = plan_placement(loads, layout, backend=backend, min_replica_tokens=min_replica_tokens).to_numpy()
+    return int((np.asarray(plan.replica_count) - 1).sum())
+
+
+def check_replica_bound(backend: str) -> None:
+    """``can_replicate``'s bound is the planners' exact one: at ``min_replica_tokens`` =
+    ``R * T`` (a replica taking the whole load of an expert every token picks) the plan
+    makes a replica, one token more and none; a layout without room never replicates (the
+    host planner's plan; the device planner is not asked for layouts without a slot)."""
+    from types import SimpleNamespace
+
+    from ultraep.integration.moe_layer import can_replicate
+    from ultraep.planner import ExpertLayout
+
+    for ranks, tokens in ((2, 8), (4, 48)):
+        layout, loads = ExpertLayout(ranks, 2 * ranks, 1), hot_pair_loads(ranks, tokens)
+        for min_replica_tokens in (0, ranks * tokens, ranks * tokens + 1):
+            balancer = SimpleNamespace(layout=layout, min_replica_tokens=min_replica_tokens)
+            possible = can_replicate(balancer, ranks * tokens)
+            assert possible == (min_replica_tokens <= ranks * tokens)
+            assert (planned_replicas(loads, layout, min_replica_tokens, backend) > 0) == possible, min_replica_tokens
+    for layout in (ExpertLayout(2, 4, 0), ExpertLayout(2, 4, 1, max_instances=1)):
+        assert not can_replicate(SimpleNamespace(layout=layout, min_replica_tokens=0), 16)
+        if backend == "host":
+            assert planned_replicas(hot_pair_loads(2, 8), layout, 0, backend) == 0
+
+
+def test_replica_bound_is_the_host_planners():
+    check_replica_bound("host")
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_replica_bound_is_the_device_planners():
+    check_replica_bound("device")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_input_raises_on_every_rank(backend):
     out = run_ranks(2, "integration/mpi/moe_layer_check.py", backend, "bad-input", timeout=240)
     assert_all_ranks_ok(out, 2, "bad-input")

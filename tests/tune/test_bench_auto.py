@@ -29,11 +29,17 @@ def test_one_row_per_value(tmp_path, capfd, monkeypatch):
     out = tmp_path / "moe.json"
     code = bench.main(["--backend", "host", "--ranks", "2", *SMALL, "--min-replica-tokens", "0", "1024", "auto",
                        "--json", str(out)])
-    assert code == 0, capfd.readouterr()
+    printed = capfd.readouterr()
+    assert code == 0, printed
     rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["ideal", "none", "ultraep@0", "ultraep@1024", "ultraep@auto"]
     assert rows["ultraep@0"]["min_replica"] == 0 and rows["ultraep@1024"]["min_replica"] == 1024
-    assert rows["ultraep@0"]["replicas"] > 0 and rows["ultraep@1024"]["replicas"] == 0  # 128 tokens a rank
+    assert rows["ultraep@0"]["replicas"] > 0 and rows["ultraep@0"]["balancing_layers"] == 1
+    # An expert gets at most 2 x 128 tokens a call, below 1024: the layer never balances, so its
+    # weight gradients are none's bits too.
+    assert rows["ultraep@1024"]["replicas"] == 0 and rows["ultraep@1024"]["balancing_layers"] == 0
+    assert rows["ultraep@1024"]["wgrad_rel"] == 0
+    assert "ultraep@1024: no layer balanced" in printed.out and "ultraep@0: no layer" not in printed.out
     profile = read_profile(next((tmp_path / "cache").glob("profile-*.json")))
     spec = MoELayer.expert_spec(32, 16)  # w_up [32, 32] and w_down [16, 32], bf16
     auto = min_replica_tokens_for(spec.weight_slot_bytes, profile, weight_elements=32 * 32 + 16 * 32)

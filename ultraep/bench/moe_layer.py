@@ -9,7 +9,9 @@ skewed routing under three policies in one run, as tokens/s and the ratio to the
   gradients, ``reduce_grads``);
 * ``ultraep@N``: with several ``--min-replica-tokens`` values (e.g. ``0 1024 auto``), an
   ``ultraep`` row per value; ``min_replica`` is the value it planned with (``auto``
-  resolved by the cost model on the machine profile, ``ultraep.tune``);
+  resolved by the cost model on the machine profile, ``ultraep.tune``). Where no plan
+  could make a replica (``MoELayer.balancing``; e.g. decode under ``auto``) the layers run
+  unbalanced: ``replicas`` 0 and a note under the table;
 * ``ideal``: force-balanced routing -- every source sends ``tokens x top_k / experts``
   pairs to every expert, so each rank receives exactly the mean -- with no balancing.
 
@@ -299,15 +301,17 @@ def run(args) -> int:
         for index, (name, (policy, stack)) in enumerate(stacks.items()):
             again = checked_step(stack)
             stack.check()
-            replicas, min_replica = None, None
+            replicas, min_replica, balancing = None, None, None
             if stack.balancer is not None:
-                replicas = stack.balancer.stats().summary()["replicas_mean"]
+                balancing = sum(moe.balancing for moe in stack.layers)  # no plan of the others could replicate
+                replicas = stack.balancer.stats().summary()["replicas_mean"] if balancing else 0.0
                 min_replica = stack.balancer.min_replica_tokens  # "auto" resolved
             fwd_ms, bwd_ms = windows[2 * index:2 * index + 2]
             rerun = differing(sum(first[name], []), sum(again, []))
             row = {"policy": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "step_ms": fwd_ms + bwd_ms,
                    "tokens_per_s": R * T / (fwd_ms + bwd_ms) * 1e3, "rows_max_mean": stack.rows_max_mean(),
-                   "replicas": replicas, "min_replica": min_replica, "rerun_diff": sum(group.allgather(rerun))}
+                   "replicas": replicas, "min_replica": min_replica, "balancing_layers": balancing,
+                   "rerun_diff": sum(group.allgather(rerun))}
             row["vs_ideal"] = rows[0]["step_ms"] / row["step_ms"] if rows else 1.0  # ideal is measured first
             if policy == "ultraep":
                 (out, dx, grads), (out_none, dx_none, grads_none) = first[name], first["none"]
@@ -322,6 +326,12 @@ def run(args) -> int:
             stack.close()
     table.close()
     balanced = [row for row in rows if row["policy"].startswith("ultraep")]
+    if me == 0:
+        for row in balanced:
+            if not row["balancing_layers"]:
+                print(f"{row['policy']}: no layer balanced (MoELayer.balancing False: no plan could make a replica "
+                      f"with min_replica {row['min_replica']}, at most {R} x {T} tokens per expert and call, "
+                      f"{args.slots} slots/rank); its layers ran as none's")
     problems = [f"{row['policy']}: {key} = {row[key]} (must be 0)"
                 for row in balanced for key in ("out_diff", "dx_diff") if row[key]]
     problems += [f"{row['policy']}: rerun_diff = {row['rerun_diff']} (must be 0)" for row in rows if row["rerun_diff"]]

@@ -17,8 +17,9 @@ DLPack-exportable, so a framework wraps them zero-copy as its parameters).
 Data flow of one micro-batch (the Dispatcher's receive buffer is expert-major: rows of
 local slot ``j`` are ``offsets[j]:offsets[j + 1]``, masters ``j < M`` then replica slots):
 
-* forward: with a Balancer, ``update`` -> ``weight_sync`` (on the layer's own stream, so
-  the copies run beside reroute and dispatch) -> ``reroute``; ``dispatch``; then the
+* forward: when the layer balances (:attr:`MoELayer.balancing`), ``update`` ->
+  ``weight_sync`` (on the layer's own stream, so the copies run beside reroute and
+  dispatch) -> ``reroute``; ``dispatch``; then the
   weights of the replica slots the plan fills are copied behind the masters in the layer's
   stacked weights once they have landed (``FilledSlotCopy``: an empty slot gets no rows, so
   nothing reads its stale copy; the fused path copies them before its first kernel), so the
@@ -90,6 +91,17 @@ def expert_spec(hidden: int, ffn: int) -> ExpertSpec:
     in BF16, FP32 gradients."""
     return ExpertSpec([("w_up", (hidden, 2 * ffn), "bfloat16"), ("w_down", (ffn, hidden), "bfloat16")],
                       grad_dtype="float32")
+
+
+def can_replicate(balancer: Balancer, max_expert_load: int) -> bool:
+    """Whether a plan of ``balancer`` can make any replica when no expert gets more than
+    ``max_expert_load`` tokens in a call: both planners (``planner/quota.py``'s
+    ``DomainOracle``, ``raw_kernels/planner.cu``) give a replica at least
+    ``max(min_replica_tokens, 1)`` of its expert's tokens, in a free redundant slot, as a
+    second instance at least."""
+    layout = balancer.layout
+    return (layout.redundant_slots > 0 and layout.max_instances > 1
+            and max_expert_load >= max(balancer.min_replica_tokens, 1))
 
 
 # -- SwiGLU: NumPy reference (the host backend) and the CUDA kernels ----------------------------
@@ -333,16 +345,25 @@ class MoELayer:
 
     ``balancer``: a :class:`Balancer` built with ``MoELayer.expert_spec(hidden, ffn)`` over a
     layout of ``num_experts`` experts on this group; the layer registers its masters as
-    the Balancer's virtual layer ``layer`` and shares its backend. Without one, tokens go
-    to the masters. ``heap``: a symmetric heap for the Dispatcher (see
-    :meth:`Dispatcher.heap_requirements`; with ``fused``, set up with ``expert_output=True``,
-    plus :func:`ultraep.integration.fused.heap_requirements`), else it opens its own.
+    the Balancer's virtual layer ``layer`` (when it balances, below) and shares its
+    backend. Without one, tokens go to the masters. ``heap``: a symmetric heap for the
+    Dispatcher (see :meth:`Dispatcher.heap_requirements`; with ``fused``, set up with
+    ``expert_output=True``, plus :func:`ultraep.integration.fused.heap_requirements`), else
+    it opens its own.
     ``fused``: the forward as the fused persistent kernels (module docstring). ``fused_config``
     (with ``fused``): None, the kernel source's task sizes on every resident CTA; ``"tuned"``,
     the model's best :class:`~ultraep.tune.config.FusedConfig` per 4096-token bucket up to
     ``max_tokens`` (``ultraep.tune.search``, from rank 0's machine profile, measured once and
     cached); or a ``FusedConfig`` for every call. No choice changes a result bit.
     ``max_recv_rows``, ``timeout_s``, ``sync_checks``: the Dispatcher's.
+
+    ``topk_ids``: a token's ``K`` ids are distinct experts (as a router's top-k), so an expert
+    gets at most ``group.size * max_tokens`` tokens a call. Where that is below the
+    smallest replica the Balancer may make (``max(min_replica_tokens, 1)``, e.g. decode
+    under ``min_replica_tokens="auto"``), or its layout has no room for a replica, no plan
+    could ever replicate: the layer then does not balance (:attr:`balancing` is False,
+    decided at set-up) and runs as the unbalanced layer, never calling the Balancer --
+    the same bits, without its per-call cost.
     """
 
     expert_spec = staticmethod(expert_spec)
@@ -365,11 +386,14 @@ class MoELayer:
         self.group, self.balancer, self.layer = group, balancer, int(layer)
         self.hidden, self.ffn, self.num_experts, self.top_k = int(hidden), int(ffn), int(num_experts), int(top_k)
         self.experts_per_rank = self.num_experts // group.size
-        self.slots = balancer.layout.redundant_slots if balancer is not None else 0
+        # An expert's load in a call is at most group.size * max_tokens (a token's K ids are distinct experts).
+        # Agreed values only: every rank decides alike, so none skips a collective another runs.
+        self._balancing = balancer is not None and can_replicate(balancer, group.size * int(max_tokens))
+        self.slots = balancer.layout.redundant_slots if self._balancing else 0
         common = dict(hidden=self.hidden, dtype="bfloat16", top_k=self.top_k, max_tokens=max_tokens,
                       max_recv_rows=max_recv_rows, timeout_s=timeout_s, sync_checks=sync_checks, heap=heap,
                       backend=balancer.backend if balancer is not None else backend)
-        slots = dict(num_experts=self.num_experts) if balancer is None else \
+        slots = dict(num_experts=self.num_experts) if not self._balancing else \
             dict(num_experts=balancer.layout.num_physical, experts_per_rank=balancer.layout.slots_per_rank)
         self._fused, self._fused_bwd, self._owned_heap = None, None, None
         self._recording = False  # record_timeline's: the backward launcher, made later, takes it at its making
@@ -390,7 +414,7 @@ class MoELayer:
             if fused:
                 self._fused = _fused_forward(self, self.dispatcher.heap, timeout_s, fused_config)
             self._allocate()
-            if balancer is not None:
+            if self._balancing:
                 M = self.experts_per_rank
                 balancer.register_layer(self.layer, [[self._w_up[m], self._w_down[m]] for m in range(M)],
                                         [[self.grad_up[m], self.grad_down[m]] for m in range(M)])
@@ -404,9 +428,15 @@ class MoELayer:
         self._weight_copy = self._grad_copy = self._wgrad = None  # made at first use
         # the replica weights' transfers run beside dispatch (GPU; the Balancer orders the streams by events)
         self._sync_stream = None
-        if self.device is not None:
+        if self.device is not None and self._balancing:
             with self.xp.cuda.Device(self.device):
                 self._sync_stream = self.xp.cuda.Stream(non_blocking=True)
+
+    @property
+    def balancing(self) -> bool:
+        """Whether the layer balances: it has a Balancer whose plans can make a replica for
+        its calls (class docstring); False: tokens go to the masters."""
+        return self._balancing
 
     @staticmethod
     def _check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend) -> None:
@@ -567,7 +597,7 @@ class MoELayer:
         tokens = arrays[0].shape[0]
         with self._on_stream(stream, x):
             handle, ids = None, topk_ids
-            if self.balancer is not None:
+            if self._balancing:
                 handle = self.balancer.update(self.layer, topk_ids, stream=stream)
                 self.balancer.weight_sync(handle, stream=self._sync_stream)
                 ids = self.balancer.reroute(handle, stream=stream)  # the update rerouted topk_ids already
@@ -672,9 +702,10 @@ class MoELayer:
 
     def _replica_grads(self, ctx: MoEContext):
         """The plan's entries of this rank's replica slots, once the Balancer's replica
-        gradient slots may take ``ctx``'s gradients (None without a Balancer). Restores the
-        replica weights first, on the layer's sync stream, when another layer or
-        micro-batch has synced since (the Balancer then refuses the handle)."""
+        gradient slots may take ``ctx``'s gradients (None when the forward did not
+        balance). Restores the replica weights first, on the layer's sync stream, when
+        another layer or micro-batch has synced since (the Balancer then refuses the
+        handle)."""
         if ctx.handle is None:
             return None
         try:

@@ -1,6 +1,6 @@
 """Multi-rank MoELayer check, run under mpiexec by tests/integration/test_moe_layer.py.
 
-Usage: python -m mpi4py moe_layer_check.py {host|device} {invariance|bad-input}
+Usage: python -m mpi4py moe_layer_check.py {host|device} {invariance|no-replica|bad-input}
 
 invariance: two MoE layers sharing one Balancer (``ultraep`` policy) and the same two
 layers without one (``none``), with the same masters, inputs and skewed routing, two
@@ -13,6 +13,12 @@ second layer's replicas are restored and the first refilled). Ten runs each. Che
 * the weight gradients of the two policies within FP32 reassociation of the same terms;
 * the ``none`` layer against an FP64 NumPy model of the whole layer (every rank's inputs
   and masters are seeded functions of its rank, so each rank can compute all of them).
+
+no-replica: a Balancer whose plans can never make a replica for the layers' calls
+(``min_replica_tokens`` above the ``R * T`` tokens an expert can get) leaves them
+unbalanced (``MoELayer.balancing`` False, no update reaches it); one just at that bound
+still balances, and with this routing plans no replica. Outputs, input and gate gradients
+and weight gradients of all three bitwise those of the layers without a Balancer.
 
 bad-input: mismatched set-up, wrong weights on one rank, a context used twice -- each a
 clear error on every rank.
@@ -82,20 +88,23 @@ def differing(a, b) -> int:
     return int(np.count_nonzero(bits(a) != bits(b)))
 
 
-def run_policy(balanced: bool):
-    """Per run: ({(layer, micro): (y, dx, d_gates)}, [(grad_up, grad_down) per layer])."""
+def run_policy(min_replica_tokens=None, runs=RUNS):
+    """The layers with a Balancer of ``min_replica_tokens`` (None: without one), ``runs``
+    times: ([per run: ({(layer, micro): (y, dx, d_gates)}, [(grad_up, grad_down) per layer])],
+    the Balancer's stats summary or None, the layers' ``balancing``)."""
     balancer = None
-    if balanced:
-        balancer = Balancer(group, ExpertLayout(R, E, S), expert_spec(H, F), num_layers=LAYERS, min_replica_tokens=4,
-                            max_in_flight=MICRO, backend=backend)
+    if min_replica_tokens is not None:
+        balancer = Balancer(group, ExpertLayout(R, E, S), expert_spec(H, F), num_layers=LAYERS,
+                            min_replica_tokens=min_replica_tokens, max_in_flight=MICRO, backend=backend)
     layers = [MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer, layer=layer,
                        backend=backend) for layer in range(LAYERS)]
+    balancing = [moe.balancing for moe in layers]
     for layer, moe in enumerate(layers):
         moe.load_weights(*masters(layer, me))  # NumPy in, copied onto the backend
     data = {(layer, micro): [to_backend(a) for a in inputs(layer, micro, me)]
             for layer in range(LAYERS) for micro in range(MICRO)}
-    runs, replicas = [], 0
-    for _ in range(RUNS):
+    results, summary = [], None
+    for _ in range(runs):
         for moe in layers:
             moe.zero_grads()
         outputs, contexts = {}, {}
@@ -110,14 +119,14 @@ def run_policy(balanced: bool):
                 outputs[layer, micro] = tuple(host(a) for a in (outputs[layer, micro], dx, d_gates))
         for moe in layers:
             moe.check()
-        runs.append((outputs, [(host(moe.grad_up).copy(), host(moe.grad_down).copy()) for moe in layers]))
+        results.append((outputs, [(host(moe.grad_up).copy(), host(moe.grad_down).copy()) for moe in layers]))
     if balancer is not None:
-        replicas = balancer.stats().summary()["replicas_mean"]
+        summary = balancer.stats().summary()
     for moe in layers:
         moe.close()
     if balancer is not None:
         balancer.close()
-    return runs, replicas
+    return results, summary, balancing
 
 
 def silu_parts(a):
@@ -170,9 +179,11 @@ def close_to(got, want, fraction, what):
 
 
 def invariance():
-    plain, _ = run_policy(balanced=False)
-    balanced, replicas = run_policy(balanced=True)
-    assert sum(group.allgather(replicas)) > 0, "the routing made no replica: the check would prove nothing"
+    plain, _, _ = run_policy()
+    balanced, summary, balancing = run_policy(4)
+    assert all(balancing), "layers whose Balancer can replicate do not balance"
+    replicas = sum(group.allgather(summary["replicas_mean"]))
+    assert replicas > 0, "the routing made no replica: the check would prove nothing"
     for runs, name in ((plain, "none"), (balanced, "ultraep")):
         first_out, first_grads = runs[0]
         for i, (out, grads) in enumerate(runs[1:], 1):
@@ -199,6 +210,24 @@ def invariance():
             close_to(got, ref_g, 2e-2, f"layer {layer} {what} vs FP64")
 
 
+def no_replica():
+    plain, _, _ = run_policy(runs=1)
+    never, never_summary, never_balancing = run_policy(R * T + 1, runs=1)
+    assert not any(never_balancing), "a layer balances though no plan could make a replica"
+    assert never_summary["updates"] == 0, f"{never_summary['updates']} updates reached a Balancer that cannot replicate"
+    edge, edge_summary, edge_balancing = run_policy(R * T, runs=1)
+    assert all(edge_balancing), "a replica of all R * T tokens of one expert is possible, yet the layers do not balance"
+    assert edge_summary["updates"] == LAYERS * MICRO and edge_summary["replicas_mean"] == 0
+    for runs, name in ((never, "never"), (edge, "no replica planned")):
+        out, grads = runs[0]
+        for key in out:
+            for a, b, what in zip(out[key], plain[0][0][key], ("y", "dx", "d_gates")):
+                assert differing(a, b) == 0, f"{name}: {key} {what} differs from the layer without a Balancer"
+        for layer, (pair, plain_pair) in enumerate(zip(grads, plain[0][1])):
+            for a, b, what in zip(pair, plain_pair, ("grad_up", "grad_down")):
+                assert differing(a, b) == 0, f"{name}: layer {layer} {what} differs from the layer without a Balancer"
+
+
 def expect_everywhere(kind, fragment, call):
     try:
         call()
@@ -210,7 +239,7 @@ def expect_everywhere(kind, fragment, call):
 
 def bad_input():
     layout = ExpertLayout(R, E, S)
-    with Balancer(group, layout, expert_spec(H, F), num_layers=1, backend=backend) as balancer:
+    with Balancer(group, layout, expert_spec(H, F), num_layers=1, min_replica_tokens=4, backend=backend) as balancer:
         # An expert spec that is not the layer's: refused on every rank.
         with Balancer(group, layout, expert_spec(H, 2 * F), num_layers=1, backend=backend) as other:
             expect_everywhere(MoELayerError, "expert spec", lambda: MoELayer(
@@ -222,6 +251,7 @@ def bad_input():
             group, hidden=H + 4, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend))
         with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer,
                       backend=backend) as moe:
+            assert moe.balancing  # so the refused forward below could have reached the Balancer
             good = [to_backend(w) for w in masters(0, me)]
             wrong = [to_backend(w) for w in masters(0, me)]
             if me == R - 1:
@@ -245,7 +275,7 @@ def bad_input():
 
 
 try:
-    {"invariance": invariance, "bad-input": bad_input}[check]()
+    {"invariance": invariance, "no-replica": no_replica, "bad-input": bad_input}[check]()
 except Exception:
     traceback.print_exc()
     sys.stdout.flush()
