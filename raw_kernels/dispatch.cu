@@ -1,10 +1,12 @@
 // Token path kernels (UniEP): the deterministic global token map, one send per
-// destination rank, expansion into the expert-major receive buffer, and the fixed-order
-// combine. ultraep/token/device.py launches them in this order on one stream:
+// destination rank, expansion into the expert-major receive buffer (or each pair straight
+// into its row there), and the fixed-order combine. ultraep/token/device.py launches them
+// in this order on one stream:
 //
 //   route_keys -> count_segments -> scan_segments -> rank_segments   (token map, local)
 //   publish_counts -> [heap.cu symmetric_barrier] -> plan_rows        (count table, row bases)
 //   send_tokens -> [barrier] -> expand_rows                          (dispatch)
+//   send_pairs -> [barrier]                                          (dispatch into expert_in)
 //   [barrier] -> send_rows -> [barrier] -> reduce_slots              (combine)
 //   [barrier] -> pull_slots -> [barrier]                             (combine from expert_out)
 //   [barrier] -> send_tokens -> [barrier] -> grad_rows -> [barrier]  (combine backward)
@@ -18,7 +20,7 @@
 // Copies move 16-byte vectors, a warp per row, UNROLL loads in flight per lane.
 //
 //! kernels: route_keys, count_segments, scan_segments, rank_segments, publish_counts, plan_rows
-//! kernels: send_tokens, expand_rows, send_rows
+//! kernels: send_tokens, send_pairs, expand_rows, send_rows
 //! kernels: reduce_slots<__nv_bfloat16>, reduce_slots<__half>, reduce_slots<float>
 //! kernels: pull_slots<__nv_bfloat16>, pull_slots<__half>, pull_slots<float>
 //! kernels: grad_rows<__nv_bfloat16>, grad_rows<__half>, grad_rows<float>
@@ -231,10 +233,49 @@ extern "C" __global__ void plan_rows(const int* table, int ranks, int num_expert
 // Dispatch
 // ---------------------------------------------------------------------------------------
 
-// A warp per token (grid-stride, persistent). Lanes k < top_k write slot k's gate, landing
-// row and origin into its receive row on the destination rank (with_meta); then the warp
-// reads the token once, UNROLL vectors per lane at a time, and stores them into the landing
-// row of every destination rank the token goes to (one send per rank).
+// Lane k < top_k of token t's warp: slot k's gate, the landing row of the token's single send
+// to slot k's rank (its first slot there) and its origin s*T*K + t*K + k, into receive row
+// `row` on that rank (heap base `peer`) -- what combine and the backward read, whichever
+// way the row's data arrives.
+__device__ __forceinline__ void write_pair_meta(u64 peer, int row, int t, int lane, int top_k, int rank,
+                                                const long long* ids, const float* gates, const int* positions,
+                                                int n, u64 weight_offset, u64 row_landing_offset, u64 origin_offset,
+                                                int me, int experts_per_rank, int max_tokens) {
+    const int i = t * top_k + lane;
+    int first_slot = lane;
+    for (int k = lane - 1; k >= 0; --k)
+        if (static_cast<int>(ids[t * top_k + k]) / experts_per_rank == rank) first_slot = k;
+    reinterpret_cast<float*>(peer + weight_offset)[row] = gates[i];
+    reinterpret_cast<int*>(peer + row_landing_offset)[row] = me * max_tokens + positions[n + t * top_k + first_slot];
+    reinterpret_cast<int*>(peer + origin_offset)[row] = me * max_tokens * top_k + i;
+}
+
+// The warp reads row src once, UNROLL vectors per lane at a time, and stores each piece
+// into the row at `dest` of every lane set in dest_mask.
+__device__ __forceinline__ void store_row_to_each(const uint4* src, u64 dest, unsigned dest_mask, int row_vecs) {
+    const int lane = lane_id();
+    for (int v0 = 0; v0 < row_vecs; v0 += WARP * UNROLL) {
+        uint4 buf[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int v = v0 + u * WARP + lane;
+            if (v < row_vecs) buf[u] = load_input(src + v);
+        }
+        for (unsigned m = dest_mask; m; m &= m - 1) {
+            uint4* dst = reinterpret_cast<uint4*>(__shfl_sync(FULL_MASK, dest, __ffs(m) - 1));
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int v = v0 + u * WARP + lane;
+                if (v < row_vecs) dst[v] = buf[u];
+            }
+        }
+    }
+}
+
+// A warp per token (grid-stride, persistent). Lanes k < top_k write slot k's metadata into
+// its receive row on the destination rank (with_meta); then the warp reads the token once
+// and stores it into the landing row of every destination rank the token goes to (one
+// send per rank).
 extern "C" __global__ void send_tokens(const uint4* x, int tokens, int top_k, int row_vecs, const long long* ids,
                                        const float* gates, const int* positions, const int* base,
                                        const u64* peer_bases, u64 landing_offset, u64 weight_offset,
@@ -254,34 +295,43 @@ extern "C" __global__ void send_tokens(const uint4* x, int tokens, int top_k, in
             sends = positions[n + i] >= 0;
             dest = peer + landing_offset +
                    (static_cast<u64>(me) * max_tokens + positions[n + i]) * row_vecs * sizeof(uint4);
-            if (with_meta) {
-                int first_slot = lane;
-                for (int k = lane - 1; k >= 0; --k)
-                    if (static_cast<int>(ids[t * top_k + k]) / experts_per_rank == rank) first_slot = k;
-                const int row = base[expert] + positions[i];
-                reinterpret_cast<float*>(peer + weight_offset)[row] = gates[i];
-                reinterpret_cast<int*>(peer + row_landing_offset)[row] = me * max_tokens + positions[n + t * top_k + first_slot];
-                reinterpret_cast<int*>(peer + origin_offset)[row] = me * max_tokens * top_k + i;
-            }
+            if (with_meta)
+                write_pair_meta(peer, base[expert] + positions[i], t, lane, top_k, rank, ids, gates, positions, n,
+                                weight_offset, row_landing_offset, origin_offset, me, experts_per_rank, max_tokens);
         }
-        const unsigned send_mask = __ballot_sync(FULL_MASK, sends);
-        const uint4* src = x + static_cast<long long>(t) * row_vecs;
-        for (int v0 = 0; v0 < row_vecs; v0 += WARP * UNROLL) {
-            uint4 buf[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int v = v0 + u * WARP + lane;
-                if (v < row_vecs) buf[u] = load_input(src + v);
-            }
-            for (unsigned m = send_mask; m; m &= m - 1) {
-                uint4* dst = reinterpret_cast<uint4*>(__shfl_sync(FULL_MASK, dest, __ffs(m) - 1));
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    const int v = v0 + u * WARP + lane;
-                    if (v < row_vecs) dst[v] = buf[u];
-                }
-            }
+        store_row_to_each(x + static_cast<long long>(t) * row_vecs, dest, __ballot_sync(FULL_MASK, sends), row_vecs);
+    }
+}
+
+// Dispatch with the receive buffer in the heap (expert_input), a warp per token: lane k <
+// top_k writes slot k's metadata as send_tokens does, then the warp reads the token once
+// and stores it straight into slot k's final row of every peer's expert_in -- no landing
+// row, no expand_rows pass, the same rows, bits and metadata. Pair (t, k) to expert e goes
+// to row base[e] + positions[t*K+k] on e's rank: base[e] (plan_rows) = rows of the experts
+// before e on that rank + pairs to e of every source below this one, positions[i]
+// (rank_segments) = this source's pairs to e before (t, k) in token-then-slot order.
+extern "C" __global__ void send_pairs(const uint4* x, int tokens, int top_k, int row_vecs, const long long* ids,
+                                      const float* gates, const int* positions, const int* base,
+                                      const u64* peer_bases, u64 expert_in_offset, u64 weight_offset,
+                                      u64 row_landing_offset, u64 origin_offset, int me, int experts_per_rank,
+                                      int max_tokens, const int* outcome) {
+    if (outcome[0] != OUTCOME_OK) return;
+    const int lane = lane_id();
+    const int n = tokens * top_k;
+    for (int t = warp_id_global(); t < tokens; t += warps_in_grid()) {
+        u64 dest = 0;  // lane k: slot k's row in expert_in on its rank
+        if (lane < top_k) {
+            const int i = t * top_k + lane;
+            const int expert = static_cast<int>(ids[i]);
+            const int rank = expert / experts_per_rank;
+            const u64 peer = peer_bases[rank];
+            const int row = base[expert] + positions[i];
+            dest = peer + expert_in_offset + static_cast<u64>(row) * row_vecs * sizeof(uint4);
+            write_pair_meta(peer, row, t, lane, top_k, rank, ids, gates, positions, n, weight_offset,
+                            row_landing_offset, origin_offset, me, experts_per_rank, max_tokens);
         }
+        store_row_to_each(x + static_cast<long long>(t) * row_vecs, dest, __ballot_sync(FULL_MASK, lane < top_k),
+                          row_vecs);
     }
 }
 
