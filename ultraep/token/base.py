@@ -45,6 +45,7 @@ class TokenConfig:
     sync_checks: bool
     dispatcher_id: int    # handles carry it, so a handle from another dispatcher is refused
     expert_output: bool = False  # the heap holds expert_out: combine reads rows where they lie
+    expert_input: bool = False   # the heap holds expert_in: dispatch writes each pair into its row there
     grid: int | None = None      # blocks of the device's persistent copy kernels (None: its default)
 
     @property
@@ -80,6 +81,7 @@ class TokenBuffers:
     slot_grad_w: Any
     sync: Any             # signal block of the device's barriers
     expert_out: Any = None  # with expert_output: the experts' output rows, read by the sources
+    expert_in: Any = None   # with expert_input: the receive buffer, written by the sources
 
     @classmethod
     def of(cls, heap, allocated: dict, prefix: str) -> "TokenBuffers":
@@ -141,11 +143,15 @@ class TokenBackend(Protocol):
     """One implementation of the token path. ``weighted=False`` makes combine the
     unweighted sum of dispatch's backward; ``out`` is an optional result buffer.
     ``expert_output()`` is this rank's view of the heap's ``expert_out`` (with
-    ``TokenConfig.expert_output``); a combine whose rows are that buffer reads them there."""
+    ``TokenConfig.expert_output``); a combine whose rows are that buffer reads them there.
+    ``expert_input()`` is this rank's view of the heap's ``expert_in`` (with
+    ``TokenConfig.expert_input``), the receive buffer dispatch then writes and returns."""
 
     def dispatch(self, x, expert_ids, weights, out) -> DispatchResult: ...
 
     def expert_output(self): ...
+
+    def expert_input(self): ...
 
     def combine(self, y, handle: DispatchHandle, weighted: bool, out): ...
 
@@ -236,9 +242,10 @@ def is_buffer(rows, buffer) -> bool:
 
 
 def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, handle: DispatchHandle | None,
-               expert_out=None, failed: Exception | None = None) -> None:
+               expert_out=None, failed: Exception | None = None, expert_in=None) -> None:
     """Checks of row arrays ``{name: (array or None, rows)}``: shape ``[rows, H]``, the set-up dtype.
     ``expert_out``: ``(name, buffer)``, set up with ``expert_output``: that array must be the buffer.
+    ``expert_in``: ``(name, buffer)``, set up with ``expert_input``: that array, if given, must be the buffer.
     ``failed``: an import failure (:func:`import_inputs`) to raise instead."""
     error = failed
     try:
@@ -257,6 +264,11 @@ def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, handle: Dispat
             raise DispatchError(f"{expert_out[0]}: this Dispatcher was set up with expert_output=True, so combine "
                                 "and dispatch_backward read the rows where the experts wrote them: pass "
                                 "Dispatcher.expert_output() (after writing the rows into it)")
+        if expert_in is not None and arrays[expert_in[0]][0] is not None \
+                and not is_buffer(arrays[expert_in[0]][0], expert_in[1]):
+            raise DispatchError(f"{expert_in[0]}: this Dispatcher was set up with expert_input=True, so dispatch "
+                                "writes the rows into the heap's receive buffer: pass no out, or "
+                                "Dispatcher.expert_input()")
     except DispatchError as exc:
         error = exc
     raise_if_any(group, config, error, "token path input check")

@@ -4,7 +4,8 @@ Everything runs on the caller's stream with no host round trip: the token map (s
 key positions by warp-sequential segments and prefix sums), the count exchange through
 every peer's count table plus a device barrier (``heap.cu``'s ``symmetric_barrier`` on this
 dispatcher's own signal slots), the row plan, one send per (token, destination rank),
-and the receiver's expansion. Output sizes are bounded at set-up (``max_recv_rows``);
+and the receiver's expansion (with ``expert_input``: one store per (token, slot) straight
+into its row of the destination's ``expert_in``, no expansion). Output sizes are bounded at set-up (``max_recv_rows``);
 the rows in use are ``offsets[-1]`` on the device.
 
 Errors the device finds (bad expert ids, non-finite gates, a routing over the receive bound)
@@ -77,7 +78,7 @@ class DeviceDispatcher:
         element = _template_type(d.dtype)
         self.k = {name: get_function(KERNELS, name, group=group)
                   for name in ("route_keys", "count_segments", "scan_segments", "rank_segments", "publish_counts",
-                               "plan_rows", "send_tokens", "expand_rows", "send_rows")}
+                               "plan_rows", "send_tokens", "send_pairs", "expand_rows", "send_rows")}
         self.k["reduce_slots"] = get_function(KERNELS, f"reduce_slots<{element}>", group=group)
         self.k["grad_rows"] = get_function(KERNELS, f"grad_rows<{element}>", group=group)
         self.k["pull_slots"] = get_function(KERNELS, f"pull_slots<{element}>", group=group)
@@ -99,7 +100,7 @@ class DeviceDispatcher:
         self.unreported_dispatch = False
         self.local = {name: getattr(buffers, name).local for name in
                       ("count_table", "landing", "row_weight", "row_landing", "row_origin", "slot_rows", "slot_grad_w")
-                      + (("expert_out",) if d.expert_output else ())}
+                      + (("expert_out",) if d.expert_output else ()) + (("expert_in",) if d.expert_input else ())}
         properties = cupy.cuda.runtime.getDeviceProperties(group.device)
         sms = properties["multiProcessorCount"]
         # the same bound on every rank (the smallest GPU's), so a grid is refused by all or none
@@ -143,6 +144,15 @@ class DeviceDispatcher:
             np.int32(d.rank), np.int32(d.experts_per_rank), np.int32(d.max_tokens), np.int32(with_meta),
             state["outcome"]))
 
+    def _send_pairs(self, x, state: dict) -> None:
+        """Each (token, slot) into its row of its destination's expert_in, with its metadata."""
+        d, b = self.config, self.buffers
+        self.k["send_pairs"]((self.grid,), (THREADS,), (
+            x, np.int32(state["tokens"]), np.int32(d.top_k), np.int32(self.row_vecs), state["ids"], state["gates"],
+            state["positions"], state["base"], self.heap.peer_bases, np.uint64(b.expert_in.offset),
+            np.uint64(b.row_weight.offset), np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset),
+            np.int32(d.rank), np.int32(d.experts_per_rank), np.int32(d.max_tokens), state["outcome"]))
+
     def _finish(self) -> None:
         if self.config.sync_checks:
             self.check()
@@ -154,9 +164,15 @@ class DeviceDispatcher:
                 self._import, {"x": (x, False), "expert_ids": (expert_ids, False), "weights": (weights, False),
                                "out": (out, True)})
             check_tokens(self.group, self.config, x, ids, gates, failed)
-            check_rows(self.group, self.config, {"out": (out, self.config.max_recv_rows)}, None)
-            recv = self._output(out, (self.config.max_recv_rows, self.config.hidden))
+            d = self.config
+            check_rows(self.group, d, {"out": (out, d.max_recv_rows)}, None,
+                       expert_in=("out", self.local["expert_in"]) if d.expert_input else None)
             x, state = self.token_map(x, ids, gates)
+            if d.expert_input:
+                self._send_pairs(x, state)
+                self._barrier("tokens")
+                return self.received(self.local["expert_in"], state)
+            recv = self._output(out, (d.max_recv_rows, d.hidden))
             self._send_tokens(x, state, with_meta=True)
             self._barrier("tokens")
             self.k["expand_rows"]((self.grid,), (THREADS,), (
@@ -216,6 +232,9 @@ class DeviceDispatcher:
 
     def expert_output(self):
         return self.local["expert_out"]
+
+    def expert_input(self):
+        return self.local["expert_in"]
 
     def combine(self, y, handle: DispatchHandle, weighted: bool, out):
         d = self.config

@@ -7,7 +7,10 @@ per rank). Then, per micro-batch:
   (token, slot) pair to its expert's rank. The receive buffer is expert-major: local
   expert, then source rank, then the source's token-then-slot order -- ready for a grouped
   GEMM without padding. Each token crosses to a rank once, however many of its experts
-  live there; the receiver copies it into each expert's rows.
+  live there; the receiver copies it into each expert's rows. Or, set up with
+  ``expert_input=True``, the receive buffer lives in the heap and each source writes each
+  pair's row straight into its final row there (one pass instead of a send and a copy, the
+  same rows and bits; it moves a row per pair, not per rank, across the links).
 * :meth:`Dispatcher.combine` ``(y, handle)`` returns, per source token, the gate-weighted
   sum of its K expert outputs in slot order with fp32 accumulation. Each expert output row
   is sent back to its source, which sums; or, set up with ``expert_output=True`` and the
@@ -117,6 +120,15 @@ class Dispatcher:
     collective (MPI has no timeout); without, their device/heap waits give up after
     ``timeout_s`` and the error names the missing rank.
 
+    ``expert_input=True``: the receive buffer (``DispatchResult.x``) is this rank's rows in
+    the heap (:meth:`expert_input`), which every source writes each (token, slot) pair
+    into directly: no landing rows, no expansion pass, the same rows, bits and handle. The
+    buffer is valid until this rank's next dispatch (peers write into it only after that
+    dispatch's count exchange): copy what a later step needs past that (a backward's
+    weight gradient, say). Each pair crosses the links on its own, where the default sends
+    a token to a rank once: the default saves link bytes on real multi-GPU nodes; this
+    option saves HBM passes where ranks share a GPU or memory bandwidth is what binds.
+
     ``grid``: blocks of the device's persistent copy kernels (the sends, the expansion,
     the combine's sends, sums and pulls), at most as many as the GPU holds resident at
     once (:attr:`max_grid`); None: two blocks per SM. The same on every rank; the host
@@ -128,7 +140,7 @@ class Dispatcher:
     def __init__(self, group: EPGroup, *, hidden: int, dtype: Any, top_k: int, num_experts: int, max_tokens: int,
                  experts_per_rank: int | None = None, max_recv_rows: int | None = None, backend: str = "auto",
                  timeout_s: float = DEFAULT_TIMEOUT_S, sync_checks: bool = True, heap: SymmetricHeap | None = None,
-                 expert_output: bool = False, grid: int | None = None):
+                 expert_output: bool = False, expert_input: bool = False, grid: int | None = None):
         error, settings = None, None
         try:
             settings = _set_up(group.size, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank,
@@ -142,20 +154,22 @@ class Dispatcher:
         group.raise_if_any(error, "Dispatcher set-up")
         grid = None if grid is None else int(grid)
         group.agree(tuple(v.str if isinstance(v, np.dtype) else v for v in settings.values())
-                    + (float(timeout_s), bool(sync_checks), bool(expert_output), grid),
-                    f"Dispatcher set-up ({', '.join(settings)}, timeout_s, sync_checks, expert_output, grid)")
+                    + (float(timeout_s), bool(sync_checks), bool(expert_output), bool(expert_input), grid),
+                    f"Dispatcher set-up ({', '.join(settings)}, timeout_s, sync_checks, expert_output, expert_input, "
+                    "grid)")
         self.group = group
         self.id = Dispatcher._next_id
         Dispatcher._next_id += 1
         self.config = TokenConfig(**settings, rank=group.rank, size=group.size, timeout_s=float(timeout_s),
                                   sync_checks=bool(sync_checks), dispatcher_id=self.id,
-                                  expert_output=bool(expert_output), grid=grid)
+                                  expert_output=bool(expert_output), expert_input=bool(expert_input), grid=grid)
         c = self.config
         self.rank, self.size, self.hidden, self.dtype, self.top_k = c.rank, c.size, c.hidden, c.dtype, c.top_k
         self.num_experts, self.experts_per_rank, self.max_tokens = c.num_experts, c.experts_per_rank, c.max_tokens
         self.max_recv_rows, self.timeout_s, self.sync_checks = c.max_recv_rows, c.timeout_s, c.sync_checks
         self.backend = self._backend_of(group, backend, heap)
-        requirements = self.heap_requirements(group.size, **settings, expert_output=bool(expert_output))
+        requirements = self.heap_requirements(group.size, **settings, expert_output=bool(expert_output),
+                                              expert_input=bool(expert_input))
         self._owns_heap = heap is None
         if heap is None:
             heap = open_heap(group, requirements, backend=self.backend)
@@ -190,7 +204,7 @@ class Dispatcher:
     @staticmethod
     def heap_requirements(num_ranks: int, *, hidden: int, dtype: Any, top_k: int, num_experts: int, max_tokens: int,
                           experts_per_rank: int | None = None, max_recv_rows: int | None = None,
-                          expert_output: bool = False) -> HeapRequirements:
+                          expert_output: bool = False, expert_input: bool = False) -> HeapRequirements:
         """What a dispatcher of these set-up arguments allocates in its heap, on either
         backend: its symmetric tensors and the signal block of the device's barriers."""
         c = _set_up(num_ranks, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank, max_recv_rows)
@@ -208,6 +222,8 @@ class Dispatcher:
         ]
         if expert_output:
             tensors.append(("expert_out", (rows, H), data))  # the experts' output rows, read by their sources
+        if expert_input:
+            tensors.append(("expert_in", (rows, H), data))   # the receive buffer, written by the sources
         return HeapRequirements.of(tensors=[(HEAP_PREFIX + name, shape, dt) for name, shape, dt in tensors],
                                    signals=[(HEAP_PREFIX + "sync", R)])
 
@@ -242,7 +258,9 @@ class Dispatcher:
             raise ClosedError(f"rank {self.rank}: the Dispatcher is closed")
 
     def dispatch(self, x: Any, expert_ids: Any, weights: Any, *, out: Any = None) -> DispatchResult:
-        """Send every (token, slot) to its expert; see the module docstring."""
+        """Send every (token, slot) to its expert; see the module docstring. Set up with
+        ``expert_input=True``, ``out`` must be None or :meth:`expert_input` and the result's
+        ``x`` is that heap buffer."""
         self._check_open()
         return self._impl.dispatch(x, expert_ids, weights, out)
 
@@ -256,6 +274,15 @@ class Dispatcher:
         if not self.config.expert_output:
             raise DispatchError("expert_output(): this Dispatcher was set up without expert_output=True")
         return self._impl.expert_output()
+
+    def expert_input(self) -> Any:
+        """This rank's ``[max_recv_rows, H]`` receive buffer in the heap (set up with
+        ``expert_input=True``): every dispatch writes its rows here and returns it as
+        ``DispatchResult.x``; valid until this rank's next dispatch."""
+        self._check_open()
+        if not self.config.expert_input:
+            raise DispatchError("expert_input(): this Dispatcher was set up without expert_input=True")
+        return self._impl.expert_input()
 
     def combine(self, y: Any, handle: DispatchHandle, *, out: Any = None) -> Any:
         """Per source token ``[T, H]``: gate-weighted sum of its expert outputs ``y[max_recv_rows, H]``,

@@ -12,6 +12,9 @@ expanded by the receiver, slot rows sent back for a fixed-order sum), not a shor
    landing row and origin into its receive row there, barrier;
 5. the receiver copies landing rows into the expert-major receive buffer.
 
+With ``expert_input=True`` step 4 writes each (token, slot) pair's row straight into its
+row of the destination rank's ``expert_in`` (the row step 5 would fill) and step 5 goes.
+
 Combine sends each expert output row back into its source's slot rows, barrier, and the
 source sums; from ``expert_out`` (``expert_output=True``) the source reads its rows on the
 experts' ranks after a barrier instead, and a second barrier frees them.
@@ -56,17 +59,23 @@ class HostDispatcher:
             self._import, {"x": (x, False), "expert_ids": (expert_ids, False), "weights": (weights, False),
                            "out": (out, True)})
         check_tokens(self.group, d, x, expert_ids, weights, failed)
-        check_rows(self.group, d, {"out": (out, d.max_recv_rows)}, None)
+        check_rows(self.group, d, {"out": (out, d.max_recv_rows)}, None,
+                   expert_in=("out", b.expert_in.local) if d.expert_input else None)
         m = self.token_map(x, expert_ids, weights)
         top_k, dest, rows, sends = d.top_k, m["pair_rank"], m["pair_row"], m["sends"]
         for r in range(d.size):
-            once = np.flatnonzero(sends & (dest == r))
-            b.landing.peer(r)[me * d.max_tokens + m["send_pos"][once]] = x[once // top_k]
             pairs = dest == r
+            if d.expert_input:  # each pair straight into its final row there
+                b.expert_in.peer(r)[rows[pairs]] = x[np.flatnonzero(pairs) // top_k]
+            else:               # each token once into its landing row there
+                once = np.flatnonzero(sends & pairs)
+                b.landing.peer(r)[me * d.max_tokens + m["send_pos"][once]] = x[once // top_k]
             b.row_weight.peer(r)[rows[pairs]] = m["gates"].ravel()[pairs]
             b.row_landing.peer(r)[rows[pairs]] = m["landing_row"][pairs]
             b.row_origin.peer(r)[rows[pairs]] = m["origin"][pairs]
         self._barrier()
+        if d.expert_input:
+            return self.received(b.expert_in.local, m)
         recv_x = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
         recv_x[:int(m["offsets"][-1])] = b.landing.local[b.row_landing.local[:int(m["offsets"][-1])]]
         return self.received(recv_x, m)
@@ -102,7 +111,7 @@ class HostDispatcher:
         first_slot = ref.first_slot_of_rank(ids, d.experts_per_rank)
         return {"ids": ids, "gates": gates, "tokens": tokens, "table": table, "totals": totals, "counts": counts,
                 "offsets": offsets, "send_pos": send_pos, "first_slot": first_slot,
-                "pair_rank": (ids // d.experts_per_rank).ravel(), "pair_row": base[ids.ravel()] + pair_pos,
+                "pair_rank": (ids // d.experts_per_rank).ravel(), "pair_row": ref.pair_rows(base, ids, pair_pos),
                 "landing_row": me * T_max + send_pos.reshape(tokens, top_k)[np.arange(tokens)[:, None],
                                                                              first_slot].ravel(),
                 "origin": me * T_max * top_k + np.arange(tokens * top_k), "sends": keys[1] >= 0}
@@ -135,6 +144,9 @@ class HostDispatcher:
 
     def expert_output(self):
         return self.buffers.expert_out.local
+
+    def expert_input(self):
+        return self.buffers.expert_in.local
 
     def _pull(self, handle: DispatchHandle):
         """Barrier (every expert output written), each slot's row read on its expert's rank, barrier."""

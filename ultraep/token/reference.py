@@ -10,7 +10,8 @@ Two things live here, kept apart on purpose:
 * The arithmetic every executor must reproduce bit for bit, written once:
   :func:`stable_key_positions` (the deterministic token map: the position of each item
   among the earlier items with the same key), :func:`plan_rows` (destination row bases
-  from the gathered count table), :func:`slot_sum` (the fixed-order, fp32 top-k sum of
+  from the gathered count table), :func:`pair_rows` (each pair's row from both),
+  :func:`slot_sum` (the fixed-order, fp32 top-k sum of
   combine), :func:`lane_dot` (the fixed-order fp32 dot product of the gate gradient,
   in the order the GPU's warps compute it) and :func:`weighted_rows` (rows times their
   gates). Each FP32 operand and result is flushed as the device's -ftz arithmetic flushes
@@ -107,6 +108,19 @@ def plan_rows(count_table: np.ndarray, experts_per_rank: int, me: int):
     counts = per_expert[me]
     offsets = np.concatenate([[0], np.cumsum(counts)])
     return base, counts, offsets, per_expert.sum(axis=1)
+
+
+def pair_rows(base: np.ndarray, expert_ids: np.ndarray, pair_positions: np.ndarray) -> np.ndarray:
+    """The receive row of each of source ``me``'s (token, slot) pairs on its expert's rank, int[T*K].
+
+    Pair (t, k) to expert e lands in row ``base[e] + pair_positions[t*K + k]``: ``base[e]``
+    (:func:`plan_rows` of the gathered count table) is the rows of the experts before e on
+    e's rank plus the pairs to e of every source below ``me``; the position
+    (:func:`stable_key_positions` keyed by expert) is the pairs to e among this source's
+    earlier pairs in token-then-slot order. Dispatch's metadata, a push into ``expert_in``
+    and a pull from ``expert_out`` all address rows by it.
+    """
+    return np.asarray(base)[np.asarray(expert_ids, dtype=np.int64).ravel()] + np.asarray(pair_positions)
 
 
 def slot_sum(slots: np.ndarray, weights: np.ndarray | None, out_dtype) -> np.ndarray:
