@@ -92,6 +92,19 @@ def test_heap_requirements_do_not_depend_on_the_backend():
     assert dict((n, s) for n, s, _ in bounded.tensors)["token.row_origin"] == (5,)
 
 
+def test_expert_input_adds_the_receive_buffer_to_the_heap():
+    """With expert_input the receive buffer [max_recv_rows, H] is one more heap tensor, last,
+    so every other tensor keeps its offset; without it nothing changes."""
+    setup = dict(hidden=32, dtype="bfloat16", top_k=2, num_experts=4, max_tokens=8, max_recv_rows=20)
+    plain = Dispatcher.heap_requirements(2, **setup)
+    for expert_output in (False, True):
+        without = Dispatcher.heap_requirements(2, **setup, expert_output=expert_output)
+        pushed = Dispatcher.heap_requirements(2, **setup, expert_output=expert_output, expert_input=True)
+        assert pushed.tensors[:-1] == without.tensors and pushed.signals == without.signals == plain.signals
+        name, shape, dtype = pushed.tensors[-1]
+        assert (name, shape, dtype.itemsize) == ("token.expert_in", (20, 32), 2)
+
+
 def token_imports() -> dict[str, set[str]]:
     """For each module of ultraep.token, the ultraep.token modules it imports (at any depth)."""
     package = Path(ultraep.token.__file__).parent

@@ -69,3 +69,15 @@ def test_dispatcher_and_weight_transfer_share_one_heap(backend):
     holds both, exactly; the dispatcher takes the heap's backend and leaves it open."""
     out = run_ranks(2, "token/mpi/dispatch_check.py", backend, "shared-heap", "bfloat16", timeout=300)
     assert_all_ranks_ok(out, 2, "shared-heap")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_push_dispatch_is_the_two_pass_one(backend, ranks):
+    """Dispatcher(expert_input=True): each pair written straight into its row of the heap's
+    receive buffer gives the two-pass dispatch's rows, gates, counts, offsets and handle,
+    and the same combine, pull combine and backward results, bit for bit."""
+    out = run_ranks(ranks, "token/mpi/dispatch_check.py", backend, "push", "bfloat16", timeout=300)
+    assert_all_ranks_ok(out, ranks, "push")
+    assert re.search(r"push non-bitwise-equal elements 0 \(all ranks 0\)", out), out

@@ -42,6 +42,23 @@ def test_plan_rows_matches_the_definition(ranks, experts_per_rank, data):
         assert offsets[-1] == totals[me]
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.data())
+def test_pair_rows_are_the_definitions_receive_rows(ranks, experts_per_rank, top_k, data):
+    """base[e] + the pair's stable position among its source's pairs to e is the row the
+    sequential reference gives it: a push of each pair lands where the expansion puts it.
+    Sources may send nothing and experts receive nothing."""
+    experts = ranks * experts_per_rank
+    ids = [np.array(data.draw(st.lists(st.lists(st.integers(0, experts - 1), min_size=top_k, max_size=top_k),
+                                       max_size=6)), dtype=np.int64).reshape(-1, top_k) for _ in range(ranks)]
+    want, _, _ = ref.sequential_rows(ids, experts_per_rank)
+    table = np.stack([np.bincount(i.ravel(), minlength=experts) for i in ids])
+    for me in range(ranks):
+        base = ref.plan_rows(table, experts_per_rank, me)[0]
+        positions, _ = ref.stable_key_positions(ids[me].ravel(), experts)
+        assert ref.pair_rows(base, ids[me], positions).tolist() == want[me].ravel().tolist()
+
+
 def test_route_keys_single_send_per_rank():
     ids = np.array([[0, 1, 4, 5], [7, 6, 2, 7], [3, 3, 3, 3]])
     keys = ref.route_keys(ids, experts_per_rank=2, num_experts=8)

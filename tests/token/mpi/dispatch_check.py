@@ -1,7 +1,7 @@
 """Multi-rank Dispatcher check, run under mpiexec by tests/token/test_dispatch.py.
 
-Usage: python -m mpi4py dispatch_check.py {host|device} {exact|bad-input|balanced|timeout|shared-heap} [dtype]
-       [repeats]
+Usage: python -m mpi4py dispatch_check.py {host|device} {exact|push|bad-input|balanced|timeout|shared-heap}
+       [dtype] [repeats]
 
 ``exact``: for every routing scenario, dispatch / combine / both backward functions
 against the sequential single-process reference (every rank builds every rank's input
@@ -9,7 +9,13 @@ from one seed), bit for bit, with outputs poisoned first; the combined output of
 global token compared with a rank-count-free formula; ``repeats`` runs must give the same
 bits. Prints the count of non-bitwise-equal elements and a digest of the combined
 outputs (equal across rank counts), then "[exact] rank N OK".
-``bad-input``: each bad input raises on every rank, and the dispatcher still works after.
+``push``: for every routing scenario, a Dispatcher set up with ``expert_input=True`` (each
+pair written straight into its row of the heap's receive buffer, poisoned first) against the
+two-pass one on the same input: the receive buffer, gates, counts, offsets, every array the
+handle keeps and every combine/backward result bit for bit (combine sent back and pulled);
+prints "[push] rank N OK".
+``bad-input``: each bad input raises on every rank, and the dispatcher still works after
+(with and without ``expert_input``).
 ``balanced``: planner reroute into ``Dispatcher.for_layout``, bitwise equal to the plain path.
 ``timeout``: one rank never dispatches; the others' device waits time out naming it.
 ``shared-heap``: a Dispatcher and a WeightTransfer in one heap sized from their summed
@@ -28,6 +34,7 @@ from ultraep.runtime.dtypes import resolve_dtype
 from ultraep.runtime.group import EPGroup
 from ultraep.token import DispatchError, Dispatcher
 from ultraep.token import reference as ref
+from ultraep.token.base import is_buffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
 from tests.support.mpi_checks import expect  # noqa: E402
@@ -138,19 +145,23 @@ def check_traffic(traffic, my_ids, experts_per_rank) -> None:
     assert traffic.bytes_saved == (my_ids.size - sends) * H * DTYPE.itemsize
 
 
+def scenario_inputs(seed: int, scenario: str):
+    """The global tokens, ids and gates of a scenario, their cut over ranks, and each rank's share."""
+    rng = np.random.default_rng(seed)
+    sizes = split_tokens(scenario, np.random.default_rng(7 + R))
+    gx = rng.standard_normal((GLOBAL_TOKENS, H)).astype(np.float32).astype(DTYPE)
+    gids = global_routing(scenario, rng)
+    gw = rng.random((GLOBAL_TOKENS, K)).astype(np.float32)
+    cut = np.concatenate([[0], np.cumsum(sizes)])
+    share = lambda a: [a[cut[r]:cut[r + 1]] for r in range(R)]  # noqa: E731
+    return gx, gids, gw, cut, share(gx), share(gids), share(gw)
+
+
 def exact() -> None:
     total_bad = 0
     digests = []
     for seed, scenario in enumerate(SCENARIOS):
-        rng = np.random.default_rng(seed)
-        sizes = split_tokens(scenario, np.random.default_rng(7 + R))
-        gx = rng.standard_normal((GLOBAL_TOKENS, H)).astype(np.float32).astype(DTYPE)
-        gids = global_routing(scenario, rng)
-        gw = rng.random((GLOBAL_TOKENS, K)).astype(np.float32)
-        cut = np.concatenate([[0], np.cumsum(sizes)])
-        xs = [gx[cut[r]:cut[r + 1]] for r in range(R)]
-        ids = [gids[cut[r]:cut[r + 1]] for r in range(R)]
-        ws = [gw[cut[r]:cut[r + 1]] for r in range(R)]
+        gx, gids, gw, cut, xs, ids, ws = scenario_inputs(seed, scenario)
         epr = E // R
         ref_recv = ref.sequential_dispatch(xs, ids, ws, epr)
         ref_rows = [len(rw) for _, rw, _ in ref_recv]
@@ -211,6 +222,69 @@ def exact() -> None:
     print(f"[exact] rank {me} OK", flush=True)
 
 
+def state_mismatches(got, want, name: str) -> int:
+    """Elements of a handle's state entry (arrays, lists of (rank, array), scalars) that differ."""
+    if isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), f"handle state {name}: {got} != {want}"
+        return sum(state_mismatches(g, w, name) for g, w in zip(got, want))
+    if hasattr(want, "shape") and want.shape != ():
+        return mismatches(got, want)  # host() brings a device array over
+    assert got == want, f"handle state {name}: {got} != {want}"
+    return 0
+
+
+def push() -> None:
+    """``expert_input=True`` against the two-pass dispatch, bit for bit, every scenario."""
+    total_bad = 0
+    set_up = dict(hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=MAX_TOKENS, backend=backend)
+    rows_bound = R * MAX_TOKENS * K
+    with Dispatcher(group, **set_up) as two_pass, Dispatcher(group, **set_up, expert_input=True) as pushed, \
+            Dispatcher(group, **set_up, expert_input=True, expert_output=True) as both:
+        expect(two_pass.expert_input, BAD_INPUT, "set up without expert_input=True")
+        for seed, scenario in enumerate(SCENARIOS):
+            _, _, _, _, xs, ids, ws = scenario_inputs(seed, scenario)
+            want = two_pass.dispatch(device(xs[me]), device(ids[me]), device(ws[me]),
+                                     out=device(poison((rows_bound, H))))
+            n = want.num_rows
+            want_x = host(want.x)
+            y = expert_fn(want_x[:n], row_experts(host(want.counts)))
+            grad_out = np.random.default_rng(300 + me).standard_normal((len(xs[me]), H)).astype(np.float32)
+            grad_out = grad_out.astype(DTYPE)
+            pad = lambda a: np.concatenate([a, np.zeros((rows_bound - len(a), H), DTYPE)])  # noqa: E731
+            want_out = host(two_pass.combine(device(pad(y)), want.handle))
+            want_gx = host(two_pass.dispatch_backward(device(pad(y)), want.handle))
+            want_gy, want_gw = (host(a) for a in two_pass.combine_backward(device(grad_out), device(pad(y)),
+                                                                          want.handle))
+            for disp in (pushed, both):
+                # The heap's receive buffer and row metadata poisoned: a row nobody wrote shows.
+                written(disp.expert_input(), np.empty((0, H), DTYPE))
+                for name in ("row_weight", "row_landing", "row_origin"):
+                    meta = getattr(disp._impl.buffers, name).local
+                    meta.view(np.uint32)[...] = 0xA5A5A5A5
+                got = disp.dispatch(device(xs[me]), device(ids[me]), device(ws[me]),
+                                    out=disp.expert_input() if seed % 2 else None)
+                assert is_buffer(got.x, disp.expert_input()), f"rank {me}: the result's x is not the heap's buffer"
+                got_x = host(got.x)
+                bad = (mismatches(got_x[:n], want_x[:n]) + mismatches(got_x[n:], poison((rows_bound - n, H)))
+                       + mismatches(host(got.weights)[:n], host(want.weights)[:n])
+                       + mismatches(got.counts, want.counts) + mismatches(got.offsets, want.offsets))
+                assert got.num_rows == n
+                assert sorted(got.handle.state) == sorted(want.handle.state)
+                bad += sum(state_mismatches(got.handle.state[k], want.handle.state[k], k) for k in want.handle.state)
+                rows = written(disp.expert_output(), pad(y)) if disp is both else device(pad(y))
+                bad += mismatches(disp.combine(rows, got.handle), want_out)
+                bad += mismatches(disp.dispatch_backward(rows, got.handle), want_gx)
+                gy, gw = disp.combine_backward(device(grad_out), device(pad(y)), got.handle)
+                bad += mismatches(host(gy)[:n], want_gy[:n]) + mismatches(gw, want_gw)
+                total_bad += bad
+        for disp in (two_pass, pushed, both):
+            disp.check()
+    bad_all = sum(group.allgather(total_bad))
+    print(f"rank {me}: push non-bitwise-equal elements {total_bad} (all ranks {bad_all})", flush=True)
+    assert bad_all == 0, f"{bad_all} elements of the push dispatch differ from the two-pass one"
+    print(f"[push] rank {me} OK", flush=True)
+
+
 
 def bad_input() -> None:
     T = 6
@@ -226,54 +300,65 @@ def bad_input() -> None:
     if R > 1:
         expect(lambda: make(num_experts=E + 1), BAD_INPUT, "not divisible by the group size")
         expect(lambda: make(hidden=H * 2 if me == culprit else H), BAD_INPUT, "ranks disagree on Dispatcher set-up")
-    with Dispatcher(group, hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=T,
-                    max_recv_rows=T * K, backend=backend) as disp:
-        bad_ids = ids.copy()
-        if me == culprit:
-            bad_ids[4, 1] = E + 3
-        expect(lambda: disp.dispatch(device(x), device(bad_ids), device(w)), BAD_INPUT,
-               f"rank {culprit}: expert id {E + 3} at token 4, slot 1 is outside [0, {E})")
-        negative = ids.copy()
-        if me == culprit:
-            negative[0, 0] = -1
-        expect(lambda: disp.dispatch(device(x), device(negative), device(w)), BAD_INPUT,
-               "expert id -1 at token 0, slot 0")
-        nan_w = w.copy()
-        if me == 0:
-            nan_w[2, 3] = np.nan
-        expect(lambda: disp.dispatch(device(x), device(ids), device(nan_w)), BAD_INPUT,
-               "rank 0: gate weight at token 2, slot 3 is not finite")
-        for infinite in (np.inf, -np.inf):  # refused like NaN, on the host and in the device's route_keys
-            inf_w = w.copy()
+    for push in (False, True):  # the same refusals whichever way the rows travel
+        with Dispatcher(group, hidden=H, dtype=DTYPE, top_k=K, num_experts=E, max_tokens=T,
+                        max_recv_rows=T * K, backend=backend, expert_input=push) as disp:
+            bad_ids = ids.copy()
             if me == culprit:
-                inf_w[1, 2] = infinite
-            expect(lambda: disp.dispatch(device(x), device(ids), device(inf_w)), BAD_INPUT,
-                   f"rank {culprit}: gate weight at token 1, slot 2 is not finite")
-        big = np.concatenate([x, x]) if me == culprit else x
-        big_ids = np.concatenate([ids, ids]) if me == culprit else ids
-        big_w = np.concatenate([w, w]) if me == culprit else w
-        expect(lambda: disp.dispatch(device(big), device(big_ids), device(big_w)), BAD_INPUT,
-               f"{2 * T} tokens exceed the set-up bound max_tokens={T}")
-        narrow = x[:, : H // 2].copy() if me == culprit else x
-        expect(lambda: disp.dispatch(device(narrow), device(ids), device(w)), BAD_INPUT,
-               f"expected shape [tokens, {H}]")
-        other = x.astype(np.float64) if me == culprit else x
-        expect(lambda: disp.dispatch(device(other), device(ids), device(w)), BAD_INPUT, "expected dtype")
-        if R > 1:  # every rank sends every pair to rank 0: R*T*K rows > bound T*K
-            expect(lambda: disp.dispatch(device(x), device(ids % (E // R)), device(w)), BAD_INPUT,
-                   f"rank 0 would receive {R * T * K} rows, more than the set-up bound max_recv_rows={T * K}")
-        # Still usable, and nothing was written where it should not be.
-        own = me * (E // R) + ids % (E // R)
-        res = disp.dispatch(device(x), device(own), device(w))
-        want = ref.sequential_dispatch([x] * R, [r * (E // R) + ids % (E // R) for r in range(R)], [w] * R, E // R)[me]
-        n = res.num_rows
-        assert n == T * K and mismatches(host(res.x)[:n], want[0]) == 0
-        out = disp.combine(res.x, res.handle)
-        short = res.x[: T * K - 1]
-        expect(lambda: disp.combine(short if me == culprit else res.x, res.handle), BAD_INPUT, "y: expected shape")
-        assert out.shape == (T, H)
-        expect(disp.expert_output, BAD_INPUT, "set up without expert_output=True")
-        disp.check()
+                bad_ids[4, 1] = E + 3
+            expect(lambda: disp.dispatch(device(x), device(bad_ids), device(w)), BAD_INPUT,
+                   f"rank {culprit}: expert id {E + 3} at token 4, slot 1 is outside [0, {E})")
+            negative = ids.copy()
+            if me == culprit:
+                negative[0, 0] = -1
+            expect(lambda: disp.dispatch(device(x), device(negative), device(w)), BAD_INPUT,
+                   "expert id -1 at token 0, slot 0")
+            nan_w = w.copy()
+            if me == 0:
+                nan_w[2, 3] = np.nan
+            expect(lambda: disp.dispatch(device(x), device(ids), device(nan_w)), BAD_INPUT,
+                   "rank 0: gate weight at token 2, slot 3 is not finite")
+            for infinite in (np.inf, -np.inf):  # refused like NaN, on the host and in the device's route_keys
+                inf_w = w.copy()
+                if me == culprit:
+                    inf_w[1, 2] = infinite
+                expect(lambda: disp.dispatch(device(x), device(ids), device(inf_w)), BAD_INPUT,
+                       f"rank {culprit}: gate weight at token 1, slot 2 is not finite")
+            big = np.concatenate([x, x]) if me == culprit else x
+            big_ids = np.concatenate([ids, ids]) if me == culprit else ids
+            big_w = np.concatenate([w, w]) if me == culprit else w
+            expect(lambda: disp.dispatch(device(big), device(big_ids), device(big_w)), BAD_INPUT,
+                   f"{2 * T} tokens exceed the set-up bound max_tokens={T}")
+            narrow = x[:, : H // 2].copy() if me == culprit else x
+            expect(lambda: disp.dispatch(device(narrow), device(ids), device(w)), BAD_INPUT,
+                   f"expected shape [tokens, {H}]")
+            other = x.astype(np.float64) if me == culprit else x
+            expect(lambda: disp.dispatch(device(other), device(ids), device(w)), BAD_INPUT, "expected dtype")
+            if R > 1:  # every rank sends every pair to rank 0: R*T*K rows > bound T*K
+                expect(lambda: disp.dispatch(device(x), device(ids % (E // R)), device(w)), BAD_INPUT,
+                       f"rank 0 would receive {R * T * K} rows, more than the set-up bound max_recv_rows={T * K}")
+            # Still usable, and nothing was written where it should not be.
+            own = me * (E // R) + ids % (E // R)
+            res = disp.dispatch(device(x), device(own), device(w))
+            want = ref.sequential_dispatch([x] * R, [r * (E // R) + ids % (E // R) for r in range(R)], [w] * R,
+                                           E // R)[me]
+            n = res.num_rows
+            assert n == T * K and mismatches(host(res.x)[:n], want[0]) == 0
+            out = disp.combine(res.x, res.handle)
+            short = res.x[: T * K - 1]
+            expect(lambda: disp.combine(short if me == culprit else res.x, res.handle), BAD_INPUT, "y: expected shape")
+            assert out.shape == (T, H)
+            expect(disp.expert_output, BAD_INPUT, "set up without expert_output=True")
+            if push:
+                elsewhere = device(np.zeros((T * K, H), DTYPE))
+                expect(lambda: disp.dispatch(device(x), device(own), device(w),
+                                             out=elsewhere if me == culprit else None), BAD_INPUT,
+                       "set up with expert_input=True", "pass no out, or Dispatcher.expert_input()")
+                assert is_buffer(disp.dispatch(device(x), device(own), device(w), out=disp.expert_input()).x,
+                                 disp.expert_input())
+            else:
+                expect(disp.expert_input, BAD_INPUT, "set up without expert_input=True")
+            disp.check()
     with make(max_recv_rows=T * K * R, expert_output=True) as disp:
         res = disp.dispatch(device(x), device(ids), device(w))
         mine = disp.expert_output()
@@ -425,5 +510,5 @@ def shared_heap() -> None:
     print(f"[shared-heap] rank {me} OK", flush=True)
 
 
-{"exact": exact, "bad-input": bad_input, "balanced": balanced, "timeout": timeout,
+{"exact": exact, "push": push, "bad-input": bad_input, "balanced": balanced, "timeout": timeout,
  "shared-heap": shared_heap}[check]()
