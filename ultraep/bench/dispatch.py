@@ -25,6 +25,10 @@ say "not run (N ranks share one GPU)".
 ``pull``: combine with the expert outputs in the heap (``Dispatcher(expert_output=True)``),
 each source reading its rows where they lie instead of receiving them and summing;
 ``pull_diff`` counts the elements that differ from the combine beside it (must be 0).
+``push``: dispatch with the receive buffer in the heap (``Dispatcher(expert_input=True)``),
+each source writing each (token, slot) row straight into its final row there instead of
+one send per rank and the receiver's copy into expert rows; ``push_diff`` counts the
+elements of the receive buffer that differ from the dispatch beside it (must be 0).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import add_launch_options, multi_rank_main
 
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
-           "dispatch/copy", "combine/copy", "pull_ms", "pull/copy", "pull_diff", "a2a_ms", "a2a_back_ms", "a2a_GBps",
+           "dispatch/copy", "combine/copy", "pull_ms", "pull/copy", "pull_diff", "push_ms", "push/copy",
+           "push_diff", "a2a_ms", "a2a_back_ms", "a2a_GBps",
            "dispatch/a2a", "combine/a2a", "sent_GB", "saved_pct", "saved_remote_pct"]
 
 
@@ -96,6 +101,7 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
         combined = cupy.empty((tokens, hidden), dtype=BFLOAT16)
         result = disp.dispatch(x, ids, gates, out=recv)
         disp.check()
+        rows = result.num_rows
         sent = disp.traffic(result.handle)
         pairs, remote_pairs, sends, remote_sends = (sum(v) for v in zip(*group.allgather(
             (sent.pairs, sent.pairs_remote, sent.sends, sent.sends_remote))))
@@ -114,6 +120,14 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
                                   sync)
         disp.check()
         pull_diff = int(cupy.count_nonzero(pulled.view(np.uint16) != combined.view(np.uint16)))
+    with Dispatcher(group, hidden=hidden, dtype="bfloat16", top_k=K, num_experts=args.experts, max_tokens=tokens,
+                    max_recv_rows=max_rows, backend="device", sync_checks=False, expert_input=True) as disp:
+        pushed = disp.dispatch(x, ids, gates)  # into the heap's receive buffer, pushed.x
+        disp.check()
+        assert pushed.num_rows == rows, f"rank {me}: push received {pushed.num_rows} rows, the dispatch {rows}"
+        push_ms = group_window_ms(group, lambda: disp.dispatch(x, ids, gates), args.repeats, sync)
+        disp.check()
+        push_diff = int(cupy.count_nonzero(pushed.x[:rows].view(np.uint16) != recv[:rows].view(np.uint16)))
     src = cupy.empty(payload, dtype=np.uint8)
     dst = cupy.empty_like(src)
     copy_ms = group_window_ms(group, lambda: dst.__setitem__(Ellipsis, src), args.repeats, sync)
@@ -126,6 +140,7 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
         "copy_GBps": total_payload / copy_ms / 1e6,
         "dispatch/copy": copy_ms / dispatch_ms, "combine/copy": copy_ms / combine_ms,
         "pull_ms": pull_ms, "pull/copy": copy_ms / pull_ms, "pull_diff": pull_diff,
+        "push_ms": push_ms, "push/copy": copy_ms / push_ms, "push_diff": push_diff,
         "a2a_ms": a2a_ms, "a2a_back_ms": a2a_back_ms,
         "a2a_GBps": nccl.reason if a2a_ms is None else total_payload / a2a_ms / 1e6,
         "dispatch/a2a": None if a2a_ms is None else a2a_ms / dispatch_ms,
