@@ -5,8 +5,8 @@ key positions by warp-sequential segments and prefix sums), the count exchange t
 every peer's count table plus a device barrier (``heap.cu``'s ``symmetric_barrier`` on this
 dispatcher's own signal slots), the row plan, one send per (token, destination rank),
 and the receiver's expansion (with ``expert_input``: one store per (token, slot) straight
-into its row of the destination's ``expert_in``, no expansion). Output sizes are bounded at set-up (``max_recv_rows``);
-the rows in use are ``offsets[-1]`` on the device.
+into its row of the destination's ``expert_in``, no expansion). Output sizes are bounded
+at set-up (``max_recv_rows``); the rows in use are ``offsets[-1]`` on the device.
 
 Errors the device finds (bad expert ids, non-finite gates, a routing over the receive bound)
 travel with the count table, so every rank reaches the same verdict and skips the data
