@@ -109,17 +109,21 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
         assert sum(my_sends) == sent.sends, f"rank {me}: {sum(my_sends)} rows to send, the dispatcher sent {sent.sends}"
         send_bytes = group.allgather([n * row_bytes for n in my_sends])
         dispatch_ms = group_window_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv), args.repeats, sync)
-        combine_ms = group_window_ms(group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats, sync)
+        combine_ms = group_window_ms(group, lambda handle=result.handle: disp.combine(recv, handle, out=combined),
+                                     args.repeats, sync)
         disp.check()
+        del result  # its handle views the heap: a closed dispatcher's heap is freed once nothing views it
     with Dispatcher(group, hidden=hidden, dtype="bfloat16", top_k=K, num_experts=args.experts, max_tokens=tokens,
                     max_recv_rows=max_rows, backend="device", sync_checks=False, expert_output=True) as disp:
         expert_out = disp.expert_output()
         pulled = cupy.empty_like(combined)
         result = disp.dispatch(x, ids, gates, out=expert_out)  # the rows themselves stand in for expert outputs
-        pull_ms = group_window_ms(group, lambda: disp.combine(expert_out, result.handle, out=pulled), args.repeats,
-                                  sync)
+        pull_ms = group_window_ms(group, lambda rows=expert_out, handle=result.handle: disp.combine(rows, handle,
+                                                                                                    out=pulled),
+                                  args.repeats, sync)
         disp.check()
         pull_diff = int(cupy.count_nonzero(pulled.view(np.uint16) != combined.view(np.uint16)))
+        del result, expert_out
     with Dispatcher(group, hidden=hidden, dtype="bfloat16", top_k=K, num_experts=args.experts, max_tokens=tokens,
                     max_recv_rows=max_rows, backend="device", sync_checks=False, expert_input=True) as disp:
         pushed = disp.dispatch(x, ids, gates)  # into the heap's receive buffer, pushed.x
@@ -128,6 +132,7 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
         push_ms = group_window_ms(group, lambda: disp.dispatch(x, ids, gates), args.repeats, sync)
         disp.check()
         push_diff = int(cupy.count_nonzero(pushed.x[:rows].view(np.uint16) != recv[:rows].view(np.uint16)))
+        del pushed
     src = cupy.empty(payload, dtype=np.uint8)
     dst = cupy.empty_like(src)
     copy_ms = group_window_ms(group, lambda: dst.__setitem__(Ellipsis, src), args.repeats, sync)

@@ -270,7 +270,10 @@ def push() -> None:
                        + mismatches(got.counts, want.counts) + mismatches(got.offsets, want.offsets))
                 assert got.num_rows == n
                 assert sorted(got.handle.state) == sorted(want.handle.state)
-                bad += sum(state_mismatches(got.handle.state[k], want.handle.state[k], k) for k in want.handle.state)
+                # per receive row: the device keeps the whole bound; rows past n were never written
+                in_use = lambda k, a: host(a)[:n] if k in ("row_landing", "row_origin", "row_weight") else a  # noqa: E731
+                bad += sum(state_mismatches(in_use(k, got.handle.state[k]), in_use(k, want.handle.state[k]), k)
+                           for k in want.handle.state)
                 rows = written(disp.expert_output(), pad(y)) if disp is both else device(pad(y))
                 bad += mismatches(disp.combine(rows, got.handle), want_out)
                 bad += mismatches(disp.dispatch_backward(rows, got.handle), want_gx)
