@@ -306,7 +306,8 @@ class Dispatcher:
         return self._impl.combine_backward(grad_out, y, handle, out)
 
     def traffic(self, handle: DispatchHandle) -> Traffic:
-        """What the dispatch of ``handle`` sent from this rank (reads E + R integers from the device)."""
+        """What the dispatch of ``handle`` sent from this rank (reads E + R integers from the device):
+        ``sends`` rows with the two-pass dispatch, ``pairs`` with ``expert_input`` (a row per pair)."""
         self._check_open()
         totals = handle.state["totals"]
         totals = np.asarray(totals.get() if hasattr(totals, "get") else totals, dtype=np.int64)
