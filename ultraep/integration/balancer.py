@@ -33,18 +33,21 @@ backward of micro-batch ``i`` finds the plan of its own forward while later forw
 are in flight. A handle whose slot was reused raises :class:`StaleHandleError`.
 
 Order: replica buffers are shared by all layers, so the handle passed to
-:meth:`replica_weights` / :meth:`replica_grads` / :meth:`wait_replica` must be the last
-one synced or restored. Streams are ordered by events the Balancer records, never by a
-host wait: every stage that reads a plan waits for the update that made it; a sync waits
-for the previous transfer and for every stream that waited for the replica slots since
-the previous sync (their compute reads them), then for every rank (the transfer's plan
-agreement, which waits for every rank's plan hash, is that barrier), so no peer
-overwrites a replica slot that a rank still reads; the update that reuses a ring slot
-waits for every stream that read its plan. The weight sync itself ends with no barrier:
-the senders publish each chunk's flag at its destination (system-scope release after the
-chunk's bytes), and ``wait_replica`` enqueues a bounded device-side wait for the slot's
-flags (acquire). The gathered-load buffer is double-buffered because a peer may already
-write the next update's row while this rank still copies the previous one out.
+:meth:`replica_weights` / :meth:`wait_replica` must be the last one synced or restored;
+the replica gradient slots hold one handle's gradients at a time, from
+:meth:`replica_grads` (any handle synced once: the replica weights need not be there any
+more, e.g. where the framework kept its own copy) to its :meth:`reduce_grads`. Streams are
+ordered by events the Balancer records, never by a host wait: every stage that reads a
+plan waits for the update that made it; a sync waits for the previous transfer and for
+every stream that waited for the replica slots since the previous sync (their compute
+reads them), then for every rank (the transfer's plan agreement, which waits for every
+rank's plan hash, is that barrier), so no peer overwrites a replica slot that a rank still
+reads; the update that reuses a ring slot waits for every stream that read its plan. The
+weight sync itself ends with no barrier: the senders publish each chunk's flag at its
+destination (system-scope release after the chunk's bytes), and ``wait_replica`` enqueues
+a bounded device-side wait for the slot's flags (acquire). The gathered-load buffer is
+double-buffered because a peer may already write the next update's row while this rank
+still copies the previous one out.
 
 Checks: ``sync_checks=True`` (default) checks every call collectively -- the same error
 on every rank: bad ids, dtypes, devices, ranks passing different layers or top-k widths,
@@ -324,6 +327,7 @@ class Balancer:
         self._steps = [0] * self.num_layers
         self._updates = 0
         self._weights_owner: BalanceHandle | None = None
+        self._grads_owner: BalanceHandle | None = None  # replica_grads until its reduce_grads
         self._transferred = None  # mark after the last transfer (they share the engine's tables)
         self._readers: dict = {}  # stream pointer -> stream that waited for the replica slots since the last sync
         self._history: deque = deque(maxlen=int(history))
@@ -456,16 +460,16 @@ class Balancer:
         self._updates += 1
         return BalanceHandle(self.id, layer, step, step % self.max_in_flight)
 
-    def _collective_entry(self, handle, what: str, owner: bool = False, blocks: int | None = None) -> _RingSlot:
-        """The live entry of ``handle`` (and, with ``owner``, the replica buffers hold its
-        weights; a sync's grid ``blocks`` fits), checked on every rank and the handle
-        agreed, in one collective."""
+    def _collective_entry(self, handle, what: str, grads: bool = False, blocks: int | None = None) -> _RingSlot:
+        """The live entry of ``handle`` (and, with ``grads``, the replica gradient slots may
+        hold its gradients; a sync's grid ``blocks`` fits), checked on every rank and the
+        handle agreed, in one collective."""
         error, entry = None, None
         try:
             self._check_open()
             entry = self._entry(handle)
-            if owner:
-                error = self._owner_error(handle, what)
+            if grads:
+                error = self._grads_error(handle, entry, what)
             if (bad_grid := self.transfer.sync_grid_error(blocks)) is not None:
                 error = BalancerError(f"rank {self.rank}: {what}: {bad_grid}")
         except (BalancerError, ClosedError) as exc:
@@ -599,7 +603,7 @@ class Balancer:
         The replica gradient slots must hold this handle's gradients, written on this
         stream or on one that waited for the replicas (:meth:`wait_replica`). Returns a
         completion event (``None`` on the CPU backend)."""
-        entry = self._collective_entry(handle, "reduce_grads", owner=True)
+        entry = self._collective_entry(handle, "reduce_grads", grads=True)
         impl = self._impl
         with impl.stream(stream):
             writers = [impl.mark_on(writer, "replica reads") for writer in self._readers.values()]
@@ -610,6 +614,7 @@ class Balancer:
             self._transferred = impl.mark("transfer")
             self._used(entry, "transfer")
         entry.reductions += 1
+        self._grads_owner = None
         return done
 
     # -- buffers for the expert compute ----------------------------------------------------
@@ -622,6 +627,27 @@ class Balancer:
                              f"{handle.layer}, micro-batch {handle.step}; call weight_sync/restore with this "
                              "handle first")
 
+    def _grads_error(self, handle, entry: _RingSlot, what: str):
+        """Why ``handle``'s gradients may not go to the replica gradient slots now, or None:
+        its replicas were never synced (nothing computed their gradients), or the slots hold
+        another handle's gradients that no reduce_grads has added yet."""
+        if entry.syncs == 0:
+            return BalancerError(f"rank {self.rank}: {what}: the shared replica buffers hold no weights of layer "
+                                 f"{handle.layer}, micro-batch {handle.step} yet; call weight_sync/restore with this "
+                                 "handle first")
+        owner = self._grads_owner
+        if owner is not None and owner != handle:
+            return BalancerError(f"rank {self.rank}: {what}: the replica gradient slots hold layer {owner.layer}, "
+                                 f"micro-batch {owner.step}'s gradients, not yet added: call reduce_grads with that "
+                                 "handle first")
+        return None
+
+    def holds_replicas(self, handle: BalanceHandle) -> bool:
+        """Whether the replica weight slots hold ``handle``'s weights (its weight_sync or
+        restore was the last): what :meth:`replica_weights` and :meth:`wait_replica` need."""
+        self._entry(handle)
+        return handle == self._weights_owner
+
     def replica_weights(self, handle: BalanceHandle, *, wait: bool = True, stream: Any = None) -> list:
         """``[slot][tensor]`` views of this rank's replica weight slots (DLPack-exportable;
         read only). Which expert a slot holds: :meth:`local_experts`. With ``wait`` (the
@@ -633,12 +659,17 @@ class Balancer:
         return [self.transfer.replica_weights(s) for s in range(self.layout.redundant_slots)]
 
     def replica_grads(self, handle: BalanceHandle) -> list:
-        """``[slot][tensor]`` views of this rank's replica gradient slots: write each
-        replica's full gradient here before :meth:`reduce_grads`, which adds every slot
-        the plan fills (write no other slot: it is neither read nor zeroed). They start at
-        zero and ``reduce_grads`` zeroes the slots it read, so a replica that served no rows
-        adds nothing and no gradient is added twice."""
-        self._check_live_owner(handle, "replica_grads")
+        """``[slot][tensor]`` views of this rank's replica gradient slots, which now hold
+        ``handle``'s gradients until its :meth:`reduce_grads`: write each replica's full
+        gradient here before that, which adds every slot the plan fills (write no other
+        slot: it is neither read nor zeroed). They start at zero and ``reduce_grads``
+        zeroes the slots it read, so a replica that served no rows adds nothing and no
+        gradient is added twice. The handle must have been synced once (its replica
+        weights need not be in the slots any more)."""
+        error = self._grads_error(handle, self._entry(handle), "replica_grads")
+        if error is not None:
+            raise error
+        self._grads_owner = handle
         return [self.transfer.replica_grads(s) for s in range(self.layout.redundant_slots)]
 
     def _check_live_owner(self, handle, what: str) -> _RingSlot:

@@ -25,11 +25,13 @@ local slot ``j`` are ``offsets[j]:offsets[j + 1]``, masters ``j < M`` then repli
   nothing reads its stale copy; the fused path copies them before its first kernel), so the
   whole receive buffer runs as one grouped GEMM per projection over ``M + S`` experts ->
   ``grouped_mm`` (up, FP32 out) -> SwiGLU (BF16) -> ``grouped_mm`` (down) -> ``combine``;
-* backward: ``restore`` on the layer's stream when the shared replica buffers hold another
-  plan's weights; ``combine_backward`` (row gradients and the gates' gradients) -> dgrad and
-  wgrad of down -> SwiGLU backward -> dgrad and wgrad of up -> masters' gradients ``+=``
-  their rows' part, filled replica slots' gradients into the Balancer's replica gradient slots ->
-  ``reduce_grads`` -> ``dispatch_backward`` (the input gradient).
+* backward: the layer's own copy of the replica weights serves it (``restore``, on the
+  layer's stream, only where another forward of this layer has overwritten that copy and
+  the Balancer's slots hold another plan's weights); ``combine_backward`` (row gradients
+  and the gates' gradients) -> dgrad and wgrad of down -> SwiGLU backward -> dgrad and
+  wgrad of up -> masters' gradients ``+=`` their rows' part, filled replica slots'
+  gradients into the Balancer's replica gradient slots -> ``reduce_grads`` ->
+  ``dispatch_backward`` (the input gradient).
 
 Placement invariance: every step of a row's forward output and input gradient is a
 function of that row alone (the grouped GEMM sums each element in one fixed order
@@ -66,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from ultraep.errors import BalancerError, ClosedError, CollectiveError, MoELayerError, StaleHandleError
+from ultraep.errors import ClosedError, CollectiveError, MoELayerError
 from ultraep.integration.balancer import BalanceHandle, Balancer
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
 from ultraep.runtime import dtypes
@@ -702,18 +704,15 @@ class MoELayer:
 
     def _replica_grads(self, ctx: MoEContext):
         """The plan's entries of this rank's replica slots, once the Balancer's replica
-        gradient slots may take ``ctx``'s gradients (None when the forward did not
-        balance). Restores the replica weights first, on the layer's sync stream, when
-        another layer or micro-batch has synced since (the Balancer then refuses the
-        handle)."""
+        gradient slots hold ``ctx``'s (None when the forward did not balance). The layer's
+        copy of the replica weights serves the backward; only where another forward of this
+        layer has overwritten it, and the Balancer's slots hold another handle's weights,
+        are they restored (on the layer's sync stream) for the refill."""
         if ctx.handle is None:
             return None
-        try:
-            self.balancer.replica_grads(ctx.handle)
-        except StaleHandleError:
-            raise
-        except BalancerError:  # the shared replica buffers hold another handle's weights
+        if ctx.generation != self._generation and not self.balancer.holds_replicas(ctx.handle):
             self.balancer.restore(ctx.handle, stream=self._sync_stream)
+        self.balancer.replica_grads(ctx.handle)
         transfer = self.balancer.transfer
         if self._grad_copy is None:
             wgrad, M = self._wgrad_scratch(), self.experts_per_rank

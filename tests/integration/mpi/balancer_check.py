@@ -237,6 +237,15 @@ def bad_input():
         bal.weight_sync(h1)
         assert len(bal.replica_weights(h1)) == S
         expect(lambda: bal.replica_grads(h0), StaleHandleError, "stale")
+        # the gradient slots hold one synced handle's gradients from replica_grads to reduce_grads
+        expect(lambda: bal.replica_grads(same), BalancerError, "call weight_sync/restore with this handle first")
+        bal.weight_sync(same)
+        bal.replica_grads(h1)  # h1's weights are no longer in the slots: its gradients may still go there
+        expect(lambda: bal.replica_grads(same), BalancerError, "hold layer 0, micro-batch 1's gradients")
+        expect(lambda: bal.reduce_grads(same), ValueError, "reduce_grads with that handle first")
+        bal.reduce_grads(h1)
+        assert len(bal.replica_grads(same)) == S
+        bal.reduce_grads(same)
         bal.check()
     expect(lambda: bal.update(0, xp.asarray(ids)), ClosedError, "the Balancer is closed")
     print(f"[bad-input] rank {me} OK", flush=True)

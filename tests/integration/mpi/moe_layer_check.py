@@ -4,8 +4,11 @@ Usage: python -m mpi4py moe_layer_check.py {host|device} {invariance|no-replica|
 
 invariance: two MoE layers sharing one Balancer (``ultraep`` policy) and the same two
 layers without one (``none``), with the same masters, inputs and skewed routing, two
-micro-batches in flight per layer (forward a, forward b, backward in reverse, so the
-second layer's replicas are restored and the first refilled). Ten runs each. Checked:
+micro-batches in flight per layer (forward a, forward b, backward in reverse: b's
+backwards run on the layers' own copies of their replicas, a's are restored and
+refilled, since b's forwards overwrote those copies). Ten runs each. Checked:
+
+* the Balancer restored exactly the micro-batch-a contexts (the layers' copies serve b's);
 
 * ``ultraep`` against ``none``: outputs, input gradients and gate gradients bitwise equal
   (count of differing bit patterns = 0);
@@ -88,14 +91,21 @@ def differing(a, b) -> int:
     return int(np.count_nonzero(bits(a) != bits(b)))
 
 
+RESTORED = []  # (layer, micro-batch step) of every Balancer.restore of the last run_policy
+
+
 def run_policy(min_replica_tokens=None, runs=RUNS):
     """The layers with a Balancer of ``min_replica_tokens`` (None: without one), ``runs``
     times: ([per run: ({(layer, micro): (y, dx, d_gates)}, [(grad_up, grad_down) per layer])],
     the Balancer's stats summary or None, the layers' ``balancing``)."""
     balancer = None
+    RESTORED.clear()
     if min_replica_tokens is not None:
         balancer = Balancer(group, ExpertLayout(R, E, S), expert_spec(H, F), num_layers=LAYERS,
                             min_replica_tokens=min_replica_tokens, max_in_flight=MICRO, backend=backend)
+        restore = balancer.restore
+        balancer.restore = lambda handle, **options: (RESTORED.append((handle.layer, handle.step)),
+                                                      restore(handle, **options))[1]
     layers = [MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer, layer=layer,
                        backend=backend) for layer in range(LAYERS)]
     balancing = [moe.balancing for moe in layers]
@@ -184,6 +194,9 @@ def invariance():
     assert all(balancing), "layers whose Balancer can replicate do not balance"
     replicas = sum(group.allgather(summary["replicas_mean"]))
     assert replicas > 0, "the routing made no replica: the check would prove nothing"
+    # backward order (layer, micro): (1, b) (0, b) (1, a) (0, a); update steps count per layer
+    want_restored = [(layer, run * MICRO) for run in range(RUNS) for layer in reversed(range(LAYERS))]
+    assert RESTORED == want_restored, f"restores {RESTORED}, expected {want_restored}"
     for runs, name in ((plain, "none"), (balanced, "ultraep")):
         first_out, first_grads = runs[0]
         for i, (out, grads) in enumerate(runs[1:], 1):
