@@ -5,8 +5,8 @@ skewed routing under three policies in one run, as tokens/s and the ratio to the
 * ``none``: tokens go to the master experts (skewed routing, no balancing);
 * ``ultraep``: the same routing, each layer an :class:`~ultraep.MoELayer` with the shared
   ``Balancer`` (``update`` -> ``weight_sync`` -> ``reroute``, the experts on masters and
-  replica slots; backward ``restore`` where later layers overwrote the replicas, replica
-  gradients, ``reduce_grads``);
+  replica slots; backward on each layer's own copy of its replicas, replica gradients,
+  ``reduce_grads``);
 * ``ultraep@N``: with several ``--min-replica-tokens`` values (e.g. ``0 1024 auto``), an
   ``ultraep`` row per value; ``min_replica`` is the value it planned with (``auto``
   resolved by the cost model on the machine profile, ``ultraep.tune``). Where no plan
