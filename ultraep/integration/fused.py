@@ -209,7 +209,7 @@ def plan_ranks(expert_ids: list, slots_per_rank: int, grain: Granularity) -> lis
         n = ids.size
         base = ref.plan_rows(table, slots_per_rank, s)[0]
         plans.append(RankPlan(
-            rank=s, tokens=ids.shape[0], top_k=ids.shape[1], pair_row=base[ids.ravel()] + positions[:n],
+            rank=s, tokens=ids.shape[0], top_k=ids.shape[1], pair_row=ref.pair_rows(base, ids, positions[:n]),
             pair_rank=ids.ravel() // slots_per_rank, send_pos=positions[n:],
             first_slot=ref.first_slot_of_rank(ids, slots_per_rank), offsets=offsets,
             mtiles=[mtile_starts(np.diff(o), grain.bm) for o in offsets]))
