@@ -55,6 +55,7 @@ def test_timeline_paths_and_plot(tmp_path):
     assert bench.timeline_path("out/tl.png", 4096, 7168) == "out/tl_t4096_h7168.png"
     assert bench.timeline_path("out/tl.png", 4096, 7168, "backward") == "out/tl_bwd_t4096_h7168.png"
     assert bench.timeline_path("tl", 8, 16, "backward") == "tl_bwd_t8_h16"
+    assert bench.timeline_path("tl.png", 8, 16, "training") == "tl_train_t8_h16.png"
     ms = 1_000_000
     tasks = [("send", 1 * ms, 2 * ms, 0), ("relay", 2 * ms, 3 * ms, 1), ("up", 3 * ms, 7 * ms, 0),
              ("up", 3 * ms, 4 * ms, 1), ("up", 4 * ms, 6 * ms, 1), ("down", 7 * ms, 9 * ms, 1),
@@ -101,8 +102,8 @@ def test_backward_columns_follow_the_forward_ones():
 def test_tiny_host_run_with_backward(tmp_path, capfd):
     """--backward: forward and backward of both layers, the backward's gradients bitwise the
     sequential layer's (weight gradients after one backward from zero) and rerun alike;
-    with --timeline a recorded backward too: its phases per rank printed and in the JSON,
-    its plot beside the forward's."""
+    with --timeline a recorded training forward and backward too: their phases per rank
+    printed and in the JSON, their plots beside the forward's."""
     out = tmp_path / "fused.json"
     code = bench.main([*TINY, "--tokens", "24", "40", "--backward", "--json", str(out), "--timeline",
                        str(tmp_path / "tasks.png")])
@@ -123,11 +124,12 @@ def test_tiny_host_run_with_backward(tmp_path, capfd):
                                                                    / (row["fused_bwd_ms"] - row["wgrad_ms"]))
         assert [set(rank) for rank in row["bwd_phases"]] == [{"workers", "send", "relay", "dgrad_down", "dgrad_up",
                                                               "reduce"}] * 2, row["bwd_phases"]
-        assert {"up", "down"} <= set(row["phases"][0]) and "dgrad_up" not in row["phases"][0]
-        for which in ("forward", "backward"):
+        for key in ("phases", "train_phases"):
+            assert {"up", "down"} <= set(row[key][0]) and "dgrad_up" not in row[key][0]
+        for which in ("forward", "training", "backward"):
             assert f"phases of a recorded fused {which}, tokens {row['tokens']}, hidden 32" in printed
             assert (tmp_path / bench.timeline_path("tasks.png", row["tokens"], 32, which)).stat().st_size > 0
-    assert printed.count("rank 1 (1 SMs): send") == 4  # each setting's forward and backward
+    assert printed.count("rank 1 (1 SMs): send") == 6  # each setting's two forwards and backward
 
 
 @pytest.mark.mpi

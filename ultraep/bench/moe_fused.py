@@ -45,7 +45,8 @@ relay, up tile, down tile, reduce): where communication hides under the GEMMs an
 rank holds the others up. Below the table, each rank's phases: when its first task of a
 kind started and its last ended, in ms from the first task on any rank (``%globaltimer``:
 one clock for ranks sharing a GPU), and in brackets the median task of that kind in µs.
-With ``--backward`` also a recorded fused backward (after a training forward), its own file
+With ``--backward`` also a recorded training forward (it keeps ``h`` and ``y`` for the
+backward; FILE_train_t{tokens}_h{hidden}.png) and its backward, its own file
 (FILE_bwd_t{tokens}_h{hidden}.png) and phases: send (dy), relay (grad_y rows and gate
 gradients), dgrad-down tile (SwiGLU's backward in its epilogue), dgrad-up tile, reduce (dx).
 A task's span starts before its waits, so a relay's or reduce's includes waiting for its
@@ -157,10 +158,13 @@ def fused_configs(config: str) -> dict:
     return {name: None if name == "default" else "tuned" for name in names}
 
 
+DIRECTION_TAGS = {"forward": "", "training": "_train", "backward": "_bwd"}
+
+
 def timeline_path(path: str, tokens: int, hidden: int, direction: str = "forward") -> str:
-    """A setting's plot file: the forward's FILE_t{tokens}_h{hidden}.png, the backward's
-    FILE_bwd_t..."""
-    tag = f"{'_bwd' if direction == 'backward' else ''}_t{tokens}_h{hidden}"
+    """A setting's plot file: the (inference) forward's FILE_t{tokens}_h{hidden}.png, the
+    training forward's FILE_train_t..., the backward's FILE_bwd_t..."""
+    tag = f"{DIRECTION_TAGS[direction]}_t{tokens}_h{hidden}"
     stem, dot, suffix = path.rpartition(".")
     return f"{stem}{tag}.{suffix}" if dot else f"{path}{tag}"
 
@@ -352,9 +356,10 @@ def run(args) -> int:
                     fused.forward(x, ids, gates, backward=False)
                     recorded["forward"] = group.allgather(fused.timeline())
                     fused.record_timeline(False)
-                if args.timeline and args.backward:  # a training forward (its timeline not kept), then the backward
+                if args.timeline and args.backward:  # a training forward (it keeps h and y), then its backward
                     fused.record_timeline(True)
                     _, ctx = fused.forward(x, ids, gates)
+                    recorded["training"] = group.allgather(fused.timeline())
                     fused.backward(ctx, dy)
                     recorded["backward"] = group.allgather(fused.timeline("backward"))
                     fused.check()
@@ -403,12 +408,12 @@ def run(args) -> int:
             if phases:
                 row["phases"] = phases["forward"]
             if "backward" in phases:
-                row["bwd_phases"] = phases["backward"]
+                row["train_phases"], row["bwd_phases"] = phases["training"], phases["backward"]
             rows.append(row)
             table.add(row)
     table.close()
     for row in rows:
-        for key, which in (("phases", "forward"), ("bwd_phases", "backward")):
+        for key, which in (("phases", "forward"), ("train_phases", "training"), ("bwd_phases", "backward")):
             if me == 0 and key in row:
                 print(f"phases of a recorded fused {which}, tokens {row['tokens']}, hidden {row['hidden']} (ms from "
                       f"the first task on any rank, first start-last end per kind, median task):\n"
