@@ -528,7 +528,9 @@ static_assert(GH_BN == WARP * 8, "a reduce warp covers a tile's columns, 8 BF16 
 // The task loop of kernels B and D after load_tables (over `n_cols` column blocks of hidden,
 // its result). Tasks: GEMM tiles -- MODE's, `tile_of(t)` tile t (columns of GH_BN), `boxes(tile)`
 // load_tile's box mask, task kind `tile_kind` -- whose BF16 output [rows, hidden] goes to the
-// heap's expert_out, then reduce tasks of `chunk` tokens, every column (kind `reduce_kind`).
+// heap's expert_out (and, unless null, to `kept` [rows, hidden] too: the store warps' second
+// store beside the next tile's MMAs costs less than a copy after the kernel), then reduce
+// tasks of `chunk` tokens, every column (kind `reduce_kind`).
 // done[m]: M-tile m (this rank's M-tile index), released by the block that finishes its last
 // column block (down_count[m], local, counts them): a reducer waits once per slot instead of
 // once per slot and column block.
@@ -544,7 +546,7 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
     const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me, int spr, const int* rank_off,
     const int* rank_mtile, const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed,
     const long long* ids, const int* positions, const int* base, const float* gates, int tokens, int top_k, int chunk,
-    bf16* out, const uint4* (*slot_row)[WARP], float (*slot_gate)[WARP], Slot slot, int* down_count, u64 epoch,
+    bf16* out, bf16* kept, const uint4* (*slot_row)[WARP], float (*slot_gate)[WARP], Slot slot, int* down_count, u64 epoch,
     u64 timeout_ns, int* counter, long long* status, u64* trace, int tile_kind, int reduce_kind) {
     const int n_tiles = tile_start[spr];
     const int total = n_tiles + ceil_div(tokens, chunk);
@@ -574,6 +576,7 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
             store_handed_tiles(p, n_tiles, status, [&](int task) {
                 const Tile tile = tile_of(task);
                 store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, hidden, threadIdx.x - WARP);
+                if (kept != nullptr) store_staged_tile<GH_BN>(staged, tile, kept, hidden, hidden, threadIdx.x - WARP);
                 __threadfence_system();
                 store_warps_sync();
                 if (threadIdx.x == WARP && !aborted(status)) {

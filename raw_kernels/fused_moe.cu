@@ -12,7 +12,8 @@
 //   fused_dispatch_up   send -> up tiles (SwiGLU epilogue) -> act [rows, F] BF16, and
 //                       h [rows, 2F] FP32 kept for the backward (unless h is null); relay
 //                       (landing -> recv rows) on the store warps beside them
-//   fused_down_combine  down tiles -> expert_out (heap) -> reduce -> out [T, H] BF16
+//   fused_down_combine  down tiles -> expert_out (heap), and y [rows, H] kept for the
+//                       backward unless y is null -> reduce -> out [T, H] BF16
 //
 // A block (GH_THREADS: a producer warpgroup and two consumer warpgroups, as the grouped
 // GEMM) claims one task at a time: thread 0 takes the next id from the kernel's counter,
@@ -187,7 +188,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
 // -- kernel B: down-projection + combine -----------------------------------------------------------
 
 // Tasks: down tiles in the grouped GEMM's order (gemm_tile), then reduce
-// tasks (a token chunk, every column): gemm_tiles_then_reduce, weighted by the gates.
+// tasks (a token chunk, every column): gemm_tiles_then_reduce, weighted by the gates. y
+// (null in an inference forward): the down tiles' outputs [rows, H] kept for the backward.
 // act_map: act [max_rows, F] as (F, rows), box 64 x 128; w_down_map: w_down [slots, F, H] as
 // (H, F, slots), boxes 64 x 64 x 1. expert_out and the done flags are heap tensors (offsets
 // from each peer's base): reducers read them on the experts' ranks.
@@ -195,7 +197,8 @@ extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_constant__ TensorMap w_down_map,
                    int ffn, int hidden, const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me,
                    int spr, const int* rank_off, const int* rank_mtile, const long long* ids, const int* positions,
-                   const int* base, const float* gates, int tokens, int top_k, bf16* out, int* down_count, u64 epoch,
+                   const int* base, const float* gates, int tokens, int top_k, bf16* out, bf16* y, int* down_count,
+                   u64 epoch,
                    u64 timeout_ns, int* counter, long long* status, const int* outcome, u64* trace) {
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
     __shared__ Pipeline p;
@@ -212,7 +215,7 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
     gemm_tiles_then_reduce<GH_FORWARD, true>(&act_map, &w_down_map, tile_of, boxes, n_cols, hidden, peer_bases,
                                              expert_out_offset, done_offset, me, spr, rank_off, rank_mtile, off,
                                              mtile, tile_start, p, &claimed, ids, positions, base, gates, tokens,
-                                             top_k, FM_REDUCE_TOKENS, out, slot_row, slot_gate, [](int, u64) {},
+                                             top_k, FM_REDUCE_TOKENS, out, y, slot_row, slot_gate, [](int, u64) {},
                                              down_count, epoch, timeout_ns, counter, status, trace, FM_KIND_DOWN,
                                              FM_KIND_REDUCE);
 }

@@ -193,7 +193,7 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
     gemm_tiles_then_reduce<GH_DGRAD, false>(
         &dh_map, &w_up_map, tile_of, [](const Tile&) { return 0u; }, n_cols, hidden, peer_bases, expert_out_offset,
         done_offset, me, spr, rank_off, rank_mtile, off, mtile, tile_start, p, &claimed, ids, positions, base,
-        static_cast<const float*>(nullptr), tokens, top_k, FB_REDUCE_TOKENS, dx, slot_row,
+        static_cast<const float*>(nullptr), tokens, top_k, FB_REDUCE_TOKENS, dx, static_cast<bf16*>(nullptr), slot_row,
         static_cast<float(*)[WARP]>(nullptr), copy_gate_grad, down_count, epoch, timeout_ns, counter, status,
         trace, FB_KIND_DGRAD_UP, FB_KIND_REDUCE);
 }

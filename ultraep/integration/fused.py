@@ -277,6 +277,7 @@ class RankState:
     recv: np.ndarray | None = None
     act: np.ndarray | None = None
     h: np.ndarray | None = None         # [rows, 2F] FP32: the up tiles' sums, kept for the backward
+    y: np.ndarray | None = None         # [rows, H] BF16: the down tiles' outputs again, kept for the backward
     out: np.ndarray | None = None
 
 
@@ -444,6 +445,8 @@ class FusedLayer:
         c0, c1 = task.n * D, min(self.hidden, (task.n + 1) * D)
         st.expert_out[lo:hi, c0:c1] = sequential_product(_f32(st.act[lo:hi]),
                                                          _f32(st.w_down[task.a][:, c0:c1])).astype(BFLOAT16)
+        if st.y is not None:  # the next call overwrites expert_out; the backward reads y
+            st.y[lo:hi, c0:c1] = st.expert_out[lo:hi, c0:c1]
 
     def _reduce(self, r: int, task: Task) -> None:
         st, K = self.state[r], self.top_k
@@ -580,6 +583,7 @@ class HostFusedForward:
         own.recv = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
         own.act = np.zeros((d.max_recv_rows, self.ffn), dtype=d.dtype)
         own.h = np.zeros((d.max_recv_rows, 2 * self.ffn), dtype=np.float32) if keep else None
+        own.y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if keep else None
         own.out = np.zeros((m["tokens"], d.hidden), dtype=d.dtype)
         grains = [Granularity.kernel(self.schedule.for_tokens(m["tokens"]))] * d.size  # only this rank's runs here
         layer = FusedLayer([plan if r == me else None for r in range(d.size)], states, self.activation,
@@ -587,8 +591,7 @@ class HostFusedForward:
                            hidden=d.hidden, ffn=self.ffn)
         self.last_timeline = [] if self.recording else None
         run_rank(layer, me, self.timeout_s, timeline=self.last_timeline)
-        return (own.out, self.impl.received(own.recv, m), own.act, own.h, own.expert_out.copy() if keep else None,
-                rank_tiles)
+        return own.out, self.impl.received(own.recv, m), own.act, own.h, own.y, rank_tiles
 
     def record_timeline(self, enable: bool) -> None:
         """Whether later forwards record when each task ran (:meth:`timeline`)."""

@@ -111,8 +111,9 @@ class DeviceFusedForward:
         ``(out [T, H], received, act [max_recv_rows, F], h [max_recv_rows, 2F] FP32, y
         [max_recv_rows, H], rank_tiles [2, R, slots + 1])``: ``received`` the Dispatcher's
         result (its handle serves the sequential backward); h and y are what the backward
-        needs of the forward, the up tiles' accumulators and a copy of the heap's expert
-        outputs (the next call overwrites those), both None unless ``keep``; ``rank_tiles``
+        needs of the forward, the up tiles' accumulators and the down tiles' outputs (stored
+        into y beside the heap's expert_out, which the next call overwrites), both None
+        unless ``keep``; ``rank_tiles``
         every rank's offsets and M-tile starts, this call's own (a later forward leaves them
         alone) for its backward. With ``sync_checks`` it waits and raises a recorded wait
         timeout here, else :meth:`check` does."""
@@ -135,7 +136,9 @@ class DeviceFusedForward:
         recv = cp.empty((rows, H), dtype=bf16)
         act = cp.empty((rows, F), dtype=bf16)
         h = cp.empty((rows, 2 * F), dtype=np.float32) if keep else None
+        y = cp.empty((rows, H), dtype=bf16) if keep else None
         kept_h = np.uint64(0) if h is None else h  # null: the up tiles store only act
+        kept_y = np.uint64(0) if y is None else y  # null: the down tiles store only into the heap
         out = cp.empty((state["tokens"], H), dtype=bf16)
         box, bm = self.box, self.bm
         recv_map = self.maps.tiled(recv.data.ptr, (H, rows), (box, bm))
@@ -161,11 +164,11 @@ class DeviceFusedForward:
             act_map, w_down_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(self.done.offset), np.int32(d.rank), np.int32(spr), rank_off, rank_mtile,
             state["ids"], state["positions"], state["base"], state["gates"], np.int32(state["tokens"]),
-            np.int32(d.top_k), out, self.down_count, epoch, timeout, self.counters[2:], self.status, state["outcome"],
+            np.int32(d.top_k), out, kept_y, self.down_count, epoch, timeout, self.counters[2:], self.status,
+            state["outcome"],
             traces[1]),
             shared_mem=self.shared_bytes)
         received = self.impl.received(recv, state)
-        y = b.expert_out.local[:rows].copy() if keep else None
         if d.sync_checks:
             self.check()
         return out, received, act, h, y, rank_tiles

@@ -406,7 +406,7 @@ class FusedBench:
                               gates=unread, positions=unread, base=unread, timeout_ns=np.uint64(FUSED_TIMEOUT_NS),
                               counter=self.counter, status=self.status, outcome=self.outcome, trace=self.trace)
             if task == "down":
-                self.fixed["out"] = unread
+                self.fixed.update(out=unread, y=np.uint64(0))
             self._prepare(max_grid)[0](None)  # warm-up: the module's first launch, the buffers' first touch
             cp.cuda.get_current_stream().synchronize()
 
