@@ -158,6 +158,10 @@ struct Flag {
     static constexpr bool value = VALUE;
 };
 
+// Pairs of old values an accumulating store loads at once (registers beside the 128 accumulators).
+#define GG_ADD_BATCH 16
+static_assert((GH_BN / 8) % GG_ADD_BATCH == 0, "whole batches of a row's pairs");
+
 // The operands as grouped_gemm_common.cuh describes them (load_tile). ACCUMULATE (FP32 out):
 // each element of out becomes out + the tile's sum, one FP32 addition rounded to nearest, as
 // adding a stored result would round it; a tile of an expert with no rows stores nothing.
@@ -324,15 +328,26 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 if (r >= tile.row_end) continue;
                 OutT* out_row = base + static_cast<long long>(r) * out_cols;
 #pragma unroll
-                for (int j = 0; j < GH_BN / 8; ++j) {
-                    const int c = tile.col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
-                    if (c >= out_cols) continue;
-                    float v0 = d[4 * j + 2 * half], v1 = d[4 * j + 2 * half + 1];
+                for (int j0 = 0; j0 < GH_BN / 8; j0 += GG_ADD_BATCH) {
+                    // A batch's old values loaded first: each load would otherwise wait behind
+                    // the store before it (the same array), a round trip per pair.
+                    float2 old[GG_ADD_BATCH];
                     if constexpr (ACCUMULATE) {
-                        const float2 old = *reinterpret_cast<const float2*>(out_row + c);
-                        v0 = __fadd_rn(old.x, v0), v1 = __fadd_rn(old.y, v1);
+#pragma unroll
+                        for (int u = 0; u < GG_ADD_BATCH; ++u) {
+                            const int c = tile.col0 + col + 8 * (j0 + u);
+                            old[u] = c < out_cols ? *reinterpret_cast<const float2*>(out_row + c) : make_float2(0, 0);
+                        }
                     }
-                    store_pair(out_row + c, v0, v1);
+#pragma unroll
+                    for (int u = 0; u < GG_ADD_BATCH; ++u) {
+                        const int j = j0 + u;
+                        const int c = tile.col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
+                        if (c >= out_cols) continue;
+                        float v0 = d[4 * j + 2 * half], v1 = d[4 * j + 2 * half + 1];
+                        if constexpr (ACCUMULATE) v0 = __fadd_rn(old[u].x, v0), v1 = __fadd_rn(old[u].y, v1);
+                        store_pair(out_row + c, v0, v1);
+                    }
                 }
             }
         }
