@@ -5,7 +5,6 @@
 //   forward  Y[rows_e]  = X[rows_e] @ W_e          x [M, K], w [E, K, N], y  [M, N]
 //   dgrad    dX[rows_e] = dY[rows_e] @ W_e^T       dy [M, N], w [E, K, N], dx [M, K]
 //   wgrad    dW_e       = X[rows_e]^T @ dY[rows_e] x [M, K], dy [M, N],   dw [E, K, N]
-//   wgrad_add dW_e     += X[rows_e]^T @ dY[rows_e] (FP32 dw; an expert with no rows is left as it was)
 //
 // rows_e = [offsets[e], offsets[e+1]), read and checked on the device by every block
 // (grouped_gemm_common.cuh): on a bad array no block writes anything. One persistent
@@ -43,7 +42,7 @@
 //
 //! kernels: grouped_mm_forward<__nv_bfloat16>, grouped_mm_forward<float>
 //! kernels: grouped_mm_dgrad<__nv_bfloat16>, grouped_mm_dgrad<float>
-//! kernels: grouped_mm_wgrad<__nv_bfloat16>, grouped_mm_wgrad<float>, grouped_mm_wgrad_add<float>
+//! kernels: grouped_mm_wgrad<__nv_bfloat16>, grouped_mm_wgrad<float>
 //! nvrtc-options: -arch=sm_90a
 
 #include <cuda_bf16.h>
@@ -158,14 +157,8 @@ struct Flag {
     static constexpr bool value = VALUE;
 };
 
-// Pairs of old values an accumulating store loads at once (registers beside the 128 accumulators).
-#define GG_ADD_BATCH 16
-static_assert((GH_BN / 8) % GG_ADD_BATCH == 0, "whole batches of a row's pairs");
-
-// The operands as grouped_gemm_common.cuh describes them (load_tile). ACCUMULATE (FP32 out):
-// each element of out becomes out + the tile's sum, one FP32 addition rounded to nearest, as
-// adding a stored result would round it; a tile of an expert with no rows stores nothing.
-template <int MODE, typename OutT, bool ACCUMULATE = false>
+// The operands as grouped_gemm_common.cuh describes them (load_tile).
+template <int MODE, typename OutT>
 __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorMap* b_map, const void* offsets,
                                            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out,
                                            long long* status) {
@@ -319,8 +312,6 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             if (lane == 0) mbarrier_arrive(&output_full);
             phase ^= 1;
         } else {
-            static_assert(!ACCUMULATE || (MODE == GH_WGRAD && sizeof(OutT) == 4), "accumulation: wgrad into FP32");
-            if (ACCUMULATE && tile.red_len == 0) continue;  // nothing to add
             OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -328,43 +319,25 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 if (r >= tile.row_end) continue;
                 OutT* out_row = base + static_cast<long long>(r) * out_cols;
 #pragma unroll
-                for (int j0 = 0; j0 < GH_BN / 8; j0 += GG_ADD_BATCH) {
-                    // A batch's old values loaded first: each load would otherwise wait behind
-                    // the store before it (the same array), a round trip per pair.
-                    float2 old[GG_ADD_BATCH];
-                    if constexpr (ACCUMULATE) {
-#pragma unroll
-                        for (int u = 0; u < GG_ADD_BATCH; ++u) {
-                            const int c = tile.col0 + col + 8 * (j0 + u);
-                            old[u] = c < out_cols ? *reinterpret_cast<const float2*>(out_row + c) : make_float2(0, 0);
-                        }
-                    }
-#pragma unroll
-                    for (int u = 0; u < GG_ADD_BATCH; ++u) {
-                        const int j = j0 + u;
-                        const int c = tile.col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
-                        if (c >= out_cols) continue;
-                        float v0 = d[4 * j + 2 * half], v1 = d[4 * j + 2 * half + 1];
-                        if constexpr (ACCUMULATE) v0 = __fadd_rn(old[u].x, v0), v1 = __fadd_rn(old[u].y, v1);
-                        store_pair(out_row + c, v0, v1);
-                    }
+                for (int j = 0; j < GH_BN / 8; ++j) {
+                    const int c = tile.col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
+                    if (c < out_cols) store_pair(out_row + c, d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
                 }
             }
         }
     }
 }
 
-#define GH_KERNEL(kernel, mode, accumulate, a, b)                                                                      \
+#define GH_KERNEL(kernel, mode, a, b)                                                                                  \
     template <typename OutT>                                                                                           \
     __global__ void __launch_bounds__(GH_THREADS, 1)                                                                   \
     kernel(const __grid_constant__ TensorMap a, const __grid_constant__ TensorMap b, const void* offsets,               \
            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out, long long* status) {          \
-        grouped_mm<mode, OutT, accumulate>(&a, &b, offsets, offsets_are_64bit, experts, rows, K, N, out, status);     \
+        grouped_mm<mode, OutT>(&a, &b, offsets, offsets_are_64bit, experts, rows, K, N, out, status);                 \
     }
-GH_KERNEL(grouped_mm_forward, GH_FORWARD, false, x_map, w_map)
-GH_KERNEL(grouped_mm_dgrad, GH_DGRAD, false, dy_map, w_map)
-GH_KERNEL(grouped_mm_wgrad, GH_WGRAD, false, x_map, dy_map)
-GH_KERNEL(grouped_mm_wgrad_add, GH_WGRAD, true, x_map, dy_map)
+GH_KERNEL(grouped_mm_forward, GH_FORWARD, x_map, w_map)
+GH_KERNEL(grouped_mm_dgrad, GH_DGRAD, dy_map, w_map)
+GH_KERNEL(grouped_mm_wgrad, GH_WGRAD, x_map, dy_map)
 
 #define GH_INSTANCE(kernel, OutT)                                                                             \
     template __global__ void kernel<OutT>(const __grid_constant__ TensorMap, const __grid_constant__ TensorMap,      \
@@ -375,4 +348,3 @@ GH_INSTANCE(grouped_mm_dgrad, bf16);
 GH_INSTANCE(grouped_mm_dgrad, float);
 GH_INSTANCE(grouped_mm_wgrad, bf16);
 GH_INSTANCE(grouped_mm_wgrad, float);
-GH_INSTANCE(grouped_mm_wgrad_add, float);

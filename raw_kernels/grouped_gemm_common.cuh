@@ -15,7 +15,7 @@
 
 // status[0] codes (ultraep/compute/grouped_gemm.py words them); status[1..3] = index, value, rows.
 #define GG_OK 0
-#define GG_FIRST_OFFSET_NEGATIVE 1
+#define GG_FIRST_OFFSET_NOT_ZERO 1
 #define GG_OFFSETS_DECREASE 2
 #define GG_OFFSETS_PAST_ROWS 3
 
@@ -35,7 +35,7 @@ __device__ void report_offsets(const void* offsets, int offsets_are_64bit, int e
     long long code = GG_OK, index = 0, previous = 0;
     for (int i = 0; i <= experts && code == GG_OK; ++i) {
         const long long v = offset_at(offsets, offsets_are_64bit, i);
-        if (i == 0 && v < 0) code = GG_FIRST_OFFSET_NEGATIVE;
+        if (i == 0 && v != 0) code = GG_FIRST_OFFSET_NOT_ZERO;
         else if (v < previous) code = GG_OFFSETS_DECREASE;
         else if (v > rows) code = GG_OFFSETS_PAST_ROWS;
         index = i, previous = v;
@@ -61,7 +61,7 @@ __device__ bool load_offsets(int* off, const void* offsets, int offsets_are_64bi
         off[i] = static_cast<int>(v);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i <= experts; i += blockDim.x) bad |= i > 0 && off[i] < off[i - 1];
+    for (int i = threadIdx.x; i <= experts; i += blockDim.x) bad |= i == 0 ? off[0] != 0 : off[i] < off[i - 1];
     if (__syncthreads_or(bad)) {
         if (blockIdx.x == 0 && threadIdx.x == 0) report_offsets(offsets, offsets_are_64bit, experts, rows, status);
         return false;

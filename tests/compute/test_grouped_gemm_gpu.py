@@ -256,7 +256,7 @@ def test_device_offsets_are_checked_on_the_device_and_nothing_is_written(cp):
     x, w = up(cp, bf16(rng, (40, 16))), up(cp, bf16(rng, (3, 16, 24)))
     out = up(cp, nan_bits((40, 24), BFLOAT16))
     before = bits(out)
-    for bad, words in (([0, 10, 5, 30], "must not decrease"), ([-1, 10, 20, 30], "offsets[0] is -1"),
+    for bad, words in (([0, 10, 5, 30], "must not decrease"), ([1, 10, 20, 30], "offsets[0] is 1"),
                        ([0, 10, 20, 41], "past the 40 rows")):
         grouped_mm(x, w, cp.asarray(np.array(bad, np.int64)), out=out)
         with pytest.raises(GroupedGemmError, match=re.escape(words)):
@@ -321,47 +321,3 @@ def test_jax_inputs(cp):
     y = grouped_mm_dgrad(ja, jb, jax.device_put(jax.numpy.asarray(offsets.astype(np.int32)), gpu))
     check_errors()
     assert np.array_equal(bits(y), expected)
-
-
-def test_wgrad_accumulate_is_adding_the_stored_product(cp):
-    """grouped_mm_wgrad(accumulate=True) into FP32: bit for bit the stored product added
-    (one FP32 addition), over tile-straddling sizes; an expert with no rows is left as it
-    was (a -0.0 too)."""
-    rng = np.random.default_rng(14)
-    counts = [300, 0, 1, 129]
-    offsets = offsets_of(counts)
-    rows = int(offsets[-1])
-    x, dy = up(cp, bf16(rng, (rows, 136))), up(cp, bf16(rng, (rows, 264)))
-    before = rng.standard_normal((4, 136, 264)).astype(np.float32)
-    before[1, 0, 0] = -0.0
-    out, device_offsets = up(cp, before), up(cp, offsets)
-    grouped_mm_wgrad(x, dy, device_offsets, out=out, accumulate=True)
-    product = grouped_mm_wgrad(x, dy, device_offsets, out=up(cp, nan_bits((4, 136, 264), np.float32)))
-    check_errors()
-    expected = up(cp, before) + product
-    expected[1] = up(cp, before[1])
-    assert np.array_equal(bits(out), bits(expected))
-
-
-@pytest.mark.parametrize("op", list(OPS))
-def test_offsets_slice_on_the_device_runs_the_later_experts_alone(cp, op):
-    """A device view offsets[j:] (offsets[j] > 0): experts j.. with the whole call's bits;
-    rows before offsets[j] untouched."""
-    rng = np.random.default_rng(15)
-    counts, j, k, n = [130, 0, 70, 200], 2, 72, 264
-    offsets = offsets_of(counts)
-    rows = int(offsets[-1])
-    a = bf16(rng, (rows, n if op == "dgrad" else k))
-    b = bf16(rng, (rows, n)) if op == "wgrad" else bf16(rng, (len(counts), k, n))
-    whole = run(cp, op, a, b, offsets, np.float32)
-    part_b = up(cp, b if op == "wgrad" else b[j:])
-    device_offsets = up(cp, offsets)[j:]
-    out = up(cp, nan_bits(out_shape(op, a, b if op == "wgrad" else b[j:], offsets[j:]), np.float32))
-    OPS[op](up(cp, a), part_b, device_offsets, out=out)
-    check_errors()
-    if op == "wgrad":
-        assert np.array_equal(bits(out), bits(whole)[j:])
-    else:
-        first = int(offsets[j])
-        assert np.isnan(down(out)[:first]).all(), "rows before offsets[0] were written"
-        assert np.array_equal(bits(out)[first:], bits(whole)[first:])

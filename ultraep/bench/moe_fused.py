@@ -142,13 +142,13 @@ def kernel_a_ms(ranks_tasks) -> float:
 
 def weight_grads_alone(layer, x, ids, gates, bf16, rng):
     """A timed phase: the weight gradients of one backward as ``MoELayer.backward`` computes
-    them after either path's exchange and dgrads (the same two grouped wgrads, adding into
-    the gradients), alone, on one dispatch's rows with random ``grad_y`` and ``dh``."""
+    them after either path's exchange and dgrads (the same two grouped wgrads and gradient
+    adds), alone, on one dispatch's rows with random ``grad_y`` and ``dh``."""
     received = layer.dispatcher.dispatch(x, ids, gates)
     rows = received.x.shape[0]
     act, dh = bf16(rng.standard_normal((rows, layer.ffn))), bf16(rng.standard_normal((rows, 2 * layer.ffn)))
-    grad_y = bf16(rng.standard_normal((rows, layer.hidden)))
-    return lambda _: layer._weight_grads(act, grad_y, received.x, dh, received.offsets)
+    grad_y, scratch = bf16(rng.standard_normal((rows, layer.hidden))), layer._wgrad_scratch()
+    return lambda _: layer._weight_grads(act, grad_y, received.x, dh, received.offsets, scratch)
 
 
 def fused_configs(config: str) -> dict:

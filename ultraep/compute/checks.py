@@ -31,7 +31,6 @@ class Problem:
     n: int
     out_shape: tuple
     out_dtype: np.dtype
-    accumulate: bool = False  # wgrad: out[e] += the product (experts with no rows left as they were)
 
 
 def is_bf16(dtype) -> bool:
@@ -40,10 +39,9 @@ def is_bf16(dtype) -> bool:
     return (BFLOAT16 is not None and dtype == BFLOAT16) or dtype == np.int16
 
 
-def check_problem(op: str, a, b, offsets, out, accumulate: bool = False) -> Problem:
+def check_problem(op: str, a, b, offsets, out) -> Problem:
     """The problem ``op`` poses with imported arrays ``a``, ``b`` (named as in :data:`OPERANDS`),
-    ``offsets`` and ``out`` (or None), adding into ``out`` if ``accumulate``; GroupedGemmError
-    naming the first thing wrong."""
+    ``offsets`` and ``out`` (or None); GroupedGemmError naming the first thing wrong."""
     a_name, b_name = OPERANDS[op]
     for name, array in ((a_name, a), (b_name, b)):
         if not is_bf16(array.dtype):
@@ -87,10 +85,7 @@ def check_problem(op: str, a, b, offsets, out, accumulate: bool = False) -> Prob
         if not is_bf16(out_dtype) and out_dtype != np.float32:
             raise GroupedGemmError(f"{op}: out must be bfloat16 or float32, got {out_dtype}")
         out_dtype = np.dtype(np.float32) if out_dtype == np.float32 else BFLOAT16
-    if accumulate and (op != "wgrad" or out is None or out_dtype != np.float32):
-        raise GroupedGemmError(f"{op}: accumulate adds a weight gradient into a given float32 out "
-                               f"(wgrad only), got {op} with out {'None' if out is None else out_dtype}")
-    return Problem(op, experts, rows, k, n, out_shape, out_dtype, accumulate)
+    return Problem(op, experts, rows, k, n, out_shape, out_dtype)
 
 
 def _check_ndim(op: str, name: str, array, ndim: int) -> None:
@@ -102,8 +97,8 @@ def offsets_error(offsets: np.ndarray, rows: int) -> str | None:
     """Why host ``offsets`` are unusable over ``rows`` rows (the first bad entry, in the order
     the kernel scans), or None."""
     values = np.asarray(offsets, dtype=np.int64)
-    if values[0] < 0:
-        return offsets_message(kernel_constant(KERNELS, "GG_FIRST_OFFSET_NEGATIVE"), 0, int(values[0]), rows)
+    if values[0] != 0:
+        return offsets_message(kernel_constant(KERNELS, "GG_FIRST_OFFSET_NOT_ZERO"), 0, int(values[0]), rows)
     decrease = np.flatnonzero(values[1:] < values[:-1]) + 1
     past = np.flatnonzero(values > rows)
     first_decrease = int(decrease[0]) if decrease.size else len(values)
@@ -117,8 +112,8 @@ def offsets_error(offsets: np.ndarray, rows: int) -> str | None:
 
 def offsets_message(code: int, index: int, value: int, rows: int) -> str:
     """The words for a bad-offsets record (``code`` as ``raw_kernels/grouped_gemm_common.cuh`` defines it)."""
-    if code == kernel_constant(KERNELS, "GG_FIRST_OFFSET_NEGATIVE"):
-        return f"offsets[0] is {value}: rows are numbered from 0"
+    if code == kernel_constant(KERNELS, "GG_FIRST_OFFSET_NOT_ZERO"):
+        return f"offsets[0] is {value}, expected 0 (expert 0's rows start at row 0)"
     if code == kernel_constant(KERNELS, "GG_OFFSETS_DECREASE"):
         return f"offsets must not decrease: offsets[{index}] = {value} is below offsets[{index - 1}]"
     if code == kernel_constant(KERNELS, "GG_OFFSETS_PAST_ROWS"):

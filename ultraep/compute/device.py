@@ -106,24 +106,22 @@ class DeviceGroupedGemm:
         self.grid = properties["multiProcessorCount"]
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
         self._maps: _TensorMaps | None = None
-        self._kernels: dict[tuple[str, np.dtype, bool], tuple[object, int]] = {}
+        self._kernels: dict[tuple[str, np.dtype], tuple[object, int]] = {}
 
-    def _kernel(self, op: str, out_dtype: np.dtype, accumulate: bool = False):
-        """``op``'s kernel for ``out_dtype`` (adding into it if ``accumulate``) in its schedule,
-        and its dynamic shared memory."""
-        kernel = self._kernels.get((op, out_dtype, accumulate))
+    def _kernel(self, op: str, out_dtype: np.dtype):
+        """``op``'s kernel for ``out_dtype`` in its schedule, and its dynamic shared memory."""
+        kernel = self._kernels.get((op, out_dtype))
         if kernel is None:
             schedule = self.schedules[op]
             value, shared_macro = SCHEDULES[schedule]
             # The plain module (no -D option) is shared with every other user.
             defines = () if schedule == PLAIN_SCHEDULE else (("GG_SCHEDULE", kernel_constant(KERNELS, value)),)
             element = "float" if out_dtype == np.float32 else "__nv_bfloat16"
-            function = get_function(KERNELS, f"grouped_mm_{op}{'_add' if accumulate else ''}<{element}>",
-                                    defines=defines)
+            function = get_function(KERNELS, f"grouped_mm_{op}<{element}>", defines=defines)
             shared_bytes = kernel_constant(KERNELS, shared_macro)
             with self.cp.cuda.Device(self.device):
                 function.max_dynamic_shared_size_bytes = shared_bytes
-            kernel = self._kernels[(op, out_dtype, accumulate)] = function, shared_bytes
+            kernel = self._kernels[(op, out_dtype)] = function, shared_bytes
         return kernel
 
     def allocate(self, problem: Problem):
@@ -167,7 +165,7 @@ class DeviceGroupedGemm:
             if array.size and array.data.ptr % _ALIGN_BYTES:
                 raise GroupedGemmError(f"{problem.op}: the {name} operand's data is not {_ALIGN_BYTES}-byte aligned "
                                        f"(a view into a larger buffer?); pass an aligned copy")
-        kernel, shared_bytes = self._kernel(problem.op, problem.out_dtype, problem.accumulate)
+        kernel, shared_bytes = self._kernel(problem.op, problem.out_dtype)
         kernel((self.grid,), (self.threads,), (
             *self._operand_maps(problem, a, b), offsets, np.int32(offsets.dtype == np.int64),
             np.int32(problem.experts), np.int64(problem.rows), np.int32(problem.k), np.int32(problem.n), out,

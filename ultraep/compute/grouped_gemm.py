@@ -1,10 +1,9 @@
 """Padding-free grouped GEMM over expert-major rows: forward, dgrad and wgrad.
 
 Rows of expert ``e`` are ``[offsets[e], offsets[e + 1])`` (the Dispatcher's receive
-buffer and its ``offsets``; a slice ``offsets[j:]`` runs experts ``j..`` alone); rows
-outside ``[offsets[0], offsets[E])`` are neither read into any result nor written. BF16
-in, FP32 accumulation, BF16 or FP32 out (``out``'s dtype decides; BF16 when ``out`` is
-None). K and N must be multiples of 8.
+buffer and its ``offsets``), ``offsets[0] = 0``; rows past ``offsets[E]`` are neither read
+into any result nor written. BF16 in, FP32 accumulation, BF16 or FP32 out (``out``'s
+dtype decides; BF16 when ``out`` is None). K and N must be multiples of 8.
 
 Tensors come from PyTorch, JAX or CuPy through DLPack (zero-copy) and run on the GPU they
 live on (a Hopper GPU: the kernels are TMA + wgmma, sm_90a), on the caller's stream (a
@@ -48,13 +47,10 @@ def grouped_mm_dgrad(dy, w, offsets, out=None):
     return _run("dgrad", dy, w, offsets, out)
 
 
-def grouped_mm_wgrad(x, dy, offsets, out=None, accumulate: bool = False):
+def grouped_mm_wgrad(x, dy, offsets, out=None):
     """Weight gradient: ``out[e] = x[rows_e]^T @ dy[rows_e]``; ``x [M, K]``, ``dy [M, N]``,
-    ``out [E, K, N]`` with ``E = len(offsets) - 1``; all zeros for an expert with no rows.
-    ``accumulate``: ``out[e] +=`` it instead (``out`` given, float32), each element one FP32
-    addition -- the bits of adding the stored result, without storing it -- and an expert
-    with no rows leaves ``out[e]`` as it was."""
-    return _run("wgrad", x, dy, offsets, out, accumulate)
+    ``out [E, K, N]`` with ``E = len(offsets) - 1``; all zeros for an expert with no rows."""
+    return _run("wgrad", x, dy, offsets, out)
 
 
 def check_errors() -> None:
@@ -92,11 +88,11 @@ def _import(array, name: str, gpu: int | None, writable: bool = False):
         raise GroupedGemmError(str(exc)) from exc
 
 
-def _run(op: str, a, b, offsets, out, accumulate: bool = False):
+def _run(op: str, a, b, offsets, out):
     gpu = _gpu_of(a)
     a_name, b_name = OPERANDS[op]
     if gpu is None:
-        return _run_host(op, a_name, b_name, a, b, offsets, out, accumulate)
+        return _run_host(op, a_name, b_name, a, b, offsets, out)
     import cupy
 
     with cupy.cuda.Device(gpu), caller_stream(a):
@@ -104,7 +100,7 @@ def _run(op: str, a, b, offsets, out, accumulate: bool = False):
         on_host = isinstance(offsets, (list, tuple, np.ndarray))
         offsets_arr = _import(offsets, "offsets", None if on_host else gpu)
         out_arr = None if out is None else _import(out, "out", gpu, writable=True)
-        problem = check_problem(op, a_arr, b_arr, offsets_arr, out_arr, accumulate)
+        problem = check_problem(op, a_arr, b_arr, offsets_arr, out_arr)
         if on_host:
             _raise_if_bad(op, offsets_arr, problem.rows)
             offsets_arr = cupy.asarray(offsets_arr)
@@ -114,11 +110,11 @@ def _run(op: str, a, b, offsets, out, accumulate: bool = False):
     return result if out is None else out
 
 
-def _run_host(op, a_name, b_name, a, b, offsets, out, accumulate):
+def _run_host(op, a_name, b_name, a, b, offsets, out):
     a_arr, b_arr = _import(a, a_name, None), _import(b, b_name, None)
     offsets_arr = _import(offsets, "offsets", None)
     out_arr = None if out is None else _import(out, "out", None, writable=True)
-    problem = check_problem(op, a_arr, b_arr, offsets_arr, out_arr, accumulate)
+    problem = check_problem(op, a_arr, b_arr, offsets_arr, out_arr)
     _raise_if_bad(op, offsets_arr, problem.rows)
     result = np.zeros(problem.out_shape, dtype=problem.out_dtype) if out_arr is None else out_arr
     _host.run(problem, a_arr, b_arr, offsets_arr, result)

@@ -44,7 +44,5 @@ class HostGroupedGemm:
                 target[lo:hi] = sequential_product(_float32(a[lo:hi]), _float32(b[e])).astype(target.dtype)
             elif problem.op == "dgrad":
                 target[lo:hi] = sequential_product(_float32(a[lo:hi]), _float32(b[e]).T).astype(target.dtype)
-            elif not problem.accumulate:
+            else:
                 target[e] = sequential_product(_float32(a[lo:hi]).T, _float32(b[lo:hi])).astype(target.dtype)
-            elif hi > lo:  # one FP32 addition per element, as adding the stored result would round
-                target[e] += sequential_product(_float32(a[lo:hi]).T, _float32(b[lo:hi]))

@@ -304,17 +304,16 @@ def _slot_bytes(stacked, first: int):
 
 
 class _WgradScratch:
-    """The replica slots' weight gradients ``[S, ...]`` (FP32) a balanced backward computes
-    before ``reduce_grads`` sends them to their masters: kept, since a replica-slot copy reads
-    them through fixed pointers, and shared by every layer of one shape on one device, so
-    ``L`` layers hold one set. A backward on another stream than the previous user's waits
-    for that use's end (an event)."""
+    """The weight gradients ``[M + S, ...]`` (FP32) a backward computes before adding them
+    up: kept, since a replica-slot copy reads them through fixed pointers, and shared by
+    every layer of one shape on one device, so ``L`` layers hold one set. A backward on
+    another stream than the previous user's waits for that use's end (an event)."""
 
     _shared = weakref.WeakValueDictionary()  # (device, experts, hidden, ffn) -> scratch; layers hold it
 
     @classmethod
     def of(cls, layer: "MoELayer") -> "_WgradScratch":
-        key = (layer.device, layer.slots, layer.hidden, layer.ffn)
+        key = (layer.device, layer.experts_per_rank + layer.slots, layer.hidden, layer.ffn)
         scratch = cls._shared.get(key)
         if scratch is None:
             scratch = cls._shared[key] = cls(layer.xp, *key[1:], on_device=layer.device is not None)
@@ -662,31 +661,28 @@ class MoELayer:
                 d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
                 dh = self._swiglu_backward(ctx.h, d_act, offsets)
                 d_recv = grouped_mm_dgrad(dh, self._w_up, offsets)
-            if ctx.handle is None:
-                self._weight_grads(ctx.act, grad_y, received.x, dh, offsets)
-            else:  # the replica slots' gradients: only those the plan fills are read
-                replicas = self._wgrad_scratch()
-                replicas.acquire()
-                self._weight_grads(ctx.act, grad_y, received.x, dh, offsets, replicas)
+            wgrad = self._wgrad_scratch()
+            wgrad.acquire()
+            self._weight_grads(ctx.act, grad_y, received.x, dh, offsets, wgrad)
+            if ctx.handle is not None:  # the replica slots' gradients: only those the plan fills are read
                 self._grad_copy(replica_entries)
                 self.balancer.reduce_grads(ctx.handle, stream=stream)
-                replicas.release()
+            wgrad.release()
             if fused is None:
                 dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
         return dx, d_gates
 
-    def _weight_grads(self, act, grad_y, x, dh, offsets, replicas: _WgradScratch | None = None) -> None:
-        """A backward's weight gradients: this rank's experts' added into ``grad_up`` /
-        ``grad_down`` by the GEMMs themselves (no stored product to add up), and with
-        ``replicas`` the replica slots' into it (they wait there for ``reduce_grads``)."""
+    def _weight_grads(self, act, grad_y, x, dh, offsets, wgrad: _WgradScratch) -> None:
+        """A backward's weight gradients into ``wgrad`` (every slot's), this rank's experts'
+        then added into ``grad_up`` / ``grad_down`` (the replica slots' wait there for
+        ``reduce_grads``)."""
         from ultraep.compute import grouped_mm_wgrad
 
         M = self.experts_per_rank
-        grouped_mm_wgrad(act, grad_y, offsets[:M + 1], out=self.grad_down, accumulate=True)
-        grouped_mm_wgrad(x, dh, offsets[:M + 1], out=self.grad_up, accumulate=True)
-        if replicas is not None:
-            grouped_mm_wgrad(act, grad_y, offsets[M:], out=replicas.down)
-            grouped_mm_wgrad(x, dh, offsets[M:], out=replicas.up)
+        dw_down = grouped_mm_wgrad(act, grad_y, offsets, out=wgrad.down)
+        dw_up = grouped_mm_wgrad(x, dh, offsets, out=wgrad.up)
+        self.grad_up += dw_up[:M]
+        self.grad_down += dw_down[:M]
 
     def _fused_backward(self):
         """The fused backward over the fused forward's flags (made at the first backward), or None."""
@@ -719,10 +715,9 @@ class MoELayer:
         self.balancer.replica_grads(ctx.handle)
         transfer = self.balancer.transfer
         if self._grad_copy is None:
-            replicas = self._wgrad_scratch()
+            wgrad, M = self._wgrad_scratch(), self.experts_per_rank
             self._grad_copy = FilledSlotCopy(
-                [(_slot_bytes(g, 0), transfer.replica_bytes("grads", t)) for t, g in enumerate((replicas.up,
-                                                                                               replicas.down))],
+                [(_slot_bytes(g, M), transfer.replica_bytes("grads", t)) for t, g in enumerate((wgrad.up, wgrad.down))],
                 self.slots, device=self.device)
         return transfer.replica_entries(self.balancer.plan(ctx.handle))
 

@@ -928,7 +928,7 @@ for name, call, text in (
         ("offsets float", lambda: grouped_mm(GX, GW, OFFSETS.astype(np.float64)), "offsets must be int32 or int64"),
         ("offsets 2-D", lambda: grouped_mm(GX, GW, OFFSETS.reshape(2, 2)), "offsets must have 1 dimensions"),
         ("offsets too short", lambda: grouped_mm(GX, GW, OFFSETS[:-1]), "E + 1 = 4 entries"),
-        ("offsets[0] negative", lambda: grouped_mm(GX, GW, OFFSETS - 1), "offsets[0] is -1"),
+        ("offsets[0] != 0", lambda: grouped_mm(GX, GW, OFFSETS + 1), "offsets[0] is 1"),
         ("offsets decrease", lambda: grouped_mm(GX, GW, np.array([0, 12, 10, 24])), "must not decrease"),
         ("offsets past the rows", lambda: grouped_mm(GX, GW, np.array([0, 10, 10, 25])), "past the 24 rows"),
         ("offsets negative", lambda: grouped_mm(GX, GW, np.array([0, -1, 10, 24])), "must not decrease"),
