@@ -114,7 +114,7 @@ def fake_gpu(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("task", ["up", "up_act", "down", "relay"])
+@pytest.mark.parametrize("task", ["up", "up_act", "down", "down_y", "relay"])
 def test_the_probe_reads_the_task_time_back(fake_gpu, task):
     barriers = []
     bench = FusedBench(fake_cupy, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES)
@@ -126,9 +126,12 @@ def test_the_probe_reads_the_task_time_back(fake_gpu, task):
         assert [r.at_work for r in rounds] == [grid] * device.FUSED_ROUNDS  # every CTA from the start
         assert [r.start_ns for r in rounds] == [10**6] * device.FUSED_ROUNDS  # the first task's start
     assert barriers == [1] * 3 + [7] * 3 + [32] * 3  # a barrier before every round
-    launches = fake_gpu["fused_down_combine" if task == "down" else "fused_dispatch_up"].launches
+    launches = fake_gpu["fused_down_combine" if task.startswith("down") else "fused_dispatch_up"].launches
     assert [int(v["epoch"]) for v in launches] == list(range(1, 11))  # a warm-up, then three rounds per grid
     assert fake_gpu["hold_stream"].holds == [device.FUSED_HOLD_NS] * 10  # each launch behind a hold
+    if task.startswith("down"):  # y kept as a training forward's kernel B keeps it, or not
+        assert isinstance(launches[-1]["y"], np.ndarray) == (task == "down_y")
+        assert launches[-1]["y"] is not launches[-1]["out"]
     if task in ("up", "up_act"):
         assert isinstance(launches[-1]["h"], np.ndarray) == (task == "up")
         assert int(launches[-1]["ffn"]) == 2048 and int(launches[-1]["hidden"]) == 128

@@ -12,7 +12,7 @@ from ultraep.tune import PROFILE_VERSION, MachineProfile, load_profile, profile_
 from ultraep.tune.__main__ import main as tune_main
 from ultraep.tune import host
 from ultraep.tune.host import HostProbe
-from ultraep.tune.profile import CACHE_VARIABLE
+from ultraep.tune.profile import CACHE_VARIABLE, FUSED_TASKS
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,7 @@ def test_host_profile_is_measured_cached_and_reused(tmp_path):
     fused = profile.fused
     assert fused.grids == (1,) and fused.sharing == 1 and profile.shared_fused is None
     assert (fused.up_k, fused.down_k) == HostProbe.fused_reductions
-    assert all(v > 0 for task in ("up", "up_act", "relay", "down") for row in getattr(fused, task) for v in row)
+    assert all(v > 0 for task in FUSED_TASKS for row in getattr(fused, task) for v in row)
     assert float(fused.up_tile_s(fused.up_k[0], 1)) == pytest.approx(fused.up[0][0])
     assert profile.fused_costs(4) is fused  # no measurement with 4 processes at once: this one's own
     curve = profile.compute
@@ -171,6 +171,14 @@ def test_fused_costs_are_lines_in_k_and_linear_between_grids():
     assert float(costs.up_tile_s(1000, 1, keeps_h=False)) == pytest.approx(5e-6)
     assert float(costs.relay_task_s(1000, 8)) == pytest.approx(2e-6)
     assert float(costs.down_tile_s(1000, 1)) == pytest.approx(5e-6)
+    # the down tiles storing y: where not measured, those without stand for them, and the table says so
+    assert costs.down_y is None and "not measured" in costs.down_y_note
+    assert costs.down_y_note in "\n".join(costs.table())
+    storing = dataclasses.replace(costs, down_y=((5e-6, 5e-6), (7e-6, 7e-6)))
+    assert float(storing.down_tile_s(1000, 1)) == pytest.approx(6e-6) and storing.down_y_note is None
+    assert float(storing.down_tile_s(1000, 1, keeps_y=False)) == pytest.approx(5e-6)
+    with pytest.raises(ProfileError, match="down_y needs one positive time"):
+        dataclasses.replace(costs, down_y=((5e-6,), (7e-6, 7e-6)))
     # a line through noise may cross zero short of the reductions measured: never below the
     # shortest one's time in proportion, never beyond the longest below its time
     noisy = dataclasses.replace(costs, down=((1e-6, 1e-6), (9e-6, 9e-6)))
@@ -190,12 +198,14 @@ def test_shared_fused_costs_are_the_slowest_process():
     # per grid, the CTAs at work of three rounds: one process lacks CTAs in a round, then the other;
     # of the down tiles, one process lacks two in two rounds
     one = {"up": [[1.0, 2.0]], "up_act": [[1.0, 1.0]], "relay": [[3.0, 3.0]], "down": [[2.0, 2.0]],
-           "ctas_at_work": [[1, 1, 1], [3, 4, 4]], "down_ctas_at_work": [[1, 1, 1], [4, 4, 4]]}
+           "down_y": [[2.5, 2.0]], "ctas_at_work": [[1, 1, 1], [3, 4, 4]],
+           "down_ctas_at_work": [[1, 1, 1], [4, 4, 4]]}
     other = {"up": [[1.5, 1.0]], "up_act": [[1.0, 4.0]], "relay": [[1.0, 1.0]], "down": [[2.0, 5.0]],
-             "ctas_at_work": [[1, 1, 1], [4, 3, 4]], "down_ctas_at_work": [[1, 1, 1], [2, 4, 2]]}
+             "down_y": [[2.0, 6.0]], "ctas_at_work": [[1, 1, 1], [4, 3, 4]],
+             "down_ctas_at_work": [[1, 1, 1], [2, 4, 2]]}
     costs = fused_costs([one, other], (1, 4), (64,), (32,))
     assert costs.sharing == 2 and costs.up == ((1.5, 2.0),) and costs.up_act == ((1.0, 4.0),)
-    assert costs.relay == ((3.0, 3.0),) and costs.down == ((2.0, 5.0),)
+    assert costs.relay == ((3.0, 3.0),) and costs.down == ((2.0, 5.0),) and costs.down_y == ((2.5, 6.0),)
     # each process's median round has all 4 at work; the group's median round lacks one
     assert costs.ctas_at_work == (1.0, 3.0) and costs.relays_on_store_warps
     assert costs.down_ctas_at_work == (1.0, 2.0) and costs.down_at_work_note is None
@@ -216,15 +226,15 @@ def test_kernel_a_tasks_are_released_together_and_each_kernel_counts_its_own_cta
         def fused_rounds(self, task, k, grid, together, release=None):
             together()
             self.calls.append((task, release))
-            at_work = grid - 1 if task == "down" and grid > 1 else grid
+            at_work = grid - 1 if task.startswith("down") and grid > 1 else grid
             return [FusedRound(1e-6, at_work, 100 * len(self.calls) + i) for i in range(2)]
 
     release = object()
     tables = measure_fused(Probe(), (1, 4), together=lambda: None, release=release)
     assert [(task, r is release) for task, r in Probe.calls] == [
         ("up", True), ("up", True), ("up_act", True), ("up_act", True), ("relay", True), ("relay", True),
-        ("down", False), ("down", False)]
-    assert tables["ctas_at_work"] == [[1] * 4, [4] * 4] and tables["down_ctas_at_work"] == [[1, 1], [3, 3]]
+        ("down", False), ("down", False), ("down_y", False), ("down_y", False)]
+    assert tables["ctas_at_work"] == [[1] * 4, [4] * 4] and tables["down_ctas_at_work"] == [[1] * 4, [3] * 4]
     assert tables["starts"]["down"] == [700, 701, 800, 801]
     with pytest.raises(ProfileError, match="no device to release"):
         HostProbe().fused_rounds("up", 64, 1, lambda: None, release=lambda: None)
@@ -280,4 +290,17 @@ def test_a_version_6_or_7_profile_is_read_beside_measurements_with_its_ctas_at_w
     assert list(stored.fused.working_down_ctas(stored.fused.grids)) == at_work
     assert "kernel A's stand for them" in stored.fused.down_at_work_note
     with pytest.raises(ProfileError, match="bad or missing field: 'down_ctas_at_work'"):
-        MachineProfile.from_json(dict(old, version=8))
+        MachineProfile.from_json(dict(old, version=PROFILE_VERSION))
+
+
+def test_a_version_8_profile_is_read_beside_measurements_without_down_tiles_storing_y():
+    data = json.loads(json.dumps(measured().to_json()))
+    assert data["fused"]["down_y"] is not None  # this version measures them
+    fused = {k: v for k, v in data["fused"].items() if k != "down_y"}
+    old = dict(data, version=8, fused=fused)
+    with pytest.raises(ProfileError, match="format version 8"):
+        MachineProfile.from_json(old)
+    stored = MachineProfile.from_json(old, stored=True)
+    assert stored.fused.down_y is None and "before version 9" in stored.fused.down_y_note
+    with pytest.raises(ProfileError, match="bad or missing field: 'down_y'"):
+        MachineProfile.from_json(dict(old, version=PROFILE_VERSION))

@@ -45,9 +45,12 @@ def test_device_profile_is_plausible_and_cached(tmp_path):
     for at_work in (fused.ctas_at_work, fused.down_ctas_at_work):
         assert all(0.95 * g <= v <= g for v, g in zip(at_work, fused.grids)), at_work
     assert fused.relays_on_store_warps
+    assert fused.down_y is not None and fused.down_y_note is None
     for k in fused.down_k:
         tile = fused.down_tile_s(k, fused.grids)
         assert np.all(0.2e12 < 2.0 * 128 * 256 * k / tile) and np.all(2.0 * 128 * 256 * k / tile < 10e12), tile
+        # storing y too stores each tile twice: never cheaper
+        assert np.all(tile >= fused.down_tile_s(k, fused.grids, keeps_y=False) * 0.98)
     curve = profile.compute
     seconds = dict(zip(curve.rows_per_expert, curve.seconds))
     assert seconds[32] < 1.5 * seconds[8], seconds  # weight-bound: 4x the rows, about the same time

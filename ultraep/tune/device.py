@@ -10,11 +10,11 @@ needs the GPU's time), the fused tasks from the kernels' own task timeline.
 The fused kernels (:class:`FusedBench`) run on one process's synthetic problem, no token
 sent: kernel A with its M-tiles' relay flags already set (up tiles alone, storing ``h``
 or not) or with no up tile (relays alone), kernel B with no token to reduce (down tiles
-alone, each publishing its ``done`` flag as in a layer). A layer reads each slot's weights
-from HBM (its slots' weights are several times the L2, and every call walks all of them),
-so every launch of the probe reads weight slots that the launches before it have not
-touched for :data:`FUSED_COLD_L2S` L2s (a pool of slots the launches walk through), never
-the ones the last launch left in L2. Their arguments are passed by the
+alone, storing ``y`` or not, each publishing its ``done`` flag as in a layer). A layer
+reads each slot's weights from HBM (its slots' weights are several times the L2, and every
+call walks all of them), so every launch of the probe reads weight slots that the launches
+before it have not touched for :data:`FUSED_COLD_L2S` L2s (a pool of slots the launches
+walk through), never the ones the last launch left in L2. Their arguments are passed by the
 names the kernel source declares, so a kernel whose parameters change is refused with the
 name this probe does not know, never launched with arguments out of place.
 """
@@ -319,7 +319,8 @@ class FusedBench:
     * ``relay``: kernel A with no up tile (ffn 0), each M-tile's rows flagged as arrived and
       copied from landing rows of their own;
     * ``down``: kernel B with no token to reduce, ``k`` = ffn, hidden 4096: down tiles into a
-      heap of this process's, each M-tile's last one publishing its ``done`` flag.
+      heap of this process's, each M-tile's last one publishing its ``done`` flag;
+    * ``down_y``: the same storing each tile into ``y`` too (a training forward's kernel B).
 
     Each launch waits on the device behind ``timing.cu``'s ``hold_stream`` (as ``tune
     validate``'s forwards do), so it starts as the device reaches it, not as the host gets
@@ -336,14 +337,14 @@ class FusedBench:
         from ultraep.compute.device import _TensorMaps
         from ultraep.runtime.kernels import get_function, kernel_constant
 
-        if task not in ("up", "up_act", "relay", "down"):
+        if task not in ("up", "up_act", "relay", "down", "down_y"):
             raise ProfileError(f"no fused task {task!r}")
         self.cp, self.device, self.task, self.key = cp, device, task, (task, k)
         constant = lambda name: kernel_constant(FUSED_KERNELS, name)  # noqa: E731
         self.bm, self.box = constant("FM_BM"), constant("GH_BOX")
         self.kind = constant({"up": "FM_KIND_UP", "up_act": "FM_KIND_UP", "relay": "FM_KIND_RELAY",
-                              "down": "FM_KIND_DOWN"}[task])
-        self.kernel_name = "fused_down_combine" if task == "down" else "fused_dispatch_up"
+                              "down": "FM_KIND_DOWN", "down_y": "FM_KIND_DOWN"}[task])
+        self.kernel_name = "fused_down_combine" if task.startswith("down") else "fused_dispatch_up"
         self.tiles_per_slot = 0 if task == "relay" else (FUSED_SLOT_ROWS // self.bm) * FUSED_COLUMN_BLOCKS
         self.tasks_per_slot = self.tiles_per_slot or FUSED_SLOT_ROWS // self.bm
         waves = FUSED_RELAY_WAVES if task == "relay" else FUSED_TILE_WAVES
@@ -363,12 +364,13 @@ class FusedBench:
             self.status = cp.zeros(constant("FM_STATUS_WORDS"), np.int64)
             self.outcome = cp.zeros(1, np.int32)  # the token map's verdict: OK
             self.trace = cp.zeros((self.slots * self.tasks_per_slot, constant("FM_TRACE_WORDS")), np.uint64)
-            if task == "down":
+            if task.startswith("down"):
                 ffn, hidden = k, FUSED_COLUMN_BLOCKS * constant("FM_DOWN_COLS")
                 self._pools(maps, l2_bytes, "act_map", ffn, "w_down_map", (ffn, hidden))
                 self.heap, offsets = _carve(cp, (("expert_out", rows * hidden * 2), ("done", m_tiles * 8)))
                 self.flags = None
                 self.down_count = cp.zeros(m_tiles, np.int32)
+                self.y = cp.empty((rows, hidden), np.int16) if task == "down_y" else None
                 self.fixed = dict(ffn=np.int32(ffn), hidden=np.int32(hidden),
                                   expert_out_offset=np.uint64(offsets["expert_out"]),
                                   done_offset=np.uint64(offsets["done"]), down_count=self.down_count)
@@ -405,8 +407,8 @@ class FusedBench:
             self.fixed.update(peer_bases=self.bases, me=np.int32(0), tokens=np.int32(0), top_k=np.int32(1), ids=unread,
                               gates=unread, positions=unread, base=unread, timeout_ns=np.uint64(FUSED_TIMEOUT_NS),
                               counter=self.counter, status=self.status, outcome=self.outcome, trace=self.trace)
-            if task == "down":
-                self.fixed.update(out=unread, y=np.uint64(0))
+            if task.startswith("down"):
+                self.fixed.update(out=unread, y=np.uint64(0) if self.y is None else self.y)
             self._prepare(max_grid)[0](None)  # warm-up: the module's first launch, the buffers' first touch
             cp.cuda.get_current_stream().synchronize()
 

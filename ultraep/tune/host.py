@@ -109,8 +109,9 @@ class HostProbe:
     def fused_rounds(self, task: str, k: int, grid: int, together, release=None) -> list[FusedRound]:
         """A fused task of the host backend's kind, one tile's NumPy: an up tile's matmul of
         ``tile_shape`` over ``k`` and SwiGLU (and a copy of the accumulators, as ``h``, for
-        ``up``), a down tile's matmul, a relay's copy of ``tile_shape[0]`` rows of ``k``; one
-        round after ``together()``, its time per call, its one worker at work and its start.
+        ``up``), a down tile's matmul (and a copy of it, as ``y``, for ``down_y``), a relay's
+        copy of ``tile_shape[0]`` rows of ``k``; one round after ``together()``, its time per
+        call, its one worker at work and its start.
         ``release``: a device's (the host has none to wait on)."""
         bm, bn = self.tile_shape
         rng = np.random.default_rng(k)
@@ -128,8 +129,13 @@ class HostProbe:
             gate, value = acc[:, :bn // 2], acc[:, bn // 2:]
             np.multiply(gate / (1.0 + np.exp(-gate)), value, out=act)
 
+        def down(keep: bool):
+            np.matmul(x, w, out=acc)
+            if keep:
+                np.copyto(kept, acc)
+
         calls = {"up": lambda: up(True), "up_act": lambda: up(False), "relay": lambda: np.copyto(landing, x),
-                 "down": lambda: np.matmul(x, w, out=acc)}
+                 "down": lambda: down(False), "down_y": lambda: down(True)}
         if release is not None:
             raise ProfileError("the host backend's fused tasks have no device to release them")
         together()

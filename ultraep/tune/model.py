@@ -54,7 +54,7 @@ import numpy as np
 
 from ultraep.errors import ProfileError
 from ultraep.runtime.kernels import kernel_constant
-from ultraep.tune.profile import MachineProfile
+from ultraep.tune.profile import UP_RELEASED_SINCE, MachineProfile
 
 JOIN_P = 4.0                 # two rates' limits joined as (a^p + b^p)^(1/p)
 MAX_THREADS_PER_SM = 2048    # resident threads per SM (compute capability 9.0)
@@ -283,6 +283,14 @@ def pull_s(profile: MachineProfile, problem: Problem, grid):
 # measures how many the unluckiest rank has, in each kernel (FusedCosts.working_ctas,
 # working_down_ctas); the tiles cost what they cost at the grid (every rank's CTAs contend as
 # launched), their waves run over the CTAs at work.
+#
+# The sharers' down tile runs start as their hosts leave a barrier, milliseconds apart (3.9 ms
+# at 8 sharers, 1.7 at 4, of 1.5-2.8 ms runs), so they overlap only in part; a layer's kernels
+# B overlap almost wholly (each starts as its rank's kernel A ends, within a fraction of it).
+# Their up tile runs start together behind a device barrier (profile version 8 on): a down
+# tile costs what it costs alone times what running together costs the up tiles that keep h
+# at the grid -- of the probe's tiles, those whose stores per microsecond are nearest a down
+# tile's (160 KB in 30-58 us against 64 KB in 12-24 us; the up tiles without h store a fifth).
 
 COPY_LOADS_IN_FLIGHT = 4     # heap.cu copy_vectors' 16-byte loads in flight a thread (copy_warp_bytes_per_s)
 REDUCE_INDEX_TRIPS = 3       # a reduce lane's loads before its rows: ids; base, rank_off, rank_mtile; its done flag
@@ -370,23 +378,37 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     return profile.kernel_s + body
 
 
+def _down_tile_s(profile: MachineProfile, problem: Problem, ctas):
+    """A down tile of ``problem`` at ``ctas`` CTAs (float array) with every rank of its GPU
+    running theirs: storing y too in a training forward (``problem.keeps_h``: the fused forward
+    keeps h and y together); with sharers, the tile alone times the up tiles' (keeping h)
+    shared over alone time at the grid, the mean over their reductions, where those were
+    measured together (the section's comment)."""
+    costs = profile.fused_costs(problem.ranks_per_gpu)
+    alone = profile.fused
+    if costs is alone or profile.version < UP_RELEASED_SINCE:
+        return costs.down_tile_s(problem.ffn, ctas, problem.keeps_h)
+    contention = np.mean([costs.up_tile_s(k, ctas) / alone.up_tile_s(k, ctas) for k in costs.up_k], axis=0)
+    return alone.down_tile_s(problem.ffn, ctas, problem.keeps_h) * contention
+
+
 def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens, working=None):
     """Kernel B of the busiest rank on ``ctas`` CTAs, ``working`` of them at work (default:
     the profile's unluckiest rank's in kernel B, measured on the down tiles since profile
-    version 8, kernel A's before): the down tiles (``bm`` x ``down_cols`` over ``ffn``)
-    in waves of the measured tile over the CTAs at work; then the reduce tasks, a claim and
-    per round of FM_TASK_WARPS tokens a token's dependent round trips: REDUCE_INDEX_TRIPS
-    loads to find its slots' rows and done flags, then per block of FM_DOWN_COLS columns its
-    slots' rows read FM_REDUCE_UNROLL at once. Reduces fill the last wave's idle CTAs; what
-    does not fit there, at least one task, extends the kernel in rounds of one whole task per
-    CTA at work, each bounded by its share of the reduces' traffic too."""
+    version 8, kernel A's before): the down tiles (``bm`` x ``down_cols`` over ``ffn``,
+    :func:`_down_tile_s`) in waves of the tile over the CTAs at work; then the reduce tasks,
+    a claim and per round of FM_TASK_WARPS tokens a token's dependent round trips:
+    REDUCE_INDEX_TRIPS loads to find its slots' rows and done flags, then per block of
+    FM_DOWN_COLS columns its slots' rows read FM_REDUCE_UNROLL at once. Reduces fill the last
+    wave's idle CTAs; what does not fit there, at least one task, extends the kernel in rounds
+    of one whole task per CTA at work, each bounded by its share of the reduces' traffic too."""
     ctas = np.asarray(ctas, np.float64)
     reduce_tokens = np.asarray(reduce_tokens, np.float64)
     costs = profile.fused_costs(problem.ranks_per_gpu)
     working = _working(costs.working_down_ctas, ctas, working)
     col_blocks = -(-problem.hidden // FM_DOWN_COLS)
     down_tiles = problem.m_tiles() * col_blocks
-    tile = costs.down_tile_s(problem.ffn, ctas)
+    tile = _down_tile_s(profile, problem, ctas)
     waves = np.ceil(down_tiles / working)
     idle = (waves * working - down_tiles) * tile  # CTA-seconds free in the last wave
     token_trips = REDUCE_INDEX_TRIPS + -(-problem.top_k // FM_REDUCE_UNROLL) * col_blocks

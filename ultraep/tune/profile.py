@@ -36,14 +36,17 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   6: a layer's tiles read rows relayed or written hundreds of MB before); and at each grid
   the CTAs at work, those that started a tile in the first half of a run (version 6), each
   run as long as a layer's kernel A (version 7), of the up tiles (kernel A's) and of the
-  down tiles (kernel B's) apart (version 8);
+  down tiles (kernel B's) apart (version 8); the down tiles with and without storing ``y``
+  (a training forward's kernel B stores each tile twice, version 9);
   ``shared_fused``: the same with every process sharing this GPU running it at once
   (:func:`~ultraep.tune.replicas.group_profile`, as ``shared_copy_bytes_per_s``), the CTAs
   at work the unluckiest process's: under MPS shares that overlap, one process's grid need
   not find its SMs while the others hold theirs (version 6; version 7's runs, long and held
   behind a stream hold, overlap as a layer's kernels do: version 6's mostly took turns;
   version 8's kernel A runs start together behind a device barrier of the sharers, as a
-  layer's kernel A does);
+  layer's kernel A does; the down tile runs start as their hosts leave a barrier,
+  milliseconds apart, and overlap in part: the model takes the up tiles' contention for
+  them, ``model.py``);
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
   grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, timed on the device
   alone (the host's part is ``launch_s``), ``np.matmul`` (float32) per expert on the host.
@@ -75,17 +78,19 @@ import numpy as np
 from ultraep.errors import ProfileError
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
 # Versions whose fields this one reads when a profile is kept beside measurements (a
 # ``tune validate --json``, replayed): before 6 no CTAs at work were measured, and kernel A's
 # relays were claimed tasks between its sends and its tiles (they run on the store warps since);
 # before 8 one count of CTAs at work stood for the up and the down tiles together, and the
 # sharers' up tile runs started as their hosts left a barrier; 6's runs (8 waves, a fraction of
 # a millisecond) hardly overlapped, so its shared times and CTAs at work are those of processes
-# taking turns.
-STORED_VERSIONS = (4, 5, 6, 7, PROFILE_VERSION)
+# taking turns; before 9 the down tiles were measured without storing y.
+STORED_VERSIONS = (4, 5, 6, 7, 8, PROFILE_VERSION)
 CTAS_AT_WORK_SINCE = 6  # the first version that measured the CTAs at work
 DOWN_CTAS_AT_WORK_SINCE = 8  # the first that measured the down tiles' own
+UP_RELEASED_SINCE = 8  # the first whose sharers' up tile runs start together, as a layer's kernel A
+DOWN_Y_SINCE = 9  # the first that measured the down tiles storing y
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
@@ -127,9 +132,11 @@ class ComputeCurve:
                 for rows, seconds in zip(self.rows_per_expert, self.seconds)]
 
 
-FUSED_TASKS = ("up", "up_act", "relay", "down")
+FUSED_TASKS = ("up", "up_act", "relay", "down", "down_y")
+OPTIONAL_TASKS = ("down_y",)  # None: not measured (a profile before DOWN_Y_SINCE), "down" stands for it
 # the tile tasks whose runs count CTAs at work, and the field each counts for: kernel A's, kernel B's
-AT_WORK_OF = {"up": "ctas_at_work", "up_act": "ctas_at_work", "down": "down_ctas_at_work"}
+AT_WORK_OF = {"up": "ctas_at_work", "up_act": "ctas_at_work", "down": "down_ctas_at_work",
+              "down_y": "down_ctas_at_work"}
 # kernel A's tasks: their shared runs start as a layer's kernel A does, as every rank leaves a device
 # barrier (the token map's last); kernel B's as a layer's does, as each rank's own kernel A ends
 RELEASED_TASKS = ("up", "up_act", "relay")
@@ -146,7 +153,10 @@ class FusedCosts:
     * ``up_act[i][g]``: the same storing ``act`` alone (``backward=False``);
     * ``relay[i][g]``: per relay task (``FM_BM`` rows of ``2 * up_k[i]`` bytes);
     * ``down[i][g]``: per down tile (``FM_BM`` x ``FM_DOWN_COLS``) over ``down_k[i]``, its
-      system fences and ``done`` flag included;
+      system fences and ``done`` flag included, storing it into ``expert_out`` (an inference
+      forward's kernel B);
+    * ``down_y[i][g]``: the same storing it into ``y`` too (a training forward's; None: not
+      measured, profiles before version 9: ``down`` stands for it);
     * ``ctas_at_work[g]``: of ``grids[g]`` CTAs, those that started an up tile in the first
       half of an up tile run -- with several sharers the fewest of any process in a round, the
       median round (None: not measured, every CTA taken to work): kernel A's;
@@ -171,6 +181,7 @@ class FusedCosts:
     ctas_at_work: tuple[float, ...] | None = None
     relays_on_store_warps: bool = True
     down_ctas_at_work: tuple[float, ...] | None = None
+    down_y: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self):
         grids = list(self.grids)
@@ -183,7 +194,9 @@ class FusedCosts:
                 raise ProfileError(f"fused: {name} must rise from >= 1, got {list(ks)}")
         for task in FUSED_TASKS:
             table = getattr(self, task)
-            rows = len(self.down_k if task == "down" else self.up_k)
+            if table is None and task in OPTIONAL_TASKS:
+                continue
+            rows = len(self.down_k if task.startswith("down") else self.up_k)
             if len(table) != rows or any(len(row) != len(grids) for row in table) \
                     or not all(math.isfinite(v) and v > 0 for row in table for v in row):
                 raise ProfileError(f"fused: {task} needs one positive time per reduction ({rows}) and grid "
@@ -203,9 +216,11 @@ class FusedCosts:
         """A relay task of ``FM_BM`` rows of ``hidden`` elements at ``ctas`` CTAs per process."""
         return self._at(self.relay, self.up_k, hidden, ctas)
 
-    def down_tile_s(self, k: int, ctas) -> np.ndarray:
-        """A down tile over a reduction of ``k`` at ``ctas`` CTAs per process."""
-        return self._at(self.down, self.down_k, k, ctas)
+    def down_tile_s(self, k: int, ctas, keeps_y: bool = True) -> np.ndarray:
+        """A down tile over a reduction of ``k`` at ``ctas`` CTAs per process, storing ``y`` too
+        or not (``keeps_y``); without ``y`` where the profile did not measure it with
+        (:attr:`down_y_note` says so)."""
+        return self._at(self.down_y if keeps_y and self.down_y is not None else self.down, self.down_k, k, ctas)
 
     def working_ctas(self, ctas) -> np.ndarray:
         """Of ``ctas`` CTAs per process (array-like), those the unluckiest process has at work
@@ -224,6 +239,14 @@ class FusedCosts:
         if self.down_ctas_at_work is None and self.ctas_at_work is not None:
             return ("kernel B's CTAs at work were not measured apart (profile before version 8): kernel A's stand "
                     "for them")
+        return None
+
+    @property
+    def down_y_note(self) -> str | None:
+        """Why a training forward's down tiles cost what they cost without storing y, where they do."""
+        if self.down_y is None:
+            return ("the down tiles storing y (a training forward's kernel B) were not measured (profile before "
+                    "version 9): those without stand for them")
         return None
 
     def _working(self, at_work, ctas) -> np.ndarray:
@@ -257,7 +280,8 @@ class FusedCosts:
             raise TypeError(f"relays_on_store_warps must be true or false, got {relays_on_store_warps!r}")
         return cls(grids=tuple(int(v) for v in data["grids"]), sharing=_count(data, "sharing"),
                    up_k=tuple(int(v) for v in data["up_k"]), down_k=tuple(int(v) for v in data["down_k"]),
-                   **{task: tuple(tuple(float(v) for v in row) for row in data[task]) for task in FUSED_TASKS},
+                   **{task: None if data[task] is None and task in OPTIONAL_TASKS
+                      else tuple(tuple(float(v) for v in row) for row in data[task]) for task in FUSED_TASKS},
                    ctas_at_work=None if at_work is None else tuple(float(v) for v in at_work),
                    relays_on_store_warps=relays_on_store_warps,
                    down_ctas_at_work=None if down_at_work is None else tuple(float(v) for v in down_at_work))
@@ -267,14 +291,13 @@ class FusedCosts:
         lines = [f"  fused kernels' tasks, us, by CTAs per process ({self.sharing} process"
                  f"{'es' if self.sharing > 1 else ''} of this GPU at once)",
                  f"  {'task':>22}  " + "".join(f"{g:>8d}" for g in self.grids)]
-        for task, ks in (("up", self.up_k), ("up_act", self.up_k), ("relay", self.up_k), ("down", self.down_k)):
-            for k, row in zip(ks, getattr(self, task)):
+        for task in FUSED_TASKS:
+            for k, row in zip(self.down_k if task.startswith("down") else self.up_k, getattr(self, task) or ()):
                 lines.append(f"  {f'{task} k={k}':>22}  " + "".join(f"{v * 1e6:8.1f}" for v in row))
         for name, at_work in (("up", self.ctas_at_work), ("down", self.down_ctas_at_work)):
             if at_work is not None:
                 lines.append(f"  {f'{name} CTAs at work':>22}  " + "".join(f"{v:8.1f}" for v in at_work))
-        if self.down_at_work_note:
-            lines.append(f"  ({self.down_at_work_note})")
+        lines += [f"  ({note})" for note in (self.down_at_work_note, self.down_y_note) if note]
         return lines
 
 
@@ -339,8 +362,8 @@ class MachineProfile:
         """A profile from :meth:`to_json`'s dict; ProfileError naming what is missing or wrong.
         ``stored``: one kept beside measurements, which may be of any of
         :data:`STORED_VERSIONS` (read as it was measured: no CTAs at work, relays as claimed
-        tasks before version 6; no down tiles' CTAs at work apart before 8); the cache takes
-        this version only."""
+        tasks before version 6; no down tiles' CTAs at work apart before 8; no down tiles
+        storing y before 9); the cache takes this version only."""
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ProfileError(f"not a machine profile (no \"format\": \"{PROFILE_FORMAT}\")")
         version = data.get("version")
@@ -353,6 +376,8 @@ class MachineProfile:
             before.update(ctas_at_work=None, relays_on_store_warps=False)
         if version < DOWN_CTAS_AT_WORK_SINCE:
             before.update(down_ctas_at_work=None)
+        if version < DOWN_Y_SINCE:
+            before.update(down_y=None)
         data = dict(data, **{name: {**before, **data[name]}
                              for name in ("fused", "shared_fused") if isinstance(data.get(name), dict)})
         try:
@@ -507,7 +532,7 @@ def measure_fused(probe, grids, progress: Callable[[str], None] | None = None,
     tables["starts"] = {task: [] for task in FUSED_TASKS}
     for task in FUSED_TASKS:
         tables[task] = []
-        for k in down_k if task == "down" else up_k:
+        for k in down_k if task.startswith("down") else up_k:
             row = []
             for g, grid in enumerate(grids):
                 rounds = probe.fused_rounds(task, k, grid, together, release if task in RELEASED_TASKS else None)
