@@ -7,11 +7,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.tune.synthetic import h200_like
+from tests.tune.synthetic import fused_like, h200_like
 from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
-from ultraep.tune.model import (DISPATCH_THREADS, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
-                                Problem, SyncProblem, _task_rounds_s, combine_s, dispatch_s, fused_down_s,
+from ultraep.tune.device import DISPATCH_POINTER_BYTES
+from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_THREADS, DISPATCH_UNROLL, FM_BM, FM_DOWN_COLS,
+                                FM_UP_COLS, PIECE_BYTES, SYNC_WARPS, WARP_THREADS, Problem, SyncProblem,
+                                _task_rounds_s, combine_s, dispatch_blocks_per_sm, dispatch_s, fused_down_s,
                                 fused_up_s, fused_windows, join, predict, pull_s, weight_sync_s)
 
 PROFILE = h200_like()
@@ -74,9 +76,9 @@ def test_sync_problem_from_a_plan():
 
 
 def test_the_dispatch_block_is_the_dispatchers():
-    from ultraep.token.device import THREADS
+    from ultraep.token.device import POINTER_BYTES, THREADS
 
-    assert DISPATCH_THREADS == THREADS
+    assert (DISPATCH_THREADS, DISPATCH_POINTER_BYTES) == (THREADS, POINTER_BYTES)
 
 
 def test_dispatch_and_combine_scale_with_the_bytes_once_bandwidth_binds():
@@ -249,24 +251,74 @@ def test_join_lies_between_the_larger_limit_and_their_sum():
     assert np.all(joined >= np.maximum(a, b)) and np.all(joined <= a + b) and joined[0] == 1.0
 
 
-def test_dispatch_kernels_are_warp_bound_on_small_grids_and_bandwidth_bound_on_resident_ones():
-    """Per grid: a warp per unit, 8 warps a block; the send reads a token once and stores it
-    once per destination rank ((1 + crossings) / 2 rows copied); nothing is flat while the
+def test_dispatch_kernels_wait_for_what_they_read_on_small_grids_and_for_the_bandwidth_on_resident_ones():
+    """Per grid: a warp per unit, 8 warps a block, a round trip (heap.cu's copy round at the
+    per-warp rate) per UNROLL 16-byte vectors a lane loads: a token sent waits for one row's
+    loads whatever it stores, a received row for one row's, a token reduced or pulled for its
+    top_k rows' -- 8 KB rows: 4 rounds a row, 32 a token summed; nothing is flat while the
     warps bind, nothing moves once the bandwidth does."""
-    row, warps = PROBLEM.row_bytes, DISPATCH_THREADS // 32
-    recv = float(PROBLEM.rows.sum())
-    send_unit = (1 + PROBLEM.crossings) / 2 * row
-    warp_bound = (np.ceil(PROBLEM.tokens / warps) * send_unit + np.ceil(recv / warps) * row) / \
-        PROFILE.copy_warp_bytes_per_s
-    assert float(dispatch_s(PROFILE, PROBLEM, 1)) == pytest.approx(warp_bound, rel=0.02)
+    trip = WARP_THREADS * 16 * COPY_LOADS_IN_FLIGHT / PROFILE.copy_warp_bytes_per_s
+    row_rounds, sum_rounds = 4, PROBLEM.row_bytes // (16 * WARP_THREADS) * PROBLEM.top_k // DISPATCH_UNROLL
+    assert (DISPATCH_UNROLL, sum_rounds) == (4, 32)
+    warps, recv = DISPATCH_THREADS // WARP_THREADS, float(PROBLEM.rows.sum())
+    tokens_a_warp, rows_a_warp = np.ceil(PROBLEM.tokens / warps), np.ceil(recv / warps)
+    assert float(dispatch_s(PROFILE, PROBLEM, 1)) == pytest.approx((tokens_a_warp + rows_a_warp) * row_rounds * trip,
+                                                                   rel=0.01)
+    assert float(combine_s(PROFILE, PROBLEM, 1)) == pytest.approx(
+        (rows_a_warp * row_rounds + tokens_a_warp * sum_rounds) * trip, rel=0.01)
+    assert float(pull_s(PROFILE, PROBLEM, 1)) == pytest.approx(tokens_a_warp * sum_rounds * trip, rel=0.01)
+    # a token stored to four ranks waits as long as one stored to one, until the bytes bind
+    one, every = (dataclasses.replace(PROBLEM, sends_per_token=sends) for sends in (1.0, 4.0))
+    assert float(dispatch_s(PROFILE, every, 1)) == pytest.approx(float(dispatch_s(PROFILE, one, 1)), rel=1e-3)
     resident = 8 * PROFILE.sm_count
+    assert float(dispatch_s(PROFILE, every, resident)) > 1.1 * float(dispatch_s(PROFILE, one, resident))
     grids = np.arange(1, resident + 1)
     times = dispatch_s(PROFILE, PROBLEM, grids)
     assert np.all(np.diff(times) <= 1e-12) and times[0] > 20 * times[-1]
-    copied = PROBLEM.tokens * send_unit + recv * row
+    copied = PROBLEM.tokens * (1 + PROBLEM.crossings) / 2 * PROBLEM.row_bytes + recv * PROBLEM.row_bytes
     assert times[-1] < 1.2 * copied / PROFILE.peer_bytes_per_s + 21 * PROFILE.kernel_s + 0.1e-3
     # the pull reads a token's rows where they lie: the combine's reduction without its sends
     assert float(pull_s(PROFILE, PROBLEM, resident)) < 0.5 * float(combine_s(PROFILE, PROBLEM, resident))
+
+
+def test_dispatch_blocks_beyond_the_measured_residency_run_in_waves():
+    """The copy kernels' registers leave room for fewer blocks than their threads would
+    (profile version 10 measures it): a grid past that runs its blocks with a unit in two
+    waves; blocks without one cost nothing."""
+    memory_free = dataclasses.replace(PROFILE, peer_bytes_per_s=1e18)  # the warps alone bind
+    assert dispatch_blocks_per_sm(PROFILE) == 8  # not measured: the threads' bound, 2048 / 256
+    five = dataclasses.replace(memory_free, dispatch_blocks_per_sm=5)
+    large = Problem(32768, 4096, 1536, 8, 64, 4)
+    resident = 5 * PROFILE.sm_count
+    fixed = 2 * PROFILE.flag_s + 3 * PROFILE.kernel_s
+    at, past = (float(pull_s(five, large, grid)) - fixed for grid in (resident, resident + 1))
+    assert past == pytest.approx(2 * at, rel=1e-3)  # 7 tokens a warp either way, in two waves past it
+    assert float(pull_s(memory_free, large, resident + 1)) <= float(pull_s(memory_free, large, resident))
+    # 4096 tokens need 512 blocks: no block past the residency has a unit
+    assert float(pull_s(five, PROBLEM, resident + 1)) == float(pull_s(five, PROBLEM, 8 * PROFILE.sm_count))
+
+
+def test_the_blocks_a_rank_finds_no_sm_for_run_alone_after_every_rank_s():
+    """Ranks sharing a GPU under MPS shares that overlap: the rank with the fewest SMs at
+    work (kernel A's CTAs at work, measured with every rank at once) has as many SMs' worth
+    of blocks at work; its others start when every block at work ends and run their units
+    then, so a grid that one rank cannot place costs at least one more block's units."""
+    quarter = dataclasses.replace(h200_like(sm_share=25), dispatch_blocks_per_sm=5,
+                                  shared_copy_bytes_per_s=2e12, shared_by=4)
+    grids = quarter.fused.grids
+    lagging = dataclasses.replace(quarter, shared_fused=dataclasses.replace(
+        fused_like(quarter.sm_count, sharing=4), ctas_at_work=tuple(float(min(g, 24)) for g in grids)))
+    placed = dataclasses.replace(lagging, shared_fused=dataclasses.replace(lagging.shared_fused, ctas_at_work=None))
+    shared = Problem(4096, 4096, 1536, 8, 64, 4, ranks_per_gpu=4)
+    assert grids[-4:] == (21, 25, 29, 33)  # every CTA at work up to 21, 24 from 25 on
+    fits = np.arange(1, 5 * 21 + 1)
+    for phase in (dispatch_s, combine_s, pull_s):
+        assert np.array_equal(phase(lagging, shared, fits), phase(placed, shared, fits))  # up to 21 SMs' worth
+        assert np.all(phase(lagging, shared, fits[-1] + 5) > phase(placed, shared, fits[-1] + 5))
+    full = 5 * quarter.sm_count  # every rank's share: 24 SMs' worth at work, 45 blocks late
+    block_s = np.ceil(4096 / (full * 8)) * 32 * WARP_THREADS * 16 * COPY_LOADS_IN_FLIGHT / quarter.copy_warp_bytes_per_s
+    lag = float(pull_s(lagging, shared, full)) - float(pull_s(placed, shared, full))
+    assert block_s <= lag < 1.5 * block_s
 
 
 def test_ranks_sharing_a_gpu_share_the_rate_measured_for_them():

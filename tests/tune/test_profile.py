@@ -304,3 +304,19 @@ def test_a_version_8_profile_is_read_beside_measurements_without_down_tiles_stor
     assert stored.fused.down_y is None and "before version 9" in stored.fused.down_y_note
     with pytest.raises(ProfileError, match="bad or missing field: 'down_y'"):
         MachineProfile.from_json(dict(old, version=PROFILE_VERSION))
+
+
+def test_a_version_9_profile_is_read_beside_measurements_without_the_copy_kernels_residency():
+    """Version 10 measures the Dispatcher's copy kernels' resident blocks per SM (0 on the
+    host, which has none); a version 9 profile is read with none, and the model takes the
+    threads' bound for it."""
+    data = json.loads(json.dumps(measured().to_json()))
+    assert data["dispatch_blocks_per_sm"] == 0 and "copy blocks          -" in measured().table()
+    old = dict({k: v for k, v in data.items() if k != "dispatch_blocks_per_sm"}, version=9)
+    with pytest.raises(ProfileError, match="format version 9"):
+        MachineProfile.from_json(old)
+    assert MachineProfile.from_json(old, stored=True).dispatch_blocks_per_sm == 0
+    with pytest.raises(ProfileError, match="bad or missing field: 'dispatch_blocks_per_sm'"):
+        MachineProfile.from_json(dict(old, version=PROFILE_VERSION))
+    with pytest.raises(ProfileError, match="dispatch_blocks_per_sm must be a non-negative integer"):
+        MachineProfile.from_json(dict(data, dispatch_blocks_per_sm=-1))

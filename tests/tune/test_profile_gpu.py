@@ -32,6 +32,8 @@ def test_device_profile_is_plausible_and_cached(tmp_path):
     assert 1e8 < profile.copy_warp_bytes_per_s < profile.peer_bytes_per_s / 64, profile.copy_warp_bytes_per_s
     assert 1e-9 <= profile.flag_s < 2e-5, profile.flag_s
     assert 1e-7 < profile.kernel_s < profile.launch_s * 2, (profile.kernel_s, profile.launch_s)
+    # the Dispatcher's copy kernels: 256 threads a block, their registers allow fewer than 2048 / 256
+    assert 1 <= profile.dispatch_blocks_per_sm <= 8, profile.dispatch_blocks_per_sm
     fused = profile.fused  # the fused kernels run on synthetic rows: a 128 x 256 tile at 0.2 .. 10 TFLOPS per SM
     assert fused.sharing == 1 and fused.grids[0] == 1 and fused.grids[-1] == profile.sm_count
     for k in fused.up_k:

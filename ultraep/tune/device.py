@@ -1,11 +1,12 @@
 """The GPU's micro-benchmarks (CuPy, one GPU of this process): a device-to-device copy,
 the heap's copy kernel into a peer GPU (or within this one) and on a few blocks, an empty
-kernel's launch, a flag handoff, the grouped GEMM at a few rows per expert, and the fused
-MoE kernels' tasks on synthetic rows. Each quantity is the time per call over a few
-batches of back-to-back calls (the fastest batch): the copies and the launch timed from
-the host around a synchronised batch, the GEMM on the device alone (at a few rows per
-expert the host takes longer to launch it than the GPU to run it, and the cost model
-needs the GPU's time), the fused tasks from the kernels' own task timeline.
+kernel's launch, a flag handoff, the Dispatcher's copy kernels' resident blocks per SM, the
+grouped GEMM at a few rows per expert, and the fused MoE kernels' tasks on synthetic rows.
+Each quantity is the time per call over a few batches of back-to-back calls (the fastest
+batch): the copies and the launch timed from the host around a synchronised batch, the GEMM
+on the device alone (at a few rows per expert the host takes longer to launch it than the
+GPU to run it, and the cost model needs the GPU's time), the fused tasks from the kernels'
+own task timeline; the resident blocks from the driver's occupancy of the kernels.
 
 The fused kernels (:class:`FusedBench`) run on one process's synthetic problem, no token
 sent: kernel A with its M-tiles' relay flags already set (up tiles alone, storing ``h``
@@ -32,6 +33,11 @@ from ultraep.errors import ProfileError
 from ultraep.tune.host import BATCH_S, MAX_CALLS, ROUNDS, FusedRound, seconds_per_call
 
 COPY_BYTES = 256 << 20          # several times the L2 cache: the copy runs at HBM speed
+# the Dispatcher's copy kernels' block, and pull_slots' dynamic shared memory a thread (a row
+# pointer): ultraep.token.device's THREADS and POINTER_BYTES, which this layer may not import
+# (a test holds them equal)
+DISPATCH_THREADS = 256
+DISPATCH_POINTER_BYTES = 8
 COPY_THREADS = 512              # threads per block of heap.cu's copy_bytes (as the peer-copy bench)
 COPY_BLOCKS_PER_SM = (1, 2, 4)  # grids tried for it; the fastest counts
 WARP_COPY_SM_FRACTION = 8       # the per-warp copy runs on one block per this many SMs: far from HBM's limit
@@ -219,6 +225,22 @@ class DeviceProbe:
             pointers = (source, target, np.uint64(WARP_COPY_BYTES))
             seconds = self._device_seconds(lambda: copy((blocks,), (COPY_THREADS,), pointers))
         return WARP_COPY_BYTES / seconds / (blocks * COPY_THREADS // 32)
+
+    def dispatch_blocks_per_sm(self) -> int:
+        """Blocks of the Dispatcher's copy kernels (every element type it compiles them for)
+        resident at once on an SM, the fewest of them, at the block and dynamic shared memory
+        the Dispatcher launches them with: the driver's occupancy for the kernels as compiled
+        here (their registers, not their threads, bound it)."""
+        from ultraep.runtime.kernels import get_function
+
+        occupancy = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor
+        shared = {"pull_slots": DISPATCH_THREADS * DISPATCH_POINTER_BYTES}  # a row pointer a thread
+        names = ["send_tokens", "expand_rows", "send_rows"] + [
+            f"{kernel}<{element}>" for kernel in ("reduce_slots", "pull_slots")
+            for element in ("__nv_bfloat16", "__half", "float")]
+        with self.cp.cuda.Device(self.device):
+            return min(occupancy(get_function("dispatch.cu", name).ptr, DISPATCH_THREADS,
+                                 shared.get(name.split("<")[0], 0)) for name in names)
 
     def flag_s(self) -> float:
         """A one-rank heap barrier (a system fence, a release store of its flag, an acquire

@@ -54,6 +54,7 @@ import numpy as np
 
 from ultraep.errors import ProfileError
 from ultraep.runtime.kernels import kernel_constant
+from ultraep.tune.device import DISPATCH_THREADS
 from ultraep.tune.profile import UP_RELEASED_SINCE, MachineProfile
 
 JOIN_P = 4.0                 # two rates' limits joined as (a^p + b^p)^(1/p)
@@ -63,7 +64,6 @@ WARP_THREADS = 32
 PIECE_BYTES = kernel_constant("transfer.cu", "PIECE_BYTES")
 SYNC_WARPS = kernel_constant("transfer.cu", "SYNC_WARPS")
 SYNC_MIN_BLOCKS = kernel_constant("transfer.cu", "SYNC_MIN_BLOCKS")
-DISPATCH_THREADS = 256       # the Dispatcher's copy kernels' block: ultraep.token.device.THREADS (a test holds it)
 FM_BM = kernel_constant("fused_moe.cu", "FM_BM")
 FM_UP_COLS = kernel_constant("fused_moe.cu", "FM_UP_COLS")
 FM_DOWN_COLS = kernel_constant("fused_moe.cu", "FM_DOWN_COLS")
@@ -208,60 +208,115 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 
 # -- dispatch and combine ------------------------------------------------------------------
 #
-# Every copy kernel of the Dispatcher is persistent and grid-stride with a warp per unit (a
-# token, or a received row) and moves a unit in rounds of UNROLL 16-byte vectors per lane:
-# a warp's rate is the profile's per-warp rate (heap.cu's copy keeps as many loads in
-# flight), so ``grid * 8`` resident warps copy at most that many times it, and a kernel's
-# time is its busiest warp's units -- the grid decides it until the bandwidth binds. Bytes
-# below are "copied" bytes (one read and one write each), as the profile's rates count them.
+# Every copy kernel of the Dispatcher (raw_kernels/dispatch.cu) is persistent and grid-stride
+# with a warp per unit (a token, or a received row). A warp's time is its dependent round
+# trips to memory: each lane issues UNROLL 16-byte loads, waits for them, then stores them
+# (stores do not wait), so a unit costs the rounds of what it *reads*, whatever it writes --
+# a token sent to three ranks waits for one row's loads, a token reduced for its top_k rows'.
+# A round trip is what heap.cu's copy rounds take at the per-warp rate (_round_trip_s: the
+# same 16-byte loads, as many in flight). The loads of a unit's indices (row maps, expert
+# ids, bases: small arrays just written, in L2) are not counted as round trips to memory.
+# Blocks beyond those resident at once run in later waves: the kernels' registers, not
+# their threads, bound them (profile.dispatch_blocks_per_sm, measured since version 10).
+# The bandwidth counts "copied" bytes (a byte read and one written: the profile's rates'
+# unit), so a unit's traffic and its rounds differ: a token sent to c ranks copies
+# (1 + c) / 2 rows in one row's rounds.
+#
+# Ranks sharing a GPU under MPS shares that overlap launch their kernels together (each
+# after a device barrier of all of them), as fused kernel A's ranks do, and one rank then
+# finds SMs for fewer of its blocks than it launched: the profile measures how many SMs
+# (kernel A's CTAs at work, one CTA an SM), so that rank has as many SMs' worth of blocks
+# at work. Every block moves its units at the rate of every other (the memory serves
+# their loads alike), so all ranks' blocks at work end together; that rank's other blocks
+# start then and run their units alone.
 
-def _dispatch_blocks_per_sm() -> int:
-    return MAX_THREADS_PER_SM // DISPATCH_THREADS
+DISPATCH_UNROLL = kernel_constant("dispatch.cu", "UNROLL")  # 16-byte loads in flight per lane
+DISPATCH_VECTOR_BYTES = kernel_constant("dispatch.cu", "VECTOR_BYTES")
 
 
-def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_copied_bytes: float, sharing: int):
+def dispatch_blocks_per_sm(profile: MachineProfile) -> int:
+    """Resident blocks of the Dispatcher's copy kernels per SM: the profile's measurement
+    (the fewest of the kernels, by the occupancy their registers allow), else -- profiles
+    before version 10, the host -- the bound of their threads alone."""
+    return profile.dispatch_blocks_per_sm or MAX_THREADS_PER_SM // DISPATCH_THREADS
+
+
+def _row_rounds(problem: Problem) -> int:
+    """Round trips of a warp reading one row: UNROLL vectors per lane at a time."""
+    return -(-problem.row_bytes // (DISPATCH_VECTOR_BYTES * WARP_THREADS * DISPATCH_UNROLL))
+
+
+def _sum_rounds(problem: Problem) -> int:
+    """Round trips of a warp summing a token's ``top_k`` rows (``sum_slots``): each lane walks
+    its vectors one at a time, loading that vector of UNROLL rows at once."""
+    vectors = -(-problem.row_bytes // (DISPATCH_VECTOR_BYTES * WARP_THREADS))
+    return vectors * -(-problem.top_k // DISPATCH_UNROLL)
+
+
+def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_rounds: int, copied_bytes: float,
+                   sharing: int):
     """One of the Dispatcher's copy kernels on ``grid`` blocks: ``units`` warp units of
-    ``unit_copied_bytes`` each (:func:`grid_copy_s`)."""
-    return grid_copy_s(profile, grid, DISPATCH_THREADS // WARP_THREADS, _dispatch_blocks_per_sm(), units,
-                       unit_copied_bytes, units * unit_copied_bytes, sharing)
+    ``unit_rounds`` round trips each, ``copied_bytes`` in all. A block's warps run
+    ``ceil(units / warps)`` units each, in as many waves as its blocks with a unit need
+    beyond those resident, joined with the bytes at the bandwidth; where ``sharing`` ranks
+    share the GPU, the blocks the unluckiest rank finds no SM for then run alone: their
+    units, joined with their bytes at this process's own rate."""
+    grid = np.asarray(grid, np.float64)
+    warps_per_block = DISPATCH_THREADS // WARP_THREADS
+    per_sm = dispatch_blocks_per_sm(profile)
+    resident = profile.usable_sms * per_sm
+    busy = np.minimum(grid, np.ceil(units / warps_per_block))  # blocks with a unit
+    block_s = np.ceil(units / (grid * warps_per_block)) * unit_rounds * _round_trip_s(profile)
+    body = join(bandwidth_s(profile, copied_bytes, sharing), np.ceil(busy / resident) * block_s)
+    placed = np.minimum(busy, resident)
+    at_work = per_sm * profile.fused_costs(sharing).working_ctas(placed / per_sm)
+    late = np.where(np.isclose(at_work, placed, rtol=1e-9, atol=0.0), 0.0, placed - at_work)
+    tail = join(block_s, bandwidth_s(profile, copied_bytes * late / np.maximum(busy, 1.0), 1))
+    return body + np.where(late > 0, tail, 0.0)
 
 
 def dispatch_s(profile: MachineProfile, problem: Problem, grid):
     """``Dispatcher.dispatch``: the token map (its launches, its key traffic and the count
-    barrier); ``send_tokens``, a warp per token reading it once and storing it to each of
-    its ``crossings`` destination ranks (``(1 + crossings) / 2`` rows copied); the tokens
-    barrier; ``expand_rows``, a warp per received row (one row copied). ``grid`` sizes
-    both copy kernels."""
+    barrier); ``send_tokens``, a warp per token reading it once (a row's rounds) and storing
+    it to each of its ``crossings`` destination ranks (``(1 + crossings) / 2`` rows copied);
+    the tokens barrier; ``expand_rows``, a warp per received row (a row's rounds, one row
+    copied). ``grid`` sizes both copy kernels."""
     row = problem.row_bytes
     recv = float(problem.rows.sum())
     sharing = problem.ranks_per_gpu
     keys = 2.0 * problem.tokens * problem.top_k * TOKEN_MAP_KEY_BYTES * sharing / profile.copy_bytes_per_s
+    rounds = _row_rounds(problem)
     device = (DISPATCH_LAUNCHES * profile.kernel_s + keys + 2 * profile.flag_s
-              + _copy_kernel_s(profile, grid, problem.tokens, (1.0 + problem.crossings) / 2.0 * row, sharing)
-              + _copy_kernel_s(profile, grid, recv, row, sharing))
+              + _copy_kernel_s(profile, grid, problem.tokens, rounds,
+                               problem.tokens * (1.0 + problem.crossings) / 2.0 * row, sharing)
+              + _copy_kernel_s(profile, grid, recv, rounds, recv * row, sharing))
     return join(DISPATCH_LAUNCHES * profile.launch_s, device)
 
 
 def combine_s(profile: MachineProfile, problem: Problem, grid):
     """``Dispatcher.combine`` (set up without ``expert_output``): a barrier, ``send_rows``
-    (a warp per received row, one row copied back to its token's rank), a barrier,
-    ``reduce_slots`` (a warp per token: ``top_k`` rows read, one written)."""
+    (a warp per received row: a row's rounds, one row copied back to its token's rank), a
+    barrier, ``reduce_slots`` (a warp per token: its ``top_k`` rows' rounds, ``top_k`` rows
+    read and one written)."""
     row = problem.row_bytes
     recv = float(problem.rows.sum())
     sharing = problem.ranks_per_gpu
     device = (COMBINE_LAUNCHES * profile.kernel_s + 2 * profile.flag_s
-              + _copy_kernel_s(profile, grid, recv, row, sharing)
-              + _copy_kernel_s(profile, grid, problem.tokens, (problem.top_k + 1) * row / 2.0, sharing))
+              + _copy_kernel_s(profile, grid, recv, _row_rounds(problem), recv * row, sharing)
+              + _copy_kernel_s(profile, grid, problem.tokens, _sum_rounds(problem),
+                               problem.tokens * (problem.top_k + 1) * row / 2.0, sharing))
     return join(COMBINE_LAUNCHES * profile.launch_s, device)
 
 
 def pull_s(profile: MachineProfile, problem: Problem, grid):
     """``Dispatcher.combine`` from ``expert_output`` (the fused layer's): a barrier,
-    ``pull_slots`` (a warp per token reading its ``top_k`` rows where the experts wrote
-    them, in peers' heaps, and writing one), a barrier. No row is sent back."""
+    ``pull_slots`` (a warp per token reading its ``top_k`` rows where the experts wrote them,
+    in peers' heaps, as ``reduce_slots`` reads its own, and writing one), a barrier. No row
+    is sent back."""
     sharing = problem.ranks_per_gpu
     device = (PULL_LAUNCHES * profile.kernel_s + 2 * profile.flag_s
-              + _copy_kernel_s(profile, grid, problem.tokens, (problem.top_k + 1) * problem.row_bytes / 2.0, sharing))
+              + _copy_kernel_s(profile, grid, problem.tokens, _sum_rounds(problem),
+                               problem.tokens * (problem.top_k + 1) * problem.row_bytes / 2.0, sharing))
     return join(PULL_LAUNCHES * profile.launch_s, device)
 
 

@@ -47,6 +47,12 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   layer's kernel A does; the down tile runs start as their hosts leave a barrier,
   milliseconds apart, and overlap in part: the model takes the up tiles' contention for
   them, ``model.py``);
+* ``dispatch_blocks_per_sm``: blocks of the Dispatcher's copy kernels
+  (``raw_kernels/dispatch.cu``, ``ultraep.token.device.THREADS`` threads each) resident at
+  once on an SM, the fewest of them: what their registers and shared memory allow, from the
+  occupancy API on the kernels as this machine compiles them (version 10; before, the model
+  took the threads' bound, 8 on the H200, where their 42-48 registers allow 5); 0 on the
+  host, which has no copy kernels;
 * ``compute``: the expert compute, time per call at a few rows-per-expert sizes -- the
   grouped GEMM ``ultraep.compute.grouped_mm`` (bf16) on the GPU, timed on the device
   alone (the host's part is ``launch_s``), ``np.matmul`` (float32) per expert on the host.
@@ -78,19 +84,21 @@ import numpy as np
 from ultraep.errors import ProfileError
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 9
+PROFILE_VERSION = 10
 # Versions whose fields this one reads when a profile is kept beside measurements (a
 # ``tune validate --json``, replayed): before 6 no CTAs at work were measured, and kernel A's
 # relays were claimed tasks between its sends and its tiles (they run on the store warps since);
 # before 8 one count of CTAs at work stood for the up and the down tiles together, and the
 # sharers' up tile runs started as their hosts left a barrier; 6's runs (8 waves, a fraction of
 # a millisecond) hardly overlapped, so its shared times and CTAs at work are those of processes
-# taking turns; before 9 the down tiles were measured without storing y.
-STORED_VERSIONS = (4, 5, 6, 7, 8, PROFILE_VERSION)
+# taking turns; before 9 the down tiles were measured without storing y; before 10 the
+# Dispatcher's copy kernels' residency was not measured.
+STORED_VERSIONS = (4, 5, 6, 7, 8, 9, PROFILE_VERSION)
 CTAS_AT_WORK_SINCE = 6  # the first version that measured the CTAs at work
 DOWN_CTAS_AT_WORK_SINCE = 8  # the first that measured the down tiles' own
 UP_RELEASED_SINCE = 8  # the first whose sharers' up tile runs start together, as a layer's kernel A
 DOWN_Y_SINCE = 9  # the first that measured the down tiles storing y
+DISPATCH_BLOCKS_SINCE = 10  # the first that measured the Dispatcher's copy kernels' resident blocks
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
@@ -326,6 +334,7 @@ class MachineProfile:
     shared_copy_bytes_per_s: float = 0.0
     shared_by: int = 1
     shared_fused: FusedCosts | None = None
+    dispatch_blocks_per_sm: int = 0
 
     def gpu_copy_bytes_per_s(self, sharing: int) -> float:
         """What ``sharing`` processes copying at once on one GPU move together: the rate
@@ -363,7 +372,8 @@ class MachineProfile:
         ``stored``: one kept beside measurements, which may be of any of
         :data:`STORED_VERSIONS` (read as it was measured: no CTAs at work, relays as claimed
         tasks before version 6; no down tiles' CTAs at work apart before 8; no down tiles
-        storing y before 9); the cache takes this version only."""
+        storing y before 9; no resident copy blocks before 10); the cache takes this version
+        only."""
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ProfileError(f"not a machine profile (no \"format\": \"{PROFILE_FORMAT}\")")
         version = data.get("version")
@@ -399,7 +409,9 @@ class MachineProfile:
                           measured_at=str(data.get("measured_at", "")), version=version,
                           shared_copy_bytes_per_s=float(data.get("shared_copy_bytes_per_s", 0.0)),
                           shared_by=int(data.get("shared_by", 1)),
-                          shared_fused=None if shared_fused is None else FusedCosts.from_json(shared_fused))
+                          shared_fused=None if shared_fused is None else FusedCosts.from_json(shared_fused),
+                          dispatch_blocks_per_sm=(0 if version < DISPATCH_BLOCKS_SINCE
+                                                  else _natural(data, "dispatch_blocks_per_sm")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"bad or missing field: {exc}") from None
         rows = curve.rows_per_expert
@@ -424,6 +436,10 @@ class MachineProfile:
                  "processes on one GPU at once" if self.shared_copy_bytes_per_s else
                  "  shared copy          -              (not measured: one process per GPU)",
                  f"  flag        {self.flag_s * 1e6:10.2f} us per release/acquire handoff",
+                 f"  copy blocks {self.dispatch_blocks_per_sm:10d}      resident per SM, the Dispatcher's copy kernels"
+                 if self.dispatch_blocks_per_sm else
+                 "  copy blocks          -              (not measured: no copy kernels, or a profile before version "
+                 f"{DISPATCH_BLOCKS_SINCE})",
                  *self.fused.table(),
                  *(self.shared_fused.table() if self.shared_fused is not None else ()),
                  f"  expert compute: {curve.kernel}, {curve.dtype}, {curve.experts} experts of {curve.k} x {curve.n}",
@@ -444,6 +460,13 @@ def _count(data: dict, key: str) -> int:
     value = data[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _natural(data: dict, key: str) -> int:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
     return value
 
 
@@ -498,6 +521,9 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
     say(f"  copy per warp: {warp / 1e9:.2f} GB/s copied")
     flag = probe.flag_s()
     say(f"  flag handoff: {flag * 1e6:.2f} us")
+    blocks = probe.dispatch_blocks_per_sm() if probe.backend == "device" else 0  # the host has no copy kernels
+    if blocks:
+        say(f"  Dispatcher copy kernels: {blocks} blocks resident per SM")
     share = sm_share()
     fused = fused_costs([measure_fused(probe, probe.fused_grids(), say)], probe.fused_grids(),
                         *probe.fused_reductions)
@@ -512,7 +538,7 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
                           copy_bytes_per_s=copy, copy_method=probe.copy_method, peer_bytes_per_s=peer,
                           peer_method=peer_method, launch_s=launch, compute=curve, kernel_s=kernel,
                           copy_warp_bytes_per_s=warp,
-                          flag_s=flag, fused=fused,
+                          flag_s=flag, fused=fused, dispatch_blocks_per_sm=blocks,
                           measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 

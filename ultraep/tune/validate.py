@@ -35,10 +35,10 @@ measurements, over a sweep of the phase's knob.
   to their launches: else the ranks' hosts, a few hundred microseconds apart after the
   barrier, start kernel A that far apart and every window holds that spread.
 
-``--replay FILE.json`` (no GPU, no ranks): a fused-forward sweep's ``--json`` predicted
-again by today's model from the profile and the ranks' problems the file keeps (profile
-versions :data:`~ultraep.tune.profile.STORED_VERSIONS`), against the measurements it holds:
-the same table and summary, for a model changed since the run.
+``--replay FILE.json`` (no GPU, no ranks): a fused-forward or dispatch sweep's ``--json``
+predicted again by today's model from the profile and the ranks' problems the file keeps
+(profile versions :data:`~ultraep.tune.profile.STORED_VERSIONS`), against the measurements
+it holds: the same table and summary, for a model changed since the run.
 
 For each problem (fan-out, or token count and op) the table lists every configuration's
 predicted and measured time; the summary gives the mean absolute error, the share of
@@ -74,7 +74,7 @@ def parse_args(argv):
                                             "auto: the GPU when there is one")
     parser.add_argument("--phase", choices=PHASES, help="what to sweep (required unless --replay)")
     parser.add_argument("--replay", metavar="FILE.json",
-                        help="no sweep: predict a fused-forward sweep's --json again with today's model")
+                        help="no sweep: predict a fused-forward or dispatch sweep's --json again with today's model")
     parser.add_argument("--configs", type=positive_int, default=50, help="configurations per problem")
     parser.add_argument("--fanouts", type=positive_int, nargs="+", default=None,
                         help="weight-sync: replicas of the synced expert, one problem each (default: ranks - 1)")
@@ -185,12 +185,22 @@ def random_tokens(rng, tokens: int, hidden: int, experts: int, top_k: int):
     return bits, ids, rng.random((tokens, top_k), dtype=np.float32)
 
 
+def busiest_problem(problems: list):
+    """The group's busiest rank of every rank's :class:`~ultraep.tune.model.Problem`: the
+    slots of the rank receiving the most rows (the group's window waits for it), the most
+    sends per token of any rank."""
+    import dataclasses
+
+    most_rows = max(problems, key=lambda p: (int(p.rows.sum()), tuple(int(r) for r in p.rows)))
+    return dataclasses.replace(most_rows, sends_per_token=max(p.crossings for p in problems))
+
+
 def routed_problem(group, backend, xp, args, tokens: int, sharing: int):
     """``tokens`` random top-k tokens of this rank (``x`` BF16, ``ids``, ``gates`` on the
     backend), the Dispatcher's set-up for them, its default grid and resident bound, and the
     model's :class:`~ultraep.tune.model.Problem` of every rank under that routing (its
     slots' rows and its sends per token, from one dispatch), the group's busiest rank's
-    (the most rows received, the most sends per token of any rank) first."""
+    (:func:`busiest_problem`) first."""
     from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.token import Dispatcher
     from ultraep.tune.model import Problem
@@ -210,30 +220,48 @@ def routed_problem(group, backend, xp, args, tokens: int, sharing: int):
         disp.check()
         counts = np.asarray(result.counts.get() if hasattr(result.counts, "get") else result.counts, np.int64)
         sent = disp.traffic(result.handle)
-    loads = group.allgather((int(counts.sum()), tuple(int(c) for c in counts), sent.sends / tokens))
-    busiest = max(loads)  # the rank receiving the most rows bounds the group's window
+    loads = group.allgather((tuple(int(c) for c in counts), sent.sends / tokens))
     problems = [Problem(tokens, args.hidden, args.ffn, args.top_k, args.experts, R, ranks_per_gpu=sharing,
-                        slot_rows=rows, sends_per_token=sends)
-                for rows, sends in [(busiest[1], max(load[2] for load in loads))] + [load[1:] for load in loads]]
-    return data, set_up, default, bound, problems
+                        slot_rows=rows, sends_per_token=sends) for rows, sends in loads]
+    return data, set_up, default, bound, [busiest_problem(problems)] + problems
+
+
+DISPATCH_OPERATIONS = ("dispatch", "combine", "pull")  # what --phase dispatch times
+
+
+def dispatch_predicted_ms(profile, problem, operation: str, grids: list) -> np.ndarray:
+    """The model's milliseconds of one of :data:`DISPATCH_OPERATIONS` at each of ``grids``
+    (None: the host backend's configuration, which has no copy kernels: the model is given
+    :data:`HOST_MODEL_BLOCKS_PER_CORE` blocks a core)."""
+    from ultraep.tune import model
+
+    knobs = np.asarray([HOST_MODEL_BLOCKS_PER_CORE * profile.sm_count if grid is None else grid for grid in grids])
+    return 1e3 * {"dispatch": model.dispatch_s, "combine": model.combine_s,
+                  "pull": model.pull_s}[operation](profile, problem, knobs)
 
 
 def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> tuple[list[dict], dict]:
+    """Each grid's Dispatcher: its dispatch, combine and pull timed as the group's window,
+    against :func:`dispatch_predicted_ms` of the busiest rank's problem; every row keeps its
+    ``shape`` and ``operation``, under which the second value returned keeps every rank's
+    :class:`~ultraep.tune.model.Problem` (what ``--replay`` predicts from)."""
+    import dataclasses
+
     from ultraep.bench.timing import group_window_ms
     from ultraep.token import Dispatcher
-    from ultraep.tune.model import combine_s, dispatch_s, pull_s
 
     sharing = ranks_per_gpu(group)
-    rows = []
+    rows, problems = [], {}
     for tokens in args.tokens:
-        (x, ids, gates), set_up, default, bound, (problem, *_) = routed_problem(group, backend, xp, args, tokens,
-                                                                                sharing)
+        (x, ids, gates), set_up, default, bound, (problem, *rank_problems) = routed_problem(
+            group, backend, xp, args, tokens, sharing)
         # every grid the GPU holds resident (the Dispatcher refuses more); on the host, which
         # has no copy kernels, one configuration (the Dispatcher's None) measured again and again
         grids = (sorted(set(spread(1, bound, args.configs - 1)) | {default}) if bound is not None
                  else [None] * args.configs)
         label = f"{tokens} tokens/rank, hidden {args.hidden}"
-        measured = {"dispatch": [], "combine": [], "pull": []}
+        problems[label] = [dataclasses.asdict(p) for p in rank_problems]
+        measured = {operation: [] for operation in DISPATCH_OPERATIONS}
         for i, grid in enumerate(grids):
             progress(f"dispatch, {label}: grid {grid} ({i + 1}/{len(grids)})")
             with Dispatcher(group, **set_up, grid=grid) as disp:
@@ -252,14 +280,12 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
                 measured["pull"].append(group_window_ms(
                     group, lambda: disp.combine(expert_out, result.handle, out=combined), args.repeats, synchronize))
                 disp.check()
-        knobs = np.asarray(grids if bound is not None else [HOST_MODEL_BLOCKS_PER_CORE * profile.sm_count] * len(grids))
-        for op, model in (("dispatch", dispatch_s), ("combine", combine_s), ("pull", pull_s)):
-            predicted = model(profile, problem, knobs)
-            rows += [{"phase": "dispatch", "problem": f"{op}, {label}", "config": f"grid={grid}", "knob": grid,
-                      "default": grid is not None and grid == default, "predicted_ms": float(p) * 1e3,
-                      "measured_ms": m}
-                     for grid, p, m in zip(grids, predicted, measured[op])]
-    return rows, {}
+        for op in DISPATCH_OPERATIONS:
+            rows += [{"phase": "dispatch", "problem": f"{op}, {label}", "shape": label, "operation": op,
+                      "config": f"grid={grid}", "knob": grid, "default": grid is not None and grid == default,
+                      "predicted_ms": float(p), "measured_ms": m}
+                     for grid, p, m in zip(grids, dispatch_predicted_ms(profile, problem, op, grids), measured[op])]
+    return rows, problems
 
 
 # -- the fused forward -----------------------------------------------------------------------
@@ -423,17 +449,17 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
 
 
 def replay_rows(document: dict) -> tuple[list[dict], object]:
-    """A fused-forward sweep's rows (a ``--json`` document) predicted again by today's model
-    from its profile and its ranks' problems, and that profile; SystemExit saying what a
-    document it cannot replay lacks."""
+    """A fused-forward or dispatch sweep's rows (a ``--json`` document) predicted again by
+    today's model from its profile and its ranks' problems, and that profile; SystemExit
+    saying what a document it cannot replay lacks."""
     from ultraep.errors import ProfileError
     from ultraep.tune.config import FusedConfig
     from ultraep.tune.model import Problem, fused_windows
     from ultraep.tune.profile import MachineProfile
 
-    if document.get("phase") != "fused-forward" or "problems" not in document:
-        raise SystemExit("--replay: not a fused-forward sweep's --json with its ranks' problems (written by tune "
-                         "validate --phase fused-forward from this version on)")
+    if document.get("phase") not in ("fused-forward", "dispatch") or not document.get("problems"):
+        raise SystemExit("--replay: not a fused-forward or dispatch sweep's --json with its ranks' problems "
+                         "(written by tune validate --phase fused-forward, or --phase dispatch, from this version on)")
     try:
         profile = MachineProfile.from_json(document["profile"], stored=True)
     except ProfileError as exc:
@@ -441,6 +467,14 @@ def replay_rows(document: dict) -> tuple[list[dict], object]:
     problems = {shape: [Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()}) for p in ranks]
                 for shape, ranks in document["problems"].items()}
     rows = [dict(row) for row in document["rows"]]
+    if document["phase"] == "dispatch":
+        for shape, ranks in problems.items():
+            for op in DISPATCH_OPERATIONS:
+                mine = [row for row in rows if row["shape"] == shape and row["operation"] == op]
+                predicted = dispatch_predicted_ms(profile, busiest_problem(ranks), op, [row["knob"] for row in mine])
+                for row, ms in zip(mine, predicted):
+                    row["predicted_ms"] = float(ms)
+        return rows, profile
     for shape, ranks in problems.items():
         mine = [row for row in rows if row["shape"] == shape]
         configs = [FusedConfig.parse(row["config"]) for row in mine]
@@ -467,7 +501,8 @@ def replay(args) -> int:
              f"{meta.get('git_commit', '?')} ({document.get('ranks', '?')} ranks, {document.get('sharing', '?')}), "
              f"profile of {profile.device} version {profile.version}, predicted by today's model")
     report(rows, summary, title)
-    print_down_at_work_note(profile, document["problems"])
+    if document["phase"] == "fused-forward":
+        print_down_at_work_note(profile, document["problems"])
     if args.plot:
         plot(rows, summary, args.plot, title)
     if args.json:
