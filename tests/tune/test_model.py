@@ -11,10 +11,10 @@ from tests.tune.synthetic import fused_like, h200_like
 from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
 from ultraep.tune.device import DISPATCH_POINTER_BYTES
-from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_THREADS, DISPATCH_UNROLL, FM_BM, FM_DOWN_COLS,
-                                FM_UP_COLS, PIECE_BYTES, SYNC_WARPS, WARP_THREADS, Problem, SyncProblem,
-                                _task_rounds_s, combine_s, dispatch_blocks_per_sm, dispatch_s, fused_down_s,
-                                fused_up_s, fused_windows, join, predict, pull_s, weight_sync_s)
+from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_BLOCKS_UNMEASURED, DISPATCH_THREADS, DISPATCH_UNROLL,
+                                FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS, WARP_THREADS, Problem,
+                                SyncProblem, _task_rounds_s, combine_s, dispatch_blocks_per_sm, dispatch_s,
+                                fused_down_s, fused_up_s, fused_windows, join, predict, pull_s, weight_sync_s)
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
@@ -270,7 +270,7 @@ def test_dispatch_kernels_wait_for_what_they_read_on_small_grids_and_for_the_ban
     # a token stored to four ranks waits as long as one stored to one, until the bytes bind
     one, every = (dataclasses.replace(PROBLEM, sends_per_token=sends) for sends in (1.0, 4.0))
     assert float(dispatch_s(PROFILE, every, 1)) == pytest.approx(float(dispatch_s(PROFILE, one, 1)), rel=1e-3)
-    resident = 8 * PROFILE.sm_count
+    resident = dispatch_blocks_per_sm(PROFILE) * PROFILE.sm_count
     assert float(dispatch_s(PROFILE, every, resident)) > 1.1 * float(dispatch_s(PROFILE, one, resident))
     grids = np.arange(1, resident + 1)
     times = dispatch_s(PROFILE, PROBLEM, grids)
@@ -283,19 +283,22 @@ def test_dispatch_kernels_wait_for_what_they_read_on_small_grids_and_for_the_ban
 
 def test_dispatch_blocks_beyond_the_measured_residency_run_in_waves():
     """The copy kernels' registers leave room for fewer blocks than their threads would
-    (profile version 10 measures it): a grid past that runs its blocks with a unit in two
-    waves; blocks without one cost nothing."""
+    (profile version 10 measures it; before, the 5 of their 40-48 registers, not the threads'
+    8): a grid past that runs its blocks with a unit in two waves; blocks without one cost
+    nothing."""
     memory_free = dataclasses.replace(PROFILE, peer_bytes_per_s=1e18)  # the warps alone bind
-    assert dispatch_blocks_per_sm(PROFILE) == 8  # not measured: the threads' bound, 2048 / 256
-    five = dataclasses.replace(memory_free, dispatch_blocks_per_sm=5)
+    assert dispatch_blocks_per_sm(dataclasses.replace(PROFILE, dispatch_blocks_per_sm=0)) == \
+        DISPATCH_BLOCKS_UNMEASURED == 5
+    six = dataclasses.replace(memory_free, dispatch_blocks_per_sm=6)
+    assert dispatch_blocks_per_sm(six) == 6
     large = Problem(32768, 4096, 1536, 8, 64, 4)
-    resident = 5 * PROFILE.sm_count
+    resident = 6 * PROFILE.sm_count
     fixed = 2 * PROFILE.flag_s + 3 * PROFILE.kernel_s
-    at, past = (float(pull_s(five, large, grid)) - fixed for grid in (resident, resident + 1))
-    assert past == pytest.approx(2 * at, rel=1e-3)  # 7 tokens a warp either way, in two waves past it
-    assert float(pull_s(memory_free, large, resident + 1)) <= float(pull_s(memory_free, large, resident))
+    at, past = (float(pull_s(six, large, grid)) - fixed for grid in (resident, resident + 1))
+    assert past == pytest.approx(2 * at, rel=1e-3)  # 6 tokens a warp either way, in two waves past it
+    assert float(pull_s(dataclasses.replace(six, dispatch_blocks_per_sm=8), large, resident + 1)) < 0.6 * past
     # 4096 tokens need 512 blocks: no block past the residency has a unit
-    assert float(pull_s(five, PROBLEM, resident + 1)) == float(pull_s(five, PROBLEM, 8 * PROFILE.sm_count))
+    assert float(pull_s(six, PROBLEM, resident + 1)) == float(pull_s(six, PROBLEM, 8 * PROFILE.sm_count))
 
 
 def test_the_blocks_a_rank_finds_no_sm_for_run_alone_after_every_rank_s():

@@ -58,7 +58,6 @@ from ultraep.tune.device import DISPATCH_THREADS
 from ultraep.tune.profile import UP_RELEASED_SINCE, MachineProfile
 
 JOIN_P = 4.0                 # two rates' limits joined as (a^p + b^p)^(1/p)
-MAX_THREADS_PER_SM = 2048    # resident threads per SM (compute capability 9.0)
 WARP_THREADS = 32
 
 PIECE_BYTES = kernel_constant("transfer.cu", "PIECE_BYTES")
@@ -234,11 +233,18 @@ DISPATCH_UNROLL = kernel_constant("dispatch.cu", "UNROLL")  # 16-byte loads in f
 DISPATCH_VECTOR_BYTES = kernel_constant("dispatch.cu", "VECTOR_BYTES")
 
 
+# What the copy kernels' registers allowed where the profile does not say (before version 10,
+# the host): ptxas gives every one of them 40-48 registers a thread for sm_90 at b2767b9 and
+# at 0e4bf36 (the stored sweeps' code), 12288 of the SM's 65536 for a 256-thread block: 5
+# blocks, not the 8 their threads alone would allow.
+DISPATCH_BLOCKS_UNMEASURED = 5
+
+
 def dispatch_blocks_per_sm(profile: MachineProfile) -> int:
     """Resident blocks of the Dispatcher's copy kernels per SM: the profile's measurement
-    (the fewest of the kernels, by the occupancy their registers allow), else -- profiles
-    before version 10, the host -- the bound of their threads alone."""
-    return profile.dispatch_blocks_per_sm or MAX_THREADS_PER_SM // DISPATCH_THREADS
+    (the fewest of the kernels, by the occupancy their registers allow), else
+    :data:`DISPATCH_BLOCKS_UNMEASURED`."""
+    return profile.dispatch_blocks_per_sm or DISPATCH_BLOCKS_UNMEASURED
 
 
 def _row_rounds(problem: Problem) -> int:
