@@ -12,9 +12,10 @@ from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
 from ultraep.tune.device import DISPATCH_POINTER_BYTES
 from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_BLOCKS_UNMEASURED, DISPATCH_THREADS, DISPATCH_UNROLL,
-                                FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS, WARP_THREADS, Problem,
-                                SyncProblem, _task_rounds_s, combine_s, dispatch_blocks_per_sm, dispatch_s,
-                                fused_down_s, fused_up_s, fused_windows, join, predict, pull_s, weight_sync_s)
+                                FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS, TOKEN_MAP_SEGMENT_ITEMS,
+                                WARP_THREADS, Problem, SyncProblem, _task_rounds_s, combine_s, dispatch_blocks_per_sm,
+                                dispatch_s, fused_down_s, fused_up_s, fused_windows, join, predict, pull_s,
+                                token_map_trips, weight_sync_s)
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
@@ -262,8 +263,8 @@ def test_dispatch_kernels_wait_for_what_they_read_on_small_grids_and_for_the_ban
     assert (DISPATCH_UNROLL, sum_rounds) == (4, 32)
     warps, recv = DISPATCH_THREADS // WARP_THREADS, float(PROBLEM.rows.sum())
     tokens_a_warp, rows_a_warp = np.ceil(PROBLEM.tokens / warps), np.ceil(recv / warps)
-    assert float(dispatch_s(PROFILE, PROBLEM, 1)) == pytest.approx((tokens_a_warp + rows_a_warp) * row_rounds * trip,
-                                                                   rel=0.01)
+    assert float(dispatch_s(PROFILE, PROBLEM, 1)) == pytest.approx(
+        (tokens_a_warp * row_rounds + rows_a_warp * row_rounds + token_map_trips(PROBLEM)) * trip, rel=0.01)
     assert float(combine_s(PROFILE, PROBLEM, 1)) == pytest.approx(
         (rows_a_warp * row_rounds + tokens_a_warp * sum_rounds) * trip, rel=0.01)
     assert float(pull_s(PROFILE, PROBLEM, 1)) == pytest.approx(tokens_a_warp * sum_rounds * trip, rel=0.01)
@@ -279,6 +280,25 @@ def test_dispatch_kernels_wait_for_what_they_read_on_small_grids_and_for_the_ban
     assert times[-1] < 1.2 * copied / PROFILE.peer_bytes_per_s + 21 * PROFILE.kernel_s + 0.1e-3
     # the pull reads a token's rows where they lie: the combine's reduction without its sends
     assert float(pull_s(PROFILE, PROBLEM, resident)) < 0.5 * float(combine_s(PROFILE, PROBLEM, resident))
+
+
+def test_the_token_map_costs_its_dependent_round_trips():
+    """Before the sends, the token map's small kernels each wait on a chain of loads: a
+    segment's 8 chunks of 32 items twice over (count, rank: the keys, then the key's count),
+    and plan_rows one table load per (expert of a rank, source rank), each after the store
+    of the running sum before it -- 115 round trips at 64 experts and 4 ranks, a fixed cost
+    whatever the grid. Twice the experts add 64 of plan_rows' loads and nothing else moves."""
+    from ultraep.token.device import SEGMENT_ITEMS
+
+    assert TOKEN_MAP_SEGMENT_ITEMS == SEGMENT_ITEMS
+    trip = WARP_THREADS * 16 * COPY_LOADS_IN_FLIGHT / PROFILE.copy_warp_bytes_per_s
+    assert token_map_trips(PROBLEM) == 1 + 2 * 2 * 8 + 2 + 2 + (16 * 4 + 4) + 10 == 115
+    routed = dataclasses.replace(PROBLEM, slot_rows=tuple(PROBLEM.rows), sends_per_token=PROBLEM.crossings)
+    more = dataclasses.replace(routed, experts=128)  # the same rows received, the same sends
+    assert token_map_trips(more) == 115 + 64
+    grids = np.array([1, 33, 264])  # (joined with the host's launches: a little more where the device binds less)
+    assert dispatch_s(PROFILE, more, grids) - dispatch_s(PROFILE, routed, grids) == pytest.approx(
+        np.full(3, 64 * trip), rel=0.01)
 
 
 def test_dispatch_blocks_beyond_the_measured_residency_run_in_waves():

@@ -76,6 +76,8 @@ DISPATCH_LAUNCHES = 21
 COMBINE_LAUNCHES = 4
 PULL_LAUNCHES = 3
 TOKEN_MAP_KEY_BYTES = 16     # per (token, slot) item: keys and positions written and read back
+TOKEN_MAP_SEGMENT_ITEMS = 256  # items a token map warp walks: ultraep.token.device.SEGMENT_ITEMS (a test holds it)
+DISPATCH_COPIES = 10         # of DISPATCH_LAUNCHES, CuPy copies of small arrays (the state kept, the metadata returned)
 
 
 @dataclass(frozen=True)
@@ -281,18 +283,33 @@ def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_rounds: int
     return body + np.where(late > 0, tail, 0.0)
 
 
+def token_map_trips(problem: Problem) -> int:
+    """Dependent round trips to memory of the longest chain of each small kernel before the
+    sends (raw_kernels/dispatch.cu), whose launches alone the model counted before:
+    ``route_keys`` 1 (a slot's id and its token's earlier ids at once); ``count_segments`` and
+    ``rank_segments`` 2 per 32 items of a segment (the keys, then the segment's count of that
+    key, loaded after the last chunk's store to it); ``scan_segments`` and ``publish_counts``
+    2 each; ``plan_rows`` one per expert of a rank and source rank (each load of the table
+    waits for the running sum stored before it) and one per rank for the outcome; each small
+    CuPy copy 1. The 2 x 4096 x 8 items of 4096 tokens a rank: 115 of them."""
+    segment_chunks = TOKEN_MAP_SEGMENT_ITEMS // WARP_THREADS
+    plan = problem.experts // problem.ranks * problem.ranks + problem.ranks
+    return 1 + 2 * 2 * segment_chunks + 2 + 2 + plan + DISPATCH_COPIES
+
+
 def dispatch_s(profile: MachineProfile, problem: Problem, grid):
-    """``Dispatcher.dispatch``: the token map (its launches, its key traffic and the count
-    barrier); ``send_tokens``, a warp per token reading it once (a row's rounds) and storing
-    it to each of its ``crossings`` destination ranks (``(1 + crossings) / 2`` rows copied);
-    the tokens barrier; ``expand_rows``, a warp per received row (a row's rounds, one row
-    copied). ``grid`` sizes both copy kernels."""
+    """``Dispatcher.dispatch``: the token map (its launches, its key traffic, its round trips
+    -- :func:`token_map_trips` -- and the count barrier); ``send_tokens``, a warp per token
+    reading it once (a row's rounds) and storing it to each of its ``crossings`` destination
+    ranks (``(1 + crossings) / 2`` rows copied); the tokens barrier; ``expand_rows``, a warp
+    per received row (a row's rounds, one row copied). ``grid`` sizes both copy kernels."""
     row = problem.row_bytes
     recv = float(problem.rows.sum())
     sharing = problem.ranks_per_gpu
     keys = 2.0 * problem.tokens * problem.top_k * TOKEN_MAP_KEY_BYTES * sharing / profile.copy_bytes_per_s
     rounds = _row_rounds(problem)
-    device = (DISPATCH_LAUNCHES * profile.kernel_s + keys + 2 * profile.flag_s
+    device = (DISPATCH_LAUNCHES * profile.kernel_s + keys + token_map_trips(problem) * _round_trip_s(profile)
+              + 2 * profile.flag_s
               + _copy_kernel_s(profile, grid, problem.tokens, rounds,
                                problem.tokens * (1.0 + problem.crossings) / 2.0 * row, sharing)
               + _copy_kernel_s(profile, grid, recv, rounds, recv * row, sharing))
