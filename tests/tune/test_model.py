@@ -11,11 +11,12 @@ from tests.tune.synthetic import fused_like, h200_like
 from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
 from ultraep.tune.device import DISPATCH_POINTER_BYTES
-from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_BLOCKS_UNMEASURED, DISPATCH_THREADS, DISPATCH_UNROLL,
-                                FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS, TOKEN_MAP_SEGMENT_ITEMS,
-                                WARP_THREADS, Problem, SyncProblem, _task_rounds_s, combine_s, dispatch_blocks_per_sm,
-                                dispatch_s, fused_down_s, fused_up_s, fused_windows, join, predict, pull_s,
-                                token_map_trips, weight_sync_s)
+from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_BLOCKS_UNMEASURED, MEMORY_CHANNELS, DISPATCH_THREADS,
+                                DISPATCH_UNROLL, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
+                                TOKEN_MAP_SEGMENT_ITEMS, WARP_THREADS, Problem, SyncProblem, _loaded_round_s,
+                                _round_trip_s, _task_rounds_s, combine_s, dispatch_blocks_per_sm, dispatch_s,
+                                fused_down_s, fused_up_s, fused_windows, join, predict, pull_s, token_map_trips,
+                                weight_sync_s)
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
@@ -256,30 +257,58 @@ def test_dispatch_kernels_wait_for_what_they_read_on_small_grids_and_for_the_ban
     """Per grid: a warp per unit, 8 warps a block, a round trip (heap.cu's copy round at the
     per-warp rate) per UNROLL 16-byte vectors a lane loads: a token sent waits for one row's
     loads whatever it stores, a received row for one row's, a token reduced or pulled for its
-    top_k rows' -- 8 KB rows: 4 rounds a row, 32 a token summed; nothing is flat while the
-    warps bind, nothing moves once the bandwidth does."""
+    top_k rows' -- 8 KB rows: 4 rounds a row, 32 a token summed. One block's 8 warps hardly
+    queue at the memory: within 3 % of their round trips; nothing moves once the bandwidth
+    binds, and more blocks never cost more than a ragged end's rounds."""
     trip = WARP_THREADS * 16 * COPY_LOADS_IN_FLIGHT / PROFILE.copy_warp_bytes_per_s
     row_rounds, sum_rounds = 4, PROBLEM.row_bytes // (16 * WARP_THREADS) * PROBLEM.top_k // DISPATCH_UNROLL
     assert (DISPATCH_UNROLL, sum_rounds) == (4, 32)
     warps, recv = DISPATCH_THREADS // WARP_THREADS, float(PROBLEM.rows.sum())
     tokens_a_warp, rows_a_warp = np.ceil(PROBLEM.tokens / warps), np.ceil(recv / warps)
     assert float(dispatch_s(PROFILE, PROBLEM, 1)) == pytest.approx(
-        (tokens_a_warp * row_rounds + rows_a_warp * row_rounds + token_map_trips(PROBLEM)) * trip, rel=0.01)
+        (tokens_a_warp * row_rounds + rows_a_warp * row_rounds + token_map_trips(PROBLEM)) * trip, rel=0.03)
     assert float(combine_s(PROFILE, PROBLEM, 1)) == pytest.approx(
-        (rows_a_warp * row_rounds + tokens_a_warp * sum_rounds) * trip, rel=0.01)
-    assert float(pull_s(PROFILE, PROBLEM, 1)) == pytest.approx(tokens_a_warp * sum_rounds * trip, rel=0.01)
-    # a token stored to four ranks waits as long as one stored to one, until the bytes bind
+        (rows_a_warp * row_rounds + tokens_a_warp * sum_rounds) * trip, rel=0.03)
+    assert float(pull_s(PROFILE, PROBLEM, 1)) == pytest.approx(tokens_a_warp * sum_rounds * trip, rel=0.03)
+    # a token stored to four ranks waits about as long as one stored to one, until the bytes bind
     one, every = (dataclasses.replace(PROBLEM, sends_per_token=sends) for sends in (1.0, 4.0))
-    assert float(dispatch_s(PROFILE, every, 1)) == pytest.approx(float(dispatch_s(PROFILE, one, 1)), rel=1e-3)
+    assert float(dispatch_s(PROFILE, every, 1)) == pytest.approx(float(dispatch_s(PROFILE, one, 1)), rel=0.02)
     resident = dispatch_blocks_per_sm(PROFILE) * PROFILE.sm_count
     assert float(dispatch_s(PROFILE, every, resident)) > 1.1 * float(dispatch_s(PROFILE, one, resident))
     grids = np.arange(1, resident + 1)
-    times = dispatch_s(PROFILE, PROBLEM, grids)
-    assert np.all(np.diff(times) <= 1e-12) and times[0] > 20 * times[-1]
+    for phase in (dispatch_s, combine_s, pull_s):
+        times = phase(PROFILE, PROBLEM, grids)
+        assert np.all(np.diff(times) <= 0.005 * times[1:]) and times[0] > 20 * times[-1]
     copied = PROBLEM.tokens * (1 + PROBLEM.crossings) / 2 * PROBLEM.row_bytes + recv * PROBLEM.row_bytes
+    times = dispatch_s(PROFILE, PROBLEM, grids)
     assert times[-1] < 1.2 * copied / PROFILE.peer_bytes_per_s + 21 * PROFILE.kernel_s + 0.1e-3
     # the pull reads a token's rows where they lie: the combine's reduction without its sends
     assert float(pull_s(PROFILE, PROBLEM, resident)) < 0.5 * float(combine_s(PROFILE, PROBLEM, resident))
+
+
+def test_a_round_trip_stretches_as_the_warps_waiting_on_the_memory_queue_at_its_channels():
+    """Mean value analysis of the warps over MEMORY_CHANNELS channels: one warp takes the
+    profile's round trip; as many as the bandwidth moves in one round trip take 1.8 times it
+    (the two bounds alone say one: the channels' queues grow as requests collide,
+    long before the memory is busy); many take what the bandwidth gives them, within 2 %."""
+    trip, rate, copied = _round_trip_s(PROFILE), PROFILE.peer_bytes_per_s, 2048.0
+    meet = round(trip * rate / copied)  # warps whose rounds the bandwidth moves in a round trip
+    alone, met, crowd = _loaded_round_s(PROFILE, [1, meet, 50 * meet], copied, rate)
+    assert alone == pytest.approx(trip) and met > 1.7 * trip
+    assert crowd == pytest.approx(50 * meet * copied / rate, rel=0.02)
+    # fewer channels queue less at the same load: one alone is the sharp max of the two bounds
+    assert MEMORY_CHANNELS == 192
+
+
+def test_warps_with_one_more_unit_run_it_at_their_own_concurrency():
+    """Grid-stride units that do not divide over the warps: every warp runs the whole part at
+    once, then the few with one more run it among themselves, at the round trip: 4096 tokens
+    on 511 blocks (8 warps of the 4088 with a second token) cost a token's 32 rounds more
+    than on 512 (one each); where the round trips cost nothing, the same."""
+    whole, ragged = pull_s(PROFILE, PROBLEM, np.array([512, 511]))
+    assert ragged - whole == pytest.approx(32 * _round_trip_s(PROFILE), rel=0.02)
+    no_trips = dataclasses.replace(PROFILE, copy_warp_bytes_per_s=1e12)
+    assert float(pull_s(no_trips, PROBLEM, 511)) == pytest.approx(float(pull_s(no_trips, PROBLEM, 512)), rel=0.02)
 
 
 def test_the_token_map_costs_its_dependent_round_trips():
@@ -339,9 +368,9 @@ def test_the_blocks_a_rank_finds_no_sm_for_run_alone_after_every_rank_s():
         assert np.array_equal(phase(lagging, shared, fits), phase(placed, shared, fits))  # up to 21 SMs' worth
         assert np.all(phase(lagging, shared, fits[-1] + 5) > phase(placed, shared, fits[-1] + 5))
     full = 5 * quarter.sm_count  # every rank's share: 24 SMs' worth at work, 45 blocks late
-    block_s = np.ceil(4096 / (full * 8)) * 32 * WARP_THREADS * 16 * COPY_LOADS_IN_FLIGHT / quarter.copy_warp_bytes_per_s
+    units = np.floor(4096 / (full * 8)) * 32 * _round_trip_s(quarter)  # a late warp's whole units, alone
     lag = float(pull_s(lagging, shared, full)) - float(pull_s(placed, shared, full))
-    assert block_s <= lag < 1.5 * block_s
+    assert units <= lag < 1.5 * units
 
 
 def test_ranks_sharing_a_gpu_share_the_rate_measured_for_them():
@@ -356,5 +385,6 @@ def test_ranks_sharing_a_gpu_share_the_rate_measured_for_them():
     assert float(combine_s(dataclasses.replace(measured, shared_by=2), shared, 264)) == alone
     # never faster than the rank's own SMs copy
     fast = dataclasses.replace(quarter, shared_copy_bytes_per_s=100e12, shared_by=4)
-    own = float(combine_s(quarter, Problem(4096, 4096, 1536, 8, 64, 4, slot_rows=shared.slot_rows), 264))
-    assert float(combine_s(fast, shared, 264)) == pytest.approx(own, rel=1e-6)
+    recv = float(shared.rows.sum())
+    copied = recv * shared.row_bytes + shared.tokens * (shared.top_k + 1) * shared.row_bytes / 2
+    assert float(combine_s(fast, shared, 264)) > copied / quarter.peer_bytes_per_s

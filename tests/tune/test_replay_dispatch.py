@@ -24,18 +24,23 @@ def per_operation(summary: dict) -> dict:
 
 def test_the_dispatch_sweep_replays():
     """0e4bf36's model predicted it at 20.2 % (bytes a warp, every block resident at the
-    threads' bound of 8 an SM). Today's: round trips a unit, 5 blocks an SM (the kernels'
-    registers), the lagging rank's blocks past kernel A's CTAs at work running after (10.9 %:
-    dispatch 16.6, combine 6.7, pull 9.4) and the token map's round trips (8.3 %: dispatch
-    8.7), every choice within 3 % of the fastest measured (1.52, 1.30, 0.00 %)."""
+    threads' bound of 8 an SM). Round trips a unit, 5 blocks an SM (the kernels' registers)
+    and the lagging rank's blocks past kernel A's CTAs at work running after: 10.9 %
+    (dispatch 16.6, combine 6.7, pull 9.4); the token map's round trips: 8.3 % (dispatch
+    8.7); round trips stretched by the warps queueing at the memory's channels, and the
+    warps with one more unit running it after: 5.2 % (dispatch 5.8, combine 3.4, pull 6.6).
+    Its choices, the largest grid (no ragged end at 4096 tokens over 2048 warps), measured
+    4.6-5.5 % over the fastest (the lagging rank's model chose 1.5, 1.3, 0.0 % over): within
+    the sweep's noise of a flat curve (a grid picked at random from 44-118 measures 3.5, 3.9,
+    8.9 % over the fastest of the 50) but past the issue's 3 %."""
     logged = summarise(copy.deepcopy(SWEEP["rows"]))
     rows, profile = replay_rows(SWEEP)
     summary = summarise(rows)
     assert profile.version == 8 and profile.dispatch_blocks_per_sm == 0  # not measured before version 10
     assert logged["mean_abs_error_pct"] == pytest.approx(20.23, abs=0.01)
-    assert summary["mean_abs_error_pct"] == pytest.approx(8.27, abs=0.01)
+    assert summary["mean_abs_error_pct"] == pytest.approx(5.23, abs=0.01)
     ops = per_operation(summary)
     assert {op: figures["mean_abs_error_pct"] for op, figures in ops.items()} == pytest.approx(
-        {"dispatch": 8.65, "combine": 6.73, "pull": 9.43}, abs=0.01)
+        {"dispatch": 5.76, "combine": 3.38, "pull": 6.55}, abs=0.01)
     assert {op: figures["chosen_over_best_pct"] for op, figures in ops.items()} == pytest.approx(
-        {"dispatch": 1.52, "combine": 1.30, "pull": 0.00}, abs=0.01)
+        {"dispatch": 5.36, "combine": 5.49, "pull": 4.63}, abs=0.01)

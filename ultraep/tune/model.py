@@ -48,6 +48,7 @@ and the group waits for it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,22 +215,30 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 # trips to memory: each lane issues UNROLL 16-byte loads, waits for them, then stores them
 # (stores do not wait), so a unit costs the rounds of what it *reads*, whatever it writes --
 # a token sent to three ranks waits for one row's loads, a token reduced for its top_k rows'.
-# A round trip is what heap.cu's copy rounds take at the per-warp rate (_round_trip_s: the
-# same 16-byte loads, as many in flight). The loads of a unit's indices (row maps, expert
-# ids, bases: small arrays just written, in L2) are not counted as round trips to memory.
+# The loads of a unit's indices (row maps, expert ids, bases: small arrays just written, in
+# L2) are not counted as round trips to memory.
+#
+# A round trip's time depends on how many warps wait on the memory at once (every sharing
+# rank's): the warps and the memory form a closed queueing network, solved exactly by mean
+# value analysis (_loaded_round_s). A round is a request to one of MEMORY_CHANNELS
+# independent channels (any, evenly), each serving its share of the bandwidth: a round's
+# "copied" bytes (a byte read and one written, the profile's rates' unit) at
+# 1 / MEMORY_CHANNELS of the rate. A warp alone takes the round trip of heap.cu's copy at the
+# per-warp rate (_round_trip_s); each request queued ahead of it at its channel adds one
+# service. So a few warps wait the round trip, many share the bandwidth, and between them
+# the channels' queues grow as requests collide: the round trips stretch well before the
+# bandwidth binds (a join of the two bounds keeps the knee sharp, and missed it by 10-20 %).
 # Blocks beyond those resident at once run in later waves: the kernels' registers, not
 # their threads, bound them (profile.dispatch_blocks_per_sm, measured since version 10).
-# The bandwidth counts "copied" bytes (a byte read and one written: the profile's rates'
-# unit), so a unit's traffic and its rounds differ: a token sent to c ranks copies
-# (1 + c) / 2 rows in one row's rounds.
+# The warps of a grid run their units' mean rounded down at once, then those with one more
+# unit run it at their own, smaller, concurrency: a ragged end of up to a unit's rounds.
 #
 # Ranks sharing a GPU under MPS shares that overlap launch their kernels together (each
 # after a device barrier of all of them), as fused kernel A's ranks do, and one rank then
 # finds SMs for fewer of its blocks than it launched: the profile measures how many SMs
 # (kernel A's CTAs at work, one CTA an SM), so that rank has as many SMs' worth of blocks
-# at work. Every block moves its units at the rate of every other (the memory serves
-# their loads alike), so all ranks' blocks at work end together; that rank's other blocks
-# start then and run their units alone.
+# at work. Its other blocks (and any rank's past the residency) start as the first ones
+# end and run their units with only each other at the memory.
 
 DISPATCH_UNROLL = kernel_constant("dispatch.cu", "UNROLL")  # 16-byte loads in flight per lane
 DISPATCH_VECTOR_BYTES = kernel_constant("dispatch.cu", "VECTOR_BYTES")
@@ -261,26 +270,73 @@ def _sum_rounds(problem: Problem) -> int:
     return vectors * -(-problem.top_k // DISPATCH_UNROLL)
 
 
+# The memory's independent channels: the H200's HBM3e, 6 stacks of 16 channels, each two
+# 32-bit pseudo-channels. The profile does not measure it: another GPU needs its own.
+MEMORY_CHANNELS = 192
+
+
+@functools.lru_cache(maxsize=64)
+def _round_cycles(most_warps: int, delay_s: float, service_s: float) -> np.ndarray:
+    """Mean value analysis of ``n`` warps (every ``n`` up to ``most_warps``; index 0 as one)
+    each waiting ``delay_s`` and then at one of MEMORY_CHANNELS identical queues (any,
+    evenly) that serve a round in ``service_s``: the mean time of a warp's round."""
+    cycles = np.empty(most_warps + 1)
+    cycles[0] = delay_s + service_s
+    queued = 0.0  # requests at one channel
+    for warps in range(1, most_warps + 1):
+        cycle = delay_s + service_s * (1.0 + queued)
+        queued = warps / cycle * service_s / MEMORY_CHANNELS * (1.0 + queued)
+        cycles[warps] = cycle
+    return cycles
+
+
+def _loaded_round_s(profile: MachineProfile, warps, round_copied_bytes: float, rate: float) -> np.ndarray:
+    """One round trip of a warp among ``warps`` (array-like, every rank's) waiting on the
+    memory at once, each round copying ``round_copied_bytes`` at the memory's ``rate``."""
+    service = MEMORY_CHANNELS * round_copied_bytes / rate
+    delay = _round_trip_s(profile) - service  # a warp alone: the round trip, whatever the round stores
+    warps = np.maximum(np.asarray(warps, np.float64), 1.0).round().astype(np.int64)
+    return _round_cycles(int(warps.max()), delay, service)[warps]
+
+
+def _phase_s(profile: MachineProfile, warps, units_per_warp, unit_rounds: int, round_copied_bytes: float,
+             rate: float):
+    """``warps`` (every rank's) at work together, each running ``units_per_warp`` units (a
+    mean): its floor at all of them, then the one more unit of those that have one at theirs."""
+    whole = np.floor(units_per_warp)
+    more = units_per_warp - whole
+    at_once = whole * unit_rounds * _loaded_round_s(profile, warps, round_copied_bytes, rate)
+    ragged = unit_rounds * _loaded_round_s(profile, np.ceil(warps * more), round_copied_bytes, rate)
+    return np.where(warps > 0, at_once + np.where(more > 1e-9, ragged, 0.0), 0.0)
+
+
 def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_rounds: int, copied_bytes: float,
                    sharing: int):
     """One of the Dispatcher's copy kernels on ``grid`` blocks: ``units`` warp units of
-    ``unit_rounds`` round trips each, ``copied_bytes`` in all. A block's warps run
-    ``ceil(units / warps)`` units each, in as many waves as its blocks with a unit need
-    beyond those resident, joined with the bytes at the bandwidth; where ``sharing`` ranks
-    share the GPU, the blocks the unluckiest rank finds no SM for then run alone: their
-    units, joined with their bytes at this process's own rate."""
+    ``unit_rounds`` round trips each, ``copied_bytes`` in all, on every one of ``sharing``
+    ranks at once. First the blocks at work -- the unluckiest rank's, every other rank's
+    resident ones -- run their units; then that rank's others and every rank's past the
+    residency, in as many waves as that rank's need. No faster than this process's copy."""
     grid = np.asarray(grid, np.float64)
     warps_per_block = DISPATCH_THREADS // WARP_THREADS
     per_sm = dispatch_blocks_per_sm(profile)
     resident = profile.usable_sms * per_sm
     busy = np.minimum(grid, np.ceil(units / warps_per_block))  # blocks with a unit
-    block_s = np.ceil(units / (grid * warps_per_block)) * unit_rounds * _round_trip_s(profile)
-    body = join(bandwidth_s(profile, copied_bytes, sharing), np.ceil(busy / resident) * block_s)
     placed = np.minimum(busy, resident)
-    at_work = per_sm * profile.fused_costs(sharing).working_ctas(placed / per_sm)
-    late = np.where(np.isclose(at_work, placed, rtol=1e-9, atol=0.0), 0.0, placed - at_work)
-    tail = join(block_s, bandwidth_s(profile, copied_bytes * late / np.maximum(busy, 1.0), 1))
-    return body + np.where(late > 0, tail, 0.0)
+    at_work = np.minimum(placed, per_sm * profile.fused_costs(sharing).working_ctas(placed / per_sm))
+    at_work = np.where(np.isclose(at_work, placed, rtol=1e-9, atol=0.0), placed, at_work)
+    units_per_warp = units / (busy * warps_per_block)
+    round_copied = copied_bytes / (units * unit_rounds)
+    memory = profile.gpu_copy_bytes_per_s(sharing)  # every sharer's warps wait on it
+    first = _phase_s(profile, warps_per_block * (at_work + (sharing - 1) * placed), units_per_warp, unit_rounds,
+                     round_copied, memory)
+    mine, others = busy - at_work, (sharing - 1) * (busy - placed)
+    later_warps = warps_per_block * (np.minimum(mine, resident) + others)
+    later = np.where(others > 0,
+                     _phase_s(profile, later_warps, units_per_warp, unit_rounds, round_copied, memory),
+                     _phase_s(profile, later_warps, units_per_warp, unit_rounds, round_copied,
+                              profile.peer_bytes_per_s))  # that rank's blocks alone: its own rate
+    return np.maximum(first + np.ceil(mine / resident) * later, copied_bytes / profile.peer_bytes_per_s)
 
 
 def token_map_trips(problem: Problem) -> int:
