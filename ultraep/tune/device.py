@@ -238,8 +238,8 @@ class DeviceProbe:
         names = ["send_tokens", "expand_rows", "send_rows"] + [
             f"{kernel}<{element}>" for kernel in ("reduce_slots", "pull_slots")
             for element in ("__nv_bfloat16", "__half", "float")]
-        with self.cp.cuda.Device(self.device):
-            return min(occupancy(get_function("dispatch.cu", name).ptr, DISPATCH_THREADS,
+        with self.cp.cuda.Device(self.device):  # a RawKernel's .kernel: its CUfunction on this device
+            return min(occupancy(get_function("dispatch.cu", name).kernel.ptr, DISPATCH_THREADS,
                                  shared.get(name.split("<")[0], 0)) for name in names)
 
     def flag_s(self) -> float:
