@@ -213,10 +213,10 @@ def test_replay_cli_prints_the_table_and_writes_json(tmp_path, capsys):
 
 
 def test_replay_refuses_what_it_cannot_predict(tmp_path):
-    for phase in ("weight-sync", "dispatch"):  # no sweep of its phase to replay; a dispatch sweep without problems
+    for phase in ("weight-sync", "fused-forward"):  # no sweep of its phase to replay; a forward without problems
         other = tmp_path / f"{phase}.json"
         other.write_text(json.dumps({"phase": phase, "rows": []}))
-        with pytest.raises(SystemExit, match="not a fused-forward or dispatch sweep's --json with its ranks' problems"):
+        with pytest.raises(SystemExit, match="not a fused-forward sweep's --json with its ranks' problems"):
             tune_main(["validate", "--replay", str(other)])
     with pytest.raises(SystemExit, match="cannot read"):
         tune_main(["validate", "--replay", str(tmp_path / "missing.json")])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ultraep.tune.validate import replay_rows, summarise
+from ultraep.tune.validate import replay_rows, seeded_dispatch_problems, summarise
 
 SWEEP = json.loads((Path(__file__).parent / "h200_dispatch_0e4bf36.json").read_text())
 
@@ -46,3 +46,18 @@ def test_the_dispatch_sweep_replays():
         {"dispatch": 5.76, "combine": 3.38, "pull": 6.55}, abs=0.01)
     assert {op: figures["chosen_over_best_pct"] for op, figures in ops.items()} == pytest.approx(
         {"dispatch": 5.36, "combine": 5.49, "pull": 4.63}, abs=0.01)
+
+
+def test_a_sweep_written_without_its_problems_replays_from_its_seed(tmp_path):
+    """Main's dispatch sweeps keep neither their ranks' problems nor their rows' shape and
+    operation: the routing is drawn again from the command line's seed, as the sweep drew it
+    -- the stored file's problems (recomputed the same way) to the row, and its replay."""
+    bare = copy.deepcopy(SWEEP)
+    del bare["problems"]
+    for row in bare["rows"]:
+        del row["shape"], row["operation"]
+    assert json.loads(json.dumps(seeded_dispatch_problems(bare))) == SWEEP["problems"]
+    replayed = [row["predicted_ms"] for row in replay_rows(SWEEP)[0]]
+    assert [row["predicted_ms"] for row in replay_rows(bare)[0]] == replayed
+    with pytest.raises(SystemExit, match="needs its command line"):
+        replay_rows(dict(bare, meta={}))

@@ -37,8 +37,9 @@ measurements, over a sweep of the phase's knob.
 
 ``--replay FILE.json`` (no GPU, no ranks): a fused-forward or dispatch sweep's ``--json``
 predicted again by today's model from the profile and the ranks' problems the file keeps
-(profile versions :data:`~ultraep.tune.profile.STORED_VERSIONS`), against the measurements
-it holds: the same table and summary, for a model changed since the run.
+(profile versions :data:`~ultraep.tune.profile.STORED_VERSIONS`; a dispatch sweep written
+before it kept them: its routing drawn again from its command line's seed), against the
+measurements it holds: the same table and summary, for a model changed since the run.
 
 For each problem (fan-out, or token count and op) the table lists every configuration's
 predicted and measured time; the summary gives the mean absolute error, the share of
@@ -448,6 +449,37 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
     return rows, problems
 
 
+def seeded_dispatch_problems(document: dict) -> dict:
+    """Every rank's :class:`~ultraep.tune.model.Problem` of a dispatch sweep whose ``--json``
+    kept none (written before it did), by shape: the routing the sweep drew, rank by rank
+    (:func:`random_tokens` from its command line's seed, as :func:`routed_problem` draws it),
+    each rank's slots' rows and its sends per token (distinct ranks a token goes to) as the
+    Dispatcher counts them. SystemExit where the document keeps no command line."""
+    import dataclasses
+    import shlex
+
+    from ultraep.tune.model import Problem
+
+    command = shlex.split(document.get("meta", {}).get("command", ""))
+    if "validate" not in command:
+        raise SystemExit("--replay: a dispatch sweep without its ranks' problems needs its command line "
+                         "(meta.command) to draw its routing again")
+    args = parse_args(command[command.index("validate") + 1:])
+    ranks = int(document["ranks"])
+    per_rank = args.experts // ranks
+    problems = {}
+    for tokens in args.tokens:
+        ids = [random_tokens(np.random.default_rng(args.seed * 1000 + rank), tokens, args.hidden, args.experts,
+                             args.top_k)[1] for rank in range(ranks)]
+        pairs = sum(np.bincount(i.ravel(), minlength=args.experts) for i in ids)
+        problems[f"{tokens} tokens/rank, hidden {args.hidden}"] = [dataclasses.asdict(Problem(
+            tokens, args.hidden, args.ffn, args.top_k, args.experts, ranks, ranks_per_gpu=ranks,
+            slot_rows=tuple(int(c) for c in pairs[rank * per_rank:(rank + 1) * per_rank]),
+            sends_per_token=float(np.mean([np.unique(row // per_rank).size for row in ids[rank]]))))
+            for rank in range(ranks)]
+    return problems
+
+
 def replay_rows(document: dict) -> tuple[list[dict], object]:
     """A fused-forward or dispatch sweep's rows (a ``--json`` document) predicted again by
     today's model from its profile and its ranks' problems, and that profile; SystemExit
@@ -457,16 +489,21 @@ def replay_rows(document: dict) -> tuple[list[dict], object]:
     from ultraep.tune.model import Problem, fused_windows
     from ultraep.tune.profile import MachineProfile
 
-    if document.get("phase") not in ("fused-forward", "dispatch") or not document.get("problems"):
-        raise SystemExit("--replay: not a fused-forward or dispatch sweep's --json with its ranks' problems "
-                         "(written by tune validate --phase fused-forward, or --phase dispatch, from this version on)")
+    phase = document.get("phase")
+    if phase not in ("fused-forward", "dispatch") or (phase == "fused-forward" and not document.get("problems")):
+        raise SystemExit("--replay: not a fused-forward sweep's --json with its ranks' problems (written by tune "
+                         "validate --phase fused-forward from this version on), nor a dispatch sweep's")
     try:
-        profile = MachineProfile.from_json(document["profile"], stored=True)
+        profile = MachineProfile.from_json(document.get("profile"), stored=True)
     except ProfileError as exc:
         raise SystemExit(f"--replay: the file's profile cannot be read: {exc}") from None
+    kept = document.get("problems") or seeded_dispatch_problems(document)
     problems = {shape: [Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()}) for p in ranks]
-                for shape, ranks in document["problems"].items()}
+                for shape, ranks in kept.items()}
     rows = [dict(row) for row in document["rows"]]
+    for row in rows:  # a dispatch sweep's rows before they kept these: "OPERATION, SHAPE"
+        if phase == "dispatch" and "shape" not in row:
+            row["operation"], row["shape"] = row["problem"].split(", ", 1)
     if document["phase"] == "dispatch":
         for shape, ranks in problems.items():
             for op in DISPATCH_OPERATIONS:
