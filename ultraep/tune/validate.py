@@ -178,10 +178,15 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
 
 # -- dispatch and combine --------------------------------------------------------------------
 
+def random_ids(rng, tokens: int, experts: int, top_k: int) -> np.ndarray:
+    """Distinct uniformly random experts per token: :func:`random_tokens`' first draw."""
+    return np.argsort(rng.random((tokens, experts), dtype=np.float32), axis=1)[:, :top_k].astype(np.int32)
+
+
 def random_tokens(rng, tokens: int, hidden: int, experts: int, top_k: int):
     """The bits of bf16 tokens in [0.5, 2) (uint16), distinct uniformly random experts per
     token, and gates (NumPy)."""
-    ids = np.argsort(rng.random((tokens, experts), dtype=np.float32), axis=1)[:, :top_k].astype(np.int32)
+    ids = random_ids(rng, tokens, experts, top_k)
     bits = rng.integers(0x3F00, 0x4000, size=(tokens, hidden), dtype=np.int32).astype(np.uint16)
     return bits, ids, rng.random((tokens, top_k), dtype=np.float32)
 
@@ -452,7 +457,7 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
 def seeded_dispatch_problems(document: dict) -> dict:
     """Every rank's :class:`~ultraep.tune.model.Problem` of a dispatch sweep whose ``--json``
     kept none (written before it did), by shape: the routing the sweep drew, rank by rank
-    (:func:`random_tokens` from its command line's seed, as :func:`routed_problem` draws it),
+    (:func:`random_ids` from its command line's seed, as :func:`routed_problem` draws it),
     each rank's slots' rows and its sends per token (distinct ranks a token goes to) as the
     Dispatcher counts them. SystemExit where the document keeps no command line."""
     import dataclasses
@@ -469,8 +474,8 @@ def seeded_dispatch_problems(document: dict) -> dict:
     per_rank = args.experts // ranks
     problems = {}
     for tokens in args.tokens:
-        ids = [random_tokens(np.random.default_rng(args.seed * 1000 + rank), tokens, args.hidden, args.experts,
-                             args.top_k)[1] for rank in range(ranks)]
+        ids = [random_ids(np.random.default_rng(args.seed * 1000 + rank), tokens, args.experts, args.top_k)
+               for rank in range(ranks)]
         pairs = sum(np.bincount(i.ravel(), minlength=args.experts) for i in ids)
         problems[f"{tokens} tokens/rank, hidden {args.hidden}"] = [dataclasses.asdict(Problem(
             tokens, args.hidden, args.ffn, args.top_k, args.experts, ranks, ranks_per_gpu=ranks,
