@@ -10,6 +10,7 @@ import pytest
 from tests.tune.synthetic import fused_like, h200_like
 from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
+from ultraep.tune import model
 from ultraep.tune.device import DISPATCH_POINTER_BYTES
 from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_BLOCKS_UNMEASURED, MEMORY_CHANNELS, DISPATCH_THREADS,
                                 DISPATCH_UNROLL, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
@@ -286,18 +287,25 @@ def test_dispatch_kernels_wait_for_what_they_read_on_small_grids_and_for_the_ban
     assert float(pull_s(PROFILE, PROBLEM, resident)) < 0.5 * float(combine_s(PROFILE, PROBLEM, resident))
 
 
-def test_a_round_trip_stretches_as_the_warps_waiting_on_the_memory_queue_at_its_channels():
+def test_a_round_trip_stretches_as_the_warps_waiting_on_the_memory_queue_at_its_channels(monkeypatch):
     """Mean value analysis of the warps over MEMORY_CHANNELS channels: one warp takes the
     profile's round trip; as many as the bandwidth moves in one round trip take 1.8 times it
     (the two bounds alone say one: the channels' queues grow as requests collide,
-    long before the memory is busy); many take what the bandwidth gives them, within 2 %."""
+    long before the memory is busy); many take what the bandwidth gives them, within 2 %.
+    One channel serving the whole bandwidth would keep the knee sharp."""
     trip, rate, copied = _round_trip_s(PROFILE), PROFILE.peer_bytes_per_s, 2048.0
     meet = round(trip * rate / copied)  # warps whose rounds the bandwidth moves in a round trip
+    assert MEMORY_CHANNELS == 192
     alone, met, crowd = _loaded_round_s(PROFILE, [1, meet, 50 * meet], copied, rate)
     assert alone == pytest.approx(trip) and met > 1.7 * trip
     assert crowd == pytest.approx(50 * meet * copied / rate, rel=0.02)
-    # fewer channels queue less at the same load: one alone is the sharp max of the two bounds
-    assert MEMORY_CHANNELS == 192
+    monkeypatch.setattr(model, "MEMORY_CHANNELS", 1)
+    model._round_cycles.cache_clear()
+    try:
+        assert float(_loaded_round_s(PROFILE, [meet], copied, rate)[0]) < 1.2 * trip
+    finally:
+        monkeypatch.undo()
+        model._round_cycles.cache_clear()
 
 
 def test_warps_with_one_more_unit_run_it_at_their_own_concurrency():
