@@ -268,24 +268,32 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
         label = f"{tokens} tokens/rank, hidden {args.hidden}"
         problems[label] = [dataclasses.asdict(p) for p in rank_problems]
         measured = {operation: [] for operation in DISPATCH_OPERATIONS}
+        # Each Dispatcher's heap views (its handles, expert_output) live in the function that
+        # times it and die before the heap closes: a view alive at close keeps the heap for good.
+        def send_and_combine(disp):
+            recv = xp.empty((disp.max_recv_rows, args.hidden), dtype=x.dtype)
+            combined = xp.empty((tokens, args.hidden), dtype=x.dtype)
+            result = disp.dispatch(x, ids, gates, out=recv)
+            measured["dispatch"].append(group_window_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv),
+                                                        args.repeats, synchronize))
+            measured["combine"].append(group_window_ms(
+                group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats, synchronize))
+            disp.check()
+
+        def pull(disp):
+            expert_out = disp.expert_output()  # the received rows stand in for the experts' outputs
+            combined = xp.empty((tokens, args.hidden), dtype=x.dtype)
+            result = disp.dispatch(x, ids, gates, out=expert_out)
+            measured["pull"].append(group_window_ms(
+                group, lambda: disp.combine(expert_out, result.handle, out=combined), args.repeats, synchronize))
+            disp.check()
+
         for i, grid in enumerate(grids):
             progress(f"dispatch, {label}: grid {grid} ({i + 1}/{len(grids)})")
             with Dispatcher(group, **set_up, grid=grid) as disp:
-                recv = xp.empty((disp.max_recv_rows, args.hidden), dtype=x.dtype)
-                combined = xp.empty((tokens, args.hidden), dtype=x.dtype)
-                result = disp.dispatch(x, ids, gates, out=recv)
-                measured["dispatch"].append(group_window_ms(group, lambda: disp.dispatch(x, ids, gates, out=recv),
-                                                            args.repeats, synchronize))
-                measured["combine"].append(group_window_ms(
-                    group, lambda: disp.combine(recv, result.handle, out=combined), args.repeats, synchronize))
-                disp.check()
+                send_and_combine(disp)
             with Dispatcher(group, **set_up, grid=grid, expert_output=True) as disp:
-                expert_out = disp.expert_output()  # the received rows stand in for the experts' outputs
-                combined = xp.empty((tokens, args.hidden), dtype=x.dtype)
-                result = disp.dispatch(x, ids, gates, out=expert_out)
-                measured["pull"].append(group_window_ms(
-                    group, lambda: disp.combine(expert_out, result.handle, out=combined), args.repeats, synchronize))
-                disp.check()
+                pull(disp)
         for op in DISPATCH_OPERATIONS:
             rows += [{"phase": "dispatch", "problem": f"{op}, {label}", "shape": label, "operation": op,
                       "config": f"grid={grid}", "knob": grid, "default": grid is not None and grid == default,
