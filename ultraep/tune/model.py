@@ -188,7 +188,7 @@ def stores_bound_by_sms(profile: MachineProfile) -> bool:
     """Whether this process's SMs, not the GPU's memory, bound its peer copy: the processes
     measured copying at once on its GPU moved more together than it alone (as on an MPS
     share: 2.0 TB/s for four processes on the H200, 1.37 for one of 32 SMs). Its copy then
-    stored as fast as those SMs store, which is what they store in any kernel; where the
+    stored as fast as those SMs store, taken as what they store in any kernel; where the
     memory bounds the copy (a whole GPU, or no sharers measured) that rate says nothing of
     the SMs."""
     return profile.shared_by > 1 and profile.shared_copy_bytes_per_s > profile.peer_bytes_per_s
@@ -228,7 +228,8 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
     ``PIECE_BYTES`` in turn, loads each once and stores it to each of its replicas; the
     busiest sender's pieces bound the call, at the warps' rate or the memory's, and its
     stores, every replica's bytes, at the busiest SM's store rate (:func:`busiest_sm_store_s`;
-    a hard maximum: the SM's stores are its own, not a queue shared with the other limits).
+    a hard maximum, chosen on the sweep: joined (:data:`JOIN_P`) with the warps' bound it
+    overshot the grids of one block an SM by 7-25 %).
 
     The store bound is what the H200's sweep under MPS (32 SMs a rank, b2767b9) showed: at
     128 blocks rank 0 stored 3 x 37.7 MB at 1.31 TB/s, its peer copy's 1.37, where counting
