@@ -16,8 +16,8 @@ from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_BLOCKS_UNMEASURED
                                 DISPATCH_UNROLL, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
                                 TOKEN_MAP_SEGMENT_ITEMS, WARP_THREADS, Problem, SyncProblem, _loaded_round_s,
                                 _round_trip_s, _task_rounds_s, combine_s, dispatch_blocks_per_sm, dispatch_s,
-                                fused_down_s, fused_up_s, fused_windows, join, predict, pull_s, token_map_trips,
-                                weight_sync_s)
+                                fused_down_s, fused_up_s, fused_windows, join, predict, pull_s, stores_bound_by_sms,
+                                token_map_trips, weight_sync_s)
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
@@ -58,6 +58,30 @@ def test_weight_sync_warp_bound_then_bandwidth_bound():
     assert times.shape == grids.shape and np.all(np.diff(times) <= 1e-12)  # more resident warps never hurt
     # four ranks copying at once on one GPU share its bandwidth
     assert float(weight_sync_s(PROFILE, SyncProblem(EXPERT, (3,), ranks_copying=4), 528)) > 3.5 * bandwidth_s
+
+
+def test_weight_sync_stores_wait_for_the_busiest_sm_where_the_sms_bound_the_copy():
+    """On an MPS share whose own copy (1.2 TB/s) is below what the memory moved for its four
+    sharers (2 TB/s), its SMs bound its stores: an SM stores its share of the copy's rate.
+    Blocks go to the 33 SMs one at a time, so a grid of 34 leaves one SM storing twice what
+    the others do (they idle meanwhile): slower than 33 by nearly two. Whole multiples of
+    the SMs store the replicas at the copy's rate, more warps or not. A whole GPU's copy (no
+    sharers measured) says nothing of its SMs: its bytes alone bound it, as before."""
+    share = dataclasses.replace(h200_like(sm_share=25, peer_bytes_per_s=1.2e12), shared_by=4,
+                                shared_copy_bytes_per_s=2.0e12)
+    assert stores_bound_by_sms(share) and not stores_bound_by_sms(h200_like(sm_share=25))
+    assert not stores_bound_by_sms(dataclasses.replace(share, shared_copy_bytes_per_s=1.2e12))  # the memory's
+    sms, sync = share.usable_sms, SyncProblem(EXPERT, (3,))
+    stores_s = 3 * EXPERT / share.peer_bytes_per_s
+    grids = np.array([sms, sms + 1, 2 * sms, 2 * sms + 1, 3 * sms, 4 * sms])
+    body = weight_sync_s(share, sync, grids) - share.kernel_s
+    assert body[[0, 2, 4, 5]] == pytest.approx([stores_s] * 4)
+    assert body[1] == pytest.approx(2 * sms / (sms + 1) * stores_s)  # 2 of 34 blocks' stores on one SM
+    assert body[3] == pytest.approx(3 * sms / (2 * sms + 1) * stores_s)
+    # the bytes counted as copies, (1 + 3) / 2 of the expert, would have it a third faster
+    assert EXPERT * (1 + 3) / 2 / share.peer_bytes_per_s < 0.7 * body[-1]
+    whole = h200_like(sm_share=25, peer_bytes_per_s=1.2e12)
+    assert np.all(np.diff(weight_sync_s(whole, sync, np.arange(1, 4 * sms + 1))) <= 1e-12)
 
 
 def test_weight_sync_blocks_beyond_residency_run_in_waves():

@@ -213,11 +213,15 @@ def test_replay_cli_prints_the_table_and_writes_json(tmp_path, capsys):
 
 
 def test_replay_refuses_what_it_cannot_predict(tmp_path):
-    for phase in ("weight-sync", "fused-forward"):  # no sweep of its phase to replay; a forward without problems
+    for phase in ("moe-fused", "fused-forward"):  # no sweep of its phase to replay; a forward without problems
         other = tmp_path / f"{phase}.json"
         other.write_text(json.dumps({"phase": phase, "rows": []}))
         with pytest.raises(SystemExit, match="not a fused-forward sweep's --json with its ranks' problems"):
             tune_main(["validate", "--replay", str(other)])
+    bare = tmp_path / "weight-sync.json"  # a weight-sync sweep replays, from the profile it keeps
+    bare.write_text(json.dumps({"phase": "weight-sync", "rows": []}))
+    with pytest.raises(SystemExit, match="the file's profile cannot be read"):
+        tune_main(["validate", "--replay", str(bare)])
     with pytest.raises(SystemExit, match="cannot read"):
         tune_main(["validate", "--replay", str(tmp_path / "missing.json")])
     with pytest.raises(SystemExit):  # neither a phase to sweep nor a file to replay

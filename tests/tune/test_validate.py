@@ -67,8 +67,11 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
             assert all(row[f"profile_ctas_{kernel}"] == int(row["config"].split()[0][5:]) for row in data["rows"])
         assert "kernel A's CTAs at work" in out and "kernel B's CTAs at work" in out
         assert "kernel A's stand for them" not in out  # the profile measured kernel B's
-        # every rank's problem is kept: the sweep replays to its own predictions
         assert len(data["problems"]["48 tokens/rank, hidden 64, ffn 32"]) == 2
+    if phase in ("weight-sync", "fused-forward"):  # the problems are kept: the sweep replays to its own predictions
+        if phase == "weight-sync":
+            assert data["problems"] == {"fan-out 1, 0.2 MB": {"expert_bytes": 3 * 256 * 128 * 2, "fanouts": [1],
+                                                              "ranks_copying": 1}}
         assert tune_main(["validate", "--replay", str(out_json)]) == 0
         replayed = capfd.readouterr().out
         assert f"mean absolute error {data['summary']['mean_abs_error_pct']:.2f} %" in replayed

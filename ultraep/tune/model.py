@@ -19,7 +19,10 @@ The building blocks, each a quantity the profile measures:
   ``copy_warp_bytes_per_s``: a grid of
   ``w`` warps that splits ``u`` equal units (pieces, rows) among them takes ``ceil(u / w)``
   units' time when the memory is not the limit, and blocks beyond those resident at once
-  run in later waves;
+  run in later waves; where this process's SMs, not the memory, bound its peer copy (the
+  memory moved more for the processes sharing it), an SM stores at most its share of that
+  copy's rate, so a kernel whose blocks share the work evenly waits for the SM holding the
+  most of them;
 * the fused kernels' GEMM tiles and relay tasks cost what the profile measured running
   those kernels (:class:`~ultraep.tune.profile.FusedCosts`, at the grid, with as many ranks
   of the GPU running them at once): ``ceil(t / c)`` waves of ``t`` tiles over the ``c``
@@ -181,6 +184,30 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
                       copied_bytes * sharing / profile.gpu_copy_bytes_per_s(sharing))
 
 
+def stores_bound_by_sms(profile: MachineProfile) -> bool:
+    """Whether this process's SMs, not the GPU's memory, bound its peer copy: the processes
+    measured copying at once on its GPU moved more together than it alone (as on an MPS
+    share: 2.0 TB/s for four processes on the H200, 1.37 for one of 32 SMs). Its copy then
+    stored as fast as those SMs store, taken as what they store in any kernel; where the
+    memory bounds the copy (a whole GPU, or no sharers measured) that rate says nothing of
+    the SMs."""
+    return profile.shared_by > 1 and profile.shared_copy_bytes_per_s > profile.peer_bytes_per_s
+
+
+def busiest_sm_store_s(profile: MachineProfile, grid, stored_bytes: float):
+    """``stored_bytes`` stored by ``grid`` blocks, an equal share each, at the rate of the SM
+    holding the most of them (zero where the SMs do not bound the stores:
+    :func:`stores_bound_by_sms`). An SM stores at ``peer_bytes_per_s`` over the SMs; the
+    blocks are spread over the SMs one at a time (a block on each before a second on any),
+    so one SM holds ``ceil(grid / SMs)``: a grid just past a multiple of the SMs leaves a
+    few SMs storing one block more than the rest, which idle meanwhile."""
+    grid = np.asarray(grid, np.float64)
+    if not stores_bound_by_sms(profile):
+        return np.zeros_like(grid)
+    per_sm_s = profile.usable_sms / profile.peer_bytes_per_s
+    return np.ceil(grid / profile.usable_sms) * (stored_bytes / grid) * per_sm_s
+
+
 def grid_copy_s(profile: MachineProfile, grid, warps_per_block: int, max_blocks_per_sm: int, units: float,
                 unit_bytes: float, total_bytes: float, sharing: int):
     """A grid-stride copy kernel's body: ``units`` units of ``unit_bytes`` copied each
@@ -199,13 +226,25 @@ def grid_copy_s(profile: MachineProfile, grid, warps_per_block: int, max_blocks_
 def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
     """``weight_sync``'s kernel (no barrier, schedule compiled): every warp takes pieces of
     ``PIECE_BYTES`` in turn, loads each once and stores it to each of its replicas; the
-    busiest sender's pieces bound the call. Relay trees are not modelled."""
+    busiest sender's pieces bound the call, at the warps' rate or the memory's, and its
+    stores, every replica's bytes, at the busiest SM's store rate (:func:`busiest_sm_store_s`;
+    a hard maximum, chosen on the sweep: joined (:data:`JOIN_P`) with the warps' bound it
+    overshot the grids of one block an SM by 7-25 %).
+
+    The store bound is what the H200's sweep under MPS (32 SMs a rank, b2767b9) showed: at
+    128 blocks rank 0 stored 3 x 37.7 MB at 1.31 TB/s, its peer copy's 1.37, where counting
+    a piece's load and stores as ``(1 + fan-out) / 2`` copies at that rate had it 36 % faster;
+    and from 33 blocks on the times jumped with every multiple of the 32 SMs. It holds where
+    the SMs bound the process's peer copy (:func:`stores_bound_by_sms`), as on an MPS share;
+    on a whole GPU, whose memory bounds the copy, the bytes are counted as before. Relay
+    trees and per-chunk flags are not modelled (the sweep has neither)."""
     fanouts = np.asarray(sync.fanouts or (0,), np.float64)
     pieces = -(-sync.expert_bytes // PIECE_BYTES) * len(sync.fanouts)
     traffic = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0)) if sync.fanouts else 0.0
     per_piece = traffic / pieces if pieces else 0.0
     body = grid_copy_s(profile, blocks, SYNC_WARPS, SYNC_MIN_BLOCKS, pieces, per_piece, traffic, sync.ranks_copying)
-    return profile.kernel_s + body
+    stores = busiest_sm_store_s(profile, blocks, sync.expert_bytes * float(np.sum(fanouts)))
+    return profile.kernel_s + np.maximum(body, stores)
 
 
 # -- dispatch and combine ------------------------------------------------------------------

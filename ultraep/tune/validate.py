@@ -35,11 +35,12 @@ measurements, over a sweep of the phase's knob.
   to their launches: else the ranks' hosts, a few hundred microseconds apart after the
   barrier, start kernel A that far apart and every window holds that spread.
 
-``--replay FILE.json`` (no GPU, no ranks): a fused-forward or dispatch sweep's ``--json``
-predicted again by today's model from the profile and the ranks' problems the file keeps
+``--replay FILE.json`` (no GPU, no ranks): a fused-forward, dispatch or weight-sync sweep's
+``--json`` predicted again by today's model from the profile and the problems the file keeps
 (profile versions :data:`~ultraep.tune.profile.STORED_VERSIONS`; a dispatch sweep written
-before it kept them: its routing drawn again from its command line's seed), against the
-measurements it holds: the same table and summary, for a model changed since the run.
+before it kept them: its routing drawn again from its command line's seed; a weight-sync
+sweep: its expert and fan-outs from its command line), against the measurements it holds:
+the same table and summary, for a model changed since the run.
 
 For each problem (fan-out, or token count and op) the table lists every configuration's
 predicted and measured time; the summary gives the mean absolute error, the share of
@@ -75,7 +76,8 @@ def parse_args(argv):
                                             "auto: the GPU when there is one")
     parser.add_argument("--phase", choices=PHASES, help="what to sweep (required unless --replay)")
     parser.add_argument("--replay", metavar="FILE.json",
-                        help="no sweep: predict a fused-forward or dispatch sweep's --json again with today's model")
+                        help="no sweep: predict a fused-forward, dispatch or weight-sync sweep's --json again "
+                             "with today's model")
     parser.add_argument("--configs", type=positive_int, default=50, help="configurations per problem")
     parser.add_argument("--fanouts", type=positive_int, nargs="+", default=None,
                         help="weight-sync: replicas of the synced expert, one problem each (default: ranks - 1)")
@@ -118,23 +120,41 @@ def ranks_per_gpu(group) -> int:
 
 # -- weight sync -----------------------------------------------------------------------------
 
-def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) -> tuple[list[dict], dict]:
-    from ultraep.bench.timing import graph_ms, group_window_ms
+def weight_sync_problems(args, ranks: int) -> tuple:
+    """The weight-sync sweep's expert (``ExpertSpec``), layout, and per fan-out its label,
+    single-expert plan and :class:`~ultraep.tune.model.SyncProblem`: what the sweep times and
+    what ``--replay`` predicts again. SystemExit for a sweep that cannot be run."""
     from ultraep.bench.weight_sync import single_expert_plan
     from ultraep.planner import ExpertLayout
-    from ultraep.runtime import open_heap
-    from ultraep.transfer import ExpertSpec, WeightTransfer
-    from ultraep.tune.model import SYNC_MIN_BLOCKS, SyncProblem, weight_sync_s
+    from ultraep.transfer import ExpertSpec
+    from ultraep.tune.model import SyncProblem
 
-    R = group.size
-    if R < 2:
+    if ranks < 2:
         raise SystemExit("--phase weight-sync needs at least 2 ranks (a master and a replica)")
-    fanouts = args.fanouts or [R - 1]
-    if max(fanouts) > R - 1:
-        raise SystemExit(f"--fanouts: at most {R - 1} replicas on {R} ranks")
+    fanouts = args.fanouts or [ranks - 1]
+    if max(fanouts) > ranks - 1:
+        raise SystemExit(f"--fanouts: at most {ranks - 1} replicas on {ranks} ranks")
     spec = ExpertSpec([("fc1", (2 * args.ffn, args.hidden), "bfloat16"), ("fc2", (args.hidden, args.ffn), "bfloat16")],
                       grad_dtype="bfloat16")
-    layout = ExpertLayout(R, R, 1, max_instances=min(R, 16))
+    layout = ExpertLayout(ranks, ranks, 1, max_instances=min(ranks, 16))
+    problems = []
+    for fanout in fanouts:
+        plan = single_expert_plan(layout, fanout)
+        sync = SyncProblem.from_replica_count(plan.replica_count, layout.experts_per_rank, spec.weight_slot_bytes)
+        problems.append((f"fan-out {fanout}, {spec.weight_slot_bytes / 1e6:.1f} MB", plan, sync))
+    return spec, layout, problems
+
+
+def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) -> tuple[list[dict], dict]:
+    import dataclasses
+
+    from ultraep.bench.timing import graph_ms, group_window_ms
+    from ultraep.runtime import open_heap
+    from ultraep.transfer import WeightTransfer
+    from ultraep.tune.model import SYNC_MIN_BLOCKS, weight_sync_s
+
+    R = group.size
+    spec, layout, problems = weight_sync_problems(args, R)
     rows = []
     with open_heap(group, 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes), backend=backend) as heap, \
             WeightTransfer(heap, layout, spec, relay_threshold=R) as engine:
@@ -144,13 +164,10 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
         engine.register_layer(0, weights, grads)
         bound = getattr(engine.impl, "max_sync_blocks", SYNC_MIN_BLOCKS * profile.sm_count)
         grids = spread(1, bound, args.configs)
-        for fanout in fanouts:
-            plan = single_expert_plan(layout, fanout)
+        for problem, plan, sync in problems:
             engine.weight_sync(0, plan)  # compiles the device schedule; every rank takes part
             engine.synchronize()
-            sync = SyncProblem.from_replica_count(plan.replica_count, layout.experts_per_rank, spec.weight_slot_bytes)
             predicted = weight_sync_s(profile, sync, np.asarray(grids))
-            problem = f"fan-out {fanout}, {spec.weight_slot_bytes / 1e6:.1f} MB"
             measured, error = [], None
             group.barrier(what="weight-sync sweep: every replica checked before rank 0 times alone")
             for i, blocks in enumerate(grids):
@@ -173,7 +190,7 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
                           "default": backend == "device" and blocks == bound, "predicted_ms": float(p) * 1e3,
                           "measured_ms": m}
                          for blocks, p, m in zip(grids, predicted, measured)]
-    return rows, {}
+    return rows, {problem: dataclasses.asdict(sync) for problem, _, sync in problems}
 
 
 # -- dispatch and combine --------------------------------------------------------------------
@@ -462,6 +479,28 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
     return rows, problems
 
 
+def sweep_command(document: dict, sweep: str, purpose: str):
+    """The parsed arguments of the command line a ``--json`` document keeps (``meta.command``);
+    SystemExit saying that ``sweep`` needs it ``purpose`` where it keeps none."""
+    import shlex
+
+    command = shlex.split(document.get("meta", {}).get("command", ""))
+    if "validate" not in command:
+        raise SystemExit(f"--replay: {sweep} needs its command line (meta.command) {purpose}")
+    return parse_args(command[command.index("validate") + 1:])
+
+
+def rebuilt_sync_problems(document: dict) -> dict:
+    """The :class:`~ultraep.tune.model.SyncProblem` of each problem of a weight-sync sweep
+    whose ``--json`` kept none (written before it did), by label: the expert and fan-outs of
+    its command line, as :func:`weight_sync_problems` builds them."""
+    import dataclasses
+
+    args = sweep_command(document, "a weight-sync sweep without its problems", "to rebuild its expert")
+    _, _, problems = weight_sync_problems(args, int(document["ranks"]))
+    return {label: dataclasses.asdict(sync) for label, _, sync in problems}
+
+
 def seeded_dispatch_problems(document: dict) -> dict:
     """Every rank's :class:`~ultraep.tune.model.Problem` of a dispatch sweep whose ``--json``
     kept none (written before it did), by shape: the routing the sweep drew, rank by rank
@@ -469,15 +508,10 @@ def seeded_dispatch_problems(document: dict) -> dict:
     each rank's slots' rows and its sends per token (distinct ranks a token goes to) as the
     Dispatcher counts them. SystemExit where the document keeps no command line."""
     import dataclasses
-    import shlex
 
     from ultraep.tune.model import Problem
 
-    command = shlex.split(document.get("meta", {}).get("command", ""))
-    if "validate" not in command:
-        raise SystemExit("--replay: a dispatch sweep without its ranks' problems needs its command line "
-                         "(meta.command) to draw its routing again")
-    args = parse_args(command[command.index("validate") + 1:])
+    args = sweep_command(document, "a dispatch sweep without its ranks' problems", "to draw its routing again")
     ranks = int(document["ranks"])
     per_rank = args.experts // ranks
     problems = {}
@@ -493,27 +527,40 @@ def seeded_dispatch_problems(document: dict) -> dict:
     return problems
 
 
+def from_fields(cls, fields: dict):
+    """A problem dataclass from its fields as JSON keeps them (tuples as lists)."""
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
 def replay_rows(document: dict) -> tuple[list[dict], object]:
-    """A fused-forward or dispatch sweep's rows (a ``--json`` document) predicted again by
-    today's model from its profile and its ranks' problems, and that profile; SystemExit
+    """A fused-forward, dispatch or weight-sync sweep's rows (a ``--json`` document) predicted
+    again by today's model from its profile and its problems, and that profile; SystemExit
     saying what a document it cannot replay lacks."""
     from ultraep.errors import ProfileError
     from ultraep.tune.config import FusedConfig
-    from ultraep.tune.model import Problem, fused_windows
+    from ultraep.tune.model import Problem, SyncProblem, fused_windows, weight_sync_s
     from ultraep.tune.profile import MachineProfile
 
     phase = document.get("phase")
-    if phase not in ("fused-forward", "dispatch") or (phase == "fused-forward" and not document.get("problems")):
+    if phase not in ("fused-forward", "dispatch", "weight-sync") or (
+            phase == "fused-forward" and not document.get("problems")):
         raise SystemExit("--replay: not a fused-forward sweep's --json with its ranks' problems (written by tune "
-                         "validate --phase fused-forward from this version on), nor a dispatch sweep's")
+                         "validate --phase fused-forward from this version on), nor a dispatch or weight-sync sweep's")
     try:
         profile = MachineProfile.from_json(document.get("profile"), stored=True)
     except ProfileError as exc:
         raise SystemExit(f"--replay: the file's profile cannot be read: {exc}") from None
-    kept = document.get("problems") or seeded_dispatch_problems(document)
-    problems = {shape: [Problem(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()}) for p in ranks]
-                for shape, ranks in kept.items()}
     rows = [dict(row) for row in document["rows"]]
+    if phase == "weight-sync":
+        kept = document.get("problems") or rebuilt_sync_problems(document)
+        for label, fields in kept.items():
+            sync = from_fields(SyncProblem, fields)
+            mine = [row for row in rows if row["problem"] == label]
+            for row, seconds in zip(mine, weight_sync_s(profile, sync, np.asarray([row["knob"] for row in mine]))):
+                row["predicted_ms"] = float(seconds) * 1e3
+        return rows, profile
+    kept = document.get("problems") or seeded_dispatch_problems(document)
+    problems = {shape: [from_fields(Problem, p) for p in ranks] for shape, ranks in kept.items()}
     for row in rows:  # a dispatch sweep's rows before they kept these: "OPERATION, SHAPE"
         if phase == "dispatch" and "shape" not in row:
             row["operation"], row["shape"] = row["problem"].split(", ", 1)
