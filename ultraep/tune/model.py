@@ -283,10 +283,9 @@ DISPATCH_UNROLL = kernel_constant("dispatch.cu", "UNROLL")  # 16-byte loads in f
 DISPATCH_VECTOR_BYTES = kernel_constant("dispatch.cu", "VECTOR_BYTES")
 
 
-# What the copy kernels' registers allowed where the profile does not say (before version 10,
-# the host): ptxas gives every one of them 40-48 registers a thread for sm_90 at b2767b9 and
-# at 0e4bf36 (the stored sweeps' code), 12288 of the SM's 65536 for a 256-thread block: 5
-# blocks, not the 8 their threads alone would allow.
+# What the copy kernels' registers allow where the profile does not say (before version 10,
+# the host): 40-48 registers a thread leave room for 5 blocks of 256 threads an SM, not the 8
+# their threads alone would allow.
 DISPATCH_BLOCKS_UNMEASURED = 5
 
 
