@@ -195,6 +195,12 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
 
 # -- dispatch and combine --------------------------------------------------------------------
 
+def routing_rng(seed: int, rank: int):
+    """The generator of a rank's tokens in the dispatch and fused-forward sweeps (and of a
+    replay drawing them again)."""
+    return np.random.default_rng(seed * 1000 + rank)
+
+
 def random_ids(rng, tokens: int, experts: int, top_k: int) -> np.ndarray:
     """Distinct uniformly random experts per token: :func:`random_tokens`' first draw."""
     return np.argsort(rng.random((tokens, experts), dtype=np.float32), axis=1)[:, :top_k].astype(np.int32)
@@ -231,7 +237,7 @@ def routed_problem(group, backend, xp, args, tokens: int, sharing: int):
     R = group.size
     if args.experts % R:
         raise SystemExit(f"--experts {args.experts} does not divide over {R} ranks")
-    rng = np.random.default_rng(args.seed * 1000 + group.rank)
+    rng = routing_rng(args.seed, group.rank)
     bits, ids, gates = (xp.asarray(a) for a in random_tokens(rng, tokens, args.hidden, args.experts, args.top_k))
     data = (bits.view(BFLOAT16), ids, gates)
     set_up = dict(hidden=args.hidden, dtype="bfloat16", top_k=args.top_k, num_experts=args.experts,
@@ -516,7 +522,7 @@ def seeded_dispatch_problems(document: dict) -> dict:
     per_rank = args.experts // ranks
     problems = {}
     for tokens in args.tokens:
-        ids = [random_ids(np.random.default_rng(args.seed * 1000 + rank), tokens, args.experts, args.top_k)
+        ids = [random_ids(routing_rng(args.seed, rank), tokens, args.experts, args.top_k)
                for rank in range(ranks)]
         pairs = sum(np.bincount(i.ravel(), minlength=args.experts) for i in ids)
         problems[f"{tokens} tokens/rank, hidden {args.hidden}"] = [dataclasses.asdict(Problem(
@@ -561,10 +567,10 @@ def replay_rows(document: dict) -> tuple[list[dict], object]:
         return rows, profile
     kept = document.get("problems") or seeded_dispatch_problems(document)
     problems = {shape: [from_fields(Problem, p) for p in ranks] for shape, ranks in kept.items()}
-    for row in rows:  # a dispatch sweep's rows before they kept these: "OPERATION, SHAPE"
-        if phase == "dispatch" and "shape" not in row:
-            row["operation"], row["shape"] = row["problem"].split(", ", 1)
-    if document["phase"] == "dispatch":
+    if phase == "dispatch":
+        for row in rows:  # a sweep's rows before they kept these: "OPERATION, SHAPE"
+            if "shape" not in row:
+                row["operation"], row["shape"] = row["problem"].split(", ", 1)
         for shape, ranks in problems.items():
             for op in DISPATCH_OPERATIONS:
                 mine = [row for row in rows if row["shape"] == shape and row["operation"] == op]
