@@ -231,13 +231,11 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
     a hard maximum, chosen on the sweep: joined (:data:`JOIN_P`) with the warps' bound it
     overshot the grids of one block an SM by 7-25 %).
 
-    The store bound is what the H200's sweep under MPS (32 SMs a rank, b2767b9) showed: at
-    128 blocks rank 0 stored 3 x 37.7 MB at 1.31 TB/s, its peer copy's 1.37, where counting
-    a piece's load and stores as ``(1 + fan-out) / 2`` copies at that rate had it 36 % faster;
-    and from 33 blocks on the times jumped with every multiple of the 32 SMs. It holds where
-    the SMs bound the process's peer copy (:func:`stores_bound_by_sms`), as on an MPS share;
-    on a whole GPU, whose memory bounds the copy, the bytes are counted as before. Relay
-    trees and per-chunk flags are not modelled (the sweep has neither)."""
+    The store bound holds where the SMs bound the process's peer copy
+    (:func:`stores_bound_by_sms`), as on an MPS share; on a whole GPU the bytes are counted as
+    before. It explains the sweep it came from (fan-out 3), not fan-outs 1 and 2, where the
+    piece's load weighs more (docs/tuning.md); relay trees and per-chunk flags are not
+    modelled."""
     fanouts = np.asarray(sync.fanouts or (0,), np.float64)
     pieces = -(-sync.expert_bytes // PIECE_BYTES) * len(sync.fanouts)
     traffic = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0)) if sync.fanouts else 0.0
