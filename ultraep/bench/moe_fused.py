@@ -31,12 +31,13 @@ layer as a framework calls it: a training forward of either layer keeps ``h``, `
 the heap, whose ``expert_out`` the next call reuses).
 
 ``--config``: the fused layer's configuration (``MoELayer(fused_config=)``): ``default``,
-today's constants (every SM, the kernel source's task sizes: the columns above); ``tuned``,
-the model's choice for the setting's token bucket (``ultraep.tune.search``, from the machine
-profile, measured once and cached), its columns then the tuned layer's; ``both``, the
-default's columns and the tuned layer's beside them in the same run: ``tuned_ms``,
-``tuned_gain`` = fused_ms / tuned_ms (at least 1: tuned at least as fast as the constants)
-and ``tuned_config``. Each fused layer's output and rerun count in ``out_diff`` /
+the layer's own (tuned on the GPU, the constants on the host); ``constants``, the kernel
+source's (every SM, its task sizes); ``tuned``, the model's choice for the setting's token
+bucket (``ultraep.tune.search``, from the machine profile, measured once and cached; the
+constants where the model predicts no gain beyond its error); ``both``, the constants'
+columns and the tuned layer's beside them in the same run: ``tuned_ms``, ``tuned_gain`` =
+fused_ms / tuned_ms (at least 1: tuned at least as fast as the constants) and
+``tuned_config``. Each fused layer's output and rerun count in ``out_diff`` /
 ``rerun_diff``; the backward (``--backward``) and the timeline are the first layer's.
 
 ``--timeline FILE.png``: per setting, every rank's recorded fused forward, a panel per rank
@@ -71,7 +72,7 @@ from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive_int
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
-CONFIGS = ("default", "tuned")  # --config both: each, the default first
+CONFIGS = ("constants", "tuned")  # --config both: each, the constants first
 TUNED = {"tuned": ["tuned_config"], "both": ["tuned_ms", "tuned_gain", "tuned_config"]}
 BACKWARD_TIMES = ["seq_train_ms", "seq_bwd_ms", "fused_train_ms", "fused_bwd_ms", "train_speedup", "bwd_speedup",
                   "step_speedup", "wgrad_ms", "bwd_rest_speedup"]
@@ -103,9 +104,10 @@ def parse_args(argv):
     parser.add_argument("--backward", action="store_true",
                         help="also time a training forward and its backward (seq_train_ms, seq_bwd_ms, ...), and check "
                              "the backward")
-    parser.add_argument("--config", choices=["default", "tuned", "both"], default="default",
-                        help="the fused layer's configuration: today's constants, the tuned schedule, or both side "
-                             "by side (tuned_ms, tuned_gain = fused_ms / tuned_ms)")
+    parser.add_argument("--config", choices=["default", "constants", "tuned", "both"], default="default",
+                        help="the fused layer's configuration: the layer's default (tuned on the GPU, the constants "
+                             "on the host), the kernel source's constants, the tuned schedule, or the constants and "
+                             "the tuned schedule side by side (tuned_ms, tuned_gain = fused_ms / tuned_ms)")
     parser.add_argument("--overlap", action="store_true",
                         help="also time the sequential dispatch alone and its up-projection GEMM alone, and the "
                              "fused kernel A (dispatch + up) from a recorded forward: a_vs_max = fused_a_ms / "
@@ -153,9 +155,9 @@ def weight_grads_alone(layer, x, ids, gates, bf16, rng):
 
 def fused_configs(config: str) -> dict:
     """``--config``'s fused layers: name -> ``MoELayer``'s ``fused_config``; ``default`` is
-    today's constants (``None``: every SM, the source's task sizes)."""
+    the layer's own (None)."""
     names = CONFIGS if config == "both" else (config,)
-    return {name: None if name == "default" else "tuned" for name in names}
+    return {name: None if name == "default" else name for name in names}
 
 
 DIRECTION_TAGS = {"forward": "", "training": "_train", "backward": "_bwd"}
@@ -280,8 +282,8 @@ def run(args) -> int:
     diff_columns = ["out_diff", "rerun_diff"] + (BACKWARD_DIFFS if args.backward else [])
     configs = fused_configs(args.config)
     if args.config != "default":
-        title += "; tuned: MoELayer(fused_config='tuned')" + (", tuned_gain = fused_ms / tuned_ms"
-                                                              if args.config == "both" else "")
+        title += f"; MoELayer(fused_config={args.config!r})" if args.config != "both" else (
+            "; fused_config='constants', tuned: 'tuned', tuned_gain = fused_ms / tuned_ms")
     progress = Progress("moe-fused", enabled=me == 0 and not args.quiet)
     if args.overlap:
         title += ("; dispatch_ms, up_gemm_ms: the sequential path's Dispatcher.dispatch alone and its "

@@ -241,12 +241,15 @@ def _fused_schedule(layer: "MoELayer", fused_config) -> FusedSchedule:
 
     error, schedule, d = None, None, layer.dispatcher.config
     try:
+        if fused_config is None:  # tuned on the device; the host runs one worker: nothing to tune
+            fused_config = "tuned" if layer.backend == "device" else "constants"
         if isinstance(fused_config, FusedConfig):
             schedule = FusedSchedule((fused_config,))
-        elif fused_config is None:  # the source's task sizes on every resident CTA (one worker on the host)
+        elif fused_config == "constants":  # the source's task sizes on every resident CTA (one worker on the host)
             schedule = FusedSchedule((FusedConfig(1 if layer.backend == "host" else _resident_ctas(layer)),))
         elif fused_config != "tuned":
-            raise MoELayerError(f"fused_config must be None, 'tuned' or a FusedConfig, got {fused_config!r}")
+            raise MoELayerError(f"fused_config must be None, 'tuned', 'constants' or a FusedConfig, "
+                                f"got {fused_config!r}")
     except MoELayerError as exc:
         error = exc
     try:  # one schedule on every rank: the kernel variants are loaded collectively
@@ -353,10 +356,12 @@ class MoELayer:
     ``expert_output=True``, plus :func:`ultraep.integration.fused.heap_requirements`), else
     it opens its own.
     ``fused``: the forward as the fused persistent kernels (module docstring). ``fused_config``
-    (with ``fused``): None, the kernel source's task sizes on every resident CTA; ``"tuned"``,
-    the model's best :class:`~ultraep.tune.config.FusedConfig` per 4096-token bucket up to
-    ``max_tokens`` (``ultraep.tune.search``, from rank 0's machine profile, measured once and
-    cached); or a ``FusedConfig`` for every call. No choice changes a result bit.
+    (with ``fused``): ``"tuned"``, the model's best :class:`~ultraep.tune.config.FusedConfig`
+    per 4096-token bucket up to ``max_tokens`` (``ultraep.tune.search``, from rank 0's machine
+    profile, measured once and cached: the first fused layer on a machine measures it);
+    ``"constants"``, the kernel source's task sizes on every resident CTA; a ``FusedConfig``
+    for every call; None (default): tuned on the device, the constants on the host (one
+    worker: nothing to tune). No choice changes a result bit.
     ``max_recv_rows``, ``timeout_s``, ``sync_checks``: the Dispatcher's.
 
     ``topk_ids``: a token's ``K`` ids are distinct experts (as a router's top-k), so an expert

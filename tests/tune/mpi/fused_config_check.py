@@ -4,9 +4,10 @@ tests/tune/test_fused_configs.py.
 Usage: python -m mpi4py fused_config_check.py {host|device}
 
 For several configurations (one CTA and the smallest tasks and unrolls; a third of the
-SMs; every SM with the largest unrolls; on the GPU the tuned schedule, whose ranks fall
-into different token buckets here: rank 0 carries more than 4096 tokens, the others a few
-hundred), the fused forward's output is bitwise the sequential layer's, and the same over
+SMs; every SM with the largest unrolls; the source's constants; on the GPU the tuned
+schedule, whose ranks fall into different token buckets here: rank 0 carries more than
+4096 tokens, the others a few hundred; the default, which is the tuned schedule on the GPU
+and the constants on the host), the fused forward's output is bitwise the sequential layer's, and the same over
 two runs. Refused on every rank, naming what is wrong: a grid above the resident CTAs (on
 the GPU), a fused_config that is not one, ranks that pass different ones, a fused_config
 without fused=True.
@@ -86,9 +87,11 @@ def main():
         want = bits(plain.forward(*data)[0])
     configs = [FusedConfig(1, send_tokens=1, reduce_tokens=1, copy_unroll=1, reduce_unroll=1),
                FusedConfig(max(1, RESIDENT // 3), send_tokens=7, reduce_tokens=64),
-               FusedConfig(RESIDENT, send_tokens=128, reduce_tokens=5, copy_unroll=8, reduce_unroll=16), None]
+               FusedConfig(RESIDENT, send_tokens=128, reduce_tokens=5, copy_unroll=8, reduce_unroll=16), "constants"]
     if backend == "device":
         configs.append("tuned")
+    configs.append(None)  # the default: the tuned schedule on the device, the constants on the host
+    schedules = {}
     for config in configs:
         with layer(config) as moe:
             for run in range(2):
@@ -96,11 +99,13 @@ def main():
                 moe.check()
                 count = int(np.count_nonzero(got != want))
                 assert count == 0, f"fused_config={config} run {run}: {count} elements differ from sequential"
+            schedules[config if isinstance(config, (str, type(None))) else str(config)] = moe._fused.schedule
             if config == "tuned" and me == 0:
                 print(f"tuned schedule: {[str(c) for c in moe._fused.schedule.configs]}", flush=True)
+    assert schedules[None] == schedules["tuned" if backend == "device" else "constants"], schedules
     if backend == "device":
         refused(f"ctas {RESIDENT + 1} exceeds the {RESIDENT} CTAs", fused_config=FusedConfig(RESIDENT + 1))
-    refused("fused_config must be None, 'tuned' or a FusedConfig, got 'fast'", fused_config="fast")
+    refused("fused_config must be None, 'tuned', 'constants' or a FusedConfig, got 'fast'", fused_config="fast")
     refused("MoELayer fused_config", fused_config=FusedConfig(1 + me % 2))
     refused("fused_config is set but fused=False", fused_config=FusedConfig(1), fused=False)
 
