@@ -17,14 +17,15 @@ from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_BLOCKS_UNMEASURED
                                 SYNC_PIECE_BOOKKEEPING_ROUNDS, SYNC_SM_COPY_FRACTION, SYNC_WARPS,
                                 TOKEN_MAP_SEGMENT_ITEMS, WARP_THREADS, Problem, SyncProblem, _loaded_round_s,
                                 _round_trip_s, _task_rounds_s, combine_s, dispatch_blocks_per_sm, dispatch_s,
-                                fused_down_s, fused_up_s, fused_windows, join, predict, pull_s, token_map_trips,
-                                weight_sync_s)
+                                fused_down_s, fused_up_s, fused_windows, join, predict, pull_s, sms_bound_peer_copy,
+                                token_map_trips, weight_sync_s)
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
 EXPERT = 3 * 4096 * 1536 * 2
 # a quarter of the H200 under MPS as the probe measured it (h200_sync_fanouts_325ac3e.json)
-MEASURED_SHARE = dataclasses.replace(h200_like(sm_share=25, peer_bytes_per_s=1.375e12), copy_warp_bytes_per_s=2.97e9)
+MEASURED_SHARE = dataclasses.replace(h200_like(sm_share=25, peer_bytes_per_s=1.375e12), copy_warp_bytes_per_s=2.97e9,
+                                     shared_by=4, shared_copy_bytes_per_s=2.0e12)
 
 
 def test_problem_derived_quantities_and_refusals():
@@ -80,6 +81,19 @@ def test_weight_sync_waits_for_the_busiest_sm():
     assert times[0] > times[2] > times[4] > times[5]
 
 
+def test_weight_sync_sm_bound_only_where_the_sms_bound_the_peer_copy():
+    """Where the memory, not the SMs, bounds the peer copy (a whole GPU; or a share whose
+    sharers moved no more together), that copy's rate says nothing of an SM's: the pieces
+    wait on their latency and the memory's rate alone, and more blocks never hurt."""
+    assert sms_bound_peer_copy(MEASURED_SHARE) and not sms_bound_peer_copy(PROFILE)
+    assert not sms_bound_peer_copy(dataclasses.replace(MEASURED_SHARE, shared_copy_bytes_per_s=1.375e12))
+    sync = SyncProblem(EXPERT, (3,))
+    times = weight_sync_s(PROFILE, sync, np.arange(1, SYNC_MIN_BLOCKS * PROFILE.usable_sms + 1))
+    assert np.all(np.diff(times) <= 1e-12)
+    copied = EXPERT * (1 + 3) / 2
+    assert copied / PROFILE.peer_bytes_per_s < times[-1] - PROFILE.kernel_s < 1.1 * copied / PROFILE.peer_bytes_per_s
+
+
 def test_weight_sync_ranks_copying_at_once_share_the_memory():
     """The memory moves every copying rank's bytes at its shared rate at most: four ranks of a
     whole GPU copying at once take at least their bytes over it."""
@@ -92,9 +106,9 @@ def test_weight_sync_ranks_copying_at_once_share_the_memory():
 
 
 def test_weight_sync_blocks_beyond_residency_run_in_waves():
-    quarter = h200_like(sm_share=25)  # 33 SMs, 4 resident sync blocks each: 132 at once
+    quarter = MEASURED_SHARE  # 33 SMs, 4 resident sync blocks each: 132 at once
     sync = SyncProblem(EXPERT, (1,))
-    assert float(weight_sync_s(quarter, sync, 133)) > float(weight_sync_s(quarter, sync, 132))
+    assert float(weight_sync_s(quarter, sync, 133)) > 1.5 * float(weight_sync_s(quarter, sync, 132))
 
 
 def test_sync_problem_from_a_plan():

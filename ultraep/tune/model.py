@@ -195,7 +195,9 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 #   known, which no load overlaps (SYNC_PIECE_BOOKKEEPING_ROUNDS);
 # * its share of the SM's memory pipe: the SM's warps together load and store at most a
 #   fraction (SYNC_SM_COPY_FRACTION) of the SM's share of the peer copy's bytes (a copied
-#   byte is one loaded and one stored). Blocks go to the SMs one at a time (a block on each
+#   byte is one loaded and one stored) -- where the SMs, not the memory, bound that copy
+#   (sms_bound_peer_copy); on a whole GPU the peer copy's rate says nothing of an SM's and
+#   the memory's rate alone bounds the pieces. Blocks go to the SMs one at a time (a block on each
 #   before a second on any), so the busiest SM holds ceil(blocks / SMs) of them: past each
 #   multiple of the SMs a few SMs' warps share their pipe with a block more and the call
 #   waits for them (the sawtooth of the sweeps).
@@ -212,10 +214,20 @@ SYNC_PIECE_BOOKKEEPING_ROUNDS = 0.6  # fitted: a piece's address work, in load r
 SYNC_SM_COPY_FRACTION = 0.7          # fitted: the SM's bytes loaded + stored, of twice its share of the peer copy
 
 
+def sms_bound_peer_copy(profile: MachineProfile) -> bool:
+    """Whether this process's SMs, not the GPU's memory, bound its peer copy: the processes
+    measured copying at once on its GPU moved more together than it alone (as on an MPS
+    share: 2.0 TB/s for four processes on the H200, 1.37 for one of 32 SMs). Where the
+    memory bounds it (a whole GPU, or no sharers measured) its rate says nothing of an SM's."""
+    return profile.shared_by > 1 and profile.shared_copy_bytes_per_s > profile.peer_bytes_per_s
+
+
 def _sync_piece_s(profile: MachineProfile, blocks_on_busiest_sm, mean_fanout: float):
     """One piece of a warp on the busiest SM (``blocks_on_busiest_sm`` blocks of SYNC_WARPS
     warps there), the piece stored to ``mean_fanout`` replicas."""
     latency = _round_trip_s(profile) * (1.0 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
+    if not sms_bound_peer_copy(profile):
+        return latency + np.zeros_like(blocks_on_busiest_sm)
     sm_bytes_per_s = SYNC_SM_COPY_FRACTION * 2.0 * profile.peer_bytes_per_s / profile.usable_sms
     sm_share = blocks_on_busiest_sm * SYNC_WARPS * PIECE_BYTES * (1.0 + mean_fanout) / sm_bytes_per_s
     return join(latency, sm_share)
