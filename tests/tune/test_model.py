@@ -13,15 +13,19 @@ from ultraep.planner import ExpertLayout, Plan
 from ultraep.tune import model
 from ultraep.tune.device import DISPATCH_POINTER_BYTES
 from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_BLOCKS_UNMEASURED, MEMORY_CHANNELS, DISPATCH_THREADS,
-                                DISPATCH_UNROLL, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_WARPS,
+                                DISPATCH_UNROLL, FM_BM, FM_DOWN_COLS, FM_UP_COLS, PIECE_BYTES, SYNC_MIN_BLOCKS,
+                                SYNC_PIECE_BOOKKEEPING_ROUNDS, SYNC_SM_COPY_FRACTION, SYNC_WARPS,
                                 TOKEN_MAP_SEGMENT_ITEMS, WARP_THREADS, Problem, SyncProblem, _loaded_round_s,
                                 _round_trip_s, _task_rounds_s, combine_s, dispatch_blocks_per_sm, dispatch_s,
-                                fused_down_s, fused_up_s, fused_windows, join, predict, pull_s, stores_bound_by_sms,
+                                fused_down_s, fused_up_s, fused_windows, join, predict, pull_s, sms_bound_peer_copy,
                                 token_map_trips, weight_sync_s)
 
 PROFILE = h200_like()
 PROBLEM = Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
 EXPERT = 3 * 4096 * 1536 * 2
+# a quarter of the H200 under MPS as the probe measured it (h200_sync_fanouts_325ac3e.json)
+MEASURED_SHARE = dataclasses.replace(h200_like(sm_share=25, peer_bytes_per_s=1.375e12), copy_warp_bytes_per_s=2.97e9,
+                                     shared_by=4, shared_copy_bytes_per_s=2.0e12)
 
 
 def test_problem_derived_quantities_and_refusals():
@@ -43,51 +47,68 @@ def test_problem_derived_quantities_and_refusals():
         Problem(64, 64, 64, 2, 8, 4, keeps_h=1)
 
 
-def test_weight_sync_warp_bound_then_bandwidth_bound():
-    sync = SyncProblem(EXPERT, (3,))
-    pieces = -(-EXPERT // PIECE_BYTES)
-    piece_s = PIECE_BYTES * (1 + 3) / 2 / PROFILE.copy_warp_bytes_per_s
-    one_block = float(weight_sync_s(PROFILE, sync, 1))
-    warp_bound = np.ceil(pieces / SYNC_WARPS) * piece_s
-    assert one_block == pytest.approx(PROFILE.kernel_s + warp_bound, rel=1e-3)
-    bandwidth_s = EXPERT * (1 + 3) / 2 / PROFILE.peer_bytes_per_s
-    full = float(weight_sync_s(PROFILE, sync, 528))
-    assert bandwidth_s < full - PROFILE.kernel_s < 1.1 * bandwidth_s
-    grids = np.arange(1, 529)
-    times = weight_sync_s(PROFILE, sync, grids)
-    assert times.shape == grids.shape and np.all(np.diff(times) <= 1e-12)  # more resident warps never hurt
-    # four ranks copying at once on one GPU share its bandwidth
-    assert float(weight_sync_s(PROFILE, SyncProblem(EXPERT, (3,), ranks_copying=4), 528)) > 3.5 * bandwidth_s
+def test_weight_sync_latency_bound_then_sm_bound():
+    """A grid of one block: every piece at a warp's latency (the load's round trip and the
+    piece's bookkeeping), the SM's pipe far from full. Four blocks on every SM: the SM's
+    share of the bytes, loaded and stored, at its rate; fan-out 3 stores twice what 1 does
+    more, so it takes nearly twice as long there, while one block's pieces differ little."""
+    share = MEASURED_SHARE
+    sms, pieces = share.usable_sms, -(-EXPERT // PIECE_BYTES)
+    latency = _round_trip_s(share) * (1 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
+    one, three = SyncProblem(EXPERT, (1,)), SyncProblem(EXPERT, (3,))
+    alone = float(weight_sync_s(share, one, 1)) - share.kernel_s
+    assert alone == pytest.approx(pieces / SYNC_WARPS * latency, rel=0.02)
+    assert alone < float(weight_sync_s(share, three, 1)) - share.kernel_s < 1.2 * alone
+    sm_rate = SYNC_SM_COPY_FRACTION * 2 * share.peer_bytes_per_s / sms
+    full = [float(weight_sync_s(share, sync, SYNC_MIN_BLOCKS * sms)) - share.kernel_s for sync in (one, three)]
+    for fanout, body in zip((1, 3), full):
+        sm_s = -(-pieces // (SYNC_MIN_BLOCKS * sms * SYNC_WARPS)) * SYNC_MIN_BLOCKS * SYNC_WARPS \
+            * PIECE_BYTES * (1 + fanout) / sm_rate
+        assert sm_s < body < 1.1 * sm_s
+    assert 1.8 < full[1] / full[0] < 2.0
 
 
-def test_weight_sync_stores_wait_for_the_busiest_sm_where_the_sms_bound_the_copy():
-    """On an MPS share whose own copy (1.2 TB/s) is below what the memory moved for its four
-    sharers (2 TB/s), its SMs bound its stores: an SM stores its share of the copy's rate.
-    Blocks go to the 33 SMs one at a time, so a grid of 34 leaves one SM storing twice what
-    the others do (they idle meanwhile): slower than 33 by nearly two. Whole multiples of
-    the SMs store the replicas at the copy's rate, more warps or not. A whole GPU's copy (no
-    sharers measured) says nothing of its SMs: its bytes alone bound it, as before."""
-    share = dataclasses.replace(h200_like(sm_share=25, peer_bytes_per_s=1.2e12), shared_by=4,
-                                shared_copy_bytes_per_s=2.0e12)
-    assert stores_bound_by_sms(share) and not stores_bound_by_sms(h200_like(sm_share=25))
-    assert not stores_bound_by_sms(dataclasses.replace(share, shared_copy_bytes_per_s=1.2e12))  # the memory's
-    sms, sync = share.usable_sms, SyncProblem(EXPERT, (3,))
-    stores_s = 3 * EXPERT / share.peer_bytes_per_s
+def test_weight_sync_waits_for_the_busiest_sm():
+    """Blocks go to the SMs one at a time: a grid of SMs + 1 leaves one SM's warps sharing its
+    pipe with a second block while the rest idle, slower than SMs blocks at fan-out 3 (whose
+    stores fill the pipe); at fan-out 1, whose pieces wait on their latency more, whole
+    multiples of the SMs are each faster than the last."""
+    sms = MEASURED_SHARE.usable_sms
     grids = np.array([sms, sms + 1, 2 * sms, 2 * sms + 1, 3 * sms, 4 * sms])
-    body = weight_sync_s(share, sync, grids) - share.kernel_s
-    assert body[[0, 2, 4, 5]] == pytest.approx([stores_s] * 4)
-    assert body[1] == pytest.approx(2 * sms / (sms + 1) * stores_s)  # 2 of 34 blocks' stores on one SM
-    assert body[3] == pytest.approx(3 * sms / (2 * sms + 1) * stores_s)
-    # the bytes counted as copies, (1 + 3) / 2 of the expert, would have it a third faster
-    assert EXPERT * (1 + 3) / 2 / share.peer_bytes_per_s < 0.7 * body[-1]
-    whole = h200_like(sm_share=25, peer_bytes_per_s=1.2e12)
-    assert np.all(np.diff(weight_sync_s(whole, sync, np.arange(1, 4 * sms + 1))) <= 1e-12)
+    times = weight_sync_s(MEASURED_SHARE, SyncProblem(EXPERT, (3,)), grids)
+    assert times[1] > 1.2 * times[0] and times[3] > 1.2 * times[2]
+    times = weight_sync_s(MEASURED_SHARE, SyncProblem(EXPERT, (1,)), grids)
+    assert times[0] > times[2] > times[4] > times[5]
+
+
+def test_weight_sync_sm_bound_only_where_the_sms_bound_the_peer_copy():
+    """Where the memory, not the SMs, bounds the peer copy (a whole GPU; or a share whose
+    sharers moved no more together), that copy's rate says nothing of an SM's: the pieces
+    wait on their latency and the memory's rate alone, and more blocks never hurt."""
+    assert sms_bound_peer_copy(MEASURED_SHARE) and not sms_bound_peer_copy(PROFILE)
+    assert not sms_bound_peer_copy(dataclasses.replace(MEASURED_SHARE, shared_copy_bytes_per_s=1.375e12))
+    sync = SyncProblem(EXPERT, (3,))
+    times = weight_sync_s(PROFILE, sync, np.arange(1, SYNC_MIN_BLOCKS * PROFILE.usable_sms + 1))
+    assert np.all(np.diff(times) <= 1e-12)
+    copied = EXPERT * (1 + 3) / 2
+    assert copied / PROFILE.peer_bytes_per_s < times[-1] - PROFILE.kernel_s < 1.1 * copied / PROFILE.peer_bytes_per_s
+
+
+def test_weight_sync_ranks_copying_at_once_share_the_memory():
+    """The memory moves every copying rank's bytes at its shared rate at most: four ranks of a
+    whole GPU copying at once take at least their bytes over it."""
+    sync, shared = SyncProblem(EXPERT, (3,)), SyncProblem(EXPERT, (3,), ranks_copying=4)
+    copied = EXPERT * (1 + 3) / 2
+    grid = SYNC_MIN_BLOCKS * PROFILE.usable_sms
+    assert float(weight_sync_s(PROFILE, shared, grid)) >= 4 * copied / PROFILE.gpu_copy_bytes_per_s(4)
+    assert float(weight_sync_s(PROFILE, shared, grid)) > float(weight_sync_s(PROFILE, sync, grid))
+    assert float(weight_sync_s(PROFILE, SyncProblem(EXPERT, ()), grid)) == PROFILE.kernel_s
 
 
 def test_weight_sync_blocks_beyond_residency_run_in_waves():
-    quarter = h200_like(sm_share=25)  # 33 SMs, 4 resident sync blocks each: 132 at once
+    quarter = MEASURED_SHARE  # 33 SMs, 4 resident sync blocks each: 132 at once
     sync = SyncProblem(EXPERT, (1,))
-    assert float(weight_sync_s(quarter, sync, 133)) > float(weight_sync_s(quarter, sync, 132))
+    assert float(weight_sync_s(quarter, sync, 133)) > 1.5 * float(weight_sync_s(quarter, sync, 132))
 
 
 def test_sync_problem_from_a_plan():

@@ -19,10 +19,8 @@ The building blocks, each a quantity the profile measures:
   ``copy_warp_bytes_per_s``: a grid of
   ``w`` warps that splits ``u`` equal units (pieces, rows) among them takes ``ceil(u / w)``
   units' time when the memory is not the limit, and blocks beyond those resident at once
-  run in later waves; where this process's SMs, not the memory, bound its peer copy (the
-  memory moved more for the processes sharing it), an SM stores at most its share of that
-  copy's rate, so a kernel whose blocks share the work evenly waits for the SM holding the
-  most of them;
+  run in later waves; the weight sync's SM moves a fraction of its share of the peer copy's
+  bytes, so its blocks, sharing the work evenly, wait for the SM holding the most of them;
 * the fused kernels' GEMM tiles and relay tasks cost what the profile measured running
   those kernels (:class:`~ultraep.tune.profile.FusedCosts`, at the grid, with as many ranks
   of the GPU running them at once): ``ceil(t / c)`` waves of ``t`` tiles over the ``c``
@@ -184,65 +182,77 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
                       copied_bytes * sharing / profile.gpu_copy_bytes_per_s(sharing))
 
 
-def stores_bound_by_sms(profile: MachineProfile) -> bool:
+# -- weight sync ---------------------------------------------------------------------------
+#
+# weight_sync (raw_kernels/transfer.cu) is persistent: warp w of the grid's W takes pieces
+# w, w + W, ... of PIECE_BYTES, loads each into registers and stores it to each of its
+# replicas, so every warp copies the same number of pieces (the busiest one more) and the
+# call lasts as long as the warps of the busiest SM take over theirs. A piece costs a warp
+#
+# * its latency: the load's round trip (_round_trip_s, what heap.cu's copy warp waits per
+#   round of the same 2 KiB) and the piece's bookkeeping -- the dependent shared-memory and
+#   shuffle steps that find its task, tensor, source and destinations before its address is
+#   known, which no load overlaps (SYNC_PIECE_BOOKKEEPING_ROUNDS);
+# * its share of the SM's memory pipe: the SM's warps together load and store at most a
+#   fraction (SYNC_SM_COPY_FRACTION) of the SM's share of the peer copy's bytes (a copied
+#   byte is one loaded and one stored) -- where the SMs, not the memory, bound that copy
+#   (sms_bound_peer_copy); on a whole GPU the peer copy's rate says nothing of an SM's and
+#   the memory's rate alone bounds the pieces. Blocks go to the SMs one at a time (a block on each
+#   before a second on any), so the busiest SM holds ceil(blocks / SMs) of them: past each
+#   multiple of the SMs a few SMs' warps share their pipe with a block more and the call
+#   waits for them (the sawtooth of the sweeps).
+#
+# The two limits are joined (JOIN_P): a warp's stores drain while it waits for its next
+# load, so near the SM's rate neither bound alone is reached. All the ranks copying at once
+# move their bytes no faster than the memory's shared rate (bandwidth_s), a hard ceiling.
+#
+# Two constants are read off the sweeps of one 37.7 MB expert at fan-outs 1-3 on the H200
+# under MPS (25 % of the SMs; 325ac3e and b2767b9), not from the profile: nothing the probe
+# measures runs this kernel's bookkeeping or its SM's mix of loads and stores. Both are
+# properties of the kernel's code, not of the problem, and are held against other sweeps.
+SYNC_PIECE_BOOKKEEPING_ROUNDS = 0.6  # fitted: a piece's address work, in load round trips (0.41 us on the H200)
+SYNC_SM_COPY_FRACTION = 0.7          # fitted: the SM's bytes loaded + stored, of twice its share of the peer copy
+
+
+def sms_bound_peer_copy(profile: MachineProfile) -> bool:
     """Whether this process's SMs, not the GPU's memory, bound its peer copy: the processes
     measured copying at once on its GPU moved more together than it alone (as on an MPS
-    share: 2.0 TB/s for four processes on the H200, 1.37 for one of 32 SMs). Its copy then
-    stored as fast as those SMs store, taken as what they store in any kernel; where the
-    memory bounds the copy (a whole GPU, or no sharers measured) that rate says nothing of
-    the SMs."""
+    share: 2.0 TB/s for four processes on the H200, 1.37 for one of 32 SMs). Where the
+    memory bounds it (a whole GPU, or no sharers measured) its rate says nothing of an SM's."""
     return profile.shared_by > 1 and profile.shared_copy_bytes_per_s > profile.peer_bytes_per_s
 
 
-def busiest_sm_store_s(profile: MachineProfile, grid, stored_bytes: float):
-    """``stored_bytes`` stored by ``grid`` blocks, an equal share each, at the rate of the SM
-    holding the most of them (zero where the SMs do not bound the stores:
-    :func:`stores_bound_by_sms`). An SM stores at ``peer_bytes_per_s`` over the SMs; the
-    blocks are spread over the SMs one at a time (a block on each before a second on any),
-    so one SM holds ``ceil(grid / SMs)``: a grid just past a multiple of the SMs leaves a
-    few SMs storing one block more than the rest, which idle meanwhile."""
-    grid = np.asarray(grid, np.float64)
-    if not stores_bound_by_sms(profile):
-        return np.zeros_like(grid)
-    per_sm_s = profile.usable_sms / profile.peer_bytes_per_s
-    return np.ceil(grid / profile.usable_sms) * (stored_bytes / grid) * per_sm_s
+def _sync_piece_s(profile: MachineProfile, blocks_on_busiest_sm, mean_fanout: float):
+    """One piece of a warp on the busiest SM (``blocks_on_busiest_sm`` blocks of SYNC_WARPS
+    warps there), the piece stored to ``mean_fanout`` replicas."""
+    latency = _round_trip_s(profile) * (1.0 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
+    if not sms_bound_peer_copy(profile):
+        return latency + np.zeros_like(blocks_on_busiest_sm)
+    sm_bytes_per_s = SYNC_SM_COPY_FRACTION * 2.0 * profile.peer_bytes_per_s / profile.usable_sms
+    sm_share = blocks_on_busiest_sm * SYNC_WARPS * PIECE_BYTES * (1.0 + mean_fanout) / sm_bytes_per_s
+    return join(latency, sm_share)
 
-
-def grid_copy_s(profile: MachineProfile, grid, warps_per_block: int, max_blocks_per_sm: int, units: float,
-                unit_bytes: float, total_bytes: float, sharing: int):
-    """A grid-stride copy kernel's body: ``units`` units of ``unit_bytes`` copied each
-    (``total_bytes`` in all, read once and written once), split over ``grid`` blocks of
-    ``warps_per_block`` warps, ``max_blocks_per_sm`` of them resident per SM."""
-    grid = np.asarray(grid, np.float64)
-    resident = profile.usable_sms * max_blocks_per_sm
-    block_waves = np.ceil(grid / resident)
-    unit_waves = np.ceil(units / (grid * warps_per_block))
-    warp_s = block_waves * unit_waves * (unit_bytes / profile.copy_warp_bytes_per_s)
-    return join(bandwidth_s(profile, total_bytes, sharing), warp_s)
-
-
-# -- weight sync ---------------------------------------------------------------------------
 
 def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
-    """``weight_sync``'s kernel (no barrier, schedule compiled): every warp takes pieces of
-    ``PIECE_BYTES`` in turn, loads each once and stores it to each of its replicas; the
-    busiest sender's pieces bound the call, at the warps' rate or the memory's, and its
-    stores, every replica's bytes, at the busiest SM's store rate (:func:`busiest_sm_store_s`;
-    a hard maximum, chosen on the sweep: joined (:data:`JOIN_P`) with the warps' bound it
-    overshot the grids of one block an SM by 7-25 %).
-
-    The store bound holds where the SMs bound the process's peer copy
-    (:func:`stores_bound_by_sms`), as on an MPS share; on a whole GPU the bytes are counted as
-    before. It explains the sweep it came from (fan-out 3), not fan-outs 1 and 2, where the
-    piece's load weighs more (docs/tuning.md); relay trees and per-chunk flags are not
-    modelled."""
-    fanouts = np.asarray(sync.fanouts or (0,), np.float64)
-    pieces = -(-sync.expert_bytes // PIECE_BYTES) * len(sync.fanouts)
-    traffic = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0)) if sync.fanouts else 0.0
-    per_piece = traffic / pieces if pieces else 0.0
-    body = grid_copy_s(profile, blocks, SYNC_WARPS, SYNC_MIN_BLOCKS, pieces, per_piece, traffic, sync.ranks_copying)
-    stores = busiest_sm_store_s(profile, blocks, sync.expert_bytes * float(np.sum(fanouts)))
-    return profile.kernel_s + np.maximum(body, stores)
+    """``weight_sync``'s kernel (no barrier, schedule compiled, no per-chunk flags) on
+    ``blocks`` blocks: its start-up (one round trip of table reads before a block barrier),
+    then the busiest sender's pieces, every master's, split evenly over the grid's warps,
+    each at :func:`_sync_piece_s` on the busiest SM; blocks beyond those resident at once
+    (SYNC_MIN_BLOCKS an SM) in later waves; no faster than the memory moves every copying
+    rank's bytes. Relay trees and per-chunk flags are not modelled."""
+    blocks = np.asarray(blocks, np.float64)
+    if not sync.fanouts:
+        return profile.kernel_s + np.zeros_like(blocks)
+    fanouts = np.asarray(sync.fanouts, np.float64)
+    pieces = -(-sync.expert_bytes // PIECE_BYTES) * len(fanouts)
+    resident = profile.usable_sms * SYNC_MIN_BLOCKS
+    at_once = np.minimum(blocks, resident)
+    pieces_per_warp = np.ceil(pieces / (blocks * SYNC_WARPS))
+    warps_s = (np.ceil(blocks / resident) * pieces_per_warp
+               * _sync_piece_s(profile, np.ceil(at_once / profile.usable_sms), float(fanouts.mean())))
+    copied = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0))  # a byte loaded and one stored: one copied
+    return profile.kernel_s + _round_trip_s(profile) + np.maximum(warps_s, bandwidth_s(profile, copied,
+                                                                                      sync.ranks_copying))
 
 
 # -- dispatch and combine ------------------------------------------------------------------
