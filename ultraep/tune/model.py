@@ -278,7 +278,14 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 # Blocks beyond those resident at once run in later waves: the kernels' registers, not
 # their threads, bound them (profile.dispatch_blocks_per_sm, measured since version 10).
 # The warps of a grid run their units' mean rounded down at once, then those with one more
-# unit run it at their own, smaller, concurrency: a ragged end of up to a unit's rounds.
+# unit run it at their own, smaller, concurrency: a ragged end of up to a unit's rounds. Where
+# the units divide evenly the end is no sharper: the warps do not run in lockstep (each round
+# waits in its channel's queue as long as it happens to), so warps of equal units finish
+# spread out and the last of them run their last unit with few others at the memory -- a
+# drain charged as one warp's unit (the sweeps gained nothing at even divisions: grid 64 of
+# 4096 tokens against 65, 256 against 251, at 4 ranks). A grid just past an even division
+# is charged no drain (nearly all its warps run the last unit): 64 is modelled 2-6 % over 65
+# where the sweeps measured them alike.
 #
 # Ranks sharing a GPU under MPS shares that overlap launch their kernels together (each
 # after a device barrier of all of them), as fused kernel A's ranks do, and one rank then
@@ -348,12 +355,13 @@ def _loaded_round_s(profile: MachineProfile, warps, round_copied_bytes: float, r
 def _phase_s(profile: MachineProfile, warps, units_per_warp, unit_rounds: int, round_copied_bytes: float,
              rate: float):
     """``warps`` (every rank's) at work together, each running ``units_per_warp`` units (a
-    mean): its floor at all of them, then the one more unit of those that have one at theirs."""
-    whole = np.floor(units_per_warp)
+    mean): its floor at all of them, then the one more unit of those that have one at theirs,
+    at least one warp's (the drain of an even division: the section's comment)."""
+    whole = np.floor(units_per_warp + 1e-9)
     more = units_per_warp - whole
     at_once = whole * unit_rounds * _loaded_round_s(profile, warps, round_copied_bytes, rate)
-    ragged = unit_rounds * _loaded_round_s(profile, np.ceil(warps * more), round_copied_bytes, rate)
-    return np.where(warps > 0, at_once + np.where(more > 1e-9, ragged, 0.0), 0.0)
+    ragged = unit_rounds * _loaded_round_s(profile, np.maximum(np.ceil(warps * more), 1.0), round_copied_bytes, rate)
+    return np.where(warps > 0, at_once + ragged, 0.0)
 
 
 def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_rounds: int, copied_bytes: float,
