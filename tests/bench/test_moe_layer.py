@@ -91,3 +91,23 @@ def test_moe_layer_bench_gpu_balancing_moves_no_bit(tmp_path):
     assert rows["ultraep"]["out_diff"] == 0 and rows["ultraep"]["dx_diff"] == 0
     assert rows["ultraep"]["replicas"] > 0 and rows["ultraep"]["wgrad_rel"] <= 1e-4
     assert all(row["rerun_diff"] == 0 for row in rows.values())
+
+
+class OneRank:
+    def barrier(self):
+        pass
+
+    def allgather(self, value):
+        return [value]
+
+
+def test_alternated_phases_take_turns_at_running_first():
+    """``alternate=(1, 2)``: phases 1 and 2 swap places every other repeat (the others keep
+    theirs), and each phase's window is still its own."""
+    ran = []
+    phases = [lambda _, name=name: ran.append(name) for name in "abc"]
+    windows = bench.phase_windows_ms(OneRank(), phases, 4, lambda: None, alternate=(1, 2))
+    assert "".join(ran) == "abc" "acb" "abc" "acb" and len(windows) == 3
+    ran.clear()
+    bench.phase_windows_ms(OneRank(), phases, 2, lambda: None)
+    assert "".join(ran) == "abcabc"

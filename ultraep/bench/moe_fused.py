@@ -348,7 +348,9 @@ def run(args) -> int:
                     up_out = grouped_mm(received.x, sequential._w_up, received.offsets)  # reused: no zero fill timed
                     timed += [lambda _: sequential.dispatcher.dispatch(x, ids, gates),
                                lambda _: grouped_mm(received.x, sequential._w_up, received.offsets, out=up_out)]
-                windows = phase_windows_ms(group, timed, args.repeats, synchronize)
+                # the constants and the tuned layer take turns at running first
+                windows = phase_windows_ms(group, timed, args.repeats, synchronize,
+                                           alternate=(1, 2) if args.config == "both" else None)
                 again = {name: checked(layers[name]) for name in configs}
                 layers[False].check()
                 tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None

@@ -199,14 +199,20 @@ class MoEStack:
             self.balancer.close()
 
 
-def phase_windows_ms(group, phases, repeats: int, synchronize) -> list[float]:
+def phase_windows_ms(group, phases, repeats: int, synchronize, alternate: tuple[int, int] | None = None) -> list[float]:
     """ms per repeat of each phase as the whole group's window (first rank's start to the
     last rank's end; a barrier before each phase). ``phases``: callables run in order, each
-    given the previous one's result (the first None)."""
+    given the previous one's result (the first None). ``alternate``: two phases (neither
+    reading its input) that swap places every other repeat, so neither always runs second."""
     spans = [[] for _ in phases]
-    for _ in range(repeats):
+    for repeat in range(repeats):
         result = None
-        for phase, fn in enumerate(phases):
+        order = list(range(len(phases)))
+        if alternate is not None and repeat % 2:
+            first, second = alternate
+            order[first], order[second] = second, first
+        for phase in order:
+            fn = phases[phase]
             synchronize()
             group.barrier()
             start = time.monotonic()
