@@ -203,9 +203,8 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 #   sawtooth of the sweeps);
 # * its share of the process's path to memory, which the busy SMs share evenly (as ports
 #   served in turn are; the sawtooth stays at full grids, so an SM with more blocks got no
-#   more of it): at most a
-#   fraction (SYNC_PROCESS_COPY_FRACTION) of the peer copy's, a stored byte counted as
-#   SYNC_STORE_WEIGHT loaded ones. Across the sweeps' full grids (fan-outs 2-7, 14 and 32
+#   more of it): at most a fraction (SYNC_PROCESS_COPY_FRACTION) of the peer copy's, a
+#   stored byte counted as SYNC_STORE_WEIGHT loaded ones. Across the sweeps' full grids (fan-outs 2-7, 14 and 32
 #   SMs) loads + 2 x stores came to 0.75 +- 0.01 of the peer copy's (3 x peer_bytes_per_s),
 #   while loads + stores ranged 0.62-0.67: the stores cost the path more, so a fan-out of 7
 #   reaches less of the SMs' rate than one of 1. A grid of fewer blocks than SMs leaves the
@@ -232,7 +231,9 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 # SMs, where the path's share does not bind (0.76 fits those best; 0.73 keeps the 12.6 MB
 # expert's fan-out 1 within 5 %: its short calls carry 3-4 us the model lacks), the path's
 # from full grids (0.8 rather than the 0.75 read directly: the join with the latency takes
-# its part); held against the other sweeps (tests/tune/test_replay_weight_sync.py).
+# its part). Fitted on the two sweeps of 325ac3e / b2767b9 alone, the two fractions come out
+# the same (0.73, 0.8), and the three sweeps held out (1416c82: 4 and 8 ranks, 12.6-88.1 MB,
+# fan-outs 1-7) replay within 4.7 % (tests/tune/test_replay_weight_sync.py).
 SYNC_PIECE_BOOKKEEPING_ROUNDS = 0.6  # fitted: a piece's address work, in load round trips (0.41 us on the H200)
 SYNC_SM_COPY_FRACTION = 0.73         # fitted: an SM's bytes loaded + stored, of twice its share of the peer copy
 SYNC_STORE_WEIGHT = 2.0              # read off full grids: a stored byte costs the path to memory two loaded ones
