@@ -49,9 +49,10 @@ def test_problem_derived_quantities_and_refusals():
 
 def test_weight_sync_latency_bound_then_sm_bound():
     """A grid of one block: every piece at a warp's latency (the load's round trip and the
-    piece's bookkeeping), the SM's pipe far from full. Four blocks on every SM: the SM's
-    share of the bytes, loaded and stored, at its rate; fan-out 3 stores twice what 1 does
-    more, so it takes nearly twice as long there, while one block's pieces differ little."""
+    piece's bookkeeping), the SM's pipe far from full. Four blocks on every SM: fan-out 1 at
+    the SM's share of the bytes, loaded and stored, at its pipe's rate; fan-out 3 at the SM's
+    share of the process's path to memory, whose stores count model.SYNC_STORE_WEIGHT loads each:
+    a bit over twice as long there, while one block's pieces differ little."""
     share = MEASURED_SHARE
     sms, pieces = share.usable_sms, -(-EXPERT // PIECE_BYTES)
     latency = _round_trip_s(share) * (1 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
@@ -60,12 +61,30 @@ def test_weight_sync_latency_bound_then_sm_bound():
     assert alone == pytest.approx(pieces / SYNC_WARPS * latency, rel=0.02)
     assert alone < float(weight_sync_s(share, three, 1)) - share.kernel_s < 1.2 * alone
     sm_rate = SYNC_SM_COPY_FRACTION * 2 * share.peer_bytes_per_s / sms
+    path_rate = model.SYNC_PROCESS_COPY_FRACTION * (1 + model.SYNC_STORE_WEIGHT) * share.peer_bytes_per_s / sms
     full = [float(weight_sync_s(share, sync, SYNC_MIN_BLOCKS * sms)) - share.kernel_s for sync in (one, three)]
-    for fanout, body in zip((1, 3), full):
-        sm_s = -(-pieces // (SYNC_MIN_BLOCKS * sms * SYNC_WARPS)) * SYNC_MIN_BLOCKS * SYNC_WARPS \
-            * PIECE_BYTES * (1 + fanout) / sm_rate
-        assert sm_s < body < 1.1 * sm_s
-    assert 1.8 < full[1] / full[0] < 2.0
+    sm_bytes = -(-pieces // (SYNC_MIN_BLOCKS * sms * SYNC_WARPS)) * SYNC_MIN_BLOCKS * SYNC_WARPS * PIECE_BYTES
+    assert sm_bytes * 2 / sm_rate < full[0] < 1.1 * sm_bytes * 2 / sm_rate
+    path_s = sm_bytes * (1 + 3 * model.SYNC_STORE_WEIGHT) / path_rate
+    assert path_s < full[1] < 1.1 * path_s
+    assert 2.0 < full[1] / full[0] < 2.2
+
+
+def test_weight_sync_path_shared_by_the_busy_sms_only():
+    """Fan-out 7 (its stores fill the path to memory before the SM's pipe): a grid of one
+    block an SM on fewer SMs than the share leaves the path to fewer of them, so each piece
+    is shorter than on every SM (by the SMs' ratio, once the path binds); a single block
+    reaches its SM's pipe, not a share of the path."""
+    sms = MEASURED_SHARE.usable_sms
+    sync = SyncProblem(EXPERT, (7,))
+    pieces = -(-EXPERT // PIECE_BYTES)
+    grids = np.array([1, sms - 4, sms])
+    per_piece = (weight_sync_s(MEASURED_SHARE, sync, grids) - MEASURED_SHARE.kernel_s
+                 - _round_trip_s(MEASURED_SHARE)) / np.ceil(pieces / (grids * SYNC_WARPS))
+    sm_rate = SYNC_SM_COPY_FRACTION * 2 * MEASURED_SHARE.peer_bytes_per_s / sms
+    assert per_piece[0] == pytest.approx(float(join(_round_trip_s(MEASURED_SHARE) * (1 + SYNC_PIECE_BOOKKEEPING_ROUNDS),
+                                                    SYNC_WARPS * PIECE_BYTES * 8 / sm_rate)))
+    assert per_piece[1] < per_piece[2] < per_piece[1] * sms / (sms - 4)
 
 
 def test_weight_sync_waits_for_the_busiest_sm():
