@@ -12,7 +12,11 @@ absolute error.
 Held out (463c947, profile version 10, swept before the model changed for them; each keeps
 its ranks' problems): the same at 4096 tokens (``h200_dispatch_4r4096_463c947.json``), at
 hidden 7168 (``..._4r4096h7168_...``), at 8192 and 16384 tokens (``..._4r8192-16384_...``),
-and at 8 ranks, 12 % of the SMs each, 14 a rank (``..._8r4096_...``)."""
+and at 8 ranks, 12 % of the SMs each, 14 a rank (``..._8r4096_...``).
+
+Held out later (1416c82, profile version 10, swept before the model changed for them): 16384
+tokens at hidden 2048 and top-4 (``h200_dispatch_4r16384h2048k4_1416c82.json``), 2048 tokens
+(``..._4r2048_...``), 8 ranks at 8192 tokens and hidden 7168 (``..._8r8192h7168_...``)."""
 
 import copy
 import json
@@ -25,6 +29,15 @@ from ultraep.tune.validate import replay_rows, seeded_dispatch_problems, summari
 HERE = Path(__file__).parent
 SWEEP = json.loads((HERE / "h200_dispatch_0e4bf36.json").read_text())
 HELD_OUT = ("4r4096", "4r4096h7168", "4r8192-16384", "8r4096")
+# the later held-out sweeps: the mean absolute error the model reaches on each, and its
+# choice's excess over the fastest measured per problem where it misses CHOICE_BAR_PCT
+LATER = {"4r16384h2048k4": 3.88, "4r2048": 4.38, "8r8192h7168": 5.40}
+LATER_CHOICE_MISSES = {("4r16384h2048k4", "dispatch, 16384 tokens/rank, hidden 2048"): 3.76,
+                       ("4r16384h2048k4", "combine, 16384 tokens/rank, hidden 2048"): 5.78,
+                       ("4r16384h2048k4", "pull, 16384 tokens/rank, hidden 2048"): 7.50,
+                       ("4r2048", "dispatch, 2048 tokens/rank, hidden 4096"): 8.95,
+                       ("4r2048", "combine, 2048 tokens/rank, hidden 4096"): 8.44,
+                       ("8r8192h7168", "pull, 8192 tokens/rank, hidden 7168"): 10.32}
 CHOICE_BAR_PCT = 3.0  # issue 23: the model's choice within this of the fastest measured, in every problem
 # where the choice misses it, and by how much: the dispatch (and one pull), whose measured
 # curves are flat within their noise where the model's choices differ from the fastest's by
@@ -35,8 +48,8 @@ CHOICE_MISSES = {("4r4096", "dispatch, 4096 tokens/rank, hidden 4096"): 3.00,
                  ("8r4096", "dispatch, 4096 tokens/rank, hidden 4096"): 3.85}
 
 
-def held_out(name: str) -> dict:
-    return json.loads((HERE / f"h200_dispatch_{name}_463c947.json").read_text())
+def held_out(name: str, commit: str = "463c947") -> dict:
+    return json.loads((HERE / f"h200_dispatch_{name}_{commit}.json").read_text())
 
 
 def per_operation(summary: dict) -> dict:
@@ -53,23 +66,26 @@ def test_the_dispatch_sweep_replays():
     Its choices, the largest grid (no ragged end at 4096 tokens over 2048 warps), measured
     4.6-5.5 % over the fastest. An even division's drain (one warp's unit, as a ragged end):
     5.1 % (dispatch 5.7, combine 3.3, pull 6.3), its choices grids 118, 118, 107: 1.5, 1.3,
-    0.0 % over the fastest."""
+    0.0 % over the fastest. Index loads before a unit's rounds (from L2), a row's round 0.8 of
+    heap.cu's and a kernel's device overhead once for every rank of the GPU: 3.8 % (dispatch
+    3.7, combine 3.3, pull 4.4), the same choices."""
     logged = summarise(copy.deepcopy(SWEEP["rows"]))
     rows, profile = replay_rows(SWEEP)
     summary = summarise(rows)
     assert profile.version == 8 and profile.dispatch_blocks_per_sm == 0  # not measured before version 10
     assert logged["mean_abs_error_pct"] == pytest.approx(20.23, abs=0.01)
-    assert summary["mean_abs_error_pct"] == pytest.approx(5.12, abs=0.01)
+    assert summary["mean_abs_error_pct"] == pytest.approx(3.81, abs=0.01)
     ops = per_operation(summary)
     assert {op: figures["mean_abs_error_pct"] for op, figures in ops.items()} == pytest.approx(
-        {"dispatch": 5.73, "combine": 3.27, "pull": 6.34}, abs=0.01)
+        {"dispatch": 3.70, "combine": 3.32, "pull": 4.42}, abs=0.01)
     assert {op: figures["chosen_over_best_pct"] for op, figures in ops.items()} == pytest.approx(
         {"dispatch": 1.52, "combine": 1.30, "pull": 0.0}, abs=0.01)
 
 
 @pytest.mark.parametrize("name", HELD_OUT)
 def test_held_out_sweeps_replay_within_the_error_bar_and_choose_within_the_choice_bar(name):
-    """Each held-out sweep within issue 23's 5 % mean absolute error (4.77, 4.01, 4.08, 4.82 %;
+    """Each held-out sweep within issue 23's 5 % mean absolute error (3.54, 3.71, 3.67, 4.06 %;
+    4.77, 4.01, 4.08, 4.82 before the index loads, the row round and the kernels of every rank;
     without the drain of an even division 4.97, 4.11, 4.14, 4.83), and each phase's choice
     within CHOICE_BAR_PCT of the fastest measured but for CHOICE_MISSES (without the drain the
     model chose grid 256 at 4 ranks: combine 8.5-9.4 % over the fastest, pull 10-16 %)."""
@@ -107,3 +123,24 @@ def test_a_sweep_written_without_its_problems_replays_from_its_seed(tmp_path):
     assert [row["predicted_ms"] for row in replay_rows(bare)[0]] == replayed
     with pytest.raises(SystemExit, match="needs its command line"):
         replay_rows(dict(bare, meta={}))
+
+
+@pytest.mark.parametrize("name", LATER)
+def test_later_held_out_sweeps_replay_to_what_the_model_reaches(name):
+    """Before the index loads, the row round and the kernels of every rank: 7.54, 9.25, 5.63 %
+    (4r16384h2048k4: dispatch 9.7, combine 4.5, pull 8.4; 4r2048: 12.7, 4.2, 10.9, the
+    dispatch at large grids 15 % short; 8r8192h7168: 5.1, 5.0, 6.8). Now 3.88, 4.38 and 5.40 %:
+    the last misses the bar by its pull and combine near the bandwidth (10-14 % over at grids
+    33-56, where it measured the memory's copy rate -- a read-heavy mix, 8 rows read a row
+    written, which the profile's copy rate does not see). The choices did not move: where they
+    miss, the measured curves rise past grid 50-100 at small problems (2048 tokens, or top-4 at
+    hidden 2048) while the model's stay flat within 2 %, and the 8-rank pull's choice (grid 70)
+    measured 9 % above both its neighbours."""
+    summary = summarise(replay_rows(held_out(name, "1416c82"))[0])
+    assert summary["mean_abs_error_pct"] == pytest.approx(LATER[name], abs=0.01)
+    for problem, figures in summary["problems"].items():
+        missed = LATER_CHOICE_MISSES.get((name, problem))
+        if missed is None:
+            assert figures["chosen_over_best_pct"] <= CHOICE_BAR_PCT, (problem, figures)
+        else:
+            assert figures["chosen_over_best_pct"] == pytest.approx(missed, abs=0.01), (problem, figures)

@@ -292,8 +292,12 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 # trips to memory: each lane issues UNROLL 16-byte loads, waits for them, then stores them
 # (stores do not wait), so a unit costs the rounds of what it *reads*, whatever it writes --
 # a token sent to three ranks waits for one row's loads, a token reduced for its top_k rows'.
-# The loads of a unit's indices (row maps, expert ids, bases: small arrays just written, in
-# L2) are not counted as round trips to memory.
+# Before its rounds a unit waits for the loads of its indices (row maps, expert ids, bases,
+# peer bases: small arrays just written, in L2), each load dependent on the one before:
+# L2_TRIP_FRACTION of a round trip each, queueing at no memory channel. A round of a row's
+# copy (UNROLL vectors a lane, one contiguous span a warp) returns sooner than a round of
+# heap.cu's copy, whose time the profile measures and whose loads lie a grid's stride apart
+# (ROW_ROUND_FRACTION); a round of a token's sum loads UNROLL rows apart, as heap.cu's do.
 #
 # A round trip's time depends on how many warps wait on the memory at once (every sharing
 # rank's): the warps and the memory form a closed queueing network, solved exactly by mean
@@ -316,6 +320,10 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 # 4096 tokens against 65, 256 against 251, at 4 ranks). A grid just past an even division
 # is charged no drain (nearly all its warps run the last unit): 64 is modelled 2-6 % over 65
 # where the sweeps measured them alike.
+#
+# Ranks sharing a GPU under MPS launch the same kernels at once through one context, whose
+# front end starts them one at a time: each of a rank's kernels waits for the others' to
+# start, a kernel's device overhead (profile.kernel_s) once for every rank of the GPU.
 #
 # Ranks sharing a GPU under MPS shares that overlap launch their kernels together (each
 # after a device barrier of all of them), as fused kernel A's ranks do, and one rank then
@@ -357,50 +365,84 @@ def _sum_rounds(problem: Problem) -> int:
 # 32-bit pseudo-channels. The profile does not measure it: another GPU needs its own.
 MEMORY_CHANNELS = 192
 
+# Fitted (with ROW_ROUND_FRACTION, on the eight H200 dispatch sweeps in tests/tune, mostly
+# their grids of 1-20 blocks, where a warp's units add up alone): an index load served by
+# L2 takes this fraction of the profile's round trip to memory (H100-class L2 hits take
+# about half a DRAM access's latency).
+L2_TRIP_FRACTION = 0.5
+# Fitted likewise: a round of a row's contiguous copy against the profile's round of heap.cu's
+# copy (four loads a grid's stride apart). Hidden 2048 (2 rounds a row) and 7168 (7) need
+# both this and the index loads: grid 1 measured 2.4 and 6.2 round trips a unit.
+ROW_ROUND_FRACTION = 0.8
+# Dependent index loads before a unit's rounds (raw_kernels/dispatch.cu): send_tokens, the
+# slot's expert id, then its rank's peer base and the expert's base row (write_pair_meta's
+# stores come before the token's loads); expand_rows, the row's landing row; send_rows, the
+# row's origin, then its source rank's peer base; pull_slots, the slot's expert id, then
+# the peer base and base row; reduce_slots none (its rows follow from the token).
+SEND_TOKEN_INDEX_TRIPS = 2
+EXPAND_ROW_INDEX_TRIPS = 1
+SEND_ROW_INDEX_TRIPS = 2
+PULL_TOKEN_INDEX_TRIPS = 2
 
-@functools.lru_cache(maxsize=64)
-def _round_cycles(most_warps: int, delay_s: float, service_s: float) -> np.ndarray:
+
+@functools.lru_cache(maxsize=256)
+def _unit_cycles(most_warps: int, delay_s: float, service_s: float, unit_rounds: int, index_s: float) -> np.ndarray:
     """Mean value analysis of ``n`` warps (every ``n`` up to ``most_warps``; index 0 as one)
-    each waiting ``delay_s`` and then at one of MEMORY_CHANNELS identical queues (any,
-    evenly) that serve a round in ``service_s``: the mean time of a warp's round."""
+    each running units of ``index_s`` (its index loads: no channel's queue) and then
+    ``unit_rounds`` rounds, each waiting ``delay_s`` and then at one of MEMORY_CHANNELS
+    identical queues (any, evenly) that serve a round in ``service_s``: the mean time of a
+    warp's unit."""
     cycles = np.empty(most_warps + 1)
-    cycles[0] = delay_s + service_s
+    cycles[0] = index_s + unit_rounds * (delay_s + service_s)
     queued = 0.0  # requests at one channel
     for warps in range(1, most_warps + 1):
-        cycle = delay_s + service_s * (1.0 + queued)
-        queued = warps / cycle * service_s / MEMORY_CHANNELS * (1.0 + queued)
+        cycle = index_s + unit_rounds * (delay_s + service_s * (1.0 + queued))
+        queued = warps / cycle * unit_rounds * service_s / MEMORY_CHANNELS * (1.0 + queued)
         cycles[warps] = cycle
     return cycles
 
 
-def _loaded_round_s(profile: MachineProfile, warps, round_copied_bytes: float, rate: float) -> np.ndarray:
-    """One round trip of a warp among ``warps`` (array-like, every rank's) waiting on the
-    memory at once, each round copying ``round_copied_bytes`` at the memory's ``rate``."""
+def _loaded_unit_s(profile: MachineProfile, warps, unit_rounds: int, index_trips: int, round_copied_bytes: float,
+                   rate: float, round_fraction: float = 1.0) -> np.ndarray:
+    """One unit of a warp among ``warps`` (array-like, every rank's) waiting on the memory at
+    once: ``index_trips`` dependent loads from L2, then ``unit_rounds`` round trips, each
+    ``round_fraction`` of the profile's alone and copying ``round_copied_bytes`` at the
+    memory's ``rate``."""
     service = MEMORY_CHANNELS * round_copied_bytes / rate
-    delay = _round_trip_s(profile) - service  # a warp alone: the round trip, whatever the round stores
+    delay = round_fraction * _round_trip_s(profile) - service  # a warp alone: its round trip, whatever it stores
+    index_s = index_trips * L2_TRIP_FRACTION * _round_trip_s(profile)
     warps = np.maximum(np.asarray(warps, np.float64), 1.0).round().astype(np.int64)
-    return _round_cycles(int(warps.max()), delay, service)[warps]
+    return _unit_cycles(int(warps.max()), delay, service, unit_rounds, index_s)[warps]
 
 
-def _phase_s(profile: MachineProfile, warps, units_per_warp, unit_rounds: int, round_copied_bytes: float,
-             rate: float):
+def _loaded_round_s(profile: MachineProfile, warps, round_copied_bytes: float, rate: float) -> np.ndarray:
+    """One round trip of heap.cu's copy by a warp among ``warps`` waiting on the memory at
+    once (:func:`_loaded_unit_s` of one round and no index)."""
+    return _loaded_unit_s(profile, warps, 1, 0, round_copied_bytes, rate)
+
+
+def _phase_s(profile: MachineProfile, warps, units_per_warp, unit_rounds: int, index_trips: int,
+             round_copied_bytes: float, rate: float, round_fraction: float):
     """``warps`` (every rank's) at work together, each running ``units_per_warp`` units (a
     mean): its floor at all of them, then the one more unit of those that have one at theirs,
     at least one warp's (the drain of an even division: the section's comment)."""
     whole = np.floor(units_per_warp + 1e-9)
     more = units_per_warp - whole
-    at_once = whole * unit_rounds * _loaded_round_s(profile, warps, round_copied_bytes, rate)
-    ragged = unit_rounds * _loaded_round_s(profile, np.maximum(np.ceil(warps * more), 1.0), round_copied_bytes, rate)
+    unit = functools.partial(_loaded_unit_s, profile, unit_rounds=unit_rounds, index_trips=index_trips,
+                             round_copied_bytes=round_copied_bytes, rate=rate, round_fraction=round_fraction)
+    at_once = whole * unit(warps)
+    ragged = unit(np.maximum(np.ceil(warps * more), 1.0))
     return np.where(warps > 0, at_once + ragged, 0.0)
 
 
-def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_rounds: int, copied_bytes: float,
-                   sharing: int):
-    """One of the Dispatcher's copy kernels on ``grid`` blocks: ``units`` warp units of
-    ``unit_rounds`` round trips each, ``copied_bytes`` in all, on every one of ``sharing``
-    ranks at once. First the blocks at work -- the unluckiest rank's, every other rank's
-    resident ones -- run their units; then that rank's others and every rank's past the
-    residency, in as many waves as that rank's need. No faster than this process's copy."""
+def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_rounds: int, index_trips: int,
+                   copied_bytes: float, sharing: int, round_fraction: float = 1.0):
+    """One of the Dispatcher's copy kernels on ``grid`` blocks: ``units`` warp units, each
+    ``index_trips`` index loads and ``unit_rounds`` round trips (``round_fraction`` of the
+    profile's), ``copied_bytes`` in all, on every one of ``sharing`` ranks at once. First the
+    blocks at work -- the unluckiest rank's, every other rank's resident ones -- run their
+    units; then that rank's others and every rank's past the residency, in as many waves as
+    that rank's need. No faster than this process's copy."""
     grid = np.asarray(grid, np.float64)
     warps_per_block = DISPATCH_THREADS // WARP_THREADS
     per_sm = dispatch_blocks_per_sm(profile)
@@ -412,15 +454,20 @@ def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_rounds: int
     units_per_warp = units / (busy * warps_per_block)
     round_copied = copied_bytes / (units * unit_rounds)
     memory = profile.gpu_copy_bytes_per_s(sharing)  # every sharer's warps wait on it
-    first = _phase_s(profile, warps_per_block * (at_work + (sharing - 1) * placed), units_per_warp, unit_rounds,
-                     round_copied, memory)
+    phase = functools.partial(_phase_s, profile, units_per_warp=units_per_warp, unit_rounds=unit_rounds,
+                              index_trips=index_trips, round_copied_bytes=round_copied, round_fraction=round_fraction)
+    first = phase(warps_per_block * (at_work + (sharing - 1) * placed), rate=memory)
     mine, others = busy - at_work, (sharing - 1) * (busy - placed)
     later_warps = warps_per_block * (np.minimum(mine, resident) + others)
-    later = np.where(others > 0,
-                     _phase_s(profile, later_warps, units_per_warp, unit_rounds, round_copied, memory),
-                     _phase_s(profile, later_warps, units_per_warp, unit_rounds, round_copied,
-                              profile.peer_bytes_per_s))  # that rank's blocks alone: its own rate
+    later = np.where(others > 0, phase(later_warps, rate=memory),
+                     phase(later_warps, rate=profile.peer_bytes_per_s))  # that rank's blocks alone: its own rate
     return np.maximum(first + np.ceil(mine / resident) * later, copied_bytes / profile.peer_bytes_per_s)
+
+
+def _kernels_s(profile: MachineProfile, kernels: int, sharing: int):
+    """The device's overhead of ``kernels`` kernels launched by each of ``sharing`` ranks of
+    one GPU at once: the front end starts every rank's (the section's comment)."""
+    return kernels * sharing * profile.kernel_s
 
 
 def token_map_trips(problem: Problem) -> int:
@@ -448,11 +495,12 @@ def dispatch_s(profile: MachineProfile, problem: Problem, grid):
     sharing = problem.ranks_per_gpu
     keys = 2.0 * problem.tokens * problem.top_k * TOKEN_MAP_KEY_BYTES * sharing / profile.copy_bytes_per_s
     rounds = _row_rounds(problem)
-    device = (DISPATCH_LAUNCHES * profile.kernel_s + keys + token_map_trips(problem) * _round_trip_s(profile)
+    device = (_kernels_s(profile, DISPATCH_LAUNCHES, sharing) + keys + token_map_trips(problem) * _round_trip_s(profile)
               + 2 * profile.flag_s
-              + _copy_kernel_s(profile, grid, problem.tokens, rounds,
-                               problem.tokens * (1.0 + problem.crossings) / 2.0 * row, sharing)
-              + _copy_kernel_s(profile, grid, recv, rounds, recv * row, sharing))
+              + _copy_kernel_s(profile, grid, problem.tokens, rounds, SEND_TOKEN_INDEX_TRIPS,
+                               problem.tokens * (1.0 + problem.crossings) / 2.0 * row, sharing, ROW_ROUND_FRACTION)
+              + _copy_kernel_s(profile, grid, recv, rounds, EXPAND_ROW_INDEX_TRIPS, recv * row, sharing,
+                               ROW_ROUND_FRACTION))
     return join(DISPATCH_LAUNCHES * profile.launch_s, device)
 
 
@@ -464,9 +512,10 @@ def combine_s(profile: MachineProfile, problem: Problem, grid):
     row = problem.row_bytes
     recv = float(problem.rows.sum())
     sharing = problem.ranks_per_gpu
-    device = (COMBINE_LAUNCHES * profile.kernel_s + 2 * profile.flag_s
-              + _copy_kernel_s(profile, grid, recv, _row_rounds(problem), recv * row, sharing)
-              + _copy_kernel_s(profile, grid, problem.tokens, _sum_rounds(problem),
+    device = (_kernels_s(profile, COMBINE_LAUNCHES, sharing) + 2 * profile.flag_s
+              + _copy_kernel_s(profile, grid, recv, _row_rounds(problem), SEND_ROW_INDEX_TRIPS, recv * row, sharing,
+                               ROW_ROUND_FRACTION)
+              + _copy_kernel_s(profile, grid, problem.tokens, _sum_rounds(problem), 0,
                                problem.tokens * (problem.top_k + 1) * row / 2.0, sharing))
     return join(COMBINE_LAUNCHES * profile.launch_s, device)
 
@@ -477,8 +526,8 @@ def pull_s(profile: MachineProfile, problem: Problem, grid):
     in peers' heaps, as ``reduce_slots`` reads its own, and writing one), a barrier. No row
     is sent back."""
     sharing = problem.ranks_per_gpu
-    device = (PULL_LAUNCHES * profile.kernel_s + 2 * profile.flag_s
-              + _copy_kernel_s(profile, grid, problem.tokens, _sum_rounds(problem),
+    device = (_kernels_s(profile, PULL_LAUNCHES, sharing) + 2 * profile.flag_s
+              + _copy_kernel_s(profile, grid, problem.tokens, _sum_rounds(problem), PULL_TOKEN_INDEX_TRIPS,
                                problem.tokens * (problem.top_k + 1) * problem.row_bytes / 2.0, sharing))
     return join(PULL_LAUNCHES * profile.launch_s, device)
 
