@@ -101,17 +101,32 @@ def test_weight_sync_waits_for_the_busiest_sm():
     assert times[0] > times[2] > times[4] > times[5]
 
 
+# half the H200 under MPS as the probe measured it (h200_sync_2r_88e0717.json): 66 SMs, whose
+# peer copy the memory bounds (1.79 of the 1.99 TB/s both ranks moved together)
+HALF_SHARE = dataclasses.replace(h200_like(sm_share=50, peer_bytes_per_s=1.79e12), copy_warp_bytes_per_s=2.92e9,
+                                 shared_by=2, shared_copy_bytes_per_s=1.99e12)
+
+
 def test_weight_sync_sm_bound_only_where_the_sms_bound_the_peer_copy():
-    """Where the memory, not the SMs, bounds the peer copy (a whole GPU; or a share whose
-    sharers moved no more together), that copy's rate says nothing of an SM's: the pieces
-    wait on their latency and the memory's rate alone, and more blocks never hurt."""
+    """Where the memory, not the SMs, bounds the peer copy (a whole GPU; a share whose sharers
+    moved no more together; half the H200, whose process reached 0.9 of what both moved, past
+    the join's 2^(-1/p)), that copy's rate says nothing of an SM's: the warps' pieces wait on
+    their latency joined with the process's bytes at that rate, and more blocks never hurt
+    (no busiest SM's sawtooth)."""
     assert sms_bound_peer_copy(MEASURED_SHARE) and not sms_bound_peer_copy(PROFILE)
     assert not sms_bound_peer_copy(dataclasses.replace(MEASURED_SHARE, shared_copy_bytes_per_s=1.375e12))
+    assert not sms_bound_peer_copy(HALF_SHARE)
+    assert sms_bound_peer_copy(dataclasses.replace(HALF_SHARE, peer_bytes_per_s=0.8 * 1.99e12))
     sync = SyncProblem(EXPERT, (3,))
-    times = weight_sync_s(PROFILE, sync, np.arange(1, SYNC_MIN_BLOCKS * PROFILE.usable_sms + 1))
-    assert np.all(np.diff(times) <= 1e-12)
     copied = EXPERT * (1 + 3) / 2
-    assert copied / PROFILE.peer_bytes_per_s < times[-1] - PROFILE.kernel_s < 1.1 * copied / PROFILE.peer_bytes_per_s
+    for profile in (PROFILE, HALF_SHARE):
+        grids = np.arange(1, SYNC_MIN_BLOCKS * profile.usable_sms + 1)
+        times = weight_sync_s(profile, sync, grids) - profile.kernel_s - _round_trip_s(profile)
+        assert np.all(np.diff(times) <= 1e-12)
+        rounds = np.ceil(-(-EXPERT // PIECE_BYTES) / (grids * SYNC_WARPS))
+        latency = rounds * _round_trip_s(profile) * (1 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
+        assert times == pytest.approx(join(latency, copied / profile.peer_bytes_per_s))
+        assert copied / profile.peer_bytes_per_s < times[-1] < 1.1 * copied / profile.peer_bytes_per_s
 
 
 def test_weight_sync_ranks_copying_at_once_share_the_memory():

@@ -7,7 +7,9 @@ profile version 9), and the same sweep at fan-outs 1, 2 and 3 (``h200_sync_fanou
 and fan-out come from its command line. Held out from both: three sweeps measured at 1416c82 on
 another H200 (``h200_sync_4r_h7168_1416c82.json``: 4 ranks, one 88.1 MB expert at fan-outs
 1, 2 and 3; ``h200_sync_4r_h2048_1416c82.json``: 4 ranks, 12.6 MB at 1 and 3;
-``h200_sync_8r_1416c82.json``: 8 ranks at 12 % of the SMs, 14 a rank, 37.7 MB at 1, 4 and 7)."""
+``h200_sync_8r_1416c82.json``: 8 ranks at 12 % of the SMs, 14 a rank, 37.7 MB at 1, 4 and 7),
+and 2 ranks at 50 % measured at 88e0717 (``h200_sync_2r_88e0717.json``: 66 SMs a rank, one
+37.7 MB expert at fan-out 1, 50 grids from 1 to 264 blocks)."""
 
 import copy
 import json
@@ -22,6 +24,7 @@ SWEEP = json.loads((Path(__file__).parent / "h200_sync_b2767b9.json").read_text(
 FANOUTS = json.loads((Path(__file__).parent / "h200_sync_fanouts_325ac3e.json").read_text())
 HELD_OUT = {name: json.loads((Path(__file__).parent / f"h200_sync_{name}_1416c82.json").read_text())
             for name in ("4r_h7168", "4r_h2048", "8r")}
+HALF = json.loads((Path(__file__).parent / "h200_sync_2r_88e0717.json").read_text())
 PROBLEM = "fan-out 3, 37.7 MB"
 
 
@@ -108,6 +111,32 @@ def test_the_held_out_sweeps_replay():
     by_blocks = {row["knob"]: row for row in replay_rows(HELD_OUT["8r"])[0] if row["problem"] == "fan-out 7, 37.7 MB"}
     assert by_blocks[13]["measured_ms"] < 0.94 * by_blocks[14]["measured_ms"]
     assert by_blocks[13]["predicted_ms"] > by_blocks[14]["predicted_ms"]
+
+
+def test_the_two_rank_sweep_replays():
+    """Half the H200 a rank (66 SMs): its peer copy (1.79 TB/s) is the memory's, not its SMs'
+    (both ranks together moved 1.99; 66 SMs at the 43-44 GB/s an SM copies on a quarter or an
+    eighth would move 2.9). 88e0717's model took 1.79 / 66 as an SM's share and put the
+    busiest SM's pipe and path on it: right to 65 blocks, then 15-55 % over (0.0319 ms at 259
+    blocks, measured 0.0239), 28.0 %. Today (the memory bounds it: the warps' latency joined
+    with the bytes at the peer copy's rate): 8.1 %, every grid short of the measurement (the
+    busiest SM's extra block, -12 to -15 % at 71, 135, 200-210 blocks; the round trips'
+    stretch as the memory fills, -3 to -9 % at a block an SM), over the 5 % bar: the SM's own
+    rate, which would give that sawtooth, is not in a memory-bound profile. The full grids
+    within 3.1 %, the choice, 259 blocks, 0.13 % over the fastest measured (253)."""
+    logged = summarise(copy.deepcopy(HALF["rows"]))
+    rows, profile = replay_rows(HALF)
+    summary = summarise(rows)
+    assert profile.version == 10 and profile.sm_count == 66 and profile.shared_by == 2
+    assert logged["mean_abs_error_pct"] == pytest.approx(27.98, abs=0.01)
+    ours = summary["problems"]["fan-out 1, 37.7 MB"]
+    assert ours["mean_abs_error_pct"] == pytest.approx(8.14, abs=0.01)
+    assert (ours["chosen"], ours["chosen_rank"]) == ("blocks=259", 2)
+    assert ours["chosen_over_best_pct"] == pytest.approx(0.13, abs=0.01)
+    errors = np.array([row["error_pct"] for row in rows])
+    assert -15.3 < errors.min() and errors.max() < 0.0
+    by_blocks = {row["knob"]: row for row in rows}
+    assert all(abs(by_blocks[grid]["error_pct"]) < 3.1 for grid in (253, 259, 264))
 
 
 def test_a_sweep_without_its_problems_rebuilds_them_from_its_command_line():

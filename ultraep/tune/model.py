@@ -209,9 +209,14 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 #   while loads + stores ranged 0.62-0.67: the stores cost the path more, so a fan-out of 7
 #   reaches less of the SMs' rate than one of 1. A grid of fewer blocks than SMs leaves the
 #   path to fewer of them: a lone SM reaches its own pipe's rate, a full grid the path's.
-# Both apply only where the SMs, not the memory, bound the peer copy (sms_bound_peer_copy);
-# on a whole GPU the peer copy's rate says nothing of an SM's and the memory's rate alone
-# bounds the pieces.
+# Both apply only where the SMs, not the memory, bound the peer copy (sms_bound_peer_copy):
+# only there is the peer copy's rate an SM's share of it. On a whole GPU, or on half the
+# H200 (66 SMs: at the 43-44 GB/s an SM copies on a quarter or an eighth they would move
+# 2.9 TB/s, past the 2.0 the memory moves; they reach 1.79), it is the memory's: the warps'
+# pieces wait their latency, joined with the process's bytes at its peer copy's rate. There
+# the SM's own rate is not in the profile and its pipe is not modelled: at 2 ranks the
+# busiest SM's extra block still shows (12-15 % at 71, 135, 200 blocks), and the pieces'
+# round trips stretch as the memory fills (3-9 % at a block an SM), both left short.
 #
 # The piece's latency is joined with the tighter of the two shares (JOIN_P): a warp's stores
 # drain while it waits for its next load, so near the SM's rate neither bound alone is
@@ -233,7 +238,8 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 # from full grids (0.8 rather than the 0.75 read directly: the join with the latency takes
 # its part). Fitted on the two sweeps of 325ac3e / b2767b9 alone, the two fractions come out
 # the same (0.73, 0.8), and the three sweeps held out (1416c82: 4 and 8 ranks, 12.6-88.1 MB,
-# fan-outs 1-7) replay within 4.7 % (tests/tune/test_replay_weight_sync.py).
+# fan-outs 1-7) replay within 4.7 % (tests/tune/test_replay_weight_sync.py); 2 ranks (half
+# the SMs, memory-bound) within 8.2 %.
 SYNC_PIECE_BOOKKEEPING_ROUNDS = 0.6  # fitted: a piece's address work, in load round trips (0.41 us on the H200)
 SYNC_SM_COPY_FRACTION = 0.73         # fitted: an SM's bytes loaded + stored, of twice its share of the peer copy
 SYNC_STORE_WEIGHT = 2.0              # read off full grids: a stored byte costs the path to memory two loaded ones
@@ -241,34 +247,45 @@ SYNC_PROCESS_COPY_FRACTION = 0.8     # fitted: the process's weighted bytes, of 
 
 
 def sms_bound_peer_copy(profile: MachineProfile) -> bool:
-    """Whether this process's SMs, not the GPU's memory, bound its peer copy: the processes
-    measured copying at once on its GPU moved more together than it alone (as on an MPS
-    share: 2.0 TB/s for four processes on the H200, 1.37 for one of 32 SMs). Where the
-    memory bounds it (a whole GPU, or no sharers measured) its rate says nothing of an SM's."""
-    return profile.shared_by > 1 and profile.shared_copy_bytes_per_s > profile.peer_bytes_per_s
+    """Whether this process's SMs, not the GPU's memory, bound its peer copy. Its time joins
+    (JOIN_P) its SMs' limit with the memory's (what all its sharers moved copying at once):
+    the SMs' is the tighter where the process reached less than 2^(-1/JOIN_P) of the
+    memory's rate (0.84 at p = 4: 1.37 of 2.0 TB/s on a quarter of
+    the H200, 0.62 on an eighth; not 1.79 of 1.99 on a half, whose 66 SMs would move 2.9 at
+    the rate each reaches on a quarter). Where the memory bounds it (a whole GPU, no sharers
+    measured, or a share that large) its rate says nothing of an SM's."""
+    return (profile.shared_by > 1
+            and profile.peer_bytes_per_s < 2.0 ** (-1.0 / JOIN_P) * profile.shared_copy_bytes_per_s)
 
 
-def _sync_piece_s(profile: MachineProfile, blocks_on_busiest_sm, busy_sms, mean_fanout: float):
-    """One piece of a warp on the busiest SM (``blocks_on_busiest_sm`` blocks of SYNC_WARPS
-    warps there, ``busy_sms`` SMs holding blocks), the piece stored to ``mean_fanout`` replicas."""
-    latency = _round_trip_s(profile) * (1.0 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
-    if not sms_bound_peer_copy(profile):
-        return latency + np.zeros_like(blocks_on_busiest_sm)
+def _sync_piece_latency_s(profile: MachineProfile) -> float:
+    """A piece's latency: the load's round trip and the piece's bookkeeping."""
+    return _round_trip_s(profile) * (1.0 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
+
+
+def _sync_piece_s(profile: MachineProfile, blocks_at_once, mean_fanout: float):
+    """One piece of a warp on the busiest SM where the SMs bound the peer copy
+    (:func:`sms_bound_peer_copy`), ``blocks_at_once`` blocks of SYNC_WARPS warps at work (one
+    an SM before a second on any), the piece stored to ``mean_fanout`` replicas."""
+    blocks_on_busiest_sm = np.ceil(blocks_at_once / profile.usable_sms)
+    busy_sms = np.minimum(blocks_at_once, profile.usable_sms)
     sm_pieces_bytes = blocks_on_busiest_sm * SYNC_WARPS * PIECE_BYTES
     sm_bytes_per_s = SYNC_SM_COPY_FRACTION * 2.0 * profile.peer_bytes_per_s / profile.usable_sms
     path_bytes_per_s = SYNC_PROCESS_COPY_FRACTION * (1.0 + SYNC_STORE_WEIGHT) * profile.peer_bytes_per_s / busy_sms
     sm_share = sm_pieces_bytes * (1.0 + mean_fanout) / sm_bytes_per_s
     path_share = sm_pieces_bytes * (1.0 + SYNC_STORE_WEIGHT * mean_fanout) / path_bytes_per_s
-    return join(latency, np.maximum(sm_share, path_share))
+    return join(_sync_piece_latency_s(profile), np.maximum(sm_share, path_share))
 
 
 def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
     """``weight_sync``'s kernel (no barrier, schedule compiled, no per-chunk flags) on
     ``blocks`` blocks: its start-up (one round trip of table reads before a block barrier),
-    then the busiest sender's pieces, every master's, split evenly over the grid's warps,
-    each at :func:`_sync_piece_s` on the busiest SM; blocks beyond those resident at once
-    (SYNC_MIN_BLOCKS an SM) in later waves; no faster than the memory moves every copying
-    rank's bytes. Relay trees and per-chunk flags are not modelled."""
+    then the busiest sender's pieces, every master's, split evenly over the grid's warps;
+    blocks beyond those resident at once (SYNC_MIN_BLOCKS an SM) in later waves. Where the
+    SMs bound the peer copy, each piece at :func:`_sync_piece_s` on the busiest SM; where the
+    memory does, the warps' pieces at their latency joined with this process's bytes at its
+    peer copy's rate. No faster than the memory moves every copying rank's bytes. Relay trees
+    and per-chunk flags are not modelled."""
     blocks = np.asarray(blocks, np.float64)
     if not sync.fanouts:
         return profile.kernel_s + np.zeros_like(blocks)
@@ -276,11 +293,12 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
     pieces = -(-sync.expert_bytes // PIECE_BYTES) * len(fanouts)
     resident = profile.usable_sms * SYNC_MIN_BLOCKS
     at_once = np.minimum(blocks, resident)
-    pieces_per_warp = np.ceil(pieces / (blocks * SYNC_WARPS))
-    warps_s = (np.ceil(blocks / resident) * pieces_per_warp
-               * _sync_piece_s(profile, np.ceil(at_once / profile.usable_sms), np.minimum(at_once, profile.usable_sms),
-                               float(fanouts.mean())))
+    pieces_per_warp = np.ceil(blocks / resident) * np.ceil(pieces / (blocks * SYNC_WARPS))
     copied = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0))  # a byte loaded and one stored: one copied
+    if sms_bound_peer_copy(profile):
+        warps_s = pieces_per_warp * _sync_piece_s(profile, at_once, float(fanouts.mean()))
+    else:
+        warps_s = join(pieces_per_warp * _sync_piece_latency_s(profile), copied / profile.peer_bytes_per_s)
     return profile.kernel_s + _round_trip_s(profile) + np.maximum(warps_s, bandwidth_s(profile, copied,
                                                                                       sync.ranks_copying))
 
