@@ -329,8 +329,10 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 # after a device barrier of all of them), as fused kernel A's ranks do, and one rank then
 # finds SMs for fewer of its blocks than it launched: the profile measures how many SMs
 # (kernel A's CTAs at work, one CTA an SM), so that rank has as many SMs' worth of blocks
-# at work. Its other blocks (and any rank's past the residency) start as the first ones
-# end and run their units with only each other at the memory.
+# at work -- up to the first grid measured with fewer at work, all of them up to its count:
+# at a smaller grid the other ranks hold no more SMs (_sms_at_work). Its other blocks (and
+# any rank's past the residency) start as the first ones end and run their units with only
+# each other at the memory.
 
 DISPATCH_UNROLL = kernel_constant("dispatch.cu", "UNROLL")  # 16-byte loads in flight per lane
 DISPATCH_VECTOR_BYTES = kernel_constant("dispatch.cu", "VECTOR_BYTES")
