@@ -445,7 +445,10 @@ def test_the_blocks_a_rank_finds_no_sm_for_run_alone_after_every_rank_s():
     """Ranks sharing a GPU under MPS shares that overlap: the rank with the fewest SMs at
     work (kernel A's CTAs at work, measured with every rank at once) has as many SMs' worth
     of blocks at work; its others start when every block at work ends and run their units
-    then, so a grid that one rank cannot place costs at least one more block's units."""
+    then, so a grid that one rank cannot place costs at least one more block's units. Between
+    the last grid measured with every CTA at work (21) and the first with fewer (24 of 25) the
+    other ranks hold no more SMs than at 25: that rank has 24, not the measured fraction's
+    21.6 at 22 SMs' worth."""
     quarter = dataclasses.replace(h200_like(sm_share=25), dispatch_blocks_per_sm=5,
                                   shared_copy_bytes_per_s=2e12, shared_by=4)
     grids = quarter.fused.grids
@@ -454,9 +457,9 @@ def test_the_blocks_a_rank_finds_no_sm_for_run_alone_after_every_rank_s():
     placed = dataclasses.replace(lagging, shared_fused=dataclasses.replace(lagging.shared_fused, ctas_at_work=None))
     shared = Problem(4096, 4096, 1536, 8, 64, 4, ranks_per_gpu=4)
     assert grids[-4:] == (21, 25, 29, 33)  # every CTA at work up to 21, 24 from 25 on
-    fits = np.arange(1, 5 * 21 + 1)
+    fits = np.arange(1, 5 * 24 + 1)
     for phase in (dispatch_s, combine_s, pull_s):
-        assert np.array_equal(phase(lagging, shared, fits), phase(placed, shared, fits))  # up to 21 SMs' worth
+        assert np.array_equal(phase(lagging, shared, fits), phase(placed, shared, fits))  # up to 24 SMs' worth
         assert np.all(phase(lagging, shared, fits[-1] + 5) > phase(placed, shared, fits[-1] + 5))
     full = 5 * quarter.sm_count  # every rank's share: 24 SMs' worth at work, 45 blocks late
     units = np.floor(4096 / (full * 8)) * 32 * _round_trip_s(quarter)  # a late warp's whole units, alone

@@ -347,8 +347,10 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 # after a device barrier of all of them), as fused kernel A's ranks do, and one rank then
 # finds SMs for fewer of its blocks than it launched: the profile measures how many SMs
 # (kernel A's CTAs at work, one CTA an SM), so that rank has as many SMs' worth of blocks
-# at work. Its other blocks (and any rank's past the residency) start as the first ones
-# end and run their units with only each other at the memory.
+# at work -- up to the first grid measured with fewer at work, all of them up to its count:
+# at a smaller grid the other ranks hold no more SMs (_sms_at_work). Its other blocks (and
+# any rank's past the residency) start as the first ones end and run their units with only
+# each other at the memory.
 
 DISPATCH_UNROLL = kernel_constant("dispatch.cu", "UNROLL")  # 16-byte loads in flight per lane
 DISPATCH_VECTOR_BYTES = kernel_constant("dispatch.cu", "VECTOR_BYTES")
@@ -453,6 +455,22 @@ def _phase_s(profile: MachineProfile, warps, units_per_warp, unit_rounds: int, i
     return np.where(warps > 0, at_once + ragged, 0.0)
 
 
+def _sms_at_work(profile: MachineProfile, sharing: int, sms):
+    """Of ``sms`` SMs' worth of blocks, the SMs the unluckiest of ``sharing`` ranks finds: the
+    profile's kernel A CTAs at work, except between a grid measured with all of them at work
+    and the next one measured with fewer, where the other ranks, running fewer blocks, hold
+    no more SMs than there: all of them up to that grid's count at work."""
+    costs = profile.fused_costs(sharing)
+    measured = costs.working_ctas(sms)
+    if costs.ctas_at_work is None:
+        return measured
+    grids, at_work = np.asarray(costs.grids, np.float64), np.asarray(costs.ctas_at_work, np.float64)
+    above = np.minimum(np.searchsorted(grids, sms), len(grids) - 1)  # the first grid measured at or above
+    below = np.maximum(above - 1, 0)
+    first_loss = (at_work[above] < grids[above]) & ((above == 0) | (at_work[below] >= grids[below]))
+    return np.where(first_loss & (sms <= grids[above]), np.minimum(sms, at_work[above]), measured)
+
+
 def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_rounds: int, index_trips: int,
                    copied_bytes: float, sharing: int, round_fraction: float = 1.0):
     """One of the Dispatcher's copy kernels on ``grid`` blocks: ``units`` warp units, each
@@ -467,7 +485,7 @@ def _copy_kernel_s(profile: MachineProfile, grid, units: float, unit_rounds: int
     resident = profile.usable_sms * per_sm
     busy = np.minimum(grid, np.ceil(units / warps_per_block))  # blocks with a unit
     placed = np.minimum(busy, resident)
-    at_work = np.minimum(placed, per_sm * profile.fused_costs(sharing).working_ctas(placed / per_sm))
+    at_work = np.minimum(placed, per_sm * _sms_at_work(profile, sharing, placed / per_sm))
     at_work = np.where(np.isclose(at_work, placed, rtol=1e-9, atol=0.0), placed, at_work)
     units_per_warp = units / (busy * warps_per_block)
     round_copied = copied_bytes / (units * unit_rounds)
