@@ -19,7 +19,9 @@ tokens at hidden 2048 and top-4 (``h200_dispatch_4r16384h2048k4_1416c82.json``),
 (``..._4r2048_...``), 8 ranks at 8192 tokens and hidden 7168 (``..._8r8192h7168_...``).
 
 Held out at 88e0717 (profile version 10): 2 ranks, 50 % of the SMs each, 66 a rank, 8192
-tokens (``h200_dispatch_2r8192_88e0717.json``: grids 1 to 528, past the 330 resident)."""
+tokens (``h200_dispatch_2r8192_88e0717.json``: grids 1 to 528, past the 330 resident); 4
+ranks at 4096 tokens, hidden 5120, top-6 (``..._4r4096h5120k6_...``) and 8 ranks at 2048
+tokens (``..._8r2048_...``)."""
 
 import copy
 import json
@@ -41,6 +43,9 @@ LATER_CHOICE_MISSES = {("4r16384h2048k4", "dispatch, 16384 tokens/rank, hidden 2
                        ("4r2048", "dispatch, 2048 tokens/rank, hidden 4096"): 8.95,
                        ("4r2048", "combine, 2048 tokens/rank, hidden 4096"): 8.44,
                        ("8r8192h7168", "pull, 8192 tokens/rank, hidden 7168"): 10.32}
+# swept after the model's changes for the sweeps above, never fitted to
+FRESH = {"4r4096h5120k6": 4.74, "8r2048": 4.90}
+FRESH_CHOICE_MISSES = {("8r2048", "dispatch, 2048 tokens/rank, hidden 4096"): 3.31}
 CHOICE_BAR_PCT = 3.0  # issue 23: the model's choice within this of the fastest measured, in every problem
 # where the choice misses it, and by how much: the dispatch (and one pull), whose measured
 # curves are flat within their noise where the model's choices differ from the fastest's by
@@ -53,6 +58,17 @@ CHOICE_MISSES = {("4r4096", "dispatch, 4096 tokens/rank, hidden 4096"): 3.00,
 
 def held_out(name: str, commit: str = "463c947") -> dict:
     return json.loads((HERE / f"h200_dispatch_{name}_{commit}.json").read_text())
+
+
+def assert_choices(name: str, summary: dict, misses: dict) -> None:
+    """Each problem's choice within CHOICE_BAR_PCT of the fastest measured, but for the
+    ``misses`` pinned at their excess."""
+    for problem, figures in summary["problems"].items():
+        missed = misses.get((name, problem))
+        if missed is None:
+            assert figures["chosen_over_best_pct"] <= CHOICE_BAR_PCT, (problem, figures)
+        else:
+            assert figures["chosen_over_best_pct"] == pytest.approx(missed, abs=0.01), (problem, figures)
 
 
 def per_operation(summary: dict) -> dict:
@@ -94,12 +110,7 @@ def test_held_out_sweeps_replay_within_the_error_bar_and_choose_within_the_choic
     model chose grid 256 at 4 ranks: combine 8.5-9.4 % over the fastest, pull 10-16 %)."""
     summary = summarise(replay_rows(held_out(name))[0])
     assert summary["mean_abs_error_pct"] <= 5.0
-    for problem, figures in summary["problems"].items():
-        missed = CHOICE_MISSES.get((name, problem))
-        if missed is None:
-            assert figures["chosen_over_best_pct"] <= CHOICE_BAR_PCT, (problem, figures)
-        else:
-            assert figures["chosen_over_best_pct"] == pytest.approx(missed, abs=0.01), (problem, figures)
+    assert_choices(name, summary, CHOICE_MISSES)
 
 
 def test_an_even_division_of_the_units_gains_nothing():
@@ -141,12 +152,18 @@ def test_later_held_out_sweeps_replay_to_what_the_model_reaches(name):
     measured 9 % above both its neighbours."""
     summary = summarise(replay_rows(held_out(name, "1416c82"))[0])
     assert summary["mean_abs_error_pct"] == pytest.approx(LATER[name], abs=0.01)
-    for problem, figures in summary["problems"].items():
-        missed = LATER_CHOICE_MISSES.get((name, problem))
-        if missed is None:
-            assert figures["chosen_over_best_pct"] <= CHOICE_BAR_PCT, (problem, figures)
-        else:
-            assert figures["chosen_over_best_pct"] == pytest.approx(missed, abs=0.01), (problem, figures)
+    assert_choices(name, summary, LATER_CHOICE_MISSES)
+
+
+@pytest.mark.parametrize("name", FRESH)
+def test_sweeps_measured_after_the_model_replay_as_they_were_predicted(name):
+    """Swept at 88e0717 after the model's last change for the earlier sweeps, never fitted
+    to: 4 ranks at 4096 tokens, hidden 5120, top-6 (4.74 %: dispatch 5.01, combine 3.49, pull
+    5.72; choices 1.86, 0.66, 0.00 % over the fastest) and 8 ranks at 2048 tokens (4.90 %:
+    4.64, 3.55, 6.52; the dispatch's choice, grid 70, 3.31 % over grid 26)."""
+    summary = summarise(replay_rows(held_out(name, "88e0717"))[0])
+    assert summary["mean_abs_error_pct"] == pytest.approx(FRESH[name], abs=0.01)
+    assert_choices(name, summary, FRESH_CHOICE_MISSES)
 
 
 def test_two_ranks_replay_to_what_the_model_reaches():
@@ -168,5 +185,4 @@ def test_two_ranks_replay_to_what_the_model_reaches():
     assert summary["mean_abs_error_pct"] == pytest.approx(7.50, abs=0.01)
     assert {op: figures["mean_abs_error_pct"] for op, figures in per_operation(summary).items()} == pytest.approx(
         {"dispatch": 8.33, "combine": 6.05, "pull": 8.11}, abs=0.01)
-    for problem, figures in summary["problems"].items():
-        assert figures["chosen_over_best_pct"] <= CHOICE_BAR_PCT, (problem, figures)
+    assert_choices("2r8192", summary, {})
