@@ -101,13 +101,23 @@ class OneRank:
         return [value]
 
 
-def test_alternated_phases_take_turns_at_running_first():
+def test_alternated_phases_take_turns_at_running_first(monkeypatch):
     """``alternate=(1, 2)``: phases 1 and 2 swap places every other repeat (the others keep
-    theirs), and each phase's window is still its own."""
-    ran = []
-    phases = [lambda _, name=name: ran.append(name) for name in "abc"]
+    theirs), and each phase's window is still its own (each phase here takes its own time on
+    a clock that only the phases move)."""
+    clock, ran = [0.0], []
+
+    def phase(name, seconds):
+        def run(_):
+            ran.append(name)
+            clock[0] += seconds
+        return run
+
+    monkeypatch.setattr(bench.time, "monotonic", lambda: clock[0])
+    phases = [phase("a", 0.001), phase("b", 0.002), phase("c", 0.004)]
     windows = bench.phase_windows_ms(OneRank(), phases, 4, lambda: None, alternate=(1, 2))
-    assert "".join(ran) == "abc" "acb" "abc" "acb" and len(windows) == 3
+    assert "".join(ran) == "abc" "acb" "abc" "acb"
+    assert windows == pytest.approx([1.0, 2.0, 4.0])
     ran.clear()
     bench.phase_windows_ms(OneRank(), phases, 2, lambda: None)
     assert "".join(ran) == "abcabc"

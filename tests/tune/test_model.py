@@ -16,7 +16,7 @@ from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_BLOCKS_UNMEASURED
                                 FM_BM, FM_DOWN_COLS, FM_UP_COLS, L2_TRIP_FRACTION, MEMORY_CHANNELS, PIECE_BYTES,
                                 ROW_ROUND_FRACTION, SYNC_MIN_BLOCKS,
                                 SYNC_PIECE_BOOKKEEPING_ROUNDS, SYNC_SM_COPY_FRACTION, SYNC_WARPS,
-                                TOKEN_MAP_SEGMENT_ITEMS, WARP_THREADS, Problem, SyncProblem, _loaded_round_s,
+                                TOKEN_MAP_SEGMENT_ITEMS, WARP_THREADS, Problem, SyncProblem, _loaded_unit_s,
                                 _round_trip_s, _task_rounds_s, combine_s, dispatch_blocks_per_sm, dispatch_s,
                                 fused_down_s, fused_up_s, fused_windows, join, predict, pull_s, sms_bound_peer_copy,
                                 token_map_trips, weight_sync_s)
@@ -380,13 +380,13 @@ def test_a_round_trip_stretches_as_the_warps_waiting_on_the_memory_queue_at_its_
     trip, rate, copied = _round_trip_s(PROFILE), PROFILE.peer_bytes_per_s, 2048.0
     meet = round(trip * rate / copied)  # warps whose rounds the bandwidth moves in a round trip
     assert MEMORY_CHANNELS == 192
-    alone, met, crowd = _loaded_round_s(PROFILE, [1, meet, 50 * meet], copied, rate)
+    alone, met, crowd = _loaded_unit_s(PROFILE, [1, meet, 50 * meet], 1, 0, copied, rate)
     assert alone == pytest.approx(trip) and met > 1.7 * trip
     assert crowd == pytest.approx(50 * meet * copied / rate, rel=0.02)
     monkeypatch.setattr(model, "MEMORY_CHANNELS", 1)
     model._unit_cycles.cache_clear()
     try:
-        assert float(_loaded_round_s(PROFILE, [meet], copied, rate)[0]) < 1.2 * trip
+        assert float(_loaded_unit_s(PROFILE, [meet], 1, 0, copied, rate)[0]) < 1.2 * trip
     finally:
         monkeypatch.undo()
         model._unit_cycles.cache_clear()

@@ -14,7 +14,7 @@ from ultraep.errors import ProfileError
 from ultraep.tune.__main__ import main as tune_main
 from ultraep.tune.config import FusedConfig, FusedSchedule, bucket
 from ultraep.tune.model import Problem, SyncProblem, predict
-from ultraep.tune.search import KNOBS, MODEL_ERROR, Tuner, fused_schedule, knob_values, search
+from ultraep.tune.search import FUSED_MODEL_ERROR, KNOBS, Tuner, fused_phases, fused_schedule, knob_values, search
 from ultraep.tune.profile import MachineProfile, write_profile
 
 PROFILE = h200_like()
@@ -28,11 +28,15 @@ def flat_product(values):
     return {name: grid.ravel() for name, grid in zip(KNOBS, grids)}
 
 
-def fused_s(problem, config: FusedConfig) -> float:
-    phases = predict(PROFILE, problem, None, {"sync_blocks": 1, "dispatch_grid": 1, "ctas": config.ctas,
+def fused_s(problem, config: FusedConfig, profile=PROFILE) -> float:
+    """The fused phases' modelled seconds, through ``predict`` (the search's own path is
+    ``fused_phases``: the two must agree)."""
+    phases = predict(profile, problem, None, {"sync_blocks": 1, "dispatch_grid": 1, "ctas": config.ctas,
                                               "send_tokens": config.send_tokens,
                                               "reduce_tokens": config.reduce_tokens})
-    return float(phases["fused_up"] + phases["fused_down"])
+    seconds = float(phases["fused_up"] + phases["fused_down"])
+    assert sum(fused_phases(profile, problem, config).values()) == pytest.approx(seconds)
+    return seconds
 
 
 @pytest.mark.parametrize("problem", [PROBLEM, Problem(1024, 7168, 2048, 8, 256, 8, ranks_per_gpu=8),
@@ -50,7 +54,7 @@ def test_search_returns_the_best_of_every_configuration(problem):
     fastest = FusedConfig(int(flat["ctas"][best]), int(flat["send_tokens"][best]), int(flat["reduce_tokens"][best]))
     constants = FusedConfig(PROFILE.usable_sms)
     gain = fused_s(problem, constants) / fused_s(problem, fastest)
-    assert config.fused == (fastest if gain > 1 / (1 - MODEL_ERROR) else constants)
+    assert config.fused == (fastest if gain > 1 / (1 - FUSED_MODEL_ERROR) else constants)
     assert (config.sync_blocks, config.dispatch_grid) == (int(flat["sync_blocks"][best]),
                                                           int(flat["dispatch_grid"][best]))
     swapped = fused_s(problem, config.fused) - fused_s(problem, fastest)
@@ -64,7 +68,12 @@ def test_the_fused_constants_stay_unless_the_model_predicts_a_gain_beyond_its_er
     problem = Problem(8192, 4096, 1536, 8, 64, 4)
     constants = FusedConfig(PROFILE.usable_sms)
     values = {**knob_values(PROFILE), "ctas": np.array([PROFILE.usable_sms // 4, PROFILE.usable_sms])}
-    assert search(PROFILE, problem, values=values).config.fused.ctas == PROFILE.usable_sms
+    free = search(PROFILE, problem, values=values)
+    assert free.config.fused == constants
+    fastest = min((FusedConfig(PROFILE.usable_sms, int(s), int(r)) for s in values["send_tokens"]
+                   for r in values["reduce_tokens"]),
+                  key=lambda c: fused_s(problem, c))
+    assert fastest != constants and fused_s(problem, fastest) < fused_s(problem, constants)  # a gain, within the error
     quarter = {**values, "ctas": np.array([PROFILE.usable_sms // 4]),
                "send_tokens": np.array([constants.send_tokens]), "reduce_tokens": np.array([constants.reduce_tokens])}
     assert fused_s(problem, FusedConfig(PROFILE.usable_sms // 4)) > fused_s(problem, constants)
@@ -81,11 +90,8 @@ def test_a_predicted_gain_beyond_the_error_leaves_the_constants():
     problem = Problem(4096, 4096, 1536, 8, 64, 4, ranks_per_gpu=profile.shared_by)
     chosen = search(profile, problem).config.fused
     assert chosen.ctas < profile.usable_sms
-    phases = predict(profile, problem, None, {"sync_blocks": 1, "dispatch_grid": 1, "ctas": np.array([chosen.ctas,
-                     profile.usable_sms]), "send_tokens": np.array([chosen.send_tokens, FusedConfig(1).send_tokens]),
-                     "reduce_tokens": np.array([chosen.reduce_tokens, FusedConfig(1).reduce_tokens])})
-    tuned, constants = phases["fused_up"] + phases["fused_down"]
-    assert tuned < (1 - MODEL_ERROR) * constants
+    assert fused_s(problem, chosen, profile) < (1 - FUSED_MODEL_ERROR) * fused_s(
+        problem, FusedConfig(profile.usable_sms), profile)
 
 
 def test_search_covers_over_1e5_configurations_within_the_bound():

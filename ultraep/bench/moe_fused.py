@@ -36,7 +36,7 @@ source's (every SM, its task sizes); ``tuned``, the model's choice for the setti
 bucket (``ultraep.tune.search``, from the machine profile, measured once and cached; the
 constants where the model predicts no gain beyond its error); ``both``, the constants'
 columns and the tuned layer's beside them in the same run: ``tuned_ms``, ``tuned_gain`` =
-fused_ms / tuned_ms (at least 1: tuned at least as fast as the constants) and
+fused_ms / tuned_ms (expected at least 1: tuned at least as fast as the constants) and
 ``tuned_config``. Each fused layer's output and rerun count in ``out_diff`` /
 ``rerun_diff``; the backward (``--backward``) and the timeline are the first layer's.
 

@@ -203,7 +203,8 @@ def phase_windows_ms(group, phases, repeats: int, synchronize, alternate: tuple[
     """ms per repeat of each phase as the whole group's window (first rank's start to the
     last rank's end; a barrier before each phase). ``phases``: callables run in order, each
     given the previous one's result (the first None). ``alternate``: two phases (neither
-    reading its input) that swap places every other repeat, so neither always runs second."""
+    reading its input) that swap places every other repeat, so neither always runs second
+    (the phase after them is given whichever ran second)."""
     spans = [[] for _ in phases]
     for repeat in range(repeats):
         result = None

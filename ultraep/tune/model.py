@@ -33,6 +33,10 @@ The building blocks, each a quantity the profile measures:
   launches while the device runs earlier ones, so a call of many kernels timed from the
   host takes the longer of the two (a kernel timed on the device alone: the device's).
 
+Not measured by the profile but fitted on the H200's sweeps under MPS, and named where they
+are defined: the weight sync's ``SYNC_*`` fractions and store weight, the Dispatcher's
+``L2_TRIP_FRACTION`` and ``ROW_ROUND_FRACTION``, and ``MEMORY_CHANNELS`` (an H200 constant).
+
 Two limits are joined by a p-norm (:data:`JOIN_P`) rather than a hard maximum: near the
 point where both bind, neither reaches its own rate.
 
@@ -233,16 +237,16 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 # the probe measures runs this kernel's bookkeeping, its SM's mix of loads and stores, or
 # stores without loads. They are properties of the kernel's code and the GPU's memory path,
 # not of the problem: the bookkeeping and the SM's fraction from grids of at most half the
-# SMs, where the path's share does not bind (0.76 fits those best; 0.73 keeps the 12.6 MB
-# expert's fan-out 1 within 5 %: its short calls carry 3-4 us the model lacks), the path's
-# from full grids (0.8 rather than the 0.75 read directly: the join with the latency takes
-# its part). Fitted on the two sweeps of 325ac3e / b2767b9 alone, the two fractions come out
-# the same (0.73, 0.8), and the three sweeps held out (1416c82: 4 and 8 ranks, 12.6-88.1 MB,
-# fan-outs 1-7) replay within 4.7 % (tests/tune/test_replay_weight_sync.py); 2 ranks (half
-# the SMs, memory-bound) within 8.2 %.
+# SMs, where the path's share does not bind, the path's from full grids (0.8 rather than the
+# 0.75 read directly: the join with the latency takes its part), the store weight from the
+# full grids too (1.7-2.1, taken as 2). The two fractions are the least-squares fit on the
+# two sweeps of 325ac3e / b2767b9 (0.73, 0.8); the three sweeps then held out (1416c82: 4
+# and 8 ranks, 12.6-88.1 MB, fan-outs 1-7) replay within 4.7 %, two swept after (88e0717)
+# within 2.8 % (tests/tune/test_replay_weight_sync.py); 2 ranks (half the SMs,
+# memory-bound) within 8.2 %.
 SYNC_PIECE_BOOKKEEPING_ROUNDS = 0.6  # fitted: a piece's address work, in load round trips (0.41 us on the H200)
 SYNC_SM_COPY_FRACTION = 0.73         # fitted: an SM's bytes loaded + stored, of twice its share of the peer copy
-SYNC_STORE_WEIGHT = 2.0              # read off full grids: a stored byte costs the path to memory two loaded ones
+SYNC_STORE_WEIGHT = 2.0              # fitted (1.7-2.1 on full grids): a stored byte costs the path two loaded ones
 SYNC_PROCESS_COPY_FRACTION = 0.8     # fitted: the process's weighted bytes, of the peer copy's (a byte of each)
 
 
@@ -319,7 +323,7 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 #
 # A round trip's time depends on how many warps wait on the memory at once (every sharing
 # rank's): the warps and the memory form a closed queueing network, solved exactly by mean
-# value analysis (_loaded_round_s). A round is a request to one of MEMORY_CHANNELS
+# value analysis (_unit_cycles). A round is a request to one of MEMORY_CHANNELS
 # independent channels (any, evenly), each serving its share of the bandwidth: a round's
 # "copied" bytes (a byte read and one written, the profile's rates' unit) at
 # 1 / MEMORY_CHANNELS of the rate. A warp alone takes the round trip of heap.cu's copy at the
@@ -337,11 +341,15 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 # drain charged as one warp's unit (the sweeps gained nothing at even divisions: grid 64 of
 # 4096 tokens against 65, 256 against 251, at 4 ranks). A grid just past an even division
 # is charged no drain (nearly all its warps run the last unit): 64 is modelled 2-6 % over 65
-# where the sweeps measured them alike.
+# where the sweeps measured them alike, and a count just short of one likewise (4095 tokens
+# on 256 blocks a drain under 4096). A continuous tail (the ragged warps' share of a unit
+# plus the drain) fitted the sweeps worse; the search's buckets are multiples of 4096 tokens.
 #
 # Ranks sharing a GPU under MPS launch the same kernels at once through one context, whose
 # front end starts them one at a time: each of a rank's kernels waits for the others' to
-# start, a kernel's device overhead (profile.kernel_s) once for every rank of the GPU.
+# start, a kernel's device overhead (profile.kernel_s) once for every rank of the GPU -- here,
+# for the Dispatcher's kernels, which every rank launches together; the weight-sync sweep
+# times one rank's kernel alone, and the fused kernels are measured with every rank running.
 #
 # Ranks sharing a GPU under MPS shares that overlap launch their kernels together (each
 # after a device barrier of all of them), as fused kernel A's ranks do, and one rank then
@@ -429,16 +437,14 @@ def _loaded_unit_s(profile: MachineProfile, warps, unit_rounds: int, index_trips
     ``round_fraction`` of the profile's alone and copying ``round_copied_bytes`` at the
     memory's ``rate``."""
     service = MEMORY_CHANNELS * round_copied_bytes / rate
-    delay = round_fraction * _round_trip_s(profile) - service  # a warp alone: its round trip, whatever it stores
+    # a warp alone: its round trip, whatever it stores; where a round's service at its channel
+    # exceeds the round trip (wide rows sent to many ranks) the delay turns slightly negative,
+    # which keeps a lone warp at its round trip and the crowd under the memory's rate
+    delay = round_fraction * _round_trip_s(profile) - service
     index_s = index_trips * L2_TRIP_FRACTION * _round_trip_s(profile)
     warps = np.maximum(np.asarray(warps, np.float64), 1.0).round().astype(np.int64)
     return _unit_cycles(int(warps.max()), delay, service, unit_rounds, index_s)[warps]
 
-
-def _loaded_round_s(profile: MachineProfile, warps, round_copied_bytes: float, rate: float) -> np.ndarray:
-    """One round trip of heap.cu's copy by a warp among ``warps`` waiting on the memory at
-    once (:func:`_loaded_unit_s` of one round and no index)."""
-    return _loaded_unit_s(profile, warps, 1, 0, round_copied_bytes, rate)
 
 
 def _phase_s(profile: MachineProfile, warps, units_per_warp, unit_rounds: int, index_trips: int,

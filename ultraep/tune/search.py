@@ -26,7 +26,7 @@ import numpy as np
 
 from ultraep.errors import ProfileError
 from ultraep.tune.config import BUCKET_TOKENS, FusedConfig, FusedSchedule, bucket
-from ultraep.tune.model import PHASES, SYNC_MIN_BLOCKS, Problem, SyncProblem, predict
+from ultraep.tune.model import PHASES, SYNC_MIN_BLOCKS, Problem, SyncProblem, fused_down_s, fused_up_s, predict
 from ultraep.tune.profile import MachineProfile
 
 TASK_TOKENS = (4, 8, 16, 32, 64, 128)   # send and reduce task sizes tried
@@ -38,7 +38,7 @@ FUSED_PHASES = ("fused_up", "fused_down")
 # The fused model's error on held-out sweeps (2.4-3.8 %, docs/tuning.md): a configuration
 # predicted faster than the kernel source's constants by less is no measurable gain, and the
 # constants (every SM, the source's task sizes) stay.
-MODEL_ERROR = 0.03
+FUSED_MODEL_ERROR = 0.03
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def search(profile: MachineProfile, problem: Problem, sync: SyncProblem | None =
     """The configuration of least modelled layer time (weight sync, dispatch and combine,
     the fused kernels) among the product of ``values`` (default :func:`knob_values`); the
     fused kernels keep the source's constants on every usable SM unless the best is predicted
-    faster by more than :data:`MODEL_ERROR`."""
+    faster by more than :data:`FUSED_MODEL_ERROR`."""
     begin = time.perf_counter()
     values = knob_values(profile) if values is None else values
     if any(len(values.get(name, ())) == 0 for name in KNOBS):
@@ -110,14 +110,18 @@ def search(profile: MachineProfile, problem: Problem, sync: SyncProblem | None =
     fused = FusedConfig(chosen["ctas"], chosen["send_tokens"], chosen["reduce_tokens"])
     constants = FusedConfig(profile.usable_sms)
     if fused != constants:
-        at_constants = predict(profile, problem, None, {"sync_blocks": 1, "dispatch_grid": 1, "ctas": constants.ctas,
-                                                        "send_tokens": constants.send_tokens,
-                                                        "reduce_tokens": constants.reduce_tokens})
-        if sum(predicted[p] for p in FUSED_PHASES) > (1.0 - MODEL_ERROR) * sum(at_constants[p] for p in FUSED_PHASES):
+        at_constants = fused_phases(profile, problem, constants)
+        if sum(predicted[p] for p in FUSED_PHASES) > (1.0 - FUSED_MODEL_ERROR) * sum(at_constants.values()):
             fused = constants
-            predicted.update({p: float(at_constants[p]) for p in FUSED_PHASES})
+            predicted.update(at_constants)
     config = TunedConfig(chosen["sync_blocks"], chosen["dispatch_grid"], fused)
     return SearchResult(config, predicted, int(total.size), time.perf_counter() - begin)
+
+
+def fused_phases(profile: MachineProfile, problem: Problem, config: FusedConfig) -> dict:
+    """The fused kernels' modelled seconds (FUSED_PHASES) under one configuration."""
+    return {"fused_up": float(fused_up_s(profile, problem, config.ctas, config.send_tokens)),
+            "fused_down": float(fused_down_s(profile, problem, config.ctas, config.reduce_tokens))}
 
 
 class Tuner:

@@ -347,7 +347,7 @@ RETIME_FASTEST = 3  # the sweep's fastest grids of an operation timed again besi
 def retime_dispatch(grids: list, predicted: dict, measured: dict, time_grids, rounds: int) -> dict:
     """Each operation's model choice and its RETIME_FASTEST fastest measured grids timed
     again in ``rounds`` rounds, each round over all of them (in turn reversed, so that none
-    always runs first), the median per grid: the sweep's fastest of fifty single
+    always runs first), the median per grid: the fastest of the sweep's single
     measurements is the luckiest of them, lower than a grid's time by about twice its noise,
     and a choice measured against it misses by that much where the curve is flat.
     {operation: {grid: ms}}."""
