@@ -193,57 +193,37 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 # replicas, so every warp copies the same number of pieces (the busiest one more) and the
 # call lasts as long as the warps of the busiest SM take over theirs. A piece costs a warp
 #
-# * its latency: the load's round trip (_round_trip_s, what heap.cu's copy warp waits per
-#   round of the same 2 KiB) and the piece's bookkeeping -- the dependent shared-memory and
-#   shuffle steps that find its task, tensor, source and destinations before its address is
-#   known, which no load overlaps (SYNC_PIECE_BOOKKEEPING_ROUNDS);
+# * its latency: the load's round trip (_round_trip_s) and the piece's bookkeeping -- the
+#   dependent steps that find its task, tensor, source and destinations before its address
+#   is known, which no load overlaps (SYNC_PIECE_BOOKKEEPING_ROUNDS);
 # * its share of the SM's memory pipe: the SM's warps together load and store at most a
 #   fraction (SYNC_SM_COPY_FRACTION) of the SM's share of the peer copy's bytes (a copied
-#   byte is one loaded and one stored), what one SM reaches while few others copy (a grid
-#   of a block or a few: 65-70 GB/s an SM at every fan-out on the H200, loads and stores
-#   alike). Blocks go to the SMs one at a time (a block on each before a second on any), so
-#   the busiest SM holds ceil(blocks / SMs) of them: past each multiple of the SMs a few
-#   SMs' warps share their pipe with a block more and the call waits for them (the
-#   sawtooth of the sweeps);
-# * its share of the process's path to memory, which the busy SMs share evenly (as ports
-#   served in turn are; the sawtooth stays at full grids, so an SM with more blocks got no
-#   more of it): at most a fraction (SYNC_PROCESS_COPY_FRACTION) of the peer copy's, a
-#   stored byte counted as SYNC_STORE_WEIGHT loaded ones. Across the sweeps' full grids (fan-outs 2-7, 14 and 32
-#   SMs) loads + 2 x stores came to 0.75 +- 0.01 of the peer copy's (3 x peer_bytes_per_s),
-#   while loads + stores ranged 0.62-0.67: the stores cost the path more, so a fan-out of 7
-#   reaches less of the SMs' rate than one of 1. A grid of fewer blocks than SMs leaves the
-#   path to fewer of them: a lone SM reaches its own pipe's rate, a full grid the path's.
+#   byte is one loaded and one stored). Blocks go to the SMs one at a time, so the busiest
+#   SM holds ceil(blocks / SMs) of them: past each multiple of the SMs a few SMs share their
+#   pipe with a block more and the call waits for them (the sweeps' sawtooth);
+# * its share of the process's path to memory, which the busy SMs share evenly (the sawtooth
+#   stays at full grids: an SM with more blocks gets no more of it): at most a fraction
+#   (SYNC_PROCESS_COPY_FRACTION) of the peer copy's, a stored byte counted as
+#   SYNC_STORE_WEIGHT loaded ones (stores cost the path more: a large fan-out reaches less
+#   of the SMs' rate than a fan-out of 1). A grid of fewer blocks than SMs leaves the path
+#   to fewer of them: a lone SM reaches its own pipe's rate, a full grid the path's.
 # Both apply only where the SMs, not the memory, bound the peer copy (sms_bound_peer_copy):
-# only there is the peer copy's rate an SM's share of it. On a whole GPU, or on half the
-# H200 (66 SMs: at the 43-44 GB/s an SM copies on a quarter or an eighth they would move
-# 2.9 TB/s, past the 2.0 the memory moves; they reach 1.79), it is the memory's: the warps'
-# pieces wait their latency, joined with the process's bytes at its peer copy's rate. There
-# the SM's own rate is not in the profile and its pipe is not modelled: at 2 ranks the
-# busiest SM's extra block still shows (12-15 % at 71, 135, 200 blocks), and the pieces'
-# round trips stretch as the memory fills (3-9 % at a block an SM), both left short.
+# only there is the peer copy's rate an SM's share. Where the memory binds (a whole GPU,
+# half the H200) the pieces wait their latency, joined with the process's bytes at its peer
+# copy's rate; the SM's own rate is not in such a profile, so the busiest SM's extra block
+# and the round trips' stretch as the memory fills are left out there.
 #
-# The piece's latency is joined with the tighter of the two shares (JOIN_P): a warp's stores
-# drain while it waits for its next load, so near the SM's rate neither bound alone is
-# reached. All the ranks copying at once move their bytes no faster than the memory's shared
-# rate (bandwidth_s), a hard ceiling.
+# The latency is joined with the tighter of the two shares (JOIN_P): a warp's stores drain
+# while it waits for its next load, so near the SM's rate neither bound alone is reached.
+# All the ranks copying at once move their bytes no faster than the memory's shared rate
+# (bandwidth_s). Not modelled: adding a block on an idle SM can lower what a process whose
+# stores exceed the path's rate moves (the stores seem to lose throughput as they queue);
+# the model then takes the fuller grid.
 #
-# What no share of a rate explains: at 8 ranks (14 SMs) and fan-out 7, 13 blocks took 7 %
-# less than 14 (and 27, 41, 55 blocks 1.5-3 % less than 28, 42, 56): adding a block on an
-# idle SM lowered what the process moved (798 GB/s loaded + stored, 747 with 14 or more).
-# Past the path's rate the stores seem to lose throughput as they queue; not modelled, so
-# the model takes the fuller grid there.
-#
-# Four constants are read off the sweeps on the H200 under MPS, not from the profile: nothing
-# the probe measures runs this kernel's bookkeeping, its SM's mix of loads and stores, or
-# stores without loads. They are properties of the kernel's code and the GPU's memory path,
-# not of the problem: the bookkeeping and the SM's fraction from grids of at most half the
-# SMs, where the path's share does not bind, the path's from full grids (0.8 rather than the
-# 0.75 read directly: the join with the latency takes its part), the store weight from the
-# full grids too (1.7-2.1, taken as 2). The two fractions are the least-squares fit on the
-# two sweeps of 325ac3e / b2767b9 (0.73, 0.8); the three sweeps then held out (1416c82: 4
-# and 8 ranks, 12.6-88.1 MB, fan-outs 1-7) replay within 4.7 %, two swept after (88e0717)
-# within 2.8 % (tests/tune/test_replay_weight_sync.py); 2 ranks (half the SMs,
-# memory-bound) within 8.2 %.
+# The four constants below are fitted on the H200's sweeps under MPS, not measured by the
+# profile: nothing the probe runs has this kernel's bookkeeping, its SM's mix of loads and
+# stores, or stores without loads. They belong to the kernel's code and the GPU's memory
+# path, not to the problem (the fit, and the sweeps held out from it: docs/tuning.md).
 SYNC_PIECE_BOOKKEEPING_ROUNDS = 0.6  # fitted: a piece's address work, in load round trips (0.41 us on the H200)
 SYNC_SM_COPY_FRACTION = 0.73         # fitted: an SM's bytes loaded + stored, of twice its share of the peer copy
 SYNC_STORE_WEIGHT = 2.0              # fitted (1.7-2.1 on full grids): a stored byte costs the path two loaded ones
