@@ -90,10 +90,11 @@ def test_each_operation_loads_its_default_schedules_module(monkeypatch):
 
     monkeypatch.setattr(device, "get_function", get_function)
     gemm = object.__new__(DeviceGroupedGemm)  # no CUDA: only what _kernel reads
-    gemm.schedules, gemm._kernels, gemm.device = dict(DEFAULT_SCHEDULES), {}, 0
+    gemm.schedules, gemm._kernels, gemm.device, gemm.grid, gemm.threads = dict(DEFAULT_SCHEDULES), {}, 0, 132, 384
     gemm.cp = type("NoCupy", (), {"cuda": type("Cuda", (), {"Device": staticmethod(lambda _: nullcontext())})})
     for op in ("forward", "dgrad", "wgrad"):
-        _, shared = gemm._kernel(op, np.dtype(np.float32))
+        _, shared, grid = gemm._kernel(op, np.dtype(np.float32))
+        assert grid == 132, op
         schedule = DEFAULT_SCHEDULES[op]
         ring_value = {"GG_SCHEDULE": kernel_constant(KERNELS, SCHEDULES[schedule][0])}
         expected = {} if schedule == PLAIN_SCHEDULE else ring_value
