@@ -50,7 +50,8 @@
 // -- Schedules --------------------------------------------------------------------------------
 // GG_SCHEDULE (a -D option; ultraep/compute/device.py names them) decides where a BF16 output
 // tile waits for the store warps, and with it the depth of the stage ring:
-//   GG_STAGED_TILE  (the default) a padded buffer of its own, GH_C_BYTES, beside 3 stages;
+//   GG_STAGED_TILE  (without the option) a padded buffer of its own, GH_C_BYTES, beside 3
+//                   stages, as in the fused kernels;
 //   GG_RING_STAGED  the stage of the tile's last k-step, still held by the consumers, for its
 //                   first GG_STAGE_BLOCKS column blocks and a GG_TAIL_BYTES tail for the
 //                   rest, beside GG_RING_STAGES stages; the store warps hand that stage back
@@ -59,25 +60,13 @@
 // others: a copy may take two k-steps of MMAs with 3 stages, three with 4 (~1.1 against ~1.7 us
 // at the tensor cores' peak) before the MMAs wait for it; the same epilogue overlaps the next
 // tile's MMAs in both.
-//   GG_PAIRED_TILES, GG_PAIRED_RING  as GG_STAGED_TILE and GG_RING_STAGED, but forward and
-//                   dgrad blocks run in clusters of two (pairs) on m-tiles 2i and 2i + 1 of one
-//                   expert and the same n-tile: each copies half of the tile's B (the weights)
-//                   into both by TMA multicast, so L2 serves B once per pair, and a stage is
-//                   refilled once both blocks are done with it. A pair covers 256 rows of an
-//                   expert; the second block of an expert's last pair may have no rows (it
-//                   computes, stores nothing). The host launches as many pairs as fit at once.
-//                   wgrad's blocks are not paired.
 #define GG_STAGED_TILE 0
 #define GG_RING_STAGED 1
-#define GG_PAIRED_TILES 2
-#define GG_PAIRED_RING 3
 #ifndef GG_SCHEDULE
 #define GG_SCHEDULE GG_STAGED_TILE
 #endif
-#define GG_RING (GG_SCHEDULE == GG_RING_STAGED || GG_SCHEDULE == GG_PAIRED_RING)
-#define GG_PAIRS (GG_SCHEDULE == GG_PAIRED_TILES || GG_SCHEDULE == GG_PAIRED_RING)
 #define GG_RING_STAGES 4
-#if GG_RING
+#if GG_SCHEDULE == GG_RING_STAGED
 #define GH_STAGES GG_RING_STAGES
 // The store warps keep two 16-byte chunks a lane in flight: warpgroup 0 takes 56 registers
 // (40 spill), the consumers 224 (they use about 170); 128 x 56 + 256 x 224 = 384 x 168.
@@ -98,7 +87,7 @@
 #define GG_RING_SMEM_BYTES (GG_RING_STAGES * GH_STAGE_BYTES + GG_TAIL_BYTES + 1024)
 
 static_assert(GH_STAGE_BYTES % GG_BLOCK_BYTES == 0 && GG_TAIL_BYTES > 0, "a stage holds whole blocks, not a tile");
-static_assert(GG_SCHEDULE >= GG_STAGED_TILE && GG_SCHEDULE <= GG_PAIRED_RING, "GG_SCHEDULE names no schedule");
+static_assert(GG_SCHEDULE == GG_STAGED_TILE || GG_SCHEDULE == GG_RING_STAGED, "GG_SCHEDULE names no schedule");
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a ring-staged column block.
 __device__ __forceinline__ unsigned swizzled_chunk(int row, int chunk) {
@@ -175,9 +164,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                                            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out,
                                            long long* status) {
     constexpr bool STAGED_OUTPUT = sizeof(OutT) == 2;  // FP32 tiles do not fit beside the stages: stored directly
-    constexpr bool RING_STAGED = STAGED_OUTPUT && GG_RING;
-    constexpr bool PAIRED = GG_PAIRS && MODE != GH_WGRAD;
-    constexpr int PAIR = PAIRED ? GH_PAIR : 1;
+    constexpr bool RING_STAGED = STAGED_OUTPUT && GG_SCHEDULE == GG_RING_STAGED;
     constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
     extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[GG_MAX_EXPERTS + 1];
@@ -188,23 +175,18 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     const int out_cols = MODE == GH_DGRAD ? K : N;
     const int n_tiles = ceil_div(out_cols, GH_BN);
     const int wgrad_m_tiles = ceil_div(K, GH_BM);
-    // Paired, a "tile" below is a pair's: PAIR m-tiles of one n-tile.
-    if (MODE != GH_WGRAD && threadIdx.x < WARP) tile_prefix(tile_start, off, experts, PAIR * GH_BM, n_tiles);
+    if (MODE != GH_WGRAD && threadIdx.x < WARP) tile_prefix(tile_start, off, experts, GH_BM, n_tiles);
     if (threadIdx.x == 0) {
         for (int s = 0; s < GH_STAGES; ++s) {
-            mbarrier_init(&full[s], 1);                         // the producer's expect_tx arrival
-            mbarrier_init(&empty[s], PAIR * GH_CONSUMERS * 4);  // one arrival per consumer warp (of the pair)
+            mbarrier_init(&full[s], 1);                  // the producer's expect_tx arrival
+            mbarrier_init(&empty[s], GH_CONSUMERS * 4);  // one arrival per consumer warp
         }
         mbarrier_init(&output_full, GH_CONSUMERS * 4);
         mbarrier_init(&output_empty, GH_STORE_WARPS);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    if constexpr (PAIRED) pair_sync();  // no copy or arrival reaches the other block's barriers before they exist
-    else __syncthreads();
+    __syncthreads();
     const int tiles = MODE == GH_WGRAD ? experts * wgrad_m_tiles * n_tiles : tile_start[experts];
-    // This block's tiles: first, first + stride, ... (a pair's blocks walk the same ones).
-    const int first_tile = blockIdx.x / PAIR, tile_stride = gridDim.x / PAIR;
-    const int rank = PAIRED ? static_cast<int>(pair_rank()) : 0;
     const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
     const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;  // the BF16 output tile (ring-staged: its tail)
 
@@ -216,9 +198,8 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             return Tile{e, mn.x * GH_BM, K, mn.y * GH_BN, off[e], off[e + 1] - off[e]};
         } else {
             const int e = expert_of_tile(tile_start, experts, t);
-            const int2 mn = grouped_raster(t - tile_start[e], ceil_div(off[e + 1] - off[e], PAIR * GH_BM), n_tiles);
-            return Tile{e, off[e] + (PAIR * mn.x + rank) * GH_BM, off[e + 1], mn.y * GH_BN, 0,
-                        MODE == GH_FORWARD ? K : N};
+            const int2 mn = grouped_raster(t - tile_start[e], ceil_div(off[e + 1] - off[e], GH_BM), n_tiles);
+            return Tile{e, off[e] + mn.x * GH_BM, off[e + 1], mn.y * GH_BN, 0, MODE == GH_FORWARD ? K : N};
         }
     };
 
@@ -232,21 +213,15 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             // the same choice), copied one box each.
             auto produce = [&](auto one_box_each) {
                 int step = 0;
-                for (int t = first_tile; t < tiles; t += tile_stride) {
+                for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
                     const Tile tile = tile_at(t);
                     const int a_boxes = A_BOXES ? min(GH_BM / GH_BOX, ceil_div(K - tile.row0, GH_BOX)) : 1;
                     const int b_boxes = B_BOXES ? min(GH_BN / GH_BOX, ceil_div(out_cols - tile.col0, GH_BOX)) : 1;
-                    if (!load_tile<MODE, decltype(one_box_each)::value, PAIRED>(a_map, b_map, tile, a_boxes,
-                                                                                (1u << b_boxes) - 1, 0, stages, full,
-                                                                                empty, step, status, gave_up))
+                    if (!load_tile<MODE, decltype(one_box_each)::value>(a_map, b_map, tile, a_boxes,
+                                                                        (1u << b_boxes) - 1, 0, stages, full, empty,
+                                                                        step, status, gave_up))
                         return;
                 }
-                // Paired, the other block's MMAs still arrive on this block's barriers: it stays
-                // until every stage is free (the waits a next tile's copies would make).
-                if constexpr (PAIRED)
-                    for (int i = 0; i < GH_STAGES; ++i, ++step)
-                        stage_wait(&empty[step % GH_STAGES], ((step / GH_STAGES) & 1) ^ 1, status,
-                                   GH_WAITED_FOR_CONSUMERS, gave_up);
             };
             if constexpr (MODE == GH_WGRAD) {
                 if (K % GH_BOX == 0 && N % GH_BOX == 0) {
@@ -264,7 +239,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             // and was staged nowhere.
             const int id = threadIdx.x - WARP;
             int phase = 0, step = 0;
-            for (int t = first_tile; t < tiles; t += tile_stride) {
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
                 const Tile tile = tile_at(t);
                 OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
                 step += ceil_div(tile.red_len, GH_BK);
@@ -279,10 +254,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 store_ring_blocks<GG_STAGE_BLOCKS>(stages + s * GH_STAGE_BYTES, tile.col0, tile, base, out_cols, id);
                 fence_proxy_async_shared();
                 __syncwarp();
-                if (lane == 0) {
-                    mbarrier_arrive_count(&empty[s], store_warp_arrivals(id / WARP));
-                    if constexpr (PAIRED) arrive_at_partner(&empty[s], store_warp_arrivals(id / WARP));
-                }
+                if (lane == 0) mbarrier_arrive_count(&empty[s], store_warp_arrivals(id / WARP));
                 store_ring_blocks<GH_BN / GG_BLOCK_COLS - GG_STAGE_BLOCKS>(
                     staged, tile.col0 + GG_STAGE_BLOCKS * GG_BLOCK_COLS, tile, base, out_cols, id);
                 __syncwarp();
@@ -293,7 +265,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             // 512-byte row at a time, masked to the tile's rows and the output's columns.
             const int id = threadIdx.x - WARP;
             int phase = 0;
-            for (int t = first_tile; t < tiles; t += tile_stride, phase ^= 1) {
+            for (int t = blockIdx.x; t < tiles; t += gridDim.x, phase ^= 1) {
                 const Tile tile = tile_at(t);
                 stage_wait(&output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
                 if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
@@ -309,10 +281,10 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
     int step = 0, phase = 0;
-    for (int t = first_tile; t < tiles; t += tile_stride) {
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = tile_at(t);
         float d[128];
-        mma_tile<MODE, !RING_STAGED, PAIRED>(d, tile, stages, full, empty, step, consumer, lane, status, gave_up);
+        mma_tile<MODE, !RING_STAGED>(d, tile, stages, full, empty, step, consumer, lane, status, gave_up);
 
         // Accumulator d[4j + {0, 1}] is row lane/4, columns 8j + 2 (lane%4) + {0, 1} of the
         // warp's 16 rows; d[4j + {2, 3}] the same 8 rows further.
@@ -357,22 +329,16 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     }
 }
 
-// Paired, forward and dgrad launch in clusters of two.
-#if GG_PAIRS
-#define GG_PAIRED_KERNEL __cluster_dims__(GH_PAIR, 1, 1)
-#else
-#define GG_PAIRED_KERNEL
-#endif
-#define GH_KERNEL(kernel, mode, a, b, attributes)                                                                      \
+#define GH_KERNEL(kernel, mode, a, b)                                                                                  \
     template <typename OutT>                                                                                           \
-    __global__ void attributes __launch_bounds__(GH_THREADS, 1)                                                        \
+    __global__ void __launch_bounds__(GH_THREADS, 1)                                                                   \
     kernel(const __grid_constant__ TensorMap a, const __grid_constant__ TensorMap b, const void* offsets,               \
            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out, long long* status) {          \
         grouped_mm<mode, OutT>(&a, &b, offsets, offsets_are_64bit, experts, rows, K, N, out, status);                 \
     }
-GH_KERNEL(grouped_mm_forward, GH_FORWARD, x_map, w_map, GG_PAIRED_KERNEL)
-GH_KERNEL(grouped_mm_dgrad, GH_DGRAD, dy_map, w_map, GG_PAIRED_KERNEL)
-GH_KERNEL(grouped_mm_wgrad, GH_WGRAD, x_map, dy_map, )
+GH_KERNEL(grouped_mm_forward, GH_FORWARD, x_map, w_map)
+GH_KERNEL(grouped_mm_dgrad, GH_DGRAD, dy_map, w_map)
+GH_KERNEL(grouped_mm_wgrad, GH_WGRAD, x_map, dy_map)
 
 #define GH_INSTANCE(kernel, OutT)                                                                             \
     template __global__ void kernel<OutT>(const __grid_constant__ TensorMap, const __grid_constant__ TensorMap,      \

@@ -191,41 +191,6 @@ __device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap* map, 
                     "r"(shared_address(bar)) : "memory");
 }
 
-// -- Pairs of blocks (a cluster of two that shares one operand's tile) ------------------------
-
-#define GH_PAIR 2
-#define GH_PAIR_MASK 0x3
-
-__device__ __forceinline__ unsigned pair_rank() {
-    unsigned rank;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    return rank;
-}
-
-// tma_load_3d into the same shared offset of both blocks of the pair, each block's barrier at
-// `bar`'s offset counting the bytes it receives.
-__device__ __forceinline__ void tma_load_3d_to_pair(unsigned dst, const TensorMap* map, u64* bar, int c0, int c1,
-                                                    int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1, {%2, %3, %4}], [%5], %6;"
-                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2),
-                    "r"(shared_address(bar)), "h"(static_cast<unsigned short>(GH_PAIR_MASK)) : "memory");
-}
-
-// An arrival on the other block's barrier at `bar`'s offset. What it orders (this warp's
-// MMAs finished reading a stage, before that block's copies refill it here) needs no fence: a
-// cluster-scope release would be a GPU-wide one (MEMBAR.ALL.GPU) on every k-step.
-__device__ __forceinline__ void arrive_at_partner(u64* bar, unsigned count = 1) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(bar)), "r"(pair_rank() ^ 1));
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0], %1;" :: "r"(remote), "r"(count) : "memory");
-}
-
-// Every thread of both blocks: what each did before (barrier initialisation) is seen by both.
-__device__ __forceinline__ void pair_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 // Shared-memory matrix descriptor of a 128-byte-swizzled operand at shared address `addr`:
 // `leading` and `stride` are the byte offsets wgmma steps by (K-major: stride = next 8
 // rows, leading unused; MN-major: leading = next 64-element swizzle atom along M/N,
@@ -333,18 +298,13 @@ __device__ __forceinline__ void store_pair(OutT* p, float v0, float v1) {
 // M-major A (wgrad), the N-major B boxes named in `b_box_mask`, box j at column
 // tile.col0 + 64 j, plus `b_split` for the upper half (j >= 2: the fused up-projection's
 // up columns, F further than its gate columns); or, ONE_BOX_EACH (wgrad's 3-D maps), one
-// box per operand. PAIRED (forward and dgrad, a pair of blocks on the same columns of the
-// same expert): this block copies its half of B -- forward boxes 2 rank and 2 rank + 1, dgrad
-// B's columns [128 rank, +128) in a box of 64 x 128 x 1 -- into both blocks' stage, and
-// waits for both blocks' MMAs to free a stage. False when a stage wait gave up.
-template <int MODE, bool ONE_BOX_EACH = false, bool PAIRED = false>
+// box per operand. False when a stage wait gave up.
+template <int MODE, bool ONE_BOX_EACH = false>
 __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMap* b_map, const Tile& tile, int a_boxes,
                                           unsigned b_box_mask, int b_split, unsigned stages, u64* full, u64* empty,
                                           int& step, long long* status, bool& gave_up) {
     constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
     static_assert(!ONE_BOX_EACH || MODE == GH_WGRAD, "only wgrad's maps are 3-D");
-    static_assert(!PAIRED || MODE != GH_WGRAD, "wgrad's blocks are not paired");
-    const int rank = PAIRED ? static_cast<int>(pair_rank()) : 0;
     const unsigned bytes = ONE_BOX_EACH ? GH_STAGE_BYTES  // boxes past the tensor count in full, as zeros
                                         : (A_BOXES ? a_boxes * GH_BOX_BYTES : GH_A_BYTES) +
                                               (B_BOXES ? __popc(b_box_mask) * GH_BOX_BYTES : GH_B_BYTES);
@@ -366,27 +326,16 @@ __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMa
                 if (b_box_mask >> j & 1) tma_load_2d(b + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + j * GH_BOX, r);
         } else if constexpr (MODE == GH_FORWARD) {
             tma_load_2d(a, a_map, &full[s], r, tile.row0);
-            for (int j = 0; j < GH_BN / GH_BOX; ++j) {
-                const int column = tile.col0 + j * GH_BOX + (j >= GH_BN / GH_BOX / 2 ? b_split : 0);
-                if (!(b_box_mask >> j & 1)) continue;
-                if (!PAIRED) tma_load_3d(b + j * GH_BOX_BYTES, b_map, &full[s], column, r, tile.expert);
-                else if (j / (GH_BN / GH_BOX / GH_PAIR) == rank)
-                    tma_load_3d_to_pair(b + j * GH_BOX_BYTES, b_map, &full[s], column, r, tile.expert);
-            }
+            for (int j = 0; j < GH_BN / GH_BOX; ++j)
+                if (b_box_mask >> j & 1)
+                    tma_load_3d(b + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + j * GH_BOX +
+                                (j >= GH_BN / GH_BOX / 2 ? b_split : 0), r, tile.expert);
         } else {
             tma_load_2d(a, a_map, &full[s], r, tile.row0);
-            if (!PAIRED) tma_load_3d(b, b_map, &full[s], r, tile.col0, tile.expert);
-            else tma_load_3d_to_pair(b + rank * (GH_B_BYTES / GH_PAIR), b_map, &full[s], r,
-                                     tile.col0 + rank * (GH_BN / GH_PAIR), tile.expert);
+            tma_load_3d(b, b_map, &full[s], r, tile.col0, tile.expert);
         }
     }
     return true;
-}
-
-template <bool PAIRED>
-__device__ __forceinline__ void release_stage(u64* empty) {
-    mbarrier_arrive(empty);
-    if constexpr (PAIRED) arrive_at_partner(empty);
 }
 
 // One wgrad k-step's batch of MMAs, its first K16_STEPS k16 steps: A (M-major) and B
@@ -405,9 +354,8 @@ __device__ __forceinline__ void wgrad_k16_steps(float (&d)[128], unsigned a, uns
 // A consumer warpgroup's MMAs of one tile: d = its 64 rows x GH_BN columns, summed over the
 // reduction in GH_BK chunks in ascending order, each releasing its stage once the next
 // chunk's MMAs are issued. !RELEASE_LAST: the last chunk's stage stays held (its release
-// is then the caller's: grouped_gemm.cu stages an output tile in it). PAIRED: a stage is
-// released in both blocks of the pair (the other block's copies also fill this one's).
-template <int MODE, bool RELEASE_LAST = true, bool PAIRED = false>
+// is then the caller's: grouped_gemm.cu stages an output tile in it).
+template <int MODE, bool RELEASE_LAST = true>
 __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsigned stages, u64* full, u64* empty,
                                          int& step, int consumer, int lane, long long* status, bool& gave_up) {
     const int k_steps = ceil_div(tile.red_len, GH_BK);
@@ -457,10 +405,10 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
             wgmma_commit();
         }
         wgmma_wait<1>();  // the previous step's MMAs are done: its stage may be refilled
-        if (k > 0 && lane == 0) release_stage<PAIRED>(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+        if (k > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
     }
     wgmma_wait<0>();
-    if (RELEASE_LAST && k_steps > 0 && lane == 0) release_stage<PAIRED>(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+    if (RELEASE_LAST && k_steps > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
 }
 
 // The store warps' part of an epilogue: the tile staged in shared memory (GH_C_PITCH bytes

@@ -29,18 +29,11 @@ class DeviceArray:
         self.data = type("Pointer", (), {"ptr": 1 << 20})
 
 
-def operand_maps(op: str, k: int, n: int, rows: int = 500, experts: int = 4, paired: bool = False):
+def wgrad_maps(k: int, n: int, rows: int = 500, experts: int = 4):
     gemm = object.__new__(DeviceGroupedGemm)  # no CUDA: only what _operand_maps reads
     gemm._maps, gemm._placeholder = RecordedMaps(), DeviceArray(16)
-    out_shape = {"forward": (rows, n), "dgrad": (rows, k), "wgrad": (experts, k, n)}[op]
-    problem = Problem(op, experts, rows, k, n, out_shape, np.dtype(np.float32))
-    a_size = rows * (n if op == "dgrad" else k)
-    b_size = rows * n if op == "wgrad" else experts * k * n
-    return gemm._operand_maps(problem, DeviceArray(a_size), DeviceArray(b_size), paired)
-
-
-def wgrad_maps(k: int, n: int):
-    return operand_maps("wgrad", k, n)
+    problem = Problem("wgrad", experts, rows, k, n, (experts, k, n), np.dtype(np.float32))
+    return gemm._operand_maps(problem, DeviceArray(rows * k), DeviceArray(rows * n))
 
 
 @pytest.mark.parametrize("k,n", [(320, 576), (7168, 4096), (BOX, BOX)])
@@ -62,17 +55,3 @@ def test_wgrad_with_a_partial_column_block_keeps_a_box_per_64_columns(k, n):
     assert (a_dims, b_dims) == ((k, 500), (n, 500))
     assert a_box == b_box == (BOX, kernel_constant(KERNELS, "GH_BK"))
     assert a_strides is b_strides is None
-
-
-@pytest.mark.parametrize("op", ["forward", "dgrad"])
-def test_a_pair_copies_half_of_the_weights_tile_each(op):
-    """Paired, each block multicasts half of the stage's B: forward's B is already boxes of 64
-    columns (each block copies two), dgrad's 256-row box becomes two of 128 rows."""
-    plain_a, plain_b = operand_maps(op, 2048, 7168)
-    paired_a, paired_b = operand_maps(op, 2048, 7168, paired=True)
-    assert paired_a == plain_a and paired_b[0] == plain_b[0]
-    b_bytes = BF16_BYTES * math.prod(paired_b[1])
-    if op == "forward":
-        assert paired_b == plain_b and b_bytes == kernel_constant(KERNELS, "GH_BOX_BYTES")
-    else:
-        assert 2 * b_bytes == BF16_BYTES * math.prod(plain_b[1]) == kernel_constant(KERNELS, "GH_B_BYTES")

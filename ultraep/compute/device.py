@@ -39,51 +39,20 @@ _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0
 
 # Schedule name -> (its GG_SCHEDULE value's macro, its dynamic shared memory's macro).
-SCHEDULES = {"staged": ("GG_STAGED_TILE", "GH_SMEM_BYTES"), "ring": ("GG_RING_STAGED", "GG_RING_SMEM_BYTES"),
-             "paired": ("GG_PAIRED_TILES", "GH_SMEM_BYTES"), "paired-ring": ("GG_PAIRED_RING", "GG_RING_SMEM_BYTES")}
-# Forward and dgrad in clusters of two blocks sharing the weights' tile.
-PAIRED_SCHEDULES = ("paired", "paired-ring")
-PAIRED_OPS = ("forward", "dgrad")
+SCHEDULES = {"staged": ("GG_STAGED_TILE", "GH_SMEM_BYTES"), "ring": ("GG_RING_STAGED", "GG_RING_SMEM_BYTES")}
 PLAIN_SCHEDULE = "staged"  # the module compiled without a GG_SCHEDULE option
-# The deeper ring pays where the MMAs wait on copies (dgrad's and wgrad's transposed
-# operand boxes); forward is as fast staged and keeps the module the fused kernels share.
-DEFAULT_SCHEDULES = {"forward": "staged", "dgrad": "ring", "wgrad": "ring"}
-
-
-def _driver():
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        raise GroupedGemmError(f"the CUDA driver library (libcuda.so.1) could not be loaded: {exc}") from exc
-
-
-class _LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig (cuda.h)."""
-
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attributes", ctypes.c_void_p), ("attribute_count", ctypes.c_uint)]
-
-
-def max_active_pairs(function, threads: int, shared_bytes: int, sms: int) -> int:
-    """How many clusters of two blocks of ``function`` (a kernel compiled with its cluster
-    size) the GPU runs at once, by the driver's ``cuOccupancyMaxActiveClusters``: a paired
-    kernel's persistent grid, which must not launch a pair that waits for a free one."""
-    query = _driver().cuOccupancyMaxActiveClusters
-    query.restype = ctypes.c_int
-    config = _LaunchConfig((sms, 1, 1), (threads, 1, 1), shared_bytes, None, None, 0)
-    count = ctypes.c_int(0)
-    result = query(ctypes.byref(count), ctypes.c_void_p(function.kernel.ptr), ctypes.byref(config))
-    if result != 0 or count.value < 1:
-        raise GroupedGemmError(f"cuOccupancyMaxActiveClusters found no room for a pair of grouped GEMM blocks "
-                               f"({shared_bytes} bytes of shared memory each; CUresult {result}, {count.value} pairs)")
-    return count.value
+# The deeper ring pays in every operation: the MMAs wait on copies less.
+DEFAULT_SCHEDULES = {"forward": "ring", "dgrad": "ring", "wgrad": "ring"}
 
 
 class _TensorMaps:
     """TMA tensor maps of row-major BF16 arrays, from the CUDA driver."""
 
     def __init__(self):
-        driver = _driver()
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise GroupedGemmError(f"the CUDA driver library (libcuda.so.1) could not be loaded: {exc}") from exc
         self.encode = driver.cuTensorMapEncodeTiled
         self.encode.restype = ctypes.c_int
         u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
@@ -136,14 +105,10 @@ class DeviceGroupedGemm:
         self.grid = properties["multiProcessorCount"]
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
         self._maps: _TensorMaps | None = None
-        self._kernels: dict[tuple[str, np.dtype], tuple[object, int, int]] = {}
-
-    def paired(self, op: str) -> bool:
-        """Whether ``op`` runs in pairs of blocks (its schedule is one of :data:`PAIRED_SCHEDULES`)."""
-        return self.schedules[op] in PAIRED_SCHEDULES and op in PAIRED_OPS
+        self._kernels: dict[tuple[str, np.dtype], tuple[object, int]] = {}
 
     def _kernel(self, op: str, out_dtype: np.dtype):
-        """``op``'s kernel for ``out_dtype`` in its schedule, its dynamic shared memory and its grid."""
+        """``op``'s kernel for ``out_dtype`` in its schedule, and its dynamic shared memory."""
         kernel = self._kernels.get((op, out_dtype))
         if kernel is None:
             schedule = self.schedules[op]
@@ -155,9 +120,7 @@ class DeviceGroupedGemm:
             shared_bytes = kernel_constant(KERNELS, shared_macro)
             with self.cp.cuda.Device(self.device):
                 function.max_dynamic_shared_size_bytes = shared_bytes
-                grid = (2 * max_active_pairs(function, self.threads, shared_bytes, self.grid) if self.paired(op)
-                        else self.grid)
-            kernel = self._kernels[(op, out_dtype)] = function, shared_bytes, grid
+            kernel = self._kernels[(op, out_dtype)] = function, shared_bytes
         return kernel
 
     def allocate(self, problem: Problem):
@@ -166,7 +129,7 @@ class DeviceGroupedGemm:
         make = self.cp.empty if problem.op == "wgrad" else self.cp.zeros
         return make(problem.out_shape, dtype=problem.out_dtype)
 
-    def _operand_maps(self, problem: Problem, a, b, paired: bool):
+    def _operand_maps(self, problem: Problem, a, b):
         """Tensor maps of the two operands, as the kernel's grouped_mm describes them."""
         if self._maps is None:
             self._maps = _TensorMaps()
@@ -175,8 +138,8 @@ class DeviceGroupedGemm:
         rows, k, n, experts = problem.rows, problem.k, problem.n, problem.experts
         if problem.op == "forward":
             shapes = ((k, rows), (bk, bm), None), ((n, k, experts), (box, bk, 1), None)
-        elif problem.op == "dgrad":  # a pair's blocks copy half of the weights' tile each
-            shapes = ((n, rows), (bk, bm), None), ((n, k, experts), (bk, bn // (2 if paired else 1), 1), None)
+        elif problem.op == "dgrad":
+            shapes = ((n, rows), (bk, bm), None), ((n, k, experts), (bk, bn, 1), None)
         elif k % box == 0 and n % box == 0:  # the kernel's producer makes the same choice
             # Each operand as its 64-column blocks side by side (128 bytes apart), a k-step of
             # it one box of all the tile's blocks.
@@ -201,9 +164,9 @@ class DeviceGroupedGemm:
             if array.size and array.data.ptr % _ALIGN_BYTES:
                 raise GroupedGemmError(f"{problem.op}: the {name} operand's data is not {_ALIGN_BYTES}-byte aligned "
                                        f"(a view into a larger buffer?); pass an aligned copy")
-        kernel, shared_bytes, grid = self._kernel(problem.op, problem.out_dtype)
-        kernel((grid,), (self.threads,), (
-            *self._operand_maps(problem, a, b, self.paired(problem.op)), offsets, np.int32(offsets.dtype == np.int64),
+        kernel, shared_bytes = self._kernel(problem.op, problem.out_dtype)
+        kernel((self.grid,), (self.threads,), (
+            *self._operand_maps(problem, a, b), offsets, np.int32(offsets.dtype == np.int64),
             np.int32(problem.experts), np.int64(problem.rows), np.int32(problem.k), np.int32(problem.n), out,
             self.status), shared_mem=shared_bytes)
 
