@@ -50,7 +50,7 @@ def test_one_case_runs_and_writes_json(tmp_path, capsys):
 @requires_gpu
 def test_variant_is_timed_beside_ours_with_the_same_bits(tmp_path, capsys):
     path = tmp_path / "gg.json"
-    assert main(["--cases", "32x256", "--sizes", "empty", "--repeats", "2", "--variant", "ring",
+    assert main(["--cases", "32x256", "--sizes", "empty", "--repeats", "2", "--variant", "staged",
                  "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert [r["op"] for r in rows] == ["forward", "dgrad", "wgrad"]
