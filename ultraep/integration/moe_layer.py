@@ -245,11 +245,11 @@ def _fused_schedule(layer: "MoELayer", fused_config) -> FusedSchedule:
             fused_config = "tuned" if layer.backend == "device" else "constants"
         if isinstance(fused_config, FusedConfig):
             schedule = FusedSchedule((fused_config,))
-        elif fused_config == "constants":  # the source's task sizes on every resident CTA (one worker on the host)
-            schedule = FusedSchedule((FusedConfig(1 if layer.backend == "host" else _resident_ctas(layer)),))
-        elif fused_config != "tuned":
+        elif not isinstance(fused_config, str) or fused_config not in ("tuned", "constants"):
             raise MoELayerError(f"fused_config must be None, 'tuned', 'constants' or a FusedConfig, "
                                 f"got {fused_config!r}")
+        elif fused_config == "constants":  # the source's task sizes on every resident CTA (one worker on the host)
+            schedule = FusedSchedule((FusedConfig(1 if layer.backend == "host" else _resident_ctas(layer)),))
     except MoELayerError as exc:
         error = exc
     try:  # one schedule on every rank: the kernel variants are loaded collectively

@@ -107,6 +107,9 @@ def main():
     if backend == "device":
         refused(f"ctas {RESIDENT + 1} exceeds the {RESIDENT} CTAs", fused_config=FusedConfig(RESIDENT + 1))
     refused("fused_config must be None, 'tuned', 'constants' or a FusedConfig, got 'fast'", fused_config="fast")
+    # not a NumPy truth-value error from comparing an array with a name
+    refused("fused_config must be None, 'tuned', 'constants' or a FusedConfig, got array([0, 1, 2])",
+            fused_config=np.arange(3))
     refused("MoELayer fused_config", fused_config=FusedConfig(1 + me % 2))
     refused("fused_config is set but fused=False", fused_config=FusedConfig(1), fused=False)
 
