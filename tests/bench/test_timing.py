@@ -26,3 +26,25 @@ def test_held_event_ms_times_the_device_work_and_not_the_host():
     plain = median_event_ms(launch, repeats=5, warmup=1)
     assert busy_us / 1e3 <= held < 0.5, f"held timing {held} ms: not the 0.05 ms kernel alone"
     assert plain >= 2.0, f"plain event timing {plain} ms should include the host's 2 ms"
+
+
+def test_held_event_ms_each_times_every_launch_in_turns():
+    import cupy
+
+    from ultraep.bench.timing import held_event_ms_each
+    from ultraep.runtime.kernels import get_function
+
+    hold = get_function("timing.cu", "hold_stream")
+    order = []
+
+    def busy(name, us):
+        def launch():
+            order.append(name)
+            hold((1,), (1,), (cupy.uint64(us * 1000),))
+        return launch
+
+    ms = held_event_ms_each({"short": busy("short", 50), "long": busy("long", 400)}, repeats=4, warmup=1)
+    assert 0.05 <= ms["short"] < 0.3 and 0.4 <= ms["long"] < 0.7, ms
+    timed = order[2:]  # after one warm-up call of each
+    assert sorted(timed) == ["long"] * 4 + ["short"] * 4
+    assert timed[:2] == ["short", "long"] and timed[2:4] == ["long", "short"], f"not taken in rotating turns: {timed}"

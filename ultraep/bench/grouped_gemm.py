@@ -3,9 +3,10 @@ dgrad, wgrad) on MoE shapes, side by side in the same run with cuBLAS dense of t
 total rows (``cupy.matmul``), a per-expert cuBLAS loop and ``torch._grouped_mm`` (where
 torch is present), on expert sizes that are uniform, Zipf-skewed, or with empty experts.
 
-Every figure is the median device time of one call (:func:`~ultraep.bench.timing.held_event_ms`:
-the host enqueues while a kernel holds the stream, so Python's launch cost is not
-counted, not even for the loop of launches). TFLOPS = 2 x total rows x N x K / time for
+Every figure is the median device time of one call, all columns of a row timed in turns
+(:func:`~ultraep.bench.timing.held_event_ms_each`: the host enqueues while a kernel holds
+the stream, so Python's launch cost is not counted, not even for the loop of launches; in
+turns, so that every column sees the same GPU clocks). TFLOPS = 2 x total rows x N x K / time for
 every column alike. ``vs_best`` is ours over the better of the loop and
 ``torch._grouped_mm``; ``vs_dense`` ours over cuBLAS dense. The loop and dense baselines
 need the counts on the host; the grouped kernels read them on the device.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ultraep.bench.report import print_table, write_json
-from ultraep.bench.timing import held_event_ms
+from ultraep.bench.timing import held_event_ms_each
 from ultraep.compute.device import DEFAULT_SCHEDULES, SCHEDULES
 
 
@@ -193,14 +194,14 @@ def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, varian
     baselines = Baselines(x, w, dy, counts, offsets)
     flops = 2.0 * rows * case.n * case.k
 
-    def tflops(launch):
-        if launch is None:
-            return None
+    def runs(name, launch):
+        """Whether ``launch`` runs (a baseline this CuPy/torch cannot run: reported, not faked)."""
         try:
-            return flops / (held_event_ms(launch, repeats) * 1e-3) / 1e12
-        except Exception as error:  # a baseline this CuPy/torch cannot run: report, do not fake
-            print(f"{case.name} {distribution}: {error}", file=sys.stderr)
-            return None
+            launch()
+            return True
+        except Exception as error:
+            print(f"{case.name} {distribution}: {name}: {error}", file=sys.stderr)
+            return False
 
     operands = {"forward": (x, w), "dgrad": (dy, w), "wgrad": (x, dy)}
     ratio = lambda a, b: a / b if a and b else None  # noqa: E731
@@ -208,17 +209,26 @@ def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, varian
     rows_out = []
     for op in ops:
         row = dict(case=case.name, sizes=distribution, op=op, rows=rows, min_rows=int(counts.min()),
-                   max_rows=int(counts.max()), ours=tflops(ours[op]))
-        if variant is not None:  # now, while the output holds ours (the baselines write it too)
+                   max_rows=int(counts.max()))
+        launches = {"ours": ours[op]}
+        if variant is not None:  # its bits against ours first (the baselines write the output too)
+            ours[op]()
             theirs = cupy.empty_like(out[OUTPUTS[op]])
             problem = check_problem(op, *operands[op], offsets, theirs)
-            row["variant"] = tflops(lambda: variant.run(problem, *operands[op], offsets, theirs))
+            launches["variant"] = lambda: variant.run(problem, *operands[op], offsets, theirs)
+            launches["variant"]()
             variant.check()
             check_errors()
             row["variant_diff"] = int((out[OUTPUTS[op]].view(np.uint16) != theirs.view(np.uint16)).sum())
-            del theirs
-        row.update(dense=tflops(baselines.dense(op, out)), loop=tflops(baselines.loop(op, out)),
-                   torch_grouped=tflops(baselines.torch_grouped(op)))
+        for name, launch in (("dense", baselines.dense(op, out)), ("loop", baselines.loop(op, out)),
+                             ("torch_grouped", baselines.torch_grouped(op))):
+            if launch is not None and runs(name, launch):
+                launches[name] = launch
+        ms = held_event_ms_each(launches, repeats)
+        for name in ("ours", "dense", "loop", "torch_grouped") + (("variant",) if variant is not None else ()):
+            row[name] = flops / (ms[name] * 1e-3) / 1e12 if name in ms else None
+        if variant is not None:
+            variant.check()
         check_errors()
         best = max([v for v in (row["loop"], row["torch_grouped"]) if v is not None], default=None)
         row["vs_best"], row["vs_dense"] = ratio(row["ours"], best), ratio(row["ours"], row["dense"])

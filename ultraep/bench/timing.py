@@ -33,30 +33,43 @@ def held_event_ms(launch, repeats: int, warmup: int = 10, hold_us: float = 200.0
     bracket the device's work and not the host's submission latency (the work a
     framework enqueues behind running kernels sees the same). A hold that ended before
     the host had enqueued the stop event is doubled and the launch timed again."""
+    return held_event_ms_each({"launch": launch}, repeats, warmup, hold_us)["launch"]
+
+
+def held_event_ms_each(launches: dict, repeats: int, warmup: int = 10, hold_us: float = 200.0) -> dict:
+    """:func:`held_event_ms` of several launches (name -> launch) taken in turns, one call of
+    each a round, the order rotating round to round: the GPU's clocks follow its power and
+    temperature, which drift by several percent within seconds, so launches timed one after
+    another would each see other clocks; taken in turns they see the same."""
     import cupy
 
     from ultraep.runtime.kernels import get_function
 
     hold = get_function("timing.cu", "hold_stream")
-    for _ in range(warmup):
-        launch()
+    names = list(launches)
+    for name in names:
+        for _ in range(warmup):
+            launches[name]()
     held, start, stop = cupy.cuda.Event(), cupy.cuda.Event(), cupy.cuda.Event()
-    times, hold_ns = [], int(hold_us * 1e3)
-    while len(times) < repeats:
-        hold((1,), (1,), (cupy.uint64(hold_ns),))
-        held.record()
-        start.record()
-        launch()
-        stop.record()
-        if held.done:  # the device waited for the host: the interval would include it
-            hold_ns *= 2
-            stop.synchronize()
-            if hold_ns > 10**9:
-                raise RuntimeError("held_event_ms: the host took over 1 s to enqueue one launch")
-            continue
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+    times: dict = {name: [] for name in names}
+    hold_ns = int(hold_us * 1e3)
+    for round_ in range(repeats):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            while True:
+                hold((1,), (1,), (cupy.uint64(hold_ns),))
+                held.record()
+                start.record()
+                launches[name]()
+                stop.record()
+                host_was_late = held.done  # the hold ended before the stop was enqueued: the interval includes the host
+                stop.synchronize()
+                if not host_was_late:
+                    break
+                hold_ns *= 2
+                if hold_ns > 10**9:
+                    raise RuntimeError(f"held_event_ms: the host took over 1 s to enqueue one launch of {name}")
+            times[name].append(cupy.cuda.get_elapsed_time(start, stop))
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def graph_ms(launch, repeats: int):
