@@ -55,7 +55,7 @@ from ultraep.runtime.group import EPGroup
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap, timeout_error
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBackend, TokenBuffers, TokenConfig,
-                                Traffic, table_columns)
+                                Traffic, check_handle, table_columns)
 
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -309,6 +309,7 @@ class Dispatcher:
         """What the dispatch of ``handle`` sent from this rank (reads E + R integers from the device):
         ``sends`` rows with the two-pass dispatch, ``pairs`` with ``expert_input`` (a row per pair)."""
         self._check_open()
+        check_handle(handle, self.id)
         totals = handle.state["totals"]
         totals = np.asarray(totals.get() if hasattr(totals, "get") else totals, dtype=np.int64)
         pairs_per_rank = totals[:self.num_experts].reshape(self.size, self.experts_per_rank).sum(axis=1)

@@ -787,7 +787,8 @@ case("Dispatcher", "set-up heap of another backend", lambda bad: new_dispatcher(
 def dispatch(bad, x=None, ids=None, gates=None, out=None, expert_output=False):
     cx, cids, cgates = tokens()
     args = (x, ids, gates) if bad else (None, None, None)
-    x, ids, gates = (c if a is None else a for a, c in zip(args, (cx, cids, cgates)))
+    x, ids, gates = (c if a is None else None if isinstance(a, str) and a == "NONE" else a
+                     for a, c in zip(args, (cx, cids, cgates)))
     result = dispatcher(expert_output).dispatch(x, ids, gates, **({"out": out} if bad and out is not None else {}))
     return result.x[:result.num_rows].copy(), result.offsets.copy()
 
@@ -812,6 +813,10 @@ for name, kwargs, text in (
         ("gate NaN", {"gates": np.where(IDS == 1, np.nan, GATES).astype(np.float32)}, "not finite"),
         ("gate inf", {"gates": np.where(IDS == 1, np.inf, GATES).astype(np.float32)}, "not finite"),
         ("gate -inf", {"gates": np.where(IDS == 1, -np.inf, GATES).astype(np.float32)}, "not finite"),
+        ("gate 1e300 float64", {"gates": np.where(IDS == 1, 1e300, GATES.astype(np.float64))}, "too large for float32"),
+        ("x None", {"x": "NONE"}, "x: expected an array, got None"),
+        ("ids None", {"ids": "NONE"}, "expert_ids: expected an array, got None"),
+        ("gates None", {"gates": "NONE"}, "weights: expected an array, got None"),
         ("out of the wrong shape", {"out": np.zeros((3, 16), np.float32)}, "out: expected shape"),
         ("out read-only", {"out": readonly(np.zeros((R * TOKENS * TOP_K, 16), np.float32))}, "read-only")):
     case("Dispatcher", f"dispatch {name}", lambda bad, k=kwargs: dispatch(bad, **k),
@@ -876,6 +881,7 @@ for what in ("combine", "dispatch_backward", "combine_backward"):
             ("rows float64", {"y": lambda r: r.astype(np.float64)}, "expected dtype float32"),
             ("rows short", {"y": lambda r: r[:-1].copy()}, "expected shape"),
             ("rows a string", {"y": "y"}, "is not a tensor"),
+            ("rows None", {"y": lambda r: None}, "expected an array, got None"),
             ("a handle of another Dispatcher", {"handle": other_handle}, "handle comes from another Dispatcher"),
             ("handle None", {"handle": lambda: None}, "handle"),
             ("out of the wrong shape", {"out": np.zeros((1, 16), np.float32)}, "out: expected shape")):
@@ -883,6 +889,18 @@ for what in ("combine", "dispatch_backward", "combine_backward"):
              Raises(CollectiveError, "token path input check", text))
 case("Dispatcher", "expert_output() not set up", lambda bad: dispatcher().expert_output(),
      Raises(DispatchError, "set up without expert_output=True", rank=False), scopes=LOCAL)
+
+
+def traffic_of(bad, handle):
+    """traffic (a local call) of ``handle()``, made on every rank (it may take collectives)."""
+    wrong, clean = handle(), dispatcher().dispatch(*tokens()).handle
+    return dispatcher().traffic(wrong if bad else clean)
+
+
+for name, handle, text in (("None", lambda: None, "handle: expected the DispatchHandle"),
+                           ("of another Dispatcher", other_handle, "handle comes from another Dispatcher")):
+    case("Dispatcher", f"traffic of a handle {name}", lambda bad, h=handle: traffic_of(bad, h),
+         Raises(DispatchError, text, rank=False), scopes=ALL)
 for what in ("combine", "dispatch_backward"):
     case("Dispatcher", f"{what} with expert_output and rows elsewhere",
          lambda bad, w=what: combine_call(bad, w, y=lambda r: r.copy(), expert_output=True),
