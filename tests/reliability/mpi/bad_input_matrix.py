@@ -48,6 +48,7 @@ from ultraep import (Balancer, BalancerError, ClosedError, CollectiveError, Disp
 from ultraep.compute import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad  # noqa: E402
 from ultraep.runtime.dtypes import BFLOAT16  # noqa: E402
 from ultraep.runtime.heap import HeapRequirements  # noqa: E402
+from ultraep.token.torch_autograd import TokenRoute  # noqa: E402
 
 TIMEOUT_S = 8.0     # every library wait in the matrix: a rank left alone gives up after this
 DEADLINE_S = 60.0   # a case with no outcome by then is a hang the library did not bound
@@ -901,6 +902,10 @@ for name, handle, text in (("None", lambda: None, "handle: expected the Dispatch
                            ("of another Dispatcher", other_handle, "handle comes from another Dispatcher")):
     case("Dispatcher", f"traffic of a handle {name}", lambda bad, h=handle: traffic_of(bad, h),
          Raises(DispatchError, text, rank=False), scopes=ALL)
+case("TokenRoute", "dispatcher a string", lambda bad: TokenRoute(pick(bad, "d", dispatcher())),
+     Raises(DispatchError, "dispatcher must be an ultraep Dispatcher", rank=False), scopes=LOCAL)
+case("TokenRoute", "combine before dispatch", lambda bad: TokenRoute(dispatcher()).combine(X, GATES),
+     Raises(DispatchError, "needs a dispatch first", rank=False), scopes=LOCAL)
 for what in ("combine", "dispatch_backward"):
     case("Dispatcher", f"{what} with expert_output and rows elsewhere",
          lambda bad, w=what: combine_call(bad, w, y=lambda r: r.copy(), expert_output=True),
