@@ -774,9 +774,27 @@ for name, kwargs, text in (("hidden=0", {"hidden": 0}, "hidden must be a positiv
                            ("timeout_s=0", {"timeout_s": 0}, "timeout_s must be a positive"),
                            ("timeout_s=inf", {"timeout_s": math.inf}, "timeout_s must be a positive"),
                            ("backend='gpu'", {"backend": "gpu"}, "backend must be one of"),
-                           ("backend='device'", {"backend": "device"}, "needs a GPU")):
+                           ("backend='device'", {"backend": "device"}, "needs a GPU"),
+                           ("experts_per_rank=2.0", {"experts_per_rank": 2.0}, "experts_per_rank must be a positive"),
+                           ("experts_per_rank='2'", {"experts_per_rank": "2"}, "experts_per_rank must be a positive"),
+                           ("experts_per_rank an array", {"experts_per_rank": np.arange(3)},
+                            "experts_per_rank must be a positive int"),
+                           ("sync_checks='no'", {"sync_checks": "no"}, "sync_checks must be True or False"),
+                           ("sync_checks an array", {"sync_checks": np.arange(3)}, "sync_checks must be True or False"),
+                           ("expert_output=None", {"expert_output": None}, "expert_output must be True or False"),
+                           ("expert_input an array", {"expert_input": np.arange(3)}, "expert_input must be True"),
+                           ("heap a string", {"heap": "heap"}, "heap must be an ultraep SymmetricHeap")):
     case("Dispatcher", f"set-up {name}", lambda bad, k=kwargs: new_dispatcher(**(k if bad else {})),
          Raises(CollectiveError, "Dispatcher", text))
+case("Dispatcher", "set-up group a communicator", lambda bad: Dispatcher(
+    WORLD if bad else None, hidden=16, dtype="float32", top_k=TOP_K, num_experts=2 * R, max_tokens=TOKENS),
+     Raises(TypeError, "Dispatcher needs an ultraep EPGroup", rank=False), scopes=ALL)
+for name, kwargs, text in (("hidden='16'", {"hidden": "16"}, "hidden must be a positive int"),
+                           ("dtype 'nope'", {"dtype": "nope"}, "dispatcher dtype 'nope'"),
+                           ("expert_output an array", {"expert_output": np.arange(3)}, "expert_output must be True")):
+    case("Dispatcher", f"heap_requirements {name}", lambda bad, k=kwargs: Dispatcher.heap_requirements(
+        R, **{"hidden": 16, "dtype": "float32", "top_k": TOP_K, "num_experts": 2 * R, "max_tokens": TOKENS, **k}),
+         Raises(DispatchError, text, rank=False), scopes=LOCAL)
 case("Dispatcher", "set-up timeout_s differs", lambda bad: new_dispatcher(timeout_s=pick(bad, 5.0, TIMEOUT_S)),
      Raises(GroupMismatchError, "ranks disagree on Dispatcher set-up"), scopes=("one",))
 case("Dispatcher", "set-up max_tokens differs", lambda bad: new_dispatcher(max_tokens=pick(bad, 2 * TOKENS, TOKENS)),
@@ -906,6 +924,7 @@ case("TokenRoute", "dispatcher a string", lambda bad: TokenRoute(pick(bad, "d", 
      Raises(DispatchError, "dispatcher must be an ultraep Dispatcher", rank=False), scopes=LOCAL)
 case("TokenRoute", "combine before dispatch", lambda bad: TokenRoute(dispatcher()).combine(X, GATES),
      Raises(DispatchError, "needs a dispatch first", rank=False), scopes=LOCAL)
+
 for what in ("combine", "dispatch_backward"):
     case("Dispatcher", f"{what} with expert_output and rows elsewhere",
          lambda bad, w=what: combine_call(bad, w, y=lambda r: r.copy(), expert_output=True),
