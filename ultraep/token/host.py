@@ -193,9 +193,9 @@ class HostDispatcher:
         self._barrier()
         total = s["num_rows"]
         arrived = b.landing.local[s["row_landing"]]
+        gate_grads = ref.lane_dot(arrived, y[:total])  # before grad_y is written: out may be y itself
         grad_y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
         grad_y[:total] = ref.weighted_rows(s["row_weight"], arrived).astype(d.dtype)
-        gate_grads = ref.lane_dot(arrived, y[:total])
         origin, slots_per_rank = s["row_origin"], d.slots_per_rank
         for r in range(d.size):
             mine = np.flatnonzero(origin // slots_per_rank == r)

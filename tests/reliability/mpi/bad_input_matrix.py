@@ -925,6 +925,18 @@ case("TokenRoute", "dispatcher a string", lambda bad: TokenRoute(pick(bad, "d", 
 case("TokenRoute", "combine before dispatch", lambda bad: TokenRoute(dispatcher()).combine(X, GATES),
      Raises(DispatchError, "needs a dispatch first", rank=False), scopes=LOCAL)
 
+
+def combine_backward_into_y(bad):
+    """combine_backward with out=y (the rows' own buffer reused for their gradient)."""
+    d = dispatcher()
+    received = d.dispatch(*tokens())
+    y = received.x * 2
+    grad_out = np.random.default_rng(30 + ME).standard_normal((TOKENS, 16)).astype(np.float32)
+    grad_y, grad_w = d.combine_backward(grad_out, y, received.handle, **({"out": y} if bad else {}))
+    return grad_y.copy(), grad_w.copy()
+
+
+case("Dispatcher", "combine_backward with out=y", combine_backward_into_y, Returns())
 for what in ("combine", "dispatch_backward"):
     case("Dispatcher", f"{what} with expert_output and rows elsewhere",
          lambda bad, w=what: combine_call(bad, w, y=lambda r: r.copy(), expert_output=True),
