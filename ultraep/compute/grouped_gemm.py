@@ -8,8 +8,8 @@ dtype decides; BF16 when ``out`` is None). K and N must be multiples of 8.
 Tensors come from PyTorch, JAX or CuPy through DLPack (zero-copy) and run on the GPU they
 live on (a Hopper GPU: the kernels are TMA + wgmma, sm_90a), on the caller's stream (a
 torch tensor's current stream, else CuPy's); NumPy arrays (and CPU tensors) run on the
-host implementation. The result is ``out`` itself when given, else a new CuPy (or NumPy)
-array.
+host implementation. The result is ``out`` itself when given (its own memory: sharing bytes
+with an input is refused), else a new CuPy (or NumPy) array.
 
 Errors: shapes, dtypes, layout and host-side offsets are checked before anything is
 launched or written (:class:`~ultraep.errors.GroupedGemmError`). Offsets on the device
