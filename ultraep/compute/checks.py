@@ -85,7 +85,19 @@ def check_problem(op: str, a, b, offsets, out) -> Problem:
         if not is_bf16(out_dtype) and out_dtype != np.float32:
             raise GroupedGemmError(f"{op}: out must be bfloat16 or float32, got {out_dtype}")
         out_dtype = np.dtype(np.float32) if out_dtype == np.float32 else BFLOAT16
+        for name, array in ((a_name, a), (b_name, b), ("offsets", offsets)):
+            if _overlap(out, array):  # the kernel's tiles would overwrite input other tiles still read
+                raise GroupedGemmError(f"{op}: out shares memory with {name}; pass a separate out buffer")
     return Problem(op, experts, rows, k, n, out_shape, out_dtype)
+
+
+def _overlap(a, b) -> bool:
+    """Whether two contiguous NumPy or CuPy arrays share any byte."""
+    def start(array):
+        return array.__array_interface__["data"][0] if isinstance(array, np.ndarray) else array.data.ptr
+    if a.nbytes == 0 or b.nbytes == 0 or isinstance(a, np.ndarray) != isinstance(b, np.ndarray):
+        return False
+    return start(a) < start(b) + b.nbytes and start(b) < start(a) + a.nbytes
 
 
 def _check_ndim(op: str, name: str, array, ndim: int) -> None:

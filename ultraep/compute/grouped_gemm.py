@@ -8,8 +8,8 @@ dtype decides; BF16 when ``out`` is None). K and N must be multiples of 8.
 Tensors come from PyTorch, JAX or CuPy through DLPack (zero-copy) and run on the GPU they
 live on (a Hopper GPU: the kernels are TMA + wgmma, sm_90a), on the caller's stream (a
 torch tensor's current stream, else CuPy's); NumPy arrays (and CPU tensors) run on the
-host implementation. The result is ``out`` itself when given, else a new CuPy (or NumPy)
-array.
+host implementation. The result is ``out`` itself when given (its own memory: sharing bytes
+with an input is refused), else a new CuPy (or NumPy) array.
 
 Errors: shapes, dtypes, layout and host-side offsets are checked before anything is
 launched or written (:class:`~ultraep.errors.GroupedGemmError`). Offsets on the device
@@ -60,13 +60,13 @@ def check_errors() -> None:
         device.check()
 
 
-def _gpu_of(x) -> int | None:
-    """The CUDA device ``x`` lives on, or None for host memory."""
+def _gpu_of(x, name: str) -> int | None:
+    """The CUDA device ``x`` (the operand ``name``) lives on, or None for host memory."""
     kind = framework_of(x)
     if kind == "numpy":
         return None
     if kind == "unknown":
-        raise GroupedGemmError(f"{type(x).__name__} is not a tensor (expected torch, JAX, CuPy or NumPy)")
+        raise GroupedGemmError(f"{name}: {type(x).__name__} is not a tensor (expected torch, JAX, CuPy or NumPy)")
     device_type, device_id = x.__dlpack_device__()
     return int(device_id) if int(device_type) == _DLPACK_CUDA else None
 
@@ -80,17 +80,29 @@ def _device(gpu: int):
 
 
 def _import(array, name: str, gpu: int | None, writable: bool = False):
-    if isinstance(array, (list, tuple)):
-        array = np.asarray(array, dtype=np.int64)
     try:
         return import_tensor(array, name=name, device=gpu, writable=writable)
     except ValueError as exc:
         raise GroupedGemmError(str(exc)) from exc
 
 
+def _import_offsets(offsets, gpu: int | None):
+    """``offsets`` imported; a list or tuple becomes int64 if every entry is an int that fits
+    (a float, a bool or a string is refused: converting it would round or reinterpret it)."""
+    if isinstance(offsets, (list, tuple)):
+        for index, value in enumerate(offsets):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise GroupedGemmError(f"offsets: a {type(offsets).__name__} of offsets must hold ints, got "
+                                       f"{value!r} ({type(value).__name__}) at index {index}")
+            if not -2**63 <= value < 2**63:
+                raise GroupedGemmError(f"offsets: offsets[{index}] = {value} does not fit in int64")
+        offsets = np.array(offsets, dtype=np.int64)
+    return _import(offsets, "offsets", gpu)
+
+
 def _run(op: str, a, b, offsets, out):
-    gpu = _gpu_of(a)
     a_name, b_name = OPERANDS[op]
+    gpu = _gpu_of(a, a_name)
     if gpu is None:
         return _run_host(op, a_name, b_name, a, b, offsets, out)
     import cupy
@@ -98,7 +110,7 @@ def _run(op: str, a, b, offsets, out):
     with cupy.cuda.Device(gpu), caller_stream(a):
         a_arr, b_arr = _import(a, a_name, gpu), _import(b, b_name, gpu)
         on_host = isinstance(offsets, (list, tuple, np.ndarray))
-        offsets_arr = _import(offsets, "offsets", None if on_host else gpu)
+        offsets_arr = _import_offsets(offsets, None if on_host else gpu)
         out_arr = None if out is None else _import(out, "out", gpu, writable=True)
         problem = check_problem(op, a_arr, b_arr, offsets_arr, out_arr)
         if on_host:
@@ -112,7 +124,7 @@ def _run(op: str, a, b, offsets, out):
 
 def _run_host(op, a_name, b_name, a, b, offsets, out):
     a_arr, b_arr = _import(a, a_name, None), _import(b, b_name, None)
-    offsets_arr = _import(offsets, "offsets", None)
+    offsets_arr = _import_offsets(offsets, None)
     out_arr = None if out is None else _import(out, "out", None, writable=True)
     problem = check_problem(op, a_arr, b_arr, offsets_arr, out_arr)
     _raise_if_bad(op, offsets_arr, problem.rows)

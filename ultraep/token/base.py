@@ -167,14 +167,17 @@ class TokenBackend(Protocol):
 def bad_input_message(rank: int, code: int, token: int, slot: int, value, num_experts: int) -> str:
     if code == BAD_EXPERT_ID:
         return f"rank {rank}: expert id {value} at token {token}, slot {slot} is outside [0, {num_experts})"
-    return f"rank {rank}: gate weight at token {token}, slot {slot} is not finite (NaN or infinite)"
+    return (f"rank {rank}: gate weight at token {token}, slot {slot} is not finite in float32 "
+            "(NaN, infinite, or too large for float32)")
 
 
 def first_bad_item(expert_ids: np.ndarray, weights: np.ndarray, num_experts: int):
     """(code, token, slot, value) of the first bad (token, slot) in token-then-slot order, or None."""
     ids = np.asarray(expert_ids)
     bad_id = (ids < 0) | (ids >= num_experts)
-    bad = bad_id | ~np.isfinite(np.asarray(weights, dtype=np.float32))
+    with np.errstate(over="ignore"):  # a float64 gate past float32's range is refused here, not warned about
+        gates = np.asarray(weights, dtype=np.float32)
+    bad = bad_id | ~np.isfinite(gates)
     if not bad.any():
         return None
     t, k = np.unravel_index(int(np.argmax(bad.ravel())), bad.shape)
@@ -190,16 +193,22 @@ def raise_if_any(group: EPGroup, config: TokenConfig, error: Exception | None, w
         raise error
 
 
-def import_inputs(importer, arrays: dict, handle: Any = None, *, with_handle: bool = False) -> tuple[list, Any]:
+def import_inputs(importer, arrays: dict, handle: Any = None, *, dispatcher_id: int | None = None) -> tuple[list, Any]:
     """Each ``name: (array, writable)`` through ``importer(array, name, writable)``, and the
-    first failure (not a tensor, not contiguous, read-only) or, ``with_handle``, a ``handle``
-    that is not a DispatchHandle, as a DispatchError: kept, not raised, for the call's
-    collective input check to raise on every rank (a rank raising alone leaves its peers
-    waiting in that check)."""
+    first failure (an input that is None, not a tensor, not contiguous, read-only) or, given
+    ``dispatcher_id``, a ``handle`` that is not one of that dispatcher's (:func:`check_handle`),
+    as a DispatchError: kept, not raised, for the call's collective input check to raise on
+    every rank (a rank raising alone leaves its peers waiting in that check). A writable
+    array is an optional result buffer: None there means the call allocates one."""
     imported, error = [], None
-    if with_handle and not isinstance(handle, DispatchHandle):
-        error = DispatchError(f"handle: expected the DispatchHandle of a dispatch, got {type(handle).__name__}")
+    if dispatcher_id is not None:
+        try:
+            check_handle(handle, dispatcher_id)
+        except DispatchError as exc:
+            error = exc
     for name, (array, writable) in arrays.items():
+        if error is None and array is None and not writable:
+            error = DispatchError(f"{name}: expected an array, got None")
         if error is None:
             try:
                 array = importer(array, name, writable)
@@ -207,6 +216,14 @@ def import_inputs(importer, arrays: dict, handle: Any = None, *, with_handle: bo
                 error = DispatchError(str(exc))
         imported.append(array)
     return imported, error
+
+
+def check_handle(handle, dispatcher_id: int) -> None:
+    """DispatchError unless ``handle`` is the DispatchHandle of a dispatch of dispatcher ``dispatcher_id``."""
+    if not isinstance(handle, DispatchHandle):
+        raise DispatchError(f"handle: expected the DispatchHandle of a dispatch, got {type(handle).__name__}")
+    if handle.dispatcher_id != dispatcher_id:
+        raise DispatchError("the handle comes from another Dispatcher")
 
 
 def check_tokens(group: EPGroup, config: TokenConfig, x, expert_ids, weights, failed: Exception | None = None) -> None:
@@ -241,8 +258,8 @@ def is_buffer(rows, buffer) -> bool:
     return tuple(rows.shape) == tuple(buffer.shape) and address(rows) == address(buffer)
 
 
-def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, handle: DispatchHandle | None,
-               expert_out=None, failed: Exception | None = None, expert_in=None) -> None:
+def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, expert_out=None, failed: Exception | None = None,
+               expert_in=None) -> None:
     """Checks of row arrays ``{name: (array or None, rows)}``: shape ``[rows, H]``, the set-up dtype.
     ``expert_out``: ``(name, buffer)``, set up with ``expert_output``: that array must be the buffer.
     ``expert_in``: ``(name, buffer)``, set up with ``expert_input``: that array, if given, must be the buffer.
@@ -251,8 +268,6 @@ def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, handle: Dispat
     try:
         if failed is not None:
             raise failed
-        if handle is not None and handle.dispatcher_id != config.dispatcher_id:
-            raise DispatchError("the handle comes from another Dispatcher")
         for name, (rows, first) in arrays.items():
             if rows is None:
                 continue

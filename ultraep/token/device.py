@@ -165,7 +165,7 @@ class DeviceDispatcher:
                                "out": (out, True)})
             check_tokens(self.group, self.config, x, ids, gates, failed)
             d = self.config
-            check_rows(self.group, d, {"out": (out, d.max_recv_rows)}, None,
+            check_rows(self.group, d, {"out": (out, d.max_recv_rows)},
                        expert_in=("out", self.local["expert_in"]) if d.expert_input else None)
             x, state = self.token_map(x, ids, gates)
             if d.expert_input:
@@ -241,9 +241,9 @@ class DeviceDispatcher:
         name = "y" if weighted else "grad_recv"
         with caller_stream(y):
             (y, out), failed = import_inputs(self._import, {name: (y, False), "out": (out, True)}, handle,
-                                             with_handle=True)
+                                             dispatcher_id=d.dispatcher_id)
             check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, 0 if failed else handle.tokens)},
-                       handle, expert_out=(name, self.local["expert_out"]) if d.expert_output else None, failed=failed)
+                       expert_out=(name, self.local["expert_out"]) if d.expert_output else None, failed=failed)
             s = handle.state
             result = self._output(out, (handle.tokens, d.hidden))
             gates = s["gates"] if weighted else np.uint64(0)
@@ -279,9 +279,9 @@ class DeviceDispatcher:
         with caller_stream(grad_out):
             (grad_out, y, out), failed = import_inputs(
                 self._import, {"grad_out": (grad_out, False), "y": (y, False), "out": (out, True)}, handle,
-                with_handle=True)
+                dispatcher_id=d.dispatcher_id)
             check_rows(self.group, d, {"grad_out": (grad_out, 0 if failed else handle.tokens),
-                                       "y": (y, d.max_recv_rows), "out": (out, d.max_recv_rows)}, handle, failed=failed)
+                                       "y": (y, d.max_recv_rows), "out": (out, d.max_recv_rows)}, failed=failed)
             s = handle.state
             grad_y = self._output(out, (d.max_recv_rows, d.hidden))
             self._barrier("grad-ready")     # every rank's landing rows are free again

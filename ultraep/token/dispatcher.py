@@ -55,7 +55,7 @@ from ultraep.runtime.group import EPGroup
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap, timeout_error
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBackend, TokenBuffers, TokenConfig,
-                                Traffic, table_columns)
+                                Traffic, check_handle, table_columns)
 
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -65,38 +65,56 @@ MAX_RANKS = kernel_constant(KERNELS, "MAX_RANKS")
 VECTOR_BYTES = kernel_constant(KERNELS, "VECTOR_BYTES")
 
 
+def _is_positive_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 1
+
+
 def _set_up(num_ranks: int, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank, max_recv_rows) -> dict:
-    """The set-up arguments checked and completed (defaults filled in); ValueError if bad."""
-    dtype = resolve_dtype(dtype, what="dispatcher dtype")
+    """The set-up arguments checked and completed (defaults filled in); DispatchError if bad."""
+    try:
+        dtype = resolve_dtype(dtype, what="dispatcher dtype")
+    except ValueError as exc:
+        raise DispatchError(str(exc)) from None
     if dtype.kind not in "fV":
-        raise ValueError(f"dispatcher dtype must be a float type, got {dtype}")
+        raise DispatchError(f"dispatcher dtype must be a float type, got {dtype}")
     for name, value in (("num_ranks", num_ranks), ("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts),
                         ("max_tokens", max_tokens)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not _is_positive_int(value):
+            raise DispatchError(f"{name} must be a positive int, got {value!r}")
+    for name, value in (("experts_per_rank", experts_per_rank), ("max_recv_rows", max_recv_rows)):
+        if not (value is None or _is_positive_int(value)):
+            raise DispatchError(f"{name} must be a positive int (or None for the default), got {value!r}")
     if num_ranks > MAX_RANKS:
-        raise ValueError(f"the token path serves at most {MAX_RANKS} ranks, the group has {num_ranks}")
+        raise DispatchError(f"the token path serves at most {MAX_RANKS} ranks, the group has {num_ranks}")
     if experts_per_rank is None:
         if num_experts % num_ranks:
-            raise ValueError(f"num_experts ({num_experts}) is not divisible by the group size ({num_ranks}); "
-                             "pass experts_per_rank")
+            raise DispatchError(f"num_experts ({num_experts}) is not divisible by the group size ({num_ranks}); "
+                                "pass experts_per_rank")
         experts_per_rank = num_experts // num_ranks
     if experts_per_rank * num_ranks != num_experts:
-        raise ValueError(f"experts_per_rank ({experts_per_rank}) x ranks ({num_ranks}) != num_experts ({num_experts})")
+        raise DispatchError(f"experts_per_rank ({experts_per_rank}) x ranks ({num_ranks}) != num_experts "
+                            f"({num_experts})")
     if top_k > MAX_TOP_K:
-        raise ValueError(f"top_k must be <= {MAX_TOP_K} (a warp's lanes hold a token's slots), got {top_k}")
+        raise DispatchError(f"top_k must be <= {MAX_TOP_K} (a warp's lanes hold a token's slots), got {top_k}")
     if hidden * dtype.itemsize % VECTOR_BYTES:
-        raise ValueError(f"a row of hidden={hidden} {dtype} is {hidden * dtype.itemsize} bytes; "
-                         f"rows must be a multiple of {VECTOR_BYTES} bytes ({VECTOR_BYTES}-byte vector copies)")
+        raise DispatchError(f"a row of hidden={hidden} {dtype} is {hidden * dtype.itemsize} bytes; "
+                            f"rows must be a multiple of {VECTOR_BYTES} bytes ({VECTOR_BYTES}-byte vector copies)")
     worst = num_ranks * max_tokens * top_k
     max_recv_rows = worst if max_recv_rows is None else max_recv_rows
-    if isinstance(max_recv_rows, bool) or not isinstance(max_recv_rows, (int, np.integer)) or max_recv_rows < 1:
-        raise ValueError(f"max_recv_rows must be a positive int, got {max_recv_rows!r}")
     if worst >= 2**31:
-        raise ValueError(f"ranks x max_tokens x top_k = {worst} must fit in int32")
+        raise DispatchError(f"ranks x max_tokens x top_k = {worst} must fit in int32")
     return dict(hidden=int(hidden), dtype=dtype, top_k=int(top_k), num_experts=int(num_experts),
                 experts_per_rank=int(experts_per_rank), max_tokens=int(max_tokens),
                 max_recv_rows=int(min(max_recv_rows, worst)))
+
+
+def _flags(**flags) -> dict:
+    """Each on/off set-up argument as a Python bool; DispatchError for anything but True or False
+    (NumPy's too): a truthy string or an array would otherwise be read as True, or not at all."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise DispatchError(f"{name} must be True or False, got {value!r}")
+    return {name: bool(value) for name, value in flags.items()}
 
 
 class Dispatcher:
@@ -141,35 +159,40 @@ class Dispatcher:
                  experts_per_rank: int | None = None, max_recv_rows: int | None = None, backend: str = "auto",
                  timeout_s: float = DEFAULT_TIMEOUT_S, sync_checks: bool = True, heap: SymmetricHeap | None = None,
                  expert_output: bool = False, expert_input: bool = False, grid: int | None = None):
-        error, settings = None, None
+        if not isinstance(group, EPGroup):  # no group to tell the other ranks through: every rank passed it
+            raise TypeError(f"Dispatcher needs an ultraep EPGroup, got {type(group).__name__} (wrap a communicator "
+                            "in EPGroup(comm))")
+        error, settings, flags = None, None, None
         try:
             settings = _set_up(group.size, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank,
                                max_recv_rows)
+            flags = _flags(sync_checks=sync_checks, expert_output=expert_output, expert_input=expert_input)
             if (bad_timeout := timeout_error(timeout_s)) is not None:
-                raise ValueError(bad_timeout)
-            if grid is not None and (isinstance(grid, bool) or not isinstance(grid, (int, np.integer)) or grid < 1):
-                raise ValueError(f"grid must be None or a positive int (blocks of the copy kernels), got {grid!r}")
-        except ValueError as exc:
+                raise DispatchError(bad_timeout)
+            if not (grid is None or _is_positive_int(grid)):
+                raise DispatchError(f"grid must be None or a positive int (blocks of the copy kernels), got {grid!r}")
+        except DispatchError as exc:
             error = exc
         group.raise_if_any(error, "Dispatcher set-up")
+        sync_checks, expert_output, expert_input = flags["sync_checks"], flags["expert_output"], flags["expert_input"]
         grid = None if grid is None else int(grid)
         group.agree(tuple(v.str if isinstance(v, np.dtype) else v for v in settings.values())
-                    + (float(timeout_s), bool(sync_checks), bool(expert_output), bool(expert_input), grid),
+                    + (float(timeout_s), sync_checks, expert_output, expert_input, grid),
                     f"Dispatcher set-up ({', '.join(settings)}, timeout_s, sync_checks, expert_output, expert_input, "
                     "grid)")
         self.group = group
         self.id = Dispatcher._next_id
         Dispatcher._next_id += 1
         self.config = TokenConfig(**settings, rank=group.rank, size=group.size, timeout_s=float(timeout_s),
-                                  sync_checks=bool(sync_checks), dispatcher_id=self.id,
-                                  expert_output=bool(expert_output), expert_input=bool(expert_input), grid=grid)
+                                  sync_checks=sync_checks, dispatcher_id=self.id, expert_output=expert_output,
+                                  expert_input=expert_input, grid=grid)
         c = self.config
         self.rank, self.size, self.hidden, self.dtype, self.top_k = c.rank, c.size, c.hidden, c.dtype, c.top_k
         self.num_experts, self.experts_per_rank, self.max_tokens = c.num_experts, c.experts_per_rank, c.max_tokens
         self.max_recv_rows, self.timeout_s, self.sync_checks = c.max_recv_rows, c.timeout_s, c.sync_checks
         self.backend = self._backend_of(group, backend, heap)
-        requirements = self.heap_requirements(group.size, **settings, expert_output=bool(expert_output),
-                                              expert_input=bool(expert_input))
+        requirements = self.heap_requirements(group.size, **settings, expert_output=expert_output,
+                                              expert_input=expert_input)
         self._owns_heap = heap is None
         if heap is None:
             heap = open_heap(group, requirements, backend=self.backend)
@@ -194,7 +217,9 @@ class Dispatcher:
         if heap is None:
             return choose_backend(group, requested, "Dispatcher backend")
         error = None
-        if heap.size != group.size or heap.rank != group.rank:
+        if not isinstance(heap, SymmetricHeap):
+            error = f"heap must be an ultraep SymmetricHeap (open_heap) or None, got {type(heap).__name__}"
+        elif heap.size != group.size or heap.rank != group.rank:
             error = f"the heap is rank {heap.rank} of {heap.size}, the group's rank {group.rank} of {group.size}"
         elif requested not in ("auto", heap.backend):
             error = f"backend={requested!r} contradicts the given heap, a {heap.backend!r} heap"
@@ -208,6 +233,7 @@ class Dispatcher:
         """What a dispatcher of these set-up arguments allocates in its heap, on either
         backend: its symmetric tensors and the signal block of the device's barriers."""
         c = _set_up(num_ranks, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank, max_recv_rows)
+        expert_output, expert_input = _flags(expert_output=expert_output, expert_input=expert_input).values()
         R, T, K, H, rows, data = num_ranks, c["max_tokens"], c["top_k"], c["hidden"], c["max_recv_rows"], c["dtype"]
         tensors = [
             # Row s: source s's pair count per expert, its token count per destination
@@ -309,6 +335,7 @@ class Dispatcher:
         """What the dispatch of ``handle`` sent from this rank (reads E + R integers from the device):
         ``sends`` rows with the two-pass dispatch, ``pairs`` with ``expert_input`` (a row per pair)."""
         self._check_open()
+        check_handle(handle, self.id)
         totals = handle.state["totals"]
         totals = np.asarray(totals.get() if hasattr(totals, "get") else totals, dtype=np.int64)
         pairs_per_rank = totals[:self.num_experts].reshape(self.size, self.experts_per_rank).sum(axis=1)

@@ -59,7 +59,7 @@ class HostDispatcher:
             self._import, {"x": (x, False), "expert_ids": (expert_ids, False), "weights": (weights, False),
                            "out": (out, True)})
         check_tokens(self.group, d, x, expert_ids, weights, failed)
-        check_rows(self.group, d, {"out": (out, d.max_recv_rows)}, None,
+        check_rows(self.group, d, {"out": (out, d.max_recv_rows)},
                    expert_in=("out", b.expert_in.local) if d.expert_input else None)
         m = self.token_map(x, expert_ids, weights)
         top_k, dest, rows, sends = d.top_k, m["pair_rank"], m["pair_row"], m["sends"]
@@ -163,8 +163,8 @@ class HostDispatcher:
         d = self.config
         name = "y" if weighted else "grad_recv"
         (y, out), failed = import_inputs(self._import, {name: (y, False), "out": (out, True)}, handle,
-                                         with_handle=True)
-        check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, 0 if failed else handle.tokens)}, handle,
+                                         dispatcher_id=d.dispatcher_id)
+        check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, 0 if failed else handle.tokens)},
                    expert_out=(name, self.buffers.expert_out.local) if d.expert_output else None, failed=failed)
         T, K = handle.tokens, d.top_k
         if d.expert_output:
@@ -182,9 +182,9 @@ class HostDispatcher:
         d, b, me = self.config, self.buffers, self.config.rank
         (grad_out, y, out), failed = import_inputs(
             self._import, {"grad_out": (grad_out, False), "y": (y, False), "out": (out, True)}, handle,
-            with_handle=True)
+            dispatcher_id=d.dispatcher_id)
         check_rows(self.group, d, {"grad_out": (grad_out, 0 if failed else handle.tokens), "y": (y, d.max_recv_rows),
-                                   "out": (out, d.max_recv_rows)}, handle, failed=failed)
+                                   "out": (out, d.max_recv_rows)}, failed=failed)
         s = handle.state
         T_max, K = d.max_tokens, d.top_k
         self._barrier()  # landing rows are free on every rank
@@ -193,9 +193,9 @@ class HostDispatcher:
         self._barrier()
         total = s["num_rows"]
         arrived = b.landing.local[s["row_landing"]]
+        gate_grads = ref.lane_dot(arrived, y[:total])  # before grad_y is written: out may be y itself
         grad_y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if out is None else out
         grad_y[:total] = ref.weighted_rows(s["row_weight"], arrived).astype(d.dtype)
-        gate_grads = ref.lane_dot(arrived, y[:total])
         origin, slots_per_rank = s["row_origin"], d.slots_per_rank
         for r in range(d.size):
             mine = np.flatnonzero(origin // slots_per_rank == r)

@@ -18,6 +18,9 @@ import functools
 
 import numpy as np
 
+from ultraep.errors import DispatchError
+from ultraep.token.dispatcher import Dispatcher
+
 
 def to_torch(array):
     """A CuPy/NumPy result as a torch tensor, zero-copy; bf16 crosses as its 16-bit pattern."""
@@ -32,7 +35,10 @@ def to_torch(array):
 class TokenRoute:
     """Dispatch then combine with autograd; see the module docstring."""
 
-    def __init__(self, dispatcher):
+    def __init__(self, dispatcher: Dispatcher):
+        if not isinstance(dispatcher, Dispatcher):
+            raise DispatchError("TokenRoute: dispatcher must be an ultraep Dispatcher, "
+                                f"got {type(dispatcher).__name__}")
         self.dispatcher = dispatcher
         self.handle = None
 
@@ -41,7 +47,7 @@ class TokenRoute:
 
     def combine(self, y, gates):
         if self.handle is None:
-            raise RuntimeError("TokenRoute.combine needs a dispatch first")
+            raise DispatchError("TokenRoute.combine needs a dispatch first: call route.dispatch(x, expert_ids, gates)")
         return _functions().Combine.apply(y, gates, self)
 
 

@@ -48,6 +48,7 @@ from ultraep import (Balancer, BalancerError, ClosedError, CollectiveError, Disp
 from ultraep.compute import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad  # noqa: E402
 from ultraep.runtime.dtypes import BFLOAT16  # noqa: E402
 from ultraep.runtime.heap import HeapRequirements  # noqa: E402
+from ultraep.token.torch_autograd import TokenRoute  # noqa: E402
 
 TIMEOUT_S = 8.0     # every library wait in the matrix: a rank left alone gives up after this
 DEADLINE_S = 60.0   # a case with no outcome by then is a hang the library did not bound
@@ -773,9 +774,27 @@ for name, kwargs, text in (("hidden=0", {"hidden": 0}, "hidden must be a positiv
                            ("timeout_s=0", {"timeout_s": 0}, "timeout_s must be a positive"),
                            ("timeout_s=inf", {"timeout_s": math.inf}, "timeout_s must be a positive"),
                            ("backend='gpu'", {"backend": "gpu"}, "backend must be one of"),
-                           ("backend='device'", {"backend": "device"}, "needs a GPU")):
+                           ("backend='device'", {"backend": "device"}, "needs a GPU"),
+                           ("experts_per_rank=2.0", {"experts_per_rank": 2.0}, "experts_per_rank must be a positive"),
+                           ("experts_per_rank='2'", {"experts_per_rank": "2"}, "experts_per_rank must be a positive"),
+                           ("experts_per_rank an array", {"experts_per_rank": np.arange(3)},
+                            "experts_per_rank must be a positive int"),
+                           ("sync_checks='no'", {"sync_checks": "no"}, "sync_checks must be True or False"),
+                           ("sync_checks an array", {"sync_checks": np.arange(3)}, "sync_checks must be True or False"),
+                           ("expert_output=None", {"expert_output": None}, "expert_output must be True or False"),
+                           ("expert_input an array", {"expert_input": np.arange(3)}, "expert_input must be True"),
+                           ("heap a string", {"heap": "heap"}, "heap must be an ultraep SymmetricHeap")):
     case("Dispatcher", f"set-up {name}", lambda bad, k=kwargs: new_dispatcher(**(k if bad else {})),
          Raises(CollectiveError, "Dispatcher", text))
+case("Dispatcher", "set-up group a communicator", lambda bad: Dispatcher(
+    WORLD if bad else None, hidden=16, dtype="float32", top_k=TOP_K, num_experts=2 * R, max_tokens=TOKENS),
+     Raises(TypeError, "Dispatcher needs an ultraep EPGroup", rank=False), scopes=ALL)
+for name, kwargs, text in (("hidden='16'", {"hidden": "16"}, "hidden must be a positive int"),
+                           ("dtype 'nope'", {"dtype": "nope"}, "dispatcher dtype 'nope'"),
+                           ("expert_output an array", {"expert_output": np.arange(3)}, "expert_output must be True")):
+    case("Dispatcher", f"heap_requirements {name}", lambda bad, k=kwargs: Dispatcher.heap_requirements(
+        R, **{"hidden": 16, "dtype": "float32", "top_k": TOP_K, "num_experts": 2 * R, "max_tokens": TOKENS, **k}),
+         Raises(DispatchError, text, rank=False), scopes=LOCAL)
 case("Dispatcher", "set-up timeout_s differs", lambda bad: new_dispatcher(timeout_s=pick(bad, 5.0, TIMEOUT_S)),
      Raises(GroupMismatchError, "ranks disagree on Dispatcher set-up"), scopes=("one",))
 case("Dispatcher", "set-up max_tokens differs", lambda bad: new_dispatcher(max_tokens=pick(bad, 2 * TOKENS, TOKENS)),
@@ -787,7 +806,8 @@ case("Dispatcher", "set-up heap of another backend", lambda bad: new_dispatcher(
 def dispatch(bad, x=None, ids=None, gates=None, out=None, expert_output=False):
     cx, cids, cgates = tokens()
     args = (x, ids, gates) if bad else (None, None, None)
-    x, ids, gates = (c if a is None else a for a, c in zip(args, (cx, cids, cgates)))
+    x, ids, gates = (c if a is None else None if isinstance(a, str) and a == "NONE" else a
+                     for a, c in zip(args, (cx, cids, cgates)))
     result = dispatcher(expert_output).dispatch(x, ids, gates, **({"out": out} if bad and out is not None else {}))
     return result.x[:result.num_rows].copy(), result.offsets.copy()
 
@@ -812,6 +832,10 @@ for name, kwargs, text in (
         ("gate NaN", {"gates": np.where(IDS == 1, np.nan, GATES).astype(np.float32)}, "not finite"),
         ("gate inf", {"gates": np.where(IDS == 1, np.inf, GATES).astype(np.float32)}, "not finite"),
         ("gate -inf", {"gates": np.where(IDS == 1, -np.inf, GATES).astype(np.float32)}, "not finite"),
+        ("gate 1e300 float64", {"gates": np.where(IDS == 1, 1e300, GATES.astype(np.float64))}, "too large for float32"),
+        ("x None", {"x": "NONE"}, "x: expected an array, got None"),
+        ("ids None", {"ids": "NONE"}, "expert_ids: expected an array, got None"),
+        ("gates None", {"gates": "NONE"}, "weights: expected an array, got None"),
         ("out of the wrong shape", {"out": np.zeros((3, 16), np.float32)}, "out: expected shape"),
         ("out read-only", {"out": readonly(np.zeros((R * TOKENS * TOP_K, 16), np.float32))}, "read-only")):
     case("Dispatcher", f"dispatch {name}", lambda bad, k=kwargs: dispatch(bad, **k),
@@ -876,6 +900,7 @@ for what in ("combine", "dispatch_backward", "combine_backward"):
             ("rows float64", {"y": lambda r: r.astype(np.float64)}, "expected dtype float32"),
             ("rows short", {"y": lambda r: r[:-1].copy()}, "expected shape"),
             ("rows a string", {"y": "y"}, "is not a tensor"),
+            ("rows None", {"y": lambda r: None}, "expected an array, got None"),
             ("a handle of another Dispatcher", {"handle": other_handle}, "handle comes from another Dispatcher"),
             ("handle None", {"handle": lambda: None}, "handle"),
             ("out of the wrong shape", {"out": np.zeros((1, 16), np.float32)}, "out: expected shape")):
@@ -883,6 +908,35 @@ for what in ("combine", "dispatch_backward", "combine_backward"):
              Raises(CollectiveError, "token path input check", text))
 case("Dispatcher", "expert_output() not set up", lambda bad: dispatcher().expert_output(),
      Raises(DispatchError, "set up without expert_output=True", rank=False), scopes=LOCAL)
+
+
+def traffic_of(bad, handle):
+    """traffic (a local call) of ``handle()``, made on every rank (it may take collectives)."""
+    wrong, clean = handle(), dispatcher().dispatch(*tokens()).handle
+    return dispatcher().traffic(wrong if bad else clean)
+
+
+for name, handle, text in (("None", lambda: None, "handle: expected the DispatchHandle"),
+                           ("of another Dispatcher", other_handle, "handle comes from another Dispatcher")):
+    case("Dispatcher", f"traffic of a handle {name}", lambda bad, h=handle: traffic_of(bad, h),
+         Raises(DispatchError, text, rank=False), scopes=ALL)
+case("TokenRoute", "dispatcher a string", lambda bad: TokenRoute(pick(bad, "d", dispatcher())),
+     Raises(DispatchError, "dispatcher must be an ultraep Dispatcher", rank=False), scopes=LOCAL)
+case("TokenRoute", "combine before dispatch", lambda bad: TokenRoute(dispatcher()).combine(X, GATES),
+     Raises(DispatchError, "needs a dispatch first", rank=False), scopes=LOCAL)
+
+
+def combine_backward_into_y(bad):
+    """combine_backward with out=y (the rows' own buffer reused for their gradient)."""
+    d = dispatcher()
+    received = d.dispatch(*tokens())
+    y = received.x * 2
+    grad_out = np.random.default_rng(30 + ME).standard_normal((TOKENS, 16)).astype(np.float32)
+    grad_y, grad_w = d.combine_backward(grad_out, y, received.handle, **({"out": y} if bad else {}))
+    return grad_y.copy(), grad_w.copy()
+
+
+case("Dispatcher", "combine_backward with out=y", combine_backward_into_y, Returns())
 for what in ("combine", "dispatch_backward"):
     case("Dispatcher", f"{what} with expert_output and rows elsewhere",
          lambda bad, w=what: combine_call(bad, w, y=lambda r: r.copy(), expert_output=True),
@@ -933,6 +987,25 @@ for name, call, text in (
         ("offsets past the rows", lambda: grouped_mm(GX, GW, np.array([0, 10, 10, 25])), "past the 24 rows"),
         ("offsets negative", lambda: grouped_mm(GX, GW, np.array([0, -1, 10, 24])), "must not decrease"),
         ("offsets uint64 huge", lambda: grouped_mm(GX, GW, np.array([0, 10, 10, 2**63], np.uint64)), "int32 or int64"),
+        ("offsets a list with a float", lambda: grouped_mm(GX, GW, [0, 10.5, 10, 24]), "got 10.5 (float) at index 1"),
+        ("offsets a list of strings", lambda: grouped_mm(GX, GW, ["0", "10", "10", "24"]), "got '0' (str)"),
+        ("offsets a list of bools", lambda: grouped_mm(GX, GW, [False, True, True, True]), "got False (bool)"),
+        ("offsets a list with None", lambda: grouped_mm(GX, GW, [0, None, 10, 24]), "got None"),
+        ("offsets a ragged list", lambda: grouped_mm(GX, GW, [0, [10], 10, 24]), "got [10] (list)"),
+        ("offsets a list past int64", lambda: grouped_mm(GX, GW, [0, 10, 10, 2**64]), "does not fit in int64"),
+        ("wgrad offsets a tuple of strings", lambda: grouped_mm_wgrad(GX, GDY, ("0",)), "got '0' (str)"),
+        ("x None", lambda: grouped_mm(None, GW, OFFSETS), "x: NoneType is not a tensor"),
+        ("w a list", lambda: grouped_mm(GX, GW.tolist(), OFFSETS), "w: list is not a tensor"),
+        ("out a list", lambda: grouped_mm(GX, GW, OFFSETS, out=np.zeros((24, 16), np.float32).tolist()),
+         "out: list is not a tensor"),
+        ("out in x's memory", lambda: (lambda x: grouped_mm(x, GW, OFFSETS, out=x.reshape(48, 16)[:24]))(GX.copy()),
+         "forward: out shares memory with x"),
+        ("dgrad out in dy's memory",
+         lambda: (lambda buf: grouped_mm_dgrad(buf.reshape(48, 16)[:24], GW, OFFSETS, out=buf))(bf16((24, 32))),
+         "dgrad: out shares memory with dy"),
+        ("wgrad out in x's memory",
+         lambda: (lambda buf: grouped_mm_wgrad(buf.reshape(48, 32)[:24], GDY, OFFSETS, out=buf))(bf16((3, 32, 16))),
+         "wgrad: out shares memory with x"),
         ("x a string", lambda: grouped_mm("x", GW, OFFSETS), "not a tensor"),
         ("x non-contiguous", lambda: grouped_mm(noncontiguous(GX), GW, OFFSETS), "not C-contiguous"),
         ("out of the wrong shape", lambda: grouped_mm(GX, GW, OFFSETS, out=np.zeros((24, 8), np.float32)),
