@@ -112,6 +112,7 @@ device pays only the device work below, not the calls' host time.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -124,8 +125,10 @@ from ultraep.integration.host import HostBalancer
 from ultraep.integration.stats import BalancerStats, plan_record
 from ultraep.integration.traces import TraceRecorder
 from ultraep.planner import ExpertLayout, Plan
+from ultraep.planner.plan import INT32_LIMIT
 from ultraep.runtime import open_heap
 from ultraep.runtime.dlpack import import_tensor
+from ultraep.runtime.group import EPGroup, timeout_error
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
 from ultraep.tune.replicas import agreed_min_replica_tokens
@@ -133,8 +136,6 @@ from ultraep.tune.replicas import agreed_min_replica_tokens
 if TYPE_CHECKING:
     import os
     from pathlib import Path
-
-    from ultraep.runtime.group import EPGroup
 
 DEFAULT_HISTORY = 4096
 GATHER_BUFFERS = 2  # see "Order" in the module docstring
@@ -258,6 +259,8 @@ class Balancer:
                  heap: SymmetricHeap | None = None, sync_checks: bool = True, record_trace: bool = False,
                  timeout_s: float = 30.0, history: int = DEFAULT_HISTORY, transfer_options: dict | None = None,
                  cuda_graphs: bool = True):
+        if not isinstance(group, EPGroup):  # no collective can report it: this rank's own error
+            raise BalancerError(f"group must be an ultraep.EPGroup, got {type(group).__name__}")
         error, requirements = None, None
         try:
             if not isinstance(layout, ExpertLayout):
@@ -266,13 +269,24 @@ class Balancer:
                 raise BalancerError(f"layout has {layout.num_ranks} ranks, the group {group.size}")
             if not isinstance(spec, ExpertSpec):
                 raise BalancerError(f"spec must be an ExpertSpec, got {type(spec).__name__}")
-            for name, value, low in (("num_layers", num_layers, 1), ("max_in_flight", max_in_flight, 1),
-                                     ("min_replica_tokens", min_replica_tokens, 0), ("history", history, 0)):
+            # upper bounds (powers of two): the planners take min_replica_tokens as int32, history is a deque's maxlen
+            for name, value, low, high in (("num_layers", num_layers, 1, None),
+                                           ("max_in_flight", max_in_flight, 1, None),
+                                           ("min_replica_tokens", min_replica_tokens, 0, INT32_LIMIT),
+                                           ("history", history, 0, sys.maxsize + 1)):
                 if name == "min_replica_tokens" and isinstance(value, str) and value == "auto":
                     continue  # resolved once the heap's backend is known
-                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low \
+                        or (high is not None and value >= high):
+                    below = "" if high is None else f" and below 2**{high.bit_length() - 1}"
                     hint = " or 'auto'" if name == "min_replica_tokens" else ""
-                    raise BalancerError(f"{name} must be an int >= {low}{hint}, got {value!r}")
+                    raise BalancerError(f"{name} must be an int >= {low}{below}{hint}, got {value!r}")
+            if (bad_timeout := timeout_error(timeout_s)) is not None:
+                raise BalancerError(bad_timeout)
+            for name, value in (("sync_checks", sync_checks), ("record_trace", record_trace),
+                                ("cuda_graphs", cuda_graphs)):
+                if not isinstance(value, bool):
+                    raise BalancerError(f"{name} must be a bool, got {value!r}")
             if heap is not None:
                 if not isinstance(heap, SymmetricHeap):
                     raise BalancerError(f"heap must be a SymmetricHeap (ultraep.runtime.open_heap), "
@@ -282,8 +296,6 @@ class Balancer:
                                         f"rank {group.rank} of {group.size}")
                 if backend not in ("auto", heap.backend):
                     raise BalancerError(f"backend={backend!r} contradicts the heap's backend {heap.backend!r}")
-            if not isinstance(cuda_graphs, bool):
-                raise BalancerError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
             if transfer_options is not None and (not isinstance(transfer_options, dict)
                                                  or not set(transfer_options) <= set(TRANSFER_OPTIONS)):
                 raise BalancerError(f"transfer_options must be a dict of {', '.join(TRANSFER_OPTIONS)}, "

@@ -1230,6 +1230,21 @@ def print_summary(tally, total, seconds) -> None:
     print(f"{'all':{width}s}" + "".join(f"{sums[c]:8d}" for c in CLASSES) + f"{total:8d}", flush=True)
 
 
+# == the integration layer's public API, audited for non-library errors (one block, to ease merging) ==
+# Balancer set-up: every argument checked with the others, so a bad one raises on every rank, not
+# a NumPy/Python error on the bad rank while its peers wait in the next collective.
+for name, kwargs, text in (("timeout_s=None", {"timeout_s": None}, "timeout_s must be a positive"),
+                           ("timeout_s='abc'", {"timeout_s": "abc"}, "timeout_s must be a positive"),
+                           ("sync_checks an array", {"sync_checks": np.arange(3)}, "sync_checks must be a bool"),
+                           ("record_trace an array", {"record_trace": np.arange(3)}, "record_trace must be a bool"),
+                           ("min_replica_tokens=2**31", {"min_replica_tokens": 2**31}, "below 2**31"),
+                           ("history=2**63", {"history": 2**63}, "history must be an int >= 0 and below")):
+    case("Balancer", f"set-up {name}", lambda bad, k=kwargs: new_balancer(**(k if bad else {})),
+         Raises(CollectiveError, "Balancer set-up", text))
+case("Balancer", "set-up group None", lambda bad: Balancer(None, LAYOUT, SPEC, num_layers=1),
+     Raises(BalancerError, "group must be an ultraep.EPGroup", rank=False), scopes=LOCAL)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("ULTRAEP_CACHE_DIR", tempfile.mkdtemp(prefix="ultraep-matrix-"))
     sys.exit(1 if run(sys.argv[1:]) else 0)
