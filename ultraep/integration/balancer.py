@@ -112,6 +112,7 @@ device pays only the device work below, not the calls' host time.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import deque
 from dataclasses import dataclass
@@ -134,7 +135,6 @@ from ultraep.transfer import ExpertSpec, WeightTransfer
 from ultraep.tune.replicas import agreed_min_replica_tokens
 
 if TYPE_CHECKING:
-    import os
     from pathlib import Path
 
 DEFAULT_HISTORY = 4096
@@ -371,11 +371,21 @@ class Balancer:
         if self._closed:
             raise ClosedError(f"rank {self.rank}: the Balancer is closed")
 
+    def _issued(self, handle) -> bool:
+        """Whether ``handle`` is one this Balancer's :meth:`update` could have returned (a
+        handle built or altered by hand must not index another layer's ring slot)."""
+        if not isinstance(handle, BalanceHandle) or handle.balancer_id != self.id:
+            return False
+        fields = (handle.layer, handle.step, handle.slot)
+        return (all(isinstance(v, int) and not isinstance(v, bool) for v in fields)
+                and 0 <= handle.layer < self.num_layers and 0 <= handle.step
+                and handle.slot == handle.step % self.max_in_flight)
+
     def _entry(self, handle) -> _RingSlot:
         """The ring slot of a live ``handle`` (raises BalancerError/StaleHandleError, or
         ClosedError after close)."""
         self._check_open()
-        if not isinstance(handle, BalanceHandle) or handle.balancer_id != self.id:
+        if not self._issued(handle):
             raise BalancerError(f"expected a BalanceHandle from this Balancer, got {handle!r}")
         entry = self._rings[handle.layer][handle.slot]
         if entry.step != handle.step:
@@ -441,21 +451,21 @@ class Balancer:
                 raise error
             return self._update(layer, entry, source, from_ids)
 
-    def _import_ids(self, topk_ids):
+    def _import(self, tensor, name: str, writable: bool = False):
         try:
-            ids = import_tensor(topk_ids, name="topk_ids", device=self.device)
+            return import_tensor(tensor, name=name, device=self.device, writable=writable)
         except ValueError as exc:
             raise BalancerError(str(exc)) from None
+
+    def _import_ids(self, topk_ids):
+        ids = self._import(topk_ids, "topk_ids")
         if np.dtype(ids.dtype).kind not in "iu":
             raise BalancerError(f"topk_ids: expected an integer dtype, got {ids.dtype}")
         self._impl.check_ids(ids)
         return ids
 
     def _import_loads(self, local_loads):
-        try:
-            loads = import_tensor(local_loads, name="local_loads", device=self.device)
-        except ValueError as exc:
-            raise BalancerError(str(exc)) from None
+        loads = self._import(local_loads, "local_loads")
         E = self.layout.num_experts
         if tuple(loads.shape) != (E,) or np.dtype(loads.dtype).kind not in "iu":
             raise BalancerError(f"local_loads: expected integer shape ({E},), got {loads.dtype} {tuple(loads.shape)}")
@@ -465,7 +475,10 @@ class Balancer:
     def _update(self, layer: int, entry: _RingSlot, source, from_ids: bool) -> BalanceHandle:
         step = self._steps[layer]
         # with sync_checks the row was counted (and checked) before the collective: publish it
-        entry.plan = self._impl.update(entry.state, None if self.sync_checks else source, from_ids=from_ids)
+        try:
+            entry.plan = self._impl.update(entry.state, None if self.sync_checks else source, from_ids=from_ids)
+        except ValueError as exc:  # the gathered rows' total (the same matrix on every rank) overflows the quotas
+            raise BalancerError(f"rank {self.rank}: update of layer {layer}: {exc}") from None
         entry.step, entry.syncs, entry.reductions, entry.harvested = step, 0, 0, False
         entry.counted_ids = from_ids
         self._steps[layer] += 1
@@ -595,6 +608,8 @@ class Balancer:
                                             f"{handle.step} was updated from local_loads: pass topk_ids")
                 else:
                     ids = self._import_ids(topk_ids)
+                    if out is not None:
+                        out = self._import(out, "out", writable=True)
                 self._impl.follow(self._impl.planned(entry.state))
                 entry.clock.start("reroute")
                 try:
@@ -666,6 +681,8 @@ class Balancer:
         default) ``stream`` (else the current one) first waits for every slot
         (:meth:`wait_replica`); pass ``wait=False`` to wait per slot instead."""
         self._check_live_owner(handle, "replica_weights")
+        if not isinstance(wait, bool):
+            raise BalancerError(f"replica_weights: wait must be a bool, got {wait!r}")
         if wait:
             self.wait_replica(handle, stream=stream)
         return [self.transfer.replica_weights(s) for s in range(self.layout.redundant_slots)]
@@ -748,10 +765,15 @@ class Balancer:
         self._check_open()
         if self.recorder is None:
             raise BalancerError("the Balancer was created without record_trace=True")
+        if not isinstance(path, (str, os.PathLike)):
+            raise BalancerError(f"save_trace: path must be a str or os.PathLike, got {type(path).__name__}")
         self._impl.synchronize()
         for layer, entry in self._live_entries():  # live slots reach the recorder only when reused
             self.recorder.record(entry.step, layer, self._host_arrays(entry)["loads"])
-        return self.recorder.save(path)
+        try:
+            return self.recorder.save(path)
+        except ValueError as exc:  # a trace is a full (micro-batch, layer) grid
+            raise BalancerError(f"save_trace: {exc} (updates per layer so far: {self._steps})") from None
 
     def check(self) -> None:
         """Wait for queued work; raise deferred device errors (bad ids, timed-out waits)."""

@@ -24,6 +24,7 @@ nothing but ``ok`` and ``xfail`` was seen.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import math
 import os
@@ -1243,6 +1244,54 @@ for name, kwargs, text in (("timeout_s=None", {"timeout_s": None}, "timeout_s mu
          Raises(CollectiveError, "Balancer set-up", text))
 case("Balancer", "set-up group None", lambda bad: Balancer(None, LAYOUT, SPEC, num_layers=1),
      Raises(BalancerError, "group must be an ultraep.EPGroup", rank=False), scopes=LOCAL)
+
+
+# Balancer calls: a handle altered by hand names no ring slot of another layer (it indexed one, or
+# raised IndexError); flags and paths of the wrong type, an out that is no tensor, loads whose sum
+# overflows the planner's int32 quotas: BalancerError, not a NumPy/Python error.
+def altered(**fields):
+    return lambda: dataclasses.replace(balancer().update(0, local_loads=HOT_LOADS), **fields)
+
+
+for name, make in (("layer 5", altered(layer=5)), ("layer -1", altered(layer=-1)), ("slot 7", altered(slot=7)),
+                   ("layer '0'", altered(layer="0"))):
+    case("Balancer", f"weight_sync with a handle of {name}", lambda bad, mk=make: balancer().weight_sync(
+        mk() if bad else balancer().update(0, local_loads=HOT_LOADS)),
+         Raises(BalancerError, "expected a BalanceHandle from this Balancer"))
+    case("Balancer", f"plan with a handle of {name}", lambda bad, mk=make: balancer().plan(mk()),
+         Raises(BalancerError, "expected a BalanceHandle from this Balancer", rank=False), scopes=LOCAL)
+case("Balancer", "replica_weights wait an array",
+     lambda bad: balancer().replica_weights(fresh_handle(), wait=np.arange(2)),
+     Raises(BalancerError, "wait must be a bool", rank=False), scopes=LOCAL)
+for name, out, text in (("a list", [[0, 0]] * len(HOT_LOADS_IDS), "out: list is not a tensor"),
+                        ("non-contiguous", noncontiguous(np.zeros(HOT_LOADS_IDS.shape, np.int32)), "not C-contiguous")):
+    case("Balancer", f"reroute out {name}", lambda bad, o=out: balancer().reroute(
+        fresh_handle(), HOT_LOADS_IDS, out=o if bad else np.zeros(HOT_LOADS_IDS.shape, np.int32)),
+         Raises(BalancerError, text))
+case("Balancer", "update loads totalling 2**32", lambda bad: update(bad, {"local_loads": np.full(2 * R, 2**31 - 1)}),
+     Raises(BalancerError, "must total below 2**31"))
+case("Balancer", "update loads of the ranks totalling 2**31",
+     lambda bad: update(bad, {"local_loads": np.array([2**31 // R] + [0] * (2 * R - 1))}),
+     Raises(BalancerError, "total load (2147483648) must be below 2**31"), scopes=ALL)
+case("Balancer", "update ids uint64 2**63 named as such",
+     lambda bad: update(bad, {"topk_ids": np.where(HOT_IDS == 1, np.uint64(2**63), HOT_IDS.astype(np.uint64))}),
+     Raises(BalancerError, "the first is 9223372036854775808"))
+
+
+def traced(layers, name="traced"):
+    """A recording Balancer (``name``'s, reused) after an update of each of ``layers``."""
+    b = env.get(name, lambda: Balancer(env.group, LAYOUT, SPEC, num_layers=2, min_replica_tokens=1,
+                                            backend="host", timeout_s=TIMEOUT_S, record_trace=True))
+    for layer in layers:
+        b.update(layer, local_loads=HOT_LOADS)
+    return b
+
+
+case("Balancer", "save_trace path None", lambda bad: traced([0, 1]).save_trace(None),
+     Raises(BalancerError, "path must be a str or os.PathLike", rank=False), scopes=LOCAL)
+case("Balancer", "save_trace of layers updated unevenly", lambda bad: traced([0, 1, 0], "uneven").save_trace(
+    tempfile.mkdtemp() + "/t.npz"), Raises(BalancerError, "save_trace", "updates per layer so far", rank=False),
+     scopes=LOCAL)
 
 
 if __name__ == "__main__":
