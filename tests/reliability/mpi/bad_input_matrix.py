@@ -1294,6 +1294,45 @@ case("Balancer", "save_trace of layers updated unevenly", lambda bad: traced([0,
      scopes=LOCAL)
 
 
+# MoELayer: flags of the wrong type, a second layer on a Balancer layer another open layer holds
+# (it silently replaced that layer's registered masters), a context passed to another layer's
+# backward (refused only deep inside, after marking the context used).
+for name, value in (("an array", np.arange(3)), ("'yes'", "yes")):
+    case("MoELayer", f"set-up fused {name}", lambda bad, v=value: new_layer(fused=pick(bad, v, False)),
+         Raises(MoELayerError, "MoELayer set-up", "fused must be a bool"))
+case("MoELayer", "set-up group None", lambda bad: MoELayer(None, hidden=H, ffn=F, num_experts=2 * R, top_k=TOP_K,
+                                                          max_tokens=TOKENS),
+     Raises(MoELayerError, "group must be an ultraep.EPGroup", rank=False), scopes=LOCAL)
+case("MoELayer", "set-up backend an array beside a balancer",
+     lambda bad: new_layer(balancer=spec_balancer(MoELayer.expert_spec(H, F)), backend=np.array(["host", "device"])),
+     Raises(MoELayerError, "contradicts the balancer's backend"), scopes=ALL)
+case("MoELayer", "set-up on the balancer layer of an open layer",
+     lambda bad: new_layer(balancer=moe_layer(True).balancer, layer=0),
+     Raises(MoELayerError, "belongs to another open MoELayer"), scopes=ALL)
+case("MoELayer", "forward backward an array", lambda bad: moe_layer().forward(
+    MX, MIDS, MGATES, backward=np.arange(2) if bad else True) and None,
+     Raises(MoELayerError, "backward must be a bool"))
+
+
+def foreign_context(bad, balanced):
+    """backward of one layer given a context of the other (the bad ranks); the context's own layer
+    then runs its backward: the refusal left it unused."""
+    layer, other = moe_layer(balanced), moe_layer(not balanced)
+    _, own = layer.forward(*moe_tokens())
+    _, foreign = other.forward(*moe_tokens())
+    dy = bf16((TOKENS, H), 20 + ME)
+    try:
+        layer.backward(foreign if bad else own, dy)
+    finally:
+        other.backward(foreign, dy)
+
+
+for balanced in (False, True):
+    case("MoELayer", f"{'balanced ' if balanced else ''}backward with another layer's context",
+         lambda bad, b=balanced: foreign_context(bad, b),
+         Raises(MoELayerError, "comes from another MoELayer's forward"))
+
+
 if __name__ == "__main__":
     os.environ.setdefault("ULTRAEP_CACHE_DIR", tempfile.mkdtemp(prefix="ultraep-matrix-"))
     sys.exit(1 if run(sys.argv[1:]) else 0)
