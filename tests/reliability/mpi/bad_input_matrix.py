@@ -1309,6 +1309,21 @@ case("MoELayer", "set-up backend an array beside a balancer",
 case("MoELayer", "set-up on the balancer layer of an open layer",
      lambda bad: new_layer(balancer=moe_layer(True).balancer, layer=0),
      Raises(MoELayerError, "belongs to another open MoELayer"), scopes=ALL)
+
+
+def after_closed_layer():
+    """A layer on the Balancer layer of one that was closed (free again): it balances."""
+    bal = Balancer(env.group, LAYOUT, MoELayer.expert_spec(H, F), num_layers=1, min_replica_tokens=1,
+                   backend="host", timeout_s=TIMEOUT_S)
+    with bal:
+        new_layer(balancer=bal, layer=0)
+        with MoELayer(env.group, hidden=H, ffn=F, num_experts=2 * R, top_k=TOP_K, max_tokens=TOKENS, balancer=bal,
+                      backend="host", timeout_s=TIMEOUT_S) as layer:
+            return layer.balancing
+
+
+case("MoELayer", "set-up on the balancer layer of a closed layer", lambda bad: after_closed_layer(),
+     Returns(lambda balancing: balancing is True), scopes=ALL)
 case("MoELayer", "forward backward an array", lambda bad: moe_layer().forward(
     MX, MIDS, MGATES, backward=np.arange(2) if bad else True) and None,
      Raises(MoELayerError, "backward must be a bool"))
