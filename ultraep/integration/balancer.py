@@ -112,6 +112,8 @@ device pays only the device work below, not the calls' host time.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -124,17 +126,16 @@ from ultraep.integration.host import HostBalancer
 from ultraep.integration.stats import BalancerStats, plan_record
 from ultraep.integration.traces import TraceRecorder
 from ultraep.planner import ExpertLayout, Plan
+from ultraep.planner.plan import INT32_LIMIT
 from ultraep.runtime import open_heap
 from ultraep.runtime.dlpack import import_tensor
+from ultraep.runtime.group import EPGroup, timeout_error
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
 from ultraep.tune.replicas import agreed_min_replica_tokens
 
 if TYPE_CHECKING:
-    import os
     from pathlib import Path
-
-    from ultraep.runtime.group import EPGroup
 
 DEFAULT_HISTORY = 4096
 GATHER_BUFFERS = 2  # see "Order" in the module docstring
@@ -258,6 +259,8 @@ class Balancer:
                  heap: SymmetricHeap | None = None, sync_checks: bool = True, record_trace: bool = False,
                  timeout_s: float = 30.0, history: int = DEFAULT_HISTORY, transfer_options: dict | None = None,
                  cuda_graphs: bool = True):
+        if not isinstance(group, EPGroup):  # no collective can report it: this rank's own error
+            raise BalancerError(f"group must be an ultraep.EPGroup, got {type(group).__name__}")
         error, requirements = None, None
         try:
             if not isinstance(layout, ExpertLayout):
@@ -266,13 +269,24 @@ class Balancer:
                 raise BalancerError(f"layout has {layout.num_ranks} ranks, the group {group.size}")
             if not isinstance(spec, ExpertSpec):
                 raise BalancerError(f"spec must be an ExpertSpec, got {type(spec).__name__}")
-            for name, value, low in (("num_layers", num_layers, 1), ("max_in_flight", max_in_flight, 1),
-                                     ("min_replica_tokens", min_replica_tokens, 0), ("history", history, 0)):
+            # upper bounds (powers of two): the planners take min_replica_tokens as int32, history is a deque's maxlen
+            for name, value, low, high in (("num_layers", num_layers, 1, None),
+                                           ("max_in_flight", max_in_flight, 1, None),
+                                           ("min_replica_tokens", min_replica_tokens, 0, INT32_LIMIT),
+                                           ("history", history, 0, sys.maxsize + 1)):
                 if name == "min_replica_tokens" and isinstance(value, str) and value == "auto":
                     continue  # resolved once the heap's backend is known
-                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low \
+                        or (high is not None and value >= high):
+                    below = "" if high is None else f" and below 2**{high.bit_length() - 1}"
                     hint = " or 'auto'" if name == "min_replica_tokens" else ""
-                    raise BalancerError(f"{name} must be an int >= {low}{hint}, got {value!r}")
+                    raise BalancerError(f"{name} must be an int >= {low}{below}{hint}, got {value!r}")
+            if (bad_timeout := timeout_error(timeout_s)) is not None:
+                raise BalancerError(bad_timeout)
+            for name, value in (("sync_checks", sync_checks), ("record_trace", record_trace),
+                                ("cuda_graphs", cuda_graphs)):
+                if not isinstance(value, bool):
+                    raise BalancerError(f"{name} must be a bool, got {value!r}")
             if heap is not None:
                 if not isinstance(heap, SymmetricHeap):
                     raise BalancerError(f"heap must be a SymmetricHeap (ultraep.runtime.open_heap), "
@@ -282,8 +296,6 @@ class Balancer:
                                         f"rank {group.rank} of {group.size}")
                 if backend not in ("auto", heap.backend):
                     raise BalancerError(f"backend={backend!r} contradicts the heap's backend {heap.backend!r}")
-            if not isinstance(cuda_graphs, bool):
-                raise BalancerError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
             if transfer_options is not None and (not isinstance(transfer_options, dict)
                                                  or not set(transfer_options) <= set(TRANSFER_OPTIONS)):
                 raise BalancerError(f"transfer_options must be a dict of {', '.join(TRANSFER_OPTIONS)}, "
@@ -359,11 +371,21 @@ class Balancer:
         if self._closed:
             raise ClosedError(f"rank {self.rank}: the Balancer is closed")
 
+    def _issued(self, handle) -> bool:
+        """Whether ``handle`` is one this Balancer's :meth:`update` could have returned (a
+        handle built or altered by hand must not index another layer's ring slot)."""
+        if not isinstance(handle, BalanceHandle) or handle.balancer_id != self.id:
+            return False
+        fields = (handle.layer, handle.step, handle.slot)
+        return (all(isinstance(v, int) and not isinstance(v, bool) for v in fields)
+                and 0 <= handle.layer < self.num_layers and 0 <= handle.step
+                and handle.slot == handle.step % self.max_in_flight)
+
     def _entry(self, handle) -> _RingSlot:
         """The ring slot of a live ``handle`` (raises BalancerError/StaleHandleError, or
         ClosedError after close)."""
         self._check_open()
-        if not isinstance(handle, BalanceHandle) or handle.balancer_id != self.id:
+        if not self._issued(handle):
             raise BalancerError(f"expected a BalanceHandle from this Balancer, got {handle!r}")
         entry = self._rings[handle.layer][handle.slot]
         if entry.step != handle.step:
@@ -429,21 +451,21 @@ class Balancer:
                 raise error
             return self._update(layer, entry, source, from_ids)
 
-    def _import_ids(self, topk_ids):
+    def _import(self, tensor, name: str, writable: bool = False):
         try:
-            ids = import_tensor(topk_ids, name="topk_ids", device=self.device)
+            return import_tensor(tensor, name=name, device=self.device, writable=writable)
         except ValueError as exc:
             raise BalancerError(str(exc)) from None
+
+    def _import_ids(self, topk_ids):
+        ids = self._import(topk_ids, "topk_ids")
         if np.dtype(ids.dtype).kind not in "iu":
             raise BalancerError(f"topk_ids: expected an integer dtype, got {ids.dtype}")
         self._impl.check_ids(ids)
         return ids
 
     def _import_loads(self, local_loads):
-        try:
-            loads = import_tensor(local_loads, name="local_loads", device=self.device)
-        except ValueError as exc:
-            raise BalancerError(str(exc)) from None
+        loads = self._import(local_loads, "local_loads")
         E = self.layout.num_experts
         if tuple(loads.shape) != (E,) or np.dtype(loads.dtype).kind not in "iu":
             raise BalancerError(f"local_loads: expected integer shape ({E},), got {loads.dtype} {tuple(loads.shape)}")
@@ -453,7 +475,10 @@ class Balancer:
     def _update(self, layer: int, entry: _RingSlot, source, from_ids: bool) -> BalanceHandle:
         step = self._steps[layer]
         # with sync_checks the row was counted (and checked) before the collective: publish it
-        entry.plan = self._impl.update(entry.state, None if self.sync_checks else source, from_ids=from_ids)
+        try:
+            entry.plan = self._impl.update(entry.state, None if self.sync_checks else source, from_ids=from_ids)
+        except ValueError as exc:  # the gathered rows' total (the same matrix on every rank) overflows the quotas
+            raise BalancerError(f"rank {self.rank}: update of layer {layer}: {exc}") from None
         entry.step, entry.syncs, entry.reductions, entry.harvested = step, 0, 0, False
         entry.counted_ids = from_ids
         self._steps[layer] += 1
@@ -583,6 +608,8 @@ class Balancer:
                                             f"{handle.step} was updated from local_loads: pass topk_ids")
                 else:
                     ids = self._import_ids(topk_ids)
+                    if out is not None:
+                        out = self._import(out, "out", writable=True)
                 self._impl.follow(self._impl.planned(entry.state))
                 entry.clock.start("reroute")
                 try:
@@ -654,6 +681,8 @@ class Balancer:
         default) ``stream`` (else the current one) first waits for every slot
         (:meth:`wait_replica`); pass ``wait=False`` to wait per slot instead."""
         self._check_live_owner(handle, "replica_weights")
+        if not isinstance(wait, bool):
+            raise BalancerError(f"replica_weights: wait must be a bool, got {wait!r}")
         if wait:
             self.wait_replica(handle, stream=stream)
         return [self.transfer.replica_weights(s) for s in range(self.layout.redundant_slots)]
@@ -736,10 +765,15 @@ class Balancer:
         self._check_open()
         if self.recorder is None:
             raise BalancerError("the Balancer was created without record_trace=True")
+        if not isinstance(path, (str, os.PathLike)):
+            raise BalancerError(f"save_trace: path must be a str or os.PathLike, got {type(path).__name__}")
         self._impl.synchronize()
         for layer, entry in self._live_entries():  # live slots reach the recorder only when reused
             self.recorder.record(entry.step, layer, self._host_arrays(entry)["loads"])
-        return self.recorder.save(path)
+        try:
+            return self.recorder.save(path)
+        except ValueError as exc:  # a trace is a full (micro-batch, layer) grid
+            raise BalancerError(f"save_trace: {exc} (updates per layer so far: {self._steps})") from None
 
     def check(self) -> None:
         """Wait for queued work; raise deferred device errors (bad ids, timed-out waits)."""

@@ -39,9 +39,9 @@ class BadIds:
 
 def count_loads(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, BadIds | None]:
     """``(int32[E] tokens per logical expert, bad ids or None)``; bad ids are not counted."""
-    flat = np.asarray(ids).reshape(-1).astype(np.int64)
+    flat = np.asarray(ids).reshape(-1)  # compared in its own dtype: uint64 past 2**63 would wrap negative in int64
     good = (flat >= 0) & (flat < num_experts)
-    counts = np.bincount(flat[good], minlength=num_experts).astype(np.int32)
+    counts = np.bincount(flat[good].astype(np.int64), minlength=num_experts).astype(np.int32)
     if good.all():
         return counts, None
     first = int(np.argmin(good))
@@ -104,6 +104,9 @@ class HostBalancer:
             raise BalancerError(f"local_loads: counts must be non-negative, found {int(loads.min())}")
         if loads.size and int(loads.max()) >= INT32_LIMIT:  # the row is int32: a larger count would wrap
             raise BalancerError(f"local_loads: counts must be below 2**31, found {int(loads.max())}")
+        total = int(loads.sum(dtype=np.int64))  # each count is below 2**31: the int64 sum cannot wrap
+        if total >= INT32_LIMIT:  # the planner's quotas are int32
+            raise BalancerError(f"local_loads: the counts must total below 2**31, found {total}")
 
     def count(self, source, *, from_ids: bool) -> None:
         """Stage this rank's load row; bad ids raise (always: looking costs nothing here)."""

@@ -211,6 +211,7 @@ class MoEContext:
     rank_tiles: Any = None        # fused: every rank's offsets and M-tile starts of this forward [2, R, slots + 1]
     done: bool = False
     for_backward: bool = True     # False: the forward ran with backward=False (nothing kept for one)
+    layer_id: int = -1            # MoELayer.id of the layer whose forward made it
 
 
 def _raise_everywhere(group: EPGroup, error: BaseException | None, what: str) -> None:
@@ -374,14 +375,21 @@ class MoELayer:
     """
 
     expert_spec = staticmethod(expert_spec)
+    _next_id = 0
+    # (Balancer.id, layer) -> the open MoELayer registered there: a second would replace its masters
+    _balancer_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def __init__(self, group: EPGroup, *, hidden: int, ffn: int, num_experts: int, top_k: int, max_tokens: int,
                  balancer: Balancer | None = None, layer: int = 0, max_recv_rows: int | None = None,
                  backend: str = "auto", heap: Any = None, timeout_s: float = 30.0, sync_checks: bool = True,
                  fused: bool = False, fused_config: FusedConfig | str | None = None):
+        if not isinstance(group, EPGroup):  # no collective can report it: this rank's own error
+            raise MoELayerError(f"group must be an ultraep.EPGroup, got {type(group).__name__}")
         error = None
         try:
             self._check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend)
+            if not isinstance(fused, bool):
+                raise MoELayerError(f"fused must be a bool, got {fused!r}")
             if fused_config is not None and not fused:
                 raise MoELayerError("fused_config is set but fused=False: it configures the fused kernels")
         except MoELayerError as exc:
@@ -431,6 +439,10 @@ class MoELayer:
             if self._owned_heap is not None:
                 self._owned_heap.close()
             raise
+        self.id = MoELayer._next_id
+        MoELayer._next_id += 1
+        if self._balancing:
+            MoELayer._balancer_layers[(balancer.id, self.layer)] = self
         self._generation = 0  # forwards that filled the replica part of the stacked weights
         self._weight_copy = self._grad_copy = self._wgrad = None  # made at first use
         # the replica weights' transfers run beside dispatch (GPU; the Balancer orders the streams by events)
@@ -470,7 +482,11 @@ class MoELayer:
         if layer >= balancer.num_layers:
             raise MoELayerError(f"layer must be an int in [0, {balancer.num_layers}) (the balancer's num_layers), "
                                 f"got {layer!r}")
-        if backend not in ("auto", balancer.backend):
+        balancing = can_replicate(balancer, group.size * int(max_tokens))  # as __init__ decides
+        if balancing and (balancer.id, int(layer)) in MoELayer._balancer_layers:
+            raise MoELayerError(f"layer {layer} of the balancer belongs to another open MoELayer (registering this "
+                                "one's masters there would replace its): pass another layer, or close that one first")
+        if not isinstance(backend, str) or backend not in ("auto", balancer.backend):
             raise MoELayerError(f"backend={backend!r} contradicts the balancer's backend {balancer.backend!r}")
 
     def _allocate(self) -> None:
@@ -595,6 +611,8 @@ class MoELayer:
         self._check_open()
         error, arrays = None, None
         try:
+            if not isinstance(backward, bool):
+                raise MoELayerError(f"forward: backward must be a bool, got {backward!r}")
             arrays = [self._import(name, tensor) for name, tensor in (("x", x), ("topk_ids", topk_ids),
                                                                       ("gates", gates))]
         except MoELayerError as exc:
@@ -615,7 +633,7 @@ class MoELayer:
                 out, received, act, h, y, rank_tiles = self._fused.forward(
                     arrays[0], self._import("topk_ids", ids), arrays[2], self._w_up, self._w_down, keep=backward)
                 return out, MoEContext(handle, received, h, act, y, self._generation, tokens, rank_tiles=rank_tiles,
-                                       for_backward=bool(backward))
+                                       for_backward=backward, layer_id=self.id)
             received = self.dispatcher.dispatch(x, ids, gates)
             if handle is not None:  # the sync ran beside dispatch; the GEMMs read the replicas
                 self._fill_replicas(handle)
@@ -625,7 +643,8 @@ class MoELayer:
             act = self._swiglu_forward(h, offsets)
             y = grouped_mm(act, self._w_down, offsets)
             out = self.dispatcher.combine(y, received.handle)
-        return out, MoEContext(handle, received, h, act, y, self._generation, tokens, for_backward=bool(backward))
+        return out, MoEContext(handle, received, h, act, y, self._generation, tokens, for_backward=backward,
+                               layer_id=self.id)
 
     def backward(self, ctx: MoEContext, dy: Any, *, stream: Any = None) -> tuple[Any, Any]:
         """Collective. ``dy [T, H]`` (the output's gradient); returns ``(dx [T, H] BF16,
@@ -640,6 +659,9 @@ class MoELayer:
         try:
             if not isinstance(ctx, MoEContext):
                 raise MoELayerError(f"backward needs the context forward returned, got {type(ctx).__name__}")
+            if ctx.layer_id != self.id:
+                raise MoELayerError("this context comes from another MoELayer's forward: pass it to that layer's "
+                                    "backward")
             if ctx.done:
                 raise MoELayerError("this context's backward has run already (its gradients were added once)")
             if not ctx.for_backward:
@@ -792,11 +814,17 @@ class MoELayer:
         """Collective: close the Dispatcher (the Balancer is the caller's and stays open)."""
         if self._closed:
             return
-        self._closed = True
-        self._weight_copy = self._grad_copy = None  # they hold views of the Balancer's heap
+        self._release()
         self.dispatcher.close()
         if self._owned_heap is not None:
             self._owned_heap.close()
+
+    def _release(self) -> None:
+        """Closed: the Balancer's layer is free for another MoELayer."""
+        self._closed = True
+        self._weight_copy = self._grad_copy = None  # they hold views of the Balancer's heap
+        if self._balancing and MoELayer._balancer_layers.get((self.balancer.id, self.layer)) is self:
+            del MoELayer._balancer_layers[(self.balancer.id, self.layer)]
 
     def __enter__(self) -> MoELayer:
         return self
@@ -805,8 +833,7 @@ class MoELayer:
         if exc is None:
             self.close()
             return
-        self._closed = True
-        self._weight_copy = self._grad_copy = None
+        self._release()
         self.dispatcher.__exit__(exc_type, exc, tb)
         if self._owned_heap is not None:
             self._owned_heap.close_failing(exc)

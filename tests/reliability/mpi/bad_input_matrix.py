@@ -24,6 +24,7 @@ nothing but ``ok`` and ``xfail`` was seen.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import math
 import os
@@ -1301,6 +1302,123 @@ def print_summary(tally, total, seconds) -> None:
         print(f"{entry:{width}s}" + "".join(f"{per.get(c, 0):8d}" for c in CLASSES) + f"{sum(per.values()):8d}")
     sums = {c: sum(per.get(c, 0) for per in tally.values()) for c in CLASSES}
     print(f"{'all':{width}s}" + "".join(f"{sums[c]:8d}" for c in CLASSES) + f"{total:8d}", flush=True)
+
+
+# == the integration layer's public API, audited for non-library errors (one block, to ease merging) ==
+# Balancer set-up: every argument checked with the others, so a bad one raises on every rank, not
+# a NumPy/Python error on the bad rank while its peers wait in the next collective.
+for name, kwargs, text in (("timeout_s=None", {"timeout_s": None}, "timeout_s must be a positive"),
+                           ("timeout_s='abc'", {"timeout_s": "abc"}, "timeout_s must be a positive"),
+                           ("sync_checks an array", {"sync_checks": np.arange(3)}, "sync_checks must be a bool"),
+                           ("record_trace an array", {"record_trace": np.arange(3)}, "record_trace must be a bool"),
+                           ("min_replica_tokens=2**31", {"min_replica_tokens": 2**31}, "below 2**31"),
+                           ("history=2**63", {"history": 2**63}, "history must be an int >= 0 and below")):
+    case("Balancer", f"set-up {name}", lambda bad, k=kwargs: new_balancer(**(k if bad else {})),
+         Raises(CollectiveError, "Balancer set-up", text))
+case("Balancer", "set-up group None", lambda bad: Balancer(None, LAYOUT, SPEC, num_layers=1),
+     Raises(BalancerError, "group must be an ultraep.EPGroup", rank=False), scopes=LOCAL)
+
+
+# Balancer calls: a handle altered by hand names no ring slot of another layer (it indexed one, or
+# raised IndexError); flags and paths of the wrong type, an out that is no tensor, loads whose sum
+# overflows the planner's int32 quotas: BalancerError, not a NumPy/Python error.
+def altered(**fields):
+    return lambda: dataclasses.replace(balancer().update(0, local_loads=HOT_LOADS), **fields)
+
+
+for name, make in (("layer 5", altered(layer=5)), ("layer -1", altered(layer=-1)), ("slot 7", altered(slot=7)),
+                   ("layer '0'", altered(layer="0"))):
+    case("Balancer", f"weight_sync with a handle of {name}", lambda bad, mk=make: balancer().weight_sync(
+        mk() if bad else balancer().update(0, local_loads=HOT_LOADS)),
+         Raises(BalancerError, "expected a BalanceHandle from this Balancer"))
+    case("Balancer", f"plan with a handle of {name}", lambda bad, mk=make: balancer().plan(mk()),
+         Raises(BalancerError, "expected a BalanceHandle from this Balancer", rank=False), scopes=LOCAL)
+case("Balancer", "replica_weights wait an array",
+     lambda bad: balancer().replica_weights(fresh_handle(), wait=np.arange(2)),
+     Raises(BalancerError, "wait must be a bool", rank=False), scopes=LOCAL)
+for name, out, text in (("a list", [[0, 0]] * len(HOT_LOADS_IDS), "out: list is not a tensor"),
+                        ("non-contiguous", noncontiguous(np.zeros(HOT_LOADS_IDS.shape, np.int32)), "not C-contiguous")):
+    case("Balancer", f"reroute out {name}", lambda bad, o=out: balancer().reroute(
+        fresh_handle(), HOT_LOADS_IDS, out=o if bad else np.zeros(HOT_LOADS_IDS.shape, np.int32)),
+         Raises(BalancerError, text))
+case("Balancer", "update loads totalling 2**32", lambda bad: update(bad, {"local_loads": np.full(2 * R, 2**31 - 1)}),
+     Raises(BalancerError, "must total below 2**31"))
+case("Balancer", "update loads of the ranks totalling 2**31",
+     lambda bad: update(bad, {"local_loads": np.array([2**31 // R] + [0] * (2 * R - 1))}),
+     Raises(BalancerError, "total load (2147483648) must be below 2**31"), scopes=ALL)
+case("Balancer", "update ids uint64 2**63 named as such",
+     lambda bad: update(bad, {"topk_ids": np.where(HOT_IDS == 1, np.uint64(2**63), HOT_IDS.astype(np.uint64))}),
+     Raises(BalancerError, "the first is 9223372036854775808"))
+
+
+def traced(layers, name="traced"):
+    """A recording Balancer (``name``'s, reused) after an update of each of ``layers``."""
+    b = env.get(name, lambda: Balancer(env.group, LAYOUT, SPEC, num_layers=2, min_replica_tokens=1,
+                                            backend="host", timeout_s=TIMEOUT_S, record_trace=True))
+    for layer in layers:
+        b.update(layer, local_loads=HOT_LOADS)
+    return b
+
+
+case("Balancer", "save_trace path None", lambda bad: traced([0, 1]).save_trace(None),
+     Raises(BalancerError, "path must be a str or os.PathLike", rank=False), scopes=LOCAL)
+case("Balancer", "save_trace of layers updated unevenly", lambda bad: traced([0, 1, 0], "uneven").save_trace(
+    tempfile.mkdtemp() + "/t.npz"), Raises(BalancerError, "save_trace", "updates per layer so far", rank=False),
+     scopes=LOCAL)
+
+
+# MoELayer: flags of the wrong type, a second layer on a Balancer layer another open layer holds
+# (it silently replaced that layer's registered masters), a context passed to another layer's
+# backward (refused only deep inside, after marking the context used).
+for name, value in (("an array", np.arange(3)), ("'yes'", "yes")):
+    case("MoELayer", f"set-up fused {name}", lambda bad, v=value: new_layer(fused=pick(bad, v, False)),
+         Raises(MoELayerError, "MoELayer set-up", "fused must be a bool"))
+case("MoELayer", "set-up group None", lambda bad: MoELayer(None, hidden=H, ffn=F, num_experts=2 * R, top_k=TOP_K,
+                                                          max_tokens=TOKENS),
+     Raises(MoELayerError, "group must be an ultraep.EPGroup", rank=False), scopes=LOCAL)
+case("MoELayer", "set-up backend an array beside a balancer",
+     lambda bad: new_layer(balancer=spec_balancer(MoELayer.expert_spec(H, F)), backend=np.array(["host", "device"])),
+     Raises(MoELayerError, "contradicts the balancer's backend"), scopes=ALL)
+case("MoELayer", "set-up on the balancer layer of an open layer",
+     lambda bad: new_layer(balancer=moe_layer(True).balancer, layer=0),
+     Raises(MoELayerError, "belongs to another open MoELayer"), scopes=ALL)
+
+
+def after_closed_layer():
+    """A layer on the Balancer layer of one that was closed (free again): it balances."""
+    bal = Balancer(env.group, LAYOUT, MoELayer.expert_spec(H, F), num_layers=1, min_replica_tokens=1,
+                   backend="host", timeout_s=TIMEOUT_S)
+    with bal:
+        new_layer(balancer=bal, layer=0)
+        with MoELayer(env.group, hidden=H, ffn=F, num_experts=2 * R, top_k=TOP_K, max_tokens=TOKENS, balancer=bal,
+                      backend="host", timeout_s=TIMEOUT_S) as layer:
+            return layer.balancing
+
+
+case("MoELayer", "set-up on the balancer layer of a closed layer", lambda bad: after_closed_layer(),
+     Returns(lambda balancing: balancing is True), scopes=ALL)
+case("MoELayer", "forward backward an array", lambda bad: moe_layer().forward(
+    MX, MIDS, MGATES, backward=np.arange(2) if bad else True) and None,
+     Raises(MoELayerError, "backward must be a bool"))
+
+
+def foreign_context(bad, balanced):
+    """backward of one layer given a context of the other (the bad ranks); the context's own layer
+    then runs its backward: the refusal left it unused."""
+    layer, other = moe_layer(balanced), moe_layer(not balanced)
+    _, own = layer.forward(*moe_tokens())
+    _, foreign = other.forward(*moe_tokens())
+    dy = bf16((TOKENS, H), 20 + ME)
+    try:
+        layer.backward(foreign if bad else own, dy)
+    finally:
+        other.backward(foreign, dy)
+
+
+for balanced in (False, True):
+    case("MoELayer", f"{'balanced ' if balanced else ''}backward with another layer's context",
+         lambda bad, b=balanced: foreign_context(bad, b),
+         Raises(MoELayerError, "comes from another MoELayer's forward"))
 
 
 if __name__ == "__main__":
