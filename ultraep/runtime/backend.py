@@ -29,7 +29,7 @@ CHOICES = ("auto", HOST, DEVICE)
 
 def backend_error(requested: object, *, has_device: bool) -> str | None:
     """Why ``requested`` cannot be used where a device is (or is not) present, or None."""
-    if requested not in CHOICES:
+    if not isinstance(requested, str) or requested not in CHOICES:  # an array would compare elementwise
         return f"backend must be one of {', '.join(map(repr, CHOICES))}, got {requested!r}"
     if requested == DEVICE and not has_device:
         return "backend 'device' needs a GPU and CuPy, and this rank has none"

@@ -775,6 +775,7 @@ for name, kwargs, text in (("hidden=0", {"hidden": 0}, "hidden must be a positiv
                            ("timeout_s=0", {"timeout_s": 0}, "timeout_s must be a positive"),
                            ("timeout_s=inf", {"timeout_s": math.inf}, "timeout_s must be a positive"),
                            ("backend='gpu'", {"backend": "gpu"}, "backend must be one of"),
+                           ("backend an array", {"backend": np.arange(3)}, "backend must be one of"),
                            ("backend='device'", {"backend": "device"}, "needs a GPU"),
                            ("experts_per_rank=2.0", {"experts_per_rank": 2.0}, "experts_per_rank must be a positive"),
                            ("experts_per_rank='2'", {"experts_per_rank": "2"}, "experts_per_rank must be a positive"),
