@@ -91,7 +91,7 @@ elif check == "bad-input":
         try:
             balancer(bad)
         except CollectiveError as exc:  # the same message on every rank, naming both
-            assert str(exc).count("min_replica_tokens must be an int >= 0 or 'auto'") == R, str(exc)
+            assert str(exc).count("min_replica_tokens must be an int >= 0 and below 2**31 or 'auto'") == R, str(exc)
         else:
             raise AssertionError(f"min_replica_tokens={bad!r} was accepted")
 else:
