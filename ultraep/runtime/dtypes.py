@@ -78,6 +78,8 @@ def cupy_dtype(dtype: np.dtype) -> np.dtype:
 def resolve_dtype(dtype, *, what: str = "dtype") -> np.dtype:
     """NumPy dtype for ``dtype`` (a dtype, its name, 'bfloat16', 'float8_e4m3fn' or
     'float8_e5m2'); ValueError if the kernels don't support it."""
+    if dtype is None:  # np.dtype(None) would be float64: a default nobody chose
+        raise ValueError(f"{what} is None: name a dtype (e.g. 'bfloat16' or 'float32')")
     if isinstance(dtype, str) and _ALIASES.get(dtype, dtype) in _ML_DTYPES:
         resolved = ml_dtype(_ALIASES.get(dtype, dtype))
         if resolved is None:

@@ -79,6 +79,15 @@ def refusal_cause(flag: int, epoch: int) -> int:
     return (int(flag) >> shift) & flag_constant("BARRIER_CAUSE_MASK")
 
 
+def positive_shape(shape, what: str) -> tuple[int, ...]:
+    """``shape`` (a tuple or list of dimensions, or one dimension) as ints; ValueError unless
+    every dimension is a positive int (int() would truncate 8.7 to 8 or read True as 1)."""
+    dims = shape if isinstance(shape, (tuple, list)) else (shape,)
+    if not dims or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise ValueError(f"{what}: every dimension must be a positive int, got shape {shape!r}")
+    return tuple(int(d) for d in dims)
+
+
 @dataclass(frozen=True)
 class HeapRequirements:
     """What a component will allocate in a heap: named tensors ``(name, shape, dtype)``
@@ -212,9 +221,7 @@ class SymmetricHeap:
         self._check_usable()
         error, request = None, None
         try:
-            shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-            if not shape or any(d <= 0 for d in shape):
-                raise ValueError(f"tensor {name!r}: every dimension must be positive, got shape {shape}")
+            shape = positive_shape(shape, f"tensor {name!r}")
             dtype = resolve_dtype(dtype, what=f"tensor {name!r} dtype")
             if name in self.allocations:
                 raise ValueError(f"tensor {name!r} is already allocated in this heap")

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ultraep.runtime.dtypes import is_fp8, resolve_dtype
+from ultraep.runtime.heap import positive_shape
 
 SLOT_ALIGN = 256
 
@@ -63,9 +64,7 @@ class ExpertSpec:
                 raise ValueError(f"expert tensor spec entries are (name, shape, dtype), got {entry!r}") from None
             if len(scaled) > 1:
                 raise ValueError(f"expert tensor spec entries are (name, shape, dtype[, scaled weight]), got {entry!r}")
-            shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-            if not shape or any(d <= 0 for d in shape):
-                raise ValueError(f"expert tensor {name!r}: every dimension must be positive, got {shape}")
+            shape = positive_shape(shape, f"expert tensor {name!r}")
             parsed.append(TensorSpec(str(name), shape, resolve_dtype(dtype, what=f"expert tensor {name!r} dtype")))
             if scaled:
                 scale_of[str(name)] = str(scaled[0])

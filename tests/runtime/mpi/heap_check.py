@@ -117,8 +117,8 @@ def bad_input() -> None:
         expect(lambda: heap.alloc("t", (8, 4 if me else 5), np.float32), GroupMismatchError, "allocation request")
         expect(lambda: heap.alloc("t", (8, 4), np.complex64 if me == 1 else np.float32), ValueError,
                      "not supported")
-        expect(lambda: heap.alloc("t", (0, 4), np.float32), ValueError, "must be positive")
-        expect(lambda: heap.alloc("t", (-1,), np.float32), ValueError, "must be positive")
+        expect(lambda: heap.alloc("t", (0, 4), np.float32), ValueError, "must be a positive int")
+        expect(lambda: heap.alloc("t", (-1,), np.float32), ValueError, "must be a positive int")
         expect(lambda: heap.alloc("big", (1 << 20,), np.float32), HeapError, "out of space")
         ok = heap.alloc("t", (8, 4), "bfloat16")
         assert ok.offset % 256 == 0 and ok.local.shape == (8, 4)
