@@ -95,8 +95,8 @@ def test_each_operation_loads_its_default_schedules_module(monkeypatch):
     for op in ("forward", "dgrad", "wgrad"):
         _, shared = gemm._kernel(op, np.dtype(np.float32))
         schedule = DEFAULT_SCHEDULES[op]
-        ring_value = {"GG_SCHEDULE": kernel_constant(KERNELS, SCHEDULES[schedule][0])}
-        expected = {} if schedule == PLAIN_SCHEDULE else ring_value
+        schedule_value = {"GG_SCHEDULE": kernel_constant(KERNELS, SCHEDULES[schedule][0])}
+        expected = {} if schedule == PLAIN_SCHEDULE else schedule_value
         assert loaded[f"grouped_mm_{op}<float>"] == expected, op
         assert shared == kernel_constant(KERNELS, SCHEDULES[schedule][1]), op
     assert DEFAULT_SCHEDULES["forward"] == DEFAULT_SCHEDULES["dgrad"] == DEFAULT_SCHEDULES["wgrad"] == "ring"

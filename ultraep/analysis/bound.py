@@ -42,6 +42,7 @@ import numpy as np
 
 from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import check_loads, master_rank_load
+from ultraep.runtime.dtypes import is_int
 
 DEFAULT_TIME_LIMIT_S = 2.0
 DEFAULT_MAX_BINARIES = 2000  # replica variables above which "auto" uses the LP relaxation
@@ -72,7 +73,7 @@ class LowerBound:
 
 
 def _check_count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)
 

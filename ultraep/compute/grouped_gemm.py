@@ -29,6 +29,7 @@ from ultraep.compute.checks import OPERANDS, check_problem, offsets_error
 from ultraep.compute.host import HostGroupedGemm
 from ultraep.errors import GroupedGemmError
 from ultraep.runtime.dlpack import caller_stream, framework_of, import_tensor
+from ultraep.runtime.dtypes import is_int
 
 _DLPACK_CUDA = 2
 _host = HostGroupedGemm()
@@ -91,7 +92,7 @@ def _import_offsets(offsets, gpu: int | None):
     (a float, a bool or a string is refused: converting it would round or reinterpret it)."""
     if isinstance(offsets, (list, tuple)):
         for index, value in enumerate(offsets):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            if not is_int(value):
                 raise GroupedGemmError(f"offsets: a {type(offsets).__name__} of offsets must hold ints, got "
                                        f"{value!r} ({type(value).__name__}) at index {index}")
             if not -2**63 <= value < 2**63:

@@ -129,6 +129,7 @@ from ultraep.planner import ExpertLayout, Plan
 from ultraep.planner.plan import INT32_LIMIT
 from ultraep.runtime import open_heap
 from ultraep.runtime.dlpack import import_tensor
+from ultraep.runtime.dtypes import is_int
 from ultraep.runtime.group import EPGroup, timeout_error
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
@@ -276,8 +277,7 @@ class Balancer:
                                            ("history", history, 0, sys.maxsize + 1)):
                 if name == "min_replica_tokens" and isinstance(value, str) and value == "auto":
                     continue  # resolved once the heap's backend is known
-                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low \
-                        or (high is not None and value >= high):
+                if not is_int(value) or value < low or (high is not None and value >= high):
                     below = "" if high is None else f" and below 2**{high.bit_length() - 1}"
                     hint = " or 'auto'" if name == "min_replica_tokens" else ""
                     raise BalancerError(f"{name} must be an int >= {low}{below}{hint}, got {value!r}")
@@ -363,7 +363,7 @@ class Balancer:
             raise error
 
     def _check_layer(self, layer) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+        if not is_int(layer) or not 0 <= layer < self.num_layers:
             raise BalancerError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
         return int(layer)
 
@@ -565,8 +565,7 @@ class Balancer:
         Enqueue the compute that reads the slot on this stream (or behind it) before the
         next :meth:`weight_sync` or :meth:`restore`: that sync waits for it."""
         S = self.layout.redundant_slots
-        if slot is not None and (isinstance(slot, bool) or not isinstance(slot, (int, np.integer))
-                                 or not 0 <= slot < S):
+        if slot is not None and (not is_int(slot) or not 0 <= slot < S):
             raise BalancerError(f"slot must be None or an int in [0, {S}), got {slot!r}")
         entry = self._check_live_owner(handle, "wait_replica")
         slots = range(S) if slot is None else range(int(slot), int(slot) + 1)

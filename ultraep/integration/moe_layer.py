@@ -72,7 +72,7 @@ from ultraep.errors import ClosedError, CollectiveError, MoELayerError
 from ultraep.integration.balancer import BalanceHandle, Balancer
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
 from ultraep.runtime import dtypes
-from ultraep.runtime.dtypes import flush_subnormals
+from ultraep.runtime.dtypes import flush_subnormals, is_int
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import Dispatcher
@@ -461,7 +461,7 @@ class MoELayer:
     def _check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend) -> None:
         for name, value, low in (("hidden", hidden, 1), ("ffn", ffn, 1), ("num_experts", num_experts, 1),
                                  ("top_k", top_k, 1), ("max_tokens", max_tokens, 1), ("layer", layer, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            if not is_int(value) or value < low:
                 raise MoELayerError(f"{name} must be an int >= {low}, got {value!r}")
         if num_experts % group.size:
             raise MoELayerError(f"num_experts ({num_experts}) must be a multiple of the group size ({group.size})")

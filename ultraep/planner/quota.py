@@ -51,6 +51,7 @@ import numpy as np
 
 from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan
+from ultraep.runtime.dtypes import is_int
 from ultraep.runtime.kernels import kernel_constants
 
 _KERNEL = kernel_constants("planner.cu")
@@ -108,7 +109,7 @@ class Planner(ABC):
 
 
 def _non_negative_int(name, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)
 

@@ -13,10 +13,11 @@ import numpy as np
 
 from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan
+from ultraep.runtime.dtypes import is_int
 
 
 def check_rank(layout: ExpertLayout, rank) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < layout.num_ranks:
+    if not is_int(rank) or not 0 <= rank < layout.num_ranks:
         raise ValueError(f"rank must be an integer in [0, {layout.num_ranks}), got {rank!r}")
     return int(rank)
 

@@ -75,6 +75,12 @@ def cupy_dtype(dtype: np.dtype) -> np.dtype:
     return dtype
 
 
+def is_int(value) -> bool:
+    """Whether ``value`` is a Python or NumPy integer, a bool not counting as one (True
+    would otherwise pass for 1 wherever a count, size or index is checked)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def resolve_dtype(dtype, *, what: str = "dtype") -> np.dtype:
     """NumPy dtype for ``dtype`` (a dtype, its name, 'bfloat16', 'float8_e4m3fn' or
     'float8_e5m2'); ValueError if the kernels don't support it."""

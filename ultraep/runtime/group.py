@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ultraep.errors import CollectiveError, GroupMismatchError, RankFailedError, WaitTimeout
+from ultraep.runtime.dtypes import is_int
 
 DEFAULT_TIMEOUT_S = 120.0
 STATUS_SLOT_BYTES = 4096        # per rank: collectives entered, failure flag, message length, message
@@ -111,8 +112,7 @@ class EPGroup:
         bad_argument = timeout_error(timeout_s)  # or a device this rank cannot use (below)
         self.timeout_s = DEFAULT_TIMEOUT_S if bad_argument else float(timeout_s)
         count = gpu_count() if use_gpu else 0
-        if use_gpu and device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer))
-                                               or not 0 <= device < count):
+        if use_gpu and device is not None and (not is_int(device) or not 0 <= device < count):
             bad_argument = bad_argument or f"device {device!r} requested but {count} GPU(s) visible"
         self.hostname = socket.gethostname()
         if self._mpi is None:  # a framework's own allgather: not bounded here, so the timeout is unused

@@ -32,7 +32,7 @@ from typing import Iterable
 import numpy as np
 
 from ultraep.errors import BarrierTimeout, ClosedError, HeapError, RankFailedError
-from ultraep.runtime.dtypes import resolve_dtype
+from ultraep.runtime.dtypes import is_int, resolve_dtype
 from ultraep.runtime.group import EPGroup, timeout_error  # noqa: F401 (timeout_error: callers import it here)
 from ultraep.runtime.kernels import kernel_constants
 
@@ -83,7 +83,7 @@ def positive_shape(shape, what: str) -> tuple[int, ...]:
     """``shape`` (a tuple or list of dimensions, or one dimension) as ints; ValueError unless
     every dimension is a positive int (int() would truncate 8.7 to 8 or read True as 1)."""
     dims = shape if isinstance(shape, (tuple, list)) else (shape,)
-    if not dims or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in dims):
+    if not dims or not all(is_int(d) and d > 0 for d in dims):
         raise ValueError(f"{what}: every dimension must be a positive int, got shape {shape!r}")
     return tuple(int(d) for d in dims)
 
@@ -180,7 +180,7 @@ class SymmetricHeap:
         self.group = group
         self.rank, self.size = group.rank, group.size
         error = None
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        if not is_int(nbytes):
             error = f"heap size must be an int, got {type(nbytes).__name__}"
         elif nbytes <= 0:
             error = f"heap size must be positive, got {nbytes}"

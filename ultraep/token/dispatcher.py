@@ -50,7 +50,7 @@ from ultraep.errors import ClosedError, DispatchError
 from ultraep.planner.layout import ExpertLayout
 from ultraep.runtime import open_heap
 from ultraep.runtime.backend import choose_backend
-from ultraep.runtime.dtypes import resolve_dtype
+from ultraep.runtime.dtypes import is_int, resolve_dtype
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap, timeout_error
 from ultraep.runtime.kernels import kernel_constant
@@ -66,7 +66,7 @@ VECTOR_BYTES = kernel_constant(KERNELS, "VECTOR_BYTES")
 
 
 def _is_positive_int(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= 1
+    return is_int(value) and value >= 1
 
 
 def _set_up(num_ranks: int, hidden, dtype, top_k, num_experts, max_tokens, experts_per_rank, max_recv_rows) -> dict:

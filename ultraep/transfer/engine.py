@@ -49,6 +49,7 @@ from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan
 from ultraep.runtime.backend import DEVICE
 from ultraep.runtime.dlpack import import_tensor
+from ultraep.runtime.dtypes import is_int
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap, timeout_error
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.transfer.agreement import SIGNALS as AGREEMENT_SIGNALS
@@ -67,8 +68,7 @@ MAX_REPLICAS_PER_EXPERT = kernel_constant("transfer.cu", "MAX_DESTS")  # destina
 
 def grid_error(blocks: int | None) -> str | None:
     """Why a requested grid (``blocks``; None: the backend's) cannot be launched, or None."""
-    if blocks is None or (not isinstance(blocks, bool) and isinstance(blocks, (int, np.integer))
-                          and 0 < blocks <= MAX_BLOCKS):
+    if blocks is None or (is_int(blocks) and 0 < blocks <= MAX_BLOCKS):
         return None
     return f"blocks must be in [1, {MAX_BLOCKS}] (an int), got {blocks!r}"
 
@@ -164,7 +164,7 @@ class WeightTransfer:
             error = f"layout must be an ExpertLayout, got {type(layout).__name__}"
         elif not isinstance(spec, ExpertSpec):
             error = f"spec must be an ExpertSpec, got {type(spec).__name__}"
-        elif (wrong := next((n for n, v in counts if isinstance(v, bool) or not isinstance(v, (int, np.integer))),
+        elif (wrong := next((n for n, v in counts if not is_int(v)),
                             None)) is not None:
             error = f"{wrong} must be an int, got {dict(counts)[wrong]!r}"
         elif layout.num_ranks != heap.size:
@@ -244,7 +244,7 @@ class WeightTransfer:
     def _slot_views(self, kind: str, slot: int) -> list:
         self._check_open()
         S = self.layout.redundant_slots
-        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < S:
+        if not is_int(slot) or not 0 <= slot < S:
             raise IndexError(f"rank {self.rank}: redundant slot {slot!r} is not an int in [0, {S})")
         self.heap._check_open(f"replica slot {slot}")  # the cached views die with the heap
         return list(self._views[kind][slot])
@@ -259,7 +259,7 @@ class WeightTransfer:
         self._check_open()
         error, entry = None, None
         try:
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            if not is_int(layer):
                 raise TypeError(f"layer must be an int, got {layer!r}")
             entry = self._import_layer(layer, weights, grads)
         except (ValueError, TypeError) as exc:

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ultraep.errors import ProfileError
+from ultraep.runtime.dtypes import is_int
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.tune.device import DISPATCH_THREADS
 from ultraep.tune.profile import UP_RELEASED_SINCE, MachineProfile
@@ -110,7 +111,7 @@ class Problem:
     def __post_init__(self):
         for name in ("tokens", "hidden", "ffn", "top_k", "experts", "ranks", "ranks_per_gpu", "element_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ProfileError(f"Problem.{name} must be a positive integer, got {value!r}")
         if self.experts % self.ranks:
             raise ProfileError(f"Problem: {self.experts} experts do not divide over {self.ranks} ranks")

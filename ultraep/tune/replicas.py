@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ultraep.errors import ProfileError
+from ultraep.runtime.dtypes import is_int
 from ultraep.tune.profile import (MachineProfile, fused_costs, load_profile, make_probe, measure_fused, profile_path,
                                   stderr_progress, write_profile)
 
@@ -70,7 +71,7 @@ def min_replica_tokens_for(spec_bytes: int, profile: MachineProfile, *, weight_e
         raise ProfileError(f"profile must be a MachineProfile (ultraep.tune.load_profile), "
                            f"got {type(profile).__name__}")
     for name, value in (("spec_bytes", spec_bytes), ("weight_elements", weight_elements)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+        if value is not None and (not is_int(value) or value < 1):
             raise ProfileError(f"{name} must be a positive integer, got {value!r}")
     if isinstance(compute_passes, bool) or not isinstance(compute_passes, (int, float)) or not compute_passes > 0:
         raise ProfileError(f"compute_passes must be a positive number, got {compute_passes!r}")
