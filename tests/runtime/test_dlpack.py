@@ -5,7 +5,7 @@ import pytest
 
 from tests.conftest import requires_gpu
 from ultraep.runtime.dlpack import import_tensor
-from ultraep.runtime.dtypes import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, is_int
+from ultraep.runtime.dtypes import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, is_bool, is_int
 
 
 def test_numpy_on_cpu_is_zero_copy():
@@ -122,3 +122,8 @@ def test_gpu_fp8_imports(name):
 def test_is_int_takes_python_and_numpy_integers_and_not_bools_or_floats():
     assert is_int(3) and is_int(np.int32(-2)) and is_int(np.uint64(2**63))
     assert not any(is_int(v) for v in (True, np.bool_(True), 3.0, np.float32(3), "3", None, np.arange(2)))
+
+
+def test_is_bool_takes_python_and_numpy_bools_only():
+    assert is_bool(True) and is_bool(False) and is_bool(np.bool_(False))
+    assert not any(is_bool(v) for v in (1, 0, np.int8(1), "yes", None, np.array([True]), np.arange(3)))

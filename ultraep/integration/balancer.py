@@ -129,7 +129,7 @@ from ultraep.planner import ExpertLayout, Plan
 from ultraep.planner.plan import INT32_LIMIT
 from ultraep.runtime import open_heap
 from ultraep.runtime.dlpack import import_tensor
-from ultraep.runtime.dtypes import is_int
+from ultraep.runtime.dtypes import is_bool, is_int
 from ultraep.runtime.group import EPGroup, timeout_error
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
@@ -285,7 +285,7 @@ class Balancer:
                 raise BalancerError(bad_timeout)
             for name, value in (("sync_checks", sync_checks), ("record_trace", record_trace),
                                 ("cuda_graphs", cuda_graphs)):
-                if not isinstance(value, bool):
+                if not is_bool(value):
                     raise BalancerError(f"{name} must be a bool, got {value!r}")
             if heap is not None:
                 if not isinstance(heap, SymmetricHeap):
@@ -326,7 +326,7 @@ class Balancer:
             self._impl: BalancerBackend = _backend_class(self.heap)(
                 self.heap, layout, gather["balancer.gathered_loads"], gather["balancer.gather_flags"],
                 min_replica_tokens=self.min_replica_tokens, timeout_s=self.timeout_s, sync_checks=self.sync_checks,
-                cuda_graphs=cuda_graphs)
+                cuda_graphs=bool(cuda_graphs))
             self._rings = [[_RingSlot(self._impl) for _ in range(self.max_in_flight)]
                            for _ in range(self.num_layers)]
         except BaseException as exc:
@@ -680,7 +680,7 @@ class Balancer:
         default) ``stream`` (else the current one) first waits for every slot
         (:meth:`wait_replica`); pass ``wait=False`` to wait per slot instead."""
         self._check_live_owner(handle, "replica_weights")
-        if not isinstance(wait, bool):
+        if not is_bool(wait):
             raise BalancerError(f"replica_weights: wait must be a bool, got {wait!r}")
         if wait:
             self.wait_replica(handle, stream=stream)

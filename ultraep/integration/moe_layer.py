@@ -72,7 +72,7 @@ from ultraep.errors import ClosedError, CollectiveError, MoELayerError
 from ultraep.integration.balancer import BalanceHandle, Balancer
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
 from ultraep.runtime import dtypes
-from ultraep.runtime.dtypes import flush_subnormals, is_int
+from ultraep.runtime.dtypes import flush_subnormals, is_bool, is_int
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import Dispatcher
@@ -388,7 +388,7 @@ class MoELayer:
         error = None
         try:
             self._check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend)
-            if not isinstance(fused, bool):
+            if not is_bool(fused):
                 raise MoELayerError(f"fused must be a bool, got {fused!r}")
             if fused_config is not None and not fused:
                 raise MoELayerError("fused_config is set but fused=False: it configures the fused kernels")
@@ -611,8 +611,9 @@ class MoELayer:
         self._check_open()
         error, arrays = None, None
         try:
-            if not isinstance(backward, bool):
+            if not is_bool(backward):
                 raise MoELayerError(f"forward: backward must be a bool, got {backward!r}")
+            backward = bool(backward)
             arrays = [self._import(name, tensor) for name, tensor in (("x", x), ("topk_ids", topk_ids),
                                                                       ("gates", gates))]
         except MoELayerError as exc:

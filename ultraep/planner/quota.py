@@ -51,7 +51,7 @@ import numpy as np
 
 from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan
-from ultraep.runtime.dtypes import is_int
+from ultraep.runtime.dtypes import is_bool, is_int
 from ultraep.runtime.kernels import kernel_constants
 
 _KERNEL = kernel_constants("planner.cu")
@@ -89,7 +89,7 @@ class Planner(ABC):
         self.cap_ppm = target_ppm(target_imbalance)
         if fit_first is None:
             fit_first = target_imbalance is not None
-        elif not isinstance(fit_first, (bool, np.bool_)):
+        elif not is_bool(fit_first):
             raise ValueError(f"fit_first must be True, False or None, got {fit_first!r}")
         self.fit_first = bool(fit_first)
 

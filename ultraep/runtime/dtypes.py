@@ -81,6 +81,12 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def is_bool(value) -> bool:
+    """Whether ``value`` is True or False, Python's or NumPy's (a truthy string, number or
+    array is not: it would be read as on, or raise NumPy's truth-value error later)."""
+    return isinstance(value, (bool, np.bool_))
+
+
 def resolve_dtype(dtype, *, what: str = "dtype") -> np.dtype:
     """NumPy dtype for ``dtype`` (a dtype, its name, 'bfloat16', 'float8_e4m3fn' or
     'float8_e5m2'); ValueError if the kernels don't support it."""

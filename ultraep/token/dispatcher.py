@@ -50,7 +50,7 @@ from ultraep.errors import ClosedError, DispatchError
 from ultraep.planner.layout import ExpertLayout
 from ultraep.runtime import open_heap
 from ultraep.runtime.backend import choose_backend
-from ultraep.runtime.dtypes import is_int, resolve_dtype
+from ultraep.runtime.dtypes import is_bool, is_int, resolve_dtype
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap, timeout_error
 from ultraep.runtime.kernels import kernel_constant
@@ -112,7 +112,7 @@ def _flags(**flags) -> dict:
     """Each on/off set-up argument as a Python bool; DispatchError for anything but True or False
     (NumPy's too): a truthy string or an array would otherwise be read as True, or not at all."""
     for name, value in flags.items():
-        if not isinstance(value, (bool, np.bool_)):
+        if not is_bool(value):
             raise DispatchError(f"{name} must be True or False, got {value!r}")
     return {name: bool(value) for name, value in flags.items()}
 

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ultraep.errors import ProfileError
-from ultraep.runtime.dtypes import is_int
+from ultraep.runtime.dtypes import is_bool, is_int
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.tune.device import DISPATCH_THREADS
 from ultraep.tune.profile import UP_RELEASED_SINCE, MachineProfile
@@ -119,7 +119,7 @@ class Problem:
             raise ProfileError(f"Problem: top_k {self.top_k} exceeds the {self.experts} experts")
         if self.slot_rows is not None and (len(self.slot_rows) == 0 or min(self.slot_rows) < 0):
             raise ProfileError("Problem.slot_rows must hold a non-negative row count per local slot")
-        if not isinstance(self.keeps_h, bool):
+        if not is_bool(self.keeps_h):
             raise ProfileError(f"Problem.keeps_h must be True or False, got {self.keeps_h!r}")
 
     @property
