@@ -56,6 +56,12 @@ def test_bad_cpu_inputs_are_named(make, needle):
     assert "topk_ids" in str(info.value)
 
 
+def test_masked_array_refused():
+    x = np.ma.masked_array(np.arange(4, dtype=np.float32), mask=[0, 1, 0, 0])
+    with pytest.raises(ValueError, match=r"x: a masked array \(numpy.ma\) is not taken"):
+        import_tensor(x, name="x", device=None)
+
+
 def test_read_only_array_refused_for_writing():
     x = np.zeros(4, np.float32)
     x.flags.writeable = False

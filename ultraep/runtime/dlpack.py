@@ -60,6 +60,9 @@ def import_tensor(x, *, name: str, device: int | None, writable: bool = False, d
     if kind == "unknown":
         raise ValueError(f"{name}: {type(x).__name__} is not a tensor "
                          "(expected torch, JAX, CuPy or NumPy, or any DLPack producer)")
+    if isinstance(x, np.ma.MaskedArray):  # its data would be read with the masked values in it
+        raise ValueError(f"{name}: a masked array (numpy.ma) is not taken: its masked values would be read as "
+                         "data; pass its .filled(value) or .data")
     if writable and kind == "jax":
         raise ValueError(f"{name}: JAX arrays are immutable and are never written; "
                          "pass a torch/CuPy/NumPy buffer for outputs")
