@@ -25,11 +25,7 @@
 // Forward/dgrad tiles never straddle experts, and the input is not padded: a tile starts
 // at its expert's first row plus a multiple of GH_BM; rows past the expert's end are loaded
 // (the next expert's rows, or zeros past the tensor) but never stored, and a row's
-// accumulators depend on its own row of A only. An expert's last m-tile of at most 64 rows
-// (short_tile) is split by columns instead: both consumers multiply its 64 rows, each half
-// of the columns (m64n128k16), so neither idles on rows that are never stored; per element
-// the same k16 steps in the same order as in a full tile, the same bits (a GPU test holds
-// them to it). A wgrad tile is GH_BM rows of K by GH_BN
+// accumulators depend on its own row of A only. A wgrad tile is GH_BM rows of K by GH_BN
 // columns of N of one expert, reduced over the expert's rows from its first in GH_BK
 // chunks; the last chunk runs only its k16 steps that hold rows of the expert, and the rows
 // past the expert's end in the last of those are cleared in shared memory before the MMAs
@@ -103,17 +99,14 @@ __device__ __forceinline__ unsigned store_warp_arrivals(int w) {
     return GH_CONSUMERS * 4 * (w + 1) / GH_STORE_WARPS - GH_CONSUMERS * 4 * w / GH_STORE_WARPS;
 }
 
-// A consumer's rows of a ring-staged BF16 tile (accumulators as in grouped_mm), GROUPS groups
-// of 8 columns from column block `first_block` on: column block b at stage + b *
-// GG_BLOCK_BYTES for b < GG_STAGE_BLOCKS, the others in the tail.
-template <int GROUPS>
-__device__ __forceinline__ void stage_in_ring(const float (&d)[128], unsigned stage, unsigned tail, int row, int lane,
-                                              int first_block) {
+// A consumer's rows of a ring-staged BF16 tile (accumulators as in grouped_mm): column block
+// b at stage + b * GG_BLOCK_BYTES for b < GG_STAGE_BLOCKS, the others in the tail.
+__device__ __forceinline__ void stage_in_ring(const float (&d)[128], unsigned stage, unsigned tail, int row, int lane) {
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int j = 0; j < GROUPS; ++j) {
-            const int block = first_block + j / (GG_BLOCK_COLS / 8);
+        for (int j = 0; j < GH_BN / 8; ++j) {
+            const int block = j / (GG_BLOCK_COLS / 8);
             const unsigned base = block < GG_STAGE_BLOCKS ? stage + block * GG_BLOCK_BYTES
                                                           : tail + (block - GG_STAGE_BLOCKS) * GG_BLOCK_BYTES;
             const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
@@ -163,10 +156,6 @@ __device__ __forceinline__ void store_ring_blocks(unsigned base, int col0, const
 template <bool VALUE>
 struct Flag {
     static constexpr bool value = VALUE;
-};
-template <int VALUE>
-struct Count {
-    static constexpr int value = VALUE;
 };
 
 // The operands as grouped_gemm_common.cuh describes them (load_tile).
@@ -295,50 +284,16 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = tile_at(t);
         float d[128];
-        mma_tile<MODE, !RING_STAGED, true>(d, tile, stages, full, empty, step, consumer, lane, status, gave_up);
+        mma_tile<MODE, !RING_STAGED>(d, tile, stages, full, empty, step, consumer, lane, status, gave_up);
 
         // Accumulator d[4j + {0, 1}] is row lane/4, columns 8j + 2 (lane%4) + {0, 1} of the
-        // warp's 16 rows; d[4j + {2, 3}] the same 8 rows further; j < GH_BN / 8, the consumer's
-        // 64 rows. A short tile's: j < GH_BN / 16, rows 0-63, the consumer's half of the columns.
-        const bool split = short_tile(MODE, tile);
-        const int row = (split ? 0 : consumer * 64) + warp * 16 + lane / 4;
-        const int col = (split ? consumer * (GH_BN / 2) : 0) + 2 * (lane % 4);
-        // The accumulators' writes, GROUPS of 8 columns (a compile-time count: d's indices are).
-        auto write = [&](auto groups) {
-            constexpr int GROUPS = decltype(groups)::value;
-            if constexpr (RING_STAGED) {
-                stage_in_ring<GROUPS>(d, stages + (step - 1) % GH_STAGES * GH_STAGE_BYTES, staged, row, lane,
-                                      col / GG_BLOCK_COLS);
-            } else if constexpr (STAGED_OUTPUT) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-#pragma unroll
-                    for (int j = 0; j < GROUPS; ++j) {
-                        const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
-                        asm volatile("st.shared.b32 [%0], %1;"
-                                     :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
-                                        "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
-                    }
-            } else {
-                OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int r = tile.row0 + row + 8 * half;
-                    if (r >= tile.row_end) continue;
-                    OutT* out_row = base + static_cast<long long>(r) * out_cols;
-#pragma unroll
-                    for (int j = 0; j < GROUPS; ++j) {
-                        const int c = tile.col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
-                        if (c < out_cols) store_pair(out_row + c, d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
-                    }
-                }
-            }
-        };
+        // warp's 16 rows; d[4j + {2, 3}] the same 8 rows further.
+        const int row = consumer * 64 + warp * 16 + lane / 4, col = 2 * (lane % 4);
         if constexpr (RING_STAGED) {  // over the last k-step's stage and the tail, once the store warps are done with it
             if (tile.red_len > 0) {   // else zeros, which the store warps write
                 consumers_sync();     // both warpgroups' last MMAs have read the stage
                 stage_wait(&output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
-                if (split) write(Count<GH_BN / 16>{}); else write(Count<GH_BN / 8>{});
+                stage_in_ring(d, stages + (step - 1) % GH_STAGES * GH_STAGE_BYTES, staged, row, lane);
                 fence_proxy_async_shared();
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(&output_full);
@@ -346,12 +301,30 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             }
         } else if constexpr (STAGED_OUTPUT) {  // to the staged tile once the store warps are done with the last
             stage_wait(&output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
-            if (split) write(Count<GH_BN / 16>{}); else write(Count<GH_BN / 8>{});
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int j = 0; j < GH_BN / 8; ++j) {
+                    const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+                    asm volatile("st.shared.b32 [%0], %1;" :: "r"(staged + (row + 8 * half) * GH_C_PITCH + (col + 8 * j) * 2),
+                                 "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
+                }
             __syncwarp();
             if (lane == 0) mbarrier_arrive(&output_full);
             phase ^= 1;
         } else {
-            if (split) write(Count<GH_BN / 16>{}); else write(Count<GH_BN / 8>{});
+            OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = tile.row0 + row + 8 * half;
+                if (r >= tile.row_end) continue;
+                OutT* out_row = base + static_cast<long long>(r) * out_cols;
+#pragma unroll
+                for (int j = 0; j < GH_BN / 8; ++j) {
+                    const int c = tile.col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
+                    if (c < out_cols) store_pair(out_row + c, d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+                }
+            }
         }
     }
 }

@@ -234,20 +234,6 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
         : "l"(a), "l"(b), "n"(TRANS_A), "n"(TRANS_B), "r"(1));  // p: accumulate into d
 }
 
-// d[0..63] += A (64 x 16) x B (16 x 128), as wgmma_m64n256k16 for half the columns.
-template <int TRANS_A, int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[128], unsigned long long a, unsigned long long b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-        "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
-        "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, %66, %67;\n}\n"
-        : GH_D32(0), GH_D32(32)
-        : "l"(a), "l"(b), "n"(TRANS_A), "n"(TRANS_B), "r"(1));  // p: accumulate into d
-}
-
 // A stage wait that gives up. Any function call in this kernel (the out-of-line report of
 // sync.cuh's mbarrier_wait, printf) makes ptxas serialise every wgmma, and so does a
 // consumer leaving its loop on a path of its own; so a wait that runs out of time records
@@ -284,13 +270,6 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;
 struct Tile {
     int expert, row0, row_end, col0, red0, red_len;
 };
-
-// A forward or dgrad tile whose expert ends within its first 64 rows (its last m-tile): with
-// SPLIT_SHORT, both consumers multiply those 64 rows, each half of the columns, instead of
-// one consumer idling on rows that are never stored: the tile takes about half the time.
-__device__ __forceinline__ bool short_tile(int mode, const Tile& tile) {
-    return mode != GH_WGRAD && tile.row_end - tile.row0 <= GH_BM / 2;
-}
 
 template <typename OutT>
 __device__ __forceinline__ void store_pair(OutT* p, float v0, float v1) {
@@ -375,13 +354,11 @@ __device__ __forceinline__ void wgrad_k16_steps(float (&d)[128], unsigned a, uns
 // A consumer warpgroup's MMAs of one tile: d = its 64 rows x GH_BN columns, summed over the
 // reduction in GH_BK chunks in ascending order, each releasing its stage once the next
 // chunk's MMAs are issued. !RELEASE_LAST: the last chunk's stage stays held (its release
-// is then the caller's: grouped_gemm.cu stages an output tile in it). SPLIT_SHORT: a
-// short_tile's d[0..63] is rows 0-63 by this consumer's half of the columns.
-template <int MODE, bool RELEASE_LAST = true, bool SPLIT_SHORT = false>
+// is then the caller's: grouped_gemm.cu stages an output tile in it).
+template <int MODE, bool RELEASE_LAST = true>
 __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsigned stages, u64* full, u64* empty,
                                          int& step, int consumer, int lane, long long* status, bool& gave_up) {
     const int k_steps = ceil_div(tile.red_len, GH_BK);
-    const bool split = SPLIT_SHORT && short_tile(MODE, tile);
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.0f;
     for (int k = 0; k < k_steps; ++k, ++step) {
@@ -413,21 +390,6 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
             else if (k16_steps == 3) wgrad_k16_steps<3>(d, a, b, consumer);
             else if (k16_steps == 2) wgrad_k16_steps<2>(d, a, b, consumer);
             else wgrad_k16_steps<1>(d, a, b, consumer);
-        } else if (split) {
-            // Both read the first consumer's rows; B's columns 128 c.. are two N-major boxes
-            // further (forward) or 128 K-major rows further (dgrad).
-            wgmma_fence();
-#pragma unroll
-            for (int k16 = 0; k16 < GH_BK / 16; ++k16) {
-                const unsigned long long da = smem_descriptor(a + k16 * 32, 16, 1024);
-                if constexpr (MODE == GH_FORWARD) {
-                    wgmma_m64n128k16<0, 1>(d, da, smem_descriptor(b + consumer * 2 * GH_BOX_BYTES + k16 * 2048,
-                                                                  GH_BOX_BYTES, 1024));
-                } else {
-                    wgmma_m64n128k16<0, 0>(d, da, smem_descriptor(b + consumer * (GH_BN / 2) * 128 + k16 * 32, 16, 1024));
-                }
-            }
-            wgmma_commit();
         } else {
             wgmma_fence();
 #pragma unroll

@@ -177,30 +177,6 @@ def test_a_rows_result_does_not_depend_on_where_it_runs(cp, op, k, n, count):
             assert np.array_equal(y, reference), f"{op}: rows moved to {where} with offsets {offsets} changed bits"
 
 
-@pytest.mark.parametrize("op", ["forward", "dgrad"])
-@pytest.mark.parametrize("out_dtype", [BFLOAT16, np.float32], ids=["bf16", "fp32"])
-def test_a_short_last_tile_gives_the_bits_of_a_full_one(cp, op, out_dtype):
-    """An expert's last m-tile of at most 64 rows runs with the two consumers splitting its
-    columns (m64n128 MMAs) instead of its rows (m64n256): the same rows in such a tile (alone,
-    after another expert's full tile, behind a full tile of its own with other rows past the
-    end) must come out as in a full tile (the first 40 of 100 rows)."""
-    rng = np.random.default_rng(7)
-    # Output columns 520 (forward: a third tile of 8) and 328 (dgrad: a second of 72): the
-    # last tile's upper half, the second consumer's, is all past the end.
-    k, n = 328, 520
-    w = bf16(rng, (2, k, n))
-    target = bf16(rng, (40, k if op == "forward" else n))
-    others = bf16(rng, (188, target.shape[1]))
-    full = bits(run(cp, op, np.concatenate([target, others[:60]]), w, offsets_of([0, 100]), out_dtype))[:40]
-    short = bits(run(cp, op, target, w, offsets_of([0, 40]), out_dtype))
-    after_full_tile = bits(run(cp, op, np.concatenate([others[:128], target]), w, offsets_of([128, 40]),
-                               out_dtype))[128:]
-    behind_rows = bits(run(cp, op, np.concatenate([others[:128], target, others[128:]]), w,
-                           offsets_of([0, 168]), out_dtype))[128:168]
-    for where, got in (("alone", short), ("after another expert", after_full_tile), ("behind 128 rows", behind_rows)):
-        assert np.array_equal(got, full), f"{op}: rows in a short tile ({where}) differ from those in a full one"
-
-
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("seed", range(4))
 def test_random_sizes_with_empty_and_one_row_experts(cp, op, seed):
