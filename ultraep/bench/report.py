@@ -14,13 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ultraep.runtime.dtypes import is_bool
+
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def format_value(value) -> str:
     if value is None:
         return "-"
-    if isinstance(value, (bool, np.bool_)):
+    if is_bool(value):
         return "yes" if value else "no"
     if isinstance(value, (int, np.integer)):
         return str(int(value))
@@ -105,7 +107,7 @@ class Progress:
 
 
 def _numeric(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return isinstance(value, (int, float, np.integer, np.floating)) and not is_bool(value)
 
 
 def device_name() -> str:
@@ -154,7 +156,7 @@ def _jsonable(value):
         return [_jsonable(v) for v in value]
     if isinstance(value, np.ndarray):
         return _jsonable(value.tolist())
-    if isinstance(value, (bool, np.bool_)):
+    if is_bool(value):
         return bool(value)
     if isinstance(value, (int, np.integer)):
         return int(value)
