@@ -54,6 +54,21 @@ def test_sync_grid_values(text, blocks):
     assert bench.sync_grid(text) == blocks
 
 
+class _ThreeRanks:
+    """allgather as three ranks: this one and two others."""
+
+    def allgather(self, value):
+        return [value, [0.1, None, 0.3], [None, None, 0.2]]
+
+
+def test_stage_columns_are_the_slowest_ranks():
+    """A sync copies on the ranks holding the replicated masters: rank 0's own stage time
+    may be the agreement alone, so the columns take the slowest rank's."""
+    summary = {"update_ms_median": 0.05, "reroute_ms_median": 0.01}  # no sync timed here
+    assert bench.slowest_stages(_ThreeRanks(), summary) == {"update_dev_ms": 0.1, "weight_sync_dev_ms": None,
+                                                            "reroute_dev_ms": 0.3}
+
+
 @pytest.mark.parametrize("text", ["0", "-3", "many"])
 def test_sync_grid_refuses_what_is_not_a_block_count(text):
     with pytest.raises(Exception, match="expected a positive block count or 'all'"):

@@ -22,9 +22,12 @@ rank's end, host and device, per call; medians over ``--rounds`` rounds of
 layer, to tell their costs apart; ``--sync-at dispatch`` starts the sync once dispatch is
 enqueued (it then runs beside the masters' compute instead of reroute and dispatch).
 ``exposed_ms`` = balanced - in place (median of the rounds' differences): what balancing
-adds to the layer. ``share_pct`` = exposed / layer. The ``*_dev_ms`` columns are the
-Balancer's own CUDA-event (CPU: wall) stage times in the balanced layer, medians over
-its calls: the parts, not additive (the sync runs beside dispatch). ``bal_host_ms`` is the
+adds to the layer. ``share_pct`` = exposed / layer. ``update_dev_ms``,
+``weight_sync_dev_ms`` and ``reroute_dev_ms`` are the Balancer's own CUDA-event (CPU: wall)
+stage times in the balanced layer, each rank's median over its calls, the slowest rank's
+(a sync's copies run on the ranks that hold the replicated masters: the others' syncs
+are the agreement and the compile alone): the parts, not additive (the sync runs beside
+dispatch). ``bal_host_ms`` is the
 host's time inside the Balancer's calls of one balanced layer -- ``update_host_ms``,
 ``sync_host_ms``, ``reroute_host_ms`` and ``wait_host_ms`` (the per-slot waits) -- and
 ``call_host_ms`` the host's time to enqueue the whole balanced layer (medians).
@@ -84,6 +87,7 @@ COLUMNS = ["weights", "steps", "sync_at", "compute_priority", "sync_blocks", "im
 LAYER_PHASES = ("dispatched", "masters", "computed", "end")  # the stamps ending dispatch, the masters' compute,
 # the replicas' and combine
 HOST_PARTS = ("update", "sync", "reroute", "wait")  # the Balancer's calls of a balanced layer, timed on the host
+BALANCER_STAGES = ("update", "weight_sync", "reroute")  # the Balancer's own stage clocks, the *_dev_ms columns
 WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}  # name -> table label
 HIGHEST_PRIORITY = -1000  # CUDA clamps a stream priority to the device's range: this is its highest
 BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
@@ -461,11 +465,19 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
            **{f"{part}_host_ms": statistics.median(host_ms[part]) for part in HOST_PARTS},
            "bal_host_ms": statistics.median(map(sum, zip(*(host_ms[part] for part in HOST_PARTS)))),
            "blocked_host_ms": stats.host_wait_ms / stats.updates, "call_host_ms": statistics.median(host_ms["call"]),
-           **{f"{stage}_dev_ms": summary.get(f"{stage}_ms_median") for stage in ("update", "weight_sync", "reroute")},
+           **slowest_stages(group, summary),
            "sync_MB": statistics.mean(r.weight_bytes for r in stats.records) / 1e6, "replica_diff": diff}
     if args.steps == "plan":
         row["synced_dev_ms"] = None  # no sync was stamped
     return row, stats.records
+
+
+def slowest_stages(group, summary: dict) -> dict:
+    """``<stage>_dev_ms`` of :data:`BALANCER_STAGES`: the slowest rank's median (None where
+    no rank timed the stage)."""
+    gathered = group.allgather([summary.get(f"{stage}_ms_median") for stage in BALANCER_STAGES])
+    return {f"{stage}_dev_ms": max((rank[i] for rank in gathered if rank[i] is not None), default=None)
+            for i, stage in enumerate(BALANCER_STAGES)}
 
 
 def write_host_profile(profiler, directory: str, label: str) -> None:
