@@ -62,6 +62,34 @@ def test_masked_array_refused():
         import_tensor(x, name="x", device=None)
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix on purpose
+def test_ndarray_subclass_comes_back_a_plain_view_of_the_same_memory():
+    """np.matrix indexes and multiplies differently: the library must see a plain ndarray,
+    and an output written through it must land in the caller's buffer."""
+    out = np.matrix(np.zeros((2, 3), np.float32))
+    view = import_tensor(out, name="out", device=None, writable=True)
+    assert type(view) is np.ndarray and view.shape == (2, 3) and view[0].shape == (3,)
+    view[1, 2] = 5.0
+    assert out[1, 2] == 5.0
+    plain = np.zeros(4, np.float32)
+    assert import_tensor(plain, name="x", device=None) is plain
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix on purpose
+def test_grouped_mm_on_the_host_takes_np_matrix_operands():
+    from ultraep.compute import grouped_mm
+    from ultraep.runtime.dtypes import BFLOAT16
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 8)).astype(BFLOAT16)
+    w = rng.standard_normal((2, 8, 16)).astype(BFLOAT16)
+    offsets = np.array([0, 2, 5])
+    expected = grouped_mm(x, w, offsets, out=np.zeros((5, 16), np.float32))
+    out = np.matrix(np.full((5, 16), np.nan, np.float32))
+    grouped_mm(np.matrix(x), w, offsets, out=out)
+    assert np.array_equal(np.asarray(out), expected)
+
+
 def test_read_only_array_refused_for_writing():
     x = np.zeros(4, np.float32)
     x.flags.writeable = False

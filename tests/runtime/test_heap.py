@@ -16,3 +16,23 @@ def test_heap_across_ranks(backend, check):
     assert_all_ranks_ok(out, RANKS, check)
     if check == "timeout":
         assert out.count("waiting for rank 3") == RANKS - 1, out
+
+
+@pytest.mark.parametrize("tensors, signals, text", [
+    ([("t", (4, 2.5), "float32")], [], "shape must be a tuple of ints >= 0, got (4, 2.5)"),
+    ([("t", (True, 4), "float32")], [], "shape must be a tuple of ints >= 0"),
+    ([("t", (-1,), "float32")], [], "shape must be a tuple of ints >= 0"),
+    ([("t", 8, "float32")], [], "shape must be a tuple of ints >= 0, got 8"),
+    ([], [("s", 3.7)], "signal count must be an int >= 0, got 3.7"),
+    ([], [("s", "4")], "signal count must be an int >= 0"),
+])
+def test_requirements_refuse_dimensions_int_would_round(tensors, signals, text):
+    """int() would size the heap for a truncated shape or count (2.5 -> 2, True -> 1)."""
+    import numpy as np
+
+    from ultraep.runtime.heap import HeapRequirements
+
+    with pytest.raises(ValueError, match=text.replace("(", r"\(").replace(")", r"\)")):
+        HeapRequirements.of(tensors=tensors, signals=signals)
+    ok = HeapRequirements.of(tensors=[("t", (np.int64(4), 0), "float32")], signals=[("s", np.int32(3))])
+    assert ok.tensors[0][1] == (4, 0) and ok.signals == (("s", 3),)

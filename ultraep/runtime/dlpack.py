@@ -110,7 +110,7 @@ def _import_host(x, kind: str, name: str, writable: bool):
             raise ValueError(f"{name}: array is not C-contiguous (strides {x.strides}); use numpy.ascontiguousarray")
         if writable and not x.flags.writeable:
             raise ValueError(f"{name}: array is read-only but is written by this call")
-        return x
+        return np.asarray(x)  # a subclass (np.matrix: indexing keeps 2-D, * multiplies) as a plain view
     return _from_dlpack(np.from_dlpack, x, kind)
 
 

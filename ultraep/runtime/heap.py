@@ -88,6 +88,18 @@ def positive_shape(shape, what: str) -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
+def _requirement_shape(name: str, shape) -> tuple[int, ...]:
+    if not isinstance(shape, (tuple, list)) or not all(is_int(d) and d >= 0 for d in shape):
+        raise ValueError(f"heap requirement {name!r}: the shape must be a tuple of ints >= 0, got {shape!r}")
+    return tuple(int(d) for d in shape)
+
+
+def _requirement_count(name: str, count) -> int:
+    if not (is_int(count) and count >= 0):
+        raise ValueError(f"heap requirement {name!r}: the signal count must be an int >= 0, got {count!r}")
+    return int(count)
+
+
 @dataclass(frozen=True)
 class HeapRequirements:
     """What a component will allocate in a heap: named tensors ``(name, shape, dtype)``
@@ -99,9 +111,12 @@ class HeapRequirements:
 
     @classmethod
     def of(cls, tensors: Iterable = (), signals: Iterable = ()) -> "HeapRequirements":
-        return cls(tuple((name, tuple(int(d) for d in shape), resolve_dtype(dtype, what=f"tensor {name!r} dtype"))
+        """From ``(name, shape, dtype)`` and ``(name, count)`` entries; ValueError naming the
+        entry unless every dimension and count is an int >= 0 (int() would truncate 2.5 to
+        2 or read True as 1, and the heap would be sized for less than is allocated)."""
+        return cls(tuple((name, _requirement_shape(name, shape), resolve_dtype(dtype, what=f"tensor {name!r} dtype"))
                          for name, shape, dtype in tensors),
-                   tuple((name, int(count)) for name, count in signals))
+                   tuple((name, _requirement_count(name, count)) for name, count in signals))
 
     def __add__(self, other: "HeapRequirements") -> "HeapRequirements":
         return HeapRequirements(self.tensors + other.tensors, self.signals + other.signals)
