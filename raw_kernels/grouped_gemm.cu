@@ -25,10 +25,7 @@
 // Forward/dgrad tiles never straddle experts, and the input is not padded: a tile starts
 // at its expert's first row plus a multiple of GH_BM; rows past the expert's end are loaded
 // (the next expert's rows, or zeros past the tensor) but never stored, and a row's
-// accumulators depend on its own row of A only. In the ring schedule an expert's last m-tile
-// of at most 64 rows runs as pair tiles (grouped_gemm_common.cuh's Tile): both consumers on
-// those rows, each on its own n-tile, so such a tile costs one tile's MMAs for two n-tiles
-// instead of two; the expert's other tiles come first. A wgrad tile is GH_BM rows of K by GH_BN
+// accumulators depend on its own row of A only. A wgrad tile is GH_BM rows of K by GH_BN
 // columns of N of one expert, reduced over the expert's rows from its first in GH_BK
 // chunks; the last chunk runs only its k16 steps that hold rows of the expert, and the rows
 // past the expert's end in the last of those are cleared in shared memory before the MMAs
@@ -125,7 +122,7 @@ __device__ __forceinline__ void stage_in_ring(const float (&d)[128], unsigned st
 // lanes take a 128-byte row, a warp 4 rows at a time; each lane keeps UNROLL chunks in flight.
 template <int BLOCKS, bool ZEROS = false>
 __device__ __forceinline__ void store_ring_blocks(unsigned base, int col0, const Tile& tile, bf16* out, int out_cols,
-                                                  int id, int staged_row0 = 0) {
+                                                  int id) {
     constexpr int ROW_STEP = GH_STORE_WARPS * WARP / 8, UNROLL = 2;
     const int chunk = id % 8, first_row = id / 8, rows = min(GH_BM, tile.row_end - tile.row0);
     const long long row_step = static_cast<long long>(ROW_STEP) * out_cols;
@@ -144,7 +141,7 @@ __device__ __forceinline__ void store_ring_blocks(unsigned base, int col0, const
                 if (!ZEROS && row + u * ROW_STEP < rows)
                     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                                  : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                                 : "r"(block + swizzled_chunk(staged_row0 + row + u * ROW_STEP, chunk)));
+                                 : "r"(block + swizzled_chunk(row + u * ROW_STEP, chunk)));
             }
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u)
@@ -169,8 +166,6 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     constexpr bool STAGED_OUTPUT = sizeof(OutT) == 2;  // FP32 tiles do not fit beside the stages: stored directly
     constexpr bool RING_STAGED = STAGED_OUTPUT && GG_SCHEDULE == GG_RING_STAGED;
     constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
-    // Pair tiles where the output is ring-staged (BF16) or stored by the consumers (FP32)
-    constexpr bool PAIRS = MODE != GH_WGRAD && GG_SCHEDULE == GG_RING_STAGED;
     extern __shared__ unsigned char dynamic_shared[];
     __shared__ int off[GG_MAX_EXPERTS + 1];
     __shared__ int tile_start[GG_MAX_EXPERTS + 1];
@@ -180,7 +175,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     const int out_cols = MODE == GH_DGRAD ? K : N;
     const int n_tiles = ceil_div(out_cols, GH_BN);
     const int wgrad_m_tiles = ceil_div(K, GH_BM);
-    if (MODE != GH_WGRAD && threadIdx.x < WARP) tile_prefix(tile_start, off, experts, GH_BM, n_tiles, PAIRS);
+    if (MODE != GH_WGRAD && threadIdx.x < WARP) tile_prefix(tile_start, off, experts, GH_BM, n_tiles);
     if (threadIdx.x == 0) {
         for (int s = 0; s < GH_STAGES; ++s) {
             mbarrier_init(&full[s], 1);                  // the producer's expect_tx arrival
@@ -202,14 +197,9 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             const int2 mn = grouped_raster(t - e * wgrad_m_tiles * n_tiles, wgrad_m_tiles, n_tiles);
             return Tile{e, mn.x * GH_BM, K, mn.y * GH_BN, off[e], off[e + 1] - off[e]};
         } else {
-            const int e = expert_of_tile(tile_start, experts, t), rows_e = off[e + 1] - off[e];
-            const int local = t - tile_start[e], red_len = MODE == GH_FORWARD ? K : N;
-            const bool pairs = PAIRS && ends_short(rows_e, GH_BM);
-            const int m_tiles = pairs ? rows_e / GH_BM : ceil_div(rows_e, GH_BM);
-            if (pairs && local >= m_tiles * n_tiles)  // the short m-tile's pairs, after the expert's full tiles
-                return Tile{e, off[e] + m_tiles * GH_BM, off[e + 1], (local - m_tiles * n_tiles) * 2 * GH_BN, 0, red_len, 1};
-            const int2 mn = grouped_raster(local, m_tiles, n_tiles);
-            return Tile{e, off[e] + mn.x * GH_BM, off[e + 1], mn.y * GH_BN, 0, red_len, 0};
+            const int e = expert_of_tile(tile_start, experts, t);
+            const int2 mn = grouped_raster(t - tile_start[e], ceil_div(off[e + 1] - off[e], GH_BM), n_tiles);
+            return Tile{e, off[e] + mn.x * GH_BM, off[e + 1], mn.y * GH_BN, 0, MODE == GH_FORWARD ? K : N};
         }
     };
 
@@ -227,12 +217,9 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                     const Tile tile = tile_at(t);
                     const int a_boxes = A_BOXES ? min(GH_BM / GH_BOX, ceil_div(K - tile.row0, GH_BOX)) : 1;
                     const int b_boxes = B_BOXES ? min(GH_BN / GH_BOX, ceil_div(out_cols - tile.col0, GH_BOX)) : 1;
-                    const int pair_cols = tile.pair ? out_cols - tile.col0 - GH_BN : 0;  // the second n-tile's
-                    const unsigned pair_mask =
-                        pair_cols <= 0 ? 0 : B_BOXES ? (1u << min(GH_BN / GH_BOX, ceil_div(pair_cols, GH_BOX))) - 1 : 1;
-                    if (!load_tile<MODE, decltype(one_box_each)::value, PAIRS>(a_map, b_map, tile, a_boxes,
-                                                                               (1u << b_boxes) - 1, 0, stages, full,
-                                                                               empty, step, status, gave_up, pair_mask))
+                    if (!load_tile<MODE, decltype(one_box_each)::value>(a_map, b_map, tile, a_boxes,
+                                                                        (1u << b_boxes) - 1, 0, stages, full, empty,
+                                                                        step, status, gave_up))
                         return;
                 }
             };
@@ -255,29 +242,21 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
                 const Tile tile = tile_at(t);
                 OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
-                const int width = PAIRS && tile.pair ? 2 : 1;
-                step += ceil_div(tile.red_len, GH_BK) * width;
+                step += ceil_div(tile.red_len, GH_BK);
                 if (tile.red_len == 0) {
-                    for (int half = 0; half < width; ++half)
-                        store_ring_blocks<GH_BN / GG_BLOCK_COLS, true>(0, tile.col0 + half * GH_BN, tile, base,
-                                                                       out_cols, id);
+                    store_ring_blocks<GH_BN / GG_BLOCK_COLS, true>(0, tile.col0, tile, base, out_cols, id);
                     continue;
                 }
                 stage_wait(&output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
                 phase ^= 1;
                 if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
-                // a pair tile's consumer 1 staged its rows as rows 64 on: columns GH_BN further
-                const int s = (step - width) % GH_STAGES;
-                for (int half = 0; half < width; ++half)
-                    store_ring_blocks<GG_STAGE_BLOCKS>(stages + s * GH_STAGE_BYTES, tile.col0 + half * GH_BN, tile,
-                                                       base, out_cols, id, half * 64);
+                const int s = (step - 1) % GH_STAGES;
+                store_ring_blocks<GG_STAGE_BLOCKS>(stages + s * GH_STAGE_BYTES, tile.col0, tile, base, out_cols, id);
                 fence_proxy_async_shared();
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive_count(&empty[s], store_warp_arrivals(id / WARP));
-                for (int half = 0; half < width; ++half)
-                    store_ring_blocks<GH_BN / GG_BLOCK_COLS - GG_STAGE_BLOCKS>(
-                        staged, tile.col0 + half * GH_BN + GG_STAGE_BLOCKS * GG_BLOCK_COLS, tile, base, out_cols, id,
-                        half * 64);
+                store_ring_blocks<GH_BN / GG_BLOCK_COLS - GG_STAGE_BLOCKS>(
+                    staged, tile.col0 + GG_STAGE_BLOCKS * GG_BLOCK_COLS, tile, base, out_cols, id);
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(&output_empty);
             }
@@ -305,8 +284,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = tile_at(t);
         float d[128];
-        mma_tile<MODE, !RING_STAGED, PAIRS>(d, tile, stages, full, empty, step, consumer, lane, status, gave_up);
-        const int width = PAIRS && tile.pair ? 2 : 1;
+        mma_tile<MODE, !RING_STAGED>(d, tile, stages, full, empty, step, consumer, lane, status, gave_up);
 
         // Accumulator d[4j + {0, 1}] is row lane/4, columns 8j + 2 (lane%4) + {0, 1} of the
         // warp's 16 rows; d[4j + {2, 3}] the same 8 rows further.
@@ -315,7 +293,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             if (tile.red_len > 0) {   // else zeros, which the store warps write
                 consumers_sync();     // both warpgroups' last MMAs have read the stage
                 stage_wait(&output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
-                stage_in_ring(d, stages + (step - width) % GH_STAGES * GH_STAGE_BYTES, staged, row, lane);
+                stage_in_ring(d, stages + (step - 1) % GH_STAGES * GH_STAGE_BYTES, staged, row, lane);
                 fence_proxy_async_shared();
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(&output_full);
@@ -336,16 +314,14 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             phase ^= 1;
         } else {
             OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
-            // a pair tile's consumers hold the same rows, consumer 1 the second n-tile
-            const int tile_row = width == 2 ? row - consumer * 64 : row, col0 = tile.col0 + (width == 2 ? consumer * GH_BN : 0);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int r = tile.row0 + tile_row + 8 * half;
+                const int r = tile.row0 + row + 8 * half;
                 if (r >= tile.row_end) continue;
                 OutT* out_row = base + static_cast<long long>(r) * out_cols;
 #pragma unroll
                 for (int j = 0; j < GH_BN / 8; ++j) {
-                    const int c = col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
+                    const int c = tile.col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
                     if (c < out_cols) store_pair(out_row + c, d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
                 }
             }

@@ -69,29 +69,14 @@ __device__ bool load_offsets(int* off, const void* offsets, int offsets_are_64bi
     return true;
 }
 
-// Whether an expert of `rows` rows ends in a short m-tile (at most half of `block_rows` rows),
-// which PAIRS kernels run as pair tiles: that m-tile over two n-tiles at once, one per consumer.
-__device__ __forceinline__ bool ends_short(int rows, int block_rows) {
-    const int rest = rows % block_rows;
-    return rest > 0 && rest <= block_rows / 2;
-}
-
-// An expert's tiles: m-tiles of `block_rows` rows times `n_tiles`, or with `pairs` (block_rows
-// is GH_BM) a short last m-tile's n-tiles two to a tile.
-__device__ __forceinline__ int expert_tiles(int rows, int block_rows, int n_tiles, bool pairs) {
-    if (pairs && ends_short(rows, block_rows)) return rows / block_rows * n_tiles + ceil_div(n_tiles, 2);
-    return ceil_div(rows, block_rows) * n_tiles;
-}
-
-// Warp 0: tile_start[e] = tiles of the experts before e (expert_tiles), tile_start[experts] =
-// all tiles. The caller synchronises before reading it.
-__device__ void tile_prefix(int* tile_start, const int* off, int experts, int block_rows, int n_tiles,
-                            bool pairs = false) {
+// Warp 0: tile_start[e] = tiles of the experts before e (m-tiles of `block_rows` rows times
+// `n_tiles`), tile_start[experts] = all tiles. The caller synchronises before reading it.
+__device__ void tile_prefix(int* tile_start, const int* off, int experts, int block_rows, int n_tiles) {
     const int lane = threadIdx.x % WARP;
     const int per_lane = (experts + WARP - 1) / WARP;
     const int first = min(lane * per_lane, experts), last = min(first + per_lane, experts);
     int sum = 0;
-    for (int e = first; e < last; ++e) sum += expert_tiles(off[e + 1] - off[e], block_rows, n_tiles, pairs);
+    for (int e = first; e < last; ++e) sum += ceil_div(off[e + 1] - off[e], block_rows) * n_tiles;
     int inclusive = sum;
 #pragma unroll
     for (int d = 1; d < WARP; d *= 2) {
@@ -101,7 +86,7 @@ __device__ void tile_prefix(int* tile_start, const int* off, int experts, int bl
     int running = inclusive - sum;
     for (int e = first; e < last; ++e) {
         tile_start[e] = running;
-        running += expert_tiles(off[e + 1] - off[e], block_rows, n_tiles, pairs);
+        running += ceil_div(off[e + 1] - off[e], block_rows) * n_tiles;
     }
     if (lane == WARP - 1) tile_start[experts] = inclusive;
 }
@@ -281,11 +266,9 @@ __device__ __forceinline__ void stage_wait(u64* bar, unsigned parity, long long*
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" :: "n"(128 * GH_CONSUMERS) : "memory"); }
 
 // One output tile: expert, first output row and the end of its rows (the expert's end, or
-// K in wgrad), first output column, and the reduction's start and length. A pair tile (pair
-// = 1: at most GH_BM / 2 rows) is those rows over columns col0 and col0 + GH_BN, one n-tile
-// per consumer; each k-step takes two ring stages, the second holding the second n-tile's B.
+// K in wgrad), first output column, and the reduction's start and length.
 struct Tile {
-    int expert, row0, row_end, col0, red0, red_len, pair;
+    int expert, row0, row_end, col0, red0, red_len;
 };
 
 template <typename OutT>
@@ -316,27 +299,21 @@ __device__ __forceinline__ void store_pair(OutT* p, float v0, float v1) {
 // tile.col0 + 64 j, plus `b_split` for the upper half (j >= 2: the fused up-projection's
 // up columns, F further than its gate columns); or, ONE_BOX_EACH (wgrad's 3-D maps), one
 // box per operand. False when a stage wait gave up.
-// PAIRS: a pair tile also copies, into its second stage, the second n-tile's B boxes named in
-// `pair_mask` (dgrad: its one box if the mask is not 0), counted on the first stage's barrier;
-// the second stage's barrier completes with no bytes.
-template <int MODE, bool ONE_BOX_EACH = false, bool PAIRS = false>
+template <int MODE, bool ONE_BOX_EACH = false>
 __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMap* b_map, const Tile& tile, int a_boxes,
                                           unsigned b_box_mask, int b_split, unsigned stages, u64* full, u64* empty,
-                                          int& step, long long* status, bool& gave_up, unsigned pair_mask = 0) {
+                                          int& step, long long* status, bool& gave_up) {
     constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
     static_assert(!ONE_BOX_EACH || MODE == GH_WGRAD, "only wgrad's maps are 3-D");
     const unsigned bytes = ONE_BOX_EACH ? GH_STAGE_BYTES  // boxes past the tensor count in full, as zeros
                                         : (A_BOXES ? a_boxes * GH_BOX_BYTES : GH_A_BYTES) +
                                               (B_BOXES ? __popc(b_box_mask) * GH_BOX_BYTES : GH_B_BYTES);
-    const bool pair = PAIRS && tile.pair;
-    const unsigned pair_bytes = !pair ? 0 : B_BOXES ? __popc(pair_mask) * GH_BOX_BYTES : (pair_mask ? GH_B_BYTES : 0);
     const int k_steps = ceil_div(tile.red_len, GH_BK);
-    for (int k = 0; k < k_steps; ++k, step += pair ? 2 : 1) {
-        const int s = step % GH_STAGES, s2 = (step + 1) % GH_STAGES;
+    for (int k = 0; k < k_steps; ++k, ++step) {
+        const int s = step % GH_STAGES;
         stage_wait(&empty[s], ((step / GH_STAGES) & 1) ^ 1, status, GH_WAITED_FOR_CONSUMERS, gave_up);
-        if (pair) stage_wait(&empty[s2], (((step + 1) / GH_STAGES) & 1) ^ 1, status, GH_WAITED_FOR_CONSUMERS, gave_up);
         if (gave_up) return false;
-        expect_bytes(&full[s], bytes + pair_bytes);
+        expect_bytes(&full[s], bytes);
         const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
         const int r = tile.red0 + k * GH_BK;
         if constexpr (ONE_BOX_EACH) {
@@ -356,17 +333,6 @@ __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMa
         } else {
             tma_load_2d(a, a_map, &full[s], r, tile.row0);
             tma_load_3d(b, b_map, &full[s], r, tile.col0, tile.expert);
-        }
-        if (pair) {
-            const unsigned b2 = stages + s2 * GH_STAGE_BYTES + GH_A_BYTES;
-            if constexpr (MODE == GH_FORWARD) {
-                for (int j = 0; j < GH_BN / GH_BOX; ++j)
-                    if (pair_mask >> j & 1)
-                        tma_load_3d(b2 + j * GH_BOX_BYTES, b_map, &full[s], tile.col0 + GH_BN + j * GH_BOX, r, tile.expert);
-            } else if constexpr (MODE == GH_DGRAD) {
-                if (pair_mask) tma_load_3d(b2, b_map, &full[s], r, tile.col0 + GH_BN, tile.expert);
-            }
-            mbarrier_arrive(&full[s2]);
         }
     }
     return true;
@@ -389,26 +355,16 @@ __device__ __forceinline__ void wgrad_k16_steps(float (&d)[128], unsigned a, uns
 // reduction in GH_BK chunks in ascending order, each releasing its stage once the next
 // chunk's MMAs are issued. !RELEASE_LAST: the last chunk's stage stays held (its release
 // is then the caller's: grouped_gemm.cu stages an output tile in it).
-// PAIRS: a pair tile's consumers both read the first 64 rows of A, consumer 1 the B of the
-// second stage; !RELEASE_LAST keeps only the first of its last two stages.
-template <int MODE, bool RELEASE_LAST = true, bool PAIRS = false>
+template <int MODE, bool RELEASE_LAST = true>
 __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsigned stages, u64* full, u64* empty,
                                          int& step, int consumer, int lane, long long* status, bool& gave_up) {
     const int k_steps = ceil_div(tile.red_len, GH_BK);
-    const int width = PAIRS && tile.pair ? 2 : 1;
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.0f;
-    for (int k = 0; k < k_steps; ++k, step += width) {
+    for (int k = 0; k < k_steps; ++k, ++step) {
         const int s = step % GH_STAGES;
         stage_wait(&full[s], (step / GH_STAGES) & 1, status, GH_WAITED_FOR_COPIES, gave_up);
-        const unsigned a = stages + s * GH_STAGE_BYTES;
-        unsigned b = a + GH_A_BYTES, a_rows = consumer * 64 * 128;
-        if (PAIRS && width == 2) {
-            const int s2 = (step + 1) % GH_STAGES;
-            stage_wait(&full[s2], ((step + 1) / GH_STAGES) & 1, status, GH_WAITED_FOR_COPIES, gave_up);
-            a_rows = 0;
-            if (consumer == 1) b = stages + s2 * GH_STAGE_BYTES + GH_A_BYTES;
-        }
+        const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
         if constexpr (MODE == GH_WGRAD) {
             // The expert's last chunk may end early: its rows past the end (the next expert's)
             // must count as zeros. Only its k16 steps holding rows of the expert run (the others
@@ -439,7 +395,7 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
 #pragma unroll
             for (int k16 = 0; k16 < GH_BK / 16; ++k16) {
                 // A: 16 elements of K further within the 128-byte row.
-                const unsigned long long da = smem_descriptor(a + a_rows + k16 * 32, 16, 1024);
+                const unsigned long long da = smem_descriptor(a + consumer * 64 * 128 + k16 * 32, 16, 1024);
                 if constexpr (MODE == GH_FORWARD) {
                     wgmma_m64n256k16<0, 1>(d, da, smem_descriptor(b + k16 * 2048, GH_BOX_BYTES, 1024));
                 } else {
@@ -448,14 +404,11 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
             }
             wgmma_commit();
         }
-        wgmma_wait<1>();  // the previous step's MMAs are done: its stages may be refilled
-        if (k > 0 && lane == 0)
-            for (int i = 1; i <= width; ++i) mbarrier_arrive(&empty[(step + GH_STAGES - i) % GH_STAGES]);
+        wgmma_wait<1>();  // the previous step's MMAs are done: its stage may be refilled
+        if (k > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
     }
     wgmma_wait<0>();
-    if (k_steps > 0 && lane == 0)
-        for (int i = 1; i <= (RELEASE_LAST ? width : width - 1); ++i)
-            mbarrier_arrive(&empty[(step + GH_STAGES - i) % GH_STAGES]);
+    if (RELEASE_LAST && k_steps > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
 }
 
 // The store warps' part of an epilogue: the tile staged in shared memory (GH_C_PITCH bytes
