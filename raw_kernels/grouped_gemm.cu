@@ -76,6 +76,29 @@
 
 #include "grouped_gemm_common.cuh"
 
+// Tile timing for scripts/gemm_tile_stamps.py, which compiles with -DGG_TILE_STAMPS: the first
+// consumer thread of each block records for tile t (below GG_STAMPED_TILES) %globaltimer before
+// its MMAs, after them and once its output is handed on, its SM, rows and k-steps. Without the
+// define the stamps compile to nothing.
+enum TileStamp { STAMP_MMA_START, STAMP_MMA_END, STAMP_HANDED_ON, STAMP_SM, STAMP_ROWS, STAMP_K_STEPS, TILE_STAMPS };
+#ifdef GG_TILE_STAMPS
+#define GG_STAMPED_TILES 65536
+__device__ long long gg_tile_stamps[GG_STAMPED_TILES * TILE_STAMPS];
+#define TILE_STAMP(t, field, value)                                                                  \
+    do {                                                                                             \
+        if (threadIdx.x == 128 && (t) < GG_STAMPED_TILES) gg_tile_stamps[(t) * TILE_STAMPS + (field)] = (value); \
+    } while (0)
+__device__ __forceinline__ int sm_id() {
+    int id;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+    return id;
+}
+#else
+#define TILE_STAMP(t, field, value) \
+    do {                            \
+    } while (0)
+#endif
+
 // A ring-staged tile is column blocks of 64, 128 rows of 128 bytes each, 16-byte chunk c of
 // row r at chunk c ^ (r % 8): a consumer warp's fragment write (8 rows x 4 lanes of 4 bytes)
 // and a store warp's read (8 lanes x 16 bytes of one row) both hit 32 different banks.
@@ -284,7 +307,9 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         const Tile tile = tile_at(t);
         float d[128];
+        TILE_STAMP(t, STAMP_MMA_START, static_cast<long long>(global_timer_ns()));
         mma_tile<MODE, !RING_STAGED>(d, tile, stages, full, empty, step, consumer, lane, status, gave_up);
+        TILE_STAMP(t, STAMP_MMA_END, static_cast<long long>(global_timer_ns()));
 
         // Accumulator d[4j + {0, 1}] is row lane/4, columns 8j + 2 (lane%4) + {0, 1} of the
         // warp's 16 rows; d[4j + {2, 3}] the same 8 rows further.
@@ -326,6 +351,10 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 }
             }
         }
+        TILE_STAMP(t, STAMP_HANDED_ON, static_cast<long long>(global_timer_ns()));
+        TILE_STAMP(t, STAMP_SM, sm_id());
+        TILE_STAMP(t, STAMP_ROWS, min(GH_BM, tile.row_end - tile.row0));
+        TILE_STAMP(t, STAMP_K_STEPS, ceil_div(tile.red_len, GH_BK));
     }
 }
 

@@ -23,6 +23,12 @@ def test_expert_sizes(distribution):
         assert counts.max() > 5 * np.median(counts)
 
 
+def test_exact_sizes_are_the_mean_each_and_only_on_request():
+    assert expert_counts(8, 4096, "exact", seed=3).tolist() == [4096] * 8
+    assert parse_args([]).sizes == ["uniform", "zipf", "empty"]
+    assert parse_args(["--sizes", "exact", "uniform"]).sizes == ["exact", "uniform"]
+
+
 def test_unknown_case_is_refused(capsys):
     assert main(["--cases", "no such case"]) == 2
 

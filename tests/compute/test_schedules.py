@@ -48,11 +48,11 @@ def ptxas_spills(report: str) -> dict[str, int]:
     return spills
 
 
-def compile_schedule(nvcc, schedule: str, tmp_path) -> dict[str, int]:
+def compile_schedule(nvcc, schedule: str, tmp_path, extra: tuple = ()) -> dict[str, int]:
     value = kernel_constant(KERNELS, SCHEDULES[schedule][0])
     source = kernel_source(KERNELS)
-    cmd = [nvcc, "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-DGG_SCHEDULE={value}",
-           "-I", str(source.parent), "-o", str(tmp_path / f"{schedule}.cubin"), str(source)]
+    cmd = [nvcc, "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-DGG_SCHEDULE={value}", *extra,
+           "-I", str(source.parent), "-o", str(tmp_path / f"{schedule}{''.join(extra)}.cubin"), str(source)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     report = result.stdout + result.stderr
     assert result.returncode == 0, f"nvcc failed on {KERNELS} with schedule {schedule!r}:\n{report}"
@@ -60,18 +60,35 @@ def compile_schedule(nvcc, schedule: str, tmp_path) -> dict[str, int]:
     return ptxas_spills(report)
 
 
-@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != PLAIN_SCHEDULE])
-def test_each_schedule_compiles_without_spills_the_plain_one_lacks(schedule, tmp_path):
+def nvcc_or_skip():
     nvcc = find_nvcc()
     if nvcc is None:
         if os.environ.get("CI"):
             pytest.fail("nvcc is expected on the CI machine but was not found")
         pytest.skip("no nvcc on this machine: compile check not run")
+    return nvcc
+
+
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s != PLAIN_SCHEDULE])
+def test_each_schedule_compiles_without_spills_the_plain_one_lacks(schedule, tmp_path):
+    nvcc = nvcc_or_skip()
     plain = compile_schedule(nvcc, PLAIN_SCHEDULE, tmp_path)
     spills = compile_schedule(nvcc, schedule, tmp_path)
     assert spills.keys() == plain.keys() and len(spills) == 6
     worse = {kernel: (plain[kernel], spilled) for kernel, spilled in spills.items() if spilled > plain[kernel]}
     assert not worse, f"schedule {schedule!r} spills more than {PLAIN_SCHEDULE!r} (bytes: plain, it): {worse}"
+
+
+def test_the_tile_stamps_build_of_the_default_schedule_compiles_without_more_spills(tmp_path):
+    """scripts/gemm_tile_stamps.py's build (-DGG_TILE_STAMPS): the stamps must not make ptxas
+    spill or serialise the MMAs, or the times they record would not be the product's."""
+    nvcc = nvcc_or_skip()
+    schedule = DEFAULT_SCHEDULES["forward"]
+    stamped = compile_schedule(nvcc, schedule, tmp_path, ("-DGG_TILE_STAMPS=1",))
+    plain = compile_schedule(nvcc, schedule, tmp_path)
+    assert stamped.keys() == plain.keys()
+    assert all(stamped[kernel] <= plain[kernel] for kernel in plain), (plain, stamped)
+    assert "__device__ long long gg_tile_stamps" in kernel_source(KERNELS).read_text()
 
 
 def test_each_operation_loads_its_default_schedules_module(monkeypatch):
@@ -90,7 +107,7 @@ def test_each_operation_loads_its_default_schedules_module(monkeypatch):
 
     monkeypatch.setattr(device, "get_function", get_function)
     gemm = object.__new__(DeviceGroupedGemm)  # no CUDA: only what _kernel reads
-    gemm.schedules, gemm._kernels, gemm.device = dict(DEFAULT_SCHEDULES), {}, 0
+    gemm.schedules, gemm._kernels, gemm.device, gemm.defines = dict(DEFAULT_SCHEDULES), {}, 0, ()
     gemm.cp = type("NoCupy", (), {"cuda": type("Cuda", (), {"Device": staticmethod(lambda _: nullcontext())})})
     for op in ("forward", "dgrad", "wgrad"):
         _, shared = gemm._kernel(op, np.dtype(np.float32))
@@ -100,3 +117,9 @@ def test_each_operation_loads_its_default_schedules_module(monkeypatch):
         assert loaded[f"grouped_mm_{op}<float>"] == expected, op
         assert shared == kernel_constant(KERNELS, SCHEDULES[schedule][1]), op
     assert DEFAULT_SCHEDULES["forward"] == DEFAULT_SCHEDULES["dgrad"] == DEFAULT_SCHEDULES["wgrad"] == "ring"
+    # a diagnostic build's -D options come after the schedule's, in a module of their own
+    gemm.defines, gemm._kernels = (("GG_TILE_STAMPS", 1),), {}
+    gemm._kernel("forward", np.dtype(np.float32))
+    assert gemm.module_defines("forward") == (("GG_SCHEDULE", kernel_constant(KERNELS, "GG_RING_STAGED")),
+                                              ("GG_TILE_STAMPS", 1))
+    assert loaded["grouped_mm_forward<float>"] == dict(gemm.module_defines("forward"))

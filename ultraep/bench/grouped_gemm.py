@@ -1,7 +1,9 @@
 """``python -m ultraep.bench grouped-gemm``: TFLOPS of the library's grouped GEMM (forward,
 dgrad, wgrad) on MoE shapes, side by side in the same run with cuBLAS dense of the same
 total rows (``cupy.matmul``), a per-expert cuBLAS loop and ``torch._grouped_mm`` (where
-torch is present), on expert sizes that are uniform, Zipf-skewed, or with empty experts.
+torch is present), on expert sizes that are uniform, Zipf-skewed, or with empty experts
+(``--sizes exact``: every expert the mean, a multiple of the tile, so no tile is partial: the
+kernel's own speed, without the expert-boundary tiles uneven sizes leave).
 
 Every figure is the median device time of one call, all columns of a row timed in turns
 (:func:`~ultraep.bench.timing.held_event_ms_each`: the host enqueues while a kernel holds
@@ -52,7 +54,8 @@ CASES = [
     Case("qwen3 up 16x2048", 16, 2048, 2 * 1536, 4096),
     Case("qwen3 down 16x2048", 16, 2048, 4096, 1536),
 ]
-DISTRIBUTIONS = ("uniform", "zipf", "empty")
+DISTRIBUTIONS = ("uniform", "zipf", "empty", "exact")
+UNEVEN = DISTRIBUTIONS[:3]  # the default: the bars are set on uneven sizes
 OPS = ("forward", "dgrad", "wgrad")
 COLUMNS = ["case", "sizes", "op", "rows", "min_rows", "max_rows", "ours", "dense", "loop", "torch_grouped",
            "vs_best", "vs_dense"]
@@ -63,9 +66,12 @@ OUTPUTS = {"forward": "y", "dgrad": "dx", "wgrad": "dw"}
 def expert_counts(experts: int, mean: int, distribution: str, seed: int) -> np.ndarray:
     """Rows per expert summing to about ``experts * mean``, none rounded to a tile:
     ``uniform`` within 1/8 of the mean, ``zipf`` (exponent 1.2, shuffled), ``empty`` (a
-    quarter of the experts get no rows, the rest share the total)."""
+    quarter of the experts get no rows, the rest share the total); or ``exact``: the mean
+    each."""
     rng = np.random.default_rng(seed)
     total = experts * mean
+    if distribution == "exact":
+        return np.full(experts, mean, dtype=np.int64)
     if distribution == "uniform":
         return rng.integers(mean - mean // 8, mean + mean // 8 + 1, size=experts)
     if distribution == "zipf":
@@ -83,8 +89,9 @@ def expert_counts(experts: int, mean: int, distribution: str, seed: int) -> np.n
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench grouped-gemm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", metavar="NAME", help="substrings of case names to run (default: all)")
-    parser.add_argument("--sizes", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS),
-                        help="how the rows are spread over the experts")
+    parser.add_argument("--sizes", nargs="+", choices=DISTRIBUTIONS, default=list(UNEVEN),
+                        help="how the rows are spread over the experts (default: the uneven ones; exact: the "
+                             "mean each, no partial tile)")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="passes to time")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row counts and the operands")

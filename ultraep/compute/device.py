@@ -86,15 +86,18 @@ class _TensorMaps:
 
 class DeviceGroupedGemm:
     """The grouped GEMM on GPU ``device``: its kernels (``schedule`` for every operation, or
-    each operation's :data:`DEFAULT_SCHEDULES` entry), persistent grid and status word."""
+    each operation's :data:`DEFAULT_SCHEDULES` entry), persistent grid and status word.
+    ``defines``: further ``(name, int)`` -D options of a diagnostic build (e.g.
+    ``GG_TILE_STAMPS``, ``scripts/gemm_tile_stamps.py``)."""
 
-    def __init__(self, device: int, schedule: str | None = None):
+    def __init__(self, device: int, schedule: str | None = None, defines: tuple = ()):
         if schedule is not None and schedule not in SCHEDULES:
             raise GroupedGemmError(f"grouped GEMM schedule {schedule!r} does not exist; "
                                    f"schedules: {', '.join(SCHEDULES)}")
         import cupy
 
         self.schedules = {op: schedule or default for op, default in DEFAULT_SCHEDULES.items()}
+        self.defines = tuple(defines)
         self.cp, self.device = cupy, device
         with cupy.cuda.Device(device):
             properties = cupy.cuda.runtime.getDeviceProperties(device)
@@ -107,16 +110,20 @@ class DeviceGroupedGemm:
         self._maps: _TensorMaps | None = None
         self._kernels: dict[tuple[str, np.dtype], tuple[object, int]] = {}
 
+    def module_defines(self, op: str) -> tuple:
+        """The -D options ``op``'s kernels compile with: its schedule's (none for the plain
+        module, shared with every other user), then ``defines``."""
+        schedule = self.schedules[op]
+        own = () if schedule == PLAIN_SCHEDULE else (("GG_SCHEDULE", kernel_constant(KERNELS, SCHEDULES[schedule][0])),)
+        return own + self.defines
+
     def _kernel(self, op: str, out_dtype: np.dtype):
         """``op``'s kernel for ``out_dtype`` in its schedule, and its dynamic shared memory."""
         kernel = self._kernels.get((op, out_dtype))
         if kernel is None:
-            schedule = self.schedules[op]
-            value, shared_macro = SCHEDULES[schedule]
-            # The plain module (no -D option) is shared with every other user.
-            defines = () if schedule == PLAIN_SCHEDULE else (("GG_SCHEDULE", kernel_constant(KERNELS, value)),)
+            shared_macro = SCHEDULES[self.schedules[op]][1]
             element = "float" if out_dtype == np.float32 else "__nv_bfloat16"
-            function = get_function(KERNELS, f"grouped_mm_{op}<{element}>", defines=defines)
+            function = get_function(KERNELS, f"grouped_mm_{op}<{element}>", defines=self.module_defines(op))
             shared_bytes = kernel_constant(KERNELS, shared_macro)
             with self.cp.cuda.Device(self.device):
                 function.max_dynamic_shared_size_bytes = shared_bytes
