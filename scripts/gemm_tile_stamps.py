@@ -120,8 +120,9 @@ def main(argv=None) -> int:
 
 
 def print_figures(f: dict) -> None:
+    gap = "-" if f["gap_ns"] is None else f"{f['gap_ns']:.0f} ns"  # no block ran two tiles
     print(f"{f['case']} {f['sizes']} {f['op']}: plain {f['plain_ms']:.3f} ms, stamped {f['stamped_ms']:.3f}; "
-          f"{f['tiles']} tiles on {f['sms']} SMs, busy {f['busy']:.3f}, gap {f['gap_ns']:.0f} ns")
+          f"{f['tiles']} tiles on {f['sms']} SMs, busy {f['busy']:.3f}, gap {gap}")
     for kind, k in f["kinds"].items():
         print(f"    {kind:12s} {k['tiles']:6d} tiles  {k['mma_us']:8.1f} us  {k['ns_per_k_step']:6.0f} ns a k-step  "
               f"hand-on {k['hand_on_ns']:.0f} ns")

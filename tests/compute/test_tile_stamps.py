@@ -35,6 +35,14 @@ def test_figures_of_two_blocks_tiles():
     assert kinds["over half"]["ns_per_k_step"] == 100.0 and kinds["half or less"]["tiles"] == 1
 
 
+def test_figures_print_with_one_tile_a_block(capsys):
+    script = load_script()
+    f = script.summarise(np.array([[0, 1000, 1100, 0, 128, 10], [0, 900, 1000, 1, 128, 10]]), 128)
+    assert f["gap_ns"] is None
+    script.print_figures(dict(f, case="c", sizes="exact", op="forward", plain_ms=0.1, stamped_ms=0.1))
+    assert "gap -" in capsys.readouterr().out
+
+
 def test_the_fields_are_the_kernels_stamps_in_order():
     from ultraep.compute.checks import KERNELS
     from ultraep.runtime.kernels import kernel_source
