@@ -67,11 +67,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     import cupy
 
-    from ultraep.bench.grouped_gemm import CASES, expert_counts
+    from ultraep.bench.grouped_gemm import CASES, problem_arrays
     from ultraep.bench.timing import held_event_ms_each
     from ultraep.compute.checks import KERNELS, check_problem
     from ultraep.compute.device import DeviceGroupedGemm
-    from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.runtime.kernels import kernel_constant, load_module
 
     args = parse_args(argv)
@@ -84,13 +83,7 @@ def main(argv=None) -> int:
     results = []
     for case in cases:
         for sizes in args.sizes:
-            counts = expert_counts(case.experts, case.rows_per_expert, sizes, args.seed)
-            rows = int(counts.sum())
-            offsets = cupy.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
-            random = cupy.random.default_rng(args.seed)
-            x = random.standard_normal((rows, case.k), dtype=np.float32).astype(BFLOAT16)
-            dy = random.standard_normal((rows, case.n), dtype=np.float32).astype(BFLOAT16)
-            w = (random.standard_normal((case.experts, case.k, case.n), dtype=np.float32) * 0.02).astype(BFLOAT16)
+            _, offsets, x, dy, w = problem_arrays(case, sizes, args.seed)  # bench grouped-gemm's operands
             operands = {"forward": (x, w), "dgrad": (dy, w), "wgrad": (x, dy)}
             for op in args.ops:
                 a, b = operands[op]

@@ -177,13 +177,11 @@ class Baselines:
         return None
 
 
-def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, variant=None) -> list[dict]:
-    """The rows of one case and size distribution; ``variant``: a DeviceGroupedGemm of another
-    schedule, timed beside ours."""
+def problem_arrays(case: Case, distribution: str, seed: int):
+    """One case's rows per expert (host), device offsets (int32) and BF16 operands ``x``
+    ``[rows, K]``, ``dy`` ``[rows, N]``, ``w`` ``[E, K, N]``, drawn from ``seed``."""
     import cupy
 
-    from ultraep.compute import check_errors, grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
-    from ultraep.compute.checks import check_problem
     from ultraep.runtime.dtypes import BFLOAT16
 
     counts = expert_counts(case.experts, case.rows_per_expert, distribution, seed)
@@ -193,6 +191,20 @@ def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, varian
     x = random.standard_normal((rows, case.k), dtype=np.float32).astype(BFLOAT16)
     dy = random.standard_normal((rows, case.n), dtype=np.float32).astype(BFLOAT16)
     w = (random.standard_normal((case.experts, case.k, case.n), dtype=np.float32) * 0.02).astype(BFLOAT16)
+    return counts, offsets, x, dy, w
+
+
+def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, variant=None) -> list[dict]:
+    """The rows of one case and size distribution; ``variant``: a DeviceGroupedGemm of another
+    schedule, timed beside ours."""
+    import cupy
+
+    from ultraep.compute import check_errors, grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+    from ultraep.compute.checks import check_problem
+    from ultraep.runtime.dtypes import BFLOAT16
+
+    counts, offsets, x, dy, w = problem_arrays(case, distribution, seed)
+    rows = int(counts.sum())
     out = {"y": cupy.empty((rows, case.n), BFLOAT16), "dx": cupy.empty((rows, case.k), BFLOAT16),
            "dw": cupy.empty((case.experts, case.k, case.n), BFLOAT16)}
     ours = {"forward": lambda: grouped_mm(x, w, offsets, out=out["y"]),
