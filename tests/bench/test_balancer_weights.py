@@ -90,3 +90,13 @@ def test_fp8_rows_beside_bf16_on_the_gpu(tmp_path):
     """Replicas synced by the CUDA kernels over IPC byte-identical to the masters (4 ranks sharing the GPU:
     the bench's Zipf routing cannot reach its 1.5 imbalance on 2)."""
     assert_fp8_rows(run_rows(tmp_path, "device", 4))
+
+
+@pytest.mark.mpi
+def test_sync_mb_is_one_sync_where_one_plan_syncs_every_call(tmp_path):
+    """``--steps sync`` syncs the plan in place every call (the record sums them): the row
+    still says what one sync moves, as the rows of a new plan a call do."""
+    fresh = run_rows(tmp_path, "host", 4)
+    again = run_rows(tmp_path, "host", 4, "--steps", "sync")
+    assert [row["steps"] for row in again] == ["sync"] * 3
+    assert [row["sync_MB"] for row in again] == pytest.approx([row["sync_MB"] for row in fresh])
