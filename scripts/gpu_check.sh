@@ -4,6 +4,8 @@
 # share under MPS, less the tests that trap a kernel on purpose: under MPS a trap ends
 # every client of the GPU), then the GPU benchmarks; results go to $OUT.
 #   GPU_TESTS           test paths (default: tests)
+#   GPU_SHARD           i/n: only the i-th (from 0) of n interleaved shares of those paths' files that
+#                       hold GPU tests (scripts/gpu_shard.py), so that n calls run them all
 #   GPU_MPS_SHARE       SM % for the second test pass (default 25; empty: skip it). At 25 % that pass
 #                       alone outlasts a 10-minute device call: run it in a call of its own
 #   GPU_BENCHES         benchmarks run as they are (default below)
@@ -18,12 +20,17 @@ export ULTRAEP_MPIEXEC=${ULTRAEP_MPIEXEC:-$(command -v mpirun || echo /usr/bin/m
 PY=${PYTHON:-python3}
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv; echo "commit $ULTRAEP_GIT_COMMIT"; date -u; } > "$OUT/machine.txt" 2>&1
 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || export PYTHONPATH=$PWD
+TESTS=${GPU_TESTS:-tests}
+if [ -n "${GPU_SHARD-}" ]; then
+  TESTS=$($PY scripts/gpu_shard.py "$GPU_SHARD" $TESTS) || exit 2
+  echo "GPU_SHARD=$GPU_SHARD: $(echo $TESTS | wc -w) test files" | tee "$OUT/gpu-shard.txt"
+fi
 status=0
-$PY -m pytest -m gpu -v -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu-tests.log" | tail -40 || status=1
+$PY -m pytest -m gpu -v -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/gpu-tests.log" | tail -40 || status=1
 if [ -n "${GPU_MPS_SHARE-25}" ]; then
   echo "== gpu tests, each process held to ${GPU_MPS_SHARE:-25} % of the SMs under MPS"
   $PY -m ultraep.runtime.mps --percent "${GPU_MPS_SHARE:-25}" -- \
-    $PY -m pytest -m "gpu and not traps" -q -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu-tests-mps.log" | tail -15 || status=1
+    $PY -m pytest -m "gpu and not traps" -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/gpu-tests-mps.log" | tail -15 || status=1
 fi
 for bench in ${GPU_BENCHES-peer-copy plan-kernel weight-sync dispatch balancer grouped-gemm}; do
   echo "== bench $bench" | tee -a "$OUT/bench.log"
