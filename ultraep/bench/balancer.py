@@ -466,16 +466,16 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
            "bal_host_ms": statistics.median(map(sum, zip(*(host_ms[part] for part in HOST_PARTS)))),
            "blocked_host_ms": stats.host_wait_ms / stats.updates, "call_host_ms": statistics.median(host_ms["call"]),
            **slowest_stages(group, summary),
-           "sync_MB": one_sync_mb(stats.records, spec), "replica_diff": diff}
+           "sync_MB": one_sync_mb(stats.records), "replica_diff": diff}
     if args.steps == "plan":
         row["synced_dev_ms"] = None  # no sync was stamped
     return row, stats.records
 
 
-def one_sync_mb(records, spec) -> float | None:
+def one_sync_mb(records) -> float | None:
     """What one sync of a synced plan moves, group total, MB (mean over the plans). A record
     sums its plan's syncs: ``--steps sync`` syncs one plan every call."""
-    synced = [r.replicas * spec.weight_slot_bytes for r in records if r.weight_bytes]
+    synced = [r.weight_bytes / r.weight_syncs for r in records if r.weight_syncs]
     return statistics.mean(synced) / 1e6 if synced else None
 
 

@@ -222,6 +222,7 @@ def _record(layout: ExpertLayout, spec: ExpertSpec, layer: int, step: int, array
     """A micro-batch's record from its plan's host arrays, transfers and stage times."""
     record = plan_record(layout, layer, step, arrays["loads"], arrays["phys_to_log"], arrays["rank_load"])
     record.weight_bytes = syncs * record.replicas * spec.weight_slot_bytes
+    record.weight_syncs = syncs
     record.grad_bytes = reductions * record.replicas * spec.grad_slot_bytes
     record.times_ms = times_ms
     record.liveness = arrays["liveness"]

@@ -31,6 +31,7 @@ class LayerRecord:
     rank_load_before: np.ndarray
     rank_load_after: np.ndarray
     weight_bytes: int = 0
+    weight_syncs: int = 0  # the weight syncs and restores that moved weight_bytes
     grad_bytes: int = 0
     times_ms: dict = field(default_factory=dict)  # stage -> ms, None when it had not finished when read
     liveness: int = 0  # plans the device had completed when this one was done
@@ -43,8 +44,8 @@ class LayerRecord:
         return {"layer": self.layer, "step": self.step, "imbalance_before": self.imbalance_before,
                 "imbalance_after": self.imbalance_after, "replicas": self.replicas,
                 "rank_load_before": self.rank_load_before.tolist(), "rank_load_after": self.rank_load_after.tolist(),
-                "weight_bytes": self.weight_bytes, "grad_bytes": self.grad_bytes, "times_ms": dict(self.times_ms),
-                "liveness": self.liveness}
+                "weight_bytes": self.weight_bytes, "weight_syncs": self.weight_syncs, "grad_bytes": self.grad_bytes,
+                "times_ms": dict(self.times_ms), "liveness": self.liveness}
 
 
 def plan_record(layout, layer: int, step: int, loads, phys_to_log, rank_load) -> LayerRecord:

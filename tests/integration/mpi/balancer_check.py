@@ -158,6 +158,7 @@ def flow():
             assert record.imbalance_before == want.imbalance_before and record.imbalance_after == want.imbalance_after
             assert record.imbalance_after <= record.imbalance_before
             assert record.weight_bytes == 2 * used * SPEC.weight_slot_bytes  # weight_sync + restore
+            assert record.weight_syncs == 2
             assert record.grad_bytes == used * SPEC.grad_slot_bytes
             assert set(record.times_ms) == {"update", "weight_sync", "reroute", "restore", "reduce_grads"}
             assert all(t is not None and t >= 0 for t in record.times_ms.values()), record.times_ms
