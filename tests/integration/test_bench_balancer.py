@@ -78,13 +78,16 @@ def test_sync_grid_refuses_what_is_not_a_block_count(text):
 @pytest.mark.mpi
 @pytest.mark.gpu
 @requires_gpu
-def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("sync_stream", ["side", "layer"])
+def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path, sync_stream):
     """4 ranks on one GPU: the compute stream's stamps fill the device columns, and the
-    serial part before dispatch is a part of the balanced layer."""
+    serial part before dispatch is a part of the balanced layer; with ``--sync-stream
+    layer`` the sync is a part of it too (it ends before dispatch starts)."""
     out = tmp_path / "balancer.json"
     code = bench.main(["--backend", "device", "--ranks", "4", "--experts", "16", "--tokens", "1024", "--top-k", "2",
                        "--hidden", "256", "--ffn", "128", "--initial-imbalance", "1.5", "--min-replica-tokens", "16",
-                       "--repeats", "4", "--rounds", "2", "--sync-blocks", "all", "8", "--quiet", "--json", str(out)])
+                       "--repeats", "4", "--rounds", "2", "--sync-blocks", "all", "8", "--sync-stream", sync_stream,
+                       "--quiet", "--json", str(out)])
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     assert [row["sync_blocks"] for row in rows] == ["all", 8]
@@ -92,23 +95,30 @@ def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path):
         assert row["replica_diff"] == 0 and row["exposed_dev_ms"] is not None, row
         assert 0 < row["update_lead_dev_ms"] < row["lead_dev_ms"] < row["balanced_ms"], row
         assert row["wait_dev_ms"] >= 0 and row["idle_dev_ms"] >= 0 and row["synced_dev_ms"] > 0, row
+        in_series = sync_stream == "layer"
+        assert row["sync_stream"] == sync_stream and (not in_series or row["synced_dev_ms"] < row["lead_dev_ms"]), row
         assert all(row[f"d_{phase}_dev_ms"] is not None for phase in bench.PHASE_NAMES), row
         assert row["blocked_host_ms"] >= 0 and row["update_host_ms"] > 0, row
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("steps, sync_at", [("plan", "plan"), ("sync", "plan"), ("all", "dispatch")])
-def test_balancer_bench_steps_and_where_the_sync_starts(tmp_path, steps, sync_at):
+@pytest.mark.parametrize("steps, sync_at, sync_stream", [("plan", "plan", "side"), ("sync", "plan", "side"),
+                                                       ("all", "dispatch", "side"), ("all", "plan", "layer")])
+def test_balancer_bench_steps_and_where_the_sync_starts(tmp_path, capfd, steps, sync_at, sync_stream):
     """``--steps plan`` / ``sync``: the balanced layer without the sync or without update and
-    reroute; ``--sync-at dispatch``: the sync started after dispatch. Each still runs, checks
-    its replicas against their masters, and says what it ran."""
+    reroute; ``--sync-at dispatch``: the sync started after dispatch; ``--sync-stream layer``:
+    on the layer's stream. Each still runs, checks its replicas against their masters, and
+    says what it ran (in its row and its title)."""
     out = tmp_path / "balancer.json"
     code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
                        "--ffn", "16", "--initial-imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "2",
-                       "--rounds", "1", "--steps", steps, "--sync-at", sync_at, "--quiet", "--json", str(out)])
+                       "--rounds", "1", "--steps", steps, "--sync-at", sync_at, "--sync-stream", sync_stream,
+                       "--quiet", "--json", str(out)])
     assert code == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["steps"] == steps and row["sync_at"] == sync_at and row["replica_diff"] == 0, row
+    assert row["sync_stream"] == sync_stream, row
+    assert f"weight_sync {bench.SYNC_STREAMS[sync_stream]}," in capfd.readouterr().out  # the title
     assert row["replicas"] > 0, row
     left_out = {"plan": ["sync_host_ms", "wait_host_ms"], "sync": ["update_host_ms", "reroute_host_ms"], "all": []}
     assert all(row[part] == 0.0 for part in left_out[steps]), row  # those calls were not made

@@ -20,7 +20,9 @@ rank's end, host and device, per call; medians over ``--rounds`` rounds of
 
 ``--steps plan`` or ``sync`` leaves the sync or the update and reroute out of the balanced
 layer, to tell their costs apart; ``--sync-at dispatch`` starts the sync once dispatch is
-enqueued (it then runs beside the masters' compute instead of reroute and dispatch).
+enqueued (it then runs beside the masters' compute instead of reroute and dispatch);
+``--sync-stream layer`` enqueues the sync on the layer's own stream instead of a side stream,
+in series with the layer's kernels (before reroute, or after dispatch), nothing beside them.
 ``exposed_ms`` = balanced - in place (median of the rounds' differences): what balancing
 adds to the layer. ``share_pct`` = exposed / layer. ``update_dev_ms``,
 ``weight_sync_dev_ms`` and ``reroute_dev_ms`` are the Balancer's own CUDA-event (CPU: wall)
@@ -80,16 +82,17 @@ LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other laye
 PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASES end, as the columns name them
 DEVICE_COLUMNS = ["exposed_dev_ms", "update_lead_dev_ms", "lead_dev_ms", *(f"d_{name}_dev_ms" for name in PHASE_NAMES),
                   "wait_dev_ms", "synced_dev_ms", "idle_dev_ms"]
-COLUMNS = ["weights", "steps", "sync_at", "compute_priority", "sync_blocks", "imbalance", "imb_after", "replicas",
-           "exposed_ms", "layer_ms", "balanced_ms", "share_pct", *DEVICE_COLUMNS, "bal_host_ms", "update_host_ms",
-           "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms", "call_host_ms", "update_dev_ms",
-           "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
+COLUMNS = ["weights", "steps", "sync_at", "sync_stream", "compute_priority", "sync_blocks", "imbalance", "imb_after",
+           "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct", *DEVICE_COLUMNS, "bal_host_ms",
+           "update_host_ms", "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms", "call_host_ms",
+           "update_dev_ms", "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
 LAYER_PHASES = ("dispatched", "masters", "computed", "end")  # the stamps ending dispatch, the masters' compute,
 # the replicas' and combine
 HOST_PARTS = ("update", "sync", "reroute", "wait")  # the Balancer's calls of a balanced layer, timed on the host
 BALANCER_STAGES = ("update", "weight_sync", "reroute")  # the Balancer's own stage clocks, the *_dev_ms columns
 WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}  # name -> table label
 HIGHEST_PRIORITY = -1000  # CUDA clamps a stream priority to the device's range: this is its highest
+SYNC_STREAMS = {"side": "on a side stream beside dispatch", "layer": "on the layer's stream, in series"}
 BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
 
 
@@ -124,6 +127,9 @@ def parse_args(argv):
                         help="where the balanced layer starts weight_sync: as soon as the plan exists (beside "
                              "reroute and dispatch), or once dispatch is enqueued (its stream then waits for dispatch, "
                              "a reader of the replica slots: the sync runs beside the masters' compute)")
+    parser.add_argument("--sync-stream", choices=["side", "layer"], default="side",
+                        help="where the balanced layer enqueues weight_sync: a side stream of its own, beside the "
+                             "layer's kernels, or the layer's stream, in series with them")
     parser.add_argument("--compute-priority", choices=["default", "high"], default="default",
                         help="the stream the layers run on: the default priority, as the weight sync's side stream, "
                              "or the device's highest, so that the block scheduler serves the layer's kernels before "
@@ -319,7 +325,8 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
         profiler = cProfile.Profile() if args.host_profile and group.rank == 0 else None
         profiling = profiler.enable if profiler else (lambda: None)
         profiled = profiler.disable if profiler else (lambda: None)
-        side = xp.cuda.Stream(non_blocking=True) if gpu else None  # the weight sync's own stream
+        # the weight sync's own stream (None: the current one, the layer's)
+        side = xp.cuda.Stream(non_blocking=True) if gpu and args.sync_stream == "side" else None
         compute = contextlib.nullcontext()  # the layers' stream: the current one, or one of the highest priority
         if gpu and args.compute_priority == "high":
             compute = xp.cuda.Stream(non_blocking=True, priority=HIGHEST_PRIORITY)
@@ -456,7 +463,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
     layer_ms, balanced_ms = (statistics.median(windows[k]) for k in ("in_place", "balanced"))
     exposed_ms = statistics.median(b - p for b, p in zip(windows["balanced"], windows["in_place"]))
     row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype, "steps": args.steps,
-           "compute_priority": args.compute_priority, "sync_at": args.sync_at,
+           "compute_priority": args.compute_priority, "sync_at": args.sync_at, "sync_stream": args.sync_stream,
            "sync_blocks": sync_blocks or "all",
            "imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
@@ -539,8 +546,8 @@ def run(args) -> int:
     title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({sharing}), {args.experts} experts, "
              f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
              f"ffn {args.ffn}, fp16 tokens and compute, expert weights as listed, {launches}; exposed = balanced "
-             "layer (update, weight_sync on a side stream beside dispatch, reroute, per-slot waits) - the same layer "
-             "with its plan and replicas in place, group windows"
+             f"layer (update, weight_sync {SYNC_STREAMS[args.sync_stream]}, reroute, per-slot waits) - the same "
+             "layer with its plan and replicas in place, group windows"
              + ("" if args.steps == "all" else f"; balanced layer's steps: {args.steps} alone"))
     rows = []
     dtypes = sorted(set(args.weight_dtype), key=list(WEIGHT_DTYPES).index)  # bf16 first: the ratios' base
