@@ -77,19 +77,34 @@ def test_moe_layer_bench_cpu(tmp_path, capfd):
         assert row["vs_ideal"] == pytest.approx(rows["ideal"]["step_ms"] / row["step_ms"])
 
 
+def test_moe_layer_bench_rows_per_sync_stream(tmp_path):
+    """``--sync-stream side layer``: an ultraep row each, named and labelled by where the
+    layers ran the sync, both balanced and both bitwise none's."""
+    out = tmp_path / "moe.json"
+    assert bench.main(["--backend", "host", "--ranks", "2", *TINY, "--initial-imbalance", "1.25",
+                       "--sync-stream", "side", "layer", "--json", str(out)]) == 0
+    rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["ideal", "none", "ultraep/side", "ultraep/layer"]
+    assert [row["sync_stream"] for row in rows.values()] == [None, None, "side", "layer"]
+    for name in ("ultraep/side", "ultraep/layer"):
+        assert rows[name]["replicas"] > 0 and rows[name]["out_diff"] == 0 and rows[name]["dx_diff"] == 0, rows[name]
+
+
 @pytest.mark.mpi
 @pytest.mark.gpu
 @requires_gpu
 def test_moe_layer_bench_gpu_balancing_moves_no_bit(tmp_path):
     """The grouped GEMM on the device: ultraep's outputs and input gradients bitwise none's,
-    every policy's two checked steps bitwise equal (4 ranks sharing the GPU, time-sliced)."""
+    with the weight sync beside the layers' kernels and in series with them, every policy's
+    two checked steps bitwise equal (4 ranks sharing the GPU, time-sliced)."""
     out = tmp_path / "moe.json"
     code = bench.main(["--backend", "device", "--ranks", "4", *TINY, "--hidden", "256", "--ffn", "128",
-                       "--json", str(out)])
+                       "--sync-stream", "side", "layer", "--json", str(out)])
     assert code == 0
     rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
-    assert rows["ultraep"]["out_diff"] == 0 and rows["ultraep"]["dx_diff"] == 0
-    assert rows["ultraep"]["replicas"] > 0 and rows["ultraep"]["wgrad_rel"] <= 1e-4
+    for name in ("ultraep/side", "ultraep/layer"):
+        assert rows[name]["out_diff"] == 0 and rows[name]["dx_diff"] == 0, rows[name]
+        assert rows[name]["replicas"] > 0 and rows[name]["wgrad_rel"] <= 1e-4, rows[name]
     assert all(row["rerun_diff"] == 0 for row in rows.values())
 
 

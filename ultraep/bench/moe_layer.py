@@ -11,7 +11,9 @@ skewed routing under three policies in one run, as tokens/s and the ratio to the
   ``ultraep`` row per value; ``min_replica`` is the value it planned with (``auto``
   resolved by the cost model on the machine profile, ``ultraep.tune``). Where no plan
   could make a replica (``MoELayer.balancing``; e.g. decode under ``auto``) the layers run
-  unbalanced: ``replicas`` 0 and a note under the table;
+  unbalanced: ``replicas`` 0 and a note under the table; with both ``--sync-stream side
+  layer``, a row per value again (``/side``: the weight sync beside the layer's kernels,
+  ``/layer``: in series on the layer's stream, ``MoELayer(sync_beside=False)``);
 * ``ideal``: force-balanced routing -- every source sends ``tokens x top_k / experts``
   pairs to every expert, so each rank receives exactly the mean -- with no balancing.
 
@@ -51,7 +53,7 @@ from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_ma
 POLICIES = ("ideal", "none", "ultraep")  # in this order: each row's vs_ideal and diffs are known when it is printed
 ROUTING_DRAWS = 32  # Zipf rankings tried per layer: whether a target is reachable depends on which experts share a rank
 COLUMNS = ["policy", "fwd_ms", "bwd_ms", "step_ms", "tokens_per_s", "vs_ideal", "rows_max_mean", "replicas",
-           "min_replica", "out_diff", "dx_diff", "wgrad_rel", "rerun_diff"]
+           "min_replica", "sync_stream", "out_diff", "dx_diff", "wgrad_rel", "rerun_diff"]
 # Largest relative difference of ultraep's master weight gradients from none's: the same FP32
 # terms summed per instance move about 1e-6; a replica gradient dropped or added twice, by
 # several percent.
@@ -87,6 +89,10 @@ def parse_args(argv):
     parser.add_argument("--min-replica-tokens", type=replica_threshold, nargs="+", default=[512], metavar="N|auto",
                         help="fewest tokens a replica may serve (the planner's min_replica_tokens), or auto (the "
                              "cost model on the machine profile, ultraep.tune); several values: an ultraep row each")
+    parser.add_argument("--sync-stream", choices=["side", "layer"], nargs="+", default=["side"],
+                        help="where ultraep's layers run the weight sync: a stream of their own, beside their "
+                             "kernels, or the layer's stream, in series (MoELayer's sync_beside); an ultraep row "
+                             "per value")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -128,7 +134,8 @@ class MoEStack:
     """The layers of one policy on this rank: routing, one :class:`~ultraep.MoELayer` per
     layer with its masters and, for ``ultraep``, the Balancer they share."""
 
-    def __init__(self, group, policy: str, masters, ids, gates, xp, backend: str, args, min_replica_tokens=None):
+    def __init__(self, group, policy: str, masters, ids, gates, xp, backend: str, args, min_replica_tokens=None,
+                 sync_beside: bool = True):
         from ultraep.integration import Balancer
         from ultraep.integration.moe_layer import MoELayer, expert_spec
         from ultraep.planner import ExpertLayout
@@ -150,7 +157,7 @@ class MoEStack:
             for layer, (w_up, w_down) in enumerate(masters):
                 moe = MoELayer(group, hidden=H, ffn=args.ffn, num_experts=R * M, top_k=K, max_tokens=T,
                                balancer=self.balancer, layer=layer, max_recv_rows=bound, backend=backend,
-                               sync_checks=False)
+                               sync_checks=False, sync_beside=sync_beside)
                 self.layers.append(moe)
                 moe.load_weights(w_up, w_down)
         except BaseException:
@@ -278,7 +285,10 @@ def run(args) -> int:
     table = RowStream(COLUMNS, title, enabled=me == 0)
     rows = []
     thresholds = args.min_replica_tokens
-    runs = [(policy, threshold) for policy in POLICIES for threshold in (thresholds if policy == "ultraep" else [None])]
+    streams = args.sync_stream
+    runs = [(policy, threshold, stream) for policy in POLICIES
+            for threshold in (thresholds if policy == "ultraep" else [None])
+            for stream in (streams if policy == "ultraep" else [None])]
 
     def checked_step(stack):
         stack.zero_grads()
@@ -293,19 +303,21 @@ def run(args) -> int:
     # stretch of a shared GPU (one MPS share overlapping another) then costs every policy alike.
     stacks, first = {}, {}
     try:
-        for policy, threshold in runs:
+        for policy, threshold, stream in runs:
             name = f"ultraep@{threshold}" if policy == "ultraep" and len(thresholds) > 1 else policy
+            name += f"/{stream}" if policy == "ultraep" and len(streams) > 1 else ""
             progress(f"{name}: setting up and a checked step")
             stacks[name] = (policy, MoEStack(group, policy, masters, ideal if policy == "ideal" else skewed, gates,
-                                             xp, backend, args, min_replica_tokens=threshold))
+                                             xp, backend, args, min_replica_tokens=threshold,
+                                             sync_beside=stream != "layer"), stream)
             first[name] = checked_step(stacks[name][1])  # also the warm-up (kernels, schedules)
         progress(f"{args.repeats} timed steps of each policy, interleaved, then a checked step each")
         phases = []
-        for _, stack in stacks.values():
+        for _, stack, _ in stacks.values():
             phases += [lambda _, stack=stack: stack.forward(x)[1],
                        lambda contexts, stack=stack: stack.backward(contexts, grad_out)]
         windows = phase_windows_ms(group, phases, args.repeats, synchronize)
-        for index, (name, (policy, stack)) in enumerate(stacks.items()):
+        for index, (name, (policy, stack, stream)) in enumerate(stacks.items()):
             again = checked_step(stack)
             stack.check()
             replicas, min_replica, balancing = None, None, None
@@ -317,8 +329,8 @@ def run(args) -> int:
             rerun = differing(sum(first[name], []), sum(again, []))
             row = {"policy": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "step_ms": fwd_ms + bwd_ms,
                    "tokens_per_s": R * T / (fwd_ms + bwd_ms) * 1e3, "rows_max_mean": stack.rows_max_mean(),
-                   "replicas": replicas, "min_replica": min_replica, "balancing_layers": balancing,
-                   "rerun_diff": sum(group.allgather(rerun))}
+                   "replicas": replicas, "min_replica": min_replica, "sync_stream": stream,
+                   "balancing_layers": balancing, "rerun_diff": sum(group.allgather(rerun))}
             row["vs_ideal"] = rows[0]["step_ms"] / row["step_ms"] if rows else 1.0  # ideal is measured first
             if policy == "ultraep":
                 (out, dx, grads), (out_none, dx_none, grads_none) = first[name], first["none"]
@@ -329,7 +341,7 @@ def run(args) -> int:
             rows.append(row)
             table.add(row)
     finally:
-        for _, stack in stacks.values():
+        for _, stack, _ in stacks.values():
             stack.close()
     table.close()
     balanced = [row for row in rows if row["policy"].startswith("ultraep")]

@@ -18,15 +18,16 @@ Data flow of one micro-batch (the Dispatcher's receive buffer is expert-major: r
 local slot ``j`` are ``offsets[j]:offsets[j + 1]``, masters ``j < M`` then replica slots):
 
 * forward: when the layer balances (:attr:`MoELayer.balancing`), ``update`` ->
-  ``weight_sync`` (on the layer's own stream, so the copies run beside reroute and
-  dispatch) -> ``reroute``; ``dispatch``; then the
+  ``weight_sync`` (by default on a stream of the layer's own, so the copies run beside
+  reroute and dispatch; ``sync_beside=False``: in series on the caller's) -> ``reroute``;
+  ``dispatch``; then the
   weights of the replica slots the plan fills are copied behind the masters in the layer's
   stacked weights once they have landed (``FilledSlotCopy``: an empty slot gets no rows, so
   nothing reads its stale copy; the fused path copies them before its first kernel), so the
   whole receive buffer runs as one grouped GEMM per projection over ``M + S`` experts ->
   ``grouped_mm`` (up, FP32 out) -> SwiGLU (BF16) -> ``grouped_mm`` (down) -> ``combine``;
 * backward: the layer's own copy of the replica weights serves it (``restore``, on the
-  layer's stream, only where another forward of this layer has overwritten that copy and
+  sync's stream, only where another forward of this layer has overwritten that copy and
   the Balancer's slots hold another plan's weights); ``combine_backward`` (row gradients
   and the gates' gradients) -> dgrad and wgrad of down -> SwiGLU backward -> dgrad and
   wgrad of up -> masters' gradients ``+=`` their rows' part, filled replica slots'
@@ -364,6 +365,12 @@ class MoELayer:
     for every call; None (default): tuned on the device, the constants on the host (one
     worker: nothing to tune). No choice changes a result bit.
     ``max_recv_rows``, ``timeout_s``, ``sync_checks``: the Dispatcher's.
+    ``sync_beside`` (GPU, when the layer balances): run the Balancer's ``weight_sync`` and
+    ``restore`` on a stream of the layer's own, beside reroute, dispatch and the masters'
+    compute (default), or, False, on the caller's stream, in series with them. Beside
+    costs more where the sync is short (H200 under MPS, 4 ranks, an 8 MB expert: 0.31-0.33
+    ms exposed against 0.20-0.28 in series; ``docs/benchmarks.md``, balancer). No choice
+    changes a result bit.
 
     ``topk_ids``: a token's ``K`` ids are distinct experts (as a router's top-k), so an expert
     gets at most ``group.size * max_tokens`` tokens a call. Where that is below the
@@ -382,14 +389,15 @@ class MoELayer:
     def __init__(self, group: EPGroup, *, hidden: int, ffn: int, num_experts: int, top_k: int, max_tokens: int,
                  balancer: Balancer | None = None, layer: int = 0, max_recv_rows: int | None = None,
                  backend: str = "auto", heap: Any = None, timeout_s: float = 30.0, sync_checks: bool = True,
-                 fused: bool = False, fused_config: FusedConfig | str | None = None):
+                 fused: bool = False, fused_config: FusedConfig | str | None = None, sync_beside: bool = True):
         if not isinstance(group, EPGroup):  # no collective can report it: this rank's own error
             raise MoELayerError(f"group must be an ultraep.EPGroup, got {type(group).__name__}")
         error = None
         try:
             self._check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend)
-            if not is_bool(fused):
-                raise MoELayerError(f"fused must be a bool, got {fused!r}")
+            for name, flag in (("fused", fused), ("sync_beside", sync_beside)):
+                if not is_bool(flag):
+                    raise MoELayerError(f"{name} must be a bool, got {flag!r}")
             if fused_config is not None and not fused:
                 raise MoELayerError("fused_config is set but fused=False: it configures the fused kernels")
         except MoELayerError as exc:
@@ -445,9 +453,10 @@ class MoELayer:
             MoELayer._balancer_layers[(balancer.id, self.layer)] = self
         self._generation = 0  # forwards that filled the replica part of the stacked weights
         self._weight_copy = self._grad_copy = self._wgrad = None  # made at first use
-        # the replica weights' transfers run beside dispatch (GPU; the Balancer orders the streams by events)
+        # the replica weights' transfers run beside dispatch (GPU; the Balancer orders the streams by events),
+        # else (None) on the caller's stream
         self._sync_stream = None
-        if self.device is not None and self._balancing:
+        if self.device is not None and self._balancing and sync_beside:
             with self.xp.cuda.Device(self.device):
                 self._sync_stream = self.xp.cuda.Stream(non_blocking=True)
 

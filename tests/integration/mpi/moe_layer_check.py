@@ -94,9 +94,10 @@ def differing(a, b) -> int:
 RESTORED = []  # (layer, micro-batch step) of every Balancer.restore of the last run_policy
 
 
-def run_policy(min_replica_tokens=None, runs=RUNS):
-    """The layers with a Balancer of ``min_replica_tokens`` (None: without one), ``runs``
-    times: ([per run: ({(layer, micro): (y, dx, d_gates)}, [(grad_up, grad_down) per layer])],
+def run_policy(min_replica_tokens=None, runs=RUNS, sync_beside=True):
+    """The layers with a Balancer of ``min_replica_tokens`` (None: without one), their weight
+    syncs beside the layer's stream or in series on it (``sync_beside``), ``runs`` times:
+    ([per run: ({(layer, micro): (y, dx, d_gates)}, [(grad_up, grad_down) per layer])],
     the Balancer's stats summary or None, the layers' ``balancing``)."""
     balancer = None
     RESTORED.clear()
@@ -107,7 +108,7 @@ def run_policy(min_replica_tokens=None, runs=RUNS):
         balancer.restore = lambda handle, **options: (RESTORED.append((handle.layer, handle.step)),
                                                       restore(handle, **options))[1]
     layers = [MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer, layer=layer,
-                       backend=backend) for layer in range(LAYERS)]
+                       backend=backend, sync_beside=sync_beside) for layer in range(LAYERS)]
     balancing = [moe.balancing for moe in layers]
     for layer, moe in enumerate(layers):
         moe.load_weights(*masters(layer, me))  # NumPy in, copied onto the backend
@@ -206,10 +207,17 @@ def invariance():
             for layer, (pair, first) in enumerate(zip(grads, first_grads)):
                 for a, b, what in zip(pair, first, ("grad_up", "grad_down")):
                     assert differing(a, b) == 0, f"{name} run {i} layer {layer} {what} differs from run 0"
+    in_series, _, _ = run_policy(4, runs=1, sync_beside=False)
     for key in plain[0][0]:
         for a, b, what in zip(balanced[0][0][key], plain[0][0][key], ("y", "dx", "d_gates")):
             count = differing(a, b)
             assert count == 0, f"{key} {what}: {count} elements of ultraep differ from none"
+        for a, b, what in zip(in_series[0][0][key], balanced[0][0][key], ("y", "dx", "d_gates")):
+            count = differing(a, b)
+            assert count == 0, f"{key} {what}: {count} elements differ with the sync in series"
+    for layer, (pair, beside) in enumerate(zip(in_series[0][1], balanced[0][1])):
+        for a, b, what in zip(pair, beside, ("grad_up", "grad_down")):
+            assert differing(a, b) == 0, f"layer {layer} {what} differs with the sync in series"
     for layer, (pair, plain_pair) in enumerate(zip(balanced[0][1], plain[0][1])):
         for a, b, what in zip(pair, plain_pair, ("grad_up", "grad_down")):
             # The same FP32 terms, summed per instance and the partials added in replica order.
