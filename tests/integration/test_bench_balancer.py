@@ -45,8 +45,22 @@ def test_balancer_bench_rows_per_sync_grid_with_the_host_breakdown_and_profile(t
         assert row["bal_host_ms"] <= row["call_host_ms"] and row["blocked_host_ms"] == 0.0, row
         assert all(row[column] is None for column in bench.DEVICE_COLUMNS), row
     assert sorted(p.name for p in profiles.iterdir()) == [
-        f"bf16_imbalance2_sync{grid}.{ext}" for grid in ("4", "all") for ext in ("pstats", "txt")]
-    assert "integration/balancer.py" in (profiles / "bf16_imbalance2_syncall.txt").read_text()
+        f"bf16_imbalance2_sync{grid}_side.{ext}" for grid in ("4", "all") for ext in ("pstats", "txt")]
+    assert "integration/balancer.py" in (profiles / "bf16_imbalance2_syncall_side.txt").read_text()
+
+
+def test_balancer_bench_rows_per_sync_stream(tmp_path, capfd):
+    """``--sync-stream side layer``: a row each, in that order, each checked against the
+    masters; the title names both."""
+    out = tmp_path / "balancer.json"
+    code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
+                       "--ffn", "16", "--initial-imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "2",
+                       "--rounds", "1", "--sync-stream", "side", "layer", "--quiet", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["sync_stream"] for row in rows] == ["side", "layer"]
+    assert all(row["replica_diff"] == 0 and row["replicas"] > 0 for row in rows), rows
+    assert f"weight_sync {bench.SYNC_STREAMS['side']} or {bench.SYNC_STREAMS['layer']}," in capfd.readouterr().out
 
 
 @pytest.mark.parametrize("text, blocks", [("all", None), ("16", 16)])
@@ -78,25 +92,25 @@ def test_sync_grid_refuses_what_is_not_a_block_count(text):
 @pytest.mark.mpi
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("sync_stream", ["side", "layer"])
-def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path, sync_stream):
+def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path):
     """4 ranks on one GPU: the compute stream's stamps fill the device columns, and the
-    serial part before dispatch is a part of the balanced layer; with ``--sync-stream
-    layer`` the sync is a part of it too (it ends before dispatch starts)."""
+    serial part before dispatch is a part of the balanced layer; with the sync on the
+    layer's stream (``--sync-stream layer``) the sync is a part of it too (it ends before
+    dispatch starts)."""
     out = tmp_path / "balancer.json"
     code = bench.main(["--backend", "device", "--ranks", "4", "--experts", "16", "--tokens", "1024", "--top-k", "2",
                        "--hidden", "256", "--ffn", "128", "--initial-imbalance", "1.5", "--min-replica-tokens", "16",
-                       "--repeats", "4", "--rounds", "2", "--sync-blocks", "all", "8", "--sync-stream", sync_stream,
+                       "--repeats", "4", "--rounds", "2", "--sync-blocks", "all", "8", "--sync-stream", "side", "layer",
                        "--quiet", "--json", str(out)])
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [row["sync_blocks"] for row in rows] == ["all", 8]
+    assert [(row["sync_blocks"], row["sync_stream"]) for row in rows] == [
+        ("all", "side"), ("all", "layer"), (8, "side"), (8, "layer")]
     for row in rows:
         assert row["replica_diff"] == 0 and row["exposed_dev_ms"] is not None, row
         assert 0 < row["update_lead_dev_ms"] < row["lead_dev_ms"] < row["balanced_ms"], row
         assert row["wait_dev_ms"] >= 0 and row["idle_dev_ms"] >= 0 and row["synced_dev_ms"] > 0, row
-        in_series = sync_stream == "layer"
-        assert row["sync_stream"] == sync_stream and (not in_series or row["synced_dev_ms"] < row["lead_dev_ms"]), row
+        assert row["sync_stream"] == "side" or row["synced_dev_ms"] < row["lead_dev_ms"], row
         assert all(row[f"d_{phase}_dev_ms"] is not None for phase in bench.PHASE_NAMES), row
         assert row["blocked_host_ms"] >= 0 and row["update_host_ms"] > 0, row
 

@@ -22,7 +22,8 @@ rank's end, host and device, per call; medians over ``--rounds`` rounds of
 layer, to tell their costs apart; ``--sync-at dispatch`` starts the sync once dispatch is
 enqueued (it then runs beside the masters' compute instead of reroute and dispatch);
 ``--sync-stream layer`` enqueues the sync on the layer's own stream instead of a side stream,
-in series with the layer's kernels (before reroute, or after dispatch), nothing beside them.
+in series with the layer's kernels (before reroute, or after dispatch), nothing beside them
+(``side layer``: a row each).
 ``exposed_ms`` = balanced - in place (median of the rounds' differences): what balancing
 adds to the layer. ``share_pct`` = exposed / layer. ``update_dev_ms``,
 ``weight_sync_dev_ms`` and ``reroute_dev_ms`` are the Balancer's own CUDA-event (CPU: wall)
@@ -68,6 +69,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import itertools
 import statistics
 import sys
 import time
@@ -127,9 +129,9 @@ def parse_args(argv):
                         help="where the balanced layer starts weight_sync: as soon as the plan exists (beside "
                              "reroute and dispatch), or once dispatch is enqueued (its stream then waits for dispatch, "
                              "a reader of the replica slots: the sync runs beside the masters' compute)")
-    parser.add_argument("--sync-stream", choices=["side", "layer"], default="side",
+    parser.add_argument("--sync-stream", choices=list(SYNC_STREAMS), nargs="+", default=["side"],
                         help="where the balanced layer enqueues weight_sync: a side stream of its own, beside the "
-                             "layer's kernels, or the layer's stream, in series with them")
+                             "layer's kernels, or the layer's stream, in series with them; a row each")
     parser.add_argument("--compute-priority", choices=["default", "high"], default="default",
                         help="the stream the layers run on: the default priority, as the weight sync's side stream, "
                              "or the device's highest, so that the block scheduler serves the layer's kernels before "
@@ -287,9 +289,9 @@ def on_gpu(group, args) -> bool:
     return args.backend == "device" or (args.backend == "auto" and group.has_gpu)
 
 
-def measure(group, target: float, dtype: str, sync_blocks: int | None, args, progress):
-    """The row of one initial imbalance, weight type and sync grid, and the Balancer's
-    per-micro-batch records."""
+def measure(group, target: float, dtype: str, sync_blocks: int | None, sync_stream: str, args, progress):
+    """The row of one initial imbalance, weight type, sync grid and sync stream, and the
+    Balancer's per-micro-batch records."""
     from ultraep.integration import Balancer
     from ultraep.planner import ExpertLayout
     from ultraep.analysis.traces import zipf_topk
@@ -326,7 +328,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
         profiling = profiler.enable if profiler else (lambda: None)
         profiled = profiler.disable if profiler else (lambda: None)
         # the weight sync's own stream (None: the current one, the layer's)
-        side = xp.cuda.Stream(non_blocking=True) if gpu and args.sync_stream == "side" else None
+        side = xp.cuda.Stream(non_blocking=True) if gpu and sync_stream == "side" else None
         compute = contextlib.nullcontext()  # the layers' stream: the current one, or one of the highest priority
         if gpu and args.compute_priority == "high":
             compute = xp.cuda.Stream(non_blocking=True, priority=HIGHEST_PRIORITY)
@@ -435,7 +437,8 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
             return window_ms
 
         grid = "the engine's grid" if sync_blocks is None else f"{sync_blocks} blocks"
-        progress(f"initial imbalance {target}, {dtype} weights, weight sync on {grid}: layers registered, timing "
+        progress(f"initial imbalance {target}, {dtype} weights, weight sync on {grid} {SYNC_STREAMS[sync_stream]}: "
+                 "layers registered, timing "
                  "the balanced MoE layer "
                  f"and the same layer with its plan in place ({args.rounds} x {args.repeats} calls each)")
         handle = state["handle"] = balancer.update(0, ids)
@@ -459,11 +462,11 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, args, pro
         summary = stats.summary()
     if profiler is not None:
         write_host_profile(profiler, args.host_profile, f"{WEIGHT_DTYPES[dtype]}_imbalance{target:g}_sync"
-                                                        f"{sync_blocks or 'all'}")
+                                                        f"{sync_blocks or 'all'}_{sync_stream}")
     layer_ms, balanced_ms = (statistics.median(windows[k]) for k in ("in_place", "balanced"))
     exposed_ms = statistics.median(b - p for b, p in zip(windows["balanced"], windows["in_place"]))
     row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype, "steps": args.steps,
-           "compute_priority": args.compute_priority, "sync_at": args.sync_at, "sync_stream": args.sync_stream,
+           "compute_priority": args.compute_priority, "sync_at": args.sync_at, "sync_stream": sync_stream,
            "sync_blocks": sync_blocks or "all",
            "imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
@@ -546,17 +549,18 @@ def run(args) -> int:
     title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({sharing}), {args.experts} experts, "
              f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
              f"ffn {args.ffn}, fp16 tokens and compute, expert weights as listed, {launches}; exposed = balanced "
-             f"layer (update, weight_sync {SYNC_STREAMS[args.sync_stream]}, reroute, per-slot waits) - the same "
+             f"layer (update, weight_sync {' or '.join(SYNC_STREAMS[s] for s in args.sync_stream)}, reroute, "
+             "per-slot waits) - the same "
              "layer with its plan and replicas in place, group windows"
              + ("" if args.steps == "all" else f"; balanced layer's steps: {args.steps} alone"))
     rows = []
     dtypes = sorted(set(args.weight_dtype), key=list(WEIGHT_DTYPES).index)  # bf16 first: the ratios' base
     with RowStream(COLUMNS, title, enabled=printing) as table:
         for target in args.initial_imbalance:
-            for sync_blocks in args.sync_blocks:
+            for sync_blocks, sync_stream in itertools.product(args.sync_blocks, args.sync_stream):
                 bf16_sync_ms = None
                 for dtype in dtypes:
-                    row, records = measure(group, target, dtype, sync_blocks, args, progress)
+                    row, records = measure(group, target, dtype, sync_blocks, sync_stream, args, progress)
                     sync_ms = row["weight_sync_dev_ms"]
                     if dtype == "bfloat16":
                         bf16_sync_ms = sync_ms
