@@ -368,9 +368,9 @@ class MoELayer:
     ``sync_beside`` (GPU, when the layer balances): run the Balancer's ``weight_sync`` and
     ``restore`` on a stream of the layer's own, beside reroute, dispatch and the masters'
     compute (default), or, False, on the caller's stream, in series with them. Beside
-    costs more where the sync is short (H200 under MPS, 4 ranks, an 8 MB expert: 0.31-0.33
-    ms exposed against 0.20-0.28 in series; ``docs/benchmarks.md``, balancer). No choice
-    changes a result bit.
+    costs more where the sync is short (H200 under MPS, 4 ranks, an 8 MB expert: 0.29-0.35
+    ms exposed a layer against 0.24-0.27 in series; ``docs/benchmarks.md``, balancer). No
+    choice changes a result bit.
 
     ``topk_ids``: a token's ``K`` ids are distinct experts (as a router's top-k), so an expert
     gets at most ``group.size * max_tokens`` tokens a call. Where that is below the
