@@ -550,8 +550,7 @@ def run(args) -> int:
              f"{args.slots} slots/rank, top-{args.top_k}, {args.tokens} tokens/rank, hidden {args.hidden}, "
              f"ffn {args.ffn}, fp16 tokens and compute, expert weights as listed, {launches}; exposed = balanced "
              f"layer (update, weight_sync {' or '.join(SYNC_STREAMS[s] for s in args.sync_stream)}, reroute, "
-             "per-slot waits) - the same "
-             "layer with its plan and replicas in place, group windows"
+             "per-slot waits) - the same layer with its plan and replicas in place, group windows"
              + ("" if args.steps == "all" else f"; balanced layer's steps: {args.steps} alone"))
     rows = []
     dtypes = sorted(set(args.weight_dtype), key=list(WEIGHT_DTYPES).index)  # bf16 first: the ratios' base

@@ -47,6 +47,7 @@ import time
 
 import numpy as np
 
+from ultraep.bench.balancer import SYNC_STREAMS
 from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
 
@@ -89,7 +90,7 @@ def parse_args(argv):
     parser.add_argument("--min-replica-tokens", type=replica_threshold, nargs="+", default=[512], metavar="N|auto",
                         help="fewest tokens a replica may serve (the planner's min_replica_tokens), or auto (the "
                              "cost model on the machine profile, ultraep.tune); several values: an ultraep row each")
-    parser.add_argument("--sync-stream", choices=["side", "layer"], nargs="+", default=["side"],
+    parser.add_argument("--sync-stream", choices=list(SYNC_STREAMS), nargs="+", default=["side"],
                         help="where ultraep's layers run the weight sync: a stream of their own, beside their "
                              "kernels, or the layer's stream, in series (MoELayer's sync_beside); an ultraep row "
                              "per value")
