@@ -32,7 +32,7 @@ if [ -n "${GPU_MPS_SHARE-25}" ]; then
   $PY -m ultraep.runtime.mps --percent "${GPU_MPS_SHARE:-25}" -- \
     $PY -m pytest -m "gpu and not traps" -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/gpu-tests-mps.log" | tail -15 || status=1
 fi
-for bench in ${GPU_BENCHES-peer-copy plan-kernel weight-sync dispatch balancer grouped-gemm}; do
+for bench in ${GPU_BENCHES-peer-copy plan-kernel weight-sync dispatch balancer grouped-gemm stream-wait}; do
   echo "== bench $bench" | tee -a "$OUT/bench.log"
   $PY -m ultraep.bench "$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
 done

@@ -197,7 +197,7 @@ class FakeGroup:
     def __init__(self, placements, rank=0):
         self.placements, self.hostname, self.device = placements, placements[rank][0], placements[rank][1]
 
-    def allgather(self, _):
+    def allgather(self, _, what=None):
         return list(self.placements)
 
 

@@ -33,6 +33,8 @@ BENCHMARKS = {
                           "exposed cost of balancing one MoE layer (update + weight_sync + reroute)"),
     "dispatch": Benchmark("ultraep.bench.dispatch", True,
                           "dispatch and combine bandwidth against a copy of the same bytes and NCCL all-to-all"),
+    "stream-wait": Benchmark("ultraep.bench.stream_wait", True,
+                             "what work queued on a second stream behind a wait costs the layer stream's launches"),
     "grouped-gemm": Benchmark("ultraep.bench.grouped_gemm", True,
                               "grouped GEMM forward/dgrad/wgrad TFLOPS against cuBLAS dense, a per-expert loop and "
                               "torch._grouped_mm"),

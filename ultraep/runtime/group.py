@@ -348,3 +348,8 @@ def gpu_identity(group):
 def most_ranks_on_one_gpu(identities: list) -> int:
     """The largest number of ranks whose ``identities`` (see :func:`gpu_identity`) are one GPU."""
     return max(Counter(i for i in identities if i is not None).values(), default=0)
+
+
+def ranks_per_gpu(group) -> int:
+    """The most ranks of ``group`` on one GPU, 0 without GPUs (collective)."""
+    return most_ranks_on_one_gpu(group.allgather(gpu_identity(group), what="ranks per GPU"))

@@ -265,9 +265,9 @@ def take_rank_partition(environ=os.environ) -> None:
 
 def sharing_label(group: "EPGroup") -> str:
     """How the group's ranks share their GPUs, for a benchmark table's header (collective)."""
-    from ultraep.runtime.group import gpu_identity, most_ranks_on_one_gpu
+    from ultraep.runtime.group import ranks_per_gpu
 
-    per_gpu = most_ranks_on_one_gpu(group.allgather(gpu_identity(group)))
+    per_gpu = ranks_per_gpu(group)
     if group.device is None:
         return "host backend: not a figure of merit"
     if per_gpu == 1:
