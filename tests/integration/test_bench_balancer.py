@@ -63,6 +63,28 @@ def test_balancer_bench_rows_per_sync_stream(tmp_path, capfd):
     assert f"weight_sync {bench.SYNC_STREAMS['side']} or {bench.SYNC_STREAMS['layer']}," in capfd.readouterr().out
 
 
+class _Placed:
+    """allgather of GPU identities as ranks placed on ``(host, GPU)`` pairs (GPU None: none)."""
+
+    has_gpu = False  # this rank's own identity is not asked of CUDA
+
+    def __init__(self, placements):
+        self.placements = placements
+
+    def allgather(self, value, what=None):
+        return [None if gpu is None else (host, gpu) for host, gpu in self.placements]
+
+
+@pytest.mark.parametrize("placements, auto", [([("h", 0), ("h", 1)], "side"), ([("a", 0), ("b", 0)], "side"),
+                                              ([("h", None)] * 2, "side"), ([("h", 0)] * 4, "layer"),
+                                              ([("h", 0), ("h", 1), ("h", 1)], "layer")])
+def test_auto_sync_stream_is_beside_only_where_each_rank_has_its_gpu(placements, auto):
+    """``auto`` (MoELayer's default) as ``sync_beside_pays`` decides, each placement once, in order."""
+    group = _Placed(placements)
+    assert bench.resolved_sync_streams(group, ["auto"]) == [auto]
+    assert bench.resolved_sync_streams(group, ["layer", "auto", "side"]) == list(dict.fromkeys(["layer", auto, "side"]))
+
+
 @pytest.mark.parametrize("text, blocks", [("all", None), ("16", 16)])
 def test_sync_grid_values(text, blocks):
     assert bench.sync_grid(text) == blocks

@@ -22,8 +22,9 @@ rank's end, host and device, per call; medians over ``--rounds`` rounds of
 layer, to tell their costs apart; ``--sync-at dispatch`` starts the sync once dispatch is
 enqueued (it then runs beside the masters' compute instead of reroute and dispatch);
 ``--sync-stream layer`` enqueues the sync on the layer's own stream instead of a side stream,
-in series with the layer's kernels (before reroute, or after dispatch), nothing beside them
-(``side layer``: a row each).
+in series with the layer's kernels (before reroute, or after dispatch), nothing beside them;
+``auto`` (default) is ``side`` where each rank has a GPU of its own, else ``layer``, as
+``MoELayer``'s default (``side layer``: a row each).
 ``exposed_ms`` = balanced - in place (median of the rounds' differences): what balancing
 adds to the layer. ``share_pct`` = exposed / layer. ``update_dev_ms``,
 ``weight_sync_dev_ms`` and ``reroute_dev_ms`` are the Balancer's own CUDA-event (CPU: wall)
@@ -94,7 +95,17 @@ HOST_PARTS = ("update", "sync", "reroute", "wait")  # the Balancer's calls of a 
 BALANCER_STAGES = ("update", "weight_sync", "reroute")  # the Balancer's own stage clocks, the *_dev_ms columns
 WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}  # name -> table label
 HIGHEST_PRIORITY = -1000  # CUDA clamps a stream priority to the device's range: this is its highest
-SYNC_STREAMS = {"side": "on a side stream beside dispatch", "layer": "on the layer's stream, in series"}
+SYNC_STREAMS = {"side": "on a side stream beside dispatch", "layer": "on the layer's stream, in series",
+                "auto": "beside where each rank has a GPU of its own, else in series (MoELayer's default)"}
+
+
+def resolved_sync_streams(group, streams: list) -> list:
+    """``streams`` with ``auto`` as the placement :func:`~ultraep.integration.sync_beside_pays`
+    picks on this group, each once, in order (collective)."""
+    from ultraep.integration import sync_beside_pays
+
+    auto = "side" if sync_beside_pays(group) else "layer"
+    return list(dict.fromkeys(auto if stream == "auto" else stream for stream in streams))
 BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
 
 
@@ -129,9 +140,10 @@ def parse_args(argv):
                         help="where the balanced layer starts weight_sync: as soon as the plan exists (beside "
                              "reroute and dispatch), or once dispatch is enqueued (its stream then waits for dispatch, "
                              "a reader of the replica slots: the sync runs beside the masters' compute)")
-    parser.add_argument("--sync-stream", choices=list(SYNC_STREAMS), nargs="+", default=["side"],
+    parser.add_argument("--sync-stream", choices=list(SYNC_STREAMS), nargs="+", default=["auto"],
                         help="where the balanced layer enqueues weight_sync: a side stream of its own, beside the "
-                             "layer's kernels, or the layer's stream, in series with them; a row each")
+                             "layer's kernels, the layer's stream, in series with them, or auto (side where each "
+                             "rank has a GPU of its own, else layer); a row each")
     parser.add_argument("--compute-priority", choices=["default", "high"], default="default",
                         help="the stream the layers run on: the default priority, as the weight sync's side stream, "
                              "or the device's highest, so that the block scheduler serves the layer's kernels before "
@@ -542,6 +554,7 @@ def run(args) -> int:
 
     group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "host")
     sharing = sharing_label(group)
+    args.sync_stream = resolved_sync_streams(group, args.sync_stream)
     printing = group.rank == 0
     progress = Progress("balancer", enabled=printing and not args.quiet)
     launches = (f"Balancer launches {'eager' if args.no_cuda_graphs else 'in CUDA graphs'}" if on_gpu(group, args)

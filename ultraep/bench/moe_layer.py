@@ -13,7 +13,8 @@ skewed routing under three policies in one run, as tokens/s and the ratio to the
   could make a replica (``MoELayer.balancing``; e.g. decode under ``auto``) the layers run
   unbalanced: ``replicas`` 0 and a note under the table; with both ``--sync-stream side
   layer``, a row per value again (``/side``: the weight sync beside the layer's kernels,
-  ``/layer``: in series on the layer's stream, ``MoELayer(sync_beside=False)``);
+  ``MoELayer(sync_beside=True)``, ``/layer``: in series on the layer's stream, ``False``;
+  the default ``auto`` is the layer's own choice, ``sync_stream`` names it);
 * ``ideal``: force-balanced routing -- every source sends ``tokens x top_k / experts``
   pairs to every expert, so each rank receives exactly the mean -- with no balancing.
 
@@ -47,7 +48,7 @@ import time
 
 import numpy as np
 
-from ultraep.bench.balancer import SYNC_STREAMS
+from ultraep.bench.balancer import SYNC_STREAMS, resolved_sync_streams
 from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
 
@@ -90,10 +91,10 @@ def parse_args(argv):
     parser.add_argument("--min-replica-tokens", type=replica_threshold, nargs="+", default=[512], metavar="N|auto",
                         help="fewest tokens a replica may serve (the planner's min_replica_tokens), or auto (the "
                              "cost model on the machine profile, ultraep.tune); several values: an ultraep row each")
-    parser.add_argument("--sync-stream", choices=list(SYNC_STREAMS), nargs="+", default=["side"],
+    parser.add_argument("--sync-stream", choices=list(SYNC_STREAMS), nargs="+", default=["auto"],
                         help="where ultraep's layers run the weight sync: a stream of their own, beside their "
-                             "kernels, or the layer's stream, in series (MoELayer's sync_beside); an ultraep row "
-                             "per value")
+                             "kernels, the layer's stream, in series, or auto (MoELayer's default: side where each "
+                             "rank has a GPU of its own, else layer); an ultraep row per placement")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -136,7 +137,7 @@ class MoEStack:
     layer with its masters and, for ``ultraep``, the Balancer they share."""
 
     def __init__(self, group, policy: str, masters, ids, gates, xp, backend: str, args, min_replica_tokens=None,
-                 sync_beside: bool = True):
+                 sync_beside: bool | str = "auto"):
         from ultraep.integration import Balancer
         from ultraep.integration.moe_layer import MoELayer, expert_spec
         from ultraep.planner import ExpertLayout
@@ -286,7 +287,7 @@ def run(args) -> int:
     table = RowStream(COLUMNS, title, enabled=me == 0)
     rows = []
     thresholds = args.min_replica_tokens
-    streams = args.sync_stream
+    streams = resolved_sync_streams(group, args.sync_stream)
     runs = [(policy, threshold, stream) for policy in POLICIES
             for threshold in (thresholds if policy == "ultraep" else [None])
             for stream in (streams if policy == "ultraep" else [None])]
@@ -310,7 +311,7 @@ def run(args) -> int:
             progress(f"{name}: setting up and a checked step")
             stacks[name] = (policy, MoEStack(group, policy, masters, ideal if policy == "ideal" else skewed, gates,
                                              xp, backend, args, min_replica_tokens=threshold,
-                                             sync_beside=stream != "layer"), stream)
+                                             sync_beside=stream == "side"), stream)
             first[name] = checked_step(stacks[name][1])  # also the warm-up (kernels, schedules)
         progress(f"{args.repeats} timed steps of each policy, interleaved, then a checked step each")
         phases = []

@@ -14,8 +14,9 @@
   several micro-batches in flight from one process.
 """
 
-from ultraep.integration.balancer import BalanceHandle, Balancer, BalancerError, ReplicaSync, StaleHandleError
+from ultraep.integration.balancer import (BalanceHandle, Balancer, BalancerError, ReplicaSync, StaleHandleError,
+                                          sync_beside_pays)
 from ultraep.integration.stats import BalancerStats, LayerRecord
 
 __all__ = ["BalanceHandle", "Balancer", "BalancerError", "BalancerStats", "LayerRecord", "ReplicaSync",
-           "StaleHandleError"]
+           "StaleHandleError", "sync_beside_pays"]

@@ -130,7 +130,7 @@ from ultraep.planner.plan import INT32_LIMIT
 from ultraep.runtime import open_heap
 from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.dtypes import is_bool, is_int
-from ultraep.runtime.group import EPGroup, timeout_error
+from ultraep.runtime.group import EPGroup, ranks_per_gpu, timeout_error
 from ultraep.runtime.heap import HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
 from ultraep.tune.replicas import agreed_min_replica_tokens
@@ -194,6 +194,14 @@ class BalancerBackend(Protocol):
     def host_arrays(self, slot, plan: Plan) -> dict: ...
     def synchronize(self) -> int: ...
     def check(self) -> None: ...
+
+
+def sync_beside_pays(group: EPGroup) -> bool:
+    """Whether ``weight_sync`` on a stream of its own, beside dispatch and the compute, pays
+    (collective): where every rank has a GPU to itself. Where ranks share a GPU (MPS), work
+    queued on a second stream behind a wait slows each launch on the layer's stream by about
+    1 us (``bench stream-wait``), which costs more than the sync beside hides."""
+    return ranks_per_gpu(group) <= 1
 
 
 def _backend_class(heap: SymmetricHeap) -> type:

@@ -18,8 +18,9 @@ Data flow of one micro-batch (the Dispatcher's receive buffer is expert-major: r
 local slot ``j`` are ``offsets[j]:offsets[j + 1]``, masters ``j < M`` then replica slots):
 
 * forward: when the layer balances (:attr:`MoELayer.balancing`), ``update`` ->
-  ``weight_sync`` (by default on a stream of the layer's own, so the copies run beside
-  reroute and dispatch; ``sync_beside=False``: in series on the caller's) -> ``reroute``;
+  ``weight_sync`` (on a stream of the layer's own, so the copies run beside reroute and
+  dispatch, where each rank has its own GPU; in series on the caller's where ranks share
+  one: ``sync_beside``) -> ``reroute``;
   ``dispatch``; then the
   weights of the replica slots the plan fills are copied behind the masters in the layer's
   stacked weights once they have landed (``FilledSlotCopy``: an empty slot gets no rows, so
@@ -70,7 +71,7 @@ from typing import Any
 import numpy as np
 
 from ultraep.errors import ClosedError, CollectiveError, MoELayerError
-from ultraep.integration.balancer import BalanceHandle, Balancer
+from ultraep.integration.balancer import BalanceHandle, Balancer, sync_beside_pays
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
 from ultraep.runtime import dtypes
 from ultraep.runtime.dtypes import flush_subnormals, is_bool, is_int
@@ -365,12 +366,12 @@ class MoELayer:
     for every call; None (default): tuned on the device, the constants on the host (one
     worker: nothing to tune). No choice changes a result bit.
     ``max_recv_rows``, ``timeout_s``, ``sync_checks``: the Dispatcher's.
-    ``sync_beside`` (GPU, when the layer balances): run the Balancer's ``weight_sync`` and
-    ``restore`` on a stream of the layer's own, beside reroute, dispatch and the masters'
-    compute (default), or, False, on the caller's stream, in series with them. Beside
-    costs more where the sync is short (H200 under MPS, 4 ranks, an 8 MB expert: 0.29-0.35
-    ms exposed a layer against 0.24-0.27 in series; ``docs/benchmarks.md``, balancer). No
-    choice changes a result bit.
+    ``sync_beside`` (GPU, when the layer balances): True runs the Balancer's ``weight_sync``
+    and ``restore`` on a stream of the layer's own, beside reroute, dispatch and the masters'
+    compute; False on the caller's stream, in series with them; ``"auto"`` (default) beside
+    where every rank has a GPU of its own, in series where ranks share one
+    (:func:`~ultraep.integration.sync_beside_pays`: under MPS the stream beside slows every
+    launch of the layer's). No choice changes a result bit.
 
     ``topk_ids``: a token's ``K`` ids are distinct experts (as a router's top-k), so an expert
     gets at most ``group.size * max_tokens`` tokens a call. Where that is below the
@@ -389,20 +390,22 @@ class MoELayer:
     def __init__(self, group: EPGroup, *, hidden: int, ffn: int, num_experts: int, top_k: int, max_tokens: int,
                  balancer: Balancer | None = None, layer: int = 0, max_recv_rows: int | None = None,
                  backend: str = "auto", heap: Any = None, timeout_s: float = 30.0, sync_checks: bool = True,
-                 fused: bool = False, fused_config: FusedConfig | str | None = None, sync_beside: bool = True):
+                 fused: bool = False, fused_config: FusedConfig | str | None = None, sync_beside: bool | str = "auto"):
         if not isinstance(group, EPGroup):  # no collective can report it: this rank's own error
             raise MoELayerError(f"group must be an ultraep.EPGroup, got {type(group).__name__}")
         error = None
         try:
             self._check_set_up(group, hidden, ffn, num_experts, top_k, max_tokens, balancer, layer, backend)
-            for name, flag in (("fused", fused), ("sync_beside", sync_beside)):
-                if not is_bool(flag):
-                    raise MoELayerError(f"{name} must be a bool, got {flag!r}")
+            if not is_bool(fused):
+                raise MoELayerError(f"fused must be a bool, got {fused!r}")
+            if not (is_bool(sync_beside) or (isinstance(sync_beside, str) and sync_beside == "auto")):
+                raise MoELayerError(f"sync_beside must be a bool or 'auto', got {sync_beside!r}")
             if fused_config is not None and not fused:
                 raise MoELayerError("fused_config is set but fused=False: it configures the fused kernels")
         except MoELayerError as exc:
             error = exc
         _raise_everywhere(group, error, "MoELayer set-up")
+        beside_pays = sync_beside_pays(group)  # collective: every rank asks, whatever it passed
         group.agree((int(hidden), int(ffn), int(num_experts), int(top_k), int(max_tokens), balancer is not None,
                      int(layer), bool(fused)),
                     "MoELayer set-up (hidden, ffn, num_experts, top_k, max_tokens, balanced, layer, fused)")
@@ -456,9 +459,17 @@ class MoELayer:
         # the replica weights' transfers run beside dispatch (GPU; the Balancer orders the streams by events),
         # else (None) on the caller's stream
         self._sync_stream = None
+        if sync_beside == "auto":
+            sync_beside = beside_pays
         if self.device is not None and self._balancing and sync_beside:
             with self.xp.cuda.Device(self.device):
                 self._sync_stream = self.xp.cuda.Stream(non_blocking=True)
+
+    @property
+    def sync_beside(self) -> bool:
+        """Whether the layer's ``weight_sync`` and ``restore`` run on a stream of its own,
+        beside its kernels (``sync_beside`` resolved; False where the layer does not balance)."""
+        return self._sync_stream is not None
 
     @property
     def balancing(self) -> bool:

@@ -1382,8 +1382,9 @@ case("Balancer", "save_trace of layers updated unevenly", lambda bad: traced([0,
 for name, value in (("an array", np.arange(3)), ("'yes'", "yes")):
     case("MoELayer", f"set-up fused {name}", lambda bad, v=value: new_layer(fused=pick(bad, v, False)),
          Raises(MoELayerError, "MoELayer set-up", "fused must be a bool"))
-case("MoELayer", "set-up sync_beside 1", lambda bad: new_layer(sync_beside=pick(bad, 1, True)),
-     Raises(MoELayerError, "MoELayer set-up", "sync_beside must be a bool"))
+for name, value in (("1", 1), ("'beside'", "beside")):
+    case("MoELayer", f"set-up sync_beside {name}", lambda bad, v=value: new_layer(sync_beside=pick(bad, v, "auto")),
+         Raises(MoELayerError, "MoELayer set-up", "sync_beside must be a bool or 'auto'"))
 case("MoELayer", "set-up group None", lambda bad: MoELayer(None, hidden=H, ffn=F, num_experts=2 * R, top_k=TOP_K,
                                                           max_tokens=TOKENS),
      Raises(MoELayerError, "group must be an ultraep.EPGroup", rank=False), scopes=LOCAL)
