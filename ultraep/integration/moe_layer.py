@@ -459,7 +459,7 @@ class MoELayer:
         # the replica weights' transfers run beside dispatch (GPU; the Balancer orders the streams by events),
         # else (None) on the caller's stream
         self._sync_stream = None
-        if sync_beside == "auto":
+        if isinstance(sync_beside, str):  # "auto"
             sync_beside = beside_pays
         if self.device is not None and self._balancing and sync_beside:
             with self.xp.cuda.Device(self.device):

@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from ultraep import Balancer, ExpertLayout, MoELayer, MoELayerError
 from ultraep.errors import CollectiveError
+from ultraep.integration import sync_beside_pays
 from ultraep.integration.moe_layer import expert_spec
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
@@ -94,9 +95,10 @@ def differing(a, b) -> int:
 RESTORED = []  # (layer, micro-batch step) of every Balancer.restore of the last run_policy
 
 
-def run_policy(min_replica_tokens=None, runs=RUNS, sync_beside=True):
+def run_policy(min_replica_tokens=None, runs=RUNS, sync_beside="auto"):
     """The layers with a Balancer of ``min_replica_tokens`` (None: without one), their weight
-    syncs beside the layer's stream or in series on it (``sync_beside``), ``runs`` times:
+    syncs beside the layer's stream or in series on it (``sync_beside``; "auto": as
+    ``sync_beside_pays`` says, which the layers are checked to follow), ``runs`` times:
     ([per run: ({(layer, micro): (y, dx, d_gates)}, [(grad_up, grad_down) per layer])],
     the Balancer's stats summary or None, the layers' ``balancing``)."""
     balancer = None
@@ -110,6 +112,10 @@ def run_policy(min_replica_tokens=None, runs=RUNS, sync_beside=True):
     layers = [MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer, layer=layer,
                        backend=backend, sync_beside=sync_beside) for layer in range(LAYERS)]
     balancing = [moe.balancing for moe in layers]
+    beside = sync_beside_pays(group) if sync_beside == "auto" else sync_beside
+    placed = [moe.sync_beside for moe in layers]
+    assert placed == [backend == "device" and beside and b for b in balancing], \
+        f"sync_beside={sync_beside!r} placed the syncs beside: {placed}"
     for layer, moe in enumerate(layers):
         moe.load_weights(*masters(layer, me))  # NumPy in, copied onto the backend
     data = {(layer, micro): [to_backend(a) for a in inputs(layer, micro, me)]
@@ -191,7 +197,7 @@ def close_to(got, want, fraction, what):
 
 def invariance():
     plain, _, _ = run_policy()
-    balanced, summary, balancing = run_policy(4)
+    balanced, summary, balancing = run_policy(4, sync_beside=True)
     assert all(balancing), "layers whose Balancer can replicate do not balance"
     replicas = sum(group.allgather(summary["replicas_mean"]))
     assert replicas > 0, "the routing made no replica: the check would prove nothing"
