@@ -12,9 +12,10 @@ rank's end, host and device, per call; medians over ``--rounds`` rounds of
 ``--repeats`` calls):
 
 * ``balanced_ms``: the whole balanced layer -- ``Balancer.update`` (a new plan every
-  call), ``weight_sync`` on a side stream (its tasks compiled on the device on the GPU),
-  ``reroute``, dispatch beside the sync, the masters' compute, then each replica slot's
-  compute after ``wait_replica`` for that slot alone, combine;
+  call), ``weight_sync`` (its tasks compiled on the device on the GPU) on a side stream
+  beside dispatch or in series (``--sync-stream``), ``reroute``, dispatch, the masters'
+  compute, then each replica slot's compute after ``wait_replica`` for that slot alone,
+  combine;
 * ``layer_ms``: the same layer with the plan and the replicas already in place
   (dispatch, compute, combine).
 
