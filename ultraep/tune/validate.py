@@ -119,10 +119,12 @@ def spread(low: int, high: int, count: int) -> list[int]:
     return [int(v) for v in np.unique(np.linspace(low, max(low, high), count).round().astype(np.int64))]
 
 
-def ranks_per_gpu(group) -> int:
-    """Ranks whose kernels share this rank's GPU (all of them under the MPS emulation)."""
-    places = group.allgather((group.hostname, group.device), what="ranks per GPU")
-    return places.count((group.hostname, group.device))
+def sharers(group) -> int:
+    """Ranks whose kernels share one GPU's memory (all of them under the MPS emulation); on
+    the host backend the host's ranks (collective)."""
+    from ultraep.runtime.group import ranks_per_gpu
+
+    return ranks_per_gpu(group) or group.local_size
 
 
 # -- weight sync -----------------------------------------------------------------------------
@@ -286,7 +288,7 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
     from ultraep.bench.timing import group_window_ms
     from ultraep.token import Dispatcher
 
-    sharing = ranks_per_gpu(group)
+    sharing = sharers(group)
     rows, problems = [], {}
     for tokens in args.tokens:
         (x, ids, gates), set_up, default, bound, (problem, *rank_problems) = routed_problem(
@@ -473,7 +475,7 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
     from ultraep.tune.model import fused_windows
     from ultraep.tune.search import search
 
-    sharing = ranks_per_gpu(group)
+    sharing = sharers(group)
     rng = np.random.default_rng(args.seed)
     weights = [xp.asarray(a.astype(np.float32).astype(BFLOAT16).view(np.int16)).view(BFLOAT16)
                for a in (rng.standard_normal((args.experts // group.size, args.hidden, 2 * args.ffn)) / 64,
