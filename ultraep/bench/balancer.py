@@ -98,6 +98,7 @@ WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": 
 HIGHEST_PRIORITY = -1000  # CUDA clamps a stream priority to the device's range: this is its highest
 SYNC_STREAMS = {"side": "on a side stream beside dispatch", "layer": "on the layer's stream, in series",
                 "auto": "beside where each rank has a GPU of its own, else in series (MoELayer's default)"}
+BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
 
 
 def resolved_sync_streams(group, streams: list) -> list:
@@ -107,7 +108,6 @@ def resolved_sync_streams(group, streams: list) -> list:
 
     auto = "side" if sync_beside_pays(group) else "layer"
     return list(dict.fromkeys(auto if stream == "auto" else stream for stream in streams))
-BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
 
 
 def parse_args(argv):
