@@ -1,5 +1,6 @@
 // Row arithmetic shared by dispatch.cu and the fused backward (fused_moe_backward.cu), so
-// the sequential and the fused path compute these rows with one piece of code, bit for bit.
+// the sequential and the fused path compute these rows with one piece of code, bit for bit;
+// its vectors' conversions also serve the gradient reduction (transfer.cu).
 // The includer defines WARP, FULL_MASK and the u64 type first.
 
 #pragma once
@@ -8,8 +9,10 @@
 #include <cuda_fp16.h>
 
 // 16-byte vectors of T as floats: 8 bf16/half or 4 float.
+__device__ __forceinline__ float as_float(float v) { return v; }
 __device__ __forceinline__ float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float as_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ void round_to(float f, float& v) { v = f; }
 __device__ __forceinline__ void round_to(float f, __nv_bfloat16& v) { v = __float2bfloat16_rn(f); }
 __device__ __forceinline__ void round_to(float f, __half& v) { v = __float2half_rn(f); }
 

@@ -23,7 +23,11 @@
 #define SRC_CACHED 128          // source-table entries copied into shared memory at start-up (the rest are read from global)
 #define DEST_CACHED SYNC_THREADS  // destination rows and peer bases copied into shared memory at start-up (likewise)
 #define FLAG_WRITER_BITS 16
-#define FULL_WARP 0xffffffffu
+#define WARP 32
+#define FULL_MASK 0xffffffffu
+
+// after WARP and FULL_MASK, which it uses
+#include "row_math.cuh"
 
 __device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -65,7 +69,7 @@ __device__ bool wait_chunk_flag(const u64* pad, i64 slot, u64 epoch, u64 timeout
             __nanosleep(200);
         }
     }
-    ok = __shfl_sync(FULL_WARP, ok, 0);
+    ok = __shfl_sync(FULL_MASK, ok, 0);
     __syncwarp();
     return ok;
 }
@@ -86,7 +90,7 @@ __device__ __forceinline__ int task_row_field(const i64* tasks, int task, int la
     const i64* row = tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(task);
     return lane < WEIGHT_TASK_FIELDS ? static_cast<int>(__ldg(row + lane)) : 0;
 }
-__device__ __forceinline__ int row_field(int row, WeightTaskField field) { return __shfl_sync(FULL_WARP, row, field); }
+__device__ __forceinline__ int row_field(int row, WeightTaskField field) { return __shfl_sync(FULL_MASK, row, field); }
 
 // A place in the piece grid: piece `piece` of tile slot `tile` of task `task` (grid index
 // (task * chunk_tiles + tile) * pieces_per_tile + piece). A warp steps through the grid by
@@ -329,33 +333,82 @@ wait_replica_slots(const u64* pad, i64 flag_base_slot, int num_chunks, int first
     }
 }
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
 // Gradient reduction, one task per block iteration (static assignment: the arithmetic
 // order per element is fixed by the task, not by scheduling): master tile in fp32, plus
 // each replica's tile in replica order, rounded once. Plain adds: no FMA can contract them.
-// Threads stride by blockDim.x, so any block works; the host launches REDUCE_THREADS.
+// A task's destination and source pointers are read once into shared memory; where they
+// and the length allow, each thread moves 16-byte vectors, REDUCE_VECTORS of them in
+// flight, else single elements (the same sums either way). Threads stride by blockDim.x,
+// so any block works; the host launches REDUCE_THREADS.
 #define REDUCE_THREADS 256
+#define REDUCE_VECTORS 4          // 16-byte vectors per thread per source in flight
+#define REDUCE_CACHED_SOURCES 64  // a task's sources kept in shared memory; a task with more takes the element path
 template <typename T>
-__global__ void reduce_grads(const i64* tasks, const int* task_count, const i64* srcs, const u64* dst_ptrs,
-                             const u64* peer_bases) {
+__global__ void __launch_bounds__(REDUCE_THREADS)
+reduce_grads(const i64* __restrict__ tasks, const int* __restrict__ task_count, const i64* __restrict__ srcs,
+             const u64* __restrict__ dst_ptrs, const u64* __restrict__ peer_bases) {
+    constexpr int N = Vector<T>::N;
+    __shared__ const T* source[REDUCE_CACHED_SOURCES];
     const int num_tasks = *task_count;  // written on the device by the schedule compiler
     for (int t = blockIdx.x; t < num_tasks; t += gridDim.x) {
         const i64* task = tasks + GRAD_TASK_FIELDS * static_cast<i64>(t);
         T* dst = reinterpret_cast<T*>(dst_ptrs[task[0]] + task[1]);
-        const i64 count = task[2] / static_cast<i64>(sizeof(T));
-        for (i64 i = threadIdx.x; i < count; i += blockDim.x) {
-            float acc = to_float(dst[i]);
-            for (i64 s = task[3]; s < task[4]; ++s) {
-                const i64* source = srcs + GRAD_SRC_FIELDS * s;  // rank, heap offset
-                const T* src = reinterpret_cast<const T*>(peer_bases[source[0]] + source[1]);
-                acc = __fadd_rn(acc, to_float(__ldcg(src + i)));
+        const i64 bytes = task[2], first_source = task[3];
+        const int sources = static_cast<int>(task[4] - first_source);
+        __syncthreads();  // the previous task's reads of source[] are done
+        int unaligned = threadIdx.x == 0 && (sources > REDUCE_CACHED_SOURCES ||
+                                             ((reinterpret_cast<u64>(dst) | static_cast<u64>(bytes)) & 15));
+        for (int s = threadIdx.x; s < sources && s < REDUCE_CACHED_SOURCES; s += blockDim.x) {
+            const i64* entry = srcs + GRAD_SRC_FIELDS * (first_source + s);  // rank, heap offset
+            const u64 address = peer_bases[entry[0]] + entry[1];
+            source[s] = reinterpret_cast<const T*>(address);
+            unaligned |= (address & 15) != 0;
+        }
+        if (!__syncthreads_or(unaligned)) {
+            uint4* out = reinterpret_cast<uint4*>(dst);
+            const i64 vectors = bytes / 16;
+            for (i64 v0 = threadIdx.x; v0 < vectors; v0 += static_cast<i64>(blockDim.x) * REDUCE_VECTORS) {
+                float acc[REDUCE_VECTORS][N];
+#pragma unroll
+                for (int u = 0; u < REDUCE_VECTORS; ++u) {
+                    const i64 v = v0 + static_cast<i64>(u) * blockDim.x;
+                    if (v < vectors) Vector<T>::to_float(out[v], acc[u]);
+                }
+                for (int s = 0; s < sources; ++s) {
+                    const uint4* in = reinterpret_cast<const uint4*>(source[s]);
+                    uint4 loaded[REDUCE_VECTORS];
+#pragma unroll
+                    for (int u = 0; u < REDUCE_VECTORS; ++u) {
+                        const i64 v = v0 + static_cast<i64>(u) * blockDim.x;
+                        if (v < vectors) loaded[u] = __ldcg(in + v);
+                    }
+#pragma unroll
+                    for (int u = 0; u < REDUCE_VECTORS; ++u) {
+                        float add[N];
+                        Vector<T>::to_float(loaded[u], add);
+#pragma unroll
+                        for (int j = 0; j < N; ++j) acc[u][j] = __fadd_rn(acc[u][j], add[j]);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < REDUCE_VECTORS; ++u) {
+                    const i64 v = v0 + static_cast<i64>(u) * blockDim.x;
+                    if (v < vectors) out[v] = Vector<T>::from_float(acc[u]);
+                }
             }
-            dst[i] = from_float<T>(acc);
+            continue;
+        }
+        const i64 count = bytes / static_cast<i64>(sizeof(T));
+        for (i64 i = threadIdx.x; i < count; i += blockDim.x) {
+            float acc = as_float(dst[i]);
+            for (int s = 0; s < sources; ++s) {
+                const i64* entry = srcs + GRAD_SRC_FIELDS * (first_source + s);
+                const T* in = reinterpret_cast<const T*>(peer_bases[entry[0]] + entry[1]);
+                acc = __fadd_rn(acc, as_float(__ldcg(in + i)));
+            }
+            T rounded;
+            round_to(acc, rounded);
+            dst[i] = rounded;
         }
     }
 }

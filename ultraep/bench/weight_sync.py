@@ -16,9 +16,13 @@ kernel; ``bare_vs_d2d`` times the same copy pattern with one pointer table inste
 tables and chunk flags (``raw_kernels/bench_copy.cu``: an image of the replica slot copied
 into the same replica slots, best of the same grids): what this device gives the pattern
 at all, and ``tile_vs_bare`` how much of it the sync keeps; ``compile_us`` is what the whole
-``weight_sync`` call adds (the plan's device schedule compilation). Started with one
-process, it relaunches itself on 9 ranks under ``mpiexec``. Rank 0's columns are timed as
-CUDA-graph replays, so Python's launch overhead is not counted.
+``weight_sync`` call adds (the plan's device schedule compilation). ``reduce_*``: the
+backward's ``reduce_grads`` of the same plan (``--grad-dtype`` gradients, FP32 sums in
+replica order): rank 0's master gradient plus each replica's, read from the replica
+holders' heaps, written back, ``(2 + fan-out) x gradient`` bytes of traffic, against a d2d
+copy of as many (``reduce_vs_d2d``); its result is checked bit for bit once. Started with
+one process, it relaunches itself on 9 ranks under ``mpiexec``. Rank 0's columns are timed
+as CUDA-graph replays, so Python's launch overhead is not counted.
 
 Group columns (every rank takes part; group windows, :func:`~ultraep.bench.timing.group_window_ms`):
 ``nccl_gb_s`` sends the master's bytes to each replica holder with one ``batch_isend_irecv``
@@ -52,6 +56,8 @@ def parse_args(argv):
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="weight-sync grid sizes to try (256 threads each; default: 1/2, 3/4 and all of the "
                              "resident maximum, 4 per SM: 264, 396 and 528 on an H200)")
+    parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the expert's gradient dtype (reduce_grads' columns; MoELayer keeps float32)")
     parser.add_argument("--tile-kib", type=int, default=32, help="bytes each tile copies, KiB")
     parser.add_argument("--chunk-tiles", type=int, default=4, help="tiles per chunk (one task, one flag)")
     parser.add_argument("--repeats", type=int, default=20, help="timed syncs per figure")
@@ -113,6 +119,23 @@ class FanoutCopy:
             self.source, self.dest_ptrs, np.int32(len(self.dest_ptrs)), np.int64(self.source.nbytes)))
 
 
+def replica_grad_values(spec, rank: int) -> list:
+    """What rank ``rank`` writes into its replica slot's gradients: seeded by the rank, so
+    rank 0 can make the same values to check the reduction."""
+    import cupy
+
+    rng = cupy.random.default_rng(1000 + rank)
+    return [rng.standard_normal(g.shape, dtype=np.float32).astype(g.dtype) for g in spec.grads]
+
+
+def expected_reduction(spec, masters: list, fanout: int) -> list:
+    """Rank 0's master gradients after one reduction: FP32 sums in replica order, rounded once."""
+    sums = [m.astype(np.float32) for m in masters]
+    for rank in range(1, fanout + 1):
+        sums = [total + value.astype(np.float32) for total, value in zip(sums, replica_grad_values(spec, rank))]
+    return [total.astype(g.dtype) for total, g in zip(sums, spec.grads)]
+
+
 def check_replicas(group, engine, master_tensors, fanout: int) -> None:
     """Collective: ranks 1..fanout hold rank 0's master bit for bit in replica slot 0."""
     import cupy
@@ -155,11 +178,14 @@ def run(args) -> int:
     group = EPGroup(MPI.COMM_WORLD)
     R = group.size
     spec = ExpertSpec([("fc1", (2 * args.ffn, args.hidden), "bfloat16"), ("fc2", (args.hidden, args.ffn), "bfloat16")],
-                      grad_dtype="bfloat16")
+                      grad_dtype=args.grad_dtype)
     layout = ExpertLayout(R, R, 1, max_instances=min(R, 16))
     expert_bytes = sum(t.nbytes for t in spec.weights)
+    grad_bytes = sum(g.nbytes for g in spec.grads)
     rows = []
-    heap_bytes = 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes) + (max(args.fanouts) + 1) * expert_bytes
+    most = max(args.fanouts)
+    scratch_bytes = max((most + 1) * expert_bytes, (most + 2) * grad_bytes)  # the d2d copies' traffic
+    heap_bytes = 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes) + scratch_bytes
     tiling = dict(tile_bytes=args.tile_kib << 10, chunk_tiles=args.chunk_tiles)
     with NcclBaseline(group) as nccl, open_heap(group, heap_bytes, backend="device") as heap, \
             contextlib.ExitStack() as relay_stack:
@@ -176,7 +202,7 @@ def run(args) -> int:
                 relay_heap, layout, spec, relay_threshold=args.relay_threshold, relay_count=args.relay_count,
                 **tiling)))
             engines[1].register_layer(0, weights, grads)
-        scratch = heap.alloc("bench.scratch", ((max(args.fanouts) + 1) * expert_bytes,), np.uint8)
+        scratch = heap.alloc("bench.scratch", (scratch_bytes,), np.uint8)
         for fanout in args.fanouts:
             plan = single_expert_plan(layout, fanout)
             for each in engines:
@@ -186,31 +212,43 @@ def run(args) -> int:
             # Host barriers (a device-side one would keep 8 idle contexts spinning on the
             # shared GPU, time-sliced against the kernels being measured): rank 0 measures
             # alone, after every peer's check (copies and compares on the GPU) has ended.
+            if 1 <= group.rank <= fanout:
+                for view, value in zip(engine.replica_grads(0), replica_grad_values(spec, group.rank)):
+                    view[...] = value
+            masters = [g.copy() for g in grads[0]]
+            engine.reduce_grads(0, plan)  # compile, warm up, and check once, collectively
+            engine.synchronize()
+            if group.rank == 0:
+                want = expected_reduction(spec, masters, fanout)
+                same = all(bool(cupy.array_equal(g.view(np.uint8), w.view(np.uint8))) for g, w in zip(grads[0], want))
+                assert same, "rank 0: reduce_grads differs from the FP32 replica-order sums"
             group.barrier()
             if group.rank == 0:
-                rows.append(measure(engine, plan, weights[0], heap, scratch, fanout, expert_bytes, args))
+                rows.append(measure(engine, plan, weights[0], heap, scratch, fanout, expert_bytes, grad_bytes, args))
             group.barrier()
             group_columns(group, nccl, engine, engines[1] if len(engines) > 1 else None, plan, fanout, expert_bytes,
                           rows[-1] if group.rank == 0 else None, args)
         engine.close()
     if group.rank == 0:
         columns = ["fanout", "mb_delivered", "tile_gb_s", "memcpy_per_replica_gb_s", "tile_hbm_gb_s", "d2d_hbm_gb_s",
-                   "tile_vs_memcpy", "tile_vs_d2d", "bare_vs_d2d", "tile_vs_bare", "blocks", "compile_us", "nccl_gb_s",
-                   "tile_vs_nccl"]
+                   "tile_vs_memcpy", "tile_vs_d2d", "bare_vs_d2d", "tile_vs_bare", "blocks", "compile_us",
+                   "reduce_hbm_gb_s", "reduce_vs_d2d", "reduce_blocks", "nccl_gb_s", "tile_vs_nccl"]
         if args.relay_threshold is not None:
             columns += ["relays", "relay_gb_s", "relay_vs_direct"]
         print_table(rows, columns, title=f"weight sync of one expert ({expert_bytes / 1e6:.1f} MB, bf16; tiles "
                                          f"{args.tile_kib} KiB x {args.chunk_tiles} per chunk) to fan-out replicas, "
+                                         f"its {args.grad_dtype} gradients reduced back, "
                                          f"{R} ranks (NCCL: {nccl.reason or 'one rank per GPU'}): bytes delivered "
                                          "per second")
         if args.json:
             write_json(args.json, {"benchmark": "weight-sync", "ranks": R, "hidden": args.hidden, "ffn": args.ffn,
-                                   "expert_bytes": expert_bytes, "relay_threshold": args.relay_threshold,
+                                   "expert_bytes": expert_bytes, "grad_dtype": args.grad_dtype,
+                                   "relay_threshold": args.relay_threshold,
                                    "relay_count": args.relay_count, "nccl": nccl.reason or "run", "rows": rows})
     return 0
 
 
-def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, args) -> dict:
+def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, grad_bytes, args) -> dict:
     """Rank 0 alone: in a single-expert plan below the relay threshold only rank 0 has
     tasks and none of them waits on a flag, so it can repeat the sync by itself."""
     import cupy
@@ -248,14 +286,30 @@ def measure(engine, plan, master_tensors, heap, scratch, fanout, expert_bytes, a
     # (b) one device-to-device copy inside this rank's memory with the tile sync's traffic:
     # it reads and writes (1 + fanout) / 2 experts, the tile sync reads 1 and writes fanout
     traffic = (1 + fanout) * expert_bytes
-    half = scratch.local.data.ptr + traffic // 2
-    d2d_ms = graph_ms(lambda: runtime.memcpyAsync(half, scratch.local.data.ptr, traffic // 2,
-                                                  runtime.memcpyDeviceToDevice, cupy.cuda.get_current_stream().ptr),
-                      args.repeats)
+    d2d_ms = d2d_copy_ms(scratch, traffic, args.repeats)
+    # the gradient reduction of the tables the checked reduce_grads compiled (it accumulates
+    # into the master gradients: the values no longer matter)
+    reductions = [(graph_ms(lambda: device.run_grad_tasks(entry, device.tables, grid), args.repeats), grid)
+                  for grid in grids]
+    reduce_ms, reduce_blocks = min(reductions)
+    reduce_traffic = (2 + fanout) * grad_bytes
+    reduce_d2d_ms = d2d_copy_ms(scratch, reduce_traffic, args.repeats)
     delivered = fanout * expert_bytes
     return {"fanout": fanout, "mb_delivered": delivered / 1e6, "tile_gb_s": delivered / tile_ms / 1e6,
             "memcpy_per_replica_gb_s": delivered / memcpy_ms / 1e6, "tile_hbm_gb_s": traffic / tile_ms / 1e6,
             "d2d_hbm_gb_s": traffic / d2d_ms / 1e6, "tile_vs_memcpy": memcpy_ms / tile_ms,
             "tile_vs_d2d": d2d_ms / tile_ms, "bare_vs_d2d": d2d_ms / bare_ms, "tile_vs_bare": bare_ms / tile_ms,
             "blocks": blocks, "compile_us": (sync_ms - tile_ms) * 1e3,
-            "tile_ms": tile_ms, "bare_ms": bare_ms, "sync_ms": sync_ms, "memcpy_ms": memcpy_ms, "d2d_ms": d2d_ms}
+            "reduce_hbm_gb_s": reduce_traffic / reduce_ms / 1e6, "reduce_vs_d2d": reduce_d2d_ms / reduce_ms,
+            "reduce_blocks": reduce_blocks, "tile_ms": tile_ms, "bare_ms": bare_ms, "sync_ms": sync_ms,
+            "memcpy_ms": memcpy_ms, "d2d_ms": d2d_ms, "reduce_ms": reduce_ms, "reduce_d2d_ms": reduce_d2d_ms}
+
+
+def d2d_copy_ms(scratch, traffic: int, repeats: int):
+    """One device-to-device copy inside ``scratch`` that reads and writes ``traffic`` bytes in all."""
+    import cupy
+    from cupy.cuda import runtime
+
+    base = scratch.local.data.ptr
+    return graph_ms(lambda: runtime.memcpyAsync(base + traffic // 2, base, traffic // 2, runtime.memcpyDeviceToDevice,
+                                                cupy.cuda.get_current_stream().ptr), repeats)

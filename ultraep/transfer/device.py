@@ -137,8 +137,11 @@ class DeviceTransfer:
             np.uint64(int(self.timeout_s * 1e9)), self._status))
 
     def reduce_grads(self, entry: dict, plan, blocks: int | None) -> None:
-        tables = self.tables
-        tables.compile_grads(plan)
+        self.tables.compile_grads(plan)
+        self.run_grad_tasks(entry, self.tables, blocks)
+
+    def run_grad_tasks(self, entry: dict, tables: DeviceSchedule, blocks: int | None) -> None:
+        """Launch the gradient reduction of the tasks ``tables`` hold (compiled on the stream before)."""
         self._reduce_kernel((blocks or self.blocks,), (REDUCE_THREADS,), (
             tables.grad_tasks, tables.grad_task_count, tables.grad_srcs, entry["grads"], self.heap.peer_bases))
 

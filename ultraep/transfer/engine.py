@@ -105,6 +105,9 @@ class TransferBackend(Protocol):
     def reduce_grads(self, entry, plan, blocks: int | None) -> None:
         """Collective: this rank's masters += their replicas' gradients, in replica order."""
 
+    def run_grad_tasks(self, entry, tables, blocks: int | None) -> None:
+        """The reduction of a compiled gradient schedule alone (what ``reduce_grads`` ends with)."""
+
     def barrier(self) -> None:
         """A heap barrier in the backend's order of work."""
 

@@ -80,9 +80,11 @@ class HostTransfer:
                 flag[0] = (self._epoch << FLAG_WRITER_BITS) | schedule.rank
 
     def reduce_grads(self, entry: dict, plan, blocks: int | None) -> None:
+        self.run_grad_tasks(entry, self._schedule(plan, "reduce_grads"), blocks)
+
+    def run_grad_tasks(self, entry: dict, schedule: Schedule, blocks: int | None) -> None:
         """Each tile: fp32 accumulator = master, then + each replica in replica order, rounded
         once to the gradient dtype -- the order the GPU kernel uses, so results are bitwise equal."""
-        schedule = self._schedule(plan, "reduce_grads")
         grad_dtype = self.spec.grad_dtype
         itemsize = grad_dtype.itemsize
         for dst_ref, byte_offset, nbytes, begin, end in schedule.grad_tasks.tolist():
