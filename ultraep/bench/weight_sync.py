@@ -209,19 +209,19 @@ def run(args) -> int:
                 each.weight_sync(0, plan)  # compile, warm up, and check once, collectively
                 each.synchronize()
                 check_replicas(group, each, weights[0], fanout)
-            # Host barriers (a device-side one would keep 8 idle contexts spinning on the
-            # shared GPU, time-sliced against the kernels being measured): rank 0 measures
-            # alone, after every peer's check (copies and compares on the GPU) has ended.
             if 1 <= group.rank <= fanout:
                 for view, value in zip(engine.replica_grads(0), replica_grad_values(spec, group.rank)):
                     view[...] = value
-            masters = [g.copy() for g in grads[0]]
+            masters = [g.copy() for g in grads[0]] if group.rank == 0 else None
             engine.reduce_grads(0, plan)  # compile, warm up, and check once, collectively
             engine.synchronize()
             if group.rank == 0:
                 want = expected_reduction(spec, masters, fanout)
                 same = all(bool(cupy.array_equal(g.view(np.uint8), w.view(np.uint8))) for g, w in zip(grads[0], want))
                 assert same, "rank 0: reduce_grads differs from the FP32 replica-order sums"
+            # Host barriers (a device-side one would keep 8 idle contexts spinning on the
+            # shared GPU, time-sliced against the kernels being measured): rank 0 measures
+            # alone, after every peer's check (copies and compares on the GPU) has ended.
             group.barrier()
             if group.rank == 0:
                 rows.append(measure(engine, plan, weights[0], heap, scratch, fanout, expert_bytes, grad_bytes, args))
