@@ -356,15 +356,15 @@ reduce_grads(const i64* __restrict__ tasks, const int* __restrict__ task_count, 
         const i64 bytes = task[2], first_source = task[3];
         const int sources = static_cast<int>(task[4] - first_source);
         __syncthreads();  // the previous task's reads of source[] are done
-        int unaligned = threadIdx.x == 0 && (sources > REDUCE_CACHED_SOURCES ||
-                                             ((reinterpret_cast<u64>(dst) | static_cast<u64>(bytes)) & 15));
+        int element_path = threadIdx.x == 0 && (sources > REDUCE_CACHED_SOURCES ||
+                                                ((reinterpret_cast<u64>(dst) | static_cast<u64>(bytes)) & 15));
         for (int s = threadIdx.x; s < sources && s < REDUCE_CACHED_SOURCES; s += blockDim.x) {
             const i64* entry = srcs + GRAD_SRC_FIELDS * (first_source + s);  // rank, heap offset
             const u64 address = peer_bases[entry[0]] + entry[1];
             source[s] = reinterpret_cast<const T*>(address);
-            unaligned |= (address & 15) != 0;
+            element_path |= (address & 15) != 0;
         }
-        if (!__syncthreads_or(unaligned)) {
+        if (!__syncthreads_or(element_path)) {
             uint4* out = reinterpret_cast<uint4*>(dst);
             const i64 vectors = bytes / 16;
             for (i64 v0 = threadIdx.x; v0 < vectors; v0 += static_cast<i64>(blockDim.x) * REDUCE_VECTORS) {
