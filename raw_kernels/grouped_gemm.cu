@@ -4,7 +4,15 @@
 //
 //   forward  Y[rows_e]  = X[rows_e] @ W_e          x [M, K], w [E, K, N], y  [M, N]
 //   dgrad    dX[rows_e] = dY[rows_e] @ W_e^T       dy [M, N], w [E, K, N], dx [M, K]
-//   wgrad    dW_e       = X[rows_e]^T @ dY[rows_e] x [M, K], dy [M, N],   dw [E, K, N]
+//   wgrad    dW_e       = X[rows_e]^T @ dY[rows_e] x [M, K], dy [M, N],   dw [E - A, K, N]
+//
+// A wgrad with FP32 output may add its first A experts into add_to [A, K, N] instead of
+// storing them (dw then holds experts A.. only): add_to[e] += dW_e, one FP32 add an element
+// after the sum, done in L2 by red.global.add (fire and forget: the consumers go on with the
+// next tile). That add rounds to nearest even but flushes subnormal inputs and results to
+// signed zero (PTX ISA), which compute/host.py's reference does too. A layer's gradient
+// accumulates without a pass over it and without room for its masters' dW_e; forward, dgrad
+// and BF16 output take A = 0.
 //
 // rows_e = [offsets[e], offsets[e+1]), read and checked on the device by every block
 // (grouped_gemm_common.cuh): on a bad array no block writes anything. One persistent
@@ -112,6 +120,11 @@ __device__ __forceinline__ int sm_id() {
 static_assert(GH_STAGE_BYTES % GG_BLOCK_BYTES == 0 && GG_TAIL_BYTES > 0, "a stage holds whole blocks, not a tile");
 static_assert(GG_SCHEDULE == GG_STAGED_TILE || GG_SCHEDULE == GG_RING_STAGED, "GG_SCHEDULE names no schedule");
 
+// *p += (v0, v1) in L2, no value returned (8-byte aligned p; subnormals flushed, see above).
+__device__ __forceinline__ void add_pair(float* p, float v0, float v1) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(v0), "f"(v1) : "memory");
+}
+
 // Byte offset of 16-byte chunk `chunk` of row `row` in a ring-staged column block.
 __device__ __forceinline__ unsigned swizzled_chunk(int row, int chunk) {
     return row * (GG_BLOCK_COLS * 2) + ((chunk ^ (row & 7)) * 16);
@@ -185,7 +198,7 @@ struct Flag {
 template <int MODE, typename OutT>
 __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorMap* b_map, const void* offsets,
                                            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out,
-                                           long long* status) {
+                                           OutT* add_to, int added_experts, long long* status) {
     constexpr bool STAGED_OUTPUT = sizeof(OutT) == 2;  // FP32 tiles do not fit beside the stages: stored directly
     constexpr bool RING_STAGED = STAGED_OUTPUT && GG_SCHEDULE == GG_RING_STAGED;
     constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
@@ -264,7 +277,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             int phase = 0, step = 0;
             for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
                 const Tile tile = tile_at(t);
-                OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
+                OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert - added_experts) * K * N : out;
                 step += ceil_div(tile.red_len, GH_BK);
                 if (tile.red_len == 0) {
                     store_ring_blocks<GH_BN / GG_BLOCK_COLS, true>(0, tile.col0, tile, base, out_cols, id);
@@ -292,7 +305,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 const Tile tile = tile_at(t);
                 stage_wait(&output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
                 if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
-                OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
+                OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert - added_experts) * K * N : out;
                 store_staged_tile<GH_BN>(staged, tile, base, out_cols, out_cols, id);
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(&output_empty);
@@ -338,16 +351,29 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             if (lane == 0) mbarrier_arrive(&output_full);
             phase ^= 1;
         } else {
-            OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert) * K * N : out;
+            const bool add = MODE == GH_WGRAD && tile.expert < added_experts;
+            OutT* base = MODE != GH_WGRAD ? out
+                         : add ? add_to + static_cast<long long>(tile.expert) * K * N
+                               : out + static_cast<long long>(tile.expert - added_experts) * K * N;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = tile.row0 + row + 8 * half;
                 if (r >= tile.row_end) continue;
                 OutT* out_row = base + static_cast<long long>(r) * out_cols;
+                // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
+                if (add) {
 #pragma unroll
-                for (int j = 0; j < GH_BN / 8; ++j) {
-                    const int c = tile.col0 + col + 8 * j;  // out_cols is a multiple of 8 and c even: c + 1 < out_cols too
-                    if (c < out_cols) store_pair(out_row + c, d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+                    for (int j = 0; j < GH_BN / 8; ++j) {
+                        const int c = tile.col0 + col + 8 * j;
+                        if (c < out_cols) add_pair(reinterpret_cast<float*>(out_row + c), d[4 * j + 2 * half],
+                                                   d[4 * j + 2 * half + 1]);
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < GH_BN / 8; ++j) {
+                        const int c = tile.col0 + col + 8 * j;
+                        if (c < out_cols) store_pair(out_row + c, d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+                    }
                 }
             }
         }
@@ -362,8 +388,9 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     template <typename OutT>                                                                                           \
     __global__ void __launch_bounds__(GH_THREADS, 1)                                                                   \
     kernel(const __grid_constant__ TensorMap a, const __grid_constant__ TensorMap b, const void* offsets,               \
-           int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out, long long* status) {          \
-        grouped_mm<mode, OutT>(&a, &b, offsets, offsets_are_64bit, experts, rows, K, N, out, status);                 \
+           int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out, OutT* add_to, int added_experts,     \
+           long long* status) {                                                                                        \
+        grouped_mm<mode, OutT>(&a, &b, offsets, offsets_are_64bit, experts, rows, K, N, out, add_to, added_experts, status); \
     }
 GH_KERNEL(grouped_mm_forward, GH_FORWARD, x_map, w_map)
 GH_KERNEL(grouped_mm_dgrad, GH_DGRAD, dy_map, w_map)
@@ -371,7 +398,7 @@ GH_KERNEL(grouped_mm_wgrad, GH_WGRAD, x_map, dy_map)
 
 #define GH_INSTANCE(kernel, OutT)                                                                             \
     template __global__ void kernel<OutT>(const __grid_constant__ TensorMap, const __grid_constant__ TensorMap,      \
-                                          const void*, int, int, long long, int, int, OutT*, long long*)
+                                          const void*, int, int, long long, int, int, OutT*, OutT*, int, long long*)
 GH_INSTANCE(grouped_mm_forward, bf16);
 GH_INSTANCE(grouped_mm_forward, float);
 GH_INSTANCE(grouped_mm_dgrad, bf16);

@@ -62,3 +62,20 @@ def test_variant_is_timed_beside_ours_with_the_same_bits(tmp_path, capsys):
     assert [r["op"] for r in rows] == ["forward", "dgrad", "wgrad"]
     assert all(r["variant"] and r["variant"] > 0 and r["variant_diff"] == 0 for r in rows)
     assert "variant_vs_ours" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_accumulated_wgrad_is_timed_against_the_two_pass_way(tmp_path, capsys):
+    path = tmp_path / "gg.json"
+    assert main(["--cases", "32x256", "--sizes", "empty", "--repeats", "2", "--ops", "wgrad", "wgrad_acc",
+                 "--json", str(path)]) == 0
+    wgrad, accumulated = json.loads(path.read_text())["rows"]
+    assert (wgrad["op"], accumulated["op"]) == ("wgrad", "wgrad_acc") and "two_pass" not in wgrad
+    assert accumulated["two_pass"] > 0 and accumulated["vs_two_pass"] > 0
+    assert accumulated["dense"] is None and accumulated["loop"] is None
+    assert "vs_two_pass" in capsys.readouterr().out
+
+
+def test_accumulated_wgrad_is_asked_for_not_default():
+    assert "wgrad_acc" not in parse_args([]).ops and parse_args(["--ops", "wgrad_acc"]).ops == ["wgrad_acc"]

@@ -23,6 +23,7 @@ from tests.conftest import requires_gpu
 from ultraep.compute import check_errors, grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
 from ultraep.compute import grouped_gemm as api
 from ultraep.compute.device import SCHEDULES, DeviceGroupedGemm
+from ultraep.compute.host import add_flushing_subnormals
 from ultraep.errors import GroupedGemmError
 from ultraep.runtime.dtypes import BFLOAT16
 
@@ -249,6 +250,45 @@ def test_wgrad_one_copy_per_operand_gives_the_bits_of_a_copy_per_box(cp, out_dty
                       out_dtype))
     boxes = bits(run(cp, "wgrad", x, dy, offsets, out_dtype))
     assert np.array_equal(blocks, boxes[:, :320, :576])
+
+
+@pytest.mark.parametrize("added", [0, 3, 6])
+@pytest.mark.parametrize("k, n", [(320, 576), (328, 584)], ids=["3-D maps", "2-D maps"])
+def test_wgrad_add_to_is_the_stored_wgrad_added_as_memory_adds(cp, added, k, n):
+    """``add_to[e] += dW_e`` for the first A experts with the bits of the FP32 wgrad stored
+    and then added as the L2 adds (host.add_flushing_subnormals), an empty expert included;
+    the other experts in ``out`` with the stored ones' bits; an added element that was
+    NaN stays NaN (read, not skipped). Subnormals: expert 4's single row gives its first
+    8 x 8 sums of 2^-132 (added to zeros), and ``before`` holds one beside the empty expert's
+    zeros."""
+    rng = np.random.default_rng(9)
+    offsets = offsets_of([300, 0, 129, 64, 1, 77])
+    rows = int(offsets[-1]) + 3
+    x, dy = bf16(rng, (rows, k)), bf16(rng, (rows, n))
+    x[int(offsets[4]), :8] = dy[int(offsets[4]), :8] = 2.0 ** -66
+    x, dy = up(cp, x), up(cp, dy)
+    stored = down(run(cp, "wgrad", down(x), down(dy), offsets, np.float32))
+    before = rng.standard_normal((added, k, n)).astype(np.float32)
+    if added:
+        before[0, 5, 7] = np.nan
+        before[1, 2, 3] = 2.0 ** -140  # expert 1 has no rows: its dW is zero
+    if added > 4:
+        before[4, :8, :8] = 0.0  # a subnormal dW added to zero
+    expected = before.copy()
+    for e in range(added):
+        add_flushing_subnormals(expected[e], stored[e])
+    add_to = cp.asarray(before)
+    out = up(cp, nan_bits((6 - added, k, n), np.float32))
+    assert grouped_mm_wgrad(x, dy, up(cp, offsets), out=out, add_to=add_to) is out
+    check_errors()
+    got = add_to.get()
+    # NaN stays NaN (the memory's add gives the canonical NaN, not the poison's payload)
+    assert np.array_equal(np.isnan(expected), np.isnan(got))
+    differ = np.argwhere(~np.isnan(got) & (bits(expected) != bits(got)))
+    assert not differ.size, [(tuple(i), expected[tuple(i)], got[tuple(i)], stored[tuple(i)]) for i in differ[:8]]
+    assert np.array_equal(bits(stored[added:]), bits(out))
+    if added == 6:  # the flushes were exercised, not skipped
+        assert 0 < stored[4, 0, 0] < np.finfo(np.float32).tiny and expected[4, 0, 0] == 0 == expected[1, 2, 3]
 
 
 def test_device_offsets_are_checked_on_the_device_and_nothing_is_written(cp):

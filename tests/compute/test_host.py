@@ -9,6 +9,7 @@ from tests.compute.reference import (assert_within_bound, bf16, exact, nan_bits,
                                      random_problem)
 from ultraep.compute import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
 from ultraep.compute.checks import offsets_error
+from ultraep.compute.host import add_flushing_subnormals
 from ultraep.errors import GroupedGemmError
 from ultraep.runtime.dtypes import BFLOAT16
 
@@ -92,6 +93,38 @@ def test_fresh_output_is_zero_past_the_end_and_int32_offsets_and_lists():
     assert np.array_equal(grouped_mm(x, w, [0, 3, 10]).view(np.uint16), y.view(np.uint16))
 
 
+@pytest.mark.parametrize("added", [0, 2, 5])
+def test_wgrad_adds_its_first_experts_into_add_to(added):
+    """``add_to[e] += dW_e`` bit for bit (one FP32 add after the sum, as the GPU's memory
+    adds) for e < A, the rest in ``out [E - A, K, N]``, as the call without ``add_to``
+    computes them; nothing else moves."""
+    rng = np.random.default_rng(11)
+    x, dy, offsets = random_problem(rng, "wgrad", 5, 24, 40, 9)
+    separate = grouped_mm_wgrad(x, dy, offsets, out=nan_bits((5, 24, 40), np.float32))
+    before = rng.standard_normal((added, 24, 40)).astype(np.float32)
+    add_to = before.copy()
+    out = nan_bits((5 - added, 24, 40), np.float32)
+    assert grouped_mm_wgrad(x, dy, offsets, out=out, add_to=add_to) is out
+    expected = before.copy()
+    for e in range(added):
+        add_flushing_subnormals(expected[e], separate[e])
+    assert np.array_equal(expected.view(np.uint32), add_to.view(np.uint32))
+    assert np.array_equal(separate[added:].view(np.uint32), out.view(np.uint32))
+    fresh = grouped_mm_wgrad(x, dy, offsets, add_to=before.copy())
+    assert fresh.dtype == np.float32 and fresh.shape == (5 - added, 24, 40)
+
+
+def test_memory_add_flushes_subnormal_inputs_and_results_to_signed_zeros():
+    """The reference of the L2's FP32 add: normal sums as NumPy's (nearest even), a subnormal
+    addend or total read as zero, a subnormal sum written as a zero of its sign; NaN stays."""
+    tiny, sub = np.finfo(np.float32).tiny, np.float32(2.0 ** -140)
+    total = np.array([1.0, sub, -sub, 0.0, 1.5 * tiny, -1.5 * tiny, np.nan, 3.0], np.float32)
+    addend = np.array([2.0 ** -24, 1.0, 0.0, sub, -tiny, tiny, 1.0, -sub], np.float32)
+    add_flushing_subnormals(total, addend)
+    expected = np.array([1.0, 1.0, 0.0, 0.0, 0.0, -0.0, np.nan, 3.0], np.float32)  # -0 + 0 = +0
+    assert np.array_equal(total.view(np.uint32), expected.view(np.uint32))
+
+
 def test_no_experts_and_no_rows():
     x = np.zeros((0, 8), BFLOAT16)
     assert grouped_mm(x, np.zeros((2, 8, 16), BFLOAT16), np.zeros(3, np.int64)).shape == (0, 16)
@@ -123,6 +156,22 @@ def _bad_calls():
     odd = bf16(rng, (3, 12, 24))
     yield "K not a multiple of 8", "multiples of 8", lambda: grouped_mm(bf16(rng, (10, 12)), odd, good, out=y), y
     yield "read-only out", "read-only", lambda: grouped_mm(x, w, good, out=_read_only(y)), y
+    sums = nan_bits((2, 16, 24), np.float32)
+    yield ("add_to bf16", "add_to must be float32",
+           lambda: grouped_mm_wgrad(x, dy, good, add_to=nan_bits((2, 16, 24), BFLOAT16)), sums)
+    yield ("add_to more experts", "A <= 3 experts",
+           lambda: grouped_mm_wgrad(x, dy, good, add_to=nan_bits((4, 16, 24), np.float32)), sums)
+    yield ("add_to wrong K", "[A, 16, 24]",
+           lambda: grouped_mm_wgrad(x, dy, good, add_to=nan_bits((2, 8, 24), np.float32)), sums)
+    yield ("add_to with bf16 out", "out must be float32",
+           lambda: grouped_mm_wgrad(x, dy, good, out=nan_bits((1, 16, 24), BFLOAT16), add_to=sums), sums)
+    yield ("out beside add_to of the wrong length", "shape (1, 16, 24)",
+           lambda: grouped_mm_wgrad(x, dy, good, out=nan_bits((3, 16, 24), np.float32), add_to=sums), sums)
+    shared = nan_bits((3, 16, 24), np.float32)
+    yield ("add_to inside out", "add_to shares memory with out",
+           lambda: grouped_mm_wgrad(x, dy, good, out=shared[1:2], add_to=shared[:2]), shared)
+    yield ("read-only add_to", "read-only",
+           lambda: grouped_mm_wgrad(x, dy, good, add_to=_read_only(sums)), sums)
     yield "not a tensor", "not a tensor", lambda: grouped_mm("x", w, good), y
 
 

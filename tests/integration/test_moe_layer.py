@@ -370,7 +370,8 @@ def test_swiglu_kernel_is_the_reference_bit_for_bit_on_any_input():
 
 
 def test_layers_of_one_shape_share_their_weight_gradient_buffers():
-    """One [M + S] set per (device, shape), held by the layers that use it."""
+    """One [S] set (the replica slots': the masters' gradients are added in place) per
+    (device, shape), held by the layers that use it."""
     from types import SimpleNamespace
 
     from ultraep.integration.moe_layer import _WgradScratch
@@ -380,4 +381,4 @@ def test_layers_of_one_shape_share_their_weight_gradient_buffers():
 
     first, second, other = (_WgradScratch.of(layer(h)) for h in (4, 4, 8))
     assert first is second and other is not first
-    assert first.up.shape == (3, 4, 6) and first.down.shape == (3, 3, 4) and first.up.dtype == np.float32
+    assert first.up.shape == (1, 4, 6) and first.down.shape == (1, 3, 4) and first.up.dtype == np.float32

@@ -13,6 +13,13 @@ every column alike. ``vs_best`` is ours over the better of the loop and
 ``torch._grouped_mm``; ``vs_dense`` ours over cuBLAS dense. The loop and dense baselines
 need the counts on the host; the grouped kernels read them on the device.
 
+``--ops wgrad_acc`` (not in the default set) times the weight gradient as a training step
+keeps it, added into an FP32 gradient (``grad[e] += x[rows_e]^T @ dy[rows_e]``): ours with
+``add_to`` (the adds in the epilogue, one kernel) against ``two_pass``, our wgrad into an FP32
+buffer and then ``grad += dw`` (``vs_two_pass``), and ``torch._grouped_mm`` into FP32 followed
+by ``add_`` (``vs_best``); no dense or loop column (cuBLAS through CuPy has no BF16-in, FP32-out
+product), no variant.
+
 ``--variant SCHEDULE`` also times the kernels compiled with one schedule
 (``ultraep.compute.device.SCHEDULES``) for every operation right after ours (each
 operation's default) on the same operands: ``variant``
@@ -57,8 +64,10 @@ CASES = [
 DISTRIBUTIONS = ("uniform", "zipf", "empty", "exact")
 UNEVEN = DISTRIBUTIONS[:3]  # the default: the bars are set on uneven sizes
 OPS = ("forward", "dgrad", "wgrad")
+ACCUMULATE = "wgrad_acc"  # the wgrad added into an FP32 gradient: on request
 COLUMNS = ["case", "sizes", "op", "rows", "min_rows", "max_rows", "ours", "dense", "loop", "torch_grouped",
            "vs_best", "vs_dense"]
+ACCUMULATE_COLUMNS = ["two_pass", "vs_two_pass"]
 VARIANT_COLUMNS = ["variant", "variant_vs_ours", "variant_vs_best", "variant_vs_dense", "variant_diff"]
 OUTPUTS = {"forward": "y", "dgrad": "dx", "wgrad": "dw"}
 
@@ -92,7 +101,8 @@ def parse_args(argv):
     parser.add_argument("--sizes", nargs="+", choices=DISTRIBUTIONS, default=list(UNEVEN),
                         help="how the rows are spread over the experts (default: the uneven ones; exact: the "
                              "mean each, no partial tile)")
-    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="passes to time")
+    parser.add_argument("--ops", nargs="+", choices=OPS + (ACCUMULATE,), default=list(OPS),
+                        help=f"passes to time ({ACCUMULATE}: the wgrad added into an FP32 gradient)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure (median reported)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the row counts and the operands")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
@@ -102,9 +112,10 @@ def parse_args(argv):
 
 
 class Baselines:
-    """cuBLAS dense, the per-expert cuBLAS loop and ``torch._grouped_mm`` over one problem."""
+    """cuBLAS dense, the per-expert cuBLAS loop and ``torch._grouped_mm`` over one problem
+    (``grad``: the FP32 gradient a ``wgrad_acc`` adds into)."""
 
-    def __init__(self, x, w, dy, counts, offsets_dev):
+    def __init__(self, x, w, dy, counts, offsets_dev, grad=None):
         import cupy
 
         self.cp, self.x, self.w, self.dy = cupy, x, w, dy
@@ -117,6 +128,7 @@ class Baselines:
         if torch is not None:  # zero-copy views; bf16 crosses as its bits
             self.tx, self.tw, self.tdy = (torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16) for a in (x, w, dy))
             self.tends = torch.from_dlpack(offsets_dev[1:].astype(np.int32))
+            self.tgrad = None if grad is None else torch.from_dlpack(grad)  # wgrad_acc's FP32 gradient
         self.failed: dict[str, str] = {}
 
     def _spans(self):
@@ -124,6 +136,8 @@ class Baselines:
         return [(e, int(b[e]), int(b[e + 1])) for e in range(len(b) - 1)]
 
     def dense(self, op, out):
+        if op == ACCUMULATE:
+            return None
         x, w0, dy = self.x, self.w[0], self.dy
         if op == "forward":
             return lambda: self.cp.matmul(x, w0, out=out["y"])
@@ -151,7 +165,7 @@ class Baselines:
                 else:
                     out["dw"][e].fill(0)
 
-        return {"forward": forward, "dgrad": dgrad, "wgrad": wgrad}[op]
+        return {"forward": forward, "dgrad": dgrad, "wgrad": wgrad}.get(op)
 
     def torch_grouped(self, op):
         torch = self.torch
@@ -167,6 +181,7 @@ class Baselines:
             "dgrad": [lambda: torch._grouped_mm(tdy, tw.transpose(-2, -1), offs=ends),
                       lambda: torch._grouped_mm(tdy, column_major.transpose(-2, -1), offs=ends)],
             "wgrad": [lambda: torch._grouped_mm(tx.t(), tdy, offs=ends)],
+            ACCUMULATE: [lambda: self.tgrad.add_(torch._grouped_mm(tx.t(), tdy, offs=ends, out_dtype=torch.float32))],
         }[op]
         for call in calls:
             try:
@@ -207,10 +222,20 @@ def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, varian
     rows = int(counts.sum())
     out = {"y": cupy.empty((rows, case.n), BFLOAT16), "dx": cupy.empty((rows, case.k), BFLOAT16),
            "dw": cupy.empty((case.experts, case.k, case.n), BFLOAT16)}
+    accumulating = ACCUMULATE in ops
+    if accumulating:  # the FP32 gradient the wgrad adds into, and the two-pass baseline's dW
+        out.update(grad=cupy.random.default_rng(seed).standard_normal((case.experts, case.k, case.n), np.float32),
+                   dw32=cupy.empty((case.experts, case.k, case.n), np.float32),
+                   none=cupy.empty((0, case.k, case.n), np.float32))
     ours = {"forward": lambda: grouped_mm(x, w, offsets, out=out["y"]),
             "dgrad": lambda: grouped_mm_dgrad(dy, w, offsets, out=out["dx"]),
-            "wgrad": lambda: grouped_mm_wgrad(x, dy, offsets, out=out["dw"])}
-    baselines = Baselines(x, w, dy, counts, offsets)
+            "wgrad": lambda: grouped_mm_wgrad(x, dy, offsets, out=out["dw"]),
+            ACCUMULATE: lambda: grouped_mm_wgrad(x, dy, offsets, out=out["none"], add_to=out["grad"])}
+
+    def two_pass():
+        out["grad"].__iadd__(grouped_mm_wgrad(x, dy, offsets, out=out["dw32"]))
+
+    baselines = Baselines(x, w, dy, counts, offsets, out.get("grad"))
     flops = 2.0 * rows * case.n * case.k
 
     def runs(name, launch):
@@ -222,7 +247,7 @@ def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, varian
             print(f"{case.name} {distribution}: {name}: {error}", file=sys.stderr)
             return False
 
-    operands = {"forward": (x, w), "dgrad": (dy, w), "wgrad": (x, dy)}
+    operands = {"forward": (x, w), "dgrad": (dy, w), "wgrad": (x, dy)}  # a variant's (not wgrad_acc's)
     ratio = lambda a, b: a / b if a and b else None  # noqa: E731
 
     rows_out = []
@@ -230,7 +255,9 @@ def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, varian
         row = dict(case=case.name, sizes=distribution, op=op, rows=rows, min_rows=int(counts.min()),
                    max_rows=int(counts.max()))
         launches = {"ours": ours[op]}
-        if variant is not None:  # its bits against ours first (the baselines write the output too)
+        if op == ACCUMULATE:
+            launches["two_pass"] = two_pass
+        elif variant is not None:  # its bits against ours first (the baselines write the output too)
             ours[op]()
             theirs = cupy.empty_like(out[OUTPUTS[op]])
             problem = check_problem(op, *operands[op], offsets, theirs)
@@ -244,14 +271,17 @@ def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, varian
             if launch is not None and runs(name, launch):
                 launches[name] = launch
         ms = held_event_ms_each(launches, repeats)
-        for name in ("ours", "dense", "loop", "torch_grouped") + (("variant",) if variant is not None else ()):
+        for name in ("ours", "dense", "loop", "torch_grouped") + tuple(n for n in ("two_pass", "variant")
+                                                                       if n in launches):
             row[name] = flops / (ms[name] * 1e-3) / 1e12 if name in ms else None
-        if variant is not None:
+        if "variant" in launches:
             variant.check()
         check_errors()
         best = max([v for v in (row["loop"], row["torch_grouped"]) if v is not None], default=None)
         row["vs_best"], row["vs_dense"] = ratio(row["ours"], best), ratio(row["ours"], row["dense"])
-        if variant is not None:
+        if op == ACCUMULATE:
+            row["vs_two_pass"] = ratio(row["ours"], row["two_pass"])
+        elif variant is not None:
             row.update(variant_vs_ours=ratio(row["variant"], row["ours"]), variant_vs_best=ratio(row["variant"], best),
                        variant_vs_dense=ratio(row["variant"], row["dense"]))
         rows_out.append(row)
@@ -280,7 +310,10 @@ def main(argv=None) -> int:
     if args.variant:
         ours = ", ".join(f"{op} {name}" for op, name in DEFAULT_SCHEDULES.items())
         title += f"; variant: schedule {args.variant!r} for every op against ours ({ours})"
-    print_table(rows, COLUMNS + (VARIANT_COLUMNS if args.variant else []), title)
+    if ACCUMULATE in args.ops:
+        title += f"; {ACCUMULATE}: FP32 gradient += wgrad, FP32 out"
+    print_table(rows, COLUMNS + (ACCUMULATE_COLUMNS if ACCUMULATE in args.ops else [])
+                + (VARIANT_COLUMNS if args.variant else []), title)
     if args.json:
         write_json(args.json, {"benchmark": "grouped-gemm", "variant": args.variant, "rows": rows})
     return 0

@@ -31,6 +31,7 @@ class Problem:
     n: int
     out_shape: tuple
     out_dtype: np.dtype
+    added_experts: int = 0  # wgrad: the first experts, added into ``add_to`` instead of stored in ``out``
 
 
 def is_bf16(dtype) -> bool:
@@ -39,9 +40,10 @@ def is_bf16(dtype) -> bool:
     return (BFLOAT16 is not None and dtype == BFLOAT16) or dtype == np.int16
 
 
-def check_problem(op: str, a, b, offsets, out) -> Problem:
+def check_problem(op: str, a, b, offsets, out, add_to=None) -> Problem:
     """The problem ``op`` poses with imported arrays ``a``, ``b`` (named as in :data:`OPERANDS`),
-    ``offsets`` and ``out`` (or None); GroupedGemmError naming the first thing wrong."""
+    ``offsets``, ``out`` (or None) and, for wgrad, ``add_to`` (or None); GroupedGemmError naming
+    the first thing wrong."""
     a_name, b_name = OPERANDS[op]
     for name, array in ((a_name, a), (b_name, b)):
         if not is_bf16(array.dtype):
@@ -58,7 +60,8 @@ def check_problem(op: str, a, b, offsets, out) -> Problem:
         experts, k, n = offsets.shape[0] - 1, a.shape[1], b.shape[1]
         if b.shape[0] != rows:
             raise GroupedGemmError(f"{op}: x has {rows} rows but dy has {b.shape[0]}")
-        out_shape = (experts, k, n)
+        added_experts = _added_experts(op, add_to, experts, k, n)
+        out_shape = (experts - added_experts, k, n)
     else:
         experts, k, n = b.shape
         inner = k if op == "forward" else n
@@ -69,6 +72,7 @@ def check_problem(op: str, a, b, offsets, out) -> Problem:
             raise GroupedGemmError(f"{op}: offsets must have E + 1 = {experts + 1} entries for {experts} experts, "
                                    f"got {offsets.shape[0]}")
         out_shape = (rows, n if op == "forward" else k)
+        added_experts = 0
     align = kernel_constant(KERNELS, "GG_ALIGN_ELEMENTS")
     if k % align or n % align:
         raise GroupedGemmError(f"{op}: K = {k} and N = {n} must be multiples of {align} (rows of whole 16-byte chunks)")
@@ -77,7 +81,7 @@ def check_problem(op: str, a, b, offsets, out) -> Problem:
         raise GroupedGemmError(f"{op}: {experts} experts, at most {limit} are supported")
     if rows > MAX_ROWS:
         raise GroupedGemmError(f"{op}: {rows} rows, at most {MAX_ROWS} are supported")
-    out_dtype = BFLOAT16
+    out_dtype = BFLOAT16 if add_to is None else np.dtype(np.float32)
     if out is not None:
         if tuple(out.shape) != out_shape:
             raise GroupedGemmError(f"{op}: out must have shape {out_shape}, got {tuple(out.shape)}")
@@ -85,10 +89,28 @@ def check_problem(op: str, a, b, offsets, out) -> Problem:
         if not is_bf16(out_dtype) and out_dtype != np.float32:
             raise GroupedGemmError(f"{op}: out must be bfloat16 or float32, got {out_dtype}")
         out_dtype = np.dtype(np.float32) if out_dtype == np.float32 else BFLOAT16
+        if add_to is not None and out_dtype != np.float32:
+            raise GroupedGemmError(f"{op}: with add_to, out must be float32 (the sums stay FP32), got {out_dtype}")
         for name, array in ((a_name, a), (b_name, b), ("offsets", offsets)):
             if _overlap(out, array):  # the kernel's tiles would overwrite input other tiles still read
                 raise GroupedGemmError(f"{op}: out shares memory with {name}; pass a separate out buffer")
-    return Problem(op, experts, rows, k, n, out_shape, out_dtype)
+    if add_to is not None:
+        for name, array in ((a_name, a), (b_name, b), ("offsets", offsets), ("out", out)):
+            if array is not None and _overlap(add_to, array):
+                raise GroupedGemmError(f"{op}: add_to shares memory with {name}; pass a separate buffer")
+    return Problem(op, experts, rows, k, n, out_shape, out_dtype, added_experts)
+
+
+def _added_experts(op: str, add_to, experts: int, k: int, n: int) -> int:
+    """How many experts a wgrad adds into ``add_to`` (0 without it): ``[A, K, N]`` FP32, A <= E."""
+    if add_to is None:
+        return 0
+    if np.dtype(add_to.dtype) != np.float32:
+        raise GroupedGemmError(f"{op}: add_to must be float32 (it holds FP32 gradients), got {np.dtype(add_to.dtype)}")
+    if add_to.ndim != 3 or tuple(add_to.shape[1:]) != (k, n) or add_to.shape[0] > experts:
+        raise GroupedGemmError(f"{op}: add_to must have shape [A, {k}, {n}] with A <= {experts} experts, "
+                               f"got {tuple(add_to.shape)}")
+    return int(add_to.shape[0])
 
 
 def _overlap(a, b) -> bool:

@@ -162,20 +162,22 @@ class DeviceGroupedGemm:
 
         return tuple(tiled(array, *shape) for array, shape in zip((a, b), shapes))
 
-    def run(self, problem: Problem, a, b, offsets, out) -> None:
-        """Launch on the current stream (checked CuPy arrays on this GPU)."""
+    def run(self, problem: Problem, a, b, offsets, out, add_to=None) -> None:
+        """Launch on the current stream (checked CuPy arrays on this GPU; ``add_to`` None but
+        for a wgrad that adds into it)."""
         if not self.hopper:
             raise GroupedGemmError(f"{problem.op}: the grouped GEMM kernels need a Hopper (compute capability 9.0) "
                                    f"GPU; GPU {self.device} is not one")
-        for name, array in (("a", a), ("b", b), ("out", out)):
-            if array.size and array.data.ptr % _ALIGN_BYTES:
+        for name, array in (("a", a), ("b", b), ("out", out), ("add_to", add_to)):
+            if array is not None and array.size and array.data.ptr % _ALIGN_BYTES:
                 raise GroupedGemmError(f"{problem.op}: the {name} operand's data is not {_ALIGN_BYTES}-byte aligned "
                                        f"(a view into a larger buffer?); pass an aligned copy")
         kernel, shared_bytes = self._kernel(problem.op, problem.out_dtype)
         kernel((self.grid,), (self.threads,), (
             *self._operand_maps(problem, a, b), offsets, np.int32(offsets.dtype == np.int64),
             np.int32(problem.experts), np.int64(problem.rows), np.int32(problem.k), np.int32(problem.n), out,
-            self.status), shared_mem=shared_bytes)
+            self._placeholder if add_to is None else add_to, np.int32(problem.added_experts), self.status),
+            shared_mem=shared_bytes)
 
     def check(self) -> None:
         """Synchronise this GPU's current stream; raise (and clear) the first status record."""

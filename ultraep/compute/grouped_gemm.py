@@ -48,10 +48,17 @@ def grouped_mm_dgrad(dy, w, offsets, out=None):
     return _run("dgrad", dy, w, offsets, out)
 
 
-def grouped_mm_wgrad(x, dy, offsets, out=None):
+def grouped_mm_wgrad(x, dy, offsets, out=None, *, add_to=None):
     """Weight gradient: ``out[e] = x[rows_e]^T @ dy[rows_e]``; ``x [M, K]``, ``dy [M, N]``,
-    ``out [E, K, N]`` with ``E = len(offsets) - 1``; all zeros for an expert with no rows."""
-    return _run("wgrad", x, dy, offsets, out)
+    ``out [E, K, N]`` with ``E = len(offsets) - 1``; all zeros for an expert with no rows.
+
+    ``add_to`` (FP32 ``[A, K, N]``, ``A <= E``): the first ``A`` experts' gradients are added
+    into it instead, with no FP32 ``out[e]`` stored, and ``out`` (FP32 ``[E - A, K, N]``) holds
+    experts ``A..E-1``: a layer's gradients accumulate with no pass over them and no room for
+    their ``dW_e``. The add is one FP32 add an element, as the GPU's memory adds: nearest
+    even, subnormal inputs and sums flushed to zeros of their sign
+    (:func:`ultraep.compute.host.add_flushing_subnormals`, which the CPU backend uses too)."""
+    return _run("wgrad", x, dy, offsets, out, add_to)
 
 
 def check_errors() -> None:
@@ -101,11 +108,11 @@ def _import_offsets(offsets, gpu: int | None):
     return _import(offsets, "offsets", gpu)
 
 
-def _run(op: str, a, b, offsets, out):
+def _run(op: str, a, b, offsets, out, add_to=None):
     a_name, b_name = OPERANDS[op]
     gpu = _gpu_of(a, a_name)
     if gpu is None:
-        return _run_host(op, a_name, b_name, a, b, offsets, out)
+        return _run_host(op, a_name, b_name, a, b, offsets, out, add_to)
     import cupy
 
     with cupy.cuda.Device(gpu), caller_stream(a):
@@ -113,24 +120,26 @@ def _run(op: str, a, b, offsets, out):
         on_host = isinstance(offsets, (list, tuple, np.ndarray))
         offsets_arr = _import_offsets(offsets, None if on_host else gpu)
         out_arr = None if out is None else _import(out, "out", gpu, writable=True)
-        problem = check_problem(op, a_arr, b_arr, offsets_arr, out_arr)
+        add_arr = None if add_to is None else _import(add_to, "add_to", gpu, writable=True)
+        problem = check_problem(op, a_arr, b_arr, offsets_arr, out_arr, add_arr)
         if on_host:
             _raise_if_bad(op, offsets_arr, problem.rows)
             offsets_arr = cupy.asarray(offsets_arr)
         implementation = _device(gpu)
         result = implementation.allocate(problem) if out_arr is None else out_arr
-        implementation.run(problem, a_arr, b_arr, offsets_arr, result)
+        implementation.run(problem, a_arr, b_arr, offsets_arr, result, add_arr)
     return result if out is None else out
 
 
-def _run_host(op, a_name, b_name, a, b, offsets, out):
+def _run_host(op, a_name, b_name, a, b, offsets, out, add_to):
     a_arr, b_arr = _import(a, a_name, None), _import(b, b_name, None)
     offsets_arr = _import_offsets(offsets, None)
     out_arr = None if out is None else _import(out, "out", None, writable=True)
-    problem = check_problem(op, a_arr, b_arr, offsets_arr, out_arr)
+    add_arr = None if add_to is None else _import(add_to, "add_to", None, writable=True)
+    problem = check_problem(op, a_arr, b_arr, offsets_arr, out_arr, add_arr)
     _raise_if_bad(op, offsets_arr, problem.rows)
     result = np.zeros(problem.out_shape, dtype=problem.out_dtype) if out_arr is None else out_arr
-    _host.run(problem, a_arr, b_arr, offsets_arr, result)
+    _host.run(problem, a_arr, b_arr, offsets_arr, result, add_arr)
     return result if out is None else out
 
 

@@ -6,7 +6,8 @@ starting from zero, then one round-to-nearest-even to the output dtype. BF16 x B
 products are exact in FP32 (8 + 8 significand bits), so each step rounds once, as an FMA
 would. The kernel keeps the same ascending chunk order but sums inside its tensor-core
 steps in the hardware's own way, so device and host agree within the bound the tests
-derive, not bit for bit.
+derive, not bit for bit. A wgrad's ``add_to`` adds as the GPU's memory does
+(:func:`add_flushing_subnormals`), one add an element.
 """
 
 from __future__ import annotations
@@ -27,15 +28,28 @@ def sequential_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return acc
 
 
+def flush_subnormals(x: np.ndarray) -> np.ndarray:
+    """FP32 ``x`` with subnormals replaced by zeros of their sign."""
+    return np.where(np.abs(x) < np.finfo(np.float32).tiny, np.copysign(np.float32(0), x), x).astype(np.float32)
+
+
+def add_flushing_subnormals(total: np.ndarray, addend: np.ndarray) -> None:
+    """``total += addend`` (FP32) as ``red.global.add.f32`` adds in L2: round to nearest
+    even, subnormal inputs and results flushed to zeros of their sign (PTX ISA)."""
+    total[...] = flush_subnormals(flush_subnormals(total) + flush_subnormals(addend))
+
+
 def _float32(bf16_array: np.ndarray) -> np.ndarray:
     return (bf16_array.view(BFLOAT16).astype(np.float32) if bf16_array.dtype == np.int16
             else bf16_array.astype(np.float32))
 
 
 class HostGroupedGemm:
-    """``run(problem, a, b, offsets, out)`` on checked NumPy arrays (``out`` already allocated)."""
+    """``run(problem, a, b, offsets, out, add_to)`` on checked NumPy arrays (``out`` already
+    allocated; ``add_to`` None but for a wgrad that adds into it)."""
 
-    def run(self, problem: Problem, a: np.ndarray, b: np.ndarray, offsets: np.ndarray, out: np.ndarray) -> None:
+    def run(self, problem: Problem, a: np.ndarray, b: np.ndarray, offsets: np.ndarray, out: np.ndarray,
+            add_to: np.ndarray | None = None) -> None:
         target = out.view(BFLOAT16) if out.dtype == np.int16 else out
         bounds = [int(v) for v in offsets]
         for e in range(problem.experts):
@@ -44,5 +58,8 @@ class HostGroupedGemm:
                 target[lo:hi] = sequential_product(_float32(a[lo:hi]), _float32(b[e])).astype(target.dtype)
             elif problem.op == "dgrad":
                 target[lo:hi] = sequential_product(_float32(a[lo:hi]), _float32(b[e]).T).astype(target.dtype)
+            elif e < problem.added_experts:
+                add_flushing_subnormals(add_to[e], sequential_product(_float32(a[lo:hi]).T, _float32(b[lo:hi])))
             else:
-                target[e] = sequential_product(_float32(a[lo:hi]).T, _float32(b[lo:hi])).astype(target.dtype)
+                target[e - problem.added_experts] = sequential_product(_float32(a[lo:hi]).T,
+                                                                       _float32(b[lo:hi])).astype(target.dtype)

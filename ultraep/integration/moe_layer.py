@@ -310,24 +310,25 @@ def _slot_bytes(stacked, first: int):
 
 
 class _WgradScratch:
-    """The weight gradients ``[M + S, ...]`` (FP32) a backward computes before adding them
-    up: kept, since a replica-slot copy reads them through fixed pointers, and shared by
-    every layer of one shape on one device, so ``L`` layers hold one set. A backward on
-    another stream than the previous user's waits for that use's end (an event)."""
+    """The replica slots' weight gradients ``[S, ...]`` (FP32) a backward computes (the
+    masters' are added into ``grad_up`` / ``grad_down`` by the GEMM itself): kept, since a
+    replica-slot copy reads them through fixed pointers, and shared by every layer of one
+    shape on one device, so ``L`` layers hold one set. A backward on another stream than
+    the previous user's waits for that use's end (an event)."""
 
-    _shared = weakref.WeakValueDictionary()  # (device, experts, hidden, ffn) -> scratch; layers hold it
+    _shared = weakref.WeakValueDictionary()  # (device, slots, hidden, ffn) -> scratch; layers hold it
 
     @classmethod
     def of(cls, layer: "MoELayer") -> "_WgradScratch":
-        key = (layer.device, layer.experts_per_rank + layer.slots, layer.hidden, layer.ffn)
+        key = (layer.device, layer.slots, layer.hidden, layer.ffn)
         scratch = cls._shared.get(key)
         if scratch is None:
             scratch = cls._shared[key] = cls(layer.xp, *key[1:], on_device=layer.device is not None)
         return scratch
 
-    def __init__(self, xp, experts: int, hidden: int, ffn: int, *, on_device: bool):
-        self.up = xp.empty((experts, hidden, 2 * ffn), np.float32)
-        self.down = xp.empty((experts, ffn, hidden), np.float32)
+    def __init__(self, xp, slots: int, hidden: int, ffn: int, *, on_device: bool):
+        self.up = xp.empty((slots, hidden, 2 * ffn), np.float32)
+        self.down = xp.empty((slots, ffn, hidden), np.float32)
         self._xp, self._done, self._done_on = xp, None, None
         if on_device:
             self._done = xp.cuda.Event(disable_timing=True)
@@ -721,16 +722,13 @@ class MoELayer:
         return dx, d_gates
 
     def _weight_grads(self, act, grad_y, x, dh, offsets, wgrad: _WgradScratch) -> None:
-        """A backward's weight gradients into ``wgrad`` (every slot's), this rank's experts'
-        then added into ``grad_up`` / ``grad_down`` (the replica slots' wait there for
-        ``reduce_grads``)."""
+        """A backward's weight gradients: this rank's experts' added into ``grad_up`` /
+        ``grad_down`` by the grouped wgrad itself, the replica slots' into ``wgrad`` (they wait
+        there for ``reduce_grads``)."""
         from ultraep.compute import grouped_mm_wgrad
 
-        M = self.experts_per_rank
-        dw_down = grouped_mm_wgrad(act, grad_y, offsets, out=wgrad.down)
-        dw_up = grouped_mm_wgrad(x, dh, offsets, out=wgrad.up)
-        self.grad_up += dw_up[:M]
-        self.grad_down += dw_down[:M]
+        grouped_mm_wgrad(act, grad_y, offsets, out=wgrad.down, add_to=self.grad_down)
+        grouped_mm_wgrad(x, dh, offsets, out=wgrad.up, add_to=self.grad_up)
 
     def _fused_backward(self):
         """The fused backward over the fused forward's flags (made at the first backward), or None."""
@@ -763,9 +761,9 @@ class MoELayer:
         self.balancer.replica_grads(ctx.handle)
         transfer = self.balancer.transfer
         if self._grad_copy is None:
-            wgrad, M = self._wgrad_scratch(), self.experts_per_rank
+            wgrad = self._wgrad_scratch()
             self._grad_copy = FilledSlotCopy(
-                [(_slot_bytes(g, M), transfer.replica_bytes("grads", t)) for t, g in enumerate((wgrad.up, wgrad.down))],
+                [(_slot_bytes(g, 0), transfer.replica_bytes("grads", t)) for t, g in enumerate((wgrad.up, wgrad.down))],
                 self.slots, device=self.device)
         return transfer.replica_entries(self.balancer.plan(ctx.handle))
 
