@@ -144,8 +144,8 @@ def kernel_a_ms(ranks_tasks) -> float:
 
 def weight_grads_alone(layer, x, ids, gates, bf16, rng):
     """A timed phase: the weight gradients of one backward as ``MoELayer.backward`` computes
-    them after either path's exchange and dgrads (the same two grouped wgrads and gradient
-    adds), alone, on one dispatch's rows with random ``grad_y`` and ``dh``."""
+    them after either path's exchange and dgrads (the same two grouped wgrads, adding into
+    the layer's gradients), alone, on one dispatch's rows with random ``grad_y`` and ``dh``."""
     received = layer.dispatcher.dispatch(x, ids, gates)
     rows = received.x.shape[0]
     act, dh = bf16(rng.standard_normal((rows, layer.ffn))), bf16(rng.standard_normal((rows, 2 * layer.ffn)))

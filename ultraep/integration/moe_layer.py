@@ -671,7 +671,8 @@ class MoELayer:
     def backward(self, ctx: MoEContext, dy: Any, *, stream: Any = None) -> tuple[Any, Any]:
         """Collective. ``dy [T, H]`` (the output's gradient); returns ``(dx [T, H] BF16,
         d_gates [T, K] float32)`` and adds the weight gradients into ``grad_up`` /
-        ``grad_down`` (this rank's rows directly, replicas' through ``reduce_grads``).
+        ``grad_down`` (this rank's rows by the grouped wgrad's own adds, which flush subnormal
+        sums to zero as the GPU's memory adds; replicas' through ``reduce_grads``).
         Each context once; a layer's micro-batches in any order its Balancer's ring allows."""
         from ultraep.compute import grouped_mm_dgrad
         from ultraep.compute.checks import is_bf16
