@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ultraep.compute.checks import Problem
-from ultraep.runtime.dtypes import BFLOAT16
+from ultraep.runtime.dtypes import BFLOAT16, flush_subnormals
 
 
 def sequential_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -26,11 +26,6 @@ def sequential_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         np.multiply(a[:, j:j + 1], b[j:j + 1, :], out=term)
         acc += term
     return acc
-
-
-def flush_subnormals(x: np.ndarray) -> np.ndarray:
-    """FP32 ``x`` with subnormals replaced by zeros of their sign."""
-    return np.where(np.abs(x) < np.finfo(np.float32).tiny, np.copysign(np.float32(0), x), x).astype(np.float32)
 
 
 def add_flushing_subnormals(total: np.ndarray, addend: np.ndarray) -> None:
