@@ -90,6 +90,29 @@ def test_moe_layer_bench_rows_per_sync_stream(tmp_path):
         assert rows[name]["replicas"] > 0 and rows[name]["out_diff"] == 0 and rows[name]["dx_diff"] == 0, rows[name]
 
 
+def test_moe_layer_bench_phases_show_where_each_policy_spends_its_steps(tmp_path, capfd):
+    """``--phases``: every policy's steps per direction, the balancing steps ultraep alone
+    has without an ideal to compare, the shared ones with; the table printed."""
+    out = tmp_path / "moe.json"
+    assert bench.main(["--backend", "host", "--ranks", "2", *TINY, "--initial-imbalance", "1.25", "--phases",
+                       "--json", str(out)]) == 0
+    assert "Where the timed steps went" in capfd.readouterr().out
+    phases = json.loads(out.read_text())["phases"]
+    steps = {(row["policy"], row["direction"]): [] for row in phases}
+    for row in phases:
+        steps[row["policy"], row["direction"]].append(row["step"])
+        assert 0 <= row["mean_rank_ms"] <= row["max_rank_ms"], row
+        assert ("over_ideal_ms" in row) == (row["policy"] != "ideal" and row["step"] in
+                                            ("dispatch", "up", "swiglu", "down", "combine", "replica_grads",
+                                             "combine_backward", "refill", "dgrad_down", "swiglu_backward",
+                                             "dgrad_up", "wgrad_down", "wgrad_up", "dispatch_backward")), row
+    assert steps["ideal", "forward"] == ["dispatch", "up", "swiglu", "down", "combine"]
+    assert steps["ultraep", "forward"] == ["update", "weight_sync", "reroute", "dispatch", "replicas", "up", "swiglu",
+                                           "down", "combine"]
+    assert steps["ultraep", "backward"][-3:] == ["grad_copy", "reduce_grads", "dispatch_backward"]
+    assert "reduce_grads" not in steps["none", "backward"]
+
+
 @pytest.mark.mpi
 @pytest.mark.gpu
 @requires_gpu
@@ -99,9 +122,11 @@ def test_moe_layer_bench_gpu_balancing_moves_no_bit(tmp_path):
     two checked steps bitwise equal (4 ranks sharing the GPU, time-sliced)."""
     out = tmp_path / "moe.json"
     code = bench.main(["--backend", "device", "--ranks", "4", *TINY, "--hidden", "256", "--ffn", "128",
-                       "--sync-stream", "side", "layer", "--json", str(out)])
+                       "--sync-stream", "side", "layer", "--phases", "--json", str(out)])
     assert code == 0
-    rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
+    data = json.loads(out.read_text())
+    rows = {row["policy"]: row for row in data["rows"]}
+    assert {row["step"] for row in data["phases"] if row["policy"] == "ultraep/layer"} >= {"update", "reduce_grads"}
     for name in ("ultraep/side", "ultraep/layer"):
         assert rows[name]["out_diff"] == 0 and rows[name]["dx_diff"] == 0, rows[name]
         assert rows[name]["replicas"] > 0 and rows[name]["wgrad_rel"] <= 1e-4, rows[name]

@@ -34,6 +34,13 @@ elements differing from ``none``'s (same routing, weights and inputs: balancing 
 bit), its master weight gradients differ from ``none``'s only by FP32 reassociation, and
 each policy's two checked steps must be bitwise identical.
 
+``--phases`` also prints where each policy's steps go: every layer records its phases
+during the timed steps (:meth:`~ultraep.MoELayer.record_phases`: each step's time on the
+rank's stream, waits included); per policy, direction and step, the ms of a timed step
+(summed over layers, the median over repeats) on the mean and on the slowest rank, and
+``over_ideal``, the slowest rank's ms over ideal's for the same step (the rows balancing
+adds have none).
+
 Ranks that share a GPU run time-sliced (the title then says "not a figure of merit", as
 on the host backend) unless ``--emulate-ep`` runs them under MPS with an SM share each,
 so that each behaves like a small GPU of its own. Started with one process, it relaunches
@@ -56,6 +63,7 @@ POLICIES = ("ideal", "none", "ultraep")  # in this order: each row's vs_ideal an
 ROUTING_DRAWS = 32  # Zipf rankings tried per layer: whether a target is reachable depends on which experts share a rank
 COLUMNS = ["policy", "fwd_ms", "bwd_ms", "step_ms", "tokens_per_s", "vs_ideal", "rows_max_mean", "replicas",
            "min_replica", "sync_stream", "out_diff", "dx_diff", "wgrad_rel", "rerun_diff"]
+PHASE_COLUMNS = ["policy", "direction", "step", "mean_rank_ms", "max_rank_ms", "over_ideal_ms"]
 # Largest relative difference of ultraep's master weight gradients from none's: the same FP32
 # terms summed per instance move about 1e-6; a replica gradient dropped or added twice, by
 # several percent.
@@ -97,6 +105,8 @@ def parse_args(argv):
                              "rank has a GPU of its own, else layer); an ultraep row per placement")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
+    parser.add_argument("--phases", action="store_true",
+                        help="also print each policy's steps (update, dispatch, GEMMs, ...) per direction, in ms")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser.parse_args(argv)
@@ -185,6 +195,21 @@ class MoEStack:
             grad_out, _ = moe.backward(ctx, grad_out)
         return grad_out
 
+    def record_phases(self, enable: bool) -> None:
+        for moe in self.layers:
+            moe.record_phases(enable)
+
+    def phases(self) -> dict:
+        """direction -> step -> the median over the recorded steps of its ms summed over the
+        layers (each layer's calls since recording began, one per layer and step)."""
+        out = {}
+        for direction in ("forward", "backward"):
+            repeats = list(zip(*(moe.phases(direction) for moe in self.layers)))  # a step: every layer's call
+            steps = dict.fromkeys(step for calls in repeats for call in calls for step in call)
+            out[direction] = {step: float(np.median([sum(call.get(step, 0.0) for call in calls) for calls in repeats]))
+                              for step in steps}
+        return out
+
     def record_rows(self, contexts) -> None:
         for layer, ctx in enumerate(contexts):
             self.rows[layer].append(ctx.received.num_rows)
@@ -234,6 +259,26 @@ def phase_windows_ms(group, phases, repeats: int, synchronize, alternate: tuple[
                 for i in range(repeats)) / repeats * 1e3 for phase in range(len(phases))]
 
 
+def step_rows(group, stacks: dict) -> list[dict]:
+    """The ``--phases`` rows of every policy's recorded steps (collective): per direction and
+    step, the mean and the slowest rank's ms, and the slowest rank's over ideal's."""
+    everyone = group.allgather({name: stack.phases() for name, stack in stacks.items()})
+    rows, ideal = [], {}
+    for name in stacks:
+        for direction in ("forward", "backward"):
+            steps = dict.fromkeys(step for rank in everyone for step in rank[name][direction])
+            for step in steps:
+                ms = [rank[name][direction][step] for rank in everyone if step in rank[name][direction]]
+                row = {"policy": name, "direction": direction, "step": step, "mean_rank_ms": float(np.mean(ms)),
+                       "max_rank_ms": float(max(ms))}
+                if name == "ideal":
+                    ideal[direction, step] = row["max_rank_ms"]
+                elif (direction, step) in ideal:
+                    row["over_ideal_ms"] = row["max_rank_ms"] - ideal[direction, step]
+                rows.append(row)
+    return rows
+
+
 def bit_patterns(array: np.ndarray) -> np.ndarray:
     return array.view({2: np.int16, 4: np.int32}[array.dtype.itemsize])
 
@@ -252,7 +297,7 @@ def run(args) -> int:
     from mpi4py import MPI
 
     from ultraep.runtime.mps import sharing_label
-    from ultraep.bench.report import Progress, RowStream, write_json
+    from ultraep.bench.report import Progress, RowStream, print_table, write_json
     from ultraep.analysis.traces import rank_imbalance
     from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.runtime.group import EPGroup
@@ -285,7 +330,7 @@ def run(args) -> int:
              "rerun_diff: elements of the outputs and all gradients differing between two checked steps")
     progress = Progress("moe-layer", enabled=me == 0 and not args.quiet)
     table = RowStream(COLUMNS, title, enabled=me == 0)
-    rows = []
+    rows, phase_rows = [], []
     thresholds = args.min_replica_tokens
     streams = resolved_sync_streams(group, args.sync_stream)
     runs = [(policy, threshold, stream) for policy in POLICIES
@@ -318,7 +363,13 @@ def run(args) -> int:
         for _, stack, _ in stacks.values():
             phases += [lambda _, stack=stack: stack.forward(x)[1],
                        lambda contexts, stack=stack: stack.backward(contexts, grad_out)]
+        for _, stack, _ in stacks.values():
+            stack.record_phases(args.phases)
         windows = phase_windows_ms(group, phases, args.repeats, synchronize)
+        if args.phases:
+            phase_rows = step_rows(group, {name: stack for name, (_, stack, _) in stacks.items()})
+            for _, stack, _ in stacks.values():
+                stack.record_phases(False)  # the checked steps below are not timed steps
         for index, (name, (policy, stack, stream)) in enumerate(stacks.items()):
             again = checked_step(stack)
             stack.check()
@@ -362,9 +413,13 @@ def run(args) -> int:
         raise SystemExit("balancing changed the layer's results: " + "; ".join(problems))
 
     if me == 0:
+        if phase_rows:
+            print_table(phase_rows, PHASE_COLUMNS, "Where the timed steps went (MoELayer.record_phases; ms a step, the "
+                                                   "layers summed, median over repeats; over_ideal: the slowest rank's "
+                                                   "over ideal's same step)")
         if args.json:
             write_json(args.json, {"benchmark": "moe-layer", "ranks": R, "caveat": caveat, "initial_imbalance": initial,
-                                   "args": vars(args), "rows": rows})
+                                   "args": vars(args), "rows": rows, "phases": phase_rows})
     return 0
 
 

@@ -72,6 +72,7 @@ import numpy as np
 
 from ultraep.errors import ClosedError, CollectiveError, MoELayerError
 from ultraep.integration.balancer import BalanceHandle, Balancer, sync_beside_pays
+from ultraep.integration.stats import PhaseRecorder
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
 from ultraep.runtime import dtypes
 from ultraep.runtime.dtypes import flush_subnormals, is_bool, is_int
@@ -424,6 +425,8 @@ class MoELayer:
             dict(num_experts=balancer.layout.num_physical, experts_per_rank=balancer.layout.slots_per_rank)
         self._fused, self._fused_bwd, self._owned_heap = None, None, None
         self._recording = False  # record_timeline's: the backward launcher, made later, takes it at its making
+        self._phase_recorders: dict | None = None  # record_phases': direction -> PhaseRecorder
+        self._phase_recorder = None  # the running call's, if it records
         if fused:
             common["expert_output"] = True
             if heap is None:
@@ -642,29 +645,40 @@ class MoELayer:
         self._raise(error, "MoELayer.forward input")
         check_tokens(self.group, self.dispatcher.config, *arrays)  # before the Balancer plans anything
         tokens = arrays[0].shape[0]
-        with self._on_stream(stream, x):
+        with self._on_stream(stream, x), self._recording_phases("forward"):
             handle, ids = None, topk_ids
             if self._balancing:
                 handle = self.balancer.update(self.layer, topk_ids, stream=stream)
+                self._mark("update")
                 self.balancer.weight_sync(handle, stream=self._sync_stream)
+                self._mark("weight_sync")
                 ids = self.balancer.reroute(handle, stream=stream)  # the update rerouted topk_ids already
+                self._mark("reroute")
                 self._generation += 1
             if self._fused is not None:
                 if handle is not None:  # kernel A's up tiles read every slot's weights from its start
                     self._fill_replicas(handle)
+                    self._mark("replicas")
                 out, received, act, h, y, rank_tiles = self._fused.forward(
                     arrays[0], self._import("topk_ids", ids), arrays[2], self._w_up, self._w_down, keep=backward)
+                self._mark("fused")
                 return out, MoEContext(handle, received, h, act, y, self._generation, tokens, rank_tiles=rank_tiles,
                                        for_backward=backward, layer_id=self.id)
             received = self.dispatcher.dispatch(x, ids, gates)
+            self._mark("dispatch")
             if handle is not None:  # the sync ran beside dispatch; the GEMMs read the replicas
                 self._fill_replicas(handle)
+                self._mark("replicas")
             offsets, xp = received.offsets, self.xp
             rows = received.x.shape[0]
             h = grouped_mm(received.x, self._w_up, offsets, out=xp.empty((rows, 2 * self.ffn), np.float32))
+            self._mark("up")
             act = self._swiglu_forward(h, offsets)
+            self._mark("swiglu")
             y = grouped_mm(act, self._w_down, offsets)
+            self._mark("down")
             out = self.dispatcher.combine(y, received.handle)
+            self._mark("combine")
         return out, MoEContext(handle, received, h, act, y, self._generation, tokens, for_backward=backward,
                                layer_id=self.id)
 
@@ -698,28 +712,39 @@ class MoELayer:
         self._raise(error, "MoELayer.backward input")  # before any restore or launch
         ctx.done = True
         received, offsets = ctx.received, ctx.received.offsets
-        with self._on_stream(stream, dy):
+        with self._on_stream(stream, dy), self._recording_phases("backward"):
             replica_entries = self._replica_grads(ctx)
+            self._mark("replica_grads")
             fused = self._fused_backward()
             if fused is not None:  # the gradients' exchange and both dgrads in two persistent kernels
                 self._refill_replicas(ctx)
+                self._mark("refill")
                 dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.rank_tiles, ctx.h, ctx.y, self._w_up,
                                                          self._w_down)
+                self._mark("fused")
             else:
                 grad_y, d_gates = self.dispatcher.combine_backward(dy, ctx.y, received.handle)
+                self._mark("combine_backward")
                 self._refill_replicas(ctx)  # a restore ran beside combine_backward; the dgrads read the replicas
+                self._mark("refill")
                 d_act = grouped_mm_dgrad(grad_y, self._w_down, offsets)
+                self._mark("dgrad_down")
                 dh = self._swiglu_backward(ctx.h, d_act, offsets)
+                self._mark("swiglu_backward")
                 d_recv = grouped_mm_dgrad(dh, self._w_up, offsets)
+                self._mark("dgrad_up")
             wgrad = self._wgrad_scratch()
             wgrad.acquire()
             self._weight_grads(ctx.act, grad_y, received.x, dh, offsets, wgrad)
             if ctx.handle is not None:  # the replica slots' gradients: only those the plan fills are read
                 self._grad_copy(replica_entries)
+                self._mark("grad_copy")
                 self.balancer.reduce_grads(ctx.handle, stream=stream)
+                self._mark("reduce_grads")
             wgrad.release()
             if fused is None:
                 dx = self.dispatcher.dispatch_backward(d_recv, received.handle)
+                self._mark("dispatch_backward")
         return dx, d_gates
 
     def _weight_grads(self, act, grad_y, x, dh, offsets, wgrad: _WgradScratch) -> None:
@@ -729,7 +754,9 @@ class MoELayer:
         from ultraep.compute import grouped_mm_wgrad
 
         grouped_mm_wgrad(act, grad_y, offsets, out=wgrad.down, add_to=self.grad_down)
+        self._mark("wgrad_down")
         grouped_mm_wgrad(x, dh, offsets, out=wgrad.up, add_to=self.grad_up)
+        self._mark("wgrad_up")
 
     def _fused_backward(self):
         """The fused backward over the fused forward's flags (made at the first backward), or None."""
@@ -789,6 +816,50 @@ class MoELayer:
         dh = self.xp.empty(h.shape, dtype=self._w_up.dtype)
         self._swiglu.backward(h, self.xp.asarray(d_act), offsets, dh)
         return dh
+
+    def record_phases(self, enable: bool = True) -> None:
+        """Whether later forwards and backwards record how long each of their steps takes on
+        this rank's stream (update, weight_sync, reroute, dispatch, replicas, up, swiglu, down,
+        combine; backward: replica_grads, combine_backward, refill, dgrad_down,
+        swiglu_backward, dgrad_up, wgrad_down, wgrad_up, grad_copy, reduce_grads,
+        dispatch_backward; a fused layer's kernels as one step, fused), read by
+        :meth:`phases`. A step's time is its stream's from the step before it to its own end:
+        a step that waits for peers or for a sync on another stream counts the wait. Off by
+        default (an event per step); turning it off drops the calls not yet read."""
+        self._check_open()
+        if not is_bool(enable):
+            raise MoELayerError(f"record_phases: enable must be a bool, got {enable!r}")
+        if not enable:
+            self._phase_recorders = None
+        elif self._phase_recorders is None:
+            self._phase_recorders = {d: PhaseRecorder(self.device is not None) for d in ("forward", "backward")}
+
+    def phases(self, direction: str = "forward") -> list[dict]:
+        """The recorded ``direction`` ("forward" or "backward") calls since recording began or
+        since the last read, oldest first, each ``{step: ms}`` in the steps' order; waits for
+        the device. Empty without :meth:`record_phases`."""
+        self._check_open()
+        if direction not in ("forward", "backward"):
+            raise MoELayerError(f"phases: direction must be 'forward' or 'backward', got {direction!r}")
+        if self._phase_recorders is None:
+            return []
+        with self._on_device():
+            return self._phase_recorders[direction].take()
+
+    @contextlib.contextmanager
+    def _recording_phases(self, direction: str):
+        """Within: :meth:`_mark` records into ``direction``'s recorder (if recording)."""
+        self._phase_recorder = None if self._phase_recorders is None else self._phase_recorders[direction]
+        if self._phase_recorder is not None:
+            self._phase_recorder.begin()
+        try:
+            yield
+        finally:
+            self._phase_recorder = None
+
+    def _mark(self, step: str) -> None:
+        if self._phase_recorder is not None:
+            self._phase_recorder.mark(step)
 
     def record_timeline(self, enable: bool = True) -> None:
         """A fused layer: whether later forwards and backwards record when and where each

@@ -114,6 +114,48 @@ class DeviceClock:
         return out
 
 
+class PhaseRecorder:
+    """Where calls of a MoELayer direction spend their time on this rank: :meth:`begin` at a
+    call's start, :meth:`mark` after each step -- a CUDA event on the current stream on the
+    GPU, ``perf_counter`` on the host (where a step has finished when it returns) -- and
+    :meth:`take`, every call recorded since the last take as ``{step: ms}`` (waits for the
+    device)."""
+
+    def __init__(self, device: bool):
+        import time
+        self._device = device
+        self._now = time.perf_counter
+        self._calls: list = []  # per call: [(step, event or host seconds)], the first step "start"
+
+    def begin(self) -> None:
+        self._calls.append([])
+        self.mark("start")
+
+    def mark(self, step: str) -> None:
+        if self._device:
+            import cupy
+            event = cupy.cuda.Event()
+            event.record()
+            self._calls[-1].append((step, event))
+        else:
+            self._calls[-1].append((step, self._now()))
+
+    def take(self) -> list[dict]:
+        calls, self._calls = self._calls, []
+        out = []
+        for marks in calls:
+            if self._device and marks:
+                marks[-1][1].synchronize()
+            out.append({step: (self._cupy_ms(a, b) if self._device else (b - a) * 1e3)
+                        for (_, a), (step, b) in zip(marks, marks[1:])})
+        return out
+
+    @staticmethod
+    def _cupy_ms(start, stop) -> float:
+        import cupy
+        return cupy.cuda.get_elapsed_time(start, stop)
+
+
 @dataclass
 class BalancerStats:
     """``records`` in completion order (oldest first, the ring's live ones last);

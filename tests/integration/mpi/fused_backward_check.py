@@ -137,13 +137,19 @@ def timeline(moe, data):
     """A recorded training step: the backward's timeline holds each of its kinds on every
     rank (random routing: every rank sends, relays and reduces), each task ending after it
     starts, on the host (one worker) in claim order; the forward's timeline is the forward's
-    kinds; no other direction is taken."""
+    kinds; no other direction is taken. Its phases, recorded alongside, name the fused
+    kernels as one step between the layer's own."""
     moe.record_timeline(True)
+    moe.record_phases(True)
     _, ctx = moe.forward(*data[:3])
     moe.backward(ctx, data[3])
     moe.check()
     tasks, forward = moe.timeline("backward"), moe.timeline()
     moe.record_timeline(False)
+    phases = moe.phases("forward") + moe.phases("backward")
+    moe.record_phases(False)
+    assert [list(call) for call in phases] == [["fused"], ["replica_grads", "refill", "fused", "wgrad_down",
+                                                           "wgrad_up"]], phases
     order = list(KERNEL_C + KERNEL_D)
     for rank, kinds in enumerate(group.allgather([kind for kind, *_ in tasks])):
         assert set(kinds) == set(order), f"rank {rank}: {sorted(set(kinds))}"

@@ -95,12 +95,28 @@ def differing(a, b) -> int:
 RESTORED = []  # (layer, micro-batch step) of every Balancer.restore of the last run_policy
 
 
-def run_policy(min_replica_tokens=None, runs=RUNS, sync_beside="auto"):
+FORWARD_STEPS = ["update", "weight_sync", "reroute", "dispatch", "replicas", "up", "swiglu", "down", "combine"]
+BACKWARD_STEPS = ["replica_grads", "combine_backward", "refill", "dgrad_down", "swiglu_backward", "dgrad_up",
+                  "wgrad_down", "wgrad_up", "grad_copy", "reduce_grads", "dispatch_backward"]
+
+
+def check_phases(moe, runs: int) -> None:
+    """A balancing layer that recorded its phases: every call's steps in order, none negative."""
+    for direction, steps in (("forward", FORWARD_STEPS), ("backward", BACKWARD_STEPS)):
+        calls = moe.phases(direction)
+        assert len(calls) == runs * MICRO, f"{direction}: {len(calls)} calls recorded, expected {runs * MICRO}"
+        for call in calls:
+            assert list(call) == steps and all(ms >= 0 for ms in call.values()), f"{direction} phases {call}"
+    assert moe.phases("forward") == [], "phases() read the same calls twice"
+
+
+def run_policy(min_replica_tokens=None, runs=RUNS, sync_beside="auto", record_phases=False):
     """The layers with a Balancer of ``min_replica_tokens`` (None: without one), their weight
     syncs beside the layer's stream or in series on it (``sync_beside``; "auto": as
     ``sync_beside_pays`` says, which the layers are checked to follow), ``runs`` times:
     ([per run: ({(layer, micro): (y, dx, d_gates)}, [(grad_up, grad_down) per layer])],
-    the Balancer's stats summary or None, the layers' ``balancing``)."""
+    the Balancer's stats summary or None, the layers' ``balancing``). ``record_phases``: the
+    layers record theirs (:func:`check_phases`)."""
     balancer = None
     RESTORED.clear()
     if min_replica_tokens is not None:
@@ -118,6 +134,7 @@ def run_policy(min_replica_tokens=None, runs=RUNS, sync_beside="auto"):
         f"sync_beside={sync_beside!r} placed the syncs beside: {placed}"
     for layer, moe in enumerate(layers):
         moe.load_weights(*masters(layer, me))  # NumPy in, copied onto the backend
+        moe.record_phases(record_phases)
     data = {(layer, micro): [to_backend(a) for a in inputs(layer, micro, me)]
             for layer in range(LAYERS) for micro in range(MICRO)}
     results, summary = [], None
@@ -140,6 +157,8 @@ def run_policy(min_replica_tokens=None, runs=RUNS, sync_beside="auto"):
     if balancer is not None:
         summary = balancer.stats().summary()
     for moe in layers:
+        if record_phases:
+            check_phases(moe, runs)
         moe.close()
     if balancer is not None:
         balancer.close()
@@ -197,7 +216,7 @@ def close_to(got, want, fraction, what):
 
 def invariance():
     plain, _, _ = run_policy()
-    balanced, summary, balancing = run_policy(4, sync_beside=True)
+    balanced, summary, balancing = run_policy(4, sync_beside=True, record_phases=True)  # recording moves no bit
     assert all(balancing), "layers whose Balancer can replicate do not balance"
     replicas = sum(group.allgather(summary["replicas_mean"]))
     assert replicas > 0, "the routing made no replica: the check would prove nothing"
@@ -298,6 +317,9 @@ def bad_input():
                               lambda: moe.backward(ctx, bad_dy))
             moe.backward(ctx, dy)
             expect_everywhere(MoELayerError, "has run already", lambda: moe.backward(ctx, dy))
+            expect_everywhere(MoELayerError, "enable must be a bool", lambda: moe.record_phases("yes"))
+            expect_everywhere(MoELayerError, "direction must be", lambda: moe.phases("sideways"))
+            assert moe.phases("backward") == [], "phases recorded without record_phases"
         expect_everywhere(Exception, "closed", lambda: moe.forward(x, ids, gates))
 
 
