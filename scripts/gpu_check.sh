@@ -37,7 +37,9 @@ for bench in ${GPU_BENCHES-peer-copy plan-kernel weight-sync dispatch balancer g
   $PY -m ultraep.bench "$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
 done
 for bench in ${GPU_EMULATED_BENCHES-dispatch balancer moe-layer moe-fused}; do
-  echo "== bench $bench --emulate-ep" | tee -a "$OUT/bench.log"
-  $PY -m ultraep.bench "$bench" --emulate-ep --json "$OUT/bench-$bench-mps.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
+  extra=""
+  [ "$bench" = moe-layer ] && extra="--phases"  # where each policy's steps go, beside the ratios
+  echo "== bench $bench --emulate-ep $extra" | tee -a "$OUT/bench.log"
+  $PY -m ultraep.bench "$bench" --emulate-ep $extra --json "$OUT/bench-$bench-mps.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
 done
 exit $status
