@@ -1,5 +1,6 @@
 """Balancer metrics: stage clocks, one record per (layer, micro-batch) and summaries (the
-per-rank load plot of these records is :func:`ultraep.analysis.plots.plot_rank_loads`).
+per-rank load plot of these records is :func:`ultraep.analysis.plots.plot_rank_loads`);
+and :class:`PhaseRecorder`, the times of a MoELayer's steps (``MoELayer.record_phases``).
 
 A record is built from three host arrays of a plan -- the gathered loads, ``phys_to_log``
 and ``rank_load`` -- by :func:`plan_record`, the same code on both backends (the GPU path
