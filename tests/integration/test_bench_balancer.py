@@ -3,6 +3,7 @@ the exposed balancing cost (the balanced layer minus the layer with its plan in 
 beside the MoE layer; the GPU run is the lead's."""
 
 import json
+import pstats
 
 import pytest
 
@@ -46,7 +47,11 @@ def test_balancer_bench_rows_per_sync_grid_with_the_host_breakdown_and_profile(t
         assert all(row[column] is None for column in bench.DEVICE_COLUMNS), row
     assert sorted(p.name for p in profiles.iterdir()) == [
         f"bf16_imbalance2_sync{grid}_side.{ext}" for grid in ("4", "all") for ext in ("pstats", "txt")]
-    assert "integration/balancer.py" in (profiles / "bf16_imbalance2_syncall_side.txt").read_text()
+    # the Balancer's own functions are in the profile (the whole .pstats: on a loaded machine
+    # they need not be among the .txt's top 40 by own time)
+    profiled = pstats.Stats(str(profiles / "bf16_imbalance2_syncall_side.pstats")).stats
+    assert any(filename.endswith("integration/balancer.py") for filename, _, _ in profiled)
+    assert "tottime" in (profiles / "bf16_imbalance2_syncall_side.txt").read_text()
 
 
 def test_balancer_bench_rows_per_sync_stream(tmp_path, capfd):
