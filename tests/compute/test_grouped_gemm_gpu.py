@@ -260,12 +260,13 @@ def test_wgrad_add_to_is_the_stored_wgrad_added_as_memory_adds(cp, added, k, n):
     the other experts in ``out`` with the stored ones' bits; an added element that was
     NaN stays NaN (read, not skipped). Subnormals: expert 4's single row gives its first
     8 x 8 sums of 2^-132 (added to zeros), and ``before`` holds one beside the empty expert's
-    zeros."""
+    zeros; its next 8 x 8 are 2^-126, normal, added to -1.5 * 2^-126: a subnormal result."""
     rng = np.random.default_rng(9)
     offsets = offsets_of([300, 0, 129, 64, 1, 77])
     rows = int(offsets[-1]) + 3
     x, dy = bf16(rng, (rows, k)), bf16(rng, (rows, n))
     x[int(offsets[4]), :8] = dy[int(offsets[4]), :8] = 2.0 ** -66
+    x[int(offsets[4]), 8:16], dy[int(offsets[4]), 8:16] = 2.0 ** -60, 2.0 ** -66
     x, dy = up(cp, x), up(cp, dy)
     stored = down(run(cp, "wgrad", down(x), down(dy), offsets, np.float32))
     before = rng.standard_normal((added, k, n)).astype(np.float32)
@@ -274,6 +275,7 @@ def test_wgrad_add_to_is_the_stored_wgrad_added_as_memory_adds(cp, added, k, n):
         before[1, 2, 3] = 2.0 ** -140  # expert 1 has no rows: its dW is zero
     if added > 4:
         before[4, :8, :8] = 0.0  # a subnormal dW added to zero
+        before[4, 8:16, 8:16] = -1.5 * 2.0 ** -126  # a normal dW whose sum is subnormal
     expected = before.copy()
     for e in range(added):
         add_flushing_subnormals(expected[e], stored[e])
@@ -289,6 +291,7 @@ def test_wgrad_add_to_is_the_stored_wgrad_added_as_memory_adds(cp, added, k, n):
     assert np.array_equal(bits(stored[added:]), bits(out))
     if added == 6:  # the flushes were exercised, not skipped
         assert 0 < stored[4, 0, 0] < np.finfo(np.float32).tiny and expected[4, 0, 0] == 0 == expected[1, 2, 3]
+        assert stored[4, 8, 8] == 2.0 ** -126 and bits(expected[4, 8, 8]) == bits(np.float32(-0.0))
 
 
 def test_device_offsets_are_checked_on_the_device_and_nothing_is_written(cp):
