@@ -1,4 +1,4 @@
-//! kernels: compile_weight_tasks, compile_grad_tasks
+//! kernels: compile_weight_tasks, compile_grad_tasks, agree_and_compile_weights
 // The transfer schedule compiled on the device: this rank's weight-sync and gradient
 // tasks for a plan, row for row what ultraep/transfer/schedule.py (compile_schedule, the
 // NumPy reference, whose docstring defines every field) produces -- relay trees
@@ -13,8 +13,11 @@
 // failed compile writes zero lengths, so its transfers do nothing.
 //
 // Both compilers stride over their work by blockDim.x: any block of whole warps works, and
-// the host launches COMPILE_THREADS.
+// the host launches COMPILE_THREADS. Each block first stages the plan's log_to_phys and
+// replica_count in shared memory: the serial parts read them in chains of dependent
+// loads, which cost an L2 round trip each when read from global memory.
 
+#include "agree.cuh"
 #include "task_tables.cuh"
 
 typedef long long i64;
@@ -36,6 +39,14 @@ typedef long long i64;
 #define FAULT_SHARED_RANK 3  // two instances of the expert on one rank
 #define FAULT_SHARED_SLOT 4  // a replica in a slot that a lower expert's replica holds
 #define FAULT_KINDS 8
+
+// The block copies the plan into staged_log_to_phys [E * K] and staged_replica_count [E].
+__device__ void stage_plan(const int* log_to_phys, const int* replica_count, int E, int K,
+                           int* staged_log_to_phys, int* staged_replica_count) {
+    for (i64 i = threadIdx.x; i < static_cast<i64>(E) * K; i += blockDim.x) staged_log_to_phys[i] = log_to_phys[i];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) staged_replica_count[e] = replica_count[e];
+    __syncthreads();
+}
 
 // Whether the plan's placement can drive transfers (schedule.py placement_error, the same
 // checks): 0, else 1 + kind + FAULT_KINDS * e for the lowest expert e at fault (and its
@@ -89,9 +100,10 @@ __device__ int placement_code(const int* log_to_phys, const int* replica_count, 
 //
 // Dynamic shared memory, carved at the top of the kernel: sent (i64 [R]), then the int
 // arrays found, hot, src_expert, src_relay, src_dest, relay_expert, relay_position,
-// relay_leaves and slot_owner. The host launches with this many bytes (M = E / R).
-#define WEIGHT_COMPILE_SHARED_BYTES(R, E, M, S) (8 * (R) + 4 * (2 * (E) + 3 * ((M) + (S)) + 1 + 3 * (S) + (R) * (S)))
-extern "C" __global__ void compile_weight_tasks(
+// relay_leaves, slot_owner and the staged plan (log_to_phys [E * K], replica_count [E]).
+// The host launches with this many bytes (M = E / R).
+#define WEIGHT_COMPILE_SHARED_BYTES(R, E, M, S, K) (8 * (R) + 4 * ((E) * ((K) + 3) + 3 * ((M) + (S)) + 1 + 3 * (S) + (R) * (S)))
+__device__ void compile_weights(
         const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int D, int rank, int num_tensors,
         i64 slot_bytes, int relay_threshold, int relay_count, int num_chunks, int chunk_tiles, int num_tiles,
         i64 weight_base, i64 flag_base_slot, int max_tasks, int max_dests, int* tree, i64* tasks, i64* dests,
@@ -108,10 +120,15 @@ extern "C" __global__ void compile_weight_tasks(
     int* relay_position = relay_expert + S;      // [S]
     int* relay_leaves = relay_position + S;      // [S]
     int* slot_owner = relay_leaves + S;          // [R * S] placement_code's
+    int* staged_log_to_phys = slot_owner + R * S;  // [E * K]
+    int* staged_replica_count = staged_log_to_phys + static_cast<i64>(E) * K;  // [E]
     __shared__ int hot_count, num_sources;
     int* chosen_rows = tree;
     int* owner_rows = tree + static_cast<i64>(E) * K;
 
+    stage_plan(log_to_phys, replica_count, E, K, staged_log_to_phys, staged_replica_count);
+    log_to_phys = staged_log_to_phys;
+    replica_count = staged_replica_count;
     const int fault = placement_code(log_to_phys, replica_count, R, E, S, K, D, slot_owner);
     if (fault) {
         if (tid == 0) {
@@ -272,6 +289,35 @@ extern "C" __global__ void compile_weight_tasks(
     }
 }
 
+#define COMPILE_WEIGHT_PARAMETERS \
+        const int *log_to_phys, const int *replica_count, int R, int E, int S, int K, int D, int rank, \
+        int num_tensors, i64 slot_bytes, int relay_threshold, int relay_count, int num_chunks, int chunk_tiles, \
+        int num_tiles, i64 weight_base, i64 flag_base_slot, int max_tasks, int max_dests, int *tree, i64 *tasks, \
+        i64 *dests, int *counts
+#define COMPILE_WEIGHT_ARGUMENTS \
+        log_to_phys, replica_count, R, E, S, K, D, rank, num_tensors, slot_bytes, relay_threshold, relay_count, \
+        num_chunks, chunk_tiles, num_tiles, weight_base, flag_base_slot, max_tasks, max_dests, tree, tasks, dests, counts
+
+extern "C" __global__ void compile_weight_tasks(COMPILE_WEIGHT_PARAMETERS) {
+    compile_weights(COMPILE_WEIGHT_ARGUMENTS);
+}
+
+// A weight sync's agreement and compile in one launch of two blocks: block 0 agrees on the
+// plan (agree.cuh) while block 1 compiles it -- the caller's plan, not a gated one -- and
+// weight_sync (transfer.cu) reads the agreement's status, copying nothing after a refusal.
+// The agreement's arguments (agree_plan's but gated_count) come first, then the compile's.
+static_assert(AGREE_THREADS == COMPILE_THREADS, "both halves run on the launch's one block size");
+extern "C" __global__ void agree_and_compile_weights(
+        const int* agreed_log_to_phys, const int* agreed_replica_count, int agreed_E, int agreed_K, int op, u64 layer,
+        const u64* peer_bases, int agreeing_rank, int world, u64 pad, u64* calls, u64 timeout_ns, u64* hashes,
+        u64* status, COMPILE_WEIGHT_PARAMETERS) {
+    if (blockIdx.x == 0)
+        agree_on_plan(agreed_log_to_phys, agreed_replica_count, agreed_E, agreed_K, op, layer, peer_bases,
+                      agreeing_rank, world, pad, calls, timeout_ns, hashes, status);
+    else
+        compile_weights(COMPILE_WEIGHT_ARGUMENTS);
+}
+
 // Gradient tasks and their sources, grid-stride: one task per tile of each gradient
 // tensor of each replicated master (masters in expert order, then tensors, then tiles),
 // its sources the replicas' gradient tiles in replica order. Every block derives the
@@ -281,8 +327,9 @@ extern "C" __global__ void compile_weight_tasks(
 // offset in a gradient slot, bytes.
 //
 // Dynamic shared memory, carved at the top of the kernel: the int arrays replicated,
-// src_first and slot_owner. The host launches with this many bytes (M = E / R).
-#define GRAD_COMPILE_SHARED_BYTES(R, M, S) (4 * (2 * (M) + 1 + (R) * (S)))
+// src_first, slot_owner and the staged plan (log_to_phys [E * K], replica_count [E]). The
+// host launches with this many bytes (M = E / R).
+#define GRAD_COMPILE_SHARED_BYTES(R, E, M, S, K) (4 * (2 * (M) + 1 + (R) * (S) + (E) * (K) + (E)))
 extern "C" __global__ void compile_grad_tasks(
         const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int D, int rank, int num_tensors,
         const i64* grad_tensors, int tiles_per_expert, i64 tile_bytes, i64 grad_base, i64 grad_slot_bytes,
@@ -292,7 +339,12 @@ extern "C" __global__ void compile_grad_tasks(
     int* replicated = master_table;     // [M] this rank's masters with replicas (local index), in order
     int* src_first = replicated + M;    // [M + 1] replicas before each, summed over its predecessors
     int* slot_owner = src_first + M + 1;  // [R * S] placement_code's
+    int* staged_log_to_phys = slot_owner + R * S;  // [E * K]
+    int* staged_replica_count = staged_log_to_phys + static_cast<i64>(E) * K;  // [E]
     __shared__ int num_replicated;
+    stage_plan(log_to_phys, replica_count, E, K, staged_log_to_phys, staged_replica_count);
+    log_to_phys = staged_log_to_phys;
+    replica_count = staged_replica_count;
     const int fault = placement_code(log_to_phys, replica_count, R, E, S, K, D, slot_owner);
     if (threadIdx.x == 0) {
         int count = 0, replicas = 0, code = fault;

@@ -171,6 +171,9 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // until the host has reported it (status) and zeroed done[], later launches do nothing, so a
 // half count can never publish a flag early.
 //
+// `refused`: a word that is nonzero when the ranks refused the plan the tables were compiled
+// from (the agreement's status kind; a zero word where no agreement ran): nothing is copied.
+//
 // Start-up (each thread of the SYNC_THREADS a block must have reads one entry of each table
 // it copies): one round trip of global reads (the status, the task count, each warp's first
 // two task rows, whose indices need no count: `task_rows` is what the table holds, the
@@ -183,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS)
 weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_tiles, const i64* tensor_table,
             int num_tensors, i64 tile_bytes, const i64* dests, int dest_rows, const u64* src_ptrs, int num_src_ptrs,
             const u64* peer_bases, int num_ranks, int rank, u64 epoch, int flag_every_chunk, int* done,
-            u64 timeout_ns, u64* status) {
+            u64 timeout_ns, u64* status, const u64* refused) {
     __shared__ SyncShared s;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int pieces_per_tile = static_cast<int>((tile_bytes + PIECE_BYTES - 1) / PIECE_BYTES);
@@ -191,6 +194,7 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
     // Every table read is issued before any shared-memory store (a store there is not moved
     // above a later load through a generic pointer), so they all take one round trip.
     const u64 earlier_timeout = *reinterpret_cast<volatile u64*>(status);
+    const u64 refusal = *refused;  // the plan agreement's verdict (agree.cuh), written by an earlier launch
     const int num_tasks = *task_count;  // written on the device by the schedule compiler
     // the warp's first two pieces and their task rows (lane f holds field f), read before the
     // task count is known: clamped to the table (a row past the count is not used)
@@ -224,7 +228,7 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
         if (tid == num_tensors - 1) s.first_tile[num_tensors] = tensor[0] + (tensor[1] + tile_bytes - 1) / tile_bytes;
     }
     __syncthreads();
-    if (earlier_timeout) return;
+    if (earlier_timeout || refusal) return;
 
     const u64 flag_value = (epoch << FLAG_WRITER_BITS) | static_cast<u64>(rank);
     unsigned char* const* dst = s.dst[warp];

@@ -181,9 +181,11 @@ def test_the_schedule_compilers_counts_and_faults_are_the_hosts():
 @pytest.mark.parametrize("layout", LAYOUTS, ids=repr)
 def test_the_compilers_shared_memory_is_the_kernels_carve_up(layout):
     """The host launches with what the kernel's macros give: sent (i64 [R]) and the int
-    arrays its comment lists, in the order the kernel carves them."""
-    R, E, M, S = layout.num_ranks, layout.num_experts, layout.experts_per_rank, layout.redundant_slots
-    weight_ints = [E, E, M + S, M + S, M + S + 1, S, S, S, R * S]
+    arrays its comment lists, in the order the kernel carves them, the staged plan last."""
+    R, E, M, S, K = (layout.num_ranks, layout.num_experts, layout.experts_per_rank, layout.redundant_slots,
+                     layout.max_instances)
+    weight_ints = [E, E, M + S, M + S, M + S + 1, S, S, S, R * S, E * K, E]
     assert kernel_macro("schedule.cu", "WEIGHT_COMPILE_SHARED_BYTES",
-                        R=R, E=E, M=M, S=S) == 8 * R + 4 * sum(weight_ints)
-    assert kernel_macro("schedule.cu", "GRAD_COMPILE_SHARED_BYTES", R=R, M=M, S=S) == 4 * (M + M + 1 + R * S)
+                        R=R, E=E, M=M, S=S, K=K) == 8 * R + 4 * sum(weight_ints)
+    assert kernel_macro("schedule.cu", "GRAD_COMPILE_SHARED_BYTES",
+                        R=R, E=E, M=M, S=S, K=K) == 4 * (M + M + 1 + R * S + E * K + E)

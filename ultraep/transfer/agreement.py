@@ -6,10 +6,13 @@ before any work. On the device, :class:`DevicePlanAgreement` launches ``raw_kern
 agree.cu`` on the caller's stream instead: each rank hashes its plan on the device,
 publishes the hash into every peer's signal pad and compares all of them, and the transfer
 compiles the plan the kernel hands on -- the caller's, or, when the ranks disagree or a peer
-does not answer within the timeout, one without replicas, whose transfer writes nothing.
-Every rank sees every hash, so all refuse alike; the failure is recorded on the device and
-raised by :meth:`DevicePlanAgreement.check` (the engine's ``synchronize``). Until then
-every later transfer writes nothing too, so nothing is computed on a refused placement.
+does not answer within the timeout, one without replicas, whose transfer writes nothing. A
+weight sync runs the agreement in the launch that compiles its plan instead
+(:meth:`DevicePlanAgreement.beside_compile`; one launch fewer, the compile beside the wait
+for the peers), and its copy reads the verdict, writing nothing after a refusal. Every rank
+sees every hash, so all refuse alike; the failure is recorded on the device and raised by
+:meth:`DevicePlanAgreement.check` (the engine's ``synchronize``). Until then every later
+transfer writes nothing too, so nothing is computed on a refused placement.
 """
 
 from __future__ import annotations
@@ -76,6 +79,17 @@ class AgreedPlacement(NamedTuple):
     replica_count: object
 
 
+class AgreementBesideCompile(NamedTuple):
+    """A weight sync's agreement, to run in the launch that compiles its plan (schedule.cu's
+    ``agree_and_compile_weights``): the plan's device arrays, the agreement's kernel
+    arguments, and ``refused``, the word the sync reads (nonzero: copy nothing)."""
+
+    log_to_phys: object
+    replica_count: object
+    arguments: tuple
+    refused: object
+
+
 class DevicePlanAgreement:
     """The device side of the agreement for one engine; see the module docstring.
 
@@ -107,6 +121,18 @@ class DevicePlanAgreement:
         """Enqueue the agreement on ``plan`` for a ``what`` (an entry of OPERATIONS) of ``layer``;
         the placement the transfer must compile. Raises (on this rank alone) for a plan the
         kernel cannot read, or after a reported timeout."""
+        log_to_phys, replica_count, arguments = self._arguments(what, layer, plan)
+        self._kernel((1,), (AGREE_THREADS,), arguments + (self._gated_count,))
+        return AgreedPlacement(log_to_phys, self._gated_count)
+
+    def beside_compile(self, what: str, layer: int, plan) -> AgreementBesideCompile:
+        """The agreement of :meth:`agreed`, not launched: the weight sync's compile runs it."""
+        log_to_phys, replica_count, arguments = self._arguments(what, layer, plan)
+        return AgreementBesideCompile(log_to_phys, replica_count, arguments, self._status[STATUS_KIND:STATUS_KIND + 1])
+
+    def _arguments(self, what: str, layer: int, plan) -> tuple:
+        """``(log_to_phys, replica_count, arguments)``: the plan's device arrays (a NumPy
+        plan staged) and agree_plan's arguments but ``gated_count``; the checks of :meth:`agreed`."""
         import cupy
 
         if self._broken is not None:
@@ -126,12 +152,10 @@ class DevicePlanAgreement:
                                  f"got {type(array).__name__} {getattr(array, 'dtype', '')} "
                                  f"{getattr(array, 'shape', '')}")
         heap = self.heap
-        self._kernel((1,), (AGREE_THREADS,), (
+        return log_to_phys, replica_count, (
             log_to_phys, replica_count, np.int32(E), np.int32(K), np.int32(OPERATIONS.index(what)),
             _U64(layer & 0xFFFFFFFFFFFFFFFF), heap.peer_bases, np.int32(heap.rank), np.int32(heap.size),
-            _U64(self._pad), self._calls, _U64(int(self.timeout_s * 1e9)), self._hashes, self._status,
-            self._gated_count))
-        return AgreedPlacement(log_to_phys, self._gated_count)
+            _U64(self._pad), self._calls, _U64(int(self.timeout_s * 1e9)), self._hashes, self._status)
 
     def check(self) -> None:
         """Wait for the device; raise the first disagreement or timeout since the last check

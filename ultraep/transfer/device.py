@@ -18,6 +18,7 @@ import numpy as np
 
 from ultraep.errors import TransferTimeout
 from ultraep.runtime.kernels import get_function, kernel_constant
+from ultraep.transfer.agreement import AgreementBesideCompile
 from ultraep.transfer.device_schedule import DeviceSchedule
 from ultraep.transfer.schedule import FLAG_WRITER_BITS
 from ultraep.transfer.host import chunk_timeout_message
@@ -53,6 +54,7 @@ class DeviceTransfer:
         self._wait_kernel = get_function(KERNEL, "wait_replica_slots", group=group)
         self._status = cupy.zeros(STATUS_WORDS, dtype=np.uint64)
         self._wait_status = cupy.zeros(WAIT_STATUS_WORDS, dtype=np.uint64)
+        self._never_refused = cupy.zeros(1, dtype=np.uint64)  # what a sync without an agreement reads
         self.rank, self.placement, self.slots_per_rank = heap.rank, placement, layout.slots_per_rank
         self.masters_per_rank = layout.experts_per_rank
         self._own_pad = heap.base_pointer(heap.rank)  # the signal pad opens the heap
@@ -107,10 +109,14 @@ class DeviceTransfer:
         return {"sources": sources, "grads": targets, "keep": (weights, grads)}
 
     def weight_sync(self, entry: dict, plan, blocks: int | None, flag_every_chunk: bool = False) -> int:
-        """Enqueue the sync; its epoch (what :meth:`wait_slots` waits for) is returned."""
+        """Enqueue the sync; its epoch (what :meth:`wait_slots` waits for) is returned.
+        ``plan``: a plan, or an :class:`AgreementBesideCompile` of one (the agreement then
+        runs in the compile's launch, and the copy reads its verdict)."""
         self._epoch += 1
-        self.tables.compile_weights(plan)
-        self.run_weight_tasks(entry, self.tables, blocks, flag_every_chunk)
+        agreement = plan if isinstance(plan, AgreementBesideCompile) else None
+        self.tables.compile_weights(plan, agreement)
+        refused = None if agreement is None else agreement.refused
+        self.run_weight_tasks(entry, self.tables, blocks, flag_every_chunk, refused)
         return self._epoch
 
     def wait_slots(self, plan, first_slot: int, count: int, epoch: int, layer: int) -> None:
@@ -124,17 +130,18 @@ class DeviceTransfer:
             np.int32(self.rank), np.int32(layer), np.uint64(int(self.timeout_s * 1e9)), self._wait_status))
 
     def run_weight_tasks(self, entry: dict, tables: DeviceSchedule, blocks: int | None,
-                         flag_every_chunk: bool = False) -> None:
+                         flag_every_chunk: bool = False, refused=None) -> None:
         """Launch the weight sync of the tasks ``tables`` hold (compiled on the stream before);
         ``flag_every_chunk``: publish every chunk's flag at its destination, not only those
-        a relay forwards."""
+        a relay forwards; ``refused``: a device word, nonzero when the ranks refused the plan
+        (None: no agreement to read)."""
         self._sync_kernel((blocks or self.blocks,), (SYNC_THREADS,), (
             tables.weight_tasks, tables.weight_task_count, np.int32(len(tables.weight_tasks)),
             np.int32(self.geometry.chunk_tiles), self._tensor_table, np.int32(len(self.spec.weights)),
             np.int64(self.geometry.tile_bytes), tables.dests, np.int32(len(tables.dests)),
             entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases, np.int32(self.heap.size),
             np.int32(self.heap.rank), np.uint64(self._epoch), np.int32(flag_every_chunk), self._sync_done,
-            np.uint64(int(self.timeout_s * 1e9)), self._status))
+            np.uint64(int(self.timeout_s * 1e9)), self._status, self._never_refused if refused is None else refused))
 
     def reduce_grads(self, entry: dict, plan, blocks: int | None) -> None:
         self.tables.compile_grads(plan)

@@ -4,7 +4,9 @@ argv: kind, timeout_s (the group's and the engine's). Rank ``FAULTY`` prints
 ``[fault] <wall time> rank <r> <kind>`` when the fault starts, then (plans on the device):
 
 * ``disagree``: passes another plan to weight_sync and reduce_grads. Every rank's
-  synchronize must raise the disagreement, within ``timeout_s``; every rank prints OK.
+  synchronize must raise the disagreement, within ``timeout_s``, and the refused sync must
+  have copied nothing (the masters changed before it; the replicas still hold the old
+  weights, and the next agreed sync brings the new ones); every rank prints OK.
 * ``sleep``: stops answering before weight_sync (its host sleeps); the other rank's
   synchronize must raise the device-side agreement timeout naming it, and the job ends.
 * ``stall``: calls weight_sync behind a kernel that holds its stream far longer than the
@@ -114,14 +116,29 @@ def lone() -> None:
     print(f"[lone] rank {me} OK", flush=True)
 
 
+def replicas_hold(engine, plan, added: float) -> None:
+    """Each of this rank's replica slots that ``plan`` fills holds its expert's master
+    weights (expert e's are e + 1) plus ``added``."""
+    P = LAYOUT.slots_per_rank
+    experts = plan.phys_to_log.get()[me * P + M:(me + 1) * P]
+    for slot, expert in enumerate(experts):
+        if expert >= 0:
+            held = engine.replica_weights(slot)[0].get()
+            assert (held == expert + 1 + added).all(), f"rank {me}: replica slot {slot} holds {held[0, 0]}, " \
+                f"expected expert {expert}'s {expert + 1 + added}"
+
+
 def faulty_step() -> None:
     with open_heap(group, WeightTransfer.heap_requirements(LAYOUT, SPEC), backend="device") as heap, \
             WeightTransfer(heap, LAYOUT, SPEC, timeout_s=timeout_s) as engine:
-        engine.register_layer(0, [[cupy.full((64, 64), me * M + m + 1, np.float32)] for m in range(M)],
-                              [[cupy.zeros((64, 64), np.float32)] for _ in range(M)])
+        masters = [[cupy.full((64, 64), me * M + m + 1, np.float32)] for m in range(M)]
+        engine.register_layer(0, masters, [[cupy.zeros((64, 64), np.float32)] for _ in range(M)])
         same, other = hot_plan(0), hot_plan(1)
         engine.weight_sync(0, same)
         engine.synchronize()
+        replicas_hold(engine, same, 0)
+        for (weights,) in masters:  # a refused sync that copied anyway would bring these
+            weights += 1000
         group.barrier(PATIENT_TIMEOUT_S)
         start = time.monotonic()
         if me == FAULTY:
@@ -141,10 +158,12 @@ def faulty_step() -> None:
                 raise
         else:
             raise AssertionError(f"rank {me}: a {kind} fault on rank {FAULTY} went unnoticed")
+        replicas_hold(engine, same, 0)  # the refused sync copied nothing
         engine.reduce_grads(0, other if me == FAULTY else same)
         expect(engine.synchronize, GroupMismatchError, "ranks disagree on reduce_grads(0)", f"ranks [{FAULTY}]: 0x")
         engine.weight_sync(0, same)  # every rank reported the refusals: in step again
         engine.synchronize()
+        replicas_hold(engine, same, 1000)
     print(f"[{kind}] rank {me} OK", flush=True)
 
 
