@@ -72,7 +72,7 @@ import numpy as np
 
 from ultraep.errors import ClosedError, CollectiveError, MoELayerError
 from ultraep.integration.balancer import BalanceHandle, Balancer, sync_beside_pays
-from ultraep.integration.stats import PhaseRecorder
+from ultraep.integration.stats import DevicePhaseRecorder, HostPhaseRecorder
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
 from ultraep.runtime import dtypes
 from ultraep.runtime.dtypes import flush_subnormals, is_bool, is_int
@@ -425,7 +425,7 @@ class MoELayer:
             dict(num_experts=balancer.layout.num_physical, experts_per_rank=balancer.layout.slots_per_rank)
         self._fused, self._fused_bwd, self._owned_heap = None, None, None
         self._recording = False  # record_timeline's: the backward launcher, made later, takes it at its making
-        self._phase_recorders: dict | None = None  # record_phases': direction -> PhaseRecorder
+        self._phase_recorders: dict | None = None  # record_phases': direction -> its phase recorder
         self._phase_recorder = None  # the running call's, if it records
         if fused:
             common["expert_output"] = True
@@ -832,7 +832,8 @@ class MoELayer:
         if not enable:
             self._phase_recorders = None
         elif self._phase_recorders is None:
-            self._phase_recorders = {d: PhaseRecorder(self.device is not None) for d in ("forward", "backward")}
+            recorder = HostPhaseRecorder if self.device is None else DevicePhaseRecorder
+            self._phase_recorders = {d: recorder() for d in ("forward", "backward")}
 
     def phases(self, direction: str = "forward") -> list[dict]:
         """The recorded ``direction`` ("forward" or "backward") calls since recording began or

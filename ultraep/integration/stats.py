@@ -1,6 +1,7 @@
 """Balancer metrics: stage clocks, one record per (layer, micro-batch) and summaries (the
 per-rank load plot of these records is :func:`ultraep.analysis.plots.plot_rank_loads`);
-and :class:`PhaseRecorder`, the times of a MoELayer's steps (``MoELayer.record_phases``).
+and :class:`HostPhaseRecorder` / :class:`DevicePhaseRecorder`, the times of a MoELayer's steps
+(``MoELayer.record_phases``).
 
 A record is built from three host arrays of a plan -- the gathered loads, ``phys_to_log``
 and ``rank_load`` -- by :func:`plan_record`, the same code on both backends (the GPU path
@@ -115,44 +116,54 @@ class DeviceClock:
         return out
 
 
-class PhaseRecorder:
-    """Where calls of a MoELayer direction spend their time on this rank: :meth:`begin` at a
-    call's start, :meth:`mark` after each step -- a CUDA event on the current stream on the
-    GPU, ``perf_counter`` on the host (where a step has finished when it returns) -- and
-    :meth:`take`, every call recorded since the last take as ``{step: ms}`` (waits for the
-    device)."""
+class HostPhaseRecorder:
+    """Where calls of a MoELayer direction spend their time on this rank (CPU backend, where a
+    step has finished when it returns): :meth:`begin` at a call's start, :meth:`mark` after
+    each step, and :meth:`take`, every call recorded since the last take as ``{step: ms}``."""
 
-    def __init__(self, device: bool):
-        import time
-        self._device = device
-        self._now = time.perf_counter
-        self._calls: list = []  # per call: [(step, event or host seconds)], the first step "start"
+    def __init__(self):
+        self._calls: list = []  # per call: [(step, a point in time)], the first step "start"
 
     def begin(self) -> None:
         self._calls.append([])
         self.mark("start")
 
     def mark(self, step: str) -> None:
-        if self._device:
-            import cupy
-            event = cupy.cuda.Event()
-            event.record()
-            self._calls[-1].append((step, event))
-        else:
-            self._calls[-1].append((step, self._now()))
+        self._calls[-1].append((step, self._now()))
 
     def take(self) -> list[dict]:
         calls, self._calls = self._calls, []
-        out = []
-        for marks in calls:
-            if self._device and marks:
-                marks[-1][1].synchronize()
-            out.append({step: (self._cupy_ms(a, b) if self._device else (b - a) * 1e3)
-                        for (_, a), (step, b) in zip(marks, marks[1:])})
-        return out
+        return [{step: self._ms(a, b) for (_, a), (step, b) in zip(marks, marks[1:])} for marks in calls]
 
     @staticmethod
-    def _cupy_ms(start, stop) -> float:
+    def _now():
+        import time
+        return time.perf_counter()
+
+    @staticmethod
+    def _ms(start, stop) -> float:
+        return (stop - start) * 1e3
+
+
+class DevicePhaseRecorder(HostPhaseRecorder):
+    """:class:`HostPhaseRecorder` on the GPU: a step's point is a CUDA event recorded on the
+    current stream, and :meth:`take` waits for the device."""
+
+    def take(self) -> list[dict]:
+        for marks in self._calls:
+            if marks:
+                marks[-1][1].synchronize()
+        return super().take()
+
+    @staticmethod
+    def _now():
+        import cupy
+        event = cupy.cuda.Event()
+        event.record()
+        return event
+
+    @staticmethod
+    def _ms(start, stop) -> float:
         import cupy
         return cupy.cuda.get_elapsed_time(start, stop)
 
