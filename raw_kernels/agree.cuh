@@ -127,7 +127,5 @@ __device__ int agree_on_plan(const int* __restrict__ log_to_phys, const int* __r
         }
         __syncthreads();
     }
-    const int refused = failed;
-    __syncthreads();  // every thread read it before a later call's thread 0 rewrites it
-    return refused;
+    return failed;  // written before a barrier every thread has passed, as agree.cu's loop read it before
 }
