@@ -114,6 +114,7 @@ class DevicePlanAgreement:
         self._gated_count = cupy.empty(E, np.int32)
         self._hashes = cupy.empty(heap.size, _U64)
         self._status = cupy.zeros(STATUS_HASHES + heap.size, _U64)
+        self._refused = self._status[STATUS_KIND:STATUS_KIND + 1]  # what a weight sync's copy reads
         self._calls = cupy.zeros(1, _U64)  # transfers agreed so far, counted by the kernel
         self._broken: str | None = None
 
@@ -128,7 +129,7 @@ class DevicePlanAgreement:
     def beside_compile(self, what: str, layer: int, plan) -> AgreementBesideCompile:
         """The agreement of :meth:`agreed`, not launched: the weight sync's compile runs it."""
         log_to_phys, replica_count, arguments = self._arguments(what, layer, plan)
-        return AgreementBesideCompile(log_to_phys, replica_count, arguments, self._status[STATUS_KIND:STATUS_KIND + 1])
+        return AgreementBesideCompile(log_to_phys, replica_count, arguments, self._refused)
 
     def _arguments(self, what: str, layer: int, plan) -> tuple:
         """``(log_to_phys, replica_count, arguments)``: the plan's device arrays (a NumPy
