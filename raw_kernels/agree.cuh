@@ -2,8 +2,8 @@
 // publishes the hash to every peer's signal pad and compares all of them, with no host
 // round trip. When the ranks disagree (or a peer does not answer in time) the plan is
 // refused and the transfer writes nothing: agree.cu's kernel hands a gated plan to the
-// compile after it; a weight sync's compile runs beside the agreement in one launch
-// (schedule.cu) and its copy reads the status instead. The host reads the recorded failure
+// compile after it; a weight sync runs the agreement, its compile and its copy in one launch
+// (transfer.cu), the copy reading the status instead. The host reads the recorded failure
 // when it synchronises.
 //
 // The hash is a sum over the plan's words of a 64-bit mix of (position, value), so threads

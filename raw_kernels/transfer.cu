@@ -3,12 +3,14 @@
 // the device by schedule.cu; ultraep/transfer/schedule.py (its NumPy reference) defines
 // every field.
 //
-//! kernels: weight_sync, wait_replica_slots, reduce_grads<float>, reduce_grads<__nv_bfloat16>
-//! kernels: copy_filled_slots
+//! kernels: weight_sync, agree_compile_and_sync_weights, wait_replica_slots
+//! kernels: reduce_grads<float>, reduce_grads<__nv_bfloat16>, copy_filled_slots
 
 #include <cuda_bf16.h>
 
+#include "agree.cuh"
 #include "piece_copy.cuh"
+#include "schedule.cuh"
 #include "sync.cuh"
 #include "task_tables.cuh"
 
@@ -18,6 +20,8 @@
 #define MAX_TENSORS 8           // tensors per expert (host-checked)
 #define MAX_DESTS 128           // destinations of one source: replicas of an expert within a domain (host-checked)
 #define STATUS_WORDS 4          // status[]: timed out, flag slot, expected epoch, flag seen (wait_chunk_flag)
+#define GATE_SLOT (-1)          // the flag slot status[] names when a one-launch sync's copy waited for its roles
+#define GATE_WORDS 3            // agree_compile_and_sync_weights' gate[]: tickets taken, roles done, blocks done
 #define WAIT_STATUS_WORDS 6     // wait_replica_slots' status[]: timed out, layer, slot, chunk, expected epoch, flag seen
 #define WAIT_THREADS 128        // a wait_replica_slots block: one thread per chunk flag at a time
 #define SRC_CACHED 128          // source-table entries copied into shared memory at start-up (the rest are read from global)
@@ -84,11 +88,27 @@ __device__ i64 tile_range_bytes(const SyncShared& s, int num_tensors, i64 tile_b
     return bytes;
 }
 
+// How the copy reads the task and destination tables: through the read-only cache when an
+// earlier launch compiled them (weight_sync); with loads that see this launch's stores when
+// a block of the same launch did (agree_compile_and_sync_weights), as the read-only cache is
+// coherent only across launches.
+struct TablesOfEarlierLaunch {
+    static __device__ __forceinline__ i64 load(const i64* p) { return __ldg(p); }
+};
+struct TablesOfThisLaunch {
+    static __device__ __forceinline__ i64 load(const i64* p) {
+        i64 value;
+        asm volatile("ld.relaxed.gpu.global.s64 %0, [%1];" : "=l"(value) : "l"(p) : "memory");
+        return value;
+    }
+};
+
 // Lane f < WEIGHT_TASK_FIELDS reads field f of a task row (one coalesced read per warp;
 // __shfl_sync hands the fields out).
+template <class Tables>
 __device__ __forceinline__ int task_row_field(const i64* tasks, int task, int lane) {  // every field is a small int
     const i64* row = tasks + WEIGHT_TASK_FIELDS * static_cast<i64>(task);
-    return lane < WEIGHT_TASK_FIELDS ? static_cast<int>(__ldg(row + lane)) : 0;
+    return lane < WEIGHT_TASK_FIELDS ? static_cast<int>(Tables::load(row + lane)) : 0;
 }
 __device__ __forceinline__ int row_field(int row, WeightTaskField field) { return __shfl_sync(FULL_MASK, row, field); }
 
@@ -136,12 +156,13 @@ __device__ __forceinline__ int locate_piece(const SyncShared& s, int num_tensors
 }
 
 // Where destination row `row` starts: its rank's heap base plus the slot's offset.
+template <class Tables>
 __device__ __forceinline__ unsigned char* destination(const SyncShared& s, const i64* dests, const u64* peer_bases,
                                                       int row) {
     const i64* dest = dests + DEST_FIELDS * static_cast<i64>(row);
     const bool row_cached = static_cast<unsigned>(row) < DEST_CACHED;
-    const int rank = row_cached ? s.dest_rank[row] : static_cast<int>(__ldg(dest));
-    const i64 offset = row_cached ? s.dest_offset[row] : __ldg(dest + 1);
+    const int rank = row_cached ? s.dest_rank[row] : static_cast<int>(Tables::load(dest));
+    const i64 offset = row_cached ? s.dest_offset[row] : Tables::load(dest + 1);
     const u64 base = static_cast<unsigned>(rank) < DEST_CACHED ? s.peer_base[rank] : __ldg(peer_bases + rank);
     return reinterpret_cast<unsigned char*>(base + offset);
 }
@@ -172,7 +193,7 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // half count can never publish a flag early.
 //
 // `refused`: a word that is nonzero when the ranks refused the plan the tables were compiled
-// from (the agreement's status kind; a zero word where no agreement ran): nothing is copied.
+// from (the agreement's status kind; null where the compile read an agreed plan): nothing is copied.
 //
 // Start-up (each thread of the SYNC_THREADS a block must have reads one entry of each table
 // it copies): one round trip of global reads (the status, the task count, each warp's first
@@ -181,28 +202,33 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // into shared memory, so that a warp switching destination ranges reads no global memory)
 // before one block barrier;
 // afterwards each warp reads the task row of its piece after next while it copies the
-// current one.
-extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS)
-weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_tiles, const i64* tensor_table,
-            int num_tensors, i64 tile_bytes, const i64* dests, int dest_rows, const u64* src_ptrs, int num_src_ptrs,
-            const u64* peer_bases, int num_ranks, int rank, u64 epoch, int flag_every_chunk, int* done,
-            u64 timeout_ns, u64* status, const u64* refused) {
+// current one. `block` is the block's place in the grid's piece order.
+#define WEIGHT_COPY_PARAMETERS \
+        const i64 *tasks, const int *task_count, int task_rows, int chunk_tiles, const i64 *tensor_table, \
+        int num_tensors, i64 tile_bytes, const i64 *dests, int dest_rows, const u64 *src_ptrs, int num_src_ptrs, \
+        const u64 *peer_bases, int num_ranks, int rank, u64 epoch, int flag_every_chunk, int *done, \
+        u64 timeout_ns, u64 *status
+#define WEIGHT_COPY_ARGUMENTS \
+        tasks, task_count, task_rows, chunk_tiles, tensor_table, num_tensors, tile_bytes, dests, dest_rows, \
+        src_ptrs, num_src_ptrs, peer_bases, num_ranks, rank, epoch, flag_every_chunk, done, timeout_ns, status
+template <class Tables>
+__device__ void copy_weight_pieces(int block, const u64* refused, WEIGHT_COPY_PARAMETERS) {
     __shared__ SyncShared s;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int pieces_per_tile = static_cast<int>((tile_bytes + PIECE_BYTES - 1) / PIECE_BYTES);
-    const int first = static_cast<int>(blockIdx.x) * SYNC_WARPS + warp, step = static_cast<int>(gridDim.x) * SYNC_WARPS;
+    const int first = block * SYNC_WARPS + warp, step = static_cast<int>(gridDim.x) * SYNC_WARPS;
     // Every table read is issued before any shared-memory store (a store there is not moved
     // above a later load through a generic pointer), so they all take one round trip.
     const u64 earlier_timeout = *reinterpret_cast<volatile u64*>(status);
-    const u64 refusal = *refused;  // the plan agreement's verdict (agree.cuh), written by an earlier launch
-    const int num_tasks = *task_count;  // written on the device by the schedule compiler
+    const u64 refusal = refused ? *reinterpret_cast<const volatile u64*>(refused) : 0;  // the agreement's verdict
+    const int num_tasks = *reinterpret_cast<const volatile int*>(task_count);  // written by the schedule compiler
     // the warp's first two pieces and their task rows (lane f holds field f), read before the
     // task count is known: clamped to the table (a row past the count is not used)
     const PieceSlot by = piece_slot(step, chunk_tiles, pieces_per_tile);
     PieceSlot at = piece_slot(first, chunk_tiles, pieces_per_tile);
     PieceSlot next = advance(at, by, chunk_tiles, pieces_per_tile);
-    int row = task_row_field(tasks, min(at.task, task_rows - 1), lane);
-    int next_row = task_row_field(tasks, min(next.task, task_rows - 1), lane);
+    int row = task_row_field<Tables>(tasks, min(at.task, task_rows - 1), lane);
+    int next_row = task_row_field<Tables>(tasks, min(next.task, task_rows - 1), lane);
     i64 tensor[3];
     u64 cached = 0;
     if (tid < num_tensors)
@@ -213,7 +239,7 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
     i64 dest_row[2];
     u64 peer = 0;
     if (tid < dest_rows)
-        for (int f = 0; f < 2; ++f) dest_row[f] = __ldg(dests + DEST_FIELDS * static_cast<i64>(tid) + f);
+        for (int f = 0; f < 2; ++f) dest_row[f] = Tables::load(dests + DEST_FIELDS * static_cast<i64>(tid) + f);
     if (tid < num_ranks) peer = __ldg(peer_bases + tid);
     if (tid < SRC_CACHED && tid < num_src_ptrs) s.src_ptr[tid] = cached;
     if (tid < dest_rows) {
@@ -241,7 +267,7 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
     int later_row = 0;
     for (; at.task < num_tasks; at = next, next = later, row = next_row, next_row = later_row) {
         later = advance(next, by, chunk_tiles, pieces_per_tile);
-        if (later.task < num_tasks) later_row = task_row_field(tasks, later.task, lane);
+        if (later.task < num_tasks) later_row = task_row_field<Tables>(tasks, later.task, lane);
         if (at.task != task_id) {
             task_id = at.task;
             ready = row_field(row, WAIT_SLOT) < 0;
@@ -273,7 +299,7 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
             dst_end = dest_end;
             __syncwarp();  // every lane is done with the previous range
             for (int d = lane; d < dst_end - dst_begin; d += 32)
-                s.dst[warp][d] = destination(s, dests, peer_bases, dst_begin + d);
+                s.dst[warp][d] = destination<Tables>(s, dests, peer_bases, dst_begin + d);
             __syncwarp();
         }
         if (whole) {
@@ -299,6 +325,79 @@ weight_sync(const i64* tasks, const int* task_count, int task_rows, int chunk_ti
             }
         }
     }
+}
+
+// A weight sync whose tables an earlier launch compiled (compile_weight_tasks).
+extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) weight_sync(WEIGHT_COPY_PARAMETERS) {
+    copy_weight_pieces<TablesOfEarlierLaunch>(static_cast<int>(blockIdx.x), nullptr, WEIGHT_COPY_ARGUMENTS);
+}
+
+// The first two blocks to start play the roles (one block does both in a grid of one).
+__device__ __forceinline__ int role_blocks() { return gridDim.x > 1 ? 2 : 1; }
+
+// Thread 0 waits (acquire) until the roles are done; false after the timeout, recorded in
+// the sync's status as (1, GATE_SLOT, roles, roles seen) unless another wait's is there.
+__device__ bool wait_for_roles(const u64* roles_done, u64 timeout_ns, u64* status) {
+    const u64 start = global_timer_ns(), roles = static_cast<u64>(role_blocks());
+    u64 seen;
+    while ((seen = load_acquire_sys(roles_done)) < roles) {
+        if (global_timer_ns() - start > timeout_ns) {
+            if (atomicCAS(status, 0ull, 1ull) == 0ull) {
+                status[1] = static_cast<u64>(static_cast<i64>(GATE_SLOT));
+                status[2] = roles;
+                status[3] = seen;
+            }
+            return false;
+        }
+        __nanosleep(128);
+    }
+    return true;
+}
+
+// A whole weight sync in one launch: the plan agreement (agree.cuh) and the compile of
+// this rank's tables (schedule.cuh), then the copy of weight_sync by every block. The
+// blocks take tickets as they start, so the agreement (ticket 0) and the compile (ticket
+// 1) run on blocks that are running while the others wait for both (no block waits for one
+// that may not be resident yet); each block then copies as the ticket-th of the grid, and
+// reads the tables and the verdict with loads that see this launch's stores. The last block
+// to finish zeroes gate[] for the next launch. The agreement's arguments come first
+// (agree_on_plan's), then the compile's, then the copy's that the compile has not (the
+// copy's status is `sync_status`; the peer tables are the same heap's, passed twice so a
+// test can agree alone and copy to many). A gate wait that outlasts 2 x timeout_ns (the
+// agreement's waits for its peers end within one) records itself there and the block
+// copies nothing.
+extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) agree_compile_and_sync_weights(
+        const int* agreed_log_to_phys, const int* agreed_replica_count, int agreed_E, int agreed_K, int op, u64 layer,
+        const u64* peer_bases, int agreeing_rank, int world, u64 pad, u64* calls, u64 timeout_ns, u64* hashes,
+        u64* agreement_status, COMPILE_WEIGHT_PARAMETERS, int task_rows, const i64* tensor_table, i64 tile_bytes,
+        int dest_rows, const u64* src_ptrs, int num_src_ptrs, const u64* copy_peer_bases, int num_ranks, u64 epoch,
+        int flag_every_chunk, int* done, u64* sync_status, u64* gate) {
+    static_assert(AGREE_THREADS == SYNC_THREADS && COMPILE_THREADS == SYNC_THREADS, "one block size for every role");
+    __shared__ int ticket_of_block;
+    __shared__ bool roles_done;
+    if (threadIdx.x == 0) ticket_of_block = static_cast<int>(atomicAdd(gate, 1ull));
+    __syncthreads();
+    const int ticket = ticket_of_block;
+    if (ticket == 0)
+        agree_on_plan(agreed_log_to_phys, agreed_replica_count, agreed_E, agreed_K, op, layer, peer_bases,
+                      agreeing_rank, world, pad, calls, timeout_ns, hashes, agreement_status);
+    if (ticket == role_blocks() - 1) compile_weights(COMPILE_WEIGHT_ARGUMENTS);
+    __syncthreads();  // the role's stores, by every thread, before thread 0 announces them
+    if (threadIdx.x == 0) {
+        if (ticket < role_blocks()) {
+            __threadfence();
+            atomicAdd(gate + 1, 1ull);
+        }
+        roles_done = wait_for_roles(gate + 1, 2 * timeout_ns, sync_status);
+    }
+    __syncthreads();
+    if (roles_done)
+        copy_weight_pieces<TablesOfThisLaunch>(ticket, agreement_status + STATUS_KIND, tasks, counts + COUNT_WEIGHT_TASKS,
+                                               task_rows, chunk_tiles, tensor_table, num_tensors, tile_bytes, dests,
+                                               dest_rows, src_ptrs, num_src_ptrs, copy_peer_bases, num_ranks, rank,
+                                               epoch, flag_every_chunk, done, timeout_ns, sync_status);
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(gate + 2, 1ull) == gridDim.x - 1) gate[0] = gate[1] = gate[2] = 0;
 }
 
 // A reader's wait for its replica slots [first_slot, first_slot + gridDim.x) (block b: slot

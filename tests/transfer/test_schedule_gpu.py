@@ -10,8 +10,6 @@ import pytest
 from tests.conftest import requires_gpu
 from tests.transfer.random_plans import random_plan
 from ultraep.planner import ExpertLayout, Plan
-from ultraep.transfer.agreement import (SLOTS_PER_RANK, STATUS_HASHES, STATUS_KIND, AgreementBesideCompile,
-                                       plan_hash)
 from ultraep.transfer.device_schedule import COUNT_FIELDS, DeviceSchedule
 from ultraep.transfer.schedule import HeapPlacement, TileGeometry, compile_schedule
 from ultraep.transfer.spec import ExpertSpec
@@ -50,28 +48,6 @@ def assert_tables_equal(tables, reference, context):
     assert not counts[len(COUNT_FIELDS):].any(), f"{context}: a valid plan was refused"
 
 
-class LoneAgreement:
-    """agree.cuh's arguments for a world of one rank, which agrees with itself at once."""
-
-    def __init__(self):
-        import cupy
-
-        self.pad = cupy.zeros(SLOTS_PER_RANK, np.uint64)
-        self.peer_bases = cupy.asarray(np.array([self.pad.data.ptr], np.uint64))
-        self.calls, self.hashes = cupy.zeros(1, np.uint64), cupy.zeros(1, np.uint64)
-        self.status = cupy.zeros(STATUS_HASHES + 1, np.uint64)
-
-    def beside_compile(self, layout, plan, layer: int) -> AgreementBesideCompile:
-        import cupy
-
-        log_to_phys, replica_count = (cupy.ascontiguousarray(cupy.asarray(a), dtype=np.int32)
-                                      for a in (plan.log_to_phys, plan.replica_count))
-        arguments = (log_to_phys, replica_count, np.int32(layout.num_experts), np.int32(layout.max_instances),
-                     np.int32(0), np.uint64(layer), self.peer_bases, np.int32(0), np.int32(1), np.uint64(0),
-                     self.calls, np.uint64(10**9), self.hashes, self.status)
-        return AgreementBesideCompile(log_to_phys, replica_count, arguments, self.status[STATUS_KIND:STATUS_KIND + 1])
-
-
 @pytest.mark.parametrize("layout", LAYOUTS, ids=repr)
 def test_device_schedule_equals_numpy_reference(layout):
     import cupy
@@ -96,14 +72,6 @@ def test_device_schedule_equals_numpy_reference(layout):
                     tables.compile_weights(source)
                     tables.compile_grads(source)
                     assert_tables_equal(tables, reference, f"{layout} trial {trial} fill {fill} rank {rank}")
-                # the weight compile beside an agreement (one launch, agree_and_compile_weights)
-                agreement = LoneAgreement()
-                poison(tables)
-                tables.compile_weights(device_plan, agreement.beside_compile(layout, plan, trial))
-                tables.compile_grads(device_plan)
-                assert_tables_equal(tables, reference, f"{layout} trial {trial} fill {fill} rank {rank}, agreeing")
-                assert int(agreement.calls.get()[0]) == 1 and int(agreement.status.get()[STATUS_KIND]) == 0
-                assert int(agreement.hashes.get()[0]) == plan_hash(trial, plan.log_to_phys, plan.replica_count)
                 compared += 1
                 relayed += int((reference.weight_tasks[:, 6] >= 0).any())
     assert compared == 6 * 3 * min(4, layout.num_ranks)

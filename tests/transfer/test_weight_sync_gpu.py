@@ -9,8 +9,8 @@ a byte tail; a source that is not 16-byte aligned (the byte path); a task table 
 rows than the device-written count; with and without published chunk flags (a relay's
 tasks, or every chunk when the kernel is told to flag all: readers wait per slot). The
 destinations are poisoned; afterwards each replica equals its source byte for byte, the
-gaps stay poisoned, and the flags and counters are as the schedule says. A launch told
-that the ranks refused the plan writes nothing (needs a GPU)."""
+gaps stay poisoned, and the flags and counters are as the schedule says (needs a GPU;
+a refused plan's sync is test_one_launch_sync_gpu's)."""
 
 from contextlib import nullcontext
 
@@ -83,7 +83,7 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish, every_chunk):
     # (fan-out, blocks, first destination row, first rank): rows and ranks within and past 256
     configs = [(f, 1 + f % 3, 0, 0) for f in range(1, 11)] + [(33, 2, 0, 0), (4, 37, 0, 0), (33, 3, 240, 240),
                                                               (5, 2, 300, 0), (6, 2, 0, 300), (7, 3, 300, 300)]
-    for fanout, blocks, row_base, rank_base, *refusal in configs + [(3, 2, 0, 0, "refused")]:
+    for fanout, blocks, row_base, rank_base in configs:
         tasks, count, tensor_table, dests, fanout_b = tables(tile_bytes, fanout, publish, row_base, rank_base)
         chunks = count // 2
         buffers = [cupy.full(FLAG_BYTES + 2 * SLOT_BYTES, POISON, np.uint8) for _ in range(fanout)]
@@ -96,24 +96,22 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish, every_chunk):
                 cupy.asarray(np.array([0xDEAD0000] * rank_base + [b.data.ptr for b in buffers],
                                       np.uint64)),
                 np.int32(rank_base + fanout),
-                np.int32(rank), np.uint64(epoch), np.int32(every_chunk), done, np.uint64(10**9), status,
-                cupy.full(1, 1 if refusal else 0, np.uint64)))
+                np.int32(rank), np.uint64(epoch), np.int32(every_chunk), done, np.uint64(10**9), status))
         cupy.cuda.get_current_stream().synchronize()
         assert not status.any(), f"fan-out {fanout}: status {status.get()}"
         assert not done.any(), f"fan-out {fanout}: chunk counters not reset: {done.get()}"
         for d, buffer in enumerate(buffers):
-            has_b = d < fanout_b and not refusal
+            has_b = d < fanout_b
             slots = buffer[FLAG_BYTES:].reshape(2, SLOT_BYTES)
-            assert bool(cupy.array_equal(slots[0], poison_slot if refusal else want[0])), \
-                f"fan-out {fanout} {refusal}: destination {d}, expert A slot wrong"
+            assert bool(cupy.array_equal(slots[0], want[0])), f"fan-out {fanout}: destination {d}, expert A slot wrong"
             assert bool(cupy.array_equal(slots[1], want[1] if has_b else poison_slot)), \
-                f"fan-out {fanout} {refusal}: destination {d}, expert B slot wrong"
+                f"fan-out {fanout}: destination {d}, expert B slot wrong"
             flags = buffer[:FLAG_BYTES].view(np.uint64).get()
             expected = np.full(FLAG_BYTES // 8, poison_flag, np.uint64)
-            expected[:chunks] = poison_flag if refusal else flag
+            expected[:chunks] = flag
             if has_b:
                 expected[FLAG_BASE_B:FLAG_BASE_B + chunks] = flag
-            assert (flags == expected).all(), f"fan-out {fanout} {refusal}: destination {d} chunk flags {flags}"
+            assert (flags == expected).all(), f"fan-out {fanout}: destination {d} chunk flags {flags}"
 
 
 def test_wait_replica_slots():

@@ -7,9 +7,9 @@ agree.cu`` on the caller's stream instead: each rank hashes its plan on the devi
 publishes the hash into every peer's signal pad and compares all of them, and the transfer
 compiles the plan the kernel hands on -- the caller's, or, when the ranks disagree or a peer
 does not answer within the timeout, one without replicas, whose transfer writes nothing. A
-weight sync runs the agreement in the launch that compiles its plan instead
-(:meth:`DevicePlanAgreement.beside_compile`; one launch fewer, the compile beside the wait
-for the peers), and its copy reads the verdict, writing nothing after a refusal. Every rank
+weight sync runs the agreement in its own launch instead, beside its compile and before its
+copy (:meth:`DevicePlanAgreement.beside_compile`; two launches fewer), the copy reading the
+verdict and writing nothing after a refusal. Every rank
 sees every hash, so all refuse alike; the failure is recorded on the device and raised by
 :meth:`DevicePlanAgreement.check` (the engine's ``synchronize``). Until then every later
 transfer writes nothing too, so nothing is computed on a refused placement.
@@ -80,14 +80,13 @@ class AgreedPlacement(NamedTuple):
 
 
 class AgreementBesideCompile(NamedTuple):
-    """A weight sync's agreement, to run in the launch that compiles its plan (schedule.cu's
-    ``agree_and_compile_weights``): the plan's device arrays, the agreement's kernel
-    arguments, and ``refused``, the word the sync reads (nonzero: copy nothing)."""
+    """A weight sync's agreement, to run in the sync's one launch (transfer.cu's
+    ``agree_compile_and_sync_weights``, whose copy reads the verdict): the plan's device
+    arrays and the agreement's kernel arguments."""
 
     log_to_phys: object
     replica_count: object
     arguments: tuple
-    refused: object
 
 
 class DevicePlanAgreement:
@@ -114,7 +113,6 @@ class DevicePlanAgreement:
         self._gated_count = cupy.empty(E, np.int32)
         self._hashes = cupy.empty(heap.size, _U64)
         self._status = cupy.zeros(STATUS_HASHES + heap.size, _U64)
-        self._refused = self._status[STATUS_KIND:STATUS_KIND + 1]  # what a weight sync's copy reads
         self._calls = cupy.zeros(1, _U64)  # transfers agreed so far, counted by the kernel
         self._broken: str | None = None
 
@@ -127,9 +125,8 @@ class DevicePlanAgreement:
         return AgreedPlacement(log_to_phys, self._gated_count)
 
     def beside_compile(self, what: str, layer: int, plan) -> AgreementBesideCompile:
-        """The agreement of :meth:`agreed`, not launched: the weight sync's compile runs it."""
-        log_to_phys, replica_count, arguments = self._arguments(what, layer, plan)
-        return AgreementBesideCompile(log_to_phys, replica_count, arguments, self._refused)
+        """The agreement of :meth:`agreed`, not launched: the weight sync's launch runs it."""
+        return AgreementBesideCompile(*self._arguments(what, layer, plan))
 
     def _arguments(self, what: str, layer: int, plan) -> tuple:
         """``(log_to_phys, replica_count, arguments)``: the plan's device arrays (a NumPy

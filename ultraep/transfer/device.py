@@ -5,7 +5,10 @@
 Each transfer first compiles its plan's task tables on the device
 (:class:`~ultraep.transfer.device_schedule.DeviceSchedule`) into tables allocated once,
 so with a plan already on the device (the planner's device backend) no call allocates or
-waits for the device. Those tables and the kernels' counters are shared by every call of
+waits for the device. A weight sync whose plan is agreed on the device runs the agreement,
+the compile and the copy in one launch (``agree_compile_and_sync_weights``): each launch
+under MPS starts one rank after the other, so a launch fewer on the balanced layer's
+critical path is time saved on every rank. Those tables and the kernels' counters are shared by every call of
 one engine, as the replica slots are: its transfers must be ordered on one stream (or by
 events), never run concurrently on two. :meth:`DeviceTransfer.synchronize` waits and
 reports device-side timeouts and refused plans.
@@ -19,7 +22,7 @@ import numpy as np
 from ultraep.errors import TransferTimeout
 from ultraep.runtime.kernels import get_function, kernel_constant
 from ultraep.transfer.agreement import AgreementBesideCompile
-from ultraep.transfer.device_schedule import DeviceSchedule
+from ultraep.transfer.device_schedule import DEFAULT_SHARED_BYTES, DeviceSchedule
 from ultraep.transfer.schedule import FLAG_WRITER_BITS
 from ultraep.transfer.host import chunk_timeout_message
 
@@ -28,6 +31,8 @@ SYNC_THREADS = kernel_constant(KERNEL, "SYNC_THREADS")
 SYNC_MIN_BLOCKS = kernel_constant(KERNEL, "SYNC_MIN_BLOCKS")  # resident per SM: the grid's bound
 PIECE_BYTES = kernel_constant(KERNEL, "PIECE_BYTES")
 STATUS_WORDS = kernel_constant(KERNEL, "STATUS_WORDS")
+GATE_WORDS = kernel_constant(KERNEL, "GATE_WORDS")
+GATE_SLOT = kernel_constant(KERNEL, "GATE_SLOT")  # status[1] of a one-launch sync's wait for its roles
 WAIT_STATUS_WORDS = kernel_constant(KERNEL, "WAIT_STATUS_WORDS")
 WAIT_THREADS = kernel_constant(KERNEL, "WAIT_THREADS")
 REDUCE_THREADS = kernel_constant(KERNEL, "REDUCE_THREADS")
@@ -49,12 +54,13 @@ class DeviceTransfer:
         self.heap, self.spec, self.geometry, self.timeout_s = heap, spec, geometry, timeout_s
         self.device = heap.device
         self._sync_kernel = get_function(KERNEL, "weight_sync", group=group)
+        self._one_launch_sync_kernel = get_function(KERNEL, "agree_compile_and_sync_weights", group=group)
         grad_type = "__nv_bfloat16" if spec.grad_dtype.name == "bfloat16" else "float"
         self._reduce_kernel = get_function(KERNEL, f"reduce_grads<{grad_type}>", group=group)
         self._wait_kernel = get_function(KERNEL, "wait_replica_slots", group=group)
         self._status = cupy.zeros(STATUS_WORDS, dtype=np.uint64)
         self._wait_status = cupy.zeros(WAIT_STATUS_WORDS, dtype=np.uint64)
-        self._never_refused = cupy.zeros(1, dtype=np.uint64)  # what a sync without an agreement reads
+        self._gate = cupy.zeros(GATE_WORDS, dtype=np.uint64)  # a one-launch sync's tickets and roles; zero between
         self.rank, self.placement, self.slots_per_rank = heap.rank, placement, layout.slots_per_rank
         self.masters_per_rank = layout.experts_per_rank
         self._own_pad = heap.base_pointer(heap.rank)  # the signal pad opens the heap
@@ -84,6 +90,15 @@ class DeviceTransfer:
         # finishing warp resets it; after a timeout, synchronize() does)
         self._sync_done = cupy.zeros(tasks, dtype=np.int32)
         self._epoch = 0
+        # One launch needs the grid resident with the compile's shared memory too (its blocks wait for the roles);
+        # the same answer on every rank, so all agree in the launch or all beside it.
+        shared = self.tables.weight_shared_bytes
+        if shared > DEFAULT_SHARED_BYTES:
+            self._one_launch_sync_kernel.max_dynamic_shared_size_bytes = shared
+        with cupy.cuda.Device(heap.device):
+            resident = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                self._one_launch_sync_kernel.kernel.ptr, SYNC_THREADS, shared)
+        self.agrees_in_sync = min(group.allgather(resident)) >= SYNC_MIN_BLOCKS
 
     @staticmethod
     def setup_error(spec) -> str | None:
@@ -110,13 +125,21 @@ class DeviceTransfer:
 
     def weight_sync(self, entry: dict, plan, blocks: int | None, flag_every_chunk: bool = False) -> int:
         """Enqueue the sync; its epoch (what :meth:`wait_slots` waits for) is returned.
-        ``plan``: a plan, or an :class:`AgreementBesideCompile` of one (the agreement then
-        runs in the compile's launch, and the copy reads its verdict)."""
+        ``plan``: a plan to compile and copy, or an :class:`AgreementBesideCompile` of one
+        (only where :attr:`agrees_in_sync`): the agreement, the compile and the copy then
+        run in one launch, the copy writing nothing if the ranks refuse the plan."""
         self._epoch += 1
-        agreement = plan if isinstance(plan, AgreementBesideCompile) else None
-        self.tables.compile_weights(plan, agreement)
-        refused = None if agreement is None else agreement.refused
-        self.run_weight_tasks(entry, self.tables, blocks, flag_every_chunk, refused)
+        if not isinstance(plan, AgreementBesideCompile):
+            self.tables.compile_weights(plan)
+            self.run_weight_tasks(entry, self.tables, blocks, flag_every_chunk)
+            return self._epoch
+        tables = self.tables
+        self._one_launch_sync_kernel((blocks or self.blocks,), (SYNC_THREADS,), plan.arguments + (
+            tables.weight_compile_arguments(plan) + (
+                np.int32(len(tables.weight_tasks)), self._tensor_table, np.int64(self.geometry.tile_bytes),
+                np.int32(len(tables.dests)), entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases,
+                np.int32(self.heap.size), np.uint64(self._epoch), np.int32(flag_every_chunk), self._sync_done,
+                self._status, self._gate)), shared_mem=tables.weight_shared_bytes)
         return self._epoch
 
     def wait_slots(self, plan, first_slot: int, count: int, epoch: int, layer: int) -> None:
@@ -130,18 +153,17 @@ class DeviceTransfer:
             np.int32(self.rank), np.int32(layer), np.uint64(int(self.timeout_s * 1e9)), self._wait_status))
 
     def run_weight_tasks(self, entry: dict, tables: DeviceSchedule, blocks: int | None,
-                         flag_every_chunk: bool = False, refused=None) -> None:
+                         flag_every_chunk: bool = False) -> None:
         """Launch the weight sync of the tasks ``tables`` hold (compiled on the stream before);
         ``flag_every_chunk``: publish every chunk's flag at its destination, not only those
-        a relay forwards; ``refused``: a device word, nonzero when the ranks refused the plan
-        (None: no agreement to read)."""
+        a relay forwards."""
         self._sync_kernel((blocks or self.blocks,), (SYNC_THREADS,), (
             tables.weight_tasks, tables.weight_task_count, np.int32(len(tables.weight_tasks)),
             np.int32(self.geometry.chunk_tiles), self._tensor_table, np.int32(len(self.spec.weights)),
             np.int64(self.geometry.tile_bytes), tables.dests, np.int32(len(tables.dests)),
             entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases, np.int32(self.heap.size),
             np.int32(self.heap.rank), np.uint64(self._epoch), np.int32(flag_every_chunk), self._sync_done,
-            np.uint64(int(self.timeout_s * 1e9)), self._status, self._never_refused if refused is None else refused))
+            np.uint64(int(self.timeout_s * 1e9)), self._status))
 
     def reduce_grads(self, entry: dict, plan, blocks: int | None) -> None:
         self.tables.compile_grads(plan)
@@ -165,6 +187,9 @@ class DeviceTransfer:
         if failed:
             self._sync_done.fill(0)
             self._status.fill(0)
+            if slot == GATE_SLOT % 2**64:
+                raise TransferTimeout(f"rank {self.rank}: a weight sync's copy waited {2 * self.timeout_s:g} s for its "
+                                      f"launch's plan agreement and compile: {seen} of {expected} done")
             raise TransferTimeout(chunk_timeout_message(self.heap.rank, slot, expected, seen, self.timeout_s))
         failed, layer, slot, chunk, expected, seen = (int(v) for v in self._wait_status.get())
         if failed:

@@ -99,12 +99,11 @@ class DeviceSchedule:
                                                         for name in ("weight_tasks", "grad_tasks"))
         self._staged = (cupy.empty((E, K), np.int32), cupy.empty(E, np.int32))  # a NumPy plan's arrays
         self._weight_kernel = get_function("schedule.cu", "compile_weight_tasks", group=group)
-        self._agreeing_weight_kernel = get_function("schedule.cu", "agree_and_compile_weights", group=group)
         self._grad_kernel = get_function("schedule.cu", "compile_grad_tasks", group=group)
-        self._weight_shared = kernel_macro(KERNEL, "WEIGHT_COMPILE_SHARED_BYTES", R=R, E=E, M=M, S=S, K=K)
+        # the weight compile's dynamic shared memory, also what a one-launch sync (transfer.cu) launches with
+        self.weight_shared_bytes = kernel_macro(KERNEL, "WEIGHT_COMPILE_SHARED_BYTES", R=R, E=E, M=M, S=S, K=K)
         self._grad_shared = kernel_macro(KERNEL, "GRAD_COMPILE_SHARED_BYTES", R=R, E=E, M=M, S=S, K=K)
-        for kernel, nbytes in ((self._weight_kernel, self._weight_shared),
-                               (self._agreeing_weight_kernel, self._weight_shared),
+        for kernel, nbytes in ((self._weight_kernel, self.weight_shared_bytes),
                                (self._grad_kernel, self._grad_shared)):
             if nbytes > MAX_SHARED_BYTES:
                 raise ValueError(f"the device schedule compiler needs {nbytes} bytes of shared memory for {layout} "
@@ -129,16 +128,15 @@ class DeviceSchedule:
             np.int64(placement.grad_base), np.int64(spec.grad_slot_bytes), np.int32(capacity.grad_tasks),
             np.int32(capacity.grad_srcs), self.grad_tasks, self.grad_srcs, self.counts)
 
-    def compile_weights(self, plan, agreement=None) -> None:
-        """Weight tasks and destinations of ``plan``, on the current stream; with
-        ``agreement`` (an :class:`~ultraep.transfer.agreement.AgreementBesideCompile` of
-        ``plan``) the plan agreement runs in the same launch, in a block of its own."""
-        arguments = self._plan_arrays(plan) + self._weight_args
-        if agreement is None:
-            self._weight_kernel((1,), (COMPILE_THREADS,), arguments, shared_mem=self._weight_shared)
-        else:
-            self._agreeing_weight_kernel((2,), (COMPILE_THREADS,), agreement.arguments + arguments,
-                                         shared_mem=self._weight_shared)
+    def compile_weights(self, plan) -> None:
+        """Weight tasks and destinations of ``plan``, on the current stream."""
+        self._weight_kernel((1,), (COMPILE_THREADS,), self.weight_compile_arguments(plan),
+                            shared_mem=self.weight_shared_bytes)
+
+    def weight_compile_arguments(self, plan) -> tuple:
+        """The weight compile's kernel arguments for ``plan`` (schedule.cuh's
+        COMPILE_WEIGHT_PARAMETERS), which a one-launch sync passes on too."""
+        return self._plan_arrays(plan) + self._weight_args
 
     def compile_grads(self, plan) -> None:
         """Gradient tasks and sources of ``plan``, on the current stream."""

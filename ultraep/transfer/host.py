@@ -26,6 +26,7 @@ class HostTransfer:
     checked by the engine and ignored here."""
 
     device = None  # masters are imported as NumPy arrays
+    agrees_in_sync = False  # the engine agrees with a host collective before any transfer
 
     def __init__(self, heap, layout, spec, geometry, placement, replica_weights, *, relay_threshold: int,
                  relay_count: int, blocks: int | None, timeout_s: float):

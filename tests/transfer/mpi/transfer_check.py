@@ -205,7 +205,10 @@ def held_relay(engine):
 def hold_transfer(engine):
     """``(owner, name)`` of the method that runs this rank's weight tasks once they are
     compiled (the kernel launch on the device, the NumPy executor on the host): replacing
-    it loses or holds them."""
+    it loses or holds them. A device sync that agrees, compiles and copies in one launch
+    has no such step, so the engine is switched (on every rank) to its launch-per-step
+    path, whose copy is the same device code."""
+    engine.impl.agrees_in_sync = False
     return engine.impl, "run_weight_tasks"
 
 
