@@ -68,6 +68,19 @@ def test_balancer_bench_rows_per_sync_stream(tmp_path, capfd):
     assert f"weight_sync {bench.SYNC_STREAMS['side']} or {bench.SYNC_STREAMS['layer']}," in capfd.readouterr().out
 
 
+def test_balancer_bench_rows_per_relay_threshold(tmp_path):
+    """``--relay-threshold 1 --relay-count 1``: the row names it in the ``relays`` column, and
+    its replicas, synced through relay trees, are checked against their masters."""
+    out = tmp_path / "balancer.json"
+    code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
+                       "--ffn", "16", "--initial-imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "2",
+                       "--rounds", "1", "--relay-threshold", "1", "--relay-count", "1", "--quiet", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["relays"] for row in rows] == [">1: 1"]
+    assert rows[0]["replica_diff"] == 0 and rows[0]["replicas"] > 0, rows
+
+
 class _Placed:
     """allgather of GPU identities as ranks placed on ``(host, GPU)`` pairs (GPU None: none)."""
 

@@ -54,7 +54,8 @@ ahead). Host-bound: ``idle_dev_ms`` above zero (or ``call_host_ms`` near
 ``balanced_ms``): the layer then pays the calls' host time. Device-bound (idle near
 zero): ``exposed_dev_ms`` is about ``lead_dev_ms`` plus the ``d_*`` columns: what the
 sync's grid takes from dispatch and the compute beside it (``--sync-blocks``
-lists grids to compare, one row each). On the
+lists grids to compare, one row each; ``--relay-threshold`` relay trees, ``relays``
+names a row's: ``>N: C``, experts with more than N replicas sent to C relays). On the
 GPU the Balancer replays its fixed launches as CUDA graphs unless ``--no-cuda-graphs``.
 ``sync_vs_bf16`` is a row's ``weight_sync_dev_ms`` over the bf16 row's at the same
 imbalance; ``sync_MB`` the weight bytes one sync moves (group total, mean).
@@ -86,7 +87,8 @@ LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other laye
 PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASES end, as the columns name them
 DEVICE_COLUMNS = ["exposed_dev_ms", "update_lead_dev_ms", "lead_dev_ms", *(f"d_{name}_dev_ms" for name in PHASE_NAMES),
                   "wait_dev_ms", "synced_dev_ms", "idle_dev_ms"]
-COLUMNS = ["weights", "steps", "sync_at", "sync_stream", "compute_priority", "sync_blocks", "imbalance", "imb_after",
+COLUMNS = ["weights", "steps", "sync_at", "sync_stream", "compute_priority", "sync_blocks", "relays", "imbalance",
+           "imb_after",
            "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct", *DEVICE_COLUMNS, "bal_host_ms",
            "update_host_ms", "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms", "call_host_ms",
            "update_dev_ms", "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
@@ -133,6 +135,10 @@ def parse_args(argv):
     parser.add_argument("--sync-blocks", type=sync_grid, nargs="+", default=[None], metavar="BLOCKS",
                         help="grids of the weight sync beside dispatch, one row each: a block count, or 'all' "
                              "(the engine's default: every resident block)")
+    parser.add_argument("--relay-threshold", type=int, nargs="+", default=[None], metavar="N",
+                        help="weight sync through relay trees for experts with more replicas than N, a row each "
+                             "(default: WeightTransfer's)")
+    parser.add_argument("--relay-count", type=int, default=2, help="relays per tree with --relay-threshold")
     parser.add_argument("--steps", choices=["all", "plan", "sync"], default="all",
                         help="what the balanced layer does each call: all (update, weight_sync, reroute), plan "
                              "(update and reroute; the replicas of the same plan stay in place: the routing is the "
@@ -302,9 +308,10 @@ def on_gpu(group, args) -> bool:
     return args.backend == "device" or (args.backend == "auto" and group.has_gpu)
 
 
-def measure(group, target: float, dtype: str, sync_blocks: int | None, sync_stream: str, args, progress):
-    """The row of one initial imbalance, weight type, sync grid and sync stream, and the
-    Balancer's per-micro-batch records."""
+def measure(group, target: float, dtype: str, sync_blocks: int | None, sync_stream: str, relay_threshold: int | None,
+            args, progress):
+    """The row of one initial imbalance, weight type, sync grid, sync stream and relay
+    threshold (None: WeightTransfer's), and the Balancer's per-micro-batch records."""
     from ultraep.integration import Balancer
     from ultraep.planner import ExpertLayout
     from ultraep.analysis.traces import zipf_topk
@@ -331,8 +338,10 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, sync_stre
     to_fp16 = fp16_weights(spec, xp)
     masters_fp16 = [to_fp16(weights) for weights in masters]  # the masters never change: converted once
     grads = [[xp.zeros(t.shape, np.float32) for t in spec.grads] for _ in range(M)]
+    relays = None if relay_threshold is None else {"relay_threshold": relay_threshold, "relay_count": args.relay_count}
     with Balancer(group, layout, spec, num_layers=LAYERS, min_replica_tokens=args.min_replica_tokens,
-                  backend=backend, sync_checks=False, cuda_graphs=not args.no_cuda_graphs) as balancer, \
+                  backend=backend, sync_checks=False, cuda_graphs=not args.no_cuda_graphs,
+                  transfer_options=relays) as balancer, \
             Dispatcher.for_layout(group, layout, hidden=H, dtype="float16", top_k=K, max_tokens=T, backend=backend,
                                   max_recv_rows=int(1.25 * T * K) + 1024, sync_checks=False) as dispatcher:
         for layer in range(LAYERS):
@@ -481,6 +490,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, sync_stre
     row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype, "steps": args.steps,
            "compute_priority": args.compute_priority, "sync_at": args.sync_at, "sync_stream": sync_stream,
            "sync_blocks": sync_blocks or "all",
+           "relays": "default" if relay_threshold is None else f">{relay_threshold}: {args.relay_count}",
            "imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
            "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
            "balanced_ms": balanced_ms, "share_pct": 100.0 * exposed_ms / layer_ms,
@@ -570,10 +580,12 @@ def run(args) -> int:
     dtypes = sorted(set(args.weight_dtype), key=list(WEIGHT_DTYPES).index)  # bf16 first: the ratios' base
     with RowStream(COLUMNS, title, enabled=printing) as table:
         for target in args.initial_imbalance:
-            for sync_blocks, sync_stream in itertools.product(args.sync_blocks, args.sync_stream):
+            for sync_blocks, sync_stream, relay_threshold in itertools.product(args.sync_blocks, args.sync_stream,
+                                                                                args.relay_threshold):
                 bf16_sync_ms = None
                 for dtype in dtypes:
-                    row, records = measure(group, target, dtype, sync_blocks, sync_stream, args, progress)
+                    row, records = measure(group, target, dtype, sync_blocks, sync_stream, relay_threshold, args,
+                                           progress)
                     sync_ms = row["weight_sync_dev_ms"]
                     if dtype == "bfloat16":
                         bf16_sync_ms = sync_ms
