@@ -7,9 +7,9 @@ agree.cu`` on the caller's stream instead: each rank hashes its plan on the devi
 publishes the hash into every peer's signal pad and compares all of them, and the transfer
 compiles the plan the kernel hands on -- the caller's, or, when the ranks disagree or a peer
 does not answer within the timeout, one without replicas, whose transfer writes nothing. A
-weight sync runs the agreement in its own launch instead, beside its compile and before its
-copy (:meth:`DevicePlanAgreement.beside_compile`; two launches fewer), the copy reading the
-verdict and writing nothing after a refusal. Every rank
+weight sync runs the agreement inside the sync's one launch instead, beside its compile and
+before its copy (:meth:`DevicePlanAgreement.beside_compile`; two launches fewer), the copy
+reading the verdict and writing nothing after a refusal. Every rank
 sees every hash, so all refuse alike; the failure is recorded on the device and raised by
 :meth:`DevicePlanAgreement.check` (the engine's ``synchronize``). Until then every later
 transfer writes nothing too, so nothing is computed on a refused placement.

@@ -6,10 +6,10 @@ Each transfer first compiles its plan's task tables on the device
 (:class:`~ultraep.transfer.device_schedule.DeviceSchedule`) into tables allocated once,
 so with a plan already on the device (the planner's device backend) no call allocates or
 waits for the device. A weight sync whose plan is agreed on the device runs the agreement,
-the compile and the copy in one launch (``agree_compile_and_sync_weights``): each launch
-under MPS starts one rank after the other, so a launch fewer on the balanced layer's
-critical path is time saved on every rank. Those tables and the kernels' counters are shared by every call of
-one engine, as the replica slots are: its transfers must be ordered on one stream (or by
+the compile and the copy in one launch (``agree_compile_and_sync_weights``): under MPS each
+launch starts one rank after the other, so every launch off the balanced layer's critical
+path is time saved. Those tables and the kernels' counters are shared by every call of one
+engine, as the replica slots are: its transfers must be ordered on one stream (or by
 events), never run concurrently on two. :meth:`DeviceTransfer.synchronize` waits and
 reports device-side timeouts and refused plans.
 """
