@@ -73,9 +73,7 @@ def sync_once(layout, plan, rank, spec, geometry, tables, expert_bytes, blocks, 
                     for q in range(S) for off in spec.weight_offsets]
     sources = cupy.asarray(np.array([m.data.ptr + off for m in masters for off in spec.weight_offsets] + slot_tensors,
                                     np.uint64))
-    first_tiles = np.searchsorted([t for t, _, _ in geometry.tiles], np.arange(len(spec.weights)))
-    tensor_table = cupy.asarray(np.array([(f, w.nbytes, off) for f, w, off in
-                                          zip(first_tiles, spec.weights, spec.weight_offsets)], np.int64))
+    tensor_table = cupy.asarray(geometry.weight_tensor_table())
     device_plan = Plan(layout=layout, imbalance_before=plan.imbalance_before, imbalance_after=plan.imbalance_after,
                        **{name: cupy.asarray(getattr(plan, name)) for name in Plan.ARRAYS})
     sync_status = cupy.zeros(kernel_constant("transfer.cu", "STATUS_WORDS"), np.uint64)

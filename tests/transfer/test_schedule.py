@@ -116,6 +116,21 @@ def test_grad_tiles_cover_each_gradient_tensor():
         assert sum(n for _, n in tiles) == grad.nbytes and [o for o, _ in tiles] == list(range(0, grad.nbytes, 512))
 
 
+def test_tensor_tables_name_each_tensors_first_tile_bytes_and_slot_offset():
+    """What the kernels read of an expert's tensors: weights (first tile, bytes, slot offset),
+    gradients (first tile, slot offset, bytes), each first tile the index in expert order of
+    the tile at the tensor's offset 0."""
+    geometry = TileGeometry(SPEC, 512, 2)
+    for table, tiles, tensors, offsets, columns in (
+            (geometry.weight_tensor_table(), geometry.tiles, SPEC.weights, SPEC.weight_offsets, (0, 1, 2)),
+            (geometry.grad_tensor_table(), geometry.grad_tiles, SPEC.grads, SPEC.grad_offsets, (0, 2, 1))):
+        assert table.dtype == np.int64 and table.shape == (len(tensors), 3)
+        for t, (tensor, offset) in enumerate(zip(tensors, offsets)):
+            first, nbytes, slot_offset = (int(table[t, c]) for c in columns)
+            assert tiles[first][:2] == (t, 0) and (first == 0 or tiles[first - 1][0] == t - 1)
+            assert nbytes == tensor.nbytes and slot_offset == offset
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=repr)
 def test_placement_error_accepts_planner_placements(layout):
     rng = np.random.default_rng(layout.num_experts)

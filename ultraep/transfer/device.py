@@ -64,10 +64,7 @@ class DeviceTransfer:
         self.rank, self.placement, self.slots_per_rank = heap.rank, placement, layout.slots_per_rank
         self.masters_per_rank = layout.experts_per_rank
         self._own_pad = heap.base_pointer(heap.rank)  # the signal pad opens the heap
-        first_tiles = np.searchsorted([t for t, _, _ in geometry.tiles], np.arange(len(spec.weights)))
-        self._tensor_table = cupy.asarray(np.array(
-            [(first, w.nbytes, off) for first, w, off in zip(first_tiles, spec.weights, spec.weight_offsets)],
-            dtype=np.int64))
+        self._tensor_table = cupy.asarray(geometry.weight_tensor_table())
         sms = cupy.cuda.runtime.getDeviceProperties(heap.device)["multiProcessorCount"]
         # the same bound on every rank (the smallest GPU's), so a grid is refused by all or none
         self.max_sync_blocks = min(group.allgather(SYNC_MIN_BLOCKS * sms))

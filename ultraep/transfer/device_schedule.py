@@ -110,10 +110,7 @@ class DeviceSchedule:
                                  f"(at most {MAX_SHARED_BYTES})")
             if nbytes > DEFAULT_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < nbytes:
                 kernel.max_dynamic_shared_size_bytes = nbytes
-        first_grad_tile = np.searchsorted([t for t, _, _ in geometry.grad_tiles], np.arange(len(spec.grads)))
-        self._grad_tensors = cupy.asarray(np.array(
-            [(first, offset, g.nbytes) for first, offset, g in zip(first_grad_tile, spec.grad_offsets, spec.grads)],
-            dtype=np.int64))
+        self._grad_tensors = cupy.asarray(geometry.grad_tensor_table())
         sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
         self._grad_blocks = max(1, min(2 * sms, -(-capacity.grad_tasks // COMPILE_THREADS)))
         layout_args = (np.int32(R), np.int32(E), np.int32(S), np.int32(K), np.int32(D), np.int32(rank),

@@ -80,6 +80,24 @@ class TileGeometry:
     def chunk_size(self, chunk: int) -> int:
         return min(self.chunk_tiles, len(self.tiles) - chunk * self.chunk_tiles)
 
+    def weight_tensor_table(self) -> np.ndarray:
+        """int64 ``[T, 3]``: each weight tensor's first tile (in expert order), bytes and offset
+        in a replica slot -- the tensor table the weight-sync kernels read (transfer.cu)."""
+        first = self._first_tiles(self.tiles, len(self.spec.weights))
+        return np.array([(f, w.nbytes, off) for f, w, off in zip(first, self.spec.weights, self.spec.weight_offsets)],
+                        dtype=np.int64).reshape(-1, 3)
+
+    def grad_tensor_table(self) -> np.ndarray:
+        """int64 ``[T, 3]``: each gradient tensor's first tile, offset in a gradient slot and
+        bytes -- the tensor table the gradient compiler reads (schedule.cu)."""
+        first = self._first_tiles(self.grad_tiles, len(self.spec.grads))
+        return np.array([(f, off, g.nbytes) for f, off, g in zip(first, self.spec.grad_offsets, self.spec.grads)],
+                        dtype=np.int64).reshape(-1, 3)
+
+    @staticmethod
+    def _first_tiles(tiles, count: int) -> np.ndarray:
+        return np.searchsorted([t for t, _, _ in tiles], np.arange(count))
+
 
 @dataclass(frozen=True)
 class HeapPlacement:
