@@ -69,16 +69,20 @@ def test_balancer_bench_rows_per_sync_stream(tmp_path, capfd):
 
 
 def test_balancer_bench_rows_per_relay_threshold(tmp_path):
-    """``--relay-threshold 1 --relay-count 1``: the row names it in the ``relays`` column, and
-    its replicas, synced through relay trees, are checked against their masters."""
-    out = tmp_path / "balancer.json"
+    """``--relay-threshold 1 --relay-count 1``: the row names it in the ``relays`` column, its
+    replicas, synced through relay trees, are checked against their masters, and its host
+    profile's file names the relays (rows of several thresholds do not overwrite each other's)."""
+    out, profiles = tmp_path / "balancer.json", tmp_path / "profiles"
     code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
                        "--ffn", "16", "--initial-imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "2",
-                       "--rounds", "1", "--relay-threshold", "1", "--relay-count", "1", "--quiet", "--json", str(out)])
+                       "--rounds", "1", "--relay-threshold", "1", "--relay-count", "1", "--host-profile", str(profiles),
+                       "--quiet", "--json", str(out)])
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     assert [row["relays"] for row in rows] == [">1: 1"]
     assert rows[0]["replica_diff"] == 0 and rows[0]["replicas"] > 0, rows
+    assert sorted(p.name for p in profiles.iterdir()) == [
+        f"bf16_imbalance2_syncall_side_relay1x1.{ext}" for ext in ("pstats", "txt")]
 
 
 class _Placed:

@@ -88,10 +88,10 @@ PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASE
 DEVICE_COLUMNS = ["exposed_dev_ms", "update_lead_dev_ms", "lead_dev_ms", *(f"d_{name}_dev_ms" for name in PHASE_NAMES),
                   "wait_dev_ms", "synced_dev_ms", "idle_dev_ms"]
 COLUMNS = ["weights", "steps", "sync_at", "sync_stream", "compute_priority", "sync_blocks", "relays", "imbalance",
-           "imb_after",
-           "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct", *DEVICE_COLUMNS, "bal_host_ms",
-           "update_host_ms", "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms", "call_host_ms",
-           "update_dev_ms", "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms", "replica_diff"]
+           "imb_after", "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct", *DEVICE_COLUMNS,
+           "bal_host_ms", "update_host_ms", "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms",
+           "call_host_ms", "update_dev_ms", "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms",
+           "replica_diff"]
 LAYER_PHASES = ("dispatched", "masters", "computed", "end")  # the stamps ending dispatch, the masters' compute,
 # the replicas' and combine
 HOST_PARTS = ("update", "sync", "reroute", "wait")  # the Balancer's calls of a balanced layer, timed on the host
@@ -483,8 +483,9 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, sync_stre
         stats = balancer.stats()
         summary = stats.summary()
     if profiler is not None:
+        relayed = "" if relay_threshold is None else f"_relay{relay_threshold}x{args.relay_count}"
         write_host_profile(profiler, args.host_profile, f"{WEIGHT_DTYPES[dtype]}_imbalance{target:g}_sync"
-                                                        f"{sync_blocks or 'all'}_{sync_stream}")
+                                                        f"{sync_blocks or 'all'}_{sync_stream}{relayed}")
     layer_ms, balanced_ms = (statistics.median(windows[k]) for k in ("in_place", "balanced"))
     exposed_ms = statistics.median(b - p for b, p in zip(windows["balanced"], windows["in_place"]))
     row = {"weights": WEIGHT_DTYPES[dtype], "weight_dtype": dtype, "steps": args.steps,
