@@ -3,7 +3,9 @@
 // NumPy reference, whose docstring defines every field) produces -- relay trees
 // included -- written into tables preallocated at the largest size the layout allows.
 // The lengths go to counts[], where the transfer kernels read them: nothing returns to
-// the host.
+// the host. The weight compile also counts itself in weight_syncs[0], the epoch the copy
+// behind it flags its chunks with: the device numbers its syncs, so a sync captured in a
+// CUDA graph flags each replay with a new epoch (the host keeps the same count).
 //
 // counts: the four tables' lengths, then sticky error codes of the weight / gradient
 // compile: placement_code's when the plan's placement breaks the layout (every rank
@@ -110,8 +112,9 @@ __device__ void compile_weights(
         const int* log_to_phys, const int* replica_count, int R, int E, int S, int K, int D, int rank, int num_tensors,
         i64 slot_bytes, int relay_threshold, int relay_count, int num_chunks, int chunk_tiles, int num_tiles,
         i64 weight_base, i64 flag_base_slot, int max_tasks, int max_dests, int* tree, i64* tasks, i64* dests,
-        int* counts) {
+        int* counts, unsigned long long* weight_syncs) {
     const int M = E / R, P = M + S, tid = threadIdx.x;
+    if (tid == 0) ++*weight_syncs;  // a refused plan's sync counts too: the host counts every call
     extern __shared__ i64 shared[];
     i64* sent = shared;                          // [R] weight bytes each rank sends
     int* found = reinterpret_cast<int*>(sent + R);  // [E] hot experts as found
@@ -296,8 +299,9 @@ __device__ void compile_weights(
         const int *log_to_phys, const int *replica_count, int R, int E, int S, int K, int D, int rank, \
         int num_tensors, i64 slot_bytes, int relay_threshold, int relay_count, int num_chunks, int chunk_tiles, \
         int num_tiles, i64 weight_base, i64 flag_base_slot, int max_tasks, int max_dests, int *tree, i64 *tasks, \
-        i64 *dests, int *counts
+        i64 *dests, int *counts, unsigned long long *weight_syncs
 #define COMPILE_WEIGHT_ARGUMENTS \
         log_to_phys, replica_count, R, E, S, K, D, rank, num_tensors, slot_bytes, relay_threshold, relay_count, \
-        num_chunks, chunk_tiles, num_tiles, weight_base, flag_base_slot, max_tasks, max_dests, tree, tasks, dests, counts
+        num_chunks, chunk_tiles, num_tiles, weight_base, flag_base_slot, max_tasks, max_dests, tree, tasks, dests, counts, \
+        weight_syncs
 

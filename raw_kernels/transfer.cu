@@ -182,7 +182,7 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // For a publishing task (a relay among its destinations), or for every task when
 // flag_every_chunk is set (no heap barrier follows: readers wait per slot, wait_replica_slots),
 // per-chunk byte counts (done[task]) tell the warp that finishes a chunk to publish its flags
-// (epoch << FLAG_WRITER_BITS | rank) at the destinations; other tasks are neither counted nor
+// (epoch << FLAG_WRITER_BITS | rank, the epoch the compile counted in weight_syncs) at the destinations; other tasks are neither counted nor
 // flagged (the heap barrier after the sync orders them). A relay task waits (with a timeout) for its own chunk flag before loading,
 // and its pieces are not prefetched (they are not there yet).
 // Master tasks come first in the table, so a warp has stored and counted all its master
@@ -206,11 +206,11 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 #define WEIGHT_COPY_PARAMETERS \
         const i64 *tasks, const int *task_count, int task_rows, int chunk_tiles, const i64 *tensor_table, \
         int num_tensors, i64 tile_bytes, const i64 *dests, int dest_rows, const u64 *src_ptrs, int num_src_ptrs, \
-        const u64 *peer_bases, int num_ranks, int rank, u64 epoch, int flag_every_chunk, int *done, \
+        const u64 *peer_bases, int num_ranks, int rank, const u64 *weight_syncs, int flag_every_chunk, int *done, \
         u64 timeout_ns, u64 *status
 #define WEIGHT_COPY_ARGUMENTS \
         tasks, task_count, task_rows, chunk_tiles, tensor_table, num_tensors, tile_bytes, dests, dest_rows, \
-        src_ptrs, num_src_ptrs, peer_bases, num_ranks, rank, epoch, flag_every_chunk, done, timeout_ns, status
+        src_ptrs, num_src_ptrs, peer_bases, num_ranks, rank, weight_syncs, flag_every_chunk, done, timeout_ns, status
 template <class Tables>
 __device__ void copy_weight_pieces(int block, const u64* refused, WEIGHT_COPY_PARAMETERS) {
     __shared__ SyncShared s;
@@ -222,6 +222,7 @@ __device__ void copy_weight_pieces(int block, const u64* refused, WEIGHT_COPY_PA
     const u64 earlier_timeout = *reinterpret_cast<volatile u64*>(status);
     const u64 refusal = refused ? *reinterpret_cast<const volatile u64*>(refused) : 0;  // the agreement's verdict
     const int num_tasks = *reinterpret_cast<const volatile int*>(task_count);  // written by the schedule compiler
+    const u64 epoch = *reinterpret_cast<const volatile u64*>(weight_syncs);  // which counted this sync
     // the warp's first two pieces and their task rows (lane f holds field f), read before the
     // task count is known: clamped to the table (a row past the count is not used)
     const PieceSlot by = piece_slot(step, chunk_tiles, pieces_per_tile);
@@ -362,7 +363,7 @@ __device__ bool wait_for_roles(const u64* roles_done, u64 timeout_ns, u64* statu
 // reads the tables and the verdict with loads that see this launch's stores. The last block
 // to finish zeroes gate[] for the next launch. The agreement's arguments come first
 // (agree_on_plan's), then the compile's, then the copy's that the compile has not (the
-// copy's status is `sync_status`; the peer tables are the same heap's, passed twice so a
+// copy's epoch is the sync count the compile keeps, its status `sync_status`; the peer tables are the same heap's, passed twice so a
 // test can agree alone and copy to many). A gate wait that outlasts 2 x timeout_ns (the
 // agreement's waits for its peers end within one) records itself there and the block
 // copies nothing.
@@ -370,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) agre
         const int* agreed_log_to_phys, const int* agreed_replica_count, int agreed_E, int agreed_K, int op, u64 layer,
         const u64* peer_bases, int agreeing_rank, int world, u64 pad, u64* calls, u64 timeout_ns, u64* hashes,
         u64* agreement_status, COMPILE_WEIGHT_PARAMETERS, int task_rows, const i64* tensor_table, i64 tile_bytes,
-        int dest_rows, const u64* src_ptrs, int num_src_ptrs, const u64* copy_peer_bases, int num_ranks, u64 epoch,
+        int dest_rows, const u64* src_ptrs, int num_src_ptrs, const u64* copy_peer_bases, int num_ranks,
         int flag_every_chunk, int* done, u64* sync_status, u64* gate) {
     static_assert(AGREE_THREADS == SYNC_THREADS && COMPILE_THREADS == SYNC_THREADS, "one block size for every role");
     __shared__ int ticket_of_block;
@@ -395,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) agre
         copy_weight_pieces<TablesOfThisLaunch>(ticket, agreement_status + STATUS_KIND, tasks, counts + COUNT_WEIGHT_TASKS,
                                                task_rows, chunk_tiles, tensor_table, num_tensors, tile_bytes, dests,
                                                dest_rows, src_ptrs, num_src_ptrs, copy_peer_bases, num_ranks, rank,
-                                               epoch, flag_every_chunk, done, timeout_ns, sync_status);
+                                               weight_syncs, flag_every_chunk, done, timeout_ns, sync_status);
     __syncthreads();
     if (threadIdx.x == 0 && atomicAdd(gate + 2, 1ull) == gridDim.x - 1) gate[0] = gate[1] = gate[2] = 0;
 }

@@ -6,7 +6,8 @@ random plans of several layouts, relays included (a relay's own replica slot hol
 expert and its chunk flags are set, as its master would have left them), for grids of 1
 block (both roles in one), 2 and many: the compiled tables equal ``compile_schedule``'s,
 every destination slot the tables name holds its expert byte for byte with every chunk
-flagged, every other byte keeps its poison, and the gate is zero again. A peer that
+flagged with the epoch the compile counted, every other byte keeps its poison, and the
+gate is zero again. A peer that
 publishes another hash refuses the plan: the tables are still compiled, nothing is
 copied, and the status names the mismatch (needs a GPU)."""
 
@@ -82,15 +83,17 @@ def sync_once(layout, plan, rank, spec, geometry, tables, expert_bytes, blocks, 
     kernel = get_function("transfer.cu", "agree_compile_and_sync_weights")
     if tables.weight_shared_bytes > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = tables.weight_shared_bytes
+    tables.weight_syncs.fill(EPOCH - 1)  # the compile counts this launch's sync: its chunks flag EPOCH
     kernel((blocks,), (kernel_constant("transfer.cu", "SYNC_THREADS"),),
            agreement.arguments(layout, device_plan.log_to_phys, device_plan.replica_count, layer)
            + tables.weight_compile_arguments(device_plan)
            + (np.int32(len(tables.weight_tasks)), tensor_table, np.int64(geometry.tile_bytes),
               np.int32(len(tables.dests)), sources, np.int32(len(sources)),
-              cupy.asarray(np.array([h.data.ptr for h in heaps], np.uint64)), np.int32(R), np.uint64(EPOCH),
-              np.int32(1), done, sync_status, gate),
+              cupy.asarray(np.array([h.data.ptr for h in heaps], np.uint64)), np.int32(R), np.int32(1),
+              done, sync_status, gate),
            shared_mem=tables.weight_shared_bytes)
     cupy.cuda.get_current_stream().synchronize()
+    assert int(tables.weight_syncs.get()[0]) == EPOCH, "the launch's compile did not count its sync once"
     return before, [h.get() for h in heaps], sync_status.get(), gate.get(), done.get()
 
 

@@ -96,7 +96,8 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish, every_chunk):
                 cupy.asarray(np.array([0xDEAD0000] * rank_base + [b.data.ptr for b in buffers],
                                       np.uint64)),
                 np.int32(rank_base + fanout),
-                np.int32(rank), np.uint64(epoch), np.int32(every_chunk), done, np.uint64(10**9), status))
+                np.int32(rank), cupy.asarray(np.array([epoch], np.uint64)), np.int32(every_chunk), done,
+                np.uint64(10**9), status))
         cupy.cuda.get_current_stream().synchronize()
         assert not status.any(), f"fan-out {fanout}: status {status.get()}"
         assert not done.any(), f"fan-out {fanout}: chunk counters not reset: {done.get()}"

@@ -7,6 +7,8 @@
 * ``engine``   -- :class:`WeightTransfer`, the public object: replica buffers in the
   symmetric heap, per-layer registration of masters, weight sync, restore and gradient
   reduction, each done by the heap's backend:
+* ``prepared`` -- ``PreparedSync``, a sync counted and checked whose launch comes later
+  (at once, or captured in a CUDA graph), as both backends return it;
 * ``host``     -- ``HostTransfer``, the NumPy executor of a schedule over the host heap
   (the CPU backend and the reference for the kernels);
 * ``device``   -- ``DeviceTransfer``, the kernels of ``raw_kernels/transfer.cu``, on task

@@ -17,7 +17,7 @@ transfer writes nothing too, so nothing is computed on a refused placement.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -73,10 +73,12 @@ def disagreement_message(what: str, hashes: list[int]) -> str:
 
 
 class AgreedPlacement(NamedTuple):
-    """What a device transfer compiles in place of the caller's plan."""
+    """What a device transfer compiles in place of the caller's plan, once ``launch()`` has
+    enqueued the agreement that writes it (the transfer's first launch)."""
 
     log_to_phys: object
     replica_count: object
+    launch: Callable[[], None]
 
 
 class AgreementBesideCompile(NamedTuple):
@@ -117,12 +119,14 @@ class DevicePlanAgreement:
         self._broken: str | None = None
 
     def agreed(self, what: str, layer: int, plan) -> AgreedPlacement:
-        """Enqueue the agreement on ``plan`` for a ``what`` (an entry of OPERATIONS) of ``layer``;
-        the placement the transfer must compile. Raises (on this rank alone) for a plan the
-        kernel cannot read, or after a reported timeout."""
+        """The agreement on ``plan`` for a ``what`` (an entry of OPERATIONS) of ``layer``, to
+        enqueue with the placement's ``launch`` before the transfer compiles that placement.
+        Raises (on this rank alone) for a plan the kernel cannot read, or after a reported
+        timeout."""
         log_to_phys, replica_count, arguments = self._arguments(what, layer, plan)
-        self._kernel((1,), (AGREE_THREADS,), arguments + (self._gated_count,))
-        return AgreedPlacement(log_to_phys, self._gated_count)
+        arguments += (self._gated_count,)
+        return AgreedPlacement(log_to_phys, self._gated_count,
+                               lambda: self._kernel((1,), (AGREE_THREADS,), arguments))
 
     def beside_compile(self, what: str, layer: int, plan) -> AgreementBesideCompile:
         """The agreement of :meth:`agreed`, not launched: the weight sync's launch runs it."""

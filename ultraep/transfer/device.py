@@ -6,12 +6,13 @@ Each transfer first compiles its plan's task tables on the device
 (:class:`~ultraep.transfer.device_schedule.DeviceSchedule`) into tables allocated once,
 so with a plan already on the device (the planner's device backend) no call allocates or
 waits for the device. A weight sync whose plan is agreed on the device runs the agreement,
-the compile and the copy in one launch (``agree_compile_and_sync_weights``): under MPS each
-launch starts one rank after the other, so every launch off the balanced layer's critical
-path is time saved. Those tables and the kernels' counters are shared by every call of one
-engine, as the replica slots are: its transfers must be ordered on one stream (or by
-events), never run concurrently on two. :meth:`DeviceTransfer.synchronize` waits and
-reports device-side timeouts and refused plans.
+the compile and the copy in one launch (``agree_compile_and_sync_weights``). The compile
+numbers the syncs on the device, so that launch takes the same arguments every time for
+the same plan buffers, and the Balancer captures it in its update's CUDA graph right
+behind the plan (:meth:`DeviceTransfer.prepare_sync`). Those tables and the kernels'
+counters are shared by every call of one engine, as the replica slots are: its transfers
+must be ordered on one stream (or by events), never run concurrently on two.
+:meth:`DeviceTransfer.synchronize` waits and reports device-side timeouts and refused plans.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ultraep.transfer.agreement import AgreementBesideCompile
 from ultraep.transfer.device_schedule import DEFAULT_SHARED_BYTES, DeviceSchedule
 from ultraep.transfer.schedule import FLAG_WRITER_BITS
 from ultraep.transfer.host import chunk_timeout_message
+from ultraep.transfer.prepared import PreparedSync
 
 KERNEL = "transfer.cu"
 SYNC_THREADS = kernel_constant(KERNEL, "SYNC_THREADS")
@@ -36,6 +38,11 @@ GATE_SLOT = kernel_constant(KERNEL, "GATE_SLOT")  # status[1] of a one-launch sy
 WAIT_STATUS_WORDS = kernel_constant(KERNEL, "WAIT_STATUS_WORDS")
 WAIT_THREADS = kernel_constant(KERNEL, "WAIT_THREADS")
 REDUCE_THREADS = kernel_constant(KERNEL, "REDUCE_THREADS")
+
+
+def launch_key(arguments: tuple) -> tuple:
+    """Kernel arguments as a graph's key: each device array by its pointer, scalars as they are."""
+    return tuple(int(a.data.ptr) if isinstance(a, cupy.ndarray) else a for a in arguments)
 
 
 def replica_timeout_message(rank: int, layer: int, slot: int, chunk: int, epoch: int, seen: int,
@@ -86,7 +93,7 @@ class DeviceTransfer:
         # bytes of each task's chunk stored so far: zero between launches (the chunk's
         # finishing warp resets it; after a timeout, synchronize() does)
         self._sync_done = cupy.zeros(tasks, dtype=np.int32)
-        self._epoch = 0
+        self.syncs = 0  # weight syncs prepared: the last one's epoch (the device counts them too)
         # One launch needs the grid resident with the compile's shared memory too (its blocks wait for the roles);
         # the same answer on every rank, so all agree in the launch or all beside it.
         shared = self.tables.weight_shared_bytes
@@ -120,24 +127,32 @@ class DeviceTransfer:
         targets = cupy.asarray(np.array([int(g.data.ptr) for g in grads], dtype=np.uint64))
         return {"sources": sources, "grads": targets, "keep": (weights, grads)}
 
-    def weight_sync(self, entry: dict, plan, blocks: int | None, flag_every_chunk: bool = False) -> int:
-        """Enqueue the sync; its epoch (what :meth:`wait_slots` waits for) is returned.
-        ``plan``: a plan to compile and copy, or an :class:`AgreementBesideCompile` of one
-        (only where :attr:`agrees_in_sync`): the agreement, the compile and the copy then
-        run in one launch, the copy writing nothing if the ranks refuse the plan."""
-        self._epoch += 1
-        if not isinstance(plan, AgreementBesideCompile):
-            self.tables.compile_weights(plan)
-            self.run_weight_tasks(entry, self.tables, blocks, flag_every_chunk)
-            return self._epoch
-        tables = self.tables
-        self._one_launch_sync_kernel((blocks or self.blocks,), (SYNC_THREADS,), plan.arguments + (
-            tables.weight_compile_arguments(plan) + (
+    def prepare_sync(self, entry: dict, plan, blocks: int | None, flag_every_chunk: bool) -> PreparedSync:
+        """Count the sync (its epoch, what :meth:`wait_slots` waits for, is then :attr:`syncs`:
+        the device's schedule compile keeps the same count) and return its launches.
+        ``plan``: an :class:`AgreementBesideCompile` (only where :attr:`agrees_in_sync`): the
+        agreement, the compile and the copy run in one launch, the copy writing nothing if
+        the ranks refuse the plan, with the same arguments every call for the same plan
+        buffers (``key``: it can be captured in a CUDA graph); else an agreed placement,
+        whose agreement is launched first, then the compile, then the copy (not captured)."""
+        self.syncs += 1
+        grid, tables = blocks or self.blocks, self.tables
+        if isinstance(plan, AgreementBesideCompile):
+            arguments = plan.arguments + tables.weight_compile_arguments(plan) + (
                 np.int32(len(tables.weight_tasks)), self._tensor_table, np.int64(self.geometry.tile_bytes),
                 np.int32(len(tables.dests)), entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases,
-                np.int32(self.heap.size), np.uint64(self._epoch), np.int32(flag_every_chunk), self._sync_done,
-                self._status, self._gate)), shared_mem=tables.weight_shared_bytes)
-        return self._epoch
+                np.int32(self.heap.size), np.int32(flag_every_chunk), self._sync_done, self._status, self._gate)
+
+            def launch() -> None:
+                self._one_launch_sync_kernel((grid,), (SYNC_THREADS,), arguments,
+                                             shared_mem=tables.weight_shared_bytes)
+            return PreparedSync(launch, ("one launch", grid) + launch_key(arguments))
+
+        def agree_compile_copy() -> None:
+            plan.launch()
+            tables.compile_weights(plan)
+            self.run_weight_tasks(entry, tables, blocks, flag_every_chunk)
+        return PreparedSync(agree_compile_copy, None)
 
     def wait_slots(self, plan, first_slot: int, count: int, epoch: int, layer: int) -> None:
         """Enqueue on the current stream a wait until the sync of ``epoch`` (run with
@@ -159,10 +174,11 @@ class DeviceTransfer:
             np.int32(self.geometry.chunk_tiles), self._tensor_table, np.int32(len(self.spec.weights)),
             np.int64(self.geometry.tile_bytes), tables.dests, np.int32(len(tables.dests)),
             entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases, np.int32(self.heap.size),
-            np.int32(self.heap.rank), np.uint64(self._epoch), np.int32(flag_every_chunk), self._sync_done,
+            np.int32(self.heap.rank), tables.weight_syncs, np.int32(flag_every_chunk), self._sync_done,
             np.uint64(int(self.timeout_s * 1e9)), self._status))
 
     def reduce_grads(self, entry: dict, plan, blocks: int | None) -> None:
+        plan.launch()  # the agreement that writes the placement compiled here
         self.tables.compile_grads(plan)
         self.run_grad_tasks(entry, self.tables, blocks)
 

@@ -75,7 +75,9 @@ class DeviceSchedule:
 
     ``weight_tasks``, ``dests``, ``grad_tasks``, ``grad_srcs``: the tables (valid rows
     first); ``counts``: ``int32[COUNT_SLOTS]``, their lengths then the two error codes;
-    ``weight_task_count`` / ``grad_task_count``: one-element views the transfer kernels read.
+    ``weight_task_count`` / ``grad_task_count``: one-element views the transfer kernels read;
+    ``weight_syncs``: ``uint64[1]``, the weight compiles so far (each counts itself), the
+    epoch the copy behind a compile flags its chunks with.
     """
 
     def __init__(self, layout, spec: ExpertSpec, geometry: TileGeometry, placement: HeapPlacement, rank: int, *,
@@ -95,6 +97,8 @@ class DeviceSchedule:
         self.grad_tasks = cupy.empty((max(capacity.grad_tasks, 1), GRAD_TASK_FIELDS), np.int64)
         self.grad_srcs = cupy.empty((max(capacity.grad_srcs, 1), GRAD_SRC_FIELDS), np.int64)
         self.counts = cupy.zeros(COUNT_SLOTS, np.int32)
+        # weight compiles so far: each counts itself, and the copy behind it flags its chunks with that epoch
+        self.weight_syncs = cupy.zeros(1, np.uint64)
         self.weight_task_count, self.grad_task_count = (self.counts[COUNT_INDEX[name]:COUNT_INDEX[name] + 1]
                                                         for name in ("weight_tasks", "grad_tasks"))
         self._staged = (cupy.empty((E, K), np.int32), cupy.empty(E, np.int32))  # a NumPy plan's arrays
@@ -119,7 +123,8 @@ class DeviceSchedule:
             np.int64(spec.weight_slot_bytes), np.int32(relay_threshold), np.int32(max(1, relay_count)),
             np.int32(geometry.num_chunks), np.int32(geometry.chunk_tiles), np.int32(len(geometry.tiles)),
             np.int64(placement.weight_base), np.int64(placement.flag_base_slot), np.int32(capacity.weight_tasks),
-            np.int32(capacity.dests), cupy.empty(2 * E * K, np.int32), self.weight_tasks, self.dests, self.counts)
+            np.int32(capacity.dests), cupy.empty(2 * E * K, np.int32), self.weight_tasks, self.dests, self.counts,
+            self.weight_syncs)
         self._grad_args = layout_args + (
             self._grad_tensors, np.int32(len(geometry.grad_tiles)), np.int64(geometry.tile_bytes),
             np.int64(placement.grad_base), np.int64(spec.grad_slot_bytes), np.int32(capacity.grad_tasks),

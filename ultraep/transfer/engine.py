@@ -56,6 +56,7 @@ from ultraep.transfer.agreement import SIGNALS as AGREEMENT_SIGNALS
 from ultraep.transfer.agreement import WHAT as AGREED_WHAT
 from ultraep.transfer.agreement import DevicePlanAgreement, plan_hash
 from ultraep.transfer.host import HostTransfer
+from ultraep.transfer.prepared import PreparedSync
 from ultraep.transfer.schedule import HeapPlacement, Schedule, TileGeometry, compile_schedule, host_plan
 from ultraep.transfer.slot_copy import FilledSlotCopy
 from ultraep.transfer.spec import ExpertSpec
@@ -94,11 +95,14 @@ class TransferBackend(Protocol):
     def import_layer(self, weights: list, grads: list) -> object:
         """The layer's entry from its imported masters: ``weights[m * T + t]``, ``grads[m * T + t]``."""
 
-    def weight_sync(self, entry, plan, blocks: int | None) -> None:
-        """Collective: this rank's share of filling every replica slot of ``plan``. The
-        device backend also takes ``flag_every_chunk`` (publish each chunk's flag at its
-        destination) and returns the sync's epoch, what its ``wait_slots(plan, first_slot,
-        count, epoch, layer)`` waits for; the host's syncs have finished when they return."""
+    syncs: int  # weight syncs prepared so far: the last one's epoch
+
+    def prepare_sync(self, entry, plan, blocks: int | None, flag_every_chunk: bool) -> PreparedSync:
+        """Collective once launched: this rank's share of filling every replica slot of
+        ``plan``, counted now and launched by the result (see :class:`PreparedSync`).
+        ``flag_every_chunk`` (device): publish each chunk's flag at its destination, for the
+        device's ``wait_slots(plan, first_slot, count, epoch, layer)``; the host flags only
+        what relays forward, and its syncs have finished when ``launch`` returns."""
 
     def run_weight_tasks(self, entry, tables, blocks: int | None) -> None:
         """The copies of a compiled weight sync alone (what ``weight_sync`` ends with)."""
@@ -272,6 +276,10 @@ class WeightTransfer:
         self.group.agree(layer, "registered layer id")
         self._layers[layer] = entry
 
+    def registered(self, layer: int) -> bool:
+        """Whether :meth:`register_layer` has registered ``layer`` on this rank."""
+        return layer in self._layers
+
     def _import_layer(self, layer, weights, grads):
         M, device = self.layout.experts_per_rank, self.impl.device
         for what, tensors in (("weights", weights), ("grads", grads)):
@@ -347,15 +355,24 @@ class WeightTransfer:
         flag is then published at its destination, and a rank reads a replica slot after
         :meth:`wait_replica` for it (on the reading stream). On the host (synchronous, and
         flagging only the chunks relays forward) a later heap barrier must order them."""
+        self.prepare_weight_sync(layer, plan, blocks=blocks, barrier=barrier).launch()
+
+    def prepare_weight_sync(self, layer: int, plan: Plan, *, blocks: int | None = None,
+                            barrier: bool = True) -> PreparedSync:
+        """:meth:`weight_sync` checked, agreed on and counted now, enqueued by the result's
+        ``launch()`` (:class:`PreparedSync`), which must be called once, before any other
+        transfer is prepared: e.g. inside the CUDA graph capture of the launches that write
+        ``plan`` (the Balancer's update). :meth:`wait_replica` waits for this sync from now on."""
         entry, plan = self._checked("weight_sync", layer, plan, blocks, self.sync_grid_error)
-        if self.impl.device is None:
-            self.impl.weight_sync(entry, plan, blocks)
-            self._flagged_epoch = None
-        else:
-            epoch = self.impl.weight_sync(entry, plan, blocks, flag_every_chunk=not barrier)
-            self._flagged_epoch = None if barrier else epoch
-        if barrier:
+        sync = self.impl.prepare_sync(entry, plan, blocks, not barrier)
+        self._flagged_epoch = None if barrier or self.impl.device is None else self.impl.syncs
+        if not barrier:
+            return sync
+
+        def sync_and_barrier() -> None:
+            sync.launch()
             self.impl.barrier()
+        return PreparedSync(sync_and_barrier, None)
 
     def sync_grid_error(self, blocks: int | None) -> str | None:
         """Why a weight sync cannot run on ``blocks`` (None: the default grid), or None;

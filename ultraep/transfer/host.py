@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from ultraep.errors import TransferTimeout
+from ultraep.transfer.prepared import PreparedSync
 from ultraep.transfer.schedule import FLAG_WRITER_BITS, Schedule, compile_schedule, host_plan, placement_error
 
 
@@ -34,7 +35,7 @@ class HostTransfer:
         self._compile = functools.partial(compile_schedule, spec=spec, geometry=geometry, placement=placement,
                                           rank=heap.rank, relay_threshold=relay_threshold, relay_count=relay_count)
         self._replica_weights = replica_weights
-        self._epoch = 0
+        self.syncs = 0  # the last sync's epoch
 
     def _slot_sources(self) -> list:
         """Relays forward from their replica slots: those tensors follow the masters in every
@@ -55,9 +56,11 @@ class HostTransfer:
         master gradients."""
         return {"masters": [w.reshape(-1).view(np.uint8) for w in weights], "grads": [g.reshape(-1) for g in grads]}
 
-    def weight_sync(self, entry: dict, plan, blocks: int | None) -> None:
-        self._epoch += 1
-        self.run_weight_tasks(entry, self._schedule(plan, "weight_sync"), blocks)
+    def prepare_sync(self, entry: dict, plan, blocks: int | None, flag_every_chunk: bool) -> PreparedSync:
+        """The sync runs in ``launch`` (collective: the placement is checked on every rank
+        first), flagging only the chunks relays forward."""
+        self.syncs += 1
+        return PreparedSync(lambda: self.run_weight_tasks(entry, self._schedule(plan, "weight_sync"), blocks), None)
 
     def run_weight_tasks(self, entry: dict, schedule: Schedule, blocks: int | None) -> None:
         """This rank's weight tasks of ``schedule`` in order: each chunk copied to every
@@ -66,7 +69,7 @@ class HostTransfer:
         tiles = schedule.tiles.tolist()
         for src_ref, chunk, tile_begin, tile_end, begin, end, wait_slot, publish in schedule.weight_tasks.tolist():
             if wait_slot >= 0:
-                wait_for_chunk(heap, wait_slot, self._epoch, self.timeout_s)
+                wait_for_chunk(heap, wait_slot, self.syncs, self.timeout_s)
             targets = schedule.dests[begin:end].tolist()
             for tensor, offset, nbytes in tiles[tile_begin:tile_end]:
                 tile = sources[src_ref + tensor][offset:offset + nbytes]
@@ -78,7 +81,7 @@ class HostTransfer:
             heap.fence()
             for dst_rank, _, flag_slot in targets:
                 flag = heap.view(dst_rank, (flag_slot + chunk) * 8, (1,), np.dtype(np.uint64))
-                flag[0] = (self._epoch << FLAG_WRITER_BITS) | schedule.rank
+                flag[0] = (self.syncs << FLAG_WRITER_BITS) | schedule.rank
 
     def reduce_grads(self, entry: dict, plan, blocks: int | None) -> None:
         self.run_grad_tasks(entry, self._schedule(plan, "reduce_grads"), blocks)
