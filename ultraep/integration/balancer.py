@@ -14,7 +14,8 @@ master weights and gradients. Per micro-batch and layer:
   every peer's flag and plans from the gathered matrix -- on the GPU in two launches (the
   gather, the plan; one CUDA graph launch once the ring slot has seen the shapes twice)
   with no heap barrier and no host round trip, into the preallocated buffers of a ring
-  slot. It returns a :class:`BalanceHandle`.
+  slot. It returns a :class:`BalanceHandle`. With ``weight_sync=True`` it also starts the
+  plan's weight sync right behind the plan (inside that graph launch).
 * :meth:`weight_sync` fills the replica slots, on a stream of the caller's choice, and
   returns a :class:`ReplicaSync`; :meth:`wait_replica` (or ``ReplicaSync.wait``) makes
   a compute stream wait for one replica slot's own chunks before the compute that reads
@@ -187,7 +188,7 @@ class BalancerBackend(Protocol):
     def check_loads(self, loads) -> None: ...
     def count(self, source, *, from_ids: bool) -> None: ...
     def discard(self) -> None: ...
-    def update(self, slot, source, *, from_ids: bool) -> Plan: ...
+    def update(self, slot, source, *, from_ids: bool, then=None) -> Plan: ...
     def planned(self, slot): ...
     def routed(self, slot): ...
     def reroute(self, slot, ids, plan: Plan, out): ...
@@ -220,6 +221,7 @@ class _RingSlot:
         self.plan: Plan | None = None
         self.counted_ids = False  # its update counted top-k ids (and rerouted them), not a load row
         self.syncs = self.reductions = 0
+        self.started_sync: ReplicaSync | None = None  # the weight sync its update started, until weight_sync takes it
         self.state = backend.new_slot()  # the backend's buffers and stage clock
         self.clock = self.state.clock
         self.users: dict = {}  # stream -> mark after its last use of the plan buffers
@@ -418,7 +420,7 @@ class Balancer:
 
     # -- per micro-batch ----------------------------------------------------------------------
     def update(self, layer: int, topk_ids: Any = None, *, local_loads: Any = None,
-               stream: Any = None) -> BalanceHandle:
+               stream: Any = None, weight_sync: bool = False) -> BalanceHandle:
         """Collective: gather the exact load of ``layer`` for this micro-batch and plan it.
 
         Pass this rank's ``topk_ids`` (integer, any shape; ids in ``[0, E)``) or its
@@ -426,6 +428,14 @@ class Balancer:
         different token counts but must pass the same layer in the same order, and order
         their updates on one stream (or by events). Given ``topk_ids``, the update also
         reroutes them: ``reroute(handle)`` returns that.
+
+        ``weight_sync=True``: the update also starts the new plan's weight sync right
+        behind the plan, in series on the update's stream with the default grid -- on the
+        GPU inside the update's own CUDA graph, so the sync starts when the plan exists,
+        not when the host gets to a second call. :meth:`weight_sync` then returns that
+        sync (and launches nothing); its time counts as the update's in the stage times.
+        MoELayer does not use it yet: under MPS some benchmark runs timed out in it, a cause
+        still open (docs/benchmarks.md, balancer).
         """
         error, agreed, source, entry = None, None, None, None
         from_ids = local_loads is None
@@ -435,10 +445,15 @@ class Balancer:
                 layer = self._check_layer(layer)
                 if (topk_ids is None) == (local_loads is None):
                     raise BalancerError("update needs exactly one of topk_ids and local_loads")
+                if not is_bool(weight_sync):
+                    raise BalancerError(f"weight_sync must be a bool, got {weight_sync!r}")
+                if weight_sync and not self.transfer.registered(layer):
+                    raise BalancerError(f"update(weight_sync=True): layer {layer} has no registered master weights on "
+                                        f"rank {self.rank} (call register_layer first)")
                 source = self._import_ids(topk_ids) if from_ids else self._import_loads(local_loads)
                 # the last dimension (top-k) is a model constant; the token count may differ per rank
                 agreed = (layer, self._steps[layer], "topk_ids" if from_ids else "local_loads",
-                          tuple(source.shape[-1:]))
+                          tuple(source.shape[-1:]), bool(weight_sync))
                 entry = self._rings[layer][self._steps[layer] % self.max_in_flight]
                 self._harvest(entry, layer)
                 self._impl.follow(*entry.users.values())  # the plan buffers' last readers, on their streams
@@ -451,14 +466,14 @@ class Balancer:
                 error = exc
             if self.sync_checks:
                 try:
-                    self._collective(error, "update (layer, micro-batch, input kind, top-k width; top-k ids)",
-                                     agreed=agreed)
+                    self._collective(error, "update (layer, micro-batch, input kind, top-k width, weight_sync; "
+                                     "top-k ids)", agreed=agreed)
                 except BaseException:
                     self._impl.discard()
                     raise  # the old plan stays live
             elif error is not None:
                 raise error
-            return self._update(layer, entry, source, from_ids)
+            return self._update(layer, entry, source, from_ids, bool(weight_sync))
 
     def _import(self, tensor, name: str, writable: bool = False):
         try:
@@ -481,18 +496,31 @@ class Balancer:
         self._impl.check_loads(loads)
         return loads
 
-    def _update(self, layer: int, entry: _RingSlot, source, from_ids: bool) -> BalanceHandle:
+    def _update(self, layer: int, entry: _RingSlot, source, from_ids: bool, weight_sync: bool) -> BalanceHandle:
         step = self._steps[layer]
+        handle = BalanceHandle(self.id, layer, step, step % self.max_in_flight)
+        then = None
+        if weight_sync:
+            self._impl.follow(*self._replica_reads())  # before the sync's agreement, as in weight_sync
+
+            def then(plan):  # the backend's update launches it behind the plan
+                return self.transfer.prepare_weight_sync(layer, plan, barrier=self.device is None)
         # with sync_checks the row was counted (and checked) before the collective: publish it
         try:
-            entry.plan = self._impl.update(entry.state, None if self.sync_checks else source, from_ids=from_ids)
+            entry.plan = self._impl.update(entry.state, None if self.sync_checks else source, from_ids=from_ids,
+                                           then=then)
         except ValueError as exc:  # the gathered rows' total (the same matrix on every rank) overflows the quotas
             raise BalancerError(f"rank {self.rank}: update of layer {layer}: {exc}") from None
         entry.step, entry.syncs, entry.reductions, entry.harvested = step, 0, 0, False
         entry.counted_ids = from_ids
+        entry.started_sync = None
+        if weight_sync:
+            planned = self._impl.planned(entry.state)
+            entry.started_sync = ReplicaSync(self, handle, None if planned is None else planned.event)
+            self._synced(handle, entry)
         self._steps[layer] += 1
         self._updates += 1
-        return BalanceHandle(self.id, layer, step, step % self.max_in_flight)
+        return handle
 
     def _collective_entry(self, handle, what: str, grads: bool = False, blocks: int | None = None) -> _RingSlot:
         """The live entry of ``handle`` (and, with ``grads``, the replica gradient slots may
@@ -545,22 +573,34 @@ class Balancer:
 
     def _sync(self, handle, stage: str, stream, blocks):
         entry = self._collective_entry(handle, stage, blocks=blocks)
+        if stage == "weight_sync" and entry.started_sync is not None:
+            started, entry.started_sync = entry.started_sync, None
+            return started
         impl = self._impl
         with impl.stream(stream):
-            # this rank's reads of the slots, wherever they were enqueued, come before the agreement
-            readers = [impl.mark_on(reader, "replica reads") for reader in self._readers.values()]
-            impl.follow(impl.planned(entry.state), self._transferred, *readers)
-            self._readers.clear()
+            impl.follow(impl.planned(entry.state), *self._replica_reads())
             entry.clock.start(stage)
-            # Peers are about to write this rank's replica slots, so every rank must be done
-            # reading them: the transfer's plan agreement waits for every rank, so it is that barrier.
             self.transfer.weight_sync(handle.layer, entry.plan, blocks=blocks, barrier=self.device is None)
             done = entry.clock.stop(stage)
-            self._transferred = impl.mark("transfer")
-            self._used(entry, "transfer")
+            self._synced(handle, entry)
+        return ReplicaSync(self, handle, done)
+
+    def _replica_reads(self) -> tuple:
+        """Marks a sync's stream must follow: the last transfer, and this rank's reads of the
+        replica slots since, wherever they were enqueued. Peers are about to write the slots,
+        so every rank must be done reading them: the transfer's plan agreement waits for
+        every rank, so it is that barrier."""
+        readers = [self._impl.mark_on(reader, "replica reads") for reader in self._readers.values()]
+        return (self._transferred, *readers)
+
+    def _synced(self, handle: BalanceHandle, entry: _RingSlot) -> None:
+        """A sync of ``handle`` is enqueued on the current stream: later transfers follow it
+        (not the replica reads it followed)."""
+        self._readers.clear()
+        self._transferred = self._impl.mark("transfer")
+        self._used(entry, "transfer")
         entry.syncs += 1
         self._weights_owner = handle
-        return ReplicaSync(self, handle, done)
 
     def wait_replica(self, handle: BalanceHandle, slot: int | None = None, *, stream: Any = None) -> None:
         """Make ``stream`` (else the current one) wait, on the device, until replica slot

@@ -17,10 +17,10 @@ reroute's assign kernel runs after the plan into the slot's routed output, which
 Host time: a ring slot's launches take the same pointers every time once their inputs
 are copied into buffers of the slot's or the gather's own (:class:`Staging`, one
 device-to-device copy), so :class:`LaunchGraphs` replays them as CUDA graphs -- update's
-gather, plan (and assign) as one graph launch, the record's four copies as one, reroute's two
-kernels as one -- captured the second time in a row a slot sees the same shapes and
-recaptured when they change. A graph replays the launches the eager path makes, so both
-give the same bits.
+gather, plan (and assign, and the weight sync an update starts) as one graph launch, the
+record's four copies as one, reroute's two kernels as one -- captured the second time in
+a row a slot sees the same shapes and recaptured when they change. A graph replays the
+launches the eager path makes, so both give the same bits.
 """
 
 from __future__ import annotations
@@ -339,11 +339,13 @@ class DeviceBalancer:
             self._chunk_counts = cupy.empty(size, np.int32)
         return self.loads.staging.copy(ids) if self.graphs.enabled else ids
 
-    def update(self, slot: DeviceSlot, source, *, from_ids: bool) -> Plan:
+    def update(self, slot: DeviceSlot, source, *, from_ids: bool, then=None) -> Plan:
         """Count ``source`` (None: publish the row :meth:`count` staged; bad ids are then
         reported by :meth:`check`), publish the row, wait for every peer's into the slot's
         plan loads and plan, then reroute the counted ids (if any) into the slot's routed
-        output: one graph launch once the slot has seen these shapes twice in a row. The
+        output, then launch the sync ``then(plan buffers)`` prepares, if given (a
+        ``PreparedSync``): one graph launch once the slot has seen these shapes (and that
+        sync's key) twice in a row; a sync without a key is launched behind the graph. The
         update's clock stop marks the plan complete; a record's arrays are copied to pinned
         memory on the mirror stream from there, off the caller's."""
         stream = self.current()
@@ -363,7 +365,14 @@ class DeviceBalancer:
         if routed is not None:  # the routed ids are in the key already when this launch counts them
             key += (routed.dtype.char, routed.shape, routed.data.ptr, slot.routed.data.ptr,
                     self._chunk_counts.data.ptr)
-        self.graphs.run(slot.graphs, "update", key, lambda: self._gather_and_plan(slot, source, from_ids, routed))
+        sync = None if then is None else then(slot.buffers)
+        captured = sync if sync is not None and sync.key is not None else None
+        if captured is not None:
+            key += ("weight_sync",) + captured.key
+        self.graphs.run(slot.graphs, "update", key,
+                        lambda: self._gather_and_plan(slot, source, from_ids, routed, captured))
+        if sync is not None and captured is None:
+            sync.launch()
         slot.planned = Mark(slot.clock.stop("update"), stream.ptr)
         mirror = self._mirror_stream
         mirror.wait_event(slot.planned.event)
@@ -371,13 +380,15 @@ class DeviceBalancer:
         slot.mirrored.record(mirror)
         return slot.buffers  # the transfers compile from the buffers' contents in stream order: no staleness
 
-    def _gather_and_plan(self, slot: DeviceSlot, source, from_ids: bool, routed) -> None:
+    def _gather_and_plan(self, slot: DeviceSlot, source, from_ids: bool, routed, sync) -> None:
         out = slot.buffers
         chunk_counts = None if routed is None else self._chunk_counts
         self.loads.launch(source, from_ids=from_ids, publish=True, out=out.loads, chunk_counts=chunk_counts)
         self.planner.plan(out.loads, out=out)
         if routed is not None:
             reroute_assign_counted(routed, out, self.heap.rank, chunk_counts=chunk_counts, out=slot.routed_view)
+        if sync is not None:
+            sync.launch()
 
     @staticmethod
     def _routed_output(slot: DeviceSlot, ids):

@@ -122,11 +122,12 @@ class HostBalancer:
     def discard(self) -> None:
         self._row = self._ids = None
 
-    def update(self, slot: HostSlot, source, *, from_ids: bool) -> Plan:
+    def update(self, slot: HostSlot, source, *, from_ids: bool, then=None) -> Plan:
         """Count ``source`` (None: publish the row :meth:`count` staged), write the row into
         every peer's gathered matrix (the one the update's number picks, as on the device),
         wait at the heap barrier, plan from a copy of this rank's matrix (peers overwrite it
-        two updates on), reroute the counted ids (the plan has room for every one of them)
+        two updates on), reroute the counted ids (the plan has room for every one of them),
+        run ``then(plan).launch()`` (the sync the update starts, a ``PreparedSync``) if given
         and stop the update's clock."""
         if source is not None:
             self.count(source, from_ids=from_ids)
@@ -141,6 +142,8 @@ class HostBalancer:
         self._ids = None
         self.liveness += 1
         slot.liveness = self.liveness
+        if then is not None:
+            then(plan).launch()
         slot.clock.stop("update")
         return plan
 

@@ -89,10 +89,11 @@ class Model:
             self.grads[layer] = [[xp.zeros(g.shape, np.float32) for g in SPEC.grads] for _ in range(M)]
             balancer.register_layer(layer, self.weights[layer], self.grads[layer])
 
-    def forward(self, layer, step):
-        """update + weight_sync + reroute, each checked against the NumPy planner."""
+    def forward(self, layer, step, sync_in_update=False):
+        """update + weight_sync + reroute, each checked against the NumPy planner
+        (``sync_in_update``: the update starts the sync, weight_sync returns it)."""
         ids = routing(layer, step, me)
-        handle = self.bal.update(layer, xp.asarray(ids))
+        handle = self.bal.update(layer, xp.asarray(ids), weight_sync=sync_in_update)
         want = expected_plan(layer, step)
         got = self.bal.plan(handle).to_numpy()
         for name in ("loads", "phys_to_log", "log_to_phys", "replica_count", "quota", "split_prefix", "rank_load"):
@@ -134,14 +135,15 @@ class Model:
 
 
 def flow():
-    """Two layers, three micro-batches, forward then backward; stats, trace and plot."""
+    """Two layers, three micro-batches, forward then backward (layer 1's syncs started by its
+    updates); stats, trace and plot."""
     steps, layers = 3, 2
     with Balancer(group, LAYOUT, SPEC, num_layers=layers, min_replica_tokens=MIN_REPLICA, backend=backend,
                   record_trace=True) as bal:
         model = Model(bal, range(layers))
         replicas = []
         for step in range(steps):
-            done = [model.forward(layer, step) for layer in range(layers)]
+            done = [model.forward(layer, step, sync_in_update=layer == 1) for layer in range(layers)]
             for layer in reversed(range(layers)):
                 handle, want = done[layer]
                 model.backward(handle, layer, step, want)
@@ -160,7 +162,8 @@ def flow():
             assert record.weight_bytes == 2 * used * SPEC.weight_slot_bytes  # weight_sync + restore
             assert record.weight_syncs == 2
             assert record.grad_bytes == used * SPEC.grad_slot_bytes
-            assert set(record.times_ms) == {"update", "weight_sync", "reroute", "restore", "reduce_grads"}
+            timed = {"update", "weight_sync", "reroute", "restore", "reduce_grads"}
+            assert set(record.times_ms) == timed - ({"weight_sync"} if record.layer == 1 else set())  # in update's
             assert all(t is not None and t >= 0 for t in record.times_ms.values()), record.times_ms
         summary = stats.summary()
         assert summary["imbalance_after_mean"] < summary["imbalance_before_mean"], summary
@@ -221,6 +224,10 @@ def bad_input():
         expect(lambda: bal.update(0, wide), GroupMismatchError, "ranks disagree", "top-k width")
         expect(lambda: bal.update(2, xp.asarray(ids)), BalancerError, "layer must be an int in [0, 2)")
         expect(lambda: bal.update(0, xp.asarray(ids), local_loads=xp.zeros(E, np.int32)), BalancerError, "exactly one")
+        expect(lambda: bal.update(0, xp.asarray(ids), weight_sync="yes" if me == 2 else False), BalancerError,
+               "rank 2", "weight_sync must be a bool")
+        expect(lambda: bal.update(0, xp.asarray(ids), weight_sync=me == 0), GroupMismatchError, "ranks disagree",
+               "weight_sync")
         # the failed calls changed nothing: the next update is micro-batch 0 and plans as expected
         h0 = bal.update(0, xp.asarray(ids))
         assert h0.step == 0

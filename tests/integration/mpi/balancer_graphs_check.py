@@ -7,13 +7,15 @@ Two Balancers hold the same masters: one replays its ring slots' launches as CUD
 (the default), the other launches every kernel itself (``cuda_graphs=False``). Both take
 the same updates, weight syncs and reroutes, in segments that change what a graph was
 captured for: the token count (fewer, then more than the staging buffers hold), the ids'
-dtype, ``local_loads`` instead of ids, a caller's reroute ``out``, and a rank with no
-tokens. Every plan, rerouted id (``reroute(handle)``, the update's own, and
-``reroute(handle, ids)``), replica weight and stats record must be the same on both and
-equal the NumPy references; and in each segment the graphed Balancer must have captured
-anew and replayed (``checked``: sync_checks=True, whose update graph publishes the row
-counted before the collective and reroutes the ids counted there, so it is keyed on them
-as the unchecked one is).
+dtype, ``local_loads`` instead of ids, a caller's reroute ``out``, a rank with no
+tokens, and the weight sync started by the update (``weight_sync=True``: captured in the
+update's graph, whose every replay must flag a new epoch for the replica waits). Every
+plan, rerouted id (``reroute(handle)``, the update's own, and ``reroute(handle, ids)``),
+replica weight and stats record must be the same on both and equal the NumPy references;
+and in each segment the graphed Balancer must have captured anew and replayed
+(``checked``: sync_checks=True, whose update graph publishes the row counted before the
+collective and reroutes the ids counted there, so it is keyed on them as the unchecked
+one is).
 """
 
 import sys
@@ -39,13 +41,15 @@ STEPS = 6  # per segment: each of the 4 ring slots runs eagerly, is captured, is
 LAYOUT = ExpertLayout(R, E, S)
 M = LAYOUT.experts_per_rank
 SPEC = ExpertSpec([("w_in", (8, 16), "float32"), ("w_out", (16, 8), "float32")], grad_dtype="float32")
-# (name, tokens of rank r, ids dtype, update from local_loads, reroute into a caller's out)
-SEGMENTS = [("96 tokens", lambda r: 96 + 16 * r, np.int64, False, False),
-            ("fewer tokens, caller's out", lambda r: 64 + 16 * r, np.int64, False, True),
-            ("more tokens than staged", lambda r: 200 + 16 * r, np.int64, False, False),
-            ("int32 ids", lambda r: 200 + 16 * r, np.int32, False, False),
-            ("local_loads", lambda r: 200 + 16 * r, np.int32, True, False),
-            ("rank 1 without tokens", lambda r: 0 if r == 1 else 64, np.int64, False, False)]
+# (name, tokens of rank r, ids dtype, update from local_loads, reroute into a caller's out, update starts the sync)
+SEGMENTS = [("96 tokens", lambda r: 96 + 16 * r, np.int64, False, False, False),
+            ("fewer tokens, caller's out", lambda r: 64 + 16 * r, np.int64, False, True, False),
+            ("more tokens than staged", lambda r: 200 + 16 * r, np.int64, False, False, False),
+            ("int32 ids", lambda r: 200 + 16 * r, np.int32, False, False, False),
+            ("local_loads", lambda r: 200 + 16 * r, np.int32, True, False, False),
+            ("rank 1 without tokens", lambda r: 0 if r == 1 else 64, np.int64, False, False, False),
+            ("sync started by the update", lambda r: 0 if r == 1 else 64, np.int64, False, False, True),
+            ("sync started by an update of local_loads", lambda r: 96, np.int32, True, False, True)]
 
 
 def routing(layer, step, rank, tokens, dtype):
@@ -80,13 +84,13 @@ def replica_bytes(bal, handle):
 
 
 def one_layer(graphed, eager, layer, step, segment, outs):
-    name, tokens, dtype, from_loads, caller_out = segment
+    name, tokens, dtype, from_loads, caller_out, sync = segment
     ids = {r: routing(layer, step, r, tokens(r), dtype) for r in range(R)}
     loads = np.stack([np.bincount(ids[r].ravel(), minlength=E) for r in range(R)]).astype(np.int32)
     want = plan_placement(loads, LAYOUT, min_replica_tokens=MIN_REPLICA)
     mine = cupy.asarray(ids[me])
-    handles = [bal.update(layer, local_loads=cupy.asarray(loads[me])) if from_loads else bal.update(layer, mine)
-               for bal in (graphed, eager)]
+    handles = [bal.update(layer, local_loads=cupy.asarray(loads[me]), weight_sync=sync) if from_loads
+               else bal.update(layer, mine, weight_sync=sync) for bal in (graphed, eager)]
     what = f"rank {me}: layer {layer} step {step} ({name})"
     plans = [bal.plan(h).to_numpy() for bal, h in zip((graphed, eager), handles)]
     for array in Plan.ARRAYS:
@@ -95,7 +99,9 @@ def one_layer(graphed, eager, layer, step, segment, outs):
     assert (plans[0].imbalance_before, plans[0].imbalance_after) == (plans[1].imbalance_before,
                                                                       plans[1].imbalance_after), what
     for bal, h in zip((graphed, eager), handles):
-        bal.weight_sync(h)
+        started = bal.weight_sync(h)
+        if sync:  # the update's own sync, returned once: a second call syncs again
+            assert bal.weight_sync(h) is not started, f"{what}: the update's sync was returned twice"
     replicas = [replica_bytes(bal, h) for bal, h in zip((graphed, eager), handles)]
     assert replicas[0].keys() == replicas[1].keys(), what
     for slot, tensors in replicas[0].items():
@@ -118,8 +124,8 @@ def one_layer(graphed, eager, layer, step, segment, outs):
 def graph_keys(segment) -> dict:
     """What this rank's ring slots key each launch sequence on, apart from buffers that stay
     put within a segment: a segment that changes a key recaptures that sequence."""
-    _, tokens, dtype, from_loads, caller_out = segment
-    return {"update": "local_loads" if from_loads else (dtype, tokens(me)),
+    _, tokens, dtype, from_loads, caller_out, sync = segment
+    return {"update": ("local_loads" if from_loads else (dtype, tokens(me)), sync),
             "record": "record", "reroute": (dtype, tokens(me), caller_out)}
 
 
