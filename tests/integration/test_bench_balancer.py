@@ -107,6 +107,13 @@ def test_auto_sync_stream_is_beside_only_where_each_rank_has_its_gpu(placements,
     assert bench.resolved_sync_streams(group, ["layer", "auto", "side"]) == list(dict.fromkeys(["layer", auto, "side"]))
 
 
+@pytest.mark.parametrize("options", [["--steps", "plan"], ["--sync-at", "dispatch"], ["--sync-blocks", "8"]])
+def test_sync_started_by_the_update_refuses_options_it_cannot_take(options, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sync-stream", "update", *options])
+    assert "--sync-stream update: the update starts the sync" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text, blocks", [("all", None), ("16", 16)])
 def test_sync_grid_values(text, blocks):
     assert bench.sync_grid(text) == blocks
@@ -161,12 +168,13 @@ def test_balancer_bench_device_breakdown_on_the_gpu(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("steps, sync_at, sync_stream", [("plan", "plan", "side"), ("sync", "plan", "side"),
-                                                       ("all", "dispatch", "side"), ("all", "plan", "layer")])
+                                                       ("all", "dispatch", "side"), ("all", "plan", "layer"),
+                                                       ("all", "plan", "update")])
 def test_balancer_bench_steps_and_where_the_sync_starts(tmp_path, capfd, steps, sync_at, sync_stream):
     """``--steps plan`` / ``sync``: the balanced layer without the sync or without update and
     reroute; ``--sync-at dispatch``: the sync started after dispatch; ``--sync-stream layer``:
-    on the layer's stream. Each still runs, checks its replicas against their masters, and
-    says what it ran (in its row and its title)."""
+    on the layer's stream; ``update``: started by the update. Each still runs, checks its
+    replicas against their masters, and says what it ran (in its row and its title)."""
     out = tmp_path / "balancer.json"
     code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
                        "--ffn", "16", "--initial-imbalance", "2.0", "--min-replica-tokens", "16", "--repeats", "2",

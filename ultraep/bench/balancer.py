@@ -99,6 +99,7 @@ BALANCER_STAGES = ("update", "weight_sync", "reroute")  # the Balancer's own sta
 WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": "fp8e5m2"}  # name -> table label
 HIGHEST_PRIORITY = -1000  # CUDA clamps a stream priority to the device's range: this is its highest
 SYNC_STREAMS = {"side": "on a side stream beside dispatch", "layer": "on the layer's stream, in series",
+                "update": "started by the update (in its CUDA graph), in series",
                 "auto": "beside where each rank has a GPU of its own, else in series (MoELayer's default)"}
 BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
 
@@ -149,8 +150,9 @@ def parse_args(argv):
                              "a reader of the replica slots: the sync runs beside the masters' compute)")
     parser.add_argument("--sync-stream", choices=list(SYNC_STREAMS), nargs="+", default=["auto"],
                         help="where the balanced layer enqueues weight_sync: a side stream of its own, beside the "
-                             "layer's kernels, the layer's stream, in series with them, or auto (side where each "
-                             "rank has a GPU of its own, else layer); a row each")
+                             "layer's kernels, the layer's stream, in series with them, started by the update "
+                             "(update(weight_sync=True): in series, in the update's CUDA graph), or auto (side where "
+                             "each rank has a GPU of its own, else layer); a row each")
     parser.add_argument("--compute-priority", choices=["default", "high"], default="default",
                         help="the stream the layers run on: the default priority, as the weight sync's side stream, "
                              "or the device's highest, so that the block scheduler serves the layer's kernels before "
@@ -168,7 +170,16 @@ def parse_args(argv):
                         help="draw each rank's load per micro-batch, unbalanced and balanced, at the last "
                              "--initial-imbalance (ultraep.analysis.plots.plot_rank_loads)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if "update" in args.sync_stream and not update_may_start(args):
+        parser.error("--sync-stream update: the update starts the sync, so it needs --steps all, --sync-at plan "
+                     "and the engine's grid (--sync-blocks all)")
+    return args
+
+
+def update_may_start(args) -> bool:
+    """Whether the bench's options let the update start the weight sync (``--sync-stream update``)."""
+    return args.steps == "all" and args.sync_at == "plan" and args.sync_blocks == [None]
 
 
 def sync_grid(text: str) -> int | None:
@@ -408,7 +419,8 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, sync_stre
                 return result
 
             planning, syncing = args.steps in ("all", "plan"), args.steps in ("all", "sync")
-            handle = state["planned"] = timed("update", balancer.update, layer, ids) if planning else state["handle"]
+            update = partial(balancer.update, weight_sync=sync_stream == "update")
+            handle = state["planned"] = timed("update", update, layer, ids) if planning else state["handle"]
             stamp.stamp("planned")
             syncs = []
 
