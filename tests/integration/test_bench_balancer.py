@@ -184,6 +184,7 @@ def test_balancer_bench_steps_and_where_the_sync_starts(tmp_path, capfd, steps, 
     (row,) = json.loads(out.read_text())["rows"]
     assert row["steps"] == steps and row["sync_at"] == sync_at and row["replica_diff"] == 0, row
     assert row["sync_stream"] == sync_stream, row
+    assert (row["weight_sync_dev_ms"] is None) == (sync_stream == "update"), row  # the update times its syncs
     assert f"weight_sync {bench.SYNC_STREAMS[sync_stream]}," in capfd.readouterr().out  # the title
     assert row["replicas"] > 0, row
     left_out = {"plan": ["sync_host_ms", "wait_host_ms"], "sync": ["update_host_ms", "reroute_host_ms"], "all": []}

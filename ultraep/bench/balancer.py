@@ -24,7 +24,8 @@ layer, to tell their costs apart; ``--sync-at dispatch`` starts the sync once di
 enqueued (it then runs beside the masters' compute instead of reroute and dispatch);
 ``--sync-stream layer`` enqueues the sync on the layer's own stream instead of a side stream,
 in series with the layer's kernels (before reroute, or after dispatch), nothing beside them;
-``auto`` (default) is ``side`` where each rank has a GPU of its own, else ``layer``, as
+``update`` has the update start it in series (``update(weight_sync=True)``, inside the
+update's CUDA graph); ``auto`` (default) is ``side`` where each rank has a GPU of its own, else ``layer``, as
 ``MoELayer``'s default (``side layer``: a row each).
 ``exposed_ms`` = balanced - in place (median of the rounds' differences): what balancing
 adds to the layer. ``share_pct`` = exposed / layer. ``update_dev_ms``,
@@ -32,7 +33,8 @@ adds to the layer. ``share_pct`` = exposed / layer. ``update_dev_ms``,
 stage times in the balanced layer, each rank's median over its calls, the slowest rank's
 (a sync's copies run on the ranks that hold the replicated masters: the others' syncs
 are the agreement and the compile alone): the parts, not additive (the sync runs beside
-dispatch). ``bal_host_ms`` is the
+dispatch; in ``update`` rows the update's time includes it, and ``weight_sync_dev_ms`` is
+empty). ``bal_host_ms`` is the
 host's time inside the Balancer's calls of one balanced layer -- ``update_host_ms``,
 ``sync_host_ms``, ``reroute_host_ms`` and ``wait_host_ms`` (the per-slot waits) -- and
 ``call_host_ms`` the host's time to enqueue the whole balanced layer (medians).
@@ -515,6 +517,8 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, sync_stre
            "sync_MB": one_sync_mb(stats.records), "replica_diff": diff}
     if args.steps == "plan":
         row["synced_dev_ms"] = None  # no sync was stamped
+    if sync_stream == "update":
+        row["weight_sync_dev_ms"] = None  # the update's clock times its syncs (the setup's sync alone has its own)
     return row, stats.records
 
 
