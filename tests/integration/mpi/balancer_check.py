@@ -210,8 +210,8 @@ def pipeline():
 
 def bad_input():
     ids = routing(0, 0, me)
-    with Balancer(group, LAYOUT, SPEC, num_layers=2, min_replica_tokens=MIN_REPLICA, backend=backend) as bal:
-        Model(bal, range(2))
+    with Balancer(group, LAYOUT, SPEC, num_layers=3, min_replica_tokens=MIN_REPLICA, backend=backend) as bal:
+        Model(bal, range(2))  # layer 2 stays unregistered
         bad = ids.copy()
         if me == 1:
             bad[5, 1] = E + 3
@@ -222,7 +222,9 @@ def bad_input():
         expect(lambda: bal.update(1 if me == 3 else 0, xp.asarray(ids)), GroupMismatchError, "ranks disagree")
         wide = xp.asarray(np.concatenate([ids, ids[:, :1]], axis=1) if me == 0 else ids)
         expect(lambda: bal.update(0, wide), GroupMismatchError, "ranks disagree", "top-k width")
-        expect(lambda: bal.update(2, xp.asarray(ids)), BalancerError, "layer must be an int in [0, 2)")
+        expect(lambda: bal.update(3, xp.asarray(ids)), BalancerError, "layer must be an int in [0, 3)")
+        expect(lambda: bal.update(2, xp.asarray(ids), weight_sync=True), BalancerError, "layer 2 has no registered",
+               "register_layer first")
         expect(lambda: bal.update(0, xp.asarray(ids), local_loads=xp.zeros(E, np.int32)), BalancerError, "exactly one")
         expect(lambda: bal.update(0, xp.asarray(ids), weight_sync="yes" if me == 2 else False), BalancerError,
                "rank 2", "weight_sync must be a bool")
