@@ -182,8 +182,8 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // For a publishing task (a relay among its destinations), or for every task when
 // flag_every_chunk is set (no heap barrier follows: readers wait per slot, wait_replica_slots),
 // per-chunk byte counts (done[task]) tell the warp that finishes a chunk to publish its flags
-// (epoch << FLAG_WRITER_BITS | rank, the epoch the compile counted in weight_syncs) at the destinations; other tasks are neither counted nor
-// flagged (the heap barrier after the sync orders them). A relay task waits (with a timeout) for its own chunk flag before loading,
+// (epoch << FLAG_WRITER_BITS | rank, the epoch the compile counted in weight_syncs) at the
+// destinations; other tasks are neither counted nor flagged (the heap barrier after the sync orders them). A relay task waits (with a timeout) for its own chunk flag before loading,
 // and its pieces are not prefetched (they are not there yet).
 // Master tasks come first in the table, so a warp has stored and counted all its master
 // pieces before it can wait for a flag; as the host caps the grid at what is resident
@@ -363,8 +363,8 @@ __device__ bool wait_for_roles(const u64* roles_done, u64 timeout_ns, u64* statu
 // reads the tables and the verdict with loads that see this launch's stores. The last block
 // to finish zeroes gate[] for the next launch. The agreement's arguments come first
 // (agree_on_plan's), then the compile's, then the copy's that the compile has not (the
-// copy's epoch is the sync count the compile keeps, its status `sync_status`; the peer tables are the same heap's, passed twice so a
-// test can agree alone and copy to many). A gate wait that outlasts 2 x timeout_ns (the
+// copy's epoch is the sync count the compile keeps, its status `sync_status`; the peer
+// tables are the same heap's, passed twice so a test can agree alone and copy to many). A gate wait that outlasts 2 x timeout_ns (the
 // agreement's waits for its peers end within one) records itself there and the block
 // copies nothing.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) agree_compile_and_sync_weights(
