@@ -562,7 +562,11 @@ class Balancer:
         Beside kernels that wait for peers (dispatch), a relay (an expert with more than
         ``relay_threshold`` replicas) can wait only for chunks whose senders' blocks get
         SMs: there, pass ``blocks`` well below the resident bound, or a ``relay_threshold``
-        (``transfer_options``) of at least ``layout.max_instances - 1`` so no sync waits."""
+        (``transfer_options``) of at least ``layout.max_instances - 1`` so no sync waits.
+
+        A handle whose :meth:`update` started its sync (``weight_sync=True``) gets that sync,
+        once: it ran on the update's stream and the default grid, whatever ``stream`` and
+        ``blocks`` say here (a later call syncs again)."""
         return self._sync(handle, "weight_sync", stream, blocks)
 
     def restore(self, handle: BalanceHandle, *, stream: Any = None, blocks: int | None = None) -> ReplicaSync:
