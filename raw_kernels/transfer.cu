@@ -361,17 +361,21 @@ __device__ bool wait_for_roles(const u64* roles_done, u64 timeout_ns, u64* statu
 // 1) run on blocks that are running while the others wait for both (no block waits for one
 // that may not be resident yet); each block then copies as the ticket-th of the grid, and
 // reads the tables and the verdict with loads that see this launch's stores. The last block
-// to finish zeroes gate[] for the next launch. The agreement's arguments come first
-// (agree_on_plan's), then the compile's, then the copy's that the compile has not (the
-// copy's epoch is the sync count the compile keeps, its status `sync_status`; the peer
-// tables are the same heap's, passed twice so a test can agree alone and copy to many). A gate wait that outlasts 2 x timeout_ns (the
-// agreement's waits for its peers end within one) records itself there and the block
-// copies nothing.
+// to finish zeroes gate[] for the next launch. With `agreed_before` set, agree.cu's kernel
+// has run the agreement just before on the stream (same arguments, its verdict in the
+// status) and ticket 0 skips it: the grid then never holds its SMs while it waits for peers
+// (where ranks share a GPU, a late peer's planner, a cluster of whole SMs, could not start
+// before that wait timed out). The agreement's arguments come first (agree_on_plan's, then
+// agreed_before), then the compile's, then the copy's that the compile has not (the copy's
+// epoch is the sync count the compile keeps, its status `sync_status`; the peer tables are
+// the same heap's, passed twice so a test can agree alone and copy to many). A gate wait
+// that outlasts 2 x timeout_ns (the agreement's waits for its peers end within one) records
+// itself there and the block copies nothing.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) agree_compile_and_sync_weights(
         const int* agreed_log_to_phys, const int* agreed_replica_count, int agreed_E, int agreed_K, int op, u64 layer,
         const u64* peer_bases, int agreeing_rank, int world, u64 pad, u64* calls, u64 timeout_ns, u64* hashes,
-        u64* agreement_status, COMPILE_WEIGHT_PARAMETERS, int task_rows, const i64* tensor_table, i64 tile_bytes,
-        int dest_rows, const u64* src_ptrs, int num_src_ptrs, const u64* copy_peer_bases, int num_ranks,
+        u64* agreement_status, int agreed_before, COMPILE_WEIGHT_PARAMETERS, int task_rows, const i64* tensor_table,
+        i64 tile_bytes, int dest_rows, const u64* src_ptrs, int num_src_ptrs, const u64* copy_peer_bases, int num_ranks,
         int flag_every_chunk, int* done, u64* sync_status, u64* gate) {
     static_assert(AGREE_THREADS == SYNC_THREADS && COMPILE_THREADS == SYNC_THREADS, "one block size for every role");
     __shared__ int ticket_of_block;
@@ -379,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) agre
     if (threadIdx.x == 0) ticket_of_block = static_cast<int>(atomicAdd(gate, 1ull));
     __syncthreads();
     const int ticket = ticket_of_block;
-    if (ticket == 0)
+    if (ticket == 0 && !agreed_before)
         agree_on_plan(agreed_log_to_phys, agreed_replica_count, agreed_E, agreed_K, op, layer, peer_bases,
                       agreeing_rank, world, pad, calls, timeout_ns, hashes, agreement_status);
     if (ticket == role_blocks() - 1) compile_weights(COMPILE_WEIGHT_ARGUMENTS);

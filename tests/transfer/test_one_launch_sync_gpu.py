@@ -7,9 +7,10 @@ expert and its chunk flags are set, as its master would have left them), for gri
 block (both roles in one), 2 and many: the compiled tables equal ``compile_schedule``'s,
 every destination slot the tables name holds its expert byte for byte with every chunk
 flagged with the epoch the compile counted, every other byte keeps its poison, and the
-gate is zero again. A peer that
-publishes another hash refuses the plan: the tables are still compiled, nothing is
-copied, and the status names the mismatch (needs a GPU)."""
+gate is zero again. A peer that publishes another hash refuses the plan: the tables are
+still compiled, nothing is copied, and the status names the mismatch. The same with the
+agreement run just before by agree.cu's kernel (``agreed_before``: what ranks sharing a GPU
+do), the launch reading its verdict (needs a GPU)."""
 
 import numpy as np
 import pytest
@@ -55,8 +56,9 @@ class ScriptedAgreement:
                 self.calls, np.uint64(10**9), self.hashes, self.status)
 
 
-def sync_once(layout, plan, rank, spec, geometry, tables, expert_bytes, blocks, agreement, layer):
-    """One launch for ``rank``: returns the heaps (host copies), the status words and the gate."""
+def sync_once(layout, plan, rank, spec, geometry, tables, expert_bytes, blocks, agreement, layer, agreed_before):
+    """One launch for ``rank`` (after the agreement's own, ``agreed_before``): returns the heaps
+    (host copies), the status words and the gate."""
     import cupy
 
     R, M, S, P = layout.num_ranks, layout.experts_per_rank, layout.redundant_slots, layout.slots_per_rank
@@ -84,9 +86,12 @@ def sync_once(layout, plan, rank, spec, geometry, tables, expert_bytes, blocks, 
     if tables.weight_shared_bytes > 48 * 1024:
         kernel.max_dynamic_shared_size_bytes = tables.weight_shared_bytes
     tables.weight_syncs.fill(EPOCH - 1)  # the compile counts this launch's sync: its chunks flag EPOCH
+    agreement_arguments = agreement.arguments(layout, device_plan.log_to_phys, device_plan.replica_count, layer)
+    if agreed_before:  # no gated placement: the launch reads the verdict
+        get_function("agree.cu", "agree_plan")((1,), (kernel_constant("agree.cu", "AGREE_THREADS"),),
+                                               agreement_arguments + (np.uintp(0),))
     kernel((blocks,), (kernel_constant("transfer.cu", "SYNC_THREADS"),),
-           agreement.arguments(layout, device_plan.log_to_phys, device_plan.replica_count, layer)
-           + tables.weight_compile_arguments(device_plan)
+           agreement_arguments + (np.int32(agreed_before),) + tables.weight_compile_arguments(device_plan)
            + (np.int32(len(tables.weight_tasks)), tensor_table, np.int64(geometry.tile_bytes),
               np.int32(len(tables.dests)), sources, np.int32(len(sources)),
               cupy.asarray(np.array([h.data.ptr for h in heaps], np.uint64)), np.int32(R), np.int32(1),
@@ -113,8 +118,9 @@ def expected_heaps(before, reference, layout, plan, spec, geometry, expert_bytes
     return want
 
 
+@pytest.mark.parametrize("agreed_before", [False, True], ids=["agreed in the launch", "agreed before"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=repr)
-def test_one_launch_sync_equals_compile_then_copy(layout):
+def test_one_launch_sync_equals_compile_then_copy(layout, agreed_before):
     import cupy
 
     rng = np.random.default_rng((layout.num_ranks, layout.num_experts, 7))
@@ -137,11 +143,12 @@ def test_one_launch_sync_equals_compile_then_copy(layout):
             reference = compile_schedule(plan, spec, geometry, placement, rank, relay_threshold=threshold,
                                          relay_count=relay_count)
             for blocks in (1, 2, 37):
-                context = f"{layout} trial {trial} rank {rank} grid {blocks}"
+                context = f"{layout} trial {trial} rank {rank} grid {blocks} agreed before {agreed_before}"
                 mine = plan_hash(trial, plan.log_to_phys, plan.replica_count)
                 agreement = ScriptedAgreement(3, peer_hash=mine)
                 before, after, status, gate, done = sync_once(layout, plan, rank, spec, geometry, tables,
-                                                              expert_bytes, blocks, agreement, trial)
+                                                              expert_bytes, blocks, agreement, trial,
+                                                              agreed_before)
                 assert not status.any(), f"{context}: sync status {status}"
                 assert not agreement.status.get().any(), f"{context}: agreement status {agreement.status.get()}"
                 assert not gate.any() and not done.any(), f"{context}: gate {gate} or chunk counts {done} left set"
@@ -158,7 +165,8 @@ def test_one_launch_sync_equals_compile_then_copy(layout):
 
                 refusing = ScriptedAgreement(3, peer_hash=mine ^ 1)
                 before, after, status, gate, done = sync_once(layout, plan, rank, spec, geometry, tables,
-                                                              expert_bytes, blocks, refusing, trial)
+                                                              expert_bytes, blocks, refusing, trial,
+                                                              agreed_before)
                 assert int(refusing.status.get()[STATUS_KIND]) == AGREE_MISMATCH, f"{context}: no mismatch recorded"
                 assert not status.any() and not gate.any(), f"{context}: refused sync left {status} / {gate}"
                 assert all(np.array_equal(b, a) for b, a in zip(before, after)), f"{context}: a refused sync wrote"

@@ -9,7 +9,9 @@ compiles the plan the kernel hands on -- the caller's, or, when the ranks disagr
 does not answer within the timeout, one without replicas, whose transfer writes nothing. A
 weight sync runs the agreement inside the sync's one launch instead, beside its compile and
 before its copy (:meth:`DevicePlanAgreement.beside_compile`; two launches fewer), the copy
-reading the verdict and writing nothing after a refusal. Every rank
+reading the verdict and writing nothing after a refusal; where ranks share a GPU the
+agreement kernel runs just before that launch, so no sync grid holds SMs while it waits
+for its peers (:class:`~ultraep.transfer.device.DeviceTransfer`). Every rank
 sees every hash, so all refuse alike; the failure is recorded on the device and raised by
 :meth:`DevicePlanAgreement.check` (the engine's ``synchronize``). Until then every later
 transfer writes nothing too, so nothing is computed on a refused placement.
@@ -84,11 +86,13 @@ class AgreedPlacement(NamedTuple):
 class AgreementBesideCompile(NamedTuple):
     """A weight sync's agreement, to run in the sync's one launch (transfer.cu's
     ``agree_compile_and_sync_weights``, whose copy reads the verdict): the plan's device
-    arrays and the agreement's kernel arguments."""
+    arrays and the agreement's kernel arguments; ``launch_before()`` enqueues it as a
+    kernel of its own instead, leaving the verdict for that launch (``agreed_before``)."""
 
     log_to_phys: object
     replica_count: object
     arguments: tuple
+    launch_before: Callable[[], None]
 
 
 class DevicePlanAgreement:
@@ -129,8 +133,12 @@ class DevicePlanAgreement:
                                lambda: self._kernel((1,), (AGREE_THREADS,), arguments))
 
     def beside_compile(self, what: str, layer: int, plan) -> AgreementBesideCompile:
-        """The agreement of :meth:`agreed`, not launched: the weight sync's launch runs it."""
-        return AgreementBesideCompile(*self._arguments(what, layer, plan))
+        """The agreement of :meth:`agreed`, not launched: the weight sync's launch runs it
+        (or its ``launch_before``, which writes no gated placement)."""
+        log_to_phys, replica_count, arguments = self._arguments(what, layer, plan)
+        alone = arguments + (np.uintp(0),)
+        return AgreementBesideCompile(log_to_phys, replica_count, arguments,
+                                      lambda: self._kernel((1,), (AGREE_THREADS,), alone))
 
     def _arguments(self, what: str, layer: int, plan) -> tuple:
         """``(log_to_phys, replica_count, arguments)``: the plan's device arrays (a NumPy

@@ -9,7 +9,8 @@ waits for the device. A weight sync whose plan is agreed on the device runs the 
 the compile and the copy in one launch (``agree_compile_and_sync_weights``). The compile
 numbers the syncs on the device, so that launch takes the same arguments every time for
 the same plan buffers, and the Balancer captures it in its update's CUDA graph right
-behind the plan (:meth:`DeviceTransfer.prepare_sync`). Those tables and the kernels'
+behind the plan (:meth:`DeviceTransfer.prepare_sync`). Where ranks share a GPU the agreement
+is a one-block launch of its own just before it, so that no full grid waits for peers. Those tables and the kernels'
 counters are shared by every call of one engine, as the replica slots are: its transfers
 must be ordered on one stream (or by events), never run concurrently on two.
 :meth:`DeviceTransfer.synchronize` waits and reports device-side timeouts and refused plans.
@@ -21,6 +22,7 @@ import cupy
 import numpy as np
 
 from ultraep.errors import TransferTimeout
+from ultraep.runtime.group import ranks_per_gpu
 from ultraep.runtime.kernels import get_function, kernel_constant
 from ultraep.transfer.agreement import AgreementBesideCompile
 from ultraep.transfer.device_schedule import DEFAULT_SHARED_BYTES, DeviceSchedule
@@ -103,6 +105,10 @@ class DeviceTransfer:
             resident = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
                 self._one_launch_sync_kernel.kernel.ptr, SYNC_THREADS, shared)
         self.agrees_in_sync = min(group.allgather(resident)) >= SYNC_MIN_BLOCKS
+        # Where ranks share a GPU (MPS), a sync grid waiting in the agreement holds SMs that a
+        # peer still planning needs: its planner, a cluster of whole SMs, then starts only once
+        # the wait has timed out. There the agreement waits in a block of its own, launched first.
+        self.agrees_before_sync = ranks_per_gpu(group) > 1
 
     @staticmethod
     def setup_error(spec) -> str | None:
@@ -131,19 +137,23 @@ class DeviceTransfer:
         """Count the sync (its epoch, what :meth:`wait_slots` waits for, is then :attr:`syncs`:
         the device's schedule compile keeps the same count) and return its launches.
         ``plan``: an :class:`AgreementBesideCompile` (only where :attr:`agrees_in_sync`): the
-        agreement, the compile and the copy run in one launch, the copy writing nothing if
-        the ranks refuse the plan, with the same arguments every call for the same plan
-        buffers (``key``: it can be captured in a CUDA graph); else an agreed placement,
+        agreement, the compile and the copy run in one launch (the agreement in a launch just
+        before where :attr:`agrees_before_sync`), the copy writing nothing if the ranks refuse
+        the plan, with the same arguments every call for the same plan buffers (``key``: it
+        can be captured in a CUDA graph); else an agreed placement,
         whose agreement is launched first, then the compile, then the copy (not captured)."""
         self.syncs += 1
         grid, tables = blocks or self.blocks, self.tables
         if isinstance(plan, AgreementBesideCompile):
-            arguments = plan.arguments + tables.weight_compile_arguments(plan) + (
+            agree_before = self.agrees_before_sync
+            arguments = plan.arguments + (np.int32(agree_before),) + tables.weight_compile_arguments(plan) + (
                 np.int32(len(tables.weight_tasks)), self._tensor_table, np.int64(self.geometry.tile_bytes),
                 np.int32(len(tables.dests)), entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases,
                 np.int32(self.heap.size), np.int32(flag_every_chunk), self._sync_done, self._status, self._gate)
 
             def launch() -> None:
+                if agree_before:
+                    plan.launch_before()
                 self._one_launch_sync_kernel((grid,), (SYNC_THREADS,), arguments,
                                              shared_mem=tables.weight_shared_bytes)
             return PreparedSync(launch, ("one launch", grid) + launch_key(arguments))
