@@ -78,15 +78,15 @@ def test_moe_layer_bench_cpu(tmp_path, capfd):
 
 
 def test_moe_layer_bench_rows_per_sync_stream(tmp_path):
-    """``--sync-stream side layer``: an ultraep row each, named and labelled by where the
+    """``--sync-stream side update``: an ultraep row each, named and labelled by where the
     layers ran the sync, both balanced and both bitwise none's."""
     out = tmp_path / "moe.json"
     assert bench.main(["--backend", "host", "--ranks", "2", *TINY, "--initial-imbalance", "1.25",
-                       "--sync-stream", "side", "layer", "--json", str(out)]) == 0
+                       "--sync-stream", "side", "update", "--json", str(out)]) == 0
     rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["ideal", "none", "ultraep/side", "ultraep/layer"]
-    assert [row["sync_stream"] for row in rows.values()] == [None, None, "side", "layer"]
-    for name in ("ultraep/side", "ultraep/layer"):
+    assert list(rows) == ["ideal", "none", "ultraep/side", "ultraep/update"]
+    assert [row["sync_stream"] for row in rows.values()] == [None, None, "side", "update"]
+    for name in ("ultraep/side", "ultraep/update"):
         assert rows[name]["replicas"] > 0 and rows[name]["out_diff"] == 0 and rows[name]["dx_diff"] == 0, rows[name]
 
 
@@ -118,16 +118,16 @@ def test_moe_layer_bench_phases_show_where_each_policy_spends_its_steps(tmp_path
 @requires_gpu
 def test_moe_layer_bench_gpu_balancing_moves_no_bit(tmp_path):
     """The grouped GEMM on the device: ultraep's outputs and input gradients bitwise none's,
-    with the weight sync beside the layers' kernels and in series with them, every policy's
+    with the weight sync beside the layers' kernels and started by their updates, every policy's
     two checked steps bitwise equal (4 ranks sharing the GPU, time-sliced)."""
     out = tmp_path / "moe.json"
     code = bench.main(["--backend", "device", "--ranks", "4", *TINY, "--hidden", "256", "--ffn", "128",
-                       "--sync-stream", "side", "layer", "--phases", "--json", str(out)])
+                       "--sync-stream", "side", "update", "--phases", "--json", str(out)])
     assert code == 0
     data = json.loads(out.read_text())
     rows = {row["policy"]: row for row in data["rows"]}
-    assert {row["step"] for row in data["phases"] if row["policy"] == "ultraep/layer"} >= {"update", "reduce_grads"}
-    for name in ("ultraep/side", "ultraep/layer"):
+    assert {row["step"] for row in data["phases"] if row["policy"] == "ultraep/update"} >= {"update", "reduce_grads"}
+    for name in ("ultraep/side", "ultraep/update"):
         assert rows[name]["out_diff"] == 0 and rows[name]["dx_diff"] == 0, rows[name]
         assert rows[name]["replicas"] > 0 and rows[name]["wgrad_rel"] <= 1e-4, rows[name]
     assert all(row["rerun_diff"] == 0 for row in rows.values())

@@ -98,13 +98,16 @@ class _Placed:
 
 
 @pytest.mark.parametrize("placements, auto", [([("h", 0), ("h", 1)], "side"), ([("a", 0), ("b", 0)], "side"),
-                                              ([("h", None)] * 2, "side"), ([("h", 0)] * 4, "layer"),
-                                              ([("h", 0), ("h", 1), ("h", 1)], "layer")])
+                                              ([("h", None)] * 2, "side"), ([("h", 0)] * 4, "update"),
+                                              ([("h", 0), ("h", 1), ("h", 1)], "update")])
 def test_auto_sync_stream_is_beside_only_where_each_rank_has_its_gpu(placements, auto):
-    """``auto`` (MoELayer's default) as ``sync_beside_pays`` decides, each placement once, in order."""
+    """``auto`` (MoELayer's default) as ``sync_beside_pays`` decides, each placement once, in
+    order; in series the update starts the sync, unless the bench's options keep it from it."""
     group = _Placed(placements)
     assert bench.resolved_sync_streams(group, ["auto"]) == [auto]
     assert bench.resolved_sync_streams(group, ["layer", "auto", "side"]) == list(dict.fromkeys(["layer", auto, "side"]))
+    in_series = "layer" if auto == "update" else auto
+    assert bench.resolved_sync_streams(group, ["auto"], update_may_start=False) == [in_series]
 
 
 @pytest.mark.parametrize("options", [["--steps", "plan"], ["--sync-at", "dispatch"], ["--sync-blocks", "8"]])

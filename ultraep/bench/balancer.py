@@ -102,16 +102,18 @@ WEIGHT_DTYPES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8e4m3", "float8_e5m2": 
 HIGHEST_PRIORITY = -1000  # CUDA clamps a stream priority to the device's range: this is its highest
 SYNC_STREAMS = {"side": "on a side stream beside dispatch", "layer": "on the layer's stream, in series",
                 "update": "started by the update (in its CUDA graph), in series",
-                "auto": "beside where each rank has a GPU of its own, else in series (MoELayer's default)"}
+                "auto": "beside where each rank has a GPU of its own, else started by the update (MoELayer's default)"}
 BLOCK = 128  # edge of the square weight block one FP8 scale covers (DeepSeek-V3)
 
 
-def resolved_sync_streams(group, streams: list) -> list:
-    """``streams`` with ``auto`` as the placement :func:`~ultraep.integration.sync_beside_pays`
-    picks on this group, each once, in order (collective)."""
+def resolved_sync_streams(group, streams: list, update_may_start: bool = True) -> list:
+    """``streams`` with ``auto`` as MoELayer places the sync on this group, each once, in
+    order (collective): beside where :func:`~ultraep.integration.sync_beside_pays`, else
+    started by the update (in series on the layer's stream where ``update_may_start`` is
+    False: the bench's options keep the update from starting it)."""
     from ultraep.integration import sync_beside_pays
 
-    auto = "side" if sync_beside_pays(group) else "layer"
+    auto = "side" if sync_beside_pays(group) else "update" if update_may_start else "layer"
     return list(dict.fromkeys(auto if stream == "auto" else stream for stream in streams))
 
 
@@ -153,8 +155,9 @@ def parse_args(argv):
     parser.add_argument("--sync-stream", choices=list(SYNC_STREAMS), nargs="+", default=["auto"],
                         help="where the balanced layer enqueues weight_sync: a side stream of its own, beside the "
                              "layer's kernels, the layer's stream, in series with them, started by the update "
-                             "(update(weight_sync=True): in series, in the update's CUDA graph), or auto (side where "
-                             "each rank has a GPU of its own, else layer); a row each")
+                             "(update(weight_sync=True): in series, in the update's CUDA graph), or auto (as MoELayer: "
+                             "side where each rank has a GPU of its own, else update, or layer where the options keep "
+                             "the update from starting it); a row each")
     parser.add_argument("--compute-priority", choices=["default", "high"], default="default",
                         help="the stream the layers run on: the default priority, as the weight sync's side stream, "
                              "or the device's highest, so that the block scheduler serves the layer's kernels before "
@@ -582,7 +585,7 @@ def run(args) -> int:
 
     group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend != "host")
     sharing = sharing_label(group)
-    args.sync_stream = resolved_sync_streams(group, args.sync_stream)
+    args.sync_stream = resolved_sync_streams(group, args.sync_stream, update_may_start(args))
     printing = group.rank == 0
     progress = Progress("balancer", enabled=printing and not args.quiet)
     launches = (f"Balancer launches {'eager' if args.no_cuda_graphs else 'in CUDA graphs'}" if on_gpu(group, args)

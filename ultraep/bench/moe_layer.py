@@ -12,9 +12,10 @@ skewed routing under three policies in one run, as tokens/s and the ratio to the
   resolved by the cost model on the machine profile, ``ultraep.tune``). Where no plan
   could make a replica (``MoELayer.balancing``; e.g. decode under ``auto``) the layers run
   unbalanced: ``replicas`` 0 and a note under the table; with both ``--sync-stream side
-  layer``, a row per value again (``/side``: the weight sync beside the layer's kernels,
-  ``MoELayer(sync_beside=True)``, ``/layer``: in series on the layer's stream, ``False``;
-  the default ``auto`` is the layer's own choice, ``sync_stream`` names it);
+  update``, a row per value again (``/side``: the weight sync beside the layer's kernels,
+  ``MoELayer(sync_beside=True)``, ``/update``: in series on the layer's stream, started by
+  the update, ``False``; the default ``auto`` is the layer's own choice, ``sync_stream``
+  names it);
 * ``ideal``: force-balanced routing -- every source sends ``tokens x top_k / experts``
   pairs to every expert, so each rank receives exactly the mean -- with no balancing.
 
@@ -59,6 +60,8 @@ from ultraep.bench.balancer import SYNC_STREAMS, resolved_sync_streams
 from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
 
+# MoELayer's placements of the sync: in series, its update starts it (no "layer" of its own)
+MOE_LAYER_SYNC_STREAMS = [stream for stream in SYNC_STREAMS if stream != "layer"]
 POLICIES = ("ideal", "none", "ultraep")  # in this order: each row's vs_ideal and diffs are known when it is printed
 ROUTING_DRAWS = 32  # Zipf rankings tried per layer: whether a target is reachable depends on which experts share a rank
 COLUMNS = ["policy", "fwd_ms", "bwd_ms", "step_ms", "tokens_per_s", "vs_ideal", "rows_max_mean", "replicas",
@@ -99,10 +102,11 @@ def parse_args(argv):
     parser.add_argument("--min-replica-tokens", type=replica_threshold, nargs="+", default=[512], metavar="N|auto",
                         help="fewest tokens a replica may serve (the planner's min_replica_tokens), or auto (the "
                              "cost model on the machine profile, ultraep.tune); several values: an ultraep row each")
-    parser.add_argument("--sync-stream", choices=list(SYNC_STREAMS), nargs="+", default=["auto"],
+    parser.add_argument("--sync-stream", choices=MOE_LAYER_SYNC_STREAMS, nargs="+", default=["auto"],
                         help="where ultraep's layers run the weight sync: a stream of their own, beside their "
-                             "kernels, the layer's stream, in series, or auto (MoELayer's default: side where each "
-                             "rank has a GPU of its own, else layer); an ultraep row per placement")
+                             "kernels, in series on the layer's stream, started by the update, or auto (MoELayer's "
+                             "default: side where each rank has a GPU of its own, else update); an ultraep row per "
+                             "placement")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--phases", action="store_true",

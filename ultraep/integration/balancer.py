@@ -434,8 +434,7 @@ class Balancer:
         GPU inside the update's own CUDA graph, so the sync starts when the plan exists,
         not when the host gets to a second call. :meth:`weight_sync` then returns that
         sync (and launches nothing); its time counts as the update's in the stage times.
-        MoELayer does not use it yet: under MPS some benchmark runs timed out in it, a cause
-        still open (docs/benchmarks.md, balancer).
+        MoELayer does so whenever its sync runs in series.
         """
         error, agreed, source, entry = None, None, None, None
         from_ids = local_loads is None

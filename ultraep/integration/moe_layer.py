@@ -20,7 +20,7 @@ local slot ``j`` are ``offsets[j]:offsets[j + 1]``, masters ``j < M`` then repli
 * forward: when the layer balances (:attr:`MoELayer.balancing`), ``update`` ->
   ``weight_sync`` (on a stream of the layer's own, so the copies run beside reroute and
   dispatch, where each rank has its own GPU; in series on the caller's where ranks share
-  one: ``sync_beside``) -> ``reroute``;
+  one -- ``sync_beside`` --, started by the update right behind its plan) -> ``reroute``;
   ``dispatch``; then the
   weights of the replica slots the plan fills are copied behind the masters in the layer's
   stacked weights once they have landed (``FilledSlotCopy``: an empty slot gets no rows, so
@@ -370,7 +370,8 @@ class MoELayer:
     ``max_recv_rows``, ``timeout_s``, ``sync_checks``: the Dispatcher's.
     ``sync_beside`` (GPU, when the layer balances): True runs the Balancer's ``weight_sync``
     and ``restore`` on a stream of the layer's own, beside reroute, dispatch and the masters'
-    compute; False on the caller's stream, in series with them; ``"auto"`` (default) beside
+    compute; False on the caller's stream, in series with them (the forward's sync started by
+    ``update(weight_sync=True)``, behind the plan); ``"auto"`` (default) beside
     where every rank has a GPU of its own, in series where ranks share one
     (:func:`~ultraep.integration.sync_beside_pays`: under MPS the stream beside slows every
     launch of the layer's). No choice changes a result bit.
@@ -648,7 +649,9 @@ class MoELayer:
         with self._on_stream(stream, x), self._recording_phases("forward"):
             handle, ids = None, topk_ids
             if self._balancing:
-                handle = self.balancer.update(self.layer, topk_ids, stream=stream)
+                # in series, the update starts the sync right behind its plan (inside its CUDA graph)
+                handle = self.balancer.update(self.layer, topk_ids, stream=stream,
+                                              weight_sync=self._sync_stream is None)
                 self._mark("update")
                 self.balancer.weight_sync(handle, stream=self._sync_stream)
                 self._mark("weight_sync")
