@@ -46,3 +46,38 @@ def test_heap_requirements_are_the_gathered_loads_and_the_transfers():
     assert needs.signals[0] == ("balancer.gather_flags", 4)  # one flag per rank's load row
     assert needs.signals[1:] == WeightTransfer.heap_requirements(layout, spec, tile_bytes=512).signals
     assert needs.signals != Balancer.heap_requirements(layout, spec).signals  # default tiles: fewer chunks
+
+
+def test_a_sync_the_update_started_leaves_no_reference_cycle():
+    """A ring slot keeps the update-started sync's event, not a ReplicaSync (which holds the
+    Balancer), until weight_sync takes it: a Balancer dropped with such a sync untaken is
+    freed by reference counting, as one whose syncs were all taken (host backend, one rank)."""
+    import gc
+    import weakref
+
+    from mpi4py import MPI
+
+    from ultraep.runtime.group import EPGroup
+
+    group = EPGroup(MPI.COMM_SELF, use_gpu=False)
+    layout = ExpertLayout(1, 4, 1)
+    spec = ExpertSpec([("w", (4, 4), "float32")], grad_dtype="float32")
+    ids = np.array([[0, 1], [0, 2]])
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for take_the_last in (True, False):
+            bal = Balancer(group, layout, spec, num_layers=1, min_replica_tokens=1, backend="host")
+            bal.register_layer(0, [[np.ones((4, 4), np.float32)] for _ in range(4)],
+                               [[np.zeros((4, 4), np.float32)] for _ in range(4)])
+            bal.weight_sync(bal.update(0, ids, weight_sync=True)).wait()
+            handle = bal.update(0, ids, weight_sync=True)
+            if take_the_last:
+                bal.weight_sync(handle)
+            bal.close()
+            freed = weakref.ref(bal)
+            del bal
+            assert freed() is None, f"the Balancer outlived its last reference (last sync taken: {take_the_last})"
+    finally:
+        if collecting:
+            gc.enable()

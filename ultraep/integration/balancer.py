@@ -221,7 +221,9 @@ class _RingSlot:
         self.plan: Plan | None = None
         self.counted_ids = False  # its update counted top-k ids (and rerouted them), not a load row
         self.syncs = self.reductions = 0
-        self.started_sync: ReplicaSync | None = None  # the weight sync its update started, until weight_sync takes it
+        # (the end event of the weight sync its update started,) until weight_sync takes that sync: the
+        # event alone, as a ReplicaSync (which holds the Balancer) would make a cycle of Balancer and ring
+        self.started_sync: tuple | None = None
         self.state = backend.new_slot()  # the backend's buffers and stage clock
         self.clock = self.state.clock
         self.users: dict = {}  # stream -> mark after its last use of the plan buffers
@@ -515,7 +517,7 @@ class Balancer:
         entry.started_sync = None
         if weight_sync:
             planned = self._impl.planned(entry.state)
-            entry.started_sync = ReplicaSync(self, handle, None if planned is None else planned.event)
+            entry.started_sync = (None if planned is None else planned.event,)
             self._synced(handle, entry)
         self._steps[layer] += 1
         self._updates += 1
@@ -577,8 +579,8 @@ class Balancer:
     def _sync(self, handle, stage: str, stream, blocks):
         entry = self._collective_entry(handle, stage, blocks=blocks)
         if stage == "weight_sync" and entry.started_sync is not None:
-            started, entry.started_sync = entry.started_sync, None
-            return started
+            (done,), entry.started_sync = entry.started_sync, None
+            return ReplicaSync(self, handle, done)
         impl = self._impl
         with impl.stream(stream):
             impl.follow(impl.planned(entry.state), *self._replica_reads())
