@@ -36,6 +36,16 @@ def test_balancer_hot_path_neither_allocates_nor_waits(tmp_path):
     assert "0 pool allocations" in out
 
 
+@pytest.mark.mpi
+@pytest.mark.gpu
+@requires_gpu
+def test_a_late_planner_is_not_kept_off_the_sms_by_its_waiting_peers(tmp_path):
+    """Meaningful where each rank holds an SM share under MPS (gpu_check's second pass):
+    time-sliced ranks never run beside each other."""
+    out = run_ranks(RANKS, "integration/mpi/balancer_check.py", "device", "late-planner", str(tmp_path), timeout=240)
+    assert_all_ranks_ok(out, RANKS, "late-planner")
+
+
 def test_heap_requirements_are_the_gathered_loads_and_the_transfers():
     """The tiling options size the transfer's part; the other transfer options size nothing."""
     layout = ExpertLayout(4, 8, 2)

@@ -1,6 +1,7 @@
 """Multi-rank Balancer check, run under mpiexec by tests/integration/test_balancer.py.
 
-Usage: python -m mpi4py balancer_check.py {host|device} {flow|pipeline|bad-input|shared-heap|hot-path|streams}
+Usage: python -m mpi4py balancer_check.py {host|device} {flow|pipeline|bad-input|shared-heap|hot-path|streams|
+       late-planner}
        [out dir]
 
 Every rank's top-k ids, master weights and replica gradients are seeded functions of
@@ -533,6 +534,46 @@ def streams():
     print(f"[streams] rank {me} OK", flush=True)
 
 
+LATE_PLANNER_NS = 1_000_000
+
+
+def late_planner():
+    """Ranks sharing a GPU (MPS), one planning late: the last rank's planner starts 1 ms
+    after its gather (a sleep kernel launched ahead of it, inside the update's graph once
+    captured), while its peers' update-started syncs already wait for it. The planner is a
+    cluster of whole SMs: a sync whose whole grid waited in the agreement kept it from
+    starting until the wait timed out (seen on the H200 at 25 % of the SMs per rank). Every
+    sync must land within the 3 s timeout, every replica its master's (device only)."""
+    sleep = xp.RawKernel(r"""extern "C" __global__ void sleep_ns(unsigned long long ns) {
+        unsigned long long start, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        do { __nanosleep(1000); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < ns);
+    }""", "sleep_ns")
+    sleep((1,), (32,), (np.uint64(0),))  # compiled before any timed wait
+    with Balancer(group, LAYOUT, SPEC, num_layers=2, min_replica_tokens=MIN_REPLICA, backend=backend,
+                  sync_checks=False, timeout_s=3.0) as bal:
+        model = Model(bal, range(2))
+        planner = bal._impl.planner
+        if me == R - 1:
+            planning = planner.plan
+
+            def late(*args, **kwargs):
+                sleep((1,), (32,), (np.uint64(LATE_PLANNER_NS),))
+                return planning(*args, **kwargs)
+            planner.plan = late
+        steps = 8  # each ring slot runs eagerly, is captured, is replayed
+        ids = {(layer, step): xp.asarray(routing(layer, step, me)) for step in range(steps) for layer in range(2)}
+        xp.cuda.get_current_stream().synchronize()
+        group.barrier()
+        for step in range(steps):  # no host read until the end: the device stays busy, as in a training loop
+            for layer in range(2):
+                handle = bal.update(layer, ids[layer, step], weight_sync=True)
+                bal.weight_sync(handle).wait()
+        bal.check()
+        model.check_replicas(handle, 1, expected_plan(1, steps - 1))
+    print(f"[late-planner] rank {me} OK", flush=True)
+
+
 CHECKS = {"flow": flow, "pipeline": pipeline, "bad-input": bad_input, "shared-heap": shared_heap, "hot-path": hot_path,
-          "streams": streams}
+          "streams": streams, "late-planner": late_planner}
 CHECKS[check]()
