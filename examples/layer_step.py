@@ -34,7 +34,8 @@ with ultraep.open_heap(group, need) as heap, \
     # forward
     h = bal.update(0, topk_ids)             # gathers every rank's exact load, plans (the same plan on every rank)
     sync = bal.weight_sync(h)               # copies hot experts' weights into replica slots (GPU: stream=side
-                                            # where ultraep.integration.sync_beside_pays(group), else in series)
+                                            # where ultraep.integration.sync_beside_pays(group), else in series:
+                                            # then update(0, topk_ids, weight_sync=True) starts it behind the plan)
     slot_ids = bal.reroute(h)              # update's logical expert ids -> physical slot ids
     recv = disp.dispatch(x, slot_ids, gates)  # expert-major rows: local slot j owns rows offsets[j]:offsets[j+1]
     for s in range(S):                      # GPU: dispatch and the masters' compute run while replicas arrive;
