@@ -3,7 +3,8 @@
 // round trip. When the ranks disagree (or a peer does not answer in time) the plan is
 // refused and the transfer writes nothing: agree.cu's kernel hands a gated plan to the
 // compile after it; a weight sync runs the agreement, its compile and its copy in one launch
-// (transfer.cu), the copy reading the status instead. The host reads the recorded failure
+// (transfer.cu), the copy reading the status instead -- or, where ranks share a GPU, agree.cu's
+// kernel just before that launch, with no gated plan. The host reads the recorded failure
 // when it synchronises.
 //
 // The hash is a sum over the plan's words of a 64-bit mix of (position, value), so threads

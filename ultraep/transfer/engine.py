@@ -321,7 +321,8 @@ class WeightTransfer:
         passed on this rank and, on the host, on every rank, with the same plan everywhere
         (else ValueError). On the device the plan returned is the agreement kernel's
         (:mod:`ultraep.transfer.agreement`): ``plan`` where the ranks agree, else one whose
-        transfer writes nothing; for a weight sync, the agreement to run in its launch."""
+        transfer writes nothing; for a weight sync, the agreement to run with its launch (in it,
+        or just before it where ranks share a GPU)."""
         self._check_open()
         self.heap._check_open(f"WeightTransfer.{what}")  # its replica slots and peer table are gone
         error, entry, fingerprint = None, None, None
@@ -334,7 +335,7 @@ class WeightTransfer:
             if (bad_grid := grid_check(blocks)) is not None:
                 raise ValueError(bad_grid)
             if self._agreement is not None:  # the device answers a lone refusal with a timeout, not a host wait
-                if what == "weight_sync" and self.impl.agrees_in_sync:  # in the sync's one launch
+                if what == "weight_sync" and self.impl.agrees_in_sync:  # with the sync's one launch
                     return entry, self._agreement.beside_compile(what, layer, plan)
                 return entry, self._agreement.agreed(what, layer, plan)
             numpy_plan = host_plan(plan)
