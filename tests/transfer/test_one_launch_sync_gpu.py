@@ -152,6 +152,7 @@ def test_one_launch_sync_equals_compile_then_copy(layout, agreed_before):
                 assert not status.any(), f"{context}: sync status {status}"
                 assert not agreement.status.get().any(), f"{context}: agreement status {agreement.status.get()}"
                 assert not gate.any() and not done.any(), f"{context}: gate {gate} or chunk counts {done} left set"
+                assert int(agreement.calls.get()[0]) == 1, f"{context}: the sync was not agreed exactly once"
                 counts = tables.counts.get()
                 for name, count in zip(COUNT_FIELDS[:2], counts):
                     assert np.array_equal(getattr(tables, name)[:count].get(), getattr(reference, name)), \
@@ -168,6 +169,7 @@ def test_one_launch_sync_equals_compile_then_copy(layout, agreed_before):
                                                               expert_bytes, blocks, refusing, trial,
                                                               agreed_before)
                 assert int(refusing.status.get()[STATUS_KIND]) == AGREE_MISMATCH, f"{context}: no mismatch recorded"
+                assert int(refusing.calls.get()[0]) == 1, f"{context}: the refused sync was not agreed exactly once"
                 assert not status.any() and not gate.any(), f"{context}: refused sync left {status} / {gate}"
                 assert all(np.array_equal(b, a) for b, a in zip(before, after)), f"{context}: a refused sync wrote"
                 assert np.array_equal(tables.weight_tasks[:int(tables.counts.get()[0])].get(), reference.weight_tasks)

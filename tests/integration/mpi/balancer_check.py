@@ -25,7 +25,7 @@ from ultraep.integration.pipeline import max_in_flight, one_f_one_b
 from ultraep.integration.traces import load_trace
 from ultraep.planner import ExpertLayout, plan_placement, reroute
 from ultraep.runtime import open_heap
-from ultraep.runtime.group import EPGroup, GroupMismatchError
+from ultraep.runtime.group import EPGroup, GroupMismatchError, ranks_per_gpu
 from ultraep.runtime.heap import ALLOC_ALIGN, HeapError, HeapRequirements
 from ultraep.transfer import ExpertSpec
 from ultraep.transfer.host import reference_reduce
@@ -550,8 +550,11 @@ def late_planner():
         do { __nanosleep(1000); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < ns);
     }""", "sleep_ns")
     sleep((1,), (32,), (np.uint64(0),))  # compiled before any timed wait
+    sharing = ranks_per_gpu(group) > 1
+    # two micro-batches in flight: an update waits for its ring slot's record two steps back, so the host runs ahead
     with Balancer(group, LAYOUT, SPEC, num_layers=2, min_replica_tokens=MIN_REPLICA, backend=backend,
-                  sync_checks=False, timeout_s=3.0) as bal:
+                  sync_checks=False, timeout_s=3.0, max_in_flight=2) as bal:
+        assert bal.transfer.impl.agrees_before_sync == sharing, "ranks sharing a GPU must agree before the sync"
         model = Model(bal, range(2))
         planner = bal._impl.planner
         if me == R - 1:
@@ -565,7 +568,7 @@ def late_planner():
         ids = {(layer, step): xp.asarray(routing(layer, step, me)) for step in range(steps) for layer in range(2)}
         xp.cuda.get_current_stream().synchronize()
         group.barrier()
-        for step in range(steps):  # no host read until the end: the device stays busy, as in a training loop
+        for step in range(steps):  # no host read of ours until the end: the device stays busy, as in training
             for layer in range(2):
                 handle = bal.update(layer, ids[layer, step], weight_sync=True)
                 bal.weight_sync(handle).wait()
