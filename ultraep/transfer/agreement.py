@@ -8,12 +8,11 @@ publishes the hash into every peer's signal pad and compares all of them, and th
 compiles the plan the kernel hands on -- the caller's, or, when the ranks disagree or a peer
 does not answer within the timeout, one without replicas, whose transfer writes nothing. A
 weight sync runs the agreement inside the sync's one launch instead, beside its compile and
-before its copy (:meth:`DevicePlanAgreement.beside_compile`; two launches fewer, one where it
-runs apart), the copy
+before its copy (:meth:`DevicePlanAgreement.beside_compile`; two launches fewer), the copy
 reading the verdict and writing nothing after a refusal; where ranks share a GPU the
-agreement kernel runs just before that launch, so no sync grid holds SMs while it waits
-for its peers (:class:`~ultraep.transfer.device.DeviceTransfer`). Every rank
-sees every hash, so all refuse alike; the failure is recorded on the device and raised by
+agreement kernel runs just before that launch (one launch fewer), so no sync grid holds
+SMs while it waits for its peers (:class:`~ultraep.transfer.device.DeviceTransfer`). Every
+rank sees every hash, so all refuse alike; the failure is recorded on the device and raised by
 :meth:`DevicePlanAgreement.check` (the engine's ``synchronize``). Until then every later
 transfer writes nothing too, so nothing is computed on a refused placement.
 """

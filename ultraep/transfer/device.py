@@ -9,11 +9,12 @@ waits for the device. A weight sync whose plan is agreed on the device runs the 
 the compile and the copy in one launch (``agree_compile_and_sync_weights``). The compile
 numbers the syncs on the device, so that launch takes the same arguments every time for
 the same plan buffers, and the Balancer captures it in its update's CUDA graph right
-behind the plan (:meth:`DeviceTransfer.prepare_sync`). Where ranks share a GPU the agreement
-is a one-block launch of its own just before it, so that no full grid waits for peers. Those tables and the kernels'
-counters are shared by every call of one engine, as the replica slots are: its transfers
-must be ordered on one stream (or by events), never run concurrently on two.
-:meth:`DeviceTransfer.synchronize` waits and reports device-side timeouts and refused plans.
+behind the plan (:meth:`DeviceTransfer.prepare_sync`). Where ranks share a GPU the
+agreement is a one-block launch of its own just before it, so that no full grid waits for
+peers. Those tables and the kernels' counters are shared by every call of one engine, as
+the replica slots are: its transfers must be ordered on one stream (or by events), never
+run concurrently on two. :meth:`DeviceTransfer.synchronize` waits and reports device-side
+timeouts and refused plans.
 """
 
 from __future__ import annotations
