@@ -39,9 +39,11 @@ def test_balancer_hot_path_neither_allocates_nor_waits(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.gpu
 @requires_gpu
-def test_a_late_planner_is_not_kept_off_the_sms_by_its_waiting_peers(tmp_path):
+def test_update_started_syncs_land_while_one_rank_plans_late(tmp_path):
     """Meaningful where each rank holds an SM share under MPS (gpu_check's second pass):
-    time-sliced ranks never run beside each other."""
+    time-sliced ranks never run beside each other. Not a guard of the agreement-before
+    path: with it forced off this check still passed (3 of 3 runs on the H200 at 25 %),
+    while the balancer bench's busy layers starved the late planner."""
     out = run_ranks(RANKS, "integration/mpi/balancer_check.py", "device", "late-planner", str(tmp_path), timeout=240)
     assert_all_ranks_ok(out, RANKS, "late-planner")
 

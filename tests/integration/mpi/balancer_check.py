@@ -540,10 +540,11 @@ LATE_PLANNER_NS = 1_000_000
 def late_planner():
     """Ranks sharing a GPU (MPS), one planning late: the last rank's planner starts 1 ms
     after its gather (a sleep kernel launched ahead of it, inside the update's graph once
-    captured), while its peers' update-started syncs already wait for it. The planner is a
-    cluster of whole SMs: a sync whose whole grid waited in the agreement kept it from
-    starting until the wait timed out (seen on the H200 at 25 % of the SMs per rank). Every
-    sync must land within the 3 s timeout, every replica its master's (device only)."""
+    captured), while its peers' update-started syncs already wait for it. Every sync must
+    land within the 3 s timeout, every replica its master's (device only), and ranks
+    sharing a GPU must take the agreement-before path. The starvation that path removed (a
+    sync grid waiting in the agreement on every SM of the share kept the late planner's
+    cluster from starting) needs the bench's busy layers: this check alone did not show it."""
     sleep = xp.RawKernel(r"""extern "C" __global__ void sleep_ns(unsigned long long ns) {
         unsigned long long start, now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
