@@ -142,9 +142,10 @@ class OneRank:
 
 
 def test_alternated_phases_take_turns_at_running_first(monkeypatch):
-    """``alternate=(1, 2)``: phases 1 and 2 swap places every other repeat (the others keep
+    """``alternate=[(1, 2)]``: phases 1 and 2 swap places every other repeat (the others keep
     theirs), and each phase's window is still its own (each phase here takes its own time on
-    a clock that only the phases move)."""
+    a clock that only the phases move); paired blocks swap whole, each phase given the one
+    before it in the block."""
     clock, ran = [0.0], []
 
     def phase(name, seconds):
@@ -155,9 +156,22 @@ def test_alternated_phases_take_turns_at_running_first(monkeypatch):
 
     monkeypatch.setattr(bench.time, "monotonic", lambda: clock[0])
     phases = [phase("a", 0.001), phase("b", 0.002), phase("c", 0.004)]
-    windows = bench.phase_windows_ms(OneRank(), phases, 4, lambda: None, alternate=(1, 2))
+    windows = bench.phase_windows_ms(OneRank(), phases, 4, lambda: None, alternate=[(1, 2)])
     assert "".join(ran) == "abc" "acb" "abc" "acb"
     assert windows == pytest.approx([1.0, 2.0, 4.0])
     ran.clear()
     bench.phase_windows_ms(OneRank(), phases, 2, lambda: None)
     assert "".join(ran) == "abcabc"
+
+    given = []
+
+    def passing(name):
+        def run(previous):
+            given.append((previous, name))
+            return name
+        return run
+
+    blocks = [passing(name) for name in ("s", "a1", "a2", "b1", "b2", "t")]
+    bench.phase_windows_ms(OneRank(), blocks, 2, lambda: None, alternate=[(1, 3), (2, 4)])
+    assert [name for _, name in given] == ["s", "a1", "a2", "b1", "b2", "t", "s", "b1", "b2", "a1", "a2", "t"]
+    assert given[7:10] == [("s", "b1"), ("b1", "b2"), ("b2", "a1")] and given[11] == ("a2", "t")

@@ -65,6 +65,9 @@ def test_bench_columns_by_config():
     assert bench.columns(False, "both") == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "tuned_ms",
                                             "tuned_gain", "tuned_config", "out_diff", "rerun_diff"]
     assert bench.columns(True, "tuned")[6:9] == ["tuned_config", "seq_train_ms", "seq_bwd_ms"]
+    both = bench.columns(True, "both")
+    assert both[both.index("bwd_rest_speedup") + 1:][:4] == ["tuned_train_ms", "tuned_bwd_ms", "tuned_bwd_gain",
+                                                            "out_diff"]
 
 
 @pytest.mark.mpi
@@ -78,10 +81,12 @@ def test_bench_runs_the_default_and_the_tuned_layer_side_by_side(tmp_path, monke
     out = tmp_path / "fused.json"
     code = bench.main(["--backend", "host", "--ranks", "2", "--hidden", "32", "--ffn", "16", "--experts-per-rank",
                        "2", "--top-k", "2", "--repeats", "1", "--quiet", "--tokens", "24", "4100", "--config", "both",
-                       "--json", str(out)])
+                       "--backward", "--json", str(out)])
     assert code == 0, capfd.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     for row in rows:
         assert row["out_diff"] == 0 and row["rerun_diff"] == 0, row
         assert row["tuned_gain"] == pytest.approx(row["fused_ms"] / row["tuned_ms"])
+        assert row["tuned_bwd_gain"] == pytest.approx(row["fused_bwd_ms"] / row["tuned_bwd_ms"])
+        assert all(row[key] == 0 for key in bench.BACKWARD_DIFFS), row
         assert row["tuned_config"].startswith("ctas=")

@@ -38,7 +38,11 @@ constants where the model predicts no gain beyond its error); ``both``, the cons
 columns and the tuned layer's beside them in the same run: ``tuned_ms``, ``tuned_gain`` =
 fused_ms / tuned_ms (expected at least 1: tuned at least as fast as the constants) and
 ``tuned_config``. Each fused layer's output and rerun count in ``out_diff`` /
-``rerun_diff``; the backward (``--backward``) and the timeline are the first layer's.
+``rerun_diff``. With ``--backward`` both layers' training passes are timed too, the two
+layers again taking turns at running first: ``tuned_train_ms``, ``tuned_bwd_ms`` and
+``tuned_bwd_gain`` = fused_bwd_ms / tuned_bwd_ms (the backward runs on the forward's CTAs);
+each fused layer's gradients count in the backward's diffs. The timeline is the first
+layer's.
 
 ``--timeline FILE.png``: per setting, every rank's recorded fused forward, a panel per rank
 on one time axis, one line per SM (a worker on the host), coloured by task kind (send,
@@ -74,6 +78,7 @@ from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
 CONFIGS = ("constants", "tuned")  # --config both: each, the constants first
 TUNED = {"tuned": ["tuned_config"], "both": ["tuned_ms", "tuned_gain", "tuned_config"]}
+TUNED_BACKWARD = ["tuned_train_ms", "tuned_bwd_ms", "tuned_bwd_gain"]  # --backward --config both
 BACKWARD_TIMES = ["seq_train_ms", "seq_bwd_ms", "fused_train_ms", "fused_bwd_ms", "train_speedup", "bwd_speedup",
                   "step_speedup", "wgrad_ms", "bwd_rest_speedup"]
 BACKWARD_DIFFS = ["dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
@@ -131,6 +136,7 @@ def columns(backward: bool, config: str = "default", overlap: bool = False) -> l
     forward's, the diffs last."""
     times = COLUMNS.index("out_diff")
     return (COLUMNS[:times] + TUNED.get(config, []) + (BACKWARD_TIMES if backward else [])
+            + (TUNED_BACKWARD if backward and config == "both" else [])
             + (OVERLAP if overlap else []) + COLUMNS[times:] + (BACKWARD_DIFFS if backward else []))
 
 
@@ -283,7 +289,8 @@ def run(args) -> int:
     configs = fused_configs(args.config)
     if args.config != "default":
         title += f"; MoELayer(fused_config={args.config!r})" if args.config != "both" else (
-            "; fused_config='constants', tuned: 'tuned', tuned_gain = fused_ms / tuned_ms")
+            "; fused_config='constants', tuned: 'tuned', tuned_gain = fused_ms / tuned_ms"
+            + (", tuned_bwd_gain = fused_bwd_ms / tuned_bwd_ms" if args.backward else ""))
     progress = Progress("moe-fused", enabled=me == 0 and not args.quiet)
     if args.overlap:
         title += ("; dispatch_ms, up_gemm_ms: the sequential path's Dispatcher.dispatch alone and its "
@@ -334,7 +341,7 @@ def run(args) -> int:
                 first = {key: checked(moe) for key, moe in layers.items()}  # also the warm-up
                 timed = [lambda _, moe=moe: moe.forward(x, ids, gates, backward=False) for moe in layers.values()]
                 if args.backward:  # zero_grads in a phase of its own; the forward hands its context on
-                    for moe in (layers[False], fused):
+                    for moe in (layers[False], *(layers[name] for name in configs)):
                         timed += [lambda _, moe=moe: moe.zero_grads(),
                                    lambda _, moe=moe: moe.forward(x, ids, gates)[1],
                                    lambda ctx, moe=moe: moe.backward(ctx, dy)]
@@ -348,9 +355,12 @@ def run(args) -> int:
                     up_out = grouped_mm(received.x, sequential._w_up, received.offsets)  # reused: no zero fill timed
                     timed += [lambda _: sequential.dispatcher.dispatch(x, ids, gates),
                                lambda _: grouped_mm(received.x, sequential._w_up, received.offsets, out=up_out)]
-                # the constants and the tuned layer take turns at running first
-                windows = phase_windows_ms(group, timed, args.repeats, synchronize,
-                                           alternate=(1, 2) if args.config == "both" else None)
+                # the constants and the tuned layer take turns at running first, in each direction
+                alternate = []
+                if args.config == "both":
+                    alternate = [(1, 2)] + ([(len(layers) + 3 + i, len(layers) + 6 + i) for i in range(3)]
+                                            if args.backward else [])
+                windows = phase_windows_ms(group, timed, args.repeats, synchronize, alternate=alternate)
                 again = {name: checked(layers[name]) for name in configs}
                 layers[False].check()
                 tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None
@@ -377,12 +387,12 @@ def run(args) -> int:
                             plot_timeline(everyone_tasks, timeline_path(args.timeline, T, H, which),
                                           f"{R} ranks ({caveat}): fused {which}, {T} tokens, hidden {H}, ffn {F}, "
                                           f"top-{K}")
-                want, got = first[False], first[primary]
+                want = first[False]
                 mine = [sum(differing(first[name][:1], want[:1]) for name in configs),
                         sum(differing(again[name][:1], first[name][:1]) for name in configs)]
-                if args.backward:  # dx, d_gates, grad_up, grad_down each, then all four rerun
-                    mine += [differing([g], [w]) for g, w in zip(got[1:], want[1:])]
-                    mine.append(differing(again[primary][1:], got[1:]))
+                if args.backward:  # dx, d_gates, grad_up, grad_down each, then all four rerun, over the fused layers
+                    mine += [sum(differing([first[name][i]], [want[i]]) for name in configs) for i in range(1, 5)]
+                    mine.append(sum(differing(again[name][1:], first[name][1:]) for name in configs))
             finally:
                 for moe in layers.values():
                     moe.close()
@@ -397,12 +407,15 @@ def run(args) -> int:
             if tuned is not None:
                 row["tuned_config"] = tuned
             if args.backward:
-                _, seq_train, seq_bwd, _, fused_train, fused_bwd, wgrad = windows[len(layers):overlap_at]
+                _, seq_train, seq_bwd, _, fused_train, fused_bwd, *tuned_passes, wgrad = windows[len(layers):overlap_at]
                 row.update(seq_train_ms=seq_train, seq_bwd_ms=seq_bwd, fused_train_ms=fused_train,
                            fused_bwd_ms=fused_bwd, train_speedup=seq_train / fused_train,
                            bwd_speedup=seq_bwd / fused_bwd,
                            step_speedup=(seq_train + seq_bwd) / (fused_train + fused_bwd), wgrad_ms=wgrad,
                            bwd_rest_speedup=(seq_bwd - wgrad) / (fused_bwd - wgrad))
+                if tuned_passes:
+                    _, tuned_train, tuned_bwd = tuned_passes
+                    row.update(tuned_train_ms=tuned_train, tuned_bwd_ms=tuned_bwd, tuned_bwd_gain=fused_bwd / tuned_bwd)
             if args.overlap:
                 dispatch_ms, up_gemm_ms = windows[overlap_at:]
                 fused_a = kernel_a_ms(recorded["forward"])

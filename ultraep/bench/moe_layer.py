@@ -237,18 +237,18 @@ class MoEStack:
             self.balancer.close()
 
 
-def phase_windows_ms(group, phases, repeats: int, synchronize, alternate: tuple[int, int] | None = None) -> list[float]:
+def phase_windows_ms(group, phases, repeats: int, synchronize, alternate=()) -> list[float]:
     """ms per repeat of each phase as the whole group's window (first rank's start to the
     last rank's end; a barrier before each phase). ``phases``: callables run in order, each
-    given the previous one's result (the first None). ``alternate``: two phases (neither
-    reading its input) that swap places every other repeat, so neither always runs second
-    (the phase after them is given whichever ran second)."""
+    given the previous one's result (the first None). ``alternate``: pairs of phases that
+    swap places every other repeat, so that of two runs (a phase each, or a block of
+    consecutive phases paired in order, the first of each reading no input) neither always
+    runs second; a phase after a swapped one is given whichever ran before it."""
     spans = [[] for _ in phases]
     for repeat in range(repeats):
         result = None
         order = list(range(len(phases)))
-        if alternate is not None and repeat % 2:
-            first, second = alternate
+        for first, second in alternate if repeat % 2 else ():
             order[first], order[second] = second, first
         for phase in order:
             fn = phases[phase]

@@ -87,7 +87,9 @@ class DeviceFusedBackward:
                 trace.fill(0)
             traces = self.traces
         bases = fwd.impl.heap.peer_bases
-        self.k["fused_grad_dispatch_dgrad"]((fwd.grid,), (fwd.threads,), (
+        # the forward's CTAs for these tokens: the same footprint (one CTA an SM) meets the same SM shares
+        ctas = fwd.schedule.for_tokens(tokens).ctas
+        self.k["fused_grad_dispatch_dgrad"]((ctas,), (fwd.threads,), (
             grad_y_map, w_down_map, dy, np.int32(tokens), np.int32(d.top_k), np.int32(H), s["ids"], s["gates"],
             s["positions"], s["base"], bases, np.uint64(b.landing.offset), np.uint64(b.row_weight.offset),
             np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset), np.uint64(fwd.row_flag.offset),
@@ -95,7 +97,7 @@ class DeviceFusedBackward:
             rank_mtile, s["row_landing"], s["row_weight"], s["row_origin"], cp.ascontiguousarray(y), grad_y,
             fwd.tile_ready, np.int32(F), cp.ascontiguousarray(h), dh, epoch, timeout, self.counters[:2], fwd.status,
             s["outcome"], traces[0]), shared_mem=fwd.shared_bytes)
-        self.k["fused_dgrad_combine"]((fwd.grid,), (fwd.threads,), (
+        self.k["fused_dgrad_combine"]((ctas,), (fwd.threads,), (
             dh_map, w_up_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(fwd.done.offset), np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), rank_off,
             rank_mtile, s["ids"], s["positions"], s["base"], np.int32(tokens), np.int32(d.top_k), dx, d_gates,

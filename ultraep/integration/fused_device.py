@@ -89,7 +89,6 @@ class DeviceFusedForward:
         for config in schedule.configs:  # in the schedule's order: the same collective loads on every rank
             if config.defines() not in self.variants:
                 self.variants[config.defines()] = self._load(group, config.defines())
-        self.grid = resident_ctas(group.device)
         self.row_flag, self.done = flags["row_flag"], flags["done"]
         self.row_flag.local.fill(0)
         self.done.local.fill(0)

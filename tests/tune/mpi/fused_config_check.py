@@ -7,10 +7,11 @@ For several configurations (one CTA and the smallest tasks and unrolls; a third 
 SMs; every SM with the largest unrolls; the source's constants; on the GPU the tuned
 schedule, whose ranks fall into different token buckets here: rank 0 carries more than
 4096 tokens, the others a few hundred; the default, which is the tuned schedule on the GPU
-and the constants on the host), the fused forward's output is bitwise the sequential layer's, and the same over
-two runs. Refused on every rank, naming what is wrong: a grid above the resident CTAs (on
-the GPU), a fused_config that is not one, ranks that pass different ones, a fused_config
-without fused=True.
+and the constants on the host), the fused forward's output and its backward's input, gate and
+weight gradients are bitwise the sequential layer's, and the same over two runs (the backward
+runs on the forward's CTAs for its tokens). Refused on every rank, naming what is wrong: a
+grid above the resident CTAs (on the GPU), a fused_config that is not one, ranks that pass
+different ones, a fused_config without fused=True.
 """
 
 import sys
@@ -57,7 +58,17 @@ def to_backend(array):
 
 
 def bits(array):
-    return host(array).view(np.int16)
+    return np.ascontiguousarray(host(array)).view(np.uint8)
+
+
+def forward_and_backward(moe, data, dy):
+    """The bits of one training forward's output, then of its backward's dx and gate
+    gradients and of the weight gradients it leaves (from zero)."""
+    moe.zero_grads()
+    out, ctx = moe.forward(*data)
+    results = [bits(out)] + [bits(a) for a in (*moe.backward(ctx, dy), moe.grad_up, moe.grad_down)]
+    moe.check()
+    return results
 
 
 def layer(fused_config=None, *, fused=True):
@@ -83,8 +94,9 @@ def main():
     ids = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)]).astype(np.int64)
     data = (to_backend(bf16(rng.standard_normal((T, H)))), to_backend(ids),
             to_backend(rng.random((T, K)).astype(np.float32) + 0.1))
+    dy = to_backend(bf16(rng.standard_normal((T, H))))
     with layer(fused=False) as plain:
-        want = bits(plain.forward(*data)[0])
+        want = forward_and_backward(plain, data, dy)
     configs = [FusedConfig(1, send_tokens=1, reduce_tokens=1, copy_unroll=1, reduce_unroll=1),
                FusedConfig(max(1, RESIDENT // 3), send_tokens=7, reduce_tokens=64),
                FusedConfig(RESIDENT, send_tokens=128, reduce_tokens=5, copy_unroll=8, reduce_unroll=16), "constants"]
@@ -95,10 +107,10 @@ def main():
     for config in configs:
         with layer(config) as moe:
             for run in range(2):
-                got = bits(moe.forward(*data)[0])
-                moe.check()
-                count = int(np.count_nonzero(got != want))
-                assert count == 0, f"fused_config={config} run {run}: {count} elements differ from sequential"
+                got = forward_and_backward(moe, data, dy)
+                for name, g, w in zip(("output", "dx", "d_gates", "grad_up", "grad_down"), got, want):
+                    count = int(np.count_nonzero(g != w))
+                    assert count == 0, f"fused_config={config} run {run}: {count} bytes of {name} differ from the plain"
             if not isinstance(config, FusedConfig):  # the named schedules, compared below
                 schedules[config] = moe._fused.schedule
             if config == "tuned" and me == 0:
