@@ -15,10 +15,13 @@
 // and BF16 output take A = 0.
 //
 // rows_e = [offsets[e], offsets[e+1]), read and checked on the device by every block
-// (grouped_gemm_common.cuh): on a bad array no block writes anything. One persistent
-// block per SM walks the tiles t = blockIdx.x, + gridDim.x, ... of one fixed order:
-// expert, then groups of 8 m-tiles, every n-tile of a group (grouped_raster), so the blocks
-// running at once share a few m-side tiles and an n-side slice in L2.
+// (grouped_gemm_common.cuh): on a bad array no block writes anything. Persistent blocks, one
+// per SM, claim the tiles of one fixed order -- expert, then groups of 8 m-tiles, every
+// n-tile of a group (grouped_raster), so the blocks running at once share a few m-side tiles
+// and an n-side slice in L2 -- one at a time from a counter of the launch's stream (`claims`),
+// so a block that gets its SM late (SMs shared with other processes under MPS, or with other
+// kernels) takes fewer tiles instead of holding the launch up by its share of them. Which
+// block runs a tile changes no bit of it.
 //
 // A block is three warpgroups. In warpgroup 0, which gives most of its registers away
 // (setmaxnreg), one thread is the producer: it copies the operand tiles of each k-step by
@@ -188,6 +191,52 @@ __device__ __forceinline__ void store_ring_blocks(unsigned base, int col0, const
 
 // -- The tile loop ----------------------------------------------------------------------------
 
+// The claimed tiles' way to the block's roles: the producer claims a tile, writes its index
+// to the next of GG_TILE_SLOTS shared slots and arrives on the slot's `full` barrier; every
+// reading warp (the consumers' and, for BF16 output, the store warps) reads it and arrives on
+// the slot's `empty` one, which the producer waits for before it reuses the slot. An index
+// of `tiles` or more ends each role's loop.
+#define GG_TILE_SLOTS 4
+struct TileQueue {
+    int* index;
+    u64* full;
+    u64* empty;
+};
+
+// The producer's i-th tile: claimed from the launch's counter once slot i % GG_TILE_SLOTS is
+// free, and published to the readers (`tiles` or more: none left).
+__device__ __forceinline__ int claim_tile(const TileQueue& queue, int i, int* claims, long long* status,
+                                          bool& gave_up) {
+    const int slot = i % GG_TILE_SLOTS;
+    stage_wait(&queue.empty[slot], ((i / GG_TILE_SLOTS) & 1) ^ 1, status, GH_WAITED_FOR_READERS, gave_up);
+    if (gave_up) return 0x7fffffff;  // past every tile: the loop ends
+    const int t = atomicAdd(claims, 1);
+    queue.index[slot] = t;
+    mbarrier_arrive(&queue.full[slot]);
+    return t;
+}
+
+// A reading warp's i-th tile index (`tiles` once a wait gave up, which ends its loop).
+__device__ __forceinline__ int next_tile(const TileQueue& queue, int i, int tiles, int lane, long long* status,
+                                         bool& gave_up) {
+    const int slot = i % GG_TILE_SLOTS;
+    stage_wait(&queue.full[slot], (i / GG_TILE_SLOTS) & 1, status, GH_WAITED_FOR_TILE, gave_up);
+    const int t = gave_up ? tiles : queue.index[slot];
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(&queue.empty[slot]);
+    return t;
+}
+
+// Called once by each block's producer when it claims no more (it got none, or gave up): the
+// last of the launch resets the counter, so the next launch on the stream starts at tile 0.
+__device__ __forceinline__ void done_claiming(int* claims) {
+    __threadfence();  // this block's last claim before its count
+    if (atomicAdd(claims + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        claims[0] = 0;
+        claims[1] = 0;
+    }
+}
+
 // A compile-time choice passed to a generic lambda (NVRTC has no <type_traits>).
 template <bool VALUE>
 struct Flag {
@@ -198,7 +247,7 @@ struct Flag {
 template <int MODE, typename OutT>
 __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorMap* b_map, const void* offsets,
                                            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out,
-                                           OutT* add_to, int added_experts, long long* status) {
+                                           OutT* add_to, int added_experts, long long* status, int* claims) {
     constexpr bool STAGED_OUTPUT = sizeof(OutT) == 2;  // FP32 tiles do not fit beside the stages: stored directly
     constexpr bool RING_STAGED = STAGED_OUTPUT && GG_SCHEDULE == GG_RING_STAGED;
     constexpr bool A_BOXES = MODE == GH_WGRAD, B_BOXES = MODE != GH_DGRAD;
@@ -206,6 +255,8 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     __shared__ int off[GG_MAX_EXPERTS + 1];
     __shared__ int tile_start[GG_MAX_EXPERTS + 1];
     __shared__ u64 full[GH_STAGES], empty[GH_STAGES], output_full, output_empty;
+    __shared__ int queued_tile[GG_TILE_SLOTS];
+    __shared__ u64 tile_full[GG_TILE_SLOTS], tile_empty[GG_TILE_SLOTS];
 
     if (!load_offsets(off, offsets, offsets_are_64bit, experts, rows, status)) return;
     const int out_cols = MODE == GH_DGRAD ? K : N;
@@ -219,12 +270,17 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
         }
         mbarrier_init(&output_full, GH_CONSUMERS * 4);
         mbarrier_init(&output_empty, GH_STORE_WARPS);
+        for (int s = 0; s < GG_TILE_SLOTS; ++s) {
+            mbarrier_init(&tile_full[s], 1);
+            mbarrier_init(&tile_empty[s], GH_CONSUMERS * 4 + (STAGED_OUTPUT ? GH_STORE_WARPS : 0));
+        }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     const int tiles = MODE == GH_WGRAD ? experts * wgrad_m_tiles * n_tiles : tile_start[experts];
     const unsigned stages = (shared_address(dynamic_shared) + 1023) & ~1023u;
     const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;  // the BF16 output tile (ring-staged: its tail)
+    const TileQueue queue{queued_tile, tile_full, tile_empty};
 
     // Tile t: its expert, then (m, n) of the expert's tiles in grouped_raster's order.
     auto tile_at = [&](int t) {
@@ -249,15 +305,16 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             // the same choice), copied one box each.
             auto produce = [&](auto one_box_each) {
                 int step = 0;
-                for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                for (int i = 0, t; (t = claim_tile(queue, i, claims, status, gave_up)) < tiles; ++i) {
                     const Tile tile = tile_at(t);
                     const int a_boxes = A_BOXES ? min(GH_BM / GH_BOX, ceil_div(K - tile.row0, GH_BOX)) : 1;
                     const int b_boxes = B_BOXES ? min(GH_BN / GH_BOX, ceil_div(out_cols - tile.col0, GH_BOX)) : 1;
                     if (!load_tile<MODE, decltype(one_box_each)::value>(a_map, b_map, tile, a_boxes,
                                                                         (1u << b_boxes) - 1, 0, stages, full, empty,
                                                                         step, status, gave_up))
-                        return;
+                        break;
                 }
+                done_claiming(claims);
             };
             if constexpr (MODE == GH_WGRAD) {
                 if (K % GH_BOX == 0 && N % GH_BOX == 0) {
@@ -275,7 +332,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             // and was staged nowhere.
             const int id = threadIdx.x - WARP;
             int phase = 0, step = 0;
-            for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+            for (int i = 0, t; (t = next_tile(queue, i, tiles, lane, status, gave_up)) < tiles; ++i) {
                 const Tile tile = tile_at(t);
                 OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert - added_experts) * K * N : out;
                 step += ceil_div(tile.red_len, GH_BK);
@@ -301,7 +358,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
             // 512-byte row at a time, masked to the tile's rows and the output's columns.
             const int id = threadIdx.x - WARP;
             int phase = 0;
-            for (int t = blockIdx.x; t < tiles; t += gridDim.x, phase ^= 1) {
+            for (int i = 0, t; (t = next_tile(queue, i, tiles, lane, status, gave_up)) < tiles; ++i, phase ^= 1) {
                 const Tile tile = tile_at(t);
                 stage_wait(&output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
                 if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
@@ -317,7 +374,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
     int step = 0, phase = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    for (int i = 0, t; (t = next_tile(queue, i, tiles, lane, status, gave_up)) < tiles; ++i) {
         const Tile tile = tile_at(t);
         float d[128];
         TILE_STAMP(t, STAMP_MMA_START, static_cast<long long>(global_timer_ns()));
@@ -389,8 +446,9 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     __global__ void __launch_bounds__(GH_THREADS, 1)                                                                   \
     kernel(const __grid_constant__ TensorMap a, const __grid_constant__ TensorMap b, const void* offsets,               \
            int offsets_are_64bit, int experts, long long rows, int K, int N, OutT* out, OutT* add_to, int added_experts,     \
-           long long* status) {                                                                                        \
-        grouped_mm<mode, OutT>(&a, &b, offsets, offsets_are_64bit, experts, rows, K, N, out, add_to, added_experts, status); \
+           long long* status, int* claims) {                                                                           \
+        grouped_mm<mode, OutT>(&a, &b, offsets, offsets_are_64bit, experts, rows, K, N, out, add_to, added_experts,     \
+                               status, claims);                                                                        \
     }
 GH_KERNEL(grouped_mm_forward, GH_FORWARD, x_map, w_map)
 GH_KERNEL(grouped_mm_dgrad, GH_DGRAD, dy_map, w_map)
@@ -398,7 +456,8 @@ GH_KERNEL(grouped_mm_wgrad, GH_WGRAD, x_map, dy_map)
 
 #define GH_INSTANCE(kernel, OutT)                                                                             \
     template __global__ void kernel<OutT>(const __grid_constant__ TensorMap, const __grid_constant__ TensorMap,      \
-                                          const void*, int, int, long long, int, int, OutT*, OutT*, int, long long*)
+                                          const void*, int, int, long long, int, int, OutT*, OutT*, int, long long*, \
+                                          int*)
 GH_INSTANCE(grouped_mm_forward, bf16);
 GH_INSTANCE(grouped_mm_forward, float);
 GH_INSTANCE(grouped_mm_dgrad, bf16);

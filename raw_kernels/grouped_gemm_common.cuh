@@ -157,6 +157,8 @@ __device__ __forceinline__ int2 grouped_raster(int local, int m_tiles, int n_til
 #define GH_WAITED_FOR_COPIES 2
 #define GH_WAITED_FOR_OUTPUT 3
 #define GH_WAITED_FOR_STORES 4
+#define GH_WAITED_FOR_TILE 5     // grouped_gemm.cu's tile queue: a reader for the next tile index
+#define GH_WAITED_FOR_READERS 6  // the producer for a queue slot every reader has taken
 
 #define GH_FORWARD 0
 #define GH_DGRAD 1

@@ -147,6 +147,48 @@ def test_ten_runs_give_identical_bits(cp, op):
     check_errors()
 
 
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("blocks", ["one", "past the resident"])
+def test_any_grid_claims_every_tile_once_and_leaves_the_counter_at_zero(cp, op, blocks):
+    """Blocks claim tiles from a counter: one block takes them all; a grid of three blocks an
+    SM (two of them start only once others have ended, finding every tile claimed) gives the
+    full grid's bits; after each launch the stream's counter is back at zero."""
+    rng = np.random.default_rng(11)
+    a, b, offsets = random_problem(rng, op, 6, 264, 520, 170)
+    want = bits(run(cp, op, a, b, offsets))
+    implementation = api._device(cp.cuda.Device().id)
+    full = implementation.grid
+    implementation.grid = 1 if blocks == "one" else 3 * full
+    try:
+        for _ in range(2):
+            assert np.array_equal(bits(run(cp, op, a, b, offsets)), want)
+            claims = implementation._claims[cp.cuda.get_current_stream().ptr]
+            assert claims.get().tolist() == [0, 0]
+    finally:
+        implementation.grid = full
+
+
+def test_launches_on_two_streams_at_once_each_claim_from_their_own_counter(cp):
+    """Two streams, each with a long queue of GEMMs, launched alternately (so that they may
+    run at once): every result is its single launch's bits."""
+    rng = np.random.default_rng(12)
+    problems = [random_problem(rng, "forward", 8, 512, 1032, 300) for _ in range(2)]
+    want = [bits(run(cp, "forward", *problem)) for problem in problems]
+    device = [tuple(up(cp, array) for array in problem) for problem in problems]
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in problems]
+    outs = [[cp.empty(out_shape("forward", *problem), dtype=np.int16) for _ in range(6)] for problem in problems]
+    for i in range(6):
+        for which, stream in enumerate(streams):
+            with stream:
+                grouped_mm(*device[which], out=outs[which][i])
+    for stream in streams:
+        stream.synchronize()
+    check_errors()
+    for which in range(2):
+        for out in outs[which]:
+            assert np.array_equal(bits(out), want[which])
+
+
 def _layouts(rng, target_rows: np.ndarray):
     """The same rows of expert 2 placed four ways: alone at row 0; after other experts and
     5 other rows of their own expert; followed by other rows; split between two slots

@@ -86,7 +86,9 @@ class _TensorMaps:
 
 class DeviceGroupedGemm:
     """The grouped GEMM on GPU ``device``: its kernels (``schedule`` for every operation, or
-    each operation's :data:`DEFAULT_SCHEDULES` entry), persistent grid and status word.
+    each operation's :data:`DEFAULT_SCHEDULES` entry), persistent grid, status word and, per
+    stream launched on, the tile counter its blocks claim tiles from (the last block of a
+    launch resets it, so launches on one stream share it and on two streams never do).
     ``defines``: further ``(name, int)`` -D options of a diagnostic build (e.g.
     ``GG_TILE_STAMPS``, ``scripts/gemm_tile_stamps.py``)."""
 
@@ -108,6 +110,7 @@ class DeviceGroupedGemm:
         self.grid = properties["multiProcessorCount"]
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
         self._maps: _TensorMaps | None = None
+        self._claims: dict[int, object] = {}  # stream pointer -> int32 [claimed tiles, blocks done claiming]
         self._kernels: dict[tuple[str, np.dtype], tuple[object, int]] = {}
 
     def module_defines(self, op: str) -> tuple:
@@ -173,10 +176,14 @@ class DeviceGroupedGemm:
                 raise GroupedGemmError(f"{problem.op}: the {name} operand's data is not {_ALIGN_BYTES}-byte aligned "
                                        f"(a view into a larger buffer?); pass an aligned copy")
         kernel, shared_bytes = self._kernel(problem.op, problem.out_dtype)
+        stream = self.cp.cuda.get_current_stream().ptr
+        claims = self._claims.get(stream)
+        if claims is None:
+            claims = self._claims[stream] = self.cp.zeros(2, dtype=np.int32)
         kernel((self.grid,), (self.threads,), (
             *self._operand_maps(problem, a, b), offsets, np.int32(offsets.dtype == np.int64),
             np.int32(problem.experts), np.int64(problem.rows), np.int32(problem.k), np.int32(problem.n), out,
-            self._placeholder if add_to is None else add_to, np.int32(problem.added_experts), self.status),
+            self._placeholder if add_to is None else add_to, np.int32(problem.added_experts), self.status, claims),
             shared_mem=shared_bytes)
 
     def check(self) -> None:
@@ -190,7 +197,9 @@ class DeviceGroupedGemm:
                     waited = {kernel_constant(KERNELS, "GH_WAITED_FOR_CONSUMERS"): "the MMAs to free a stage",
                               kernel_constant(KERNELS, "GH_WAITED_FOR_COPIES"): "a stage's TMA copies",
                               kernel_constant(KERNELS, "GH_WAITED_FOR_OUTPUT"): "an output tile to store",
-                              kernel_constant(KERNELS, "GH_WAITED_FOR_STORES"): "the stores of an output tile"}
+                              kernel_constant(KERNELS, "GH_WAITED_FOR_STORES"): "the stores of an output tile",
+                              kernel_constant(KERNELS, "GH_WAITED_FOR_TILE"): "the index of its next tile",
+                              kernel_constant(KERNELS, "GH_WAITED_FOR_READERS"): "its warps to take a tile index"}
                     raise GroupedGemmError(f"grouped GEMM: block {value} waited over {rows} ms for "
                                            f"{waited.get(index, f'wait {index}')}; its output is not valid")
                 raise GroupedGemmError(f"grouped GEMM refused device offsets (nothing was written): "
