@@ -41,6 +41,24 @@ def test_variant_is_a_schedule(capsys):
         parse_args(["--variant", "fast"])
 
 
+def test_ranks_run_the_cases_at_once_only_when_asked():
+    assert parse_args([]).ranks == 1 and parse_args([]).emulate_ep is None
+    args = parse_args(["--ranks", "4", "--emulate-ep"])
+    assert args.ranks == 4 and args.emulate_ep == 0  # 0: 100 / ranks %
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@requires_gpu
+def test_two_ranks_time_one_case_at_once(tmp_path):
+    path = tmp_path / "gg2.json"
+    assert main(["--ranks", "2", "--cases", "32x256", "--sizes", "empty", "--repeats", "2", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["ranks"] == 2 and "2 ranks at once" in result["title"]
+    assert [r["op"] for r in result["rows"]] == ["forward", "dgrad", "wgrad"]
+    assert all(r["ours"] and r["ours"] > 0 and r["dense"] for r in result["rows"])
+
+
 @pytest.mark.gpu
 @requires_gpu
 def test_one_case_runs_and_writes_json(tmp_path, capsys):

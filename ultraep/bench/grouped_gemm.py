@@ -25,6 +25,15 @@ product), no variant.
 operation's default) on the same operands: ``variant``
 and its ratios to ours, the better baseline and dense, and ``variant_diff``, the output
 elements whose bits differ from ours (the schedules must agree: 0).
+
+``--ranks R`` (with ``--emulate-ep [SM_PERCENT]``: under MPS, each rank a share of the SMs)
+runs every case on R ranks at once, each the same problem, relaunched under ``mpiexec``:
+ranks sharing one GPU then compete as an EP group's do. Every figure is then the median
+group window of one call (:func:`~ultraep.bench.timing.group_windows_ms_each`: a barrier,
+every rank's call, first rank's start to last rank's end, the host's launches included;
+columns in turns), TFLOPS a rank. A persistent grid whose blocks find some SMs held by
+another rank's shows there (the grouped GEMM's blocks claim tiles, so a late block takes
+fewer); one process alone does not.
 """
 
 from __future__ import annotations
@@ -36,8 +45,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ultraep.bench.report import print_table, write_json
-from ultraep.bench.timing import held_event_ms_each
+from ultraep.bench.timing import group_windows_ms_each, held_event_ms_each
 from ultraep.compute.device import DEFAULT_SCHEDULES, SCHEDULES
+from ultraep.runtime.launch import add_launch_options, launched_by_mpiexec, multi_rank_main
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,7 @@ def parse_args(argv):
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--variant", choices=list(SCHEDULES),
                         help="also time the kernels of this schedule beside ours, and compare their bits")
+    add_launch_options(parser, ranks=1)
     return parser.parse_args(argv)
 
 
@@ -209,9 +220,10 @@ def problem_arrays(case: Case, distribution: str, seed: int):
     return counts, offsets, x, dy, w
 
 
-def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, variant=None) -> list[dict]:
+def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, variant=None,
+             timer=held_event_ms_each) -> list[dict]:
     """The rows of one case and size distribution; ``variant``: a DeviceGroupedGemm of another
-    schedule, timed beside ours."""
+    schedule, timed beside ours; ``timer(launches, repeats)``: ms per call of each launch."""
     import cupy
 
     from ultraep.compute import check_errors, grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
@@ -270,7 +282,7 @@ def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, varian
                              ("torch_grouped", baselines.torch_grouped(op))):
             if launch is not None and runs(name, launch):
                 launches[name] = launch
-        ms = held_event_ms_each(launches, repeats)
+        ms = timer(launches, repeats)
         for name in ("ours", "dense", "loop", "torch_grouped") + tuple(n for n in ("two_pass", "variant")
                                                                        if n in launches):
             row[name] = flops / (ms[name] * 1e-3) / 1e12 if name in ms else None
@@ -291,11 +303,37 @@ def run_case(case: Case, distribution: str, ops, repeats: int, seed: int, varian
 
 
 def main(argv=None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.ranks == 1 and args.emulate_ep is None and not launched_by_mpiexec():
+        return run(args)  # one process: no MPI
+    return multi_rank_main(argv, parse_args, run, nprocs=lambda a: a.ranks, command=["-m", "ultraep.bench",
+                                                                                      "grouped-gemm"])
+
+
+def run(args) -> int:
     cases = [c for c in CASES if not args.cases or any(s in c.name for s in args.cases)]
     if not cases:
         print(f"no case matches {args.cases}; cases: {', '.join(c.name for c in CASES)}", file=sys.stderr)
         return 2
+    timer, me, title = held_event_ms_each, 0, "Grouped GEMM, BF16 in / FP32 accumulate / BF16 out, TFLOPS"
+    group = None
+    if launched_by_mpiexec():
+        from mpi4py import MPI
+
+        from ultraep.runtime.group import EPGroup
+
+        group = EPGroup(MPI.COMM_WORLD, use_gpu=True)
+        me = group.rank
+    if group is not None and group.size > 1:
+        import cupy
+
+        from ultraep.runtime.mps import sharing_label
+
+        synchronize = cupy.cuda.get_current_stream().synchronize
+        timer = lambda launches, repeats: group_windows_ms_each(group, launches, repeats, synchronize)  # noqa: E731
+        title += (f" a rank, {group.size} ranks at once ({sharing_label(group)}), each the same problem; group "
+                  "windows of one call (host launches included)")
     variant = None
     if args.variant:
         import cupy
@@ -305,15 +343,18 @@ def main(argv=None) -> int:
     rows = []
     for case in cases:
         for distribution in args.sizes:
-            rows += run_case(case, distribution, args.ops, args.repeats, args.seed, variant)
-    title = "Grouped GEMM, BF16 in / FP32 accumulate / BF16 out, TFLOPS (higher is better)"
+            rows += run_case(case, distribution, args.ops, args.repeats, args.seed, variant, timer)
+    title += " (higher is better)"
     if args.variant:
         ours = ", ".join(f"{op} {name}" for op, name in DEFAULT_SCHEDULES.items())
         title += f"; variant: schedule {args.variant!r} for every op against ours ({ours})"
     if ACCUMULATE in args.ops:
         title += f"; {ACCUMULATE}: FP32 gradient += wgrad, FP32 out"
+    if me != 0:
+        return 0
     print_table(rows, COLUMNS + (ACCUMULATE_COLUMNS if ACCUMULATE in args.ops else [])
                 + (VARIANT_COLUMNS if args.variant else []), title)
     if args.json:
-        write_json(args.json, {"benchmark": "grouped-gemm", "variant": args.variant, "rows": rows})
+        write_json(args.json, {"benchmark": "grouped-gemm", "variant": args.variant, "ranks": args.ranks,
+                               "title": title, "rows": rows})
     return 0

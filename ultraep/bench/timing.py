@@ -108,6 +108,34 @@ def group_window_ms(group, fn, repeats: int, synchronize) -> float:
     return (max(end for _, end in spans) - min(begin for begin, _ in spans)) / repeats * 1e3
 
 
+def group_windows_ms_each(group, launches: dict, repeats: int, synchronize, warmup: int = 3) -> dict:
+    """The median group window of one call of each launch (name -> launch; every rank the
+    same names): every rank calls it at once after a barrier, the window runs from the first
+    rank's start to the last rank's end (``time.monotonic``, one clock on a host); the
+    launches taken in turns, the order rotating round to round, as in
+    :func:`held_event_ms_each`. The host's launch time is inside the window: a figure for
+    calls of milliseconds, not of tens of microseconds."""
+    names = list(launches)
+    if any(theirs != names for theirs in group.allgather(names)):
+        raise RuntimeError(f"rank {group.rank}: the ranks time different launches (this rank: {', '.join(names)})")
+    for name in names:
+        for _ in range(warmup):
+            launches[name]()
+    synchronize()
+    spans: dict = {name: [] for name in names}
+    for round_ in range(repeats):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            group.barrier()
+            start = time.monotonic()
+            launches[name]()
+            synchronize()
+            spans[name].append((start, time.monotonic()))
+    everyone = group.allgather(spans)
+    return {name: 1e3 * statistics.median(max(rank[name][i][1] for rank in everyone)
+                                          - min(rank[name][i][0] for rank in everyone) for i in range(repeats))
+            for name in names}
+
+
 def array_backend(group, requested: str):
     """``(backend, xp, synchronize, to_host)`` for a bench's ``--backend``: CuPy and the
     current stream's synchronize on the GPU, NumPy and no-ops on the host."""
