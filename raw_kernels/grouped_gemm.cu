@@ -227,13 +227,27 @@ __device__ __forceinline__ int next_tile(const TileQueue& queue, int i, int tile
     return t;
 }
 
-// Called once by each block's producer when it claims no more (it got none, or gave up): the
-// last of the launch resets the counter, so the next launch on the stream starts at tile 0.
+// The consumers' i-th tile index, the same in every consumer thread: past every tile for all
+// of them once any gave up (one leaving alone would leave the others in consumers_sync or a
+// warpgroup-wide wgmma for good).
+__device__ __forceinline__ int consumers_next_tile(const TileQueue& queue, int i, int tiles, int lane,
+                                                   long long* status, bool& gave_up) {
+    const int t = next_tile(queue, i, tiles, lane, status, gave_up);
+    unsigned any_done;
+    asm volatile("{\n .reg .pred done, any;\n setp.ge.s32 done, %1, %2;\n"
+                 " bar.red.or.pred any, 1, %3, done;\n selp.u32 %0, 1, 0, any;\n}"
+                 : "=r"(any_done) : "r"(t), "r"(tiles), "n"(128 * GH_CONSUMERS) : "memory");
+    return any_done ? tiles : t;
+}
+
+// Called once by each block (its producer, or thread 0 of a block that refused the offsets)
+// when it claims no more: the last of the launch resets the counter, so the next launch on
+// the stream starts at tile 0.
 __device__ __forceinline__ void done_claiming(int* claims) {
     __threadfence();  // this block's last claim before its count
     if (atomicAdd(claims + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-        claims[0] = 0;
-        claims[1] = 0;
+        atomicExch(claims, 0);
+        atomicExch(claims + 1, 0);
     }
 }
 
@@ -258,7 +272,10 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     __shared__ int queued_tile[GG_TILE_SLOTS];
     __shared__ u64 tile_full[GG_TILE_SLOTS], tile_empty[GG_TILE_SLOTS];
 
-    if (!load_offsets(off, offsets, offsets_are_64bit, experts, rows, status)) return;
+    if (!load_offsets(off, offsets, offsets_are_64bit, experts, rows, status)) {
+        if (threadIdx.x == 0) done_claiming(claims);  // (offsets rewritten meanwhile: other blocks may have claimed)
+        return;
+    }
     const int out_cols = MODE == GH_DGRAD ? K : N;
     const int n_tiles = ceil_div(out_cols, GH_BN);
     const int wgrad_m_tiles = ceil_div(K, GH_BM);
@@ -374,7 +391,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(GH_CONSUMER_REGISTERS));
     const int consumer = warpgroup - 1;
     int step = 0, phase = 0;
-    for (int i = 0, t; (t = next_tile(queue, i, tiles, lane, status, gave_up)) < tiles; ++i) {
+    for (int i = 0, t; (t = consumers_next_tile(queue, i, tiles, lane, status, gave_up)) < tiles; ++i) {
         const Tile tile = tile_at(t);
         float d[128];
         TILE_STAMP(t, STAMP_MMA_START, static_cast<long long>(global_timer_ns()));

@@ -148,20 +148,22 @@ def test_ten_runs_give_identical_bits(cp, op):
 
 
 @pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("out_dtype", [BFLOAT16, np.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("blocks", ["one", "past the resident"])
-def test_any_grid_claims_every_tile_once_and_leaves_the_counter_at_zero(cp, op, blocks):
-    """Blocks claim tiles from a counter: one block takes them all; a grid of three blocks an
-    SM (two of them start only once others have ended, finding every tile claimed) gives the
-    full grid's bits; after each launch the stream's counter is back at zero."""
+def test_any_grid_claims_every_tile_once_and_leaves_the_counter_at_zero(cp, op, out_dtype, blocks):
+    """Blocks claim tiles from a counter: one block takes them all (many times the tile
+    queue's slots); a grid of three blocks an SM (two of them start only once others have
+    ended, finding every tile claimed) gives the full grid's bits; after each launch the
+    stream's counter is back at zero."""
     rng = np.random.default_rng(11)
     a, b, offsets = random_problem(rng, op, 6, 264, 520, 170)
-    want = bits(run(cp, op, a, b, offsets))
+    want = bits(run(cp, op, a, b, offsets, out_dtype))
     implementation = api._device(cp.cuda.Device().id)
     full = implementation.grid
     implementation.grid = 1 if blocks == "one" else 3 * full
     try:
         for _ in range(2):
-            assert np.array_equal(bits(run(cp, op, a, b, offsets)), want)
+            assert np.array_equal(bits(run(cp, op, a, b, offsets, out_dtype)), want)
             claims = implementation._claims[cp.cuda.get_current_stream().ptr]
             assert claims.get().tolist() == [0, 0]
     finally:
@@ -176,7 +178,7 @@ def test_launches_on_two_streams_at_once_each_claim_from_their_own_counter(cp):
     want = [bits(run(cp, "forward", *problem)) for problem in problems]
     device = [tuple(up(cp, array) for array in problem) for problem in problems]
     streams = [cp.cuda.Stream(non_blocking=True) for _ in problems]
-    outs = [[cp.empty(out_shape("forward", *problem), dtype=np.int16) for _ in range(6)] for problem in problems]
+    outs = [[up(cp, nan_bits(out_shape("forward", *problem), BFLOAT16)) for _ in range(6)] for problem in problems]
     for i in range(6):
         for which, stream in enumerate(streams):
             with stream:

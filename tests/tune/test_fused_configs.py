@@ -80,7 +80,7 @@ def test_bench_runs_the_default_and_the_tuned_layer_side_by_side(tmp_path, monke
     monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))  # the host profile is measured here
     out = tmp_path / "fused.json"
     code = bench.main(["--backend", "host", "--ranks", "2", "--hidden", "32", "--ffn", "16", "--experts-per-rank",
-                       "2", "--top-k", "2", "--repeats", "1", "--quiet", "--tokens", "24", "4100", "--config", "both",
+                       "2", "--top-k", "2", "--repeats", "2", "--quiet", "--tokens", "24", "4100", "--config", "both",
                        "--backward", "--json", str(out)])
     assert code == 0, capfd.readouterr().out
     rows = json.loads(out.read_text())["rows"]

@@ -27,11 +27,12 @@ and its ratios to ours, the better baseline and dense, and ``variant_diff``, the
 elements whose bits differ from ours (the schedules must agree: 0).
 
 ``--ranks R`` (with ``--emulate-ep [SM_PERCENT]``: under MPS, each rank a share of the SMs)
-runs every case on R ranks at once, each the same problem, relaunched under ``mpiexec``:
-ranks sharing one GPU then compete as an EP group's do. Every figure is then the median
-group window of one call (:func:`~ultraep.bench.timing.group_windows_ms_each`: a barrier,
-every rank's call, first rank's start to last rank's end, the host's launches included;
-columns in turns), TFLOPS a rank. A persistent grid whose blocks find some SMs held by
+runs every case on R ranks at once, each the same problem, relaunched under ``mpiexec``,
+each rank on its GPU (``EPGroup``): ranks sharing one then compete as an EP group's do.
+Every figure is then the median group window of one call
+(:func:`~ultraep.bench.timing.group_windows_ms_each`: a barrier, every rank's call, first
+rank's start to last rank's end, the host's launches included; columns in turns; a column
+not every rank can run is left out), TFLOPS a rank. A persistent grid whose blocks find some SMs held by
 another rank's shows there (the grouped GEMM's blocks claim tiles, so a late block takes
 fewer); one process alone does not.
 """
@@ -316,7 +317,7 @@ def run(args) -> int:
     if not cases:
         print(f"no case matches {args.cases}; cases: {', '.join(c.name for c in CASES)}", file=sys.stderr)
         return 2
-    timer, me, title = held_event_ms_each, 0, "Grouped GEMM, BF16 in / FP32 accumulate / BF16 out, TFLOPS"
+    timer, me, ranks, title = held_event_ms_each, 0, 1, "Grouped GEMM, BF16 in / FP32 accumulate / BF16 out, TFLOPS"
     group = None
     if launched_by_mpiexec():
         from mpi4py import MPI
@@ -324,7 +325,7 @@ def run(args) -> int:
         from ultraep.runtime.group import EPGroup
 
         group = EPGroup(MPI.COMM_WORLD, use_gpu=True)
-        me = group.rank
+        me, ranks = group.rank, group.size
     if group is not None and group.size > 1:
         import cupy
 
@@ -355,6 +356,6 @@ def run(args) -> int:
     print_table(rows, COLUMNS + (ACCUMULATE_COLUMNS if ACCUMULATE in args.ops else [])
                 + (VARIANT_COLUMNS if args.variant else []), title)
     if args.json:
-        write_json(args.json, {"benchmark": "grouped-gemm", "variant": args.variant, "ranks": args.ranks,
+        write_json(args.json, {"benchmark": "grouped-gemm", "variant": args.variant, "ranks": ranks,
                                "title": title, "rows": rows})
     return 0

@@ -109,15 +109,17 @@ def group_window_ms(group, fn, repeats: int, synchronize) -> float:
 
 
 def group_windows_ms_each(group, launches: dict, repeats: int, synchronize, warmup: int = 3) -> dict:
-    """The median group window of one call of each launch (name -> launch; every rank the
-    same names): every rank calls it at once after a barrier, the window runs from the first
-    rank's start to the last rank's end (``time.monotonic``, one clock on a host); the
-    launches taken in turns, the order rotating round to round, as in
-    :func:`held_event_ms_each`. The host's launch time is inside the window: a figure for
-    calls of milliseconds, not of tens of microseconds."""
-    names = list(launches)
-    if any(theirs != names for theirs in group.allgather(names)):
-        raise RuntimeError(f"rank {group.rank}: the ranks time different launches (this rank: {', '.join(names)})")
+    """The median group window of one call of each launch (name -> launch) that every rank
+    has (the others are left out, and rank 0 says so): every rank calls it at once after a
+    barrier, the window runs from the first rank's start to the last rank's end
+    (``time.monotonic``, one clock on a host); the launches taken in turns, the order
+    rotating round to round, as in :func:`held_event_ms_each`. The host's launch time is
+    inside the window: a figure for calls of milliseconds, not of tens of microseconds."""
+    everyone = group.allgather(list(launches))
+    names = [name for name in launches if all(name in theirs for theirs in everyone)]
+    left_out = sorted({name for theirs in everyone for name in theirs} - set(names))
+    if left_out and group.rank == 0:
+        print(f"group windows: {', '.join(left_out)} left out: not every rank can run it", file=sys.stderr)
     for name in names:
         for _ in range(warmup):
             launches[name]()
@@ -130,9 +132,9 @@ def group_windows_ms_each(group, launches: dict, repeats: int, synchronize, warm
             launches[name]()
             synchronize()
             spans[name].append((start, time.monotonic()))
-    everyone = group.allgather(spans)
-    return {name: 1e3 * statistics.median(max(rank[name][i][1] for rank in everyone)
-                                          - min(rank[name][i][0] for rank in everyone) for i in range(repeats))
+    gathered = group.allgather(spans)
+    return {name: 1e3 * statistics.median(max(rank[name][i][1] for rank in gathered)
+                                          - min(rank[name][i][0] for rank in gathered) for i in range(repeats))
             for name in names}
 
 
