@@ -241,8 +241,9 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
 // consumer leaving its loop on a path of its own; so a wait that runs out of time records
 // itself in status for the host (unless an earlier record is there) and sets `gave_up`:
 // the producer then stops, the consumers run on without waiting (their results are
-// garbage, the host raises; the grouped GEMM's leave together at their next tile). status[1] is what it waited for (GH_WAITED_*), status[2]
-// the block, status[3] the timeout in ms (record_stage_timeout).
+// garbage, the host raises; the grouped GEMM's leave together at their next tile).
+// status[1] is what it waited for (GH_WAITED_*), status[2] the block, status[3] the
+// timeout in ms (record_stage_timeout).
 __device__ __forceinline__ void record_stage_timeout(long long* status, int what) {
     unsigned long long* word = reinterpret_cast<unsigned long long*>(status);
     if (atomicCAS(word, 0ull, static_cast<unsigned long long>(GH_STAGE_TIMED_OUT)) == 0ull) {

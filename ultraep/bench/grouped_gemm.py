@@ -32,9 +32,9 @@ each rank on its GPU (``EPGroup``): ranks sharing one then compete as an EP grou
 Every figure is then the median group window of one call
 (:func:`~ultraep.bench.timing.group_windows_ms_each`: a barrier, every rank's call, first
 rank's start to last rank's end, the host's launches included; columns in turns; a column
-not every rank can run is left out), TFLOPS a rank. A persistent grid whose blocks find some SMs held by
-another rank's shows there (the grouped GEMM's blocks claim tiles, so a late block takes
-fewer); one process alone does not.
+not every rank can run is left out), TFLOPS a rank. A persistent grid whose blocks find
+some SMs held by another rank's shows there (the grouped GEMM's blocks claim tiles, so a
+late block takes fewer); one process alone does not.
 """
 
 from __future__ import annotations
