@@ -366,7 +366,8 @@ class MoELayer:
     profile, measured once and cached: the first fused layer on a machine measures it);
     ``"constants"``, the kernel source's task sizes on every resident CTA; a ``FusedConfig``
     for every call; None (default): tuned on the device, the constants on the host (one
-    worker: nothing to tune). No choice changes a result bit.
+    worker: nothing to tune). The fused backward runs on the forward's CTAs for its tokens,
+    with the source's task sizes. No choice changes a result bit.
     ``max_recv_rows``, ``timeout_s``, ``sync_checks``: the Dispatcher's.
     ``sync_beside`` (GPU, when the layer balances): True runs the Balancer's ``weight_sync``
     and ``restore`` on a stream of the layer's own, beside reroute, dispatch and the masters'
