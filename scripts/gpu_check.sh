@@ -36,9 +36,10 @@ for bench in ${GPU_BENCHES-peer-copy plan-kernel weight-sync dispatch balancer g
   echo "== bench $bench" | tee -a "$OUT/bench.log"
   $PY -m ultraep.bench "$bench" --json "$OUT/bench-$bench.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
 done
-for bench in ${GPU_EMULATED_BENCHES-dispatch balancer moe-layer moe-fused}; do
+for bench in ${GPU_EMULATED_BENCHES-dispatch balancer moe-layer moe-fused grouped-gemm}; do
   extra=""
   [ "$bench" = moe-layer ] && extra="--phases"  # where each policy's steps go, beside the ratios
+  [ "$bench" = grouped-gemm ] && extra="--ranks 4 --sizes uniform"  # its default is one process
   echo "== bench $bench --emulate-ep $extra" | tee -a "$OUT/bench.log"
   $PY -m ultraep.bench "$bench" --emulate-ep $extra --json "$OUT/bench-$bench-mps.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
 done
