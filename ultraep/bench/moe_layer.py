@@ -57,7 +57,7 @@ import time
 import numpy as np
 
 from ultraep.bench.balancer import SYNC_STREAMS, resolved_sync_streams
-from ultraep.bench.timing import array_backend
+from ultraep.bench.timing import array_backend, window_ms
 from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
 
 # MoELayer's placements of the sync: in series, its update starts it (no "layer" of its own)
@@ -259,8 +259,8 @@ def phase_windows_ms(group, phases, repeats: int, synchronize, alternate=()) -> 
             synchronize()
             spans[phase].append((start, time.monotonic()))
     gathered = group.allgather(spans)
-    return [sum(max(rank[phase][i][1] for rank in gathered) - min(rank[phase][i][0] for rank in gathered)
-                for i in range(repeats)) / repeats * 1e3 for phase in range(len(phases))]
+    return [sum(window_ms([rank[phase][i] for rank in gathered]) for i in range(repeats)) / repeats
+            for phase in range(len(phases))]
 
 
 def step_rows(group, stacks: dict) -> list[dict]:

@@ -10,6 +10,18 @@ import sys
 import time
 
 
+def in_turns(names: list, round_: int) -> list:
+    """``names`` in the order of round ``round_``: rotated one place further each round."""
+    shift = round_ % len(names)
+    return names[shift:] + names[:shift]
+
+
+def window_ms(spans) -> float:
+    """The group's window of one call, in ms: from the first rank's start to the last rank's
+    end (``spans``: one (start, end) per rank, in seconds)."""
+    return (max(end for _, end in spans) - min(start for start, _ in spans)) * 1e3
+
+
 def median_event_ms(launch, repeats: int, warmup: int = 10) -> float:
     """Median CUDA-event time of ``launch()`` on the current stream."""
     import cupy
@@ -54,7 +66,7 @@ def held_event_ms_each(launches: dict, repeats: int, warmup: int = 10, hold_us: 
     times: dict = {name: [] for name in names}
     hold_ns = int(hold_us * 1e3)
     for round_ in range(repeats):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+        for name in in_turns(names, round_):
             while True:
                 hold((1,), (1,), (cupy.uint64(hold_ns),))
                 held.record()
@@ -104,8 +116,7 @@ def group_window_ms(group, fn, repeats: int, synchronize) -> float:
     for _ in range(repeats):
         fn()
     synchronize()
-    spans = group.allgather((start, time.monotonic()))
-    return (max(end for _, end in spans) - min(begin for begin, _ in spans)) / repeats * 1e3
+    return window_ms(group.allgather((start, time.monotonic()))) / repeats
 
 
 def group_windows_ms_each(group, launches: dict, repeats: int, synchronize, warmup: int = 3) -> dict:
@@ -126,15 +137,14 @@ def group_windows_ms_each(group, launches: dict, repeats: int, synchronize, warm
     synchronize()
     spans: dict = {name: [] for name in names}
     for round_ in range(repeats):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+        for name in in_turns(names, round_):
             group.barrier()
             start = time.monotonic()
             launches[name]()
             synchronize()
             spans[name].append((start, time.monotonic()))
     gathered = group.allgather(spans)
-    return {name: 1e3 * statistics.median(max(rank[name][i][1] for rank in gathered)
-                                          - min(rank[name][i][0] for rank in gathered) for i in range(repeats))
+    return {name: statistics.median(window_ms([rank[name][i] for rank in gathered]) for i in range(repeats))
             for name in names}
 
 
