@@ -191,6 +191,30 @@ def test_launches_on_two_streams_at_once_each_claim_from_their_own_counter(cp):
             assert np.array_equal(bits(out), want[which])
 
 
+def test_a_counter_first_made_in_a_graph_capture_is_zeroed_before_a_launch_outside_it(cp):
+    """A stream's first launch is captured in a CUDA graph (its counter's zeros with it,
+    in memory that held -1s); a launch outside the capture before the graph ever ran still
+    claims from zero, and the graph then gives the same bits."""
+    rng = np.random.default_rng(13)
+    problem = random_problem(rng, "forward", 5, 296, 264, 136)
+    want = bits(run(cp, "forward", *problem))
+    a, b, offsets = (up(cp, array) for array in problem)
+    outs = [up(cp, nan_bits(out_shape("forward", *problem), BFLOAT16)) for _ in range(2)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        poison = cp.full(128, -1, dtype=np.int32)  # back to the stream's pool: the counter's likely memory
+        del poison
+        stream.begin_capture()
+        grouped_mm(a, b, offsets, out=outs[0])
+        graph = stream.end_capture()
+        grouped_mm(a, b, offsets, out=outs[1])
+        check_errors()
+        assert np.array_equal(bits(outs[1]), want)
+        graph.launch(stream)
+        check_errors()
+    assert np.array_equal(bits(outs[0]), want)
+
+
 def _layouts(rng, target_rows: np.ndarray):
     """The same rows of expert 2 placed four ways: alone at row 0; after other experts and
     5 other rows of their own expert; followed by other rows; split between two slots

@@ -88,7 +88,9 @@ class DeviceGroupedGemm:
     """The grouped GEMM on GPU ``device``: its kernels (``schedule`` for every operation, or
     each operation's :data:`DEFAULT_SCHEDULES` entry), persistent grid, status word and, per
     stream launched on, the tile counter its blocks claim tiles from (the last block of a
-    launch resets it, so launches on one stream share it and on two streams never do).
+    launch resets it, so launches on one stream share it and on two streams never do; one
+    first made while its stream captured a CUDA graph is zeroed only when the graph runs, so
+    it is zeroed again before the stream's first launch outside a capture).
     ``defines``: further ``(name, int)`` -D options of a diagnostic build (e.g.
     ``GG_TILE_STAMPS``, ``scripts/gemm_tile_stamps.py``)."""
 
@@ -111,6 +113,7 @@ class DeviceGroupedGemm:
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
         self._maps: _TensorMaps | None = None
         self._claims: dict[int, object] = {}  # stream pointer -> int32 [claimed tiles, blocks done claiming]
+        self._zeroed_in_graph: set[int] = set()  # streams whose counter's zeros were captured, not yet run
         self._kernels: dict[tuple[str, np.dtype], tuple[object, int]] = {}
 
     def module_defines(self, op: str) -> tuple:
@@ -176,15 +179,25 @@ class DeviceGroupedGemm:
                 raise GroupedGemmError(f"{problem.op}: the {name} operand's data is not {_ALIGN_BYTES}-byte aligned "
                                        f"(a view into a larger buffer?); pass an aligned copy")
         kernel, shared_bytes = self._kernel(problem.op, problem.out_dtype)
-        stream = self.cp.cuda.get_current_stream().ptr
-        claims = self._claims.get(stream)
-        if claims is None:
-            claims = self._claims[stream] = self.cp.zeros(2, dtype=np.int32)
+        claims = self._claims_of(self.cp.cuda.get_current_stream())
         kernel((self.grid,), (self.threads,), (
             *self._operand_maps(problem, a, b), offsets, np.int32(offsets.dtype == np.int64),
             np.int32(problem.experts), np.int64(problem.rows), np.int32(problem.k), np.int32(problem.n), out,
             self._placeholder if add_to is None else add_to, np.int32(problem.added_experts), self.status, claims),
             shared_mem=shared_bytes)
+
+    def _claims_of(self, stream):
+        """``stream``'s tile counter, at zero when its next launch runs."""
+        capturing = stream.is_capturing()
+        claims = self._claims.get(stream.ptr)
+        if claims is None:
+            claims = self._claims[stream.ptr] = self.cp.zeros(2, dtype=np.int32)
+            if capturing:
+                self._zeroed_in_graph.add(stream.ptr)
+        elif not capturing and stream.ptr in self._zeroed_in_graph:
+            claims.fill(0)
+            self._zeroed_in_graph.discard(stream.ptr)
+        return claims
 
     def check(self) -> None:
         """Synchronise this GPU's current stream; raise (and clear) the first status record."""
