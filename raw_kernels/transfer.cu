@@ -21,7 +21,9 @@
 #define MAX_DESTS 128           // destinations of one source: replicas of an expert within a domain (host-checked)
 #define STATUS_WORDS 4          // status[]: timed out, flag slot, expected epoch, flag seen (wait_chunk_flag)
 #define GATE_SLOT (-1)          // the flag slot status[] names when a one-launch sync's copy waited for its roles
-#define GATE_WORDS 3            // agree_compile_and_sync_weights' gate[]: tickets taken, roles done, blocks done
+#define GATE_WORDS 4            // agree_compile_and_sync_weights' gate[]: tickets taken, roles done, blocks done, pieces claimed
+#define CLAIM_WORDS 2           // weight_sync's claims[]: pieces claimed, blocks done
+#define CLAIM_PIECES 4          // consecutive pieces a warp claims at a time
 #define WAIT_STATUS_WORDS 6     // wait_replica_slots' status[]: timed out, layer, slot, chunk, expected epoch, flag seen
 #define WAIT_THREADS 128        // a wait_replica_slots block: one thread per chunk flag at a time
 #define SRC_CACHED 128          // source-table entries copied into shared memory at start-up (the rest are read from global)
@@ -139,6 +141,30 @@ __device__ __forceinline__ PieceSlot advance(PieceSlot at, const PieceSlot& by, 
     return at;
 }
 
+// A warp's pieces: runs of CLAIM_PIECES consecutive grid indices, claimed in increasing order
+// from the launch's counter (`pieces_claimed`) by lane 0, which claims the run after the
+// current one as the current one starts, so that the claim's round trip hides behind its
+// copies. `at` is the last piece handed out.
+struct ClaimedPieces {
+    PieceSlot at;
+    int left;                // pieces of at's run after it
+    unsigned long long following;  // lane 0: where the next run starts
+};
+
+__device__ __forceinline__ PieceSlot next_claimed_piece(ClaimedPieces& c, u64* pieces_claimed, int chunk_tiles,
+                                                        int pieces_per_tile, int lane) {
+    if (c.left > 0) {
+        --c.left;
+        c.at = advance(c.at, PieceSlot{0, 0, 1}, chunk_tiles, pieces_per_tile);
+        return c.at;
+    }
+    const int start = static_cast<int>(__shfl_sync(FULL_MASK, c.following, 0));  // past the grid: ends the copy
+    if (lane == 0) c.following = atomicAdd(pieces_claimed, static_cast<u64>(CLAIM_PIECES));
+    c.left = CLAIM_PIECES - 1;
+    c.at = piece_slot(start, chunk_tiles, pieces_per_tile);
+    return c.at;
+}
+
 // Where the piece at `at` lies, its task having tiles [tile_begin, tile_end): its tensor t
 // and byte offset there; returns its length, 0 for an empty slot (past a short chunk's last
 // tile or a tensor's short last tile). A piece never crosses a tile.
@@ -173,9 +199,11 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 
 // Persistent weight sync through registers. The work is a grid of pieces: chunk_tiles tile
 // slots per task (slot task * chunk_tiles + i is the chunk's tile i; slots past a short
-// chunk's last tile are empty), each tile cut into PIECE_BYTES pieces. Warp w of the grid
-// (W warps) takes pieces w, w + W, w + 2W, ...: at any time the warps stream neighbouring
-// pieces, and each piece is read once into registers and stored to every destination.
+// chunk's last tile are empty), each tile cut into PIECE_BYTES pieces. Warps claim runs of
+// CLAIM_PIECES neighbouring pieces from `pieces_claimed` as they go (ClaimedPieces), so a
+// block that starts late -- its SMs busy with another client's work under MPS -- takes what
+// is left rather than a fixed share, and each piece is read once into registers and stored
+// to every destination.
 // Before a warp loads a piece, it starts a prefetch of its next one into L2, so that load
 // waits for L2 rather than for memory busy with everyone's stores.
 //
@@ -185,10 +213,10 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // (epoch << FLAG_WRITER_BITS | rank, the epoch the compile counted in weight_syncs) at the
 // destinations; other tasks are neither counted nor flagged (the heap barrier after the sync orders them). A relay task waits (with a timeout) for its own chunk flag before loading,
 // and its pieces are not prefetched (they are not there yet).
-// Master tasks come first in the table, so a warp has stored and counted all its master
-// pieces before it can wait for a flag; as the host caps the grid at what is resident
-// (SYNC_MIN_BLOCKS per SM), every chunk a relay waits for is being copied, and two ranks
-// cannot each wait for a chunk the other holds back. A timeout leaves chunks half counted:
+// Master tasks come first in the table and a warp's claims increase, so a warp has stored and
+// counted all its master pieces before it can wait for a flag, and every master piece is
+// claimed, by a running warp, before any relay piece: every chunk a relay waits for is being
+// copied, and two ranks cannot each wait for a chunk the other holds back. A timeout leaves chunks half counted:
 // until the host has reported it (status) and zeroed done[], later launches do nothing, so a
 // half count can never publish a flag early.
 //
@@ -202,7 +230,7 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // into shared memory, so that a warp switching destination ranges reads no global memory)
 // before one block barrier;
 // afterwards each warp reads the task row of its piece after next while it copies the
-// current one. `block` is the block's place in the grid's piece order.
+// current one. The counter's zeros between launches are the caller's to restore.
 #define WEIGHT_COPY_PARAMETERS \
         const i64 *tasks, const int *task_count, int task_rows, int chunk_tiles, const i64 *tensor_table, \
         int num_tensors, i64 tile_bytes, const i64 *dests, int dest_rows, const u64 *src_ptrs, int num_src_ptrs, \
@@ -212,11 +240,14 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
         tasks, task_count, task_rows, chunk_tiles, tensor_table, num_tensors, tile_bytes, dests, dest_rows, \
         src_ptrs, num_src_ptrs, peer_bases, num_ranks, rank, weight_syncs, flag_every_chunk, done, timeout_ns, status
 template <class Tables>
-__device__ void copy_weight_pieces(int block, const u64* refused, WEIGHT_COPY_PARAMETERS) {
+__device__ void copy_weight_pieces(u64* pieces_claimed, const u64* refused, WEIGHT_COPY_PARAMETERS) {
     __shared__ SyncShared s;
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int tid = threadIdx.x, lane = tid % 32;
+    const int warp = tid / 32;
     const int pieces_per_tile = static_cast<int>((tile_bytes + PIECE_BYTES - 1) / PIECE_BYTES);
-    const int first = block * SYNC_WARPS + warp, step = static_cast<int>(gridDim.x) * SYNC_WARPS;
+    // the warp's first run, and the start of its second, claimed before the tables' reads
+    ClaimedPieces claimed{{0, 0, 0}, 0, 0};
+    if (lane == 0) claimed.following = atomicAdd(pieces_claimed, static_cast<u64>(CLAIM_PIECES));
     // Every table read is issued before any shared-memory store (a store there is not moved
     // above a later load through a generic pointer), so they all take one round trip.
     const u64 earlier_timeout = *reinterpret_cast<volatile u64*>(status);
@@ -225,9 +256,8 @@ __device__ void copy_weight_pieces(int block, const u64* refused, WEIGHT_COPY_PA
     const u64 epoch = *reinterpret_cast<const volatile u64*>(weight_syncs);  // which counted this sync
     // the warp's first two pieces and their task rows (lane f holds field f), read before the
     // task count is known: clamped to the table (a row past the count is not used)
-    const PieceSlot by = piece_slot(step, chunk_tiles, pieces_per_tile);
-    PieceSlot at = piece_slot(first, chunk_tiles, pieces_per_tile);
-    PieceSlot next = advance(at, by, chunk_tiles, pieces_per_tile);
+    PieceSlot at = next_claimed_piece(claimed, pieces_claimed, chunk_tiles, pieces_per_tile, lane);
+    PieceSlot next = next_claimed_piece(claimed, pieces_claimed, chunk_tiles, pieces_per_tile, lane);
     int row = task_row_field<Tables>(tasks, min(at.task, task_rows - 1), lane);
     int next_row = task_row_field<Tables>(tasks, min(next.task, task_rows - 1), lane);
     i64 tensor[3];
@@ -267,7 +297,7 @@ __device__ void copy_weight_pieces(int block, const u64* refused, WEIGHT_COPY_PA
     PieceSlot later;
     int later_row = 0;
     for (; at.task < num_tasks; at = next, next = later, row = next_row, next_row = later_row) {
-        later = advance(next, by, chunk_tiles, pieces_per_tile);
+        later = next_claimed_piece(claimed, pieces_claimed, chunk_tiles, pieces_per_tile, lane);
         if (later.task < num_tasks) later_row = task_row_field<Tables>(tasks, later.task, lane);
         if (at.task != task_id) {
             task_id = at.task;
@@ -328,9 +358,21 @@ __device__ void copy_weight_pieces(int block, const u64* refused, WEIGHT_COPY_PA
     }
 }
 
-// A weight sync whose tables an earlier launch compiled (compile_weight_tasks).
-extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) weight_sync(WEIGHT_COPY_PARAMETERS) {
-    copy_weight_pieces<TablesOfEarlierLaunch>(static_cast<int>(blockIdx.x), nullptr, WEIGHT_COPY_ARGUMENTS);
+// Thread 0 of each block once its warps claim no more pieces: the last block of the launch
+// zeroes `words` (the counters, `blocks_done` among them) for the next launch on the stream.
+__device__ __forceinline__ void count_block_done(u64* blocks_done, u64* words, int count) {
+    __threadfence();  // the block's claims before its count
+    if (atomicAdd(blocks_done, 1ull) == gridDim.x - 1)
+        for (int i = 0; i < count; ++i) atomicExch(words + i, 0ull);
+}
+
+// A weight sync whose tables an earlier launch compiled (compile_weight_tasks); `claims`:
+// CLAIM_WORDS, zero between launches.
+extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) weight_sync(WEIGHT_COPY_PARAMETERS,
+                                                                                        u64* claims) {
+    copy_weight_pieces<TablesOfEarlierLaunch>(claims, nullptr, WEIGHT_COPY_ARGUMENTS);
+    __syncthreads();
+    if (threadIdx.x == 0) count_block_done(claims + 1, claims, CLAIM_WORDS);
 }
 
 // The first two blocks to start play the roles (one block does both in a grid of one).
@@ -359,9 +401,9 @@ __device__ bool wait_for_roles(const u64* roles_done, u64 timeout_ns, u64* statu
 // this rank's tables (schedule.cuh), then the copy of weight_sync by every block. The
 // blocks take tickets as they start, so the agreement (ticket 0) and the compile (ticket
 // 1) run on blocks that are running while the others wait for both (no block waits for one
-// that may not be resident yet); each block then copies as the ticket-th of the grid, and
-// reads the tables and the verdict with loads that see this launch's stores. The last block
-// to finish zeroes gate[] for the next launch. With `agreed_before` set, agree.cu's kernel
+// that may not be resident yet); each block then claims pieces with the others (gate[3]),
+// and reads the tables and the verdict with loads that see this launch's stores. The last
+// block to finish zeroes gate[] for the next launch. With `agreed_before` set, agree.cu's kernel
 // has run the agreement just before on the stream (same arguments, its verdict in the
 // status) and ticket 0 skips it: the grid then never holds its SMs while it waits for peers
 // (where ranks share a GPU, a late peer's planner, a cluster of whole SMs, could not start
@@ -397,12 +439,12 @@ extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) agre
     }
     __syncthreads();
     if (roles_done)
-        copy_weight_pieces<TablesOfThisLaunch>(ticket, agreement_status + STATUS_KIND, tasks, counts + COUNT_WEIGHT_TASKS,
+        copy_weight_pieces<TablesOfThisLaunch>(gate + 3, agreement_status + STATUS_KIND, tasks, counts + COUNT_WEIGHT_TASKS,
                                                task_rows, chunk_tiles, tensor_table, num_tensors, tile_bytes, dests,
                                                dest_rows, src_ptrs, num_src_ptrs, copy_peer_bases, num_ranks, rank,
                                                weight_syncs, flag_every_chunk, done, timeout_ns, sync_status);
     __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(gate + 2, 1ull) == gridDim.x - 1) gate[0] = gate[1] = gate[2] = 0;
+    if (threadIdx.x == 0) count_block_done(gate + 2, gate, GATE_WORDS);
 }
 
 // A reader's wait for its replica slots [first_slot, first_slot + gridDim.x) (block b: slot

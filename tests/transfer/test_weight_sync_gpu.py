@@ -83,6 +83,8 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish, every_chunk):
     # (fan-out, blocks, first destination row, first rank): rows and ranks within and past 256
     configs = [(f, 1 + f % 3, 0, 0) for f in range(1, 11)] + [(33, 2, 0, 0), (4, 37, 0, 0), (33, 3, 240, 240),
                                                               (5, 2, 300, 0), (6, 2, 0, 300), (7, 3, 300, 300)]
+    # one piece counter for every launch: each must leave it at zero for the next to copy every piece
+    claims = cupy.zeros(kernel_constant("transfer.cu", "CLAIM_WORDS"), np.uint64)
     for fanout, blocks, row_base, rank_base in configs:
         tasks, count, tensor_table, dests, fanout_b = tables(tile_bytes, fanout, publish, row_base, rank_base)
         chunks = count // 2
@@ -97,9 +99,10 @@ def test_weight_sync_fanouts(tile_bytes, source_offset, publish, every_chunk):
                                       np.uint64)),
                 np.int32(rank_base + fanout),
                 np.int32(rank), cupy.asarray(np.array([epoch], np.uint64)), np.int32(every_chunk), done,
-                np.uint64(10**9), status))
+                np.uint64(10**9), status, claims))
         cupy.cuda.get_current_stream().synchronize()
         assert not status.any(), f"fan-out {fanout}: status {status.get()}"
+        assert not claims.any(), f"fan-out {fanout}: piece counter not reset: {claims.get()}"
         assert not done.any(), f"fan-out {fanout}: chunk counters not reset: {done.get()}"
         for d, buffer in enumerate(buffers):
             has_b = d < fanout_b

@@ -37,6 +37,7 @@ SYNC_MIN_BLOCKS = kernel_constant(KERNEL, "SYNC_MIN_BLOCKS")  # resident per SM:
 PIECE_BYTES = kernel_constant(KERNEL, "PIECE_BYTES")
 STATUS_WORDS = kernel_constant(KERNEL, "STATUS_WORDS")
 GATE_WORDS = kernel_constant(KERNEL, "GATE_WORDS")
+CLAIM_WORDS = kernel_constant(KERNEL, "CLAIM_WORDS")
 GATE_SLOT = kernel_constant(KERNEL, "GATE_SLOT")  # status[1] of a one-launch sync's wait for its roles
 WAIT_STATUS_WORDS = kernel_constant(KERNEL, "WAIT_STATUS_WORDS")
 WAIT_THREADS = kernel_constant(KERNEL, "WAIT_THREADS")
@@ -70,7 +71,8 @@ class DeviceTransfer:
         self._wait_kernel = get_function(KERNEL, "wait_replica_slots", group=group)
         self._status = cupy.zeros(STATUS_WORDS, dtype=np.uint64)
         self._wait_status = cupy.zeros(WAIT_STATUS_WORDS, dtype=np.uint64)
-        self._gate = cupy.zeros(GATE_WORDS, dtype=np.uint64)  # a one-launch sync's tickets and roles; zero between
+        self._gate = cupy.zeros(GATE_WORDS, dtype=np.uint64)  # one-launch sync: tickets, roles, pieces; zero between
+        self._claims = cupy.zeros(CLAIM_WORDS, dtype=np.uint64)  # a weight_sync launch's pieces claimed; zero between
         self.rank, self.placement, self.slots_per_rank = heap.rank, placement, layout.slots_per_rank
         self.masters_per_rank = layout.experts_per_rank
         self._own_pad = heap.base_pointer(heap.rank)  # the signal pad opens the heap
@@ -186,7 +188,7 @@ class DeviceTransfer:
             np.int64(self.geometry.tile_bytes), tables.dests, np.int32(len(tables.dests)),
             entry["sources"], np.int32(len(entry["sources"])), self.heap.peer_bases, np.int32(self.heap.size),
             np.int32(self.heap.rank), tables.weight_syncs, np.int32(flag_every_chunk), self._sync_done,
-            np.uint64(int(self.timeout_s * 1e9)), self._status))
+            np.uint64(int(self.timeout_s * 1e9)), self._status, self._claims))
 
     def reduce_grads(self, entry: dict, plan, blocks: int | None) -> None:
         plan.launch()  # the agreement that writes the placement compiled here

@@ -189,10 +189,10 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 
 # -- weight sync ---------------------------------------------------------------------------
 #
-# weight_sync (raw_kernels/transfer.cu) is persistent: warp w of the grid's W takes pieces
-# w, w + W, ... of PIECE_BYTES, loads each into registers and stores it to each of its
-# replicas, so every warp copies the same number of pieces (the busiest one more) and the
-# call lasts as long as the warps of the busiest SM take over theirs. A piece costs a warp
+# weight_sync (raw_kernels/transfer.cu) is persistent: the grid's warps claim runs of a few
+# neighbouring pieces of PIECE_BYTES as they go, load each into registers and store it to
+# each of its replicas, so every warp copies about the same number of pieces and the call
+# lasts as long as the warps of the busiest SM take over theirs. A piece costs a warp
 #
 # * its latency: the load's round trip (_round_trip_s) and the piece's bookkeeping -- the
 #   dependent steps that find its task, tensor, source and destinations before its address
