@@ -175,3 +175,8 @@ def test_alternated_phases_take_turns_at_running_first(monkeypatch):
     bench.phase_windows_ms(OneRank(), blocks, 2, lambda: None, alternate=[(1, 3), (2, 4)])
     assert [name for _, name in given] == ["s", "a1", "a2", "b1", "b2", "t", "s", "b1", "b2", "a1", "a2", "t"]
     assert given[7:10] == [("s", "b1"), ("b1", "b2"), ("b2", "a1")] and given[11] == ("a2", "t")
+
+    # pairs sharing a phase rotate its runs, each phase still run once a repeat
+    ran.clear()
+    bench.phase_windows_ms(OneRank(), phases, 2, lambda: None, alternate=[(0, 1), (1, 2)])
+    assert "".join(ran) == "abc" "bca"

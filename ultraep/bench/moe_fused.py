@@ -8,7 +8,9 @@ Every rank holds ``experts_per_rank`` BF16 SwiGLU experts; routing is uniform to
 (distinct experts per token), gates random; no balancing. Per (tokens, hidden): both
 layers are built, a checked forward each (also the warm-up), ``--repeats`` timed forwards
 each as group windows (first rank's start to last rank's end, a barrier before each), a
-second checked fused forward (and, with ``--timeline``, a recorded one). The timed forwards
+second checked fused forward (and, with ``--timeline``, a recorded one); the two layers'
+phases take turns at running first (a phase's time depends by a few percent on what ran
+before it). The timed forwards
 are inference's (``backward=False``: the fused layer keeps nothing for a backward). ``out_diff``:
 elements of the fused output whose bits differ from the sequential output's (must be 0);
 ``rerun_diff``: between the two checked fused forwards (must be 0). ``speedup`` =
@@ -355,11 +357,15 @@ def run(args) -> int:
                     up_out = grouped_mm(received.x, sequential._w_up, received.offsets)  # reused: no zero fill timed
                     timed += [lambda _: sequential.dispatcher.dispatch(x, ids, gates),
                                lambda _: grouped_mm(received.x, sequential._w_up, received.offsets, out=up_out)]
-                # the constants and the tuned layer take turns at running first, in each direction
-                alternate = []
+                # The sequential and the (first) fused layer take turns at running first, in each
+                # direction, and so do the constants and the tuned layer: a phase runs slower by a
+                # few ms after some phases than after others (after the weight gradients alone,
+                # e.g., even with the GPU idle in between), which no layer must always pay.
+                blocks = len(layers)  # the training blocks' first phase: (zero_grads, forward, backward) a layer
+                alternate = [(0, 1)] + ([(blocks + i, blocks + 3 + i) for i in range(3)] if args.backward else [])
                 if args.config == "both":
-                    alternate = [(1, 2)] + ([(len(layers) + 3 + i, len(layers) + 6 + i) for i in range(3)]
-                                            if args.backward else [])
+                    alternate += [(1, 2)] + ([(blocks + 3 + i, blocks + 6 + i) for i in range(3)]
+                                             if args.backward else [])
                 windows = phase_windows_ms(group, timed, args.repeats, synchronize, alternate=alternate)
                 again = {name: checked(layers[name]) for name in configs}
                 layers[False].check()

@@ -241,15 +241,16 @@ def phase_windows_ms(group, phases, repeats: int, synchronize, alternate=()) -> 
     """ms per repeat of each phase as the whole group's window (first rank's start to the
     last rank's end; a barrier before each phase). ``phases``: callables run in order, each
     given the previous one's result (the first None). ``alternate``: pairs of phases that
-    swap places every other repeat, so that of two runs (a phase each, or a block of
-    consecutive phases paired in order, the first of each reading no input) neither always
-    runs second; a phase after a swapped one is given whichever ran before it."""
+    swap places every other repeat (in the list's order: pairs sharing a phase rotate), so
+    that of two runs (a phase each, or a block of consecutive phases paired in order, the
+    first of each reading no input) neither always runs second; a phase after a swapped one
+    is given whichever ran before it."""
     spans = [[] for _ in phases]
     for repeat in range(repeats):
         result = None
         order = list(range(len(phases)))
         for first, second in alternate if repeat % 2 else ():
-            order[first], order[second] = second, first
+            order[first], order[second] = order[second], order[first]
         for phase in order:
             fn = phases[phase]
             synchronize()
