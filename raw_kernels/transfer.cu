@@ -216,9 +216,9 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // Master tasks come first in the table and a warp's claims increase, so a warp has stored and
 // counted all its master pieces before it can wait for a flag, and every master piece is
 // claimed, by a running warp, before any relay piece: every chunk a relay waits for is being
-// copied, and two ranks cannot each wait for a chunk the other holds back. A timeout leaves chunks half counted:
-// until the host has reported it (status) and zeroed done[], later launches do nothing, so a
-// half count can never publish a flag early.
+// copied, and two ranks cannot each wait for a chunk the other holds back. A timeout leaves
+// chunks half counted: until the host has reported it (status) and zeroed done[], later
+// launches do nothing, so a half count can never publish a flag early.
 //
 // `refused`: a word that is nonzero when the ranks refused the plan the tables were compiled
 // from (the agreement's status kind; null where the compile read an agreed plan): nothing is copied.
@@ -242,8 +242,7 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 template <class Tables>
 __device__ void copy_weight_pieces(u64* pieces_claimed, const u64* refused, WEIGHT_COPY_PARAMETERS) {
     __shared__ SyncShared s;
-    const int tid = threadIdx.x, lane = tid % 32;
-    const int warp = tid / 32;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int pieces_per_tile = static_cast<int>((tile_bytes + PIECE_BYTES - 1) / PIECE_BYTES);
     // the warp's first run, and the start of its second, claimed before the tables' reads
     ClaimedPieces claimed{{0, 0, 0}, 0, 0};
@@ -403,8 +402,8 @@ __device__ bool wait_for_roles(const u64* roles_done, u64 timeout_ns, u64* statu
 // 1) run on blocks that are running while the others wait for both (no block waits for one
 // that may not be resident yet); each block then claims pieces with the others (gate[3]),
 // and reads the tables and the verdict with loads that see this launch's stores. The last
-// block to finish zeroes gate[] for the next launch. With `agreed_before` set, agree.cu's kernel
-// has run the agreement just before on the stream (same arguments, its verdict in the
+// block to finish zeroes gate[] for the next launch. With `agreed_before` set, agree.cu's
+// kernel has run the agreement just before on the stream (same arguments, its verdict in the
 // status) and ticket 0 skips it: the grid then never holds its SMs while it waits for peers
 // (where ranks share a GPU, a late peer's planner, a cluster of whole SMs, could not start
 // before that wait timed out). The agreement's arguments come first (agree_on_plan's, then

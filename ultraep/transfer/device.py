@@ -120,9 +120,9 @@ class DeviceTransfer:
         return None
 
     def sync_grid_error(self, blocks: int | None) -> str | None:
-        """No more blocks than are resident at once: a relay's warps wait for chunks that its
-        peers' blocks copy, so every block must be running (other work on the GPU that takes
-        SMs the whole time can still starve them)."""
+        """No more blocks than are resident at once: a block past those would start only once
+        another has ended, when its warps (claiming pieces as they go) find little or nothing
+        left to copy."""
         if blocks is None or blocks <= self.max_sync_blocks:
             return None
         return (f"blocks must be at most {self.max_sync_blocks} for weight_sync on this GPU ({SYNC_MIN_BLOCKS} "
