@@ -180,3 +180,26 @@ def test_alternated_phases_take_turns_at_running_first(monkeypatch):
     ran.clear()
     bench.phase_windows_ms(OneRank(), phases, 2, lambda: None, alternate=[(0, 1), (1, 2)])
     assert "".join(ran) == "abc" "bca"
+
+
+def test_rotated_blocks_start_one_block_later_each_repeat(monkeypatch):
+    """``rotate=2``: blocks of two phases, repeat r starting at block r; each phase's window
+    is still its own, and a block's second phase is given its first's result."""
+    clock, ran, given = [0.0], [], []
+
+    def phase(name, seconds):
+        def run(previous):
+            ran.append(name)
+            given.append((previous, name))
+            clock[0] += seconds
+            return name
+        return run
+
+    monkeypatch.setattr(bench.time, "monotonic", lambda: clock[0])
+    phases = [phase(name, 0.001 * (i + 1)) for i, name in enumerate("abcdef")]
+    windows = bench.phase_windows_ms(OneRank(), phases, 4, lambda: None, rotate=2)
+    assert "".join(ran) == "abcdef" "cdefab" "efabcd" "abcdef"
+    assert windows == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    assert ("c", "d") in given and ("a", "b") in given and ("e", "f") in given
+    with pytest.raises(ValueError, match="not whole blocks of 4"):
+        bench.phase_windows_ms(OneRank(), phases, 1, lambda: None, rotate=4)

@@ -28,8 +28,9 @@ forward of every layer then the backward in reverse (gradients of inputs, gates 
 expert weights; no optimizer); forward and backward are timed as separate group windows
 (first rank's start to last rank's end, barriers between), ``step_ms`` is their sum, and
 tokens/s counts every rank's tokens. Every policy's layers are set up at once and their
-timed steps interleaved (each repeat steps every policy in turn), so that a slow stretch
-of a shared GPU costs all policies alike. Checked steps (one before timing, one after, the
+timed steps interleaved (each repeat steps every policy in turn, starting one policy later
+than the repeat before), so that a slow stretch of a shared GPU, or a step slowed by the one
+before it, costs all policies alike. Checked steps (one before timing, one after, the
 gradients zeroed before each): ``ultraep``'s outputs and input gradients must have 0
 elements differing from ``none``'s (same routing, weights and inputs: balancing moves no
 bit), its master weight gradients differ from ``none``'s only by FP32 reassociation, and
@@ -237,18 +238,24 @@ class MoEStack:
             self.balancer.close()
 
 
-def phase_windows_ms(group, phases, repeats: int, synchronize, alternate=()) -> list[float]:
+def phase_windows_ms(group, phases, repeats: int, synchronize, alternate=(), rotate: int = 0) -> list[float]:
     """ms per repeat of each phase as the whole group's window (first rank's start to the
     last rank's end; a barrier before each phase). ``phases``: callables run in order, each
     given the previous one's result (the first None). ``alternate``: pairs of phases that
     swap places every other repeat (in the list's order: pairs sharing a phase rotate), so
     that of two runs (a phase each, or a block of consecutive phases paired in order, the
     first of each reading no input) neither always runs second; a phase after a swapped one
-    is given whichever ran before it."""
+    is given whichever ran before it. ``rotate``: the phases are blocks of that many (the
+    first of each reading no input), and repeat r starts at block r (modulo their number),
+    so that every block follows every other in turn."""
+    if rotate and len(phases) % rotate:
+        raise ValueError(f"rotate={rotate}: {len(phases)} phases are not whole blocks of {rotate}")
+    blocks = len(phases) // rotate if rotate else 1
     spans = [[] for _ in phases]
     for repeat in range(repeats):
         result = None
-        order = list(range(len(phases)))
+        shift = repeat % blocks * rotate
+        order = list(range(shift, len(phases))) + list(range(shift))
         for first, second in alternate if repeat % 2 else ():
             order[first], order[second] = order[second], order[first]
         for phase in order:
@@ -351,8 +358,9 @@ def run(args) -> int:
         return ([to_host(out)], [to_host(dx)],
                 [to_host(g).copy() for moe in stack.layers for g in (moe.grad_up, moe.grad_down)])
 
-    # Every policy's layers at once, their timed steps interleaved repeat by repeat: a slow
-    # stretch of a shared GPU (one MPS share overlapping another) then costs every policy alike.
+    # Every policy's layers at once, their timed steps interleaved repeat by repeat, each repeat
+    # starting one policy later: a slow stretch of a shared GPU (one MPS share overlapping another),
+    # or a phase slowed by the one before it, then costs every policy alike.
     stacks, first = {}, {}
     try:
         for policy, threshold, stream in runs:
@@ -370,7 +378,7 @@ def run(args) -> int:
                        lambda contexts, stack=stack: stack.backward(contexts, grad_out)]
         for _, stack, _ in stacks.values():
             stack.record_phases(args.phases)
-        windows = phase_windows_ms(group, phases, args.repeats, synchronize)
+        windows = phase_windows_ms(group, phases, args.repeats, synchronize, rotate=2)
         if args.phases:
             phase_rows = step_rows(group, {name: stack for name, (_, stack, _) in stacks.items()})
             for _, stack, _ in stacks.values():
