@@ -9,7 +9,7 @@ Every rank holds ``experts_per_rank`` BF16 SwiGLU experts; routing is uniform to
 layers are built, a checked forward each (also the warm-up), ``--repeats`` timed forwards
 each as group windows (first rank's start to last rank's end, a barrier before each), a
 second checked fused forward (and, with ``--timeline``, a recorded one); the two layers'
-phases take turns at running first (a phase's time depends by a few percent on what ran
+phases take turns at running first (a phase's time can depend by up to ~10 % on what ran
 before it). The timed forwards
 are inference's (``backward=False``: the fused layer keeps nothing for a backward). ``out_diff``:
 elements of the fused output whose bits differ from the sequential output's (must be 0);
@@ -358,8 +358,8 @@ def run(args) -> int:
                     timed += [lambda _: sequential.dispatcher.dispatch(x, ids, gates),
                                lambda _: grouped_mm(received.x, sequential._w_up, received.offsets, out=up_out)]
                 # The sequential and the (first) fused layer take turns at running first, in each
-                # direction, and so do the constants and the tuned layer: a phase runs slower by a
-                # few ms after some phases than after others (after the weight gradients alone,
+                # direction, and so do the constants and the tuned layer: a phase runs up to ~10 %
+                # slower after some phases than after others (after the weight gradients alone,
                 # e.g., even with the GPU idle in between), which no layer must always pay.
                 blocks = len(layers)  # the training blocks' first phase: (zero_grads, forward, backward) a layer
                 alternate = [(0, 1)] + ([(blocks + i, blocks + 3 + i) for i in range(3)] if args.backward else [])
