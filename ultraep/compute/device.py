@@ -187,14 +187,14 @@ class DeviceGroupedGemm:
             shared_mem=shared_bytes)
 
     def _claims_of(self, stream):
-        """``stream``'s tile counter, at zero when its next launch runs."""
-        capturing = stream.is_capturing()
+        """``stream``'s tile counter, at zero when its next launch runs (the stream's capture
+        state is asked only for a new counter or one whose zeros were captured)."""
         claims = self._claims.get(stream.ptr)
         if claims is None:
             claims = self._claims[stream.ptr] = self.cp.zeros(2, dtype=np.int32)
-            if capturing:
+            if stream.is_capturing():
                 self._zeroed_in_graph.add(stream.ptr)
-        elif not capturing and stream.ptr in self._zeroed_in_graph:
+        elif stream.ptr in self._zeroed_in_graph and not stream.is_capturing():
             claims.fill(0)
             self._zeroed_in_graph.discard(stream.ptr)
         return claims
