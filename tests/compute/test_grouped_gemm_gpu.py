@@ -192,9 +192,9 @@ def test_launches_on_two_streams_at_once_each_claim_from_their_own_counter(cp):
 
 
 def test_a_counter_first_made_in_a_graph_capture_is_zeroed_before_a_launch_outside_it(cp):
-    """A stream's first launch is captured in a CUDA graph (its counter's zeros with it,
-    in memory that held -1s); a launch outside the capture before the graph ever ran still
-    claims from zero, and the graph then gives the same bits."""
+    """A stream's first launch is captured in a CUDA graph (its counter's zeros with it);
+    with the counter's memory then holding -1s, a launch outside the capture before the
+    graph ever ran still claims from zero, and the graph then gives the same bits."""
     rng = np.random.default_rng(13)
     problem = random_problem(rng, "forward", 5, 296, 264, 136)
     want = bits(run(cp, "forward", *problem))
@@ -202,11 +202,10 @@ def test_a_counter_first_made_in_a_graph_capture_is_zeroed_before_a_launch_outsi
     outs = [up(cp, nan_bits(out_shape("forward", *problem), BFLOAT16)) for _ in range(2)]
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        poison = cp.full(128, -1, dtype=np.int32)  # back to the stream's pool: the counter's likely memory
-        del poison
         stream.begin_capture()
         grouped_mm(a, b, offsets, out=outs[0])
         graph = stream.end_capture()
+        api._device(cp.cuda.Device().id)._claims[stream.ptr].fill(-1)  # what uninitialised memory may hold
         grouped_mm(a, b, offsets, out=outs[1])
         check_errors()
         assert np.array_equal(bits(outs[1]), want)
