@@ -4,7 +4,7 @@
 // store warps -- and the task loops themselves: kernels A and C's (send and GEMM tiles of the
 // relayed rows, the relays on the store warps beside them) and kernels B and D's (GEMM tiles
 // into the heap, then the slot-order reduce). Everything is inline: a function call anywhere
-// in a kernel makes ptxas serialise its wgmma instructions. ultraep/integration/fused.py
+// in a kernel makes ptxas serialise its wgmma instructions. ultraep/compute/fused/forward.py
 // states the task semantics they serve.
 #pragma once
 
@@ -24,7 +24,7 @@
 static_assert(128 * GH_PRODUCER_REGISTERS + 256 * GH_CONSUMER_REGISTERS <= 384 * 168,
               "the register split fits what the launch reserves");
 
-// Overridable with -D (FusedConfig's copy_unroll, reduce_unroll: ultraep/tune/config.py); no
+// Overridable with -D (FusedConfig's copy_unroll, reduce_unroll: ultraep/compute/fused/config.py); no
 // result bit depends on them (a reduce still adds its slots one by one in slot order).
 #ifndef FM_UNROLL
 #define FM_UNROLL 4              // 16-byte loads in flight per lane in copies
@@ -369,7 +369,7 @@ __device__ __forceinline__ void wait_for_hand_over(Pipeline& p, int phase, long 
 // staging buffer, kernels B and D's reducers for a done flag -- waits on work that needs
 // nothing but hand-overs already made. So a claimed tile finishes whatever its block runs
 // next (a reduce waiting for that tile's own done flag included), and the task order's
-// argument (ultraep/integration/fused.py) holds as before.
+// argument (ultraep/compute/fused/forward.py) holds as before.
 template <typename Store>
 __device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, long long* status,
                                                    Store store) {
@@ -451,7 +451,7 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 // `b_split`; the consumers then run `finish(d, tile, ring, consumer, warp, lane)`, the tile's
 // epilogue, which may use the idle stage ring (`ring`; see stage_accumulators_fp32) and the
 // staging buffer after it (no store warp uses it here).
-// Why no claim order deadlocks (ultraep/integration/fused.py states it for the host model):
+// Why no claim order deadlocks (ultraep/compute/fused/forward.py states it for the host model):
 // a store warp waits only for row flags, which send tasks release; sends precede every tile
 // in the claim order and wait for nothing, so every rank's sends finish; a tile waits for
 // tile_ready, which a relay releases, and relays progress on the store warps of any resident

@@ -1,7 +1,7 @@
 // Fused MoE layer (UniEP): dispatch + up-projection and down-projection + combine as two
-// persistent kernels, launched by ultraep/integration/fused_device.py after the
+// persistent kernels, launched by ultraep/compute/fused/device.py after the
 // Dispatcher's token map (route_keys .. plan_rows of dispatch.cu, its count barrier
-// included). ultraep/integration/fused.py states the task semantics in NumPy -- the task
+// included). ultraep/compute/fused/forward.py states the task semantics in NumPy -- the task
 // order, the scoreboard, where each flag is released and acquired and why no claim order
 // can deadlock. The outputs are held bit for bit to the sequential path on the GPU (the
 // Dispatcher, grouped_gemm.cu, swiglu.cu): the same tile arithmetic, the same sums.
@@ -48,7 +48,7 @@
 #include "swiglu.cuh"
 
 // Task granularity, shared with the host (kernel_constant). The task sizes are overridable
-// with -D (FusedConfig's send_tokens, reduce_tokens: ultraep/tune/config.py); the host sizes
+// with -D (FusedConfig's send_tokens, reduce_tokens: ultraep/compute/fused/config.py); the host sizes
 // its task lists from the same values.
 #ifndef FM_SEND_TOKENS
 #define FM_SEND_TOKENS 16        // tokens per send task

@@ -1,7 +1,6 @@
 // Fused MoE layer, backward (UniEP): gradient dispatch + dgrad of down and dgrad of up +
-// gradient combine as two persistent kernels, launched by
-// ultraep/integration/fused_backward_device.py. ultraep/integration/fused_backward.py states
-// the task semantics in NumPy -- the task order, the flags, why no claim order can
+// gradient combine as two persistent kernels, launched by ultraep/compute/fused/device.py.
+// ultraep/compute/fused/backward.py states the task semantics in NumPy -- the task order, the flags, why no claim order can
 // deadlock. The results are held bit for bit to the sequential backward on the GPU
 // (dispatch.cu's grad_rows and sum_slots, grouped_gemm.cu's dgrad, swiglu.cu's backward):
 // the same tile arithmetic, the same sums.
@@ -127,7 +126,7 @@ __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile
 // [slots, F, H] as (H, F, slots), box 64 x 256 x 1. row_landing, row_weight, row_origin: the
 // forward's receive-row metadata (the Dispatcher's handle). The send is the forward's
 // send_token over dy: it rewrites each pair's heap metadata with the values its forward
-// wrote, which no later reader overtakes (fused_backward.py, reuse across calls).
+// wrote, which no later reader overtakes (compute/fused/backward.py, reuse across calls).
 extern "C" __global__ void __launch_bounds__(GH_THREADS, 1)
 fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __grid_constant__ TensorMap w_down_map,
                           const uint4* dy, int tokens, int top_k, int hidden, const long long* ids, const float* gates,

@@ -1,6 +1,7 @@
 """The package's import graph, read from the source with ``ast``: no cycle, and the layers
-import only downwards (runtime -> planner -> transfer / token, compute -> tune -> integration;
-analysis and bench beside and above them, never imported by the runtime path).
+import only downwards (runtime -> planner -> transfer / token, compute -> the fused layer
+(compute.fused, which fuses the token path with compute) -> tune -> integration; analysis
+and bench beside and above them, never imported by the runtime path).
 
 Every ``import`` statement counts, at module level or inside a function, except those
 under ``if TYPE_CHECKING:`` (they never run). ``from ultraep.x import y`` is an edge to
@@ -13,7 +14,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ultraep"
-RUNTIME_PATH = ("runtime", "planner", "transfer", "token", "compute", "tune", "integration")
+RUNTIME_PATH = ("runtime", "planner", "transfer", "token", "compute", "fused", "tune", "integration")
 
 
 
@@ -126,9 +127,13 @@ TOOLS = {"ultraep.tune.__main__": "bench", "ultraep.tune.validate": "bench"}
 
 
 def layer_of(module: str) -> str:
+    """The layer a module belongs to: its top-level package, but ``fused`` for the fused
+    kernels' ``compute.fused`` (above ``token``, which ``compute``'s grouped GEMM is not)."""
     if module in TOOLS:
         return TOOLS[module]
     parts = module.split(".")
+    if parts[1:3] == ["compute", "fused"]:
+        return "fused"
     return parts[1] if len(parts) > 1 else ""
 
 
@@ -137,6 +142,8 @@ def test_the_graph_is_read():
     assert "ultraep.planner.plan" in GRAPH["ultraep.integration.stats"]
     assert "ultraep.analysis.traces" in GRAPH["ultraep.bench.plan"]
     assert "ultraep.tune.replicas" in GRAPH["ultraep.integration.balancer"]
+    assert "ultraep.token.reference" in GRAPH["ultraep.compute.fused.forward"]
+    assert (layer_of("ultraep.compute.fused.forward"), layer_of("ultraep.compute.grouped_gemm")) == ("fused", "compute")
     assert one_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}, {"a", "b", "c"}) == ["a", "b", "c", "a"]
     assert strongly_connected({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [{"a", "b"}]
 
@@ -149,11 +156,13 @@ def test_no_import_cycle():
 
 def test_layers_import_only_downwards():
     forbidden = {
-        "runtime": {"planner", "transfer", "token", "compute", "tune", "integration", "analysis", "bench"},
-        "planner": {"transfer", "token", "compute", "tune", "integration", "analysis", "bench"},
-        "compute": {"planner", "transfer", "token", "tune", "integration", "analysis", "bench"},
-        "transfer": {"tune", "integration", "analysis", "bench"},
-        "token": {"tune", "integration", "analysis", "bench"},
+        "runtime": {"planner", "transfer", "token", "compute", "fused", "tune", "integration", "analysis", "bench"},
+        "planner": {"transfer", "token", "compute", "fused", "tune", "integration", "analysis", "bench"},
+        "compute": {"planner", "transfer", "token", "fused", "tune", "integration", "analysis", "bench"},
+        "transfer": {"fused", "tune", "integration", "analysis", "bench"},
+        "token": {"fused", "tune", "integration", "analysis", "bench"},
+        # the fused kernels join the token path and the grouped GEMM; the tuner chooses their configuration
+        "fused": {"planner", "transfer", "tune", "integration", "analysis", "bench"},
         # the profile measures compute and runtime; the cost model reads an ExpertSpec it is handed
         "tune": {"planner", "transfer", "token", "integration", "analysis", "bench"},
         "integration": {"analysis", "bench"},

@@ -13,7 +13,7 @@ FRAMEWORK_API = {"EPGroup", "open_heap", "ExpertLayout", "ExpertSpec", "Balancer
                  "TraceRecorder", "WeightTransfer"}
 ERRORS = {name for name, value in vars(errors).items()
           if isinstance(value, type) and issubclass(value, errors.UltraEPError)}
-RUNTIME_PATH = ("runtime", "planner", "transfer", "token", "integration")
+RUNTIME_PATH = ("runtime", "planner", "transfer", "token", "compute", "integration")
 
 
 def test_public_api_is_the_framework_api_and_every_error():

@@ -10,7 +10,8 @@ Layers, bottom up (each its own package):
 * ``ultraep.transfer`` -- the data plane: replica buffers, weight sync by tile streaming
   with relay trees, deterministic gradient reduction.
 * ``ultraep.token`` -- the token path: deterministic dispatch and combine (UniEP).
-* ``ultraep.compute`` -- the expert compute: the padding-free grouped GEMM.
+* ``ultraep.compute`` -- the expert compute: the padding-free grouped GEMM, and the fused
+  MoE kernels (dispatch + GEMM, GEMM + combine) in ``ultraep.compute.fused``.
 * ``ultraep.integration`` -- the :class:`Balancer` a framework drives per layer and
   micro-batch, with its metrics and the load-trace format, and :class:`MoELayer`, a whole
   (optionally balanced) MoE layer in two calls.

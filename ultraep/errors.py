@@ -83,7 +83,7 @@ class MoELayerError(UltraEPError, ValueError):
 
 class FusedDeadlock(UltraEPError, RuntimeError):
     """A fused-layer task order or interleaving in which a task waits for one that cannot
-    run (``ultraep.integration.fused.check_order`` / ``simulate``)."""
+    run (``ultraep.compute.fused.forward.check_order`` / ``simulate``)."""
 
 
 __all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "FusedDeadlock",

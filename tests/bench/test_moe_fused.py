@@ -145,7 +145,7 @@ def test_backward_that_differs_is_refused(tmp_path):
         from mpi4py import MPI
 
         from ultraep.bench import moe_fused
-        from ultraep.integration.fused_backward import HostFusedBackward
+        from ultraep.compute.fused.host import HostFusedBackward
 
         backward = HostFusedBackward.backward
 

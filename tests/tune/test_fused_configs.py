@@ -1,5 +1,5 @@
 """No configuration of the fused kernels changes a result bit: the NumPy spec of their
-tasks (``ultraep.integration.fused``) run with several ``FusedConfig``s -- different ones
+tasks (``ultraep.compute.fused.forward``) run with several ``FusedConfig``s -- different ones
 per rank included, as a tuned layer whose ranks fall into different token buckets runs --
 over random interleavings, bitwise the sequential path; ``MoELayer(fused=True,
 fused_config=...)`` on 2 and 4 ranks (host in CI, the CUDA kernels on a GPU) bitwise the
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from tests.conftest import BACKENDS, assert_all_ranks_ok, run_ranks
-from tests.integration.test_fused import bits, problem
-from ultraep.integration.fused import FusedLayer, Granularity, check_order, sequential_forward, simulate
+from tests.compute.fused.test_forward import bits, problem
+from ultraep.compute.fused.forward import FusedLayer, Granularity, check_order, sequential_forward, simulate
 from ultraep.integration.moe_layer import swiglu
-from ultraep.tune.config import FusedConfig
+from ultraep.compute.fused.config import FusedConfig
 
 # (ranks, slots, tokens per rank, top_k) at the kernel's tile geometry (128-row M-tiles)
 CASES = [(2, 2, [150, 40], 4), (4, 2, 70, 3)]

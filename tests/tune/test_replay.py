@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from ultraep.tune.__main__ import main as tune_main
-from ultraep.tune.config import FusedConfig
+from ultraep.compute.fused.config import FusedConfig
 from ultraep.tune.model import Problem, fused_down_s
 from ultraep.tune.profile import MachineProfile
 from ultraep.tune.search import search

@@ -12,7 +12,7 @@ import pytest
 from tests.tune.synthetic import h200_like
 from ultraep.errors import ProfileError
 from ultraep.tune.__main__ import main as tune_main
-from ultraep.tune.config import FusedConfig, FusedSchedule, bucket
+from ultraep.compute.fused.config import FusedConfig, FusedSchedule, bucket
 from ultraep.tune.model import Problem, SyncProblem, predict
 from ultraep.tune.search import FUSED_MODEL_ERROR, KNOBS, Tuner, fused_phases, fused_schedule, knob_values, search
 from ultraep.tune.profile import MachineProfile, write_profile

@@ -111,7 +111,7 @@ def test_a_forward_enqueued_after_its_hold_ended_is_timed_again_behind_a_longer_
     """On the GPU each timed forward waits behind a hold of the stream; where a rank's host
     was still enqueueing it when the hold ended, the forward does not count (its kernels
     started when their launches came) and the hold doubles for every rank."""
-    from ultraep.integration.fused import KERNEL_A, KERNEL_B
+    from ultraep.compute.fused.forward import KERNEL_A, KERNEL_B
     from ultraep.tune import validate
 
     a, b = next(iter(KERNEL_A)), next(iter(KERNEL_B))

@@ -1,6 +1,6 @@
-"""The compute layer: the grouped GEMM (the fused MoE kernels, which share its tile
-pipeline through ``raw_kernels/grouped_gemm_common.cuh``, are launched by
-``ultraep.integration``, beside the token path they fuse).
+"""The compute layer: the grouped GEMM, and in :mod:`ultraep.compute.fused` the fused MoE
+kernels, which share its tile pipeline through ``raw_kernels/grouped_gemm_common.cuh`` (a
+layer of their own above the token path they fuse; the grouped GEMM imports neither).
 
 * :func:`grouped_mm`, :func:`grouped_mm_dgrad`, :func:`grouped_mm_wgrad` -- the
   padding-free BF16 grouped GEMM over expert-major rows (forward, input gradient, weight

@@ -3,6 +3,9 @@
 * ``balancer`` -- :class:`Balancer`: per-layer, per-micro-batch load gathering, planning,
   weight sync (a :class:`ReplicaSync` whose per-slot waits gate the replicas' compute),
   reroute, restore and gradient reduction, with a ring of plans for pipelines.
+* ``moe_layer`` -- :class:`~ultraep.integration.moe_layer.MoELayer` (also ``ultraep.MoELayer``):
+  a whole MoE layer in two calls, forward and backward -- Balancer, Dispatcher, grouped
+  GEMM and SwiGLU, or with ``fused=True`` the fused kernels of :mod:`ultraep.compute.fused`.
 * ``host``     -- the Balancer's host backend (NumPy): the load-row semantics and every
   per-backend step run synchronously.
 * ``device``   -- the Balancer's device backend (CuPy): the CUDA load gather and

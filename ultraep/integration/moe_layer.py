@@ -48,12 +48,12 @@ SwiGLU's rounding is stated in ``raw_kernels/swiglu.cu``; :func:`swiglu` and
 
 ``fused=True`` runs the forward as UniEP's two persistent kernels (``raw_kernels/fused_moe.cu``:
 dispatch + up-projection with SwiGLU in the epilogue, down-projection + combine), whose
-task semantics :mod:`ultraep.integration.fused` states in NumPy and runs on the host
+task semantics :mod:`ultraep.compute.fused.forward` states in NumPy and runs on the host
 backend; the outputs are bitwise the sequential path's. It keeps what the backward needs
 as the sequential path does (the up tiles' FP32 sums ``h``, ``act``, the expert outputs
 ``y``); its backward runs the exchange of gradients and both dgrads as two persistent
 kernels too (``raw_kernels/fused_moe_backward.cu``,
-semantics in :mod:`ultraep.integration.fused_backward`), bitwise the sequential backward;
+semantics in :mod:`ultraep.compute.fused.backward`), bitwise the sequential backward;
 the weight gradients stay on the grouped wgrad.
 
 The layer's own work runs on the caller's stream (``stream=``, else a torch input's
@@ -66,7 +66,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -82,7 +82,9 @@ from ultraep.token import Dispatcher
 from ultraep.token.base import DispatchResult, check_tokens
 from ultraep.transfer import ExpertSpec
 from ultraep.transfer.slot_copy import FilledSlotCopy
-from ultraep.tune.config import FusedConfig, FusedSchedule
+
+if TYPE_CHECKING:  # imported where used: the fused kernels' package loads the grouped GEMM's
+    from ultraep.compute.fused.config import FusedConfig, FusedSchedule
 
 # ultraep.compute and the bf16 type (ml_dtypes) are imported at first use, so that the
 # public API's import loads no optional package.
@@ -227,7 +229,7 @@ def _raise_everywhere(group: EPGroup, error: BaseException | None, what: str) ->
 
 def _open_fused_heap(group: EPGroup, common: dict, slots: dict, layer: int):
     """Collective: a heap with room for the Dispatcher's tensors and the fused layer's flags."""
-    from ultraep.integration.fused import heap_requirements
+    from ultraep.compute.fused.forward import heap_requirements
     from ultraep.runtime import open_heap
 
     settings = {k: v for k, v in common.items() if k not in ("timeout_s", "sync_checks", "heap", "backend")}
@@ -241,6 +243,7 @@ def _open_fused_heap(group: EPGroup, common: dict, slots: dict, layer: int):
 def _fused_schedule(layer: "MoELayer", fused_config) -> FusedSchedule:
     """Collective: the fused kernels' configuration per token bucket (``MoELayer``'s
     ``fused_config``), every grid checked against the CTAs resident on every rank."""
+    from ultraep.compute.fused.config import FusedConfig, FusedSchedule
     from ultraep.tune.search import agreed_fused_schedule
 
     error, schedule, d = None, None, layer.dispatcher.config
@@ -273,13 +276,13 @@ def _fused_schedule(layer: "MoELayer", fused_config) -> FusedSchedule:
 
 
 def _resident_ctas(layer: "MoELayer") -> int:
-    from ultraep.integration.fused_device import resident_ctas
+    from ultraep.compute.fused.device import resident_ctas
     return resident_ctas(layer.group.device)
 
 
 def _fused_forward(layer: "MoELayer", heap, timeout_s: float, fused_config):
     """The fused forward of ``layer`` on its backend, its flags allocated in ``heap``."""
-    from ultraep.integration.fused import HEAP_PREFIX, heap_requirements
+    from ultraep.compute.fused.forward import HEAP_PREFIX, heap_requirements
 
     d = layer.dispatcher.config
     requirements = heap_requirements(hidden=layer.hidden, max_recv_rows=d.max_recv_rows,
@@ -290,11 +293,11 @@ def _fused_forward(layer: "MoELayer", heap, timeout_s: float, fused_config):
     if layer.backend == "device":
         import cupy
 
-        from ultraep.integration.fused_device import DeviceFusedForward
+        from ultraep.compute.fused.device import DeviceFusedForward
         with cupy.cuda.Device(layer.group.device):
             return DeviceFusedForward(layer.group, layer.dispatcher, flags, hidden=layer.hidden, ffn=layer.ffn,
                                       timeout_s=timeout_s, schedule=schedule)
-    from ultraep.integration.fused import HostFusedForward
+    from ultraep.compute.fused.host import HostFusedForward
     return HostFusedForward(layer.group, layer.dispatcher, flags, ffn=layer.ffn, timeout_s=timeout_s,
                             activation=swiglu, schedule=schedule)
 
@@ -358,10 +361,10 @@ class MoELayer:
     the Balancer's virtual layer ``layer`` (when it balances, below) and shares its
     backend. Without one, tokens go to the masters. ``heap``: a symmetric heap for the
     Dispatcher (see :meth:`Dispatcher.heap_requirements`; with ``fused``, set up with
-    ``expert_output=True``, plus :func:`ultraep.integration.fused.heap_requirements`), else
+    ``expert_output=True``, plus :func:`ultraep.compute.fused.forward.heap_requirements`), else
     it opens its own.
     ``fused``: the forward as the fused persistent kernels (module docstring). ``fused_config``
-    (with ``fused``): ``"tuned"``, the model's best :class:`~ultraep.tune.config.FusedConfig`
+    (with ``fused``): ``"tuned"``, the model's best :class:`~ultraep.compute.fused.config.FusedConfig`
     per 4096-token bucket up to ``max_tokens`` (``ultraep.tune.search``, from rank 0's machine
     profile, measured once and cached: the first fused layer on a machine measures it);
     ``"constants"``, the kernel source's task sizes on every resident CTA; a ``FusedConfig``
@@ -767,10 +770,10 @@ class MoELayer:
         if self._fused is None or self._fused_bwd is not None:
             return self._fused_bwd
         if self.backend == "device":
-            from ultraep.integration.fused_backward_device import DeviceFusedBackward
+            from ultraep.compute.fused.device import DeviceFusedBackward
             self._fused_bwd = DeviceFusedBackward(self._fused)
         else:
-            from ultraep.integration.fused_backward import HostFusedBackward
+            from ultraep.compute.fused.host import HostFusedBackward
             self._fused_bwd = HostFusedBackward(self._fused, activation=swiglu_backward)
         self._fused_bwd.record_timeline(self._recording)
         return self._fused_bwd

@@ -11,15 +11,16 @@ It owns
   the smallest replica whose tokens save more time than its weight copy costs;
 * the performance model (:mod:`ultraep.tune.model`) of weight sync, dispatch/combine and
   the fused kernels, vectorised over configurations, and the search over their knobs
-  (:mod:`ultraep.tune.search`), memoised per token bucket, and the fused kernels'
-  configuration it chooses (:mod:`ultraep.tune.config`, ``MoELayer(fused_config=)``) -- imported where used, so
-  that the balancer's import of this package stays cheap; ``python -m ultraep.tune
-  validate`` holds the model to measurements (:mod:`ultraep.tune.validate`, a benchmark
-  tool above the layers it measures).
+  (:mod:`ultraep.tune.search`), memoised per token bucket, which chooses the fused
+  kernels' configuration (:class:`ultraep.compute.fused.config.FusedConfig`,
+  ``MoELayer(fused_config=)``) -- imported where used, so that the balancer's import of
+  this package stays cheap; ``python -m ultraep.tune validate`` holds the model to
+  measurements (:mod:`ultraep.tune.validate`, a benchmark tool above the layers it
+  measures).
 
-It sits above ``compute`` (whose grouped GEMM it measures), ``runtime``, ``transfer`` and
-``token`` (whose kernels it models), and below ``integration``, which resolves ``"auto"``
-through it.
+It sits above ``compute`` (whose grouped GEMM and fused kernels it measures), ``runtime``,
+``transfer`` and ``token`` (whose kernels it models), and below ``integration``, which
+resolves ``"auto"`` through it.
 """
 
 from ultraep.tune.profile import (PROFILE_VERSION, ComputeCurve, FusedCosts, MachineProfile, load_profile,

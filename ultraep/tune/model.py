@@ -7,7 +7,7 @@ The phases and their knobs:
 
 * weight sync (``WeightTransfer.weight_sync(..., blocks=)``): the grid;
 * dispatch and combine (``Dispatcher``): the grid of its persistent copy kernels;
-* the fused kernels (``raw_kernels/fused_moe.cu``): :class:`~ultraep.tune.config.FusedConfig`
+* the fused kernels (``raw_kernels/fused_moe.cu``): :class:`~ultraep.compute.fused.config.FusedConfig`
   -- the CTAs of the persistent grid and the tokens of a send and of a reduce task (its
   unrolls are not modelled: the kernels are measured at the source's).
 

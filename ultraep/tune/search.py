@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ultraep.errors import ProfileError
-from ultraep.tune.config import BUCKET_TOKENS, FusedConfig, FusedSchedule, bucket
+from ultraep.compute.fused.config import BUCKET_TOKENS, FusedConfig, FusedSchedule, bucket
 from ultraep.tune.model import PHASES, SYNC_MIN_BLOCKS, Problem, SyncProblem, fused_down_s, fused_up_s, predict
 from ultraep.tune.profile import MachineProfile
 

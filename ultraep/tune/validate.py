@@ -16,7 +16,7 @@ measurements, over a sweep of the phase's knob.
   summary also sets the choice against the fastest of those. The host backend has no copy
   kernels: its sweep measures one configuration many times.
 * ``fused-forward``: ``MoELayer(fused=True, fused_config=)`` over ``--configs``
-  configurations (:class:`~ultraep.tune.config.FusedConfig`: CTAs from one to every SM, for a few send
+  configurations (:class:`~ultraep.compute.fused.config.FusedConfig`: CTAs from one to every SM, for a few send
   and reduce task sizes, with today's constants and the search's choice among them), a
   layer per configuration, ``--tokens`` random top-k tokens per rank over ``--experts``.
   From the layer's timeline (``%globaltimer``: one clock for ranks on one GPU; the median
@@ -377,7 +377,7 @@ def fused_configs(profile, problem, count: int) -> list:
     """About ``count`` configurations of the fused kernels: CTA counts from one to every
     usable SM for each of :data:`FUSED_TASK_TOKENS`, with today's constants (every SM, the
     source's sizes) and the search's choice for ``problem`` among them."""
-    from ultraep.tune.config import FusedConfig
+    from ultraep.compute.fused.config import FusedConfig
     from ultraep.tune.search import search
 
     ctas = spread(1, profile.usable_sms, -(-max(1, count - 1) // len(FUSED_TASK_TOKENS)))
@@ -417,7 +417,7 @@ def kernel_spans_ns(moe, x, ids, gates, hold: StreamHold | None) -> list[int]:
     clock for ranks on one GPU or host), the CTAs (distinct SMs, or host workers) that
     started a task of kernel A in its first half, those of kernel B in its first half, and
     1 if the hold ended before the forward was enqueued (else 0)."""
-    from ultraep.integration.fused import KERNEL_A, KERNEL_B
+    from ultraep.compute.fused.forward import KERNEL_A, KERNEL_B
 
     if hold is not None:
         hold.start()
@@ -471,7 +471,7 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
 
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.dtypes import BFLOAT16
-    from ultraep.tune.config import FusedConfig
+    from ultraep.compute.fused.config import FusedConfig
     from ultraep.tune.model import fused_windows
     from ultraep.tune.search import search
 
@@ -586,7 +586,7 @@ def replay_rows(document: dict) -> tuple[list[dict], object]:
     again by today's model from its profile and its problems, and that profile; SystemExit
     saying what a document it cannot replay lacks."""
     from ultraep.errors import ProfileError
-    from ultraep.tune.config import FusedConfig
+    from ultraep.compute.fused.config import FusedConfig
     from ultraep.tune.model import Problem, SyncProblem, fused_windows, weight_sync_s
     from ultraep.tune.profile import MachineProfile
 
@@ -728,7 +728,7 @@ def print_down_at_work_note(profile, problems: dict) -> None:
 def ctas_at_work_lines(rows: list[dict]) -> list[str]:
     """Kernel A's and kernel B's CTAs at work by grid, measured (the fewest of any rank in a
     forward, the median forward; the median over the task sizes swept) against the profile's."""
-    from ultraep.tune.config import FusedConfig
+    from ultraep.compute.fused.config import FusedConfig
 
     lines = []
     for kernel in "ab":

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ultraep import MoELayer, MoELayerError
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
-from ultraep.tune.config import FusedConfig
+from ultraep.compute.fused.config import FusedConfig
 
 backend = sys.argv[1]
 group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
@@ -31,7 +31,7 @@ R, me = group.size, group.rank
 if backend == "device":
     import cupy as xp
 
-    from ultraep.integration.fused_device import resident_ctas
+    from ultraep.compute.fused.device import resident_ctas
 
     def host(array):
         array = xp.asnumpy(array)

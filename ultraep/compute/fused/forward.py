@@ -72,8 +72,8 @@ The result is bitwise the sequential path's on the same backend: each output ele
 tile is one FP32 sum over the reduction in ascending order (``compute.host.sequential_product``
 here; on the device the grouped GEMM's tensor-core steps, the same whichever rows and
 columns share its tile), SwiGLU is elementwise, and the reduce sums in slot order exactly
-as combine does. :class:`HostFusedForward` runs these tasks for ``MoELayer(fused=True)``
-on the host backend.
+as combine does. :class:`~ultraep.compute.fused.host.HostFusedForward` runs these tasks
+for ``MoELayer(fused=True)`` on the host backend.
 """
 
 from __future__ import annotations
@@ -85,15 +85,14 @@ from typing import Callable
 
 import numpy as np
 
+from ultraep.compute.fused.config import KERNELS, FusedConfig
 from ultraep.compute.host import sequential_product
 from ultraep.errors import FusedDeadlock, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.heap import HeapRequirements
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import reference as ref
-from ultraep.tune.config import FusedConfig, FusedSchedule
 
-KERNELS = "fused_moe.cu"
 HEAP_PREFIX = "fused."
 
 
@@ -222,7 +221,7 @@ def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity,
     sends, relays, then the first GEMM's tiles (``gemms[0]``, ``ffn`` columns); the second
     GEMM's tiles (``gemms[1]``, ``hidden`` columns), then reduces. The relays are the relay
     workers' claims, the rest the CTAs', each stream in this order (:func:`streams`). The
-    forward's GEMMs are up and down; the backward (:mod:`ultraep.integration.fused_backward`)
+    forward's GEMMs are up and down; the backward (:mod:`ultraep.compute.fused.backward`)
     runs its dgrad tiles in the same order."""
     first, second = gemms
     off = plan.offsets[plan.rank]
@@ -299,7 +298,8 @@ class FusedLayer:
 
     ``plans[r]``: rank ``r``'s :class:`RankPlan` where this process runs its tasks, else
     None; ``states[r]``: its buffers (a peer's: the heap's views of it). :meth:`simulation`
-    builds every rank in one process; :class:`HostFusedForward` one rank over the heap.
+    builds every rank in one process; :class:`~ultraep.compute.fused.host.HostFusedForward`
+    one rank over the heap.
     ``grain``: one :class:`Granularity`, or one per rank -- each rank's kernels may run with
     task sizes of their own (a rank's sends and reduces are its own tasks, chunked only
     where they run); the tile geometry must be every rank's.
@@ -327,7 +327,7 @@ class FusedLayer:
         ``expert_ids[r] [T_r, K]`` physical slot ids, ``gates[r]`` float32, ``w_up[r] [slots,
         H, 2F]`` and ``w_down[r] [slots, F, H]`` BF16 (rank ``r``'s stacked slots),
         ``activation(h, rows)`` the epilogue (``moe_layer.swiglu``); ``grain`` one or per
-        rank (a rank's :class:`~ultraep.tune.config.FusedConfig`: ``Granularity.kernel(config)``,
+        rank (a rank's :class:`~ultraep.compute.fused.config.FusedConfig`: ``Granularity.kernel(config)``,
         its CTAs :func:`simulate`'s)."""
         grain = grain or Granularity.kernel()
         geometry = grain[0] if isinstance(grain, (list, tuple)) else grain
@@ -535,74 +535,6 @@ def run_rank(layer: FusedLayer, rank: int, timeout_s: float, poll_s: float = 5e-
         free = next((i for i, task in enumerate(claimed) if layer.waits(rank, task)), len(claimed))
         for task in claimed[:free] + relays + claimed[free:]:
             run(task)
-
-
-class HostFusedForward:
-    """The fused forward on the host backend: this rank's tasks of the semantics above over
-    the MPI shared-memory heap (peers' landing rows, row metadata, expert outputs and flags
-    are their heap views), one CTA (:func:`run_rank`: its claims and relays), after the
-    Dispatcher's token map, with the task sizes of ``schedule``'s configuration for the
-    call's tokens."""
-
-    def __init__(self, group, dispatcher, flags: dict, *, ffn: int, timeout_s: float, activation: Callable,
-                 schedule: FusedSchedule):
-        self.group, self.impl, self.config, self.schedule = group, dispatcher._impl, dispatcher.config, schedule
-        self.ffn, self.timeout_s, self.activation = ffn, timeout_s, activation
-        self.flags = flags
-        for tensor in flags.values():
-            tensor.local[...] = 0
-        self.grain = Granularity.kernel()  # the tile geometry; a call's task sizes are its bucket's (schedule)
-        tiles = max_m_tiles(self.config.max_recv_rows, self.config.experts_per_rank)
-        self.tile_ready, self.down_count = np.zeros(tiles, np.uint64), np.zeros(tiles, np.int64)
-        self.epoch = 0
-        self.recording, self.last_timeline = False, []
-
-    def forward(self, x, ids, gates, w_up, w_down, keep: bool = True):
-        """As :meth:`~ultraep.integration.fused_device.DeviceFusedForward.forward`: ``(out,
-        received, act, h, y, rank_tiles)``."""
-        d, b, me = self.config, self.impl.buffers, self.config.rank
-        self.epoch += 1
-        m = self.impl.token_map(x, ids, gates)
-        self.impl.release_counts()  # no later barrier in this call protects the table from the next publish
-        self.down_count[...] = 0  # as the device plan does: a failed call may have left counts short
-        offsets = [ref.plan_rows(m["table"], d.experts_per_rank, r)[2] for r in range(d.size)]
-        rank_tiles = np.array([offsets, [mtile_starts(np.diff(o), self.grain.bm) for o in offsets]], dtype=np.int64)
-        plan = RankPlan(rank=me, tokens=m["tokens"], top_k=d.top_k, pair_row=m["pair_row"],
-                        pair_rank=m["pair_rank"], send_pos=m["send_pos"], first_slot=m["first_slot"],
-                        offsets=rank_tiles[0], mtiles=rank_tiles[1])
-        states = []
-        for r in range(d.size):
-            view = (lambda t: t.local) if r == me else (lambda t, r=r: t.peer(r))
-            states.append(RankState(landing=view(b.landing), row_weight=view(b.row_weight),
-                                    row_landing=view(b.row_landing), row_origin=view(b.row_origin),
-                                    expert_out=view(b.expert_out),
-                                    flags={"row_flag": view(self.flags["row_flag"]), "done": view(self.flags["done"])}))
-        own = states[me]
-        own.flags["tile_ready"], own.down_count = self.tile_ready, self.down_count
-        own.x, own.gates, own.w_up, own.w_down = np.asarray(x), m["gates"], np.asarray(w_up), np.asarray(w_down)
-        own.recv = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
-        own.act = np.zeros((d.max_recv_rows, self.ffn), dtype=d.dtype)
-        own.h = np.zeros((d.max_recv_rows, 2 * self.ffn), dtype=np.float32) if keep else None
-        own.y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype) if keep else None
-        own.out = np.zeros((m["tokens"], d.hidden), dtype=d.dtype)
-        grains = [Granularity.kernel(self.schedule.for_tokens(m["tokens"]))] * d.size  # only this rank's runs here
-        layer = FusedLayer([plan if r == me else None for r in range(d.size)], states, self.activation,
-                           grain=grains, epoch=self.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
-                           hidden=d.hidden, ffn=self.ffn)
-        self.last_timeline = [] if self.recording else None
-        run_rank(layer, me, self.timeout_s, timeline=self.last_timeline)
-        return own.out, self.impl.received(own.recv, m), own.act, own.h, own.y, rank_tiles
-
-    def record_timeline(self, enable: bool) -> None:
-        """Whether later forwards record when each task ran (:meth:`timeline`)."""
-        self.recording = bool(enable)
-
-    def timeline(self) -> list:
-        """The last recorded forward's tasks as (kind, start ns, end ns, worker), by start."""
-        return sorted(self.last_timeline or [], key=lambda row: row[1])
-
-    def check(self) -> None:
-        """The host backend raises at once; nothing is deferred."""
 
 
 def simulate(layer: FusedLayer, ctas: list[int], rng: np.random.Generator, tasks: list | None = None) -> list:

@@ -1,12 +1,12 @@
-"""Multi-rank check of ``MoELayer(fused=True)``, run under mpiexec by tests/integration/test_fused.py.
+"""Multi-rank check of ``MoELayer(fused=True)``, run under mpiexec by tests/compute/fused/test_forward.py.
 
-Usage: python -m mpi4py fused_check.py {host|device} {bitwise|bad-input|peer-fails} [runs]
+Usage: python -m mpi4py forward_check.py {host|device} {bitwise|bad-input|peer-fails} [runs]
 
 bitwise: for random routings, routings that leave experts empty and every token's first
 slot on one expert, unbalanced and balanced (a Balancer with replica slots): the fused
 layer against the sequential layer with the same masters and inputs -- outputs, input
 gradients, gate gradients and weight gradients bitwise equal (the backward fused too:
-fused_backward_check.py checks it further); ``runs`` fused forwards give identical
+backward_check.py checks it further); ``runs`` fused forwards give identical
 bits. The heap's expert rows and the memory pool are poisoned (NaN bit patterns) before
 every fused forward, so a row read before it is written shows. A recorded forward's
 timeline lists its tasks.
@@ -185,7 +185,7 @@ def bad_input():
 def skip_sends(moe):
     """This rank's fused forward runs everything but its send tasks."""
     if backend == "host":
-        from ultraep.integration import fused
+        from ultraep.compute.fused import forward as fused
 
         order = fused.task_order
         fused.task_order = lambda *a: ([t for t in order(*a)[0] if t.kind != "send"], order(*a)[1])

@@ -1,4 +1,4 @@
-"""The fused MoE layer: its task semantics (``ultraep.integration.fused``) bitwise the
+"""The fused MoE layer: its task semantics (``ultraep.compute.fused.forward``) bitwise the
 sequential path over random routings, empty experts, every token to one expert and 1, 2,
 4 ranks, whatever the CTAs per rank and the interleaving of their claims and of their relay
 workers' (kernel A's relays, a stream of their own); an order that lets a consumer be
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import BACKENDS, assert_all_ranks_ok, requires_gpu, run_ranks
-from ultraep.integration.fused import (FusedDeadlock, FusedLayer, Granularity, check_order, max_m_tiles, max_tasks,
-                                       run_rank, sequential_forward, simulate, task_order)
+from ultraep.compute.fused.forward import (FusedDeadlock, FusedLayer, Granularity, check_order, max_m_tiles, max_tasks,
+                                           run_rank, sequential_forward, simulate, task_order)
 from ultraep.integration.moe_layer import swiglu
 from ultraep.runtime.dtypes import BFLOAT16
 
@@ -168,21 +168,21 @@ def test_a_stale_epoch_is_never_taken_for_arrival():
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_fused_layer_is_bitwise_the_sequential_layer(backend, ranks):
     runs = "10" if backend == "device" else "2"
-    out = run_ranks(ranks, "integration/mpi/fused_check.py", backend, "bitwise", runs, timeout=600)
+    out = run_ranks(ranks, "compute/fused/mpi/forward_check.py", backend, "bitwise", runs, timeout=600)
     assert_all_ranks_ok(out, ranks, "bitwise")
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_layer_refuses_bad_ids_on_every_rank(backend):
-    out = run_ranks(2, "integration/mpi/fused_check.py", backend, "bad-input", timeout=240)
+    out = run_ranks(2, "compute/fused/mpi/forward_check.py", backend, "bad-input", timeout=240)
     assert_all_ranks_ok(out, 2, "bad-input")
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_peer_that_sends_nothing_makes_every_rank_time_out(backend):
-    out = run_ranks(2, "integration/mpi/fused_check.py", backend, "peer-fails", timeout=240)
+    out = run_ranks(2, "compute/fused/mpi/forward_check.py", backend, "peer-fails", timeout=240)
     assert_all_ranks_ok(out, 2, "peer-fails")
 
 

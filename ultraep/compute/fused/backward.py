@@ -1,7 +1,7 @@
 """The fused MoE layer's backward task semantics in NumPy: the spec the backward kernels
 follow and the reference they are held to.
 
-The same two persistent kernels as the forward (:mod:`ultraep.integration.fused`: tasks
+The same two persistent kernels as the forward (:mod:`ultraep.compute.fused.forward`: tasks
 claimed from one counter per rank and kernel, ``task = atomicAdd(counter, 1)``, kernel C's
 relays by each CTA's relay worker from a second counter, as kernel A's, flags in the
 symmetric heap holding the call's epoch) replace ``MoELayer``'s sequential backward
@@ -53,8 +53,8 @@ and dgrad_up tasks wait for nothing and precede every waiting claim of their ran
 kernel, so they finish; a relay waits only for row flags, which sends release, and runs on
 any resident CTA's relay worker, so relays finish; a dgrad_down tile waits for its relay,
 a reduce for dgrad_up tiles. So one resident CTA per rank suffices.
-:func:`~ultraep.integration.fused.check_order` verifies this for a task list and
-:func:`~ultraep.integration.fused.simulate` runs random interleavings.
+:func:`~ultraep.compute.fused.forward.check_order` verifies this for a task list and
+:func:`~ultraep.compute.fused.forward.simulate` runs random interleavings.
 
 Reuse across calls: the backward opens with a heap barrier (as ``combine_backward``; on
 the device enqueued on the stream behind this rank's earlier kernels, no host round trip),
@@ -74,8 +74,9 @@ forward's tiles are not the first one's.
 The result is bitwise the sequential backward's: every element of ``grad_y``, ``d_act``,
 ``dh`` and ``d_recv`` is the same function of its row (one FP32 sum over the reduction in
 ascending order for the products, elementwise otherwise), ``d_gates`` is ``lane_dot`` of
-the same rows and ``dx`` the same slot-order sum. :class:`HostFusedBackward` runs these
-tasks for ``MoELayer(fused=True)`` on the host backend.
+the same rows and ``dx`` the same slot-order sum.
+:class:`~ultraep.compute.fused.host.HostFusedBackward` runs these tasks for
+``MoELayer(fused=True)`` on the host backend.
 """
 
 from __future__ import annotations
@@ -85,10 +86,10 @@ from typing import Callable
 
 import numpy as np
 
+from ultraep.compute.fused import forward as fused_forward
+from ultraep.compute.fused.forward import FusedLayer, Granularity, RankPlan, Task, _f32, _poison
 from ultraep.compute.host import sequential_product
 from ultraep.errors import BarrierTimeout
-from ultraep.integration import fused
-from ultraep.integration.fused import FusedLayer, Granularity, RankPlan, Task, _f32, _poison, run_rank
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token import reference as ref
@@ -109,8 +110,8 @@ def granularity() -> Granularity:
 def max_tasks(*, max_tokens: int, max_recv_rows: int, slots_per_rank: int, hidden: int, ffn: int) -> tuple[int, int]:
     """Most tasks kernels C and D can have (the timeline's rows): the forward's bound over
     the backward's task sizes, its tasks being the forward's kind for kind."""
-    return fused.max_tasks(max_tokens=max_tokens, max_recv_rows=max_recv_rows, slots_per_rank=slots_per_rank,
-                           hidden=hidden, ffn=ffn, grain=granularity())
+    return fused_forward.max_tasks(max_tokens=max_tokens, max_recv_rows=max_recv_rows,
+                                   slots_per_rank=slots_per_rank, hidden=hidden, ffn=ffn, grain=granularity())
 
 
 def opening_barrier_timeout(rank: int, error: BarrierTimeout) -> BarrierTimeout:
@@ -124,7 +125,7 @@ def opening_barrier_timeout(rank: int, error: BarrierTimeout) -> BarrierTimeout:
 def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity) -> tuple[list[Task], list[Task]]:
     """This rank's tasks of kernel C and kernel D, in claim order (the forward's, with the
     dgrad tiles in place of up and down)."""
-    return fused.task_order(plan, ffn, hidden, grain, gemms=(KERNEL_C[2], KERNEL_D[0]))
+    return fused_forward.task_order(plan, ffn, hidden, grain, gemms=(KERNEL_C[2], KERNEL_D[0]))
 
 
 @dataclass
@@ -155,7 +156,7 @@ class FusedBackward(FusedLayer):
     """The fused backward's tasks, their waits and their effects over every rank's buffers
     (the forward's geometry). ``activation(h, d_act, rows)``: SwiGLU's backward
     (``moe_layer.swiglu_backward``). :meth:`simulation` builds every rank in one process;
-    :class:`HostFusedBackward` one rank over the heap."""
+    :class:`~ultraep.compute.fused.host.HostFusedBackward` one rank over the heap."""
 
     def __init__(self, plans: list, states: list, activation: Callable, *, grain: Granularity, epoch: int,
                  max_tokens: int, top_k: int, hidden: int, ffn: int):
@@ -171,7 +172,7 @@ class FusedBackward(FusedLayer):
         and ``y`` in receive order (:func:`sequential_rows`), stacked weights as the forward's."""
         grain = grain or granularity()
         K = np.shape(expert_ids[0])[1]
-        ranks, (H, F), max_tokens, plans, sizes = fused.simulation_geometry(expert_ids, w_up, grain, max_tokens)
+        ranks, (H, F), max_tokens, plans, sizes = fused_forward.simulation_geometry(expert_ids, w_up, grain, max_tokens)
         states = []
         for r, (rows, tiles) in enumerate(sizes):
             states.append(BackwardState(
@@ -255,66 +256,6 @@ class FusedBackward(FusedLayer):
     def outputs(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per rank ``(dx, d_gates)``."""
         return [(s.dx, s.d_gates) for s in self.state]
-
-
-class HostFusedBackward:
-    """The fused backward on the host backend: this rank's tasks of the semantics above over
-    the MPI shared-memory heap, one CTA (:func:`~ultraep.integration.fused.run_rank`), with
-    the forward's flags and epoch counter (``forward``: the layer's
-    :class:`~ultraep.integration.fused.HostFusedForward`)."""
-
-    def __init__(self, forward, *, activation: Callable):
-        self.forward, self.activation = forward, activation
-        self.recording, self.last_timeline = False, []
-
-    def backward(self, dy, received, rank_tiles, h, y, w_up, w_down):
-        """``dy [T, H]`` BF16, ``received`` and ``rank_tiles`` the forward's DispatchResult and
-        rank tiles, ``h [rows, 2F]`` FP32 and ``y [rows, H]`` BF16 of this rank's receive rows,
-        the stacked weights. Returns ``(dx [T, H], d_gates [T, K], grad_y [max_recv_rows, H],
-        dh [max_recv_rows, 2F])``; collective."""
-        fwd, grain = self.forward, granularity()
-        d, b, me, s = fwd.config, fwd.impl.buffers, fwd.config.rank, received.handle.state
-        fwd.epoch += 1  # one counter for both directions: a flag of either's earlier call is stale
-        try:
-            fwd.impl.heap.barrier(d.timeout_s)  # landing rows, slot_grad_w and expert_out are free on every rank
-        except BarrierTimeout as exc:
-            raise opening_barrier_timeout(me, exc) from None
-        tokens = received.handle.tokens
-        plan = RankPlan(rank=me, tokens=tokens, top_k=d.top_k, pair_row=s["pair_row"], pair_rank=s["pair_rank"],
-                        send_pos=s["send_pos"], first_slot=None, offsets=rank_tiles[0], mtiles=rank_tiles[1])
-        states = []
-        for r in range(d.size):
-            view = (lambda t: t.local) if r == me else (lambda t, r=r: t.peer(r))
-            states.append(BackwardState(landing=view(b.landing), slot_grad_w=view(b.slot_grad_w),
-                                        expert_out=view(b.expert_out),
-                                        flags={"row_flag": view(fwd.flags["row_flag"]),
-                                               "done": view(fwd.flags["done"])}))
-        own = states[me]
-        own.flags["tile_ready"], own.down_count = fwd.tile_ready, fwd.down_count
-        fwd.down_count[...] = 0  # as the device plan does: a failed call may have left counts short
-        own.dy, own.h, own.y, own.w_up, own.w_down = (np.asarray(a) for a in (dy, h, y, w_up, w_down))
-        own.row_weight, own.row_landing, own.row_origin = s["row_weight"], s["row_landing"], s["row_origin"]
-        own.grad_y = np.zeros((d.max_recv_rows, d.hidden), dtype=d.dtype)
-        own.dh = np.zeros((d.max_recv_rows, 2 * fwd.ffn), dtype=d.dtype)
-        own.dx = np.zeros((tokens, d.hidden), dtype=d.dtype)
-        own.d_gates = np.zeros((tokens, d.top_k), dtype=np.float32)
-        layer = FusedBackward([plan if r == me else None for r in range(d.size)], states, self.activation,
-                              grain=grain, epoch=fwd.epoch, max_tokens=d.max_tokens, top_k=d.top_k,
-                              hidden=d.hidden, ffn=fwd.ffn)
-        self.last_timeline = [] if self.recording else None
-        run_rank(layer, me, fwd.timeout_s, timeline=self.last_timeline)
-        return own.dx, own.d_gates, own.grad_y, own.dh
-
-    def record_timeline(self, enable: bool) -> None:
-        """Whether later backwards record when each task ran (:meth:`timeline`)."""
-        self.recording = bool(enable)
-
-    def timeline(self) -> list:
-        """The last recorded backward's tasks as (kind, start ns, end ns, worker), by start."""
-        return sorted(self.last_timeline or [], key=lambda row: row[1])
-
-    def check(self) -> None:
-        """The host backend raises at once; nothing is deferred."""
 
 
 # -- the sequential path, for comparison ----------------------------------------------------------

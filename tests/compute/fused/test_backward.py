@@ -1,4 +1,4 @@
-"""The fused MoE backward: its task semantics (``ultraep.integration.fused_backward``)
+"""The fused MoE backward: its task semantics (``ultraep.compute.fused.backward``)
 bitwise the sequential backward (dx, d_gates, and the grad_y / dh rows the weight
 gradients are computed from) over random routings, empty experts, every token to one
 expert and 1, 2, 4 ranks, whatever the CTAs per rank and the interleaving of their
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from tests.conftest import BACKENDS, assert_all_ranks_ok, requires_gpu, run_ranks
-from tests.integration.test_fused import CASES, SMALL, _first_difference, _layers_on_one_gpu, _on_gpu, bf16, problem
-from ultraep.integration.fused import FusedDeadlock, Granularity, check_order, plan_ranks, simulate
-from ultraep.integration.fused_backward import (KERNEL_C, KERNEL_D, KINDS, FusedBackward, granularity, max_tasks,
-                                                sequential_backward, sequential_rows, task_order)
+from tests.compute.fused.test_forward import CASES, SMALL, _first_difference, _layers_on_one_gpu, _on_gpu, bf16, problem
+from ultraep.compute.fused.backward import (KERNEL_C, KERNEL_D, KINDS, FusedBackward, granularity, max_tasks,
+                                            sequential_backward, sequential_rows, task_order)
+from ultraep.compute.fused.forward import FusedDeadlock, Granularity, check_order, plan_ranks, simulate
 from ultraep.integration.moe_layer import swiglu, swiglu_backward
 from ultraep.runtime.dtypes import BFLOAT16
 
@@ -157,7 +157,7 @@ def test_a_poisoned_input_row_shows_in_the_result():
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_fused_backward_layer_is_bitwise_the_sequential_layer(backend, ranks):
     runs = "10" if backend == "device" else "2"
-    out = run_ranks(ranks, "integration/mpi/fused_backward_check.py", backend, "bitwise", runs, timeout=600)
+    out = run_ranks(ranks, "compute/fused/mpi/backward_check.py", backend, "bitwise", runs, timeout=600)
     assert_all_ranks_ok(out, ranks, "bitwise")
 
 
@@ -166,7 +166,7 @@ def test_fused_backward_layer_is_bitwise_the_sequential_layer(backend, ranks):
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_two_forwards_then_their_backwards_in_reverse_give_the_pairs_bits(backend, ranks):
     """Each backward reads the rank tiles of its own forward, not the later forward's."""
-    out = run_ranks(ranks, "integration/mpi/fused_backward_check.py", backend, "reverse-order", timeout=600)
+    out = run_ranks(ranks, "compute/fused/mpi/backward_check.py", backend, "reverse-order", timeout=600)
     assert_all_ranks_ok(out, ranks, "reverse-order")
 
 
@@ -176,7 +176,7 @@ def test_two_forwards_then_their_backwards_in_reverse_give_the_pairs_bits(backen
 def test_a_failing_peer_makes_every_backward_time_out(backend, check, ranks):
     """A peer that sends nothing (the kernels' flag waits give up) or never enters the
     backward (its opening barrier gives up): an error naming what was waited for, no hang."""
-    out = run_ranks(ranks, "integration/mpi/fused_backward_check.py", backend, check, timeout=240)
+    out = run_ranks(ranks, "compute/fused/mpi/backward_check.py", backend, check, timeout=240)
     assert_all_ranks_ok(out, ranks, check)
 
 
@@ -264,7 +264,7 @@ def test_every_fused_backward_wait_is_bounded_and_names_its_flag(skip, flag):
     from mpi4py import MPI
 
     from ultraep.errors import WaitTimeout
-    from ultraep.integration.fused_backward import KERNELS
+    from ultraep.compute.fused.backward import KERNELS
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.group import EPGroup
     from ultraep.runtime.kernels import kernel_constant
@@ -311,7 +311,7 @@ def test_a_recorded_device_backward_stamps_every_task():
     import cupy
     from mpi4py import MPI
 
-    from ultraep.integration.fused import KERNEL_A, KERNEL_B
+    from ultraep.compute.fused.forward import KERNEL_A, KERNEL_B
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.group import EPGroup
 

@@ -8,7 +8,7 @@ module variant of its own (``-D`` options, compiled once and cached, see
 :func:`ultraep.runtime.kernels.load_module`). No knob changes a result bit: tasks are
 claimed in one fixed order whatever their size and whichever CTA runs them, each GEMM
 element is one sum in ascending reduction order, and a reduce adds a token's slots one by
-one in slot order (``ultraep.integration.fused``'s simulation runs several configurations,
+one in slot order (``ultraep.compute.fused.forward``'s simulation runs several configurations,
 different ones per rank included, and compares bit for bit).
 """
 

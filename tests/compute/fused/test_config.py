@@ -5,7 +5,7 @@ import pytest
 
 from ultraep.errors import MoELayerError
 from ultraep.runtime.kernels import kernel_constant
-from ultraep.tune.config import FusedConfig, FusedSchedule
+from ultraep.compute.fused.config import FusedConfig, FusedSchedule
 
 
 def test_defaults_are_the_kernel_sources_and_compile_the_plain_module():

@@ -1,7 +1,7 @@
 """Multi-rank check of ``MoELayer(fused=True)``'s backward, run under mpiexec by
-tests/integration/test_fused_backward.py.
+tests/compute/fused/test_backward.py.
 
-Usage: python -m mpi4py fused_backward_check.py {host|device} {bitwise|reverse-order|peer-fails|peer-absent} [runs]
+Usage: python -m mpi4py backward_check.py {host|device} {bitwise|reverse-order|peer-fails|peer-absent} [runs]
 
 bitwise: for random routings, routings that leave experts empty and every token's first
 slot on one expert, unbalanced and balanced: the fused layer's input, gate and weight
@@ -37,10 +37,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ultraep import Balancer, ExpertLayout, MoELayer, MoELayerError
+from ultraep.compute.fused.backward import KERNEL_C, KERNEL_D, KERNELS
+from ultraep.compute.fused.forward import KERNEL_A, KERNEL_B, mtile_starts
 from ultraep.errors import BarrierTimeout, WaitTimeout
-from ultraep.integration.fused import mtile_starts
-from ultraep.integration.fused import KERNEL_A, KERNEL_B
-from ultraep.integration.fused_backward import KERNEL_C, KERNEL_D, KERNELS
 from ultraep.integration.moe_layer import expert_spec
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
@@ -226,7 +225,7 @@ def reverse_order():
 def skip_sends(launcher):
     """This rank's fused backward runs everything but its send tasks."""
     if backend == "host":
-        from ultraep.integration import fused_backward
+        from ultraep.compute.fused import backward as fused_backward
 
         order = fused_backward.task_order
         fused_backward.task_order = lambda *a: ([t for t in order(*a)[0] if t.kind != "send"], order(*a)[1])
