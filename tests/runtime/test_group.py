@@ -7,13 +7,17 @@ from ultraep.runtime.group import EPGroup, GroupMismatchError
 
 
 class ListComm:
-    """A framework's own group: allgather of Python objects plus rank/size attributes."""
+    """A framework's own group: allgather of Python objects plus rank/size attributes. The
+    peers enter the caller's collective (its name) with their values, or with ``(name,
+    value)`` where ``entered`` names the call each is in."""
 
-    def __init__(self, rank, peers):
-        self.rank, self.size, self.peers = rank, len(peers), peers
+    def __init__(self, rank, peers, entered=None):
+        self.rank, self.size, self.peers, self.entered = rank, len(peers), peers, entered
 
     def allgather(self, obj):
-        return [obj if r == self.rank else peer for r, peer in enumerate(self.peers)]
+        what = obj[0]  # the group sends (its call's name, value)
+        return [obj if r == self.rank else (self.entered[r] if self.entered else what, peer)
+                for r, peer in enumerate(self.peers)]
 
 
 def test_group_over_a_framework_allgather_object():
@@ -24,6 +28,13 @@ def test_group_over_a_framework_allgather_object():
         group.agree("x", "shape")
     with pytest.raises(TypeError, match="no Split"):
         group.split(0)
+
+
+def test_a_rank_in_another_collective_is_a_mismatch_naming_each_call():
+    group = EPGroup(ListComm(1, ["a", "b", "c"]), use_gpu=False)
+    group.comm.entered = ["close", None, "layer id"]
+    with pytest.raises(GroupMismatchError, match=r"rank\(s\) \[0\] in 'close'; rank\(s\) \[1, 2\] in 'layer id'"):
+        group.agree("b", "layer id")
 
 
 def test_group_rejects_objects_without_allgather():

@@ -16,7 +16,7 @@ import numpy as np
 
 from ultraep.runtime.dtypes import cupy_dtype
 from ultraep.runtime.group import EPGroup, check_distinct_processes
-from ultraep.errors import BarrierTimeout, HeapError, RankFailedError, WaitTimeout
+from ultraep.errors import BarrierTimeout, GroupMismatchError, HeapError, RankFailedError, WaitTimeout
 from ultraep.runtime.heap import SymmetricHeap, _abandoned, flag_constant
 from ultraep.runtime.kernels import get_function
 
@@ -88,8 +88,7 @@ class DeviceHeap(SymmetricHeap):
         import cupy
 
         self._check_open("view")
-        if not 0 <= rank < self.size:
-            raise IndexError(f"rank {rank} outside the group of {self.size}")
+        self._check_rank(rank)
         dtype = cupy_dtype(dtype)  # FP8 where CuPy cannot hold it: the same bytes as uint8
         nbytes = int(np.prod(shape)) * dtype.itemsize
         memory = cupy.cuda.UnownedMemory(self._bases[rank] + offset, nbytes, self._owners[rank],
@@ -138,8 +137,8 @@ class DeviceHeap(SymmetricHeap):
             owners, self._owners = [weakref.ref(o) for o in self._owners], []
             self.peer_bases = None
             try:
-                self.group.barrier(timeout_s)  # every rank is here: the next collectives cannot hang
-            except (WaitTimeout, RankFailedError) as exc:
+                self.group.barrier(timeout_s, what="symmetric heap close")  # every rank is here
+            except (WaitTimeout, RankFailedError, GroupMismatchError) as exc:  # peers elsewhere may still map it
                 self._close_peers()
                 _abandoned.append(self._memory)  # a peer may still map it: never free
                 raise HeapError(f"heap close: {exc}; device allocation left in place") from None
@@ -149,5 +148,5 @@ class DeviceHeap(SymmetricHeap):
                 self._memory = None
                 return
             self._close_peers()
-            self.group.barrier(timeout_s)  # every peer has unmapped this rank's heap before it is freed
+            self.group.barrier(timeout_s, what="symmetric heap close: peers unmapped")  # before it is freed
             self._memory = None  # cudaFree

@@ -9,7 +9,13 @@ leaving the healthy ones waiting in the next collective.
 On an mpi4py communicator every collective here is non-blocking MPI polled against a
 deadline (the group's ``timeout_s``, or the call's): the waiting rank sleeps between polls,
 and on expiry raises :class:`~ultraep.errors.WaitTimeout` naming the operation and the
-ranks that had not reached it. Where the ranks share one node they also share a small
+ranks that had not reached it. Every collective carries its name (``what``), and ranks that
+entered different ones -- a rank that took another branch, passed another micro-batch's
+handle or closed an object the others still use -- raise
+:class:`~ultraep.errors.GroupMismatchError` naming each rank's, on every rank, instead of
+reading each other's payloads: every collective, the barrier included, opens with the same
+fixed-size exchange of which call each rank entered, so no two ranks' calls are ever
+different MPI collectives and the ranks stay in step. Where the ranks share one node they also share a small
 status window (MPI shared memory): each rank's count of collectives entered, and the
 failure a rank publishes (:meth:`EPGroup.notify_failure`) when it leaves a ``with`` block
 on an exception of its own; a peer waiting for it then raises
@@ -20,6 +26,7 @@ refuses further collectives.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import pickle
@@ -38,6 +45,9 @@ DEFAULT_TIMEOUT_S = 120.0
 STATUS_SLOT_BYTES = 4096        # per rank: collectives entered, failure flag, message length, message
 _STATUS_HEADER = 3              # int64 words before the message
 _POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-3  # a fast collective costs microseconds; a long wait, no core
+# A rank's record of the collective it entered (EPGroup._gather_calls): what ranks compare,
+# the name only to report (cut to 80 bytes), the digest of the whole name to decide.
+_CALL = np.dtype([("size", "<i8"), ("refused", "<i8"), ("digest", "<u8"), ("name", "S80")])
 
 
 def timeout_error(timeout_s) -> str | None:
@@ -243,15 +253,23 @@ class EPGroup:
                      if behind else "every rank reached it, but it did not complete")
         return f"rank {self.rank}: {what} timed out after {timeout_s:g} s: {where}"
 
-    def allgather(self, obj: Any, *, what: str = "allgather", timeout_s: float | None = None) -> list:
-        """Every rank's ``obj``, in rank order (bounded on an mpi4py communicator)."""
+    def allgather(self, obj: Any, *, what: str = "allgather", timeout_s: float | None = None,
+                  call: str | None = None) -> list:
+        """Every rank's ``obj``, in rank order (bounded on an mpi4py communicator); raises
+        :class:`~ultraep.errors.GroupMismatchError` on every rank when the ranks are in
+        different collectives: their ``call`` (default ``what``, which messages quote; a
+        ``what`` naming an argument that may differ between ranks passes the call's bare name)
+        differs."""
+        call = what if call is None else call
         if self._mpi is None:
-            return list(self.comm.allgather(obj))
+            names, values = zip(*self.comm.allgather((call, obj)))
+            self._raise_mismatch(list(names))
+            return list(values)
         timeout, refusal = self._enter(what, timeout_s)
         deadline = time.monotonic() + timeout
         payload = np.frombuffer(pickle.dumps((refusal, obj), protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-        mine, sizes = np.array([payload.size], np.int64), np.zeros(self.size, np.int64)
-        self._wait(self.comm.Iallgather(mine, sizes), what, timeout, deadline, (mine, sizes))
+        calls = self._gather_calls(what, call, payload.size, refusal, timeout, deadline)
+        sizes = calls["size"]
         offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         gathered = np.empty(int(sizes.sum()), np.uint8)
         spec = [gathered, (sizes.tolist(), offsets.tolist()), self._mpi.BYTE]
@@ -260,24 +278,49 @@ class EPGroup:
         self._raise_refusals(list(refusals), what)
         return list(values)
 
+    def _gather_calls(self, what: str, call: str, size: int, refusal: str | None, timeout: float,
+                      deadline: float) -> np.ndarray:
+        """The first step of every collective: one fixed-size record a rank (:data:`_CALL`:
+        its call's name and a digest of it, its payload's size, whether it refused its
+        timeout), so a barrier and an allgather are the same MPI collective here, and ranks
+        in different calls all raise the mismatch at this step and stay in step."""
+        mine = np.zeros(1, _CALL)
+        mine["size"], mine["refused"] = size, refusal is not None
+        mine["digest"] = np.frombuffer(hashlib.blake2b(call.encode(), digest_size=8).digest(), np.uint64)
+        mine["name"] = call.encode("utf-8", "replace")[:_CALL["name"].itemsize]
+        calls = np.zeros(self.size, _CALL)
+        self._wait(self.comm.Iallgather(mine.view(np.uint8), calls.view(np.uint8)), what, timeout, deadline,
+                   (mine, calls))
+        if np.any(calls["digest"] != calls["digest"][0]):
+            self._raise_mismatch([bytes(name).decode("utf-8", "replace") for name in calls["name"]])
+        return calls
+
+    def _raise_mismatch(self, names: list) -> None:
+        """Every rank raises the same GroupMismatchError when the ranks entered different
+        collectives (``names``: each rank's ``what``). They are still in step: each entered
+        one collective, so a caller that handles the error may go on."""
+        if any(name != names[0] for name in names[1:]):
+            ranks: dict[str, list[int]] = {}
+            for r, name in enumerate(names):
+                ranks.setdefault(name, []).append(r)
+            detail = "; ".join(f"rank(s) {where} in {name!r}" for name, where in ranks.items())
+            raise GroupMismatchError(f"rank {self.rank}: the ranks entered different collective calls ({detail}): "
+                                     f"they took different paths through the program (another micro-batch's "
+                                     f"handle, another layer, or an object closed on some ranks only)")
+
     def barrier(self, timeout_s: float | None = None, *, what: str = "barrier") -> None:
         """Host barrier, bounded on an mpi4py communicator (:class:`~ultraep.errors.WaitTimeout`
-        when not every rank arrives in time); otherwise the communicator's own."""
-        if self._mpi is not None:
-            # One collective, as a barrier: which ranks refused their timeout_s (a flag each,
-            # reduced by max), so every rank raises a refusal, not only the refusing rank.
-            timeout, refusal = self._enter(what, timeout_s)
-            mine, refused = np.zeros(self.size, np.int8), np.zeros(self.size, np.int8)
-            mine[self.rank] = refusal is not None
-            self._wait(self.comm.Iallreduce(mine, refused, op=self._mpi.MAX), what, timeout,
-                       time.monotonic() + timeout, (mine, refused))
-            elsewhere = "its timeout_s was refused (timeout_s must be a positive, finite number of seconds)"
-            self._raise_refusals([refusal if r == self.rank else (elsewhere if refused[r] else None)
-                                  for r in range(self.size)], what)
-        elif callable(getattr(self.comm, "Barrier", None)):
-            self.comm.Barrier()
-        else:
-            self.comm.allgather(None)
+        when not every rank arrives in time), checked like every collective: a rank in another
+        call raises the mismatch on every rank, not an MPI error. One MPI collective, the
+        calls' records, which also say which ranks refused their ``timeout_s``."""
+        if self._mpi is None:
+            self.allgather(None, what=what)
+            return
+        timeout, refusal = self._enter(what, timeout_s)
+        calls = self._gather_calls(what, what, 0, refusal, timeout, time.monotonic() + timeout)
+        elsewhere = "its timeout_s was refused (timeout_s must be a positive, finite number of seconds)"
+        self._raise_refusals([refusal if r == self.rank else (elsewhere if calls["refused"][r] else None)
+                              for r in range(self.size)], what)
 
     def split(self, color: int, key: int | None = None) -> "EPGroup":
         """Sub-group of the ranks that pass the same ``color`` (EP groups inside a larger job)."""
@@ -291,15 +334,16 @@ class EPGroup:
         return _agreed(self.allgather(value, what=what, timeout_s=timeout_s), what)
 
     def raise_if_any(self, local_error: BaseException | str | None, what: str, *,
-                     timeout_s: float | None = None, agree: Any = _NOTHING) -> None:
+                     timeout_s: float | None = None, agree: Any = _NOTHING, call: str | None = None) -> None:
         """Collective error check: if any rank failed, raise the same CollectiveError on every
         rank, naming each failed rank and its reason (the local exception is the cause).
-        With ``agree``, the same single allgather then checks it as :meth:`agree` does."""
+        With ``agree``, the same single allgather then checks it as :meth:`agree` does.
+        ``call``: as :meth:`allgather`'s."""
         message = None if local_error is None else str(local_error)
         if agree is _NOTHING:
-            errors, values = self.allgather(message, what=what, timeout_s=timeout_s), None
+            errors, values = self.allgather(message, what=what, timeout_s=timeout_s, call=call), None
         else:
-            pairs = self.allgather((message, agree), what=what, timeout_s=timeout_s)
+            pairs = self.allgather((message, agree), what=what, timeout_s=timeout_s, call=call)
             errors, values = [m for m, _ in pairs], [v for _, v in pairs]
         failed = [(r, m) for r, m in enumerate(errors) if m is not None]
         if failed:

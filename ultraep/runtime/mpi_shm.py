@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 
 from ultraep.runtime.group import EPGroup
-from ultraep.errors import BarrierTimeout, HeapError, RankFailedError, WaitTimeout
+from ultraep.errors import BarrierTimeout, GroupMismatchError, HeapError, RankFailedError, WaitTimeout
 from ultraep.runtime.heap import SymmetricHeap, _abandoned, flag_epoch, refusal_cause
 
 
@@ -50,8 +50,7 @@ class HostHeap(SymmetricHeap):
 
     def view(self, rank: int, offset: int, shape: tuple, dtype: np.dtype):
         self._check_open("view")
-        if not 0 <= rank < self.size:
-            raise IndexError(f"rank {rank} outside the group of {self.size}")
+        self._check_rank(rank)
         nbytes = int(np.prod(shape)) * dtype.itemsize
         return self._segments[rank][offset:offset + nbytes].view(dtype).reshape(shape)
 
@@ -88,8 +87,8 @@ class HostHeap(SymmetricHeap):
         segments, self._segments = [weakref.ref(s) for s in self._segments], []
         self._win.Unlock_all()
         try:
-            self.group.barrier(timeout_s)  # nobody frees while a peer may still touch its segment
-        except (WaitTimeout, RankFailedError) as exc:
+            self.group.barrier(timeout_s, what="symmetric heap close")  # no peer still touches its segment
+        except (WaitTimeout, RankFailedError, GroupMismatchError) as exc:
             _abandoned.append((self._win, self._shm_comm))  # Win.Free is collective: it would hang
             raise HeapError(f"heap close: {exc}; shared segment left allocated") from None
         if self._keep_for_views(any(s() is not None for s in segments)):

@@ -272,7 +272,7 @@ class WeightTransfer:
             entry = self._import_layer(layer, weights, grads)
         except (ValueError, TypeError) as exc:
             error = exc
-        self.group.raise_if_any(error, f"register_layer({layer})")
+        self.group.raise_if_any(error, f"register_layer({layer})", call="register_layer")
         self.group.agree(layer, "registered layer id")
         self._layers[layer] = entry
 
@@ -344,7 +344,7 @@ class WeightTransfer:
             error = ValueError(str(exc)) if isinstance(exc, AttributeError) else exc
             if self._agreement is not None:
                 raise error from None
-        self.group.raise_if_any(error, f"{what}({layer})")
+        self.group.raise_if_any(error, f"{what}({layer})", call=what)
         self.group.agree((layer, fingerprint), f"{what} {AGREED_WHAT}")
         return entry, plan
 

@@ -23,6 +23,12 @@ assert group.agree(("layer", 3), "layer id") == ("layer", 3)
 expect(lambda: group.agree(("layer", 3 if me else 4), "layer id"), GroupMismatchError, "ranks disagree on layer id",
        "ranks [0]")
 expect(lambda: group.raise_if_any("bad top-k ids" if me == 2 else None, "update"), ValueError, "rank 2: bad top-k ids")
+# A rank in another call (a barrier where the others agree on a payload): a mismatch on every
+# rank naming both calls, not one payload read as the other's or an MPI abort; still in step after.
+expect(lambda: group.barrier(what="close") if me == 1 else group.agree(("layer", 3), "layer id"), GroupMismatchError,
+       "the ranks entered different collective calls", "rank(s) [1] in 'close'",
+       f"rank(s) {[r for r in range(R) if r != 1]} in 'layer id'")
+assert group.agree(("layer", 3), "layer id") == ("layer", 3)
 print(f"[group] rank {me} OK", flush=True)
 
 # Bounded collectives: a rank that does not come names itself in the others' timeout.
