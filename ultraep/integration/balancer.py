@@ -122,7 +122,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ultraep.errors import BalancerError, ClosedError, GroupMismatchError, StaleHandleError
+from ultraep.errors import BalancerError, ClosedError, CollectiveError, GroupMismatchError, StaleHandleError
 from ultraep.integration.host import HostBalancer
 from ultraep.integration.stats import BalancerStats, plan_record
 from ultraep.integration.traces import TraceRecorder
@@ -417,7 +417,12 @@ class Balancer:
             layer = self._check_layer(layer)
         except (BalancerError, ClosedError) as exc:
             error = exc
-        self.group.raise_if_any(error, "register_layer")
+        try:
+            self.group.raise_if_any(error, "register_layer")
+        except CollectiveError as collective:  # closed: the kind every other call raises then
+            if isinstance(error, ClosedError):
+                raise ClosedError(str(collective)) from error
+            raise
         self.transfer.register_layer(layer, weights, grads)
 
     # -- per micro-batch ----------------------------------------------------------------------

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ultraep.errors import ClosedError, CollectiveError, MoELayerError
+from ultraep.errors import BalancerError, ClosedError, CollectiveError, MoELayerError
 from ultraep.integration.balancer import BalanceHandle, Balancer, sync_beside_pays
 from ultraep.integration.stats import DevicePhaseRecorder, HostPhaseRecorder
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
@@ -219,10 +219,11 @@ class MoEContext:
     layer_id: int = -1            # MoELayer.id of the layer whose forward made it
 
 
-def _raise_everywhere(group: EPGroup, error: BaseException | None, what: str) -> None:
-    """Collective: every rank raises MoELayerError naming each failing rank's error."""
+def _raise_everywhere(group: EPGroup, error: BaseException | None, what: str, **agree) -> None:
+    """Collective: every rank raises MoELayerError naming each failing rank's error (or,
+    given ``agree=value``, where the ranks' values differ)."""
     try:
-        group.raise_if_any(error, what)
+        group.raise_if_any(error, what, **agree)
     except CollectiveError as collective:
         raise MoELayerError(str(collective)) from error
 
@@ -494,6 +495,9 @@ class MoELayer:
                 raise MoELayerError(f"{name} must be an int >= {low}, got {value!r}")
         if num_experts % group.size:
             raise MoELayerError(f"num_experts ({num_experts}) must be a multiple of the group size ({group.size})")
+        if top_k > num_experts:
+            raise MoELayerError(f"top_k ({top_k}) exceeds num_experts ({num_experts}): a token's top-k experts are "
+                                "distinct experts")
         align = kernel_constant(GEMM_KERNELS, "GG_ALIGN_ELEMENTS")
         if hidden % align or ffn % align:
             raise MoELayerError(f"hidden ({hidden}) and ffn ({ffn}) must be multiples of {align} (the grouped GEMM's "
@@ -588,10 +592,10 @@ class MoELayer:
         except ValueError as exc:
             raise MoELayerError(str(exc)) from None
 
-    def _raise(self, error: BaseException | None, what: str) -> None:
+    def _raise(self, error: BaseException | None, what: str, **agree) -> None:
         """On every rank with ``sync_checks`` (the Dispatcher's), else this rank's own."""
         if self.dispatcher.sync_checks:
-            _raise_everywhere(self.group, error, what)
+            _raise_everywhere(self.group, error, what, **agree)
         elif error is not None:
             raise error
 
@@ -710,13 +714,17 @@ class MoELayer:
                 raise MoELayerError("this context's backward has run already (its gradients were added once)")
             if not ctx.for_backward:
                 raise MoELayerError("this context's forward ran with backward=False: it kept nothing for a backward")
+            if ctx.handle is not None:
+                self.balancer.holds_replicas(ctx.handle)  # StaleHandleError once the layer's plan ring has wrapped
             grad = self._import("dy", dy)
             if tuple(grad.shape) != (ctx.tokens, self.hidden) or not is_bf16(grad.dtype):
                 raise MoELayerError(f"dy: expected bfloat16 [{ctx.tokens}, {self.hidden}] (the forward's tokens), "
                                     f"got {np.dtype(grad.dtype)} {list(grad.shape)}")
-        except MoELayerError as exc:
+        except (MoELayerError, BalancerError, ClosedError) as exc:
             error = exc
-        self._raise(error, "MoELayer.backward input")  # before any restore or launch
+        # before any restore or launch; every rank passes the same micro-batch's context
+        micro_batch = ctx.received.handle.micro_batch if error is None else None
+        self._raise(error, "MoELayer.backward input", agree=micro_batch)
         ctx.done = True
         received, offsets = ctx.received, ctx.received.offsets
         with self._on_stream(stream, dy), self._recording_phases("backward"):

@@ -216,6 +216,11 @@ class SymmetricHeap:
         """``shape``/``dtype`` at byte ``offset`` of ``rank``'s heap (ClosedError once closed)."""
         raise NotImplementedError
 
+    def _check_rank(self, rank) -> None:
+        """IndexError unless ``rank`` is a rank of the group (an int, not a float or a bool)."""
+        if not is_int(rank) or not 0 <= rank < self.size:
+            raise IndexError(f"rank must be an int in [0, {self.size}) (the group's ranks), got {rank!r}")
+
     def _device_barrier(self, flag: int, timeout_s: float, wait: bool) -> None:
         """Publish ``flag`` (its epoch and refusal causes) to every peer, then wait for every
         peer's arrival at that epoch; raise :class:`BarrierTimeout` if one does not come in
@@ -236,6 +241,8 @@ class SymmetricHeap:
         self._check_usable()
         error, request = None, None
         try:
+            if not isinstance(name, str):
+                raise TypeError(f"a heap tensor's name must be a str, got {type(name).__name__} {name!r}")
             shape = positive_shape(shape, f"tensor {name!r}")
             dtype = resolve_dtype(dtype, what=f"tensor {name!r} dtype")
             if name in self.allocations:

@@ -112,13 +112,21 @@ class Traffic:
 
 @dataclass
 class DispatchHandle:
-    """What combine and the backward pair need from one dispatch (backend arrays inside)."""
+    """What combine and the backward pair need from one dispatch (backend arrays inside).
+    ``serial`` counts the dispatcher's dispatches (the same on every rank: dispatch is
+    collective), so the ranks' calls with one handle agree they pass the same micro-batch's."""
 
     dispatcher_id: int
     tokens: int
     weights: Any                 # float32[T, K], this rank's gates
     expert_ids: Any              # int64[T, K]
     state: dict = field(default_factory=dict)  # the implementation's token map
+    serial: int = 0
+
+    @property
+    def micro_batch(self) -> str:
+        """What the ranks agree on: which of the dispatcher's dispatches this handle is."""
+        return f"the handle of dispatch #{self.serial}"
 
 
 @dataclass
@@ -171,6 +179,16 @@ def bad_input_message(rank: int, code: int, token: int, slot: int, value, num_ex
             "(NaN, infinite, or too large for float32)")
 
 
+def too_many_rows_message(table: np.ndarray, experts_per_rank: int, receiver: int, rows: int, bound: int) -> str:
+    """Why a dispatch was refused: ``receiver`` would get ``rows`` > ``bound`` rows, and how
+    many each source sends it (``table``: the gathered pair counts ``[sources, experts]``),
+    so the message names the ranks whose routing caused it."""
+    mine = np.asarray(table)[:, receiver * experts_per_rank:(receiver + 1) * experts_per_rank].sum(axis=1)
+    sources = ", ".join(f"rank {s}: {int(n)}" for s, n in enumerate(mine) if n)
+    return (f"rank {receiver} would receive {rows} rows, more than the set-up bound max_recv_rows={bound} "
+            f"(rows from {sources}): route fewer tokens to its experts or raise max_recv_rows")
+
+
 def first_bad_item(expert_ids: np.ndarray, weights: np.ndarray, num_experts: int):
     """(code, token, slot, value) of the first bad (token, slot) in token-then-slot order, or None."""
     ids = np.asarray(expert_ids)
@@ -185,12 +203,24 @@ def first_bad_item(expert_ids: np.ndarray, weights: np.ndarray, num_experts: int
     return code, int(t), int(k), int(ids[t, k])
 
 
-def raise_if_any(group: EPGroup, config: TokenConfig, error: Exception | None, what: str) -> None:
-    """Collective raise (every rank, when ``sync_checks``), else a local one."""
-    if config.sync_checks:
+_NO_HANDLE = object()
+
+
+def raise_if_any(group: EPGroup, config: TokenConfig, error: Exception | None, what: str,
+                 handle: Any = _NO_HANDLE) -> None:
+    """Collective raise (every rank, when ``sync_checks``), else a local one. Given the
+    call's ``handle`` (a call site passes one on every rank, valid or not), the same
+    collective checks every rank passed the same dispatch's: a GroupMismatchError names
+    each rank's otherwise (one rank with another micro-batch's handle would move its rows
+    to rows its peers do not expect)."""
+    if not config.sync_checks:
+        if error is not None:
+            raise error
+    elif handle is _NO_HANDLE:
         group.raise_if_any(error, what)
-    elif error is not None:
-        raise error
+    else:  # an error anywhere is raised before the agreement
+        valid = error is None and isinstance(handle, DispatchHandle)
+        group.raise_if_any(error, what, agree=handle.micro_batch if valid else None)
 
 
 def import_inputs(importer, arrays: dict, handle: Any = None, *, dispatcher_id: int | None = None) -> tuple[list, Any]:
@@ -259,8 +289,10 @@ def is_buffer(rows, buffer) -> bool:
 
 
 def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, expert_out=None, failed: Exception | None = None,
-               expert_in=None) -> None:
+               expert_in=None, handle: Any = _NO_HANDLE) -> None:
     """Checks of row arrays ``{name: (array or None, rows)}``: shape ``[rows, H]``, the set-up dtype.
+    ``handle``: the handle the call uses (combine and the backward pair), agreed by every
+    rank (:func:`raise_if_any`).
     ``expert_out``: ``(name, buffer)``, set up with ``expert_output``: that array must be the buffer.
     ``expert_in``: ``(name, buffer)``, set up with ``expert_input``: that array, if given, must be the buffer.
     ``failed``: an import failure (:func:`import_inputs`) to raise instead."""
@@ -286,4 +318,4 @@ def check_rows(group: EPGroup, config: TokenConfig, arrays: dict, expert_out=Non
                                 "Dispatcher.expert_input()")
     except DispatchError as exc:
         error = exc
-    raise_if_any(group, config, error, "token path input check")
+    raise_if_any(group, config, error, "token path input check", handle)

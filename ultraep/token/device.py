@@ -25,7 +25,8 @@ from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.kernels import get_function, kernel_constant
 from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBuffers, TokenConfig,
-                                bad_input_message, check_rows, check_tokens, import_inputs)
+                                bad_input_message, check_rows, check_tokens, import_inputs,
+                                too_many_rows_message)
 
 # Launch choices: the kernels take any block of whole warps (up to CUDA's 1024 threads)
 # and the segment length as an argument.
@@ -74,6 +75,7 @@ class DeviceDispatcher:
         import cupy
 
         self.cp, self.group, self.config, self.buffers = cupy, group, config, buffers
+        self.dispatches = 0  # the handles' serials
         d = config
         element = _template_type(d.dtype)
         self.k = {name: get_function(KERNELS, name, group=group)
@@ -227,7 +229,9 @@ class DeviceDispatcher:
             state[name] = self.local[name].copy()
         self.unreported_dispatch = True
         self._finish()
-        handle = DispatchHandle(d.dispatcher_id, state["tokens"], state["gates"], state["ids"], state)
+        self.dispatches += 1
+        handle = DispatchHandle(d.dispatcher_id, state["tokens"], state["gates"], state["ids"], state,
+                                serial=self.dispatches)
         return DispatchResult(recv, state["row_weight"].copy(), self.counts.copy(), state["offsets"], handle)
 
     def expert_output(self):
@@ -243,7 +247,8 @@ class DeviceDispatcher:
             (y, out), failed = import_inputs(self._import, {name: (y, False), "out": (out, True)}, handle,
                                              dispatcher_id=d.dispatcher_id)
             check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, 0 if failed else handle.tokens)},
-                       expert_out=(name, self.local["expert_out"]) if d.expert_output else None, failed=failed)
+                       expert_out=(name, self.local["expert_out"]) if d.expert_output else None, failed=failed,
+                       handle=handle)
             s = handle.state
             result = self._output(out, (handle.tokens, d.hidden))
             gates = s["gates"] if weighted else np.uint64(0)
@@ -281,7 +286,8 @@ class DeviceDispatcher:
                 self._import, {"grad_out": (grad_out, False), "y": (y, False), "out": (out, True)}, handle,
                 dispatcher_id=d.dispatcher_id)
             check_rows(self.group, d, {"grad_out": (grad_out, 0 if failed else handle.tokens),
-                                       "y": (y, d.max_recv_rows), "out": (out, d.max_recv_rows)}, failed=failed)
+                                       "y": (y, d.max_recv_rows), "out": (out, d.max_recv_rows)}, failed=failed,
+                       handle=handle)
             s = handle.state
             grad_y = self._output(out, (d.max_recv_rows, d.hidden))
             self._barrier("grad-ready")     # every rank's landing rows are free again
@@ -319,8 +325,8 @@ class DeviceDispatcher:
             raise DispatchError(f"dispatch input check failed on {len(failed)} of {d.size} rank(s): "
                                 + "; ".join(failed))
         if code == OUTCOME_TOO_MANY_ROWS:
-            raise DispatchError(f"rank {who} would receive {rows} rows, more than the set-up bound "
-                                f"max_recv_rows={d.max_recv_rows}")
+            table = self.local["count_table"].get()[:, :d.num_experts]
+            raise DispatchError(too_many_rows_message(table, d.experts_per_rank, who, rows, d.max_recv_rows))
 
     def close(self) -> None:
         """Let queued work finish and drop the views of the heap (so closing it frees it); the

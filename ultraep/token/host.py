@@ -32,7 +32,7 @@ from ultraep.runtime.group import EPGroup
 from ultraep.token import reference as ref
 from ultraep.token.base import (DispatchHandle, DispatchResult, TokenBuffers, TokenConfig, bad_input_message,
                                 check_rows, check_tokens, first_bad_item, import_inputs,
-                                raise_if_any)
+                                raise_if_any, too_many_rows_message)
 
 
 class HostDispatcher:
@@ -41,6 +41,7 @@ class HostDispatcher:
     def __init__(self, group: EPGroup, config: TokenConfig, buffers: TokenBuffers):
         self.group, self.config, self.buffers = group, config, buffers
         self.heap = buffers.heap
+        self.dispatches = 0  # the handles' serials
 
     def _barrier(self) -> None:
         self.heap.barrier(self.config.timeout_s)
@@ -106,8 +107,8 @@ class HostDispatcher:
         too_many = np.flatnonzero(rank_totals > d.max_recv_rows)
         if too_many.size:  # every rank sees the same table, so every rank raises here
             r = int(too_many[0])
-            raise DispatchError(f"rank {r} would receive {int(rank_totals[r])} rows, more than the set-up bound "
-                                f"max_recv_rows={d.max_recv_rows}")
+            raise DispatchError(too_many_rows_message(table, d.experts_per_rank, r, int(rank_totals[r]),
+                                                      d.max_recv_rows))
         first_slot = ref.first_slot_of_rank(ids, d.experts_per_rank)
         return {"ids": ids, "gates": gates, "tokens": tokens, "table": table, "totals": totals, "counts": counts,
                 "offsets": offsets, "send_pos": send_pos, "first_slot": first_slot,
@@ -128,7 +129,8 @@ class HostDispatcher:
                  "pair_row": m["pair_row"]}
         recv_w = np.zeros(d.max_recv_rows, dtype=np.float32)
         recv_w[:total] = state["row_weight"]
-        handle = DispatchHandle(d.dispatcher_id, m["tokens"], m["gates"], m["ids"], state)
+        self.dispatches += 1
+        handle = DispatchHandle(d.dispatcher_id, m["tokens"], m["gates"], m["ids"], state, serial=self.dispatches)
         return DispatchResult(recv_x, recv_w, m["counts"].astype(np.int32), m["offsets"].astype(np.int32), handle)
 
     def _send_back(self, rows, handle: DispatchHandle):
@@ -165,7 +167,8 @@ class HostDispatcher:
         (y, out), failed = import_inputs(self._import, {name: (y, False), "out": (out, True)}, handle,
                                          dispatcher_id=d.dispatcher_id)
         check_rows(self.group, d, {name: (y, d.max_recv_rows), "out": (out, 0 if failed else handle.tokens)},
-                   expert_out=(name, self.buffers.expert_out.local) if d.expert_output else None, failed=failed)
+                   expert_out=(name, self.buffers.expert_out.local) if d.expert_output else None, failed=failed,
+                   handle=handle)
         T, K = handle.tokens, d.top_k
         if d.expert_output:
             slots = self._pull(handle).reshape(T, K, d.hidden)
@@ -184,7 +187,7 @@ class HostDispatcher:
             self._import, {"grad_out": (grad_out, False), "y": (y, False), "out": (out, True)}, handle,
             dispatcher_id=d.dispatcher_id)
         check_rows(self.group, d, {"grad_out": (grad_out, 0 if failed else handle.tokens), "y": (y, d.max_recv_rows),
-                                   "out": (out, d.max_recv_rows)}, failed=failed)
+                                   "out": (out, d.max_recv_rows)}, failed=failed, handle=handle)
         s = handle.state
         T_max, K = d.max_tokens, d.top_k
         self._barrier()  # landing rows are free on every rank

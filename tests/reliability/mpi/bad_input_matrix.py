@@ -354,8 +354,14 @@ for value in (0, -1, "2", 2.0):
 for value in (0, -1, math.inf):
     case("SymmetricHeap", f"barrier(timeout_s={value!r})", lambda bad, v=value: heap().barrier(pick(bad, v, 1.0)),
          Raises(ValueError, "heap barrier", "timeout_s must be a positive", peers=RankFailedError))
-case("SymmetricHeap", "peer(rank out of range)", lambda bad: heap().alloc(f"a{next(_allocs)}", (4,), np.float32)
-     .peer(pick(bad, R, 0)), Raises(IndexError, f"rank {R} outside the group", rank=False), scopes=ALL)
+for name, value in (("out of range", R), ("a float", 1.0)):
+    case("SymmetricHeap", f"peer(rank {name})", lambda bad, v=value: heap().alloc(f"a{next(_allocs)}", (4,),
+                                                                                   np.float32).peer(pick(bad, v, 0)),
+         Raises(IndexError, f"rank must be an int in [0, {R}) (the group's ranks), got {value!r}", rank=False),
+         scopes=ALL)
+case("SymmetricHeap", "alloc a name not a str", lambda bad: heap().alloc(pick(bad, 5, f"a{next(_allocs)}"), (4,),
+                                                                           np.float32),
+     Raises(CollectiveError, "a heap tensor's name must be a str"), scopes=ALL)
 case("SymmetricHeap", ".local after close", lambda bad: closed_heap()[1].local,
      Raises(ClosedError, "tensor 't'", "closed"), scopes=LOCAL)
 case("SymmetricHeap", ".peer() after close", lambda bad: closed_heap()[1].peer(0),
@@ -742,6 +748,9 @@ for name, call in (("register_layer layer 2",
 for call in ("stats", "check", "save_trace"):
     case("Balancer", f"{call} after close", lambda bad, c=call: getattr(closed_balancer()[0], c)(
         *(("t.npz",) if c == "save_trace" else ())), Raises(ClosedError, "Balancer is closed"), scopes=LOCAL)
+case("Balancer", "register_layer after close", lambda bad: closed_balancer()[0].register_layer(0, masters(),
+                                                                                              zeros_grads()),
+     Raises(ClosedError, "register_layer", "Balancer is closed"), scopes=ALL)
 
 
 def unchecked_update(bad):
@@ -915,6 +924,17 @@ for what in ("combine", "dispatch_backward", "combine_backward"):
             ("out of the wrong shape", {"out": np.zeros((1, 16), np.float32)}, "out: expected shape")):
         case("Dispatcher", f"{what} {name}", lambda bad, w=what, k=kwargs: combine_call(bad, w, **k),
              Raises(CollectiveError, "token path input check", text))
+
+
+def later_handle():
+    """The handle of the next dispatch of the same Dispatcher: valid, but another micro-batch's."""
+    return dispatcher().dispatch(*tokens(1)).handle
+
+
+for what in ("combine", "dispatch_backward", "combine_backward"):
+    case("Dispatcher", f"{what} with another micro-batch's handle", lambda bad, w=what: combine_call(
+        bad, w, handle=later_handle), Raises(GroupMismatchError, "token path input check", "the handle of dispatch #"),
+         scopes=("one",))
 case("Dispatcher", "expert_output() not set up", lambda bad: dispatcher().expert_output(),
      Raises(DispatchError, "set up without expert_output=True", rank=False), scopes=LOCAL)
 
@@ -1426,6 +1446,29 @@ def foreign_context(bad, balanced):
     finally:
         other.backward(foreign, dy)
 
+
+def other_micro_batch(bad, balanced):
+    """Two forwards; the bad ranks' backward gets the first one's context, the others' the
+    second's (balanced: the first is stale, its ring slot holds the second's plan); then the
+    contexts the refusal left unused run their backwards."""
+    layer = moe_layer(balanced)
+    _, first = layer.forward(*moe_tokens())
+    _, second = layer.forward(*moe_tokens(1))
+    dy = bf16((TOKENS, H), 20 + ME)
+    try:
+        layer.backward(first if bad else second, dy)
+    finally:
+        layer.backward(second, dy)
+        if not balanced:
+            layer.backward(first, dy)
+
+
+case("MoELayer", "backward with another micro-batch's context", lambda bad: other_micro_batch(bad, False),
+     Raises(MoELayerError, "ranks disagree on MoELayer.backward input", "the handle of dispatch #"), scopes=("one",))
+case("MoELayer", "balanced backward with a stale context", lambda bad: other_micro_batch(bad, True),
+     Raises(MoELayerError, "MoELayer.backward input", "is stale"))
+case("MoELayer", "set-up top_k > num_experts", lambda bad: new_layer(top_k=pick(bad, 2 * R + 1, TOP_K)),
+     Raises((MoELayerError, CollectiveError), "exceeds num_experts"))
 
 for balanced in (False, True):
     case("MoELayer", f"{'balanced ' if balanced else ''}backward with another layer's context",

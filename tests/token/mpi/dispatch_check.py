@@ -31,7 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ultraep.runtime.dtypes import resolve_dtype
-from ultraep.runtime.group import EPGroup
+from ultraep.runtime.group import EPGroup, GroupMismatchError
 from ultraep.token import DispatchError, Dispatcher
 from ultraep.token import reference as ref
 from ultraep.token.base import is_buffer
@@ -370,6 +370,11 @@ def bad_input() -> None:
         expect(lambda: disp.dispatch_backward(mine[1:] if me == culprit else mine, res.handle), BAD_INPUT,
                "expected shape")
         disp.combine(mine, res.handle)  # still usable
+        # Another micro-batch's handle on one rank: every rank refuses, none moves rows by it.
+        later = disp.dispatch(device(x), device(ids), device(w))
+        expect(lambda: disp.combine(mine, res.handle if me == culprit else later.handle), GroupMismatchError,
+               "ranks disagree on token path input check", f"ranks [{culprit}]: 'the handle of dispatch #")
+        disp.combine(mine, later.handle)  # still usable
         disp.check()
     print(f"[bad-input] rank {me} OK", flush=True)
 
