@@ -15,8 +15,8 @@ handle or closed an object the others still use -- raise
 :class:`~ultraep.errors.GroupMismatchError` naming each rank's, on every rank, instead of
 reading each other's payloads: every collective, the barrier included, opens with the same
 fixed-size exchange of which call each rank entered, so no two ranks' calls are ever
-different MPI collectives and the ranks stay in step. Where the ranks share one node they also share a small
-status window (MPI shared memory): each rank's count of collectives entered, and the
+different MPI collectives and the ranks stay in step. Where the ranks share one node they
+also share a small status window (MPI shared memory): each rank's count of collectives entered, and the
 failure a rank publishes (:meth:`EPGroup.notify_failure`) when it leaves a ``with`` block
 on an exception of its own; a peer waiting for it then raises
 :class:`~ultraep.errors.RankFailedError` with that exception at once. After a timeout or a
@@ -263,7 +263,7 @@ class EPGroup:
         call = what if call is None else call
         if self._mpi is None:
             names, values = zip(*self.comm.allgather((call, obj)))
-            self._raise_mismatch(list(names))
+            self._raise_mismatch(list(names), list(names))
             return list(values)
         timeout, refusal = self._enter(what, timeout_s)
         deadline = time.monotonic() + timeout
@@ -291,19 +291,19 @@ class EPGroup:
         calls = np.zeros(self.size, _CALL)
         self._wait(self.comm.Iallgather(mine.view(np.uint8), calls.view(np.uint8)), what, timeout, deadline,
                    (mine, calls))
-        if np.any(calls["digest"] != calls["digest"][0]):
-            self._raise_mismatch([bytes(name).decode("utf-8", "replace") for name in calls["name"]])
+        self._raise_mismatch(list(calls["digest"]), [bytes(name).decode("utf-8", "replace") for name in calls["name"]])
         return calls
 
-    def _raise_mismatch(self, names: list) -> None:
+    def _raise_mismatch(self, keys: list, names: list) -> None:
         """Every rank raises the same GroupMismatchError when the ranks entered different
-        collectives (``names``: each rank's ``what``). They are still in step: each entered
-        one collective, so a caller that handles the error may go on."""
-        if any(name != names[0] for name in names[1:]):
-            ranks: dict[str, list[int]] = {}
-            for r, name in enumerate(names):
-                ranks.setdefault(name, []).append(r)
-            detail = "; ".join(f"rank(s) {where} in {name!r}" for name, where in ranks.items())
+        collectives (``keys``: each rank's call, or its digest; ``names``: what to report of
+        it). They are still in step: each entered one collective, so a caller that handles
+        the error may go on."""
+        if any(key != keys[0] for key in keys[1:]):
+            ranks: dict[tuple, list[int]] = {}
+            for r, (key, name) in enumerate(zip(keys, names)):
+                ranks.setdefault((key, name), []).append(r)
+            detail = "; ".join(f"rank(s) {where} in {name!r}" for (_, name), where in ranks.items())
             raise GroupMismatchError(f"rank {self.rank}: the ranks entered different collective calls ({detail}): "
                                      f"they took different paths through the program (another micro-batch's "
                                      f"handle, another layer, or an object closed on some ranks only)")
