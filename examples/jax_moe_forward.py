@@ -26,8 +26,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # four ranks sh
 
 import argparse
 
-import jax
-import jax.numpy as jnp
+try:
+    import jax
+    import jax.numpy as jnp
+except ModuleNotFoundError:
+    raise SystemExit("examples/jax_moe_forward.py needs JAX (pip install jax)") from None
 import numpy as np
 from mpi4py import MPI
 

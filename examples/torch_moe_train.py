@@ -48,7 +48,11 @@ Runs on the GPU (CUDA tensors, device backend) or, without one, on the CPU backe
 import argparse
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ModuleNotFoundError:
+    raise SystemExit("examples/torch_moe_train.py needs PyTorch (pip install torch)") from None
 from mpi4py import MPI
 
 from ultraep import Balancer, Dispatcher, EPGroup, ExpertLayout, ExpertSpec, MoELayer

@@ -108,8 +108,13 @@ def test_missing_and_unreadable_files(tmp_path):
         load_trace(tmp_path / "nope.npz")
     junk = tmp_path / "junk.npz"
     junk.write_text("not a zip")
-    with pytest.raises(ValueError, match="not a readable"):
+    with pytest.raises(ValueError, match=r"not a readable \.npz archive \(not a NumPy file\)"):
         load_trace(junk)
+    np.save(tmp_path / "one.npy", np.ones(3))
+    with pytest.raises(ValueError, match=r"\(a lone \.npy array\)"):
+        load_trace(tmp_path / "one.npy")
+    with pytest.raises(ValueError, match="is a directory"):
+        load_trace(tmp_path)
 
 
 def test_save_rejects_bad_input(tmp_path):

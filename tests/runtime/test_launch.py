@@ -1,5 +1,6 @@
 """The launcher: flags for each MPI flavor, and a hung job killed at its timeout."""
 
+import argparse
 import signal
 import subprocess
 import sys
@@ -29,6 +30,26 @@ def test_mpich_command_has_no_openmpi_flags():
 def test_rejects_zero_ranks():
     with pytest.raises(ValueError, match="nprocs"):
         launch.mpiexec_command(0, ["x.py"], mpiexec="m", flavor="mpich")
+
+
+def test_output_files_are_checked_before_any_work(tmp_path):
+    ok = argparse.Namespace(json=str(tmp_path / "r.json"), plot=None, quiet=True)
+    assert launch.output_errors(ok) == [] and not list(tmp_path.iterdir())  # the probe file is gone
+    bad = argparse.Namespace(json=str(tmp_path), plot=str(tmp_path / "none" / "r.png"), timeline="/proc/t.png")
+    assert launch.output_errors(bad) == [f"--json {tmp_path}: a directory, not a file to write",
+                                         f"--plot {tmp_path}/none/r.png: folder '{tmp_path}/none' does not exist",
+                                         "--timeline /proc/t.png: cannot write in '/proc' (No such file or directory)"]
+
+
+def test_gpu_options_are_refused_by_name_without_a_gpu(monkeypatch):
+    from ultraep.runtime import group
+
+    monkeypatch.setattr(group, "gpu_count", lambda: 0)
+    assert launch.no_gpu_error("host", None) is None and launch.no_gpu_error("auto", None) is None
+    assert launch.no_gpu_error("device", 0) == ("--backend device and --emulate-ep need a CUDA GPU and CuPy; "
+                                                 "this machine has none")
+    monkeypatch.setattr(group, "gpu_count", lambda: 1)
+    assert launch.no_gpu_error("device", 25) is None
 
 
 def test_this_machine_mpi_is_detected():

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from ultraep.errors import LaunchError, MPSUnavailable
+from ultraep.runtime import group as group_module
 from ultraep.runtime import launch, mps
 
 # Stands in for nvidia-cuda-mps-control: "-f" creates the control pipe and runs until a
@@ -92,10 +93,12 @@ def test_missing_control_program(monkeypatch):
         mps.MPSDaemon().start()
 
 
-def run_emulated(monkeypatch, argv, ranks=4):
-    """multi_rank_main with the relaunch replaced by a record of its environment."""
+def run_emulated(monkeypatch, argv, ranks=4, gpus=1):
+    """multi_rank_main with the relaunch replaced by a record of its environment, on a
+    machine that has ``gpus`` GPUs."""
     relaunched = []
     monkeypatch.setattr(launch, "launched_by_mpiexec", lambda: False)
+    monkeypatch.setattr(group_module, "gpu_count", lambda: gpus)
     monkeypatch.setattr(launch, "relaunch_on_ranks",
                         lambda n, args, *, timeout, env=None: relaunched.append((n, env or {})) or 0)
 
@@ -184,6 +187,12 @@ def test_run_rank_sets_the_partition_before_the_script_runs(tmp_path, monkeypatc
 def test_launcher_refuses_a_share_that_does_not_fit(monkeypatch, capsys):
     code, relaunched = run_emulated(monkeypatch, ["--emulate-ep", "30"])
     assert code == 2 and not relaunched and "do not fit one GPU" in capsys.readouterr().err
+
+
+def test_launcher_refuses_emulation_without_a_gpu(monkeypatch, capsys):
+    code, relaunched = run_emulated(monkeypatch, ["--emulate-ep"], gpus=0)
+    assert code == 2 and not relaunched
+    assert "tool: --emulate-ep needs a CUDA GPU and CuPy; this machine has none" in capsys.readouterr().err
 
 
 def test_launcher_falls_back_to_time_sliced_when_mps_cannot_start(monkeypatch, capsys):

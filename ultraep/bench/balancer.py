@@ -120,12 +120,13 @@ def resolved_sync_streams(group, streams: list, update_may_start: bool = True) -
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench balancer", description=__doc__.split("\n\n")[0])
     add_launch_options(parser, backend_help=CPU_OR_GPU)
-    parser.add_argument("--experts", type=int, default=64, help="logical experts in all (divisible by the ranks)")
+    parser.add_argument("--experts", type=positive_int, default=64,
+                        help="logical experts in all (divisible by the ranks)")
     parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
-    parser.add_argument("--top-k", type=int, default=8, help="experts per token")
-    parser.add_argument("--hidden", type=int, default=2048, help="model width (rows of w_in)")
-    parser.add_argument("--ffn", type=int, default=1024, help="expert FFN width (columns of w_in)")
+    parser.add_argument("--tokens", type=positive_int, default=8192, help="tokens per rank")
+    parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
+    parser.add_argument("--hidden", type=positive_int, default=2048, help="model width (rows of w_in)")
+    parser.add_argument("--ffn", type=positive_int, default=1024, help="expert FFN width (columns of w_in)")
     parser.add_argument("--initial-imbalance", type=float, nargs="+", default=[1.25, 1.5],
                         help="rank max/mean of the generated routing before balancing, one row each (with 4 "
                              "ranks and top-8 over 64 experts at most 1.5 is reachable)")
@@ -134,8 +135,8 @@ def parse_args(argv):
                              f"{BLOCK} x {BLOCK} block); list bfloat16 too for the sync_vs_bf16 ratio")
     parser.add_argument("--min-replica-tokens", type=int, default=1024,
                         help="fewest tokens a replica may serve (the planner's min_replica_tokens)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per window (after one warm-up)")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed calls per window (after one warm-up)")
+    parser.add_argument("--rounds", type=positive_int, default=5,
                         help="windows of each layer, alternating balanced and in place (medians reported)")
     parser.add_argument("--sync-blocks", type=sync_grid, nargs="+", default=[None], metavar="BLOCKS",
                         help="grids of the weight sync beside dispatch, one row each: a block count, or 'all' "
@@ -176,6 +177,8 @@ def parse_args(argv):
                              "--initial-imbalance (ultraep.analysis.plots.plot_rank_loads)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
+    if args.experts % args.ranks:  # checked here, not on every rank after the launch
+        parser.error(f"--experts {args.experts} must be divisible by --ranks {args.ranks}")
     if "update" in args.sync_stream and not update_may_start(args):
         parser.error("--sync-stream update: the update starts the sync, so it needs --steps all, --sync-at plan "
                      "and the engine's grid (--sync-blocks all)")

@@ -123,8 +123,8 @@ def parse_args(argv):
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--timeline", metavar="FILE.png",
                         help="plot every rank's fused tasks per SM over time, a file per setting "
-                             "(FILE_t{tokens}_h{hidden}.png; with --backward also the backward's, "
-                             "FILE_bwd_t{tokens}_h{hidden}.png), and print each rank's phases")
+                             "(FILE_t{tokens}_h{hidden}.png; with --backward also the training forward's and the "
+                             "backward's, FILE_train_t... and FILE_bwd_t...), and print each rank's phases")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if args.top_k > args.experts_per_rank * args.ranks:

@@ -59,7 +59,7 @@ import numpy as np
 
 from ultraep.bench.balancer import SYNC_STREAMS, resolved_sync_streams
 from ultraep.bench.timing import array_backend, window_ms
-from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main
+from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main, positive_int
 
 # MoELayer's placements of the sync: in series, its update starts it (no "layer" of its own)
 MOE_LAYER_SYNC_STREAMS = [stream for stream in SYNC_STREAMS if stream != "layer"]
@@ -90,14 +90,15 @@ def replica_threshold(text: str):
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-layer", description=__doc__.split("\n\n")[0])
     add_launch_options(parser, backend_help=CPU_OR_GPU)
-    parser.add_argument("--layers", type=int, default=2, help="MoE layers in the stack")
-    parser.add_argument("--experts-per-rank", type=int, default=8, help="master experts per rank and layer")
+    parser.add_argument("--layers", type=positive_int, default=2, help="MoE layers in the stack")
+    parser.add_argument("--experts-per-rank", type=positive_int, default=8, help="master experts per rank and layer")
     parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
-    parser.add_argument("--tokens", type=int, default=8192,
+    parser.add_argument("--tokens", type=positive_int, default=8192,
                         help="tokens per rank (tokens x top_k divisible by experts)")
-    parser.add_argument("--top-k", type=int, default=8, help="experts per token")
-    parser.add_argument("--hidden", type=int, default=2048, help="model width (rows of w_up)")
-    parser.add_argument("--ffn", type=int, default=1024, help="expert FFN width (w_up is [hidden, 2 x ffn], SwiGLU)")
+    parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
+    parser.add_argument("--hidden", type=positive_int, default=2048, help="model width (rows of w_up)")
+    parser.add_argument("--ffn", type=positive_int, default=1024,
+                        help="expert FFN width (w_up is [hidden, 2 x ffn], SwiGLU)")
     parser.add_argument("--initial-imbalance", type=float, default=1.5,
                         help="rank max/mean of the skewed routing before balancing")
     parser.add_argument("--min-replica-tokens", type=replica_threshold, nargs="+", default=[512], metavar="N|auto",
@@ -108,13 +109,17 @@ def parse_args(argv):
                              "kernels, in series on the layer's stream, started by the update, or auto (MoELayer's "
                              "default: side where each rank has a GPU of its own, else update); an ultraep row per "
                              "placement")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per policy")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed steps per policy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--phases", action="store_true",
                         help="also print each policy's steps (update, dispatch, GEMMs, ...) per direction, in ms")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.top_k > args.experts_per_rank * args.ranks:  # checked here, not on every rank after the launch
+        parser.error(f"--top-k {args.top_k} exceeds the experts (--experts-per-rank {args.experts_per_rank} x "
+                     f"--ranks {args.ranks})")
+    return args
 
 
 def main(argv=None) -> int:

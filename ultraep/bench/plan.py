@@ -37,6 +37,7 @@ from ultraep.bench.report import RowStream, print_table, write_json
 from ultraep.integration.traces import load_trace
 from ultraep.planner import ExpertLayout, plan_placement
 from ultraep.planner.plan import imbalance
+from ultraep.runtime.launch import no_gpu_error, output_errors, positive_int
 
 POLICIES = ("none", "ultraep", "eplb", "ideal")
 BOUNDED = ("none", "ultraep", "eplb")  # policies that obey the planner's constraints
@@ -56,12 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--generate", choices=sorted(GENERATORS), help="generate a synthetic trace")
     source.add_argument("--demo", action="store_true",
                         help="built-in non-stationary trace on the CPU, sized to run in seconds")
-    p.add_argument("--ranks", type=int, default=16, help="EP ranks R (generated traces)")
+    p.add_argument("--ranks", type=positive_int, default=16, help="EP ranks R (generated traces)")
     p.add_argument("--experts", type=int, default=64, help="logical experts E (generated traces)")
     p.add_argument("--slots", type=int, default=2, help="redundant slots per rank S")
     p.add_argument("--domain", type=int, default=None, help="NVLink domain size D (default: all ranks)")
     p.add_argument("--top-k", type=int, default=8, help="experts per token (generated traces)")
-    p.add_argument("--tokens-per-rank", type=int, default=2048, help="tokens per rank and micro-batch (generated)")
+    p.add_argument("--tokens-per-rank", type=positive_int, default=2048,
+                   help="tokens per rank and micro-batch (generated)")
     p.add_argument("--steps", type=int, default=16, help="micro-batches (generated traces)")
     p.add_argument("--layers", type=int, default=2, help="MoE layers (generated traces)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
@@ -70,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-replica-tokens", type=int, default=1024,
                    help="fewest tokens a replica may serve (the planner's min_replica_tokens)")
     p.add_argument("--backend", choices=("host", "device"), default="host", help="backend of the ultraep policy")
-    p.add_argument("--eplb-window", type=int, default=10, help="past micro-batches EPLB places from")
-    p.add_argument("--eplb-interval", type=int, default=1, help="micro-batches between EPLB re-placements")
+    p.add_argument("--eplb-window", type=positive_int, default=10, help="past micro-batches EPLB places from")
+    p.add_argument("--eplb-interval", type=positive_int, default=1, help="micro-batches between EPLB re-placements")
     p.add_argument("--bound", choices=("auto", "milp", "lp", "trivial"), default="auto",
                    help="lower bound each gap is measured to. auto: the MILP (exact where cheap) until "
                         "--bound-budget is spent, then the LP; milp / lp: that solver on every cell; trivial: "
@@ -82,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bound-max-binaries", type=int, default=DEFAULT_MAX_BINARIES,
                    help="largest MILP (replica variables) that --bound auto still tries; larger layouts get the LP")
     p.add_argument("--json", help="write the results to this JSON file")
-    p.add_argument("--plot", help="draw per-rank loads before/after and imbalance over steps to this PNG")
+    p.add_argument("--plot",
+                   help="draw per-rank loads before/after and imbalance over steps to this PNG")
     p.add_argument("--quiet", action="store_true", help="no per-cell lines on stderr")
     return p
 
@@ -261,6 +264,10 @@ def bound_counts(bounds: dict) -> str:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    refusals = output_errors(args) + [error for error in [no_gpu_error(args.backend, None)] if error]
+    if refusals:
+        print("\n".join(f"bench plan: {why}" for why in refusals), file=sys.stderr)
+        return 2
     if args.demo:
         for key, value in DEMO.items():
             setattr(args, key, value)

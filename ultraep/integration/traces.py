@@ -114,12 +114,18 @@ def save_trace(path: str | os.PathLike[str], loads: Any, topk: Any = None, metad
 def load_trace(path: str | os.PathLike[str]) -> Trace:
     """Read and validate a trace written by ``save_trace`` (or any compatible tool)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"trace file {str(path)!r} is a directory: pass the .npz file save_trace wrote")
     if not path.is_file():
         raise ValueError(f"trace file {str(path)!r} does not exist")
+    archive, reason = None, "a lone .npy array"
     try:
         archive = np.load(path, allow_pickle=False)
     except Exception as exc:
-        raise ValueError(f"trace file {str(path)!r} is not a readable .npz archive: {exc}") from None
+        reason = "not a NumPy file" if "pickled" in str(exc) else str(exc)  # numpy's advice to unpickle misleads
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise ValueError(f"trace file {str(path)!r} is not a readable .npz archive ({reason}): a trace is the file "
+                         "save_trace or TraceRecorder writes")
     with archive:
         if _LOADS_KEY not in archive.files:
             raise ValueError(

@@ -359,6 +359,47 @@ def positive_int(text: str) -> int:
     return value
 
 
+OUTPUT_OPTIONS = ("json", "plot", "timeline", "out")  # the tools' options naming a file they write
+
+
+def output_errors(args) -> list[str]:
+    """Why files a tool will write (its ``--json``, ``--plot``, ``--timeline``, ``--out``) cannot
+    be written -- a directory, a folder that does not exist or that this process may not
+    write -- checked by the tool before any work, so a bad path fails at once, not after a
+    run of minutes. (Not an argparse type: a sweep's stored command line is parsed again
+    on other machines.)"""
+    errors = []
+    for option in OUTPUT_OPTIONS:
+        text = getattr(args, option, None)
+        if not isinstance(text, str):
+            continue
+        path = Path(text)
+        folder = path.parent
+        if path.is_dir():
+            errors.append(f"--{option} {text}: a directory, not a file to write")
+        elif not folder.is_dir():
+            errors.append(f"--{option} {text}: folder {str(folder)!r} does not exist")
+        else:
+            try:  # a file made and removed there: permission bits tell neither root nor /proc
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            except OSError as exc:
+                errors.append(f"--{option} {text}: cannot write in {str(folder)!r} ({exc.strerror})")
+    return errors
+
+
+def no_gpu_error(backend: str, emulate_ep) -> str | None:
+    """Why a CPU-or-GPU tool cannot run as asked on this machine (``--backend device`` or
+    ``--emulate-ep`` without a GPU), or None."""
+    from ultraep.runtime.group import gpu_count
+
+    asked = [name for name, wanted in (("--backend device", backend == "device"),
+                                       ("--emulate-ep", emulate_ep is not None)) if wanted]
+    if asked and gpu_count() == 0:
+        return f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''} a CUDA GPU and CuPy; this machine has none"
+    return None
+
+
 def add_launch_options(parser, *, ranks: int = 4, backend_help: str | None = None) -> None:
     """The options every multi-rank tool shares (see :func:`multi_rank_main`): ``--ranks``,
     ``--emulate-ep [SM_PERCENT]`` and, given its help text, ``--backend``."""
@@ -379,6 +420,12 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
     args = parse_args(argv)
     if launched_by_mpiexec():
         return run(args)
+    refusals = output_errors(args)
+    if (error := no_gpu_error(getattr(args, "backend", "auto"), getattr(args, "emulate_ep", None))) is not None:
+        refusals.append(error)
+    if refusals:
+        print("\n".join(f"{command[-1]}: {why}" for why in refusals), file=sys.stderr)
+        return 2
     ranks, relaunch = nprocs(args), [*command, *argv]
     percent = getattr(args, "emulate_ep", None)
     if percent is None:

@@ -95,8 +95,10 @@ def parse_args(argv):
                         help="dispatch: rounds that time each operation's model choice and its fastest measured "
                              "grids again together (the median of each; 0: none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
-    parser.add_argument("--plot", metavar="FILE.png", help="write predicted against measured as a scatter plot")
-    parser.add_argument("--json", metavar="FILE", help="also write every row and the summary as JSON")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="write predicted against measured as a scatter plot")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write every row and the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if (args.phase is None) == (args.replay is None):
