@@ -37,7 +37,7 @@ from ultraep.bench.report import RowStream, print_table, write_json
 from ultraep.integration.traces import load_trace
 from ultraep.planner import ExpertLayout, plan_placement
 from ultraep.planner.plan import imbalance
-from ultraep.runtime.launch import no_gpu_error, output_errors, positive_int
+from ultraep.runtime.launch import positive_int, refused
 
 POLICIES = ("none", "ultraep", "eplb", "ideal")
 BOUNDED = ("none", "ultraep", "eplb")  # policies that obey the planner's constraints
@@ -84,8 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bound-max-binaries", type=int, default=DEFAULT_MAX_BINARIES,
                    help="largest MILP (replica variables) that --bound auto still tries; larger layouts get the LP")
     p.add_argument("--json", help="write the results to this JSON file")
-    p.add_argument("--plot",
-                   help="draw per-rank loads before/after and imbalance over steps to this PNG")
+    p.add_argument("--plot", help="draw per-rank loads before/after and imbalance over steps to this PNG")
     p.add_argument("--quiet", action="store_true", help="no per-cell lines on stderr")
     return p
 
@@ -264,9 +263,7 @@ def bound_counts(bounds: dict) -> str:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    refusals = output_errors(args) + [error for error in [no_gpu_error(args.backend, None)] if error]
-    if refusals:
-        print("\n".join(f"bench plan: {why}" for why in refusals), file=sys.stderr)
+    if refused(args, "bench plan"):
         return 2
     if args.demo:
         for key, value in DEMO.items():

@@ -400,6 +400,17 @@ def no_gpu_error(backend: str, emulate_ep) -> str | None:
     return None
 
 
+def refused(args, tool: str) -> bool:
+    """Whether ``tool`` must not start as asked (:func:`output_errors`, :func:`no_gpu_error`);
+    the reasons go to stderr, one line each, for the tool to exit 2."""
+    reasons = output_errors(args)
+    if (error := no_gpu_error(getattr(args, "backend", "auto"), getattr(args, "emulate_ep", None))) is not None:
+        reasons.append(error)
+    for reason in reasons:
+        print(f"{tool}: {reason}", file=sys.stderr)
+    return bool(reasons)
+
+
 def add_launch_options(parser, *, ranks: int = 4, backend_help: str | None = None) -> None:
     """The options every multi-rank tool shares (see :func:`multi_rank_main`): ``--ranks``,
     ``--emulate-ep [SM_PERCENT]`` and, given its help text, ``--backend``."""
@@ -420,11 +431,7 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
     args = parse_args(argv)
     if launched_by_mpiexec():
         return run(args)
-    refusals = output_errors(args)
-    if (error := no_gpu_error(getattr(args, "backend", "auto"), getattr(args, "emulate_ep", None))) is not None:
-        refusals.append(error)
-    if refusals:
-        print("\n".join(f"{command[-1]}: {why}" for why in refusals), file=sys.stderr)
+    if refused(args, command[-1]):
         return 2
     ranks, relaunch = nprocs(args), [*command, *argv]
     percent = getattr(args, "emulate_ep", None)

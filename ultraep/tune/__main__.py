@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from ultraep.runtime.launch import no_gpu_error, output_errors, positive_int
+from ultraep.runtime.launch import positive_int, refused
 from ultraep.tune.profile import load_profile, read_profile, stderr_progress
 
 SEARCH_RUNS = 5  # the search is timed this many times; the fastest is reported (the first pays NumPy's warm-up)
@@ -58,12 +58,14 @@ def search_command(args) -> int:
     from ultraep.tune.model import Problem, SyncProblem
     from ultraep.tune.search import search
 
-    try:
-        profile = read_profile(args.profile) if args.profile else load_profile(args.backend, device=args.device,
-                                                                                progress=stderr_progress)
-    except (OSError, ValueError) as exc:  # ProfileError is a ValueError
-        print(f"ultraep.tune search: --profile {args.profile}: {exc}", file=sys.stderr)
-        return 2
+    if args.profile:
+        try:
+            profile = read_profile(args.profile)
+        except (OSError, ValueError) as exc:  # ProfileError is a ValueError
+            print(f"ultraep.tune search: --profile {args.profile}: {exc}", file=sys.stderr)
+            return 2
+    else:
+        profile = load_profile(args.backend, device=args.device, progress=stderr_progress)
     problem = Problem(args.tokens, args.hidden, args.ffn, args.top_k, args.experts, args.ranks,
                       ranks_per_gpu=args.ranks_per_gpu)
     sync = SyncProblem(3 * args.hidden * args.ffn * problem.element_bytes, (args.fanout,)) if args.fanout else None
@@ -90,9 +92,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.command == "search":
         return search_command(args)
-    refusals = output_errors(args) + [error for error in [no_gpu_error(args.backend, None)] if error]
-    if refusals:
-        print("\n".join(f"ultraep.tune profile: {why}" for why in refusals), file=sys.stderr)
+    if refused(args, "ultraep.tune profile"):
         return 2
     profile = load_profile(args.backend, device=args.device, path=args.out, force=args.force,
                            progress=stderr_progress)
