@@ -75,6 +75,13 @@ def test_plan_reports_bad_input_clearly(tmp_path, capsys):
     assert "domain_size" in capsys.readouterr().err
 
 
+def test_demo_refuses_sizes_it_would_replace(capsys):
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["plan", "--demo", "--ranks", "4", "--seed", "3"])
+    assert refused.value.code == 2
+    assert "--demo sets its own sizes; drop --ranks, --seed or use --generate demo" in capsys.readouterr().err
+
+
 def test_dispatcher(monkeypatch, capsys):
     assert bench.main(["--help"]) == 0 and "plan" in capsys.readouterr().out
     assert bench.main([]) == 0

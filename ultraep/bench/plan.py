@@ -262,10 +262,15 @@ def bound_counts(bounds: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if refused(args, "bench plan"):
         return 2
     if args.demo:
+        overridden = [f"--{key.replace('_', '-')}" for key in DEMO
+                      if key != "generate" and getattr(args, key) != parser.get_default(key)]
+        if overridden:  # the demo's sizes would replace them without a word
+            parser.error(f"--demo sets its own sizes; drop {', '.join(overridden)} or use --generate demo")
         for key, value in DEMO.items():
             setattr(args, key, value)
     try:

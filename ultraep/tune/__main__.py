@@ -45,7 +45,10 @@ def parse_args(argv):
                         help="replicas of one expert the busiest rank syncs (0: no weight sync)")
     commands.add_parser("validate", add_help=False,
                         help="predicted against measured over a sweep (see: python -m ultraep.tune validate --help)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.command == "search" and args.fanout < 0:
+        search.error(f"argument --fanout: expected an int >= 0, got {args.fanout}")
+    return args
 
 
 def _add_machine_options(parser) -> None:
