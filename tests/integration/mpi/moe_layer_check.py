@@ -29,6 +29,7 @@ clear error on every rank.
 
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -37,34 +38,17 @@ from ultraep import Balancer, ExpertLayout, MoELayer, MoELayerError
 from ultraep.errors import CollectiveError
 from ultraep.integration import sync_beside_pays
 from ultraep.integration.moe_layer import expert_spec
-from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
+from tests.support.backend_arrays import arrays, bf16  # noqa: E402
 
 backend, check = sys.argv[1], sys.argv[2]
 group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
 R, me = group.size, group.rank
-if backend == "device":
-    import cupy as xp
-
-    def host(array):
-        array = xp.asnumpy(array)
-        return array.view(BFLOAT16) if array.dtype == np.int16 else array  # a CuPy that holds bf16 as bits
-else:
-    xp, host = np, np.asarray
-
-
-def to_backend(array):
-    """A host array on this backend (bf16 crosses to the GPU as its bits)."""
-    if array.dtype == BFLOAT16:
-        return xp.asarray(array.view(np.int16)).view(BFLOAT16)
-    return xp.asarray(array)
-
+xp, host, to_backend = arrays(backend)
 M, S, H, F, T, K, LAYERS, MICRO, RUNS = 2, 2, 32, 16, 48, 2, 2, 2, 10
 E = M * R
-
-
-def bf16(values):
-    return np.asarray(values, dtype=np.float32).astype(BFLOAT16)
 
 
 def masters(layer, rank):

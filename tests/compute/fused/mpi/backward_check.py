@@ -32,6 +32,7 @@ with it, not by a later check.
 import contextlib
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -41,42 +42,20 @@ from ultraep.compute.fused.backward import KERNEL_C, KERNEL_D, KERNELS
 from ultraep.compute.fused.forward import KERNEL_A, KERNEL_B, mtile_starts
 from ultraep.errors import BarrierTimeout, WaitTimeout
 from ultraep.integration.moe_layer import expert_spec
-from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))  # the repository root: tests.support
+from tests.support.backend_arrays import arrays, bf16  # noqa: E402
+from tests.support.fused_problem import K, M, POISON, S, masters, sizes  # noqa: E402
 from ultraep.runtime.kernels import kernel_constant
 
 backend, check = sys.argv[1], sys.argv[2]
 RUNS = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
 R, me = group.size, group.rank
-POISON = np.int16(0x7FC1)  # a BF16 NaN; as two halves of an FP32 word, an FP32 NaN too
-if backend == "device":
-    import cupy as xp
-
-    def host(array):
-        array = xp.asnumpy(array)
-        return array.view(BFLOAT16) if array.dtype == np.int16 else array
-else:
-    xp, host = np, np.asarray
-
-M, S, K = 4, 2, 4
-H, F, T = (272, 144, 300) if backend == "device" else (48, 24, 40)  # device: partial column blocks and M-tiles
+xp, host, to_backend = arrays(backend)
+H, F, T = sizes(backend)
 E = M * R
-
-
-def to_backend(array):
-    if array.dtype == BFLOAT16:
-        return xp.asarray(array.view(np.int16)).view(BFLOAT16)
-    return xp.asarray(array)
-
-
-def bf16(values):
-    return np.asarray(values, dtype=np.float32).astype(BFLOAT16)
-
-
-def masters(rank):
-    rng = np.random.default_rng((rank, 5))
-    return bf16(rng.standard_normal((M, H, 2 * F)) / np.sqrt(H)), bf16(rng.standard_normal((M, F, H)) / np.sqrt(F))
 
 
 def inputs(routing, rank, batch):
@@ -114,7 +93,7 @@ def layer(balanced, fused):
                         max_in_flight=2, backend=backend) if balanced else None
     moe = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer,
                    backend=backend, fused=fused)
-    moe.load_weights(*masters(me))
+    moe.load_weights(*masters(me, H, F))
     return moe, balancer
 
 
@@ -192,7 +171,7 @@ def bitwise():
 def reverse_order():
     moe = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend, fused=True,
                    sync_checks=False)
-    moe.load_weights(*masters(me))
+    moe.load_weights(*masters(me, H, F))
     batches = [inputs("random", me, 0), inputs("one-expert", me, 1)]
     moe.zero_grads()
     pairs = []
@@ -244,7 +223,7 @@ def after_one_forward(timeout):
     (made on every rank: collective), the context and dy."""
     with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend, fused=True,
                   timeout_s=timeout, sync_checks=False) as moe:
-        moe.load_weights(*masters(me))
+        moe.load_weights(*masters(me, H, F))
         x, ids, gates, dy = inputs("random", me, 0)
         _, ctx = moe.forward(x, ids, gates)
         yield moe, moe._fused_backward(), ctx, dy

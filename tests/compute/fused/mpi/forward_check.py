@@ -20,6 +20,7 @@ waited for, instead of hanging.
 
 import sys
 import traceback
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -27,41 +28,19 @@ from mpi4py import MPI
 from ultraep import Balancer, ExpertLayout, MoELayer, MoELayerError
 from ultraep.errors import CollectiveError, DispatchError, WaitTimeout
 from ultraep.integration.moe_layer import expert_spec
-from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))  # the repository root: tests.support
+from tests.support.backend_arrays import arrays, bf16  # noqa: E402
+from tests.support.fused_problem import K, M, POISON, S, masters, sizes  # noqa: E402
 
 backend, check = sys.argv[1], sys.argv[2]
 RUNS = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 group = EPGroup(MPI.COMM_WORLD, use_gpu=(backend == "device"))
 R, me = group.size, group.rank
-POISON = np.int16(0x7FC1)  # a BF16 NaN
-if backend == "device":
-    import cupy as xp
-
-    def host(array):
-        array = xp.asnumpy(array)
-        return array.view(BFLOAT16) if array.dtype == np.int16 else array
-else:
-    xp, host = np, np.asarray
-
-M, S, K = 4, 2, 4
-H, F, T = (272, 144, 300) if backend == "device" else (48, 24, 40)  # device: partial column blocks and M-tiles
+xp, host, to_backend = arrays(backend)
+H, F, T = sizes(backend)
 E = M * R
-
-
-def to_backend(array):
-    if array.dtype == BFLOAT16:
-        return xp.asarray(array.view(np.int16)).view(BFLOAT16)
-    return xp.asarray(array)
-
-
-def bf16(values):
-    return np.asarray(values, dtype=np.float32).astype(BFLOAT16)
-
-
-def masters(rank):
-    rng = np.random.default_rng((rank, 5))
-    return bf16(rng.standard_normal((M, H, 2 * F)) / np.sqrt(H)), bf16(rng.standard_normal((M, F, H)) / np.sqrt(F))
 
 
 def inputs(routing, rank):
@@ -105,7 +84,7 @@ def layer_pair(balanced):
                             backend=backend) if balanced else None
         moe = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, balancer=balancer,
                        backend=backend, fused=fused)
-        moe.load_weights(*masters(me))
+        moe.load_weights(*masters(me, H, F))
         layers.append((moe, balancer))
     return layers
 
@@ -169,7 +148,7 @@ def bitwise():
 
 def bad_input():
     with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend, fused=True) as moe:
-        moe.load_weights(*masters(me))
+        moe.load_weights(*masters(me, H, F))
         x, ids, gates, _ = inputs("random", me)
         if me == R - 1:
             ids[3, 1] = E
@@ -204,7 +183,7 @@ def peer_fails():
     timeout = 2.0
     with MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T, backend=backend, fused=True,
                   timeout_s=timeout, sync_checks=False) as moe:
-        moe.load_weights(*masters(me))
+        moe.load_weights(*masters(me, H, F))
         x, ids, gates, _ = (to_backend(a) for a in inputs("random", me))
         if me == R - 1:
             skip_sends(moe)
