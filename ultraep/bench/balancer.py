@@ -590,7 +590,7 @@ def run(args) -> int:
     sharing = sharing_label(group)
     args.sync_stream = resolved_sync_streams(group, args.sync_stream, update_may_start(args))
     printing = group.rank == 0
-    progress = Progress("balancer", enabled=printing and not args.quiet)
+    progress = Progress("balancer", enabled=printing, quiet=args.quiet)
     launches = (f"Balancer launches {'eager' if args.no_cuda_graphs else 'in CUDA graphs'}" if on_gpu(group, args)
                 else "Balancer on the host")
     title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({sharing}), {args.experts} experts, "

@@ -173,7 +173,7 @@ def run(args) -> int:
              f"{args.experts} experts, bf16, aggregate over ranks (GB/s = 1e9 B/s); "
              "copy = cudaMemcpyAsync of the same bytes; "
              f"a2a = NCCL all_to_all_single of the bytes sent (dispatch/a2a > 1: the dispatcher is faster)")
-    progress = Progress("dispatch", enabled=printing and not args.quiet)
+    progress = Progress("dispatch", enabled=printing, quiet=args.quiet)
     cells = [(tokens, hidden) for tokens in args.tokens for hidden in args.hidden]
     with NcclBaseline(group) as nccl, RowStream(COLUMNS, title, enabled=printing) as table:
         rows = []

@@ -293,7 +293,7 @@ def run(args) -> int:
         title += f"; MoELayer(fused_config={args.config!r})" if args.config != "both" else (
             "; fused_config='constants', tuned: 'tuned', tuned_gain = fused_ms / tuned_ms"
             + (", tuned_bwd_gain = fused_bwd_ms / tuned_bwd_ms" if args.backward else ""))
-    progress = Progress("moe-fused", enabled=me == 0 and not args.quiet)
+    progress = Progress("moe-fused", enabled=me == 0, quiet=args.quiet)
     if args.overlap:
         title += ("; dispatch_ms, up_gemm_ms: the sequential path's Dispatcher.dispatch alone and its "
                   "up-projection grouped GEMM (BF16 out) alone; fused_a_ms: kernel A (dispatch + up tiles with "

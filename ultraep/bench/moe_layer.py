@@ -345,7 +345,7 @@ def run(args) -> int:
              f"experts on the grouped GEMM; initial rank imbalance {initial:.3f} (target {args.initial_imbalance}); "
              "vs_ideal = ideal step time / policy's; out_diff / dx_diff: elements differing from none's; "
              "rerun_diff: elements of the outputs and all gradients differing between two checked steps")
-    progress = Progress("moe-layer", enabled=me == 0 and not args.quiet)
+    progress = Progress("moe-layer", enabled=me == 0, quiet=args.quiet)
     table = RowStream(COLUMNS, title, enabled=me == 0)
     rows, phase_rows = [], []
     thresholds = args.min_replica_tokens

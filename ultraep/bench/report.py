@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ultraep.runtime.dtypes import is_bool
+from ultraep.tune.profile import PROGRESS_LOGGER
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,10 +97,14 @@ class RowStream:
 
 
 class Progress:
-    """Progress lines on stderr, ``[bench NAME] 12.3 s: message``, from the rank that prints."""
+    """Progress lines on stderr, ``[bench NAME] 12.3 s: message``, from the rank that prints.
+    ``quiet``: none, on any rank -- neither these nor the tuner's (the ``ultraep.tune`` logger's
+    ``[tune]`` lines while a machine profile is measured)."""
 
-    def __init__(self, name: str, *, enabled: bool = True):
-        self.name, self.enabled, self.start = name, enabled, time.perf_counter()
+    def __init__(self, name: str, *, enabled: bool = True, quiet: bool = False):
+        self.name, self.enabled, self.start = name, enabled and not quiet, time.perf_counter()
+        if quiet:
+            logging.getLogger(PROGRESS_LOGGER).setLevel(logging.WARNING)
 
     def __call__(self, message: str) -> None:
         if self.enabled:

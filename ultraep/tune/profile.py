@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import math
 import os
 import re
@@ -100,6 +101,7 @@ UP_RELEASED_SINCE = 8  # the first whose sharers' up tile runs start together, a
 DOWN_Y_SINCE = 9  # the first that measured the down tiles storing y
 DISPATCH_BLOCKS_SINCE = 10  # the first that measured the Dispatcher's copy kernels' resident blocks
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
+PROGRESS_LOGGER = "ultraep.tune"
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
 
@@ -657,6 +659,31 @@ def load_profile(backend: str = "auto", *, device: int | None = None, path: str 
     return profile
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler on whatever ``sys.stderr`` is when a line is written (not the one at import)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+# The tuner's progress (a profile measured, why a cached one was not used) goes through the
+# "ultraep.tune" logger: on stderr tagged [tune] unless the application configures the logger
+# first; `logging.getLogger("ultraep.tune").setLevel(logging.WARNING)` silences it (the tools' --quiet).
+PROGRESS = logging.getLogger(PROGRESS_LOGGER)
+if not PROGRESS.handlers:
+    _handler = _StderrHandler()
+    _handler.setFormatter(logging.Formatter("[tune] %(message)s"))
+    PROGRESS.addHandler(_handler)
+    PROGRESS.propagate = False
+if PROGRESS.level == logging.NOTSET:
+    PROGRESS.setLevel(logging.INFO)
+
+
 def stderr_progress(line: str) -> None:
-    """Progress lines on stderr, tagged, as the benchmarks print theirs."""
-    print(f"[tune] {line}", file=sys.stderr, flush=True)
+    """A progress line of the tuner, through the ``ultraep.tune`` logger (stderr by default)."""
+    PROGRESS.info(line)

@@ -795,7 +795,7 @@ def run(args) -> int:
     # sweeps the same list and posts the same collectives
     profile = group_profile(group, backend, what="tune validate", shared=True)[0]
     printing = group.rank == 0
-    progress = Progress("tune validate", enabled=printing and not args.quiet)
+    progress = Progress("tune validate", enabled=printing, quiet=args.quiet)
     sweep = {"weight-sync": sweep_weight_sync, "dispatch": sweep_dispatch, "fused-forward": sweep_fused}[args.phase]
     rows, problems = sweep(group, backend, xp, synchronize, profile, args, progress)
     sharing = sharing_label(group)  # collective

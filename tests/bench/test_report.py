@@ -1,0 +1,34 @@
+"""The benchmarks' progress lines, and their --quiet."""
+
+import logging
+
+import pytest
+
+from ultraep.bench.report import Progress
+from ultraep.tune.profile import PROGRESS_LOGGER, stderr_progress
+
+
+@pytest.fixture
+def tune_level():
+    logger = logging.getLogger(PROGRESS_LOGGER)
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
+def test_progress_prints_its_lines_and_the_tuner_its_own(capsys, tune_level):
+    Progress("demo", enabled=True)("step one")
+    stderr_progress("measuring a machine profile")
+    err = capsys.readouterr().err
+    assert "[bench demo]" in err and "step one" in err
+    assert "[tune] measuring a machine profile" in err
+
+
+def test_quiet_silences_the_bench_and_the_tuner_on_every_rank(capsys, tune_level):
+    Progress("demo", enabled=False, quiet=True)  # a rank that does not print still silences the tuner
+    Progress("demo", enabled=True, quiet=True)("step one")
+    stderr_progress("measuring a machine profile")
+    logging.getLogger(PROGRESS_LOGGER).warning("a warning still shows")
+    err = capsys.readouterr().err
+    assert "step one" not in err and "measuring" not in err
+    assert "a warning still shows" in err
