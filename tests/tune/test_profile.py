@@ -12,7 +12,7 @@ from ultraep.tune import PROFILE_VERSION, MachineProfile, load_profile, profile_
 from ultraep.tune.__main__ import main as tune_main
 from ultraep.tune import host
 from ultraep.tune.host import HostProbe
-from ultraep.tune.profile import CACHE_VARIABLE, FUSED_TASKS
+from ultraep.tune.profile import CACHE_VARIABLE, FUSED_TASKS, unsteady_compute
 
 
 @pytest.fixture(autouse=True)
@@ -320,3 +320,33 @@ def test_a_version_9_profile_is_read_beside_measurements_without_the_copy_kernel
         MachineProfile.from_json(dict(old, version=PROFILE_VERSION))
     with pytest.raises(ProfileError, match="dispatch_blocks_per_sm must be a non-negative integer"):
         MachineProfile.from_json(dict(data, dispatch_blocks_per_sm=-1))
+
+
+def test_unsteady_compute_names_the_sizes():
+    assert unsteady_compute((4, 32, 256), (1e-6, 2e-6, 9e-6)) is None
+    assert unsteady_compute((4, 32, 256), (1e-6, 0.95e-6, 9e-6)) is None  # weight-bound: flat within noise
+    reason = unsteady_compute((4, 32, 256), (5e-6, 2e-6, 9e-6))
+    assert "2.0 us at 32 rows per expert but 5.0 us at 4" in reason
+
+
+@pytest.mark.parametrize("busy_runs", [1, 2])
+def test_a_compute_curve_measured_under_load_is_measured_again_and_never_cached(monkeypatch, busy_runs):
+    calls = []
+    steady = {4: 1e-6, 32: 2e-6, 256: 9e-6}
+
+    def expert_call_s(self, rows):
+        calls.append(rows)
+        busy = len(calls) <= 3 * busy_runs and rows == 4  # another process ran during the smallest size
+        return 5e-6 if busy else steady[rows]
+
+    monkeypatch.setattr(HostProbe, "expert_call_s", expert_call_s)
+    lines = []
+    profile = measured(lines)
+    assert calls == [4, 32, 256, 4, 32, 256]
+    assert any("more rows measured faster than fewer" in line for line in lines)
+    path = profile_path(HostProbe().describe()[0])
+    if busy_runs == 1:
+        assert profile.compute.seconds == (1e-6, 2e-6, 9e-6) and path.is_file()
+    else:
+        assert any("the machine seems busy; this profile is used but not cached" in line for line in lines)
+        assert not path.exists()

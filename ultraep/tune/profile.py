@@ -70,6 +70,7 @@ while another writes it see the old file or the new one.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import logging
 import math
@@ -102,6 +103,7 @@ DOWN_Y_SINCE = 9  # the first that measured the down tiles storing y
 DISPATCH_BLOCKS_SINCE = 10  # the first that measured the Dispatcher's copy kernels' resident blocks
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 PROGRESS_LOGGER = "ultraep.tune"
+UNSTEADY_FRACTION = 0.9  # a call of more rows measured below this fraction of one of fewer: not this machine alone
 DEFAULT_CACHE_DIR = Path("~/.cache/ultraep")
 
 
@@ -529,10 +531,10 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
     share = sm_share()
     fused = fused_costs([measure_fused(probe, probe.fused_grids(), say)], probe.fused_grids(),
                         *probe.fused_reductions)
-    seconds = []
-    for rows in probe.rows_per_expert:
-        seconds.append(probe.expert_call_s(rows))
-        say(f"  expert compute, {rows} rows per expert: {seconds[-1] * 1e6:.1f} us per call")
+    seconds = measure_compute(probe, say)
+    if unsteady_compute(probe.rows_per_expert, seconds):
+        say("  expert compute: more rows measured faster than fewer (another process busy?): measuring it again")
+        seconds = measure_compute(probe, say)
     experts, k, n = probe.compute_shape
     curve = ComputeCurve(kernel=probe.compute_kernel, dtype=probe.compute_dtype, experts=experts, k=k, n=n,
                          rows_per_expert=tuple(probe.rows_per_expert), seconds=tuple(seconds))
@@ -542,6 +544,26 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
                           copy_warp_bytes_per_s=warp,
                           flag_s=flag, fused=fused, dispatch_blocks_per_sm=blocks,
                           measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def measure_compute(probe, say: Callable[[str], None]) -> list[float]:
+    """The expert compute's time per call at each of ``probe.rows_per_expert``."""
+    seconds = []
+    for rows in probe.rows_per_expert:
+        seconds.append(probe.expert_call_s(rows))
+        say(f"  expert compute, {rows} rows per expert: {seconds[-1] * 1e6:.1f} us per call")
+    return seconds
+
+
+def unsteady_compute(rows_per_expert, seconds) -> str | None:
+    """Why the expert compute ``seconds`` (at ``rows_per_expert``, increasing) cannot be this
+    machine's own, or None: a call of more rows measured clearly faster than one of fewer,
+    which the same machine cannot do -- something else ran during the smaller one."""
+    for (rows_a, a), (rows_b, b) in itertools.pairwise(zip(rows_per_expert, seconds)):
+        if b < UNSTEADY_FRACTION * a:
+            return (f"the expert compute took {b * 1e6:.1f} us at {rows_b} rows per expert but {a * 1e6:.1f} us "
+                    f"at {rows_a}")
+    return None
 
 
 def measure_fused(probe, grids, progress: Callable[[str], None] | None = None,
@@ -651,12 +673,23 @@ def load_profile(backend: str = "auto", *, device: int | None = None, path: str 
             say(f"the machine profile at {target} is of {cached.device} ({cached.backend} backend, "
                 f"{cached.sm_share} % of SMs), not of {name} ({probe.backend}, {share} %): measuring it again")
     profile = measure_profile(probe, say)
-    try:
-        write_profile(profile, target)
-        say(f"machine profile written to {target}")
-    except OSError as exc:
-        say(f"could not write the machine profile to {target} ({exc}): it will be measured again next time")
+    cache_profile(profile, target, say)
     return profile
+
+
+def cache_profile(profile: MachineProfile, path: Path, say: Callable[[str], None]) -> None:
+    """Write a measured ``profile`` to the cache file ``path`` unless it looks measured while
+    the machine was busy; what happened goes to ``say``, nothing is raised."""
+    unsteady = unsteady_compute(profile.compute.rows_per_expert, profile.compute.seconds)
+    if unsteady:
+        say(f"{unsteady}, measured twice: the machine seems busy; this profile is used but not cached "
+            f"(measured again next time)")
+        return
+    try:
+        write_profile(profile, path)
+        say(f"machine profile written to {path}")
+    except OSError as exc:
+        say(f"could not write the machine profile to {path} ({exc}): it will be measured again next time")
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -42,8 +42,8 @@ import numpy as np
 
 from ultraep.errors import ProfileError
 from ultraep.runtime.dtypes import is_int
-from ultraep.tune.profile import (MachineProfile, fused_costs, load_profile, make_probe, measure_fused, profile_path,
-                                  stderr_progress, write_profile)
+from ultraep.tune.profile import (MachineProfile, cache_profile, fused_costs, load_profile, make_probe, measure_fused,
+                                  profile_path, stderr_progress)
 
 if TYPE_CHECKING:
     from ultraep.runtime.group import EPGroup
@@ -202,10 +202,7 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
                         + ", ".join(f"{task} {us:.1f}" for task, us in spread.items()))
     profile = dataclasses.replace(profile, shared_copy_bytes_per_s=best, shared_by=sharing, shared_fused=shared_fused)
     if sharing > 1 and group.local_rank == 0:
-        try:
-            write_profile(profile, profile_path(profile.device, profile.sm_share))
-        except OSError as exc:
-            stderr_progress(f"could not add the shared measurements to the cached profile ({exc})")
+        cache_profile(profile, profile_path(profile.device, profile.sm_share), stderr_progress)
     return profile
 
 
