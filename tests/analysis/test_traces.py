@@ -193,3 +193,13 @@ def test_per_layer_skew_rises_with_depth():
     trace = traces.per_layer_trace(seed=0, **SIZES)
     by_layer = rank_imbalance(trace.loads).mean(axis=0)
     assert by_layer[0] < by_layer[1] < by_layer[2]
+
+
+def test_zipf_unreachable_names_the_most_it_reached():
+    # 2 ranks: the hottest expert's capped share spills onto the other rank, so the largest
+    # exponent is not where the imbalance peaks; the message names the peak, and below it is reachable.
+    with pytest.raises(ValueError, match="unreachable") as refused:
+        zipf_loads(2, 8, 2, 256, 40.0, seed=0)
+    reached = float(str(refused.value).rsplit("the most reached: ", 1)[1].rstrip(")"))
+    assert reached > 1.2
+    assert rank_imbalance(zipf_loads(2, 8, 2, 256, reached * 0.99, seed=0)) == pytest.approx(reached * 0.99, rel=0.01)

@@ -135,12 +135,16 @@ def zipf_loads(num_ranks: int, num_experts: int, top_k: int, tokens_per_rank: in
         raise ValueError(
             f"zipf_loads: initial imbalance {initial_imbalance} is below the sampling noise at this "
             f"size (uniform popularity already gives {rank_imbalance(best):.4f})")
-    while error(draw(high)) < 0:
+    # Not monotone in the exponent (a hot expert's capped share spills onto another rank):
+    # the message names the most any tried exponent reached.
+    reached = float(rank_imbalance(best))
+    while error(loads := draw(high)) < 0:
+        reached = max(reached, float(rank_imbalance(loads)))
         low, high = high, high * 2
         if high > 256:
             raise ValueError(
                 f"zipf_loads: initial imbalance {initial_imbalance} is unreachable with {num_ranks} ranks, "
-                f"{num_experts} experts and top_k={top_k} (at most {rank_imbalance(draw(low)):.4f})")
+                f"{num_experts} experts and top_k={top_k} (the most reached: {reached:.4f})")
     for _ in range(60):
         mid = 0.5 * (low + high)
         loads = draw(mid)
