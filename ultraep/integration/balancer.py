@@ -132,7 +132,7 @@ from ultraep.runtime import open_heap
 from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.dtypes import is_bool, is_int
 from ultraep.runtime.group import EPGroup, ranks_per_gpu, timeout_error
-from ultraep.runtime.heap import HeapRequirements, SymmetricHeap
+from ultraep.runtime.heap import HeapBacked, HeapRequirements, SymmetricHeap
 from ultraep.transfer import ExpertSpec, WeightTransfer
 from ultraep.tune.replicas import agreed_min_replica_tokens
 
@@ -247,7 +247,7 @@ def _gather_requirements(layout: ExpertLayout) -> HeapRequirements:
                                signals=[("balancer.gather_flags", layout.num_ranks)])
 
 
-class Balancer:
+class Balancer(HeapBacked):
     """Load gathering, planning and the data plane of one EP group, driven per layer and
     micro-batch (module docstring). Collective: every rank constructs it with the same
     arguments. ``heap``: an open symmetric heap with room for :meth:`heap_requirements`
@@ -840,28 +840,5 @@ class Balancer:
         self.transfer.synchronize()
 
     # -- teardown ----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Collective: release the replica buffers, and the symmetric heap if the Balancer
-        opened it (a caller's heap stays open, its allocations in place)."""
-        if self._closed:
-            return
-        self._closed = True
+    def _close_parts(self) -> None:  # HeapBacked.close: the replica buffers, then an own heap
         self.transfer.close()
-        if self._owns_heap:
-            self.heap.close()
-
-    def __enter__(self) -> Balancer:
-        return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if exc is None:
-            self.close()
-            return
-        # Failing: a lone failure is published so the peers stop waiting for this rank, and
-        # nothing here waits for them (the heap decides, see SymmetricHeap.close_failing).
-        self._closed = True
-        self.transfer.close()
-        if self._owns_heap:
-            self.heap.close_failing(exc)
-        else:
-            self.group.notify_failure(exc)

@@ -100,6 +100,48 @@ def _requirement_count(name: str, count) -> int:
     return int(count)
 
 
+class HeapBacked:
+    """The close and ``with`` of a collective object whose buffers live in a symmetric heap:
+    one it opened (``_owns_heap``: closed with it) or the caller's (left open, its
+    allocations in place). A subclass sets ``group``, ``heap``, ``_owns_heap`` and
+    ``_closed`` and defines :meth:`_close_parts`."""
+
+    group: EPGroup
+    heap: SymmetricHeap
+    _owns_heap: bool
+    _closed: bool
+
+    def _close_parts(self) -> None:
+        """Release what the object holds besides the heap, waiting for no peer."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Collective: release what the object holds, then the heap if it opened it; any
+        later call raises :class:`~ultraep.errors.ClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_parts()
+        if self._owns_heap:
+            self.heap.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        # Failing: a lone failure is published so the peers stop waiting for this rank, and
+        # nothing here waits for them (the heap decides, see SymmetricHeap.close_failing).
+        self._closed = True
+        self._close_parts()
+        if self._owns_heap:
+            self.heap.close_failing(exc)
+        else:
+            self.group.notify_failure(exc)
+
+
 @dataclass(frozen=True)
 class HeapRequirements:
     """What a component will allocate in a heap: named tensors ``(name, shape, dtype)``

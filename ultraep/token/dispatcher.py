@@ -52,7 +52,7 @@ from ultraep.runtime import open_heap
 from ultraep.runtime.backend import choose_backend
 from ultraep.runtime.dtypes import is_bool, is_int, resolve_dtype
 from ultraep.runtime.group import EPGroup
-from ultraep.runtime.heap import HeapRequirements, SymmetricHeap, timeout_error
+from ultraep.runtime.heap import HeapBacked, HeapRequirements, SymmetricHeap, timeout_error
 from ultraep.runtime.kernels import kernel_constant
 from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBackend, TokenBuffers, TokenConfig,
                                 Traffic, check_handle, table_columns)
@@ -117,12 +117,13 @@ def _flags(**flags) -> dict:
     return {name: bool(value) for name, value in flags.items()}
 
 
-class Dispatcher:
+class Dispatcher(HeapBacked):
     """Deterministic dispatch/combine for one EP group; see the module docstring.
 
     Collective: every rank constructs it with the same arguments. ``backend`` is
     ``"device"``, ``"host"`` or ``"auto"`` (the device where the group has a GPU). Use as a context
-    manager or call :meth:`close` (collective).
+    manager or call :meth:`close` (collective: queued work finished first). Results already
+    returned are the caller's own arrays, not views of the heap: they stay valid after it.
 
     ``heap``: a symmetric heap the caller opened for several components (size it with
     :meth:`heap_requirements` added to theirs); the dispatcher allocates in it, takes its
@@ -349,29 +350,5 @@ class Dispatcher:
         self._check_open()
         self._impl.check()
 
-    def close(self) -> None:
-        """Collective: finish queued work and close the heap if the dispatcher opened it; any
-        later call raises :class:`~ultraep.errors.ClosedError`. Results already returned are
-        the caller's own arrays, not views of the heap: they stay valid."""
-        if self._closed:
-            return
-        self._closed = True
+    def _close_parts(self) -> None:  # HeapBacked.close: queued work finished, then an own heap
         self._impl.close()
-        if self._owns_heap:
-            self.heap.close()
-
-    def __enter__(self) -> Dispatcher:
-        return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if exc is None:
-            self.close()
-            return
-        # Failing: a lone failure is published so the peers stop waiting for this rank, and
-        # nothing here waits for them (the heap decides, see SymmetricHeap.close_failing).
-        self._closed = True
-        self._impl.close()
-        if self._owns_heap:
-            self.heap.close_failing(exc)
-        else:
-            self.group.notify_failure(exc)
