@@ -159,8 +159,9 @@ def test_layers_import_only_downwards():
         "runtime": {"planner", "transfer", "token", "compute", "fused", "tune", "integration", "analysis", "bench"},
         "planner": {"transfer", "token", "compute", "fused", "tune", "integration", "analysis", "bench"},
         "compute": {"planner", "transfer", "token", "fused", "tune", "integration", "analysis", "bench"},
-        "transfer": {"fused", "tune", "integration", "analysis", "bench"},
-        "token": {"fused", "tune", "integration", "analysis", "bench"},
+        # the data plane's two halves stand beside each other
+        "transfer": {"token", "fused", "tune", "integration", "analysis", "bench"},
+        "token": {"transfer", "fused", "tune", "integration", "analysis", "bench"},
         # the fused kernels join the token path and the grouped GEMM; the tuner chooses their configuration
         "fused": {"planner", "transfer", "tune", "integration", "analysis", "bench"},
         # the profile measures compute and runtime; the cost model reads an ExpertSpec it is handed

@@ -12,13 +12,17 @@ Layers, bottom up (each its own package):
 * ``ultraep.token`` -- the token path: deterministic dispatch and combine (UniEP).
 * ``ultraep.compute`` -- the expert compute: the padding-free grouped GEMM, and the fused
   MoE kernels (dispatch + GEMM, GEMM + combine) in ``ultraep.compute.fused``.
+* ``ultraep.tune`` -- the machine profile, the performance model of weight sync, dispatch
+  and the fused kernels, the search over their knobs, and the replica cost model behind
+  ``min_replica_tokens="auto"``.
 * ``ultraep.integration`` -- the :class:`Balancer` a framework drives per layer and
   micro-batch, with its metrics and the load-trace format, and :class:`MoELayer`, a whole
   (optionally balanced) MoE layer in two calls.
 * ``ultraep.bench`` -- ``python -m ultraep.bench ...`` benchmarks.
 
 Beside them, ``ultraep.analysis`` holds the analysis tools (proven bounds, baselines,
-synthetic traces, plots; ``pip install ultraep[analysis]``), never imported by the above.
+synthetic traces, plots; ``pip install ultraep[analysis]``), imported by none of the above
+but the benchmarks.
 
 The names below are the public API, what a framework calls; each is imported on first
 use, so ``import ultraep`` stays cheap and needs neither MPI, CuPy, SciPy nor matplotlib.

@@ -12,7 +12,11 @@
 * ``backend``  -- the host/device vocabulary every component's implementations share.
 * ``dlpack``   -- importing framework tensors (PyTorch, JAX, CuPy, NumPy) zero-copy, on the
   caller's stream, with dtype/device/layout checks.
+* ``dtypes``   -- the element types the kernels accept (BF16, FP8 through ``ml_dtypes``,
+  loaded on first use).
 * ``launch``   -- builds and runs ``mpiexec ... python -m mpi4py`` for MPICH and Open MPI.
+* ``mps``      -- emulated expert parallelism on one GPU: the ranks under a private MPS
+  daemon, each with its share of the SMs (``--emulate-ep``, ``python -m ultraep.runtime.mps``).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ It owns
 
 * the machine profile (:mod:`ultraep.tune.profile`): copy and peer-copy bandwidth, one
   warp's copy rate, the cost of a launch and of a flag handoff, the expert compute's time
-  per call at a few sizes and a GEMM tile's time, measured once per device by short
-  micro-benchmarks (``host.py`` / ``device.py``) and cached as versioned JSON
-  (``python -m ultraep.tune profile`` prints it);
+  per call at a few sizes, the fused kernels' tasks run in the kernels themselves, the
+  Dispatcher's resident copy blocks and, where ranks share a GPU, what they reach together,
+  measured once per device and SM share by short micro-benchmarks (``host.py`` /
+  ``device.py``) and cached as versioned JSON (``python -m ultraep.tune profile`` prints it);
 * cost-aware replication (:mod:`ultraep.tune.replicas`): ``min_replica_tokens="auto"``,
   the smallest replica whose tokens save more time than its weight copy costs;
 * the performance model (:mod:`ultraep.tune.model`) of weight sync, dispatch/combine and
@@ -18,9 +19,9 @@ It owns
   measurements (:mod:`ultraep.tune.validate`, a benchmark tool above the layers it
   measures).
 
-It sits above ``compute`` (whose grouped GEMM and fused kernels it measures), ``runtime``,
-``transfer`` and ``token`` (whose kernels it models), and below ``integration``, which
-resolves ``"auto"`` through it.
+It sits above ``compute`` (whose grouped GEMM and fused kernels it measures) and
+``runtime``, and models the ``transfer`` and ``token`` kernels from the profile without
+importing them; ``integration`` resolves ``"auto"`` through it.
 """
 
 from ultraep.tune.profile import (PROFILE_VERSION, ComputeCurve, FusedCosts, MachineProfile, load_profile,

@@ -3,7 +3,7 @@ machine profile (``min_replica_tokens="auto"``).
 
 The model (:func:`min_replica_tokens_for`). A replica of an expert is paid for by copying
 the expert's bytes ``B`` to a peer before the layer's expert compute (weight sync runs
-before dispatch and ends with a heap barrier, so every rank waits for it):
+before dispatch, and the replica's compute waits for its copy):
 
     copy = B / peer_bytes_per_s
 
