@@ -39,6 +39,11 @@ class HeapError(UltraEPError, RuntimeError):
     """The symmetric heap cannot serve the request (closed, out of space, broken by a timeout)."""
 
 
+class HeapFullError(HeapError, CollectiveError):
+    """An allocation the heap has no room for, refused on every rank alike (it is both a
+    HeapError and a CollectiveError: no rank's failure is its own)."""
+
+
 class WaitTimeout(UltraEPError, TimeoutError):
     """A bounded wait (host or device) did not see what it waited for; the message names it."""
 
@@ -87,5 +92,6 @@ class FusedDeadlock(UltraEPError, RuntimeError):
 
 
 __all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "FusedDeadlock",
-           "GroupMismatchError", "GroupedGemmError", "HeapError", "LaunchError", "MoELayerError", "MPSUnavailable",
-           "ProfileError", "RankFailedError", "StaleHandleError", "TransferTimeout", "UltraEPError", "WaitTimeout"]
+           "GroupMismatchError", "GroupedGemmError", "HeapError", "HeapFullError", "LaunchError", "MoELayerError",
+           "MPSUnavailable", "ProfileError", "RankFailedError", "StaleHandleError", "TransferTimeout", "UltraEPError",
+           "WaitTimeout"]

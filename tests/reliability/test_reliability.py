@@ -27,6 +27,20 @@ def test_multi_rank(backend, case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_object_closed_on_one_rank_is_refused_on_every_rank_at_once(backend):
+    out = run_ranks(3, "reliability/mpi/reliability_check.py", backend, "closed_on_one_rank", timeout=120)
+    assert_all_ranks_ok(out, 3, "closed_on_one_rank")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("target", ["dispatcher", "moe_layer"])
+def test_a_constructor_failing_on_one_rank_reaches_the_peers_with_its_cause(backend, target):
+    out = run_ranks(2, "reliability/mpi/reliability_check.py", backend, "lone_constructor_failure", target,
+                    timeout=120)
+    assert_all_ranks_ok(out, 2, "lone_constructor_failure")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_plan_differing_on_one_rank_is_always_refused(backend):
     """Random plans, each changed on a random rank (another plan, a replica dropped, another
     layer): refused on every rank, nothing written; other loads alone are accepted."""

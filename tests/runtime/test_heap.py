@@ -10,7 +10,7 @@ RANKS = 4
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("check", ["exchange", "timeout", "bad-input"])
+@pytest.mark.parametrize("check", ["exchange", "timeout", "bad-input", "lifecycle"])
 def test_heap_across_ranks(backend, check):
     out = run_ranks(RANKS, "runtime/mpi/heap_check.py", backend, check, timeout=180)
     assert_all_ranks_ok(out, RANKS, check)
@@ -36,3 +36,19 @@ def test_requirements_refuse_dimensions_int_would_round(tensors, signals, text):
         HeapRequirements.of(tensors=tensors, signals=signals)
     ok = HeapRequirements.of(tensors=[("t", (np.int64(4), 0), "float32")], signals=[("s", np.int32(3))])
     assert ok.tensors[0][1] == (4, 0) and ok.signals == (("s", 3),)
+
+
+def test_the_cpu_heap_refuses_what_dev_shm_cannot_hold(monkeypatch, tmp_path):
+    """A full tmpfs kills the process with SIGBUS at the first touch of a page: refuse first."""
+    import os
+
+    from ultraep.runtime import mpi_shm
+
+    free = os.statvfs(tmp_path)
+    room = free.f_bavail * free.f_frsize
+    monkeypatch.setattr(mpi_shm, "SHM_DIR", str(tmp_path))
+    assert mpi_shm.shm_space_error(room // 2) is None
+    message = mpi_shm.shm_space_error(room + (1 << 30))
+    assert "shared memory on this node" in message and "--shm-size" in message
+    monkeypatch.setattr(mpi_shm, "SHM_DIR", str(tmp_path / "absent"))
+    assert mpi_shm.shm_space_error(1 << 60) is None  # no /dev/shm: the MPI keeps its segments elsewhere

@@ -343,8 +343,7 @@ class Balancer(HeapBacked):
             self._rings = [[_RingSlot(self._impl) for _ in range(self.max_in_flight)]
                            for _ in range(self.num_layers)]
         except BaseException as exc:
-            if self._owns_heap:  # a lone failure is published to the peers, not waited out
-                self.heap.close_failing(exc)
+            self._give_up(exc)  # a lone failure is published to the peers, not waited out
             raise
         self.device = self._impl.device
         self.id = Balancer._next_id

@@ -454,11 +454,9 @@ class MoELayer:
                 M = self.experts_per_rank
                 balancer.register_layer(self.layer, [[self._w_up[m], self._w_down[m]] for m in range(M)],
                                         [[self.grad_up[m], self.grad_down[m]] for m in range(M)])
-        except BaseException:
+        except BaseException as exc:
             self._closed = True
-            self.dispatcher.close()
-            if self._owned_heap is not None:
-                self._owned_heap.close()
+            self._give_up(exc)  # a lone failure is published to the peers, not waited out
             raise
         self.id = MoELayer._next_id
         MoELayer._next_id += 1
@@ -941,6 +939,11 @@ class MoELayer:
             self.close()
             return
         self._release()
-        self.dispatcher.__exit__(exc_type, exc, tb)
+        self._give_up(exc)
+
+    def _give_up(self, exc: BaseException) -> None:
+        """On the way out of ``exc``: the Dispatcher and an own heap closed failing (a lone
+        failure published to the peers, nothing waiting for them)."""
+        self.dispatcher.__exit__(type(exc), exc, exc.__traceback__)
         if self._owned_heap is not None:
             self._owned_heap.close_failing(exc)

@@ -80,6 +80,7 @@ class DeviceHeap(SymmetricHeap):
             self._status = cupy.zeros(_STATUS_FIELDS, dtype=np.uint64)
             self._last_timeout_s = 0.0
             self._barrier_kernel = get_function("heap.cu", "symmetric_barrier", group=group)
+        self._mapped = True
 
     def base_pointer(self, rank: int) -> int:
         return self._bases[rank]
@@ -137,7 +138,7 @@ class DeviceHeap(SymmetricHeap):
             owners, self._owners = [weakref.ref(o) for o in self._owners], []
             self.peer_bases = None
             try:
-                self.group.barrier(timeout_s, what="symmetric heap close")  # every rank is here
+                self.group.barrier(timeout_s, what=self._close_step())  # every rank is here
             except (WaitTimeout, RankFailedError, GroupMismatchError) as exc:  # peers elsewhere may still map it
                 self._close_peers()
                 _abandoned.append(self._memory)  # a peer may still map it: never free
@@ -148,5 +149,5 @@ class DeviceHeap(SymmetricHeap):
                 self._memory = None
                 return
             self._close_peers()
-            self.group.barrier(timeout_s, what="symmetric heap close: peers unmapped")  # before it is freed
+            self.group.barrier(timeout_s, what=self._close_step(": peers unmapped"))  # before it is freed
             self._memory = None  # cudaFree

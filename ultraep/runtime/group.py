@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ultraep.errors import CollectiveError, GroupMismatchError, RankFailedError, WaitTimeout
+from ultraep.errors import ClosedError, CollectiveError, GroupMismatchError, RankFailedError, WaitTimeout
 from ultraep.runtime.dtypes import is_int
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -103,6 +103,8 @@ class EPGroup:
     _mpi: Any = None
     _status: list | None = None
     _broken: Exception | None = None
+    _closed = False
+    _owns_comm = False  # split() made the communicator: close() frees it
     timeout_s = DEFAULT_TIMEOUT_S
 
     def __init__(self, comm: Any = None, *, device: int | None = None, use_gpu: bool = True,
@@ -119,6 +121,7 @@ class EPGroup:
         self._broken = None       # why the group refuses collectives
         self._pending: list = []  # abandoned requests and their buffers, kept alive
         self._status = None       # every rank's status slot (one node, MPI only)
+        self._serials: Counter = Counter()  # next_serial's counts
         bad_argument = timeout_error(timeout_s)  # or a device this rank cannot use (below)
         self.timeout_s = DEFAULT_TIMEOUT_S if bad_argument else float(timeout_s)
         count = gpu_count() if use_gpu else 0
@@ -210,6 +213,8 @@ class EPGroup:
         """The collective's timeout and this rank's refusal of its ``timeout_s`` (or None).
         A refused timeout is not raised here: the collective runs on the group's own
         timeout and carries the refusal, so every rank raises it, not only this one."""
+        if self._closed:
+            raise ClosedError(f"rank {self.rank}: {what}: the EP group is closed")
         if self._broken is not None:
             raise type(self._broken)(f"rank {self.rank}: {what}: the group refuses collectives after an earlier "
                                      f"failure ({self._broken})")
@@ -327,7 +332,46 @@ class EPGroup:
         if not callable(getattr(self.comm, "Split", None)):
             raise TypeError(f"{type(self.comm).__name__} has no Split; pass the sub-group's communicator directly")
         sub = self.comm.Split(color, self.rank if key is None else key)
-        return EPGroup(sub, device=self.device, use_gpu=self.device is not None, timeout_s=self.timeout_s)
+        group = EPGroup(sub, device=self.device, use_gpu=self.device is not None, timeout_s=self.timeout_s)
+        group._owns_comm = True
+        return group
+
+    def next_serial(self, kind: str) -> int:
+        """How many ``kind`` objects this rank made over the group before: objects made
+        collectively, in the same order on every rank, get the same serial everywhere."""
+        serial = self._serials[kind]
+        self._serials[kind] += 1
+        return serial
+
+    def close(self) -> None:
+        """Collective: free what the group holds -- its status window and node communicator
+        (MPI, one host) and a communicator :meth:`split` made; the caller's communicator stays
+        the caller's. Every later collective raises :class:`~ultraep.errors.ClosedError`.
+        Close what runs over the group (heaps, Dispatchers, Balancers, layers) first. A group
+        that gave up after a timeout or a peer's failure keeps its MPI objects (freeing them
+        is collective and would hang); the process's exit frees them."""
+        if self._closed:
+            return
+        usable = self._broken is None
+        if usable:
+            self.barrier(what="EP group close")  # no peer still reads a status slot or enters a collective
+        self._closed = True
+        if usable and self._status is not None:
+            self._status = None
+            self._win.Unlock_all()
+            self._win.Free()
+            self._shm_comm.Free()
+        if usable and self._owns_comm:
+            self.comm.Free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+        elif not self.notify_failure(exc):  # every rank raised it: they close together
+            self.close()
 
     def agree(self, value: Any, what: str, *, timeout_s: float | None = None) -> Any:
         """Return ``value`` if every rank passed an equal one, else raise on every rank."""
@@ -352,6 +396,20 @@ class EPGroup:
             raise error from (local_error if isinstance(local_error, BaseException) else None)
         if values is not None:
             _agreed(values, what)
+
+    def refuse_closed(self, error: ClosedError, what: str, *, call: str | None = None) -> None:
+        """A collective call on an object closed on this rank: raise ``error`` after entering
+        one collective with it, so that peers in the call's own check (``what``/``call``) raise
+        CollectiveError naming this rank, or GroupMismatchError where their check is named
+        otherwise, at once instead of waiting out their timeout. Ranks that all closed it
+        raise ClosedError."""
+        try:
+            self.raise_if_any(error, what, call=call)
+        except GroupMismatchError:
+            raise
+        except CollectiveError as every_rank:
+            raise ClosedError(str(every_rank)) from None
+        raise error  # not reached: raise_if_any raised with this rank's error
 
     def __repr__(self) -> str:
         gpu = f"cuda:{self.device}" if self.device is not None else "cpu"

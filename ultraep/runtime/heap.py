@@ -31,7 +31,8 @@ from typing import Iterable
 
 import numpy as np
 
-from ultraep.errors import BarrierTimeout, ClosedError, HeapError, RankFailedError
+from ultraep.errors import (BarrierTimeout, ClosedError, CollectiveError, GroupMismatchError, HeapError, HeapFullError,
+                            RankFailedError)
 from ultraep.runtime.dtypes import is_int, resolve_dtype
 from ultraep.runtime.group import EPGroup, timeout_error  # noqa: F401 (timeout_error: callers import it here)
 from ultraep.runtime.kernels import kernel_constants
@@ -100,6 +101,10 @@ def _requirement_count(name: str, count) -> int:
     return int(count)
 
 
+def _instance_name(name: str, instance: int) -> str:
+    return name if instance == 0 else f"{name}#{instance}"
+
+
 class HeapBacked:
     """The close and ``with`` of a collective object whose buffers live in a symmetric heap:
     one it opened (``_owns_heap``: closed with it) or the caller's (left open, its
@@ -132,10 +137,15 @@ class HeapBacked:
         if exc is None:
             self.close()
             return
-        # Failing: a lone failure is published so the peers stop waiting for this rank, and
-        # nothing here waits for them (the heap decides, see SymmetricHeap.close_failing).
         self._closed = True
         self._close_parts()
+        self._give_up(exc)
+
+    def _give_up(self, exc: BaseException) -> None:
+        """On the way out of ``exc`` (a with-block, or a constructor failing after the heap was
+        opened or allocated in): a lone failure is published so the peers stop waiting for
+        this rank, and nothing here waits for them (the heap decides, see
+        SymmetricHeap.close_failing)."""
         if self._owns_heap:
             self.heap.close_failing(exc)
         else:
@@ -243,6 +253,7 @@ class SymmetricHeap:
             error = f"heap size must be positive, got {nbytes}"
         group.raise_if_any(error, "symmetric heap creation")
         group.agree(int(nbytes), "symmetric heap size")
+        self.serial = group.next_serial("symmetric heap")  # the same on every rank: heaps open collectively
         self.data_bytes = int(nbytes)
         self.total_bytes = round_up(SIGNAL_PAD_BYTES + self.data_bytes, HEAP_GRANULE)
         self._next_offset = SIGNAL_PAD_BYTES
@@ -251,6 +262,7 @@ class SymmetricHeap:
         self._refused_cause = 0  # why this rank refused the last barrier (0: it did not); its next flag says so too
         self._broken: str | None = None
         self._closed = False
+        self._mapped = False  # the transport's set-up sets it once the memory is mapped
         self.allocations: dict[str, SymmetricTensor | SignalBlock] = {}
 
     # -- transport hooks ---------------------------------------------------------------
@@ -281,7 +293,7 @@ class SymmetricHeap:
     def alloc(self, name: str, shape, dtype) -> SymmetricTensor:
         """Collective: reserve ``shape``/``dtype`` at the same offset on every rank."""
         self._check_usable()
-        error, request = None, None
+        error, request, full = None, None, False
         try:
             if not isinstance(name, str):
                 raise TypeError(f"a heap tensor's name must be a str, got {type(name).__name__} {name!r}")
@@ -290,16 +302,18 @@ class SymmetricHeap:
             if name in self.allocations:
                 raise ValueError(f"tensor {name!r} is already allocated in this heap")
             request = (name, shape, dtype.str if dtype.kind != "V" else dtype.name)
+            nbytes = int(math.prod(shape)) * dtype.itemsize
+            offset = round_up(self._next_offset, ALLOC_ALIGN)
+            end = SIGNAL_PAD_BYTES + self.data_bytes
+            full = offset + nbytes > end  # the same on every rank: their allocations match
+            if full:
+                raise ValueError(f"heap out of space: {name!r} needs {nbytes} bytes at offset {offset}, data region "
+                                 f"ends at {end} (heap created with {self.data_bytes} bytes; allocations are never "
+                                 f"freed before the heap closes)")
         except (ValueError, TypeError) as exc:
             error = exc
-        self.group.raise_if_any(error, f"heap allocation {name!r}")
+        self._refuse_if_any(error, f"heap allocation {name!r}", full)
         self.group.agree(request, "heap allocation request (name, shape, dtype)")
-        nbytes = int(math.prod(shape)) * dtype.itemsize
-        offset = round_up(self._next_offset, ALLOC_ALIGN)
-        end = SIGNAL_PAD_BYTES + self.data_bytes
-        if offset + nbytes > end:
-            raise HeapError(f"rank {self.rank}: heap out of space: {name!r} needs {nbytes} bytes at offset {offset}, "
-                            f"data region ends at {end} (heap created with {self.data_bytes} bytes)")
         self._next_offset = offset + nbytes
         tensor = SymmetricTensor(self, name, offset, shape, dtype)
         self.allocations[name] = tensor
@@ -308,25 +322,46 @@ class SymmetricHeap:
     def alloc_signals(self, name: str, count: int) -> SignalBlock:
         """Collective: ``count`` zeroed uint64 flags at the same slots on every rank."""
         self._check_usable()
-        error = (None if isinstance(count, (int, np.integer)) and count > 0
-                 else f"signal count must be a positive int, got {count!r}")
-        self.group.raise_if_any(error, f"signal allocation {name!r}")
+        full = False
+        if not (isinstance(count, (int, np.integer)) and count > 0):
+            error = f"signal count must be a positive int, got {count!r}"
+        elif name in self.allocations:
+            error = f"signal block {name!r} is already allocated in this heap"
+        elif full := self._next_signal + count > SIGNAL_SLOTS:  # the same on every rank, as the allocations
+            error = f"signal pad full: {name!r} needs {count} flags, {SIGNAL_SLOTS - self._next_signal} left"
+        else:
+            error = None
+        self._refuse_if_any(error, f"signal allocation {name!r}", full)
         self.group.agree((name, int(count)), "signal allocation request (name, count)")
-        if name in self.allocations:
-            raise ValueError(f"signal block {name!r} is already allocated in this heap")
-        if self._next_signal + count > SIGNAL_SLOTS:
-            raise HeapError(f"rank {self.rank}: signal pad full: {name!r} needs {count} flags, "
-                            f"{SIGNAL_SLOTS - self._next_signal} left")
         block = SignalBlock(self, name, self._next_signal, int(count))
         self._next_signal += int(count)
         self.allocations[name] = block
         return block
 
+    def _refuse_if_any(self, error, what: str, full: bool) -> None:
+        """An allocation's collective check; HeapFullError where the heap has no room (every rank alike)."""
+        try:
+            self.group.raise_if_any(error, what)
+        except GroupMismatchError:
+            raise
+        except CollectiveError as refused:
+            if full:
+                raise HeapFullError(str(refused)) from None
+            raise
+
     def allocate(self, requirements: HeapRequirements) -> dict:
-        """Collective: every tensor and signal block of ``requirements``, by name, so a
-        component allocates exactly what it declared."""
-        allocated: dict = {name: self.alloc(name, shape, dtype) for name, shape, dtype in requirements.tensors}
-        allocated.update({name: self.alloc_signals(name, count) for name, count in requirements.signals})
+        """Collective: every tensor and signal block of ``requirements``, keyed by its declared
+        name, so a component allocates exactly what it declared. Where a name is taken (a
+        second Dispatcher, Balancer or layer on one heap) the whole set goes in under the next
+        free instance suffix (``name#1``, ...): the same on every rank, whose allocations match."""
+        names = [name for name, _, _ in requirements.tensors] + [name for name, _ in requirements.signals]
+        instance = 0
+        while any(_instance_name(name, instance) in self.allocations for name in names):
+            instance += 1
+        allocated: dict = {name: self.alloc(_instance_name(name, instance), shape, dtype)
+                           for name, shape, dtype in requirements.tensors}
+        allocated.update({name: self.alloc_signals(_instance_name(name, instance), count)
+                          for name, count in requirements.signals})
         return allocated
 
     # -- synchronisation ----------------------------------------------------------------
@@ -400,6 +435,11 @@ class SymmetricHeap:
         """Drop this rank's access without any collective, leaving the memory allocated."""
         raise NotImplementedError
 
+    def _close_step(self, step: str = "") -> str:
+        """A close barrier's call name: it names this heap, so ranks closing different heaps
+        raise GroupMismatchError instead of passing the barrier into a collective free that hangs."""
+        return f"symmetric heap #{self.serial} close{step}"
+
     def close(self, timeout_s: float | None = None) -> None:
         """Collective: unmap peers, wait (at most ``timeout_s``, by default the group's) for
         every rank, then free the local allocation."""
@@ -422,6 +462,13 @@ class SymmetricHeap:
             self.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
         except HeapError as close_error:
             print(f"ultraep: {close_error}", file=sys.stderr, flush=True)
+
+    def __del__(self):
+        if getattr(self, "_closed", True) or not getattr(self, "_mapped", False):
+            return
+        warnings.warn(f"rank {self.rank}: symmetric heap #{self.serial} was never closed (nor the object that "
+                      f"opened it): its memory stays mapped until the process exits; close it (collective) or "
+                      f"use it as a context manager", ResourceWarning, stacklevel=2, source=self)
 
     def __enter__(self):
         return self

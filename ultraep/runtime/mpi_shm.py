@@ -8,6 +8,7 @@ polls its own pad) with ``Win.Sync`` as the memory fence, and the same timeout r
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 
@@ -16,6 +17,24 @@ import numpy as np
 from ultraep.runtime.group import EPGroup
 from ultraep.errors import BarrierTimeout, GroupMismatchError, HeapError, RankFailedError, WaitTimeout
 from ultraep.runtime.heap import SymmetricHeap, _abandoned, flag_epoch, refusal_cause
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_space_error(nbytes: int) -> str | None:
+    """Why ``nbytes`` of MPI shared memory cannot be had, or None: the segments live in
+    /dev/shm, and touching a page past a full tmpfs kills the process with SIGBUS instead
+    of failing the allocation."""
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError:  # no /dev/shm: the MPI keeps its segments elsewhere
+        return None
+    free = stat.f_bavail * stat.f_frsize
+    if free >= nbytes:
+        return None
+    return (f"the CPU heap needs {nbytes / 2**20:.0f} MiB of shared memory on this node (every rank's segment), "
+            f"but {SHM_DIR} has {free / 2**20:.0f} MiB free: enlarge it (docker: --shm-size) or ask for a smaller heap")
 
 
 class HostHeap(SymmetricHeap):
@@ -33,6 +52,8 @@ class HostHeap(SymmetricHeap):
         if self._shm_comm.Get_size() != group.size:
             local_error = (f"CPU heap needs every rank on one node; only {self._shm_comm.Get_size()} of "
                            f"{group.size} share memory with rank {group.rank}")
+        else:
+            local_error = shm_space_error(group.size * self.total_bytes)
         try:
             group.raise_if_any(local_error, "CPU symmetric heap")
         except ValueError:
@@ -47,6 +68,7 @@ class HostHeap(SymmetricHeap):
         self._segments[self.rank][:] = 0
         self._win.Sync()
         self._shm_comm.Barrier()
+        self._mapped = True
 
     def view(self, rank: int, offset: int, shape: tuple, dtype: np.dtype):
         self._check_open("view")
@@ -87,7 +109,7 @@ class HostHeap(SymmetricHeap):
         segments, self._segments = [weakref.ref(s) for s in self._segments], []
         self._win.Unlock_all()
         try:
-            self.group.barrier(timeout_s, what="symmetric heap close")  # no peer still touches its segment
+            self.group.barrier(timeout_s, what=self._close_step())  # no peer still touches its segment
         except (WaitTimeout, RankFailedError, GroupMismatchError) as exc:
             _abandoned.append((self._win, self._shm_comm))  # Win.Free is collective: it would hang
             raise HeapError(f"heap close: {exc}; shared segment left allocated") from None

@@ -208,8 +208,7 @@ class Dispatcher(HeapBacked):
                 from ultraep.token.host import HostDispatcher
                 self._impl = HostDispatcher(group, self.config, buffers)
         except BaseException as exc:
-            if self._owns_heap:  # a lone failure is published to the peers, not waited out
-                heap.close_failing(exc)
+            self._give_up(exc)  # a lone failure is published to the peers, not waited out
             raise
 
     @staticmethod
@@ -280,15 +279,22 @@ class Dispatcher(HeapBacked):
     # -- the token path -------------------------------------------------------------------
     # ``out`` (optional, every call): a preallocated, writable result buffer of the
     # documented shape; only its valid rows are written.
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"rank {self.rank}: the Dispatcher is closed")
+    def _check_open(self, collective: str | None = None) -> None:
+        """ClosedError once closed; in a ``collective`` call with ``sync_checks`` after entering
+        one collective, so that peers in the call's input check raise GroupMismatchError at
+        once (a Dispatcher on a caller's heap closes without any collective of its own)."""
+        if not self._closed:
+            return
+        error = ClosedError(f"rank {self.rank}: the Dispatcher is closed")
+        if collective is not None and self.sync_checks:
+            self.group.refuse_closed(error, f"Dispatcher.{collective} on a closed Dispatcher")
+        raise error
 
     def dispatch(self, x: Any, expert_ids: Any, weights: Any, *, out: Any = None) -> DispatchResult:
         """Send every (token, slot) to its expert; see the module docstring. Set up with
         ``expert_input=True``, ``out`` must be None or :meth:`expert_input` and the result's
         ``x`` is that heap buffer."""
-        self._check_open()
+        self._check_open("dispatch")
         return self._impl.dispatch(x, expert_ids, weights, out)
 
     def expert_output(self) -> Any:
@@ -315,12 +321,12 @@ class Dispatcher(HeapBacked):
         """Per source token ``[T, H]``: gate-weighted sum of its expert outputs ``y[max_recv_rows, H]``,
         slot order, fp32 accumulation, cast to the set-up dtype. With ``y`` the
         :meth:`expert_output` buffer (on every rank), the rows are read where they lie."""
-        self._check_open()
+        self._check_open("combine")
         return self._impl.combine(y, handle, True, out)
 
     def dispatch_backward(self, grad_recv: Any, handle: DispatchHandle, *, out: Any = None) -> Any:
         """Gradient of dispatch w.r.t. ``x``: per token, the unweighted slot-order sum of its rows' gradients."""
-        self._check_open()
+        self._check_open("dispatch_backward")
         return self._impl.combine(grad_recv, handle, False, out)
 
     def combine_backward(self, grad_out: Any, y: Any, handle: DispatchHandle, *, out: Any = None) -> Any:
@@ -329,7 +335,7 @@ class Dispatcher(HeapBacked):
         ``grad_y[row] = gate * grad_out[token]`` (fp32 product, cast); ``grad_weights[t, k]``
         is the fp32 dot product of ``grad_out[t]`` and slot k's expert output in a fixed
         order (:func:`ultraep.token.reference.lane_dot`)."""
-        self._check_open()
+        self._check_open("combine_backward")
         return self._impl.combine_backward(grad_out, y, handle, out)
 
     def traffic(self, handle: DispatchHandle) -> Traffic:

@@ -323,6 +323,9 @@ class WeightTransfer:
         (:mod:`ultraep.transfer.agreement`): ``plan`` where the ranks agree, else one whose
         transfer writes nothing; for a weight sync, the agreement to run with its launch (in it,
         or just before it where ranks share a GPU)."""
+        if self._closed and self._agreement is None:  # the host's peers learn it in this call's own check
+            self.group.refuse_closed(ClosedError(f"rank {self.rank}: the WeightTransfer is closed"),
+                                     f"{what}({layer})", call=what)
         self._check_open()
         self.heap._check_open(f"WeightTransfer.{what}")  # its replica slots and peer table are gone
         error, entry, fingerprint = None, None, None

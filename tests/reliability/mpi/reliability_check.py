@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from ultraep import (Balancer, ClosedError, Dispatcher, EPGroup, ExpertLayout, ExpertSpec, UltraEPError,
-                     WeightTransfer, open_heap, plan_placement)
+from ultraep import (Balancer, ClosedError, CollectiveError, Dispatcher, EPGroup, ExpertLayout, ExpertSpec,
+                     GroupMismatchError, UltraEPError, WeightTransfer, open_heap, plan_placement)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
 from tests.support.mpi_checks import expect  # noqa: E402
@@ -197,5 +197,67 @@ def lone_bad_id() -> None:
     print(f"[lone_bad_id] rank {me} OK", flush=True)
 
 
+def closed_on_one_rank() -> None:
+    """An object closed on one rank that the others still call: every rank raises at once,
+    naming the close, instead of the others waiting out their timeout."""
+    tokens = dict(hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend)
+    x = xp.ones((4, 16), np.float32)
+    ids = xp.asarray(np.arange(8).reshape(4, 2) % (2 * R))
+    gates = xp.full((4, 2), 0.5, np.float32)
+    with open_heap(group, Dispatcher.heap_requirements(R, **{k: v for k, v in tokens.items() if k != "backend"}),
+                   backend=backend) as heap:
+        disp = Dispatcher(group, heap=heap, **tokens)  # a caller's heap: its close runs no collective
+        if me == odd:
+            disp.close()
+        expect(lambda: disp.dispatch(x, ids, gates), GroupMismatchError, "on a closed Dispatcher")
+        disp.close()
+    if backend == "host":  # on the device the peers' agreement kernel reports the missing rank by a timeout
+        with open_heap(group, WeightTransfer.heap_requirements(LAYOUT, SPEC), backend=backend) as heap:
+            engine = WeightTransfer(heap, LAYOUT, SPEC)
+            engine.register_layer(0, masters(), [[xp.zeros((4, 8), np.float32)] for _ in range(M)])
+            if me == odd:
+                engine.close()
+            expect(lambda: engine.weight_sync(0, hot_plan(0)), ClosedError if me == odd else CollectiveError,
+                   f"rank {odd}: the WeightTransfer is closed")
+            engine.close()
+    print(f"[closed_on_one_rank] rank {me} OK", flush=True)
+
+
+def lone_constructor_failure() -> None:
+    """A constructor failing on one rank only, on a caller's heap and on its own: the peers'
+    next wait raises RankFailedError carrying the cause at once."""
+    from ultraep import MoELayer, RankFailedError
+    from ultraep.integration.moe_layer import MoELayer as Layer
+
+    target = sys.argv[3]
+    if me == odd:
+        def injected(*args, **kwargs):
+            raise RuntimeError(f"injected failure on rank {me}")
+        if target == "moe_layer":
+            Layer._allocate = injected
+        elif backend == "device":
+            from ultraep.token.device import DeviceDispatcher
+            DeviceDispatcher.__init__ = injected
+        else:
+            from ultraep.token.host import HostDispatcher
+            HostDispatcher.__init__ = injected
+    tokens = dict(hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend)
+    try:
+        if target == "moe_layer":  # its own heap
+            MoELayer(group, hidden=64, ffn=32, num_experts=2 * R, top_k=2, max_tokens=8, backend=backend)
+        else:  # a caller's heap
+            heap = open_heap(group, Dispatcher.heap_requirements(R, **{k: v for k, v in tokens.items()
+                                                                      if k != "backend"}), backend=backend)
+            Dispatcher(group, heap=heap, **tokens)
+        group.barrier(timeout_s=60)  # the peers' next collective
+    except RuntimeError as exc:
+        assert f"injected failure on rank {odd}" in str(exc), str(exc)
+        assert me == odd or isinstance(exc, RankFailedError), repr(exc)
+    else:
+        raise AssertionError(f"rank {me}: a peer's constructor failure went unnoticed")
+    print(f"[lone_constructor_failure] rank {me} OK", flush=True)
+
+
 {"use_after_close": use_after_close, "disagreement": disagreement, "stale_grads": stale_grads,
- "lone_bad_id": lone_bad_id}[case]()
+ "lone_bad_id": lone_bad_id, "closed_on_one_rank": closed_on_one_rank,
+ "lone_constructor_failure": lone_constructor_failure}[case]()

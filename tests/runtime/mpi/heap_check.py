@@ -1,18 +1,21 @@
 """Multi-rank heap check, run under mpiexec by tests/runtime/test_heap*.py.
 
-Usage: python -m mpi4py heap_check.py {cpu|cuda} {exchange|timeout|bad-input}
+Usage: python -m mpi4py heap_check.py {cpu|cuda} {exchange|timeout|bad-input|lifecycle}
 Prints "[<check>] rank N OK" on every rank that passed; raises (MPI_Abort) otherwise.
 """
 
+import gc
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 from ultraep.runtime.group import EPGroup, GroupMismatchError
-from ultraep.errors import BarrierTimeout, HeapError
+from ultraep.errors import BarrierTimeout, ClosedError, CollectiveError, HeapError, HeapFullError
 from ultraep.runtime import open_heap
+from ultraep.runtime.heap import HeapRequirements
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
 from tests.support.mpi_checks import expect  # noqa: E402
@@ -126,4 +129,37 @@ def bad_input() -> None:
     print(f"[bad-input] rank {me} OK", flush=True)
 
 
-{"exchange": exchange, "timeout": timeout, "bad-input": bad_input}[check]()
+def lifecycle() -> None:
+    # Two heaps closed in crossed order: a refusal naming both on every rank, not a free that hangs.
+    first, second = (open_heap(group, 1 << 20, backend=backend) for _ in range(2))
+    for heap in ((first, second) if me % 2 == 0 else (second, first)):
+        expect(heap.close, HeapError, f"#{first.serial} close'", f"#{second.serial} close'")
+    # No room: refused on every rank alike, so a constructor that meets it tears down together.
+    with open_heap(group, 1 << 16, backend=backend) as heap:
+        expect(lambda: heap.alloc("big", (1 << 20,), np.float32), HeapFullError, "out of space")
+        expect(lambda: heap.alloc("big", (1 << 20,), np.float32), CollectiveError, "out of space")
+        # Two components of one kind in one heap: the second set under the next instance suffix.
+        needs = HeapRequirements.of([("part.x", (8,), np.float32)], [("part.flags", 2)])
+        one, two = heap.allocate(needs), heap.allocate(needs)
+        assert set(one) == set(two) == {"part.x", "part.flags"}
+        assert two["part.x"].name == "part.x#1" and two["part.x"].offset > one["part.x"].offset
+        assert two["part.flags"].first_slot == one["part.flags"].first_slot + 2
+        expect(lambda: heap.alloc_signals("flags", 1 << 20), HeapFullError, "signal pad full")
+    # A heap dropped without close says so; one closed does not.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dropped = open_heap(group, 1 << 16, backend=backend)
+        serial = dropped.serial
+        del dropped
+        gc.collect()
+    assert any(issubclass(w.category, ResourceWarning) and f"heap #{serial} was never closed" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    # A sub-group frees what it holds at close; later collectives refuse.
+    with group.split(0) as sub:
+        sub.barrier()
+    expect(sub.barrier, ClosedError, "the EP group is closed")
+    group.barrier()
+    print(f"[lifecycle] rank {me} OK", flush=True)
+
+
+{"exchange": exchange, "timeout": timeout, "bad-input": bad_input, "lifecycle": lifecycle}[check]()
