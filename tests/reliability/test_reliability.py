@@ -27,9 +27,11 @@ def test_multi_rank(backend, case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_an_object_closed_on_one_rank_is_refused_on_every_rank_at_once(backend):
-    out = run_ranks(3, "reliability/mpi/reliability_check.py", backend, "closed_on_one_rank", timeout=120)
-    assert_all_ranks_ok(out, 3, "closed_on_one_rank")
+@pytest.mark.parametrize("case", ["closed_on_one_rank", "crossed_objects"])
+def test_a_rank_on_another_object_is_refused_on_every_rank_at_once(backend, case):
+    """An object closed on one rank, or another object's call on one rank."""
+    out = run_ranks(3, "reliability/mpi/reliability_check.py", backend, case, timeout=120)
+    assert_all_ranks_ok(out, 3, case)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -471,6 +471,7 @@ class SymmetricHeap:
                       f"use it as a context manager", ResourceWarning, stacklevel=2, source=self)
 
     def __enter__(self):
+        self._check_open("with-block")
         return self
 
     def __exit__(self, exc_type, exc, tb):

@@ -44,6 +44,7 @@ class TokenConfig:
     timeout_s: float
     sync_checks: bool
     dispatcher_id: int    # handles carry it, so a handle from another dispatcher is refused
+    serial: int = 0       # the group's count of Dispatchers before it: named in its checks (EPGroup.next_serial)
     expert_output: bool = False  # the heap holds expert_out: combine reads rows where they lie
     expert_input: bool = False   # the heap holds expert_in: dispatch writes each pair into its row there
     grid: int | None = None      # blocks of the device's persistent copy kernels (None: its default)
@@ -213,6 +214,7 @@ def raise_if_any(group: EPGroup, config: TokenConfig, error: Exception | None, w
     collective checks every rank passed the same dispatch's: a GroupMismatchError names
     each rank's otherwise (one rank with another micro-batch's handle would move its rows
     to rows its peers do not expect)."""
+    what = f"{what} of Dispatcher #{config.serial}"  # ranks calling different Dispatchers mismatch at once
     if not config.sync_checks:
         if error is not None:
             raise error

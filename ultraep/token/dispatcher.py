@@ -186,7 +186,7 @@ class Dispatcher(HeapBacked):
         Dispatcher._next_id += 1
         self.config = TokenConfig(**settings, rank=group.rank, size=group.size, timeout_s=float(timeout_s),
                                   sync_checks=sync_checks, dispatcher_id=self.id, expert_output=expert_output,
-                                  expert_input=expert_input, grid=grid)
+                                  expert_input=expert_input, grid=grid, serial=group.next_serial("Dispatcher"))
         c = self.config
         self.rank, self.size, self.hidden, self.dtype, self.top_k = c.rank, c.size, c.hidden, c.dtype, c.top_k
         self.num_experts, self.experts_per_rank, self.max_tokens = c.num_experts, c.experts_per_rank, c.max_tokens

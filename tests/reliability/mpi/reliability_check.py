@@ -223,6 +223,24 @@ def closed_on_one_rank() -> None:
     print(f"[closed_on_one_rank] rank {me} OK", flush=True)
 
 
+def crossed_objects() -> None:
+    """One rank calls another Dispatcher than its peers: GroupMismatchError naming both at
+    once (the same call name on two objects passed the check, then timed out in a barrier)."""
+    tokens = dict(hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend)
+    x = xp.ones((4, 16), np.float32)
+    ids = xp.asarray(np.arange(8).reshape(4, 2) % (2 * R))
+    gates = xp.full((4, 2), 0.5, np.float32)
+    with Dispatcher(group, **tokens) as first, Dispatcher(group, **tokens) as second:
+        serials = first.config.serial, second.config.serial
+        mine = second if me == odd else first
+        expect(lambda: mine.dispatch(x, ids, gates), GroupMismatchError, *(f"of Dispatcher #{n}'" for n in serials))
+        for disp in (first, second):  # both still usable, in step
+            recv = disp.dispatch(x, ids, gates)
+            disp.combine(recv.x, recv.handle)
+        second.close()  # in the same order on every rank
+    print(f"[crossed_objects] rank {me} OK", flush=True)
+
+
 def lone_constructor_failure() -> None:
     """A constructor failing on one rank only, on a caller's heap and on its own: the peers'
     next wait raises RankFailedError carrying the cause at once."""
@@ -259,5 +277,5 @@ def lone_constructor_failure() -> None:
 
 
 {"use_after_close": use_after_close, "disagreement": disagreement, "stale_grads": stale_grads,
- "lone_bad_id": lone_bad_id, "closed_on_one_rank": closed_on_one_rank,
+ "lone_bad_id": lone_bad_id, "closed_on_one_rank": closed_on_one_rank, "crossed_objects": crossed_objects,
  "lone_constructor_failure": lone_constructor_failure}[case]()

@@ -145,6 +145,7 @@ def lifecycle() -> None:
         assert two["part.x"].name == "part.x#1" and two["part.x"].offset > one["part.x"].offset
         assert two["part.flags"].first_slot == one["part.flags"].first_slot + 2
         expect(lambda: heap.alloc_signals("flags", 1 << 20), HeapFullError, "signal pad full")
+    expect(lambda: heap.__enter__(), ClosedError, "with-block", "closed")
     # A heap dropped without close says so; one closed does not.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
