@@ -11,11 +11,26 @@ from __future__ import annotations
 
 
 class UltraEPError(Exception):
-    """Base of every error ultraep raises on purpose."""
+    """Base of every error ultraep raises on purpose.
+
+    ``on_every_rank``: raised alike on every rank of the group (a collective check's verdict,
+    whatever its class), so a ``with`` block left on it tears down collectively instead of
+    publishing a lone failure to the peers."""
+
+    on_every_rank = False
 
 
 class CollectiveError(UltraEPError, ValueError):
     """A check failed on at least one rank; every rank raises this with each rank's reason."""
+
+    on_every_rank = True
+
+
+def everywhere(error: UltraEPError) -> UltraEPError:
+    """``error``, of another class, carrying a collective check's verdict: marked as raised on
+    every rank (:attr:`UltraEPError.on_every_rank`)."""
+    error.on_every_rank = True
+    return error
 
 
 class GroupMismatchError(CollectiveError):
@@ -94,4 +109,4 @@ class FusedDeadlock(UltraEPError, RuntimeError):
 __all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "FusedDeadlock",
            "GroupMismatchError", "GroupedGemmError", "HeapError", "HeapFullError", "LaunchError", "MoELayerError",
            "MPSUnavailable", "ProfileError", "RankFailedError", "StaleHandleError", "TransferTimeout", "UltraEPError",
-           "WaitTimeout"]
+           "WaitTimeout", "everywhere"]

@@ -122,7 +122,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ultraep.errors import BalancerError, ClosedError, CollectiveError, GroupMismatchError, StaleHandleError
+from ultraep.errors import (BalancerError, ClosedError, CollectiveError, GroupMismatchError, StaleHandleError,
+                            everywhere)
 from ultraep.integration.host import HostBalancer
 from ultraep.integration.stats import BalancerStats, plan_record
 from ultraep.integration.traces import TraceRecorder
@@ -370,7 +371,7 @@ class Balancer(HeapBacked):
                 raise
             except ValueError as collective:  # keep the local kind (e.g. StaleHandleError) where there is one
                 kind = type(error) if isinstance(error, (BalancerError, ClosedError)) else BalancerError
-                raise kind(str(collective)) from error
+                raise everywhere(kind(str(collective))) from error
         elif error is not None:
             raise error
 
@@ -420,7 +421,7 @@ class Balancer(HeapBacked):
             self.group.raise_if_any(error, "register_layer")
         except CollectiveError as collective:  # closed: the kind every other call raises then
             if isinstance(error, ClosedError):
-                raise ClosedError(str(collective)) from error
+                raise everywhere(ClosedError(str(collective))) from error
             raise
         self.transfer.register_layer(layer, weights, grads)
 

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ultraep.errors import BalancerError, ClosedError, CollectiveError, MoELayerError
+from ultraep.errors import BalancerError, ClosedError, CollectiveError, MoELayerError, everywhere
 from ultraep.integration.balancer import BalanceHandle, Balancer, sync_beside_pays
 from ultraep.integration.stats import DevicePhaseRecorder, HostPhaseRecorder
 from ultraep.runtime.dlpack import caller_stream, external_stream, import_tensor
@@ -225,7 +225,7 @@ def _raise_everywhere(group: EPGroup, error: BaseException | None, what: str, **
     try:
         group.raise_if_any(error, what, **agree)
     except CollectiveError as collective:
-        raise MoELayerError(str(collective)) from error
+        raise everywhere(MoELayerError(str(collective))) from error
 
 
 def _open_fused_heap(group: EPGroup, common: dict, slots: dict, layer: int):
@@ -263,7 +263,7 @@ def _fused_schedule(layer: "MoELayer", fused_config) -> FusedSchedule:
     try:  # one schedule on every rank: the kernel variants are loaded collectively
         layer.group.raise_if_any(error, "MoELayer fused_config", agree=repr(fused_config))
     except CollectiveError as collective:
-        raise MoELayerError(str(collective)) from error
+        raise everywhere(MoELayerError(str(collective))) from error
     if schedule is None:
         schedule = agreed_fused_schedule(layer.group, layer.backend, max_tokens=d.max_tokens, hidden=layer.hidden,
                                          ffn=layer.ffn, top_k=layer.top_k, experts=d.experts_per_rank * d.size)

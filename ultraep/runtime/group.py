@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ultraep.errors import ClosedError, CollectiveError, GroupMismatchError, RankFailedError, WaitTimeout
+from ultraep.errors import ClosedError, CollectiveError, GroupMismatchError, RankFailedError, WaitTimeout, everywhere
 from ultraep.runtime.dtypes import is_int
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -179,7 +179,7 @@ class EPGroup:
         carrying it) and the group refuses further collectives."""
         if self._broken is not None:
             return True
-        if isinstance(error, CollectiveError):
+        if getattr(error, "on_every_rank", False):  # a collective verdict, whatever its class
             return False
         text = str(error).removeprefix(f"rank {self.rank}: ")
         message = f"rank {self.rank} failed: {type(error).__name__}: {text}"
@@ -364,7 +364,7 @@ class EPGroup:
         if usable and self._owns_comm:
             self.comm.Free()
 
-    def __enter__(self):
+    def __enter__(self) -> EPGroup:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -408,7 +408,7 @@ class EPGroup:
         except GroupMismatchError:
             raise
         except CollectiveError as every_rank:
-            raise ClosedError(str(every_rank)) from None
+            raise everywhere(ClosedError(str(every_rank))) from None
         raise error  # not reached: raise_if_any raised with this rank's error
 
     def __repr__(self) -> str:

@@ -27,7 +27,7 @@ import math
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, TypeVar
 
 import numpy as np
 
@@ -105,6 +105,9 @@ def _instance_name(name: str, instance: int) -> str:
     return name if instance == 0 else f"{name}#{instance}"
 
 
+_Backed = TypeVar("_Backed", bound="HeapBacked")
+
+
 class HeapBacked:
     """The close and ``with`` of a collective object whose buffers live in a symmetric heap:
     one it opened (``_owns_heap``: closed with it) or the caller's (left open, its
@@ -130,7 +133,7 @@ class HeapBacked:
         if self._owns_heap:
             self.heap.close()
 
-    def __enter__(self):
+    def __enter__(self: _Backed) -> _Backed:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
