@@ -429,8 +429,10 @@ class SymmetricHeap:
         a view of the heap (``live`` here), in which case every rank keeps the memory."""
         holders = [r for r, held in enumerate(self.group.allgather(bool(live))) if held]
         if holders:
-            warnings.warn(f"rank {self.rank}: symmetric heap closed while rank(s) {holders} still hold views of it; "
-                          "its memory stays allocated until the process exits so those views remain readable",
+            owners = ", ".join(sorted({f"{name.split('.')[0]}.*" for name in self.allocations})) or "nothing allocated"
+            warnings.warn(f"rank {self.rank}: symmetric heap #{self.serial} ({owners}) closed while rank(s) {holders} "
+                          "still hold views of it (a replica weight, a received batch, a tensor's .local); its memory "
+                          "stays allocated until the process exits so those views remain readable",
                           ResourceWarning, stacklevel=2)
         return bool(holders)
 

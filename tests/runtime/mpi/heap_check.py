@@ -155,6 +155,14 @@ def lifecycle() -> None:
         gc.collect()
     assert any(issubclass(w.category, ResourceWarning) and f"heap #{serial} was never closed" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
+    # Closed while a rank holds a view: kept, and the warning says which heap and whose tensors.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with open_heap(group, 1 << 16, backend="host") as heap:
+            kept = heap.alloc("part.rows", (4,), np.float32).local
+    assert any(f"heap #{heap.serial} (part.*) closed while rank(s) {list(range(R))}" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    del kept
     # A sub-group frees what it holds at close; later collectives refuse.
     with group.split(0) as sub:
         sub.barrier()
