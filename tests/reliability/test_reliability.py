@@ -35,7 +35,7 @@ def test_a_rank_on_another_object_is_refused_on_every_rank_at_once(backend, case
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("target", ["dispatcher", "moe_layer"])
+@pytest.mark.parametrize("target", ["dispatcher", "moe_layer", "moe_allocation"])
 def test_a_constructor_failing_on_one_rank_reaches_the_peers_with_its_cause(backend, target):
     out = run_ranks(2, "reliability/mpi/reliability_check.py", backend, "lone_constructor_failure", target,
                     timeout=120)

@@ -326,6 +326,7 @@ class Balancer(HeapBacked):
                     "min_replica_tokens, max_in_flight, sync_checks, own heap)")
         self.group, self.layout, self.spec = group, layout, spec
         self.rank = group.rank
+        self.serial = group.next_serial("Balancer")  # in its checks' names: ranks on two Balancers mismatch
         self.num_layers, self.max_in_flight = int(num_layers), int(max_in_flight)
         self.sync_checks, self.timeout_s = bool(sync_checks), float(timeout_s)
         self._owns_heap = heap is None
@@ -366,7 +367,8 @@ class Balancer(HeapBacked):
         error check and the agreement on ``agreed`` share one host allgather."""
         if self.sync_checks:
             try:
-                self.group.raise_if_any(error, what, **({} if agreed is _NO_AGREEMENT else {"agree": agreed}))
+                self.group.raise_if_any(error, what, call=f"{what} of Balancer #{self.serial}",
+                                        **({} if agreed is _NO_AGREEMENT else {"agree": agreed}))
             except GroupMismatchError:
                 raise
             except ValueError as collective:  # keep the local kind (e.g. StaleHandleError) where there is one

@@ -449,7 +449,12 @@ class MoELayer:
         try:
             if fused:
                 self._fused = _fused_forward(self, self.dispatcher.heap, timeout_s, fused_config)
-            self._allocate()
+            allocation_error = None
+            try:
+                self._allocate()
+            except Exception as exc:  # e.g. MemoryError, on every rank alike or not: every rank is told
+                allocation_error = exc
+            _raise_everywhere(group, allocation_error, "MoELayer weights and buffers")
             if self._balancing:
                 M = self.experts_per_rank
                 balancer.register_layer(self.layer, [[self._w_up[m], self._w_down[m]] for m in range(M)],

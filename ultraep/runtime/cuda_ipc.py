@@ -16,8 +16,8 @@ import numpy as np
 
 from ultraep.runtime.dtypes import cupy_dtype
 from ultraep.runtime.group import EPGroup, check_distinct_processes
-from ultraep.errors import BarrierTimeout, GroupMismatchError, HeapError, RankFailedError, WaitTimeout
-from ultraep.runtime.heap import SymmetricHeap, _abandoned, flag_constant
+from ultraep.errors import BarrierTimeout, GroupMismatchError, RankFailedError, WaitTimeout
+from ultraep.runtime.heap import SymmetricHeap, _abandoned, close_refused, flag_constant
 from ultraep.runtime.kernels import get_function
 
 _STATUS_FIELDS = 4  # failed flag, waited rank, expected epoch, value seen
@@ -142,7 +142,7 @@ class DeviceHeap(SymmetricHeap):
             except (WaitTimeout, RankFailedError, GroupMismatchError) as exc:  # peers elsewhere may still map it
                 self._close_peers()
                 _abandoned.append(self._memory)  # a peer may still map it: never free
-                raise HeapError(f"heap close: {exc}; device allocation left in place") from None
+                raise close_refused(exc, "device allocation left in place") from None
             if self._keep_for_views(any(o() is not None for o in owners)):
                 _abandoned.append((self._memory, self._opened))  # views of it, here or on a peer, stay mapped
                 self._opened = []

@@ -88,6 +88,14 @@ def gpu_count() -> int:
 
 
 _NOTHING = object()  # raise_if_any without a value to agree on
+# next_serial's counts per communicator: collectives pair up per communicator, so two EPGroups
+# over one communicator must not hand out the same serial.
+_SERIALS: dict = {}
+
+
+def _comm_key(comm: Any) -> tuple:
+    py2f = getattr(comm, "py2f", None)  # mpi4py: the same handle for every wrapper of one communicator
+    return ("mpi", py2f()) if callable(py2f) else ("object", id(comm))
 
 
 class EPGroup:
@@ -121,7 +129,7 @@ class EPGroup:
         self._broken = None       # why the group refuses collectives
         self._pending: list = []  # abandoned requests and their buffers, kept alive
         self._status = None       # every rank's status slot (one node, MPI only)
-        self._serials: Counter = Counter()  # next_serial's counts
+        self._serials = _SERIALS.setdefault(_comm_key(comm), Counter())  # next_serial's counts
         bad_argument = timeout_error(timeout_s)  # or a device this rank cannot use (below)
         self.timeout_s = DEFAULT_TIMEOUT_S if bad_argument else float(timeout_s)
         count = gpu_count() if use_gpu else 0

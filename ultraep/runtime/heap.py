@@ -32,7 +32,7 @@ from typing import Iterable, TypeVar
 import numpy as np
 
 from ultraep.errors import (BarrierTimeout, ClosedError, CollectiveError, GroupMismatchError, HeapError, HeapFullError,
-                            RankFailedError)
+                            RankFailedError, everywhere)
 from ultraep.runtime.dtypes import is_int, resolve_dtype
 from ultraep.runtime.group import EPGroup, timeout_error  # noqa: F401 (timeout_error: callers import it here)
 from ultraep.runtime.kernels import kernel_constants
@@ -99,6 +99,13 @@ def _requirement_count(name: str, count) -> int:
     if not (is_int(count) and count >= 0):
         raise ValueError(f"heap requirement {name!r}: the signal count must be an int >= 0, got {count!r}")
     return int(count)
+
+
+def close_refused(cause: Exception, left: str) -> HeapError:
+    """The HeapError of a close whose barrier failed (``left``: what stays allocated); marked
+    as every rank's where the cause was: ranks that entered different calls all raise it."""
+    error = HeapError(f"heap close: {cause}; {left}")
+    return everywhere(error) if getattr(cause, "on_every_rank", False) else error
 
 
 def _instance_name(name: str, instance: int) -> str:
@@ -295,7 +302,7 @@ class SymmetricHeap:
     # -- collective sub-allocation -----------------------------------------------------
     def alloc(self, name: str, shape, dtype) -> SymmetricTensor:
         """Collective: reserve ``shape``/``dtype`` at the same offset on every rank."""
-        self._check_usable()
+        self._check_allocatable(f"heap allocation {name!r}")
         error, request, full = None, None, False
         try:
             if not isinstance(name, str):
@@ -324,7 +331,7 @@ class SymmetricHeap:
 
     def alloc_signals(self, name: str, count: int) -> SignalBlock:
         """Collective: ``count`` zeroed uint64 flags at the same slots on every rank."""
-        self._check_usable()
+        self._check_allocatable(f"signal allocation {name!r}")
         full = False
         if not (isinstance(count, (int, np.integer)) and count > 0):
             error = f"signal count must be a positive int, got {count!r}"
@@ -418,6 +425,15 @@ class SymmetricHeap:
             raise ClosedError(f"rank {self.rank}: {what}: the {self.backend} symmetric heap is closed "
                               "(use its tensors inside the heap's with-block, or copy them out first)")
 
+    def _check_allocatable(self, what: str) -> None:
+        """An allocation (``what``, the name of its collective check) from a closed heap is
+        refused on every rank of the call (EPGroup.refuse_closed), so a constructor on a
+        caller's closed heap fails alike everywhere, not as one rank's failure."""
+        if self._closed:
+            self.group.refuse_closed(ClosedError(f"rank {self.rank}: {what}: the {self.backend} symmetric heap is "
+                                                 "closed"), what)
+        self._check_usable()
+
     def _check_usable(self) -> None:
         self._check_open("symmetric heap")
         if self._broken is not None:
@@ -465,7 +481,7 @@ class SymmetricHeap:
             return
         try:
             self.close(timeout_s=FAILING_CLOSE_TIMEOUT_S)
-        except HeapError as close_error:
+        except (HeapError, ClosedError) as close_error:  # the original exception goes on; this one is told
             print(f"ultraep: {close_error}", file=sys.stderr, flush=True)
 
     def __del__(self):

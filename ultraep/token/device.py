@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ultraep.errors import DispatchError
+from ultraep.errors import DispatchError, everywhere
 from ultraep.runtime.dlpack import caller_stream, import_tensor
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
@@ -322,11 +322,12 @@ class DeviceDispatcher:
             table = self.local["count_table"].get()
             records = table[:, d.num_experts + d.size:]
             failed = [bad_input_message(s, *map(int, rec), d.num_experts) for s, rec in enumerate(records) if rec[0]]
-            raise DispatchError(f"dispatch input check failed on {len(failed)} of {d.size} rank(s): "
-                                + "; ".join(failed))
+            raise everywhere(DispatchError(f"dispatch input check failed on {len(failed)} of {d.size} rank(s): "
+                                           + "; ".join(failed)))
         if code == OUTCOME_TOO_MANY_ROWS:
             table = self.local["count_table"].get()[:, :d.num_experts]
-            raise DispatchError(too_many_rows_message(table, d.experts_per_rank, who, rows, d.max_recv_rows))
+            raise everywhere(DispatchError(too_many_rows_message(table, d.experts_per_rank, who, rows,
+                                                                 d.max_recv_rows)))
 
     def close(self) -> None:
         """Let queued work finish and drop the views of the heap (so closing it frees it); the

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ultraep.errors import DispatchError
+from ultraep.errors import DispatchError, everywhere
 from ultraep.runtime.dlpack import import_tensor
 from ultraep.runtime.group import EPGroup
 from ultraep.token import reference as ref
@@ -107,8 +107,8 @@ class HostDispatcher:
         too_many = np.flatnonzero(rank_totals > d.max_recv_rows)
         if too_many.size:  # every rank sees the same table, so every rank raises here
             r = int(too_many[0])
-            raise DispatchError(too_many_rows_message(table, d.experts_per_rank, r, int(rank_totals[r]),
-                                                      d.max_recv_rows))
+            raise everywhere(DispatchError(too_many_rows_message(table, d.experts_per_rank, r, int(rank_totals[r]),
+                                                                 d.max_recv_rows)))
         first_slot = ref.first_slot_of_rank(ids, d.experts_per_rank)
         return {"ids": ids, "gates": gates, "tokens": tokens, "table": table, "totals": totals, "counts": counts,
                 "offsets": offsets, "send_pos": send_pos, "first_slot": first_slot,

@@ -195,6 +195,7 @@ class WeightTransfer:
                     "WeightTransfer set-up (layout, expert spec, tiling, relay options, timeout_s)")
         self.heap, self.group, self.layout, self.spec = heap, group, layout, spec
         self.rank = heap.rank
+        self.serial = group.next_serial("WeightTransfer")  # in its calls' names: ranks on two engines mismatch
         self.geometry = TileGeometry(spec, tile_bytes, chunk_tiles)
         self.relay_threshold, self.relay_count = relay_threshold, relay_count
         self.timeout_s = timeout_s
@@ -325,7 +326,7 @@ class WeightTransfer:
         or just before it where ranks share a GPU)."""
         if self._closed and self._agreement is None:  # the host's peers learn it in this call's own check
             self.group.refuse_closed(ClosedError(f"rank {self.rank}: the WeightTransfer is closed"),
-                                     f"{what}({layer})", call=what)
+                                     f"{what}({layer})", call=f"{what} of WeightTransfer #{self.serial}")
         self._check_open()
         self.heap._check_open(f"WeightTransfer.{what}")  # its replica slots and peer table are gone
         error, entry, fingerprint = None, None, None
@@ -347,8 +348,8 @@ class WeightTransfer:
             error = ValueError(str(exc)) if isinstance(exc, AttributeError) else exc
             if self._agreement is not None:
                 raise error from None
-        self.group.raise_if_any(error, f"{what}({layer})", call=what)
-        self.group.agree((layer, fingerprint), f"{what} {AGREED_WHAT}")
+        self.group.raise_if_any(error, f"{what}({layer})", call=f"{what} of WeightTransfer #{self.serial}")
+        self.group.agree((layer, fingerprint), f"{what} of WeightTransfer #{self.serial} {AGREED_WHAT}")
         return entry, plan
 
     # -- transfers -----------------------------------------------------------------------

@@ -206,13 +206,16 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
     return profile
 
 
+@contextlib.contextmanager
 def sharers_barrier(group: EPGroup, places: list):
     """Collective: a small symmetric heap of the ranks that share this rank's GPU (``places``:
-    every rank's (host, device)), whose device barrier releases their probe launches at once."""
+    every rank's (host, device)), whose device barrier releases their probe launches at once;
+    the heap and its sub-group are closed on the way out."""
     from ultraep.runtime import open_heap
 
     place = (group.hostname, group.device)
-    return open_heap(group.split(sorted(set(places)).index(place)), 1, backend="device")
+    with group.split(sorted(set(places)).index(place)) as sharers, open_heap(sharers, 1, backend="device") as heap:
+        yield heap
 
 
 def agreed_min_replica_tokens(group: EPGroup, spec: ExpertSpec, *, backend: str,

@@ -220,6 +220,12 @@ def closed_on_one_rank() -> None:
             expect(lambda: engine.weight_sync(0, hot_plan(0)), ClosedError if me == odd else CollectiveError,
                    f"rank {odd}: the WeightTransfer is closed")
             engine.close()
+    # A caller's heap closed on every rank: the constructor refuses alike everywhere, the group goes on.
+    requirements = Dispatcher.heap_requirements(R, **{k: v for k, v in tokens.items() if k != "backend"})
+    with open_heap(group, requirements, backend=backend) as heap:
+        pass
+    expect(lambda: Dispatcher(group, heap=heap, **tokens), ClosedError, "symmetric heap is closed")
+    group.barrier(timeout_s=60)
     print(f"[closed_on_one_rank] rank {me} OK", flush=True)
 
 
@@ -238,21 +244,35 @@ def crossed_objects() -> None:
             recv = disp.dispatch(x, ids, gates)
             disp.combine(recv.x, recv.handle)
         second.close()  # in the same order on every rank
+    if backend == "host":  # the device engines agree on the device, where the crossing reads as a timeout
+        needs = WeightTransfer.heap_requirements(LAYOUT, SPEC)
+        with open_heap(group, needs + needs, backend=backend) as heap:
+            engines = [WeightTransfer(heap, LAYOUT, SPEC) for _ in range(2)]
+            for engine in engines:
+                engine.register_layer(0, masters(), [[xp.zeros((4, 8), np.float32)] for _ in range(M)])
+            mine = engines[1] if me == odd else engines[0]
+            expect(lambda: mine.weight_sync(0, hot_plan(0)), GroupMismatchError,
+                   *(f"of WeightTransfer #{engine.serial}" for engine in engines))
+            for engine in engines:
+                engine.close()
     print(f"[crossed_objects] rank {me} OK", flush=True)
 
 
 def lone_constructor_failure() -> None:
     """A constructor failing on one rank only, on a caller's heap and on its own: the peers'
-    next wait raises RankFailedError carrying the cause at once."""
-    from ultraep import MoELayer, RankFailedError
-    from ultraep.integration.moe_layer import MoELayer as Layer
+    next wait raises RankFailedError carrying the cause at once. A MoELayer whose weights
+    cannot be allocated on one rank fails on every rank alike, the group still usable."""
+    from ultraep import MoELayer, MoELayerError, RankFailedError
+    from ultraep.integration import moe_layer
 
     target = sys.argv[3]
     if me == odd:
         def injected(*args, **kwargs):
             raise RuntimeError(f"injected failure on rank {me}")
         if target == "moe_layer":
-            Layer._allocate = injected
+            moe_layer._fused_forward = injected
+        elif target == "moe_allocation":
+            moe_layer.MoELayer._allocate = injected
         elif backend == "device":
             from ultraep.token.device import DeviceDispatcher
             DeviceDispatcher.__init__ = injected
@@ -261,16 +281,21 @@ def lone_constructor_failure() -> None:
             HostDispatcher.__init__ = injected
     tokens = dict(hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend)
     try:
-        if target == "moe_layer":  # its own heap
-            MoELayer(group, hidden=64, ffn=32, num_experts=2 * R, top_k=2, max_tokens=8, backend=backend)
+        if target.startswith("moe"):  # its own heap
+            MoELayer(group, hidden=64, ffn=32, num_experts=2 * R, top_k=2, max_tokens=8, backend=backend,
+                     fused=target == "moe_layer")
         else:  # a caller's heap
             heap = open_heap(group, Dispatcher.heap_requirements(R, **{k: v for k, v in tokens.items()
                                                                       if k != "backend"}), backend=backend)
             Dispatcher(group, heap=heap, **tokens)
         group.barrier(timeout_s=60)  # the peers' next collective
-    except RuntimeError as exc:
+    except (RuntimeError, MoELayerError) as exc:
         assert f"injected failure on rank {odd}" in str(exc), str(exc)
-        assert me == odd or isinstance(exc, RankFailedError), repr(exc)
+        if target == "moe_allocation":
+            assert isinstance(exc, MoELayerError), repr(exc)
+            group.barrier(timeout_s=60)  # every rank raised it: the group goes on
+        else:
+            assert me == odd or isinstance(exc, RankFailedError), repr(exc)
     else:
         raise AssertionError(f"rank {me}: a peer's constructor failure went unnoticed")
     print(f"[lone_constructor_failure] rank {me} OK", flush=True)

@@ -163,6 +163,10 @@ def lifecycle() -> None:
     assert any(f"heap #{heap.serial} (part.*) closed while rank(s) {list(range(R))}" in str(w.message)
                for w in caught), [str(w.message) for w in caught]
     del kept
+    # Two groups over one communicator: their heaps' serials differ, so crossed closes cannot pass as one.
+    with EPGroup(MPI.COMM_WORLD, use_gpu=False) as twin, open_heap(group, 1 << 16, backend="host") as mine, \
+            open_heap(twin, 1 << 16, backend="host") as theirs:
+        assert mine.serial != theirs.serial
     # A sub-group frees what it holds at close; later collectives refuse.
     with group.split(0) as sub:
         sub.barrier()
