@@ -570,14 +570,21 @@ class MoELayer:
                     yield
 
     # -- weights ----------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"rank {self.group.rank}: the MoELayer is closed")
+    def _check_open(self, collective: str | None = None) -> None:
+        """ClosedError once closed; in a ``collective`` call after entering one collective
+        (EPGroup.refuse_closed), so that peers still calling it raise at once -- a layer on a
+        caller's heap closes without a collective of its own."""
+        if not self._closed:
+            return
+        error = ClosedError(f"rank {self.group.rank}: the MoELayer is closed")
+        if collective is not None:
+            self.group.refuse_closed(error, f"MoELayer.{collective} on a closed MoELayer")
+        raise error
 
     def load_weights(self, w_up: Any, w_down: Any) -> None:
         """Copy this rank's masters in: ``w_up [M, H, 2F]``, ``w_down [M, F, H]`` BF16 (torch,
         JAX, CuPy or NumPy). Collective: bad input raises on every rank, nothing copied."""
-        self._check_open()  # closed on every rank alike (close is collective)
+        self._check_open("load_weights")
         error, arrays = None, None
         try:
             arrays = [self._import_weight(name, tensor, target)
@@ -644,7 +651,7 @@ class MoELayer:
         :meth:`backward`."""
         from ultraep.compute import grouped_mm
 
-        self._check_open()
+        self._check_open("forward")
         error, arrays = None, None
         try:
             if not is_bool(backward):
@@ -705,7 +712,7 @@ class MoELayer:
         from ultraep.compute import grouped_mm_dgrad
         from ultraep.compute.checks import is_bf16
 
-        self._check_open()
+        self._check_open("backward")
         error = None
         try:
             if not isinstance(ctx, MoEContext):

@@ -16,6 +16,7 @@ from ultraep import (Balancer, ClosedError, CollectiveError, Dispatcher, EPGroup
                      GroupMismatchError, UltraEPError, WeightTransfer, open_heap, plan_placement)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
+from tests.support.backend_arrays import arrays, bf16  # noqa: E402
 from tests.support.mpi_checks import expect  # noqa: E402
 
 backend, case = sys.argv[1], sys.argv[2]
@@ -220,6 +221,19 @@ def closed_on_one_rank() -> None:
             expect(lambda: engine.weight_sync(0, hot_plan(0)), ClosedError if me == odd else CollectiveError,
                    f"rank {odd}: the WeightTransfer is closed")
             engine.close()
+    # A MoELayer on a caller's heap (its close runs no collective) closed on one rank.
+    from ultraep import MoELayer, MoELayerError
+
+    layer_tokens = dict(hidden=64, dtype="bfloat16", top_k=2, num_experts=2 * R, max_tokens=4)
+    with open_heap(group, Dispatcher.heap_requirements(R, **layer_tokens), backend=backend) as heap:
+        layer = MoELayer(group, hidden=64, ffn=32, num_experts=2 * R, top_k=2, max_tokens=4, backend=backend,
+                         heap=heap)
+        if me == odd:
+            layer.close()
+        x64 = arrays(backend)[2](bf16(np.ones((4, 64))))
+        expect(lambda: layer.forward(x64, ids, gates), (GroupMismatchError, MoELayerError),
+               "on a closed MoELayer")
+        layer.close()
     # A caller's heap closed on every rank: the constructor refuses alike everywhere, the group goes on.
     requirements = Dispatcher.heap_requirements(R, **{k: v for k, v in tokens.items() if k != "backend"})
     with open_heap(group, requirements, backend=backend) as heap:
