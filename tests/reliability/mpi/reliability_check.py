@@ -33,6 +33,14 @@ M = LAYOUT.experts_per_rank
 
 
 
+# The token path's small problem of the closed- and crossed-object cases.
+TOKENS = dict(hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4)
+TOKEN_HEAP = Dispatcher.heap_requirements(R, **TOKENS)
+X = xp.ones((4, 16), np.float32)
+IDS = xp.asarray(np.arange(8).reshape(4, 2) % (2 * R))
+GATES = xp.full((4, 2), 0.5, np.float32)
+
+
 def hot_plan(expert: int):
     loads = np.ones((R, LAYOUT.num_experts), np.int32)
     loads[:, expert] = 1000  # replicated into redundant slots
@@ -201,16 +209,11 @@ def lone_bad_id() -> None:
 def closed_on_one_rank() -> None:
     """An object closed on one rank that the others still call: every rank raises at once,
     naming the close, instead of the others waiting out their timeout."""
-    tokens = dict(hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend)
-    x = xp.ones((4, 16), np.float32)
-    ids = xp.asarray(np.arange(8).reshape(4, 2) % (2 * R))
-    gates = xp.full((4, 2), 0.5, np.float32)
-    with open_heap(group, Dispatcher.heap_requirements(R, **{k: v for k, v in tokens.items() if k != "backend"}),
-                   backend=backend) as heap:
-        disp = Dispatcher(group, heap=heap, **tokens)  # a caller's heap: its close runs no collective
+    with open_heap(group, TOKEN_HEAP, backend=backend) as heap:
+        disp = Dispatcher(group, heap=heap, **TOKENS, backend=backend)  # a caller's heap: its close runs no collective
         if me == odd:
             disp.close()
-        expect(lambda: disp.dispatch(x, ids, gates), GroupMismatchError, "on a closed Dispatcher")
+        expect(lambda: disp.dispatch(X, IDS, GATES), GroupMismatchError, "on a closed Dispatcher")
         disp.close()
     if backend == "host":  # on the device the peers' agreement kernel reports the missing rank by a timeout
         with open_heap(group, WeightTransfer.heap_requirements(LAYOUT, SPEC), backend=backend) as heap:
@@ -231,14 +234,13 @@ def closed_on_one_rank() -> None:
         if me == odd:
             layer.close()
         x64 = arrays(backend)[2](bf16(np.ones((4, 64))))
-        expect(lambda: layer.forward(x64, ids, gates), (GroupMismatchError, MoELayerError),
+        expect(lambda: layer.forward(x64, IDS, GATES), (GroupMismatchError, MoELayerError),
                "on a closed MoELayer")
         layer.close()
     # A caller's heap closed on every rank: the constructor refuses alike everywhere, the group goes on.
-    requirements = Dispatcher.heap_requirements(R, **{k: v for k, v in tokens.items() if k != "backend"})
-    with open_heap(group, requirements, backend=backend) as heap:
+    with open_heap(group, TOKEN_HEAP, backend=backend) as heap:
         pass
-    expect(lambda: Dispatcher(group, heap=heap, **tokens), ClosedError, "symmetric heap is closed")
+    expect(lambda: Dispatcher(group, heap=heap, **TOKENS, backend=backend), ClosedError, "symmetric heap is closed")
     group.barrier(timeout_s=60)
     print(f"[closed_on_one_rank] rank {me} OK", flush=True)
 
@@ -246,16 +248,12 @@ def closed_on_one_rank() -> None:
 def crossed_objects() -> None:
     """One rank calls another Dispatcher than its peers: GroupMismatchError naming both at
     once (the same call name on two objects passed the check, then timed out in a barrier)."""
-    tokens = dict(hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend)
-    x = xp.ones((4, 16), np.float32)
-    ids = xp.asarray(np.arange(8).reshape(4, 2) % (2 * R))
-    gates = xp.full((4, 2), 0.5, np.float32)
-    with Dispatcher(group, **tokens) as first, Dispatcher(group, **tokens) as second:
+    with Dispatcher(group, **TOKENS, backend=backend) as first, Dispatcher(group, **TOKENS, backend=backend) as second:
         serials = first.config.serial, second.config.serial
         mine = second if me == odd else first
-        expect(lambda: mine.dispatch(x, ids, gates), GroupMismatchError, *(f"of Dispatcher #{n}'" for n in serials))
+        expect(lambda: mine.dispatch(X, IDS, GATES), GroupMismatchError, *(f"of Dispatcher #{n}'" for n in serials))
         for disp in (first, second):  # both still usable, in step
-            recv = disp.dispatch(x, ids, gates)
+            recv = disp.dispatch(X, IDS, GATES)
             disp.combine(recv.x, recv.handle)
         second.close()  # in the same order on every rank
     if backend == "host":  # the device engines agree on the device, where the crossing reads as a timeout
@@ -293,15 +291,13 @@ def lone_constructor_failure() -> None:
         else:
             from ultraep.token.host import HostDispatcher
             HostDispatcher.__init__ = injected
-    tokens = dict(hidden=16, dtype="float32", top_k=2, num_experts=2 * R, max_tokens=4, backend=backend)
     try:
         if target.startswith("moe"):  # its own heap
             MoELayer(group, hidden=64, ffn=32, num_experts=2 * R, top_k=2, max_tokens=8, backend=backend,
                      fused=target == "moe_layer")
         else:  # a caller's heap
-            heap = open_heap(group, Dispatcher.heap_requirements(R, **{k: v for k, v in tokens.items()
-                                                                      if k != "backend"}), backend=backend)
-            Dispatcher(group, heap=heap, **tokens)
+            heap = open_heap(group, TOKEN_HEAP, backend=backend)
+            Dispatcher(group, heap=heap, **TOKENS, backend=backend)
         group.barrier(timeout_s=60)  # the peers' next collective
     except (RuntimeError, MoELayerError) as exc:
         assert f"injected failure on rank {odd}" in str(exc), str(exc)
