@@ -171,6 +171,7 @@ def lifecycle() -> None:
     with group.split(0) as sub:
         sub.barrier()
     expect(sub.barrier, ClosedError, "the EP group is closed")
+    expect(lambda: sub.split(0), ClosedError, "split: the EP group is closed")  # was a raw MPI error
     group.barrier()
     print(f"[lifecycle] rank {me} OK", flush=True)
 
