@@ -33,6 +33,7 @@ import pickle
 import socket
 import sys
 import time
+import weakref
 from collections import Counter
 from typing import Any, Sequence
 
@@ -129,6 +130,7 @@ class EPGroup:
         self._broken = None       # why the group refuses collectives
         self._pending: list = []  # abandoned requests and their buffers, kept alive
         self._status = None       # every rank's status slot (one node, MPI only)
+        self._heaps: list = []    # weak references to the symmetric heaps opened over the group (close())
         self._serials = _SERIALS.setdefault(_comm_key(comm), Counter())  # next_serial's counts
         bad_argument = timeout_error(timeout_s)  # or a device this rank cannot use (below)
         self.timeout_s = DEFAULT_TIMEOUT_S if bad_argument else float(timeout_s)
@@ -346,6 +348,11 @@ class EPGroup:
         group._owns_comm = True
         return group
 
+    def track_heap(self, heap: Any) -> None:
+        """Keep a weak reference to a symmetric heap opened over the group, which
+        :meth:`close` closes if it is still open then."""
+        self._heaps = [ref for ref in self._heaps if ref() is not None] + [weakref.ref(heap)]
+
     def next_serial(self, kind: str) -> int:
         """How many ``kind`` objects this rank made over the group before: objects made
         collectively, in the same order on every rank, get the same serial everywhere."""
@@ -357,13 +364,17 @@ class EPGroup:
         """Collective: free what the group holds -- its status window and node communicator
         (MPI, one host) and a communicator :meth:`split` made; the caller's communicator stays
         the caller's. Every later collective raises :class:`~ultraep.errors.ClosedError`.
-        Close what runs over the group (heaps, Dispatchers, Balancers, layers) first. A group
+        Close what runs over the group (heaps, Dispatchers, Balancers, layers) first; a
+        symmetric heap still open is closed here, newest first, before the group's own parts
+        (afterwards its collective free could not run, and its memory would stay mapped). A group
         that gave up after a timeout or a peer's failure keeps its MPI objects (freeing them
         is collective and would hang); the process's exit frees them."""
         if self._closed:
             return
         usable = self._broken is None
         if usable:
+            for heap in [h for h in (ref() for ref in reversed(self._heaps)) if h is not None and h.is_open]:
+                heap.close()  # collective: every rank opened the same heaps in the same order
             self.barrier(what="EP group close")  # no peer still reads a status slot or enters a collective
         self._closed = True
         if usable and self._status is not None:

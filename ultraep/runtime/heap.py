@@ -264,6 +264,7 @@ class SymmetricHeap:
         group.raise_if_any(error, "symmetric heap creation")
         group.agree(int(nbytes), "symmetric heap size")
         self.serial = group.next_serial("symmetric heap")  # the same on every rank: heaps open collectively
+        group.track_heap(self)
         self.data_bytes = int(nbytes)
         self.total_bytes = round_up(SIGNAL_PAD_BYTES + self.data_bytes, HEAP_GRANULE)
         self._next_offset = SIGNAL_PAD_BYTES
@@ -455,6 +456,11 @@ class SymmetricHeap:
     def _abandon(self) -> None:
         """Drop this rank's access without any collective, leaving the memory allocated."""
         raise NotImplementedError
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the heap is mapped and not closed (what :meth:`EPGroup.close` closes)."""
+        return self._mapped and not self._closed
 
     def _close_step(self, step: str = "") -> str:
         """A close barrier's call name: it names this heap, so ranks closing different heaps

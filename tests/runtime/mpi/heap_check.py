@@ -172,6 +172,13 @@ def lifecycle() -> None:
         sub.barrier()
     expect(sub.barrier, ClosedError, "the EP group is closed")
     expect(lambda: sub.split(0), ClosedError, "split: the EP group is closed")  # was a raw MPI error
+    # A heap still open when its group closes is closed with it (its window freed), not left mapped.
+    twin = EPGroup(MPI.COMM_WORLD, use_gpu=False)
+    left, closed_first = open_heap(twin, 1 << 16, backend="host"), open_heap(twin, 1 << 16, backend="host")
+    closed_first.close()
+    twin.close()
+    assert not left.is_open and not closed_first.is_open
+    expect(lambda: left.alloc("late.rows", (4,), np.float32), ClosedError, "closed")
     group.barrier()
     print(f"[lifecycle] rank {me} OK", flush=True)
 
