@@ -3,6 +3,7 @@
 import pytest
 
 from tests.conftest import assert_all_ranks_ok, run_ranks
+from ultraep.errors import ClosedError
 from ultraep.runtime.group import EPGroup, GroupMismatchError
 
 
@@ -28,6 +29,9 @@ def test_group_over_a_framework_allgather_object():
         group.agree("x", "shape")
     with pytest.raises(TypeError, match="no Split"):
         group.split(0)
+    group.close()
+    with pytest.raises(ClosedError, match="layer id: the EP group is closed"):  # was gathered after close
+        group.agree("x", "layer id")
 
 
 def test_a_rank_in_another_collective_is_a_mismatch_naming_each_call():

@@ -219,12 +219,15 @@ class EPGroup:
             raise self._broken
 
     # -- bounded collectives -------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(f"rank {self.rank}: {what}: the EP group is closed")
+
     def _enter(self, what: str, timeout_s: float | None) -> tuple[float, str | None]:
         """The collective's timeout and this rank's refusal of its ``timeout_s`` (or None).
         A refused timeout is not raised here: the collective runs on the group's own
         timeout and carries the refusal, so every rank raises it, not only this one."""
-        if self._closed:
-            raise ClosedError(f"rank {self.rank}: {what}: the EP group is closed")
+        self._check_open(what)
         if self._broken is not None:
             raise type(self._broken)(f"rank {self.rank}: {what}: the group refuses collectives after an earlier "
                                      f"failure ({self._broken})")
@@ -277,6 +280,7 @@ class EPGroup:
         differs."""
         call = what if call is None else call
         if self._mpi is None:
+            self._check_open(what)
             names, values = zip(*self.comm.allgather((call, obj)))
             self._raise_mismatch(list(names), list(names))
             return list(values)
