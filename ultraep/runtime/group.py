@@ -343,8 +343,7 @@ class EPGroup:
 
     def split(self, color: int, key: int | None = None) -> "EPGroup":
         """Sub-group of the ranks that pass the same ``color`` (EP groups inside a larger job)."""
-        if self._closed:  # its communicator may be freed (a split group's): no raw MPI error
-            raise ClosedError(f"rank {self.rank}: split: the EP group is closed")
+        self._check_open("split")  # its communicator may be freed (a split group's): no raw MPI error
         if not callable(getattr(self.comm, "Split", None)):
             raise TypeError(f"{type(self.comm).__name__} has no Split; pass the sub-group's communicator directly")
         sub = self.comm.Split(color, self.rank if key is None else key)
