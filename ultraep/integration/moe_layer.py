@@ -12,7 +12,8 @@ Experts are SwiGLU MLPs: ``act = silu(x @ w_up[:, :F]) * (x @ w_up[:, F:])``,
 ``y = act @ w_down``; BF16 weights and activations, FP32 accumulation and FP32 weight
 gradients. The layer owns this rank's ``M`` masters as stacked tensors
 (``w_up [M, H, 2F]``, ``w_down [M, F, H]`` and their gradients ``grad_up``, ``grad_down``;
-DLPack-exportable, so a framework wraps them zero-copy as its parameters).
+DLPack-exportable, so a framework wraps them zero-copy as its parameters; read-only
+attributes: written in place, never rebound).
 
 Data flow of one micro-batch (the Dispatcher's receive buffer is expert-major: rows of
 local slot ``j`` are ``offsets[j]:offsets[j + 1]``, masters ``j < M`` then replica slots):
@@ -353,6 +354,23 @@ class _WgradScratch:
             self._done_on = stream.ptr
 
 
+class _OwnBuffer:
+    """An array the layer set up and keeps writing (its masters' weights and gradients; the
+    Balancer adds the replicas' gradients into the arrays registered with it), exported as a
+    read-only attribute: rebinding the name would leave the layer writing the old array,
+    silently (a fresh ``grad_up`` would miss the replicas' parts)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, f"_own_{name}"
+
+    def __get__(self, layer: Any, owner: type | None = None) -> Any:
+        return self if layer is None else getattr(layer, self.slot)
+
+    def __set__(self, layer: Any, value: Any) -> None:
+        raise MoELayerError(f"MoELayer.{self.name} is the layer's own array and cannot be replaced: write into it "
+                            f"in place ({self.name}[...] = ...; zero_grads() zeroes the gradients)")
+
+
 class MoELayer:
     """One MoE layer of this rank (module docstring). Collective: every rank constructs it
     with the same arguments and makes the same calls in the same order.
@@ -394,6 +412,7 @@ class MoELayer:
     _next_id = 0
     # (Balancer.id, layer) -> the open MoELayer registered there: a second would replace its masters
     _balancer_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    w_up, w_down, grad_up, grad_down = _OwnBuffer(), _OwnBuffer(), _OwnBuffer(), _OwnBuffer()
 
     def __init__(self, group: EPGroup, *, hidden: int, ffn: int, num_experts: int, top_k: int, max_tokens: int,
                  balancer: Balancer | None = None, layer: int = 0, max_recv_rows: int | None = None,
@@ -539,9 +558,9 @@ class MoELayer:
         with self._on_device():
             self._w_up = self.xp.zeros((M + S, H, 2 * F), dtype=weight_dtype)
             self._w_down = self.xp.zeros((M + S, F, H), dtype=weight_dtype)
-            self.grad_up = self.xp.zeros((M, H, 2 * F), dtype=np.float32)
-            self.grad_down = self.xp.zeros((M, F, H), dtype=np.float32)
-        self.w_up, self.w_down = self._w_up[:M], self._w_down[:M]
+            self._own_grad_up = self.xp.zeros((M, H, 2 * F), dtype=np.float32)
+            self._own_grad_down = self.xp.zeros((M, F, H), dtype=np.float32)
+        self._own_w_up, self._own_w_down = self._w_up[:M], self._w_down[:M]
 
     # -- streams --------------------------------------------------------------------------
     def _on_device(self):

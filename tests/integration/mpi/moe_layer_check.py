@@ -301,6 +301,13 @@ def bad_input():
                               lambda: moe.backward(ctx, bad_dy))
             moe.backward(ctx, dy)
             expect_everywhere(MoELayerError, "has run already", lambda: moe.backward(ctx, dy))
+            # Rebinding an array the layer (and the Balancer, for the replicas' gradients) keeps
+            # writing would detach it silently: refused, the layer's arrays kept.
+            for name in ("w_up", "w_down", "grad_up", "grad_down"):
+                own = getattr(moe, name)
+                expect_everywhere(MoELayerError, f"MoELayer.{name} is the layer's own array",
+                                  lambda: setattr(moe, name, own.copy()))
+                assert getattr(moe, name) is own, f"{name} was replaced"
             expect_everywhere(MoELayerError, "enable must be a bool", lambda: moe.record_phases("yes"))
             expect_everywhere(MoELayerError, "direction must be", lambda: moe.phases("sideways"))
             assert moe.phases("backward") == [], "phases recorded without record_phases"
