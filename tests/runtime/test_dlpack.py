@@ -5,7 +5,7 @@ import pytest
 
 from tests.conftest import requires_gpu
 from ultraep.runtime.dlpack import import_tensor
-from ultraep.runtime.dtypes import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, is_bool, is_int
+from ultraep.runtime.dtypes import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, bf16_typed, is_bool, is_int
 
 
 def test_numpy_on_cpu_is_zero_copy():
@@ -18,6 +18,17 @@ def test_bf16_numpy_round_trip():
     x = np.array([1.5, -2.0, 3.25], dtype=BFLOAT16)
     y = import_tensor(x, name="w", device=None, dtype="bfloat16")
     assert y.dtype == BFLOAT16 and np.array_equal(y.view(np.int16), x.view(np.int16))
+
+
+def test_bf16_bits_are_typed_as_bf16_and_other_arrays_left_alone():
+    """int16 is how bf16 travels without its type: typed again, the same memory, so a copy
+    into bf16 moves the bits (an int16 1 is the bf16 subnormal 2^-133, not 1.0)."""
+    bits = np.array([1, 0x3F80, -0x4080], dtype=np.int16)
+    typed = bf16_typed(bits)
+    assert typed.dtype == BFLOAT16 and np.shares_memory(typed, bits)
+    assert typed.astype(np.float32).tolist() == [2.0**-133, 1.0, -1.0]
+    for other in (np.ones(3, np.float32), np.ones(3, np.uint16), bits.astype(BFLOAT16)):
+        assert bf16_typed(other) is other
 
 
 @pytest.mark.parametrize("fp8", [FLOAT8_E4M3FN, FLOAT8_E5M2], ids=["e4m3fn", "e5m2"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ultraep.compute.checks import Problem
-from ultraep.runtime.dtypes import BFLOAT16, flush_subnormals
+from ultraep.runtime.dtypes import bf16_typed, flush_subnormals
 
 
 def sequential_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -35,8 +35,7 @@ def add_flushing_subnormals(total: np.ndarray, addend: np.ndarray) -> None:
 
 
 def _float32(bf16_array: np.ndarray) -> np.ndarray:
-    return (bf16_array.view(BFLOAT16).astype(np.float32) if bf16_array.dtype == np.int16
-            else bf16_array.astype(np.float32))
+    return bf16_typed(bf16_array).astype(np.float32)
 
 
 class HostGroupedGemm:
@@ -45,7 +44,7 @@ class HostGroupedGemm:
 
     def run(self, problem: Problem, a: np.ndarray, b: np.ndarray, offsets: np.ndarray, out: np.ndarray,
             add_to: np.ndarray | None = None) -> None:
-        target = out.view(BFLOAT16) if out.dtype == np.int16 else out
+        target = bf16_typed(out)
         bounds = [int(v) for v in offsets]
         for e in range(problem.experts):
             lo, hi = bounds[e], bounds[e + 1]

@@ -617,9 +617,10 @@ class MoELayer:
 
     def _import(self, name: str, tensor):
         try:
-            return import_tensor(tensor, name=name, device=self.device)
+            array = import_tensor(tensor, name=name, device=self.device)
         except ValueError as exc:
             raise MoELayerError(str(exc)) from None
+        return array if name in ("topk_ids", "gates") else dtypes.bf16_typed(array)  # bf16 as its bits: bits
 
     def _raise(self, error: BaseException | None, what: str, **agree) -> None:
         """On every rank with ``sync_checks`` (the Dispatcher's), else this rank's own."""

@@ -62,6 +62,15 @@ def bits_dtype(name: str) -> np.dtype | None:
     return np.dtype(_ML_DTYPES[name][1]) if name in _ML_DTYPES else None
 
 
+def bf16_typed(array):
+    """A NumPy array of bf16 that arrived as its bits (``int16``, :func:`bits_dtype`) viewed
+    as bf16, so that copying it into bf16 moves its bits instead of converting the integers'
+    values; any other array as it is."""
+    if isinstance(array, np.ndarray) and array.dtype == np.int16:
+        return array.view(ml_dtype("bfloat16"))
+    return array
+
+
 @functools.cache
 def cupy_dtype(dtype: np.dtype) -> np.dtype:
     """``dtype`` if CuPy can hold arrays of it, else :func:`bits_dtype` (a CuPy that

@@ -28,6 +28,7 @@ import numpy as np
 
 from ultraep.errors import DispatchError, everywhere
 from ultraep.runtime.dlpack import import_tensor
+from ultraep.runtime.dtypes import bf16_typed
 from ultraep.runtime.group import EPGroup
 from ultraep.token import reference as ref
 from ultraep.token.base import (DispatchHandle, DispatchResult, TokenBuffers, TokenConfig, bad_input_message,
@@ -52,7 +53,12 @@ class HostDispatcher:
         self._barrier()
 
     def _import(self, array, name: str, writable: bool = False):
-        return None if array is None else import_tensor(array, name=name, device=None, writable=writable)
+        if array is None:
+            return None
+        imported = import_tensor(array, name=name, device=None, writable=writable)
+        if name in ("expert_ids", "weights") or self.config.dtype.kind != "V":
+            return imported
+        return bf16_typed(imported)  # bf16 rows that arrived as their bits: copied as bits, as the kernels do
 
     def dispatch(self, x, expert_ids, weights, out) -> DispatchResult:
         d, b, me = self.config, self.buffers, self.config.rank

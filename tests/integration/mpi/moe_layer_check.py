@@ -308,6 +308,11 @@ def bad_input():
                 expect_everywhere(MoELayerError, f"MoELayer.{name} is the layer's own array",
                                   lambda: setattr(moe, name, own.copy()))
                 assert getattr(moe, name) is own, f"{name} was replaced"
+            # bf16 tokens that arrive as their bits (int16, as DLPack hands them to a consumer
+            # without the type) are those bits, not integers converted by value
+            y_typed, _ = moe.forward(x, ids, gates, backward=False)
+            y_bits, _ = moe.forward(x.view(np.int16), ids, gates, backward=False)
+            assert differing(y_bits, y_typed) == 0, "x as its int16 bits gave another output"
             expect_everywhere(MoELayerError, "enable must be a bool", lambda: moe.record_phases("yes"))
             expect_everywhere(MoELayerError, "direction must be", lambda: moe.phases("sideways"))
             assert moe.phases("backward") == [], "phases recorded without record_phases"
