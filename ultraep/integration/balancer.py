@@ -432,9 +432,10 @@ class Balancer(HeapBacked):
                stream: Any = None, weight_sync: bool = False) -> BalanceHandle:
         """Collective: gather the exact load of ``layer`` for this micro-batch and plan it.
 
-        Pass this rank's ``topk_ids`` (integer, any shape; ids in ``[0, E)``) or its
-        ``local_loads`` (``int32[E]``, tokens per logical expert). Ranks may pass
-        different token counts but must pass the same layer in the same order, and order
+        Pass this rank's ``topk_ids`` (integer ``[T, K]``, or any shape whose last axis is the
+        top-k width ``K``, the same on every rank -- flat ids count as one token's; ids in
+        ``[0, E)``) or its ``local_loads`` (``int32[E]``, tokens per logical expert). Ranks may
+        pass different token counts but must pass the same layer in the same order, and order
         their updates on one stream (or by events). Given ``topk_ids``, the update also
         reroutes them: ``reroute(handle)`` returns that.
 

@@ -14,7 +14,7 @@ import numpy as np
 from ultraep.planner.layout import ExpertLayout
 from ultraep.planner.plan import Plan, array_module, check_loads
 from ultraep.planner.quota import Planner
-from ultraep.planner.reroute import check_rank
+from ultraep.planner.reroute import check_plan_out, check_rank, check_reroute_out
 from ultraep.runtime.kernels import get_function, kernel_constants
 
 _PLANNER = kernel_constants("planner.cu")
@@ -89,9 +89,7 @@ class DevicePlanner(Planner):
             loads = check_loads(loads, layout, check_values=False)
         if out is None:
             out = empty_plan(layout)
-        elif out.layout != layout:
-            raise ValueError("out was allocated for another layout")
-        elif getattr(out, "planner_workspace", None) is None:
+        elif getattr(check_plan_out(out, layout), "planner_workspace", None) is None:
             raise ValueError("out must come from ultraep.planner.device.empty_plan "
                              "(it carries the planner's workspace)")
         if loads.data.ptr != out.loads.data.ptr:  # callers may gather straight into out.loads
@@ -180,8 +178,8 @@ def reroute_device(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None)
                     **{name: cupy.asarray(getattr(plan, name)) for name in Plan.ARRAYS})
     if out is None:
         out = cupy.empty(ids.shape, np.int32)
-    elif out.shape != ids.shape or out.dtype != np.int32:
-        raise ValueError(f"out must be int32 of shape {ids.shape}")
+    else:
+        check_reroute_out(out, ids.shape)
     n, E = ids.size, layout.num_experts
     reroute_assign_shared_bytes(E)
     if n == 0:

@@ -7,7 +7,7 @@ import numpy as np
 
 from ultraep.planner.plan import Plan, array_module, check_loads
 from ultraep.planner.quota import Planner, locality_split, place_replicas
-from ultraep.planner.reroute import reroute_reference
+from ultraep.planner.reroute import check_plan_out, check_reroute_out, reroute_reference
 
 
 class HostPlanner(Planner):
@@ -23,8 +23,7 @@ class HostPlanner(Planner):
         plan = Plan.from_split(self.layout, loads, log_to_phys, locality_split(loads, self.layout, log_to_phys, quota))
         if out is None:
             return plan
-        if out.layout != self.layout:
-            raise ValueError("out was allocated for another layout")
+        check_plan_out(out, self.layout)
         for name in Plan.ARRAYS:
             getattr(out, name)[...] = getattr(plan, name)
         out.imbalance_before, out.imbalance_after = plan.imbalance_before, plan.imbalance_after
@@ -50,7 +49,6 @@ def reroute_host(topk_ids, plan: Plan, rank: int, *, out=None):
     slots = reroute_reference(topk_ids, plan, rank)
     if out is None:
         return slots
-    if out.shape != slots.shape or out.dtype != np.int32:
-        raise ValueError(f"out must be int32 of shape {slots.shape}")
+    check_reroute_out(out, slots.shape)
     out[...] = slots
     return out

@@ -28,6 +28,31 @@ def check_plan(plan) -> Plan:
     return plan
 
 
+def check_reroute_out(out, shape: tuple) -> None:
+    """``out`` of a reroute: an int32, C-contiguous array of the ids' ``shape`` (the kernel
+    writes it by address) that the call may write; TypeError or ValueError naming it."""
+    if not (hasattr(out, "shape") and hasattr(out, "dtype") and hasattr(out, "flags")):
+        raise TypeError(f"out must be an int32 array of shape {tuple(shape)}, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != np.int32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous int32 array of shape {tuple(shape)}, got {out.dtype} of shape "
+                         f"{tuple(out.shape)}{'' if out.flags.c_contiguous else ', not C-contiguous'}")
+    if not getattr(out.flags, "writeable", True):  # NumPy's flag; CuPy arrays are always writable
+        raise ValueError("out: array is read-only but is written by this call")
+
+
+def check_plan_out(out, layout: ExpertLayout) -> Plan:
+    """``out`` of a planning call: a Plan (from the planner's ``empty_plan``) of ``layout``
+    whose arrays the call may write; TypeError or ValueError naming it."""
+    if not isinstance(out, Plan):
+        raise TypeError(f"out must be a Plan from the planner's empty_plan, got {type(out).__name__}")
+    if out.layout != layout:
+        raise ValueError("out was allocated for another layout")
+    for name in Plan.ARRAYS:
+        if not getattr(getattr(out, name).flags, "writeable", True):
+            raise ValueError(f"out.{name}: array is read-only but is written by this call")
+    return out
+
+
 def reroute_reference(topk_ids, plan: Plan, rank: int) -> np.ndarray:
     """Physical slot ids, int32, shaped like ``topk_ids``; ``ValueError`` for ids out of
     range or more tokens of an expert than the plan's ``loads[rank, e]``."""

@@ -433,9 +433,27 @@ case("plan_placement", "layout is a tuple", lambda bad: plan_placement(CLEAN_LOA
 case("plan_placement", "out of another layout", lambda bad: plan_placement(
     CLEAN_LOADS, PLAN_LAYOUT, backend="host", out=hot_plan()), Raises(ValueError, "another layout", rank=False),
     scopes=LOCAL)
+for name, out, error, text in (("out a string", "x", TypeError, "out must be a Plan from the planner's empty_plan, got str"),
+                               ("out a dict", {}, TypeError, "got dict"),
+                               ("out with a read-only quota", "read-only quota", ValueError,
+                                "out.quota: array is read-only")):
+    case("plan_placement", name, lambda bad, o=out: plan_placement(
+        CLEAN_LOADS, PLAN_LAYOUT, backend="host", out=read_only_quota_plan() if o == "read-only quota" else o),
+        Raises(error, text, rank=False), scopes=LOCAL)
 for name, variant in (("int64 loads", CLEAN_LOADS.astype(np.int64)), ("uint8 loads", CLEAN_LOADS.astype(np.uint8)),
                       ("list loads", CLEAN_LOADS.tolist()), ("Fortran-order loads", np.asfortranarray(CLEAN_LOADS))):
     case("plan_placement", name, lambda bad, v=variant: planned(v if bad else CLEAN_LOADS), Returns(), scopes=LOCAL)
+
+
+def read_only(array):
+    array.setflags(write=False)
+    return array
+
+
+def read_only_quota_plan():
+    plan = plan_placement(CLEAN_LOADS, PLAN_LAYOUT, backend="host")
+    read_only(plan.quota)
+    return plan
 
 
 def broken_plan(edit):
@@ -474,7 +492,14 @@ for name, args, error, text in (
         ("more tokens than planned", (np.vstack([CLEAN_IDS, [[0]]]), REROUTE_PLAN, 0), ValueError,
          "more tokens to an expert than loads[0]"),
         ("out of the wrong dtype", (CLEAN_IDS, REROUTE_PLAN, 0, np.zeros(CLEAN_IDS.shape, np.int64)), ValueError,
-         "out must be int32")):
+         f"out must be a C-contiguous int32 array of shape {CLEAN_IDS.shape}, got int64"),
+        ("out read-only", (CLEAN_IDS, REROUTE_PLAN, 0, read_only(np.zeros(CLEAN_IDS.shape, np.int32))), ValueError,
+         "out: array is read-only"),
+        ("out strided", (CLEAN_IDS, REROUTE_PLAN, 0, np.zeros((CLEAN_IDS.shape[0], 2), np.int32)[:, :1]), ValueError,
+         "not C-contiguous"),
+        ("out a list", (CLEAN_IDS, REROUTE_PLAN, 0, [[0]] * len(CLEAN_IDS)), TypeError,
+         f"out must be an int32 array of shape {CLEAN_IDS.shape}, got list"),
+        ("out a string", (CLEAN_IDS, REROUTE_PLAN, 0, "out"), TypeError, "got str")):
     case("reroute", name, lambda bad, a=args: reroute(*a[:3], **({"out": a[3]} if len(a) > 3 else {})),
          Raises(error, text, rank=False), scopes=LOCAL)
 for name, variant in (("int32 ids", CLEAN_IDS.astype(np.int32)), ("uint16 ids", CLEAN_IDS.astype(np.uint16)),
