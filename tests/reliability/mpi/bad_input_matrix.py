@@ -433,10 +433,10 @@ case("plan_placement", "layout is a tuple", lambda bad: plan_placement(CLEAN_LOA
 case("plan_placement", "out of another layout", lambda bad: plan_placement(
     CLEAN_LOADS, PLAN_LAYOUT, backend="host", out=hot_plan()), Raises(ValueError, "another layout", rank=False),
     scopes=LOCAL)
-for name, out, error, text in (("out a string", "x", TypeError, "out must be a Plan from the planner's empty_plan, got str"),
-                               ("out a dict", {}, TypeError, "got dict"),
-                               ("out with a read-only quota", "read-only quota", ValueError,
-                                "out.quota: array is read-only")):
+for name, out, error, text in (
+        ("out a string", "x", TypeError, "out must be a Plan from the planner's empty_plan, got str"),
+        ("out a dict", {}, TypeError, "got dict"),
+        ("out with a read-only quota", "read-only quota", ValueError, "out.quota: array is read-only")):
     case("plan_placement", name, lambda bad, o=out: plan_placement(
         CLEAN_LOADS, PLAN_LAYOUT, backend="host", out=read_only_quota_plan() if o == "read-only quota" else o),
         Raises(error, text, rank=False), scopes=LOCAL)
