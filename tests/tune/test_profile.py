@@ -350,3 +350,18 @@ def test_a_compute_curve_measured_under_load_is_measured_again_and_never_cached(
     else:
         assert any("the machine seems busy; this profile is used but not cached" in line for line in lines)
         assert not path.exists()
+
+
+@pytest.mark.parametrize("content", [b"notes\n", b"{\"format\": \"something else\"}", b"\xff\xfe"])
+def test_a_given_file_that_is_not_a_profile_is_never_overwritten(tmp_path, content):
+    """``tune profile --out FILE``: a file there that is not a machine profile stays as it
+    was (refused before measuring, exit 2); a profile there, of any machine, is replaced."""
+    target = tmp_path / "notes.txt"
+    target.write_bytes(content)
+    with pytest.raises(ProfileError, match="is not a machine profile: it is not overwritten"):
+        load_profile("host", path=target)
+    assert tune_main(["profile", "--backend", "host", "--out", str(target)]) == 2
+    assert target.read_bytes() == content
+    profile = load_profile("host", path=tmp_path / "mine.json")
+    _rewrite(tmp_path / "mine.json", device="some other machine")
+    assert load_profile("host", path=tmp_path / "mine.json").device == profile.device

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from ultraep.errors import ProfileError
 from ultraep.runtime.launch import positive_int, refused
 from ultraep.tune.profile import load_profile, read_profile, stderr_progress
 
@@ -97,8 +98,12 @@ def main(argv=None) -> int:
         return search_command(args)
     if refused(args, "ultraep.tune profile"):
         return 2
-    profile = load_profile(args.backend, device=args.device, path=args.out, force=args.force,
-                           progress=stderr_progress)
+    try:
+        profile = load_profile(args.backend, device=args.device, path=args.out, force=args.force,
+                               progress=stderr_progress)
+    except ProfileError as exc:
+        print(f"ultraep.tune profile: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(profile.to_json(), indent=2) if args.json else profile.table())
     return 0
 

@@ -649,17 +649,35 @@ def write_profile(profile: MachineProfile, path: str | os.PathLike[str]) -> Path
     return path
 
 
+def check_replaceable(path: Path) -> None:
+    """ProfileError unless ``path`` is free or holds a machine profile (of any version or
+    machine): measuring replaces it, and nothing else may be overwritten."""
+    if not path.exists() and not path.is_symlink():
+        return
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = None
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise ProfileError(f"{path} exists and is not a machine profile: it is not overwritten (remove it, or "
+                           f"give another file)")
+
+
 def load_profile(backend: str = "auto", *, device: int | None = None, path: str | os.PathLike[str] | None = None,
                  force: bool = False, progress: Callable[[str], None] | None = None) -> MachineProfile:
     """This machine's profile: from the cache (``path``, else :func:`profile_path`) when it
     was measured on this device at this SM share by this format version, else measured now
     (``force``: always) and cached. ``progress`` gets the measurement's lines and the reason
-    a cached file was not used; a cache that cannot be written is reported, not raised."""
+    a cached file was not used; a cache that cannot be written is reported, not raised. A
+    file at a given ``path`` that is not a profile is never replaced: ProfileError before
+    measuring (a damaged file in the cache directory, which holds only profiles, is)."""
     say = progress or (lambda line: None)
     probe = make_probe(backend, device)
     name, _ = probe.describe()
     share = sm_share()
     target = Path(path) if path is not None else profile_path(name, share)
+    if path is not None:
+        check_replaceable(target)
     if not force:
         try:
             cached = read_profile(target)
