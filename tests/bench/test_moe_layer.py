@@ -47,9 +47,14 @@ def test_skewed_routing_tries_other_rankings_when_the_first_cannot_reach_the_tar
     assert rank_imbalance(loads(bench.routing("none", 4, 32, layer=0, args=args), 32)) == pytest.approx(1.5, rel=0.01)
 
 
-def test_ideal_routing_refuses_pairs_not_divisible_by_the_experts():
-    with pytest.raises(ValueError, match="divisible by the experts"):
-        bench.routing("ideal", 4, 12, layer=0, args=bench.parse_args(TINY))
+def test_routings_the_ranks_could_not_draw_are_refused_before_the_launch(capsys):
+    """Ideal's force-balanced routing needs tokens x top-k divisible by the experts; the
+    skewed one a target some Zipf ranking reaches: argparse errors naming the options."""
+    for change, message in ((["--tokens", "255"], "divisible by the experts (8)"),
+                            (["--initial-imbalance", "9"], "--initial-imbalance 9.0: layer 0: no Zipf ranking")):
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_args([*TINY, "--ranks", "4", *change])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.mpi

@@ -194,3 +194,20 @@ def test_balancer_bench_steps_and_where_the_sync_starts(tmp_path, capfd, steps, 
     assert all(row[part] == 0.0 for part in left_out[steps]), row  # those calls were not made
     assert all(row[part] > 0 for part in ("update_host_ms", "sync_host_ms", "reroute_host_ms")
                if part not in left_out[steps]), row
+
+
+def test_options_the_ranks_would_refuse_are_refused_before_the_launch(capsys):
+    """Argparse errors naming the option, not every rank's traceback after the launch."""
+    from ultraep.bench.balancer import parse_args
+
+    small = ["--ranks", "2", "--experts", "8", "--top-k", "2", "--tokens", "256"]
+    for change, message in ((["--initial-imbalance", "1.25", "1.5"], "--initial-imbalance 1.5: zipf_loads: initial "
+                                                                     "imbalance 1.5 is unreachable with 2 ranks"),
+                            (["--initial-imbalance", "0.5"], "argument --initial-imbalance: expected a number >= 1"),
+                            (["--top-k", "9"], "--top-k 9 exceeds --experts 8"),
+                            (["--slots", "-1"], "argument --slots: expected an int >= 0"),
+                            (["--relay-count", "0"], "argument --relay-count: expected an int >= 1")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args([*small, *change])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, change
+    assert parse_args([*small, "--initial-imbalance", "1.25"]).initial_imbalance == [1.25]

@@ -1,6 +1,7 @@
 """The launcher: flags for each MPI flavor, and a hung job killed at its timeout."""
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -109,3 +110,35 @@ def _reads(path):
         return path.read_bytes()
     except OSError:
         return b""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("lone", [False, True])
+def test_a_verdict_of_every_rank_is_said_once_without_tracebacks(tmp_path, lone):
+    """A multi-rank tool whose ranks all raise the library's verdict on its options (bad
+    sizes the set-up refused collectively): one line from rank 0, exit 2, no traceback. A
+    lone rank's error keeps its traceback (it may be a bug)."""
+    script = tmp_path / "tool.py"
+    script.write_text(
+        "import argparse, sys\n"
+        "from ultraep.errors import MoELayerError, everywhere\n"
+        "from ultraep.runtime.launch import multi_rank_main\n"
+        "def run(args):\n"
+        "    from mpi4py import MPI\n"
+        "    error = MoELayerError('hidden (7) must be a multiple of 8')\n"
+        f"    if {lone}:\n"
+        "        if MPI.COMM_WORLD.rank == 1:\n"
+        "            raise error\n"
+        "        MPI.COMM_WORLD.Barrier()\n"
+        "    raise everywhere(error)\n"
+        "sys.exit(multi_rank_main(None, lambda argv: argparse.Namespace(), run, nprocs=lambda args: 2,\n"
+        "                         command=['tool.py']))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "tool.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    if lone:
+        assert done.returncode != 0 and "Traceback" in done.stderr
+    else:
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("tool.py: hidden (7) must be a multiple of 8") == 1, done.stderr
+        assert "Traceback" not in done.stderr

@@ -83,7 +83,8 @@ from functools import partial
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main, positive_int
+from ultraep.runtime.launch import (CPU_OR_GPU, add_launch_options, imbalance_target, multi_rank_main, non_negative_int,
+                                   positive_int)
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASES end, as the columns name them
@@ -122,18 +123,18 @@ def parse_args(argv):
     add_launch_options(parser, backend_help=CPU_OR_GPU)
     parser.add_argument("--experts", type=positive_int, default=64,
                         help="logical experts in all (divisible by the ranks)")
-    parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
+    parser.add_argument("--slots", type=non_negative_int, default=2, help="redundant slots per rank")
     parser.add_argument("--tokens", type=positive_int, default=8192, help="tokens per rank")
     parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
     parser.add_argument("--hidden", type=positive_int, default=2048, help="model width (rows of w_in)")
     parser.add_argument("--ffn", type=positive_int, default=1024, help="expert FFN width (columns of w_in)")
-    parser.add_argument("--initial-imbalance", type=float, nargs="+", default=[1.25, 1.5],
+    parser.add_argument("--initial-imbalance", type=imbalance_target, nargs="+", default=[1.25, 1.5],
                         help="rank max/mean of the generated routing before balancing, one row each (with 4 "
                              "ranks and top-8 over 64 experts at most 1.5 is reachable)")
     parser.add_argument("--weight-dtype", nargs="+", choices=list(WEIGHT_DTYPES), default=["bfloat16"],
                         help="expert weight types, one row each per imbalance (FP8 with float32 scales per "
                              f"{BLOCK} x {BLOCK} block); list bfloat16 too for the sync_vs_bf16 ratio")
-    parser.add_argument("--min-replica-tokens", type=int, default=1024,
+    parser.add_argument("--min-replica-tokens", type=non_negative_int, default=1024,
                         help="fewest tokens a replica may serve (the planner's min_replica_tokens)")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed calls per window (after one warm-up)")
     parser.add_argument("--rounds", type=positive_int, default=5,
@@ -141,10 +142,10 @@ def parse_args(argv):
     parser.add_argument("--sync-blocks", type=sync_grid, nargs="+", default=[None], metavar="BLOCKS",
                         help="grids of the weight sync beside dispatch, one row each: a block count, or 'all' "
                              "(the engine's default: every resident block)")
-    parser.add_argument("--relay-threshold", type=int, nargs="+", default=[None], metavar="N",
+    parser.add_argument("--relay-threshold", type=positive_int, nargs="+", default=[None], metavar="N",
                         help="weight sync through relay trees for experts with more replicas than N, a row each "
                              "(default: WeightTransfer's)")
-    parser.add_argument("--relay-count", type=int, default=2, help="relays per tree with --relay-threshold")
+    parser.add_argument("--relay-count", type=positive_int, default=2, help="relays per tree with --relay-threshold")
     parser.add_argument("--steps", choices=["all", "plan", "sync"], default="all",
                         help="what the balanced layer does each call: all (update, weight_sync, reroute), plan "
                              "(update and reroute; the replicas of the same plan stay in place: the routing is the "
@@ -170,7 +171,7 @@ def parse_args(argv):
                         help="profile the Balancer's calls of the balanced layers on rank 0 with cProfile: one "
                              ".pstats and one .txt (top functions by own time) per row in DIR (the profiler "
                              "slows those calls: read the row's times from a run without it)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the routing and the weights")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG",
                         help="draw each rank's load per micro-batch, unbalanced and balanced, at the last "
@@ -179,6 +180,15 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.experts % args.ranks:  # checked here, not on every rank after the launch
         parser.error(f"--experts {args.experts} must be divisible by --ranks {args.ranks}")
+    if args.top_k > args.experts:
+        parser.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    from ultraep.analysis.traces import zipf_loads
+
+    for target in args.initial_imbalance:  # the routing each row draws (measure), refused before the launch
+        try:
+            zipf_loads(args.ranks, args.experts, args.top_k, args.tokens, target, args.seed)
+        except ValueError as exc:
+            parser.error(f"--initial-imbalance {target}: {exc}")
     if "update" in args.sync_stream and not update_may_start(args):
         parser.error("--sync-stream update: the update starts the sync, so it needs --steps all, --sync-at plan "
                      "and the engine's grid (--sync-blocks all)")

@@ -39,7 +39,7 @@ import sys
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import add_launch_options, multi_rank_main
+from ultraep.runtime.launch import add_launch_options, multi_rank_main, non_negative_int
 
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
            "dispatch/copy", "combine/copy", "pull_ms", "pull/copy", "pull_diff", "push_ms", "push/copy",
@@ -55,7 +55,7 @@ def parse_args(argv):
     parser.add_argument("--top-k", type=int, default=8, help="experts per token")
     parser.add_argument("--experts", type=int, default=256, help="experts in all (divisible by the rank count)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (mean reported)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random routing")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random routing")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser.parse_args(argv)

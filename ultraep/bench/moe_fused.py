@@ -75,7 +75,7 @@ import numpy as np
 
 from ultraep.bench.moe_layer import differing, phase_windows_ms
 from ultraep.bench.timing import array_backend
-from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive_int
+from ultraep.runtime.launch import add_launch_options, multi_rank_main, non_negative_int, positive_int
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
 CONFIGS = ("constants", "tuned")  # --config both: each, the constants first
@@ -107,7 +107,7 @@ def parse_args(argv):
     parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
     parser.add_argument("--repeats", type=positive_int, default=5,
                         help="timed forwards per path (and forward + backward passes with --backward)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--backward", action="store_true",
                         help="also time a training forward and its backward (seq_train_ms, seq_bwd_ms, ...), and check "
                              "the backward")

@@ -59,7 +59,8 @@ import numpy as np
 
 from ultraep.bench.balancer import SYNC_STREAMS, resolved_sync_streams
 from ultraep.bench.timing import array_backend, window_ms
-from ultraep.runtime.launch import CPU_OR_GPU, add_launch_options, multi_rank_main, positive_int
+from ultraep.runtime.launch import (CPU_OR_GPU, add_launch_options, imbalance_target, multi_rank_main, non_negative_int,
+                                   positive_int)
 
 # MoELayer's placements of the sync: in series, its update starts it (no "layer" of its own)
 MOE_LAYER_SYNC_STREAMS = [stream for stream in SYNC_STREAMS if stream != "layer"]
@@ -92,14 +93,14 @@ def parse_args(argv):
     add_launch_options(parser, backend_help=CPU_OR_GPU)
     parser.add_argument("--layers", type=positive_int, default=2, help="MoE layers in the stack")
     parser.add_argument("--experts-per-rank", type=positive_int, default=8, help="master experts per rank and layer")
-    parser.add_argument("--slots", type=int, default=2, help="redundant slots per rank")
+    parser.add_argument("--slots", type=non_negative_int, default=2, help="redundant slots per rank")
     parser.add_argument("--tokens", type=positive_int, default=8192,
                         help="tokens per rank (tokens x top_k divisible by experts)")
     parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
     parser.add_argument("--hidden", type=positive_int, default=2048, help="model width (rows of w_up)")
     parser.add_argument("--ffn", type=positive_int, default=1024,
                         help="expert FFN width (w_up is [hidden, 2 x ffn], SwiGLU)")
-    parser.add_argument("--initial-imbalance", type=float, default=1.5,
+    parser.add_argument("--initial-imbalance", type=imbalance_target, default=1.5,
                         help="rank max/mean of the skewed routing before balancing")
     parser.add_argument("--min-replica-tokens", type=replica_threshold, nargs="+", default=[512], metavar="N|auto",
                         help="fewest tokens a replica may serve (the planner's min_replica_tokens), or auto (the "
@@ -110,7 +111,7 @@ def parse_args(argv):
                              "default: side where each rank has a GPU of its own, else update); an ultraep row per "
                              "placement")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed steps per policy")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the routing, weights and inputs")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the routing, weights and inputs")
     parser.add_argument("--phases", action="store_true",
                         help="also print each policy's steps (update, dispatch, GEMMs, ...) per direction, in ms")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -119,6 +120,15 @@ def parse_args(argv):
     if args.top_k > args.experts_per_rank * args.ranks:  # checked here, not on every rank after the launch
         parser.error(f"--top-k {args.top_k} exceeds the experts (--experts-per-rank {args.experts_per_rank} x "
                      f"--ranks {args.ranks})")
+    experts = args.experts_per_rank * args.ranks
+    if args.tokens * args.top_k % experts:
+        parser.error(f"ideal's force-balanced routing needs --tokens x --top-k ({args.tokens * args.top_k}) divisible "
+                     f"by the experts ({experts})")
+    for layer in range(args.layers):  # the skewed routing each layer draws, refused before the launch
+        try:
+            zipf_seed(args.ranks, experts, layer, args)
+        except ValueError as exc:
+            parser.error(f"--initial-imbalance {args.initial_imbalance}: {exc}")
     return args
 
 
@@ -127,23 +137,30 @@ def main(argv=None) -> int:
                            command=["-m", "ultraep.bench", "moe-layer"])
 
 
+def zipf_seed(ranks: int, experts: int, layer: int, args) -> int:
+    """The seed of the first of ROUTING_DRAWS Zipf rankings whose loads reach the skewed
+    routing's target for ``layer``; ValueError saying why none does."""
+    from ultraep.analysis.traces import zipf_loads
+
+    seed = args.seed * 1000 + layer
+    for draw in range(ROUTING_DRAWS):
+        try:
+            zipf_loads(ranks, experts, args.top_k, args.tokens, args.initial_imbalance, seed + 100_000 * draw)
+            return seed + 100_000 * draw
+        except ValueError as exc:
+            error = exc
+    raise ValueError(f"layer {layer}: no Zipf ranking of {ROUTING_DRAWS} reaches the target: {error}")
+
+
 def routing(policy: str, ranks: int, experts: int, layer: int, args) -> np.ndarray:
     """Logical top-k ids ``int32[R, T, K]`` of every rank for one layer."""
     from ultraep.analysis.traces import topk_from_loads, zipf_topk
 
-    seed = args.seed * 1000 + layer
     if policy != "ideal":
-        for draw in range(ROUTING_DRAWS):
-            try:
-                return zipf_topk(ranks, experts, args.top_k, args.tokens, args.initial_imbalance,
-                                 seed + 100_000 * draw)
-            except ValueError as exc:
-                error = exc
-        raise ValueError(f"layer {layer}: no Zipf ranking of {ROUTING_DRAWS} reaches the target: {error}")
+        return zipf_topk(ranks, experts, args.top_k, args.tokens, args.initial_imbalance,
+                         zipf_seed(ranks, experts, layer, args))
     pairs = args.tokens * args.top_k
-    if pairs % experts:
-        raise ValueError(f"force-balanced routing needs tokens x top_k ({pairs}) divisible by the experts ({experts})")
-    return topk_from_loads(np.full((ranks, experts), pairs // experts, np.int32), args.top_k, seed)
+    return topk_from_loads(np.full((ranks, experts), pairs // experts, np.int32), args.top_k, args.seed * 1000 + layer)
 
 
 def received_rows(ids: np.ndarray, experts_per_rank: int) -> np.ndarray:

@@ -37,7 +37,7 @@ from ultraep.bench.report import RowStream, print_table, write_json
 from ultraep.integration.traces import load_trace
 from ultraep.planner import ExpertLayout, plan_placement
 from ultraep.planner.plan import imbalance
-from ultraep.runtime.launch import positive_int, refused
+from ultraep.runtime.launch import non_negative_int, positive_int, refused
 
 POLICIES = ("none", "ultraep", "eplb", "ideal")
 BOUNDED = ("none", "ultraep", "eplb")  # policies that obey the planner's constraints
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per rank and micro-batch (generated)")
     p.add_argument("--steps", type=int, default=16, help="micro-batches (generated traces)")
     p.add_argument("--layers", type=int, default=2, help="MoE layers (generated traces)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generated trace")
     p.add_argument("--initial-imbalance", type=float, default=2.0,
                    help="--generate zipf: rank max/mean of every cell before balancing")
     p.add_argument("--min-replica-tokens", type=int, default=1024,

@@ -15,6 +15,7 @@ import argparse
 
 import contextlib
 import functools
+import math
 import os
 import re
 import runpy
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ultraep.errors import LaunchError, MPSUnavailable
+from ultraep.errors import LaunchError, MPSUnavailable, UltraEPError
 
 
 # Set by mpiexec in every rank's environment (Open MPI, PMIx, MPICH/Hydra).
@@ -359,6 +360,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
+
+
+def imbalance_target(text: str) -> float:
+    """An argparse type: a rank max/mean, a finite number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 (a rank max/mean), got {text!r}")
+    return value
+
+
 OUTPUT_OPTIONS = ("json", "plot", "timeline", "out")  # the tools' options naming a file they write
 
 
@@ -430,7 +453,15 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if launched_by_mpiexec():
-        return run(args)
+        try:
+            return run(args)
+        except UltraEPError as exc:
+            if not exc.on_every_rank:
+                raise
+            # every rank raised this verdict (bad options the library refused): said once, no traceback
+            if next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0") == "0":
+                print(f"{command[-1]}: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     if refused(args, command[-1]):
         return 2
     ranks, relaunch = nprocs(args), [*command, *argv]

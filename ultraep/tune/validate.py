@@ -62,7 +62,7 @@ import sys
 
 import numpy as np
 
-from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive_int
+from ultraep.runtime.launch import add_launch_options, multi_rank_main, non_negative_int, positive_int
 
 PHASES = ("weight-sync", "dispatch", "fused-forward")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
@@ -94,7 +94,7 @@ def parse_args(argv):
     parser.add_argument("--retime-rounds", type=int, default=5, metavar="ROUNDS",
                         help="dispatch: rounds that time each operation's model choice and its fastest measured "
                              "grids again together (the median of each; 0: none)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the routing and the weights")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the routing and the weights")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="write predicted against measured as a scatter plot")
     parser.add_argument("--json", metavar="FILE",
