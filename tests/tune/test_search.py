@@ -142,6 +142,15 @@ def test_search_cli_refuses_what_it_cannot_search(tmp_path, capsys):
     assert tune_main(["search", "--profile", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--profile {tmp_path / 'none.json'}" in err and "No such file" in err
+    path = write_profile(PROFILE, tmp_path / "h200.json")
+    for problem, message in ((["--experts", "7", "--ranks", "4"], "7 experts do not divide over 4 ranks"),
+                             (["--top-k", "100", "--experts", "8"], "top_k 100 exceeds the 8 experts")):
+        assert tune_main(["search", "--profile", str(path), *problem]) == 2
+        err = capsys.readouterr().err
+        assert err == f"ultraep.tune search: Problem: {message}\n", err
+    with pytest.raises(SystemExit):
+        tune_main(["search", "--ranks-per-gpu", "16", "--ranks", "8"])
+    assert "--ranks-per-gpu 16 exceeds --ranks 8" in capsys.readouterr().err
 
 
 def test_a_fused_schedule_holds_each_buckets_choice():

@@ -49,6 +49,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.command == "search" and args.fanout < 0:
         search.error(f"argument --fanout: expected an int >= 0, got {args.fanout}")
+    if args.command == "search" and args.ranks_per_gpu > args.ranks:
+        search.error(f"--ranks-per-gpu {args.ranks_per_gpu} exceeds --ranks {args.ranks}")
     return args
 
 
@@ -62,16 +64,22 @@ def search_command(args) -> int:
     from ultraep.tune.model import Problem, SyncProblem
     from ultraep.tune.search import search
 
+    try:
+        problem = Problem(args.tokens, args.hidden, args.ffn, args.top_k, args.experts, args.ranks,
+                          ranks_per_gpu=args.ranks_per_gpu)
+    except ProfileError as exc:
+        print(f"ultraep.tune search: {exc}", file=sys.stderr)
+        return 2
     if args.profile:
         try:
             profile = read_profile(args.profile)
         except (OSError, ValueError) as exc:  # ProfileError is a ValueError
             print(f"ultraep.tune search: --profile {args.profile}: {exc}", file=sys.stderr)
             return 2
+    elif refused(args, "ultraep.tune search"):  # --backend device without a GPU
+        return 2
     else:
         profile = load_profile(args.backend, device=args.device, progress=stderr_progress)
-    problem = Problem(args.tokens, args.hidden, args.ffn, args.top_k, args.experts, args.ranks,
-                      ranks_per_gpu=args.ranks_per_gpu)
     sync = SyncProblem(3 * args.hidden * args.ffn * problem.element_bytes, (args.fanout,)) if args.fanout else None
     results = [search(profile, problem, sync) for _ in range(SEARCH_RUNS)]
     fastest = min(result.seconds for result in results)
