@@ -40,6 +40,13 @@ def test_output_files_are_checked_before_any_work(tmp_path):
     assert launch.output_errors(bad) == [f"--json {tmp_path}: a directory, not a file to write",
                                          f"--plot {tmp_path}/none/r.png: folder '{tmp_path}/none' does not exist",
                                          "--timeline /proc/t.png: cannot write in '/proc' (No such file or directory)"]
+    # a figure's suffix names its format: one matplotlib cannot write fails now, not after the run
+    wrong = argparse.Namespace(json=str(tmp_path / "r.txt"), plot=str(tmp_path / "p.txt"), timeline=str(tmp_path / "t"))
+    errors = launch.output_errors(wrong)
+    assert [e.split(": ")[0] for e in errors] == [f"--plot {tmp_path}/p.txt", f"--timeline {tmp_path}/t"]
+    assert all("the suffix names no format matplotlib writes (" in e and ".png" in e for e in errors)
+    right = argparse.Namespace(plot=str(tmp_path / "p.PDF"), timeline=str(tmp_path / "t.svg"))
+    assert launch.output_errors(right) == []
 
 
 def test_gpu_options_are_refused_by_name_without_a_gpu(monkeypatch):

@@ -383,6 +383,7 @@ def imbalance_target(text: str) -> float:
 
 
 OUTPUT_OPTIONS = ("json", "plot", "timeline", "out")  # the tools' options naming a file they write
+PLOT_OPTIONS = ("plot", "timeline")  # of them, those naming a figure
 
 
 def output_errors(args) -> list[str]:
@@ -408,7 +409,22 @@ def output_errors(args) -> list[str]:
                     pass
             except OSError as exc:
                 errors.append(f"--{option} {text}: cannot write in {str(folder)!r} ({exc.strerror})")
+        if option in PLOT_OPTIONS and (error := plot_format_error(path)) is not None:
+            errors.append(f"--{option} {text}: {error}")
     return errors
+
+
+def plot_format_error(path: Path) -> str | None:
+    """Why matplotlib would refuse to save a figure as ``path`` (its suffix names the format),
+    or None (also without matplotlib: the plot's own import says so)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() in formats:
+        return None
+    return f"the suffix names no format matplotlib writes ({', '.join('.' + f for f in sorted(formats))})"
 
 
 def no_gpu_error(backend: str, emulate_ep) -> str | None:
