@@ -480,7 +480,20 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
             raise SystemExit(2) from None
     if refused(args, command[-1]):
         return 2
-    ranks, relaunch = nprocs(args), [*command, *argv]
+    try:
+        return _launch(args, argv, nprocs(args), command, timeout)
+    except LaunchError as exc:  # no mpiexec, or the job timed out: what the ranks did is in the message
+        print(f"{command[-1]}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the ranks are stopped on the way out of run_mpi
+        print(f"{command[-1]}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _launch(args, argv: Sequence[str], ranks: int, command: Sequence[str], timeout: float) -> int:
+    """multi_rank_main's relaunch on ``ranks`` ranks, under an MPS daemon of its own with
+    ``args.emulate_ep``."""
+    relaunch = [*command, *argv]
     percent = getattr(args, "emulate_ep", None)
     if percent is None:
         return relaunch_on_ranks(ranks, relaunch, timeout=timeout)
