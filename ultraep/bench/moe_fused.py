@@ -224,15 +224,15 @@ def plot_timeline(ranks_tasks, path: str, title: str) -> None:
     t0 = min((start for tasks in ranks_tasks for _, start, _, _ in tasks), default=0)
     t1 = max((end for tasks in ranks_tasks for _, _, end, _ in tasks), default=t0)
     heights = [max(1, len({worker for *_, worker in tasks})) for tasks in ranks_tasks]
-    fig, axes = plt.subplots(len(ranks_tasks), 1, sharex=True, squeeze=False,
-                             figsize=(12, 1.5 + sum(max(1.2, 0.05 * h) for h in heights)),
+    height = 1.5 + sum(max(1.2, 0.05 * h) for h in heights)  # inches
+    fig, axes = plt.subplots(len(ranks_tasks), 1, sharex=True, squeeze=False, figsize=(12, height),
                              gridspec_kw={"height_ratios": [max(1.2, 0.05 * h) for h in heights]})
     for r, (tasks, ax) in enumerate(zip(ranks_tasks, axes[:, 0])):
         row = {worker: i for i, worker in enumerate(sorted({worker for *_, worker in tasks}))}
         for kind, colour in KIND_COLOURS.items():
             # One collection of rectangles per kind: a bar per task would take minutes at
             # tens of thousands of tasks, while the other ranks wait in a collective.
-            boxes = [((s - t0) / 1e3, (e - t0) / 1e3, row[w]) for k, s, e, w in tasks if k == kind]
+            boxes = [((s - t0) / 1e6, (e - t0) / 1e6, row[w]) for k, s, e, w in tasks if k == kind]  # ms
             if boxes:
                 ax.add_collection(PolyCollection([((x0, y - 0.4), (x0, y + 0.4), (x1, y + 0.4), (x1, y - 0.4))
                                                   for x0, x1, y in boxes], facecolors=colour, edgecolors="none",
@@ -240,11 +240,12 @@ def plot_timeline(ranks_tasks, path: str, title: str) -> None:
         ax.set_ylim(-0.5, len(row) - 0.5)
         ax.set_ylabel(f"rank {r}\nSM", fontsize=8)
         ax.set_yticks([])
-    axes[-1, 0].set_xlim(0, max(t1 - t0, 1) / 1e3)  # the panels share the axis
-    axes[-1, 0].set_xlabel("µs since the first task on any rank")
-    axes[0, 0].set_title(title, fontsize=9)
-    fig.legend(loc="upper right", fontsize=8, ncol=len(KIND_COLOURS))
-    fig.tight_layout()
+    axes[-1, 0].set_xlim(0, max(t1 - t0, 1) / 1e6)  # the panels share the axis
+    axes[-1, 0].ticklabel_format(axis="x", useOffset=False)
+    axes[-1, 0].set_xlabel("ms since the first task on any rank")
+    fig.suptitle(title, fontsize=9)
+    fig.legend(loc="lower center", fontsize=8, ncol=len(KIND_COLOURS), frameon=False)  # below, clear of the title
+    fig.tight_layout(rect=(0, 0.35 / height, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
