@@ -83,8 +83,8 @@ from functools import partial
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import (CPU_OR_GPU, add_launch_options, imbalance_target, multi_rank_main, non_negative_int,
-                                   positive_int)
+from ultraep.runtime.launch import (CPU_OR_GPU, DefaultsHelpFormatter, add_launch_options, imbalance_target,
+                                   multi_rank_main, non_negative_int, positive_int)
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASES end, as the columns name them
@@ -119,7 +119,8 @@ def resolved_sync_streams(group, streams: list, update_may_start: bool = True) -
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m ultraep.bench balancer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench balancer", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     add_launch_options(parser, backend_help=CPU_OR_GPU)
     parser.add_argument("--experts", type=positive_int, default=64,
                         help="logical experts in all (divisible by the ranks)")

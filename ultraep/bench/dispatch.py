@@ -39,7 +39,7 @@ import sys
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import add_launch_options, multi_rank_main, non_negative_int
+from ultraep.runtime.launch import DefaultsHelpFormatter, add_launch_options, multi_rank_main, non_negative_int
 
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
            "dispatch/copy", "combine/copy", "pull_ms", "pull/copy", "pull_diff", "push_ms", "push/copy",
@@ -48,7 +48,8 @@ COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m ultraep.bench dispatch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench dispatch", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     add_launch_options(parser)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="tokens per rank")
     parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168], help="token widths (bf16 values)")

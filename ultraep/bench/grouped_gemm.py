@@ -48,7 +48,8 @@ import numpy as np
 from ultraep.bench.report import print_table, write_json
 from ultraep.bench.timing import group_windows_ms_each, held_event_ms_each
 from ultraep.compute.device import DEFAULT_SCHEDULES, SCHEDULES
-from ultraep.runtime.launch import add_launch_options, launched_by_mpiexec, multi_rank_main, non_negative_int
+from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, launched_by_mpiexec, multi_rank_main,
+                                   non_negative_int)
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ def expert_counts(experts: int, mean: int, distribution: str, seed: int) -> np.n
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m ultraep.bench grouped-gemm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench grouped-gemm", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--cases", nargs="+", metavar="NAME", help="substrings of case names to run (default: all)")
     parser.add_argument("--sizes", nargs="+", choices=DISTRIBUTIONS, default=list(UNEVEN),
                         help="how the rows are spread over the experts (default: the uneven ones; exact: the "

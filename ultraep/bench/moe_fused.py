@@ -75,7 +75,8 @@ import numpy as np
 
 from ultraep.bench.moe_layer import differing, phase_windows_ms
 from ultraep.bench.timing import array_backend
-from ultraep.runtime.launch import add_launch_options, multi_rank_main, non_negative_int, positive_int
+from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, multi_rank_main, non_negative_int,
+                                   positive_int)
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
 CONFIGS = ("constants", "tuned")  # --config both: each, the constants first
@@ -96,7 +97,8 @@ def width(text: str) -> int:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-fused", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-fused", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     add_launch_options(parser, backend_help="device: the CUDA kernels; host: the NumPy task semantics; auto: the GPU "
                                             "if any")
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 8192, 16384, 32768],

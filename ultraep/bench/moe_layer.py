@@ -59,8 +59,8 @@ import numpy as np
 
 from ultraep.bench.balancer import SYNC_STREAMS, resolved_sync_streams
 from ultraep.bench.timing import array_backend, window_ms
-from ultraep.runtime.launch import (CPU_OR_GPU, add_launch_options, imbalance_target, multi_rank_main, non_negative_int,
-                                   positive_int)
+from ultraep.runtime.launch import (CPU_OR_GPU, DefaultsHelpFormatter, add_launch_options, imbalance_target,
+                                   multi_rank_main, non_negative_int, positive_int)
 
 # MoELayer's placements of the sync: in series, its update starts it (no "layer" of its own)
 MOE_LAYER_SYNC_STREAMS = [stream for stream in SYNC_STREAMS if stream != "layer"]
@@ -89,7 +89,8 @@ def replica_threshold(text: str):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-layer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench moe-layer", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     add_launch_options(parser, backend_help=CPU_OR_GPU)
     parser.add_argument("--layers", type=positive_int, default=2, help="MoE layers in the stack")
     parser.add_argument("--experts-per-rank", type=positive_int, default=8, help="master experts per rank and layer")

@@ -37,7 +37,7 @@ from ultraep.bench.report import RowStream, print_table, write_json
 from ultraep.integration.traces import load_trace
 from ultraep.planner import ExpertLayout, plan_placement
 from ultraep.planner.plan import imbalance
-from ultraep.runtime.launch import non_negative_int, positive_int, refused
+from ultraep.runtime.launch import DefaultsHelpFormatter, non_negative_int, positive_int, refused
 
 POLICIES = ("none", "ultraep", "eplb", "ideal")
 BOUNDED = ("none", "ultraep", "eplb")  # policies that obey the planner's constraints
@@ -51,7 +51,7 @@ DEMO = dict(generate="demo", ranks=16, experts=64, slots=2, domain=16, top_k=8, 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ultraep.bench plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--trace", help="replay this .npz trace (see ultraep.integration.traces)")
     source.add_argument("--generate", choices=sorted(GENERATORS), help="generate a synthetic trace")
@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--bound auto: seconds of MILP in the whole run; later cells get the LP bound")
     p.add_argument("--bound-max-binaries", type=int, default=DEFAULT_MAX_BINARIES,
                    help="largest MILP (replica variables) that --bound auto still tries; larger layouts get the LP")
-    p.add_argument("--json", help="write the results to this JSON file")
-    p.add_argument("--plot", help="draw per-rank loads before/after and imbalance over steps to this PNG")
+    p.add_argument("--json", metavar="FILE", help="write the results to this JSON file")
+    p.add_argument("--plot", metavar="PNG", help="draw per-rank loads before/after and imbalance over steps")
     p.add_argument("--quiet", action="store_true", help="no per-cell lines on stderr")
     return p
 

@@ -33,6 +33,7 @@ import numpy as np
 from ultraep.bench.report import RowStream, write_json
 from ultraep.bench.timing import graph_ms, median_event_ms
 from ultraep.runtime.group import gpu_count
+from ultraep.runtime.launch import DefaultsHelpFormatter
 from ultraep.planner import ExpertLayout, plan_placement, reroute
 from ultraep.analysis.bound import min_replicas_bound
 from ultraep.analysis.traces import zipf_loads, zipf_topk
@@ -59,7 +60,7 @@ COLUMNS = ["experts", "initial", "seed", "before", "after", "plan_ms", "reroute_
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench plan-kernel",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--experts", type=int, nargs="+", default=[128, 256], help="logical experts, one row each")
     parser.add_argument("--initial-imbalance", type=float, nargs="+", default=[1.5, 2.0, 3.0],
                         help="rank max/mean of the Zipf loads before balancing, one row each")

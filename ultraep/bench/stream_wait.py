@@ -26,7 +26,7 @@ import statistics
 
 import numpy as np
 
-from ultraep.runtime.launch import add_launch_options, multi_rank_main, positive_int
+from ultraep.runtime.launch import DefaultsHelpFormatter, add_launch_options, multi_rank_main, positive_int
 
 CASES = ("alone", "wait", "wait+event", "wait+kernel")
 KERNELS = ("add", "gemm")
@@ -37,7 +37,7 @@ QUEUED_KERNEL_NS = 20_000
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench stream-wait",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--kernels", type=positive_int, default=60, help="kernels timed per case")
     parser.add_argument("--repeats", type=positive_int, default=30, help="timed rounds (median reported)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")

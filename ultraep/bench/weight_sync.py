@@ -41,14 +41,15 @@ import numpy as np
 
 from ultraep.bench.timing import graph_ms, group_window_ms
 from ultraep.runtime.kernels import kernel_constant
-from ultraep.runtime.launch import multi_rank_main
+from ultraep.runtime.launch import DefaultsHelpFormatter, multi_rank_main
 
 FANOUT_COPY_THREADS = kernel_constant("bench_copy.cu", "COPY_THREADS")
 FANOUT_COPY_MAX_DESTS = kernel_constant("bench_copy.cu", "COPY_MAX_DESTS")
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m ultraep.bench weight-sync", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ultraep.bench weight-sync", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--hidden", type=int, default=4096, help="model width of the synced expert")
     parser.add_argument("--ffn", type=int, default=1536, help="FFN width of the synced expert")
     parser.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4, 8],

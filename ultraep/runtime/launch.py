@@ -349,6 +349,18 @@ def _exit_on_sigterm(signum, frame):
 CPU_OR_GPU = "device: CuPy on the GPU; host: NumPy on the CPU; auto: the GPU when there is one"  # --backend help
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """The tools' --help: each option's default after its help, where it has one worth
+    saying (not None or False) and the help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.default in (None, False, argparse.SUPPRESS) or not action.option_strings
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an int >= 1."""
     try:

@@ -15,23 +15,30 @@ import json
 import sys
 
 from ultraep.errors import ProfileError
-from ultraep.runtime.launch import positive_int, refused
+from ultraep.runtime.launch import DefaultsHelpFormatter, positive_int, refused
 from ultraep.tune.profile import load_profile, read_profile, stderr_progress
 
 SEARCH_RUNS = 5  # the search is timed this many times; the fastest is reported (the first pays NumPy's warm-up)
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m ultraep.tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ultraep.tune", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    profile = commands.add_parser("profile", help="measure (once) and print this machine's profile")
+    profile = commands.add_parser("profile", help="measure (once) and print this machine's profile",
+                                  description="Measure (once; cached) and print this machine's profile.",
+                                  formatter_class=DefaultsHelpFormatter)
     profile.add_argument("--out", metavar="FILE",
                          help="the profile's file (default: profile-<device>.json in $ULTRAEP_CACHE_DIR "
                               "or ~/.cache/ultraep)")
     profile.add_argument("--force", action="store_true", help="measure again even where a valid profile is cached")
     _add_machine_options(profile)
     profile.add_argument("--json", action="store_true", help="print the profile as JSON instead of a table")
-    search = commands.add_parser("search", help="the model's best configuration for a problem, and the search's time")
+    search = commands.add_parser("search", help="the model's best configuration for a problem, and the search's time",
+                                 description="The model's best configuration for a problem (from this machine's "
+                                             "profile, or --profile FILE), each phase's predicted time, and how long "
+                                             "the search over every configuration took.",
+                                 formatter_class=DefaultsHelpFormatter)
     search.add_argument("--profile", metavar="FILE", help="use this profile file (e.g. another machine's) as it is")
     _add_machine_options(search)
     search.add_argument("--tokens", type=positive_int, default=4096, help="tokens per rank")

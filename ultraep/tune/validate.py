@@ -62,7 +62,8 @@ import sys
 
 import numpy as np
 
-from ultraep.runtime.launch import add_launch_options, multi_rank_main, non_negative_int, positive_int
+from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, multi_rank_main, non_negative_int,
+                                   positive_int)
 
 PHASES = ("weight-sync", "dispatch", "fused-forward")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
@@ -73,7 +74,8 @@ MAX_HOLD_NS = 10**9  # a host that cannot enqueue one forward within a hold this
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m ultraep.tune validate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ultraep.tune validate", description=__doc__.split("\n\n")[0],
+                                     formatter_class=DefaultsHelpFormatter)
     add_launch_options(parser, backend_help="device: the GPU; host: NumPy on the CPU (a smoke test of the sweep); "
                                             "auto: the GPU when there is one")
     parser.add_argument("--phase", choices=PHASES, help="what to sweep (required unless --replay)")
