@@ -25,10 +25,11 @@ from mpi4py import MPI
 
 import ultraep
 from ultraep.compute import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+from ultraep.runtime.launch import positive_int
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--micro-batches", type=int, default=4)
-parser.add_argument("--tokens", type=int, default=512, help="tokens per rank and micro-batch")
+parser.add_argument("--micro-batches", type=positive_int, default=4, help="micro-batches through the layer")
+parser.add_argument("--tokens", type=positive_int, default=512, help="tokens per rank and micro-batch")
 parser.add_argument("--out", type=Path, default=Path("out/demo_layer.png"), help="the figure (written by rank 0)")
 args = parser.parse_args()
 

@@ -36,11 +36,12 @@ from ultraep.planner import ExpertLayout
 from ultraep.runtime.group import EPGroup
 from ultraep.token import Dispatcher
 from ultraep.transfer import ExpertSpec
+from ultraep.runtime.launch import positive_int
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--backend", default="host", choices=["host", "device"])
-parser.add_argument("--micro-batches", type=int, default=4)
-parser.add_argument("--tokens", type=int, default=128, help="tokens per rank and micro-batch")
+parser.add_argument("--micro-batches", type=positive_int, default=4, help="micro-batches through the layer")
+parser.add_argument("--tokens", type=positive_int, default=128, help="tokens per rank and micro-batch")
 parser.add_argument("--out", type=Path, default=None, help="directory for the load trace and plot (rank 0)")
 args = parser.parse_args()
 

@@ -35,10 +35,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ultraep import Balancer, EPGroup, ExpertLayout, MoELayer
+from ultraep.runtime.launch import positive_int
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=3)
-parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank and step")
+parser.add_argument("--steps", type=positive_int, default=3, help="forward steps")
+parser.add_argument("--tokens", type=positive_int, default=1024, help="tokens per rank and step")
 args = parser.parse_args()
 
 group = EPGroup(MPI.COMM_WORLD)

@@ -57,10 +57,11 @@ from mpi4py import MPI
 
 from ultraep import Balancer, Dispatcher, EPGroup, ExpertLayout, ExpertSpec, MoELayer
 from ultraep.token.torch_autograd import TokenRoute, to_torch
+from ultraep.runtime.launch import positive_int
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=4)
-parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank and step")
+parser.add_argument("--steps", type=positive_int, default=4, help="training steps")
+parser.add_argument("--tokens", type=positive_int, default=1024, help="tokens per rank and step")
 parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--weight-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"],
                     help="the experts' weights: BF16 (MoELayer) or FP8 with float32 block scales")
