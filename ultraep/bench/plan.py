@@ -49,6 +49,17 @@ DEMO = dict(generate="demo", ranks=16, experts=64, slots=2, domain=16, top_k=8, 
             steps=12, layers=3, seed=0, min_replica_tokens=512, bound_budget=6.0)
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ultraep.bench plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
@@ -78,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower bound each gap is measured to. auto: the MILP (exact where cheap) until "
                         "--bound-budget is spent, then the LP; milp / lp: that solver on every cell; trivial: "
                         "perfect balance or the heaviest expert over its most instances, no solver, no cost")
-    p.add_argument("--bound-time-limit", type=float, default=2.0, help="seconds per cell for the MILP or LP")
-    p.add_argument("--bound-budget", type=float, default=10.0,
+    p.add_argument("--bound-time-limit", type=seconds, default=2.0, help="seconds per cell for the MILP or LP")
+    p.add_argument("--bound-budget", type=seconds, default=10.0,
                    help="--bound auto: seconds of MILP in the whole run; later cells get the LP bound")
     p.add_argument("--bound-max-binaries", type=int, default=DEFAULT_MAX_BINARIES,
                    help="largest MILP (replica variables) that --bound auto still tries; larger layouts get the LP")
