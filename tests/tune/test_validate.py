@@ -71,7 +71,9 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
                       "--repeats", "2", *extra, "--plot", str(png), "--json", str(out_json)])
     out, err = capfd.readouterr()
     assert code == 0, out + err
-    assert "mean absolute error" in out and "the model's choice" in out and "predicted_ms" in out
+    assert "mean absolute error" in out and "predicted_ms" in out
+    # the host's Dispatcher has no grid: its sweep measures one configuration again and again
+    assert ("nothing to choose among" if phase == "dispatch" else "the model's choice") in out
     assert "within 5 %" in out and "worst" in out
     assert "[bench tune validate]" in err and "(5/5)" in err
     data = json.loads(out_json.read_text())

@@ -715,10 +715,13 @@ def report(rows: list[dict], summary: dict, title: str, file=None) -> None:
                            if "default" in s else "")
         retimed = (f" ({s['chosen_over_best_retimed_pct']:.2f} % over the fastest when timed again beside them)"
                    if "chosen_over_best_retimed_pct" in s else "")
+        swept = {row["config"] for row in rows if row["problem"] == problem}
+        choice = (f"the model's choice {s['chosen']} ranks {s['chosen_rank']} of {s['configs']} measured, "
+                  f"{s['chosen_over_best_pct']:.2f} % over the fastest measured ({s['best_measured']})"
+                  f"{retimed}{against_default}" if len(swept) > 1 else
+                  f"one configuration ({s['chosen']}) measured {s['configs']} times: nothing to choose among")
         print(f"{problem}: mean absolute error {s['mean_abs_error_pct']:.2f} %, {100 * s['within_fraction']:.0f} % "
-              f"within {WITHIN_PCT:g} %; the model's choice {s['chosen']} ranks {s['chosen_rank']} of {s['configs']} "
-              f"measured, {s['chosen_over_best_pct']:.2f} % over the fastest measured ({s['best_measured']})"
-              f"{retimed}{against_default}", file=file)
+              f"within {WITHIN_PCT:g} %; {choice}", file=file)
 
 
 def print_down_at_work_note(profile, problems: dict) -> None:
