@@ -212,18 +212,21 @@ def test_replay_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert replay_rows(replayed)[0] == replayed["rows"]  # a replay's file replays to itself
 
 
-def test_replay_refuses_what_it_cannot_predict(tmp_path):
+def test_replay_refuses_what_it_cannot_predict(tmp_path, capsys):
+    """One line on stderr naming the tool and why, exit 2."""
+    def refused(path, why):
+        assert tune_main(["validate", "--replay", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ultraep.tune validate: --replay: ") and why in err and err.count("\n") == 1, err
+
     for phase in ("moe-fused", "fused-forward"):  # no sweep of its phase to replay; a forward without problems
         other = tmp_path / f"{phase}.json"
         other.write_text(json.dumps({"phase": phase, "rows": []}))
-        with pytest.raises(SystemExit, match="not a fused-forward sweep's --json with its ranks' problems"):
-            tune_main(["validate", "--replay", str(other)])
+        refused(other, "not a fused-forward sweep's --json with its ranks' problems")
     bare = tmp_path / "weight-sync.json"  # a weight-sync sweep replays, from the profile it keeps
     bare.write_text(json.dumps({"phase": "weight-sync", "rows": []}))
-    with pytest.raises(SystemExit, match="the file's profile cannot be read"):
-        tune_main(["validate", "--replay", str(bare)])
-    with pytest.raises(SystemExit, match="cannot read"):
-        tune_main(["validate", "--replay", str(tmp_path / "missing.json")])
+    refused(bare, "the file's profile cannot be read")
+    refused(tmp_path / "missing.json", "cannot read")
     with pytest.raises(SystemExit):  # neither a phase to sweep nor a file to replay
         tune_main(["validate"])
 

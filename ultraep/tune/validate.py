@@ -114,7 +114,13 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.replay is not None:
-        return replay(args)
+        try:
+            return replay(args)
+        except SystemExit as refused:  # a file it cannot replay: said as the other refusals are, exit 2
+            if not isinstance(refused.code, str):
+                raise
+            print(f"ultraep.tune validate: {refused.code}", file=sys.stderr)
+            return 2
     return multi_rank_main(argv, parse_args, run, nprocs=lambda a: a.ranks, command=["-m", "ultraep.tune", "validate"])
 
 
