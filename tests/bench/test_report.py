@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from ultraep.bench.report import Progress
+from ultraep.bench.report import HOST_QUICK_TOKENS, Progress, host_size_note
 from ultraep.tune.profile import PROGRESS_LOGGER, stderr_progress
 
 
@@ -32,3 +32,12 @@ def test_quiet_silences_the_bench_and_the_tuner_on_every_rank(capsys, tune_level
     err = capsys.readouterr().err
     assert "step one" not in err and "measuring" not in err
     assert "a warning still shows" in err
+
+
+def test_a_gpu_sized_run_on_the_host_says_it_takes_minutes(capsys):
+    progress = Progress("demo", enabled=True)
+    host_size_note(progress, True, HOST_QUICK_TOKENS)
+    host_size_note(progress, False, 8192)
+    assert capsys.readouterr().err == ""
+    host_size_note(progress, True, 8192)
+    assert "host backend (NumPy) at 8192 tokens per rank: minutes per row" in capsys.readouterr().err

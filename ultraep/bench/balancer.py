@@ -593,7 +593,7 @@ def device_breakdown(group, device_ms: dict) -> dict:
 def run(args) -> int:
     from mpi4py import MPI
 
-    from ultraep.bench.report import Progress, RowStream, write_json
+    from ultraep.bench.report import Progress, RowStream, host_size_note, write_json
     from ultraep.runtime.group import EPGroup
     from ultraep.runtime.mps import sharing_label
 
@@ -602,6 +602,7 @@ def run(args) -> int:
     args.sync_stream = resolved_sync_streams(group, args.sync_stream, update_may_start(args))
     printing = group.rank == 0
     progress = Progress("balancer", enabled=printing, quiet=args.quiet)
+    host_size_note(progress, not on_gpu(group, args), args.tokens)
     launches = (f"Balancer launches {'eager' if args.no_cuda_graphs else 'in CUDA graphs'}" if on_gpu(group, args)
                 else "Balancer on the host")
     title = (f"balancer exposed cost per MoE layer: {group.size} ranks ({sharing}), {args.experts} experts, "

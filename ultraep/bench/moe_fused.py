@@ -260,7 +260,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     from mpi4py import MPI
 
-    from ultraep.bench.report import Progress, RowStream, write_json
+    from ultraep.bench.report import Progress, RowStream, host_size_note, write_json
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.runtime.group import EPGroup
@@ -297,6 +297,7 @@ def run(args) -> int:
             "; fused_config='constants', tuned: 'tuned', tuned_gain = fused_ms / tuned_ms"
             + (", tuned_bwd_gain = fused_bwd_ms / tuned_bwd_ms" if args.backward else ""))
     progress = Progress("moe-fused", enabled=me == 0, quiet=args.quiet)
+    host_size_note(progress, not group.has_gpu, max(args.tokens))
     if args.overlap:
         title += ("; dispatch_ms, up_gemm_ms: the sequential path's Dispatcher.dispatch alone and its "
                   "up-projection grouped GEMM (BF16 out) alone; fused_a_ms: kernel A (dispatch + up tiles with "

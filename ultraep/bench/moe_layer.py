@@ -332,7 +332,7 @@ def run(args) -> int:
     from mpi4py import MPI
 
     from ultraep.runtime.mps import sharing_label
-    from ultraep.bench.report import Progress, RowStream, print_table, write_json
+    from ultraep.bench.report import Progress, RowStream, host_size_note, print_table, write_json
     from ultraep.analysis.traces import rank_imbalance
     from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.runtime.group import EPGroup
@@ -364,6 +364,7 @@ def run(args) -> int:
              "vs_ideal = ideal step time / policy's; out_diff / dx_diff: elements differing from none's; "
              "rerun_diff: elements of the outputs and all gradients differing between two checked steps")
     progress = Progress("moe-layer", enabled=me == 0, quiet=args.quiet)
+    host_size_note(progress, not group.has_gpu, T)
     table = RowStream(COLUMNS, title, enabled=me == 0)
     rows, phase_rows = [], []
     thresholds = args.min_replica_tokens

@@ -96,6 +96,17 @@ class RowStream:
         self.close()
 
 
+HOST_QUICK_TOKENS = 1024  # tokens per rank the host backend runs a row of in seconds
+
+
+def host_size_note(progress: "Progress", on_host: bool, tokens: int) -> None:
+    """On the host backend at a GPU's problem size, say before the first long step that it
+    takes minutes, and where the sizes that take seconds are."""
+    if on_host and tokens > HOST_QUICK_TOKENS:
+        progress(f"host backend (NumPy) at {tokens} tokens per rank: minutes per row on a CPU; the README's CPU "
+                 "sizes (e.g. --tokens 256 --hidden 128) take seconds")
+
+
 class Progress:
     """Progress lines on stderr, ``[bench NAME] 12.3 s: message``, from the rank that prints.
     ``quiet``: none, on any rank -- neither these nor the tuner's (the ``ultraep.tune`` logger's
