@@ -44,7 +44,8 @@ def test_output_files_are_checked_before_any_work(tmp_path):
     wrong = argparse.Namespace(json=str(tmp_path / "r.txt"), plot=str(tmp_path / "p.txt"), timeline=str(tmp_path / "t"))
     errors = launch.output_errors(wrong)
     assert [e.split(": ")[0] for e in errors] == [f"--plot {tmp_path}/p.txt", f"--timeline {tmp_path}/t"]
-    assert all("the suffix names no format matplotlib writes (" in e and ".png" in e for e in errors)
+    assert "the suffix '.txt' names no format matplotlib writes (" in errors[0] and ".png" in errors[0]
+    assert "no suffix names its format matplotlib writes (" in errors[1]
     right = argparse.Namespace(plot=str(tmp_path / "p.PDF"), timeline=str(tmp_path / "t.svg"))
     assert launch.output_errors(right) == []
 
@@ -149,3 +150,26 @@ def test_a_verdict_of_every_rank_is_said_once_without_tracebacks(tmp_path, lone)
         assert done.returncode == 2, done.stderr
         assert done.stderr.count("tool.py: hidden (7) must be a multiple of 8") == 1, done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_help_gives_the_defaults_worth_saying():
+    parser = argparse.ArgumentParser(formatter_class=launch.DefaultsHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0, help="seed")
+    parser.add_argument("--tokens", nargs="+", default=[4096, 8192], help="tokens per rank")
+    parser.add_argument("--json", help="a file")
+    parser.add_argument("--quiet", action="store_true", help="no lines")
+    parser.add_argument("--domain", type=int, help="domain size (default: all ranks)")
+    text = " ".join(parser.format_help().split())
+    assert "seed (default: 0)" in text and "tokens per rank (default: 4096 8192)" in text
+    assert "a file (default" not in text and "no lines (default" not in text
+    assert text.count("(default: all ranks)") == 1 and "(default: None)" not in text
+
+
+def test_bounded_types_name_what_they_expect():
+    assert launch.positive_int("3") == 3 and launch.non_negative_int("0") == 0
+    assert launch.imbalance_target("1.5") == 1.5
+    for parse, text, expected in ((launch.positive_int, "0", "an int >= 1"),
+                                  (launch.non_negative_int, "x", "an int >= 0"),
+                                  (launch.imbalance_target, "nan", "a number >= 1")):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"expected {expected}.*got '{text}'"):
+            parse(text)

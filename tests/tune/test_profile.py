@@ -365,3 +365,5 @@ def test_a_given_file_that_is_not_a_profile_is_never_overwritten(tmp_path, conte
     profile = load_profile("host", path=tmp_path / "mine.json")
     _rewrite(tmp_path / "mine.json", device="some other machine")
     assert load_profile("host", path=tmp_path / "mine.json").device == profile.device
+    (tmp_path / "empty").write_bytes(b"")  # as mktemp leaves it
+    assert load_profile("host", path=tmp_path / "empty") == read_profile(tmp_path / "empty")

@@ -138,7 +138,7 @@ def test_search_cli_prints_the_choice_and_its_time(tmp_path, capsys):
 def test_search_cli_refuses_what_it_cannot_search(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         tune_main(["search", "--fanout", "-2"])
-    assert refused.value.code == 2 and "--fanout: expected an int >= 0, got -2" in capsys.readouterr().err
+    assert refused.value.code == 2 and "--fanout: expected an int >= 0, got '-2'" in capsys.readouterr().err
     assert tune_main(["search", "--profile", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--profile {tmp_path / 'none.json'}" in err and "No such file" in err

@@ -84,7 +84,7 @@ import numpy as np
 
 from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import (CPU_OR_GPU, DefaultsHelpFormatter, add_launch_options, imbalance_target,
-                                   multi_rank_main, non_negative_int, positive_int)
+                                   job_ranks, multi_rank_main, non_negative_int, positive_int)
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASES end, as the columns name them
@@ -179,15 +179,16 @@ def parse_args(argv):
                              "--initial-imbalance (ultraep.analysis.plots.plot_rank_loads)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
-    if args.experts % args.ranks:  # checked here, not on every rank after the launch
-        parser.error(f"--experts {args.experts} must be divisible by --ranks {args.ranks}")
+    ranks = job_ranks(args)  # checked here, not on every rank after the launch
+    if args.experts % ranks:
+        parser.error(f"--experts {args.experts} must be divisible by the {ranks} ranks")
     if args.top_k > args.experts:
         parser.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
     from ultraep.analysis.traces import zipf_loads
 
     for target in args.initial_imbalance:  # the routing each row draws (measure), refused before the launch
         try:
-            zipf_loads(args.ranks, args.experts, args.top_k, args.tokens, target, args.seed)
+            zipf_loads(ranks, args.experts, args.top_k, args.tokens, target, args.seed)
         except ValueError as exc:
             parser.error(f"--initial-imbalance {target}: {exc}")
     if "update" in args.sync_stream and not update_may_start(args):

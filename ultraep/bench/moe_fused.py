@@ -75,8 +75,8 @@ import numpy as np
 
 from ultraep.bench.moe_layer import differing, phase_windows_ms
 from ultraep.bench.timing import array_backend
-from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, multi_rank_main, non_negative_int,
-                                   positive_int)
+from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, job_ranks, multi_rank_main,
+                                   non_negative_int, positive_int)
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
 CONFIGS = ("constants", "tuned")  # --config both: each, the constants first
@@ -129,8 +129,8 @@ def parse_args(argv):
                              "backward's, FILE_train_t... and FILE_bwd_t...), and print each rank's phases")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
-    if args.top_k > args.experts_per_rank * args.ranks:
-        parser.error(f"--top-k {args.top_k} exceeds the experts ({args.experts_per_rank} per rank x {args.ranks} "
+    if args.top_k > args.experts_per_rank * (ranks := job_ranks(args)):
+        parser.error(f"--top-k {args.top_k} exceeds the experts ({args.experts_per_rank} per rank x {ranks} "
                      "ranks): a token's experts are distinct")
     return args
 

@@ -59,8 +59,8 @@ import numpy as np
 
 from ultraep.bench.balancer import SYNC_STREAMS, resolved_sync_streams
 from ultraep.bench.timing import array_backend, window_ms
-from ultraep.runtime.launch import (CPU_OR_GPU, DefaultsHelpFormatter, add_launch_options, imbalance_target,
-                                   multi_rank_main, non_negative_int, positive_int)
+from ultraep.runtime.launch import (CPU_OR_GPU, DefaultsHelpFormatter, add_launch_options, bounded_type,
+                                   imbalance_target, job_ranks, multi_rank_main, non_negative_int, positive_int)
 
 # MoELayer's placements of the sync: in series, its update starts it (no "layer" of its own)
 MOE_LAYER_SYNC_STREAMS = [stream for stream in SYNC_STREAMS if stream != "layer"]
@@ -75,17 +75,9 @@ PHASE_COLUMNS = ["policy", "direction", "step", "mean_rank_ms", "max_rank_ms", "
 WGRAD_TOLERANCE = 1e-4
 
 
-def replica_threshold(text: str):
-    """A ``--min-replica-tokens`` value: ``auto`` or an int >= 0."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0 or 'auto', got {text!r}")
-    return value
+# A --min-replica-tokens value: auto or an int >= 0.
+replica_threshold = bounded_type(lambda text: text if text == "auto" else int(text),
+                                 lambda value: value == "auto" or value >= 0, "an int >= 0 or 'auto'")
 
 
 def parse_args(argv):
@@ -118,16 +110,17 @@ def parse_args(argv):
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
-    if args.top_k > args.experts_per_rank * args.ranks:  # checked here, not on every rank after the launch
+    ranks = job_ranks(args)  # checked here, not on every rank after the launch
+    if args.top_k > args.experts_per_rank * ranks:
         parser.error(f"--top-k {args.top_k} exceeds the experts (--experts-per-rank {args.experts_per_rank} x "
-                     f"--ranks {args.ranks})")
-    experts = args.experts_per_rank * args.ranks
+                     f"{ranks} ranks)")
+    experts = args.experts_per_rank * ranks
     if args.tokens * args.top_k % experts:
         parser.error(f"ideal's force-balanced routing needs --tokens x --top-k ({args.tokens * args.top_k}) divisible "
                      f"by the experts ({experts})")
     for layer in range(args.layers):  # the skewed routing each layer draws, refused before the launch
         try:
-            zipf_seed(args.ranks, experts, layer, args)
+            zipf_seed(ranks, experts, layer, args)
         except ValueError as exc:
             parser.error(f"--initial-imbalance {args.initial_imbalance}: {exc}")
     return args

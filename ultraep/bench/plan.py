@@ -37,7 +37,7 @@ from ultraep.bench.report import RowStream, print_table, write_json
 from ultraep.integration.traces import load_trace
 from ultraep.planner import ExpertLayout, plan_placement
 from ultraep.planner.plan import imbalance
-from ultraep.runtime.launch import DefaultsHelpFormatter, non_negative_int, positive_int, refused
+from ultraep.runtime.launch import DefaultsHelpFormatter, bounded_type, non_negative_int, positive_int, refused
 
 POLICIES = ("none", "ultraep", "eplb", "ideal")
 BOUNDED = ("none", "ultraep", "eplb")  # policies that obey the planner's constraints
@@ -49,15 +49,7 @@ DEMO = dict(generate="demo", ranks=16, experts=64, slots=2, domain=16, top_k=8, 
             steps=12, layers=3, seed=0, min_replica_tokens=512, bound_budget=6.0)
 
 
-def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
-    return value
+seconds = bounded_type(float, lambda value: 0.0 <= value < float("inf"), "seconds >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -179,7 +179,7 @@ def reroute_device(topk_ids, plan: Plan, rank: int, *, out=None, workspace=None)
     if out is None:
         out = cupy.empty(ids.shape, np.int32)
     else:
-        check_reroute_out(out, ids.shape)
+        check_reroute_out(out, ids.shape, by_address=True)
     n, E = ids.size, layout.num_experts
     reroute_assign_shared_bytes(E)
     if n == 0:

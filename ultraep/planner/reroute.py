@@ -28,14 +28,15 @@ def check_plan(plan) -> Plan:
     return plan
 
 
-def check_reroute_out(out, shape: tuple) -> None:
-    """``out`` of a reroute: an int32, C-contiguous array of the ids' ``shape`` (the kernel
-    writes it by address) that the call may write; TypeError or ValueError naming it."""
+def check_reroute_out(out, shape: tuple, *, by_address: bool) -> None:
+    """``out`` of a reroute: an int32 array of the ids' ``shape`` that the call may write,
+    C-contiguous where a kernel writes it ``by_address``; TypeError or ValueError naming it."""
     if not (hasattr(out, "shape") and hasattr(out, "dtype") and hasattr(out, "flags")):
         raise TypeError(f"out must be an int32 array of shape {tuple(shape)}, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape) or out.dtype != np.int32 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous int32 array of shape {tuple(shape)}, got {out.dtype} of shape "
-                         f"{tuple(out.shape)}{'' if out.flags.c_contiguous else ', not C-contiguous'}")
+    strided = by_address and not out.flags.c_contiguous
+    if tuple(out.shape) != tuple(shape) or out.dtype != np.int32 or strided:
+        raise ValueError(f"out must be {'a C-contiguous' if by_address else 'an'} int32 array of shape {tuple(shape)}, "
+                         f"got {out.dtype} of shape {tuple(out.shape)}{', not C-contiguous' if strided else ''}")
     if not getattr(out.flags, "writeable", True):  # NumPy's flag; CuPy arrays are always writable
         raise ValueError("out: array is read-only but is written by this call")
 

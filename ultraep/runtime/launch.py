@@ -44,6 +44,21 @@ def launched_by_mpiexec() -> bool:
     return any(v in os.environ for v in MPI_LAUNCH_VARIABLES)
 
 
+def job_ranks(args) -> int:
+    """The ranks a multi-rank tool runs on: the job's under mpiexec (``--ranks`` only says
+    how many to launch otherwise), else ``args.ranks``."""
+    if launched_by_mpiexec():
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.size
+    return args.ranks
+
+
+def launcher_rank(default: str) -> str:
+    """This process's rank as the MPI launcher's environment gives it, else ``default``."""
+    return next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), default)
+
+
 def find_mpiexec() -> str:
     """``$ULTRAEP_MPIEXEC``, else the one beside this Python (the venv's MPICH wheel), else PATH."""
     explicit = os.environ.get("ULTRAEP_MPIEXEC")
@@ -102,7 +117,7 @@ def run_rank(argv: Sequence[str] | None = None) -> None:
     from ultraep.runtime.mps import take_rank_partition
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "?")
+    rank = launcher_rank("?")
     status_dir = os.environ.get(STATUS_DIR_VARIABLE)
 
     def record(text: str) -> None:
@@ -355,43 +370,34 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if (action.default in (None, False, argparse.SUPPRESS) or not action.option_strings
+        default = action.default
+        if (default is None or default is False or default is argparse.SUPPRESS or not action.option_strings
                 or "default" in text.lower()):
             return text
+        if isinstance(default, (list, tuple)):  # as typed: --tokens 4096 8192
+            shown = " ".join(str(value) for value in default).replace("%", "%%")
+            return f"{text} (default: {shown})"
         return f"{text} (default: %(default)s)"
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return value
+def bounded_type(convert, accept, expected: str):
+    """An argparse type: ``convert(text)`` where ``accept`` takes it, else an error saying
+    ``expected`` and what was given."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """An argparse type: an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
-    return value
-
-
-def imbalance_target(text: str) -> float:
-    """An argparse type: a rank max/mean, a finite number >= 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1 (a rank max/mean), got {text!r}")
-    return value
+positive_int = bounded_type(int, lambda value: value >= 1, "an int >= 1")
+non_negative_int = bounded_type(int, lambda value: value >= 0, "an int >= 0")
+imbalance_target = bounded_type(float, lambda value: math.isfinite(value) and value >= 1.0,
+                                "a number >= 1 (a rank max/mean)")
 
 
 OUTPUT_OPTIONS = ("json", "plot", "timeline", "out")  # the tools' options naming a file they write
@@ -426,17 +432,18 @@ def output_errors(args) -> list[str]:
     return errors
 
 
+# The formats matplotlib's savefig writes (3.10), named by a figure's suffix; listed here
+# because the launcher must not import matplotlib (an analysis package).
+PLOT_FORMATS = ("avif", "eps", "gif", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif",
+                "tiff", "webp")
+
+
 def plot_format_error(path: Path) -> str | None:
-    """Why matplotlib would refuse to save a figure as ``path`` (its suffix names the format),
-    or None (also without matplotlib: the plot's own import says so)."""
-    try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
+    """Why a figure cannot be saved as ``path`` (its suffix names the format), or None."""
+    if path.suffix.lstrip(".").lower() in PLOT_FORMATS:
         return None
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if path.suffix.lstrip(".").lower() in formats:
-        return None
-    return f"the suffix names no format matplotlib writes ({', '.join('.' + f for f in sorted(formats))})"
+    what = f"the suffix {path.suffix!r} names no" if path.suffix else "no suffix names its"
+    return f"{what} format matplotlib writes ({', '.join('.' + f for f in PLOT_FORMATS)})"
 
 
 def no_gpu_error(backend: str, emulate_ep) -> str | None:
@@ -486,9 +493,13 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
         except UltraEPError as exc:
             if not exc.on_every_rank:
                 raise
-            # every rank raised this verdict (bad options the library refused): said once, no traceback
-            if next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0") == "0":
+            # every rank raised this verdict (bad options the library refused): said once, no
+            # traceback, before any rank's exit can abort the job
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.rank == 0:
                 print(f"{command[-1]}: {exc}", file=sys.stderr, flush=True)
+            MPI.COMM_WORLD.Barrier()
             raise SystemExit(2) from None
     if refused(args, command[-1]):
         return 2

@@ -285,10 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     processes it starts) under a private MPS daemon with ``P`` % of the SMs per process."""
     import argparse
 
-    from ultraep.runtime.launch import DefaultsHelpFormatter
-
-    parser = argparse.ArgumentParser(prog="python -m ultraep.runtime.mps", description=main.__doc__.split("\n\n")[0],
-                                     formatter_class=DefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m ultraep.runtime.mps", description=main.__doc__.split("\n\n")[0])
     parser.add_argument("--percent", type=int, default=100, help="SM share of each CUDA process (default 100)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args(argv)

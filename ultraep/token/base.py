@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ultraep.errors import DispatchError
+from ultraep.runtime import dtypes
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.kernels import kernel_constant
 
@@ -60,7 +61,7 @@ class TokenConfig:
 
     def same_dtype(self, array) -> bool:
         got = np.dtype(array.dtype)
-        return got == self.dtype or (self.dtype.kind == "V" and got == np.int16)  # bf16 may arrive as its bits
+        return got == self.dtype or (self.dtype == dtypes.BFLOAT16 and got == np.int16)  # bf16 may arrive as its bits
 
 
 def table_columns(num_experts: int, num_ranks: int) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ultraep.errors import DispatchError, everywhere
 from ultraep.runtime.dlpack import import_tensor
-from ultraep.runtime.dtypes import bf16_typed
+from ultraep.runtime.dtypes import BFLOAT16, bf16_typed
 from ultraep.runtime.group import EPGroup
 from ultraep.token import reference as ref
 from ultraep.token.base import (DispatchHandle, DispatchResult, TokenBuffers, TokenConfig, bad_input_message,
@@ -56,7 +56,7 @@ class HostDispatcher:
         if array is None:
             return None
         imported = import_tensor(array, name=name, device=None, writable=writable)
-        if name in ("expert_ids", "weights") or self.config.dtype.kind != "V":
+        if name in ("expert_ids", "weights") or self.config.dtype != BFLOAT16:
             return imported
         return bf16_typed(imported)  # bf16 rows that arrived as their bits: copied as bits, as the kernels do
 

@@ -15,7 +15,7 @@ import json
 import sys
 
 from ultraep.errors import ProfileError
-from ultraep.runtime.launch import DefaultsHelpFormatter, positive_int, refused
+from ultraep.runtime.launch import DefaultsHelpFormatter, non_negative_int, positive_int, refused
 from ultraep.tune.profile import load_profile, read_profile, stderr_progress
 
 SEARCH_RUNS = 5  # the search is timed this many times; the fastest is reported (the first pays NumPy's warm-up)
@@ -49,13 +49,11 @@ def parse_args(argv):
     search.add_argument("--ranks", type=positive_int, default=8, help="ranks of the EP group")
     search.add_argument("--ranks-per-gpu", type=positive_int, default=1,
                         help="ranks sharing one GPU's memory (the MPS emulation: all of them)")
-    search.add_argument("--fanout", type=int, default=0,
+    search.add_argument("--fanout", type=non_negative_int, default=0,
                         help="replicas of one expert the busiest rank syncs (0: no weight sync)")
     commands.add_parser("validate", add_help=False,
                         help="predicted against measured over a sweep (see: python -m ultraep.tune validate --help)")
     args = parser.parse_args(argv)
-    if args.command == "search" and args.fanout < 0:
-        search.error(f"argument --fanout: expected an int >= 0, got {args.fanout}")
     if args.command == "search" and args.ranks_per_gpu > args.ranks:
         search.error(f"--ranks-per-gpu {args.ranks_per_gpu} exceeds --ranks {args.ranks}")
     return args

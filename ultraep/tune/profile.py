@@ -378,7 +378,7 @@ class MachineProfile:
         tasks before version 6; no down tiles' CTAs at work apart before 8; no down tiles
         storing y before 9; no resident copy blocks before 10); the cache takes this version
         only."""
-        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        if not is_profile_document(data):
             raise ProfileError(f"not a machine profile (no \"format\": \"{PROFILE_FORMAT}\")")
         version = data.get("version")
         if version not in (STORED_VERSIONS if stored else (PROFILE_VERSION,)):
@@ -649,16 +649,22 @@ def write_profile(profile: MachineProfile, path: str | os.PathLike[str]) -> Path
     return path
 
 
+def is_profile_document(data) -> bool:
+    """Whether parsed JSON is a machine profile's (any version, any machine)."""
+    return isinstance(data, dict) and data.get("format") == PROFILE_FORMAT
+
+
 def check_replaceable(path: Path) -> None:
-    """ProfileError unless ``path`` is free or holds a machine profile (of any version or
-    machine): measuring replaces it, and nothing else may be overwritten."""
-    if not path.exists() and not path.is_symlink():
+    """ProfileError unless ``path`` is free (absent or empty: ``--out "$(mktemp)"``) or holds
+    a machine profile (of any version or machine): measuring replaces it, and nothing else
+    may be overwritten."""
+    if (not path.exists() and not path.is_symlink()) or (path.is_file() and path.stat().st_size == 0):
         return
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         data = None
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+    if not is_profile_document(data):
         raise ProfileError(f"{path} exists and is not a machine profile: it is not overwritten (remove it, or "
                            f"give another file)")
 

@@ -63,7 +63,7 @@ import sys
 import numpy as np
 
 from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, multi_rank_main, non_negative_int,
-                                   positive_int)
+                                   positive_int, refused)
 
 PHASES = ("weight-sync", "dispatch", "fused-forward")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
@@ -114,12 +114,14 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.replay is not None:
+        if refused(args, "ultraep.tune validate"):  # its --json and --plot, before the replay
+            return 2
         try:
             return replay(args)
-        except SystemExit as refused:  # a file it cannot replay: said as the other refusals are, exit 2
-            if not isinstance(refused.code, str):
+        except SystemExit as exc:  # a file it cannot replay: said as the other refusals are, exit 2
+            if not isinstance(exc.code, str):
                 raise
-            print(f"ultraep.tune validate: {refused.code}", file=sys.stderr)
+            print(f"ultraep.tune validate: {exc.code}", file=sys.stderr)
             return 2
     return multi_rank_main(argv, parse_args, run, nprocs=lambda a: a.ranks, command=["-m", "ultraep.tune", "validate"])
 
