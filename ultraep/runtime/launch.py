@@ -54,11 +54,6 @@ def job_ranks(args) -> int:
     return args.ranks
 
 
-def launcher_rank(default: str) -> str:
-    """This process's rank as the MPI launcher's environment gives it, else ``default``."""
-    return next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), default)
-
-
 def find_mpiexec() -> str:
     """``$ULTRAEP_MPIEXEC``, else the one beside this Python (the venv's MPICH wheel), else PATH."""
     explicit = os.environ.get("ULTRAEP_MPIEXEC")
@@ -117,7 +112,7 @@ def run_rank(argv: Sequence[str] | None = None) -> None:
     from ultraep.runtime.mps import take_rank_partition
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    rank = launcher_rank("?")
+    rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "?")
     status_dir = os.environ.get(STATUS_DIR_VARIABLE)
 
     def record(text: str) -> None:
@@ -481,6 +476,9 @@ def add_launch_options(parser, *, ranks: int = 4, backend_help: str | None = Non
         parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"], help=backend_help)
 
 
+VERDICT_WAIT_S = 10.0  # how long ranks that all refused wait for rank 0 to say why before they exit
+
+
 def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], timeout: float = 580) -> int:
     """Entry point of a tool that needs several ranks: parse ``argv``; under ``mpiexec``
     ``run(args)``, else relaunch ``python -m mpi4py command argv`` on ``nprocs(args)`` ranks,
@@ -493,13 +491,16 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
         except UltraEPError as exc:
             if not exc.on_every_rank:
                 raise
-            # every rank raised this verdict (bad options the library refused): said once, no
-            # traceback, before any rank's exit can abort the job
+            # every rank of its group raised this verdict (bad options the library refused): said
+            # once, no traceback, before any rank's exit aborts the job -- waiting a bounded time, in
+            # case the group was a part of the job
             from mpi4py import MPI
 
             if MPI.COMM_WORLD.rank == 0:
                 print(f"{command[-1]}: {exc}", file=sys.stderr, flush=True)
-            MPI.COMM_WORLD.Barrier()
+            everyone, deadline = MPI.COMM_WORLD.Ibarrier(), time.monotonic() + VERDICT_WAIT_S
+            while not everyone.Test() and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise SystemExit(2) from None
     if refused(args, command[-1]):
         return 2
