@@ -82,6 +82,14 @@ def test_demo_refuses_sizes_it_would_replace(capsys):
     assert "--demo sets its own sizes; drop --ranks, --seed or use --generate demo" in capsys.readouterr().err
 
 
+def test_a_trace_refuses_the_generators_sizes_it_would_ignore(tmp_path, capsys):
+    path = save_trace(tmp_path / "t.npz", np.ones((1, 1, 4, 8), np.int32))
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["plan", "--trace", str(path), "--ranks", "8", "--experts", "32"])
+    assert refused.value.code == 2
+    assert "--trace replays its own sizes; drop --ranks, --experts" in capsys.readouterr().err
+
+
 def test_dispatcher(monkeypatch, capsys):
     assert bench.main(["--help"]) == 0 and "plan" in capsys.readouterr().out
     assert bench.main([]) == 0

@@ -206,7 +206,8 @@ def test_options_the_ranks_would_refuse_are_refused_before_the_launch(capsys):
                             (["--initial-imbalance", "0.5"], "argument --initial-imbalance: expected a number >= 1"),
                             (["--top-k", "9"], "--top-k 9 exceeds --experts 8"),
                             (["--slots", "-1"], "argument --slots: expected an int >= 0"),
-                            (["--relay-count", "0"], "argument --relay-count: expected an int >= 1")):
+                            (["--relay-count", "0"], "argument --relay-count: expected an int >= 1"),
+                            (["--relay-count", "3"], "--relay-count sizes the relay trees of --relay-threshold")):
         with pytest.raises(SystemExit) as exit_:
             parse_args([*small, *change])
         assert exit_.value.code == 2 and message in capsys.readouterr().err, change

@@ -184,6 +184,8 @@ def parse_args(argv):
         parser.error(f"--experts {args.experts} must be divisible by the {ranks} ranks")
     if args.top_k > args.experts:
         parser.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    if args.relay_count != parser.get_default("relay_count") and args.relay_threshold == [None]:
+        parser.error("--relay-count sizes the relay trees of --relay-threshold: give both")
     from ultraep.analysis.traces import zipf_loads
 
     for target in args.initial_imbalance:  # the routing each row draws (measure), refused before the launch

@@ -61,14 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--demo", action="store_true",
                         help="built-in non-stationary trace on the CPU, sized to run in seconds")
     p.add_argument("--ranks", type=positive_int, default=16, help="EP ranks R (generated traces)")
-    p.add_argument("--experts", type=int, default=64, help="logical experts E (generated traces)")
-    p.add_argument("--slots", type=int, default=2, help="redundant slots per rank S")
-    p.add_argument("--domain", type=int, default=None, help="NVLink domain size D (default: all ranks)")
-    p.add_argument("--top-k", type=int, default=8, help="experts per token (generated traces)")
+    p.add_argument("--experts", type=positive_int, default=64, help="logical experts E (generated traces)")
+    p.add_argument("--slots", type=non_negative_int, default=2, help="redundant slots per rank S")
+    p.add_argument("--domain", type=positive_int, default=None, help="NVLink domain size D (default: all ranks)")
+    p.add_argument("--top-k", type=positive_int, default=8, help="experts per token (generated traces)")
     p.add_argument("--tokens-per-rank", type=positive_int, default=2048,
                    help="tokens per rank and micro-batch (generated)")
-    p.add_argument("--steps", type=int, default=16, help="micro-batches (generated traces)")
-    p.add_argument("--layers", type=int, default=2, help="MoE layers (generated traces)")
+    p.add_argument("--steps", type=positive_int, default=16, help="micro-batches (generated traces)")
+    p.add_argument("--layers", type=positive_int, default=2, help="MoE layers (generated traces)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generated trace")
     p.add_argument("--initial-imbalance", type=float, default=2.0,
                    help="--generate zipf: rank max/mean of every cell before balancing")
@@ -264,11 +264,18 @@ def bound_counts(bounds: dict) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in bounds["kinds"].items() if n)
 
 
+GENERATED = ("ranks", "experts", "top_k", "tokens_per_rank", "steps", "layers", "seed")  # a generated trace's
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if refused(args, "bench plan"):
         return 2
+    if args.trace:  # a trace brings its own sizes: the generators' options would be ignored without a word
+        ignored = [f"--{key.replace('_', '-')}" for key in GENERATED if getattr(args, key) != parser.get_default(key)]
+        if ignored:
+            parser.error(f"--trace replays its own sizes; drop {', '.join(ignored)}")
     if args.demo:
         overridden = [f"--{key.replace('_', '-')}" for key in DEMO
                       if key != "generate" and getattr(args, key) != parser.get_default(key)]
