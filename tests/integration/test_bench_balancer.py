@@ -21,6 +21,8 @@ def test_balancer_bench_cpu(tmp_path, capfd):
     assert code == 0, printed
     assert "exposed = balanced layer (update, weight_sync on a side stream" in printed
     assert "- the same layer with its plan and replicas in place, group windows" in printed
+    header = next(line for line in printed.splitlines() if line.startswith("weights"))
+    assert "exposed_ms" in header and not set(header.split()) & set(bench.DEVICE_COLUMNS)  # the GPU's times
     (row,) = json.loads(out.read_text())["rows"]
     assert row["imbalance"] > 1.5 and row["imb_after"] < row["imbalance"] and row["replicas"] > 0, row
     # on the CPU every stage is synchronous: balancing adds its whole cost to the layer

@@ -616,7 +616,9 @@ def run(args) -> int:
              + ("" if args.steps == "all" else f"; balanced layer's steps: {args.steps} alone"))
     rows = []
     dtypes = sorted(set(args.weight_dtype), key=list(WEIGHT_DTYPES).index)  # bf16 first: the ratios' base
-    with RowStream(COLUMNS, title, enabled=printing) as table:
+    # on the host the device-time columns stay empty: the table leaves them out (the JSON keeps them)
+    columns = COLUMNS if on_gpu(group, args) else [column for column in COLUMNS if column not in DEVICE_COLUMNS]
+    with RowStream(columns, title, enabled=printing) as table:
         for target in args.initial_imbalance:
             for sync_blocks, sync_stream, relay_threshold in itertools.product(args.sync_blocks, args.sync_stream,
                                                                                 args.relay_threshold):
