@@ -120,7 +120,7 @@ def parse_args(argv):
                      f"by the experts ({experts})")
     for layer in range(args.layers):  # the skewed routing each layer draws, refused before the launch
         try:
-            zipf_seed(ranks, experts, layer, args)
+            zipf_draw(ranks, experts, layer, args)
         except ValueError as exc:
             parser.error(f"--initial-imbalance {args.initial_imbalance}: {exc}")
     return args
@@ -131,16 +131,16 @@ def main(argv=None) -> int:
                            command=["-m", "ultraep.bench", "moe-layer"])
 
 
-def zipf_seed(ranks: int, experts: int, layer: int, args) -> int:
-    """The seed of the first of ROUTING_DRAWS Zipf rankings whose loads reach the skewed
-    routing's target for ``layer``; ValueError saying why none does."""
+def zipf_draw(ranks: int, experts: int, layer: int, args) -> tuple[int, np.ndarray]:
+    """The seed and loads of the first of ROUTING_DRAWS Zipf rankings whose loads reach the
+    skewed routing's target for ``layer``; ValueError saying why none does."""
     from ultraep.analysis.traces import zipf_loads
 
     seed = args.seed * 1000 + layer
     for draw in range(ROUTING_DRAWS):
         try:
-            zipf_loads(ranks, experts, args.top_k, args.tokens, args.initial_imbalance, seed + 100_000 * draw)
-            return seed + 100_000 * draw
+            return seed + 100_000 * draw, zipf_loads(ranks, experts, args.top_k, args.tokens, args.initial_imbalance,
+                                                     seed + 100_000 * draw)
         except ValueError as exc:
             error = exc
     raise ValueError(f"layer {layer}: no Zipf ranking of {ROUTING_DRAWS} reaches the target: {error}")
@@ -148,11 +148,11 @@ def zipf_seed(ranks: int, experts: int, layer: int, args) -> int:
 
 def routing(policy: str, ranks: int, experts: int, layer: int, args) -> np.ndarray:
     """Logical top-k ids ``int32[R, T, K]`` of every rank for one layer."""
-    from ultraep.analysis.traces import topk_from_loads, zipf_topk
+    from ultraep.analysis.traces import topk_from_loads
 
-    if policy != "ideal":
-        return zipf_topk(ranks, experts, args.top_k, args.tokens, args.initial_imbalance,
-                         zipf_seed(ranks, experts, layer, args))
+    if policy != "ideal":  # zipf_topk's ids, its loads drawn once
+        seed, loads = zipf_draw(ranks, experts, layer, args)
+        return topk_from_loads(loads, args.top_k, seed)
     pairs = args.tokens * args.top_k
     return topk_from_loads(np.full((ranks, experts), pairs // experts, np.int32), args.top_k, args.seed * 1000 + layer)
 

@@ -63,7 +63,7 @@ import sys
 import numpy as np
 
 from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, multi_rank_main, non_negative_int,
-                                   positive_int, refused)
+                                   output_errors, positive_int)
 
 PHASES = ("weight-sync", "dispatch", "fused-forward")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.replay is not None:
-        if refused(args, "ultraep.tune validate"):  # its --json and --plot, before the replay
+        if errors := output_errors(args):  # its --json and --plot, before the replay (which needs no GPU)
+            print("\n".join(f"ultraep.tune validate: {error}" for error in errors), file=sys.stderr)
             return 2
         try:
             return replay(args)
