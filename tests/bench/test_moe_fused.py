@@ -25,7 +25,7 @@ def test_defaults_are_the_issue_setting():
 
 @pytest.mark.parametrize("argv,fragment", [
     (["--hidden", "4100"], "multiple of 8"),
-    (["--ffn", "0"], "int >= 1"),
+    (["--ffn", "0"], "a positive multiple of 8"),
     (["--tokens", "0"], "int >= 1"),
     (["--ranks", "1", "--experts-per-rank", "4", "--top-k", "8"], "exceeds the experts"),
 ])

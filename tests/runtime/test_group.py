@@ -4,7 +4,7 @@ import pytest
 
 from tests.conftest import assert_all_ranks_ok, run_ranks
 from ultraep.errors import ClosedError
-from ultraep.runtime.group import EPGroup, GroupMismatchError
+from ultraep.runtime.group import EPGroup, GroupMismatchError, failure_detail
 
 
 class ListComm:
@@ -51,3 +51,13 @@ def test_group_four_ranks():
     out = run_ranks(4, "runtime/mpi/group_check.py")
     assert_all_ranks_ok(out, 4, "group")
     assert_all_ranks_ok(out, 4, "group-timeouts")
+
+
+def test_a_collective_failure_says_each_reason_once():
+    """Reasons every rank gave alike are said once; others after the ranks that gave them
+    (their own ``rank N:`` prefix not repeated)."""
+    same = "hidden (7) must be a multiple of 8"
+    assert failure_detail([(0, same), (1, f"rank 1: {same}")], 2) == same
+    assert failure_detail([(0, same), (2, same)], 4) == f"ranks [0, 2]: {same}"
+    assert failure_detail([(1, "rank 1: bad ids")], 1) == "rank 1: bad ids"
+    assert failure_detail([(0, "a"), (1, "b"), (2, "a")], 3) == "ranks [0, 2]: a; rank 1: b"

@@ -150,6 +150,9 @@ def test_a_verdict_of_every_rank_is_said_once_without_tracebacks(tmp_path, lone)
         assert done.returncode == 2, done.stderr
         assert done.stderr.count("tool.py: hidden (7) must be a multiple of 8") == 1, done.stderr
         assert "Traceback" not in done.stderr
+        assert "(pid " not in done.stderr, done.stderr  # every rank exited on its own: no line per rank
+        if launch.mpi_flavor(launch.find_mpiexec()) == "mpich":  # the job ended without MPI_Abort's line
+            assert "MPI_Abort" not in done.stderr, done.stderr
 
 
 def test_help_gives_the_defaults_worth_saying():

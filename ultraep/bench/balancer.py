@@ -84,7 +84,7 @@ import numpy as np
 
 from ultraep.bench.timing import group_window_ms
 from ultraep.runtime.launch import (CPU_OR_GPU, DefaultsHelpFormatter, add_launch_options, imbalance_target,
-                                   job_ranks, multi_rank_main, non_negative_int, positive_int)
+                                   job_ranks, multi_rank_main, non_negative_int, positive_int, row_width)
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASES end, as the columns name them
@@ -127,8 +127,8 @@ def parse_args(argv):
     parser.add_argument("--slots", type=non_negative_int, default=2, help="redundant slots per rank")
     parser.add_argument("--tokens", type=positive_int, default=8192, help="tokens per rank")
     parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
-    parser.add_argument("--hidden", type=positive_int, default=2048, help="model width (rows of w_in)")
-    parser.add_argument("--ffn", type=positive_int, default=1024, help="expert FFN width (columns of w_in)")
+    parser.add_argument("--hidden", type=row_width, default=2048, help="model width (rows of w_in)")
+    parser.add_argument("--ffn", type=row_width, default=1024, help="expert FFN width (columns of w_in)")
     parser.add_argument("--initial-imbalance", type=imbalance_target, nargs="+", default=[1.25, 1.5],
                         help="rank max/mean of the generated routing before balancing, one row each (with 4 "
                              "ranks and top-8 over 64 experts at most 1.5 is reachable)")

@@ -39,7 +39,8 @@ import sys
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.launch import DefaultsHelpFormatter, add_launch_options, multi_rank_main, non_negative_int
+from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, multi_rank_main, non_negative_int,
+                                   positive_int, row_width)
 
 COLUMNS = ["tokens", "hidden", "dispatch_ms", "combine_ms", "copy_ms", "dispatch_GBps", "combine_GBps", "copy_GBps",
            "dispatch/copy", "combine/copy", "pull_ms", "pull/copy", "pull_diff", "push_ms", "push/copy",
@@ -51,11 +52,13 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench dispatch", description=__doc__.split("\n\n")[0],
                                      formatter_class=DefaultsHelpFormatter)
     add_launch_options(parser)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="tokens per rank")
-    parser.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168], help="token widths (bf16 values)")
-    parser.add_argument("--top-k", type=int, default=8, help="experts per token")
-    parser.add_argument("--experts", type=int, default=256, help="experts in all (divisible by the rank count)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (mean reported)")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 8192, 16384, 32768],
+                        help="tokens per rank")
+    parser.add_argument("--hidden", type=row_width, nargs="+", default=[4096, 7168], help="token widths (bf16 values)")
+    parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
+    parser.add_argument("--experts", type=positive_int, default=256,
+                        help="experts in all (divisible by the rank count)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed calls per measurement (mean reported)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random routing")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

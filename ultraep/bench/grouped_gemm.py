@@ -49,7 +49,7 @@ from ultraep.bench.report import print_table, write_json
 from ultraep.bench.timing import group_windows_ms_each, held_event_ms_each
 from ultraep.compute.device import DEFAULT_SCHEDULES, SCHEDULES
 from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, launched_by_mpiexec, multi_rank_main,
-                                   non_negative_int)
+                                   non_negative_int, positive_int)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def parse_args(argv):
                              "mean each, no partial tile)")
     parser.add_argument("--ops", nargs="+", choices=OPS + (ACCUMULATE,), default=list(OPS),
                         help=f"passes to time ({ACCUMULATE}: the wgrad added into an FP32 gradient)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure (median reported)")
+    parser.add_argument("--repeats", type=positive_int, default=20, help="timed calls per figure (median reported)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the row counts and the operands")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--variant", choices=list(SCHEDULES),

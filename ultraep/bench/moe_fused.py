@@ -76,7 +76,7 @@ import numpy as np
 from ultraep.bench.moe_layer import differing, phase_windows_ms
 from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, job_ranks, multi_rank_main,
-                                   non_negative_int, positive_int)
+                                   non_negative_int, positive_int, row_width)
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
 CONFIGS = ("constants", "tuned")  # --config both: each, the constants first
@@ -86,14 +86,6 @@ BACKWARD_TIMES = ["seq_train_ms", "seq_bwd_ms", "fused_train_ms", "fused_bwd_ms"
                   "step_speedup", "wgrad_ms", "bwd_rest_speedup"]
 BACKWARD_DIFFS = ["dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
 OVERLAP = ["dispatch_ms", "up_gemm_ms", "fused_a_ms", "a_vs_max"]
-ALIGN = 8  # hidden and ffn: whole 16-byte rows (the grouped GEMM's and the Dispatcher's copies)
-
-
-def width(text: str) -> int:
-    value = positive_int(text)
-    if value % ALIGN:
-        raise argparse.ArgumentTypeError(f"expected a multiple of {ALIGN}, got {text!r}")
-    return value
 
 
 def parse_args(argv):
@@ -103,8 +95,8 @@ def parse_args(argv):
                                             "if any")
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 8192, 16384, 32768],
                         help="tokens per rank (one row each)")
-    parser.add_argument("--hidden", type=width, nargs="+", default=[4096, 7168], help="model widths (one row each)")
-    parser.add_argument("--ffn", type=width, default=2048, help="expert FFN width (w_up is [hidden, 2 x ffn])")
+    parser.add_argument("--hidden", type=row_width, nargs="+", default=[4096, 7168], help="model widths (one row each)")
+    parser.add_argument("--ffn", type=row_width, default=2048, help="expert FFN width (w_up is [hidden, 2 x ffn])")
     parser.add_argument("--experts-per-rank", type=positive_int, default=8, help="experts per rank")
     parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
     parser.add_argument("--repeats", type=positive_int, default=5,

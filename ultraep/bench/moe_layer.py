@@ -60,7 +60,8 @@ import numpy as np
 from ultraep.bench.balancer import SYNC_STREAMS, resolved_sync_streams
 from ultraep.bench.timing import array_backend, window_ms
 from ultraep.runtime.launch import (CPU_OR_GPU, DefaultsHelpFormatter, add_launch_options, bounded_type,
-                                   imbalance_target, job_ranks, multi_rank_main, non_negative_int, positive_int)
+                                   imbalance_target, job_ranks, multi_rank_main, non_negative_int, positive_int,
+                                   row_width)
 
 # MoELayer's placements of the sync: in series, its update starts it (no "layer" of its own)
 MOE_LAYER_SYNC_STREAMS = [stream for stream in SYNC_STREAMS if stream != "layer"]
@@ -90,8 +91,8 @@ def parse_args(argv):
     parser.add_argument("--tokens", type=positive_int, default=8192,
                         help="tokens per rank (tokens x top_k divisible by experts)")
     parser.add_argument("--top-k", type=positive_int, default=8, help="experts per token")
-    parser.add_argument("--hidden", type=positive_int, default=2048, help="model width (rows of w_up)")
-    parser.add_argument("--ffn", type=positive_int, default=1024,
+    parser.add_argument("--hidden", type=row_width, default=2048, help="model width (rows of w_up)")
+    parser.add_argument("--ffn", type=row_width, default=1024,
                         help="expert FFN width (w_up is [hidden, 2 x ffn], SwiGLU)")
     parser.add_argument("--initial-imbalance", type=imbalance_target, default=1.5,
                         help="rank max/mean of the skewed routing before balancing")

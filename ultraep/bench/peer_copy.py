@@ -14,16 +14,17 @@ import argparse
 
 import numpy as np
 
-from ultraep.runtime.launch import DefaultsHelpFormatter, multi_rank_main
+from ultraep.runtime.launch import DefaultsHelpFormatter, multi_rank_main, positive_int
 
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench peer-copy", description=__doc__.split("\n\n")[0],
                                      formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256, 1024], help="buffer sizes (MiB)")
-    parser.add_argument("--blocks-per-sm", type=int, nargs="+", default=[1, 2, 4, 8], help="grid sizes to try, per SM")
-    parser.add_argument("--repeats", type=int, default=30, help="timed repetitions (median reported)")
+    parser.add_argument("--sizes-mib", type=positive_int, nargs="+", default=[64, 256, 1024], help="buffer sizes (MiB)")
+    parser.add_argument("--blocks-per-sm", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+                        help="grid sizes to try, per SM")
+    parser.add_argument("--repeats", type=positive_int, default=30, help="timed repetitions (median reported)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return parser.parse_args(argv)
 

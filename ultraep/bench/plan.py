@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generated trace")
     p.add_argument("--initial-imbalance", type=float, default=2.0,
                    help="--generate zipf: rank max/mean of every cell before balancing")
-    p.add_argument("--min-replica-tokens", type=int, default=1024,
+    p.add_argument("--min-replica-tokens", type=non_negative_int, default=1024,
                    help="fewest tokens a replica may serve (the planner's min_replica_tokens)")
     p.add_argument("--backend", choices=("host", "device"), default="host", help="backend of the ultraep policy")
     p.add_argument("--eplb-window", type=positive_int, default=10, help="past micro-batches EPLB places from")
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bound-time-limit", type=seconds, default=2.0, help="seconds per cell for the MILP or LP")
     p.add_argument("--bound-budget", type=seconds, default=10.0,
                    help="--bound auto: seconds of MILP in the whole run; later cells get the LP bound")
-    p.add_argument("--bound-max-binaries", type=int, default=DEFAULT_MAX_BINARIES,
+    p.add_argument("--bound-max-binaries", type=non_negative_int, default=DEFAULT_MAX_BINARIES,
                    help="largest MILP (replica variables) that --bound auto still tries; larger layouts get the LP")
     p.add_argument("--json", metavar="FILE", help="write the results to this JSON file")
     p.add_argument("--plot", metavar="PNG", help="draw per-rank loads before/after and imbalance over steps")

@@ -33,7 +33,7 @@ import numpy as np
 from ultraep.bench.report import RowStream, write_json
 from ultraep.bench.timing import graph_ms, median_event_ms
 from ultraep.runtime.group import gpu_count
-from ultraep.runtime.launch import DefaultsHelpFormatter
+from ultraep.runtime.launch import DefaultsHelpFormatter, imbalance_target, non_negative_int, positive_int
 from ultraep.planner import ExpertLayout, plan_placement, reroute
 from ultraep.analysis.bound import min_replicas_bound
 from ultraep.analysis.traces import zipf_loads, zipf_topk
@@ -61,11 +61,12 @@ COLUMNS = ["experts", "initial", "seed", "before", "after", "plan_ms", "reroute_
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench plan-kernel",
                                      description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--experts", type=int, nargs="+", default=[128, 256], help="logical experts, one row each")
-    parser.add_argument("--initial-imbalance", type=float, nargs="+", default=[1.5, 2.0, 3.0],
+    parser.add_argument("--experts", type=positive_int, nargs="+", default=[128, 256],
+                        help="logical experts, one row each")
+    parser.add_argument("--initial-imbalance", type=imbalance_target, nargs="+", default=[1.5, 2.0, 3.0],
                         help="rank max/mean of the Zipf loads before balancing, one row each")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one row per seed")
-    parser.add_argument("--repeats", type=int, default=200, help="timed kernel runs (median reported)")
+    parser.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0], help="one row per seed")
+    parser.add_argument("--repeats", type=positive_int, default=200, help="timed kernel runs (median reported)")
     parser.add_argument("--cap", type=float, default=1.005, help="target_imbalance of the cap_* columns")
     parser.add_argument("--replica-bound", action="store_true",
                         help="prove the fewest replicas that reach the capped plan's max rank load (CPU MILP)")

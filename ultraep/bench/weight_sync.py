@@ -41,7 +41,7 @@ import numpy as np
 
 from ultraep.bench.timing import graph_ms, group_window_ms
 from ultraep.runtime.kernels import kernel_constant
-from ultraep.runtime.launch import DefaultsHelpFormatter, multi_rank_main
+from ultraep.runtime.launch import DefaultsHelpFormatter, multi_rank_main, non_negative_int, positive_int
 
 FANOUT_COPY_THREADS = kernel_constant("bench_copy.cu", "COPY_THREADS")
 FANOUT_COPY_MAX_DESTS = kernel_constant("bench_copy.cu", "COPY_MAX_DESTS")
@@ -50,21 +50,21 @@ FANOUT_COPY_MAX_DESTS = kernel_constant("bench_copy.cu", "COPY_MAX_DESTS")
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m ultraep.bench weight-sync", description=__doc__.split("\n\n")[0],
                                      formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=4096, help="model width of the synced expert")
-    parser.add_argument("--ffn", type=int, default=1536, help="FFN width of the synced expert")
-    parser.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4, 8],
+    parser.add_argument("--hidden", type=positive_int, default=4096, help="model width of the synced expert")
+    parser.add_argument("--ffn", type=positive_int, default=1536, help="FFN width of the synced expert")
+    parser.add_argument("--fanouts", type=positive_int, nargs="+", default=[1, 2, 4, 8],
                         help="replicas per sync, one row each (the run takes the largest + 1 ranks)")
-    parser.add_argument("--blocks", type=int, nargs="+", default=None,
+    parser.add_argument("--blocks", type=positive_int, nargs="+", default=None,
                         help="weight-sync grid sizes to try (256 threads each; default: 1/2, 3/4 and all of the "
                              "resident maximum, 4 per SM: 264, 396 and 528 on an H200)")
     parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the expert's gradient dtype (reduce_grads' columns; MoELayer keeps float32)")
-    parser.add_argument("--tile-kib", type=int, default=32, help="bytes each tile copies, KiB")
-    parser.add_argument("--chunk-tiles", type=int, default=4, help="tiles per chunk (one task, one flag)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed syncs per figure")
-    parser.add_argument("--relay-threshold", type=int, default=None,
+    parser.add_argument("--tile-kib", type=positive_int, default=32, help="bytes each tile copies, KiB")
+    parser.add_argument("--chunk-tiles", type=positive_int, default=4, help="tiles per chunk (one task, one flag)")
+    parser.add_argument("--repeats", type=positive_int, default=20, help="timed syncs per figure")
+    parser.add_argument("--relay-threshold", type=non_negative_int, default=None,
                         help="also sync through relay trees for more replicas than this (default: no relay run)")
-    parser.add_argument("--relay-count", type=int, default=2, help="relays per tree")
+    parser.add_argument("--relay-count", type=positive_int, default=2, help="relays per tree")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return parser.parse_args(argv)
 

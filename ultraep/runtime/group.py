@@ -415,8 +415,8 @@ class EPGroup:
             errors, values = [m for m, _ in pairs], [v for _, v in pairs]
         failed = [(r, m) for r, m in enumerate(errors) if m is not None]
         if failed:
-            detail = "; ".join(f"rank {r}: {m.removeprefix(f'rank {r}: ')}" for r, m in failed)  # named once
-            error = CollectiveError(f"{what} failed on {len(failed)} of {self.size} rank(s): {detail}")
+            error = CollectiveError(f"{what} failed on {len(failed)} of {self.size} rank(s): "
+                                    f"{failure_detail(failed, self.size)}")
             raise error from (local_error if isinstance(local_error, BaseException) else None)
         if values is not None:
             _agreed(values, what)
@@ -438,6 +438,18 @@ class EPGroup:
     def __repr__(self) -> str:
         gpu = f"cuda:{self.device}" if self.device is not None else "cpu"
         return f"EPGroup(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, device={gpu})"
+
+
+def failure_detail(failed: list[tuple[int, str]], size: int) -> str:
+    """The ranks' reasons, each said once: alone where every rank of the group gave it, else
+    after the ranks that gave it (a rank's own ``rank N: `` prefix dropped, it is named here)."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, message in failed:
+        ranks_of.setdefault(message.removeprefix(f"rank {rank}: "), []).append(rank)
+    if len(ranks_of) == 1 and len(failed) == size > 1:
+        return next(iter(ranks_of))
+    return "; ".join(f"rank {ranks[0]}: {message}" if len(ranks) == 1 else f"ranks {ranks}: {message}"
+                     for message, ranks in ranks_of.items())
 
 
 def _agreed(values: list, what: str) -> Any:

@@ -155,6 +155,13 @@ def rank_report(status_dir: str | os.PathLike, nprocs: int, first_gone: Sequence
     return "\n".join(lines)
 
 
+def all_ranks_exited(status_dir: str | os.PathLike, nprocs: int) -> bool:
+    """Whether every rank recorded an exit of its own (none raised, was killed or never
+    started): the ranks' output said why, and a line per rank would add nothing."""
+    statuses = [Path(status_dir, f"rank{rank}") for rank in range(nprocs)]
+    return all(path.exists() and path.read_text().partition(" ")[2].startswith("exited with ") for path in statuses)
+
+
 class _RankWatcher(threading.Thread):
     """Notes which ranks vanish first without a status: the MPI launcher names the first
     process it saw end, often one it killed itself while cleaning up after the real one."""
@@ -229,7 +236,7 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
         if proc.returncode != 0:
             _kill_job(proc, status_dir, segments_before)  # ranks the MPI launcher left behind, and their segments
             report = rank_report(status_dir, nprocs, watcher.first_gone)
-            if not capture:
+            if not capture and not all_ranks_exited(status_dir, nprocs):
                 print(f"ultraep: {' '.join(cmd)} exited with {proc.returncode}:\n{report}", file=sys.stderr)
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     if check and proc.returncode != 0:
@@ -393,6 +400,9 @@ positive_int = bounded_type(int, lambda value: value >= 1, "an int >= 1")
 non_negative_int = bounded_type(int, lambda value: value >= 0, "an int >= 0")
 imbalance_target = bounded_type(float, lambda value: math.isfinite(value) and value >= 1.0,
                                 "a number >= 1 (a rank max/mean)")
+ROW_ALIGN = 8  # BF16 values in 16 bytes: the grouped GEMM's and the Dispatcher's rows are whole 16-byte chunks
+row_width = bounded_type(int, lambda value: value >= 1 and value % ROW_ALIGN == 0,
+                         f"a positive multiple of {ROW_ALIGN} (rows of whole 16-byte chunks)")
 
 
 OUTPUT_OPTIONS = ("json", "plot", "timeline", "out")  # the tools' options naming a file they write
@@ -499,8 +509,10 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
             if MPI.COMM_WORLD.rank == 0:
                 print(f"{command[-1]}: {exc}", file=sys.stderr, flush=True)
             everyone, deadline = MPI.COMM_WORLD.Ibarrier(), time.monotonic() + VERDICT_WAIT_S
-            while not everyone.Test() and time.monotonic() < deadline:
+            while not (agreed := everyone.Test()) and time.monotonic() < deadline:
                 time.sleep(0.01)
+            if agreed:  # the whole job ends on the verdict: no MPI_Abort (nor its line on every rank)
+                MPI.Finalize()
             raise SystemExit(2) from None
     if refused(args, command[-1]):
         return 2

@@ -1205,7 +1205,9 @@ for name, call in (("forward", lambda layer: layer.forward(MX, MIDS, MGATES)),
 
 # -- the runner -------------------------------------------------------------------------------------
 def names_rank(message: str, rank: int) -> bool:
-    return bool(re.search(rf"\brank {rank}\b", message) or re.search(rf"\branks \[[^\]]*\b{rank}\b", message))
+    """Whether ``message`` names ``rank``, or says that every rank failed (each said so)."""
+    return bool(re.search(rf"\brank {rank}\b", message) or re.search(rf"\branks \[[^\]]*\b{rank}\b", message)
+                or re.search(r"failed on (\d+) of \1 rank\(s\)", message))
 
 
 CRASHES = (AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RecursionError, NameError,
