@@ -270,7 +270,7 @@ GENERATED = ("ranks", "experts", "top_k", "tokens_per_rank", "steps", "layers", 
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if refused(args, "bench plan"):
+    if refused(args, "ultraep.bench plan"):
         return 2
     if args.trace:  # a trace brings its own sizes: the generators' options would be ignored without a word
         ignored = [f"--{key.replace('_', '-')}" for key in GENERATED if getattr(args, key) != parser.get_default(key)]
@@ -288,7 +288,7 @@ def main(argv: list[str]) -> int:
         ranks, experts = trace.num_ranks, trace.num_experts
         layout = ExpertLayout(ranks, experts, args.slots, args.domain)
     except ValueError as exc:
-        print(f"bench plan: {exc}", file=sys.stderr)
+        print(f"ultraep.bench plan: {exc}", file=sys.stderr)
         return 2
     source = args.trace or f"generated '{args.generate or 'demo'}' (seed {args.seed})"
     print(f"trace: {source}: {trace.num_steps} steps x {trace.num_layers} layers, R={ranks} E={experts}; "

@@ -489,12 +489,18 @@ def add_launch_options(parser, *, ranks: int = 4, backend_help: str | None = Non
 VERDICT_WAIT_S = 10.0  # how long ranks that all refused wait for rank 0 to say why before they exit
 
 
+def tool_name(command: Sequence[str]) -> str:
+    """What a tool's messages start with: ``ultraep.bench moe-layer`` for ``-m ultraep.bench
+    moe-layer``, the script's name for a script."""
+    return " ".join(command[1:]) if command[0] == "-m" else Path(command[-1]).name
+
+
 def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], timeout: float = 580) -> int:
     """Entry point of a tool that needs several ranks: parse ``argv``; under ``mpiexec``
     ``run(args)``, else relaunch ``python -m mpi4py command argv`` on ``nprocs(args)`` ranks,
     under an MPS daemon of its own when ``args.emulate_ep`` is set (:mod:`ultraep.runtime.mps`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+    args, name = parse_args(argv), tool_name(command)
     if launched_by_mpiexec():
         try:
             return run(args)
@@ -507,26 +513,26 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
             from mpi4py import MPI
 
             if MPI.COMM_WORLD.rank == 0:
-                print(f"{command[-1]}: {exc}", file=sys.stderr, flush=True)
+                print(f"{name}: {exc}", file=sys.stderr, flush=True)
             everyone, deadline = MPI.COMM_WORLD.Ibarrier(), time.monotonic() + VERDICT_WAIT_S
             while not (agreed := everyone.Test()) and time.monotonic() < deadline:
                 time.sleep(0.01)
             if agreed:  # the whole job ends on the verdict: no MPI_Abort (nor its line on every rank)
                 MPI.Finalize()
             raise SystemExit(2) from None
-    if refused(args, command[-1]):
+    if refused(args, name):
         return 2
     try:
-        return _launch(args, argv, nprocs(args), command, timeout)
+        return _launch(args, argv, nprocs(args), command, timeout, name)
     except LaunchError as exc:  # no mpiexec, or the job timed out: what the ranks did is in the message
-        print(f"{command[-1]}: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the ranks are stopped on the way out of run_mpi
-        print(f"{command[-1]}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
 
 
-def _launch(args, argv: Sequence[str], ranks: int, command: Sequence[str], timeout: float) -> int:
+def _launch(args, argv: Sequence[str], ranks: int, command: Sequence[str], timeout: float, name: str) -> int:
     """multi_rank_main's relaunch on ``ranks`` ranks, under an MPS daemon of its own with
     ``args.emulate_ep``."""
     relaunch = [*command, *argv]
@@ -537,13 +543,13 @@ def _launch(args, argv: Sequence[str], ranks: int, command: Sequence[str], timeo
 
     percent = percent or default_share(ranks)
     if (error := share_error(ranks, percent)) is not None:
-        print(f"--emulate-ep: {error}", file=sys.stderr)
+        print(f"{name}: --emulate-ep: {error}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so the daemon is stopped on the way out
     try:
         daemon = start_emulation(ranks, percent)
     except MPSUnavailable as exc:
-        print(f"--emulate-ep: {exc}; the ranks run time-sliced instead", file=sys.stderr)
+        print(f"{name}: --emulate-ep: {exc}; the ranks run time-sliced instead", file=sys.stderr)
         return relaunch_on_ranks(ranks, relaunch, timeout=timeout)
     with daemon:
         return relaunch_on_ranks(ranks, relaunch, timeout=timeout, env=daemon.client_environment(percent))
