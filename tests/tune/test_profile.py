@@ -158,6 +158,17 @@ def test_cli_prints_a_table(tmp_path, capsys):
     assert MachineProfile.from_json(json.loads(printed.out)) == read_profile(out) and printed.err == ""
 
 
+@pytest.mark.parametrize("argv,fragment", [
+    (["profile", "--backend", "host", "--device", "0"], "--backend host measures the CPU"),
+    (["search", "--profile", "p.json", "--device", "1"], "--profile FILE is used as it is"),
+    (["profile", "--device", "-1"], "an int >= 0"),
+])
+def test_a_gpu_named_where_none_is_measured_is_refused(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        tune_main(argv)
+    assert exit_.value.code == 2 and fragment in capsys.readouterr().err
+
+
 def test_fused_costs_are_lines_in_k_and_linear_between_grids():
     from ultraep.tune import FusedCosts
 

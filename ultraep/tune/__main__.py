@@ -56,13 +56,24 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.command == "search" and args.ranks_per_gpu > args.ranks:
         search.error(f"--ranks-per-gpu {args.ranks_per_gpu} exceeds --ranks {args.ranks}")
+    if args.device is not None:  # a GPU named where none is measured must not pass unnoticed
+        command = profile if args.command == "profile" else search
+        if getattr(args, "profile", None):
+            command.error("--device names a GPU to measure; --profile FILE is used as it is")
+        if args.backend == "host":
+            command.error("--device names a GPU; --backend host measures the CPU")
+        from ultraep.runtime.group import gpu_count
+
+        if args.backend == "auto" and not gpu_count():
+            command.error(f"--device {args.device}: this machine has no GPU (--backend auto measures the CPU)")
     return args
 
 
 def _add_machine_options(parser) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "device", "host"],
                         help="device: the GPU; host: NumPy on the CPU; auto: the GPU when there is one")
-    parser.add_argument("--device", type=int, help="the GPU to measure (default: CuPy's current one)")
+    parser.add_argument("--device", type=non_negative_int,
+                        help="the GPU to measure (default: CuPy's current one; not with the host backend)")
 
 
 def search_command(args) -> int:
