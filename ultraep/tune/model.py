@@ -35,7 +35,8 @@ The building blocks, each a quantity the profile measures:
 
 Not measured by the profile but fitted on the H200's sweeps under MPS, and named where they
 are defined: the weight sync's ``SYNC_*`` fractions and store weight, the Dispatcher's
-``L2_TRIP_FRACTION`` and ``ROW_ROUND_FRACTION``, and ``MEMORY_CHANNELS`` (an H200 constant).
+``L2_TRIP_FRACTION``, ``ROW_ROUND_FRACTION`` and ``ROW_STORE_FRACTION``, and ``MEMORY_CHANNELS`` (an H200
+constant).
 
 Two limits are joined by a p-norm (:data:`JOIN_P`) rather than a hard maximum: near the
 point where both bind, neither reaches its own rate.
@@ -293,8 +294,11 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 # Every copy kernel of the Dispatcher (raw_kernels/dispatch.cu) is persistent and grid-stride
 # with a warp per unit (a token, or a received row). A warp's time is its dependent round
 # trips to memory: each lane issues UNROLL 16-byte loads, waits for them, then stores them
-# (stores do not wait), so a unit costs the rounds of what it *reads*, whatever it writes --
-# a token sent to three ranks waits for one row's loads, a token reduced for its top_k rows'.
+# to every destination of the unit before the next round's loads issue -- a row copied waits
+# for its loads (its one store drains behind the next loads), a token reduced for its top_k
+# rows', and a token sent to several ranks for its stores: store_row_to_each stores each
+# round's vectors once a destination, each row's worth ROW_STORE_FRACTION of a round trip,
+# so a send's round lasts the longer of its loads' round and its stores (_row_round_fraction).
 # Before its rounds a unit waits for the loads of its indices (row maps, expert ids, bases,
 # peer bases: small arrays just written, in L2), each load dependent on the one before:
 # L2_TRIP_FRACTION of a round trip each, queueing at no memory channel. A round of a row's
@@ -363,6 +367,12 @@ def _row_rounds(problem: Problem) -> int:
     return -(-problem.row_bytes // (DISPATCH_VECTOR_BYTES * WARP_THREADS * DISPATCH_UNROLL))
 
 
+def _row_round_fraction(stores: float) -> float:
+    """A round of a warp's row copy, in the profile's round trips, storing it to ``stores``
+    destinations: its loads' round, or its stores where they take longer."""
+    return max(ROW_ROUND_FRACTION, stores * ROW_STORE_FRACTION)
+
+
 def _sum_rounds(problem: Problem) -> int:
     """Round trips of a warp summing a token's ``top_k`` rows (``sum_slots``): each lane walks
     its vectors one at a time, loading that vector of UNROLL rows at once."""
@@ -382,7 +392,15 @@ L2_TRIP_FRACTION = 0.5
 # Fitted likewise: a round of a row's contiguous copy against the profile's round of heap.cu's
 # copy (four loads a grid's stride apart). Hidden 2048 (2 rounds a row) and 7168 (7) need
 # both this and the index loads: grid 1 measured 2.4 and 6.2 round trips a unit.
-ROW_ROUND_FRACTION = 0.8
+ROW_ROUND_FRACTION = 0.65
+# Fitted with it: a warp's stores of one row's round to one destination, in round trips.
+# At grid 1 (one block, its 8 warps alone at the memory) the dispatch moved 57-62 GB/s loaded
+# + stored through its SM at 2, 4 and 8 ranks alike, its sends storing a token to 2.0, 3.7
+# and 5.5 ranks: rounds of the loads alone (0.8, the stores free) put 2 ranks 11 % over and
+# 8 ranks 3-7 % under. Fitted on the grid-1 rows of the fourteen dispatch problems in
+# tests/tune (the index loads held at L2_TRIP_FRACTION): 0.65 a load round, 0.557 a row
+# stored (the stores bind from 2 destinations on), each within 4.1 % (rms 1.7 %).
+ROW_STORE_FRACTION = 0.5
 # Dependent index loads before a unit's rounds (raw_kernels/dispatch.cu): send_tokens, the
 # slot's expert id, then its rank's peer base and the expert's base row (write_pair_meta's
 # stores come before the token's loads); expand_rows, the row's landing row; send_rows, the
@@ -510,8 +528,9 @@ def token_map_trips(problem: Problem) -> int:
 def dispatch_s(profile: MachineProfile, problem: Problem, grid):
     """``Dispatcher.dispatch``: the token map (its launches, its key traffic, its round trips
     -- :func:`token_map_trips` -- and the count barrier); ``send_tokens``, a warp per token
-    reading it once (a row's rounds) and storing it to each of its ``crossings`` destination
-    ranks (``(1 + crossings) / 2`` rows copied); the tokens barrier; ``expand_rows``, a warp
+    reading it once (a row's rounds, each as long as its stores where they take longer) and
+    storing it to each of its ``crossings`` destination ranks (``(1 + crossings) / 2`` rows
+    copied); the tokens barrier; ``expand_rows``, a warp
     per received row (a row's rounds, one row copied). ``grid`` sizes both copy kernels."""
     row = problem.row_bytes
     recv = float(problem.rows.sum())
@@ -521,9 +540,10 @@ def dispatch_s(profile: MachineProfile, problem: Problem, grid):
     device = (_kernels_s(profile, DISPATCH_LAUNCHES, sharing) + keys + token_map_trips(problem) * _round_trip_s(profile)
               + 2 * profile.flag_s
               + _copy_kernel_s(profile, grid, problem.tokens, rounds, SEND_TOKEN_INDEX_TRIPS,
-                               problem.tokens * (1.0 + problem.crossings) / 2.0 * row, sharing, ROW_ROUND_FRACTION)
+                               problem.tokens * (1.0 + problem.crossings) / 2.0 * row, sharing,
+                               _row_round_fraction(problem.crossings))
               + _copy_kernel_s(profile, grid, recv, rounds, EXPAND_ROW_INDEX_TRIPS, recv * row, sharing,
-                               ROW_ROUND_FRACTION))
+                               _row_round_fraction(1.0)))
     return join(DISPATCH_LAUNCHES * profile.launch_s, device)
 
 
@@ -537,7 +557,7 @@ def combine_s(profile: MachineProfile, problem: Problem, grid):
     sharing = problem.ranks_per_gpu
     device = (_kernels_s(profile, COMBINE_LAUNCHES, sharing) + 2 * profile.flag_s
               + _copy_kernel_s(profile, grid, recv, _row_rounds(problem), SEND_ROW_INDEX_TRIPS, recv * row, sharing,
-                               ROW_ROUND_FRACTION)
+                               _row_round_fraction(1.0))
               + _copy_kernel_s(profile, grid, problem.tokens, _sum_rounds(problem), 0,
                                problem.tokens * (problem.top_k + 1) * row / 2.0, sharing))
     return join(COMBINE_LAUNCHES * profile.launch_s, device)
