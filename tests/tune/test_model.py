@@ -11,7 +11,7 @@ from tests.tune.synthetic import fused_like, h200_like
 from ultraep.errors import ProfileError
 from ultraep.planner import ExpertLayout, Plan
 from ultraep.tune import model
-from ultraep.tune.device import DISPATCH_POINTER_BYTES
+from ultraep.tune.device import COPY_THREADS, DISPATCH_POINTER_BYTES
 from ultraep.tune.model import (COPY_LOADS_IN_FLIGHT, DISPATCH_BLOCKS_UNMEASURED, DISPATCH_THREADS, DISPATCH_UNROLL,
                                 FM_BM, FM_DOWN_COLS, FM_UP_COLS, L2_TRIP_FRACTION, MEMORY_CHANNELS, PIECE_BYTES,
                                 ROW_ROUND_FRACTION, ROW_STORE_FRACTION, SYNC_MIN_BLOCKS,
@@ -110,9 +110,12 @@ HALF_SHARE = dataclasses.replace(h200_like(sm_share=50, peer_bytes_per_s=1.79e12
 def test_weight_sync_sm_bound_only_where_the_sms_bound_the_peer_copy():
     """Where the memory, not the SMs, bounds the peer copy (a whole GPU; a share whose sharers
     moved no more together; half the H200, whose process reached 0.9 of what both moved, past
-    the join's 2^(-1/p)), that copy's rate says nothing of an SM's: the warps' pieces wait on
-    their latency joined with the process's bytes at that rate, and more blocks never hurt
-    (no busiest SM's sawtooth)."""
+    the join's 2^(-1/p)), that copy's rate says nothing of an SM's: an SM copies what one block
+    of the per-warp probe does (COPY_THREADS warps on one SM), its pipe at the same fraction of
+    it; the pieces wait on their latency joined with the busiest SM's share of that pipe, the
+    warps' time joined with the process's bytes at its peer copy's rate. So the busiest SM's
+    block more still costs (the sawtooth past each multiple of the SMs, as measured at half the
+    H200), and the full grid stays within 10 % of the bytes at the peer copy's rate."""
     assert sms_bound_peer_copy(MEASURED_SHARE) and not sms_bound_peer_copy(PROFILE)
     assert not sms_bound_peer_copy(dataclasses.replace(MEASURED_SHARE, shared_copy_bytes_per_s=1.375e12))
     assert not sms_bound_peer_copy(HALF_SHARE)
@@ -120,12 +123,16 @@ def test_weight_sync_sm_bound_only_where_the_sms_bound_the_peer_copy():
     sync = SyncProblem(EXPERT, (3,))
     copied = EXPERT * (1 + 3) / 2
     for profile in (PROFILE, HALF_SHARE):
-        grids = np.arange(1, SYNC_MIN_BLOCKS * profile.usable_sms + 1)
+        sms = profile.usable_sms
+        sm_rate = SYNC_SM_COPY_FRACTION * 2 * profile.copy_warp_bytes_per_s * COPY_THREADS / WARP_THREADS
+        grids = np.arange(1, SYNC_MIN_BLOCKS * sms + 1)
         times = weight_sync_s(profile, sync, grids) - profile.kernel_s - _round_trip_s(profile)
-        assert np.all(np.diff(times) <= 1e-12)
         rounds = np.ceil(-(-EXPERT // PIECE_BYTES) / (grids * SYNC_WARPS))
-        latency = rounds * _round_trip_s(profile) * (1 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
-        assert times == pytest.approx(join(latency, copied / profile.peer_bytes_per_s))
+        piece = join(_round_trip_s(profile) * (1 + SYNC_PIECE_BOOKKEEPING_ROUNDS),
+                     np.ceil(grids / sms) * SYNC_WARPS * PIECE_BYTES * (1 + 3) / sm_rate)
+        assert times == pytest.approx(join(rounds * piece, copied / profile.peer_bytes_per_s))
+        assert np.all(np.diff(times)[: sms - 1] <= 1e-12)  # a block an SM: more blocks never hurt
+        assert times[2 * sms] > times[2 * sms - 1]  # a third block on one SM: the busiest SM's sawtooth
         assert copied / profile.peer_bytes_per_s < times[-1] < 1.1 * copied / profile.peer_bytes_per_s
 
 

@@ -62,7 +62,7 @@ import numpy as np
 from ultraep.errors import ProfileError
 from ultraep.runtime.dtypes import is_bool, is_int
 from ultraep.runtime.kernels import kernel_constant
-from ultraep.tune.device import DISPATCH_THREADS
+from ultraep.tune.device import COPY_THREADS, DISPATCH_THREADS
 from ultraep.tune.profile import UP_RELEASED_SINCE, MachineProfile
 
 JOIN_P = 4.0                 # two rates' limits joined as (a^p + b^p)^(1/p)
@@ -209,11 +209,18 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 #   SYNC_STORE_WEIGHT loaded ones (stores cost the path more: a large fan-out reaches less
 #   of the SMs' rate than a fan-out of 1). A grid of fewer blocks than SMs leaves the path
 #   to fewer of them: a lone SM reaches its own pipe's rate, a full grid the path's.
-# Both apply only where the SMs, not the memory, bound the peer copy (sms_bound_peer_copy):
-# only there is the peer copy's rate an SM's share. Where the memory binds (a whole GPU,
-# half the H200) the pieces wait their latency, joined with the process's bytes at its peer
-# copy's rate; the SM's own rate is not in such a profile, so the busiest SM's extra block
-# and the round trips' stretch as the memory fills are left out there.
+# Both apply as such only where the SMs, not the memory, bound the peer copy
+# (sms_bound_peer_copy): only there is the peer copy's rate an SM's share. Where the memory
+# binds (a whole GPU, half the H200) the process's path is the memory's: the pieces wait
+# their latency joined with the busiest SM's share of its pipe, at the same fraction of what
+# one SM copies where nothing else bounds it -- one block of the per-warp probe (COPY_THREADS
+# on one SM, an eighth of the SMs at work: 46.7 GB/s at half the H200, against the 43-48 an
+# SM's share of the peer copy gave at a quarter and an eighth) -- and the warps' time joined
+# with the process's bytes at its peer copy's rate. The SM's pipe is the SM's, whatever the
+# share: at 2, 4 and 8 ranks alike a piece on an SM with 1, 2, 3, 4 blocks took about 1.1-1.3,
+# 1.3-1.6, 1.5-2.0 and 2.0-2.7 us (fan-out 1), the sawtooth past each multiple of the SMs;
+# the round trips' stretch as the memory fills is left out (-3 to -8 % at a block an SM at
+# half the H200).
 #
 # The latency is joined with the tighter of the two shares (JOIN_P): a warp's stores drain
 # while it waits for its next load, so near the SM's rate neither bound alone is reached.
@@ -244,6 +251,24 @@ def sms_bound_peer_copy(profile: MachineProfile) -> bool:
             and profile.peer_bytes_per_s < 2.0 ** (-1.0 / JOIN_P) * profile.shared_copy_bytes_per_s)
 
 
+def _sm_copy_bytes_per_s(profile: MachineProfile) -> float:
+    """What one SM copies where nothing else bounds it: its share of the peer copy where the
+    SMs bound that (:func:`sms_bound_peer_copy`), else one block of the per-warp probe on one
+    SM (``copy_warp_bytes_per_s`` over ``COPY_THREADS``, far from the memory's limit)."""
+    if sms_bound_peer_copy(profile):
+        return profile.peer_bytes_per_s / profile.usable_sms
+    return profile.copy_warp_bytes_per_s * COPY_THREADS / WARP_THREADS
+
+
+def _sync_sm_share_s(profile: MachineProfile, blocks_at_once, mean_fanout: float):
+    """A piece's share of the busiest SM's pipe, ``blocks_at_once`` blocks of SYNC_WARPS warps
+    at work (one an SM before a second on any), the piece loaded once and stored to
+    ``mean_fanout`` replicas: the SM's warps load and store at most SYNC_SM_COPY_FRACTION of
+    twice what it copies (:func:`_sm_copy_bytes_per_s`)."""
+    sm_pieces_bytes = np.ceil(blocks_at_once / profile.usable_sms) * SYNC_WARPS * PIECE_BYTES
+    return sm_pieces_bytes * (1.0 + mean_fanout) / (SYNC_SM_COPY_FRACTION * 2.0 * _sm_copy_bytes_per_s(profile))
+
+
 def _sync_piece_latency_s(profile: MachineProfile) -> float:
     """A piece's latency: the load's round trip and the piece's bookkeeping."""
     return _round_trip_s(profile) * (1.0 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
@@ -253,25 +278,24 @@ def _sync_piece_s(profile: MachineProfile, blocks_at_once, mean_fanout: float):
     """One piece of a warp on the busiest SM where the SMs bound the peer copy
     (:func:`sms_bound_peer_copy`), ``blocks_at_once`` blocks of SYNC_WARPS warps at work (one
     an SM before a second on any), the piece stored to ``mean_fanout`` replicas."""
-    blocks_on_busiest_sm = np.ceil(blocks_at_once / profile.usable_sms)
     busy_sms = np.minimum(blocks_at_once, profile.usable_sms)
-    sm_pieces_bytes = blocks_on_busiest_sm * SYNC_WARPS * PIECE_BYTES
-    sm_bytes_per_s = SYNC_SM_COPY_FRACTION * 2.0 * profile.peer_bytes_per_s / profile.usable_sms
+    sm_pieces_bytes = np.ceil(blocks_at_once / profile.usable_sms) * SYNC_WARPS * PIECE_BYTES
     path_bytes_per_s = SYNC_PROCESS_COPY_FRACTION * (1.0 + SYNC_STORE_WEIGHT) * profile.peer_bytes_per_s / busy_sms
-    sm_share = sm_pieces_bytes * (1.0 + mean_fanout) / sm_bytes_per_s
     path_share = sm_pieces_bytes * (1.0 + SYNC_STORE_WEIGHT * mean_fanout) / path_bytes_per_s
-    return join(_sync_piece_latency_s(profile), np.maximum(sm_share, path_share))
+    return join(_sync_piece_latency_s(profile),
+                np.maximum(_sync_sm_share_s(profile, blocks_at_once, mean_fanout), path_share))
 
 
 def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
-    """``weight_sync``'s kernel (no barrier, schedule compiled, no per-chunk flags) on
-    ``blocks`` blocks: its start-up (one round trip of table reads before a block barrier),
-    then the busiest sender's pieces, every master's, split evenly over the grid's warps;
-    blocks beyond those resident at once (SYNC_MIN_BLOCKS an SM) in later waves. Where the
-    SMs bound the peer copy, each piece at :func:`_sync_piece_s` on the busiest SM; where the
-    memory does, the warps' pieces at their latency joined with this process's bytes at its
-    peer copy's rate. No faster than the memory moves every copying rank's bytes. Relay trees
-    and per-chunk flags are not modelled."""
+    """``weight_sync``'s kernel (no barrier, schedule compiled, no per-chunk flags) on ``blocks``
+    blocks: its start-up (one round trip of table reads before a block barrier), then the
+    busiest sender's pieces, every master's, split evenly over the grid's warps; blocks
+    beyond those resident at once (SYNC_MIN_BLOCKS an SM) in later waves. Where the SMs
+    bound the peer copy, each piece at :func:`_sync_piece_s` on the busiest SM; where the
+    memory does, the warps' pieces at their latency joined with the busiest SM's share of
+    its pipe (:func:`_sync_sm_share_s`), joined with this process's bytes at its peer copy's
+    rate. No faster than the memory moves every copying rank's bytes. Relay trees and
+    per-chunk flags are not modelled."""
     blocks = np.asarray(blocks, np.float64)
     if not sync.fanouts:
         return profile.kernel_s + np.zeros_like(blocks)
@@ -283,8 +307,9 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
     copied = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0))  # a byte loaded and one stored: one copied
     if sms_bound_peer_copy(profile):
         warps_s = pieces_per_warp * _sync_piece_s(profile, at_once, float(fanouts.mean()))
-    else:
-        warps_s = join(pieces_per_warp * _sync_piece_latency_s(profile), copied / profile.peer_bytes_per_s)
+    else:  # the process's path is the memory's: the busiest SM's pipe, then the bytes at its peer copy's rate
+        piece = join(_sync_piece_latency_s(profile), _sync_sm_share_s(profile, at_once, float(fanouts.mean())))
+        warps_s = join(pieces_per_warp * piece, copied / profile.peer_bytes_per_s)
     return profile.kernel_s + _round_trip_s(profile) + np.maximum(warps_s, bandwidth_s(profile, copied,
                                                                                       sync.ranks_copying))
 
