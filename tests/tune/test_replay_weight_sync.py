@@ -135,25 +135,32 @@ def test_the_two_rank_sweep_replays():
     (both ranks together moved 1.99; 66 SMs at the 43-44 GB/s an SM copies on a quarter or an
     eighth would move 2.9). 88e0717's model took 1.79 / 66 as an SM's share and put the
     busiest SM's pipe and path on it: right to 65 blocks, then 15-55 % over (0.0319 ms at 259
-    blocks, measured 0.0239), 28.0 %. Today (the memory bounds it: the warps' latency joined
-    with the bytes at the peer copy's rate): 8.1 %, every grid short of the measurement (the
-    busiest SM's extra block, -12 to -15 % at 71, 135, 200-210 blocks; the round trips'
-    stretch as the memory fills, -3 to -9 % at a block an SM), over the 5 % bar: the SM's own
-    rate, which would give that sawtooth, is not in a memory-bound profile. The full grids
-    within 3.1 %, the choice, 259 blocks, 0.13 % over the fastest measured (253)."""
+    blocks, measured 0.0239), 28.0 %. With the warps' latency alone joined with the bytes at
+    the peer copy's rate (no SM pipe where the memory binds): 8.1 %, every grid short, the
+    busiest SM's extra block -12 to -15 % at 71, 135, 200-210 blocks. Yet the SM's pipe is the
+    SM's whatever the share: a piece on an SM with 1, 2, 3, 4 blocks took 1.16-1.31, 1.39-1.60,
+    1.74-2.13, 2.26-2.68 us here, 1.08-1.18, 1.28-1.37, 1.60-1.73, 2.08-2.29 at a quarter (fan-out
+    1). Its rate from one block of the per-warp probe (46.7 GB/s copied, against 43-48 an SM's
+    share of the peer copy at a quarter and an eighth), at the same fraction as there: 5.04 %,
+    the sawtooth followed -- short by -2.5 to -8.2 % at a block an SM (the round trips' stretch
+    as the memory fills, unmodelled: a piece 1.16 us at 1 block, 1.31 at 65) and over by up to
+    10.4 % at 4 blocks an SM (253: the SMs' time and the memory's, joined, where neither alone
+    binds). Just over the 5 % bar. The choice, 259 blocks, 0.13 % over the fastest measured (253)."""
     logged = summarise(copy.deepcopy(HALF["rows"]))
     rows, profile = replay_rows(HALF)
     summary = summarise(rows)
     assert profile.version == 10 and profile.sm_count == 66 and profile.shared_by == 2
     assert logged["mean_abs_error_pct"] == pytest.approx(27.98, abs=0.01)
     ours = summary["problems"]["fan-out 1, 37.7 MB"]
-    assert ours["mean_abs_error_pct"] == pytest.approx(8.14, abs=0.01)
+    assert ours["mean_abs_error_pct"] == pytest.approx(5.04, abs=0.01)
     assert (ours["chosen"], ours["chosen_rank"]) == ("blocks=259", 2)
     assert ours["chosen_over_best_pct"] == pytest.approx(0.13, abs=0.01)
-    errors = np.array([row["error_pct"] for row in rows])
-    assert -15.3 < errors.min() and errors.max() < 0.0
     by_blocks = {row["knob"]: row for row in rows}
-    assert all(abs(by_blocks[grid]["error_pct"]) < 3.1 for grid in (253, 259, 264))
+    errors = np.array([row["error_pct"] for row in rows])
+    assert -8.3 < errors.min() and errors.max() < 10.5
+    # a block an SM short, past each multiple of the SMs the jump followed (was -12 to -15 % there)
+    assert all(by_blocks[grid]["error_pct"] < 0.0 for grid in (1, 33, 65))
+    assert all(abs(by_blocks[grid]["error_pct"]) < 5.6 for grid in (71, 135, 200))
 
 
 def test_a_sweep_without_its_problems_rebuilds_them_from_its_command_line():

@@ -35,7 +35,8 @@ The building blocks, each a quantity the profile measures:
 
 Not measured by the profile but fitted on the H200's sweeps under MPS, and named where they
 are defined: the weight sync's ``SYNC_*`` fractions and store weight, the Dispatcher's
-``L2_TRIP_FRACTION`` and ``ROW_ROUND_FRACTION``, and ``MEMORY_CHANNELS`` (an H200 constant).
+``L2_TRIP_FRACTION``, ``ROW_ROUND_FRACTION`` and ``ROW_STORE_FRACTION``, and ``MEMORY_CHANNELS`` (an H200
+constant).
 
 Two limits are joined by a p-norm (:data:`JOIN_P`) rather than a hard maximum: near the
 point where both bind, neither reaches its own rate.
@@ -61,7 +62,7 @@ import numpy as np
 from ultraep.errors import ProfileError
 from ultraep.runtime.dtypes import is_bool, is_int
 from ultraep.runtime.kernels import kernel_constant
-from ultraep.tune.device import DISPATCH_THREADS
+from ultraep.tune.device import COPY_THREADS, DISPATCH_THREADS
 from ultraep.tune.profile import UP_RELEASED_SINCE, MachineProfile
 
 JOIN_P = 4.0                 # two rates' limits joined as (a^p + b^p)^(1/p)
@@ -208,11 +209,18 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 #   SYNC_STORE_WEIGHT loaded ones (stores cost the path more: a large fan-out reaches less
 #   of the SMs' rate than a fan-out of 1). A grid of fewer blocks than SMs leaves the path
 #   to fewer of them: a lone SM reaches its own pipe's rate, a full grid the path's.
-# Both apply only where the SMs, not the memory, bound the peer copy (sms_bound_peer_copy):
-# only there is the peer copy's rate an SM's share. Where the memory binds (a whole GPU,
-# half the H200) the pieces wait their latency, joined with the process's bytes at its peer
-# copy's rate; the SM's own rate is not in such a profile, so the busiest SM's extra block
-# and the round trips' stretch as the memory fills are left out there.
+# Both apply as such only where the SMs, not the memory, bound the peer copy
+# (sms_bound_peer_copy): only there is the peer copy's rate an SM's share. Where the memory
+# binds (a whole GPU, half the H200) the process's path is the memory's: the pieces wait
+# their latency joined with the busiest SM's share of its pipe, at the same fraction of what
+# one SM copies where nothing else bounds it -- one block of the per-warp probe (COPY_THREADS
+# on one SM, an eighth of the SMs at work: 46.7 GB/s at half the H200, against the 43-48 an
+# SM's share of the peer copy gave at a quarter and an eighth) -- and the warps' time joined
+# with the process's bytes at its peer copy's rate. The SM's pipe is the SM's, whatever the
+# share: at 2, 4 and 8 ranks alike a piece on an SM with 1, 2, 3, 4 blocks took about 1.1-1.3,
+# 1.3-1.6, 1.5-2.0 and 2.0-2.7 us (fan-out 1), the sawtooth past each multiple of the SMs;
+# the round trips' stretch as the memory fills is left out (-3 to -8 % at a block an SM at
+# half the H200).
 #
 # The latency is joined with the tighter of the two shares (JOIN_P): a warp's stores drain
 # while it waits for its next load, so near the SM's rate neither bound alone is reached.
@@ -243,6 +251,24 @@ def sms_bound_peer_copy(profile: MachineProfile) -> bool:
             and profile.peer_bytes_per_s < 2.0 ** (-1.0 / JOIN_P) * profile.shared_copy_bytes_per_s)
 
 
+def _sm_copy_bytes_per_s(profile: MachineProfile) -> float:
+    """What one SM copies where nothing else bounds it: its share of the peer copy where the
+    SMs bound that (:func:`sms_bound_peer_copy`), else one block of the per-warp probe on one
+    SM (``copy_warp_bytes_per_s`` over ``COPY_THREADS``, far from the memory's limit)."""
+    if sms_bound_peer_copy(profile):
+        return profile.peer_bytes_per_s / profile.usable_sms
+    return profile.copy_warp_bytes_per_s * COPY_THREADS / WARP_THREADS
+
+
+def _sync_sm_share_s(profile: MachineProfile, blocks_at_once, mean_fanout: float):
+    """A piece's share of the busiest SM's pipe, ``blocks_at_once`` blocks of SYNC_WARPS warps
+    at work (one an SM before a second on any), the piece loaded once and stored to
+    ``mean_fanout`` replicas: the SM's warps load and store at most SYNC_SM_COPY_FRACTION of
+    twice what it copies (:func:`_sm_copy_bytes_per_s`)."""
+    sm_pieces_bytes = np.ceil(blocks_at_once / profile.usable_sms) * SYNC_WARPS * PIECE_BYTES
+    return sm_pieces_bytes * (1.0 + mean_fanout) / (SYNC_SM_COPY_FRACTION * 2.0 * _sm_copy_bytes_per_s(profile))
+
+
 def _sync_piece_latency_s(profile: MachineProfile) -> float:
     """A piece's latency: the load's round trip and the piece's bookkeeping."""
     return _round_trip_s(profile) * (1.0 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
@@ -252,25 +278,24 @@ def _sync_piece_s(profile: MachineProfile, blocks_at_once, mean_fanout: float):
     """One piece of a warp on the busiest SM where the SMs bound the peer copy
     (:func:`sms_bound_peer_copy`), ``blocks_at_once`` blocks of SYNC_WARPS warps at work (one
     an SM before a second on any), the piece stored to ``mean_fanout`` replicas."""
-    blocks_on_busiest_sm = np.ceil(blocks_at_once / profile.usable_sms)
     busy_sms = np.minimum(blocks_at_once, profile.usable_sms)
-    sm_pieces_bytes = blocks_on_busiest_sm * SYNC_WARPS * PIECE_BYTES
-    sm_bytes_per_s = SYNC_SM_COPY_FRACTION * 2.0 * profile.peer_bytes_per_s / profile.usable_sms
+    sm_pieces_bytes = np.ceil(blocks_at_once / profile.usable_sms) * SYNC_WARPS * PIECE_BYTES
     path_bytes_per_s = SYNC_PROCESS_COPY_FRACTION * (1.0 + SYNC_STORE_WEIGHT) * profile.peer_bytes_per_s / busy_sms
-    sm_share = sm_pieces_bytes * (1.0 + mean_fanout) / sm_bytes_per_s
     path_share = sm_pieces_bytes * (1.0 + SYNC_STORE_WEIGHT * mean_fanout) / path_bytes_per_s
-    return join(_sync_piece_latency_s(profile), np.maximum(sm_share, path_share))
+    return join(_sync_piece_latency_s(profile),
+                np.maximum(_sync_sm_share_s(profile, blocks_at_once, mean_fanout), path_share))
 
 
 def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
-    """``weight_sync``'s kernel (no barrier, schedule compiled, no per-chunk flags) on
-    ``blocks`` blocks: its start-up (one round trip of table reads before a block barrier),
-    then the busiest sender's pieces, every master's, split evenly over the grid's warps;
-    blocks beyond those resident at once (SYNC_MIN_BLOCKS an SM) in later waves. Where the
-    SMs bound the peer copy, each piece at :func:`_sync_piece_s` on the busiest SM; where the
-    memory does, the warps' pieces at their latency joined with this process's bytes at its
-    peer copy's rate. No faster than the memory moves every copying rank's bytes. Relay trees
-    and per-chunk flags are not modelled."""
+    """``weight_sync``'s kernel (no barrier, schedule compiled, no per-chunk flags) on ``blocks``
+    blocks: its start-up (one round trip of table reads before a block barrier), then the
+    busiest sender's pieces, every master's, split evenly over the grid's warps; blocks
+    beyond those resident at once (SYNC_MIN_BLOCKS an SM) in later waves. Where the SMs
+    bound the peer copy, each piece at :func:`_sync_piece_s` on the busiest SM; where the
+    memory does, the warps' pieces at their latency joined with the busiest SM's share of
+    its pipe (:func:`_sync_sm_share_s`), joined with this process's bytes at its peer copy's
+    rate. No faster than the memory moves every copying rank's bytes. Relay trees and
+    per-chunk flags are not modelled."""
     blocks = np.asarray(blocks, np.float64)
     if not sync.fanouts:
         return profile.kernel_s + np.zeros_like(blocks)
@@ -282,8 +307,9 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
     copied = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0))  # a byte loaded and one stored: one copied
     if sms_bound_peer_copy(profile):
         warps_s = pieces_per_warp * _sync_piece_s(profile, at_once, float(fanouts.mean()))
-    else:
-        warps_s = join(pieces_per_warp * _sync_piece_latency_s(profile), copied / profile.peer_bytes_per_s)
+    else:  # the process's path is the memory's: the busiest SM's pipe, then the bytes at its peer copy's rate
+        piece = join(_sync_piece_latency_s(profile), _sync_sm_share_s(profile, at_once, float(fanouts.mean())))
+        warps_s = join(pieces_per_warp * piece, copied / profile.peer_bytes_per_s)
     return profile.kernel_s + _round_trip_s(profile) + np.maximum(warps_s, bandwidth_s(profile, copied,
                                                                                       sync.ranks_copying))
 
@@ -293,8 +319,11 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
 # Every copy kernel of the Dispatcher (raw_kernels/dispatch.cu) is persistent and grid-stride
 # with a warp per unit (a token, or a received row). A warp's time is its dependent round
 # trips to memory: each lane issues UNROLL 16-byte loads, waits for them, then stores them
-# (stores do not wait), so a unit costs the rounds of what it *reads*, whatever it writes --
-# a token sent to three ranks waits for one row's loads, a token reduced for its top_k rows'.
+# to every destination of the unit before the next round's loads issue -- a row copied waits
+# for its loads (its one store drains behind the next loads), a token reduced for its top_k
+# rows', and a token sent to several ranks for its stores: store_row_to_each stores each
+# round's vectors once a destination, each row's worth ROW_STORE_FRACTION of a round trip,
+# so a send's round lasts the longer of its loads' round and its stores (_row_round_fraction).
 # Before its rounds a unit waits for the loads of its indices (row maps, expert ids, bases,
 # peer bases: small arrays just written, in L2), each load dependent on the one before:
 # L2_TRIP_FRACTION of a round trip each, queueing at no memory channel. A round of a row's
@@ -363,6 +392,12 @@ def _row_rounds(problem: Problem) -> int:
     return -(-problem.row_bytes // (DISPATCH_VECTOR_BYTES * WARP_THREADS * DISPATCH_UNROLL))
 
 
+def _row_round_fraction(stores: float) -> float:
+    """A round of a warp's row copy, in the profile's round trips, storing it to ``stores``
+    destinations: its loads' round, or its stores where they take longer."""
+    return max(ROW_ROUND_FRACTION, stores * ROW_STORE_FRACTION)
+
+
 def _sum_rounds(problem: Problem) -> int:
     """Round trips of a warp summing a token's ``top_k`` rows (``sum_slots``): each lane walks
     its vectors one at a time, loading that vector of UNROLL rows at once."""
@@ -382,7 +417,15 @@ L2_TRIP_FRACTION = 0.5
 # Fitted likewise: a round of a row's contiguous copy against the profile's round of heap.cu's
 # copy (four loads a grid's stride apart). Hidden 2048 (2 rounds a row) and 7168 (7) need
 # both this and the index loads: grid 1 measured 2.4 and 6.2 round trips a unit.
-ROW_ROUND_FRACTION = 0.8
+ROW_ROUND_FRACTION = 0.65
+# Fitted with it: a warp's stores of one row's round to one destination, in round trips.
+# At grid 1 (one block, its 8 warps alone at the memory) the dispatch moved 57-62 GB/s loaded
+# + stored through its SM at 2, 4 and 8 ranks alike, its sends storing a token to 2.0, 3.7
+# and 5.5 ranks: rounds of the loads alone (0.8, the stores free) put 2 ranks 11 % over and
+# 8 ranks 3-7 % under. Fitted on the grid-1 rows of the fourteen dispatch problems in
+# tests/tune (the index loads held at L2_TRIP_FRACTION): 0.65 a load round, 0.557 a row
+# stored (the stores bind from 2 destinations on), each within 4.1 % (rms 1.7 %).
+ROW_STORE_FRACTION = 0.5
 # Dependent index loads before a unit's rounds (raw_kernels/dispatch.cu): send_tokens, the
 # slot's expert id, then its rank's peer base and the expert's base row (write_pair_meta's
 # stores come before the token's loads); expand_rows, the row's landing row; send_rows, the
@@ -510,8 +553,9 @@ def token_map_trips(problem: Problem) -> int:
 def dispatch_s(profile: MachineProfile, problem: Problem, grid):
     """``Dispatcher.dispatch``: the token map (its launches, its key traffic, its round trips
     -- :func:`token_map_trips` -- and the count barrier); ``send_tokens``, a warp per token
-    reading it once (a row's rounds) and storing it to each of its ``crossings`` destination
-    ranks (``(1 + crossings) / 2`` rows copied); the tokens barrier; ``expand_rows``, a warp
+    reading it once (a row's rounds, each as long as its stores where they take longer) and
+    storing it to each of its ``crossings`` destination ranks (``(1 + crossings) / 2`` rows
+    copied); the tokens barrier; ``expand_rows``, a warp
     per received row (a row's rounds, one row copied). ``grid`` sizes both copy kernels."""
     row = problem.row_bytes
     recv = float(problem.rows.sum())
@@ -521,9 +565,10 @@ def dispatch_s(profile: MachineProfile, problem: Problem, grid):
     device = (_kernels_s(profile, DISPATCH_LAUNCHES, sharing) + keys + token_map_trips(problem) * _round_trip_s(profile)
               + 2 * profile.flag_s
               + _copy_kernel_s(profile, grid, problem.tokens, rounds, SEND_TOKEN_INDEX_TRIPS,
-                               problem.tokens * (1.0 + problem.crossings) / 2.0 * row, sharing, ROW_ROUND_FRACTION)
+                               problem.tokens * (1.0 + problem.crossings) / 2.0 * row, sharing,
+                               _row_round_fraction(problem.crossings))
               + _copy_kernel_s(profile, grid, recv, rounds, EXPAND_ROW_INDEX_TRIPS, recv * row, sharing,
-                               ROW_ROUND_FRACTION))
+                               _row_round_fraction(1.0)))
     return join(DISPATCH_LAUNCHES * profile.launch_s, device)
 
 
@@ -537,7 +582,7 @@ def combine_s(profile: MachineProfile, problem: Problem, grid):
     sharing = problem.ranks_per_gpu
     device = (_kernels_s(profile, COMBINE_LAUNCHES, sharing) + 2 * profile.flag_s
               + _copy_kernel_s(profile, grid, recv, _row_rounds(problem), SEND_ROW_INDEX_TRIPS, recv * row, sharing,
-                               ROW_ROUND_FRACTION)
+                               _row_round_fraction(1.0))
               + _copy_kernel_s(profile, grid, problem.tokens, _sum_rounds(problem), 0,
                                problem.tokens * (problem.top_k + 1) * row / 2.0, sharing))
     return join(COMBINE_LAUNCHES * profile.launch_s, device)
