@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.conftest import assert_all_ranks_ok, run_ranks
 from ultraep.errors import ProfileError
 from ultraep.tune import PROFILE_VERSION, MachineProfile, load_profile, profile_path, read_profile, write_profile
 from ultraep.tune.__main__ import main as tune_main
@@ -167,6 +168,12 @@ def test_a_gpu_named_where_none_is_measured_is_refused(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_:
         tune_main(argv)
     assert exit_.value.code == 2 and fragment in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+def test_a_rank_failing_in_the_shared_probe_is_said_on_every_rank(tmp_path):
+    out = run_ranks(3, "tune/mpi/shared_failure_check.py", str(tmp_path), timeout=240)
+    assert_all_ranks_ok(out, 3, "shared-failure")
 
 
 def test_fused_costs_are_lines_in_k_and_linear_between_grids():

@@ -48,7 +48,7 @@ _STATUS_HEADER = 3              # int64 words before the message
 _POLL_FIRST_S, _POLL_MAX_S = 20e-6, 2e-3  # a fast collective costs microseconds; a long wait, no core
 # A rank's record of the collective it entered (EPGroup._gather_calls): what ranks compare,
 # the name only to report (cut to 80 bytes), the digest of the whole name to decide.
-_CALL = np.dtype([("size", "<i8"), ("refused", "<i8"), ("digest", "<u8"), ("name", "S80")])
+_CALL = np.dtype([("size", "<i8"), ("refused", "<i8"), ("barrier", "<i8"), ("digest", "<u8"), ("name", "S80")])
 
 
 def timeout_error(timeout_s) -> str | None:
@@ -287,7 +287,7 @@ class EPGroup:
         timeout, refusal = self._enter(what, timeout_s)
         deadline = time.monotonic() + timeout
         payload = np.frombuffer(pickle.dumps((refusal, obj), protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-        calls = self._gather_calls(what, call, payload.size, refusal, timeout, deadline)
+        calls = self._gather_calls(what, call, payload.size, refusal, timeout, deadline, barrier=False)
         sizes = calls["size"]
         offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         gathered = np.empty(int(sizes.sum()), np.uint8)
@@ -298,19 +298,26 @@ class EPGroup:
         return list(values)
 
     def _gather_calls(self, what: str, call: str, size: int, refusal: str | None, timeout: float,
-                      deadline: float) -> np.ndarray:
+                      deadline: float, *, barrier: bool) -> np.ndarray:
         """The first step of every collective: one fixed-size record a rank (:data:`_CALL`:
-        its call's name and a digest of it, its payload's size, whether it refused its
-        timeout), so a barrier and an allgather are the same MPI collective here, and ranks
-        in different calls all raise the mismatch at this step and stay in step."""
+        its call's name, whether it is a barrier, a digest of both, its payload's size,
+        whether it refused its timeout), so a barrier and an allgather are the same MPI
+        collective here, and ranks in different calls all raise the mismatch at this step
+        and stay in step. A barrier and an allgather of one name are different calls: the
+        allgather's second step must not meet the barrier rank's next collective."""
         mine = np.zeros(1, _CALL)
-        mine["size"], mine["refused"] = size, refusal is not None
-        mine["digest"] = np.frombuffer(hashlib.blake2b(call.encode(), digest_size=8).digest(), np.uint64)
+        mine["size"], mine["refused"], mine["barrier"] = size, refusal is not None, barrier
+        key = f"{'barrier' if barrier else 'allgather'}:{call}".encode()
+        mine["digest"] = np.frombuffer(hashlib.blake2b(key, digest_size=8).digest(), np.uint64)
         mine["name"] = call.encode("utf-8", "replace")[:_CALL["name"].itemsize]
         calls = np.zeros(self.size, _CALL)
         self._wait(self.comm.Iallgather(mine.view(np.uint8), calls.view(np.uint8)), what, timeout, deadline,
                    (mine, calls))
-        self._raise_mismatch(list(calls["digest"]), [bytes(name).decode("utf-8", "replace") for name in calls["name"]])
+        names = [bytes(name).decode("utf-8", "replace") for name in calls["name"]]
+        if len(set(names)) < len(set(calls["digest"].tolist())):  # one name, two kinds of call: say which
+            names = [f"{name} ({'barrier' if barrier_ else 'allgather'})"
+                     for name, barrier_ in zip(names, calls["barrier"])]
+        self._raise_mismatch(list(calls["digest"]), names)
         return calls
 
     def _raise_mismatch(self, keys: list, names: list) -> None:
@@ -336,7 +343,7 @@ class EPGroup:
             self.allgather(None, what=what)
             return
         timeout, refusal = self._enter(what, timeout_s)
-        calls = self._gather_calls(what, what, 0, refusal, timeout, time.monotonic() + timeout)
+        calls = self._gather_calls(what, what, 0, refusal, timeout, time.monotonic() + timeout, barrier=True)
         elsewhere = "its timeout_s was refused (timeout_s must be a positive, finite number of seconds)"
         self._raise_refusals([refusal if r == self.rank else (elsewhere if calls["refused"][r] else None)
                               for r in range(self.size)], what)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ultraep.errors import ProfileError
+from ultraep.errors import CollectiveError, ProfileError
 from ultraep.runtime.dtypes import is_int
 from ultraep.tune.profile import (MachineProfile, cache_profile, fused_costs, load_profile, make_probe, measure_fused,
                                   profile_path, stderr_progress)
@@ -179,12 +179,16 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
     tables = None
     with sharers_barrier(group, places) if backend == "device" else contextlib.nullcontext() as heap:
         try:
+            # each round starts with the error check that ends the loop: a rank that failed in a
+            # round meets its peers' next round in one call, and every rank raises its reason
             tables = measure_fused(probe, fused.grids, stderr_progress if group.local_rank == 0 else None,
-                                   together=lambda: group.barrier(timeout_s, what=SHARED_FUSED_WHAT),
+                                   together=lambda: group.raise_if_any(None, SHARED_FUSED_WHAT, timeout_s=timeout_s),
                                    release=None if heap is None else lambda: heap.barrier(RELEASE_TIMEOUT_S,
                                                                                            wait=False))
             if heap is not None:
                 heap.check_barriers()
+        except CollectiveError:
+            raise  # a peer's failure, raised on every rank in the same round
         except Exception as exc:
             error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
         group.raise_if_any(error, SHARED_FUSED_WHAT, timeout_s=timeout_s)

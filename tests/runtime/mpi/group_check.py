@@ -29,6 +29,12 @@ expect(lambda: group.barrier(what="close") if me == 1 else group.agree(("layer",
        "the ranks entered different collective calls", "rank(s) [1] in 'close'",
        f"rank(s) {[r for r in range(R) if r != 1]} in 'layer id'")
 assert group.agree(("layer", 3), "layer id") == ("layer", 3)
+# One name for a barrier and an allgather (a measuring loop's barriers and its error check):
+# different calls, else the allgather's second step meets the barrier rank's next collective
+# (MPI_ERR_TRUNCATE under Open MPI).
+expect(lambda: group.barrier(what="probe") if me == 1 else group.raise_if_any(None, "probe"), GroupMismatchError,
+       "rank(s) [1] in 'probe (barrier)'", f"rank(s) {[r for r in range(R) if r != 1]} in 'probe (allgather)'")
+assert group.agree(("layer", 3), "layer id") == ("layer", 3)
 print(f"[group] rank {me} OK", flush=True)
 
 # Bounded collectives: a rank that does not come names itself in the others' timeout.
