@@ -424,7 +424,8 @@ ROW_ROUND_FRACTION = 0.65
 # and 5.5 ranks: rounds of the loads alone (0.8, the stores free) put 2 ranks 11 % over and
 # 8 ranks 3-7 % under. Fitted on the grid-1 rows of the fourteen dispatch problems in
 # tests/tune (the index loads held at L2_TRIP_FRACTION): 0.65 a load round, 0.557 a row
-# stored (the stores bind from 2 destinations on), each within 4.1 % (rms 1.7 %).
+# stored (the stores bind from 2 destinations on), each within 4.1 % (rms 1.7 %). 0.5 is kept:
+# over the whole sweeps it replays 0.01-0.07 points better than 0.557 (2, 4 and 8 ranks).
 ROW_STORE_FRACTION = 0.5
 # Dependent index loads before a unit's rounds (raw_kernels/dispatch.cu): send_tokens, the
 # slot's expert id, then its rank's peer base and the expert's base row (write_pair_meta's
