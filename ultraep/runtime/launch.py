@@ -140,14 +140,23 @@ def run_rank(argv: Sequence[str] | None = None) -> None:
     record("exited with 0")
 
 
+def rank_status(status_dir: str | os.PathLike, rank: int) -> tuple[str, str]:
+    """(pid, how it ended) as :func:`run_rank` recorded it for ``rank``; ("?", "never
+    started") where nothing was recorded."""
+    try:
+        pid, _, text = Path(status_dir, f"rank{rank}").read_text().partition(" ")
+    except OSError:
+        return "?", "never started"
+    return pid, text
+
+
 def rank_report(status_dir: str | os.PathLike, nprocs: int, first_gone: Sequence[int] = ()) -> str:
     """One line per rank of a failed job: how it ended, from the files :func:`run_rank` wrote.
     A rank that left "running" was killed (a signal, ``os._exit`` or the job's abort);
     ``first_gone`` are those that vanished before any other (see :class:`_RankWatcher`)."""
     lines = []
     for rank in range(nprocs):
-        path = Path(status_dir, f"rank{rank}")
-        pid, _, text = path.read_text().partition(" ") if path.exists() else ("?", "", "never started")
+        pid, text = rank_status(status_dir, rank)
         if text == "running":
             text = ("ended first, without a status (killed by a signal or os._exit)" if rank in first_gone else
                     "ended without a status (killed by a signal, os._exit or the job's abort)")
@@ -158,8 +167,7 @@ def rank_report(status_dir: str | os.PathLike, nprocs: int, first_gone: Sequence
 def all_ranks_exited(status_dir: str | os.PathLike, nprocs: int) -> bool:
     """Whether every rank recorded an exit of its own (none raised, was killed or never
     started): the ranks' output said why, and a line per rank would add nothing."""
-    statuses = [Path(status_dir, f"rank{rank}") for rank in range(nprocs)]
-    return all(path.exists() and path.read_text().partition(" ")[2].startswith("exited with ") for path in statuses)
+    return all(rank_status(status_dir, rank)[1].startswith("exited with ") for rank in range(nprocs))
 
 
 class _RankWatcher(threading.Thread):
@@ -176,10 +184,7 @@ class _RankWatcher(threading.Thread):
         while not self.done.wait(5e-3) and not self.first_gone:
             running = {}
             for rank in range(self.nprocs):
-                try:
-                    pid, _, text = Path(self.status_dir, f"rank{rank}").read_text().partition(" ")
-                except OSError:
-                    continue
+                pid, text = rank_status(self.status_dir, rank)
                 if text == "running":
                     running[rank] = int(pid)
             self.first_gone = [r for r, pid in running.items() if (stat := _proc_stat(pid)) is None or stat[0] == "Z"]
