@@ -16,7 +16,8 @@ layer's stacked weights once (``load_weights``).
 Checked: the balanced and unbalanced outputs are bitwise equal (0 differing elements:
 the grouped GEMM computes a row the same way wherever its expert runs, and combine adds
 each token's top-k results in a fixed order); the busiest rank receives at most 1 % more
-rows than the mean with balancing. Runs on the GPU or, without one, on JAX's CPU with the
+rows than the mean with balancing, or one smallest replica's rows (``MIN_REPLICA``) more
+where 1 % is fewer. Runs on the GPU or, without one, on JAX's CPU with the
 CPU backend.
 """
 
@@ -48,6 +49,7 @@ jax.config.update("jax_default_matmul_precision", "highest")  # the router in fp
 device = jax.devices("gpu")[group.device] if group.has_gpu else jax.devices("cpu")[0]
 
 E, S, H, F, TOP_K, T = 4 * R, 2, 64, 64, 2, args.tokens
+MIN_REPLICA = 16  # the fewest rows a replica may take (min_replica_tokens)
 layout = ExpertLayout(R, E, S)
 M = layout.experts_per_rank
 
@@ -74,7 +76,7 @@ def route(x):
 
 
 def run(balanced):
-    balancer = (Balancer(group, layout, MoELayer.expert_spec(H, F), num_layers=1, min_replica_tokens=16)
+    balancer = (Balancer(group, layout, MoELayer.expert_spec(H, F), num_layers=1, min_replica_tokens=MIN_REPLICA)
                 if balanced else None)
     layer = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=TOP_K, max_tokens=T, balancer=balancer)
     layer.load_weights(w_up, w_down)
@@ -98,11 +100,12 @@ plain, plain_rows = run(balanced=False)
 balanced, rows = run(balanced=True)
 differing = sum(group.allgather(sum(int(np.count_nonzero(a != b)) for a, b in zip(balanced, plain))))
 worst = max(max(r) * R / sum(r) for r in rows)
+bound = max(1.01, 1 + MIN_REPLICA / (T * TOP_K))  # a rank's mean rows: T * TOP_K
 if me == 0:
     for step in range(args.steps):
         print(f"step {step}: received rows per rank unbalanced {plain_rows[step]} -> balanced {rows[step]}")
     print(f"busiest rank / mean: unbalanced {max(max(r) * R / sum(r) for r in plain_rows):.4f}, balanced {worst:.4f}; "
           f"{differing} output elements differ")
-assert worst <= 1.01, f"balanced busiest rank is {worst:.4f} x the mean"
+assert worst <= bound, f"balanced busiest rank is {worst:.4f} x the mean (at most {bound:.4f})"
 assert differing == 0, f"{differing} balanced output elements differ from the unbalanced ones"
 print(f"rank {me}/{R} ({device.platform}): jax_moe_forward OK", flush=True)

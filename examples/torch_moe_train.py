@@ -19,11 +19,14 @@ experts. The same training runs twice from the same initial weights: unbalanced 
 go to the masters) and balanced (the layers share a ``Balancer``).
 
 Checked: with balancing the busiest rank receives at most 1 % more (token, expert) rows
-than the mean, every step and layer; at the first step the outputs of the two runs are
-bitwise equal (0 differing elements) and so is the loss: the grouped GEMM computes each
-row the same way wherever its expert runs. Later steps agree within 1e-3 relative: a
-master's weight gradient is summed per instance with balancing, its partial sums added
-in replica order, and the FP32 rounding differences pass through the BF16 weight updates.
+than the mean, every step and layer, or one smallest replica's rows more where 1 % is
+fewer (a replica takes at least ``MIN_REPLICA`` rows, and only onto a rank with that much
+room: below about 200 tokens a rank the planner stops a few rows above the mean); at the
+first step the outputs of the two runs are bitwise equal (0 differing elements) and so
+is the loss: the grouped GEMM computes each row the same way wherever its expert runs.
+Later steps agree within 1e-3 relative: a master's weight gradient is summed per instance
+with balancing, its partial sums added in replica order, and the FP32 rounding
+differences pass through the BF16 weight updates.
 
 ``--fused``: each block's experts run as UniEP's fused persistent kernels
 (``MoELayer(fused=True)``: dispatch + up-projection, down-projection + combine, and the
@@ -79,6 +82,7 @@ if group.has_gpu:
     torch.cuda.set_device(device)
 
 LAYERS, E, S, H, F, TOP_K, T = 2, 4 * R, 2, 64, 64, 2, args.tokens
+MIN_REPLICA = 16  # the fewest rows a replica may take (min_replica_tokens)
 layout = ExpertLayout(R, E, S)
 M = layout.experts_per_rank
 FP8 = args.weight_dtype != "bfloat16"
@@ -280,7 +284,7 @@ class MoEBlock(torch.nn.Module):
 
 def train(balanced, fused=args.fused):
     spec = fp8_spec() if FP8 else MoELayer.expert_spec(H, F)
-    balancer = (Balancer(group, layout, spec, num_layers=LAYERS, min_replica_tokens=16, sync_checks=False)
+    balancer = (Balancer(group, layout, spec, num_layers=LAYERS, min_replica_tokens=MIN_REPLICA, sync_checks=False)
                 if balanced else None)
     blocks = [MoEBlock(index, balancer, fused) for index in range(LAYERS)]
     losses, rows, first_out = [], [], None
@@ -320,6 +324,7 @@ def train(balanced, fused=args.fused):
 plain_losses, plain_rows, plain_out, _ = train(balanced=False)
 losses, rows, out, summary = train(balanced=True)
 worst = max(max(r) * R / sum(r) for step in rows for r in step)
+bound = max(1.01, 1 + MIN_REPLICA / (T * TOP_K))  # a rank's mean rows: T * TOP_K
 relative = max(abs(a - b) / abs(b) for a, b in zip(losses, plain_losses))
 differing = sum(group.allgather(int((out.view(torch.int32) != plain_out.view(torch.int32)).sum())))
 deviation = max(group.allgather(float((out - plain_out).abs().max() / plain_out.abs().max())))
@@ -335,7 +340,7 @@ if me == 0:
     if FP8:
         print(f"{args.weight_dtype} experts: after every sync {summary['differing']} of {summary['checked']} replica "
               f"bytes differ from their masters; first step: outputs within {deviation:.1e} of the largest")
-assert worst <= 1.01, f"balanced busiest rank is {worst:.4f} x the mean"
+assert worst <= bound, f"balanced busiest rank is {worst:.4f} x the mean (at most {bound:.4f})"
 if FP8:
     assert summary["checked"] > 0 and summary["differing"] == 0, f"replicas: {summary['differing']} bytes differ"
     assert deviation <= 1e-2, f"first step: outputs differ by {deviation:.1e} of the largest"
