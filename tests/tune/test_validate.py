@@ -55,6 +55,21 @@ def test_the_fastest_grids_and_the_choice_are_timed_again_together():
     assert "chosen_over_best_retimed_pct" not in summarise([dict(row) for row in rows[:-1]])["problems"]["pull"]
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--phase", "dispatch", "--experts", "7"], "--experts 7 does not divide over 2 ranks"),
+    (["--phase", "fused-forward", "--experts", "8", "--top-k", "9"], "--top-k 9 exceeds --experts 8"),
+    (["--phase", "weight-sync", "--fanouts", "5"], "--fanouts: at most 1 replicas on 2 ranks"),
+    (["--phase", "weight-sync", "--ranks", "1"], "--phase weight-sync needs at least 2 ranks"),
+])
+def test_a_sweep_that_cannot_run_is_refused_before_the_launch(extra, message, capfd, monkeypatch):
+    """Once, exit 2, no rank started (before this, every rank said it after measuring a profile)."""
+    monkeypatch.setenv("ULTRAEP_MPIEXEC", "/nonexistent/mpiexec")  # a launch would fail, not run
+    with pytest.raises(SystemExit) as exc:
+        tune_main(["validate", "--backend", "host", "--ranks", "2", *extra])
+    err = capfd.readouterr().err
+    assert exc.value.code == 2 and err.count(message) == 1, err
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("phase, extra", [
     ("weight-sync", ["--hidden", "256", "--ffn", "128"]),

@@ -62,8 +62,8 @@ import sys
 
 import numpy as np
 
-from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, multi_rank_main, non_negative_int,
-                                   output_errors, positive_int)
+from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, job_ranks, multi_rank_main,
+                                   non_negative_int, output_errors, positive_int)
 
 PHASES = ("weight-sync", "dispatch", "fused-forward")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
@@ -107,7 +107,23 @@ def parse_args(argv):
         parser.error("give --phase PHASE to sweep, or --replay FILE.json to predict a saved sweep again")
     if args.retime_rounds < 0:
         parser.error(f"--retime-rounds must be 0 (none) or more, got {args.retime_rounds}")
+    if args.replay is None and (error := sweep_error(args, job_ranks(args))) is not None:
+        parser.error(error)  # before the launch, not on every rank after a profile's measurement
     return args
+
+
+def sweep_error(args, ranks: int) -> str | None:
+    """Why ``args.phase``'s sweep cannot run on ``ranks`` ranks, or None."""
+    if args.phase == "weight-sync":
+        if ranks < 2:
+            return "--phase weight-sync needs at least 2 ranks (a master and a replica)"
+        if args.fanouts and max(args.fanouts) > ranks - 1:
+            return f"--fanouts: at most {ranks - 1} replicas on {ranks} ranks"
+    elif args.experts % ranks:
+        return f"--experts {args.experts} does not divide over {ranks} ranks"
+    elif args.top_k > args.experts:
+        return f"--top-k {args.top_k} exceeds --experts {args.experts}"
+    return None
 
 
 def main(argv=None) -> int:
@@ -151,11 +167,9 @@ def weight_sync_problems(args, ranks: int) -> tuple:
     from ultraep.transfer import ExpertSpec
     from ultraep.tune.model import SyncProblem
 
-    if ranks < 2:
-        raise SystemExit("--phase weight-sync needs at least 2 ranks (a master and a replica)")
+    if (error := sweep_error(args, ranks)) is not None:  # a stored sweep's command line, replayed
+        raise SystemExit(error)
     fanouts = args.fanouts or [ranks - 1]
-    if max(fanouts) > ranks - 1:
-        raise SystemExit(f"--fanouts: at most {ranks - 1} replicas on {ranks} ranks")
     spec = ExpertSpec([("fc1", (2 * args.ffn, args.hidden), "bfloat16"), ("fc2", (args.hidden, args.ffn), "bfloat16")],
                       grad_dtype="bfloat16")
     layout = ExpertLayout(ranks, ranks, 1, max_instances=min(ranks, 16))
@@ -257,8 +271,6 @@ def routed_problem(group, backend, xp, args, tokens: int, sharing: int):
     from ultraep.tune.model import Problem
 
     R = group.size
-    if args.experts % R:
-        raise SystemExit(f"--experts {args.experts} does not divide over {R} ranks")
     rng = routing_rng(args.seed, group.rank)
     bits, ids, gates = (xp.asarray(a) for a in random_tokens(rng, tokens, args.hidden, args.experts, args.top_k))
     data = (bits.view(BFLOAT16), ids, gates)
