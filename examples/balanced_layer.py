@@ -16,7 +16,6 @@ fp32 reassociation (a replica's rows are summed apart, then added in). Rank 0 dr
 per rank and micro-batch to ``--out``.
 """
 
-import argparse
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +24,9 @@ from mpi4py import MPI
 
 import ultraep
 from ultraep.compute import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
-from ultraep.runtime.launch import positive_int
+from ultraep.runtime.launch import JobArgumentParser, positive_int
 
-parser = argparse.ArgumentParser()
+parser = JobArgumentParser()
 parser.add_argument("--micro-batches", type=positive_int, default=4, help="micro-batches through the layer")
 parser.add_argument("--tokens", type=positive_int, default=512, help="tokens per rank and micro-batch")
 parser.add_argument("--out", type=Path, default=Path("out/demo_layer.png"), help="the figure (written by rank 0)")

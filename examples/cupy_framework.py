@@ -23,7 +23,6 @@ as ``reduce_grads`` does), and within 1e-5 relative of plain per-expert sums -- 
 bitwise, since splitting a sum over rows into partial sums reassociates fp32 additions.
 """
 
-import argparse
 from pathlib import Path
 
 import numpy as np
@@ -36,14 +35,16 @@ from ultraep.planner import ExpertLayout
 from ultraep.runtime.group import EPGroup
 from ultraep.token import Dispatcher
 from ultraep.transfer import ExpertSpec
-from ultraep.runtime.launch import positive_int
+from ultraep.runtime.launch import JobArgumentParser, no_gpu_error, positive_int
 
-parser = argparse.ArgumentParser()
+parser = JobArgumentParser()
 parser.add_argument("--backend", default="host", choices=["host", "device"])
 parser.add_argument("--micro-batches", type=positive_int, default=4, help="micro-batches through the layer")
 parser.add_argument("--tokens", type=positive_int, default=128, help="tokens per rank and micro-batch")
 parser.add_argument("--out", type=Path, default=None, help="directory for the load trace and plot (rank 0)")
 args = parser.parse_args()
+if (error := no_gpu_error(args.backend, None)) is not None:
+    parser.error(error)
 
 group = EPGroup(MPI.COMM_WORLD, use_gpu=args.backend == "device")
 R, me = group.size, group.rank

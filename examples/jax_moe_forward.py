@@ -25,20 +25,19 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # four ranks share one GPU
 
-import argparse
+from ultraep.runtime.launch import JobArgumentParser, end_job, positive_int
 
 try:
     import jax
     import jax.numpy as jnp
 except ModuleNotFoundError:
-    raise SystemExit("examples/jax_moe_forward.py needs JAX (pip install jax)") from None
+    end_job("needs JAX (pip install jax)", "examples/jax_moe_forward.py")
 import numpy as np
 from mpi4py import MPI
 
 from ultraep import Balancer, EPGroup, ExpertLayout, MoELayer
-from ultraep.runtime.launch import positive_int
 
-parser = argparse.ArgumentParser()
+parser = JobArgumentParser()
 parser.add_argument("--steps", type=positive_int, default=3, help="forward steps")
 parser.add_argument("--tokens", type=positive_int, default=1024, help="tokens per rank and step")
 args = parser.parse_args()

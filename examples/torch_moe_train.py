@@ -48,21 +48,20 @@ not the same kernel for every row count).
 Runs on the GPU (CUDA tensors, device backend) or, without one, on the CPU backend.
 """
 
-import argparse
-
 import numpy as np
+
+from ultraep.runtime.launch import JobArgumentParser, end_job, positive_int
 
 try:
     import torch
 except ModuleNotFoundError:
-    raise SystemExit("examples/torch_moe_train.py needs PyTorch (pip install torch)") from None
+    end_job("needs PyTorch (pip install torch)", "examples/torch_moe_train.py")
 from mpi4py import MPI
 
 from ultraep import Balancer, Dispatcher, EPGroup, ExpertLayout, ExpertSpec, MoELayer
 from ultraep.token.torch_autograd import TokenRoute, to_torch
-from ultraep.runtime.launch import positive_int
 
-parser = argparse.ArgumentParser()
+parser = JobArgumentParser()
 parser.add_argument("--steps", type=positive_int, default=4, help="training steps")
 parser.add_argument("--tokens", type=positive_int, default=1024, help="tokens per rank and step")
 parser.add_argument("--lr", type=float, default=0.05)

@@ -98,6 +98,19 @@ def test_moe_layer_step_example():
         assert float(line.group(2)) > 0, out
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("name, args, reason", [
+    ("balanced_layer.py", ["--micro-batches", "0"], "argument --micro-batches: expected an int >= 1, got '0'"),
+    ("cupy_framework.py", ["--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
+])
+def test_an_example_refuses_a_bad_option_once(name, args, reason):
+    """Rank 0 says why with the usage, every rank exits 2, no MPI_Abort (was: once per rank)."""
+    done = run_mpi(RANKS, [str(EXAMPLES / name), *args], timeout=120, check=False)
+    assert done.returncode == 2, done.stdout
+    assert done.stdout.count(reason) == 1 and done.stdout.count("usage:") == 1, done.stdout
+    assert "Abort" not in done.stdout and "Traceback" not in done.stdout, done.stdout
+
+
 def png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"

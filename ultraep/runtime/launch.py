@@ -494,6 +494,41 @@ def add_launch_options(parser, *, ranks: int = 4, backend_help: str | None = Non
 VERDICT_WAIT_S = 10.0  # how long ranks that all refused wait for rank 0 to say why before they exit
 
 
+def end_job(reason: str, name: str):
+    """End an MPI job that every rank refuses alike: rank 0 says why once (no traceback),
+    the ranks wait a bounded time for each other (in case the refusal was a part of the
+    job's) and end without an MPI_Abort (nor its line on every rank); exit 2."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.rank == 0:
+        print(f"{name}: {reason}", file=sys.stderr, flush=True)
+    everyone, deadline = MPI.COMM_WORLD.Ibarrier(), time.monotonic() + VERDICT_WAIT_S
+    while not (agreed := everyone.Test()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if agreed:
+        MPI.Finalize()
+    raise SystemExit(2) from None
+
+
+class JobArgumentParser(argparse.ArgumentParser):
+    """The options of a script that every rank of an MPI job runs (the examples): help, and a
+    bad option with the usage, are printed by rank 0 alone; a bad option ends the job
+    (:func:`end_job`), as does ``parser.error(reason)`` for any refusal every rank makes."""
+
+    def print_help(self, file=None):
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank == 0:
+            super().print_help(file)
+
+    def error(self, message: str):
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank == 0:
+            self.print_usage(sys.stderr)
+        end_job(f"error: {message}", self.prog)
+
+
 def tool_name(command: Sequence[str]) -> str:
     """What a tool's messages start with: ``ultraep.bench moe-layer`` for ``-m ultraep.bench
     moe-layer``, the script's name for a script."""
@@ -512,19 +547,7 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
         except UltraEPError as exc:
             if not exc.on_every_rank:
                 raise
-            # every rank of its group raised this verdict (bad options the library refused): said
-            # once, no traceback, before any rank's exit aborts the job -- waiting a bounded time, in
-            # case the group was a part of the job
-            from mpi4py import MPI
-
-            if MPI.COMM_WORLD.rank == 0:
-                print(f"{name}: {exc}", file=sys.stderr, flush=True)
-            everyone, deadline = MPI.COMM_WORLD.Ibarrier(), time.monotonic() + VERDICT_WAIT_S
-            while not (agreed := everyone.Test()) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if agreed:  # the whole job ends on the verdict: no MPI_Abort (nor its line on every rank)
-                MPI.Finalize()
-            raise SystemExit(2) from None
+            end_job(str(exc), name)  # every rank of its group raised this verdict (bad options refused)
     if refused(args, name):
         return 2
     try:
