@@ -1303,6 +1303,11 @@ def attempt(call, bad):
 
 
 def run(entries: list[str]) -> int:
+    if unknown := sorted(set(entries) - {c.entry for c in CASES}):
+        if ME == 0:
+            print(f"bad_input_matrix.py: no cases for {', '.join(unknown)}; the entries are "
+                  f"{', '.join(dict.fromkeys(c.entry for c in CASES))}", flush=True)
+        return 1
     watchdog = Watchdog()
     tally: dict[str, dict[str, int]] = {}
     bad_lines, total = [], 0
