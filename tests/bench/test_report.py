@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from ultraep.bench.report import HOST_QUICK_TOKENS, Progress, host_size_note
+from ultraep.bench.report import HOST_QUICK_TOKENS, Progress, RowStream, host_size_note
 from ultraep.tune.profile import PROGRESS_LOGGER, stderr_progress
 
 
@@ -41,3 +41,19 @@ def test_a_gpu_sized_run_on_the_host_says_it_takes_minutes(capsys):
     assert capsys.readouterr().err == ""
     host_size_note(progress, True, 8192)
     assert "host backend (NumPy) at 8192 tokens per rank: minutes per row" in capsys.readouterr().err
+
+
+def test_a_row_stream_prints_its_header_with_the_first_row(capsys):
+    """The set-up's progress lines (stderr) land above the table, not between header and rows."""
+    with RowStream(["case", "ms"], "title") as table:
+        Progress("x")("setting up")
+        assert capsys.readouterr().out == ""
+        table.add({"case": "a", "ms": 1.5})
+        table.add({"case": "b", "ms": 2.0})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "title" and lines[2].split() == ["case", "ms"] and lines[4].split() == ["a", "1.5000"]
+    assert lines[5].split() == ["b", "2.0000"] and set(lines[-1]) == {"-"} and len(lines) == 7
+    with RowStream(["case"], "empty"):
+        pass
+    assert capsys.readouterr().out.splitlines()[0] == "empty"  # a table of no rows still shows what it was
+

@@ -382,9 +382,9 @@ def run(args) -> int:
                     fused.record_timeline(False)
                 if args.timeline:
                     for which, everyone_tasks in recorded.items():
-                        phases[which] = phase_spans(everyone_tasks)
-                        progress(f"tokens {T}, hidden {H}: phases of a recorded fused {which} (ms):\n"
-                                 f"{format_phases(phases[which])}")
+                        phases[which] = phase_spans(everyone_tasks)  # printed under the table
+                        progress(f"tokens {T}, hidden {H}: the fused {which}'s timeline, "
+                                 f"{timeline_path(args.timeline, T, H, which)}")
                         if me == 0:
                             plot_timeline(everyone_tasks, timeline_path(args.timeline, T, H, which),
                                           f"{R} ranks ({caveat}): fused {which}, {T} tokens, hidden {H}, ffn {F}, "

@@ -62,8 +62,10 @@ def print_table(rows: list[dict], columns: list[str], title: str, file=None) -> 
 
 
 class RowStream:
-    """A table printed row by row as the rows are measured: title and header at once, each
-    row when :meth:`add` gets it, the closing rule from :meth:`close` (or the ``with`` block).
+    """A table printed row by row as the rows are measured: title and header with the first
+    row (the progress lines of the set-up on stderr come before the table, not inside it),
+    each row when :meth:`add` gets it, the closing rule from :meth:`close` (or the ``with``
+    block).
 
     Widths are fixed by the header (at least ``min_width``), since later rows are unknown;
     a longer value widens its own line only. Numbers align right, text left.
@@ -74,10 +76,11 @@ class RowStream:
         self.widths = [max(len(column), min_width) for column in columns]
         self.rule = "-" * (sum(self.widths) + 2 * (len(columns) - 1))
         header = "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, self.widths)))
-        self._print(title, self.rule, header, self.rule)
+        self._head = [title, self.rule, header, self.rule]  # printed once, before the first row
 
     def _print(self, *lines: str) -> None:
         if self.enabled:
+            lines, self._head = self._head + list(lines), []
             for line in lines:
                 print(line.rstrip(), file=self.file, flush=True)
 
