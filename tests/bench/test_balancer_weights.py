@@ -70,7 +70,7 @@ def assert_fp8_rows(rows):
     bf16 = rows[0]
     assert bf16["sync_vs_bf16"] == 1.0
     for row in rows:
-        assert row["replicas"] > 0 and row["replica_diff"] == 0
+        assert row["replicas_mean"] > 0 and row["replica_diff"] == 0
         assert row["sync_vs_bf16"] == pytest.approx(row["weight_sync_dev_ms"] / bf16["weight_sync_dev_ms"])
     for row in rows[1:]:
         assert 0.5 <= row["sync_MB"] / bf16["sync_MB"] < 0.53  # scales and 256-byte alignment add a little

@@ -24,10 +24,21 @@ def test_balancer_bench_cpu(tmp_path, capfd):
     header = next(line for line in printed.splitlines() if line.startswith("weights"))
     assert "exposed_ms" in header and not set(header.split()) & set(bench.DEVICE_COLUMNS)  # the GPU's times
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["imbalance"] > 1.5 and row["imb_after"] < row["imbalance"] and row["replicas"] > 0, row
+    assert row["imbalance"] > 1.5 and row["imb_after"] < row["imbalance"] and row["replicas_mean"] > 0, row
     # on the CPU every stage is synchronous: balancing adds its whole cost to the layer
     assert row["exposed_ms"] > 0 and row["layer_ms"] > 0 and row["balanced_ms"] > row["layer_ms"], row
     assert row["share_pct"] == pytest.approx(100 * row["exposed_ms"] / row["layer_ms"]), row
+    assert "no replica was made" not in printed
+
+
+@pytest.mark.mpi
+def test_balancer_bench_says_when_no_replica_was_made(capfd):
+    code = bench.main(["--backend", "host", "--experts", "16", "--tokens", "256", "--top-k", "2", "--hidden", "32",
+                       "--ffn", "16", "--initial-imbalance", "2.0", "--repeats", "1", "--rounds", "1", "--quiet"])
+    printed = capfd.readouterr().out
+    assert code == 0, printed
+    assert ("bf16, imbalance 2.000: no replica was made (none could serve --min-replica-tokens 1024 tokens)"
+            in printed), printed
 
 
 @pytest.mark.mpi
@@ -66,7 +77,7 @@ def test_balancer_bench_rows_per_sync_stream(tmp_path, capfd):
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     assert [row["sync_stream"] for row in rows] == ["side", "layer"]
-    assert all(row["replica_diff"] == 0 and row["replicas"] > 0 for row in rows), rows
+    assert all(row["replica_diff"] == 0 and row["replicas_mean"] > 0 for row in rows), rows
     assert f"weight_sync {bench.SYNC_STREAMS['side']} or {bench.SYNC_STREAMS['layer']}," in capfd.readouterr().out
 
 
@@ -82,7 +93,7 @@ def test_balancer_bench_rows_per_relay_threshold(tmp_path):
     assert code == 0
     rows = json.loads(out.read_text())["rows"]
     assert [row["relays"] for row in rows] == [">1: 1"]
-    assert rows[0]["replica_diff"] == 0 and rows[0]["replicas"] > 0, rows
+    assert rows[0]["replica_diff"] == 0 and rows[0]["replicas_mean"] > 0, rows
     assert sorted(p.name for p in profiles.iterdir()) == [
         f"bf16_imbalance2_syncall_side_relay1x1.{ext}" for ext in ("pstats", "txt")]
 
@@ -191,7 +202,7 @@ def test_balancer_bench_steps_and_where_the_sync_starts(tmp_path, capfd, steps, 
     assert row["sync_stream"] == sync_stream, row
     assert (row["weight_sync_dev_ms"] is None) == (sync_stream == "update"), row  # the update times its syncs
     assert f"weight_sync {bench.SYNC_STREAMS[sync_stream]}," in capfd.readouterr().out  # the title
-    assert row["replicas"] > 0, row
+    assert row["replicas_mean"] > 0, row
     left_out = {"plan": ["sync_host_ms", "wait_host_ms"], "sync": ["update_host_ms", "reroute_host_ms"], "all": []}
     assert all(row[part] == 0.0 for part in left_out[steps]), row  # those calls were not made
     assert all(row[part] > 0 for part in ("update_host_ms", "sync_host_ms", "reroute_host_ms")

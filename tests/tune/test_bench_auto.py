@@ -34,10 +34,10 @@ def test_one_row_per_value(tmp_path, capfd, monkeypatch):
     rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["ideal", "none", "ultraep@0", "ultraep@1024", "ultraep@auto"]
     assert rows["ultraep@0"]["min_replica"] == 0 and rows["ultraep@1024"]["min_replica"] == 1024
-    assert rows["ultraep@0"]["replicas"] > 0 and rows["ultraep@0"]["balancing_layers"] == 1
+    assert rows["ultraep@0"]["replicas_mean"] > 0 and rows["ultraep@0"]["balancing_layers"] == 1
     # An expert gets at most 2 x 128 tokens a call, below 1024: the layer never balances, so its
     # weight gradients are none's bits too.
-    assert rows["ultraep@1024"]["replicas"] == 0 and rows["ultraep@1024"]["balancing_layers"] == 0
+    assert rows["ultraep@1024"]["replicas_mean"] == 0 and rows["ultraep@1024"]["balancing_layers"] == 0
     assert rows["ultraep@1024"]["wgrad_rel"] == 0
     assert "ultraep@1024: no layer balanced" in printed.out and "ultraep@0: no layer" not in printed.out
     profile = read_profile(next((tmp_path / "cache").glob("profile-*.json")))

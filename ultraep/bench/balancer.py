@@ -91,7 +91,7 @@ PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASE
 DEVICE_COLUMNS = ["exposed_dev_ms", "update_lead_dev_ms", "lead_dev_ms", *(f"d_{name}_dev_ms" for name in PHASE_NAMES),
                   "wait_dev_ms", "synced_dev_ms", "idle_dev_ms"]
 COLUMNS = ["weights", "steps", "sync_at", "sync_stream", "compute_priority", "sync_blocks", "relays", "imbalance",
-           "imb_after", "replicas", "exposed_ms", "layer_ms", "balanced_ms", "share_pct", *DEVICE_COLUMNS,
+           "imb_after", "replicas_mean", "exposed_ms", "layer_ms", "balanced_ms", "share_pct", *DEVICE_COLUMNS,
            "bal_host_ms", "update_host_ms", "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms",
            "call_host_ms", "update_dev_ms", "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms",
            "replica_diff"]
@@ -527,7 +527,7 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, sync_stre
            "sync_blocks": sync_blocks or "all",
            "relays": "default" if relay_threshold is None else f">{relay_threshold}: {args.relay_count}",
            "imbalance": float(stats.records[-1].imbalance_before), "imb_after": summary["imbalance_after_max"],
-           "replicas": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
+           "replicas_mean": summary["replicas_mean"], "exposed_ms": exposed_ms, "layer_ms": layer_ms,
            "balanced_ms": balanced_ms, "share_pct": 100.0 * exposed_ms / layer_ms,
            **device_breakdown(group, device_ms),
            **{f"{part}_host_ms": statistics.median(host_ms[part]) for part in HOST_PARTS},
@@ -633,6 +633,11 @@ def run(args) -> int:
                     rows.append(row)
                     table.add(row)
     if printing:
+        for row in rows:
+            if not row["replicas_mean"]:
+                print(f"{row['weights']}, imbalance {row['imbalance']:.3f}: no replica was made (none could serve "
+                      f"--min-replica-tokens {args.min_replica_tokens} tokens): the balanced layer ran unbalanced, "
+                      "exposed_ms is the Balancer's calls alone")
         if args.plot:
             from ultraep.analysis.plots import plot_rank_loads
 

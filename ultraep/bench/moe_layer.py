@@ -11,7 +11,7 @@ skewed routing under three policies in one run, as tokens/s and the ratio to the
   ``ultraep`` row per value; ``min_replica`` is the value it planned with (``auto``
   resolved by the cost model on the machine profile, ``ultraep.tune``). Where no plan
   could make a replica (``MoELayer.balancing``; e.g. decode under ``auto``) the layers run
-  unbalanced: ``replicas`` 0 and a note under the table; with both ``--sync-stream side
+  unbalanced: ``replicas_mean`` 0 and a note under the table; with both ``--sync-stream side
   update``, a row per value again (``/side``: the weight sync beside the layer's kernels,
   ``MoELayer(sync_beside=True)``, ``/update``: in series on the layer's stream, started by
   the update, ``False``; the default ``auto`` is the layer's own choice, ``sync_stream``
@@ -67,7 +67,7 @@ from ultraep.runtime.launch import (CPU_OR_GPU, DefaultsHelpFormatter, add_launc
 MOE_LAYER_SYNC_STREAMS = [stream for stream in SYNC_STREAMS if stream != "layer"]
 POLICIES = ("ideal", "none", "ultraep")  # in this order: each row's vs_ideal and diffs are known when it is printed
 ROUTING_DRAWS = 32  # Zipf rankings tried per layer: whether a target is reachable depends on which experts share a rank
-COLUMNS = ["policy", "fwd_ms", "bwd_ms", "step_ms", "tokens_per_s", "vs_ideal", "rows_max_mean", "replicas",
+COLUMNS = ["policy", "fwd_ms", "bwd_ms", "step_ms", "tokens_per_s", "vs_ideal", "rows_max_mean", "replicas_mean",
            "min_replica", "sync_stream", "out_diff", "dx_diff", "wgrad_rel", "rerun_diff"]
 PHASE_COLUMNS = ["policy", "direction", "step", "mean_rank_ms", "max_rank_ms", "over_ideal_ms"]
 # Largest relative difference of ultraep's master weight gradients from none's: the same FP32
@@ -413,7 +413,7 @@ def run(args) -> int:
             rerun = differing(sum(first[name], []), sum(again, []))
             row = {"policy": name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "step_ms": fwd_ms + bwd_ms,
                    "tokens_per_s": R * T / (fwd_ms + bwd_ms) * 1e3, "rows_max_mean": stack.rows_max_mean(),
-                   "replicas": replicas, "min_replica": min_replica, "sync_stream": stream,
+                   "replicas_mean": replicas, "min_replica": min_replica, "sync_stream": stream,
                    "balancing_layers": balancing, "rerun_diff": sum(group.allgather(rerun))}
             row["vs_ideal"] = rows[0]["step_ms"] / row["step_ms"] if rows else 1.0  # ideal is measured first
             if policy == "ultraep":
