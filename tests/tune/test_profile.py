@@ -191,7 +191,7 @@ def test_fused_costs_are_lines_in_k_and_linear_between_grids():
     assert float(costs.down_tile_s(1000, 1)) == pytest.approx(5e-6)
     # the down tiles storing y: where not measured, those without stand for them, and the table says so
     assert costs.down_y is None and "not measured" in costs.down_y_note
-    assert costs.down_y_note in "\n".join(costs.table())
+    assert costs.down_y_note in "\n".join(costs.table("GPU"))
     storing = dataclasses.replace(costs, down_y=((5e-6, 5e-6), (7e-6, 7e-6)))
     assert float(storing.down_tile_s(1000, 1)) == pytest.approx(6e-6) and storing.down_y_note is None
     assert float(storing.down_tile_s(1000, 1, keeps_y=False)) == pytest.approx(5e-6)
@@ -267,11 +267,12 @@ def test_ctas_at_work_scale_the_grid_between_measured_ones():
     assert costs.working_ctas([1, 16, 20, 24, 28, 32]).tolist() == pytest.approx([1, 16, 20, 24, 28 * 0.875, 24])
     assert dataclasses.replace(costs, ctas_at_work=None).working_ctas([5, 32]).tolist() == [5, 32]
     # kernel B's: the down tiles' own where measured (version 8), else kernel A's, and the table says so
-    assert "up CTAs at work" in "\n".join(costs.table()) and "kernel A's stand for them" in "\n".join(costs.table())
+    table = "\n".join(costs.table("GPU"))
+    assert "up CTAs at work" in table and "kernel A's stand for them" in table
     assert costs.working_down_ctas([28, 32]).tolist() == pytest.approx([24.5, 24])
     own = dataclasses.replace(costs, down_ctas_at_work=(1.0, 16.0, 24.0, 32.0))
     assert own.working_down_ctas([28, 32]).tolist() == [28, 32] and own.working_ctas([32]).tolist() == [24]
-    assert own.down_at_work_note is None and "down CTAs at work" in "\n".join(own.table())
+    assert own.down_at_work_note is None and "down CTAs at work" in "\n".join(own.table("GPU"))
     for name in ("ctas_at_work", "down_ctas_at_work"):
         with pytest.raises(ProfileError, match=f"{name} needs one count per grid"):
             dataclasses.replace(costs, **{name: (1.0, 16.0, 25.0, 24.0)})

@@ -3,6 +3,7 @@ evaluated one by one, it covers over 10^5 configurations fast enough to run at a
 boundary, and the tuner memoises per 4096-token bucket."""
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -131,8 +132,18 @@ def test_search_cli_prints_the_choice_and_its_time(tmp_path, capsys):
     path = write_profile(PROFILE, tmp_path / "h200.json")
     assert tune_main(["search", "--profile", str(path), "--fanout", "3"]) == 0
     out = capsys.readouterr().out
-    assert "best: TunedConfig(" in out and "fused_down" in out
+    assert "(device backend, 132 SMs at an MPS share of 100 %)" in out
+    assert ("problem: 4096 tokens a rank, hidden 4096, ffn 1536, top-8 of 64 experts, 8 ranks (1 a GPU); weight sync "
+            "of a 37.7 MB expert to 3 replicas") in out
+    assert re.search(r"best: weight-sync grid \d+, dispatch grid \d+, fused ctas=\d+ send=\d+ reduce=\d+ unroll=4/8",
+                     out) and "fused_down" in out and "weight_sync" in out
     assert "search: 147456 configurations in" in out
+    assert tune_main(["search", "--profile", str(path)]) == 0  # no weight sync: no grid for it, no time
+    out = capsys.readouterr().out
+    assert "no weight sync (--fanout 0)" in out and "weight-sync grid -," in out and "weight_sync" not in out
+    with pytest.raises(SystemExit) as refused:
+        tune_main(["search", "--profile", str(path), "--fanout", "8"])
+    assert refused.value.code == 2 and "--fanout 8: at most 7 replicas on 8 ranks" in capsys.readouterr().err
 
 
 def test_search_cli_refuses_what_it_cannot_search(tmp_path, capsys):

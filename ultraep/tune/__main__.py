@@ -56,6 +56,8 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.command == "search" and args.ranks_per_gpu > args.ranks:
         search.error(f"--ranks-per-gpu {args.ranks_per_gpu} exceeds --ranks {args.ranks}")
+    if args.command == "search" and args.fanout > args.ranks - 1:
+        search.error(f"--fanout {args.fanout}: at most {args.ranks - 1} replicas on {args.ranks} ranks")
     if args.device is not None:  # a GPU named where none is measured must not pass unnoticed
         command = profile if args.command == "profile" else search
         if getattr(args, "profile", None):
@@ -100,12 +102,17 @@ def search_command(args) -> int:
     results = [search(profile, problem, sync) for _ in range(SEARCH_RUNS)]
     fastest = min(result.seconds for result in results)
     result = results[-1]
-    print(f"profile: {profile.device} ({profile.backend} backend, {profile.sm_count} SMs, "
-          f"MPS share {profile.sm_share} %)")
-    print(f"problem: {problem}" + (f"; weight sync {sync}" if sync else ""))
-    print(f"best: {result.config}")
+    print(f"profile: {profile.device} ({profile.backend} backend, {profile.processors})")
+    print(f"problem: {problem.tokens} tokens a rank, hidden {problem.hidden}, ffn {problem.ffn}, top-{problem.top_k} "
+          f"of {problem.experts} experts, {problem.ranks} ranks ({problem.ranks_per_gpu} a GPU); "
+          + (f"weight sync of a {sync.expert_bytes / 1e6:.1f} MB expert to {args.fanout} replicas" if sync else
+             "no weight sync (--fanout 0)"))
+    config = result.config
+    print(f"best: weight-sync grid {config.sync_blocks if sync else '-'}, dispatch grid {config.dispatch_grid}, "
+          f"fused {config.fused}")
     for phase, seconds in result.predicted.items():
-        print(f"  {phase:12s} {seconds * 1e6:10.1f} us predicted")
+        if sync or phase != "weight_sync":
+            print(f"  {phase:12s} {seconds * 1e6:10.1f} us predicted")
     print(f"search: {result.evaluated} configurations in {fastest * 1e3:.2f} ms (fastest of {SEARCH_RUNS} runs, "
           f"first {results[0].seconds * 1e3:.2f} ms)")
     return 0

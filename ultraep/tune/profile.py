@@ -298,10 +298,10 @@ class FusedCosts:
                    relays_on_store_warps=relays_on_store_warps,
                    down_ctas_at_work=None if down_at_work is None else tuple(float(v) for v in down_at_work))
 
-    def table(self) -> list[str]:
-        """Readable lines: each task's microseconds per grid."""
+    def table(self, machine: str) -> list[str]:
+        """Readable lines: each task's microseconds per grid (``machine``: "GPU" or "host")."""
         lines = [f"  fused kernels' tasks, us, by CTAs per process ({self.sharing} process"
-                 f"{'es' if self.sharing > 1 else ''} of this GPU at once)",
+                 f"{'es' if self.sharing > 1 else ''} of this {machine} at once)",
                  f"  {'task':>22}  " + "".join(f"{g:>8d}" for g in self.grids)]
         for task in FUSED_TASKS:
             for k, row in zip(self.down_k if task.startswith("down") else self.up_k, getattr(self, task) or ()):
@@ -354,6 +354,15 @@ class MachineProfile:
         if sharing > 1 and self.shared_fused is not None and self.shared_fused.sharing == sharing:
             return self.shared_fused
         return self.fused
+
+    @property
+    def processors(self) -> str:
+        """What this process's work runs on, as the tools say it: a GPU's SMs and MPS share, a host's cores."""
+        return f"{self.sm_count} SMs at an MPS share of {self.sm_share} %" if self.on_gpu else f"{self.sm_count} cores"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.backend == "device"
 
     @property
     def usable_sms(self) -> int:
@@ -426,26 +435,26 @@ class MachineProfile:
 
     def table(self) -> str:
         """A readable summary, one quantity per line."""
-        curve = self.compute
-        lines = [f"machine profile: {self.device} ({self.backend} backend, {self.sm_count} "
-                 f"{'SMs' if self.backend == 'device' else 'cores'} at an MPS share of {self.sm_share} %), "
+        curve, machine = self.compute, "GPU" if self.on_gpu else "host"
+        lines = [f"machine profile: {self.device} ({self.backend} backend, {self.processors}), "
                  f"format version {self.version}, measured {self.measured_at or '-'}",
                  f"  copy        {self.copy_bytes_per_s / 1e9:10.1f} GB/s copied   {self.copy_method}",
                  f"  peer copy   {self.peer_bytes_per_s / 1e9:10.1f} GB/s copied   {self.peer_method}",
                  f"  launch      {self.launch_s * 1e6:10.2f} us per launch",
-                 f"  kernel      {self.kernel_s * 1e6:10.2f} us per empty kernel on the device",
-                 f"  warp copy   {self.copy_warp_bytes_per_s / 1e9:10.2f} GB/s copied   per warp, far from the "
-                 "memory's limit",
+                 f"  kernel      {self.kernel_s * 1e6:10.2f} us "
+                 + ("per empty kernel on the device" if self.on_gpu else "per call (the host runs a call at once)"),
+                 f"  warp copy   {self.copy_warp_bytes_per_s / 1e9:10.2f} GB/s copied   "
+                 + ("per warp, far from the memory's limit" if self.on_gpu else "one process (the host's worker)"),
                  f"  shared copy {self.shared_copy_bytes_per_s / 1e9:10.1f} GB/s copied   by {self.shared_by} "
-                 "processes on one GPU at once" if self.shared_copy_bytes_per_s else
-                 "  shared copy          -              (not measured: one process per GPU)",
+                 f"processes on one {machine} at once" if self.shared_copy_bytes_per_s else
+                 f"  shared copy          -              (not measured: one process per {machine})",
                  f"  flag        {self.flag_s * 1e6:10.2f} us per release/acquire handoff",
                  f"  copy blocks {self.dispatch_blocks_per_sm:10d}      resident per SM, the Dispatcher's copy kernels"
                  if self.dispatch_blocks_per_sm else
                  "  copy blocks          -              (not measured: no copy kernels, or a profile before version "
                  f"{DISPATCH_BLOCKS_SINCE})",
-                 *self.fused.table(),
-                 *(self.shared_fused.table() if self.shared_fused is not None else ()),
+                 *self.fused.table(machine),
+                 *(self.shared_fused.table(machine) if self.shared_fused is not None else ()),
                  f"  expert compute: {curve.kernel}, {curve.dtype}, {curve.experts} experts of {curve.k} x {curve.n}",
                  f"  {'rows/expert':>13}  {'us/call':>10}  {'us/expert':>10}  {'TFLOPS':>8}"]
         for rows, seconds, tflops in zip(curve.rows_per_expert, curve.seconds, curve.tflops()):

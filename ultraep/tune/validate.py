@@ -829,7 +829,7 @@ def run(args) -> int:
         return 0
     summary = summarise(rows)
     title = (f"tune validate --phase {args.phase}: {group.size} ranks ({sharing}), {backend} backend, "
-             f"profile of {profile.device} ({profile.sm_count} SMs, MPS share {profile.sm_share} %)")
+             f"profile of {profile.device} ({profile.processors})")
     report(rows, summary, title)
     if args.phase == "fused-forward":
         print("\n".join(ctas_at_work_lines(rows)))
