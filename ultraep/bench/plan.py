@@ -291,8 +291,9 @@ def main(argv: list[str]) -> int:
         print(f"ultraep.bench plan: {exc}", file=sys.stderr)
         return 2
     source = args.trace or f"generated '{args.generate or 'demo'}' (seed {args.seed})"
-    print(f"trace: {source}: {trace.num_steps} steps x {trace.num_layers} layers, R={ranks} E={experts}; "
-          f"layout S={layout.redundant_slots} D={layout.domain_size} K={layout.max_instances}, "
+    print(f"trace: {source}: {trace.num_steps} steps x {trace.num_layers} layers, {ranks} ranks, {experts} experts; "
+          f"layout: {layout.redundant_slots} replica slots a rank, domains of {layout.domain_size} ranks, at most "
+          f"{layout.max_instances} instances an expert; "
           f"min_replica_tokens={args.min_replica_tokens}, ultraep backend={args.backend}, "
           f"EPLB window={args.eplb_window} interval={args.eplb_interval}")
     start = time.perf_counter()
