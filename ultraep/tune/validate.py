@@ -103,8 +103,10 @@ def parse_args(argv):
                         help="also write every row and the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
-    if (args.phase is None) == (args.replay is None):
+    if args.phase is None and args.replay is None:
         parser.error("give --phase PHASE to sweep, or --replay FILE.json to predict a saved sweep again")
+    if args.phase is not None and args.replay is not None:
+        parser.error("--replay predicts a saved sweep again, whose phase its file names: give --phase or --replay")
     if args.retime_rounds < 0:
         parser.error(f"--retime-rounds must be 0 (none) or more, got {args.retime_rounds}")
     if args.replay is None and (error := sweep_error(args, job_ranks(args))) is not None:
@@ -177,7 +179,9 @@ def weight_sync_problems(args, ranks: int) -> tuple:
     for fanout in fanouts:
         plan = single_expert_plan(layout, fanout)
         sync = SyncProblem.from_replica_count(plan.replica_count, layout.experts_per_rank, spec.weight_slot_bytes)
-        problems.append((f"fan-out {fanout}, {spec.weight_slot_bytes / 1e6:.1f} MB", plan, sync))
+        size = spec.weight_slot_bytes
+        problems.append((f"fan-out {fanout}, " + (f"{size / 1e6:.1f} MB" if size >= 50_000 else f"{size / 1e3:.1f} kB"),
+                         plan, sync))
     return spec, layout, problems
 
 
@@ -399,14 +403,16 @@ FUSED_TASK_TOKENS = (16, 4, 32, 64)  # send = reduce task sizes swept (16: the s
 
 
 def fused_configs(profile, problem, count: int) -> list:
-    """About ``count`` configurations of the fused kernels: CTA counts from one to every
-    usable SM for each of :data:`FUSED_TASK_TOKENS`, with today's constants (every SM, the
+    """About ``count`` configurations of the fused kernels (a few more where the CTA counts
+    do not divide evenly): CTA counts from one to every usable SM for each of the first
+    ``count - 1`` of :data:`FUSED_TASK_TOKENS`, with today's constants (every SM, the
     source's sizes) and the search's choice for ``problem`` among them."""
     from ultraep.compute.fused.config import FusedConfig
     from ultraep.tune.search import search
 
-    ctas = spread(1, profile.usable_sms, -(-max(1, count - 1) // len(FUSED_TASK_TOKENS)))
-    configs = [FusedConfig(c, size, size) for size in FUSED_TASK_TOKENS for c in ctas]
+    sizes = FUSED_TASK_TOKENS[:max(1, count - 1)]
+    ctas = spread(1, profile.usable_sms, -(-max(1, count - 1) // len(sizes)))
+    configs = [FusedConfig(c, size, size) for size in sizes for c in ctas]
     configs.append(search(profile, problem).config.fused)
     return list(dict.fromkeys(configs))
 
@@ -816,12 +822,12 @@ def run(args) -> int:
     from ultraep.tune.replicas import group_profile
 
     group = EPGroup(MPI.COMM_WORLD)
+    printing = group.rank == 0
+    progress = Progress("tune validate", enabled=printing, quiet=args.quiet)  # --quiet: the profile's lines too
     backend, xp, synchronize, _ = array_backend(group, args.backend)
     # rank 0's profile on every rank: the swept knob values come from it, so every rank
     # sweeps the same list and posts the same collectives
     profile = group_profile(group, backend, what="tune validate", shared=True)[0]
-    printing = group.rank == 0
-    progress = Progress("tune validate", enabled=printing, quiet=args.quiet)
     sweep = {"weight-sync": sweep_weight_sync, "dispatch": sweep_dispatch, "fused-forward": sweep_fused}[args.phase]
     rows, problems = sweep(group, backend, xp, synchronize, profile, args, progress)
     sharing = sharing_label(group)  # collective
