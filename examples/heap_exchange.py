@@ -17,5 +17,8 @@ with ultraep.open_heap(group, 1 << 20) as heap:       # CUDA IPC on a GPU, MPI s
     heap.barrier(timeout_s=30)                        # times out naming the rank and flag it waited on
     got = inbox.local if heap.backend == "host" else inbox.local.get()   # a view into this rank's heap
     assert (got[:, 0] == 1000 * np.arange(group.size) + group.rank).all(), got[:, 0]
-    print(f"rank {group.rank}/{group.size} ({heap.backend}): received {got[:, 0].tolist()}", flush=True)
+    line = f"rank {group.rank}/{group.size} ({heap.backend}): received {got[:, 0].astype(int).tolist()}"
+    lines = group.allgather(line)                     # rank 0 prints every rank's line, in rank order
+    if group.rank == 0:
+        print("\n".join(lines))
 # here the heap is closed: `inbox`, `got` and every other view into it must not be used again
