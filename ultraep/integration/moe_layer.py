@@ -468,7 +468,8 @@ class MoELayer:
         try:
             if fused:
                 self._fused = _fused_forward(self, self.dispatcher.heap, timeout_s, fused_config)
-            allocation_error = None
+            self._swiglu = self._load_swiglu()  # collective: before the allocation, whose failure on one rank
+            allocation_error = None             # the others must meet in the next collective, not in this one
             try:
                 self._allocate()
             except Exception as exc:  # e.g. MemoryError, on every rank alike or not: every rank is told
@@ -544,17 +545,25 @@ class MoELayer:
         if not isinstance(backend, str) or backend not in ("auto", balancer.backend):
             raise MoELayerError(f"backend={backend!r} contradicts the balancer's backend {balancer.backend!r}")
 
+    def _load_swiglu(self) -> _DeviceSwiGLU | None:
+        """The device's SwiGLU kernels (collective: local rank 0 compiles them first), None on the host."""
+        if self.device is None:
+            return None
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            return _DeviceSwiGLU(self.device, self.group)
+
     def _allocate(self) -> None:
-        """Stacked weights of the masters and, behind them, copies of the replica slots."""
+        """Stacked weights of the masters and, behind them, copies of the replica slots (this
+        rank's alone: no collective)."""
         M, S, H, F = self.experts_per_rank, self.slots, self.hidden, self.ffn
         if self.device is None:
-            self.xp, weight_dtype, self._swiglu = np, dtypes.BFLOAT16, None
+            self.xp, weight_dtype = np, dtypes.BFLOAT16
         else:
             import cupy
 
             self.xp, weight_dtype = cupy, dtypes.cupy_dtype(dtypes.BFLOAT16)
-            with cupy.cuda.Device(self.device):
-                self._swiglu = _DeviceSwiGLU(self.device, self.group)
         with self._on_device():
             self._w_up = self.xp.zeros((M + S, H, 2 * F), dtype=weight_dtype)
             self._w_down = self.xp.zeros((M + S, F, H), dtype=weight_dtype)
