@@ -28,6 +28,16 @@ def test_mpich_command_has_no_openmpi_flags():
     assert launch.mpi_environment("mpich", {})["HYDRA_LAUNCHER"] == "fork"
 
 
+def test_the_ranks_share_the_cores_out_as_blas_threads(monkeypatch):
+    """Each rank's NumPy would start a BLAS thread per core: two host ranks' tiles ran 2x slower
+    on two cores, and the tuner's shared probe ~100x (spinning threads beside a waiting peer)."""
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)))
+    env = launch.mpi_environment("mpich", {}, ranks=4)
+    assert all(env[variable] == "2" for variable in launch.BLAS_THREAD_VARIABLES)
+    assert launch.mpi_environment("mpich", {}, ranks=16)["OPENBLAS_NUM_THREADS"] == "1"
+    assert launch.mpi_environment("mpich", {"OMP_NUM_THREADS": "3"}, ranks=4)["OMP_NUM_THREADS"] == "3"  # the user's
+
+
 def test_rejects_zero_ranks():
     with pytest.raises(ValueError, match="nprocs"):
         launch.mpiexec_command(0, ["x.py"], mpiexec="m", flavor="mpich")

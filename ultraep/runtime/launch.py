@@ -190,8 +190,18 @@ class _RankWatcher(threading.Thread):
             self.first_gone = [r for r, pid in running.items() if (stat := _proc_stat(pid)) is None or stat[0] == "Z"]
 
 
-def mpi_environment(flavor: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def mpi_environment(flavor: str, base: Mapping[str, str] | None = None, ranks: int = 1) -> dict[str, str]:
+    """The ranks' environment: ``base`` (default: this process's) with the launcher's settings
+    where it has none of its own, BLAS threads included: the cores shared out over ``ranks``
+    (each rank's NumPy would otherwise start a thread per core, and its spinning threads
+    slowed two host ranks' tiles 2x on two cores)."""
     env = dict(os.environ if base is None else base)
+    threads = str(max(1, len(os.sched_getaffinity(0)) // max(1, ranks)))
+    for variable in BLAS_THREAD_VARIABLES:
+        env.setdefault(variable, threads)
     if flavor == "mpich":
         env.setdefault("HYDRA_LAUNCHER", "fork")  # never pick up a batch system on a laptop or CI
         env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
@@ -221,7 +231,7 @@ def run_mpi(nprocs: int, argv: Sequence[str], *, timeout: float, env: Mapping[st
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT) if capture else {}
     segments_before = mpi_segments()
     with tempfile.TemporaryDirectory(prefix="ultraep-ranks-") as status_dir, _sigterm_as_exit():
-        proc = subprocess.Popen(cmd, **pipes, text=True, env={**mpi_environment(flavor, env),
+        proc = subprocess.Popen(cmd, **pipes, text=True, env={**mpi_environment(flavor, env, nprocs),
                                                                STATUS_DIR_VARIABLE: status_dir},
                                 cwd=cwd, start_new_session=True)
         watcher = _RankWatcher(status_dir, nprocs)
