@@ -22,7 +22,7 @@ def test_balancer_bench_cpu(tmp_path, capfd):
     assert "exposed = balanced layer (update, weight_sync on a side stream" in printed
     assert "- the same layer with its plan and replicas in place, group windows" in printed
     header = next(line for line in printed.splitlines() if line.startswith("weights"))
-    assert "exposed_ms" in header and not set(header.split()) & set(bench.DEVICE_COLUMNS)  # the GPU's times
+    assert "exposed_ms" in header and not set(header.split()) & set(bench.GPU_ONLY_COLUMNS)  # the GPU's times, knobs
     (row,) = json.loads(out.read_text())["rows"]
     assert row["imbalance"] > 1.5 and row["imb_after"] < row["imbalance"] and row["replicas_mean"] > 0, row
     # on the CPU every stage is synchronous: balancing adds its whole cost to the layer
