@@ -196,8 +196,8 @@ BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THR
 def mpi_environment(flavor: str, base: Mapping[str, str] | None = None, ranks: int = 1) -> dict[str, str]:
     """The ranks' environment: ``base`` (default: this process's) with the launcher's settings
     where it has none of its own, BLAS threads included: the cores shared out over ``ranks``
-    (each rank's NumPy would otherwise start a thread per core, and its spinning threads
-    slowed two host ranks' tiles 2x on two cores)."""
+    (each rank's NumPy would otherwise start a spinning thread per core, and the ranks'
+    threads would fight over the cores)."""
     env = dict(os.environ if base is None else base)
     threads = str(max(1, len(os.sched_getaffinity(0)) // max(1, ranks)))
     for variable in BLAS_THREAD_VARIABLES:
