@@ -95,8 +95,7 @@ COLUMNS = ["weights", "steps", "sync_at", "sync_stream", "compute_priority", "sy
            "bal_host_ms", "update_host_ms", "sync_host_ms", "reroute_host_ms", "wait_host_ms", "blocked_host_ms",
            "call_host_ms", "update_dev_ms", "weight_sync_dev_ms", "sync_vs_bf16", "sync_MB", "reroute_dev_ms",
            "replica_diff"]
-GPU_ONLY_COLUMNS = [*DEVICE_COLUMNS, "compute_priority", "sync_blocks", "update_dev_ms", "weight_sync_dev_ms",
-                    "sync_vs_bf16", "reroute_dev_ms"]
+GPU_ONLY_COLUMNS = [*DEVICE_COLUMNS, "compute_priority", "sync_blocks"]  # empty or inert on the host
 LAYER_PHASES = ("dispatched", "masters", "computed", "end")  # the stamps ending dispatch, the masters' compute,
 # the replicas' and combine
 HOST_PARTS = ("update", "sync", "reroute", "wait")  # the Balancer's calls of a balanced layer, timed on the host
@@ -618,7 +617,7 @@ def run(args) -> int:
              + ("" if args.steps == "all" else f"; balanced layer's steps: {args.steps} alone"))
     rows = []
     dtypes = sorted(set(args.weight_dtype), key=list(WEIGHT_DTYPES).index)  # bf16 first: the ratios' base
-    # on the host the device's columns stay empty or name GPU knobs: the table leaves them out (the JSON keeps them)
+    # the host's table leaves out GPU_ONLY_COLUMNS (the JSON keeps them)
     columns = COLUMNS if on_gpu(group, args) else [column for column in COLUMNS if column not in GPU_ONLY_COLUMNS]
     with RowStream(columns, title, enabled=printing) as table:
         for target in args.initial_imbalance:
