@@ -29,8 +29,8 @@ def test_mpich_command_has_no_openmpi_flags():
 
 
 def test_the_ranks_share_the_cores_out_as_blas_threads(monkeypatch):
-    """Each rank's NumPy would start a BLAS thread per core: two host ranks' tiles ran 2x slower
-    on two cores, and the tuner's shared probe ~100x (spinning threads beside a waiting peer)."""
+    """Each rank's NumPy would start a spinning BLAS thread per core, so the ranks' threads
+    would fight over the cores; a count the user set is kept."""
     monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(8)))
     env = launch.mpi_environment("mpich", {}, ranks=4)
     assert all(env[variable] == "2" for variable in launch.BLAS_THREAD_VARIABLES)
