@@ -161,16 +161,19 @@ __device__ __forceinline__ unsigned sm_id() {
     return sm;
 }
 
-// The stage ring's barriers, and the hand-over to the store warps: output_full (the consumer
-// warps' arrivals) and output_empty (the store warps'), with the task id handed over.
+// The barriers of a stage ring STAGES deep, and the hand-over to the store warps: output_full
+// (the consumer warps' arrivals) and output_empty (the store warps'), with the task id handed
+// over.
+template <int STAGES = GH_STAGES>
 struct Pipeline {
-    u64 full[GH_STAGES], empty[GH_STAGES], output_full, output_empty;
+    u64 full[STAGES], empty[STAGES], output_full, output_empty;
     int handed_task;
 };
 
-__device__ __forceinline__ void init_pipeline(Pipeline& p) {
+template <int STAGES>
+__device__ __forceinline__ void init_pipeline(Pipeline<STAGES>& p) {
     if (threadIdx.x == 0) {
-        for (int s = 0; s < GH_STAGES; ++s) {
+        for (int s = 0; s < STAGES; ++s) {
             mbarrier_init(&p.full[s], 1);
             mbarrier_init(&p.empty[s], GH_CONSUMERS * 4);
         }
@@ -181,7 +184,7 @@ __device__ __forceinline__ void init_pipeline(Pipeline& p) {
 }
 
 // The stage ring in dynamic shared memory, 1024-aligned for the swizzled TMA boxes; the
-// staging buffer follows it (GH_STAGES * GH_STAGE_BYTES further): the store warps' in
+// staging buffer follows it (the ring's stages further): the store warps' in
 // kernels B and D, kernel C's consumers' own.
 __device__ __forceinline__ unsigned stage_ring() {
     extern __shared__ unsigned char dynamic_shared[];
@@ -192,7 +195,8 @@ __device__ __forceinline__ unsigned stage_ring() {
 // (entry spr the totals), tile_start the grouped GEMM's tile prefix over the column blocks
 // of `block_cols` in `cols` -- and the stage ring's barriers, before any task. Returns the
 // number of column blocks.
-__device__ __forceinline__ int load_tables(int* off, int* mtile, int* tile_start, Pipeline& p, const int* rank_off,
+template <int STAGES>
+__device__ __forceinline__ int load_tables(int* off, int* mtile, int* tile_start, Pipeline<STAGES>& p, const int* rank_off,
                                            const int* rank_mtile, int me, int spr, int cols, int block_cols) {
     for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
         off[j] = rank_off[me * (spr + 1) + j];
@@ -326,8 +330,8 @@ __device__ __forceinline__ void stage_accumulators_fp32(const float (&d)[128], u
 // block's first consumer thread writes `task` -- a GEMM tile's id, or the block's first
 // claim past its tiles, which ends the store warps' loop -- then the warp arrives on
 // output_full (a release; the store warps' wait acquires). The caller flips phase.
-template <typename Stage>
-__device__ __forceinline__ void hand_to_stores(Pipeline& p, int phase, int task, long long* status, bool& gave_up,
+template <int STAGES, typename Stage>
+__device__ __forceinline__ void hand_to_stores(Pipeline<STAGES>& p, int phase, int task, long long* status, bool& gave_up,
                                                int lane, Stage stage) {
     stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
     if (threadIdx.x == 128) p.handed_task = task;
@@ -342,7 +346,8 @@ __device__ __forceinline__ void hand_to_stores(Pipeline& p, int phase, int task,
 // may be missed. After a flag wait's record the hand-overs stay in step (no flag wait sets
 // gave_up), and the store warps serve them to the end rather than make the consumers' next
 // wait for the buffer time out.
-__device__ __forceinline__ void wait_for_hand_over(Pipeline& p, int phase, long long* status,
+template <int STAGES>
+__device__ __forceinline__ void wait_for_hand_over(Pipeline<STAGES>& p, int phase, long long* status,
                                                    bool& gave_up) {
     const unsigned address = shared_address(&p.output_full);
     const u64 start = global_timer_ns();
@@ -370,8 +375,8 @@ __device__ __forceinline__ void wait_for_hand_over(Pipeline& p, int phase, long 
 // nothing but hand-overs already made. So a claimed tile finishes whatever its block runs
 // next (a reduce waiting for that tile's own done flag included), and the task order's
 // argument (ultraep/compute/fused/forward.py) holds as before.
-template <typename Store>
-__device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, long long* status,
+template <int STAGES, typename Store>
+__device__ __forceinline__ void store_handed_tiles(Pipeline<STAGES>& p, int end_tile, long long* status,
                                                    Store store) {
     const int lane = threadIdx.x % WARP;
     bool gave_up = false;
@@ -459,13 +464,13 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 // A tile's wait for its rows spans their arrival (the relay's bounded row waits) and the
 // copies of the relays ahead of its own (milliseconds against a timeout of seconds): twice
 // the relay's bound (wait_rows_relayed).
-template <int MODE, bool SYSTEM, typename TileOf, typename Boxes, typename RelayRow, typename Finish>
+template <int MODE, bool SYSTEM, int STAGES, typename TileOf, typename Boxes, typename RelayRow, typename Finish>
 __device__ __forceinline__ void send_relay_then_gemm(
     const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, const uint4* src,
     int tokens, int top_k, int hidden, const long long* ids, const float* gates, const int* positions,
     const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset, u64 row_landing_offset,
     u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk, const int* off,
-    const int* mtile, const int* tile_start, Pipeline& p, int* claimed, u64* tile_ready, RelayRow relay_row,
+    const int* mtile, const int* tile_start, Pipeline<STAGES>& p, int* claimed, u64* tile_ready, RelayRow relay_row,
     Finish finish, u64 epoch, u64 timeout_ns, int* counter, long long* status, u64* trace, int send_kind,
     int relay_kind, int tile_kind) {
     const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
@@ -497,8 +502,8 @@ __device__ __forceinline__ void send_relay_then_gemm(
         for (int task = next(); task < total; task = next()) {  // the producer warp
             if (task < n_send || lane != 0 || gave_up) continue;
             const Tile tile = tile_of(task - first_tile);
-            load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step, status,
-                            gave_up);
+            load_tile<MODE, false, STAGES>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step,
+                                           status, gave_up);
         }
         return;
     }
@@ -515,7 +520,7 @@ __device__ __forceinline__ void send_relay_then_gemm(
         } else {
             const Tile tile = tile_of(task - first_tile);
             float d[128];
-            mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+            mma_tile<MODE, true, STAGES>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
             finish(d, tile, stages, consumer, warp, lane);
         }
     }
@@ -540,18 +545,18 @@ static_assert(GH_BN == WARP * 8, "a reduce warp covers a tile's columns, 8 BF16 
 // base); then dispatch.cu's sum_slots over the lane's 8 columns of each block: fp32, slots in
 // order, WEIGHTED each row times its gate (product and sum rounded separately), one BF16
 // rounding into out [tokens, hidden].
-template <int MODE, bool WEIGHTED, typename TileOf, typename Boxes, typename Slot>
+template <int MODE, bool WEIGHTED, int STAGES, typename TileOf, typename Boxes, typename Slot>
 __device__ __forceinline__ void gemm_tiles_then_reduce(
     const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int n_cols, int hidden,
     const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me, int spr, const int* rank_off,
-    const int* rank_mtile, const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed,
+    const int* rank_mtile, const int* off, const int* mtile, const int* tile_start, Pipeline<STAGES>& p, int* claimed,
     const long long* ids, const int* positions, const int* base, const float* gates, int tokens, int top_k, int chunk,
     bf16* out, bf16* kept, const uint4* (*slot_row)[WARP], float (*slot_gate)[WARP], Slot slot, int* down_count, u64 epoch,
     u64 timeout_ns, int* counter, long long* status, u64* trace, int tile_kind, int reduce_kind) {
     const int n_tiles = tile_start[spr];
     const int total = n_tiles + ceil_div(tokens, chunk);
     const unsigned stages = stage_ring();
-    const unsigned staged = stages + GH_STAGES * GH_STAGE_BYTES;
+    const unsigned staged = stages + STAGES * GH_STAGE_BYTES;
     const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
     const int cwarp = (threadIdx.x - 128) / WARP;
     const u64 heap = peer_bases[me];
@@ -593,7 +598,8 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
         for (int task = next(); task < total; task = next()) {  // the producer warp
             if (task >= n_tiles || lane != 0 || gave_up) continue;
             const Tile tile = tile_of(task);
-            load_tile<MODE>(a_map, b_map, tile, 1, boxes(tile), 0, stages, p.full, p.empty, step, status, gave_up);
+            load_tile<MODE, false, STAGES>(a_map, b_map, tile, 1, boxes(tile), 0, stages, p.full, p.empty, step, status,
+                                           gave_up);
         }
         return;
     }
@@ -604,7 +610,7 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
     for (; task < n_tiles; task = next()) {
         const Tile tile = tile_of(task);
         float d[128];
-        mma_tile<MODE>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+        mma_tile<MODE, true, STAGES>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
         hand_to_stores(p, phase, task, status, gave_up, lane,
                        [&] { stage_accumulators(d, staged, consumer, warp, lane); });
         phase ^= 1;

@@ -297,12 +297,12 @@ __device__ __forceinline__ void store_pair(OutT* p, float v0, float v1) {
 // instead of six, blocks past K or N filled with zeros. (The 128-byte swizzle caps a box row
 // at 64 elements; a partial last block would read past the array's end, hence the 2-D maps.)
 
-// The producer thread's k-steps of one tile into the stage ring: `a_boxes` boxes of an
+// The producer thread's k-steps of one tile into the stage ring (STAGES deep): `a_boxes` boxes of an
 // M-major A (wgrad), the N-major B boxes named in `b_box_mask`, box j at column
 // tile.col0 + 64 j, plus `b_split` for the upper half (j >= 2: the fused up-projection's
 // up columns, F further than its gate columns); or, ONE_BOX_EACH (wgrad's 3-D maps), one
 // box per operand. False when a stage wait gave up.
-template <int MODE, bool ONE_BOX_EACH = false>
+template <int MODE, bool ONE_BOX_EACH = false, int STAGES = GH_STAGES>
 __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMap* b_map, const Tile& tile, int a_boxes,
                                           unsigned b_box_mask, int b_split, unsigned stages, u64* full, u64* empty,
                                           int& step, long long* status, bool& gave_up) {
@@ -313,8 +313,8 @@ __device__ __forceinline__ bool load_tile(const TensorMap* a_map, const TensorMa
                                               (B_BOXES ? __popc(b_box_mask) * GH_BOX_BYTES : GH_B_BYTES);
     const int k_steps = ceil_div(tile.red_len, GH_BK);
     for (int k = 0; k < k_steps; ++k, ++step) {
-        const int s = step % GH_STAGES;
-        stage_wait(&empty[s], ((step / GH_STAGES) & 1) ^ 1, status, GH_WAITED_FOR_CONSUMERS, gave_up);
+        const int s = step % STAGES;
+        stage_wait(&empty[s], ((step / STAGES) & 1) ^ 1, status, GH_WAITED_FOR_CONSUMERS, gave_up);
         if (gave_up) return false;
         expect_bytes(&full[s], bytes);
         const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
@@ -354,19 +354,19 @@ __device__ __forceinline__ void wgrad_k16_steps(float (&d)[128], unsigned a, uns
     wgmma_commit();
 }
 
-// A consumer warpgroup's MMAs of one tile: d = its 64 rows x GH_BN columns, summed over the
-// reduction in GH_BK chunks in ascending order, each releasing its stage once the next
+// A consumer warpgroup's MMAs of one tile (stage ring STAGES deep): d = its 64 rows x GH_BN
+// columns, summed over the reduction in GH_BK chunks in ascending order, each releasing its stage once the next
 // chunk's MMAs are issued. !RELEASE_LAST: the last chunk's stage stays held (its release
 // is then the caller's: grouped_gemm.cu stages an output tile in it).
-template <int MODE, bool RELEASE_LAST = true>
+template <int MODE, bool RELEASE_LAST = true, int STAGES = GH_STAGES>
 __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsigned stages, u64* full, u64* empty,
                                          int& step, int consumer, int lane, long long* status, bool& gave_up) {
     const int k_steps = ceil_div(tile.red_len, GH_BK);
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.0f;
     for (int k = 0; k < k_steps; ++k, ++step) {
-        const int s = step % GH_STAGES;
-        stage_wait(&full[s], (step / GH_STAGES) & 1, status, GH_WAITED_FOR_COPIES, gave_up);
+        const int s = step % STAGES;
+        stage_wait(&full[s], (step / STAGES) & 1, status, GH_WAITED_FOR_COPIES, gave_up);
         const unsigned a = stages + s * GH_STAGE_BYTES, b = a + GH_A_BYTES;
         if constexpr (MODE == GH_WGRAD) {
             // The expert's last chunk may end early: its rows past the end (the next expert's)
@@ -408,10 +408,10 @@ __device__ __forceinline__ void mma_tile(float (&d)[128], const Tile& tile, unsi
             wgmma_commit();
         }
         wgmma_wait<1>();  // the previous step's MMAs are done: its stage may be refilled
-        if (k > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+        if (k > 0 && lane == 0) mbarrier_arrive(&empty[(step + STAGES - 1) % STAGES]);
     }
     wgmma_wait<0>();
-    if (RELEASE_LAST && k_steps > 0 && lane == 0) mbarrier_arrive(&empty[(step + GH_STAGES - 1) % GH_STAGES]);
+    if (RELEASE_LAST && k_steps > 0 && lane == 0) mbarrier_arrive(&empty[(step + STAGES - 1) % STAGES]);
 }
 
 // The store warps' part of an epilogue: the tile staged in shared memory (GH_C_PITCH bytes
