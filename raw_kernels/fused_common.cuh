@@ -183,9 +183,8 @@ __device__ __forceinline__ void init_pipeline(Pipeline<STAGES>& p) {
     }
 }
 
-// The stage ring in dynamic shared memory, 1024-aligned for the swizzled TMA boxes; the
-// staging buffer follows it (the ring's stages further): the store warps' in
-// kernels B and D, kernel C's consumers' own.
+// The stage ring in dynamic shared memory, 1024-aligned for the swizzled TMA boxes; in kernels
+// B and D the store warps' staging buffer follows it (the ring's stages further).
 __device__ __forceinline__ unsigned stage_ring() {
     extern __shared__ unsigned char dynamic_shared[];
     return (shared_address(dynamic_shared) + 1023) & ~1023u;
@@ -309,6 +308,12 @@ __device__ __forceinline__ void stage_accumulators(const float (&d)[128], unsign
 // stores (8 rows x 4 lanes of 8 bytes) take the two wavefronts 256 bytes need.
 #define RING_TILE_PITCH (GH_BN * 4 + 32)
 static_assert(GH_BM * RING_TILE_PITCH <= GH_STAGES * GH_STAGE_BYTES, "an FP32 tile fits in the idle stage ring");
+
+// The ring depth of kernels A and C, whose epilogues stage their tiles in the idle ring and so
+// need no staging buffer: the room the launch reserves for one holds a fourth stage, and a TMA
+// copy gets three k-steps of MMAs to land instead of two.
+#define FM_IDLE_RING_STAGES 4
+static_assert(FM_IDLE_RING_STAGES * GH_STAGE_BYTES + 1024 <= GH_SMEM_BYTES, "the ring fits the launch's shared memory");
 
 __device__ __forceinline__ void stage_accumulators_fp32(const float (&d)[128], unsigned ring, int consumer, int warp,
                                                         int lane) {
@@ -454,8 +459,8 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 // relay's copies run beside the consumers' sends and MMAs instead of before the block's
 // first tile. The producer thread loads a tile with load_tile's `boxes(tile)` and
 // `b_split`; the consumers then run `finish(d, tile, ring, consumer, warp, lane)`, the tile's
-// epilogue, which may use the idle stage ring (`ring`; see stage_accumulators_fp32) and the
-// staging buffer after it (no store warp uses it here).
+// epilogue, which may stage the tile in the idle stage ring (`ring`; see
+// stage_accumulators_fp32): the producer issues no copy before the next claim's barrier.
 // Why no claim order deadlocks (ultraep/compute/fused/forward.py states it for the host model):
 // a store warp waits only for row flags, which send tasks release; sends precede every tile
 // in the claim order and wait for nothing, so every rank's sends finish; a tile waits for

@@ -60,10 +60,6 @@
 #define FM_UP_COLS (GH_BN / 2)   // act columns per up tile: the accumulator is gate half | up half
 #define FM_DOWN_COLS GH_BN       // output columns per down tile and per reduce task
 #define FM_MAX_SLOTS 256         // local slots (M + S) per rank (shared-memory tables)
-// Kernel A stages no output tile (its epilogue runs through the idle ring), so the room the
-// launch reserves for kernel B's staging buffer holds a fourth stage: a TMA copy gets three
-// k-steps of MMAs to land instead of two.
-#define FM_UP_STAGES 4
 #define FM_MAX_TOP_K WARP        // a warp's lanes hold a token's slots
 #define FM_PLAN_THREADS 256
 
@@ -77,7 +73,6 @@
 #define FM_OUTCOME_OK 0
 
 static_assert(FM_SEND_TOKENS >= 1 && FM_REDUCE_TOKENS >= 1, "task sizes are positive");
-static_assert(FM_UP_STAGES * GH_STAGE_BYTES + 1024 <= GH_SMEM_BYTES, "kernel A's ring fits the launch's shared memory");
 static_assert(FM_UP_COLS * 2 == GH_BN && FM_DOWN_COLS == GH_BN, "an up tile is gate | up halves of one accumulator");
 static_assert(FM_DOWN_COLS == WARP * 8, "a reduce warp covers a down tile's columns, 8 BF16 per lane");
 static_assert(GH_CONSUMERS * 4 == 8, "send and reduce tasks run on the 8 consumer warps");
@@ -158,7 +153,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
                   bf16* act, float* h, u64 epoch, u64 timeout_ns, int* counter, long long* status,
                   const int* outcome, u64* trace) {
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
-    __shared__ Pipeline<FM_UP_STAGES> p;
+    __shared__ Pipeline<FM_IDLE_RING_STAGES> p;
     __shared__ int claimed[2];  // the block's claim, the store warps' relay
     if (outcome[0] != FM_OUTCOME_OK) return;  // every block of every rank reads the same verdict
     load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FM_UP_COLS);
@@ -183,7 +178,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
         fence_proxy_async_shared();  // before the claim barrier after which the producer's TMA overwrites the ring
     };
     // The up half's boxes are F further than the gate half's.
-    send_relay_then_gemm<GH_FORWARD, false, FM_UP_STAGES>(
+    send_relay_then_gemm<GH_FORWARD, false, FM_IDLE_RING_STAGES>(
         &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, x, tokens, top_k, hidden, ids, gates, positions, base,
         peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
         max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, claimed, tile_ready, relay_row, finish, epoch,
