@@ -24,6 +24,15 @@
 static_assert(128 * GH_PRODUCER_REGISTERS + 256 * GH_CONSUMER_REGISTERS <= 384 * 168,
               "the register split fits what the launch reserves");
 
+// The fused kernels' stage ring is 4 deep (the grouped GEMM's staged schedule: 3), so a TMA
+// copy gets three k-steps of MMAs to land instead of two. No kernel keeps a staging buffer
+// beside it: kernels A and C stage their epilogues in the ring, idle between a tile's last MMA
+// and the next claim; kernels B and D stage their output tiles as grouped_gemm.cu's ring
+// schedule does, in the stage of the tile's last k-step and a GH_TAIL_BYTES tail after the
+// ring. FM_SMEM_BYTES: the dynamic shared memory each launch reserves.
+#define FM_STAGES 4
+#define FM_SMEM_BYTES (FM_STAGES * GH_STAGE_BYTES + GH_TAIL_BYTES + 1024)
+
 // Overridable with -D (FusedConfig's copy_unroll, reduce_unroll: ultraep/compute/fused/config.py); no
 // result bit depends on them (a reduce still adds its slots one by one in slot order).
 #ifndef FM_UNROLL
@@ -161,19 +170,16 @@ __device__ __forceinline__ unsigned sm_id() {
     return sm;
 }
 
-// The barriers of a stage ring STAGES deep, and the hand-over to the store warps: output_full
-// (the consumer warps' arrivals) and output_empty (the store warps'), with the task id handed
-// over.
-template <int STAGES = GH_STAGES>
+// The stage ring's barriers, and the hand-over to the store warps: output_full (the consumer
+// warps' arrivals) and output_empty (the store warps'), with the task id handed over.
 struct Pipeline {
-    u64 full[STAGES], empty[STAGES], output_full, output_empty;
+    u64 full[FM_STAGES], empty[FM_STAGES], output_full, output_empty;
     int handed_task;
 };
 
-template <int STAGES>
-__device__ __forceinline__ void init_pipeline(Pipeline<STAGES>& p) {
+__device__ __forceinline__ void init_pipeline(Pipeline& p) {
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
+        for (int s = 0; s < FM_STAGES; ++s) {
             mbarrier_init(&p.full[s], 1);
             mbarrier_init(&p.empty[s], GH_CONSUMERS * 4);
         }
@@ -183,9 +189,8 @@ __device__ __forceinline__ void init_pipeline(Pipeline<STAGES>& p) {
     }
 }
 
-// The stage ring in dynamic shared memory, 1024-aligned for the swizzled TMA boxes; the
-// staging buffer follows it (the ring's stages further): the store warps' in
-// kernels B and D, kernel C's consumers' own.
+// The stage ring in dynamic shared memory, 1024-aligned for the swizzled TMA boxes; in kernels
+// B and D the store warps' staging buffer follows it (the ring's stages further).
 __device__ __forceinline__ unsigned stage_ring() {
     extern __shared__ unsigned char dynamic_shared[];
     return (shared_address(dynamic_shared) + 1023) & ~1023u;
@@ -195,8 +200,7 @@ __device__ __forceinline__ unsigned stage_ring() {
 // (entry spr the totals), tile_start the grouped GEMM's tile prefix over the column blocks
 // of `block_cols` in `cols` -- and the stage ring's barriers, before any task. Returns the
 // number of column blocks.
-template <int STAGES>
-__device__ __forceinline__ int load_tables(int* off, int* mtile, int* tile_start, Pipeline<STAGES>& p, const int* rank_off,
+__device__ __forceinline__ int load_tables(int* off, int* mtile, int* tile_start, Pipeline& p, const int* rank_off,
                                            const int* rank_mtile, int me, int spr, int cols, int block_cols) {
     for (int j = threadIdx.x; j <= spr; j += blockDim.x) {
         off[j] = rank_off[me * (spr + 1) + j];
@@ -308,7 +312,7 @@ __device__ __forceinline__ void stage_accumulators(const float (&d)[128], unsign
 // only after the claim's barrier). Rows padded by 32 bytes: a warp's fragment
 // stores (8 rows x 4 lanes of 8 bytes) take the two wavefronts 256 bytes need.
 #define RING_TILE_PITCH (GH_BN * 4 + 32)
-static_assert(GH_BM * RING_TILE_PITCH <= GH_STAGES * GH_STAGE_BYTES, "an FP32 tile fits in the idle stage ring");
+static_assert(GH_BM * RING_TILE_PITCH <= FM_STAGES * GH_STAGE_BYTES, "an FP32 tile fits in the idle stage ring");
 
 __device__ __forceinline__ void stage_accumulators_fp32(const float (&d)[128], unsigned ring, int consumer, int warp,
                                                         int lane) {
@@ -330,8 +334,8 @@ __device__ __forceinline__ void stage_accumulators_fp32(const float (&d)[128], u
 // block's first consumer thread writes `task` -- a GEMM tile's id, or the block's first
 // claim past its tiles, which ends the store warps' loop -- then the warp arrives on
 // output_full (a release; the store warps' wait acquires). The caller flips phase.
-template <int STAGES, typename Stage>
-__device__ __forceinline__ void hand_to_stores(Pipeline<STAGES>& p, int phase, int task, long long* status, bool& gave_up,
+template <typename Stage>
+__device__ __forceinline__ void hand_to_stores(Pipeline& p, int phase, int task, long long* status, bool& gave_up,
                                                int lane, Stage stage) {
     stage_wait(&p.output_empty, phase ^ 1, status, GH_WAITED_FOR_STORES, gave_up);
     if (threadIdx.x == 128) p.handed_task = task;
@@ -346,8 +350,7 @@ __device__ __forceinline__ void hand_to_stores(Pipeline<STAGES>& p, int phase, i
 // may be missed. After a flag wait's record the hand-overs stay in step (no flag wait sets
 // gave_up), and the store warps serve them to the end rather than make the consumers' next
 // wait for the buffer time out.
-template <int STAGES>
-__device__ __forceinline__ void wait_for_hand_over(Pipeline<STAGES>& p, int phase, long long* status,
+__device__ __forceinline__ void wait_for_hand_over(Pipeline& p, int phase, long long* status,
                                                    bool& gave_up) {
     const unsigned address = shared_address(&p.output_full);
     const u64 start = global_timer_ns();
@@ -375,8 +378,8 @@ __device__ __forceinline__ void wait_for_hand_over(Pipeline<STAGES>& p, int phas
 // nothing but hand-overs already made. So a claimed tile finishes whatever its block runs
 // next (a reduce waiting for that tile's own done flag included), and the task order's
 // argument (ultraep/compute/fused/forward.py) holds as before.
-template <int STAGES, typename Store>
-__device__ __forceinline__ void store_handed_tiles(Pipeline<STAGES>& p, int end_tile, long long* status,
+template <typename Store>
+__device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, long long* status,
                                                    Store store) {
     const int lane = threadIdx.x % WARP;
     bool gave_up = false;
@@ -454,8 +457,8 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 // relay's copies run beside the consumers' sends and MMAs instead of before the block's
 // first tile. The producer thread loads a tile with load_tile's `boxes(tile)` and
 // `b_split`; the consumers then run `finish(d, tile, ring, consumer, warp, lane)`, the tile's
-// epilogue, which may use the idle stage ring (`ring`; see stage_accumulators_fp32) and the
-// staging buffer after it (no store warp uses it here).
+// epilogue, which may stage the tile in the idle stage ring (`ring`; see
+// stage_accumulators_fp32): the producer issues no copy before the next claim's barrier.
 // Why no claim order deadlocks (ultraep/compute/fused/forward.py states it for the host model):
 // a store warp waits only for row flags, which send tasks release; sends precede every tile
 // in the claim order and wait for nothing, so every rank's sends finish; a tile waits for
@@ -464,13 +467,13 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 // A tile's wait for its rows spans their arrival (the relay's bounded row waits) and the
 // copies of the relays ahead of its own (milliseconds against a timeout of seconds): twice
 // the relay's bound (wait_rows_relayed).
-template <int MODE, bool SYSTEM, int STAGES, typename TileOf, typename Boxes, typename RelayRow, typename Finish>
+template <int MODE, bool SYSTEM, typename TileOf, typename Boxes, typename RelayRow, typename Finish>
 __device__ __forceinline__ void send_relay_then_gemm(
     const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int b_split, const uint4* src,
     int tokens, int top_k, int hidden, const long long* ids, const float* gates, const int* positions,
     const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset, u64 row_landing_offset,
     u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk, const int* off,
-    const int* mtile, const int* tile_start, Pipeline<STAGES>& p, int* claimed, u64* tile_ready, RelayRow relay_row,
+    const int* mtile, const int* tile_start, Pipeline& p, int* claimed, u64* tile_ready, RelayRow relay_row,
     Finish finish, u64 epoch, u64 timeout_ns, int* counter, long long* status, u64* trace, int send_kind,
     int relay_kind, int tile_kind) {
     const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
@@ -502,7 +505,7 @@ __device__ __forceinline__ void send_relay_then_gemm(
         for (int task = next(); task < total; task = next()) {  // the producer warp
             if (task < n_send || lane != 0 || gave_up) continue;
             const Tile tile = tile_of(task - first_tile);
-            load_tile<MODE, false, STAGES>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step,
+            load_tile<MODE, false, FM_STAGES>(a_map, b_map, tile, 1, boxes(tile), b_split, stages, p.full, p.empty, step,
                                            status, gave_up);
         }
         return;
@@ -520,7 +523,7 @@ __device__ __forceinline__ void send_relay_then_gemm(
         } else {
             const Tile tile = tile_of(task - first_tile);
             float d[128];
-            mma_tile<MODE, true, STAGES>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+            mma_tile<MODE, true, FM_STAGES>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
             finish(d, tile, stages, consumer, warp, lane);
         }
     }
@@ -545,18 +548,18 @@ static_assert(GH_BN == WARP * 8, "a reduce warp covers a tile's columns, 8 BF16 
 // base); then dispatch.cu's sum_slots over the lane's 8 columns of each block: fp32, slots in
 // order, WEIGHTED each row times its gate (product and sum rounded separately), one BF16
 // rounding into out [tokens, hidden].
-template <int MODE, bool WEIGHTED, int STAGES, typename TileOf, typename Boxes, typename Slot>
+template <int MODE, bool WEIGHTED, typename TileOf, typename Boxes, typename Slot>
 __device__ __forceinline__ void gemm_tiles_then_reduce(
     const TensorMap* a_map, const TensorMap* b_map, TileOf tile_of, Boxes boxes, int n_cols, int hidden,
     const u64* peer_bases, u64 expert_out_offset, u64 done_offset, int me, int spr, const int* rank_off,
-    const int* rank_mtile, const int* off, const int* mtile, const int* tile_start, Pipeline<STAGES>& p, int* claimed,
+    const int* rank_mtile, const int* off, const int* mtile, const int* tile_start, Pipeline& p, int* claimed,
     const long long* ids, const int* positions, const int* base, const float* gates, int tokens, int top_k, int chunk,
     bf16* out, bf16* kept, const uint4* (*slot_row)[WARP], float (*slot_gate)[WARP], Slot slot, int* down_count, u64 epoch,
     u64 timeout_ns, int* counter, long long* status, u64* trace, int tile_kind, int reduce_kind) {
     const int n_tiles = tile_start[spr];
     const int total = n_tiles + ceil_div(tokens, chunk);
     const unsigned stages = stage_ring();
-    const unsigned staged = stages + STAGES * GH_STAGE_BYTES;
+    const unsigned tail = stages + FM_STAGES * GH_STAGE_BYTES;  // a staged tile's last column blocks
     const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x / WARP) % 4, lane = threadIdx.x % WARP;
     const int cwarp = (threadIdx.x - 128) / WARP;
     const u64 heap = peer_bases[me];
@@ -574,14 +577,27 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
         if (warp > 0) {
             // The store warps, in their own loop from the start (the tiles are the first
             // tasks, whose claims wait for nothing: a hand-over comes within a tile's MMAs).
-            // A tile's rows are in the heap: fenced at system scope by every store thread,
-            // then one counts the tile; the M-tile's last column block (fenced after the
-            // count, so every earlier block's rows are ordered before) releases its done flag
-            // for the reducers on every rank.
+            // A tile's first column blocks come from the stage of its last k-step, which goes
+            // back to the producer once read (the consumer warps' arrivals, shared out among the
+            // store warps: mma_tile left them out), then the tail's. Its rows are then in the
+            // heap: fenced at system scope by every store thread, then one counts the tile; the
+            // M-tile's last column block (fenced after the count, so every earlier block's rows
+            // are ordered before) releases its done flag for the reducers on every rank.
+            const int id = threadIdx.x - WARP;
             store_handed_tiles(p, n_tiles, status, [&](int task) {
                 const Tile tile = tile_of(task);
-                store_staged_tile<GH_BN>(staged, tile, expert_out, hidden, hidden, threadIdx.x - WARP);
-                if (kept != nullptr) store_staged_tile<GH_BN>(staged, tile, kept, hidden, hidden, threadIdx.x - WARP);
+                step += ceil_div(tile.red_len, GH_BK);  // >= 1: MoELayer refuses ffn < 1
+                const int s = (step - 1) % FM_STAGES;
+                const unsigned stage = stages + s * GH_STAGE_BYTES;
+                store_ring_blocks<GH_STAGE_BLOCKS>(stage, tile.col0, tile, expert_out, hidden, id);
+                if (kept != nullptr) store_ring_blocks<GH_STAGE_BLOCKS>(stage, tile.col0, tile, kept, hidden, id);
+                fence_proxy_async_shared();  // the reads before the TMA copy that overwrites the stage
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive_count(&p.empty[s], store_warp_arrivals(id / WARP));
+                constexpr int TAIL_BLOCKS = GH_BN / GH_BLOCK_COLS - GH_STAGE_BLOCKS;
+                const int tail_col = tile.col0 + GH_STAGE_BLOCKS * GH_BLOCK_COLS;
+                store_ring_blocks<TAIL_BLOCKS>(tail, tail_col, tile, expert_out, hidden, id);
+                if (kept != nullptr) store_ring_blocks<TAIL_BLOCKS>(tail, tail_col, tile, kept, hidden, id);
                 __threadfence_system();
                 store_warps_sync();
                 if (threadIdx.x == WARP && !aborted(status)) {
@@ -598,7 +614,7 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
         for (int task = next(); task < total; task = next()) {  // the producer warp
             if (task >= n_tiles || lane != 0 || gave_up) continue;
             const Tile tile = tile_of(task);
-            load_tile<MODE, false, STAGES>(a_map, b_map, tile, 1, boxes(tile), 0, stages, p.full, p.empty, step, status,
+            load_tile<MODE, false, FM_STAGES>(a_map, b_map, tile, 1, boxes(tile), 0, stages, p.full, p.empty, step, status,
                                            gave_up);
         }
         return;
@@ -610,9 +626,14 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
     for (; task < n_tiles; task = next()) {
         const Tile tile = tile_of(task);
         float d[128];
-        mma_tile<MODE, true, STAGES>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
-        hand_to_stores(p, phase, task, status, gave_up, lane,
-                       [&] { stage_accumulators(d, staged, consumer, warp, lane); });
+        // the last k-step's stage stays held: the tile is staged in it, and the store warps release it
+        mma_tile<MODE, false, FM_STAGES>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+        consumers_sync();  // both warpgroups' last MMAs have read that stage
+        hand_to_stores(p, phase, task, status, gave_up, lane, [&] {
+            stage_in_ring(d, stages + (step - 1) % FM_STAGES * GH_STAGE_BYTES, tail, consumer * 64 + warp * 16 + lane / 4,
+                          lane);
+            fence_proxy_async_shared();  // these writes before the TMA copy that overwrites the stage
+        });
         phase ^= 1;
     }
     hand_to_stores(p, phase, task, status, gave_up, lane, [] {});  // ends the store warps' loop

@@ -18,13 +18,13 @@
 // A block (GH_THREADS: a producer warpgroup and two consumer warpgroups, as the grouped
 // GEMM) claims one task at a time: thread 0 takes the next id from the kernel's counter,
 // the producer warp and the consumers read it after a barrier. GEMM tiles run the grouped
-// GEMM's producer and MMAs on the same stage ring (grouped_gemm_common.cuh); a down tile's
-// output goes through the staging buffer to the store warps, which run a loop of their
-// own, so its stores overlap the block's next task (fused_common.cuh); an up tile's
-// epilogue runs on the consumers, through the ring once its MMAs are done. Send and reduce
-// tasks run on the consumer warps, a warp per token. In kernel A the store warps of every
-// block claim the relays from a counter of their own and copy their rows beside the block's
-// sends and MMAs. Any number of resident blocks is correct (a block never waits for a task
+// GEMM's producer and MMAs on a 4-stage ring (grouped_gemm_common.cuh); a down tile's
+// output is staged as the grouped GEMM's ring schedule stages it (its last k-step's stage and
+// a tail) for the store warps, which run a loop of their own, so its stores overlap the
+// block's next task (fused_common.cuh); an up tile's epilogue runs on the consumers, through
+// the ring once its MMAs are done. Send and reduce tasks run on the consumer warps, a warp
+// per token. In kernel A the store warps of every block claim the relays from a counter of
+// their own and copy their rows beside the block's sends and MMAs. Any number of resident blocks is correct (a block never waits for a task
 // claimed after its own, nor for a relay that no resident block's store warps can run), so
 // the grid is the SM count whatever share of them MPS grants.
 //
@@ -60,10 +60,6 @@
 #define FM_UP_COLS (GH_BN / 2)   // act columns per up tile: the accumulator is gate half | up half
 #define FM_DOWN_COLS GH_BN       // output columns per down tile and per reduce task
 #define FM_MAX_SLOTS 256         // local slots (M + S) per rank (shared-memory tables)
-// Kernel A stages no output tile (its epilogue runs through the idle ring), so the room the
-// launch reserves for kernel B's staging buffer holds a fourth stage: a TMA copy gets three
-// k-steps of MMAs to land instead of two.
-#define FM_UP_STAGES 4
 #define FM_MAX_TOP_K WARP        // a warp's lanes hold a token's slots
 #define FM_PLAN_THREADS 256
 
@@ -77,7 +73,6 @@
 #define FM_OUTCOME_OK 0
 
 static_assert(FM_SEND_TOKENS >= 1 && FM_REDUCE_TOKENS >= 1, "task sizes are positive");
-static_assert(FM_UP_STAGES * GH_STAGE_BYTES + 1024 <= GH_SMEM_BYTES, "kernel A's ring fits the launch's shared memory");
 static_assert(FM_UP_COLS * 2 == GH_BN && FM_DOWN_COLS == GH_BN, "an up tile is gate | up halves of one accumulator");
 static_assert(FM_DOWN_COLS == WARP * 8, "a reduce warp covers a down tile's columns, 8 BF16 per lane");
 static_assert(GH_CONSUMERS * 4 == 8, "send and reduce tasks run on the 8 consumer warps");
@@ -158,7 +153,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
                   bf16* act, float* h, u64 epoch, u64 timeout_ns, int* counter, long long* status,
                   const int* outcome, u64* trace) {
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
-    __shared__ Pipeline<FM_UP_STAGES> p;
+    __shared__ Pipeline p;
     __shared__ int claimed[2];  // the block's claim, the store warps' relay
     if (outcome[0] != FM_OUTCOME_OK) return;  // every block of every rank reads the same verdict
     load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FM_UP_COLS);
@@ -183,7 +178,7 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
         fence_proxy_async_shared();  // before the claim barrier after which the producer's TMA overwrites the ring
     };
     // The up half's boxes are F further than the gate half's.
-    send_relay_then_gemm<GH_FORWARD, false, FM_UP_STAGES>(
+    send_relay_then_gemm<GH_FORWARD, false>(
         &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, x, tokens, top_k, hidden, ids, gates, positions, base,
         peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
         max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, claimed, tile_ready, relay_row, finish, epoch,
@@ -206,7 +201,7 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
                    u64 epoch,
                    u64 timeout_ns, int* counter, long long* status, const int* outcome, u64* trace) {
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
-    __shared__ Pipeline<> p;
+    __shared__ Pipeline p;
     __shared__ int claimed;
     __shared__ const uint4* slot_row[GH_CONSUMERS * 4][FM_MAX_TOP_K];
     __shared__ float slot_gate[GH_CONSUMERS * 4][FM_MAX_TOP_K];
@@ -217,7 +212,7 @@ fused_down_combine(const __grid_constant__ TensorMap act_map, const __grid_const
         return (1u << min(GH_BN / GH_BOX, ceil_div(hidden - tile.col0, GH_BOX))) - 1;
     };
     auto tile_of = [&](int t) { return gemm_tile(tile_start, off, spr, t, FM_DOWN_COLS, ffn); };
-    gemm_tiles_then_reduce<GH_FORWARD, true, GH_STAGES>(&act_map, &w_down_map, tile_of, boxes, n_cols, hidden, peer_bases,
+    gemm_tiles_then_reduce<GH_FORWARD, true>(&act_map, &w_down_map, tile_of, boxes, n_cols, hidden, peer_bases,
                                              expert_out_offset, done_offset, me, spr, rank_off, rank_mtile, off,
                                              mtile, tile_start, p, &claimed, ids, positions, base, gates, tokens,
                                              top_k, FM_REDUCE_TOKENS, out, y, slot_row, slot_gate, [](int, u64) {},

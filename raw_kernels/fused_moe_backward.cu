@@ -138,7 +138,7 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
                           const float* h, bf16* dh, u64 epoch, u64 timeout_ns, int* counter, long long* status,
                           const int* outcome, u64* trace) {
     __shared__ int off[FB_MAX_SLOTS + 1], mtile[FB_MAX_SLOTS + 1], tile_start[FB_MAX_SLOTS + 1];
-    __shared__ Pipeline<> p;
+    __shared__ Pipeline p;
     __shared__ int claimed[2];  // the block's claim, the store warps' relay
     if (outcome[0] != FB_OUTCOME_OK) return;  // every block of every rank reads the same verdict
     load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FB_DACT_COLS);
@@ -147,17 +147,17 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
         grad_row<bf16, FM_RELAY_UNROLL>(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16,
                                         peer_bases, slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
     };
-    // The epilogue on the consumers alone, in the staging buffer no store warp uses here: g
-    // staged, then the tile's SwiGLU backward from it into dh. The next tile's staging comes
-    // after the claim barrier, once every consumer is done reading this one.
+    // The epilogue on the consumers alone, through the idle stage ring: g staged, then the
+    // tile's SwiGLU backward from it into dh.
     auto finish = [&](const float (&d)[128], const Tile& tile, unsigned ring, int consumer, int warp, int lane) {
-        const unsigned staged = ring + GH_STAGES * GH_STAGE_BYTES;
-        stage_accumulators(d, staged, consumer, warp, lane);
+        consumers_sync();  // both warpgroups' MMAs have read the ring's last stages
+        stage_accumulators(d, ring, consumer, warp, lane);
         consumers_sync();
-        swiglu_backward_tile(staged, tile, h, dh, ffn, threadIdx.x - 128);
+        swiglu_backward_tile(ring, tile, h, dh, ffn, threadIdx.x - 128);
+        fence_proxy_async_shared();  // before the claim barrier after which the producer's TMA overwrites the ring
     };
     // system-scope relay fences: the sources read their gate gradients after kernel D's flags
-    send_relay_then_gemm<GH_DGRAD, true, GH_STAGES>(
+    send_relay_then_gemm<GH_DGRAD, true>(
         &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, dy, tokens, top_k, hidden, ids, gates,
         positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset,
         me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, claimed, tile_ready, relay_row, finish, epoch,
@@ -180,7 +180,7 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
                     int* down_count, u64 epoch, u64 timeout_ns, int* counter, long long* status, const int* outcome,
                     u64* trace) {
     __shared__ int off[FB_MAX_SLOTS + 1], mtile[FB_MAX_SLOTS + 1], tile_start[FB_MAX_SLOTS + 1];
-    __shared__ Pipeline<> p;
+    __shared__ Pipeline p;
     __shared__ int claimed;
     __shared__ const uint4* slot_row[GH_CONSUMERS * 4][FB_MAX_TOP_K];
     if (outcome[0] != FB_OUTCOME_OK) return;
@@ -189,7 +189,7 @@ fused_dgrad_combine(const __grid_constant__ TensorMap dh_map, const __grid_const
     auto copy_gate_grad = [&](int i, u64 heap) {
         d_gates[i] = reinterpret_cast<const float*>(heap + slot_grad_w_offset)[i];
     };
-    gemm_tiles_then_reduce<GH_DGRAD, false, GH_STAGES>(
+    gemm_tiles_then_reduce<GH_DGRAD, false>(
         &dh_map, &w_up_map, tile_of, [](const Tile&) { return 0u; }, n_cols, hidden, peer_bases, expert_out_offset,
         done_offset, me, spr, rank_off, rank_mtile, off, mtile, tile_start, p, &claimed, ids, positions, base,
         static_cast<const float*>(nullptr), tokens, top_k, FB_REDUCE_TOKENS, dx, static_cast<bf16*>(nullptr), slot_row,

@@ -64,7 +64,7 @@
 //   GG_STAGED_TILE  (without the option) a padded buffer of its own, GH_C_BYTES, beside 3
 //                   stages, as in the fused kernels;
 //   GG_RING_STAGED  the stage of the tile's last k-step, still held by the consumers, for its
-//                   first GG_STAGE_BLOCKS column blocks and a GG_TAIL_BYTES tail for the
+//                   first GH_STAGE_BLOCKS column blocks and a GH_TAIL_BYTES tail for the
 //                   rest, beside GG_RING_STAGES stages; the store warps hand that stage back
 //                   to the producer once they have read it (until then the ring is 3 deep).
 // While the MMAs of one k-step run, the consumers hold its stage and the producer refills the
@@ -86,6 +86,10 @@
 #endif
 
 #include "grouped_gemm_common.cuh"
+
+// The host's dynamic shared memory for GG_RING_STAGED (GH_SMEM_BYTES for GG_STAGED_TILE).
+#define GG_RING_SMEM_BYTES (GG_RING_STAGES * GH_STAGE_BYTES + GH_TAIL_BYTES + 1024)
+static_assert(GG_SCHEDULE == GG_STAGED_TILE || GG_SCHEDULE == GG_RING_STAGED, "GG_SCHEDULE names no schedule");
 
 // Tile timing for scripts/gemm_tile_stamps.py, which compiles with -DGG_TILE_STAMPS: the first
 // consumer thread of each block records for tile t (below GG_STAMPED_TILES) %globaltimer before
@@ -110,83 +114,9 @@ __device__ __forceinline__ int sm_id() {
     } while (0)
 #endif
 
-// A ring-staged tile is column blocks of 64, 128 rows of 128 bytes each, 16-byte chunk c of
-// row r at chunk c ^ (r % 8): a consumer warp's fragment write (8 rows x 4 lanes of 4 bytes)
-// and a store warp's read (8 lanes x 16 bytes of one row) both hit 32 different banks.
-#define GG_BLOCK_COLS 64
-#define GG_BLOCK_BYTES (GH_BM * GG_BLOCK_COLS * 2)
-#define GG_STAGE_BLOCKS (GH_STAGE_BYTES / GG_BLOCK_BYTES)
-#define GG_TAIL_BYTES (GH_BN / GG_BLOCK_COLS * GG_BLOCK_BYTES - GH_STAGE_BYTES)
-// The host's dynamic shared memory for GG_RING_STAGED (GH_SMEM_BYTES for GG_STAGED_TILE).
-#define GG_RING_SMEM_BYTES (GG_RING_STAGES * GH_STAGE_BYTES + GG_TAIL_BYTES + 1024)
-
-static_assert(GH_STAGE_BYTES % GG_BLOCK_BYTES == 0 && GG_TAIL_BYTES > 0, "a stage holds whole blocks, not a tile");
-static_assert(GG_SCHEDULE == GG_STAGED_TILE || GG_SCHEDULE == GG_RING_STAGED, "GG_SCHEDULE names no schedule");
-
 // *p += (v0, v1) in L2, no value returned (8-byte aligned p; subnormals flushed, see above).
 __device__ __forceinline__ void add_pair(float* p, float v0, float v1) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(v0), "f"(v1) : "memory");
-}
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a ring-staged column block.
-__device__ __forceinline__ unsigned swizzled_chunk(int row, int chunk) {
-    return row * (GG_BLOCK_COLS * 2) + ((chunk ^ (row & 7)) * 16);
-}
-
-// Store warp w's share of the GH_CONSUMERS * 4 arrivals that release a stage.
-__device__ __forceinline__ unsigned store_warp_arrivals(int w) {
-    return GH_CONSUMERS * 4 * (w + 1) / GH_STORE_WARPS - GH_CONSUMERS * 4 * w / GH_STORE_WARPS;
-}
-
-// A consumer's rows of a ring-staged BF16 tile (accumulators as in grouped_mm): column block
-// b at stage + b * GG_BLOCK_BYTES for b < GG_STAGE_BLOCKS, the others in the tail.
-__device__ __forceinline__ void stage_in_ring(const float (&d)[128], unsigned stage, unsigned tail, int row, int lane) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int j = 0; j < GH_BN / 8; ++j) {
-            const int block = j / (GG_BLOCK_COLS / 8);
-            const unsigned base = block < GG_STAGE_BLOCKS ? stage + block * GG_BLOCK_BYTES
-                                                          : tail + (block - GG_STAGE_BLOCKS) * GG_BLOCK_BYTES;
-            const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
-            asm volatile("st.shared.b32 [%0], %1;"
-                         :: "r"(base + swizzled_chunk(row + 8 * half, j % (GG_BLOCK_COLS / 8)) + 4 * (lane % 4)),
-                            "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
-        }
-}
-
-// The store warps' part of a ring-staged epilogue: BLOCKS column blocks from `base`, the first
-// at output column `col0`, to `out` (row pitch out_cols), masked to the tile's rows and to
-// columns below out_cols; ZEROS: zeros instead, nothing read (a tile with no reduction). Eight
-// lanes take a 128-byte row, a warp 4 rows at a time; each lane keeps UNROLL chunks in flight.
-template <int BLOCKS, bool ZEROS = false>
-__device__ __forceinline__ void store_ring_blocks(unsigned base, int col0, const Tile& tile, bf16* out, int out_cols,
-                                                  int id) {
-    constexpr int ROW_STEP = GH_STORE_WARPS * WARP / 8, UNROLL = 2;
-    const int chunk = id % 8, first_row = id / 8, rows = min(GH_BM, tile.row_end - tile.row0);
-    const long long row_step = static_cast<long long>(ROW_STEP) * out_cols;
-#pragma unroll
-    for (int b = 0; b < BLOCKS; ++b) {
-        const int c = col0 + b * GG_BLOCK_COLS + chunk * 8;
-        if (c >= out_cols) break;  // and so are the further blocks' columns
-        const unsigned block = base + b * GG_BLOCK_BYTES;
-        bf16* at = out + static_cast<long long>(tile.row0 + first_row) * out_cols + c;
-#pragma unroll 1
-        for (int row = first_row; row < rows; row += UNROLL * ROW_STEP, at += UNROLL * row_step) {
-            uint4 v[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                v[u] = make_uint4(0, 0, 0, 0);
-                if (!ZEROS && row + u * ROW_STEP < rows)
-                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                                 : "r"(block + swizzled_chunk(row + u * ROW_STEP, chunk)));
-            }
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u)
-                if (row + u * ROW_STEP < rows) *reinterpret_cast<uint4*>(at + u * row_step) = v[u];
-        }
-    }
 }
 
 // -- The tile loop ----------------------------------------------------------------------------
@@ -354,19 +284,19 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 OutT* base = MODE == GH_WGRAD ? out + static_cast<long long>(tile.expert - added_experts) * K * N : out;
                 step += ceil_div(tile.red_len, GH_BK);
                 if (tile.red_len == 0) {
-                    store_ring_blocks<GH_BN / GG_BLOCK_COLS, true>(0, tile.col0, tile, base, out_cols, id);
+                    store_ring_blocks<GH_BN / GH_BLOCK_COLS, true>(0, tile.col0, tile, base, out_cols, id);
                     continue;
                 }
                 stage_wait(&output_full, phase, status, GH_WAITED_FOR_OUTPUT, gave_up);
                 phase ^= 1;
                 if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
                 const int s = (step - 1) % GH_STAGES;
-                store_ring_blocks<GG_STAGE_BLOCKS>(stages + s * GH_STAGE_BYTES, tile.col0, tile, base, out_cols, id);
+                store_ring_blocks<GH_STAGE_BLOCKS>(stages + s * GH_STAGE_BYTES, tile.col0, tile, base, out_cols, id);
                 fence_proxy_async_shared();
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive_count(&empty[s], store_warp_arrivals(id / WARP));
-                store_ring_blocks<GH_BN / GG_BLOCK_COLS - GG_STAGE_BLOCKS>(
-                    staged, tile.col0 + GG_STAGE_BLOCKS * GG_BLOCK_COLS, tile, base, out_cols, id);
+                store_ring_blocks<GH_BN / GH_BLOCK_COLS - GH_STAGE_BLOCKS>(
+                    staged, tile.col0 + GH_STAGE_BLOCKS * GH_BLOCK_COLS, tile, base, out_cols, id);
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(&output_empty);
             }

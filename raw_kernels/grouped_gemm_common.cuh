@@ -139,6 +139,20 @@ __device__ __forceinline__ int2 grouped_raster(int local, int m_tiles, int n_til
 // The swizzled stages must start on a 1024-byte boundary (the swizzle pattern repeats
 // every 8 rows of 128 bytes); the slack lets the kernel round the dynamic base up.
 #define GH_SMEM_BYTES (GH_STAGES * GH_STAGE_BYTES + GH_C_BYTES + 1024)
+
+// A ring-staged BF16 output tile (grouped_gemm.cu's GG_RING_STAGED schedule, the fused kernels
+// B and D) lies in the stage of its last k-step, held by the consumers, for its first
+// GH_STAGE_BLOCKS column blocks and in a GH_TAIL_BYTES tail for the rest: column blocks of
+// 64, 128 rows of 128 bytes each, 16-byte chunk c of row r at chunk c ^ (r % 8), so a
+// consumer warp's fragment write (8 rows x 4 lanes of 4 bytes) and a store warp's read (8
+// lanes x 16 bytes of one row) both hit 32 different banks.
+#define GH_BLOCK_COLS 64
+#define GH_BLOCK_BYTES (GH_BM * GH_BLOCK_COLS * 2)
+#define GH_STAGE_BLOCKS (GH_STAGE_BYTES / GH_BLOCK_BYTES)
+#define GH_TAIL_BYTES (GH_BN / GH_BLOCK_COLS * GH_BLOCK_BYTES - GH_STAGE_BYTES)
+
+static_assert(GH_STAGE_BYTES % GH_BLOCK_BYTES == 0 && GH_TAIL_BYTES > 0, "a stage holds whole blocks, not a tile");
+
 // setmaxnreg: 128 x 40 + 256 x 232 = the 384 x 168 registers the launch reserves
 // (grouped_gemm.cu's GG_RING_STAGED schedule compiles with another split).
 #ifndef GH_PRODUCER_REGISTERS
@@ -431,6 +445,67 @@ __device__ __forceinline__ void store_staged_tile(unsigned staged, const Tile& t
                          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                          : "r"(staged + row * GH_C_PITCH + chunk * 16));
             *reinterpret_cast<uint4*>(out + r * pitch + c) = v;
+        }
+    }
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a ring-staged column block.
+__device__ __forceinline__ unsigned swizzled_chunk(int row, int chunk) {
+    return row * (GH_BLOCK_COLS * 2) + ((chunk ^ (row & 7)) * 16);
+}
+
+// Store warp w's share of the GH_CONSUMERS * 4 arrivals that release a stage.
+__device__ __forceinline__ unsigned store_warp_arrivals(int w) {
+    return GH_CONSUMERS * 4 * (w + 1) / GH_STORE_WARPS - GH_CONSUMERS * 4 * w / GH_STORE_WARPS;
+}
+
+// A consumer's rows of a ring-staged BF16 tile (accumulators as mma_tile leaves them): column block
+// b at stage + b * GH_BLOCK_BYTES for b < GH_STAGE_BLOCKS, the others in the tail.
+__device__ __forceinline__ void stage_in_ring(const float (&d)[128], unsigned stage, unsigned tail, int row, int lane) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int j = 0; j < GH_BN / 8; ++j) {
+            const int block = j / (GH_BLOCK_COLS / 8);
+            const unsigned base = block < GH_STAGE_BLOCKS ? stage + block * GH_BLOCK_BYTES
+                                                          : tail + (block - GH_STAGE_BLOCKS) * GH_BLOCK_BYTES;
+            const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
+            asm volatile("st.shared.b32 [%0], %1;"
+                         :: "r"(base + swizzled_chunk(row + 8 * half, j % (GH_BLOCK_COLS / 8)) + 4 * (lane % 4)),
+                            "r"(*reinterpret_cast<const unsigned*>(&v)) : "memory");
+        }
+}
+
+// The store warps' part of a ring-staged epilogue: BLOCKS column blocks from `base`, the first
+// at output column `col0`, to `out` (row pitch out_cols), masked to the tile's rows and to
+// columns below out_cols; ZEROS: zeros instead, nothing read (a tile with no reduction). Eight
+// lanes take a 128-byte row, a warp 4 rows at a time; each lane keeps UNROLL chunks in flight.
+template <int BLOCKS, bool ZEROS = false>
+__device__ __forceinline__ void store_ring_blocks(unsigned base, int col0, const Tile& tile, bf16* out, int out_cols,
+                                                  int id) {
+    constexpr int ROW_STEP = GH_STORE_WARPS * WARP / 8, UNROLL = 2;
+    const int chunk = id % 8, first_row = id / 8, rows = min(GH_BM, tile.row_end - tile.row0);
+    const long long row_step = static_cast<long long>(ROW_STEP) * out_cols;
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+        const int c = col0 + b * GH_BLOCK_COLS + chunk * 8;
+        if (c >= out_cols) break;  // and so are the further blocks' columns
+        const unsigned block = base + b * GH_BLOCK_BYTES;
+        bf16* at = out + static_cast<long long>(tile.row0 + first_row) * out_cols + c;
+#pragma unroll 1
+        for (int row = first_row; row < rows; row += UNROLL * ROW_STEP, at += UNROLL * row_step) {
+            uint4 v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                v[u] = make_uint4(0, 0, 0, 0);
+                if (!ZEROS && row + u * ROW_STEP < rows)
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                                 : "r"(block + swizzled_chunk(row + u * ROW_STEP, chunk)));
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                if (row + u * ROW_STEP < rows) *reinterpret_cast<uint4*>(at + u * row_step) = v[u];
         }
     }
 }

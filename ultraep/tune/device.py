@@ -374,7 +374,7 @@ class FusedBench:
         self.waves = waves
         self.pools = {}  # a tile operand's tensor map argument: its pool
         rows = self.slots * FUSED_SLOT_ROWS
-        self.threads, self.shared_bytes = constant("GH_THREADS"), constant("GH_SMEM_BYTES")
+        self.threads, self.shared_bytes = constant("GH_THREADS"), constant("FM_SMEM_BYTES")
         self.kernel = get_function(FUSED_KERNELS, self.kernel_name)
         self.hold = get_function("timing.cu", "hold_stream")
         with cp.cuda.Device(device):

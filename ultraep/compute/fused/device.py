@@ -127,7 +127,7 @@ class DeviceFusedForward:
             raise MoELayerError(f"the fused kernels hold at most {most} slots per rank, the layer has {spr}")
         self.hidden, self.ffn, self.spr, self.config = hidden, ffn, spr, d
         self.timeout_ns = int(timeout_s * 1e9)
-        self.shared_bytes = kernel_constant(FORWARD_KERNELS, "GH_SMEM_BYTES")
+        self.shared_bytes = kernel_constant(FORWARD_KERNELS, "FM_SMEM_BYTES")
         self.threads = kernel_constant(FORWARD_KERNELS, "GH_THREADS")
         self.schedule = schedule
         # a config's defines -> its module variant's kernels; the plain module's run fused_plan
