@@ -67,3 +67,21 @@ def test_local_headers_are_inlined_for_nvrtc():
         code = inline_local_includes(source)
         assert '#include "' not in code, f"{source.name} still includes a local header"
     assert "ld.acquire.sys" in inline_local_includes(kernel_dir() / "heap.cu")
+
+
+def test_the_sources_digest_follows_every_included_header(tmp_path, monkeypatch):
+    """A machine profile keeps this digest of the kernels it measured: a change in a header
+    that a source includes must change it, a change elsewhere must not."""
+    from ultraep.runtime.kernels import sources_digest
+
+    (tmp_path / "a.cu").write_text('#include "common.cuh"\nextern "C" __global__ void a() {}\n')
+    (tmp_path / "common.cuh").write_text("#define TILE 128\n")
+    (tmp_path / "other.cu").write_text('extern "C" __global__ void other() {}\n')
+    monkeypatch.setenv("ULTRAEP_KERNEL_DIR", str(tmp_path))
+    before = sources_digest(["a.cu"])
+    assert before == sources_digest(("a.cu",)) and len(before) == 16 and sources_digest(()) == ""
+    (tmp_path / "other.cu").write_text('extern "C" __global__ void other() { return; }\n')
+    assert sources_digest(["a.cu"]) == before
+    (tmp_path / "common.cuh").write_text("#define TILE 256\n")
+    assert sources_digest(["a.cu"]) != before
+    assert sources_digest(["a.cu", "other.cu"]) == sources_digest(["other.cu", "a.cu"])

@@ -34,7 +34,7 @@ def test_host_profile_is_measured_cached_and_reused(tmp_path):
     lines = []
     profile = measured(lines)
     name, cores = HostProbe().describe()
-    assert profile.identity() == ("host", name, 100) and profile.sm_count == cores
+    assert profile.identity() == ("host", name, 100, "") and profile.sm_count == cores  # the host runs no kernel
     assert profile.version == PROFILE_VERSION
     assert profile.copy_bytes_per_s > 1e7 and profile.peer_bytes_per_s == profile.copy_bytes_per_s
     assert "shared memory" in profile.peer_method
@@ -105,6 +105,22 @@ def test_a_profile_of_another_device_or_share_is_measured_again():
     _rewrite(path, sm_share=25)
     lines = []
     assert measured(lines).sm_share == 100 and any("25 %" in line for line in lines), lines
+
+
+def test_a_profile_measured_with_other_kernel_sources_is_measured_again():
+    """Its tile and copy times were taken with kernels this library no longer has."""
+    first = measured()
+    path = profile_path(first.device)
+    _rewrite(path, kernels="0123456789abcdef")
+    lines = []
+    again = measured(lines)
+    assert again.kernels == "" and read_profile(path) == again
+    assert any("other kernel sources (0123456789abcdef, these: -" in line and "measuring it again" in line
+               for line in lines), lines
+    _rewrite(path, kernels="not hex")
+    lines = []
+    measured(lines)
+    assert any("kernels must be a hex digest" in line for line in lines), lines
 
 
 def test_an_mps_share_has_its_own_cache_file(monkeypatch):
@@ -341,6 +357,16 @@ def test_a_version_9_profile_is_read_beside_measurements_without_the_copy_kernel
         MachineProfile.from_json(dict(data, dispatch_blocks_per_sm=-1))
 
 
+def test_a_version_10_profile_is_read_beside_measurements_without_a_kernel_digest():
+    data = json.loads(json.dumps(measured().to_json()))
+    old = dict({k: v for k, v in data.items() if k != "kernels"}, version=10)
+    with pytest.raises(ProfileError, match="format version 10"):
+        MachineProfile.from_json(old)
+    assert MachineProfile.from_json(old, stored=True).kernels == ""
+    with pytest.raises(ProfileError, match="bad or missing field: 'kernels'"):
+        MachineProfile.from_json(dict(old, version=PROFILE_VERSION))
+
+
 def test_unsteady_compute_names_the_sizes():
     assert unsteady_compute((4, 32, 256), (1e-6, 2e-6, 9e-6)) is None
     assert unsteady_compute((4, 32, 256), (1e-6, 0.95e-6, 9e-6)) is None  # weight-bound: flat within noise
@@ -386,3 +412,13 @@ def test_a_given_file_that_is_not_a_profile_is_never_overwritten(tmp_path, conte
     assert load_profile("host", path=tmp_path / "mine.json").device == profile.device
     (tmp_path / "empty").write_bytes(b"")  # as mktemp leaves it
     assert load_profile("host", path=tmp_path / "empty") == read_profile(tmp_path / "empty")
+
+
+def test_the_device_probe_names_kernel_sources_that_exist():
+    """The GPU profile's digest covers the kernels its measurements launch (a name that is
+    not a source would fail every GPU profile)."""
+    from ultraep.runtime.kernels import sources_digest
+    from ultraep.tune.device import FUSED_KERNELS, DeviceProbe
+
+    assert FUSED_KERNELS in DeviceProbe.kernel_sources and "grouped_gemm.cu" in DeviceProbe.kernel_sources
+    assert len(sources_digest(DeviceProbe.kernel_sources)) == 16

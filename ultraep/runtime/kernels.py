@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import importlib.resources
 import operator
 import os
@@ -125,6 +126,17 @@ def _define_text(defines: tuple) -> str:
 
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+
+
+def sources_digest(filenames) -> str:
+    """A short digest of kernel sources (each with its headers inlined): what a measurement
+    of those kernels was taken with; "" for none."""
+    if not filenames:
+        return ""
+    digest = hashlib.sha256()
+    for name in sorted(filenames):
+        digest.update(f"{name}\0{inline_local_includes(kernel_source(name))}\0".encode())
+    return digest.hexdigest()[:16]
 
 
 def inline_local_includes(path: Path, seen: set | None = None) -> str:

@@ -55,6 +55,7 @@ class HostProbe:
     backend = "host"
     copy_method = "np.copyto, one process"
     compute_kernel = "np.matmul per expert (the host backend's expert compute)"
+    kernel_sources = ()  # no CUDA kernel runs
     compute_dtype = "float32"
     compute_shape = (4, 256, 256)  # experts, k, n
     rows_per_expert = (4, 16, 64, 256, 1024)

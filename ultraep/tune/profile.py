@@ -61,9 +61,11 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
 
 The cache: ``profile-<device>.json`` in ``$ULTRAEP_CACHE_DIR`` (default
 ``~/.cache/ultraep``) or at an explicit path. The file carries a format version
-(:data:`PROFILE_VERSION`); a file of another version, another device or another SM share
-(MPS emulation: ``ultraep.runtime.mps``) is measured again, and so is one that cannot be
-read, with a message saying why. Files are replaced atomically, so ranks reading the cache
+(:data:`PROFILE_VERSION`) and a digest of the kernel sources its measurements ran
+(``kernels``); a file of another version, another device, another SM share (MPS emulation:
+``ultraep.runtime.mps``) or other kernels (the library's kernels changed since: the times
+it holds are not theirs) is measured again, and so is one that cannot be read, with a
+message saying why. Files are replaced atomically, so ranks reading the cache
 while another writes it see the old file or the new one.
 """
 
@@ -84,9 +86,10 @@ from typing import Callable
 import numpy as np
 
 from ultraep.errors import ProfileError
+from ultraep.runtime.kernels import sources_digest
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 10
+PROFILE_VERSION = 11
 # Versions whose fields this one reads when a profile is kept beside measurements (a
 # ``tune validate --json``, replayed): before 6 no CTAs at work were measured, and kernel A's
 # relays were claimed tasks between its sends and its tiles (they run on the store warps since);
@@ -94,13 +97,15 @@ PROFILE_VERSION = 10
 # sharers' up tile runs started as their hosts left a barrier; 6's runs (8 waves, a fraction of
 # a millisecond) hardly overlapped, so its shared times and CTAs at work are those of processes
 # taking turns; before 9 the down tiles were measured without storing y; before 10 the
-# Dispatcher's copy kernels' residency was not measured.
-STORED_VERSIONS = (4, 5, 6, 7, 8, 9, PROFILE_VERSION)
+# Dispatcher's copy kernels' residency was not measured; before 11 no digest of the kernel
+# sources was kept.
+STORED_VERSIONS = (4, 5, 6, 7, 8, 9, 10, PROFILE_VERSION)
 CTAS_AT_WORK_SINCE = 6  # the first version that measured the CTAs at work
 DOWN_CTAS_AT_WORK_SINCE = 8  # the first that measured the down tiles' own
 UP_RELEASED_SINCE = 8  # the first whose sharers' up tile runs start together, as a layer's kernel A
 DOWN_Y_SINCE = 9  # the first that measured the down tiles storing y
 DISPATCH_BLOCKS_SINCE = 10  # the first that measured the Dispatcher's copy kernels' resident blocks
+KERNELS_SINCE = 11  # the first that kept a digest of the kernel sources it measured
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 PROGRESS_LOGGER = "ultraep.tune"
 UNSTEADY_FRACTION = 0.9  # a call of more rows measured below this fraction of one of fewer: not this machine alone
@@ -339,6 +344,7 @@ class MachineProfile:
     shared_by: int = 1
     shared_fused: FusedCosts | None = None
     dispatch_blocks_per_sm: int = 0
+    kernels: str = ""
 
     def gpu_copy_bytes_per_s(self, sharing: int) -> float:
         """What ``sharing`` processes copying at once on one GPU move together: the rate
@@ -370,9 +376,9 @@ class MachineProfile:
         the device already reports as the share (a quarter of the H200's 132 SMs is 33)."""
         return self.sm_count
 
-    def identity(self) -> tuple[str, str, int]:
+    def identity(self) -> tuple[str, str, int, str]:
         """What a cached profile must match to be reused (besides its version)."""
-        return (self.backend, self.device, self.sm_share)
+        return (self.backend, self.device, self.sm_share, self.kernels)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -385,8 +391,8 @@ class MachineProfile:
         ``stored``: one kept beside measurements, which may be of any of
         :data:`STORED_VERSIONS` (read as it was measured: no CTAs at work, relays as claimed
         tasks before version 6; no down tiles' CTAs at work apart before 8; no down tiles
-        storing y before 9; no resident copy blocks before 10); the cache takes this version
-        only."""
+        storing y before 9; no resident copy blocks before 10; no kernel digest before 11); the
+        cache takes this version only."""
         if not is_profile_document(data):
             raise ProfileError(f"not a machine profile (no \"format\": \"{PROFILE_FORMAT}\")")
         version = data.get("version")
@@ -424,7 +430,8 @@ class MachineProfile:
                           shared_by=int(data.get("shared_by", 1)),
                           shared_fused=None if shared_fused is None else FusedCosts.from_json(shared_fused),
                           dispatch_blocks_per_sm=(0 if version < DISPATCH_BLOCKS_SINCE
-                                                  else _natural(data, "dispatch_blocks_per_sm")))
+                                                  else _natural(data, "dispatch_blocks_per_sm")),
+                          kernels="" if version < KERNELS_SINCE else _digest(data, "kernels"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"bad or missing field: {exc}") from None
         rows = curve.rows_per_expert
@@ -437,7 +444,8 @@ class MachineProfile:
         """A readable summary, one quantity per line."""
         curve, machine = self.compute, "GPU" if self.on_gpu else "host"
         lines = [f"machine profile: {self.device} ({self.backend} backend, {self.processors}), "
-                 f"format version {self.version}, measured {self.measured_at or '-'}",
+                 f"format version {self.version}, measured {self.measured_at or '-'}"
+                 + (f", kernel sources {self.kernels}" if self.kernels else ""),
                  f"  copy        {self.copy_bytes_per_s / 1e9:10.1f} GB/s copied   {self.copy_method}",
                  f"  peer copy   {self.peer_bytes_per_s / 1e9:10.1f} GB/s copied   {self.peer_method}",
                  f"  launch      {self.launch_s * 1e6:10.2f} us per launch",
@@ -466,6 +474,13 @@ def _text(data: dict, key: str) -> str:
     value = data[key]
     if not isinstance(value, str):
         raise TypeError(f"{key} must be a string, got {value!r}")
+    return value
+
+
+def _digest(data: dict, key: str) -> str:
+    value = data[key]
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]*", value):
+        raise ValueError(f"{key} must be a hex digest (empty for none), got {value!r}")
     return value
 
 
@@ -552,6 +567,7 @@ def measure_profile(probe, progress: Callable[[str], None] | None = None) -> Mac
                           peer_method=peer_method, launch_s=launch, compute=curve, kernel_s=kernel,
                           copy_warp_bytes_per_s=warp,
                           flag_s=flag, fused=fused, dispatch_blocks_per_sm=blocks,
+                          kernels=sources_digest(probe.kernel_sources),
                           measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
@@ -701,10 +717,15 @@ def load_profile(backend: str = "auto", *, device: int | None = None, path: str 
         except (OSError, UnicodeDecodeError, ProfileError) as exc:
             say(f"cannot use the machine profile at {target} ({exc}): measuring it again")
         else:
-            if cached.identity() == (probe.backend, name, share):
+            kernels = sources_digest(probe.kernel_sources)
+            if cached.identity() == (probe.backend, name, share, kernels):
                 return cached
-            say(f"the machine profile at {target} is of {cached.device} ({cached.backend} backend, "
-                f"{cached.sm_share} % of SMs), not of {name} ({probe.backend}, {share} %): measuring it again")
+            if cached.identity()[:3] == (probe.backend, name, share):
+                say(f"the machine profile at {target} was measured with other kernel sources ({cached.kernels or '-'}, "
+                    f"these: {kernels or '-'}; the library's kernels changed since): measuring it again")
+            else:
+                say(f"the machine profile at {target} is of {cached.device} ({cached.backend} backend, "
+                    f"{cached.sm_share} % of SMs), not of {name} ({probe.backend}, {share} %): measuring it again")
     profile = measure_profile(probe, say)
     cache_profile(profile, target, say)
     return profile
