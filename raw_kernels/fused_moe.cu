@@ -24,9 +24,10 @@
 // block's next task (fused_common.cuh); an up tile's epilogue runs on the consumers, through
 // the ring once its MMAs are done. Send and reduce tasks run on the consumer warps, a warp
 // per token. In kernel A the store warps of every block claim the relays from a counter of
-// their own and copy their rows beside the block's sends and MMAs. Any number of resident blocks is correct (a block never waits for a task
-// claimed after its own, nor for a relay that no resident block's store warps can run), so
-// the grid is the SM count whatever share of them MPS grants.
+// their own and copy their rows beside the block's sends and MMAs. Any number of resident
+// blocks is correct (a block never waits for a task claimed after its own, nor for a relay
+// that no resident block's store warps can run), so the grid is the SM count whatever share
+// of them MPS grants.
 //
 // Flags hold the call's epoch. Cross-rank flags (row_flag, done) live in the symmetric
 // heap: the writer fences its data at system scope and stores the flag with release
