@@ -190,7 +190,7 @@ __device__ __forceinline__ void init_pipeline(Pipeline& p) {
 }
 
 // The stage ring in dynamic shared memory, 1024-aligned for the swizzled TMA boxes; in kernels
-// B and D the store warps' staging buffer follows it (the ring's stages further).
+// B and D a staged tile's tail follows it (the ring's stages further).
 __device__ __forceinline__ unsigned stage_ring() {
     extern __shared__ unsigned char dynamic_shared[];
     return (shared_address(dynamic_shared) + 1023) & ~1023u;
@@ -329,7 +329,7 @@ __device__ __forceinline__ void stage_accumulators_fp32(const float (&d)[128], u
 }
 
 
-// A consumer warp's hand-over to the store warps: once they have freed the staging buffer
+// A consumer warp's hand-over to the store warps: once they have freed the staged tile's tail
 // (output_empty of the hand-over before), `stage()` stages this thread's part and the
 // block's first consumer thread writes `task` -- a GEMM tile's id, or the block's first
 // claim past its tiles, which ends the store warps' loop -- then the warp arrives on
@@ -373,11 +373,11 @@ __device__ __forceinline__ void wait_for_hand_over(Pipeline& p, int phase, long 
 // hang.
 // Why this loop cannot deadlock: a store warp waits only for its own block's next hand-over,
 // which the consumers make once a tile's MMAs are done (or at their claim past the tiles),
-// waiting for no other task. What waits for the store warps -- the consumers for the
-// staging buffer, kernels B and D's reducers for a done flag -- waits on work that needs
-// nothing but hand-overs already made. So a claimed tile finishes whatever its block runs
-// next (a reduce waiting for that tile's own done flag included), and the task order's
-// argument (ultraep/compute/fused/forward.py) holds as before.
+// waiting for no other task. What waits for the store warps -- the consumers for the tail,
+// the producer for a tile's last stage, kernels B and D's reducers for a done flag -- waits
+// on work that needs nothing but hand-overs already made. So a claimed tile finishes whatever
+// its block runs next (a reduce waiting for that tile's own done flag included), and the task
+// order's argument (ultraep/compute/fused/forward.py) holds as before.
 template <typename Store>
 __device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, long long* status,
                                                    Store store) {
