@@ -458,7 +458,8 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 // first tile. The producer thread loads a tile with load_tile's `boxes(tile)` and
 // `b_split`; the consumers then run `finish(d, tile, ring, consumer, warp, lane)`, the tile's
 // epilogue, which may stage the tile in the idle stage ring (`ring`; see
-// stage_accumulators_fp32): the producer issues no copy before the next claim's barrier.
+// stage_accumulators_fp32): both warpgroups' MMAs are done with it before, and the producer
+// issues no copy into it before the next claim's barrier.
 // Why no claim order deadlocks (ultraep/compute/fused/forward.py states it for the host model):
 // a store warp waits only for row flags, which send tasks release; sends precede every tile
 // in the claim order and wait for nothing, so every rank's sends finish; a tile waits for
@@ -524,7 +525,9 @@ __device__ __forceinline__ void send_relay_then_gemm(
             const Tile tile = tile_of(task - first_tile);
             float d[128];
             mma_tile<MODE, true, FM_STAGES>(d, tile, stages, p.full, p.empty, step, consumer, lane, status, gave_up);
+            consumers_sync();  // both warpgroups' MMAs have read the ring's last stages
             finish(d, tile, stages, consumer, warp, lane);
+            fence_proxy_async_shared();  // before the claim barrier after which the producer's TMA overwrites the ring
         }
     }
 }
@@ -591,9 +594,7 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
                 const unsigned stage = stages + s * GH_STAGE_BYTES;
                 store_ring_blocks<GH_STAGE_BLOCKS>(stage, tile.col0, tile, expert_out, hidden, id);
                 if (kept != nullptr) store_ring_blocks<GH_STAGE_BLOCKS>(stage, tile.col0, tile, kept, hidden, id);
-                fence_proxy_async_shared();  // the reads before the TMA copy that overwrites the stage
-                __syncwarp();
-                if (lane == 0) mbarrier_arrive_count(&p.empty[s], store_warp_arrivals(id / WARP));
+                hand_stage_back(&p.empty[s], id, lane);
                 constexpr int TAIL_BLOCKS = GH_BN / GH_BLOCK_COLS - GH_STAGE_BLOCKS;
                 const int tail_col = tile.col0 + GH_STAGE_BLOCKS * GH_BLOCK_COLS;
                 store_ring_blocks<TAIL_BLOCKS>(tail, tail_col, tile, expert_out, hidden, id);

@@ -172,11 +172,9 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     // The epilogue on the consumers alone, through the idle stage ring: the FP32 tile (gate
     // half | up half) staged, then act (and with h, h) stored from it by swiglu_up_tile.
     auto finish = [&](const float (&d)[128], const Tile& tile, unsigned ring, int consumer, int warp, int lane) {
-        consumers_sync();  // both warpgroups' MMAs have read the ring's last stages
         stage_accumulators_fp32(d, ring, consumer, warp, lane);
         consumers_sync();
         swiglu_up_tile(ring, tile, act, h, ffn, threadIdx.x - 128);
-        fence_proxy_async_shared();  // before the claim barrier after which the producer's TMA overwrites the ring
     };
     // The up half's boxes are F further than the gate half's.
     send_relay_then_gemm<GH_FORWARD, false>(

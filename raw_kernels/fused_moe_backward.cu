@@ -150,11 +150,9 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     // The epilogue on the consumers alone, through the idle stage ring: g staged, then the
     // tile's SwiGLU backward from it into dh.
     auto finish = [&](const float (&d)[128], const Tile& tile, unsigned ring, int consumer, int warp, int lane) {
-        consumers_sync();  // both warpgroups' MMAs have read the ring's last stages
         stage_accumulators(d, ring, consumer, warp, lane);
         consumers_sync();
         swiglu_backward_tile(ring, tile, h, dh, ffn, threadIdx.x - 128);
-        fence_proxy_async_shared();  // before the claim barrier after which the producer's TMA overwrites the ring
     };
     // system-scope relay fences: the sources read their gate gradients after kernel D's flags
     send_relay_then_gemm<GH_DGRAD, true>(

@@ -292,9 +292,7 @@ __device__ __forceinline__ void grouped_mm(const TensorMap* a_map, const TensorM
                 if (__any_sync(FULL_MASK, gave_up)) return;  // the whole warp, or its __syncwarp would hang
                 const int s = (step - 1) % GH_STAGES;
                 store_ring_blocks<GH_STAGE_BLOCKS>(stages + s * GH_STAGE_BYTES, tile.col0, tile, base, out_cols, id);
-                fence_proxy_async_shared();
-                __syncwarp();
-                if (lane == 0) mbarrier_arrive_count(&empty[s], store_warp_arrivals(id / WARP));
+                hand_stage_back(&empty[s], id, lane);
                 store_ring_blocks<GH_BN / GH_BLOCK_COLS - GH_STAGE_BLOCKS>(
                     staged, tile.col0 + GH_STAGE_BLOCKS * GH_BLOCK_COLS, tile, base, out_cols, id);
                 __syncwarp();

@@ -476,6 +476,15 @@ __device__ __forceinline__ void stage_in_ring(const float (&d)[128], unsigned st
         }
 }
 
+// A store warp's hand-back of the stage a ring-staged tile was read from (`empty`, its barrier):
+// its reads ordered before the TMA copy that overwrites the stage, then its share of the
+// consumer warps' arrivals, which mma_tile left out.
+__device__ __forceinline__ void hand_stage_back(u64* empty, int id, int lane) {
+    fence_proxy_async_shared();
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive_count(empty, store_warp_arrivals(id / WARP));
+}
+
 // The store warps' part of a ring-staged epilogue: BLOCKS column blocks from `base`, the first
 // at output column `col0`, to `out` (row pitch out_cols), masked to the tile's rows and to
 // columns below out_cols; ZEROS: zeros instead, nothing read (a tile with no reduction). Eight
