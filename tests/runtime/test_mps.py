@@ -93,10 +93,15 @@ def test_missing_control_program(monkeypatch):
         mps.MPSDaemon().start()
 
 
+def no_green_contexts(ranks, percent):
+    raise mps.StaticPartitionsUnavailable("no green contexts: not in this test")
+
+
 def run_emulated(monkeypatch, argv, ranks=4, gpus=1):
     """multi_rank_main with the relaunch replaced by a record of its environment, on a
     machine that has ``gpus`` GPUs."""
     relaunched = []
+    monkeypatch.setattr(mps, "green_sms", no_green_contexts)  # the same fallbacks on a machine that has them
     monkeypatch.setattr(launch, "launched_by_mpiexec", lambda: False)
     monkeypatch.setattr(group_module, "gpu_count", lambda: gpus)
     monkeypatch.setattr(launch, "relaunch_on_ranks",

@@ -83,6 +83,7 @@ from functools import partial
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
+from ultraep.runtime.sm_partition import new_stream
 from ultraep.runtime.launch import (CPU_OR_GPU, DefaultsHelpFormatter, add_launch_options, imbalance_target,
                                    job_ranks, multi_rank_main, non_negative_int, positive_int, row_width)
 
@@ -384,10 +385,10 @@ def measure(group, target: float, dtype: str, sync_blocks: int | None, sync_stre
         profiling = profiler.enable if profiler else (lambda: None)
         profiled = profiler.disable if profiler else (lambda: None)
         # the weight sync's own stream (None: the current one, the layer's)
-        side = xp.cuda.Stream(non_blocking=True) if gpu and sync_stream == "side" else None
+        side = new_stream() if gpu and sync_stream == "side" else None
         compute = contextlib.nullcontext()  # the layers' stream: the current one, or one of the highest priority
         if gpu and args.compute_priority == "high":
-            compute = xp.cuda.Stream(non_blocking=True, priority=HIGHEST_PRIORITY)
+            compute = new_stream(priority=HIGHEST_PRIORITY)
         state = {"calls": 0}
         host_ms = {part: [] for part in HOST_PARTS + ("call",)}  # per balanced layer: each call kind, all of it
         cupy = xp if gpu else None

@@ -15,6 +15,7 @@ import argparse
 import numpy as np
 
 from ultraep.runtime.launch import DefaultsHelpFormatter, multi_rank_main, positive_int
+from ultraep.runtime.sm_partition import usable_sms
 
 
 
@@ -47,7 +48,7 @@ def run(args) -> int:
     if group.size < 2 or not group.has_gpu:
         raise SystemExit("peer-copy needs 2 ranks and a GPU")
     copy = get_function("heap.cu", "copy_bytes", group=group)
-    sms = cupy.cuda.runtime.getDeviceProperties(group.device)["multiProcessorCount"]
+    sms = usable_sms(group.device)
     rows = []
     for size_mib in args.sizes_mib:
         nbytes = size_mib << 20

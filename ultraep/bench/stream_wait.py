@@ -27,6 +27,7 @@ import statistics
 import numpy as np
 
 from ultraep.runtime.launch import DefaultsHelpFormatter, add_launch_options, multi_rank_main, positive_int
+from ultraep.runtime.sm_partition import new_stream
 
 CASES = ("alone", "wait", "wait+event", "wait+kernel")
 KERNELS = ("add", "gemm")
@@ -58,8 +59,8 @@ class Cases:
 
         self.cupy, self.kernels = cupy, kernels
         self.hold = get_function("timing.cu", "hold_stream")
-        self.layer = cupy.cuda.Stream(non_blocking=True)
-        self.side = cupy.cuda.Stream(non_blocking=True)
+        self.layer = new_stream()
+        self.side = new_stream()
         self.start, self.end, self.queued_stamp = (cupy.cuda.Event() for _ in range(3))
         self.after = cupy.cuda.Event(disable_timing=True)
         with self.layer:

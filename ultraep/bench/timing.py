@@ -9,6 +9,8 @@ import statistics
 import sys
 import time
 
+from ultraep.runtime.sm_partition import new_stream
+
 
 def in_turns(names: list, round_: int) -> list:
     """``names`` in the order of round ``round_``: rotated one place further each round."""
@@ -87,10 +89,8 @@ def held_event_ms_each(launches: dict, repeats: int, warmup: int = 10, hold_us: 
 def graph_ms(launch, repeats: int):
     """Median device time (:func:`held_event_ms`) of one replay of ``launch`` captured in
     a CUDA graph (None if it cannot be captured)."""
-    import cupy
-
     launch()  # compile and fill the memory pool outside the capture
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = new_stream()
     with stream:
         try:
             stream.begin_capture()

@@ -28,6 +28,7 @@ import numpy as np
 from ultraep.compute.checks import KERNELS, Problem, offsets_message
 from ultraep.errors import GroupedGemmError
 from ultraep.runtime.kernels import get_function, kernel_constant
+from ultraep.runtime.sm_partition import usable_sms
 
 _ALIGN_BYTES = 16  # cp.async and TMA move 16-byte units; the epilogues store 4- or 8-byte pairs
 
@@ -109,7 +110,7 @@ class DeviceGroupedGemm:
             # Stands in for an empty operand in a tensor map (never read: no tile touches it).
             self._placeholder = cupy.zeros(_ALIGN_BYTES, dtype=np.uint8)
         self.hopper = (properties["major"], properties["minor"]) == (9, 0)
-        self.grid = properties["multiProcessorCount"]
+        self.grid = usable_sms(device)
         self.threads = kernel_constant(KERNELS, "GH_THREADS")
         self._maps: _TensorMaps | None = None
         self._claims: dict[int, object] = {}  # stream pointer -> int32 [claimed tiles, blocks done claiming]

@@ -37,6 +37,7 @@ from ultraep.errors import BalancerError, BarrierTimeout
 from ultraep.integration.host import BadIds
 from ultraep.integration.stats import DeviceClock
 from ultraep.planner import DevicePlanner, Plan
+from ultraep.runtime.sm_partition import new_stream
 from ultraep.planner.device import (REROUTE_CHUNK, reroute_assign_counted, reroute_assign_shared_bytes,
                                     reroute_workspace_size)
 from ultraep.runtime.dlpack import caller_stream, external_stream
@@ -63,7 +64,7 @@ class LaunchGraphs:
 
     def __init__(self, enabled: bool):
         self.enabled = bool(enabled)
-        self._capture_stream = cupy.cuda.Stream(non_blocking=True) if self.enabled else None
+        self._capture_stream = new_stream() if self.enabled else None
         self.captures, self.replays = Counter(), Counter()
 
     def run(self, graphs: dict, name: str, key, launches, stream=None) -> None:
@@ -240,7 +241,7 @@ class DeviceBalancer:
         self.device = heap.device
         self.loads = DeviceLoadGather(heap, layout.num_experts, gathered, flags, timeout_s)
         self.graphs = LaunchGraphs(cuda_graphs)
-        self._mirror_stream = cupy.cuda.Stream(non_blocking=True)
+        self._mirror_stream = new_stream(self.device)
         self._events: dict = {}  # (what, stream) -> the event a Mark of it re-records
         self.host_waits, self.host_wait_s = 0, 0.0  # the per-micro-batch calls' host waits for the device
         try:  # an update reroutes its ids only if reroute's assign kernel can take E

@@ -79,6 +79,7 @@ from ultraep.runtime import dtypes
 from ultraep.runtime.dtypes import flush_subnormals, is_bool, is_int
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.kernels import kernel_constant
+from ultraep.runtime.sm_partition import new_stream, usable_sms
 from ultraep.token import Dispatcher
 from ultraep.token.base import DispatchResult, check_tokens
 from ultraep.transfer import ExpertSpec
@@ -189,7 +190,7 @@ class _DeviceSwiGLU:
         self.forward_kernel = get_function(KERNELS, "swiglu_forward", group=group)
         self.backward_kernel = get_function(KERNELS, "swiglu_backward", group=group)
         self.threads = kernel_constant(KERNELS, "SWIGLU_THREADS")
-        sms = cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+        sms = usable_sms(device)
         self.blocks = sms * kernel_constant(KERNELS, "SWIGLU_BLOCKS_PER_SM")
 
     def forward(self, h, offsets, act) -> None:
@@ -496,7 +497,7 @@ class MoELayer:
             sync_beside = beside_pays
         if self.device is not None and self._balancing and sync_beside:
             with self.xp.cuda.Device(self.device):
-                self._sync_stream = self.xp.cuda.Stream(non_blocking=True)
+                self._sync_stream = new_stream(self.device)
 
     @property
     def sync_beside(self) -> bool:

@@ -17,6 +17,8 @@
 * ``launch``   -- builds and runs ``mpiexec ... python -m mpi4py`` for MPICH and Open MPI.
 * ``mps``      -- emulated expert parallelism on one GPU: the ranks under a private MPS
   daemon, each with its share of the SMs (``--emulate-ep``, ``python -m ultraep.runtime.mps``).
+* ``sm_partition`` -- a rank's own SMs of a shared GPU (a green context and its streams),
+  and the SM count every grid is sized from.
 """
 
 from __future__ import annotations

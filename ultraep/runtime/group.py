@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ultraep.errors import ClosedError, CollectiveError, GroupMismatchError, RankFailedError, WaitTimeout, everywhere
+from ultraep.runtime import sm_partition
 from ultraep.runtime.dtypes import is_int
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -160,6 +161,8 @@ class EPGroup:
             if self.device is not None:
                 import cupy
                 cupy.cuda.Device(self.device).use()
+                # under emulated EP with green contexts: from here on, this rank's own SMs
+                sm_partition.enter_from_environment(self.device, self.local_rank)
 
     @property
     def has_gpu(self) -> bool:

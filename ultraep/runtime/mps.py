@@ -9,14 +9,18 @@ straggler costs time as on a real EP group. Two ways to give each rank its share
 - **static SM partitions** (daemon started with ``-S``, one ``sm_partition add`` per rank,
   each client naming its partition in ``CUDA_MPS_SM_PARTITION``): every rank owns a
   disjoint set of SMs, as one GPU per rank would give it;
+- **green contexts** (:mod:`ultraep.runtime.sm_partition`; the daemon at 100 %): each rank
+  makes a green context on its own group of the device's SMs current before any work, so
+  the ranks' SMs are disjoint too, on a daemon without static partitioning;
 - **the thread percentage** (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``): caps how many SMs a
   rank uses but not which, so ranks' blocks can land on the same SMs and one rank's
   persistent kernel can run late behind another's.
 
-:func:`start_emulation` tries the first and falls back to the second, saying so (the
+:func:`start_emulation` tries them in this order and says on stderr when it falls back (the
 thread percentage's shares overlap now and then: measured on the H200 with 4 ranks at 25 %,
 a wave of blocks that should hold their 32 SMs for 20 ms took 20 ms as a rule and up to
-40 ms some of the time);
+40 ms some of the time); ``$ULTRAEP_EP_SHARES`` (``static``, ``green`` or ``percent``) asks
+for one of them alone, to compare them in one run;
 :class:`MPSDaemon` starts a private daemon (its own pipe and log directories, a child of
 this process) and stops it again; the launcher (:func:`ultraep.runtime.launch.multi_rank_main`)
 uses them for ``--emulate-ep``, each rank takes its partition with :func:`take_rank_partition`
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ultraep.errors import MPSUnavailable
+from ultraep.runtime.sm_partition import GREEN_VARIABLE, usable_sms
 
 if TYPE_CHECKING:
     from ultraep.runtime.group import EPGroup
@@ -45,8 +50,11 @@ EMULATION_VARIABLE = "ULTRAEP_EP_EMULATION"  # "mps:<percent>" in every rank of 
 PARTITIONS_VARIABLE = "ULTRAEP_MPS_SM_PARTITIONS"  # the partition ids, comma-separated, by local rank
 SMS_PER_RANK_VARIABLE = "ULTRAEP_MPS_SMS_PER_RANK"  # set only when the ranks have static partitions
 PARTITION_VARIABLE = "CUDA_MPS_SM_PARTITION"
+SHARES_VARIABLE = "ULTRAEP_EP_SHARES"  # static, green or percent: one way alone (default: the first that works)
+SHARE_KINDS = ("static", "green", "percent")
 LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK")
 START_TIMEOUT_S = 20.0
+GREEN_CHECK_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 COMMAND_TIMEOUT_S = 15.0
 STATIC_MIN_VERSION = 13010  # MPS docs: static SM partitioning needs a control daemon reporting at least this
@@ -85,6 +93,7 @@ class MPSDaemon:
         self.start_timeout_s = start_timeout_s
         self.partitions: list[str] = []
         self.sms_per_partition = 0
+        self.green_ranks = 0  # > 0: each of that many ranks enters a green context of its own (sm_partition)
         self._root: Path | None = None
         self._process: subprocess.Popen | None = None
 
@@ -146,6 +155,8 @@ class MPSDaemon:
     def client_environment(self, percent: int) -> dict[str, str]:
         if self.partitions:  # each rank picks its own partition (take_rank_partition)
             share = {PARTITIONS_VARIABLE: ",".join(self.partitions), SMS_PER_RANK_VARIABLE: str(self.sms_per_partition)}
+        elif self.green_ranks:  # each rank enters its green context (EPGroup); MPS lets it use all the SMs
+            share = {GREEN_VARIABLE: f"{self.green_ranks}:{percent}", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}
         else:
             share = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
         return {**self._directories, **share, EMULATION_VARIABLE: f"mps:{percent}"}
@@ -232,17 +243,60 @@ def start_static(ranks: int, percent: int) -> MPSDaemon:
     return daemon
 
 
+def green_sms(ranks: int, percent: int) -> str:
+    """The SMs each rank's green context would hold (``sm_partition``'s check, in a process of
+    its own so that this one starts no CUDA context before the daemon), or
+    StaticPartitionsUnavailable saying why there are none."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "ultraep.runtime.sm_partition", str(ranks), str(percent)],
+                              capture_output=True, text=True, timeout=GREEN_CHECK_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise StaticPartitionsUnavailable(f"the green context check did not finish: {exc}") from exc
+    if done.returncode != 0:
+        raise StaticPartitionsUnavailable(f"no green contexts: {(done.stderr or done.stdout).strip()}")
+    return done.stdout.split()[0]
+
+
+def shares_asked() -> tuple[str, ...]:
+    """The ways to share the SMs to try, in order (``$ULTRAEP_EP_SHARES`` names one alone)."""
+    asked = os.environ.get(SHARES_VARIABLE, "").strip()
+    if not asked:
+        return SHARE_KINDS
+    if asked not in SHARE_KINDS:
+        raise MPSUnavailable(f"{SHARES_VARIABLE}={asked!r}: must be one of {', '.join(SHARE_KINDS)}")
+    return (asked,)
+
+
 def start_emulation(ranks: int, percent: int) -> MPSDaemon:
     """A started daemon giving ``ranks`` ranks ``percent`` % of the SMs each: disjoint static
-    partitions when the machine's MPS has them, else (said on stderr) the thread percentage.
-    Raises :class:`~ultraep.errors.MPSUnavailable` when MPS cannot start at all."""
-    if shutil.which(CONTROL) is not None:
+    partitions when the machine's MPS has them, else disjoint green contexts, else (said on
+    stderr) the thread percentage. Raises :class:`~ultraep.errors.MPSUnavailable` when MPS
+    cannot start at all, or the one way ``$ULTRAEP_EP_SHARES`` asks for is not there."""
+    if shutil.which(CONTROL) is None:
+        raise MPSUnavailable(f"{CONTROL} is not on the PATH: MPS cannot start here")
+    kinds = shares_asked()
+    reasons = []
+    if "static" in kinds:
         try:
             return start_static(ranks, percent)
         except StaticPartitionsUnavailable as exc:
-            print(f"--emulate-ep: no static SM partitions ({exc}); the ranks get {percent} % of the SMs each by "
-                  "thread percentage instead, and their shares may overlap", file=sys.stderr)
+            reasons.append(f"no static SM partitions ({exc})")
     daemon = MPSDaemon()
+    if "green" in kinds:
+        try:
+            daemon.sms_per_partition = int(green_sms(ranks, percent))
+            daemon.green_ranks = ranks
+        except StaticPartitionsUnavailable as exc:
+            reasons.append(str(exc))
+    if not daemon.green_ranks:
+        if "percent" not in kinds:
+            raise MPSUnavailable(f"{SHARES_VARIABLE}={kinds[0]}: " + "; ".join(reasons))
+        if reasons:
+            print(f"--emulate-ep: {'; '.join(reasons)}; the ranks get {percent} % of the SMs each by thread "
+                  "percentage instead, and their shares may overlap", file=sys.stderr)
+    elif reasons:
+        print(f"--emulate-ep: {'; '.join(reasons)}; each rank gets {daemon.sms_per_partition} SMs of its own "
+              "through a green context", file=sys.stderr)
     daemon.start()
     return daemon
 
@@ -275,6 +329,8 @@ def sharing_label(group: "EPGroup") -> str:
     emulation = os.environ.get(EMULATION_VARIABLE, "")
     if sms := os.environ.get(SMS_PER_RANK_VARIABLE):
         return f"MPS static partition, {sms} SMs per rank ({per_gpu} ranks per GPU)"
+    if os.environ.get(GREEN_VARIABLE):
+        return f"MPS, a green context of {usable_sms(group.device)} SMs per rank, disjoint ({per_gpu} ranks per GPU)"
     if emulation.startswith("mps:"):
         return f"MPS, {emulation[4:]} % of SMs per rank (shares may overlap; {per_gpu} ranks per GPU)"
     return f"{per_gpu} ranks time-sliced on one GPU: not a figure of merit"

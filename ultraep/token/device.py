@@ -24,6 +24,7 @@ from ultraep.runtime.dlpack import caller_stream, import_tensor
 from ultraep.runtime.dtypes import BFLOAT16
 from ultraep.runtime.group import EPGroup
 from ultraep.runtime.kernels import get_function, kernel_constant
+from ultraep.runtime.sm_partition import usable_sms
 from ultraep.token.base import (KERNELS, DispatchHandle, DispatchResult, TokenBuffers, TokenConfig,
                                 bad_input_message, check_rows, check_tokens, import_inputs,
                                 too_many_rows_message)
@@ -104,7 +105,7 @@ class DeviceDispatcher:
                       ("count_table", "landing", "row_weight", "row_landing", "row_origin", "slot_rows", "slot_grad_w")
                       + (("expert_out",) if d.expert_output else ()) + (("expert_in",) if d.expert_input else ())}
         properties = cupy.cuda.runtime.getDeviceProperties(group.device)
-        sms = properties["multiProcessorCount"]
+        sms = usable_sms(group.device)
         # the same bound on every rank (the smallest GPU's), so a grid is refused by all or none
         self.max_grid = min(group.allgather(sms * (properties["maxThreadsPerMultiProcessor"] // THREADS),
                                             what="Dispatcher set-up (resident copy blocks)"))

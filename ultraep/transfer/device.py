@@ -25,6 +25,7 @@ import numpy as np
 from ultraep.errors import TransferTimeout
 from ultraep.runtime.group import ranks_per_gpu
 from ultraep.runtime.kernels import get_function, kernel_constant
+from ultraep.runtime.sm_partition import usable_sms
 from ultraep.transfer.agreement import AgreementBesideCompile
 from ultraep.transfer.device_schedule import DEFAULT_SHARED_BYTES, DeviceSchedule
 from ultraep.transfer.schedule import FLAG_WRITER_BITS
@@ -77,7 +78,7 @@ class DeviceTransfer:
         self.masters_per_rank = layout.experts_per_rank
         self._own_pad = heap.base_pointer(heap.rank)  # the signal pad opens the heap
         self._tensor_table = cupy.asarray(geometry.weight_tensor_table())
-        sms = cupy.cuda.runtime.getDeviceProperties(heap.device)["multiProcessorCount"]
+        sms = usable_sms(heap.device)
         # the same bound on every rank (the smallest GPU's), so a grid is refused by all or none
         self.max_sync_blocks = min(group.allgather(SYNC_MIN_BLOCKS * sms))
         group.raise_if_any(self.sync_grid_error(blocks), "WeightTransfer set-up")

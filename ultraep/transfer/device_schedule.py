@@ -24,6 +24,7 @@ import numpy as np
 
 from ultraep.planner.plan import array_module
 from ultraep.runtime.kernels import kernel_constant, kernel_macro
+from ultraep.runtime.sm_partition import usable_sms
 from ultraep.transfer.schedule import (DEST_FIELDS, GRAD_SRC_FIELDS, GRAD_TASK_FIELDS, WEIGHT_TASK_FIELDS,
                                        HeapPlacement, TileGeometry)
 from ultraep.transfer.spec import ExpertSpec
@@ -115,7 +116,7 @@ class DeviceSchedule:
             if nbytes > DEFAULT_SHARED_BYTES and kernel.max_dynamic_shared_size_bytes < nbytes:
                 kernel.max_dynamic_shared_size_bytes = nbytes
         self._grad_tensors = cupy.asarray(geometry.grad_tensor_table())
-        sms = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["multiProcessorCount"]
+        sms = usable_sms(cupy.cuda.Device().id)
         self._grad_blocks = max(1, min(2 * sms, -(-capacity.grad_tasks // COMPILE_THREADS)))
         layout_args = (np.int32(R), np.int32(E), np.int32(S), np.int32(K), np.int32(D), np.int32(rank),
                        np.int32(len(spec.weights)))

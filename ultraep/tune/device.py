@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from ultraep.errors import ProfileError
+from ultraep.runtime.sm_partition import usable_sms
 from ultraep.tune.host import BATCH_S, MAX_CALLS, ROUNDS, FusedRound, seconds_per_call
 
 COPY_BYTES = 256 << 20          # several times the L2 cache: the copy runs at HBM speed
@@ -128,7 +129,7 @@ class DeviceProbe:
     def describe(self) -> tuple[str, int]:
         properties = self.cp.cuda.runtime.getDeviceProperties(self.device)
         name = properties["name"]
-        return (name.decode() if isinstance(name, bytes) else str(name)), int(properties["multiProcessorCount"])
+        return (name.decode() if isinstance(name, bytes) else str(name)), usable_sms(self.device)
 
     def copy_bytes_per_s(self) -> float:
         runtime = self.cp.cuda.runtime
@@ -171,7 +172,7 @@ class DeviceProbe:
                 target = cp.empty((COPY_BYTES,), np.uint8)
             target.fill(0xA5)  # poisoned: the check below sees a copy that left bytes out
             cp.cuda.get_current_stream().synchronize()
-        sms = runtime.getDeviceProperties(self.device)["multiProcessorCount"]
+        sms = usable_sms(self.device)
         # raw pointers: the target may live on another GPU, which the kernel reaches by peer access
         pointers = (np.uint64(source.data.ptr), np.uint64(target.data.ptr), np.uint64(COPY_BYTES))
         best = min(self._seconds(lambda grid=sms * per_sm: copy((grid,), (COPY_THREADS,), pointers))

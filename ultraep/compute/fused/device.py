@@ -53,6 +53,7 @@ from ultraep.compute.fused.forward import Granularity, max_m_tiles
 from ultraep.compute.fused.forward import max_tasks as forward_max_tasks
 from ultraep.errors import BarrierTimeout, MoELayerError, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
+from ultraep.runtime.sm_partition import usable_sms
 from ultraep.runtime.kernels import get_function, kernel_constant
 
 FLAG_NAMES = {kernel_constant(FORWARD_KERNELS, "FM_ROW_FLAG"): "row_flag (a receive row's arrival from its sender)",
@@ -62,10 +63,8 @@ FLAG_NAMES = {kernel_constant(FORWARD_KERNELS, "FM_ROW_FLAG"): "row_flag (a rece
 
 def resident_ctas(device: int) -> int:
     """The fused kernels' CTAs resident at once on ``device``: one per SM this process may
-    use (under MPS the device reports its share's SMs)."""
-    import cupy
-
-    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+    use (its green context's, or under an MPS thread percentage the share's)."""
+    return usable_sms(device)
 
 
 class TaskTrace:

@@ -1,0 +1,119 @@
+"""Green contexts for emulated EP: the group size, the command-line check, the launcher's
+choice of them, and on a GPU that the ranks' SMs are their own."""
+
+import ctypes
+
+import pytest
+
+from tests.conftest import assert_all_ranks_ok, requires_gpu, run_ranks
+from ultraep.errors import MPSUnavailable
+from ultraep.runtime import mps, sm_partition
+
+
+@pytest.mark.parametrize("total, ranks, percent, unit, smallest, size", [
+    (132, 4, 25, 1, 1, 33), (132, 4, 25, 2, 2, 32), (132, 8, 12, 1, 1, 16), (132, 8, 12, 8, 8, 16),
+    (132, 3, 33, 1, 1, 44), (132, 2, 10, 1, 1, 13), (132, 16, 6, 8, 8, 8), (132, 32, 3, 8, 8, 8),
+    (132, 4, 25, 0, 1, 33)])
+def test_group_size_is_the_nearest_share_in_whole_units_never_past_an_even_split(
+        total, ranks, percent, unit, smallest, size):
+    assert sm_partition.group_size(total, ranks, percent, unit, smallest) == size
+
+
+def test_usable_sms_is_the_green_contexts_once_entered(monkeypatch):
+    monkeypatch.setattr(sm_partition, "_rank_sms", {0: 32})
+    assert sm_partition.usable_sms(0) == 32
+
+
+def test_no_green_context_outside_an_emulated_job(monkeypatch):
+    monkeypatch.delenv(sm_partition.GREEN_VARIABLE, raising=False)
+    assert sm_partition.enter_from_environment(0, 1) is None
+
+
+def test_a_driver_that_cannot_load_is_named(monkeypatch, capsys):
+    def refuse(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(sm_partition, "_driver", None)
+    monkeypatch.setattr(ctypes, "CDLL", refuse)
+    assert sm_partition.main(["4", "25"]) == 1
+    assert "the CUDA driver library could not be loaded: libcuda.so.1" in capsys.readouterr().err
+    monkeypatch.setenv(sm_partition.GREEN_VARIABLE, "4:25")
+    with pytest.raises(sm_partition.SMPartitionError, match="local rank 2: its own SMs of GPU 0"):
+        sm_partition.enter_from_environment(0, 2)
+
+
+def test_command_line_usage(capsys):
+    assert sm_partition.main(["4"]) == 2 and "usage" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_static(tmp_path, monkeypatch):
+    """A fake MPS daemon too old for static partitions (tests/runtime/test_mps.py)."""
+    from tests.runtime.test_mps import fake_control
+
+    fake_control(tmp_path, monkeypatch, version=13000)
+    monkeypatch.delenv(mps.SHARES_VARIABLE, raising=False)
+
+
+def test_green_contexts_come_before_the_thread_percentage(no_static, monkeypatch, capsys):
+    monkeypatch.setattr(mps, "green_sms", lambda ranks, percent: "32")
+    with mps.start_emulation(4, 25) as daemon:
+        env = daemon.client_environment(25)
+    assert env[sm_partition.GREEN_VARIABLE] == "4:25" and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+    assert env[mps.EMULATION_VARIABLE] == "mps:25"
+    err = capsys.readouterr().err
+    assert "no static SM partitions" in err and "reports version 13000" in err and "32 SMs of its own" in err
+
+
+def test_without_green_contexts_the_thread_percentage_says_why(no_static, monkeypatch, capsys):
+    def refuse(ranks, percent):
+        raise mps.StaticPartitionsUnavailable("no green contexts: the driver is CUDA 12020")
+
+    monkeypatch.setattr(mps, "green_sms", refuse)
+    with mps.start_emulation(4, 25) as daemon:
+        env = daemon.client_environment(25)
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25" and sm_partition.GREEN_VARIABLE not in env
+    err = capsys.readouterr().err
+    assert "the driver is CUDA 12020" in err and "may overlap" in err
+
+
+def test_one_way_asked_for_alone(no_static, monkeypatch, capsys):
+    asked = []
+    monkeypatch.setattr(mps, "green_sms", lambda ranks, percent: asked.append(ranks) or "32")
+    monkeypatch.setenv(mps.SHARES_VARIABLE, "percent")
+    with mps.start_emulation(4, 25) as daemon:
+        env = daemon.client_environment(25)
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25" and not asked and capsys.readouterr().err == ""
+    monkeypatch.setenv(mps.SHARES_VARIABLE, "static")
+    with pytest.raises(MPSUnavailable, match="ULTRAEP_EP_SHARES=static: no static SM partitions"):
+        mps.start_emulation(4, 25)
+    monkeypatch.setenv(mps.SHARES_VARIABLE, "even")
+    with pytest.raises(MPSUnavailable, match="must be one of static, green, percent"):
+        mps.start_emulation(4, 25)
+
+
+def test_sharing_label_names_the_green_context(monkeypatch):
+    from tests.runtime.test_mps import FakeGroup
+    from ultraep.runtime import group
+
+    monkeypatch.setattr(group, "gpu_identity", lambda g: (g.hostname, g.device))
+    monkeypatch.setattr(sm_partition, "_rank_sms", {0: 32})
+    monkeypatch.delenv(mps.SMS_PER_RANK_VARIABLE, raising=False)
+    monkeypatch.setenv(mps.EMULATION_VARIABLE, "mps:25")
+    monkeypatch.setenv(sm_partition.GREEN_VARIABLE, "4:25")
+    assert (mps.sharing_label(FakeGroup([("h", 0)] * 4))
+            == "MPS, a green context of 32 SMs per rank, disjoint (4 ranks per GPU)")
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@requires_gpu
+def test_each_rank_runs_on_sms_of_its_own(monkeypatch):
+    monkeypatch.setenv(mps.SHARES_VARIABLE, "green")
+    try:
+        daemon = mps.start_emulation(2, 50)
+    except MPSUnavailable as exc:
+        pytest.skip(f"no MPS daemon with green contexts here ({exc}): GPU test not run")
+    with daemon:
+        output = run_ranks(2, "runtime/mpi/sm_partition_check.py", timeout=180, env=daemon.client_environment(50))
+    assert_all_ranks_ok(output, 2, "sm_partition")
