@@ -24,6 +24,15 @@ def test_usable_sms_is_the_green_contexts_once_entered(monkeypatch):
     assert sm_partition.usable_sms(0) == 32
 
 
+def test_a_rank_enters_its_green_context_once(monkeypatch):
+    def split(*args):
+        raise AssertionError("a second green context was made")
+
+    monkeypatch.setattr(sm_partition, "_rank_sms", {0: 32})
+    monkeypatch.setattr(sm_partition, "split", split)
+    assert sm_partition.enter(0, 0, 2, 50) == 32  # a sub-group's EPGroup: local rank 0 of its own communicator
+
+
 def test_no_green_context_outside_an_emulated_job(monkeypatch):
     monkeypatch.delenv(sm_partition.GREEN_VARIABLE, raising=False)
     assert sm_partition.enter_from_environment(0, 1) is None

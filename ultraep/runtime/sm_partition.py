@@ -111,7 +111,10 @@ def split(ordinal: int, ranks: int, percent: int) -> tuple[list[_DevResource], i
 
 def enter(device: int, rank: int, ranks: int, percent: int) -> int:
     """Make a green context on group ``rank`` of :func:`split`'s current on this thread, and
-    one of its streams CuPy's current stream; its SM count."""
+    one of its streams CuPy's current stream; its SM count. Once per device: a second call
+    (a sub-group's) keeps the first's."""
+    if device in _rank_sms:
+        return _rank_sms[device]
     groups, _ = split(device, ranks, percent)
     mine = groups[rank]
     description = ctypes.c_void_p()
@@ -124,7 +127,9 @@ def enter(device: int, rank: int, ranks: int, percent: int) -> int:
     _call("cuCtxSetCurrent", context)
     _green[device] = green
     _rank_sms[device] = int(mine.sm.sm_count)
-    new_stream(device).use()
+    # entered, never left: the bottom of CuPy's stream stack on this thread, which every
+    # `with stream:` block returns to (after .use() they returned to the null stream)
+    new_stream(device).__enter__()
     return _rank_sms[device]
 
 

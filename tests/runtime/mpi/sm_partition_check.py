@@ -1,7 +1,8 @@
 """Each rank of an emulated job with green contexts runs on SMs of its own
-(tests/runtime/test_sm_partition.py): with every rank's blocks spinning at once, one block per
-SM, a rank's first wave starts together (no block waits for an SM another rank holds) and
-its second wave only after the first ends (it has no more SMs than its group)."""
+(tests/runtime/test_sm_partition.py): its green stream stays CuPy's current one through
+`with stream:` blocks and a second EPGroup; with every rank's blocks spinning at once, one
+block per SM, a rank's first wave starts together (no block waits for an SM another rank
+holds) and its second wave only after the first ends (it has no more SMs than its group)."""
 
 import cupy
 import numpy as np
@@ -27,6 +28,12 @@ group = EPGroup(comm)
 sms = usable_sms(group.device)
 device_sms = cupy.cuda.runtime.getDeviceProperties(group.device)["multiProcessorCount"]
 assert sms * comm.size <= device_sms, f"rank {comm.rank}: {sms} SMs each for {comm.size} ranks of {device_sms}"
+green = cupy.cuda.get_current_stream()
+with cupy.cuda.Stream(non_blocking=True):  # a block on another stream returns to the rank's own
+    pass
+EPGroup(comm).close()  # a second group enters no second context
+assert cupy.cuda.get_current_stream() == green and usable_sms(group.device) == sms, f"rank {comm.rank}: the " \
+    f"current stream is {cupy.cuda.get_current_stream()}, not the green context's {green}"
 kernel = cupy.RawKernel(SOURCE, "spin")
 kernel.max_dynamic_shared_size_bytes = ONE_BLOCK_PER_SM
 
