@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # what a type checker sees of the lazily imported names below
                                 HeapError as HeapError, HeapFullError as HeapFullError,
                                 LaunchError as LaunchError, MoELayerError as MoELayerError,
                                 MPSUnavailable as MPSUnavailable, ProfileError as ProfileError,
-                                RankFailedError as RankFailedError,
+                                RankFailedError as RankFailedError, SMPartitionError as SMPartitionError,
                                 StaleHandleError as StaleHandleError, TransferTimeout as TransferTimeout,
                                 UltraEPError as UltraEPError, WaitTimeout as WaitTimeout)
     from ultraep.integration import BalanceHandle as BalanceHandle, Balancer as Balancer, ReplicaSync as ReplicaSync
@@ -81,6 +81,7 @@ _EXPORTS = {
     "GroupMismatchError": "ultraep.errors",
     "LaunchError": "ultraep.errors",
     "MPSUnavailable": "ultraep.errors",
+    "SMPartitionError": "ultraep.errors",
     "HeapError": "ultraep.errors",
     "HeapFullError": "ultraep.errors",
     "ClosedError": "ultraep.errors",

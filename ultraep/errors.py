@@ -45,6 +45,10 @@ class MPSUnavailable(LaunchError):
     """An MPS control daemon could not be started here."""
 
 
+class SMPartitionError(LaunchError):
+    """A rank of an emulated job could not get SMs of its own through a green context; the reason."""
+
+
 class ClosedError(UltraEPError, RuntimeError):
     """An object (heap, transfer engine, dispatcher, balancer) or a view of its memory
     used after its ``close()``; the message names the object."""
@@ -108,5 +112,5 @@ class FusedDeadlock(UltraEPError, RuntimeError):
 
 __all__ = ["BalancerError", "BarrierTimeout", "ClosedError", "CollectiveError", "DispatchError", "FusedDeadlock",
            "GroupMismatchError", "GroupedGemmError", "HeapError", "HeapFullError", "LaunchError", "MoELayerError",
-           "MPSUnavailable", "ProfileError", "RankFailedError", "StaleHandleError", "TransferTimeout", "UltraEPError",
-           "WaitTimeout", "everywhere"]
+           "MPSUnavailable", "ProfileError", "RankFailedError", "SMPartitionError", "StaleHandleError",
+           "TransferTimeout", "UltraEPError", "WaitTimeout", "everywhere"]

@@ -4,7 +4,7 @@ own share of the SMs.
 Ranks that share a GPU without MPS are time-sliced: their kernels take turns, so a
 multi-rank time says little. Under an MPS control daemon their kernels run at once, and
 each rank behaves like a small GPU of its own (HBM is shared, there is no NVLink), so a
-straggler costs time as on a real EP group. Two ways to give each rank its share:
+straggler costs time as on a real EP group. Three ways to give each rank its share:
 
 - **static SM partitions** (daemon started with ``-S``, one ``sm_partition add`` per rank,
   each client naming its partition in ``CUDA_MPS_SM_PARTITION``): every rank owns a

@@ -4,9 +4,10 @@ Under an MPS daemon the ranks' kernels run at once, but the thread percentage ca
 SMs a rank uses, not which: ranks' blocks land on the same SMs now and then, and a
 persistent kernel (one CTA per SM, claiming tasks) runs late behind another rank's. Green
 contexts give each rank a disjoint set: every rank splits the device's SMs into the same
-equal groups (``cuDevSmResourceSplitByCount`` is a function of the device), takes the group
-of its local rank, makes a green context on it current and a stream of that context CuPy's
-current stream on its thread before any work. Only kernels on the green context's own
+equal groups (one call, the same on every rank of the device: the GPU test checks that no
+rank's blocks wait for SMs another rank holds), takes the group of its local rank, makes a
+green context on it current and one of its streams the bottom of CuPy's stream stack on its
+thread before any work. Only kernels on the green context's own
 streams (``cuGreenCtxStreamCreate``) keep to its SMs -- measured on an H100, with and
 without MPS: the null stream and a runtime-made stream ran on all 132 SMs with the green
 context current -- so every stream the library makes comes from :func:`new_stream`. MPS
@@ -18,8 +19,8 @@ a thread percentage below 100 overrides a green context's SMs).
 ultraep.runtime.sm_partition RANKS PERCENT`` checks, in a process of its own before the MPS
 daemon starts, that the split exists here, and prints the SMs a rank gets.
 
-The driver is reached through ctypes (``libcuda.so.1``): four calls and one struct, with no
-package to install, on the same driver CuPy runs on.
+The driver is reached through ctypes (``libcuda.so.1``): ten calls and one struct, with
+no package to install, on the same driver CuPy runs on.
 """
 
 from __future__ import annotations
@@ -28,16 +29,14 @@ import ctypes
 import os
 import sys
 
+from ultraep.errors import SMPartitionError
+
 GREEN_VARIABLE = "ULTRAEP_GREEN_SMS"  # "<ranks>:<percent>" in every rank of an emulated job with green contexts
 RESOURCE_TYPE_SM = 1  # CU_DEV_RESOURCE_TYPE_SM
 SPLIT_IGNORE_COSCHEDULING = 1  # CU_DEV_SM_RESOURCE_SPLIT_IGNORE_SM_COSCHEDULING
 GREEN_DEFAULT_STREAM = 1  # CU_GREEN_CTX_DEFAULT_STREAM: required by cuGreenCtxCreate
 STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: required by cuGreenCtxStreamCreate
 MIN_DRIVER_VERSION = 12040  # green contexts came with CUDA 12.4
-
-
-class SMPartitionError(RuntimeError):
-    """The device cannot give this rank its own SMs through a green context; the reason."""
 
 
 class _SMResource(ctypes.Structure):  # CUdevSmResource
