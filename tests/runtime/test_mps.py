@@ -93,7 +93,7 @@ def test_missing_control_program(monkeypatch):
         mps.MPSDaemon().start()
 
 
-def no_green_contexts(ranks, percent):
+def no_green_contexts(ranks, percent, environment):
     raise mps.StaticPartitionsUnavailable("no green contexts: not in this test")
 
 

@@ -2,12 +2,17 @@
 choice of them, and on a GPU that the ranks' SMs are their own."""
 
 import ctypes
+import shutil
 
 import pytest
 
 from tests.conftest import assert_all_ranks_ok, requires_gpu, run_ranks
 from ultraep.errors import MPSUnavailable
 from ultraep.runtime import mps, sm_partition
+
+
+def test_the_resource_struct_has_cuda_h_layout():
+    assert ctypes.sizeof(sm_partition._DevResource) == 144 and sm_partition._DevResource.sm.offset == 96
 
 
 @pytest.mark.parametrize("total, ranks, percent, unit, smallest, size", [
@@ -42,6 +47,8 @@ def test_a_driver_that_cannot_load_is_named(monkeypatch, capsys):
     def refuse(name):
         raise OSError(f"{name}: cannot open shared object file")
 
+    for name in mps.LOCAL_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sm_partition, "_driver", None)
     monkeypatch.setattr(ctypes, "CDLL", refuse)
     assert sm_partition.main(["4", "25"]) == 1
@@ -49,6 +56,18 @@ def test_a_driver_that_cannot_load_is_named(monkeypatch, capsys):
     monkeypatch.setenv(sm_partition.GREEN_VARIABLE, "4:25")
     with pytest.raises(sm_partition.SMPartitionError, match="local rank 2: its own SMs of GPU 0"):
         sm_partition.enter_from_environment(0, 2)
+
+
+def test_the_launchers_local_rank_names_the_group(monkeypatch):
+    monkeypatch.setattr(sm_partition, "_rank_sms", {})
+    monkeypatch.setattr(sm_partition, "split", lambda *args: ([sm_partition._DevResource()] * 4, 132))
+    monkeypatch.setenv(sm_partition.GREEN_VARIABLE, "4:25")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "5")  # the job's own numbering, not the group's (1)
+    with pytest.raises(sm_partition.SMPartitionError, match="local rank 5 has no group of its own among 4"):
+        sm_partition.enter_from_environment(0, 1)
+    monkeypatch.setenv(sm_partition.GREEN_VARIABLE, "4")
+    with pytest.raises(sm_partition.SMPartitionError, match="expected RANKS:PERCENT"):
+        sm_partition.enter_from_environment(0, 1)
 
 
 def test_command_line_usage(capsys):
@@ -65,9 +84,11 @@ def no_static(tmp_path, monkeypatch):
 
 
 def test_green_contexts_come_before_the_thread_percentage(no_static, monkeypatch, capsys):
-    monkeypatch.setattr(mps, "green_sms", lambda ranks, percent: "32")
+    checked = []
+    monkeypatch.setattr(mps, "green_sms", lambda ranks, percent, environment: checked.append(environment) or "32")
     with mps.start_emulation(4, 25) as daemon:
         env = daemon.client_environment(25)
+    assert checked[0]["CUDA_MPS_PIPE_DIRECTORY"] == env["CUDA_MPS_PIPE_DIRECTORY"]  # checked under the started daemon
     assert env[sm_partition.GREEN_VARIABLE] == "4:25" and env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
     assert env[mps.EMULATION_VARIABLE] == "mps:25"
     err = capsys.readouterr().err
@@ -75,7 +96,7 @@ def test_green_contexts_come_before_the_thread_percentage(no_static, monkeypatch
 
 
 def test_without_green_contexts_the_thread_percentage_says_why(no_static, monkeypatch, capsys):
-    def refuse(ranks, percent):
+    def refuse(ranks, percent, environment):
         raise mps.StaticPartitionsUnavailable("no green contexts: the driver is CUDA 12020")
 
     monkeypatch.setattr(mps, "green_sms", refuse)
@@ -88,7 +109,7 @@ def test_without_green_contexts_the_thread_percentage_says_why(no_static, monkey
 
 def test_one_way_asked_for_alone(no_static, monkeypatch, capsys):
     asked = []
-    monkeypatch.setattr(mps, "green_sms", lambda ranks, percent: asked.append(ranks) or "32")
+    monkeypatch.setattr(mps, "green_sms", lambda ranks, percent, environment: asked.append(ranks) or "32")
     monkeypatch.setenv(mps.SHARES_VARIABLE, "percent")
     with mps.start_emulation(4, 25) as daemon:
         env = daemon.client_environment(25)
@@ -118,11 +139,9 @@ def test_sharing_label_names_the_green_context(monkeypatch):
 @pytest.mark.mpi
 @requires_gpu
 def test_each_rank_runs_on_sms_of_its_own(monkeypatch):
+    if shutil.which(mps.CONTROL) is None:
+        pytest.skip(f"no {mps.CONTROL} here: GPU test not run")
     monkeypatch.setenv(mps.SHARES_VARIABLE, "green")
-    try:
-        daemon = mps.start_emulation(2, 50)
-    except MPSUnavailable as exc:
-        pytest.skip(f"no MPS daemon with green contexts here ({exc}): GPU test not run")
-    with daemon:
+    with mps.start_emulation(2, 50) as daemon:  # a daemon or a green context that fails here fails the test
         output = run_ranks(2, "runtime/mpi/sm_partition_check.py", timeout=180, env=daemon.client_environment(50))
     assert_all_ranks_ok(output, 2, "sm_partition")

@@ -34,7 +34,7 @@ def test_host_profile_is_measured_cached_and_reused(tmp_path):
     lines = []
     profile = measured(lines)
     name, cores = HostProbe().describe()
-    assert profile.identity() == ("host", name, 100, "") and profile.sm_count == cores  # the host runs no kernel
+    assert profile.identity() == ("host", name, 100, cores, "")  # the host runs no kernel
     assert profile.version == PROFILE_VERSION
     assert profile.copy_bytes_per_s > 1e7 and profile.peer_bytes_per_s == profile.copy_bytes_per_s
     assert "shared memory" in profile.peer_method
@@ -105,6 +105,10 @@ def test_a_profile_of_another_device_or_share_is_measured_again():
     _rewrite(path, sm_share=25)
     lines = []
     assert measured(lines).sm_share == 100 and any("25 %" in line for line in lines), lines
+    _rewrite(path, sm_count=first.sm_count + 1)  # as a green context's SMs against the thread percentage's
+    lines = []
+    assert measured(lines).sm_count == first.sm_count
+    assert any(f"{first.sm_count + 1} at work" in line and "measuring it again" in line for line in lines), lines
 
 
 def test_a_profile_measured_with_other_kernel_sources_is_measured_again():

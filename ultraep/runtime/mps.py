@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ultraep.errors import MPSUnavailable
-from ultraep.runtime.sm_partition import GREEN_VARIABLE, usable_sms
+from ultraep.runtime.sm_partition import GREEN_VARIABLE, LOCAL_RANK_VARIABLES, local_rank_of_job, usable_sms
 
 if TYPE_CHECKING:
     from ultraep.runtime.group import EPGroup
@@ -52,7 +52,6 @@ SMS_PER_RANK_VARIABLE = "ULTRAEP_MPS_SMS_PER_RANK"  # set only when the ranks ha
 PARTITION_VARIABLE = "CUDA_MPS_SM_PARTITION"
 SHARES_VARIABLE = "ULTRAEP_EP_SHARES"  # static, green or percent: one way alone (default: the first that works)
 SHARE_KINDS = ("static", "green", "percent")
-LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK")
 START_TIMEOUT_S = 20.0
 GREEN_CHECK_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
@@ -243,13 +242,14 @@ def start_static(ranks: int, percent: int) -> MPSDaemon:
     return daemon
 
 
-def green_sms(ranks: int, percent: int) -> str:
+def green_sms(ranks: int, percent: int, environment: dict[str, str]) -> str:
     """The SMs each rank's green context would hold (``sm_partition``'s check, in a process of
-    its own so that this one starts no CUDA context before the daemon), or
+    its own under the started daemon's ``environment``, as a rank will make it), or
     StaticPartitionsUnavailable saying why there are none."""
     try:
         done = subprocess.run([sys.executable, "-m", "ultraep.runtime.sm_partition", str(ranks), str(percent)],
-                              capture_output=True, text=True, timeout=GREEN_CHECK_TIMEOUT_S)
+                              capture_output=True, text=True, timeout=GREEN_CHECK_TIMEOUT_S,
+                              env={**os.environ, **environment})
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise StaticPartitionsUnavailable(f"the green context check did not finish: {exc}") from exc
     if done.returncode != 0:
@@ -281,23 +281,26 @@ def start_emulation(ranks: int, percent: int) -> MPSDaemon:
             return start_static(ranks, percent)
         except StaticPartitionsUnavailable as exc:
             reasons.append(f"no static SM partitions ({exc})")
+            if kinds == ("static",):
+                raise MPSUnavailable(f"{SHARES_VARIABLE}=static: {reasons[0]}") from exc
     daemon = MPSDaemon()
+    daemon.start()
     if "green" in kinds:
         try:
-            daemon.sms_per_partition = int(green_sms(ranks, percent))
+            daemon.sms_per_partition = int(green_sms(ranks, percent, daemon.client_environment(100)))
             daemon.green_ranks = ranks
         except StaticPartitionsUnavailable as exc:
             reasons.append(str(exc))
     if not daemon.green_ranks:
-        if "percent" not in kinds:
-            raise MPSUnavailable(f"{SHARES_VARIABLE}={kinds[0]}: " + "; ".join(reasons))
+        if "percent" not in kinds:  # green alone was asked for
+            daemon._stop()
+            raise MPSUnavailable(f"{SHARES_VARIABLE}=green: " + "; ".join(reasons))
         if reasons:
             print(f"--emulate-ep: {'; '.join(reasons)}; the ranks get {percent} % of the SMs each by thread "
                   "percentage instead, and their shares may overlap", file=sys.stderr)
     elif reasons:
         print(f"--emulate-ep: {'; '.join(reasons)}; each rank gets {daemon.sms_per_partition} SMs of its own "
               "through a green context", file=sys.stderr)
-    daemon.start()
     return daemon
 
 
@@ -309,12 +312,12 @@ def take_rank_partition(environ=os.environ) -> None:
         return
     from ultraep.errors import LaunchError
 
-    rank = next((environ[v] for v in LOCAL_RANK_VARIABLES if v in environ), None)
+    rank = local_rank_of_job(environ)
     names = partitions.split(",")
-    if rank is None or not rank.isdigit() or int(rank) >= len(names):
+    if rank is None or rank >= len(names):
         raise LaunchError(f"{PARTITIONS_VARIABLE} holds {len(names)} SM partitions but this rank's local rank is "
                           f"{rank} (from {', '.join(LOCAL_RANK_VARIABLES)}): it has no partition of its own")
-    environ[PARTITION_VARIABLE] = names[int(rank)]
+    environ[PARTITION_VARIABLE] = names[rank]
 
 
 def sharing_label(group: "EPGroup") -> str:

@@ -376,9 +376,10 @@ class MachineProfile:
         the device already reports as the share (a quarter of the H200's 132 SMs is 33)."""
         return self.sm_count
 
-    def identity(self) -> tuple[str, str, int, str]:
-        """What a cached profile must match to be reused (besides its version)."""
-        return (self.backend, self.device, self.sm_share, self.kernels)
+    def identity(self) -> tuple[str, str, int, int, str]:
+        """What a cached profile must match to be reused (besides its version): at one share,
+        a green context's SMs (32 of 132 at 25 %) are not the thread percentage's (33)."""
+        return (self.backend, self.device, self.sm_share, self.sm_count, self.kernels)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -704,7 +705,7 @@ def load_profile(backend: str = "auto", *, device: int | None = None, path: str 
     measuring (a damaged file in the cache directory, which holds only profiles, is)."""
     say = progress or (lambda line: None)
     probe = make_probe(backend, device)
-    name, _ = probe.describe()
+    name, sms = probe.describe()
     share = sm_share()
     target = Path(path) if path is not None else profile_path(name, share)
     if path is not None:
@@ -718,14 +719,15 @@ def load_profile(backend: str = "auto", *, device: int | None = None, path: str 
             say(f"cannot use the machine profile at {target} ({exc}): measuring it again")
         else:
             kernels = sources_digest(probe.kernel_sources)
-            if cached.identity() == (probe.backend, name, share, kernels):
+            if cached.identity() == (probe.backend, name, share, sms, kernels):
                 return cached
-            if cached.identity()[:3] == (probe.backend, name, share):
+            if cached.identity()[:4] == (probe.backend, name, share, sms):
                 say(f"the machine profile at {target} was measured with other kernel sources ({cached.kernels or '-'}, "
                     f"these: {kernels or '-'}; the library's kernels changed since): measuring it again")
             else:
                 say(f"the machine profile at {target} is of {cached.device} ({cached.backend} backend, "
-                    f"{cached.sm_share} % of SMs), not of {name} ({probe.backend}, {share} %): measuring it again")
+                    f"{cached.sm_share} % of SMs, {cached.sm_count} at work), not of {name} ({probe.backend}, "
+                    f"{share} %, {sms}): measuring it again")
     profile = measure_profile(probe, say)
     cache_profile(profile, target, say)
     return profile
