@@ -10,6 +10,8 @@
 #                       alone outlasts a 10-minute device call: run it in a call of its own
 #   GPU_BENCHES         benchmarks run as they are (default below)
 #   GPU_EMULATED_BENCHES  multi-rank benchmarks run with --emulate-ep (ranks under MPS, 100/R % each)
+#   GPU_EP_SHARES       how those ranks share the SMs, each way a run of its own (ULTRAEP_EP_SHARES; default:
+#                       the launcher's first that works), e.g. "green percent" to compare them in one call
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -40,7 +42,11 @@ for bench in ${GPU_EMULATED_BENCHES-dispatch balancer moe-layer moe-fused groupe
   extra=""
   [ "$bench" = moe-layer ] && extra="--phases"  # where each policy's steps go, beside the ratios
   [ "$bench" = grouped-gemm ] && extra="--ranks 4 --sizes uniform"  # its default is one process
-  echo "== bench $bench --emulate-ep $extra" | tee -a "$OUT/bench.log"
-  $PY -m ultraep.bench "$bench" --emulate-ep $extra --json "$OUT/bench-$bench-mps.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
+  for shares in ${GPU_EP_SHARES:-default}; do
+    tag=mps; [ "$shares" = default ] || tag="mps-$shares"
+    echo "== bench $bench --emulate-ep $extra ($shares)" | tee -a "$OUT/bench.log"
+    ULTRAEP_EP_SHARES=${shares#default} $PY -m ultraep.bench "$bench" --emulate-ep $extra \
+      --json "$OUT/bench-$bench-$tag.json" 2>&1 | tee -a "$OUT/bench.log" || status=1
+  done
 done
 exit $status
