@@ -3,6 +3,7 @@ choice of them, and on a GPU that the ranks' SMs are their own."""
 
 import ctypes
 import shutil
+import subprocess
 
 import pytest
 
@@ -85,7 +86,7 @@ def no_static(tmp_path, monkeypatch):
 
 def test_green_contexts_come_before_the_thread_percentage(no_static, monkeypatch, capsys):
     checked = []
-    monkeypatch.setattr(mps, "green_sms", lambda ranks, percent, environment: checked.append(environment) or "32")
+    monkeypatch.setattr(mps, "green_sms", lambda ranks, percent, environment: checked.append(environment) or 32)
     with mps.start_emulation(4, 25) as daemon:
         env = daemon.client_environment(25)
     assert checked[0]["CUDA_MPS_PIPE_DIRECTORY"] == env["CUDA_MPS_PIPE_DIRECTORY"]  # checked under the started daemon
@@ -107,9 +108,28 @@ def test_without_green_contexts_the_thread_percentage_says_why(no_static, monkey
     assert "the driver is CUDA 12020" in err and "may overlap" in err
 
 
+@pytest.mark.parametrize("code, out, err, result", [
+    (0, "32 32 32 32 132\n", "", 32), (0, "", "", "not SM counts"), (1, "", "the driver is CUDA 12020", "CUDA 12020")])
+def test_the_green_check_is_read_or_refused(monkeypatch, code, out, err, result):
+    ran = []
+
+    def run(command, **kwargs):
+        ran.append((command, kwargs["env"]))
+        return subprocess.CompletedProcess(command, code, out, err)
+
+    monkeypatch.setattr(mps.subprocess, "run", run)
+    if isinstance(result, int):
+        assert mps.green_sms(4, 25, {"CUDA_MPS_PIPE_DIRECTORY": "/pipe"}) == result
+    else:
+        with pytest.raises(mps.StaticPartitionsUnavailable, match=result):
+            mps.green_sms(4, 25, {"CUDA_MPS_PIPE_DIRECTORY": "/pipe"})
+    command, env = ran[0]
+    assert command[-3:] == ["ultraep.runtime.sm_partition", "4", "25"] and env["CUDA_MPS_PIPE_DIRECTORY"] == "/pipe"
+
+
 def test_one_way_asked_for_alone(no_static, monkeypatch, capsys):
     asked = []
-    monkeypatch.setattr(mps, "green_sms", lambda ranks, percent, environment: asked.append(ranks) or "32")
+    monkeypatch.setattr(mps, "green_sms", lambda ranks, percent, environment: asked.append(ranks) or 32)
     monkeypatch.setenv(mps.SHARES_VARIABLE, "percent")
     with mps.start_emulation(4, 25) as daemon:
         env = daemon.client_environment(25)

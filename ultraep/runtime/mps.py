@@ -242,7 +242,7 @@ def start_static(ranks: int, percent: int) -> MPSDaemon:
     return daemon
 
 
-def green_sms(ranks: int, percent: int, environment: dict[str, str]) -> str:
+def green_sms(ranks: int, percent: int, environment: dict[str, str]) -> int:
     """The SMs each rank's green context would hold (``sm_partition``'s check, in a process of
     its own under the started daemon's ``environment``, as a rank will make it), or
     StaticPartitionsUnavailable saying why there are none."""
@@ -254,7 +254,10 @@ def green_sms(ranks: int, percent: int, environment: dict[str, str]) -> str:
         raise StaticPartitionsUnavailable(f"the green context check did not finish: {exc}") from exc
     if done.returncode != 0:
         raise StaticPartitionsUnavailable(f"no green contexts: {(done.stderr or done.stdout).strip()}")
-    return done.stdout.split()[0]
+    first = done.stdout.split()[:1]
+    if not first or not first[0].isdigit():
+        raise StaticPartitionsUnavailable(f"the green context check printed {done.stdout!r}, not SM counts")
+    return int(first[0])
 
 
 def shares_asked() -> tuple[str, ...]:
@@ -287,10 +290,13 @@ def start_emulation(ranks: int, percent: int) -> MPSDaemon:
     daemon.start()
     if "green" in kinds:
         try:
-            daemon.sms_per_partition = int(green_sms(ranks, percent, daemon.client_environment(100)))
+            daemon.sms_per_partition = green_sms(ranks, percent, daemon.client_environment(100))
             daemon.green_ranks = ranks
         except StaticPartitionsUnavailable as exc:
             reasons.append(str(exc))
+        except BaseException:  # interrupted: stop the daemon on the way out
+            daemon._stop()
+            raise
     if not daemon.green_ranks:
         if "percent" not in kinds:  # green alone was asked for
             daemon._stop()
