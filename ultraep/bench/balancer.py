@@ -83,9 +83,9 @@ from functools import partial
 import numpy as np
 
 from ultraep.bench.timing import group_window_ms
-from ultraep.runtime.sm_partition import new_stream
 from ultraep.runtime.launch import (CPU_OR_GPU, DefaultsHelpFormatter, add_launch_options, imbalance_target,
                                    job_ranks, multi_rank_main, non_negative_int, positive_int, row_width)
+from ultraep.runtime.sm_partition import new_stream
 
 LAYERS = 4  # cycled, so a layer's ring slot is reused only after the other layers' updates, as in training
 PHASE_NAMES = ("dispatch", "masters", "replicas", "combine")  # what LAYER_PHASES end, as the columns name them

@@ -37,11 +37,11 @@ from ultraep.errors import BalancerError, BarrierTimeout
 from ultraep.integration.host import BadIds
 from ultraep.integration.stats import DeviceClock
 from ultraep.planner import DevicePlanner, Plan
-from ultraep.runtime.sm_partition import new_stream
 from ultraep.planner.device import (REROUTE_CHUNK, reroute_assign_counted, reroute_assign_shared_bytes,
                                     reroute_workspace_size)
 from ultraep.runtime.dlpack import caller_stream, external_stream
 from ultraep.runtime.kernels import get_function, kernel_constant
+from ultraep.runtime.sm_partition import new_stream
 
 GATHER_THREADS = kernel_constant("balancer.cu", "GATHER_THREADS")
 NO_BAD_INDEX = np.iinfo(np.uint64).max

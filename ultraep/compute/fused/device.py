@@ -53,8 +53,8 @@ from ultraep.compute.fused.forward import Granularity, max_m_tiles
 from ultraep.compute.fused.forward import max_tasks as forward_max_tasks
 from ultraep.errors import BarrierTimeout, MoELayerError, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
-from ultraep.runtime.sm_partition import usable_sms
 from ultraep.runtime.kernels import get_function, kernel_constant
+from ultraep.runtime.sm_partition import usable_sms
 
 FLAG_NAMES = {kernel_constant(FORWARD_KERNELS, "FM_ROW_FLAG"): "row_flag (a receive row's arrival from its sender)",
               kernel_constant(FORWARD_KERNELS, "FM_TILE_READY"): "tile_ready (an M-tile's rows relayed)",
