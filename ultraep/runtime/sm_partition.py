@@ -208,7 +208,7 @@ def check(ranks: int, percent: int) -> tuple[list[int], int]:
     groups, total = split(0, ranks, percent)
     green = _green_context(0, groups[0])
     try:
-        _driver.cuStreamDestroy_v2(_green_stream(green, 0))
+        _destroy_stream(_green_stream(green, 0))
     finally:
         _driver.cuGreenCtxDestroy(green)
     return [int(group.sm.sm_count) for group in groups], total
