@@ -252,6 +252,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     from mpi4py import MPI
 
+    from ultraep.bench.memory import GIB, SweepMemory
     from ultraep.bench.report import Progress, RowStream, host_size_note, write_json
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.dtypes import BFLOAT16
@@ -296,9 +297,17 @@ def run(args) -> int:
                   "SwiGLU) in a recorded fused forward, first task to last up tile on any rank; a_vs_max = "
                   "fused_a_ms / max(dispatch_ms, up_gemm_ms)")
     table = RowStream(columns(args.backward, args.config, args.overlap), title, enabled=me == 0)
-    rows = []
+    rows, skipped = [], []
+    memory = SweepMemory(group)
     for H in args.hidden:
         for T in args.tokens:
+            too_big = memory.fits(T * H)
+            if too_big:
+                progress(f"tokens {T}, hidden {H}: {too_big}")
+                table.note(f"tokens {T}, hidden {H}: {too_big}")
+                skipped.append({"tokens": T, "hidden": H, "reason": too_big})
+                continue
+            memory.begin(T * H)
             progress(f"tokens {T}, hidden {H}: setting up, a checked {direction} each, {args.repeats} timed each, "
                      f"a checked fused {direction}")
             rng = np.random.default_rng((args.seed, me, T, H))
@@ -395,6 +404,9 @@ def run(args) -> int:
                 if args.backward:  # dx, d_gates, grad_up, grad_down each, then all four rerun, over the fused layers
                     mine += [sum(differing([first[name][i]], [want[i]]) for name in configs) for i in range(1, 5)]
                     mine.append(sum(differing(again[name][1:], first[name][1:]) for name in configs))
+                used = memory.end()
+                if used is not None:
+                    progress(f"tokens {T}, hidden {H}: {used / GIB:.1f} GiB of GPU memory on the ranks' device")
             finally:
                 for moe in layers.values():
                     moe.close()
@@ -443,7 +455,7 @@ def run(args) -> int:
         raise SystemExit("the fused layer is not bitwise the sequential path: " + "; ".join(problems))
     if me == 0 and args.json:
         write_json(args.json, {"benchmark": "moe-fused", "ranks": R, "caveat": caveat, "args": vars(args),
-                               "rows": rows})
+                               "rows": rows, "skipped": skipped})
     return 0
 
 

@@ -89,6 +89,10 @@ class RowStream:
         self._print("  ".join(format_value(v).rjust(w) if _numeric(v) else format_value(v).ljust(w)
                               for v, w in zip(values, self.widths)))
 
+    def note(self, text: str) -> None:
+        """A line of text in place of a row (a row not measured, and why)."""
+        self._print(text)
+
     def close(self) -> None:
         self._print(self.rule)
 
