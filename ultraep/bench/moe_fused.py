@@ -69,6 +69,7 @@ backend). Started with one process, it relaunches itself on ``--ranks`` ranks un
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 import numpy as np
@@ -297,6 +298,112 @@ def run(args) -> int:
                   "SwiGLU) in a recorded fused forward, first task to last up tile on any rank; a_vs_max = "
                   "fused_a_ms / max(dispatch_ms, up_gemm_ms)")
     table = RowStream(columns(args.backward, args.config, args.overlap), title, enabled=me == 0)
+
+    def measure_row(T: int, H: int) -> tuple:
+        """Set up, check and time one row's layers; what the row's figures come from. Its
+        buffers die with its frame, so the pool can give them back before the next row."""
+        rng = np.random.default_rng((args.seed, me, T, H))
+        w_up = bf16(rng.standard_normal((M, H, 2 * F)) / np.sqrt(H))
+        w_down = bf16(rng.standard_normal((M, F, H)) / np.sqrt(F))
+        x = bf16(rng.standard_normal((T, H)))
+        ids = xp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64))
+        gates = xp.asarray(rng.random((T, K)).astype(np.float32))
+        dy = bf16(rng.standard_normal((T, H))) if args.backward else None
+        # Receive bound: uniform routing's mean with room for its spread (a few standard
+        # deviations are well under 10 % of it); the largest setting runs 4 ranks on one GPU.
+        bound = int(1.1 * T * K) + 1024
+        layers = {}
+
+        def checked(moe):
+            """Host copies of one forward's output and, with --backward, of one backward's
+            dx, d_gates and weight gradients from zero."""
+            if args.backward:
+                moe.zero_grads()
+            out, ctx = moe.forward(x, ids, gates)
+            results = [to_host(out).copy()]
+            if args.backward:
+                results += [to_host(a).copy() for a in (*moe.backward(ctx, dy), moe.grad_up, moe.grad_down)]
+            moe.check()
+            return results
+
+        try:
+            layers[False] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                                     max_recv_rows=bound, backend=backend, sync_checks=False)
+            for name, config in configs.items():  # the fused layers by --config, the first one's backward
+                layers[name] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                                        max_recv_rows=bound, backend=backend, sync_checks=False, fused=True,
+                                        fused_config=config)
+            for moe in layers.values():
+                moe.load_weights(w_up, w_down)
+            primary = next(iter(configs))
+            fused = layers[primary]
+            first = {key: checked(moe) for key, moe in layers.items()}  # also the warm-up
+            timed = [lambda _, moe=moe: moe.forward(x, ids, gates, backward=False) for moe in layers.values()]
+            if args.backward:  # zero_grads in a phase of its own; the forward hands its context on
+                for moe in (layers[False], *(layers[name] for name in configs)):
+                    timed += [lambda _, moe=moe: moe.zero_grads(),
+                               lambda _, moe=moe: moe.forward(x, ids, gates)[1],
+                               lambda ctx, moe=moe: moe.backward(ctx, dy)]
+                timed.append(weight_grads_alone(layers[False], x, ids, gates, bf16, rng))
+            overlap_at = len(timed)
+            if args.overlap:  # the sequential path's two parts that kernel A fuses, each alone (GEMM: BF16 out)
+                from ultraep.compute import grouped_mm
+
+                sequential = layers[False]
+                received = sequential.dispatcher.dispatch(x, ids, gates)
+                up_out = grouped_mm(received.x, sequential._w_up, received.offsets)  # reused: no zero fill timed
+                timed += [lambda _: sequential.dispatcher.dispatch(x, ids, gates),
+                           lambda _: grouped_mm(received.x, sequential._w_up, received.offsets, out=up_out)]
+            # The sequential and the (first) fused layer take turns at running first, in each
+            # direction, and so do the constants and the tuned layer: a phase runs up to ~10 %
+            # slower after some phases than after others (after the weight gradients alone,
+            # e.g., even with the GPU idle in between), which no layer must always pay.
+            blocks = len(layers)  # the training blocks' first phase: (zero_grads, forward, backward) a layer
+            alternate = [(0, 1)] + ([(blocks + i, blocks + 3 + i) for i in range(3)] if args.backward else [])
+            if args.config == "both":
+                alternate += [(1, 2)] + ([(blocks + 3 + i, blocks + 6 + i) for i in range(3)]
+                                         if args.backward else [])
+            windows = phase_windows_ms(group, timed, args.repeats, synchronize, alternate=alternate)
+            again = {name: checked(layers[name]) for name in configs}
+            layers[False].check()
+            tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None
+            phases, recorded = {}, {}
+            if args.timeline or args.overlap:
+                fused.record_timeline(True)
+                fused.forward(x, ids, gates, backward=False)
+                recorded["forward"] = group.allgather(fused.timeline())
+                fused.record_timeline(False)
+            if args.timeline and args.backward:  # a training forward (it keeps h and y), then its backward
+                fused.record_timeline(True)
+                _, ctx = fused.forward(x, ids, gates)
+                recorded["training"] = group.allgather(fused.timeline())
+                fused.backward(ctx, dy)
+                recorded["backward"] = group.allgather(fused.timeline("backward"))
+                fused.check()
+                fused.record_timeline(False)
+            if args.timeline:
+                for which, everyone_tasks in recorded.items():
+                    phases[which] = phase_spans(everyone_tasks)  # printed under the table
+                    progress(f"tokens {T}, hidden {H}: the fused {which}'s timeline, "
+                             f"{timeline_path(args.timeline, T, H, which)}")
+                    if me == 0:
+                        plot_timeline(everyone_tasks, timeline_path(args.timeline, T, H, which),
+                                      f"{R} ranks ({caveat}): fused {which}, {T} tokens, hidden {H}, ffn {F}, "
+                                      f"top-{K}")
+            want = first[False]
+            mine = [sum(differing(first[name][:1], want[:1]) for name in configs),
+                    sum(differing(again[name][:1], first[name][:1]) for name in configs)]
+            if args.backward:  # dx, d_gates, grad_up, grad_down each, then all four rerun, over the fused layers
+                mine += [sum(differing([first[name][i]], [want[i]]) for name in configs) for i in range(1, 5)]
+                mine.append(sum(differing(again[name][1:], first[name][1:]) for name in configs))
+            used = memory.end()
+            if used is not None:
+                progress(f"tokens {T}, hidden {H}: {used / GIB:.1f} GiB of GPU memory on the ranks' device")
+        finally:
+            for moe in layers.values():
+                moe.close()
+        return windows, mine, tuned, blocks, overlap_at, recorded, phases
+
     rows, skipped = [], []
     memory = SweepMemory(group)
     for H in args.hidden:
@@ -310,108 +417,10 @@ def run(args) -> int:
             memory.begin(T * H)
             progress(f"tokens {T}, hidden {H}: setting up, a checked {direction} each, {args.repeats} timed each, "
                      f"a checked fused {direction}")
-            rng = np.random.default_rng((args.seed, me, T, H))
-            w_up = bf16(rng.standard_normal((M, H, 2 * F)) / np.sqrt(H))
-            w_down = bf16(rng.standard_normal((M, F, H)) / np.sqrt(F))
-            x = bf16(rng.standard_normal((T, H)))
-            ids = xp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64))
-            gates = xp.asarray(rng.random((T, K)).astype(np.float32))
-            dy = bf16(rng.standard_normal((T, H))) if args.backward else None
-            # Receive bound: uniform routing's mean with room for its spread (a few standard
-            # deviations are well under 10 % of it); the largest setting runs 4 ranks on one GPU.
-            bound = int(1.1 * T * K) + 1024
-            layers = {}
-
-            def checked(moe):
-                """Host copies of one forward's output and, with --backward, of one backward's
-                dx, d_gates and weight gradients from zero."""
-                if args.backward:
-                    moe.zero_grads()
-                out, ctx = moe.forward(x, ids, gates)
-                results = [to_host(out).copy()]
-                if args.backward:
-                    results += [to_host(a).copy() for a in (*moe.backward(ctx, dy), moe.grad_up, moe.grad_down)]
-                moe.check()
-                return results
-
-            try:
-                layers[False] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                                         max_recv_rows=bound, backend=backend, sync_checks=False)
-                for name, config in configs.items():  # the fused layers by --config, the first one's backward
-                    layers[name] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
-                                            max_recv_rows=bound, backend=backend, sync_checks=False, fused=True,
-                                            fused_config=config)
-                for moe in layers.values():
-                    moe.load_weights(w_up, w_down)
-                primary = next(iter(configs))
-                fused = layers[primary]
-                first = {key: checked(moe) for key, moe in layers.items()}  # also the warm-up
-                timed = [lambda _, moe=moe: moe.forward(x, ids, gates, backward=False) for moe in layers.values()]
-                if args.backward:  # zero_grads in a phase of its own; the forward hands its context on
-                    for moe in (layers[False], *(layers[name] for name in configs)):
-                        timed += [lambda _, moe=moe: moe.zero_grads(),
-                                   lambda _, moe=moe: moe.forward(x, ids, gates)[1],
-                                   lambda ctx, moe=moe: moe.backward(ctx, dy)]
-                    timed.append(weight_grads_alone(layers[False], x, ids, gates, bf16, rng))
-                overlap_at = len(timed)
-                if args.overlap:  # the sequential path's two parts that kernel A fuses, each alone (GEMM: BF16 out)
-                    from ultraep.compute import grouped_mm
-
-                    sequential = layers[False]
-                    received = sequential.dispatcher.dispatch(x, ids, gates)
-                    up_out = grouped_mm(received.x, sequential._w_up, received.offsets)  # reused: no zero fill timed
-                    timed += [lambda _: sequential.dispatcher.dispatch(x, ids, gates),
-                               lambda _: grouped_mm(received.x, sequential._w_up, received.offsets, out=up_out)]
-                # The sequential and the (first) fused layer take turns at running first, in each
-                # direction, and so do the constants and the tuned layer: a phase runs up to ~10 %
-                # slower after some phases than after others (after the weight gradients alone,
-                # e.g., even with the GPU idle in between), which no layer must always pay.
-                blocks = len(layers)  # the training blocks' first phase: (zero_grads, forward, backward) a layer
-                alternate = [(0, 1)] + ([(blocks + i, blocks + 3 + i) for i in range(3)] if args.backward else [])
-                if args.config == "both":
-                    alternate += [(1, 2)] + ([(blocks + 3 + i, blocks + 6 + i) for i in range(3)]
-                                             if args.backward else [])
-                windows = phase_windows_ms(group, timed, args.repeats, synchronize, alternate=alternate)
-                again = {name: checked(layers[name]) for name in configs}
-                layers[False].check()
-                tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None
-                phases, recorded = {}, {}
-                if args.timeline or args.overlap:
-                    fused.record_timeline(True)
-                    fused.forward(x, ids, gates, backward=False)
-                    recorded["forward"] = group.allgather(fused.timeline())
-                    fused.record_timeline(False)
-                if args.timeline and args.backward:  # a training forward (it keeps h and y), then its backward
-                    fused.record_timeline(True)
-                    _, ctx = fused.forward(x, ids, gates)
-                    recorded["training"] = group.allgather(fused.timeline())
-                    fused.backward(ctx, dy)
-                    recorded["backward"] = group.allgather(fused.timeline("backward"))
-                    fused.check()
-                    fused.record_timeline(False)
-                if args.timeline:
-                    for which, everyone_tasks in recorded.items():
-                        phases[which] = phase_spans(everyone_tasks)  # printed under the table
-                        progress(f"tokens {T}, hidden {H}: the fused {which}'s timeline, "
-                                 f"{timeline_path(args.timeline, T, H, which)}")
-                        if me == 0:
-                            plot_timeline(everyone_tasks, timeline_path(args.timeline, T, H, which),
-                                          f"{R} ranks ({caveat}): fused {which}, {T} tokens, hidden {H}, ffn {F}, "
-                                          f"top-{K}")
-                want = first[False]
-                mine = [sum(differing(first[name][:1], want[:1]) for name in configs),
-                        sum(differing(again[name][:1], first[name][:1]) for name in configs)]
-                if args.backward:  # dx, d_gates, grad_up, grad_down each, then all four rerun, over the fused layers
-                    mine += [sum(differing([first[name][i]], [want[i]]) for name in configs) for i in range(1, 5)]
-                    mine.append(sum(differing(again[name][1:], first[name][1:]) for name in configs))
-                used = memory.end()
-                if used is not None:
-                    progress(f"tokens {T}, hidden {H}: {used / GIB:.1f} GiB of GPU memory on the ranks' device")
-            finally:
-                for moe in layers.values():
-                    moe.close()
-                if gpu:  # the next setting's buffers differ in shape: give this one's back to the driver
-                    xp.get_default_memory_pool().free_all_blocks()
+            windows, mine, tuned, blocks, overlap_at, recorded, phases = measure_row(T, H)
+            if gpu:  # the next setting's buffers differ in shape: give this one's back to the driver
+                gc.collect()  # what of the row only a reference cycle still holds
+                xp.get_default_memory_pool().free_all_blocks()
             everyone = group.allgather(mine)
             seq_ms, fused_ms = windows[:2]
             row = {"tokens": T, "hidden": H, "ffn": F, "seq_ms": seq_ms, "fused_ms": fused_ms,
@@ -421,7 +430,7 @@ def run(args) -> int:
             if tuned is not None:
                 row["tuned_config"] = tuned
             if args.backward:
-                _, seq_train, seq_bwd, _, fused_train, fused_bwd, *tuned_passes, wgrad = windows[len(layers):overlap_at]
+                _, seq_train, seq_bwd, _, fused_train, fused_bwd, *tuned_passes, wgrad = windows[blocks:overlap_at]
                 row.update(seq_train_ms=seq_train, seq_bwd_ms=seq_bwd, fused_train_ms=fused_train,
                            fused_bwd_ms=fused_bwd, train_speedup=seq_train / fused_train,
                            bwd_speedup=seq_bwd / fused_bwd,
