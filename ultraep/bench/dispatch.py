@@ -163,6 +163,7 @@ def run(args) -> int:
     import cupy
     from mpi4py import MPI
 
+    from ultraep.bench.memory import SweepMemory
     from ultraep.bench.nccl import NcclBaseline
     from ultraep.bench.report import Progress, RowStream, write_json
     from ultraep.runtime.group import EPGroup
@@ -180,17 +181,25 @@ def run(args) -> int:
     progress = Progress("dispatch", enabled=printing, quiet=args.quiet)
     cells = [(tokens, hidden) for tokens in args.tokens for hidden in args.hidden]
     with NcclBaseline(group) as nccl, RowStream(COLUMNS, title, enabled=printing) as table:
-        rows = []
+        rows, skipped, memory = [], [], SweepMemory(group)
         for i, (tokens, hidden) in enumerate(cells):
+            too_big = memory.fits(tokens * hidden)
+            if too_big:
+                progress(f"{i + 1}/{len(cells)}: {tokens} tokens/rank, hidden {hidden}: {too_big}")
+                table.note(f"{tokens} tokens/rank, hidden {hidden}: {too_big}")
+                skipped.append({"tokens": tokens, "hidden": hidden, "reason": too_big})
+                continue
             progress(f"{i + 1}/{len(cells)}: {tokens} tokens/rank, hidden {hidden}")
+            memory.begin(tokens * hidden)
             rows.append(measure(group, nccl, tokens, hidden, args))
             table.add(rows[-1])
-            cupy.get_default_memory_pool().free_all_blocks()  # this size's buffers died with measure's frame
+            memory.end()  # the pool still holds the row's blocks, though its arrays died with measure's frame
+            cupy.get_default_memory_pool().free_all_blocks()
     if printing:
         if args.json:
             write_json(args.json, {"benchmark": "dispatch", "ranks": group.size, "sharing": sharing,
                                    "top_k": args.top_k, "experts": args.experts, "nccl": nccl.reason or "run",
-                                   "rows": rows})
+                                   "rows": rows, "skipped": skipped})
     return 0
 
 
