@@ -186,3 +186,24 @@ def test_bounded_types_name_what_they_expect():
                                   (launch.imbalance_target, "nan", "a number >= 1")):
         with pytest.raises(argparse.ArgumentTypeError, match=f"expected {expected}.*got '{text}'"):
             parse(text)
+
+
+def test_a_rank_status_names_the_first_error_of_a_chain():
+    """A clean-up that fails after the real error (heap close after an out-of-memory) must not
+    hide it in the per-rank report, not even behind a ``raise ... from None`` on the way."""
+    def chained():
+        try:
+            try:
+                raise MemoryError("out of memory allocating 406,876,160 bytes")
+            except MemoryError:
+                raise RuntimeError("close: collective mismatch\nheap close timed out") from None
+        except RuntimeError as closing:
+            raise ValueError("MPI_ERR_TRUNCATE: message truncated") from closing
+
+    with pytest.raises(ValueError) as caught:
+        chained()
+    assert launch.exception_summary(caught.value) == (
+        "ValueError: MPI_ERR_TRUNCATE: message truncated (raised while handling MemoryError: out of memory "
+        "allocating 406,876,160 bytes)")
+    alone = KeyError("slot")
+    assert launch.exception_summary(alone) == "KeyError: 'slot'"

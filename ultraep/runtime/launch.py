@@ -134,10 +134,26 @@ def run_rank(argv: Sequence[str] | None = None) -> None:
         record(f"exited with {code or 0}" + ("" if isinstance(exc.code, int) or exc.code is None else f": {exc.code}"))
         raise
     except BaseException as exc:
-        last = str(exc).strip().splitlines()[-1:] or [""]
-        record(f"raised {type(exc).__name__}: {last[0]}")
+        record(f"raised {exception_summary(exc)}")
         raise
     record("exited with 0")
+
+
+def exception_summary(exc: BaseException) -> str:
+    """``Type: last line of its message``, and where it was raised while handling another
+    (a clean-up failing after an out-of-memory error, say), the first of that chain too: the
+    cause, which the clean-up's error would otherwise hide. Contexts a ``raise ... from None``
+    suppressed count too: the library's close errors re-raise so, with the cause in a message
+    the last line leaves out."""
+    def line(error: BaseException) -> str:
+        last = str(error).strip().splitlines()[-1:] or [""]
+        return f"{type(error).__name__}: {last[0]}"
+
+    first, seen = exc, {id(exc)}
+    while (earlier := first.__cause__ or first.__context__) is not None and id(earlier) not in seen:
+        first = earlier
+        seen.add(id(first))
+    return line(exc) if first is exc else f"{line(exc)} (raised while handling {line(first)})"
 
 
 def rank_status(status_dir: str | os.PathLike, rank: int) -> tuple[str, str]:
