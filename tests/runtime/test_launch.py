@@ -131,11 +131,13 @@ def _reads(path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("lone", [False, True])
-def test_a_verdict_of_every_rank_is_said_once_without_tracebacks(tmp_path, lone):
+@pytest.mark.parametrize("case", ["verdict", "lone", "after a failure"])
+def test_a_verdict_of_every_rank_is_said_once_without_tracebacks(tmp_path, case):
     """A multi-rank tool whose ranks all raise the library's verdict on its options (bad
     sizes the set-up refused collectively): one line from rank 0, exit 2, no traceback. A
-    lone rank's error keeps its traceback (it may be a bug)."""
+    lone rank's error keeps its traceback (it may be a bug), and so does an every-rank error
+    raised while handling another (ranks' clean-ups meeting in different collectives after
+    some ran out of memory): the traceback names the first error."""
     script = tmp_path / "tool.py"
     script.write_text(
         "import argparse, sys\n"
@@ -144,18 +146,26 @@ def test_a_verdict_of_every_rank_is_said_once_without_tracebacks(tmp_path, lone)
         "def run(args):\n"
         "    from mpi4py import MPI\n"
         "    error = MoELayerError('hidden (7) must be a multiple of 8')\n"
-        f"    if {lone}:\n"
+        f"    if {case == 'lone'}:\n"
         "        if MPI.COMM_WORLD.rank == 1:\n"
         "            raise error\n"
         "        MPI.COMM_WORLD.Barrier()\n"
+        f"    if {case == 'after a failure'}:\n"
+        "        try:\n"
+        "            raise MemoryError('injected: out of memory')\n"
+        "        except MemoryError as exc:\n"
+        "            raise everywhere(error) from exc\n"
         "    raise everywhere(error)\n"
         "sys.exit(multi_rank_main(None, lambda argv: argparse.Namespace(), run, nprocs=lambda args: 2,\n"
         "                         command=['tool.py']))\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "tool.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
-    if lone:
+    if case == "lone":
         assert done.returncode != 0 and "Traceback" in done.stderr
+    elif case == "after a failure":
+        assert done.returncode not in (0, 2) and "MemoryError: injected: out of memory" in done.stderr, done.stderr
+        assert "raised while handling MemoryError: injected: out of memory" in done.stderr, done.stderr
     else:
         assert done.returncode == 2, done.stderr
         assert done.stderr.count("tool.py: hidden (7) must be a multiple of 8") == 1, done.stderr

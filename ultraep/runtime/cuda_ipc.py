@@ -142,7 +142,7 @@ class DeviceHeap(SymmetricHeap):
             except (WaitTimeout, RankFailedError, GroupMismatchError) as exc:  # peers elsewhere may still map it
                 self._close_peers()
                 _abandoned.append(self._memory)  # a peer may still map it: never free
-                raise close_refused(exc, "device allocation left in place") from None
+                raise close_refused(exc, "device allocation left in place") from exc
             if self._keep_for_views(any(o() is not None for o in owners)):
                 _abandoned.append((self._memory, self._opened))  # views of it, here or on a peer, stay mapped
                 self._opened = []

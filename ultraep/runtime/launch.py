@@ -139,6 +139,21 @@ def run_rank(argv: Sequence[str] | None = None) -> None:
     record("exited with 0")
 
 
+def is_verdict(exc: BaseException) -> bool:
+    """Whether ``exc`` is a verdict every rank reached alike (bad options refused collectively),
+    which ends the job with one line: an error the library raises on every rank, and nothing
+    else behind it. Where some ranks failed first (out of memory, say), the ranks' clean-ups
+    then meet in different collectives and raise alike too -- the failure's consequence,
+    whose traceback must name the failure."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if not (isinstance(exc, UltraEPError) and exc.on_every_rank):
+            return False
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return True
+
+
 def exception_summary(exc: BaseException) -> str:
     """``Type: last line of its message``, and where it was raised while handling another
     (a clean-up failing after an out-of-memory error, say), the first of that chain too: the
@@ -571,7 +586,7 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
         try:
             return run(args)
         except UltraEPError as exc:
-            if not exc.on_every_rank:
+            if not is_verdict(exc):
                 raise
             end_job(str(exc), name)  # every rank of its group raised this verdict (bad options refused)
     if refused(args, name):

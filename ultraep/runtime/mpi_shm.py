@@ -112,7 +112,7 @@ class HostHeap(SymmetricHeap):
             self.group.barrier(timeout_s, what=self._close_step())  # no peer still touches its segment
         except (WaitTimeout, RankFailedError, GroupMismatchError) as exc:
             _abandoned.append((self._win, self._shm_comm))  # Win.Free is collective: it would hang
-            raise close_refused(exc, "shared segment left allocated") from None
+            raise close_refused(exc, "shared segment left allocated") from exc
         if self._keep_for_views(any(s() is not None for s in segments)):
             _abandoned.append((self._win, self._shm_comm))  # unmapping would leave those views dangling
             return
