@@ -16,11 +16,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-export ULTRAEP_GIT_COMMIT=${ULTRAEP_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false CUPY_CACHE_DIR=/tmp/ultraep-cupy-cache
 export ULTRAEP_MPIEXEC=${ULTRAEP_MPIEXEC:-$(command -v mpirun || echo /usr/bin/mpirun)}
 PY=${PYTHON:-python3}
-{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv; echo "commit $ULTRAEP_GIT_COMMIT"; date -u; } > "$OUT/machine.txt" 2>&1
+# the commit every JSON records: $ULTRAEP_GIT_COMMIT, else HEAD, flagged where the tree differs from it (a stale .git)
+commit=$($PY -c 'from ultraep.bench.report import git_commit; print(git_commit())' 2>/dev/null)
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv; echo "commit $commit"; date -u; } > "$OUT/machine.txt" 2>&1
 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || export PYTHONPATH=$PWD
 TESTS=${GPU_TESTS:-tests}
 if [ -n "${GPU_SHARD-}" ]; then

@@ -1,9 +1,11 @@
-"""The benchmarks' progress lines, and their --quiet."""
+"""The benchmarks' progress lines and their --quiet, tables, and the commit a run records."""
 
 import logging
+import subprocess
 
 import pytest
 
+from ultraep.bench import report
 from ultraep.bench.report import HOST_QUICK_TOKENS, Progress, RowStream, host_size_note
 from ultraep.tune.profile import PROGRESS_LOGGER, stderr_progress
 
@@ -57,3 +59,28 @@ def test_a_row_stream_prints_its_header_with_the_first_row(capsys):
         pass
     assert capsys.readouterr().out.splitlines()[0] == "empty"  # a table of no rows still shows what it was
 
+
+
+def test_the_commit_recorded_says_when_the_tree_differs_from_it(tmp_path, monkeypatch):
+    """On the GPU machine a stale .git travels with a newer tree: its HEAD alone would name
+    code that did not run."""
+    monkeypatch.delenv("ULTRAEP_GIT_COMMIT", raising=False)
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "kernel.cu").write_text("v1\n")
+    git("add", "kernel.cu")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "v1")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / "notes.txt").write_text("untracked: not the code that runs\n")
+    assert report.git_commit(tmp_path) == head
+    (tmp_path / "kernel.cu").write_text("v2\n")
+    assert report.git_commit(tmp_path) == f"{head} + uncommitted changes to 1 file"
+    monkeypatch.setenv("ULTRAEP_GIT_COMMIT", "abc1234")
+    assert report.git_commit(tmp_path) == "abc1234"
+    assert report.git_commit(tmp_path / "not-a-repo") == "abc1234"
+    monkeypatch.delenv("ULTRAEP_GIT_COMMIT")
+    assert report.git_commit(tmp_path / "not-a-repo") is None

@@ -147,16 +147,29 @@ def device_name() -> str:
         return "cpu"
 
 
-def git_commit() -> str | None:
-    """HEAD of the checkout, or ``$ULTRAEP_GIT_COMMIT`` where the tree travelled without .git (GPU machine)."""
+def git_commit(root: Path = _REPO_ROOT) -> str | None:
+    """HEAD of the checkout, or ``$ULTRAEP_GIT_COMMIT`` where the tree travelled without .git.
+    Where the tracked files differ from HEAD (edits not committed, or a stale .git that
+    travelled with a newer tree: the GPU machine's copy), it says so: the commit alone would
+    name code that did not run."""
     if os.environ.get("ULTRAEP_GIT_COMMIT"):
         return os.environ["ULTRAEP_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "-C", str(_REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    head = (git("rev-parse", "HEAD") or "").strip()
+    if not head:
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    if changed is None:
+        return f"{head} (whether the tree differs: unknown)"
+    files = len(changed.splitlines())
+    return head if files == 0 else f"{head} + uncommitted changes to {files} file{'s' if files > 1 else ''}"
 
 
 def run_metadata() -> dict:
