@@ -60,7 +60,6 @@ def test_a_row_stream_prints_its_header_with_the_first_row(capsys):
     assert capsys.readouterr().out.splitlines()[0] == "empty"  # a table of no rows still shows what it was
 
 
-
 def test_the_commit_recorded_says_when_the_tree_differs_from_it(tmp_path, monkeypatch):
     """On the GPU machine a stale .git travels with a newer tree: its HEAD alone would name
     code that did not run."""

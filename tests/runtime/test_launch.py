@@ -131,13 +131,14 @@ def _reads(path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("case", ["verdict", "lone", "after a failure"])
+@pytest.mark.parametrize("case", ["verdict", "checked", "lone", "after a failure"])
 def test_a_verdict_of_every_rank_is_said_once_without_tracebacks(tmp_path, case):
     """A multi-rank tool whose ranks all raise the library's verdict on its options (bad
     sizes the set-up refused collectively): one line from rank 0, exit 2, no traceback. A
     lone rank's error keeps its traceback (it may be a bug), and so does an every-rank error
     raised while handling another (ranks' clean-ups meeting in different collectives after
-    some ran out of memory): the traceback names the first error."""
+    some ran out of memory): the traceback names the first error. "checked": the verdict of a
+    collective check, raised from each rank's own error, as the library's set-up checks do."""
     script = tmp_path / "tool.py"
     script.write_text(
         "import argparse, sys\n"
@@ -150,6 +151,13 @@ def test_a_verdict_of_every_rank_is_said_once_without_tracebacks(tmp_path, case)
         "        if MPI.COMM_WORLD.rank == 1:\n"
         "            raise error\n"
         "        MPI.COMM_WORLD.Barrier()\n"
+        f"    if {case == 'checked'}:\n"
+        "        from ultraep.runtime.group import EPGroup\n"
+        "        try:\n"
+        "            raise ValueError('hidden (7) must be a multiple of 8')\n"
+        "        except ValueError as exc:\n"
+        "            local = exc\n"
+        "        EPGroup(MPI.COMM_WORLD, use_gpu=False).raise_if_any(local, 'layer set-up')\n"
         f"    if {case == 'after a failure'}:\n"
         "        try:\n"
         "            raise MemoryError('injected: out of memory')\n"
@@ -168,7 +176,8 @@ def test_a_verdict_of_every_rank_is_said_once_without_tracebacks(tmp_path, case)
         assert "raised while handling MemoryError: injected: out of memory" in done.stderr, done.stderr
     else:
         assert done.returncode == 2, done.stderr
-        assert done.stderr.count("tool.py: hidden (7) must be a multiple of 8") == 1, done.stderr
+        said = "tool.py: hidden (7) must be a multiple of 8" if case == "verdict" else "tool.py: layer set-up failed"
+        assert done.stderr.count(said) == 1, done.stderr
         assert "Traceback" not in done.stderr
         assert "(pid " not in done.stderr, done.stderr  # every rank exited on its own: no line per rank
         if launch.mpi_flavor(launch.find_mpiexec()) == "mpich":  # the job ended without MPI_Abort's line

@@ -84,7 +84,7 @@ def sends_per_rank(xp, ids, experts_per_rank: int, ranks: int) -> list[int]:
     return [int(v) for v in hit.sum(axis=0).tolist()]
 
 
-def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
+def measure(group, nccl, memory, tokens: int, hidden: int, args) -> dict:
     import cupy
 
     from ultraep.runtime.dtypes import BFLOAT16
@@ -116,6 +116,7 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
         combine_ms = group_window_ms(group, lambda handle=result.handle: disp.combine(recv, handle, out=combined),
                                      args.repeats, sync)
         disp.check()
+        memory.sample()  # each Dispatcher's heaps go back to the driver as it closes
         del result  # its handle views the heap: a closed dispatcher's heap is freed once nothing views it
     with Dispatcher(group, hidden=hidden, dtype="bfloat16", top_k=K, num_experts=args.experts, max_tokens=tokens,
                     max_recv_rows=max_rows, backend="device", sync_checks=False, expert_output=True) as disp:
@@ -127,6 +128,7 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
                                   args.repeats, sync)
         disp.check()
         pull_diff = int(cupy.count_nonzero(pulled.view(np.uint16) != combined.view(np.uint16)))
+        memory.sample()
         del result, expert_out
     with Dispatcher(group, hidden=hidden, dtype="bfloat16", top_k=K, num_experts=args.experts, max_tokens=tokens,
                     max_recv_rows=max_rows, backend="device", sync_checks=False, expert_input=True) as disp:
@@ -136,6 +138,7 @@ def measure(group, nccl, tokens: int, hidden: int, args) -> dict:
         push_ms = group_window_ms(group, lambda: disp.dispatch(x, ids, gates), args.repeats, sync)
         disp.check()
         push_diff = int(cupy.count_nonzero(pushed.x[:rows].view(np.uint16) != recv[:rows].view(np.uint16)))
+        memory.sample()
         del pushed
     src = cupy.empty(payload, dtype=np.uint8)
     dst = cupy.empty_like(src)
@@ -163,7 +166,7 @@ def run(args) -> int:
     import cupy
     from mpi4py import MPI
 
-    from ultraep.bench.memory import SweepMemory
+    from ultraep.bench.memory import SweepMemory, skip_row
     from ultraep.bench.nccl import NcclBaseline
     from ultraep.bench.report import Progress, RowStream, write_json
     from ultraep.runtime.group import EPGroup
@@ -185,16 +188,14 @@ def run(args) -> int:
         for i, (tokens, hidden) in enumerate(cells):
             too_big = memory.fits(tokens * hidden)
             if too_big:
-                progress(f"{i + 1}/{len(cells)}: {tokens} tokens/rank, hidden {hidden}: {too_big}")
-                table.note(f"{tokens} tokens/rank, hidden {hidden}: {too_big}")
-                skipped.append({"tokens": tokens, "hidden": hidden, "reason": too_big})
+                skip_row({"tokens": tokens, "hidden": hidden}, too_big, progress, table, skipped)
                 continue
             progress(f"{i + 1}/{len(cells)}: {tokens} tokens/rank, hidden {hidden}")
             memory.begin(tokens * hidden)
-            rows.append(measure(group, nccl, tokens, hidden, args))
+            rows.append(measure(group, nccl, memory, tokens, hidden, args))
             table.add(rows[-1])
-            memory.end()  # the pool still holds the row's blocks, though its arrays died with measure's frame
-            cupy.get_default_memory_pool().free_all_blocks()
+            memory.end()
+            cupy.get_default_memory_pool().free_all_blocks()  # this size's buffers died with measure's frame
     if printing:
         if args.json:
             write_json(args.json, {"benchmark": "dispatch", "ranks": group.size, "sharing": sharing,

@@ -253,7 +253,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     from mpi4py import MPI
 
-    from ultraep.bench.memory import GIB, SweepMemory
+    from ultraep.bench.memory import GIB, SweepMemory, skip_row
     from ultraep.bench.report import Progress, RowStream, host_size_note, write_json
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.dtypes import BFLOAT16
@@ -298,6 +298,7 @@ def run(args) -> int:
                   "SwiGLU) in a recorded fused forward, first task to last up tile on any rank; a_vs_max = "
                   "fused_a_ms / max(dispatch_ms, up_gemm_ms)")
     table = RowStream(columns(args.backward, args.config, args.overlap), title, enabled=me == 0)
+    memory = SweepMemory(group)
 
     def measure_row(T: int, H: int) -> tuple:
         """Set up, check and time one row's layers; what the row's figures come from. Its
@@ -405,14 +406,11 @@ def run(args) -> int:
         return windows, mine, tuned, blocks, overlap_at, recorded, phases
 
     rows, skipped = [], []
-    memory = SweepMemory(group)
     for H in args.hidden:
         for T in args.tokens:
             too_big = memory.fits(T * H)
             if too_big:
-                progress(f"tokens {T}, hidden {H}: {too_big}")
-                table.note(f"tokens {T}, hidden {H}: {too_big}")
-                skipped.append({"tokens": T, "hidden": H, "reason": too_big})
+                skip_row({"tokens": T, "hidden": H}, too_big, progress, table, skipped)
                 continue
             memory.begin(T * H)
             progress(f"tokens {T}, hidden {H}: setting up, a checked {direction} each, {args.repeats} timed each, "

@@ -141,31 +141,32 @@ def run_rank(argv: Sequence[str] | None = None) -> None:
 
 def is_verdict(exc: BaseException) -> bool:
     """Whether ``exc`` is a verdict every rank reached alike (bad options refused collectively),
-    which ends the job with one line: an error the library raises on every rank, and nothing
-    else behind it. Where some ranks failed first (out of memory, say), the ranks' clean-ups
-    then meet in different collectives and raise alike too -- the failure's consequence,
-    whose traceback must name the failure."""
+    which ends the job with one line: an error the library raises on every rank, not raised
+    while handling anything else. Where some ranks failed first (out of memory, say), the
+    ranks' clean-ups then meet in different collectives and raise alike too -- the failure's
+    consequence, whose traceback must name the failure. Only what was being handled
+    (``__context__``) counts: a verdict's ``__cause__`` is the rank's own part of it."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         if not (isinstance(exc, UltraEPError) and exc.on_every_rank):
             return False
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__context__
     return True
 
 
 def exception_summary(exc: BaseException) -> str:
     """``Type: last line of its message``, and where it was raised while handling another
-    (a clean-up failing after an out-of-memory error, say), the first of that chain too: the
-    cause, which the clean-up's error would otherwise hide. Contexts a ``raise ... from None``
-    suppressed count too: the library's close errors re-raise so, with the cause in a message
-    the last line leaves out."""
+    (a clean-up failing after an out-of-memory error, say), the first of that chain of
+    ``__context__`` too: the cause, which the clean-up's error would otherwise hide. A context
+    that ``raise ... from None`` hides from the traceback counts too: it was still the error
+    being handled."""
     def line(error: BaseException) -> str:
         last = str(error).strip().splitlines()[-1:] or [""]
         return f"{type(error).__name__}: {last[0]}"
 
     first, seen = exc, {id(exc)}
-    while (earlier := first.__cause__ or first.__context__) is not None and id(earlier) not in seen:
+    while (earlier := first.__context__) is not None and id(earlier) not in seen:
         first = earlier
         seen.add(id(first))
     return line(exc) if first is exc else f"{line(exc)} (raised while handling {line(first)})"
