@@ -209,3 +209,32 @@ def test_rotated_blocks_start_one_block_later_each_repeat(monkeypatch):
     assert ("c", "d") in given and ("a", "b") in given and ("e", "f") in given
     with pytest.raises(ValueError, match="not whole blocks of 4"):
         bench.phase_windows_ms(OneRank(), phases, 1, lambda: None, rotate=4)
+
+
+@pytest.mark.mpi
+def test_ranks_that_fail_setting_up_are_reported_with_their_error(tmp_path):
+    """Three of four ranks fail while building the balanced stack's second layer (as ranks
+    out of GPU memory do); their clean-ups then meet the fourth rank's set-up in different
+    collectives. The job must end with the first error named on each failing rank -- not as
+    a one-line verdict on the options (exit 2) about collectives."""
+    from ultraep.errors import LaunchError
+    from ultraep.runtime import launch
+
+    script = tmp_path / "fail_setting_up.py"
+    script.write_text(
+        "import sys\n"
+        "from mpi4py import MPI\n"
+        "import ultraep.integration.moe_layer as layer\n"
+        "from ultraep.bench import moe_layer as bench\n"
+        "build = layer.MoELayer.__init__\n"
+        "def failing(self, group, *args, balancer=None, layer=0, **kwargs):\n"
+        "    if balancer is not None and layer == 1 and MPI.COMM_WORLD.rank != 1:\n"
+        "        raise MemoryError('injected: out of memory')\n"
+        "    build(self, group, *args, balancer=balancer, layer=layer, **kwargs)\n"
+        "layer.MoELayer.__init__ = failing\n"
+        f"sys.exit(bench.main(['--backend', 'host', *{TINY!r}]))\n")
+    with pytest.raises(LaunchError) as failed:
+        launch.run_mpi(4, [str(script)], timeout=240)
+    report = str(failed.value)
+    assert "exited with 2" not in report, report
+    assert report.count("(raised while handling MemoryError: injected: out of memory)") == 3, report
