@@ -45,6 +45,8 @@ def test_tiny_host_run(tmp_path, capfd):
     result = json.loads(out.read_text())
     assert [(row["tokens"], row["hidden"]) for row in result["rows"]] == [(24, 32), (40, 32)]
     assert all(row["out_diff"] == 0 and row["rerun_diff"] == 0 and row["fused_ms"] > 0 for row in result["rows"])
+    for row in result["rows"]:  # the sequential forward's up and down GEMMs: a part of its time
+        assert 0 < row["fwd_gemm_ms"] and row["gemm_bound"] == row["seq_ms"] / row["fwd_gemm_ms"], row
     backward = bench.BACKWARD_TIMES + bench.BACKWARD_DIFFS
     assert not any(key in row for row in result["rows"] for key in backward)  # without --backward: as before
     assert not any(key in printed for key in backward)
@@ -91,10 +93,11 @@ def test_backward_timeline_spans_and_plot(tmp_path):
 
 def test_backward_columns_follow_the_forward_ones():
     assert bench.columns(False) == bench.COLUMNS
-    assert bench.columns(True) == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "seq_train_ms",
-                                   "seq_bwd_ms", "fused_train_ms", "fused_bwd_ms", "train_speedup", "bwd_speedup",
-                                   "step_speedup", "wgrad_ms", "bwd_rest_speedup", "out_diff", "rerun_diff",
-                                   "dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
+    assert bench.columns(True) == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "gemm_bound",
+                                   "seq_train_ms", "seq_bwd_ms", "fused_train_ms", "fused_bwd_ms", "train_speedup",
+                                   "bwd_speedup", "step_speedup", "wgrad_ms", "bwd_rest_speedup", "bwd_gemm_bound",
+                                   "out_diff", "rerun_diff", "dx_diff", "dgates_diff", "grad_up_diff",
+                                   "grad_down_diff", "bwd_rerun_diff"]
     assert not bench.parse_args([]).backward and bench.parse_args(["--backward"]).backward
 
 
@@ -122,6 +125,7 @@ def test_tiny_host_run_with_backward(tmp_path, capfd):
                                        / (row["fused_train_ms"] + row["fused_bwd_ms"]))
         assert 0 < row["wgrad_ms"] and row["bwd_rest_speedup"] == ((row["seq_bwd_ms"] - row["wgrad_ms"])
                                                                    / (row["fused_bwd_ms"] - row["wgrad_ms"]))
+        assert 0 < row["bwd_gemm_ms"] and row["bwd_gemm_bound"] == row["seq_bwd_ms"] / row["bwd_gemm_ms"], row
         assert [set(rank) for rank in row["bwd_phases"]] == [{"workers", "send", "relay", "dgrad_down", "dgrad_up",
                                                               "reduce"}] * 2, row["bwd_phases"]
         for key in ("phases", "train_phases"):
@@ -183,7 +187,7 @@ def test_tiny_host_run_with_overlap(tmp_path, capfd):
     assert code == 0, printed
     header = next(line for line in printed.splitlines() if line.startswith("tokens"))
     assert header.split() == bench.columns(False, overlap=True)
-    assert bench.columns(False, overlap=True)[6:10] == bench.OVERLAP
+    assert bench.columns(False, overlap=True)[7:11] == bench.OVERLAP
     row = json.loads(out.read_text())["rows"][0]
     assert all(row[key] > 0 for key in ("dispatch_ms", "up_gemm_ms", "fused_a_ms")), row
     assert row["a_vs_max"] == row["fused_a_ms"] / max(row["dispatch_ms"], row["up_gemm_ms"])

@@ -14,7 +14,11 @@ before it). The timed forwards
 are inference's (``backward=False``: the fused layer keeps nothing for a backward). ``out_diff``:
 elements of the fused output whose bits differ from the sequential output's (must be 0);
 ``rerun_diff``: between the two checked fused forwards (must be 0). ``speedup`` =
-sequential ms / fused ms.
+sequential ms / fused ms. ``gemm_bound`` = sequential ms / the sequential forward's two grouped
+GEMMs alone (``MoELayer.record_phases`` over ``--repeats`` more inference forwards: up + down,
+the median, the slowest rank's; ``fwd_gemm_ms`` in the JSON): what a fused forward would gain
+if it hid everything but those GEMMs under them -- the ceiling of ``speedup`` with GEMMs as
+fast as the sequential path's.
 
 ``--backward``: the checked passes become forward + backward from zeroed weight gradients
 (``dy`` random), and each repeat also times, per layer, ``zero_grads`` (untimed, a phase of
@@ -24,7 +28,9 @@ its own), then a training forward and its backward, each a window of its own:
 ``step_speedup``, the ratio of the sums (a training step); ``wgrad_ms``, the weight
 gradients alone (the two grouped wgrads and the gradient adds both paths end with, on one
 dispatch's rows), and ``bwd_rest_speedup``, the backward's ratio without them: what the
-fused kernels C and D make of the part they replace. Bitwise, fused against
+fused kernels C and D make of the part they replace; ``bwd_gemm_bound``, ``seq_bwd_ms`` over
+the sequential backward's dgrads and wgrads alone (``bwd_gemm_ms``), the same ceiling for
+``bwd_speedup``. Bitwise, fused against
 sequential, elements whose bits differ summed over ranks (each must be 0): ``dx_diff``,
 ``dgates_diff``, ``grad_up_diff``, ``grad_down_diff`` (the weight gradients of one backward);
 ``bwd_rerun_diff``: all four between the two checked fused passes. The comparison is per
@@ -79,14 +85,16 @@ from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, job_ranks, multi_rank_main,
                                    non_negative_int, positive_int, row_width)
 
-COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "out_diff", "rerun_diff"]
+COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "gemm_bound", "out_diff", "rerun_diff"]
 CONFIGS = ("constants", "tuned")  # --config both: each, the constants first
 TUNED = {"tuned": ["tuned_config"], "both": ["tuned_ms", "tuned_gain", "tuned_config"]}
 TUNED_BACKWARD = ["tuned_train_ms", "tuned_bwd_ms", "tuned_bwd_gain"]  # --backward --config both
 BACKWARD_TIMES = ["seq_train_ms", "seq_bwd_ms", "fused_train_ms", "fused_bwd_ms", "train_speedup", "bwd_speedup",
-                  "step_speedup", "wgrad_ms", "bwd_rest_speedup"]
+                  "step_speedup", "wgrad_ms", "bwd_rest_speedup", "bwd_gemm_bound"]
 BACKWARD_DIFFS = ["dx_diff", "dgates_diff", "grad_up_diff", "grad_down_diff", "bwd_rerun_diff"]
 OVERLAP = ["dispatch_ms", "up_gemm_ms", "fused_a_ms", "a_vs_max"]
+FORWARD_GEMMS = ("up", "down")  # MoELayer.record_phases' steps of the sequential path
+BACKWARD_GEMMS = ("dgrad_down", "dgrad_up", "wgrad_down", "wgrad_up")
 
 
 def parse_args(argv):
@@ -143,6 +151,32 @@ def kernel_a_ms(ranks_tasks) -> float:
     claim order), in ms."""
     start = min(s for tasks in ranks_tasks for _, s, _, _ in tasks)
     return (max(e for tasks in ranks_tasks for kind, _, e, _ in tasks if kind == "up") - start) / 1e6
+
+
+def sequential_gemm_ms(group, layer, x, ids, gates, dy, repeats: int) -> tuple[float, float | None]:
+    """The sequential layer's grouped GEMMs alone, in ms: the forward's (up, down) over
+    ``repeats`` inference forwards and, given ``dy``, the backward's dgrads and wgrads over as
+    many training steps; each step's from ``MoELayer.record_phases``, the median over the
+    calls, the slowest rank's."""
+    layer.record_phases(True)
+    try:
+        for _ in range(repeats):
+            layer.forward(x, ids, gates, backward=False)
+        forward, backward = layer.phases("forward"), []
+        if dy is not None:
+            for _ in range(repeats):
+                _, ctx = layer.forward(x, ids, gates)
+                layer.backward(ctx, dy)
+            backward = layer.phases("backward")
+    finally:
+        layer.record_phases(False)
+
+    def gemms(calls, steps):
+        return float(np.median([sum(call[step] for step in steps) for call in calls]))
+
+    mine = (gemms(forward, FORWARD_GEMMS), gemms(backward, BACKWARD_GEMMS) if dy is not None else None)
+    everyone = group.allgather(mine, what="moe-fused: the sequential path's GEMM times")
+    return max(m[0] for m in everyone), None if dy is None else max(m[1] for m in everyone)
 
 
 def weight_grads_alone(layer, x, ids, gates, bf16, rng):
@@ -275,15 +309,18 @@ def run(args) -> int:
     caveat = sharing_label(group)
     direction = "forward, and forward + backward" if args.backward else "forward"
     title = (f"fused vs sequential MoE {direction}: {R} ranks ({caveat}), {E} experts, top-{K}, ffn {F}, uniform "
-             "routing, BF16 SwiGLU experts; speedup = seq_ms / fused_ms; out_diff: fused output elements whose bits "
-             "differ from the sequential path's; rerun_diff: between two fused forwards")
+             "routing, BF16 SwiGLU experts; speedup = seq_ms / fused_ms; gemm_bound = seq_ms / the sequential "
+             "forward's two GEMMs alone (its recorded steps, the slowest rank's): the most a fused forward gains "
+             "by hiding all else; out_diff: fused output elements whose bits differ from the sequential path's; "
+             "rerun_diff: between two fused forwards")
     if args.backward:
         title += ("; *_train_ms: a training forward (keeping what its backward needs), *_bwd_ms: its backward, "
                   "step_speedup: of the two together; "
                   "dx/dgates/grad_up/grad_down_diff: elements whose bits differ from the sequential backward's; "
                   "bwd_rerun_diff: between two fused backwards; wgrad_ms: the weight gradients alone (both "
                   "paths' last part, the same kernels), bwd_rest_speedup: the backward without them, "
-                  "(seq_bwd_ms - wgrad_ms) / (fused_bwd_ms - wgrad_ms)")
+                  "(seq_bwd_ms - wgrad_ms) / (fused_bwd_ms - wgrad_ms), bwd_gemm_bound: seq_bwd_ms / the sequential "
+                  "backward's dgrads and wgrads alone")
     diff_columns = ["out_diff", "rerun_diff"] + (BACKWARD_DIFFS if args.backward else [])
     configs = fused_configs(args.config)
     if args.config != "default":
@@ -367,6 +404,7 @@ def run(args) -> int:
             windows = phase_windows_ms(group, timed, args.repeats, synchronize, alternate=alternate)
             again = {name: checked(layers[name]) for name in configs}
             layers[False].check()
+            gemm_ms = sequential_gemm_ms(group, layers[False], x, ids, gates, dy, args.repeats)
             tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None
             phases, recorded = {}, {}
             if args.timeline or args.overlap:
@@ -403,7 +441,7 @@ def run(args) -> int:
         finally:
             for moe in layers.values():
                 moe.close()
-        return windows, mine, tuned, blocks, overlap_at, recorded, phases
+        return windows, mine, tuned, blocks, overlap_at, recorded, phases, gemm_ms
 
     rows, skipped = [], []
     for H in args.hidden:
@@ -415,14 +453,14 @@ def run(args) -> int:
             memory.begin(T * H)
             progress(f"tokens {T}, hidden {H}: setting up, a checked {direction} each, {args.repeats} timed each, "
                      f"a checked fused {direction}")
-            windows, mine, tuned, blocks, overlap_at, recorded, phases = measure_row(T, H)
+            windows, mine, tuned, blocks, overlap_at, recorded, phases, (fwd_gemm, bwd_gemm) = measure_row(T, H)
             if gpu:  # the next setting's buffers differ in shape: give this one's back to the driver
                 gc.collect()  # what of the row only a reference cycle still holds
                 xp.get_default_memory_pool().free_all_blocks()
             everyone = group.allgather(mine)
             seq_ms, fused_ms = windows[:2]
             row = {"tokens": T, "hidden": H, "ffn": F, "seq_ms": seq_ms, "fused_ms": fused_ms,
-                   "speedup": seq_ms / fused_ms}
+                   "speedup": seq_ms / fused_ms, "fwd_gemm_ms": fwd_gemm, "gemm_bound": seq_ms / fwd_gemm}
             if args.config == "both":
                 row.update(tuned_ms=windows[2], tuned_gain=fused_ms / windows[2])
             if tuned is not None:
@@ -433,7 +471,8 @@ def run(args) -> int:
                            fused_bwd_ms=fused_bwd, train_speedup=seq_train / fused_train,
                            bwd_speedup=seq_bwd / fused_bwd,
                            step_speedup=(seq_train + seq_bwd) / (fused_train + fused_bwd), wgrad_ms=wgrad,
-                           bwd_rest_speedup=(seq_bwd - wgrad) / (fused_bwd - wgrad))
+                           bwd_rest_speedup=(seq_bwd - wgrad) / (fused_bwd - wgrad), bwd_gemm_ms=bwd_gemm,
+                           bwd_gemm_bound=seq_bwd / bwd_gemm)
                 if tuned_passes:
                     _, tuned_train, tuned_bwd = tuned_passes
                     row.update(tuned_train_ms=tuned_train, tuned_bwd_ms=tuned_bwd, tuned_bwd_gain=fused_bwd / tuned_bwd)
