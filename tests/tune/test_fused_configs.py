@@ -62,12 +62,12 @@ def test_bench_columns_by_config():
     from ultraep.bench import moe_fused as bench
 
     assert bench.columns(False) == bench.COLUMNS and bench.parse_args([]).config == "default"
-    assert bench.columns(False, "both") == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "tuned_ms",
-                                            "tuned_gain", "tuned_config", "out_diff", "rerun_diff"]
-    assert bench.columns(True, "tuned")[6:9] == ["tuned_config", "seq_train_ms", "seq_bwd_ms"]
+    assert bench.columns(False, "both") == ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "gemm_bound",
+                                            "tuned_ms", "tuned_gain", "tuned_config", "out_diff", "rerun_diff"]
+    assert bench.columns(True, "tuned")[7:10] == ["tuned_config", "seq_train_ms", "seq_bwd_ms"]
     both = bench.columns(True, "both")
-    assert both[both.index("bwd_rest_speedup") + 1:][:4] == ["tuned_train_ms", "tuned_bwd_ms", "tuned_bwd_gain",
-                                                            "out_diff"]
+    assert both[both.index("bwd_gemm_bound") + 1:][:4] == ["tuned_train_ms", "tuned_bwd_ms", "tuned_bwd_gain",
+                                                          "out_diff"]
 
 
 @pytest.mark.mpi
