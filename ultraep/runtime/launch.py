@@ -536,15 +536,17 @@ def add_launch_options(parser, *, ranks: int = 4, backend_help: str | None = Non
 VERDICT_WAIT_S = 10.0  # how long ranks that all refused wait for rank 0 to say why before they exit
 
 
-def end_job(reason: str, name: str):
+def end_job(reason: str, name: str, comm=None):
     """End an MPI job that every rank refuses alike: rank 0 says why once (no traceback),
     the ranks wait a bounded time for each other (in case the refusal was a part of the
-    job's) and end without an MPI_Abort (nor its line on every rank); exit 2."""
+    job's) and end without an MPI_Abort (nor its line on every rank); exit 2. ``comm``: the
+    communicator of that wait (default ``COMM_WORLD``)."""
     from mpi4py import MPI
 
-    if MPI.COMM_WORLD.rank == 0:
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm.rank == 0:
         print(f"{name}: {reason}", file=sys.stderr, flush=True)
-    everyone, deadline = MPI.COMM_WORLD.Ibarrier(), time.monotonic() + VERDICT_WAIT_S
+    everyone, deadline = comm.Ibarrier(), time.monotonic() + VERDICT_WAIT_S
     while not (agreed := everyone.Test()) and time.monotonic() < deadline:
         time.sleep(0.01)
     if agreed:
@@ -584,12 +586,17 @@ def multi_rank_main(argv, parse_args, run, *, nprocs, command: Sequence[str], ti
     argv = list(sys.argv[1:] if argv is None else argv)
     args, name = parse_args(argv), tool_name(command)
     if launched_by_mpiexec():
+        from mpi4py import MPI
+
+        # end_job's wait on a communicator of its own: a rank still in the tool's collectives on
+        # COMM_WORLD must not meet that barrier in place of one of them (Open MPI: truncation)
+        verdicts = MPI.COMM_WORLD.Dup()
         try:
             return run(args)
         except UltraEPError as exc:
             if not is_verdict(exc):
                 raise
-            end_job(str(exc), name)  # every rank of its group raised this verdict (bad options refused)
+            end_job(str(exc), name, verdicts)  # every rank of its group raised this verdict (bad options refused)
     if refused(args, name):
         return 2
     try:
