@@ -58,6 +58,19 @@ static_assert(FM_UNROLL >= 1 && FM_REDUCE_UNROLL >= 1, "the copy and reduce unro
 // The optional task timeline: per task id [start ns, end ns, SM id | kind << 32].
 #define FM_TRACE_WORDS 3
 
+// Arrival bands of kernels A and C's relays and first GEMM tiles (fused_moe.cu's fused_plan,
+// arrival_tile): an M-tile's band is where its last row stands in its source's segment of
+// the slot. Only speed depends on it; the host's task order reads it (Granularity.bands).
+#define FM_ARRIVAL_BANDS 8
+
+// The task counters of kernels A and C: sends, relays, GEMM tiles, and the ticket that makes
+// a block a sender; kernels B and D's one claim counter follows them.
+#define FM_SEND_COUNTER 0
+#define FM_RELAY_COUNTER 1
+#define FM_TILE_COUNTER 2
+#define FM_SENDER_TICKET 3
+#define FM_COUNTERS 5
+
 // -- bounded flag waits ------------------------------------------------------------------------
 
 __device__ __forceinline__ bool aborted(const long long* status) {
@@ -223,6 +236,25 @@ __device__ __forceinline__ Tile gemm_tile(const int* tile_start, const int* off,
     return Tile{j, off[j] + mn.x * GH_BM, off[j + 1], mn.y * cols, 0, k};
 }
 
+// GEMM tile t of kernels A and C in arrival order (ultraep/compute/fused/forward.py's
+// task_order): `arrival` is fused_plan's -- run q (band q / spr of slot q % spr) holds the
+// M-tiles [arrival[q], arrival[q + 1]) of the order that follows the FM_ARRIVAL_BANDS * spr
+// + 1 run starts -- and a run's tiles are its M-tiles x `n_cols` column blocks in
+// grouped_raster's order; `cols` output columns per block, a reduction over `k`.
+__device__ __forceinline__ Tile arrival_tile(const int* arrival, const int* off, const int* mtile, int spr,
+                                             int n_cols, int t, int cols, int k) {
+    const int runs = FM_ARRIVAL_BANDS * spr;
+    int lo = 0, hi = runs - 1;  // the last run whose first tile is <= t: one with tiles
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (__ldg(arrival + mid) * n_cols <= t) lo = mid; else hi = mid - 1;
+    }
+    const int first = __ldg(arrival + lo), count = __ldg(arrival + lo + 1) - first;
+    const int2 mn = grouped_raster(t - first * n_cols, count, n_cols);
+    const int m = __ldg(arrival + runs + 1 + first + mn.x), j = lo % spr;
+    return Tile{j, off[j] + (m - mtile[j]) * GH_BM, off[j + 1], mn.y * cols, 0, k};
+}
+
 // This rank's index of a tile's M-tile: the index of its tile_ready and done flags.
 __device__ __forceinline__ int mtile_of(const int* mtile, const int* off, const Tile& tile) {
     return mtile[tile.expert] + (tile.row0 - off[tile.expert]) / GH_BM;
@@ -239,10 +271,10 @@ __device__ __forceinline__ void wait_rows_relayed(const u64* tile_ready, int m, 
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-// The next task id of this block. Thread 0 takes the counter's next value between two
-// named barriers of the threads that claim -- the producer warp and the consumers (the store
-// warps run loops of their own) -- and they read `task_of(value)`, the task id, after the
-// second; the first means they have all read the last id. Non-aligned barriers: the producer
+// The next task id of this block. Thread 0 takes it (`take()`: a counter's next value)
+// between two named barriers of the threads that claim -- the producer warp and the
+// consumers (the store warps run loops of their own) -- and they read it after the second;
+// the first means they have all read the last id. Non-aligned barriers: the producer
 // warp's lane 0 may still be diverged from its warp.
 __device__ __forceinline__ void claim_sync() {
     asm volatile("barrier.sync 4, %0;" :: "n"(GH_THREADS - GH_STORE_WARPS * WARP) : "memory");
@@ -255,14 +287,14 @@ __device__ __forceinline__ void claim_sync() {
 // it last claimed (`last`, total for none): the barrier between means the producer and the
 // consumers are done with it -- a GEMM tile's end is its hand-over to the store warps,
 // whose stores overlap what the block runs next.
-template <typename TaskOf, typename Ready, typename Kind>
-__device__ __forceinline__ int claim(int* counter, int* claimed, int total, TaskOf task_of, Ready ready, Kind kind,
-                                     u64* trace, int& last) {
+template <typename Take, typename Ready, typename Kind>
+__device__ __forceinline__ int claim(Take take, int* claimed, int total, Ready ready, Kind kind, u64* trace,
+                                     int& last) {
     claim_sync();
     if (threadIdx.x == 0) {
         const u64 now = trace != nullptr ? global_timer_ns() : 0;
         if (trace != nullptr && last < total) trace[FM_TRACE_WORDS * last + 1] = now;
-        const int task = task_of(atomicAdd(counter, 1));
+        const int task = take();
         if (task < total) {
             if (trace != nullptr) {
                 trace[FM_TRACE_WORDS * task] = now;
@@ -397,34 +429,35 @@ __device__ __forceinline__ void store_handed_tiles(Pipeline& p, int end_tile, lo
 // -- kernels A and C: send, then GEMM tiles of the relayed rows; relays on the store warps ----------
 
 // The relays of kernels A and C on the store warps of every block, beside the block's claimed
-// tasks: one M-tile at a time from the rank's relay counter (counter[1]; the id read through
-// claimed[1]), slot then M-tile, `n_relay` of them; the three warps take a row at a time:
-// wait for its row_flag, then `relay_row(row, landing, row_landing)` (this rank's landing rows
-// and the heap's row_landing). Each thread then fences its stores -- the proxy fence orders
+// tasks: one M-tile at a time from the rank's relay counter (counter[FM_RELAY_COUNTER]; the
+// id read through claimed[1]), relay i the M-tile `order[i]` (arrival order), `n_relay` of
+// them; the three warps take a row at a time: wait for its row_flag, then `relay_row(row,
+// landing, row_landing)` (this rank's landing rows and the heap's row_landing). Each thread then fences its stores -- the proxy fence orders
 // them before the TMA loads of the tiles that read them, the fence at gpu scope or (SYSTEM)
 // system scope before the flag -- and after the warps' barrier one thread releases
 // tile_ready[m], stamps the relay's end and claims the next. A relay's timeline row is
-// `first_row` + its M-tile (its task id in send_relay_then_gemm), stamped from its claim
+// `first_row` + i (its task id in send_relay_then_gemm), stamped from its claim
 // (before its row waits) to its release.
 template <bool SYSTEM, typename RelayRow>
-__device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed, int n_relay, const int* off,
-                                                     const int* mtile, int spr, u64 heap, u64 landing_offset,
-                                                     u64 row_landing_offset, u64 row_flag_offset, u64* tile_ready,
-                                                     RelayRow relay_row, u64 epoch, u64 timeout_ns, long long* status,
-                                                     int me, u64* trace, int first_row, int relay_kind) {
+__device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed, int n_relay, const int* order,
+                                                     const int* off, const int* mtile, int spr, u64 heap,
+                                                     u64 landing_offset, u64 row_landing_offset, u64 row_flag_offset,
+                                                     u64* tile_ready, RelayRow relay_row, u64 epoch, u64 timeout_ns,
+                                                     long long* status, int me, u64* trace, int first_row,
+                                                     int relay_kind) {
     const int id = threadIdx.x - WARP, warp = id / WARP;  // among the store warps
     const uint4* landing = reinterpret_cast<const uint4*>(heap + landing_offset);
     const int* row_landing = reinterpret_cast<const int*>(heap + row_landing_offset);
     const u64* row_flag = reinterpret_cast<const u64*>(heap + row_flag_offset);
-    for (int relay = -1;;) {
+    for (int relay = -1, m = 0;;) {
         store_warps_sync();  // the last relay's rows are relayed and fenced, its id read by every thread
         if (id == 0) {
             const u64 now = trace != nullptr ? global_timer_ns() : 0;
             if (relay >= 0) {
-                if (!aborted(status)) store_release_sys(tile_ready + relay, epoch);
+                if (!aborted(status)) store_release_sys(tile_ready + m, epoch);
                 if (trace != nullptr) trace[FM_TRACE_WORDS * (first_row + relay) + 1] = now;
             }
-            const int next = atomicAdd(counter + 1, 1);
+            const int next = atomicAdd(counter + FM_RELAY_COUNTER, 1);
             if (trace != nullptr && next < n_relay) {
                 trace[FM_TRACE_WORDS * (first_row + next)] = now;
                 trace[FM_TRACE_WORDS * (first_row + next) + 2] = sm_id() | static_cast<u64>(relay_kind) << 32;
@@ -434,8 +467,9 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
         store_warps_sync();
         relay = *reinterpret_cast<volatile int*>(claimed + 1);
         if (relay >= n_relay) return;
-        const int j = expert_of_tile(mtile, spr, relay);
-        const int lo = off[j] + (relay - mtile[j]) * GH_BM, hi = min(off[j + 1], lo + GH_BM);
+        m = __ldg(order + relay);
+        const int j = expert_of_tile(mtile, spr, m);
+        const int lo = off[j] + (m - mtile[j]) * GH_BM, hi = min(off[j + 1], lo + GH_BM);
         for (int row = lo + warp; row < hi; row += GH_STORE_WARPS) {
             wait_flag(row_flag + row, epoch, timeout_ns, status, FM_ROW_FLAG, me, row);
             relay_row(row, landing, row_landing);
@@ -450,19 +484,21 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 
 // The task loop of kernels A and C after load_tables. Task ids: [0, n_send) send tasks of
 // `chunk` tokens of src (send_token, a consumer warp per token; kind `send_kind`); then one
-// relay per M-tile, slot then M-tile (kind `relay_kind`), run by relay_on_store_warps; then
-// GEMM tiles (kind `tile_kind`), MODE's, `tile_of(t)` tile t, each handed to the block once
-// its M-tile is relayed. The block (the producer warp and the consumers) claims the sends
-// and then the tiles from counter[0]; the store warps claim the relays from counter[1], so a
-// relay's copies run beside the consumers' sends and MMAs instead of before the block's
-// first tile. The producer thread loads a tile with load_tile's `boxes(tile)` and
-// `b_split`; the consumers then run `finish(d, tile, ring, consumer, warp, lane)`, the tile's
-// epilogue, which may stage the tile in the idle stage ring (`ring`; see
+// relay per M-tile in arrival order (`arrival`: fused_plan's; kind `relay_kind`), run by
+// relay_on_store_warps; then GEMM tiles (kind `tile_kind`), MODE's, `tile_of(t)` tile t
+// (arrival_tile), each handed to the block once its M-tile is relayed. Each counter of
+// FM_*_COUNTER serves one stream: the first `send_ctas` blocks to take a ticket are senders,
+// which claim sends while any is left, then tiles; the other blocks claim tiles from the
+// start, so the GEMM runs beside the sends instead of after them. The store warps claim the
+// relays, so a relay's copies run beside the consumers' sends and MMAs. The producer thread
+// loads a tile with load_tile's `boxes(tile)` and `b_split`; the consumers then run
+// `finish(d, tile, ring, consumer, warp, lane)`, the tile's epilogue, which may stage the tile in the idle stage ring (`ring`; see
 // stage_accumulators_fp32): both warpgroups' MMAs are done with it before, and the producer
 // issues no copy into it before the next claim's barrier.
 // Why no claim order deadlocks (ultraep/compute/fused/forward.py states it for the host model):
-// a store warp waits only for row flags, which send tasks release; sends precede every tile
-// in the claim order and wait for nothing, so every rank's sends finish; a tile waits for
+// a store warp waits only for row flags, which send tasks release; sends wait for nothing,
+// and the first block of a rank to run takes the first ticket -- a sender, resident, which
+// claims nothing else while a send is left -- so every rank's sends finish; a tile waits for
 // tile_ready, which a relay releases, and relays progress on the store warps of any resident
 // block, whatever its consumers wait for. So one resident block per rank suffices.
 // A tile's wait for its rows spans their arrival (the relay's bounded row waits) and the
@@ -474,9 +510,9 @@ __device__ __forceinline__ void send_relay_then_gemm(
     int tokens, int top_k, int hidden, const long long* ids, const float* gates, const int* positions,
     const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset, u64 row_landing_offset,
     u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk, const int* off,
-    const int* mtile, const int* tile_start, Pipeline& p, int* claimed, u64* tile_ready, RelayRow relay_row,
-    Finish finish, u64 epoch, u64 timeout_ns, int* counter, long long* status, u64* trace, int send_kind,
-    int relay_kind, int tile_kind) {
+    const int* mtile, const int* tile_start, const int* arrival, int send_ctas, Pipeline& p, int* claimed,
+    u64* tile_ready, RelayRow relay_row, Finish finish, u64 epoch, u64 timeout_ns, int* counter, long long* status,
+    u64* trace, int send_kind, int relay_kind, int tile_kind) {
     const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
     const int n_send = ceil_div(tokens, chunk), n_relay = mtile[spr];
     const int first_tile = n_send + n_relay, total = first_tile + tile_start[spr];
@@ -490,15 +526,25 @@ __device__ __forceinline__ void send_relay_then_gemm(
             wait_rows_relayed(tile_ready, mtile_of(mtile, off, tile_of(task - first_tile)), epoch, timeout_ns, status,
                               me);
     };
-    auto task_of = [&](int claimed_value) { return claimed_value < n_send ? claimed_value : claimed_value + n_relay; };
+    // thread 0 claims; at least one sender, or no send would ever be claimed
+    bool sending = threadIdx.x == 0 && atomicAdd(counter + FM_SENDER_TICKET, 1) < max(send_ctas, 1);
+    auto take = [&] {
+        if (sending) {
+            const int send = atomicAdd(counter + FM_SEND_COUNTER, 1);
+            if (send < n_send) return send;
+            sending = false;
+        }
+        return first_tile + atomicAdd(counter + FM_TILE_COUNTER, 1);
+    };
     auto kind = [&](int task) { return task < n_send ? send_kind : tile_kind; };  // the relays stamp their own
     int last = total;
-    auto next = [&] { return claim(counter, claimed, total, task_of, rows_relayed, kind, trace, last); };
+    auto next = [&] { return claim(take, claimed, total, rows_relayed, kind, trace, last); };
 
     if (warpgroup == 0) {  // the producer thread and the store warps
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));
         if (warp > 0) {
-            relay_on_store_warps<SYSTEM>(counter, claimed, n_relay, off, mtile, spr, peer_bases[me], landing_offset,
+            relay_on_store_warps<SYSTEM>(counter, claimed, n_relay, arrival + FM_ARRIVAL_BANDS * spr + 1, off, mtile,
+                                         spr, peer_bases[me], landing_offset,
                                          row_landing_offset, row_flag_offset, tile_ready, relay_row, epoch, timeout_ns,
                                          status, me, trace, n_send, relay_kind);
             return;
@@ -570,10 +616,10 @@ __device__ __forceinline__ void gemm_tiles_then_reduce(
     bool gave_up = false;
     int step = 0, phase = 0;
     auto no_wait = [](int) {};
-    auto in_order = [](int value) { return value; };
+    auto take = [&] { return atomicAdd(counter, 1); };
     auto kind = [&](int task) { return task < n_tiles ? tile_kind : reduce_kind; };
     int last = total;
-    auto next = [&] { return claim(counter, claimed, total, in_order, no_wait, kind, trace, last); };
+    auto next = [&] { return claim(take, claimed, total, no_wait, kind, trace, last); };
 
     if (warpgroup == 0) {  // the producer thread and the store warps: GEMM tiles only
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(GH_PRODUCER_REGISTERS));

@@ -7,8 +7,8 @@
 // Dispatcher, grouped_gemm.cu, swiglu.cu): the same tile arithmetic, the same sums.
 //
 //   fused_plan          one block: every rank's offsets and M-tile starts from the gathered
-//                       count table; the three counters zeroed (kernel A's claims and
-//                       relays, kernel B's claims)
+//                       count table, this rank's arrival order of its M-tiles; the
+//                       counters zeroed (kernel A's streams and ticket, kernel B's claims)
 //   fused_dispatch_up   send -> up tiles (SwiGLU epilogue) -> act [rows, F] BF16, and
 //                       h [rows, 2F] FP32 kept for the backward (unless h is null); relay
 //                       (landing -> recv rows) on the store warps beside them
@@ -24,7 +24,9 @@
 // block's next task (fused_common.cuh); an up tile's epilogue runs on the consumers, through
 // the ring once its MMAs are done. Send and reduce tasks run on the consumer warps, a warp
 // per token. In kernel A the store warps of every block claim the relays from a counter of
-// their own and copy their rows beside the block's sends and MMAs. Any number of resident
+// their own and copy their rows beside the block's sends and MMAs, and only the first
+// send_ctas blocks to start send: the others start on up tiles (relays and up tiles in
+// arrival order: the M-tiles whose rows come first go first). Any number of resident
 // blocks is correct (a block never waits for a task claimed after its own, nor for a relay
 // that no resident block's store warps can run), so the grid is the SM count whatever share
 // of them MPS grants.
@@ -80,14 +82,35 @@ static_assert(GH_CONSUMERS * 4 == 8, "send and reduce tasks run on the 8 consume
 
 // -- the plan ------------------------------------------------------------------------------------
 
+// The arrival band of rows [lo, hi) of expert e's rows on its rank, which come from the
+// sources in rank order, source s's count table[s * table_cols + e] of them
+// (ultraep/compute/fused/forward.py's tile_band): where the last row stands in its source's
+// segment, in FM_ARRIVAL_BANDS steps; rows of two sources wait for the first one's last row:
+// the last band. `s` and `start` walk forward over the sources: a slot's M-tiles ask in order.
+__device__ __forceinline__ int tile_band(const int* table, int table_cols, int ranks, int e, int lo, int hi, int& s,
+                                         int& start) {
+    for (; s < ranks; ++s) {
+        const int count = table[s * table_cols + e];
+        if (hi - 1 < start + count)
+            return lo < start ? FM_ARRIVAL_BANDS - 1 : (FM_ARRIVAL_BANDS * (hi - start) - 1) / count;
+        start += count;
+    }
+    return FM_ARRIVAL_BANDS - 1;  // not reached: hi is at most the slot's rows
+}
+
 // From the gathered count table (rows: sources; columns: num_experts pair counts first):
 // rank_off[r * (spr + 1) + j] = rank r's expert-major offsets, rank_mtile[...] its first
-// M-tile per slot (the last entry the total). Zeroes the counters (kernel A's claims and
-// relays, kernel B's claims) and the per-M-tile counts of finished down tiles (a failed call
-// may have left some short).
-extern "C" __global__ void fused_plan(const int* table, int ranks, int num_experts, int table_cols, int spr,
-                                      int* rank_off, int* rank_mtile, int* counters, int* down_count, int max_tiles) {
-    if (threadIdx.x < 3) counters[threadIdx.x] = 0;
+// M-tile per slot (the last entry the total); `arrival` (forward.py's arrival_tables) this
+// rank's M-tiles by band, slot and M-tile: the FM_ARRIVAL_BANDS * spr run sizes' prefix, then
+// the order (room for `max_tiles` M-tiles). Zeroes the counters (FM_COUNTERS) and the
+// per-M-tile counts of finished down tiles (a failed call may have left some short).
+extern "C" __global__ void fused_plan(const int* table, int ranks, int num_experts, int table_cols, int spr, int me,
+                                      int* rank_off, int* rank_mtile, int* arrival, int* counters, int* down_count,
+                                      int max_tiles) {
+    __shared__ int run[FM_ARRIVAL_BANDS * FM_MAX_SLOTS];  // per run: its size, then where its next M-tile goes
+    const int runs = FM_ARRIVAL_BANDS * spr;
+    if (threadIdx.x < FM_COUNTERS) counters[threadIdx.x] = 0;
+    for (int q = threadIdx.x; q < runs; q += blockDim.x) run[q] = 0;
     for (int m = threadIdx.x; m < max_tiles; m += blockDim.x) down_count[m] = 0;
     for (int r = threadIdx.x; r < ranks; r += blockDim.x) {
         int rows = 0, tiles = 0;
@@ -101,6 +124,43 @@ extern "C" __global__ void fused_plan(const int* table, int ranks, int num_exper
         }
         rank_off[r * (spr + 1) + spr] = rows;
         rank_mtile[r * (spr + 1) + spr] = tiles;
+    }
+    __syncthreads();  // this rank's offsets and M-tile starts, written above by thread me
+    // More rows than the receive bound (the token map's verdict, which stops kernels A and B):
+    // no order, whose M-tiles would not fit the `max_tiles` the buffer holds.
+    if (rank_mtile[me * (spr + 1) + spr] > max_tiles) return;
+    const int* off = rank_off + me * (spr + 1);
+    for (int j = threadIdx.x; j < spr; j += blockDim.x) {  // a thread per slot: the slot's runs are its own
+        const int rows = off[j + 1] - off[j];
+        for (int lo = 0, s = 0, start = 0; lo < rows; lo += FM_BM)
+            ++run[tile_band(table, table_cols, ranks, me * spr + j, lo, min(rows, lo + FM_BM), s, start) * spr + j];
+    }
+    __syncthreads();
+    if (threadIdx.x < WARP) {  // the runs' prefix on warp 0, a stretch of runs per lane
+        const int lane = threadIdx.x, per_lane = ceil_div(runs, WARP);
+        const int first = min(lane * per_lane, runs), last = min(first + per_lane, runs);
+        int sum = 0;
+        for (int q = first; q < last; ++q) sum += run[q];
+        int inclusive = sum;
+#pragma unroll
+        for (int d = 1; d < WARP; d *= 2) {
+            const int v = __shfl_up_sync(FULL_MASK, inclusive, d);
+            if (lane >= d) inclusive += v;
+        }
+        for (int q = first, at = inclusive - sum; q < last; ++q) {
+            const int size = run[q];
+            arrival[q] = run[q] = at;
+            at += size;
+        }
+        if (lane == WARP - 1) arrival[runs] = inclusive;
+    }
+    __syncthreads();
+    int* order = arrival + runs + 1;
+    for (int j = threadIdx.x; j < spr; j += blockDim.x) {
+        const int rows = off[j + 1] - off[j], first = rank_mtile[me * (spr + 1) + j];
+        for (int lo = 0, s = 0, start = 0; lo < rows; lo += FM_BM)
+            order[run[tile_band(table, table_cols, ranks, me * spr + j, lo, min(rows, lo + FM_BM), s, start) * spr +
+                      j]++] = first + lo / FM_BM;
     }
 }
 
@@ -139,9 +199,9 @@ __device__ __forceinline__ void swiglu_up_tile(unsigned ring, const Tile& tile, 
 
 // -- kernel A: dispatch + up-projection ------------------------------------------------------------
 
-// Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then up tiles in
-// the grouped GEMM's order (gemm_tile): send_relay_then_gemm, the sends and up tiles claimed
-// from counter[0], the relays by the store warps from counter[1]; the relay a row copy into
+// Tasks: [0, n_send) send, then one relay per M-tile, then up tiles, both in arrival order
+// (arrival_tile): send_relay_then_gemm, the first send_ctas blocks to start sending before
+// they claim up tiles, the relays on the store warps; the relay a row copy into
 // recv (gpu-scope fence: only this rank's TMA reads it), an up tile's epilogue SwiGLU into
 // act [rows, F]. recv_map: recv [max_rows, H] as
 // (H, rows), box 64 x 128; w_up_map: w_up [slots, H, 2F] as (2F, H, slots), boxes 64 x 64 x 1.
@@ -150,16 +210,16 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
                   const uint4* x, int tokens, int top_k, int hidden, const long long* ids, const float* gates,
                   const int* positions, const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset,
                   u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens,
-                  const int* rank_off, const int* rank_mtile, int max_rows, uint4* recv, u64* tile_ready, int ffn,
-                  bf16* act, float* h, u64 epoch, u64 timeout_ns, int* counter, long long* status,
-                  const int* outcome, u64* trace) {
+                  const int* rank_off, const int* rank_mtile, const int* arrival, int send_ctas, int max_rows,
+                  uint4* recv, u64* tile_ready, int ffn, bf16* act, float* h, u64 epoch, u64 timeout_ns, int* counter,
+                  long long* status, const int* outcome, u64* trace) {
     __shared__ int off[FM_MAX_SLOTS + 1], mtile[FM_MAX_SLOTS + 1], tile_start[FM_MAX_SLOTS + 1];
     __shared__ Pipeline p;
     __shared__ int claimed[2];  // the block's claim, the store warps' relay
     if (outcome[0] != FM_OUTCOME_OK) return;  // every block of every rank reads the same verdict
-    load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FM_UP_COLS);
+    const int n_cols = load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FM_UP_COLS);
     // Tile t of the up tiles: gate columns [c0, c0 + 128) and up columns F + [c0, c0 + 128) of slot j.
-    auto up_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FM_UP_COLS, hidden); };
+    auto up_tile = [&](int t) { return arrival_tile(arrival, off, mtile, spr, n_cols, t, FM_UP_COLS, hidden); };
     auto boxes = [&](const Tile& tile) {
         const unsigned half = ffn - tile.col0 > GH_BOX ? 3u : 1u;  // each half's boxes left of F
         return half | half << 2;
@@ -180,8 +240,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     send_relay_then_gemm<GH_FORWARD, false>(
         &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, x, tokens, top_k, hidden, ids, gates, positions, base,
         peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
-        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, p, claimed, tile_ready, relay_row, finish, epoch,
-        timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
+        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, arrival, send_ctas, p, claimed, tile_ready, relay_row,
+        finish, epoch, timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
 }
 
 // -- kernel B: down-projection + combine -----------------------------------------------------------

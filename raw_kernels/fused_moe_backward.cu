@@ -117,10 +117,10 @@ __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile
 
 // -- kernel C: gradient dispatch + dgrad of down ------------------------------------------------
 
-// Tasks: [0, n_send) send, then one relay per M-tile (slot, then M-tile), then dgrad-down
-// tiles in the grouped GEMM's order (gemm_tile): the forward kernel A's
-// send_relay_then_gemm (sends and tiles claimed from counter[0], the relays by the store warps
-// from counter[1]), the relay row_math.cuh's grad_row (the sequential path's too), a
+// Tasks: [0, n_send) send, then one relay per M-tile, then dgrad-down tiles, both in the
+// forward's arrival order (its fused_plan's `arrival`, arrival_tile): the forward kernel A's
+// send_relay_then_gemm (the first send_ctas blocks sending first, the relays on the store
+// warps), the relay row_math.cuh's grad_row (the sequential path's too), a
 // tile's epilogue SwiGLU's backward into dh's gate half and up half on the consumers.
 // grad_y_map: grad_y [max_rows, H] as (H, rows), box 64 x 128; w_down_map: w_down
 // [slots, F, H] as (H, F, slots), box 64 x 256 x 1. row_landing, row_weight, row_origin: the
@@ -133,7 +133,8 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
                           const int* positions, const int* base, const u64* peer_bases, u64 landing_offset,
                           u64 weight_offset, u64 row_landing_offset, u64 origin_offset, u64 row_flag_offset,
                           u64 slot_grad_w_offset, int me, int spr, int max_tokens, const int* rank_off,
-                          const int* rank_mtile, const int* row_landing, const float* row_weight,
+                          const int* rank_mtile, const int* arrival, int send_ctas, const int* row_landing,
+                          const float* row_weight,
                           const int* row_origin, const uint4* y, uint4* grad_y, u64* tile_ready, int ffn,
                           const float* h, bf16* dh, u64 epoch, u64 timeout_ns, int* counter, long long* status,
                           const int* outcome, u64* trace) {
@@ -141,8 +142,8 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     __shared__ Pipeline p;
     __shared__ int claimed[2];  // the block's claim, the store warps' relay
     if (outcome[0] != FB_OUTCOME_OK) return;  // every block of every rank reads the same verdict
-    load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FB_DACT_COLS);
-    auto dgrad_tile = [&](int t) { return gemm_tile(tile_start, off, spr, t, FB_DACT_COLS, hidden); };
+    const int n_cols = load_tables(off, mtile, tile_start, p, rank_off, rank_mtile, me, spr, ffn, FB_DACT_COLS);
+    auto dgrad_tile = [&](int t) { return arrival_tile(arrival, off, mtile, spr, n_cols, t, FB_DACT_COLS, hidden); };
     auto relay_row = [&](int row, const uint4* landing, const int*) {  // the handle's row_landing
         grad_row<bf16, FM_RELAY_UNROLL>(row, landing, row_landing, row_weight, row_origin, y, grad_y, hidden * 2 / 16,
                                         peer_bases, slot_grad_w_offset, max_tokens * top_k, threadIdx.x % WARP);
@@ -158,8 +159,8 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     send_relay_then_gemm<GH_DGRAD, true>(
         &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, dy, tokens, top_k, hidden, ids, gates,
         positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset,
-        me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, p, claimed, tile_ready, relay_row, finish, epoch,
-        timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
+        me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, arrival, send_ctas, p, claimed, tile_ready,
+        relay_row, finish, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
 }
 
 // -- kernel D: dgrad of up + gradient combine -----------------------------------------------------

@@ -135,8 +135,8 @@ def test_search_cli_prints_the_choice_and_its_time(tmp_path, capsys):
     assert "(device backend, 132 SMs at an MPS share of 100 %)" in out
     assert ("problem: 4096 tokens a rank, hidden 4096, ffn 1536, top-8 of 64 experts, 8 ranks (1 a GPU); weight sync "
             "of a 37.7 MB expert to 3 replicas") in out
-    assert re.search(r"best: weight-sync grid \d+, dispatch grid \d+, fused ctas=\d+ send=\d+ reduce=\d+ unroll=4/8",
-                     out) and "fused_down" in out and "weight_sync" in out
+    assert re.search(r"best: weight-sync grid \d+, dispatch grid \d+, fused ctas=\d+ senders=\d+ send=\d+ "
+                     r"reduce=\d+ unroll=4/8", out) and "fused_down" in out and "weight_sync" in out
     assert "search: 147456 configurations in" in out
     assert tune_main(["search", "--profile", str(path)]) == 0  # no weight sync: no grid for it, no time
     out = capsys.readouterr().out

@@ -215,7 +215,7 @@ class MoEContext:
     y: Any                        # expert outputs, BF16 [max_recv_rows, H]
     generation: int               # which forward last filled the layer's replica weights
     tokens: int                   # this rank's tokens in the forward
-    rank_tiles: Any = None        # fused: every rank's offsets and M-tile starts of this forward [2, R, slots + 1]
+    tile_plan: Any = None         # fused: this forward's TilePlan (every rank's tile geometry, this rank's order)
     done: bool = False
     for_backward: bool = True     # False: the forward ran with backward=False (nothing kept for one)
     layer_id: int = -1            # MoELayer.id of the layer whose forward made it
@@ -710,10 +710,10 @@ class MoELayer:
                 if handle is not None:  # kernel A's up tiles read every slot's weights from its start
                     self._fill_replicas(handle)
                     self._mark("replicas")
-                out, received, act, h, y, rank_tiles = self._fused.forward(
+                out, received, act, h, y, tile_plan = self._fused.forward(
                     arrays[0], self._import("topk_ids", ids), arrays[2], self._w_up, self._w_down, keep=backward)
                 self._mark("fused")
-                return out, MoEContext(handle, received, h, act, y, self._generation, tokens, rank_tiles=rank_tiles,
+                return out, MoEContext(handle, received, h, act, y, self._generation, tokens, tile_plan=tile_plan,
                                        for_backward=backward, layer_id=self.id)
             received = self.dispatcher.dispatch(x, ids, gates)
             self._mark("dispatch")
@@ -774,7 +774,7 @@ class MoELayer:
             if fused is not None:  # the gradients' exchange and both dgrads in two persistent kernels
                 self._refill_replicas(ctx)
                 self._mark("refill")
-                dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.rank_tiles, ctx.h, ctx.y, self._w_up,
+                dx, d_gates, grad_y, dh = fused.backward(grad, received, ctx.tile_plan, ctx.h, ctx.y, self._w_up,
                                                          self._w_down)
                 self._mark("fused")
             else:

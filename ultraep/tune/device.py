@@ -366,7 +366,7 @@ class FusedBench:
             raise ProfileError(f"no fused task {task!r}")
         self.cp, self.device, self.task, self.key = cp, device, task, (task, k)
         constant = lambda name: kernel_constant(FUSED_KERNELS, name)  # noqa: E731
-        self.bm, self.box = constant("FM_BM"), constant("GH_BOX")
+        self.bm, self.box, self.bands = constant("FM_BM"), constant("GH_BOX"), constant("FM_ARRIVAL_BANDS")
         self.kind = constant({"up": "FM_KIND_UP", "up_act": "FM_KIND_UP", "relay": "FM_KIND_RELAY",
                               "down": "FM_KIND_DOWN", "down_y": "FM_KIND_DOWN"}[task])
         self.kernel_name = "fused_down_combine" if task.startswith("down") else "fused_dispatch_up"
@@ -385,7 +385,7 @@ class FusedBench:
             maps = _TensorMaps()
             m_tiles = rows // self.bm
             self.epoch = 0
-            self.counter = cp.zeros(2, np.int32)  # kernel A's second word: its store warps' relays
+            self.counter = cp.zeros(constant("FM_COUNTERS"), np.int32)  # kernel A's streams; B's claims: word 0
             self.status = cp.zeros(constant("FM_STATUS_WORDS"), np.int64)
             self.outcome = cp.zeros(1, np.int32)  # the token map's verdict: OK
             self.trace = cp.zeros((self.slots * self.tasks_per_slot, constant("FM_TRACE_WORDS")), np.uint64)
@@ -473,6 +473,14 @@ class FusedBench:
         mtiles = np.zeros(slots + 1, np.int32) if self.task in ("up", "up_act") else offsets * m_tiles
         values = dict(self.fixed, spr=np.int32(slots), rank_off=cp.asarray(offsets * FUSED_SLOT_ROWS),
                       rank_mtile=cp.asarray(mtiles), epoch=epoch)
+        if self.kernel_name == "fused_dispatch_up":  # one sender (no token to send); M-tiles slot by slot
+            runs = self.bands * slots
+            if self.task == "relay":  # relays alone: the order only
+                starts, order = np.zeros(runs + 1, np.int32), np.arange(slots * m_tiles, dtype=np.int32)
+            else:  # each slot's M-tiles one run of band 0, numbered within the slot as the all-zero table has them
+                starts = np.minimum(np.arange(runs + 1), slots) * m_tiles
+                order = np.tile(np.arange(m_tiles, dtype=np.int32), slots)
+            values.update(arrival=cp.asarray(np.concatenate([starts, order]).astype(np.int32)), send_ctas=np.int32(1))
         values.update({name: pool.next_map(slots) for name, pool in self.pools.items()})
         arguments = ordered_arguments(FUSED_KERNELS, self.kernel_name, values)
 

@@ -673,8 +673,9 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     stored to every destination: a row copy's round trips per row copied) and its system
     fence. A CTA runs whole tasks: the sends take rounds of one task per CTA at work, each
     bounded by its share of their traffic too (every byte read and written at the GPU's
-    shared copy rate), and the tiles wait for the last round (the first tiles, slot 0's first
-    M-tiles, hold rows of ranks 0 and 1 in token order, their last tokens' too). A relay
+    shared copy rate), and the tiles wait for the last round: every CTA sends before its
+    first tile (FusedConfig.send_ctas at its default, every CTA; fewer senders are not
+    modelled). A relay
     task (one M-tile's rows) is measured; one of a partial M-tile is charged by its rows'
     rounds. The up tiles (``bm`` rows x ``2 * up_cols`` columns over ``hidden``, storing
     ``h`` as ``problem.keeps_h`` says) run in waves of the measured tile over the CTAs at work.

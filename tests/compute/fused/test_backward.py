@@ -110,22 +110,26 @@ def test_the_order_puts_every_producer_before_its_consumers():
     assert (c, d) == task_order(layer.plans[0], layer.ffn, layer.hidden, SMALL)
 
 
-@pytest.mark.parametrize("swap", ["dgrad_down", "dgrad_up"])
-def test_an_order_with_consumers_first_is_refused_and_deadlocks(swap):
-    """dgrad_down tiles claimed before the sends their relays wait for, or reduces before
-    the dgrad_up tiles."""
+def test_reduces_claimed_before_their_dgrad_up_tiles_are_refused_and_deadlock():
     data = backward_problem(2, 2, 10, 2, seed=1)
     layer = simulation(*data, grain=SMALL)
-    bad = []
-    for c, d in layer.tasks:
-        if swap == "dgrad_down":
-            bad.append(([t for t in c if t.kind == "dgrad_down"] + [t for t in c if t.kind != "dgrad_down"], d))
-        else:
-            bad.append((c, [t for t in d if t.kind != "dgrad_up"] + [t for t in d if t.kind == "dgrad_up"]))
+    bad = [(c, [t for t in d if t.kind != "dgrad_up"] + [t for t in d if t.kind == "dgrad_up"]) for c, d in layer.tasks]
     with pytest.raises(FusedDeadlock, match="not claimed before it"):
         check_order(layer, bad)
     with pytest.raises(FusedDeadlock, match="no CTA can go on"):
         simulate(layer, [1, 1], np.random.default_rng(0), bad)
+
+
+def test_dgrad_down_tiles_listed_before_the_sends_still_finish():
+    """Kernel C's sends are the senders' stream: wherever its tiles stand in the list, one
+    sender a rank sends everything, and the result keeps its bits."""
+    data = backward_problem(2, 2, 10, 2, seed=1)
+    layer = simulation(*data, grain=SMALL)
+    early = [([t for t in c if t.kind == "dgrad_down"] + [t for t in c if t.kind != "dgrad_down"], d)
+             for c, d in layer.tasks]
+    check_order(layer, early)
+    simulate(layer, [3, 2], np.random.default_rng(0), early, senders=[1, 1])
+    assert_bitwise(layer, sequential_backward(*data, swiglu_backward), "tiles listed first")
 
 
 def test_a_stale_epoch_is_never_taken_for_arrival():
@@ -237,7 +241,7 @@ def test_fused_backward_stage_by_stage_on_one_gpu(hidden, ffn, experts, tokens, 
             poison = [cupy.full(n, 0x7FC1, dtype=np.int16) for n in (rows * hidden, rows * 2 * ffn, tokens * hidden)]
             del poison  # back to the pool: the fused backward's buffers start as NaN patterns
             _poison_heap(moe)
-            outputs = launcher.backward(dy, received, ctx.rank_tiles, h, y, moe._w_up, moe._w_down)
+            outputs = launcher.backward(dy, received, ctx.tile_plan, h, y, moe._w_up, moe._w_down)
             moe.check()
             dx_f, d_gates_f, grad_y_f, dh_f = outputs
             got = [cupy.asnumpy(a).view(np.int16 if a.dtype.itemsize == 2 else np.int32)
@@ -265,6 +269,7 @@ def test_every_fused_backward_wait_is_bounded_and_names_its_flag(skip, flag):
 
     from ultraep.errors import WaitTimeout
     from ultraep.compute.fused.backward import KERNELS
+    from ultraep.compute.fused.device import B_COUNTER
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.group import EPGroup
     from ultraep.runtime.kernels import kernel_constant
@@ -283,7 +288,8 @@ def test_every_fused_backward_wait_is_bounded_and_names_its_flag(skip, flag):
         moe.check()
         launcher = moe._fused_backward()
         name = "fused_grad_dispatch_dgrad" if skip == "sends" else "fused_dgrad_combine"
-        counter = 0 if skip == "sends" else 2  # kernel C's claims, or kernel D's after C's claims and relays
+        # kernel C's sends, or kernel D's claims after C's counters
+        counter = kernel_constant(KERNELS, "FM_SEND_COUNTER") if skip == "sends" else B_COUNTER
         start = (-(-T // kernel_constant(KERNELS, "FB_SEND_TOKENS")) if skip == "sends"
                  else int(sum(-(-c // bm) for c in counts)) * -(-H // cols))
         kernel = launcher.k[name]

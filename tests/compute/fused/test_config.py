@@ -5,7 +5,7 @@ import pytest
 
 from ultraep.errors import MoELayerError
 from ultraep.runtime.kernels import kernel_constant
-from ultraep.compute.fused.config import FusedConfig, FusedSchedule
+from ultraep.compute.fused.config import SEND_SHARE, FusedConfig, FusedSchedule
 
 
 def test_defaults_are_the_kernel_sources_and_compile_the_plain_module():
@@ -16,7 +16,20 @@ def test_defaults_are_the_kernel_sources_and_compile_the_plain_module():
     assert config.defines() == ()
     assert FusedConfig(8, send_tokens=32, reduce_unroll=2).defines() == (("FM_SEND_TOKENS", 32),
                                                                           ("FM_REDUCE_UNROLL", 2))
-    assert str(FusedConfig(8, send_tokens=32)) == "ctas=8 send=32 reduce=16 unroll=4/8"
+    assert str(FusedConfig(8, send_tokens=32)) == "ctas=8 senders=8 send=32 reduce=16 unroll=4/8"
+
+
+def test_senders_default_to_a_share_of_the_ctas_and_round_trip():
+    assert [FusedConfig(c).send_ctas for c in (1, 2, 3, 33, 132)] == [max(1, min(c, round(c * SEND_SHARE)))
+                                                                      for c in (1, 2, 3, 33, 132)]
+    assert FusedConfig(33, send_ctas=40).send_ctas == 33  # never more than the grid
+    assert FusedConfig(33, send_ctas=FusedConfig(33).send_ctas) == FusedConfig(33)
+    assert FusedConfig(33, send_ctas=5) != FusedConfig(33, send_ctas=6)
+    for config in (FusedConfig(33, send_ctas=5, send_tokens=8), FusedConfig(132)):
+        assert FusedConfig.parse(str(config)) == config
+    assert FusedConfig.parse("ctas=27 send=16 reduce=16 unroll=4/8") == FusedConfig(27, send_ctas=27)  # every CTA sent
+    with pytest.raises(MoELayerError, match="send_ctas must be a positive integer, got 0"):
+        FusedConfig.parse("ctas=4 senders=0 send=16 reduce=16 unroll=4/8")
 
 
 @pytest.mark.parametrize("knobs, message", [
@@ -26,6 +39,7 @@ def test_defaults_are_the_kernel_sources_and_compile_the_plain_module():
     (dict(ctas=4, reduce_tokens=-1), "reduce_tokens must be a positive integer"),
     (dict(ctas=4, copy_unroll=9), "copy_unroll must be at most 8, got 9"),
     (dict(ctas=4, reduce_unroll=17), "reduce_unroll must be at most 16, got 17"),
+    (dict(ctas=4, send_ctas=0), "send_ctas must be a positive integer, got 0"),
 ])
 def test_bad_knobs_are_refused_by_name(knobs, message):
     with pytest.raises(MoELayerError, match=message):
@@ -44,6 +58,7 @@ def test_a_grid_above_the_resident_ctas_names_both_numbers():
 
 def test_a_configuration_parses_back_from_its_text():
     config = FusedConfig(27, 64, 4, copy_unroll=2, reduce_unroll=16)
-    assert FusedConfig.parse(str(config)) == config and str(config) == "ctas=27 send=64 reduce=4 unroll=2/16"
+    assert FusedConfig.parse(str(config)) == config
+    assert str(config) == f"ctas=27 senders={config.send_ctas} send=64 reduce=4 unroll=2/16"
     with pytest.raises(MoELayerError, match="not a fused configuration"):
         FusedConfig.parse("ctas=27 send=64")

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import BACKENDS, assert_all_ranks_ok, requires_gpu, run_ranks
-from ultraep.compute.fused.forward import (FusedDeadlock, FusedLayer, Granularity, check_order, max_m_tiles, max_tasks,
-                                           run_rank, sequential_forward, simulate, task_order)
+from ultraep.compute.fused.forward import (FusedDeadlock, FusedLayer, Granularity, arrival_tables, check_order,
+                                           max_m_tiles, max_tasks, run_rank, sequential_forward, simulate, task_order)
 from ultraep.integration.moe_layer import swiglu
 from ultraep.runtime.dtypes import BFLOAT16
 
-SMALL = Granularity(send_tokens=3, reduce_tokens=2, bm=4, up_cols=8, down_cols=16, group_m=2)
+SMALL = Granularity(send_tokens=3, reduce_tokens=2, bm=4, up_cols=8, down_cols=16, group_m=2, bands=3)
 
 
 def bf16(rng, shape, scale=1.0):
@@ -115,12 +115,57 @@ def test_an_order_with_consumers_first_is_refused_and_deadlocks():
     xs, ids, gates, w_up, w_down = problem(2, 2, 10, 2, seed=1)
     layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
     bad = []
-    for a, b in layer.tasks:  # up tiles claimed before the sends their relays wait for
-        bad.append(([t for t in a if t.kind == "up"] + [t for t in a if t.kind != "up"], b))
+    for a, b in layer.tasks:  # reduces claimed before the down tiles whose done flags they wait for
+        bad.append((a, [t for t in b if t.kind == "reduce"] + [t for t in b if t.kind != "reduce"]))
     with pytest.raises(FusedDeadlock, match="not claimed before it"):
         check_order(layer, bad)
     with pytest.raises(FusedDeadlock, match="no CTA can go on"):
         simulate(layer, [1, 1], np.random.default_rng(0), bad)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_senders_send_while_the_other_ctas_start_up_tiles(seed):
+    """Only the first senders[r] CTAs of a rank claim sends (then tiles); the others claim up
+    tiles from the start and wait for their rows. Up tiles listed before the sends, one
+    sender among several CTAs, or every CTA a sender: no deadlock, the same bits."""
+    xs, ids, gates, w_up, w_down = problem(4, 2, 11, 3, seed=seed)
+    expected = bits(sequential_forward(xs, ids, gates, w_up, w_down, swiglu))
+    rng = np.random.default_rng(seed)
+    layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
+    early = [([t for t in a if t.kind == "up"] + [t for t in a if t.kind != "up"], b) for a, b in layer.tasks]
+    ctas = [int(c) for c in rng.integers(1, 5, size=4)]
+    senders = [int(rng.integers(1, c + 1)) for c in ctas]
+    check_order(layer, early)
+    got = bits(simulate(layer, ctas, rng, early, senders=senders))
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected)), f"{ctas} CTAs, {senders} senders"
+
+
+def test_arrival_tables_order_the_m_tiles_by_band_then_slot():
+    """Rank 0's two slots, rows from two sources: slot 0 holds 8 + 8 rows, slot 1 4 + 0.
+    With 4-row M-tiles and 2 bands, slot 0's tiles end 4/8, 8/8, 4/8, 8/8 into their
+    source's rows (bands 0 1 0 1) and slot 1's 4/4 (band 1)."""
+    table = np.array([[8, 4, 3, 3], [8, 0, 5, 5]])
+    arrival = arrival_tables(table, 2, 0, bm=4, bands=2)
+    # runs (band 0, slot 0) (band 0, slot 1) (band 1, slot 0) (band 1, slot 1): 2, 0, 2, 1 M-tiles
+    assert arrival.tolist() == [0, 2, 2, 4, 5] + [0, 2, 1, 3, 4]
+    # M-tile 0 holds source 0's 2 rows and source 1's first 2 of 8: it waits for source 0's
+    # last row, the last band (3), not its rows of source 1 (band 0); M-tiles 1, 2: 6/8, 8/8
+    assert arrival_tables(np.array([[2, 0], [8, 0]]), 1, 0, bm=4, bands=4).tolist() == [0, 0, 0, 1, 3] + [1, 0, 2]
+
+
+@pytest.mark.parametrize("routing", ["random", "one-expert", "empty-experts"])
+def test_arrival_order_holds_every_m_tile_once_and_follows_the_tiles(routing):
+    xs, ids, gates, w_up, w_down = problem(4, 3, 40, 3, routing=routing, seed=4)
+    layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
+    for r, plan in enumerate(layer.plans):
+        runs = SMALL.bands * 3
+        starts, order = plan.arrival[:runs + 1], plan.arrival[runs + 1:]
+        assert np.all(np.diff(starts) >= 0) and starts[-1] == order.size == plan.mtiles[r][-1]
+        assert sorted(order.tolist()) == list(range(order.size))
+        relays = [layer._mtile(r, t.a, t.m) for t in layer.tasks[r][0] if t.kind == "relay"]
+        assert relays == order.tolist()
+        first_ups = list(dict.fromkeys(layer._mtile(r, t.a, t.m) for t in layer.tasks[r][0] if t.kind == "up"))
+        assert first_ups == order.tolist()  # each run's M-tiles in order, group by group (group_m=2 here)
 
 
 def test_the_relays_are_a_stream_of_their_own():
@@ -281,6 +326,7 @@ def test_every_fused_wait_is_bounded_and_names_its_flag(skip, flag):
     import cupy
     from mpi4py import MPI
 
+    from ultraep.compute.fused.device import B_COUNTER
     from ultraep.errors import WaitTimeout
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.group import EPGroup
@@ -301,9 +347,10 @@ def test_every_fused_wait_is_bounded_and_names_its_flag(skip, flag):
         def plan_then_skip(*args, **kwargs):
             plan(*args, **kwargs)
             if skip == "sends":
-                launcher.counters[0] = -(-T // launcher.schedule.for_tokens(T).send_tokens)
+                launcher.counters[kernel_constant("fused_moe.cu", "FM_SEND_COUNTER")] = -(
+                    -T // launcher.schedule.for_tokens(T).send_tokens)
             else:
-                launcher.counters[2] = down_tiles  # kernel B's claims, after kernel A's claims and relays
+                launcher.counters[B_COUNTER] = down_tiles  # kernel B's claims, after kernel A's counters
         launcher.k["fused_plan"] = plan_then_skip
         x = _on_gpu(bf16(rng, (T, H)))
         moe.forward(x, cupy.asarray(ids.astype(np.int64)), cupy.asarray(rng.random((T, K)).astype(np.float32)))

@@ -103,7 +103,8 @@ KINDS = {kernel_constant(KERNELS, f"FB_KIND_{kind.upper()}"): kind for kind in K
 
 def granularity() -> Granularity:
     """The backward kernels' task sizes (``up_cols``: d_act columns per dgrad_down tile)."""
-    names = ("FB_SEND_TOKENS", "FB_REDUCE_TOKENS", "FB_BM", "FB_DACT_COLS", "FB_DOWN_COLS", "GG_GROUP_M")
+    names = ("FB_SEND_TOKENS", "FB_REDUCE_TOKENS", "FB_BM", "FB_DACT_COLS", "FB_DOWN_COLS", "GG_GROUP_M",
+             "FM_ARRIVAL_BANDS")  # the forward's bands: its arrival order serves the backward
     return Granularity(*(kernel_constant(KERNELS, name) for name in names))
 
 

@@ -22,6 +22,9 @@ from ultraep.runtime.kernels import kernel_constant
 
 KERNELS = "fused_moe.cu"
 BUCKET_TOKENS = 4096
+# Of kernel A's CTAs, the share that sends first by default (FusedConfig.send_ctas): all of them until a
+# measurement says fewer senders cost the GEMM less than their sends' late arrival costs it.
+SEND_SHARE = 1.0
 # (knob, the kernel's macro, largest value accepted): an unroll is a register array per lane
 DEFINES = (("send_tokens", "FM_SEND_TOKENS", 1 << 16), ("reduce_tokens", "FM_REDUCE_TOKENS", 1 << 16),
            ("copy_unroll", "FM_UNROLL", 8), ("reduce_unroll", "FM_REDUCE_UNROLL", 16))
@@ -48,6 +51,10 @@ class FusedConfig:
       ``FM_UNROLL``, at most 8).
     * ``reduce_unroll``: slot rows a lane loads at once in a reduce (``FM_REDUCE_UNROLL``,
       at most 16).
+    * ``send_ctas``: the CTAs of kernel A (and the backward's C) that claim the sends before
+      anything else, a launch argument; the others start on up tiles at once, so the GEMM
+      runs beside the exchange. None: :data:`SEND_SHARE` of ``ctas``, at least one; set to
+      the number resolved, at most ``ctas``.
 
     The defaults are the kernel source's constants; ``ctas`` has none (the device's).
     """
@@ -57,15 +64,20 @@ class FusedConfig:
     reduce_tokens: int = kernel_constant(KERNELS, "FM_REDUCE_TOKENS")
     copy_unroll: int = kernel_constant(KERNELS, "FM_UNROLL")
     reduce_unroll: int = kernel_constant(KERNELS, "FM_REDUCE_UNROLL")
+    send_ctas: int | None = None
 
     def __post_init__(self):
         for knob in fields(self):
             value = getattr(self, knob.name)
+            if knob.name == "send_ctas" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MoELayerError(f"FusedConfig.{knob.name} must be a positive integer, got {value!r}")
         for name, _, most in DEFINES:
             if getattr(self, name) > most:
                 raise MoELayerError(f"FusedConfig.{name} must be at most {most}, got {getattr(self, name)}")
+        senders = self.send_ctas or max(1, round(self.ctas * SEND_SHARE))
+        object.__setattr__(self, "send_ctas", min(self.ctas, senders))  # frozen: resolved once, compared by value
 
     def check_resident(self, resident: int) -> None:
         """Raise MoELayerError unless the grid fits the ``resident`` CTAs (SMs) at once."""
@@ -80,16 +92,19 @@ class FusedConfig:
                      if getattr(self, name) != kernel_constant(KERNELS, macro))
 
     def __str__(self) -> str:
-        return (f"ctas={self.ctas} send={self.send_tokens} reduce={self.reduce_tokens} "
+        return (f"ctas={self.ctas} senders={self.send_ctas} send={self.send_tokens} reduce={self.reduce_tokens} "
                 f"unroll={self.copy_unroll}/{self.reduce_unroll}")
 
     @classmethod
     def parse(cls, text: str) -> FusedConfig:
-        """The configuration ``str()`` wrote (as a ``tune validate --json`` keeps it)."""
-        match = re.fullmatch(r"ctas=(\d+) send=(\d+) reduce=(\d+) unroll=(\d+)/(\d+)", text.strip())
+        """The configuration ``str()`` wrote (as a ``tune validate --json`` keeps it); one
+        without ``senders=`` (written before the knob) ran with every CTA sending first."""
+        match = re.fullmatch(r"ctas=(\d+)(?: senders=(\d+))? send=(\d+) reduce=(\d+) unroll=(\d+)/(\d+)",
+                             text.strip())
         if match is None:
-            raise MoELayerError(f"not a fused configuration (ctas=C send=S reduce=R unroll=U/V): {text!r}")
-        return cls(*(int(v) for v in match.groups()))
+            raise MoELayerError(f"not a fused configuration (ctas=C senders=N send=S reduce=R unroll=U/V): {text!r}")
+        ctas, senders, *rest = (None if v is None else int(v) for v in match.groups())
+        return cls(ctas, *rest, send_ctas=ctas if senders is None else senders)
 
 
 @dataclass(frozen=True)

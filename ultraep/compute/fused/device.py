@@ -6,9 +6,10 @@ semantics, the flags and the argument that no claim order deadlocks are
 
 Per forward, after the Dispatcher's token map (``DeviceDispatcher.token_map``, its count
 exchange and barrier included): ``fused_plan`` (every rank's offsets and M-tile starts
-into this call's own rank tiles, which its backward reads again; the counters zeroed) ->
-``fused_dispatch_up`` (send and up tiles with the SwiGLU epilogue claimed by the blocks,
-relays claimed by their store warps from a counter of their own) -> ``fused_down_combine``
+and this rank's arrival order into this call's own TilePlan, which its backward reads
+again; the counters zeroed) -> ``fused_dispatch_up`` (sends claimed by the config's
+``senders`` first blocks, up tiles with the SwiGLU epilogue by every block, relays by their
+store warps, each from a counter of its own) -> ``fused_down_combine``
 (down tiles into the heap's ``expert_out``, slot-order reduce).
 
 Per backward, all enqueued on the stream with no host round trip, with the forward's flags,
@@ -18,8 +19,8 @@ timeout) -> ``fused_grad_dispatch_dgrad`` (send dy and dgrad-down tiles with Swi
 backward, claimed by the blocks; relays of grad_y rows and gate gradients on their store
 warps) -> ``fused_dgrad_combine`` (dgrad-up tiles into the heap's ``expert_out``,
 slot-order reduce into dx, gate gradients). Both place each pair's row in its rank's
-M-tiles by the rank tiles of its own forward's plan (kept in the layer's context; a later
-forward writes its own).
+M-tiles by the TilePlan of its own forward (kept in the layer's context; a later forward
+writes its own).
 
 Heap tensors (beside the Dispatcher's, which must be set up with ``expert_output=True``):
 ``row_flag [max_recv_rows]`` and ``done [max_m_tiles]`` uint64 epoch flags, zeroed once at
@@ -31,7 +32,7 @@ A forward runs with its token bucket's :class:`~ultraep.compute.fused.config.Fus
 use (the stage ring fills an SM's shared memory; any number resident is correct), and the
 kernel module variant compiled with its task sizes and unrolls; every variant of the
 schedule is loaded at set-up, collectively, so no call compiles. A backward runs on the
-forward's CTAs for its tokens.
+forward's CTAs and senders for its tokens.
 
 While ``record_timeline`` is on, the kernels stamp every task's start (before its wait),
 end and SM into trace buffers sized by the most tasks they can have; off, they get null and
@@ -49,13 +50,14 @@ from ultraep.compute.fused.backward import opening_barrier_timeout
 from ultraep.compute.fused.config import FusedSchedule
 from ultraep.compute.fused.forward import KERNELS as FORWARD_KERNELS
 from ultraep.compute.fused.forward import KINDS as FORWARD_KINDS
-from ultraep.compute.fused.forward import Granularity, max_m_tiles
+from ultraep.compute.fused.forward import Granularity, TilePlan, max_m_tiles
 from ultraep.compute.fused.forward import max_tasks as forward_max_tasks
 from ultraep.errors import BarrierTimeout, MoELayerError, WaitTimeout
 from ultraep.runtime.dtypes import BFLOAT16, cupy_dtype
 from ultraep.runtime.kernels import get_function, kernel_constant
 from ultraep.runtime.sm_partition import usable_sms
 
+B_COUNTER = kernel_constant(FORWARD_KERNELS, "FM_COUNTERS") - 1  # kernel B's (D's) claims; kernel A's (C's) before it
 FLAG_NAMES = {kernel_constant(FORWARD_KERNELS, "FM_ROW_FLAG"): "row_flag (a receive row's arrival from its sender)",
               kernel_constant(FORWARD_KERNELS, "FM_TILE_READY"): "tile_ready (an M-tile's rows relayed)",
               kernel_constant(FORWARD_KERNELS, "FM_TILE_DONE"): "done (a down tile's output rows written)"}
@@ -138,10 +140,11 @@ class DeviceFusedForward:
         self.row_flag, self.done = flags["row_flag"], flags["done"]
         self.row_flag.local.fill(0)
         self.done.local.fill(0)
-        # kernel A's claims and its store warps' relays, then kernel B's claims
-        self.counters = cupy.zeros(3, dtype=np.int32)
+        # kernel A's streams and sender ticket, then kernel B's claims
+        self.counters = cupy.zeros(kernel_constant(FORWARD_KERNELS, "FM_COUNTERS"), dtype=np.int32)
         self.status = cupy.zeros(kernel_constant(FORWARD_KERNELS, "FM_STATUS_WORDS"), dtype=np.int64)
         tiles = max_m_tiles(d.max_recv_rows, spr)
+        self.arrival_size = kernel_constant(FORWARD_KERNELS, "FM_ARRIVAL_BANDS") * spr + 1 + tiles
         self.tile_ready = cupy.zeros(tiles, dtype=np.uint64)
         self.down_count = cupy.zeros(tiles, dtype=np.int32)
         self.epoch = 0
@@ -154,13 +157,12 @@ class DeviceFusedForward:
         """Collective, on the current stream; ``x``, ``ids``, ``gates`` checked CuPy arrays,
         ``w_up [slots, H, 2F]`` / ``w_down [slots, F, H]`` the stacked BF16 weights. Returns
         ``(out [T, H], received, act [max_recv_rows, F], h [max_recv_rows, 2F] FP32, y
-        [max_recv_rows, H], rank_tiles [2, R, slots + 1])``: ``received`` the Dispatcher's
+        [max_recv_rows, H], tiles)``: ``received`` the Dispatcher's
         result (its handle serves the sequential backward); h and y are what the backward
         needs of the forward, the up tiles' accumulators and the down tiles' outputs (stored
         into y beside the heap's expert_out, which the next call overwrites), both None
-        unless ``keep``; ``rank_tiles``
-        every rank's offsets and M-tile starts, this call's own (a later forward leaves them
-        alone) for its backward. With ``sync_checks`` it waits and raises a recorded wait
+        unless ``keep``; ``tiles`` the :class:`TilePlan` of this call's own (a later forward
+        leaves it alone) for its backward. With ``sync_checks`` it waits and raises a recorded wait
         timeout here, else :meth:`check` does."""
         cp, d, b = self.cp, self.config, self.impl.buffers
         H, F, spr = self.hidden, self.ffn, self.spr
@@ -169,11 +171,11 @@ class DeviceFusedForward:
         self.epoch += 1
         x, state = self.impl.token_map(x, ids, gates)
         table_cols = d.num_experts + d.size + kernel_constant("dispatch.cu", "BAD_RECORD_FIELDS")
-        rank_tiles = cp.empty((2, d.size, spr + 1), dtype=np.int32)
-        rank_off, rank_mtile = rank_tiles
+        tiles = TilePlan(cp.empty((2, d.size, spr + 1), dtype=np.int32), cp.empty(self.arrival_size, dtype=np.int32))
+        rank_off, rank_mtile = tiles.rank_tiles
         self.k["fused_plan"]((1,), (kernel_constant(FORWARD_KERNELS, "FM_PLAN_THREADS"),), (
             self.impl.local["count_table"], np.int32(d.size), np.int32(d.num_experts), np.int32(table_cols),
-            np.int32(spr), rank_off, rank_mtile, self.counters, self.down_count,
+            np.int32(spr), np.int32(d.rank), rank_off, rank_mtile, tiles.arrival, self.counters, self.down_count,
             np.int32(self.down_count.size)))
         self.impl.release_counts()  # no later barrier in this call protects the table from the next publish
         bf16 = cupy_dtype(BFLOAT16)
@@ -198,21 +200,21 @@ class DeviceFusedForward:
             state["gates"], state["positions"], state["base"], bases, np.uint64(b.landing.offset),
             np.uint64(b.row_weight.offset), np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset),
             np.uint64(self.row_flag.offset), np.int32(d.rank), np.int32(spr), np.int32(d.max_tokens), rank_off,
-            rank_mtile, np.int32(rows), recv, self.tile_ready, np.int32(F), act, kept_h, epoch, timeout,
-            self.counters[:2],
-            self.status, state["outcome"], traces[0]), shared_mem=self.shared_bytes)
+            rank_mtile, tiles.arrival, np.int32(config.send_ctas), np.int32(rows), recv, self.tile_ready, np.int32(F),
+            act, kept_h, epoch, timeout, self.counters[:B_COUNTER], self.status, state["outcome"], traces[0]),
+            shared_mem=self.shared_bytes)
         kernels["fused_down_combine"]((config.ctas,), (self.threads,), (
             act_map, w_down_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(self.done.offset), np.int32(d.rank), np.int32(spr), rank_off, rank_mtile,
             state["ids"], state["positions"], state["base"], state["gates"], np.int32(state["tokens"]),
-            np.int32(d.top_k), out, kept_y, self.down_count, epoch, timeout, self.counters[2:], self.status,
+            np.int32(d.top_k), out, kept_y, self.down_count, epoch, timeout, self.counters[B_COUNTER:], self.status,
             state["outcome"],
             traces[1]),
             shared_mem=self.shared_bytes)
         received = self.impl.received(recv, state)
         if d.sync_checks:
             self.check()
-        return out, received, act, h, y, rank_tiles
+        return out, received, act, h, y, tiles
 
     def _load(self, group, defines: tuple) -> dict:
         """Collective: the kernels of the module variant compiled with ``defines``."""
@@ -271,13 +273,13 @@ class DeviceFusedBackward:
                   for name in ("fused_grad_dispatch_dgrad", "fused_dgrad_combine")}
         for kernel in self.k.values():
             kernel.max_dynamic_shared_size_bytes = forward.shared_bytes
-        self.counters = cupy.zeros(3, dtype=np.int32)  # kernel C's claims and relays, kernel D's claims
+        self.counters = cupy.zeros_like(forward.counters)  # kernel C's streams and ticket, kernel D's claims
         self.bn = kernel_constant(BACKWARD_KERNELS, "GH_BN")
         self.trace = TaskTrace(BACKWARD_KINDS)
 
-    def backward(self, dy, received, rank_tiles, h, y, w_up, w_down):
-        """Collective, on the current stream: ``dy [T, H]`` BF16, ``received`` and ``rank_tiles``
-        the forward's DispatchResult and rank tiles, ``h [max_recv_rows, 2F]`` FP32 and
+    def backward(self, dy, received, tiles, h, y, w_up, w_down):
+        """Collective, on the current stream: ``dy [T, H]`` BF16, ``received`` and ``tiles``
+        the forward's DispatchResult and TilePlan, ``h [max_recv_rows, 2F]`` FP32 and
         ``y [max_recv_rows, H]`` BF16 of this rank's receive rows, the stacked weights. Returns
         ``(dx [T, H], d_gates [T, K], grad_y [max_recv_rows, H], dh [max_recv_rows, 2F])``
         (rows past the received ones undefined). With ``sync_checks`` it waits and raises a
@@ -286,7 +288,7 @@ class DeviceFusedBackward:
         d, b, s = fwd.config, fwd.impl.buffers, received.handle.state
         H, F, spr, rows = fwd.hidden, fwd.ffn, fwd.spr, d.max_recv_rows
         fwd.impl.heap.barrier(d.timeout_s, wait=False)  # every rank's earlier kernels are done
-        rank_off, rank_mtile = rank_tiles
+        rank_off, rank_mtile = tiles.rank_tiles
         fwd.epoch += 1  # one counter for both directions: a flag of either's earlier call is stale
         self.counters.fill(0)
         fwd.down_count.fill(0)  # as the forward's plan: a failed call may have left counts short
@@ -306,20 +308,20 @@ class DeviceFusedBackward:
         traces = self.trace.arguments()
         bases = fwd.impl.heap.peer_bases
         # the forward's CTAs for these tokens: the same footprint (one CTA an SM) meets the same SM shares
-        ctas = fwd.schedule.for_tokens(tokens).ctas
-        self.k["fused_grad_dispatch_dgrad"]((ctas,), (fwd.threads,), (
+        config = fwd.schedule.for_tokens(tokens)
+        self.k["fused_grad_dispatch_dgrad"]((config.ctas,), (fwd.threads,), (
             grad_y_map, w_down_map, dy, np.int32(tokens), np.int32(d.top_k), np.int32(H), s["ids"], s["gates"],
             s["positions"], s["base"], bases, np.uint64(b.landing.offset), np.uint64(b.row_weight.offset),
             np.uint64(b.row_landing.offset), np.uint64(b.row_origin.offset), np.uint64(fwd.row_flag.offset),
             np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), np.int32(d.max_tokens), rank_off,
-            rank_mtile, s["row_landing"], s["row_weight"], s["row_origin"], cp.ascontiguousarray(y), grad_y,
-            fwd.tile_ready, np.int32(F), cp.ascontiguousarray(h), dh, epoch, timeout, self.counters[:2], fwd.status,
-            s["outcome"], traces[0]), shared_mem=fwd.shared_bytes)
-        self.k["fused_dgrad_combine"]((ctas,), (fwd.threads,), (
+            rank_mtile, tiles.arrival, np.int32(config.send_ctas), s["row_landing"], s["row_weight"], s["row_origin"],
+            cp.ascontiguousarray(y), grad_y, fwd.tile_ready, np.int32(F), cp.ascontiguousarray(h), dh, epoch, timeout,
+            self.counters[:B_COUNTER], fwd.status, s["outcome"], traces[0]), shared_mem=fwd.shared_bytes)
+        self.k["fused_dgrad_combine"]((config.ctas,), (fwd.threads,), (
             dh_map, w_up_map, np.int32(F), np.int32(H), bases, np.uint64(b.expert_out.offset),
             np.uint64(fwd.done.offset), np.uint64(b.slot_grad_w.offset), np.int32(d.rank), np.int32(spr), rank_off,
             rank_mtile, s["ids"], s["positions"], s["base"], np.int32(tokens), np.int32(d.top_k), dx, d_gates,
-            fwd.down_count, epoch, timeout, self.counters[2:], fwd.status, s["outcome"], traces[1]),
+            fwd.down_count, epoch, timeout, self.counters[B_COUNTER:], fwd.status, s["outcome"], traces[1]),
             shared_mem=fwd.shared_bytes)
         if d.sync_checks:
             self.check()

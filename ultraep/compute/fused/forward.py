@@ -3,12 +3,15 @@ follows and the reference it is held to.
 
 UniEP's two persistent kernels replace ``dispatch -> grouped GEMM up -> SwiGLU -> grouped
 GEMM down -> combine`` (``MoELayer``'s sequential path). Every CTA (a persistent block, one
-per SM, however many are resident) claims task ids from one counter per rank and kernel,
-``task = atomicAdd(counter, 1)``, and runs them in the order below until the list is done --
-all but kernel A's relays: each CTA's relay worker (on the device its three store warps)
-claims those from a second counter of the rank, in their order, and runs them beside
-whatever its CTA runs. A kernel's task list (:func:`task_order`) holds both streams: its
-``relay`` tasks are the relay workers', the rest the CTAs' claims, in list order.
+per SM, however many are resident) claims task ids from a counter per rank, kernel and
+stream, ``task = atomicAdd(counter, 1)``, and runs them in the order below until the list
+is done. Kernel A has three streams (:func:`streams`): its sends, claimed by the first
+``send_ctas`` CTAs to start (a ticket counter decides) before anything else; its relays,
+claimed by each CTA's relay worker (on the device its three store warps) beside whatever
+its CTA runs; and its up tiles, claimed by every CTA (a sender once the sends are all
+taken). So the other CTAs start up tiles while the senders still send: the GEMM does not
+wait for the whole exchange. A kernel's task list (:func:`task_order`) holds every stream,
+each in list order.
 
 Kernel A, dispatch + up-projection (rank ``r``; ``j`` a local slot, ``m`` an M-tile of
 ``bm`` rows of slot ``j``, ``n`` a column block):
@@ -17,11 +20,11 @@ Kernel A, dispatch + up-projection (rank ``r``; ``j`` a local slot, ``m`` an M-t
    row on every destination rank, each (token, k) pair's gate, landing row and origin into
    its receive row there; then, after a system-scope release fence, ``row_flag[row] =
    epoch`` on the destination for every pair row written. Waits for nothing.
-2. ``relay(j, m)``, the relay workers' (slot, then M-tile), waits (acquire) until
+2. ``relay(j, m)``, the relay workers' (in arrival order, below), waits (acquire) until
    ``row_flag[row] == epoch`` for each row of the tile (written by senders on any rank),
    copies ``landing[row_landing[row]]`` into the expert-major receive row, then releases
    ``tile_ready[mtile(j, m)] = epoch``.
-3. ``up(j, n, m)`` (expert, then column block, then M-tile: the grouped GEMM's order)
+3. ``up(j, n, m)`` (in arrival order, below; within a run the grouped GEMM's raster)
    waits (acquire, then a proxy fence: the TMA reads what generic stores wrote) until
    ``tile_ready[mtile(j, m)] == epoch`` -- on the device the claiming thread waits before
    the block sees the task, so no stage wait of the GEMM pipeline spans it; multiplies
@@ -41,15 +44,23 @@ Kernel B, down-projection + combine (launched after A on the same stream):
    slot order in FP32 (``slot_sum``). One flag per slot, not per slot and column block:
    the reducers' waits and row lookups do not grow with the width.
 
+Arrival order (:func:`arrival_tables`): every source sends its tokens in order, so the rows
+of slot ``j`` from source ``s`` arrive in order over the sends. An M-tile's band is where
+its last row stands in its source's segment of the slot (the last band if it holds rows of
+two sources), in ``bands`` steps; relays and up tiles go band by band, slot by slot. Only
+speed depends on it: the first tiles claimed are those whose rows come first.
+
 ``mtile(j, m)`` is the tile's index in the rank's prefix of M-tiles (``mtile_starts``), the
 same on every rank because every rank derives every rank's counts from the gathered count
 table. Flags hold the call's epoch (the same count of fused calls on every rank), so no
 flag is ever reset; a stale value from an earlier call never equals the current epoch.
 
-Why no order of claims can deadlock: (a) send and down tasks wait for nothing and precede
-every waiting task of their rank's claims, so they finish once claimed, and every rank
-claims all of them (a rank's CTAs are never all blocked while a task that waits for nothing
-is unclaimed). (b) A relay waits only for row flags, which sends release; so every relay
+Why no order of claims can deadlock: (a) send tasks wait for nothing, and the senders are
+the first CTAs of their rank to start -- resident, so at least one -- which claim nothing
+else while a send is left: every send is claimed and finishes. Down tasks wait for nothing
+and precede every waiting task of their rank's claims, so they finish once claimed, and
+every rank claims all of them (a rank's CTAs are never all blocked while a task that waits
+for nothing is unclaimed). (b) A relay waits only for row flags, which sends release; so every relay
 finishes, whatever the CTAs' claims wait for: a relay worker waits for nothing but row
 flags, and every resident CTA has one, which claims the rank's relays in order until none
 is left. (c) An up tile waits for ``tile_ready``, which its relay releases (b), and a
@@ -59,7 +70,7 @@ may wait for tasks of kind (a), for any relay of its rank and kernel, or for a c
 task of its rank and kernel with a smaller id; a relay for tasks of kind (a) or an earlier
 relay. Every wait on the device is bounded (``timeout_s``) and records which flag, index,
 rank and value it saw. :func:`check_order` verifies this property for a given task list
-and :func:`simulate` runs the tasks in random interleavings of both streams to show it.
+and :func:`simulate` runs the tasks in random interleavings of every stream to show it.
 
 Reuse across calls: a rank rewrites its peers' landing rows and row metadata, and its own
 ``expert_out``, only after the next call's count barrier (the Dispatcher's token map),
@@ -81,7 +92,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -106,12 +117,14 @@ class Granularity:
     up_cols: int
     down_cols: int
     group_m: int = 8  # M-tiles per group of the tile order (grouped_raster)
+    bands: int = 8    # arrival bands of the first GEMM's tile order (arrival_tables)
 
     @classmethod
     def kernel(cls, config: FusedConfig | None = None) -> Granularity:
         """The kernel source's sizes, with ``config``'s task sizes where given (the rest
         are fixed by the GEMM tile)."""
-        names = ("FM_SEND_TOKENS", "FM_REDUCE_TOKENS", "FM_BM", "FM_UP_COLS", "FM_DOWN_COLS", "GG_GROUP_M")
+        names = ("FM_SEND_TOKENS", "FM_REDUCE_TOKENS", "FM_BM", "FM_UP_COLS", "FM_DOWN_COLS", "GG_GROUP_M",
+                 "FM_ARRIVAL_BANDS")
         grain = cls(*(kernel_constant(KERNELS, name) for name in names))
         if config is None:
             return grain
@@ -130,7 +143,8 @@ class Task:
 
 KERNEL_A = ("send", "relay", "up")
 KERNEL_B = ("down", "reduce")
-RELAY = "relay"  # the kind the relay workers claim from their own counter; the CTAs claim the rest
+RELAY = "relay"  # the kind the relay workers claim from their own counter
+SEND = "send"    # the kind the senders claim from their own counter; the CTAs claim the rest
 # A timeline's task kinds by the kernel's FM_KIND_* codes.
 KINDS = {kernel_constant(KERNELS, f"FM_KIND_{kind.upper()}"): kind for kind in KERNEL_A + KERNEL_B}
 
@@ -175,6 +189,49 @@ def mtile_starts(counts: np.ndarray, bm: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(tiles, dtype=np.int64)]).astype(np.int64)
 
 
+def tile_band(ends: np.ndarray, lo: int, hi: int, bands: int) -> int:
+    """The arrival band of rows ``[lo, hi)`` of one slot, whose rows come from the sources in
+    rank order, source ``s``'s ending at ``ends[s]``: a source sends its tokens in order, so
+    rows that end a fraction ``f`` into its segment arrive about ``f`` into the sends --
+    band ``ceil(bands * f) - 1``; rows of two sources need the first one's last rows: the
+    last band."""
+    s = int(np.searchsorted(ends, hi - 1, side="right"))  # the source of row hi - 1
+    start = int(ends[s - 1]) if s else 0
+    if lo < start:
+        return bands - 1
+    return (bands * (hi - start) - 1) // (int(ends[s]) - start)
+
+
+def arrival_tables(table: np.ndarray, slots_per_rank: int, rank: int, bm: int, bands: int) -> np.ndarray:
+    """Rank ``rank``'s order of its first GEMM's M-tiles (``fused_plan``'s ``arrival``), from
+    the gathered count table ``[sources, >= experts]``: the M-tiles by :func:`tile_band`,
+    then slot, then M-tile, so the tiles whose rows arrive first are claimed first. Returns
+    ``[bands * slots + 1 + M-tiles]``: the run starts -- run ``q`` is band ``q // slots`` of
+    slot ``q % slots``, its M-tiles ``[starts[q], starts[q + 1])`` of the order -- then the
+    order's M-tile ids."""
+    counts = np.asarray(table, dtype=np.int64)[:, rank * slots_per_rank:(rank + 1) * slots_per_rank]
+    ends = np.cumsum(counts, axis=0)
+    first = mtile_starts(ends[-1], bm)
+    runs = [[[] for _ in range(slots_per_rank)] for _ in range(bands)]
+    for j in range(slots_per_rank):
+        total = int(ends[-1, j])
+        for m in range(_ceil(total, bm)):
+            lo = m * bm
+            runs[tile_band(ends[:, j], lo, min(total, lo + bm), bands)][j].append(int(first[j]) + m)
+    sizes = [len(tiles) for band in runs for tiles in band]
+    order = [tile for band in runs for tiles in band for tile in tiles]
+    return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64), np.asarray(order, np.int64)]).astype(np.int64)
+
+
+class TilePlan(NamedTuple):
+    """What a forward's plan computed and its backward reuses (micro-batches may run
+    forward, forward, backward, backward): every rank's offsets and M-tile starts
+    (``rank_tiles [2, R, slots + 1]``) and this rank's :func:`arrival_tables`."""
+
+    rank_tiles: Any
+    arrival: Any
+
+
 @dataclass
 class RankPlan:
     """What one rank knows after the token map and the count exchange (every rank's
@@ -189,6 +246,7 @@ class RankPlan:
     first_slot: np.ndarray    # [T, K] the token's first slot going to the same rank
     offsets: list             # offsets[r]: rank r's expert-major offsets [slots + 1]
     mtiles: list              # mtiles[r]: mtile_starts of rank r
+    arrival: np.ndarray       # this rank's arrival_tables
 
 
 def plan_ranks(expert_ids: list, slots_per_rank: int, grain: Granularity) -> list[RankPlan]:
@@ -211,7 +269,8 @@ def plan_ranks(expert_ids: list, slots_per_rank: int, grain: Granularity) -> lis
             rank=s, tokens=ids.shape[0], top_k=ids.shape[1], pair_row=ref.pair_rows(base, ids, positions[:n]),
             pair_rank=ids.ravel() // slots_per_rank, send_pos=positions[n:],
             first_slot=ref.first_slot_of_rank(ids, slots_per_rank), offsets=offsets,
-            mtiles=[mtile_starts(np.diff(o), grain.bm) for o in offsets]))
+            mtiles=[mtile_starts(np.diff(o), grain.bm) for o in offsets],
+            arrival=arrival_tables(table, slots_per_rank, s, grain.bm, grain.bands)))
     return plans
 
 
@@ -219,28 +278,44 @@ def task_order(plan: RankPlan, ffn: int, hidden: int, grain: Granularity,
                gemms: tuple[str, str] = ("up", "down")) -> tuple[list[Task], list[Task]]:
     """This rank's tasks of the two kernels in task-id order (the device's timeline rows):
     sends, relays, then the first GEMM's tiles (``gemms[0]``, ``ffn`` columns); the second
-    GEMM's tiles (``gemms[1]``, ``hidden`` columns), then reduces. The relays are the relay
-    workers' claims, the rest the CTAs', each stream in this order (:func:`streams`). The
+    GEMM's tiles (``gemms[1]``, ``hidden`` columns), then reduces. The relays and the first
+    GEMM's tiles follow the M-tiles' arrival order (``plan.arrival``), the tiles of each run
+    of it in :func:`grouped_raster`'s order; the second GEMM's, slot then grouped raster.
+    Sends, relays and the rest are claimed from counters of their own (:func:`streams`). The
     forward's GEMMs are up and down; the backward (:mod:`ultraep.compute.fused.backward`)
     runs its dgrad tiles in the same order."""
     first, second = gemms
-    off = plan.offsets[plan.rank]
+    off, starts = plan.offsets[plan.rank], plan.mtiles[plan.rank]
     slots = len(off) - 1
     m_tiles = [_ceil(int(off[j + 1] - off[j]), grain.bm) for j in range(slots)]
+    runs = grain.bands * slots
+    arrival, order = plan.arrival[:runs + 1], plan.arrival[runs + 1:]
+
+    def slot_tile(mtile: int) -> tuple[int, int]:
+        j = int(np.searchsorted(starts, mtile, side="right")) - 1  # the last slot starting at or before: non-empty
+        return j, mtile - int(starts[j])
+
     a = [Task("send", c) for c in range(_ceil(plan.tokens, grain.send_tokens))]
-    a += [Task("relay", j, m) for j in range(slots) for m in range(m_tiles[j])]
-    a += [Task(first, j, m, n) for j in range(slots)
-          for m, n in grouped_raster(m_tiles[j], _ceil(ffn, grain.up_cols), grain.group_m)]
+    a += [Task("relay", *slot_tile(int(mtile))) for mtile in order]
+    for q in range(runs):
+        run = order[arrival[q]:arrival[q + 1]]
+        a += [Task(first, *slot_tile(int(run[i])), n)
+              for i, n in grouped_raster(len(run), _ceil(ffn, grain.up_cols), grain.group_m)]
     b = [Task(second, j, m, n) for j in range(slots)
          for m, n in grouped_raster(m_tiles[j], _ceil(hidden, grain.down_cols), grain.group_m)]
     b += [Task("reduce", c) for c in range(_ceil(plan.tokens, grain.reduce_tokens))]
     return a, b
 
 
-def streams(order: list) -> tuple[list[Task], list[Task]]:
-    """A kernel's task list as its two claim streams: the CTAs' (every task but the relays,
-    in order) and the relay workers' (the relays, in order)."""
-    return [t for t in order if t.kind != RELAY], [t for t in order if t.kind == RELAY]
+CLAIMS, RELAYS, SENDS = range(3)  # a kernel's claim streams (streams' order)
+
+
+def streams(order: list) -> tuple[list[Task], list[Task], list[Task]]:
+    """A kernel's task list as its three claim streams, each in list order: the CTAs'
+    (every task but the relays and sends), the relay workers' (the relays) and the senders'
+    (the sends: the first CTAs to start claim them before anything else)."""
+    return ([t for t in order if t.kind not in (RELAY, SEND)], [t for t in order if t.kind == RELAY],
+            [t for t in order if t.kind == SEND])
 
 
 # -- the heaps and the tasks' semantics -----------------------------------------------------------
@@ -310,7 +385,8 @@ class FusedLayer:
         self.grains = list(grain) if isinstance(grain, (list, tuple)) else [grain] * len(states)
         self.grain = self.grains[0]  # the tile geometry (bm, column blocks), every rank's
         if len(self.grains) != len(states) or any(
-                (g.bm, g.up_cols, g.down_cols) != (self.grain.bm, self.grain.up_cols, self.grain.down_cols)
+                (g.bm, g.up_cols, g.down_cols, g.bands) != (self.grain.bm, self.grain.up_cols, self.grain.down_cols,
+                                                             self.grain.bands)
                 for g in self.grains):
             raise ValueError("FusedLayer: one granularity per rank, every rank's with the same tile geometry")
         self.plans, self.state, self.activation = plans, states, activation
@@ -467,25 +543,30 @@ class FusedLayer:
 
 def check_order(layer: FusedLayer, tasks: list | None = None) -> None:
     """Raise FusedDeadlock unless every wait of every task is one the module docstring's
-    argument covers: its producer waits for nothing and is claimed before any task of its
-    rank's CTAs that waits, or -- for a task of the CTAs' claims -- is a relay of the same
-    rank and kernel or an earlier claim of the same rank and kernel, or -- for a relay --
-    is an earlier relay of the same rank and kernel. Any layer with ``waits``/``publishes``
-    (the backward's too)."""
+    argument covers: its producer waits for nothing and is a send or claimed before any
+    task of its rank's CTAs that waits, or -- for a task of the CTAs' claims -- is a relay
+    of the same rank and kernel or an earlier claim of the same rank and kernel, or -- for
+    a relay -- is an earlier relay of the same rank and kernel. Any layer with
+    ``waits``/``publishes`` (the backward's too)."""
     tasks = tasks or layer.tasks
-    producer, free = {}, set()   # free: (rank, kernel, stream, index) of the CTAs' prefix that waits for nothing
+    producer, free = {}, set()   # free: (rank, kernel, stream, index) of tasks that finish once claimed
     for r, orders in enumerate(tasks):
         for kernel, order in enumerate(orders):
-            claimed, relays = streams(order)
+            split = streams(order)
             waited = False
-            for index, task in enumerate(claimed):
+            for index, task in enumerate(split[CLAIMS]):
                 waited = waited or bool(layer.waits(r, task))
                 if not waited:
-                    free.add((r, kernel, 0, index))
-            for stream, tasks_of_stream in enumerate((claimed, relays)):
+                    free.add((r, kernel, CLAIMS, index))
+            for index, task in enumerate(split[SENDS]):
+                if layer.waits(r, task):
+                    raise FusedDeadlock(f"rank {r} send {index} {task} waits: the senders' claims must finish")
+                free.add((r, kernel, SENDS, index))
+            for stream, tasks_of_stream in enumerate(split):
                 for index, task in enumerate(tasks_of_stream):
                     for flag in layer.publishes(r, task):
                         producer[flag] = (r, kernel, stream, index, task)
+    names = {CLAIMS: "claim", RELAYS: "relay", SENDS: "send"}
     for r, orders in enumerate(tasks):
         for kernel, order in enumerate(orders):
             for stream, tasks_of_stream in enumerate(streams(order)):
@@ -497,24 +578,23 @@ def check_order(layer: FusedLayer, tasks: list | None = None) -> None:
                         if (pr, pk, ps, pi) in free:
                             continue
                         same = (pr, pk) == (r, kernel)
-                        if same and ps == 1 and stream == 0:  # a claim waits for a relay: relays finish (b)
+                        if same and ps == RELAYS and stream == CLAIMS:  # a claim waits for a relay: relays finish (b)
                             continue
                         if same and ps == stream and pi < index:
                             continue
-                        who = "a relay" if stream else "a claim"
-                        raise FusedDeadlock(f"rank {r} kernel {kernel} {who} {index} {task} waits for {flag}, set by "
-                                            f"rank {pr} kernel {pk} {'relay' if ps else 'claim'} {pi} {ptask}, which "
+                        raise FusedDeadlock(f"rank {r} kernel {kernel} {names[stream]} {index} {task} waits for "
+                                            f"{flag}, set by rank {pr} kernel {pk} {names[ps]} {pi} {ptask}, which "
                                             "is not claimed before it and may itself wait")
 
 
 def run_rank(layer: FusedLayer, rank: int, timeout_s: float, poll_s: float = 5e-5,
              timeline: list | None = None) -> None:
     """Rank ``rank``'s kernels A then B with one CTA, its flags written by other processes:
-    the CTAs' claims up to the first that waits, then the relays (its relay worker's, each
-    waiting for rows only senders release), then the rest of the claims -- one interleaving
-    the device may run. Each wait polls until the flag holds the epoch, WaitTimeout after
-    ``timeout_s``. ``timeline``: (kind, start ns, end ns, worker 0) of every task is
-    appended to it."""
+    the sends (it is the first CTA), the CTAs' claims up to the first that waits, then the
+    relays (its relay worker's, each waiting for rows only senders release), then the rest
+    of the claims -- one interleaving the device may run. Each wait polls until the flag
+    holds the epoch, WaitTimeout after ``timeout_s``. ``timeline``: (kind, start ns, end ns,
+    worker 0) of every task is appended to it."""
     def run(task):
         start = time.monotonic_ns()
         for peer, name, index in layer.waits(rank, task):
@@ -531,55 +611,68 @@ def run_rank(layer: FusedLayer, rank: int, timeout_s: float, poll_s: float = 5e-
             timeline.append((task.kind, start, time.monotonic_ns(), 0))
 
     for order in layer.tasks[rank]:
-        claimed, relays = streams(order)
+        claimed, relays, sends = streams(order)
         free = next((i for i, task in enumerate(claimed) if layer.waits(rank, task)), len(claimed))
-        for task in claimed[:free] + relays + claimed[free:]:
+        for task in sends + claimed[:free] + relays + claimed[free:]:
             run(task)
 
 
-def simulate(layer: FusedLayer, ctas: list[int], rng: np.random.Generator, tasks: list | None = None) -> list:
-    """Run every rank's kernels A then B with ``ctas[r]`` CTAs, each a claiming worker (one
-    counter per rank and kernel) and a relay worker (a second counter: the relays), one
-    random step at a time (a worker claims a task of its stream, or runs a claimed task
-    whose waits are met). Returns the outputs; raises FusedDeadlock if no step is possible."""
+def simulate(layer: FusedLayer, ctas: list[int], rng: np.random.Generator, tasks: list | None = None,
+             senders: list[int] | None = None) -> list:
+    """Run every rank's kernels A then B with ``ctas[r]`` CTAs, each a claiming worker and a
+    relay worker (a counter per stream and rank), one random step at a time (a worker claims
+    a task of its stream, or runs a claimed task whose waits are met). The first
+    ``senders[r]`` CTAs of rank ``r`` (default all) claim the sends while any is left, then
+    the CTAs' claims; the rest only the CTAs' claims. Returns the outputs; raises
+    FusedDeadlock if no step is possible."""
     tasks = tasks or layer.tasks
     R = layer.ranks
-    kernel = [0] * R                      # 0: A, 1: B, 2: finished
-    counters = [[0, 0] for _ in range(R)]  # per stream: the CTAs' claims, the relays
-    held = [[[None, None] for _ in range(ctas[r])] for r in range(R)]  # per CTA, per stream
+    senders = senders or ctas
+    kernel = [0] * R                         # 0: A, 1: B, 2: finished
+    counters = [[0, 0, 0] for _ in range(R)]  # per stream (CLAIMS, RELAYS, SENDS)
+    held = [[[None, None] for _ in range(ctas[r])] for r in range(R)]  # per CTA: its claim, its relay
     done = [0] * R
     split = [[streams(order) for order in orders] for orders in tasks]
 
     def ready(r, task):
         return all(layer.state[rank].flags[name][index] == layer.epoch for rank, name, index in layer.waits(r, task))
 
+    def source(r, c, worker):
+        """The stream worker ``worker`` of CTA ``c`` claims from next, None if it is done."""
+        own, counter = split[r][kernel[r]], counters[r]
+        if worker == 1:
+            return RELAYS if counter[RELAYS] < len(own[RELAYS]) else None
+        if c < senders[r] and counter[SENDS] < len(own[SENDS]):
+            return SENDS
+        return CLAIMS if counter[CLAIMS] < len(own[CLAIMS]) else None
+
     while True:
         for r in range(R):  # a rank's next kernel starts when its last one has finished (stream order)
             while kernel[r] < 2 and done[r] == len(tasks[r][kernel[r]]):
-                kernel[r], counters[r], done[r] = kernel[r] + 1, [0, 0], 0
+                kernel[r], counters[r], done[r] = kernel[r] + 1, [0, 0, 0], 0
         if all(k == 2 for k in kernel):
             return layer.outputs()
         steps = []
         for r in range(R):
             if kernel[r] == 2:
                 continue
-            own = split[r][kernel[r]]
             for c, workers in enumerate(held[r]):
-                for stream, task in enumerate(workers):
-                    if task is None and counters[r][stream] < len(own[stream]):
-                        steps.append((r, c, stream, None))
+                for worker, task in enumerate(workers):
+                    if task is None and source(r, c, worker) is not None:
+                        steps.append((r, c, worker, None))
                     elif task is not None and ready(r, task):
-                        steps.append((r, c, stream, task))
+                        steps.append((r, c, worker, task))
         if not steps:
             blocked = [(r, t) for r in range(R) for workers in held[r] for t in workers if t is not None]
             raise FusedDeadlock(f"no CTA can go on: blocked tasks {blocked}, counters {counters}")
-        r, c, stream, task = steps[rng.integers(len(steps))]
+        r, c, worker, task = steps[rng.integers(len(steps))]
         if task is None:
-            held[r][c][stream] = split[r][kernel[r]][stream][counters[r][stream]]
+            stream = source(r, c, worker)
+            held[r][c][worker] = split[r][kernel[r]][stream][counters[r][stream]]
             counters[r][stream] += 1
         else:
             layer.run(r, task)
-            held[r][c][stream] = None
+            held[r][c][worker] = None
             done[r] += 1
 
 

@@ -13,8 +13,8 @@ import numpy as np
 
 from ultraep.compute.fused.backward import BackwardState, FusedBackward, granularity, opening_barrier_timeout
 from ultraep.compute.fused.config import FusedSchedule
-from ultraep.compute.fused.forward import (FusedLayer, Granularity, RankPlan, RankState, max_m_tiles, mtile_starts,
-                                           run_rank)
+from ultraep.compute.fused.forward import (FusedLayer, Granularity, RankPlan, RankState, TilePlan, arrival_tables,
+                                           max_m_tiles, mtile_starts, run_rank)
 from ultraep.errors import BarrierTimeout
 from ultraep.token import reference as ref
 
@@ -60,7 +60,7 @@ class HostFusedForward(HostTimeline):
 
     def forward(self, x, ids, gates, w_up, w_down, keep: bool = True):
         """As :meth:`~ultraep.compute.fused.device.DeviceFusedForward.forward`: ``(out,
-        received, act, h, y, rank_tiles)``."""
+        received, act, h, y, tiles)``."""
         d, b, me = self.config, self.impl.buffers, self.config.rank
         self.epoch += 1
         m = self.impl.token_map(x, ids, gates)
@@ -68,9 +68,11 @@ class HostFusedForward(HostTimeline):
         self.down_count[...] = 0  # as the device plan does: a failed call may have left counts short
         offsets = [ref.plan_rows(m["table"], d.experts_per_rank, r)[2] for r in range(d.size)]
         rank_tiles = np.array([offsets, [mtile_starts(np.diff(o), self.grain.bm) for o in offsets]], dtype=np.int64)
+        tiles = TilePlan(rank_tiles, arrival_tables(m["table"], d.experts_per_rank, me, self.grain.bm,
+                                                    self.grain.bands))
         plan = RankPlan(rank=me, tokens=m["tokens"], top_k=d.top_k, pair_row=m["pair_row"],
                         pair_rank=m["pair_rank"], send_pos=m["send_pos"], first_slot=m["first_slot"],
-                        offsets=rank_tiles[0], mtiles=rank_tiles[1])
+                        offsets=rank_tiles[0], mtiles=rank_tiles[1], arrival=tiles.arrival)
         states = []
         for r in range(d.size):
             view = (lambda t: t.local) if r == me else (lambda t, r=r: t.peer(r))
@@ -92,7 +94,7 @@ class HostFusedForward(HostTimeline):
                            hidden=d.hidden, ffn=self.ffn)
         self.last_timeline = [] if self.recording else None
         run_rank(layer, me, self.timeout_s, timeline=self.last_timeline)
-        return own.out, self.impl.received(own.recv, m), own.act, own.h, own.y, rank_tiles
+        return own.out, self.impl.received(own.recv, m), own.act, own.h, own.y, tiles
 
 
 class HostFusedBackward(HostTimeline):
@@ -104,9 +106,9 @@ class HostFusedBackward(HostTimeline):
     def __init__(self, forward, *, activation: Callable):
         self.forward, self.activation = forward, activation
 
-    def backward(self, dy, received, rank_tiles, h, y, w_up, w_down):
-        """``dy [T, H]`` BF16, ``received`` and ``rank_tiles`` the forward's DispatchResult and
-        rank tiles, ``h [rows, 2F]`` FP32 and ``y [rows, H]`` BF16 of this rank's receive rows,
+    def backward(self, dy, received, tiles, h, y, w_up, w_down):
+        """``dy [T, H]`` BF16, ``received`` and ``tiles`` the forward's DispatchResult and
+        TilePlan, ``h [rows, 2F]`` FP32 and ``y [rows, H]`` BF16 of this rank's receive rows,
         the stacked weights. Returns ``(dx [T, H], d_gates [T, K], grad_y [max_recv_rows, H],
         dh [max_recv_rows, 2F])``; collective."""
         fwd, grain = self.forward, granularity()
@@ -118,7 +120,8 @@ class HostFusedBackward(HostTimeline):
             raise opening_barrier_timeout(me, exc) from None
         tokens = received.handle.tokens
         plan = RankPlan(rank=me, tokens=tokens, top_k=d.top_k, pair_row=s["pair_row"], pair_rank=s["pair_rank"],
-                        send_pos=s["send_pos"], first_slot=None, offsets=rank_tiles[0], mtiles=rank_tiles[1])
+                        send_pos=s["send_pos"], first_slot=None, offsets=tiles.rank_tiles[0],
+                        mtiles=tiles.rank_tiles[1], arrival=tiles.arrival)
         states = []
         for r in range(d.size):
             view = (lambda t: t.local) if r == me else (lambda t, r=r: t.peer(r))

@@ -17,7 +17,7 @@ reverse-order: forward 1, forward 2, backward 2, backward 1 with no check betwee
 give the bits of forward 1, backward 1, forward 2, backward 2 (the two micro-batches route
 differently, so their rank tiles differ: a backward that read the later forward's would
 place rows wrongly); each context's rank tiles are every rank's offsets and M-tile starts
-of its own forward.
+of its own forward, and its arrival tables the NumPy model's of its routing.
 
 peer-fails: the last rank's backward runs no send task (its output gradients never
 arrive): every rank's backward gives up after the layer's timeout with WaitTimeout naming
@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 from ultraep import Balancer, ExpertLayout, MoELayer, MoELayerError
 from ultraep.compute.fused.backward import KERNEL_C, KERNEL_D, KERNELS
-from ultraep.compute.fused.forward import KERNEL_A, KERNEL_B, mtile_starts
+from ultraep.compute.fused.forward import KERNEL_A, KERNEL_B, arrival_tables, mtile_starts
 from ultraep.errors import BarrierTimeout, WaitTimeout
 from ultraep.integration.moe_layer import expert_spec
 from ultraep.runtime.group import EPGroup
@@ -191,12 +191,16 @@ def reverse_order():
         count = int(np.count_nonzero(bits(g) != bits(w)))
         assert count == 0, f"{name}: {count} elements differ from forward/backward pairs"
     tiles = []
-    for ctx in contexts:
+    bm, bands = kernel_constant(KERNELS, "FB_BM"), kernel_constant(KERNELS, "FM_ARRIVAL_BANDS")
+    for ctx, data in zip(contexts, batches):
         offsets = group.allgather(host(ctx.received.offsets).astype(np.int64))
-        bm = kernel_constant(KERNELS, "FB_BM")
         expected = np.array([offsets, [mtile_starts(np.diff(o), bm) for o in offsets]])
-        tiles.append(host(ctx.rank_tiles))
+        tiles.append(host(ctx.tile_plan.rank_tiles))
         assert np.array_equal(tiles[-1], expected), f"rank tiles {tiles[-1]} are not the forward's {expected}"
+        table = np.array(group.allgather(np.bincount(host(data[1]).ravel(), minlength=E)))  # no balancer: ids are slots
+        order = arrival_tables(table, M, me, bm, bands)
+        got = host(ctx.tile_plan.arrival)[:order.size]
+        assert np.array_equal(got, order), f"arrival tables {got} are not {order}"
     assert not np.array_equal(*tiles), "the two micro-batches' rank tiles are alike: the check proves nothing"
     moe.close()
 
@@ -212,7 +216,7 @@ def skip_sends(launcher):
     kernel, sends = launcher.k["fused_grad_dispatch_dgrad"], -(-T // kernel_constant(KERNELS, "FB_SEND_TOKENS"))
 
     def skip_then_launch(*args, **kwargs):
-        launcher.counters[0] = sends  # kernel C's claims start past the send tasks
+        launcher.counters[kernel_constant(KERNELS, "FM_SEND_COUNTER")] = sends  # kernel C's senders: none left
         kernel(*args, **kwargs)
     launcher.k["fused_grad_dispatch_dgrad"] = skip_then_launch
 

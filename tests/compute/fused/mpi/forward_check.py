@@ -27,8 +27,10 @@ from mpi4py import MPI
 
 from ultraep import Balancer, ExpertLayout, MoELayer, MoELayerError
 from ultraep.errors import CollectiveError, DispatchError, WaitTimeout
+from ultraep.compute.fused.forward import KERNELS
 from ultraep.integration.moe_layer import expert_spec
 from ultraep.runtime.group import EPGroup
+from ultraep.runtime.kernels import kernel_constant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))  # the repository root: tests.support
 from tests.support.backend_arrays import arrays, bf16  # noqa: E402
@@ -175,7 +177,7 @@ def skip_sends(moe):
 
     def plan_then_skip(*args, **kwargs):
         plan(*args, **kwargs)
-        launcher.counters[0] = sends  # kernel A's claims start past the send tasks
+        launcher.counters[kernel_constant(KERNELS, "FM_SEND_COUNTER")] = sends  # kernel A's senders: none left
     launcher.k["fused_plan"] = plan_then_skip
 
 
