@@ -201,6 +201,20 @@ def test_fused_phases_count_measured_tiles_in_waves_over_the_ctas():
     assert float(fused_up_s(PROFILE, PROBLEM, 1, 4)) > float(fused_up_s(PROFILE, PROBLEM, 1, 16))
 
 
+def test_fewer_senders_send_longer_while_the_others_run_tiles():
+    """Every CTA a sender: the sends, then the tiles (the default). Fewer: the sends take
+    longer on them alone, the others run tiles meanwhile -- a gain where the sends are
+    bandwidth-bound (many CTAs at once), a loss where one sender is latency-bound; never
+    below the tiles' work spread over every CTA."""
+    every = float(fused_up_s(PROFILE, PROBLEM, 132, 16))
+    assert every == float(fused_up_s(PROFILE, PROBLEM, 132, 16, senders=132))
+    up_tiles = PROBLEM.m_tiles() * -(-PROBLEM.ffn // FM_UP_COLS)
+    spread = up_tiles / 132 * float(PROFILE.fused.up_tile_s(PROBLEM.hidden, 132))
+    fewer = {senders: float(fused_up_s(PROFILE, PROBLEM, 132, 16, senders=senders)) for senders in (66, 16, 1)}
+    assert all(spread < t for t in fewer.values())
+    assert fewer[16] < every < fewer[1]
+
+
 def test_send_and_reduce_tasks_are_whole_rounds_over_the_ctas():
     """A CTA runs whole tasks: 32 tasks on 28 CTAs take two task times, not 32 / 28 of one;
     a round binds at the bandwidth on its share of the traffic, a partial last round moves

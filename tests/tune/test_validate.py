@@ -164,3 +164,18 @@ def test_a_forward_enqueued_after_its_hold_ended_is_timed_again_behind_a_longer_
     hold.enqueued, hold.hold_ns = [], validate.MAX_HOLD_NS
     with pytest.raises(RuntimeError, match="to enqueue one fused forward"):
         validate.timed_forwards(Group(), Moe(), None, None, None, hold, repeats=1)
+
+
+def test_the_fused_sweep_runs_once_per_share_of_senders():
+    from tests.tune.synthetic import h200_like
+    from ultraep.compute.fused.config import SEND_SHARE
+    from ultraep.tune.model import Problem
+    from ultraep.tune.validate import fused_configs
+
+    profile, problem = h200_like(), Problem(tokens=4096, hidden=4096, ffn=1536, top_k=8, experts=64, ranks=4)
+    plain = fused_configs(profile, problem, 10)
+    assert all(c.send_ctas == max(1, min(c.ctas, round(c.ctas * SEND_SHARE))) for c in plain)
+    shared = fused_configs(profile, problem, 10, [1.0, 0.25])
+    quarter = [c for c in shared if c.send_ctas == max(1, round(c.ctas * 0.25)) and c.send_ctas < c.ctas]
+    assert quarter and len(shared) > len(plain)
+    assert {c.ctas for c in quarter} <= {c.ctas for c in shared if c.send_ctas == c.ctas}  # the same CTA counts

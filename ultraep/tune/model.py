@@ -59,6 +59,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ultraep.compute.fused.config import SEND_SHARE
 from ultraep.errors import ProfileError
 from ultraep.runtime.dtypes import is_bool, is_int
 from ultraep.runtime.kernels import kernel_constant
@@ -77,6 +78,7 @@ FM_DOWN_COLS = kernel_constant("fused_moe.cu", "FM_DOWN_COLS")
 FM_TASK_WARPS = 4 * kernel_constant("fused_moe.cu", "GH_CONSUMERS")  # send/relay/reduce: the consumer warps
 FM_UNROLL = kernel_constant("fused_moe.cu", "FM_UNROLL")  # the source's; FusedConfig's copy_unroll is not modelled
 FM_REDUCE_UNROLL = kernel_constant("fused_moe.cu", "FM_REDUCE_UNROLL")
+FM_ARRIVAL_BANDS = kernel_constant("fused_moe.cu", "FM_ARRIVAL_BANDS")
 # What a call enqueues, kernels and CuPy copies (ultraep/token/device.py): dispatch's token
 # map, row plan, send, barriers, expansion and the copies it returns; combine's barriers,
 # send and reduce; a combine from expert_output's barriers and pull.
@@ -665,17 +667,26 @@ def _working(measured, ctas, working):
     return measured(ctas) if working is None else np.asarray(working, np.float64)
 
 
-def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, working=None):
+def default_senders(ctas):
+    """``FusedConfig.send_ctas``'s default for ``ctas`` CTAs (an array): :data:`SEND_SHARE`
+    of them, at least one."""
+    ctas = np.asarray(ctas, np.float64)
+    return np.minimum(ctas, np.maximum(1.0, np.round(ctas * SEND_SHARE)))
+
+
+def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, working=None, senders=None):
     """Kernel A of the busiest rank on ``ctas`` CTAs, ``working`` of them at work (default:
-    as many as the profile's unluckiest rank has, whom the group waits for).
+    as many as the profile's unluckiest rank has, whom the group waits for), ``senders`` of
+    those sending first (default :func:`default_senders`).
 
     A send task is a claim and, per round of FM_TASK_WARPS tokens, a token's copy (read once,
     stored to every destination: a row copy's round trips per row copied) and its system
     fence. A CTA runs whole tasks: the sends take rounds of one task per CTA at work, each
     bounded by its share of their traffic too (every byte read and written at the GPU's
-    shared copy rate), and the tiles wait for the last round: every CTA sends before its
-    first tile (FusedConfig.send_ctas at its default, every CTA; fewer senders are not
-    modelled). A relay
+    shared copy rate). With every CTA at work a sender, the tiles wait for the last round;
+    with fewer, the sends take their rounds on the senders alone, and the other CTAs run
+    tiles meanwhile from the first band's arrival (the sends over FM_ARRIVAL_BANDS) on;
+    the last band's tiles wait for the last round. A relay
     task (one M-tile's rows) is measured; one of a partial M-tile is charged by its rows'
     rounds. The up tiles (``bm`` rows x ``2 * up_cols`` columns over ``hidden``, storing
     ``h`` as ``problem.keeps_h`` says) run in waves of the measured tile over the CTAs at work.
@@ -704,11 +715,16 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     m_tiles, col_blocks = problem.m_tiles(), -(-problem.ffn // FM_UP_COLS)
     tile = costs.up_tile_s(problem.hidden, ctas, problem.keeps_h)
     tiles = np.ceil(m_tiles * col_blocks / working) * tile
-    sends = _task_rounds_s(np.ceil(problem.tokens / send_tokens), working, send_task,
+    sending = np.minimum(default_senders(ctas) if senders is None else np.asarray(senders, np.float64), working)
+    sends = _task_rounds_s(np.ceil(problem.tokens / send_tokens), sending, send_task,
                            bandwidth_s(profile, send_traffic, problem.ranks_per_gpu))
     if costs.relays_on_store_warps:
         last_group = np.ceil(min(GG_GROUP_M, m_tiles) * col_blocks / working) * tile
-        body = np.maximum(sends + tiles, np.maximum(sends, relay_work / working) + last_group)
+        # tiles the CTAs that do not send run during the sends, from the first band's arrival
+        beside = (working - sending) * sends * (1.0 - 1.0 / FM_ARRIVAL_BANDS) / tile
+        last_band = np.ceil(m_tiles * col_blocks / FM_ARRIVAL_BANDS / working) * tile
+        after = np.maximum(np.ceil(np.maximum(m_tiles * col_blocks - beside, 0.0) / working) * tile, last_band)
+        body = np.maximum(sends + after, np.maximum(sends, relay_work / working) + last_group)
     else:  # every send is claimed before the first relay: two phases, each its own limits
         relay_traffic = 2.0 * float(rows.sum()) * row  # a row relayed: read and written
         body = sends + join(bandwidth_s(profile, relay_traffic, problem.ranks_per_gpu), relay_work / working) + tiles
@@ -759,7 +775,7 @@ def fused_down_s(profile: MachineProfile, problem: Problem, ctas, reduce_tokens,
     return profile.kernel_s + waves * tile + tail
 
 
-def fused_windows(profile: MachineProfile, problems, ctas, send_tokens, reduce_tokens) -> dict:
+def fused_windows(profile: MachineProfile, problems, ctas, send_tokens, reduce_tokens, senders=None) -> dict:
     """The group's windows of one fused forward, one :class:`Problem` per rank (its own
     routing): ``up``, kernel A's (the slowest rank's); ``down``, kernel B's, which opens when
     the first rank's kernel A ends and closes when the last rank's reduces do -- they wait
@@ -770,11 +786,11 @@ def fused_windows(profile: MachineProfile, problems, ctas, send_tokens, reduce_t
     working_down_ctas in kernel B), the others all of theirs: which rank lags varies from
     call to call, so each rank takes that turn and the windows are the median over the turns
     (a timed window is the median of calls). One problem: that rank, lagging, and its A, B
-    and their sum."""
+    and their sum. ``senders``: kernel A's (default :func:`default_senders`)."""
     ctas = np.asarray(ctas, np.float64)
-    full = [(np.asarray(fused_up_s(profile, p, ctas, send_tokens, ctas), np.float64),
+    full = [(np.asarray(fused_up_s(profile, p, ctas, send_tokens, ctas, senders), np.float64),
              np.asarray(fused_down_s(profile, p, ctas, reduce_tokens, ctas), np.float64)) for p in problems]
-    lagging = [(np.asarray(fused_up_s(profile, p, ctas, send_tokens), np.float64),
+    lagging = [(np.asarray(fused_up_s(profile, p, ctas, send_tokens, senders=senders), np.float64),
                 np.asarray(fused_down_s(profile, p, ctas, reduce_tokens), np.float64)) for p in problems]
     turns = {"up": [], "down": [], "forward": []}
     for lagger in range(len(problems)):

@@ -17,7 +17,8 @@ measurements, over a sweep of the phase's knob.
   kernels: its sweep measures one configuration many times.
 * ``fused-forward``: ``MoELayer(fused=True, fused_config=)`` over ``--configs``
   configurations (:class:`~ultraep.compute.fused.config.FusedConfig`: CTAs from one to every SM, for a few send
-  and reduce task sizes, with today's constants and the search's choice among them), a
+  and reduce task sizes, with today's constants and the search's choice among them; with
+  ``--send-shares`` once per share of the CTAs sending first), a
   layer per configuration, ``--tokens`` random top-k tokens per rank over ``--experts``.
   From the layer's timeline (``%globaltimer``: one clock for ranks on one GPU; the median
   of ``--repeats`` forwards) the group's windows: kernel A (dispatch + up: first task's
@@ -63,7 +64,7 @@ import sys
 import numpy as np
 
 from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, job_ranks, multi_rank_main,
-                                   non_negative_int, output_errors, positive_int)
+                                   non_negative_int, output_errors, positive_int, share)
 
 PHASES = ("weight-sync", "dispatch", "fused-forward")
 COLUMNS = ["problem", "config", "predicted_ms", "measured_ms", "error_pct"]
@@ -82,7 +83,10 @@ def parse_args(argv):
     parser.add_argument("--replay", metavar="FILE.json",
                         help="no sweep: predict a fused-forward, dispatch or weight-sync sweep's --json again "
                              "with today's model")
-    parser.add_argument("--configs", type=positive_int, default=50, help="configurations per problem")
+    parser.add_argument("--configs", type=positive_int, default=50, help="configurations per problem (and share)")
+    parser.add_argument("--send-shares", type=share, nargs="+", default=None, metavar="SHARE",
+                        help="fused-forward: each CTA count's share that sends first (FusedConfig.send_ctas), "
+                             "the sweep once per share (default: the source's SEND_SHARE)")
     parser.add_argument("--fanouts", type=positive_int, nargs="+", default=None,
                         help="weight-sync: replicas of the synced expert, one problem each (default: ranks - 1)")
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[4096],
@@ -400,19 +404,23 @@ def retime_dispatch(grids: list, predicted: dict, measured: dict, time_grids, ro
 # -- the fused forward -----------------------------------------------------------------------
 
 FUSED_TASK_TOKENS = (16, 4, 32, 64)  # send = reduce task sizes swept (16: the source's); a module variant each
+FUSED_KNOBS = ("ctas", "send_tokens", "reduce_tokens", "send_ctas")  # fused_windows' arguments, in order
 
 
-def fused_configs(profile, problem, count: int) -> list:
-    """About ``count`` configurations of the fused kernels (a few more where the CTA counts
-    do not divide evenly): CTA counts from one to every usable SM for each of the first
-    ``count - 1`` of :data:`FUSED_TASK_TOKENS`, with today's constants (every SM, the
-    source's sizes) and the search's choice for ``problem`` among them."""
-    from ultraep.compute.fused.config import FusedConfig
+def fused_configs(profile, problem, count: int, send_shares=None) -> list:
+    """About ``count`` configurations of the fused kernels per share of ``send_shares``
+    (default the source's :data:`~ultraep.compute.fused.config.SEND_SHARE` alone; a few more
+    where the CTA counts do not divide evenly): CTA counts from one to every usable SM for
+    each of the first ``count - 1`` of :data:`FUSED_TASK_TOKENS`, that share of them sending
+    first, with today's constants (every SM, the source's sizes) and the search's choice for
+    ``problem`` among them."""
+    from ultraep.compute.fused.config import SEND_SHARE, FusedConfig
     from ultraep.tune.search import search
 
     sizes = FUSED_TASK_TOKENS[:max(1, count - 1)]
     ctas = spread(1, profile.usable_sms, -(-max(1, count - 1) // len(sizes)))
-    configs = [FusedConfig(c, size, size) for size in sizes for c in ctas]
+    configs = [FusedConfig(c, size, size, send_ctas=max(1, round(c * share)))
+               for share in (send_shares or [SEND_SHARE]) for size in sizes for c in ctas]
     configs.append(search(profile, problem).config.fused)
     return list(dict.fromkeys(configs))
 
@@ -516,7 +524,7 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
     for tokens in args.tokens:
         (x, ids, gates), set_up, _, _, (problem, *rank_problems) = routed_problem(group, backend, xp, args, tokens,
                                                                                    sharing)
-        configs = fused_configs(profile, problem, args.configs)
+        configs = fused_configs(profile, problem, args.configs, args.send_shares)
         default, tuned = FusedConfig(profile.usable_sms), search(profile, problem).config.fused
         label = f"{tokens} tokens/rank, hidden {args.hidden}, ffn {args.ffn}"
         problems[label] = [dataclasses.asdict(p) for p in rank_problems]
@@ -541,9 +549,8 @@ def sweep_fused(group, backend, xp, synchronize, profile, args, progress) -> tup
             per_rank.append(np.median(own, axis=0))
             at_work.append(np.median(spans[:, :, 4:6], axis=0).T)  # [kernel, rank]
             fewest.append(np.median(spans[:, :, 4:6].min(axis=1), axis=0))  # [kernel]
-        knobs = {name: np.asarray([getattr(c, name) for c in configs]) for name in ("ctas", "send_tokens",
-                                                                                     "reduce_tokens")}
-        predicted = fused_windows(profile, rank_problems, knobs["ctas"], knobs["send_tokens"], knobs["reduce_tokens"])
+        knobs = {name: np.asarray([getattr(c, name) for c in configs]) for name in FUSED_KNOBS}
+        predicted = fused_windows(profile, rank_problems, *knobs.values())
         costs = profile.fused_costs(sharing)
         working = np.stack([costs.working_ctas(knobs["ctas"]), costs.working_down_ctas(knobs["ctas"])], axis=1)
         for i, (name, window) in enumerate(FUSED_WINDOWS):
@@ -656,7 +663,7 @@ def replay_rows(document: dict) -> tuple[list[dict], object]:
         mine = [row for row in rows if row["shape"] == shape]
         configs = [FusedConfig.parse(row["config"]) for row in mine]
         predicted = fused_windows(profile, ranks, *(np.asarray([getattr(c, knob) for c in configs])
-                                                    for knob in ("ctas", "send_tokens", "reduce_tokens")))
+                                                    for knob in FUSED_KNOBS))
         for i, row in enumerate(mine):
             row["predicted_ms"] = float(predicted[row["window"]][i]) * 1e3
     return rows, profile

@@ -22,8 +22,8 @@ from ultraep.runtime.kernels import kernel_constant
 
 KERNELS = "fused_moe.cu"
 BUCKET_TOKENS = 4096
-# Of kernel A's CTAs, the share that sends first by default (FusedConfig.send_ctas): all of them until a
-# measurement says fewer senders cost the GEMM less than their sends' late arrival costs it.
+# Of kernel A's CTAs, the share that sends first by default (FusedConfig.send_ctas): all of them until a GPU
+# measurement (tune validate --send-shares) says fewer senders cost the GEMM less than their late sends cost it.
 SEND_SHARE = 1.0
 # (knob, the kernel's macro, largest value accepted): an unroll is a register array per lane
 DEFINES = (("send_tokens", "FM_SEND_TOKENS", 1 << 16), ("reduce_tokens", "FM_REDUCE_TOKENS", 1 << 16),
