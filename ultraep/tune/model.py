@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ultraep.compute.fused.config import SEND_SHARE
+from ultraep.compute.fused.config import share_of_ctas
 from ultraep.errors import ProfileError
 from ultraep.runtime.dtypes import is_bool, is_int
 from ultraep.runtime.kernels import kernel_constant
@@ -667,17 +667,10 @@ def _working(measured, ctas, working):
     return measured(ctas) if working is None else np.asarray(working, np.float64)
 
 
-def default_senders(ctas):
-    """``FusedConfig.send_ctas``'s default for ``ctas`` CTAs (an array): :data:`SEND_SHARE`
-    of them, at least one."""
-    ctas = np.asarray(ctas, np.float64)
-    return np.minimum(ctas, np.maximum(1.0, np.round(ctas * SEND_SHARE)))
-
-
 def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, working=None, senders=None):
     """Kernel A of the busiest rank on ``ctas`` CTAs, ``working`` of them at work (default:
     as many as the profile's unluckiest rank has, whom the group waits for), ``senders`` of
-    those sending first (default :func:`default_senders`).
+    those sending first (default FusedConfig's: ``share_of_ctas``).
 
     A send task is a claim and, per round of FM_TASK_WARPS tokens, a token's copy (read once,
     stored to every destination: a row copy's round trips per row copied) and its system
@@ -715,7 +708,7 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     m_tiles, col_blocks = problem.m_tiles(), -(-problem.ffn // FM_UP_COLS)
     tile = costs.up_tile_s(problem.hidden, ctas, problem.keeps_h)
     tiles = np.ceil(m_tiles * col_blocks / working) * tile
-    sending = np.minimum(default_senders(ctas) if senders is None else np.asarray(senders, np.float64), working)
+    sending = np.minimum(share_of_ctas(ctas) if senders is None else np.asarray(senders, np.float64), working)
     sends = _task_rounds_s(np.ceil(problem.tokens / send_tokens), sending, send_task,
                            bandwidth_s(profile, send_traffic, problem.ranks_per_gpu))
     if costs.relays_on_store_warps:
@@ -786,7 +779,7 @@ def fused_windows(profile: MachineProfile, problems, ctas, send_tokens, reduce_t
     working_down_ctas in kernel B), the others all of theirs: which rank lags varies from
     call to call, so each rank takes that turn and the windows are the median over the turns
     (a timed window is the median of calls). One problem: that rank, lagging, and its A, B
-    and their sum. ``senders``: kernel A's (default :func:`default_senders`)."""
+    and their sum. ``senders``: kernel A's (default FusedConfig's)."""
     ctas = np.asarray(ctas, np.float64)
     full = [(np.asarray(fused_up_s(profile, p, ctas, send_tokens, ctas, senders), np.float64),
              np.asarray(fused_down_s(profile, p, ctas, reduce_tokens, ctas), np.float64)) for p in problems]

@@ -414,12 +414,12 @@ def fused_configs(profile, problem, count: int, send_shares=None) -> list:
     each of the first ``count - 1`` of :data:`FUSED_TASK_TOKENS`, that share of them sending
     first, with today's constants (every SM, the source's sizes) and the search's choice for
     ``problem`` among them."""
-    from ultraep.compute.fused.config import SEND_SHARE, FusedConfig
+    from ultraep.compute.fused.config import SEND_SHARE, FusedConfig, share_of_ctas
     from ultraep.tune.search import search
 
     sizes = FUSED_TASK_TOKENS[:max(1, count - 1)]
     ctas = spread(1, profile.usable_sms, -(-max(1, count - 1) // len(sizes)))
-    configs = [FusedConfig(c, size, size, send_ctas=max(1, round(c * share)))
+    configs = [FusedConfig(c, size, size, send_ctas=int(share_of_ctas(c, share)))
                for share in (send_shares or [SEND_SHARE]) for size in sizes for c in ctas]
     configs.append(search(profile, problem).config.fused)
     return list(dict.fromkeys(configs))

@@ -5,7 +5,7 @@ import pytest
 
 from ultraep.errors import MoELayerError
 from ultraep.runtime.kernels import kernel_constant
-from ultraep.compute.fused.config import SEND_SHARE, FusedConfig, FusedSchedule
+from ultraep.compute.fused.config import SEND_SHARE, FusedConfig, FusedSchedule, share_of_ctas
 
 
 def test_defaults_are_the_kernel_sources_and_compile_the_plain_module():
@@ -22,6 +22,7 @@ def test_defaults_are_the_kernel_sources_and_compile_the_plain_module():
 def test_senders_default_to_a_share_of_the_ctas_and_round_trip():
     assert [FusedConfig(c).send_ctas for c in (1, 2, 3, 33, 132)] == [max(1, min(c, round(c * SEND_SHARE)))
                                                                       for c in (1, 2, 3, 33, 132)]
+    assert share_of_ctas([1, 2, 33, 132], 0.25).tolist() == [1, 1, 8, 33]  # rounded, at least one
     assert FusedConfig(33, send_ctas=40).send_ctas == 33  # never more than the grid
     assert FusedConfig(33, send_ctas=FusedConfig(33).send_ctas) == FusedConfig(33)
     assert FusedConfig(33, send_ctas=5) != FusedConfig(33, send_ctas=6)

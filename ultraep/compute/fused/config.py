@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 from ultraep.errors import MoELayerError
 from ultraep.runtime.kernels import kernel_constant
 
@@ -25,6 +27,14 @@ BUCKET_TOKENS = 4096
 # Of kernel A's CTAs, the share that sends first by default (FusedConfig.send_ctas): all of them until a GPU
 # measurement (tune validate --send-shares) says fewer senders cost the GEMM less than their late sends cost it.
 SEND_SHARE = 1.0
+
+
+def share_of_ctas(ctas, share: float = SEND_SHARE):
+    """``share`` of ``ctas`` CTAs (an int or an array of them), rounded, at least one and at
+    most ``ctas``: the senders FusedConfig resolves ``send_ctas=None`` to, with ``share``
+    :data:`SEND_SHARE`."""
+    ctas = np.asarray(ctas)
+    return np.minimum(ctas, np.maximum(1, np.round(ctas * share))).astype(ctas.dtype)
 # (knob, the kernel's macro, largest value accepted): an unroll is a register array per lane
 DEFINES = (("send_tokens", "FM_SEND_TOKENS", 1 << 16), ("reduce_tokens", "FM_REDUCE_TOKENS", 1 << 16),
            ("copy_unroll", "FM_UNROLL", 8), ("reduce_unroll", "FM_REDUCE_UNROLL", 16))
@@ -76,8 +86,8 @@ class FusedConfig:
         for name, _, most in DEFINES:
             if getattr(self, name) > most:
                 raise MoELayerError(f"FusedConfig.{name} must be at most {most}, got {getattr(self, name)}")
-        senders = self.send_ctas or max(1, round(self.ctas * SEND_SHARE))
-        object.__setattr__(self, "send_ctas", min(self.ctas, senders))  # frozen: resolved once, compared by value
+        senders = min(self.ctas, self.send_ctas or int(share_of_ctas(self.ctas)))
+        object.__setattr__(self, "send_ctas", senders)  # frozen: resolved once, compared by value
 
     def check_resident(self, resident: int) -> None:
         """Raise MoELayerError unless the grid fits the ``resident`` CTAs (SMs) at once."""
