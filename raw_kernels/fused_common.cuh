@@ -236,23 +236,30 @@ __device__ __forceinline__ Tile gemm_tile(const int* tile_start, const int* off,
     return Tile{j, off[j] + mn.x * GH_BM, off[j + 1], mn.y * cols, 0, k};
 }
 
-// GEMM tile t of kernels A and C in arrival order (ultraep/compute/fused/forward.py's
+// Where GEMM tile t of kernels A and C stands in arrival order (ultraep/compute/fused/forward.py's
 // task_order): `arrival` is fused_plan's -- run q (band q / spr of slot q % spr) holds the
 // M-tiles [arrival[q], arrival[q + 1]) of the order that follows the FM_ARRIVAL_BANDS * spr
 // + 1 run starts -- and a run's tiles are its M-tiles x `n_cols` column blocks in
-// grouped_raster's order; `cols` output columns per block, a reduction over `k`.
-__device__ __forceinline__ Tile arrival_tile(const int* arrival, const int* off, const int* mtile, int spr,
-                                             int n_cols, int t, int cols, int k) {
+// grouped_raster's order. Returns its run (the last whose first tile is <= t: one with
+// tiles), M-tile id and column block.
+__device__ __forceinline__ int3 arrival_place(const int* arrival, int spr, int n_cols, int t) {
     const int runs = FM_ARRIVAL_BANDS * spr;
-    int lo = 0, hi = runs - 1;  // the last run whose first tile is <= t: one with tiles
+    int lo = 0, hi = runs - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
         if (__ldg(arrival + mid) * n_cols <= t) lo = mid; else hi = mid - 1;
     }
     const int first = __ldg(arrival + lo), count = __ldg(arrival + lo + 1) - first;
     const int2 mn = grouped_raster(t - first * n_cols, count, n_cols);
-    const int m = __ldg(arrival + runs + 1 + first + mn.x), j = lo % spr;
-    return Tile{j, off[j] + (m - mtile[j]) * GH_BM, off[j + 1], mn.y * cols, 0, k};
+    return make_int3(lo, __ldg(arrival + runs + 1 + first + mn.x), mn.y);
+}
+
+// Tile t itself: `cols` output columns per block, a reduction over `k`.
+__device__ __forceinline__ Tile arrival_tile(const int* arrival, const int* off, const int* mtile, int spr,
+                                             int n_cols, int t, int cols, int k) {
+    const int3 place = arrival_place(arrival, spr, n_cols, t);
+    const int j = place.x % spr;
+    return Tile{j, off[j] + (place.y - mtile[j]) * GH_BM, off[j + 1], place.z * cols, 0, k};
 }
 
 // This rank's index of a tile's M-tile: the index of its tile_ready and done flags.
@@ -488,8 +495,9 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 // relay_on_store_warps; then GEMM tiles (kind `tile_kind`), MODE's, `tile_of(t)` tile t
 // (arrival_tile), each handed to the block once its M-tile is relayed. Each counter of
 // FM_*_COUNTER serves one stream: the first `send_ctas` blocks to take a ticket are senders,
-// which claim sends while any is left, then tiles; the other blocks claim tiles from the
-// start, so the GEMM runs beside the sends instead of after them. The store warps claim the
+// which claim sends while any is left, then tiles; the other blocks claim the next tile
+// whose rows are relayed, a send where its rows are not there yet, so the GEMM runs beside
+// the sends instead of after them. The store warps claim the
 // relays, so a relay's copies run beside the consumers' sends and MMAs. The producer thread
 // loads a tile with load_tile's `boxes(tile)` and `b_split`; the consumers then run
 // `finish(d, tile, ring, consumer, warp, lane)`, the tile's epilogue, which may stage the tile in the idle stage ring (`ring`; see
@@ -497,8 +505,8 @@ __device__ __forceinline__ void relay_on_store_warps(int* counter, int* claimed,
 // issues no copy into it before the next claim's barrier.
 // Why no claim order deadlocks (ultraep/compute/fused/forward.py states it for the host model):
 // a store warp waits only for row flags, which send tasks release; sends wait for nothing,
-// and the first block of a rank to run takes the first ticket -- a sender, resident, which
-// claims nothing else while a send is left -- so every rank's sends finish; a tile waits for
+// and no block claims a tile it must wait for while a send is unclaimed, so every rank's
+// sends finish (whatever send_ctas, 0 included); a tile waits for
 // tile_ready, which a relay releases, and relays progress on the store warps of any resident
 // block, whatever its consumers wait for. So one resident block per rank suffices.
 // A tile's wait for its rows spans their arrival (the relay's bounded row waits) and the
@@ -510,7 +518,7 @@ __device__ __forceinline__ void send_relay_then_gemm(
     int tokens, int top_k, int hidden, const long long* ids, const float* gates, const int* positions,
     const int* base, const u64* peer_bases, u64 landing_offset, u64 weight_offset, u64 row_landing_offset,
     u64 origin_offset, u64 row_flag_offset, int me, int spr, int max_tokens, int chunk, const int* off,
-    const int* mtile, const int* tile_start, const int* arrival, int send_ctas, Pipeline& p, int* claimed,
+    const int* mtile, const int* tile_start, const int* arrival, int n_cols, int send_ctas, Pipeline& p, int* claimed,
     u64* tile_ready, RelayRow relay_row, Finish finish, u64 epoch, u64 timeout_ns, int* counter, long long* status,
     u64* trace, int send_kind, int relay_kind, int tile_kind) {
     const int row_vecs = hidden * 2 / 16, n = tokens * top_k;
@@ -526,13 +534,24 @@ __device__ __forceinline__ void send_relay_then_gemm(
             wait_rows_relayed(tile_ready, mtile_of(mtile, off, tile_of(task - first_tile)), epoch, timeout_ns, status,
                               me);
     };
-    // thread 0 claims; at least one sender, or no send would ever be claimed
-    bool sending = threadIdx.x == 0 && atomicAdd(counter + FM_SENDER_TICKET, 1) < max(send_ctas, 1);
+    // Thread 0 claims. A sender sends while any send is left; any other block takes the next
+    // tile only once its rows are relayed (a compare-and-swap on exactly that tile), else a
+    // send while any is left. So no block waits for a tile while a send is unclaimed.
+    bool sending = threadIdx.x == 0 && atomicAdd(counter + FM_SENDER_TICKET, 1) < send_ctas;
+    const int n_tiles = total - first_tile;
+    auto counted = [&](int which) { return *reinterpret_cast<volatile int*>(counter + which); };
+    auto relayed = [&](int t) {
+        return load_acquire_sys(tile_ready + arrival_place(arrival, spr, n_cols, t).y) == epoch;
+    };
     auto take = [&] {
-        if (sending) {
+        if (sending || counted(FM_SEND_COUNTER) < n_send) {
+            const int tile = counted(FM_TILE_COUNTER);  // another block may take it first: then a send
+            if (!sending && tile < n_tiles && relayed(tile) &&
+                atomicCAS(counter + FM_TILE_COUNTER, tile, tile + 1) == tile)
+                return first_tile + tile;
             const int send = atomicAdd(counter + FM_SEND_COUNTER, 1);
             if (send < n_send) return send;
-            sending = false;
+            sending = false;  // every send claimed: tiles, in turn
         }
         return first_tile + atomicAdd(counter + FM_TILE_COUNTER, 1);
     };

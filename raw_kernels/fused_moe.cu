@@ -24,9 +24,10 @@
 // block's next task (fused_common.cuh); an up tile's epilogue runs on the consumers, through
 // the ring once its MMAs are done. Send and reduce tasks run on the consumer warps, a warp
 // per token. In kernel A the store warps of every block claim the relays from a counter of
-// their own and copy their rows beside the block's sends and MMAs, and only the first
-// send_ctas blocks to start send: the others start on up tiles (relays and up tiles in
-// arrival order: the M-tiles whose rows come first go first). Any number of resident
+// their own and copy their rows beside the block's sends and MMAs; the first send_ctas
+// blocks to start send first, the others take an up tile once its rows are relayed and send
+// meanwhile (relays and up tiles in arrival order: the M-tiles whose rows come first go
+// first). Any number of resident
 // blocks is correct (a block never waits for a task claimed after its own, nor for a relay
 // that no resident block's store warps can run), so the grid is the SM count whatever share
 // of them MPS grants.
@@ -201,7 +202,7 @@ __device__ __forceinline__ void swiglu_up_tile(unsigned ring, const Tile& tile, 
 
 // Tasks: [0, n_send) send, then one relay per M-tile, then up tiles, both in arrival order
 // (arrival_tile): send_relay_then_gemm, the first send_ctas blocks to start sending before
-// they claim up tiles, the relays on the store warps; the relay a row copy into
+// anything else, the relays on the store warps; the relay a row copy into
 // recv (gpu-scope fence: only this rank's TMA reads it), an up tile's epilogue SwiGLU into
 // act [rows, F]. recv_map: recv [max_rows, H] as
 // (H, rows), box 64 x 128; w_up_map: w_up [slots, H, 2F] as (2F, H, slots), boxes 64 x 64 x 1.
@@ -240,8 +241,8 @@ fused_dispatch_up(const __grid_constant__ TensorMap recv_map, const __grid_const
     send_relay_then_gemm<GH_FORWARD, false>(
         &recv_map, &w_up_map, up_tile, boxes, ffn - FM_UP_COLS, x, tokens, top_k, hidden, ids, gates, positions, base,
         peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset, me, spr,
-        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, arrival, send_ctas, p, claimed, tile_ready, relay_row,
-        finish, epoch, timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
+        max_tokens, FM_SEND_TOKENS, off, mtile, tile_start, arrival, n_cols, send_ctas, p, claimed, tile_ready,
+        relay_row, finish, epoch, timeout_ns, counter, status, trace, FM_KIND_SEND, FM_KIND_RELAY, FM_KIND_UP);
 }
 
 // -- kernel B: down-projection + combine -----------------------------------------------------------

@@ -159,8 +159,9 @@ fused_grad_dispatch_dgrad(const __grid_constant__ TensorMap grad_y_map, const __
     send_relay_then_gemm<GH_DGRAD, true>(
         &grad_y_map, &w_down_map, dgrad_tile, [](const Tile&) { return 0u; }, 0, dy, tokens, top_k, hidden, ids, gates,
         positions, base, peer_bases, landing_offset, weight_offset, row_landing_offset, origin_offset, row_flag_offset,
-        me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, arrival, send_ctas, p, claimed, tile_ready,
-        relay_row, finish, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY, FB_KIND_DGRAD_DOWN);
+        me, spr, max_tokens, FB_SEND_TOKENS, off, mtile, tile_start, arrival, n_cols, send_ctas, p, claimed,
+        tile_ready, relay_row, finish, epoch, timeout_ns, counter, status, trace, FB_KIND_SEND, FB_KIND_RELAY,
+        FB_KIND_DGRAD_DOWN);
 }
 
 // -- kernel D: dgrad of up + gradient combine -----------------------------------------------------

@@ -445,7 +445,7 @@ def bounded_type(convert, accept, expected: str):
 
 positive_int = bounded_type(int, lambda value: value >= 1, "an int >= 1")
 non_negative_int = bounded_type(int, lambda value: value >= 0, "an int >= 0")
-share = bounded_type(float, lambda value: 0.0 < value <= 1.0, "a share in (0, 1]")
+share = bounded_type(float, lambda value: 0.0 <= value <= 1.0, "a share in [0, 1]")
 imbalance_target = bounded_type(float, lambda value: math.isfinite(value) and value >= 1.0,
                                 "a number >= 1 (a rank max/mean)")
 ROW_ALIGN = 8  # BF16 values in 16 bytes: the grouped GEMM's and the Dispatcher's rows are whole 16-byte chunks

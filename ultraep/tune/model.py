@@ -679,7 +679,10 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     shared copy rate). With every CTA at work a sender, the tiles wait for the last round;
     with fewer, the sends take their rounds on the senders alone, and the other CTAs run
     tiles meanwhile from the first band's arrival (the sends over FM_ARRIVAL_BANDS) on;
-    the last band's tiles wait for the last round. A relay
+    the last band's tiles wait for the last round. The device's other CTAs send too while
+    their next tile's rows are not there (before the first band, and where the senders fall
+    behind), which this leaves out; ``senders`` 0, where only they send, counts as every
+    CTA sending first. A relay
     task (one M-tile's rows) is measured; one of a partial M-tile is charged by its rows'
     rounds. The up tiles (``bm`` rows x ``2 * up_cols`` columns over ``hidden``, storing
     ``h`` as ``problem.keeps_h`` says) run in waves of the measured tile over the CTAs at work.
@@ -708,7 +711,9 @@ def fused_up_s(profile: MachineProfile, problem: Problem, ctas, send_tokens, wor
     m_tiles, col_blocks = problem.m_tiles(), -(-problem.ffn // FM_UP_COLS)
     tile = costs.up_tile_s(problem.hidden, ctas, problem.keeps_h)
     tiles = np.ceil(m_tiles * col_blocks / working) * tile
-    sending = np.minimum(share_of_ctas(ctas) if senders is None else np.asarray(senders, np.float64), working)
+    senders = share_of_ctas(ctas) if senders is None else np.asarray(senders, np.float64)
+    # none first (0): every CTA sends while its next tile's rows are not there, at the start all of them
+    sending = np.where(senders == 0, working, np.clip(senders, 1.0, working))
     sends = _task_rounds_s(np.ceil(problem.tokens / send_tokens), sending, send_task,
                            bandwidth_s(profile, send_traffic, problem.ranks_per_gpu))
     if costs.relays_on_store_warps:

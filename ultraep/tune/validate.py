@@ -85,8 +85,9 @@ def parse_args(argv):
                              "with today's model")
     parser.add_argument("--configs", type=positive_int, default=50, help="configurations per problem (and share)")
     parser.add_argument("--send-shares", type=share, nargs="+", default=None, metavar="SHARE",
-                        help="fused-forward: each CTA count's share that sends first (FusedConfig.send_ctas), "
-                             "the sweep once per share (default: the source's SEND_SHARE)")
+                        help="fused-forward: each CTA count's share that sends first (FusedConfig.send_ctas; 0: "
+                             "none, the others send while their next tile's rows are not there), the sweep once per "
+                             "share (default: the source's SEND_SHARE)")
     parser.add_argument("--fanouts", type=positive_int, nargs="+", default=None,
                         help="weight-sync: replicas of the synced expert, one problem each (default: ranks - 1)")
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[4096],

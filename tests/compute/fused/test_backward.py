@@ -120,15 +120,17 @@ def test_reduces_claimed_before_their_dgrad_up_tiles_are_refused_and_deadlock():
         simulate(layer, [1, 1], np.random.default_rng(0), bad)
 
 
-def test_dgrad_down_tiles_listed_before_the_sends_still_finish():
-    """Kernel C's sends are the senders' stream: wherever its tiles stand in the list, one
-    sender a rank sends everything, and the result keeps its bits."""
+@pytest.mark.parametrize("senders", [[1, 1], [0, 0]])
+def test_dgrad_down_tiles_listed_before_the_sends_still_finish(senders):
+    """Kernel C's sends are a stream of their own: wherever its tiles stand in the list, one
+    sender a rank or none (the others send while their next tile waits) sends everything,
+    and the result keeps its bits."""
     data = backward_problem(2, 2, 10, 2, seed=1)
     layer = simulation(*data, grain=SMALL)
     early = [([t for t in c if t.kind == "dgrad_down"] + [t for t in c if t.kind != "dgrad_down"], d)
              for c, d in layer.tasks]
     check_order(layer, early)
-    simulate(layer, [3, 2], np.random.default_rng(0), early, senders=[1, 1])
+    simulate(layer, [3, 2], np.random.default_rng(0), early, senders=senders)
     assert_bitwise(layer, sequential_backward(*data, swiglu_backward), "tiles listed first")
 
 

@@ -23,14 +23,14 @@ def test_senders_default_to_a_share_of_the_ctas_and_round_trip():
     assert [FusedConfig(c).send_ctas for c in (1, 2, 3, 33, 132)] == [max(1, min(c, round(c * SEND_SHARE)))
                                                                       for c in (1, 2, 3, 33, 132)]
     assert share_of_ctas([1, 2, 33, 132], 0.25).tolist() == [1, 1, 8, 33]  # rounded, at least one
+    assert share_of_ctas([1, 33], 0.0).tolist() == [0, 0] and FusedConfig(33, send_ctas=0).send_ctas == 0
     assert FusedConfig(33, send_ctas=40).send_ctas == 33  # never more than the grid
     assert FusedConfig(33, send_ctas=FusedConfig(33).send_ctas) == FusedConfig(33)
     assert FusedConfig(33, send_ctas=5) != FusedConfig(33, send_ctas=6)
     for config in (FusedConfig(33, send_ctas=5, send_tokens=8), FusedConfig(132)):
         assert FusedConfig.parse(str(config)) == config
     assert FusedConfig.parse("ctas=27 send=16 reduce=16 unroll=4/8") == FusedConfig(27, send_ctas=27)  # every CTA sent
-    with pytest.raises(MoELayerError, match="send_ctas must be a positive integer, got 0"):
-        FusedConfig.parse("ctas=4 senders=0 send=16 reduce=16 unroll=4/8")
+    assert FusedConfig.parse("ctas=4 senders=0 send=16 reduce=16 unroll=4/8") == FusedConfig(4, send_ctas=0)
 
 
 @pytest.mark.parametrize("knobs, message", [
@@ -40,7 +40,7 @@ def test_senders_default_to_a_share_of_the_ctas_and_round_trip():
     (dict(ctas=4, reduce_tokens=-1), "reduce_tokens must be a positive integer"),
     (dict(ctas=4, copy_unroll=9), "copy_unroll must be at most 8, got 9"),
     (dict(ctas=4, reduce_unroll=17), "reduce_unroll must be at most 16, got 17"),
-    (dict(ctas=4, send_ctas=0), "send_ctas must be a positive integer, got 0"),
+    (dict(ctas=4, send_ctas=-1), "send_ctas must be an integer >= 0 or None, got -1"),
 ])
 def test_bad_knobs_are_refused_by_name(knobs, message):
     with pytest.raises(MoELayerError, match=message):

@@ -123,21 +123,26 @@ def test_an_order_with_consumers_first_is_refused_and_deadlocks():
         simulate(layer, [1, 1], np.random.default_rng(0), bad)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_senders_send_while_the_other_ctas_start_up_tiles(seed):
-    """Only the first senders[r] CTAs of a rank claim sends (then tiles); the others claim up
-    tiles from the start and wait for their rows. Up tiles listed before the sends, one
-    sender among several CTAs, or every CTA a sender: no deadlock, the same bits."""
+    """Only the first senders[r] CTAs of a rank send first; the others take the next up tile
+    once its rows are relayed, else a send while any is left. Up tiles listed before the
+    sends, one sender or none among several CTAs, or every CTA a sender: no deadlock, the
+    same bits."""
     xs, ids, gates, w_up, w_down = problem(4, 2, 11, 3, seed=seed)
     expected = bits(sequential_forward(xs, ids, gates, w_up, w_down, swiglu))
     rng = np.random.default_rng(seed)
     layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
     early = [([t for t in a if t.kind == "up"] + [t for t in a if t.kind != "up"], b) for a, b in layer.tasks]
     ctas = [int(c) for c in rng.integers(1, 5, size=4)]
-    senders = [int(rng.integers(1, c + 1)) for c in ctas]
+    senders = [int(rng.integers(0, c + 1)) for c in ctas]  # none at all included: the others still send
     check_order(layer, early)
     got = bits(simulate(layer, ctas, rng, early, senders=senders))
     assert all(np.array_equal(g, e) for g, e in zip(got, expected)), f"{ctas} CTAs, {senders} senders"
+    # no sender at all: every send is claimed by CTAs whose next tile's rows are not there yet
+    layer = FusedLayer.simulation(xs, ids, gates, w_up, w_down, swiglu, grain=SMALL)
+    got = bits(simulate(layer, [2] * 4, rng, senders=[0] * 4))
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected)), "no sender"
 
 
 def test_arrival_tables_order_the_m_tiles_by_band_then_slot():
@@ -231,15 +236,20 @@ def test_a_peer_that_sends_nothing_makes_every_rank_time_out(backend):
     assert_all_ranks_ok(out, 2, "peer-fails")
 
 
-def _layers_on_one_gpu(hidden, ffn, experts, top_k, tokens):
+def _layers_on_one_gpu(hidden, ffn, experts, top_k, tokens, fused_config=None):
+    """The sequential and the fused layer on one GPU; ``fused_config(ctas)``: the fused
+    layer's FusedConfig for the CTAs this process may keep resident (default: the layer's)."""
     from mpi4py import MPI
 
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.group import EPGroup
+    from ultraep.runtime.sm_partition import usable_sms
 
     group = EPGroup(MPI.COMM_SELF, use_gpu=True)
+    config = None if fused_config is None else fused_config(usable_sms(group.device))
     return [MoELayer(group, hidden=hidden, ffn=ffn, num_experts=experts, top_k=top_k, max_tokens=tokens,
-                     backend="device", fused=fused) for fused in (False, True)]
+                     backend="device", fused=fused, fused_config=config if fused else None)
+            for fused in (False, True)]
 
 
 def _on_gpu(array):
@@ -314,6 +324,48 @@ def test_fused_kernels_stage_by_stage_on_one_gpu(hidden, ffn, experts, tokens, r
             assert all(np.array_equal(g, f) for g, f in zip(got, first)), f"run {run} differs from run 0"
     finally:
         for moe in (sequential, fused):
+            moe.close()
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("senders", ["none", "one", "half"])
+def test_every_share_of_senders_gives_the_sequential_bits_on_one_gpu(senders):
+    """One rank, kernels A and C with fewer senders than CTAs (none: every block takes a tile
+    once its rows are relayed and sends while they are not): output, input and gate
+    gradients and weight gradients bitwise the sequential layer's, over 3 runs."""
+    import cupy
+
+    from ultraep.compute.fused.config import FusedConfig
+
+    hidden, ffn, experts, top_k, tokens = 256, 128, 4, 2, 3000
+    count = {"none": lambda ctas: 0, "one": lambda ctas: 1, "half": lambda ctas: ctas // 2}[senders]
+    rng = np.random.default_rng(5)
+    layers = _layers_on_one_gpu(hidden, ffn, experts, top_k, tokens,
+                                fused_config=lambda ctas: FusedConfig(ctas, send_ctas=count(ctas)))
+    try:
+        assert layers[1]._fused.schedule.for_tokens(tokens).send_ctas == count(layers[1]._fused.schedule
+                                                                                .for_tokens(tokens).ctas)
+        w_up = _on_gpu(bf16(rng, (experts, hidden, 2 * ffn), hidden ** -0.5))
+        w_down = _on_gpu(bf16(rng, (experts, ffn, hidden), ffn ** -0.5))
+        ids = cupy.asarray(np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int64))
+        x, dy = _on_gpu(bf16(rng, (tokens, hidden))), _on_gpu(bf16(rng, (tokens, hidden)))
+        gates = cupy.asarray(rng.random((tokens, top_k)).astype(np.float32))
+        results = []
+        for moe in layers * 3:  # the sequential layer, then the fused one, three times
+            moe.load_weights(w_up, w_down)
+            moe.zero_grads()
+            y, ctx = moe.forward(x, ids, gates)
+            dx, d_gates = moe.backward(ctx, dy)
+            moe.check()
+            results.append([_bits(cupy.asnumpy(a)) for a in (y, dx, d_gates, moe.grad_up, moe.grad_down)])
+        names = ("output", "dx", "d_gates", "grad_up", "grad_down")
+        for run, got in enumerate(results[1:], 1):
+            problems = [f"{name}: {np.count_nonzero(g != w)} differ" for name, g, w in zip(names, got, results[0])
+                        if not np.array_equal(g, w)]
+            assert not problems, f"{senders} senders, pass {run}: " + "; ".join(problems)
+    finally:
+        for moe in layers:
             moe.close()
 
 

@@ -24,17 +24,17 @@ from ultraep.runtime.kernels import kernel_constant
 
 KERNELS = "fused_moe.cu"
 BUCKET_TOKENS = 4096
-# Of kernel A's CTAs, the share that sends first by default (FusedConfig.send_ctas): all of them until a GPU
-# measurement (tune validate --send-shares) says fewer senders cost the GEMM less than their late sends cost it.
+# Of kernel A's CTAs, the share that sends first by default (FusedConfig.send_ctas): all of them, the schedule
+# measured before, until a GPU run (tune validate --send-shares 1 0.5 0.25 0) says which share is fastest.
 SEND_SHARE = 1.0
 
 
 def share_of_ctas(ctas, share: float = SEND_SHARE):
-    """``share`` of ``ctas`` CTAs (an int or an array of them), rounded, at least one and at
-    most ``ctas``: the senders FusedConfig resolves ``send_ctas=None`` to, with ``share``
-    :data:`SEND_SHARE`."""
+    """``share`` of ``ctas`` CTAs (an int or an array of them), rounded, at most ``ctas`` and
+    at least one unless ``share`` is 0: the senders FusedConfig resolves ``send_ctas=None``
+    to, with ``share`` :data:`SEND_SHARE`."""
     ctas = np.asarray(ctas)
-    return np.minimum(ctas, np.maximum(1, np.round(ctas * share))).astype(ctas.dtype)
+    return np.minimum(ctas, np.maximum(int(share > 0), np.round(ctas * share))).astype(ctas.dtype)
 # (knob, the kernel's macro, largest value accepted): an unroll is a register array per lane
 DEFINES = (("send_tokens", "FM_SEND_TOKENS", 1 << 16), ("reduce_tokens", "FM_REDUCE_TOKENS", 1 << 16),
            ("copy_unroll", "FM_UNROLL", 8), ("reduce_unroll", "FM_REDUCE_UNROLL", 16))
@@ -62,9 +62,9 @@ class FusedConfig:
     * ``reduce_unroll``: slot rows a lane loads at once in a reduce (``FM_REDUCE_UNROLL``,
       at most 16).
     * ``send_ctas``: the CTAs of kernel A (and the backward's C) that claim the sends before
-      anything else, a launch argument; the others start on up tiles at once, so the GEMM
-      runs beside the exchange. None: :data:`SEND_SHARE` of ``ctas``, at least one; set to
-      the number resolved, at most ``ctas``.
+      anything else, a launch argument; the others take an up tile once its rows are there
+      and send meanwhile, so the GEMM runs beside the exchange (0: every CTA so). None:
+      :data:`SEND_SHARE` of ``ctas``; set to the number resolved, at most ``ctas``.
 
     The defaults are the kernel source's constants; ``ctas`` has none (the device's).
     """
@@ -79,14 +79,16 @@ class FusedConfig:
     def __post_init__(self):
         for knob in fields(self):
             value = getattr(self, knob.name)
-            if knob.name == "send_ctas" and value is None:
+            if knob.name == "send_ctas":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                    raise MoELayerError(f"FusedConfig.send_ctas must be an integer >= 0 or None, got {value!r}")
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MoELayerError(f"FusedConfig.{knob.name} must be a positive integer, got {value!r}")
         for name, _, most in DEFINES:
             if getattr(self, name) > most:
                 raise MoELayerError(f"FusedConfig.{name} must be at most {most}, got {getattr(self, name)}")
-        senders = min(self.ctas, self.send_ctas or int(share_of_ctas(self.ctas)))
+        senders = int(share_of_ctas(self.ctas)) if self.send_ctas is None else min(self.ctas, self.send_ctas)
         object.__setattr__(self, "send_ctas", senders)  # frozen: resolved once, compared by value
 
     def check_resident(self, resident: int) -> None:

@@ -7,9 +7,10 @@ semantics, the flags and the argument that no claim order deadlocks are
 Per forward, after the Dispatcher's token map (``DeviceDispatcher.token_map``, its count
 exchange and barrier included): ``fused_plan`` (every rank's offsets and M-tile starts
 and this rank's arrival order into this call's own TilePlan, which its backward reads
-again; the counters zeroed) -> ``fused_dispatch_up`` (sends claimed by the config's
-``senders`` first blocks, up tiles with the SwiGLU epilogue by every block, relays by their
-store warps, each from a counter of its own) -> ``fused_down_combine``
+again; the counters zeroed) -> ``fused_dispatch_up`` (sends claimed first by the config's
+``send_ctas`` first blocks and by the others while their next tile's rows are not there, up
+tiles with the SwiGLU epilogue by every block, relays by their store warps, each from a
+counter of its own) -> ``fused_down_combine``
 (down tiles into the heap's ``expert_out``, slot-order reduce).
 
 Per backward, all enqueued on the stream with no host round trip, with the forward's flags,

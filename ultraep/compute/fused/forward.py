@@ -9,9 +9,11 @@ is done. Kernel A has three streams (:func:`streams`): its sends, claimed by the
 ``send_ctas`` CTAs to start (a ticket counter decides) before anything else; its relays,
 claimed by each CTA's relay worker (on the device its three store warps) beside whatever
 its CTA runs; and its up tiles, claimed by every CTA (a sender once the sends are all
-taken). So the other CTAs start up tiles while the senders still send: the GEMM does not
-wait for the whole exchange. A kernel's task list (:func:`task_order`) holds every stream,
-each in list order.
+taken). Any other CTA claims the next up tile once its rows are relayed, and a send while
+the next tile's rows are not there and a send is left. So the GEMM starts as soon as rows
+are there instead of after the whole exchange, and no CTA waits for a tile while a send is
+unclaimed. A kernel's task list (:func:`task_order`) holds every stream, each in list
+order.
 
 Kernel A, dispatch + up-projection (rank ``r``; ``j`` a local slot, ``m`` an M-tile of
 ``bm`` rows of slot ``j``, ``n`` a column block):
@@ -55,9 +57,9 @@ same on every rank because every rank derives every rank's counts from the gathe
 table. Flags hold the call's epoch (the same count of fused calls on every rank), so no
 flag is ever reset; a stale value from an earlier call never equals the current epoch.
 
-Why no order of claims can deadlock: (a) send tasks wait for nothing, and the senders are
-the first CTAs of their rank to start -- resident, so at least one -- which claim nothing
-else while a send is left: every send is claimed and finishes. Down tasks wait for nothing
+Why no order of claims can deadlock: (a) send tasks wait for nothing, and no CTA claims a
+task that waits while a send is unclaimed (a sender claims sends first; any other CTA takes
+a tile early only once its rows are relayed): every send is claimed and finishes. Down tasks wait for nothing
 and precede every waiting task of their rank's claims, so they finish once claimed, and
 every rank claims all of them (a rank's CTAs are never all blocked while a task that waits
 for nothing is unclaimed). (b) A relay waits only for row flags, which sends release; so every relay
@@ -144,7 +146,7 @@ class Task:
 KERNEL_A = ("send", "relay", "up")
 KERNEL_B = ("down", "reduce")
 RELAY = "relay"  # the kind the relay workers claim from their own counter
-SEND = "send"    # the kind the senders claim from their own counter; the CTAs claim the rest
+SEND = "send"    # the kind claimed from a counter of its own (senders first, the others while starved)
 # A timeline's task kinds by the kernel's FM_KIND_* codes.
 KINDS = {kernel_constant(KERNELS, f"FM_KIND_{kind.upper()}"): kind for kind in KERNEL_A + KERNEL_B}
 
@@ -623,8 +625,10 @@ def simulate(layer: FusedLayer, ctas: list[int], rng: np.random.Generator, tasks
     relay worker (a counter per stream and rank), one random step at a time (a worker claims
     a task of its stream, or runs a claimed task whose waits are met). The first
     ``senders[r]`` CTAs of rank ``r`` (default all) claim the sends while any is left, then
-    the CTAs' claims; the rest only the CTAs' claims. Returns the outputs; raises
-    FusedDeadlock if no step is possible."""
+    the CTAs' claims; the rest the next claim once its waits are met, or a send while any is
+    left (either where both are possible: on the device a block that loses the claim to
+    another sends instead), else the next claim. Returns the outputs; raises FusedDeadlock
+    if no step is possible."""
     tasks = tasks or layer.tasks
     R = layer.ranks
     senders = senders or ctas
@@ -637,14 +641,16 @@ def simulate(layer: FusedLayer, ctas: list[int], rng: np.random.Generator, tasks
     def ready(r, task):
         return all(layer.state[rank].flags[name][index] == layer.epoch for rank, name, index in layer.waits(r, task))
 
-    def source(r, c, worker):
-        """The stream worker ``worker`` of CTA ``c`` claims from next, None if it is done."""
+    def sources(r, c, worker):
+        """The streams worker ``worker`` of CTA ``c`` may claim from next (none: it is done)."""
         own, counter = split[r][kernel[r]], counters[r]
         if worker == 1:
-            return RELAYS if counter[RELAYS] < len(own[RELAYS]) else None
-        if c < senders[r] and counter[SENDS] < len(own[SENDS]):
-            return SENDS
-        return CLAIMS if counter[CLAIMS] < len(own[CLAIMS]) else None
+            return [RELAYS] if counter[RELAYS] < len(own[RELAYS]) else []
+        claims_left = counter[CLAIMS] < len(own[CLAIMS])
+        if counter[SENDS] < len(own[SENDS]):
+            early = c >= senders[r] and claims_left and ready(r, own[CLAIMS][counter[CLAIMS]])
+            return [CLAIMS, SENDS] if early else [SENDS]
+        return [CLAIMS] if claims_left else []
 
     while True:
         for r in range(R):  # a rank's next kernel starts when its last one has finished (stream order)
@@ -658,16 +664,16 @@ def simulate(layer: FusedLayer, ctas: list[int], rng: np.random.Generator, tasks
                 continue
             for c, workers in enumerate(held[r]):
                 for worker, task in enumerate(workers):
-                    if task is None and source(r, c, worker) is not None:
-                        steps.append((r, c, worker, None))
-                    elif task is not None and ready(r, task):
+                    if task is None:
+                        steps += [(r, c, worker, stream) for stream in sources(r, c, worker)]
+                    elif ready(r, task):
                         steps.append((r, c, worker, task))
         if not steps:
             blocked = [(r, t) for r in range(R) for workers in held[r] for t in workers if t is not None]
             raise FusedDeadlock(f"no CTA can go on: blocked tasks {blocked}, counters {counters}")
         r, c, worker, task = steps[rng.integers(len(steps))]
-        if task is None:
-            stream = source(r, c, worker)
+        if not isinstance(task, Task):  # a claim from that stream
+            stream = task
             held[r][c][worker] = split[r][kernel[r]][stream][counters[r][stream]]
             counters[r][stream] += 1
         else:
