@@ -344,8 +344,8 @@ def test_every_share_of_senders_gives_the_sequential_bits_on_one_gpu(senders):
     layers = _layers_on_one_gpu(hidden, ffn, experts, top_k, tokens,
                                 fused_config=lambda ctas: FusedConfig(ctas, send_ctas=count(ctas)))
     try:
-        assert layers[1]._fused.schedule.for_tokens(tokens).send_ctas == count(layers[1]._fused.schedule
-                                                                                .for_tokens(tokens).ctas)
+        config = layers[1]._fused.schedule.for_tokens(tokens)
+        assert config.send_ctas == count(config.ctas)
         w_up = _on_gpu(bf16(rng, (experts, hidden, 2 * ffn), hidden ** -0.5))
         w_down = _on_gpu(bf16(rng, (experts, ffn, hidden), ffn ** -0.5))
         ids = cupy.asarray(np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int64))

@@ -74,7 +74,7 @@ class FusedConfig:
     reduce_tokens: int = kernel_constant(KERNELS, "FM_REDUCE_TOKENS")
     copy_unroll: int = kernel_constant(KERNELS, "FM_UNROLL")
     reduce_unroll: int = kernel_constant(KERNELS, "FM_REDUCE_UNROLL")
-    send_ctas: int | None = None
+    send_ctas: int | None = None  # an int once constructed (None resolves to SEND_SHARE of ctas)
 
     def __post_init__(self):
         for knob in fields(self):

@@ -59,13 +59,13 @@ flag is ever reset; a stale value from an earlier call never equals the current 
 
 Why no order of claims can deadlock: (a) send tasks wait for nothing, and no CTA claims a
 task that waits while a send is unclaimed (a sender claims sends first; any other CTA takes
-a tile early only once its rows are relayed): every send is claimed and finishes. Down tasks wait for nothing
-and precede every waiting task of their rank's claims, so they finish once claimed, and
-every rank claims all of them (a rank's CTAs are never all blocked while a task that waits
-for nothing is unclaimed). (b) A relay waits only for row flags, which sends release; so every relay
-finishes, whatever the CTAs' claims wait for: a relay worker waits for nothing but row
-flags, and every resident CTA has one, which claims the rank's relays in order until none
-is left. (c) An up tile waits for ``tile_ready``, which its relay releases (b), and a
+a tile early only once its rows are relayed): every send is claimed and finishes. Down
+tasks wait for nothing and precede every waiting task of their rank's claims, so they
+finish once claimed, and every rank claims all of them (a rank's CTAs are never all blocked
+while a task that waits for nothing is unclaimed). (b) A relay waits only for row flags,
+which sends release; so every relay finishes, whatever the CTAs' claims wait for: a relay
+worker waits for nothing but row flags, and every resident CTA has one, which claims the
+rank's relays in order until none is left. (c) An up tile waits for ``tile_ready``, which its relay releases (b), and a
 reduce for ``done``, which down tasks release (a). So one resident CTA per rank suffices,
 which is what makes the kernels correct under an MPS SM share. In general: a claimed task
 may wait for tasks of kind (a), for any relay of its rank and kernel, or for a claimed
@@ -314,8 +314,8 @@ CLAIMS, RELAYS, SENDS = range(3)  # a kernel's claim streams (streams' order)
 
 def streams(order: list) -> tuple[list[Task], list[Task], list[Task]]:
     """A kernel's task list as its three claim streams, each in list order: the CTAs'
-    (every task but the relays and sends), the relay workers' (the relays) and the senders'
-    (the sends: the first CTAs to start claim them before anything else)."""
+    (every task but the relays and sends), the relay workers' (the relays) and the sends
+    (the senders' first, the other CTAs' while their next claim waits: :func:`simulate`)."""
     return ([t for t in order if t.kind not in (RELAY, SEND)], [t for t in order if t.kind == RELAY],
             [t for t in order if t.kind == SEND])
 
