@@ -179,3 +179,17 @@ def test_the_fused_sweep_runs_once_per_share_of_senders():
     quarter = [c for c in shared if c.send_ctas == max(1, round(c.ctas * 0.25)) and c.send_ctas < c.ctas]
     assert quarter and len(shared) > len(plain)
     assert {c.ctas for c in quarter} <= {c.ctas for c in shared if c.send_ctas == c.ctas}  # the same CTA counts
+
+
+@pytest.mark.parametrize("count", [1, 2, 4, 10])
+def test_the_fused_sweep_holds_the_constants_of_every_share_whatever_its_size(count):
+    from tests.tune.synthetic import h200_like
+    from ultraep.compute.fused.config import FusedConfig, share_of_ctas
+    from ultraep.tune.model import Problem
+    from ultraep.tune.validate import fused_configs
+
+    profile, problem = h200_like(), Problem(tokens=8192, hidden=4096, ffn=2048, top_k=8, experts=32, ranks=4)
+    configs = fused_configs(profile, problem, count, [1.0, 0.25, 0.0])
+    for share in (1.0, 0.25, 0.0):
+        usable = profile.usable_sms
+        assert FusedConfig(usable, send_ctas=int(share_of_ctas(usable, share))) in configs

@@ -420,8 +420,12 @@ def fused_configs(profile, problem, count: int, send_shares=None) -> list:
 
     sizes = FUSED_TASK_TOKENS[:max(1, count - 1)]
     ctas = spread(1, profile.usable_sms, -(-max(1, count - 1) // len(sizes)))
+    shares = send_shares or [SEND_SHARE]
     configs = [FusedConfig(c, size, size, send_ctas=int(share_of_ctas(c, share)))
-               for share in (send_shares or [SEND_SHARE]) for size in sizes for c in ctas]
+               for share in shares for size in sizes for c in ctas]
+    # spread() of one count is the lowest CTA count alone: the constants are added apart
+    configs += [FusedConfig(profile.usable_sms, send_ctas=int(share_of_ctas(profile.usable_sms, share)))
+                for share in shares]
     configs.append(search(profile, problem).config.fused)
     return list(dict.fromkeys(configs))
 
