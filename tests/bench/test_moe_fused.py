@@ -192,3 +192,64 @@ def test_tiny_host_run_with_overlap(tmp_path, capfd):
     assert all(row[key] > 0 for key in ("dispatch_ms", "up_gemm_ms", "fused_a_ms")), row
     assert row["a_vs_max"] == row["fused_a_ms"] / max(row["dispatch_ms"], row["up_gemm_ms"])
     assert "phases" not in row  # recorded for the overlap, not printed without --timeline
+
+
+def test_send_share_columns_follow_the_overlap_ones():
+    assert bench.share_name(0.25) == "send0.25" and bench.share_name(1.0) == "send1"
+    assert bench.columns(False, shares=[0.5])[-4:] == ["send0.5_ms", "send0.5_gain", "out_diff", "rerun_diff"]
+    assert bench.columns(True, overlap=True, shares=[0, 1])[21:31] == [
+        "send0_ms", "send0_gain", "send0_bwd_ms", "send0_bwd_gain", "send0_a_ms",
+        "send1_ms", "send1_gain", "send1_bwd_ms", "send1_bwd_gain", "send1_a_ms"]
+    assert bench.parse_args(["--send-shares", "0", "0.25"]).send_shares == [0.0, 0.25]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--send-shares", "1.5"])
+
+
+@pytest.mark.mpi
+def test_tiny_host_run_with_send_shares(tmp_path, capfd):
+    """--send-shares: a fused layer per share beside the --config one, timed in the same
+    repeats, forward, backward and kernel A, every one's bits checked."""
+    out = tmp_path / "fused.json"
+    code = bench.main([*TINY, "--tokens", "24", "--send-shares", "0", "0.5", "--backward", "--overlap",
+                       "--json", str(out)])
+    printed = capfd.readouterr().out
+    assert code == 0, printed
+    header = next(line for line in printed.splitlines() if line.startswith("tokens"))
+    assert header.split() == bench.columns(True, overlap=True, shares=[0, 0.5])
+    row = json.loads(out.read_text())["rows"][0]
+    for name in ("send0", "send0.5"):
+        assert row[f"{name}_gain"] == row["fused_ms"] / row[f"{name}_ms"], row
+        assert row[f"{name}_bwd_gain"] == row["fused_bwd_ms"] / row[f"{name}_bwd_ms"], row
+        assert row[f"{name}_a_ms"] > 0, row
+    assert all(row[key] == 0 for key in ["out_diff", "rerun_diff", *bench.BACKWARD_DIFFS]), row
+
+
+@pytest.mark.mpi
+def test_a_send_share_layer_that_differs_is_refused(tmp_path):
+    """One bit of the output flipped on rank 1 in the layer with no CTA sending first alone
+    (the host's one CTA: share 0 of it): the bench exits non-zero naming out_diff."""
+    script = tmp_path / "flip_out.py"
+    script.write_text(textwrap.dedent(f"""\
+        import sys
+
+        import numpy as np
+        from mpi4py import MPI
+
+        from ultraep.bench import moe_fused
+        from ultraep.compute.fused.host import HostFusedForward
+
+        forward = HostFusedForward.forward
+
+        def flipped(self, x, *args, **kwargs):
+            out, *rest = forward(self, x, *args, **kwargs)
+            if MPI.COMM_WORLD.rank == 1 and self.schedule.for_tokens(len(x)).send_ctas == 0:
+                out.view(np.int16)[0, 0] ^= 1
+            return (out, *rest)
+
+        HostFusedForward.forward = flipped
+        sys.exit(moe_fused.main({[*TINY, "--tokens", "24", "--send-shares", "0"]!r}))
+        """))
+    done = run_mpi(2, [str(script)], timeout=120, check=False)
+    assert done.returncode != 0, done.stdout
+    assert "not bitwise the sequential path: tokens 24 hidden 32: out_diff = 1 (must be 0)\n" in done.stdout, \
+        done.stdout

@@ -52,6 +52,15 @@ layers again taking turns at running first: ``tuned_train_ms``, ``tuned_bwd_ms``
 each fused layer's gradients count in the backward's diffs. The timeline is the first
 layer's.
 
+``--send-shares SHARE ...``: beside the ``--config`` layer, one fused layer per share of its
+CTAs that sends first (its configuration with ``FusedConfig.send_ctas`` =
+:func:`~ultraep.compute.fused.config.share_of_ctas`; 0: every CTA adaptive), timed in the
+same repeats, each taking turns at running first with the ``--config`` layer:
+``send{SHARE}_ms`` and ``send{SHARE}_gain`` = fused_ms / send{SHARE}_ms (above 1: that share
+is faster than the configuration's own); with ``--backward`` its training passes too
+(``send{SHARE}_bwd_ms``, ``send{SHARE}_bwd_gain``: kernel C sends alike), with ``--overlap``
+its kernel A (``send{SHARE}_a_ms``, a recorded forward's). Its bits count in every diff.
+
 ``--timeline FILE.png``: per setting, every rank's recorded fused forward, a panel per rank
 on one time axis, one line per SM (a worker on the host), coloured by task kind (send,
 relay, up tile, down tile, reduce): where communication hides under the GEMMs and which
@@ -75,6 +84,7 @@ backend). Started with one process, it relaunches itself on ``--ranks`` ranks un
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 
@@ -83,7 +93,7 @@ import numpy as np
 from ultraep.bench.moe_layer import differing, phase_windows_ms
 from ultraep.bench.timing import array_backend
 from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, job_ranks, multi_rank_main,
-                                   non_negative_int, positive_int, row_width)
+                                   non_negative_int, positive_int, row_width, share)
 
 COLUMNS = ["tokens", "hidden", "ffn", "seq_ms", "fused_ms", "speedup", "gemm_bound", "out_diff", "rerun_diff"]
 CONFIGS = ("constants", "tuned")  # --config both: each, the constants first
@@ -123,6 +133,10 @@ def parse_args(argv):
                              "fused kernel A (dispatch + up) from a recorded forward: a_vs_max = fused_a_ms / "
                              "max(dispatch_ms, up_gemm_ms), 1.0 when the exchange hides wholly under the GEMM "
                              "(fused_a_ms: the kernel's own task stamps; the other two: group windows of calls)")
+    parser.add_argument("--send-shares", type=share, nargs="+", default=[], metavar="SHARE",
+                        help="also a fused layer per share of the --config layer's CTAs sending first "
+                             "(FusedConfig.send_ctas; 0: every CTA adaptive), timed beside it: send{SHARE}_ms, "
+                             "send{SHARE}_gain = fused_ms / send{SHARE}_ms")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--timeline", metavar="FILE.png",
                         help="plot every rank's fused tasks per SM over time, a file per setting "
@@ -136,13 +150,36 @@ def parse_args(argv):
     return args
 
 
-def columns(backward: bool, config: str = "default", overlap: bool = False) -> list[str]:
-    """The table's columns: the tuned layer's, the backward's and the overlap's times after the
-    forward's, the diffs last."""
+def share_name(share: float) -> str:
+    """``--send-shares``' layer and column stem of one share: ``send0.25``."""
+    return f"send{share:g}"
+
+
+def share_columns(shares, backward: bool, overlap: bool) -> list[str]:
+    """``--send-shares``' columns, share by share."""
+    return [f"{share_name(s)}{suffix}" for s in shares
+            for suffix in ["_ms", "_gain"] + (["_bwd_ms", "_bwd_gain"] if backward else []) + (["_a_ms"] if overlap
+                                                                                                else [])]
+
+
+def columns(backward: bool, config: str = "default", overlap: bool = False, shares=()) -> list[str]:
+    """The table's columns: the tuned layer's, the backward's, the overlap's and the send
+    shares' times after the forward's, the diffs last."""
     times = COLUMNS.index("out_diff")
     return (COLUMNS[:times] + TUNED.get(config, []) + (BACKWARD_TIMES if backward else [])
             + (TUNED_BACKWARD if backward and config == "both" else [])
-            + (OVERLAP if overlap else []) + COLUMNS[times:] + (BACKWARD_DIFFS if backward else []))
+            + (OVERLAP if overlap else []) + share_columns(shares, backward, overlap) + COLUMNS[times:]
+            + (BACKWARD_DIFFS if backward else []))
+
+
+def recorded_forward(group, moe, x, ids, gates) -> list:
+    """Every rank's tasks of one recorded inference forward of the fused layer ``moe``
+    (collective)."""
+    moe.record_timeline(True)
+    moe.forward(x, ids, gates, backward=False)
+    tasks = group.allgather(moe.timeline())
+    moe.record_timeline(False)
+    return tasks
 
 
 def kernel_a_ms(ranks_tasks) -> float:
@@ -289,6 +326,7 @@ def run(args) -> int:
 
     from ultraep.bench.memory import GIB, SweepMemory, skip_row
     from ultraep.bench.report import Progress, RowStream, host_size_note, write_json
+    from ultraep.compute.fused.config import share_of_ctas
     from ultraep.integration.moe_layer import MoELayer
     from ultraep.runtime.dtypes import BFLOAT16
     from ultraep.runtime.group import EPGroup
@@ -334,7 +372,13 @@ def run(args) -> int:
                   "up-projection grouped GEMM (BF16 out) alone; fused_a_ms: kernel A (dispatch + up tiles with "
                   "SwiGLU) in a recorded fused forward, first task to last up tile on any rank; a_vs_max = "
                   "fused_a_ms / max(dispatch_ms, up_gemm_ms)")
-    table = RowStream(columns(args.backward, args.config, args.overlap), title, enabled=me == 0)
+    if args.send_shares:
+        title += ("; send{SHARE}: the first fused layer with that share of its CTAs sending first "
+                  "(FusedConfig.send_ctas), send{SHARE}_gain = fused_ms / send{SHARE}_ms"
+                  + (", send{SHARE}_bwd_gain = fused_bwd_ms / send{SHARE}_bwd_ms" if args.backward else "")
+                  + (", send{SHARE}_a_ms: its kernel A" if args.overlap else ""))
+    shares = {share_name(s): s for s in args.send_shares}
+    table = RowStream(columns(args.backward, args.config, args.overlap, args.send_shares), title, enabled=me == 0)
     memory = SweepMemory(group)
 
     def measure_row(T: int, H: int) -> tuple:
@@ -371,14 +415,21 @@ def run(args) -> int:
                 layers[name] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
                                         max_recv_rows=bound, backend=backend, sync_checks=False, fused=True,
                                         fused_config=config)
-            for moe in layers.values():
-                moe.load_weights(w_up, w_down)
             primary = next(iter(configs))
             fused = layers[primary]
+            base = fused._fused.schedule.for_tokens(T)
+            for name, s in shares.items():  # the first layer's configuration but its senders
+                layers[name] = MoELayer(group, hidden=H, ffn=F, num_experts=E, top_k=K, max_tokens=T,
+                                        max_recv_rows=bound, backend=backend, sync_checks=False, fused=True,
+                                        fused_config=dataclasses.replace(base, send_ctas=int(share_of_ctas(
+                                            base.ctas, s))))
+            fused_names = [*configs, *shares]
+            for moe in layers.values():
+                moe.load_weights(w_up, w_down)
             first = {key: checked(moe) for key, moe in layers.items()}  # also the warm-up
             timed = [lambda _, moe=moe: moe.forward(x, ids, gates, backward=False) for moe in layers.values()]
             if args.backward:  # zero_grads in a phase of its own; the forward hands its context on
-                for moe in (layers[False], *(layers[name] for name in configs)):
+                for moe in layers.values():
                     timed += [lambda _, moe=moe: moe.zero_grads(),
                                lambda _, moe=moe: moe.forward(x, ids, gates)[1],
                                lambda ctx, moe=moe: moe.backward(ctx, dy)]
@@ -398,20 +449,19 @@ def run(args) -> int:
             # e.g., even with the GPU idle in between), which no layer must always pay.
             blocks = len(layers)  # the training blocks' first phase: (zero_grads, forward, backward) a layer
             alternate = [(0, 1)] + ([(blocks + i, blocks + 3 + i) for i in range(3)] if args.backward else [])
-            if args.config == "both":
-                alternate += [(1, 2)] + ([(blocks + 3 + i, blocks + 6 + i) for i in range(3)]
-                                         if args.backward else [])
+            for other in range(2, len(layers)):  # the tuned layer and the shares' against the first
+                alternate += [(1, other)] + ([(blocks + 3 + i, blocks + 3 * other + i) for i in range(3)]
+                                             if args.backward else [])
             windows = phase_windows_ms(group, timed, args.repeats, synchronize, alternate=alternate)
-            again = {name: checked(layers[name]) for name in configs}
+            again = {name: checked(layers[name]) for name in fused_names}
             layers[False].check()
             gemm_ms = sequential_gemm_ms(group, layers[False], x, ids, gates, dy, args.repeats)
             tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None
             phases, recorded = {}, {}
             if args.timeline or args.overlap:
-                fused.record_timeline(True)
-                fused.forward(x, ids, gates, backward=False)
-                recorded["forward"] = group.allgather(fused.timeline())
-                fused.record_timeline(False)
+                recorded["forward"] = recorded_forward(group, fused, x, ids, gates)
+            share_a = {name: kernel_a_ms(recorded_forward(group, layers[name], x, ids, gates))
+                       for name in shares if args.overlap}
             if args.timeline and args.backward:  # a training forward (it keeps h and y), then its backward
                 fused.record_timeline(True)
                 _, ctx = fused.forward(x, ids, gates)
@@ -430,18 +480,18 @@ def run(args) -> int:
                                       f"{R} ranks ({caveat}): fused {which}, {T} tokens, hidden {H}, ffn {F}, "
                                       f"top-{K}")
             want = first[False]
-            mine = [sum(differing(first[name][:1], want[:1]) for name in configs),
-                    sum(differing(again[name][:1], first[name][:1]) for name in configs)]
+            mine = [sum(differing(first[name][:1], want[:1]) for name in fused_names),
+                    sum(differing(again[name][:1], first[name][:1]) for name in fused_names)]
             if args.backward:  # dx, d_gates, grad_up, grad_down each, then all four rerun, over the fused layers
-                mine += [sum(differing([first[name][i]], [want[i]]) for name in configs) for i in range(1, 5)]
-                mine.append(sum(differing(again[name][1:], first[name][1:]) for name in configs))
+                mine += [sum(differing([first[name][i]], [want[i]]) for name in fused_names) for i in range(1, 5)]
+                mine.append(sum(differing(again[name][1:], first[name][1:]) for name in fused_names))
             used = memory.end()
             if used is not None:
                 progress(f"tokens {T}, hidden {H}: {used / GIB:.1f} GiB of GPU memory on the ranks' device")
         finally:
             for moe in layers.values():
                 moe.close()
-        return windows, mine, tuned, blocks, overlap_at, recorded, phases, gemm_ms
+        return windows, mine, tuned, blocks, overlap_at, recorded, phases, gemm_ms, share_a
 
     rows, skipped = [], []
     for H in args.hidden:
@@ -453,7 +503,8 @@ def run(args) -> int:
             memory.begin(T * H)
             progress(f"tokens {T}, hidden {H}: setting up, a checked {direction} each, {args.repeats} timed each, "
                      f"a checked fused {direction}")
-            windows, mine, tuned, blocks, overlap_at, recorded, phases, (fwd_gemm, bwd_gemm) = measure_row(T, H)
+            (windows, mine, tuned, blocks, overlap_at, recorded, phases, (fwd_gemm, bwd_gemm),
+             share_a) = measure_row(T, H)
             if gpu:  # the next setting's buffers differ in shape: give this one's back to the driver
                 gc.collect()  # what of the row only a reference cycle still holds
                 xp.get_default_memory_pool().free_all_blocks()
@@ -465,8 +516,10 @@ def run(args) -> int:
                 row.update(tuned_ms=windows[2], tuned_gain=fused_ms / windows[2])
             if tuned is not None:
                 row["tuned_config"] = tuned
-            if args.backward:
-                _, seq_train, seq_bwd, _, fused_train, fused_bwd, *tuned_passes, wgrad = windows[blocks:overlap_at]
+            if args.backward:  # per layer (zero_grads, training forward, backward), then the weight gradients alone
+                (_, seq_train, seq_bwd, _, fused_train, fused_bwd, *more), wgrad = (windows[blocks:overlap_at - 1],
+                                                                                   windows[overlap_at - 1])
+                tuned_passes = more[:3] if args.config == "both" else []
                 row.update(seq_train_ms=seq_train, seq_bwd_ms=seq_bwd, fused_train_ms=fused_train,
                            fused_bwd_ms=fused_bwd, train_speedup=seq_train / fused_train,
                            bwd_speedup=seq_bwd / fused_bwd,
@@ -481,6 +534,13 @@ def run(args) -> int:
                 fused_a = kernel_a_ms(recorded["forward"])
                 row.update(dispatch_ms=dispatch_ms, up_gemm_ms=up_gemm_ms, fused_a_ms=fused_a,
                            a_vs_max=fused_a / max(dispatch_ms, up_gemm_ms))
+            for i, name in enumerate(shares, start=1 + len(configs)):  # the share layers follow the --config ones
+                row.update({f"{name}_ms": windows[i], f"{name}_gain": fused_ms / windows[i]})
+                if args.backward:
+                    bwd = windows[blocks + 3 * i + 2]
+                    row.update({f"{name}_bwd_ms": bwd, f"{name}_bwd_gain": row["fused_bwd_ms"] / bwd})
+                if args.overlap:
+                    row[f"{name}_a_ms"] = share_a[name]
             row.update((key, sum(d[i] for d in everyone)) for i, key in enumerate(diff_columns))
             if phases:
                 row["phases"] = phases["forward"]
