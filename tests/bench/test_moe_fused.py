@@ -200,7 +200,7 @@ def test_send_share_columns_follow_the_overlap_ones():
     assert bench.columns(True, overlap=True, shares=[0, 1])[21:31] == [
         "send0_ms", "send0_gain", "send0_bwd_ms", "send0_bwd_gain", "send0_a_ms",
         "send1_ms", "send1_gain", "send1_bwd_ms", "send1_bwd_gain", "send1_a_ms"]
-    assert bench.parse_args(["--send-shares", "0", "0.25"]).send_shares == [0.0, 0.25]
+    assert bench.parse_args(["--send-shares", "0", "0.25", "0.250"]).send_shares == [0.0, 0.25]
     with pytest.raises(SystemExit):
         bench.parse_args(["--send-shares", "1.5"])
 

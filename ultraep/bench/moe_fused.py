@@ -144,6 +144,7 @@ def parse_args(argv):
                              "backward's, FILE_train_t... and FILE_bwd_t...), and print each rank's phases")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
+    args.send_shares = list(dict.fromkeys(args.send_shares))  # a share named twice is one layer and its columns
     if args.top_k > args.experts_per_rank * (ranks := job_ranks(args)):
         parser.error(f"--top-k {args.top_k} exceeds the experts ({args.experts_per_rank} per rank x {ranks} "
                      "ranks): a token's experts are distinct")
