@@ -25,7 +25,7 @@ from ultraep.runtime.kernels import kernel_constant
 KERNELS = "fused_moe.cu"
 BUCKET_TOKENS = 4096
 # Of kernel A's CTAs, the share that sends first by default (FusedConfig.send_ctas): all of them, the schedule
-# measured before, until a GPU run (tune validate --send-shares 1 0.5 0.25 0) says which share is fastest.
+# measured before, until a GPU run (bench moe-fused --send-shares 0.5 0.25 0) says which share is fastest.
 SEND_SHARE = 1.0
 
 
