@@ -462,7 +462,7 @@ def run(args) -> int:
             if args.timeline or args.overlap:
                 recorded["forward"] = recorded_forward(group, fused, x, ids, gates)
             share_a = {name: kernel_a_ms(recorded_forward(group, layers[name], x, ids, gates))
-                       for name in shares if args.overlap}
+                       for name in shares} if args.overlap else {}
             if args.timeline and args.backward:  # a training forward (it keeps h and y), then its backward
                 fused.record_timeline(True)
                 _, ctx = fused.forward(x, ids, gates)
