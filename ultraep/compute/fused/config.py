@@ -24,8 +24,9 @@ from ultraep.runtime.kernels import kernel_constant
 
 KERNELS = "fused_moe.cu"
 BUCKET_TOKENS = 4096
-# Of kernel A's CTAs, the share that sends first by default (FusedConfig.send_ctas): all of them, the schedule
-# measured before, until a GPU run (bench moe-fused --send-shares 0.5 0.25 0) says which share is fastest.
+# Of kernel A's CTAs, the share that sends first by default (FusedConfig.send_ctas): all of them. Share 0 (every
+# CTA adaptive) runs the forward faster at 8192 tokens (docs/benchmarks.md, moe-fused), but the tune model prices
+# it as all sending first: the default moves once the model prices the adaptive senders.
 SEND_SHARE = 1.0
 
 
