@@ -191,8 +191,11 @@ def test_a_gpu_named_where_none_is_measured_is_refused(argv, fragment, capsys):
 
 
 @pytest.mark.mpi
-def test_a_rank_failing_in_the_shared_probe_is_said_on_every_rank(tmp_path):
-    out = run_ranks(3, "tune/mpi/shared_failure_check.py", str(tmp_path), timeout=240)
+@pytest.mark.parametrize("failure", ["error", "memory"])
+def test_a_rank_failing_in_the_shared_probe_is_said_on_every_rank(tmp_path, failure):
+    """Any failure names the rank and its reason on every rank; running out of GPU memory
+    also says how to avoid it (the probe's buffers, in every process sharing the GPU)."""
+    out = run_ranks(3, "tune/mpi/shared_failure_check.py", str(tmp_path), failure, timeout=240)
     assert_all_ranks_ok(out, 3, "shared-failure")
 
 

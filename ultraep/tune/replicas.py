@@ -42,8 +42,8 @@ import numpy as np
 
 from ultraep.errors import CollectiveError, ProfileError
 from ultraep.runtime.dtypes import is_int
-from ultraep.tune.profile import (MachineProfile, cache_profile, fused_costs, load_profile, make_probe, measure_fused,
-                                  profile_path, stderr_progress)
+from ultraep.tune.profile import (MachineProfile, cache_dir, cache_profile, fused_costs, load_profile, make_probe,
+                                  measure_fused, profile_path, stderr_progress)
 
 if TYPE_CHECKING:
     from ultraep.runtime.group import EPGroup
@@ -191,6 +191,10 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
             raise  # a peer's failure, raised on every rank in the same round
         except Exception as exc:
             error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+            if isinstance(exc, MemoryError):  # CuPy's OutOfMemoryError is one
+                error += (f" (the probe takes a few GB in each of the {sharing} processes on this GPU at once: "
+                          "measure it before the rest of the job's GPU memory is taken, or once on a free GPU -- "
+                          f"it is cached in {cache_dir()}; a layer with fused_config='constants' needs none)")
         group.raise_if_any(error, SHARED_FUSED_WHAT, timeout_s=timeout_s)
     gathered = [t for p, t in group.allgather((place, tables), what=SHARED_FUSED_WHAT, timeout_s=timeout_s)
                 if p == place]
