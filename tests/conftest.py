@@ -24,7 +24,6 @@ BACKENDS = [pytest.param("host", id="host"),
 def run_ranks(nprocs: int, script: str, *args: str, timeout: float = 120.0, env: dict | None = None):
     """Run ``tests/<script>`` on ``nprocs`` ranks; returns the merged output (raises on failure)."""
     path = MPI_SCRIPTS / script
-    release_cached_gpu_memory()
     merged = dict(os.environ)
     merged.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if env:
@@ -32,12 +31,13 @@ def run_ranks(nprocs: int, script: str, *args: str, timeout: float = 120.0, env:
     return run_mpi(nprocs, [str(path), *args], timeout=timeout, env=merged).stdout
 
 
-def release_cached_gpu_memory() -> None:
-    """Hand the GPU memory this pytest process's earlier tests left in CuPy's pool back to the
-    device: the ranks about to start share the GPU with it, and their machine profile's fused
-    probe alone asks several GB a rank."""
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory(request):
+    """Before a test that launches ranks (marker ``mpi``), hand the GPU memory this pytest
+    process's earlier tests left in CuPy's pool back to the device: the ranks share the GPU
+    with it, and their machine profile's fused probe alone asks several GB a rank."""
     cupy = sys.modules.get("cupy")
-    if cupy is not None and gpu_count() > 0:
+    if request.node.get_closest_marker("mpi") is not None and cupy is not None and gpu_count() > 0:
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
 
