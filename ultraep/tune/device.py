@@ -31,7 +31,7 @@ import numpy as np
 
 from ultraep.errors import ProfileError
 from ultraep.runtime.sm_partition import usable_sms
-from ultraep.tune.host import BATCH_S, MAX_CALLS, ROUNDS, FusedRound, seconds_per_call
+from ultraep.tune.host import BATCH_S, MAX_CALLS, ROUNDS, FusedRound, Probe, seconds_per_call
 
 COPY_BYTES = 256 << 20          # several times the L2 cache: the copy runs at HBM speed
 # the Dispatcher's copy kernels' block, and pull_slots' dynamic shared memory a thread (a row
@@ -63,7 +63,7 @@ PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 MAX_HOLD_NS = 10**9  # a hold this long that still ends before the batch is enqueued: the host is stuck
 
 
-class DeviceProbe:
+class DeviceProbe(Probe):
     """Micro-benchmarks of GPU ``device`` (default: CuPy's current device)."""
 
     backend = "device"
@@ -278,10 +278,17 @@ class DeviceProbe:
         in :data:`FUSED_ROUNDS` launches, each after ``together()`` and, where given, on the
         device behind ``release()`` (:meth:`FusedBench.rounds`)."""
         if self._fused is None or self._fused.key != (task, k):
-            self._fused = None  # its buffers go before the next one's are made
+            self.close()  # its buffers go before the next one's are made
             l2_bytes = int(self.cp.cuda.runtime.getDeviceProperties(self.device)["l2CacheSize"])
             self._fused = FusedBench(self.cp, self.device, task, k, max(self.fused_grids()), l2_bytes)
         return self._fused.rounds(grid, together, release)
+
+    def close(self) -> None:
+        """Give the fused task's buffers back to the driver, not only to CuPy's pool: the
+        ranks sharing a GPU probe at once, and blocks one of them keeps cached are memory
+        the others' next buffers (and the job's) cannot have."""
+        self._fused = None
+        self.cp.get_default_memory_pool().free_all_blocks()
 
     def expert_call_s(self, rows: int) -> float:
         from ultraep.compute import grouped_mm

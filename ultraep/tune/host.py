@@ -49,7 +49,21 @@ def seconds_per_call(call, clock, finish=lambda: None) -> float:
     return min(times)
 
 
-class HostProbe:
+class Probe:
+    """What every backend's probe is besides its measurements: a context manager whose
+    ``close()`` gives back what the probe still holds once the measuring is done."""
+
+    def close(self) -> None:
+        """Nothing here: the host's buffers are each call's own."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class HostProbe(Probe):
     """Micro-benchmarks of the host backend; :func:`ultraep.tune.profile.measure_profile` runs them."""
 
     backend = "host"

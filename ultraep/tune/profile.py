@@ -728,7 +728,8 @@ def load_profile(backend: str = "auto", *, device: int | None = None, path: str 
                 say(f"the machine profile at {target} is of {cached.device} ({cached.backend} backend, "
                     f"{cached.sm_share} % of SMs, {cached.sm_count} at work), not of {name} ({probe.backend}, "
                     f"{share} %, {sms}): measuring it again")
-    profile = measure_profile(probe, say)
+    with probe:
+        profile = measure_profile(probe, say)
     cache_profile(profile, target, say)
     return profile
 

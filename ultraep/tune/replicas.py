@@ -146,8 +146,6 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
       that they start together as a layer's kernel A does; a task's time is the slowest
       rank's of that GPU, its CTAs at work the fewest of any rank in a round, the median
       round (:func:`~ultraep.tune.profile.fused_costs`)."""
-    from ultraep.tune.host import ROUNDS
-
     place = (group.hostname, group.device)
     places = group.allgather(place, what=f"{SHARED_WHAT} (ranks per GPU)")
     sharing = places.count(place)
@@ -155,47 +153,22 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
                                or profile.shared_fused.sharing != sharing)
     if not any(group.allgather(lacking, what=SHARED_WHAT)):
         return profile
-    error, best, probe = None, 0.0, None
+    error, probe, copy = None, None, None
     try:
         probe = make_probe(backend, group.device)
-        launch, finish, nbytes = probe.copy_call()
-        launch()
-        finish()
+        copy = probe.copy_call()
+        copy[0]()
+        copy[1]()
     except Exception as exc:
         error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
-    group.raise_if_any(error, SHARED_WHAT, timeout_s=timeout_s)
-    calls = max(1, int(SHARED_COPY_BATCH_S * profile.peer_bytes_per_s / nbytes))
-    for _ in range(ROUNDS):
-        group.barrier(timeout_s, what=SHARED_WHAT)
-        begin = time.monotonic()
-        for _ in range(calls):
-            launch()
-        finish()
-        spans = group.allgather((place, begin, time.monotonic(), calls * nbytes), what=SHARED_WHAT,
-                                timeout_s=timeout_s)
-        mine = [(b, e, n) for p, b, e, n in spans if p == place]
-        best = max(best, sum(n for _, _, n in mine) / (max(e for _, e, _ in mine) - min(b for b, _, _ in mine)))
+    try:  # the probe holds GBs in each process sharing the GPU: given back however this ends
+        group.raise_if_any(error, SHARED_WHAT, timeout_s=timeout_s)
+        best = shared_copy_rate(group, place, *copy, profile.peer_bytes_per_s, timeout_s)
+        tables = shared_fused_tables(group, places, backend, probe, profile.fused.grids, timeout_s)
+    finally:
+        if probe is not None:
+            probe.close()
     fused = profile.fused
-    tables = None
-    with sharers_barrier(group, places) if backend == "device" else contextlib.nullcontext() as heap:
-        try:
-            # each round starts with the error check that ends the loop: a rank that failed in a
-            # round meets its peers' next round in one call, and every rank raises its reason
-            tables = measure_fused(probe, fused.grids, stderr_progress if group.local_rank == 0 else None,
-                                   together=lambda: group.raise_if_any(None, SHARED_FUSED_WHAT, timeout_s=timeout_s),
-                                   release=None if heap is None else lambda: heap.barrier(RELEASE_TIMEOUT_S,
-                                                                                           wait=False))
-            if heap is not None:
-                heap.check_barriers()
-        except CollectiveError:
-            raise  # a peer's failure, raised on every rank in the same round
-        except Exception as exc:
-            error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
-            if isinstance(exc, MemoryError):  # CuPy's OutOfMemoryError is one
-                error += (f" (the probe takes a few GB in each of the {sharing} processes on this GPU at once: "
-                          "measure it before the rest of the job's GPU memory is taken, or once on a free GPU -- "
-                          f"it is cached in {cache_dir()}; a layer with fused_config='constants' needs none)")
-        group.raise_if_any(error, SHARED_FUSED_WHAT, timeout_s=timeout_s)
     gathered = [t for p, t in group.allgather((place, tables), what=SHARED_FUSED_WHAT, timeout_s=timeout_s)
                 if p == place]
     shared_fused = fused_costs(gathered, fused.grids, fused.up_k, fused.down_k)
@@ -212,6 +185,55 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
     if sharing > 1 and group.local_rank == 0:
         cache_profile(profile, profile_path(profile.device, profile.sm_share), stderr_progress)
     return profile
+
+
+def shared_copy_rate(group: EPGroup, place, launch, finish, nbytes: int, peer_bytes_per_s: float,
+                     timeout_s: float) -> float:
+    """The copy rate of the ranks at ``place`` (host, GPU) copying in the same rounds
+    between barriers: their bytes over the window from the first start to the last end,
+    the best of the rounds."""
+    from ultraep.tune.host import ROUNDS
+
+    calls, best = max(1, int(SHARED_COPY_BATCH_S * peer_bytes_per_s / nbytes)), 0.0
+    for _ in range(ROUNDS):
+        group.barrier(timeout_s, what=SHARED_WHAT)
+        begin = time.monotonic()
+        for _ in range(calls):
+            launch()
+        finish()
+        spans = group.allgather((place, begin, time.monotonic(), calls * nbytes), what=SHARED_WHAT,
+                                timeout_s=timeout_s)
+        mine = [(b, e, n) for p, b, e, n in spans if p == place]
+        best = max(best, sum(n for _, _, n in mine) / (max(e for _, e, _ in mine) - min(b for b, _, _ in mine)))
+    return best
+
+
+def shared_fused_tables(group: EPGroup, places: list, backend: str, probe, grids, timeout_s: float) -> dict:
+    """This rank's fused task tables (:func:`~ultraep.tune.profile.measure_fused`) at
+    ``grids``, every rank measuring at once, on the GPU behind a device barrier of the
+    ranks sharing it; a rank's failure is raised on every rank, an OOM with how to avoid it."""
+    sharing = places.count((group.hostname, group.device))
+    error, tables = None, None
+    with sharers_barrier(group, places) if backend == "device" else contextlib.nullcontext() as heap:
+        try:
+            # each round starts with the error check that ends the loop: a rank that failed in a
+            # round meets its peers' next round in one call, and every rank raises its reason
+            tables = measure_fused(probe, grids, stderr_progress if group.local_rank == 0 else None,
+                                   together=lambda: group.raise_if_any(None, SHARED_FUSED_WHAT, timeout_s=timeout_s),
+                                   release=None if heap is None else lambda: heap.barrier(RELEASE_TIMEOUT_S,
+                                                                                           wait=False))
+            if heap is not None:
+                heap.check_barriers()
+        except CollectiveError:
+            raise  # a peer's failure, raised on every rank in the same round
+        except Exception as exc:
+            error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+            if isinstance(exc, MemoryError):  # CuPy's OutOfMemoryError is one
+                error += (f" (the probe takes a few GB in each of the {sharing} processes on this GPU at once: "
+                          "measure it before the rest of the job's GPU memory is taken, or once on a free GPU -- "
+                          f"it is cached in {cache_dir()}; a layer with fused_config='constants' needs none)")
+        group.raise_if_any(error, SHARED_FUSED_WHAT, timeout_s=timeout_s)
+    return tables
 
 
 @contextlib.contextmanager

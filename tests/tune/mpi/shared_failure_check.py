@@ -8,7 +8,8 @@ third round raises (``memory``: runs out of memory, as CuPy says it, and the rea
 how to avoid it). Every rank must raise the same CollectiveError naming rank 1 and its
 reason within seconds -- not a mismatch of collectives, an MPI error or a timeout (rank 1's
 error check used to meet its peers' round barrier of the same name, and the check's second
-step their next round: MPI_ERR_TRUNCATE under Open MPI).
+step their next round: MPI_ERR_TRUNCATE under Open MPI). Every rank's probe is closed on
+the way out (a GPU probe's buffers go back to the driver).
 """
 
 import os
@@ -52,10 +53,13 @@ def failing_rounds(self, *args, **kwargs):
 
 
 HostProbe.fused_rounds = failing_rounds
+closed = []
+HostProbe.close = lambda self: closed.append(self)
 
 profile = load_profile("host") if me == 0 else None
 group.barrier(60.0, what="the first rank measured the profile")
 profile = profile or load_profile("host")
+closed.clear()
 start = time.monotonic()
 reason = ([f"rank {FAILING}: OutOfMemoryError: Out of memory allocating", "3 processes on this GPU",
            f"cached in {sys.argv[1]}", "fused_config='constants'"] if MEMORY
@@ -64,5 +68,6 @@ expect(lambda: measure_shared(group, "host", profile, timeout_s=60.0), Collectiv
        "failed on 1 of", *reason)
 elapsed = time.monotonic() - start
 assert elapsed < PROMPT_S, f"rank {me}: the failure took {elapsed:.1f} s to arrive"
+assert len(closed) == 1, f"rank {me}: its probe closed {len(closed)} times, not once"
 assert group.agree("after", "still in step") == "after"
 print(f"[shared-failure] rank {me} OK", flush=True)
