@@ -191,7 +191,7 @@ def test_a_gpu_named_where_none_is_measured_is_refused(argv, fragment, capsys):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("failure", ["error", "memory"])
+@pytest.mark.parametrize("failure", ["error", "memory", "copy-memory"])
 def test_a_rank_failing_in_the_shared_probe_is_said_on_every_rank(tmp_path, failure):
     """Any failure names the rank and its reason on every rank; running out of GPU memory
     also says how to avoid it (the probe's buffers, in every process sharing the GPU)."""

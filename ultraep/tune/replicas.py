@@ -160,7 +160,7 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
         copy[0]()
         copy[1]()
     except Exception as exc:
-        error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+        error = probe_failure(group, exc, sharing)
     try:  # the probe holds GBs in each process sharing the GPU: given back however this ends
         group.raise_if_any(error, SHARED_WHAT, timeout_s=timeout_s)
         best = shared_copy_rate(group, place, *copy, profile.peer_bytes_per_s, timeout_s)
@@ -185,6 +185,17 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
     if sharing > 1 and group.local_rank == 0:
         cache_profile(profile, profile_path(profile.device, profile.sm_share), stderr_progress)
     return profile
+
+
+def probe_failure(group: EPGroup, exc: Exception, sharing: int) -> str:
+    """This rank's reason for a failed shared probe; running out of memory also says how to
+    avoid it."""
+    error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, MemoryError):  # CuPy's OutOfMemoryError is one
+        error += (f" (the probe takes a few GB in each of the {sharing} processes on this GPU at once: "
+                  "measure it before the rest of the job's GPU memory is taken, or once on a free GPU -- "
+                  f"it is cached in {cache_dir()}; a layer with fused_config='constants' needs none)")
+    return error
 
 
 def shared_copy_rate(group: EPGroup, place, launch, finish, nbytes: int, peer_bytes_per_s: float,
@@ -227,11 +238,7 @@ def shared_fused_tables(group: EPGroup, places: list, backend: str, probe, grids
         except CollectiveError:
             raise  # a peer's failure, raised on every rank in the same round
         except Exception as exc:
-            error = f"rank {group.rank}: {type(exc).__name__}: {exc}"
-            if isinstance(exc, MemoryError):  # CuPy's OutOfMemoryError is one
-                error += (f" (the probe takes a few GB in each of the {sharing} processes on this GPU at once: "
-                          "measure it before the rest of the job's GPU memory is taken, or once on a free GPU -- "
-                          f"it is cached in {cache_dir()}; a layer with fused_config='constants' needs none)")
+            error = probe_failure(group, exc, sharing)
         group.raise_if_any(error, SHARED_FUSED_WHAT, timeout_s=timeout_s)
     return tables
 
