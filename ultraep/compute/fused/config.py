@@ -25,8 +25,8 @@ from ultraep.runtime.kernels import kernel_constant
 KERNELS = "fused_moe.cu"
 BUCKET_TOKENS = 4096
 # Of kernel A's CTAs, the share that sends first by default (FusedConfig.send_ctas): all of them. Share 0 (every
-# CTA adaptive) runs the forward faster at 8192 tokens (docs/benchmarks.md, moe-fused), but the tune model prices
-# it as all sending first: the default moves once the model prices the adaptive senders.
+# CTA adaptive) ran the forward faster at 8192 tokens on an H200 and slower on an H100 (docs/benchmarks.md,
+# moe-fused), and the tune model prices it as all sending first: no default beats this one everywhere yet.
 SEND_SHARE = 1.0
 
 
