@@ -54,7 +54,8 @@ class Probe:
     ``close()`` gives back what the probe still holds once the measuring is done."""
 
     def close(self) -> None:
-        """Nothing here: the host's buffers are each call's own."""
+        """Nothing to give back unless a backend's probe keeps buffers (the host's are each
+        call's own)."""
 
     def __enter__(self):
         return self
