@@ -278,17 +278,20 @@ class DeviceProbe(Probe):
         in :data:`FUSED_ROUNDS` launches, each after ``together()`` and, where given, on the
         device behind ``release()`` (:meth:`FusedBench.rounds`)."""
         if self._fused is None or self._fused.key != (task, k):
-            self.close()  # its buffers go before the next one's are made
+            self._drop_fused()  # its buffers go before the next one's are made
             l2_bytes = int(self.cp.cuda.runtime.getDeviceProperties(self.device)["l2CacheSize"])
             self._fused = FusedBench(self.cp, self.device, task, k, max(self.fused_grids()), l2_bytes)
         return self._fused.rounds(grid, together, release)
 
-    def close(self) -> None:
-        """Give the fused task's buffers back to the driver, not only to CuPy's pool: the
-        ranks sharing a GPU probe at once, and blocks one of them keeps cached are memory
-        the others' next buffers (and the job's) cannot have."""
+    def _drop_fused(self) -> None:
+        """The fused task's buffers back to the driver, not only to CuPy's pool: the ranks
+        sharing a GPU probe at once, and blocks one of them keeps cached are memory the
+        others' next buffers (and the job's) cannot have."""
         self._fused = None
         self.cp.get_default_memory_pool().free_all_blocks()
+
+    def close(self) -> None:
+        self._drop_fused()
 
     def expert_call_s(self, rows: int) -> float:
         from ultraep.compute import grouped_mm
