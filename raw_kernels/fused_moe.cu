@@ -169,30 +169,40 @@ extern "C" __global__ void fused_plan(const int* table, int ranks, int num_exper
 // ring (RING_TILE_PITCH a row, gate columns then the matching up columns): four columns of a
 // row per item, act stored as BF16 and, with h (a training forward), h's gate and up columns
 // as FP32, all straight to global memory. A runtime loop over the staged tile, not the
-// accumulators' registers: swiglu_rn is inlined UNROLL times instead of once per pair, and a
-// warp writes whole rows.
+// accumulators' registers: a warp writes whole rows (from the registers, each store covered
+// a quarter of a sector's worth per lane and the tile took longer). Each iteration loads its
+// UNROLL items, then takes their SwiGLU as one batch (swiglu_rn_batch), then stores them.
 __device__ __forceinline__ void swiglu_up_tile(unsigned ring, const Tile& tile, bf16* act, float* h, int ffn, int id) {
     constexpr int PER = 4, ROW_ITEMS = FM_UP_COLS / PER, THREADS = 128 * GH_CONSUMERS, UNROLL = 4;
     static_assert(GH_BM * ROW_ITEMS % (THREADS * UNROLL) == 0, "every thread runs the same iterations");
     for (int i0 = id; i0 < GH_BM * ROW_ITEMS; i0 += THREADS * UNROLL) {
+        float gate[UNROLL * PER], up[UNROLL * PER];
+        __nv_bfloat16 a[UNROLL * PER];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {  // rows past the tile's end are staged too: their results go nowhere
+            const int i = i0 + u * THREADS, row = i / ROW_ITEMS, c = i % ROW_ITEMS * PER;
+            const unsigned at = ring + row * RING_TILE_PITCH + c * 4;
+            float* g = gate + u * PER;
+            float* v = up + u * PER;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(g[0]), "=f"(g[1]), "=f"(g[2]), "=f"(g[3])
+                         : "r"(at));
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+                         : "r"(at + FM_UP_COLS * 4));
+        }
+        swiglu_rn_batch(gate, up, a);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = i0 + u * THREADS, row = i / ROW_ITEMS, c = i % ROW_ITEMS * PER;
             const int r = tile.row0 + row, f = tile.col0 + c;
             if (r >= tile.row_end || f >= ffn) continue;  // ffn is a multiple of 8: f < ffn holds f + 3 too
-            float4 gate, up;
-            const unsigned at = ring + row * RING_TILE_PITCH + c * 4;
-            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                         : "=f"(gate.x), "=f"(gate.y), "=f"(gate.z), "=f"(gate.w) : "r"(at));
-            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                         : "=f"(up.x), "=f"(up.y), "=f"(up.z), "=f"(up.w) : "r"(at + FM_UP_COLS * 4));
-            const __nv_bfloat16 a[PER] = {swiglu_rn(gate.x, up.x), swiglu_rn(gate.y, up.y), swiglu_rn(gate.z, up.z),
-                                          swiglu_rn(gate.w, up.w)};
-            *reinterpret_cast<uint2*>(act + static_cast<long long>(r) * ffn + f) = *reinterpret_cast<const uint2*>(a);
+            *reinterpret_cast<uint2*>(act + static_cast<long long>(r) * ffn + f) =
+                *reinterpret_cast<const uint2*>(a + u * PER);
             if (h != nullptr) {
                 float* h_row = h + static_cast<long long>(r) * 2 * ffn + f;
-                *reinterpret_cast<float4*>(h_row) = gate;
-                *reinterpret_cast<float4*>(h_row + ffn) = up;
+                *reinterpret_cast<float4*>(h_row) = make_float4(gate[u * PER], gate[u * PER + 1], gate[u * PER + 2],
+                                                                gate[u * PER + 3]);
+                *reinterpret_cast<float4*>(h_row + ffn) = make_float4(up[u * PER], up[u * PER + 1], up[u * PER + 2],
+                                                                      up[u * PER + 3]);
             }
         }
     }

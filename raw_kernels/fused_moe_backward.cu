@@ -60,10 +60,9 @@ static_assert(GH_CONSUMERS * 4 == 8, "send and reduce tasks run on the 8 consume
 // to L2 first (a bulk prefetch a row by lane 0 of each warp: it takes uniform operands, and
 // holds no register). Then a warp takes a row at a time, a lane four columns of each of the
 // row's GH_BN / 4 / WARP items, h's gate and up values of the warp's next row loaded before
-// this row's math (which is serial: each element's exp and division branch to a slow path);
-// dh's gate and up columns are stored as BF16 straight to global memory. A runtime loop over
-// the staged tile, not the accumulators' registers: the math is inlined a few times instead of
-// once per accumulator pair, and a warp reads and writes whole rows.
+// this row's math; dh's gate and up columns are stored as BF16 straight to global memory. A
+// runtime loop over the staged tile, not the accumulators' registers: the math is inlined a
+// few times instead of once per accumulator pair, and a warp reads and writes whole rows.
 __device__ __forceinline__ void swiglu_backward_tile(unsigned staged, const Tile& tile, const float* h, bf16* dh,
                                                      int ffn, int id) {
     constexpr int PER = 4, ITEMS = GH_BN / PER / WARP, WARPS = GH_CONSUMERS * 4;

@@ -42,14 +42,42 @@ __device__ __forceinline__ float exp_rn(float x) {
     return x < EXP_INPUT_MIN ? 0.0f : result;
 }
 
+// 1 / (1 + e), e = exp(-a): the sigmoid from its exponential. The reciprocal as MUFU.RCP and
+// one Newton step, not __fdiv_rn, whose range check branches to a slow path that ptxas
+// schedules no code across: for every divisor from 1 up the two agree bit for bit but at inf,
+// where the step gives NaN and the quotient 0 (tests/integration/test_moe_layer.py checks
+// every divisor).
+__device__ __forceinline__ float sigmoid_of_exp_rn(float e) {
+    const float d = __fadd_rn(1.0f, e);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    const float q = __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
+    return d == __int_as_float(0x7f800000) ? 0.0f : q;
+}
+
 // 1 / (1 + exp(-a)).
 __device__ __forceinline__ float sigmoid_rn(float a) {
-    return __fdiv_rn(1.0f, __fadd_rn(1.0f, exp_rn(-a)));
+    return sigmoid_of_exp_rn(exp_rn(-a));
+}
+
+// out[i] = bf16((a[i] * sigmoid(a[i])) * b[i]): gate a, up b, N pairs, the N exponentials'
+// chains first, side by side, then the rest.
+template <int N>
+__device__ __forceinline__ void swiglu_rn_batch(const float (&a)[N], const float (&b)[N], __nv_bfloat16 (&out)[N]) {
+    float e[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) e[i] = exp_rn(-a[i]);
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        out[i] = __float2bfloat16_rn(__fmul_rn(__fmul_rn(a[i], sigmoid_of_exp_rn(e[i])), b[i]));
 }
 
 // bf16((a * sigmoid(a)) * b): gate a, up b.
 __device__ __forceinline__ __nv_bfloat16 swiglu_rn(float a, float b) {
-    return __float2bfloat16_rn(__fmul_rn(__fmul_rn(a, sigmoid_rn(a)), b));
+    const float gate[1] = {a}, up[1] = {b};
+    __nv_bfloat16 out[1];
+    swiglu_rn_batch(gate, up, out);
+    return out[0];
 }
 
 // SwiGLU's backward at one element before the BF16 rounding: (d gate, d up) =

@@ -319,6 +319,49 @@ def test_exp_and_sigmoid_kernels_are_the_reference_bit_for_bit():
     assert_same_bits(cupy.asnumpy(sigmoid_dev), want_sigmoid, "sigmoid_rn")
 
 
+SIGMOID_OF_EXP_TEST_KERNEL = r"""
+// sigmoid_of_exp_rn(e) for e's bits first + i, i < n: against IEEE division (__fdiv_rn), NaN
+// equal to NaN (counts and the first e that differs), and every 2^shift-th into out (shift >= 0).
+extern "C" __global__ void sigmoid_of_exp(unsigned first, long long n, float* out, int shift,
+                                          unsigned long long* differ, unsigned* first_differ) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
+        const unsigned bits = first + (unsigned)i;
+        const float got = sigmoid_of_exp_rn(__uint_as_float(bits));
+        const float want = __fdiv_rn(1.0f, __fadd_rn(1.0f, __uint_as_float(bits)));
+        if (shift >= 0 && (i & ((1ll << shift) - 1)) == 0) out[i >> shift] = got;
+        if (__float_as_uint(got) != __float_as_uint(want) && !(got != got && want != want)) {
+            atomicAdd(differ, 1ull);
+            atomicMin(first_differ, bits);
+        }
+    }
+}
+"""
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_sigmoid_of_its_exponential_is_a_division_for_every_exponential():
+    """swiglu.cuh's sigmoid_of_exp_rn (a reciprocal without a division's slow-path branch)
+    against the device's IEEE division for every e from +0 to +inf and a NaN (every divisor
+    1 + e there is), and against moe_layer's NumPy division on every 128th of them."""
+    import cupy
+
+    from ultraep.runtime.dtypes import flush_subnormals
+    from ultraep.runtime.kernels import COMPILE_OPTIONS, inline_local_includes, kernel_source
+
+    code = inline_local_includes(kernel_source("swiglu.cuh")) + SIGMOID_OF_EXP_TEST_KERNEL
+    kernel = cupy.RawModule(code=code, options=COMPILE_OPTIONS).get_function("sigmoid_of_exp")
+    end, shift = 0x7F800001, 7  # +inf's bits, inclusive
+    got = cupy.full((end + (1 << shift) - 1) >> shift, np.nan, np.float32)
+    differ, first_differ = cupy.zeros(1, cupy.uint64), cupy.full(1, 0xFFFFFFFF, cupy.uint32)
+    for first, n, sample in ((0, end, shift), (0x7FC00000, 1, -1)):  # +0 .. +inf, a NaN
+        kernel((4096,), (256,), (np.uint32(first), np.int64(n), got, np.int32(sample), differ, first_differ))
+    assert int(differ[0]) == 0, f"{int(differ[0])} differ from a division, first at e bits 0x{int(first_differ[0]):08x}"
+    e = np.arange(0, end, 1 << shift, dtype=np.uint32).view(np.float32)
+    assert_same_bits(cupy.asnumpy(got), flush_subnormals(np.float32(1) / (np.float32(1) + e)), "sigmoid_of_exp_rn")
+
+
 def run_swiglu_kernels(h, d_act, offsets, rows):
     """swiglu.cu's forward and backward over poisoned outputs: (act, dh) as int16 bits."""
     import cupy
