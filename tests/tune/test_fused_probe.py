@@ -223,19 +223,53 @@ def test_a_task_s_buffers_go_back_to_the_driver_before_the_next_task_s_are_made(
     ``close()`` (the 4-rank fused tests ran out of memory on an 80 GB GPU without it)."""
     events = []
     pool = types.SimpleNamespace(free_all_blocks=lambda: events.append("freed"))
-    runtime = types.SimpleNamespace(getDeviceProperties=lambda _: {"name": b"fake", "l2CacheSize": L2_BYTES})
+    runtime = types.SimpleNamespace(getDeviceProperties=lambda _: {"name": b"fake", "l2CacheSize": L2_BYTES,
+                                                                   "totalGlobalMem": 80 << 30})
     cp = types.SimpleNamespace(**{**vars(fake_cupy), "get_default_memory_pool": lambda: pool,
                                   "cuda": types.SimpleNamespace(**vars(fake_cupy.cuda), runtime=runtime)})
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setattr(device, "usable_sms", lambda _: 8)
 
-    def bench(cp, dev, task, k, max_grid, l2_bytes):
-        events.append(f"made {task}")
+    def bench(cp, dev, task, k, max_grid, l2_bytes, memory_bytes):
+        events.append(f"made {task} in {memory_bytes >> 30} GB")
         return types.SimpleNamespace(key=(task, k), rounds=lambda grid, together, release: [])
 
     monkeypatch.setattr(device, "FusedBench", bench)
-    with device.DeviceProbe(0) as probe:
+    with device.DeviceProbe(0, sharing=4) as probe:
         for task, grid in (("up", 1), ("up", 8), ("down", 1), ("down", 8)):
             probe.fused_rounds(task, 128, grid, lambda: None)
-        assert events == ["freed", "made up", "freed", "made down"]  # a task's grids share its buffers
+        # a task's grids share its buffers, which take at most a quarter of 40 % of the GPU's memory
+        assert events == ["freed", "made up in 8 GB", "freed", "made down in 8 GB"]
     assert events[-1] == "freed" and probe._fused is None
+
+
+@pytest.mark.parametrize("task", ["up", "up_act", "down", "down_y", "relay"])
+def test_a_task_s_buffer_bytes_are_what_it_makes(fake_gpu, monkeypatch, task):
+    """The estimate that sizes a task's runs to its memory counts every buffer the probe
+    makes (a change to one without the other fails here)."""
+    made = []
+
+    def counted(make):
+        def allocate(shape, dtype=float):
+            array = make(shape, dtype)
+            made.append(array.nbytes)
+            return array
+        return allocate
+
+    cp = types.SimpleNamespace(**{**vars(fake_cupy), "zeros": counted(fake_cupy.zeros),
+                                  "empty": counted(fake_cupy.empty)})
+    bench = FusedBench(cp, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES)
+    assert bench.buffer_bytes(bench.slots, L2_BYTES) == pytest.approx(sum(made), rel=0.01)
+
+
+@pytest.mark.parametrize("task", ["up", "down", "relay"])
+def test_runs_that_do_not_fit_the_memory_have_fewer_waves_and_the_same_task_time(fake_gpu, task):
+    full = FusedBench(fake_cupy, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES)
+    memory = full.buffer_bytes(full.slots // 2, L2_BYTES)
+    bench = FusedBench(fake_cupy, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES, memory_bytes=memory)
+    assert bench.slots == full.slots // 2 and bench.buffer_bytes(bench.slots, L2_BYTES) <= memory
+    rounds = bench.rounds(32, lambda: None)
+    assert [r.seconds for r in rounds] == pytest.approx(
+        [(RELAY_NS if task == "relay" else TILE_NS) * 1e-9] * device.FUSED_ROUNDS, rel=1e-3)
+    tiny = FusedBench(fake_cupy, 0, task, 128, max_grid=32, l2_bytes=L2_BYTES, memory_bytes=1)
+    assert tiny.slots == 1  # one slot at least: what does not fit then fails as out of memory, with its hint

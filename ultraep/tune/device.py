@@ -59,6 +59,10 @@ FUSED_ROUNDS = 3                # launches per measurement (a barrier of the mea
 FUSED_HOLD_NS = 2 * 10**6       # each launch is enqueued behind a hold this long, as tune validate's forwards are
 FUSED_TIMEOUT_NS = 10 * 10**9   # a flag wait of the probe that lasts this long is a bug: reported, not hung
 FUSED_COLD_L2S = 2              # a launch's weights: untouched by the launches before it for this many L2s of weights
+# Of the GPU's memory, what a fused task's buffers may take, split among the processes that
+# probe it at once: the rest is the CUDA contexts', the other processes' CuPy pools and
+# modules'. Where a task's waves on the largest grid need more, its runs have fewer waves.
+FUSED_MEMORY_FRACTION = 0.4
 PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 MAX_HOLD_NS = 10**9  # a hold this long that still ends before the batch is enqueued: the host is stuck
 
@@ -76,11 +80,14 @@ class DeviceProbe(Probe):
     compute_shape = (8, 2048, 2048)
     rows_per_expert = (8, 32, 128, 512, 2048, 8192)
 
-    def __init__(self, device: int | None = None):
+    def __init__(self, device: int | None = None, sharing: int = 1):
+        """``sharing``: the processes that probe this GPU at once (each keeps its part of the
+        memory for its buffers, :data:`FUSED_MEMORY_FRACTION`)."""
         import cupy
 
         self.cp = cupy
         self.device = cupy.cuda.Device().id if device is None else int(device)
+        self.sharing = sharing
         self._fused: FusedBench | None = None
 
     def _seconds(self, call) -> float:
@@ -279,8 +286,10 @@ class DeviceProbe(Probe):
         device behind ``release()`` (:meth:`FusedBench.rounds`)."""
         if self._fused is None or self._fused.key != (task, k):
             self._drop_fused()  # its buffers go before the next one's are made
-            l2_bytes = int(self.cp.cuda.runtime.getDeviceProperties(self.device)["l2CacheSize"])
-            self._fused = FusedBench(self.cp, self.device, task, k, max(self.fused_grids()), l2_bytes)
+            properties = self.cp.cuda.runtime.getDeviceProperties(self.device)
+            memory_bytes = int(properties["totalGlobalMem"] * FUSED_MEMORY_FRACTION) // self.sharing
+            self._fused = FusedBench(self.cp, self.device, task, k, max(self.fused_grids()),
+                                     int(properties["l2CacheSize"]), memory_bytes)
         return self._fused.rounds(grid, together, release)
 
     def _drop_fused(self) -> None:
@@ -340,7 +349,9 @@ class FusedBench:
     """One fused task of ``raw_kernels/fused_moe.cu`` on synthetic rows of this process
     (``task``, ``k``: :class:`~ultraep.tune.profile.FusedCosts`), its buffers made once for
     grids up to ``max_grid`` (a run on a smaller grid uses fewer slots: every run has
-    :data:`FUSED_TILE_WAVES` waves of tiles, or :data:`FUSED_RELAY_WAVES` of relays, at least).
+    :data:`FUSED_TILE_WAVES` waves of tiles, or :data:`FUSED_RELAY_WAVES` of relays, at least),
+    in ``memory_bytes`` where given: the largest grids' runs have fewer waves where those
+    slots' buffers (:meth:`buffer_bytes`) would not fit.
     Both operands of the tiles come from pools (:class:`OperandPool`) that the launches walk
     through, each launch the slots after the last one's, so that every launch reads them from
     HBM, as a layer does: its slots' weights (version 5), and its rows (version 6) -- a
@@ -368,7 +379,8 @@ class FusedBench:
     tile time over the grid's waves would count a lag twice); a relay's, the mean relay
     task."""
 
-    def __init__(self, cp, device: int, task: str, k: int, max_grid: int, l2_bytes: int):
+    def __init__(self, cp, device: int, task: str, k: int, max_grid: int, l2_bytes: int,
+                 memory_bytes: int | None = None):
         from ultraep.compute.device import _TensorMaps
         from ultraep.runtime.kernels import get_function, kernel_constant
 
@@ -382,8 +394,15 @@ class FusedBench:
         self.kernel_name = "fused_down_combine" if task.startswith("down") else "fused_dispatch_up"
         self.tiles_per_slot = 0 if task == "relay" else (FUSED_SLOT_ROWS // self.bm) * FUSED_COLUMN_BLOCKS
         self.tasks_per_slot = self.tiles_per_slot or FUSED_SLOT_ROWS // self.bm
+        self.trace_words = constant("FM_TRACE_WORDS")
+        if task.startswith("down"):
+            self.ffn, self.hidden = k, FUSED_COLUMN_BLOCKS * constant("FM_DOWN_COLS")
+        else:
+            self.ffn, self.hidden = 0 if task == "relay" else FUSED_COLUMN_BLOCKS * constant("FM_UP_COLS"), k
         waves = FUSED_RELAY_WAVES if task == "relay" else FUSED_TILE_WAVES
         self.slots = self.slots_for(max_grid, waves)
+        while memory_bytes is not None and self.slots > 1 and self.buffer_bytes(self.slots, l2_bytes) > memory_bytes:
+            self.slots -= 1
         self.waves = waves
         self.pools = {}  # a tile operand's tensor map argument: its pool
         rows = self.slots * FUSED_SLOT_ROWS
@@ -398,9 +417,9 @@ class FusedBench:
             self.counter = cp.zeros(constant("FM_COUNTERS"), np.int32)  # kernel A's streams; B's claims: word 0
             self.status = cp.zeros(constant("FM_STATUS_WORDS"), np.int64)
             self.outcome = cp.zeros(1, np.int32)  # the token map's verdict: OK
-            self.trace = cp.zeros((self.slots * self.tasks_per_slot, constant("FM_TRACE_WORDS")), np.uint64)
+            self.trace = cp.zeros((self.slots * self.tasks_per_slot, self.trace_words), np.uint64)
+            ffn, hidden = self.ffn, self.hidden
             if task.startswith("down"):
-                ffn, hidden = k, FUSED_COLUMN_BLOCKS * constant("FM_DOWN_COLS")
                 self._pools(maps, l2_bytes, "act_map", ffn, "w_down_map", (ffn, hidden))
                 self.heap, offsets = _carve(cp, (("expert_out", rows * hidden * 2), ("done", m_tiles * 8)))
                 self.flags = None
@@ -410,8 +429,6 @@ class FusedBench:
                                   expert_out_offset=np.uint64(offsets["expert_out"]),
                                   done_offset=np.uint64(offsets["done"]), down_count=self.down_count)
             else:
-                hidden = k
-                ffn = 0 if task == "relay" else FUSED_COLUMN_BLOCKS * constant("FM_UP_COLS")
                 parts = [("landing", rows * hidden * 2), ("row_landing", rows * 4), ("row_flag", rows * 8)]
                 self.heap, offsets = _carve(cp, parts if task == "relay" else parts[:1])
                 if task == "relay":  # every row lands in a row of its own, as a layer's do
@@ -446,6 +463,23 @@ class FusedBench:
                 self.fixed.update(out=unread, y=np.uint64(0) if self.y is None else self.y)
             self._prepare(max_grid)[0](None)  # warm-up: the module's first launch, the buffers' first touch
             cp.cuda.get_current_stream().synchronize()
+
+    def buffer_bytes(self, slots: int, l2_bytes: int) -> int:
+        """The bytes of the buffers made below for runs of ``slots`` slots (the pools' at
+        ``l2_bytes``), to the few KB of counters and tables."""
+        rows, ffn, hidden = slots * FUSED_SLOT_ROWS, self.ffn, self.hidden
+        row_bytes = self.trace_words * 8 * self.tasks_per_slot / FUSED_SLOT_ROWS + 8 / self.bm  # trace, flags
+        if self.task.startswith("down"):
+            row_bytes += hidden * 2 * (2 if self.task == "down_y" else 1) + 4 / self.bm
+            operands = ((FUSED_SLOT_ROWS, ffn), (ffn, hidden))
+        else:
+            row_bytes += hidden * 2 + max(ffn, 1) * 2 + (2 * ffn * 4 if self.task == "up" else 0)
+            if self.task == "relay":
+                row_bytes += hidden * 2 + 4 + 8  # recv, row_landing, row_flag
+            operands = () if self.task == "relay" else ((FUSED_SLOT_ROWS, hidden), (hidden, 2 * ffn))
+        pools = sum(2 * a * b * OperandPool.slot_count((a, b), touched, l2_bytes, slots)
+                    for (a, b), touched in zip(operands, (1, FUSED_COLUMN_BLOCKS)))
+        return int(rows * row_bytes) + pools
 
     def _pools(self, maps, l2_bytes: int, rows_map: str, k: int, weights_map: str, weight_slot: tuple[int, int]):
         """The tiles' operand pools: their rows (``rows_map``, a slot's :data:`FUSED_SLOT_ROWS`
@@ -546,12 +580,16 @@ class OperandPool:
 
     def __init__(self, cp, slot_shape: tuple[int, int], touched: int, l2_bytes: int, run_slots: int, map_at):
         self.slot_bytes = 2 * slot_shape[0] * slot_shape[1]
-        self.slots = -(-FUSED_COLD_L2S * l2_bytes * touched // self.slot_bytes) + 2 * run_slots
+        self.slots = self.slot_count(slot_shape, touched, l2_bytes, run_slots)
         self.data = cp.empty((self.slots * slot_shape[0], slot_shape[1]), np.int16)
         for slot in range(self.slots):  # slot by slot: the FP32 draws of the whole pool need not fit
             self.data[slot * slot_shape[0]:(slot + 1) * slot_shape[0]] = _bf16_bits(cp, slot_shape,
                                                                                     seed=slot_shape[0] + slot)
         self.map_at, self.next_slot = map_at, 0
+
+    @staticmethod
+    def slot_count(slot_shape: tuple[int, int], touched: int, l2_bytes: int, run_slots: int) -> int:
+        return -(-FUSED_COLD_L2S * l2_bytes * touched // (2 * slot_shape[0] * slot_shape[1])) + 2 * run_slots
 
     def next_map(self, slots: int):
         """The tensor map of a launch over ``slots`` slots."""

@@ -508,8 +508,9 @@ def _positive(data: dict, key: str) -> float:
 
 # -- measuring -------------------------------------------------------------------------------
 
-def make_probe(backend: str = "auto", device: int | None = None):
-    """The probe of ``backend`` (``"auto"``: the GPU when CuPy sees one, else the host)."""
+def make_probe(backend: str = "auto", device: int | None = None, sharing: int = 1):
+    """The probe of ``backend`` (``"auto"``: the GPU when CuPy sees one, else the host);
+    ``sharing``: the processes that probe the GPU at once."""
     if backend not in ("auto", "device", "host"):
         raise ProfileError(f"backend must be 'auto', 'device' or 'host', got {backend!r}")
     if backend == "auto":
@@ -519,7 +520,7 @@ def make_probe(backend: str = "auto", device: int | None = None):
         from ultraep.tune.host import HostProbe
         return HostProbe()
     from ultraep.tune.device import DeviceProbe
-    return DeviceProbe(device)
+    return DeviceProbe(device, sharing)
 
 
 def sm_share() -> int:

@@ -155,7 +155,7 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
         return profile
     error, probe, copy = None, None, None
     try:
-        probe = make_probe(backend, group.device)
+        probe = make_probe(backend, group.device, sharing)
         copy = probe.copy_call()
         copy[0]()
         copy[1]()
