@@ -122,21 +122,40 @@ EXP_LN2_HI, EXP_LN2_LO = np.float32("0.69314575"), np.float32("1.4286068e-06")
 EXP_P = tuple(np.float32(c) for c in ("0.49999994", "0.16666521", "0.04166839", "0.00836871", "0.0013814613"))
 
 
+def fma32(a, b, c) -> np.ndarray:
+    """``a * b + c`` of FP32 operands rounded once to FP32, as the device's ``__fmaf_rn``: in
+    FP64 the product is exact (48 significant bits) and the sum's rounding error exact too
+    (Knuth's two-sum); an inexact sum is rounded to odd (its last bit set, toward the exact
+    value), which the rounding to FP32 then takes correctly -- a plain FP64 sum rounded twice
+    could land on an FP32 tie and round the wrong way."""
+    p = np.asarray(a, dtype=np.float64) * np.asarray(b, dtype=np.float64)
+    c = np.asarray(c, dtype=np.float64)
+    s = p + c
+    t = s - p
+    error = (p - (s - t)) + (c - t)
+    bits = s.view(np.int64)
+    with np.errstate(invalid="ignore"):  # NaN operands: the sum is NaN whatever its last bit
+        even_and_inexact = (error != 0) & (bits & 1 == 0)
+        toward = np.where((error > 0) == (s > 0), np.int64(1), np.int64(-1))  # away from 0 or back
+    return np.where(even_and_inexact, bits + toward, bits).view(np.float64).astype(np.float32)
+
+
 def exp_rn(x: np.ndarray) -> np.ndarray:
     """``exp(x)`` of FP32 ``x``, bit for bit ``raw_kernels/swiglu.cuh``'s ``exp_rn``: the
     same FP32 operations in the same order (NumPy's FP32 add and multiply are IEEE, rounded
-    to nearest, never contracted; every constant is an FP32 scalar so nothing widens)."""
+    to nearest, never contracted; every constant is an FP32 scalar so nothing widens; the
+    device's explicit FMAs are fma32)."""
     x = np.asarray(x)
     if x.dtype != np.float32:
         raise TypeError(f"exp_rn takes float32, got {x.dtype}")
     clamped = np.minimum(np.maximum(x, EXP_INPUT_MIN), EXP_INPUT_MAX)  # NaN stays NaN, as on the device
-    shifted = clamped * EXP_LOG2E + EXP_ROUNDING_SHIFT
+    shifted = fma32(clamped, EXP_LOG2E, EXP_ROUNDING_SHIFT)
     k = shifted - EXP_ROUNDING_SHIFT
-    r = (clamped - k * EXP_LN2_HI) - k * EXP_LN2_LO
-    poly = EXP_P[3] + EXP_P[4] * r
+    r = fma32(-k, EXP_LN2_LO, fma32(-k, EXP_LN2_HI, clamped))
+    poly = fma32(EXP_P[4], r, EXP_P[3])
     for coefficient in reversed(EXP_P[:3]):
-        poly = coefficient + poly * r
-    exp_r = np.float32(1) + ((r * r) * poly + r)
+        poly = fma32(poly, r, coefficient)
+    exp_r = np.float32(1) + fma32(r * r, poly, r)
     # 2^(k-1) from exponent bits, in int32 where the device has unsigned: the same bits, and the
     # difference cannot wrap (NumPy warns when a scalar's does). A NaN's scale is anything: NaN.
     k_bits = shifted.view(np.int32) - EXP_ROUNDING_SHIFT.view(np.int32)
