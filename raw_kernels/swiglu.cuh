@@ -22,9 +22,10 @@ constexpr float EXP_P0 = 0.49999994f, EXP_P1 = 0.16666521f, EXP_P2 = 0.04166839f
 // rounding of a * b + c), spelled out so that NumPy repeats it bit for bit
 // (moe_layer.exp_rn): exp(x) = 2^k exp(r), k = rint(x log2 e), r = x - k ln2 (Cody-Waite,
 // exact first step), exp(r) = 1 + (r + r^2 P(r)) by Horner: 11 operations where separate
-// multiplies and adds take 19, and the up tiles' SwiGLU epilogue is bound by them. Results are never subnormal, and intermediates only for |x| < 2^-62, where the
-// result is 1 flushed or not: the -ftz=true CuPy compiles with changes no bit. NaN gives NaN:
-// the clamp's comparisons keep it, and a NaN r makes the product NaN whatever the scale's bits.
+// multiplies and adds take 19 (the up tiles' SwiGLU epilogue is bound by them). Results are
+// never subnormal, and intermediates only for |x| < 2^-62, where the result is 1 flushed or
+// not: the -ftz=true CuPy compiles with changes no bit. NaN gives NaN: the clamp's
+// comparisons keep it, and a NaN r makes the product NaN whatever the scale's bits.
 __device__ __forceinline__ float exp_rn(float x) {
     const float clamped = x < EXP_INPUT_MIN ? EXP_INPUT_MIN : (x > EXP_INPUT_MAX ? EXP_INPUT_MAX : x);
     const float shifted = __fmaf_rn(clamped, EXP_LOG2E, EXP_ROUNDING_SHIFT);
