@@ -1,21 +1,15 @@
 """scripts/exp_rn_ulps.py: its blocks cover exp_rn's inputs once each, a block's worst is
 found where it is, and bad options are refused (the full run takes minutes: not here)."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "exp_rn_ulps.py"
+from tests.support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def ulps():
-    spec = importlib.util.spec_from_file_location("exp_rn_ulps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("exp_rn_ulps")
 
 
 def test_blocks_cover_every_input_from_the_lower_to_the_upper_clamp_once(ulps):

@@ -1,20 +1,16 @@
 """scripts/gpu_shard.py: the shares of the GPU test files (``GPU_SHARD=i/n`` of
 scripts/gpu_check.sh) cover each file once, and a bad share is refused with a message."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_shard.py"
+from tests.support.scripts import SCRIPTS, load_script
 
 
 @pytest.fixture(scope="module")
 def shard():
-    spec = importlib.util.spec_from_file_location("gpu_shard", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_shard")
 
 
 @pytest.mark.parametrize("text, message", [("3/3", "below the number of shares"), ("1", "i/n"), ("a/2", "i/n"),
@@ -32,7 +28,7 @@ def test_files_once_each_in_path_order(shard):
 
 
 def test_the_shares_of_this_suite_cover_its_gpu_test_files_once(shard, capsys, monkeypatch):
-    monkeypatch.chdir(SCRIPT.parents[1])
+    monkeypatch.chdir(SCRIPTS.parent)
     shares = []
     for index in range(2):
         assert shard.main([f"{index}/2", "tests"]) == 0
@@ -40,5 +36,5 @@ def test_the_shares_of_this_suite_cover_its_gpu_test_files_once(shard, capsys, m
     assert shard.main(["0/1", "tests"]) == 0
     every = capsys.readouterr().out.split()
     assert len(every) > 10 and sorted(shares[0] + shares[1]) == every and not set(shares[0]) & set(shares[1])
-    assert "tests/compute/test_grouped_gemm_gpu.py" in every and str(Path(__file__).relative_to(SCRIPT.parents[1])) \
+    assert "tests/compute/test_grouped_gemm_gpu.py" in every and str(Path(__file__).relative_to(SCRIPTS.parent)) \
         not in every  # no GPU test here

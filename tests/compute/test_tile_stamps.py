@@ -1,27 +1,16 @@
 """scripts/gemm_tile_stamps.py: the figures it derives from a launch's tile stamps (CPU), and
 one real run on a GPU."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from tests.conftest import requires_gpu
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gemm_tile_stamps.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gemm_tile_stamps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support.scripts import load_script
 
 
 def test_figures_of_two_blocks_tiles():
     """Block (SM) 0 runs a full tile then a 40-row one, SM 1 one 100-row tile; times in ns."""
-    script = load_script()
+    script = load_script("gemm_tile_stamps")
     #                 mma_start, mma_end, handed_on, sm, rows, k_steps
     stamps = np.array([[0, 1000, 1100, 0, 128, 10],
                        [1300, 2300, 2400, 0, 40, 10],
@@ -36,7 +25,7 @@ def test_figures_of_two_blocks_tiles():
 
 
 def test_figures_print_with_one_tile_a_block(capsys):
-    script = load_script()
+    script = load_script("gemm_tile_stamps")
     f = script.summarise(np.array([[0, 1000, 1100, 0, 128, 10], [0, 900, 1000, 1, 128, 10]]), 128)
     assert f["gap_ns"] is None
     script.print_figures(dict(f, case="c", sizes="exact", op="forward", plain_ms=0.1, stamped_ms=0.1))
@@ -50,7 +39,7 @@ def test_the_fields_are_the_kernels_stamps_in_order():
     text = kernel_source(KERNELS).read_text()
     enum = text[text.index("enum TileStamp {"):].split("}")[0]
     names = [name.strip().removeprefix("STAMP_").lower() for name in enum.split("{")[1].split(",")][:-1]
-    assert tuple(names) == load_script().FIELDS
+    assert tuple(names) == load_script("gemm_tile_stamps").FIELDS
 
 
 @pytest.mark.gpu
@@ -59,8 +48,8 @@ def test_one_case_runs(tmp_path, capsys):
     import json
 
     path = tmp_path / "stamps.json"
-    assert load_script().main(["--cases", "32x256", "--sizes", "uniform", "--ops", "forward", "--repeats", "2",
-                               "--json", str(path)]) == 0
+    assert load_script("gemm_tile_stamps").main(["--cases", "32x256", "--sizes", "uniform", "--ops", "forward",
+                                                 "--repeats", "2", "--json", str(path)]) == 0
     (figures,) = json.loads(path.read_text())
     assert figures["tiles"] > 0 and figures["sms"] > 0 and 0 < figures["busy"] <= 1
     assert sum(k["tiles"] for k in figures["kinds"].values()) == figures["tiles"]
