@@ -169,8 +169,8 @@ extern "C" __global__ void fused_plan(const int* table, int ranks, int num_exper
 // ring (RING_TILE_PITCH a row, gate columns then the matching up columns): four columns of a
 // row per item, act stored as BF16 and, with h (a training forward), h's gate and up columns
 // as FP32, all straight to global memory. A runtime loop over the staged tile, not the
-// accumulators' registers: a warp writes whole rows (from the registers, each store covered
-// a quarter of a sector's worth per lane and the tile took longer). Each iteration loads its
+// accumulators' registers: unrolled over the registers, the SwiGLU of a thread's 64 pairs
+// outgrows the instruction cache, and here a warp writes whole rows. Each iteration loads its
 // UNROLL items, then takes their SwiGLU as one batch (swiglu_rn_batch), then stores them.
 __device__ __forceinline__ void swiglu_up_tile(unsigned ring, const Tile& tile, bf16* act, float* h, int ffn, int id) {
     constexpr int PER = 4, ROW_ITEMS = FM_UP_COLS / PER, THREADS = 128 * GH_CONSUMERS, UNROLL = 4;
