@@ -8,9 +8,9 @@ record waits in this GPU's status word until :meth:`DeviceGroupedGemm.check`
 (``ultraep.compute.check_errors``) raises it. So does a Hopper kernel's pipeline wait that
 ran out of time (a bug, reported rather than hung).
 
-The kernels take their operands through TMA tensor maps, encoded here for every
-call by the driver's ``cuTensorMapEncodeTiled`` (they hold the operands' addresses) and
-passed by value as kernel parameters.
+The kernels take their operands through TMA tensor maps, encoded here by the driver's
+``cuTensorMapEncodeTiled`` (they hold the operands' addresses; the latest are kept for an
+address the pool hands out again) and passed by value as kernel parameters.
 
 ``schedule`` picks one of the kernels' compile-time schedules (:data:`SCHEDULES`,
 ``GG_SCHEDULE`` in ``raw_kernels/grouped_gemm.cu``, which says what each does) for every
@@ -22,6 +22,7 @@ measures one schedule beside them.
 from __future__ import annotations
 
 import ctypes
+from collections import OrderedDict
 
 import numpy as np
 
@@ -38,6 +39,8 @@ _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0
+# Maps kept per _TensorMaps: a layer's weights, and its activations at the few addresses the pool reuses.
+MAP_CACHE_ENTRIES = 64
 
 # Schedule name -> (its GG_SCHEDULE value's macro, its dynamic shared memory's macro).
 SCHEDULES = {"staged": ("GG_STAGED_TILE", "GH_SMEM_BYTES"), "ring": ("GG_RING_STAGED", "GG_RING_SMEM_BYTES")}
@@ -47,7 +50,9 @@ DEFAULT_SCHEDULES = {"forward": "ring", "dgrad": "ring", "wgrad": "ring"}
 
 
 class _TensorMaps:
-    """TMA tensor maps of row-major BF16 arrays, from the CUDA driver."""
+    """TMA tensor maps of row-major BF16 arrays, from the CUDA driver. A map depends on
+    nothing but its arguments, so the latest :data:`MAP_CACHE_ENTRIES` are kept and an
+    array at a pointer the pool hands out again costs a lookup, not an encode."""
 
     def __init__(self):
         try:
@@ -61,6 +66,7 @@ class _TensorMaps:
                                 u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self.size = kernel_constant(KERNELS, "GH_TENSOR_MAP_BYTES")
         self.dtype = np.dtype((np.void, self.size))
+        self.cache: OrderedDict[tuple, np.void] = OrderedDict()  # least recently used first
 
     def tiled(self, pointer: int, dims, box, strides=None) -> np.void:
         """The map of an array at ``pointer`` with ``dims`` (innermost first) and byte
@@ -71,6 +77,11 @@ class _TensorMaps:
             for d in dims[:-1]:
                 stride *= d
                 strides.append(stride)
+        key = (pointer, tuple(dims), tuple(box), tuple(strides))
+        cached = self.cache.get(key)
+        if cached is not None:
+            self.cache.move_to_end(key)
+            return cached
         buffer = np.zeros(2 * self.size, dtype=np.uint8)  # the map must be 64-byte aligned
         start = -buffer.ctypes.data % 64
         out = buffer[start:start + self.size]
@@ -82,7 +93,10 @@ class _TensorMaps:
         if result != 0:
             raise GroupedGemmError(f"cuTensorMapEncodeTiled refused dims {tuple(dims)} box {tuple(box)} "
                                    f"(CUresult {result})")
-        return out.view(self.dtype)[0]
+        tensor_map = self.cache[key] = out.view(self.dtype)[0]
+        if len(self.cache) > MAP_CACHE_ENTRIES:
+            self.cache.popitem(last=False)
+        return tensor_map
 
 
 class DeviceGroupedGemm:
