@@ -729,8 +729,9 @@ class MoELayer:
                 if handle is not None:  # kernel A's up tiles read every slot's weights from its start
                     self._fill_replicas(handle)
                     self._mark("replicas")
+                routed = arrays[1] if handle is None else self._import("topk_ids", ids)  # rerouted: the plan's ids
                 out, received, act, h, y, tile_plan = self._fused.forward(
-                    arrays[0], self._import("topk_ids", ids), arrays[2], self._w_up, self._w_down, keep=backward)
+                    arrays[0], routed, arrays[2], self._w_up, self._w_down, keep=backward)
                 self._mark("fused")
                 return out, MoEContext(handle, received, h, act, y, self._generation, tokens, tile_plan=tile_plan,
                                        for_backward=backward, layer_id=self.id)

@@ -186,7 +186,10 @@ class DeviceDispatcher:
     def token_map(self, x, ids, gates):
         """Steps 1-3 of dispatch on the current stream (checked device arrays): the token map,
         the count exchange and its barrier, the row plan. Returns ``(x contiguous, state)``;
-        what sends the tokens then (dispatch, or the fused layer's kernel) follows it."""
+        what sends the tokens then (dispatch, or the fused layer's kernel) follows it, and
+        :meth:`received` ends it. Until then the state's map and plan are this Dispatcher's
+        own buffers, which the sends only read: their copies for the handle are queued behind
+        the sends, where the host launches them while the device works."""
         cp, d = self.cp, self.config
         tokens, top_k = ids.shape
         n = tokens * top_k
@@ -218,14 +221,15 @@ class DeviceDispatcher:
             self.local["count_table"], np.int32(d.size), np.int32(d.num_experts), np.int32(d.experts_per_rank),
             np.int32(d.rank), np.int32(d.max_recv_rows), self.base, self.counts, self.offsets, self.outcome))
 
-        state = {"tokens": tokens, "ids": ids, "gates": gates, "positions": self.positions[:items].copy(),
-                 "base": self.base.copy(), "outcome": self.outcome.copy(), "offsets": self.offsets.copy(),
-                 "totals": self.totals.copy()}
+        state = {"tokens": tokens, "ids": ids, "gates": gates, "positions": self.positions[:items],
+                 "base": self.base, "outcome": self.outcome, "offsets": self.offsets, "totals": self.totals}
         return x, state
 
     def received(self, recv, state: dict) -> DispatchResult:
         """The result of a dispatch whose rows and row metadata have landed (on the stream)."""
         d = self.config
+        for name in ("positions", "base", "outcome", "offsets", "totals"):  # the next token map overwrites them
+            state[name] = state[name].copy()
         for name in ("row_landing", "row_origin", "row_weight"):
             state[name] = self.local[name].copy()
         self.unreported_dispatch = True
