@@ -73,6 +73,12 @@ def test_timeline_paths_and_plot(tmp_path):
                      {"workers": 2, "send": (20, 21, 1000), "relay": (21, 22, 1000), "up": (22, 26, 4000)}]
     assert bench.format_phases(spans).splitlines()[1] == ("rank 1 (2 SMs): send 20.00-21.00 (1000 µs)  "
                                                            "relay 21.00-22.00 (1000 µs)  up 22.00-26.00 (4000 µs)")
+    called = [ms // 2, 19 * ms]  # each rank's call: its first task 0.5 and 2 ms later
+    led = bench.phase_spans([tasks, late], called)
+    assert [mine.pop("lead") for mine in led] == [0.5, 2.0] and led == spans
+    assert bench.format_phases(bench.phase_spans([tasks, late], called)).splitlines()[1] == (
+        "rank 1 (2 SMs): call to first task 2.00 ms  send 20.00-21.00 (1000 µs)  relay 21.00-22.00 (1000 µs)  "
+        "up 22.00-26.00 (4000 µs)")
 
 
 def test_backward_timeline_spans_and_plot(tmp_path):
@@ -130,10 +136,13 @@ def test_tiny_host_run_with_backward(tmp_path, capfd):
                                                               "reduce"}] * 2, row["bwd_phases"]
         for key in ("phases", "train_phases"):
             assert {"up", "down"} <= set(row[key][0]) and "dgrad_up" not in row[key][0]
+        # the call's host path before the first task, on the clock the tasks were stamped with
+        assert all(rank["lead"] >= 0 for rank in row["phases"]) and "lead" not in row["train_phases"][0]
         for which in ("forward", "training", "backward"):
             assert f"phases of a recorded fused {which}, tokens {row['tokens']}, hidden 32" in printed
             assert (tmp_path / bench.timeline_path("tasks.png", row["tokens"], 32, which)).stat().st_size > 0
-    assert printed.count("rank 1 (1 SMs): send") == 6  # each setting's two forwards and backward
+    assert printed.count("rank 1 (1 SMs): send") == 4  # each setting's training forward and backward
+    assert printed.count("rank 1 (1 SMs): call to first task") == 2  # and its inference forward
 
 
 @pytest.mark.mpi

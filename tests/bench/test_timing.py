@@ -48,3 +48,20 @@ def test_held_event_ms_each_times_every_launch_in_turns():
     timed = order[2:]  # after one warm-up call of each
     assert sorted(timed) == ["long"] * 4 + ["short"] * 4
     assert timed[:2] == ["short", "long"] and timed[2:4] == ["long", "short"], f"not taken in rotating turns: {timed}"
+
+
+def test_call_start_reads_the_device_clock_as_the_stream_reaches_the_stamp():
+    """Two stamps 2 ms of device work apart read at least 2 ms apart although the host
+    enqueued them at once: the clock is the device's (the fused kernels' task stamps')."""
+    import cupy
+
+    from ultraep.bench.timing import CallStart
+    from ultraep.runtime.kernels import get_function
+
+    hold, start = get_function("timing.cu", "hold_stream"), CallStart(gpu=True)
+    start.stamp()
+    before = start.ns()
+    hold((1,), (1,), (cupy.uint64(2_000_000),))
+    start.stamp()
+    after = start.ns()
+    assert 2_000_000 <= after - before < 50_000_000, (before, after)

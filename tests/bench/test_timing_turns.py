@@ -104,3 +104,15 @@ def test_group_windows_span_every_rank_and_take_the_launches_in_turns(monkeypatc
     ms = timing.group_windows_ms_each(TwoRanks(clock, ["a"]), {"a": launch("a", 0.010), "b": launch("b", 0.004)}, 1,
                                       lambda: None, warmup=0)
     assert list(ms) == ["a"] and order == ["a"]  # b: not on every rank, not timed
+
+
+def test_call_start_on_the_host_is_the_monotonic_clock():
+    """The host backend's tasks are stamped with time.monotonic_ns; so is the call's start."""
+    import time
+
+    from ultraep.bench.timing import CallStart
+
+    start = CallStart(gpu=False)
+    before = time.monotonic_ns()
+    start.stamp()
+    assert before <= start.ns() <= time.monotonic_ns()

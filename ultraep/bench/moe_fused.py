@@ -66,7 +66,9 @@ on one time axis, one line per SM (a worker on the host), coloured by task kind 
 relay, up tile, down tile, reduce): where communication hides under the GEMMs and which
 rank holds the others up. Below the table, each rank's phases: when its first task of a
 kind started and its last ended, in ms from the first task on any rank (``%globaltimer``:
-one clock for ranks sharing a GPU), and in brackets the median task of that kind in µs.
+one clock for ranks sharing a GPU), and in brackets the median task of that kind in µs;
+first, for the forward, the ms from the rank's call to its first task (the device's clock as
+the stream reached the call: its host path, token map and count exchange).
 With ``--backward`` also a recorded training forward (it keeps ``h`` and ``y`` for the
 backward; FILE_train_t{tokens}_h{hidden}.png) and its backward, its own file
 (FILE_bwd_t{tokens}_h{hidden}.png) and phases: send (dy), relay (grad_y rows and gate
@@ -91,7 +93,7 @@ import sys
 import numpy as np
 
 from ultraep.bench.moe_layer import differing, phase_windows_ms
-from ultraep.bench.timing import array_backend
+from ultraep.bench.timing import CallStart, array_backend
 from ultraep.runtime.launch import (DefaultsHelpFormatter, add_launch_options, job_ranks, multi_rank_main,
                                    non_negative_int, positive_int, row_width, share)
 
@@ -173,14 +175,15 @@ def columns(backward: bool, config: str = "default", overlap: bool = False, shar
             + (BACKWARD_DIFFS if backward else []))
 
 
-def recorded_forward(group, moe, x, ids, gates) -> list:
-    """Every rank's tasks of one recorded inference forward of the fused layer ``moe``
-    (collective)."""
+def recorded_forward(group, moe, x, ids, gates, start: CallStart) -> tuple[list, list]:
+    """Every rank's tasks of one recorded inference forward of the fused layer ``moe``, and
+    every rank's clock as its call began (``start``; collective)."""
     moe.record_timeline(True)
+    start.stamp()
     moe.forward(x, ids, gates, backward=False)
     tasks = group.allgather(moe.timeline())
     moe.record_timeline(False)
-    return tasks
+    return tasks, group.allgather(start.ns())
 
 
 def kernel_a_ms(ranks_tasks) -> float:
@@ -252,15 +255,19 @@ KIND_COLOURS = {"send": "tab:blue", "relay": "tab:cyan", "up": "tab:orange", "dg
                 "down": "tab:red", "dgrad_up": "tab:brown", "reduce": "tab:green"}
 
 
-def phase_spans(ranks_tasks) -> list[dict]:
+def phase_spans(ranks_tasks, called=None) -> list[dict]:
     """Per rank: ``workers`` (the SMs its tasks ran on) and per task kind present ``(first
     start, last end, median task)``: the span in ms from the first task on any rank, and the
     median of the kind's task durations in µs (what one tile or one chunk costs). ``ranks_tasks[r]``:
-    rank r's (kind, start ns, end ns, worker) rows."""
+    rank r's (kind, start ns, end ns, worker) rows. Given ``called[r]``, rank r's clock (ns)
+    as its call began: ``lead``, the ms from there to its first task (the call's host path,
+    the token map and the count exchange)."""
     t0 = min((start for tasks in ranks_tasks for _, start, _, _ in tasks), default=0)
     spans = []
-    for tasks in ranks_tasks:
+    for r, tasks in enumerate(ranks_tasks):
         mine = {"workers": len({worker for *_, worker in tasks})}
+        if called is not None and tasks:
+            mine["lead"] = (min(start for _, start, _, _ in tasks) - called[r]) / 1e6
         for kind in KIND_COLOURS:
             rows = [(s, e) for k, s, e, _ in tasks if k == kind]
             if rows:
@@ -272,8 +279,9 @@ def phase_spans(ranks_tasks) -> list[dict]:
 
 def format_phases(spans: list[dict]) -> str:
     return "\n".join(f"rank {r} ({mine['workers']} SMs): " + "  ".join(
-        f"{kind} {mine[kind][0]:.2f}-{mine[kind][1]:.2f} ({mine[kind][2]:.0f} µs)" for kind in KIND_COLOURS
-        if kind in mine)
+        ([f"call to first task {mine['lead']:.2f} ms"] if "lead" in mine else [])
+        + [f"{kind} {mine[kind][0]:.2f}-{mine[kind][1]:.2f} ({mine[kind][2]:.0f} µs)" for kind in KIND_COLOURS
+           if kind in mine])
         for r, mine in enumerate(spans))
 
 
@@ -458,10 +466,11 @@ def run(args) -> int:
             layers[False].check()
             gemm_ms = sequential_gemm_ms(group, layers[False], x, ids, gates, dy, args.repeats)
             tuned = str(layers["tuned"]._fused.schedule.for_tokens(T)) if "tuned" in layers else None
-            phases, recorded = {}, {}
+            phases, recorded, called = {}, {}, {}
+            start = CallStart(gpu)
             if args.timeline or args.overlap:
-                recorded["forward"] = recorded_forward(group, fused, x, ids, gates)
-            share_a = {name: kernel_a_ms(recorded_forward(group, layers[name], x, ids, gates))
+                recorded["forward"], called["forward"] = recorded_forward(group, fused, x, ids, gates, start)
+            share_a = {name: kernel_a_ms(recorded_forward(group, layers[name], x, ids, gates, start)[0])
                        for name in shares} if args.overlap else {}
             if args.timeline and args.backward:  # a training forward (it keeps h and y), then its backward
                 fused.record_timeline(True)
@@ -473,7 +482,7 @@ def run(args) -> int:
                 fused.record_timeline(False)
             if args.timeline:
                 for which, everyone_tasks in recorded.items():
-                    phases[which] = phase_spans(everyone_tasks)  # printed under the table
+                    phases[which] = phase_spans(everyone_tasks, called.get(which))  # printed under the table
                     progress(f"tokens {T}, hidden {H}: the fused {which}'s timeline, "
                              f"{timeline_path(args.timeline, T, H, which)}")
                     if me == 0:
@@ -554,7 +563,8 @@ def run(args) -> int:
         for key, which in (("phases", "forward"), ("train_phases", "training"), ("bwd_phases", "backward")):
             if me == 0 and key in row:
                 print(f"phases of a recorded fused {which}, tokens {row['tokens']}, hidden {row['hidden']} (ms from "
-                      f"the first task on any rank, first start-last end per kind, median task):\n"
+                      f"the first task on any rank, first start-last end per kind, median task; the forward's: "
+                      f"from each rank's call to its first task first):\n"
                       f"{format_phases(row[key])}")
     problems = [f"tokens {row['tokens']} hidden {row['hidden']}: {key} = {row[key]} (must be 0)"
                 for row in rows for key in diff_columns if row[key]]

@@ -24,6 +24,39 @@ def window_ms(spans) -> float:
     return (max(end for _, end in spans) - min(start for start, _ in spans)) * 1e3
 
 
+class CallStart:
+    """When a call began, on the clock its recorded tasks use: on the GPU the device's clock
+    as the stream reaches the call's first launch (``timing.cu``'s ``stamp_clock``), on the
+    host ``time.monotonic_ns``. :meth:`stamp` just before the call, :meth:`ns` after it."""
+
+    def __init__(self, gpu: bool):
+        self.gpu, self.host_ns = gpu, 0
+        if gpu:
+            import cupy
+            import numpy as np
+
+            from ultraep.runtime.kernels import get_function
+
+            self.kernel = get_function("timing.cu", "stamp_clock")
+            self.clock = cupy.zeros(1, dtype=np.uint64)
+
+    def stamp(self) -> None:
+        if self.gpu:
+            self.clock.fill(0)
+            self.kernel((1,), (1,), (self.clock,))
+        else:
+            self.host_ns = time.monotonic_ns()
+
+    def ns(self) -> int:
+        """The stamp (waits for the device)."""
+        if not self.gpu:
+            return self.host_ns
+        stamped = int(self.clock.get()[0])
+        if not stamped:
+            raise RuntimeError("stamp_clock wrote no clock: the stamp never ran")
+        return stamped
+
+
 def median_event_ms(launch, repeats: int, warmup: int = 10) -> float:
     """Median CUDA-event time of ``launch()`` on the current stream."""
     import cupy
