@@ -186,6 +186,26 @@ def test_kernel_a_spans_every_rank_up_to_the_last_up_tile():
     assert bench.kernel_a_ms(ranks) == 9.0
 
 
+def test_kernel_a_is_the_median_of_a_few_recorded_forwards():
+    """One forward's kernel A drifts with the GPU's clocks: --overlap takes the median of
+    KERNEL_A_FORWARDS, the forward recorded for the timeline among them."""
+    ms = 1_000_000
+
+    def forward(span_ms):  # rank 0 sends from 0, rank 1's last up tile ends at span_ms
+        return [[("send", 0, ms, 0)], [("up", ms, span_ms * ms, 1)]]
+
+    spans = iter([12, 10, 30, 11])
+    asked = []
+
+    def record():
+        asked.append(1)
+        return forward(next(spans))
+
+    assert bench.KERNEL_A_FORWARDS == 5
+    assert bench.median_kernel_a_ms(record, [forward(9)]) == 11.0 and len(asked) == 4
+    assert bench.median_kernel_a_ms(lambda: forward(7)) == 7.0
+
+
 @pytest.mark.mpi
 def test_tiny_host_run_with_overlap(tmp_path, capfd):
     """--overlap: the sequential dispatch and up GEMM timed alone beside kernel A's span,

@@ -59,7 +59,7 @@ same repeats, each taking turns at running first with the ``--config`` layer:
 ``send{SHARE}_ms`` and ``send{SHARE}_gain`` = fused_ms / send{SHARE}_ms (above 1: that share
 is faster than the configuration's own); with ``--backward`` its training passes too
 (``send{SHARE}_bwd_ms``, ``send{SHARE}_bwd_gain``: kernel C sends alike), with ``--overlap``
-its kernel A (``send{SHARE}_a_ms``, a recorded forward's). Its bits count in every diff.
+its kernel A (``send{SHARE}_a_ms``, as ``fused_a_ms``). Its bits count in every diff.
 
 ``--timeline FILE.png``: per setting, every rank's recorded fused forward, a panel per rank
 on one time axis, one line per SM (a worker on the host), coloured by task kind (send,
@@ -132,8 +132,9 @@ def parse_args(argv):
                              "the tuned schedule side by side (tuned_ms, tuned_gain = fused_ms / tuned_ms)")
     parser.add_argument("--overlap", action="store_true",
                         help="also time the sequential dispatch alone and its up-projection GEMM alone, and the "
-                             "fused kernel A (dispatch + up) from a recorded forward: a_vs_max = fused_a_ms / "
-                             "max(dispatch_ms, up_gemm_ms), 1.0 when the exchange hides wholly under the GEMM "
+                             f"fused kernel A (dispatch + up), the median of {KERNEL_A_FORWARDS} recorded forwards: "
+                             "a_vs_max = fused_a_ms / max(dispatch_ms, up_gemm_ms), 1.0 when the exchange hides "
+                             "wholly under the GEMM "
                              "(fused_a_ms: the kernel's own task stamps; the other two: group windows of calls)")
     parser.add_argument("--send-shares", type=share, nargs="+", default=[], metavar="SHARE",
                         help="also a fused layer per share of the --config layer's CTAs sending first "
@@ -175,15 +176,29 @@ def columns(backward: bool, config: str = "default", overlap: bool = False, shar
             + (BACKWARD_DIFFS if backward else []))
 
 
-def recorded_forward(group, moe, x, ids, gates, start: CallStart) -> tuple[list, list]:
+def recorded_forward(group, moe, x, ids, gates, start: CallStart, synchronize) -> tuple[list, list]:
     """Every rank's tasks of one recorded inference forward of the fused layer ``moe``, and
-    every rank's clock as its call began (``start``; collective)."""
+    every rank's clock as its call began (``start``), every rank's device idle and every
+    rank there before (as a timed call: a rank that came late would count in the others'
+    lead; collective)."""
     moe.record_timeline(True)
+    synchronize()
+    group.barrier(what="recorded fused forward: every rank before its call")
     start.stamp()
     moe.forward(x, ids, gates, backward=False)
     tasks = group.allgather(moe.timeline())
     moe.record_timeline(False)
     return tasks, group.allgather(start.ns())
+
+
+KERNEL_A_FORWARDS = 5  # recorded forwards whose kernel A --overlap takes the median of: one drifts with the GPU
+
+
+def median_kernel_a_ms(record, recorded=()) -> float:
+    """:func:`kernel_a_ms`'s median over :data:`KERNEL_A_FORWARDS` recorded forwards: those
+    ``recorded`` already, then as many more from ``record()`` (collective)."""
+    runs = list(recorded) + [record() for _ in range(KERNEL_A_FORWARDS - len(recorded))]
+    return float(np.median([kernel_a_ms(tasks) for tasks in runs]))
 
 
 def kernel_a_ms(ranks_tasks) -> float:
@@ -379,7 +394,8 @@ def run(args) -> int:
     if args.overlap:
         title += ("; dispatch_ms, up_gemm_ms: the sequential path's Dispatcher.dispatch alone and its "
                   "up-projection grouped GEMM (BF16 out) alone; fused_a_ms: kernel A (dispatch + up tiles with "
-                  "SwiGLU) in a recorded fused forward, first task to last up tile on any rank; a_vs_max = "
+                  "SwiGLU) in a recorded fused forward, first task to last up tile on any rank, the median of "
+                  f"{KERNEL_A_FORWARDS} forwards; a_vs_max = "
                   "fused_a_ms / max(dispatch_ms, up_gemm_ms)")
     if args.send_shares:
         title += ("; send{SHARE}: the first fused layer with that share of its CTAs sending first "
@@ -469,9 +485,13 @@ def run(args) -> int:
             phases, recorded, called = {}, {}, {}
             start = CallStart(gpu)
             if args.timeline or args.overlap:
-                recorded["forward"], called["forward"] = recorded_forward(group, fused, x, ids, gates, start)
-            share_a = {name: kernel_a_ms(recorded_forward(group, layers[name], x, ids, gates, start)[0])
-                       for name in shares} if args.overlap else {}
+                recorded["forward"], called["forward"] = recorded_forward(group, fused, x, ids, gates, start,
+                                                                            synchronize)
+            kernel_a = {}
+            if args.overlap:  # each layer's over a few forwards (the first layer's recorded above among them)
+                kernel_a = {name: median_kernel_a_ms(
+                    lambda moe=layers[name]: recorded_forward(group, moe, x, ids, gates, start, synchronize)[0],
+                    [recorded["forward"]] if name == primary else []) for name in (primary, *shares)}
             if args.timeline and args.backward:  # a training forward (it keeps h and y), then its backward
                 fused.record_timeline(True)
                 _, ctx = fused.forward(x, ids, gates)
@@ -501,7 +521,7 @@ def run(args) -> int:
         finally:
             for moe in layers.values():
                 moe.close()
-        return windows, mine, tuned, blocks, overlap_at, recorded, phases, gemm_ms, share_a
+        return windows, mine, tuned, blocks, overlap_at, recorded, phases, gemm_ms, kernel_a
 
     rows, skipped = [], []
     for H in args.hidden:
@@ -514,7 +534,7 @@ def run(args) -> int:
             progress(f"tokens {T}, hidden {H}: setting up, a checked {direction} each, {args.repeats} timed each, "
                      f"a checked fused {direction}")
             (windows, mine, tuned, blocks, overlap_at, recorded, phases, (fwd_gemm, bwd_gemm),
-             share_a) = measure_row(T, H)
+             kernel_a) = measure_row(T, H)
             if gpu:  # the next setting's buffers differ in shape: give this one's back to the driver
                 gc.collect()  # what of the row only a reference cycle still holds
                 xp.get_default_memory_pool().free_all_blocks()
@@ -541,7 +561,7 @@ def run(args) -> int:
                     row.update(tuned_train_ms=tuned_train, tuned_bwd_ms=tuned_bwd, tuned_bwd_gain=fused_bwd / tuned_bwd)
             if args.overlap:
                 dispatch_ms, up_gemm_ms = windows[overlap_at:]
-                fused_a = kernel_a_ms(recorded["forward"])
+                fused_a = kernel_a[next(iter(configs))]
                 row.update(dispatch_ms=dispatch_ms, up_gemm_ms=up_gemm_ms, fused_a_ms=fused_a,
                            a_vs_max=fused_a / max(dispatch_ms, up_gemm_ms))
             for i, name in enumerate(shares, start=1 + len(configs)):  # the share layers follow the --config ones
@@ -550,7 +570,7 @@ def run(args) -> int:
                     bwd = windows[blocks + 3 * i + 2]
                     row.update({f"{name}_bwd_ms": bwd, f"{name}_bwd_gain": row["fused_bwd_ms"] / bwd})
                 if args.overlap:
-                    row[f"{name}_a_ms"] = share_a[name]
+                    row[f"{name}_a_ms"] = kernel_a[name]
             row.update((key, sum(d[i] for d in everyone)) for i, key in enumerate(diff_columns))
             if phases:
                 row["phases"] = phases["forward"]
