@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ultraep.tune.__main__ import main as tune_main
-from ultraep.tune.validate import DISPATCH_OPERATIONS, retime_dispatch, summarise
+from ultraep.tune.validate import DISPATCH_OPERATIONS, retime_grids, summarise
 
 
 def test_summary_errors_and_the_rank_of_the_models_choice():
@@ -43,7 +43,7 @@ def test_the_fastest_grids_and_the_choice_are_timed_again_together():
         steady = {1: 9.0, 2: 1.5, 3: 1.3, 4: 1.4, 5: 9.0, 6: 1.32}
         return {op: [steady[g] + 0.01 * len(orders) for g in order] for op in DISPATCH_OPERATIONS}
 
-    retimed = retime_dispatch(grids, predicted, measured, time_grids, rounds=3)
+    retimed = retime_grids(grids, predicted, measured, time_grids, rounds=3)
     assert orders == [[2, 3, 4, 6], [6, 4, 3, 2], [2, 3, 4, 6]]
     assert retimed["pull"] == pytest.approx({2: 1.52, 3: 1.32, 4: 1.42, 6: 1.34})
     rows = [{"problem": "pull", "config": f"grid={g}", "predicted_ms": p, "measured_ms": m,
@@ -89,6 +89,8 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
     assert "mean absolute error" in out and "predicted_ms" in out
     # the host's Dispatcher has no grid: its sweep measures one configuration again and again
     assert ("nothing to choose among" if phase == "dispatch" else "the model's choice") in out
+    # the weight sync's choice and fastest grids timed again beside each other (dispatch's on the GPU only)
+    assert ("timed again beside them" in out) == (phase == "weight-sync")
     assert "within 5 %" in out and "worst" in out
     assert "[bench tune validate]" in err and "(5/5)" in err
     data = json.loads(out_json.read_text())

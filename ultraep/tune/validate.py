@@ -6,13 +6,14 @@ measurements, over a sweep of the phase's knob.
   one to the engine's resident bound. On the GPU rank 0 times the sync's kernel alone as
   CUDA-graph replays (the schedule compiled before; as ``bench weight-sync``), what
   :func:`~ultraep.tune.model.weight_sync_s` models; on the host every rank times the whole
-  collective call.
+  collective call. Then the model's choice and the fastest measured grids are timed again
+  together, per fan-out, as dispatch's are (below).
 * ``dispatch``: ``Dispatcher.dispatch``, ``combine``, and the combine from
   ``expert_output`` (``pull``) of ``--tokens`` random top-k tokens per rank, over
   ``--configs`` values of ``Dispatcher(grid=)`` from one block to the resident bound
   (``Dispatcher.max_grid``), a Dispatcher per grid, timed as the group's window per call
   (``bench dispatch``). Then each operation's model choice and its fastest measured grids
-  are timed again together, ``--retime-rounds`` rounds (:func:`retime_dispatch`), and the
+  are timed again together, ``--retime-rounds`` rounds (:func:`retime_grids`), and the
   summary also sets the choice against the fastest of those. The host backend has no copy
   kernels: its sweep measures one configuration many times.
 * ``fused-forward``: ``MoELayer(fused=True, fused_config=)`` over ``--configs``
@@ -99,8 +100,8 @@ def parse_args(argv):
                         help="dispatch, fused-forward: experts in all (divisible by the ranks)")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed calls per measurement")
     parser.add_argument("--retime-rounds", type=int, default=5, metavar="ROUNDS",
-                        help="dispatch: rounds that time each operation's model choice and its fastest measured "
-                             "grids again together (the median of each; 0: none)")
+                        help="dispatch, weight-sync: rounds that time each operation's model choice and its fastest "
+                             "measured grids again together (the median of each; 0: none)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the routing and the weights")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="write predicted against measured as a scatter plot")
@@ -209,31 +210,46 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
         engine.register_layer(0, weights, grads)
         bound = getattr(engine.impl, "max_sync_blocks", SYNC_MIN_BLOCKS * profile.sm_count)
         grids = spread(1, bound, args.configs)
+        # On the GPU rank 0 alone times (below the relay threshold only its tasks copy and none
+        # waits on a flag) and the others wait for it; on the host every rank times the call.
+        timing = backend != "device" or group.rank == 0
         for problem, plan, sync in problems:
             engine.weight_sync(0, plan)  # compiles the device schedule; every rank takes part
             engine.synchronize()
             predicted = weight_sync_s(profile, sync, np.asarray(grids))
-            measured, error = [], None
+            failed = []  # the grids whose sync could not be captured in a CUDA graph
+
+            def time_sync(blocks, plan=plan, failed=failed):
+                if backend != "device":
+                    return group_window_ms(group, lambda: engine.weight_sync(0, plan, blocks=blocks), args.repeats,
+                                           synchronize)
+                impl, entry = engine.impl, engine._layers[0]
+                ms = None if failed else graph_ms(lambda: impl.run_weight_tasks(entry, impl.tables, blocks),
+                                                  args.repeats)
+                if ms is None and not failed:
+                    failed.append(blocks)
+                return ms
+
+            def time_grids(order, what, problem=problem, time_sync=time_sync):
+                """{"sync": ms at each grid of ``order``}."""
+                times = []
+                for i, blocks in enumerate(order):
+                    progress(f"weight sync, {problem}: {what} grid {blocks} ({i + 1}/{len(order)})")
+                    times.append(time_sync(blocks))
+                return {"sync": times}
+
             group.barrier(what="weight-sync sweep: every replica checked before rank 0 times alone")
-            for i, blocks in enumerate(grids):
-                progress(f"weight sync, {problem}: grid {blocks} ({i + 1}/{len(grids)})")
-                if backend == "device":
-                    # rank 0 alone: below the relay threshold only its tasks copy and none waits on a flag
-                    if group.rank == 0 and error is None:
-                        impl, entry = engine.impl, engine._layers[0]
-                        measured.append(graph_ms(lambda b=blocks: impl.run_weight_tasks(entry, impl.tables, b),
-                                                 args.repeats))
-                        if measured[-1] is None:
-                            error = f"the weight sync of grid {blocks} could not be captured in a CUDA graph"
-                else:
-                    measured.append(group_window_ms(group, lambda b=blocks: engine.weight_sync(0, plan, blocks=b),
-                                                    args.repeats, synchronize))
+            measured = time_grids(grids, "sweeping")["sync"] if timing else []
+            retimed = (retime_grids(grids, {"sync": predicted}, {"sync": measured}, time_grids, args.retime_rounds)
+                       if timing and not failed and args.retime_rounds and len(set(grids)) > 1 else {})
+            error = f"the weight sync of grid {failed[0]} could not be captured in a CUDA graph" if failed else None
             group.raise_if_any(error, f"weight-sync sweep: rank 0 timing {len(grids)} grids",
                                timeout_s=RANK0_SWEEP_TIMEOUT_S)
             if group.rank == 0:
                 rows += [{"phase": "weight-sync", "problem": problem, "config": f"blocks={blocks}", "knob": blocks,
                           "default": backend == "device" and blocks == bound, "predicted_ms": float(p) * 1e3,
-                          "measured_ms": m}
+                          "measured_ms": m,
+                          **({"retimed_ms": retimed["sync"][blocks]} if blocks in retimed.get("sync", {}) else {})}
                          for blocks, p, m in zip(grids, predicted, measured)]
     return rows, {problem: dataclasses.asdict(sync) for problem, _, sync in problems}
 
@@ -366,7 +382,7 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
 
         measured = time_grids(grids, "sweeping")
         predicted = {op: dispatch_predicted_ms(profile, problem, op, grids) for op in DISPATCH_OPERATIONS}
-        retimed = (retime_dispatch(grids, predicted, measured, time_grids, args.retime_rounds)
+        retimed = (retime_grids(grids, predicted, measured, time_grids, args.retime_rounds)
                    if bound is not None and args.retime_rounds else {})
         for op in DISPATCH_OPERATIONS:
             rows += [{"phase": "dispatch", "problem": f"{op}, {label}", "shape": label, "operation": op,
@@ -380,26 +396,27 @@ def sweep_dispatch(group, backend, xp, synchronize, profile, args, progress) -> 
 RETIME_FASTEST = 3  # the sweep's fastest grids of an operation timed again beside the model's choice
 
 
-def retime_dispatch(grids: list, predicted: dict, measured: dict, time_grids, rounds: int) -> dict:
+def retime_grids(grids: list, predicted: dict, measured: dict, time_grids, rounds: int) -> dict:
     """Each operation's model choice and its RETIME_FASTEST fastest measured grids timed
     again in ``rounds`` rounds, each round over all of them (in turn reversed, so that none
     always runs first), the median per grid: the fastest of the sweep's single
     measurements is the luckiest of them, lower than a grid's time by about twice its noise,
     and a choice measured against it misses by that much where the curve is flat.
     {operation: {grid: ms}}."""
+    operations = list(predicted)
     wanted = {}
-    for op in DISPATCH_OPERATIONS:
+    for op in operations:
         fastest = sorted(range(len(grids)), key=lambda i: measured[op][i])[:RETIME_FASTEST]
         wanted[op] = {grids[i] for i in fastest} | {grids[int(np.argmin(predicted[op]))]}
     chosen = sorted(set().union(*wanted.values()))
-    samples = {op: {grid: [] for grid in chosen} for op in DISPATCH_OPERATIONS}
+    samples = {op: {grid: [] for grid in chosen} for op in operations}
     for round_ in range(rounds):
         order = chosen if round_ % 2 == 0 else chosen[::-1]
         times = time_grids(order, f"re-timing (round {round_ + 1}/{rounds})")
-        for op in DISPATCH_OPERATIONS:
+        for op in operations:
             for grid, ms in zip(order, times[op]):
                 samples[op][grid].append(ms)
-    return {op: {grid: float(np.median(samples[op][grid])) for grid in wanted[op]} for op in DISPATCH_OPERATIONS}
+    return {op: {grid: float(np.median(samples[op][grid])) for grid in wanted[op]} for op in operations}
 
 
 # -- the fused forward -----------------------------------------------------------------------
