@@ -28,13 +28,16 @@ def blocks(block_bits: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + size, hi)) for first, hi in ranges for lo in range(first, hi, size)]
 
 
+def fp32_ulps(got: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """|got - exact| in ulps of FP32 at ``exact`` (FP64, normal FP32 range); inf counts as 2^128."""
+    ulp = np.ldexp(1.0, np.frexp(exact)[1] - 24)
+    return np.abs(np.where(np.isinf(got), 2.0**128, got.astype(np.float64)) - np.minimum(exact, 2.0**128)) / ulp
+
+
 def worst_in(block: tuple[int, int]) -> tuple[float, float]:
     """(ulps, input) of the block's worst result."""
     x = np.arange(*block, dtype=np.uint64).astype(np.uint32).view(np.float32)
-    got = exp_rn(x).astype(np.float64)
-    exact = np.exp(x.astype(np.float64))
-    ulp = np.ldexp(1.0, np.frexp(exact)[1] - 24)
-    error = np.abs(np.where(np.isinf(got), 2.0**128, got) - np.minimum(exact, 2.0**128)) / ulp
+    error = fp32_ulps(exp_rn(x), np.exp(x.astype(np.float64)))
     i = int(np.argmax(error))
     return float(error[i]), float(x[i])
 
