@@ -53,6 +53,12 @@ def test_group_four_ranks():
     assert_all_ranks_ok(out, 4, "group-timeouts")
 
 
+@pytest.mark.mpi
+def test_ranks_leave_an_aligned_barrier_together():
+    out = run_ranks(2, "runtime/mpi/aligned_barrier_check.py")
+    assert_all_ranks_ok(out, 2, "aligned-barrier")
+
+
 def test_a_collective_failure_says_each_reason_once():
     """Reasons every rank gave alike are said once; others after the ranks that gave them
     (their own ``rank N:`` prefix not repeated)."""

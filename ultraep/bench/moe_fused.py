@@ -178,12 +178,12 @@ def columns(backward: bool, config: str = "default", overlap: bool = False, shar
 
 def recorded_forward(group, moe, x, ids, gates, start: CallStart, synchronize) -> tuple[list, list]:
     """Every rank's tasks of one recorded inference forward of the fused layer ``moe``, and
-    every rank's clock as its call began (``start``), every rank's device idle and every
-    rank there before (as a timed call: a rank that came late would count in the others'
-    lead; collective)."""
+    every rank's clock as its call began (``start``), every rank's device idle and the ranks
+    leaving an aligned barrier together before (a rank that came late would count in the
+    others' lead; collective)."""
     moe.record_timeline(True)
     synchronize()
-    group.barrier(what="recorded fused forward: every rank before its call")
+    group.barrier(what="recorded fused forward: every rank before its call", aligned=True)
     start.stamp()
     moe.forward(x, ids, gates, backward=False)
     tasks = group.allgather(moe.timeline())

@@ -248,9 +248,11 @@ class EPGroup:
             detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
             raise CollectiveError(f"rank {self.rank}: {what}: {detail}")
 
-    def _wait(self, request: Any, what: str, timeout_s: float, deadline: float, keep: tuple = ()) -> None:
-        """Poll ``request`` until done, sleeping between polls; raise on a peer's failure or at ``deadline``."""
-        pause = _POLL_FIRST_S
+    def _wait(self, request: Any, what: str, timeout_s: float, deadline: float, keep: tuple = (),
+              spin: bool = False) -> None:
+        """Poll ``request`` until done, sleeping between polls (``spin``: not); raise on a
+        peer's failure or at ``deadline``."""
+        pause = 0.0 if spin else _POLL_FIRST_S
         while not request.Test():
             try:
                 self.check_peers(what)
@@ -260,8 +262,9 @@ class EPGroup:
             except Exception:
                 self._pending.append((request, keep))  # MPI still owns the buffers
                 raise
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_MAX_S)
+            if pause:
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
 
     def _timeout_message(self, what: str, timeout_s: float) -> str:
         if self._status is None:
@@ -301,7 +304,7 @@ class EPGroup:
         return list(values)
 
     def _gather_calls(self, what: str, call: str, size: int, refusal: str | None, timeout: float,
-                      deadline: float, *, barrier: bool) -> np.ndarray:
+                      deadline: float, *, barrier: bool, spin: bool = False) -> np.ndarray:
         """The first step of every collective: one fixed-size record a rank (:data:`_CALL`:
         its call's name, whether it is a barrier, a digest of both, its payload's size,
         whether it refused its timeout), so a barrier and an allgather are the same MPI
@@ -315,7 +318,7 @@ class EPGroup:
         mine["name"] = call.encode("utf-8", "replace")[:_CALL["name"].itemsize]
         calls = np.zeros(self.size, _CALL)
         self._wait(self.comm.Iallgather(mine.view(np.uint8), calls.view(np.uint8)), what, timeout, deadline,
-                   (mine, calls))
+                   (mine, calls), spin)
         names = [bytes(name).decode("utf-8", "replace") for name in calls["name"]]
         if len(set(names)) < len(set(calls["digest"].tolist())):  # one name, two kinds of call: say which
             names = [f"{name} ({'barrier' if barrier_ else 'allgather'})"
@@ -337,16 +340,20 @@ class EPGroup:
                                      f"they took different paths through the program (another micro-batch's "
                                      f"handle, another layer, or an object closed on some ranks only)")
 
-    def barrier(self, timeout_s: float | None = None, *, what: str = "barrier") -> None:
+    def barrier(self, timeout_s: float | None = None, *, what: str = "barrier", aligned: bool = False) -> None:
         """Host barrier, bounded on an mpi4py communicator (:class:`~ultraep.errors.WaitTimeout`
         when not every rank arrives in time), checked like every collective: a rank in another
         call raises the mismatch on every rank, not an MPI error. One MPI collective, the
-        calls' records, which also say which ranks refused their ``timeout_s``."""
+        calls' records, which also say which ranks refused their ``timeout_s``. A waiting rank
+        sleeps between polls, up to 2 ms, so the ranks leave up to that far apart; ``aligned``:
+        it polls without sleeping (a core each while it waits), and they leave together -- for
+        a call timed from its start on every rank."""
         if self._mpi is None:
             self.allgather(None, what=what)
             return
         timeout, refusal = self._enter(what, timeout_s)
-        calls = self._gather_calls(what, what, 0, refusal, timeout, time.monotonic() + timeout, barrier=True)
+        calls = self._gather_calls(what, what, 0, refusal, timeout, time.monotonic() + timeout, barrier=True,
+                                   spin=aligned)
         elsewhere = "its timeout_s was refused (timeout_s must be a positive, finite number of seconds)"
         self._raise_refusals([refusal if r == self.rank else (elsewhere if calls["refused"][r] else None)
                               for r in range(self.size)], what)
