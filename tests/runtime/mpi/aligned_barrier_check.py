@@ -3,14 +3,12 @@
 
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 from ultraep.runtime.group import EPGroup
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: tests.support
 
 aligned = sys.argv[1:] != ["--sleeping"]  # --sleeping: the default barrier, to see the check fail
 group = EPGroup(MPI.COMM_WORLD, use_gpu=False)
