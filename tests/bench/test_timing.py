@@ -28,6 +28,34 @@ def test_held_event_ms_times_the_device_work_and_not_the_host():
     assert plain >= 2.0, f"plain event timing {plain} ms should include the host's 2 ms"
 
 
+OVERLAP_PROBE = r"""
+extern "C" __global__ void overlap_probe(int* running, int* overlapped, unsigned long long hold_ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    if (atomicAdd(running, 1) != 0) atomicAdd(overlapped, 1);
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < hold_ns);
+    atomicSub(running, 1);
+}
+"""
+
+
+def test_graph_ms_replays_never_run_beside_its_first_launch():
+    """graph_ms's first launch (outside the capture) and its replays (another stream) take
+    turns: a kernel that counts the launches running at once sees none beside it, as one
+    whose launches share device state (the weight sync's claim counter) needs."""
+    import cupy
+
+    from ultraep.bench.timing import graph_ms
+
+    kernel = cupy.RawModule(code=OVERLAP_PROBE).get_function("overlap_probe")
+    running, overlapped = cupy.zeros(1, cupy.int32), cupy.zeros(1, cupy.int32)
+    ms = graph_ms(lambda: kernel((1,), (1,), (running, overlapped, cupy.uint64(2_000_000))), repeats=3)
+    cupy.cuda.Device().synchronize()
+    assert ms is not None and ms >= 2.0, f"a 2 ms kernel timed {ms} ms"
+    assert int(overlapped.get()[0]) == 0, f"{int(overlapped.get()[0])} launches started while another ran"
+    assert int(running.get()[0]) == 0
+
+
 def test_held_event_ms_each_times_every_launch_in_turns():
     import cupy
 

@@ -122,7 +122,12 @@ def held_event_ms_each(launches: dict, repeats: int, warmup: int = 10, hold_us: 
 def graph_ms(launch, repeats: int):
     """Median device time (:func:`held_event_ms`) of one replay of ``launch`` captured in
     a CUDA graph (None if it cannot be captured)."""
+    import cupy
+
     launch()  # compile and fill the memory pool outside the capture
+    # the replays run on another stream: they must not start while this launch still runs
+    # (a kernel whose launches share device state -- the weight sync's claim counter -- breaks)
+    cupy.cuda.get_current_stream().synchronize()
     stream = new_stream()
     with stream:
         try:
