@@ -48,12 +48,13 @@ def test_graph_ms_replays_never_run_beside_its_first_launch():
     from ultraep.bench.timing import graph_ms
 
     kernel = cupy.RawModule(code=OVERLAP_PROBE).get_function("overlap_probe")
-    running, overlapped = cupy.zeros(1, cupy.int32), cupy.zeros(1, cupy.int32)
-    ms = graph_ms(lambda: kernel((1,), (1,), (running, overlapped, cupy.uint64(2_000_000))), repeats=3)
-    cupy.cuda.Device().synchronize()
-    assert ms is not None and ms >= 2.0, f"a 2 ms kernel timed {ms} ms"
-    assert int(overlapped.get()[0]) == 0, f"{int(overlapped.get()[0])} launches started while another ran"
-    assert int(running.get()[0]) == 0
+    for hold_us in (100, 2000, 20000):  # before the fix each of these saw its replays start beside it (H100)
+        running, overlapped = cupy.zeros(1, cupy.int32), cupy.zeros(1, cupy.int32)
+        ms = graph_ms(lambda: kernel((1,), (1,), (running, overlapped, cupy.uint64(hold_us * 1000))), repeats=3)
+        cupy.cuda.Device().synchronize()
+        assert ms is not None and ms >= hold_us / 1e3, f"a {hold_us} us kernel timed {ms} ms"
+        assert int(overlapped.get()[0]) == 0, f"{int(overlapped.get()[0])} launches started while another ran"
+        assert int(running.get()[0]) == 0
 
 
 def test_held_event_ms_each_times_every_launch_in_turns():
