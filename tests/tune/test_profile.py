@@ -374,6 +374,29 @@ def test_a_version_10_profile_is_read_beside_measurements_without_a_kernel_diges
         MachineProfile.from_json(dict(old, version=PROFILE_VERSION))
 
 
+def test_the_weight_sync_s_times_round_trip_and_an_older_profile_has_none():
+    """Version 12 keeps the three syncs rank 0 timed (where ranks share a GPU; else none: the
+    model estimates the sync's rates); a version 11 profile stored beside measurements is read
+    without them; three positive times or the file is refused."""
+    from ultraep.tune.profile import SyncTimes
+
+    sync = SyncTimes(sharing=4, fanout=3, expert_bytes=37748736, times_s=(2.665e-3, 2.939e-3, 0.088e-3))
+    timed = dataclasses.replace(measured(), sync=sync)
+    data = json.loads(json.dumps(timed.to_json()))
+    assert MachineProfile.from_json(data) == timed
+    assert ("weight sync      2.665 ms one expert of 37.7 MB at fan-out 1 on one block; 2.939 ms at 3 on one "
+            "block, 0.088 ms on every resident one (4 ranks on the GPU)") in timed.table()
+    assert "weight sync          -" in measured().table()
+    old = dict(data, version=11)
+    with pytest.raises(ProfileError, match="format version 11"):
+        MachineProfile.from_json(old)
+    assert MachineProfile.from_json(old, stored=True).sync is None
+    with pytest.raises(ProfileError, match="three positive times"):
+        MachineProfile.from_json(dict(data, sync=dict(data["sync"], times_s=[1e-3, 0.0, 1e-3])))
+    with pytest.raises(ProfileError, match="fanout must be a positive integer"):
+        MachineProfile.from_json(dict(data, sync=dict(data["sync"], fanout=0)))
+
+
 def test_unsteady_compute_names_the_sizes():
     assert unsteady_compute((4, 32, 256), (1e-6, 2e-6, 9e-6)) is None
     assert unsteady_compute((4, 32, 256), (1e-6, 0.95e-6, 9e-6)) is None  # weight-bound: flat within noise

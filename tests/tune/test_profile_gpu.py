@@ -87,3 +87,18 @@ def test_sharers_kernel_a_runs_start_together_on_a_device_barrier():
         out = run_ranks(2, "tune/mpi/shared_probe_check.py", timeout=600, env=daemon.client_environment(50))
     print(out)
     assert_all_ranks_ok(out, 2, "shared-probe")
+
+
+def test_the_weight_sync_timed_by_rank_0_gives_rates_the_model_meets():
+    """Four ranks of one GPU under MPS at 25 % each (tests/tune/mpi/sync_rates_check.py)."""
+    from ultraep.errors import MPSUnavailable
+    from ultraep.runtime.mps import start_emulation
+
+    try:
+        daemon = start_emulation(4, 25)
+    except MPSUnavailable as exc:
+        pytest.skip(f"no MPS daemon: {exc}")
+    with daemon:
+        out = run_ranks(4, "tune/mpi/sync_rates_check.py", timeout=600, env=daemon.client_environment(25))
+    print(out)
+    assert_all_ranks_ok(out, 4, "sync-rates")

@@ -74,7 +74,7 @@ class DeviceProbe(Probe):
     copy_method = "cudaMemcpyAsync device to device"
     compute_kernel = "ultraep.compute.grouped_mm"
     # what the measurements launch: a profile taken with other sources is measured again
-    kernel_sources = ("dispatch.cu", FUSED_KERNELS, "grouped_gemm.cu", "heap.cu", "timing.cu")
+    kernel_sources = ("dispatch.cu", FUSED_KERNELS, "grouped_gemm.cu", "heap.cu", "timing.cu", "transfer.cu")
     compute_dtype = "bfloat16"
     # 8 experts of 2048 x 2048 bf16 weights (64 MiB, more than L2): weight reads come from HBM
     compute_shape = (8, 2048, 2048)

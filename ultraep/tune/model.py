@@ -19,8 +19,8 @@ The building blocks, each a quantity the profile measures:
   ``copy_warp_bytes_per_s``: a grid of
   ``w`` warps that splits ``u`` equal units (pieces, rows) among them takes ``ceil(u / w)``
   units' time when the memory is not the limit, and blocks beyond those resident at once
-  run in later waves; the weight sync's SM moves a fraction of its share of the peer copy's
-  bytes, so its blocks, sharing the work evenly, wait for the SM holding the most of them;
+  run in later waves; the weight sync's warps claim their pieces, at rates solved from the
+  three syncs the profile timed;
 * the fused kernels' GEMM tiles and relay tasks cost what the profile measured running
   those kernels (:class:`~ultraep.tune.profile.FusedCosts`, at the grid, with as many ranks
   of the GPU running them at once): ``ceil(t / c)`` waves of ``t`` tiles over the ``c``
@@ -34,7 +34,8 @@ The building blocks, each a quantity the profile measures:
   host takes the longer of the two (a kernel timed on the device alone: the device's).
 
 Not measured by the profile but fitted on the H200's sweeps under MPS, and named where they
-are defined: the weight sync's ``SYNC_*`` fractions and store weight, the Dispatcher's
+are defined: the weight sync's store weight (and the ``SYNC_ESTIMATE_*`` fractions of a profile
+that did not time the sync), the Dispatcher's
 ``L2_TRIP_FRACTION``, ``ROW_ROUND_FRACTION`` and ``ROW_STORE_FRACTION``, and ``MEMORY_CHANNELS`` (an H200
 constant).
 
@@ -54,6 +55,7 @@ and the group waits for it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -192,53 +194,36 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 
 # -- weight sync ---------------------------------------------------------------------------
 #
-# weight_sync (raw_kernels/transfer.cu) is persistent: the grid's warps claim runs of a few
-# neighbouring pieces of PIECE_BYTES as they go, load each into registers and store it to
-# each of its replicas, so every warp copies about the same number of pieces and the call
-# lasts as long as the warps of the busiest SM take over theirs. A piece costs a warp
+# weight_sync (raw_kernels/transfer.cu) is persistent: each warp claims runs of CLAIM_PIECES
+# neighbouring pieces of PIECE_BYTES from one counter as it goes, loads each piece into
+# registers and stores it to each of its replicas. A warp that runs faster takes more runs, so
+# the call lasts the pieces over the grid's rate -- every SM's warps over their piece time --
+# and a tail of half a run: no wait for the SM holding the most blocks (with a fixed share a
+# warp, a sawtooth past each multiple of the SMs). A piece costs a warp on an SM with k blocks
+# its latency (the load's round trip and the piece's bookkeeping: its task, tensor, source and
+# destinations), joined (JOIN_P) with two shares, which bind as the SM's warps and the grid's
+# SMs fill:
 #
-# * its latency: the load's round trip (_round_trip_s) and the piece's bookkeeping -- the
-#   dependent steps that find its task, tensor, source and destinations before its address
-#   is known, which no load overlaps (SYNC_PIECE_BOOKKEEPING_ROUNDS);
-# * its share of the SM's memory pipe: the SM's warps together load and store at most a
-#   fraction (SYNC_SM_COPY_FRACTION) of the SM's share of the peer copy's bytes (a copied
-#   byte is one loaded and one stored). Blocks go to the SMs one at a time, so the busiest
-#   SM holds ceil(blocks / SMs) of them: past each multiple of the SMs a few SMs share their
-#   pipe with a block more and the call waits for them (the sweeps' sawtooth);
-# * its share of the process's path to memory, which the busy SMs share evenly (the sawtooth
-#   stays at full grids: an SM with more blocks gets no more of it): at most a fraction
-#   (SYNC_PROCESS_COPY_FRACTION) of the peer copy's, a stored byte counted as
-#   SYNC_STORE_WEIGHT loaded ones (stores cost the path more: a large fan-out reaches less
-#   of the SMs' rate than a fan-out of 1). A grid of fewer blocks than SMs leaves the path
-#   to fewer of them: a lone SM reaches its own pipe's rate, a full grid the path's.
-# Both apply as such only where the SMs, not the memory, bound the peer copy
-# (sms_bound_peer_copy): only there is the peer copy's rate an SM's share. Where the memory
-# binds (a whole GPU, half the H200) the process's path is the memory's: the pieces wait
-# their latency joined with the busiest SM's share of its pipe, at the same fraction of what
-# one SM copies where nothing else bounds it -- one block of the per-warp probe (COPY_THREADS
-# on one SM, an eighth of the SMs at work: 46.7 GB/s at half the H200, against the 43-48 an
-# SM's share of the peer copy gave at a quarter and an eighth) -- and the warps' time joined
-# with the process's bytes at its peer copy's rate. The SM's pipe is the SM's, whatever the
-# share: at 2, 4 and 8 ranks alike a piece on an SM with 1, 2, 3, 4 blocks took about 1.1-1.3,
-# 1.3-1.6, 1.5-2.0 and 2.0-2.7 us (fan-out 1), the sawtooth past each multiple of the SMs;
-# the round trips' stretch as the memory fills is left out (-3 to -8 % at a block an SM at
-# half the H200).
+# * of the SM's pipe: the k blocks' pieces loaded once and stored to each replica at the SM's
+#   rate of bytes loaded + stored;
+# * of the process's path to memory, shared evenly by the busy SMs: the same bytes with a
+#   stored byte counted as SYNC_STORE_WEIGHT loaded ones (a large fan-out reaches less of the
+#   SMs' rate than a fan-out of 1).
 #
-# The latency is joined with the tighter of the two shares (JOIN_P): a warp's stores drain
-# while it waits for its next load, so near the SM's rate neither bound alone is reached.
-# All the ranks copying at once move their bytes no faster than the memory's shared rate
-# (bandwidth_s). Not modelled: adding a block on an idle SM can lower what a process whose
-# stores exceed the path's rate moves (the stores seem to lose throughput as they queue);
-# the model then takes the fuller grid.
-#
-# The four constants below are fitted on the H200's sweeps under MPS, not measured by the
-# profile: nothing the probe runs has this kernel's bookkeeping, its SM's mix of loads and
-# stores, or stores without loads. They belong to the kernel's code and the GPU's memory
-# path, not to the problem (the fit, and the sweeps held out from it: docs/tuning.md).
-SYNC_PIECE_BOOKKEEPING_ROUNDS = 0.6  # fitted: a piece's address work, in load round trips (0.41 us on the H200)
-SYNC_SM_COPY_FRACTION = 0.73         # fitted: an SM's bytes loaded + stored, of twice its share of the peer copy
-SYNC_STORE_WEIGHT = 2.0              # fitted (1.7-2.1 on full grids): a stored byte costs the path two loaded ones
-SYNC_PROCESS_COPY_FRACTION = 0.8     # fitted: the process's weighted bytes, of the peer copy's (a byte of each)
+# The three rates are the kernel's own (SyncRates): the profile times the sync itself where
+# ranks share a GPU (SyncTimes) -- one block at fan-out 1 (the latency), one block at its widest
+# fan-out (the SM's pipe), the full grid there (the path) -- and sync_rates solves the model for
+# the rates that meet those times, so the model meets them and predicts every other grid and
+# fan-out; the rates follow the model, not the profile's cache. Where the profile has not timed
+# it (one process, the host, a profile before version 12) they are estimated from the copy
+# probes with the fractions fitted on the H200's sweeps of the fixed-share kernel
+# (SYNC_ESTIMATE_*). All the ranks copying at once move their bytes no faster than the memory's
+# shared rate (bandwidth_s). Relay trees and per-chunk flags are not modelled.
+SYNC_STORE_WEIGHT = 2.0  # fitted (1.7-2.1 on the H200's full grids; 1.5-2 on the H100's): a stored byte, in loaded ones
+SYNC_ESTIMATE_LATENCY_ROUNDS = 1.6  # a piece's latency, in load round trips (1.1 us on the H200, 1.15 on the H100)
+SYNC_ESTIMATE_SM_FRACTION = 0.73    # an SM's bytes loaded + stored, of twice its share of the peer copy
+SYNC_ESTIMATE_PATH_FRACTION = 0.8   # the process's weighted bytes, of the peer copy's (a byte of each)
+CLAIM_PIECES = kernel_constant("transfer.cu", "CLAIM_PIECES")
 
 
 def sms_bound_peer_copy(profile: MachineProfile) -> bool:
@@ -262,58 +247,119 @@ def _sm_copy_bytes_per_s(profile: MachineProfile) -> float:
     return profile.copy_warp_bytes_per_s * COPY_THREADS / WARP_THREADS
 
 
-def _sync_sm_share_s(profile: MachineProfile, blocks_at_once, mean_fanout: float):
-    """A piece's share of the busiest SM's pipe, ``blocks_at_once`` blocks of SYNC_WARPS warps
-    at work (one an SM before a second on any), the piece loaded once and stored to
-    ``mean_fanout`` replicas: the SM's warps load and store at most SYNC_SM_COPY_FRACTION of
-    twice what it copies (:func:`_sm_copy_bytes_per_s`)."""
-    sm_pieces_bytes = np.ceil(blocks_at_once / profile.usable_sms) * SYNC_WARPS * PIECE_BYTES
-    return sm_pieces_bytes * (1.0 + mean_fanout) / (SYNC_SM_COPY_FRACTION * 2.0 * _sm_copy_bytes_per_s(profile))
+@dataclass(frozen=True)
+class SyncRates:
+    """The weight sync's rates: a piece's latency on a warp (``piece_s``), what an SM loads +
+    stores per second (``sm_bytes_per_s``), what the process's path to memory takes per second,
+    a stored byte weighing SYNC_STORE_WEIGHT loaded ones (``path_bytes_per_s``)."""
+
+    piece_s: float
+    sm_bytes_per_s: float
+    path_bytes_per_s: float
 
 
-def _sync_piece_latency_s(profile: MachineProfile) -> float:
-    """A piece's latency: the load's round trip and the piece's bookkeeping."""
-    return _round_trip_s(profile) * (1.0 + SYNC_PIECE_BOOKKEEPING_ROUNDS)
+def estimated_sync_rates(profile: MachineProfile) -> SyncRates:
+    """The rates from the copy probes (SYNC_ESTIMATE_*), for a profile that did not time the sync."""
+    path = SYNC_ESTIMATE_PATH_FRACTION * (1.0 + SYNC_STORE_WEIGHT) * profile.peer_bytes_per_s
+    return SyncRates(piece_s=_round_trip_s(profile) * SYNC_ESTIMATE_LATENCY_ROUNDS,
+                     sm_bytes_per_s=SYNC_ESTIMATE_SM_FRACTION * 2.0 * _sm_copy_bytes_per_s(profile),
+                     path_bytes_per_s=path)
 
 
-def _sync_piece_s(profile: MachineProfile, blocks_at_once, mean_fanout: float):
-    """One piece of a warp on the busiest SM where the SMs bound the peer copy
-    (:func:`sms_bound_peer_copy`), ``blocks_at_once`` blocks of SYNC_WARPS warps at work (one
-    an SM before a second on any), the piece stored to ``mean_fanout`` replicas."""
-    busy_sms = np.minimum(blocks_at_once, profile.usable_sms)
-    sm_pieces_bytes = np.ceil(blocks_at_once / profile.usable_sms) * SYNC_WARPS * PIECE_BYTES
-    path_bytes_per_s = SYNC_PROCESS_COPY_FRACTION * (1.0 + SYNC_STORE_WEIGHT) * profile.peer_bytes_per_s / busy_sms
-    path_share = sm_pieces_bytes * (1.0 + SYNC_STORE_WEIGHT * mean_fanout) / path_bytes_per_s
-    return join(_sync_piece_latency_s(profile),
-                np.maximum(_sync_sm_share_s(profile, blocks_at_once, mean_fanout), path_share))
+@functools.lru_cache(maxsize=16)
+def sync_rates(profile: MachineProfile) -> SyncRates:
+    """The weight sync's rates: solved from the times the profile took (``profile.sync``) where
+    it took them, else :func:`estimated_sync_rates` (memoised: a solve takes ~0.1 s)."""
+    if profile.sync is None:
+        return estimated_sync_rates(profile)
+    timed = profile.sync
+    return solved_sync_rates(profile, timed.expert_bytes, timed.fanout, timed.times_s)
+
+
+def _sync_piece_s(costs: SyncRates, blocks_on_sm, busy_sms, mean_fanout: float):
+    """A piece of a warp on an SM holding ``blocks_on_sm`` blocks, ``busy_sms`` SMs at work,
+    the piece stored to ``mean_fanout`` replicas."""
+    sm_bytes = blocks_on_sm * SYNC_WARPS * PIECE_BYTES
+    pipe = sm_bytes * (1.0 + mean_fanout) / costs.sm_bytes_per_s
+    path = sm_bytes * (1.0 + SYNC_STORE_WEIGHT * mean_fanout) * busy_sms / costs.path_bytes_per_s
+    return (costs.piece_s ** JOIN_P + pipe ** JOIN_P + path ** JOIN_P) ** (1.0 / JOIN_P)
+
+
+def _sync_warps_s(costs: SyncRates, sms: int, pieces: int, blocks, mean_fanout: float):
+    """The grid's warps through ``pieces`` claimed pieces: blocks go to the SMs one at a time
+    (``blocks`` at work, at most those resident), so ``blocks mod sms`` SMs hold a block more
+    than the others; every SM's warps claim at their own pace, and the last run ends half a
+    run after the rest on average, on the fullest SM."""
+    blocks = np.asarray(blocks, np.float64)
+    busy = np.minimum(blocks, sms)
+    fewer = np.floor(blocks / sms)
+    more = blocks - fewer * sms  # SMs holding fewer + 1 blocks
+
+    def piece(k):
+        return _sync_piece_s(costs, np.maximum(k, 1.0), busy, mean_fanout)
+
+    rate = np.where(blocks < sms, blocks * SYNC_WARPS / piece(1.0),
+                    ((sms - more) * fewer / piece(fewer) + more * (fewer + 1) / piece(fewer + 1)) * SYNC_WARPS)
+    return pieces / rate + 0.5 * CLAIM_PIECES * piece(np.ceil(blocks / sms))
 
 
 def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
     """``weight_sync``'s kernel (no barrier, schedule compiled, no per-chunk flags) on ``blocks``
     blocks: its start-up (one round trip of table reads before a block barrier), then the
-    busiest sender's pieces, every master's, split evenly over the grid's warps; blocks
-    beyond those resident at once (SYNC_MIN_BLOCKS an SM) in later waves. Where the SMs
-    bound the peer copy, each piece at :func:`_sync_piece_s` on the busiest SM; where the
-    memory does, the warps' pieces at their latency joined with the busiest SM's share of
-    its pipe (:func:`_sync_sm_share_s`), joined with this process's bytes at its peer copy's
-    rate. No faster than the memory moves every copying rank's bytes. Relay trees and
-    per-chunk flags are not modelled."""
+    busiest sender's pieces, every master's, claimed by the grid's warps (blocks beyond those
+    resident find none left); no faster than the memory moves every copying rank's bytes.
+    Relay trees and per-chunk flags are not modelled."""
     blocks = np.asarray(blocks, np.float64)
     if not sync.fanouts:
         return profile.kernel_s + np.zeros_like(blocks)
     fanouts = np.asarray(sync.fanouts, np.float64)
     pieces = -(-sync.expert_bytes // PIECE_BYTES) * len(fanouts)
-    resident = profile.usable_sms * SYNC_MIN_BLOCKS
-    at_once = np.minimum(blocks, resident)
-    pieces_per_warp = np.ceil(blocks / resident) * np.ceil(pieces / (blocks * SYNC_WARPS))
+    at_once = np.minimum(blocks, profile.usable_sms * SYNC_MIN_BLOCKS)
+    warps_s = _sync_warps_s(sync_rates(profile), profile.usable_sms, pieces, at_once, float(fanouts.mean()))
     copied = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0))  # a byte loaded and one stored: one copied
-    if sms_bound_peer_copy(profile):
-        warps_s = pieces_per_warp * _sync_piece_s(profile, at_once, float(fanouts.mean()))
-    else:  # the process's path is the memory's: the busiest SM's pipe, then the bytes at its peer copy's rate
-        piece = join(_sync_piece_latency_s(profile), _sync_sm_share_s(profile, at_once, float(fanouts.mean())))
-        warps_s = join(pieces_per_warp * piece, copied / profile.peer_bytes_per_s)
     return profile.kernel_s + _round_trip_s(profile) + np.maximum(warps_s, bandwidth_s(profile, copied,
                                                                                       sync.ranks_copying))
+
+
+def _solve_rising(f, target: float, low: float, high: float) -> float:
+    """The x in [low, high] where ``f`` (rising) meets ``target``, by geometric bisection;
+    an end where ``target`` lies beyond it."""
+    for _ in range(60):
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if f(mid) < target else (low, mid)
+    return (low * high) ** 0.5
+
+
+def solved_sync_rates(profile: MachineProfile, expert_bytes: int, fanout: int, times_s) -> SyncRates:
+    """The rates under which :func:`weight_sync_s` meets three times of one expert of
+    ``expert_bytes`` sent by this process alone: ``times_s`` = (fan-out 1 on one block, fan-out
+    ``fanout`` on one block, fan-out ``fanout`` on every resident block). Each time pins one
+    rate (the latency, the SM's pipe, the process's path), solved in turn until they hold
+    together; a rate a time cannot pin (its bound is not reached) stays at its search's end.
+    With ``fanout`` 1 the second time says nothing new: the SM's pipe keeps its estimate."""
+    one, wide, full = (float(t) for t in times_s)
+    grid = profile.usable_sms * SYNC_MIN_BLOCKS
+    untimed = dataclasses.replace(profile, sync=None)
+    rates = estimated_sync_rates(untimed)
+
+    def time_s(candidate: SyncRates, fan: int, blocks: int) -> float:
+        fanouts = np.array([fan], np.float64)
+        warps = _sync_warps_s(candidate, profile.usable_sms, -(-expert_bytes // PIECE_BYTES), blocks, float(fan))
+        copied = float(np.sum(expert_bytes * (1.0 + fanouts) / 2.0))
+        return float(profile.kernel_s + _round_trip_s(profile) + np.maximum(warps, bandwidth_s(untimed, copied, 1)))
+
+    for _ in range(20):
+        before = rates
+        rates = dataclasses.replace(rates, piece_s=_solve_rising(
+            lambda x: time_s(dataclasses.replace(rates, piece_s=x), 1, 1), one, 1e-9, 1e-3))
+        if fanout > 1:
+            rates = dataclasses.replace(rates, sm_bytes_per_s=_solve_rising(
+                lambda x: -time_s(dataclasses.replace(rates, sm_bytes_per_s=x), fanout, 1), -wide, 1e8, 1e14))
+        rates = dataclasses.replace(rates, path_bytes_per_s=_solve_rising(
+            lambda x: -time_s(dataclasses.replace(rates, path_bytes_per_s=x), fanout, grid), -full, 1e9, 1e16))
+        if all(abs(a / b - 1.0) < 1e-9 for a, b in zip(dataclasses.astuple(rates), dataclasses.astuple(before))):
+            break
+    return rates
 
 
 # -- dispatch and combine ------------------------------------------------------------------

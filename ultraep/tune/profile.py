@@ -47,6 +47,12 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   layer's kernel A does; the down tile runs start as their hosts leave a barrier,
   milliseconds apart, and overlap in part: the model takes the up tiles' contention for
   them, ``model.py``);
+* ``sync``: the weight sync kernel itself (:class:`SyncTimes`), where ranks share one GPU
+  (:func:`~ultraep.tune.replicas.group_profile`, as ``shared_copy_bytes_per_s``): rank 0 times
+  ``raw_kernels/transfer.cu``'s sync of one expert alone at fan-out 1 on one block, at its
+  widest fan-out on one block and on every resident block; the model solves its three rates
+  from those times (version 12; before, it estimated them from the copy probes with fractions
+  fitted on the H200, which do not carry to other GPUs);
 * ``dispatch_blocks_per_sm``: blocks of the Dispatcher's copy kernels
   (``raw_kernels/dispatch.cu``, ``ultraep.token.device.THREADS`` threads each) resident at
   once on an SM, the fewest of them: what their registers and shared memory allow, from the
@@ -89,7 +95,7 @@ from ultraep.errors import ProfileError
 from ultraep.runtime.kernels import sources_digest
 
 PROFILE_FORMAT = "ultraep-machine-profile"
-PROFILE_VERSION = 11
+PROFILE_VERSION = 12
 # Versions whose fields this one reads when a profile is kept beside measurements (a
 # ``tune validate --json``, replayed): before 6 no CTAs at work were measured, and kernel A's
 # relays were claimed tasks between its sends and its tiles (they run on the store warps since);
@@ -98,14 +104,15 @@ PROFILE_VERSION = 11
 # a millisecond) hardly overlapped, so its shared times and CTAs at work are those of processes
 # taking turns; before 9 the down tiles were measured without storing y; before 10 the
 # Dispatcher's copy kernels' residency was not measured; before 11 no digest of the kernel
-# sources was kept.
-STORED_VERSIONS = (4, 5, 6, 7, 8, 9, 10, PROFILE_VERSION)
+# sources was kept; before 12 the weight sync was not timed.
+STORED_VERSIONS = (4, 5, 6, 7, 8, 9, 10, 11, PROFILE_VERSION)
 CTAS_AT_WORK_SINCE = 6  # the first version that measured the CTAs at work
 DOWN_CTAS_AT_WORK_SINCE = 8  # the first that measured the down tiles' own
 UP_RELEASED_SINCE = 8  # the first whose sharers' up tile runs start together, as a layer's kernel A
 DOWN_Y_SINCE = 9  # the first that measured the down tiles storing y
 DISPATCH_BLOCKS_SINCE = 10  # the first that measured the Dispatcher's copy kernels' resident blocks
 KERNELS_SINCE = 11  # the first that kept a digest of the kernel sources it measured
+SYNC_SINCE = 12  # the first that timed the weight sync
 CACHE_VARIABLE = "ULTRAEP_CACHE_DIR"
 PROGRESS_LOGGER = "ultraep.tune"
 UNSTEADY_FRACTION = 0.9  # a call of more rows measured below this fraction of one of fewer: not this machine alone
@@ -319,6 +326,32 @@ class FusedCosts:
 
 
 @dataclass(frozen=True)
+class SyncTimes:
+    """The weight sync timed where ranks share one GPU: rank 0 alone syncing one expert of
+    ``expert_bytes`` at fan-out 1 on one block, at fan-out ``fanout`` (the widest the ``sharing``
+    ranks allow, up to 7) on one block and on every resident block (``times_s``, in that
+    order). The model solves its rates from them (``ultraep.tune.model.sync_rates``)."""
+
+    sharing: int
+    fanout: int
+    expert_bytes: int
+    times_s: tuple[float, float, float]
+
+    @classmethod
+    def from_json(cls, data) -> SyncTimes:
+        times = tuple(float(t) for t in data["times_s"])
+        if len(times) != 3 or not all(math.isfinite(t) and t > 0 for t in times):
+            raise ProfileError("sync: times_s must be three positive times")
+        return cls(sharing=_count(data, "sharing"), fanout=_count(data, "fanout"),
+                   expert_bytes=_count(data, "expert_bytes"), times_s=times)
+
+    def line(self) -> str:
+        return (f"  weight sync {self.times_s[0] * 1e3:10.3f} ms one expert of {self.expert_bytes / 1e6:.1f} MB at "
+                f"fan-out 1 on one block; {self.times_s[1] * 1e3:.3f} ms at {self.fanout} on one block, "
+                f"{self.times_s[2] * 1e3:.3f} ms on every resident one ({self.sharing} ranks on the GPU)")
+
+
+@dataclass(frozen=True)
 class MachineProfile:
     """One device's measured costs (module docstring). ``sm_count``: SMs this process sees
     (CPU cores on the host; under an MPS share the device reports the share's SMs);
@@ -345,6 +378,7 @@ class MachineProfile:
     shared_fused: FusedCosts | None = None
     dispatch_blocks_per_sm: int = 0
     kernels: str = ""
+    sync: SyncTimes | None = None
 
     def gpu_copy_bytes_per_s(self, sharing: int) -> float:
         """What ``sharing`` processes copying at once on one GPU move together: the rate
@@ -392,8 +426,8 @@ class MachineProfile:
         ``stored``: one kept beside measurements, which may be of any of
         :data:`STORED_VERSIONS` (read as it was measured: no CTAs at work, relays as claimed
         tasks before version 6; no down tiles' CTAs at work apart before 8; no down tiles
-        storing y before 9; no resident copy blocks before 10; no kernel digest before 11); the
-        cache takes this version only."""
+        storing y before 9; no resident copy blocks before 10; no kernel digest before 11; no
+        weight sync timed before 12); the cache takes this version only."""
         if not is_profile_document(data):
             raise ProfileError(f"not a machine profile (no \"format\": \"{PROFILE_FORMAT}\")")
         version = data.get("version")
@@ -432,7 +466,9 @@ class MachineProfile:
                           shared_fused=None if shared_fused is None else FusedCosts.from_json(shared_fused),
                           dispatch_blocks_per_sm=(0 if version < DISPATCH_BLOCKS_SINCE
                                                   else _natural(data, "dispatch_blocks_per_sm")),
-                          kernels="" if version < KERNELS_SINCE else _digest(data, "kernels"))
+                          kernels="" if version < KERNELS_SINCE else _digest(data, "kernels"),
+                          sync=(SyncTimes.from_json(data["sync"])
+                                if version >= SYNC_SINCE and data.get("sync") is not None else None))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"bad or missing field: {exc}") from None
         rows = curve.rows_per_expert
@@ -462,6 +498,9 @@ class MachineProfile:
                  if self.dispatch_blocks_per_sm else
                  "  copy blocks          -              (not measured: no copy kernels, or a profile before version "
                  f"{DISPATCH_BLOCKS_SINCE})",
+                 self.sync.line() if self.sync is not None else
+                 "  weight sync          -              (not timed: one process per GPU, or a profile before version "
+                 f"{SYNC_SINCE}; the model estimates it from the copies)",
                  *self.fused.table(machine),
                  *(self.shared_fused.table(machine) if self.shared_fused is not None else ()),
                  f"  expert compute: {curve.kernel}, {curve.dtype}, {curve.experts} experts of {curve.k} x {curve.n}",

@@ -151,8 +151,24 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
     sharing = places.count(place)
     lacking = sharing > 1 and (profile.shared_by != sharing or profile.shared_fused is None
                                or profile.shared_fused.sharing != sharing)
-    if not any(group.allgather(lacking, what=SHARED_WHAT)):
-        return profile
+    untimed_sync = (backend == "device" and sharing == group.size > 1
+                    and (profile.sync is None or profile.sync.sharing != sharing))
+    needs = group.allgather((lacking, untimed_sync), what=SHARED_WHAT)
+    if any(lack for lack, _ in needs):
+        profile = shared_rates(group, backend, profile, places, timeout_s)
+    if any(untimed for _, untimed in needs):
+        profile = dataclasses.replace(profile, sync=timed_sync(group, profile, sharing, timeout_s))
+    if sharing > 1 and group.local_rank == 0 and any(lack or untimed for lack, untimed in needs):
+        cache_profile(profile, profile_path(profile.device, profile.sm_share), stderr_progress)
+    return profile
+
+
+def shared_rates(group: EPGroup, backend: str, profile: MachineProfile, places: list,
+                 timeout_s: float) -> MachineProfile:
+    """Collective: :func:`measure_shared`'s copy rate and fused tasks of the ranks at this
+    rank's place (``places``: every rank's)."""
+    place = (group.hostname, group.device)
+    sharing = places.count(place)
     error, probe, copy = None, None, None
     try:
         probe = make_probe(backend, group.device, sharing)
@@ -181,10 +197,39 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
                   for task in gathered[0]["starts"]}
         stderr_progress(f"  {sharing} processes at once: their runs' starts apart (median round), us: "
                         + ", ".join(f"{task} {us:.1f}" for task, us in spread.items()))
-    profile = dataclasses.replace(profile, shared_copy_bytes_per_s=best, shared_by=sharing, shared_fused=shared_fused)
-    if sharing > 1 and group.local_rank == 0:
-        cache_profile(profile, profile_path(profile.device, profile.sm_share), stderr_progress)
-    return profile
+    return dataclasses.replace(profile, shared_copy_bytes_per_s=best, shared_by=sharing, shared_fused=shared_fused)
+
+
+def timed_sync(group: EPGroup, profile: MachineProfile, sharing: int, timeout_s: float):
+    """Collective, every rank on one GPU: rank 0's weight sync times
+    (:func:`~ultraep.tune.sync_timing.profile_sync_times`) as the profile keeps them, None where
+    a sync could not be captured in a CUDA graph (the model then estimates its rates); a rank's
+    failure is raised on every rank."""
+    from ultraep.bench.timing import array_backend
+    from ultraep.tune.model import SYNC_MIN_BLOCKS, SYNC_STORE_WEIGHT, sync_rates
+    from ultraep.tune.profile import SyncTimes
+    from ultraep.tune.sync_timing import profile_sync_times
+
+    what = "machine profile: the weight sync timed by rank 0"
+    error, timed = None, None
+    try:
+        _, xp, synchronize, _ = array_backend(group, "device")
+        timed = profile_sync_times(group, xp, synchronize, profile.usable_sms * SYNC_MIN_BLOCKS)
+    except CollectiveError:
+        raise
+    except Exception as exc:
+        error = probe_failure(group, exc, sharing)
+    group.raise_if_any(error, what, timeout_s=timeout_s)
+    expert_bytes, fanout, times = timed
+    if times is None:
+        return None
+    sync = SyncTimes(sharing=sharing, fanout=fanout, expert_bytes=expert_bytes, times_s=times)
+    if group.local_rank == 0:
+        rates = sync_rates(dataclasses.replace(profile, sync=sync))
+        stderr_progress(f"{sync.line()}: a piece's latency {rates.piece_s * 1e6:.2f} us, an SM "
+                        f"{rates.sm_bytes_per_s / 1e9:.1f} GB/s loaded + stored, the path "
+                        f"{rates.path_bytes_per_s / 1e9:.0f} GB/s (a store {SYNC_STORE_WEIGHT:g} loads)")
+    return sync
 
 
 def probe_failure(group: EPGroup, exc: Exception, sharing: int) -> str:

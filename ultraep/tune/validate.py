@@ -171,16 +171,13 @@ def weight_sync_problems(args, ranks: int) -> tuple:
     single-expert plan and :class:`~ultraep.tune.model.SyncProblem`: what the sweep times and
     what ``--replay`` predicts again. SystemExit for a sweep that cannot be run."""
     from ultraep.bench.weight_sync import single_expert_plan
-    from ultraep.planner import ExpertLayout
-    from ultraep.transfer import ExpertSpec
     from ultraep.tune.model import SyncProblem
+    from ultraep.tune.sync_timing import one_expert
 
     if (error := sweep_error(args, ranks)) is not None:  # a stored sweep's command line, replayed
         raise SystemExit(error)
     fanouts = args.fanouts or [ranks - 1]
-    spec = ExpertSpec([("fc1", (2 * args.ffn, args.hidden), "bfloat16"), ("fc2", (args.hidden, args.ffn), "bfloat16")],
-                      grad_dtype="bfloat16")
-    layout = ExpertLayout(ranks, ranks, 1, max_instances=min(ranks, 16))
+    spec, layout = one_expert(args.hidden, args.ffn, ranks)
     problems = []
     for fanout in fanouts:
         plan = single_expert_plan(layout, fanout)
@@ -194,38 +191,21 @@ def weight_sync_problems(args, ranks: int) -> tuple:
 def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) -> tuple[list[dict], dict]:
     import dataclasses
 
-    from ultraep.bench.timing import graph_ms, group_window_ms
-    from ultraep.runtime import open_heap
-    from ultraep.transfer import WeightTransfer
     from ultraep.tune.model import SYNC_MIN_BLOCKS, weight_sync_s
+    from ultraep.tune.sync_timing import SyncTimer
 
-    R = group.size
-    spec, layout, problems = weight_sync_problems(args, R)
+    spec, layout, problems = weight_sync_problems(args, group.size)
     rows = []
-    with open_heap(group, 2 * (spec.weight_slot_bytes + spec.grad_slot_bytes), backend=backend) as heap, \
-            WeightTransfer(heap, layout, spec, relay_threshold=R) as engine:
-        rng = np.random.default_rng(args.seed + group.rank)
-        weights = [[xp.asarray(rng.standard_normal(t.shape, dtype=np.float32)).astype(t.dtype) for t in spec.weights]]
-        grads = [[xp.zeros(t.shape, t.dtype) for t in spec.grads]]
-        engine.register_layer(0, weights, grads)
-        bound = getattr(engine.impl, "max_sync_blocks", SYNC_MIN_BLOCKS * profile.sm_count)
+    with SyncTimer(group, backend, xp, synchronize, spec, layout, args.seed) as timer:
+        bound = timer.max_blocks(SYNC_MIN_BLOCKS * profile.sm_count)
         grids = spread(1, bound, args.configs)
-        # On the GPU rank 0 alone times (below the relay threshold only its tasks copy and none
-        # waits on a flag) and the others wait for it; on the host every rank times the call.
-        timing = backend != "device" or group.rank == 0
         for problem, plan, sync in problems:
-            engine.weight_sync(0, plan)  # compiles the device schedule; every rank takes part
-            engine.synchronize()
+            timer.prepare(plan)  # every rank takes part
             predicted = weight_sync_s(profile, sync, np.asarray(grids))
             failed = []  # the grids whose sync could not be captured in a CUDA graph
 
             def time_sync(blocks, plan=plan, failed=failed):
-                if backend != "device":
-                    return group_window_ms(group, lambda: engine.weight_sync(0, plan, blocks=blocks), args.repeats,
-                                           synchronize)
-                impl, entry = engine.impl, engine._layers[0]
-                ms = None if failed else graph_ms(lambda: impl.run_weight_tasks(entry, impl.tables, blocks),
-                                                  args.repeats)
+                ms = None if failed else timer.ms(plan, blocks, args.repeats)
                 if ms is None and not failed:
                     failed.append(blocks)
                 return ms
@@ -239,9 +219,9 @@ def sweep_weight_sync(group, backend, xp, synchronize, profile, args, progress) 
                 return {"sync": times}
 
             group.barrier(what="weight-sync sweep: every replica checked before rank 0 times alone")
-            measured = time_grids(grids, "sweeping")["sync"] if timing else []
+            measured = time_grids(grids, "sweeping")["sync"] if timer.timing else []
             retimed = (retime_grids(grids, {"sync": predicted}, {"sync": measured}, time_grids, args.retime_rounds)
-                       if timing and not failed and args.retime_rounds and len(set(grids)) > 1 else {})
+                       if timer.timing and not failed and args.retime_rounds and len(set(grids)) > 1 else {})
             error = f"the weight sync of grid {failed[0]} could not be captured in a CUDA graph" if failed else None
             group.raise_if_any(error, f"weight-sync sweep: rank 0 timing {len(grids)} grids",
                                timeout_s=RANK0_SWEEP_TIMEOUT_S)
