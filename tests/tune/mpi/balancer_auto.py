@@ -23,6 +23,7 @@ from ultraep.errors import CollectiveError
 from ultraep.integration import Balancer
 from ultraep.planner import ExpertLayout
 from ultraep.runtime.group import EPGroup
+from ultraep.runtime.kernels import sources_digest
 from ultraep.transfer import ExpertSpec
 from ultraep.tune import (ComputeCurve, FusedCosts, MachineProfile, min_replica_tokens_for, profile_path, read_profile,
                           write_profile)
@@ -38,7 +39,8 @@ ELEMENTS = 2 * 64 * 32
 
 def synthetic_profile(rank: int) -> MachineProfile:
     """This rank's device, a roofline compute (flat to 32 rows), a peer bandwidth of its own."""
-    name, sms = make_probe(backend, group.device).describe()
+    probe = make_probe(backend, group.device)
+    name, sms = probe.describe()
     rows = (8, 32, 128, 512)
     curve = ComputeCurve(kernel="synthetic", dtype="float32", experts=1, k=64, n=32, rows_per_expert=rows,
                          seconds=tuple(1e-7 * max(32, m) for m in rows))
@@ -47,7 +49,8 @@ def synthetic_profile(rank: int) -> MachineProfile:
                           copy_method="synthetic", peer_bytes_per_s=peer, peer_method="synthetic", launch_s=1e-6,
                           compute=curve, kernel_s=1e-6, copy_warp_bytes_per_s=peer, flag_s=1e-6,
                           fused=FusedCosts(grids=(1,), sharing=1, up_k=(64,), down_k=(32,), up=((1e-6,),),
-                                           up_act=((1e-6,),), relay=((1e-6,),), down=((1e-6,),)))
+                                           up_act=((1e-6,),), relay=((1e-6,),), down=((1e-6,),)),
+                          kernels=sources_digest(probe.kernel_sources))  # else the cache measures it again
 
 
 def balancer(min_replica_tokens):
