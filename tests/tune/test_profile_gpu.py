@@ -73,32 +73,30 @@ def test_threshold_sits_between_decode_and_prefill(tmp_path):
     assert 128 < threshold < 4096, threshold
 
 
+def run_emulated(ranks: int, script: str, tag: str) -> None:
+    """``tests/tune/mpi/<script>`` on ``ranks`` ranks of this GPU under a private MPS daemon,
+    100 / ranks % of the SMs each; every rank must say ``[tag] rank N OK``."""
+    from ultraep.errors import MPSUnavailable
+    from ultraep.runtime.mps import start_emulation
+
+    percent = 100 // ranks
+    try:
+        daemon = start_emulation(ranks, percent)
+    except MPSUnavailable as exc:
+        pytest.skip(f"no MPS daemon: {exc}")
+    with daemon:
+        out = run_ranks(ranks, f"tune/mpi/{script}", timeout=600, env=daemon.client_environment(percent))
+    print(out)
+    assert_all_ranks_ok(out, ranks, tag)
+
+
 @pytest.mark.mpi
 def test_sharers_kernel_a_runs_start_together_on_a_device_barrier():
     """Two ranks of one GPU under MPS (time-sliced ranks would take turns, never start together)."""
-    from ultraep.errors import MPSUnavailable
-    from ultraep.runtime.mps import start_emulation
-
-    try:
-        daemon = start_emulation(2, 50)
-    except MPSUnavailable as exc:
-        pytest.skip(f"no MPS daemon: {exc}")
-    with daemon:
-        out = run_ranks(2, "tune/mpi/shared_probe_check.py", timeout=600, env=daemon.client_environment(50))
-    print(out)
-    assert_all_ranks_ok(out, 2, "shared-probe")
+    run_emulated(2, "shared_probe_check.py", "shared-probe")
 
 
+@pytest.mark.mpi
 def test_the_weight_sync_timed_by_rank_0_gives_rates_the_model_meets():
     """Four ranks of one GPU under MPS at 25 % each (tests/tune/mpi/sync_rates_check.py)."""
-    from ultraep.errors import MPSUnavailable
-    from ultraep.runtime.mps import start_emulation
-
-    try:
-        daemon = start_emulation(4, 25)
-    except MPSUnavailable as exc:
-        pytest.skip(f"no MPS daemon: {exc}")
-    with daemon:
-        out = run_ranks(4, "tune/mpi/sync_rates_check.py", timeout=600, env=daemon.client_environment(25))
-    print(out)
-    assert_all_ranks_ok(out, 4, "sync-rates")
+    run_emulated(4, "sync_rates_check.py", "sync-rates")
