@@ -123,7 +123,7 @@ def one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 
 # Command-line tools inside a runtime package: they measure the layers below, as the benchmarks do.
-TOOLS = {"ultraep.tune.__main__": "bench", "ultraep.tune.validate": "bench"}
+TOOLS = {"ultraep.tune.__main__": "bench", "ultraep.tune.validate": "bench", "ultraep.tune.sync_timing": "bench"}
 
 
 def layer_of(module: str) -> str:

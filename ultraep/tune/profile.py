@@ -47,8 +47,9 @@ What is measured (``host.py`` / ``device.py`` hold the probes):
   layer's kernel A does; the down tile runs start as their hosts leave a barrier,
   milliseconds apart, and overlap in part: the model takes the up tiles' contention for
   them, ``model.py``);
-* ``sync``: the weight sync kernel itself (:class:`SyncTimes`), where ranks share one GPU
-  (:func:`~ultraep.tune.replicas.group_profile`, as ``shared_copy_bytes_per_s``): rank 0 times
+* ``sync``: the weight sync kernel itself (:class:`SyncTimes`), where ranks share one GPU and the
+  measuring tool hands in the timing (``tune validate``; the sync is the data plane's, above this
+  layer: :func:`~ultraep.tune.replicas.group_profile`'s ``sync_times``): rank 0 times
   ``raw_kernels/transfer.cu``'s sync of one expert alone at fan-out 1 on one block, at its
   widest fan-out on one block and on every resident block; the model solves its three rates
   from those times (version 12; before, it estimated them from the copy probes with fractions

@@ -101,13 +101,15 @@ def expert_weight_elements(spec: ExpertSpec) -> int:
 
 
 def group_profile(group: EPGroup, backend: str, *, what: str, timeout_s: float = PROFILE_TIMEOUT_S,
-                  then: Callable[[MachineProfile], Any] = lambda profile: profile, shared: bool = False) -> list:
+                  then: Callable[[MachineProfile], Any] = lambda profile: profile, shared: bool = False,
+                  sync_times: Callable[[int], tuple] | None = None) -> list:
     """Collective: every rank's ``then(profile)`` for its machine's profile (of ``backend``,
     ``"host"`` or ``"device"``), in rank order. The first rank of each host loads or
     measures the profile before the host's other ranks look, so a machine is measured once
     (they then find it in the cache) and no two ranks measure one GPU at once; with
     ``shared``, where ranks share a GPU, the profile then gets their copy rate and fused
-    tasks' times together (:func:`measure_shared`). An error on any rank is raised on every rank, naming ``what``
+    tasks' times together (:func:`measure_shared`, which times the weight sync through
+    ``sync_times`` where given). An error on any rank is raised on every rank, naming ``what``
     needed the profile."""
     error, profile = None, None
     for turn in (0, 1):
@@ -121,7 +123,7 @@ def group_profile(group: EPGroup, backend: str, *, what: str, timeout_s: float =
             group.barrier(timeout_s, what=f"{what} (the first rank of each host measures the machine profile)")
     group.raise_if_any(error, f"{what} (machine profile)", timeout_s=timeout_s)
     if shared:
-        profile = measure_shared(group, backend, profile, timeout_s=timeout_s)
+        profile = measure_shared(group, backend, profile, timeout_s=timeout_s, sync_times=sync_times)
     value = None
     try:
         value = then(profile)
@@ -131,8 +133,8 @@ def group_profile(group: EPGroup, backend: str, *, what: str, timeout_s: float =
     return group.allgather(value, what=what)
 
 
-def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
-                   timeout_s: float = PROFILE_TIMEOUT_S) -> MachineProfile:
+def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *, timeout_s: float = PROFILE_TIMEOUT_S,
+                   sync_times: Callable[[int], tuple] | None = None) -> MachineProfile:
     """Collective: ``profile`` with what all ranks sharing this rank's GPU reach together,
     measured now where any rank's profile lacks it for their count and written to the cache
     by each host's first rank; unchanged where no GPU is shared:
@@ -145,19 +147,21 @@ def measure_shared(group: EPGroup, backend: str, profile: MachineProfile, *,
       tasks also behind a device barrier of the GPU's ranks (:func:`sharers_barrier`), so
       that they start together as a layer's kernel A does; a task's time is the slowest
       rank's of that GPU, its CTAs at work the fewest of any rank in a round, the median
-      round (:func:`~ultraep.tune.profile.fused_costs`)."""
+      round (:func:`~ultraep.tune.profile.fused_costs`);
+    * ``sync``, given ``sync_times`` and every rank on one GPU: rank 0's weight sync times
+      (:func:`timed_sync`)."""
     place = (group.hostname, group.device)
     places = group.allgather(place, what=f"{SHARED_WHAT} (ranks per GPU)")
     sharing = places.count(place)
     lacking = sharing > 1 and (profile.shared_by != sharing or profile.shared_fused is None
                                or profile.shared_fused.sharing != sharing)
-    untimed_sync = (backend == "device" and sharing == group.size > 1
+    untimed_sync = (sync_times is not None and backend == "device" and sharing == group.size > 1
                     and (profile.sync is None or profile.sync.sharing != sharing))
     needs = group.allgather((lacking, untimed_sync), what=SHARED_WHAT)
     if any(lack for lack, _ in needs):
         profile = shared_rates(group, backend, profile, places, timeout_s)
     if any(untimed for _, untimed in needs):
-        profile = dataclasses.replace(profile, sync=timed_sync(group, profile, sharing, timeout_s))
+        profile = dataclasses.replace(profile, sync=timed_sync(group, profile, sharing, timeout_s, sync_times))
     if sharing > 1 and group.local_rank == 0 and any(lack or untimed for lack, untimed in needs):
         cache_profile(profile, profile_path(profile.device, profile.sm_share), stderr_progress)
     return profile
@@ -200,21 +204,20 @@ def shared_rates(group: EPGroup, backend: str, profile: MachineProfile, places: 
     return dataclasses.replace(profile, shared_copy_bytes_per_s=best, shared_by=sharing, shared_fused=shared_fused)
 
 
-def timed_sync(group: EPGroup, profile: MachineProfile, sharing: int, timeout_s: float):
-    """Collective, every rank on one GPU: rank 0's weight sync times
-    (:func:`~ultraep.tune.sync_timing.profile_sync_times`) as the profile keeps them, None where
-    a sync could not be captured in a CUDA graph (the model then estimates its rates); a rank's
-    failure is raised on every rank."""
-    from ultraep.bench.timing import array_backend
+def timed_sync(group: EPGroup, profile: MachineProfile, sharing: int, timeout_s: float,
+               sync_times: Callable[[int], tuple]):
+    """Collective, every rank on one GPU: rank 0's weight sync times as the profile keeps them,
+    from ``sync_times(grid)`` (``ultraep.tune.sync_timing.profile_sync_times``, handed in by the
+    tool that measures: the sync is the data plane's, above this layer); None where a sync could
+    not be captured in a CUDA graph (the model then estimates its rates); a rank's failure is
+    raised on every rank."""
     from ultraep.tune.model import SYNC_MIN_BLOCKS, SYNC_STORE_WEIGHT, sync_rates
     from ultraep.tune.profile import SyncTimes
-    from ultraep.tune.sync_timing import profile_sync_times
 
     what = "machine profile: the weight sync timed by rank 0"
     error, timed = None, None
     try:
-        _, xp, synchronize, _ = array_backend(group, "device")
-        timed = profile_sync_times(group, xp, synchronize, profile.usable_sms * SYNC_MIN_BLOCKS)
+        timed = sync_times(profile.usable_sms * SYNC_MIN_BLOCKS)
     except CollectiveError:
         raise
     except Exception as exc:

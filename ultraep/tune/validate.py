@@ -836,7 +836,14 @@ def run(args) -> int:
     backend, xp, synchronize, _ = array_backend(group, args.backend)
     # rank 0's profile on every rank: the swept knob values come from it, so every rank
     # sweeps the same list and posts the same collectives
-    profile = group_profile(group, backend, what="tune validate", shared=True)[0]
+    sync_times = None
+    if backend == "device":  # the profile times the weight sync where the ranks share a GPU
+        from ultraep.tune.sync_timing import profile_sync_times
+
+        def sync_times(grid):
+            return profile_sync_times(group, xp, synchronize, grid)
+
+    profile = group_profile(group, backend, what="tune validate", shared=True, sync_times=sync_times)[0]
     sweep = {"weight-sync": sweep_weight_sync, "dispatch": sweep_dispatch, "fused-forward": sweep_fused}[args.phase]
     rows, problems = sweep(group, backend, xp, synchronize, profile, args, progress)
     sharing = sharing_label(group)  # collective
