@@ -224,6 +224,7 @@ SYNC_ESTIMATE_LATENCY_ROUNDS = 1.6  # a piece's latency, in load round trips (1.
 SYNC_ESTIMATE_SM_FRACTION = 0.73    # an SM's bytes loaded + stored, of twice its share of the peer copy
 SYNC_ESTIMATE_PATH_FRACTION = 0.8   # the process's weighted bytes, of the peer copy's (a byte of each)
 CLAIM_PIECES = kernel_constant("transfer.cu", "CLAIM_PIECES")
+SYNC_PATH_UNBOUND = 1e15  # a solved path rate this high: the full grid's time was met without the path
 
 
 def sms_bound_peer_copy(profile: MachineProfile) -> bool:
@@ -356,7 +357,8 @@ def solved_sync_rates(profile: MachineProfile, expert_bytes: int, fanout: int, t
             rates = dataclasses.replace(rates, sm_bytes_per_s=_solve_rising(
                 lambda x: -time_s(dataclasses.replace(rates, sm_bytes_per_s=x), fanout, 1), -wide, 1e8, 1e14))
         rates = dataclasses.replace(rates, path_bytes_per_s=_solve_rising(
-            lambda x: -time_s(dataclasses.replace(rates, path_bytes_per_s=x), fanout, grid), -full, 1e9, 1e16))
+            lambda x: -time_s(dataclasses.replace(rates, path_bytes_per_s=x), fanout, grid), -full, 1e9,
+            10 * SYNC_PATH_UNBOUND))
         if all(abs(a / b - 1.0) < 1e-9 for a, b in zip(dataclasses.astuple(rates), dataclasses.astuple(before))):
             break
     return rates

@@ -211,7 +211,7 @@ def timed_sync(group: EPGroup, profile: MachineProfile, sharing: int, timeout_s:
     tool that measures: the sync is the data plane's, above this layer); None where a sync could
     not be captured in a CUDA graph (the model then estimates its rates); a rank's failure is
     raised on every rank."""
-    from ultraep.tune.model import SYNC_MIN_BLOCKS, SYNC_STORE_WEIGHT, sync_rates
+    from ultraep.tune.model import SYNC_MIN_BLOCKS, SYNC_PATH_UNBOUND, SYNC_STORE_WEIGHT, sync_rates
     from ultraep.tune.profile import SyncTimes
 
     what = "machine profile: the weight sync timed by rank 0"
@@ -229,9 +229,11 @@ def timed_sync(group: EPGroup, profile: MachineProfile, sharing: int, timeout_s:
     sync = SyncTimes(sharing=sharing, fanout=fanout, expert_bytes=expert_bytes, times_s=times)
     if group.local_rank == 0:
         rates = sync_rates(dataclasses.replace(profile, sync=sync))
+        path = (f"the path {rates.path_bytes_per_s / 1e9:.0f} GB/s (a store {SYNC_STORE_WEIGHT:g} loads)"
+                if rates.path_bytes_per_s < SYNC_PATH_UNBOUND else "the path not binding (the full grid's time is "
+                "met or beaten without it)")
         stderr_progress(f"{sync.line()}: a piece's latency {rates.piece_s * 1e6:.2f} us, an SM "
-                        f"{rates.sm_bytes_per_s / 1e9:.1f} GB/s loaded + stored, the path "
-                        f"{rates.path_bytes_per_s / 1e9:.0f} GB/s (a store {SYNC_STORE_WEIGHT:g} loads)")
+                        f"{rates.sm_bytes_per_s / 1e9:.1f} GB/s loaded + stored, {path}")
     return sync
 
 
