@@ -270,7 +270,7 @@ def estimated_sync_rates(profile: MachineProfile) -> SyncRates:
 @functools.lru_cache(maxsize=16)
 def sync_rates(profile: MachineProfile) -> SyncRates:
     """The weight sync's rates: solved from the times the profile took (``profile.sync``) where
-    it took them, else :func:`estimated_sync_rates` (memoised: a solve takes ~0.1 s)."""
+    it took them, else :func:`estimated_sync_rates` (memoised: a solve takes ~0.05 s)."""
     if profile.sync is None:
         return estimated_sync_rates(profile)
     timed = profile.sync
