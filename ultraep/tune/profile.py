@@ -500,8 +500,8 @@ class MachineProfile:
                  "  copy blocks          -              (not measured: no copy kernels, or a profile before version "
                  f"{DISPATCH_BLOCKS_SINCE})",
                  self.sync.line() if self.sync is not None else
-                 "  weight sync          -              (not timed: one process per GPU, or a profile before version "
-                 f"{SYNC_SINCE}; the model estimates it from the copies)",
+                 "  weight sync          -              (not timed: tune validate times it where ranks share a GPU; "
+                 f"none before version {SYNC_SINCE}; the model estimates it from the copies)",
                  *self.fused.table(machine),
                  *(self.shared_fused.table(machine) if self.shared_fused is not None else ()),
                  f"  expert compute: {curve.kernel}, {curve.dtype}, {curve.experts} experts of {curve.k} x {curve.n}",
