@@ -304,19 +304,20 @@ def _sync_warps_s(costs: SyncRates, sms: int, pieces: int, blocks, mean_fanout: 
     return pieces / rate + 0.5 * CLAIM_PIECES * piece(np.ceil(blocks / sms))
 
 
-def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks):
+def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks, rates: SyncRates | None = None):
     """``weight_sync``'s kernel (no barrier, schedule compiled, no per-chunk flags) on ``blocks``
     blocks: its start-up (one round trip of table reads before a block barrier), then the
     busiest sender's pieces, every master's, claimed by the grid's warps (blocks beyond those
     resident find none left); no faster than the memory moves every copying rank's bytes.
-    Relay trees and per-chunk flags are not modelled."""
+    ``rates``: the sync's rates, default :func:`sync_rates`. Relay trees and per-chunk flags
+    are not modelled."""
     blocks = np.asarray(blocks, np.float64)
     if not sync.fanouts:
         return profile.kernel_s + np.zeros_like(blocks)
     fanouts = np.asarray(sync.fanouts, np.float64)
     pieces = -(-sync.expert_bytes // PIECE_BYTES) * len(fanouts)
     at_once = np.minimum(blocks, profile.usable_sms * SYNC_MIN_BLOCKS)
-    warps_s = _sync_warps_s(sync_rates(profile), profile.usable_sms, pieces, at_once, float(fanouts.mean()))
+    warps_s = _sync_warps_s(rates or sync_rates(profile), profile.usable_sms, pieces, at_once, float(fanouts.mean()))
     copied = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0))  # a byte loaded and one stored: one copied
     return profile.kernel_s + _round_trip_s(profile) + np.maximum(warps_s, bandwidth_s(profile, copied,
                                                                                       sync.ranks_copying))
@@ -344,10 +345,7 @@ def solved_sync_rates(profile: MachineProfile, expert_bytes: int, fanout: int, t
     rates = estimated_sync_rates(untimed)
 
     def time_s(candidate: SyncRates, fan: int, blocks: int) -> float:
-        fanouts = np.array([fan], np.float64)
-        warps = _sync_warps_s(candidate, profile.usable_sms, -(-expert_bytes // PIECE_BYTES), blocks, float(fan))
-        copied = float(np.sum(expert_bytes * (1.0 + fanouts) / 2.0))
-        return float(profile.kernel_s + _round_trip_s(profile) + np.maximum(warps, bandwidth_s(untimed, copied, 1)))
+        return float(weight_sync_s(untimed, SyncProblem(expert_bytes, (fan,)), blocks, candidate))
 
     for _ in range(20):
         before = rates
