@@ -160,7 +160,7 @@ def test_weight_sync_blocks_beyond_residency_find_nothing_left():
 
 
 def test_sync_problem_from_a_plan():
-    from ultraep.bench.weight_sync import single_expert_plan
+    from ultraep.tune.sync_timing import single_expert_plan
 
     layout = ExpertLayout(4, 4, 1, max_instances=4)
     plan = single_expert_plan(layout, 3)

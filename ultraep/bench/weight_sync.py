@@ -74,24 +74,6 @@ def main(argv=None) -> int:
                            command=["-m", "ultraep.bench", "weight-sync"])
 
 
-def single_expert_plan(layout, fanout: int):
-    """Expert 0 (rank 0's master) replicated on ranks 1..fanout; every other expert alone."""
-    from ultraep.planner import Plan
-
-    R, E, K = layout.num_ranks, layout.num_experts, layout.max_instances
-    log_to_phys = np.full((E, K), -1, np.int32)
-    for e in range(E):
-        log_to_phys[e, 0] = layout.master_slot(e)
-    for i in range(1, fanout + 1):
-        log_to_phys[0, i] = layout.physical_slot(i, layout.experts_per_rank)
-    loads = np.full((R, E), 64, np.int32)
-    split = np.zeros((R, E, K), np.int64)
-    split[:, :, 0] = loads
-    split[:, 0, : fanout + 1] = loads[:, :1] // (fanout + 1)
-    split[:, 0, 0] += loads[:, 0] - split[:, 0, : fanout + 1].sum(axis=1)
-    return Plan.from_split(layout, loads, log_to_phys, split)
-
-
 class FanoutCopy:
     """``source`` (a CuPy uint8 array) to every address of ``dest_ptrs`` (ints) by
     ``fanout_copy`` (raw_kernels/bench_copy.cu): the weight-sync copy pattern without its
@@ -171,16 +153,14 @@ def run(args) -> int:
 
     from ultraep.bench.nccl import NcclBaseline
     from ultraep.bench.report import print_table, write_json
-    from ultraep.planner import ExpertLayout
     from ultraep.runtime.group import EPGroup
     from ultraep.runtime import open_heap
-    from ultraep.transfer import ExpertSpec, WeightTransfer
+    from ultraep.transfer import WeightTransfer
+    from ultraep.tune.sync_timing import one_expert, single_expert_plan
 
     group = EPGroup(MPI.COMM_WORLD)
     R = group.size
-    spec = ExpertSpec([("fc1", (2 * args.ffn, args.hidden), "bfloat16"), ("fc2", (args.hidden, args.ffn), "bfloat16")],
-                      grad_dtype=args.grad_dtype)
-    layout = ExpertLayout(R, R, 1, max_instances=min(R, 16))
+    spec, layout = one_expert(args.hidden, args.ffn, R, args.grad_dtype)
     expert_bytes = sum(t.nbytes for t in spec.weights)
     grad_bytes = sum(g.nbytes for g in spec.grads)
     rows = []

@@ -75,14 +75,33 @@ class SyncTimer:
         self.close()
 
 
-def one_expert(hidden: int, ffn: int, ranks: int):
-    """A BF16 SwiGLU expert of ``hidden`` x ``ffn`` and a layout of one expert per rank."""
+def one_expert(hidden: int, ffn: int, ranks: int, grad_dtype: str = "bfloat16"):
+    """A BF16 SwiGLU expert of ``hidden`` x ``ffn`` (``grad_dtype`` gradients) and a layout
+    of one expert per rank, as the weight-sync sweeps and ``bench weight-sync`` sync."""
     from ultraep.planner import ExpertLayout
     from ultraep.transfer import ExpertSpec
 
     spec = ExpertSpec([("fc1", (2 * ffn, hidden), "bfloat16"), ("fc2", (hidden, ffn), "bfloat16")],
-                      grad_dtype="bfloat16")
+                      grad_dtype=grad_dtype)
     return spec, ExpertLayout(ranks, ranks, 1, max_instances=min(ranks, 16))
+
+
+def single_expert_plan(layout, fanout: int):
+    """Expert 0 (rank 0's master) replicated on ranks 1..fanout; every other expert alone."""
+    from ultraep.planner import Plan
+
+    R, E, K = layout.num_ranks, layout.num_experts, layout.max_instances
+    log_to_phys = np.full((E, K), -1, np.int32)
+    for e in range(E):
+        log_to_phys[e, 0] = layout.master_slot(e)
+    for i in range(1, fanout + 1):
+        log_to_phys[0, i] = layout.physical_slot(i, layout.experts_per_rank)
+    loads = np.full((R, E), 64, np.int32)
+    split = np.zeros((R, E, K), np.int64)
+    split[:, :, 0] = loads
+    split[:, 0, : fanout + 1] = loads[:, :1] // (fanout + 1)
+    split[:, 0, 0] += loads[:, 0] - split[:, 0, : fanout + 1].sum(axis=1)
+    return Plan.from_split(layout, loads, log_to_phys, split)
 
 
 def profile_sync_times(group, xp, synchronize, grid: int) -> tuple[int, int, tuple[float, float, float] | None]:
@@ -90,8 +109,6 @@ def profile_sync_times(group, xp, synchronize, grid: int) -> tuple[int, int, tup
     on ranks 1..F (F the widest fan-out, up to 7) at fan-out 1 on one block, at F on one block
     and at F on ``grid`` blocks, in seconds; (expert bytes, F, times), times None where a sync
     could not be captured."""
-    from ultraep.bench.weight_sync import single_expert_plan
-
     spec, layout = one_expert(*PROFILE_SYNC_SHAPE, group.size)
     fanout = min(group.size - 1, 7)
     times = []

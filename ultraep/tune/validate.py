@@ -170,9 +170,8 @@ def weight_sync_problems(args, ranks: int) -> tuple:
     """The weight-sync sweep's expert (``ExpertSpec``), layout, and per fan-out its label,
     single-expert plan and :class:`~ultraep.tune.model.SyncProblem`: what the sweep times and
     what ``--replay`` predicts again. SystemExit for a sweep that cannot be run."""
-    from ultraep.bench.weight_sync import single_expert_plan
     from ultraep.tune.model import SyncProblem
-    from ultraep.tune.sync_timing import one_expert
+    from ultraep.tune.sync_timing import one_expert, single_expert_plan
 
     if (error := sweep_error(args, ranks)) is not None:  # a stored sweep's command line, replayed
         raise SystemExit(error)
