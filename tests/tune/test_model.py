@@ -56,8 +56,9 @@ TIMED_SYNC = model.sync_rates(TIMED_SHARE)
 
 
 def _pieces_s(profile, sync, blocks):
-    """The warps' part of a sync: less the kernel, the start-up round trip."""
-    return weight_sync_s(profile, sync, blocks) - profile.kernel_s - _round_trip_s(profile)
+    """The warps' part of a sync: less the kernel and its round trips outside the pieces."""
+    serial_s = model.SYNC_SERIAL_ROUND_TRIPS * _round_trip_s(profile)
+    return weight_sync_s(profile, sync, blocks) - profile.kernel_s - serial_s
 
 
 def test_weight_sync_one_block_waits_on_its_latency_then_on_its_sm():

@@ -225,6 +225,10 @@ SYNC_ESTIMATE_SM_FRACTION = 0.73    # an SM's bytes loaded + stored, of twice it
 SYNC_ESTIMATE_PATH_FRACTION = 0.8   # the process's weighted bytes, of the peer copy's (a byte of each)
 CLAIM_PIECES = kernel_constant("transfer.cu", "CLAIM_PIECES")
 SYNC_PATH_UNBOUND = 1e15  # a solved path rate this high: the full grid's time was met without the path
+# The kernel's dependent round trips outside its pieces: at start-up a warp's claim, then the
+# task row of the piece it names (the other tables' reads go beside the claim); at the end the
+# block's fence draining its last stores, its count's atomic, the last block's reset of the counters.
+SYNC_SERIAL_ROUND_TRIPS = 5
 
 
 def sms_bound_peer_copy(profile: MachineProfile) -> bool:
@@ -306,8 +310,8 @@ def _sync_warps_s(costs: SyncRates, sms: int, pieces: int, blocks, mean_fanout: 
 
 def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks, rates: SyncRates | None = None):
     """``weight_sync``'s kernel (no barrier, schedule compiled, no per-chunk flags) on ``blocks``
-    blocks: its start-up (one round trip of table reads before a block barrier), then the
-    busiest sender's pieces, every master's, claimed by the grid's warps (blocks beyond those
+    blocks: its start-up and end (SYNC_SERIAL_ROUND_TRIPS round trips), then the busiest
+    sender's pieces, every master's, claimed by the grid's warps (blocks beyond those
     resident find none left); no faster than the memory moves every copying rank's bytes.
     ``rates``: the sync's rates, default :func:`sync_rates`. Relay trees and per-chunk flags
     are not modelled."""
@@ -319,8 +323,8 @@ def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks, rates: Syn
     at_once = np.minimum(blocks, profile.usable_sms * SYNC_MIN_BLOCKS)
     warps_s = _sync_warps_s(rates or sync_rates(profile), profile.usable_sms, pieces, at_once, float(fanouts.mean()))
     copied = float(np.sum(sync.expert_bytes * (1.0 + fanouts) / 2.0))  # a byte loaded and one stored: one copied
-    return profile.kernel_s + _round_trip_s(profile) + np.maximum(warps_s, bandwidth_s(profile, copied,
-                                                                                      sync.ranks_copying))
+    serial_s = SYNC_SERIAL_ROUND_TRIPS * _round_trip_s(profile)
+    return profile.kernel_s + serial_s + np.maximum(warps_s, bandwidth_s(profile, copied, sync.ranks_copying))
 
 
 def _solve_rising(f, target: float, low: float, high: float) -> float:
