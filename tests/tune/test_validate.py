@@ -94,6 +94,8 @@ def test_sweep_smoke_on_the_host_backend(phase, extra, tmp_path, capfd, monkeypa
     assert "within 5 %" in out and "worst" in out
     assert "[bench tune validate]" in err and "(5/5)" in err
     data = json.loads(out_json.read_text())
+    # the command line kept is the one that ran, which a replay parses (not ultraep.bench's)
+    assert f"-m ultraep.tune validate --phase {phase} --configs 5" in data["meta"]["command"]
     problems = 1 if phase == "weight-sync" else 3  # dispatch, combine and pull; kernels A, B and the forward
     assert len(data["rows"]) == 5 * problems and data["profile"]["backend"] == "host"
     # the two ranks share the host's memory: their copy rate together was measured and cached

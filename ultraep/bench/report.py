@@ -172,14 +172,23 @@ def git_commit(root: Path = _REPO_ROOT) -> str | None:
     return head if files == 0 else f"{head} + uncommitted changes to {files} file{'s' if files > 1 else ''}"
 
 
+def run_command() -> str:
+    """The command line that ran this process: ``python -m PACKAGE ...`` where a package's
+    ``__main__`` runs (``ultraep.bench``, ``ultraep.tune``: the package's own name, as
+    ``python -m mpi4py -m`` runs it too), else the script and its arguments."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name.endswith(".__main__"):
+        return " ".join([Path(sys.executable).name, "-m", spec.name.removesuffix(".__main__")] + sys.argv[1:])
+    return " ".join(sys.argv)
+
+
 def run_metadata() -> dict:
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "device": device_name(),
         "git_commit": git_commit(),
-        "command": " ".join([Path(sys.executable).name, "-m", "ultraep.bench"] + sys.argv[1:])
-        if sys.argv and sys.argv[0].endswith("__main__.py") else " ".join(sys.argv),
+        "command": run_command(),
         "python": platform.python_version(),
         "numpy": np.__version__,
     }
