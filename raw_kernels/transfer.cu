@@ -21,9 +21,11 @@
 #define MAX_DESTS 128           // destinations of one source: replicas of an expert within a domain (host-checked)
 #define STATUS_WORDS 4          // status[]: timed out, flag slot, expected epoch, flag seen (wait_chunk_flag)
 #define GATE_SLOT (-1)          // the flag slot status[] names when a one-launch sync's copy waited for its roles
-#define GATE_WORDS 4            // agree_compile_and_sync_weights' gate[]: tickets taken, roles done, blocks done, pieces claimed
-#define CLAIM_WORDS 2           // weight_sync's claims[]: pieces claimed, blocks done
-#define CLAIM_PIECES 4          // consecutive pieces a warp claims at a time
+#define GATE_WORDS 4            // agree_compile_and_sync_weights' gate[]: tickets taken, roles done, blocks done, runs claimed
+#define CLAIM_WORDS 2           // weight_sync's claims[]: runs claimed, blocks done
+#define CLAIM_PIECES 4          // consecutive pieces a warp claims at a time while many are left
+#define HALF_RUNS_LEFT 4        // pieces left per warp of the grid where runs shrink to CLAIM_PIECES / 2
+#define SINGLE_RUNS_LEFT 2      // and where they shrink to one piece
 #define WAIT_STATUS_WORDS 6     // wait_replica_slots' status[]: timed out, layer, slot, chunk, expected epoch, flag seen
 #define WAIT_THREADS 128        // a wait_replica_slots block: one thread per chunk flag at a time
 #define SRC_CACHED 128          // source-table entries copied into shared memory at start-up (the rest are read from global)
@@ -50,6 +52,7 @@ struct SyncShared {
     i64 first_tile[MAX_TENSORS + 1];            // expert tile index where each tensor starts; [num_tensors]: tiles in all
     i64 tensor_bytes[MAX_TENSORS];
     i64 slot_offset[MAX_TENSORS];               // where each tensor starts inside a replica slot
+    unsigned long long first_runs;              // the block's first 2 * SYNC_WARPS runs start here
 };
 
 // Lane 0 waits for a relay's chunk flag (in its own signal pad) to reach this epoch, the
@@ -141,26 +144,59 @@ __device__ __forceinline__ PieceSlot advance(PieceSlot at, const PieceSlot& by, 
     return at;
 }
 
-// A warp's pieces: runs of CLAIM_PIECES consecutive grid indices, claimed in increasing order
-// from the launch's counter (`pieces_claimed`) by lane 0, which claims the run after the
-// current one as the current one starts, so that the claim's round trip hides behind its
-// copies. `at` is the last piece handed out.
-struct ClaimedPieces {
-    PieceSlot at;
-    int left;                // pieces of at's run after it
-    unsigned long long following;  // lane 0: where the next run starts
+// A warp's pieces: runs of consecutive grid indices, claimed in increasing order from the
+// launch's counter of runs (`runs_claimed`). A block's thread 0 claims its warps' first two
+// runs at start-up with one atomic (warp w's are w and SYNC_WARPS + w of them), so that the
+// grid's warps do not all queue on the counter at once; afterwards lane 0 of each warp claims
+// the run after the current one as the current one starts, so that the claim's round trip
+// hides behind its copies. Runs shrink as the grid's end nears (RunSchedule), so that the
+// last runs to start end about together: with runs of CLAIM_PIECES to the end, a grid of a
+// few runs a warp left a quarter of its warps a whole run behind. `at` is the last piece
+// handed out.
+struct RunSchedule {
+    int long_runs, half_runs;     // runs of CLAIM_PIECES, then of CLAIM_PIECES / 2, then of one piece
+    int half_begin, single_begin;  // the grid indices where those start
 };
 
-__device__ __forceinline__ PieceSlot next_claimed_piece(ClaimedPieces& c, u64* pieces_claimed, int chunk_tiles,
-                                                        int pieces_per_tile, int lane) {
+__device__ __forceinline__ RunSchedule run_schedule(int pieces) {
+    const int warps = static_cast<int>(gridDim.x) * SYNC_WARPS, half = CLAIM_PIECES / 2;
+    RunSchedule r;
+    r.long_runs = max(0, pieces - HALF_RUNS_LEFT * warps) / CLAIM_PIECES;
+    r.half_begin = r.long_runs * CLAIM_PIECES;
+    r.half_runs = max(0, pieces - SINGLE_RUNS_LEFT * warps - r.half_begin) / half;
+    r.single_begin = r.half_begin + r.half_runs * half;
+    return r;
+}
+
+#define NO_RUN (~0ull)
+struct ClaimedPieces {
+    PieceSlot at;
+    int left;                      // pieces of at's run after it
+    unsigned long long following;  // lane 0: the next run
+    unsigned long long reserved;   // lane 0: the run after it where the block claimed it, else NO_RUN
+};
+
+__device__ __forceinline__ PieceSlot next_claimed_piece(ClaimedPieces& c, const RunSchedule& r, u64* runs_claimed,
+                                                        int chunk_tiles, int pieces_per_tile, int lane) {
     if (c.left > 0) {
         --c.left;
         c.at = advance(c.at, PieceSlot{0, 0, 1}, chunk_tiles, pieces_per_tile);
         return c.at;
     }
-    const int start = static_cast<int>(__shfl_sync(FULL_MASK, c.following, 0));  // past the grid: ends the copy
-    if (lane == 0) c.following = atomicAdd(pieces_claimed, static_cast<u64>(CLAIM_PIECES));
-    c.left = CLAIM_PIECES - 1;
+    const int run = static_cast<int>(__shfl_sync(FULL_MASK, c.following, 0));
+    if (lane == 0) c.following = c.reserved != NO_RUN ? c.reserved : atomicAdd(runs_claimed, 1ull);
+    c.reserved = NO_RUN;
+    int start;  // past the grid: ends the copy
+    if (run < r.long_runs) {
+        start = run * CLAIM_PIECES;
+        c.left = CLAIM_PIECES - 1;
+    } else if (run < r.long_runs + r.half_runs) {
+        start = r.half_begin + (run - r.long_runs) * (CLAIM_PIECES / 2);
+        c.left = CLAIM_PIECES / 2 - 1;
+    } else {
+        start = r.single_begin + (run - r.long_runs - r.half_runs);
+        c.left = 0;
+    }
     c.at = piece_slot(start, chunk_tiles, pieces_per_tile);
     return c.at;
 }
@@ -200,7 +236,7 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // Persistent weight sync through registers. The work is a grid of pieces: chunk_tiles tile
 // slots per task (slot task * chunk_tiles + i is the chunk's tile i; slots past a short
 // chunk's last tile are empty), each tile cut into PIECE_BYTES pieces. Warps claim runs of
-// CLAIM_PIECES neighbouring pieces from `pieces_claimed` as they go (ClaimedPieces), so a
+// neighbouring pieces from `runs_claimed` as they go (ClaimedPieces), so a
 // block that starts late -- its SMs busy with another client's work under MPS -- takes what
 // is left rather than a fixed share, and each piece is read once into registers and stored
 // to every destination.
@@ -224,13 +260,12 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // from (the agreement's status kind; null where the compile read an agreed plan): nothing is copied.
 //
 // Start-up (each thread of the SYNC_THREADS a block must have reads one entry of each table
-// it copies): one round trip of global reads (the status, the task count, each warp's first
-// two task rows, whose indices need no count: `task_rows` is what the table holds, the
-// tensor table and the first entries of the source, destination and peer tables, copied
+// it copies): one round trip of global reads (the block's claim, the status, the task count,
+// the tensor table and the first entries of the source, destination and peer tables, copied
 // into shared memory, so that a warp switching destination ranges reads no global memory)
-// before one block barrier;
-// afterwards each warp reads the task row of its piece after next while it copies the
-// current one. The counter's zeros between launches are the caller's to restore.
+// before one block barrier, then each warp's first two task rows; afterwards each warp reads
+// the task row of its piece after next while it copies the current one. The counter's zeros
+// between launches are the caller's to restore.
 #define WEIGHT_COPY_PARAMETERS \
         const i64 *tasks, const int *task_count, int task_rows, int chunk_tiles, const i64 *tensor_table, \
         int num_tensors, i64 tile_bytes, const i64 *dests, int dest_rows, const u64 *src_ptrs, int num_src_ptrs, \
@@ -240,25 +275,21 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
         tasks, task_count, task_rows, chunk_tiles, tensor_table, num_tensors, tile_bytes, dests, dest_rows, \
         src_ptrs, num_src_ptrs, peer_bases, num_ranks, rank, weight_syncs, flag_every_chunk, done, timeout_ns, status
 template <class Tables>
-__device__ void copy_weight_pieces(u64* pieces_claimed, const u64* refused, WEIGHT_COPY_PARAMETERS) {
+__device__ void copy_weight_pieces(u64* runs_claimed, const u64* refused, WEIGHT_COPY_PARAMETERS) {
     __shared__ SyncShared s;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int pieces_per_tile = static_cast<int>((tile_bytes + PIECE_BYTES - 1) / PIECE_BYTES);
-    // the warp's first run, and the start of its second, claimed before the tables' reads
-    ClaimedPieces claimed{{0, 0, 0}, 0, 0};
-    if (lane == 0) claimed.following = atomicAdd(pieces_claimed, static_cast<u64>(CLAIM_PIECES));
+    // the block's first runs, claimed beside the tables' reads
+    ClaimedPieces claimed{{0, 0, 0}, 0, 0, NO_RUN};
+    unsigned long long first_runs = 0;
+    if (tid == 0) first_runs = atomicAdd(runs_claimed, 2ull * SYNC_WARPS);
     // Every table read is issued before any shared-memory store (a store there is not moved
     // above a later load through a generic pointer), so they all take one round trip.
     const u64 earlier_timeout = *reinterpret_cast<volatile u64*>(status);
     const u64 refusal = refused ? *reinterpret_cast<const volatile u64*>(refused) : 0;  // the agreement's verdict
     const int num_tasks = *reinterpret_cast<const volatile int*>(task_count);  // written by the schedule compiler
     const u64 epoch = *reinterpret_cast<const volatile u64*>(weight_syncs);  // which counted this sync
-    // the warp's first two pieces and their task rows (lane f holds field f), read before the
-    // task count is known: clamped to the table (a row past the count is not used)
-    PieceSlot at = next_claimed_piece(claimed, pieces_claimed, chunk_tiles, pieces_per_tile, lane);
-    PieceSlot next = next_claimed_piece(claimed, pieces_claimed, chunk_tiles, pieces_per_tile, lane);
-    int row = task_row_field<Tables>(tasks, min(at.task, task_rows - 1), lane);
-    int next_row = task_row_field<Tables>(tasks, min(next.task, task_rows - 1), lane);
+    const RunSchedule runs = run_schedule(num_tasks * chunk_tiles * pieces_per_tile);
     i64 tensor[3];
     u64 cached = 0;
     if (tid < num_tensors)
@@ -283,8 +314,17 @@ __device__ void copy_weight_pieces(u64* pieces_claimed, const u64* refused, WEIG
         s.slot_offset[tid] = tensor[2];
         if (tid == num_tensors - 1) s.first_tile[num_tensors] = tensor[0] + (tensor[1] + tile_bytes - 1) / tile_bytes;
     }
+    if (tid == 0) s.first_runs = first_runs;
     __syncthreads();
     if (earlier_timeout || refusal) return;
+    claimed.following = s.first_runs + warp;
+    claimed.reserved = s.first_runs + SYNC_WARPS + warp;
+    // the warp's first two pieces and their task rows (lane f holds field f), clamped to the
+    // table (a row past the count is not used)
+    PieceSlot at = next_claimed_piece(claimed, runs, runs_claimed, chunk_tiles, pieces_per_tile, lane);
+    PieceSlot next = next_claimed_piece(claimed, runs, runs_claimed, chunk_tiles, pieces_per_tile, lane);
+    int row = task_row_field<Tables>(tasks, min(at.task, task_rows - 1), lane);
+    int next_row = task_row_field<Tables>(tasks, min(next.task, task_rows - 1), lane);
 
     const u64 flag_value = (epoch << FLAG_WRITER_BITS) | static_cast<u64>(rank);
     unsigned char* const* dst = s.dst[warp];
@@ -296,7 +336,7 @@ __device__ void copy_weight_pieces(u64* pieces_claimed, const u64* refused, WEIG
     PieceSlot later;
     int later_row = 0;
     for (; at.task < num_tasks; at = next, next = later, row = next_row, next_row = later_row) {
-        later = next_claimed_piece(claimed, pieces_claimed, chunk_tiles, pieces_per_tile, lane);
+        later = next_claimed_piece(claimed, runs, runs_claimed, chunk_tiles, pieces_per_tile, lane);
         if (later.task < num_tasks) later_row = task_row_field<Tables>(tasks, later.task, lane);
         if (at.task != task_id) {
             task_id = at.task;
@@ -400,7 +440,7 @@ __device__ bool wait_for_roles(const u64* roles_done, u64 timeout_ns, u64* statu
 // this rank's tables (schedule.cuh), then the copy of weight_sync by every block. The
 // blocks take tickets as they start, so the agreement (ticket 0) and the compile (ticket
 // 1) run on blocks that are running while the others wait for both (no block waits for one
-// that may not be resident yet); each block then claims pieces with the others (gate[3]),
+// that may not be resident yet); each block then claims runs of pieces with the others (gate[3]),
 // and reads the tables and the verdict with loads that see this launch's stores. The last
 // block to finish zeroes gate[] for the next launch. With `agreed_before` set, agree.cu's
 // kernel has run the agreement just before on the stream (same arguments, its verdict in the
