@@ -69,7 +69,7 @@ def test_weight_sync_one_block_waits_on_its_latency_then_on_its_sm():
         pipe = SYNC_WARPS * PIECE_BYTES * (1 + fanout) / TIMED_SYNC.sm_bytes_per_s
         path = SYNC_WARPS * PIECE_BYTES * (1 + model.SYNC_STORE_WEIGHT * fanout) / TIMED_SYNC.path_bytes_per_s
         piece = (TIMED_SYNC.piece_s ** 4 + pipe ** 4 + path ** 4) ** 0.25
-        tail = 0.5 * model.CLAIM_PIECES * piece
+        tail = model.SYNC_TAIL_PIECES * piece
         assert float(_pieces_s(TIMED_SHARE, SyncProblem(EXPERT, (fanout,)), 1)) == pytest.approx(
             pieces / SYNC_WARPS * piece + tail)
     one, seven = (float(_pieces_s(TIMED_SHARE, SyncProblem(EXPERT, (f,)), 1)) for f in (1, 7))

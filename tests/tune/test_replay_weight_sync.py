@@ -1,13 +1,15 @@
-"""The weight sync's model replayed on the sweeps of today's kernel (warps claiming their
-pieces), measured on an H100 under the MPS emulation with green contexts, 2026-12-06
+"""The weight sync's model replayed on the sweeps of today's kernel (warps claiming runs of
+pieces that shrink near the grid's end, a block's first runs claimed at once), measured on an
+H100 under the MPS emulation with green contexts, 2026-12-06, at 9556e79
 (``python -m ultraep.tune validate --phase weight-sync --emulate-ep --ranks R --fanouts ...
 --json``): 2 ranks of 64 SMs (37.7 MB, fan-out 1), 4 of 32 (37.7 MB at fan-outs 3, 1, 2;
 88.1 MB, hidden 7168 and ffn 2048, at 3 and 1), 8 of 16 (37.7 MB at 7, 1, 4; 12.6 MB, hidden
 2048 and ffn 1024, at 7 and 3). Every profile (version 12) timed three syncs of a 37.7 MB
-expert, from which the model solves its rates; nothing was fitted to the sweeps. Since, the
-model counts the kernel's five dependent round trips outside its pieces where it counted one
-(model.SYNC_SERIAL_ROUND_TRIPS, read off the kernel's code after these sweeps had shown short
-calls ending later than modelled): for that change they are not held out."""
+expert, from which the model solves its rates. The sweeps are held out: the model predicted
+them as it does now (each sweep logged its predictions; the replay gives them back), and it
+was fitted to none of them. Its tail (model.SYNC_TAIL_PIECES) is the two pieces a warp holds
+claimed beyond its current one; half a piece, what the shrinking runs alone would leave,
+replays the 12.6 MB expert at fan-out 7 7.1 % off (measured calls longer than predicted)."""
 
 import json
 from pathlib import Path
@@ -22,29 +24,30 @@ SWEEPS = {name: json.loads((HERE / f"h100g_sync_{name}_20261206.json").read_text
           for name in ("2r", "4r", "4r_h7168", "8r", "8r_h2048")}
 # per sweep and problem: (mean absolute error %, the choice's % over the fastest measured)
 EXPECTED = {
-    "2r": {"fan-out 1, 37.7 MB": (1.82, 0.52)},
-    "4r": {"fan-out 3, 37.7 MB": (3.54, 4.28), "fan-out 1, 37.7 MB": (2.74, 0.0), "fan-out 2, 37.7 MB": (2.60, 0.10)},
-    "4r_h7168": {"fan-out 3, 88.1 MB": (2.00, 0.0), "fan-out 1, 88.1 MB": (3.35, 0.0)},
-    "8r": {"fan-out 7, 37.7 MB": (1.52, 0.36), "fan-out 1, 37.7 MB": (3.75, 0.0), "fan-out 4, 37.7 MB": (2.14, 0.78)},
-    "8r_h2048": {"fan-out 7, 12.6 MB": (4.45, 0.0), "fan-out 3, 12.6 MB": (3.15, 0.0)},
+    "2r": {"fan-out 1, 37.7 MB": (2.93, 1.21)},
+    "4r": {"fan-out 3, 37.7 MB": (3.62, 1.70), "fan-out 1, 37.7 MB": (2.70, 0.0), "fan-out 2, 37.7 MB": (2.37, 0.92)},
+    "4r_h7168": {"fan-out 3, 88.1 MB": (2.60, 0.0), "fan-out 1, 88.1 MB": (3.00, 0.0)},
+    "8r": {"fan-out 7, 37.7 MB": (1.74, 0.0), "fan-out 1, 37.7 MB": (4.11, 0.0), "fan-out 4, 37.7 MB": (1.92, 0.0)},
+    "8r_h2048": {"fan-out 7, 12.6 MB": (3.87, 0.01), "fan-out 3, 12.6 MB": (2.34, 0.0)},
 }
 
 
 @pytest.mark.parametrize("name", list(SWEEPS))
 def test_the_sweeps_of_claimed_pieces_replay(name):
-    """Replayed, every problem within the 5 % bar (2.83 % over all 550 grids; the 12.6 MB
-    expert at 8 ranks, whose calls last 0.04-0.1 ms, 4.45 and 3.15 %, 5.61 and 5.96 % with
-    one round trip outside the pieces); every choice within 1 % of the fastest measured but
-    4 ranks' fan-out 3 (4.3 %; 4.1 % timed again beside it: the model's curve falls 1-2 % from
-    63 to 94 blocks where the measured one falls 5 %)."""
+    """Replayed, every problem within the 5 % bar (2.84 % over all 550 grids, 4.11 % at worst:
+    8 ranks' fan-out 1, whose calls on 41-64 blocks ran 5-11 % faster than predicted), the
+    model's predictions those the sweep logged; every choice within 2 % of the fastest measured
+    (2 ranks' 1.2 %, 0.3 % timed again beside it; 4 ranks' fan-out 3, 1.7 %)."""
     sweep = SWEEPS[name]
     rows, profile = replay_rows(sweep)
     assert profile.version == 12 and profile.sync is not None and len(profile.sync.times_s) == 3
+    assert [row["predicted_ms"] for row in rows] == pytest.approx([row["predicted_ms"] for row in sweep["rows"]],
+                                                                  rel=1e-9)
     summary = summarise(rows)
     for problem, (mae, over) in EXPECTED[name].items():
         ours = summary["problems"][problem]
         assert (ours["mean_abs_error_pct"], ours["chosen_over_best_pct"]) == pytest.approx((mae, over), abs=0.01)
-    assert np.abs([row["error_pct"] for row in rows]).max() < 11.0
+    assert np.abs([row["error_pct"] for row in rows]).max() < 12.0
 
 
 def test_no_sawtooth_in_the_measurements_or_the_model():

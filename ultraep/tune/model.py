@@ -194,12 +194,12 @@ def bandwidth_s(profile: MachineProfile, copied_bytes, sharing: int):
 
 # -- weight sync ---------------------------------------------------------------------------
 #
-# weight_sync (raw_kernels/transfer.cu) is persistent: each warp claims runs of CLAIM_PIECES
-# neighbouring pieces of PIECE_BYTES from one counter as it goes, loads each piece into
-# registers and stores it to each of its replicas. A warp that runs faster takes more runs, so
-# the call lasts the pieces over the grid's rate -- every SM's warps over their piece time --
-# and a tail of half a run: no wait for the SM holding the most blocks (with a fixed share a
-# warp, a sawtooth past each multiple of the SMs). A piece costs a warp on an SM with k blocks
+# weight_sync (raw_kernels/transfer.cu) is persistent: each warp claims runs of neighbouring
+# pieces of PIECE_BYTES from one counter as it goes, loads each piece into registers and stores
+# it to each of its replicas. A warp that runs faster takes more runs, so the call lasts the
+# pieces over the grid's rate -- every SM's warps over their piece time -- and a tail
+# (SYNC_TAIL_PIECES): no wait for the SM holding the most blocks (with a fixed share a warp, a
+# sawtooth past each multiple of the SMs). A piece costs a warp on an SM with k blocks
 # its latency (the load's round trip and the piece's bookkeeping: its task, tensor, source and
 # destinations), joined (JOIN_P) with two shares, which bind as the SM's warps and the grid's
 # SMs fill:
@@ -223,9 +223,12 @@ SYNC_STORE_WEIGHT = 2.0  # fitted (1.7-2.1 on the H200's full grids; 1.5-2 on th
 SYNC_ESTIMATE_LATENCY_ROUNDS = 1.6  # a piece's latency, in load round trips (1.1 us on the H200, 1.15 on the H100)
 SYNC_ESTIMATE_SM_FRACTION = 0.73    # an SM's bytes loaded + stored, of twice its share of the peer copy
 SYNC_ESTIMATE_PATH_FRACTION = 0.8   # the process's weighted bytes, of the peer copy's (a byte of each)
-CLAIM_PIECES = kernel_constant("transfer.cu", "CLAIM_PIECES")
+# The runs shrink to one piece as the grid's end nears, but a warp holds the two pieces after
+# its current one claimed (the next, prefetched, and the one whose task row it reads ahead):
+# the last warp to claim ends about two pieces after the grid's rate would have it.
+SYNC_TAIL_PIECES = 2.0
 SYNC_PATH_UNBOUND = 1e15  # a solved path rate this high: the full grid's time was met without the path
-# The kernel's dependent round trips outside its pieces: at start-up a warp's claim, then the
+# The kernel's dependent round trips outside its pieces: at start-up the block's claim, then the
 # task row of the piece it names (the other tables' reads go beside the claim); at the end the
 # block's fence draining its last stores, its count's atomic, the last block's reset of the counters.
 SYNC_SERIAL_ROUND_TRIPS = 5
@@ -293,8 +296,8 @@ def _sync_piece_s(costs: SyncRates, blocks_on_sm, busy_sms, mean_fanout: float):
 def _sync_warps_s(costs: SyncRates, sms: int, pieces: int, blocks, mean_fanout: float):
     """The grid's warps through ``pieces`` claimed pieces: blocks go to the SMs one at a time
     (``blocks`` at work, at most those resident), so ``blocks mod sms`` SMs hold a block more
-    than the others; every SM's warps claim at their own pace, and the last run ends half a
-    run after the rest on average, on the fullest SM."""
+    than the others; every SM's warps claim at their own pace, and the last warp ends
+    SYNC_TAIL_PIECES of its pieces after the rest, on the fullest SM."""
     blocks = np.asarray(blocks, np.float64)
     busy = np.minimum(blocks, sms)
     fewer = np.floor(blocks / sms)
@@ -305,7 +308,7 @@ def _sync_warps_s(costs: SyncRates, sms: int, pieces: int, blocks, mean_fanout: 
 
     rate = np.where(blocks < sms, blocks * SYNC_WARPS / piece(1.0),
                     ((sms - more) * fewer / piece(fewer) + more * (fewer + 1) / piece(fewer + 1)) * SYNC_WARPS)
-    return pieces / rate + 0.5 * CLAIM_PIECES * piece(np.ceil(blocks / sms))
+    return pieces / rate + SYNC_TAIL_PIECES * piece(np.ceil(blocks / sms))
 
 
 def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks, rates: SyncRates | None = None):
