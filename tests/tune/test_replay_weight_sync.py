@@ -5,11 +5,12 @@ H100 under the MPS emulation with green contexts, 2026-12-06, at 9556e79
 --json``): 2 ranks of 64 SMs (37.7 MB, fan-out 1), 4 of 32 (37.7 MB at fan-outs 3, 1, 2;
 88.1 MB, hidden 7168 and ffn 2048, at 3 and 1), 8 of 16 (37.7 MB at 7, 1, 4; 12.6 MB, hidden
 2048 and ffn 1024, at 7 and 3). Every profile (version 12) timed three syncs of a 37.7 MB
-expert, from which the model solves its rates. The sweeps are held out: the model predicted
-them as it does now (each sweep logged its predictions; the replay gives them back), and it
-was fitted to none of them. Its tail (model.SYNC_TAIL_PIECES) is the two pieces a warp holds
-claimed beyond its current one; half a piece, what the shrinking runs alone would leave,
-replays the 12.6 MB expert at fan-out 7 7.1 % off (measured calls longer than predicted)."""
+expert, from which the model solves its rates. The model predicted the sweeps as it does now
+(each logged its predictions; the replay gives them back): no number changed for them. Its
+tail (model.SYNC_TAIL_PIECES), half a run of 4 before, is read now as the two pieces a warp
+holds claimed beyond its current one -- a reading settled after these sweeps showed half a
+piece, what the shrinking runs alone would leave, too short (the 12.6 MB expert at fan-out 7
+7.1 % off, its calls longer than predicted)."""
 
 import json
 from pathlib import Path
