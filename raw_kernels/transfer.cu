@@ -21,8 +21,8 @@
 #define MAX_DESTS 128           // destinations of one source: replicas of an expert within a domain (host-checked)
 #define STATUS_WORDS 4          // status[]: timed out, flag slot, expected epoch, flag seen (wait_chunk_flag)
 #define GATE_SLOT (-1)          // the flag slot status[] names when a one-launch sync's copy waited for its roles
-#define GATE_WORDS 4            // agree_compile_and_sync_weights' gate[]: tickets taken, roles done, blocks done, runs claimed
-#define CLAIM_WORDS 2           // weight_sync's claims[]: runs claimed, blocks done
+#define GATE_WORDS 4            // agree_compile_and_sync_weights' gate[]: tickets taken, roles done, warps done claiming, runs claimed
+#define CLAIM_WORDS 2           // weight_sync's claims[]: runs claimed, warps done claiming
 #define CLAIM_PIECES 4          // consecutive pieces a warp claims at a time while many are left
 #define HALF_RUNS_LEFT 4        // pieces left per warp of the grid where runs shrink to CLAIM_PIECES / 2
 #define SINGLE_RUNS_LEFT 2      // and where they shrink to one piece
@@ -152,10 +152,13 @@ __device__ __forceinline__ PieceSlot advance(PieceSlot at, const PieceSlot& by, 
 // hides behind its copies. Runs shrink as the grid's end nears (RunSchedule), so that the
 // last runs to start end about together: with runs of CLAIM_PIECES to the end, a grid of a
 // few runs a warp left a quarter of its warps a whole run behind. `at` is the last piece
-// handed out.
+// handed out. A warp's claims end with the first run past the grid: lane 0 then counts the
+// warp done claiming (ClaimWords), two pieces before the warp's copies end, so that the
+// count and the last warp's zeroing of the counters take no time at the launch's end.
 struct RunSchedule {
     int long_runs, half_runs;     // runs of CLAIM_PIECES, then of CLAIM_PIECES / 2, then of one piece
     int half_begin, single_begin;  // the grid indices where those start
+    int runs;                      // in all: a run from here on lies past the grid
 };
 
 __device__ __forceinline__ RunSchedule run_schedule(int pieces) {
@@ -165,8 +168,18 @@ __device__ __forceinline__ RunSchedule run_schedule(int pieces) {
     r.half_begin = r.long_runs * CLAIM_PIECES;
     r.half_runs = max(0, pieces - SINGLE_RUNS_LEFT * warps - r.half_begin) / half;
     r.single_begin = r.half_begin + r.half_runs * half;
+    r.runs = r.long_runs + r.half_runs + max(0, pieces - r.single_begin);
     return r;
 }
+
+// A launch's counters: the runs claimed, the warps done claiming, and the words the last of
+// them zeroes for the next launch on the stream (both among them).
+struct ClaimWords {
+    u64* runs_claimed;
+    u64* warps_done;
+    u64* words;
+    int count;
+};
 
 #define NO_RUN (~0ull)
 struct ClaimedPieces {
@@ -174,9 +187,36 @@ struct ClaimedPieces {
     int left;                      // pieces of at's run after it
     unsigned long long following;  // lane 0: the next run
     unsigned long long reserved;   // lane 0: the run after it where the block claimed it, else NO_RUN
+    unsigned long long done_ticket;  // lane 0: the warp's place among those done claiming; NO_RUN before, SETTLED after
 };
+#define SETTLED (NO_RUN - 1)
 
-__device__ __forceinline__ PieceSlot next_claimed_piece(ClaimedPieces& c, const RunSchedule& r, u64* runs_claimed,
+// Lane 0 of a warp that claims no more: the first call counts it done claiming, the next
+// (a piece later, when the count's value is back) zeroes the counters if it was the last.
+// Each warp counts only once its last claim has returned its run, and the zeroing waits for
+// the last count's value: an atomic returns once performed at L2, and none is issued ahead
+// of the branch that its value decides, so no claim lands after the zeroing.
+__device__ __forceinline__ void count_or_settle(ClaimedPieces& c, const ClaimWords& w) {
+    if (c.done_ticket == NO_RUN) {
+        c.done_ticket = atomicAdd(w.warps_done, 1ull);
+    } else if (c.done_ticket != SETTLED) {
+        if (c.done_ticket == static_cast<u64>(gridDim.x) * SYNC_WARPS - 1)
+            for (int i = 0; i < w.count; ++i) atomicExch(w.words + i, 0ull);
+        c.done_ticket = SETTLED;
+    }
+}
+
+// Lane 0, as its warp ends. A warp that gave up may have a claim in flight: the fence
+// orders it before the count.
+__device__ __forceinline__ void retire_warp(ClaimedPieces& c, const ClaimWords& w) {
+    if (c.done_ticket == NO_RUN) {
+        fence_gpu();
+        count_or_settle(c, w);
+    }
+    count_or_settle(c, w);
+}
+
+__device__ __forceinline__ PieceSlot next_claimed_piece(ClaimedPieces& c, const RunSchedule& r, const ClaimWords& w,
                                                         int chunk_tiles, int pieces_per_tile, int lane) {
     if (c.left > 0) {
         --c.left;
@@ -184,7 +224,12 @@ __device__ __forceinline__ PieceSlot next_claimed_piece(ClaimedPieces& c, const 
         return c.at;
     }
     const int run = static_cast<int>(__shfl_sync(FULL_MASK, c.following, 0));
-    if (lane == 0) c.following = c.reserved != NO_RUN ? c.reserved : atomicAdd(runs_claimed, 1ull);
+    if (lane == 0) {
+        if (run < r.runs)
+            c.following = c.reserved != NO_RUN ? c.reserved : atomicAdd(w.runs_claimed, 1ull);
+        else
+            count_or_settle(c, w);
+    }
     c.reserved = NO_RUN;
     int start;  // past the grid: ends the copy
     if (run < r.long_runs) {
@@ -264,8 +309,8 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
 // the tensor table and the first entries of the source, destination and peer tables, copied
 // into shared memory, so that a warp switching destination ranges reads no global memory)
 // before one block barrier, then each warp's first two task rows; afterwards each warp reads
-// the task row of its piece after next while it copies the current one. The counter's zeros
-// between launches are the caller's to restore.
+// the task row of its piece after next while it copies the current one. The last warp to be
+// done claiming zeroes the counters for the next launch (ClaimWords), also where it copied nothing.
 #define WEIGHT_COPY_PARAMETERS \
         const i64 *tasks, const int *task_count, int task_rows, int chunk_tiles, const i64 *tensor_table, \
         int num_tensors, i64 tile_bytes, const i64 *dests, int dest_rows, const u64 *src_ptrs, int num_src_ptrs, \
@@ -275,14 +320,14 @@ __device__ __forceinline__ const unsigned char* source_base(const SyncShared& s,
         tasks, task_count, task_rows, chunk_tiles, tensor_table, num_tensors, tile_bytes, dests, dest_rows, \
         src_ptrs, num_src_ptrs, peer_bases, num_ranks, rank, weight_syncs, flag_every_chunk, done, timeout_ns, status
 template <class Tables>
-__device__ void copy_weight_pieces(u64* runs_claimed, const u64* refused, WEIGHT_COPY_PARAMETERS) {
+__device__ void copy_weight_pieces(const ClaimWords& claim_words, const u64* refused, WEIGHT_COPY_PARAMETERS) {
     __shared__ SyncShared s;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int pieces_per_tile = static_cast<int>((tile_bytes + PIECE_BYTES - 1) / PIECE_BYTES);
     // the block's first runs, claimed beside the tables' reads
-    ClaimedPieces claimed{{0, 0, 0}, 0, 0, NO_RUN};
+    ClaimedPieces claimed{{0, 0, 0}, 0, 0, NO_RUN, NO_RUN};
     unsigned long long first_runs = 0;
-    if (tid == 0) first_runs = atomicAdd(runs_claimed, 2ull * SYNC_WARPS);
+    if (tid == 0) first_runs = atomicAdd(claim_words.runs_claimed, 2ull * SYNC_WARPS);
     // Every table read is issued before any shared-memory store (a store there is not moved
     // above a later load through a generic pointer), so they all take one round trip.
     const u64 earlier_timeout = *reinterpret_cast<volatile u64*>(status);
@@ -316,13 +361,16 @@ __device__ void copy_weight_pieces(u64* runs_claimed, const u64* refused, WEIGHT
     }
     if (tid == 0) s.first_runs = first_runs;
     __syncthreads();
-    if (earlier_timeout || refusal) return;
+    if (earlier_timeout || refusal) {
+        if (lane == 0) retire_warp(claimed, claim_words);
+        return;
+    }
     claimed.following = s.first_runs + warp;
     claimed.reserved = s.first_runs + SYNC_WARPS + warp;
     // the warp's first two pieces and their task rows (lane f holds field f), clamped to the
     // table (a row past the count is not used)
-    PieceSlot at = next_claimed_piece(claimed, runs, runs_claimed, chunk_tiles, pieces_per_tile, lane);
-    PieceSlot next = next_claimed_piece(claimed, runs, runs_claimed, chunk_tiles, pieces_per_tile, lane);
+    PieceSlot at = next_claimed_piece(claimed, runs, claim_words, chunk_tiles, pieces_per_tile, lane);
+    PieceSlot next = next_claimed_piece(claimed, runs, claim_words, chunk_tiles, pieces_per_tile, lane);
     int row = task_row_field<Tables>(tasks, min(at.task, task_rows - 1), lane);
     int next_row = task_row_field<Tables>(tasks, min(next.task, task_rows - 1), lane);
 
@@ -336,7 +384,7 @@ __device__ void copy_weight_pieces(u64* runs_claimed, const u64* refused, WEIGHT
     PieceSlot later;
     int later_row = 0;
     for (; at.task < num_tasks; at = next, next = later, row = next_row, next_row = later_row) {
-        later = next_claimed_piece(claimed, runs, runs_claimed, chunk_tiles, pieces_per_tile, lane);
+        later = next_claimed_piece(claimed, runs, claim_words, chunk_tiles, pieces_per_tile, lane);
         if (later.task < num_tasks) later_row = task_row_field<Tables>(tasks, later.task, lane);
         if (at.task != task_id) {
             task_id = at.task;
@@ -395,23 +443,15 @@ __device__ void copy_weight_pieces(u64* runs_claimed, const u64* refused, WEIGHT
             }
         }
     }
-}
-
-// Thread 0 of each block once its warps claim no more pieces: the last block of the launch
-// zeroes `words` (the counters, `blocks_done` among them) for the next launch on the stream.
-__device__ __forceinline__ void count_block_done(u64* blocks_done, u64* words, int count) {
-    __threadfence();  // the block's claims before its count
-    if (atomicAdd(blocks_done, 1ull) == gridDim.x - 1)
-        for (int i = 0; i < count; ++i) atomicExch(words + i, 0ull);
+    if (lane == 0) retire_warp(claimed, claim_words);
 }
 
 // A weight sync whose tables an earlier launch compiled (compile_weight_tasks); `claims`:
 // CLAIM_WORDS, zero between launches.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) weight_sync(WEIGHT_COPY_PARAMETERS,
                                                                                         u64* claims) {
-    copy_weight_pieces<TablesOfEarlierLaunch>(claims, nullptr, WEIGHT_COPY_ARGUMENTS);
-    __syncthreads();
-    if (threadIdx.x == 0) count_block_done(claims + 1, claims, CLAIM_WORDS);
+    copy_weight_pieces<TablesOfEarlierLaunch>(ClaimWords{claims, claims + 1, claims, CLAIM_WORDS}, nullptr,
+                                              WEIGHT_COPY_ARGUMENTS);
 }
 
 // The first two blocks to start play the roles (one block does both in a grid of one).
@@ -442,7 +482,8 @@ __device__ bool wait_for_roles(const u64* roles_done, u64 timeout_ns, u64* statu
 // 1) run on blocks that are running while the others wait for both (no block waits for one
 // that may not be resident yet); each block then claims runs of pieces with the others (gate[3]),
 // and reads the tables and the verdict with loads that see this launch's stores. The last
-// block to finish zeroes gate[] for the next launch. With `agreed_before` set, agree.cu's
+// warp to be done claiming zeroes gate[] for the next launch (a block that gave up waiting
+// for the roles counts its warps at once). With `agreed_before` set, agree.cu's
 // kernel has run the agreement just before on the stream (same arguments, its verdict in the
 // status) and ticket 0 skips it: the grid then never holds its SMs while it waits for peers
 // (where ranks share a GPU, a late peer's planner, a cluster of whole SMs, could not start
@@ -477,13 +518,17 @@ extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) agre
         roles_done = wait_for_roles(gate + 1, 2 * timeout_ns, sync_status);
     }
     __syncthreads();
-    if (roles_done)
-        copy_weight_pieces<TablesOfThisLaunch>(gate + 3, agreement_status + STATUS_KIND, tasks, counts + COUNT_WEIGHT_TASKS,
-                                               task_rows, chunk_tiles, tensor_table, num_tensors, tile_bytes, dests,
-                                               dest_rows, src_ptrs, num_src_ptrs, copy_peer_bases, num_ranks, rank,
-                                               weight_syncs, flag_every_chunk, done, timeout_ns, sync_status);
-    __syncthreads();
-    if (threadIdx.x == 0) count_block_done(gate + 2, gate, GATE_WORDS);
+    const ClaimWords claim_words{gate + 3, gate + 2, gate, GATE_WORDS};
+    if (roles_done) {
+        copy_weight_pieces<TablesOfThisLaunch>(claim_words, agreement_status + STATUS_KIND, tasks,
+                                               counts + COUNT_WEIGHT_TASKS, task_rows, chunk_tiles, tensor_table,
+                                               num_tensors, tile_bytes, dests, dest_rows, src_ptrs, num_src_ptrs,
+                                               copy_peer_bases, num_ranks, rank, weight_syncs, flag_every_chunk, done,
+                                               timeout_ns, sync_status);
+    } else if (threadIdx.x % WARP == 0) {
+        ClaimedPieces none{{0, 0, 0}, 0, 0, NO_RUN, NO_RUN};
+        retire_warp(none, claim_words);
+    }
 }
 
 // A reader's wait for its replica slots [first_slot, first_slot + gridDim.x) (block b: slot
