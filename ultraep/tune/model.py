@@ -229,9 +229,9 @@ SYNC_ESTIMATE_PATH_FRACTION = 0.8   # the process's weighted bytes, of the peer 
 SYNC_TAIL_PIECES = 2.0
 SYNC_PATH_UNBOUND = 1e15  # a solved path rate this high: the full grid's time was met without the path
 # The kernel's dependent round trips outside its pieces: at start-up the block's claim, then the
-# task row of the piece it names (the other tables' reads go beside the claim); at the end the
-# block's fence draining its last stores, its count's atomic, the last block's reset of the counters.
-SYNC_SERIAL_ROUND_TRIPS = 5
+# task row of the piece it names (the other tables' reads go beside the claim). A warp counts
+# itself done claiming two pieces before its copies end, so the counters' reset is not among them.
+SYNC_SERIAL_ROUND_TRIPS = 2
 
 
 def sms_bound_peer_copy(profile: MachineProfile) -> bool:
