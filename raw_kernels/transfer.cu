@@ -21,11 +21,12 @@
 #define MAX_DESTS 128           // destinations of one source: replicas of an expert within a domain (host-checked)
 #define STATUS_WORDS 4          // status[]: timed out, flag slot, expected epoch, flag seen (wait_chunk_flag)
 #define GATE_SLOT (-1)          // the flag slot status[] names when a one-launch sync's copy waited for its roles
-#define GATE_WORDS 4            // agree_compile_and_sync_weights' gate[]: tickets taken, roles done, warps done claiming, runs claimed
-#define CLAIM_WORDS 2           // weight_sync's claims[]: runs claimed, warps done claiming
+#define LINE_WORDS 16           // u64 words in a 128-byte line: the count of warps done claiming has one of its own
+#define GATE_WORDS (LINE_WORDS + 1)   // agree_compile_and_sync_weights' gate[]: tickets taken, roles done, runs claimed; warps done claiming at [LINE_WORDS]
+#define CLAIM_WORDS (LINE_WORDS + 1)  // weight_sync's claims[]: runs claimed; warps done claiming at [LINE_WORDS]
 #define CLAIM_PIECES 4          // consecutive pieces a warp claims at a time while many are left
-#define HALF_RUNS_LEFT 4        // pieces left per warp of the grid where runs shrink to CLAIM_PIECES / 2
-#define SINGLE_RUNS_LEFT 2      // and where they shrink to one piece
+#define HALF_RUNS_LEFT 8        // pieces left per warp of the grid below which runs shrink to CLAIM_PIECES / 2
+#define SINGLE_RUNS_LEFT 4      // and to one piece
 #define WAIT_STATUS_WORDS 6     // wait_replica_slots' status[]: timed out, layer, slot, chunk, expected epoch, flag seen
 #define WAIT_THREADS 128        // a wait_replica_slots block: one thread per chunk flag at a time
 #define SRC_CACHED 128          // source-table entries copied into shared memory at start-up (the rest are read from global)
@@ -150,11 +151,13 @@ __device__ __forceinline__ PieceSlot advance(PieceSlot at, const PieceSlot& by, 
 // grid's warps do not all queue on the counter at once; afterwards lane 0 of each warp claims
 // the run after the current one as the current one starts, so that the claim's round trip
 // hides behind its copies. Runs shrink as the grid's end nears (RunSchedule), so that the
-// last runs to start end about together: with runs of CLAIM_PIECES to the end, a grid of a
-// few runs a warp left a quarter of its warps a whole run behind. `at` is the last piece
-// handed out. A warp's claims end with the first run past the grid: lane 0 then counts the
-// warp done claiming (ClaimWords), two pieces before the warp's copies end, so that the
-// count and the last warp's zeroing of the counters take no time at the launch's end.
+// last runs to start end about together: a warp holds two runs claimed, so a run is at most
+// half a warp's share of the pieces left (at start-up too: with 4 blocks an SM a 37.7 MB
+// expert is 4.4 pieces a warp of an H100, and runs of CLAIM_PIECES there gave the first
+// blocks' warps 8). `at` is the last piece handed out. A warp's claims end with the first
+// run past the grid: lane 0 then counts the warp done claiming (ClaimWords), two pieces
+// before the warp's copies end, so that the count and the last warp's zeroing of the
+// counters take no time at the launch's end.
 struct RunSchedule {
     int long_runs, half_runs;     // runs of CLAIM_PIECES, then of CLAIM_PIECES / 2, then of one piece
     int half_begin, single_begin;  // the grid indices where those start
@@ -172,13 +175,14 @@ __device__ __forceinline__ RunSchedule run_schedule(int pieces) {
     return r;
 }
 
-// A launch's counters: the runs claimed, the warps done claiming, and the words the last of
-// them zeroes for the next launch on the stream (both among them).
+// A launch's counters, which the last warp done claiming zeroes for the next launch on the
+// stream: the runs claimed, the warps done claiming (on a line of its own, away from the
+// claims' atomics), and `other_count` more words of the launch's at `others`.
 struct ClaimWords {
     u64* runs_claimed;
     u64* warps_done;
-    u64* words;
-    int count;
+    u64* others;
+    int other_count;
 };
 
 #define NO_RUN (~0ull)
@@ -200,8 +204,11 @@ __device__ __forceinline__ void count_or_settle(ClaimedPieces& c, const ClaimWor
     if (c.done_ticket == NO_RUN) {
         c.done_ticket = atomicAdd(w.warps_done, 1ull);
     } else if (c.done_ticket != SETTLED) {
-        if (c.done_ticket == static_cast<u64>(gridDim.x) * SYNC_WARPS - 1)
-            for (int i = 0; i < w.count; ++i) atomicExch(w.words + i, 0ull);
+        if (c.done_ticket == static_cast<u64>(gridDim.x) * SYNC_WARPS - 1) {
+            atomicExch(w.runs_claimed, 0ull);
+            atomicExch(w.warps_done, 0ull);
+            for (int i = 0; i < w.other_count; ++i) atomicExch(w.others + i, 0ull);
+        }
         c.done_ticket = SETTLED;
     }
 }
@@ -450,7 +457,7 @@ __device__ void copy_weight_pieces(const ClaimWords& claim_words, const u64* ref
 // CLAIM_WORDS, zero between launches.
 extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) weight_sync(WEIGHT_COPY_PARAMETERS,
                                                                                         u64* claims) {
-    copy_weight_pieces<TablesOfEarlierLaunch>(ClaimWords{claims, claims + 1, claims, CLAIM_WORDS}, nullptr,
+    copy_weight_pieces<TablesOfEarlierLaunch>(ClaimWords{claims, claims + LINE_WORDS, nullptr, 0}, nullptr,
                                               WEIGHT_COPY_ARGUMENTS);
 }
 
@@ -480,7 +487,7 @@ __device__ bool wait_for_roles(const u64* roles_done, u64 timeout_ns, u64* statu
 // this rank's tables (schedule.cuh), then the copy of weight_sync by every block. The
 // blocks take tickets as they start, so the agreement (ticket 0) and the compile (ticket
 // 1) run on blocks that are running while the others wait for both (no block waits for one
-// that may not be resident yet); each block then claims runs of pieces with the others (gate[3]),
+// that may not be resident yet); each block then claims runs of pieces with the others (gate[2]),
 // and reads the tables and the verdict with loads that see this launch's stores. The last
 // warp to be done claiming zeroes gate[] for the next launch (a block that gave up waiting
 // for the roles counts its warps at once). With `agreed_before` set, agree.cu's
@@ -518,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(SYNC_THREADS, SYNC_MIN_BLOCKS) agre
         roles_done = wait_for_roles(gate + 1, 2 * timeout_ns, sync_status);
     }
     __syncthreads();
-    const ClaimWords claim_words{gate + 3, gate + 2, gate, GATE_WORDS};
+    const ClaimWords claim_words{gate + 2, gate + LINE_WORDS, gate, 2};
     if (roles_done) {
         copy_weight_pieces<TablesOfThisLaunch>(claim_words, agreement_status + STATUS_KIND, tasks,
                                                counts + COUNT_WEIGHT_TASKS, task_rows, chunk_tiles, tensor_table,
