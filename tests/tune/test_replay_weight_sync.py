@@ -2,14 +2,13 @@
 pieces that shrink near the grid's end, at most half a warp's share of what is left, a
 block's first runs claimed at once, a warp counted done claiming two pieces before its copies
 end), measured on an H100 under the MPS emulation with green contexts, 2026-12-06, at 280e2eb
-(``python -m ultraep.tune validate --phase
-weight-sync --emulate-ep --ranks R --fanouts ... --json``): 2 ranks of 64 SMs (37.7 MB,
-fan-out 1), 4 of 32 (37.7 MB at fan-outs 3, 1, 2; 88.1 MB, hidden 7168 and ffn 2048, at 3 and
-1), 8 of 16 (37.7 MB at 7, 1, 4; 12.6 MB, hidden 2048 and ffn 1024, at 7 and 3). Every
-profile (version 12) timed three syncs of a 37.7 MB expert, from which the model solves its
-rates. The model predicted the sweeps as it does now, its round trips outside the pieces
-(model.SYNC_SERIAL_ROUND_TRIPS) counted from the kernel's code before they were swept (each
-logged its predictions; the replay gives them back)."""
+(``python -m ultraep.tune validate --phase weight-sync --emulate-ep --ranks R --fanouts ...
+--json``): 2 ranks of 64 SMs (37.7 MB, fan-out 1), 4 of 32 (37.7 MB at fan-outs 3, 1, 2;
+88.1 MB, hidden 7168 and ffn 2048, at 3 and 1), 8 of 16 (37.7 MB at 7, 1, 4; 12.6 MB, hidden
+2048 and ffn 1024, at 7 and 3). Every profile (version 12) timed three syncs of a 37.7 MB
+expert, from which the model solves its rates. The model predicted the sweeps as it does now,
+its round trips outside the pieces (model.SYNC_SERIAL_ROUND_TRIPS) counted from the kernel's
+code before they were swept (each logged its predictions; the replay gives them back)."""
 
 import json
 from pathlib import Path

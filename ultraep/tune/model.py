@@ -313,7 +313,7 @@ def _sync_warps_s(costs: SyncRates, sms: int, pieces: int, blocks, mean_fanout: 
 
 def weight_sync_s(profile: MachineProfile, sync: SyncProblem, blocks, rates: SyncRates | None = None):
     """``weight_sync``'s kernel (no barrier, schedule compiled, no per-chunk flags) on ``blocks``
-    blocks: its start-up and end (SYNC_SERIAL_ROUND_TRIPS round trips), then the busiest
+    blocks: its start-up (SYNC_SERIAL_ROUND_TRIPS round trips), then the busiest
     sender's pieces, every master's, claimed by the grid's warps (blocks beyond those
     resident find none left); no faster than the memory moves every copying rank's bytes.
     ``rates``: the sync's rates, default :func:`sync_rates`. Relay trees and per-chunk flags
