@@ -26,7 +26,7 @@
 #define CLAIM_WORDS (LINE_WORDS + 1)  // weight_sync's claims[]: runs claimed; warps done claiming at [LINE_WORDS]
 #define CLAIM_PIECES 4          // consecutive pieces a warp claims at a time while many are left
 #define HALF_RUNS_LEFT 8        // pieces left per warp of the grid below which runs shrink to CLAIM_PIECES / 2
-#define SINGLE_RUNS_LEFT 4      // and to one piece
+#define SINGLE_RUNS_LEFT 2      // and to one piece
 #define WAIT_STATUS_WORDS 6     // wait_replica_slots' status[]: timed out, layer, slot, chunk, expected epoch, flag seen
 #define WAIT_THREADS 128        // a wait_replica_slots block: one thread per chunk flag at a time
 #define SRC_CACHED 128          // source-table entries copied into shared memory at start-up (the rest are read from global)
@@ -154,10 +154,11 @@ __device__ __forceinline__ PieceSlot advance(PieceSlot at, const PieceSlot& by, 
 // last runs to start end about together: a warp holds two runs claimed, so a run is at most
 // half a warp's share of the pieces left (at start-up too: with 4 blocks an SM a 37.7 MB
 // expert is 4.4 pieces a warp of an H100, and runs of CLAIM_PIECES there gave the first
-// blocks' warps 8). `at` is the last piece handed out. A warp's claims end with the first
-// run past the grid: lane 0 then counts the warp done claiming (ClaimWords), two pieces
-// before the warp's copies end, so that the count and the last warp's zeroing of the
-// counters take no time at the launch's end.
+// blocks' warps 8), down to two pieces a warp left; only those go one at a time, since a run
+// of one piece is a round trip on the counter for one piece's copies. `at` is the last piece
+// handed out. A warp's claims end with the first run past the grid: lane 0 then counts the
+// warp done claiming (ClaimWords), two pieces before the warp's copies end, so that the count
+// and the last warp's zeroing of the counters take no time at the launch's end.
 struct RunSchedule {
     int long_runs, half_runs;     // runs of CLAIM_PIECES, then of CLAIM_PIECES / 2, then of one piece
     int half_begin, single_begin;  // the grid indices where those start
