@@ -9,9 +9,9 @@
 //
 // Rounding, stated so the NumPy reference repeats it step by step: every operation is one
 // IEEE fp32 operation rounded to nearest (__fadd_rn, __fmul_rn, __fdiv_rn: no contraction
-// into FMA), the exponential included (swiglu.cuh's exp_rn: fp32 adds, multiplies and
-// explicit fused multiply-adds, a clamp and exponent bits, within 1.014 ulp of exp); results
-// are rounded once to bf16 (nearest even). With s = sigmoid(a):
+// into FMA), the exponential included (exp_rn, as swiglu.cuh states it: fp32 adds,
+// multiplies and explicit fused multiply-adds, a clamp and exponent bits, within 1.014 ulp
+// of exp); results are rounded once to bf16 (nearest even). With s = sigmoid(a):
 //   s      = 1 / (1 + exp_rn(-a))
 //   act    = bf16((a * s) * b)
 //   d_up   = bf16(g * (a * s))

@@ -2,9 +2,10 @@
 ``raw_kernels/swiglu.cuh`` states and ``tests/integration/test_moe_layer.py``'s EXP_ULPS
 keeps, checked on all 2.2 billion inputs from -86 to 88.75 rather than the test's sweep.
 
-Runs ``ultraep.integration.moe_layer.exp_rn`` (bit for bit the device's, which the GPU test
-checks) on every bit pattern in blocks, measures each result in ulps of FP32 at FP64's exp,
-and prints the worst input per worker, progress as it goes, and the worst overall.
+Runs ``ultraep.integration.moe_layer.exp_rn`` (bit for bit the device's ``sigmoid_exp_rn``
+from -86 to 88, which the GPU test checks) on every bit pattern in blocks, measures each
+result in ulps of FP32 at FP64's exp, and prints the worst input per worker, progress as it
+goes, and the worst overall.
 
     python scripts/exp_rn_ulps.py [--workers 2] [--block-bits 22]
     # with the package installed (or PYTHONPATH=.)
