@@ -8,7 +8,7 @@
 // compares them), and EXP_INPUT_MAX, 88.75, above which exp_rn is as there: inf. P's
 // coefficients: a near-minimax fit of (exp(r) - 1 - r) / r^2 on [-ln2/2, ln2/2] (relative
 // error 3e-9), rounded to FP32.
-constexpr float EXP_INPUT_MIN = -86.0f;            // below: 0 (exp < 2^-124; every 2^(k-1) stays normal)
+constexpr float EXP_INPUT_MIN = -86.0f;            // exp_rn below: 0 (exp < 2^-124; 2^k exp(r) stays normal)
 constexpr float EXP_LOG2E = 1.442695f;
 constexpr float EXP_ROUNDING_SHIFT = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
 constexpr float EXP_LN2_HI = 0.69314575f;          // 15 significant bits: k * EXP_LN2_HI is exact for |k| < 2^9
