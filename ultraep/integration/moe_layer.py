@@ -167,7 +167,9 @@ def exp_rn(x: np.ndarray) -> np.ndarray:
 
 def _sigmoid(a: np.ndarray) -> np.ndarray:
     """``1 / (1 + exp(-a))`` in FP32 as ``raw_kernels/swiglu.cuh``'s ``sigmoid_rn`` (exp_rn
-    never meets a subnormal that changes its result; a subnormal quotient is flushed)."""
+    never meets a subnormal that changes its result; a subnormal quotient is flushed), but
+    for a NaN ``a``: NaN here, a number there. Only swiglu and swiglu_backward use it, whose
+    every result multiplies it by ``a``, so is NaN on both."""
     return flush_subnormals(np.float32(1) / (np.float32(1) + exp_rn(-a)))
 
 
